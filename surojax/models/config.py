@@ -1,0 +1,200 @@
+"""ModelConfig: the architecture of a dense decoder, read from and written to a Hugging Face config.json.
+
+Shape legend, used in docstrings, einsum strings, weight names and `# [B, T, D]` comments everywhere:
+
+    B  batch (rows)                  T  query positions          S  key/value positions
+    D  embed (hidden size)           N  query heads              K  key/value heads
+    H  head dim                      F  MLP hidden (intermediate) E  experts
+    V  vocabulary                    L  layers (the stacked, scanned axis)
+    G  query heads per kv head (N // K)                          R  LoRA rank
+
+Only architecture lives here: remat, scan, sharding, dtype policy and LoRA are training settings and stay
+out of this object (they are applied to a built model from outside).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+class ModelConfigError(ValueError):
+    """A config.json that surojax cannot turn into a ModelConfig."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling. `rope_type` is 'default', 'linear' or 'llama3'."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
+    qk_norm: bool = False  # RMSNorm over H on q and k before rope (qwen3)
+    sliding_window: int | None = None  # each token sees at most this many keys, itself included (mistral)
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    # The HF config.json this came from, kept so that to_hf() can write back what surojax does not model.
+    hf_extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
+        if self.hidden_act not in ("silu", "swish"):
+            raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected 'silu')")
+
+    @property
+    def q_dim(self) -> int:  # N * H
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:  # K * H
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameters of the model, embeddings included (tied embeddings counted once)."""
+        D, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = D * self.q_dim + 2 * D * self.kv_dim + self.q_dim * D
+        if self.attention_bias:
+            attn += self.q_dim + 2 * self.kv_dim
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        layer = attn + 3 * D * F + 2 * D
+        return self.num_layers * layer + V * D * (1 if self.tie_word_embeddings else 2) + D
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- Hugging Face config.json --------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a parsed config.json. The family's registry entry supplies the family flags."""
+        from surojax.models.registry import family_for
+
+        family = family_for(hf.get("model_type"))
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ModelConfigError(f"config.json lacks {', '.join(missing)} (model_type {hf.get('model_type')!r})")
+        n_heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+        rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
+        rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0) if rs else 10000.0)
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ModelConfigError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
+        scaling = RopeScaling(
+            rope_type=rope_type,
+            factor=float(rs.get("factor", 1.0)) if rs else 1.0,
+            low_freq_factor=float(rs.get("low_freq_factor", 1.0)) if rs else 1.0,
+            high_freq_factor=float(rs.get("high_freq_factor", 4.0)) if rs else 4.0,
+            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)) if rs else 8192,
+        )
+        sliding = hf.get("sliding_window") if family.sliding_window else None
+        if family.sliding_window and hf.get("use_sliding_window") is False:
+            sliding = None
+        return cls(
+            model_type=family.name,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=n_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tie_default)),
+            attention_bias=bool(hf.get("attention_bias", family.attention_bias)),
+            qk_norm=family.qk_norm,
+            sliding_window=int(sliding) if sliding else None,
+            hidden_act=hf.get("hidden_act", "silu"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+            hf_extra=dict(hf),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that `transformers.AutoConfig` reads back into the same architecture."""
+        out = {k: v for k, v in self.hf_extra.items() if k not in ("architectures", "model_type")}
+        from surojax.models.registry import family_for
+
+        family = family_for(self.model_type)
+        out.update(
+            architectures=[family.hf_architecture],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            hidden_act=self.hidden_act,
+        )
+        if self.rope_scaling.rope_type != "default":
+            rs = dataclasses.asdict(self.rope_scaling)
+            out["rope_scaling"] = rs | {"type": rs["rope_type"]}
+        if family.attention_bias_key:
+            out["attention_bias"] = self.attention_bias
+        if family.sliding_window:
+            out["sliding_window"] = self.sliding_window
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        out.pop("rope_parameters", None)
+        return out
+
+
+def llama3_inv_freq(cfg: ModelConfig) -> list[float]:
+    """Inverse rotary frequencies [H/2] after scaling, computed in float64 on the host (as HF does in fp32)."""
+    H = cfg.head_dim
+    inv = [1.0 / (cfg.rope_theta ** (i / H)) for i in range(0, H, 2)]
+    rs = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        return [f / rs.factor for f in inv]
+    if rs.rope_type != "llama3":
+        return inv
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen > low_wavelen:
+            out.append(f / rs.factor)
+        elif wavelen < high_wavelen:
+            out.append(f)
+        else:
+            smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+                rs.high_freq_factor - rs.low_freq_factor)
+            out.append((1 - smooth) * f / rs.factor + smooth * f)
+    return out

@@ -1,0 +1,155 @@
+"""The dense decoder: one implementation for Llama 3.x, Qwen2/2.5, Qwen3 and Mistral.
+
+    tokens [B, T] -> embed [B, T, D] -> L x Block -> RMSNorm -> lm_head -> logits [B, T, V]
+    Block:  h += Attention(RMSNorm(h));  h += MLP(RMSNorm(h))      (pre-norm, SwiGLU, GQA, rope)
+
+Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
+embeddings). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is [L, ...]) and
+run under `jax.lax.scan`, so compile time does not grow with depth and remat / host streaming / pipeline
+stages act on one layer slice at a time. Training settings (remat policy, dtype policy, LoRA, sharding) are
+passed in or applied from outside; none of them lives in ModelConfig.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from surojax.models.config import ModelConfig
+from surojax.models.layers.attention import Attention, LayerKV
+from surojax.models.layers.mlp import MLP
+from surojax.models.layers.norm import RMSNorm
+from surojax.models.layers.params import AXES, param
+from surojax.models.layers.rope import inv_freq, rope_cos_sin
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, attention: str, param_dtype, rngs: nnx.Rngs | None = None):
+        D = cfg.hidden_size
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, backend=attention, param_dtype=param_dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
+        self.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None):
+        a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta)
+        h = h + a
+        h = h + self.mlp(self.mlp_norm(h))
+        return h, kv
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, param_dtype, rngs: nnx.Rngs):
+        self.embedding = param(rngs, (vocab, dim), ("vocab", "embed"), param_dtype)  # [V, D]
+
+
+class LMHead(nnx.Module):
+    def __init__(self, dim: int, vocab: int, *, param_dtype, rngs: nnx.Rngs):
+        self.kernel = param(rngs, (dim, vocab), ("embed", "vocab"), param_dtype)  # [D, V]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """A plain (unpaged) cache for generation. Slots are filled left to right per row.
+
+    k, v [L, B, S, K, H]; segment_ids [B, S] (0 = empty slot); positions [B, S]; lengths [B] = filled slots.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    segment_ids: jax.Array
+    positions: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> "KVCache":
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        zeros_bs = jnp.zeros((batch, max_len), jnp.int32)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), zeros_bs, zeros_bs, jnp.zeros((batch,), jnp.int32))
+
+
+def _stack_blocks(make: Callable[[jax.Array], Block], keys: jax.Array) -> Block:
+    """Build L blocks with one key each and stack every parameter on a new leading `layers` axis."""
+    stacked = nnx.vmap(make, in_axes=0, out_axes=0)(keys)
+    for _, var in nnx.iter_graph(stacked):
+        if isinstance(var, nnx.Variable) and AXES in var.get_metadata():
+            var.set_metadata(AXES, ("layers",) + tuple(var.get_metadata()[AXES]))
+    return stacked
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, attention: str = "auto",
+                 rngs: nnx.Rngs):
+        """dtype: activation/compute dtype; param_dtype: storage dtype of the weights."""
+        self.cfg = cfg
+        self.dtype = dtype
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.embed = Embedding(V, D, param_dtype=param_dtype, rngs=rngs)
+        keys = jax.random.split(rngs.params(), cfg.num_layers)
+        self.layers = _stack_blocks(
+            lambda k: Block(cfg, attention=attention, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)), keys)
+        self.final_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(D, V, param_dtype=param_dtype, rngs=rngs)
+
+    # ---- forward ----------------------------------------------------------------------------------------
+    def hidden_states(self, tokens, positions, segment_ids, *, cache: KVCache | None = None,
+                      remat: Callable | None = None):
+        """tokens/positions/segment_ids [B, T] -> (final-normed hidden [B, T, D], updated cache or None).
+
+        `remat` wraps the per-layer scan body (e.g. `functools.partial(jax.checkpoint, policy=...)`).
+        """
+        h = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, D]
+        cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype)  # [B, T, H]
+        kv_meta, layer_kv = None, None
+        if cache is not None:
+            B, T = tokens.shape
+            rows = jnp.arange(B)[:, None]
+            slots = cache.lengths[:, None] + jnp.arange(T)[None, :]  # [B, T]
+            cache = dataclasses.replace(
+                cache,
+                segment_ids=cache.segment_ids.at[rows, slots].set(segment_ids),
+                positions=cache.positions.at[rows, slots].set(positions),
+                lengths=cache.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32),
+            )
+            kv_meta = (slots, cache.segment_ids, cache.positions)
+            layer_kv = LayerKV(cache.k, cache.v)
+
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(h, xs):
+            state_l, kv_l = xs
+            block = nnx.merge(graphdef, state_l)
+            h, kv_l = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta)
+            return h, kv_l
+
+        if remat is not None:
+            body = remat(body)
+        h, new_kv = jax.lax.scan(body, h, (layer_state, layer_kv))
+        if cache is not None:
+            cache = dataclasses.replace(cache, k=new_kv.k, v=new_kv.v)
+        return self.final_norm(h), cache
+
+    def head_weight(self) -> jax.Array:
+        """The output projection as [D, V] (the transposed embedding when tied)."""
+        if self.lm_head is None:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """h [B, T, D] -> logits [B, T, V] in fp32 (accumulated in fp32 from compute-dtype operands)."""
+        w = self.head_weight().astype(h.dtype)
+        return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, positions=None, segment_ids=None, *, cache: KVCache | None = None):
+        """Logits [B, T, V] (and the cache when one is given). Defaults: one segment, positions 0..T-1."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
+        h, cache = self.hidden_states(tokens, positions, segment_ids, cache=cache)
+        logits = self.logits(h)
+        return (logits, cache) if cache is not None else logits

@@ -1,0 +1,34 @@
+"""Linear layers. Kernels are stored [in, out] (`x @ W`-ready) with their logical axes.
+
+`dot(x, w)` is the one matmul entry point: a plain array is multiplied by XLA; a quantised weight (any
+pytree with a `matmul` method, see surojax.quant) dispatches to its own kernel. LoRA, quantisation and
+offload replace or wrap these modules from outside the model code.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from surojax.models.layers.params import param
+
+
+def dot(x: jax.Array, w) -> jax.Array:
+    """x [..., I] @ w [I, O] -> [..., O] in x's dtype (fp32 accumulation)."""
+    if hasattr(w, "matmul"):
+        return w.matmul(x)
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    def __init__(self, in_features: int, out_features: int, axes: tuple[str, str], *, use_bias: bool = False,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.in_features, self.out_features = in_features, out_features
+        self.kernel = param(rngs, (in_features, out_features), axes, param_dtype)
+        self.bias = param(rngs, (out_features,), axes[1:], param_dtype, init="zeros") if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = dot(x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
