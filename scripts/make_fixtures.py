@@ -1,0 +1,468 @@
+"""Golden fixtures for Hugging Face parity: a tiny tokenizer, chat templates and tiny random models.
+
+Run with the reference environment (torch + transformers), never from the surojax venv:
+
+    /work/refenv/bin/python scripts/make_fixtures.py            # writes tests/fixtures/
+
+Everything is deterministic (fixed corpus, fixed seeds), so a re-run rewrites the same bytes as long as the
+library versions recorded in tests/fixtures/README.md are the same. What is written:
+
+    tests/fixtures/tokenizer/               byte-level BPE (~512 ids) + ChatML-style chat template, loadable by
+                                            transformers.AutoTokenizer; expected_chat.json = HF's rendering
+    tests/fixtures/chat_templates/          llama3_style.jinja (bos_token, raise_exception, tojson(indent=4))
+    tests/fixtures/models/<name>/           save_pretrained() output (fp32 safetensors) + tokenizer files +
+                                            expected.npz (eager logits of three sequences, greedy tokens)
+    tests/fixtures/models/config_keys.json  the config.json keys transformers wrote for each model
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+TOKENIZER_DIR = FIXTURES / "tokenizer"
+TEMPLATES_DIR = FIXTURES / "chat_templates"
+MODELS_DIR = FIXTURES / "models"
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+BPE_VOCAB_SIZE = 507  # + 5 special tokens appended after training = 512 ids
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Qwen2's split regex (the GPT-4 style pattern, single digits): contractions, letters, digits, punctuation, spaces.
+SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# ----------------------------------------------------------------------------------------------------------------
+# Corpus
+# ----------------------------------------------------------------------------------------------------------------
+
+PARAGRAPHS = [
+    "The quick brown fox jumps over the lazy dog. A small model can still learn the shape of a language.",
+    "You are a helpful assistant. Answer the question as well as you can, and say so when you do not know.",
+    "What is the capital of France? The capital of France is Paris, a city on the river Seine.",
+    "Please write a short poem about the sea, the wind and the light of the morning.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5\n",
+    "The weather today is sunny with a high of 21 degrees and a light wind from the west.",
+    "To call a function, reply with a JSON object that names the function and gives its arguments.",
+    "Let me think about this step by step. First, we count the apples; then we add the pears.",
+    "Tokenizers split text into pieces; a byte-level tokenizer can encode any string at all.",
+    "I'm sure they'll say it's fine, but we've seen what they'd do if you're not careful.",
+]
+SUBJECTS = ["the model", "a student", "the teacher", "my friend", "the system", "our team", "the user", "a robot"]
+VERBS = ["reads", "writes", "answers", "learns", "explains", "tests", "checks", "builds", "finds", "sees"]
+OBJECTS = ["the answer", "a question", "the code", "a story", "the data", "some numbers", "the weather",
+           "a new word", "the function", "the tools"]
+ENDINGS = [".", "!", "?", " today.", " again.", " with care.", " in the morning.", " for the test."]
+
+
+def make_corpus(n_sentences: int = 3000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = list(PARAGRAPHS) * 20
+    for _ in range(n_sentences):
+        s = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}{rng.choice(ENDINGS)}"
+        lines.append(s[0].upper() + s[1:] + (f" {rng.randint(0, 999)}" if rng.random() < 0.2 else ""))
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------------------------
+
+CHATML_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n\\nYou may call functions. Their signatures are inside <tools></tools>:\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nTo call one, reply with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- set ns.last_user = loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'system' %}
+        {%- if not loop.first %}
+            {{- raise_exception('A system message may only come first.') }}
+        {%- endif %}
+        {%- continue %}
+    {%- endif %}
+    {%- if message.role == 'user' %}
+        {{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set content = message.content if message.content is string else '' %}
+        {%- set reasoning = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\\n' }}
+        {%- if loop.index0 > ns.last_user and reasoning %}
+            {{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}
+        {%- endif %}
+        {{- content }}
+        {%- for call in message.tool_calls | default([]) %}
+            {%- set fn = call.function if call.function is defined else call %}
+            {{- '\\n<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
+            {{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+    {%- else %}
+        {{- raise_exception('Unknown role: ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+LLAMA3_STYLE_TEMPLATE = """\
+{{- bos_token }}
+{%- if messages[0].role == 'system' %}
+    {%- set system_message = messages[0].content | trim %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = '' %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if date_string is not defined %}
+    {%- if use_today is defined and use_today %}
+        {%- set date_string = strftime_now('%d %b %Y') %}
+    {%- else %}
+        {%- set date_string = '26 Jul 2024' %}
+    {%- endif %}
+{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}
+{{- 'Today Date: ' + date_string + '\\n\\n' }}
+{%- if tools is not none %}
+    {{- 'You can call these functions:\\n' }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- '\\n\\n' }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message + '<|eot_id|>' }}
+{%- for message in loop_messages %}
+    {%- if message.role not in ['user', 'assistant'] %}
+        {{- raise_exception('Only user and assistant roles are supported after the system message, got ' + message.role) }}
+    {%- endif %}
+    {%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+
+def build_tokenizer(out_dir: Path):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    tok.train_from_iterator(make_corpus(), trainer=trainer)
+    assert tok.get_vocab_size() == BPE_VOCAB_SIZE, tok.get_vocab_size()
+    # Special tokens go after the BPE ids (as in Qwen), so no code may assume they are the low ids.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    added_tokens_decoder = {
+        str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                      "special": True}
+        for t in SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added_tokens_decoder,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+        "bos_token": "<|endoftext|>",
+        # The AddedToken-dict form (older transformers save it so) next to the plain string form above.
+        "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "lstrip": False, "normalized": False,
+                      "rstrip": False, "single_word": False, "special": True},
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 4096,
+        "errors": "replace",
+        "split_special_tokens": False,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    special_map = {
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+    }
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chat cases
+# ----------------------------------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Température actuelle (°C) d'une ville — use <city> & 'country'.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "The city, e.g. Zürich"},
+                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+CHAT_CASES = [
+    {"name": "single_turn", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+     "add_generation_prompt": True},
+    {"name": "system_multi_turn", "add_generation_prompt": False, "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Write a short poem."},
+        {"role": "assistant", "content": "The sea is wide,\nthe wind is light."},
+        {"role": "user", "content": "Thanks! Another one?"},
+        {"role": "assistant", "content": "  The morning sun\nhas just begun.  "},
+    ]},
+    {"name": "multi_turn_generation_prompt", "add_generation_prompt": True, "messages": [
+        {"role": "system", "content": "  Answer briefly.\n"},
+        {"role": "user", "content": "2 + 3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 10 * 4?"},
+    ]},
+    {"name": "unicode", "add_generation_prompt": True, "messages": [
+        {"role": "user", "content": "Grüße aus Zürich! 東京は晴れ 🌞 — naïve café, Ελληνικά, emoji 👩‍💻\ttab"},
+    ]},
+    {"name": "tools", "add_generation_prompt": True, "tools": [WEATHER_TOOL], "messages": [
+        {"role": "system", "content": "You can look up the weather."},
+        {"role": "user", "content": "How warm is it in Zürich?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+        {"role": "tool", "content": "{\"temperature\": 21}"},
+    ]},
+    {"name": "thinking", "add_generation_prompt": False, "messages": [
+        {"role": "user", "content": "Is 7 prime?"},
+        {"role": "assistant", "content": "<think>\nIt has no divisors but 1 and 7.\n</think>\n\nYes, 7 is prime."},
+        {"role": "user", "content": "Is 9 prime?"},
+        {"role": "assistant", "content": "<think>\n9 = 3 * 3.\n</think>\n\nNo, 9 = 3 × 3."},
+    ]},
+    {"name": "no_thinking_prompt", "add_generation_prompt": True, "kwargs": {"enable_thinking": False},
+     "messages": [{"role": "user", "content": "Say hi."}]},
+]
+
+
+def chat_expectations(tok_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    llama_template = (TEMPLATES_DIR / "llama3_style.jinja").read_text()
+    templates = {"chatml": None, "llama3_style": llama_template}
+    cases = []
+    for case in CHAT_CASES:
+        expected = {}
+        for name, template in templates.items():
+            kw = dict(add_generation_prompt=case["add_generation_prompt"], tools=case.get("tools"),
+                      chat_template=template, **case.get("kwargs", {}))
+            try:
+                text = tok.apply_chat_template(case["messages"], tokenize=False, **kw)
+            except Exception as e:  # noqa: BLE001 - the template's own raise_exception is a recorded outcome
+                expected[name] = {"error": type(e).__name__, "message": str(e)}
+                continue
+            # transformers 5 returns a BatchEncoding for tokenize=True unless return_dict=False.
+            ids = tok.apply_chat_template(case["messages"], tokenize=True, return_dict=False, **kw)
+            assert ids == tok(text, add_special_tokens=False)["input_ids"], case["name"]
+            expected[name] = {"text": text, "ids": list(ids)}
+        cases.append({**{k: v for k, v in case.items()}, "expected": expected})
+    return {
+        "about": "tokenizer.apply_chat_template(messages, tokenize=..., add_generation_prompt=..., tools=..., "
+                 "chat_template=T, **kwargs) from transformers; T = the tokenizer's own template for 'chatml', "
+                 "chat_templates/llama3_style.jinja for 'llama3_style'. 'error' = the template raised.",
+        "templates": {"chatml": "tokenizer/tokenizer_config.json:chat_template",
+                      "llama3_style": "chat_templates/llama3_style.jinja"},
+        "special_token_ids": {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS},
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        "vocab_size": len(tok),
+        "encode_samples": [{"text": s, "ids": tok(s, add_special_tokens=False)["input_ids"]} for s in ENCODE_SAMPLES],
+        "cases": cases,
+    }
+
+
+ENCODE_SAMPLES = [
+    "Hello world!", "  leading spaces and trailing  ", "line one\nline two\r\n\n", "I'm sure they'll say it's OK.",
+    "x = 12345 + 678", "Ünïcödé: 東京 🌞 e\u0301", "<|im_start|>user\nhi<|im_end|>", "<think>hmm</think>",
+]
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              intermediate_size=128, max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-6,
+              rope_theta=10000.0, hidden_act="silu")
+MODEL_SPECS = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32})),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=6)),
+}
+SEQ_LENGTHS = (5, 9, 12)
+GREEDY_PROMPT_LEN = 7
+GREEDY_NEW_TOKENS = 32
+
+
+def fixed_sequences(vocab_size: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1234)
+    out = {f"seq{i}": rng.integers(0, vocab_size, size=n, dtype=np.int64) for i, n in enumerate(SEQ_LENGTHS)}
+    out["greedy_prompt"] = rng.integers(0, vocab_size, size=GREEDY_PROMPT_LEN, dtype=np.int64)
+    return out
+
+
+def randomize_(model, seed: int):
+    """Norm weights and biases random (transformers initialises them to ones / zeros)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def build_model(name: str, cls_name: str, extra: dict, ids: dict, vocab_size: int) -> dict:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cls_name)(**COMMON, **extra, vocab_size=vocab_size, torch_dtype="float32",
+                                          bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                                          pad_token_id=ids["<|endoftext|>"])
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    randomize_(model, seed=sum(map(ord, name)))
+    if name == "qwen2":
+        assert all(model.model.layers[0].self_attn.q_proj.bias.abs() > 0)
+    model.eval()
+
+    out_dir = MODELS_DIR / name
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for f in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_DIR / f, out_dir / f)
+
+    # Reload from disk so that the expectations come from exactly what the fixture holds.
+    model = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    seqs = fixed_sequences(vocab_size)
+    arrays = {}
+    with torch.no_grad():
+        for i in range(len(SEQ_LENGTHS)):
+            x = torch.tensor(seqs[f"seq{i}"])[None]
+            arrays[f"tokens{i}"] = seqs[f"seq{i}"]
+            arrays[f"logits{i}"] = model(x).logits[0].float().numpy()
+        prompt = torch.tensor(seqs["greedy_prompt"])[None]
+        # eos_token_id=None (and no min_new_tokens, which would mask eos logits) so exactly 32 plain argmax tokens.
+        gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                             max_new_tokens=GREEDY_NEW_TOKENS, eos_token_id=None, pad_token_id=ids["<|endoftext|>"],
+                             temperature=None, top_p=None, top_k=None)
+        greedy = gen[0, prompt.shape[1]:].numpy()
+        assert greedy.shape == (GREEDY_NEW_TOKENS,), greedy.shape
+        # The same tokens by full re-computation and argmax, without the KV cache: generate() added nothing.
+        cur = prompt
+        for _ in range(GREEDY_NEW_TOKENS):
+            nxt = model(cur).logits[0, -1].argmax()
+            cur = torch.cat([cur, nxt.view(1, 1)], dim=1)
+        assert np.array_equal(cur[0, prompt.shape[1]:].numpy(), greedy), (name, cur, greedy)
+    arrays["greedy_prompt"] = seqs["greedy_prompt"]
+    arrays["greedy_tokens"] = greedy.astype(np.int64)
+    np.savez(out_dir / "expected.npz", **arrays)
+
+    size = sum(f.stat().st_size for f in out_dir.iterdir())
+    assert size < 1_000_000, (name, size)
+    probs = torch.softmax(torch.tensor(arrays["logits2"]), -1)
+    print(f"{name}: {size / 1e3:.0f} kB, max prob mean {probs.max(-1).values.mean():.3f}, "
+          f"logit std {arrays['logits2'].std():.2f}, greedy {greedy[:8].tolist()}...", file=sys.stderr)
+    return json.loads((out_dir / "config.json").read_text())
+
+
+def check_sliding_window() -> dict:
+    """What window rule transformers' eager attention applies for mistral: returns the mask it builds."""
+    import torch
+    from transformers import MistralConfig
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    cfg = MistralConfig(**COMMON, vocab_size=16, sliding_window=3)
+    cfg._attn_implementation = "eager"
+    T = 6
+    emb = torch.zeros(1, T, 64)
+    mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=emb, attention_mask=torch.ones(1, T),
+                                             past_key_values=None, position_ids=torch.arange(T)[None])
+    allowed = (mask[0, 0] == 0).int().numpy()  # additive float mask: 0 = attend, -inf/min = masked
+    q, k = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+    assert np.array_equal(allowed, ((k <= q) & (q - k < 3)).astype(int)), allowed
+    return {"sliding_window": 3, "allowed[q, k]": allowed.tolist(), "rule": "0 <= q - k < W (W keys incl. self)"}
+
+
+def main():
+    import tokenizers
+    import torch
+    import transformers
+
+    TEMPLATES_DIR.mkdir(parents=True, exist_ok=True)
+    (TEMPLATES_DIR / "llama3_style.jinja").write_text(LLAMA3_STYLE_TEMPLATE)
+    ids = build_tokenizer(TOKENIZER_DIR)
+    expected = chat_expectations(TOKENIZER_DIR)
+    (TOKENIZER_DIR / "expected_chat.json").write_text(json.dumps(expected, indent=1, ensure_ascii=False) + "\n")
+    vocab_size = expected["vocab_size"]
+
+    MODELS_DIR.mkdir(parents=True, exist_ok=True)
+    config_keys = {name: build_model(name, cls, extra, ids, vocab_size)
+                   for name, (cls, extra) in MODEL_SPECS.items()}
+    window = check_sliding_window()
+    (MODELS_DIR / "config_keys.json").write_text(json.dumps(
+        {"transformers": transformers.__version__, "configs": config_keys, "sliding_window_mask": window},
+        indent=1) + "\n")
+    print(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__,
+                      "tokenizers": tokenizers.__version__}), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""`surojax generate --model PATH --prompt TEXT [--chat] ...`: print a completion (a plain KV cache)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HELP = "generate a completion from a model folder (checks and demos)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF model folder, surojax output folder, or a repo id in the local HF cache")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
+
+
+def stop_ids(model_dir: Path, tokenizer, cfg) -> tuple[int, ...]:
+    ids = set()
+    gen = model_dir / "generation_config.json"
+    sources = [cfg.eos_token_id, tokenizer.eos_token_id]
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, (list, tuple)):
+            ids.update(int(x) for x in s)
+    return tuple(sorted(ids))
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from surojax.data.hub import resolve_local
+    from surojax.data.tokenizer import Tokenizer
+    from surojax.serve.generate import generate
+    from surojax.weights.hf_checkpoint import load_model
+
+    if args.max_new_tokens < 1:
+        raise SystemExit("--max-new-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise SystemExit("--temperature must be >= 0 and --top-p in (0, 1]")
+    model_dir = Path(resolve_local(args.model))
+    tokenizer = Tokenizer.from_dir(model_dir)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    t0 = time.perf_counter()
+    model = load_model(model_dir, dtype=dtype)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    else:
+        ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise SystemExit("the prompt encodes to no tokens")
+    stops = () if args.ignore_eos else stop_ids(model_dir, tokenizer, model.cfg)
+    out = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop_ids=stops)[0]
+    dt = time.perf_counter() - t0
+    text = tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=True)
+    print(text)
+    if args.show_ids:
+        print(json.dumps({"prompt_ids": ids, "new_ids": out}))
+    print(f"[{len(out)} tokens in {dt:.1f}s, {model.cfg.model_type}, {args.dtype}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,77 @@
+"""Batched generation with a plain KV cache, for checks and demos (the serving engine pages its cache).
+
+    prefill(prompts)  -> cache, logits of each row's last prompt token
+    decode_one_token  -> one new token per row, appended to the cache
+    generate          -> prefill, then decode until max_new_tokens or every row has hit a stop id
+
+Prompts of different lengths are right-padded; padding has segment id 0, so it is never attended and the
+next decoded token overwrites its cache slot. Greedy results do not depend on the batch they run in.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from surojax.models.decoder import Decoder, KVCache
+from surojax.serve.sampling import sample
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill(graphdef, state, tokens, segment_ids, cache):
+    model = nnx.merge(graphdef, state)
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    logits, cache = model(tokens, positions, segment_ids, cache=cache)
+    last = jnp.sum(segment_ids > 0, axis=1) - 1  # [B]
+    return logits[jnp.arange(B), last], cache  # [B, V]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "top_p", "min_p"))
+def _decode_one_token(graphdef, state, token, cache, key, temperature, top_k, top_p, min_p):
+    model = nnx.merge(graphdef, state)
+    positions = cache.lengths[:, None]  # [B, 1]: the next position of each row
+    logits, cache = model(token[:, None], positions, jnp.ones_like(token)[:, None], cache=cache)
+    return sample(logits[:, 0], key, temperature, top_k, top_p, min_p), cache
+
+
+def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+             stop_ids: tuple[int, ...] = (), cache_dtype=None) -> list[list[int]]:
+    """New token ids for each prompt (a row stops after its first stop id, which is kept)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    B, T = len(prompts), max(len(p) for p in prompts)
+    tokens = np.zeros((B, T), np.int32)
+    segments = np.zeros((B, T), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+        segments[i, :len(p)] = 1
+    graphdef, state = nnx.split(model)
+    cache = KVCache.empty(model.cfg, B, T + max_new_tokens, cache_dtype or model.dtype)
+    logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(segments), cache)
+    key = jax.random.key(seed)
+    key, sub = jax.random.split(key)
+    token = sample(logits, sub, temperature, top_k, top_p, min_p)
+    out = [token]
+    stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
+    done = jnp.isin(token, stops)
+    for _ in range(max_new_tokens - 1):
+        if stop_ids and bool(done.all()):  # one host sync a step, only when stops are asked for
+            break
+        key, sub = jax.random.split(key)
+        token, cache = _decode_one_token(graphdef, state, token, cache, sub, temperature, top_k, top_p, min_p)
+        done = done | jnp.isin(token, stops)
+        out.append(token)
+    ids = np.asarray(jnp.stack(out, axis=1))  # [B, max_new_tokens]
+    results = []
+    for row in ids.tolist():
+        for j, t in enumerate(row):
+            if t in stop_ids:
+                row = row[:j + 1]
+                break
+        results.append(row)
+    return results

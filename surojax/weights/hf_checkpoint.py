@@ -1,0 +1,234 @@
+"""Hugging Face checkpoint folders <-> a `Decoder`.
+
+A folder holds config.json and either model.safetensors or model.safetensors.index.json + its shards.
+Loading checks everything before any weight is converted: the files exist and are whole, every tensor the
+config implies is present with the shape the config implies, and nothing unexpected is left over. The
+name mapping is the family's weight table (surojax.models.registry), data rather than code.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from surojax.models.config import ModelConfig, ModelConfigError
+from surojax.models.decoder import Decoder
+from surojax.models.registry import WeightRow, weight_rows
+from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
+
+log = logging.getLogger(__name__)
+
+# Tensors some exporters write that carry nothing the model needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LIST_LIMIT = 8
+
+
+def _listing(names) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - _LIST_LIMIT} more" if len(names) > _LIST_LIMIT else ""
+    return ", ".join(names[:_LIST_LIMIT]) + more
+
+
+def read_config(model_dir: str | os.PathLike) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise WeightsError(f"{model_dir}: no config.json (expected a Hugging Face model folder)")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+    try:
+        return ModelConfig.from_hf(hf)
+    except (ModelConfigError, ValueError) as e:
+        raise WeightsError(f"{path}: {e}") from None
+
+
+def open_checkpoint(model_dir: str | os.PathLike) -> dict[str, SafetensorsFile]:
+    """Tensor name -> the opened file that holds it (single file or sharded with an index)."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    single = d / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: not a valid safetensors index ({e})") from None
+        files = {f: SafetensorsFile(d / f) for f in sorted(set(weight_map.values()))}
+        where = {}
+        for name, fname in weight_map.items():
+            if name not in files[fname]._entries:
+                raise WeightsError(f"{d / fname}: the index lists tensor {name!r} in this file but it is not there")
+            where[name] = files[fname]
+        return where
+    if single.is_file():
+        f = SafetensorsFile(single)
+        return {name: f for name in f.names()}
+    others = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+    hint = f" (found {', '.join(others)}: convert them to safetensors first)" if others else ""
+    raise WeightsError(f"{d}: no model.safetensors or model.safetensors.index.json{hint}")
+
+
+def _expected(cfg: ModelConfig, abstract: nnx.State) -> dict[str, tuple[WeightRow, int | None, tuple]]:
+    """HF name -> (row, layer index or None, expected HF shape)."""
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(abstract)}
+    out = {}
+    for row in weight_rows(cfg):
+        shape = tuple(flat[row.path].get_value().shape)
+        if row.per_layer:
+            shape = shape[1:]
+        if row.transpose:
+            shape = shape[::-1]
+        layers = range(cfg.num_layers) if row.per_layer else [None]
+        for i in layers:
+            out[row.hf.format(i=i)] = (row, i, shape)
+    return out
+
+
+def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
+               cfg: ModelConfig | None = None) -> Decoder:
+    """Load a Hugging Face checkpoint folder (or a repo id found in the local HF cache) into a `Decoder`.
+
+    dtype: compute dtype; param_dtype: storage dtype of the weights (default: same as dtype).
+    """
+    from surojax.data.hub import resolve_local
+
+    model_dir = Path(resolve_local(str(model_dir)))
+    cfg = cfg or read_config(model_dir)
+    param_dtype = param_dtype or dtype
+    where = open_checkpoint(model_dir)
+
+    abstract_model = nnx.eval_shape(
+        lambda: Decoder(cfg, dtype=dtype, param_dtype=param_dtype, attention=attention, rngs=nnx.Rngs(0)))
+    graphdef, abstract = nnx.split(abstract_model)
+    expected = _expected(cfg, abstract)
+
+    present = {n for n in where if not n.endswith(_IGNORED_SUFFIXES)}
+    if cfg.tie_word_embeddings and "lm_head.weight" in present:
+        present.discard("lm_head.weight")  # a tied head saved anyway: the embedding is used
+        log.info("%s: ignoring lm_head.weight (tie_word_embeddings is true)", model_dir)
+    missing = [n for n in expected if n not in present]
+    unexpected = [n for n in present if n not in expected]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
+    for name, (row, i, shape) in expected.items():
+        if name in where:
+            got = where[name].shape(name)
+            if tuple(got) != shape:
+                problems.append(f"{where[name].path.name}: tensor {name} has shape {list(got)}, "
+                                f"the config implies {list(shape)}")
+            elif where[name].dtype(name) not in (np.float32, np.float16, ml_dtypes.bfloat16):
+                problems.append(f"{where[name].path.name}: tensor {name} has dtype {where[name].dtype(name)}, "
+                                f"expected a float (quantised checkpoints load through surojax.quant)")
+    if problems:
+        raise WeightsError(f"{model_dir}: the weights do not match config.json ({cfg.model_type}):\n  - "
+                           + "\n  - ".join(problems))
+
+    np_dtype = np.dtype(jnp.dtype(param_dtype))
+    by_path: dict[str, list] = {}
+    for name, (row, i, _) in expected.items():
+        arr = where[name].get(name)
+        arr = arr.T if row.transpose else arr
+        by_path.setdefault(row.path, []).append((i, arr))
+
+    state = {}
+    for path, items in by_path.items():
+        if items[0][0] is None:
+            value = np.asarray(items[0][1], dtype=np_dtype)
+        else:
+            items.sort(key=lambda t: t[0])
+            value = np.stack([np.asarray(a, dtype=np_dtype) for _, a in items])  # [L, ...]
+        state[path] = jnp.asarray(value)
+
+    def fill(path, var):
+        key = ".".join(map(str, path))
+        return var.replace(state[key]) if key in state else var
+
+    filled = nnx.map_state(fill, abstract)
+    return nnx.merge(graphdef, filled)
+
+
+def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
+    """The model's weights under their Hugging Face names, in `dtype` (default: as stored)."""
+    cfg = model.cfg
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    out = {}
+    for row in weight_rows(cfg):
+        value = np.asarray(jax.device_get(flat[row.path]))
+        if dtype is not None:
+            value = value.astype(np.dtype(jnp.dtype(dtype)))
+        if row.per_layer:
+            for i in range(cfg.num_layers):
+                out[row.hf.format(i=i)] = value[i].T if row.transpose else value[i]
+        else:
+            out[row.hf] = value.T if row.transpose else value
+    return out
+
+
+def save_model(model: Decoder, out_dir: str | os.PathLike, *, dtype=None, max_shard_bytes: int = 5 * 2**30,
+               tokenizer_dir: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+    """Write config.json + safetensors (sharded with an index past `max_shard_bytes`) that transformers loads.
+
+    The folder is written under a temporary name and renamed at the end, so a crash leaves no half folder,
+    and an existing non-empty folder is never overwritten unless `overwrite` is set.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise WeightsError(f"{out_dir}: exists and is not empty; choose another output folder")
+    tensors = hf_tensors(model, dtype)
+    hf_cfg = model.cfg.to_hf()
+    hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(next(iter(tensors.values())).dtype)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        shards, current, size = [], {}, 0
+        for name, arr in tensors.items():
+            if current and size + arr.nbytes > max_shard_bytes:
+                shards.append(current)
+                current, size = {}, 0
+            current[name] = arr
+            size += arr.nbytes
+        shards.append(current)
+        if len(shards) == 1:
+            write_safetensors(tmp / "model.safetensors", shards[0])
+        else:
+            weight_map = {}
+            for k, shard in enumerate(shards):
+                fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                write_safetensors(tmp / fname, shard)
+                weight_map.update({n: fname for n in shard})
+            total = sum(a.nbytes for a in tensors.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    for name in TOKENIZER_FILES:
+        p = Path(src) / name
+        if p.is_file():
+            shutil.copy2(p, Path(dst) / name)
