@@ -28,6 +28,8 @@ def example_to_row(ids: list[int], mask: list[bool | float], seq_len: int) -> di
     Token t predicts ids[t + 1], so targets = ids[1:] and loss_mask = mask[1:] (the first token is never a
     target). Truncated to `seq_len` tokens; padded with segment id 0.
     """
+    if len(ids) != len(mask):
+        raise ValueError(f"ids ({len(ids)}) and mask ({len(mask)}) differ in length")
     ids, mask = list(ids)[:seq_len], list(mask)[:seq_len]
     row = {k: np.zeros((seq_len,), dt) for k, dt in FIELDS.items()}
     n = len(ids)

@@ -1,0 +1,55 @@
+"""Training checkpoints with orbax: trainable params, optimizer state, step, RNG key, data-iterator position.
+
+Each checkpoint is a step folder under `<output_dir>/checkpoints/` written by orbax's CheckpointManager,
+which writes to a temporary folder and renames it only once every item is on disk: a checkpoint that was
+half-written when the process died is never listed, so `latest_step()` only ever returns a whole one.
+`save_total_limit` keeps the newest N.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, *, keep: int | None = None, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                               create=True, cleanup_tmp_directories=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state, meta: dict) -> None:
+        """state: a pytree of arrays (params, optimizer state, rng key data); meta: JSON (data position ...)."""
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+
+    def restore(self, step: int, like) -> tuple[object, dict]:
+        """Restore into the structure, shapes, dtypes and shardings of `like`."""
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                 meta=ocp.args.JsonRestore()))
+        return out["state"], out["meta"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def key_to_array(key) -> np.ndarray:
+    return np.asarray(jax.random.key_data(key))
+
+
+def array_to_key(data) -> jax.Array:
+    return jax.random.wrap_key_data(np.asarray(data, np.uint32))

@@ -1,0 +1,117 @@
+"""Where training metrics go: JSONL (always), TensorBoard and Weights & Biases (when `report_to` lists
+them), and a loss-curve PNG written at the end of the run."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class MetricsSinkError(RuntimeError):
+    is_user_error = True
+
+
+class JsonlSink:
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = open(path, "a", buffering=1)
+
+    def write(self, step: int, metrics: dict) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, logdir: Path):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise MetricsSinkError("report_to lists tensorboard, but neither tensorboardX nor torch is "
+                                       "installed: pip install tensorboardX") from None
+        self.writer = SummaryWriter(str(logdir))
+
+    def write(self, step: int, metrics: dict) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, config: dict, run_dir: Path):
+        try:
+            import wandb
+        except ImportError:
+            raise MetricsSinkError("report_to lists wandb, but wandb is not installed: pip install wandb") from None
+        self.wandb = wandb
+        self.run = wandb.init(project=project, config=config, dir=str(run_dir))
+
+    def write(self, step: int, metrics: dict) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Metrics:
+    """Fan-out to the sinks; keeps the history for the final chart."""
+
+    def __init__(self, output_dir: Path, report_to=(), run_config: dict | None = None, project: str = "surojax"):
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.output_dir = output_dir
+        self.sinks = [JsonlSink(output_dir / "metrics.jsonl")]
+        for name in report_to or ():
+            if name == "tensorboard":
+                self.sinks.append(TensorBoardSink(output_dir / "tensorboard"))
+            elif name == "wandb":
+                self.sinks.append(WandbSink(project, run_config or {}, output_dir))
+            elif name not in ("jsonl", "none"):
+                raise MetricsSinkError(f"report_to: {name!r} is unknown (jsonl, tensorboard, wandb)")
+        self.history: list[dict] = []
+
+    def write(self, step: int, metrics: dict) -> None:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.history.append({"step": step, **metrics})
+        for s in self.sinks:
+            s.write(step, metrics)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+def plot_loss(history: list[dict], path: Path, title: str = "training loss") -> Path | None:
+    """Loss (and eval loss when present) against the step, as a PNG. Returns None without data."""
+    train = [(h["step"], h["loss"]) for h in history if "loss" in h and math.isfinite(h["loss"])]
+    evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    if not train and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1.2)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss", lw=1.2, ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / supervised token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

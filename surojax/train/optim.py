@@ -1,0 +1,68 @@
+"""Optimizers and learning-rate schedules (optax).
+
+Schedules (`lr_scheduler_type`), all with a linear warmup from 0 over `warmup_steps`:
+    constant  lr after warmup
+    linear    linear decay to final_lr_fraction * lr at the last step
+    cosine    cosine decay to final_lr_fraction * lr at the last step
+    wsd       warmup-stable-decay: lr until the last `cooldown_steps`, then linear to final_lr_fraction * lr
+Weight decay applies to matrices only (kernels, embeddings, LoRA A/B), never to norm scales or biases.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def lr_schedule(kind: str, lr: float, total_steps: int, warmup_steps: int = 0, final_lr_fraction: float = 0.0,
+                cooldown_steps: int = 0) -> optax.Schedule:
+    total_steps = max(int(total_steps), 1)
+    warmup_steps = min(int(warmup_steps), total_steps)
+    final = lr * final_lr_fraction
+    decay_steps = max(total_steps - warmup_steps, 1)
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = lr * jnp.minimum(1.0, (step + 1) / max(warmup_steps, 1)) if warmup_steps else lr
+        t = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
+        if kind == "constant":
+            after = jnp.asarray(lr, jnp.float32)
+        elif kind == "linear":
+            after = lr + (final - lr) * t
+        elif kind == "cosine":
+            after = final + (lr - final) * 0.5 * (1 + jnp.cos(math.pi * t))
+        elif kind == "wsd":
+            cool = max(int(cooldown_steps), 1)
+            tc = jnp.clip((step - (total_steps - cool)) / cool, 0.0, 1.0)
+            after = lr + (final - lr) * tc
+        else:
+            raise ValueError(f"lr_scheduler_type {kind!r} is unknown (constant, linear, cosine, wsd)")
+        return jnp.where(step < warmup_steps, warm, after)
+
+    return schedule
+
+
+DECAYED = ("kernel", "embedding", "lora_a", "lora_b")
+
+
+def decay_mask(params):
+    """True for matrices (by the name of the variable), False for norm scales and biases."""
+    def leaf_mask(path, _):
+        names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+        names = [str(n) for n in names if n is not None]
+        return any(n in DECAYED for n in names[-2:])
+    return jax.tree_util.tree_map_with_path(leaf_mask, params)
+
+
+def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float = 0.0, b1: float = 0.9,
+                    b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0):
+    """The optimizer the trainer applies to already-averaged gradients."""
+    if name != "adamw":
+        raise ValueError(f"optimizer {name!r} is not available yet (adamw)")
+    parts = []
+    if max_grad_norm:
+        parts.append(optax.clip_by_global_norm(max_grad_norm))
+    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+    return optax.chain(*parts)

@@ -1,0 +1,58 @@
+"""The generic jitted training step: grad(loss o model) over accumulated micro-batches + the optimizer.
+
+    step(trainable, frozen, opt_state, batch[A, B, T], rng) -> (trainable, opt_state, metrics)
+
+The model is split once into (graphdef, trainable state, frozen state); only the trainable state is
+differentiated and updated (the full model for full fine-tuning, the adapters for LoRA). Gradients of the
+micro-batches' loss SUMS are accumulated (fp32) under `lax.scan` and divided once by the total count of
+supervised tokens, so accumulation A x batch B gives the same update as batch A*B.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, remat=None,
+                    donate: bool = True, jit: bool = True):
+    """`loss_fn(model, micro_batch, remat=...) -> (loss_sum, {"tokens": count, ...})`."""
+
+    def step(trainable, frozen, opt_state, batch, rng):
+        def micro(carry, mb):
+            g_acc, loss_acc, n_acc = carry
+
+            def f(tr):
+                model = nnx.merge(graphdef, tr, frozen)
+                return loss_fn(model, mb, remat=remat)
+
+            (loss_sum, aux), g = jax.value_and_grad(f, has_aux=True)(trainable)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            return (g_acc, loss_acc + loss_sum, n_acc + aux["tokens"]), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grads, loss_sum, count), _ = jax.lax.scan(micro, init, batch)
+        denom = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        return trainable, opt_state, {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
+
+    if not jit:
+        return step
+    return jax.jit(step, donate_argnums=(0, 2) if donate else ())
+
+
+def make_eval_step(graphdef, loss_fn: Callable):
+    @jax.jit
+    def eval_step(trainable, frozen, batch):
+        model = nnx.merge(graphdef, trainable, frozen)
+        loss_sum, aux = loss_fn(model, batch)
+        return loss_sum, aux["tokens"]
+
+    return eval_step
