@@ -22,6 +22,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+FUTURE_AXES: tuple[str, ...] = ("expert", "stage")  # in the config schema; only size 1 is accepted for now
 REST = -1  # "the rest of the devices"
 
 
@@ -34,13 +35,18 @@ def _sizes_of(parallel: Mapping[str, Any] | Any | None) -> dict[str, int]:
     if parallel is None:
         raw = {}
     elif isinstance(parallel, Mapping):
-        unknown = sorted(set(parallel) - set(MESH_AXES))
+        unknown = sorted(set(parallel) - set(MESH_AXES) - set(FUTURE_AXES))
         if unknown:
             raise MeshError(f"parallel has unknown key(s) {', '.join(map(repr, unknown))}; "
                             f"mesh axes are {', '.join(MESH_AXES)}")
         raw = dict(parallel)
     else:
-        raw = {a: getattr(parallel, a) for a in MESH_AXES if getattr(parallel, a, None) is not None}
+        names = MESH_AXES + FUTURE_AXES
+        raw = {a: getattr(parallel, a) for a in names if getattr(parallel, a, None) is not None}
+    for axis in FUTURE_AXES:
+        if raw.get(axis, 1) not in (1, None):
+            raise MeshError(f"parallel.{axis} = {raw[axis]!r}: {axis} parallelism is not implemented yet "
+                            f"(only {axis}=1); the mesh has axes {', '.join(MESH_AXES)}")
     sizes = {}
     for axis in MESH_AXES:
         v = raw.get(axis, 1)

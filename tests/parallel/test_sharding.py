@@ -41,6 +41,9 @@ def test_mesh_shape_resolves_minus_one():
     assert mesh_shape({"fsdp": -1}, 8) == {"data": 1, "fsdp": 8, "tensor": 1}
     assert mesh_shape(SimpleNamespace(data=1, fsdp=-1, tensor=4), 8) == {"data": 1, "fsdp": 2, "tensor": 4}
     assert mesh_shape(None, 1) == {"data": 1, "fsdp": 1, "tensor": 1}
+    # the config's parallel section also names expert / stage (size 1 until those axes exist)
+    assert mesh_shape({"data": -1, "fsdp": 2, "tensor": 1, "expert": 1, "stage": 1}, 8)["data"] == 4
+    assert mesh_shape(SimpleNamespace(data=-1, fsdp=1, tensor=2, expert=1, stage=1), 8)["data"] == 4
 
 
 @pytest.mark.parametrize("parallel, words", [
@@ -51,6 +54,8 @@ def test_mesh_shape_resolves_minus_one():
     ({"tensor": 0}, ["parallel.tensor", "0"]),
     ({"tensor": 2.0}, ["parallel.tensor"]),
     ({"tensr": 2}, ["'tensr'", "data, fsdp, tensor"]),
+    ({"data": -1, "expert": 2}, ["parallel.expert", "not implemented"]),
+    (SimpleNamespace(data=-1, fsdp=1, tensor=1, expert=1, stage=2), ["parallel.stage", "not implemented"]),
 ])
 def test_mesh_shape_errors_name_values_and_device_count(parallel, words):
     with pytest.raises(MeshError) as err:
