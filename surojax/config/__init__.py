@@ -1,0 +1,23 @@
+"""Validated training config: the YAML users write (Surogate / Axolotl key names), checked before any work.
+
+    from surojax.config import load_config, check_paths, ConfigError
+    cfg = load_config("train.yaml", overrides=["learning_rate=1e-4"])   # raises ConfigError
+    check_paths(cfg)                                                       # raises ConfigError
+
+Files: base (strict model), one section per concept (run, data, precision, lora, optim, memory, parallel),
+schema (TrainConfig = all sections), rules (all cross-field checks), explain (pydantic errors -> short
+problems), load (YAML + overrides), paths (existence checks; HF cache via data.hub), summary (console lines).
+"""
+from surojax.config.data import DatasetSpec
+from surojax.config.errors import ConfigError, ConfigProblem
+from surojax.config.load import apply_overrides, config_from_dict, load_config, parse_override
+from surojax.config.lora import LORA_TARGETS
+from surojax.config.parallel import MESH_AXES, ParallelConfig
+from surojax.config.paths import check_paths
+from surojax.config.schema import TrainConfig
+from surojax.config.summary import summarize
+
+__all__ = [
+    "LORA_TARGETS", "MESH_AXES", "ConfigError", "ConfigProblem", "DatasetSpec", "ParallelConfig", "TrainConfig",
+    "apply_overrides", "check_paths", "config_from_dict", "load_config", "parse_override", "summarize",
+]

@@ -1,0 +1,78 @@
+"""LoRA and QLoRA keys: adapter shape, target modules, stacked adapters, and how the frozen base is quantized."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from surojax.config.base import StrictModel
+
+# HF module names LoRA can wrap; "all-linear" means all of them (never the LM head, as in PEFT).
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
+GgufType = Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
+
+
+class LoraSection(StrictModel):
+    lora: bool = False
+    """Train LoRA adapters on a frozen base instead of all weights."""
+    lora_rank: int = Field(default=16, gt=0)
+    lora_alpha: float = Field(default=32.0, gt=0)
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    use_rslora: bool = False
+    """Scale by alpha / sqrt(rank) instead of alpha / rank."""
+    lora_target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+    """HF module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or "all-linear"."""
+    lora_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the adapter weights."""
+    train_router: bool = False
+    """MoE: also train the (full) router weights alongside the adapters."""
+    adapter_path: str | None = None
+    """An existing PEFT adapter to start from (stacked LoRA)."""
+    adapter_init_mode: Literal["merge", "trainable"] | None = None
+    """merge (default when `adapter_path` is set): fold it into the base and train a new adapter on top;
+    trainable: keep training it."""
+    merge_adapter: bool = False
+    """At the end, also save the base with the adapter merged in (HF safetensors)."""
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _targets(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [s.strip() for s in v.split(",") if s.strip()]
+        if isinstance(v, (list, tuple)) and "all-linear" in v:
+            if len(v) != 1:
+                raise ValueError("'all-linear' cannot be combined with other module names")
+            return list(LORA_TARGETS)
+        if isinstance(v, (list, tuple)):
+            bad = [m for m in v if m not in LORA_TARGETS]
+            if bad:
+                raise ValueError(f"unknown module {bad[0]!r}; choose from {', '.join(LORA_TARGETS)} or 'all-linear'")
+            if not v:
+                raise ValueError("needs at least one module name (or 'all-linear')")
+        return v
+
+
+class QLoraSection(StrictModel):
+    """At most one qlora_* format is set (checked in rules.py); each needs `lora: true`."""
+
+    qlora_bnb: bool = False
+    """Quantize the frozen base to NF4 (bitsandbytes-style)."""
+    qlora_bnb_block_size: int = 64
+    qlora_bnb_double_quant: bool = True
+    """Quantize the NF4 absmax scales again (8-bit, blocks of 256)."""
+    qlora_fp8: bool = False
+    """Quantize the frozen base to FP8 E4M3 with per-block scales."""
+    qlora_fp4: bool = False
+    """Quantize the frozen base to NVFP4 (E2M1, E4M3 scale per 16 values)."""
+    qlora_block_size: int = 128
+    """Block size of the qlora_fp8 scales."""
+    qlora_gguf: GgufType | None = None
+    """Quantize the frozen base to this GGUF type. A .gguf `model` keeps its own quantization without this key."""
+
+    @field_validator("qlora_bnb_block_size", "qlora_block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"must be a power of two >= 16 (got {v})")
+        return v

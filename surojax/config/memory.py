@@ -1,0 +1,37 @@
+"""Memory keys: recomputation, attention backend, chunking, and what lives in host memory."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from surojax.config.base import StrictModel
+
+
+class MemorySection(StrictModel):
+    recompute: Literal["none", "full", "dots", "offload"] = "full"
+    """Activation remat per decoder layer: none, full (recompute the layer), dots (save matmul outputs only),
+    offload (save activations to host memory). true / false mean full / none."""
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    """Attention backend; auto picks cuDNN flash attention on GPU where it applies, else XLA."""
+    lmhead_chunks: int = Field(default=1, gt=0)
+    """Compute LM head + cross-entropy in this many sequence chunks (logits never fully materialised)."""
+    sequence_chunks: int = Field(default=1, gt=0)
+    long_context: bool = False
+    """Tile the MLP over the sequence for very long rows."""
+    offload_base_weights: bool = False
+    """Keep frozen base weights in host memory and stream them to the GPU one layer at a time."""
+    offload_optimizer: bool = False
+    """Keep optimizer state in host memory."""
+    offload_master: bool = False
+    """Keep fp32 master weights in host memory."""
+    offload_grads: bool = False
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _bool_recompute(cls, v: Any) -> Any:
+        if v is True:
+            return "full"
+        if v is False:
+            return "none"
+        return v

@@ -1,0 +1,90 @@
+"""Cross-field rules of TrainConfig, all in this one place. Pure: they read the config and list problems.
+
+Each rule returns (keys, message): the YAML keys it is about (the first one is reported as the problem's key)
+and a sentence saying what to change. Single-field bounds (sequence_len > 0, ...) live on the fields themselves.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from surojax.config.schema import TrainConfig
+
+Problem = tuple[tuple[str, ...], str]
+
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "use_rslora", "lora_target_modules", "lora_dtype",
+             "train_router", "merge_adapter")
+QLORA_FORMATS = ("qlora_bnb", "qlora_fp8", "qlora_fp4", "qlora_gguf")
+
+
+def _changed(cfg: TrainConfig, name: str) -> bool:
+    """The key differs from its default (explicitly writing a default value is harmless, so not flagged)."""
+    return getattr(cfg, name) != type(cfg).model_fields[name].get_default(call_default_factory=True)
+
+
+def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
+    out: list[Problem] = []
+    add = lambda keys, msg: out.append((keys, msg))  # noqa: E731
+
+    # --- model source
+    if cfg.model is None and not (cfg.from_scratch and cfg.model_config_overrides):
+        if cfg.from_scratch:
+            add(("model_config", "model"), "from_scratch needs model_config (HF config keys) or a model path "
+                "with a config.json")
+        else:
+            add(("model",), "required: a local model directory, a .gguf file, or a HF repo id in the local cache")
+    if cfg.model_config_overrides is not None and not cfg.from_scratch:
+        add(("model_config",), "only applies with from_scratch: true (to change a pretrained model use "
+            "rope_scaling / max_model_len)")
+    if cfg.from_scratch and (cfg.adapter_path or cfg.lora):
+        add(("from_scratch",), "trains all weights from random init; it cannot be combined with lora or adapter_path")
+
+    # --- LoRA / QLoRA
+    if not cfg.lora:
+        for k in [k for k in LORA_KEYS if _changed(cfg, k)]:
+            add((k,), "is a LoRA option; set lora: true to use it")
+    formats = [k for k in QLORA_FORMATS if getattr(cfg, k) not in (False, None)]
+    if len(formats) > 1:
+        add(tuple(formats), f"at most one qlora_* format may be set (got {', '.join(formats)})")
+    if formats and not cfg.lora:
+        add((formats[0],), "quantizes the frozen base for LoRA; set lora: true")
+    for k in ("qlora_bnb_block_size", "qlora_bnb_double_quant"):
+        if _changed(cfg, k) and not cfg.qlora_bnb:
+            add((k,), "only applies with qlora_bnb: true")
+    if _changed(cfg, "qlora_block_size") and not cfg.qlora_fp8:
+        add(("qlora_block_size",), "only applies with qlora_fp8: true")
+    if cfg.adapter_init_mode is not None and cfg.adapter_path is None:
+        add(("adapter_init_mode",), "needs adapter_path (the adapter to merge or keep training)")
+    if cfg.adapter_init_mode == "trainable" and not cfg.lora:
+        add(("adapter_init_mode",), "trainable keeps training the adapter; set lora: true")
+
+    # --- length of training and schedule
+    if cfg.max_steps is None and cfg.num_epochs is None:
+        add(("max_steps", "num_epochs"), "set max_steps or num_epochs")
+    if cfg.warmup_steps is not None and cfg.warmup_ratio is not None:
+        add(("warmup_steps", "warmup_ratio"), "set warmup_steps or warmup_ratio, not both")
+    if cfg.cooldown_steps is not None and cfg.lr_scheduler_type != "wsd":
+        add(("cooldown_steps",), f"only applies with lr_scheduler_type: wsd (got {cfg.lr_scheduler_type})")
+    if cfg.max_steps is not None:
+        warm = cfg.warmup_steps or 0
+        cool = cfg.cooldown_steps or 0
+        if warm + cool > cfg.max_steps:
+            add(("warmup_steps",),
+                f"warmup_steps + cooldown_steps ({warm} + {cool}) exceed max_steps ({cfg.max_steps})")
+    if cfg.save_total_limit is not None and cfg.save_steps is None:
+        add(("save_total_limit",), "needs save_steps (without it only the final model is saved)")
+
+    # --- data
+    if cfg.validation_datasets and cfg.validation_split_ratio > 0:
+        add(("validation_split_ratio", "validation_datasets"), "set validation_datasets or validation_split_ratio, "
+            "not both")
+    if cfg.eval_steps is not None and not (cfg.validation_datasets or cfg.validation_split_ratio > 0):
+        add(("eval_steps",), "needs validation data: validation_datasets or validation_split_ratio > 0")
+    if cfg.max_model_len is not None and cfg.sequence_len > cfg.max_model_len:
+        add(("sequence_len",), f"{cfg.sequence_len} exceeds max_model_len ({cfg.max_model_len})")
+
+    # --- parallel
+    rest = [a for a, n in cfg.parallel.sizes().items() if n == -1]
+    if len(rest) > 1:
+        add(("parallel",), f"at most one axis may be -1 (the rest of the devices); got {', '.join(rest)}")
+    return out

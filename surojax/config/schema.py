@@ -1,0 +1,47 @@
+"""TrainConfig: the whole training YAML, flat like Surogate's, assembled from one section per concept.
+
+Keys are the YAML keys users already write (Surogate / Axolotl). The one renamed attribute is
+`model_config_overrides` for the YAML key `model_config` (pydantic reserves that name).
+Single-field checks live on the fields (section files); cross-field checks in rules.py, run here once.
+"""
+from __future__ import annotations
+
+from pydantic import model_validator
+from pydantic_core import PydanticCustomError
+
+from surojax.config.data import DataSection
+from surojax.config.lora import LoraSection, QLoraSection
+from surojax.config.memory import MemorySection
+from surojax.config.optim import OptimSection
+from surojax.config.parallel import ParallelSection
+from surojax.config.precision import PrecisionSection
+from surojax.config.rules import cross_field_problems
+from surojax.config.run import RunSection
+
+
+# Bases in reverse: pydantic orders fields from the last base to the first, so dumps and errors read run first.
+class TrainConfig(
+    ParallelSection, MemorySection, OptimSection, QLoraSection, LoraSection, PrecisionSection, DataSection, RunSection
+):
+    """A validated training config. Build it with `load_config(path)` or `config_from_dict(d)`."""
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> TrainConfig:
+        problems = cross_field_problems(self)
+        if problems:
+            # One pydantic error carrying all problems; explain.py expands it into one problem per rule.
+            raise PydanticCustomError("cross_field", "{count} cross-field problem(s)",
+                                      {"count": len(problems), "problems": problems})
+        return self
+
+    @property
+    def is_qlora(self) -> bool:
+        return self.lora and any((self.qlora_bnb, self.qlora_fp8, self.qlora_fp4, self.qlora_gguf))
+
+    def warmup_steps_for(self, total_steps: int) -> int:
+        """Warmup steps for a run of `total_steps`: `warmup_steps`, or `warmup_ratio` of the steps, or 0."""
+        if self.warmup_steps is not None:
+            return min(self.warmup_steps, total_steps)
+        if self.warmup_ratio is not None:
+            return round(self.warmup_ratio * total_steps)
+        return 0
