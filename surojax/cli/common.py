@@ -1,0 +1,107 @@
+"""What every CLI command shares: run it with user errors turned into a clean message, config arguments.
+
+Exit codes: 0 done, 1 a user error (bad config, missing file: one red line each, no traceback),
+2 bad usage or not implemented yet, 130 interrupted. Anything else is a bug and keeps its traceback.
+
+A user error is a ConfigError or any exception whose class sets `is_user_error = True`; raise such a class
+(or UsageError) for mistakes the user can fix, so that every command reports them the same way.
+This module imports nothing heavy: `surojax --help` must stay fast.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from surojax.config import TrainConfig
+
+EXIT_USER_ERROR = 1
+EXIT_NOT_IMPLEMENTED = 2
+
+
+class UsageError(Exception):
+    """A command-line argument that parses but cannot be used (e.g. a path that does not exist)."""
+
+    is_user_error = True
+
+
+def is_user_error(exc: BaseException) -> bool:
+    return getattr(exc, "is_user_error", False) is True
+
+
+def print_error(message: str) -> None:
+    """Each line of `message` as one red `error: ...` line on stderr (never wrapped, no markup parsing)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    for line in str(message).splitlines() or [""]:
+        console.print(Text("error: ", style="bold red") + Text(line, style="red"))
+
+
+def run_guarded(fn: Callable[..., int | None], *args: Any, **kwargs: Any) -> int:
+    """Call fn; return its exit code (None is 0). A user error prints cleanly and returns 1."""
+    try:
+        rc = fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        print_error("interrupted")
+        return 130
+    except Exception as e:
+        if is_user_error(e):
+            print_error(str(e))
+            return EXIT_USER_ERROR
+        raise
+    return 0 if rc is None else int(rc)
+
+
+def not_implemented(what: str) -> int:
+    print(f"surojax {what}: not implemented yet in this version", file=sys.stderr)
+    return EXIT_NOT_IMPLEMENTED
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, flag: bool = False) -> None:
+    """A config path (positional, or `--config FILE` with flag=True) and repeatable `--override key=value`."""
+    if flag:
+        parser.add_argument("--config", required=True, metavar="FILE", help="training YAML")
+    else:
+        parser.add_argument("config", metavar="CONFIG", help="training YAML")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a config key, e.g. learning_rate=1e-4 or datasets.0.path=data.jsonl (repeatable)")
+
+
+def load_config_args(args: argparse.Namespace, *, check_paths: bool = True) -> TrainConfig:
+    """Load + validate the config named by add_config_arguments (and check the paths it points at)."""
+    from surojax.config import check_paths as _check_paths
+    from surojax.config import load_config
+
+    cfg = load_config(args.config, args.override)
+    if check_paths:
+        _check_paths(cfg, source=args.config)
+    return cfg
+
+
+def print_summary(cfg: TrainConfig) -> None:
+    from surojax.config import summarize
+
+    print("\n".join(summarize(cfg)))
+
+
+def existing_path(value: str, flag: str) -> Path:
+    p = Path(value).expanduser()
+    if not p.exists():
+        raise UsageError(f"{flag}: {value!r} does not exist")
+    return p
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an int > 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {n})")
+    return n

@@ -1,0 +1,90 @@
+"""`surojax COMMAND ...`: the console script. Each command is a module surojax/cli/<command>.py with
+`add_arguments(parser)` and `run(args) -> int`, imported only when that command runs (so `--help` is fast and
+never imports jax)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+from surojax.cli.common import EXIT_NOT_IMPLEMENTED, print_error, run_guarded
+
+# name -> one-line help; the module is surojax.cli.<name>.
+COMMANDS: dict[str, str] = {
+    "sft": "supervised fine-tuning (full, LoRA, QLoRA) from a training YAML",
+    "pt": "pretraining / continued pretraining from a training YAML",
+    "dpo": "preference optimisation (DPO) from a training YAML",
+    "grpo": "reinforcement learning with GRPO from a training YAML",
+    "distill": "knowledge distillation from a teacher model",
+    "tokenize": "tokenize and pack the datasets of a training YAML (--debug shows rows and loss masks)",
+    "merge": "merge LoRA adapters into a base model",
+    "export": "export a checkpoint as HF safetensors, a PEFT adapter or GGUF",
+    "quantize": "quantize a model's weights (nf4, fp8, nvfp4, gguf types)",
+    "generate": "generate text from a model (and adapters) on the command line",
+    "serve": "serve a model over an OpenAI-compatible HTTP API",
+    "bench": "measure training throughput and memory for a training YAML",
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("surojax")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(f"surojax {_version()}")
+        parser.exit()
+
+
+def load_command(name: str) -> ModuleType:
+    return importlib.import_module(f"surojax.cli.{name}")
+
+
+def build_parser(command: str | None = None, module: ModuleType | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only `command`'s own arguments are added (from `module`)."""
+    parser = argparse.ArgumentParser(
+        prog="surojax", description="Pretrain, fine-tune, align and serve LLMs with JAX.",
+        epilog="Run `surojax COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action=_VersionAction)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command and module is not None:
+            module.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    module = None
+    if command in COMMANDS:
+        try:
+            module = load_command(command)
+        except ModuleNotFoundError as e:
+            if e.name != f"surojax.cli.{command}":
+                raise
+            print_error(f"surojax {command} is not available in this version")
+            return EXIT_NOT_IMPLEMENTED
+    parser = build_parser(command, module)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error argparse already printed
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if module is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return run_guarded(module.run, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""`python -m surojax.train --config FILE [--override key=value ...]` (entry in surojax/train/__main__.py).
+
+Validates the config, prints a summary, and (for now) says training is not implemented yet.
+"""
+from __future__ import annotations
+
+import argparse
+
+from surojax.cli.common import add_config_arguments, load_config_args, not_implemented, print_summary, run_guarded
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m surojax.train", description="Train from a YAML config.")
+    add_config_arguments(parser, flag=True)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    print_summary(load_config_args(args))
+    return not_implemented("training")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return run_guarded(_run, args)

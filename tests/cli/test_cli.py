@@ -1,0 +1,153 @@
+"""The `surojax` console script, the placeholder commands and `python -m surojax.train`."""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from surojax.cli import common
+from surojax.cli.main import COMMANDS, build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "configs" / "examples" / "lora_qwen3.yaml"
+CONFIG_COMMANDS = ("sft", "pt", "dpo", "grpo", "distill", "tokenize", "bench")
+
+
+def run_py(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "60", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def good_config(tmp_path: Path) -> Path:
+    """A valid config whose paths exist."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hi"}\n')
+    p = tmp_path / "good.yaml"
+    p.write_text(f"model: {model}\ndatasets:\n  - path: {data}\n    type: text\nmax_steps: 10\n")
+    return p
+
+
+@pytest.fixture
+def bad_config(tmp_path: Path) -> Path:
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: m\ndatasets: [{path: a}]\nlearning_rat: 1e-4\n")
+    return p
+
+
+def test_help_lists_every_command_without_importing_jax():
+    code = ("import sys; from surojax.cli.main import main; rc = main(['--help']); "
+            "print('HEAVY', sorted(m for m in ('jax', 'pydantic', 'surojax.config') if m in sys.modules)); "
+            "sys.exit(rc)")
+    r = run_py("-c", code)
+    assert r.returncode == 0, r.stderr
+    for name in ("sft", "pt", "dpo", "grpo", "distill", "tokenize", "merge", "export", "quantize", "generate",
+                 "serve", "bench"):
+        assert f"    {name} " in r.stdout, name
+    assert "HEAVY []" in r.stdout
+
+
+def test_command_help_does_not_import_jax():
+    code = ("import sys; from surojax.cli.main import main; rc = main(['sft', '--help']); "
+            "print('JAX', 'jax' in sys.modules); sys.exit(rc)")
+    r = run_py("-c", code)
+    assert r.returncode == 0 and "--override" in r.stdout and "JAX False" in r.stdout
+
+
+def test_help_as_module():
+    r = run_py("-m", "surojax.cli.main", "--help")
+    assert r.returncode == 0 and all(name in r.stdout for name in COMMANDS)
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", [n for n in COMMANDS if n != "generate"])
+def test_each_command_module_has_the_interface(name):
+    module = importlib.import_module(f"surojax.cli.{name}")
+    parser = build_parser(name, module)
+    assert callable(module.run)
+    assert parser.parse_args([name, *_minimal_args(name)]).command == name
+
+
+def _minimal_args(name: str) -> list[str]:
+    return {"merge": ["--base", "b", "--adapter", "a", "--output", "o"], "export": ["ckpt", "--output", "o"],
+            "quantize": ["m", "--format", "nf4", "--output", "o"], "serve": ["m"]}.get(name, ["cfg.yaml"])
+
+
+def test_sft_bad_config_is_one_clean_line(bad_config, capsys):
+    assert main(["sft", str(bad_config)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{bad_config}:3:1: learning_rat" in err and "'learning_rate'" in err
+
+
+def test_sft_valid_config_is_not_implemented_yet(good_config, capsys):
+    assert main(["sft", str(good_config), "--override", "learning_rate=1e-4"]) == 2
+    out, err = capsys.readouterr()
+    assert "lr=0.0001" in out and "not implemented yet" in err
+
+
+@pytest.mark.parametrize("name", CONFIG_COMMANDS)
+def test_config_commands_validate(name, good_config, bad_config, capsys):
+    assert main([name, str(bad_config)]) == 1
+    assert main([name, str(good_config)]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_override_error_and_missing_path(good_config, capsys):
+    assert main(["pt", str(good_config), "-o", "learning_rate=abc"]) == 1
+    assert "learning_rate" in capsys.readouterr().err
+    assert main(["pt", str(good_config), "-o", "datasets.0.path=/nope.jsonl"]) == 1
+    err = capsys.readouterr().err
+    assert "datasets[0].path: " in err and "/nope.jsonl does not exist" in err
+
+
+def test_argument_commands_check_paths(tmp_path, capsys):
+    assert main(["merge", "--base", str(tmp_path / "x"), "--adapter", str(tmp_path), "--output", "o"]) == 1
+    assert "--base" in capsys.readouterr().err
+    assert main(["merge", "--base", str(tmp_path), "--adapter", str(tmp_path), "--output", "o"]) == 2
+    assert main(["export", str(tmp_path), "--output", "o", "--gguf-type", "q8_0"]) == 1
+    assert main(["serve", str(tmp_path), "--port", "70000"]) == 2  # argparse usage error
+    assert main(["quantize", str(tmp_path), "--format", "nf4", "--output", "o"]) == 2
+
+
+def test_run_guarded():
+    class Oops(Exception):
+        is_user_error = True
+
+    def user_error():
+        raise Oops("bad thing [x]")
+
+    def bug():
+        raise KeyError("k")
+
+    assert common.run_guarded(lambda: None) == 0
+    assert common.run_guarded(lambda: 3) == 3
+    assert common.run_guarded(user_error) == 1
+    with pytest.raises(KeyError):
+        common.run_guarded(bug)
+
+
+def test_python_m_train_bad_config(bad_config):
+    r = run_py("-m", "surojax.train", "--config", str(bad_config))
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "learning_rat" in lines[0] and str(bad_config) in lines[0]
+
+
+def test_python_m_train_good_config(good_config):
+    r = run_py("-m", "surojax.train", "--config", str(good_config), "--override", "lora=true")
+    assert r.returncode == 2, r.stderr
+    assert "method:    LoRA r=16" in r.stdout
+    assert "not implemented yet" in r.stderr
