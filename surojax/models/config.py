@@ -21,6 +21,8 @@ from typing import Any
 class ModelConfigError(ValueError):
     """A config.json that surojax cannot turn into a ModelConfig."""
 
+    is_user_error = True
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -112,6 +114,11 @@ class ModelConfig:
             high_freq_factor=float(rs.get("high_freq_factor", 4.0)) if rs else 4.0,
             original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)) if rs else 8192,
         )
+        if hf.get("mlp_bias"):
+            raise ModelConfigError("mlp_bias: true is not supported (no supported family has MLP biases)")
+        if hf.get("attention_bias") and not family.attention_bias:
+            raise ModelConfigError(f"attention_bias: true is not supported for {family.name} "
+                                   "(it would add an o_proj bias; only qwen2-style q/k/v biases are modelled)")
         sliding = hf.get("sliding_window") if family.sliding_window else None
         if family.sliding_window and hf.get("use_sliding_window") is False:
             sliding = None
@@ -141,7 +148,8 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that `transformers.AutoConfig` reads back into the same architecture."""
-        out = {k: v for k, v in self.hf_extra.items() if k not in ("architectures", "model_type")}
+        dropped = ("architectures", "model_type", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
+        out = {k: v for k, v in self.hf_extra.items() if k not in dropped}
         from surojax.models.registry import family_for
 
         family = family_for(self.model_type)
@@ -161,9 +169,13 @@ class ModelConfig:
             tie_word_embeddings=self.tie_word_embeddings,
             hidden_act=self.hidden_act,
         )
+        # transformers >= 5 reads `rope_parameters`; older versions read rope_theta / rope_scaling.
+        rope = {"rope_type": self.rope_scaling.rope_type, "rope_theta": self.rope_theta}
         if self.rope_scaling.rope_type != "default":
             rs = dataclasses.asdict(self.rope_scaling)
+            rope.update(rs)
             out["rope_scaling"] = rs | {"type": rs["rope_type"]}
+        out["rope_parameters"] = rope
         if family.attention_bias_key:
             out["attention_bias"] = self.attention_bias
         if family.sliding_window:
@@ -171,7 +183,6 @@ class ModelConfig:
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
-        out.pop("rope_parameters", None)
         return out
 
 

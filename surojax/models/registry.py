@@ -77,7 +77,7 @@ FAMILIES: dict[str, Family] = {
 
 
 class UnsupportedModelError(ValueError):
-    pass
+    is_user_error = True
 
 
 def family_for(model_type: str | None) -> Family:
