@@ -1,0 +1,49 @@
+"""`surojax tokenize train.yaml --debug`: print examples token by token, marking the tokens that carry loss.
+
+Each token is printed as its text followed by its id in parentheses; supervised tokens (mask True: the model
+is trained to produce them) in green, the others dimmed. A token holding a line break is shown as "\\n" and
+followed by a real line break, so the layout of the chat template stays readable. Without colour (a pipe,
+NO_COLOR) supervised tokens are wrapped in «...».
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.text import Text
+
+from surojax.data.formats import Example
+from surojax.data.tokenizer import Tokenizer
+
+SUPERVISED, PROMPT, ID = "bold green", "dim", "cyan"
+
+
+def example_text(ids: Sequence[int], mask: Sequence[bool], tokenizer: Tokenizer, *, color: bool = True) -> Text:
+    """A rich Text of one example: each token as text(id), supervised ones highlighted."""
+    out = Text()
+    for tid, sup in zip(ids, mask):
+        piece = tokenizer.decode([int(tid)])
+        shown = piece.replace("\n", "\\n").replace("\t", "\\t")
+        if not color and sup:
+            shown = f"«{shown}»"
+        out.append(shown, style=SUPERVISED if sup else PROMPT)
+        out.append(f"({int(tid)})", style=ID if sup else PROMPT)
+        if piece.endswith("\n"):
+            out.append("\n")
+    return out
+
+
+def debug_print(examples: Sequence[Example | tuple], tokenizer: Tokenizer, n: int = 3,
+                console: Console | None = None) -> None:
+    """Print the first `n` examples (Example or (ids, mask) pairs) token by token, marking supervised tokens."""
+    console = console or Console()
+    color = console.color_system is not None
+    legend = Text("legend: ")
+    legend.append("supervised(id)" if color else "«supervised»(id)", style=SUPERVISED)
+    legend.append("  ")
+    legend.append("not supervised(id)", style=PROMPT)
+    console.print(legend)
+    for k, ex in enumerate(list(examples)[:n]):
+        ids, mask = (ex.ids, ex.mask) if isinstance(ex, Example) else ex
+        console.rule(f"example {k}: {len(ids)} tokens, {int(sum(map(bool, mask)))} supervised")
+        console.print(example_text(ids, mask, tokenizer, color=color), soft_wrap=True, highlight=False)

@@ -1,0 +1,228 @@
+"""Dataset formats: one row -> an `Example` (token ids + a per-token supervised mask).
+
+    text          a `text_field` string; all tokens supervised; encoded with the tokenizer's own special tokens
+                  (BOS where its post-processor adds one) and EOS appended, so documents end visibly.
+    instruction   alpaca {instruction, input, output} (or TRL-style {prompt, completion}). With a chat template
+                  it is rendered as user -> assistant; without one as the plain alpaca prompt
+                  "### Instruction:\\n...\\n\\n### Input:\\n...\\n\\n### Response:\\n" + output + EOS.
+    conversation  OpenAI `messages` [{role, content}] or sharegpt `conversations` [{from: human|gpt|system, value}],
+                  rendered with the chat template (assistant turns located by chat_masks).
+    auto          the type chosen from the first row's columns (the choice and the reason are logged).
+
+Only assistant / output tokens are supervised unless train_on_inputs. `fit_length` truncates (or drops) an
+example longer than sequence_len. A row that cannot be formatted raises `InvalidRowError`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from surojax.data.chat_masks import chat_ids_and_mask
+from surojax.data.sources import DataError, InvalidRowError
+from surojax.data.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
+
+log = logging.getLogger(__name__)
+
+TYPES = ("text", "instruction", "conversation", "preference", "auto")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                  "bot": "assistant", "chatgpt": "assistant", "system": "system", "tool": "tool",
+                  "function": "tool", "observation": "tool", "function_response": "tool"}
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized example: mask[t] is True where ids[t] is supervised (batch.example_to_row's convention)."""
+
+    ids: np.ndarray   # [L] int32
+    mask: np.ndarray  # [L] bool
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @staticmethod
+    def of(ids, mask) -> "Example":
+        return Example(np.asarray(ids, np.int32), np.asarray(mask, bool))
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """How to read a dataset's rows (the format keys of a `datasets:` entry)."""
+
+    type: str = "auto"
+    text_field: str = "text"
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    messages_field: str = "messages"
+    system_prompt: str | None = None
+
+
+def detect_type(row: Mapping[str, Any], spec: FormatSpec = FormatSpec()) -> tuple[str, str]:
+    """(type, reason) for a row's columns, in the order conversation, preference, instruction, text."""
+    cols = sorted(row)
+    if isinstance(row.get(spec.messages_field), (list, str)):
+        return "conversation", f"column {spec.messages_field!r} holds chat messages"
+    if isinstance(row.get("conversations"), (list, str)):
+        return "conversation", "column 'conversations' holds sharegpt turns"
+    if "chosen" in row and "rejected" in row:
+        return "preference", "columns 'chosen' and 'rejected'"
+    if spec.instruction_field in row and spec.output_field in row:
+        return "instruction", f"columns {spec.instruction_field!r} and {spec.output_field!r}"
+    if "prompt" in row and "completion" in row:
+        return "instruction", "columns 'prompt' and 'completion'"
+    if isinstance(row.get(spec.text_field), str):
+        return "text", f"column {spec.text_field!r} holds text"
+    raise DataError(f"type: auto cannot tell the format from the columns {cols}: expected {spec.messages_field!r} "
+                    f"or 'conversations' (conversation), {spec.instruction_field!r} + {spec.output_field!r} "
+                    f"(instruction) or {spec.text_field!r} (text); set `type:` and the *_field keys")
+
+
+def make_formatter(kind: str, tokenizer: Tokenizer, spec: FormatSpec = FormatSpec(), *,
+                   train_on_inputs: bool = False, chat_template: str | None = None
+                   ) -> Callable[[Mapping[str, Any]], Example]:
+    """A function row -> Example for a resolved type (not auto). Set-up errors raise `DataError` here."""
+    if kind == "preference":
+        raise DataError("type: preference holds chosen/rejected pairs for DPO; the SFT / pretraining data "
+                        "pipeline takes text, instruction or conversation")
+    template = _chat_template(tokenizer, chat_template, required=(kind == "conversation"))
+    if kind == "text":
+        return lambda row: _text(row, tokenizer, spec)
+    if kind == "instruction":
+        return lambda row: _instruction(row, tokenizer, spec, template, train_on_inputs)
+    if kind == "conversation":
+        return lambda row: _conversation(row, tokenizer, spec, template, train_on_inputs)
+    raise DataError(f"unknown dataset type {kind!r} (expected one of {', '.join(TYPES)})")
+
+
+def _chat_template(tokenizer: Tokenizer, chat_template: str | None, required: bool) -> str | None:
+    """The template text to use (compiled once here, so that a broken template fails before any row)."""
+    try:
+        text = tokenizer.get_chat_template(chat_template)
+    except ChatTemplateError as e:
+        if required:
+            raise DataError(f"type: conversation needs a chat template: {e}") from None
+        return None
+    try:
+        compile_chat_template(text)
+    except Exception as e:  # noqa: BLE001 - jinja raises several kinds
+        raise DataError(f"the chat template does not compile: {e}") from None
+    return text
+
+
+def _text_value(row: Mapping, key: str, what: str, required: bool = True) -> str:
+    value = row.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        found = "missing" if key not in row else f"a {type(value).__name__}"
+        raise InvalidRowError(f"{what} field {key!r} must be a string, found {found} (columns: {sorted(row)})")
+    return value
+
+
+def _text(row, tokenizer: Tokenizer, spec: FormatSpec) -> Example:
+    text = _text_value(row, spec.text_field, "text")
+    if not text.strip():
+        raise InvalidRowError(f"empty text in field {spec.text_field!r}")
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+    return Example.of(ids, [True] * len(ids))
+
+
+def _instruction(row, tokenizer: Tokenizer, spec: FormatSpec, template: str | None, train_on_inputs: bool):
+    if spec.instruction_field not in row and "prompt" in row and "completion" in row:
+        instruction, inp, output = _text_value(row, "prompt", "prompt"), "", _text_value(row, "completion", "completion")
+    else:
+        instruction = _text_value(row, spec.instruction_field, "instruction")
+        inp = _text_value(row, spec.input_field, "input", required=False)
+        output = _text_value(row, spec.output_field, "output")
+    if not output.strip():
+        raise InvalidRowError(f"empty output in field {spec.output_field!r}")
+    system = row.get("system") if isinstance(row.get("system"), str) and row.get("system") else spec.system_prompt
+    if template is not None:
+        user = instruction + ("\n\n" + inp if inp.strip() else "")
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+        ids, mask = chat_ids_and_mask(messages, tokenizer, chat_template=template, train_on_inputs=train_on_inputs)
+        return Example.of(ids, mask)
+    prompt = (system + "\n\n" if system else "") + f"### Instruction:\n{instruction}\n\n"
+    if inp.strip():
+        prompt += f"### Input:\n{inp}\n\n"
+    prompt += "### Response:\n"
+    p_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    o_ids = tokenizer.encode(output) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+    return Example.of(p_ids + o_ids, [train_on_inputs] * len(p_ids) + [True] * len(o_ids))
+
+
+def _messages(row, spec: FormatSpec) -> list[dict]:
+    raw, sharegpt = row.get(spec.messages_field), False
+    if raw is None and row.get("conversations") is not None:
+        raw, sharegpt = row["conversations"], True
+    if isinstance(raw, str):  # CSV and some parquet exports store the list as JSON text
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            raise InvalidRowError(f"field {spec.messages_field!r} is a string that is not a JSON list") from None
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRowError(f"expected a non-empty list of messages in {spec.messages_field!r} or "
+                              f"'conversations' (columns: {sorted(row)})")
+    out = []
+    for j, m in enumerate(raw):
+        if not isinstance(m, Mapping):
+            raise InvalidRowError(f"message {j} is a {type(m).__name__}, not an object")
+        m = {k: v for k, v in m.items() if v is not None}  # parquet fills absent struct fields with None
+        if "from" in m and "role" not in m:
+            sharegpt = True
+        if sharegpt:
+            role = SHAREGPT_ROLES.get(str(m.get("from", m.get("role"))).lower())
+            if role is None:
+                raise InvalidRowError(f"message {j}: unknown sharegpt role {m.get('from')!r}")
+            m = {"role": role, "content": m.get("value", m.get("content"))}
+        if m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise InvalidRowError(f"message {j}: role must be system, user, assistant or tool, got {m.get('role')!r}")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            m["content"] = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+        elif content is None and not m.get("tool_calls"):
+            raise InvalidRowError(f"message {j} ({m['role']}) has no content")
+        out.append(m)
+    if spec.system_prompt and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": spec.system_prompt})
+    return out
+
+
+def _conversation(row, tokenizer: Tokenizer, spec: FormatSpec, template: str, train_on_inputs: bool) -> Example:
+    messages = _messages(row, spec)
+    if not train_on_inputs and not any(m["role"] == "assistant" for m in messages):
+        raise InvalidRowError("no assistant message: nothing to learn from this conversation")
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) or None
+        except json.JSONDecodeError:
+            raise InvalidRowError("field 'tools' is a string that is not JSON") from None
+    ids, mask = chat_ids_and_mask(messages, tokenizer, tools=tools or None, chat_template=template,
+                                  train_on_inputs=train_on_inputs)
+    return Example.of(ids, mask)
+
+
+def fit_length(ex: Example, sequence_len: int, mode: str = "truncate") -> Example | None:
+    """`ex` if it fits, else its first sequence_len tokens (mode "truncate") or None (mode "drop")."""
+    if len(ex) <= sequence_len:
+        return ex
+    if mode == "drop":
+        return None
+    if mode != "truncate":
+        raise ValueError(f"truncation mode must be 'truncate' or 'drop', got {mode!r}")
+    return Example(ex.ids[:sequence_len], ex.mask[:sequence_len])
+
+
+def supervised_targets(ex: Example) -> int:
+    """Tokens that carry loss as targets (the first token is never a target)."""
+    return int(ex.mask[1:].sum())

@@ -1,0 +1,217 @@
+"""From dataset specs and a tokenizer to a train loader, an optional eval loader and the data's statistics.
+
+    specs --sources--> rows --formats--> Examples --fit_length--> (validation split) --packing--> rows --loader-->
+
+Everything is tokenized up front (in every process: the result is identical, and data sharding happens on
+rows in the loader). Multiple training datasets are concatenated in order; the loader shuffles rows.
+`validation_split_ratio` holds out a seeded random subset of the training examples; `validation_datasets`
+give the eval set instead. `build_data` takes plain arguments; `build_data_from_config` reads the same keys
+from any object with the config's attribute names (surojax.config's DataSection).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from surojax.data.formats import Example, FormatSpec, detect_type, fit_length, make_formatter, supervised_targets
+from surojax.data.loader import EvalLoader, TrainLoader
+from surojax.data.packing import PackedRows
+from surojax.data.sources import DataError, InvalidRowError, ReadStats, read_rows
+from surojax.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One `datasets:` entry: where the rows are (sources) and how to read them (formats)."""
+
+    path: str
+    type: str = "auto"
+    split: str = "train"
+    subset: str | None = None
+    samples: int | None = None
+    text_field: str = "text"
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    messages_field: str = "messages"
+    system_prompt: str | None = None
+
+    @classmethod
+    def of(cls, obj: Any) -> "DatasetSpec":
+        """From a DatasetSpec, a str path, a dict, or any object with these attribute names (pydantic config)."""
+        if isinstance(obj, cls):
+            return obj
+        if isinstance(obj, (str, Path)):
+            return cls(path=str(obj))
+        get = obj.get if isinstance(obj, Mapping) else lambda k, d: getattr(obj, k, d)
+        return cls(**{f.name: get(f.name, f.default) for f in dataclasses.fields(cls) if f.name != "path"},
+                   path=str(get("path", None)))
+
+    def format_spec(self) -> FormatSpec:
+        return FormatSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(FormatSpec)})
+
+
+@dataclass
+class DataStats:
+    """What the pipeline made of the data (see the field comments; eval_* count the validation set)."""
+
+    sequence_len: int = 0
+    examples: int = 0              # training sequences after skips and drops
+    tokens: int = 0                # real (non-padding) tokens of those sequences, after truncation
+    supervised_tokens: int = 0     # positions with loss_mask 1 per epoch (targets that carry loss)
+    rows: int = 0                  # rows of sequence_len per epoch (packed or one example each)
+    packing_efficiency: float = 0.0  # tokens / (rows * sequence_len)
+    skipped_rows: int = 0          # invalid source rows skipped (skip_invalid_rows)
+    truncated: int = 0             # examples cut to sequence_len (truncation="truncate")
+    dropped_too_long: int = 0      # examples longer than sequence_len dropped (truncation="drop")
+    dropped_unsupervised: int = 0  # examples with no supervised target left (e.g. the prompt fills sequence_len)
+    eval_examples: int = 0
+    eval_tokens: int = 0
+    eval_supervised_tokens: int = 0
+    eval_rows: int = 0
+    datasets: list[dict] = field(default_factory=list)  # per dataset: path, split, type, why, rows, skipped, examples
+
+    def summary(self) -> str:
+        s = (f"{self.examples:,} examples, {self.tokens:,} tokens ({self.supervised_tokens:,} supervised) in "
+             f"{self.rows:,} rows of {self.sequence_len}; packing efficiency {self.packing_efficiency:.1%}")
+        if self.eval_examples:
+            s += f"; validation {self.eval_examples:,} examples / {self.eval_rows:,} rows"
+        dropped = {"skipped invalid rows": self.skipped_rows, "truncated": self.truncated,
+                   "dropped as too long": self.dropped_too_long,
+                   "dropped with nothing supervised": self.dropped_unsupervised}
+        return s + "".join(f"; {n:,} {what}" for what, n in dropped.items() if n)
+
+
+@dataclass
+class Data:
+    train: TrainLoader
+    eval: EvalLoader | None
+    stats: DataStats
+    train_rows: PackedRows
+    eval_rows: PackedRows | None = None
+
+    def examples(self, n: int = 3) -> list[Example]:
+        """The first n training examples (dataset order) for inspection, e.g. debug.debug_print."""
+        return [Example(*self.train_rows.example(e)) for e in range(min(n, len(self.train_rows.offsets) - 1))]
+
+
+def chat_template_text(chat_template: str | None) -> str | None:
+    """The `chat_template:` key: a path to a .jinja file, or the template text itself."""
+    if chat_template is None or "{" in chat_template:
+        return chat_template
+    p = Path(chat_template).expanduser()
+    if not p.is_file():
+        raise DataError(f"chat_template {chat_template!r} is neither a file nor a jinja template")
+    return p.read_text(encoding="utf-8")
+
+
+def load_examples(spec: Any, tokenizer: Tokenizer, *, sequence_len: int, train_on_inputs: bool = False,
+                  skip_invalid_rows: bool = False, truncation: str = "truncate", chat_template: str | None = None,
+                  stats: DataStats | None = None) -> list[Example]:
+    """Read, format and fit one dataset; counts go into `stats` (skips, truncation, the chosen type)."""
+    spec, stats = DatasetSpec.of(spec), stats if stats is not None else DataStats(sequence_len=sequence_len)
+    read = ReadStats()
+    rows = read_rows(spec.path, split=spec.split, subset=spec.subset, samples=spec.samples,
+                     skip_invalid_rows=skip_invalid_rows, stats=read)
+    fmt, kind, why, out = None, spec.type, "set in the config", []
+    for where, row in rows:
+        if fmt is None:
+            if kind == "auto":
+                kind, why = detect_type(row, spec.format_spec())
+                log.info("%s: type auto -> %s (%s)", spec.path, kind, why)
+            fmt = make_formatter(kind, tokenizer, spec.format_spec(), train_on_inputs=train_on_inputs,
+                                 chat_template=chat_template)
+        try:
+            ex = fmt(row)
+        except InvalidRowError as e:
+            if not skip_invalid_rows:
+                raise DataError(f"{where}: {e} (set skip_invalid_rows: true to skip such rows)") from None
+            read.skip(where, str(e))
+            continue
+        fitted = fit_length(ex, sequence_len, truncation)
+        if fitted is None:
+            stats.dropped_too_long += 1
+            continue
+        stats.truncated += fitted is not ex
+        if supervised_targets(fitted) == 0:
+            stats.dropped_unsupervised += 1
+            continue
+        out.append(fitted)
+    if read.skipped:
+        log.warning("%s: skipped %d invalid rows of %d", spec.path, read.skipped, read.rows + read.skipped)
+    stats.skipped_rows += read.skipped
+    stats.datasets.append({"path": spec.path, "split": spec.split, "type": kind, "why": why, "rows": read.rows,
+                           "skipped": read.skipped, "examples": len(out)})
+    return out
+
+
+def validation_split(n: int, ratio: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, validation indices), both ascending; the validation set is a seeded random subset."""
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"validation_split_ratio must be in [0, 1), got {ratio}")
+    n_val = 0 if ratio == 0 else max(1, round(n * ratio))
+    if n_val >= n and n_val:
+        raise DataError(f"validation_split_ratio {ratio} leaves no training examples out of {n}")
+    held = np.random.default_rng(seed).permutation(n)[:n_val]
+    is_val = np.zeros(n, bool)
+    is_val[held] = True
+    return np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+
+def build_data(datasets: Iterable[Any], tokenizer: Tokenizer, *, sequence_len: int, batch_size: int,
+               sample_packing: bool = True, seed: int = 0, train_on_inputs: bool = False,
+               skip_invalid_rows: bool = False, truncation: str = "truncate", validation_split_ratio: float = 0.0,
+               validation_datasets: Iterable[Any] = (), num_epochs: int | None = None,
+               eval_batch_size: int | None = None, chat_template: str | None = None,
+               process_index: int | None = None, process_count: int | None = None) -> Data:
+    """Train loader (+ eval loader) and stats. `batch_size` / `eval_batch_size` count rows of a GLOBAL batch."""
+    datasets, validation_datasets = list(datasets), list(validation_datasets)
+    if not datasets:
+        raise DataError("no datasets given")
+    if validation_split_ratio and validation_datasets:
+        raise DataError("set either validation_split_ratio or validation_datasets, not both")
+    chat_template = chat_template_text(chat_template)
+    stats = DataStats(sequence_len=sequence_len)
+    common = dict(sequence_len=sequence_len, train_on_inputs=train_on_inputs, skip_invalid_rows=skip_invalid_rows,
+                  truncation=truncation, chat_template=chat_template, stats=stats)
+    examples = [ex for spec in datasets for ex in load_examples(spec, tokenizer, **common)]
+    if validation_datasets:
+        val_examples = [ex for spec in validation_datasets for ex in load_examples(spec, tokenizer, **common)]
+    else:
+        train_idx, val_idx = validation_split(len(examples), validation_split_ratio, seed)
+        examples, val_examples = [examples[i] for i in train_idx], [examples[i] for i in val_idx]
+    if not examples:
+        raise DataError(f"no training examples left ({stats.summary()})")
+
+    rows = PackedRows(examples, sequence_len, packing=sample_packing)
+    stats.examples, stats.tokens, stats.rows = len(examples), rows.tokens, len(rows)
+    stats.supervised_tokens = sum(supervised_targets(e) for e in examples)
+    stats.packing_efficiency = rows.efficiency
+    procs = dict(process_index=process_index, process_count=process_count)
+    train = TrainLoader(rows, batch_size, seed=seed, num_epochs=num_epochs, **procs)
+    eval_rows = eval_loader = None
+    if val_examples:
+        eval_rows = PackedRows(val_examples, sequence_len, packing=sample_packing)
+        stats.eval_examples, stats.eval_tokens, stats.eval_rows = len(val_examples), eval_rows.tokens, len(eval_rows)
+        stats.eval_supervised_tokens = sum(supervised_targets(e) for e in val_examples)
+        eval_loader = EvalLoader(eval_rows, eval_batch_size or batch_size, **procs)
+    log.info("data: %s", stats.summary())
+    return Data(train=train, eval=eval_loader, stats=stats, train_rows=rows, eval_rows=eval_rows)
+
+
+def build_data_from_config(cfg: Any, tokenizer: Tokenizer, *, batch_size: int, seed: int = 0,
+                           num_epochs: int | None = None, **overrides) -> Data:
+    """`build_data` with the data keys read from `cfg` (sequence_len, sample_packing, datasets ...)."""
+    keys = ("sequence_len", "sample_packing", "train_on_inputs", "skip_invalid_rows", "validation_split_ratio",
+            "validation_datasets", "chat_template")
+    kwargs = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}
+    kwargs.update(overrides)
+    return build_data(cfg.datasets, tokenizer, batch_size=batch_size, seed=seed, num_epochs=num_epochs, **kwargs)
