@@ -105,3 +105,17 @@ def positive_int(value: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 (got {n})")
     return n
+
+
+def train_from_args(args: argparse.Namespace) -> int:
+    """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`)."""
+    import logging
+
+    from surojax.train.trainer import Trainer
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("absl", "jax._src", "orbax", "grain"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cfg = load_config_args(args)
+    Trainer(cfg).train()
+    return 0

@@ -1,12 +1,12 @@
 """`surojax sft CONFIG`: supervised fine-tuning (full, LoRA, QLoRA).
 
-For now it validates the config and the paths it points at, prints what it would do, and stops.
+Validates the whole config and the paths it names before any heavy work, then trains.
 """
 from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import add_config_arguments, load_config_args, not_implemented, print_summary
+from surojax.cli.common import add_config_arguments, train_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,5 +14,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print_summary(load_config_args(args))
-    return not_implemented("sft")
+    return train_from_args(args)

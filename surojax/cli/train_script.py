@@ -1,12 +1,12 @@
 """`python -m surojax.train --config FILE [--override key=value ...]` (entry in surojax/train/__main__.py).
 
-Validates the config, prints a summary, and (for now) says training is not implemented yet.
+Validates the whole config (and the paths it names) before any heavy work, then trains.
 """
 from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import add_config_arguments, load_config_args, not_implemented, print_summary, run_guarded
+from surojax.cli.common import add_config_arguments, run_guarded, train_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,8 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    print_summary(load_config_args(args))
-    return not_implemented("training")
+    return train_from_args(args)
 
 
 def main(argv: list[str] | None = None) -> int:

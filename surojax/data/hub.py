@@ -23,6 +23,8 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 class ModelNotFoundError(FileNotFoundError):
     """A name that is neither an existing local path nor a repo id present in the local Hugging Face cache."""
 
+    is_user_error = True
+
 
 def hf_hub_cache() -> Path:
     """The Hugging Face hub cache directory the environment points at (it need not exist)."""

@@ -32,9 +32,13 @@ _SHOWN_SKIPS = 5  # invalid rows logged one by one before only the count is kept
 class DataError(ValueError):
     """A dataset cannot be read as asked (missing path, unknown format, invalid row without skipping)."""
 
+    is_user_error = True
+
 
 class InvalidRowError(ValueError):
     """One row cannot be used; the caller adds its location and either raises a `DataError` or skips it."""
+
+    is_user_error = True
 
 
 @dataclass

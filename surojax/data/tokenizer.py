@@ -47,6 +47,8 @@ _TRACKER_VAR = "__surojax_generation_tracker"
 class TokenizerError(ValueError):
     """A tokenizer directory that cannot be loaded, or a request the tokenizer cannot serve."""
 
+    is_user_error = True
+
 
 class ChatTemplateError(TokenizerError):
     """No chat template, a template that does not compile, or a template that rejected the conversation."""

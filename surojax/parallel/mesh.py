@@ -29,6 +29,8 @@ REST = -1  # "the rest of the devices"
 class MeshError(ValueError):
     """Mesh sizes that do not fit the devices."""
 
+    is_user_error = True
+
 
 def _sizes_of(parallel: Mapping[str, Any] | Any | None) -> dict[str, int]:
     """Read data/fsdp/tensor from a dict or an object with those attributes; a missing one is 1."""

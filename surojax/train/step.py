@@ -18,15 +18,22 @@ from flax import nnx
 
 
 def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, remat=None,
-                    donate: bool = True, jit: bool = True):
-    """`loss_fn(model, micro_batch, remat=...) -> (loss_sum, {"tokens": count, ...})`."""
+                    prepare: Callable | None = None, donate: bool = True, jit: bool = True):
+    """`loss_fn(model, micro_batch, remat=...) -> (loss_sum, {"tokens": count, ...})`.
+
+    `prepare(model, key)`, when given, runs on the merged model before each micro-batch's forward pass with
+    a key distinct per step and micro-batch (LoRA dropout keys).
+    """
 
     def step(trainable, frozen, opt_state, batch, rng):
-        def micro(carry, mb):
+        def micro(carry, xs):
             g_acc, loss_acc, n_acc = carry
+            mb, index = xs
 
             def f(tr):
                 model = nnx.merge(graphdef, tr, frozen)
+                if prepare is not None:
+                    prepare(model, jax.random.fold_in(rng, index))
                 return loss_fn(model, mb, remat=remat)
 
             (loss_sum, aux), g = jax.value_and_grad(f, has_aux=True)(trainable)
@@ -35,7 +42,8 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, loss_sum, count), _ = jax.lax.scan(micro, init, batch)
+        n_micro = jax.tree.leaves(batch)[0].shape[0]
+        (grads, loss_sum, count), _ = jax.lax.scan(micro, init, (batch, jnp.arange(n_micro)))
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         grad_norm = optax.global_norm(grads)

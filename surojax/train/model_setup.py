@@ -1,0 +1,99 @@
+"""From a TrainConfig to the model the trainer trains: load or build, precision, LoRA.
+
+Precision recipes (`recipe`):
+    fp32  everything fp32 (exact CPU tests)
+    bf16  bf16 compute (matmul operands), fp32 accumulation. Full fine-tuning keeps fp32 master weights
+          (`master_dtype`) that are cast at each use; LoRA keeps the frozen base in bf16 and the adapters in
+          `lora_dtype` (fp32 by default).
+Transforms are applied to the built model in this order: (quantise base) -> LoRA (stacked adapters first).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
+
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+class TrainSetupError(ValueError):
+    is_user_error = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    compute: object  # activation / matmul operand dtype
+    base: object  # storage of frozen (LoRA) or master (full) weights
+    adapter: object  # storage of LoRA adapters
+
+
+def precision_for(cfg) -> Precision:
+    if cfg.recipe not in ("fp32", "bf16"):
+        raise TrainSetupError(f"recipe: {cfg.recipe} is not available yet in this version (use bf16 or fp32)")
+    if cfg.recipe == "fp32":
+        return Precision(jnp.float32, jnp.float32, jnp.float32)
+    base = jnp.bfloat16 if cfg.lora else DTYPES[cfg.master_dtype]
+    return Precision(jnp.bfloat16, base, DTYPES[cfg.lora_dtype])
+
+
+def model_config_for(cfg) -> ModelConfig:
+    """The architecture: the model folder's config.json, updated by `model_config` (from_scratch)."""
+    from surojax.data.hub import resolve_local
+
+    hf: dict = {}
+    if cfg.model:
+        path = Path(resolve_local(cfg.model)) / "config.json"
+        if not path.is_file():
+            raise TrainSetupError(f"model: {cfg.model} has no config.json")
+        hf = json.loads(path.read_text())
+    hf.update(cfg.model_config_overrides or {})
+    if cfg.rope_scaling:
+        hf["rope_scaling"] = dict(cfg.rope_scaling)
+        hf.pop("rope_parameters", None)
+    if cfg.max_model_len:
+        hf["max_position_embeddings"] = cfg.max_model_len
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as e:
+        raise TrainSetupError(f"model_config: {e}") from None
+
+
+def build_model(cfg) -> Decoder:
+    """Load (or randomly initialise with `from_scratch`) and apply the LoRA transform when asked."""
+    from surojax.weights.hf_checkpoint import load_model
+
+    prec = precision_for(cfg)
+    if cfg.is_qlora:
+        raise TrainSetupError("quantised bases (qlora_*) are not available yet in this version")
+    mcfg = model_config_for(cfg)
+    if cfg.from_scratch:
+        model = Decoder(mcfg, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention,
+                        rngs=nnx.Rngs(params=cfg.seed))
+        log.info("initialised %s from scratch (seed %d)", mcfg.model_type, cfg.seed)
+    else:
+        model = load_model(cfg.model, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention, cfg=mcfg)
+    if cfg.lora:
+        from surojax.peft.stacked import init_lora
+
+        init_lora(model, targets=cfg.lora_target_modules, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                  dropout=cfg.lora_dropout, use_rslora=cfg.use_rslora, rngs=nnx.Rngs(params=cfg.seed + 1),
+                  dtype=prec.adapter, adapter_path=cfg.adapter_path, adapter_init_mode=cfg.adapter_init_mode)
+    return model
+
+
+def trainable_filter(cfg):
+    """What the optimizer updates: the adapters for LoRA, every weight otherwise."""
+    if cfg.lora:
+        from surojax.peft.lora import TRAINABLE
+
+        return TRAINABLE
+    return nnx.Param
