@@ -60,6 +60,9 @@ class SafetensorsFile:
         self._entries = header
         data_size = size - self._data_start
         for name, e in header.items():
+            if isinstance(e, dict) and isinstance(e.get("dtype"), str) and e["dtype"] not in DTYPES:
+                raise WeightsError(f"{self.path}: tensor {name!r} has dtype {e['dtype']}, which surojax cannot read "
+                                   f"(supported: {', '.join(DTYPES)})")
             try:
                 dtype = DTYPES[e["dtype"]]
                 begin, end = e["data_offsets"]
@@ -100,7 +103,8 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
     offset = 0
     arrays = []
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr)
+        arr = np.ascontiguousarray(arr).reshape(arr.shape)  # ascontiguousarray alone makes a 0-d tensor [1]
         if arr.dtype not in NAMES:
             raise WeightsError(f"tensor {name!r}: dtype {arr.dtype} cannot be written to safetensors")
         header[name] = {"dtype": NAMES[arr.dtype], "shape": list(arr.shape),
