@@ -46,7 +46,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         (grads, loss_sum, count), _ = jax.lax.scan(micro, init, (batch, jnp.arange(n_micro)))
         denom = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         return trainable, opt_state, {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
