@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import jax
@@ -62,6 +62,14 @@ def open_checkpoint(model_dir: str | os.PathLike) -> dict[str, SafetensorsFile]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise WeightsError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise WeightsError(f"{index}: not a valid safetensors index "
+                               "(weight_map must map tensor names to shard file names)")
+        for fname in sorted(set(weight_map.values())):
+            if not (d / fname).is_file():
+                listed = [n for n, f in weight_map.items() if f == fname]
+                raise WeightsError(f"{d / fname}: shard file not found; {index.name} lists {len(listed)} "
+                                   f"tensor(s) in it: {_listing(listed)}")
         files = {f: SafetensorsFile(d / f) for f in sorted(set(weight_map.values()))}
         where = {}
         for name, fname in weight_map.items():
@@ -184,13 +192,17 @@ def save_model(model: Decoder, out_dir: str | os.PathLike, *, dtype=None, max_sh
     and an existing non-empty folder is never overwritten unless `overwrite` is set.
     """
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise WeightsError(f"{out_dir}: exists and is not a folder; choose another output folder")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise WeightsError(f"{out_dir}: exists and is not empty; choose another output folder")
     tensors = hf_tensors(model, dtype)
     hf_cfg = model.cfg.to_hf()
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(next(iter(tensors.values())).dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    # Not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder; mkdir gives the usual umask mode.
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
     try:
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
         shards, current, size = [], {}, 0

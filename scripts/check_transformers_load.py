@@ -1,0 +1,105 @@
+"""Check that transformers loads folders written by `surojax.weights.save_model` and gives the expected logits.
+
+Run with the reference environment (torch + transformers), never from the surojax venv:
+
+    /work/refenv/bin/python scripts/check_transformers_load.py SAVED_DIR[=EXPECTED.npz] ...
+
+For each folder: `AutoConfig` / `AutoModelForCausalLM.from_pretrained(dir, dtype=float32,
+attn_implementation="eager")` with `output_loading_info=True`; then the logits of `tokens0..2` from EXPECTED.npz
+(default: DIR/expected.npz, as in tests/fixtures/models/<name>/) are compared with its `logits0..2`, and greedy
+decoding of `greedy_prompt` with `greedy_tokens` (unless --no-greedy). Prints one JSON line per folder:
+
+    {"dir", "model_type", "architecture", "rope_parameters", "attention_bias" (q/k/v/o bias present),
+     "tie_word_embeddings", "sliding_window", "missing_keys", "unexpected_keys", "mismatched_keys", "warnings",
+     "max_abs_diff", "greedy_equal" (null with --no-greedy), "ok"}
+
+`ok` is true when loading reported no missing / unexpected / mismatched keys and no warnings about the config,
+max_abs_diff <= --tol (default 1e-5: the weights are the fixture's bits, so HF's own logits come back) and the
+greedy tokens (when decoded) are equal. Exit status 0 when every folder is ok, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def check(model_dir: Path, expected: Path, tol: float, greedy: bool = True) -> dict:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    capture = _Capture()
+    transformers.logging.get_logger("transformers").addHandler(capture)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = AutoConfig.from_pretrained(model_dir)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    transformers.logging.get_logger("transformers").removeHandler(capture)
+    model.eval()
+    exp = np.load(expected)
+    diffs = []
+    with torch.no_grad():
+        for i in range(3):
+            tokens = torch.tensor(exp[f"tokens{i}"][None].astype(np.int64))
+            logits = model(tokens).logits[0].float().numpy()
+            diffs.append(float(np.abs(logits - exp[f"logits{i}"]).max()))
+        if greedy:
+            prompt = torch.tensor(exp["greedy_prompt"][None].astype(np.int64))
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                 max_new_tokens=len(exp["greedy_tokens"]), eos_token_id=None, pad_token_id=0)
+            greedy_equal = out[0, prompt.shape[1]:].tolist() == exp["greedy_tokens"].tolist()
+    attn = model.model.layers[0].self_attn
+    report = {
+        "dir": str(model_dir),
+        "model_type": config.model_type,
+        "architecture": type(model).__name__,
+        "rope_parameters": getattr(config, "rope_parameters", None),
+        "attention_bias": {p: getattr(attn, f"{p}_proj").bias is not None for p in "qkvo"},
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "sliding_window": getattr(config, "sliding_window", None),
+        "missing_keys": sorted(info.get("missing_keys", [])),
+        "unexpected_keys": sorted(info.get("unexpected_keys", [])),
+        "mismatched_keys": [str(k) for k in info.get("mismatched_keys", [])],
+        "warnings": [m for m in capture.messages + [str(w.message) for w in caught]
+                     if any(s in m.lower() for s in ("rope", "config", "unrecognized", "ignored", "not used"))],
+        "max_abs_diff": max(diffs),
+        "greedy_equal": greedy_equal if greedy else None,
+    }
+    report["ok"] = (not report["missing_keys"] and not report["unexpected_keys"] and not report["mismatched_keys"]
+                    and not report["warnings"] and report["max_abs_diff"] <= tol and report["greedy_equal"] is not False)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dirs", nargs="+", metavar="DIR[=EXPECTED.npz]")
+    ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--no-greedy", action="store_true", help="skip greedy decoding (about 1 s a model on CPU)")
+    args = ap.parse_args(argv)
+    ok = True
+    for spec in args.dirs:
+        d, _, npz = spec.partition("=")
+        report = check(Path(d), Path(npz) if npz else Path(d) / "expected.npz", args.tol, not args.no_greedy)
+        ok &= report["ok"]
+        print(json.dumps(report), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
