@@ -31,7 +31,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
             mb, index = xs
 
             def f(tr):
-                model = nnx.merge(graphdef, tr, frozen)
+                model = nnx.merge(graphdef, tr, frozen, copy=True)  # fresh Variables: prepare() may set them
                 if prepare is not None:
                     prepare(model, jax.random.fold_in(rng, index))
                 return loss_fn(model, mb, remat=remat)

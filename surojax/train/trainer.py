@@ -104,7 +104,7 @@ class Trainer:
         self.graphdef, self.trainable, self.frozen = nnx.split(self.model, trainable_filter(cfg), ...)
         self.model.eval()
         self.eval_graphdef = nnx.split(self.model, trainable_filter(cfg), ...)[0]
-        self.opt_state = self.optimizer.init(self.trainable)
+        self.opt_state = self._init_opt_state()
         remat = remat_wrapper(cfg.recompute)
         prepare = self._dropout_prepare() if self._train_mode else None
         self._train_step = make_train_step(self.graphdef, self._loss_fn, self.optimizer, remat=remat, prepare=prepare)
@@ -125,6 +125,18 @@ class Trainer:
         if done and not self.cfg.resume_from_checkpoint:
             raise TrainSetupError(f"output_dir: {self.output_dir} already holds a trained {done[0].name} "
                                   f"({done[0]}); choose another output_dir or set resume_from_checkpoint")
+
+    def _init_opt_state(self):
+        """Optimizer state placed like the parameters it mirrors (moments) or replicated (counts), so that
+        the step's inputs carry the same shardings on every call and it compiles once."""
+        import optax
+
+        param_sh = jax.tree.map(lambda x: x.sharding, self.trainable)
+        abstract = jax.eval_shape(self.optimizer.init, self.trainable)
+        replicated = NamedSharding(self.mesh, P())
+        shardings = optax.tree_map_params(self.optimizer, lambda _, s: s, abstract, param_sh,
+                                          transform_non_params=lambda _: replicated)
+        return jax.jit(self.optimizer.init, out_shardings=shardings)(self.trainable)
 
     def _loss_fn(self, model, batch, remat=None):
         return lm_loss(model, batch, chunk=self.chunk, remat=remat)
