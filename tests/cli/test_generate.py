@@ -1,0 +1,168 @@
+"""`surojax generate`: greedy ids equal surojax's own generate and transformers' greedy tokens, --chat uses the
+model folder's chat template, and a bad --model is one clean error line (exit 1, no traceback)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from surojax.cli.generate import stop_ids
+from surojax.cli.main import main
+from surojax.data.tokenizer import Tokenizer
+from surojax.serve.generate import generate
+from surojax.weights.hf_checkpoint import load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN3 = ROOT / "tests" / "fixtures" / "models" / "qwen3"
+EXPECTED_CHAT = ROOT / "tests" / "fixtures" / "tokenizer" / "expected_chat.json"
+
+
+def run_generate(capsys, *args: str) -> tuple[int, str, str]:
+    rc = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def shown_ids(out: str) -> dict:
+    lines = [x for x in out.splitlines() if x.startswith('{"prompt_ids"')]
+    assert len(lines) == 1, out
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    model = load_model(QWEN3)
+    tok = Tokenizer.from_dir(QWEN3)
+    return model, tok, stop_ids(QWEN3, tok, model.cfg)
+
+
+def test_show_ids_equal_a_greedy_run(capsys, qwen3):
+    model, tok, stops = qwen3
+    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", "hello", "--max-new-tokens", "8",
+                                "--temperature", "0", "--show-ids")
+    assert rc == 0, err
+    ids = shown_ids(out)
+    assert ids["prompt_ids"] == tok.encode("hello")
+    assert ids["new_ids"] == generate(model, [tok.encode("hello")], 8, stop_ids=stops)[0]
+    assert 1 <= len(ids["new_ids"]) <= 8
+    assert out.splitlines()[0] == tok.decode([t for t in ids["new_ids"] if t not in stops], skip_special_tokens=True)
+    assert "qwen3, float32]" in err and f"[{len(ids['new_ids'])} tokens in" in err
+
+
+def test_greedy_ids_equal_transformers(capsys):
+    """The fixture's greedy prompt as text: the CLI's 8 ids are the first 8 of transformers' greedy tokens."""
+    exp = np.load(QWEN3 / "expected.npz")
+    tok = Tokenizer.from_dir(QWEN3)
+    text = tok.decode(exp["greedy_prompt"].tolist())
+    assert tok.encode(text) == exp["greedy_prompt"].tolist()  # the text encodes back to the same prompt
+    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", text, "--max-new-tokens", "8",
+                                "--ignore-eos", "--show-ids")
+    assert rc == 0, err
+    ids = shown_ids(out)
+    assert ids["prompt_ids"] == exp["greedy_prompt"].tolist()
+    assert ids["new_ids"] == exp["greedy_tokens"][:8].tolist()
+
+
+def test_chat_uses_the_template(capsys, qwen3):
+    model, tok, stops = qwen3
+    case = next(c for c in json.loads(EXPECTED_CHAT.read_text())["cases"] if c["name"] == "single_turn")
+    question = case["messages"][0]["content"]
+    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", question, "--chat", "--max-new-tokens", "4",
+                                "--show-ids")
+    assert rc == 0, err
+    ids = shown_ids(out)
+    assert ids["prompt_ids"] == case["expected"]["chatml"]["ids"]  # what transformers' apply_chat_template gives
+    assert ids["new_ids"] == generate(model, [ids["prompt_ids"]], 4, stop_ids=stops)[0]
+
+    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", question, "--chat", "--system",
+                                "Be brief.", "--max-new-tokens", "1", "--show-ids")
+    assert rc == 0, err
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]
+    assert shown_ids(out)["prompt_ids"] == tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                                   tokenize=True)
+
+
+def test_bfloat16_and_sampling_run(capsys):
+    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", "hello", "--max-new-tokens", "3",
+                                "--dtype", "bfloat16", "--temperature", "0.8", "--top-k", "5", "--seed", "3",
+                                "--ignore-eos", "--show-ids")
+    assert rc == 0, err
+    ids = shown_ids(out)["new_ids"]
+    assert len(ids) == 3 and all(0 <= t < 512 for t in ids) and "bfloat16]" in err
+
+
+def test_repo_id_from_the_hf_cache(capsys, tmp_path, monkeypatch):
+    snap = tmp_path / "hub" / "models--tiny-org--tiny-qwen3" / "snapshots" / ("ab" * 20)
+    shutil.copytree(QWEN3, snap)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    args = ("--prompt", "hello", "--max-new-tokens", "8", "--show-ids")
+    rc, out, err = run_generate(capsys, "--model", "tiny-org/tiny-qwen3", *args)
+    assert rc == 0, err
+    rc2, out2, _ = run_generate(capsys, "--model", str(QWEN3), *args)
+    assert rc2 == 0 and shown_ids(out) == shown_ids(out2)
+
+
+# ---- errors -------------------------------------------------------------------------------------------------------
+
+def error_lines(err: str) -> list[str]:
+    assert "Traceback" not in err
+    return [x for x in err.splitlines() if x.strip()]
+
+
+def test_bad_model_in_a_subprocess_is_one_clean_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "COLUMNS": "60"}
+    r = subprocess.run([sys.executable, "-m", "surojax.cli.main", "generate", "--model", "BAD", "--prompt", "hi"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    lines = error_lines(r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr  # not wrapped at COLUMNS either
+    assert "model 'BAD' was not found locally" in lines[0] and str(tmp_path / "hub") in lines[0]
+    assert r.stdout == ""
+
+
+def broken_copy(tmp_path: Path, drop: str | None = None) -> Path:
+    d = tmp_path / "model"
+    shutil.copytree(QWEN3, d)
+    if drop:
+        (d / drop).unlink()
+    return d
+
+
+@pytest.mark.parametrize("case", ["no_config", "no_weights", "truncated", "no_tokenizer", "missing_path"])
+def test_bad_model_folders_are_one_clean_line(case, tmp_path, capsys):
+    if case == "no_config":
+        d, want = broken_copy(tmp_path, "config.json"), "no config.json"
+    elif case == "no_weights":
+        d, want = broken_copy(tmp_path, "model.safetensors"), "no model.safetensors"
+    elif case == "truncated":
+        d = broken_copy(tmp_path)
+        raw = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(raw[:-100])
+        want = "truncated: tensor"
+    elif case == "no_tokenizer":
+        d, want = broken_copy(tmp_path, "tokenizer.json"), "tokenizer.json not found"
+    else:
+        d, want = tmp_path / "absent" / "model", "does not exist"
+    rc, out, err = run_generate(capsys, "--model", str(d), "--prompt", "hi")
+    assert rc == 1
+    lines = error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0] and str(d) in lines[0], err
+    assert out == ""
+
+
+def test_bad_arguments_exit_with_a_message(capsys):
+    for args, message in ((["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+                          (["--temperature", "-1"], "--temperature must be >= 0"),
+                          (["--top-p", "0"], "--top-p in (0, 1]")):
+        with pytest.raises(SystemExit) as e:  # as a console script: the message on stderr, exit status 1
+            main(["generate", "--model", str(QWEN3), "--prompt", "hi", *args])
+        assert message in str(e.value.code)
+    assert main(["generate", "--model", str(QWEN3)]) == 2  # --prompt missing: argparse usage error
+    assert "--prompt" in capsys.readouterr().err
