@@ -1,24 +1,36 @@
-"""`surojax export CHECKPOINT --format hf|peft|gguf --output PATH`: write a training checkpoint in an
-interoperable format. For now it checks its arguments and stops."""
+"""`surojax export CONFIG [--checkpoint PATH] [--output DIR]`: write a training run's checkpoint as a PEFT
+adapter (LoRA) or an HF model folder (full), exactly what the end of training writes.
+
+The run is rebuilt from its config (model, adapters, data position) and the checkpoint restored into it:
+the latest one in the run's checkpoint_dir, or the step folder given with --checkpoint.
+"""
 from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import UsageError, existing_path, not_implemented
-
-GGUF_OUT_TYPES = ("f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
+from surojax.cli.common import add_config_arguments, load_config_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory written by training")
-    parser.add_argument("--format", choices=["hf", "peft", "gguf"], default="hf",
-                        help="hf: safetensors + config.json; peft: the LoRA adapter; gguf: for llama.cpp")
-    parser.add_argument("--gguf-type", choices=GGUF_OUT_TYPES, default=None, help="GGUF tensor type (gguf only)")
-    parser.add_argument("--output", required=True, metavar="PATH")
+    add_config_arguments(parser)
+    parser.add_argument("--checkpoint", metavar="PATH", default=None,
+                        help="a checkpoint step folder (default: the latest in the run's checkpoint_dir)")
+    parser.add_argument("--output", metavar="DIR", default=None,
+                        help="where to write (default: <output_dir>/adapter or <output_dir>/model)")
 
 
 def run(args: argparse.Namespace) -> int:
-    existing_path(args.checkpoint, "checkpoint")
-    if args.gguf_type is not None and args.format != "gguf":
-        raise UsageError("--gguf-type only applies with --format gguf")
-    return not_implemented("export")
+    from surojax.cli.common import UsageError
+    from surojax.train.checkpoints import Checkpointer
+    from surojax.train.trainer import Trainer
+
+    cfg = load_config_args(args)
+    target = args.checkpoint or True
+    if target is True:
+        ck = Checkpointer(cfg.checkpoint_dir or f"{cfg.output_dir}/checkpoints")
+        if ck.latest_step() is None:
+            raise UsageError(f"no checkpoint in {ck.directory}; train with save_steps first, or pass --checkpoint")
+    trainer = Trainer(cfg.model_copy(update={"resume_from_checkpoint": target}))
+    out = trainer.export(args.output)
+    print(f"exported step {trainer.step_count} -> {out}")
+    return 0

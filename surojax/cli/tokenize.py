@@ -1,18 +1,38 @@
-"""`surojax tokenize CONFIG [--debug]`: tokenize and pack the config's datasets; --debug prints rows with
-their loss masks. For now it validates the config and stops."""
+"""`surojax tokenize CONFIG [--debug]`: tokenize and pack the config's datasets and report the statistics;
+--debug prints a few examples token by token with the tokens that carry loss marked."""
 from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import add_config_arguments, load_config_args, not_implemented, positive_int
+from surojax.cli.common import add_config_arguments, load_config_args, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--debug", action="store_true", help="print decoded rows with trained tokens marked")
-    parser.add_argument("--rows", type=positive_int, default=3, help="rows to print with --debug (default 3)")
+    parser.add_argument("--debug", action="store_true", help="print decoded examples with trained tokens marked")
+    parser.add_argument("--rows", type=positive_int, default=3, help="examples to print with --debug (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
-    load_config_args(args)
-    return not_implemented("tokenize")
+    from rich.console import Console
+
+    from surojax.data.debug import debug_print
+    from surojax.data.hub import resolve_local
+    from surojax.data.pipeline import build_data_from_config
+    from surojax.data.tokenizer import Tokenizer
+
+    cfg = load_config_args(args)
+    source = cfg.tokenizer or cfg.model
+    if source is None:
+        from surojax.cli.common import UsageError
+
+        raise UsageError("the config names no tokenizer (set `tokenizer` or `model`)")
+    tokenizer = Tokenizer.from_dir(resolve_local(source))
+    data = build_data_from_config(cfg, tokenizer, batch_size=cfg.per_device_train_batch_size, seed=cfg.seed)
+    console = Console()
+    if args.debug:
+        debug_print(data.examples(args.rows), tokenizer, n=args.rows, console=console)
+    console.print(data.stats.summary(), highlight=False)
+    for d in getattr(data.stats, "datasets", []) or []:
+        console.print(f"  {d}", highlight=False)
+    return 0

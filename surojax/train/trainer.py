@@ -277,24 +277,27 @@ class Trainer:
         """The model with the trained weights (a fresh module; the trainer's own state is untouched)."""
         return nnx.merge(self.eval_graphdef, self.trainable, self.frozen)
 
-    def export(self) -> Path:
+    def export(self, out_dir: str | Path | None = None) -> Path:
+        """Write the trained weights: a PEFT adapter (LoRA; plus the merged model with `merge_adapter`) or an
+        HF model folder, each with the tokenizer files. Default folder: <output_dir>/adapter or /model."""
         from surojax.weights.hf_checkpoint import copy_tokenizer_files, save_model
 
         model = self.trained_model()
         save_dtype = jnp.bfloat16 if self.cfg.recipe == "bf16" else jnp.float32
-        overwrite = bool(self.cfg.resume_from_checkpoint)
+        overwrite = bool(self.cfg.resume_from_checkpoint) and out_dir is None
         if self.cfg.lora:
             from surojax.peft.lora import merge_lora
             from surojax.peft.peft_io import save_peft_adapter
 
-            out = save_peft_adapter(model, self.output_dir / "adapter", self.cfg.model, overwrite=overwrite)
+            out = save_peft_adapter(model, Path(out_dir or self.output_dir / "adapter"), self.cfg.model,
+                                    overwrite=overwrite)
             copy_tokenizer_files(self.tokenizer_dir, out)
             if self.cfg.merge_adapter:
                 save_model(merge_lora(model), self.output_dir / "merged", dtype=save_dtype,
                            tokenizer_dir=self.tokenizer_dir, overwrite=overwrite)
             return out
-        return save_model(model, self.output_dir / "model", dtype=save_dtype, tokenizer_dir=self.tokenizer_dir,
-                          overwrite=overwrite)
+        return save_model(model, Path(out_dir or self.output_dir / "model"), dtype=save_dtype,
+                          tokenizer_dir=self.tokenizer_dir, overwrite=overwrite)
 
 
 def precision_summary(cfg) -> str:
