@@ -14,7 +14,7 @@ from surojax.cli.main import COMMANDS, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "configs" / "examples" / "lora_qwen3.yaml"
-CONFIG_COMMANDS = ("dpo", "grpo", "distill", "tokenize", "bench")  # still placeholders that validate
+CONFIG_COMMANDS = ("dpo", "grpo", "distill", "bench")  # still placeholders that validate
 
 
 def run_py(*args: str) -> subprocess.CompletedProcess:
@@ -80,7 +80,7 @@ def test_each_command_module_has_the_interface(name):
 
 
 def _minimal_args(name: str) -> list[str]:
-    return {"merge": ["--base", "b", "--adapter", "a", "--output", "o"], "export": ["ckpt", "--output", "o"],
+    return {"merge": ["--base", "b", "--adapter", "a", "--output", "o"], "export": ["cfg.yaml", "--output", "o"],
             "quantize": ["m", "--format", "nf4", "--output", "o"], "serve": ["m"]}.get(name, ["cfg.yaml"])
 
 
@@ -113,10 +113,10 @@ def test_override_error_and_missing_path(good_config, capsys):
 
 
 def test_argument_commands_check_paths(tmp_path, capsys):
-    assert main(["merge", "--base", str(tmp_path / "x"), "--adapter", str(tmp_path), "--output", "o"]) == 1
-    assert "--base" in capsys.readouterr().err
-    assert main(["merge", "--base", str(tmp_path), "--adapter", str(tmp_path), "--output", "o"]) == 2
-    assert main(["export", str(tmp_path), "--output", "o", "--gguf-type", "q8_0"]) == 1
+    assert main(["merge", "--base", str(tmp_path), "--adapter", str(tmp_path / "x"), "--output", "o"]) == 1
+    assert "--checkpoint-dir" in capsys.readouterr().err
+    assert main(["merge", "--base", str(tmp_path), "--adapter", str(tmp_path), "--output", "o"]) == 1
+    assert "adapter_config.json" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--port", "70000"]) == 2  # argparse usage error
     assert main(["quantize", str(tmp_path), "--format", "nf4", "--output", "o"]) == 2
 
