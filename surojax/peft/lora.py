@@ -1,0 +1,200 @@
+"""LoRA as a transform on a built `Decoder`: targeted `Linear`s inside `model.layers` become `LoRALinear`s.
+
+    y = base(x) + ((dropout(x) @ A) * scaling) @ B       A [L, in, R], B [L, R, out]; per layer A [in, R], B [R, out]
+    scaling = alpha / R,  or alpha / sqrt(R) with rsLoRA (use_rslora)
+
+Init as PEFT does: A ~ kaiming-uniform(a=sqrt(5)) of the torch [R, in] matrix, i.e. U(-1/sqrt(in), 1/sqrt(in));
+B = 0, so a fresh adapter leaves the model's output exactly unchanged. The rank-R product is formed first
+(x @ A is [..., R]) and scaled there, where it is cheapest, then projected up by B.
+
+Variable types (the trainer selects by type, never by name):
+    adapters      `nnx.LoRAParam` (flax's own subclass of `nnx.Param`): lora_a ('layers', in_axis, None),
+                  lora_b ('layers', None, out_axis)
+    frozen base   plain `nnx.Param` (the original Linear, kept as `LoRALinear.base`)
+    dropout key   `LoRADropoutKey` (an `nnx.Variable`, not a Param): per-layer key data [L, ...]
+
+so `nnx.state(model, TRAINABLE)` / `nnx.DiffState(0, TRAINABLE)` / `nnx.Optimizer(..., wrt=TRAINABLE)` pick
+exactly the adapter, `nnx.state(model, FROZEN)` the base weights, and `nnx.state(model, nnx.Param)` — because
+LoRAParam is a Param — every weight of the model, adapter included. Only one adapter is trainable at a time:
+a previous one is folded into the base (`merge_lora`, adapter_init_mode: merge) or continued
+(adapter_init_mode: trainable); see surojax.peft.stacked.
+
+Dropout runs on the adapter's input only, and only when the module is in training mode (`deterministic`
+False: `model.train()`, or `nnx.view(model, deterministic=False)`); `apply_lora` leaves it in eval mode. The
+decoder runs the layers under `lax.scan` and drops whatever state the body changes, so a self-advancing
+rng stream cannot live in the layers: each LoRALinear holds a per-layer key ([L] on the scanned axis) and the
+training step calls `set_dropout_key(model, step_key)` before the forward pass, inside the jitted step.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from surojax.models.layers.linear import dot
+from surojax.models.layers.params import AXES, logical_axes
+from surojax.models.registry import LINEAR_MODULES
+
+TRAINABLE = nnx.LoRAParam
+FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+LORA_TARGETS: tuple[str, ...] = tuple(LINEAR_MODULES)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+
+
+class LoRADropoutKey(nnx.Variable):
+    """Raw PRNG key data [L, *key_shape] for LoRA dropout (one key per layer); set by `set_dropout_key`."""
+
+
+def lora_scaling(rank: int, alpha: float, use_rslora: bool = False) -> float:
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+class LoRALinear(nnx.Module):
+    """A frozen `base` Linear plus a low-rank update. Inside the scanned decoder it sees one layer's slice."""
+
+    def __init__(self, base: nnx.Module, lora_a: nnx.LoRAParam, lora_b: nnx.LoRAParam, *, rank: int,
+                 alpha: float, use_rslora: bool = False, dropout: float = 0.0,
+                 dropout_key: LoRADropoutKey | None = None):
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"lora dropout must be in [0, 1), got {dropout}")
+        if dropout > 0.0 and dropout_key is None:
+            raise ValueError("lora dropout > 0 needs a dropout_key variable")
+        self.base = base
+        self.lora_a = lora_a  # [L, in, R]
+        self.lora_b = lora_b  # [L, R, out]
+        self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
+        self.scaling = lora_scaling(rank, alpha, use_rslora)
+        self.dropout = dropout
+        self.dropout_key = dropout_key if dropout > 0.0 else None
+        self.deterministic = True  # eval mode until model.train()
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        y = self.base(x)
+        if self.dropout > 0.0 and not self.deterministic:
+            key = jax.random.wrap_key_data(self.dropout_key[...])
+            keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x)).astype(x.dtype)
+        h = dot(x, self.lora_a[...]) * self.scaling  # [..., R]
+        return y + dot(h, self.lora_b[...])  # [..., out]
+
+
+# ---- finding the targeted modules ---------------------------------------------------------------------------
+
+def resolve_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
+    """HF module names (or "all-linear") -> the names in LINEAR_MODULES order, checked."""
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    targets = list(targets)
+    if targets == ["all-linear"]:
+        return LORA_TARGETS
+    unknown = [t for t in targets if t not in LINEAR_MODULES]
+    if unknown or not targets:
+        raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid; choose from "
+                         f"{', '.join(LORA_TARGETS)} or 'all-linear'")
+    return tuple(t for t in LORA_TARGETS if t in targets)
+
+
+def _get(root: nnx.Module, dotted: str):
+    for part in dotted.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _set(root: nnx.Module, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        root = getattr(root, part)
+    setattr(root, last, value)
+
+
+def lora_modules(model) -> dict[str, LoRALinear]:
+    """HF target name -> the LoRALinear that replaced it (only the targets that carry an adapter)."""
+    out = {}
+    for name, sub in LINEAR_MODULES.items():
+        mod = _get(model.layers, sub)
+        if isinstance(mod, LoRALinear):
+            out[name] = mod
+    return out
+
+
+def base_linear(model, target: str) -> nnx.Module:
+    """The base Linear of a target, whether or not it is wrapped by LoRA."""
+    mod = _get(model.layers, LINEAR_MODULES[target])
+    return mod.base if isinstance(mod, LoRALinear) else mod
+
+
+# ---- apply / merge ------------------------------------------------------------------------------------------
+
+def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int, alpha: float,
+               dropout: float = 0.0, use_rslora: bool = False, rngs: nnx.Rngs, dtype=jnp.float32):
+    """Wrap each targeted Linear of `model.layers` in a LoRALinear (in place; returns the model).
+
+    dtype: storage dtype of A and B (fp32 master weights by default, whatever the base's dtype).
+    """
+    targets = resolve_targets(targets)
+    if rank <= 0:
+        raise ValueError(f"lora rank must be positive, got {rank}")
+    existing = lora_modules(model)
+    if existing:
+        raise ValueError(f"the model already has LoRA adapters on {', '.join(existing)}: fold them into the base "
+                         "first (merge_lora) or continue them (load_adapter_into(..., trainable=True))")
+    L = model.cfg.num_layers
+    for name in targets:
+        base = _get(model.layers, LINEAR_MODULES[name])
+        d_in, d_out = base.in_features, base.out_features
+        kernel_axes = logical_axes(base.kernel) if isinstance(base.kernel, nnx.Variable) else ("layers", None, None)
+        _, in_axis, out_axis = kernel_axes
+        bound = 1.0 / math.sqrt(d_in)  # kaiming_uniform(a=sqrt(5)) on torch's [R, in]: gain*sqrt(3/fan_in)
+        a = jax.random.uniform(rngs.params(), (L, d_in, rank), jnp.float32, -bound, bound).astype(dtype)
+        lora_a = nnx.LoRAParam(a, **{AXES: ("layers", in_axis, None)})
+        lora_b = nnx.LoRAParam(jnp.zeros((L, rank, d_out), dtype), **{AXES: ("layers", None, out_axis)})
+        key = None
+        if dropout > 0.0:
+            data = jax.random.key_data(jax.random.split(rngs.params(), L))  # [L, *key_shape]
+            key = LoRADropoutKey(data, **{AXES: ("layers",) + (None,) * (data.ndim - 1)})
+        _set(model.layers, LINEAR_MODULES[name],
+             LoRALinear(base, lora_a, lora_b, rank=rank, alpha=alpha, use_rslora=use_rslora, dropout=dropout,
+                        dropout_key=key))
+    return model
+
+
+def fold_into(linear: nnx.Module, a: jax.Array, b: jax.Array, scaling: float) -> None:
+    """kernel [L, in, out] += scaling * A [L, in, R] @ B [L, R, out], computed in fp32, stored in the kernel's dtype."""
+    kernel = linear.kernel
+    if not isinstance(kernel, nnx.Variable) or hasattr(kernel.get_value(), "dequantize"):
+        raise ValueError("cannot fold a LoRA adapter into a quantized base weight; merge into the unquantized "
+                         "model, then quantize")
+    w = kernel.get_value()
+    delta = jnp.einsum("lir,lro->lio", jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    kernel.set_value((w.astype(jnp.float32) + scaling * delta).astype(w.dtype))
+
+
+def merge_lora(model):
+    """Fold every adapter into its base kernel and put the plain Linear back (in place; returns the model).
+
+    The result has the structure of a freshly loaded base (same graphdef, only nnx.Param), so `save_model`
+    and `hf_tensors` work on it.
+    """
+    for name, mod in lora_modules(model).items():
+        fold_into(mod.base, mod.lora_a.get_value(), mod.lora_b.get_value(), mod.scaling)
+        _set(model.layers, LINEAR_MODULES[name], mod.base)
+    return model
+
+
+# ---- dropout ------------------------------------------------------------------------------------------------
+
+def set_dropout_key(model, key: jax.Array) -> None:
+    """Give every LoRA dropout a fresh key derived from `key` (distinct per module and per layer).
+
+    Call it inside the training step, once per micro-batch (e.g. with fold_in(step_rng, micro_index)), before
+    the forward pass. A no-op when no adapter uses dropout.
+    """
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    for i, (_, mod) in enumerate(sorted(lora_modules(model).items())):
+        if mod.dropout_key is not None:
+            n = mod.dropout_key.get_value().shape[0]
+            mod.dropout_key.set_value(jax.random.key_data(jax.random.split(jax.random.fold_in(key, i), n)))

@@ -1,0 +1,324 @@
+"""PEFT-format LoRA adapters: a folder with adapter_config.json + adapter_model.safetensors.
+
+Tensor names and layouts are PEFT's (torch Linear layout, one tensor per layer):
+
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight   [R, in]   = lora_a[i].T  (lora_a [L, in, R])
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight   [out, R]  = lora_b[i].T  (lora_b [L, R, out])
+
+The module part (`model.layers.{i}.self_attn.q_proj`) comes from the family's weight table
+(surojax.models.registry), so a family with other HF names needs no code here. Reading also accepts names
+with PEFT's in-memory adapter segment (`lora_A.default.weight`) and without the `base_model.model.` prefix.
+Anything this loader cannot reproduce exactly (DoRA, per-module rank/alpha patterns, biases, extra saved
+modules, layer subsets, ...) is an error that names the option, never silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from surojax.models.registry import LINEAR_MODULES, LLAMA_STYLE_WEIGHTS, WeightRow
+from surojax.peft.lora import lora_modules, lora_scaling, resolve_targets
+from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
+_LIST_LIMIT = 8
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+class AdapterError(WeightsError):
+    """An adapter folder that cannot be read or written as asked: the message names the file and the tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """The shape and scale of one adapter (what adapter_config.json records)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        return lora_scaling(self.rank, self.alpha, self.use_rslora)
+
+
+@dataclasses.dataclass
+class PeftAdapter:
+    """An adapter read from disk, in our layout: target -> (A [L, in, R], B [L, R, out]) numpy arrays."""
+
+    spec: LoraSpec
+    weights: dict[str, tuple[np.ndarray, np.ndarray]]
+    base_model_name_or_path: str | None = None
+    path: Path | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return next(iter(self.weights.values()))[0].shape[0]
+
+
+def module_names(rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> dict[str, str]:
+    """HF target name -> its HF module path, "{i}" for the layer: q_proj -> model.layers.{i}.self_attn.q_proj."""
+    by_path = {r.path: r.hf for r in rows}
+    out = {}
+    for name, sub in LINEAR_MODULES.items():
+        hf = by_path[f"layers.{sub}.kernel"]
+        out[name] = hf.removesuffix(".weight")
+    return out
+
+
+def _listing(names) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - _LIST_LIMIT} more" if len(names) > _LIST_LIMIT else ""
+    return ", ".join(names[:_LIST_LIMIT]) + more
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+
+def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None) -> dict:
+    """adapter_config.json for a plain LoRA, with the keys every PEFT release since rsLoRA/DoRA understands."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "r": spec.rank,
+        "lora_alpha": int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": list(spec.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": spec.use_rslora,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+    }
+
+
+def adapter_of(model) -> PeftAdapter:
+    """The model's current (trainable) adapter as numpy arrays in our layout."""
+    mods = lora_modules(model)
+    if not mods:
+        raise AdapterError("the model has no LoRA adapter to save (apply_lora or load_adapter_into first)")
+    specs = {(m.rank, m.alpha, m.use_rslora, m.dropout) for m in mods.values()}
+    if len(specs) != 1:
+        raise AdapterError(f"the model's adapters differ in (rank, alpha, use_rslora, dropout): {sorted(specs)}; "
+                           "one PEFT adapter needs one setting")
+    rank, alpha, use_rslora, dropout = specs.pop()
+    spec = LoraSpec(rank=rank, alpha=alpha, targets=tuple(mods), dropout=dropout, use_rslora=use_rslora)
+    weights = {name: (np.asarray(jax.device_get(m.lora_a.get_value())),  # [L, in, R]
+                      np.asarray(jax.device_get(m.lora_b.get_value())))  # [L, R, out]
+               for name, m in mods.items()}
+    return PeftAdapter(spec, weights)
+
+
+def peft_tensors(adapter: PeftAdapter, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS,
+                 dtype=None) -> dict[str, np.ndarray]:
+    """Our layout -> PEFT's tensor names and torch layout (A [R, in], B [out, R] per layer)."""
+    names = module_names(rows)
+    np_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
+    out = {}
+    for target, (a, b) in adapter.weights.items():
+        for i in range(a.shape[0]):
+            prefix = PEFT_PREFIX + names[target].format(i=i)
+            for ab, w in (("A", a[i].T), ("B", b[i].T)):
+                out[f"{prefix}.lora_{ab}.weight"] = np.ascontiguousarray(w if np_dtype is None else w.astype(np_dtype))
+    return out
+
+
+def save_peft_adapter(model, out_dir: str | os.PathLike, base_model_name_or_path: str | None, *, dtype=None,
+                      overwrite: bool = False, rows: tuple[WeightRow, ...] | None = None) -> Path:
+    """Write the model's adapter as a PEFT folder that `peft.PeftModel.from_pretrained` loads.
+
+    dtype: dtype of the saved tensors (default: as stored, fp32 master weights). The folder is written under
+    a temporary name next to `out_dir` and renamed at the end; a non-empty `out_dir` is an error unless
+    `overwrite`.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise AdapterError(f"{out_dir}: exists and is not empty; choose another output folder (or overwrite=True)")
+    adapter = adapter_of(model)
+    if rows is None:
+        from surojax.models.registry import weight_rows
+        rows = tuple(weight_rows(model.cfg))
+    tensors = peft_tensors(adapter, rows, dtype)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        cfg = adapter_config(adapter.spec, None if base_model_name_or_path is None else str(base_model_name_or_path))
+        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+        write_safetensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
+        if out_dir.exists():
+            shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# ---- reading ------------------------------------------------------------------------------------------------
+
+# Options of PEFT's LoraConfig that change what the adapter computes; a value other than the neutral one is
+# refused. (init_lora_weights, inference_mode, revision, runtime_config ... do not matter for a saved adapter.)
+_NEUTRAL = {
+    "use_dora": (False, None),
+    "fan_in_fan_out": (False, None),
+    "bias": ("none", None),
+    "lora_bias": (False, None),
+    "rank_pattern": ({}, None),
+    "alpha_pattern": ({}, None),
+    "modules_to_save": (None, []),
+    "layers_to_transform": (None,),
+    "layers_pattern": (None, [], ""),
+    "layer_replication": (None,),
+    "target_parameters": (None, []),
+    "trainable_token_indices": (None,),
+    "use_qalora": (False, None),
+    "alora_invocation_tokens": (None,),
+    "use_bdlora": (None, False),
+}
+
+
+def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]:
+    """Parse and check adapter_config.json; returns the raw dict and the spec (targets from target_modules)."""
+    path = Path(adapter_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise AdapterError(f"{adapter_dir}: no {CONFIG_FILE} (expected a PEFT adapter folder)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{path}: expected a JSON object")
+    if cfg.get("peft_type") != "LORA":
+        raise AdapterError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
+    bad = [f"{k}={cfg[k]!r}" for k, ok in _NEUTRAL.items() if k in cfg and cfg[k] not in ok]
+    if bad:
+        raise AdapterError(f"{path}: unsupported LoRA options: {', '.join(bad)} (surojax reads plain LoRA adapters: "
+                           "no DoRA, bias, rank/alpha patterns, saved modules or layer subsets)")
+    try:
+        rank = int(cfg["r"])
+        alpha = float(cfg["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise AdapterError(f"{path}: needs numeric r and lora_alpha ({e!r})") from None
+    if rank <= 0:
+        raise AdapterError(f"{path}: r must be positive, got {rank}")
+    tm = cfg.get("target_modules")
+    targets: tuple[str, ...] = ()
+    if isinstance(tm, list) or tm == "all-linear":
+        known = [t for t in ([tm] if isinstance(tm, str) else tm) if t == "all-linear" or t in LINEAR_MODULES]
+        unknown = [t for t in ([tm] if isinstance(tm, str) else tm) if t not in known]
+        if unknown:
+            raise AdapterError(f"{path}: target_modules {unknown} are not supported (supported: "
+                               f"{', '.join(LINEAR_MODULES)})")
+        targets = resolve_targets(known) if known else ()
+    # A regex string (or anything else): the tensors decide which modules carry an adapter.
+    spec = LoraSpec(rank=rank, alpha=alpha, targets=targets, dropout=float(cfg.get("lora_dropout") or 0.0),
+                    use_rslora=bool(cfg.get("use_rslora", False)))
+    return cfg, spec
+
+
+def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS,
+                      num_layers: int | None = None, dims: dict[str, tuple[int, int]] | None = None) -> PeftAdapter:
+    """Read a PEFT LoRA folder into our layout, checking names, shapes and completeness.
+
+    When loading for a model, pass its `num_layers` (every targeted module must have tensors for exactly
+    layers 0..L-1) and `dims` (target -> (in, out) of its Linear; every tensor is checked against them).
+    Without `dims`, every layer must have layer 0's shapes.
+    """
+    adapter_dir = Path(adapter_dir)
+    cfg, spec = read_adapter_config(adapter_dir)
+    wpath = adapter_dir / WEIGHTS_FILE
+    if not wpath.is_file():
+        others = [p.name for p in adapter_dir.glob("adapter_model.*")]
+        hint = f" (found {', '.join(others)}: convert it to safetensors first)" if others else ""
+        raise AdapterError(f"{adapter_dir}: no {WEIGHTS_FILE}{hint}")
+    f = SafetensorsFile(wpath)
+
+    patterns = {t: re.compile("^" + re.escape(m).replace(re.escape("{i}"), r"(\d+)") + "$")
+                for t, m in module_names(rows).items()}
+    found: dict[tuple[str, int, str], str] = {}  # (target, layer, "A"|"B") -> tensor name
+    unexpected = []
+    for name in f.names():
+        m = _NAME.match(name)
+        hit = None
+        if m:
+            module = m["module"]
+            for candidate in (module, "model." + module):  # also a base saved without the CausalLM wrapper
+                for t, pat in patterns.items():
+                    mm = pat.match(candidate)
+                    if mm:
+                        hit = (t, int(mm[1]), m["ab"])
+                        break
+                if hit:
+                    break
+        if hit is None:
+            unexpected.append(name)
+        elif hit in found:
+            raise AdapterError(f"{wpath}: tensors {found[hit]!r} and {name!r} are the same weight")
+        else:
+            found[hit] = name
+    if unexpected:
+        raise AdapterError(f"{wpath}: unexpected tensors ({len(unexpected)}): {_listing(unexpected)} "
+                           "(only LoRA A/B of the decoder's linear modules are supported)")
+    if not found:
+        raise AdapterError(f"{wpath}: holds no LoRA tensors")
+
+    present = tuple(t for t in LINEAR_MODULES if any(k[0] == t for k in found))
+    targets = spec.targets or present
+    L = num_layers if num_layers is not None else 1 + max(k[1] for k in found)
+    names = module_names(rows)
+    missing = [PEFT_PREFIX + names[t].format(i=i) + f".lora_{ab}.weight"
+               for t in targets for i in range(L) for ab in "AB" if (t, i, ab) not in found]
+    extra = [found[k] for k in found if k[0] not in targets or k[1] >= L]
+    if missing:
+        raise AdapterError(f"{wpath}: missing tensors ({len(missing)}): {_listing(missing)}")
+    if extra:
+        why = f"the model has {L} layers" if num_layers is not None else f"target_modules is {list(targets)}"
+        raise AdapterError(f"{wpath}: tensors outside the adapter ({why}): {_listing(extra)}")
+
+    weights = {}
+    for t in targets:
+        a_list, b_list = [], []
+        for i in range(L):
+            na, nb = found[(t, i, "A")], found[(t, i, "B")]
+            for n in (na, nb):
+                if len(f.shape(n)) != 2:
+                    raise AdapterError(f"{wpath}: tensor {n} has shape {list(f.shape(n))}, expected a matrix")
+                if f.dtype(n) not in _FLOATS:
+                    raise AdapterError(f"{wpath}: tensor {n} has dtype {f.dtype(n)}, expected a float (f32, f16, bf16)")
+            if dims is not None:
+                want_a, want_b, why = (spec.rank, dims[t][0]), (dims[t][1], spec.rank), "the model needs"
+            elif a_list:
+                want_a, want_b, why = a_list[0].shape[::-1], b_list[0].shape[::-1], "layer 0 has"
+            else:
+                want_a, want_b = (spec.rank, f.shape(na)[-1]), (f.shape(nb)[0], spec.rank)
+                why = f"{CONFIG_FILE} has r={spec.rank}, so it should be"
+            for n, want in ((na, want_a), (nb, want_b)):
+                if tuple(f.shape(n)) != tuple(want):
+                    raise AdapterError(f"{wpath}: tensor {n} has shape {list(f.shape(n))}, {why} {list(want)}")
+            a_list.append(np.asarray(f.get(na)).T)  # [in, R]
+            b_list.append(np.asarray(f.get(nb)).T)  # [R, out]
+        weights[t] = (np.stack(a_list), np.stack(b_list))  # [L, in, R], [L, R, out]
+    spec = dataclasses.replace(spec, targets=tuple(targets))
+    return PeftAdapter(spec, weights, cfg.get("base_model_name_or_path"), adapter_dir)

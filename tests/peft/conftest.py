@@ -1,0 +1,7 @@
+import pytest
+from peft_support import tiny_model
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")
