@@ -4,8 +4,29 @@ Packing: every token carries a segment id (0 = padding) and its position inside 
 sees key s only when both are in the same segment and pos[s] <= pos[t] (and, with a sliding window W,
 pos[t] - pos[s] < W), so a packed row computes exactly what each of its sequences computes alone.
 
-Backends (picked by name): `xla` (einsum + masked softmax, any device) and `cudnn` (fused flash attention
-through `jax.nn.dot_product_attention`, GPU only). `auto` picks cudnn on GPU and xla elsewhere.
+Backends (picked by name): `xla` (einsum + masked softmax, any device; the reference) and `cudnn` (cuDNN's
+fused flash attention, GPU only). `auto` picks cudnn on GPU and xla elsewhere.
+
+The cudnn backend and packed rows (training / prefill, no KV cache): cuDNN's packed ("ragged", THD) layout
+takes per row up to M segments as (offsets [B, M+1], lengths [B, M]), unused entries -1, and runs causal
+attention inside each segment, so no [T, S] mask is ever built. The layout is derived inside jit from the
+segment ids by `packed_segments`: every maximal run of equal segment ids is one cuDNN segment (a run of
+padding, id 0, is a segment of its own, so every position gets a finite output; padding outputs are not the
+xla backend's, but no real token ever reads them). M is static: `cudnn` means M = DEFAULT_MAX_SEGMENTS (16),
+`cudnn:M` sets it. cuDNN's cost grows with M (it launches B*M sequence slots of T positions each; empty
+slots exit early), so M should be the smallest bound the data respects.
+
+Always correct, whatever the traced ids: one `lax.switch` per call picks
+    0  every row is one run                    -> cuDNN, plain causal (no packing metadata)
+    1  every row has <= M runs and the packing -> cuDNN, packed layout, causal per segment
+       is what cuDNN can express
+    2  anything else (more than M runs in a    -> the xla reference under jax.checkpoint (slow, exact)
+       row; positions that are not 0, 1, 2 ... inside a run; a segment id that comes back after another)
+The switch costs one small predicate per layer (and, without CUDA-graph conditionals, one device->host
+read of the branch index per layer in the forward and backward pass). `cudnn:M:nocheck` skips it and always
+takes branch 1: only for callers that guarantee the packing (at most M runs per row, positions counting up
+from 0 inside each run); anything else then computes wrong attention. cuDNN handles bf16/fp16 only: other
+dtypes (fp32 recipes) take the xla path statically. With a KV cache (generation) cudnn uses the dense mask.
 """
 from __future__ import annotations
 
@@ -46,17 +67,137 @@ def xla_attention(q, k, v, mask, scale: float) -> jax.Array:
 
 
 def cudnn_attention(q, k, v, mask, scale: float) -> jax.Array:
+    """Dense-mask cuDNN attention (used with a KV cache, where q and k differ in length)."""
+    if q.dtype not in _CUDNN_DTYPES:
+        return xla_attention(q, k, v, mask, scale)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
 
 
 BACKENDS = {"xla": xla_attention, "cudnn": cudnn_attention}
 
+# ---- cuDNN fused attention over packed rows -----------------------------------------------------------------
+
+DEFAULT_MAX_SEGMENTS = 16
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def cudnn_options(name: str) -> tuple[int, bool]:
+    """'cudnn' | 'cudnn:M' | 'cudnn:M:nocheck' -> (max_segments M, check)."""
+    parts = name.split(":")
+    if parts[0] != "cudnn" or len(parts) > 3 or (len(parts) == 3 and parts[2] != "nocheck"):
+        raise ValueError(f"attention backend {name!r} is unknown; expected auto, xla, cudnn, cudnn:M or "
+                         "cudnn:M:nocheck")
+    m = DEFAULT_MAX_SEGMENTS
+    if len(parts) >= 2:
+        if not parts[1].isdigit() or int(parts[1]) < 2:
+            raise ValueError(f"attention backend {name!r}: M (segments per row) must be an integer >= 2")
+        m = int(parts[1])
+    return m, len(parts) < 3
+
+
+def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """segment_ids [B, T] -> (lengths [B, M], offsets [B, M+1], runs [B]), all int32: cuDNN's packed layout.
+
+    Each maximal run of equal ids (padding runs included) is one segment: offsets[b, j] is the first token of
+    run j of row b (a token index inside the row) and lengths[b, j] its length, for j < min(runs, M);
+    offsets[b, min(runs, M)] = T; every other entry is -1. `runs` counts the runs of each row. A row with
+    more than M runs gets its runs M-1, M, ... merged into slot M-1 (wrong attention there), which is why
+    `cudnn_packed_attention` never uses the layout of such a batch.
+    """
+    B, T = segment_ids.shape
+    M = max_segments
+    starts = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    run = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # [B, T] run index of each token
+    runs = run[:, -1] + 1  # [B]
+    slot = jnp.where(starts & (run < M), run, M + 1)  # M + 1 is out of range: dropped
+    rows = jnp.arange(B)[:, None]
+    tok = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    offsets = jnp.full((B, M + 1), -1, jnp.int32).at[rows, slot].set(tok, mode="drop")
+    used = jnp.minimum(runs, M)[:, None]  # [B, 1]
+    j = jnp.arange(M + 1, dtype=jnp.int32)[None, :]
+    offsets = jnp.where(j == used, T, offsets)
+    lengths = jnp.where(j[:, :M] < used, offsets[:, 1:] - offsets[:, :-1], -1).astype(jnp.int32)
+    return lengths, offsets, runs.astype(jnp.int32)
+
+
+def packing_is_canonical(segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """True when run-wise causal attention equals the segment/position mask of `attention_mask`.
+
+    That holds when, inside every run of a non-zero id, positions are 0, 1, 2, ... and no non-zero id
+    appears in two runs (ids increase from run to run; padding runs of id 0 may sit anywhere).
+    """
+    B, T = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    tok = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    run_start = jax.lax.cummax(jnp.where(starts, tok, 0), axis=1)
+    pos_ok = (segment_ids == 0) | (positions == tok - run_start)
+    prev_max = jnp.concatenate([jnp.zeros((B, 1), segment_ids.dtype),
+                                jax.lax.cummax(segment_ids, axis=1)[:, :-1]], axis=1)
+    ids_ok = ~starts | (segment_ids == 0) | (segment_ids > prev_max)
+    return jnp.all(pos_ok & ids_ok)
+
+
+def _cudnn_fused(q, k, v, lengths, offsets, *, scale: float, causal_only: bool, sliding_window: int | None):
+    """jax's cuDNN flash attention, BTNH layout, GQA as is. lengths/offsets None: plain causal rows."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    if causal_only:
+        return dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL, qkv_layout="BTNH",
+                                     sliding_window_length=sliding_window)
+    return dot_product_attention(q, k, v, None, None, lengths, lengths, offsets, offsets, scale=scale,
+                                 mask_type=MaskType.PADDING_CAUSAL, qkv_layout="BTNH",
+                                 sliding_window_length=sliding_window)
+
+
+def cudnn_packed_attention(q, k, v, segment_ids, positions, scale: float, *, sliding_window: int | None = None,
+                           max_segments: int = DEFAULT_MAX_SEGMENTS, check: bool = True,
+                           fused=None) -> jax.Array:
+    """q [B, T, N, H], k/v [B, T, K, H], segment_ids/positions [B, T] -> [B, T, N, H] (self-attention).
+
+    `fused` replaces the cuDNN call (same signature as `_cudnn_fused`); tests pass a jnp emulation.
+    """
+    fused = fused or _cudnn_fused
+    if q.dtype not in _CUDNN_DTYPES:
+        return xla_attention(q, k, v, attention_mask(segment_ids, segment_ids, positions, positions,
+                                                     sliding_window), scale)
+    lengths, offsets, runs = packed_segments(segment_ids, max_segments)
+
+    def dense(q, k, v):
+        return fused(q, k, v, None, None, scale=scale, causal_only=True, sliding_window=sliding_window)
+
+    def packed(q, k, v):
+        return fused(q, k, v, lengths, offsets, scale=scale, causal_only=False, sliding_window=sliding_window)
+
+    if not check:
+        return packed(q, k, v)
+
+    @jax.checkpoint
+    def reference(q, k, v):
+        mask = attention_mask(segment_ids, segment_ids, positions, positions, sliding_window)
+        return xla_attention(q, k, v, mask, scale)
+
+    branch = cudnn_branch(segment_ids, positions, max_segments, runs)
+    return jax.lax.switch(branch, (dense, packed, reference), q, k, v)
+
+
+def cudnn_branch(segment_ids, positions, max_segments: int, runs=None) -> jax.Array:
+    """The branch `cudnn_packed_attention` takes: 0 plain causal cuDNN, 1 packed cuDNN, 2 xla reference."""
+    if runs is None:
+        runs = packed_segments(segment_ids, max_segments)[2]
+    canonical = packing_is_canonical(segment_ids, positions)
+    return jnp.where(canonical & jnp.all(runs == 1), 0,
+                     jnp.where(canonical & jnp.all(runs <= max_segments), 1, 2)).astype(jnp.int32)
+
 
 def resolve_backend(name: str) -> str:
     if name == "auto":
         return "cudnn" if jax.default_backend() == "gpu" else "xla"
+    if name.startswith("cudnn:"):
+        cudnn_options(name)  # validates
+        return name
     if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is unknown; expected one of auto, {', '.join(BACKENDS)}")
+        raise ValueError(f"attention backend {name!r} is unknown; expected one of auto, {', '.join(BACKENDS)}, "
+                         "cudnn:M, cudnn:M:nocheck")
     return name
 
 
@@ -107,6 +248,11 @@ class Attention(nnx.Module):
             rows = jnp.arange(B)[:, None]
             kv = LayerKV(kv.k.at[rows, slots].set(k.astype(kv.k.dtype)), kv.v.at[rows, slots].set(v.astype(kv.v.dtype)))
             k, v = kv.k.astype(q.dtype), kv.v.astype(q.dtype)
-        mask = attention_mask(segment_ids, kv_seg, positions, kv_pos, self.sliding_window)
-        out = BACKENDS[self.backend](q, k, v, mask, H ** -0.5)  # [B, T, N, H]
+        if kv is None and self.backend.startswith("cudnn"):
+            m, check = cudnn_options(self.backend)
+            out = cudnn_packed_attention(q, k, v, segment_ids, positions, H ** -0.5,
+                                         sliding_window=self.sliding_window, max_segments=m, check=check)
+        else:
+            mask = attention_mask(segment_ids, kv_seg, positions, kv_pos, self.sliding_window)
+            out = BACKENDS[self.backend.split(":")[0]](q, k, v, mask, H ** -0.5)  # [B, T, N, H]
         return self.o_proj(out.reshape(B, T, N * H)), kv

@@ -1,0 +1,191 @@
+"""The cudnn attention backend's packed layout, checked on the CPU.
+
+cuDNN itself cannot run here, so the tests check (1) `packed_segments` on hand-made segment ids, (2) the
+canonical-packing predicate, and (3) the whole `cudnn_packed_attention` dispatch (dense / packed / fallback
+branches, forward and gradients) with the cuDNN call replaced by a jnp emulation of cuDNN's documented packed
+contract (segment j = tokens [offset_j, offset_j + length_j), causal inside it, -1 = unused). If the layout
+were wrong, the emulation would attend across segments and differ from the xla reference.
+benchmarks/gpu_correctness.py runs the same comparison against the real cuDNN kernel on the GPU.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from surojax.models.layers import attention as att
+
+BF16 = jnp.bfloat16
+
+
+def test_packed_segments_hand_made():
+    seg = jnp.asarray([
+        [1, 1, 1, 2, 2, 0, 0, 0],  # two sequences + padding: 3 runs
+        [1, 1, 1, 1, 1, 1, 1, 1],  # one sequence
+        [1, 2, 3, 4, 5, 0, 0, 0],  # 6 runs > M = 4: the tail is merged into the last slot
+        [0, 0, 3, 3, 3, 3, 7, 7],  # leading padding
+    ], jnp.int32)
+    lengths, offsets, runs = jax.jit(att.packed_segments, static_argnums=1)(seg, 4)
+    np.testing.assert_array_equal(runs, [3, 1, 6, 3])
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, 8, -1], [0, 8, -1, -1, -1], [0, 1, 2, 3, 8],
+                                            [0, 2, 6, 8, -1]])
+    np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1], [1, 1, 1, 5], [2, 4, 2, -1]])
+    assert lengths.dtype == offsets.dtype == runs.dtype == jnp.int32
+
+
+def test_packed_segments_exactly_m_runs_fills_every_slot():
+    seg = jnp.asarray([[1, 1, 2, 3, 3, 3]], jnp.int32)
+    lengths, offsets, runs = att.packed_segments(seg, 3)
+    np.testing.assert_array_equal(offsets, [[0, 2, 3, 6]])
+    np.testing.assert_array_equal(lengths, [[2, 1, 3]])
+    assert int(runs[0]) == 3
+
+
+@pytest.mark.parametrize("seg,pos,ok", [
+    ([[1, 1, 1, 2, 2, 0, 0]], [[0, 1, 2, 0, 1, 0, 0]], True),
+    ([[1, 1, 1, 2, 2, 0, 0]], [[0, 1, 2, 0, 1, 5, 9]], True),  # padding positions do not matter
+    ([[1, 1, 1, 2, 2, 0, 0]], [[0, 1, 2, 3, 4, 0, 0]], False),  # positions continue across segments
+    ([[1, 1, 2, 2, 1, 1, 0]], [[0, 1, 0, 1, 2, 3, 0]], False),  # id 1 comes back after id 2
+    ([[0, 0, 1, 1, 0, 2, 2]], [[0, 0, 0, 1, 0, 0, 1]], True),  # padding runs between sequences
+    ([[1, 1, 1, 1, 1, 1, 1]], [[1, 2, 3, 4, 5, 6, 7]], False),  # does not start at 0
+])
+def test_packing_is_canonical(seg, pos, ok):
+    assert bool(att.packing_is_canonical(jnp.asarray(seg, jnp.int32), jnp.asarray(pos, jnp.int32))) is ok
+
+
+def test_backend_names():
+    assert att.cudnn_options("cudnn") == (att.DEFAULT_MAX_SEGMENTS, True)
+    assert att.cudnn_options("cudnn:8") == (8, True)
+    assert att.cudnn_options("cudnn:8:nocheck") == (8, False)
+    assert att.resolve_backend("cudnn:32") == "cudnn:32"
+    for bad in ("cudnn:1", "cudnn:x", "cudnn:8:fast", "flash"):
+        with pytest.raises(ValueError):
+            att.resolve_backend(bad)
+
+
+# ---- the dispatch, with cuDNN emulated ----------------------------------------------------------------------
+
+CALLS: list[str] = []
+
+
+def emulated_cudnn(q, k, v, lengths, offsets, *, scale, causal_only, sliding_window):
+    """cuDNN's contract in jnp: causal inside each [offset, offset + length); tokens in no segment get 0."""
+    B, T = q.shape[:2]
+    t = jnp.arange(T)
+    if causal_only:
+        CALLS.append("dense")
+        slot = jnp.zeros((B, T), jnp.int32)
+        covered = jnp.ones((B, T), bool)
+    else:
+        CALLS.append("packed")
+        start, length = offsets[:, :-1], lengths  # [B, M]
+        inside = (t[None, :, None] >= start[:, None, :]) & (t[None, :, None] < (start + length)[:, None, :]) \
+            & (length[:, None, :] >= 0)  # [B, T, M]
+        covered = inside.any(-1)
+        slot = jnp.where(covered, jnp.argmax(inside, -1), -1)
+    mask = (slot[:, :, None] == slot[:, None, :]) & covered[:, :, None] & (t[None, None, :] <= t[None, :, None])
+    if sliding_window is not None:
+        mask &= (t[None, :, None] - t[None, None, :]) < sliding_window
+    out = att.xla_attention(q, k, v, mask, scale)
+    return jnp.where(covered[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def random_packing(rng, B, T, max_runs, pad=True):
+    seg = np.zeros((B, T), np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for b in range(B):
+        n = int(rng.integers(1, max_runs + 1))
+        end = T - (int(rng.integers(1, T // 4)) if pad and n > 1 else 0)
+        cuts = np.sort(rng.choice(np.arange(1, end), size=n - 1, replace=False)) if n > 1 else []
+        bounds = [0, *cuts, end]
+        for i in range(n):
+            seg[b, bounds[i]:bounds[i + 1]] = i + 1
+            pos[b, bounds[i]:bounds[i + 1]] = np.arange(bounds[i + 1] - bounds[i])
+    return jnp.asarray(seg), jnp.asarray(pos)
+
+
+def qkv(key, B, T, N=4, K=2, H=16, dtype=BF16):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    return (jax.random.normal(k1, (B, T, N, H), dtype), jax.random.normal(k2, (B, T, K, H), dtype),
+            jax.random.normal(k3, (B, T, K, H), dtype), jax.random.normal(k4, (B, T, N, H), jnp.float32))
+
+
+def fwd_and_grads(fn, q, k, v, cot, real):
+    """Output and d(q, k, v) of sum(out * cot) over real (non-padding) tokens."""
+    def f(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * cot * real[:, :, None, None]), out
+    (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+
+def compare(seg, pos, *, max_segments=4, window=None, check=True, key=0):
+    B, T = seg.shape
+    q, k, v, cot = qkv(jax.random.key(key), B, T)
+    real = (seg > 0).astype(jnp.float32)
+    scale = 16 ** -0.5
+    mask = att.attention_mask(seg, seg, pos, pos, window)
+    ref = jax.jit(lambda q, k, v: fwd_and_grads(lambda q, k, v: att.xla_attention(q, k, v, mask, scale),
+                                                q, k, v, cot, real))(q, k, v)
+    got = jax.jit(lambda q, k, v: fwd_and_grads(
+        lambda q, k, v: att.cudnn_packed_attention(q, k, v, seg, pos, scale, sliding_window=window,
+                                                   max_segments=max_segments, check=check, fused=emulated_cudnn),
+        q, k, v, cot, real))(q, k, v)
+    out_err = float(jnp.max(jnp.abs((got[0].astype(jnp.float32) - ref[0].astype(jnp.float32)) * real[:, :, None, None])))
+    grad_err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                   for a, b in zip(got[1], ref[1]))
+    return out_err, grad_err
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_packed_rows_equal_the_xla_reference(window):
+    seg, pos = random_packing(np.random.default_rng(0), 4, 64, max_runs=4)
+    assert int(jnp.max(att.packed_segments(seg, 8)[2])) == 5  # 4 sequences + a padding run
+    CALLS.clear()
+    assert branch_taken(seg, pos, 8) == 1
+    out_err, grad_err = compare(seg, pos, window=window, max_segments=8)
+    assert "packed" in CALLS and "dense" in CALLS  # traced: both cuDNN branches exist in the switch
+    assert out_err == 0.0 and grad_err == 0.0
+
+
+def test_one_segment_per_row_takes_the_dense_branch():
+    B, T = 3, 32
+    seg = jnp.ones((B, T), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    assert branch_taken(seg, pos, 4) == 0
+    out_err, grad_err = compare(seg, pos)
+    assert out_err == 0.0 and grad_err == 0.0
+
+
+def branch_taken(seg, pos, max_segments):
+    return int(att.cudnn_branch(seg, pos, max_segments))  # 0 dense, 1 packed, 2 reference
+
+
+def test_more_segments_than_m_falls_back_and_stays_exact():
+    seg, pos = random_packing(np.random.default_rng(1), 2, 64, max_runs=9)
+    seg = seg.at[0].set(jnp.repeat(jnp.arange(1, 9, dtype=jnp.int32), 8))  # row 0: 8 segments of 8
+    pos = pos.at[0].set(jnp.tile(jnp.arange(8, dtype=jnp.int32), 8))
+    assert branch_taken(seg, pos, 4) == 2
+    assert compare(seg, pos, max_segments=4) == (0.0, 0.0)
+    # Without the check the merged tail attends across segments: the check is what keeps it exact.
+    out_err, _ = compare(seg, pos, max_segments=4, check=False)
+    assert out_err > 0.1
+
+
+def test_non_canonical_positions_fall_back():
+    seg = jnp.asarray([[1] * 16 + [2] * 16], jnp.int32)
+    pos = jnp.arange(32, dtype=jnp.int32)[None]  # positions continue into segment 2
+    assert branch_taken(seg, pos, 4) == 2
+    assert compare(seg, pos) == (0.0, 0.0)
+
+
+def test_fp32_inputs_use_xla_statically():
+    seg, pos = random_packing(np.random.default_rng(2), 2, 32, max_runs=3)
+    q, k, v, _ = qkv(jax.random.key(3), 2, 32, dtype=jnp.float32)
+
+    def boom(*a, **kw):
+        raise AssertionError("cuDNN must not be called for fp32")
+    out = att.cudnn_packed_attention(q, k, v, seg, pos, 0.25, fused=boom)
+    ref = att.xla_attention(q, k, v, att.attention_mask(seg, seg, pos, pos), 0.25)
+    np.testing.assert_array_equal(out, ref)
