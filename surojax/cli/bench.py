@@ -1,18 +1,63 @@
-"""`surojax bench CONFIG [--steps N]`: time training steps of a config (tokens/s, MFU, peak memory) on
-synthetic batches. For now it validates the config and stops."""
+"""`surojax bench train --shape qwen3-0.6b --mode lora --batch 8 --seq 2048`: time the trainer's training
+step on synthetic packed batches with random weights of a real shape; prints one JSON line (tokens/s, step
+time, peak memory, MFU, the settings). See surojax/bench/train_bench.py for what is timed and how.
+
+`surojax bench CONFIG` (a training YAML) validates the config; timing a YAML's own run is not implemented yet.
+"""
 from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import add_config_arguments, load_config_args, not_implemented, positive_int
+from surojax.cli.common import UsageError, load_config_args, not_implemented, positive_int
+
+SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "qwen3-small", "debug")  # = surojax.bench.shapes.SHAPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser)
-    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps (default 20)")
-    parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first, incl. compile")
+    parser.add_argument("config", metavar="train|CONFIG", help="`train` (synthetic benchmark) or a training YAML")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="CONFIG only: set a config key (repeatable)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="timed steps per repeat (default 10 for train, 20 for a CONFIG)")
+    parser.add_argument("--warmup", type=positive_int, default=None,
+                        help="untimed steps after the compiling one (default 2 for train, 3 for a CONFIG)")
+    g = parser.add_argument_group("bench train (synthetic packed batches, random weights of a real shape)")
+    g.add_argument("--shape", default="qwen3-0.6b", choices=SHAPE_NAMES)
+    g.add_argument("--mode", default="lora", choices=("lora", "full"))
+    g.add_argument("--batch", type=positive_int, default=8, help="rows per micro-batch (default 8)")
+    g.add_argument("--seq", type=positive_int, default=2048, help="sequence length (default 2048)")
+    g.add_argument("--accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
+    g.add_argument("--repeats", type=positive_int, default=3, help="timed repeats; the median is reported")
+    g.add_argument("--rank", type=positive_int, default=16, help="LoRA rank (alpha = 2 x rank)")
+    g.add_argument("--recompute", default="none", choices=("none", "full", "dots"))
+    g.add_argument("--attention", default="auto",
+                   help="auto | xla | cudnn | cudnn:M | cudnn:M:nocheck (M = max segments per row)")
+    g.add_argument("--lmhead-chunks", type=positive_int, default=1,
+                   help="split the lm-head + loss into this many chunks of the micro-batch (1: 4096-token chunks)")
+    g.add_argument("--recipe", default="bf16", choices=("bf16", "fp32"))
+    g.add_argument("--segments", type=positive_int, default=4, help="sequences packed per row (default 4)")
+    g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
+    g.add_argument("--lr", type=float, default=2e-4)
+    g.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    load_config_args(args, check_paths=False)  # synthetic batches: the datasets need not exist
-    return not_implemented("bench")
+    if args.config != "train":
+        load_config_args(args, check_paths=False)  # synthetic batches: the datasets need not exist
+        return not_implemented("bench")
+    from surojax.bench.train_bench import BenchConfig, main_json
+    from surojax.models.layers.attention import resolve_backend
+
+    try:
+        if args.attention != "auto":
+            resolve_backend(args.attention)
+        bc = BenchConfig(shape=args.shape, mode=args.mode, batch=args.batch, seq=args.seq, accum=args.accum,
+                         steps=args.steps or 10, warmup=args.warmup if args.warmup is not None else 2,
+                         repeats=args.repeats, rank=args.rank, recompute=args.recompute, attention=args.attention,
+                         lmhead_chunks=args.lmhead_chunks, recipe=args.recipe, segments=args.segments,
+                         min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
+                         seed=args.seed)
+        bc.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return main_json(bc)

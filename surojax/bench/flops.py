@@ -1,0 +1,81 @@
+"""FLOPs of one training step, for MFU (model FLOPs utilisation) against the measured bf16 ceiling.
+
+Model FLOPs, not hardware FLOPs: recomputation (remat) is not counted, so a policy that recomputes more
+shows a lower MFU for the same work. A multiply-add is 2 FLOPs. Per step, with tokens = A * B * T:
+
+    linear   P_lin = L * (D*N*H + 2*D*K*H + N*H*D + 3*D*F)  +  D*V        (projections + MLP + lm_head;
+             the lm_head counts whether tied or not; embedding lookups, norms, rope, softmax, SiLU are free)
+    attn     A_fwd = L * 4 * N * H * pairs                                (QK^T and PV: 2*H each per pair
+             and head), pairs = sum over the segments of every row of the (query, key) pairs the causal
+             mask keeps: l*(l+1)/2 for a segment of l tokens (sum_i min(i, W) with a sliding window W), so
+             causal halving and packing are both counted exactly; one 2048-token segment gives
+             pairs = 2048*2049/2 per row.
+    full fine-tune   6 * P_lin * tokens  +  3 * A_fwd
+             forward 2*P_lin per token; backward 4*P_lin (gradient w.r.t. activations and w.r.t. weights);
+             attention backward = 2x its forward (dS from dO.V, dQ, dK, dV: four matmuls against two)
+    LoRA     4 * P_lin * tokens  +  6 * P_ad * tokens  +  3 * A_fwd
+             the frozen base: forward 2*P_lin and backward w.r.t. activations 2*P_lin, no weight gradients;
+             adapters P_ad = L * r * sum over the targets of (d_in + d_out): forward 2*P_ad, backward 4*P_ad
+             (both gradients); attention as above (its inputs need gradients in both modes).
+
+Qwen3-0.6B shapes, LoRA r16 on the 7 targets, one 2048-token segment per row: 3.15 GFLOP per token (the
+"~3.1 GFLOP/token" of shared/BENCHMARKS.md): 2.38 frozen linear, 0.06 adapters, 0.70 attention; Qwen3-8B
+LoRA 32.3, Llama-3-8B LoRA 31.9. Packing 4 segments per row lowers the
+attention part to about a quarter: MFU counts the work actually done, tokens/s counts every position.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from surojax.models.config import ModelConfig
+from surojax.peft.lora import LORA_TARGETS
+
+PEAK_BF16_FLOPS = 731e12  # jnp.dot 8192^3 bf16 on the H200 (shared/BENCHMARKS.md, 2026-11-29)
+
+
+def linear_params(cfg: ModelConfig) -> int:
+    """P_lin: matmul weights a token passes through (per layer x L, plus the lm_head)."""
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    per_layer = D * cfg.q_dim + 2 * D * cfg.kv_dim + cfg.q_dim * D + 3 * D * F
+    return cfg.num_layers * per_layer + D * cfg.vocab_size
+
+
+def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    D, F = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (D, cfg.q_dim), "k_proj": (D, cfg.kv_dim), "v_proj": (D, cfg.kv_dim),
+            "o_proj": (cfg.q_dim, D), "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+
+
+def adapter_params(cfg: ModelConfig, rank: int, targets: Iterable[str] = LORA_TARGETS) -> int:
+    dims = target_dims(cfg)
+    return cfg.num_layers * rank * sum(sum(dims[t]) for t in targets)
+
+
+def causal_pairs(segment_lengths: Iterable[int], window: int | None = None) -> int:
+    """(query, key) pairs a causal (optionally windowed) mask keeps, summed over segments."""
+    total = 0
+    for n in segment_lengths:
+        n = int(n)
+        if window is None or window >= n:
+            total += n * (n + 1) // 2
+        else:
+            total += window * (window + 1) // 2 + (n - window) * window
+    return total
+
+
+def step_flops(cfg: ModelConfig, *, mode: str, tokens: int, segment_lengths: Sequence[int], rank: int = 16,
+               targets: Iterable[str] = LORA_TARGETS) -> dict[str, float]:
+    """FLOPs of one optimizer step over `tokens` positions whose segments have `segment_lengths` (all rows,
+    all micro-batches). Returns {"total", "linear", "adapters", "attention", "per_token"}."""
+    if mode not in ("lora", "full"):
+        raise ValueError(f"mode {mode!r}: expected lora or full")
+    p_lin = linear_params(cfg)
+    attn_fwd = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * causal_pairs(segment_lengths, cfg.sliding_window)
+    if mode == "full":
+        linear, adapters = 6 * p_lin * tokens, 0
+    else:
+        linear, adapters = 4 * p_lin * tokens, 6 * adapter_params(cfg, rank, targets) * tokens
+    attention = 3 * attn_fwd
+    total = linear + adapters + attention
+    return {"total": float(total), "linear": float(linear), "adapters": float(adapters),
+            "attention": float(attention), "per_token": float(total) / max(tokens, 1)}

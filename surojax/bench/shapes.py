@@ -1,0 +1,38 @@
+"""Model shapes for benchmarks: HF config.json fields, exactly those of the HF+PEFT anchor's SHAPES
+(benchmarks/anchors/hf_peft_baseline.py), plus tiny ones that run on a CPU in seconds.
+
+Weights are random (throughput does not depend on their values), so a shape is all a benchmark needs.
+"""
+from __future__ import annotations
+
+from surojax.models.config import ModelConfig
+
+SHAPES: dict[str, dict] = {
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # The correctness check's model: Qwen3-0.6B widths and vocabulary, 4 layers.
+    "qwen3-small": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # CPU-sized: tests and smoke runs.
+    "debug": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+}
+
+
+def shape_hf_config(name: str) -> dict:
+    if name not in SHAPES:
+        raise ValueError(f"shape {name!r} is unknown; expected one of {', '.join(SHAPES)}")
+    return dict(SHAPES[name])
+
+
+def model_config(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(shape_hf_config(name))

@@ -1,0 +1,293 @@
+"""`surojax bench train`: time the trainer's own training step on synthetic packed batches.
+
+Same code path as `surojax sft` (surojax/train/trainer.py), minus data loading and checkpoints:
+    model      `build_model` (model_setup.py) on a config namespace with from_scratch weights of the real
+               shape, LoRA through `init_lora` on all 7 targets; built inside one jit (`init_sharded`) on a
+               one-device mesh, so an 8B model is initialised on the GPU, not the host
+    precision  the trainer's recipes (`precision_for`): bf16 = bf16 compute; LoRA base bf16 + fp32 adapters;
+               full fine-tune fp32 master weights
+    step       `make_train_step(graphdef, lm_loss, adamw)` with the trainer's chunk size, remat policy
+               (`remat_wrapper`) and optimizer (`build_optimizer` + `lr_schedule`); its buffers donated
+    batch      [A, B, T] packed rows: `segments` sequences per row with random lengths (>= min_segment),
+               random token ids in [1, V) (never zeros), positions restarting per segment, loss mask 1 on
+               every token that has a next token in its segment
+
+Timing (shared/BENCHMARKS.md): the first call compiles (reported as compile_s, which includes one step),
+`warmup` more untimed steps, then `repeats` x `steps` steps, each repeat blocked until ready; step time is
+the median over repeats. tokens/s = A * B * T / step time (every position of the packed rows). MFU counts
+model FLOPs (surojax/bench/flops.py) against 731 TFLOP/s. Peak memory is the device's peak_bytes_in_use
+since the process started (init included: init_peak_gib says what the model build alone reached).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from surojax.bench.flops import PEAK_BF16_FLOPS, step_flops
+from surojax.bench.shapes import SHAPES, shape_hf_config
+
+RECOMPUTE = ("none", "full", "dots")
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    shape: str = "qwen3-0.6b"
+    mode: str = "lora"  # lora | full
+    batch: int = 8  # rows per micro-batch
+    seq: int = 2048
+    accum: int = 1  # micro-batches per optimizer step
+    steps: int = 10  # timed steps per repeat
+    warmup: int = 2  # untimed steps after the compiling one
+    repeats: int = 3
+    rank: int = 16
+    alpha: float | None = None  # default 2 * rank (the anchor's)
+    recompute: str = "none"
+    attention: str = "auto"  # auto | xla | cudnn | cudnn:M | cudnn:M:nocheck
+    lmhead_chunks: int = 1
+    recipe: str = "bf16"
+    segments: int = 4  # sequences packed per row
+    min_segment: int = 64
+    learning_rate: float = 2e-4
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.shape not in SHAPES:
+            raise ValueError(f"--shape {self.shape!r}: expected one of {', '.join(SHAPES)}")
+        if self.mode not in ("lora", "full"):
+            raise ValueError(f"--mode {self.mode!r}: expected lora or full")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute {self.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+        if self.recipe not in ("bf16", "fp32"):
+            raise ValueError(f"--recipe {self.recipe!r}: expected bf16 or fp32")
+        for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.segments * max(self.min_segment, 2) > self.seq:
+            raise ValueError(f"--segments {self.segments} x --min-segment {self.min_segment} exceeds --seq {self.seq}")
+
+
+def train_namespace(bc: BenchConfig) -> SimpleNamespace:
+    """The TrainConfig fields the trainer's model and optimizer set-up reads (no pydantic needed)."""
+    return SimpleNamespace(
+        model=None, from_scratch=True, model_config_overrides=shape_hf_config(bc.shape), rope_scaling=None,
+        max_model_len=None, seed=bc.seed, attention=bc.attention, recipe=bc.recipe, master_dtype="fp32",
+        lora_dtype="fp32", is_qlora=False, lora=bc.mode == "lora", lora_rank=bc.rank,
+        lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank), lora_dropout=0.0, use_rslora=False,
+        lora_target_modules="all-linear", adapter_path=None, adapter_init_mode=None,
+        recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks, optimizer="adamw",
+        learning_rate=bc.learning_rate, lr_scheduler_type="constant", warmup_steps=0, final_lr_fraction=0.0,
+        cooldown_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        max_grad_norm=1.0, sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
+        gradient_accumulation_steps=bc.accum,
+    )
+
+
+def lm_chunk(cfg, rows: int) -> int:
+    """The trainer's lm-head chunk (tokens per chunk of the chunked loss), from `lmhead_chunks`."""
+    return max(1, math.ceil(rows * cfg.sequence_len / cfg.lmhead_chunks)) if cfg.lmhead_chunks > 1 else 4096
+
+
+# ---- synthetic packed batches -------------------------------------------------------------------------------
+
+def segment_lengths(rng: np.random.Generator, seq: int, segments: int, min_segment: int) -> list[int]:
+    """`segments` lengths >= min_segment summing to `seq` (random split)."""
+    if segments == 1:
+        return [seq]
+    free = seq - segments * min_segment
+    cuts = np.sort(rng.integers(0, free + 1, size=segments - 1))
+    extra = np.diff(np.concatenate([[0], cuts, [free]]))
+    return [int(min_segment + e) for e in extra]
+
+
+def synthetic_batch(rng: np.random.Generator, accum: int, batch: int, seq: int, vocab: int, segments: int,
+                    min_segment: int) -> tuple[dict[str, np.ndarray], list[int]]:
+    """A packed batch [A, B, T] (surojax/data/batch.py contract) and the lengths of all its segments."""
+    shape = (accum, batch, seq)
+    out = {"tokens": rng.integers(1, vocab, size=shape, dtype=np.int32),
+           "positions": np.zeros(shape, np.int32), "segment_ids": np.zeros(shape, np.int32),
+           "targets": np.zeros(shape, np.int32), "loss_mask": np.zeros(shape, np.float32)}
+    lengths: list[int] = []
+    for a in range(accum):
+        for b in range(batch):
+            at = 0
+            for i, n in enumerate(segment_lengths(rng, seq, segments, min_segment)):
+                sl = slice(at, at + n)
+                out["positions"][a, b, sl] = np.arange(n)
+                out["segment_ids"][a, b, sl] = i + 1
+                out["targets"][a, b, at:at + n - 1] = out["tokens"][a, b, at + 1:at + n]
+                out["loss_mask"][a, b, at:at + n - 1] = 1.0
+                lengths.append(n)
+                at += n
+    return out, lengths
+
+
+# ---- set-up -------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Setup:
+    cfg: SimpleNamespace
+    model_cfg: object
+    mesh: object
+    graphdef: object
+    trainable: object
+    frozen: object
+    opt_state: object
+    optimizer: object
+    step: object
+    chunk: int
+
+
+def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
+    """Model + optimizer state + the jitted step, exactly as the Trainer builds them (one device)."""
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from surojax.losses.lm import lm_loss
+    from surojax.offload.remat import remat_wrapper
+    from surojax.parallel import init_sharded, make_mesh, shard_model
+    from surojax.train.model_setup import build_model, trainable_filter
+    from surojax.train.optim import build_optimizer, lr_schedule
+    from surojax.train.step import make_train_step
+
+    cfg = train_namespace(bc)
+    device = device or jax.devices()[0]
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
+    if jit_init:
+        model = init_sharded(lambda: build_model(cfg), mesh)
+    else:
+        model = shard_model(build_model(cfg), mesh)
+    graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
+
+    schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, 10**6, cfg.warmup_steps,
+                           cfg.final_lr_fraction, cfg.cooldown_steps)
+    optimizer = build_optimizer(cfg.optimizer, schedule, weight_decay=cfg.weight_decay, b1=cfg.adam_beta1,
+                                b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm)
+    # As Trainer._init_opt_state: moments placed like their parameters, counts replicated.
+    param_sh = jax.tree.map(lambda x: x.sharding, trainable)
+    abstract = jax.eval_shape(optimizer.init, trainable)
+    shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract, param_sh,
+                                      transform_non_params=lambda _: NamedSharding(mesh, P()))
+    opt_state = jax.jit(optimizer.init, out_shardings=shardings)(trainable)
+
+    chunk = lm_chunk(cfg, bc.batch)
+
+    def loss_fn(model, batch, remat=None):  # as Trainer._loss_fn
+        return lm_loss(model, batch, chunk=chunk, remat=remat)
+
+    step = make_train_step(graphdef, loss_fn, optimizer, remat=remat_wrapper(cfg.recompute))
+    return Setup(cfg, model.cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk)
+
+
+def place_batch(setup: Setup, batch: dict) -> dict:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from surojax.parallel import batch_sharding
+
+    sharding = NamedSharding(setup.mesh, P(None, *batch_sharding(setup.mesh).spec))  # as Trainer.batch_sharding
+    return jax.device_put(batch, sharding)
+
+
+def _count(tree) -> int:
+    import jax
+
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def _peak_gib(device) -> float | None:
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"] / 2**30
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------------
+
+def run(bc: BenchConfig, log=None) -> dict:
+    """Build, compile, time; return the result record (the JSON line)."""
+    import jax
+
+    bc.check()
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    device = jax.devices()[0]
+    t0 = time.perf_counter()
+    setup = build(bc, device=device)
+    jax.block_until_ready((setup.trainable, setup.frozen, setup.opt_state))
+    init_s = time.perf_counter() - t0
+    init_peak = _peak_gib(device)
+    mcfg = setup.model_cfg
+    log(f"built {bc.shape} ({bc.mode}) in {init_s:.1f}s; attention {bc.attention}, recompute {bc.recompute}, "
+        f"lm-head chunk {setup.chunk} tokens")
+
+    rng = np.random.default_rng(bc.seed)
+    host_batch, lengths = synthetic_batch(rng, bc.accum, bc.batch, bc.seq, mcfg.vocab_size, bc.segments,
+                                          bc.min_segment)
+    batch = place_batch(setup, host_batch)
+    key = jax.random.key(bc.seed)
+    trainable, opt_state = setup.trainable, setup.opt_state
+
+    def one():
+        nonlocal trainable, opt_state
+        trainable, opt_state, m = setup.step(trainable, setup.frozen, opt_state, batch, key)
+        return m
+
+    t0 = time.perf_counter()
+    metrics = jax.block_until_ready(one())
+    compile_s = time.perf_counter() - t0
+    log(f"first step (compile + 1 step) {compile_s:.1f}s, loss {float(metrics['loss']):.4f}")
+    for _ in range(bc.warmup):
+        metrics = one()
+    jax.block_until_ready((trainable, opt_state, metrics))
+    times = []
+    for _ in range(bc.repeats):
+        t0 = time.perf_counter()
+        for _ in range(bc.steps):
+            metrics = one()
+        jax.block_until_ready((trainable, opt_state, metrics))
+        times.append((time.perf_counter() - t0) / bc.steps)
+    step_s = statistics.median(times)
+    tokens = bc.accum * bc.batch * bc.seq
+    fl = step_flops(mcfg, mode=bc.mode, tokens=tokens, segment_lengths=lengths, rank=bc.rank)
+    n_train, n_frozen = _count(trainable), _count(setup.frozen)
+    return {
+        "impl": "surojax",
+        "shape": bc.shape, "mode": bc.mode, "batch": bc.batch, "seq": bc.seq, "accum": bc.accum,
+        "tokens_per_s": tokens / step_s,
+        "step_ms": step_s * 1e3,
+        "step_ms_repeats": [t * 1e3 for t in times],
+        "peak_gib": _peak_gib(device),
+        "init_peak_gib": init_peak,
+        "mfu": fl["total"] / step_s / PEAK_BF16_FLOPS,
+        "model_tflops_per_s": fl["total"] / step_s / 1e12,
+        "gflops_per_token": fl["per_token"] / 1e9,
+        "flops_split": {k: fl[k] / fl["total"] for k in ("linear", "adapters", "attention")},
+        "compile_s": compile_s,
+        "init_s": init_s,
+        "loss": float(metrics["loss"]),
+        "params_trainable": n_train,
+        "params_total": n_train + (n_frozen if bc.mode == "lora" else 0),
+        "config": {
+            "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks,
+            "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
+            "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment,
+            "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": device.device_kind,
+            "jax": jax.__version__,
+        },
+    }
+
+
+def main_json(bc: BenchConfig) -> int:
+    result = run(bc)
+    print(json.dumps(result), flush=True)
+    return 0

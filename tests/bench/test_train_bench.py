@@ -1,0 +1,92 @@
+"""`surojax bench train` on the CPU-sized `debug` shape: one JSON line with the fields, the trainer's step,
+honest synthetic batches, and the FLOP count behind MFU. Tests never assert on time."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from surojax.bench.flops import causal_pairs, step_flops
+from surojax.bench.shapes import SHAPES, model_config
+from surojax.bench.train_bench import segment_lengths, synthetic_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+FIELDS = ("tokens_per_s", "step_ms", "peak_gib", "mfu", "compile_s", "loss", "config", "shape", "mode", "batch",
+          "seq", "gflops_per_token", "params_trainable", "params_total")
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "surojax.cli.main", "bench", "train", "--shape", "debug", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_bench_train_prints_one_json_line(mode):
+    r = bench("--mode", mode, "--steps", "2", "--repeats", "1", "--warmup", "1", "--batch", "2", "--seq", "128")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stdout
+    out = json.loads(lines[0])
+    for f in FIELDS:
+        assert f in out, f
+    assert out["mode"] == mode and out["batch"] == 2 and out["seq"] == 128
+    assert out["tokens_per_s"] > 0 and out["step_ms"] > 0 and 0 < out["mfu"] < 1
+    assert out["peak_gib"] is None  # the CPU reports no memory stats
+    assert abs(out["loss"] - np.log(SHAPES["debug"]["vocab_size"])) < 0.5  # random init: about ln V
+    assert out["tokens_per_s"] == pytest.approx(2 * 128 / (out["step_ms"] / 1e3))
+    if mode == "lora":
+        assert out["params_trainable"] < out["params_total"] / 2
+        assert out["config"]["rank"] == 16
+    else:
+        assert out["params_trainable"] == out["params_total"]
+    assert out["config"]["attention"] == "auto" and out["config"]["recompute"] == "none"
+
+
+def test_bench_train_bad_argument_is_one_clean_line():
+    r = bench("--attention", "cudnn:1")
+    assert r.returncode == 1 and "error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_synthetic_batch_is_packed_per_the_batch_contract():
+    rng = np.random.default_rng(0)
+    b, lengths = synthetic_batch(rng, accum=2, batch=3, seq=256, vocab=1000, segments=4, min_segment=16)
+    assert b["tokens"].shape == (2, 3, 256) and len(lengths) == 2 * 3 * 4 and sum(lengths) == 2 * 3 * 256
+    assert b["tokens"].min() >= 1 and b["tokens"].max() < 1000  # never zeros
+    assert min(lengths) >= 16
+    for a in range(2):
+        for r in range(3):
+            seg, pos, tok = b["segment_ids"][a, r], b["positions"][a, r], b["tokens"][a, r]
+            tgt, m = b["targets"][a, r], b["loss_mask"][a, r]
+            assert sorted(set(seg.tolist())) == [1, 2, 3, 4]
+            for s in range(1, 5):
+                idx = np.flatnonzero(seg == s)
+                assert (np.diff(idx) == 1).all() and (pos[idx] == np.arange(len(idx))).all()
+                assert (tgt[idx[:-1]] == tok[idx[1:]]).all()  # the next token of the same segment
+                assert (m[idx[:-1]] == 1).all() and m[idx[-1]] == 0  # never predicts the next segment
+
+
+def test_segment_lengths_one_segment_is_the_row():
+    assert segment_lengths(np.random.default_rng(0), 2048, 1, 64) == [2048]
+
+
+def test_flops_match_the_published_ceiling_arithmetic():
+    # shared/BENCHMARKS.md: ~3.1 GFLOP/token for Qwen3-0.6B LoRA r16 at 2048, ~32 for Qwen3-8B.
+    q06 = step_flops(model_config("qwen3-0.6b"), mode="lora", tokens=2048, segment_lengths=[2048], rank=16)
+    assert q06["per_token"] / 1e9 == pytest.approx(3.15, abs=0.01)
+    q8 = step_flops(model_config("qwen3-8b"), mode="lora", tokens=2048, segment_lengths=[2048], rank=16)
+    assert q8["per_token"] / 1e9 == pytest.approx(32.3, abs=0.1)
+    full = step_flops(model_config("qwen3-0.6b"), mode="full", tokens=2048, segment_lengths=[2048])
+    assert full["linear"] == pytest.approx(1.5 * q06["linear"])  # 6 vs 4 x params x tokens
+    assert full["attention"] == q06["attention"]
+
+
+def test_causal_pairs():
+    assert causal_pairs([4]) == 10 and causal_pairs([4, 4]) == 20
+    assert causal_pairs([5], window=2) == 1 + 2 * 4  # 1, 2, 2, 2, 2
+    assert causal_pairs([5], window=5) == causal_pairs([5])
