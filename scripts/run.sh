@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
-# The main job: set up the environment if needed, then run the quickstart.
+# The main job: set up the environment if needed, then run the quickstart (configs/quickstart.yaml): pretrain a
+# tiny Qwen3 from scratch on arithmetic stories, LoRA-fine-tune it to answer questions, and show the held-out
+# accuracy before vs after. About five minutes on a 2-core CPU, no download; outputs in runs/quickstart/.
+# Extra arguments go to the trainer, e.g. scripts/run.sh --override stages.0.max_steps=100
 source "$(dirname "$0")/env.sh" || exit 1
-exec python -m surojax.quickstart "$@"
+exec python -m surojax.train --config configs/quickstart.yaml "$@"

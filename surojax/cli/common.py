@@ -108,14 +108,16 @@ def positive_int(value: str) -> int:
 
 
 def train_from_args(args: argparse.Namespace) -> int:
-    """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`)."""
+    """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`).
+
+    A config with a `stages:` list runs its stages in order, all validated first (surojax/config/stages.py)."""
     import logging
 
-    from surojax.train.trainer import Trainer
+    from surojax.config.stages import load_run
+    from surojax.train.stages import run_stages
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("absl", "jax._src", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    cfg = load_config_args(args)
-    Trainer(cfg).train()
+    run_stages(load_run(args.config, args.override))
     return 0

@@ -1,6 +1,7 @@
 """`python -m surojax.train --config FILE [--override key=value ...]` (entry in surojax/train/__main__.py).
 
-Validates the whole config (and the paths it names) before any heavy work, then trains.
+Validates the whole config (and the paths it names) before any heavy work, then trains. A config with a
+`stages:` list (e.g. configs/quickstart.yaml) runs its stages in order, every stage validated first.
 """
 from __future__ import annotations
 

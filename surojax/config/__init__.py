@@ -6,7 +6,8 @@
 
 Files: base (strict model), one section per concept (run, data, precision, lora, optim, memory, parallel),
 schema (TrainConfig = all sections), rules (all cross-field checks), explain (pydantic errors -> short
-problems), load (YAML + overrides), paths (existence checks; HF cache via data.hub), summary (console lines).
+problems), load (YAML + overrides), paths (existence checks; HF cache via data.hub), summary (console lines),
+stages (multi-stage YAML: `load_run` / `load_stages` validate every stage up front).
 """
 from surojax.config.data import DatasetSpec
 from surojax.config.errors import ConfigError, ConfigProblem
@@ -15,9 +16,11 @@ from surojax.config.lora import LORA_TARGETS
 from surojax.config.parallel import MESH_AXES, ParallelConfig
 from surojax.config.paths import check_paths
 from surojax.config.schema import TrainConfig
+from surojax.config.stages import Stage, load_run, load_stages
 from surojax.config.summary import summarize
 
 __all__ = [
-    "LORA_TARGETS", "MESH_AXES", "ConfigError", "ConfigProblem", "DatasetSpec", "ParallelConfig", "TrainConfig",
-    "apply_overrides", "check_paths", "config_from_dict", "load_config", "parse_override", "summarize",
+    "LORA_TARGETS", "MESH_AXES", "ConfigError", "ConfigProblem", "DatasetSpec", "ParallelConfig", "Stage",
+    "TrainConfig", "apply_overrides", "check_paths", "config_from_dict", "load_config", "load_run", "load_stages",
+    "parse_override", "summarize",
 ]

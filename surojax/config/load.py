@@ -143,6 +143,10 @@ def config_from_dict(
     if not isinstance(data, Mapping):
         raise ConfigError(ConfigProblem("", f"the top level must be a mapping of keys (got {type(data).__name__})"),
                           source)
+    if "stages" in data:
+        raise ConfigError(ConfigProblem("stages", "this is a multi-stage config: run it with `python -m surojax.train "
+                                        "--config FILE`, or read it with surojax.config.load_stages",
+                                        *((positions or {}).get(("stages",)) or (None, None))), source)
     try:
         return TrainConfig.model_validate(dict(data))
     except ValidationError as e:

@@ -1,0 +1,124 @@
+"""Run the stages of a config in order: each one a full Trainer run, with the generation eval around it.
+
+    from surojax.config import load_run                 # a staged YAML -> its stages; a plain one -> one stage
+    from surojax.train.stages import run_stages
+    results = run_stages(load_run("configs/quickstart.yaml"))
+    results[-1].generation_eval["after"]["accuracy"]
+
+`python -m surojax.train --config FILE` (and `surojax sft|pt FILE`) do exactly this. Every stage has been
+validated (config and paths) before the first one starts; see surojax/config/stages.py for the YAML.
+A stage with `eval_generation` answers the held-out prompts greedily before training (the model as loaded:
+a LoRA stage's fresh adapters are zero, so that is the base) and after it (`trainer.trained_model()`), prints
+"accuracy before -> after" with a few samples, and writes both to `<output_dir>/generation_eval.json`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from surojax.config.stages import OUTPUT_ARTIFACTS, Stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class StageResult:
+    name: str | None
+    output_dir: Path
+    metrics: dict  # the last logged train metrics (+ eval_loss), as Trainer.train returns them
+    seconds: float
+    generation_eval: dict | None = None  # {"dataset", "before", "after"} as in generation_eval.json
+
+
+def clear_output_dir(output_dir: str | Path) -> list[Path]:
+    """Delete what a finished or broken earlier run left in `output_dir` (OUTPUT_ARTIFACTS only)."""
+    root = Path(output_dir)
+    removed = []
+    for name in OUTPUT_ARTIFACTS:
+        p = root / name
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        else:
+            continue
+        removed.append(p)
+    return removed
+
+
+def run_stage(stage: Stage, *, console=None) -> StageResult:
+    """One stage: (clear its output_dir) -> Trainer -> generation eval before -> train -> eval after."""
+    from surojax.train.generation_eval import GenerationEval, report
+    from surojax.train.trainer import Trainer
+
+    cfg = stage.config
+    t0 = time.perf_counter()
+    if stage.overwrite_output_dir:
+        removed = clear_output_dir(cfg.output_dir)
+        if removed:
+            log.info("overwrite_output_dir: removed %s", ", ".join(str(p) for p in removed))
+    trainer = Trainer(cfg, console=console)
+    console = trainer.console
+    evaluator = GenerationEval.from_config(cfg, trainer.tokenizer)
+    before = None
+    if evaluator is not None:
+        before = evaluator.run(trainer.trained_model())
+        console.print(f"generation eval before training: {100 * before.accuracy:.1f}% exact match "
+                      f"({before.correct}/{before.total}) on {cfg.eval_generation.path}", highlight=False)
+    metrics = trainer.train()
+    summary = None
+    if evaluator is not None:
+        after = evaluator.run(trainer.trained_model())
+        summary = report(before, after, path=trainer.output_dir / "generation_eval.json",
+                         dataset=cfg.eval_generation.path, console=console)
+    return StageResult(stage.name, trainer.output_dir, metrics, time.perf_counter() - t0, summary)
+
+
+def run_stages(stages: Sequence[Stage], *, console=None) -> list[StageResult]:
+    """Run the (already validated) stages in order; a multi-stage run ends with a table of all stages."""
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    staged = any(s.index is not None for s in stages)
+    t0 = time.perf_counter()
+    results = []
+    for n, stage in enumerate(stages, 1):
+        if staged:
+            console.rule(f"[bold]stage {n}/{len(stages)}: {stage.name}[/]")
+        results.append(run_stage(stage, console=console))
+        if staged:
+            console.print(f"stage {stage.name} finished in {_duration(results[-1].seconds)}", highlight=False)
+    if staged:
+        _print_summary(results, time.perf_counter() - t0, console)
+    return results
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m}m {s:02d}s" if m else f"{s}s"
+
+
+def _print_summary(results: list[StageResult], seconds: float, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"{len(results)} stages in {_duration(seconds)}")
+    table.add_column("stage", no_wrap=True)
+    table.add_column("output", overflow="fold")
+    table.add_column("loss (eval)", no_wrap=True)
+    table.add_column("accuracy before -> after", no_wrap=True)
+    table.add_column("time", no_wrap=True)
+    for r in results:
+        m, ev = r.metrics or {}, r.generation_eval
+        loss = f"{m['loss']:.4f}" if "loss" in m else "-"
+        if "eval_loss" in m:
+            loss += f" ({m['eval_loss']:.4f})"
+        acc = "-"
+        if ev is not None:
+            after = f"{100 * ev['after']['accuracy']:.1f}%"
+            acc = f"{100 * ev['before']['accuracy']:.1f}% -> {after}" if ev.get("before") else after
+        table.add_row(r.name or "-", str(r.output_dir), loss, acc, _duration(r.seconds))
+    console.print(table)
