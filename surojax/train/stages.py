@@ -109,7 +109,7 @@ def _print_summary(results: list[StageResult], seconds: float, console) -> None:
     table.add_column("stage", no_wrap=True)
     table.add_column("output", overflow="fold")
     table.add_column("loss (eval)", no_wrap=True)
-    table.add_column("accuracy before -> after", no_wrap=True)
+    table.add_column("generation eval", no_wrap=True)
     table.add_column("time", no_wrap=True)
     for r in results:
         m, ev = r.metrics or {}, r.generation_eval
