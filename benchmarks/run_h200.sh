@@ -37,16 +37,17 @@ export PYTHONUNBUFFERED=1
 DEFAULT_ITEMS="correctness lora hf-lora full hf-full qwen3-8b llama3-8b lora-1seg"
 ITEMS=${ITEMS:-$DEFAULT_ITEMS}
 DEFAULT_VARIANTS='
-recompute-dots   | --recompute dots |
-recompute-full   | --recompute full |
-attn-xla         | --attention xla |
 attn-cudnn-M4    | --attention cudnn:4 |
 attn-M16-nocheck | --attention cudnn:16:nocheck |
+recompute-dots   | --recompute dots |
+recompute-full   | --recompute full |
 lmhead-8         | --lmhead-chunks 8 |
-no-lhs           | | --xla_gpu_enable_latency_hiding_scheduler=false
+attn-xla         | --attention xla |
 cmdbuf-off       | | --xla_gpu_enable_command_buffer=
 cmdbuf-while-cond| | --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
 triton-gemm-off  | | --xla_gpu_enable_triton_gemm=false
+triton-gemm-any  | | --xla_gpu_triton_gemm_any=true
+no-lhs           | | --xla_gpu_enable_latency_hiding_scheduler=false
 '
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 BENCH="$PY -m surojax.cli.main bench train"
@@ -160,6 +161,10 @@ for r in rows:
              f"remat {cfg.get('recompute')} chunks {cfg.get('lmhead_chunks')} compile {r.get('compile_s', 0):.0f}s")
     if r.get("xla_extra", "").strip():
         notes += " xla " + r["xla_extra"].strip()
+    base = by.get("ours-0.6b-lora", {})
+    if name.startswith("var-") and base.get("tokens_per_s"):
+        notes = (f"{tps / base['tokens_per_s']:.3f}x speed, "
+                 f"{(peak or 0) - (base.get('peak_gib') or 0):+.1f} GiB vs ours-0.6b-lora; ") + notes
     if r.get("impl", "").startswith("hf"):
         notes = f"{r.get('impl')} torch {r.get('torch')}"
     print(fmt.format(name, f"{tps:,.0f}", f"{r.get('step_ms', 0):.1f}", f"{mfu:.1%}" if mfu else "",
