@@ -90,18 +90,20 @@ def attention_case(name, seg, pos, *, M, window=None, expect_branch, N=16, K=8, 
     mask = att.attention_mask(seg, seg, pos, pos, window)
 
     def run(fn, *xs):
-        def f(q, k, v):
-            out = fn(q, k, v)
+        # every array is an argument: closed-over arrays become constants that XLA folds for minutes
+        def f(q, k, v, g, real, mask, seg, pos):
+            out = fn(q, k, v, mask, seg, pos)
             return jnp.sum(out.astype(jnp.float32) * g * real[:, :, None, None]), out
-        (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(*xs)
+        (_, out), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(
+            *xs, g, real, mask, seg, pos)
         return (out, *grads)
 
     with jax.default_matmul_precision("highest"):
-        truth = run(lambda q, k, v: att.xla_attention(q, k, v, mask, scale),
+        truth = run(lambda q, k, v, mask, seg, pos: att.xla_attention(q, k, v, mask, scale),
                     q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
-    xla = run(lambda q, k, v: att.xla_attention(q, k, v, mask, scale), q, k, v)
-    cud = run(lambda q, k, v: att.cudnn_packed_attention(q, k, v, seg, pos, scale, sliding_window=window,
-                                                         max_segments=M), q, k, v)
+    xla = run(lambda q, k, v, mask, seg, pos: att.xla_attention(q, k, v, mask, scale), q, k, v)
+    cud = run(lambda q, k, v, mask, seg, pos: att.cudnn_packed_attention(
+        q, k, v, seg, pos, scale, sliding_window=window, max_segments=M), q, k, v)
     branch = int(att.cudnn_branch(seg, pos, M))
     ok = branch == expect_branch
     fields = {"branch": branch}

@@ -28,8 +28,8 @@ def test_packed_segments_hand_made():
     ], jnp.int32)
     lengths, offsets, runs = jax.jit(att.packed_segments, static_argnums=1)(seg, 4)
     np.testing.assert_array_equal(runs, [3, 1, 6, 3])
-    np.testing.assert_array_equal(offsets, [[0, 3, 5, 8, -1], [0, 8, -1, -1, -1], [0, 1, 2, 3, 8],
-                                            [0, 2, 6, 8, -1]])
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1], [0, 1, 2, 3, -1],
+                                            [0, 2, 6, -1, -1]])
     np.testing.assert_array_equal(lengths, [[3, 2, 3, -1], [8, -1, -1, -1], [1, 1, 1, 5], [2, 4, 2, -1]])
     assert lengths.dtype == offsets.dtype == runs.dtype == jnp.int32
 
@@ -37,7 +37,7 @@ def test_packed_segments_hand_made():
 def test_packed_segments_exactly_m_runs_fills_every_slot():
     seg = jnp.asarray([[1, 1, 2, 3, 3, 3]], jnp.int32)
     lengths, offsets, runs = att.packed_segments(seg, 3)
-    np.testing.assert_array_equal(offsets, [[0, 2, 3, 6]])
+    np.testing.assert_array_equal(offsets, [[0, 2, 3, -1]])
     np.testing.assert_array_equal(lengths, [[2, 1, 3]])
     assert int(runs[0]) == 3
 
@@ -79,6 +79,8 @@ def emulated_cudnn(q, k, v, lengths, offsets, *, scale, causal_only, sliding_win
         covered = jnp.ones((B, T), bool)
     else:
         CALLS.append("packed")
+        # jax's packed-layout contract: offsets [B, M+1] list segment starts only, -1 elsewhere
+        assert offsets.shape[1] == lengths.shape[1] + 1
         start, length = offsets[:, :-1], lengths  # [B, M]
         inside = (t[None, :, None] >= start[:, None, :]) & (t[None, :, None] < (start + length)[:, None, :]) \
             & (length[:, None, :] >= 0)  # [B, T, M]

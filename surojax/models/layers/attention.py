@@ -99,8 +99,8 @@ def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
     """segment_ids [B, T] -> (lengths [B, M], offsets [B, M+1], runs [B]), all int32: cuDNN's packed layout.
 
     Each maximal run of equal ids (padding runs included) is one segment: offsets[b, j] is the first token of
-    run j of row b (a token index inside the row) and lengths[b, j] its length, for j < min(runs, M);
-    offsets[b, min(runs, M)] = T; every other entry is -1. `runs` counts the runs of each row. A row with
+    run j of row b (a token index inside the row) and lengths[b, j] its length, for j < min(runs, M); every
+    other entry is -1 (no end marker: measured on the H200, an end marker misaligns every later row). `runs` counts the runs of each row. A row with
     more than M runs gets its runs M-1, M, ... merged into slot M-1 (wrong attention there), which is why
     `cudnn_packed_attention` never uses the layout of such a batch.
     """
@@ -112,11 +112,14 @@ def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
     slot = jnp.where(starts & (run < M), run, M + 1)  # M + 1 is out of range: dropped
     rows = jnp.arange(B)[:, None]
     tok = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    offsets = jnp.full((B, M + 1), -1, jnp.int32).at[rows, slot].set(tok, mode="drop")
+    starts_at = jnp.full((B, M + 1), -1, jnp.int32).at[rows, slot].set(tok, mode="drop")
     used = jnp.minimum(runs, M)[:, None]  # [B, 1]
     j = jnp.arange(M + 1, dtype=jnp.int32)[None, :]
-    offsets = jnp.where(j == used, T, offsets)
-    lengths = jnp.where(j[:, :M] < used, offsets[:, 1:] - offsets[:, :-1], -1).astype(jnp.int32)
+    ends = jnp.where(j == used, T, starts_at)  # the run after the last used one starts at T
+    lengths = jnp.where(j[:, :M] < used, ends[:, 1:] - ends[:, :-1], -1).astype(jnp.int32)
+    # cuDNN's contract (jax.nn's packed layout): offsets of the segments only, -1 after them, NO end marker:
+    # jax flattens every non-negative entry across rows, so an extra entry would shift every later row.
+    offsets = jnp.where(j < used, starts_at, -1).astype(jnp.int32)
     return lengths, offsets, runs.astype(jnp.int32)
 
 
