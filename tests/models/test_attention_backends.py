@@ -222,8 +222,8 @@ def test_decoder_loss_and_grads_match_xla_backend(monkeypatch, recompute):
         results[backend] = loss_and_grads(params)
     (l_x, g_x), (l_c, g_c) = results["xla"], results["cudnn:8"]
     assert abs(float(l_x) - float(l_c)) <= 1e-3 * abs(float(l_x))
-    # bf16 compute: the same backend under two remat policies already differs by ~0.6% of the largest
-    # gradient (different fusion, different rounding); a wrong mask would move gradients by O(100%).
+    # bf16 compute with bf16 backward GEMMs: two backends differ by bf16 rounding, ~0.5% of a gradient's
+    # norm (single elements up to ~2% of the largest); a wrong mask moves gradients by O(100%).
     for a, b in zip(jax.tree.leaves(g_x), jax.tree.leaves(g_c)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.abs(a - b).max() <= 2e-2 * np.abs(a).max()
+        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(a)

@@ -1,0 +1,99 @@
+"""Profile the training step on the GPU (jax.profiler) and print where the device time goes.
+
+    python benchmarks/profile_step.py --shape qwen3-0.6b --mode lora [--recompute none] [--out DIR]
+Prints the top kernels by total device time over the traced steps, grouped by a coarse category, and copies
+the perfetto trace (trace.json.gz) to --out when it is small enough to bring back.
+"""
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from surojax.bench.train_bench import BenchConfig, build, place_batch, synthetic_batch  # noqa: E402
+
+CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
+    ("attention (cuDNN)", ("cudnn", "flash", "fmha", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "triton_gemm", "matmul", "wgmma")),
+    ("loss / softmax", ("reduce", "logsumexp")),
+    ("copy / transpose", ("copy", "transpose", "memcpy", "memset", "dynamic_update_slice", "dynamic_slice")),
+    ("fusion (elementwise)", ("fusion", "loop_", "input_")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--mode", default="lora")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--recompute", default="none")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/surojax-profile"))
+    a = p.parse_args()
+    bc = BenchConfig(shape=a.shape, mode=a.mode, batch=a.batch, seq=a.seq, recompute=a.recompute,
+                     attention=a.attention)
+    setup = build(bc)
+    host, _ = synthetic_batch(np.random.default_rng(0), 1, a.batch, a.seq, setup.model_cfg.vocab_size, 4, 64)
+    batch = place_batch(setup, host)
+    key = jax.random.key(0)
+    tr, st = setup.trainable, setup.opt_state
+    for _ in range(3):
+        tr, st, m = setup.step(tr, setup.frozen, st, batch, key)
+    jax.block_until_ready(m)
+    trace_dir = Path("/tmp/surojax-trace")
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        for _ in range(a.steps):
+            tr, st, m = setup.step(tr, setup.frozen, st, batch, key)
+        jax.block_until_ready(m)
+    files = glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True)
+    if not files:
+        print("no perfetto trace found under", trace_dir, os.listdir(trace_dir))
+        return 1
+    with gzip.open(files[0], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pids = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
+            and e.get("name") == "process_name"}
+    gpu_pids = {pid for pid, name in pids.items() if "/device:GPU" in name or "GPU" in name.upper()}
+    by_name, by_cat, total = collections.Counter(), collections.Counter(), 0.0
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
+            d = float(e["dur"]) / a.steps
+            by_name[e["name"]] += d
+            by_cat[category(e["name"])] += d
+            total += d
+    print(f"device time per step (sum of kernel durations): {total / 1e3:.1f} ms over {len(by_name)} kernels")
+    for cat, d in by_cat.most_common():
+        print(f"  {cat:24s} {d / 1e3:8.1f} ms  {100 * d / max(total, 1):5.1f}%")
+    print("top kernels (ms per step):")
+    for name, d in by_name.most_common(40):
+        print(f"  {d / 1e3:8.2f}  {name[:150]}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if os.path.getsize(files[0]) < 15 * 2**20:
+        shutil.copy(files[0], out / f"trace-{a.shape}-{a.mode}.json.gz")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
