@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -92,7 +91,9 @@ def train_namespace(bc: BenchConfig) -> SimpleNamespace:
 
 def lm_chunk(cfg, rows: int) -> int:
     """The trainer's lm-head chunk (tokens per chunk of the chunked loss), from `lmhead_chunks`."""
-    return max(1, math.ceil(rows * cfg.sequence_len / cfg.lmhead_chunks)) if cfg.lmhead_chunks > 1 else 4096
+    from surojax.losses.lm import lm_chunk_tokens
+
+    return lm_chunk_tokens(rows, cfg.sequence_len, cfg.lmhead_chunks)
 
 
 # ---- synthetic packed batches -------------------------------------------------------------------------------
@@ -148,15 +149,13 @@ class Setup:
 def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     """Model + optimizer state + the jitted step, exactly as the Trainer builds them (one device)."""
     import jax
-    import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from surojax.losses.lm import lm_loss
     from surojax.offload.remat import remat_wrapper
     from surojax.parallel import init_sharded, make_mesh, shard_model
     from surojax.train.model_setup import build_model, trainable_filter
-    from surojax.train.optim import build_optimizer, lr_schedule
+    from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
     from surojax.train.step import make_train_step
 
     cfg = train_namespace(bc)
@@ -172,12 +171,7 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
                            cfg.final_lr_fraction, cfg.cooldown_steps)
     optimizer = build_optimizer(cfg.optimizer, schedule, weight_decay=cfg.weight_decay, b1=cfg.adam_beta1,
                                 b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm)
-    # As Trainer._init_opt_state: moments placed like their parameters, counts replicated.
-    param_sh = jax.tree.map(lambda x: x.sharding, trainable)
-    abstract = jax.eval_shape(optimizer.init, trainable)
-    shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract, param_sh,
-                                      transform_non_params=lambda _: NamedSharding(mesh, P()))
-    opt_state = jax.jit(optimizer.init, out_shardings=shardings)(trainable)
+    opt_state = init_opt_state(optimizer, trainable, mesh)  # as the Trainer
 
     chunk = lm_chunk(cfg, bc.batch)
 

@@ -66,3 +66,16 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
         parts.append(optax.clip_by_global_norm(max_grad_norm))
     parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
     return optax.chain(*parts)
+
+
+def init_opt_state(optimizer, trainable, mesh):
+    """Optimizer state placed like the parameters it mirrors (moments) or replicated (counts), created under
+    jit, so a jitted step sees the same input shardings on every call and compiles once."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    param_sh = jax.tree.map(lambda x: x.sharding, trainable)
+    abstract = jax.eval_shape(optimizer.init, trainable)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract, param_sh,
+                                      transform_non_params=lambda _: replicated)
+    return jax.jit(optimizer.init, out_shardings=shardings)(trainable)

@@ -23,12 +23,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from surojax.losses.lm import lm_loss
+from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.offload.remat import remat_wrapper
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.metrics import Metrics, plot_loss
 from surojax.train.model_setup import TrainSetupError, build_model, model_config_for, precision_for, trainable_filter
-from surojax.train.optim import build_optimizer, lr_schedule
+from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optimizer, self.schedule, weight_decay=cfg.weight_decay,
                                          b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
                                          max_grad_norm=cfg.max_grad_norm)
-        self.chunk = max(1, math.ceil(B * cfg.sequence_len / cfg.lmhead_chunks)) if cfg.lmhead_chunks > 1 else 4096
+        self.chunk = lm_chunk_tokens(B, cfg.sequence_len, cfg.lmhead_chunks)
 
         self._train_mode = cfg.lora and cfg.lora_dropout > 0
         if self._train_mode:
@@ -104,7 +104,7 @@ class Trainer:
         self.graphdef, self.trainable, self.frozen = nnx.split(self.model, trainable_filter(cfg), ...)
         self.model.eval()
         self.eval_graphdef = nnx.split(self.model, trainable_filter(cfg), ...)[0]
-        self.opt_state = self._init_opt_state()
+        self.opt_state = init_opt_state(self.optimizer, self.trainable, self.mesh)
         remat = remat_wrapper(cfg.recompute)
         prepare = self._dropout_prepare() if self._train_mode else None
         self._train_step = make_train_step(self.graphdef, self._loss_fn, self.optimizer, remat=remat, prepare=prepare)
@@ -125,18 +125,6 @@ class Trainer:
         if done and not self.cfg.resume_from_checkpoint:
             raise TrainSetupError(f"output_dir: {self.output_dir} already holds a trained {done[0].name} "
                                   f"({done[0]}); choose another output_dir or set resume_from_checkpoint")
-
-    def _init_opt_state(self):
-        """Optimizer state placed like the parameters it mirrors (moments) or replicated (counts), so that
-        the step's inputs carry the same shardings on every call and it compiles once."""
-        import optax
-
-        param_sh = jax.tree.map(lambda x: x.sharding, self.trainable)
-        abstract = jax.eval_shape(self.optimizer.init, self.trainable)
-        replicated = NamedSharding(self.mesh, P())
-        shardings = optax.tree_map_params(self.optimizer, lambda _, s: s, abstract, param_sh,
-                                          transform_non_params=lambda _: replicated)
-        return jax.jit(self.optimizer.init, out_shardings=shardings)(self.trainable)
 
     def _loss_fn(self, model, batch, remat=None):
         return lm_loss(model, batch, chunk=self.chunk, remat=remat)
