@@ -23,7 +23,7 @@ COMMANDS: dict[str, str] = {
     "quantize": "quantize a model's weights (nf4, fp8, nvfp4, gguf types)",
     "generate": "generate text from a model (and adapters) on the command line",
     "serve": "serve a model over an OpenAI-compatible HTTP API",
-    "bench": "measure training throughput and memory for a training YAML",
+    "bench": "measure training throughput, memory and MFU (`bench train --shape ...`)",
 }
 
 

@@ -27,7 +27,7 @@ from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.offload.remat import remat_wrapper
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.metrics import Metrics, plot_loss
-from surojax.train.model_setup import TrainSetupError, build_model, model_config_for, precision_for, trainable_filter
+from surojax.train.model_setup import TrainSetupError, build_model, model_config_for, trainable_filter
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.step import make_eval_step, make_train_step
 
@@ -287,7 +287,3 @@ class Trainer:
         return save_model(model, Path(out_dir or self.output_dir / "model"), dtype=save_dtype,
                           tokenizer_dir=self.tokenizer_dir, overwrite=overwrite)
 
-
-def precision_summary(cfg) -> str:
-    p = precision_for(cfg)
-    return f"compute {jnp.dtype(p.compute).name}, weights {jnp.dtype(p.base).name}, adapters {jnp.dtype(p.adapter).name}"
