@@ -1,0 +1,108 @@
+"""The base of every weight format: a registered JAX pytree dataclass with quantize / dequantize / matmul.
+
+Shape legend (local to surojax.quant, the GEMM convention): a linear kernel is stored [in, out] = [K, N] in the
+model (`x [.., K] @ W [K, N]`, see surojax.models.layers.linear), K the input dimension, N the output dimension.
+
+Storage rule, for every format: the packed arrays keep the layout of the format's home ecosystem, which is
+the torch / HF / GGUF layout [N, K] row-major: one row per output feature, K (the input dimension) contiguous,
+and the quantisation blocks run along K. `quantize(w)` therefore takes our [K, N] kernel and transposes it,
+`dequantize()` unpacks [N, K] and transposes back to [K, N]. Leading dimensions on the packed arrays (for
+instance a stacked `layers` axis, or `jax.lax.scan` slicing one off) pass through: `dequantize()` returns
+[..., K, N]; the static metadata (`shape = (K, N)`) only describes the trailing matrix.
+
+A format is a frozen dataclass whose array fields are pytree leaves and whose `static()` fields are pytree
+metadata (hashable, part of the jit cache key), so `jax.jit`, `jax.tree.map`, `jax.device_put` and sharding
+all treat a quantised weight like any other parameter pytree.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMATS: dict[str, type["QuantFormat"]] = {}
+
+
+def static(**kw):
+    """A dataclass field that is pytree metadata (static under jit), not a leaf."""
+    return dataclasses.field(metadata={"static": True}, **kw)
+
+
+def register_format(name: str):
+    """Class decorator: frozen dataclass + JAX pytree registration + entry in FORMATS under `name`."""
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        fields = dataclasses.fields(cls)
+        meta = [f.name for f in fields if f.metadata.get("static")]
+        data = [f.name for f in fields if not f.metadata.get("static")]
+        jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+        cls.name = name
+        FORMATS[name] = cls
+        return cls
+    return wrap
+
+
+class QuantFormat:
+    """Interface of a quantised [K, N] weight. Subclasses are made with @register_format."""
+
+    name: ClassVar[str]
+    shape: tuple[int, int]  # (K, N) of the logical kernel; every subclass declares it as a static field
+
+    @classmethod
+    def quantize(cls, w: np.ndarray, **kw) -> "QuantFormat":
+        """w: [K, N] float array (numpy or jax) -> packed format."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
+        """-> [..., K, N] in `dtype` (pure jnp, jit-able)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed storage (all array leaves)."""
+        return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(self)))
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        """x [..., K] @ W [K, N] -> [..., N] in x's dtype. The jnp reference path (dequantise, then XLA GEMM)."""
+        return jnp.einsum("...k,kn->...n", x, self.dequantize(x.dtype))
+
+    def __repr__(self) -> str:  # arrays can be huge; show the shapes only
+        leaves = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        parts = [f"{k}={v.dtype}{list(v.shape)}" if hasattr(v, "shape") else f"{k}={v!r}" for k, v in leaves.items()]
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def as_kn(w) -> np.ndarray:
+    """Validate and convert a [K, N] kernel to float32 numpy."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize expects a 2-D [in, out] kernel, got shape {w.shape}")
+    return w
+
+
+def to_kn(w_nk: jax.Array, dtype) -> jax.Array:
+    """[..., N, K] -> [..., K, N] in dtype."""
+    return jnp.swapaxes(w_nk, -1, -2).astype(dtype)
+
+
+def f16_from_bytes(b: jax.Array) -> jax.Array:
+    """uint8 [..., 2] (little-endian fp16 bytes) -> float32 [...] (exact)."""
+    u16 = b[..., 0].astype(jnp.uint16) | (b[..., 1].astype(jnp.uint16) << 8)
+    return jax.lax.bitcast_convert_type(u16, jnp.float16).astype(jnp.float32)
+
+
+def u16_from_bytes(b: jax.Array) -> jax.Array:
+    return b[..., 0].astype(jnp.uint16) | (b[..., 1].astype(jnp.uint16) << 8)
+
+
+def u32_from_bytes(b: jax.Array) -> jax.Array:
+    b = b.astype(jnp.uint32)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def nibbles_lo_hi(qs: jax.Array) -> jax.Array:
+    """uint8 [..., B] -> uint8 [..., 2, B]: low nibbles, then high nibbles."""
+    return jnp.stack([qs & 0x0F, qs >> 4], axis=-2)
