@@ -234,7 +234,7 @@ class Trainer:
                     raise FloatingPointError(f"loss became {m['loss']} at step {self.step_count}")
                 progress.update(task, completed=self.step_count, loss=m["loss"], lr=m["lr"], gnorm=m["grad_norm"],
                                 tps=m["tokens_per_s"])
-                if self.step_count % cfg.logging_steps == 0 or self.step_count == self.plan.total_steps:
+                if self.step_count % cfg.logging_steps == 0 or self.step_count in (1, self.plan.total_steps):
                     self.metrics.write(self.step_count, m)
                     if not interactive:
                         self.console.print(f"step {self.step_count}/{self.plan.total_steps} loss {m['loss']:.4f} "
