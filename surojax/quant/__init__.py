@@ -11,6 +11,9 @@ from surojax.quant.gguf_float import BF16, F16, F32
 from surojax.quant.gguf_legacy import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 from surojax.quant.gguf_kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from surojax.quant.gguf_nonlinear import IQ4_NL, IQ4_XS, MXFP4
+from surojax.quant.nf4 import NF4
+from surojax.quant.fp8 import FP8Block
+from surojax.quant.nvfp4 import NVFP4
 
 GGUF_TYPES = {name: cls for name, cls in FORMATS.items() if issubclass(cls, GGUFQuant)}
 
@@ -24,4 +27,5 @@ def quantize(w, fmt: str, **kw) -> QuantFormat:
 
 
 __all__ = ["FORMATS", "GGUF_TYPES", "QuantFormat", "GGUFQuant", "quantize", "F32", "F16", "BF16", "Q4_0", "Q4_1",
-           "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
+           "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4",
+           "NF4", "FP8Block", "NVFP4"]
