@@ -141,3 +141,12 @@ def test_pytree_and_jit(name, kw):
 def test_quantize_unknown_format():
     with pytest.raises(ValueError, match="unknown weight format"):
         quantize(np.zeros((64, 64), np.float32), "q9_z")
+
+
+def test_linear_dot_dispatches_to_the_format():
+    from surojax.models.layers.linear import dot
+    f = quantize(_w(8), "q8_0")
+    x = jnp.ones((2, K), jnp.bfloat16)
+    y = dot(x, f)
+    assert y.shape == (2, N) and y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x @ f.dequantize(), np.float32), rtol=1e-2)
