@@ -1,0 +1,287 @@
+"""Memory plan before training: an estimate of peak device memory by component, checked against capacity.
+
+`plan_memory(model_cfg, ...)` returns a `MemoryPlan` whose components are bytes ON ONE DEVICE (no sharding):
+
+    weights      frozen base (LoRA: compute dtype, bf16) or master weights (full: `master_dtype`, fp32 in the
+                 bf16 recipe); with `offload_base` / `offload_master` only a pool of two layers plus the
+                 embedding / head stay on the device
+    cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights.
+                 recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
+                 layer; plus the head's cast copy used by the loss
+    adapters     LoRA A and B of every target of every layer (`lora_dtype`, fp32)
+    gradients    the fp32 accumulation buffer of the trainable params (`make_train_step`'s g_acc) plus the
+                 micro-batch's gradient in the trainable dtype, both live at the accumulate
+    optimizer    AdamW: 2 fp32 moments per trainable param (adamw_8bit: 2 bytes, normuon: 4); with
+                 `offload_optimizer` one layer's state (moved per layer for the update)
+    activations  residuals saved by the scanned layers for the backward (below), for B x T tokens
+    logits       one chunk of the chunked CE: fp32 logits [C, V], fp32 softmax / d-logits [C, V] and the
+                 d-logits cast to the compute dtype [C, V] (C = `lm_chunk_tokens`, capped at B x T)
+    workspace    backward temporaries of one layer (the recomputed layer under `full`, its gradients
+                 otherwise), 10% of the saved activations for residuals not modelled one by one (RMS inverse
+                 scales, softmax statistics, rope tables, masks, allocator fragmentation), and 0.5 GiB fixed
+                 (cuDNN / cuBLAS workspaces, the batch, the embedding gather)
+
+Activations, bytes saved per token per layer (c = compute-dtype bytes, D, F, NH = N*H, KH = K*H):
+
+    none   everything autodiff keeps: the two RMSNorms (fp32 input D*4 + normed D*c each), q/k/v projection
+           outputs (NH + 2 KH)*c, qk-norm (qwen3: fp32 input + output, (NH + KH)*(4 + c)), rope outputs
+           (NH + KH)*c, the attention output NH*c, o_proj output and residual 2 D*c, MLP gate, up, silu(gate)
+           and their product 4 F*c, down output and residual 2 D*c, and the LoRA x@A of each target R*c
+    dots   the layer input D*c plus the outputs of the weight matmuls (no batch dims): q/k/v (NH + 2 KH)*c,
+           o_proj D*c, gate/up 2 F*c, down D*c, LoRA x@A and (x@A)@B of each target (R + out)*c
+           (a first build that returned matmuls in fp32 measured dots above none; since the backward
+           GEMMs run in the compute dtype the matmul outputs are c bytes)
+    full   the layer input only, D*c (the layer is recomputed in the backward: counted in workspace)
+
+Calibration (benchmarks/RESULTS.md, H200, bf16, seq 2048, lm chunk 4,096): see tests/offload/test_memory_plan.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable
+
+GiB = 1024 ** 3
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+_OPT_BYTES = {"adamw": 8, "adamw_8bit": 2, "normuon": 4}
+_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FIXED_WORKSPACE = GiB // 2
+_UNMODELLED = 0.10
+COMPONENTS = ("weights", "cast_weights", "adapters", "gradients", "optimizer", "activations", "logits", "workspace")
+
+
+class MemoryPlanError(ValueError):
+    """The run's estimated peak device memory exceeds the device's capacity."""
+
+    is_user_error = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    weights: int
+    cast_weights: int
+    adapters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    workspace: int
+    settings: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    model_cfg: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, k) for k in COMPONENTS)
+
+    def fits(self, capacity_bytes: int | None) -> bool:
+        return capacity_bytes is None or self.total <= capacity_bytes
+
+    def components(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in COMPONENTS}
+
+    def with_settings(self, **changes) -> "MemoryPlan":
+        """The plan of the same model with some settings changed (keys of `plan_memory`)."""
+        return plan_memory(self.model_cfg, **{**self.settings, **changes})
+
+
+def _layer_shapes(cfg):
+    D, F, NH, KH = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
+    io = {"q_proj": (D, NH), "k_proj": (D, KH), "v_proj": (D, KH), "o_proj": (NH, D),
+          "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+    return D, F, NH, KH, io
+
+
+def _targets(targets) -> tuple[str, ...]:
+    if targets is None or targets == "all-linear" or list(targets) == ["all-linear"]:
+        return _TARGETS
+    return tuple(t for t in _TARGETS if t in targets)
+
+
+def activation_bytes_per_token_layer(cfg, recompute: str, *, c: int = 2, rank: int = 0,
+                                     targets: Iterable[str] = ()) -> int:
+    """Bytes one layer saves for the backward per token, by recompute policy (see the module docstring)."""
+    D, F, NH, KH, io = _layer_shapes(cfg)
+    targets = _targets(targets) if rank else ()
+    if recompute == "full":
+        return D * c
+    if recompute == "dots":
+        lora = sum((rank + io[t][1]) * c for t in targets)
+        return D * c + (NH + 2 * KH) * c + D * c + 2 * F * c + D * c + lora
+    if recompute in ("none", "offload"):
+        qk = (NH + KH) * (4 + c) if cfg.qk_norm else 0
+        return (2 * (D * 4 + D * c) + (NH + 2 * KH) * c + qk + (NH + KH) * c + NH * c
+                + 2 * D * c + 4 * F * c + 2 * D * c + sum(rank * c for t in targets))
+    raise ValueError(f"recompute {recompute!r} is unknown (none, full, dots)")
+
+
+def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: int = 16, targets=None,
+                batch: int, seq: int, recompute: str = "full", lm_chunk_tokens: int = 4096,
+                optimizer: str = "adamw", offload_base: bool = False, offload_optimizer: bool = False,
+                offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32") -> MemoryPlan:
+    """Peak device memory of one training step, by component (bytes; see the module docstring)."""
+    if mode not in ("lora", "full"):
+        raise ValueError(f"mode {mode!r}: expected lora or full")
+    settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
+                    lm_chunk_tokens=lm_chunk_tokens, optimizer=optimizer, offload_base=offload_base,
+                    offload_optimizer=offload_optimizer, offload_master=offload_master, master_dtype=master_dtype,
+                    lora_dtype=lora_dtype)
+    cfg = model_cfg
+    fp32 = recipe == "fp32"
+    c = 4 if fp32 else 2
+    D, F, NH, KH, io = _layer_shapes(cfg)
+    L, V = cfg.num_layers, cfg.vocab_size
+    total_params = cfg.num_params()
+    embed_params = V * D * (1 if cfg.tie_word_embeddings else 2) + D
+    layer_params = (total_params - embed_params) // L
+    lora = mode == "lora"
+    tgts = _targets(targets) if lora else ()
+    r = rank if lora else 0
+
+    # weights
+    if lora:
+        wb = c  # the frozen base in the compute dtype
+        resident = embed_params + (2 * layer_params if offload_base else L * layer_params)
+        weights = resident * wb
+        trainable = L * sum(r * (i + o) for i, o in (io[t] for t in tgts))
+        tb = 4 if fp32 else _DTYPE_BYTES[lora_dtype]
+        adapters = trainable * tb
+        cast = 0
+    else:
+        wb = 4 if fp32 else _DTYPE_BYTES[master_dtype]
+        resident = embed_params + (2 * layer_params if offload_master else L * layer_params)
+        weights = resident * wb
+        trainable, tb, adapters = total_params, wb, 0
+        cast = 0
+        if wb != c:
+            kept_layers = 1 if recompute == "full" else L
+            cast = (kept_layers * layer_params + V * D) * c
+    gradients = trainable * 4 + trainable * tb
+    opt_b = _OPT_BYTES.get(optimizer, 8)
+    if offload_optimizer:
+        opt_params = layer_params if not lora else trainable // max(L, 1)
+        optimizer_bytes = 2 * opt_params * opt_b
+    else:
+        optimizer_bytes = trainable * opt_b
+    tokens = batch * seq
+    per_tl = activation_bytes_per_token_layer(cfg, recompute, c=c, rank=r, targets=tgts)
+    activations = tokens * L * per_tl
+    C = min(lm_chunk_tokens, tokens)
+    logits = C * V * (4 + 4 + c)
+    one_layer = tokens * activation_bytes_per_token_layer(cfg, "none", c=c, rank=r, targets=tgts)
+    workspace = one_layer + int(_UNMODELLED * activations) + _FIXED_WORKSPACE
+    return MemoryPlan(weights=int(weights), cast_weights=int(cast), adapters=int(adapters), gradients=int(gradients),
+                      optimizer=int(optimizer_bytes), activations=int(activations), logits=int(logits),
+                      workspace=int(workspace), settings=settings, model_cfg=model_cfg)
+
+
+def format_plan(plan: MemoryPlan, capacity: int | None = None) -> str:
+    """A table of the components in GiB, the total, and the capacity when known."""
+    rows = [(k, v) for k, v in plan.components().items() if v]
+    width = max(len(k) for k in list(COMPONENTS) + ["capacity"])
+    lines = [f"{'component':<{width}}  {'GiB':>8}"]
+    lines += [f"{k:<{width}}  {v / GiB:8.2f}" for k, v in rows]
+    lines.append(f"{'total':<{width}}  {plan.total / GiB:8.2f}")
+    if capacity is not None:
+        verdict = "fits" if plan.fits(capacity) else "does NOT fit"
+        lines.append(f"{'capacity':<{width}}  {capacity / GiB:8.2f}  ({verdict})")
+    return "\n".join(lines)
+
+
+def fitting_options(plan: MemoryPlan, capacity: int, *, offload_available: Iterable[str] = (),
+                    lmhead_chunks: int | None = None) -> list[tuple[str, int]]:
+    """Single changes of the config that bring the estimate under `capacity`: (description, estimated total)."""
+    s = plan.settings
+    out: list[tuple[str, int]] = []
+
+    def consider(desc, **changes):
+        p = plan.with_settings(**changes)
+        if p.fits(capacity):
+            out.append((desc, p.total))
+
+    if s["recompute"] != "full":
+        consider("recompute: full", recompute="full")
+        if s["recompute"] == "none":
+            consider("recompute: dots", recompute="dots")
+    b = s["batch"]
+    while b > 1:
+        b = max(1, b // 2)
+        p = plan.with_settings(batch=b)
+        if p.fits(capacity):
+            k = math.ceil(s["batch"] / b)
+            out.append((f"per_device_train_batch_size: {b} with gradient_accumulation_steps multiplied by {k} "
+                        "(same global batch)", p.total))
+            break
+    tokens = s["batch"] * s["seq"]
+    if min(s["lm_chunk_tokens"], tokens) > 1024:
+        chunks = math.ceil(tokens / 1024)
+        consider(f"lmhead_chunks: {chunks} (1,024-token chunks)", lm_chunk_tokens=math.ceil(tokens / chunks))
+    if s["mode"] == "full":
+        consider(f"lora: true (rank {s['rank'] or 16}) instead of full fine-tuning", mode="lora", rank=s["rank"] or 16)
+    avail = set(offload_available)
+    if s["mode"] == "full":
+        if "offload_optimizer" in avail and not s["offload_optimizer"]:
+            consider("offload_optimizer: true", offload_optimizer=True)
+        if "offload_master" in avail and not s["offload_master"]:
+            consider("offload_master: true", offload_master=True)
+        if {"offload_optimizer", "offload_master"} <= avail and not (s["offload_optimizer"] or s["offload_master"]):
+            consider("offload_optimizer: true and offload_master: true", offload_optimizer=True, offload_master=True)
+    elif "offload_base_weights" in avail and not s["offload_base"]:
+        consider("offload_base_weights: true", offload_base=True)
+    if s["recompute"] != "full" and s["batch"] > 1:
+        # a combination, when no single change is enough
+        if not out:
+            b = s["batch"]
+            while b > 1:
+                b = max(1, b // 2)
+                p = plan.with_settings(batch=b, recompute="full")
+                if p.fits(capacity):
+                    out.append((f"recompute: full and per_device_train_batch_size: {b} with "
+                                f"gradient_accumulation_steps multiplied by {math.ceil(s['batch'] / b)}", p.total))
+                    break
+    return out
+
+
+def check_fits(plan: MemoryPlan, capacity: int | None, options_hint: bool = True, *,
+               offload_available: Iterable[str] = ()) -> None:
+    """Raise MemoryPlanError (before anything is allocated) when the estimate exceeds `capacity`.
+
+    `offload_available`: the offload_* keys this build supports (only those are suggested).
+    """
+    if capacity is None or plan.fits(capacity):
+        return
+    msg = [f"the run needs an estimated {plan.total / GiB:.1f} GiB of device memory but the device has "
+           f"{capacity / GiB:.1f} GiB:", format_plan(plan, capacity)]
+    if options_hint:
+        opts = fitting_options(plan, capacity, offload_available=offload_available)
+        if opts:
+            msg.append("Options that would fit (estimated peak):")
+            msg += [f"  - {d}: {t / GiB:.1f} GiB" for d, t in opts]
+        else:
+            msg.append("No single option found that fits; a smaller model, a shorter sequence_len or more devices "
+                       "(fsdp) are needed.")
+    raise MemoryPlanError("\n".join(msg))
+
+
+def device_capacity() -> int | None:
+    """Bytes the first device's allocator may use (GPU), or None where the backend does not say (CPU)."""
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return None
+    try:
+        stats = dev.memory_stats()
+    except Exception:  # noqa: BLE001 - some backends do not implement memory_stats
+        return None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"])
+
+
+def plan_for_config(cfg, model_cfg, *, rows: int, lm_chunk_tokens: int) -> MemoryPlan:
+    """The plan of a TrainConfig (the trainer's keys) for micro-batches of `rows` rows per device."""
+    return plan_memory(model_cfg, mode="lora" if cfg.lora else "full", recipe=cfg.recipe, rank=cfg.lora_rank,
+                       targets=cfg.lora_target_modules, batch=rows, seq=cfg.sequence_len, recompute=cfg.recompute,
+                       lm_chunk_tokens=lm_chunk_tokens, optimizer=cfg.optimizer,
+                       offload_base=cfg.offload_base_weights, offload_optimizer=cfg.offload_optimizer,
+                       offload_master=cfg.offload_master, master_dtype=cfg.master_dtype, lora_dtype=cfg.lora_dtype)
