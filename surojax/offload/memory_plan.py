@@ -42,7 +42,7 @@ import math
 from typing import Iterable
 
 GiB = 1024 ** 3
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPT_BYTES = {"adamw": 8, "adamw_8bit": 2, "normuon": 4}
 _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FIXED_WORKSPACE = GiB // 2
