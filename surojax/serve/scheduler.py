@@ -1,0 +1,262 @@
+"""Continuous-batching scheduler (pure Python), after vLLM v1's ``schedule()``.
+
+Architecture choices:
+
+* One notion of work: ``schedule()`` returns, per request, how many tokens to compute this step. A prompt prefill,
+  a chunk of a long prompt and a decode (1 token) are the same thing: ``num_computed_tokens`` catches up with
+  ``len(all_token_ids)``. When it does, the runner samples one token, which ``update`` appends.
+* Running requests are served first (decodes, then unfinished prefill chunks, in admission order); waiting
+  requests are admitted FIFO while there is token budget (``max_num_batched_tokens``), a free seat
+  (``max_num_seqs``) and free KV blocks. The head of the queue blocks the rest (no overtaking: deterministic).
+* Preemption by recompute: when a running request cannot get a block, the most recently admitted running request
+  is sent back to the front of the waiting queue with its blocks freed and ``num_computed_tokens = 0``; when
+  re-admitted it recomputes prompt + generated tokens (often mostly from the prefix cache, since freed blocks keep
+  their hashes). No new requests are admitted in a step that preempted.
+* Sampling params are opaque here; stop token ids / max_tokens / max_model_len are the scheduler's to enforce
+  (stop *strings* need detokenisation and belong to the engine, which calls ``abort``/``finish`` for them).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable, Mapping
+
+from surojax.serve.kv_cache import KVCacheManager
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, will recompute
+    FINISHED_STOPPED = "stop"  # stop token id
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int = 16
+    stop_token_ids: frozenset[int] | set[int] | tuple[int, ...] = ()
+    sampling_params: Any = None  # opaque to the scheduler
+    adapter: str | None = None  # LoRA adapter name; None = base model
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission (-1: not yet)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def cache_key(self) -> Hashable:
+        return self.adapter
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    num_new_tokens: int  # tokens to compute this step
+    start: int  # position of the first of them (== num_computed_tokens before the step)
+    token_ids: list[int]  # all_token_ids[start:start + num_new_tokens]
+    block_table: list[int]
+    sample: bool  # True when this step reaches the end of the sequence: the runner samples one token
+    adapter: str | None = None
+    sampling_params: Any = None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # finished/aborted since the last step
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_new_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 4096,
+        chunk_size: int | None = None,
+    ):
+        if kv.num_blocks * kv.block_size < max_model_len:
+            raise ValueError("KV pool smaller than max_model_len: a lone request could never finish")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunk_size = chunk_size or max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._last: dict[str, ScheduledRequest] = {}
+        self.num_preemptions = 0
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if not req.prompt_token_ids:
+            raise ValueError("empty prompt")
+        if len(req.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(req.prompt_token_ids)} tokens >= max_model_len {self.max_model_len}")
+        if req.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request (client disconnect): frees its blocks now. False if unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def _num_new(self, req: Request, budget: int, num_computed: int) -> int:
+        n = req.num_tokens - num_computed
+        return max(0, min(n, self.chunk_size, budget, self.max_model_len - num_computed))
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        s = req.num_computed_tokens
+        return ScheduledRequest(
+            req.request_id, n, s, req.all_token_ids[s:s + n], self.kv.block_table(req.request_id),
+            sample=s + n == req.num_tokens, adapter=req.adapter, sampling_params=req.sampling_params)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.max_num_batched_tokens
+
+        # 1. running requests, oldest first; preempt from the newest end when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new(req, budget, req.num_computed_tokens)
+            if n == 0:
+                i += 1
+                continue
+            while not self.kv.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(req, n))
+                budget -= n
+                i += 1
+
+        # 2. admit waiting requests FIFO (not in a step that preempted)
+        while (self.waiting and not out.preempted_request_ids and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            blocks, n_hit = self.kv.get_computed_blocks(req)
+            n = self._num_new(req, budget, n_hit)
+            if n == 0 or not self.kv.allocate(req, n, blocks):
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_query(req.num_tokens, n_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = n_hit
+            req.num_computed_tokens = n_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+
+        self._last = {s.request_id: s for s in out.scheduled}
+        return out
+
+    def update(self, sampled: Mapping[str, int] | Iterable[tuple[str, int]] = ()) -> list[RequestOutput]:
+        """Advance the last ``schedule()``'s requests. ``sampled`` maps request id -> sampled token for those with
+        ``sample=True`` (others are ignored). Finishes on stop token / max_tokens / max_model_len and frees blocks.
+        Requests aborted since ``schedule()`` are skipped."""
+        sampled = dict(sampled)
+        outs: list[RequestOutput] = []
+        last, self._last = self._last, {}
+        for rid, s in last.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING or req.num_computed_tokens != s.start:
+                continue  # aborted (or preempted and re-admitted) since schedule()
+            req.num_computed_tokens += s.num_new_tokens
+            if not s.sample:
+                continue
+            if rid not in sampled:
+                raise KeyError(f"no sampled token for {rid!r}")
+            tok = int(sampled[rid])
+            req.output_token_ids.append(tok)
+            status = None
+            if tok in req.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            outs.append(RequestOutput(rid, [tok], status is not None, status.value if status else None))
+        return outs
