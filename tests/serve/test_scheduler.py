@@ -225,11 +225,11 @@ def test_allocate_is_all_or_nothing():
     assert kv.num_free_blocks == 3
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_random_workload_never_leaks(seed):
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4, 8])
-    num_blocks = rng.randint(64 // bs, 400 // bs)
+    num_blocks = rng.randint(64 // bs, 128 // bs)  # small pool: preemption happens
     s = Scheduler(KVCacheManager(num_blocks, bs), max_num_seqs=rng.randint(1, 8),
                   max_num_batched_tokens=rng.randint(8, 64), chunk_size=rng.randint(1, 32),
                   max_model_len=64)
