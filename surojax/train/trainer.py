@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
+from surojax.offload.memory_plan import check_fits, device_capacity, plan_for_config
 from surojax.offload.remat import remat_wrapper
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.metrics import Metrics, plot_loss
@@ -82,6 +83,11 @@ class Trainer:
         else:
             total = max(1, int(self.data.train.num_rows * cfg.num_epochs // (A * B)))
         self.plan = RunPlan(total, B, A, cfg.sequence_len)
+        self.chunk = lm_chunk_tokens(B, cfg.sequence_len, cfg.lmhead_chunks)
+        self.memory_plan = plan_for_config(cfg, model_config_for(cfg), rows=cfg.per_device_train_batch_size,
+                                           lm_chunk_tokens=self.chunk)
+        if self.mesh.shape["fsdp"] * self.mesh.shape["tensor"] == 1:  # the estimate is for an unsharded device
+            check_fits(self.memory_plan, device_capacity())  # before any weight is allocated
 
         self.model = build_model(cfg)
         if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
@@ -96,7 +102,6 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optimizer, self.schedule, weight_decay=cfg.weight_decay,
                                          b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
                                          max_grad_norm=cfg.max_grad_norm)
-        self.chunk = lm_chunk_tokens(B, cfg.sequence_len, cfg.lmhead_chunks)
 
         self._train_mode = cfg.lora and cfg.lora_dropout > 0
         if self._train_mode:
@@ -206,7 +211,8 @@ class Trainer:
             f"plan    {self.plan.total_steps} steps x {self.plan.accumulation} x {self.plan.micro_batch} rows x "
             f"{self.plan.sequence_len} = {planned:,} tokens; Chinchilla budget (20 x params) {budget:,} tokens "
             f"({planned / max(budget, 1):.2f}x)",
-            f"devices {jax.device_count()} x {jax.devices()[0].device_kind}, mesh {dict(self.mesh.shape)}",
+            f"devices {jax.device_count()} x {jax.devices()[0].device_kind}, mesh {dict(self.mesh.shape)}; "
+            f"estimated peak device memory {self.memory_plan.total / 2**30:.1f} GiB",
         ]
 
     def train(self) -> dict:
