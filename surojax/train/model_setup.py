@@ -67,13 +67,53 @@ def model_config_for(cfg) -> ModelConfig:
         raise TrainSetupError(f"model_config: {e}") from None
 
 
+def qlora_format(cfg) -> tuple[str, dict] | None:
+    """The quantised-base format asked by the qlora_* keys: (surojax.quant format name, quantize options), or
+    None. Raises TrainSetupError for what cannot be done (yet)."""
+    from surojax.quant import GGUF_TYPES
+
+    opt = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731 (bench namespaces lack these keys)
+    if opt("qlora_bnb"):
+        if opt("qlora_bnb_block_size", 64) != 64:
+            raise TrainSetupError(f"qlora_bnb_block_size: {cfg.qlora_bnb_block_size} is not available; NF4 uses the "
+                                  "bitsandbytes block size 64")
+        fmt, options = "nf4", {"double_quant": bool(opt("qlora_bnb_double_quant", True))}
+    elif opt("qlora_fp8"):
+        if opt("qlora_block_size", 128) != 128:
+            raise TrainSetupError(f"qlora_block_size: {cfg.qlora_block_size} is not available; FP8 uses 128 x 128 "
+                                  "scale blocks")
+        fmt, options = "fp8", {}
+    elif opt("qlora_fp4"):
+        fmt, options = "nvfp4", {}
+    elif opt("qlora_gguf"):
+        fmt, options = opt("qlora_gguf").lower(), {}
+        cls = GGUF_TYPES.get(fmt)
+        if cls is None or not cls.can_quantize:
+            from surojax.config.lora import GGUF_TYPES as CONFIG_GGUF
+
+            ok = [t for t in CONFIG_GGUF if t in GGUF_TYPES and GGUF_TYPES[t].can_quantize]
+            raise TrainSetupError(f"qlora_gguf: {cfg.qlora_gguf} cannot be quantised to yet (no quantiser for it in "
+                                  f"this version); types that work: {', '.join(ok)}")
+    else:
+        return None
+    if not cfg.lora:
+        raise TrainSetupError("qlora_* quantizes the frozen base for LoRA; full fine-tuning over a quantized base is "
+                              "not possible: set lora: true")
+    if opt("merge_adapter"):
+        raise TrainSetupError("merge_adapter cannot fold the adapter into a quantized base; train without it, then "
+                              "merge the saved adapter into the unquantized model")
+    if opt("adapter_path") and (opt("adapter_init_mode") or "merge") == "merge":
+        raise TrainSetupError("adapter_init_mode: merge cannot fold the adapter into a quantized base; use "
+                              "adapter_init_mode: trainable, or merge it into the unquantized model first")
+    return fmt, options
+
+
 def build_model(cfg) -> Decoder:
     """Load (or randomly initialise with `from_scratch`) and apply the LoRA transform when asked."""
     from surojax.weights.hf_checkpoint import load_model
 
     prec = precision_for(cfg)
-    if cfg.is_qlora:
-        raise TrainSetupError("quantised bases (qlora_*) are not available yet in this version")
+    qlora = qlora_format(cfg)  # checked before any weight is loaded
     mcfg = model_config_for(cfg)
     if cfg.from_scratch:
         model = Decoder(mcfg, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention,
@@ -81,6 +121,15 @@ def build_model(cfg) -> Decoder:
         log.info("initialised %s from scratch (seed %d)", mcfg.model_type, cfg.seed)
     else:
         model = load_model(cfg.model, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention, cfg=mcfg)
+    if qlora is not None:
+        from surojax.quant.transform import quantize_model
+
+        fmt, options = qlora
+        try:
+            report = quantize_model(model, fmt, **options)
+        except ValueError as e:
+            raise TrainSetupError(f"quantising the base to {fmt}: {e}") from None
+        log.info("%s", report)
     if cfg.lora:
         from surojax.peft.stacked import init_lora
 

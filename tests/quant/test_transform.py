@@ -1,0 +1,175 @@
+"""quantize_model: the targeted kernels of a built Decoder become quantised pytrees (leading layers axis) that
+run through nnx.split / merge, lax.scan, jit and LoRA; the logits and LoRA gradients equal those of the same model
+over the dequantised kernels.
+
+Tolerance. The quantised matmul is x @ dequantize(x.dtype): the same math, and bit-exact against a GEMM over the
+dequantised weight in the format's [N, K] storage layout (test_matmul_is_exactly_x_at_dequantize). The reference
+model stores the dequantised weight as a plain [K, N] kernel, and XLA:CPU picks a different GEMM micro-kernel (a
+different summation order) for that operand layout on some shapes (here the k/v projections, N = 32), so the model
+level comparison is at fp32 rounding: rtol 1e-5 / atol 1e-6, orders of magnitude below the quantisation error."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+from surojax.peft.lora import LORA_TARGETS, apply_lora, base_linear, merge_lora
+from surojax.quant import FP8Block, NF4, NVFP4, Q4_0, Q8_0
+from surojax.quant.base import QuantFormat
+from surojax.quant.transform import QuantParam, dequantize_model, is_quantized, quantize_model
+
+HF = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+TOKENS = jnp.asarray([[3, 17, 99, 250, 7, 42, 1, 200], [5, 6, 7, 8, 9, 10, 11, 12]])
+FORMATS = [("nf4", {}, NF4), ("nf4", {"double_quant": True}, NF4), ("fp8", {}, FP8Block), ("nvfp4", {}, NVFP4),
+           ("q8_0", {}, Q8_0), ("q4_0", {}, Q4_0)]
+IDS = ["nf4", "nf4-dq", "fp8", "nvfp4", "q8_0", "q4_0"]
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _model(seed=0):
+    return Decoder(ModelConfig.from_hf(dict(HF)), rngs=nnx.Rngs(params=seed))
+
+
+def _clone(model):
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+
+
+def _logits(model):
+    return np.asarray(nnx.jit(lambda m, t: m(t))(model, TOKENS))
+
+
+@pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
+def test_logits_equal_the_dequantised_model(fmt, options, cls):
+    model = _model()
+    plain = _logits(model)
+    report = quantize_model(model, fmt, **options)
+    L = model.cfg.num_layers
+    for name in LORA_TARGETS:
+        var = base_linear(model, name).kernel
+        assert isinstance(var, QuantParam) and isinstance(var, nnx.Param)
+        value = var.get_value()
+        assert type(value) is cls and value.name == fmt
+        assert all(leaf.shape[0] == L for leaf in jax.tree.leaves(value))  # the scan slices axis 0
+        assert var.get_metadata()["axes"][0] == "layers"
+    assert is_quantized(model) == {t: fmt for t in LORA_TARGETS}
+    assert model.embed.embedding.get_value().dtype == jnp.float32  # embeddings / head untouched
+    assert not isinstance(model.lm_head.kernel.get_value(), QuantFormat)
+
+    quant = _logits(model)
+    reference = _clone(model)
+    dequantize_model(reference, jnp.float32)
+    assert is_quantized(reference) == {}
+    deq = _logits(reference)
+    np.testing.assert_allclose(quant, deq, rtol=RTOL, atol=ATOL)
+    assert not np.array_equal(quant, plain)  # the quantisation did change the weights ...
+    assert np.abs(quant - plain).max() < 0.5 * np.abs(plain).max()  # ... but not wildly
+
+    # (d) the memory report: every kernel is smaller
+    assert set(report.before) == set(LORA_TARGETS)
+    assert report.bytes_after < report.bytes_before
+    assert all(report.after[t] < report.before[t] for t in LORA_TARGETS)
+    assert f"to {fmt}" in str(report)
+
+
+def test_nf4_report_ratios():
+    for options, expected in (({}, 0.5625 / 4), ({"double_quant": True}, None)):
+        report = quantize_model(_model(), "nf4", **options)
+        if expected is not None:
+            assert report.ratio == pytest.approx(expected)
+        else:  # double quant: 0.5 + ~1/64 bytes per value, plus a 1 KiB code book per layer (large here)
+            assert report.ratio < 0.25
+
+
+def _grads(model):
+    graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss(tr):
+        m = nnx.merge(graphdef, tr, frozen)
+        logits = m(TOKENS)
+        return jnp.mean(jax.nn.log_softmax(logits, -1)[..., 0] ** 2)
+
+    return jax.jit(jax.grad(loss))(trainable)
+
+
+@pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
+def test_lora_gradients_equal_those_over_the_dequantised_base(fmt, options, cls):
+    model = _model()
+    quantize_model(model, fmt, **options)
+    apply_lora(model, rank=4, alpha=8, rngs=nnx.Rngs(1))
+    key = jax.random.key(7)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        if path[-1] == "lora_b":  # B != 0: a detached adapter would give A zero gradient and fail below
+            key, sub = jax.random.split(key)
+            var.set_value(0.1 * jax.random.normal(sub, var.get_value().shape, jnp.float32))
+    assert isinstance(base_linear(model, "q_proj").kernel.get_value(), cls)
+
+    reference = _clone(model)
+    dequantize_model(reference, jnp.float32)
+    g_quant, g_ref = _grads(model), _grads(reference)
+    flat_q = dict(nnx.to_flat_state(g_quant))
+    flat_r = dict(nnx.to_flat_state(g_ref))
+    assert flat_q.keys() == flat_r.keys()
+    assert {p[-1] for p in flat_q} == {"lora_a", "lora_b"}  # only the adapter is differentiated, never the base
+    assert len(flat_q) == 2 * len(LORA_TARGETS)
+    for path in flat_q:
+        gq, gr = np.asarray(flat_q[path].get_value()), np.asarray(flat_r[path].get_value())
+        assert np.abs(gq).max() > 0, path
+        np.testing.assert_allclose(gq, gr, rtol=RTOL, atol=ATOL * np.abs(gr).max(), err_msg=str(path))
+
+
+@pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
+def test_matmul_is_exactly_x_at_dequantize(fmt, options, cls):
+    """The same math, bit for bit: x @ W equals the GEMM over dequantize() in the storage layout [N, K]."""
+    from surojax.quant.transform import quantize_stacked
+
+    w = np.random.RandomState(0).randn(2, 64, 32).astype(np.float32)
+    x = jnp.asarray(np.random.RandomState(1).randn(2, 8, 64).astype(np.float32))
+    q = quantize_stacked(w, fmt, **options)
+    layer = jax.tree.map(lambda a: a[1], q)
+    got = jax.jit(lambda x, q: q.matmul(x))(x, layer)
+    w_nk = jnp.asarray(np.ascontiguousarray(np.swapaxes(np.asarray(layer.dequantize(jnp.float32)), -1, -2)))
+    want = jax.jit(lambda x, w: jnp.einsum("...k,nk->...n", x, w))(x, w_nk)
+    if options.get("double_quant"):  # the absmax decode (code * scale + offset) may round differently in a fusion
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    else:
+        assert np.abs(np.asarray(got) - np.asarray(want)).max() == 0.0
+
+
+def test_jit_split_merge_and_scan_keep_the_format():
+    model = _model()
+    quantize_model(model, "q8_0")
+    apply_lora(model, rank=2, alpha=4, rngs=nnx.Rngs(0))
+    graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    frozen = jax.device_put(frozen)
+    merged = nnx.merge(graphdef, trainable, frozen)
+    assert isinstance(base_linear(merged, "down_proj").kernel.get_value(), Q8_0)
+    np.testing.assert_array_equal(_logits(merged), _logits(model))
+    # one layer's slice is a one-layer weight
+    layer0 = jax.tree.map(lambda x: x[0], base_linear(merged, "q_proj").kernel.get_value())
+    assert layer0.dequantize(jnp.float32).shape == (64, 64)
+
+
+def test_merging_into_a_quantised_base_raises_and_quantising_twice_raises():
+    model = _model()
+    quantize_model(model, "nf4")
+    apply_lora(model, rank=2, alpha=4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="cannot fold a LoRA adapter into a quantized base"):
+        merge_lora(model)
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize_model(model, "q8_0")
+    with pytest.raises(ValueError, match="unknown weight format"):
+        quantize_model(_model(), "q9_9")
+
+
+def test_targets_subset_and_shape_errors():
+    model = _model()
+    report = quantize_model(model, "fp8", targets=["q_proj", "down_proj"])
+    assert set(report.before) == {"q_proj", "down_proj"}
+    assert is_quantized(model) == {"q_proj": "fp8", "down_proj": "fp8"}
+    odd = Decoder(ModelConfig.from_hf({**HF, "intermediate_size": 72}), rngs=nnx.Rngs(params=0))
+    with pytest.raises(ValueError, match="down_proj.*multiple of 32"):
+        quantize_model(odd, "q4_0", targets=["down_proj"])
