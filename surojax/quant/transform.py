@@ -43,19 +43,6 @@ class QuantParam(nnx.Param):
         return super().__getitem__(key)
 
 
-def _logical_ndim(self: QuantFormat) -> int:
-    """Rank of the logical weight: leading (stacked) dims + 2, read from the shape `dequantize` would return."""
-    return len(jax.eval_shape(lambda q: q.dequantize(jnp.float32), self).shape)
-
-
-# surojax.models.layers.params.logical_axes evaluates `variable.get_value().ndim` (the default of its metadata
-# lookup) even when the "axes" metadata is present, so apply_lora needs `ndim` on a quantised kernel value.
-# TODO(owner of surojax.quant.base / params): define `ndim` on QuantFormat itself (or make logical_axes lazy)
-# and drop this.
-if not hasattr(QuantFormat, "ndim"):
-    QuantFormat.ndim = property(_logical_ndim)
-
-
 def _nbytes(x) -> int:
     return int(sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in jax.tree.leaves(x)))
 

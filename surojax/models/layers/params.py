@@ -27,4 +27,8 @@ def param(rngs: nnx.Rngs | None, shape, axes: tuple[str | None, ...], dtype, ini
 
 
 def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
-    return tuple(variable.get_metadata().get(AXES, (None,) * variable.get_value().ndim))
+    """The variable's logical axis names (None for each dimension of a variable that has none)."""
+    meta = variable.get_metadata()
+    if AXES in meta:
+        return tuple(meta[AXES])
+    return (None,) * variable.get_value().ndim
