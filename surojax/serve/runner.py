@@ -1,0 +1,204 @@
+"""The jitted model runner over a paged KV pool (reference implementation: gather -> plain-cache forward -> scatter).
+
+The pool: k and v are each [L, num_blocks * block_size, K, H] (flattened slots). Token ``p`` of a sequence lives
+in slot ``block_table[p // bs] * bs + p % bs``. The model code is NOT changed: ``Decoder.hidden_states`` takes a
+plain per-row cache, so each step the runner
+
+1. builds on the host a padded batch of the scheduled requests: tokens / positions / segment ids [R, T]
+   (segment 1 = real, 0 = padding), the pool slot of every new token [R, T] (padding -> an out-of-range slot,
+   dropped by the scatter), and the pool slots of each row's context (its first ``start`` tokens) [R, S];
+2. in one jitted call: GATHERS every row's context from the pool into a per-row view k/v [L, R, S, K, H] (view
+   slot j = token position j), wraps it in a ``KVCache`` (lengths = start, segment ids 1 below start), runs
+   the Decoder (which writes the new k/v at view slots start..start+T-1 and attends over the view), then
+   SCATTERS those new k/v back to the pool at the new tokens' slots, and returns the logits of each row's last
+   real token (plus its argmax);
+3. samples with ``surojax.serve.sampling.sample`` only where the scheduler asked (``sample=True``).
+
+Shapes are bucketed (R, T, S rounded up to powers of two; S a multiple of the block size) so the number of
+compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so that one long
+prefill chunk does not pad every decode row to its length.
+
+Cost (why this is the reference, not the fast path): every step copies each row's WHOLE context out of the pool
+for every layer (L * R * S * K * H * 2 elements of gather + a view that size in memory) and attention runs over
+S_pad padded slots per row; host-side, the context slot indices are rebuilt per row per step (O(context)
+numpy). The Pallas paged-attention kernel replaces steps 2's gather/scatter: it reads k/v blocks straight from
+the pool through the block table inside the attention kernel (and writes the new k/v in place), over a ragged
+flattened token batch, so no [R, S] view and no padding to S_pad or T_pad exist.
+
+Same-step prefix hits: the block manager publishes a block's hash when it is allocated, before its KV is
+written. A request admitted in the same step can hit a block another request writes in this very step; a layer
+that writes then attends would see it, but this runner gathers the context BEFORE the forward. So requests are
+split into waves: a request whose context blocks are written this step by another request runs in a later call
+(after the writer's KV is in the pool). Usually there is one wave.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from surojax.models.decoder import Decoder, KVCache
+from surojax.serve.sampling import sample
+from surojax.serve.scheduler import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # per-request seed; None -> 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("k_pool", "v_pool"))
+def _paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, ctx_slots, ctx_len, write_slots,
+                last_idx):
+    """tokens/positions/segment_ids/write_slots [R, T]; ctx_slots [R, S]; ctx_len/last_idx [R].
+
+    -> (k_pool, v_pool, logits [R, V] of each row's last real token, argmax [R]).
+    """
+    model = nnx.merge(graphdef, state)
+    R, T = tokens.shape
+    S = ctx_slots.shape[1]
+    j = jnp.arange(S, dtype=jnp.int32)[None, :]
+    valid = j < ctx_len[:, None]  # [R, S]
+    cache = KVCache(
+        k=k_pool[:, ctx_slots],  # [L, R, S, K, H]   <- the gather the paged kernel removes
+        v=v_pool[:, ctx_slots],
+        segment_ids=valid.astype(jnp.int32),
+        positions=jnp.where(valid, j, 0).astype(jnp.int32),
+        lengths=ctx_len.astype(jnp.int32),
+    )
+    h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache)
+    rows = jnp.arange(R)
+    logits = model.logits(h[rows, last_idx][:, None])[:, 0]  # [R, V] fp32
+    view = ctx_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T] where the model wrote them
+    new_k = cache.k[:, rows[:, None], view]  # [L, R, T, K, H]
+    new_v = cache.v[:, rows[:, None], view]
+    k_pool = k_pool.at[:, write_slots].set(new_k.astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[:, write_slots].set(new_v.astype(v_pool.dtype), mode="drop")
+    return k_pool, v_pool, logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
+def _sample_rows(logits, key, temperature, top_k, top_p, min_p):
+    return sample(logits, key, temperature, top_k, top_p, min_p)
+
+
+class PagedRunner:
+    """Owns the device KV pool and runs one scheduler step: ``execute(scheduled) -> {request_id: token}``."""
+
+    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None):
+        cfg = model.cfg
+        self.cfg = cfg
+        self.block_size = block_size
+        self.num_slots = num_blocks * block_size
+        self.graphdef, self.state = nnx.split(model)
+        shape = (cfg.num_layers, self.num_slots, cfg.num_kv_heads, cfg.head_dim)
+        dtype = kv_dtype or model.dtype
+        self.k_pool = jnp.zeros(shape, dtype)
+        self.v_pool = jnp.zeros(shape, dtype)
+        self.num_calls = 0  # forward calls (waves x decode/prefill groups), for tests / metrics
+        self.num_deferred = 0  # requests run in a later wave (same-step prefix hits on blocks being written)
+
+    # ---- host-side batch building -------------------------------------------------------------------------
+    def _slots(self, block_table: np.ndarray, start: int, stop: int) -> np.ndarray:
+        p = np.arange(start, stop)
+        bs = self.block_size
+        return block_table[p // bs] * bs + p % bs
+
+    def _waves(self, scheduled: list[ScheduledRequest]) -> list[int]:
+        """Wave index per request: a request whose context blocks another request writes this step runs later."""
+        bs = self.block_size
+        writer: dict[int, int] = {}
+        for i, s in enumerate(scheduled):
+            if s.num_new_tokens:
+                for b in s.block_table[s.start // bs:(s.start + s.num_new_tokens - 1) // bs + 1]:
+                    writer.setdefault(b, i)
+        waves = [0] * len(scheduled)
+        for i, s in enumerate(scheduled):
+            w = 0
+            for b in s.block_table[:-(-s.start // bs)]:
+                o = writer.get(b, i)
+                if o != i:
+                    if o > i:
+                        raise RuntimeError("a request reads KV written by a later request of the same step")
+                    w = max(w, waves[o] + 1)
+            waves[i] = w
+        return waves
+
+    def _run(self, group: list[ScheduledRequest]):
+        R = _bucket(len(group))
+        T = _bucket(max(s.num_new_tokens for s in group))
+        S = _bucket(max(s.start for s in group) + T, self.block_size)
+        tokens = np.zeros((R, T), np.int32)
+        positions = np.zeros((R, T), np.int32)
+        segments = np.zeros((R, T), np.int32)
+        write = np.full((R, T), self.num_slots, np.int32)  # out of range -> dropped
+        ctx = np.zeros((R, S), np.int32)
+        ctx_len = np.zeros((R,), np.int32)
+        last = np.zeros((R,), np.int32)
+        for r, s in enumerate(group):
+            n, st = s.num_new_tokens, s.start
+            bt = np.asarray(s.block_table, np.int64)
+            tokens[r, :n] = s.token_ids
+            positions[r, :] = st + np.arange(T)
+            segments[r, :n] = 1
+            write[r, :n] = self._slots(bt, st, st + n)
+            ctx[r, :st] = self._slots(bt, 0, st)
+            ctx_len[r] = st
+            last[r] = n - 1
+        self.k_pool, self.v_pool, logits, greedy = _paged_step(
+            self.graphdef, self.state, self.k_pool, self.v_pool, jnp.asarray(tokens), jnp.asarray(positions),
+            jnp.asarray(segments), jnp.asarray(ctx), jnp.asarray(ctx_len), jnp.asarray(write), jnp.asarray(last))
+        self.num_calls += 1
+        return logits, greedy
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
+        """Run the forward for every scheduled request (writing its KV) and sample where ``sample`` is True."""
+        scheduled = [s for s in scheduled if s.num_new_tokens > 0]
+        if not scheduled:
+            return {}
+        waves = self._waves(scheduled)
+        self.num_deferred += sum(w > 0 for w in waves)
+        out: dict[str, int] = {}
+        for w in range(max(waves) + 1):
+            in_wave = [s for s, wi in zip(scheduled, waves) if wi == w]
+            for group in ([s for s in in_wave if s.num_new_tokens == 1], [s for s in in_wave if s.num_new_tokens > 1]):
+                if not group:
+                    continue
+                logits, greedy = self._run(group)
+                if not any(s.sample for s in group):
+                    continue
+                greedy_host = None
+                for r, s in enumerate(group):
+                    if not s.sample:
+                        continue
+                    sp = s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams()
+                    if sp.greedy:
+                        if greedy_host is None:
+                            greedy_host = np.asarray(greedy)
+                        out[s.request_id] = int(greedy_host[r])
+                    else:
+                        # per-request stream: seed folded with the position of the token being sampled
+                        key = jax.random.fold_in(jax.random.key(sp.seed or 0), s.start + s.num_new_tokens)
+                        tok = _sample_rows(logits[r:r + 1], key, float(sp.temperature), int(sp.top_k),
+                                           float(sp.top_p), float(sp.min_p))
+                        out[s.request_id] = int(tok[0])
+        return out
