@@ -42,7 +42,7 @@ def test_alone_matches_generate(model):
 def test_batched_chunked_preempted_matches_generate(model):
     ps = prompts(8, seed=2)
     ref = reference(model, ps)
-    # chunk 8 tokens, 32-token step budget, 24 blocks x 4 slots (< what 8 requests need) -> preemption
+    # chunk 8 tokens, 32-token step budget, 16 blocks x 4 slots (< what 8 requests need) -> preemption
     eng = Engine(model, num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
                  max_model_len=64, chunk_size=8)
     assert eng.generate(ps, MAX_TOKENS) == ref
