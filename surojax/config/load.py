@@ -153,8 +153,8 @@ def config_from_dict(
         raise ConfigError(problems_from_validation_error(e, TrainConfig, positions), source) from None
 
 
-def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> TrainConfig:
-    """Read, override and validate a training YAML. Paths inside are not checked (see `check_paths`)."""
+def read_config_file(path: str | os.PathLike[str]) -> tuple[Any, Positions, str]:
+    """(data, key positions, source) of a YAML config file; an unreadable file is a ConfigError."""
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as f:
@@ -162,6 +162,12 @@ def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
     except OSError as e:
         raise ConfigError(ConfigProblem("", f"cannot read the config: {e.strerror or e}"), source) from None
     data, positions = parse_yaml(text, source)
+    return data, positions, source
+
+
+def load_config(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> TrainConfig:
+    """Read, override and validate a training YAML. Paths inside are not checked (see `check_paths`)."""
+    data, positions, source = read_config_file(path)
     if data is None:
         data = {}
     if not isinstance(data, dict):

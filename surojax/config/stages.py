@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from surojax.config.errors import ConfigError, ConfigProblem
 from surojax.config.explain import Loc, Positions, problems_from_validation_error
-from surojax.config.load import apply_overrides, load_config, parse_override, parse_yaml
+from surojax.config.load import apply_overrides, load_config, parse_override, read_config_file
 from surojax.config.schema import TrainConfig
 
 STAGE_KEYS = ("name", "overwrite_output_dir")
@@ -287,18 +287,6 @@ def check_stage_paths(stages: list[Stage], source: str | None = None, positions:
         produced.update({folder: (stage.name or "stage", kind) for folder, kind in stage.outputs().items()})
     if problems:
         raise ConfigError(problems, source)
-
-
-def read_config_file(path: str | os.PathLike[str]) -> tuple[Any, Positions, str]:
-    """(data, key positions, source) of a YAML config file."""
-    source = os.fspath(path)
-    try:
-        with open(source, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(ConfigProblem("", f"cannot read the config: {e.strerror or e}"), source) from None
-    data, positions = parse_yaml(text, source)
-    return data, positions, source
 
 
 def load_stages(path: str | os.PathLike[str], overrides: Iterable[str] = (), *, check_paths: bool = True
