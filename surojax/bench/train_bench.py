@@ -51,6 +51,7 @@ class BenchConfig:
     recompute: str = "none"
     attention: str = "auto"  # auto | xla | cudnn | cudnn:M | cudnn:M:nocheck
     lmhead_chunks: int = 1
+    unroll_layers: int | bool = 1  # 1 = rolled layer scan; True = every layer inlined
     recipe: str = "bf16"
     segments: int = 4  # sequences packed per row
     min_segment: int = 64
@@ -81,7 +82,7 @@ def train_namespace(bc: BenchConfig) -> SimpleNamespace:
         lora_dtype="fp32", is_qlora=False, lora=bc.mode == "lora", lora_rank=bc.rank,
         lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank), lora_dropout=0.0, use_rslora=False,
         lora_target_modules="all-linear", adapter_path=None, adapter_init_mode=None,
-        recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks, optimizer="adamw",
+        recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks, unroll_layers=bc.unroll_layers, optimizer="adamw",
         learning_rate=bc.learning_rate, lr_scheduler_type="constant", warmup_steps=0, final_lr_fraction=0.0,
         cooldown_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
@@ -176,7 +177,7 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     chunk = lm_chunk(cfg, bc.batch)
 
     def loss_fn(model, batch, remat=None):  # as Trainer._loss_fn
-        return lm_loss(model, batch, chunk=chunk, remat=remat)
+        return lm_loss(model, batch, chunk=chunk, remat=remat, unroll=cfg.unroll_layers)
 
     step = make_train_step(graphdef, loss_fn, optimizer, remat=remat_wrapper(cfg.recompute))
     return Setup(cfg, model.cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk)
@@ -271,7 +272,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         "params_trainable": n_train,
         "params_total": n_train + (n_frozen if bc.mode == "lora" else 0),
         "config": {
-            "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks,
+            "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks, "unroll_layers": bc.unroll_layers,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment,
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,

@@ -13,6 +13,10 @@ from surojax.cli.common import UsageError, load_config_args, not_implemented, po
 SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "qwen3-small", "debug")  # = surojax.bench.shapes.SHAPES
 
 
+def _unroll(value: str) -> int | bool:
+    return True if value == "all" else positive_int(value)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="train|CONFIG", help="`train` (synthetic benchmark) or a training YAML")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
@@ -34,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="auto | xla | cudnn | cudnn:M | cudnn:M:nocheck (M = max segments per row)")
     g.add_argument("--lmhead-chunks", type=positive_int, default=1,
                    help="split the lm-head + loss into this many chunks of the micro-batch (1: 4096-token chunks)")
+    g.add_argument("--unroll-layers", type=_unroll, default=1, metavar="N|all",
+                   help="layers per iteration of the layer scan (1: rolled; all: every layer inlined)")
     g.add_argument("--recipe", default="bf16", choices=("bf16", "fp32"))
     g.add_argument("--segments", type=positive_int, default=4, help="sequences packed per row (default 4)")
     g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
@@ -54,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         bc = BenchConfig(shape=args.shape, mode=args.mode, batch=args.batch, seq=args.seq, accum=args.accum,
                          steps=args.steps or 10, warmup=args.warmup if args.warmup is not None else 2,
                          repeats=args.repeats, rank=args.rank, recompute=args.recompute, attention=args.attention,
-                         lmhead_chunks=args.lmhead_chunks, recipe=args.recipe, segments=args.segments,
+                         lmhead_chunks=args.lmhead_chunks, unroll_layers=args.unroll_layers, recipe=args.recipe, segments=args.segments,
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
                          seed=args.seed)
         bc.check()

@@ -12,6 +12,9 @@ class MemorySection(StrictModel):
     recompute: Literal["none", "full", "dots", "offload"] = "full"
     """Activation remat per decoder layer: none, full (recompute the layer), dots (save matmul outputs only),
     offload (save activations to host memory). true / false mean full / none."""
+    unroll_layers: int | bool = 1
+    """Layers per iteration of the scanned layer loop: 1 (default) compiles one layer; true inlines every layer,
+    which saves the per-layer copies of the activations kept for the backward (faster step, longer compile)."""
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     """Attention backend; auto picks cuDNN flash attention on GPU where it applies, else XLA."""
     lmhead_chunks: int = Field(default=1, gt=0)
@@ -26,6 +29,13 @@ class MemorySection(StrictModel):
     offload_master: bool = False
     """Keep fp32 master weights in host memory."""
     offload_grads: bool = False
+
+    @field_validator("unroll_layers")
+    @classmethod
+    def _positive_unroll(cls, v: int | bool) -> int | bool:
+        if not isinstance(v, bool) and v < 1:
+            raise ValueError(f"must be true, false or a positive number of layers (got {v})")
+        return 1 if v is False else v
 
     @field_validator("recompute", mode="before")
     @classmethod

@@ -95,11 +95,14 @@ def _chunk_ce_bwd(res, g):
 _chunk_ce.defvjp(_chunk_ce_fwd, _chunk_ce_bwd)
 
 
-def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, remat=None) -> tuple[jax.Array, dict]:
+def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, remat=None,
+            unroll: int | bool = 1) -> tuple[jax.Array, dict]:
     """The causal-LM loss of a `Decoder` on a packed batch (see surojax/data/batch.py).
 
     Returns (sum of CE over supervised tokens, {"tokens": count}); divide by the accumulated count.
+    `remat` / `unroll`: the layer loop's recompute wrapper and scan unrolling (Decoder.hidden_states).
     """
-    h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"], remat=remat)
+    h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"], remat=remat,
+                               unroll=unroll)
     total, count = chunked_lm_loss(h, model.head_weight(), batch["targets"], batch["loss_mask"], chunk)
     return total, {"tokens": count}

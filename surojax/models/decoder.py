@@ -97,10 +97,12 @@ class Decoder(nnx.Module):
 
     # ---- forward ----------------------------------------------------------------------------------------
     def hidden_states(self, tokens, positions, segment_ids, *, cache: KVCache | None = None,
-                      remat: Callable | None = None):
+                      remat: Callable | None = None, unroll: int | bool = 1):
         """tokens/positions/segment_ids [B, T] -> (final-normed hidden [B, T, D], updated cache or None).
 
         `remat` wraps the per-layer scan body (e.g. `functools.partial(jax.checkpoint, policy=...)`).
+        `unroll` is `lax.scan`'s: 1 = a rolled loop (one compiled layer), True = every layer inlined (no
+        per-layer copies of the saved activations into stacked buffers; longer compile). Same math either way.
         """
         h = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, D]
         cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype)  # [B, T, H]
@@ -128,7 +130,7 @@ class Decoder(nnx.Module):
 
         if remat is not None:
             body = remat(body)
-        h, new_kv = jax.lax.scan(body, h, (layer_state, layer_kv))
+        h, new_kv = jax.lax.scan(body, h, (layer_state, layer_kv), unroll=unroll)
         if cache is not None:
             cache = dataclasses.replace(cache, k=new_kv.k, v=new_kv.v)
         return self.final_norm(h), cache

@@ -132,7 +132,7 @@ class Trainer:
                                   f"({done[0]}); choose another output_dir or set resume_from_checkpoint")
 
     def _loss_fn(self, model, batch, remat=None):
-        return lm_loss(model, batch, chunk=self.chunk, remat=remat)
+        return lm_loss(model, batch, chunk=self.chunk, remat=remat, unroll=self.cfg.unroll_layers)
 
     @staticmethod
     def _dropout_prepare():
