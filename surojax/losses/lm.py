@@ -6,9 +6,10 @@ tokens of short micro-batches more).
 
 `chunked_lm_loss` never materialises fp32 logits [B, T, V] for the whole batch: it walks the flattened
 tokens in chunks of `chunk` rows, computing logits [C, V] -> logsumexp - target logit per chunk under
-a custom VJP, so the backward pass recomputes each chunk's logits instead of storing them and runs its
-two GEMMs in the compute dtype (bf16 on GPU). Memory is
-O(C * V) instead of O(B * T * V) (151,936 * 4 bytes per token for Qwen3: 0.6 MB a token).
+a custom VJP whose forward also computes the gradients (d logits = softmax - onehot needs nothing from
+above the loss), so each chunk's logits exist once, the two gradient GEMMs run in the compute dtype (bf16
+on GPU) and the backward pass only scales dh [B*T, D] and dw [D, V]. Memory is O(C * V) instead of
+O(B * T * V) (151,936 * 4 bytes per token for Qwen3: 0.6 MB a token).
 """
 from __future__ import annotations
 
@@ -53,46 +54,54 @@ def chunked_lm_loss(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, lo
         h = jnp.pad(h, ((0, pad), (0, 0)))
         tg = jnp.pad(tg, (0, pad))
         m = jnp.pad(m, (0, pad))
-    w = head_w.astype(hidden.dtype)
-
-    def body(total, xs):
-        return total + _chunk_ce(*xs, w), None
-
     k = (n + pad) // chunk
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                            (h.reshape(k, chunk, D), tg.reshape(k, chunk), m.reshape(k, chunk)))
+    total = _chunked_ce(h.reshape(k, chunk, D), head_w.astype(hidden.dtype), tg.reshape(k, chunk),
+                        m.reshape(k, chunk))
     return total, jnp.sum(m)
 
 
+def _chunk_logits(h, w):
+    return jnp.einsum("cd,dv->cv", h, w, preferred_element_type=jnp.float32)  # [C, V] fp32
+
+
 @jax.custom_vjp
-def _chunk_ce(h, t, m, w):
-    """Sum of CE over one chunk: h [C, D], targets/mask [C], w [D, V] (h and w in the compute dtype)."""
-    logits = jnp.einsum("cd,dv->cv", h, w, preferred_element_type=jnp.float32)  # [C, V] fp32
-    return cross_entropy_sum(logits, t, m)[0]
+def _chunked_ce(h, w, t, m):
+    """Sum of CE over k chunks: h [k, C, D], w [D, V] (both in the compute dtype), targets/mask [k, C]."""
+    def body(total, xs):
+        hc, tc, mc = xs
+        return total + cross_entropy_sum(_chunk_logits(hc, w), tc, mc)[0], None
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, t, m))[0]
 
 
-def _chunk_ce_fwd(h, t, m, w):
-    logits = jnp.einsum("cd,dv->cv", h, w, preferred_element_type=jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
-    target_logit = jnp.take_along_axis(logits, t[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    mask = m.astype(jnp.float32)
-    return jnp.sum((lse - target_logit) * mask), (h, t, m, w, lse)
+def _chunked_ce_fwd(h, w, t, m):
+    """The loss AND its gradients for an upstream cotangent of 1, chunk by chunk: the gradient of a CE sum
+    needs nothing from above the loss, so each chunk's logits are computed once and the backward pass only
+    scales dh [k, C, D] and dw [D, V] (no second logits GEMM, no second softmax over V). Where `w` takes no
+    gradient (LoRA's frozen head), dw is dead code and XLA drops its GEMM and accumulator."""
+    def body(carry, xs):
+        total, dw = carry
+        hc, tc, mc = xs
+        logits = _chunk_logits(hc, w)
+        lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
+        target_logit = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
+        p = jnp.exp(logits - lse[:, None]).at[jnp.arange(tc.shape[0]), tc].add(-1.0)
+        d_logits = (p * mc[:, None]).astype(hc.dtype)  # [C, V] in the compute dtype: both GEMMs run in it
+        dh = jnp.einsum("cv,dv->cd", d_logits, w)  # [C, D] compute dtype (fp32 accumulation inside the GEMM)
+        dw = dw + jnp.einsum("cd,cv->dv", hc, d_logits, preferred_element_type=jnp.float32)
+        return (total + jnp.sum((lse - target_logit) * mc), dw), dh
+
+    zero_dw = jnp.zeros(w.shape, jnp.float32)
+    (total, dw), dh = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zero_dw), (h, t, m))
+    return total, (dh, dw.astype(w.dtype))
 
 
-def _chunk_ce_bwd(res, g):
-    """Recompute the chunk's logits; d logits = (softmax - onehot) * mask * g, cast to the compute dtype so
-    both backward GEMMs run in it (bf16 on GPU; fp32 stays fp32, exact)."""
-    h, t, m, w, lse = res
-    logits = jnp.einsum("cd,dv->cv", h, w, preferred_element_type=jnp.float32)
-    p = jnp.exp(logits - lse[:, None])
-    p = p.at[jnp.arange(p.shape[0]), t.astype(jnp.int32)].add(-1.0)
-    d_logits = (p * (m.astype(jnp.float32) * g)[:, None]).astype(h.dtype)  # [C, V]
-    dh = jnp.einsum("cv,dv->cd", d_logits, w).astype(h.dtype)
-    dw = jnp.einsum("cd,cv->dv", h, d_logits).astype(w.dtype)
-    return dh, None, None, dw
+def _chunked_ce_bwd(res, g):
+    dh, dw = res
+    return (dh * g.astype(dh.dtype)).astype(dh.dtype), (dw * g.astype(dw.dtype)).astype(dw.dtype), None, None
 
 
-_chunk_ce.defvjp(_chunk_ce_fwd, _chunk_ce_bwd)
+_chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
 
 
 def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, remat=None,
