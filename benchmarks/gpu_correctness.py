@@ -250,7 +250,8 @@ def our_losses(shape, recipe, mode, batch, *, steps, lr, adapter_dir):
     from surojax.weights.hf_checkpoint import hf_tensors
 
     B, T = batch["tokens"].shape[1:]
-    bc = BenchConfig(shape=shape, mode=mode, batch=B, seq=T, recipe=recipe, learning_rate=lr, seed=0)
+    bc = BenchConfig(shape=shape, mode=mode, batch=B, seq=T, recipe=recipe, learning_rate=lr, seed=0,
+                     unroll_layers=OPTIONS["unroll_layers"])
     setup = build(bc)
     model = nnx.merge(setup.graphdef, setup.trainable, setup.frozen)
     if mode == "lora":
@@ -267,6 +268,7 @@ def our_losses(shape, recipe, mode, batch, *, steps, lr, adapter_dir):
 
 
 TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}
+OPTIONS = {"unroll_layers": 1, "recipes": ("fp32", "bf16")}  # set from the command line
 SENSITIVITY = 5  # the loss must move by more than this many tolerances over the steps
 
 
@@ -282,7 +284,7 @@ def part_training(shape, B, T, nseg, pad, *, steps, lr, lora_lr, device, modes=(
             row("training", "lora vs HF+PEFT", None, skipped="peft is not installed")
         modes = tuple(m for m in modes if m != "lora")
     for mode in modes:
-        for recipe in ("fp32", "bf16"):
+        for recipe in OPTIONS["recipes"]:
             guarded("training", f"{shape} {mode} {recipe}", training_case, shape, mode, recipe, batch, seqs,
                     steps=steps, lr=lr if mode == "full" else lora_lr, device=device)
 
@@ -333,11 +335,16 @@ def main() -> int:
     p.add_argument("--skip-timing", action="store_true", help="skip (c), the attention timing")
     p.add_argument("--modes", type=lambda v: tuple(v.split(",")), default=("full", "lora"),
                    help="training checks to run: full,lora (default both)")
+    p.add_argument("--recipes", type=lambda v: tuple(v.split(",")), default=("fp32", "bf16"),
+                   help="training recipes to check: fp32,bf16 (default both)")
+    p.add_argument("--unroll-layers", default="1", help="our step's layer loop: 1 (rolled) or all (inlined)")
+    p.add_argument("--skip-attention", action="store_true", help="skip (a), the attention checks")
     a = p.parse_args()
+    OPTIONS.update(unroll_layers=True if a.unroll_layers == "all" else int(a.unroll_layers), recipes=a.recipes)
     t0 = time.perf_counter()
     gpu = jax.default_backend() == "gpu" and not a.cpu_smoke
     print(f"devices: {jax.devices()}; jax {jax.__version__}", flush=True)
-    if gpu:
+    if gpu and not a.skip_attention:
         part_attention()
         if not a.skip_timing:
             part_attention_timing()
