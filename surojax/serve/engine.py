@@ -14,6 +14,7 @@ Text: with a tokenizer, each request is detokenised incrementally (``detokenize.
 ends the request in the step that produced it (its blocks are freed at once) and its text is cut before the
 match. LoRA: ``lora=AdapterSlots(...)`` (built on the model before the engine) maps ``adapter`` names to slots.
 KV capacity: ``num_blocks=None`` sizes the pool from free device memory (``capacity.num_kv_blocks``).
+``buckets``: the runner's smallest shape buckets (min_rows, min_context, min_prefill).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Engine:
     def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  chunk_size: int | None = None, enable_prefix_caching: bool = True, kv_dtype=None, tokenizer=None,
-                 lora=None, memory_utilization: float = 0.9):
+                 lora=None, memory_utilization: float = 0.9, buckets: dict | None = None):
         kv_dtype = kv_dtype or model.dtype
         if num_blocks is None:
             num_blocks = num_kv_blocks(model.cfg, kv_dtype, block_size, max_model_len,
@@ -47,7 +48,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, chunk_size=chunk_size)
         self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
-                                  adapter_slot=lora.slot if lora is not None else None)
+                                  adapter_slot=lora.slot if lora is not None else None, **(buckets or {}))
         self._ids = itertools.count()
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}

@@ -100,8 +100,12 @@ class StepResult(dict):
 class PagedRunner:
     """Owns the device KV pool and runs one scheduler step: ``execute(scheduled) -> {request_id: token}``."""
 
-    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None, adapter_slot=None):
-        """adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``)."""
+    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None, adapter_slot=None,
+                 min_rows: int = 1, min_context: int = 0, min_prefill: int = 1):
+        """adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``).
+        min_rows / min_context / min_prefill: smallest buckets of R, S and prefill T (fewer compilations, more
+        padding: the tests use them on CPU)."""
+        self.min_rows, self.min_context, self.min_prefill = min_rows, min_context, min_prefill
         cfg = model.cfg
         self.cfg = cfg
         self.block_size = block_size
@@ -146,8 +150,13 @@ class PagedRunner:
             waves[i] = w
         return waves
 
-    def _sampling_rows(self, group: list[ScheduledRequest], R: int):
-        """Per-row sampling arrays [R] (rows that do not sample this step get greedy defaults) + the BatchMode."""
+    def _sampling_rows(self, group: list[ScheduledRequest], R: int, S: int):
+        """Per-row sampling arrays [R] (rows that do not sample this step get greedy defaults) + the BatchMode.
+
+        Two compiled variants only: greedy (argmax) and full (sampling + penalties + logprobs, used as soon as
+        one row needs any of them); the penalties' token arrays are [R, S], the context bucket, since a row's
+        prompt + output tokens are its context plus this step's tokens.
+        """
         temperature = np.zeros(R, np.float32)
         top_k = np.zeros(R, np.int32)
         top_p = np.ones(R, np.float32)
@@ -159,34 +168,33 @@ class PagedRunner:
         freq = np.zeros(R, np.float32)
         params = [(r, s, s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams())
                   for r, s in enumerate(group) if s.sample]
+        full = any(not sp.greedy or sp.uses_penalties or sp.logprobs for *_, sp in params)
+        mode = BatchMode(sample=full, penalties=full, logprobs=full)
+        rows = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step)
+        if not full:
+            return rows, mode
+        ids = np.zeros((R, S), np.int32)
+        valid = np.zeros((R, S), bool)
+        is_out = np.zeros((R, S), bool)
         for r, s, sp in params:
             temperature[r], top_k[r], top_p[r], min_p[r] = sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p
             seed[r] = (sp.seed or 0) & 0xFFFFFFFF
             step[r] = s.start + s.num_new_tokens  # position of the token being sampled
             rep[r], pres[r], freq[r] = sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty
-        mode = BatchMode(sample=any(not sp.greedy for *_, sp in params),
-                         penalties=any(sp.uses_penalties for *_, sp in params),
-                         logprobs=any(sp.logprobs for *_, sp in params))
-        rows = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step)
-        if mode.penalties:
-            seqs = [(r, s.request) for r, s, sp in params if sp.uses_penalties and s.request is not None]
-            P = _bucket(max(r.num_tokens for _, r in seqs), 16)
-            ids = np.zeros((R, P), np.int32)
-            valid = np.zeros((R, P), bool)
-            is_out = np.zeros((R, P), bool)
-            for r, req in seqs:
-                n_p, n = len(req.prompt_token_ids), req.num_tokens
-                ids[r, :n] = req.all_token_ids
+            req = s.request
+            if sp.uses_penalties and req is not None:
+                n_p, n = len(req.prompt_token_ids), min(req.num_tokens, S)
+                ids[r, :n] = req.all_token_ids[:n]
                 valid[r, :n] = True
                 is_out[r, n_p:n] = True
-            rows.update(repetition=rep, presence=pres, frequency=freq, seen_ids=ids, seen_valid=valid,
-                        seen_is_output=is_out)
+        rows.update(repetition=rep, presence=pres, frequency=freq, seen_ids=ids, seen_valid=valid,
+                    seen_is_output=is_out)
         return rows, mode
 
     def _run(self, group: list[ScheduledRequest]):
-        R = _bucket(len(group))
-        T = _bucket(max(s.num_new_tokens for s in group))
-        S = _bucket(max(s.start for s in group) + T, self.block_size)
+        R = _bucket(len(group), self.min_rows)
+        T = _bucket(max(s.num_new_tokens for s in group), 1 if group[0].num_new_tokens == 1 else self.min_prefill)
+        S = _bucket(max(s.start for s in group) + T, max(self.block_size, self.min_context))
         tokens = np.zeros((R, T), np.int32)
         positions = np.zeros((R, T), np.int32)
         segments = np.zeros((R, T), np.int32)
@@ -207,7 +215,7 @@ class PagedRunner:
             last[r] = n - 1
             if self.lora:
                 adapters[r] = self.adapter_slot(s.adapter)
-        rows, mode = self._sampling_rows(group, R)
+        rows, mode = self._sampling_rows(group, R, S)
         self.k_pool, self.v_pool, sampled = _paged_step(
             self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments, ctx, ctx_len, write,
             last, adapters, rows, mode=mode, lora=self.lora)

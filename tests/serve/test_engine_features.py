@@ -31,9 +31,12 @@ def tok():
     return Tokenizer.from_dir(FIXTURE)
 
 
+BUCKETS = dict(min_rows=4, min_context=64, min_prefill=16)  # few shapes -> few compilations on CPU
+
+
 def engine(model, **kw):
     return Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=96,
-                  **kw)
+                  buckets=BUCKETS, **kw)
 
 
 def test_sorted_keep_mask_matches_filter_logits():
