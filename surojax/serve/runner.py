@@ -101,11 +101,13 @@ class PagedRunner:
     """Owns the device KV pool and runs one scheduler step: ``execute(scheduled) -> {request_id: token}``."""
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None, adapter_slot=None,
-                 min_rows: int = 1, min_context: int = 0, min_prefill: int = 1):
+                 min_rows: int = 1, min_prefill_rows: int = 1, min_context: int = 0, min_prefill: int = 1):
         """adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``).
-        min_rows / min_context / min_prefill: smallest buckets of R, S and prefill T (fewer compilations, more
-        padding: the tests use them on CPU)."""
-        self.min_rows, self.min_context, self.min_prefill = min_rows, min_context, min_prefill
+        min_rows / min_prefill_rows / min_context / min_prefill: smallest buckets of decode R, prefill R, S and
+        prefill T (fewer compilations, more padding: the tests use them on CPU, the benchmark pads decode
+        batches to the number of users)."""
+        self.min_rows, self.min_prefill_rows = min_rows, min_prefill_rows
+        self.min_context, self.min_prefill = min_context, min_prefill
         cfg = model.cfg
         self.cfg = cfg
         self.block_size = block_size
@@ -192,8 +194,9 @@ class PagedRunner:
         return rows, mode
 
     def _run(self, group: list[ScheduledRequest]):
-        R = _bucket(len(group), self.min_rows)
-        T = _bucket(max(s.num_new_tokens for s in group), 1 if group[0].num_new_tokens == 1 else self.min_prefill)
+        decode = group[0].num_new_tokens == 1  # groups are all-decode or all-prefill
+        R = _bucket(len(group), self.min_rows if decode else self.min_prefill_rows)
+        T = _bucket(max(s.num_new_tokens for s in group), 1 if decode else self.min_prefill)
         S = _bucket(max(s.start for s in group) + T, max(self.block_size, self.min_context))
         tokens = np.zeros((R, T), np.int32)
         positions = np.zeros((R, T), np.int32)

@@ -31,7 +31,7 @@ def tok():
     return Tokenizer.from_dir(FIXTURE)
 
 
-BUCKETS = dict(min_rows=4, min_context=64, min_prefill=16)  # few shapes -> few compilations on CPU
+BUCKETS = dict(min_rows=4, min_prefill_rows=4, min_context=64, min_prefill=16)  # few shapes -> few compilations on CPU
 
 
 def engine(model, **kw):

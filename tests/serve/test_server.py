@@ -72,8 +72,9 @@ def server(adapter):
                               "--lora-modules", f"ad={adapter[0]}", "--max-num-batched-tokens", "512"])
     app, state = build_server(args)
     # few shapes -> few compilations on CPU
-    state.engine.engine.runner.min_rows, state.engine.engine.runner.min_context = 8, 128
-    state.engine.engine.runner.min_prefill = 64
+    runner = state.engine.engine.runner
+    runner.min_rows = runner.min_prefill_rows = 8
+    runner.min_context, runner.min_prefill = 128, 64
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
