@@ -17,7 +17,7 @@ plain per-row cache, so each step the runner
    ``sample=True``). With multi-LoRA slots in the model, each row's adapter slot is set on the merged model
    inside the call (``surojax.peft.multi_lora.set_adapter_rows``).
 
-Shapes are bucketed (R, T, S rounded up to powers of two; S a multiple of the block size) so the number of
+Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size) so the number of
 compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so that one long
 prefill chunk does not pad every decode row to its length.
 
@@ -48,6 +48,17 @@ from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, 
 from surojax.serve.scheduler import ScheduledRequest
 
 __all__ = ["PagedRunner", "SamplingParams", "StepResult"]
+
+
+def _context_bucket(n: int, minimum: int, multiple: int) -> int:
+    """Context length S: a power of two, or from 512 on the smallest of 2^k and 1.5 * 2^k that is
+    >= max(n, minimum) (padding <= 33% where it costs, instead of <= 50%); always a multiple of ``multiple``."""
+    n = max(n, minimum, 1)
+    p = 1 << (n - 1).bit_length()
+    for c in ((3 * p // 4, p) if p > 512 else (p,)):
+        if c >= n and c % multiple == 0:
+            return c
+    return p if p % multiple == 0 else -(-p // multiple) * multiple
 
 
 def _bucket(n: int, minimum: int = 1) -> int:
@@ -197,7 +208,7 @@ class PagedRunner:
         decode = group[0].num_new_tokens == 1  # groups are all-decode or all-prefill
         R = _bucket(len(group), self.min_rows if decode else self.min_prefill_rows)
         T = _bucket(max(s.num_new_tokens for s in group), 1 if decode else self.min_prefill)
-        S = _bucket(max(s.start for s in group) + T, max(self.block_size, self.min_context))
+        S = _context_bucket(max(s.start for s in group) + T, max(self.block_size, self.min_context), self.block_size)
         tokens = np.zeros((R, T), np.int32)
         positions = np.zeros((R, T), np.int32)
         segments = np.zeros((R, T), np.int32)

@@ -177,3 +177,39 @@ def test_multi_lora_rows_equal_merged_models(model, tmp_path):
     eng.unload_lora("a")
     with pytest.raises(ValueError, match="not loaded"):
         eng.add_request(ps[0], SamplingParams(max_tokens=2), adapter="a")
+
+
+def test_reasoning_split_and_streamed_stop_holdback(tok):
+    from surojax.serve.detokenize import RequestText
+
+    think = (tok.token_to_id("<think>"), tok.token_to_id("</think>"))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    out = [think[0]] + tok.encode("\nlet me see\n") + [think[1]] + tok.encode("\n\nThe answer. END here") + [509]
+    rt = RequestText(tok, prompt, stop=("END",), stop_token_ids=(509,), think_ids=think)
+    content, reasoning, stopped = "", "", False
+    for i, t in enumerate(out):
+        c, r, stopped = rt.add([t], finished=i == len(out) - 1, finish_reason="stop" if i == len(out) - 1 else None)
+        content, reasoning = content + c, reasoning + r
+        assert "EN" not in content or stopped  # a possible stop-string start is held back while streaming
+        if stopped:
+            break
+    assert stopped and reasoning == "let me see\n" and content == "The answer. "
+
+
+def test_kv_capacity_from_device_memory(model):
+    from surojax.serve.capacity import KVCapacityError, kv_bytes_per_token, num_kv_blocks
+
+    class Dev:
+        def __init__(self, limit, used):
+            self.stats = {"bytes_limit": limit, "bytes_in_use": used}
+
+        def memory_stats(self):
+            return self.stats
+
+    per_token = kv_bytes_per_token(model.cfg, jnp.float32)
+    assert per_token == 2 * 2 * 2 * 16 * 4
+    blocks = num_kv_blocks(model.cfg, jnp.float32, 16, 64, device=Dev(10 * 2**20, 2**20))
+    assert blocks == int((0.9 * 10 * 2**20 - 2**20) * 0.5) // (per_token * 16)
+    with pytest.raises(KVCapacityError, match="max-model-len"):
+        num_kv_blocks(model.cfg, jnp.float32, 16, 4096, device=Dev(2**20, 2**19))
+    assert num_kv_blocks(model.cfg, jnp.float32, 16, 64) > 0  # CPU: the fixed default
