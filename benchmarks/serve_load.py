@@ -5,7 +5,7 @@ Modes (`--modes`, run in this order, each in its own process so torch and JAX ne
            init of the same shape in bf16 on CUDA; skipped cleanly without torch / transformers / a GPU
   engine   our Engine in-process, no HTTP: the engine's own ceiling
   server   our HTTP server in-process (uvicorn thread) + this script as a streaming client in a child process
-           (plain asyncio + httpx, no openai package): what a user of `surojax serve` sees
+           (plain asyncio streams: no openai / httpx package): what a user of `surojax serve` sees
   client   only the client, against --url (any OpenAI-compatible server, e.g. vLLM for comparison)
 
 Reports per (mode, users): aggregate decode tok/s (sum over users of (tokens - 1) / (last - first token)
@@ -64,41 +64,86 @@ def emit(r):
     print("RESULT " + json.dumps(r), flush=True)
 
 
-# ---- the client (plain asyncio + httpx) ---------------------------------------------------------------------
+# ---- the client (plain asyncio streams: no HTTP package needed) --------------------------------------------
 
-async def _one(client, url, model, prompt, max_tokens, headers):
+class _Conn:
+    """One keep-alive HTTP/1.1 connection; POST a JSON body, iterate the SSE lines of a chunked response."""
+
+    def __init__(self, host, port):
+        self.host, self.port = host, port
+        self.reader = self.writer = None
+
+    async def post_stream(self, path, body: dict, headers: dict):
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        head = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Content-Type: application/json",
+                f"Content-Length: {len(data)}", "Accept: text/event-stream"]
+        head += [f"{k}: {v}" for k, v in headers.items()]
+        self.writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+        await self.writer.drain()
+        status = (await self.reader.readline()).decode()
+        hdrs = {}
+        while (line := (await self.reader.readline()).decode().strip()):
+            k, _, v = line.partition(":")
+            hdrs[k.strip().lower()] = v.strip()
+        code = int(status.split()[1])
+        if hdrs.get("transfer-encoding") != "chunked":
+            text = await self.reader.readexactly(int(hdrs.get("content-length", 0)))
+            raise RuntimeError(f"HTTP {code}: {text[:300]!r}")
+        buf = b""
+        while True:
+            size = int((await self.reader.readline()).strip(), 16)
+            chunk = (await self.reader.readexactly(size + 2))[:-2]  # data + CRLF
+            if size == 0:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for ln in lines:
+                if ln.strip():
+                    yield code, ln.decode().strip()
+        if code != 200:
+            raise RuntimeError(f"HTTP {code}")
+
+
+async def _one(conn, model, prompt, max_tokens, headers):
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     t0, ts = time.perf_counter(), []
-    async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            if chunk["choices"] and chunk["choices"][0].get("text"):
-                ts.append(time.perf_counter())
+    async for code, line in conn.post_stream("/v1/completions", body, headers):
+        if code != 200:
+            raise RuntimeError(f"HTTP {code}: {line[:300]}")
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"])
+        if chunk["choices"] and chunk["choices"][0].get("text"):
+            ts.append(time.perf_counter())
     return t0, ts
 
 
 async def run_clients(url, model, users, rounds, prompt_len, max_tokens, seed, vocab, api_key=None):
-    import httpx
-    import numpy as np
+    import random
+    from urllib.parse import urlparse
 
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(10, vocab - 10, size=(users, rounds, prompt_len)).tolist()
+    rng = random.Random(seed)
+    prompts = [[[rng.randrange(10, vocab - 10) for _ in range(prompt_len)] for _ in range(rounds)]
+               for _ in range(users)]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        async def user(u):
-            return [await _one(client, url, model, prompts[u][k], max_tokens, headers) for k in range(rounds)]
+    u = urlparse(url)
 
-        t0 = time.perf_counter()
-        per_user = await asyncio.gather(*(user(u) for u in range(users)))
-        wall = time.perf_counter() - t0
+    async def user(i):
+        conn = _Conn(u.hostname, u.port or 80)
+        try:
+            return [await _one(conn, model, prompts[i][k], max_tokens, headers) for k in range(rounds)]
+        finally:
+            if conn.writer is not None:
+                conn.writer.close()
+
+    t0 = time.perf_counter()
+    per_user = await asyncio.gather(*(user(i) for i in range(users)))
+    wall = time.perf_counter() - t0
     return [r for rs in per_user for r in rs], wall
 
 
@@ -180,9 +225,6 @@ def run_engine(a, model, users, max_tokens, seed, label):
 def ours_main(a):
     import gc
 
-    from surojax.cli.main import build_parser, load_command
-    from surojax.serve.launch import build_server
-
     model = build_model(a)
     a.vocab = model.cfg.vocab_size
     results = []
@@ -194,8 +236,15 @@ def ours_main(a):
             results.append(r)
             gc.collect()
     if "server" in a.modes:
-        import uvicorn
+        try:
+            import uvicorn
 
+            from surojax.cli.main import build_parser, load_command
+            from surojax.serve.launch import build_server
+        except ImportError as e:
+            print(f"# server mode skipped: {e} (needs fastapi, starlette, uvicorn, anyio, h11, click, pydantic)",
+                  flush=True)
+            return results
         for users in a.users_list:
             kw = engine_kwargs(a, users)
             sock = socket.socket()

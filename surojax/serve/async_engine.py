@@ -208,6 +208,10 @@ class AsyncEngine:
                 self._streams.clear()
                 for s in failed:
                     eng.abort(s.request_id)
+                for rid in list(eng.scheduler.requests):  # requests whose stream is gone already
+                    eng.abort(rid)
+                if eng.runner.recover_pools():
+                    eng.kv.reset_prefix_cache()
                 self._deliver([(s, RuntimeError(f"engine step failed: {e}")) for s in failed])
                 continue
             now = time.monotonic()

@@ -133,6 +133,15 @@ class PagedRunner:
         self.num_calls = 0  # forward calls (waves x decode/prefill groups), for tests / metrics
         self.num_deferred = 0  # requests run in a later wave (same-step prefix hits on blocks being written)
 
+    def recover_pools(self) -> bool:
+        """After a failed step: the pools were donated to the call and may be gone; make fresh (empty) ones.
+        -> True when they had to be rebuilt (every cached KV is lost: drop the prefix cache too)."""
+        lost = self.k_pool.is_deleted() or self.v_pool.is_deleted()
+        if lost:
+            self.k_pool = jnp.zeros(self.k_pool.shape, self.k_pool.dtype)
+            self.v_pool = jnp.zeros(self.v_pool.shape, self.v_pool.dtype)
+        return lost
+
     def refresh_weights(self, model: Decoder) -> None:
         """Take the model's current values (after an adapter was loaded into / unloaded from its slots)."""
         self.state = nnx.state(model)

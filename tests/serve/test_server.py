@@ -291,3 +291,18 @@ def test_stop_string_and_sse_format(server, base, tok):
     chunks = [json.loads(e[6:]) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == full[:full.index(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_failed_engine_step_fails_only_its_requests(server, client):
+    _, state = server
+    runner = state.engine.engine.runner
+    real = runner.execute
+
+    def boom(scheduled):
+        runner.execute = real
+        raise RuntimeError("injected failure")
+
+    runner.execute = boom
+    with pytest.raises(openai.InternalServerError, match="injected failure"):
+        client.completions.create(model=NAME, prompt="hello", max_tokens=2)
+    assert client.completions.create(model=NAME, prompt="hello", max_tokens=2).usage.completion_tokens == 2
