@@ -185,16 +185,22 @@ def build_model(a):
 def engine_kwargs(a, users):
     blocks_per_seq = -(-(a.prompt_len + a.max_tokens) // a.block_size)
     return dict(num_blocks=max(a.num_kv_blocks, users * blocks_per_seq + 8), block_size=a.block_size,
-                max_num_seqs=users, max_num_batched_tokens=a.max_num_batched_tokens,
+                max_num_seqs=users, max_num_batched_tokens=step_budget(a, users),
                 max_model_len=a.prompt_len + a.max_tokens + a.block_size,
                 buckets=bench_buckets(a, users))
+
+
+def step_budget(a, users):
+    """Tokens per engine step: every decode plus whole prompts (never a chunked one: a chunk's remainder
+    would be a new shape to compile while measuring)."""
+    return users + a.prefills_per_step * a.prompt_len
 
 
 def bench_buckets(a, users):
     """One decode shape (R = users, S = the longest context) and one prefill shape (T = the prompt, R = the
     prompts one step's token budget holds), so the warm-up compiles everything and nothing compiles while
     measuring. Costs some padding (a chunked prompt's remainder is padded to a full prompt)."""
-    return dict(min_rows=users, min_prefill_rows=min(users, max(1, a.max_num_batched_tokens // a.prompt_len)),
+    return dict(min_rows=users, min_prefill_rows=min(users, a.prefills_per_step),
                 min_prefill=a.prompt_len, min_context=a.prompt_len + a.max_tokens)
 
 
@@ -205,6 +211,7 @@ def run_engine(a, model, users, max_tokens, seed, label):
     from surojax.serve.sampling import SamplingParams
 
     eng = Engine(model, **engine_kwargs(a, users))
+    compiled_before = _num_compiled()
     rng = np.random.default_rng(seed)
     records = []
     t_start = time.perf_counter()
@@ -219,7 +226,18 @@ def run_engine(a, model, users, max_tokens, seed, label):
                 ts[o.request_id].append(now)
         records += [(t0, v) for v in ts.values()]
     wall = time.perf_counter() - t_start
-    return summarize(label, users, records, wall, {"steps": eng.runner.num_calls})
+    return summarize(label, users, records, wall, {"steps": eng.runner.num_calls,
+                                                   "compiled_while_measuring": _num_compiled() - compiled_before})
+
+
+def _num_compiled() -> int:
+    """Compiled variants of the runner's step (a private jax API: -1 where it is missing)."""
+    from surojax.serve import runner
+
+    try:
+        return runner._paged_step._cache_size()
+    except Exception:
+        return -1
 
 
 def ours_main(a):
@@ -255,7 +273,7 @@ def ours_main(a):
                 ["serve", "random", "--served-model-name", "bench", "--max-num-seqs", str(users),
                  "--num-kv-blocks", str(kw["num_blocks"]), "--block-size", str(a.block_size),
                  "--max-model-len", str(kw["max_model_len"]), "--max-num-batched-tokens",
-                 str(a.max_num_batched_tokens), "--log-level", "warning"])
+                 str(step_budget(a, users)), "--log-level", "warning"])
             app, state = build_server(args, model=model, tokenizer=IdTokenizer())
             for k, v in bench_buckets(a, users).items():
                 setattr(state.engine.engine.runner, k, v)
@@ -267,7 +285,9 @@ def ours_main(a):
             url = f"http://127.0.0.1:{port}"
             try:
                 run_client_process(a, url, users, 4, 1000 + users, "warmup")
+                before = _num_compiled()
                 r = run_client_process(a, url, users, a.max_tokens, users, "server")
+                r["compiled_while_measuring"] = _num_compiled() - before
             finally:
                 srv.should_exit = True
                 th.join(10)
@@ -377,7 +397,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (default: what the users need)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--prefills-per-step", type=int, default=4,
+                   help="whole prompts one engine step may prefill (token budget = users + this x prompt-len)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
     p.add_argument("--url", default=None, help="client mode: the server's base URL")
