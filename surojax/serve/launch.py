@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 from surojax.serve.api_server import ServerState, build_app
@@ -127,6 +128,10 @@ def build_server(args, model=None, tokenizer=None):
         engine.load_lora(lname, lpath)
     log.info("KV cache: %d blocks x %d tokens; max-model-len %d; max-num-seqs %d", engine.kv.num_blocks,
              args.block_size, max_len, args.max_num_seqs)
+    # The engine thread and the HTTP event loop share the GIL; Python's default 5 ms switch interval would let
+    # one hold it for 5 ms while the other waits (a decode step is ~1 ms). A process-wide setting, set here
+    # because this process is the server.
+    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
     state = ServerState(engine=AsyncEngine(engine, max_queue=args.max_queue).start(), tokenizer=tokenizer,
                         model_name=name, max_model_len=max_len, eos_ids=eos_ids(model_dir, tokenizer, cfg),
                         api_key=args.api_key, model_path=str(args.model))
