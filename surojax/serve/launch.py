@@ -79,9 +79,16 @@ def load_for_serving(args):
         except ImportError:
             raise ServeError(f"{path}: GGUF serving lands with issue 5's loader "
                              "(surojax.weights.gguf_checkpoint.load_gguf_model is not there yet)") from None
-        model = load_gguf_model(path, dtype=dtype)
-        tok_dir = Path(args.tokenizer) if args.tokenizer else path.parent
-        return model, Tokenizer.from_dir(tok_dir), None, args.served_model_name or path.stem
+        if not path.is_file():
+            raise ServeError(f"{path} does not exist")
+        # issue 5's loader: (cfg, Decoder, Tokenizer from the file's metadata); quantised kernels are kept
+        loaded = load_gguf_model(path, dtype=dtype, param_dtype=dtype, attention=args.attention)
+        model, tokenizer = (loaded[1], loaded[2]) if isinstance(loaded, tuple) else (loaded, None)
+        if args.tokenizer:
+            tokenizer = Tokenizer.from_dir(args.tokenizer)
+        if tokenizer is None:
+            raise ServeError(f"{path}: no tokenizer in the GGUF metadata; give --tokenizer DIR")
+        return model, tokenizer, None, args.served_model_name or path.stem
     if not path.exists():
         raise ServeError(f"{path} does not exist")
     model_dir, adapter = resolve_model(path)

@@ -306,3 +306,21 @@ def test_failed_engine_step_fails_only_its_requests(server, client):
     with pytest.raises(openai.InternalServerError, match="injected failure"):
         client.completions.create(model=NAME, prompt="hello", max_tokens=2)
     assert client.completions.create(model=NAME, prompt="hello", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_gguf_file_is_served(tmp_path):
+    """A GGUF file (issue 5's writer and loader) is served like a folder: same greedy text as the HF folder."""
+    gguf = pytest.importorskip("surojax.weights.gguf_checkpoint")
+    if not hasattr(gguf, "load_gguf_model") or not hasattr(gguf, "save_gguf"):
+        pytest.skip("GGUF loading is not there yet")
+    pytest.importorskip("gguf")
+    from surojax.serve.launch import load_for_serving
+
+    base = load_model(FIXTURE, attention="xla")
+    path = tmp_path / "tiny.gguf"
+    gguf.save_gguf(base, path, "f32", tokenizer_dir=FIXTURE)
+    args = build_parser("serve", load_command("serve")).parse_args(["serve", str(path)])
+    model, tok, _, name = load_for_serving(args)
+    assert name == "tiny"
+    ids = tok.encode("The quick brown fox")
+    assert generate(model, [ids], 6)[0] == generate(base, [ids], 6)[0]
