@@ -35,7 +35,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "weights"))
 OUT = ROOT / "tests" / "fixtures" / "gguf"
 
 KQUANT_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
@@ -115,7 +114,7 @@ def tensor_digest(path) -> dict:
 
 def make_models(py: str, tmp: Path) -> None:
     import gguf
-    from gguf_tiny import PROMPT_IDS, tiny_model_dir
+    from tests.weights.gguf_tiny import PROMPT_IDS, tiny_model_dir
 
     from surojax.quant.quantize_mix import FILE_TYPES as FT
     from surojax.weights.gguf_checkpoint import save_gguf
