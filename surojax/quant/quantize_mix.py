@@ -127,3 +127,16 @@ def uniform_target_types(file_type: str, cfg, targets) -> dict[str, str]:
                                  n_gqa=n_gqa, arch=cfg.model_type) for i in range(cfg.num_layers)]
         out[t] = widest(per_layer)
     return out
+
+
+def quantize_model_mix(model, file_type: str, targets="all-linear") -> dict[str, str]:
+    """Quantise the targeted base kernels of `model` as a llama.cpp file type would (`qlora_gguf: q4_k_m`), one
+    format per target (`uniform_target_types`). In place; returns target -> format."""
+    from surojax.peft.lora import resolve_targets
+    from surojax.quant.transform import quantize_model
+
+    names = resolve_targets(targets)
+    chosen = uniform_target_types(file_type, model.cfg, names)
+    for name in names:
+        quantize_model(model, chosen[name], targets=[name])
+    return chosen

@@ -300,6 +300,17 @@ def _llama3_from_factors(hf: dict, factors: np.ndarray, source: str) -> None:
     raise WeightsError(f"{source}: rope_freqs.weight does not match a Llama 3 rope scaling surojax can express")
 
 
+def _hf_config(reader, fields: dict, source: str) -> dict:
+    by_name = {t.name: t for t in reader.tensors}
+    hf = hf_config_from_gguf(fields, source)
+    if ROPE_FREQS in by_name:
+        _llama3_from_factors(hf, _dequantize(by_name[ROPE_FREQS], source), source)
+    hf["tie_word_embeddings"] = "output.weight" not in by_name
+    if hf["model_type"] == "qwen2":
+        hf["attention_bias"] = "blk.0.attn_q.bias" in by_name
+    return hf
+
+
 def _dequantize(t, source: str) -> np.ndarray:
     """A reader tensor -> float32 in numpy order ([N, K] for 2-D)."""
     gguf = _gguf()
@@ -326,23 +337,9 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     from surojax.quant.transform import QuantParam
     from surojax.weights.gguf_tokenizer import tokenizer_from_fields
 
-    gguf = _gguf()
-    path = Path(path)
-    source = str(path)
-    if not path.is_file():
-        raise WeightsError(f"{source}: GGUF file not found")
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:
-        raise WeightsError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    fields = _fields(reader)
+    reader, fields, source = _open(path)
     by_name = {t.name: t for t in reader.tensors}
-    hf = hf_config_from_gguf(fields, source)
-    if ROPE_FREQS in by_name:
-        _llama3_from_factors(hf, _dequantize(by_name[ROPE_FREQS], source), source)
-    hf["tie_word_embeddings"] = "output.weight" not in by_name
-    if hf["model_type"] == "qwen2":
-        hf["attention_bias"] = "blk.0.attn_q.bias" in by_name
+    hf = _hf_config(reader, fields, source)
     cfg = cfg or ModelConfig.from_hf(hf)
     tokenizer = tokenizer_from_fields(fields, source)
     param_dtype = param_dtype or dtype
@@ -429,8 +426,36 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     return cfg, model, tokenizer
 
 
+def _open(path) -> tuple[object, dict, str]:
+    gguf = _gguf()
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise WeightsError(f"{source}: GGUF file not found")
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as e:
+        raise WeightsError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    return reader, _fields(reader), source
+
+
+def read_gguf_hf_config(path) -> dict:
+    """The config.json dict of a GGUF file (metadata + the tensors that decide tied head / biases / rope)."""
+    reader, fields, source = _open(path)
+    return _hf_config(reader, fields, source)
+
+
+def load_gguf_tokenizer(path):
+    """The tokenizer of a GGUF file, rebuilt from its tokenizer.ggml.* metadata."""
+    from surojax.weights.gguf_tokenizer import tokenizer_from_fields
+
+    _, fields, source = _open(path)
+    return tokenizer_from_fields(fields, source)
+
+
 def is_gguf_path(p) -> bool:
     return p is not None and str(p).lower().endswith(".gguf")
 
 
-__all__ = ["save_gguf", "load_gguf_model", "hf_config_from_gguf", "gguf_name", "is_gguf_path", "GGUF_NAMES"]
+__all__ = ["save_gguf", "load_gguf_model", "load_gguf_tokenizer", "read_gguf_hf_config", "hf_config_from_gguf",
+           "gguf_name", "is_gguf_path", "GGUF_NAMES"]
