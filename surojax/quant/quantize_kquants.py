@@ -19,6 +19,9 @@ Entry point: `quantize_rows(x [R, K] float32, "q4_k") -> uint8 [R, K // 256 * ty
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 QK_K = 256
@@ -36,8 +39,13 @@ def nearest_int(v: np.ndarray) -> np.ndarray:
 
 
 def _seqsum(a: np.ndarray) -> np.ndarray:
-    """Sum over the last axis in float32, left to right (as a C `for` loop does)."""
-    return np.add.accumulate(a.astype(np.float32, copy=False), axis=-1, dtype=np.float32)[..., -1]
+    """Sum over the last axis of a [M, n] array in float32, left to right (as a C `for` loop does). Column by
+    column on the transposed copy: much faster than np.add.accumulate along a short last axis."""
+    t = np.ascontiguousarray(np.asarray(a, np.float32).T)
+    acc = t[0].copy()
+    for i in range(1, t.shape[0]):
+        acc += t[i]
+    return acc
 
 
 def _f16(v: np.ndarray) -> np.ndarray:
@@ -313,7 +321,17 @@ def quantize_rows(x: np.ndarray, qtype: str) -> np.ndarray:
     r, k = x.shape
     blocks = x.reshape(-1, QK_K)
     out = np.empty((blocks.shape[0], type_size), np.uint8)
-    with np.errstate(all="ignore"):
-        for s in range(0, blocks.shape[0], _CHUNK):
+
+    def run(s):
+        with np.errstate(all="ignore"):
             out[s:s + _CHUNK] = fn(blocks[s:s + _CHUNK])
+
+    starts = range(0, blocks.shape[0], _CHUNK)
+    workers = min(len(starts), os.cpu_count() or 1, 16)
+    if workers > 1:  # numpy releases the GIL inside its array operations: chunks run in parallel threads
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(run, starts))
+    else:
+        for s in starts:
+            run(s)
     return out.reshape(r, k // QK_K * type_size)

@@ -21,8 +21,8 @@ dimension_count (+ rope.scaling.type / factor for linear scaling) and the tokeni
 Reading keeps quantised Linear kernels quantised (keep_quantized=True): the file's raw block bytes become the
 matching surojax.quant format (GGUFQuant.from_gguf, no conversion: the storage layouts are the same), stacked
 over layers in a `QuantParam`, exactly as `quantize_model` leaves a model. A target whose layers have different
-types in the file (llama.cpp's Q4_K_M gives attn_v / ffn_down Q6_K on some layers only) cannot be one stacked
-format: it is dequantised (exactly, in float32) and stored in `param_dtype`, with a log line naming it.
+types in the file (llama.cpp's Q4_K_M gives attn_v / ffn_down Q6_K on some layers only) is kept as one
+`GGUFMixed` pytree (surojax.quant.gguf_mixed: each layer's bytes in its own type, padded to the widest row).
 Embeddings, norms, biases and the LM head are dequantised to `param_dtype`.
 """
 from __future__ import annotations
@@ -378,8 +378,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                                    f"implies {list(hf_shape)}")
         types = {by_name[g].tensor_type for _, g, _ in items}
         linear = row.transpose and row.path.startswith("layers.")  # the LM head is dequantised
-        quant = linear and keep_quantized and len(types) == 1 and \
-            next(iter(types)).name not in ("F32", "F16", "BF16")
+        quant = linear and keep_quantized and any(t.name not in ("F32", "F16", "BF16") for t in types)
         if quant:
             per_layer = []
             for _, gname, hf_name in items:
@@ -394,13 +393,19 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                 if heads:
                     raw = _rope_permute(raw, heads, inverse=True)
                 per_layer.append(cls.from_gguf(raw, k, n))
-            if quant:
-                values[spath] = per_layer[0] if not row.per_layer else \
-                    jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+            if quant and not row.per_layer:
+                values[spath] = per_layer[0]
                 continue
-        if linear and keep_quantized and len(types) > 1:
-            log.info("%s: %s has per-layer types %s; it is dequantised to %s", source, spath,
-                     sorted(t.name for t in types), np_dtype)
+            if quant and len(types) == 1:
+                values[spath] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+                continue
+            if quant:  # per-layer types differ (llama.cpp's *_K_M mixes): one padded pytree, still quantised
+                from surojax.quant.gguf_mixed import GGUFMixed
+
+                values[spath] = GGUFMixed.from_layers(per_layer)
+                log.info("%s: %s has per-layer types %s (kept as gguf_mixed)", source, spath,
+                         sorted(t.name for t in types))
+                continue
         arrs = []
         for _, gname, hf_name in items:
             a = _dequantize(by_name[gname], source)
