@@ -13,12 +13,14 @@ reference quantisers live, at the x86-64 baseline: no FMA contraction). The llam
 (the code in LLAMA_SIDE below); nothing is downloaded. What it writes (deterministic: fixed seeds, no clocks):
 
 kquants.npz   `x` [R, 512] float32 test rows (normal, Student-t(2) heavy tails, shifted uniform, all-zero,
-              constant, partly zero, tiny values) and `q2_k` .. `q6_k`: the bytes of ggml's own quantiser
-              (`ggml_quantize_chunk` with no importance matrix = `quantize_row_q*_K_ref`) for those rows.
+              constant, partly zero, tiny values) and `q2_k` .. `q6_k`, `iq4_nl`, `iq4_xs`: the bytes of ggml's
+              own quantiser (`ggml_quantize_chunk` with no importance matrix: `quantize_row_q*_K_ref`,
+              `quantize_iq4_nl` / `quantize_iq4_xs`) for those rows.
 models.json   for each tiny model (tests/weights/gguf_tiny.py: qwen3 and llama, hidden 256 so the K-quants
               apply) and file type (f32, q8_0, q4_k_m): the sha256 of the .gguf our writer makes (byte
               stability), and the per-tensor GGUF types and data sha256 of the file llama.cpp's own
-              `llama_model_quantize` makes from our F32 file (so the q4_k_m mix and bytes can be compared).
+              `llama_model_quantize` makes from our F32 file (so the q4_k_m mix and bytes can be compared);
+              for q2_k, q3_k_m, q5_k_m, q6_k, iq4_xs only the latter.
 logits_<family>_<type>.npy   llama.cpp's logits (logits_all) for PROMPT on our file, float32 [T, V].
 """
 from __future__ import annotations
@@ -37,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OUT = ROOT / "tests" / "fixtures" / "gguf"
 
-KQUANT_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-FILE_TYPES = ("f32", "q8_0", "q4_k_m")
+KQUANT_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
+FILE_TYPES = ("f32", "q8_0", "q4_k_m")  # logits too
+QUANTIZE_ONLY = ("q2_k", "q3_k_m", "q5_k_m", "q6_k", "iq4_xs")  # llama_model_quantize digests only
 FAMILIES = ("qwen3", "llama")
 
 LLAMA_SIDE = r'''
@@ -134,6 +137,11 @@ def make_models(py: str, tmp: Path) -> None:
                                 "ftype": int(FT[ft][0])})
                 entry["llama_quantize"] = tensor_digest(ref)
             manifest["models"][f"{family}-{ft}"] = entry
+        for ft in QUANTIZE_ONLY:  # the mix rule and bytes of more file types, against llama.cpp's quantiser
+            ref = tmp / f"{family}-{ft}-llamacpp.gguf"
+            llama_side(py, {"kind": "quantize_file", "src": str(tmp / f"{family}-f32.gguf"), "dst": str(ref),
+                            "ftype": int(FT[ft][0])})
+            manifest["models"][f"{family}-{ft}"] = {"llama_quantize": tensor_digest(ref)}
     (OUT / "models.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     del gguf
 

@@ -13,11 +13,13 @@ manual overrides) for the dense llama / qwen2 / qwen3 tensors surojax writes:
                Q4_K become Q5_K
     ffn_down   Q2_K: Q3_K;  Q3_K_M: Q5_K on layers < n/16, else Q4_K;  Q4_K_M / Q5_K_M: Q6_K where use_more_bits
     attn_output  Q2_K: Q3_K;  Q3_K_M: Q4_K
+    IQ4_NL / IQ4_XS: attn_v Q5_K if n_head / n_head_kv >= 4; ffn_down Q5_K on layers < n/8
     everything else (attn_q, attn_k, ffn_gate, ffn_up, token_embd): the default type
     1-D tensors (norms, biases, rope_freqs): F32, never quantised
 
 Fallback when a row length K is not a multiple of the chosen type's block (256 for the K-quants):
-Q2_K / Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; still not a multiple of 32 -> F16.
+Q2_K / Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL; still not a multiple of 32 ->
+F16.
 F32 / F16 / BF16 file types store every 2-D weight in that type.
 
 Training over a mix (`qlora_gguf: q4_k_m`): the decoder scans over stacked layers, so one target (say v_proj) must
@@ -44,15 +46,17 @@ FILE_TYPES: dict[str, tuple[int, str]] = {
     "q4_k_m": (gguf.LlamaFileType.MOSTLY_Q4_K_M, "q4_k"),
     "q5_k_m": (gguf.LlamaFileType.MOSTLY_Q5_K_M, "q5_k"),
     "q6_k": (gguf.LlamaFileType.MOSTLY_Q6_K, "q6_k"),
+    "iq4_nl": (gguf.LlamaFileType.MOSTLY_IQ4_NL, "iq4_nl"),
+    "iq4_xs": (gguf.LlamaFileType.MOSTLY_IQ4_XS, "iq4_xs"),
 }
 MIX_TYPES = ("q2_k", "q3_k_m", "q4_k_m", "q5_k_m")  # the file types whose tensors do not all share one type
 FLOAT_TYPES = ("f32", "f16", "bf16")
 _BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q2_k": 256, "q3_k": 256, "q4_k": 256,
-          "q5_k": 256, "q6_k": 256, "f32": 1, "f16": 1, "bf16": 1}
-_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+          "q5_k": 256, "q6_k": 256, "iq4_nl": 32, "iq4_xs": 256, "f32": 1, "f16": 1, "bf16": 1}
+_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "iq4_xs": "iq4_nl"}
 # bits per weight, to order types by width
 _BITS = {"q2_k": 2.625, "q3_k": 3.4375, "q4_0": 4.5, "q4_1": 5.0, "q4_k": 4.5, "q5_0": 5.5, "q5_1": 6.0,
-         "q5_k": 5.5, "q6_k": 6.5625, "q8_0": 8.5, "bf16": 16, "f16": 16, "f32": 32}
+         "q5_k": 5.5, "q6_k": 6.5625, "q8_0": 8.5, "iq4_nl": 4.5, "iq4_xs": 4.25, "bf16": 16, "f16": 16, "f32": 32}
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -87,6 +91,8 @@ def tensor_type(file_type: str, name: str, ncols: int, *, n_layers: int, n_gqa: 
             t = "q4_k" if n_gqa >= 4 else "q3_k"
         elif ft == "q3_k_m":
             t = "q5_k" if layer < 2 else "q4_k"
+        elif ft in ("iq4_nl", "iq4_xs") and n_gqa >= 4:
+            t = "q5_k"
         elif ft in ("q4_k_m", "q5_k_m") and use_more_bits(layer, n_layers):
             t = "q6_k"
         if is_70b and t in ("q3_k", "q4_k"):
@@ -98,6 +104,8 @@ def tensor_type(file_type: str, name: str, ncols: int, *, n_layers: int, n_gqa: 
             t = "q5_k" if layer < n_layers // 16 else "q4_k"
         elif ft in ("q4_k_m", "q5_k_m") and use_more_bits(layer, n_layers):
             t = "q6_k"
+        elif ft in ("iq4_nl", "iq4_xs") and layer < n_layers // 8:
+            t = "q5_k"
     elif "attn_output.weight" in name:
         if ft == "q2_k":
             t = "q3_k"

@@ -1,6 +1,6 @@
-"""K-quant quantisers: bytes equal to llama.cpp's own quantiser (golden bytes from ggml_quantize_chunk, made by
-scripts/make_gguf_fixtures.py), the error of dequantise(quantise(w)) within each type's bound, and the hook into
-surojax.quant.quantize / the formats."""
+"""K-quant and IQ4 quantisers: bytes equal to llama.cpp's own quantiser (golden bytes from ggml_quantize_chunk,
+made by scripts/make_gguf_fixtures.py), the error of dequantise(quantise(w)) within each type's bound, and the hook
+into surojax.quant.quantize / the formats."""
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -8,10 +8,17 @@ import numpy as np
 import pytest
 
 from surojax.quant import FORMATS, quantize
-from surojax.quant.quantize_kquants import BLOCK_QUANTIZERS, nearest_int, quantize_rows
+from surojax.quant import quantize_iq4, quantize_kquants
+from surojax.quant.quantize_kquants import nearest_int
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gguf" / "kquants.npz"
-TYPES = sorted(BLOCK_QUANTIZERS)
+IMPL = {**{t: quantize_kquants for t in quantize_kquants.BLOCK_QUANTIZERS},
+        **{t: quantize_iq4 for t in quantize_iq4.BLOCK_QUANTIZERS}}
+TYPES = sorted(IMPL)
+
+
+def quantize_rows(x, name):
+    return IMPL[name].quantize_rows(x, name)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +42,9 @@ def test_nearest_int_is_ggml_rounding():
 
 
 # |w - dequantize(quantize(w))| <= C * (256-value super-block absmax) on Gaussian rows; C well above what the
-# types reach (measured: Q2_K 0.37, Q3_K 0.20, Q4_K 0.09, Q5_K 0.045, Q6_K 0.022 of the absmax) and far below
-# what a wrong byte layout gives (~1).
-ROUND_TRIP_C = {"q2_k": 0.5, "q3_k": 0.3, "q4_k": 0.13, "q5_k": 0.065, "q6_k": 0.03}
+# types reach (measured: Q2_K 0.37, Q3_K 0.20, Q4_K 0.08, Q5_K 0.045, Q6_K 0.022, IQ4_NL 0.073, IQ4_XS 0.083 of
+# the absmax) and far below what a wrong byte layout gives (~1).
+ROUND_TRIP_C = {"q2_k": 0.5, "q3_k": 0.3, "q4_k": 0.13, "q5_k": 0.065, "q6_k": 0.03, "iq4_nl": 0.11, "iq4_xs": 0.12}
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -1,8 +1,9 @@
 """GGUF out and in, against llama.cpp (golden fixtures from scripts/make_gguf_fixtures.py, llama-cpp-python 0.3.36):
 
 - our writer's bytes are stable (sha256 of each tiny model's f32 / q8_0 / q4_k_m file);
-- the q8_0 and q4_k_m files equal, tensor by tensor (type and bytes), what llama.cpp's own `llama_model_quantize`
-  makes from our f32 file (so the Q4_K_M mix rule and the K-quant bytes are llama.cpp's);
+- the q8_0 and q4_k_m files (and qwen3's q2_k, q3_k_m, q5_k_m, q6_k, iq4_xs) equal, tensor by tensor (type and
+  bytes), what llama.cpp's own `llama_model_quantize` makes from our f32 file (so the mix rules and the
+  quantisers' bytes are llama.cpp's);
 - our logits on each file match llama.cpp's (logits_all) on the same file. Tolerances: f32 max |diff| < 5e-3
   (llama.cpp keeps the KV cache in f16); quantised files rms < 0.03 on logits of absmax ~3 (llama.cpp also
   quantises the activations to 8 bits in its quantised matmuls), and for q4_k_m our logits are > 4x closer to
@@ -60,10 +61,11 @@ def test_writer_bytes_are_stable(files, fam, ft):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == MANIFEST["models"][f"{fam}-{ft}"]["sha256"]
 
 
-@pytest.mark.parametrize("fam", FAMILIES)
-@pytest.mark.parametrize("ft", ["q8_0", "q4_k_m"])
-def test_tensors_equal_llama_quantize(files, fam, ft):
-    reader = gguf.GGUFReader(files[fam][1][ft])
+@pytest.mark.parametrize("fam,ft", [(f, t) for f in FAMILIES for t in ("q8_0", "q4_k_m")]
+                         + [("qwen3", t) for t in ("q2_k", "q3_k_m", "q5_k_m", "q6_k", "iq4_xs")])
+def test_tensors_equal_llama_quantize(files, fam, ft, tmp_path):
+    path = files[fam][1].get(ft) or save_gguf(files[fam][0], tmp_path / f"{ft}.gguf", ft)
+    reader = gguf.GGUFReader(path)
     ours = {t.name: [t.tensor_type.name.lower(), hashlib.sha256(np.ascontiguousarray(t.data).tobytes()).hexdigest()]
             for t in reader.tensors}
     ref = MANIFEST["models"][f"{fam}-{ft}"]["llama_quantize"]
