@@ -16,11 +16,11 @@ kquants.npz   `x` [R, 512] float32 test rows (normal, Student-t(2) heavy tails, 
               constant, partly zero, tiny values) and `q2_k` .. `q6_k`, `iq4_nl`, `iq4_xs`: the bytes of ggml's
               own quantiser (`ggml_quantize_chunk` with no importance matrix: `quantize_row_q*_K_ref`,
               `quantize_iq4_nl` / `quantize_iq4_xs`) for those rows.
-models.json   for each tiny model (tests/weights/gguf_tiny.py: qwen3 and llama, hidden 256 so the K-quants
-              apply) and file type (f32, q8_0, q4_k_m): the sha256 of the .gguf our writer makes (byte
+models.json   for each tiny model (tests/weights/gguf_tiny.py: qwen3, llama and qwen2, hidden 256 so the K-quants
+              apply) and file type (f32, q8_0, q4_k_m; qwen2 f32, q8_0): the sha256 of the .gguf our writer makes (byte
               stability), and the per-tensor GGUF types and data sha256 of the file llama.cpp's own
               `llama_model_quantize` makes from our F32 file (so the q4_k_m mix and bytes can be compared);
-              for q2_k, q3_k_m, q5_k_m, q6_k, iq4_xs only the latter.
+              for qwen3's q2_k, q3_k_m, q5_k_m, q6_k, iq4_xs only the latter.
 logits_<family>_<type>.npy   llama.cpp's logits (logits_all) for PROMPT on our file, float32 [T, V].
 """
 from __future__ import annotations
@@ -42,7 +42,8 @@ OUT = ROOT / "tests" / "fixtures" / "gguf"
 KQUANT_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 FILE_TYPES = ("f32", "q8_0", "q4_k_m")  # logits too
 QUANTIZE_ONLY = ("q2_k", "q3_k_m", "q5_k_m", "q6_k", "iq4_xs")  # llama_model_quantize digests only
-FAMILIES = ("qwen3", "llama")
+FAMILIES = ("qwen3", "llama", "qwen2")
+FAMILY_TYPES = {"qwen2": ("f32", "q8_0")}  # qwen2 (biases): fewer files
 
 LLAMA_SIDE = r'''
 import ctypes, hashlib, json, sys, pathlib
@@ -125,7 +126,7 @@ def make_models(py: str, tmp: Path) -> None:
     manifest = {"prompt_ids": PROMPT_IDS, "models": {}}
     for family in FAMILIES:
         model_dir = tiny_model_dir(family, tmp / family)
-        for ft in FILE_TYPES:
+        for ft in FAMILY_TYPES.get(family, FILE_TYPES):
             path = tmp / f"{family}-{ft}.gguf"
             save_gguf(model_dir, path, ft)
             entry = {"sha256": sha256(path)}
@@ -137,7 +138,7 @@ def make_models(py: str, tmp: Path) -> None:
                                 "ftype": int(FT[ft][0])})
                 entry["llama_quantize"] = tensor_digest(ref)
             manifest["models"][f"{family}-{ft}"] = entry
-        for ft in QUANTIZE_ONLY:  # the mix rule and bytes of more file types, against llama.cpp's quantiser
+        for ft in QUANTIZE_ONLY if family == "qwen3" else ():  # the mix rule and bytes of more file types, against llama.cpp's quantiser
             ref = tmp / f"{family}-{ft}-llamacpp.gguf"
             llama_side(py, {"kind": "quantize_file", "src": str(tmp / f"{family}-f32.gguf"), "dst": str(ref),
                             "ftype": int(FT[ft][0])})

@@ -20,6 +20,7 @@ PROMPT_IDS = [507, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 44, 280,
 
 CONFIGS = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1000000.0},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_theta": 1000000.0},
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 10000.0,
               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 32}},
@@ -54,7 +55,9 @@ def tiny_model_dir(family: str, out_dir, seed: int = 0) -> Path:
             name = row.hf.format(i=i) if i is not None else row.hf
             part = name.split(".")[-2]
             shape = shapes.get(part, (D,))
-            if part.endswith(("norm", "layernorm")) or "norm" in part:
+            if name.endswith(".bias"):
+                tensors[name] = (0.2 * rng.standard_normal(shape[:1])).astype(np.float32)
+            elif "norm" in part:
                 tensors[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             else:
                 tensors[name] = (0.05 * rng.standard_normal(shape)).astype(np.float32)

@@ -31,8 +31,10 @@ from surojax.weights.safetensors_file import WeightsError  # noqa: E402
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "gguf"
 MANIFEST = json.loads((GOLDEN / "models.json").read_text())
-FAMILIES = ("qwen3", "llama")
+FAMILIES = ("qwen3", "llama", "qwen2")
 FILE_TYPES = ("f32", "q8_0", "q4_k_m")
+TYPES_OF = {"qwen3": FILE_TYPES, "llama": FILE_TYPES, "qwen2": ("f32", "q8_0")}
+CASES = [(f, t) for f in FAMILIES for t in TYPES_OF[f]]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def files(tmp_path_factory):
     out = {}
     for fam in FAMILIES:
         d = tiny_model_dir(fam, root / fam)
-        out[fam] = (d, {ft: save_gguf(d, root / f"{fam}-{ft}.gguf", ft) for ft in FILE_TYPES})
+        out[fam] = (d, {ft: save_gguf(d, root / f"{fam}-{ft}.gguf", ft) for ft in TYPES_OF[fam]})
     return out
 
 
@@ -54,14 +56,13 @@ def _rms(a):
     return float(np.sqrt(np.mean(np.square(a))))
 
 
-@pytest.mark.parametrize("fam", FAMILIES)
-@pytest.mark.parametrize("ft", FILE_TYPES)
+@pytest.mark.parametrize("fam,ft", CASES)
 def test_writer_bytes_are_stable(files, fam, ft):
     path = files[fam][1][ft]
     assert hashlib.sha256(path.read_bytes()).hexdigest() == MANIFEST["models"][f"{fam}-{ft}"]["sha256"]
 
 
-@pytest.mark.parametrize("fam,ft", [(f, t) for f in FAMILIES for t in ("q8_0", "q4_k_m")]
+@pytest.mark.parametrize("fam,ft", [c for c in CASES if c[1] != "f32"]
                          + [("qwen3", t) for t in ("q2_k", "q3_k_m", "q5_k_m", "q6_k", "iq4_xs")])
 def test_tensors_equal_llama_quantize(files, fam, ft, tmp_path):
     path = files[fam][1].get(ft) or save_gguf(files[fam][0], tmp_path / f"{ft}.gguf", ft)
@@ -77,7 +78,7 @@ def test_tensors_equal_llama_quantize(files, fam, ft, tmp_path):
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_logits_match_llama_cpp(files, fam):
     f32 = None
-    for ft in FILE_TYPES:
+    for ft in TYPES_OF[fam]:
         _, model, _ = load_gguf_model(files[fam][1][ft], dtype=jnp.float32)
         ours = _logits(model)
         ref = np.load(GOLDEN / f"logits_{fam}_{ft}.npy")
@@ -100,14 +101,15 @@ def test_round_trip_logits(files, fam):
     assert cfg.model_type == fam and cfg.num_layers == 2 and cfg.head_dim == 64
     if fam == "llama":
         assert cfg.rope_scaling.rope_type == "llama3" and cfg.rope_scaling.factor == 8.0
-    for ft in ("q8_0", "q4_k_m"):
-        _, kept, _ = load_gguf_model(paths[ft], dtype=jnp.float32)
-        _, deq, _ = load_gguf_model(paths[ft], dtype=jnp.float32, keep_quantized=False)
-        q = is_quantized(kept)
-        assert q["q_proj"] == ("q8_0" if ft == "q8_0" else "q4_k") and not is_quantized(deq)
-        if ft == "q4_k_m":  # v / down are Q4_K on layer 0 and Q6_K on layer 1: one padded pytree
-            assert q["v_proj"] == q["down_proj"] == "gguf_mixed"
-        np.testing.assert_allclose(_logits(kept), _logits(deq), rtol=1e-5, atol=1e-5)
+    assert cfg.attention_bias == (fam == "qwen2") and cfg.qk_norm == (fam == "qwen3")
+    ft = TYPES_OF[fam][-1]
+    _, kept, _ = load_gguf_model(paths[ft], dtype=jnp.float32)
+    _, deq, _ = load_gguf_model(paths[ft], dtype=jnp.float32, keep_quantized=False)
+    q = is_quantized(kept)
+    assert q["q_proj"] == ("q8_0" if ft == "q8_0" else "q4_k") and not is_quantized(deq)
+    if ft == "q4_k_m":  # v / down are Q4_K on layer 0 and Q6_K on layer 1: one padded pytree
+        assert q["v_proj"] == q["down_proj"] == "gguf_mixed"
+    np.testing.assert_allclose(_logits(kept), _logits(deq), rtol=1e-5, atol=1e-5)
 
 
 def test_tokenizer_rebuilt_from_metadata(files):
