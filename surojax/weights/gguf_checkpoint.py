@@ -150,6 +150,41 @@ def gguf_name(hf_name: str) -> str:
     return GGUF_NAMES[key].format(i=m.group(1)) if m else GGUF_NAMES[key]
 
 
+def _stored_dtype(model_dir):
+    """bfloat16 when config.json says the checkpoint is bf16 (loading it so is lossless and halves the memory),
+    else float32."""
+    import json
+
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return jnp.float32
+    return jnp.bfloat16 if (hf.get("torch_dtype") or hf.get("dtype")) == "bfloat16" else jnp.float32
+
+
+def _hf_tensor_reader(model: Decoder):
+    """HF tensor name -> float32 numpy array in HF layout, made on demand (the weight table, as hf_tensors)."""
+    cfg = model.cfg
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    rows = {}
+    for row in weight_rows(cfg):
+        for i in (range(cfg.num_layers) if row.per_layer else [None]):
+            rows[row.hf.format(i=i) if i is not None else row.hf] = (row, i)
+
+    def get(hf_name: str) -> np.ndarray:
+        row, i = rows[hf_name]
+        value = flat[row.path].get_value()
+        from surojax.quant.base import QuantFormat
+
+        if isinstance(value, QuantFormat):
+            raise WeightsError(f"save_gguf: {row.path} is quantised ({value.name}); write the unquantised model "
+                               "(merge the adapter into the HF base first)")
+        value = value[i] if i is not None else value
+        arr = np.asarray(jax.device_get(value), np.float32)
+        return arr.T if row.transpose else arr
+    return get
+
+
 def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
               tokenizer_dir: str | os.PathLike | None = None, name: str | None = None) -> Path:
     """Write `model` (a Decoder, or an HF model folder to load) as a llama.cpp GGUF of `file_type` (a key of
@@ -158,13 +193,13 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
     temporary name and renamed at the end."""
     from surojax.quant.quantize_mix import FILE_TYPES, tensor_type
     from surojax.weights.gguf_tokenizer import add_tokenizer, tokenizer_metadata
-    from surojax.weights.hf_checkpoint import hf_tensors, load_model
+    from surojax.weights.hf_checkpoint import load_model
 
     gguf = _gguf()
     if isinstance(model, (str, os.PathLike)):
         tokenizer_dir = tokenizer_dir or model
         name = name or Path(model).name
-        model = load_model(model, dtype=jnp.float32)
+        model = load_model(model, dtype=jnp.float32, param_dtype=_stored_dtype(model))
     if tokenizer_dir is None:
         raise WeightsError("save_gguf: tokenizer_dir is needed (a GGUF file carries its tokenizer)")
     if file_type not in FILE_TYPES:
@@ -178,7 +213,7 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         raise WeightsError(f"rope_scaling {cfg.rope_scaling.rope_type!r} cannot be written to GGUF")
     path = Path(path)
     tok_meta = tokenizer_metadata(tokenizer_dir, cfg.vocab_size)
-    tensors = hf_tensors(model, np.float32)
+    tensor = _hf_tensor_reader(model)
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), arch)
@@ -209,7 +244,7 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         tied = cfg.tie_word_embeddings
         n_gqa = cfg.num_heads // cfg.num_kv_heads
         for hf in _ordered(cfg):
-            arr = tensors[hf]
+            arr = tensor(hf)  # one tensor at a time in float32: a large model never sits whole in float32
             gname = gguf_name(hf)
             heads = _permute_heads(cfg, hf)
             if heads:

@@ -43,3 +43,20 @@ def test_quantize_argument_errors(tmp_path, capsys):
     assert main(["quantize", "--model", str(model), "--output", str(tmp_path / "e.gguf"), "--type", "q8_0"]) == 1
     assert "--overwrite" in capsys.readouterr().err
     assert main(["quantize", "--model", str(model), "--output", str(tmp_path / "n.gguf"), "--type", "nf4"]) == 2
+
+
+def test_quantize_a_bf16_checkpoint(tmp_path):
+    """What `surojax merge` writes by default (bf16) quantises from its exact values (loaded as bf16, lossless)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from surojax.weights.gguf_checkpoint import load_gguf_model
+    from surojax.weights.hf_checkpoint import load_model, save_model
+
+    src = tiny_model_dir("llama", tmp_path / "m")
+    bf16 = save_model(load_model(src, dtype=jnp.float32), tmp_path / "bf16", dtype=jnp.bfloat16, tokenizer_dir=src)
+    assert main(["quantize", "--model", str(bf16), "--output", str(tmp_path / "b.gguf"), "--type", "bf16"]) == 0
+    _, model, _ = load_gguf_model(tmp_path / "b.gguf", dtype=jnp.float32)
+    ref = load_model(bf16, dtype=jnp.float32)
+    ids = jnp.asarray([[507, 72, 101, 108]])
+    np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(ref(ids)))
