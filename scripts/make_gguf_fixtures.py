@@ -138,7 +138,8 @@ def make_models(py: str, tmp: Path) -> None:
                                 "ftype": int(FT[ft][0])})
                 entry["llama_quantize"] = tensor_digest(ref)
             manifest["models"][f"{family}-{ft}"] = entry
-        for ft in QUANTIZE_ONLY if family == "qwen3" else ():  # the mix rule and bytes of more file types, against llama.cpp's quantiser
+        # the mix rule and bytes of more file types, against llama.cpp's quantiser
+        for ft in QUANTIZE_ONLY if family == "qwen3" else ():
             ref = tmp / f"{family}-{ft}-llamacpp.gguf"
             llama_side(py, {"kind": "quantize_file", "src": str(tmp / f"{family}-f32.gguf"), "dst": str(ref),
                             "ftype": int(FT[ft][0])})

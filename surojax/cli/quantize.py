@@ -2,8 +2,9 @@
 config.json + tokenizer.json) as a llama.cpp GGUF file with full metadata and tokenizer.
 
 --type takes llama.cpp's file types: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_m, q4_k_m, q5_k_m,
-q6_k, iq4_nl, iq4_xs (the *_k_m mixes follow llama-quantize's per-tensor rule; see docs/quantization.md). The fine-tune path is
-`surojax merge ... --output merged/` then `surojax quantize --model merged/ --output model.gguf --type q4_k_m`.
+q6_k, iq4_nl, iq4_xs (the *_k_m mixes follow llama-quantize's per-tensor rule; see docs/quantization.md).
+The fine-tune path: `surojax merge ... --output merged/`, then
+`surojax quantize --model merged/ --output model.gguf --type q4_k_m`.
 NF4 / FP8 / NVFP4 safetensors output is not implemented (those formats are for training: `qlora_bnb`,
 `qlora_fp8`, `qlora_fp4` quantise the base at load).
 """

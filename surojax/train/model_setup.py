@@ -176,8 +176,9 @@ def load_gguf_base(cfg, prec: Precision, mcfg: ModelConfig) -> Decoder:
                                   cfg=mcfg, keep_quantized=True)
     quantized = is_quantized(model)
     if quantized and not cfg.lora:
-        raise TrainSetupError(f"model: {cfg.model} holds quantized weights ({', '.join(sorted(set(quantized.values())))})"
-                              "; full fine-tuning over a quantized base is not possible: set lora: true")
+        kinds = ", ".join(sorted(set(quantized.values())))
+        raise TrainSetupError(f"model: {cfg.model} holds quantized weights ({kinds}); full fine-tuning over a "
+                              "quantized base is not possible: set lora: true")
     if quantized and getattr(cfg, "merge_adapter", False):
         raise TrainSetupError("merge_adapter cannot fold the adapter into a quantized GGUF base; train without it, "
                               "then merge the saved adapter into the unquantized HF model")
