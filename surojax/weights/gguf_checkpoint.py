@@ -309,8 +309,12 @@ def hf_config_from_gguf(fields: dict, source: str) -> dict:
           "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
           "rope_theta": float(get("rope.freq_base", 10000.0)),
           "max_position_embeddings": int(get("context_length", 4096))}
-    if fields.get(f"{arch}.rope.scaling.type") == "linear":
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise WeightsError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported (none, linear, and "
+                           "Llama 3 scaling through rope_freqs.weight)")
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
         if f"tokenizer.ggml.{name}_token_id" in fields:
             hf[key] = int(fields[f"tokenizer.ggml.{name}_token_id"])
