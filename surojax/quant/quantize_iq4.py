@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from surojax.quant.quantize_kquants import F32, GROUP_MAX_EPS, _f16_bytes, _seqsum, _signed_absmax, nearest_int
+from surojax.quant.quantize_kquants import (F32, GROUP_MAX_EPS, _f16_bytes, _seqsum, _signed_absmax, nearest_int,
+                                             run_blocks)
 
 KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 NTRY = 7
 
 
+# how many code-book entries are <= n, for the integers n = -128 .. 114 (the entries are integers, so for a float
+# x this is the count at floor(x): a table lookup instead of a binary search)
+_COUNT_LE = np.searchsorted(KVALUES, np.arange(-128, 115, dtype=np.float32), side="right").astype(np.intp)
+
+
 def best_index(x: np.ndarray) -> np.ndarray:
     """ggml's best_index_int8 over KVALUES: the nearest entry, the upper one on ties."""
-    mu = np.clip(np.searchsorted(KVALUES, x, side="right"), 1, 15)
+    mu = _COUNT_LE[(np.clip(np.floor(x), -128, 114) + 128).astype(np.intp)]
+    mu = np.clip(mu, 1, 15)
     idx = np.where(x - KVALUES[mu - 1] < KVALUES[mu] - x, mu - 1, mu)
     idx = np.where(x <= KVALUES[0], 0, idx)
     return np.where(x >= KVALUES[15], 15, idx).astype(np.uint8)
@@ -92,6 +99,4 @@ def quantize_rows(x: np.ndarray, qtype: str) -> np.ndarray:
     if x.ndim != 2 or x.shape[1] % block:
         raise ValueError(f"{qtype}: rows must be [R, K] with K a multiple of {block}, got shape {x.shape}")
     r, k = x.shape
-    with np.errstate(all="ignore"):
-        out = fn(x.reshape(-1, block))
-    return out.reshape(r, k // block * type_size)
+    return run_blocks(x.reshape(-1, block), fn, type_size, 2 ** 20 // block).reshape(r, k // block * type_size)

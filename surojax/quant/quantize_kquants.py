@@ -7,10 +7,10 @@ arithmetic in the same order, the same rounding (`nearest_int`, the 1.5 * 2^23 t
 fp16 conversion (round to nearest even). Byte equality with llama.cpp's own quantiser is tested on random rows
 (tests/quant/test_quantize_kquants.py, golden bytes made by scripts/make_gguf_fixtures.py).
 
-How it is vectorised: every (sub-)block is independent, so blocks are rows of a [M, n] array and each step of
-the C loops runs on all blocks at once. The only order-sensitive parts are the float32 sums over a block's n
-values: C adds them one after the other (ggml-quants.c is built without -ffast-math or FMA contraction), and
-`_seqsum` does the same with `np.add.accumulate`, which is strictly sequential. The data-dependent loops
+How it is vectorised: every (sub-)block is independent, so each step of the C loops runs on all blocks at once
+(the searches hold the blocks as columns of a [n, M] array). The only order-sensitive parts are the float32
+sums over a block's n values: C adds them one after the other (ggml-quants.c is built without -ffast-math or
+FMA contraction), and `_colsum` / `_seqsum` do the same, one vector add per value. The data-dependent loops
 (make_q3_quants' coordinate descent, the "keep the better candidate" updates) become masked `np.where` updates;
 make_q3_quants' early `break` when a pass changes nothing is dropped, which cannot change the result (a pass
 that changes nothing leaves the state as it was, so the next one changes nothing either).
@@ -71,34 +71,43 @@ def _signed_absmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(x, idx[..., None], -1)[..., 0], amax
 
 
-# -- the block searches (rows of x are blocks of n values) ----------------------------------------------------
+# -- the block searches ---------------------------------------------------------------------------------------
+# They take blocks as rows, x [M, n], and work on the transposed copy [n, M] (value i of every block is one
+# contiguous row), so that per-block vectors [M] broadcast over it and the sequential sums are n vector adds.
+def _colsum(t: np.ndarray) -> np.ndarray:
+    """[n, M] -> [M]: t[0] + t[1] + ... left to right in float32."""
+    acc = t[0].copy()
+    for i in range(1, t.shape[0]):
+        acc += t[i]
+    return acc
+
+
 def make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool):
     """Asymmetric search: x ~ scale * L - the_min, L in [0, nmax]. x, w: [M, n] float32.
     Returns (L uint8 [M, n], scale [M], the_min [M])."""
+    x, w = np.ascontiguousarray(x.T), np.ascontiguousarray(w.T)  # [n, M]
     nmax_f = F32(nmax)
-    mn = np.minimum(x.min(axis=1), F32(0))
-    mx = x.max(axis=1)
-    sum_w = _seqsum(w)
-    sum_x = _seqsum(w * x)  # C starts from sum_w * x[0] = w[0] * x[0]: the same sum
+    mn = np.minimum(x.min(axis=0), F32(0))
+    mx = x.max(axis=0)
+    sum_w = _colsum(w)
+    sum_x = _colsum(w * x)  # C starts from sum_w * x[0] = w[0] * x[0]: the same sum
     flat = mx == mn
-    rng = np.where(flat, F32(1), mx - mn)
     mn0 = mn
 
     def err(scale, L, mins):
-        diff = scale[:, None] * L + mins[:, None] - x
+        diff = scale * L + mins - x
         diff = np.abs(diff) if use_mad else diff * diff
-        return _seqsum(w * diff)
+        return _colsum(w * diff)
 
-    iscale = nmax_f / rng
+    iscale = nmax_f / np.where(flat, F32(1), mx - mn)
     scale = F32(1) / iscale
-    L = np.clip(nearest_int(iscale[:, None] * (x - mn[:, None])), 0, nmax).astype(np.float32)
+    L = np.clip(nearest_int(iscale * (x - mn)), 0, nmax).astype(np.float32)
     best = err(scale, L, mn)
     for step in range(nstep + 1):  # an accepted candidate moves `min`, which the next steps start from
-        rng = np.where(flat, F32(1), mx - mn)
-        iscale = (F32(rmin) + F32(rdelta) * F32(step) + nmax_f) / rng
-        la = np.clip(nearest_int(iscale[:, None] * (x - mn[:, None])), 0, nmax).astype(np.float32)
+        iscale = (F32(rmin) + F32(rdelta) * F32(step) + nmax_f) / np.where(flat, F32(1), mx - mn)
+        la = np.clip(nearest_int(iscale * (x - mn)), 0, nmax).astype(np.float32)
         wl = w * la
-        sum_l, sum_l2, sum_xl = _seqsum(wl), _seqsum(wl * la), _seqsum(wl * x)
+        sum_l, sum_l2, sum_xl = _colsum(wl), _colsum(wl * la), _colsum(wl * x)
         D = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
@@ -107,28 +116,36 @@ def make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, us
         this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
         cur = err(this_scale, la, this_min)
         upd = (D > 0) & (cur < best)
-        L = np.where(upd[:, None], la, L)
+        L = np.where(upd, la, L)
         best = np.where(upd, cur, best)
         scale = np.where(upd, this_scale, scale)
         mn = np.where(upd, this_min, mn)
-    L = np.where(flat[:, None], F32(0), L)
+    L = np.where(flat, F32(0), L)
     scale = np.where(flat, F32(0), scale)
     mn = np.where(flat, mn0, mn)
-    return L.astype(np.uint8), scale.astype(np.float32), (-mn).astype(np.float32)
+    return L.T.astype(np.uint8), scale.astype(np.float32), (-mn).astype(np.float32)
+
+
+def _signed_absmax_t(x):
+    """[n, M] -> per column (the value of largest magnitude, first on ties; its magnitude)."""
+    ax = np.abs(x)
+    idx = np.argmax(ax, axis=0)[None]
+    return np.take_along_axis(x, idx, 0)[0], np.take_along_axis(ax, idx, 0)[0]
 
 
 def make_qx_quants_rmse1(x, nmax: int):
     """Symmetric search with weights x^2 (make_qx_quants, rmse_type 1, no importance): x ~ scale * (L - nmax).
     Returns (L uint8 [M, n] in [0, 2 nmax), scale [M])."""
-    mx, amax = _signed_absmax(x)
+    x = np.ascontiguousarray(x.T)  # [n, M]
+    mx, amax = _signed_absmax_t(x)
     zero = amax < GROUP_MAX_EPS
     mx = np.where(zero, F32(1), mx)
     w = x * x
     wx = w * x
 
     def trial(iscale):
-        lq = np.clip(nearest_int(iscale[:, None] * x), -nmax, nmax - 1).astype(np.float32)
-        return lq, _seqsum(wx * lq), _seqsum(w * lq * lq)
+        lq = np.clip(nearest_int(iscale * x), -nmax, nmax - 1).astype(np.float32)
+        return lq, _colsum(wx * lq), _colsum(w * lq * lq)
 
     lq, sumlx, suml2 = trial(F32(-nmax) / mx)
     L = lq
@@ -139,40 +156,41 @@ def make_qx_quants_rmse1(x, nmax: int):
             continue
         lq, sumlx, suml2 = trial(-(F32(nmax) + F32(0.1) * F32(step)) / mx)
         upd = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        L = np.where(upd[:, None], lq, L)
+        L = np.where(upd, lq, L)
         scale = np.where(upd, sumlx / suml2, scale)
         best = np.where(upd, scale * sumlx, best)
-    L = np.where(zero[:, None], F32(-nmax), L)
+    L = np.where(zero, F32(-nmax), L)
     scale = np.where(zero, F32(0), scale)
-    return (L + nmax).astype(np.uint8), scale.astype(np.float32)
+    return (L + nmax).T.astype(np.uint8), scale.astype(np.float32)
 
 
 def make_q3_quants(x, nmax: int = 4):
     """Q3_K's symmetric search with coordinate descent (make_q3_quants, do_rmse). Returns (L uint8 [M, n] in
     [0, 2 nmax), scale [M])."""
-    mx, amax = _signed_absmax(x)
+    x = np.ascontiguousarray(x.T)  # [n, M]
+    mx, amax = _signed_absmax_t(x)
     zero = amax < GROUP_MAX_EPS
     mx = np.where(zero, F32(1), mx)
-    L = np.clip(nearest_int((F32(-nmax) / mx)[:, None] * x), -nmax, nmax - 1).astype(np.float32)
+    L = np.clip(nearest_int((F32(-nmax) / mx) * x), -nmax, nmax - 1).astype(np.float32)
     w = x * x
-    sumlx = _seqsum(w * x * L)
-    suml2 = _seqsum(w * L * L)
+    sumlx = _colsum(w * x * L)
+    suml2 = _colsum(w * L * L)
     for _ in range(5):
-        for i in range(x.shape[1]):
-            wi, xi, li = w[:, i], x[:, i], L[:, i]
+        for i in range(x.shape[0]):
+            wi, xi, li = w[i], x[i], L[i]
             slx = sumlx - wi * xi * li
             sl2 = suml2 - wi * li * li
             new_l = np.clip(nearest_int(xi * sl2 / slx), -nmax, nmax - 1).astype(np.float32)
             slx2 = slx + wi * xi * new_l
             sl22 = sl2 + wi * new_l * new_l
             upd = (slx > 0) & (new_l != li) & (sl22 > 0) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
-            L[:, i] = np.where(upd, new_l, li)
+            L[i] = np.where(upd, new_l, li)
             sumlx = np.where(upd, slx2, sumlx)
             suml2 = np.where(upd, sl22, suml2)
     scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
-    L = np.where(zero[:, None], F32(-nmax), L)
+    L = np.where(zero, F32(-nmax), L)
     scale = np.where(zero, F32(0), scale)
-    return (L + nmax).astype(np.uint8), scale.astype(np.float32)
+    return (L + nmax).T.astype(np.uint8), scale.astype(np.float32)
 
 
 # -- packing helpers ------------------------------------------------------------------------------------------
@@ -319,19 +337,24 @@ def quantize_rows(x: np.ndarray, qtype: str) -> np.ndarray:
     if x.ndim != 2 or x.shape[1] % QK_K:
         raise ValueError(f"{qtype}: rows must be [R, K] with K a multiple of {QK_K}, got shape {x.shape}")
     r, k = x.shape
-    blocks = x.reshape(-1, QK_K)
+    return run_blocks(x.reshape(-1, QK_K), fn, type_size, _CHUNK).reshape(r, k // QK_K * type_size)
+
+
+def run_blocks(blocks: np.ndarray, fn, type_size: int, chunk: int) -> np.ndarray:
+    """fn over `chunk` blocks at a time (bounded temporaries, cache-friendly) -> uint8 [n_blocks, type_size].
+    numpy releases the GIL inside its array operations, so chunks run in parallel threads."""
     out = np.empty((blocks.shape[0], type_size), np.uint8)
 
     def run(s):
         with np.errstate(all="ignore"):
-            out[s:s + _CHUNK] = fn(blocks[s:s + _CHUNK])
+            out[s:s + chunk] = fn(blocks[s:s + chunk])
 
-    starts = range(0, blocks.shape[0], _CHUNK)
+    starts = range(0, blocks.shape[0], chunk)
     workers = min(len(starts), os.cpu_count() or 1, 16)
-    if workers > 1:  # numpy releases the GIL inside its array operations: chunks run in parallel threads
+    if workers > 1:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(run, starts))
     else:
         for s in starts:
             run(s)
-    return out.reshape(r, k // QK_K * type_size)
+    return out
