@@ -38,7 +38,14 @@ CHINCHILLA_TOKENS_PER_PARAM = 20
 
 
 def _count(state) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(state)))
+    """Parameters (a quantised weight counts its logical [.., K, N] values, not its packed bytes)."""
+    from surojax.quant.base import QuantFormat
+
+    def size(x):
+        if isinstance(x, QuantFormat):
+            return int(np.prod(jax.eval_shape(lambda v: v.dequantize(jnp.float32), x).shape))
+        return int(np.prod(x.shape))
+    return int(sum(size(x) for x in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, QuantFormat))))
 
 
 @dataclasses.dataclass
