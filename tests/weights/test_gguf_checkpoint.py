@@ -176,3 +176,34 @@ def test_llama_cpp_live(files):
     ref = np.asarray(llm.scores[:len(PROMPT_IDS)], np.float32)
     _, model, _ = load_gguf_model(path, dtype=jnp.float32)
     assert _rms(_logits(model) - ref) < 0.03
+
+
+def test_llama3_style_tokenizer_metadata(tmp_path):
+    """A Llama 3 style tokenizer (its split regex, ignore_merges, a bos-prepending post-processor) is written as
+    pre "llama-bpe" with add_bos_token, and the tokenizer rebuilt from those fields encodes the same ids."""
+    import shutil
+
+    from surojax.weights.gguf_tokenizer import LLAMA3_SPLIT, tokenizer_from_fields, tokenizer_metadata
+
+    d = tmp_path / "tok"
+    shutil.copytree(TOKENIZER_DIR, d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = LLAMA3_SPLIT
+    tj["model"]["ignore_merges"] = True
+    tj["normalizer"] = None
+    tj["post_processor"] = {"type": "TemplateProcessing",
+                            "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                       {"Sequence": {"id": "A", "type_id": 0}}],
+                            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                            "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [507],
+                                                                 "tokens": ["<|endoftext|>"]}}}
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    meta = tokenizer_metadata(d, 512)
+    assert meta["pre"] == "llama-bpe" and meta["add_bos_token"] and meta["bos_token_id"] == 507
+    assert meta["token_type"][507] == 3 and meta["token_type"][0] == 1  # CONTROL, NORMAL
+    fields = {f"tokenizer.ggml.{k}": v for k, v in meta.items() if k != "chat_template"}
+    fields["tokenizer.ggml.tokens"] = meta["tokens"]
+    rebuilt = tokenizer_from_fields(fields, "test")
+    text = "Hello world 12345 1234567, it's <|im_start|>"
+    assert rebuilt.encode(text, add_special_tokens=True) == Tokenizer.from_dir(d).encode(text, add_special_tokens=True)
+    assert rebuilt.encode(text, add_special_tokens=True)[0] == 507
