@@ -17,7 +17,8 @@ kquants.npz   `x` [R, 512] float32 test rows (normal, Student-t(2) heavy tails, 
               own quantiser (`ggml_quantize_chunk` with no importance matrix: `quantize_row_q*_K_ref`,
               `quantize_iq4_nl` / `quantize_iq4_xs`) for those rows.
 models.json   for each tiny model (tests/weights/gguf_tiny.py: qwen3, llama and qwen2, hidden 256 so the K-quants
-              apply) and file type (f32, q8_0, q4_k_m; qwen2 f32, q8_0): the sha256 of the .gguf our writer makes (byte
+              apply; qwen3_tied with a tied head) and file type (f32, q8_0, q4_k_m; qwen2 f32, q8_0;
+              qwen3_tied f32, q4_k_m): the sha256 of the .gguf our writer makes (byte
               stability), and the per-tensor GGUF types and data sha256 of the file llama.cpp's own
               `llama_model_quantize` makes from our F32 file (so the q4_k_m mix and bytes can be compared);
               for qwen3's q2_k, q3_k_m, q5_k_m, q6_k, iq4_xs only the latter.
@@ -42,8 +43,8 @@ OUT = ROOT / "tests" / "fixtures" / "gguf"
 KQUANT_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 FILE_TYPES = ("f32", "q8_0", "q4_k_m")  # logits too
 QUANTIZE_ONLY = ("q2_k", "q3_k_m", "q5_k_m", "q6_k", "iq4_xs")  # llama_model_quantize digests only
-FAMILIES = ("qwen3", "llama", "qwen2")
-FAMILY_TYPES = {"qwen2": ("f32", "q8_0")}  # qwen2 (biases): fewer files
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_tied")
+FAMILY_TYPES = {"qwen2": ("f32", "q8_0"), "qwen3_tied": ("f32", "q4_k_m")}  # fewer files
 
 LLAMA_SIDE = r'''
 import ctypes, hashlib, json, sys, pathlib

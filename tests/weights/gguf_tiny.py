@@ -4,7 +4,7 @@ qwen3 (q/k norm) and llama (Llama 3 rope scaling, factor 8 / low 1 / high 4 / or
 tokenizer of tests/fixtures/tokenizer), hidden 256, 2 layers, 4 heads of 64, 2 kv heads, intermediate 256, so that
 every weight's rows are whole 256-value super-blocks and the K-quants apply. Weights come from numpy's seeded
 generator (not from JAX initialisers) so the same bytes come out on any machine: linear weights N(0, 0.05^2),
-norms 1 + 0.1 N(0, 1), the head untied.
+norms 1 + 0.1 N(0, 1), the head untied ("qwen3_tied": tied).
 """
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ CONFIGS = {
 
 
 def tiny_hf_config(family: str) -> dict:
-    return {**CONFIGS[family], "vocab_size": 512, "hidden_size": 256, "intermediate_size": 256,
+    base = family.removesuffix("_tied")
+    return {**CONFIGS[base], "vocab_size": 512, "hidden_size": 256, "intermediate_size": 256,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-            "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": family.endswith("_tied"),
             "hidden_act": "silu", "torch_dtype": "float32"}
 
 

@@ -31,9 +31,9 @@ from surojax.weights.safetensors_file import WeightsError  # noqa: E402
 
 GOLDEN = Path(__file__).parents[1] / "fixtures" / "gguf"
 MANIFEST = json.loads((GOLDEN / "models.json").read_text())
-FAMILIES = ("qwen3", "llama", "qwen2")
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_tied")
 FILE_TYPES = ("f32", "q8_0", "q4_k_m")
-TYPES_OF = {"qwen3": FILE_TYPES, "llama": FILE_TYPES, "qwen2": ("f32", "q8_0")}
+TYPES_OF = {"qwen3": FILE_TYPES, "llama": FILE_TYPES, "qwen2": ("f32", "q8_0"), "qwen3_tied": ("f32", "q4_k_m")}
 CASES = [(f, t) for f in FAMILIES for t in TYPES_OF[f]]
 
 
@@ -98,10 +98,11 @@ def test_round_trip_logits(files, fam):
     ref = _logits(load_model(hf_dir, dtype=jnp.float32))
     cfg, model, _ = load_gguf_model(paths["f32"], dtype=jnp.float32)
     np.testing.assert_array_equal(_logits(model), ref)
-    assert cfg.model_type == fam and cfg.num_layers == 2 and cfg.head_dim == 64
+    assert cfg.model_type == fam.removesuffix("_tied") and cfg.num_layers == 2 and cfg.head_dim == 64
+    assert cfg.tie_word_embeddings == fam.endswith("_tied")
     if fam == "llama":
         assert cfg.rope_scaling.rope_type == "llama3" and cfg.rope_scaling.factor == 8.0
-    assert cfg.attention_bias == (fam == "qwen2") and cfg.qk_norm == (fam == "qwen3")
+    assert cfg.attention_bias == (fam == "qwen2") and cfg.qk_norm == fam.startswith("qwen3")
     ft = TYPES_OF[fam][-1]
     _, kept, _ = load_gguf_model(paths[ft], dtype=jnp.float32)
     _, deq, _ = load_gguf_model(paths[ft], dtype=jnp.float32, keep_quantized=False)
