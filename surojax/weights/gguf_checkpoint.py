@@ -431,12 +431,19 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                 heads = _permute_heads(cfg, hf_name)
                 if heads:
                     raw = _rope_permute(raw, heads, inverse=True)
-                per_layer.append(cls.from_gguf(raw, k, n))
+                if k % cls.block_size:
+                    raise WeightsError(f"{source}: tensor {gname}: row length {k} is not a multiple of the "
+                                       f"{cls.name} block size {cls.block_size}")
+                row_len = k // cls.block_size * cls.type_size // np.dtype(cls.storage_dtype).itemsize
+                # numpy until the whole stack is built: one host -> device copy per target
+                per_layer.append(cls(data=np.ascontiguousarray(raw).view(cls.storage_dtype).reshape(n, row_len),
+                                     shape=(k, n)))
             if quant and not row.per_layer:
-                values[spath] = per_layer[0]
+                values[spath] = type(per_layer[0])(data=jnp.asarray(per_layer[0].data), shape=per_layer[0].shape)
                 continue
             if quant and len(types) == 1:
-                values[spath] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+                values[spath] = type(per_layer[0])(data=jnp.asarray(np.stack([w.data for w in per_layer])),
+                                                   shape=per_layer[0].shape)
                 continue
             if quant:  # per-layer types differ (llama.cpp's *_K_M mixes): one padded pytree, still quantised
                 from surojax.quant.gguf_mixed import GGUFMixed

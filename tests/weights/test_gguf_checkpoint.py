@@ -92,7 +92,7 @@ def test_logits_match_llama_cpp(files, fam):
             assert _rms(ours - ref) * 4 < _rms(f32 - ref)
 
 
-@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("fam", ["qwen3", "llama", "qwen2"])
 def test_round_trip_logits(files, fam):
     hf_dir, paths = files[fam]
     ref = _logits(load_model(hf_dir, dtype=jnp.float32))
