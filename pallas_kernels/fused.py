@@ -1,0 +1,217 @@
+"""Fused dequantise + matmul kernels (Pallas, Triton lowering on GPU; `interpret=True` elsewhere).
+
+    forward     y [M, N]  = x [M, K] @ W [K, N]      grid (M/bm, N/bn), loop over K in tiles of kt
+    transposed  dx [M, K] = g [M, N] @ W^T [N, K]    grid (M/bm, K/kt), loop over N in tiles of bn
+
+W arrives in the kernel layout (pallas_kernels.layout): per K tile the kernel loads the packed codes of a
+[kt, bn] tile (a [kt/2, bn] byte tile for 4-bit codes), the [kt/G, bn] scales (and offsets), decodes
+w = decode(code) * scale (- offset) in float32 registers, casts to the activation dtype (bf16) and runs the dot
+with float32 accumulation. For 4-bit codes the low nibbles are the first half of the K tile and the high nibbles
+the second (the layout's half-split), so a tile is two dots and never needs an interleave.
+
+Shapes: M is padded up to the row tile (any M works); K must be a multiple of kt and N of the column tile
+(layout_error says why not); the tile sizes must be powers of 2 (Triton). Each program re-decodes its weight
+tiles: the decode work is (M / bm) x the weight size, which is why bm should be large (128-256).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.layout import KernelLayout, Spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and Triton launch parameters. bm: rows of x per program; bn: columns of W per program
+    (forward) or per loop step (transposed); kt: K per loop step (forward) or per program (transposed) -- it
+    is the layout's K tile. num_warps / num_stages: Triton's (None = its default)."""
+
+    bm: int = 128
+    bn: int = 128
+    kt: int = 128
+    num_warps: int | None = 8
+    num_stages: int | None = 3
+
+    def label(self) -> str:
+        return f"bm{self.bm}-bn{self.bn}-kt{self.kt}-w{self.num_warps}-s{self.num_stages}"
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and not v & (v - 1)
+
+
+def _compiler_params(tiles: Tiles, interpret: bool):
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _rows(s: jax.Array, group: int) -> jax.Array:
+    """Scales of a tile [r, bn] -> one per row [r * group, bn] (each repeated `group` times)."""
+    r, bn = s.shape
+    if r == 1:
+        return jnp.broadcast_to(s, (group, bn))
+    return jnp.broadcast_to(s[:, None, :], (r, group, bn)).reshape(r * group, bn)
+
+
+def _decode(code, scale, offset, spec: Spec, dtype):
+    """code [R, bn], scale/offset [R/G, bn] -> W tile [R, bn] in dtype (float32 math as the format's)."""
+    w = spec.decode(code) * _rows(scale, spec.group)
+    if spec.has_offset:
+        w = w - _rows(offset, spec.group)
+    return w.astype(dtype)
+
+
+def _halves(q_ref, s_ref, o_ref, rows, cols, spec: Spec, kt: int, dtype):
+    """The decoded W tile(s) of one K tile: [(w_rows, k_offset_in_tile)], two halves for 4-bit codes.
+    rows: pl.ds over the code rows of this K tile; cols: pl.ds (or slice) over N."""
+    g = spec.group
+    if not spec.nibble:
+        code = q_ref[rows, cols]
+        srows = pl.ds(rows.start // g, kt // g)
+        off = o_ref[srows, cols] if spec.has_offset else None
+        return [(_decode(code, s_ref[srows, cols], off, spec, dtype), 0)]
+    half = kt // 2
+    byte = q_ref[rows, cols]                         # [kt/2, bn] uint8
+    t0 = rows.start * 2 // g                         # first scale row of this K tile
+    out = []
+    for h, code in enumerate((byte & 0x0F, byte >> 4)):
+        srows = pl.ds(t0 + h * (half // g), half // g)
+        off = o_ref[srows, cols] if spec.has_offset else None
+        out.append((_decode(code, s_ref[srows, cols], off, spec, dtype), h * half))
+    return out
+
+
+def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, n_k: int):
+    o_ref, y_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
+    code_rows = kt // 2 if spec.nibble else kt
+    bm, bn = y_ref.shape
+
+    def step(t, acc):
+        rows = pl.ds(t * code_rows, code_rows)
+        for w, k0 in _halves(q_ref, s_ref, o_ref, rows, slice(None), spec, kt, x_ref.dtype):
+            x = x_ref[:, pl.ds(t * kt + k0, w.shape[0])]
+            acc = acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+        return acc
+
+    acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((bm, bn), jnp.float32))
+    y_ref[...] = acc.astype(y_ref.dtype)
+
+
+def _transposed_kernel(g_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, bn: int, n_n: int):
+    o_ref, dx_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
+    code_rows = kt // 2 if spec.nibble else kt
+    bm = dx_ref.shape[0]
+    n_parts = 2 if spec.nibble else 1
+    width = kt // n_parts
+
+    def step(j, accs):
+        cols = pl.ds(j * bn, bn)
+        g = g_ref[:, cols]                                                  # [bm, bn]
+        parts = _halves(q_ref, s_ref, o_ref, pl.ds(0, code_rows), cols, spec, kt, g_ref.dtype)
+        return tuple(a + jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                     for a, (w, _) in zip(accs, parts))                    # [bm, width] each
+
+    init = tuple(jnp.zeros((bm, width), jnp.float32) for _ in range(n_parts))
+    accs = jax.lax.fori_loop(0, n_n, step, init)
+    for h, a in enumerate(accs):
+        dx_ref[:, pl.ds(h * width, width)] = a.astype(dx_ref.dtype)
+
+
+def _check(lw: KernelLayout, tiles: Tiles, n_tile: int):
+    k, n = lw.shape
+    if tiles.kt != lw.kt:
+        raise ValueError(f"tiles.kt={tiles.kt} differs from the layout's K tile {lw.kt}")
+    for name, v in (("bm", tiles.bm), ("bn", n_tile)):
+        if not _pow2(v) or v < 16:
+            raise ValueError(f"tile {name}={v} must be a power of 2 >= 16 (Triton)")
+    if n % n_tile:
+        raise ValueError(f"{lw.fmt}: N={n} (the output dim) must be a multiple of the column tile bn={n_tile}")
+
+
+def fit_tiles(tiles: Tiles, m: int, n: int) -> Tiles:
+    """Shrink bm to the (power-of-2) size of a small M and bn to a power-of-2 divisor of N (>= 16)."""
+    bm = min(tiles.bm, max(16, 1 << (max(m, 1) - 1).bit_length()))
+    bn = tiles.bn
+    while bn > 16 and n % bn:
+        bn //= 2
+    return dataclasses.replace(tiles, bm=bm, bn=bn)
+
+
+def _pad_rows(a: jax.Array, bm: int) -> jax.Array:
+    pad = (-a.shape[0]) % bm
+    return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
+def _weight_args(lw: KernelLayout):
+    return (lw.codes, lw.scale) + ((lw.offset,) if lw.spec.has_offset else ())
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "out_dtype"))
+def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: bool = False, out_dtype=None):
+    """y [M, N] = x [M, K] @ W. x in the compute dtype (bf16); y in out_dtype (default x's dtype)."""
+    m, k = x.shape
+    kk, n = lw.shape
+    if k != kk:
+        raise ValueError(f"x has K={k}, the weight {lw.shape}")
+    tiles = fit_tiles(tiles, m, n)
+    _check(lw, tiles, tiles.bn)
+    bm, bn, kt = tiles.bm, tiles.bn, tiles.kt
+    spec = lw.spec
+    xp = _pad_rows(x, bm)
+    code_rows = k // 2 if spec.nibble else k
+    w_specs = [pl.BlockSpec((code_rows, bn), lambda i, j: (0, j)), pl.BlockSpec((k // spec.group, bn),
+                                                                                 lambda i, j: (0, j))]
+    if spec.has_offset:
+        w_specs.append(pl.BlockSpec((k // spec.group, bn), lambda i, j: (0, j)))
+    y = pl.pallas_call(
+        functools.partial(_forward_kernel, spec=spec, kt=kt, n_k=k // kt),
+        out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype or x.dtype),
+        grid=(xp.shape[0] // bm, n // bn),
+        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0))] + w_specs,
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=_compiler_params(tiles, interpret),
+        interpret=interpret,
+        name=f"qmm_{lw.fmt}_fwd",
+    )(xp, *_weight_args(lw))
+    return y[:m]
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "out_dtype"))
+def transposed(g: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: bool = False, out_dtype=None):
+    """dx [M, K] = g [M, N] @ W^T (the input gradient of forward). dx in out_dtype (default g's dtype)."""
+    m, n = g.shape
+    k, nn = lw.shape
+    if n != nn:
+        raise ValueError(f"g has N={n}, the weight {lw.shape}")
+    tiles = fit_tiles(tiles, m, n)
+    _check(lw, tiles, tiles.bn)
+    bm, bn, kt = tiles.bm, tiles.bn, tiles.kt
+    spec = lw.spec
+    gp = _pad_rows(g, bm)
+    code_rows = kt // 2 if spec.nibble else kt
+    w_specs = [pl.BlockSpec((code_rows, n), lambda i, t: (t, 0)),
+               pl.BlockSpec((kt // spec.group, n), lambda i, t: (t, 0))]
+    if spec.has_offset:
+        w_specs.append(pl.BlockSpec((kt // spec.group, n), lambda i, t: (t, 0)))
+    dx = pl.pallas_call(
+        functools.partial(_transposed_kernel, spec=spec, kt=kt, bn=bn, n_n=n // bn),
+        out_shape=jax.ShapeDtypeStruct((gp.shape[0], k), out_dtype or g.dtype),
+        grid=(gp.shape[0] // bm, k // kt),
+        in_specs=[pl.BlockSpec((bm, n), lambda i, t: (i, 0))] + w_specs,
+        out_specs=pl.BlockSpec((bm, kt), lambda i, t: (i, t)),
+        compiler_params=_compiler_params(tiles, interpret),
+        interpret=interpret,
+        name=f"qmm_{lw.fmt}_bwd",
+    )(gp, *_weight_args(lw))
+    return dx[:m]
+
+
+__all__ = ["Tiles", "fit_tiles", "forward", "transposed"]
