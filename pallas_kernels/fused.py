@@ -69,34 +69,32 @@ def _decode(code, scale, offset, spec: Spec, dtype):
     return w.astype(dtype)
 
 
-def _halves(q_ref, s_ref, o_ref, rows, cols, spec: Spec, kt: int, dtype):
-    """The decoded W tile(s) of one K tile: [(w_rows, k_offset_in_tile)], two halves for 4-bit codes.
-    rows: pl.ds over the code rows of this K tile; cols: pl.ds (or slice) over N."""
+def _tile(q_ref, s_ref, o_ref, t, cols, spec: Spec, kt: int, dtype):
+    """The decoded W of K tile t: [(w [rows, cols], k offset in the tile)], two halves for 4-bit codes.
+    t: the K tile's index in the refs (traced in the forward loop, 0 in the transposed kernel's block);
+    cols: pl.ds (or slice) over N. Offsets are products of t with static ints (no traced division)."""
     g = spec.group
-    if not spec.nibble:
-        code = q_ref[rows, cols]
-        srows = pl.ds(rows.start // g, kt // g)
-        off = o_ref[srows, cols] if spec.has_offset else None
-        return [(_decode(code, s_ref[srows, cols], off, spec, dtype), 0)]
-    half = kt // 2
-    byte = q_ref[rows, cols]                         # [kt/2, bn] uint8
-    t0 = rows.start * 2 // g                         # first scale row of this K tile
+    parts = 2 if spec.nibble else 1
+    rows = kt // parts                                # values (and code rows) per part
+    if spec.nibble:
+        byte = q_ref[pl.ds(t * rows, rows), cols]     # [kt/2, bn] uint8: low nibbles, then high nibbles
+        codes = (byte & 0x0F, byte >> 4)
+    else:
+        codes = (q_ref[pl.ds(t * kt, kt), cols],)
     out = []
-    for h, code in enumerate((byte & 0x0F, byte >> 4)):
-        srows = pl.ds(t0 + h * (half // g), half // g)
+    for h, code in enumerate(codes):
+        srows = pl.ds(t * (kt // g) + h * (rows // g), rows // g)
         off = o_ref[srows, cols] if spec.has_offset else None
-        out.append((_decode(code, s_ref[srows, cols], off, spec, dtype), h * half))
+        out.append((_decode(code, s_ref[srows, cols], off, spec, dtype), h * rows))
     return out
 
 
 def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, n_k: int):
     o_ref, y_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
-    code_rows = kt // 2 if spec.nibble else kt
     bm, bn = y_ref.shape
 
     def step(t, acc):
-        rows = pl.ds(t * code_rows, code_rows)
-        for w, k0 in _halves(q_ref, s_ref, o_ref, rows, slice(None), spec, kt, x_ref.dtype):
+        for w, k0 in _tile(q_ref, s_ref, o_ref, t, slice(None), spec, kt, x_ref.dtype):
             x = x_ref[:, pl.ds(t * kt + k0, w.shape[0])]
             acc = acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
         return acc
@@ -107,7 +105,6 @@ def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, n_k: int):
 
 def _transposed_kernel(g_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, bn: int, n_n: int):
     o_ref, dx_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
-    code_rows = kt // 2 if spec.nibble else kt
     bm = dx_ref.shape[0]
     n_parts = 2 if spec.nibble else 1
     width = kt // n_parts
@@ -115,7 +112,7 @@ def _transposed_kernel(g_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, bn: int,
     def step(j, accs):
         cols = pl.ds(j * bn, bn)
         g = g_ref[:, cols]                                                  # [bm, bn]
-        parts = _halves(q_ref, s_ref, o_ref, pl.ds(0, code_rows), cols, spec, kt, g_ref.dtype)
+        parts = _tile(q_ref, s_ref, o_ref, 0, cols, spec, kt, g_ref.dtype)
         return tuple(a + jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                      for a, (w, _) in zip(accs, parts))                    # [bm, width] each
 
