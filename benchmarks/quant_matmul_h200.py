@@ -13,7 +13,8 @@ Per format: the tile configurations below are tried on the 4096x4096 shape (each
 and skipped), the fastest of each product is kept and used on all four shapes; the pallas result is checked
 against the jnp reference (dequantize + jnp.dot, fp32 accumulation) on every shape: max |y - y_ref| / max |y_ref|
 must stay below 1e-2 (both round to bf16; the kernel only sums in another order, and Triton may fuse a decode
-multiply-add). Weights are random bytes in each format's layout (sane fp16 / fp32 scales), built on the device.
+multiply-add). Weights are random codes in each format's layout with sane scales, built on the device
+(surojax.bench.quant_base.random_weight).
 
 Timing: jax.block_until_ready around `iters` back-to-back calls (default 20) after a compile call and 2 warm-up
 calls; median of 3 repeats. One JSON line per measurement on stdout; a table and the suggested
@@ -33,13 +34,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 
 from pallas_kernels.fused import Tiles, forward, transposed
 from pallas_kernels.layout import to_layout
 from pallas_kernels.reference import forward_ref, transposed_ref
-from surojax.quant import FORMATS
+from surojax.bench.quant_base import random_weight
 
 ALL_FORMATS = ["q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"]
 SHAPES = {"qo": (4096, 4096), "kv": (4096, 1024), "gate_up": (4096, 12288), "down": (12288, 4096)}
@@ -52,7 +51,6 @@ SMOKE_SHAPES = {"qo": (256, 256), "kv": (256, 64), "gate_up": (256, 512), "down"
 SMOKE_FWD = [Tiles(32, 32, 128, 4, 3), Tiles(64, 64, 128, 4, 3)]
 SMOKE_BWD = [Tiles(32, 32, 128, 4, 3)]
 MAX_REL_ERR = 1e-2
-F16_FIELDS = {"q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208], "q8_0": [0]}
 
 
 T0 = time.perf_counter()
@@ -64,33 +62,6 @@ def log(msg: str) -> None:
 
 def emit(**rec) -> None:
     print(json.dumps({"bench": "quant_matmul", **rec}), flush=True)
-
-
-def random_weight(name: str, k: int, n: int, key):
-    """A random [K, N] weight in format `name`, built on the device (random codes, sane scales)."""
-    cls = FORMATS[name]
-    kc, ks = jax.random.split(key)
-    if name in F16_FIELDS:
-        nb = k // cls.block_size
-        raw = jax.random.randint(kc, (n, nb, cls.type_size), 0, 256, jnp.int32).astype(jnp.uint8)
-        d = jax.random.uniform(ks, (n, nb), jnp.float32, 1e-3, 1e-2).astype(jnp.float16)
-        bits = jax.lax.bitcast_convert_type(d, jnp.uint16)
-        lo, hi = (bits & 0xFF).astype(jnp.uint8), (bits >> 8).astype(jnp.uint8)
-        for off in F16_FIELDS[name]:
-            raw = raw.at[..., off].set(lo).at[..., off + 1].set(hi)
-        return cls(data=raw.reshape(n, -1), shape=(k, n))
-    if name == "nf4":
-        data = jax.random.randint(kc, (n * k // 2,), 0, 256, jnp.int32).astype(jnp.uint8)
-        return cls(data=data, absmax=jax.random.uniform(ks, (n * k // 64,), jnp.float32, 0.01, 0.1), shape=(k, n))
-    if name == "nvfp4":
-        data = jax.random.randint(kc, (n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-        scale = jax.random.uniform(ks, (n, k // 16), jnp.float32, 1, 448).astype(ml_dtypes.float8_e4m3fn)
-        return cls(data=data, scale=scale, global_scale=jnp.asarray(1e-4, jnp.float32), shape=(k, n))
-    if name == "fp8":
-        data = (64 * jax.random.normal(kc, (n, k), jnp.float32)).astype(ml_dtypes.float8_e4m3fn)
-        scale = jax.random.uniform(ks, (-(-n // 128), -(-k // 128)), jnp.float32, 1e-4, 1e-3)
-        return cls(data=data, scale=scale, shape=(k, n))
-    raise ValueError(f"no random builder for {name}")
 
 
 def timeit(f, *args, iters: int, repeats: int = 3) -> float:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from kernel_weights import make_weight
 from pallas_kernels import dispatch
-from pallas_kernels.dispatch import ENV, KernelOptions, choose, fused_matmul, quant_matmul, xla_matmul
+from pallas_kernels.dispatch import ENV, KernelOptions, choose, fused_matmul, xla_matmul
 from pallas_kernels.fused import Tiles
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
