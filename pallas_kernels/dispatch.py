@@ -2,8 +2,8 @@
 
     pallas  the fused dequantise + matmul kernels (pallas_kernels.fused) under a custom_vjp: forward y = x @ W,
             backward dx = g @ W^T by the transposed kernel, no gradient for the frozen W (zero cotangents)
-    xla     x @ w.dequantize(x.dtype): XLA dequantises the weight into a bf16 temporary and runs its GEMM
-            (autodiff gives dx = g @ W^T over the same temporary)
+    xla     x @ w.dequantize(x.dtype): XLA dequantises the weight into a bf16 temporary and runs its GEMM; a
+            custom_vjp dequantises again in the backward for dx = g @ W^T (no bf16 copy kept as a residual)
 
 The choice is `SUROJAX_QUANT_MATMUL` = auto | pallas | xla (read when the matmul is traced; default auto).
 auto = xla off GPU, and on GPU pallas only for the formats listed in AUTO_PALLAS (the ones where the H200
@@ -59,36 +59,61 @@ class KernelOptions:
     interpret: bool = False
 
 
-def xla_matmul(x: jax.Array, w) -> jax.Array:
-    """x [..., K] @ W -> [..., N]: dequantise in XLA, then its GEMM (the reference path)."""
-    return jnp.einsum("...k,kn->...n", x, w.dequantize(x.dtype))
-
-
 def _zero_cotangent(a):
     if jnp.issubdtype(a.dtype, jnp.inexact):
         return jnp.zeros(a.shape, a.dtype)
     return np.zeros(a.shape, jax.dtypes.float0)
 
 
+def _frozen(w):
+    """The cotangent of a frozen quantised weight: zeros (float0 for its integer leaves)."""
+    return jax.tree.map(_zero_cotangent, w)
+
+
+def _xla(x, w):
+    return jnp.einsum("...k,kn->...n", x, w.dequantize(x.dtype))
+
+
+@jax.custom_vjp
+def xla_matmul(x: jax.Array, w) -> jax.Array:
+    """x [..., K] @ W -> [..., N]: dequantise in XLA, then its GEMM (the reference path). The backward
+    dequantises again for dx = g @ W^T instead of keeping the bf16 copy as a residual: under a scan without
+    remat, autodiff would otherwise save every layer's dequantised weight (the whole base in bf16)."""
+    return _xla(x, w)
+
+
+def _xla_fwd(x, w):
+    return _xla(x, w), w
+
+
+def _xla_bwd(w, g):
+    return jnp.einsum("...n,kn->...k", g, w.dequantize(g.dtype)), _frozen(w)
+
+
+xla_matmul.defvjp(_xla_fwd, _xla_bwd)
+
+
+def _fused(x, w, opts):
+    lw = to_layout(w, opts.fwd.kt)
+    y = forward(x.reshape(-1, x.shape[-1]), lw, tiles=opts.fwd, interpret=opts.interpret)
+    return y.reshape(*x.shape[:-1], -1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def fused_matmul(x: jax.Array, w, opts: KernelOptions) -> jax.Array:
-    """x [..., K] @ W [K, N] -> [..., N] in x's dtype by the fused kernel; differentiable in x only."""
-    return _fused_fwd(x, w, opts)[0]
+    """x [..., K] @ W [K, N] -> [..., N] in x's dtype by the fused kernel; differentiable in x only. The residual
+    is the packed weight itself (re-laid out again for the backward kernel: one cheap pass over its bytes)."""
+    return _fused(x, w, opts)
 
 
 def _fused_fwd(x, w, opts):
-    lw = to_layout(w, opts.fwd.kt)
-    y = forward(x.reshape(-1, x.shape[-1]), lw, tiles=opts.fwd, interpret=opts.interpret)
-    return y.reshape(*x.shape[:-1], -1), (lw if opts.bwd.kt == opts.fwd.kt else None, w)
+    return _fused(x, w, opts), w
 
 
-def _fused_bwd(opts, res, g):
-    lw, w = res
-    if lw is None:
-        lw = to_layout(w, opts.bwd.kt)
-    g2 = g.reshape(-1, g.shape[-1])
-    dx = transposed(g2, lw, tiles=opts.bwd, interpret=opts.interpret)
-    return dx.reshape(*g.shape[:-1], -1), jax.tree.map(_zero_cotangent, w)
+def _fused_bwd(opts, w, g):
+    lw = to_layout(w, opts.bwd.kt)
+    dx = transposed(g.reshape(-1, g.shape[-1]), lw, tiles=opts.bwd, interpret=opts.interpret)
+    return dx.reshape(*g.shape[:-1], -1), _frozen(w)
 
 
 fused_matmul.defvjp(_fused_fwd, _fused_bwd)
