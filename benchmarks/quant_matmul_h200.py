@@ -44,12 +44,12 @@ ALL_FORMATS = ["q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"]
 SHAPES = {"qo": (4096, 4096), "kv": (4096, 1024), "gate_up": (4096, 12288), "down": (12288, 4096)}
 PER_LAYER = {"qo": 2, "kv": 2, "gate_up": 2, "down": 1}  # how often each shape occurs in one decoder layer
 FWD_TILES = [Tiles(128, 128, 128, 4, 3), Tiles(128, 128, 128, 8, 3), Tiles(128, 256, 128, 8, 3),
-             Tiles(256, 128, 128, 8, 3), Tiles(128, 128, 256, 8, 3)]
+             Tiles(256, 128, 128, 8, 3), Tiles(128, 128, 256, 8, 3), Tiles(128, 128, 128, 8, 3, swap=True)]
 BWD_TILES = [Tiles(128, 64, 128, 4, 3), Tiles(128, 64, 128, 8, 3), Tiles(128, 128, 128, 8, 3),
-             Tiles(256, 64, 128, 8, 3)]
+             Tiles(128, 64, 128, 8, 3, swap=True), Tiles(256, 64, 128, 8, 3, swap=True)]
 SMOKE_SHAPES = {"qo": (256, 256), "kv": (256, 64), "gate_up": (256, 512), "down": (512, 256)}
-SMOKE_FWD = [Tiles(32, 32, 128, 4, 3), Tiles(64, 64, 128, 4, 3)]
-SMOKE_BWD = [Tiles(32, 32, 128, 4, 3)]
+SMOKE_FWD = [Tiles(32, 32, 128, 4, 3), Tiles(64, 64, 128, 4, 3, swap=True)]
+SMOKE_BWD = [Tiles(32, 32, 128, 4, 3), Tiles(32, 32, 128, 4, 3, swap=True)]
 MAX_REL_ERR = 1e-2
 
 
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         log(f"bf16 {sname} {k}x{n}: fwd {bf16[sname][0] * 1e3:.3f} ms, dx {bf16[sname][1] * 1e3:.3f} ms")
         del wb
 
-    rows, totals = [], {}
+    rows, totals, best_tiles = [], {}, {}
     for fi, name in enumerate(formats):
         tune_shape = "qo"
         k, n = shapes[tune_shape]
@@ -171,6 +171,8 @@ def main(argv=None) -> int:
         best_b, _ = tune(name, dx_fn, bwd_cands, g, w, interpret, iters, "dx")
         log(f"{name}: best fwd {best_f.label() if best_f else None}, best dx {best_b.label() if best_b else None}")
         emit(kind="best", format=name, fwd=best_f.label() if best_f else None, dx=best_b.label() if best_b else None)
+        if best_f and best_b:
+            best_tiles[name] = (best_f, best_b)
         tot = {"bf16": 0.0, "xla": 0.0, "pallas": 0.0}
         for sname, (k, n) in shapes.items():
             w = random_weight(name, k, n, jax.random.fold_in(kw, 100 * fi + k + n))
@@ -225,6 +227,9 @@ def main(argv=None) -> int:
     ok = all(res[prod][3] < MAX_REL_ERR for *_, res, _ in rows for prod in res)
     print(f"\ncorrectness (pallas vs jnp reference, rel err < {MAX_REL_ERR}): {'ok' if ok else 'FAILED'}")
     print(f"suggested pallas_kernels.dispatch.AUTO_PALLAS = frozenset({sorted(winners)})")
+    print("best tiles (pallas_kernels.dispatch.DEFAULT_TILES entries, fwd and dx):")
+    for name, (f, b) in best_tiles.items():
+        print(f"    {name!r}: ({f!r}, {b!r}),")
     log(f"done in {time.perf_counter() - T0:.0f} s")
     return 0 if ok else 1
 

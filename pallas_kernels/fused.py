@@ -36,9 +36,11 @@ class Tiles:
     kt: int = 128
     num_warps: int | None = 8
     num_stages: int | None = 3
+    swap: bool = False  # accumulate the transposed output tile, the decoded W being the dot's LEFT operand
 
     def label(self) -> str:
-        return f"bm{self.bm}-bn{self.bn}-kt{self.kt}-w{self.num_warps}-s{self.num_stages}"
+        swap = "-swap" if self.swap else ""
+        return f"bm{self.bm}-bn{self.bn}-kt{self.kt}-w{self.num_warps}-s{self.num_stages}{swap}"
 
 
 def _pow2(v: int) -> bool:
@@ -89,21 +91,31 @@ def _tile(q_ref, s_ref, o_ref, t, cols, spec: Spec, kt: int, dtype):
     return out
 
 
-def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, n_k: int):
+def _dot(a, b, contract: tuple[int, int]):
+    """a . b contracting dim contract[0] of a with contract[1] of b, fp32 accumulation."""
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                               preferred_element_type=jnp.float32)
+
+
+def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, n_k: int, swap: bool):
+    """y tile [bm, bn] = sum over K tiles of x [bm, kt] @ w [kt, bn]; with swap the accumulator is y^T [bn, bm]
+    = w^T @ x^T (on Hopper the left wgmma operand may stay in registers, where the decoded tile is)."""
     o_ref, y_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
     bm, bn = y_ref.shape
 
     def step(t, acc):
         for w, k0 in _tile(q_ref, s_ref, o_ref, t, slice(None), spec, kt, x_ref.dtype):
-            x = x_ref[:, pl.ds(t * kt + k0, w.shape[0])]
-            acc = acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+            x = x_ref[:, pl.ds(t * kt + k0, w.shape[0])]                   # [bm, rows]
+            acc = acc + (_dot(w, x, (0, 1)) if swap else _dot(x, w, (1, 0)))
         return acc
 
-    acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((bm, bn), jnp.float32))
-    y_ref[...] = acc.astype(y_ref.dtype)
+    acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+    y_ref[...] = (acc.T if swap else acc).astype(y_ref.dtype)
 
 
-def _transposed_kernel(g_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, bn: int, n_n: int):
+def _transposed_kernel(g_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, bn: int, n_n: int, swap: bool):
+    """dx tile [bm, kt] = sum over N tiles of g [bm, bn] @ w[kt, bn]^T (one accumulator per half of the K tile
+    for 4-bit codes); with swap the accumulators are dx^T = w @ g^T, the decoded tile the left operand as is."""
     o_ref, dx_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
     bm = dx_ref.shape[0]
     n_parts = 2 if spec.nibble else 1
@@ -113,13 +125,13 @@ def _transposed_kernel(g_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, bn: int,
         cols = pl.ds(j * bn, bn)
         g = g_ref[:, cols]                                                  # [bm, bn]
         parts = _tile(q_ref, s_ref, o_ref, 0, cols, spec, kt, g_ref.dtype)
-        return tuple(a + jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                     for a, (w, _) in zip(accs, parts))                    # [bm, width] each
+        return tuple(a + (_dot(w, g, (1, 1)) if swap else _dot(g, w, (1, 1)))
+                     for a, (w, _) in zip(accs, parts))                    # [width, bm] / [bm, width] each
 
-    init = tuple(jnp.zeros((bm, width), jnp.float32) for _ in range(n_parts))
-    accs = jax.lax.fori_loop(0, n_n, step, init)
+    shape = (width, bm) if swap else (bm, width)
+    accs = jax.lax.fori_loop(0, n_n, step, tuple(jnp.zeros(shape, jnp.float32) for _ in range(n_parts)))
     for h, a in enumerate(accs):
-        dx_ref[:, pl.ds(h * width, width)] = a.astype(dx_ref.dtype)
+        dx_ref[:, pl.ds(h * width, width)] = (a.T if swap else a).astype(dx_ref.dtype)
 
 
 def _check(lw: KernelLayout, tiles: Tiles, n_tile: int):
@@ -169,7 +181,7 @@ def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: b
     if spec.has_offset:
         w_specs.append(pl.BlockSpec((k // spec.group, bn), lambda i, j: (0, j)))
     y = pl.pallas_call(
-        functools.partial(_forward_kernel, spec=spec, kt=kt, n_k=k // kt),
+        functools.partial(_forward_kernel, spec=spec, kt=kt, n_k=k // kt, swap=tiles.swap),
         out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype or x.dtype),
         grid=(xp.shape[0] // bm, n // bn),
         in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0))] + w_specs,
@@ -199,7 +211,7 @@ def transposed(g: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret
     if spec.has_offset:
         w_specs.append(pl.BlockSpec((kt // spec.group, n), lambda i, t: (t, 0)))
     dx = pl.pallas_call(
-        functools.partial(_transposed_kernel, spec=spec, kt=kt, bn=bn, n_n=n // bn),
+        functools.partial(_transposed_kernel, spec=spec, kt=kt, bn=bn, n_n=n // bn, swap=tiles.swap),
         out_shape=jax.ShapeDtypeStruct((gp.shape[0], k), out_dtype or g.dtype),
         grid=(gp.shape[0] // bm, k // kt),
         in_specs=[pl.BlockSpec((bm, n), lambda i, t: (i, 0))] + w_specs,
