@@ -72,7 +72,7 @@ def test_custom_vjp_matches_the_xla_path(name):
 
 HF = {"model_type": "qwen3", "vocab_size": 128, "hidden_size": 128, "intermediate_size": 256,
       "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
-TARGETS = ("q_proj", "v_proj", "down_proj")  # [128, 128], [128, 64], [256, 128]
+TARGETS = ("v_proj", "down_proj")  # [128, 64], [256, 128]: the other targets stay bf16 (interpret mode is slow)
 TOKENS = jnp.asarray([[3, 17, 99, 120, 7, 42, 1, 100], [5, 6, 7, 8, 9, 10, 11, 12]])
 
 
@@ -88,7 +88,7 @@ def _grads(model):
 
 def test_lora_gradients_through_the_kernels_equal_the_dequantised_base(monkeypatch):
     model = Decoder(ModelConfig.from_hf(dict(HF)), rngs=nnx.Rngs(params=0))
-    quantize_model(model, "nf4", targets=TARGETS)  # three shapes; fewer interpret-mode compiles than all seven
+    quantize_model(model, "nf4", targets=TARGETS)
     apply_lora(model, rank=4, alpha=8, rngs=nnx.Rngs(1))
     key = jax.random.key(7)
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
@@ -103,7 +103,7 @@ def test_lora_gradients_through_the_kernels_equal_the_dequantised_base(monkeypat
     monkeypatch.setattr(dispatch, "fused_matmul", lambda *a: calls.append(a[1].name) or real(*a))
     monkeypatch.setenv(ENV, "pallas")
     g_kernel = _grads(model)
-    assert sorted(calls) == ["nf4"] * 3  # each quantised linear went through the kernels (traced once: the scan)
+    assert sorted(calls) == ["nf4"] * 2  # each quantised linear went through the kernels (traced once: the scan)
     monkeypatch.setenv(ENV, "xla")
     g_ref = _grads(reference)
     assert g_kernel.keys() == g_ref.keys() and len(g_kernel) == 14
