@@ -111,3 +111,29 @@ def test_lora_gradients_through_the_kernels_equal_the_dequantised_base(monkeypat
         gk, gr = np.asarray(g_kernel[path].get_value()), np.asarray(g_ref[path].get_value())
         assert np.abs(gr).max() > 0, path
         np.testing.assert_allclose(gk, gr, rtol=1e-5, atol=1e-5 * np.abs(gr).max(), err_msg=str(path))
+
+
+@pytest.mark.parametrize("path", ["xla", "pallas"])
+def test_scan_saves_the_packed_weight_not_a_bf16_copy(path, capsys):
+    """Under a scan without remat, plain autodiff of x @ dequantize(w) saves every layer's bf16 weight for the
+    backward (the whole base in bf16); both custom_vjps keep only the packed bytes (the scanned argument itself)."""
+    from jax.ad_checkpoint import print_saved_residuals
+
+    w = make_weight("q4_k", 256, 128)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a, a]), w)
+
+    def loss(matmul):
+        def f(x, ws):
+            def body(c, wl):
+                return jnp.tanh(matmul(c, wl)).repeat(2, axis=1), None
+            return jnp.sum(jax.lax.scan(body, x, ws)[0])
+        return f
+
+    x = jnp.ones((8, 256), jnp.bfloat16)
+    print_saved_residuals(loss(lambda c, wl: jnp.einsum("mk,kn->mn", c, wl.dequantize(c.dtype))), x, stacked)
+    plain = capsys.readouterr().out
+    assert "bf16[3,256,128]" in plain  # what the custom_vjps avoid
+    matmul = xla_matmul if path == "xla" else (lambda c, wl: fused_matmul(c, wl, OPTS))
+    print_saved_residuals(loss(matmul), x, stacked)
+    saved = capsys.readouterr().out
+    assert "bf16[3,256,128]" not in saved and "u8[3,128,144] from the argument" in saved, saved
