@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.layout import dequantize_layout, layout_error, lookup16, to_layout
+from pallas_kernels.layout import dequantize_layout, e2m1, layout_error, lookup16, to_layout
 from surojax.quant.nf4 import NF4_CODE
 from surojax.quant.nvfp4 import E2M1_VALUES
 from kernel_weights import KERNEL_FORMATS, make_weight
@@ -20,11 +20,11 @@ def test_layout_decodes_bit_exactly(name):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-def test_lookup16_is_the_table():
+def test_lookup16_and_e2m1_are_the_tables():
     codes = jnp.arange(16, dtype=jnp.uint8)
-    for table in (NF4_CODE, E2M1_VALUES):
-        got = np.asarray(lookup16(codes, table))
-        np.testing.assert_array_equal(got.view(np.uint32), table.astype(np.float32).view(np.uint32))
+    for got, table in ((lookup16(codes, NF4_CODE), NF4_CODE), (lookup16(codes, E2M1_VALUES), E2M1_VALUES),
+                       (e2m1(codes), E2M1_VALUES)):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32), table.astype(np.float32).view(np.uint32))
 
 
 def test_layout_errors_name_the_problem():
