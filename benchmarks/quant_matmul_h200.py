@@ -222,7 +222,8 @@ def main(argv=None) -> int:
         for prod, (t_bf, t_xla, t_pal, err, tl) in res.items():
             print(f"| {name} | {sname} | {k}x{n} | {prod} | {t_bf * 1e3:.3f} | {t_xla * 1e3:.3f} ({t_bf / t_xla:.2f}x) "
                   f"| {t_pal * 1e3:.3f} ({t_bf / t_pal:.2f}x) | {err:.1e} | {tl} |")
-    print("\nfwd + dx over the timed shapes, each counted as often as in one decoder layer (qo 2, kv 2, gate_up 2, down 1):")
+    print("\nfwd + dx over the timed shapes, each counted as often as in one decoder layer "
+          "(qo 2, kv 2, gate_up 2, down 1):")
     print("| format | bf16 ms | xla ms (bf16/xla) | pallas ms (bf16/pallas) | faster |")
     print("|---|---|---|---|---|")
     winners = []
