@@ -57,6 +57,7 @@ class BenchConfig:
     min_segment: int = 64
     learning_rate: float = 2e-4
     seed: int = 0
+    quant: str | None = None  # LoRA over a random quantised base in this format (surojax.bench.quant_base)
 
     def check(self) -> None:
         if self.shape not in SHAPES:
@@ -70,6 +71,13 @@ class BenchConfig:
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.quant is not None:
+            from surojax.bench.quant_base import RANDOM_FORMATS
+
+            if self.quant not in RANDOM_FORMATS:
+                raise ValueError(f"--quant {self.quant!r}: expected one of {', '.join(RANDOM_FORMATS)}")
+            if self.mode != "lora":
+                raise ValueError("--quant trains LoRA over a quantised frozen base: use --mode lora")
         if self.segments * max(self.min_segment, 2) > self.seq:
             raise ValueError(f"--segments {self.segments} x --min-segment {self.min_segment} exceeds --seq {self.seq}")
 
@@ -162,10 +170,18 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     cfg = train_namespace(bc)
     device = device or jax.devices()[0]
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
+    def make_model():
+        model = build_model(cfg)
+        if bc.quant:  # inside init_sharded's jit the replaced bf16 kernels are dead code: never materialised
+            from surojax.bench.quant_base import randomize_base
+
+            randomize_base(model, bc.quant, jax.random.key(bc.seed + 1000))
+        return model
+
     if jit_init:
-        model = init_sharded(lambda: build_model(cfg), mesh)
+        model = init_sharded(make_model, mesh)
     else:
-        model = shard_model(build_model(cfg), mesh)
+        model = shard_model(make_model(), mesh)
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
 
     schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, 10**6, cfg.warmup_steps,
@@ -194,9 +210,25 @@ def place_batch(setup: Setup, batch: dict) -> dict:
 
 
 def _count(tree) -> int:
+    """Parameters in a state: a quantised weight counts its logical [..., K, N] values, not its packed bytes."""
     import jax
 
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+    from surojax.quant.base import QuantFormat
+
+    def n(x):
+        if isinstance(x, QuantFormat):
+            data = x.data  # [..., N*K/2] for nf4, [..., N, row] for the others: the leading dims are layers
+            lead = data.shape[:data.ndim - (1 if x.name == "nf4" else 2)]
+            return int(np.prod(lead)) * x.shape[0] * x.shape[1]
+        return int(np.prod(x.shape))
+
+    return int(sum(n(x) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantFormat))))
+
+
+def _quant_matmul_mode() -> str:
+    from pallas_kernels.dispatch import matmul_mode
+
+    return matmul_mode()
 
 
 def _peak_gib(device) -> float | None:
@@ -221,8 +253,8 @@ def run(bc: BenchConfig, log=None) -> dict:
     init_s = time.perf_counter() - t0
     init_peak = _peak_gib(device)
     mcfg = setup.model_cfg
-    log(f"built {bc.shape} ({bc.mode}) in {init_s:.1f}s; attention {bc.attention}, recompute {bc.recompute}, "
-        f"lm-head chunk {setup.chunk} tokens")
+    log(f"built {bc.shape} ({bc.mode}{', base ' + bc.quant if bc.quant else ''}) in {init_s:.1f}s; attention "
+        f"{bc.attention}, recompute {bc.recompute}, lm-head chunk {setup.chunk} tokens")
 
     rng = np.random.default_rng(bc.seed)
     host_batch, lengths = synthetic_batch(rng, bc.accum, bc.batch, bc.seq, mcfg.vocab_size, bc.segments,
@@ -274,7 +306,8 @@ def run(bc: BenchConfig, log=None) -> dict:
         "config": {
             "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks, "unroll_layers": bc.unroll_layers,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
-            "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment,
+            "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,
+            "quant_matmul": _quant_matmul_mode() if bc.quant else None,
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": device.device_kind,
             "jax": jax.__version__,

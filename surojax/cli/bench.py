@@ -10,7 +10,7 @@ import argparse
 
 from surojax.cli.common import UsageError, load_config_args, not_implemented, positive_int
 
-SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "qwen3-small", "debug")  # = surojax.bench.shapes.SHAPES
+SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "llama3-70b", "qwen3-small", "debug")  # = surojax.bench.shapes.SHAPES
 
 
 def _unroll(value: str) -> int | bool:
@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
     g.add_argument("--lr", type=float, default=2e-4)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quant", default=None, choices=("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"),
+                   help="LoRA over a random base quantised to this format (SUROJAX_QUANT_MATMUL picks the matmul)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                          repeats=args.repeats, rank=args.rank, recompute=args.recompute, attention=args.attention,
                          lmhead_chunks=args.lmhead_chunks, unroll_layers=args.unroll_layers, recipe=args.recipe, segments=args.segments,
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
-                         seed=args.seed)
+                         seed=args.seed, quant=args.quant)
         bc.check()
     except ValueError as e:
         raise UsageError(str(e)) from None
