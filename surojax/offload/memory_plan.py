@@ -3,8 +3,9 @@
 `plan_memory(model_cfg, ...)` returns a `MemoryPlan` whose components are bytes ON ONE DEVICE (no sharding):
 
     weights      frozen base (LoRA: compute dtype, bf16) or master weights (full: `master_dtype`, fp32 in the
-                 bf16 recipe); with `offload_base` / `offload_master` only a pool of two layers plus the
-                 embedding / head stay on the device
+                 bf16 recipe); with `offload_base` / `offload_master` only the per-layer buffers of two layers
+                 (the one computing and the one arriving) plus the embedding, the norms and the head stay on
+                 the device
     cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights.
                  recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
                  layer; plus the head's cast copy used by the loss
@@ -32,6 +33,8 @@ Activations, bytes saved per token per layer (c = compute-dtype bytes, D, F, NH 
            (a first build that returned matmuls in fp32 measured dots above none; since the backward
            GEMMs run in the compute dtype the matmul outputs are c bytes)
     full   the layer input only, D*c (the layer is recomputed in the backward: counted in workspace)
+    offload  nothing on the device: the layer inputs of `full` are kept in host memory (the workspace still
+           holds one recomputed layer)
 
 Calibration (benchmarks/RESULTS.md, H200, bf16, seq 2048, lm chunk 4,096): see tests/offload/test_memory_plan.py.
 """
@@ -107,11 +110,13 @@ def activation_bytes_per_token_layer(cfg, recompute: str, *, c: int = 2, rank: i
     if recompute == "dots":
         lora = sum((rank + io[t][1]) * c for t in targets)
         return D * c + (NH + 2 * KH) * c + D * c + 2 * F * c + D * c + lora
-    if recompute in ("none", "offload"):
+    if recompute == "offload":
+        return 0  # the layer inputs (full's residuals) are kept in host memory
+    if recompute == "none":
         qk = (NH + KH) * (4 + c) if cfg.qk_norm else 0
         return (2 * (D * 4 + D * c) + (NH + 2 * KH) * c + qk + (NH + KH) * c + NH * c
                 + 2 * D * c + 4 * F * c + 2 * D * c + sum(rank * c for t in targets))
-    raise ValueError(f"recompute {recompute!r} is unknown (none, full, dots)")
+    raise ValueError(f"recompute {recompute!r} is unknown (none, full, dots, offload)")
 
 
 def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: int = 16, targets=None,

@@ -26,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.offload.memory_plan import check_fits, device_capacity, plan_for_config
 from surojax.offload.remat import remat_wrapper
+from surojax.offload.settings import OFFLOAD_AVAILABLE, check_offload_settings
+from surojax.offload.streaming import build_context, place_model
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.metrics import Metrics, plot_loss
 from surojax.train.model_setup import TrainSetupError, build_model, model_config_for, trainable_filter
@@ -59,13 +61,14 @@ class Trainer:
         from surojax.data.hub import resolve_local
         from surojax.data.pipeline import build_data_from_config
         from surojax.data.tokenizer import Tokenizer
-        from surojax.parallel import batch_sharding, make_mesh, shard_model
+        from surojax.parallel import batch_sharding, make_mesh
 
         self.cfg = cfg
         self.console = console or Console(stderr=True)
         self.output_dir = Path(cfg.output_dir)
         self._check_output_dir()
         model_config_for(cfg)  # cheap: the architecture is checked before data and weights are touched
+        check_offload_settings(cfg)
         tok_src = cfg.tokenizer or cfg.model
         if tok_src is None:
             raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
@@ -87,13 +90,15 @@ class Trainer:
         self.memory_plan = plan_for_config(cfg, model_config_for(cfg), rows=cfg.per_device_train_batch_size,
                                            lm_chunk_tokens=self.chunk)
         if self.mesh.shape["fsdp"] * self.mesh.shape["tensor"] == 1:  # the estimate is for an unsharded device
-            check_fits(self.memory_plan, device_capacity())  # before any weight is allocated
+            check_fits(self.memory_plan, device_capacity(),  # before any weight is allocated
+                       offload_available=OFFLOAD_AVAILABLE)
 
-        self.model = build_model(cfg)
+        with build_context(cfg.offload_base_weights):  # a base bound for host memory is built off the device
+            self.model = build_model(cfg)
         if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                                   f"{self.model.cfg.vocab_size}")
-        shard_model(self.model, self.mesh)
+        place_model(self.model, self.mesh, offload_base=cfg.offload_base_weights)  # shard_model (+ base on host)
         self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
 
         warmup = cfg.warmup_steps_for(total) if hasattr(cfg, "warmup_steps_for") else (cfg.warmup_steps or 0)
