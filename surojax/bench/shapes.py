@@ -17,6 +17,12 @@ SHAPES: dict[str, dict] = {
     "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen3-32b": dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                      num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                      rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=False),
     # The correctness check's model: Qwen3-0.6B widths and vocabulary, 4 layers.
     "qwen3-small": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=128,

@@ -33,7 +33,7 @@ import numpy as np
 from surojax.bench.flops import PEAK_BF16_FLOPS, step_flops
 from surojax.bench.shapes import SHAPES, shape_hf_config
 
-RECOMPUTE = ("none", "full", "dots")
+RECOMPUTE = ("none", "full", "dots", "offload")
 
 
 @dataclasses.dataclass
@@ -57,6 +57,9 @@ class BenchConfig:
     min_segment: int = 64
     learning_rate: float = 2e-4
     seed: int = 0
+    offload_base: bool = False  # LoRA: the stacked base in pinned host memory, streamed per layer
+    base_format: str | None = None  # None: the recipe's dtype; q4_0 / q5_0 / q8_0: a random GGUF block base
+    init: str = "jit"  # jit: built on the device (init_sharded); host: random values placed from the host
 
     def check(self) -> None:
         if self.shape not in SHAPES:
@@ -70,6 +73,13 @@ class BenchConfig:
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.init not in ("jit", "host"):
+            raise ValueError(f"--init {self.init!r}: expected jit or host")
+        if (self.offload_base or self.base_format) and self.mode != "lora":
+            raise ValueError("--offload-base / --base-format apply to the frozen base of --mode lora")
+        if self.offload_base and self.recompute == "none":
+            raise ValueError("--offload-base needs --recompute full, dots or offload (none keeps every layer's "
+                             "device copy of its weights for the backward pass)")
         if self.segments * max(self.min_segment, 2) > self.seq:
             raise ValueError(f"--segments {self.segments} x --min-segment {self.min_segment} exceeds --seq {self.seq}")
 
@@ -86,7 +96,7 @@ def train_namespace(bc: BenchConfig) -> SimpleNamespace:
         learning_rate=bc.learning_rate, lr_scheduler_type="constant", warmup_steps=0, final_lr_fraction=0.0,
         cooldown_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
-        gradient_accumulation_steps=bc.accum,
+        gradient_accumulation_steps=bc.accum, offload_base_weights=bc.offload_base,
     )
 
 
@@ -162,7 +172,12 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     cfg = train_namespace(bc)
     device = device or jax.devices()[0]
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
-    if jit_init:
+    if bc.offload_base or bc.base_format or bc.init == "host":  # models larger than the device
+        from surojax.offload.host_init import random_placed_model
+
+        model = random_placed_model(lambda: build_model(cfg), mesh, offload_base=bc.offload_base,
+                                    base_format=bc.base_format, seed=bc.seed)
+    elif jit_init:
         model = init_sharded(lambda: build_model(cfg), mesh)
     else:
         model = shard_model(build_model(cfg), mesh)
@@ -197,6 +212,12 @@ def _count(tree) -> int:
     import jax
 
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def _host_bytes(state) -> int:
+    from surojax.offload.streaming import host_bytes
+
+    return host_bytes(state)
 
 
 def _peak_gib(device) -> float | None:
@@ -239,6 +260,7 @@ def run(bc: BenchConfig, log=None) -> dict:
     t0 = time.perf_counter()
     metrics = jax.block_until_ready(one())
     compile_s = time.perf_counter() - t0
+    loss_first = float(metrics["loss"])
     log(f"first step (compile + 1 step) {compile_s:.1f}s, loss {float(metrics['loss']):.4f}")
     for _ in range(bc.warmup):
         metrics = one()
@@ -262,6 +284,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         "step_ms_repeats": [t * 1e3 for t in times],
         "peak_gib": _peak_gib(device),
         "init_peak_gib": init_peak,
+        "host_gib": _host_bytes(setup.frozen) / 2**30,
         "mfu": fl["total"] / step_s / PEAK_BF16_FLOPS,
         "model_tflops_per_s": fl["total"] / step_s / 1e12,
         "gflops_per_token": fl["per_token"] / 1e9,
@@ -269,10 +292,13 @@ def run(bc: BenchConfig, log=None) -> dict:
         "compile_s": compile_s,
         "init_s": init_s,
         "loss": float(metrics["loss"]),
+        "loss_first": loss_first,
         "params_trainable": n_train,
         "params_total": n_train + (n_frozen if bc.mode == "lora" else 0),
         "config": {
-            "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks, "unroll_layers": bc.unroll_layers,
+            "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks,
+            "unroll_layers": bc.unroll_layers,
+            "offload_base": bc.offload_base, "base_format": bc.base_format, "init": bc.init,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment,
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,

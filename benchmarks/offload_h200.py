@@ -1,0 +1,151 @@
+"""Training models larger than the GPU on one H200 (issue 6): LoRA over a base streamed from pinned host memory.
+
+    python3 benchmarks/offload_h200.py                       # every configuration (each in its own process)
+    python3 benchmarks/offload_h200.py --only llama8b-resident,llama8b-streamed
+    JAX_PLATFORMS=cpu python3 benchmarks/offload_h200.py --smoke     # the plumbing on a CPU, tiny shapes
+
+Each configuration runs `surojax bench train`'s own code (surojax/bench/train_bench.py: the trainer's
+build_model / optimizer / make_train_step on synthetic packed batches) in a fresh process, so its peak device
+memory (peak_bytes_in_use) is its own. Random weights are built on the host and placed straight where they live
+(surojax/offload/host_init.py): the streamed base in pinned host memory, never whole on the device.
+
+Configurations (seq 2048, recompute full, LoRA r16 on all linear layers, bf16 recipe):
+    llama8b-resident      Llama-3.1-8B shapes, bf16 base on the device                   (baseline)
+    llama8b-streamed      the same, base streamed from host       target: peak <= 4 GiB, step <= 1.3x resident
+    llama8b-resident-b4 / llama8b-streamed-b4   the pair at batch 4 (the copy is amortised over 4x the compute)
+    qwen32b-streamed      Qwen3-32B shapes, bf16 base (~61 GiB) streamed               (does not fit resident
+                          next to activations at full speed on 141 GB? it does; the point is the host path)
+    llama70b-q4-streamed  Llama-3-70B shapes, Q4_0 base (~37 GiB) streamed              (bf16 would not fit)
+Correctness: a streamed run and its resident pair start from the same host-built weights; their first-step
+losses and their losses after the same number of steps must be EQUAL (the protocol's 0.0), else the script
+says MISMATCH and exits 1.
+
+Output: one JSON line per measurement (the bench record plus "name"), then a table (tokens/s, step ms, peak
+device GiB, host GiB, ratio to the resident pair, targets). Environment: XLA_FLAGS (default: latency-hiding
+scheduler on), XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.95), per-configuration timeout --timeout (240 s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2 ** 30
+
+COMMON = dict(mode="lora", seq=2048, rank=16, recompute="full", recipe="bf16", init="host", warmup=1)
+CONFIGS: dict[str, dict] = {
+    "llama8b-resident": dict(shape="llama3-8b", batch=1, lmhead_chunks=4, steps=5, repeats=2),
+    "llama8b-streamed": dict(shape="llama3-8b", batch=1, lmhead_chunks=4, steps=5, repeats=2, offload_base=True),
+    "llama8b-resident-b4": dict(shape="llama3-8b", batch=4, lmhead_chunks=16, steps=3, repeats=2),
+    "llama8b-streamed-b4": dict(shape="llama3-8b", batch=4, lmhead_chunks=16, steps=3, repeats=2,
+                                offload_base=True),
+    "qwen32b-streamed": dict(shape="qwen3-32b", batch=1, lmhead_chunks=4, steps=2, repeats=2, offload_base=True),
+    "llama70b-q4-streamed": dict(shape="llama3-70b", batch=1, lmhead_chunks=4, steps=2, repeats=2,
+                                 offload_base=True, base_format="q4_0"),
+}
+PAIRS = {"llama8b-streamed": "llama8b-resident", "llama8b-streamed-b4": "llama8b-resident-b4"}
+TARGETS = {"llama8b-streamed": {"peak_gib": 4.0, "ratio": 1.3}}
+SMOKE = dict(shape="debug", seq=128, min_segment=16, lmhead_chunks=1, steps=1, repeats=1, warmup=1)
+
+
+def child(spec: str) -> int:
+    """Run one configuration in this process and print its record (the last stdout line)."""
+    from surojax.bench.train_bench import BenchConfig, run
+
+    cfg = json.loads(spec)
+    name = cfg.pop("name")
+    record = run(BenchConfig(**cfg))
+    record["name"] = name
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+def run_config(name: str, cfg: dict, timeout: float) -> dict:
+    spec = json.dumps({"name": name, **cfg})
+    env = dict(os.environ)
+    env.setdefault("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-2000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"name": name, "error": f"timed out after {timeout:.0f} s", "stderr_tail": tail}
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"name": name, "error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+    record = json.loads(lines[-1])
+    record["wall_s"] = wall
+    return record
+
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help=f"comma-separated names (default all): {', '.join(CONFIGS)}")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and 1 step each (CPU plumbing check)")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration (default 240)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        return child(args.child)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"--only: unknown {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
+
+    records: dict[str, dict] = {}
+    for name in names:
+        cfg = {**COMMON, **CONFIGS[name], **(SMOKE if args.smoke else {})}
+        print(f"[offload_h200] {name}: {json.dumps(cfg)}", file=sys.stderr, flush=True)
+        rec = run_config(name, cfg, args.timeout)
+        records[name] = rec
+        if "error" in rec:
+            print(f"[offload_h200] {name} FAILED: {rec['error']}\n{rec.get('stderr_tail', '')}", file=sys.stderr,
+                  flush=True)
+        print(json.dumps(rec), flush=True)
+
+    failed = False
+    rows = []
+    for name, rec in records.items():
+        if "error" in rec:
+            rows.append((name, "-", "-", "-", "-", "-", "-", "ERROR: " + rec["error"]))
+            failed = True
+            continue
+        ratio, exact, notes = None, None, []
+        pair = records.get(PAIRS.get(name, ""), {})
+        if "step_ms" in pair:
+            ratio = rec["step_ms"] / pair["step_ms"]
+            exact = rec["loss_first"] == pair["loss_first"] and rec["loss"] == pair["loss"]
+            notes.append("losses equal" if exact else
+                         f"MISMATCH loss {rec['loss_first']!r} vs {pair['loss_first']!r}")
+            failed |= not exact
+        for key, limit in TARGETS.get(name, {}).items():
+            value = ratio if key == "ratio" else rec.get(key)
+            if value is not None and not args.smoke:
+                notes.append(f"{key} {value:.2f} {'<=' if value <= limit else 'ABOVE'} target {limit}")
+        rows.append((name, fmt(rec["tokens_per_s"], ",.0f"), fmt(rec["step_ms"], ".0f"), fmt(rec["peak_gib"], ".2f"),
+                     fmt(rec.get("host_gib"), ".1f"), fmt(ratio, ".2f"), fmt(rec.get("compile_s"), ".0f"),
+                     "; ".join(notes)))
+    head = ("config", "tok/s", "step ms", "peak GiB", "host GiB", "x resident", "compile s", "check")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    print()
+    for r in [head] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
