@@ -13,8 +13,9 @@ Configurations (seq 2048, recompute full, LoRA r16 on all linear layers, bf16 re
     llama8b-resident      Llama-3.1-8B shapes, bf16 base on the device                   (baseline)
     llama8b-streamed      the same, base streamed from host       target: peak <= 4 GiB, step <= 1.3x resident
     llama8b-resident-b4 / llama8b-streamed-b4   the pair at batch 4 (the copy is amortised over 4x the compute)
-    qwen32b-streamed      Qwen3-32B shapes, bf16 base (~61 GiB) streamed               (does not fit resident
-                          next to activations at full speed on 141 GB? it does; the point is the host path)
+    llama8b-streamed-pipelined / -db   llama8b-streamed with one more XLA flag (pipelined host offloading /
+                          while-loop double buffering), to see whether XLA then prefetches layer l+1
+    qwen32b-streamed      Qwen3-32B shapes, bf16 base (~61 GiB) streamed from the 128 GiB host
     llama70b-q4-streamed  Llama-3-70B shapes, Q4_0 base (~37 GiB) streamed              (bf16 would not fit)
 Correctness: a streamed run and its resident pair start from the same host-built weights; their first-step
 losses and their losses after the same number of steps must be EQUAL (the protocol's 0.0), else the script
@@ -44,11 +45,19 @@ CONFIGS: dict[str, dict] = {
     "llama8b-resident-b4": dict(shape="llama3-8b", batch=4, lmhead_chunks=16, steps=3, repeats=2),
     "llama8b-streamed-b4": dict(shape="llama3-8b", batch=4, lmhead_chunks=16, steps=3, repeats=2,
                                 offload_base=True),
+    # the same streamed run with XLA's host-offload pipelining / while-loop double buffering (may start the
+    # copy of layer l+1 during layer l); compared with llama8b-resident
+    "llama8b-streamed-pipelined": dict(shape="llama3-8b", batch=1, lmhead_chunks=4, steps=5, repeats=2,
+                                       offload_base=True,
+                                       xla_extra="--xla_gpu_enable_pipelined_host_offloading=true"),
+    "llama8b-streamed-db": dict(shape="llama3-8b", batch=1, lmhead_chunks=4, steps=5, repeats=2, offload_base=True,
+                                xla_extra="--xla_gpu_enable_while_loop_double_buffering=true"),
     "qwen32b-streamed": dict(shape="qwen3-32b", batch=1, lmhead_chunks=4, steps=2, repeats=2, offload_base=True),
     "llama70b-q4-streamed": dict(shape="llama3-70b", batch=1, lmhead_chunks=4, steps=2, repeats=2,
                                  offload_base=True, base_format="q4_0"),
 }
-PAIRS = {"llama8b-streamed": "llama8b-resident", "llama8b-streamed-b4": "llama8b-resident-b4"}
+PAIRS = {"llama8b-streamed": "llama8b-resident", "llama8b-streamed-b4": "llama8b-resident-b4",
+         "llama8b-streamed-pipelined": "llama8b-resident", "llama8b-streamed-db": "llama8b-resident"}
 TARGETS = {"llama8b-streamed": {"peak_gib": 4.0, "ratio": 1.3}}
 SMOKE = dict(shape="debug", seq=128, min_segment=16, lmhead_chunks=1, steps=1, repeats=1, warmup=1)
 
@@ -66,9 +75,13 @@ def child(spec: str) -> int:
 
 
 def run_config(name: str, cfg: dict, timeout: float) -> dict:
+    cfg = dict(cfg)
+    extra = cfg.pop("xla_extra", "")
     spec = json.dumps({"name": name, **cfg})
     env = dict(os.environ)
     env.setdefault("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
+    if extra and not os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
+        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {extra}".strip()
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()

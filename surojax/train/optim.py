@@ -59,12 +59,17 @@ def decay_mask(params):
 def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float = 0.0, b1: float = 0.9,
                     b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0):
     """The optimizer the trainer applies to already-averaged gradients."""
-    if name != "adamw":
-        raise ValueError(f"optimizer {name!r} is not available yet (adamw)")
+    if name not in ("adamw", "adamw_8bit"):
+        raise ValueError(f"optimizer {name!r} is not available yet (adamw, adamw_8bit)")
     parts = []
     if max_grad_norm:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
-    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+    if name == "adamw_8bit":  # moments blockwise-quantised to 8 bits (surojax/train/optim_8bit.py)
+        from surojax.train.optim_8bit import adamw_8bit
+
+        parts.append(adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+    else:
+        parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
     return optax.chain(*parts)
 
 
