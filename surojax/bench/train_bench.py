@@ -60,6 +60,7 @@ class BenchConfig:
     offload_base: bool = False  # LoRA: the stacked base in pinned host memory, streamed per layer
     base_format: str | None = None  # None: the recipe's dtype; q4_0 / q5_0 / q8_0: a random GGUF block base
     init: str = "jit"  # jit: built on the device (init_sharded); host: random values placed from the host
+    optimizer: str = "adamw"  # adamw | adamw_8bit
 
     def check(self) -> None:
         if self.shape not in SHAPES:
@@ -73,6 +74,8 @@ class BenchConfig:
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.optimizer not in ("adamw", "adamw_8bit"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: expected adamw or adamw_8bit")
         if self.init not in ("jit", "host"):
             raise ValueError(f"--init {self.init!r}: expected jit or host")
         if (self.offload_base or self.base_format) and self.mode != "lora":
@@ -92,7 +95,8 @@ def train_namespace(bc: BenchConfig) -> SimpleNamespace:
         lora_dtype="fp32", is_qlora=False, lora=bc.mode == "lora", lora_rank=bc.rank,
         lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank), lora_dropout=0.0, use_rslora=False,
         lora_target_modules="all-linear", adapter_path=None, adapter_init_mode=None,
-        recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks, unroll_layers=bc.unroll_layers, optimizer="adamw",
+        recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks, unroll_layers=bc.unroll_layers,
+        optimizer=bc.optimizer,
         learning_rate=bc.learning_rate, lr_scheduler_type="constant", warmup_steps=0, final_lr_fraction=0.0,
         cooldown_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
@@ -299,6 +303,7 @@ def run(bc: BenchConfig, log=None) -> dict:
             "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks,
             "unroll_layers": bc.unroll_layers,
             "offload_base": bc.offload_base, "base_format": bc.base_format, "init": bc.init,
+            "optimizer": bc.optimizer,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment,
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,

@@ -78,9 +78,16 @@ def init_opt_state(optimizer, trainable, mesh):
     jit, so a jitted step sees the same input shardings on every call and compiles once."""
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from surojax.train.optim_8bit import Blockwise8bit
+
     param_sh = jax.tree.map(lambda x: x.sharding, trainable)
     abstract = jax.eval_shape(optimizer.init, trainable)
     replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract, param_sh,
-                                      transform_non_params=lambda _: replicated)
+    is_8bit = lambda x: isinstance(x, Blockwise8bit)  # noqa: E731 - [blocks, 256] codes: no parameter layout
+
+    def like_param(x, s):
+        return jax.tree.map(lambda _: replicated, x) if is_8bit(x) else s
+
+    shardings = optax.tree_map_params(optimizer, like_param, abstract, param_sh,
+                                      transform_non_params=lambda _: replicated, is_leaf=is_8bit)
     return jax.jit(optimizer.init, out_shardings=shardings)(trainable)

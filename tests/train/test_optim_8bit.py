@@ -114,3 +114,14 @@ def test_build_optimizer_adamw_8bit_keeps_small_tensors_in_fp32():
     # first Adam step: m_hat / sqrt(v_hat) = sign(g), so every update is -lr (to the code's precision)
     np.testing.assert_allclose(np.asarray(updates["kernel"]), -1e-3, rtol=1e-3)
     np.testing.assert_allclose(np.asarray(updates["scale"]), -1e-3, rtol=1e-4)  # eps / |g| = 1e-7
+
+
+def test_init_opt_state_places_the_8bit_state():
+    """The trainer's placement of the optimizer state (the 8-bit codes have no parameter layout: replicated)."""
+    from surojax.parallel import make_mesh
+    from surojax.train.optim import init_opt_state
+
+    opt = build_optimizer("adamw_8bit", optax.constant_schedule(1e-3))
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    state = init_opt_state(opt, {"kernel": jnp.ones((64, 128)), "scale": jnp.ones((64,))}, mesh)
+    assert isinstance(state[1][0].mu["kernel"], Blockwise8bit) and state[1][0].mu["kernel"].codes.dtype == jnp.uint8
