@@ -61,6 +61,7 @@ class BenchConfig:
     base_format: str | None = None  # None: the recipe's dtype; q4_0 / q5_0 / q8_0: a random GGUF block base
     init: str = "jit"  # jit: built on the device (init_sharded); host: random values placed from the host
     optimizer: str = "adamw"  # adamw | adamw_8bit
+    offload_optimizer: bool = False  # the layers' optimizer state in pinned host memory, updated per layer
 
     def check(self) -> None:
         if self.shape not in SHAPES:
@@ -190,7 +191,8 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, 10**6, cfg.warmup_steps,
                            cfg.final_lr_fraction, cfg.cooldown_steps)
     optimizer = build_optimizer(cfg.optimizer, schedule, weight_decay=cfg.weight_decay, b1=cfg.adam_beta1,
-                                b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm)
+                                b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm,
+                                offload_state=bc.offload_optimizer)
     opt_state = init_opt_state(optimizer, trainable, mesh)  # as the Trainer
 
     chunk = lm_chunk(cfg, bc.batch)
@@ -288,7 +290,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         "step_ms_repeats": [t * 1e3 for t in times],
         "peak_gib": _peak_gib(device),
         "init_peak_gib": init_peak,
-        "host_gib": _host_bytes(setup.frozen) / 2**30,
+        "host_gib": (_host_bytes(setup.frozen) + _host_bytes(opt_state)) / 2**30,
         "mfu": fl["total"] / step_s / PEAK_BF16_FLOPS,
         "model_tflops_per_s": fl["total"] / step_s / 1e12,
         "gflops_per_token": fl["per_token"] / 1e9,
@@ -303,7 +305,7 @@ def run(bc: BenchConfig, log=None) -> dict:
             "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks,
             "unroll_layers": bc.unroll_layers,
             "offload_base": bc.offload_base, "base_format": bc.base_format, "init": bc.init,
-            "optimizer": bc.optimizer,
+            "optimizer": bc.optimizer, "offload_optimizer": bc.offload_optimizer,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment,
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,

@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="jit: random weights built on the device; host: built on the host and placed (forced "
                         "by --offload-base / --base-format)")
     g.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw_8bit"))
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="the layers' optimizer state in pinned host memory, updated one layer at a time")
     g.add_argument("--lr", type=float, default=2e-4)
     g.add_argument("--seed", type=int, default=0)
 
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                          lmhead_chunks=args.lmhead_chunks, unroll_layers=args.unroll_layers, recipe=args.recipe, segments=args.segments,
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
                          seed=args.seed, offload_base=args.offload_base, base_format=args.base_format,
-                         init=args.init, optimizer=args.optimizer)
+                         init=args.init, optimizer=args.optimizer, offload_optimizer=args.offload_optimizer)
         bc.check()
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -13,7 +13,8 @@
     gradients    the fp32 accumulation buffer of the trainable params (`make_train_step`'s g_acc) plus the
                  micro-batch's gradient in the trainable dtype, both live at the accumulate
     optimizer    AdamW: 2 fp32 moments per trainable param (adamw_8bit: 2 bytes, normuon: 4); with
-                 `offload_optimizer` one layer's state (moved per layer for the update)
+                 `offload_optimizer` two layers' state (updated per layer, surojax/offload/optimizer.py) plus
+                 the state of the params outside the layers (embedding, head, final norm), which stays
     activations  residuals saved by the scanned layers for the backward (below), for B x T tokens
     logits       one chunk of the chunked CE: fp32 logits [C, V], fp32 softmax / d-logits [C, V] and the
                  d-logits cast to the compute dtype [C, V] (C = `lm_chunk_tokens`, capped at B x T)
@@ -162,9 +163,9 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
             cast = (kept_layers * layer_params + V * D) * c
     gradients = trainable * 4 + trainable * tb
     opt_b = _OPT_BYTES.get(optimizer, 8)
-    if offload_optimizer:
-        opt_params = layer_params if not lora else trainable // max(L, 1)
-        optimizer_bytes = 2 * opt_params * opt_b
+    if offload_optimizer:  # two layers' state in flight; the embedding / head / final norm state stays
+        opt_params = 2 * layer_params + embed_params if not lora else 2 * trainable // max(L, 1)
+        optimizer_bytes = opt_params * opt_b
     else:
         optimizer_bytes = trainable * opt_b
     tokens = batch * seq

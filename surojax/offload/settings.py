@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from surojax.offload.streaming import OffloadError, host_memory_kind
 
-OFFLOAD_AVAILABLE: tuple[str, ...] = ("offload_base_weights",)  # the keys the memory plan may suggest
+OFFLOAD_AVAILABLE: tuple[str, ...] = ("offload_base_weights", "offload_optimizer")  # the keys the memory plan may suggest
 NOT_YET = {
-    "offload_optimizer": "optimizer state in host memory is not available yet; use optimizer: adamw_8bit or lora",
     "offload_master": "fp32 master weights in host memory are not available yet; use lora (or a smaller model)",
     "offload_grads": "gradients in host memory are not available yet",
 }
@@ -21,5 +20,5 @@ def check_offload_settings(cfg) -> None:
     for key, why in NOT_YET.items():
         if getattr(cfg, key, False) and key not in OFFLOAD_AVAILABLE:
             raise OffloadError(f"{key}: {why}")
-    if getattr(cfg, "offload_base_weights", False) or getattr(cfg, "recompute", None) == "offload":
+    if any(getattr(cfg, k, False) for k in OFFLOAD_AVAILABLE) or getattr(cfg, "recompute", None) == "offload":
         host_memory_kind()

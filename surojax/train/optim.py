@@ -57,8 +57,12 @@ def decay_mask(params):
 
 
 def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float = 0.0, b1: float = 0.9,
-                    b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0):
-    """The optimizer the trainer applies to already-averaged gradients."""
+                    b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+                    offload_state: bool = False):
+    """The optimizer the trainer applies to already-averaged gradients.
+
+    offload_state: the stacked layers' state in pinned host memory, updated one layer at a time
+    (surojax/offload/optimizer.py; the global-norm clip still sees every gradient)."""
     if name not in ("adamw", "adamw_8bit"):
         raise ValueError(f"optimizer {name!r} is not available yet (adamw, adamw_8bit)")
     parts = []
@@ -70,6 +74,10 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
         parts.append(adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
     else:
         parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+    if offload_state:
+        from surojax.offload.optimizer import layerwise
+
+        parts[-1] = layerwise(parts[-1], offload=True)
     return optax.chain(*parts)
 
 
@@ -88,6 +96,12 @@ def init_opt_state(optimizer, trainable, mesh):
     def like_param(x, s):
         return jax.tree.map(lambda _: replicated, x) if is_8bit(x) else s
 
-    shardings = optax.tree_map_params(optimizer, like_param, abstract, param_sh,
-                                      transform_non_params=lambda _: replicated, is_leaf=is_8bit)
+    from surojax.offload.optimizer import has_layerwise_state, host_state_shardings, init_state_on_host
+
+    if has_layerwise_state(abstract):  # offload_optimizer: per-layer state [L, ...] built on the host
+        shardings = host_state_shardings(jax.tree.map(lambda _: replicated, abstract))
+        return init_state_on_host(optimizer, trainable, shardings)
+    else:
+        shardings = optax.tree_map_params(optimizer, like_param, abstract, param_sh,
+                                          transform_non_params=lambda _: replicated, is_leaf=is_8bit)
     return jax.jit(optimizer.init, out_shardings=shardings)(trainable)

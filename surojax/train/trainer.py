@@ -106,7 +106,7 @@ class Trainer:
                                     cfg.final_lr_fraction, cfg.cooldown_steps or 0)
         self.optimizer = build_optimizer(cfg.optimizer, self.schedule, weight_decay=cfg.weight_decay,
                                          b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
-                                         max_grad_norm=cfg.max_grad_norm)
+                                         max_grad_norm=cfg.max_grad_norm, offload_state=cfg.offload_optimizer)
 
         self._train_mode = cfg.lora and cfg.lora_dropout > 0
         if self._train_mode:

@@ -5,7 +5,7 @@ the resident base computes.
     resident  the same arrays in device memory
 
 Checked: logits, the loss and every LoRA gradient (max abs diff 0.0) under recompute full / dots / offload,
-gradient accumulation through the real train step, a quantised (NF4, Q4_0) base, and the Trainer (identical
+gradient accumulation through the real train step, a quantised (NF4, double-quantised) base, and the Trainer (identical
 losses over several steps). Vacuity guards: LoRA B is randomised (B = 0 would make A's gradient zero and let a
 detached adapter pass), the gradients are checked to be non-zero, and every test first asserts that the base
 really is in host memory (placement) and that the program fetches each streamed leaf inside the scan (jaxpr),
@@ -86,7 +86,7 @@ def _max_diff(a, b) -> float:
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.mark.parametrize("quant,recompute", [(None, "offload"), ("nf4", "full"), ("q4_0", "dots")])
+@pytest.mark.parametrize("quant,recompute", [(None, "offload"), ("nf4", "dots")])
 def test_streamed_logits_and_lora_grads_equal_resident(quant, recompute):
     graphdef, trainable, resident, streamed = _split(_model(quant))
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
