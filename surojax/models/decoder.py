@@ -78,7 +78,7 @@ def on_device(layer_state):
 
     The scan body calls it on its layer slice, so weights kept in host memory (offload_base_weights places the
     stacked base there) cross to the device one layer per scan step, in the forward pass and again wherever
-    the backward pass recomputes the layer; XLA schedules the copy.
+    the backward pass recomputes the layer; XLA schedules the copy. The embedding gather calls it on the table.
     """
     def fetch(x):
         if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
@@ -120,7 +120,7 @@ class Decoder(nnx.Module):
         `unroll` is `lax.scan`'s: 1 = a rolled loop (one compiled layer), True = every layer inlined (no
         per-layer copies of the saved activations into stacked buffers; longer compile). Same math either way.
         """
-        h = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, D]
+        h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0).astype(self.dtype)  # [B, T, D]
         cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype)  # [B, T, H]
         kv_meta, layer_kv = None, None
         if cache is not None:

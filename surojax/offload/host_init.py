@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from surojax.offload.streaming import _is_streamed, host_memory_kind
+from surojax.offload.streaming import _on_host, host_memory_kind
 
 RANDOM_GGUF = ("q4_0", "q5_0", "q8_0")  # block types whose scale is one fp16 `d` in bytes 0:2 of each block
 _SCALE_F16 = np.float16(2.0 ** -8).view(np.uint16)
@@ -95,7 +95,7 @@ def random_placed_model(make_model: Callable[[], nnx.Module], mesh, *, offload_b
     for (path, var), (_, sh) in zip(nnx.to_flat_state(state), shardings):
         name = ".".join(map(str, path))
         stacked = path[0] == "layers"
-        host = offload_base and _is_streamed(path, var)
+        host = offload_base and _on_host(path, var, embedding=not abstract.cfg.tie_word_embeddings)
         fmt_cls = FORMATS.get(base_format) if base_format else None
 
         def make(x, s):

@@ -12,8 +12,10 @@ never a saved residual, the host slice is). XLA's host-offload passes turn the c
 of the slice that its scheduler may start ahead of the compute that waits for it.
 
 What moves: every frozen `nnx.Param` under `model.layers` (the stacked kernels, quantised or not, and the
-per-layer norm scales). What stays on the device: the LoRA adapters (trained), the embedding, the final norm
-and the LM head (used once per micro-batch, outside the layer loop).
+per-layer norm scales), and an untied embedding table: the decoder fetches it whole for the token gather at the
+start of the forward pass (the backward pass does not need it), so it occupies the device only then. What stays
+on the device: the LoRA adapters (trained), the final norm, the LM head (used by the loss in the forward and the
+backward pass) and a tied embedding (it is the LM head).
 
 `recompute: none` is refused with streaming: without recomputation autodiff keeps each layer's device copy
 of its weights for the backward pass, i.e. the whole base ends up on the device.
@@ -34,6 +36,7 @@ from flax import nnx
 HOST_KIND = "pinned_host"
 DEVICE_KIND = "device"
 STREAMED_SUBTREE = "layers"
+EMBEDDING = ("embed", "embedding")
 
 
 class OffloadError(ValueError):
@@ -59,15 +62,22 @@ def _with_kind(x: jax.Array, kind: str) -> jax.Array:
     return jax.device_put(x, x.sharding.with_memory_kind(kind))
 
 
-def place_base_on_host(frozen: nnx.State, *, kind: str | None = None) -> nnx.State:
-    """`frozen` with every frozen Param under `layers` moved to host memory, its sharding otherwise unchanged.
+def _on_host(path: tuple, var, embedding: bool) -> bool:
+    """What offload_base_weights puts in host memory: the streamed layers, and the embedding table when asked
+    (an untied embedding is read once per forward pass, by the token gather: the decoder fetches it whole)."""
+    return _is_streamed(path, var) or (embedding and tuple(path) == EMBEDDING and not isinstance(var, nnx.LoRAParam))
+
+
+def place_base_on_host(frozen: nnx.State, *, kind: str | None = None, embedding: bool = False) -> nnx.State:
+    """`frozen` with every frozen Param under `layers` (and the embedding table with `embedding`; only for an
+    untied embedding: a tied one is the LM head too) moved to host memory, its sharding otherwise unchanged.
 
     The input arrays are not modified; the caller drops its references to let the device copies go.
     """
     kind = kind or host_memory_kind()
     flat = []
     for path, var in nnx.to_flat_state(frozen):
-        if _is_streamed(path, var):
+        if _on_host(path, var, embedding):
             var = var.replace(jax.tree.map(lambda x: _with_kind(x, kind), var.get_value()))
         flat.append((path, var))
     return nnx.from_flat_state(flat)
@@ -105,16 +115,17 @@ def host_bytes(state: nnx.State) -> int:
 
 def place_model(model: nnx.Module, mesh, *, offload_base: bool) -> nnx.Module:
     """Place a built model on `mesh` by the parameter rules (as `parallel.shard_model`), the stacked base weights
-    in host memory when `offload_base` (in place; returns the model)."""
+    (and an untied embedding table) in host memory when `offload_base` (in place; returns the model)."""
     from surojax.parallel import param_shardings
 
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)
     if offload_base:
         kind = host_memory_kind(mesh.devices.flat[0])
+        embedding = not model.cfg.tie_word_embeddings
         shardings = nnx.from_flat_state([
             (path, sh.replace(jax.tree.map(lambda s: s.with_memory_kind(kind), sh.get_value()))
-             if _is_streamed(path, var) else sh)
+             if _on_host(path, var, embedding) else sh)
             for (path, sh), (_, var) in zip(nnx.to_flat_state(shardings), nnx.to_flat_state(state))])
     nnx.update(model, jax.device_put(state, shardings))
     return model

@@ -51,11 +51,12 @@ def _model(quant: str | None = None):
 
 def _split(model):
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
-    streamed = place_base_on_host(frozen)
+    streamed = place_base_on_host(frozen, embedding=True)  # the tiny model's embedding is untied
     # the protocol's guard: the streamed base is in host memory, the resident one is not
     assert check_streamed(streamed) > 0
     assert set(streamed_leaves(streamed).values()) == {HOST_KIND}
     assert HOST_KIND not in set(streamed_leaves(frozen).values())
+    assert streamed["embed"]["embedding"].get_value().sharding.memory_kind == HOST_KIND
     with pytest.raises(OffloadError):
         check_streamed(frozen)
     return graphdef, trainable, frozen, streamed
@@ -104,11 +105,12 @@ def test_streamed_logits_and_lora_grads_equal_resident(quant, recompute):
     assert _max_diff(g_s, g_r) == 0.0
     nonzero = [float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(g_s)]
     assert len(nonzero) == 2 * 7 and all(nonzero)  # every A and B of every target moves
-    # the program fetches each streamed leaf in the forward and again in the backward recompute (offload: plus
-    # the layer input coming back from host memory); the resident program fetches no weight
+    # the program fetches each streamed leaf in the forward and again in the backward recompute, and the embedding
+    # table once per forward pass (offload: plus the layer input coming back from host memory); the resident
+    # program fetches no weight
     n = len(streamed_leaves(streamed))
     assert _device_puts_to_device(jax.make_jaxpr(logits_loss_grads)(trainable, streamed).jaxpr) == \
-        n + 2 * n + (recompute == "offload")
+        (n + 1) + (n + 1) + n + (recompute == "offload")
     assert _device_puts_to_device(jax.make_jaxpr(logits_loss_grads)(trainable, resident).jaxpr) == \
         (recompute == "offload")
 
@@ -140,7 +142,7 @@ def test_gpu_lowering_moves_each_streamed_leaf_to_the_device_in_forward_and_back
         text = jax.jit(jax.grad(loss)).trace(trainable, streamed).lower(lowering_platforms=("cuda",)).as_text()
     except Exception as e:  # noqa: BLE001 - a jax build without CUDA lowering rules
         pytest.skip(f"no CUDA lowering here: {e}")
-    assert text.count("annotate_device_placement") == 2 * len(streamed_leaves(streamed))
+    assert text.count("annotate_device_placement") == 2 * len(streamed_leaves(streamed)) + 1  # + the embedding
     assert 'mhlo.memory_kind = "pinned_host"' in text
 
 
@@ -159,6 +161,8 @@ def test_trainer_streamed_losses_equal_resident(tmp_path):
             max_steps=3, offload_base_weights=offload))
         trainer = Trainer(cfg)
         assert set(streamed_leaves(trainer.frozen).values()) == ({HOST_KIND} if offload else {"device"})
+        embedding = trainer.frozen["embed"]["embedding"].get_value().sharding.memory_kind  # untied in this fixture
+        assert embedding == (HOST_KIND if offload else "device")
         losses[offload] = [trainer.step()["loss"] for _ in range(3)]
     assert losses[True] == losses[False]
     assert losses[True][-1] != losses[True][0]
