@@ -235,7 +235,10 @@ def fitting_options(plan: MemoryPlan, capacity: int, *, offload_available: Itera
         if {"offload_optimizer", "offload_master"} <= avail and not (s["offload_optimizer"] or s["offload_master"]):
             consider("offload_optimizer: true and offload_master: true", offload_optimizer=True, offload_master=True)
     elif "offload_base_weights" in avail and not s["offload_base"]:
-        consider("offload_base_weights: true", offload_base=True)
+        if s["recompute"] == "none":  # streaming needs recomputation (the weights are fetched again)
+            consider("offload_base_weights: true with recompute: full", offload_base=True, recompute="full")
+        else:
+            consider("offload_base_weights: true", offload_base=True)
     if s["recompute"] != "full" and s["batch"] > 1:
         # a combination, when no single change is enough
         if not out:

@@ -94,3 +94,21 @@ def test_device_capacity_cpu():
 
     if jax.devices()[0].platform == "cpu":
         assert device_capacity() is None
+
+
+def test_offload_components():
+    cfg = model_config("llama3-8b")  # untied embeddings
+    kw = dict(mode="lora", batch=1, seq=2048, recompute="full")
+    resident, streamed = plan_memory(cfg, **kw), plan_memory(cfg, offload_base=True, **kw)
+    D, V, F = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    layer = (cfg.num_params() - (2 * V * D + D)) // cfg.num_layers
+    assert streamed.weights == 2 * ((V * D + D) + 2 * layer)  # LM head + final norm + two layers, bf16
+    assert resident.weights == 2 * cfg.num_params()
+    assert plan_memory(cfg, **{**kw, "recompute": "offload"}).activations == 0
+    full = dict(mode="full", batch=1, seq=2048, recompute="full")
+    off = plan_memory(cfg, offload_optimizer=True, **full)
+    assert off.optimizer == 8 * (2 * layer + 2 * V * D + D)  # two layers' AdamW state + embedding / head / norm
+    # a LoRA run that does not fit is told to stream its base (with recomputation when it had none)
+    big = plan_memory(model_config("qwen3-8b"), mode="lora", batch=1, seq=2048, recompute="none")
+    opts = [d for d, _ in fitting_options(big, 12 * GiB, offload_available=("offload_base_weights",))]
+    assert "offload_base_weights: true with recompute: full" in opts
