@@ -4,7 +4,8 @@ the resident base computes.
     streamed  the frozen stacked layer weights in `pinned_host` memory, fetched per layer inside the scan
     resident  the same arrays in device memory
 
-Checked: logits, the loss and every LoRA gradient (max abs diff 0.0) under recompute full / dots / offload,
+Checked: logits, the loss and every LoRA gradient (max abs diff 0.0) under recompute full / dots / offload (and
+offload equals full),
 gradient accumulation through the real train step, a quantised (NF4, double-quantised) base, and the Trainer (identical
 losses over several steps). Vacuity guards: LoRA B is randomised (B = 0 would make A's gradient zero and let a
 detached adapter pass), the gradients are checked to be non-zero, and every test first asserts that the base
@@ -93,16 +94,21 @@ def test_streamed_logits_and_lora_grads_equal_resident(quant, recompute):
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
     remat = remat_wrapper(recompute)
 
-    def logits_loss_grads(tr, fr):
+    def logits_loss_grads(tr, fr, remat=remat):
         logits = nnx.merge(graphdef, tr, fr)(mb["tokens"], mb["positions"], mb["segment_ids"])
         loss, grads = jax.value_and_grad(lambda t: lm_loss(nnx.merge(graphdef, t, fr), mb, remat=remat)[0])(tr)
         return logits, loss, grads
 
-    both = jax.jit(lambda tr, s, r: (logits_loss_grads(tr, s), logits_loss_grads(tr, r)))  # one compile
-    (lg_s, l_s, g_s), (lg_r, l_r, g_r) = both(trainable, streamed, resident)
+    # one compile: streamed, resident, and (for `offload`) resident under `full`, the policy it must equal
+    full = remat_wrapper("full")
+    runs = jax.jit(lambda tr, s, r: (logits_loss_grads(tr, s), logits_loss_grads(tr, r),
+                                     logits_loss_grads(tr, r, full) if recompute == "offload" else None))
+    (lg_s, l_s, g_s), (lg_r, l_r, g_r), by_full = runs(trainable, streamed, resident)
     assert float(jnp.max(jnp.abs(lg_s - lg_r))) == 0.0
     assert float(l_s) == float(l_r)
     assert _max_diff(g_s, g_r) == 0.0
+    if by_full is not None:  # recompute: offload computes exactly what recompute: full computes
+        assert float(by_full[1]) == float(l_s) and _max_diff(by_full[2], g_s) == 0.0
     nonzero = [float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(g_s)]
     assert len(nonzero) == 2 * 7 and all(nonzero)  # every A and B of every target moves
     # the program fetches each streamed leaf in the forward and again in the backward recompute, and the embedding
