@@ -10,7 +10,7 @@ memory (peak_bytes_in_use) is its own. Random weights are built on the host and 
 (surojax/offload/host_init.py): the streamed base in pinned host memory, never whole on the device.
 
 Configurations (seq 2048, recompute full, LoRA r16 on all linear layers, bf16 recipe; lmhead_chunks 8 = 256-token
-chunks at batch 1; the memory plan estimates 4.4 GiB for llama8b-streamed, 13.4 GiB for llama70b-q4-streamed):
+chunks at batch 1; the memory plan estimates 4.0 GiB for llama8b-streamed):
     llama8b-resident      Llama-3.1-8B shapes, bf16 base on the device                   (baseline)
     llama8b-streamed      the same, base streamed from host       target: peak <= 4 GiB, step <= 1.3x resident
     llama8b-resident-b4 / llama8b-streamed-b4   the pair at batch 4 (the copy is amortised over 4x the compute)
