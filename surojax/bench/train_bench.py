@@ -57,6 +57,7 @@ class BenchConfig:
     min_segment: int = 64
     learning_rate: float = 2e-4
     seed: int = 0
+    quant: str | None = None  # LoRA over a random quantised base in this format (surojax.bench.quant_base)
     offload_base: bool = False  # LoRA: the stacked base in pinned host memory, streamed per layer
     base_format: str | None = None  # None: the recipe's dtype; q4_0 / q5_0 / q8_0: a random GGUF block base
     init: str = "jit"  # jit: built on the device (init_sharded); host: random values placed from the host
@@ -75,6 +76,13 @@ class BenchConfig:
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.quant is not None:
+            from surojax.bench.quant_base import RANDOM_FORMATS
+
+            if self.quant not in RANDOM_FORMATS:
+                raise ValueError(f"--quant {self.quant!r}: expected one of {', '.join(RANDOM_FORMATS)}")
+            if self.mode != "lora":
+                raise ValueError("--quant trains LoRA over a quantised frozen base: use --mode lora")
         if self.optimizer not in ("adamw", "adamw_8bit"):
             raise ValueError(f"--optimizer {self.optimizer!r}: expected adamw or adamw_8bit")
         if self.init not in ("jit", "host"):
@@ -84,6 +92,9 @@ class BenchConfig:
         if self.offload_base and self.recompute == "none":
             raise ValueError("--offload-base needs --recompute full, dots or offload (none keeps every layer's "
                              "device copy of its weights for the backward pass)")
+        if self.quant is not None and (self.offload_base or self.base_format or self.init == "host"):
+            raise ValueError("--quant builds its random quantised base on the device; with --offload-base / "
+                             "--init host use --base-format (a random GGUF block base built on the host)")
         if self.segments * max(self.min_segment, 2) > self.seq:
             raise ValueError(f"--segments {self.segments} x --min-segment {self.min_segment} exceeds --seq {self.seq}")
 
@@ -177,15 +188,23 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     cfg = train_namespace(bc)
     device = device or jax.devices()[0]
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
+    def make_model():
+        model = build_model(cfg)
+        if bc.quant:  # inside init_sharded's jit the replaced bf16 kernels are dead code: never materialised
+            from surojax.bench.quant_base import randomize_base
+
+            randomize_base(model, bc.quant, jax.random.key(bc.seed + 1000))
+        return model
+
     if bc.offload_base or bc.base_format or bc.init == "host":  # models larger than the device
         from surojax.offload.host_init import random_placed_model
 
         model = random_placed_model(lambda: build_model(cfg), mesh, offload_base=bc.offload_base,
                                     base_format=bc.base_format, seed=bc.seed)
     elif jit_init:
-        model = init_sharded(lambda: build_model(cfg), mesh)
+        model = init_sharded(make_model, mesh)
     else:
-        model = shard_model(build_model(cfg), mesh)
+        model = shard_model(make_model(), mesh)
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
 
     schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, 10**6, cfg.warmup_steps,
@@ -215,9 +234,25 @@ def place_batch(setup: Setup, batch: dict) -> dict:
 
 
 def _count(tree) -> int:
+    """Parameters in a state: a quantised weight counts its logical [..., K, N] values, not its packed bytes."""
     import jax
 
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
+    from surojax.quant.base import QuantFormat
+
+    def n(x):
+        if isinstance(x, QuantFormat):
+            data = x.data  # [..., N*K/2] for nf4, [..., N, row] for the others: the leading dims are layers
+            lead = data.shape[:data.ndim - (1 if x.name == "nf4" else 2)]
+            return int(np.prod(lead)) * x.shape[0] * x.shape[1]
+        return int(np.prod(x.shape))
+
+    return int(sum(n(x) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantFormat))))
+
+
+def _quant_matmul_mode() -> str:
+    from pallas_kernels.dispatch import matmul_mode
+
+    return matmul_mode()
 
 
 def _host_bytes(state) -> int:
@@ -248,8 +283,8 @@ def run(bc: BenchConfig, log=None) -> dict:
     init_s = time.perf_counter() - t0
     init_peak = _peak_gib(device)
     mcfg = setup.model_cfg
-    log(f"built {bc.shape} ({bc.mode}) in {init_s:.1f}s; attention {bc.attention}, recompute {bc.recompute}, "
-        f"lm-head chunk {setup.chunk} tokens")
+    log(f"built {bc.shape} ({bc.mode}{', base ' + bc.quant if bc.quant else ''}) in {init_s:.1f}s; attention "
+        f"{bc.attention}, recompute {bc.recompute}, lm-head chunk {setup.chunk} tokens")
 
     rng = np.random.default_rng(bc.seed)
     host_batch, lengths = synthetic_batch(rng, bc.accum, bc.batch, bc.seq, mcfg.vocab_size, bc.segments,
@@ -307,7 +342,8 @@ def run(bc: BenchConfig, log=None) -> dict:
             "offload_base": bc.offload_base, "base_format": bc.base_format, "init": bc.init,
             "optimizer": bc.optimizer, "offload_optimizer": bc.offload_optimizer,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
-            "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment,
+            "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,
+            "quant_matmul": _quant_matmul_mode() if bc.quant else None,
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": device.device_kind,
             "jax": jax.__version__,

@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the layers' optimizer state in pinned host memory, updated one layer at a time")
     g.add_argument("--lr", type=float, default=2e-4)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quant", default=None, choices=("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"),
+                   help="LoRA over a random base quantised to this format (SUROJAX_QUANT_MATMUL picks the matmul)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
                          repeats=args.repeats, rank=args.rank, recompute=args.recompute, attention=args.attention,
                          lmhead_chunks=args.lmhead_chunks, unroll_layers=args.unroll_layers, recipe=args.recipe, segments=args.segments,
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
-                         seed=args.seed, offload_base=args.offload_base, base_format=args.base_format,
-                         init=args.init, optimizer=args.optimizer, offload_optimizer=args.offload_optimizer)
+                         seed=args.seed, quant=args.quant, offload_base=args.offload_base,
+                         base_format=args.base_format, init=args.init, optimizer=args.optimizer,
+                         offload_optimizer=args.offload_optimizer)
         bc.check()
     except ValueError as e:
         raise UsageError(str(e)) from None

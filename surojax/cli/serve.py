@@ -1,30 +1,58 @@
-"""`surojax serve MODEL [--adapter DIR ...] [--host H] [--port P]`: an OpenAI-compatible HTTP server with
-continuous batching. For now it checks its arguments and stops."""
+"""`surojax serve MODEL [--port P] [--api-key K] [--enable-lora --lora-modules NAME=PATH ...]`: an
+OpenAI-compatible HTTP server with continuous batching, paged KV cache, prefix caching, streaming and runtime
+LoRA (docs/serving.md). scripts/serve.py is the same entry point. Nothing heavy is imported until `run`."""
 from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import existing_path, not_implemented, positive_int
+HELP = "serve a model over an OpenAI-compatible HTTP API"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="HF model folder, surojax output folder, or .gguf file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=_port, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--served-model-name", default=None, help="the name clients pass as 'model'")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="auto = bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--attention", default="xla", help="attention backend (xla, cudnn, auto)")
+    parser.add_argument("--max-model-len", type=_positive, default=None,
+                        help="longest prompt + completion (default: the model's, at most 8192)")
+    parser.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences batched at once")
+    parser.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="tokens per engine step")
+    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond max-num-seqs (then 429)")
+    parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
+    parser.add_argument("--num-kv-blocks", type=_positive, default=None,
+                        help="KV blocks (default: from free device memory; a fixed size on CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters picked per request")
+    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="PEFT adapters to load")
+    parser.add_argument("--max-loras", type=_positive, default=4, help="adapter slots")
+    parser.add_argument("--max-lora-rank", type=_positive, default=64)
+    parser.add_argument("--log-level", default="info")
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {value!r})") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {n})")
+    return n
 
 
 def _port(value: str) -> int:
-    n = positive_int(value)
+    n = _positive(value)
     if n > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number <= 65535 (got {n})")
     return n
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="model directory or .gguf file")
-    parser.add_argument("--adapter", action="append", default=[], metavar="DIR", help="PEFT adapter (repeatable)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_port, default=8000)
-    parser.add_argument("--max-model-len", type=positive_int, default=None, help="longest prompt + completion")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences batched at once")
-
-
 def run(args: argparse.Namespace) -> int:
-    existing_path(args.model, "model")
-    for a in args.adapter:
-        existing_path(a, "--adapter")
-    return not_implemented("serve")
+    from surojax.serve.launch import serve
+
+    return serve(args)

@@ -10,7 +10,10 @@ from surojax.config.base import StrictModel
 # HF module names LoRA can wrap; "all-linear" means all of them (never the LM head, as in PEFT).
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
-GgufType = Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
+# llama.cpp file types that mix tensor types (surojax.quant.quantize_mix): one type per target when training
+GGUF_MIXES = ("q3_k_m", "q4_k_m", "q5_k_m")
+GgufType = Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
+                   "q3_k_m", "q4_k_m", "q5_k_m"]
 
 
 class LoraSection(StrictModel):
@@ -68,7 +71,9 @@ class QLoraSection(StrictModel):
     qlora_block_size: int = 128
     """Block size of the qlora_fp8 scales."""
     qlora_gguf: GgufType | None = None
-    """Quantize the frozen base to this GGUF type. A .gguf `model` keeps its own quantization without this key."""
+    """Quantize the frozen base to this GGUF type, or to a llama.cpp mix (q3_k_m / q4_k_m / q5_k_m: per target the
+    widest type llama.cpp's rule gives any of its layers). A .gguf `model` keeps its own quantization: leave this
+    key unset."""
 
     @field_validator("qlora_bnb_block_size", "qlora_block_size")
     @classmethod

@@ -66,8 +66,12 @@ class QuantFormat:
         return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(self)))
 
     def matmul(self, x: jax.Array) -> jax.Array:
-        """x [..., K] @ W [K, N] -> [..., N] in x's dtype. The jnp reference path (dequantise, then XLA GEMM)."""
-        return jnp.einsum("...k,kn->...n", x, self.dequantize(x.dtype))
+        """x [..., K] @ W [K, N] -> [..., N] in x's dtype. `pallas_kernels.dispatch.quant_matmul` picks the path:
+        the fused Pallas dequantise + matmul kernel (custom_vjp, no weight gradient) or x @ dequantize() in XLA
+        (the reference; always off GPU unless SUROJAX_QUANT_MATMUL=pallas)."""
+        from pallas_kernels.dispatch import quant_matmul  # lazy: the kernels import the formats
+
+        return quant_matmul(x, self)
 
     def __repr__(self) -> str:  # arrays can be huge; show the shapes only
         leaves = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -11,8 +11,8 @@ float32, so it is bit-exact against `gguf.quants.dequantize` on CPU (tests/quant
 other backends: a compiler that contracts `d * q - m` into an FMA rounds once instead of twice; XLA:CPU does not.
 
 Quantisation uses `gguf.quants.quantize`, which implements (bit-exact with ggml's reference quantisers):
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, BF16, F16, F32. The package has no quantiser for Q2_K..Q6_K, IQ4_NL and
-IQ4_XS; those raise NotImplementedError (llama.cpp's reference K-quant / IQ4 quantisers are a later item).
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, BF16, F16, F32; Q2_K..Q6_K use surojax.quant.quantize_kquants and IQ4_NL /
+IQ4_XS surojax.quant.quantize_iq4 (llama.cpp's quantisers without importance matrix, byte-exact).
 `gguf` is imported lazily: dequantisation does not need it (the GPU image lacks the package).
 """
 from __future__ import annotations
@@ -64,6 +64,11 @@ class GGUFQuant(QuantFormat):
                 f"quantising to GGUF {cls.name} is not implemented yet: the gguf package has no quantiser for it "
                 "(llama.cpp's reference quantiser is to come); it can be dequantised, so wrap pre-quantised "
                 f"tensors with {cls.__name__}.from_gguf")
+        from surojax.quant import quantize_iq4, quantize_kquants
+
+        for impl in (quantize_kquants, quantize_iq4):  # llama.cpp's reference quantisers, byte-exact
+            if cls.name in impl.BLOCK_QUANTIZERS:
+                return cls.from_gguf(impl.quantize_rows(w.T, cls.name), k, n)
         import gguf  # lazy: only quantisation needs the package
         raw = gguf.quants.quantize(np.ascontiguousarray(w.T), gguf.GGMLQuantizationType(cls.ggml_type))
         return cls.from_gguf(np.asarray(raw), k, n)

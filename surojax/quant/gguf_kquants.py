@@ -13,6 +13,8 @@
          as Q4_K with a fifth bit: bit j of qh[l] for sub-block j
   Q6_K  210 B: ql[128] | qh[64] | scales[16] int8 | d fp16
          16 sub-blocks of 16: x = d*sc * (q - 32), q = low nibble from ql | 2 high bits from qh
+
+Quantisation: llama.cpp's reference quantisers (quantize_row_q*_K_ref), byte-exact, in quantize_kquants.py.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def _scale_min_k4(scales):
 
 @register_format("q2_k")
 class Q2_K(GGUFQuant):
-    ggml_type, block_size, type_size = 10, QK_K, 84
+    ggml_type, block_size, type_size, can_quantize = 10, QK_K, 84, True
 
     @classmethod
     def dequantize_blocks(cls, b):
@@ -59,7 +61,7 @@ class Q2_K(GGUFQuant):
 
 @register_format("q3_k")
 class Q3_K(GGUFQuant):
-    ggml_type, block_size, type_size = 11, QK_K, 110
+    ggml_type, block_size, type_size, can_quantize = 11, QK_K, 110, True
 
     @classmethod
     def dequantize_blocks(cls, b):
@@ -79,7 +81,7 @@ class Q3_K(GGUFQuant):
 
 @register_format("q4_k")
 class Q4_K(GGUFQuant):
-    ggml_type, block_size, type_size = 12, QK_K, 144
+    ggml_type, block_size, type_size, can_quantize = 12, QK_K, 144, True
 
     @classmethod
     def dequantize_blocks(cls, b):
@@ -95,7 +97,7 @@ class Q4_K(GGUFQuant):
 
 @register_format("q5_k")
 class Q5_K(GGUFQuant):
-    ggml_type, block_size, type_size = 13, QK_K, 176
+    ggml_type, block_size, type_size, can_quantize = 13, QK_K, 176, True
 
     @classmethod
     def dequantize_blocks(cls, b):
@@ -112,7 +114,7 @@ class Q5_K(GGUFQuant):
 
 @register_format("q6_k")
 class Q6_K(GGUFQuant):
-    ggml_type, block_size, type_size = 14, QK_K, 210
+    ggml_type, block_size, type_size, can_quantize = 14, QK_K, 210, True
 
     @classmethod
     def dequantize_blocks(cls, b):

@@ -7,6 +7,8 @@
            x = d * ls[j] * KVALUES_IQ4NL[q], nibbles of qs[16j .. 16j+16] as IQ4_NL
   MXFP4    17 B per 32 values: e u8 (E8M0) | qs[16]; x = e8m0_half(e) * KVALUES_MXFP4[q],
            KVALUES_MXFP4 = the E2M1 values doubled, e8m0_half(e) = 2^(e-128) (ggml_e8m0_to_fp32_half)
+
+Quantisation: IQ4_NL / IQ4_XS by llama.cpp's algorithm in quantize_iq4.py (byte-exact); MXFP4 by gguf.quants.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def e8m0_to_fp32_half(e: jax.Array) -> jax.Array:
 
 @register_format("iq4_nl")
 class IQ4_NL(GGUFQuant):
-    ggml_type, block_size, type_size = 20, 32, 18
+    ggml_type, block_size, type_size, can_quantize = 20, 32, 18, True
 
     @classmethod
     def dequantize_blocks(cls, b):
@@ -41,7 +43,7 @@ class IQ4_NL(GGUFQuant):
 
 @register_format("iq4_xs")
 class IQ4_XS(GGUFQuant):
-    ggml_type, block_size, type_size = 23, QK_K, 136
+    ggml_type, block_size, type_size, can_quantize = 23, QK_K, 136, True
 
     @classmethod
     def dequantize_blocks(cls, b):

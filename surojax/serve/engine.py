@@ -1,59 +1,138 @@
-"""The serving engine: scheduler (continuous batching, prefix caching, preemption) + paged runner.
+"""The serving engine: scheduler (continuous batching, prefix caching, preemption) + paged runner + text.
 
-    engine = Engine(model, num_blocks=..., block_size=16, max_num_seqs=64, max_num_batched_tokens=2048,
-                    max_model_len=4096)
-    rid = engine.add_request(prompt_ids, max_tokens=32, stop_token_ids=(eos,), temperature=0.0)
+    engine = Engine(model, tokenizer=tok, block_size=16, max_num_seqs=64, max_model_len=4096)  # pool sized
+    rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=32, stop_token_ids=(eos,), stop=("\\n\\n",)))
     while engine.has_unfinished():
-        for out in engine.step(): ...        # RequestOutput(request_id, new_token_ids, finished, finish_reason)
+        for out in engine.step(): ...   # RequestOutput(request_id, new_token_ids, finished, finish_reason,
+                                        #               logprobs, text, reasoning_text)
     engine.generate([prompt, ...], max_tokens=32) -> [[new ids], ...]   # run to completion, in prompt order
 
-Greedy results do not depend on the batch: every row attends only to its own context.
+Greedy results do not depend on the batch: every row attends only to its own context, and the batched sampler
+takes each row's argmax (or its own seeded key) whatever the other rows ask for.
+
+Text: with a tokenizer, each request is detokenised incrementally (``detokenize.RequestText``); a stop string
+ends the request in the step that produced it (its blocks are freed at once) and its text is cut before the
+match. LoRA: ``lora=AdapterSlots(...)`` (built on the model before the engine) maps ``adapter`` names to slots.
+KV capacity: ``num_blocks=None`` sizes the pool from free device memory (``capacity.num_kv_blocks``).
+``buckets``: the runner's smallest shape buckets (min_rows, min_context, min_prefill).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import random
 
 from surojax.models.decoder import Decoder
+from surojax.serve.capacity import num_kv_blocks
+from surojax.serve.detokenize import RequestText
 from surojax.serve.kv_cache import KVCacheManager
-from surojax.serve.runner import PagedRunner, SamplingParams
-from surojax.serve.scheduler import Request, RequestOutput, Scheduler
+from surojax.serve.runner import PagedRunner
+from surojax.serve.sampling import SamplingParams
+from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, Scheduler
 
 
 class Engine:
-    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int = 4096, chunk_size: int | None = None,
-                 enable_prefix_caching: bool = True, kv_dtype=None):
+    def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
+                 chunk_size: int | None = None, enable_prefix_caching: bool = True, kv_dtype=None, tokenizer=None,
+                 lora=None, memory_utilization: float = 0.9, buckets: dict | None = None):
+        kv_dtype = kv_dtype or model.dtype
+        if num_blocks is None:
+            num_blocks = num_kv_blocks(model.cfg, kv_dtype, block_size, max_model_len,
+                                       memory_utilization=memory_utilization)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.lora = lora
+        self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, chunk_size=chunk_size)
-        self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype)
+        self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
+                                  adapter_slot=lora.slot if lora is not None else None, **(buckets or {}))
         self._ids = itertools.count()
+        self._seeds = random.Random(0)
+        self._text: dict[str, RequestText] = {}
+        self._logprobs: dict[str, bool] = {}
 
-    def add_request(self, prompt_ids: list[int], max_tokens: int = 16, stop_token_ids=(), temperature: float = 0.0,
-                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-                    request_id: str | None = None, adapter: str | None = None) -> str:
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | int | None = None,
+                    stop_token_ids=None, *, request_id: str | None = None, adapter: str | None = None,
+                    split_reasoning: bool = False, **sampling) -> str:
+        """Queue a request -> its id. ``params`` (or keyword arguments building one; the old positional form
+        ``add_request(ids, max_tokens, stop_token_ids, temperature=...)`` also works)."""
+        if not isinstance(params, SamplingParams):
+            if params is not None:
+                sampling["max_tokens"] = params
+            if stop_token_ids is not None:
+                sampling["stop_token_ids"] = tuple(stop_token_ids)
+            if "stop" in sampling and isinstance(sampling["stop"], str):
+                sampling["stop"] = (sampling["stop"],)
+            params = SamplingParams(**sampling)
+        params.validate(self.model.cfg.vocab_size)
+        if params.seed is None and not params.greedy:
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(32))
+        if (params.stop or split_reasoning) and self.tokenizer is None:
+            raise ValueError("stop strings and reasoning need an engine with a tokenizer")
+        if self.lora is not None:
+            self.lora.slot(adapter)  # raises for an unknown adapter
+        elif adapter is not None:
+            raise ValueError("LoRA adapters need an engine built with lora=AdapterSlots(...)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
-        self.scheduler.add_request(Request(rid, [int(t) for t in prompt_ids], max_tokens=max_tokens,
-                                           stop_token_ids=frozenset(int(t) for t in stop_token_ids),
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.scheduler.add_request(Request(rid, prompt_ids, max_tokens=params.max_tokens,
+                                           stop_token_ids=frozenset(params.stop_token_ids),
                                            sampling_params=params, adapter=adapter))
+        if self.tokenizer is not None:
+            self._text[rid] = RequestText(self.tokenizer, prompt_ids, stop=params.stop,
+                                          stop_token_ids=params.stop_token_ids,
+                                          think_ids=self.think_ids() if split_reasoning else None)
         return rid
 
+    def think_ids(self) -> tuple[int, int] | None:
+        """(<think>, </think>) token ids when the tokenizer has both."""
+        if self.tokenizer is None:
+            return None
+        a, b = self.tokenizer.token_to_id("<think>"), self.tokenizer.token_to_id("</think>")
+        return (a, b) if a is not None and b is not None else None
+
     def abort(self, request_id: str) -> bool:
+        self._text.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the forward (writing KV into the pool), sample, advance. -> outputs of this step."""
+        """Schedule, run the forward (writing KV into the pool), sample, advance, detokenise. -> this step's outputs."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with unfinished requests")
             return []
         sampled = self.runner.execute(sched.scheduled)
-        return self.scheduler.update(sampled)
+        outs = self.scheduler.update(sampled)
+        for o in outs:
+            if o.request_id in sampled.logprobs:
+                o.logprobs = [sampled.logprobs[o.request_id]]
+            text = self._text.get(o.request_id)
+            if text is None:
+                continue
+            o.text, o.reasoning_text, stopped = text.add(o.new_token_ids, o.finished, o.finish_reason)
+            if stopped and not o.finished:
+                self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_STOPPED)
+                o.finished, o.finish_reason = True, "stop"
+            if o.finished:
+                del self._text[o.request_id]
+        return outs
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, stop_token_ids=(), **sampling) -> list[list[int]]:
         """Run every prompt to completion; new token ids per prompt, in order (a stop id is kept)."""
@@ -64,3 +143,23 @@ class Engine:
                 if o.request_id in outs:
                     outs[o.request_id].extend(o.new_token_ids)
         return [outs[r] for r in rids]
+
+    # ---- LoRA -------------------------------------------------------------------------------------------------
+    def load_lora(self, name: str, path) -> None:
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.lora.load(name, path)
+        self.runner.refresh_weights(self.model)
+
+    def unload_lora(self, name: str) -> list[str]:
+        """Unload an adapter; its running / waiting requests are aborted -> their ids."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.lora.slot(name)
+        aborted = [rid for rid, r in list(self.scheduler.requests.items()) if r.adapter == name]
+        for rid in aborted:
+            self.abort(rid)
+        self.lora.unload(name)
+        self.runner.refresh_weights(self.model)
+        self.kv.reset_prefix_cache()  # a new adapter under the same name must not hit the old one's blocks
+        return aborted

@@ -12,9 +12,12 @@ plain per-row cache, so each step the runner
    the Decoder (which writes the new k/v at view slots start..start+T-1 and attends over the view), then
    SCATTERS those new k/v back to the pool at the new tokens' slots, and returns the logits of each row's last
    real token (plus its argmax);
-3. samples with ``surojax.serve.sampling.sample`` only where the scheduler asked (``sample=True``).
+3. samples on device in the same jitted call (``surojax.serve.sampling.sample_batch``: per-row parameters as
+   [R] arrays), and the host fetches the sampled ids once per call (used where the scheduler asked,
+   ``sample=True``). With multi-LoRA slots in the model, each row's adapter slot is set on the merged model
+   inside the call (``surojax.peft.multi_lora.set_adapter_rows``).
 
-Shapes are bucketed (R, T, S rounded up to powers of two; S a multiple of the block size) so the number of
+Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size) so the number of
 compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so that one long
 prefill chunk does not pad every decode row to its length.
 
@@ -34,29 +37,28 @@ split into waves: a request whose context blocks are written this step by anothe
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from surojax.models.decoder import Decoder, KVCache
-from surojax.serve.sampling import sample
+from surojax.peft.multi_lora import multi_lora_modules, set_adapter_rows
+from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, sample_batch
 from surojax.serve.scheduler import ScheduledRequest
 
+__all__ = ["PagedRunner", "SamplingParams", "StepResult"]
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None  # per-request seed; None -> 0
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
+def _context_bucket(n: int, minimum: int, multiple: int) -> int:
+    """Context length S: a power of two, or from 512 on the smallest of 2^k and 1.5 * 2^k that is
+    >= max(n, minimum) (padding <= 33% where it costs, instead of <= 50%); always a multiple of ``multiple``."""
+    n = max(n, minimum, 1)
+    p = 1 << (n - 1).bit_length()
+    for c in ((3 * p // 4, p) if p > 512 else (p,)):
+        if c >= n and c % multiple == 0:
+            return c
+    return p if p % multiple == 0 else -(-p // multiple) * multiple
 
 
 def _bucket(n: int, minimum: int = 1) -> int:
@@ -65,14 +67,17 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("k_pool", "v_pool"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora"), donate_argnames=("k_pool", "v_pool"))
 def _paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, ctx_slots, ctx_len, write_slots,
-                last_idx):
-    """tokens/positions/segment_ids/write_slots [R, T]; ctx_slots [R, S]; ctx_len/last_idx [R].
+                last_idx, adapter_rows, rows, mode: BatchMode, lora: bool):
+    """tokens/positions/segment_ids/write_slots [R, T]; ctx_slots [R, S]; ctx_len/last_idx/adapter_rows [R];
+    rows: the per-row sampling arrays of `sample_batch`.
 
-    -> (k_pool, v_pool, logits [R, V] of each row's last real token, argmax [R]).
+    -> (k_pool, v_pool, sampled: dict of `sample_batch` outputs for each row's last real token).
     """
     model = nnx.merge(graphdef, state)
+    if lora:
+        set_adapter_rows(model, adapter_rows)
     R, T = tokens.shape
     S = ctx_slots.shape[1]
     j = jnp.arange(S, dtype=jnp.int32)[None, :]
@@ -85,36 +90,61 @@ def _paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids,
         lengths=ctx_len.astype(jnp.int32),
     )
     h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache)
-    rows = jnp.arange(R)
-    logits = model.logits(h[rows, last_idx][:, None])[:, 0]  # [R, V] fp32
+    idx = jnp.arange(R)
+    logits = model.logits(h[idx, last_idx][:, None])[:, 0]  # [R, V] fp32
     view = ctx_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T] where the model wrote them
-    new_k = cache.k[:, rows[:, None], view]  # [L, R, T, K, H]
-    new_v = cache.v[:, rows[:, None], view]
+    new_k = cache.k[:, idx[:, None], view]  # [L, R, T, K, H]
+    new_v = cache.v[:, idx[:, None], view]
     k_pool = k_pool.at[:, write_slots].set(new_k.astype(k_pool.dtype), mode="drop")
     v_pool = v_pool.at[:, write_slots].set(new_v.astype(v_pool.dtype), mode="drop")
-    return k_pool, v_pool, logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return k_pool, v_pool, sample_batch(logits, rows, mode)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_k", "top_p", "min_p"))
-def _sample_rows(logits, key, temperature, top_k, top_p, min_p):
-    return sample(logits, key, temperature, top_k, top_p, min_p)
+class StepResult(dict):
+    """request id -> sampled token id; ``logprobs``: request id -> (logprob, [(id, logprob)] * top_logprobs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
 
 
 class PagedRunner:
     """Owns the device KV pool and runs one scheduler step: ``execute(scheduled) -> {request_id: token}``."""
 
-    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None):
+    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None, adapter_slot=None,
+                 min_rows: int = 1, min_prefill_rows: int = 1, min_context: int = 0, min_prefill: int = 1):
+        """adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``).
+        min_rows / min_prefill_rows / min_context / min_prefill: smallest buckets of decode R, prefill R, S and
+        prefill T (fewer compilations, more padding: the tests use them on CPU, the benchmark pads decode
+        batches to the number of users)."""
+        self.min_rows, self.min_prefill_rows = min_rows, min_prefill_rows
+        self.min_context, self.min_prefill = min_context, min_prefill
         cfg = model.cfg
         self.cfg = cfg
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         self.graphdef, self.state = nnx.split(model)
+        self.lora = bool(multi_lora_modules(model))
+        self.adapter_slot = adapter_slot or (lambda name: 0)
         shape = (cfg.num_layers, self.num_slots, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or model.dtype
         self.k_pool = jnp.zeros(shape, dtype)
         self.v_pool = jnp.zeros(shape, dtype)
         self.num_calls = 0  # forward calls (waves x decode/prefill groups), for tests / metrics
         self.num_deferred = 0  # requests run in a later wave (same-step prefix hits on blocks being written)
+
+    def recover_pools(self) -> bool:
+        """After a failed step: the pools were donated to the call and may be gone; make fresh (empty) ones.
+        -> True when they had to be rebuilt (every cached KV is lost: drop the prefix cache too)."""
+        lost = self.k_pool.is_deleted() or self.v_pool.is_deleted()
+        if lost:
+            self.k_pool = jnp.zeros(self.k_pool.shape, self.k_pool.dtype)
+            self.v_pool = jnp.zeros(self.v_pool.shape, self.v_pool.dtype)
+        return lost
+
+    def refresh_weights(self, model: Decoder) -> None:
+        """Take the model's current values (after an adapter was loaded into / unloaded from its slots)."""
+        self.state = nnx.state(model)
 
     # ---- host-side batch building -------------------------------------------------------------------------
     def _slots(self, block_table: np.ndarray, start: int, stop: int) -> np.ndarray:
@@ -142,10 +172,52 @@ class PagedRunner:
             waves[i] = w
         return waves
 
+    def _sampling_rows(self, group: list[ScheduledRequest], R: int, S: int):
+        """Per-row sampling arrays [R] (rows that do not sample this step get greedy defaults) + the BatchMode.
+
+        Two compiled variants only: greedy (argmax) and full (sampling + penalties + logprobs, used as soon as
+        one row needs any of them); the penalties' token arrays are [R, S], the context bucket, since a row's
+        prompt + output tokens are its context plus this step's tokens.
+        """
+        temperature = np.zeros(R, np.float32)
+        top_k = np.zeros(R, np.int32)
+        top_p = np.ones(R, np.float32)
+        min_p = np.zeros(R, np.float32)
+        seed = np.zeros(R, np.uint32)
+        step = np.zeros(R, np.int32)
+        rep = np.ones(R, np.float32)
+        pres = np.zeros(R, np.float32)
+        freq = np.zeros(R, np.float32)
+        params = [(r, s, s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams())
+                  for r, s in enumerate(group) if s.sample]
+        full = any(not sp.greedy or sp.uses_penalties or sp.logprobs for *_, sp in params)
+        mode = BatchMode(sample=full, penalties=full, logprobs=full)
+        rows = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step)
+        if not full:
+            return rows, mode
+        ids = np.zeros((R, S), np.int32)
+        valid = np.zeros((R, S), bool)
+        is_out = np.zeros((R, S), bool)
+        for r, s, sp in params:
+            temperature[r], top_k[r], top_p[r], min_p[r] = sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p
+            seed[r] = (sp.seed or 0) & 0xFFFFFFFF
+            step[r] = s.start + s.num_new_tokens  # position of the token being sampled
+            rep[r], pres[r], freq[r] = sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty
+            req = s.request
+            if sp.uses_penalties and req is not None:
+                n_p, n = len(req.prompt_token_ids), min(req.num_tokens, S)
+                ids[r, :n] = req.all_token_ids[:n]
+                valid[r, :n] = True
+                is_out[r, n_p:n] = True
+        rows.update(repetition=rep, presence=pres, frequency=freq, seen_ids=ids, seen_valid=valid,
+                    seen_is_output=is_out)
+        return rows, mode
+
     def _run(self, group: list[ScheduledRequest]):
-        R = _bucket(len(group))
-        T = _bucket(max(s.num_new_tokens for s in group))
-        S = _bucket(max(s.start for s in group) + T, self.block_size)
+        decode = group[0].num_new_tokens == 1  # groups are all-decode or all-prefill
+        R = _bucket(len(group), self.min_rows if decode else self.min_prefill_rows)
+        T = _bucket(max(s.num_new_tokens for s in group), 1 if decode else self.min_prefill)
+        S = _context_bucket(max(s.start for s in group) + T, max(self.block_size, self.min_context), self.block_size)
         tokens = np.zeros((R, T), np.int32)
         positions = np.zeros((R, T), np.int32)
         segments = np.zeros((R, T), np.int32)
@@ -153,6 +225,7 @@ class PagedRunner:
         ctx = np.zeros((R, S), np.int32)
         ctx_len = np.zeros((R,), np.int32)
         last = np.zeros((R,), np.int32)
+        adapters = np.zeros((R,), np.int32)
         for r, s in enumerate(group):
             n, st = s.num_new_tokens, s.start
             bt = np.asarray(s.block_table, np.int64)
@@ -163,42 +236,43 @@ class PagedRunner:
             ctx[r, :st] = self._slots(bt, 0, st)
             ctx_len[r] = st
             last[r] = n - 1
-        self.k_pool, self.v_pool, logits, greedy = _paged_step(
-            self.graphdef, self.state, self.k_pool, self.v_pool, jnp.asarray(tokens), jnp.asarray(positions),
-            jnp.asarray(segments), jnp.asarray(ctx), jnp.asarray(ctx_len), jnp.asarray(write), jnp.asarray(last))
+            if self.lora:
+                adapters[r] = self.adapter_slot(s.adapter)
+        rows, mode = self._sampling_rows(group, R, S)
+        self.k_pool, self.v_pool, sampled = _paged_step(
+            self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments, ctx, ctx_len, write,
+            last, adapters, rows, mode=mode, lora=self.lora)
         self.num_calls += 1
-        return logits, greedy
+        return sampled
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
-        """Run the forward for every scheduled request (writing its KV) and sample where ``sample`` is True."""
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        """Run the forward for every scheduled request (writing its KV) and sample where ``sample`` is True.
+
+        One host sync per forward call: the sampled ids (and logprobs when asked) come back together.
+        """
+        out = StepResult()
         scheduled = [s for s in scheduled if s.num_new_tokens > 0]
         if not scheduled:
-            return {}
+            return out
         waves = self._waves(scheduled)
         self.num_deferred += sum(w > 0 for w in waves)
-        out: dict[str, int] = {}
         for w in range(max(waves) + 1):
             in_wave = [s for s, wi in zip(scheduled, waves) if wi == w]
             for group in ([s for s in in_wave if s.num_new_tokens == 1], [s for s in in_wave if s.num_new_tokens > 1]):
                 if not group:
                     continue
-                logits, greedy = self._run(group)
+                sampled = self._run(group)
                 if not any(s.sample for s in group):
                     continue
-                greedy_host = None
+                host = jax.device_get(sampled)
                 for r, s in enumerate(group):
                     if not s.sample:
                         continue
-                    sp = s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams()
-                    if sp.greedy:
-                        if greedy_host is None:
-                            greedy_host = np.asarray(greedy)
-                        out[s.request_id] = int(greedy_host[r])
-                    else:
-                        # per-request stream: seed folded with the position of the token being sampled
-                        key = jax.random.fold_in(jax.random.key(sp.seed or 0), s.start + s.num_new_tokens)
-                        tok = _sample_rows(logits[r:r + 1], key, float(sp.temperature), int(sp.top_k),
-                                           float(sp.top_p), float(sp.min_p))
-                        out[s.request_id] = int(tok[0])
+                    out[s.request_id] = int(host["ids"][r])
+                    sp = s.sampling_params
+                    if isinstance(sp, SamplingParams) and sp.logprobs:
+                        k = min(sp.top_logprobs, MAX_TOP_LOGPROBS)
+                        top = [(int(i), float(v)) for i, v in zip(host["top_ids"][r, :k], host["top_logprobs"][r, :k])]
+                        out.logprobs[s.request_id] = (float(host["logprob"][r]), top)
         return out

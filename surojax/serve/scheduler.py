@@ -80,6 +80,7 @@ class ScheduledRequest:
     sample: bool  # True when this step reaches the end of the sequence: the runner samples one token
     adapter: str | None = None
     sampling_params: Any = None
+    request: Any = field(default=None, repr=False)  # the Request (the runner reads its tokens for penalties)
 
 
 @dataclass
@@ -103,6 +104,9 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list | None = None  # per new token: (logprob, [(id, logprob), ...]) when the request asked
+    text: str = ""  # detokenised delta (engine with a tokenizer)
+    reasoning_text: str = ""  # delta inside <think> ... </think> (requests that split reasoning)
 
 
 class Scheduler:
@@ -145,6 +149,10 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request (client disconnect): frees its blocks now. False if unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """End a request from outside (abort, or a stop string the engine found): frees its blocks now."""
         req = self.requests.get(request_id)
         if req is None:
             return False
@@ -152,7 +160,7 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finish(req, status)
         return True
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -177,7 +185,7 @@ class Scheduler:
         s = req.num_computed_tokens
         return ScheduledRequest(
             req.request_id, n, s, req.all_token_ids[s:s + n], self.kv.block_table(req.request_id),
-            sample=s + n == req.num_tokens, adapter=req.adapter, sampling_params=req.sampling_params)
+            sample=s + n == req.num_tokens, adapter=req.adapter, sampling_params=req.sampling_params, request=req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -6,6 +6,8 @@ Precision recipes (`recipe`):
           (`master_dtype`) that are cast at each use; LoRA keeps the frozen base in bf16 and the adapters in
           `lora_dtype` (fp32 by default).
 Transforms are applied to the built model in this order: (quantise base) -> LoRA (stacked adapters first).
+`model: path/to/file.gguf` loads a llama.cpp GGUF as the base, its quantised kernels kept in their GGUF format
+(surojax.weights.gguf_checkpoint); the architecture comes from its metadata.
 """
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ def model_config_for(cfg) -> ModelConfig:
     from surojax.data.hub import resolve_local
 
     hf: dict = {}
-    if cfg.model:
+    if cfg.model and is_gguf_path(cfg.model):
+        hf = gguf_hf_config(cfg.model)
+    elif cfg.model:
         path = Path(resolve_local(cfg.model)) / "config.json"
         if not path.is_file():
             raise TrainSetupError(f"model: {cfg.model} has no config.json")
@@ -86,9 +90,13 @@ def qlora_format(cfg) -> tuple[str, dict] | None:
     elif opt("qlora_fp4"):
         fmt, options = "nvfp4", {}
     elif opt("qlora_gguf"):
+        from surojax.config.lora import GGUF_MIXES
+
         fmt, options = opt("qlora_gguf").lower(), {}
         cls = GGUF_TYPES.get(fmt)
-        if cls is None or not cls.can_quantize:
+        if fmt in GGUF_MIXES:
+            pass  # quantised per target by surojax.quant.quantize_mix
+        elif cls is None or not cls.can_quantize:
             from surojax.config.lora import GGUF_TYPES as CONFIG_GGUF
 
             ok = [t for t in CONFIG_GGUF if t in GGUF_TYPES and GGUF_TYPES[t].can_quantize]
@@ -96,6 +104,9 @@ def qlora_format(cfg) -> tuple[str, dict] | None:
                                   f"this version); types that work: {', '.join(ok)}")
     else:
         return None
+    if is_gguf_path(opt("model")):
+        raise TrainSetupError(f"qlora_*: model: {cfg.model} is a GGUF file, which keeps its own quantization; "
+                              "remove the qlora_* key (or start from the HF model folder)")
     if not cfg.lora:
         raise TrainSetupError("qlora_* quantizes the frozen base for LoRA; full fine-tuning over a quantized base is "
                               "not possible: set lora: true")
@@ -119,23 +130,59 @@ def build_model(cfg) -> Decoder:
         model = Decoder(mcfg, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention,
                         rngs=nnx.Rngs(params=cfg.seed))
         log.info("initialised %s from scratch (seed %d)", mcfg.model_type, cfg.seed)
+    elif is_gguf_path(cfg.model):
+        model = load_gguf_base(cfg, prec, mcfg)
     else:
         model = load_model(cfg.model, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention, cfg=mcfg)
     if qlora is not None:
+        from surojax.config.lora import GGUF_MIXES
+        from surojax.quant.quantize_mix import quantize_model_mix
         from surojax.quant.transform import quantize_model
 
         fmt, options = qlora
         try:
-            report = quantize_model(model, fmt, **options)
+            if fmt in GGUF_MIXES:
+                log.info("quantised the base as llama.cpp %s: %s", fmt, quantize_model_mix(model, fmt))
+            else:
+                log.info("%s", quantize_model(model, fmt, **options))
         except ValueError as e:
             raise TrainSetupError(f"quantising the base to {fmt}: {e}") from None
-        log.info("%s", report)
     if cfg.lora:
         from surojax.peft.stacked import init_lora
 
         init_lora(model, targets=cfg.lora_target_modules, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                   dropout=cfg.lora_dropout, use_rslora=cfg.use_rslora, rngs=nnx.Rngs(params=cfg.seed + 1),
                   dtype=prec.adapter, adapter_path=cfg.adapter_path, adapter_init_mode=cfg.adapter_init_mode)
+    return model
+
+
+def is_gguf_path(p) -> bool:
+    return p is not None and str(p).lower().endswith(".gguf")
+
+
+def gguf_hf_config(path) -> dict:
+    """The config.json-style dict of a .gguf `model` (from its metadata)."""
+    from surojax.weights.gguf_checkpoint import read_gguf_hf_config
+
+    return read_gguf_hf_config(path)
+
+
+def load_gguf_base(cfg, prec: Precision, mcfg: ModelConfig) -> Decoder:
+    """`model: file.gguf`: the base with its quantised Linear kernels kept in their GGUF format (LoRA only)."""
+    from surojax.quant.transform import is_quantized
+    from surojax.weights.gguf_checkpoint import load_gguf_model
+
+    _, model, _ = load_gguf_model(cfg.model, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention,
+                                  cfg=mcfg, keep_quantized=True)
+    quantized = is_quantized(model)
+    if quantized and not cfg.lora:
+        kinds = ", ".join(sorted(set(quantized.values())))
+        raise TrainSetupError(f"model: {cfg.model} holds quantized weights ({kinds}); full fine-tuning over a "
+                              "quantized base is not possible: set lora: true")
+    if quantized and getattr(cfg, "merge_adapter", False):
+        raise TrainSetupError("merge_adapter cannot fold the adapter into a quantized GGUF base; train without it, "
+                              "then merge the saved adapter into the unquantized HF model")
+    log.info("loaded GGUF base %s (quantized kernels: %s)", cfg.model, quantized or "none")
     return model
 
 

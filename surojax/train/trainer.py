@@ -30,7 +30,8 @@ from surojax.offload.settings import OFFLOAD_AVAILABLE, check_offload_settings
 from surojax.offload.streaming import build_context, place_model
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.metrics import Metrics, plot_loss
-from surojax.train.model_setup import TrainSetupError, build_model, model_config_for, trainable_filter
+from surojax.train.model_setup import (TrainSetupError, build_model, is_gguf_path, model_config_for,
+                                        trainable_filter)
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.step import make_eval_step, make_train_step
 
@@ -39,7 +40,14 @@ CHINCHILLA_TOKENS_PER_PARAM = 20
 
 
 def _count(state) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(state)))
+    """Parameters (a quantised weight counts its logical [.., K, N] values, not its packed bytes)."""
+    from surojax.quant.base import QuantFormat
+
+    def size(x):
+        if isinstance(x, QuantFormat):
+            return int(np.prod(jax.eval_shape(lambda v: v.dequantize(jnp.float32), x).shape))
+        return int(np.prod(x.shape))
+    return int(sum(size(x) for x in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, QuantFormat))))
 
 
 @dataclasses.dataclass
@@ -72,7 +80,13 @@ class Trainer:
         tok_src = cfg.tokenizer or cfg.model
         if tok_src is None:
             raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
-        self.tokenizer_dir = Path(resolve_local(tok_src))
+        if is_gguf_path(tok_src):  # the tokenizer of a GGUF base is in its metadata: export it once, as HF files
+            from surojax.weights.gguf_checkpoint import load_gguf_tokenizer
+            from surojax.weights.gguf_tokenizer import save_tokenizer_dir
+
+            self.tokenizer_dir = save_tokenizer_dir(load_gguf_tokenizer(tok_src), self.output_dir / "gguf_tokenizer")
+        else:
+            self.tokenizer_dir = Path(resolve_local(tok_src))
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir)
 
         self.mesh = make_mesh(cfg.parallel)

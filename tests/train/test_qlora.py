@@ -52,7 +52,6 @@ def test_qlora_gguf_quantisable_type_builds(tmp_path):
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"qlora_gguf": "q4_k"}, r"q4_k cannot be quantised.*types that work: q4_0, q4_1, q5_0, q5_1, q8_0"),
     ({"qlora_bnb": True, "qlora_bnb_block_size": 128}, "block size 64"),
     ({"qlora_fp8": True, "qlora_block_size": 64}, "128 x 128"),
     ({"qlora_bnb": True, "merge_adapter": True}, "merge_adapter cannot fold"),

@@ -1,0 +1,442 @@
+"""Serving load benchmark: N concurrent users, fixed prompt / output lengths, fixed seed, greedy, ignore-eos.
+
+Modes (`--modes`, run in this order, each in its own process so torch and JAX never share the GPU):
+  hf       the anchor: HF transformers `generate` batched (N prompts at once, 128 new tokens, greedy), random
+           init of the same shape in bf16 on CUDA; skipped cleanly without torch / transformers / a GPU
+  engine   our Engine in-process, no HTTP: the engine's own ceiling
+  server   our HTTP server in-process (uvicorn thread) + this script as a streaming client in a child process
+           (plain asyncio streams: no openai / httpx package): what a user of `surojax serve` sees
+  client   only the client, against --url (any OpenAI-compatible server, e.g. vLLM for comparison)
+
+Reports per (mode, users): aggregate decode tok/s (sum over users of (tokens - 1) / (last - first token)
+time), output tok/s (all output tokens / wall time), TTFT p50/p99 and inter-token latency p50/p99 in ms.
+Prints one JSON line per measurement (`RESULT {...}`) and a table last. Every user sends --rounds requests
+back to back (prompts differ: no prefix-cache hits); a warm-up pass with 4-token outputs compiles the shapes
+first and is not measured. The model is random-init (throughput does not depend on the values) with the shape
+of `surojax.bench.shapes` (default qwen3-0.6b, bf16); prompts are token ids, so no tokenizer is needed.
+
+    python benchmarks/serve_load.py                      # H200: hf, engine, server at users 1, 16, 64
+    python benchmarks/serve_load.py --smoke              # CPU: debug shape, tiny lengths, engine + server
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+# ---- statistics ---------------------------------------------------------------------------------------------
+
+def pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summarize(mode, users, records, wall, extra=None):
+    """records: per request (t_send, [token arrival times]) -> one result dict."""
+    ttft = [ts[0] - t0 for t0, ts in records if ts]
+    itl = [b - a for _, ts in records for a, b in zip(ts, ts[1:])]
+    rates = [(len(ts) - 1) / (ts[-1] - ts[0]) for _, ts in records if len(ts) > 1 and ts[-1] > ts[0]]
+    rounds = max(1, len(records) // max(users, 1))
+    out_tokens = sum(len(ts) for _, ts in records)
+    r = {"mode": mode, "users": users, "requests": len(records), "output_tokens": out_tokens,
+         "decode_tok_s": sum(rates) / rounds if rates else 0.0, "output_tok_s": out_tokens / wall if wall else 0.0,
+         "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+         "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99), "wall_s": wall}
+    r.update(extra or {})
+    return r
+
+
+def emit(r):
+    print("RESULT " + json.dumps(r), flush=True)
+
+
+# ---- the client (plain asyncio streams: no HTTP package needed) --------------------------------------------
+
+class _Conn:
+    """One keep-alive HTTP/1.1 connection; POST a JSON body, iterate the SSE lines of a chunked response."""
+
+    def __init__(self, host, port):
+        self.host, self.port = host, port
+        self.reader = self.writer = None
+
+    async def post_stream(self, path, body: dict, headers: dict):
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        head = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Content-Type: application/json",
+                f"Content-Length: {len(data)}", "Accept: text/event-stream"]
+        head += [f"{k}: {v}" for k, v in headers.items()]
+        self.writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+        await self.writer.drain()
+        status = (await self.reader.readline()).decode()
+        hdrs = {}
+        while (line := (await self.reader.readline()).decode().strip()):
+            k, _, v = line.partition(":")
+            hdrs[k.strip().lower()] = v.strip()
+        code = int(status.split()[1])
+        if hdrs.get("transfer-encoding") != "chunked":
+            text = await self.reader.readexactly(int(hdrs.get("content-length", 0)))
+            raise RuntimeError(f"HTTP {code}: {text[:300]!r}")
+        buf = b""
+        while True:
+            size = int((await self.reader.readline()).strip(), 16)
+            chunk = (await self.reader.readexactly(size + 2))[:-2]  # data + CRLF
+            if size == 0:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for ln in lines:
+                if ln.strip():
+                    yield code, ln.decode().strip()
+        if code != 200:
+            raise RuntimeError(f"HTTP {code}")
+
+
+async def _one(conn, model, prompt, max_tokens, headers):
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    t0, ts = time.perf_counter(), []
+    async for code, line in conn.post_stream("/v1/completions", body, headers):
+        if code != 200:
+            raise RuntimeError(f"HTTP {code}: {line[:300]}")
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"])
+        if chunk["choices"] and chunk["choices"][0].get("text"):
+            ts.append(time.perf_counter())
+    return t0, ts
+
+
+async def run_clients(url, model, users, rounds, prompt_len, max_tokens, seed, vocab, api_key=None):
+    import random
+    from urllib.parse import urlparse
+
+    rng = random.Random(seed)
+    prompts = [[[rng.randrange(10, vocab - 10) for _ in range(prompt_len)] for _ in range(rounds)]
+               for _ in range(users)]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    u = urlparse(url)
+
+    async def user(i):
+        conn = _Conn(u.hostname, u.port or 80)
+        try:
+            return [await _one(conn, model, prompts[i][k], max_tokens, headers) for k in range(rounds)]
+        finally:
+            if conn.writer is not None:
+                conn.writer.close()
+
+    t0 = time.perf_counter()
+    per_user = await asyncio.gather(*(user(i) for i in range(users)))
+    wall = time.perf_counter() - t0
+    return [r for rs in per_user for r in rs], wall
+
+
+def client_main(a):
+    for users in a.users_list:
+        records, wall = asyncio.run(run_clients(a.url, a.model_name, users, a.rounds, a.prompt_len, a.max_tokens,
+                                                a.seed, a.vocab, a.api_key))
+        emit(summarize(a.label, users, records, wall))
+
+
+def run_client_process(a, url, users, max_tokens, seed, label):
+    cmd = [sys.executable, __file__, "--modes", "client", "--url", url, "--users", str(users), "--rounds",
+           str(a.rounds if label != "warmup" else 1), "--prompt-len", str(a.prompt_len), "--max-tokens",
+           str(max_tokens), "--seed", str(seed), "--vocab", str(a.vocab), "--label", label, "--model-name", "bench"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"client failed ({p.returncode}): {p.stderr[-2000:]}")
+    return json.loads(lines[-1][7:])
+
+
+# ---- ours: engine and server --------------------------------------------------------------------------------
+
+def build_model(a):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from surojax.bench.shapes import model_config
+    from surojax.models.decoder import Decoder
+
+    cfg = model_config(a.shape)
+    dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
+    model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0))
+    print(f"# model {a.shape} {a.dtype} on {jax.devices()[0].device_kind}", flush=True)
+    return model
+
+
+def engine_kwargs(a, users):
+    blocks_per_seq = -(-(a.prompt_len + a.max_tokens) // a.block_size)
+    return dict(num_blocks=max(a.num_kv_blocks, users * blocks_per_seq + 8), block_size=a.block_size,
+                max_num_seqs=users, max_num_batched_tokens=step_budget(a, users),
+                max_model_len=a.prompt_len + a.max_tokens + a.block_size,
+                buckets=bench_buckets(a, users))
+
+
+def step_budget(a, users):
+    """Tokens per engine step: every decode plus whole prompts (never a chunked one: a chunk's remainder
+    would be a new shape to compile while measuring)."""
+    return users + a.prefills_per_step * a.prompt_len
+
+
+def bench_buckets(a, users):
+    """One decode shape (R = users, S = the longest context) and one prefill shape (T = the prompt, R = the
+    prompts one step's token budget holds), so the warm-up compiles everything and nothing compiles while
+    measuring. Costs some padding (a chunked prompt's remainder is padded to a full prompt)."""
+    return dict(min_rows=users, min_prefill_rows=min(users, a.prefills_per_step),
+                min_prefill=a.prompt_len, min_context=a.prompt_len + a.max_tokens)
+
+
+def run_engine(a, model, users, max_tokens, seed, label):
+    import numpy as np
+
+    from surojax.serve.engine import Engine
+    from surojax.serve.sampling import SamplingParams
+
+    eng = Engine(model, **engine_kwargs(a, users))
+    compiled_before = _num_compiled()
+    rng = np.random.default_rng(seed)
+    records = []
+    t_start = time.perf_counter()
+    for _ in range(a.rounds if label != "warmup" else 1):
+        prompts = rng.integers(10, a.vocab - 10, size=(users, a.prompt_len)).tolist()
+        t0 = time.perf_counter()
+        ts = {eng.add_request(p, SamplingParams(max_tokens=max_tokens)): [] for p in prompts}
+        while eng.has_unfinished():
+            outs = eng.step()
+            now = time.perf_counter()
+            for o in outs:
+                ts[o.request_id].append(now)
+        records += [(t0, v) for v in ts.values()]
+    wall = time.perf_counter() - t_start
+    return summarize(label, users, records, wall, {"steps": eng.runner.num_calls,
+                                                   "compiled_while_measuring": _num_compiled() - compiled_before})
+
+
+def _num_compiled() -> int:
+    """Compiled variants of the runner's step (a private jax API: -1 where it is missing)."""
+    from surojax.serve import runner
+
+    try:
+        return runner._paged_step._cache_size()
+    except Exception:
+        return -1
+
+
+def ours_main(a):
+    import gc
+
+    model = build_model(a)
+    a.vocab = model.cfg.vocab_size
+    results = []
+    if "engine" in a.modes:
+        for users in a.users_list:
+            run_engine(a, model, users, 4, 1000 + users, "warmup")
+            r = run_engine(a, model, users, a.max_tokens, users, "engine")
+            emit(r)
+            results.append(r)
+            gc.collect()
+    if "server" in a.modes:
+        try:
+            import uvicorn
+
+            from surojax.cli.main import build_parser, load_command
+            from surojax.serve.launch import build_server
+        except ImportError as e:
+            print(f"# server mode skipped: {e} (needs fastapi, starlette, uvicorn, anyio, h11, click, pydantic)",
+                  flush=True)
+            return results
+        for users in a.users_list:
+            kw = engine_kwargs(a, users)
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            sock.close()
+            args = build_parser("serve", load_command("serve")).parse_args(
+                ["serve", "random", "--served-model-name", "bench", "--max-num-seqs", str(users),
+                 "--num-kv-blocks", str(kw["num_blocks"]), "--block-size", str(a.block_size),
+                 "--max-model-len", str(kw["max_model_len"]), "--max-num-batched-tokens",
+                 str(step_budget(a, users)), "--log-level", "warning"])
+            app, state = build_server(args, model=model, tokenizer=IdTokenizer())
+            for k, v in bench_buckets(a, users).items():
+                setattr(state.engine.engine.runner, k, v)
+            srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+            th = threading.Thread(target=srv.run, daemon=True)
+            th.start()
+            while not srv.started:
+                time.sleep(0.05)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                run_client_process(a, url, users, 4, 1000 + users, "warmup")
+                before = _num_compiled()
+                r = run_client_process(a, url, users, a.max_tokens, users, "server")
+                r["compiled_while_measuring"] = _num_compiled() - before
+            finally:
+                srv.should_exit = True
+                th.join(10)
+                state.engine.shutdown()
+            emit(r)
+            results.append(r)
+            del app, state
+            gc.collect()
+    return results
+
+
+class IdTokenizer:
+    """Enough of a tokenizer for a random-weight model: every id decodes to a short non-empty string."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{int(i)}>" for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        raise ValueError("the benchmark sends token ids")
+
+    def token_to_id(self, token):
+        return None
+
+    def get_chat_template(self, *a, **k):
+        raise ValueError("no chat template")
+
+
+# ---- the HF anchor ------------------------------------------------------------------------------------------
+
+def hf_main(a):
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        print(f"# hf anchor skipped: {e}", flush=True)
+        return []
+    if not torch.cuda.is_available():
+        print("# hf anchor skipped: no CUDA device", flush=True)
+        return []
+    from surojax.bench.shapes import shape_hf_config
+
+    kw = shape_hf_config(a.shape)
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
+    results = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for users in a.users_list:
+        ids = torch.randint(10, cfg.vocab_size - 10, (users, a.prompt_len), generator=g).cuda()
+        mask = torch.ones_like(ids)
+
+        def gen(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                     do_sample=False, pad_token_id=0, eos_token_id=None)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0, out.shape[1] - ids.shape[1]
+
+        gen(4)  # warm-up
+        t_first, _ = gen(1)  # prefill + one token: the TTFT of every row
+        wall, n = gen(a.max_tokens)
+        decode = users * (n - 1) / max(wall - t_first, 1e-9)
+        r = {"mode": "hf", "users": users, "requests": users, "output_tokens": users * n, "decode_tok_s": decode,
+             "output_tok_s": users * n / wall, "ttft_p50_ms": 1e3 * t_first, "ttft_p99_ms": 1e3 * t_first,
+             "itl_p50_ms": 1e3 * (wall - t_first) / max(n - 1, 1), "itl_p99_ms": float("nan"), "wall_s": wall}
+        emit(r)
+        results.append(r)
+    return results
+
+
+# ---- driver -------------------------------------------------------------------------------------------------
+
+def table(results):
+    cols = ["mode", "users", "decode_tok_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in sorted(results, key=lambda r: (r["users"], r["mode"])):
+        cells = [f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_child(a, modes):
+    cmd = [sys.executable, __file__, "--modes", ",".join(modes), "--child", *a.passthrough]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stderr.write(p.stderr[-4000:] if p.returncode else "")
+    for ln in p.stdout.splitlines():
+        print(ln, flush=True)
+    if p.returncode:
+        print(f"# {','.join(modes)} failed with exit code {p.returncode}", flush=True)
+    return [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="hf,engine,server", help="comma list of hf, engine, server, client")
+    p.add_argument("--users", default="1,16,64", help="comma list of concurrent users")
+    p.add_argument("--rounds", type=int, default=2, help="requests per user, back to back")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (default: what the users need)")
+    p.add_argument("--prefills-per-step", type=int, default=4,
+                   help="whole prompts one engine step may prefill (token budget = users + this x prompt-len)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
+    p.add_argument("--url", default=None, help="client mode: the server's base URL")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--vocab", type=int, default=151936, help="client mode: prompt ids are drawn below this")
+    p.add_argument("--model-name", default="bench")
+    p.add_argument("--label", default="client")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    a.passthrough = [x for i, x in enumerate(raw) if x != "--modes" and (i == 0 or raw[i - 1] != "--modes")]
+    if a.smoke:
+        a.shape, a.dtype, a.prompt_len, a.max_tokens, a.rounds = "debug", "float32", 24, 8, 1
+        if a.users == "1,16,64":
+            a.users = "1,4"
+        if a.modes == "hf,engine,server":
+            a.modes = "engine,server"
+    a.users_list = [int(u) for u in a.users.split(",")]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    a.modes = modes
+    if "client" in modes:
+        client_main(a)
+        return 0
+    if a.child:
+        results = hf_main(a) if modes == ["hf"] else ours_main(a)
+        return 0 if results or "hf" in modes else 1
+    results = []
+    if "hf" in modes:
+        results += run_child(a, ["hf"])
+    ours = [m for m in modes if m in ("engine", "server")]
+    if ours:
+        results += run_child(a, ours)
+    print()
+    print(table(results))
+    want = len(a.users_list) * len(ours)
+    got = sum(1 for r in results if r["mode"] in ours)
+    return 0 if got == want else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Compile the fused kernels for an H200 without a GPU: Pallas -> Triton IR (jaxlib's lowering, run for an abstract
+"NVIDIA H200" device) -> PTX for sm_90 (the `triton` package's compiler, which needs no GPU). It reports each
+kernel's shared memory (the H200 allows 227 KiB = 232,448 B per block), whether it uses wgmma, and whether
+registers spill; a tile configuration that fails here will fail on the GPU too. XLA compiles with its own bundled
+Triton, so the figures are close, not identical.
+
+Two steps, because the project's environment has jax but not `triton` (any Python with `pip install triton` does):
+
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/triton_offline_check.py dump /tmp/ttir [--formats q4_k,nf4]
+    TRITON_DEFAULT_FP_FUSION=1 /path/to/triton-env/bin/python benchmarks/triton_offline_check.py compile /tmp/ttir
+
+`dump` writes one .ttir file per (format, product, tile configuration of benchmarks/quant_matmul_h200.py) at
+the Qwen3-8B shape 4096 x 4096, M = 8192. `compile` needs only `triton` (it imports nothing else from here).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+H200_SMEM = 232448  # bytes of shared memory per block (opt-in maximum of sm_90)
+
+
+def dump(out: str, formats: list[str]) -> None:
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import quant_matmul_h200 as bench
+
+    from pallas_kernels.fused import forward, transposed
+    from pallas_kernels.layout import to_layout
+    from surojax.bench.quant_base import random_weight
+
+    warnings.filterwarnings("ignore")  # the Pallas Triton backend's deprecation notice
+    h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    original = lowering.lower_jaxpr_to_triton_module
+    captured: list[str] = []
+
+    def capture(*args, **kwargs):  # the Triton module of each pallas_call, as MLIR text
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm())
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    os.makedirs(out, exist_ok=True)
+    k = n = 4096
+    m = 8192
+    check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    try:
+        for name in formats:
+            w = random_weight(name, k, n, jax.random.key(0))
+            for prod, candidates in (("fwd", bench.FWD_TILES), ("dx", bench.BWD_TILES)):
+                for tiles in candidates:
+                    lw = to_layout(w, tiles.kt)
+                    a = jnp.zeros((m, k if prod == "fwd" else n), jnp.bfloat16)
+                    kernel = forward if prod == "fwd" else transposed
+                    captured.clear()
+                    with jax.sharding.use_abstract_mesh(h200):
+                        jax.export.export(jax.jit(lambda a, lw: kernel(a, lw, tiles=tiles)), platforms=["cuda"],
+                                          disabled_checks=check)(a, lw)
+                    path = os.path.join(out, f"{name}_{prod}_{tiles.label()}.ttir")
+                    with open(path, "w") as f:
+                        f.write(captured[-1])
+                    print(path, flush=True)
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+def compile_all(src: str) -> int:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+
+    target = GPUTarget("cuda", 90, 32)
+    bad = 0
+    for fname in sorted(os.listdir(src)):
+        if not fname.endswith(".ttir"):
+            continue
+        m = re.search(r"-w(\d+)-s(\d+)", fname)
+        try:
+            k = triton_compile(os.path.join(src, fname), target=target,
+                               options={"num_warps": int(m.group(1)), "num_stages": int(m.group(2))})
+        except Exception as e:  # noqa: BLE001 - report every failure, go on
+            bad += 1
+            print(f"FAIL {fname}: {type(e).__name__}: {' | '.join(str(e).strip().splitlines()[:3])[:400]}")
+            continue
+        ptx = k.asm.get("ptx", "")
+        smem = k.metadata.shared
+        fits = smem <= H200_SMEM
+        bad += not fits
+        print(f"{'OK  ' if fits else 'SMEM'} {fname}: shared {smem} B{'' if fits else ' > ' + str(H200_SMEM)}, "
+              f"wgmma {'yes' if 'wgmma.mma_async' in ptx else 'no'}, spills {'yes' if '.local' in ptx else 'no'}")
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("step", choices=("dump", "compile"))
+    p.add_argument("dir")
+    p.add_argument("--formats", default="q4_k,q5_k,q6_k,q8_0,nf4,nvfp4,fp8")
+    args = p.parse_args(argv)
+    if args.step == "dump":
+        dump(args.dir, [f.strip() for f in args.formats.split(",") if f.strip()])
+        return 0
+    return compile_all(args.dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

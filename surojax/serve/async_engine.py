@@ -1,0 +1,235 @@
+"""One engine thread owned by the server; the asyncio side talks to it through a command queue.
+
+    HTTP handler (event loop)                 engine thread
+    ------------------------                  -------------
+    submit(...) -> Stream  ---- ("add") --->  engine.add_request
+    stream.abort() / disconnect -("abort")->  engine.abort (blocks freed before the next step)
+    await call(fn) ----------- ("call") --->  fn(engine) between two steps (LoRA load / unload)
+    async for out in stream   <--- outputs of each step, one call_soon_threadsafe per step
+
+The engine is only ever touched by its thread (the HTTP side reads counters for /metrics, which is safe to do
+racily). An exception in a step fails the requests then in flight with that error, aborts them in the engine
+and the loop carries on: a bad request never kills the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from surojax.serve.engine import Engine
+from surojax.serve.metrics import ServeMetrics
+from surojax.serve.scheduler import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests in flight (the HTTP layer answers 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Stream:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_prompt_tokens: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None
+    finished: bool = False
+    owner: "AsyncEngine | None" = None
+
+    def __aiter__(self):
+        return self._iter()
+
+    async def _iter(self):
+        try:
+            while True:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not self.finished and self.owner is not None:  # cancelled / client went away
+                self.owner.abort(self)
+
+    async def collect(self) -> list[RequestOutput]:
+        return [o async for o in self]
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, max_queue: int = 256, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.metrics = ServeMetrics()
+        self.max_in_flight = engine.scheduler.max_num_seqs + max_queue
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, Stream] = {}  # engine thread only
+        self._in_flight = 0  # event-loop side count (for 429)
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._idle_wait_s = idle_wait_s
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="surojax-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    # ---- event-loop side --------------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params, *, adapter: str | None = None,
+               split_reasoning: bool = False) -> Stream:
+        if not self.alive:
+            raise EngineDeadError("the engine thread is not running")
+        with self._lock:
+            if self._in_flight >= self.max_in_flight:
+                self.metrics.rejected += 1
+                raise QueueFullError(f"{self._in_flight} requests in flight (limit {self.max_in_flight}); retry later")
+            self._in_flight += 1
+        stream = Stream(f"req-{next(self._ids)}", asyncio.get_running_loop(), num_prompt_tokens=len(prompt_ids),
+                        owner=self)
+        self._cmds.put(("add", stream, (prompt_ids, params, adapter, split_reasoning)))
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: Stream) -> None:
+        self._cmds.put(("abort", stream, None))
+        self._wake.set()
+
+    async def call(self, fn):
+        """Run fn(engine) on the engine thread between steps -> its result (exceptions re-raised here)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._cmds.put(("call", None, (fn, loop, fut)))
+        self._wake.set()
+        return await fut
+
+    def _release(self, stream: Stream) -> None:
+        if not stream.finished:
+            stream.finished = True
+            with self._lock:
+                self._in_flight -= 1
+
+    # ---- engine thread ----------------------------------------------------------------------------------------
+    def _deliver(self, items: list[tuple[Stream, object]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+
+        def put(batch):
+            for stream, item in batch:
+                if isinstance(item, BaseException) or item.finished:
+                    self._release(stream)
+                stream.queue.put_nowait(item)
+
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(put, batch)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass
+
+    def _handle(self, kind, stream, payload) -> None:
+        eng = self.engine
+        if kind == "add":
+            prompt_ids, params, adapter, split = payload
+            try:
+                eng.add_request(prompt_ids, params, request_id=stream.request_id, adapter=adapter,
+                                split_reasoning=split)
+            except Exception as e:  # validated by the HTTP layer first; this is the last line
+                self._deliver([(stream, e)])
+                return
+            self._streams[stream.request_id] = stream
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += len(prompt_ids)
+        elif kind == "abort":
+            if self._streams.pop(stream.request_id, None) is not None:
+                eng.abort(stream.request_id)
+                self.metrics.finished("abort", time.monotonic() - stream.arrival)
+            self._deliver([(stream, RequestOutput(stream.request_id, [], True, "abort"))])
+        elif kind == "call":
+            fn, loop, fut = payload
+            try:
+                result, err = fn(eng), None
+            except Exception as e:
+                result, err = None, e
+            if isinstance(result, list):  # ids of requests the call aborted (LoRA unload)
+                self._deliver([(self._streams.pop(r), RequestOutput(r, [], True, "abort"))
+                               for r in result if r in self._streams])
+
+            def done(result=result, err=err):
+                if not fut.done():
+                    fut.set_exception(err) if err is not None else fut.set_result(result)
+
+            loop.call_soon_threadsafe(done)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            while True:
+                try:
+                    kind, stream, payload = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                self._handle(kind, stream, payload)
+            if not eng.has_unfinished():
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                outs = eng.step()
+            except Exception as e:  # fail what is in flight, keep serving
+                log.exception("engine step failed; failing %d requests", len(self._streams))
+                failed = list(self._streams.values())
+                self._streams.clear()
+                for s in failed:
+                    eng.abort(s.request_id)
+                for rid in list(eng.scheduler.requests):  # requests whose stream is gone already
+                    eng.abort(rid)
+                if eng.runner.recover_pools():
+                    eng.kv.reset_prefix_cache()
+                self._deliver([(s, RuntimeError(f"engine step failed: {e}")) for s in failed])
+                continue
+            now = time.monotonic()
+            items = []
+            with self.metrics.lock:
+                for o in outs:
+                    stream = self._streams.get(o.request_id)
+                    if stream is None:
+                        continue
+                    self.metrics.generation_tokens += len(o.new_token_ids)
+                    if stream.last_token_at is None:
+                        self.metrics.ttft.observe(now - stream.arrival)
+                    else:
+                        self.metrics.itl.observe(now - stream.last_token_at)
+                    stream.last_token_at = now
+                    if o.finished:
+                        del self._streams[o.request_id]
+                        self.metrics.requests[o.finish_reason] = self.metrics.requests.get(o.finish_reason, 0) + 1
+                        self.metrics.e2e.observe(now - stream.arrival)
+                    items.append((stream, o))
+            self._deliver(items)

@@ -1,0 +1,56 @@
+"""How many KV blocks to allocate: from the device's free memory by default (GPU), a fixed size on CPU.
+
+    bytes per token = 2 (k, v) x L x K x H x itemsize(kv dtype)
+    GPU:  free = memory_utilization x bytes_limit - bytes_in_use (weights already loaded); the pool gets
+          ``kv_share`` of it, the rest is left for the step's workspace. The reference runner gathers each
+          row's context into a per-row view (and the decoder writes an updated copy of it), so the
+          workspace grows with the running contexts: half of the free memory is the default share.
+    CPU:  ``CPU_KV_BYTES`` (no memory statistics), capped at ``CPU_MAX_TOKENS`` tokens.
+At least one max_model_len sequence must fit, else the error says how much memory the pool would need.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from surojax.models.config import ModelConfig
+
+CPU_KV_BYTES = 256 * 2**20
+CPU_MAX_TOKENS = 65536
+
+
+class KVCapacityError(ValueError):
+    is_user_error = True
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(kv_dtype).itemsize
+
+
+def device_free_bytes(memory_utilization: float = 0.9, device=None) -> int | None:
+    """memory_utilization x the device's limit - what is in use, or None where the device has no statistics."""
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # CPU backends raise or return None
+        stats = None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(memory_utilization * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def num_kv_blocks(cfg: ModelConfig, kv_dtype, block_size: int, max_model_len: int, *,
+                  memory_utilization: float = 0.9, kv_share: float = 0.5, device=None) -> int:
+    per_block = kv_bytes_per_token(cfg, kv_dtype) * block_size
+    free = device_free_bytes(memory_utilization, device)
+    if free is None:
+        blocks = min(CPU_KV_BYTES // per_block, CPU_MAX_TOKENS // block_size)
+    else:
+        blocks = int(max(free, 0) * kv_share) // per_block
+    need = -(-max_model_len // block_size)
+    if blocks < need:
+        raise KVCapacityError(
+            f"the KV cache would hold {blocks * block_size} tokens, fewer than --max-model-len {max_model_len} "
+            f"({need * per_block / 2**30:.2f} GiB needed); lower --max-model-len, raise --gpu-memory-utilization, "
+            "or give --num-kv-blocks")
+    return max(blocks, need)

@@ -1,0 +1,512 @@
+"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 architectures), through the `gguf` package's
+GGUFWriter / GGUFReader.
+
+    save_gguf(model_or_hf_dir, "out.gguf", "q4_k_m", tokenizer_dir=...)       # what `surojax quantize` runs
+    cfg, model, tokenizer = load_gguf_model("model.gguf", dtype=jnp.bfloat16)  # the training base
+
+Names and layout. The weight table below maps HF names to llama.cpp's (token_embd, blk.N.attn_q / attn_k /
+attn_v / attn_output, attn_q_norm / attn_k_norm (qwen3), attn_q.bias .. (qwen2), attn_norm, ffn_norm, ffn_gate /
+ffn_up / ffn_down, output_norm, output). A GGUF 2-D tensor is the HF [out, in] matrix row-major (its `ne` lists
+[in, out]), so an HF weight is written as is, quantised along its rows. For the llama architecture llama.cpp
+applies rotary embeddings to interleaved pairs while HF rotates halves; convert_hf_to_gguf therefore permutes the
+rows of q_proj / k_proj (per head: rows [0, H/2) and [H/2, H) interleaved), and `_rope_permute` does the same
+(writing) and its inverse (reading). qwen2 / qwen3 use the NeoX (half) rotation in llama.cpp: no permutation.
+Llama 3 rope scaling is the `rope_freqs.weight` tensor of per-frequency factors (as convert_hf_to_gguf makes it).
+
+Metadata (as convert_hf_to_gguf writes it): general.architecture / name / file_type / quantization_version,
+<arch>.context_length / embedding_length / feed_forward_length / block_count / vocab_size,
+attention.head_count / head_count_kv / key_length / value_length / layer_norm_rms_epsilon, rope.freq_base /
+dimension_count (+ rope.scaling.type / factor for linear scaling) and the tokenizer (surojax.weights.gguf_tokenizer).
+
+Reading keeps quantised Linear kernels quantised (keep_quantized=True): the file's raw block bytes become the
+matching surojax.quant format (GGUFQuant.from_gguf, no conversion: the storage layouts are the same), stacked
+over layers in a `QuantParam`, exactly as `quantize_model` leaves a model. A target whose layers have different
+types in the file (llama.cpp's Q4_K_M gives attn_v / ffn_down Q6_K on some layers only) is kept as one
+`GGUFMixed` pytree (surojax.quant.gguf_mixed: each layer's bytes in its own type, padded to the widest row).
+Embeddings, norms, biases and the LM head are dequantised to `param_dtype`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+from surojax.models.registry import weight_rows
+from surojax.weights.safetensors_file import WeightsError
+
+log = logging.getLogger(__name__)
+
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # our model_type -> general.architecture
+# HF name -> llama.cpp name ("{i}" is the layer); rows absent from a family are simply not present
+GGUF_NAMES: dict[str, str] = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "blk.{i}.attn_q.bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "blk.{i}.attn_k.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "blk.{i}.attn_v.bias",
+    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - the package is a dependency
+        raise WeightsError("reading or writing GGUF files needs the `gguf` package (pip install gguf)") from e
+    return gguf
+
+
+# -- layout helpers ---------------------------------------------------------------------------------------------
+def _rope_permute(w: np.ndarray, n_head: int, inverse: bool = False) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute on the rows of w [n_head * H, ...] (any trailing row shape, so
+    raw quantised rows work too); `inverse` undoes it."""
+    rows = w.shape[0]
+    if inverse:
+        return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _permute_heads(cfg: ModelConfig, hf_name: str) -> int | None:
+    """Heads to rope-permute this tensor over (llama only), else None."""
+    if cfg.model_type != "llama":
+        return None
+    if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return cfg.num_heads
+    if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return cfg.num_kv_heads
+    return None
+
+
+def llama3_rope_factors(cfg: ModelConfig) -> np.ndarray:
+    """rope_freqs.weight as convert_hf_to_gguf computes it for rope_type llama3 (float32 [H/2])."""
+    import math
+
+    rs, dim = cfg.rope_scaling, cfg.head_dim
+    freqs = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    low, high = rs.original_max_position_embeddings / rs.low_freq_factor, \
+        rs.original_max_position_embeddings / rs.high_freq_factor
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(rs.factor)
+        else:
+            smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / \
+                (rs.high_freq_factor - rs.low_freq_factor)
+            out.append(1 / ((1 - smooth) / rs.factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def _encode(w: np.ndarray, qtype: str):
+    """HF-layout float32 [N, K] -> (array to write, raw_dtype or None)."""
+    gguf = _gguf()
+    if qtype == "f32":
+        return np.ascontiguousarray(w, np.float32), None
+    if qtype == "f16":
+        return np.ascontiguousarray(w.astype(np.float16)), None
+    from surojax.quant import FORMATS
+
+    data = np.asarray(FORMATS[qtype].quantize(w.T).data)  # the format quantises w.T's columns = w's rows
+    return np.ascontiguousarray(data).view(np.uint8), gguf.GGMLQuantizationType[qtype.upper()]
+
+
+# -- writing ----------------------------------------------------------------------------------------------------
+def _ordered(cfg: ModelConfig) -> list[str]:
+    """HF names in llama.cpp's order: embeddings, each layer's tensors, final norm, head."""
+    rows = [r.hf for r in weight_rows(cfg)]
+    out = [n for n in rows if "{i}" not in n and n != "model.norm.weight" and n != "lm_head.weight"]
+    for i in range(cfg.num_layers):
+        out += [n.format(i=i) for n in rows if "{i}" in n]
+    return out + [n for n in ("model.norm.weight", "lm_head.weight") if n in rows]
+
+
+def gguf_name(hf_name: str) -> str:
+    m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
+    key = f"model.layers.{{i}}.{m.group(2)}" if m else hf_name
+    if key not in GGUF_NAMES:
+        raise WeightsError(f"no GGUF name for tensor {hf_name}")
+    return GGUF_NAMES[key].format(i=m.group(1)) if m else GGUF_NAMES[key]
+
+
+def _stored_dtype(model_dir):
+    """bfloat16 when config.json says the checkpoint is bf16 (loading it so is lossless and halves the memory),
+    else float32."""
+    import json
+
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return jnp.float32
+    return jnp.bfloat16 if (hf.get("torch_dtype") or hf.get("dtype")) == "bfloat16" else jnp.float32
+
+
+def _hf_tensor_reader(model: Decoder):
+    """HF tensor name -> float32 numpy array in HF layout, made on demand (the weight table, as hf_tensors)."""
+    cfg = model.cfg
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    rows = {}
+    for row in weight_rows(cfg):
+        for i in (range(cfg.num_layers) if row.per_layer else [None]):
+            rows[row.hf.format(i=i) if i is not None else row.hf] = (row, i)
+
+    def get(hf_name: str) -> np.ndarray:
+        row, i = rows[hf_name]
+        value = flat[row.path].get_value()
+        from surojax.quant.base import QuantFormat
+
+        if isinstance(value, QuantFormat):
+            raise WeightsError(f"save_gguf: {row.path} is quantised ({value.name}); write the unquantised model "
+                               "(merge the adapter into the HF base first)")
+        value = value[i] if i is not None else value
+        arr = np.asarray(jax.device_get(value), np.float32)
+        return arr.T if row.transpose else arr
+    return get
+
+
+def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
+              tokenizer_dir: str | os.PathLike | None = None, name: str | None = None) -> Path:
+    """Write `model` (a Decoder, or an HF model folder to load) as a llama.cpp GGUF of `file_type` (a key of
+    surojax.quant.quantize_mix.FILE_TYPES: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_m, q4_k_m,
+    q5_k_m, q6_k), with the tokenizer of `tokenizer_dir` (default: the model folder). The file is written under a
+    temporary name and renamed at the end."""
+    from surojax.quant.quantize_mix import FILE_TYPES, tensor_type
+    from surojax.weights.gguf_tokenizer import add_tokenizer, tokenizer_metadata
+    from surojax.weights.hf_checkpoint import load_model
+
+    gguf = _gguf()
+    if isinstance(model, (str, os.PathLike)):
+        tokenizer_dir = tokenizer_dir or model
+        name = name or Path(model).name
+        model = load_model(model, dtype=jnp.float32, param_dtype=_stored_dtype(model))
+    if tokenizer_dir is None:
+        raise WeightsError("save_gguf: tokenizer_dir is needed (a GGUF file carries its tokenizer)")
+    if file_type not in FILE_TYPES:
+        raise WeightsError(f"unknown GGUF file type {file_type!r}; choose from {', '.join(FILE_TYPES)}")
+    cfg = model.cfg
+    arch = ARCHS.get(cfg.model_type)
+    if arch is None or cfg.sliding_window:
+        raise WeightsError(f"model_type {cfg.model_type!r}{' with sliding_window' if cfg.sliding_window else ''} "
+                           f"cannot be written to GGUF here (supported: {', '.join(ARCHS)})")
+    if cfg.rope_scaling.rope_type not in ("default", "linear", "llama3"):
+        raise WeightsError(f"rope_scaling {cfg.rope_scaling.rope_type!r} cannot be written to GGUF")
+    path = Path(path)
+    tok_meta = tokenizer_metadata(tokenizer_dir, cfg.vocab_size)
+    tensor = _hf_tensor_reader(model)
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        w.add_name(name or "surojax-model")
+        w.add_file_type(int(FILE_TYPES[file_type][0]))
+        if file_type not in ("f32", "f16", "bf16"):
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_embedding_length(cfg.hidden_size)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_block_count(cfg.num_layers)
+        w.add_head_count(cfg.num_heads)
+        w.add_head_count_kv(cfg.num_kv_heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_rope_dimension_count(cfg.head_dim)
+        if cfg.rope_scaling.rope_type == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+        add_tokenizer(w, tok_meta)
+
+        if cfg.rope_scaling.rope_type == "llama3":
+            w.add_tensor(ROPE_FREQS, llama3_rope_factors(cfg))
+        tied = cfg.tie_word_embeddings
+        n_gqa = cfg.num_heads // cfg.num_kv_heads
+        for hf in _ordered(cfg):
+            arr = tensor(hf)  # one tensor at a time in float32: a large model never sits whole in float32
+            gname = gguf_name(hf)
+            heads = _permute_heads(cfg, hf)
+            if heads:
+                arr = _rope_permute(arr, heads)
+            if arr.ndim == 1:
+                w.add_tensor(gname, np.ascontiguousarray(arr, np.float32))
+                continue
+            qtype = tensor_type(file_type, gname, arr.shape[1], n_layers=cfg.num_layers, n_gqa=n_gqa, tied=tied,
+                                arch=arch)
+            data, raw = _encode(arr, qtype)
+            w.add_tensor(gname, data, raw_dtype=raw)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+# -- reading ----------------------------------------------------------------------------------------------------
+def _fields(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # a field type the reader cannot turn into Python: not one we need
+            continue
+    return out
+
+
+def hf_config_from_gguf(fields: dict, source: str) -> dict:
+    """The config.json dict (HF keys) that the GGUF metadata describes."""
+    arch = fields.get("general.architecture")
+    model_type = {v: k for k, v in ARCHS.items()}.get(arch)
+    if model_type is None:
+        raise WeightsError(f"{source}: general.architecture is {arch!r}; loadable GGUF architectures: "
+                           f"{', '.join(ARCHS.values())}")
+
+    def get(key, default=None, required=True):
+        full = f"{arch}.{key}"
+        if full not in fields:
+            if required and default is None:
+                raise WeightsError(f"{source}: metadata key {full} is missing")
+            return default
+        return fields[full]
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or [])
+    if not vocab:
+        raise WeightsError(f"{source}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocab size")
+    hf = {"model_type": model_type, "vocab_size": int(vocab), "hidden_size": hidden,
+          "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
+          "num_attention_heads": n_heads, "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+          "head_dim": int(get("attention.key_length", hidden // n_heads)),
+          "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+          "rope_theta": float(get("rope.freq_base", 10000.0)),
+          "max_position_embeddings": int(get("context_length", 4096))}
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise WeightsError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported (none, linear, and "
+                           "Llama 3 scaling through rope_freqs.weight)")
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
+        if f"tokenizer.ggml.{name}_token_id" in fields:
+            hf[key] = int(fields[f"tokenizer.ggml.{name}_token_id"])
+    return hf
+
+
+def _llama3_from_factors(hf: dict, factors: np.ndarray, source: str) -> None:
+    """Recover llama3 rope_scaling parameters from rope_freqs.weight: the factor is its largest value; the
+    wavelength band gives low/high factors relative to original_max_position_embeddings. We search the usual
+    Llama 3 settings and accept the one that reproduces the factors."""
+    from surojax.models.config import ModelConfig
+
+    factor = float(np.max(factors))
+    for orig in (8192, 4096, 2048, 32, 16384, 32768):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
+            rs = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                  "original_max_position_embeddings": orig}
+            cfg = ModelConfig.from_hf({**hf, "rope_scaling": rs})
+            if np.allclose(llama3_rope_factors(cfg), factors, rtol=1e-6, atol=0):
+                hf["rope_scaling"] = rs
+                return
+    raise WeightsError(f"{source}: rope_freqs.weight does not match a Llama 3 rope scaling surojax can express")
+
+
+def _hf_config(reader, fields: dict, source: str) -> dict:
+    by_name = {t.name: t for t in reader.tensors}
+    hf = hf_config_from_gguf(fields, source)
+    if ROPE_FREQS in by_name:
+        _llama3_from_factors(hf, _dequantize(by_name[ROPE_FREQS], source), source)
+    hf["tie_word_embeddings"] = "output.weight" not in by_name
+    if hf["model_type"] == "qwen2":
+        hf["attention_bias"] = "blk.0.attn_q.bias" in by_name
+    return hf
+
+
+def _dequantize(t, source: str) -> np.ndarray:
+    """A reader tensor -> float32 in numpy order ([N, K] for 2-D)."""
+    gguf = _gguf()
+    try:
+        return np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32)
+    except Exception as e:
+        raise WeightsError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {e}") from None
+
+
+def _quant_format(t, source: str):
+    """A 2-D quantised reader tensor -> the surojax.quant GGUF format holding its bytes (layout [K, N] logical)."""
+    from surojax.quant import GGUF_TYPES
+
+    cls = GGUF_TYPES.get(t.tensor_type.name.lower())
+    if cls is None:
+        return None
+    k, n = int(t.shape[0]), int(t.shape[1])
+    return cls, k, n
+
+
+def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, keep_quantized: bool = True,
+                    attention: str = "auto", cfg: ModelConfig | None = None):
+    """Load a llama.cpp GGUF file -> (ModelConfig, Decoder, Tokenizer). See the module docstring."""
+    from surojax.quant.transform import QuantParam
+    from surojax.weights.gguf_tokenizer import tokenizer_from_fields
+
+    reader, fields, source = _open(path)
+    by_name = {t.name: t for t in reader.tensors}
+    hf = _hf_config(reader, fields, source)
+    cfg = cfg or ModelConfig.from_hf(hf)
+    tokenizer = tokenizer_from_fields(fields, source)
+    param_dtype = param_dtype or dtype
+    np_dtype = np.dtype(jnp.dtype(param_dtype))
+
+    abstract_model = nnx.eval_shape(
+        lambda: Decoder(cfg, dtype=dtype, param_dtype=param_dtype, attention=attention, rngs=nnx.Rngs(0)))
+    graphdef, abstract = nnx.split(abstract_model)
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(abstract)}
+
+    expected = {}
+    for row in weight_rows(cfg):
+        for i in (range(cfg.num_layers) if row.per_layer else [None]):
+            hf_name = row.hf.format(i=i) if i is not None else row.hf
+            expected[gguf_name(hf_name)] = (row, i, hf_name)
+    missing = sorted(set(expected) - set(by_name))
+    unexpected = sorted(set(by_name) - set(expected) - {ROPE_FREQS})
+    if missing or unexpected:
+        raise WeightsError(f"{source}: the tensors do not match the {hf['model_type']} architecture in its metadata:"
+                           f" missing {missing[:8]}, unexpected {unexpected[:8]}")
+
+    values: dict[str, object] = {}
+    by_path: dict[str, list] = {}
+    for gname, (row, i, hf_name) in expected.items():
+        by_path.setdefault(row.path, []).append((i, gname, hf_name))
+    for spath, items in by_path.items():
+        row = next(r for r in weight_rows(cfg) if r.path == spath)
+        want = tuple(flat[spath].get_value().shape)
+        want_one = want[1:] if row.per_layer else want
+        hf_shape = want_one[::-1] if row.transpose else want_one
+        items.sort(key=lambda t: -1 if t[0] is None else t[0])
+        for _, gname, _ in items:
+            got = tuple(int(d) for d in reversed(by_name[gname].shape.tolist()))  # numpy order
+            if got != tuple(hf_shape):
+                raise WeightsError(f"{source}: tensor {gname} has shape {list(got)} (numpy order), the metadata "
+                                   f"implies {list(hf_shape)}")
+        types = {by_name[g].tensor_type for _, g, _ in items}
+        linear = row.transpose and row.path.startswith("layers.")  # the LM head is dequantised
+        quant = linear and keep_quantized and any(t.name not in ("F32", "F16", "BF16") for t in types)
+        if quant:
+            per_layer = []
+            for _, gname, hf_name in items:
+                t = by_name[gname]
+                spec = _quant_format(t, source)
+                if spec is None:
+                    quant = False
+                    break
+                cls, k, n = spec
+                raw = np.asarray(t.data)
+                heads = _permute_heads(cfg, hf_name)
+                if heads:
+                    raw = _rope_permute(raw, heads, inverse=True)
+                if k % cls.block_size:
+                    raise WeightsError(f"{source}: tensor {gname}: row length {k} is not a multiple of the "
+                                       f"{cls.name} block size {cls.block_size}")
+                row_len = k // cls.block_size * cls.type_size // np.dtype(cls.storage_dtype).itemsize
+                # numpy until the whole stack is built: one host -> device copy per target
+                per_layer.append(cls(data=np.ascontiguousarray(raw).view(cls.storage_dtype).reshape(n, row_len),
+                                     shape=(k, n)))
+            if quant and not row.per_layer:
+                values[spath] = type(per_layer[0])(data=jnp.asarray(per_layer[0].data), shape=per_layer[0].shape)
+                continue
+            if quant and len(types) == 1:
+                values[spath] = type(per_layer[0])(data=jnp.asarray(np.stack([w.data for w in per_layer])),
+                                                   shape=per_layer[0].shape)
+                continue
+            if quant:  # per-layer types differ (llama.cpp's *_K_M mixes): one padded pytree, still quantised
+                from surojax.quant.gguf_mixed import GGUFMixed
+
+                values[spath] = GGUFMixed.from_layers(per_layer)
+                log.info("%s: %s has per-layer types %s (kept as gguf_mixed)", source, spath,
+                         sorted(t.name for t in types))
+                continue
+        arrs = []
+        for _, gname, hf_name in items:
+            a = _dequantize(by_name[gname], source)
+            heads = _permute_heads(cfg, hf_name)
+            if heads:
+                a = _rope_permute(a, heads, inverse=True)
+            arrs.append(a.T if row.transpose else a)
+        value = np.stack(arrs) if row.per_layer else arrs[0]
+        values[spath] = jnp.asarray(value.astype(np_dtype))
+
+    from surojax.quant.base import QuantFormat
+
+    def fill(p, var):
+        key = ".".join(map(str, p))
+        if key not in values:
+            return var
+        v = values[key]
+        if isinstance(v, QuantFormat):
+            return QuantParam(v, **var.get_metadata())
+        return var.replace(v)
+
+    model = nnx.merge(graphdef, nnx.map_state(fill, abstract))
+    return cfg, model, tokenizer
+
+
+def _open(path) -> tuple[object, dict, str]:
+    gguf = _gguf()
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise WeightsError(f"{source}: GGUF file not found")
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as e:
+        raise WeightsError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    return reader, _fields(reader), source
+
+
+def read_gguf_hf_config(path) -> dict:
+    """The config.json dict of a GGUF file (metadata + the tensors that decide tied head / biases / rope)."""
+    reader, fields, source = _open(path)
+    return _hf_config(reader, fields, source)
+
+
+def load_gguf_tokenizer(path):
+    """The tokenizer of a GGUF file, rebuilt from its tokenizer.ggml.* metadata."""
+    from surojax.weights.gguf_tokenizer import tokenizer_from_fields
+
+    _, fields, source = _open(path)
+    return tokenizer_from_fields(fields, source)
+
+
+def is_gguf_path(p) -> bool:
+    return p is not None and str(p).lower().endswith(".gguf")
+
+
+__all__ = ["save_gguf", "load_gguf_model", "load_gguf_tokenizer", "read_gguf_hf_config", "hf_config_from_gguf",
+           "gguf_name", "is_gguf_path", "GGUF_NAMES"]

@@ -1,0 +1,35 @@
+"""`surojax bench train --quant FMT`: LoRA over a random quantised base (surojax.bench.quant_base), CPU debug shape."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from surojax.bench.quant_base import random_weight
+from surojax.bench.train_bench import BenchConfig
+from bench.test_train_bench import bench
+
+
+@pytest.mark.parametrize("name", ["q6_k", "nf4", "nvfp4", "fp8"])  # the four builder paths
+def test_random_weights_are_finite_and_modest(name):
+    w = random_weight(name, 256, 32, jax.random.key(0), (2,))
+    assert w.name == name and w.shape == (256, 32)
+    d = np.asarray(w.dequantize(jnp.float32))
+    assert d.shape == (2, 256, 32) and np.isfinite(d).all() and 0 < np.abs(d).max() < 10
+
+
+def test_bench_train_over_a_quantised_base():
+    r = bench("--quant", "nf4", "--steps", "1", "--repeats", "1", "--warmup", "1", "--batch", "2", "--seq", "128")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["config"]["quant"] == "nf4" and out["config"]["quant_matmul"] == "auto"
+    assert np.isfinite(out["loss"]) and out["tokens_per_s"] > 0
+    plain = 32768 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # adapters + the base's logical values
+    assert out["params_total"] == plain + 512 * 64 + 2 * 2 * 64 + 64 + 2 * 2 * 16  # + embedding and norms
+    with pytest.raises(ValueError, match="--mode lora"):
+        BenchConfig(shape="debug", mode="full", quant="nf4").check()
+    with pytest.raises(ValueError, match="--quant 'q4_0'"):
+        BenchConfig(shape="debug", quant="q4_0").check()

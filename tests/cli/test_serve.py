@@ -1,0 +1,29 @@
+"""`surojax serve` / scripts/serve.py: argument errors are one clean line (the server itself: tests/serve)."""
+import subprocess
+import sys
+from pathlib import Path
+
+from surojax.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_missing_model_and_gguf_are_clean_errors(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "nope")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    try:
+        from surojax.weights.gguf_checkpoint import load_gguf_model  # noqa: F401
+    except ImportError:  # until issue 5's loader lands
+        gguf = tmp_path / "m.gguf"
+        gguf.write_bytes(b"GGUF")
+        assert main(["serve", str(gguf)]) == 1
+        assert "GGUF serving lands with issue 5's loader" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path)]) == 1
+    assert "not a model folder" in capsys.readouterr().err
+
+
+def test_script_is_the_same_entry_point():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), "--help"], capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "--enable-lora" in r.stdout and "--api-key" in r.stdout

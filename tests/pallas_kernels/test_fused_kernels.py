@@ -1,0 +1,84 @@
+"""The fused kernels (interpret mode) equal their jnp references (dequantize + one jnp.dot, fp32 accumulation).
+
+Tolerance. The kernel decodes the same bf16 weights as `dequantize(bf16)` (same float32 operations, then the same
+cast), and bf16 x bf16 products are exact in float32, so kernel and reference differ only in the order of the fp32
+sums (the kernel adds K in tiles, two half-tile dots for 4-bit codes). With fp32 outputs the test bounds that
+elementwise: |y - y_ref| <= K * 2^-23 * (|x| @ |W|). With bf16 outputs both round that fp32 value once, so they
+differ by at most one bf16 ulp of the result (plus the bound above)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_weights import KERNEL_FORMATS, make_weight
+from pallas_kernels.fused import Tiles, forward, transposed
+from pallas_kernels.layout import to_layout
+from pallas_kernels.reference import forward_ref, transposed_ref
+
+K, N, M = 256, 64, 40          # M = 40 is ragged for bm = 32: padded to 64 rows, sliced back
+TILES = Tiles(bm=32, bn=32, kt=128)
+
+
+def _bound(a, b):
+    a, b = np.abs(np.asarray(a, np.float32)), np.abs(np.asarray(b, np.float32))
+    return a.shape[-1] * 2.0 ** -23 * (a @ b)
+
+
+def _bf16_ulp(y):
+    y = np.abs(np.asarray(y, np.float32))
+    return np.exp2(np.floor(np.log2(np.maximum(y, 1e-30))) - 7)
+
+
+@pytest.mark.parametrize("name", [f for f in KERNEL_FORMATS if f != "nf4-dq"])  # dq: same kernel as nf4
+def test_kernels_equal_the_reference(name):
+    w = make_weight(name, K, N)
+    lw = to_layout(w, TILES.kt)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
+    wd = np.asarray(w.dequantize(jnp.bfloat16), np.float32)
+
+    y = forward(x, lw, tiles=TILES, interpret=True, out_dtype=jnp.float32)
+    y_ref = forward_ref(x, w, out_dtype=jnp.float32)
+    assert y.shape == (M, N)
+    assert np.all(np.abs(np.asarray(y) - np.asarray(y_ref)) <= _bound(x, wd))
+
+    dx = transposed(g, lw, tiles=TILES, interpret=True, out_dtype=jnp.float32)
+    dx_ref = transposed_ref(g, w, out_dtype=jnp.float32)
+    assert dx.shape == (M, K)
+    assert np.all(np.abs(np.asarray(dx) - np.asarray(dx_ref)) <= _bound(g, wd.T))
+
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+def test_swapped_tiles_and_few_rows(name):
+    """swap (the transposed accumulator), kt = 256, bn = N, and M = 1 / 3 (bm shrinks to 16, padded)."""
+    w = make_weight(name, K, N, seed=3)
+    lw = to_layout(w, 256)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((1, K)), jnp.bfloat16)
+    tiles = Tiles(bm=128, bn=64, kt=256, swap=True)
+    y = forward(x, lw, tiles=tiles, interpret=True, out_dtype=jnp.float32)
+    wd = np.asarray(w.dequantize(jnp.bfloat16), np.float32)
+    assert np.all(np.abs(np.asarray(y) - np.asarray(forward_ref(x, w, jnp.float32))) <= _bound(x, wd))
+    # in the compute dtype: within one bf16 ulp of the reference
+    g = jnp.asarray(np.random.default_rng(3).standard_normal((3, N)), jnp.bfloat16)
+    dx, dx_ref = transposed(g, lw, tiles=tiles, interpret=True), transposed_ref(g, w)
+    assert dx.dtype == jnp.bfloat16 and dx.shape == (3, K)
+    diff = np.abs(np.asarray(dx, np.float32) - np.asarray(dx_ref, np.float32))
+    assert np.all(diff <= _bf16_ulp(dx_ref) + _bound(g, wd.T))
+
+
+def test_bad_shapes_and_tiles_are_rejected():
+    w = make_weight("q8_0", K, 48)
+    lw = to_layout(w, 128)
+    x = jnp.ones((8, K), jnp.bfloat16)
+    with pytest.raises(ValueError, match="x has K=128"):
+        forward(jnp.ones((8, 128), jnp.bfloat16), lw, interpret=True)
+    with pytest.raises(ValueError, match="power of 2"):
+        forward(jnp.ones((64, K), jnp.bfloat16), lw, tiles=Tiles(bm=48, bn=16, kt=128), interpret=True)
+    with pytest.raises(ValueError, match="differs from the layout"):
+        forward(x, lw, tiles=Tiles(kt=256), interpret=True)
+    with pytest.raises(ValueError, match="N=40"):
+        to_layout(make_weight("nf4", K, 40), 128)
+    # N = 48 is not a multiple of bn = 32: the column tile shrinks to 16 and the result is still right
+    y = forward(x, lw, tiles=Tiles(bm=16, bn=32, kt=128), interpret=True, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(forward_ref(x, w, jnp.float32)), rtol=1e-5, atol=1e-5)
