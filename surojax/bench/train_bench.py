@@ -33,7 +33,7 @@ import numpy as np
 from surojax.bench.flops import PEAK_BF16_FLOPS, step_flops
 from surojax.bench.shapes import SHAPES, shape_hf_config
 
-RECOMPUTE = ("none", "full", "dots")
+RECOMPUTE = ("none", "full", "dots", "offload")
 
 
 @dataclasses.dataclass
@@ -58,6 +58,11 @@ class BenchConfig:
     learning_rate: float = 2e-4
     seed: int = 0
     quant: str | None = None  # LoRA over a random quantised base in this format (surojax.bench.quant_base)
+    offload_base: bool = False  # LoRA: the stacked base in pinned host memory, streamed per layer
+    base_format: str | None = None  # None: the recipe's dtype; q4_0 / q5_0 / q8_0: a random GGUF block base
+    init: str = "jit"  # jit: built on the device (init_sharded); host: random values placed from the host
+    optimizer: str = "adamw"  # adamw | adamw_8bit
+    offload_optimizer: bool = False  # the layers' optimizer state in pinned host memory, updated per layer
 
     def check(self) -> None:
         if self.shape not in SHAPES:
@@ -78,6 +83,18 @@ class BenchConfig:
                 raise ValueError(f"--quant {self.quant!r}: expected one of {', '.join(RANDOM_FORMATS)}")
             if self.mode != "lora":
                 raise ValueError("--quant trains LoRA over a quantised frozen base: use --mode lora")
+        if self.optimizer not in ("adamw", "adamw_8bit"):
+            raise ValueError(f"--optimizer {self.optimizer!r}: expected adamw or adamw_8bit")
+        if self.init not in ("jit", "host"):
+            raise ValueError(f"--init {self.init!r}: expected jit or host")
+        if (self.offload_base or self.base_format) and self.mode != "lora":
+            raise ValueError("--offload-base / --base-format apply to the frozen base of --mode lora")
+        if self.offload_base and self.recompute == "none":
+            raise ValueError("--offload-base needs --recompute full, dots or offload (none keeps every layer's "
+                             "device copy of its weights for the backward pass)")
+        if self.quant is not None and (self.offload_base or self.base_format or self.init == "host"):
+            raise ValueError("--quant builds its random quantised base on the device; with --offload-base / "
+                             "--init host use --base-format (a random GGUF block base built on the host)")
         if self.segments * max(self.min_segment, 2) > self.seq:
             raise ValueError(f"--segments {self.segments} x --min-segment {self.min_segment} exceeds --seq {self.seq}")
 
@@ -90,11 +107,12 @@ def train_namespace(bc: BenchConfig) -> SimpleNamespace:
         lora_dtype="fp32", is_qlora=False, lora=bc.mode == "lora", lora_rank=bc.rank,
         lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank), lora_dropout=0.0, use_rslora=False,
         lora_target_modules="all-linear", adapter_path=None, adapter_init_mode=None,
-        recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks, unroll_layers=bc.unroll_layers, optimizer="adamw",
+        recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks, unroll_layers=bc.unroll_layers,
+        optimizer=bc.optimizer,
         learning_rate=bc.learning_rate, lr_scheduler_type="constant", warmup_steps=0, final_lr_fraction=0.0,
         cooldown_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
-        gradient_accumulation_steps=bc.accum,
+        gradient_accumulation_steps=bc.accum, offload_base_weights=bc.offload_base,
     )
 
 
@@ -178,7 +196,12 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
             randomize_base(model, bc.quant, jax.random.key(bc.seed + 1000))
         return model
 
-    if jit_init:
+    if bc.offload_base or bc.base_format or bc.init == "host":  # models larger than the device
+        from surojax.offload.host_init import random_placed_model
+
+        model = random_placed_model(lambda: build_model(cfg), mesh, offload_base=bc.offload_base,
+                                    base_format=bc.base_format, seed=bc.seed)
+    elif jit_init:
         model = init_sharded(make_model, mesh)
     else:
         model = shard_model(make_model(), mesh)
@@ -187,7 +210,8 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, 10**6, cfg.warmup_steps,
                            cfg.final_lr_fraction, cfg.cooldown_steps)
     optimizer = build_optimizer(cfg.optimizer, schedule, weight_decay=cfg.weight_decay, b1=cfg.adam_beta1,
-                                b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm)
+                                b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm,
+                                offload_state=bc.offload_optimizer)
     opt_state = init_opt_state(optimizer, trainable, mesh)  # as the Trainer
 
     chunk = lm_chunk(cfg, bc.batch)
@@ -231,6 +255,12 @@ def _quant_matmul_mode() -> str:
     return matmul_mode()
 
 
+def _host_bytes(state) -> int:
+    from surojax.offload.streaming import host_bytes
+
+    return host_bytes(state)
+
+
 def _peak_gib(device) -> float | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "peak_bytes_in_use" not in stats:
@@ -271,6 +301,7 @@ def run(bc: BenchConfig, log=None) -> dict:
     t0 = time.perf_counter()
     metrics = jax.block_until_ready(one())
     compile_s = time.perf_counter() - t0
+    loss_first = float(metrics["loss"])
     log(f"first step (compile + 1 step) {compile_s:.1f}s, loss {float(metrics['loss']):.4f}")
     for _ in range(bc.warmup):
         metrics = one()
@@ -294,6 +325,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         "step_ms_repeats": [t * 1e3 for t in times],
         "peak_gib": _peak_gib(device),
         "init_peak_gib": init_peak,
+        "host_gib": (_host_bytes(setup.frozen) + _host_bytes(opt_state)) / 2**30,
         "mfu": fl["total"] / step_s / PEAK_BF16_FLOPS,
         "model_tflops_per_s": fl["total"] / step_s / 1e12,
         "gflops_per_token": fl["per_token"] / 1e9,
@@ -301,10 +333,14 @@ def run(bc: BenchConfig, log=None) -> dict:
         "compile_s": compile_s,
         "init_s": init_s,
         "loss": float(metrics["loss"]),
+        "loss_first": loss_first,
         "params_trainable": n_train,
         "params_total": n_train + (n_frozen if bc.mode == "lora" else 0),
         "config": {
-            "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks, "unroll_layers": bc.unroll_layers,
+            "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks,
+            "unroll_layers": bc.unroll_layers,
+            "offload_base": bc.offload_base, "base_format": bc.base_format, "init": bc.init,
+            "optimizer": bc.optimizer, "offload_optimizer": bc.offload_optimizer,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,
             "quant_matmul": _quant_matmul_mode() if bc.quant else None,

@@ -10,7 +10,7 @@ import argparse
 
 from surojax.cli.common import UsageError, load_config_args, not_implemented, positive_int
 
-SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "llama3-70b", "qwen3-small", "debug")  # = surojax.bench.shapes.SHAPES
+SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "qwen3-32b", "llama3-70b", "qwen3-small", "debug")  # = surojax.bench.shapes.SHAPES
 
 
 def _unroll(value: str) -> int | bool:
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
     g.add_argument("--repeats", type=positive_int, default=3, help="timed repeats; the median is reported")
     g.add_argument("--rank", type=positive_int, default=16, help="LoRA rank (alpha = 2 x rank)")
-    g.add_argument("--recompute", default="none", choices=("none", "full", "dots"))
+    g.add_argument("--recompute", default="none", choices=("none", "full", "dots", "offload"))
     g.add_argument("--attention", default="auto",
                    help="auto | xla | cudnn | cudnn:M | cudnn:M:nocheck (M = max segments per row)")
     g.add_argument("--lmhead-chunks", type=positive_int, default=1,
@@ -43,6 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recipe", default="bf16", choices=("bf16", "fp32"))
     g.add_argument("--segments", type=positive_int, default=4, help="sequences packed per row (default 4)")
     g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
+    g.add_argument("--offload-base", action="store_true",
+                   help="LoRA: keep the stacked base in pinned host memory, streamed one layer at a time")
+    g.add_argument("--base-format", default=None, choices=("q4_0", "q5_0", "q8_0"),
+                   help="LoRA: a random GGUF block-quantised base (built on the host)")
+    g.add_argument("--init", default="jit", choices=("jit", "host"),
+                   help="jit: random weights built on the device; host: built on the host and placed (forced "
+                        "by --offload-base / --base-format)")
+    g.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw_8bit"))
+    g.add_argument("--offload-optimizer", action="store_true",
+                   help="the layers' optimizer state in pinned host memory, updated one layer at a time")
     g.add_argument("--lr", type=float, default=2e-4)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quant", default=None, choices=("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"),
@@ -64,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
                          repeats=args.repeats, rank=args.rank, recompute=args.recompute, attention=args.attention,
                          lmhead_chunks=args.lmhead_chunks, unroll_layers=args.unroll_layers, recipe=args.recipe, segments=args.segments,
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
-                         seed=args.seed, quant=args.quant)
+                         seed=args.seed, quant=args.quant, offload_base=args.offload_base,
+                         base_format=args.base_format, init=args.init, optimizer=args.optimizer,
+                         offload_optimizer=args.offload_optimizer)
         bc.check()
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -58,6 +58,15 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.adapter_init_mode == "trainable" and not cfg.lora:
         add(("adapter_init_mode",), "trainable keeps training the adapter; set lora: true")
 
+    # --- memory
+    if cfg.offload_base_weights and not cfg.lora:
+        add(("offload_base_weights",), "streams the frozen base of LoRA training; set lora: true (full fine-tuning "
+            "trains every weight: see offload_master / offload_optimizer)")
+    if cfg.offload_base_weights and cfg.recompute == "none":
+        add(("recompute", "offload_base_weights"), "none keeps each layer's device copy of its streamed weights "
+            "for the backward pass (the whole base on the device); use full, dots or offload with "
+            "offload_base_weights")
+
     # --- length of training and schedule
     if cfg.max_steps is None and cfg.num_epochs is None:
         add(("max_steps", "num_epochs"), "set max_steps or num_epochs")

@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from surojax.models.config import ModelConfig
 from surojax.models.layers.attention import Attention, LayerKV
@@ -72,6 +73,21 @@ class KVCache:
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), zeros_bs, zeros_bs, jnp.zeros((batch,), jnp.int32))
 
 
+def on_device(layer_state):
+    """Copy the leaves of one layer's weights that live in host memory to the device (others pass through).
+
+    The scan body calls it on its layer slice, so weights kept in host memory (offload_base_weights places the
+    stacked base there) cross to the device one layer per scan step, in the forward pass and again wherever
+    the backward pass recomputes the layer; XLA schedules the copy. The embedding gather calls it on the table.
+    """
+    def fetch(x):
+        if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+            return jax.device_put(x, jax.memory.Space.Device)
+        return x
+
+    return jax.tree.map(fetch, layer_state)
+
+
 def _stack_blocks(make: Callable[[jax.Array], Block], keys: jax.Array) -> Block:
     """Build L blocks with one key each and stack every parameter on a new leading `layers` axis."""
     stacked = nnx.vmap(make, in_axes=0, out_axes=0)(keys)
@@ -104,7 +120,7 @@ class Decoder(nnx.Module):
         `unroll` is `lax.scan`'s: 1 = a rolled loop (one compiled layer), True = every layer inlined (no
         per-layer copies of the saved activations into stacked buffers; longer compile). Same math either way.
         """
-        h = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, D]
+        h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0).astype(self.dtype)  # [B, T, D]
         cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype)  # [B, T, H]
         kv_meta, layer_kv = None, None
         if cache is not None:
@@ -124,7 +140,8 @@ class Decoder(nnx.Module):
 
         def body(h, xs):
             state_l, kv_l = xs
-            block = nnx.merge(graphdef, state_l)
+            h = checkpoint_name(h, "layer_input")  # the residual that `recompute: offload` keeps in host memory
+            block = nnx.merge(graphdef, on_device(state_l))
             h, kv_l = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta)
             return h, kv_l
 

@@ -3,8 +3,9 @@
 `plan_memory(model_cfg, ...)` returns a `MemoryPlan` whose components are bytes ON ONE DEVICE (no sharding):
 
     weights      frozen base (LoRA: compute dtype, bf16) or master weights (full: `master_dtype`, fp32 in the
-                 bf16 recipe); with `offload_base` / `offload_master` only a pool of two layers plus the
-                 embedding / head stay on the device
+                 bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
+                 on the device (an untied embedding is streamed too: it is on the device only for the forward's
+                 token gather; XLA does not prefetch the next layer, measured); with `offload_master` two layers
     cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights.
                  recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
                  layer; plus the head's cast copy used by the loss
@@ -12,7 +13,8 @@
     gradients    the fp32 accumulation buffer of the trainable params (`make_train_step`'s g_acc) plus the
                  micro-batch's gradient in the trainable dtype, both live at the accumulate
     optimizer    AdamW: 2 fp32 moments per trainable param (adamw_8bit: 2 bytes, normuon: 4); with
-                 `offload_optimizer` one layer's state (moved per layer for the update)
+                 `offload_optimizer` two layers' state (updated per layer, surojax/offload/optimizer.py) plus
+                 the state of the params outside the layers (embedding, head, final norm), which stays
     activations  residuals saved by the scanned layers for the backward (below), for B x T tokens
     logits       one chunk of the chunked CE: fp32 logits [C, V], fp32 softmax / d-logits [C, V] and the
                  d-logits cast to the compute dtype [C, V] (C = `lm_chunk_tokens`, capped at B x T)
@@ -32,6 +34,8 @@ Activations, bytes saved per token per layer (c = compute-dtype bytes, D, F, NH 
            (a first build that returned matmuls in fp32 measured dots above none; since the backward
            GEMMs run in the compute dtype the matmul outputs are c bytes)
     full   the layer input only, D*c (the layer is recomputed in the backward: counted in workspace)
+    offload  nothing on the device: the layer inputs of `full` are kept in host memory (the workspace still
+           holds one recomputed layer)
 
 Calibration (benchmarks/RESULTS.md, H200, bf16, seq 2048, lm chunk 4,096): see tests/offload/test_memory_plan.py.
 """
@@ -107,11 +111,13 @@ def activation_bytes_per_token_layer(cfg, recompute: str, *, c: int = 2, rank: i
     if recompute == "dots":
         lora = sum((rank + io[t][1]) * c for t in targets)
         return D * c + (NH + 2 * KH) * c + D * c + 2 * F * c + D * c + lora
-    if recompute in ("none", "offload"):
+    if recompute == "offload":
+        return 0  # the layer inputs (full's residuals) are kept in host memory
+    if recompute == "none":
         qk = (NH + KH) * (4 + c) if cfg.qk_norm else 0
         return (2 * (D * 4 + D * c) + (NH + 2 * KH) * c + qk + (NH + KH) * c + NH * c
                 + 2 * D * c + 4 * F * c + 2 * D * c + sum(rank * c for t in targets))
-    raise ValueError(f"recompute {recompute!r} is unknown (none, full, dots)")
+    raise ValueError(f"recompute {recompute!r} is unknown (none, full, dots, offload)")
 
 
 def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: int = 16, targets=None,
@@ -140,7 +146,11 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     # weights
     if lora:
         wb = c  # the frozen base in the compute dtype
-        resident = embed_params + (2 * layer_params if offload_base else L * layer_params)
+        # streamed: the device copy of the layer being computed; an untied embedding table is in host memory too
+        # (fetched for the gather at the start of the forward pass, dead before the backward pass where the peak
+        # is). Measured on the H200 (Llama-3.1-8B, batch 1 and 4): streamed peak = resident peak - host bytes.
+        head_params = embed_params if cfg.tie_word_embeddings else V * D + D
+        resident = (head_params + layer_params) if offload_base else embed_params + L * layer_params
         weights = resident * wb
         trainable = L * sum(r * (i + o) for i, o in (io[t] for t in tgts))
         tb = 4 if fp32 else _DTYPE_BYTES[lora_dtype]
@@ -157,9 +167,9 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
             cast = (kept_layers * layer_params + V * D) * c
     gradients = trainable * 4 + trainable * tb
     opt_b = _OPT_BYTES.get(optimizer, 8)
-    if offload_optimizer:
-        opt_params = layer_params if not lora else trainable // max(L, 1)
-        optimizer_bytes = 2 * opt_params * opt_b
+    if offload_optimizer:  # two layers' state in flight; the embedding / head / final norm state stays
+        opt_params = 2 * layer_params + embed_params if not lora else 2 * trainable // max(L, 1)
+        optimizer_bytes = opt_params * opt_b
     else:
         optimizer_bytes = trainable * opt_b
     tokens = batch * seq
@@ -226,7 +236,10 @@ def fitting_options(plan: MemoryPlan, capacity: int, *, offload_available: Itera
         if {"offload_optimizer", "offload_master"} <= avail and not (s["offload_optimizer"] or s["offload_master"]):
             consider("offload_optimizer: true and offload_master: true", offload_optimizer=True, offload_master=True)
     elif "offload_base_weights" in avail and not s["offload_base"]:
-        consider("offload_base_weights: true", offload_base=True)
+        if s["recompute"] == "none":  # streaming needs recomputation (the weights are fetched again)
+            consider("offload_base_weights: true with recompute: full", offload_base=True, recompute="full")
+        else:
+            consider("offload_base_weights: true", offload_base=True)
     if s["recompute"] != "full" and s["batch"] > 1:
         # a combination, when no single change is enough
         if not out:

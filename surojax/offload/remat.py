@@ -1,10 +1,16 @@
 """Activation recomputation policies for the scanned decoder layer (`recompute:` in the config).
 
-    none   keep every activation of every layer (fastest, most memory)
-    full   keep only each layer's input; recompute the layer in the backward pass
-    dots   keep the outputs of matmuls without batch dimensions (projections), recompute the rest
-    offload  (not available yet) keep each layer's input in host memory
-The result wraps the scan body of `Decoder.hidden_states`.
+    none     keep every activation of every layer (fastest, most memory)
+    full     keep only each layer's input; recompute the layer in the backward pass
+    dots     keep the outputs of matmuls without batch dimensions (projections), recompute the rest
+    offload  as full, but each layer's input (the `layer_input` name the decoder's scan body gives it) is kept
+             in host memory (`pinned_host`) and copied back for the backward pass: device memory for saved
+             activations is O(1) in depth, host memory holds L x B x T x D
+The result wraps the scan body of `Decoder.hidden_states`. With `offload_base_weights` the streamed weights are
+never saved by full / dots / offload (they are recomputed by fetching the layer again); `none` is refused.
+
+On the CPU backend `offload` runs the same program (the host residuals are real `pinned_host` values in the
+jaxpr; the copies lower to no-ops), so its results equal `full` exactly.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from typing import Callable
 import jax
 
 POLICIES = ("none", "full", "dots", "offload")
+LAYER_INPUT = "layer_input"  # the checkpoint name the decoder's scan body gives each layer's input
 
 
 def remat_wrapper(name: str) -> Callable | None:
@@ -24,6 +31,8 @@ def remat_wrapper(name: str) -> Callable | None:
     if name == "dots":
         return functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     if name == "offload":
-        raise NotImplementedError("recompute: offload (activations in host memory) is not available yet; "
-                                  "use full or dots")
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+            offload_src="device", offload_dst="pinned_host")
+        return functools.partial(jax.checkpoint, policy=policy)
     raise ValueError(f"recompute {name!r} is unknown ({', '.join(POLICIES)})")

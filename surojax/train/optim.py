@@ -57,14 +57,27 @@ def decay_mask(params):
 
 
 def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float = 0.0, b1: float = 0.9,
-                    b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0):
-    """The optimizer the trainer applies to already-averaged gradients."""
-    if name != "adamw":
-        raise ValueError(f"optimizer {name!r} is not available yet (adamw)")
+                    b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+                    offload_state: bool = False):
+    """The optimizer the trainer applies to already-averaged gradients.
+
+    offload_state: the stacked layers' state in pinned host memory, updated one layer at a time
+    (surojax/offload/optimizer.py; the global-norm clip still sees every gradient)."""
+    if name not in ("adamw", "adamw_8bit"):
+        raise ValueError(f"optimizer {name!r} is not available yet (adamw, adamw_8bit)")
     parts = []
     if max_grad_norm:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
-    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+    if name == "adamw_8bit":  # moments blockwise-quantised to 8 bits (surojax/train/optim_8bit.py)
+        from surojax.train.optim_8bit import adamw_8bit
+
+        parts.append(adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+    else:
+        parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+    if offload_state:
+        from surojax.offload.optimizer import layerwise
+
+        parts[-1] = layerwise(parts[-1], offload=True)
     return optax.chain(*parts)
 
 
@@ -73,9 +86,22 @@ def init_opt_state(optimizer, trainable, mesh):
     jit, so a jitted step sees the same input shardings on every call and compiles once."""
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from surojax.train.optim_8bit import Blockwise8bit
+
     param_sh = jax.tree.map(lambda x: x.sharding, trainable)
     abstract = jax.eval_shape(optimizer.init, trainable)
     replicated = NamedSharding(mesh, PartitionSpec())
-    shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract, param_sh,
-                                      transform_non_params=lambda _: replicated)
+    is_8bit = lambda x: isinstance(x, Blockwise8bit)  # noqa: E731 - [blocks, 256] codes: no parameter layout
+
+    def like_param(x, s):
+        return jax.tree.map(lambda _: replicated, x) if is_8bit(x) else s
+
+    from surojax.offload.optimizer import has_layerwise_state, host_state_shardings, init_state_on_host
+
+    if has_layerwise_state(abstract):  # offload_optimizer: per-layer state [L, ...] built on the host
+        shardings = host_state_shardings(jax.tree.map(lambda _: replicated, abstract))
+        return init_state_on_host(optimizer, trainable, shardings)
+    else:
+        shardings = optax.tree_map_params(optimizer, like_param, abstract, param_sh,
+                                          transform_non_params=lambda _: replicated, is_leaf=is_8bit)
     return jax.jit(optimizer.init, out_shardings=shardings)(trainable)

@@ -26,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.offload.memory_plan import check_fits, device_capacity, plan_for_config
 from surojax.offload.remat import remat_wrapper
+from surojax.offload.settings import OFFLOAD_AVAILABLE, check_offload_settings
+from surojax.offload.streaming import build_context, place_model
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.metrics import Metrics, plot_loss
 from surojax.train.model_setup import (TrainSetupError, build_model, is_gguf_path, model_config_for,
@@ -67,13 +69,14 @@ class Trainer:
         from surojax.data.hub import resolve_local
         from surojax.data.pipeline import build_data_from_config
         from surojax.data.tokenizer import Tokenizer
-        from surojax.parallel import batch_sharding, make_mesh, shard_model
+        from surojax.parallel import batch_sharding, make_mesh
 
         self.cfg = cfg
         self.console = console or Console(stderr=True)
         self.output_dir = Path(cfg.output_dir)
         self._check_output_dir()
         model_config_for(cfg)  # cheap: the architecture is checked before data and weights are touched
+        check_offload_settings(cfg)
         tok_src = cfg.tokenizer or cfg.model
         if tok_src is None:
             raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
@@ -101,13 +104,15 @@ class Trainer:
         self.memory_plan = plan_for_config(cfg, model_config_for(cfg), rows=cfg.per_device_train_batch_size,
                                            lm_chunk_tokens=self.chunk)
         if self.mesh.shape["fsdp"] * self.mesh.shape["tensor"] == 1:  # the estimate is for an unsharded device
-            check_fits(self.memory_plan, device_capacity())  # before any weight is allocated
+            check_fits(self.memory_plan, device_capacity(),  # before any weight is allocated
+                       offload_available=OFFLOAD_AVAILABLE)
 
-        self.model = build_model(cfg)
+        with build_context(cfg.offload_base_weights):  # a base bound for host memory is built off the device
+            self.model = build_model(cfg)
         if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                                   f"{self.model.cfg.vocab_size}")
-        shard_model(self.model, self.mesh)
+        place_model(self.model, self.mesh, offload_base=cfg.offload_base_weights)  # shard_model (+ base on host)
         self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
 
         warmup = cfg.warmup_steps_for(total) if hasattr(cfg, "warmup_steps_for") else (cfg.warmup_steps or 0)
@@ -115,7 +120,7 @@ class Trainer:
                                     cfg.final_lr_fraction, cfg.cooldown_steps or 0)
         self.optimizer = build_optimizer(cfg.optimizer, self.schedule, weight_decay=cfg.weight_decay,
                                          b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
-                                         max_grad_norm=cfg.max_grad_norm)
+                                         max_grad_norm=cfg.max_grad_norm, offload_state=cfg.offload_optimizer)
 
         self._train_mode = cfg.lora and cfg.lora_dropout > 0
         if self._train_mode:

@@ -94,3 +94,24 @@ def test_device_capacity_cpu():
 
     if jax.devices()[0].platform == "cpu":
         assert device_capacity() is None
+
+
+def test_offload_components():
+    cfg = model_config("llama3-8b")  # untied embeddings
+    kw = dict(mode="lora", batch=1, seq=2048, recompute="full")
+    resident, streamed = plan_memory(cfg, **kw), plan_memory(cfg, offload_base=True, **kw)
+    D, V, F = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    layer = (cfg.num_params() - (2 * V * D + D)) // cfg.num_layers
+    assert streamed.weights == 2 * ((V * D + D) + layer)  # LM head + final norm + the layer computing, bf16
+    # measured on the H200 (2026-11-29, lm chunk 512, recompute full): resident b1 17.8 GiB, streamed b1 3.78 GiB
+    assert abs(resident.with_settings(lm_chunk_tokens=512).total / GiB - 17.8) < 0.5
+    assert 3.78 <= streamed.with_settings(lm_chunk_tokens=512).total / GiB <= 3.78 * 1.2
+    assert resident.weights == 2 * cfg.num_params()
+    assert plan_memory(cfg, **{**kw, "recompute": "offload"}).activations == 0
+    full = dict(mode="full", batch=1, seq=2048, recompute="full")
+    off = plan_memory(cfg, offload_optimizer=True, **full)
+    assert off.optimizer == 8 * (2 * layer + 2 * V * D + D)  # two layers' AdamW state + embedding / head / norm
+    # a LoRA run that does not fit is told to stream its base (with recomputation when it had none)
+    big = plan_memory(model_config("qwen3-8b"), mode="lora", batch=1, seq=2048, recompute="none")
+    opts = [d for d, _ in fitting_options(big, 12 * GiB, offload_available=("offload_base_weights",))]
+    assert "offload_base_weights: true with recompute: full" in opts

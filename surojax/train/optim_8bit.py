@@ -1,0 +1,146 @@
+"""8-bit AdamW (`optimizer: adamw_8bit`): Adam moments stored blockwise-quantised, as bitsandbytes' 8-bit optimizers.
+
+    state of a parameter with >= `min_8bit_size` elements (smaller ones keep fp32 moments, as bitsandbytes):
+        m  uint8 codes [n_blocks, block] into the SIGNED dynamic map      + fp32 absmax [n_blocks]
+        v  uint8 codes [n_blocks, block] into the UNSIGNED dynamic map    + fp32 absmax [n_blocks]
+    one step:  m, v = dequantise(state)            (code[idx] * absmax of the block)
+               m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2          (fp32)
+               direction = m_hat / (sqrt(v_hat) + eps)                  (from the fp32 values of this step)
+               state = quantise(m), quantise(v)   (per block of `block_size` values: absmax, then the index of the
+                                                   nearest code to x / absmax)
+Memory: 1 byte per moment value plus 4 bytes per block (2.03 bytes per parameter for both moments, block 256)
+instead of 8.
+
+The dynamic map (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", and bitsandbytes'
+`create_dynamic_map`): 7 decades 10^-6 .. 10^0; within decade i the interval [0.1, 1] is cut into
+2^i (signed) or 2^(i+1) (unsigned) equal parts and the part midpoints, times 10^(i-6), are the codes; the
+signed map mirrors them to negative values; 0 and 1 are added: 256 sorted values in [-1, 1] (signed) or
+[0, 1] (unsigned). Small magnitudes keep relative precision, which is what the second moment needs.
+
+`adamw_8bit(...)` = scale_by_adam_8bit -> add_decayed_weights(mask) -> scale_by_learning_rate, the composition of
+optax.adamw with the moments swapped.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+BLOCK_SIZE = 256  # bitsandbytes' block for the 8-bit optimizers
+MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit state
+
+
+def dynamic_map(signed: bool) -> np.ndarray:
+    """The 256 sorted values of the 8-bit dynamic quantisation map (7 exponent decades), float32."""
+    values: list[float] = [0.0, 1.0]
+    for i in range(7):  # decade 10^(i-6) .. 10^(i-5)
+        parts = 2 ** i if signed else 2 ** (i + 1)
+        bounds = np.linspace(0.1, 1.0, parts + 1)
+        mids = (bounds[:-1] + bounds[1:]) / 2.0 * 10.0 ** (i - 6)
+        values += mids.tolist() + ((-mids).tolist() if signed else [])
+    assert len(values) == 256, len(values)
+    return np.sort(np.asarray(values, np.float32))
+
+
+SIGNED_MAP = dynamic_map(signed=True)
+UNSIGNED_MAP = dynamic_map(signed=False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Blockwise8bit:
+    """A tensor quantised per block: codes uint8 [n_blocks, block] (padded), absmax fp32 [n_blocks]."""
+
+    codes: jax.Array
+    absmax: jax.Array
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    flat = x.reshape(-1).astype(jnp.float32)
+    pad = (-flat.size) % block
+    return jnp.pad(flat, (0, pad)).reshape(-1, block)  # [n_blocks, block]
+
+
+def quantize_blockwise(x: jax.Array, code: np.ndarray, block: int = BLOCK_SIZE) -> Blockwise8bit:
+    """x (any shape) -> per-block absmax and the index of the code nearest to x / absmax (ties: the lower)."""
+    b = _blocks(x, block)
+    absmax = jnp.max(jnp.abs(b), axis=1)  # [n_blocks]
+    normed = b / jnp.where(absmax > 0, absmax, 1.0)[:, None]
+    code = jnp.asarray(code)
+    mid = (code[1:] + code[:-1]) / 2.0  # [255] decision boundaries between neighbouring codes
+    idx = jnp.searchsorted(mid, normed, side="left")  # count of boundaries strictly below: the nearest code
+    return Blockwise8bit(idx.astype(jnp.uint8), absmax)
+
+
+def dequantize_blockwise(q: Blockwise8bit, code: np.ndarray, shape: tuple[int, ...]) -> jax.Array:
+    vals = jnp.asarray(code)[q.codes.astype(jnp.int32)] * q.absmax[:, None]  # [n_blocks, block]
+    n = int(np.prod(shape)) if shape else 1
+    return vals.reshape(-1)[:n].reshape(shape)
+
+
+class ScaleByAdam8bitState(NamedTuple):
+    count: jax.Array
+    mu: object  # per leaf: Blockwise8bit (signed map) or fp32 array
+    nu: object  # per leaf: Blockwise8bit (unsigned map) or fp32 array
+
+
+def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, block_size: int = BLOCK_SIZE,
+                       min_8bit_size: int = MIN_8BIT_SIZE) -> optax.GradientTransformation:
+    """optax.scale_by_adam with the moments of every parameter of >= min_8bit_size elements kept in 8 bits."""
+
+    def quantised(p) -> bool:
+        return p.size >= min_8bit_size
+
+    def init(params):
+        def zeros(p, code):
+            if quantised(p):
+                return quantize_blockwise(jnp.zeros(p.shape, jnp.float32), code, block_size)
+            return jnp.zeros(p.shape, jnp.float32)
+
+        mu = jax.tree.map(lambda p: zeros(p, SIGNED_MAP), params)
+        nu = jax.tree.map(lambda p: zeros(p, UNSIGNED_MAP), params)
+        return ScaleByAdam8bitState(jnp.zeros([], jnp.int32), mu, nu)
+
+    def update(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        c1 = 1.0 - b1 ** count.astype(jnp.float32)
+        c2 = 1.0 - b2 ** count.astype(jnp.float32)
+        is_q = lambda x: isinstance(x, Blockwise8bit)  # noqa: E731
+
+        def leaf(g, m_s, v_s):
+            q = is_q(m_s)
+            m = dequantize_blockwise(m_s, SIGNED_MAP, g.shape) if q else m_s
+            v = dequantize_blockwise(v_s, UNSIGNED_MAP, g.shape) if q else v_s
+            g32 = g.astype(jnp.float32)
+            m = b1 * m + (1.0 - b1) * g32
+            v = b2 * v + (1.0 - b2) * g32 * g32
+            direction = ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype)
+            if q:
+                m, v = quantize_blockwise(m, SIGNED_MAP, block_size), quantize_blockwise(v, UNSIGNED_MAP, block_size)
+            return direction, m, v
+
+        out = jax.tree.map(leaf, updates, state.mu, state.nu, is_leaf=is_q)
+        treedef = jax.tree.structure(updates)
+        flat = treedef.flatten_up_to(out)
+        direction = treedef.unflatten([o[0] for o in flat])
+        mu = treedef.unflatten([o[1] for o in flat])
+        nu = treedef.unflatten([o[2] for o in flat])
+        return direction, ScaleByAdam8bitState(count, mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+               mask=None, *, block_size: int = BLOCK_SIZE,
+               min_8bit_size: int = MIN_8BIT_SIZE) -> optax.GradientTransformation:
+    """AdamW with 8-bit blockwise moments (decoupled weight decay on `mask`, as optax.adamw)."""
+    return optax.chain(
+        scale_by_adam_8bit(b1, b2, eps, block_size=block_size, min_8bit_size=min_8bit_size),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
