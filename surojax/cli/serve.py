@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="tokens per engine step")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond max-num-seqs (then 429)")
     parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
+    parser.add_argument("--decode-steps", type=_power_of_two, default=1,
+                        help="decode tokens per device call when no request waits (1, 2, 4, 8, ...)")
     parser.add_argument("--num-kv-blocks", type=_positive, default=None,
                         help="KV blocks (default: from free device memory; a fixed size on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -42,6 +44,13 @@ def _positive(value: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer (got {value!r})") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (got {n})")
+    return n
+
+
+def _power_of_two(value: str) -> int:
+    n = _positive(value)
+    if n & (n - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two (got {n})")
     return n
 
 

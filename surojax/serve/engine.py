@@ -15,6 +15,9 @@ ends the request in the step that produced it (its blocks are freed at once) and
 match. LoRA: ``lora=AdapterSlots(...)`` (built on the model before the engine) maps ``adapter`` names to slots.
 KV capacity: ``num_blocks=None`` sizes the pool from free device memory (``capacity.num_kv_blocks``).
 ``buckets``: the runner's smallest shape buckets (min_rows, min_context, min_prefill).
+``decode_steps`` K (a power of two): when nothing waits and every running request decodes, up to K tokens per
+request come from one device call (``multi_step``); the outputs of such a step carry several tokens each. Stop
+strings are checked token by token afterwards: the tokens after a match are dropped, as K single steps would.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ class Engine:
     def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  chunk_size: int | None = None, enable_prefix_caching: bool = True, kv_dtype=None, tokenizer=None,
-                 lora=None, memory_utilization: float = 0.9, buckets: dict | None = None):
+                 lora=None, memory_utilization: float = 0.9, buckets: dict | None = None, decode_steps: int = 1):
         kv_dtype = kv_dtype or model.dtype
         if num_blocks is None:
             num_blocks = num_kv_blocks(model.cfg, kv_dtype, block_size, max_model_len,
@@ -46,7 +49,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_model_len=max_model_len, chunk_size=chunk_size)
+                                   max_model_len=max_model_len, chunk_size=chunk_size, decode_steps=decode_steps)
         self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
                                   adapter_slot=lora.slot if lora is not None else None, **(buckets or {}))
         self._ids = itertools.count()
@@ -122,17 +125,33 @@ class Engine:
         outs = self.scheduler.update(sampled)
         for o in outs:
             if o.request_id in sampled.logprobs:
-                o.logprobs = [sampled.logprobs[o.request_id]]
+                lp = sampled.logprobs[o.request_id]
+                o.logprobs = (lp if isinstance(lp, list) else [lp])[:len(o.new_token_ids)]
             text = self._text.get(o.request_id)
             if text is None:
                 continue
-            o.text, o.reasoning_text, stopped = text.add(o.new_token_ids, o.finished, o.finish_reason)
-            if stopped and not o.finished:
-                self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_STOPPED)
-                o.finished, o.finish_reason = True, "stop"
+            self._add_text(o, text)
             if o.finished:
                 del self._text[o.request_id]
         return outs
+
+    def _add_text(self, o: RequestOutput, text: RequestText) -> None:
+        """Detokenise this step's tokens one at a time; on a stop string drop the tokens after it and finish."""
+        ids, content, reasoning = o.new_token_ids, [], []
+        for i, tok in enumerate(ids):
+            last = i == len(ids) - 1
+            c, r, stopped = text.add([tok], o.finished and last, o.finish_reason if last else None)
+            content.append(c)
+            reasoning.append(r)
+            if stopped:
+                if not last or not o.finished:
+                    self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_STOPPED)
+                    o.finished, o.finish_reason = True, "stop"
+                    o.new_token_ids = ids[:i + 1]
+                    if o.logprobs is not None:
+                        o.logprobs = o.logprobs[:i + 1]
+                break
+        o.text, o.reasoning_text = "".join(content), "".join(reasoning)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, stop_token_ids=(), **sampling) -> list[list[int]]:
         """Run every prompt to completion; new token ids per prompt, in order (a stop id is kept)."""

@@ -176,7 +176,11 @@ class KVCacheManager:
         return b
 
     def _publish(self, seq: Sequence_, st: _SeqState, num_tokens: int) -> None:
-        """Hash the blocks that become full within ``tokens[:num_tokens]`` and publish them to the prefix cache."""
+        """Hash the blocks that become full within ``tokens[:num_tokens]`` and publish them to the prefix cache.
+
+        Capped at the tokens that exist: a multi-step decode allocates slots ahead for tokens not sampled yet;
+        their blocks are published by a later ``allocate`` once the tokens are known."""
+        num_tokens = min(num_tokens, len(seq.all_token_ids))
         st.block_hashes = self._full_block_hashes(seq, num_tokens, st.block_hashes)
         for i in range(st.num_cached_blocks, len(st.block_hashes)):
             b, h = st.blocks[i], st.block_hashes[i]

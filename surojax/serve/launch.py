@@ -125,7 +125,8 @@ def build_server(args, model=None, tokenizer=None):
     engine = Engine(model, num_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
                     max_model_len=max_len, enable_prefix_caching=not args.no_prefix_caching, tokenizer=tokenizer,
-                    lora=lora, memory_utilization=args.gpu_memory_utilization)
+                    lora=lora, memory_utilization=args.gpu_memory_utilization,
+                    decode_steps=getattr(args, "decode_steps", 1))
     for spec in args.lora_modules or ():
         if lora is None:
             raise ServeError("--lora-modules needs --enable-lora")

@@ -44,6 +44,7 @@ from flax import nnx
 
 from surojax.models.decoder import Decoder, KVCache
 from surojax.peft.multi_lora import multi_lora_modules, set_adapter_rows
+from surojax.serve.multi_step import multi_step_decode
 from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, sample_batch
 from surojax.serve.scheduler import ScheduledRequest
 
@@ -101,7 +102,9 @@ def _paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids,
 
 
 class StepResult(dict):
-    """request id -> sampled token id; ``logprobs``: request id -> (logprob, [(id, logprob)] * top_logprobs)."""
+    """request id -> sampled token id; ``logprobs``: request id -> (logprob, [(id, logprob)] * top_logprobs).
+    After a multi-step decode (rows with ``num_steps > 1``): request id -> list of ids, and logprobs -> a list
+    of those tuples, one per id."""
 
     def __init__(self):
         super().__init__()
@@ -131,6 +134,7 @@ class PagedRunner:
         self.k_pool = jnp.zeros(shape, dtype)
         self.v_pool = jnp.zeros(shape, dtype)
         self.num_calls = 0  # forward calls (waves x decode/prefill groups), for tests / metrics
+        self.num_multi_calls = 0  # multi-step decode calls
         self.num_deferred = 0  # requests run in a later wave (same-step prefix hits on blocks being written)
 
     def recover_pools(self) -> bool:
@@ -245,6 +249,50 @@ class PagedRunner:
         self.num_calls += 1
         return sampled
 
+    def _run_multi(self, group: list[ScheduledRequest]):
+        """A multi-step decode group (every row decoding, up to ``num_steps`` tokens each): see ``multi_step``."""
+        K = _bucket(max(s.num_steps for s in group))
+        R = _bucket(len(group), self.min_rows)
+        S = _context_bucket(max(s.start for s in group) + K, max(self.block_size, self.min_context), self.block_size)
+        M = _bucket(max(len(s.request.stop_token_ids) if s.request is not None else 0 for s in group))
+        tokens = np.zeros((R,), np.int32)
+        start = np.zeros((R,), np.int32)
+        limit = np.zeros((R,), np.int32)  # padding rows: 0 = stopped from the start
+        write = np.full((R, K), self.num_slots, np.int32)
+        ctx = np.zeros((R, S), np.int32)
+        stop = np.full((R, M), -1, np.int32)
+        adapters = np.zeros((R,), np.int32)
+        for r, s in enumerate(group):
+            st, n = s.start, s.num_steps
+            bt = np.asarray(s.block_table, np.int64)
+            tokens[r] = s.token_ids[0]
+            start[r], limit[r] = st, n
+            write[r, :n] = self._slots(bt, st, st + n)
+            ctx[r, :st] = self._slots(bt, 0, st)
+            ids = sorted(s.request.stop_token_ids) if s.request is not None else []
+            stop[r, :len(ids)] = ids
+            if self.lora:
+                adapters[r] = self.adapter_slot(s.adapter)
+        rows, mode = self._sampling_rows(group, R, S)
+        self.k_pool, self.v_pool, sampled = multi_step_decode(
+            self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, ctx, write, limit, stop, adapters,
+            rows, mode=mode, lora=self.lora, num_steps=K)
+        self.num_calls += 1
+        self.num_multi_calls += 1
+        return sampled
+
+    def _collect_multi(self, group: list[ScheduledRequest], host: dict, out: StepResult) -> None:
+        for r, s in enumerate(group):
+            n = int(host["count"][r])
+            out[s.request_id] = [int(t) for t in host["ids"][r, :n]]
+            sp = s.sampling_params
+            if isinstance(sp, SamplingParams) and sp.logprobs:
+                k = min(sp.top_logprobs, MAX_TOP_LOGPROBS)
+                out.logprobs[s.request_id] = [
+                    (float(host["logprob"][r, i]),
+                     [(int(a), float(b)) for a, b in zip(host["top_ids"][r, i, :k], host["top_logprobs"][r, i, :k])])
+                    for i in range(n)]
+
     # ---- one step -----------------------------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
         """Run the forward for every scheduled request (writing its KV) and sample where ``sample`` is True.
@@ -254,6 +302,9 @@ class PagedRunner:
         out = StepResult()
         scheduled = [s for s in scheduled if s.num_new_tokens > 0]
         if not scheduled:
+            return out
+        if any(s.num_steps > 1 for s in scheduled):  # the scheduler makes these all-decode steps, one wave
+            self._collect_multi(scheduled, jax.device_get(self._run_multi(scheduled)), out)
             return out
         waves = self._waves(scheduled)
         self.num_deferred += sum(w > 0 for w in waves)

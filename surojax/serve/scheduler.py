@@ -12,6 +12,11 @@ Architecture choices:
   is sent back to the front of the waiting queue with its blocks freed and ``num_computed_tokens = 0``; when
   re-admitted it recomputes prompt + generated tokens (often mostly from the prefix cache, since freed blocks keep
   their hashes). No new requests are admitted in a step that preempted.
+* Multi-step decode (``decode_steps`` K > 1): when nothing waits and every running request is decoding, one
+  step schedules up to K decode tokens per request (``ScheduledRequest.num_steps``; fewer where max_tokens or
+  max_model_len come first) and reserves their slots ahead (lookahead blocks). The runner then runs the K
+  forwards in one device call; ``update`` takes the list of tokens a row produced (it stops early on a stop id
+  or its limit). When the free blocks do not cover every lookahead, the step falls back to one token.
 * Sampling params are opaque here; stop token ids / max_tokens / max_model_len are the scheduler's to enforce
   (stop *strings* need detokenisation and belong to the engine, which calls ``abort``/``finish`` for them).
 """
@@ -81,6 +86,7 @@ class ScheduledRequest:
     adapter: str | None = None
     sampling_params: Any = None
     request: Any = field(default=None, repr=False)  # the Request (the runner reads its tokens for penalties)
+    num_steps: int = 1  # multi-step decode: up to this many tokens sampled in one call (slots reserved ahead)
 
 
 @dataclass
@@ -118,7 +124,10 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 4096,
         chunk_size: int | None = None,
+        decode_steps: int = 1,
     ):
+        if decode_steps < 1 or decode_steps & (decode_steps - 1):
+            raise ValueError(f"decode_steps must be a power of two >= 1, got {decode_steps}")
         if kv.num_blocks * kv.block_size < max_model_len:
             raise ValueError("KV pool smaller than max_model_len: a lone request could never finish")
         self.kv = kv
@@ -126,6 +135,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunk_size = chunk_size or max_num_batched_tokens
+        self.decode_steps = decode_steps
+        self.num_multi_steps = 0  # steps scheduled as multi-step decodes (tests / metrics)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -195,9 +206,40 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _steps_left(self, req: Request) -> int:
+        """Tokens a decoding request may still produce (max_tokens, max_model_len), capped at ``decode_steps``."""
+        return max(1, min(self.decode_steps, req.max_tokens - len(req.output_token_ids),
+                          self.max_model_len - req.num_tokens))
+
+    def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
+        """All running requests decode K tokens each, with their slots reserved ahead. False (nothing changed)
+        unless K > 1, no request waits, every running one is decoding, and the free blocks cover the lookahead."""
+        if (self.decode_steps == 1 or self.waiting or not self.running
+                or len(self.running) > self.max_num_batched_tokens
+                or any(r.num_computed_tokens != r.num_tokens - 1 for r in self.running)):
+            return False
+        steps = [self._steps_left(r) for r in self.running]
+        if max(steps) == 1:
+            return False
+        need = sum(max(0, self.kv.blocks_needed(r.num_computed_tokens + n) - len(self.kv.block_table(r.request_id)))
+                   for r, n in zip(self.running, steps))
+        if need > self.kv.num_free_blocks:
+            return False
+        for r, n in zip(self.running, steps):
+            if not self.kv.allocate(r, n):  # cannot fail: the free blocks were counted above
+                raise RuntimeError(f"lookahead allocation failed for {r.request_id!r}")
+            s = self._scheduled(r, 1)
+            s.num_steps = n
+            out.scheduled.append(s)
+        self.num_multi_steps += 1
+        return True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        if self._schedule_multi_step(out):
+            self._last = {s.request_id: s for s in out.scheduled}
+            return out
         budget = self.max_num_batched_tokens
 
         # 1. running requests, oldest first; preempt from the newest end when blocks run out
@@ -240,10 +282,12 @@ class Scheduler:
         self._last = {s.request_id: s for s in out.scheduled}
         return out
 
-    def update(self, sampled: Mapping[str, int] | Iterable[tuple[str, int]] = ()) -> list[RequestOutput]:
+    def update(self, sampled: Mapping[str, int | list[int]] | Iterable[tuple[str, int | list[int]]] = ()
+               ) -> list[RequestOutput]:
         """Advance the last ``schedule()``'s requests. ``sampled`` maps request id -> sampled token for those with
-        ``sample=True`` (others are ignored). Finishes on stop token / max_tokens / max_model_len and frees blocks.
-        Requests aborted since ``schedule()`` are skipped."""
+        ``sample=True`` (others are ignored), or the list of tokens a multi-step decode produced (in order).
+        Finishes on stop token / max_tokens / max_model_len and frees blocks (tokens after the one that finishes
+        a request are dropped). Requests aborted since ``schedule()`` are skipped."""
         sampled = dict(sampled)
         outs: list[RequestOutput] = []
         last, self._last = self._last, {}
@@ -256,15 +300,24 @@ class Scheduler:
                 continue
             if rid not in sampled:
                 raise KeyError(f"no sampled token for {rid!r}")
-            tok = int(sampled[rid])
-            req.output_token_ids.append(tok)
-            status = None
-            if tok in req.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
+            toks = sampled[rid]
+            toks = [int(t) for t in toks] if isinstance(toks, (list, tuple)) else [int(toks)]
+            if not toks or len(toks) > s.num_steps:
+                raise ValueError(f"{rid!r}: {len(toks)} sampled tokens for a step of {s.num_steps}")
+            status, new = None, []
+            for i, tok in enumerate(toks):
+                if i:
+                    req.num_computed_tokens += 1  # the previous token's KV was written in the same call
+                req.output_token_ids.append(tok)
+                new.append(tok)
+                if tok in req.stop_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                    status = RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    break
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            outs.append(RequestOutput(rid, [tok], status is not None, status.value if status else None))
+            outs.append(RequestOutput(rid, new, status is not None, status.value if status else None))
         return outs

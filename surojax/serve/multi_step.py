@@ -1,0 +1,89 @@
+"""Multi-step decode: up to K decode steps for every row in ONE jitted call (the runner's fast decode path).
+
+Per call, instead of per token: the host builds the batch arrays once, the context is gathered from the paged
+pool once into a dense per-row view, the K new k/v are scattered back once, and the host fetches the sampled
+ids once. Inside, a ``lax.while_loop`` runs one-token forwards over the view (the Decoder appends each token's
+k/v at view slot ``start + i``), samples on device with each row's own parameters and key
+(``fold_in(key(seed), position)``, as in a single step) and feeds the sampled token back. A row stops when it
+samples one of its stop ids or reaches its limit (max_tokens / max_model_len / K, worked out by the
+scheduler); a stopped row keeps riding along (its results are masked: not counted, not written back), and the
+loop ends early once every row has stopped.
+
+Greedy and seeded results equal K single steps: every step sees the same context values (the view holds the
+pool's dtype, as the pool would), the same position and the same key; penalties see each new token as soon
+as it is sampled. Stop strings need text and are checked by the engine after the call (it trims the tokens
+past the match and finishes the request).
+
+Shapes: tokens/start/limit [R]; ctx_slots [R, S] with S >= max(start) + K; write_slots [R, K] (pool slots
+of positions start .. start+K-1, out of range where no slot was reserved); stop_ids [R, M] (-1 = none).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from surojax.models.decoder import KVCache
+from surojax.peft.multi_lora import set_adapter_rows
+from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "num_steps"),
+                   donate_argnames=("k_pool", "v_pool"))
+def multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots, write_slots, limit, stop_ids,
+                      adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int):
+    """-> (k_pool, v_pool, dict(ids [R, K], count [R] = tokens produced per row, and with ``mode.logprobs``
+    logprob [R, K], top_ids / top_logprobs [R, K, 20]))."""
+    model = nnx.merge(graphdef, state)
+    if lora:
+        set_adapter_rows(model, adapter_rows)
+    R, S = ctx_slots.shape
+    K = num_steps
+    j = jnp.arange(S, dtype=jnp.int32)[None, :]
+    valid = j < start[:, None]  # [R, S]
+    cache = KVCache(k=k_pool[:, ctx_slots], v=v_pool[:, ctx_slots], segment_ids=valid.astype(jnp.int32),
+                    positions=jnp.where(valid, j, 0).astype(jnp.int32), lengths=start.astype(jnp.int32))
+    idx = jnp.arange(R)
+    out = dict(ids=jnp.zeros((K, R), jnp.int32))
+    if mode.logprobs:
+        out.update(logprob=jnp.zeros((K, R), jnp.float32),
+                   top_ids=jnp.zeros((K, R, MAX_TOP_LOGPROBS), jnp.int32),
+                   top_logprobs=jnp.zeros((K, R, MAX_TOP_LOGPROBS), jnp.float32))
+    done = limit <= 0
+    count = jnp.zeros((R,), jnp.int32)
+    ones = jnp.ones((R, 1), jnp.int32)
+
+    def cond(carry):
+        i, _, _, done, *_ = carry
+        return (i < K) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, tok, done, count, rows, out = carry
+        pos = (start + i)[:, None]
+        h, cache = model.hidden_states(tok[:, None], pos, ones, cache=cache)
+        logits = model.logits(h)[:, 0]  # [R, V] fp32
+        sampled = sample_batch(logits, dict(rows, step=rows["step"] + i), mode)
+        new = sampled["ids"]
+        out = {k: v.at[i].set(sampled[k]) for k, v in out.items()}
+        count = count + (~done).astype(jnp.int32)
+        done = done | jnp.any(new[:, None] == stop_ids, axis=1) | (i + 1 >= limit)
+        if mode.penalties:  # the new token is seen (as output) from the next step on
+            at = start + 1 + i
+            rows = dict(rows, seen_ids=rows["seen_ids"].at[idx, at].set(new, mode="drop"),
+                        seen_valid=rows["seen_valid"].at[idx, at].set(True, mode="drop"),
+                        seen_is_output=rows["seen_is_output"].at[idx, at].set(True, mode="drop"))
+        return i + 1, cache, new, done, count, rows, out
+
+    carry = (jnp.int32(0), cache, tokens, done, count, rows, out)
+    _, cache, _, _, count, _, out = jax.lax.while_loop(cond, body, carry)
+    steps = jnp.arange(K, dtype=jnp.int32)[None, :]
+    view = jnp.minimum(start[:, None] + steps, S - 1)  # [R, K] view slots of positions start .. start+K-1
+    # the KV of the token fed at step i is real for i < count (later steps of a stopped row are not)
+    write = jnp.where(steps < count[:, None], write_slots, k_pool.shape[1])
+    k_pool = k_pool.at[:, write].set(cache.k[:, idx[:, None], view].astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[:, write].set(cache.v[:, idx[:, None], view].astype(v_pool.dtype), mode="drop")
+    result = {k: jnp.swapaxes(v, 0, 1) for k, v in out.items()}  # [R, K, ...]
+    result["count"] = count
+    return k_pool, v_pool, result
