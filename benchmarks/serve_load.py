@@ -17,6 +17,11 @@ of `surojax.bench.shapes` (default qwen3-0.6b, bf16); prompts are token ids, so 
 
     python benchmarks/serve_load.py                      # H200: hf, engine, server at users 1, 16, 64
     python benchmarks/serve_load.py --smoke              # CPU: debug shape, tiny lengths, engine + server
+    python benchmarks/serve_load.py --modes engine,server --decode-steps 1,8   # A/B multi-step decode
+
+`--decode-steps` (comma list of powers of two) runs engine and server once per value: K decode tokens per
+device call when nothing waits (the engine's ``decode_steps``). With K > 1 tokens reach a user in bursts of
+K, so inter-token p50 drops towards 0 and p99 is about one K-step call; decode tok/s is the figure to compare.
 """
 from __future__ import annotations
 
@@ -106,7 +111,7 @@ class _Conn:
             raise RuntimeError(f"HTTP {code}")
 
 
-async def _one(conn, model, prompt, max_tokens, headers):
+async def _one(conn, model, prompt, max_tokens, headers, id_text=False):
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}
     t0, ts = time.perf_counter(), []
@@ -119,11 +124,14 @@ async def _one(conn, model, prompt, max_tokens, headers):
         if "error" in chunk:
             raise RuntimeError(chunk["error"])
         if chunk["choices"] and chunk["choices"][0].get("text"):
-            ts.append(time.perf_counter())
+            # one arrival time per token: a multi-step decode sends several tokens in one chunk (the bench
+            # server's tokenizer writes each id as "<id>"; another server's chunk counts as one token)
+            text = chunk["choices"][0]["text"]
+            ts += [time.perf_counter()] * (text.count("<") if id_text else 1)
     return t0, ts
 
 
-async def run_clients(url, model, users, rounds, prompt_len, max_tokens, seed, vocab, api_key=None):
+async def run_clients(url, model, users, rounds, prompt_len, max_tokens, seed, vocab, api_key=None, id_text=False):
     import random
     from urllib.parse import urlparse
 
@@ -136,7 +144,7 @@ async def run_clients(url, model, users, rounds, prompt_len, max_tokens, seed, v
     async def user(i):
         conn = _Conn(u.hostname, u.port or 80)
         try:
-            return [await _one(conn, model, prompts[i][k], max_tokens, headers) for k in range(rounds)]
+            return [await _one(conn, model, prompts[i][k], max_tokens, headers, id_text) for k in range(rounds)]
         finally:
             if conn.writer is not None:
                 conn.writer.close()
@@ -150,14 +158,14 @@ async def run_clients(url, model, users, rounds, prompt_len, max_tokens, seed, v
 def client_main(a):
     for users in a.users_list:
         records, wall = asyncio.run(run_clients(a.url, a.model_name, users, a.rounds, a.prompt_len, a.max_tokens,
-                                                a.seed, a.vocab, a.api_key))
+                                                a.seed, a.vocab, a.api_key, a.id_text))
         emit(summarize(a.label, users, records, wall))
 
 
 def run_client_process(a, url, users, max_tokens, seed, label):
     cmd = [sys.executable, __file__, "--modes", "client", "--url", url, "--users", str(users), "--rounds",
            str(a.rounds if label != "warmup" else 1), "--prompt-len", str(a.prompt_len), "--max-tokens",
-           str(max_tokens), "--seed", str(seed), "--vocab", str(a.vocab), "--label", label, "--model-name", "bench"]
+           str(max_tokens), "--seed", str(seed), "--vocab", str(a.vocab), "--label", label, "--model-name", "bench", "--id-text"]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
@@ -182,12 +190,12 @@ def build_model(a):
     return model
 
 
-def engine_kwargs(a, users):
-    blocks_per_seq = -(-(a.prompt_len + a.max_tokens) // a.block_size)
+def engine_kwargs(a, users, k=1):
+    blocks_per_seq = -(-(a.prompt_len + a.max_tokens + k) // a.block_size)
     return dict(num_blocks=max(a.num_kv_blocks, users * blocks_per_seq + 8), block_size=a.block_size,
                 max_num_seqs=users, max_num_batched_tokens=step_budget(a, users),
                 max_model_len=a.prompt_len + a.max_tokens + a.block_size,
-                buckets=bench_buckets(a, users))
+                buckets=bench_buckets(a, users, k), decode_steps=k)
 
 
 def step_budget(a, users):
@@ -196,21 +204,26 @@ def step_budget(a, users):
     return users + a.prefills_per_step * a.prompt_len
 
 
-def bench_buckets(a, users):
+def warmup_tokens(k):
+    """Output length of the warm-up: enough for one full K-step call (compiles the measured shapes)."""
+    return max(4, k + 1)
+
+
+def bench_buckets(a, users, k=1):
     """One decode shape (R = users, S = the longest context) and one prefill shape (T = the prompt, R = the
     prompts one step's token budget holds), so the warm-up compiles everything and nothing compiles while
     measuring. Costs some padding (a chunked prompt's remainder is padded to a full prompt)."""
     return dict(min_rows=users, min_prefill_rows=min(users, a.prefills_per_step),
-                min_prefill=a.prompt_len, min_context=a.prompt_len + a.max_tokens)
+                min_prefill=a.prompt_len, min_context=a.prompt_len + a.max_tokens + k)
 
 
-def run_engine(a, model, users, max_tokens, seed, label):
+def run_engine(a, model, users, max_tokens, seed, label, k=1):
     import numpy as np
 
     from surojax.serve.engine import Engine
     from surojax.serve.sampling import SamplingParams
 
-    eng = Engine(model, **engine_kwargs(a, users))
+    eng = Engine(model, **engine_kwargs(a, users, k))
     compiled_before = _num_compiled()
     rng = np.random.default_rng(seed)
     records = []
@@ -223,19 +236,20 @@ def run_engine(a, model, users, max_tokens, seed, label):
             outs = eng.step()
             now = time.perf_counter()
             for o in outs:
-                ts[o.request_id].append(now)
+                ts[o.request_id] += [now] * len(o.new_token_ids)  # one arrival time per token
         records += [(t0, v) for v in ts.values()]
     wall = time.perf_counter() - t_start
-    return summarize(label, users, records, wall, {"steps": eng.runner.num_calls,
+    return summarize(label, users, records, wall, {"decode_steps": k, "steps": eng.runner.num_calls,
+                                                   "multi_step_calls": eng.runner.num_multi_calls,
                                                    "compiled_while_measuring": _num_compiled() - compiled_before})
 
 
 def _num_compiled() -> int:
     """Compiled variants of the runner's step (a private jax API: -1 where it is missing)."""
-    from surojax.serve import runner
+    from surojax.serve import multi_step, runner
 
     try:
-        return runner._paged_step._cache_size()
+        return runner._paged_step._cache_size() + multi_step.multi_step_decode._cache_size()
     except Exception:
         return -1
 
@@ -248,11 +262,12 @@ def ours_main(a):
     results = []
     if "engine" in a.modes:
         for users in a.users_list:
-            run_engine(a, model, users, 4, 1000 + users, "warmup")
-            r = run_engine(a, model, users, a.max_tokens, users, "engine")
-            emit(r)
-            results.append(r)
-            gc.collect()
+            for k in a.decode_steps_list:
+                run_engine(a, model, users, warmup_tokens(k), 1000 + users, "warmup", k)
+                r = run_engine(a, model, users, a.max_tokens, users, "engine", k)
+                emit(r)
+                results.append(r)
+                gc.collect()
     if "server" in a.modes:
         try:
             import uvicorn
@@ -263,8 +278,8 @@ def ours_main(a):
             print(f"# server mode skipped: {e} (needs fastapi, starlette, uvicorn, anyio, h11, click, pydantic)",
                   flush=True)
             return results
-        for users in a.users_list:
-            kw = engine_kwargs(a, users)
+        for users, k in [(u, k) for u in a.users_list for k in a.decode_steps_list]:
+            kw = engine_kwargs(a, users, k)
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -273,10 +288,10 @@ def ours_main(a):
                 ["serve", "random", "--served-model-name", "bench", "--max-num-seqs", str(users),
                  "--num-kv-blocks", str(kw["num_blocks"]), "--block-size", str(a.block_size),
                  "--max-model-len", str(kw["max_model_len"]), "--max-num-batched-tokens",
-                 str(step_budget(a, users)), "--log-level", "warning"])
+                 str(step_budget(a, users)), "--decode-steps", str(k), "--log-level", "warning"])
             app, state = build_server(args, model=model, tokenizer=IdTokenizer())
-            for k, v in bench_buckets(a, users).items():
-                setattr(state.engine.engine.runner, k, v)
+            for name, v in bench_buckets(a, users, k).items():
+                setattr(state.engine.engine.runner, name, v)
             srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
             th = threading.Thread(target=srv.run, daemon=True)
             th.start()
@@ -284,10 +299,11 @@ def ours_main(a):
                 time.sleep(0.05)
             url = f"http://127.0.0.1:{port}"
             try:
-                run_client_process(a, url, users, 4, 1000 + users, "warmup")
+                run_client_process(a, url, users, warmup_tokens(k), 1000 + users, "warmup")
                 before = _num_compiled()
                 r = run_client_process(a, url, users, a.max_tokens, users, "server")
                 r["compiled_while_measuring"] = _num_compiled() - before
+                r["decode_steps"] = k
             finally:
                 srv.should_exit = True
                 th.join(10)
@@ -367,10 +383,10 @@ def hf_main(a):
 # ---- driver -------------------------------------------------------------------------------------------------
 
 def table(results):
-    cols = ["mode", "users", "decode_tok_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+    cols = ["mode", "users", "decode_steps", "decode_tok_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in sorted(results, key=lambda r: (r["users"], r["mode"])):
-        cells = [f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+    for r in sorted(results, key=lambda r: (r["users"], r["mode"], r.get("decode_steps", 1))):
+        cells = [f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -400,6 +416,8 @@ def main(argv=None):
     p.add_argument("--prefills-per-step", type=int, default=4,
                    help="whole prompts one engine step may prefill (token budget = users + this x prompt-len)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-steps", default="1",
+                   help="comma list of decode steps per device call (powers of two) to run engine/server with")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
     p.add_argument("--url", default=None, help="client mode: the server's base URL")
     p.add_argument("--api-key", default=None)
@@ -407,6 +425,7 @@ def main(argv=None):
     p.add_argument("--model-name", default="bench")
     p.add_argument("--label", default="client")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--id-text", action="store_true", help=argparse.SUPPRESS)  # client: count "<id>" tokens
     a = p.parse_args(argv)
     raw = list(sys.argv[1:] if argv is None else argv)
     a.passthrough = [x for i, x in enumerate(raw) if x != "--modes" and (i == 0 or raw[i - 1] != "--modes")]
@@ -417,6 +436,9 @@ def main(argv=None):
         if a.modes == "hf,engine,server":
             a.modes = "engine,server"
     a.users_list = [int(u) for u in a.users.split(",")]
+    a.decode_steps_list = [int(k) for k in a.decode_steps.split(",")]
+    if any(k < 1 or k & (k - 1) for k in a.decode_steps_list):
+        p.error(f"--decode-steps takes powers of two, got {a.decode_steps}")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     a.modes = modes
     if "client" in modes:
@@ -433,7 +455,7 @@ def main(argv=None):
         results += run_child(a, ours)
     print()
     print(table(results))
-    want = len(a.users_list) * len(ours)
+    want = len(a.users_list) * len(ours) * len(a.decode_steps_list)
     got = sum(1 for r in results if r["mode"] in ours)
     return 0 if got == want else 1
 

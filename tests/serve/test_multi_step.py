@@ -118,3 +118,13 @@ def test_lookahead_allocation_and_fallback():
     assert [x.num_steps for x in out.scheduled] == [8] and kv.num_free_blocks == 3
     with pytest.raises(ValueError, match="power of two"):
         Scheduler(kv, max_model_len=24, decode_steps=3)
+
+
+def test_cli_option():
+    from surojax.cli.main import build_parser, load_command
+
+    parser = build_parser("serve", load_command("serve"))
+    assert parser.parse_args(["serve", "m", "--decode-steps", "8"]).decode_steps == 8
+    assert parser.parse_args(["serve", "m"]).decode_steps == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "m", "--decode-steps", "3"])
