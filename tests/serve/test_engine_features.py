@@ -155,7 +155,8 @@ def random_adapter(model, path, seed, rank=4, targets=("q_proj", "v_proj", "down
     return merge_lora(m)
 
 
-def test_multi_lora_rows_equal_merged_models(model, tmp_path):
+@pytest.mark.parametrize("decode_steps", [1, 4])  # 4: the adapters ride through the multi-step decode call
+def test_multi_lora_rows_equal_merged_models(model, tmp_path, decode_steps):
     merged = {name: random_adapter(model, tmp_path / name, seed, rank)
               for name, seed, rank in (("a", 1, 4), ("b", 2, 8))}
     rng = np.random.default_rng(3)
@@ -164,7 +165,7 @@ def test_multi_lora_rows_equal_merged_models(model, tmp_path):
     ref = [generate(merged[a] if a else model, [p], 8)[0] for p, a in zip(ps, adapters)]  # same shapes: one compile
     served = nnx.clone(model)
     slots = AdapterSlots(served, max_loras=2, max_rank=8)
-    eng = engine(served, lora=slots)
+    eng = engine(served, lora=slots, decode_steps=decode_steps)
     eng.load_lora("a", tmp_path / "a")
     eng.load_lora("b", tmp_path / "b")
     rids = [eng.add_request(p, SamplingParams(max_tokens=8), adapter=a) for p, a in zip(ps, adapters)]
@@ -173,6 +174,7 @@ def test_multi_lora_rows_equal_merged_models(model, tmp_path):
         for o in eng.step():
             outs[o.request_id] += o.new_token_ids
     assert [outs[r] for r in rids] == ref
+    assert (eng.runner.num_multi_calls > 0) == (decode_steps > 1)
     assert ref[0] != generate(model, [ps[0]], 8)[0]  # the adapter changes the output
     eng.unload_lora("a")
     with pytest.raises(ValueError, match="not loaded"):
