@@ -159,7 +159,8 @@ class KVCacheManager:
             b.ref_cnt += 1
             st.blocks.append(b)
             st.block_hashes.append(b.block_hash)
-        st.num_cached_blocks = len(st.blocks)
+        if computed_blocks:  # (only then: resetting it on every call would skip the blocks filled since)
+            st.num_cached_blocks = len(st.blocks)
         for _ in range(num_new_blocks):
             st.blocks.append(self._pop_free())
         if self.enable_prefix_caching:
@@ -188,6 +189,13 @@ class KVCacheManager:
                 b.block_hash = h
                 self._cached[h] = b
         st.num_cached_blocks = len(st.block_hashes)
+
+    def publish(self, seq: Sequence_, num_tokens: int) -> None:
+        """Publish the blocks that are full within ``tokens[:num_tokens]`` (their KV written): after a multi-step
+        decode, whose tokens were not known when its blocks were allocated."""
+        st = self._seqs.get(seq.request_id)
+        if st is not None and self.enable_prefix_caching:
+            self._publish(seq, st, num_tokens)
 
     def free(self, seq_or_id: Sequence_ | str) -> None:
         """Release a sequence's blocks (finish, abort or preemption). Idempotent."""

@@ -316,6 +316,8 @@ class Scheduler:
                     status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
                     break
+            if s.num_steps > 1:  # as single steps would have: the blocks whose KV is now written are cached
+                self.kv.publish(req, req.num_computed_tokens)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

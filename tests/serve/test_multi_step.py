@@ -116,6 +116,8 @@ def test_lookahead_allocation_and_fallback():
     s.abort("b")
     out = s.schedule()  # now the free blocks cover a's lookahead
     assert [x.num_steps for x in out.scheduled] == [8] and kv.num_free_blocks == 3
+    s.update({"a": list(range(110, 118))})  # KV now written for 20 tokens: 5 full blocks published
+    assert a.num_computed_tokens == 20 and len(kv._seqs["a"].block_hashes) == 5
     with pytest.raises(ValueError, match="power of two"):
         Scheduler(kv, max_model_len=24, decode_steps=3)
 
@@ -128,3 +130,14 @@ def test_cli_option():
     assert parser.parse_args(["serve", "m"]).decode_steps == 1
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--decode-steps", "3"])
+
+
+def test_generated_blocks_are_prefix_cached_as_with_single_steps(model):
+    hits = {}
+    for k in (1, 8):
+        eng = engine(model, k)
+        p = list(range(1, 10))
+        out = eng.generate([p], 16)[0]
+        eng.generate([p + out + [5]], 1)  # a follow-up turn: prompt + answer + more
+        hits[k] = eng.kv.prefix_cache_hits
+    assert hits[1] == hits[8] == 24  # KV was written for 9 + 15 tokens: 6 full blocks of 4
