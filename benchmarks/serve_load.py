@@ -22,6 +22,8 @@ of `surojax.bench.shapes` (default qwen3-0.6b, bf16); prompts are token ids, so 
 `--decode-steps` (comma list of powers of two) runs engine and server once per value: K decode tokens per
 device call when nothing waits (the engine's ``decode_steps``). With K > 1 tokens reach a user in bursts of
 K, so inter-token p50 drops towards 0 and p99 is about one K-step call; decode tok/s is the figure to compare.
+`--kv-in-place 0,1` likewise A/Bs the runner's ``kv_in_place`` (the decoder updates its cache in the layer scan's
+carry instead of copying every layer's view in and out of the scan).
 """
 from __future__ import annotations
 
@@ -217,13 +219,13 @@ def bench_buckets(a, users, k=1):
                 min_prefill=a.prompt_len, min_context=a.prompt_len + a.max_tokens + k)
 
 
-def run_engine(a, model, users, max_tokens, seed, label, k=1):
+def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False):
     import numpy as np
 
     from surojax.serve.engine import Engine
     from surojax.serve.sampling import SamplingParams
 
-    eng = Engine(model, **engine_kwargs(a, users, k))
+    eng = Engine(model, **engine_kwargs(a, users, k), kv_in_place=in_place)
     compiled_before = _num_compiled()
     rng = np.random.default_rng(seed)
     records = []
@@ -239,7 +241,8 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1):
                 ts[o.request_id] += [now] * len(o.new_token_ids)  # one arrival time per token
         records += [(t0, v) for v in ts.values()]
     wall = time.perf_counter() - t_start
-    return summarize(label, users, records, wall, {"decode_steps": k, "steps": eng.runner.num_calls,
+    return summarize(label, users, records, wall, {"decode_steps": k, "kv_in_place": int(in_place),
+                                                   "steps": eng.runner.num_calls,
                                                    "multi_step_calls": eng.runner.num_multi_calls,
                                                    "compiled_while_measuring": _num_compiled() - compiled_before})
 
@@ -262,9 +265,9 @@ def ours_main(a):
     results = []
     if "engine" in a.modes:
         for users in a.users_list:
-            for k in a.decode_steps_list:
-                run_engine(a, model, users, warmup_tokens(k), 1000 + users, "warmup", k)
-                r = run_engine(a, model, users, a.max_tokens, users, "engine", k)
+            for k, ip in a.variants:
+                run_engine(a, model, users, warmup_tokens(k), 1000 + users, "warmup", k, ip)
+                r = run_engine(a, model, users, a.max_tokens, users, "engine", k, ip)
                 emit(r)
                 results.append(r)
                 gc.collect()
@@ -278,7 +281,7 @@ def ours_main(a):
             print(f"# server mode skipped: {e} (needs fastapi, starlette, uvicorn, anyio, h11, click, pydantic)",
                   flush=True)
             return results
-        for users, k in [(u, k) for u in a.users_list for k in a.decode_steps_list]:
+        for users, k, ip in [(u, k, ip) for u in a.users_list for k, ip in a.variants]:
             kw = engine_kwargs(a, users, k)
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
@@ -292,6 +295,7 @@ def ours_main(a):
             app, state = build_server(args, model=model, tokenizer=IdTokenizer())
             for name, v in bench_buckets(a, users, k).items():
                 setattr(state.engine.engine.runner, name, v)
+            state.engine.engine.runner.kv_in_place = ip
             srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
             th = threading.Thread(target=srv.run, daemon=True)
             th.start()
@@ -303,7 +307,7 @@ def ours_main(a):
                 before = _num_compiled()
                 r = run_client_process(a, url, users, a.max_tokens, users, "server")
                 r["compiled_while_measuring"] = _num_compiled() - before
-                r["decode_steps"] = k
+                r["decode_steps"], r["kv_in_place"] = k, int(ip)
             finally:
                 srv.should_exit = True
                 th.join(10)
@@ -383,9 +387,9 @@ def hf_main(a):
 # ---- driver -------------------------------------------------------------------------------------------------
 
 def table(results):
-    cols = ["mode", "users", "decode_steps", "decode_tok_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+    cols = ["mode", "users", "decode_steps", "kv_in_place", "decode_tok_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in sorted(results, key=lambda r: (r["users"], r["mode"], r.get("decode_steps", 1))):
+    for r in sorted(results, key=lambda r: (r["users"], r["mode"], r.get("decode_steps", 1), r.get("kv_in_place", 0))):
         cells = [f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -418,6 +422,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode-steps", default="1",
                    help="comma list of decode steps per device call (powers of two) to run engine/server with")
+    p.add_argument("--kv-in-place", default="0", help="comma list of 0/1: the runner's kv_in_place setting")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
     p.add_argument("--url", default=None, help="client mode: the server's base URL")
     p.add_argument("--api-key", default=None)
@@ -439,6 +444,7 @@ def main(argv=None):
     a.decode_steps_list = [int(k) for k in a.decode_steps.split(",")]
     if any(k < 1 or k & (k - 1) for k in a.decode_steps_list):
         p.error(f"--decode-steps takes powers of two, got {a.decode_steps}")
+    a.variants = [(k, bool(int(ip))) for k in a.decode_steps_list for ip in a.kv_in_place.split(",")]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     a.modes = modes
     if "client" in modes:
@@ -455,7 +461,7 @@ def main(argv=None):
         results += run_child(a, ours)
     print()
     print(table(results))
-    want = len(a.users_list) * len(ours) * len(a.decode_steps_list)
+    want = len(a.users_list) * len(ours) * len(a.variants)
     got = sum(1 for r in results if r["mode"] in ours)
     return 0 if got == want else 1
 

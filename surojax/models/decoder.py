@@ -20,7 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from surojax.models.config import ModelConfig
-from surojax.models.layers.attention import Attention, LayerKV
+from surojax.models.layers.attention import Attention, LayerKV, StackedLayerKV
 from surojax.models.layers.mlp import MLP
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
@@ -113,12 +113,15 @@ class Decoder(nnx.Module):
 
     # ---- forward ----------------------------------------------------------------------------------------
     def hidden_states(self, tokens, positions, segment_ids, *, cache: KVCache | None = None,
-                      remat: Callable | None = None, unroll: int | bool = 1):
+                      remat: Callable | None = None, unroll: int | bool = 1, cache_in_carry: bool = False):
         """tokens/positions/segment_ids [B, T] -> (final-normed hidden [B, T, D], updated cache or None).
 
         `remat` wraps the per-layer scan body (e.g. `functools.partial(jax.checkpoint, policy=...)`).
         `unroll` is `lax.scan`'s: 1 = a rolled loop (one compiled layer), True = every layer inlined (no
         per-layer copies of the saved activations into stacked buffers; longer compile). Same math either way.
+        `cache_in_carry` (with a cache; the serving runner's choice): the whole cache rides in the scan carry and
+        each layer writes its new k/v into it in place (`StackedLayerKV`) instead of the cache being a scan
+        input + output (a copy of every layer's slice in and out per call). Same values either way.
         """
         h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0).astype(self.dtype)  # [B, T, D]
         cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype)  # [B, T, H]
@@ -145,6 +148,17 @@ class Decoder(nnx.Module):
             h, kv_l = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta)
             return h, kv_l
 
+        def carry_body(carry, state_l):
+            h, kv = carry
+            block = nnx.merge(graphdef, on_device(state_l))
+            h, kv = block(h, cos, sin, segment_ids, positions, kv, kv_meta)
+            return (h, StackedLayerKV(kv.k, kv.v, kv.layer + 1)), None
+
+        if cache is not None and cache_in_carry:
+            body = carry_body if remat is None else remat(carry_body)
+            (h, kv), _ = jax.lax.scan(body, (h, StackedLayerKV(cache.k, cache.v, jnp.int32(0))), layer_state,
+                                      unroll=unroll)
+            return self.final_norm(h), dataclasses.replace(cache, k=kv.k, v=kv.v)
         if remat is not None:
             body = remat(body)
         h, new_kv = jax.lax.scan(body, h, (layer_state, layer_kv), unroll=unroll)

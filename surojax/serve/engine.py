@@ -18,6 +18,7 @@ KV capacity: ``num_blocks=None`` sizes the pool from free device memory (``capac
 ``decode_steps`` K (a power of two): when nothing waits and every running request decodes, up to K tokens per
 request come from one device call (``multi_step``); the outputs of such a step carry several tokens each. Stop
 strings are checked token by token afterwards: the tokens after a match are dropped, as K single steps would.
+``kv_in_place``: the decoder updates the dense view in its layer scan's carry (``PagedRunner``); same results.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class Engine:
     def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  chunk_size: int | None = None, enable_prefix_caching: bool = True, kv_dtype=None, tokenizer=None,
-                 lora=None, memory_utilization: float = 0.9, buckets: dict | None = None, decode_steps: int = 1):
+                 lora=None, memory_utilization: float = 0.9, buckets: dict | None = None, decode_steps: int = 1,
+                 kv_in_place: bool = False):
         kv_dtype = kv_dtype or model.dtype
         if num_blocks is None:
             num_blocks = num_kv_blocks(model.cfg, kv_dtype, block_size, max_model_len,
@@ -51,7 +53,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    max_model_len=max_model_len, chunk_size=chunk_size, decode_steps=decode_steps)
         self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
-                                  adapter_slot=lora.slot if lora is not None else None, **(buckets or {}))
+                                  adapter_slot=lora.slot if lora is not None else None, kv_in_place=kv_in_place,
+                                  **(buckets or {}))
         self._ids = itertools.count()
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}
