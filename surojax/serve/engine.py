@@ -54,7 +54,7 @@ class Engine:
                                    max_model_len=max_model_len, chunk_size=chunk_size, decode_steps=decode_steps)
         self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
                                   adapter_slot=lora.slot if lora is not None else None, kv_in_place=kv_in_place,
-                                  **(buckets or {}))
+                                  decode_steps=decode_steps, **(buckets or {}))
         self._ids = itertools.count()
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}

@@ -117,7 +117,7 @@ class PagedRunner:
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None, adapter_slot=None,
                  min_rows: int = 1, min_prefill_rows: int = 1, min_context: int = 0, min_prefill: int = 1,
-                 kv_in_place: bool = False):
+                 kv_in_place: bool = False, decode_steps: int = 1):
         """adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``).
         min_rows / min_prefill_rows / min_context / min_prefill: smallest buckets of decode R, prefill R, S and
         prefill T (fewer compilations, more padding: the tests use them on CPU, the benchmark pads decode
@@ -125,6 +125,9 @@ class PagedRunner:
         scan's carry (``Decoder.hidden_states(cache_in_carry=True)``) instead of copying every layer's view in
         and out of the scan; same values."""
         self.kv_in_place = kv_in_place
+        # multi-step calls always loop up to this many steps (the loop exits once every row stopped), so rows
+        # with fewer steps left do not compile smaller variants
+        self.decode_steps = decode_steps
         self.min_rows, self.min_prefill_rows = min_rows, min_prefill_rows
         self.min_context, self.min_prefill = min_context, min_prefill
         cfg = model.cfg
@@ -256,7 +259,7 @@ class PagedRunner:
 
     def _run_multi(self, group: list[ScheduledRequest]):
         """A multi-step decode group (every row decoding, up to ``num_steps`` tokens each): see ``multi_step``."""
-        K = _bucket(max(s.num_steps for s in group))
+        K = _bucket(max(max(s.num_steps for s in group), self.decode_steps))
         R = _bucket(len(group), self.min_rows)
         S = _context_bucket(max(s.start for s in group) + K, max(self.block_size, self.min_context), self.block_size)
         M = _bucket(max(len(s.request.stop_token_ids) if s.request is not None else 0 for s in group))
