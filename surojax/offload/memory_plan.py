@@ -5,7 +5,7 @@
     weights      frozen base (LoRA: compute dtype, bf16) or master weights (full: `master_dtype`, fp32 in the
                  bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
                  on the device (an untied embedding is streamed too: it is on the device only for the forward's
-                 token gather; XLA does not prefetch the next layer, measured; `prefetch` (offload_prefetch): two layers);
+                 token gather; XLA does not prefetch the next layer, measured; `prefetch`: two layers);
                  with `offload_master` two layers
     cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights.
                  recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
