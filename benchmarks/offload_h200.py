@@ -17,8 +17,12 @@ chunks at batch 1; the memory plan estimates 4.0 GiB for llama8b-streamed):
     llama8b-streamed-b4-unroll2 / -unrolled / -pipelined / -db   the batch-4 streamed run with 2 layers per loop
                           iteration / every layer inlined / XLA's pipelined host offloading / while-loop double
                           buffering: does XLA then fetch layer l+1 while layer l computes?
+    llama8b-streamed-prefetch / -b4-prefetch   the streamed pair with offload_prefetch: the copy of
+                          layer l+1 issued explicitly during layer l (forward and backward recompute); at batch 4
+                          the floor is ~1.0x if the copies hide fully, at batch 1 ~3.1x (copies > compute)
     exact-resident / exact-streamed   the protocol on the GPU: deterministic GEMM algorithms
-                          (--xla_gpu_deterministic_ops --xla_gpu_autotune_level=0), all losses equal
+                          (--xla_gpu_deterministic_ops --xla_gpu_autotune_level=0), all losses equal;
+                          exact-streamed-prefetch: the same for the prefetching loop
     qwen32b-streamed      Qwen3-32B shapes, bf16 base (~61 GiB) streamed from the 128 GiB host
     llama70b-q4-streamed  Llama-3-70B shapes, Q4_0 base (~37 GiB) streamed              (bf16 would not fit)
     qwen8b-full-offload-opt  Qwen3-8B shapes, FULL fine-tuning, fp32 master weights, AdamW state of the layers in
@@ -69,6 +73,12 @@ CONFIGS: dict[str, dict] = {
     "llama8b-streamed-b4-db": dict(shape="llama3-8b", batch=4, lmhead_chunks=16, steps=3, repeats=2,
                                    offload_base=True,
                                    xla_extra="--xla_gpu_enable_while_loop_double_buffering=true"),
+    # offload_prefetch (surojax/offload/prefetch.py): a double-buffered layer loop issues the copy of layer l+1
+    # explicitly during layer l's compute, forward and backward recompute (2 layers' weights on the device)
+    "llama8b-streamed-prefetch": dict(shape="llama3-8b", batch=1, lmhead_chunks=8, steps=5, repeats=2,
+                                      offload_base=True, prefetch=True),
+    "llama8b-streamed-b4-prefetch": dict(shape="llama3-8b", batch=4, lmhead_chunks=16, steps=3, repeats=2,
+                                         offload_base=True, prefetch=True),
     # the exactness protocol on the GPU: the same weights resident and streamed, XLA's GEMM algorithm choice made
     # deterministic (autotuning picks per compiled program, so two programs may pick different cuBLAS algorithms);
     # the losses of 4 optimizer steps (which depend on every LoRA gradient) must be equal bit for bit
@@ -76,6 +86,8 @@ CONFIGS: dict[str, dict] = {
                            xla_extra=DETERMINISTIC),
     "exact-streamed": dict(shape="llama3-8b", batch=1, lmhead_chunks=8, steps=2, repeats=1, offload_base=True,
                            xla_extra=DETERMINISTIC),
+    "exact-streamed-prefetch": dict(shape="llama3-8b", batch=1, lmhead_chunks=8, steps=2, repeats=1,
+                                    offload_base=True, prefetch=True, xla_extra=DETERMINISTIC),
     "qwen32b-streamed": dict(shape="qwen3-32b", batch=1, lmhead_chunks=4, steps=2, repeats=2, offload_base=True),
     "llama70b-q4-streamed": dict(shape="llama3-70b", batch=1, lmhead_chunks=4, steps=2, repeats=2,
                                  offload_base=True, base_format="q4_0"),
@@ -93,8 +105,13 @@ PAIRS = {"llama8b-streamed": ("llama8b-resident", "first"), "llama8b-streamed-b4
          "llama8b-streamed-b4-unrolled": ("llama8b-resident-b4", None),
          "llama8b-streamed-b4-pipelined": ("llama8b-resident-b4", "first"),
          "llama8b-streamed-b4-db": ("llama8b-resident-b4", "first"),
-         "exact-streamed": ("exact-resident", "exact")}
-TARGETS = {"llama8b-streamed": {"peak_gib": 4.0, "ratio": 1.3}}
+         "exact-streamed": ("exact-resident", "exact"),
+         "llama8b-streamed-prefetch": ("llama8b-resident", "first"),
+         "llama8b-streamed-b4-prefetch": ("llama8b-resident-b4", "first"),
+         "exact-streamed-prefetch": ("exact-resident", "exact")}
+TARGETS = {"llama8b-streamed": {"peak_gib": 4.0, "ratio": 1.3},
+           "llama8b-streamed-prefetch": {"peak_gib": 4.0, "ratio": 1.3},
+           "llama8b-streamed-b4-prefetch": {"ratio": 1.3}}
 SMOKE = dict(shape="debug", seq=128, min_segment=16, lmhead_chunks=1, steps=1, repeats=1, warmup=1)
 
 

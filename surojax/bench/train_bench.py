@@ -7,7 +7,7 @@ Same code path as `surojax sft` (surojax/train/trainer.py), minus data loading a
     precision  the trainer's recipes (`precision_for`): bf16 = bf16 compute; LoRA base bf16 + fp32 adapters;
                full fine-tune fp32 master weights
     step       `make_train_step(graphdef, lm_loss, adamw)` with the trainer's chunk size, remat policy
-               (`remat_wrapper`) and optimizer (`build_optimizer` + `lr_schedule`); its buffers donated
+               (`offload.remat.layer_loop`) and optimizer (`build_optimizer` + `lr_schedule`); its buffers donated
     batch      [A, B, T] packed rows: `segments` sequences per row with random lengths (>= min_segment),
                random token ids in [1, V) (never zeros), positions restarting per segment, loss mask 1 on
                every token that has a next token in its segment
@@ -59,6 +59,7 @@ class BenchConfig:
     seed: int = 0
     quant: str | None = None  # LoRA over a random quantised base in this format (surojax.bench.quant_base)
     offload_base: bool = False  # LoRA: the stacked base in pinned host memory, streamed per layer
+    prefetch: bool = False  # with offload_base: fetch layer l+1 during layer l's compute (offload_prefetch)
     base_format: str | None = None  # None: the recipe's dtype; q4_0 / q5_0 / q8_0: a random GGUF block base
     init: str = "jit"  # jit: built on the device (init_sharded); host: random values placed from the host
     optimizer: str = "adamw"  # adamw | adamw_8bit
@@ -92,6 +93,8 @@ class BenchConfig:
         if self.offload_base and self.recompute == "none":
             raise ValueError("--offload-base needs --recompute full, dots or offload (none keeps every layer's "
                              "device copy of its weights for the backward pass)")
+        if self.prefetch and not (self.offload_base and self.recompute == "full"):
+            raise ValueError("--prefetch needs --offload-base and --recompute full (offload_prefetch)")
         if self.quant is not None and (self.offload_base or self.base_format or self.init == "host"):
             raise ValueError("--quant builds its random quantised base on the device; with --offload-base / "
                              "--init host use --base-format (a random GGUF block base built on the host)")
@@ -113,6 +116,7 @@ def train_namespace(bc: BenchConfig) -> SimpleNamespace:
         cooldown_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
         gradient_accumulation_steps=bc.accum, offload_base_weights=bc.offload_base,
+        offload_prefetch=bc.prefetch,
     )
 
 
@@ -179,7 +183,7 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     from flax import nnx
 
     from surojax.losses.lm import lm_loss
-    from surojax.offload.remat import remat_wrapper
+    from surojax.offload.remat import layer_loop
     from surojax.parallel import init_sharded, make_mesh, shard_model
     from surojax.train.model_setup import build_model, trainable_filter
     from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
@@ -219,7 +223,7 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     def loss_fn(model, batch, remat=None):  # as Trainer._loss_fn
         return lm_loss(model, batch, chunk=chunk, remat=remat, unroll=cfg.unroll_layers)
 
-    step = make_train_step(graphdef, loss_fn, optimizer, remat=remat_wrapper(cfg.recompute))
+    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch))
     return Setup(cfg, model.cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk)
 
 
@@ -339,7 +343,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         "config": {
             "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks,
             "unroll_layers": bc.unroll_layers,
-            "offload_base": bc.offload_base, "base_format": bc.base_format, "init": bc.init,
+            "offload_base": bc.offload_base, "prefetch": bc.prefetch, "base_format": bc.base_format, "init": bc.init,
             "optimizer": bc.optimizer, "offload_optimizer": bc.offload_optimizer,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
     g.add_argument("--offload-base", action="store_true",
                    help="LoRA: keep the stacked base in pinned host memory, streamed one layer at a time")
+    g.add_argument("--prefetch", action="store_true",
+                   help="with --offload-base (and --recompute full): fetch layer l+1 while layer l computes "
+                        "(offload_prefetch)")
     g.add_argument("--base-format", default=None, choices=("q4_0", "q5_0", "q8_0"),
                    help="LoRA: a random GGUF block-quantised base (built on the host)")
     g.add_argument("--init", default="jit", choices=("jit", "host"),
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                          repeats=args.repeats, rank=args.rank, recompute=args.recompute, attention=args.attention,
                          lmhead_chunks=args.lmhead_chunks, unroll_layers=args.unroll_layers, recipe=args.recipe, segments=args.segments,
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
-                         seed=args.seed, quant=args.quant, offload_base=args.offload_base,
+                         seed=args.seed, quant=args.quant, offload_base=args.offload_base, prefetch=args.prefetch,
                          base_format=args.base_format, init=args.init, optimizer=args.optimizer,
                          offload_optimizer=args.offload_optimizer)
         bc.check()

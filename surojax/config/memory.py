@@ -24,6 +24,9 @@ class MemorySection(StrictModel):
     """Tile the MLP over the sequence for very long rows."""
     offload_base_weights: bool = False
     """Keep frozen base weights in host memory and stream them to the GPU one layer at a time."""
+    offload_prefetch: bool = False
+    """With offload_base_weights: fetch layer l+1 while layer l computes (a double-buffered layer loop, forward
+    and backward recompute; needs recompute: full). Same results bit for bit; see docs/memory.md."""
     offload_optimizer: bool = False
     """Keep optimizer state in host memory."""
     offload_master: bool = False

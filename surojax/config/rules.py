@@ -66,6 +66,11 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         add(("recompute", "offload_base_weights"), "none keeps each layer's device copy of its streamed weights "
             "for the backward pass (the whole base on the device); use full, dots or offload with "
             "offload_base_weights")
+    if cfg.offload_prefetch and not cfg.offload_base_weights:
+        add(("offload_prefetch",), "prefetches the streamed base; set offload_base_weights: true")
+    if cfg.offload_prefetch and cfg.recompute != "full":
+        add(("recompute", "offload_prefetch"), f"the prefetching layer loop recomputes each layer whole (full); "
+            f"{cfg.recompute} is not built for it: set recompute: full")
 
     # --- length of training and schedule
     if cfg.max_steps is None and cfg.num_epochs is None:

@@ -116,7 +116,9 @@ class Decoder(nnx.Module):
                       remat: Callable | None = None, unroll: int | bool = 1, cache_in_carry: bool = False):
         """tokens/positions/segment_ids [B, T] -> (final-normed hidden [B, T, D], updated cache or None).
 
-        `remat` wraps the per-layer scan body (e.g. `functools.partial(jax.checkpoint, policy=...)`).
+        `remat` wraps the per-layer scan body (e.g. `functools.partial(jax.checkpoint, policy=...)`), or, when it
+        has a `run_layers(apply_layer, h, layer_state, consts, unroll=)` method, runs the whole layer stack in
+        place of the scan (offload/prefetch.py: the streamed base fetched one layer ahead; training only).
         `unroll` is `lax.scan`'s: 1 = a rolled loop (one compiled layer), True = every layer inlined (no
         per-layer copies of the saved activations into stacked buffers; longer compile). Same math either way.
         `cache_in_carry` (with a cache; the serving runner's choice): the whole cache rides in the scan carry and
@@ -140,6 +142,13 @@ class Decoder(nnx.Module):
             layer_kv = LayerKV(cache.k, cache.v)
 
         graphdef, layer_state = nnx.split(self.layers)
+        run_layers = getattr(remat, "run_layers", None)  # a layer loop of its own (offload/prefetch.py)
+        if run_layers is not None and cache is None:
+            def apply_layer(state_l, h, consts):
+                return nnx.merge(graphdef, state_l)(h, *consts)[0]
+
+            h = run_layers(apply_layer, h, layer_state, (cos, sin, segment_ids, positions), unroll=unroll)
+            return self.final_norm(h), None
 
         def body(h, xs):
             state_l, kv_l = xs

@@ -5,7 +5,8 @@
     weights      frozen base (LoRA: compute dtype, bf16) or master weights (full: `master_dtype`, fp32 in the
                  bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
                  on the device (an untied embedding is streamed too: it is on the device only for the forward's
-                 token gather; XLA does not prefetch the next layer, measured); with `offload_master` two layers
+                 token gather; XLA does not prefetch the next layer, measured; `prefetch`: two layers);
+                 with `offload_master` two layers
     cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights.
                  recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
                  layer; plus the head's cast copy used by the loss
@@ -123,14 +124,15 @@ def activation_bytes_per_token_layer(cfg, recompute: str, *, c: int = 2, rank: i
 def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: int = 16, targets=None,
                 batch: int, seq: int, recompute: str = "full", lm_chunk_tokens: int = 4096,
                 optimizer: str = "adamw", offload_base: bool = False, offload_optimizer: bool = False,
-                offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32") -> MemoryPlan:
+                offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32",
+                prefetch: bool = False) -> MemoryPlan:
     """Peak device memory of one training step, by component (bytes; see the module docstring)."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
                     lm_chunk_tokens=lm_chunk_tokens, optimizer=optimizer, offload_base=offload_base,
                     offload_optimizer=offload_optimizer, offload_master=offload_master, master_dtype=master_dtype,
-                    lora_dtype=lora_dtype)
+                    lora_dtype=lora_dtype, prefetch=prefetch)
     cfg = model_cfg
     fp32 = recipe == "fp32"
     c = 4 if fp32 else 2
@@ -151,6 +153,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
         # is). Measured on the H200 (Llama-3.1-8B, batch 1 and 4): streamed peak = resident peak - host bytes.
         head_params = embed_params if cfg.tie_word_embeddings else V * D + D
         resident = (head_params + layer_params) if offload_base else embed_params + L * layer_params
+        if offload_base and prefetch:  # offload_prefetch: the next layer's copy arrives during this one's compute
+            resident += layer_params
         weights = resident * wb
         trainable = L * sum(r * (i + o) for i, o in (io[t] for t in tgts))
         tb = 4 if fp32 else _DTYPE_BYTES[lora_dtype]
@@ -297,4 +301,5 @@ def plan_for_config(cfg, model_cfg, *, rows: int, lm_chunk_tokens: int) -> Memor
                        targets=cfg.lora_target_modules, batch=rows, seq=cfg.sequence_len, recompute=cfg.recompute,
                        lm_chunk_tokens=lm_chunk_tokens, optimizer=cfg.optimizer,
                        offload_base=cfg.offload_base_weights, offload_optimizer=cfg.offload_optimizer,
-                       offload_master=cfg.offload_master, master_dtype=cfg.master_dtype, lora_dtype=cfg.lora_dtype)
+                       offload_master=cfg.offload_master, master_dtype=cfg.master_dtype, lora_dtype=cfg.lora_dtype,
+                       prefetch=getattr(cfg, "offload_prefetch", False))

@@ -8,6 +8,8 @@
              activations is O(1) in depth, host memory holds L x B x T x D
 The result wraps the scan body of `Decoder.hidden_states`. With `offload_base_weights` the streamed weights are
 never saved by full / dots / offload (they are recomputed by fetching the layer again); `none` is refused.
+`layer_loop(recompute, prefetch=True)` (offload_prefetch) gives the prefetching layer loop instead (prefetch.py),
+which implements `full` itself.
 
 On the CPU backend `offload` runs the same program (the host residuals are real `pinned_host` values in the
 jaxpr; the copies lower to no-ops), so its results equal `full` exactly.
@@ -36,3 +38,15 @@ def remat_wrapper(name: str) -> Callable | None:
             offload_src="device", offload_dst="pinned_host")
         return functools.partial(jax.checkpoint, policy=policy)
     raise ValueError(f"recompute {name!r} is unknown ({', '.join(POLICIES)})")
+
+
+def layer_loop(recompute: str, *, prefetch: bool = False):
+    """What the trainer passes as the decoder's `remat=`: the recompute wrapper of the scan body, or with `prefetch`
+    (offload_prefetch; recompute must be full) the double-buffered streamed layer loop."""
+    if not prefetch:
+        return remat_wrapper(recompute)
+    if recompute != "full":
+        raise ValueError(f"offload_prefetch recomputes each layer whole: recompute must be full, not {recompute!r}")
+    from surojax.offload.prefetch import PrefetchedLayers
+
+    return PrefetchedLayers()

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.offload.memory_plan import check_fits, device_capacity, plan_for_config
-from surojax.offload.remat import remat_wrapper
+from surojax.offload.remat import layer_loop
 from surojax.offload.settings import OFFLOAD_AVAILABLE, check_offload_settings
 from surojax.offload.streaming import build_context, place_model
 from surojax.train.checkpoints import Checkpointer, key_to_array
@@ -129,7 +129,7 @@ class Trainer:
         self.model.eval()
         self.eval_graphdef = nnx.split(self.model, trainable_filter(cfg), ...)[0]
         self.opt_state = init_opt_state(self.optimizer, self.trainable, self.mesh)
-        remat = remat_wrapper(cfg.recompute)
+        remat = layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch)
         prepare = self._dropout_prepare() if self._train_mode else None
         self._train_step = make_train_step(self.graphdef, self._loss_fn, self.optimizer, remat=remat, prepare=prepare)
         self._eval_step = make_eval_step(self.eval_graphdef, self._loss_fn)

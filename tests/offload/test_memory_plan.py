@@ -103,6 +103,7 @@ def test_offload_components():
     D, V, F = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
     layer = (cfg.num_params() - (2 * V * D + D)) // cfg.num_layers
     assert streamed.weights == 2 * ((V * D + D) + layer)  # LM head + final norm + the layer computing, bf16
+    assert streamed.with_settings(prefetch=True).weights == streamed.weights + 2 * layer  # + the next layer
     # measured on the H200 (2026-11-29, lm chunk 512, recompute full): resident b1 17.8 GiB, streamed b1 3.78 GiB
     assert abs(resident.with_settings(lm_chunk_tokens=512).total / GiB - 17.8) < 0.5
     assert 3.78 <= streamed.with_settings(lm_chunk_tokens=512).total / GiB <= 3.78 * 1.2

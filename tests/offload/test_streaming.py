@@ -153,24 +153,25 @@ def test_gpu_lowering_moves_each_streamed_leaf_to_the_device_in_forward_and_back
 
 
 def test_trainer_streamed_losses_equal_resident(tmp_path):
-    """The Trainer path (fixture qwen3, LoRA with dropout, accumulation 2): identical losses, base on host."""
+    """The Trainer path (fixture qwen3, LoRA with dropout, accumulation 2): identical losses, base on host; also
+    with offload_prefetch (the prefetching layer loop, tests/offload/test_prefetch.py)."""
     from surojax.config import config_from_dict
     from surojax.train.trainer import Trainer
 
     data = [{"path": str(write_instruction_data(tmp_path / "inst.jsonl")), "type": "instruction"}]
     losses = {}
-    for offload in (False, True):
+    for offload in (False, True, "prefetch"):
         cfg = config_from_dict(dict(
             model=str(ROOT / "tests" / "fixtures" / "models" / "qwen3"), output_dir=str(tmp_path / f"o{offload}"),
             recipe="fp32", recompute="full", lora=True, lora_rank=4, lora_alpha=8, lora_dropout=0.1, datasets=data,
             sequence_len=64, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
-            max_steps=3, offload_base_weights=offload))
+            max_steps=3, offload_base_weights=bool(offload), offload_prefetch=offload == "prefetch"))
         trainer = Trainer(cfg)
         assert set(streamed_leaves(trainer.frozen).values()) == ({HOST_KIND} if offload else {"device"})
         embedding = trainer.frozen["embed"]["embedding"].get_value().sharding.memory_kind  # untied in this fixture
         assert embedding == (HOST_KIND if offload else "device")
         losses[offload] = [trainer.step()["loss"] for _ in range(3)]
-    assert losses[True] == losses[False]
+    assert losses[True] == losses[False] == losses["prefetch"]
     assert losses[True][-1] != losses[True][0]
 
 
@@ -182,3 +183,7 @@ def test_offload_base_needs_lora_and_recomputation(tiny_config):
         config_from_dict(tiny_config(offload_base_weights=True, recompute="full"))
     with pytest.raises(ConfigError, match="recompute"):
         config_from_dict(tiny_config(lora=True, offload_base_weights=True, recompute="none"))
+    with pytest.raises(ConfigError, match="offload_prefetch"):
+        config_from_dict(tiny_config(lora=True, offload_prefetch=True, recompute="full"))
+    with pytest.raises(ConfigError, match="recompute: full"):
+        config_from_dict(tiny_config(lora=True, offload_base_weights=True, offload_prefetch=True, recompute="dots"))

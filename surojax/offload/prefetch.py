@@ -1,0 +1,147 @@
+"""`offload_prefetch`: the streamed layer loop, double-buffered, so the copy of layer l+1 overlaps layer l's compute.
+
+The plain streamed loop (streaming.py) fetches layer l inside scan step l, right before its matmuls: the copy and
+the compute it feeds are serial, and XLA does not move the copy into the previous step (measured on the H200:
+step time ~ compute + copies). Here the copy is issued one step early, explicitly:
+
+    forward   w = fetch(host[0])
+              scan l = 0..L-1, carry (h, w):   w' = fetch(host[min(l+1, L-1)])     (independent of h)
+                                               h  = layer(lora[l], w, h);  save h_in[l]
+              carry (h, w')
+    backward  w = fetch(host[L-1])
+              scan l = L-1..0, carry (dh, w):  w' = fetch(host[max(l-1, 0)])     (independent of dh)
+                                               dlora[l], dh = vjp(layer(., w, .), lora[l], h_in[l])(dh)
+              carry (dh, w')
+
+Within a step the fetch of the next layer shares no data with the layer's compute, so XLA may run the
+host-to-device copy (copy-start / copy-done) alongside it; two layers' weights are on the device at a time. The
+last step of each scan re-fetches the layer it already holds (one extra copy out of L, ~3% of the traffic for 32
+layers) rather than compiling the layer twice.
+
+The pair is a `jax.custom_vjp` over the whole layer stack: autodiff of a scan whose carry holds the device copy
+would save every layer's copy for the backward pass (the whole base on the device); the custom rule saves only
+each layer's input h_in [L, B, T, D] (what `recompute: full` saves) and recomputes the layer from it, so the
+numerics are those of `recompute: full` (equal bit for bit on CPU: tests/offload/test_prefetch.py). Only the
+inexact leaves that are not in host memory (the LoRA adapters) get cotangents; host leaves (the base) and integer
+leaves (LoRA dropout keys) get none.
+
+Used through the decoder's layer-loop hook: `Decoder.hidden_states(remat=PrefetchedLayers())` (an object with a
+`run_layers` method replaces the scan; the trainer builds it for `offload_prefetch: true`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+FETCH_TO = jax.memory.Space.Device
+
+
+def is_host(x) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def _fetch(host_leaves: tuple, index) -> tuple:
+    """Layer `index` of each stacked host leaf, copied to device memory."""
+    return tuple(jax.device_put(jax.lax.dynamic_index_in_dim(x, index, keepdims=False), FETCH_TO)
+                 for x in host_leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """Where each leaf of the layer state goes: (kind, position) with kind 'diff' | 'dev' | 'host'."""
+    treedef: object
+    slots: tuple
+
+    @classmethod
+    def of(cls, layer_state):
+        leaves, treedef = jax.tree.flatten(layer_state)
+        counts = {"diff": 0, "dev": 0, "host": 0}
+        slots = []
+        for x in leaves:
+            kind = "host" if is_host(x) else "diff" if jnp.issubdtype(x.dtype, jnp.inexact) else "dev"
+            slots.append((kind, counts[kind]))
+            counts[kind] += 1
+        return cls(treedef, tuple(slots)), leaves
+
+    def parts(self, leaves):
+        out = {"diff": [], "dev": [], "host": []}
+        for (kind, _), x in zip(self.slots, leaves):
+            out[kind].append(x)
+        return tuple(out["diff"]), tuple(out["dev"]), tuple(out["host"])
+
+    def join(self, diff, dev, host):
+        parts = {"diff": diff, "dev": dev, "host": host}
+        return jax.tree.unflatten(self.treedef, [parts[kind][i] for kind, i in self.slots])
+
+
+def _index(leaves: tuple, l) -> tuple:
+    return tuple(jax.lax.dynamic_index_in_dim(x, l, keepdims=False) for x in leaves)
+
+
+def prefetched_layer_stack(apply_layer: Callable, h: jax.Array, layer_state, consts, *, unroll: int | bool = 1):
+    """h after every layer of `layer_state` (stacked [L, ...]), each layer's host leaves fetched one step ahead.
+
+    apply_layer(state_l, h, consts) -> h: one layer (state_l: the layer's slice of `layer_state`, every leaf on
+    the device). consts: arrays every layer reads (not differentiated).
+    """
+    split, leaves = _Split.of(layer_state)
+    diff, dev, host = split.parts(leaves)
+    num_layers = leaves[0].shape[0]
+
+    def layer(diff_l, dev_l, host_l, h, consts):
+        return apply_layer(split.join(diff_l, dev_l, host_l), h, consts)
+
+    def forward(diff, dev, host, h, consts, save: bool):
+        def step(carry, l):
+            h, w = carry
+            w_next = _fetch(host, jnp.minimum(l + 1, num_layers - 1))
+            h_out = layer(_index(diff, l), _index(dev, l), w, h, consts)
+            return (h_out, w_next), (h if save else None)
+
+        (h, _), saved = jax.lax.scan(step, (h, _fetch(host, 0)), jnp.arange(num_layers), unroll=unroll)
+        return h, saved
+
+    @jax.custom_vjp
+    def stack(diff, dev, host, h, consts):
+        return forward(diff, dev, host, h, consts, save=False)[0]
+
+    def stack_fwd(diff, dev, host, h, consts):
+        out, h_in = forward(diff, dev, host, h, consts, save=True)
+        return out, (diff, dev, host, h_in, consts)
+
+    def stack_bwd(res, dh):
+        diff, dev, host, h_in, consts = res
+
+        def step(carry, l):
+            dh, w = carry
+            w_prev = _fetch(host, jnp.maximum(l - 1, 0))
+            dev_l = _index(dev, l)
+            _, vjp = jax.vjp(lambda d, x: layer(d, dev_l, w, x, consts), _index(diff, l),
+                             jax.lax.dynamic_index_in_dim(h_in, l, keepdims=False))
+            d_diff, dh = vjp(dh)
+            return (dh, w_prev), d_diff
+
+        last = num_layers - 1
+        (dh, _), d_diff = jax.lax.scan(step, (dh, _fetch(host, last)), jnp.arange(num_layers), reverse=True,
+                                       unroll=unroll)
+        return d_diff, None, None, dh, None
+
+    stack.defvjp(stack_fwd, stack_bwd)
+    return stack(diff, dev, host, h, consts)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchedLayers:
+    """The decoder's layer-loop hook for `offload_prefetch`: passed where a remat wrapper goes (`remat=`), it runs
+    the whole layer stack with `prefetched_layer_stack` (recompute full semantics, the next layer fetched early)."""
+
+    def run_layers(self, apply_layer: Callable, h, layer_state, consts, *, unroll: int | bool = 1):
+        return prefetched_layer_stack(apply_layer, h, layer_state, consts, unroll=unroll)
+
+    def __call__(self, body):  # not a remat wrapper: the decoder must call run_layers
+        raise TypeError("PrefetchedLayers replaces the layer scan (Decoder.hidden_states calls run_layers); "
+                        "it does not wrap a scan body")
+
