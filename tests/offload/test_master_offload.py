@@ -1,0 +1,69 @@
+"""offload_master: the layers' fp32 master weights in pinned host memory, the device training their bf16 copy (CPU).
+
+Exactness: with the bf16 recipe the resident run keeps fp32 params and casts them to bf16 at each use; the
+offloaded run keeps that bf16 cast as the param and the fp32 master on host. The forward / backward see the same
+bf16 values, the gradient of an fp32 param is its bf16 cotangent converted to fp32 (what the accumulator does to
+the bf16 param's gradient), and the update reads the fp32 master like the resident update reads the fp32 param:
+against the same per-layer update loop with everything on the device the losses and the final fp32 weights are
+equal bit for bit. Against the plain whole-tree optax update (the Trainer without offload) the update agrees to
+1 ulp (XLA compiles the elementwise AdamW inside the loop body differently, see test_optimizer_offload.py), so
+the Trainer's losses are compared with rtol 1e-6 and the weights to a few fp32 ulps.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from surojax.losses.lm import lm_loss
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+from surojax.offload.optimizer import apply_master_updates, compute_copy, layerwise, master_params
+from surojax.offload.remat import remat_wrapper
+from surojax.offload.streaming import HOST_KIND
+from surojax.parallel import make_mesh, shard_model
+from surojax.train.optim import decay_mask, init_opt_state
+from surojax.train.step import make_train_step
+
+from tests.offload.test_optimizer_offload import _batch
+from tests.train.conftest import TINY_QWEN3, tiny_config  # noqa: F401 (fixture)
+
+CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
+
+
+def _run(offload_state: bool, master: bool, steps=3):
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    model = Decoder(CFG, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))  # the bf16 recipe
+    graphdef, trainable, frozen = nnx.split(shard_model(model, mesh), nnx.Param, ...)
+    inner = optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), layerwise(inner, offload=offload_state, master=master))
+    state = init_opt_state(opt, trainable, mesh)  # on the fp32 params: the master is their copy
+    if master:
+        trainable = compute_copy(trainable, jnp.bfloat16)
+    step = make_train_step(graphdef, lm_loss, opt, remat=remat_wrapper("full"), donate=False,
+                           apply_updates=apply_master_updates if master else optax.apply_updates)
+    losses = []
+    for _ in range(steps):
+        trainable, state, m = step(trainable, frozen, state, _batch(), jax.random.key(0))
+        losses.append(float(m["loss"]))
+    return losses, trainable, state
+
+
+def test_master_on_host_trains_exactly_like_the_resident_fp32_master():
+    l_ref, p_ref, _ = _run(offload_state=False, master=False)
+    for offload_state in (False, True):
+        l_m, p_m, s_m = _run(offload_state=offload_state, master=True)
+        assert l_m == l_ref and l_m[-1] < l_m[0]
+        lw = s_m[1]
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(lw.master)} == {HOST_KIND}  # after 3 steps
+        assert {x.dtype for x in jax.tree.leaves(lw.master)} == {jnp.dtype(jnp.float32)}
+        state_kinds = {x.sharding.memory_kind for x in jax.tree.leaves(lw.layers)}
+        assert state_kinds == ({HOST_KIND} if offload_state else {"device"})
+        dev_layers = p_m["layers"] if "layers" in p_m else p_m.raw_mapping["layers"]
+        assert {x.dtype for x in jax.tree.leaves(dev_layers)} == {jnp.dtype(jnp.bfloat16)}  # the compute copy
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(dev_layers)} == {"device"}
+        full = master_params(p_m, s_m)
+        for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(p_ref)):
+            assert a.dtype == b.dtype == jnp.float32 and bool(jnp.all(a == b))
+        for a, b in zip(jax.tree.leaves(dev_layers), jax.tree.leaves(full["layers"])):
+            assert bool(jnp.all(a == b.astype(jnp.bfloat16)))  # the device copy is the cast of the master
