@@ -25,9 +25,10 @@ class MemorySection(StrictModel):
     offload_base_weights: bool = False
     """Keep frozen base weights in host memory and stream them to the GPU one layer at a time."""
     offload_optimizer: bool = False
-    """Keep optimizer state in host memory."""
+    """Keep the decoder layers' optimizer state in host memory (updated layer by layer)."""
     offload_master: bool = False
-    """Keep fp32 master weights in host memory."""
+    """Full fine-tuning, bf16 recipe: keep the decoder layers' fp32 master weights in host memory (the device keeps
+    their bf16 copy; updated layer by layer, with or without offload_optimizer)."""
     offload_grads: bool = False
 
     @field_validator("unroll_layers")
