@@ -108,3 +108,22 @@ def test_offload_master_config_rules():
     for bad in ({"lora": True}, {"recipe": "fp32"}):
         with pytest.raises(ConfigError, match="offload_master"):
             config_from_dict(dict(base, **bad))
+
+
+def test_memory_plan_counts_the_master_on_host():
+    from surojax.offload.memory_plan import plan_memory
+    from surojax.bench.shapes import model_config
+
+    cfg = model_config("qwen3-8b")
+    D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    embed = V * D * (1 if cfg.tie_word_embeddings else 2) + D
+    layer = (cfg.num_params() - embed) // L
+    kw = dict(mode="full", batch=1, seq=2048, recompute="full")
+    res, off = plan_memory(cfg, **kw), plan_memory(cfg, offload_master=True, **kw)
+    # layers: 2 bytes / param (bf16 copy) on the device instead of 4 (fp32 master) + 2 (cast copy of one layer)
+    assert off.weights == 4 * embed + 2 * L * layer + 2 * 4 * layer
+    assert res.weights == 4 * (embed + L * layer) and res.cast_weights == 2 * (layer + V * D)
+    assert off.cast_weights == 2 * V * D and off.host == 4 * L * layer and res.host == 0
+    assert off.gradients == res.gradients - 2 * L * layer  # the micro-batch gradient of the layers is bf16
+    both = plan_memory(cfg, offload_master=True, offload_optimizer=True, **kw)
+    assert both.host == (4 + 8) * L * layer and both.total < 0.55 * res.total  # 85 GiB vs 159 GiB resident
