@@ -50,52 +50,52 @@ def _run(offload_state: bool, master: bool, steps=3):
 
 
 def test_master_on_host_trains_exactly_like_the_resident_fp32_master():
+    """Master alone (its AdamW state on the device); with the state on host too: the Trainer test below."""
     l_ref, p_ref, _ = _run(offload_state=False, master=False)
-    for offload_state in (True,):  # master alone (state on the device): the Trainer test below
-        l_m, p_m, s_m = _run(offload_state=offload_state, master=True)
-        assert l_m == l_ref and l_m[-1] < l_m[0]
-        lw = s_m[1]
-        assert {x.sharding.memory_kind for x in jax.tree.leaves(lw.master)} == {HOST_KIND}  # after 3 steps
-        assert {x.dtype for x in jax.tree.leaves(lw.master)} == {jnp.dtype(jnp.float32)}
-        state_kinds = {x.sharding.memory_kind for x in jax.tree.leaves(lw.layers)}
-        assert state_kinds == ({HOST_KIND} if offload_state else {"device"})
-        dev_layers = p_m["layers"] if "layers" in p_m else p_m.raw_mapping["layers"]
-        assert {x.dtype for x in jax.tree.leaves(dev_layers)} == {jnp.dtype(jnp.bfloat16)}  # the compute copy
-        assert {x.sharding.memory_kind for x in jax.tree.leaves(dev_layers)} == {"device"}
-        full = master_params(p_m, s_m)
-        for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(p_ref)):
-            assert a.dtype == b.dtype == jnp.float32 and bool(jnp.all(a == b))
-        for a, b in zip(jax.tree.leaves(dev_layers), jax.tree.leaves(full["layers"])):
-            assert bool(jnp.all(a == b.astype(jnp.bfloat16)))  # the device copy is the cast of the master
+    losses, params, state = _run(offload_state=False, master=True)
+    assert losses == l_ref and losses[-1] < losses[0]
+    lw = state[1]
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(lw.master)} == {HOST_KIND}  # still, after 3 steps
+    assert {x.dtype for x in jax.tree.leaves(lw.master)} == {jnp.dtype(jnp.float32)}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(lw.layers)} == {"device"}
+    dev_layers = params.raw_mapping["layers"]
+    assert {x.dtype for x in jax.tree.leaves(dev_layers)} == {jnp.dtype(jnp.bfloat16)}  # the compute copy
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(dev_layers)} == {"device"}
+    full = master_params(params, state)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(p_ref)):
+        assert a.dtype == b.dtype == jnp.float32 and bool(jnp.all(a == b))  # bit for bit
+    for a, b in zip(jax.tree.leaves(dev_layers), jax.tree.leaves(full["layers"])):
+        assert bool(jnp.all(a == b.astype(jnp.bfloat16)))  # the device copy is the cast of the master
 
 
 def test_trainer_full_finetune_with_offload_master(tmp_path, tiny_config):  # noqa: F811
-    """The Trainer with offload_master (+ offload_optimizer) against the plain bf16 recipe: the same losses (rtol
-    1e-6, the loop body's 1-ulp AdamW; equal in practice over 3 steps) and, exported, the same fp32 weights."""
+    """The Trainer with offload_master + offload_optimizer against the plain bf16 recipe: the same losses (rtol
+    1e-6, the loop body's 1-ulp AdamW) and, exported, the same fp32 weights; a checkpoint resumes exactly."""
     from surojax.config import config_from_dict
     from surojax.train.trainer import Trainer
 
-    runs = {}
-    for name, keys in (("resident", {}), ("master", {"offload_master": True}),
-                       ("both", {"offload_master": True, "offload_optimizer": True})):
-        trainer = Trainer(config_from_dict(tiny_config(recipe="bf16", recompute="full", max_steps=3,
-                                                       output_dir=str(tmp_path / name), **keys)))
-        losses = [trainer.step()["loss"] for _ in range(3)]
-        runs[name] = (losses, trainer)
-    ref_losses, ref = runs["resident"]
-    ref_params = nnx.state(ref.trained_model(), nnx.Param)
-    for name in ("master", "both"):
-        losses, trainer = runs[name]
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-        layers = trainer.trainable.raw_mapping["layers"]
-        assert {x.dtype for x in jax.tree.leaves(layers)} == {jnp.dtype(jnp.bfloat16)}
-        master = trainer.opt_state[1].master
-        assert {x.sharding.memory_kind for x in jax.tree.leaves(master)} == {HOST_KIND}
-        params = nnx.state(trainer.trained_model(), nnx.Param)  # the export reads the fp32 master
-        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
-            assert a.dtype == b.dtype == jnp.float32
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    def trainer(name, **keys):
+        return Trainer(config_from_dict(tiny_config(recipe="bf16", recompute="full", max_steps=3,
+                                                    output_dir=str(tmp_path / name), **keys)))
+
+    ref = trainer("resident")
+    ref_losses = [ref.step()["loss"] for _ in range(3)]
+    off = trainer("offload", offload_master=True, offload_optimizer=True)
+    losses = [off.step()["loss"] for _ in range(2)]
+    off.save_checkpoint()  # the bf16 params + the state with the master in host memory
+    off.checkpointer.close()
+    losses.append(off.step()["loss"])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert ref_losses[-1] < ref_losses[0]
+    assert {x.dtype for x in jax.tree.leaves(off.trainable.raw_mapping["layers"])} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(off.opt_state[1].master)} == {HOST_KIND}
+    params = nnx.state(off.trained_model(), nnx.Param)  # the export reads the fp32 master
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(nnx.state(ref.trained_model(), nnx.Param))):
+        assert a.dtype == b.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    resumed = trainer("offload", offload_master=True, offload_optimizer=True, resume_from_checkpoint=True)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(resumed.opt_state[1].master)} == {HOST_KIND}
+    assert resumed.step()["loss"] == losses[2]  # resumes exactly
 
 
 def test_offload_master_config_rules():
