@@ -136,12 +136,19 @@ def _master_state(opt_state):
     return found[0] if found else None
 
 
+def _on_device(x):
+    """`x` itself, or its device copy when it is in host memory."""
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return jax.device_put(x, x.sharding.with_memory_kind("device")) if kind == HOST_KIND else x
+
+
 def compute_copy(trainable, dtype):
     """The trainable params with the stacked layers cast to the compute `dtype` on the device (the device copy that
-    offload_master trains); the fp32 arrays are freed once nothing else refers to them (update the model too)."""
+    offload_master trains), leaf by leaf (a host-resident fp32 leaf is fetched, cast, and its device copy dropped
+    before the next); device fp32 arrays are freed once nothing else refers to them (update the model too)."""
     layers, rest = _split(trainable)
     cast = jax.jit(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
-    return _join(jax.tree.map(cast, layers), rest, trainable)
+    return _join(jax.tree.map(lambda x: cast(_on_device(x)), layers), rest, trainable)
 
 
 def master_params(trainable, opt_state):
@@ -181,11 +188,12 @@ def init_state_on_host(optimizer: optax.GradientTransformation, trainable, shard
     The optimizer is initialised (jit, on the device) for a ONE-layer slice of the params; each per-layer leaf
     of that state ([1, ...]) is repeated L times on the host (every layer starts from the same state) and put
     with its host sharding; every other leaf is placed as `shardings` says. A `master` (offload_master) is the
-    layers of `trainable` themselves, copied leaf by leaf to host memory: they must be the fp32 values."""
+    layers of `trainable` themselves, copied leaf by leaf to host memory (kept as they are when already there,
+    offload.master.place_master_on_host): they must be the fp32 values."""
     import numpy as np
 
     layers, rest = _split(trainable)
-    one_layer = jax.tree.map(lambda x: x[:1], layers)
+    one_layer = jax.tree.map(lambda x: _on_device(x)[:1], layers)  # offload_master: layers may be on host
     small = jax.jit(optimizer.init)(_join(one_layer, rest, trainable))
     abstract = jax.eval_shape(optimizer.init, trainable)
     is_lw = lambda x: isinstance(x, (LayerwiseState, HostLayerwiseState))  # noqa: E731

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.offload.memory_plan import check_fits, device_capacity, plan_for_config
+from surojax.offload.master import place_master_on_host
 from surojax.offload.optimizer import apply_master_updates, compute_copy, master_params
 from surojax.offload.remat import remat_wrapper
 from surojax.offload.settings import OFFLOAD_AVAILABLE, check_offload_settings
@@ -108,12 +109,15 @@ class Trainer:
             check_fits(self.memory_plan, device_capacity(),  # before any weight is allocated
                        offload_available=OFFLOAD_AVAILABLE)
 
-        with build_context(cfg.offload_base_weights):  # a base bound for host memory is built off the device
-            self.model = build_model(cfg)
+        with build_context(cfg.offload_base_weights or cfg.offload_master):  # a base / master bound for host
+            self.model = build_model(cfg)                                    # memory is built off the device
         if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                                   f"{self.model.cfg.vocab_size}")
-        place_model(self.model, self.mesh, offload_base=cfg.offload_base_weights)  # shard_model (+ base on host)
+        if cfg.offload_master:  # the layers' fp32 Params in host memory, never whole on the device
+            place_master_on_host(self.model, self.mesh)
+        else:
+            place_model(self.model, self.mesh, offload_base=cfg.offload_base_weights)  # shard_model (+ base on host)
         self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
 
         warmup = cfg.warmup_steps_for(total) if hasattr(cfg, "warmup_steps_for") else (cfg.warmup_steps or 0)

@@ -127,3 +127,16 @@ def test_memory_plan_counts_the_master_on_host():
     assert off.gradients == res.gradients - 2 * L * layer  # the micro-batch gradient of the layers is bf16
     both = plan_memory(cfg, offload_master=True, offload_optimizer=True, **kw)
     assert both.host == (4 + 8) * L * layer and both.total < 0.55 * res.total  # 85 GiB vs 159 GiB resident
+
+
+def test_place_master_on_host_puts_only_the_layers_params_there():
+    from surojax.offload.master import place_master_on_host
+
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    model = place_master_on_host(Decoder(CFG, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0)), mesh)
+    state = nnx.state(model, nnx.Param).raw_mapping
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(state["layers"])} == {HOST_KIND}
+    rest = {k: v for k, v in state.items() if k != "layers"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(rest)} == {"device"}
+    copy = compute_copy(nnx.state(model, nnx.Param), jnp.bfloat16).raw_mapping["layers"]
+    assert {(x.dtype, x.sharding.memory_kind) for x in jax.tree.leaves(copy)} == {(jnp.dtype(jnp.bfloat16), "device")}
