@@ -64,6 +64,7 @@ class BenchConfig:
     init: str = "jit"  # jit: built on the device (init_sharded); host: random values placed from the host
     optimizer: str = "adamw"  # adamw | adamw_8bit
     offload_optimizer: bool = False  # the layers' optimizer state in pinned host memory, updated per layer
+    offload_master: bool = False  # full, bf16: the layers' fp32 master in pinned host memory, bf16 copy on device
 
     def check(self) -> None:
         if self.shape not in SHAPES:
@@ -98,6 +99,9 @@ class BenchConfig:
         if self.quant is not None and (self.offload_base or self.base_format or self.init == "host"):
             raise ValueError("--quant builds its random quantised base on the device; with --offload-base / "
                              "--init host use --base-format (a random GGUF block base built on the host)")
+        if self.offload_master and (self.mode != "full" or self.recipe != "bf16"):
+            raise ValueError("--offload-master keeps the fp32 master weights of --mode full --recipe bf16 in host "
+                             "memory")
         if self.segments * max(self.min_segment, 2) > self.seq:
             raise ValueError(f"--segments {self.segments} x --min-segment {self.min_segment} exceeds --seq {self.seq}")
 
@@ -210,21 +214,30 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     else:
         model = shard_model(make_model(), mesh)
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
+    model_cfg = model.cfg
 
     schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, 10**6, cfg.warmup_steps,
                            cfg.final_lr_fraction, cfg.cooldown_steps)
     optimizer = build_optimizer(cfg.optimizer, schedule, weight_decay=cfg.weight_decay, b1=cfg.adam_beta1,
                                 b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm,
-                                offload_state=bc.offload_optimizer)
+                                offload_state=bc.offload_optimizer, offload_master=bc.offload_master)
     opt_state = init_opt_state(optimizer, trainable, mesh)  # as the Trainer
+    apply = {}
+    if bc.offload_master:  # as the Trainer: the fp32 layers now live in opt_state (host); train their bf16 copy
+        from surojax.offload.optimizer import apply_master_updates, compute_copy
+
+        trainable = compute_copy(trainable, jax.numpy.bfloat16)
+        apply = {"apply_updates": apply_master_updates}
+    del model  # its fp32 layers are freed once nothing refers to them
 
     chunk = lm_chunk(cfg, bc.batch)
 
     def loss_fn(model, batch, remat=None):  # as Trainer._loss_fn
         return lm_loss(model, batch, chunk=chunk, remat=remat, unroll=cfg.unroll_layers)
 
-    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch))
-    return Setup(cfg, model.cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk)
+    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch),
+                           **apply)
+    return Setup(cfg, model_cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk)
 
 
 def place_batch(setup: Setup, batch: dict) -> dict:
@@ -345,6 +358,7 @@ def run(bc: BenchConfig, log=None) -> dict:
             "unroll_layers": bc.unroll_layers,
             "offload_base": bc.offload_base, "prefetch": bc.prefetch, "base_format": bc.base_format, "init": bc.init,
             "optimizer": bc.optimizer, "offload_optimizer": bc.offload_optimizer,
+            "offload_master": bc.offload_master,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,
             "quant_matmul": _quant_matmul_mode() if bc.quant else None,

@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw_8bit"))
     g.add_argument("--offload-optimizer", action="store_true",
                    help="the layers' optimizer state in pinned host memory, updated one layer at a time")
+    g.add_argument("--offload-master", action="store_true",
+                   help="--mode full --recipe bf16: the layers' fp32 master weights in pinned host memory (the "
+                        "device trains their bf16 copy; updated per layer, with or without --offload-optimizer)")
     g.add_argument("--lr", type=float, default=2e-4)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quant", default=None, choices=("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"),
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
                          seed=args.seed, quant=args.quant, offload_base=args.offload_base, prefetch=args.prefetch,
                          base_format=args.base_format, init=args.init, optimizer=args.optimizer,
-                         offload_optimizer=args.offload_optimizer)
+                         offload_optimizer=args.offload_optimizer, offload_master=args.offload_master)
         bc.check()
     except ValueError as e:
         raise UsageError(str(e)) from None

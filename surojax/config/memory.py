@@ -28,9 +28,10 @@ class MemorySection(StrictModel):
     """With offload_base_weights: fetch layer l+1 while layer l computes (a double-buffered layer loop, forward
     and backward recompute; needs recompute: full). Same results bit for bit; see docs/memory.md."""
     offload_optimizer: bool = False
-    """Keep optimizer state in host memory."""
+    """Keep the decoder layers' optimizer state in host memory (updated layer by layer)."""
     offload_master: bool = False
-    """Keep fp32 master weights in host memory."""
+    """Full fine-tuning, bf16 recipe: keep the decoder layers' fp32 master weights in host memory (the device keeps
+    their bf16 copy; updated layer by layer, with or without offload_optimizer)."""
     offload_grads: bool = False
 
     @field_validator("unroll_layers")

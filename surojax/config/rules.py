@@ -62,6 +62,12 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.offload_base_weights and not cfg.lora:
         add(("offload_base_weights",), "streams the frozen base of LoRA training; set lora: true (full fine-tuning "
             "trains every weight: see offload_master / offload_optimizer)")
+    if cfg.offload_master and cfg.lora:
+        add(("offload_master", "lora"), "keeps the fp32 master weights of full fine-tuning in host memory; LoRA has "
+            "no master copy of the base (see offload_base_weights)")
+    elif cfg.offload_master and (cfg.recipe != "bf16" or cfg.master_dtype != "fp32"):
+        add(("offload_master", "recipe", "master_dtype"), "needs recipe: bf16 with master_dtype: fp32 (the device "
+            "then trains the bf16 copy of fp32 master weights kept in host memory)")
     if cfg.offload_base_weights and cfg.recompute == "none":
         add(("recompute", "offload_base_weights"), "none keeps each layer's device copy of its streamed weights "
             "for the backward pass (the whole base on the device); use full, dots or offload with "

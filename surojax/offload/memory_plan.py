@@ -5,14 +5,20 @@
     weights      frozen base (LoRA: compute dtype, bf16) or master weights (full: `master_dtype`, fp32 in the
                  bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
                  on the device (an untied embedding is streamed too: it is on the device only for the forward's
-                 token gather; XLA does not prefetch the next layer, measured; `prefetch`: two layers);
-                 with `offload_master` two layers
+                 token gather; XLA does not prefetch the next layer, measured; `prefetch`: two layers); with `offload_master` the
+                 layers are their compute-dtype copy (c bytes / param; their fp32 master is in host memory) plus
+                 two layers' master in flight during the per-layer update, the embedding / head / norms stay
+                 in `master_dtype`
     cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights.
                  recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
-                 layer; plus the head's cast copy used by the loss
+                 layer; plus the head's cast copy used by the loss (with `offload_master` the head's only: the
+                 layers are stored in the compute dtype, so bf16 recipe: 2 bytes / layer param instead of 4 + 2)
     adapters     LoRA A and B of every target of every layer (`lora_dtype`, fp32)
     gradients    the fp32 accumulation buffer of the trainable params (`make_train_step`'s g_acc) plus the
-                 micro-batch's gradient in the trainable dtype, both live at the accumulate
+                 micro-batch's gradient in the trainable dtype (the compute dtype for layers under
+                 `offload_master`), both live at the accumulate
+    host         (not a device component, not in the total) pinned host memory this plan puts there: the
+                 layers' fp32 master (`offload_master`) and optimizer state (`offload_optimizer`)
     optimizer    AdamW: 2 fp32 moments per trainable param (adamw_8bit: 2 bytes, normuon: 4); with
                  `offload_optimizer` two layers' state (updated per layer, surojax/offload/optimizer.py) plus
                  the state of the params outside the layers (embedding, head, final norm), which stays
@@ -71,6 +77,7 @@ class MemoryPlan:
     activations: int
     logits: int
     workspace: int
+    host: int = 0  # bytes in pinned host memory (offload_master / offload_optimizer); not part of `total`
     settings: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     model_cfg: object = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -160,20 +167,29 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
         tb = 4 if fp32 else _DTYPE_BYTES[lora_dtype]
         adapters = trainable * tb
         cast = 0
+        grad_bytes = trainable * tb
     else:
         wb = 4 if fp32 else _DTYPE_BYTES[master_dtype]
-        resident = embed_params + (2 * layer_params if offload_master else L * layer_params)
-        weights = resident * wb
         trainable, tb, adapters = total_params, wb, 0
         cast = 0
-        if wb != c:
-            kept_layers = 1 if recompute == "full" else L
-            cast = (kept_layers * layer_params + V * D) * c
-    gradients = trainable * 4 + trainable * tb
+        if offload_master:  # layers: their compute copy on the device, the master on host (two layers in flight)
+            weights = embed_params * wb + L * layer_params * c + 2 * layer_params * wb
+            grad_bytes = embed_params * wb + L * layer_params * c
+            if wb != c:
+                cast = V * D * c
+        else:
+            weights = (embed_params + L * layer_params) * wb
+            grad_bytes = trainable * tb
+            if wb != c:
+                kept_layers = 1 if recompute == "full" else L
+                cast = (kept_layers * layer_params + V * D) * c
+    gradients = trainable * 4 + grad_bytes
     opt_b = _OPT_BYTES.get(optimizer, 8)
+    host = L * layer_params * 4 if (offload_master and not lora) else 0
     if offload_optimizer:  # two layers' state in flight; the embedding / head / final norm state stays
         opt_params = 2 * layer_params + embed_params if not lora else 2 * trainable // max(L, 1)
         optimizer_bytes = opt_params * opt_b
+        host += (L * layer_params if not lora else trainable) * opt_b
     else:
         optimizer_bytes = trainable * opt_b
     tokens = batch * seq
@@ -185,7 +201,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     workspace = one_layer + int(_UNMODELLED * activations) + _FIXED_WORKSPACE
     return MemoryPlan(weights=int(weights), cast_weights=int(cast), adapters=int(adapters), gradients=int(gradients),
                       optimizer=int(optimizer_bytes), activations=int(activations), logits=int(logits),
-                      workspace=int(workspace), settings=settings, model_cfg=model_cfg)
+                      workspace=int(workspace), host=int(host), settings=settings, model_cfg=model_cfg)
 
 
 def format_plan(plan: MemoryPlan, capacity: int | None = None) -> str:
@@ -233,6 +249,8 @@ def fitting_options(plan: MemoryPlan, capacity: int, *, offload_available: Itera
         consider(f"lora: true (rank {s['rank'] or 16}) instead of full fine-tuning", mode="lora", rank=s["rank"] or 16)
     avail = set(offload_available)
     if s["mode"] == "full":
+        if not (s["recipe"] == "bf16" and s["master_dtype"] == "fp32"):
+            avail.discard("offload_master")  # only the bf16 recipe keeps an fp32 master apart from its compute copy
         if "offload_optimizer" in avail and not s["offload_optimizer"]:
             consider("offload_optimizer: true", offload_optimizer=True)
         if "offload_master" in avail and not s["offload_master"]:

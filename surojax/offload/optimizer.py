@@ -1,5 +1,5 @@
-"""`offload_optimizer`: the optimizer state of the stacked layers lives in pinned host memory and is updated one
-layer at a time on the device.
+"""`offload_optimizer` / `offload_master`: the optimizer state and / or the fp32 master weights of the stacked layers
+live in pinned host memory and are updated one layer at a time on the device.
 
     optimizer = chain(clip_by_global_norm, layerwise(adamw, offload=True))
     state of layerwise:  HostLayerwiseState(layers = adamw state of the trainable params under `layers` [L, ...]
@@ -19,12 +19,23 @@ The device then holds one layer's optimizer state at a time during the update (p
 state), instead of 8 bytes per parameter (AdamW) for the whole model. The copies are host-to-device and back,
 2 x 8 bytes per parameter per step (for Qwen3-8B ~130 GB at ~51 GB/s ~ 2.6 s per optimizer step): worth it
 when it makes the run fit; amortise with gradient accumulation.
+
+`master=True` (offload_master, full fine-tuning with the bf16 recipe): the state also holds `master`, the fp32
+master weights of the layers [L, ...], always in pinned host memory; the trainable params' `layers` are then the
+bf16 COMPUTE copy on the device (what the forward / backward read: the cast they did at each use of an fp32
+param is now done once, at the update). The same scan fetches layer l's master (and state, when offloaded),
+runs the update in fp32 against the master (weight decay reads the master, as in the resident run), sends the
+new master back to host and emits the layer's new bf16 copy. The `layers` part of the "updates" it returns are
+therefore the NEW PARAMS, not deltas: apply them with `apply_master_updates` (make_train_step's
+`apply_updates`). Independent of offload_optimizer: either, both or neither part may be on host.
+Per step this moves 2 x 4 bytes per layer parameter more over the host link (~56 GB for Qwen3-8B).
 """
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from surojax.offload.streaming import HOST_KIND, STREAMED_SUBTREE
@@ -33,6 +44,7 @@ from surojax.offload.streaming import HOST_KIND, STREAMED_SUBTREE
 class LayerwiseState(NamedTuple):
     layers: Any
     rest: Any
+    master: Any = None  # offload_master: the fp32 master weights of the layers [L, ...], in pinned host memory
 
 
 class HostLayerwiseState(NamedTuple):
@@ -40,6 +52,7 @@ class HostLayerwiseState(NamedTuple):
 
     layers: Any
     rest: Any
+    master: Any = None
 
 
 def _raw(tree) -> dict:
@@ -62,15 +75,18 @@ def _to(space, tree):
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
-def layerwise(inner: optax.GradientTransformation, *, offload: bool) -> optax.GradientTransformation:
+def layerwise(inner: optax.GradientTransformation, *, offload: bool, master: bool = False
+              ) -> optax.GradientTransformation:
     """`inner` applied to the stacked layers one layer at a time under lax.scan (their state in host memory when
-    `offload`), and to the other parameters at once."""
+    `offload`; their fp32 master weights kept in the state, in host memory, when `master`), and to the other
+    parameters at once. `init` must see the fp32 params (the master values)."""
     state_cls = HostLayerwiseState if offload else LayerwiseState
 
     def init(params):
         layers, rest = _split(params)
+        m = jax.tree.map(lambda p: p.astype(jnp.float32), layers) if master else None
         # one state per layer, stacked: every leaf (counts included) gets a leading [L] axis
-        return state_cls(jax.vmap(inner.init)(layers), inner.init(rest))
+        return state_cls(jax.vmap(inner.init)(layers if m is None else m), inner.init(rest), m)
 
     def update(updates, state, params=None):
         if params is None:
@@ -80,18 +96,69 @@ def layerwise(inner: optax.GradientTransformation, *, offload: bool) -> optax.Gr
         u_rest, s_rest = inner.update(g_rest, state.rest, p_rest)
 
         def body(carry, xs):
-            g_l, p_l, s_l = xs
+            g_l, p_l, s_l, m_l = xs
             if offload:
                 s_l = _to(jax.memory.Space.Device, s_l)
-            u_l, s_l = inner.update(g_l, s_l, p_l)
+            if master:  # update the fp32 master; the output is layer l's new compute copy
+                m_l = _to(jax.memory.Space.Device, m_l)
+                u_l, s_l = inner.update(g_l, s_l, m_l)
+                # the update materialised (rounded to fp32) before it is added, as when apply_updates runs after
+                # the loop: without the barrier XLA fuses the add into the update and the master drifts by an ulp
+                u_l = jax.lax.optimization_barrier(u_l)
+                m_l = optax.apply_updates(m_l, u_l)
+                out_l = jax.tree.map(lambda m, p: m.astype(p.dtype), m_l, p_l)
+                m_l = _to(jax.memory.Space.Host, m_l)
+            else:
+                out_l, s_l = inner.update(g_l, s_l, p_l)
             if offload:
                 s_l = _to(jax.memory.Space.Host, s_l)
-            return carry, (u_l, s_l)
+            return carry, (out_l, s_l, m_l)
 
-        _, (u_layers, s_layers) = jax.lax.scan(body, None, (g_layers, p_layers, state.layers))
-        return _join(u_layers, u_rest, updates), state_cls(s_layers, s_rest)
+        xs = (g_layers, p_layers, state.layers, state.master)
+        _, (out_layers, s_layers, m_layers) = jax.lax.scan(body, None, xs)
+        return _join(out_layers, u_rest, updates), state_cls(s_layers, s_rest, m_layers)
 
     return optax.GradientTransformation(init, update)
+
+
+def apply_master_updates(params, updates):
+    """optax.apply_updates for a `layerwise(..., master=True)` optimizer: its `layers` updates are the new compute
+    copies of the layers (taken as they are), the rest are deltas."""
+    p_layers, p_rest = _split(params)
+    u_layers, u_rest = _split(updates)
+    new_layers = jax.tree.map(lambda p, u: u.astype(p.dtype), p_layers, u_layers)
+    return _join(new_layers, optax.apply_updates(p_rest, u_rest), params)
+
+
+def _master_state(opt_state):
+    is_lw = lambda x: isinstance(x, (LayerwiseState, HostLayerwiseState))  # noqa: E731
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_lw) if is_lw(x) and x.master is not None]
+    return found[0] if found else None
+
+
+def _on_device(x):
+    """`x` itself, or its device copy when it is in host memory."""
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return jax.device_put(x, x.sharding.with_memory_kind("device")) if kind == HOST_KIND else x
+
+
+def compute_copy(trainable, dtype):
+    """The trainable params with the stacked layers cast to the compute `dtype` on the device (the device copy that
+    offload_master trains), leaf by leaf (a host-resident fp32 leaf is fetched, cast, and its device copy dropped
+    before the next); device fp32 arrays are freed once nothing else refers to them (update the model too)."""
+    layers, rest = _split(trainable)
+    cast = jax.jit(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x)
+    return _join(jax.tree.map(lambda x: cast(_on_device(x)), layers), rest, trainable)
+
+
+def master_params(trainable, opt_state):
+    """The trainable params with the layers' fp32 master weights (fetched from host) in place of their compute
+    copy; `trainable` itself when the optimizer keeps no master (what to export / evaluate at full precision)."""
+    st = _master_state(opt_state)
+    if st is None:
+        return trainable
+    _, rest = _split(trainable)
+    return _join(_to(jax.memory.Space.Device, st.master), rest, trainable)
 
 
 def has_layerwise_state(state) -> bool:
@@ -100,14 +167,18 @@ def has_layerwise_state(state) -> bool:
 
 
 def host_state_shardings(shardings):
-    """The optimizer state's sharding tree with the `layers` part of every HostLayerwiseState in pinned host
-    memory (all of it: every leaf is stacked per layer and fetched by the per-layer update)."""
+    """The optimizer state's sharding tree with the `layers` part of every HostLayerwiseState and the `master`
+    part of every layerwise state in pinned host memory (all of it: every leaf is stacked per layer and fetched
+    by the per-layer update)."""
+    host = lambda t: jax.tree.map(lambda s: s.with_memory_kind(HOST_KIND), t)  # noqa: E731
+
     def fix(node):
-        if isinstance(node, HostLayerwiseState):
-            return HostLayerwiseState(jax.tree.map(lambda s: s.with_memory_kind(HOST_KIND), node.layers), node.rest)
+        if isinstance(node, (LayerwiseState, HostLayerwiseState)):
+            layers = host(node.layers) if isinstance(node, HostLayerwiseState) else node.layers
+            return type(node)(layers, node.rest, host(node.master))
         return node
 
-    return jax.tree.map(fix, shardings, is_leaf=lambda x: isinstance(x, HostLayerwiseState))
+    return jax.tree.map(fix, shardings, is_leaf=lambda x: isinstance(x, (LayerwiseState, HostLayerwiseState)))
 
 
 def init_state_on_host(optimizer: optax.GradientTransformation, trainable, shardings):
@@ -116,21 +187,30 @@ def init_state_on_host(optimizer: optax.GradientTransformation, trainable, shard
 
     The optimizer is initialised (jit, on the device) for a ONE-layer slice of the params; each per-layer leaf
     of that state ([1, ...]) is repeated L times on the host (every layer starts from the same state) and put
-    with its host sharding; every other leaf is placed as `shardings` says."""
+    with its host sharding; every other leaf is placed as `shardings` says. A `master` (offload_master) is the
+    layers of `trainable` themselves, copied leaf by leaf to host memory (kept as they are when already there,
+    offload.master.place_master_on_host): they must be the fp32 values."""
     import numpy as np
 
     layers, rest = _split(trainable)
-    one_layer = jax.tree.map(lambda x: x[:1], layers)
+    one_layer = jax.tree.map(lambda x: _on_device(x)[:1], layers)  # offload_master: layers may be on host
     small = jax.jit(optimizer.init)(_join(one_layer, rest, trainable))
     abstract = jax.eval_shape(optimizer.init, trainable)
     is_lw = lambda x: isinstance(x, (LayerwiseState, HostLayerwiseState))  # noqa: E731
+
+    def put_master(v, sv):
+        if v.dtype != jnp.float32:
+            raise ValueError(f"offload_master: the layers' master weights must be fp32 (got {v.dtype}); initialise "
+                             "the optimizer on the fp32 params, then make the compute copy (compute_copy)")
+        return jax.device_put(v, v.sharding.with_memory_kind(sv.memory_kind) if hasattr(v, "sharding") else sv)
 
     def place(x, a, s):
         if is_lw(x):
             per_layer = jax.tree.map(
                 lambda v, av, sv: jax.device_put(np.broadcast_to(np.asarray(v), av.shape), sv),
                 x.layers, a.layers, s.layers)
-            return type(x)(per_layer, jax.device_put(x.rest, s.rest))
+            m = None if x.master is None else jax.tree.map(put_master, layers, s.master)
+            return type(x)(per_layer, jax.device_put(x.rest, s.rest), m)
         return jax.device_put(x, s)
 
     return jax.tree.map(place, small, abstract, shardings, is_leaf=is_lw)

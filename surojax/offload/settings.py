@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from surojax.offload.streaming import OffloadError, host_memory_kind
 
-OFFLOAD_AVAILABLE: tuple[str, ...] = ("offload_base_weights", "offload_optimizer")  # the keys the memory plan may suggest
+OFFLOAD_AVAILABLE: tuple[str, ...] = ("offload_base_weights", "offload_optimizer",
+                                       "offload_master")  # the keys the memory plan may suggest
 NOT_YET = {
-    "offload_master": "fp32 master weights in host memory are not available yet; use lora (or a smaller model)",
     "offload_grads": "gradients in host memory are not available yet",
 }
 

@@ -58,11 +58,13 @@ def decay_mask(params):
 
 def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float = 0.0, b1: float = 0.9,
                     b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
-                    offload_state: bool = False):
+                    offload_state: bool = False, offload_master: bool = False):
     """The optimizer the trainer applies to already-averaged gradients.
 
     offload_state: the stacked layers' state in pinned host memory, updated one layer at a time
-    (surojax/offload/optimizer.py; the global-norm clip still sees every gradient)."""
+    (surojax/offload/optimizer.py; the global-norm clip still sees every gradient).
+    offload_master: the layers' fp32 master weights kept in the state, in pinned host memory, updated in the same
+    per-layer loop; the params then hold the layers' compute copy (apply with `apply_master_updates`)."""
     if name not in ("adamw", "adamw_8bit"):
         raise ValueError(f"optimizer {name!r} is not available yet (adamw, adamw_8bit)")
     parts = []
@@ -74,10 +76,10 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
         parts.append(adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
     else:
         parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
-    if offload_state:
+    if offload_state or offload_master:
         from surojax.offload.optimizer import layerwise
 
-        parts[-1] = layerwise(parts[-1], offload=True)
+        parts[-1] = layerwise(parts[-1], offload=offload_state, master=offload_master)
     return optax.chain(*parts)
 
 
@@ -98,7 +100,7 @@ def init_opt_state(optimizer, trainable, mesh):
 
     from surojax.offload.optimizer import has_layerwise_state, host_state_shardings, init_state_on_host
 
-    if has_layerwise_state(abstract):  # offload_optimizer: per-layer state [L, ...] built on the host
+    if has_layerwise_state(abstract):  # offload_optimizer / _master: per-layer state [L, ...] built on the host
         shardings = host_state_shardings(jax.tree.map(lambda _: replicated, abstract))
         return init_state_on_host(optimizer, trainable, shardings)
     else:

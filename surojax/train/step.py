@@ -18,11 +18,13 @@ from flax import nnx
 
 
 def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, remat=None,
-                    prepare: Callable | None = None, donate: bool = True, jit: bool = True):
+                    prepare: Callable | None = None, donate: bool = True, jit: bool = True,
+                    apply_updates: Callable = optax.apply_updates):
     """`loss_fn(model, micro_batch, remat=...) -> (loss_sum, {"tokens": count, ...})`.
 
     `prepare(model, key)`, when given, runs on the merged model before each micro-batch's forward pass with
     a key distinct per step and micro-batch (LoRA dropout keys).
+    `apply_updates(params, updates)`: offload_master passes surojax.offload.optimizer.apply_master_updates.
     """
 
     def step(trainable, frozen, opt_state, batch, rng):
@@ -48,7 +50,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         grads = jax.tree.map(lambda g: g / denom, grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
+        trainable = apply_updates(trainable, updates)
         return trainable, opt_state, {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
 
     if not jit:

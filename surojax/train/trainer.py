@@ -25,12 +25,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.offload.memory_plan import check_fits, device_capacity, plan_for_config
+from surojax.offload.master import place_master_on_host
+from surojax.offload.optimizer import apply_master_updates, compute_copy, master_params
 from surojax.offload.remat import layer_loop
 from surojax.offload.settings import OFFLOAD_AVAILABLE, check_offload_settings
 from surojax.offload.streaming import build_context, place_model
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.metrics import Metrics, plot_loss
-from surojax.train.model_setup import (TrainSetupError, build_model, is_gguf_path, model_config_for,
+from surojax.train.model_setup import (TrainSetupError, build_model, is_gguf_path, model_config_for, precision_for,
                                         trainable_filter)
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.step import make_eval_step, make_train_step
@@ -107,12 +109,15 @@ class Trainer:
             check_fits(self.memory_plan, device_capacity(),  # before any weight is allocated
                        offload_available=OFFLOAD_AVAILABLE)
 
-        with build_context(cfg.offload_base_weights):  # a base bound for host memory is built off the device
-            self.model = build_model(cfg)
+        with build_context(cfg.offload_base_weights or cfg.offload_master):  # a base / master bound for host
+            self.model = build_model(cfg)                                    # memory is built off the device
         if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                                   f"{self.model.cfg.vocab_size}")
-        place_model(self.model, self.mesh, offload_base=cfg.offload_base_weights)  # shard_model (+ base on host)
+        if cfg.offload_master:  # the layers' fp32 Params in host memory, never whole on the device
+            place_master_on_host(self.model, self.mesh)
+        else:
+            place_model(self.model, self.mesh, offload_base=cfg.offload_base_weights)  # shard_model (+ base on host)
         self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
 
         warmup = cfg.warmup_steps_for(total) if hasattr(cfg, "warmup_steps_for") else (cfg.warmup_steps or 0)
@@ -120,7 +125,8 @@ class Trainer:
                                     cfg.final_lr_fraction, cfg.cooldown_steps or 0)
         self.optimizer = build_optimizer(cfg.optimizer, self.schedule, weight_decay=cfg.weight_decay,
                                          b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
-                                         max_grad_norm=cfg.max_grad_norm, offload_state=cfg.offload_optimizer)
+                                         max_grad_norm=cfg.max_grad_norm, offload_state=cfg.offload_optimizer,
+                                         offload_master=cfg.offload_master)
 
         self._train_mode = cfg.lora and cfg.lora_dropout > 0
         if self._train_mode:
@@ -129,9 +135,15 @@ class Trainer:
         self.model.eval()
         self.eval_graphdef = nnx.split(self.model, trainable_filter(cfg), ...)[0]
         self.opt_state = init_opt_state(self.optimizer, self.trainable, self.mesh)
+        apply = {}
+        if cfg.offload_master:  # the fp32 layers now live in the optimizer state (host); train their bf16 copy
+            self.trainable = compute_copy(self.trainable, precision_for(cfg).compute)
+            nnx.update(self.model, self.trainable)  # drops the model's reference to the fp32 device arrays
+            apply = {"apply_updates": apply_master_updates}
         remat = layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch)
         prepare = self._dropout_prepare() if self._train_mode else None
-        self._train_step = make_train_step(self.graphdef, self._loss_fn, self.optimizer, remat=remat, prepare=prepare)
+        self._train_step = make_train_step(self.graphdef, self._loss_fn, self.optimizer, remat=remat, prepare=prepare,
+                                           **apply)
         self._eval_step = make_eval_step(self.eval_graphdef, self._loss_fn)
         self.key = jax.random.key(cfg.seed)
         self.step_count = 0
@@ -288,7 +300,7 @@ class Trainer:
     # ---- export ---------------------------------------------------------------------------------------------
     def trained_model(self):
         """The model with the trained weights (a fresh module; the trainer's own state is untouched)."""
-        return nnx.merge(self.eval_graphdef, self.trainable, self.frozen)
+        return nnx.merge(self.eval_graphdef, master_params(self.trainable, self.opt_state), self.frozen)
 
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the trained weights: a PEFT adapter (LoRA; plus the merged model with `merge_adapter`) or an
