@@ -47,10 +47,12 @@ def main():
     p.add_argument("--recompute", default="none")
     p.add_argument("--attention", default="auto")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--unroll-layers", default="1", help="1 (rolled layer scan) or all (every layer inlined)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/surojax-profile"))
     a = p.parse_args()
     bc = BenchConfig(shape=a.shape, mode=a.mode, batch=a.batch, seq=a.seq, recompute=a.recompute,
-                     attention=a.attention)
+                     attention=a.attention,
+                     unroll_layers=True if a.unroll_layers == "all" else int(a.unroll_layers))
     setup = build(bc)
     host, _ = synthetic_batch(np.random.default_rng(0), 1, a.batch, a.seq, setup.model_cfg.vocab_size, 4, 64)
     batch = place_batch(setup, host)
