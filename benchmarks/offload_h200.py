@@ -197,7 +197,7 @@ def main() -> int:
             rows.append((name, "-", "-", "-", "-", "-", "-", "ERROR: " + rec["error"]))
             failed = True
             continue
-        ratio, exact, notes = None, None, []
+        ratio, notes = None, []
         pair_name, check = PAIRS.get(name, ("", None))
         pair = records.get(pair_name, {})
         if "step_ms" in pair:
