@@ -29,7 +29,6 @@ import numpy as np
 from surojax.quant import FP8Block, NF4, NVFP4, Q4_K, Q5_K, Q6_K, Q8_0
 from surojax.quant.base import QuantFormat, f16_from_bytes
 from surojax.quant.nf4 import NF4_CODE
-from surojax.quant.nvfp4 import E2M1_VALUES
 
 
 def lookup16(code: jax.Array, table: np.ndarray) -> jax.Array:

@@ -164,8 +164,8 @@ class Decoder(nnx.Module):
             return (h, StackedLayerKV(kv.k, kv.v, kv.layer + 1)), None
 
         if cache is not None and cache_in_carry:
-            body = carry_body if remat is None else remat(carry_body)
-            (h, kv), _ = jax.lax.scan(body, (h, StackedLayerKV(cache.k, cache.v, jnp.int32(0))), layer_state,
+            loop_body = carry_body if remat is None else remat(carry_body)
+            (h, kv), _ = jax.lax.scan(loop_body, (h, StackedLayerKV(cache.k, cache.v, jnp.int32(0))), layer_state,
                                       unroll=unroll)
             return self.final_norm(h), dataclasses.replace(cache, k=kv.k, v=kv.v)
         if remat is not None:
