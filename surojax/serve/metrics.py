@@ -61,37 +61,35 @@ class ServeMetrics:
             lines.append(f"# TYPE {p}_{name} {kind}")
             lines.extend(samples)
 
+        def scalar(name: str, kind: str, help_: str, value) -> None:  # one unlabelled sample
+            metric(name, kind, help_, [f"{p}_{name} {value}"])
+
         with self.lock:
             reasons = dict(self.requests) or {"stop": 0}
             metric("requests_total", "counter", "Finished requests by finish reason.",
                    [f'{p}_requests_total{{finish_reason="{r}"}} {n}' for r, n in sorted(reasons.items())])
-            metric("requests_rejected_total", "counter", "Requests refused because the queue was full (429).",
-                   [f"{p}_requests_rejected_total {self.rejected}"])
-            metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
-                   [f"{p}_prompt_tokens_total {self.prompt_tokens}"])
-            metric("generation_tokens_total", "counter", "Generated tokens.",
-                   [f"{p}_generation_tokens_total {self.generation_tokens}"])
+            scalar("requests_rejected_total", "counter", "Requests refused because the queue was full (429).",
+                   self.rejected)
+            scalar("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", self.prompt_tokens)
+            scalar("generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens)
             metric("time_to_first_token_seconds", "histogram", "Time from arrival to the first token.",
                    self.ttft.lines(f"{p}_time_to_first_token_seconds"))
             metric("inter_token_latency_seconds", "histogram", "Time between two tokens of one request.",
                    self.itl.lines(f"{p}_inter_token_latency_seconds"))
             metric("e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.",
                    self.e2e.lines(f"{p}_e2e_request_latency_seconds"))
-        metric("num_requests_running", "gauge", "Requests in the running batch.",
-               [f"{p}_num_requests_running {engine.num_running}"])
-        metric("num_requests_waiting", "gauge", "Requests waiting for admission (queue depth).",
-               [f"{p}_num_requests_waiting {engine.num_waiting}"])
-        metric("kv_cache_usage_ratio", "gauge", "Fraction of KV blocks held by live requests.",
-               [f"{p}_kv_cache_usage_ratio {kv.usage}"])
-        metric("kv_cache_free_blocks", "gauge", "Free KV blocks (cached-but-free blocks count as free).",
-               [f"{p}_kv_cache_free_blocks {kv.num_free_blocks}"])
-        metric("kv_cache_blocks", "gauge", "KV blocks in the pool.", [f"{p}_kv_cache_blocks {kv.num_blocks}"])
-        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-               [f"{p}_prefix_cache_queries_total {kv.prefix_cache_queries}"])
-        metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
-               [f"{p}_prefix_cache_hits_total {kv.prefix_cache_hits}"])
-        metric("num_preemptions_total", "counter", "Requests preempted (recomputed later).",
-               [f"{p}_num_preemptions_total {engine.scheduler.num_preemptions}"])
+        scalar("num_requests_running", "gauge", "Requests in the running batch.", engine.num_running)
+        scalar("num_requests_waiting", "gauge", "Requests waiting for admission (queue depth).", engine.num_waiting)
+        scalar("kv_cache_usage_ratio", "gauge", "Fraction of KV blocks held by live requests.", kv.usage)
+        scalar("kv_cache_free_blocks", "gauge", "Free KV blocks (cached-but-free blocks count as free).",
+               kv.num_free_blocks)
+        scalar("kv_cache_blocks", "gauge", "KV blocks in the pool.", kv.num_blocks)
+        scalar("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+               kv.prefix_cache_queries)
+        scalar("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
+               kv.prefix_cache_hits)
+        scalar("num_preemptions_total", "counter", "Requests preempted (recomputed later).",
+               engine.scheduler.num_preemptions)
         return "\n".join(lines) + "\n"
 
 
