@@ -22,8 +22,8 @@ of `surojax.bench.shapes` (default qwen3-0.6b, bf16); prompts are token ids, so 
 `--decode-steps` (comma list of powers of two) runs engine and server once per value: K decode tokens per
 device call when nothing waits (the engine's ``decode_steps``). With K > 1 tokens reach a user in bursts of
 K, so inter-token p50 drops towards 0 and p99 is about one K-step call; decode tok/s is the figure to compare.
-`--kv-in-place 0,1` likewise A/Bs the runner's ``kv_in_place`` (the decoder updates its cache in the layer scan's
-carry instead of copying every layer's view in and out of the scan).
+`--kv-in-place 0,1` (default 1) likewise A/Bs the runner's ``kv_in_place`` (the decoder updates its cache in the layer scan's
+carry instead of copying every layer's view in and out of the scan). `--unroll-layers` inlines the layer loop.
 """
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False):
     from surojax.serve.engine import Engine
     from surojax.serve.sampling import SamplingParams
 
-    eng = Engine(model, **engine_kwargs(a, users, k), kv_in_place=in_place)
+    eng = Engine(model, **engine_kwargs(a, users, k), kv_in_place=in_place, unroll_layers=a.unroll_layers)
     compiled_before = _num_compiled()
     rng = np.random.default_rng(seed)
     records = []
@@ -291,7 +291,8 @@ def ours_main(a):
                 ["serve", "random", "--served-model-name", "bench", "--max-num-seqs", str(users),
                  "--num-kv-blocks", str(kw["num_blocks"]), "--block-size", str(a.block_size),
                  "--max-model-len", str(kw["max_model_len"]), "--max-num-batched-tokens",
-                 str(step_budget(a, users)), "--decode-steps", str(k), "--log-level", "warning"])
+                 str(step_budget(a, users)), "--decode-steps", str(k), "--log-level", "warning"]
+                + (["--unroll-layers"] if a.unroll_layers else []))
             app, state = build_server(args, model=model, tokenizer=IdTokenizer())
             for name, v in bench_buckets(a, users, k).items():
                 setattr(state.engine.engine.runner, name, v)
@@ -422,7 +423,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode-steps", default="1",
                    help="comma list of decode steps per device call (powers of two) to run engine/server with")
-    p.add_argument("--kv-in-place", default="0", help="comma list of 0/1: the runner's kv_in_place setting")
+    p.add_argument("--kv-in-place", default="1", help="comma list of 0/1: the runner's kv_in_place setting")
+    p.add_argument("--unroll-layers", action="store_true", help="the runner's unroll_layers (engine and server)")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
     p.add_argument("--url", default=None, help="client mode: the server's base URL")
     p.add_argument("--api-key", default=None)

@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
     parser.add_argument("--decode-steps", type=_power_of_two, default=1,
                         help="decode tokens per device call when no request waits (1, 2, 4, 8, ...)")
+    parser.add_argument("--unroll-layers", action="store_true",
+                        help="inline the layer loop (faster decode, longer compiles; same results)")
     parser.add_argument("--num-kv-blocks", type=_positive, default=None,
                         help="KV blocks (default: from free device memory; a fixed size on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)

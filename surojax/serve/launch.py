@@ -126,7 +126,8 @@ def build_server(args, model=None, tokenizer=None):
                     max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
                     max_model_len=max_len, enable_prefix_caching=not args.no_prefix_caching, tokenizer=tokenizer,
                     lora=lora, memory_utilization=args.gpu_memory_utilization,
-                    decode_steps=getattr(args, "decode_steps", 1))
+                    decode_steps=getattr(args, "decode_steps", 1),
+                    unroll_layers=getattr(args, "unroll_layers", False))
     for spec in args.lora_modules or ():
         if lora is None:
             raise ServeError("--lora-modules needs --enable-lora")

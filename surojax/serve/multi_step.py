@@ -30,10 +30,11 @@ from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "num_steps", "kv_in_place"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "num_steps", "kv_in_place", "unroll"),
                    donate_argnames=("k_pool", "v_pool"))
 def multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots, write_slots, limit, stop_ids,
-                      adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int, kv_in_place: bool = False):
+                      adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int, kv_in_place: bool = False,
+                      unroll: int | bool = 1):
     """-> (k_pool, v_pool, dict(ids [R, K], count [R] = tokens produced per row, and with ``mode.logprobs``
     logprob [R, K], top_ids / top_logprobs [R, K, 20]))."""
     model = nnx.merge(graphdef, state)
@@ -62,7 +63,8 @@ def multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots,
     def body(carry):
         i, cache, tok, done, count, rows, out = carry
         pos = (start + i)[:, None]
-        h, cache = model.hidden_states(tok[:, None], pos, ones, cache=cache, cache_in_carry=kv_in_place)
+        h, cache = model.hidden_states(tok[:, None], pos, ones, cache=cache, cache_in_carry=kv_in_place,
+                                       unroll=unroll)
         logits = model.logits(h)[:, 0]  # [R, V] fp32
         sampled = sample_batch(logits, dict(rows, step=rows["step"] + i), mode)
         new = sampled["ids"]

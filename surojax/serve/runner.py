@@ -68,10 +68,11 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "kv_in_place"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "kv_in_place", "unroll"),
                    donate_argnames=("k_pool", "v_pool"))
 def _paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, ctx_slots, ctx_len, write_slots,
-                last_idx, adapter_rows, rows, mode: BatchMode, lora: bool, kv_in_place: bool = False):
+                last_idx, adapter_rows, rows, mode: BatchMode, lora: bool, kv_in_place: bool = False,
+                unroll: int | bool = 1):
     """tokens/positions/segment_ids/write_slots [R, T]; ctx_slots [R, S]; ctx_len/last_idx/adapter_rows [R];
     rows: the per-row sampling arrays of `sample_batch`.
 
@@ -91,7 +92,8 @@ def _paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids,
         positions=jnp.where(valid, j, 0).astype(jnp.int32),
         lengths=ctx_len.astype(jnp.int32),
     )
-    h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, cache_in_carry=kv_in_place)
+    h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, cache_in_carry=kv_in_place,
+                                   unroll=unroll)
     idx = jnp.arange(R)
     logits = model.logits(h[idx, last_idx][:, None])[:, 0]  # [R, V] fp32
     view = ctx_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T] where the model wrote them
@@ -117,14 +119,17 @@ class PagedRunner:
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None, adapter_slot=None,
                  min_rows: int = 1, min_prefill_rows: int = 1, min_context: int = 0, min_prefill: int = 1,
-                 kv_in_place: bool = False, decode_steps: int = 1):
+                 kv_in_place: bool = False, decode_steps: int = 1, unroll_layers: bool = False):
         """adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``).
         min_rows / min_prefill_rows / min_context / min_prefill: smallest buckets of decode R, prefill R, S and
         prefill T (fewer compilations, more padding: the tests use them on CPU, the benchmark pads decode
         batches to the number of users). kv_in_place: the decoder writes new k/v into its cache in the layer
         scan's carry (``Decoder.hidden_states(cache_in_carry=True)``) instead of copying every layer's view in
-        and out of the scan; same values."""
+        and out of the scan; same values. unroll_layers: the layer loop inlined (``lax.scan(unroll=True)``)
+        instead of a rolled loop: no per-layer loop overhead in decode (where a step is a few microseconds of
+        work per layer), longer compiles; same values."""
         self.kv_in_place = kv_in_place
+        self.unroll = True if unroll_layers else 1
         # multi-step calls always loop up to this many steps (the loop exits once every row stopped), so rows
         # with fewer steps left do not compile smaller variants
         self.decode_steps = decode_steps
@@ -253,7 +258,7 @@ class PagedRunner:
         rows, mode = self._sampling_rows(group, R, S)
         self.k_pool, self.v_pool, sampled = _paged_step(
             self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments, ctx, ctx_len, write,
-            last, adapters, rows, mode=mode, lora=self.lora, kv_in_place=self.kv_in_place)
+            last, adapters, rows, mode=mode, lora=self.lora, kv_in_place=self.kv_in_place, unroll=self.unroll)
         self.num_calls += 1
         return sampled
 
@@ -284,7 +289,7 @@ class PagedRunner:
         rows, mode = self._sampling_rows(group, R, S)
         self.k_pool, self.v_pool, sampled = multi_step_decode(
             self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, ctx, write, limit, stop, adapters,
-            rows, mode=mode, lora=self.lora, num_steps=K, kv_in_place=self.kv_in_place)
+            rows, mode=mode, lora=self.lora, num_steps=K, kv_in_place=self.kv_in_place, unroll=self.unroll)
         self.num_calls += 1
         self.num_multi_calls += 1
         return sampled

@@ -1,6 +1,6 @@
 """``kv_in_place`` (``Decoder.hidden_states(cache_in_carry=True)``): the cache rides in the layer scan's carry and
 each layer writes its new k/v in place. Same values as the scan-input/output path, and the engine gives the same
-tokens with it (single steps and multi-step decode)."""
+tokens with it (single steps and multi-step decode), and with the layer loop unrolled (``unroll_layers``)."""
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -37,8 +37,10 @@ def test_engine_tokens_unchanged(model):
     rng = np.random.default_rng(1)
     ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6)]
     outs = []
-    for k, in_place in ((1, False), (4, True)):
+    for k, in_place, unroll in ((1, False, False), (4, True, False), (4, True, True)):
         eng = Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
-                     max_model_len=96, buckets=BUCKETS, decode_steps=k, kv_in_place=in_place)
+                     max_model_len=96, buckets=BUCKETS, decode_steps=k, kv_in_place=in_place, unroll_layers=unroll)
         outs.append(eng.generate(ps, 7))
-    assert outs[0] == outs[1]
+        assert eng.runner.num_calls > 0
+    assert outs[0] == outs[1] == outs[2]
+    assert len(outs[0][0]) == 7

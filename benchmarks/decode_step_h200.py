@@ -1,0 +1,209 @@
+"""Where a decode step's time goes: the serving runner's jitted decode calls timed alone (no scheduler, no HTTP).
+
+    python benchmarks/decode_step_h200.py                          # H200: qwen3-0.6b bf16, users 1 and 64
+    python benchmarks/decode_step_h200.py --smoke                  # CPU: debug shape, tiny lengths
+    XLA_FLAGS=... python benchmarks/decode_step_h200.py --tag cmdbuf   # the same under other XLA flags
+
+For each (rows R, variant) it builds the arrays the runner would (a pool holding R contexts of --context tokens,
+block size 16, slots scattered over the pool as after real traffic) and times
+
+  single   ``runner._paged_step``: one token per row per call (K = 1)
+  multi    ``multi_step.multi_step_decode``: --steps tokens per row per call (one host sync per call)
+
+with the layer loop rolled (``unroll=1``) or inlined (``unroll=True``) and ``kv_in_place`` on. Reports ms per
+token step (call time / tokens per row) and the decode tok/s it implies (R / that), then, with --profile, the
+device kernels of one multi-step call by category (jax.profiler): what is GEMM, attention, copies, the rest,
+and how many kernels a token step launches. One JSON line per measurement (`RESULT {...}`), a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from surojax.bench.shapes import model_config  # noqa: E402
+from surojax.models.decoder import Decoder  # noqa: E402
+from surojax.serve.multi_step import multi_step_decode  # noqa: E402
+from surojax.serve.runner import _paged_step  # noqa: E402
+from surojax.serve.sampling import BatchMode  # noqa: E402
+
+CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "wgmma", "cublas")),
+    ("attention / softmax", ("softmax", "reduce", "cudnn", "fmha")),
+    ("copy / gather / scatter", ("copy", "transpose", "memcpy", "memset", "dynamic_update_slice",
+                                 "dynamic_slice", "gather", "scatter")),
+    ("fusion (elementwise)", ("fusion", "loop_", "input_")),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def make_inputs(cfg, R, context, K, block_size, num_blocks, rng):
+    """Arrays of one decode call: each row holds `context` tokens in randomly placed blocks of the pool."""
+    per_row = -(-(context + K) // block_size)
+    perm = rng.permutation(num_blocks)[: R * per_row].reshape(R, per_row)
+    S = -(-(context + K) // 256) * 256
+    ctx = np.zeros((R, S), np.int32)
+    write = np.zeros((R, K), np.int32)
+    for r in range(R):
+        slots = perm[r][np.arange(context + K) // block_size] * block_size + np.arange(context + K) % block_size
+        ctx[r, :context] = slots[:context]
+        write[r] = slots[context:]
+    tokens = rng.integers(1, cfg.vocab_size, R).astype(np.int32)
+    rows = dict(temperature=np.zeros(R, np.float32), top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32),
+                min_p=np.zeros(R, np.float32), seed=np.zeros(R, np.uint32), step=np.full(R, context, np.int32))
+    return tokens, ctx, write, rows
+
+
+def timed(fn, repeats):
+    out = fn()
+    jax.block_until_ready(out)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def profile_call(fn, steps_per_call, label, out_dir):
+    trace_dir = Path("/tmp/surojax-decode-trace") / label
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    jax.block_until_ready(fn())
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        jax.block_until_ready(fn())
+    files = glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True)
+    if not files:
+        return None
+    with gzip.open(files[0], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pids = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, name in pids.items() if "GPU" in name.upper()}
+    by_cat, by_name, n, total, first, last = collections.Counter(), collections.Counter(), 0, 0.0, None, None
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
+            d = float(e["dur"])
+            by_cat[category(e["name"])] += d
+            by_name[e["name"]] += d
+            total += d
+            n += 1
+            ts = float(e["ts"])
+            first = ts if first is None else min(first, ts)
+            last = ts + d if last is None else max(last, ts + d)
+    span = (last - first) if first is not None else 0.0
+    prof = {"kernels_per_token": n / steps_per_call, "busy_ms_per_token": total / 1e3 / steps_per_call,
+            "span_ms_per_token": span / 1e3 / steps_per_call,
+            **{f"{c}_ms_per_token": d / 1e3 / steps_per_call for c, d in by_cat.items()}}
+    print(f"# profile {label}: {n} kernels, busy {total / 1e3:.2f} ms of a {span / 1e3:.2f} ms span "
+          f"({steps_per_call} token steps)")
+    for c, d in by_cat.most_common():
+        print(f"#   {c:26s} {d / 1e3 / steps_per_call:7.3f} ms/token")
+    for name, d in by_name.most_common(8):
+        print(f"#   {d / 1e3 / steps_per_call:7.3f}  {name[:110]}")
+    if out_dir and os.path.getsize(files[0]) < 8 * 2**20:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(files[0], Path(out_dir) / f"decode-{label}.json.gz")
+    return prof
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--rows", default="1,64", help="comma list of decode batch sizes R")
+    p.add_argument("--context", type=int, default=576, help="tokens already in each row's cache")
+    p.add_argument("--steps", type=int, default=8, help="tokens per multi-step call")
+    p.add_argument("--variants", default="single-rolled,single-unrolled,multi-rolled,multi-unrolled")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="kernel breakdown of the multi-step variants")
+    p.add_argument("--tag", default="", help="a label for this process's XLA flags, printed in every row")
+    p.add_argument("--out", default=os.environ.get("OUT", ""))
+    p.add_argument("--smoke", action="store_true", help="CPU: debug shape, tiny lengths")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.shape, a.rows, a.context, a.steps, a.repeats = "debug", "1,4", 40, 4, 1
+    cfg = model_config(a.shape)
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    bs = 16
+    rows_list = [int(r) for r in a.rows.split(",")]
+    K = a.steps
+    num_blocks = max(rows_list) * (-(-(a.context + K) // bs)) + 8
+    shape = (cfg.num_layers, num_blocks * bs, cfg.num_kv_heads, cfg.head_dim)
+    pools = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    greedy = BatchMode(sample=False, penalties=False, logprobs=False)
+    print(f"# {a.shape} {jnp.dtype(dtype).name} on {jax.devices()[0].device_kind}; context {a.context}, "
+          f"K {K}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    results = []
+    for R in rows_list:
+        tokens, ctx, write, rows = make_inputs(cfg, R, a.context, K, bs, num_blocks, np.random.default_rng(R))
+        start = np.full(R, a.context, np.int32)
+        for variant in a.variants.split(","):
+            kind, loop = variant.split("-")
+            unroll = True if loop == "unrolled" else 1
+            if kind == "single":
+                n = 1
+                pos = np.full((R, 1), a.context, np.int32)
+
+                def fn(unroll=unroll, tokens=tokens, ctx=ctx, write=write, rows=rows, pos=pos, start=start):
+                    k, v, out = _paged_step(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
+                                            np.ones((R, 1), np.int32), ctx, start, write[:, :1],
+                                            np.zeros(R, np.int32), np.zeros(R, np.int32), rows, mode=greedy,
+                                            lora=False, kv_in_place=True, unroll=unroll)
+                    pools["k"], pools["v"] = k, v
+                    return out["ids"]
+            else:
+                n = K
+
+                def fn(unroll=unroll, tokens=tokens, ctx=ctx, write=write, rows=rows, start=start):
+                    k, v, out = multi_step_decode(graphdef, state, pools["k"], pools["v"], tokens, start, ctx, write,
+                                                  np.full(R, K, np.int32), np.full((R, 1), -1, np.int32),
+                                                  np.zeros(R, np.int32), rows, mode=greedy, lora=False,
+                                                  num_steps=K, kv_in_place=True, unroll=unroll)
+                    pools["k"], pools["v"] = k, v
+                    return out["ids"]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            compile_s = time.perf_counter() - t0
+            best, ids = timed(fn, a.repeats)
+            ms = 1e3 * best / n
+            r = {"tag": a.tag, "rows": R, "variant": variant, "ms_per_token_step": ms, "decode_tok_s": R / ms * 1e3,
+                 "compile_s": compile_s, "context": a.context, "steps_per_call": n}
+            if a.profile and kind == "multi":
+                r.update(profile_call(fn, n, f"{a.tag or 'default'}-R{R}-{variant}", a.out) or {})
+            results.append(r)
+            print("RESULT " + json.dumps(r), flush=True)
+    print(f"\n| tag | R | variant | ms / token step | decode tok/s | compile s | kernels / token | busy ms / token |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['tag'] or 'default'} | {r['rows']} | {r['variant']} | {r['ms_per_token_step']:.3f} | "
+              f"{r['decode_tok_s']:,.0f} | {r['compile_s']:.1f} | {r.get('kernels_per_token', float('nan')):.0f} | "
+              f"{r.get('busy_ms_per_token', float('nan')):.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
