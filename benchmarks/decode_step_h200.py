@@ -196,7 +196,7 @@ def main(argv=None):
                 r.update(profile_call(fn, n, f"{a.tag or 'default'}-R{R}-{variant}", a.out) or {})
             results.append(r)
             print("RESULT " + json.dumps(r), flush=True)
-    print(f"\n| tag | R | variant | ms / token step | decode tok/s | compile s | kernels / token | busy ms / token |")
+    print("\n| tag | R | variant | ms / token step | decode tok/s | compile s | kernels / token | busy ms / token |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['tag'] or 'default'} | {r['rows']} | {r['variant']} | {r['ms_per_token_step']:.3f} | "
