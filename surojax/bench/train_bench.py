@@ -78,11 +78,17 @@ class BenchConfig:
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.quant is not None:
-            from surojax.bench.quant_base import RANDOM_FORMATS
+        if self.base_format is not None:
+            from surojax.bench.quant_base import GGUF_LEGACY_FORMATS
 
-            if self.quant not in RANDOM_FORMATS:
-                raise ValueError(f"--quant {self.quant!r}: expected one of {', '.join(RANDOM_FORMATS)}")
+            if self.base_format not in GGUF_LEGACY_FORMATS:
+                raise ValueError(f"--base-format {self.base_format!r}: expected one of "
+                                 f"{', '.join(GGUF_LEGACY_FORMATS)}")
+        if self.quant is not None:
+            from surojax.bench.quant_base import KERNEL_FORMATS
+
+            if self.quant not in KERNEL_FORMATS:
+                raise ValueError(f"--quant {self.quant!r}: expected one of {', '.join(KERNEL_FORMATS)}")
             if self.mode != "lora":
                 raise ValueError("--quant trains LoRA over a quantised frozen base: use --mode lora")
         if self.optimizer not in ("adamw", "adamw_8bit"):
@@ -181,14 +187,24 @@ class Setup:
     chunk: int
 
 
-def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
-    """Model + optimizer state + the jitted step, exactly as the Trainer builds them (one device)."""
+def build(bc: BenchConfig, *, device=None) -> Setup:
+    """Model + optimizer state + the jitted step, exactly as the Trainer builds them (one device).
+
+    One model recipe, `make_model` (the trainer's `build_model`, then a random quantised base swapped in for
+    `--quant` / `--base-format`), and one of two ways to give it values, which must differ for models larger
+    than the device:
+        on the device  `init_sharded` runs `make_model` inside one jit: the weights are computed on the device
+                       and the bf16 kernels a quantised base replaces are dead code, never materialised
+        on the host    (`--init host`, forced by `--offload-base` / `--base-format`) `random_placed_model` traces
+                       `make_model` abstractly and fills every leaf with numpy values put straight where it lives
+                       (the streamed base in pinned host memory: the device never holds it whole)
+    """
     import jax
     from flax import nnx
 
     from surojax.losses.lm import lm_loss
     from surojax.offload.remat import layer_loop
-    from surojax.parallel import init_sharded, make_mesh, shard_model
+    from surojax.parallel import init_sharded, make_mesh
     from surojax.train.model_setup import build_model, trainable_filter
     from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
     from surojax.train.step import make_train_step
@@ -196,23 +212,22 @@ def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
     cfg = train_namespace(bc)
     device = device or jax.devices()[0]
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
+    base_format = bc.quant or bc.base_format  # check() allows at most one of them
+
     def make_model():
         model = build_model(cfg)
-        if bc.quant:  # inside init_sharded's jit the replaced bf16 kernels are dead code: never materialised
+        if base_format:
             from surojax.bench.quant_base import randomize_base
 
-            randomize_base(model, bc.quant, jax.random.key(bc.seed + 1000))
+            randomize_base(model, base_format, jax.random.key(bc.seed + 1000))
         return model
 
-    if bc.offload_base or bc.base_format or bc.init == "host":  # models larger than the device
+    if bc.init == "host" or bc.offload_base or bc.base_format:
         from surojax.offload.host_init import random_placed_model
 
-        model = random_placed_model(lambda: build_model(cfg), mesh, offload_base=bc.offload_base,
-                                    base_format=bc.base_format, seed=bc.seed)
-    elif jit_init:
-        model = init_sharded(make_model, mesh)
+        model = random_placed_model(make_model, mesh, offload_base=bc.offload_base, seed=bc.seed)
     else:
-        model = shard_model(make_model(), mesh)
+        model = init_sharded(make_model, mesh)
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
     model_cfg = model.cfg
 
