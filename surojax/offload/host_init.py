@@ -24,7 +24,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from surojax.offload.streaming import _on_host, host_memory_kind
+from surojax.offload.streaming import _on_host, build_context, host_memory_kind
 
 
 def _random_layer(rng: np.random.Generator, shape, dtype) -> np.ndarray:
@@ -65,7 +65,7 @@ def random_quant_value(abstract, seed: int, index: int):
     built by `quant_base.random_weight` on the CPU backend (key `fold_in(key(seed), index)`), repeated over the
     leading layers axis; numpy leaves."""
     k, n = abstract.shape
-    with jax.default_device(jax.devices("cpu")[0]):
+    with build_context(offload_base=True):  # the CPU backend (the default device when there is none)
         one = _one_random_layer(abstract.name, k, n)(jax.random.fold_in(jax.random.key(seed), index))
     return jax.tree.map(lambda layer, x: np.ascontiguousarray(np.broadcast_to(np.asarray(layer), x.shape)),
                         one, abstract)
