@@ -3,7 +3,8 @@
 Same code path as `surojax sft` (surojax/train/trainer.py), minus data loading and checkpoints:
     model      `build_model` (model_setup.py) on a config namespace with from_scratch weights of the real
                shape, LoRA through `init_lora` on all 7 targets; built inside one jit (`init_sharded`) on a
-               one-device mesh, so an 8B model is initialised on the GPU, not the host
+               one-device mesh, so an 8B model is initialised on the GPU, not the host (`--init host`: random
+               values built on the host and placed, for models larger than the device; see `build`)
     precision  the trainer's recipes (`precision_for`): bf16 = bf16 compute; LoRA base bf16 + fp32 adapters;
                full fine-tune fp32 master weights
     step       `make_train_step(graphdef, lm_loss, adamw)` with the trainer's chunk size, remat policy
