@@ -32,7 +32,7 @@ Per step this moves 2 x 4 bytes per layer parameter more over the host link (~56
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,29 @@ def _to(space, tree):
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
+def _layer_update(inner, g_l, p_l, s_l, m_l, *, offload: bool):
+    """One layer's update: (what `update` returns for the layer, its new state, its new master). With a master
+    (m_l not None) the update runs in fp32 against the master and the first output is the layer's new compute copy
+    (cast to p_l's dtype); else it is the update (delta) of p_l. Host-resident state / master slices are fetched to
+    the device here and their new values sent back to host memory."""
+    if offload:
+        s_l = _to(jax.memory.Space.Device, s_l)
+    if m_l is not None:
+        m_l = _to(jax.memory.Space.Device, m_l)
+        u_l, s_l = inner.update(g_l, s_l, m_l)
+        # the update materialised (rounded to fp32) before it is added, as when apply_updates runs after
+        # the loop: without the barrier XLA fuses the add into the update and the master drifts by an ulp
+        u_l = jax.lax.optimization_barrier(u_l)
+        m_l = optax.apply_updates(m_l, u_l)
+        out_l = jax.tree.map(lambda m, p: m.astype(p.dtype), m_l, p_l)
+        m_l = _to(jax.memory.Space.Host, m_l)
+    else:
+        out_l, s_l = inner.update(g_l, s_l, p_l)
+    if offload:
+        s_l = _to(jax.memory.Space.Host, s_l)
+    return out_l, s_l, m_l
+
+
 def layerwise(inner: optax.GradientTransformation, *, offload: bool, master: bool = False
               ) -> optax.GradientTransformation:
     """`inner` applied to the stacked layers one layer at a time under lax.scan (their state in host memory when
@@ -97,21 +120,7 @@ def layerwise(inner: optax.GradientTransformation, *, offload: bool, master: boo
 
         def body(carry, xs):
             g_l, p_l, s_l, m_l = xs
-            if offload:
-                s_l = _to(jax.memory.Space.Device, s_l)
-            if master:  # update the fp32 master; the output is layer l's new compute copy
-                m_l = _to(jax.memory.Space.Device, m_l)
-                u_l, s_l = inner.update(g_l, s_l, m_l)
-                # the update materialised (rounded to fp32) before it is added, as when apply_updates runs after
-                # the loop: without the barrier XLA fuses the add into the update and the master drifts by an ulp
-                u_l = jax.lax.optimization_barrier(u_l)
-                m_l = optax.apply_updates(m_l, u_l)
-                out_l = jax.tree.map(lambda m, p: m.astype(p.dtype), m_l, p_l)
-                m_l = _to(jax.memory.Space.Host, m_l)
-            else:
-                out_l, s_l = inner.update(g_l, s_l, p_l)
-            if offload:
-                s_l = _to(jax.memory.Space.Host, s_l)
+            out_l, s_l, m_l = _layer_update(inner, g_l, p_l, s_l, m_l, offload=offload)
             return carry, (out_l, s_l, m_l)
 
         xs = (g_layers, p_layers, state.layers, state.master)
@@ -119,6 +128,72 @@ def layerwise(inner: optax.GradientTransformation, *, offload: bool, master: boo
         return _join(out_layers, u_rest, updates), state_cls(s_layers, s_rest, m_layers)
 
     return optax.GradientTransformation(init, update)
+
+
+class LayerwiseOptimizer(NamedTuple):
+    """optax.chain(clip_by_global_norm(max_grad_norm), layerwise(inner, ...)) (`init` / `update` are the chain's,
+    its state too) plus `update_and_apply`, the train step's in-place form of the same update (see `in_place`)."""
+
+    init: Callable
+    update: Callable
+    update_and_apply: Callable
+
+
+def clipped_layerwise(inner: optax.GradientTransformation, *, offload: bool, master: bool = False,
+                      max_grad_norm: float | None = None) -> LayerwiseOptimizer:
+    """The offload optimizer the trainer builds: clip by the global norm, then `layerwise(inner)`."""
+    parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    chain = optax.chain(*parts, layerwise(inner, offload=offload, master=master))
+    return LayerwiseOptimizer(chain.init, chain.update,
+                              in_place(inner, offload=offload, max_grad_norm=max_grad_norm))
+
+
+def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_norm: float | None):
+    """`update_and_apply(grad_sums, denom, opt_state, params) -> (new params, new opt_state, grad norm)`: the
+    update of `clipped_layerwise` (gradients grad_sums / denom), applied to the params, one layer at a time.
+
+    Same math, element for element, as `grads = grad_sums / denom; chain.update; apply_updates` (the train step
+    without it), but nothing of the size of all layers is created beside the accumulated gradients: the division
+    and the clip run on layer l's gradient slice inside the loop, and the loop writes layer l's new params, state
+    and master into the arrays it carries (dynamic_update_slice: in place in the donated buffers, the host ones
+    included). The whole-tree form materialises grads / denom, the clipped grads and the stacked updates (3 x fp32
+    per layer parameter on the device) and builds the new state in a second host buffer."""
+
+    def update_and_apply(grad_sums, denom, opt_state, params):
+        lw = opt_state[-1]
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g / denom, grad_sums))
+
+        def grad(g):  # clip_by_global_norm(g / denom), as optax computes it
+            g = g / denom
+            if not max_grad_norm:
+                return g
+            return jax.lax.select(grad_norm < max_grad_norm, g, (g / grad_norm.astype(g.dtype)) * max_grad_norm)
+
+        g_layers, g_rest = _split(grad_sums)
+        p_layers, p_rest = _split(params)
+        u_rest, s_rest = inner.update(jax.tree.map(grad, g_rest), lw.rest, p_rest)
+        new_rest = optax.apply_updates(p_rest, u_rest)
+        n_layers = jax.tree.leaves(g_layers)[0].shape[0]
+        at = lambda tree, l: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, l, 0, keepdims=False), tree)  # noqa: E731
+        put = lambda tree, new, l: jax.tree.map(  # noqa: E731
+            lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, l, 0), tree, new)
+
+        def body(l, carry):
+            p, s, m = carry
+            # the slices read (copied out) before anything is written back: else XLA may fuse a read of the old
+            # slice into a kernel it schedules after the in-place write, and copies the whole carried array first
+            p_l, s_l, m_l = jax.lax.optimization_barrier((at(p, l), at(s, l), None if m is None else at(m, l)))
+            g_l = jax.tree.map(grad, at(g_layers, l))
+            out_l, s_l, m_l = _layer_update(inner, g_l, p_l, s_l, m_l, offload=offload)
+            if m is None:  # out_l is the update: materialised (as the stacked updates were) before it is added
+                out_l = optax.apply_updates(p_l, jax.lax.optimization_barrier(out_l))
+            return put(p, out_l, l), put(s, s_l, l), None if m is None else put(m, m_l, l)
+
+        p_layers, s_layers, m_layers = jax.lax.fori_loop(0, n_layers, body, (p_layers, lw.layers, lw.master))
+        new_lw = type(lw)(s_layers, s_rest, m_layers)
+        return _join(p_layers, new_rest, params), (*opt_state[:-1], new_lw), grad_norm
+
+    return update_and_apply
 
 
 def apply_master_updates(params, updates):

@@ -67,20 +67,17 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
     per-layer loop; the params then hold the layers' compute copy (apply with `apply_master_updates`)."""
     if name not in ("adamw", "adamw_8bit"):
         raise ValueError(f"optimizer {name!r} is not available yet (adamw, adamw_8bit)")
-    parts = []
-    if max_grad_norm:
-        parts.append(optax.clip_by_global_norm(max_grad_norm))
     if name == "adamw_8bit":  # moments blockwise-quantised to 8 bits (surojax/train/optim_8bit.py)
         from surojax.train.optim_8bit import adamw_8bit
 
-        parts.append(adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
+        inner = adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     else:
-        parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask))
-    if offload_state or offload_master:
-        from surojax.offload.optimizer import layerwise
+        inner = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    if offload_state or offload_master:  # the chain below, plus its in-place per-layer step update
+        from surojax.offload.optimizer import clipped_layerwise
 
-        parts[-1] = layerwise(parts[-1], offload=offload_state, master=offload_master)
-    return optax.chain(*parts)
+        return clipped_layerwise(inner, offload=offload_state, master=offload_master, max_grad_norm=max_grad_norm)
+    return optax.chain(*([optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []), inner)
 
 
 def init_opt_state(optimizer, trainable, mesh):

@@ -25,6 +25,8 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     `prepare(model, key)`, when given, runs on the merged model before each micro-batch's forward pass with
     a key distinct per step and micro-batch (LoRA dropout keys).
     `apply_updates(params, updates)`: offload_master passes surojax.offload.optimizer.apply_master_updates.
+    An optimizer with `update_and_apply` (offload_optimizer / offload_master: surojax/offload/optimizer.py) is
+    given the gradient sums and their divisor and returns the new params itself (one layer at a time, in place).
     """
 
     def step(trainable, frozen, opt_state, batch, rng):
@@ -47,10 +49,13 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         (grads, loss_sum, count), _ = jax.lax.scan(micro, init, (batch, jnp.arange(n_micro)))
         denom = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        trainable = apply_updates(trainable, updates)
+        if hasattr(optimizer, "update_and_apply"):  # offload: divided, clipped and applied per layer, in place
+            trainable, opt_state, grad_norm = optimizer.update_and_apply(grads, denom, opt_state, trainable)
+        else:
+            grads = jax.tree.map(lambda g: g / denom, grads)
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = optimizer.update(grads, opt_state, trainable)
+            trainable = apply_updates(trainable, updates)
         return trainable, opt_state, {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
 
     if not jit:
