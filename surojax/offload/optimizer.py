@@ -75,27 +75,31 @@ def _to(space, tree):
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
 
 
-def _layer_update(inner, g_l, p_l, s_l, m_l, *, offload: bool):
-    """One layer's update: (what `update` returns for the layer, its new state, its new master). With a master
-    (m_l not None) the update runs in fp32 against the master and the first output is the layer's new compute copy
-    (cast to p_l's dtype); else it is the update (delta) of p_l. Host-resident state / master slices are fetched to
-    the device here and their new values sent back to host memory."""
-    if offload:
-        s_l = _to(jax.memory.Space.Device, s_l)
-    if m_l is not None:
-        m_l = _to(jax.memory.Space.Device, m_l)
-        u_l, s_l = inner.update(g_l, s_l, m_l)
-        # the update materialised (rounded to fp32) before it is added, as when apply_updates runs after
-        # the loop: without the barrier XLA fuses the add into the update and the master drifts by an ulp
-        u_l = jax.lax.optimization_barrier(u_l)
-        m_l = optax.apply_updates(m_l, u_l)
-        out_l = jax.tree.map(lambda m, p: m.astype(p.dtype), m_l, p_l)
-        m_l = _to(jax.memory.Space.Host, m_l)
-    else:
+def _fetch(s_l, m_l, *, offload: bool):
+    """Layer l's state slice (when offloaded) and master slice (always host) copied to the device."""
+    return (_to(jax.memory.Space.Device, s_l) if offload else s_l,
+            None if m_l is None else _to(jax.memory.Space.Device, m_l))
+
+
+def _send(s_l, m_l, *, offload: bool):
+    """The new state / master slices sent back to host memory (where they live)."""
+    return (_to(jax.memory.Space.Host, s_l) if offload else s_l,
+            None if m_l is None else _to(jax.memory.Space.Host, m_l))
+
+
+def _layer_update(inner, g_l, p_l, s_l, m_l):
+    """One layer's update on the device: (what `update` returns for the layer, its new state, its new master).
+    With a master (m_l not None) the update runs in fp32 against the master and the first output is the layer's
+    new compute copy (cast to p_l's dtype); else it is the update (delta) of p_l."""
+    if m_l is None:
         out_l, s_l = inner.update(g_l, s_l, p_l)
-    if offload:
-        s_l = _to(jax.memory.Space.Host, s_l)
-    return out_l, s_l, m_l
+        return out_l, s_l, None
+    u_l, s_l = inner.update(g_l, s_l, m_l)
+    # the update materialised (rounded to fp32) before it is added, as when apply_updates runs after
+    # the loop: without the barrier XLA fuses the add into the update and the master drifts by an ulp
+    u_l = jax.lax.optimization_barrier(u_l)
+    m_l = optax.apply_updates(m_l, u_l)
+    return jax.tree.map(lambda m, p: m.astype(p.dtype), m_l, p_l), s_l, m_l
 
 
 def layerwise(inner: optax.GradientTransformation, *, offload: bool, master: bool = False
@@ -120,8 +124,8 @@ def layerwise(inner: optax.GradientTransformation, *, offload: bool, master: boo
 
         def body(carry, xs):
             g_l, p_l, s_l, m_l = xs
-            out_l, s_l, m_l = _layer_update(inner, g_l, p_l, s_l, m_l, offload=offload)
-            return carry, (out_l, s_l, m_l)
+            out_l, s_l, m_l = _layer_update(inner, g_l, p_l, *_fetch(s_l, m_l, offload=offload))
+            return carry, (out_l, *_send(s_l, m_l, offload=offload))
 
         xs = (g_layers, p_layers, state.layers, state.master)
         _, (out_layers, s_layers, m_layers) = jax.lax.scan(body, None, xs)
@@ -161,10 +165,11 @@ def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_nor
 
     def update_and_apply(grad_sums, denom, opt_state, params):
         lw = opt_state[-1]
-        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g / denom, grad_sums))
+        scaled = lambda g: g.astype(jnp.float32) / denom  # noqa: E731 - a single micro-batch's grads may be bf16
+        grad_norm = optax.tree.norm(jax.tree.map(scaled, grad_sums))
 
         def grad(g):  # clip_by_global_norm(g / denom), as optax computes it
-            g = g / denom
+            g = scaled(g)
             if not max_grad_norm:
                 return g
             return jax.lax.select(grad_norm < max_grad_norm, g, (g / grad_norm.astype(g.dtype)) * max_grad_norm)
@@ -180,13 +185,16 @@ def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_nor
 
         def body(l, carry):
             p, s, m = carry
-            # the slices read (copied out) before anything is written back: else XLA may fuse a read of the old
-            # slice into a kernel it schedules after the in-place write, and copies the whole carried array first
-            p_l, s_l, m_l = jax.lax.optimization_barrier((at(p, l), at(s, l), None if m is None else at(m, l)))
+            s_l, m_l = _fetch(at(s, l), None if m is None else at(m, l), offload=offload)
+            # the slices read (copied out, to the device) before anything is written back: else XLA may fuse a read
+            # of the old slice into a kernel it schedules after the in-place write, and copy the whole carried
+            # array first. (After the fetch: a host slice must go straight to its copy to the device.)
+            p_l, s_l, m_l = jax.lax.optimization_barrier((at(p, l), s_l, m_l))
             g_l = jax.tree.map(grad, at(g_layers, l))
-            out_l, s_l, m_l = _layer_update(inner, g_l, p_l, s_l, m_l, offload=offload)
+            out_l, s_l, m_l = _layer_update(inner, g_l, p_l, s_l, m_l)
             if m is None:  # out_l is the update: materialised (as the stacked updates were) before it is added
                 out_l = optax.apply_updates(p_l, jax.lax.optimization_barrier(out_l))
+            s_l, m_l = _send(s_l, m_l, offload=offload)
             return put(p, out_l, l), put(s, s_l, l), None if m is None else put(m, m_l, l)
 
         p_layers, s_layers, m_layers = jax.lax.fori_loop(0, n_layers, body, (p_layers, lw.layers, lw.master))

@@ -30,10 +30,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     """
 
     def step(trainable, frozen, opt_state, batch, rng):
-        def micro(carry, xs):
-            g_acc, loss_acc, n_acc = carry
-            mb, index = xs
-
+        def grads_of(mb, index):
             def f(tr):
                 model = nnx.merge(graphdef, tr, frozen, copy=True)  # fresh Variables: prepare() may set them
                 if prepare is not None:
@@ -41,16 +38,28 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
                 return loss_fn(model, mb, remat=remat)
 
             (loss_sum, aux), g = jax.value_and_grad(f, has_aux=True)(trainable)
-            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-            return (g_acc, loss_acc + loss_sum, n_acc + aux["tokens"]), None
+            return g, loss_sum, aux["tokens"]
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
-        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        def micro(carry, xs):
+            g_acc, loss_acc, n_acc = carry
+            g, loss_sum, tokens = grads_of(*xs)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            return (g_acc, loss_acc + loss_sum, n_acc + tokens), None
+
         n_micro = jax.tree.leaves(batch)[0].shape[0]
-        (grads, loss_sum, count), _ = jax.lax.scan(micro, init, (batch, jnp.arange(n_micro)))
+        zero = jnp.zeros((), jnp.float32)
+        in_place = getattr(optimizer, "update_and_apply", None)
+        if in_place is not None and n_micro == 1:
+            # one micro-batch: its gradients as they are (bf16 with offload_master, no fp32 copy of them all beside
+            # them); the in-place update converts them layer by layer (the same fp32 values as the accumulator's)
+            grads, loss_sum, tokens = grads_of(jax.tree.map(lambda x: x[0], batch), 0)
+            loss_sum, count = zero + loss_sum, zero + tokens
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
+            (grads, loss_sum, count), _ = jax.lax.scan(micro, (zeros, zero, zero), (batch, jnp.arange(n_micro)))
         denom = jnp.maximum(count, 1.0)
-        if hasattr(optimizer, "update_and_apply"):  # offload: divided, clipped and applied per layer, in place
-            trainable, opt_state, grad_norm = optimizer.update_and_apply(grads, denom, opt_state, trainable)
+        if in_place is not None:  # offload: divided, clipped and applied per layer, in place
+            trainable, opt_state, grad_norm = in_place(grads, denom, opt_state, trainable)
         else:
             grads = jax.tree.map(lambda g: g / denom, grads)
             grad_norm = optax.tree.norm(grads)
