@@ -30,7 +30,11 @@ chunks at batch 1; the memory plan estimates 4.0 GiB for llama8b-streamed):
     qwen8b-full-adamw8bit Qwen3-8B shapes, FULL fine-tuning, fp32 master weights, adamw_8bit moments, resident
     qwen8b-full-offload-opt-master  Qwen3-8B shapes, FULL fine-tuning, AdamW state AND fp32 master weights of the
                           layers in pinned host memory (~78 GiB), the device training their bf16 copy; the memory
-                          plan estimates 85 GiB peak (qwen8b-full-offload-opt: 110 GiB; all resident: 159 GiB)
+                          plan estimates 57 GiB peak (qwen8b-full-offload-opt: 82 GiB; all resident: 159 GiB).
+                          Both update in place, one layer at a time (surojax/offload/optimizer.py `in_place`; XLA's
+                          CPU buffer assignment of the same program scaled from 4 and 8 layers: 58 / 84 GiB, of
+                          which ~10 GiB is a CPU-only broadcast; before: 160 / 177 GiB and a second 51.75 GiB host
+                          buffer for the new moments). `python -m surojax.bench.step_memory` prints those figures
 Correctness: a streamed run and its resident pair start from the same host-built weights. Their first-step losses
 must be EQUAL; later losses are reported (measured 2026-11-29: equal first loss, 4th-digit drift after 5 steps,
 where autotuning may pick different GEMM algorithms for the two compiled programs). The `exact-*` pair runs with
@@ -218,6 +222,8 @@ def main() -> int:
                               f"MISMATCH first loss {rec['loss_first']!r} vs {pair['loss_first']!r}")
                              + ("; last equal" if last_equal else f"; last differs by {drift:.1e} (rel)"))
             failed |= not ok
+        if rec.get("config", {}).get("offload_optimizer") or rec.get("config", {}).get("offload_master"):
+            notes.append(f"plan {fmt(rec.get('plan_gib'), '.1f')} GiB")  # the memory plan's estimate of the peak
         for key, limit in TARGETS.get(name, {}).items():
             value = ratio if key == "ratio" else rec.get(key)
             if value is not None and not args.smoke:

@@ -127,7 +127,7 @@ def train_namespace(bc: BenchConfig) -> SimpleNamespace:
         cooldown_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
         gradient_accumulation_steps=bc.accum, offload_base_weights=bc.offload_base,
-        offload_prefetch=bc.prefetch,
+        offload_prefetch=bc.prefetch, offload_optimizer=bc.offload_optimizer, offload_master=bc.offload_master,
     )
 
 
@@ -186,6 +186,7 @@ class Setup:
     optimizer: object
     step: object
     chunk: int
+    plan: object = None  # the memory plan (estimate)
 
 
 def build(bc: BenchConfig, *, device=None) -> Setup:
@@ -213,6 +214,11 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
     cfg = train_namespace(bc)
     device = device or jax.devices()[0]
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
+    plan = memory_plan(bc)
+    if bc.mode == "full":  # as the Trainer: refuse before anything is built or compiled when it cannot fit
+        from surojax.offload.memory_plan import check_fits, device_capacity
+
+        check_fits(plan, device_capacity(), offload_available=("offload_optimizer", "offload_master"))
     base_format = bc.quant or bc.base_format  # check() allows at most one of them
 
     def make_model():
@@ -253,7 +259,16 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
 
     step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch),
                            **apply)
-    return Setup(cfg, model_cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk)
+    return Setup(cfg, model_cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk, plan)
+
+
+def memory_plan(bc: BenchConfig):
+    """The Trainer's memory plan (surojax/offload/memory_plan.py) of this configuration."""
+    from surojax.bench.shapes import model_config
+    from surojax.offload.memory_plan import plan_for_config
+
+    cfg = train_namespace(bc)
+    return plan_for_config(cfg, model_config(bc.shape), rows=bc.batch, lm_chunk_tokens=lm_chunk(cfg, bc.batch))
 
 
 def place_batch(setup: Setup, batch: dict) -> dict:
@@ -358,6 +373,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         "step_ms_repeats": [t * 1e3 for t in times],
         "peak_gib": _peak_gib(device),
         "init_peak_gib": init_peak,
+        "plan_gib": setup.plan.total / 2**30 if setup.plan is not None else None,
         "host_gib": (_host_bytes(setup.frozen) + _host_bytes(opt_state)) / 2**30,
         "mfu": fl["total"] / step_s / PEAK_BF16_FLOPS,
         "model_tflops_per_s": fl["total"] / step_s / 1e12,

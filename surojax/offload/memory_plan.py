@@ -16,7 +16,12 @@
     adapters     LoRA A and B of every target of every layer (`lora_dtype`, fp32)
     gradients    the fp32 accumulation buffer of the trainable params (`make_train_step`'s g_acc) plus the
                  micro-batch's gradient in the trainable dtype (the compute dtype for layers under
-                 `offload_master`), both live at the accumulate
+                 `offload_master`), both live at the accumulate. Full fine-tuning with `offload_optimizer` /
+                 `offload_master` updates in place, one layer at a time (offload/optimizer.py `in_place`): the
+                 accumulator only when `accum` > 1 (one micro-batch's gradients are used as they are), plus one
+                 fp32 copy of the params outside the layers (their whole-tree update: embedding, head);
+                 checked against XLA's compiled buffer assignment (surojax/bench/step_memory.py, Qwen3-8B at 4
+                 and 8 layers scaled to 36: tests/offload/test_in_place_update.py)
     host         (not a device component, not in the total) pinned host memory this plan puts there: the
                  layers' fp32 master (`offload_master`) and optimizer state (`offload_optimizer`)
     optimizer    AdamW: 2 fp32 moments per trainable param (adamw_8bit: 2 bytes, normuon: 4); with
@@ -132,14 +137,14 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                 batch: int, seq: int, recompute: str = "full", lm_chunk_tokens: int = 4096,
                 optimizer: str = "adamw", offload_base: bool = False, offload_optimizer: bool = False,
                 offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32",
-                prefetch: bool = False) -> MemoryPlan:
+                prefetch: bool = False, accum: int = 1) -> MemoryPlan:
     """Peak device memory of one training step, by component (bytes; see the module docstring)."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
                     lm_chunk_tokens=lm_chunk_tokens, optimizer=optimizer, offload_base=offload_base,
                     offload_optimizer=offload_optimizer, offload_master=offload_master, master_dtype=master_dtype,
-                    lora_dtype=lora_dtype, prefetch=prefetch)
+                    lora_dtype=lora_dtype, prefetch=prefetch, accum=accum)
     cfg = model_cfg
     fp32 = recipe == "fp32"
     c = 4 if fp32 else 2
@@ -183,7 +188,10 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
             if wb != c:
                 kept_layers = 1 if recompute == "full" else L
                 cast = (kept_layers * layer_params + V * D) * c
-    gradients = trainable * 4 + grad_bytes
+    if not lora and (offload_optimizer or offload_master):  # the in-place per-layer update
+        gradients = (trainable * 4 if accum > 1 else 0) + grad_bytes + embed_params * 4
+    else:
+        gradients = trainable * 4 + grad_bytes
     opt_b = _OPT_BYTES.get(optimizer, 8)
     host = L * layer_params * 4 if (offload_master and not lora) else 0
     if offload_optimizer:  # two layers' state in flight; the embedding / head / final norm state stays
@@ -320,4 +328,5 @@ def plan_for_config(cfg, model_cfg, *, rows: int, lm_chunk_tokens: int) -> Memor
                        lm_chunk_tokens=lm_chunk_tokens, optimizer=cfg.optimizer,
                        offload_base=cfg.offload_base_weights, offload_optimizer=cfg.offload_optimizer,
                        offload_master=cfg.offload_master, master_dtype=cfg.master_dtype, lora_dtype=cfg.lora_dtype,
-                       prefetch=getattr(cfg, "offload_prefetch", False))
+                       prefetch=getattr(cfg, "offload_prefetch", False),
+                       accum=getattr(cfg, "gradient_accumulation_steps", 1) or 1)

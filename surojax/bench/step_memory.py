@@ -1,0 +1,148 @@
+"""The memory of `surojax bench train`'s step as XLA compiles it, without building anything (issue 6).
+
+    step_memory(BenchConfig(shape="qwen3-8b", mode="full", offload_optimizer=True, ...), layers=4)
+        -> {"device_argument": ..., "host_argument": ..., "temp": ..., "device_peak": ..., ...}   (bytes)
+
+The model is traced with nnx.eval_shape, the optimizer state with jax.eval_shape; every argument of the jitted
+step (train_bench.build's own `make_train_step`, donated as there) becomes a jax.ShapeDtypeStruct carrying its
+sharding and memory kind (the layers' optimizer state / master in pinned_host as `init_opt_state` places them,
+the offload_master compute copy bf16). `.lower(...).compile().memory_analysis()` then gives XLA's buffer
+assignment of the real program: arguments, outputs not aliased to a donated argument, and temporaries.
+
+`layers` reduces the depth (8B widths at 2-8 layers compile in seconds on a CPU); per-layer figures scale by L.
+On the CPU backend the host memory space is ordinary memory, so `temp` counts host temporaries too (XLA's CPU
+compiler reports no separate host figures) and a few of its fusions differ from the GPU's: it is a check of
+the program's structure (what grows with L) and an estimate, the H200 run is the measurement.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 2 ** 30
+
+
+def abstract_step_args(bc, *, layers: int | None = None):
+    """(step, args): train_bench's jitted step and ShapeDtypeStructs of (trainable, frozen, opt_state, batch, key)
+    for BenchConfig `bc` (mode full; `layers` overrides the depth)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from surojax.bench.shapes import shape_hf_config
+    from surojax.bench.train_bench import lm_chunk, train_namespace
+    from surojax.losses.lm import lm_loss
+    from surojax.offload.optimizer import apply_master_updates, has_layerwise_state, host_state_shardings
+    from surojax.offload.remat import layer_loop
+    from surojax.parallel import make_mesh, param_shardings
+    from surojax.train.model_setup import DTYPES, build_model, trainable_filter
+    from surojax.train.optim import build_optimizer, lr_schedule
+    from surojax.train.step import make_train_step
+
+    if bc.mode != "full":
+        raise ValueError("step_memory: --mode full only (LoRA's streamed base is measured on the device)")
+    bc.check()
+    cfg = train_namespace(bc)
+    if layers is not None:
+        cfg.model_config_overrides = dict(shape_hf_config(bc.shape), num_hidden_layers=layers)
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
+    schedule = lr_schedule("constant", cfg.learning_rate, 10**6)
+    optimizer = build_optimizer(cfg.optimizer, schedule, weight_decay=cfg.weight_decay, b1=cfg.adam_beta1,
+                                b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm,
+                                offload_state=bc.offload_optimizer, offload_master=bc.offload_master)
+    replicated = NamedSharding(mesh, P())
+    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    param_sh = param_shardings(trainable, mesh)
+    abstract_state = jax.eval_shape(optimizer.init, trainable)
+    if has_layerwise_state(abstract_state):
+        state_sh = host_state_shardings(jax.tree.map(lambda _: replicated, abstract_state))
+    else:
+        import optax
+
+        state_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state, param_sh,
+                                         transform_non_params=lambda _: replicated)
+    opt_state = jax.tree.map(sds, abstract_state, state_sh)
+    tr = jax.tree.map(sds, trainable, param_sh)
+    kw = {}
+    if bc.offload_master:  # the layers train their compute copy (offload.optimizer.compute_copy)
+        compute = DTYPES[bc.recipe]
+        raw = tr.raw_mapping if hasattr(tr, "raw_mapping") else tr
+        raw["layers"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute, sharding=x.sharding)
+                                     if jnp.issubdtype(x.dtype, jnp.floating) else x, raw["layers"])
+        kw["apply_updates"] = apply_master_updates
+    fr = jax.tree.map(lambda x: sds(x, replicated), frozen)
+    chunk = lm_chunk(cfg, bc.batch)
+
+    def loss_fn(m, batch, remat=None):
+        return lm_loss(m, batch, chunk=chunk, remat=remat, unroll=cfg.unroll_layers)
+
+    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute), **kw)
+    shape = (bc.accum, bc.batch, bc.seq)
+    bsh = NamedSharding(mesh, P(None, None, None))
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)
+             for k in ("tokens", "positions", "segment_ids", "targets", "loss_mask")}
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
+    return step, (tr, fr, opt_state, batch, key)
+
+
+def _host_bytes(tree) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+                   if getattr(x.sharding, "memory_kind", None) == "pinned_host"))
+
+
+def step_memory(bc, *, layers: int | None = None) -> dict:
+    """XLA's memory figures (bytes) of the compiled step: arguments split by memory space, temporaries, outputs
+    not aliased to a donated argument, and device_peak = device arguments + temp + unaliased outputs."""
+    step, args = abstract_step_args(bc, layers=layers)
+    ma = step.lower(*args).compile().memory_analysis()
+    host_arg = _host_bytes(args)
+    out = {"argument": ma.argument_size_in_bytes, "host_argument": host_arg,
+           "device_argument": ma.argument_size_in_bytes - host_arg, "temp": ma.temp_size_in_bytes,
+           "output_not_aliased": ma.output_size_in_bytes - ma.alias_size_in_bytes,
+           "host_temp": ma.host_temp_size_in_bytes}
+    out["device_peak"] = out["device_argument"] + out["temp"] + out["output_not_aliased"]
+    return out
+
+
+def scaled(bc, *, depths=(2, 4)) -> dict:
+    """step_memory at two reduced depths, extrapolated linearly to the shape's own depth (bytes per figure)."""
+    from surojax.bench.shapes import model_config
+
+    a, b = (step_memory(dataclasses.replace(bc), layers=d) for d in depths)
+    L = model_config(bc.shape).num_layers
+    return {k: a[k] + (b[k] - a[k]) * (L - depths[0]) / (depths[1] - depths[0]) for k in a}
+
+
+def main(argv=None) -> int:
+    """Print the compiled step's memory (scaled from two reduced depths) next to the memory plan, in GiB."""
+    import argparse
+    import json
+
+    from surojax.bench.train_bench import BenchConfig, memory_plan
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--depths", default="4,8", help="two reduced depths to compile at (default 4,8)")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--lmhead-chunks", type=int, default=4)
+    args = ap.parse_args(argv)
+    depths = tuple(int(d) for d in args.depths.split(","))
+    for name, keys in (("offload-opt", dict(offload_optimizer=True)),
+                       ("offload-opt-master", dict(offload_optimizer=True, offload_master=True))):
+        bc = BenchConfig(shape=args.shape, mode="full", batch=1, seq=args.seq, lmhead_chunks=args.lmhead_chunks,
+                         recompute="full", **keys)
+        figures = {k: round(v / GiB, 2) for k, v in scaled(bc, depths=depths).items()}
+        plan = memory_plan(bc)
+        print(json.dumps({"name": name, "shape": args.shape, "compiled_gib": figures,
+                          "plan_gib": round(plan.total / GiB, 2), "plan_host_gib": round(plan.host / GiB, 2)}),
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

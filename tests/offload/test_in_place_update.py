@@ -1,0 +1,109 @@
+"""The offload optimizers' in-place step update (surojax/offload/optimizer.py `in_place`, issue 6) (CPU).
+
+Exactness: with the state / master in host memory `update_and_apply` (gradients divided and clipped per layer,
+params / state / master written back into the carried buffers) equals the same update with everything on the
+device bit for bit (params, state, master, losses). Against the whole-tree form of the same optimizer
+(`grads / denom`, chain.update, apply_updates) it is the same math; XLA sums the global norm in another order
+there (1 ulp of the norm), so losses and fp32 weights agree to rtol 1e-6 / 1e-5 (the bf16 copies to 1 ulp).
+
+Memory: XLA's buffer assignment of the compiled step (surojax/bench/step_memory.py, abstract arguments, nothing
+built) at 2 and 6 layers. The whole-tree form keeps ~4 copies of the layers' fp32 gradient-sized arrays as
+temporaries (grads / denom, the clipped grads, the stacked updates, the new state the scan stacks): 16 bytes per
+layer parameter. In place, what grows with the depth is the gradients themselves (4 bytes fp32; 2 with
+offload_master and one micro-batch, whose bf16 gradients are used as they are) plus, on the CPU backend only, a
+broadcast of the scalar divisor its reduction kernels take as an operand (~1.5 bytes per parameter).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from surojax.bench.shapes import model_config, shape_hf_config
+from surojax.bench.step_memory import step_memory
+from surojax.bench.train_bench import BenchConfig
+from surojax.losses.lm import lm_loss
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+from surojax.offload.memory_plan import plan_memory
+from surojax.offload.optimizer import apply_master_updates, clipped_layerwise, compute_copy
+from surojax.offload.remat import remat_wrapper
+from surojax.offload.streaming import HOST_KIND
+from surojax.parallel import make_mesh, shard_model
+from surojax.train.optim import decay_mask, init_opt_state
+from surojax.train.step import make_train_step
+
+from tests.offload.test_optimizer_offload import _batch
+from tests.train.conftest import TINY_QWEN3
+
+CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
+
+
+def _run(*, in_place: bool, offload: bool, master: bool, A: int, steps=2):
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    model = Decoder(CFG, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))  # the bf16 recipe
+    graphdef, trainable, frozen = nnx.split(shard_model(model, mesh), nnx.Param, ...)
+    opt = clipped_layerwise(optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask), offload=offload, master=master,
+                            max_grad_norm=0.5)
+    if not in_place:  # the same chain without update_and_apply: make_train_step's whole-tree update
+        opt = optax.GradientTransformation(opt.init, opt.update)
+    state = init_opt_state(opt, trainable, mesh)
+    if master:
+        trainable = compute_copy(trainable, jnp.bfloat16)
+    step = make_train_step(graphdef, lm_loss, opt, remat=remat_wrapper("full"),
+                           apply_updates=apply_master_updates if master else optax.apply_updates)
+    losses, norms = [], []
+    for _ in range(steps):
+        trainable, state, m = step(trainable, frozen, state, _batch(A=A), jax.random.key(0))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    return losses, norms, trainable, state
+
+
+@pytest.mark.parametrize("master,A", [(False, 2), (True, 1), (True, 2)])  # A=1: the bf16 gradients as they are
+def test_in_place_update_offloaded_equals_on_device_and_the_whole_tree_update(master, A):
+    l_host, n_host, p_host, s_host = _run(in_place=True, offload=True, master=master, A=A)
+    l_dev, n_dev, p_dev, s_dev = _run(in_place=True, offload=False, master=master, A=A)
+    assert l_host == l_dev and n_host == n_dev and l_host[-1] < l_host[0]
+    assert n_host[0] > 0.5  # the clip is active
+    for a, b in zip(jax.tree.leaves((p_host, s_host)), jax.tree.leaves((p_dev, s_dev)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the memory space is the only difference
+    lw = s_host[-1]
+    host = jax.tree.leaves((lw.layers, lw.master if master else []))
+    assert {x.sharding.memory_kind for x in host} == {HOST_KIND}  # written back in place, still on host
+    # the whole-tree form: the same math; its global norm sums the materialised grads / denom where the in-place
+    # form's reduction reads them fused (another summation order: 1 ulp of the norm), hence rtol
+    l_wt, n_wt, p_wt, s_wt = _run(in_place=False, offload=True, master=master, A=A)
+    np.testing.assert_allclose(l_host, l_wt, rtol=1e-6)
+    np.testing.assert_allclose(n_host, n_wt, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves((p_host, s_host)), jax.tree.leaves((p_wt, s_wt)), strict=True):
+        assert a.dtype == b.dtype and a.sharding.memory_kind == b.sharding.memory_kind
+        rtol = 1e-5 if a.dtype == jnp.float32 else 2 ** -7  # bf16 compute copies: 1 ulp where the master crosses
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=1e-6)
+
+
+def _layer_params(cfg) -> int:
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    return (cfg.num_params() - embed) // cfg.num_layers
+
+
+@pytest.mark.parametrize("master,limit", [(False, 8.0), (True, 6.0)])
+def test_step_temporaries_grow_by_one_gradient_per_layer(master, limit):
+    bc = BenchConfig(shape="debug", mode="full", batch=1, seq=128, min_segment=16, lmhead_chunks=1,
+                     recompute="full", offload_optimizer=True, offload_master=master)
+    shallow, deep = step_memory(bc, layers=2), step_memory(bc, layers=6)
+    per_param = (deep["temp"] - shallow["temp"]) / 4 / _layer_params(model_config("debug"))
+    assert per_param < limit, per_param  # today's main: 16.4 bytes per layer parameter in both modes
+    assert deep["output_not_aliased"] < 1024  # the metrics: every param / state / master lands in its donated buffer
+    # the state's host arguments: 8 bytes per layer parameter (AdamW), + 4 for the master
+    host_per_param = (deep["host_argument"] - shallow["host_argument"]) / 4 / _layer_params(model_config("debug"))
+    assert host_per_param == pytest.approx(12.0 if master else 8.0, rel=0.01)
+    # the memory plan grows like the compiled device peak (less the CPU-only broadcast of the divisor)
+    plans = [plan_memory(ModelConfig.from_hf(dict(shape_hf_config("debug"), num_hidden_layers=n)), mode="full",
+                         batch=1, seq=128, recompute="full", lm_chunk_tokens=128, offload_optimizer=True,
+                         offload_master=master) for n in (2, 6)]
+    plan_per_param = (plans[1].total - plans[0].total) / 4 / _layer_params(model_config("debug"))
+    peak_per_param = (deep["device_peak"] - shallow["device_peak"]) / 4 / _layer_params(model_config("debug"))
+    assert peak_per_param - 2.0 <= plan_per_param <= peak_per_param + 0.5, (plan_per_param, peak_per_param)
+    assert plans[1].host == pytest.approx(deep["host_argument"], rel=1e-3)  # + the per-layer step counts
