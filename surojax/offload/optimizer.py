@@ -29,6 +29,11 @@ new master back to host and emits the layer's new bf16 copy. The `layers` part o
 therefore the NEW PARAMS, not deltas: apply them with `apply_master_updates` (make_train_step's
 `apply_updates`). Independent of offload_optimizer: either, both or neither part may be on host.
 Per step this moves 2 x 4 bytes per layer parameter more over the host link (~56 GB for Qwen3-8B).
+
+In the train step (`clipped_layerwise`, what build_optimizer returns): `update_and_apply` (`in_place`) runs the
+same per-layer update as a fori_loop that also divides / clips layer l's gradients and writes layer l's new
+params, state and master into the donated buffers it carries, so the step holds the gradients once and nothing
+else of the size of all layers (the whole-tree form: ~5 gradient-sized copies; docs/memory.md has the figures).
 """
 from __future__ import annotations
 
@@ -179,9 +184,11 @@ def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_nor
         u_rest, s_rest = inner.update(jax.tree.map(grad, g_rest), lw.rest, p_rest)
         new_rest = optax.apply_updates(p_rest, u_rest)
         n_layers = jax.tree.leaves(g_layers)[0].shape[0]
-        at = lambda tree, l: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, l, 0, keepdims=False), tree)  # noqa: E731
-        put = lambda tree, new, l: jax.tree.map(  # noqa: E731
-            lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, l, 0), tree, new)
+        def at(tree, l):  # layer l's slice of every [L, ...] leaf
+            return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, l, 0, keepdims=False), tree)
+
+        def put(tree, new, l):  # `new` written as layer l of every [L, ...] leaf (in place in the loop's carry)
+            return jax.tree.map(lambda x, v: jax.lax.dynamic_update_index_in_dim(x, v, l, 0), tree, new)
 
         def body(l, carry):
             p, s, m = carry

@@ -101,3 +101,17 @@ def test_shapes_are_the_hf_anchors_shapes():
     node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SHAPES")
     anchor = eval(compile(ast.Expression(node.value), "hf_peft_baseline.py", "eval"), {"dict": dict})
     assert anchor and all(SHAPES[name] == shape for name, shape in anchor.items())
+
+
+def test_bench_full_fine_tune_refuses_before_building_when_the_plan_does_not_fit(monkeypatch):
+    import pytest
+
+    import surojax.offload.memory_plan as memory_plan
+    from surojax.bench.train_bench import BenchConfig, build, memory_plan as bench_plan
+
+    bc = BenchConfig(shape="qwen3-8b", mode="full", batch=1, seq=2048, lmhead_chunks=4, recompute="full",
+                     offload_optimizer=True)
+    assert 75 * 2**30 < bench_plan(bc).total < 90 * 2**30  # the in-place update: ~82 GiB (docs/memory.md)
+    monkeypatch.setattr(memory_plan, "device_capacity", lambda: 60 * 2**30)
+    with pytest.raises(memory_plan.MemoryPlanError, match="offload_master: true"):
+        build(bc)  # an 8B would take minutes to build on the CPU: the refusal comes first
