@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from surojax.bench.shapes import model_config, shape_hf_config
-from surojax.bench.step_memory import step_memory
+from surojax.bench.step_memory import abstract_step_args, step_memory
 from surojax.bench.train_bench import BenchConfig
 from surojax.losses.lm import lm_loss
 from surojax.models.config import ModelConfig
@@ -81,6 +81,30 @@ def test_in_place_update_offloaded_equals_on_device_and_the_whole_tree_update(ma
         assert a.dtype == b.dtype and a.sharding.memory_kind == b.sharding.memory_kind
         rtol = 1e-5 if a.dtype == jnp.float32 else 2 ** -7  # bf16 compute copies: 1 ulp where the master crosses
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=1e-6)
+
+
+def _moved_shapes(jaxpr, out=None) -> list:
+    """(shape, space) of every value a device_put in the (nested) jaxpr moves between memory spaces."""
+    out = [] if out is None else out
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            out += [(tuple(v.aval.shape), d) for v, d in zip(eqn.invars, eqn.params["devices"])
+                    if isinstance(d, jax.memory.Space)]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _moved_shapes(sub, out)
+    return out
+
+
+def test_host_state_crosses_one_layer_at_a_time():
+    bc = BenchConfig(shape="debug", mode="full", batch=1, seq=128, min_segment=16, lmhead_chunks=1,
+                     recompute="full", offload_optimizer=True, offload_master=True)
+    step, args = abstract_step_args(bc, layers=3)
+    moved = _moved_shapes(jax.make_jaxpr(step)(*args).jaxpr)
+    host_leaves = [x for x in jax.tree.leaves(args[2]) if x.sharding.memory_kind == HOST_KIND]
+    layer_shapes = {x.shape[1:] for x in host_leaves}
+    for space in (jax.memory.Space.Device, jax.memory.Space.Host):  # each host leaf's slice, both ways
+        assert sum(1 for shape, d in moved if d == space) >= len(host_leaves)
+    assert {shape for shape, _ in moved} <= layer_shapes  # never a whole [L, ...] leaf
 
 
 def _layer_params(cfg) -> int:
