@@ -31,6 +31,7 @@ dtypes (fp32 recipes) take the xla path statically. With a KV cache (generation)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -228,6 +229,41 @@ class StackedLayerKV:
     layer: jax.Array  # int32 scalar
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "layer"], meta_fields=["block_size"])
+@dataclasses.dataclass
+class PagedLayerKV:
+    """The serving runner's paged pool as a KV backend: every layer's k, v [L, N, K, H] (N = blocks * block_size
+    slots; token p of a row lives in slot ``block_table[p // bs] * bs + p % bs``) and this layer's index.
+
+    The layer writes its new tokens' k/v into its slice of the pool in place (the pool rides in the scan carry)
+    and attention reads the row's context straight from the pool through the block table: only this layer's
+    [B, S, K, H] is ever gathered (S = NB * bs, the table's width), never an [L, B, S, K, H] view. With
+    ``Decoder.hidden_states(cache=PagedKVCache(...))``."""
+
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array  # int32 scalar
+    block_size: int
+
+    def write(self, k, v, slots) -> "PagedLayerKV":
+        """k, v [B, T, K, H] into this layer's pool slots [B, T] (a slot >= N is dropped: padding)."""
+        l = self.layer
+        return dataclasses.replace(self, k=self.k.at[l, slots].set(k.astype(self.k.dtype), mode="drop"),
+                                   v=self.v.at[l, slots].set(v.astype(self.v.dtype), mode="drop"))
+
+    def read(self, block_table, dtype) -> tuple[jax.Array, jax.Array]:
+        """block_table [B, NB] -> this layer's k, v [B, NB * bs, K, H] (view slot j = token position j)."""
+        L, N, K, H = self.k.shape
+        B, NB = block_table.shape
+        bs = self.block_size
+
+        def gather(pool):  # whole blocks: [B, NB, bs, K, H]
+            blocks = pool.reshape(L, N // bs, bs, K, H)[self.layer, block_table]
+            return blocks.reshape(B, NB * bs, K, H).astype(dtype)
+
+        return gather(self.k), gather(self.v)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, backend: str = "auto", param_dtype, rngs: nnx.Rngs | None = None):
         D, H = cfg.hidden_size, cfg.head_dim
@@ -250,7 +286,9 @@ class Attention(nnx.Module):
 
         With a cache: `kv` holds this layer's k/v [B, S, K, H] (a `LayerKV`, or a `StackedLayerKV`: every layer's
         plus this layer's index) and `kv_meta` = (write_slots [B, T], kv_segment_ids [B, S], kv_positions [B, S])
-        already updated for the new tokens. Returns (y, kv) with the new tokens' k/v written.
+        already updated for the new tokens; or a `PagedLayerKV` (the paged pool) and `kv_meta` = (pool slots
+        [B, T], block_table [B, NB], kv_segment_ids [B, S], kv_positions [B, S]). Returns (y, kv) with the new
+        tokens' k/v written.
         """
         B, T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
@@ -262,6 +300,10 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is None:
             kv_seg, kv_pos = segment_ids, positions
+        elif isinstance(kv, PagedLayerKV):
+            slots, block_table, kv_seg, kv_pos = kv_meta
+            kv = kv.write(k, v, slots)
+            k, v = kv.read(block_table, q.dtype)
         elif isinstance(kv, StackedLayerKV):
             slots, kv_seg, kv_pos = kv_meta
             rows, l = jnp.arange(B)[:, None], kv.layer
