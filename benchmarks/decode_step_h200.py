@@ -12,11 +12,16 @@ block size 16, slots scattered over the pool as after real traffic) and times
   single-paged   ``runner._paged_step_in_pool``: the paged path (``PagedKVCache``: the pool rides in the layer
                  loop, each layer reads its context through the block tables and writes its new k/v in place)
   multi-paged    ``multi_step.multi_step_decode_paged``: the same over --steps tokens per call
+  single-pallas, multi-pallas   the paged path with ``kernel="pallas"``: decode attention in the Pallas paged
+                 decode-attention kernel (``models/layers/paged_decode.py``), which reads each row's real
+                 blocks in place (no per-layer gather, no S padding)
 
 each with the layer loop rolled (``-rolled``, ``unroll=1``) or inlined (``-unrolled``, ``unroll=True``); the
-reference variants with ``kv_in_place`` on. First, per R, a correctness check: multi-rolled and
-multi-paged-rolled from the same pool must give the same tokens and the same pool (`CHECK {...}` line; in bf16
-on the GPU a near-tie may flip a token of the random model, so it reports, it does not stop). Reports ms per
+reference variants with ``kv_in_place`` on. First, per R, a correctness check: multi-rolled against
+multi-paged-rolled and multi-pallas-rolled from the same pool: the same tokens and the same pool (`CHECK {...}`
+lines; in bf16 on the GPU a near-tie may flip a token of the random model, and the kernel rounds differently,
+so it reports, it does not stop). A variant that fails (e.g. the kernel does not compile) prints `FAILED` and
+the others go on. Reports ms per
 token step (call time / tokens per row) and the decode tok/s it implies (R / that), then, with --profile, the
 device kernels of one multi-step call by category (jax.profiler): what is GEMM, attention, copies, the rest,
 and how many kernels a token step launches. One JSON line per measurement (`RESULT {...}`), a table last.
@@ -83,22 +88,32 @@ def make_inputs(cfg, R, context, K, block_size, num_blocks, rng):
     return tokens, ctx, write, table, rows
 
 
-def check(R, multi, pools):
-    """multi-rolled vs multi-paged-rolled from copies of the same pool: tokens and pool contents (on device)."""
+def check(R, multi, pools, pallas: bool):
+    """multi-rolled vs multi-paged-rolled (and multi-pallas-rolled) from copies of the same pool: tokens and
+    pool contents, compared on device. -> one result dict per compared path."""
     k0, v0 = pools["k"], pools["v"]
-    runs = []
-    for paged in (False, True):
+    runs = {}
+    for name, paged, kernel in (("paged", True, "gather"), ("pallas", True, "pallas"), ("reference", False, "")):
+        if name == "pallas" and not pallas:
+            continue
         pools["k"], pools["v"] = jnp.array(k0, copy=True), jnp.array(v0, copy=True)
-        k, v, out = multi(paged, 1)
-        runs.append((np.asarray(out["ids"]), k, v))
-    (ids_a, ka, va), (ids_b, kb, vb) = runs
-    diff = max(float(jnp.max(jnp.abs(ka.astype(jnp.float32) - kb.astype(jnp.float32)))),
-               float(jnp.max(jnp.abs(va.astype(jnp.float32) - vb.astype(jnp.float32)))))
-    pools["k"], pools["v"] = kb, vb
-    del runs, ka, va
-    r = {"check": True, "rows": R, "tokens_equal": float(np.mean(ids_a == ids_b)), "pool_max_abs_diff": diff}
-    print("CHECK " + json.dumps(r), flush=True)
-    return r
+        try:
+            k, v, out = multi(paged, 1, kernel or "gather")
+            runs[name] = (np.asarray(out["ids"]), k, v)
+        except Exception as e:  # noqa: BLE001 - report, keep the other paths
+            print(f"FAILED check {name} R={R}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    pools["k"], pools["v"] = k0, v0
+    results = []
+    if "reference" not in runs:
+        return results
+    ids_a, ka, va = runs.pop("reference")
+    for name, (ids_b, kb, vb) in runs.items():
+        diff = max(float(jnp.max(jnp.abs(ka.astype(jnp.float32) - kb.astype(jnp.float32)))),
+                   float(jnp.max(jnp.abs(va.astype(jnp.float32) - vb.astype(jnp.float32)))))
+        r = {"check": name, "rows": R, "tokens_equal": float(np.mean(ids_a == ids_b)), "pool_max_abs_diff": diff}
+        print("CHECK " + json.dumps(r), flush=True)
+        results.append(r)
+    return results
 
 
 def timed(fn, repeats):
@@ -161,9 +176,10 @@ def main(argv=None):
     p.add_argument("--rows", default="1,64", help="comma list of decode batch sizes R")
     p.add_argument("--context", type=int, default=576, help="tokens already in each row's cache")
     p.add_argument("--steps", type=int, default=8, help="tokens per multi-step call")
-    p.add_argument("--variants", default="single-rolled,single-unrolled,multi-rolled,multi-unrolled,"
-                   "single-paged-rolled,single-paged-unrolled,multi-paged-rolled,multi-paged-unrolled",
-                   help="comma list of {single,multi}[-paged]-{rolled,unrolled}")
+    p.add_argument("--variants", default="multi-rolled,multi-unrolled,single-unrolled,"
+                   "multi-paged-rolled,multi-paged-unrolled,single-paged-unrolled,"
+                   "multi-pallas-rolled,multi-pallas-unrolled,single-pallas-unrolled",
+                   help="comma list of {single,multi}[-paged|-pallas]-{rolled,unrolled}")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="kernel breakdown of the multi-step variants")
     p.add_argument("--tag", default="", help="a label for this process's XLA flags, printed in every row")
@@ -192,32 +208,34 @@ def main(argv=None):
         start = np.full(R, a.context, np.int32)
         limit, no_stop, zeros = np.full(R, K, np.int32), np.full((R, 1), -1, np.int32), np.zeros(R, np.int32)
 
-        def multi(paged, unroll, tokens=tokens, ctx=ctx, write=write, table=table, rows=rows, start=start,
-                  limit=limit, no_stop=no_stop, zeros=zeros):
+        def multi(paged, unroll, kernel="gather", tokens=tokens, ctx=ctx, write=write, table=table, rows=rows,
+                  start=start, limit=limit, no_stop=no_stop, zeros=zeros):
             if paged:
                 return multi_step_decode_paged(graphdef, state, pools["k"], pools["v"], tokens, start, table, limit,
                                                no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K,
-                                               block_size=bs, unroll=unroll)
+                                               block_size=bs, unroll=unroll, kernel=kernel)
             return multi_step_decode(graphdef, state, pools["k"], pools["v"], tokens, start, ctx, write, limit,
                                      no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K, kv_in_place=True,
                                      unroll=unroll)
 
-        results.append(check(R, multi, pools))
+        results += check(R, multi, pools, "pallas" in a.variants)
         for variant in a.variants.split(","):
             parts = variant.split("-")
-            kind, loop, paged = parts[0], parts[-1], "paged" in parts[1:-1]
+            kind, loop = parts[0], parts[-1]
+            kernel = "pallas" if "pallas" in parts[1:-1] else "gather"
+            paged = kernel == "pallas" or "paged" in parts[1:-1]
             unroll = True if loop == "unrolled" else 1
             if kind == "single":
                 n = 1
                 pos = np.full((R, 1), a.context, np.int32)
 
-                def fn(unroll=unroll, paged=paged, tokens=tokens, ctx=ctx, write=write, table=table, rows=rows,
-                       pos=pos, start=start, zeros=zeros):
+                def fn(unroll=unroll, paged=paged, kernel=kernel, tokens=tokens, ctx=ctx, write=write, table=table,
+                       rows=rows, pos=pos, start=start, zeros=zeros):
                     common = dict(rows=rows, mode=greedy, lora=False, unroll=unroll)
                     if paged:
                         k, v, out = _paged_step_in_pool(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
                                                         np.ones((R, 1), np.int32), table, start, zeros, zeros,
-                                                        block_size=bs, **common)
+                                                        block_size=bs, kernel=kernel, **common)
                     else:
                         k, v, out = _paged_step(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
                                                 np.ones((R, 1), np.int32), ctx, start, write[:, :1], zeros, zeros,
@@ -227,14 +245,20 @@ def main(argv=None):
             else:
                 n = K
 
-                def fn(unroll=unroll, paged=paged):
-                    k, v, out = multi(paged, unroll)
+                def fn(unroll=unroll, paged=paged, kernel=kernel):
+                    k, v, out = multi(paged, unroll, kernel)
                     pools["k"], pools["v"] = k, v
                     return out["ids"]
             t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            compile_s = time.perf_counter() - t0
-            best, ids = timed(fn, a.repeats)
+            try:
+                jax.block_until_ready(fn())
+                compile_s = time.perf_counter() - t0
+                best, ids = timed(fn, a.repeats)
+            except Exception as e:  # noqa: BLE001 - report, keep the other variants
+                print(f"FAILED {variant} R={R}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                if pools["k"].is_deleted() or pools["v"].is_deleted():  # donated to the failed call
+                    pools["k"], pools["v"] = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+                continue
             ms = 1e3 * best / n
             r = {"tag": a.tag, "rows": R, "variant": variant, "ms_per_token_step": ms, "decode_tok_s": R / ms * 1e3,
                  "compile_s": compile_s, "context": a.context, "steps_per_call": n}
@@ -251,9 +275,9 @@ def main(argv=None):
               f"{r['decode_tok_s']:,.0f} | {r['compile_s']:.1f} | {r.get('kernels_per_token', float('nan')):.0f} | "
               f"{r.get('busy_ms_per_token', float('nan')):.3f} |")
     checks = [r for r in results if r.get("check")]
-    print("\ncorrectness (multi vs multi-paged, same pool): " + ", ".join(
-        f"R={r['rows']}: tokens equal {r['tokens_equal']:.0%}, pool max |diff| {r['pool_max_abs_diff']:.3g}"
-        for r in checks))
+    print("\ncorrectness (multi reference vs the paged paths, same pool): " + ", ".join(
+        f"{r['check']} R={r['rows']}: tokens equal {r['tokens_equal']:.0%}, pool max |diff| "
+        f"{r['pool_max_abs_diff']:.3g}" for r in checks))
     return 0
 
 

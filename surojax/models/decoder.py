@@ -75,7 +75,7 @@ class KVCache:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],
-                   meta_fields=["block_size"])
+                   meta_fields=["block_size", "kernel"])
 @dataclasses.dataclass
 class PagedKVCache:
     """The serving runner's paged KV pool, read and written in place by the decoder (no per-row dense view).
@@ -85,6 +85,7 @@ class PagedKVCache:
     lengths [B] = tokens of each row already in the pool. One sequence per row, positions 0, 1, 2 ... The new
     tokens (segment id > 0) are written at positions lengths .. lengths + T - 1, which must have blocks in the
     table (NB * bs >= lengths + T); padding tokens (segment id 0) are not written and do not count.
+    kernel: how attention reads the pool ("gather" or "pallas", see `PagedLayerKV`).
     """
 
     k: jax.Array
@@ -92,12 +93,14 @@ class PagedKVCache:
     block_table: jax.Array
     lengths: jax.Array
     block_size: int
+    kernel: str = "gather"
 
     def step_meta(self, segment_ids, positions):
         """-> (the attention's kv_meta for these new tokens, this cache with lengths advanced past them).
 
         kv_meta = (pool slots of the new tokens [B, T] (N where not written), block_table, kv segment ids
-        [B, S], kv positions [B, S]) with S = NB * bs: view slot j holds token position j."""
+        [B, S], kv positions [B, S], lengths after the new tokens [B]) with S = NB * bs: view slot j holds
+        token position j."""
         B, T = segment_ids.shape
         NB = self.block_table.shape[1]
         bs, S, N = self.block_size, self.block_table.shape[1] * self.block_size, self.k.shape[1]
@@ -110,7 +113,7 @@ class PagedKVCache:
         kv_seg = ctx.astype(jnp.int32).at[rows, p].set(segment_ids, mode="drop")
         kv_pos = jnp.where(ctx, j, 0).astype(jnp.int32).at[rows, p].set(positions, mode="drop")
         lengths = self.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32)
-        return (write, self.block_table, kv_seg, kv_pos), dataclasses.replace(self, lengths=lengths)
+        return (write, self.block_table, kv_seg, kv_pos, lengths), dataclasses.replace(self, lengths=lengths)
 
 
 def on_device(layer_state):
@@ -172,7 +175,8 @@ class Decoder(nnx.Module):
         kv_meta, layer_kv = None, None
         if isinstance(cache, PagedKVCache):
             kv_meta, cache = cache.step_meta(segment_ids, positions)
-            carried, cache_in_carry = PagedLayerKV(cache.k, cache.v, jnp.int32(0), cache.block_size), True
+            carried = PagedLayerKV(cache.k, cache.v, jnp.int32(0), cache.block_size, cache.kernel)
+            cache_in_carry = True
         elif cache is not None:
             B, T = tokens.shape
             rows = jnp.arange(B)[:, None]

@@ -22,7 +22,8 @@ strings are checked token by token afterwards: the tokens after a match are drop
 dense view in its layer scan's carry (``PagedRunner``); same results. ``unroll_layers``: the layer loop inlined.
 ``paged_attention`` (default on): no dense view at all, the decoder reads and writes the paged pool in place
 through the block tables (``PagedKVCache``; ``kv_in_place`` then does not apply); False = the reference
-gather/scatter path. Same tokens.
+gather/scatter path. Same tokens. ``paged_kernel="pallas"``: decode attention in a Pallas kernel reading the
+pool's blocks in place (``models/layers/paged_decode.py``; equal up to float rounding).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  chunk_size: int | None = None, enable_prefix_caching: bool = True, kv_dtype=None, tokenizer=None,
                  lora=None, memory_utilization: float = 0.9, buckets: dict | None = None, decode_steps: int = 1,
-                 kv_in_place: bool = True, unroll_layers: bool = False, paged_attention: bool = True):
+                 kv_in_place: bool = True, unroll_layers: bool = False, paged_attention: bool = True,
+                 paged_kernel: str = "gather"):
         kv_dtype = kv_dtype or model.dtype
         if num_blocks is None:
             num_blocks = num_kv_blocks(model.cfg, kv_dtype, block_size, max_model_len,
@@ -59,7 +61,7 @@ class Engine:
         self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
                                   adapter_slot=lora.slot if lora is not None else None, kv_in_place=kv_in_place,
                                   decode_steps=decode_steps, unroll_layers=unroll_layers,
-                                  paged_attention=paged_attention, **(buckets or {}))
+                                  paged_attention=paged_attention, paged_kernel=paged_kernel, **(buckets or {}))
         self._ids = itertools.count()
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}

@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from surojax.models.decoder import Decoder, KVCache, PagedKVCache
+from surojax.models.layers.paged_decode import prepare as prepare_paged_decode
 from surojax.peft.multi_lora import multi_lora_modules, set_adapter_rows
 from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged
 from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, sample_batch
@@ -105,21 +106,22 @@ def _paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids,
     return k_pool, v_pool, _sample_last(model, h, last_idx, rows, mode)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "block_size", "unroll"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "block_size", "unroll", "kernel"),
                    donate_argnames=("k_pool", "v_pool"))
 def _paged_step_in_pool(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, block_table, ctx_len,
                         last_idx, adapter_rows, rows, mode: BatchMode, lora: bool, block_size: int,
-                        unroll: int | bool = 1):
+                        unroll: int | bool = 1, kernel: str = "gather"):
     """The fast path of `_paged_step`: no dense view. The pool rides in the layer scan's carry
     (``PagedKVCache``): each layer writes the new tokens' k/v into its pool slice in place and attention reads
     the rows' context through block_table [R, NB] (NB * block_size = S). Same values, same pool afterwards.
 
     tokens/positions/segment_ids [R, T] (segment 0 = padding: not written); ctx_len/last_idx/adapter_rows [R].
+    kernel: "gather" or "pallas" (decode rows read the pool inside a Pallas kernel: ``PagedLayerKV``).
     """
     model = nnx.merge(graphdef, state)
     if lora:
         set_adapter_rows(model, adapter_rows)
-    cache = PagedKVCache(k_pool, v_pool, block_table, ctx_len, block_size)
+    cache = PagedKVCache(k_pool, v_pool, block_table, ctx_len, block_size, kernel)
     h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, unroll=unroll)
     return cache.k, cache.v, _sample_last(model, h, last_idx, rows, mode)
 
@@ -146,7 +148,7 @@ class PagedRunner:
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None, adapter_slot=None,
                  min_rows: int = 1, min_prefill_rows: int = 1, min_context: int = 0, min_prefill: int = 1,
                  kv_in_place: bool = False, decode_steps: int = 1, unroll_layers: bool = False,
-                 paged_attention: bool = True):
+                 paged_attention: bool = True, paged_kernel: str = "gather"):
         """adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``).
         min_rows / min_prefill_rows / min_context / min_prefill: smallest buckets of decode R, prefill R, S and
         prefill T (fewer compilations, more padding: the tests use them on CPU, the benchmark pads decode
@@ -158,9 +160,17 @@ class PagedRunner:
         pool rides in the layer loop (and the multi-step loop), each layer writes its new k/v into the pool in
         place and reads the rows' context through their block tables (``PagedKVCache``); the host sends block
         tables [R, S / block_size] instead of slot lists [R, S]. False: the reference gather/scatter path
-        (``kv_in_place`` applies to it only). Same tokens, same pool contents."""
+        (``kv_in_place`` applies to it only). Same tokens, same pool contents. paged_kernel (paged path):
+        "gather" (each layer gathers [R, S, K, H], then the attention backend; exact) or "pallas" (decode calls:
+        a Pallas paged decode-attention kernel reads each row's real blocks in place, online softmax; equal up
+        to float rounding; prefill rows still gather)."""
+        if paged_kernel not in ("gather", "pallas"):
+            raise ValueError(f"PagedRunner: paged_kernel must be 'gather' or 'pallas', got {paged_kernel!r}")
         self.kv_in_place = kv_in_place
         self.paged_attention = paged_attention
+        self.paged_kernel = paged_kernel
+        if paged_attention and paged_kernel == "pallas":
+            prepare_paged_decode()
         self.unroll = True if unroll_layers else 1
         # multi-step calls always loop up to this many steps (the loop exits once every row stopped), so rows
         # with fewer steps left do not compile smaller variants
@@ -304,7 +314,7 @@ class PagedRunner:
             self.k_pool, self.v_pool, sampled = _paged_step_in_pool(
                 self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments,
                 self._block_table(group, R, S), ctx_len, last, adapters, rows, mode=mode, lora=self.lora,
-                block_size=self.block_size, unroll=self.unroll)
+                block_size=self.block_size, unroll=self.unroll, kernel=self.paged_kernel)
             return sampled
         self.k_pool, self.v_pool, sampled = _paged_step(
             self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments, ctx, ctx_len, write,
@@ -342,7 +352,7 @@ class PagedRunner:
             self.k_pool, self.v_pool, sampled = multi_step_decode_paged(
                 self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, self._block_table(group, R, S),
                 limit, stop, adapters, rows, mode=mode, lora=self.lora, num_steps=K, block_size=self.block_size,
-                unroll=self.unroll)
+                unroll=self.unroll, kernel=self.paged_kernel)
         else:
             self.k_pool, self.v_pool, sampled = multi_step_decode(
                 self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, ctx, write, limit, stop,

@@ -126,3 +126,25 @@ def test_engine_tokens_equal_reference(model):
     eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=96,
                  buckets=BUCKETS, decode_steps=4)
     assert [eng.generate([p], 7)[0] for p in ps] == outs[0]
+
+
+def test_engine_pallas_kernel_tokens_equal_reference(model):
+    """paged_kernel="pallas" (decode attention in the Pallas kernel, interpret mode on CPU): same greedy tokens."""
+    rng = np.random.default_rng(4)
+    ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)]
+    outs = []
+    for k, paged, kernel in ((1, False, "gather"), (1, True, "pallas"), (4, True, "pallas")):
+        eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
+                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged, paged_kernel=kernel)
+        outs.append(eng.generate(ps, 6))
+    assert outs[0] == outs[1] == outs[2]
+    with pytest.raises(ValueError, match="paged_kernel"):
+        Engine(model, num_blocks=8, block_size=BS, max_model_len=16, paged_kernel="triton")
+
+
+def test_serve_cli_kv_path():
+    from surojax.cli.main import build_parser, load_command
+
+    parser = build_parser("serve", load_command("serve"))
+    assert parser.parse_args(["serve", "m"]).kv_path == "paged"
+    assert parser.parse_args(["serve", "m", "--kv-path", "pallas"]).kv_path == "pallas"

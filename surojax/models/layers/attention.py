@@ -40,6 +40,7 @@ from flax import nnx
 from surojax.models.config import ModelConfig
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.norm import RMSNorm
+from surojax.models.layers.paged_decode import kernel_applies, paged_decode_attention
 from surojax.models.layers.rope import apply_rope
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -229,7 +230,8 @@ class StackedLayerKV:
     layer: jax.Array  # int32 scalar
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "layer"], meta_fields=["block_size"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "layer"],
+                   meta_fields=["block_size", "kernel"])
 @dataclasses.dataclass
 class PagedLayerKV:
     """The serving runner's paged pool as a KV backend: every layer's k, v [L, N, K, H] (N = blocks * block_size
@@ -238,12 +240,15 @@ class PagedLayerKV:
     The layer writes its new tokens' k/v into its slice of the pool in place (the pool rides in the scan carry)
     and attention reads the row's context straight from the pool through the block table: only this layer's
     [B, S, K, H] is ever gathered (S = NB * bs, the table's width), never an [L, B, S, K, H] view. With
-    ``Decoder.hidden_states(cache=PagedKVCache(...))``."""
+    ``Decoder.hidden_states(cache=PagedKVCache(...))``. kernel: "gather" (that gather, then the attention
+    backend) or "pallas" (one-token rows: `paged_decode.paged_decode_attention` reads the blocks inside the
+    kernel, over each row's real length; other rows, sliding windows and pools past int32 offsets gather)."""
 
     k: jax.Array
     v: jax.Array
     layer: jax.Array  # int32 scalar
     block_size: int
+    kernel: str = "gather"
 
     def write(self, k, v, slots) -> "PagedLayerKV":
         """k, v [B, T, K, H] into this layer's pool slots [B, T] (a slot >= N is dropped: padding)."""
@@ -287,8 +292,8 @@ class Attention(nnx.Module):
         With a cache: `kv` holds this layer's k/v [B, S, K, H] (a `LayerKV`, or a `StackedLayerKV`: every layer's
         plus this layer's index) and `kv_meta` = (write_slots [B, T], kv_segment_ids [B, S], kv_positions [B, S])
         already updated for the new tokens; or a `PagedLayerKV` (the paged pool) and `kv_meta` = (pool slots
-        [B, T], block_table [B, NB], kv_segment_ids [B, S], kv_positions [B, S]). Returns (y, kv) with the new
-        tokens' k/v written.
+        [B, T], block_table [B, NB], kv_segment_ids [B, S], kv_positions [B, S], lengths [B] after the new
+        tokens). Returns (y, kv) with the new tokens' k/v written.
         """
         B, T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
@@ -301,8 +306,12 @@ class Attention(nnx.Module):
         if kv is None:
             kv_seg, kv_pos = segment_ids, positions
         elif isinstance(kv, PagedLayerKV):
-            slots, block_table, kv_seg, kv_pos = kv_meta
+            slots, block_table, kv_seg, kv_pos, lengths = kv_meta
             kv = kv.write(k, v, slots)
+            if kv.kernel == "pallas" and kernel_applies(kv.k.shape, T, self.sliding_window):
+                out = paged_decode_attention(q[:, 0], kv.k, kv.v, kv.layer, block_table, lengths,
+                                             block_size=kv.block_size)  # [B, N, H]
+                return self.o_proj(out.reshape(B, T, N * H)), kv
             k, v = kv.read(block_table, q.dtype)
         elif isinstance(kv, StackedLayerKV):
             slots, kv_seg, kv_pos = kv_meta
