@@ -39,12 +39,15 @@ runs in a later call (after the writer's KV is in the pool). Usually there is on
 from __future__ import annotations
 
 import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from surojax.models.decoder import Decoder, KVCache, PagedKVCache
+from surojax.models.layers.paged_decode import kernel_applies
 from surojax.models.layers.paged_decode import prepare as prepare_paged_decode
 from surojax.peft.multi_lora import multi_lora_modules, set_adapter_rows
 from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged
@@ -188,6 +191,10 @@ class PagedRunner:
         dtype = kv_dtype or model.dtype
         self.k_pool = jnp.zeros(shape, dtype)
         self.v_pool = jnp.zeros(shape, dtype)
+        if paged_attention and paged_kernel == "pallas" and not kernel_applies(shape, 1, cfg.sliding_window):
+            warnings.warn(f"PagedRunner: paged_kernel='pallas' does not apply to this model / pool (pool {shape}, "
+                          f"sliding window {cfg.sliding_window}): decode attention gathers instead "
+                          "(the kernel needs no sliding window and a pool under 2^31 elements)", stacklevel=2)
         self.num_calls = 0  # forward calls (waves x decode/prefill groups), for tests / metrics
         self.num_multi_calls = 0  # multi-step decode calls
         self.num_deferred = 0  # requests run in a later wave (same-step prefix hits on blocks being written)

@@ -148,3 +148,11 @@ def test_serve_cli_kv_path():
     parser = build_parser("serve", load_command("serve"))
     assert parser.parse_args(["serve", "m"]).kv_path == "paged"
     assert parser.parse_args(["serve", "m", "--kv-path", "pallas"]).kv_path == "pallas"
+
+
+def test_pallas_kernel_warns_where_it_does_not_apply(model, monkeypatch):
+    from surojax.serve import runner
+
+    monkeypatch.setattr(runner, "kernel_applies", lambda *a: False)
+    with pytest.warns(UserWarning, match="gathers instead"):
+        runner.PagedRunner(model, num_blocks=8, block_size=BS, paged_kernel="pallas")
