@@ -23,7 +23,8 @@ dense view in its layer scan's carry (``PagedRunner``); same results. ``unroll_l
 ``paged_attention`` (default on): no dense view at all, the decoder reads and writes the paged pool in place
 through the block tables (``PagedKVCache``; ``kv_in_place`` then does not apply); False = the reference
 gather/scatter path. Same tokens. ``paged_kernel="pallas"``: decode attention in a Pallas kernel reading the
-pool's blocks in place (``models/layers/paged_decode.py``; equal up to float rounding).
+pool's blocks in place (``models/layers/paged_decode.py``; equal up to float rounding); a pool sized from free
+memory is then capped at 2^31 elements (the kernel's int32 offsets: ~75k tokens of Qwen3-0.6B KV).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import itertools
 import random
 
 from surojax.models.decoder import Decoder
+from surojax.models.layers.paged_decode import max_pool_blocks
 from surojax.serve.capacity import num_kv_blocks
 from surojax.serve.detokenize import RequestText
 from surojax.serve.kv_cache import KVCacheManager
@@ -51,6 +53,10 @@ class Engine:
         if num_blocks is None:
             num_blocks = num_kv_blocks(model.cfg, kv_dtype, block_size, max_model_len,
                                        memory_utilization=memory_utilization)
+            if paged_attention and paged_kernel == "pallas":  # the kernel addresses the pool with int32 offsets
+                cfg = model.cfg
+                num_blocks = min(num_blocks, max_pool_blocks(cfg.num_layers, block_size, cfg.num_kv_heads,
+                                                              cfg.head_dim))
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surojax.models.layers.paged_decode import kernel_applies, paged_decode_attention, paged_decode_reference
+from surojax.models.layers.paged_decode import (kernel_applies, max_pool_blocks, paged_decode_attention,
+                                                paged_decode_reference)
 
 
 def _case(rng, L=3, nblk=40, bs=4, K=2, H=16, G=3, B=4, NB=10, dtype=jnp.float32):
@@ -26,6 +27,11 @@ def test_kernel_equals_reference(partitions):
     ref = paged_decode_reference(q, k, v, jnp.int32(1), table, lengths, block_size=4)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)
     assert np.all(np.asarray(out)[2] == 0)  # length 0: zeros, not NaN
+
+
+def test_max_pool_blocks():
+    n = max_pool_blocks(28, 16, 8, 128)  # Qwen3-0.6B
+    assert kernel_applies((28, n * 16, 8, 128), 1, None) and not kernel_applies((28, (n + 1) * 16, 8, 128), 1, None)
 
 
 def test_kernel_applies():

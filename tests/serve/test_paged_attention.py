@@ -156,3 +156,12 @@ def test_pallas_kernel_warns_where_it_does_not_apply(model, monkeypatch):
     monkeypatch.setattr(runner, "kernel_applies", lambda *a: False)
     with pytest.warns(UserWarning, match="gathers instead"):
         runner.PagedRunner(model, num_blocks=8, block_size=BS, paged_kernel="pallas")
+
+
+def test_pallas_caps_an_auto_sized_pool(model, monkeypatch):
+    """An auto-sized pool is capped where the kernel's int32 offsets end (the cap shrunk to 24 blocks here)."""
+    from surojax.serve import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "num_kv_blocks", lambda *a, **k: 10 ** 6)
+    monkeypatch.setattr(engine_mod, "max_pool_blocks", lambda *a: 24)
+    assert engine_mod.Engine(model, block_size=BS, max_model_len=64, paged_kernel="pallas").runner.num_slots == 24 * BS

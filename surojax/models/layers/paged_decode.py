@@ -33,6 +33,11 @@ def kernel_applies(pool_shape, num_query_tokens: int, sliding_window) -> bool:
     return num_query_tokens == 1 and sliding_window is None and n < 2 ** 31
 
 
+def max_pool_blocks(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """The most KV blocks a pool may have for the kernel to apply (under 2^31 elements)."""
+    return (2 ** 31 - 1) // (num_layers * block_size * num_kv_heads * head_dim)
+
+
 def paged_decode_reference(q, k_pool, v_pool, layer, block_table, lengths, *, block_size: int):
     """The definition: gather every row's blocks of `layer`, mask positions >= lengths, softmax in fp32."""
     B, N, H = q.shape
@@ -164,4 +169,4 @@ def prepare() -> None:
     _prepared.add(backend)
 
 
-__all__ = ["kernel_applies", "paged_decode_attention", "paged_decode_reference", "prepare"]
+__all__ = ["kernel_applies", "max_pool_blocks", "paged_decode_attention", "paged_decode_reference", "prepare"]
