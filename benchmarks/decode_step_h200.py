@@ -54,7 +54,7 @@ from surojax.serve.sampling import BatchMode  # noqa: E402
 
 CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "wgmma", "cublas")),
-    ("attention / softmax", ("softmax", "reduce", "cudnn", "fmha")),
+    ("attention / softmax", ("softmax", "reduce", "cudnn", "fmha", "paged_decode")),
     ("copy / gather / scatter", ("copy", "transpose", "memcpy", "memset", "dynamic_update_slice",
                                  "dynamic_slice", "gather", "scatter")),
     ("fusion (elementwise)", ("fusion", "loop_", "input_")),
