@@ -211,6 +211,10 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
     from surojax.train.step import make_train_step
 
     cfg = train_namespace(bc)
+    if bc.offload_base or bc.offload_optimizer or bc.offload_master or bc.recompute == "offload":
+        from surojax.offload.host_memory import raise_host_memory_limit
+
+        raise_host_memory_limit()  # before jax.devices() creates the GPU client (XLA caps pinned host at 64 GB)
     device = device or jax.devices()[0]
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
     base_format = bc.quant or bc.base_format  # check() allows at most one of them
