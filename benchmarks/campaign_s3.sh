@@ -15,6 +15,7 @@ corrlora) item correctness-lora ${TC:-200} python3 benchmarks/gpu_correctness.py
 decode) item decode ${TD:-200} python3 benchmarks/decode_step_h200.py --rows ${DROWS:-1,64} --profile ;;
 decodecb) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" item decode-cmdbuf ${TDC:-100} \
             python3 benchmarks/decode_step_h200.py --rows ${DROWS:-1,64} --variants single-rolled,multi-rolled --tag cmdbuf ;;
+rows) item decode-rows ${TR:-90} python3 benchmarks/decode_step_h200.py --rows ${DROWS:-1,2,4} --variants multi-rolled,single-rolled --tag rows ;;
 kern) item quant_matmul 130 python3 benchmarks/quant_matmul_h200.py --formats ${QFORMATS:-q5_k,q6_k,nvfp4} ;;
 serve) item serve ${TS:-240} python3 benchmarks/serve_load.py --modes ${SMODES:-engine} --users ${SUSERS:-1,64} \
          --decode-steps ${SK:-1,8} --kv-in-place ${SKV:-0,1} ;;
