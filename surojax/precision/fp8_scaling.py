@@ -126,7 +126,7 @@ def round_fp8_reference(x: jax.Array, fmt: str) -> jax.Array:
     mag = jnp.abs(x)
     _, e = jnp.frexp(jnp.where(mag > 0, mag, 1.0))  # mag = m * 2^e, m in [0.5, 1)
     exponent = jnp.maximum(e - 1, s.min_exponent)  # subnormals share the smallest normal's spacing
-    step = jnp.exp2((exponent - s.mantissa_bits).astype(jnp.float32))
+    step = jnp.ldexp(jnp.float32(1.0), exponent - s.mantissa_bits)  # exact powers of two
     rounded = jnp.round(mag / step) * step  # jnp.round: half to even
     rounded = jnp.minimum(rounded, s.max)
     return jnp.where(jnp.isnan(x), x, jnp.sign(x) * rounded)
