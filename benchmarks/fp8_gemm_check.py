@@ -13,8 +13,9 @@ Three parts:
   1. ops    fp8_dot / fp8_dot_frozen on one Qwen3-0.6B-sized GEMM (M = 16384 tokens): forward and forward +
             backward, checked against the fp32 product of the dequantised operands (max |y - ref| / max |ref| <
             1e-2), GEMM census, time vs the bf16 GEMM (median of 3 x `iters` calls)
+            (both ways of writing the scaled GEMM, SUROJAX_FP8_DOT=qdq | direct, see fp8_matmul.dot_form)
   2. step   the `surojax bench train` step (same build path as the trainer: build_model applies the recipe) of
-            --shape / --mode with --recipe fp8_hybrid: GEMM census of the compiled step (compile only, no run)
+            --shape / --mode with --recipe fp8_hybrid: GEMM census of the compiled step (compile only, no run), in the first of --forms
   3. verdict `FP8 GEMMS USED: yes/no` per part, a table, and one JSON line per measurement
 
     PYTHONPATH=$PWD python benchmarks/fp8_gemm_check.py                                 # H200, ~2-3 min
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -156,7 +158,7 @@ def _fwd_bwd(f, g, *primals):
     return y, vjp(g)
 
 
-def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool) -> bool:
+def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool, forms: list[str]) -> dict:
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (M, K), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (K, N), jnp.float32) / K ** 0.5).astype(jnp.bfloat16)
@@ -187,16 +189,23 @@ def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool) -> bool:
         "bf16 fwd+dx+dw": (lambda x, w, g: _fwd_bwd(lambda x, w: x @ w, g, x, w), (x, w, g)),
         "fp8 trainable fwd+dx+dw": (lambda x, w, g: _fwd_bwd(fp8_dot, g, x, w), (x, w, g)),
     }
-    any_fp8 = False
-    for name, (fn, args) in variants.items():
-        census = gemm_census(_compiled_text(fn, *args))
-        used = fp8_used(census)
-        any_fp8 |= used and name.startswith("fp8")
-        ms = _time(fn, args, iters) * 1e3 if timing else None
-        emit(rows, {"part": "ops", "variant": name, "M": M, "K": K, "N": N, "ms": ms, "gemms": census,
-                    "fp8_gemms_used": used,
-                    "max_rel_err": errs["frozen" if "frozen" in name else "trainable"] if name.startswith("fp8")
-                    else None})
+    any_fp8 = {}
+    for form in forms:
+        os.environ["SUROJAX_FP8_DOT"] = form  # read when the fp8 functions are traced (each variant is new)
+        for name, (fn, args) in variants.items():
+            if form != forms[0] and not name.startswith("fp8"):
+                continue
+            label = f"{name} [{form}]" if name.startswith("fp8") else name
+            census = gemm_census(_compiled_text(lambda *a, fn=fn: fn(*a), *args))
+            used = fp8_used(census)
+            if name.startswith("fp8"):
+                any_fp8[form] = any_fp8.get(form, False) or used
+            ms = _time(lambda *a, fn=fn: fn(*a), args, iters) * 1e3 if timing else None
+            emit(rows, {"part": "ops", "variant": label, "dot_form": form, "M": M, "K": K, "N": N, "ms": ms,
+                        "gemms": census, "fp8_gemms_used": used,
+                        "max_rel_err": errs["frozen" if "frozen" in name else "trainable"]
+                        if name.startswith("fp8") else None})
+    os.environ["SUROJAX_FP8_DOT"] = forms[0]
     ok = all(e < MAX_REL_ERR for e in errs.values())
     print(f"ops: max rel err vs dequantised fp32 product {errs} -> {'OK' if ok else 'FAIL'}", file=sys.stderr)
     if not ok:
@@ -233,6 +242,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--unroll", default="1", help="layers per scan iteration, or 'all'")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--forms", default="qdq,direct", help="SUROJAX_FP8_DOT forms to compile and time (ops part)")
     p.add_argument("--mkn", default="16384,1024,3072", help="M,K,N of the op benchmark (default: 0.6B gate/up)")
     args = p.parse_args()
     if args.smoke:
@@ -241,7 +251,8 @@ def main() -> int:
     unroll = True if args.unroll == "all" else int(args.unroll)
     print(f"devices: {jax.devices()}; jax {jax.__version__}", file=sys.stderr)
     rows: list = []
-    ops_fp8 = part_ops(rows, M, K, N, args.iters, timing=not args.smoke)
+    forms = args.forms.split(",")
+    ops_fp8 = part_ops(rows, M, K, N, args.iters, timing=not args.smoke, forms=forms)
     step_fp8 = {m: part_step(rows, args.shape, m, args.batch, args.seq, unroll)
                 for m in (("lora", "full") if args.mode == "both" else (args.mode,))}
 
@@ -252,11 +263,13 @@ def main() -> int:
         gemms = ", ".join(f"{k}: {v}" for k, v in sorted(r["gemms"].items())) or "-"
         print(f"| {r['part']} | {r['variant']} | {ms} | {gemms} | {r['fp8_gemms_used']} |")
     by = {r["variant"]: r.get("ms") for r in rows}
-    if by.get("bf16 fwd+dx") and by.get("fp8 frozen fwd+dx"):
-        print(f"\nfp8 / bf16 time: LoRA fwd+dx {by['fp8 frozen fwd+dx'] / by['bf16 fwd+dx']:.2f}x, "
-              f"full fwd+dx+dw {by['fp8 trainable fwd+dx+dw'] / by['bf16 fwd+dx+dw']:.2f}x")
-    print(f"FP8 GEMMS USED: ops {'yes' if ops_fp8 else 'NO'}; "
-          + "; ".join(f"step {m} {'yes' if u else 'NO'}" for m, u in step_fp8.items()))
+    for form in forms:
+        lora, full = by.get(f"fp8 frozen fwd+dx [{form}]"), by.get(f"fp8 trainable fwd+dx+dw [{form}]")
+        if lora and full:
+            print(f"\n[{form}] fp8 / bf16 time: LoRA fwd+dx {lora / by['bf16 fwd+dx']:.2f}x, "
+                  f"full fwd+dx+dw {full / by['bf16 fwd+dx+dw']:.2f}x")
+    print("FP8 GEMMS USED: " + "; ".join(f"ops [{f}] {'yes' if u else 'NO'}" for f, u in ops_fp8.items())
+          + "; " + "; ".join(f"step {m} [{forms[0]}] {'yes' if u else 'NO'}" for m, u in step_fp8.items()))
     return 0
 
 

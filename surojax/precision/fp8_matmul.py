@@ -19,6 +19,8 @@ current scaling is one extra read of each quantised tensor for its amax.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -27,8 +29,22 @@ from surojax.precision.fp8_scaling import E4M3, E5M2, dequantize, quantize_curre
 MARGIN = 0  # 2^-margin headroom in the scale (Transformer Engine's default)
 
 
+def dot_form() -> str:
+    """How the scaled GEMM is written for XLA (read when a step is traced): `qdq` (default)
+    dot(convert(a_q) * a_d, convert(b_q) * b_d), the pattern XLA folds into cuBLASLt's scale operands; `direct`
+    dot_general on the FP8 arrays themselves (bf16 result) times a_d * b_d, the form newer flax emits. Same
+    numbers up to one bf16 rounding; benchmarks/fp8_gemm_check.py compiles and times both."""
+    form = os.environ.get("SUROJAX_FP8_DOT", "qdq")
+    if form not in ("qdq", "direct"):
+        raise ValueError(f"SUROJAX_FP8_DOT={form!r}: expected qdq or direct")
+    return form
+
+
 def _scaled_dot(a_q, a_d, b_q, b_d, dims, dtype):
     """dot_general(a_q * a_d, b_q * b_d) in `dtype` (fp32 accumulation inside the GEMM)."""
+    if dot_form() == "direct":
+        y = jax.lax.dot_general(a_q, b_q, (dims, ((), ())), preferred_element_type=dtype)
+        return y * (a_d.astype(jnp.float32) * b_d.astype(jnp.float32)).astype(dtype)
     return jax.lax.dot_general(dequantize(a_q, a_d, dtype), dequantize(b_q, b_d, dtype), (dims, ((), ())),
                                preferred_element_type=dtype)
 
@@ -106,4 +122,4 @@ def reference_dot(x_q, x_d, w_q, w_d) -> jax.Array:
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-__all__ = ["fp8_dot", "fp8_dot_frozen", "reference_dot", "MARGIN"]
+__all__ = ["fp8_dot", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN"]

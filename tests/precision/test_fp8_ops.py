@@ -119,3 +119,17 @@ def test_layer_mask_picks_bf16_or_fp8_per_layer():
     for flag, want in ((False, dot(x, w)), (True, fp8_dot(x, w))):
         y = Fp8Linear(base, mask=Fp8LayerMask(jnp.asarray(flag)))(x)
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+
+
+def test_direct_dot_form_matches_qdq(monkeypatch):
+    x, w, g = _operands(seed=2)
+    outs = {}
+    for form in ("qdq", "direct"):
+        monkeypatch.setenv("SUROJAX_FP8_DOT", form)
+        y, vjp = jax.vjp(fp8_dot, x, w)  # traced anew: the form is read at trace time
+        outs[form] = (y, *vjp(g))
+    for a, b in zip(outs["qdq"], outs["direct"]):
+        assert _rel(a, b) < 1e-2
+    monkeypatch.setenv("SUROJAX_FP8_DOT", "nope")
+    with pytest.raises(ValueError, match="SUROJAX_FP8_DOT"):
+        fp8_dot(x, w)
