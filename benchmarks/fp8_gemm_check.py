@@ -16,9 +16,10 @@ Three parts:
             (both ways of writing the scaled GEMM, SUROJAX_FP8_DOT=qdq | direct, see fp8_matmul.dot_form)
   2. step   the `surojax bench train` step (same build path as the trainer: build_model applies the recipe) of
             --shape / --mode with --recipe fp8_hybrid: GEMM census of the compiled step (compile only, no run), in the first of --forms
+            then the bench's timing of that step, bf16 and fp8_hybrid (5 steps each; --no-step-time skips it)
   3. verdict `FP8 GEMMS USED: yes/no` per part, a table, and one JSON line per measurement
 
-    PYTHONPATH=$PWD python benchmarks/fp8_gemm_check.py                                 # H200, ~2-3 min
+    PYTHONPATH=$PWD python benchmarks/fp8_gemm_check.py                                 # H200, ~3 min (qwen3-small)
     PYTHONPATH=$PWD python benchmarks/fp8_gemm_check.py --shape qwen3-0.6b --unroll all # the bench's step
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/fp8_gemm_check.py --smoke       # CPU: tiny, no timing
 """
@@ -213,7 +214,7 @@ def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool, forms: list
     return any_fp8
 
 
-def part_step(rows, shape: str, mode: str, batch: int, seq: int, unroll) -> bool:
+def part_step(rows, shape: str, mode: str, batch: int, seq: int, unroll, time_steps: bool) -> bool:
     from surojax.bench.train_bench import BenchConfig, build, place_batch, synthetic_batch
     import numpy as np
 
@@ -230,6 +231,17 @@ def part_step(rows, shape: str, mode: str, batch: int, seq: int, unroll) -> bool
     emit(rows, {"part": "step", "variant": f"{shape} {mode} fp8_hybrid", "batch": batch, "seq": seq,
                 "unroll_layers": unroll, "gemms": census, "fp8_gemms_used": used,
                 "compile_s": time.perf_counter() - t0})
+    del s, batch_dev
+    if time_steps:  # the bench's own timing (build + compile + 2 warm-up + 5 steps), bf16 then fp8_hybrid
+        from surojax.bench.train_bench import run
+
+        for recipe in ("bf16", "fp8_hybrid"):
+            bc_t = BenchConfig(shape=shape, mode=mode, batch=batch, seq=seq, recipe=recipe, unroll_layers=unroll,
+                               steps=5, repeats=1, min_segment=min(64, seq // 4))
+            rec = run(bc_t, log=lambda m: print(m, file=sys.stderr, flush=True))
+            emit(rows, {"part": "step-time", "variant": f"{shape} {mode} {recipe}", "ms": rec["step_ms"],
+                        "tokens_per_s": rec["tokens_per_s"], "peak_gib": rec["peak_gib"], "loss": rec["loss"],
+                        "gemms": {}, "fp8_gemms_used": None})
     return used
 
 
@@ -241,6 +253,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--unroll", default="1", help="layers per scan iteration, or 'all'")
+    p.add_argument("--no-step-time", action="store_true", help="skip timing the step (bf16 vs fp8_hybrid)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--forms", default="qdq,direct", help="SUROJAX_FP8_DOT forms to compile and time (ops part)")
     p.add_argument("--mkn", default="16384,1024,3072", help="M,K,N of the op benchmark (default: 0.6B gate/up)")
@@ -253,7 +266,8 @@ def main() -> int:
     rows: list = []
     forms = args.forms.split(",")
     ops_fp8 = part_ops(rows, M, K, N, args.iters, timing=not args.smoke, forms=forms)
-    step_fp8 = {m: part_step(rows, args.shape, m, args.batch, args.seq, unroll)
+    step_fp8 = {m: part_step(rows, args.shape, m, args.batch, args.seq, unroll, time_steps=not args.smoke
+                             and not args.no_step_time)
                 for m in (("lora", "full") if args.mode == "both" else (args.mode,))}
 
     print("\n| part | variant | ms | GEMMs (kind: count) | fp8 used |")
@@ -261,7 +275,14 @@ def main() -> int:
     for r in rows:
         ms = f"{r['ms']:.3f}" if r.get("ms") is not None else "-"
         gemms = ", ".join(f"{k}: {v}" for k, v in sorted(r["gemms"].items())) or "-"
+        if "tokens_per_s" in r:
+            gemms = f"{r['tokens_per_s']:,.0f} tok/s, loss {r['loss']:.4f}"
         print(f"| {r['part']} | {r['variant']} | {ms} | {gemms} | {r['fp8_gemms_used']} |")
+    t = {r["variant"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
+    for m in step_fp8:
+        a, b = t.get(f"{args.shape} {m} bf16"), t.get(f"{args.shape} {m} fp8_hybrid")
+        if a and b:
+            print(f"\nstep {args.shape} {m}: fp8_hybrid / bf16 tokens/s = {b / a:.3f}")
     by = {r["variant"]: r.get("ms") for r in rows}
     for form in forms:
         lora, full = by.get(f"fp8 frozen fwd+dx [{form}]"), by.get(f"fp8 trainable fwd+dx+dw [{form}]")
