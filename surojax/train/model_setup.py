@@ -15,10 +15,12 @@ Transforms are applied to the built model in this order: (quantise base) -> LoRA
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -178,6 +180,23 @@ def apply_fp8_recipe(cfg, model: Decoder, prec: Precision) -> None:
         raise TrainSetupError(f"recipe: fp8_hybrid: {e}") from None
     log.info("fp8_hybrid: %d linear targets multiply in FP8 (%s base)", len(targets),
              "frozen E4M3" if cfg.lora else "trainable")
+    if not has_fp8_tensor_cores():
+        _warn_no_fp8(jax.devices()[0].device_kind)
+
+
+@functools.lru_cache(maxsize=None)  # once per device kind (a model may be built twice: shapes, then values)
+def _warn_no_fp8(kind: str) -> None:
+    log.warning("fp8_hybrid: %s has no FP8 tensor cores (needs compute capability >= 8.9, e.g. H100 / H200): the "
+                "GEMMs run in bf16 after the FP8 rounding, slower than recipe: bf16", kind)
+
+
+def has_fp8_tensor_cores() -> bool:
+    """Whether the default device runs FP8 GEMMs (NVIDIA Ada / Hopper or newer)."""
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return cc is not None and tuple(int(v) for v in str(cc).split(".")[:2]) >= (8, 9)
+    except ValueError:
+        return False
 
 
 def is_gguf_path(p) -> bool:
