@@ -36,7 +36,7 @@ def test_config_rules():
 def _trajectory(recipe, mode):
     bc = BenchConfig(shape="debug", mode=mode, batch=4, seq=64, recipe=recipe, learning_rate=1e-2, segments=2,
                      min_segment=16)
-    s = build(bc, jit_init=False)  # eager init: no init compile on CPU
+    s = build(bc)
     host, _ = synthetic_batch(np.random.default_rng(0), 1, 4, 64, s.model_cfg.vocab_size, 2, 16)
     batch = place_batch(s, host)
     trainable, opt_state, losses = s.trainable, s.opt_state, []
