@@ -11,6 +11,11 @@ item() { local name=$1 t=$2; shift 2; echo "== $name (t=$(( $(date +%s) - START 
 B06="python3 -m surojax.cli.main bench train --shape qwen3-0.6b --batch 8 --seq 2048 --steps 5 --repeats 1"
 for part in ${PARTS:-corr kern serve}; do case $part in
 corr) item correctness ${TC:-200} python3 benchmarks/gpu_correctness.py --skip-timing --unroll-layers all ;;
+corrlora) item correctness-lora ${TC:-200} python3 benchmarks/gpu_correctness.py --skip-timing --skip-attention --modes lora --unroll-layers all ;;
+decode) item decode ${TD:-200} python3 benchmarks/decode_step_h200.py --rows ${DROWS:-1,64} --profile ;;
+decodecb) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" item decode-cmdbuf ${TDC:-100} \
+            python3 benchmarks/decode_step_h200.py --rows ${DROWS:-1,64} --variants single-rolled,multi-rolled --tag cmdbuf ;;
+rows) item decode-rows ${TR:-90} python3 benchmarks/decode_step_h200.py --rows ${DROWS:-1,2,4} --variants multi-rolled,single-rolled --tag rows ;;
 kern) item quant_matmul 130 python3 benchmarks/quant_matmul_h200.py --formats ${QFORMATS:-q5_k,q6_k,nvfp4} ;;
 serve) item serve ${TS:-240} python3 benchmarks/serve_load.py --modes ${SMODES:-engine} --users ${SUSERS:-1,64} \
          --decode-steps ${SK:-1,8} --kv-in-place ${SKV:-0,1} ;;

@@ -1,12 +1,13 @@
-"""Random quantised bases for throughput benchmarks (`surojax bench train --quant FMT`,
-benchmarks/quant_matmul_h200.py).
+"""Random quantised bases for throughput benchmarks: the one builder of random quantised weights
+(`surojax bench train --quant FMT` and `--base-format FMT`, benchmarks/quant_matmul_h200.py).
 
 Speed does not depend on the weight values, so a benchmark base is random codes in the format's own layout with
-sane scales (no NaN / inf), built with jax.random: jit-able, on the device, one layer's arrays at a time in XLA.
+sane scales (no NaN / inf), built with jax.random: jit-able, one layer's arrays at a time in XLA.
 `randomize_base(model, fmt, key)` replaces every targeted Linear kernel of a built Decoder by such a stacked
 [L, ...] pytree (the shape `quantize_model` produces). Called inside the jit that builds the model
 (`init_sharded`), the bf16 kernels it replaces are dead code and never materialise: a 70B base needs only its
-quantised bytes on the device.
+quantised bytes on the device. Under `nnx.eval_shape` it gives the abstract quantised model that
+`offload/host_init.py` fills on the host (one layer from `random_weight` on the CPU backend, repeated over L).
 """
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ import ml_dtypes
 
 from surojax.quant import FORMATS
 
-RANDOM_FORMATS = ("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8")
-_F16_FIELDS = {"q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208], "q8_0": [0]}  # byte offsets of fp16 scales
-# the fp16 super-block scale d, about 0.02 / (typical sub-scale x typical code): weights of a trained model's size
-_D = {"q4_k": 1e-4, "q5_k": 5e-5, "q6_k": 1e-5, "q8_0": 3e-4}
+# `--quant`: the formats with a fused dequantise + matmul kernel (pallas_kernels.layout.SPECS), built on the device
+KERNEL_FORMATS = ("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8")
+# `--base-format`: GGUF legacy block types (one fp16 scale per 32 values), built on the host (offload/host_init.py)
+GGUF_LEGACY_FORMATS = ("q4_0", "q5_0", "q8_0")
+RANDOM_FORMATS = KERNEL_FORMATS + ("q4_0", "q5_0")  # every format random_weight builds
+# byte offsets of the fp16 scales in each GGUF block (gguf_legacy.py, gguf_kquants.py)
+_F16_FIELDS = {"q4_0": [0], "q5_0": [0], "q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+# the fp16 (super-)block scale d, about 0.02 / (typical sub-scale x typical code): weights of a trained model's size
+_D = {"q4_0": 5e-3, "q5_0": 2.5e-3, "q8_0": 3e-4, "q4_k": 1e-4, "q5_k": 5e-5, "q6_k": 1e-5}
 
 
 def random_weight(name: str, k: int, n: int, key, lead: tuple[int, ...] = ()):
@@ -70,4 +76,4 @@ def randomize_base(model, fmt: str, key, targets: str = "all-linear") -> None:
         lin.kernel = QuantParam(q, **var.get_metadata())
 
 
-__all__ = ["RANDOM_FORMATS", "random_weight", "randomize_base"]
+__all__ = ["GGUF_LEGACY_FORMATS", "KERNEL_FORMATS", "RANDOM_FORMATS", "random_weight", "randomize_base"]

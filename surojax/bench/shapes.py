@@ -1,5 +1,6 @@
 """Model shapes for benchmarks: HF config.json fields, exactly those of the HF+PEFT anchor's SHAPES
-(benchmarks/anchors/hf_peft_baseline.py), plus tiny ones that run on a CPU in seconds.
+(benchmarks/anchors/hf_peft_baseline.py, which runs without surojax; a test keeps the two equal), plus tiny
+ones that run on a CPU in seconds.
 
 Weights are random (throughput does not depend on their values), so a shape is all a benchmark needs.
 """

@@ -3,9 +3,11 @@
 Same code path as `surojax sft` (surojax/train/trainer.py), minus data loading and checkpoints:
     model      `build_model` (model_setup.py) on a config namespace with from_scratch weights of the real
                shape, LoRA through `init_lora` on all 7 targets; built inside one jit (`init_sharded`) on a
-               one-device mesh, so an 8B model is initialised on the GPU, not the host
+               one-device mesh, so an 8B model is initialised on the GPU, not the host (`--init host`: random
+               values built on the host and placed, for models larger than the device; see `build`)
     precision  the trainer's recipes (`precision_for`): bf16 = bf16 compute; LoRA base bf16 + fp32 adapters;
-               full fine-tune fp32 master weights
+               full fine-tune fp32 master weights; fp8_hybrid = bf16 + the FP8 Linear transform, applied by
+               `build_model` as in the trainer
     step       `make_train_step(graphdef, lm_loss, adamw)` with the trainer's chunk size, remat policy
                (`offload.remat.layer_loop`) and optimizer (`build_optimizer` + `lr_schedule`); its buffers donated
     batch      [A, B, T] packed rows: `segments` sequences per row with random lengths (>= min_segment),
@@ -73,16 +75,25 @@ class BenchConfig:
             raise ValueError(f"--mode {self.mode!r}: expected lora or full")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute {self.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
-        if self.recipe not in ("bf16", "fp32"):
-            raise ValueError(f"--recipe {self.recipe!r}: expected bf16 or fp32")
+        if self.recipe not in ("bf16", "fp32", "fp8_hybrid"):
+            raise ValueError(f"--recipe {self.recipe!r}: expected bf16, fp32 or fp8_hybrid")
+        if self.recipe == "fp8_hybrid" and (self.quant or self.offload_base or self.base_format or self.init == "host"):
+            raise ValueError("--recipe fp8_hybrid multiplies a bf16 base built on the device in FP8; it does not "
+                             "combine with --quant / --offload-base / --base-format / --init host")
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.quant is not None:
-            from surojax.bench.quant_base import RANDOM_FORMATS
+        if self.base_format is not None:
+            from surojax.bench.quant_base import GGUF_LEGACY_FORMATS
 
-            if self.quant not in RANDOM_FORMATS:
-                raise ValueError(f"--quant {self.quant!r}: expected one of {', '.join(RANDOM_FORMATS)}")
+            if self.base_format not in GGUF_LEGACY_FORMATS:
+                raise ValueError(f"--base-format {self.base_format!r}: expected one of "
+                                 f"{', '.join(GGUF_LEGACY_FORMATS)}")
+        if self.quant is not None:
+            from surojax.bench.quant_base import KERNEL_FORMATS
+
+            if self.quant not in KERNEL_FORMATS:
+                raise ValueError(f"--quant {self.quant!r}: expected one of {', '.join(KERNEL_FORMATS)}")
             if self.mode != "lora":
                 raise ValueError("--quant trains LoRA over a quantised frozen base: use --mode lora")
         if self.optimizer not in ("adamw", "adamw_8bit"):
@@ -181,38 +192,51 @@ class Setup:
     chunk: int
 
 
-def build(bc: BenchConfig, *, device=None, jit_init: bool = True) -> Setup:
-    """Model + optimizer state + the jitted step, exactly as the Trainer builds them (one device)."""
+def build(bc: BenchConfig, *, device=None) -> Setup:
+    """Model + optimizer state + the jitted step, exactly as the Trainer builds them (one device).
+
+    One model recipe, `make_model` (the trainer's `build_model`, then a random quantised base swapped in for
+    `--quant` / `--base-format`), and one of two ways to give it values, which must differ for models larger
+    than the device:
+        on the device  `init_sharded` runs `make_model` inside one jit: the weights are computed on the device
+                       and the bf16 kernels a quantised base replaces are dead code, never materialised
+        on the host    (`--init host`, forced by `--offload-base` / `--base-format`) `random_placed_model` traces
+                       `make_model` abstractly and fills every leaf with numpy values put straight where it lives
+                       (the streamed base in pinned host memory: the device never holds it whole)
+    """
     import jax
     from flax import nnx
 
     from surojax.losses.lm import lm_loss
     from surojax.offload.remat import layer_loop
-    from surojax.parallel import init_sharded, make_mesh, shard_model
+    from surojax.parallel import init_sharded, make_mesh
     from surojax.train.model_setup import build_model, trainable_filter
     from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
     from surojax.train.step import make_train_step
 
     cfg = train_namespace(bc)
+    if bc.offload_base or bc.offload_optimizer or bc.offload_master or bc.recompute == "offload":
+        from surojax.offload.host_memory import raise_host_memory_limit
+
+        raise_host_memory_limit()  # before jax.devices() creates the GPU client (XLA caps pinned host at 64 GB)
     device = device or jax.devices()[0]
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
+    base_format = bc.quant or bc.base_format  # check() allows at most one of them
+
     def make_model():
         model = build_model(cfg)
-        if bc.quant:  # inside init_sharded's jit the replaced bf16 kernels are dead code: never materialised
+        if base_format:
             from surojax.bench.quant_base import randomize_base
 
-            randomize_base(model, bc.quant, jax.random.key(bc.seed + 1000))
+            randomize_base(model, base_format, jax.random.key(bc.seed + 1000))
         return model
 
-    if bc.offload_base or bc.base_format or bc.init == "host":  # models larger than the device
+    if bc.init == "host" or bc.offload_base or bc.base_format:
         from surojax.offload.host_init import random_placed_model
 
-        model = random_placed_model(lambda: build_model(cfg), mesh, offload_base=bc.offload_base,
-                                    base_format=bc.base_format, seed=bc.seed)
-    elif jit_init:
-        model = init_sharded(make_model, mesh)
+        model = random_placed_model(make_model, mesh, offload_base=bc.offload_base, seed=bc.seed)
     else:
-        model = shard_model(make_model(), mesh)
+        model = init_sharded(make_model, mesh)
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
     model_cfg = model.cfg
 

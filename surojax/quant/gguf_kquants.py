@@ -43,6 +43,15 @@ def _scale_min_k4(scales):
     return sc.astype(jnp.int32), mn.astype(jnp.int32)
 
 
+def _k4_scales_mins(b):
+    """Q4_K/Q5_K super-block header (d fp16 | dmin fp16 | 12 bytes of 6-bit scales and mins), uint8 [M, >= 16]
+    -> d*sc, dmin*m float32 [M, 8, 1] (one per sub-block of 32)."""
+    n = b.shape[0]
+    d, dmin = f16_from_bytes(b[:, 0:2])[:, None], f16_from_bytes(b[:, 2:4])[:, None]
+    sc, m = _scale_min_k4(b[:, 4:16])
+    return (d * sc.astype(jnp.float32)).reshape(n, 8, 1), (dmin * m.astype(jnp.float32)).reshape(n, 8, 1)
+
+
 @register_format("q2_k")
 class Q2_K(GGUFQuant):
     ggml_type, block_size, type_size, can_quantize = 10, QK_K, 84, True
@@ -86,10 +95,7 @@ class Q4_K(GGUFQuant):
     @classmethod
     def dequantize_blocks(cls, b):
         n = b.shape[0]
-        d, dmin = f16_from_bytes(b[:, 0:2])[:, None], f16_from_bytes(b[:, 2:4])[:, None]
-        sc, m = _scale_min_k4(b[:, 4:16])
-        dd = (d * sc.astype(jnp.float32)).reshape(n, 8, 1)
-        dm = (dmin * m.astype(jnp.float32)).reshape(n, 8, 1)
+        dd, dm = _k4_scales_mins(b)
         q = _shift_out(b[:, 16:].reshape(n, 4, 1, 32), _shifts(0, 4), 0x0F, (1, 1, 2, 1))
         q = q.reshape(n, 8, 32).astype(jnp.float32)
         return (dd * q - dm).reshape(n, QK_K)
@@ -102,10 +108,7 @@ class Q5_K(GGUFQuant):
     @classmethod
     def dequantize_blocks(cls, b):
         n = b.shape[0]
-        d, dmin = f16_from_bytes(b[:, 0:2])[:, None], f16_from_bytes(b[:, 2:4])[:, None]
-        sc, m = _scale_min_k4(b[:, 4:16])
-        dd = (d * sc.astype(jnp.float32)).reshape(n, 8, 1)
-        dm = (dmin * m.astype(jnp.float32)).reshape(n, 8, 1)
+        dd, dm = _k4_scales_mins(b)
         ql = _shift_out(b[:, 48:].reshape(n, 4, 1, 32), _shifts(0, 4), 0x0F, (1, 1, 2, 1)).reshape(n, 8, 32)
         qh = _shift_out(b[:, 16:48].reshape(n, 1, 1, 32), jnp.arange(8, dtype=jnp.uint8), 1, (1, 1, 8, 1))
         q = (ql | (qh.reshape(n, 8, 32) << 4)).astype(jnp.float32)

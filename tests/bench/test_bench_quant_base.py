@@ -33,3 +33,22 @@ def test_bench_train_over_a_quantised_base():
         BenchConfig(shape="debug", mode="full", quant="nf4").check()
     with pytest.raises(ValueError, match="--quant 'q4_0'"):
         BenchConfig(shape="debug", quant="q4_0").check()
+
+
+def test_cli_choices_are_the_lists_the_bench_checks():
+    """cli/bench.py spells its choices out (its parser is built without importing jax): they must stay equal to
+    the lists BenchConfig.check() uses, and --quant's to the formats that have a fused kernel."""
+    import argparse
+
+    from pallas_kernels.layout import SPECS
+    from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS, RANDOM_FORMATS
+    from surojax.bench.shapes import SHAPES
+    from surojax.cli.bench import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    choices = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
+    assert choices["shape"] == tuple(SHAPES)
+    assert choices["quant"] == KERNEL_FORMATS == tuple(SPECS)
+    assert choices["base_format"] == GGUF_LEGACY_FORMATS
+    assert set(KERNEL_FORMATS) | set(GGUF_LEGACY_FORMATS) == set(RANDOM_FORMATS)

@@ -90,3 +90,14 @@ def test_causal_pairs():
     assert causal_pairs([4]) == 10 and causal_pairs([4, 4]) == 20
     assert causal_pairs([5], window=2) == 1 + 2 * 4  # 1, 2, 2, 2, 2
     assert causal_pairs([5], window=5) == causal_pairs([5])
+
+
+def test_shapes_are_the_hf_anchors_shapes():
+    """benchmarks/anchors/hf_peft_baseline.py runs without surojax (a copy of the shared anchor), so it keeps its
+    own SHAPES table: every shape it has must be ours to the letter (a ratio of two different models is no ratio)."""
+    import ast
+
+    tree = ast.parse((ROOT / "benchmarks/anchors/hf_peft_baseline.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SHAPES")
+    anchor = eval(compile(ast.Expression(node.value), "hf_peft_baseline.py", "eval"), {"dict": dict})
+    assert anchor and all(SHAPES[name] == shape for name, shape in anchor.items())

@@ -6,7 +6,6 @@ offload_optimizer) it agrees to 1 ulp of the update (XLA compiles the same eleme
 differently: 2.8e-9 on updates of 1e-2), so the Trainer's losses are compared with rtol 1e-6.
 """
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -22,6 +21,7 @@ from surojax.parallel import make_mesh, shard_model
 from surojax.train.optim import build_optimizer, decay_mask, init_opt_state
 from surojax.train.step import make_train_step
 
+from tests.offload.test_streaming import _device_puts
 from tests.train.conftest import TINY_QWEN3, tiny_config  # noqa: F401 (fixture)
 
 CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
@@ -33,16 +33,6 @@ def _batch(A=2, B=2, T=16):
             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (A, B, T)).copy(),
             "segment_ids": np.ones((A, B, T), np.int32), "targets": rng.integers(1, 128, (A, B, T)).astype(np.int32),
             "loss_mask": np.ones((A, B, T), np.float32)}
-
-
-def _host_puts(jaxpr) -> int:
-    n = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "device_put" and jax.memory.Space.Host in eqn.params["devices"]:
-            n += len(eqn.invars)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _host_puts(sub)
-    return n
 
 
 def _run(opt, steps=3):
@@ -71,7 +61,7 @@ def test_offloaded_state_lives_on_host_and_updates_exactly_like_the_device_state
     # every per-layer state leaf goes back to host inside the per-layer scan
     jaxpr = jax.make_jaxpr(step.__wrapped__ if hasattr(step, "__wrapped__") else step)(
         p_host, frozen, s_host, _batch(), jax.random.key(0)).jaxpr
-    assert _host_puts(jaxpr) >= len(jax.tree.leaves(lw.layers))
+    assert _device_puts(jaxpr, jax.memory.Space.Host) >= len(jax.tree.leaves(lw.layers))
 
 
 def test_trainer_full_finetune_with_offload_optimizer(tmp_path, tiny_config):  # noqa: F811

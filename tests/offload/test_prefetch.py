@@ -22,7 +22,7 @@ from surojax.peft.lora import TRAINABLE, apply_lora
 from surojax.quant.transform import quantize_model
 from surojax.train.step import make_train_step
 
-from tests.offload.test_streaming import CFG, _batch, _device_puts_to_device, _max_diff, _split
+from tests.offload.test_streaming import CFG, _batch, _device_puts, _max_diff, _split
 
 PREFETCH = PrefetchedLayers()
 
@@ -101,7 +101,7 @@ def test_prefetched_equals_resident(quant):
     # in the backward scan, and the embedding once per forward pass (two forward passes here: logits, loss)
     n = len(streamed_leaves(streamed))
     jaxpr = jax.make_jaxpr(lambda t, f: logits_loss_grads(t, f, PREFETCH))(trainable, streamed).jaxpr
-    assert _device_puts_to_device(jaxpr) == (2 * n + 1) + (2 * n + 1) + 2 * n
+    assert _device_puts(jaxpr) == (2 * n + 1) + (2 * n + 1) + 2 * n
     # overlap by construction: in every layer loop (logits forward, loss forward, backward) the fetch of the next
     # layer neither reads the carried activation nor feeds this step's compute
     assert _scans_with_independent_fetch(jaxpr) == 3

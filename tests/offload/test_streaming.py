@@ -73,14 +73,14 @@ def _batch(accum=A, seed=0):
             "loss_mask": (rng.random(shape) > 0.2).astype(np.float32)}
 
 
-def _device_puts_to_device(jaxpr) -> int:
-    """How many device_put -> Device equations the (nested) jaxpr holds."""
+def _device_puts(jaxpr, space=jax.memory.Space.Device) -> int:
+    """How many values the (nested) jaxpr's device_put equations move to `space` (Device or Host)."""
     n = 0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "device_put" and jax.memory.Space.Device in eqn.params["devices"]:
+        if eqn.primitive.name == "device_put" and space in eqn.params["devices"]:
             n += len(eqn.invars)
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            n += _device_puts_to_device(sub)
+            n += _device_puts(sub, space)
     return n
 
 
@@ -115,9 +115,9 @@ def test_streamed_logits_and_lora_grads_equal_resident(quant, recompute):
     # table once per forward pass (offload: plus the layer input coming back from host memory); the resident
     # program fetches no weight
     n = len(streamed_leaves(streamed))
-    assert _device_puts_to_device(jax.make_jaxpr(logits_loss_grads)(trainable, streamed).jaxpr) == \
+    assert _device_puts(jax.make_jaxpr(logits_loss_grads)(trainable, streamed).jaxpr) == \
         (n + 1) + (n + 1) + n + (recompute == "offload")
-    assert _device_puts_to_device(jax.make_jaxpr(logits_loss_grads)(trainable, resident).jaxpr) == \
+    assert _device_puts(jax.make_jaxpr(logits_loss_grads)(trainable, resident).jaxpr) == \
         (recompute == "offload")
 
 
