@@ -12,6 +12,8 @@ block size 16, slots scattered over the pool as after real traffic) and times
   single-paged   ``runner._paged_step_in_pool``: the paged path (``PagedKVCache``: the pool rides in the layer
                  loop, each layer reads its context through the block tables and writes its new k/v in place)
   multi-paged    ``multi_step.multi_step_decode_paged``: the same over --steps tokens per call
+  single-reduce, multi-reduce   the paged path with ``kernel="reduce"``: the gather feeds a multiply + reduce
+                 attention that XLA can fuse it into (no materialised gather, if XLA does)
   single-pallas, multi-pallas   the paged path with ``kernel="pallas"``: decode attention in the Pallas paged
                  decode-attention kernel (``models/layers/paged_decode.py``), which reads each row's real
                  blocks in place (no per-layer gather, no S padding)
@@ -88,13 +90,14 @@ def make_inputs(cfg, R, context, K, block_size, num_blocks, rng):
     return tokens, ctx, write, table, rows
 
 
-def check(R, multi, pools, pallas: bool):
-    """multi-rolled vs multi-paged-rolled (and multi-pallas-rolled) from copies of the same pool: tokens and
-    pool contents, compared on device. -> one result dict per compared path."""
+def check(R, multi, pools, kernels: str):
+    """multi-rolled vs multi-paged-rolled (and multi-reduce/pallas-rolled where `kernels` names them) from copies
+    of the same pool: tokens and pool contents, compared on device. -> one result dict per compared path."""
     k0, v0 = pools["k"], pools["v"]
     runs = {}
-    for name, paged, kernel in (("paged", True, "gather"), ("pallas", True, "pallas"), ("reference", False, "")):
-        if name == "pallas" and not pallas:
+    for name, paged, kernel in (("paged", True, "gather"), ("reduce", True, "reduce"), ("pallas", True, "pallas"),
+                                ("reference", False, "")):
+        if name in ("reduce", "pallas") and name not in kernels:
             continue
         pools["k"], pools["v"] = jnp.array(k0, copy=True), jnp.array(v0, copy=True)
         try:
@@ -176,10 +179,9 @@ def main(argv=None):
     p.add_argument("--rows", default="1,64", help="comma list of decode batch sizes R")
     p.add_argument("--context", type=int, default=576, help="tokens already in each row's cache")
     p.add_argument("--steps", type=int, default=8, help="tokens per multi-step call")
-    p.add_argument("--variants", default="multi-rolled,multi-unrolled,single-unrolled,"
-                   "multi-paged-rolled,multi-paged-unrolled,single-paged-unrolled,"
-                   "multi-pallas-rolled,multi-pallas-unrolled,single-pallas-unrolled",
-                   help="comma list of {single,multi}[-paged|-pallas]-{rolled,unrolled}")
+    p.add_argument("--variants", default="multi-rolled,multi-paged-rolled,multi-reduce-rolled,multi-pallas-rolled,"
+                   "single-rolled,single-paged-rolled,single-pallas-rolled",
+                   help="comma list of {single,multi}[-paged|-reduce|-pallas]-{rolled,unrolled}")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="kernel breakdown of the multi-step variants")
     p.add_argument("--tag", default="", help="a label for this process's XLA flags, printed in every row")
@@ -218,12 +220,12 @@ def main(argv=None):
                                      no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K, kv_in_place=True,
                                      unroll=unroll)
 
-        results += check(R, multi, pools, "pallas" in a.variants)
+        results += check(R, multi, pools, a.variants)
         for variant in a.variants.split(","):
             parts = variant.split("-")
             kind, loop = parts[0], parts[-1]
-            kernel = "pallas" if "pallas" in parts[1:-1] else "gather"
-            paged = kernel == "pallas" or "paged" in parts[1:-1]
+            kernel = next((x for x in ("pallas", "reduce") if x in parts[1:-1]), "gather")
+            paged = kernel != "gather" or "paged" in parts[1:-1]
             unroll = True if loop == "unrolled" else 1
             if kind == "single":
                 n = 1

@@ -26,9 +26,9 @@ K, so inter-token p50 drops towards 0 and p99 is about one K-step call; decode t
 carry instead of copying every layer's view in and out of the scan). `--unroll-layers` inlines the layer loop.
 `--paged-attention 0,1` (default 1, the engine's default) A/Bs the runner's ``paged_attention``: 1 = no dense
 view, the decoder reads and writes the paged pool in place through the block tables (``kv_in_place`` does not
-apply, so with 1 each K runs once); 0 = the reference gather/scatter path. `--paged-kernel gather,pallas`
-(default gather) A/Bs how the paged path's decode attention reads the pool: a per-layer gather, or the Pallas
-paged decode-attention kernel (``paged_kernel``).
+apply, so with 1 each K runs once); 0 = the reference gather/scatter path. `--paged-kernel gather,reduce,pallas`
+(default gather) A/Bs how the paged path's decode attention reads the pool: a per-layer gather then dots, that
+gather fed to multiply + reduce (fusible), or the Pallas paged decode-attention kernel (``paged_kernel``).
 """
 from __future__ import annotations
 
@@ -445,7 +445,7 @@ def main(argv=None):
     p.add_argument("--paged-attention", default="1",
                    help="comma list of 0/1: the runner's paged_attention (1 = in-pool decoder, 0 = reference)")
     p.add_argument("--paged-kernel", default="gather",
-                   help="comma list of gather / pallas: the paged path's decode attention (runner's paged_kernel)")
+                   help="comma list of gather / reduce / pallas: the paged path's decode attention (paged_kernel)")
     p.add_argument("--unroll-layers", action="store_true", help="the runner's unroll_layers (engine and server)")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
     p.add_argument("--url", default=None, help="client mode: the server's base URL")
@@ -471,8 +471,8 @@ def main(argv=None):
     ips = [bool(int(ip)) for ip in a.kv_in_place.split(",")]
     pas = [bool(int(x)) for x in a.paged_attention.split(",")]
     kernels = [x.strip() for x in a.paged_kernel.split(",")]
-    if any(x not in ("gather", "pallas") for x in kernels):
-        p.error(f"--paged-kernel takes gather and/or pallas, got {a.paged_kernel}")
+    if any(x not in ("gather", "reduce", "pallas") for x in kernels):
+        p.error(f"--paged-kernel takes gather, reduce and/or pallas, got {a.paged_kernel}")
     # kv_in_place applies to the reference path only, the kernel to the paged path only
     a.variants = [(k, ip, pa, kern) for k in a.decode_steps_list for pa in pas
                   for ip in (ips[:1] if pa else ips) for kern in (kernels if pa else ["gather"])]

@@ -85,7 +85,7 @@ class PagedKVCache:
     lengths [B] = tokens of each row already in the pool. One sequence per row, positions 0, 1, 2 ... The new
     tokens (segment id > 0) are written at positions lengths .. lengths + T - 1, which must have blocks in the
     table (NB * bs >= lengths + T); padding tokens (segment id 0) are not written and do not count.
-    kernel: how attention reads the pool ("gather" or "pallas", see `PagedLayerKV`).
+    kernel: how attention reads the pool ("gather", "reduce" or "pallas", see `PagedLayerKV`).
     """
 
     k: jax.Array

@@ -23,7 +23,8 @@ dense view in its layer scan's carry (``PagedRunner``); same results. ``unroll_l
 ``paged_attention`` (default on): no dense view at all, the decoder reads and writes the paged pool in place
 through the block tables (``PagedKVCache``; ``kv_in_place`` then does not apply); False = the reference
 gather/scatter path. Same tokens. ``paged_kernel="pallas"``: decode attention in a Pallas kernel reading the
-pool's blocks in place (``models/layers/paged_decode.py``; equal up to float rounding); a pool sized from free
+pool's blocks in place (``models/layers/paged_decode.py``; equal up to float rounding; "reduce": a multiply +
+reduce decode attention over the gather, for XLA to fuse); with "pallas" a pool sized from free
 memory is then capped at 2^31 elements (the kernel's int32 offsets: ~75k tokens of Qwen3-0.6B KV).
 """
 from __future__ import annotations

@@ -129,7 +129,8 @@ def build_server(args, model=None, tokenizer=None):
                     decode_steps=getattr(args, "decode_steps", 1),
                     unroll_layers=getattr(args, "unroll_layers", False),
                     paged_attention=getattr(args, "kv_path", "paged") != "reference",
-                    paged_kernel="pallas" if getattr(args, "kv_path", "paged") == "pallas" else "gather")
+                    paged_kernel={"pallas": "pallas", "reduce": "reduce"}.get(getattr(args, "kv_path", "paged"),
+                                                                             "gather"))
     for spec in args.lora_modules or ():
         if lora is None:
             raise ServeError("--lora-modules needs --enable-lora")

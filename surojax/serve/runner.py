@@ -54,7 +54,9 @@ from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged
 from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, sample_batch
 from surojax.serve.scheduler import ScheduledRequest
 
-__all__ = ["PagedRunner", "SamplingParams", "StepResult"]
+__all__ = ["PAGED_KERNELS", "PagedRunner", "SamplingParams", "StepResult"]
+
+PAGED_KERNELS = ("gather", "reduce", "pallas")  # how the paged path's decode attention reads the pool
 
 
 def _context_bucket(n: int, minimum: int, multiple: int) -> int:
@@ -164,11 +166,13 @@ class PagedRunner:
         place and reads the rows' context through their block tables (``PagedKVCache``); the host sends block
         tables [R, S / block_size] instead of slot lists [R, S]. False: the reference gather/scatter path
         (``kv_in_place`` applies to it only). Same tokens, same pool contents. paged_kernel (paged path):
-        "gather" (each layer gathers [R, S, K, H], then the attention backend; exact) or "pallas" (decode calls:
-        a Pallas paged decode-attention kernel reads each row's real blocks in place, online softmax; equal up
-        to float rounding; prefill rows still gather)."""
-        if paged_kernel not in ("gather", "pallas"):
-            raise ValueError(f"PagedRunner: paged_kernel must be 'gather' or 'pallas', got {paged_kernel!r}")
+        "gather" (each layer gathers [R, S, K, H], then the attention backend; exact), "reduce" (decode calls:
+        that gather feeds a multiply + reduce attention XLA can fuse it into; equal up to float rounding) or
+        "pallas" (decode calls: a Pallas paged decode-attention kernel reads each row's real blocks in place,
+        online softmax; equal up to float rounding; prefill rows still gather)."""
+        if paged_kernel not in PAGED_KERNELS:
+            raise ValueError(f"PagedRunner: paged_kernel must be one of {', '.join(PAGED_KERNELS)}, "
+                             f"got {paged_kernel!r}")
         self.kv_in_place = kv_in_place
         self.paged_attention = paged_attention
         self.paged_kernel = paged_kernel

@@ -148,6 +148,7 @@ def test_serve_cli_kv_path():
     parser = build_parser("serve", load_command("serve"))
     assert parser.parse_args(["serve", "m"]).kv_path == "paged"
     assert parser.parse_args(["serve", "m", "--kv-path", "pallas"]).kv_path == "pallas"
+    assert parser.parse_args(["serve", "m", "--kv-path", "reduce"]).kv_path == "reduce"
 
 
 def test_pallas_kernel_warns_where_it_does_not_apply(model, monkeypatch):
@@ -165,3 +166,15 @@ def test_pallas_caps_an_auto_sized_pool(model, monkeypatch):
     monkeypatch.setattr(engine_mod, "num_kv_blocks", lambda *a, **k: 10 ** 6)
     monkeypatch.setattr(engine_mod, "max_pool_blocks", lambda *a: 24)
     assert engine_mod.Engine(model, block_size=BS, max_model_len=64, paged_kernel="pallas").runner.num_slots == 24 * BS
+
+
+def test_engine_reduce_kernel_tokens_equal_reference(model):
+    """paged_kernel="reduce" (decode attention as multiply + reduce over the gather): same greedy tokens."""
+    rng = np.random.default_rng(5)
+    ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)]
+    outs = []
+    for k, paged, kernel in ((1, False, "gather"), (1, True, "reduce"), (4, True, "reduce")):
+        eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
+                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged, paged_kernel=kernel)
+        outs.append(eng.generate(ps, 6))
+    assert outs[0] == outs[1] == outs[2]

@@ -75,6 +75,20 @@ def cudnn_attention(q, k, v, mask, scale: float) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
 
 
+def reduce_decode_attention(q, k, v, mask, scale: float) -> jax.Array:
+    """One query token per row as multiply + reduce instead of dots: q [B, 1, N, H], k/v [B, S, K, H] (fp32),
+    mask [B, 1, S] -> [B, 1, N, H]. Same math as `xla_attention` (probabilities kept in fp32); written so
+    that XLA can fuse a gather producing k/v into the two reductions (dots take materialised operands)."""
+    B, _, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, 1, K, N // K, H).astype(jnp.float32)  # [B, 1, K, G, H]
+    scores = jnp.sum(qg * k[:, :, :, None, :], axis=-1) * scale  # [B, S, K, G]
+    scores = jnp.where(mask[:, 0, :, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [B, K, G, H]
+    return out.reshape(B, 1, N, H).astype(q.dtype)
+
+
 BACKENDS = {"xla": xla_attention, "cudnn": cudnn_attention}
 
 # ---- cuDNN fused attention over packed rows -----------------------------------------------------------------
@@ -241,8 +255,10 @@ class PagedLayerKV:
     and attention reads the row's context straight from the pool through the block table: only this layer's
     [B, S, K, H] is ever gathered (S = NB * bs, the table's width), never an [L, B, S, K, H] view. With
     ``Decoder.hidden_states(cache=PagedKVCache(...))``. kernel: "gather" (that gather, then the attention
-    backend) or "pallas" (one-token rows: `paged_decode.paged_decode_attention` reads the blocks inside the
-    kernel, over each row's real length; other rows, sliding windows and pools past int32 offsets gather)."""
+    backend), "reduce" (one-token rows: the gather feeds `reduce_decode_attention`, multiply + reduce that XLA
+    may fuse the gather into, instead of dots) or "pallas" (one-token rows: `paged_decode.paged_decode_attention`
+    reads the blocks inside the kernel, over each row's real length; other rows, sliding windows and pools past
+    int32 offsets gather)."""
 
     k: jax.Array
     v: jax.Array
@@ -311,6 +327,11 @@ class Attention(nnx.Module):
             if kv.kernel == "pallas" and kernel_applies(kv.k.shape, T, self.sliding_window):
                 out = paged_decode_attention(q[:, 0], kv.k, kv.v, kv.layer, block_table, lengths,
                                              block_size=kv.block_size)  # [B, N, H]
+                return self.o_proj(out.reshape(B, T, N * H)), kv
+            if kv.kernel == "reduce" and T == 1:
+                k, v = kv.read(block_table, jnp.float32)
+                mask = attention_mask(segment_ids, kv_seg, positions, kv_pos, self.sliding_window)
+                out = reduce_decode_attention(q, k, v, mask, H ** -0.5)
                 return self.o_proj(out.reshape(B, T, N * H)), kv
             k, v = kv.read(block_table, q.dtype)
         elif isinstance(kv, StackedLayerKV):
