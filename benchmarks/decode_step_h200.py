@@ -7,10 +7,23 @@
 For each (rows R, variant) it builds the arrays the runner would (a pool holding R contexts of --context tokens,
 block size 16, slots scattered over the pool as after real traffic) and times
 
-  single   ``runner._paged_step``: one token per row per call (K = 1)
-  multi    ``multi_step.multi_step_decode``: --steps tokens per row per call (one host sync per call)
+  single         ``runner._paged_step``: one token per row per call (K = 1), the reference gather/scatter path
+  multi          ``multi_step.multi_step_decode``: --steps tokens per row per call (one host sync per call)
+  single-paged   ``runner._paged_step_in_pool``: the paged path (``PagedKVCache``: the pool rides in the layer
+                 loop, each layer reads its context through the block tables and writes its new k/v in place)
+  multi-paged    ``multi_step.multi_step_decode_paged``: the same over --steps tokens per call
+  single-reduce, multi-reduce   the paged path with ``kernel="reduce"``: the gather feeds a multiply + reduce
+                 attention that XLA can fuse it into (no materialised gather, if XLA does)
+  single-pallas, multi-pallas   the paged path with ``kernel="pallas"``: decode attention in the Pallas paged
+                 decode-attention kernel (``models/layers/paged_decode.py``), which reads each row's real
+                 blocks in place (no per-layer gather, no S padding)
 
-with the layer loop rolled (``unroll=1``) or inlined (``unroll=True``) and ``kv_in_place`` on. Reports ms per
+each with the layer loop rolled (``-rolled``, ``unroll=1``) or inlined (``-unrolled``, ``unroll=True``); the
+reference variants with ``kv_in_place`` on. First, per R, a correctness check: multi-rolled against
+multi-paged-rolled and multi-pallas-rolled from the same pool: the same tokens and the same pool (`CHECK {...}`
+lines; in bf16 on the GPU a near-tie may flip a token of the random model, and the kernel rounds differently,
+so it reports, it does not stop). A variant that fails (e.g. the kernel does not compile) prints `FAILED` and
+the others go on. Reports ms per
 token step (call time / tokens per row) and the decode tok/s it implies (R / that), then, with --profile, the
 device kernels of one multi-step call by category (jax.profiler): what is GEMM, attention, copies, the rest,
 and how many kernels a token step launches. One JSON line per measurement (`RESULT {...}`), a table last.
@@ -37,13 +50,13 @@ from flax import nnx  # noqa: E402
 
 from surojax.bench.shapes import model_config  # noqa: E402
 from surojax.models.decoder import Decoder  # noqa: E402
-from surojax.serve.multi_step import multi_step_decode  # noqa: E402
-from surojax.serve.runner import _paged_step  # noqa: E402
+from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged  # noqa: E402
+from surojax.serve.runner import _paged_step, _paged_step_in_pool  # noqa: E402
 from surojax.serve.sampling import BatchMode  # noqa: E402
 
 CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "wgmma", "cublas")),
-    ("attention / softmax", ("softmax", "reduce", "cudnn", "fmha")),
+    ("attention / softmax", ("softmax", "reduce", "cudnn", "fmha", "paged_decode")),
     ("copy / gather / scatter", ("copy", "transpose", "memcpy", "memset", "dynamic_update_slice",
                                  "dynamic_slice", "gather", "scatter")),
     ("fusion (elementwise)", ("fusion", "loop_", "input_")),
@@ -72,7 +85,38 @@ def make_inputs(cfg, R, context, K, block_size, num_blocks, rng):
     tokens = rng.integers(1, cfg.vocab_size, R).astype(np.int32)
     rows = dict(temperature=np.zeros(R, np.float32), top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32),
                 min_p=np.zeros(R, np.float32), seed=np.zeros(R, np.uint32), step=np.full(R, context, np.int32))
-    return tokens, ctx, write, rows
+    table = np.zeros((R, S // block_size), np.int32)
+    table[:, :per_row] = perm
+    return tokens, ctx, write, table, rows
+
+
+def check(R, multi, pools, kernels: str):
+    """multi-rolled vs multi-paged-rolled (and multi-reduce/pallas-rolled where `kernels` names them) from copies
+    of the same pool: tokens and pool contents, compared on device. -> one result dict per compared path."""
+    k0, v0 = pools["k"], pools["v"]
+    runs = {}
+    for name, paged, kernel in (("paged", True, "gather"), ("reduce", True, "reduce"), ("pallas", True, "pallas"),
+                                ("reference", False, "")):
+        if name in ("reduce", "pallas") and name not in kernels:
+            continue
+        pools["k"], pools["v"] = jnp.array(k0, copy=True), jnp.array(v0, copy=True)
+        try:
+            k, v, out = multi(paged, 1, kernel or "gather")
+            runs[name] = (np.asarray(out["ids"]), k, v)
+        except Exception as e:  # noqa: BLE001 - report, keep the other paths
+            print(f"FAILED check {name} R={R}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    pools["k"], pools["v"] = k0, v0
+    results = []
+    if "reference" not in runs:
+        return results
+    ids_a, ka, va = runs.pop("reference")
+    for name, (ids_b, kb, vb) in runs.items():
+        diff = max(float(jnp.max(jnp.abs(ka.astype(jnp.float32) - kb.astype(jnp.float32)))),
+                   float(jnp.max(jnp.abs(va.astype(jnp.float32) - vb.astype(jnp.float32)))))
+        r = {"check": name, "rows": R, "tokens_equal": float(np.mean(ids_a == ids_b)), "pool_max_abs_diff": diff}
+        print("CHECK " + json.dumps(r), flush=True)
+        results.append(r)
+    return results
 
 
 def timed(fn, repeats):
@@ -135,7 +179,9 @@ def main(argv=None):
     p.add_argument("--rows", default="1,64", help="comma list of decode batch sizes R")
     p.add_argument("--context", type=int, default=576, help="tokens already in each row's cache")
     p.add_argument("--steps", type=int, default=8, help="tokens per multi-step call")
-    p.add_argument("--variants", default="single-rolled,single-unrolled,multi-rolled,multi-unrolled")
+    p.add_argument("--variants", default="multi-rolled,multi-paged-rolled,multi-reduce-rolled,multi-pallas-rolled,"
+                   "single-rolled,single-paged-rolled,single-pallas-rolled",
+                   help="comma list of {single,multi}[-paged|-reduce|-pallas]-{rolled,unrolled}")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="kernel breakdown of the multi-step variants")
     p.add_argument("--tag", default="", help="a label for this process's XLA flags, printed in every row")
@@ -153,42 +199,68 @@ def main(argv=None):
     K = a.steps
     num_blocks = max(rows_list) * (-(-(a.context + K) // bs)) + 8
     shape = (cfg.num_layers, num_blocks * bs, cfg.num_kv_heads, cfg.head_dim)
-    pools = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    keys = jax.random.split(jax.random.key(0))  # random contexts: the correctness check reads them
+    pools = {"k": jax.random.normal(keys[0], shape, dtype), "v": jax.random.normal(keys[1], shape, dtype)}
     greedy = BatchMode(sample=False, penalties=False, logprobs=False)
     print(f"# {a.shape} {jnp.dtype(dtype).name} on {jax.devices()[0].device_kind}; context {a.context}, "
           f"K {K}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     results = []
     for R in rows_list:
-        tokens, ctx, write, rows = make_inputs(cfg, R, a.context, K, bs, num_blocks, np.random.default_rng(R))
+        tokens, ctx, write, table, rows = make_inputs(cfg, R, a.context, K, bs, num_blocks, np.random.default_rng(R))
         start = np.full(R, a.context, np.int32)
+        limit, no_stop, zeros = np.full(R, K, np.int32), np.full((R, 1), -1, np.int32), np.zeros(R, np.int32)
+
+        def multi(paged, unroll, kernel="gather", tokens=tokens, ctx=ctx, write=write, table=table, rows=rows,
+                  start=start, limit=limit, no_stop=no_stop, zeros=zeros):
+            if paged:
+                return multi_step_decode_paged(graphdef, state, pools["k"], pools["v"], tokens, start, table, limit,
+                                               no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K,
+                                               block_size=bs, unroll=unroll, kernel=kernel)
+            return multi_step_decode(graphdef, state, pools["k"], pools["v"], tokens, start, ctx, write, limit,
+                                     no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K, kv_in_place=True,
+                                     unroll=unroll)
+
+        results += check(R, multi, pools, a.variants)
         for variant in a.variants.split(","):
-            kind, loop = variant.split("-")
+            parts = variant.split("-")
+            kind, loop = parts[0], parts[-1]
+            kernel = next((x for x in ("pallas", "reduce") if x in parts[1:-1]), "gather")
+            paged = kernel != "gather" or "paged" in parts[1:-1]
             unroll = True if loop == "unrolled" else 1
             if kind == "single":
                 n = 1
                 pos = np.full((R, 1), a.context, np.int32)
 
-                def fn(unroll=unroll, tokens=tokens, ctx=ctx, write=write, rows=rows, pos=pos, start=start):
-                    k, v, out = _paged_step(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
-                                            np.ones((R, 1), np.int32), ctx, start, write[:, :1],
-                                            np.zeros(R, np.int32), np.zeros(R, np.int32), rows, mode=greedy,
-                                            lora=False, kv_in_place=True, unroll=unroll)
+                def fn(unroll=unroll, paged=paged, kernel=kernel, tokens=tokens, ctx=ctx, write=write, table=table,
+                       rows=rows, pos=pos, start=start, zeros=zeros):
+                    common = dict(rows=rows, mode=greedy, lora=False, unroll=unroll)
+                    if paged:
+                        k, v, out = _paged_step_in_pool(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
+                                                        np.ones((R, 1), np.int32), table, start, zeros, zeros,
+                                                        block_size=bs, kernel=kernel, **common)
+                    else:
+                        k, v, out = _paged_step(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
+                                                np.ones((R, 1), np.int32), ctx, start, write[:, :1], zeros, zeros,
+                                                kv_in_place=True, **common)
                     pools["k"], pools["v"] = k, v
                     return out["ids"]
             else:
                 n = K
 
-                def fn(unroll=unroll, tokens=tokens, ctx=ctx, write=write, rows=rows, start=start):
-                    k, v, out = multi_step_decode(graphdef, state, pools["k"], pools["v"], tokens, start, ctx, write,
-                                                  np.full(R, K, np.int32), np.full((R, 1), -1, np.int32),
-                                                  np.zeros(R, np.int32), rows, mode=greedy, lora=False,
-                                                  num_steps=K, kv_in_place=True, unroll=unroll)
+                def fn(unroll=unroll, paged=paged, kernel=kernel):
+                    k, v, out = multi(paged, unroll, kernel)
                     pools["k"], pools["v"] = k, v
                     return out["ids"]
             t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            compile_s = time.perf_counter() - t0
-            best, ids = timed(fn, a.repeats)
+            try:
+                jax.block_until_ready(fn())
+                compile_s = time.perf_counter() - t0
+                best, ids = timed(fn, a.repeats)
+            except Exception as e:  # noqa: BLE001 - report, keep the other variants
+                print(f"FAILED {variant} R={R}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                if pools["k"].is_deleted() or pools["v"].is_deleted():  # donated to the failed call
+                    pools["k"], pools["v"] = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+                continue
             ms = 1e3 * best / n
             r = {"tag": a.tag, "rows": R, "variant": variant, "ms_per_token_step": ms, "decode_tok_s": R / ms * 1e3,
                  "compile_s": compile_s, "context": a.context, "steps_per_call": n}
@@ -199,9 +271,15 @@ def main(argv=None):
     print("\n| tag | R | variant | ms / token step | decode tok/s | compile s | kernels / token | busy ms / token |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
+        if r.get("check"):
+            continue
         print(f"| {r['tag'] or 'default'} | {r['rows']} | {r['variant']} | {r['ms_per_token_step']:.3f} | "
               f"{r['decode_tok_s']:,.0f} | {r['compile_s']:.1f} | {r.get('kernels_per_token', float('nan')):.0f} | "
               f"{r.get('busy_ms_per_token', float('nan')):.3f} |")
+    checks = [r for r in results if r.get("check")]
+    print("\ncorrectness (multi reference vs the paged paths, same pool): " + ", ".join(
+        f"{r['check']} R={r['rows']}: tokens equal {r['tokens_equal']:.0%}, pool max |diff| "
+        f"{r['pool_max_abs_diff']:.3g}" for r in checks))
     return 0
 
 

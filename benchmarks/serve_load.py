@@ -24,6 +24,11 @@ device call when nothing waits (the engine's ``decode_steps``). With K > 1 token
 K, so inter-token p50 drops towards 0 and p99 is about one K-step call; decode tok/s is the figure to compare.
 `--kv-in-place 0,1` (default 1) likewise A/Bs the runner's ``kv_in_place`` (the decoder updates its cache in the layer scan's
 carry instead of copying every layer's view in and out of the scan). `--unroll-layers` inlines the layer loop.
+`--paged-attention 0,1` (default 1, the engine's default) A/Bs the runner's ``paged_attention``: 1 = no dense
+view, the decoder reads and writes the paged pool in place through the block tables (``kv_in_place`` does not
+apply, so with 1 each K runs once); 0 = the reference gather/scatter path. `--paged-kernel gather,reduce,pallas`
+(default gather) A/Bs how the paged path's decode attention reads the pool: a per-layer gather then dots, that
+gather fed to multiply + reduce (fusible), or the Pallas paged decode-attention kernel (``paged_kernel``).
 """
 from __future__ import annotations
 
@@ -219,13 +224,14 @@ def bench_buckets(a, users, k=1):
                 min_prefill=a.prompt_len, min_context=a.prompt_len + a.max_tokens + k)
 
 
-def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False):
+def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, paged=True, kernel="gather"):
     import numpy as np
 
     from surojax.serve.engine import Engine
     from surojax.serve.sampling import SamplingParams
 
-    eng = Engine(model, **engine_kwargs(a, users, k), kv_in_place=in_place, unroll_layers=a.unroll_layers)
+    eng = Engine(model, **engine_kwargs(a, users, k), kv_in_place=in_place, unroll_layers=a.unroll_layers,
+                 paged_attention=paged, paged_kernel=kernel)
     compiled_before = _num_compiled()
     rng = np.random.default_rng(seed)
     records = []
@@ -242,6 +248,7 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False):
         records += [(t0, v) for v in ts.values()]
     wall = time.perf_counter() - t_start
     return summarize(label, users, records, wall, {"decode_steps": k, "kv_in_place": int(in_place),
+                                                   "paged_attention": int(paged), "paged_kernel": kernel,
                                                    "steps": eng.runner.num_calls,
                                                    "multi_step_calls": eng.runner.num_multi_calls,
                                                    "compiled_while_measuring": _num_compiled() - compiled_before})
@@ -252,7 +259,8 @@ def _num_compiled() -> int:
     from surojax.serve import multi_step, runner
 
     try:
-        return runner._paged_step._cache_size() + multi_step.multi_step_decode._cache_size()
+        return sum(f._cache_size() for f in (runner._paged_step, runner._paged_step_in_pool,
+                                             multi_step.multi_step_decode, multi_step.multi_step_decode_paged))
     except Exception:
         return -1
 
@@ -265,9 +273,9 @@ def ours_main(a):
     results = []
     if "engine" in a.modes:
         for users in a.users_list:
-            for k, ip in a.variants:
-                run_engine(a, model, users, warmup_tokens(k), 1000 + users, "warmup", k, ip)
-                r = run_engine(a, model, users, a.max_tokens, users, "engine", k, ip)
+            for k, ip, pa, kern in a.variants:
+                run_engine(a, model, users, warmup_tokens(k), 1000 + users, "warmup", k, ip, pa, kern)
+                r = run_engine(a, model, users, a.max_tokens, users, "engine", k, ip, pa, kern)
                 emit(r)
                 results.append(r)
                 gc.collect()
@@ -281,7 +289,7 @@ def ours_main(a):
             print(f"# server mode skipped: {e} (needs fastapi, starlette, uvicorn, anyio, h11, click, pydantic)",
                   flush=True)
             return results
-        for users, k, ip in [(u, k, ip) for u in a.users_list for k, ip in a.variants]:
+        for users, k, ip, pa, kern in [(u, *v) for u in a.users_list for v in a.variants]:
             kw = engine_kwargs(a, users, k)
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
@@ -297,6 +305,12 @@ def ours_main(a):
             for name, v in bench_buckets(a, users, k).items():
                 setattr(state.engine.engine.runner, name, v)
             state.engine.engine.runner.kv_in_place = ip
+            state.engine.engine.runner.paged_attention = pa
+            state.engine.engine.runner.paged_kernel = kern
+            if kern == "pallas":
+                from surojax.models.layers.paged_decode import prepare
+
+                prepare()  # as PagedRunner(paged_kernel="pallas") does
             srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
             th = threading.Thread(target=srv.run, daemon=True)
             th.start()
@@ -308,7 +322,8 @@ def ours_main(a):
                 before = _num_compiled()
                 r = run_client_process(a, url, users, a.max_tokens, users, "server")
                 r["compiled_while_measuring"] = _num_compiled() - before
-                r["decode_steps"], r["kv_in_place"] = k, int(ip)
+                r["decode_steps"], r["kv_in_place"], r["paged_attention"] = k, int(ip), int(pa)
+                r["paged_kernel"] = kern
             finally:
                 srv.should_exit = True
                 th.join(10)
@@ -388,9 +403,12 @@ def hf_main(a):
 # ---- driver -------------------------------------------------------------------------------------------------
 
 def table(results):
-    cols = ["mode", "users", "decode_steps", "kv_in_place", "decode_tok_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+    cols = ["mode", "users", "decode_steps", "kv_in_place", "paged_attention", "paged_kernel", "decode_tok_s",
+            "output_tok_s",
+            "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in sorted(results, key=lambda r: (r["users"], r["mode"], r.get("decode_steps", 1), r.get("kv_in_place", 0))):
+    for r in sorted(results, key=lambda r: (r["users"], r["mode"], r.get("decode_steps", 1), r.get("kv_in_place", 0),
+                                              r.get("paged_attention", 0), r.get("paged_kernel", ""))):
         cells = [f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -424,6 +442,10 @@ def main(argv=None):
     p.add_argument("--decode-steps", default="1",
                    help="comma list of decode steps per device call (powers of two) to run engine/server with")
     p.add_argument("--kv-in-place", default="1", help="comma list of 0/1: the runner's kv_in_place setting")
+    p.add_argument("--paged-attention", default="1",
+                   help="comma list of 0/1: the runner's paged_attention (1 = in-pool decoder, 0 = reference)")
+    p.add_argument("--paged-kernel", default="gather",
+                   help="comma list of gather / reduce / pallas: the paged path's decode attention (paged_kernel)")
     p.add_argument("--unroll-layers", action="store_true", help="the runner's unroll_layers (engine and server)")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
     p.add_argument("--url", default=None, help="client mode: the server's base URL")
@@ -446,7 +468,14 @@ def main(argv=None):
     a.decode_steps_list = [int(k) for k in a.decode_steps.split(",")]
     if any(k < 1 or k & (k - 1) for k in a.decode_steps_list):
         p.error(f"--decode-steps takes powers of two, got {a.decode_steps}")
-    a.variants = [(k, bool(int(ip))) for k in a.decode_steps_list for ip in a.kv_in_place.split(",")]
+    ips = [bool(int(ip)) for ip in a.kv_in_place.split(",")]
+    pas = [bool(int(x)) for x in a.paged_attention.split(",")]
+    kernels = [x.strip() for x in a.paged_kernel.split(",")]
+    if any(x not in ("gather", "reduce", "pallas") for x in kernels):
+        p.error(f"--paged-kernel takes gather, reduce and/or pallas, got {a.paged_kernel}")
+    # kv_in_place applies to the reference path only, the kernel to the paged path only
+    a.variants = [(k, ip, pa, kern) for k in a.decode_steps_list for pa in pas
+                  for ip in (ips[:1] if pa else ips) for kern in (kernels if pa else ["gather"])]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     a.modes = modes
     if "client" in modes:

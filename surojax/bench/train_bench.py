@@ -6,7 +6,8 @@ Same code path as `surojax sft` (surojax/train/trainer.py), minus data loading a
                one-device mesh, so an 8B model is initialised on the GPU, not the host (`--init host`: random
                values built on the host and placed, for models larger than the device; see `build`)
     precision  the trainer's recipes (`precision_for`): bf16 = bf16 compute; LoRA base bf16 + fp32 adapters;
-               full fine-tune fp32 master weights
+               full fine-tune fp32 master weights; fp8_hybrid = bf16 + the FP8 Linear transform, applied by
+               `build_model` as in the trainer
     step       `make_train_step(graphdef, lm_loss, adamw)` with the trainer's chunk size, remat policy
                (`offload.remat.layer_loop`) and optimizer (`build_optimizer` + `lr_schedule`); its buffers donated
     batch      [A, B, T] packed rows: `segments` sequences per row with random lengths (>= min_segment),
@@ -74,8 +75,11 @@ class BenchConfig:
             raise ValueError(f"--mode {self.mode!r}: expected lora or full")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute {self.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
-        if self.recipe not in ("bf16", "fp32"):
-            raise ValueError(f"--recipe {self.recipe!r}: expected bf16 or fp32")
+        if self.recipe not in ("bf16", "fp32", "fp8_hybrid"):
+            raise ValueError(f"--recipe {self.recipe!r}: expected bf16, fp32 or fp8_hybrid")
+        if self.recipe == "fp8_hybrid" and (self.quant or self.offload_base or self.base_format or self.init == "host"):
+            raise ValueError("--recipe fp8_hybrid multiplies a bf16 base built on the device in FP8; it does not "
+                             "combine with --quant / --offload-base / --base-format / --init host")
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -212,6 +216,10 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
     from surojax.train.step import make_train_step
 
     cfg = train_namespace(bc)
+    if bc.offload_base or bc.offload_optimizer or bc.offload_master or bc.recompute == "offload":
+        from surojax.offload.host_memory import raise_host_memory_limit
+
+        raise_host_memory_limit()  # before jax.devices() creates the GPU client (XLA caps pinned host at 64 GB)
     device = device or jax.devices()[0]
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
     plan = memory_plan(bc)

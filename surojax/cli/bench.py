@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="split the lm-head + loss into this many chunks of the micro-batch (1: 4096-token chunks)")
     g.add_argument("--unroll-layers", type=_unroll, default=1, metavar="N|all",
                    help="layers per iteration of the layer scan (1: rolled; all: every layer inlined)")
-    g.add_argument("--recipe", default="bf16", choices=("bf16", "fp32"))
+    g.add_argument("--recipe", default="bf16", choices=("bf16", "fp32", "fp8_hybrid"),
+                   help="fp8_hybrid: the decoder's Linear GEMMs in FP8 (docs/precision.md)")
     g.add_argument("--segments", type=positive_int, default=4, help="sequences packed per row (default 4)")
     g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
     g.add_argument("--offload-base", action="store_true",

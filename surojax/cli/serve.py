@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode tokens per device call when no request waits (1, 2, 4, 8, ...)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="inline the layer loop (faster decode, longer compiles; same results)")
+    parser.add_argument("--kv-path", choices=("paged", "reduce", "pallas", "reference"), default="paged",
+                        help="decode KV access: paged (attention reads the pool in place through block tables), "
+                             "reduce / pallas (the same, decode attention as multiply + reduce / in a Pallas "
+                             "kernel), reference (gather/scatter)")
     parser.add_argument("--num-kv-blocks", type=_positive, default=None,
                         help="KV blocks (default: from free device memory; a fixed size on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -58,6 +58,20 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.adapter_init_mode == "trainable" and not cfg.lora:
         add(("adapter_init_mode",), "trainable keeps training the adapter; set lora: true")
 
+    # --- precision
+    if cfg.recipe == "fp8_hybrid" and formats:
+        add(("recipe", formats[0]), "fp8_hybrid multiplies a bf16 base in FP8; a qlora_* base is already quantised "
+            "(use recipe: bf16 with qlora_*, or drop the qlora_* key)")
+    if cfg.recipe == "fp8_hybrid" and cfg.lora and cfg.merge_adapter:
+        add(("merge_adapter", "recipe"), "would fold the adapter into the FP8-quantised base of fp8_hybrid; train "
+            "without it and merge the saved adapter into the bf16 model")
+    for k in ("skip_quant_first_layers", "skip_quant_last_layers"):
+        if _changed(cfg, k) and cfg.recipe not in ("fp8_hybrid", "nvfp4"):
+            add((k,), "only applies with recipe: fp8_hybrid (or nvfp4)")
+    if _changed(cfg, "fp8_amax_history"):
+        add(("fp8_amax_history",), "delayed scaling is not built yet: fp8_hybrid scales each tensor by its own "
+            "amax in the same step (current scaling; docs/precision.md); remove the key")
+
     # --- memory
     if cfg.offload_base_weights and not cfg.lora:
         add(("offload_base_weights",), "streams the frozen base of LoRA training; set lora: true (full fine-tuning "

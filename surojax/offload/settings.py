@@ -6,6 +6,7 @@ has host memory to offload to.
 """
 from __future__ import annotations
 
+from surojax.offload.host_memory import raise_host_memory_limit
 from surojax.offload.streaming import OffloadError, host_memory_kind
 
 OFFLOAD_AVAILABLE: tuple[str, ...] = ("offload_base_weights", "offload_optimizer",
@@ -21,4 +22,5 @@ def check_offload_settings(cfg) -> None:
         if getattr(cfg, key, False) and key not in OFFLOAD_AVAILABLE:
             raise OffloadError(f"{key}: {why}")
     if any(getattr(cfg, k, False) for k in OFFLOAD_AVAILABLE) or getattr(cfg, "recompute", None) == "offload":
+        raise_host_memory_limit()  # before the first device query creates the GPU client
         host_memory_kind()

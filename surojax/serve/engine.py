@@ -20,6 +20,12 @@ request come from one device call (``multi_step``); the outputs of such a step c
 strings are checked token by token afterwards: the tokens after a match are dropped, as K single steps would.
 ``kv_in_place`` (default on: 1.4-2x decode tok/s at 64 users on the H200, equal at 1): the decoder updates the
 dense view in its layer scan's carry (``PagedRunner``); same results. ``unroll_layers``: the layer loop inlined.
+``paged_attention`` (default on): no dense view at all, the decoder reads and writes the paged pool in place
+through the block tables (``PagedKVCache``; ``kv_in_place`` then does not apply); False = the reference
+gather/scatter path. Same tokens. ``paged_kernel="pallas"``: decode attention in a Pallas kernel reading the
+pool's blocks in place (``models/layers/paged_decode.py``; equal up to float rounding; "reduce": a multiply +
+reduce decode attention over the gather, for XLA to fuse); with "pallas" a pool sized from free
+memory is then capped at 2^31 elements (the kernel's int32 offsets: ~75k tokens of Qwen3-0.6B KV).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import itertools
 import random
 
 from surojax.models.decoder import Decoder
+from surojax.models.layers.paged_decode import max_pool_blocks
 from surojax.serve.capacity import num_kv_blocks
 from surojax.serve.detokenize import RequestText
 from surojax.serve.kv_cache import KVCacheManager
@@ -41,11 +48,16 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  chunk_size: int | None = None, enable_prefix_caching: bool = True, kv_dtype=None, tokenizer=None,
                  lora=None, memory_utilization: float = 0.9, buckets: dict | None = None, decode_steps: int = 1,
-                 kv_in_place: bool = True, unroll_layers: bool = False):
+                 kv_in_place: bool = True, unroll_layers: bool = False, paged_attention: bool = True,
+                 paged_kernel: str = "gather"):
         kv_dtype = kv_dtype or model.dtype
         if num_blocks is None:
             num_blocks = num_kv_blocks(model.cfg, kv_dtype, block_size, max_model_len,
                                        memory_utilization=memory_utilization)
+            if paged_attention and paged_kernel == "pallas":  # the kernel addresses the pool with int32 offsets
+                cfg = model.cfg
+                num_blocks = min(num_blocks, max_pool_blocks(cfg.num_layers, block_size, cfg.num_kv_heads,
+                                                              cfg.head_dim))
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
@@ -55,7 +67,8 @@ class Engine:
                                    max_model_len=max_model_len, chunk_size=chunk_size, decode_steps=decode_steps)
         self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
                                   adapter_slot=lora.slot if lora is not None else None, kv_in_place=kv_in_place,
-                                  decode_steps=decode_steps, unroll_layers=unroll_layers, **(buckets or {}))
+                                  decode_steps=decode_steps, unroll_layers=unroll_layers,
+                                  paged_attention=paged_attention, paged_kernel=paged_kernel, **(buckets or {}))
         self._ids = itertools.count()
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}

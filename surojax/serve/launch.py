@@ -127,7 +127,10 @@ def build_server(args, model=None, tokenizer=None):
                     max_model_len=max_len, enable_prefix_caching=not args.no_prefix_caching, tokenizer=tokenizer,
                     lora=lora, memory_utilization=args.gpu_memory_utilization,
                     decode_steps=getattr(args, "decode_steps", 1),
-                    unroll_layers=getattr(args, "unroll_layers", False))
+                    unroll_layers=getattr(args, "unroll_layers", False),
+                    paged_attention=getattr(args, "kv_path", "paged") != "reference",
+                    paged_kernel={"pallas": "pallas", "reduce": "reduce"}.get(getattr(args, "kv_path", "paged"),
+                                                                             "gather"))
     for spec in args.lora_modules or ():
         if lora is None:
             raise ServeError("--lora-modules needs --enable-lora")

@@ -1,9 +1,11 @@
 """Multi-step decode: up to K decode steps for every row in ONE jitted call (the runner's fast decode path).
 
-Per call, instead of per token: the host builds the batch arrays once, the context is gathered from the paged
-pool once into a dense per-row view, the K new k/v are scattered back once, and the host fetches the sampled
-ids once. Inside, a ``lax.while_loop`` runs one-token forwards over the view (the Decoder appends each token's
-k/v at view slot ``start + i``), samples on device with each row's own parameters and key
+Per call, instead of per token: the host builds the batch arrays once and fetches the sampled ids once. Two
+KV paths: ``multi_step_decode_paged`` (the default) carries the paged pool itself through the loop (every layer
+writes its new k/v into the pool in place and reads the context through the block tables: ``PagedKVCache``);
+``multi_step_decode`` (the reference) gathers each row's context from the pool once into a dense per-row view
+and scatters the K new k/v back once. Inside, a ``lax.while_loop`` runs one-token forwards (the Decoder
+appends each token's k/v at position ``start + i``), samples on device with each row's own parameters and key
 (``fold_in(key(seed), position)``, as in a single step) and feeds the sampled token back. A row stops when it
 samples one of its stop ids or reaches its limit (max_tokens / max_model_len / K, worked out by the
 scheduler); a stopped row keeps riding along (its results are masked: not counted, not written back), and the
@@ -15,7 +17,8 @@ as it is sampled. Stop strings need text and are checked by the engine after the
 past the match and finishes the request).
 
 Shapes: tokens/start/limit [R]; ctx_slots [R, S] with S >= max(start) + K; write_slots [R, K] (pool slots
-of positions start .. start+K-1, out of range where no slot was reserved); stop_ids [R, M] (-1 = none).
+of positions start .. start+K-1, out of range where no slot was reserved); block_table [R, NB] with
+NB * block_size >= max(start) + K; stop_ids [R, M] (-1 = none).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from surojax.models.decoder import KVCache
+from surojax.models.decoder import KVCache, PagedKVCache
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
 
@@ -35,7 +38,9 @@ from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
 def multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots, write_slots, limit, stop_ids,
                       adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int, kv_in_place: bool = False,
                       unroll: int | bool = 1):
-    """-> (k_pool, v_pool, dict(ids [R, K], count [R] = tokens produced per row, and with ``mode.logprobs``
+    """The reference: gather each row's context into a dense view, decode over it, scatter the new k/v back.
+
+    -> (k_pool, v_pool, dict(ids [R, K], count [R] = tokens produced per row, and with ``mode.logprobs``
     logprob [R, K], top_ids / top_logprobs [R, K, 20]))."""
     model = nnx.merge(graphdef, state)
     if lora:
@@ -46,6 +51,49 @@ def multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots,
     valid = j < start[:, None]  # [R, S]
     cache = KVCache(k=k_pool[:, ctx_slots], v=v_pool[:, ctx_slots], segment_ids=valid.astype(jnp.int32),
                     positions=jnp.where(valid, j, 0).astype(jnp.int32), lengths=start.astype(jnp.int32))
+    ones = jnp.ones((R, 1), jnp.int32)
+
+    def forward(cache, tok, pos, done):  # done rows ride along; their view writes are never scattered back
+        return model.hidden_states(tok, pos, ones, cache=cache, cache_in_carry=kv_in_place, unroll=unroll)
+
+    cache, result = _decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode, K)
+    count = result["count"]
+    idx = jnp.arange(R)
+    steps = jnp.arange(K, dtype=jnp.int32)[None, :]
+    view = jnp.minimum(start[:, None] + steps, S - 1)  # [R, K] view slots of positions start .. start+K-1
+    # the KV of the token fed at step i is real for i < count (later steps of a stopped row are not)
+    write = jnp.where(steps < count[:, None], write_slots, k_pool.shape[1])
+    k_pool = k_pool.at[:, write].set(cache.k[:, idx[:, None], view].astype(k_pool.dtype), mode="drop")
+    v_pool = v_pool.at[:, write].set(cache.v[:, idx[:, None], view].astype(v_pool.dtype), mode="drop")
+    return k_pool, v_pool, result
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "num_steps", "block_size", "unroll",
+                                             "kernel"), donate_argnames=("k_pool", "v_pool"))
+def multi_step_decode_paged(graphdef, state, k_pool, v_pool, tokens, start, block_table, limit, stop_ids,
+                            adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int, block_size: int,
+                            unroll: int | bool = 1, kernel: str = "gather"):
+    """The fast path: the pool rides in the loop carry (``PagedKVCache``); each step every layer writes its new
+    k/v into the pool in place and reads the rows' context through block_table [R, NB] (NB * block_size >=
+    max(start) + K). A stopped row's token has segment id 0: not written, its length does not grow.
+    Same results as ``multi_step_decode``, and the same pool afterwards (kernel "gather"; "pallas": the Pallas
+    paged decode attention, same up to float rounding)."""
+    model = nnx.merge(graphdef, state)
+    if lora:
+        set_adapter_rows(model, adapter_rows)
+    cache = PagedKVCache(k_pool, v_pool, block_table.astype(jnp.int32), start.astype(jnp.int32), block_size, kernel)
+
+    def forward(cache, tok, pos, done):
+        return model.hidden_states(tok, pos, (~done).astype(jnp.int32)[:, None], cache=cache, unroll=unroll)
+
+    cache, result = _decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode, num_steps)
+    return cache.k, cache.v, result
+
+
+def _decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode: BatchMode, K: int):
+    """Up to K one-token steps: ``forward(cache, tokens [R, 1], positions [R, 1], done [R]) -> (h, cache)``,
+    then sample, feed back, stop rows. -> (cache, dict(ids [R, K], count [R], logprobs ...))."""
+    R = tokens.shape[0]
     idx = jnp.arange(R)
     out = dict(ids=jnp.zeros((K, R), jnp.int32))
     if mode.logprobs:
@@ -54,7 +102,6 @@ def multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots,
                    top_logprobs=jnp.zeros((K, R, MAX_TOP_LOGPROBS), jnp.float32))
     done = limit <= 0
     count = jnp.zeros((R,), jnp.int32)
-    ones = jnp.ones((R, 1), jnp.int32)
 
     def cond(carry):
         i, _, _, done, *_ = carry
@@ -63,8 +110,7 @@ def multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots,
     def body(carry):
         i, cache, tok, done, count, rows, out = carry
         pos = (start + i)[:, None]
-        h, cache = model.hidden_states(tok[:, None], pos, ones, cache=cache, cache_in_carry=kv_in_place,
-                                       unroll=unroll)
+        h, cache = forward(cache, tok[:, None], pos, done)
         logits = model.logits(h)[:, 0]  # [R, V] fp32
         sampled = sample_batch(logits, dict(rows, step=rows["step"] + i), mode)
         new = sampled["ids"]
@@ -80,12 +126,6 @@ def multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots,
 
     carry = (jnp.int32(0), cache, tokens, done, count, rows, out)
     _, cache, _, _, count, _, out = jax.lax.while_loop(cond, body, carry)
-    steps = jnp.arange(K, dtype=jnp.int32)[None, :]
-    view = jnp.minimum(start[:, None] + steps, S - 1)  # [R, K] view slots of positions start .. start+K-1
-    # the KV of the token fed at step i is real for i < count (later steps of a stopped row are not)
-    write = jnp.where(steps < count[:, None], write_slots, k_pool.shape[1])
-    k_pool = k_pool.at[:, write].set(cache.k[:, idx[:, None], view].astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[:, write].set(cache.v[:, idx[:, None], view].astype(v_pool.dtype), mode="drop")
     result = {k: jnp.swapaxes(v, 0, 1) for k, v in out.items()}  # [R, K, ...]
     result["count"] = count
-    return k_pool, v_pool, result
+    return cache, result

@@ -1,54 +1,62 @@
-"""The jitted model runner over a paged KV pool (reference implementation: gather -> plain-cache forward -> scatter).
+"""The jitted model runner over a paged KV pool.
 
 The pool: k and v are each [L, num_blocks * block_size, K, H] (flattened slots). Token ``p`` of a sequence lives
-in slot ``block_table[p // bs] * bs + p % bs``. The model code is NOT changed: ``Decoder.hidden_states`` takes a
-plain per-row cache, so each step the runner
+in slot ``block_table[p // bs] * bs + p % bs``. Each step the runner builds on the host a padded batch of the
+scheduled requests: tokens / positions / segment ids [R, T] (segment 1 = real, 0 = padding), each row's context
+length ``start`` [R] and its block table, then runs ONE jitted call that does the forward, writes the new k/v
+into the pool and samples on device (``surojax.serve.sampling.sample_batch``: per-row parameters as [R] arrays;
+the host fetches the sampled ids once per call, used where the scheduler asked, ``sample=True``). With
+multi-LoRA slots in the model, each row's adapter slot is set on the merged model inside the call
+(``surojax.peft.multi_lora.set_adapter_rows``).
 
-1. builds on the host a padded batch of the scheduled requests: tokens / positions / segment ids [R, T]
-   (segment 1 = real, 0 = padding), the pool slot of every new token [R, T] (padding -> an out-of-range slot,
-   dropped by the scatter), and the pool slots of each row's context (its first ``start`` tokens) [R, S];
-2. in one jitted call: GATHERS every row's context from the pool into a per-row view k/v [L, R, S, K, H] (view
-   slot j = token position j), wraps it in a ``KVCache`` (lengths = start, segment ids 1 below start), runs
-   the Decoder (which writes the new k/v at view slots start..start+T-1 and attends over the view), then
-   SCATTERS those new k/v back to the pool at the new tokens' slots, and returns the logits of each row's last
-   real token (plus its argmax);
-3. samples on device in the same jitted call (``surojax.serve.sampling.sample_batch``: per-row parameters as
-   [R] arrays), and the host fetches the sampled ids once per call (used where the scheduler asked,
-   ``sample=True``). With multi-LoRA slots in the model, each row's adapter slot is set on the merged model
-   inside the call (``surojax.peft.multi_lora.set_adapter_rows``).
+Two KV paths, same tokens and the same pool contents afterwards (``paged_attention``):
 
-Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size) so the number of
-compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so that one long
-prefill chunk does not pad every decode row to its length.
+* paged (default, ``_paged_step_in_pool`` / ``multi_step_decode_paged``): the host sends block tables
+  [R, S / bs]; the decoder gets a ``PagedKVCache``: the pool rides in the layer scan's carry (and the
+  multi-step while loop's), each layer writes its new tokens' k/v into its pool slice in place (``.at[].set``
+  on the donated pool) and attention gathers only that layer's [R, S, K, H] context through the block table.
+  No [L, R, S, K, H] view exists and nothing is copied in or out of the loops. The remaining cost over the
+  ideal: the per-layer gather is materialised (XLA does not fuse it into the attention dots) and attention
+  runs over S padded slots per row; a paged-attention kernel reading the blocks inside the attention would
+  remove both.
+* reference (``_paged_step`` / ``multi_step_decode``): the host sends slot lists, ctx [R, S] (O(context) numpy
+  per row per step) and the new tokens' slots [R, T]; the call GATHERS every row's context from the pool into
+  a view k/v [L, R, S, K, H] (view slot j = token position j), wraps it in a ``KVCache``, runs the Decoder
+  (which writes the new k/v at view slots start..start+T-1 and attends over the view), then SCATTERS those new
+  k/v back to the pool.
 
-Cost (why this is the reference, not the fast path): every step copies each row's WHOLE context out of the pool
-for every layer (L * R * S * K * H * 2 elements of gather + a view that size in memory) and attention runs over
-S_pad padded slots per row; host-side, the context slot indices are rebuilt per row per step (O(context)
-numpy). The Pallas paged-attention kernel replaces steps 2's gather/scatter: it reads k/v blocks straight from
-the pool through the block table inside the attention kernel (and writes the new k/v in place), over a ragged
-flattened token batch, so no [R, S] view and no padding to S_pad or T_pad exist.
+Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size) so
+the number of compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so
+that one long prefill chunk does not pad every decode row to its length.
 
 Same-step prefix hits: the block manager publishes a block's hash when it is allocated, before its KV is
 written. A request admitted in the same step can hit a block another request writes in this very step; a layer
-that writes then attends would see it, but this runner gathers the context BEFORE the forward. So requests are
-split into waves: a request whose context blocks are written this step by another request runs in a later call
-(after the writer's KV is in the pool). Usually there is one wave.
+that writes then attends would see it (the paged path does, within one call), but the reference path gathers
+the context BEFORE the forward, and decode and prefill rows run in separate calls. So requests are split into
+waves (both paths, to keep them equal): a request whose context blocks are written this step by another request
+runs in a later call (after the writer's KV is in the pool). Usually there is one wave.
 """
 from __future__ import annotations
 
 import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.decoder import Decoder, KVCache
+from surojax.models.decoder import Decoder, KVCache, PagedKVCache
+from surojax.models.layers.paged_decode import kernel_applies
+from surojax.models.layers.paged_decode import prepare as prepare_paged_decode
 from surojax.peft.multi_lora import multi_lora_modules, set_adapter_rows
-from surojax.serve.multi_step import multi_step_decode
+from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged
 from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, sample_batch
 from surojax.serve.scheduler import ScheduledRequest
 
-__all__ = ["PagedRunner", "SamplingParams", "StepResult"]
+__all__ = ["PAGED_KERNELS", "PagedRunner", "SamplingParams", "StepResult"]
+
+PAGED_KERNELS = ("gather", "reduce", "pallas")  # how the paged path's decode attention reads the pool
 
 
 def _context_bucket(n: int, minimum: int, multiple: int) -> int:
@@ -95,13 +103,38 @@ def _paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids,
     h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, cache_in_carry=kv_in_place,
                                    unroll=unroll)
     idx = jnp.arange(R)
-    logits = model.logits(h[idx, last_idx][:, None])[:, 0]  # [R, V] fp32
     view = ctx_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T] where the model wrote them
     new_k = cache.k[:, idx[:, None], view]  # [L, R, T, K, H]
     new_v = cache.v[:, idx[:, None], view]
     k_pool = k_pool.at[:, write_slots].set(new_k.astype(k_pool.dtype), mode="drop")
     v_pool = v_pool.at[:, write_slots].set(new_v.astype(v_pool.dtype), mode="drop")
-    return k_pool, v_pool, sample_batch(logits, rows, mode)
+    return k_pool, v_pool, _sample_last(model, h, last_idx, rows, mode)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "block_size", "unroll", "kernel"),
+                   donate_argnames=("k_pool", "v_pool"))
+def _paged_step_in_pool(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, block_table, ctx_len,
+                        last_idx, adapter_rows, rows, mode: BatchMode, lora: bool, block_size: int,
+                        unroll: int | bool = 1, kernel: str = "gather"):
+    """The fast path of `_paged_step`: no dense view. The pool rides in the layer scan's carry
+    (``PagedKVCache``): each layer writes the new tokens' k/v into its pool slice in place and attention reads
+    the rows' context through block_table [R, NB] (NB * block_size = S). Same values, same pool afterwards.
+
+    tokens/positions/segment_ids [R, T] (segment 0 = padding: not written); ctx_len/last_idx/adapter_rows [R].
+    kernel: "gather" or "pallas" (decode rows read the pool inside a Pallas kernel: ``PagedLayerKV``).
+    """
+    model = nnx.merge(graphdef, state)
+    if lora:
+        set_adapter_rows(model, adapter_rows)
+    cache = PagedKVCache(k_pool, v_pool, block_table, ctx_len, block_size, kernel)
+    h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, unroll=unroll)
+    return cache.k, cache.v, _sample_last(model, h, last_idx, rows, mode)
+
+
+def _sample_last(model, h, last_idx, rows, mode: BatchMode):
+    """h [R, T, D] -> `sample_batch` of each row's last real token (logits in fp32)."""
+    logits = model.logits(h[jnp.arange(h.shape[0]), last_idx][:, None])[:, 0]  # [R, V]
+    return sample_batch(logits, rows, mode)
 
 
 class StepResult(dict):
@@ -119,7 +152,8 @@ class PagedRunner:
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None, adapter_slot=None,
                  min_rows: int = 1, min_prefill_rows: int = 1, min_context: int = 0, min_prefill: int = 1,
-                 kv_in_place: bool = False, decode_steps: int = 1, unroll_layers: bool = False):
+                 kv_in_place: bool = False, decode_steps: int = 1, unroll_layers: bool = False,
+                 paged_attention: bool = True, paged_kernel: str = "gather"):
         """adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``).
         min_rows / min_prefill_rows / min_context / min_prefill: smallest buckets of decode R, prefill R, S and
         prefill T (fewer compilations, more padding: the tests use them on CPU, the benchmark pads decode
@@ -127,8 +161,23 @@ class PagedRunner:
         scan's carry (``Decoder.hidden_states(cache_in_carry=True)``) instead of copying every layer's view in
         and out of the scan; same values. unroll_layers: the layer loop inlined (``lax.scan(unroll=True)``)
         instead of a rolled loop: no per-layer loop overhead in decode (where a step is a few microseconds of
-        work per layer), longer compiles; same values."""
+        work per layer), longer compiles; same values. paged_attention (default): no dense view at all: the
+        pool rides in the layer loop (and the multi-step loop), each layer writes its new k/v into the pool in
+        place and reads the rows' context through their block tables (``PagedKVCache``); the host sends block
+        tables [R, S / block_size] instead of slot lists [R, S]. False: the reference gather/scatter path
+        (``kv_in_place`` applies to it only). Same tokens, same pool contents. paged_kernel (paged path):
+        "gather" (each layer gathers [R, S, K, H], then the attention backend; exact), "reduce" (decode calls:
+        that gather feeds a multiply + reduce attention XLA can fuse it into; equal up to float rounding) or
+        "pallas" (decode calls: a Pallas paged decode-attention kernel reads each row's real blocks in place,
+        online softmax; equal up to float rounding; prefill rows still gather)."""
+        if paged_kernel not in PAGED_KERNELS:
+            raise ValueError(f"PagedRunner: paged_kernel must be one of {', '.join(PAGED_KERNELS)}, "
+                             f"got {paged_kernel!r}")
         self.kv_in_place = kv_in_place
+        self.paged_attention = paged_attention
+        self.paged_kernel = paged_kernel
+        if paged_attention and paged_kernel == "pallas":
+            prepare_paged_decode()
         self.unroll = True if unroll_layers else 1
         # multi-step calls always loop up to this many steps (the loop exits once every row stopped), so rows
         # with fewer steps left do not compile smaller variants
@@ -146,6 +195,10 @@ class PagedRunner:
         dtype = kv_dtype or model.dtype
         self.k_pool = jnp.zeros(shape, dtype)
         self.v_pool = jnp.zeros(shape, dtype)
+        if paged_attention and paged_kernel == "pallas" and not kernel_applies(shape, 1, cfg.sliding_window):
+            warnings.warn(f"PagedRunner: paged_kernel='pallas' does not apply to this model / pool (pool {shape}, "
+                          f"sliding window {cfg.sliding_window}): decode attention gathers instead "
+                          "(the kernel needs no sliding window and a pool under 2^31 elements)", stacklevel=2)
         self.num_calls = 0  # forward calls (waves x decode/prefill groups), for tests / metrics
         self.num_multi_calls = 0  # multi-step decode calls
         self.num_deferred = 0  # requests run in a later wave (same-step prefix hits on blocks being written)
@@ -168,6 +221,15 @@ class PagedRunner:
         p = np.arange(start, stop)
         bs = self.block_size
         return block_table[p // bs] * bs + p % bs
+
+    def _block_table(self, group: list[ScheduledRequest], R: int, S: int) -> np.ndarray:
+        """[R, S / block_size] block ids (0 past a row's blocks: never read unmasked, never written)."""
+        nb = S // self.block_size
+        table = np.zeros((R, nb), np.int32)
+        for r, s in enumerate(group):
+            bt = s.block_table[:nb]
+            table[r, :len(bt)] = bt
+        return table
 
     def _waves(self, scheduled: list[ScheduledRequest]) -> list[int]:
         """Wave index per request: a request whose context blocks another request writes this step runs later."""
@@ -238,28 +300,36 @@ class PagedRunner:
         tokens = np.zeros((R, T), np.int32)
         positions = np.zeros((R, T), np.int32)
         segments = np.zeros((R, T), np.int32)
-        write = np.full((R, T), self.num_slots, np.int32)  # out of range -> dropped
-        ctx = np.zeros((R, S), np.int32)
+        paged = self.paged_attention  # no slot lists: block tables, slots computed on device
+        write = None if paged else np.full((R, T), self.num_slots, np.int32)  # out of range -> dropped
+        ctx = None if paged else np.zeros((R, S), np.int32)
         ctx_len = np.zeros((R,), np.int32)
         last = np.zeros((R,), np.int32)
         adapters = np.zeros((R,), np.int32)
         for r, s in enumerate(group):
             n, st = s.num_new_tokens, s.start
-            bt = np.asarray(s.block_table, np.int64)
             tokens[r, :n] = s.token_ids
             positions[r, :] = st + np.arange(T)
             segments[r, :n] = 1
-            write[r, :n] = self._slots(bt, st, st + n)
-            ctx[r, :st] = self._slots(bt, 0, st)
+            if not paged:
+                bt = np.asarray(s.block_table, np.int64)
+                write[r, :n] = self._slots(bt, st, st + n)
+                ctx[r, :st] = self._slots(bt, 0, st)
             ctx_len[r] = st
             last[r] = n - 1
             if self.lora:
                 adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S)
+        self.num_calls += 1
+        if paged:
+            self.k_pool, self.v_pool, sampled = _paged_step_in_pool(
+                self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments,
+                self._block_table(group, R, S), ctx_len, last, adapters, rows, mode=mode, lora=self.lora,
+                block_size=self.block_size, unroll=self.unroll, kernel=self.paged_kernel)
+            return sampled
         self.k_pool, self.v_pool, sampled = _paged_step(
             self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments, ctx, ctx_len, write,
             last, adapters, rows, mode=mode, lora=self.lora, kv_in_place=self.kv_in_place, unroll=self.unroll)
-        self.num_calls += 1
         return sampled
 
     def _run_multi(self, group: list[ScheduledRequest]):
@@ -271,25 +341,34 @@ class PagedRunner:
         tokens = np.zeros((R,), np.int32)
         start = np.zeros((R,), np.int32)
         limit = np.zeros((R,), np.int32)  # padding rows: 0 = stopped from the start
-        write = np.full((R, K), self.num_slots, np.int32)
-        ctx = np.zeros((R, S), np.int32)
+        paged = self.paged_attention
+        write = None if paged else np.full((R, K), self.num_slots, np.int32)
+        ctx = None if paged else np.zeros((R, S), np.int32)
         stop = np.full((R, M), -1, np.int32)
         adapters = np.zeros((R,), np.int32)
         for r, s in enumerate(group):
             st, n = s.start, s.num_steps
-            bt = np.asarray(s.block_table, np.int64)
             tokens[r] = s.token_ids[0]
             start[r], limit[r] = st, n
-            write[r, :n] = self._slots(bt, st, st + n)
-            ctx[r, :st] = self._slots(bt, 0, st)
+            if not paged:
+                bt = np.asarray(s.block_table, np.int64)
+                write[r, :n] = self._slots(bt, st, st + n)
+                ctx[r, :st] = self._slots(bt, 0, st)
             ids = sorted(s.request.stop_token_ids) if s.request is not None else []
             stop[r, :len(ids)] = ids
             if self.lora:
                 adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S)
-        self.k_pool, self.v_pool, sampled = multi_step_decode(
-            self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, ctx, write, limit, stop, adapters,
-            rows, mode=mode, lora=self.lora, num_steps=K, kv_in_place=self.kv_in_place, unroll=self.unroll)
+        if paged:
+            self.k_pool, self.v_pool, sampled = multi_step_decode_paged(
+                self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, self._block_table(group, R, S),
+                limit, stop, adapters, rows, mode=mode, lora=self.lora, num_steps=K, block_size=self.block_size,
+                unroll=self.unroll, kernel=self.paged_kernel)
+        else:
+            self.k_pool, self.v_pool, sampled = multi_step_decode(
+                self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, ctx, write, limit, stop,
+                adapters, rows, mode=mode, lora=self.lora, num_steps=K, kv_in_place=self.kv_in_place,
+                unroll=self.unroll)
         self.num_calls += 1
         self.num_multi_calls += 1
         return sampled

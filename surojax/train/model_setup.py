@@ -5,17 +5,22 @@ Precision recipes (`recipe`):
     bf16  bf16 compute (matmul operands), fp32 accumulation. Full fine-tuning keeps fp32 master weights
           (`master_dtype`) that are cast at each use; LoRA keeps the frozen base in bf16 and the adapters in
           `lora_dtype` (fp32 by default).
-Transforms are applied to the built model in this order: (quantise base) -> LoRA (stacked adapters first).
+    fp8_hybrid  bf16 as above, and the decoder's Linear layers multiply in FP8 (E4M3 forward, E5M2 gradients,
+          per-tensor scaling; surojax.precision): a LoRA base is quantised once, full fine-tuning quantises the
+          weights at every use. `skip_quant_first_layers` / `skip_quant_last_layers` keep layers in bf16.
+Transforms are applied to the built model in this order: (quantise base) -> LoRA (stacked adapters first) -> fp8.
 `model: path/to/file.gguf` loads a llama.cpp GGUF as the base, its quantised kernels kept in their GGUF format
 (surojax.weights.gguf_checkpoint); the architecture comes from its metadata.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -39,8 +44,9 @@ class Precision:
 
 
 def precision_for(cfg) -> Precision:
-    if cfg.recipe not in ("fp32", "bf16"):
-        raise TrainSetupError(f"recipe: {cfg.recipe} is not available yet in this version (use bf16 or fp32)")
+    if cfg.recipe not in ("fp32", "bf16", "fp8_hybrid"):
+        raise TrainSetupError(f"recipe: {cfg.recipe} is not available yet in this version (use bf16, fp32 or "
+                              "fp8_hybrid)")
     if cfg.recipe == "fp32":
         return Precision(jnp.float32, jnp.float32, jnp.float32)
     base = jnp.bfloat16 if cfg.lora else DTYPES[cfg.master_dtype]
@@ -153,7 +159,44 @@ def build_model(cfg) -> Decoder:
         init_lora(model, targets=cfg.lora_target_modules, rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                   dropout=cfg.lora_dropout, use_rslora=cfg.use_rslora, rngs=nnx.Rngs(params=cfg.seed + 1),
                   dtype=prec.adapter, adapter_path=cfg.adapter_path, adapter_init_mode=cfg.adapter_init_mode)
+    if cfg.recipe == "fp8_hybrid":
+        apply_fp8_recipe(cfg, model, prec)
     return model
+
+
+def apply_fp8_recipe(cfg, model: Decoder, prec: Precision) -> None:
+    """recipe: fp8_hybrid: the decoder's Linear layers multiply in FP8 (surojax.precision.fp8_transform)."""
+    from surojax.precision.fp8_transform import apply_fp8
+
+    opt = lambda name, default=None: getattr(cfg, name, default)  # noqa: E731 (bench namespaces lack these keys)
+    if cfg.lora and opt("merge_adapter"):
+        raise TrainSetupError("recipe: fp8_hybrid quantises the frozen base to FP8, so merge_adapter would fold the "
+                              "adapter into the FP8 values; train without it, then merge the saved adapter into the "
+                              "bf16 model (surojax merge)")
+    try:
+        targets = apply_fp8(model, frozen_base=bool(cfg.lora), skip_first=opt("skip_quant_first_layers", 0),
+                            skip_last=opt("skip_quant_last_layers", 0), compute_dtype=prec.compute)
+    except ValueError as e:
+        raise TrainSetupError(f"recipe: fp8_hybrid: {e}") from None
+    log.info("fp8_hybrid: %d linear targets multiply in FP8 (%s base)", len(targets),
+             "frozen E4M3" if cfg.lora else "trainable")
+    if not has_fp8_tensor_cores():
+        _warn_no_fp8(jax.devices()[0].device_kind)
+
+
+@functools.lru_cache(maxsize=None)  # once per device kind (a model may be built twice: shapes, then values)
+def _warn_no_fp8(kind: str) -> None:
+    log.warning("fp8_hybrid: %s has no FP8 tensor cores (needs compute capability >= 8.9, e.g. H100 / H200): the "
+                "GEMMs run in bf16 after the FP8 rounding, slower than recipe: bf16", kind)
+
+
+def has_fp8_tensor_cores() -> bool:
+    """Whether the default device runs FP8 GEMMs (NVIDIA Ada / Hopper or newer)."""
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return cc is not None and tuple(int(v) for v in str(cc).split(".")[:2]) >= (8, 9)
+    except ValueError:
+        return False
 
 
 def is_gguf_path(p) -> bool:

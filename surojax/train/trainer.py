@@ -308,7 +308,7 @@ class Trainer:
         from surojax.weights.hf_checkpoint import copy_tokenizer_files, save_model
 
         model = self.trained_model()
-        save_dtype = jnp.bfloat16 if self.cfg.recipe == "bf16" else jnp.float32
+        save_dtype = jnp.bfloat16 if self.cfg.recipe in ("bf16", "fp8_hybrid") else jnp.float32
         overwrite = bool(self.cfg.resume_from_checkpoint) and out_dir is None
         if self.cfg.lora:
             from surojax.peft.lora import merge_lora

@@ -227,3 +227,17 @@ def test_decoder_loss_and_grads_match_xla_backend(monkeypatch, recompute):
     for a, b in zip(jax.tree.leaves(g_x), jax.tree.leaves(g_c)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(a)
+
+
+def test_reduce_decode_attention_equals_xla():
+    """The multiply + reduce form of one-token attention (the paged path's "reduce" kernel) == xla_attention."""
+    from surojax.models.layers.attention import reduce_decode_attention, xla_attention
+
+    rng = np.random.default_rng(0)
+    B, S, N, K, H = 3, 12, 6, 2, 8
+    q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
+    mask = jnp.asarray(rng.random((B, 1, S)) < 0.7).at[:, :, 0].set(True)
+    np.testing.assert_allclose(np.asarray(reduce_decode_attention(q, k, v, mask, H ** -0.5)),
+                               np.asarray(xla_attention(q, k, v, mask, H ** -0.5)), atol=1e-5, rtol=1e-5)

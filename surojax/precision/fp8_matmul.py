@@ -1,0 +1,125 @@
+"""FP8 matmuls with per-tensor scaling, written so that XLA GPU runs them as scaled FP8 cuBLASLt GEMMs.
+
+    fp8_dot(x, w)                 x [..., K] (bf16), w [K, N] (a trainable weight): both quantised to E4M3 this
+                                  step; backward: dy quantised to E5M2, dx = dy @ w^T and dw = x^T @ dy as FP8 GEMMs
+    fp8_dot_frozen(x, w_q, w_d)   the same with a weight quantised once (a frozen LoRA base): w_q [K, N] E4M3 and
+                                  its dequantisation factor w_d; no weight gradient
+
+Every GEMM is written `dot(convert(a_q) * a_d, convert(b_q) * b_d)` in the compute dtype: XLA's GEMM rewriter
+(Hopper and newer) turns that into one `__cublas$lt$matmul$f8` custom call with a_d, b_d as its scale operands;
+elsewhere (CPU, older GPUs) it is the dequantised matmul, so the CPU tests check the same numbers the GPU computes
+up to accumulation order. `benchmarks/fp8_gemm_check.py` reads the compiled HLO to see which one happened.
+
+The quantisers are straight-through (the gradient of round + saturate is taken as the identity, as Transformer
+Engine does). Scaling is *current* (each tensor's own amax, this step): delayed scaling needs the amax history to
+leave the scanned layer stack and the step as state (the decoder's scan drops what its body writes, so flax's
+"new history as the gradient of the meta variable" trick, plus a step and optimizer that treat those cotangents
+as values), which this version does not do; `fp8_scaling.AmaxHistory` is that state's update rule. The price of
+current scaling is one extra read of each quantised tensor for its amax.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from surojax.precision.fp8_scaling import E4M3, E5M2, dequantize, quantize_current
+
+MARGIN = 0  # 2^-margin headroom in the scale (Transformer Engine's default)
+
+
+def dot_form() -> str:
+    """How the scaled GEMM is written for XLA (read when a step is traced): `qdq` (default)
+    dot(convert(a_q) * a_d, convert(b_q) * b_d), the pattern XLA folds into cuBLASLt's scale operands; `direct`
+    dot_general on the FP8 arrays themselves (bf16 result) times a_d * b_d, the form newer flax emits. Same
+    numbers up to one bf16 rounding; benchmarks/fp8_gemm_check.py compiles and times both."""
+    form = os.environ.get("SUROJAX_FP8_DOT", "qdq")
+    if form not in ("qdq", "direct"):
+        raise ValueError(f"SUROJAX_FP8_DOT={form!r}: expected qdq or direct")
+    return form
+
+
+def _scaled_dot(a_q, a_d, b_q, b_d, dims, dtype):
+    """dot_general(a_q * a_d, b_q * b_d) in `dtype` (fp32 accumulation inside the GEMM)."""
+    if dot_form() == "direct":
+        y = jax.lax.dot_general(a_q, b_q, (dims, ((), ())), preferred_element_type=dtype)
+        return y * (a_d.astype(jnp.float32) * b_d.astype(jnp.float32)).astype(dtype)
+    return jax.lax.dot_general(dequantize(a_q, a_d, dtype), dequantize(b_q, b_d, dtype), (dims, ((), ())),
+                               preferred_element_type=dtype)
+
+
+_NN = ((1,), (0,))  # [M, K] @ [K, N]
+_NT = ((1,), (1,))  # dy [M, N] @ w [K, N]^T -> [M, K]
+_TN = ((0,), (0,))  # x [M, K]^T @ dy [M, N] -> [K, N]
+
+
+def _flat(x):
+    return x.reshape(-1, x.shape[-1])  # [..., K] -> [M, K]
+
+
+def _backward_dx(g2, w_q, w_d, dtype):
+    g_q, g_d = quantize_current(g2, E5M2, dtype, MARGIN)
+    return _scaled_dot(g_q, g_d, w_q, w_d, _NT, dtype), (g_q, g_d)
+
+
+# ---- trainable weight: both operands quantised every step -----------------------------------------------------
+
+@jax.custom_vjp
+def fp8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x's dtype, both operands E4M3 (current per-tensor scaling)."""
+    return _fp8_dot_fwd(x, w)[0]
+
+
+def _fp8_dot_fwd(x, w):
+    dtype = x.dtype
+    x2 = _flat(x)
+    x_q, x_d = quantize_current(x2, E4M3, dtype, MARGIN)
+    w_q, w_d = quantize_current(w, E4M3, dtype, MARGIN)
+    y = _scaled_dot(x_q, x_d, w_q, w_d, _NN, dtype)
+    return y.reshape(*x.shape[:-1], w.shape[-1]), (x_q, x_d, w_q, w_d, jnp.zeros((), w.dtype))
+
+
+def _fp8_dot_bwd(res, g):
+    x_q, x_d, w_q, w_d, w_dtype = res  # w_dtype: a scalar carrying the weight's dtype (fp32 master or bf16)
+    dtype = g.dtype
+    dx, (g_q, g_d) = _backward_dx(_flat(g), w_q, w_d, dtype)
+    dw = _scaled_dot(x_q, x_d, g_q, g_d, _TN, dtype)
+    return dx.reshape(*g.shape[:-1], w_q.shape[0]), dw.astype(w_dtype.dtype)
+
+
+fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+# ---- frozen weight quantised once ---------------------------------------------------------------------------
+
+@jax.custom_vjp
+def fp8_dot_frozen(x: jax.Array, w_q: jax.Array, w_d: jax.Array) -> jax.Array:
+    """x [..., K] @ (w_q [K, N] E4M3 * w_d) -> [..., N] in x's dtype; x quantised to E4M3 (current scaling)."""
+    return _frozen_fwd(x, w_q, w_d)[0]
+
+
+def _frozen_fwd(x, w_q, w_d):
+    dtype = x.dtype
+    x_q, x_d = quantize_current(_flat(x), E4M3, dtype, MARGIN)
+    y = _scaled_dot(x_q, x_d, w_q, w_d, _NN, dtype)
+    return y.reshape(*x.shape[:-1], w_q.shape[-1]), (w_q, w_d)
+
+
+def _frozen_bwd(res, g):
+    w_q, w_d = res
+    dx, _ = _backward_dx(_flat(g), w_q, w_d, g.dtype)
+    return dx.reshape(*g.shape[:-1], w_q.shape[0]), jnp.zeros_like(w_q), jnp.zeros_like(w_d)
+
+
+fp8_dot_frozen.defvjp(_frozen_fwd, _frozen_bwd)
+
+
+def reference_dot(x_q, x_d, w_q, w_d) -> jax.Array:
+    """The exact product of the dequantised operands in fp32 (tests)."""
+    a = x_q.astype(jnp.float32) * jnp.asarray(x_d, jnp.float32)
+    b = w_q.astype(jnp.float32) * jnp.asarray(w_d, jnp.float32)
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+__all__ = ["fp8_dot", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN"]

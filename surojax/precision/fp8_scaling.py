@@ -1,0 +1,136 @@
+"""FP8 number formats and per-tensor scaling for the `fp8_hybrid` recipe.
+
+    E4M3 (float8_e4m3fn, max 448)    forward operands: activations and weights
+    E5M2 (float8_e5m2,  max 57344)   backward operand: the output gradient dy
+
+A tensor t is stored as q = saturate(round_to_nearest_even(t * s)) in the FP8 format and read back as q * d with
+d = 1 / s (the dequantisation factor). The scale follows Transformer Engine's rule
+
+    s = fp8_max * 2^-margin / amax         (amax = max |t|; the previous scale is kept when amax is 0 or not finite)
+
+Two ways to pick amax:
+    current scaling   amax of the tensor being quantised, in the same step (what the trainer uses; see
+                      surojax/precision/fp8_matmul.py for why)
+    delayed scaling   max over a rolling history of the amaxes of the previous steps (`AmaxHistory`), so the
+                      quantisation never waits for a reduction over the tensor it quantises
+
+`d` is rounded to the compute dtype (bf16) first and `s` is taken as its exact reciprocal, so q * d is the value
+the GEMM sees whether XLA folds d into the cuBLASLt scale (GPU) or multiplies it out (the CPU reference).
+`round_fp8_reference` is an independent pure-jnp model of the rounding (exponent / mantissa arithmetic, no FP8
+dtype involved) that tests hold the dtype conversion against.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Spec:
+    """An FP8 format as the rounding reference needs it."""
+    dtype: object
+    max: float  # largest finite value (saturation bound)
+    mantissa_bits: int
+    min_exponent: int  # exponent of the smallest normal number
+
+
+SPECS = {
+    "e4m3": Fp8Spec(E4M3, 448.0, 3, -6),
+    "e5m2": Fp8Spec(E5M2, 57344.0, 2, -14),
+}
+BY_DTYPE = {jnp.dtype(s.dtype): s for s in SPECS.values()}
+
+
+def spec(dtype) -> Fp8Spec:
+    try:
+        return BY_DTYPE[jnp.dtype(dtype)]
+    except KeyError:
+        raise ValueError(f"not an FP8 training format: {dtype} (expected float8_e4m3fn or float8_e5m2)") from None
+
+
+def scale_from_amax(amax: jax.Array, fp8_max: float, previous: jax.Array | float = 1.0, margin: int = 0) -> jax.Array:
+    """s = fp8_max * 2^-margin / amax in fp32; `previous` where amax is 0, inf or nan."""
+    amax = jnp.asarray(amax, jnp.float32)
+    ok = jnp.isfinite(amax) & (amax > 0)
+    fresh = jnp.float32(fp8_max * 2.0 ** -margin) / jnp.where(ok, amax, 1.0)
+    return jnp.where(ok, fresh, jnp.asarray(previous, jnp.float32))
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """max |x| as an fp32 scalar."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def dequant_factor(scale: jax.Array, compute_dtype) -> jax.Array:
+    """d = 1 / s rounded to the compute dtype (the factor the GEMM multiplies by)."""
+    return (1.0 / scale).astype(compute_dtype)
+
+
+def quantize(x: jax.Array, d: jax.Array, dtype) -> jax.Array:
+    """x -> FP8 `dtype` with dequantisation factor d: saturate(rne(x / d)). Computed in fp32."""
+    bound = spec(dtype).max
+    y = x.astype(jnp.float32) * (1.0 / d.astype(jnp.float32))
+    return jnp.clip(y, -bound, bound).astype(dtype)
+
+
+def dequantize(q: jax.Array, d: jax.Array, dtype) -> jax.Array:
+    """q * d in `dtype` (the form XLA's GEMM rewriter folds into a scaled FP8 cuBLASLt call)."""
+    return q.astype(dtype) * d.astype(dtype)
+
+
+def quantize_current(x: jax.Array, dtype, compute_dtype, margin: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Current scaling: (q, d) from x's own amax."""
+    d = dequant_factor(scale_from_amax(amax(x), spec(dtype).max, margin=margin), compute_dtype)
+    return quantize(x, d, dtype), d
+
+
+# ---- delayed scaling ----------------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AmaxHistory:
+    """Delayed-scaling state of one tensor: the amaxes of the last H steps (newest first) and the scale in use."""
+    history: jax.Array  # [H] fp32
+    scale: jax.Array  # [] fp32
+
+    @classmethod
+    def init(cls, length: int) -> "AmaxHistory":
+        if length < 1:
+            raise ValueError(f"fp8_amax_history must be >= 1, got {length}")
+        return cls(jnp.zeros((length,), jnp.float32), jnp.ones((), jnp.float32))
+
+    def next_scale(self, fp8_max: float, margin: int = 0) -> jax.Array:
+        """The scale for the coming step: from the max over the history; the current one if that is not usable."""
+        return scale_from_amax(jnp.max(self.history), fp8_max, self.scale, margin)
+
+    def update(self, new_amax: jax.Array, fp8_max: float, margin: int = 0) -> "AmaxHistory":
+        """After a step: its amax rolled in (newest first, the oldest drops out), then the scale for the next
+        step from the max over that history (Transformer Engine's order); the old scale where that max is 0 or
+        not finite."""
+        history = jnp.roll(self.history, 1).at[0].set(jnp.asarray(new_amax, jnp.float32))
+        return AmaxHistory(history, AmaxHistory(history, self.scale).next_scale(fp8_max, margin))
+
+
+# ---- independent reference ----------------------------------------------------------------------------------
+
+def round_fp8_reference(x: jax.Array, fmt: str) -> jax.Array:
+    """Round fp32 x to the values of an FP8 format with round-to-nearest-even and saturation at +-max, by
+    arithmetic on exponent and mantissa (no FP8 dtype involved). Returns fp32. NaN stays NaN."""
+    s = SPECS[fmt]
+    x = jnp.asarray(x, jnp.float32)
+    mag = jnp.abs(x)
+    _, e = jnp.frexp(jnp.where(mag > 0, mag, 1.0))  # mag = m * 2^e, m in [0.5, 1)
+    exponent = jnp.maximum(e - 1, s.min_exponent)  # subnormals share the smallest normal's spacing
+    step = jnp.ldexp(jnp.float32(1.0), exponent - s.mantissa_bits)  # exact powers of two
+    rounded = jnp.round(mag / step) * step  # jnp.round: half to even
+    rounded = jnp.minimum(rounded, s.max)
+    return jnp.where(jnp.isnan(x), x, jnp.sign(x) * rounded)
+
+
+__all__ = ["E4M3", "E5M2", "SPECS", "Fp8Spec", "spec", "scale_from_amax", "amax", "dequant_factor", "quantize",
+           "dequantize", "quantize_current", "AmaxHistory", "round_fp8_reference"]

@@ -1,0 +1,126 @@
+"""The `fp8_hybrid` recipe as a transform on a built `Decoder`: the decoder's Linear layers (q, k, v, o, gate, up,
+down) multiply in FP8. Embeddings, norms, attention and the LM head / chunked cross-entropy stay in bf16.
+
+    apply_fp8(model, frozen_base=True)     # LoRA: after apply_lora / init_lora; the base is quantised once
+    apply_fp8(model, frozen_base=False)    # full fine-tuning: the weights are quantised at every use
+
+What changes: each targeted base `Linear` (the `base` of a LoRALinear) is replaced by an `Fp8Linear` with the
+same `kernel` / `bias` variables under the same names, so state paths, checkpoints and exports do not move.
+Its `__call__` runs `fp8_matmul.fp8_dot` (trainable weight) or `fp8_dot_frozen` (frozen base). With
+`frozen_base` the kernel's value becomes an `Fp8Weight` (E4M3 values [L, K, N] + one dequantisation factor per
+layer [L], each layer scaled by its own amax), which halves the base's memory and reads; the variable stays a
+plain `nnx.Param`, so LoRA's filters keep it frozen. LoRA's A / B path is untouched (bf16 compute).
+
+Layers kept in bf16 (`skip_quant_first_layers` / `skip_quant_last_layers`): the stacked layers share one scan
+body, so each Fp8Linear then holds a per-layer flag ([L] bool, `Fp8LayerMask`) and picks the FP8 or the bf16
+matmul with `lax.cond`; the kernel then stays in bf16 (quantised per step) so the skipped layers keep it exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from surojax.models.layers.linear import Linear, dot
+from surojax.models.layers.params import AXES
+from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen
+from surojax.precision.fp8_scaling import E4M3, dequant_factor, quantize, scale_from_amax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """A frozen kernel quantised once: q [..., K, N] E4M3 and its dequantisation factor d [...] (per layer)."""
+    q: jax.Array
+    d: jax.Array
+
+    @classmethod
+    def quantize(cls, w: jax.Array, compute_dtype=jnp.bfloat16) -> "Fp8Weight":
+        """w [L, K, N] (or [K, N]) -> per-layer (per-matrix) scaled E4M3."""
+        amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(-2, -1))  # [L]
+        d = dequant_factor(scale_from_amax(amax, 448.0), compute_dtype)
+        return cls(quantize(w, d[..., None, None], E4M3), d)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.q.astype(dtype) * self.d.astype(dtype)[..., None, None]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+
+class Fp8LayerMask(nnx.Variable):
+    """[L] bool: True where the layer's matmuls run in FP8 (False: the bf16 layers of skip_quant_*)."""
+
+
+class Fp8Linear(Linear):
+    """A Linear whose matmul runs in FP8. Holds the original Linear's `kernel` and `bias` variables."""
+
+    def __init__(self, linear: Linear, *, mask: Fp8LayerMask | None = None):
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = linear.kernel
+        self.bias = linear.bias
+        self.fp8_layers = mask
+
+    def _fp8(self, x, w):
+        if isinstance(w, Fp8Weight):
+            return fp8_dot_frozen(x, w.q, w.d)
+        return fp8_dot(x, w)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.kernel.get_value()
+        if self.fp8_layers is None:
+            y = self._fp8(x, w)
+        else:
+            y = jax.lax.cond(self.fp8_layers.get_value(), self._fp8, dot, x, w)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+def fp8_layer_mask(num_layers: int, skip_first: int, skip_last: int) -> jax.Array | None:
+    """[L] bool (False on the first / last skipped layers), or None when every layer runs in FP8."""
+    if skip_first < 0 or skip_last < 0 or skip_first + skip_last >= num_layers:
+        raise ValueError(f"skip_quant_first_layers ({skip_first}) + skip_quant_last_layers ({skip_last}) must leave "
+                         f"at least one of the model's {num_layers} layers in FP8")
+    if skip_first == 0 and skip_last == 0:
+        return None
+    index = jnp.arange(num_layers)
+    return (index >= skip_first) & (index < num_layers - skip_last)
+
+
+def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int = 0,
+              compute_dtype=jnp.bfloat16) -> list[str]:
+    """Swap every base Linear of `model.layers` for an Fp8Linear (in place); returns the target names.
+
+    frozen_base: the kernels are frozen (LoRA): quantise them once into `Fp8Weight`s (unless layers are skipped,
+    which need the bf16 values). Raises ValueError for a kernel that is already quantised (qlora_* bases)."""
+    from surojax.models.registry import LINEAR_MODULES
+    from surojax.peft.lora import LoRALinear, _get, _set
+
+    mask = fp8_layer_mask(model.cfg.num_layers, skip_first, skip_last)
+    done = []
+    for name, path in LINEAR_MODULES.items():
+        mod = _get(model.layers, path)
+        holder, lin = (mod, mod.base) if isinstance(mod, LoRALinear) else (None, mod)
+        if isinstance(lin, Fp8Linear):
+            raise ValueError(f"{path}: the fp8 recipe is already applied")
+        value = lin.kernel.get_value()
+        if not isinstance(value, jax.Array):
+            raise ValueError(f"{path}: kernel is already quantised ({type(value).__name__}); the fp8_hybrid recipe "
+                             "needs a bf16 / fp32 base (remove the qlora_* key)")
+        if frozen_base and mask is None:
+            lin.kernel = nnx.Param(Fp8Weight.quantize(value, compute_dtype), **lin.kernel.get_metadata())
+        layer_mask = None if mask is None else Fp8LayerMask(mask, **{AXES: ("layers",)})
+        new = Fp8Linear(lin, mask=layer_mask)
+        if holder is not None:
+            holder.base = new
+        else:
+            _set(model.layers, path, new)
+        done.append(name)
+    return done
+
+
+__all__ = ["Fp8Weight", "Fp8Linear", "Fp8LayerMask", "apply_fp8", "fp8_layer_mask"]

@@ -1,0 +1,180 @@
+"""``paged_attention`` (``PagedKVCache``): the decoder reads and writes the paged pool in place through block
+tables. Against the reference gather -> dense view -> scatter path: the same pool contents after a step (exact,
+fp32 on CPU: same S, same mask, same reduction order), the same greedy tokens from the engine (single steps,
+multi-step decode, stop ids, concurrent = sequential)."""
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from surojax.serve.engine import Engine
+from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged
+from surojax.serve.runner import _paged_step, _paged_step_in_pool
+from surojax.serve.sampling import BatchMode
+from surojax.weights.hf_checkpoint import load_model
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
+BUCKETS = dict(min_rows=4, min_prefill_rows=4, min_context=64, min_prefill=16)
+GREEDY = BatchMode(sample=False, penalties=False, logprobs=False)
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(FIXTURE, attention="xla")
+
+
+def _pools(cfg, num_blocks, rng):
+    shape = (cfg.num_layers, num_blocks * BS, cfg.num_kv_heads, cfg.head_dim)
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32), jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def _tables(R, nb, num_blocks, rng):
+    return rng.permutation(num_blocks)[: R * nb].reshape(R, nb).astype(np.int32)
+
+
+def _slots(table, start, stop):
+    p = np.arange(start, stop)
+    return table[p // BS] * BS + p % BS
+
+
+def _greedy_rows(R, step):
+    return dict(temperature=np.zeros(R, np.float32), top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32),
+                min_p=np.zeros(R, np.float32), seed=np.zeros(R, np.uint32), step=np.asarray(step, np.int32))
+
+
+@pytest.mark.parametrize("T", [1, 5])  # a decode step; a prefill chunk with a padded row
+def test_single_step_pool_equals_reference(model, T):
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(T)
+    R, S, num_blocks = 3, 32, 40
+    nb = S // BS
+    k_pool, v_pool = _pools(model.cfg, num_blocks, rng)
+    table = _tables(R, nb, num_blocks, rng)
+    ctx_len = np.array([7, 0, 20], np.int32)
+    n = np.array([T, T, max(T - 2, 1)])  # row 2 has padding tokens when T > 1
+    tokens = rng.integers(1, 500, (R, T)).astype(np.int32)
+    positions = (ctx_len[:, None] + np.arange(T)).astype(np.int32)
+    segments = (np.arange(T)[None, :] < n[:, None]).astype(np.int32)
+    ctx = np.zeros((R, S), np.int32)
+    write = np.full((R, T), k_pool.shape[1], np.int32)
+    for r in range(R):
+        ctx[r, :ctx_len[r]] = _slots(table[r], 0, ctx_len[r])
+        write[r, :n[r]] = _slots(table[r], ctx_len[r], ctx_len[r] + n[r])
+    common = dict(last_idx=(n - 1).astype(np.int32), adapter_rows=np.zeros(R, np.int32),
+                  rows=_greedy_rows(R, ctx_len + n), mode=GREEDY, lora=False)
+    k1, v1, out1 = _paged_step(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, positions, segments, ctx,
+                               ctx_len, write, kv_in_place=True, **common)
+    k2, v2, out2 = _paged_step_in_pool(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, positions, segments,
+                                       table, ctx_len, block_size=BS, **common)
+    np.testing.assert_array_equal(np.asarray(k1), np.asarray(k2))
+    np.testing.assert_array_equal(np.asarray(v1), np.asarray(v2))
+    np.testing.assert_array_equal(np.asarray(out1["ids"]), np.asarray(out2["ids"]))
+    assert not np.array_equal(np.asarray(k1), np.asarray(k_pool))  # the step did write
+
+
+def test_multi_step_pool_equals_reference(model):
+    """K steps, a row stopped by a stop id, a row with a smaller limit, a padding row (limit 0)."""
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(7)
+    R, K, S, num_blocks = 4, 4, 32, 40
+    nb = S // BS
+    k_pool, v_pool = _pools(model.cfg, num_blocks, rng)
+    table = _tables(R, nb, num_blocks, rng)
+    start = np.array([9, 3, 17, 0], np.int32)
+    limit = np.array([4, 2, 4, 0], np.int32)
+    tokens = rng.integers(1, 500, R).astype(np.int32)
+    ctx = np.zeros((R, S), np.int32)
+    write = np.full((R, K), k_pool.shape[1], np.int32)
+    for r in range(R):
+        ctx[r, :start[r]] = _slots(table[r], 0, start[r])
+        write[r, :limit[r]] = _slots(table[r], start[r], start[r] + limit[r])
+    # row 2 stops on the token it samples first (found by a reference run without stop ids)
+    free = dict(limit=limit, adapter_rows=np.zeros(R, np.int32), rows=_greedy_rows(R, start), mode=GREEDY,
+                lora=False, num_steps=K)
+    _, _, probe = multi_step_decode(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, ctx, write,
+                                    stop_ids=np.full((R, 1), -1, np.int32), **free)
+    stop = np.full((R, 1), -1, np.int32)
+    stop[2, 0] = int(probe["ids"][2, 1])
+    k1, v1, out1 = multi_step_decode(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, ctx, write,
+                                     stop_ids=stop, kv_in_place=True, **free)
+    k2, v2, out2 = multi_step_decode_paged(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, table,
+                                           stop_ids=stop, block_size=BS, **free)
+    assert list(np.asarray(out1["count"])) == [4, 2, 2, 0]
+    np.testing.assert_array_equal(np.asarray(out1["count"]), np.asarray(out2["count"]))
+    real = np.arange(K)[None, :] < np.asarray(out1["count"])[:, None]  # a stopped row's later ids are garbage
+    np.testing.assert_array_equal(np.asarray(out1["ids"])[real], np.asarray(out2["ids"])[real])
+    np.testing.assert_array_equal(np.asarray(k1), np.asarray(k2))
+    np.testing.assert_array_equal(np.asarray(v1), np.asarray(v2))
+
+
+def test_engine_tokens_equal_reference(model):
+    """Single steps and multi-step decode, concurrent prompts (with a shared prefix: prefix-cache hits):
+    the paged path gives the reference path's tokens, and concurrent == one at a time."""
+    rng = np.random.default_rng(3)
+    shared = rng.integers(1, 500, size=8).tolist()
+    ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)] + [shared + [5, 6], shared + [7]]
+    outs = []
+    for k, paged in ((1, False), (1, True), (4, True)):
+        eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
+                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged)
+        outs.append(eng.generate(ps, 7))
+        assert eng.runner.paged_attention is paged
+    assert outs[0] == outs[1] == outs[2]
+    eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=96,
+                 buckets=BUCKETS, decode_steps=4)
+    assert [eng.generate([p], 7)[0] for p in ps] == outs[0]
+
+
+def test_engine_pallas_kernel_tokens_equal_reference(model):
+    """paged_kernel="pallas" (decode attention in the Pallas kernel, interpret mode on CPU): same greedy tokens."""
+    rng = np.random.default_rng(4)
+    ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)]
+    outs = []
+    for k, paged, kernel in ((1, False, "gather"), (1, True, "pallas"), (4, True, "pallas")):
+        eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
+                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged, paged_kernel=kernel)
+        outs.append(eng.generate(ps, 6))
+    assert outs[0] == outs[1] == outs[2]
+    with pytest.raises(ValueError, match="paged_kernel"):
+        Engine(model, num_blocks=8, block_size=BS, max_model_len=16, paged_kernel="triton")
+
+
+def test_serve_cli_kv_path():
+    from surojax.cli.main import build_parser, load_command
+
+    parser = build_parser("serve", load_command("serve"))
+    assert parser.parse_args(["serve", "m"]).kv_path == "paged"
+    assert parser.parse_args(["serve", "m", "--kv-path", "pallas"]).kv_path == "pallas"
+    assert parser.parse_args(["serve", "m", "--kv-path", "reduce"]).kv_path == "reduce"
+
+
+def test_pallas_kernel_warns_where_it_does_not_apply(model, monkeypatch):
+    from surojax.serve import runner
+
+    monkeypatch.setattr(runner, "kernel_applies", lambda *a: False)
+    with pytest.warns(UserWarning, match="gathers instead"):
+        runner.PagedRunner(model, num_blocks=8, block_size=BS, paged_kernel="pallas")
+
+
+def test_pallas_caps_an_auto_sized_pool(model, monkeypatch):
+    """An auto-sized pool is capped where the kernel's int32 offsets end (the cap shrunk to 24 blocks here)."""
+    from surojax.serve import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "num_kv_blocks", lambda *a, **k: 10 ** 6)
+    monkeypatch.setattr(engine_mod, "max_pool_blocks", lambda *a: 24)
+    assert engine_mod.Engine(model, block_size=BS, max_model_len=64, paged_kernel="pallas").runner.num_slots == 24 * BS
+
+
+def test_engine_reduce_kernel_tokens_equal_reference(model):
+    """paged_kernel="reduce" (decode attention as multiply + reduce over the gather): same greedy tokens."""
+    rng = np.random.default_rng(5)
+    ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)]
+    outs = []
+    for k, paged, kernel in ((1, False, "gather"), (1, True, "reduce"), (4, True, "reduce")):
+        eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
+                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged, paged_kernel=kernel)
+        outs.append(eng.generate(ps, 6))
+    assert outs[0] == outs[1] == outs[2]
