@@ -13,14 +13,16 @@ tests check the numbers the GPU computes up to accumulation order. `benchmarks/f
 HLO to see which one happened and holds the result to the fp32 product of the dequantised operands.
 
 Why not `dot(convert(a_q) * a_d, convert(b_q) * b_d)` ("qdq", still selectable with SUROJAX_FP8_DOT=qdq)? On the
-H200 (jax 0.11.2) it ran as a plain bf16 cuBLAS GEMM *without* the FP8 rounding of the activations: XLA's Triton
-GemmFusion takes a dot with converts / multiplies around it before the FP8 GEMM rewriter sees it, and the float
-normalisation that follows runs SimplifyFPConversions (on by default, xla_allow_excess_precision), which rewrites
-any chain of float converts `f32 -> f8 -> bf16` into `f32 -> bf16`: the quantiser of x (and dy, and a trainable w)
-disappears. The GEMM is then computed on unquantised bf16 activations: 2.7 % (frozen) / 3.7 % (trainable) off the
-fp32 product of the FP8 operands, which is exactly what leaving out the E4M3 rounding of x gives on the same data
-(2.69 % on CPU). In the direct form no FP8 value is ever converted back to a wider type, so there is no chain to
-collapse and the dot's operands stay FP8 through every pass. See docs/precision.md.
+H200 (jax 0.11.2) it ran as plain bf16 cuBLAS GEMMs *without* the FP8 rounding of the activations: 2.7 % (frozen) /
+3.7 % (trainable) off the fp32 product of the FP8 operands, where leaving out the E4M3 rounding of x gives 2.69 %
+on the same data (CPU). The quantiser of x is `convert(f32 -> f8)` read only by `convert(f8 -> bf16)`, a chain that
+XLA GPU's SimplifyFPConversions (on by default, xla_allow_excess_precision) rewrites as one `f32 -> bf16` convert;
+with x no longer FP8 the GEMM cannot be an FP8 GEMM. Which pass order exposes the chain (Triton GemmFusion takes
+such dots before the FP8 rewriter; the autotuner's cuBLAS fallback meets them after the float normalisation) is
+read from XLA's sources, not measured: fp8_gemm_check's `qdq+noexcess` / `qdq+notriton` variants test it. In the
+direct form no FP8 value is converted back to a wider type, so there is no chain to collapse, and a dot on two FP8
+operands (no fusible producer: a "pure" matmul that GemmFusion leaves alone) is what the rewriter turns into
+cuBLASLt directly. See docs/precision.md.
 
 The quantisers are straight-through (the gradient of round + saturate is taken as the identity, as Transformer
 Engine does). Scaling is *current* (each tensor's own amax, this step): delayed scaling needs the amax history to
