@@ -15,7 +15,8 @@ Three parts:
             operands: max |y - ref| / max |ref| below fp8_matmul.DIRECT_REL_ERR (direct, 6e-3: three bf16
             roundings) or QDQ_REL_ERR (qdq, 1e-2). It also prints the error of the qdq GEMM with XLA's convert
             chains f32 -> f8 -> bf16 collapsed to f32 -> bf16 (2.69 % frozen / 3.71 % trainable here): a match
-            means XLA removed the quantisers, as it did for qdq on the H200 (jax 0.11.2: 2.67 % / 3.71 %). GEMM census, time vs the bf16 GEMM (median of 3 x `iters` calls).
+            means XLA removed the quantisers, as it did for qdq on the H200 (jax 0.11.2: 2.67 % / 3.71 %).
+            GEMM census, time vs the bf16 GEMM (median of 3 x `iters` calls).
             --forms: SUROJAX_FP8_DOT forms (direct | qdq), each optionally compiled with XLA options:
             +noexcess (xla_allow_excess_precision=false: no SimplifyFPConversions) and +notriton
             (xla_gpu_enable_triton_gemm=false: the cuBLASLt FP8 rewriter sees the dot first); diagnostics only.
