@@ -21,7 +21,7 @@ paged) item decode-paged ${TPG:-100} python3 benchmarks/decode_step_h200.py --ro
 servep) item serve-paged ${TSP:-90} python3 benchmarks/serve_load.py --modes engine --users ${SUSERS:-1,16,64} \
          --decode-steps 8 --paged-kernel ${SPK:-pallas} ;;
 exact) item offload-exact ${TE:-130} python3 benchmarks/offload_h200.py --only exact-resident,exact-streamed --timeout 70 ;;
-fp8) item fp8 ${TF:-140} python3 benchmarks/fp8_gemm_check.py --shape qwen3-0.6b --mode lora --forms qdq ;;
+fp8) item fp8 ${TF:-300} python3 benchmarks/fp8_gemm_check.py --shape qwen3-0.6b --mode lora ${FP8FORMS:+--forms $FP8FORMS} ;;
 kern) item quant_matmul 130 python3 benchmarks/quant_matmul_h200.py --formats ${QFORMATS:-q5_k,q6_k,nvfp4} ;;
 serve) item serve ${TS:-240} python3 benchmarks/serve_load.py --modes ${SMODES:-engine} --users ${SUSERS:-1,64} \
          --decode-steps ${SK:-1,8} --kv-in-place ${SKV:-0,1} ;;

@@ -5,10 +5,24 @@
     fp8_dot_frozen(x, w_q, w_d)   the same with a weight quantised once (a frozen LoRA base): w_q [K, N] E4M3 and
                                   its dequantisation factor w_d; no weight gradient
 
-Every GEMM is written `dot(convert(a_q) * a_d, convert(b_q) * b_d)` in the compute dtype: XLA's GEMM rewriter
-(Hopper and newer) turns that into one `__cublas$lt$matmul$f8` custom call with a_d, b_d as its scale operands;
-elsewhere (CPU, older GPUs) it is the dequantised matmul, so the CPU tests check the same numbers the GPU computes
-up to accumulation order. `benchmarks/fp8_gemm_check.py` reads the compiled HLO to see which one happened.
+Every GEMM is written `dot_general(a_q, b_q)` on the FP8 arrays themselves (fp32 accumulation, bf16 result), then
+multiplied by a_d * b_d (the "direct" form, as flax's fp8_ops writes it): XLA's GEMM rewriter (Ada / Hopper
+and newer, CUDA >= 12) turns a dot whose operands *are* FP8 into one `__cublas$lt$matmul$f8` custom call (or the
+Triton GEMM emitter runs it on FP8 tensor cores); elsewhere (CPU) the same dot runs on the upcast values, so the CPU
+tests check the numbers the GPU computes up to accumulation order. `benchmarks/fp8_gemm_check.py` reads the compiled
+HLO to see which one happened and holds the result to the fp32 product of the dequantised operands.
+
+Why not `dot(convert(a_q) * a_d, convert(b_q) * b_d)` ("qdq", still selectable with SUROJAX_FP8_DOT=qdq)? On the
+H200 (jax 0.11.2) it ran as plain bf16 cuBLAS GEMMs *without* the FP8 rounding of the activations: 2.7 % (frozen) /
+3.7 % (trainable) off the fp32 product of the FP8 operands, where leaving out the E4M3 rounding of x gives 2.69 %
+on the same data (CPU). The quantiser of x is `convert(f32 -> f8)` read only by `convert(f8 -> bf16)`, a chain that
+XLA GPU's SimplifyFPConversions (on by default, xla_allow_excess_precision) rewrites as one `f32 -> bf16` convert;
+with x no longer FP8 the GEMM cannot be an FP8 GEMM. Which pass order exposes the chain (Triton GemmFusion takes
+such dots before the FP8 rewriter; the autotuner's cuBLAS fallback meets them after the float normalisation) is
+read from XLA's sources, not measured: fp8_gemm_check's `qdq+noexcess` / `qdq+notriton` variants test it. In the
+direct form no FP8 value is converted back to a wider type, so there is no chain to collapse, and a dot on two FP8
+operands (no fusible producer: a "pure" matmul that GemmFusion leaves alone) is what the rewriter turns into
+cuBLASLt directly. See docs/precision.md.
 
 The quantisers are straight-through (the gradient of round + saturate is taken as the identity, as Transformer
 Engine does). Scaling is *current* (each tensor's own amax, this step): delayed scaling needs the amax history to
@@ -30,20 +44,32 @@ MARGIN = 0  # 2^-margin headroom in the scale (Transformer Engine's default)
 
 
 def dot_form() -> str:
-    """How the scaled GEMM is written for XLA (read when a step is traced): `qdq` (default)
-    dot(convert(a_q) * a_d, convert(b_q) * b_d), the pattern XLA folds into cuBLASLt's scale operands; `direct`
-    dot_general on the FP8 arrays themselves (bf16 result) times a_d * b_d, the form newer flax emits. Same
-    numbers up to one bf16 rounding; benchmarks/fp8_gemm_check.py compiles and times both."""
-    form = os.environ.get("SUROJAX_FP8_DOT", "qdq")
+    """How the scaled GEMM is written for XLA (read when a step is traced): `direct` (default) dot_general on the
+    FP8 arrays (bf16 result) times a_d * b_d; `qdq` dot(convert(a_q) * a_d, convert(b_q) * b_d) in bf16,
+    the textbook pattern of XLA's FP8 rewriter that jax 0.11.2 on the H200 did not fold (module docstring).
+    benchmarks/fp8_gemm_check.py compiles and times both."""
+    form = os.environ.get("SUROJAX_FP8_DOT", "direct")
     if form not in ("qdq", "direct"):
-        raise ValueError(f"SUROJAX_FP8_DOT={form!r}: expected qdq or direct")
+        raise ValueError(f"SUROJAX_FP8_DOT={form!r}: expected direct or qdq")
     return form
+
+
+# The error of one scaled GEMM against the fp32 product of its dequantised operands, relative to that product's
+# largest entry. Direct form: the GEMM's bf16 result, the bf16 scale a_d * b_d and the bf16 product y * scale are
+# each rounded once: (1 + 2^-9)^3 - 1 < 6e-3 (two roundings where XLA folds the multiply into cuBLASLt's scale,
+# F8ScaleD), plus accumulation order (XLA CPU's bf16-output dot does not keep one fp32 accumulator: ~4e-3 alone).
+# A quantiser that XLA optimised away is several times over it (2.7 % for x on the 0.6B-sized GEMM).
+DIRECT_REL_ERR = 6e-3
+# qdq form: the operands q * d are rounded to bf16 before the GEMM, an error per product term that does not shrink
+# with the sum, so only a loose bound holds (1 %); folded into cuBLASLt (scales applied in fp32) it is one rounding.
+QDQ_REL_ERR = 1e-2
 
 
 def _scaled_dot(a_q, a_d, b_q, b_d, dims, dtype):
     """dot_general(a_q * a_d, b_q * b_d) in `dtype` (fp32 accumulation inside the GEMM)."""
     if dot_form() == "direct":
         y = jax.lax.dot_general(a_q, b_q, (dims, ((), ())), preferred_element_type=dtype)
+        # multiply(gemm, broadcast(scalar)) right on the GEMM's result: XLA folds it into the FP8 GEMM's scale
         return y * (a_d.astype(jnp.float32) * b_d.astype(jnp.float32)).astype(dtype)
     return jax.lax.dot_general(dequantize(a_q, a_d, dtype), dequantize(b_q, b_d, dtype), (dims, ((), ())),
                                preferred_element_type=dtype)
@@ -122,4 +148,4 @@ def reference_dot(x_q, x_d, w_q, w_d) -> jax.Array:
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-__all__ = ["fp8_dot", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN"]
+__all__ = ["fp8_dot", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN", "DIRECT_REL_ERR", "QDQ_REL_ERR"]

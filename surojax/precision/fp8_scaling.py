@@ -79,7 +79,8 @@ def quantize(x: jax.Array, d: jax.Array, dtype) -> jax.Array:
 
 
 def dequantize(q: jax.Array, d: jax.Array, dtype) -> jax.Array:
-    """q * d in `dtype` (the form XLA's GEMM rewriter folds into a scaled FP8 cuBLASLt call)."""
+    """q * d in `dtype` (the qdq GEMM operand; the default direct form multiplies the GEMM's result instead, see
+    fp8_matmul: XLA GPU may rewrite the convert pair of quantize + dequantize away)."""
     return q.astype(dtype) * d.astype(dtype)
 
 

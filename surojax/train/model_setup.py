@@ -180,8 +180,20 @@ def apply_fp8_recipe(cfg, model: Decoder, prec: Precision) -> None:
         raise TrainSetupError(f"recipe: fp8_hybrid: {e}") from None
     log.info("fp8_hybrid: %d linear targets multiply in FP8 (%s base)", len(targets),
              "frozen E4M3" if cfg.lora else "trainable")
+    _warn_experimental()
     if not has_fp8_tensor_cores():
         _warn_no_fp8(jax.devices()[0].device_kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_experimental() -> None:
+    from surojax.precision.fp8_matmul import dot_form
+
+    log.warning("fp8_hybrid is EXPERIMENTAL: on the last H200 check (jax 0.11.2) its GEMMs did not run in FP8 "
+                "(the qdq form was compiled to bf16 GEMMs without the activation rounding, slower than recipe: "
+                "bf16); this build writes them as direct FP8 dots (SUROJAX_FP8_DOT=%s), not yet measured on the "
+                "GPU. Check with `python benchmarks/fp8_gemm_check.py` before relying on it (docs/precision.md)",
+                dot_form())
 
 
 @functools.lru_cache(maxsize=None)  # once per device kind (a model may be built twice: shapes, then values)
