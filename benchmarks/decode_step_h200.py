@@ -57,7 +57,7 @@ from flax import nnx  # noqa: E402
 
 from surojax.bench.shapes import model_config  # noqa: E402
 from surojax.models.decoder import Decoder  # noqa: E402
-from surojax.serve.decode_check import DEFAULT_EPS, format_check, teacher_forced_check  # noqa: E402
+from surojax.serve.decode_check import DEFAULT_EPS, attention_check, format_check, teacher_forced_check  # noqa: E402
 from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged  # noqa: E402
 from surojax.serve.runner import _paged_step, _paged_step_in_pool  # noqa: E402
 from surojax.serve.sampling import BatchMode  # noqa: E402
@@ -98,21 +98,32 @@ def make_inputs(cfg, R, context, K, block_size, num_blocks, rng):
     return tokens, ctx, write, table, rows
 
 
+def check_lengths(R, context, block_size):
+    """Tokens already in the pool per row for the check: row 0 the full context, the others cycle through
+    the lengths where a paged kernel goes wrong (empty, one token, block and loop-iteration boundaries)."""
+    bs = block_size
+    edges = [0, 1, bs - 1, bs, bs + 1, 4 * bs - 1, 4 * bs, 4 * bs + 1, 100, 255, 256, 257, context // 2, context - 1]
+    others = sorted({n for n in edges if 0 <= n < context})
+    return np.array([context] + [others[(r - 1) % len(others)] for r in range(1, R)], np.int32)
+
+
 def check(R, graphdef, state, pools, tokens, start, table, block_size, kernels: str, eps: float):
-    """The teacher-forced check (``surojax.serve.decode_check``): the same pool and the same forced tokens
-    [R, K] through the reference (bf16 and fp32) and each paged path (gather, and reduce / pallas where
+    """The teacher-forced checks (``surojax.serve.decode_check``): each layer's attention sublayer alone
+    (``attention_check``), then the whole model over the forced tokens [R, K] (``teacher_forced_check``),
+    the same pool for the reference (bf16 and fp32) and each paged path (gather, and reduce / pallas where
     `kernels` names them); `CHECK {...}` lines with pass True / False. -> the result dicts."""
     paths = ["gather"] + [k for k in ("reduce", "pallas") if k in kernels]
 
     def failed(path, e):
         print(f"FAILED check {path} R={R}: {type(e).__name__}: {str(e)[:400]}", flush=True)
 
-    try:
-        results = teacher_forced_check(graphdef, state, pools["k"], pools["v"], tokens, start, table,
-                                       block_size=block_size, paths=paths, eps=eps, on_error=failed)
-    except Exception as e:  # noqa: BLE001 - the reference itself failed: report, keep the timing
-        failed("reference", e)
-        return []
+    results = []
+    for fn, kw in ((attention_check, {}), (teacher_forced_check, {"tokens": tokens})):
+        try:
+            results += fn(graphdef, state, pools["k"], pools["v"], start=start, block_table=table,
+                          block_size=block_size, paths=paths, eps=eps, on_error=failed, **kw)
+        except Exception as e:  # noqa: BLE001 - the reference itself failed: report, keep the timing
+            failed(f"{fn.__name__} reference", e)
     for r in results:
         print("CHECK " + json.dumps(r), flush=True)
         print("# " + format_check(r), flush=True)
@@ -227,7 +238,8 @@ def main(argv=None):
                                      unroll=unroll)
 
         forced = np.random.default_rng(1000 + R).integers(1, cfg.vocab_size, (R, K)).astype(np.int32)
-        results += check(R, graphdef, state, pools, forced, start, table, bs, a.variants, a.eps)
+        results += check(R, graphdef, state, pools, forced, check_lengths(R, a.context, bs), table, bs, a.variants,
+                         a.eps)
         for variant in ([] if a.check_only else a.variants.split(",")):
             parts = variant.split("-")
             kind, loop = parts[0], parts[-1]
@@ -284,11 +296,12 @@ def main(argv=None):
               f"{r['decode_tok_s']:,.0f} | {r['compile_s']:.1f} | {r.get('kernels_per_token', float('nan')):.0f} | "
               f"{r.get('busy_ms_per_token', float('nan')):.3f} |")
     checks = [r for r in results if r.get("check")]
-    print("\ncorrectness (teacher-forced: each path vs the fp32 reference, same pool, same forced tokens; "
-          "pass = err <= 2 x the bf16 reference's err + eps, no stray writes, decisive argmax equal):")
+    print("\ncorrectness (teacher-forced, each path vs the fp32 reference, same pool, same inputs: each layer's "
+          "attention alone, then the model over forced tokens; pass = err <= 2 x the bf16 reference's err + eps "
+          "per row, no stray writes, decisive argmax equal):")
     for r in checks:
         print("  " + format_check(r))
-    verdicts = [r for r in checks if r["check"] != "reference"]
+    verdicts = [r for r in checks if r["check"] not in ("reference", "attention-gather")]
     print("CHECK-SUMMARY " + json.dumps({r["check"] + f"-R{r['rows']}": "PASS" if r["pass"] else "FAIL"
                                         for r in verdicts}))
     return 0

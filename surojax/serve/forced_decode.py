@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.models.decoder import KVCache, PagedKVCache
+from surojax.models.layers.attention import PagedLayerKV
+from surojax.models.layers.rope import inv_freq, rope_cos_sin
 
 FORCED_PATHS = ("reference", "gather", "reduce", "pallas")
 
@@ -73,4 +75,26 @@ def forced_decode(graphdef, state, k_pool, v_pool, tokens, start, block_table, *
     return cache.k, cache.v, jnp.swapaxes(logits, 0, 1)
 
 
-__all__ = ["FORCED_PATHS", "forced_decode", "pool_slots"]
+@functools.partial(jax.jit, static_argnames=("graphdef", "kernel", "block_size"))
+def forced_attention(graphdef, state, x, k_pool, v_pool, block_table, lengths, layer, *, kernel: str,
+                     block_size: int):
+    """One layer's attention sublayer alone, through the paged pool: the layer's ``Attention`` module (its
+    ``PagedLayerKV`` dispatch: "gather", "reduce" or "pallas") on x [R, 1, D] as one new token per row at
+    position lengths [R] (written to the pool first, then attended with the row's context).
+    layer: int32 scalar. -> y [R, 1, D] fp32 (after o_proj). Isolates the attention: the check of a kernel
+    without the rest of the network's rounding on top."""
+    model = nnx.merge(graphdef, state)
+    layers_def, layers_state = nnx.split(model.layers)
+    block = nnx.merge(layers_def, jax.tree.map(lambda a: a[layer], layers_state))
+    R = x.shape[0]
+    seg = jnp.ones((R, 1), jnp.int32)
+    pos = lengths.astype(jnp.int32)[:, None]
+    cache = PagedKVCache(k_pool, v_pool, block_table.astype(jnp.int32), lengths.astype(jnp.int32), block_size, kernel)
+    kv_meta, _ = cache.step_meta(seg, pos)
+    cos, sin = rope_cos_sin(pos, inv_freq(model.cfg), x.dtype)
+    kv = PagedLayerKV(k_pool, v_pool, jnp.asarray(layer, jnp.int32), block_size, kernel)
+    y, _ = block.attn(x, cos, sin, seg, pos, kv, kv_meta)
+    return y.astype(jnp.float32)
+
+
+__all__ = ["FORCED_PATHS", "forced_attention", "forced_decode", "pool_slots"]

@@ -1,16 +1,18 @@
-"""The teacher-forced decode check (``serve/decode_check.py``): every real decode path PASSES against the fp32
-reference (fp32 on CPU: the Pallas kernel in interpret mode), and a wrong attention in the Pallas path
-(an off-by-one length: the new token not attended; an output off by 1%) FAILS."""
+"""The teacher-forced decode checks (``serve/decode_check.py``: the model over forced tokens, and each layer's
+attention alone): every real decode path PASSES against the fp32 reference (fp32 on CPU: the Pallas kernel in
+interpret mode; and in bf16, judged by the bf16 floor), and a wrong attention in the Pallas path (an
+off-by-one length: the new token not attended; an output off by 1%) FAILS."""
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import surojax.models.layers.attention as attention
-from surojax.serve.decode_check import format_check, teacher_forced_check
-from surojax.serve.forced_decode import forced_decode
+from surojax.serve.decode_check import attention_check, format_check, fp32_twin, teacher_forced_check
+from surojax.serve.forced_decode import forced_attention, forced_decode
 from surojax.weights.hf_checkpoint import load_model
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
@@ -43,6 +45,20 @@ def test_real_paths_pass(setup):
     assert results["reference"]["logits_rel_err"] == 0.0
     assert results["gather"]["logits_rel_err"] == 0.0 and results["gather"]["kv_rel_err"] == 0.0
     assert 0 < results["pallas"]["logits_rel_err"] < 1e-5
+    attn = {r["check"]: r for r in attention_check(*_no_tokens(setup), block_size=BS)}
+    assert set(attn) == {"attention-gather", "attention-reduce", "attention-pallas"}
+    assert all(r["pass"] for r in attn.values()), [format_check(r) for r in attn.values()]
+    assert attn["attention-gather"]["attn_rel_err"] == 0.0 and 0 < attn["attention-pallas"]["attn_rel_err"] < 1e-5
+
+
+def _no_tokens(setup):
+    graphdef, state, k, v, _, start, table = setup
+    return graphdef, state, k, v, start, table
+
+
+def _clear():
+    forced_decode.clear_cache()
+    forced_attention.clear_cache()
 
 
 def _off_by_one(real):
@@ -56,15 +72,37 @@ def _one_percent(real):
 @pytest.mark.parametrize("wrong", [_off_by_one, _one_percent])
 def test_a_wrong_kernel_fails(setup, monkeypatch, wrong):
     monkeypatch.setattr(attention, "paged_decode_attention", wrong(attention.paged_decode_attention))
-    forced_decode.clear_cache()  # trace again with the wrong kernel
+    _clear()  # trace again with the wrong kernel
     try:
         ref, pallas = teacher_forced_check(*setup, block_size=BS, paths=("pallas",))
+        floor, attn = attention_check(*_no_tokens(setup), block_size=BS, paths=("pallas",))
     finally:
-        forced_decode.clear_cache()
-    assert ref["check"] == "reference" and pallas["check"] == "pallas"
-    assert not pallas["pass"], format_check(pallas)
-    assert pallas["err_over_tolerance"] > 10
+        _clear()
+    assert ref["check"] == "reference" and pallas["check"] == "pallas" and floor["check"] == "attention-gather"
+    for r in (pallas, attn):
+        assert not r["pass"], format_check(r)
+        assert r["err_over_tolerance"] > 10
     assert pallas["kv_layer0_max_abs_diff"] == 0.0  # layer 0's k/v do not depend on attention
+
+
+def test_bf16_judged_by_its_noise_floor(setup, monkeypatch):
+    """In bf16 the real kernel passes (its rounding is the reference's kind) and the off-by-one still fails
+    (its row of length 1 attends nothing)."""
+    graphdef, state, k, v, tokens, start, table = setup
+    g, s = fp32_twin(graphdef, state)  # the same structure; now cast to bf16
+    model = nnx.merge(g, jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, s))
+    model.dtype = jnp.bfloat16
+    g16, s16 = nnx.split(model)
+    args16 = (g16, s16, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    ok = attention_check(*args16, start, table, block_size=BS, paths=("pallas",))[1]
+    assert ok["pass"] and 1e-3 < ok["attn_noise"] < 5e-2, format_check(ok)
+    monkeypatch.setattr(attention, "paged_decode_attention", _off_by_one(attention.paged_decode_attention))
+    _clear()
+    try:
+        bad = attention_check(*args16, start, table, block_size=BS, paths=("pallas",))[1]
+    finally:
+        _clear()
+    assert not bad["pass"] and bad["worst_row_length"] == 1, format_check(bad)
 
 
 def test_a_path_that_raises_is_reported(setup):
