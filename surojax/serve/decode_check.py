@@ -113,7 +113,8 @@ def teacher_forced_check(graphdef, state, k_pool, v_pool, tokens, start, block_t
         agree = jnp.where(decisive, jnp.argmax(logits, axis=-1) == t_ids, True)
         ratio = max(float(np.max(r["logits_rel_err"] / tol_logits)), float(np.max(r["kv_rel_err"] / tol_kv)))
         r.update(
-            logits_rel_err=float(np.max(r["logits_rel_err"])), logits_rel_err_step0=float(np.max(r["logits_rel_err"][:, 0])),
+            logits_rel_err=float(np.max(r["logits_rel_err"])),
+            logits_rel_err_step0=float(np.max(r["logits_rel_err"][:, 0])),
             kv_rel_err=float(np.max(r["kv_rel_err"])), kv_rel_err_step0=float(np.max(r["kv_rel_err"][:, 0])),
             worst_row=int(np.unravel_index(np.argmax(np.maximum(r["logits_rel_err"] / tol_logits,
                                                                 r["kv_rel_err"] / tol_kv)), (R, K))[0]),
