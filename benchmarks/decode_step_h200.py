@@ -22,13 +22,15 @@ block size 16, slots scattered over the pool as after real traffic) and times
 
 each with the layer loop rolled (``-rolled``, ``unroll=1``) or inlined (``-unrolled``, ``unroll=True``); the
 reference variants with ``kv_in_place`` on. First, per R, a correctness check that decides
-(``surojax.serve.decode_check``, teacher-forced): the same pool and the same --steps forced input tokens (no
-sampled token fed back) through the reference path in fp32 (the truth: fp32 copies of weights and pool), the
-reference in the model's dtype (its error is the bf16 noise floor) and each paged path (gather, and reduce /
-pallas where --variants names them). Per step, the logits and the k/v written are compared with the truth
-(max |diff| / max |truth|); a path PASSES when its error is at most 2 x the noise floor + --eps at every step,
-no other pool slot changed, and its argmax equals the truth's wherever the truth's top-2 margin exceeds twice
-the allowed error (`CHECK {...}` lines, a `CHECK-SUMMARY` line last). It reports, it does not stop. A
+(``surojax.serve.decode_check``, teacher-forced): the same pool and the same inputs through the reference
+arithmetic in fp32 (the truth: fp32 copies of weights and pool), the reference in the model's dtype (its error
+is the bf16 noise floor) and each paged path (gather, and reduce / pallas where --variants names them): each
+layer's attention sublayer alone (``attention_check``), then the whole model over --steps forced tokens (no
+sampled token fed back; ``teacher_forced_check``: logits and the k/v written). The check's rows hold different
+lengths (``check_lengths``: the full context, 0, 1, block edges ...). A path PASSES when every row's
+max |diff| / max |truth| is at most 2 x the floor + --eps (at every step / layer), no other pool slot
+changed, and its argmax equals the truth's wherever the truth's top-2 margin exceeds twice the allowed
+error (`CHECK {...}` lines, a `CHECK-SUMMARY` line last). It reports, it does not stop. A
 variant that fails (e.g. the kernel does not compile) prints `FAILED` and
 the others go on. Reports ms per
 token step (call time / tokens per row) and the decode tok/s it implies (R / that), then, with --profile, the

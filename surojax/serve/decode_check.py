@@ -183,12 +183,12 @@ def format_check(r: dict) -> str:
     if r["check"].startswith("attention-"):
         verdict = "noise floor" if r["check"] == "attention-gather" else ("PASS" if r["pass"] else "FAIL")
         return (f"{r['check']:16s} R={r['rows']:<3d} {verdict:11s} attention output rel err "
-                f"{r['attn_rel_err']:.2e} (bf16 floor {r['attn_noise']:.2e}), err / tolerance "
+                f"{r['attn_rel_err']:.2e} (floor {r['attn_noise']:.2e}), err / tolerance "
                 f"{r['err_over_tolerance']:.2f} (worst: layer {r['worst_layer']} of {r['layers']}, row "
                 f"{r['worst_row']} attending {r['worst_row_length']} tokens)")
     verdict = "noise floor" if r["check"] == "reference" else ("PASS" if r["pass"] else "FAIL")
     return (f"{r['check']:9s} R={r['rows']:<3d} {verdict:11s} logits rel err {r['logits_rel_err']:.2e} "
-            f"(bf16 floor {r['logits_noise']:.2e}), k/v rel err {r['kv_rel_err']:.2e} (floor {r['kv_noise']:.2e}), "
+            f"(floor {r['logits_noise']:.2e}), k/v rel err {r['kv_rel_err']:.2e} (floor {r['kv_noise']:.2e}), "
             f"err / tolerance {r['err_over_tolerance']:.2f}, argmax {r['decisive'] - r['argmax_disagree']}/"
             f"{r['decisive']} decisive agree, stray writes {r['stray_writes']}")
 
