@@ -1,7 +1,10 @@
 """Where a decode step's time goes: the serving runner's jitted decode calls timed alone (no scheduler, no HTTP).
 
     python benchmarks/decode_step_h200.py                          # H200: qwen3-0.6b bf16, users 1 and 64
+    python benchmarks/decode_step_h200.py --check-only             # H200: only the teacher-forced check
+    python benchmarks/decode_step_h200.py --no-check               # H200: only the timing
     python benchmarks/decode_step_h200.py --smoke                  # CPU: debug shape, tiny lengths
+    python benchmarks/decode_step_h200.py --smoke --dtype bf16 --check-only   # CPU: the check with a bf16 floor
     XLA_FLAGS=... python benchmarks/decode_step_h200.py --tag cmdbuf   # the same under other XLA flags
 
 For each (rows R, variant) it builds the arrays the runner would (a pool holding R contexts of --context tokens,
@@ -19,10 +22,17 @@ block size 16, slots scattered over the pool as after real traffic) and times
                  blocks in place (no per-layer gather, no S padding)
 
 each with the layer loop rolled (``-rolled``, ``unroll=1``) or inlined (``-unrolled``, ``unroll=True``); the
-reference variants with ``kv_in_place`` on. First, per R, a correctness check: multi-rolled against
-multi-paged-rolled and multi-pallas-rolled from the same pool: the same tokens and the same pool (`CHECK {...}`
-lines; in bf16 on the GPU a near-tie may flip a token of the random model, and the kernel rounds differently,
-so it reports, it does not stop). A variant that fails (e.g. the kernel does not compile) prints `FAILED` and
+reference variants with ``kv_in_place`` on. First, per R, a correctness check that decides
+(``surojax.serve.decode_check``, teacher-forced): the same pool and the same inputs through the reference
+arithmetic in fp32 (the truth: fp32 copies of weights and pool), the reference in the model's dtype (its error
+is the bf16 noise floor) and each paged path (gather, and reduce / pallas where --variants names them): each
+layer's attention sublayer alone (``attention_check``), then the whole model over --steps forced tokens (no
+sampled token fed back; ``teacher_forced_check``: logits and the k/v written). The check's rows hold different
+lengths (``check_lengths``: the full context, 0, 1, block edges ...). A path PASSES when every row's
+max |diff| / max |truth| is at most 2 x the floor + --eps (at every step / layer), no other pool slot
+changed, and its argmax equals the truth's wherever the truth's top-2 margin exceeds twice the allowed
+error (`CHECK {...}` lines, a `CHECK-SUMMARY` line last). It reports, it does not stop. A
+variant that fails (e.g. the kernel does not compile) prints `FAILED` and
 the others go on. Reports ms per
 token step (call time / tokens per row) and the decode tok/s it implies (R / that), then, with --profile, the
 device kernels of one multi-step call by category (jax.profiler): what is GEMM, attention, copies, the rest,
@@ -50,6 +60,7 @@ from flax import nnx  # noqa: E402
 
 from surojax.bench.shapes import model_config  # noqa: E402
 from surojax.models.decoder import Decoder  # noqa: E402
+from surojax.serve.decode_check import DEFAULT_EPS, attention_check, format_check, teacher_forced_check  # noqa: E402
 from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged  # noqa: E402
 from surojax.serve.runner import _paged_step, _paged_step_in_pool  # noqa: E402
 from surojax.serve.sampling import BatchMode  # noqa: E402
@@ -90,32 +101,35 @@ def make_inputs(cfg, R, context, K, block_size, num_blocks, rng):
     return tokens, ctx, write, table, rows
 
 
-def check(R, multi, pools, kernels: str):
-    """multi-rolled vs multi-paged-rolled (and multi-reduce/pallas-rolled where `kernels` names them) from copies
-    of the same pool: tokens and pool contents, compared on device. -> one result dict per compared path."""
-    k0, v0 = pools["k"], pools["v"]
-    runs = {}
-    for name, paged, kernel in (("paged", True, "gather"), ("reduce", True, "reduce"), ("pallas", True, "pallas"),
-                                ("reference", False, "")):
-        if name in ("reduce", "pallas") and name not in kernels:
-            continue
-        pools["k"], pools["v"] = jnp.array(k0, copy=True), jnp.array(v0, copy=True)
-        try:
-            k, v, out = multi(paged, 1, kernel or "gather")
-            runs[name] = (np.asarray(out["ids"]), k, v)
-        except Exception as e:  # noqa: BLE001 - report, keep the other paths
-            print(f"FAILED check {name} R={R}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-    pools["k"], pools["v"] = k0, v0
+def check_lengths(R, context, block_size):
+    """Tokens already in the pool per row for the check: row 0 the full context, the others cycle through
+    the lengths where a paged kernel goes wrong (empty, one token, block and loop-iteration boundaries)."""
+    bs = block_size
+    edges = [0, 1, bs - 1, bs, bs + 1, 4 * bs - 1, 4 * bs, 4 * bs + 1, 100, 255, 256, 257, context // 2, context - 1]
+    others = sorted({n for n in edges if 0 <= n < context})
+    return np.array([context] + [others[(r - 1) % len(others)] for r in range(1, R)], np.int32)
+
+
+def check(R, graphdef, state, pools, tokens, start, table, block_size, kernels: str, eps: float):
+    """The teacher-forced checks (``surojax.serve.decode_check``): each layer's attention sublayer alone
+    (``attention_check``), then the whole model over the forced tokens [R, K] (``teacher_forced_check``),
+    the same pool for the reference (bf16 and fp32) and each paged path (gather, and reduce / pallas where
+    `kernels` names them); `CHECK {...}` lines with pass True / False. -> the result dicts."""
+    paths = ["gather"] + [k for k in ("reduce", "pallas") if k in kernels]
+
+    def failed(path, e):
+        print(f"FAILED check {path} R={R}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+
     results = []
-    if "reference" not in runs:
-        return results
-    ids_a, ka, va = runs.pop("reference")
-    for name, (ids_b, kb, vb) in runs.items():
-        diff = max(float(jnp.max(jnp.abs(ka.astype(jnp.float32) - kb.astype(jnp.float32)))),
-                   float(jnp.max(jnp.abs(va.astype(jnp.float32) - vb.astype(jnp.float32)))))
-        r = {"check": name, "rows": R, "tokens_equal": float(np.mean(ids_a == ids_b)), "pool_max_abs_diff": diff}
+    for fn, kw in ((attention_check, {}), (teacher_forced_check, {"tokens": tokens})):
+        try:
+            results += fn(graphdef, state, pools["k"], pools["v"], start=start, block_table=table,
+                          block_size=block_size, paths=paths, eps=eps, on_error=failed, **kw)
+        except Exception as e:  # noqa: BLE001 - the reference itself failed: report, keep the timing
+            failed(f"{fn.__name__} reference", e)
+    for r in results:
         print("CHECK " + json.dumps(r), flush=True)
-        results.append(r)
+        print("# " + format_check(r), flush=True)
     return results
 
 
@@ -186,12 +200,19 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="kernel breakdown of the multi-step variants")
     p.add_argument("--tag", default="", help="a label for this process's XLA flags, printed in every row")
     p.add_argument("--out", default=os.environ.get("OUT", ""))
+    p.add_argument("--eps", type=float, default=DEFAULT_EPS,
+                   help="the check's relative slack over twice the bf16 noise floor")
+    p.add_argument("--check-only", action="store_true", help="the correctness check, no timing")
+    p.add_argument("--no-check", action="store_true", help="the timing, no correctness check")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="weights, compute and pool dtype (auto: bf16 on the GPU, fp32 elsewhere)")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, tiny lengths")
     a = p.parse_args(argv)
     if a.smoke:
         a.shape, a.rows, a.context, a.steps, a.repeats = "debug", "1,4", 40, 4, 1
     cfg = model_config(a.shape)
-    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}.get(
+        a.dtype, jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
     model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     bs = 16
@@ -220,8 +241,11 @@ def main(argv=None):
                                      no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K, kv_in_place=True,
                                      unroll=unroll)
 
-        results += check(R, multi, pools, a.variants)
-        for variant in a.variants.split(","):
+        forced = np.random.default_rng(1000 + R).integers(1, cfg.vocab_size, (R, K)).astype(np.int32)
+        if not a.no_check:
+            results += check(R, graphdef, state, pools, forced, check_lengths(R, a.context, bs), table, bs,
+                             a.variants, a.eps)
+        for variant in ([] if a.check_only else a.variants.split(",")):
             parts = variant.split("-")
             kind, loop = parts[0], parts[-1]
             kernel = next((x for x in ("pallas", "reduce") if x in parts[1:-1]), "gather")
@@ -277,9 +301,14 @@ def main(argv=None):
               f"{r['decode_tok_s']:,.0f} | {r['compile_s']:.1f} | {r.get('kernels_per_token', float('nan')):.0f} | "
               f"{r.get('busy_ms_per_token', float('nan')):.3f} |")
     checks = [r for r in results if r.get("check")]
-    print("\ncorrectness (multi reference vs the paged paths, same pool): " + ", ".join(
-        f"{r['check']} R={r['rows']}: tokens equal {r['tokens_equal']:.0%}, pool max |diff| "
-        f"{r['pool_max_abs_diff']:.3g}" for r in checks))
+    print("\ncorrectness (teacher-forced, each path vs the fp32 reference, same pool, same inputs: each layer's "
+          "attention alone, then the model over forced tokens; pass = err <= 2 x the bf16 reference's err + eps "
+          "per row, no stray writes, decisive argmax equal):")
+    for r in checks:
+        print("  " + format_check(r))
+    verdicts = [r for r in checks if r["check"] not in ("reference", "attention-gather")]
+    print("CHECK-SUMMARY " + json.dumps({r["check"] + f"-R{r['rows']}": "PASS" if r["pass"] else "FAIL"
+                                        for r in verdicts}))
     return 0
 
 
