@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # The GPU campaign of 2026-11-29 session 2 (figures copied into benchmarks/RESULTS.md). PARTS picks the items:
 #   kern q8 off off2 serve q70 u8   (see the case below); needs .gpu-wheels carried for the serve item.
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TF_CPP_MIN_LOG_LEVEL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-export XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true
-python3 -m pip install -q --no-deps --no-index .gpu-wheels/*.whl 2>&1 | tail -1
-START=$(date +%s)
-item() { local name=$1 t=$2; shift 2; echo "== $name (t=$(( $(date +%s) - START ))s): $*";
-  timeout -k 5 "$t" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"; echo "   rc=$? wall=$(( $(date +%s) - START ))s";
-  grep -E '^\{|RESULT|PASS|FAIL|MISMATCH' "$OUT/$name.out" | tail -3 | cut -c1-400; tail -2 "$OUT/$name.err" | cut -c1-300; }
+source "$(dirname "$0")/campaign_common.sh"
 B8="python3 -m surojax.cli.main bench train --shape qwen3-8b --mode lora --batch 4 --seq 2048 --steps 5 --repeats 1"
 for part in ${PARTS:-kern q8 off}; do case $part in
 kern) item quant_matmul 170 python3 benchmarks/quant_matmul_h200.py --formats ${QFORMATS:-q4_k,nf4,q8_0,fp8} ;;

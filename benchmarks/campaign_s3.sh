@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
 # The GPU campaign of 2026-11-29 session 3 (figures copied into benchmarks/RESULTS.md). PARTS picks the items
 # (see the case below); carry .gpu-wheels (the serve items need fastapi there).
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TF_CPP_MIN_LOG_LEVEL=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-export XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true
-python3 -m pip install -q --no-deps --no-index .gpu-wheels/*.whl 2>&1 | tail -1
-START=$(date +%s)
-item() { local name=$1 t=$2; shift 2; echo "== $name (t=$(( $(date +%s) - START ))s): $*";
-  timeout -k 5 "$t" "$@" > "$OUT/$name.out" 2> "$OUT/$name.err"; echo "   rc=$? wall=$(( $(date +%s) - START ))s";
-  grep -E '^\{|RESULT|PASS|FAIL|MISMATCH' "$OUT/$name.out" | tail -3 | cut -c1-400; tail -2 "$OUT/$name.err" | cut -c1-300; }
+source "$(dirname "$0")/campaign_common.sh"
 B06="python3 -m surojax.cli.main bench train --shape qwen3-0.6b --batch 8 --seq 2048 --steps 5 --repeats 1"
 for part in ${PARTS:-corr kern serve}; do case $part in
 corr) item correctness ${TC:-200} python3 benchmarks/gpu_correctness.py --skip-timing --unroll-layers all ;;

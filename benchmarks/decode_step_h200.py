@@ -65,6 +65,8 @@ from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged 
 from surojax.serve.runner import _paged_step, _paged_step_in_pool  # noqa: E402
 from surojax.serve.sampling import BatchMode  # noqa: E402
 
+from kernel_categories import category as kernel_category  # noqa: E402  (benchmarks/ is sys.path[0])
+
 CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "wgmma", "cublas")),
     ("attention / softmax", ("softmax", "reduce", "cudnn", "fmha", "paged_decode")),
@@ -75,11 +77,7 @@ CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
 
 
 def category(name: str) -> str:
-    low = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "other"
+    return kernel_category(name, CATEGORIES)
 
 
 def make_inputs(cfg, R, context, K, block_size, num_blocks, rng):

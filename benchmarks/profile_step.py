@@ -21,6 +21,8 @@ import numpy as np  # noqa: E402
 
 from surojax.bench.train_bench import BenchConfig, build, place_batch, synthetic_batch  # noqa: E402
 
+from kernel_categories import category as kernel_category  # noqa: E402  (benchmarks/ is sys.path[0])
+
 CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
     ("attention (cuDNN)", ("cudnn", "flash", "fmha", "sdpa")),
     ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "triton_gemm", "matmul", "wgmma")),
@@ -31,11 +33,7 @@ CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
 
 
 def category(name: str) -> str:
-    low = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "other"
+    return kernel_category(name, CATEGORIES)
 
 
 def main():
