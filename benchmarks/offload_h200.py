@@ -60,7 +60,7 @@ if str(ROOT) not in sys.path:
 GiB = 2 ** 30
 
 from surojax.offload.host_memory import ENV as HOST_LIMIT_ENV  # noqa: E402  (no jax import)
-from surojax.offload.host_memory import FRACTION_OF_RAM, XLA_DEFAULT_GB, total_ram_gb  # noqa: E402
+from surojax.offload.host_memory import limit_for, total_ram_gb  # noqa: E402
 
 DETERMINISTIC = "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
 COMMON = dict(mode="lora", seq=2048, rank=16, recompute="full", recipe="bf16", init="host", warmup=1)
@@ -166,7 +166,7 @@ def run_config(name: str, cfg: dict, timeout: float) -> dict:
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     ram = total_ram_gb()  # XLA caps pinned host memory at 64 GB; the 32B base and 8B moments need more
     if ram:
-        env.setdefault(HOST_LIMIT_ENV, str(max(XLA_DEFAULT_GB, int(ram * FRACTION_OF_RAM))))
+        env.setdefault(HOST_LIMIT_ENV, str(limit_for(ram)))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     try:

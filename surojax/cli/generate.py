@@ -25,26 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
 
 
-def stop_ids(model_dir: Path, tokenizer, cfg) -> tuple[int, ...]:
-    ids = set()
-    gen = model_dir / "generation_config.json"
-    sources = [cfg.eos_token_id, tokenizer.eos_token_id]
-    if gen.is_file():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for s in sources:
-        if isinstance(s, int):
-            ids.add(s)
-        elif isinstance(s, (list, tuple)):
-            ids.update(int(x) for x in s)
-    return tuple(sorted(ids))
-
-
 def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from surojax.data.hub import resolve_local
     from surojax.data.tokenizer import Tokenizer
-    from surojax.serve.generate import generate
+    from surojax.serve.generate import eos_ids, generate
     from surojax.weights.hf_checkpoint import load_model
 
     if args.max_new_tokens < 1:
@@ -64,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         ids = tokenizer.encode(args.prompt)
     if not ids:
         raise SystemExit("the prompt encodes to no tokens")
-    stops = () if args.ignore_eos else stop_ids(model_dir, tokenizer, model.cfg)
+    stops = () if args.ignore_eos else eos_ids(model_dir, tokenizer, model.cfg)
     out = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop_ids=stops)[0]
     dt = time.perf_counter() - t0

@@ -20,7 +20,7 @@ FRACTION_OF_RAM = 0.9
 
 
 def total_ram_gb(meminfo: str = "/proc/meminfo") -> int | None:
-    """The machine's RAM in GB (10^9 bytes... as XLA's GB), or None where /proc/meminfo is not readable."""
+    """The machine's RAM in GB (10^9 bytes), or None where /proc/meminfo is not readable."""
     try:
         with open(meminfo) as f:
             for line in f:
@@ -29,6 +29,11 @@ def total_ram_gb(meminfo: str = "/proc/meminfo") -> int | None:
     except OSError:
         return None
     return None
+
+
+def limit_for(ram_gb: int) -> int:
+    """The cap surojax asks for on a machine with this much RAM: 90% of it, never below XLA's default."""
+    return max(XLA_DEFAULT_GB, int(ram_gb * FRACTION_OF_RAM))
 
 
 def _backends_initialized() -> bool:
@@ -47,7 +52,7 @@ def raise_host_memory_limit(ram_gb: int | None = None) -> int | None:
     ram_gb = total_ram_gb() if ram_gb is None else ram_gb
     if ram_gb is None:
         return None
-    limit = max(XLA_DEFAULT_GB, int(ram_gb * FRACTION_OF_RAM))
+    limit = limit_for(ram_gb)
     os.environ[ENV] = str(limit)
     if _backends_initialized():
         log.warning("%s=%d set after the GPU client was created: it applies to the next process only "

@@ -10,6 +10,8 @@ next decoded token overwrites its cache slot. Greedy results do not depend on th
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -75,3 +77,17 @@ def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, *, t
                 break
         results.append(row)
     return results
+
+
+def eos_ids(model_dir: Path | None, tokenizer, cfg) -> tuple[int, ...]:
+    """The ids that end a completion: the config's, the tokenizer's and generation_config.json's eos ids."""
+    ids: set[int] = set()
+    sources = [cfg.eos_token_id, tokenizer.eos_token_id]
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        sources.append(json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id"))
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, (list, tuple)):
+            ids.update(int(x) for x in s)
+    return tuple(sorted(ids))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from surojax.serve.api_server import ServerState, build_app
 from surojax.serve.async_engine import AsyncEngine
+from surojax.serve.generate import eos_ids
 
 log = logging.getLogger("surojax.serve")
 
@@ -51,19 +52,6 @@ def _dtype(name: str):
     if name == "auto":
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
-def eos_ids(model_dir: Path | None, tokenizer, cfg) -> tuple[int, ...]:
-    ids: set[int] = set()
-    sources = [cfg.eos_token_id, tokenizer.eos_token_id]
-    if model_dir is not None and (model_dir / "generation_config.json").is_file():
-        sources.append(json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id"))
-    for s in sources:
-        if isinstance(s, int):
-            ids.add(s)
-        elif isinstance(s, (list, tuple)):
-            ids.update(int(x) for x in s)
-    return tuple(sorted(ids))
 
 
 def load_for_serving(args):

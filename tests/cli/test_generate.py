@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from surojax.cli.generate import stop_ids
+from surojax.serve.generate import eos_ids
 from surojax.cli.main import main
 from surojax.data.tokenizer import Tokenizer
 from surojax.serve.generate import generate
@@ -39,7 +39,7 @@ def shown_ids(out: str) -> dict:
 def qwen3():
     model = load_model(QWEN3)
     tok = Tokenizer.from_dir(QWEN3)
-    return model, tok, stop_ids(QWEN3, tok, model.cfg)
+    return model, tok, eos_ids(QWEN3, tok, model.cfg)
 
 
 def test_show_ids_equal_a_greedy_run(capsys, qwen3):
