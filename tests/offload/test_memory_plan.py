@@ -100,7 +100,7 @@ def test_offload_components():
     cfg = model_config("llama3-8b")  # untied embeddings
     kw = dict(mode="lora", batch=1, seq=2048, recompute="full")
     resident, streamed = plan_memory(cfg, **kw), plan_memory(cfg, offload_base=True, **kw)
-    D, V, F = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    D, V = cfg.hidden_size, cfg.vocab_size
     layer = (cfg.num_params() - (2 * V * D + D)) // cfg.num_layers
     assert streamed.weights == 2 * ((V * D + D) + layer)  # LM head + final norm + the layer computing, bf16
     assert streamed.with_settings(prefetch=True).weights == streamed.weights + 2 * layer  # + the next layer

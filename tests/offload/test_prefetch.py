@@ -8,7 +8,6 @@ gradient non-zero); the streamed base is asserted to be in `pinned_host` memory 
 import jax
 import jax.extend
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx

@@ -208,7 +208,7 @@ def test_abort_frees_blocks():
 def test_abort_between_schedule_and_update_is_ignored():
     s = make()
     s.add_request(Request("a", [1, 2, 3], max_tokens=5))
-    out = s.schedule()
+    s.schedule()
     s.abort("a")
     assert s.update({"a": 7}) == []
     assert s.kv.num_free_blocks == s.kv.num_blocks

@@ -1,6 +1,5 @@
 """LoRA training leaves the base bit-identical and exports a PEFT adapter that reloads to the trained model;
 full fine-tuning exports an HF folder that reloads to the trained model."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -9,7 +9,6 @@ from surojax.data.batch import example_to_row
 from surojax.losses.lm import lm_loss
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
-from surojax.train.optim import build_optimizer, lr_schedule
 from surojax.train.step import make_train_step
 
 from tests.train.conftest import TINY_QWEN3
