@@ -1,8 +1,12 @@
 """Profile the training step on the GPU (jax.profiler) and print where the device time goes.
 
     python benchmarks/profile_step.py --shape qwen3-0.6b --mode lora [--recompute none] [--out DIR]
+    python benchmarks/profile_step.py --shape llama3-8b --batch 4 --recompute full --lmhead-chunks 16 \
+        --offload-base --init host [--prefetch]          # where the streamed base's copies wait (issue 6)
 Prints the top kernels by total device time over the traced steps, grouped by a coarse category, and copies
-the perfetto trace (trace.json.gz) to --out when it is small enough to bring back.
+the perfetto trace (trace.json.gz) to --out when it is small enough to bring back. Then the timeline: per GPU
+stream (trace thread) its busy time, and how much of the host-to-device copy time runs while a compute kernel
+runs on another stream (overlap), against the wall time of a step.
 """
 import argparse
 import collections
@@ -46,10 +50,15 @@ def main():
     p.add_argument("--attention", default="auto")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--unroll-layers", default="1", help="1 (rolled layer scan) or all (every layer inlined)")
+    p.add_argument("--lmhead-chunks", type=int, default=1)
+    p.add_argument("--offload-base", action="store_true", help="LoRA base streamed from pinned host memory")
+    p.add_argument("--prefetch", action="store_true", help="with --offload-base: offload_prefetch")
+    p.add_argument("--init", default="jit", help="jit | host (random weights placed from the host)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/surojax-profile"))
     a = p.parse_args()
     bc = BenchConfig(shape=a.shape, mode=a.mode, batch=a.batch, seq=a.seq, recompute=a.recompute,
-                     attention=a.attention,
+                     attention=a.attention, lmhead_chunks=a.lmhead_chunks, offload_base=a.offload_base,
+                     prefetch=a.prefetch, init=a.init,
                      unroll_layers=True if a.unroll_layers == "all" else int(a.unroll_layers))
     setup = build(bc)
     host, _ = synthetic_batch(np.random.default_rng(0), 1, a.batch, a.seq, setup.model_cfg.vocab_size, 4, 64)
@@ -88,11 +97,68 @@ def main():
     print("top kernels (ms per step):")
     for name, d in by_name.most_common(40):
         print(f"  {d / 1e3:8.2f}  {name[:150]}")
+    timeline(events, gpu_pids, a.steps)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if os.path.getsize(files[0]) < 15 * 2**20:
         shutil.copy(files[0], out / f"trace-{a.shape}-{a.mode}.json.gz")
     return 0
+
+
+def is_copy(name: str) -> bool:
+    n = name.lower()
+    return "memcpy" in n and not any(k in n for k in ("dtod", "d2d", "memcpy128", "memcpy32", "memcpy64"))
+
+
+def union(intervals):
+    """Merge [start, end) intervals; returns the sorted disjoint list."""
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def overlap(s, e, merged) -> float:
+    import bisect
+    i = max(bisect.bisect_right([m[0] for m in merged], s) - 1, 0)
+    total = 0.0
+    while i < len(merged) and merged[i][0] < e:
+        total += max(0.0, min(e, merged[i][1]) - max(s, merged[i][0]))
+        i += 1
+    return total
+
+
+def timeline(events, gpu_pids, steps: int) -> None:
+    """Per stream: busy ms per step; host<->device copies: ms per step and the part that overlaps compute."""
+    kern = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+    if not kern:
+        return
+    tids = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    t0 = min(float(e["ts"]) for e in kern)
+    t1 = max(float(e["ts"]) + float(e["dur"]) for e in kern)
+    print(f"timeline: {(t1 - t0) / 1e3 / steps:.1f} ms wall per step (first kernel to last, {steps} steps)")
+    by_stream = collections.defaultdict(list)
+    for e in kern:
+        by_stream[(e["pid"], e.get("tid"))].append(e)
+    for key, evs in sorted(by_stream.items(), key=lambda kv: -sum(float(e["dur"]) for e in kv[1])):
+        busy = sum(iv[1] - iv[0] for iv in union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]))
+        copies = sum(float(e["dur"]) for e in evs if is_copy(e["name"]))
+        print(f"  stream {tids.get(key, key)!s:40.40s} busy {busy / 1e3 / steps:8.1f} ms/step, {len(evs) // steps} "
+              f"events/step, host copies {copies / 1e3 / steps:7.1f} ms/step")
+    compute = union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kern if not is_copy(e["name"])])
+    cps = [e for e in kern if is_copy(e["name"])]
+    if not cps:
+        print("  no host<->device copies in the trace")
+        return
+    total = sum(float(e["dur"]) for e in cps)
+    hidden = sum(overlap(float(e["ts"]), float(e["ts"]) + float(e["dur"]), compute) for e in cps)
+    names = collections.Counter(e["name"][:60] for e in cps)
+    print(f"  host<->device copies: {total / 1e3 / steps:.1f} ms/step, {len(cps) // steps} per step, "
+          f"{100 * hidden / total:.1f}% of their time overlaps a compute kernel; kinds: {dict(names.most_common(4))}")
 
 
 if __name__ == "__main__":

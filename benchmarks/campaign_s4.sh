@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU campaign of 2026-11-29 session 4 (figures copied into benchmarks/RESULTS.md). PARTS picks the items
+# (see the case below); carry .gpu-wheels (the serve items need fastapi there).
+source "$(dirname "$0")/campaign_common.sh"
+B06="python3 -m surojax.cli.main bench train --shape qwen3-0.6b --batch 8 --seq 2048 --steps 5 --repeats 1"
+for part in ${PARTS:-prof corrbf16 hffull full fp8}; do case $part in
+prof) item profile-lora-unrolled ${TPR:-300} python3 benchmarks/profile_step.py --shape qwen3-0.6b --mode lora \
+        --unroll-layers all ${PROFARGS:-} ;;
+corrbf16) item correctness-lora-bf16 ${TC:-200} python3 benchmarks/gpu_correctness.py --skip-timing --skip-attention \
+        --modes lora --recipes bf16 --unroll-layers all ;;
+hffull) item hf-full 150 python3 benchmarks/anchors/hf_peft_baseline.py --mode full --batch 8 --seq 2048 ;;
+full) item full-unroll 240 $B06 --mode full --unroll-layers all ;;
+lora) item lora-unroll 240 $B06 --mode lora --unroll-layers all ${LORAARGS:-} ;;
+fp8) item fp8 ${TF:-300} python3 benchmarks/fp8_gemm_check.py --shape qwen3-0.6b --mode lora ;;
+dcheck) item decode-check ${TDC:-200} python3 benchmarks/decode_step_h200.py --rows 1,64 --check-only ;;
+dtime) item decode-time ${TDT:-200} python3 benchmarks/decode_step_h200.py --rows 1,64 --no-check \
+        --variants ${DVAR:-multi-rolled,multi-paged-rolled,multi-pallas-rolled} ;;
+master) item offload-master ${TM:-300} python3 benchmarks/offload_h200.py --only qwen8b-full-offload-opt-master \
+        --timeout 280 ;;
+trace) item offload-trace ${TT:-300} python3 benchmarks/profile_step.py --shape llama3-8b --mode lora --batch 4 \
+        --recompute full --lmhead-chunks 16 --offload-base --init host --prefetch --steps 1 ;;
+servep) item serve-paged ${TSP:-120} python3 benchmarks/serve_load.py --modes engine --users ${SUSERS:-1,16,64} \
+         --decode-steps 8 --paged-kernel ${SPK:-pallas} ;;
+esac; done
+echo "== done in $(( $(date +%s) - START ))s"
+for f in "$OUT"/*.out; do echo "--- $f"; tail -${TAILN:-30} "$f" | cut -c1-250; done
