@@ -28,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode tokens per device call when no request waits (1, 2, 4, 8, ...)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="inline the layer loop (faster decode, longer compiles; same results)")
-    parser.add_argument("--kv-path", choices=("paged", "reduce", "pallas", "reference"), default="paged",
-                        help="decode KV access: paged (attention reads the pool in place through block tables), "
+    parser.add_argument("--kv-path", choices=("auto", "paged", "reduce", "pallas", "reference"), default="auto",
+                        help="decode KV access: auto (pallas on a GPU where it applies, else paged), "
+                             "paged (attention reads the pool in place through block tables), "
                              "reduce / pallas (the same, decode attention as multiply + reduce / in a Pallas "
                              "kernel), reference (gather/scatter)")
     parser.add_argument("--num-kv-blocks", type=_positive, default=None,

@@ -116,9 +116,9 @@ def build_server(args, model=None, tokenizer=None):
                     lora=lora, memory_utilization=args.gpu_memory_utilization,
                     decode_steps=getattr(args, "decode_steps", 1),
                     unroll_layers=getattr(args, "unroll_layers", False),
-                    paged_attention=getattr(args, "kv_path", "paged") != "reference",
-                    paged_kernel={"pallas": "pallas", "reduce": "reduce"}.get(getattr(args, "kv_path", "paged"),
-                                                                             "gather"))
+                    paged_attention=getattr(args, "kv_path", "auto") != "reference",
+                    paged_kernel={"paged": "gather", "reference": "gather"}.get(getattr(args, "kv_path", "auto"),
+                                                                                getattr(args, "kv_path", "auto")))
     for spec in args.lora_modules or ():
         if lora is None:
             raise ServeError("--lora-modules needs --enable-lora")

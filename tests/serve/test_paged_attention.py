@@ -146,7 +146,8 @@ def test_serve_cli_kv_path():
     from surojax.cli.main import build_parser, load_command
 
     parser = build_parser("serve", load_command("serve"))
-    assert parser.parse_args(["serve", "m"]).kv_path == "paged"
+    assert parser.parse_args(["serve", "m"]).kv_path == "auto"
+    assert parser.parse_args(["serve", "m", "--kv-path", "paged"]).kv_path == "paged"
     assert parser.parse_args(["serve", "m", "--kv-path", "pallas"]).kv_path == "pallas"
     assert parser.parse_args(["serve", "m", "--kv-path", "reduce"]).kv_path == "reduce"
 
@@ -178,3 +179,22 @@ def test_engine_reduce_kernel_tokens_equal_reference(model):
                      max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged, paged_kernel=kernel)
         outs.append(eng.generate(ps, 6))
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_auto_kv_path_picks_the_kernel_only_where_it_applies(model, monkeypatch):
+    """paged_kernel="auto": pallas on a GPU (no sliding window, pool under the cap), gather elsewhere."""
+    import dataclasses
+
+    import jax
+
+    from surojax.serve.engine import resolve_paged_kernel
+
+    cfg = model.cfg
+    assert resolve_paged_kernel("auto", cfg, BS, 8) == ("pallas" if jax.default_backend() == "gpu" else "gather")
+    assert Engine(model, num_blocks=8, block_size=BS, max_model_len=16).runner.paged_kernel == \
+        resolve_paged_kernel("auto", cfg, BS, 8)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_paged_kernel("auto", cfg, BS, None) == "pallas"
+    assert resolve_paged_kernel("auto", cfg, BS, 10 ** 9) == "gather"  # over the kernel's 2^31-element pool
+    assert resolve_paged_kernel("auto", dataclasses.replace(cfg, sliding_window=8), BS, 8) == "gather"
+    assert resolve_paged_kernel("reduce", cfg, BS, 10 ** 9) == "reduce"
