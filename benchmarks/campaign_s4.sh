@@ -11,16 +11,19 @@ corrbf16) item correctness-lora-bf16 ${TC:-200} python3 benchmarks/gpu_correctne
 hffull) item hf-full 150 python3 benchmarks/anchors/hf_peft_baseline.py --mode full --batch 8 --seq 2048 ;;
 full) item full-unroll 240 $B06 --mode full --unroll-layers all ;;
 lora) item lora-unroll 240 $B06 --mode lora --unroll-layers all ${LORAARGS:-} ;;
+loranc) item lora-unroll-nocheck 240 $B06 --mode lora --unroll-layers all --attention cudnn:16:nocheck ;;
 fp8) item fp8 ${TF:-300} python3 benchmarks/fp8_gemm_check.py --shape qwen3-0.6b --mode lora ;;
 dcheck) item decode-check ${TDC:-200} python3 benchmarks/decode_step_h200.py --rows 1,64 --check-only ;;
-dtime) item decode-time ${TDT:-200} python3 benchmarks/decode_step_h200.py --rows 1,64 --no-check \
-        --variants ${DVAR:-multi-rolled,multi-paged-rolled,multi-pallas-rolled} ;;
+dtime) item decode-time ${TDT:-200} python3 benchmarks/decode_step_h200.py --rows ${DROWS:-1,64} --no-check \
+        --variants ${DVAR:-multi-rolled,multi-paged-rolled,multi-pallas-rolled} ${DARGS:-} ;;
 master) item offload-master ${TM:-300} python3 benchmarks/offload_h200.py --only qwen8b-full-offload-opt-master \
         --timeout 280 ;;
 trace) item offload-trace ${TT:-300} python3 benchmarks/profile_step.py --shape llama3-8b --mode lora --batch 4 \
         --recompute full --lmhead-chunks 16 --offload-base --init host --prefetch --steps 1 ;;
 servep) item serve-paged ${TSP:-120} python3 benchmarks/serve_load.py --modes engine --users ${SUSERS:-1,16,64} \
-         --decode-steps 8 --paged-kernel ${SPK:-pallas} ;;
+         --decode-steps 8 --paged-kernel ${SPK:-pallas} ${SARGS:-} ;;
+servep16) item serve-paged-pps16 ${TSP:-120} python3 benchmarks/serve_load.py --modes engine \
+         --users ${SUSERS:-1,16,64} --decode-steps 8 --paged-kernel ${SPK:-pallas} --prefills-per-step 16 ;;
 esac; done
 echo "== done in $(( $(date +%s) - START ))s"
-for f in "$OUT"/*.out; do echo "--- $f"; tail -${TAILN:-30} "$f" | cut -c1-250; done
+for f in "$ITEMS_DIR"/*.out; do echo "--- $f"; tail -${TAILN:-30} "$f" | cut -c1-250; done

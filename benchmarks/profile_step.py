@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -68,8 +69,7 @@ def main():
     for _ in range(3):
         tr, st, m = setup.step(tr, setup.frozen, st, batch, key)
     jax.block_until_ready(m)
-    trace_dir = Path("/tmp/surojax-trace")
-    shutil.rmtree(trace_dir, ignore_errors=True)
+    trace_dir = Path(tempfile.mkdtemp(prefix="surojax-trace-"))  # one per process: runs may share a machine
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(a.steps):
             tr, st, m = setup.step(tr, setup.frozen, st, batch, key)
@@ -144,7 +144,12 @@ def timeline(events, gpu_pids, steps: int) -> None:
     by_stream = collections.defaultdict(list)
     for e in kern:
         by_stream[(e["pid"], e.get("tid"))].append(e)
-    for key, evs in sorted(by_stream.items(), key=lambda kv: -sum(float(e["dur"]) for e in kv[1])):
+    streams = sorted(by_stream.items(), key=lambda kv: -sum(float(e["dur"]) for e in kv[1]))
+    if len(streams) > 8:
+        rest = sum(float(e["dur"]) for _, evs in streams[8:] for e in evs)
+        print(f"  ({len(streams)} streams; the 8 busiest below, the other {len(streams) - 8} together "
+              f"{rest / 1e3 / steps:.1f} ms/step of kernels)")
+    for key, evs in streams[:8]:
         busy = sum(iv[1] - iv[0] for iv in union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in evs]))
         copies = sum(float(e["dur"]) for e in evs if is_copy(e["name"]))
         print(f"  stream {tids.get(key, key)!s:40.40s} busy {busy / 1e3 / steps:8.1f} ms/step, {len(evs) // steps} "
