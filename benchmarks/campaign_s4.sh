@@ -8,6 +8,9 @@ prof) item profile-lora-unrolled ${TPR:-300} python3 benchmarks/profile_step.py 
         --unroll-layers all ${PROFARGS:-} ;;
 corrbf16) item correctness-lora-bf16 ${TC:-200} python3 benchmarks/gpu_correctness.py --skip-timing --skip-attention \
         --modes lora --recipes bf16 --unroll-layers all ;;
+hflora) item hf-lora 150 python3 benchmarks/anchors/hf_peft_baseline.py --mode lora --batch 8 --seq 2048 ;;
+lora8b) item lora-8b-unroll ${T8:-330} python3 -m surojax.cli.main bench train --shape qwen3-8b --mode lora --batch 4 \
+        --seq 2048 --steps 5 --repeats 1 --unroll-layers all ;;
 hffull) item hf-full 150 python3 benchmarks/anchors/hf_peft_baseline.py --mode full --batch 8 --seq 2048 ;;
 full) item full-unroll 240 $B06 --mode full --unroll-layers all ;;
 lora) item lora-unroll 240 $B06 --mode lora --unroll-layers all ${LORAARGS:-} ;;

@@ -436,8 +436,9 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (default: what the users need)")
-    p.add_argument("--prefills-per-step", type=int, default=4,
-                   help="whole prompts one engine step may prefill (token budget = users + this x prompt-len)")
+    p.add_argument("--prefills-per-step", type=int, default=16,
+                   help="whole prompts one engine step may prefill (token budget = users + this x prompt-len; "
+                        "16 x 512 ~ `surojax serve`'s default --max-num-batched-tokens 8192)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode-steps", default="1",
                    help="comma list of decode steps per device call (powers of two) to run engine/server with")

@@ -209,6 +209,7 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
     from flax import nnx
 
     from surojax.losses.lm import lm_loss
+    from surojax.models.layers.attention import packed_backend
     from surojax.offload.remat import layer_loop
     from surojax.parallel import init_sharded, make_mesh
     from surojax.train.model_setup import build_model, trainable_filter
@@ -230,7 +231,9 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
     base_format = bc.quant or bc.base_format  # check() allows at most one of them
 
     def make_model():
-        model = build_model(cfg)
+        # as the Trainer: "auto" on a GPU -> cuDNN packed with M = the runs per row of the data (synthetic rows
+        # are full and hold exactly bc.segments samples; `run` checks it)
+        model = build_model(cfg, attention=packed_backend(bc.attention, bc.segments))
         if base_format:
             from surojax.bench.quant_base import randomize_base
 
@@ -330,6 +333,8 @@ def run(bc: BenchConfig, log=None) -> dict:
     """Build, compile, time; return the result record (the JSON line)."""
     import jax
 
+    from surojax.models.layers.attention import packed_backend, runs_per_row
+
     bc.check()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     device = jax.devices()[0]
@@ -339,12 +344,15 @@ def run(bc: BenchConfig, log=None) -> dict:
     init_s = time.perf_counter() - t0
     init_peak = _peak_gib(device)
     mcfg = setup.model_cfg
+    attention = packed_backend(bc.attention, bc.segments)
     log(f"built {bc.shape} ({bc.mode}{', base ' + bc.quant if bc.quant else ''}) in {init_s:.1f}s; attention "
-        f"{bc.attention}, recompute {bc.recompute}, lm-head chunk {setup.chunk} tokens")
+        f"{attention}, recompute {bc.recompute}, lm-head chunk {setup.chunk} tokens")
 
     rng = np.random.default_rng(bc.seed)
     host_batch, lengths = synthetic_batch(rng, bc.accum, bc.batch, bc.seq, mcfg.vocab_size, bc.segments,
                                           bc.min_segment)
+    if runs_per_row(host_batch["segment_ids"]) > bc.segments:  # the bound the attention backend was built for
+        raise AssertionError(f"synthetic rows hold {runs_per_row(host_batch['segment_ids'])} runs > --segments")
     batch = place_batch(setup, host_batch)
     key = jax.random.key(bc.seed)
     trainable, opt_state = setup.trainable, setup.opt_state
@@ -394,7 +402,8 @@ def run(bc: BenchConfig, log=None) -> dict:
         "params_trainable": n_train,
         "params_total": n_train + (n_frozen if bc.mode == "lora" else 0),
         "config": {
-            "recompute": bc.recompute, "attention": bc.attention, "lmhead_chunks": bc.lmhead_chunks,
+            "recompute": bc.recompute, "attention": bc.attention, "attention_backend": attention,
+            "lmhead_chunks": bc.lmhead_chunks,
             "unroll_layers": bc.unroll_layers,
             "offload_base": bc.offload_base, "prefetch": bc.prefetch, "base_format": bc.base_format, "init": bc.init,
             "optimizer": bc.optimizer, "offload_optimizer": bc.offload_optimizer,

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=_positive, default=None,
                         help="longest prompt + completion (default: the model's, at most 8192)")
     parser.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences batched at once")
-    parser.add_argument("--max-num-batched-tokens", type=_positive, default=2048, help="tokens per engine step")
+    parser.add_argument("--max-num-batched-tokens", type=_positive, default=8192,
+                        help="tokens per engine step (prompt tokens prefilled with the running decodes)")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond max-num-seqs (then 429)")
     parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
     parser.add_argument("--decode-steps", type=_power_of_two, default=1,

@@ -78,6 +78,15 @@ class PackedRows:
     def efficiency(self) -> float:
         return self.tokens / max(1, len(self.bins) * self.seq_len)
 
+    @property
+    def max_runs(self) -> int:
+        """The most runs of equal segment ids in any row (its samples, plus the padding tail when the row is
+        not full): the bound cuDNN's packed attention needs (`attention.packed_backend`)."""
+        if not self.bins:
+            return 1
+        lengths = np.diff(self.offsets)
+        return max(len(b) + int(int(lengths[b].sum()) < self.seq_len) for b in self.bins)
+
     def example(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         a, b = self.offsets[e], self.offsets[e + 1]
         return self.ids[a:b], self.mask[a:b]

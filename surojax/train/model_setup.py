@@ -125,21 +125,23 @@ def qlora_format(cfg) -> tuple[str, dict] | None:
     return fmt, options
 
 
-def build_model(cfg) -> Decoder:
-    """Load (or randomly initialise with `from_scratch`) and apply the LoRA transform when asked."""
+def build_model(cfg, *, attention: str | None = None) -> Decoder:
+    """Load (or randomly initialise with `from_scratch`) and apply the LoRA transform when asked. attention:
+    the backend (default cfg.attention; the Trainer passes `attention.packed_backend` of its data)."""
     from surojax.weights.hf_checkpoint import load_model
 
     prec = precision_for(cfg)
     qlora = qlora_format(cfg)  # checked before any weight is loaded
     mcfg = model_config_for(cfg)
+    attention = attention or cfg.attention
     if cfg.from_scratch:
-        model = Decoder(mcfg, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention,
+        model = Decoder(mcfg, dtype=prec.compute, param_dtype=prec.base, attention=attention,
                         rngs=nnx.Rngs(params=cfg.seed))
         log.info("initialised %s from scratch (seed %d)", mcfg.model_type, cfg.seed)
     elif is_gguf_path(cfg.model):
-        model = load_gguf_base(cfg, prec, mcfg)
+        model = load_gguf_base(cfg, prec, mcfg, attention)
     else:
-        model = load_model(cfg.model, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention, cfg=mcfg)
+        model = load_model(cfg.model, dtype=prec.compute, param_dtype=prec.base, attention=attention, cfg=mcfg)
     if qlora is not None:
         from surojax.config.lora import GGUF_MIXES
         from surojax.quant.quantize_mix import quantize_model_mix
@@ -222,12 +224,13 @@ def gguf_hf_config(path) -> dict:
     return read_gguf_hf_config(path)
 
 
-def load_gguf_base(cfg, prec: Precision, mcfg: ModelConfig) -> Decoder:
+def load_gguf_base(cfg, prec: Precision, mcfg: ModelConfig, attention: str | None = None) -> Decoder:
     """`model: file.gguf`: the base with its quantised Linear kernels kept in their GGUF format (LoRA only)."""
     from surojax.quant.transform import is_quantized
     from surojax.weights.gguf_checkpoint import load_gguf_model
 
-    _, model, _ = load_gguf_model(cfg.model, dtype=prec.compute, param_dtype=prec.base, attention=cfg.attention,
+    _, model, _ = load_gguf_model(cfg.model, dtype=prec.compute, param_dtype=prec.base,
+                                  attention=attention or cfg.attention,
                                   cfg=mcfg, keep_quantized=True)
     quantized = is_quantized(model)
     if quantized and not cfg.lora:

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
+from surojax.models.layers.attention import packed_backend
 from surojax.offload.memory_plan import check_fits, device_capacity, plan_for_config
 from surojax.offload.master import place_master_on_host
 from surojax.offload.optimizer import apply_master_updates, compute_copy, master_params
@@ -109,8 +110,13 @@ class Trainer:
             check_fits(self.memory_plan, device_capacity(),  # before any weight is allocated
                        offload_available=OFFLOAD_AVAILABLE)
 
+        self.attention = packed_backend(cfg.attention, max(
+            rows.max_runs for rows in (self.data.train_rows, self.data.eval_rows) if rows is not None))
+        if self.attention != cfg.attention:
+            log.info("attention: %s (cuDNN over the packed rows, at most %s samples + padding per row)",
+                     self.attention, self.attention.split(":")[1])
         with build_context(cfg.offload_base_weights or cfg.offload_master):  # a base / master bound for host
-            self.model = build_model(cfg)                                    # memory is built off the device
+            self.model = build_model(cfg, attention=self.attention)         # memory is built off the device
         if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                                   f"{self.model.cfg.vocab_size}")

@@ -74,3 +74,16 @@ def test_without_packing_each_row_is_example_to_row():
 def test_too_long_example_is_refused():
     with pytest.raises(ValueError, match="truncate first"):
         PackedRows(random_examples(3, max_len=T + 8, seed=5) + [Example.of(np.ones(T + 1), np.ones(T + 1))], T)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_max_runs_bounds_every_row(packing):
+    """PackedRows.max_runs (the cuDNN packed-attention bound M) equals the most runs any built row has, counting
+    the padding tail as cuDNN's packed layout does."""
+    from surojax.models.layers.attention import packed_segments, runs_per_row
+
+    rows = PackedRows(random_examples(60, seed=3), T, packing=packing)
+    built = np.stack([rows[i]["segment_ids"] for i in range(len(rows))])
+    assert rows.max_runs == runs_per_row(built) == int(packed_segments(built, 64)[2].max())
+    full = PackedRows([Example(np.arange(1, T + 1, dtype=np.int32), np.ones(T, bool))], T)
+    assert full.max_runs == 1  # a full one-sample row: no padding run

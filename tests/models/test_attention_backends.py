@@ -34,6 +34,17 @@ def test_packed_segments_hand_made():
     assert lengths.dtype == offsets.dtype == runs.dtype == jnp.int32
 
 
+def test_packed_backend_only_rewrites_auto_on_a_gpu(monkeypatch):
+    """auto + a known bound -> cudnn:M:nocheck on a GPU (M >= 2), nothing else changes."""
+    assert att.packed_backend("auto", 4) == ("cudnn:4:nocheck" if jax.default_backend() == "gpu" else "auto")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert att.packed_backend("auto", 4) == "cudnn:4:nocheck"
+    assert att.packed_backend("auto", 1) == "cudnn:2:nocheck"
+    assert att.cudnn_options(att.packed_backend("auto", 7)) == (7, False)
+    assert att.packed_backend("auto", None) == "auto"
+    assert att.packed_backend("xla", 4) == "xla" and att.packed_backend("cudnn:16", 4) == "cudnn:16"
+
+
 def test_packed_segments_exactly_m_runs_fills_every_slot():
     seg = jnp.asarray([[1, 1, 2, 3, 3, 3]], jnp.int32)
     lengths, offsets, runs = att.packed_segments(seg, 3)

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
@@ -206,6 +207,24 @@ def cudnn_branch(segment_ids, positions, max_segments: int, runs=None) -> jax.Ar
     canonical = packing_is_canonical(segment_ids, positions)
     return jnp.where(canonical & jnp.all(runs == 1), 0,
                      jnp.where(canonical & jnp.all(runs <= max_segments), 1, 2)).astype(jnp.int32)
+
+
+def runs_per_row(segment_ids) -> int:
+    """Host-side: the most runs of equal ids in any row of segment_ids [..., T] (numpy), as `packed_segments`
+    counts them (a padding run is a run)."""
+    ids = np.asarray(segment_ids).reshape(-1, np.shape(segment_ids)[-1])
+    return int(((ids[:, 1:] != ids[:, :-1]).sum(axis=1) + 1).max()) if ids.size else 1
+
+
+def packed_backend(name: str, max_runs: int | None) -> str:
+    """The backend for training on packed rows whose layout the data pipeline built (positions counting up from
+    0 inside each sample, no id coming back) with at most `max_runs` runs per row: "auto" on a GPU becomes
+    `cudnn:M:nocheck`, M = max(2, max_runs): cuDNN's cost grows with M (B * M sequence slots; measured on the
+    H200: ~10 ms of a 0.6B step's 31 ms of attention at M = 16 for 4 samples per row), and the per-layer
+    check's switch is not needed for rows built that way (+3% on the H200). Anything else: unchanged."""
+    if name != "auto" or max_runs is None or jax.default_backend() != "gpu":
+        return name
+    return f"cudnn:{max(2, int(max_runs))}:nocheck"
 
 
 def resolve_backend(name: str) -> str:
