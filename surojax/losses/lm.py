@@ -85,7 +85,10 @@ def _chunked_ce_fwd(h, w, t, m):
         logits = _chunk_logits(hc, w)
         lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
         target_logit = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-        p = jnp.exp(logits - lse[:, None]).at[jnp.arange(tc.shape[0]), tc].add(-1.0)
+        # softmax - onehot as one elementwise pass over the fp32 logits (a compare with the target column, not a
+        # scatter into a materialised [C, V] copy: same values, one read of the logits and one bf16 write)
+        onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1) == tc[:, None]
+        p = jnp.exp(logits - lse[:, None]) - onehot.astype(jnp.float32)
         d_logits = (p * mc[:, None]).astype(hc.dtype)  # [C, V] in the compute dtype: both GEMMs run in it
         dh = jnp.einsum("cv,dv->cd", d_logits, w)  # [C, D] compute dtype (fp32 accumulation inside the GEMM)
         dw = dw + jnp.einsum("cd,cv->dv", hc, d_logits, preferred_element_type=jnp.float32)

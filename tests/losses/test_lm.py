@@ -66,3 +66,17 @@ def test_frozen_head_costs_no_weight_gradient_gemm():
         return f.lower(h, w).compile().as_text().count(" dot(")
 
     assert dots((0,)) < dots((0, 1))
+
+
+def test_chunked_ce_gradient_pass_has_no_scatter():
+    """d logits = softmax - onehot is one elementwise pass (a compare with the target column): a scatter into
+    the [C, V] probabilities would materialise them (measured on the H200: the loss is memory-bound)."""
+    import jax
+    import jax.numpy as jnp
+
+    from surojax.losses.lm import _chunked_ce_fwd
+
+    args = (jnp.zeros((2, 8, 4), jnp.bfloat16), jnp.zeros((4, 50), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32),
+            jnp.ones((2, 8), jnp.float32))
+    hlo = jax.jit(_chunked_ce_fwd).lower(*args).as_text()
+    assert "scatter" not in hlo
