@@ -2,6 +2,11 @@
 # The GPU campaign of 2026-11-29 session 4 (figures copied into benchmarks/RESULTS.md). PARTS picks the items
 # (see the case below); carry .gpu-wheels (the serve items need fastapi there).
 source "$(dirname "$0")/campaign_common.sh"
+# variant NAME PATCH [-R] -- CMD...: CMD in a copy of this checkout with benchmarks/variants/PATCH applied
+# (an A/B of a code change in one job, no knob in the code)
+variant() { local name=$1 patch=$2; shift 2; local rev=""; [ "$1" = "-R" ] && { rev="-R"; shift; }; shift;
+  local dir=/tmp/v-$name; rm -rf "$dir"; mkdir -p "$dir"; cp -r surojax benchmarks pyproject.toml "$dir"/;
+  (cd "$dir" && git apply $rev "benchmarks/variants/$patch" && PYTHONPATH=$dir item "$name" 240 "$@"); }
 B06="python3 -m surojax.cli.main bench train --shape qwen3-0.6b --batch 8 --seq 2048 --steps 5 --repeats 1"
 for part in ${PARTS:-prof corrbf16 hffull full fp8}; do case $part in
 prof) item profile-lora-unrolled ${TPR:-300} python3 benchmarks/profile_step.py --shape qwen3-0.6b --mode lora \
@@ -27,6 +32,12 @@ servep) item serve-paged ${TSP:-120} python3 benchmarks/serve_load.py --modes en
          --decode-steps 8 --paged-kernel ${SPK:-pallas} ${SARGS:-} ;;
 servep16) item serve-paged-pps16 ${TSP:-120} python3 benchmarks/serve_load.py --modes engine \
          --users ${SUSERS:-1,16,64} --decode-steps 8 --paged-kernel ${SPK:-pallas} --prefills-per-step 16 ;;
+vlora) variant lora-scatter ce_compare.patch -R -- $B06 --mode lora --unroll-layers all
+       variant lora-bf16logits ce_bf16_logits.patch -- $B06 --mode lora --unroll-layers all ;;
+vfull) variant full-scatter ce_compare.patch -R -- $B06 --mode full --unroll-layers all
+       variant full-bf16logits ce_bf16_logits.patch -- $B06 --mode full --unroll-layers all ;;
+dnosr) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_dot_strength_reduction=false" item decode-nosr ${TDN:-150} \
+         python3 benchmarks/decode_step_h200.py --rows 1,64 --no-check --variants multi-pallas-rolled --tag nosr --profile ;;
 esac; done
 echo "== done in $(( $(date +%s) - START ))s"
 for f in "$ITEMS_DIR"/*.out; do echo "--- $f"; tail -${TAILN:-30} "$f" | cut -c1-250; done
