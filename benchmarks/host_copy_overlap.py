@@ -228,6 +228,9 @@ def is_dynamic_slice(name: str) -> bool:
     return "dynamic_slice" in n or "dynamic-slice" in n
 
 
+SUMMARY_ROWS = ("XLA Ops", "XLA Modules", "Steps", "TensorFlow", "Framework")
+
+
 def analyse_trace(events: list[dict], calls: int) -> dict:
     """Per call: MemcpyH2D count / ms / streams / % overlapping compute kernels; the same for dynamic-slice
     kernels (copies done by a kernel); compute-kernel ms; wall from the first device event to the last."""
@@ -237,15 +240,19 @@ def analyse_trace(events: list[dict], calls: int) -> dict:
     threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     evs = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+    rows = collections.Counter(threads.get((e["pid"], e.get("tid")), str(e.get("tid"))) for e in evs)
     stream_rows = {k for k, v in threads.items() if k[0] in gpu and v.lower().startswith("stream")}
     if stream_rows:                     # keep the CUDA stream rows (not the "XLA Ops" / "XLA Modules" summaries)
         evs = [e for e in evs if (e["pid"], e.get("tid")) in stream_rows]
+    else:
+        evs = [e for e in evs if not threads.get((e["pid"], e.get("tid")), "").startswith(SUMMARY_ROWS)]
     out = dict(device_events=len(evs))
     if not evs:
         return out
     iv = lambda e: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))   # noqa: E731  (microseconds)
     h2d = [e for e in evs if is_h2d(e["name"])]
     dsl = [e for e in evs if is_dynamic_slice(e["name"])]
+    other_copies = [e for e in evs if "memcpy" in e["name"].lower() and not is_h2d(e["name"])]   # D2D, D2H
     compute = [e for e in evs if not is_h2d(e["name"]) and not is_dynamic_slice(e["name"])
                and "memcpy" not in e["name"].lower() and "memset" not in e["name"].lower()]
     merged = _union([iv(e) for e in compute])
@@ -266,6 +273,9 @@ def analyse_trace(events: list[dict], calls: int) -> dict:
     out.update(summary("dslice", dsl))
     out.update(compute_ms=sum(float(e["dur"]) for e in compute) / 1e3 / calls,
                compute_streams=dict(compute_streams.most_common(4)), wall_ms=(t1 - t0) / 1e3 / calls,
+               other_memcpy_per_call=len(other_copies) / calls,
+               other_memcpy_ms=sum(float(e["dur"]) for e in other_copies) / 1e3 / calls,
+               device_rows=dict(rows.most_common(8)),
                h2d_names=dict(collections.Counter(e["name"][:50] for e in h2d).most_common(3)),
                dslice_names=dict(collections.Counter(e["name"][:50] for e in dsl).most_common(3)))
     return out
