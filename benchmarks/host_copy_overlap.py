@@ -22,15 +22,16 @@ and runs it in these forms (the same numbers; every variant is checked against `
     scan-prefetch         scan carrying layer l+1's device copy while computing layer l   (offload_prefetch)
     scan-prefetch-unroll2 the same, scan(unroll=2)                  (jax's overlap test: "needed for double buffering")
     list-unrolled         L separate host arrays, Python-unrolled loop in jit, put of l+1 issued before layer l
-    compute-on-host-slice scan-prefetch whose slice runs under compute_on('device_host') (stays in host memory),
-                          then a whole-buffer device_put                        (error reported if it does not lower)
-    gpu-stream-prefetch   scan-prefetch whose fetch runs under compute_on('gpu_stream:1') (XLA stream annotation:
-                          the copy kernel on a second stream)
-    list-unrolled-gpu-stream  list-unrolled, each whole-buffer device_put under compute_on('gpu_stream:1')
     scan-switch-prefetch  scan-prefetch whose fetch is lax.switch over L whole-buffer device_puts (a rolled loop
                           that still copies whole buffers)
     eager-pipelined       no loop in jit: a jitted layer per call, the next layer's whole buffer put to the device
                           eagerly by the runtime (PJRT's own host->device DMA) before the layer is dispatched
+  experimental APIs, run last (an XLA check failure aborts the process; the JSON lines before it are printed):
+    gpu-stream-prefetch   scan-prefetch whose fetch runs under compute_on('gpu_stream:1') (XLA stream annotation:
+                          the copy on a second stream)
+    list-unrolled-gpu-stream  list-unrolled, each whole-buffer device_put under compute_on('gpu_stream:1')
+    compute-on-host-slice scan-prefetch whose slice runs under compute_on('device_host') (stays in host memory),
+                          then a whole-buffer device_put                        (error reported if it does not lower)
 
 Per variant: ms per call (median of --iters after warm-up), the ratio to `resident`, its transfer floor
 (copy-only or copy-only-list), max abs difference to `resident` (check: exact / close / FAIL), and op counts of
@@ -38,8 +39,9 @@ the compiled HLO (copy-start, dynamic-slice, async starts). With --profile, from
 MemcpyH2D events per call and their ms, whether they run on another stream than the compute kernels, the % of
 their time that overlaps a compute kernel, and the same for kernels named *dynamic_slice* (the non-DMA copies).
 Output: one JSON line per variant, then a table. Reading it: ms ~ resident + floor means serial copies,
-ms ~ max(resident, floor) means full overlap. Environment: --xla-flags is appended to XLA_FLAGS before jax
-starts (XLA reads flags once per process).
+ms ~ max(resident, floor) means full overlap. Environment: XLA_FLAGS gets the latency-hiding scheduler (as
+offload_h200.py) unless it names it, then --xla-flags (XLA reads flags once per process); --skip NAME,... leaves
+out a variant that aborts.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ from typing import Callable
 
 H2D_BANDWIDTH_GBPS = 50.0      # pinned host -> H200 over PCIe 5 x16, as measured for surojax's streaming
 BF16_TFLOPS = 700.0            # a realistic dense bf16 GEMM rate on the H200 (peak 989)
+LHS_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 
 
 def parse_args(argv):
@@ -71,6 +74,7 @@ def parse_args(argv):
     p.add_argument("--iters", type=int, default=10, help="timed calls per variant (median)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated variants (resident always runs)")
+    p.add_argument("--skip", default="", help="comma-separated variants not to run (e.g. one that aborts)")
     p.add_argument("--profile", action="store_true", help="a jax.profiler trace per variant")
     p.add_argument("--profile-iters", type=int, default=3)
     p.add_argument("--out", default="", help="keep the traces (trace-VARIANT.json.gz, when < 15 MB) here")
@@ -186,12 +190,13 @@ def build_variants(jax, jnp, num_layers: int, scale: float) -> dict[str, Callabl
         "scan-prefetch": jitted(prefetch_loop(fetch), stacked),
         "scan-prefetch-unroll2": jitted(prefetch_loop(fetch, unroll=2), stacked),
         "list-unrolled": jitted(list_unrolled_with(lambda w: jax.device_put(w, Device)), listed),
+        "scan-switch-prefetch": jitted(switch_prefetch, listed),
+        "eager-pipelined": eager_pipelined,
+        # experimental APIs last: a variant that aborts the process (an XLA check failure) leaves the lines above
+        "gpu-stream-prefetch": jitted(prefetch_loop(gpu_stream_fetch), stacked),
         "list-unrolled-gpu-stream": jitted(list_unrolled_with(on_stream_1(lambda w: jax.device_put(w, Device))),
                                            listed),
         "compute-on-host-slice": jitted(prefetch_loop(host_slice_fetch), stacked),
-        "gpu-stream-prefetch": jitted(prefetch_loop(gpu_stream_fetch), stacked),
-        "scan-switch-prefetch": jitted(switch_prefetch, listed),
-        "eager-pipelined": eager_pipelined,
     }
 
 
@@ -250,13 +255,16 @@ def analyse_trace(events: list[dict], calls: int) -> dict:
     if not evs:
         return out
     iv = lambda e: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))   # noqa: E731  (microseconds)
+    stream = lambda e: threads.get((e["pid"], e.get("tid")), str(e.get("tid")))   # noqa: E731
+    copy_row = lambda e: is_h2d(stream(e)) and "compute" not in stream(e).lower()   # noqa: E731
+    # an event on a row of host-to-device copies only ("Stream #14(MemcpyH2D)") is one, whatever its name
+    evs = [dict(e, name=f"MemcpyH2D:{e['name']}") if copy_row(e) and not is_h2d(e["name"]) else e for e in evs]
     h2d = [e for e in evs if is_h2d(e["name"])]
     dsl = [e for e in evs if is_dynamic_slice(e["name"])]
     other_copies = [e for e in evs if "memcpy" in e["name"].lower() and not is_h2d(e["name"])]   # D2D, D2H
     compute = [e for e in evs if not is_h2d(e["name"]) and not is_dynamic_slice(e["name"])
                and "memcpy" not in e["name"].lower() and "memset" not in e["name"].lower()]
     merged = _union([iv(e) for e in compute])
-    stream = lambda e: threads.get((e["pid"], e.get("tid")), str(e.get("tid")))   # noqa: E731
     compute_streams = collections.Counter(stream(e) for e in compute)
 
     def summary(kind, group):
@@ -328,10 +336,24 @@ def check(diff: float, ref_scale: float) -> str:
     return "close" if diff <= 2e-2 * max(ref_scale, 1e-30) else "FAIL"
 
 
+def derive(rec: dict, results: dict[str, dict]) -> None:
+    """Ratios of one variant to the resident loop and to its transfer floor (both run before it)."""
+    name = rec["variant"]
+    base = results.get("resident", {}).get("ms")
+    floor = results.get(FLOOR.get(name, "copy-only"), {}).get("ms")
+    rec.update(floor_ms=floor, x_resident=rec["ms"] / base if base and "ms" in rec else None)
+    if base and floor and "ms" in rec and name not in ("resident", "copy-only", "copy-only-list"):
+        rec["serial_ms"] = base + floor                  # compute then copies, nothing hidden
+        rec["ideal_ms"] = max(base, floor)               # copies fully hidden (or compute hidden)
+        rec["hidden_pct"] = 100.0 * (base + floor - rec["ms"]) / min(base, floor)   # of the smaller one
+
+
 def main(argv=None) -> list[dict]:
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    if a.xla_flags:
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {a.xla_flags}".strip()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not a.smoke and "latency_hiding_scheduler" not in flags + a.xla_flags:
+        flags = f"{flags} {LHS_FLAG}"          # as surojax's GPU benchmarks run (offload_h200.py)
+    os.environ["XLA_FLAGS"] = f"{flags} {a.xla_flags}".strip()
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -370,6 +392,8 @@ def main(argv=None) -> list[dict]:
                  or (n in ("copy-only", "copy-only-list") and any(FLOOR.get(w, "copy-only") == n for w in wanted))]
 
     # copy-only's reference: the same per-layer reductions of the device-resident stack
+    skip = {n.strip() for n in a.skip.split(",") if n.strip()}
+    names = [n for n in names if n not in skip or n == "resident"]
     copy_sums = jax.jit(lambda w: sum((jnp.sum(w[l], dtype=jnp.float32) for l in range(L)),
                                       jnp.zeros((), jnp.float32)))(w_dev)
     results: dict[str, dict] = {}
@@ -400,17 +424,11 @@ def main(argv=None) -> list[dict]:
             rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             rec["check"] = "error"
         results[name] = rec
+        derive(rec, results)
+        rec.update(layers=L, d=D, f=F, tokens=T, backend=jax.default_backend())
+        print(json.dumps(rec, default=str), flush=True)   # now: a variant that aborts the process keeps these
 
     base = results.get("resident", {}).get("ms")
-    for name, rec in results.items():
-        floor = results.get(FLOOR.get(name, "copy-only"), {}).get("ms")
-        rec.update(floor_ms=floor, x_resident=rec["ms"] / base if base and "ms" in rec else None)
-        if base and floor and "ms" in rec and name not in ("resident", "copy-only", "copy-only-list"):
-            rec["serial_ms"] = base + floor                  # compute then copies, nothing hidden
-            rec["ideal_ms"] = max(base, floor)               # copies fully hidden (or compute hidden)
-            rec["hidden_pct"] = 100.0 * (base + floor - rec["ms"]) / min(base, floor)   # of the smaller one
-        rec.update(layers=L, d=D, f=F, tokens=T, backend=jax.default_backend())
-        print(json.dumps(rec, default=str))
     if base:
         print(f"# per layer measured: compute {base / L:.2f} ms (resident), copy "
               f"{(results.get('copy-only', {}).get('ms') or float('nan')) / L:.2f} ms (copy-only), "

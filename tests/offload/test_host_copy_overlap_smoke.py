@@ -60,6 +60,12 @@ def test_trace_analysis_overlap_and_streams(script):
     assert r["compute_ms"] == pytest.approx(1.0) and r["wall_ms"] == pytest.approx(1.5)
 
 
+def test_trace_analysis_copy_row_names_the_copy(script):
+    """An event on a row of host-to-device copies counts as one even when named after its HLO op."""
+    r = script.analyse_trace(_trace([(7, "gemm", 0.0, 100.0), (9, "copy-start.3", 0.0, 50.0)]), calls=1)
+    assert r["h2d_per_call"] == 1 and r["h2d_overlap_pct"] == pytest.approx(100.0) and r["compute_ms"] == 0.1
+
+
 def test_trace_analysis_without_device_events(script):
     assert script.analyse_trace([{"ph": "X", "pid": 5, "name": "x", "ts": 0, "dur": 1}], calls=1) == {
         "device_events": 0}
