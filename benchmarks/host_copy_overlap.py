@@ -77,7 +77,8 @@ def parse_args(argv):
     p.add_argument("--skip", default="", help="comma-separated variants not to run (e.g. one that aborts)")
     p.add_argument("--profile", action="store_true", help="a jax.profiler trace per variant")
     p.add_argument("--profile-iters", type=int, default=3)
-    p.add_argument("--out", default="", help="keep the traces (trace-VARIANT.json.gz, when < 15 MB) here")
+    p.add_argument("--out", default="", help="write each variant's optimised HLO (hlo-VARIANT.txt) and, with "
+                   "--profile, its trace (trace-VARIANT.json.gz, when < 15 MB) here")
     p.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before jax starts")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU): L=3, D=64, F=128, T=32")
     a = p.parse_args(argv)
@@ -91,7 +92,7 @@ def parse_args(argv):
 
 
 def build_variants(jax, jnp, num_layers: int, scale: float) -> dict[str, Callable]:
-    """{name: make(w_dev, w_host, ws_host) -> (call(x) -> out, jitted fn or None for the HLO census)}."""
+    """{name: make(x, w_dev, w_host, ws_host) -> (call(x) -> out, optimised HLO text or None)}."""
     lax = jax.lax
     Device = jax.memory.Space.Device
 
@@ -116,8 +117,11 @@ def build_variants(jax, jnp, num_layers: int, scale: float) -> dict[str, Callabl
         return run
 
     def jitted(fn, args_of):
-        f = jax.jit(fn)
-        return lambda w_dev, w_host, ws: (lambda x: f(x, *args_of(w_dev, w_host, ws)), (f, args_of))
+        def make(x, w_dev, w_host, ws):               # compiled once; the HLO text for the census
+            args = args_of(w_dev, w_host, ws)
+            compiled = jax.jit(fn).lower(x, *args).compile()
+            return (lambda x: compiled(x, *args)), compiled.as_text()
+        return make
 
     def resident(x, w_dev):
         return lax.scan(lambda x, w: (layer(x, w), None), x, w_dev)[0]
@@ -167,7 +171,7 @@ def build_variants(jax, jnp, num_layers: int, scale: float) -> dict[str, Callabl
         (x, _), _ = lax.scan(step, (x, jax.device_put(ws[0], Device)), jnp.arange(num_layers))
         return x
 
-    def eager_pipelined(w_dev, w_host, ws):
+    def eager_pipelined(x, w_dev, w_host, ws):
         one = jax.jit(layer)
 
         def call(x):
@@ -313,10 +317,13 @@ def profile(jax, call, x, calls: int, name: str, keep: str) -> dict:
 
 
 def hlo_census(compiled_text: str) -> dict:
+    """Op counts of the optimised HLO: async copies between memory spaces (copy-start), dynamic slices (kernels
+    unless emitted as a dynamic memcpy), async wrappers (a call / fusion on another stream), host layouts."""
     t = compiled_text
     return {"hlo_copy_start": t.count("copy-start("), "hlo_dynamic_slice": t.count("dynamic-slice("),
+            "hlo_dynamic_memcpy": t.count("__dynamic_memcpy"),
             "hlo_async_start": sum(t.count(k) for k in ("call-start(", "fusion-start(", "async-start(")),
-            "hlo_host_layout_S5": t.count("S(5)")}
+            "hlo_stream_annotation": t.count("_xla_stream_annotation"), "hlo_host_layout_S5": t.count("S(5)")}
 
 
 def timed(jax, call, x, warmup: int, iters: int) -> tuple[float, object]:
@@ -401,13 +408,15 @@ def main(argv=None) -> list[dict]:
     for name in names:
         rec = {"variant": name}
         try:
-            call, jit_info = variants[name](w_dev, w_host, ws_host)
             t0 = time.perf_counter()
+            call, hlo = variants[name](x, w_dev, w_host, ws_host)
             out = jax.block_until_ready(call(x))
-            rec["first_call_s"] = round(time.perf_counter() - t0, 3)
-            if jit_info is not None:
-                f, args_of = jit_info
-                rec.update(hlo_census(f.lower(x, *args_of(w_dev, w_host, ws_host)).compile().as_text()))
+            rec["first_call_s"] = round(time.perf_counter() - t0, 3)        # compile + first call
+            if hlo is not None:
+                rec.update(hlo_census(hlo))
+                if a.out:                                   # the optimised HLO, to read what XLA made of it
+                    Path(a.out).mkdir(parents=True, exist_ok=True)
+                    (Path(a.out) / f"hlo-{name}.txt").write_text(hlo)
             rec["ms"], out = timed(jax, call, x, a.warmup, a.iters)
             if name == "resident":
                 ref_out = np.asarray(out, np.float32)
