@@ -376,10 +376,16 @@ def main(argv=None) -> list[dict]:
     import numpy as np
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from surojax.offload.streaming import host_memory_kind
+    from surojax.offload.streaming import OffloadError, host_memory_kind
 
     dev = jax.devices()[0]
-    host_kind = host_memory_kind(dev)          # pinned_host (the CPU backend has one too), else OffloadError
+    try:
+        host_kind = host_memory_kind(dev)      # pinned_host (jax's CPU backend has one too)
+    except OffloadError:                       # a backend without it: any host memory, for the plumbing
+        host_kinds = [m.kind for m in dev.addressable_memories() if "host" in m.kind]
+        if not host_kinds:
+            raise
+        host_kind = host_kinds[0]
     L, D, F, T = a.layers, a.d, a.f, a.tokens
     scale = math.sqrt(D / F)
     kx, kw = jax.random.split(jax.random.key(0))
