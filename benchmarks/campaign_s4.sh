@@ -38,6 +38,9 @@ vfull) variant full-scatter ce_compare.patch -R -- $B06 --mode full --unroll-lay
        variant full-bf16logits ce_bf16_logits.patch -- $B06 --mode full --unroll-layers all ;;
 dnosr) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_dot_strength_reduction=false" item decode-nosr ${TDN:-150} \
          python3 benchmarks/decode_step_h200.py --rows 1,64 --no-check --variants multi-pallas-rolled --tag nosr --profile ;;
+hostcopy) item host-copy-overlap ${THC:-200} python3 benchmarks/host_copy_overlap.py --profile ${HCARGS:-} ;;
+servefull) item serve-full ${TSF:-260} python3 benchmarks/serve_load.py --modes hf,engine,server --users ${SUSERS:-1,16,64} \
+         --decode-steps 8 ;;
 esac; done
 echo "== done in $(( $(date +%s) - START ))s"
 for f in "$ITEMS_DIR"/*.out; do echo "--- $f"; tail -${TAILN:-30} "$f" | cut -c1-250; done
