@@ -224,7 +224,7 @@ def bench_buckets(a, users, k=1):
                 min_prefill=a.prompt_len, min_context=a.prompt_len + a.max_tokens + k)
 
 
-def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, paged=True, kernel="gather"):
+def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, paged=True, kernel="auto"):
     import numpy as np
 
     from surojax.serve.engine import Engine
@@ -248,7 +248,8 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, pa
         records += [(t0, v) for v in ts.values()]
     wall = time.perf_counter() - t_start
     return summarize(label, users, records, wall, {"decode_steps": k, "kv_in_place": int(in_place),
-                                                   "paged_attention": int(paged), "paged_kernel": kernel,
+                                                   "paged_attention": int(paged),
+                                                   "paged_kernel": eng.runner.paged_kernel,
                                                    "steps": eng.runner.num_calls,
                                                    "multi_step_calls": eng.runner.num_multi_calls,
                                                    "compiled_while_measuring": _num_compiled() - compiled_before})
@@ -306,7 +307,9 @@ def ours_main(a):
                 setattr(state.engine.engine.runner, name, v)
             state.engine.engine.runner.kv_in_place = ip
             state.engine.engine.runner.paged_attention = pa
-            state.engine.engine.runner.paged_kernel = kern
+            if kern != "auto":  # auto: what the server resolved (`surojax serve --kv-path auto`)
+                state.engine.engine.runner.paged_kernel = kern
+            kern = state.engine.engine.runner.paged_kernel
             if kern == "pallas":
                 from surojax.models.layers.paged_decode import prepare
 
@@ -445,8 +448,9 @@ def main(argv=None):
     p.add_argument("--kv-in-place", default="1", help="comma list of 0/1: the runner's kv_in_place setting")
     p.add_argument("--paged-attention", default="1",
                    help="comma list of 0/1: the runner's paged_attention (1 = in-pool decoder, 0 = reference)")
-    p.add_argument("--paged-kernel", default="gather",
-                   help="comma list of gather / reduce / pallas: the paged path's decode attention (paged_kernel)")
+    p.add_argument("--paged-kernel", default="auto",
+                   help="comma list of auto / gather / reduce / pallas: the paged path's decode attention "
+                        "(paged_kernel; auto = the engine's default: pallas on a GPU)")
     p.add_argument("--unroll-layers", action="store_true", help="the runner's unroll_layers (engine and server)")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
     p.add_argument("--url", default=None, help="client mode: the server's base URL")
@@ -472,8 +476,8 @@ def main(argv=None):
     ips = [bool(int(ip)) for ip in a.kv_in_place.split(",")]
     pas = [bool(int(x)) for x in a.paged_attention.split(",")]
     kernels = [x.strip() for x in a.paged_kernel.split(",")]
-    if any(x not in ("gather", "reduce", "pallas") for x in kernels):
-        p.error(f"--paged-kernel takes gather, reduce and/or pallas, got {a.paged_kernel}")
+    if any(x not in ("auto", "gather", "reduce", "pallas") for x in kernels):
+        p.error(f"--paged-kernel takes auto, gather, reduce and/or pallas, got {a.paged_kernel}")
     # kv_in_place applies to the reference path only, the kernel to the paged path only
     a.variants = [(k, ip, pa, kern) for k in a.decode_steps_list for pa in pas
                   for ip in (ips[:1] if pa else ips) for kern in (kernels if pa else ["gather"])]
