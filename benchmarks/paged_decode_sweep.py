@@ -46,7 +46,7 @@ DEFAULT = dict(qk="dot", split="table", blocks_per_iter=pd.BLOCKS_PER_ITER, min_
 _CHANGES = [
     # one knob at a time around today's defaults
     dict(split="length"), dict(blocks_per_iter=2), dict(blocks_per_iter=8), dict(num_warps=2), dict(num_warps=8),
-    dict(num_stages=1), dict(num_stages=3), dict(num_stages=4),
+    dict(num_stages=1), dict(num_stages=3),
     dict(min_programs=256), dict(min_programs=512), dict(min_programs=2048), dict(min_programs=4096),
     # balanced partitions (split="length") with more programs, more warps, longer / shorter iterations
     dict(split="length", min_programs=2048), dict(split="length", min_programs=4096),
@@ -56,16 +56,19 @@ _CHANGES = [
     dict(split="length", blocks_per_iter=2, min_programs=4096),
     dict(split="length", blocks_per_iter=2, num_stages=3, min_programs=4096),
     dict(split="length", blocks_per_iter=2, num_warps=2, min_programs=4096),
-    # multiply + sum scores (no 16-row padding, no MMA); registers bound blocks_per_iter x warps (offline
-    # ptxas, sm_90: it1/w4 109 regs, it2/w8 120, it4/w8 157, it4/w4 237; it8/w4 spills)
-    dict(qk="fma", split="length", blocks_per_iter=1), dict(qk="fma", split="length", blocks_per_iter=1,
-                                                            min_programs=4096),
+    # multiply + sum scores (no 16-row padding, no MMA, k/v prefetched one iteration ahead); registers bound
+    # blocks_per_iter x warps (offline ptxas, sm_90, R = 64: it1 w1 164 regs, w2 182, w4 128; it2 w1 255, w4 183,
+    # w8 127; it4 w8 185); with one warp no reduction crosses warps (no barriers)
+    dict(qk="fma", split="length", blocks_per_iter=1),
+    dict(qk="fma", split="length", blocks_per_iter=1, num_warps=1),
+    dict(qk="fma", split="length", blocks_per_iter=1, num_warps=1, min_programs=4096),
+    dict(qk="fma", split="length", blocks_per_iter=1, num_warps=2, min_programs=2048),
+    dict(qk="fma", split="length", blocks_per_iter=2, num_warps=1, min_programs=2048),
+    dict(qk="fma", split="length", blocks_per_iter=2, min_programs=2048),
     dict(qk="fma", split="length", blocks_per_iter=2, num_warps=8),
     dict(qk="fma", split="length", blocks_per_iter=2, num_warps=8, min_programs=4096),
-    dict(qk="fma", split="length", blocks_per_iter=2, min_programs=2048),
-    dict(qk="fma", split="length", blocks_per_iter=4, num_warps=8),
     dict(qk="fma", split="length", blocks_per_iter=4, num_warps=8, min_programs=2048),
-    dict(qk="fma", split="table", blocks_per_iter=1),
+    dict(qk="fma", split="table", blocks_per_iter=1, num_warps=1),
 ]
 GRID = [DEFAULT] + [{**DEFAULT, **c} for c in _CHANGES]
 SMOKE_GRID = [DEFAULT, {**DEFAULT, "split": "length", "blocks_per_iter": 2},

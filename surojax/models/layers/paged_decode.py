@@ -134,28 +134,36 @@ def _attend_dot(q, k_ref, v_ref, table_ref, offset, n_iter, valid, it: int, scal
 def _attend_fma(q_ref, k_ref, v_ref, table_ref, offset, n_iter, valid, it: int, bs: int, scale: float):
     """The same online softmax for each of the G query heads on its own, as multiplies summed over H (scores)
     and over the keys (output), in fp32: no padded rows, no MMA. Keys are gathered slot by slot ([chunk, H]
-    straight from the [slots, H] pool view, no reshape). Returns G tuples (o [H], m [], l [])."""
+    straight from the [slots, H] pool view, no reshape), one iteration ahead: Triton pipelines only loads that
+    feed a dot, so the next iteration's k/v are loaded (into registers) before this one's math. Returns G
+    tuples (o [H], m [], l [])."""
     h = q_ref.shape[1]
     chunk = it * bs
     tok = jnp.arange(chunk)
+    last = table_ref.shape[0] - 1
     qs = [q_ref[g].astype(jnp.float32) for g in range(q_ref.shape[0])]  # G x [H]
 
+    def load(i):  # iteration i's k, v [chunk, H]; past the partition's end (the prefetch after the last
+        # iteration) the table index is clamped: a real block, read and never used
+        slots = table_ref[jnp.minimum(offset + i * it + tok // bs, last)] * bs + tok % bs  # [chunk]
+        return k_ref[slots], v_ref[slots]
+
     def body(i, carry):
-        slots = table_ref[offset + i * it + tok // bs] * bs + tok % bs  # [chunk]
-        k = k_ref[slots].astype(jnp.float32)  # [chunk, H]
-        v = v_ref[slots].astype(jnp.float32)
+        (k, v), heads = carry
+        ahead = load(i + 1)
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         mask = valid(i)
         out = []
-        for q, (o, m, l) in zip(qs, carry):
+        for q, (o, m, l) in zip(qs, heads):
             s = jnp.where(mask, jnp.sum(k * q[None, :], axis=1) * scale, _MASKED)  # [chunk]
             m_new = jnp.maximum(m, s.max())
             corr = jnp.exp(m - m_new)
             e = jnp.exp(s - m_new)
             out.append((corr * o + jnp.sum(e[:, None] * v, axis=0), m_new, corr * l + e.sum()))
-        return tuple(out)
+        return ahead, tuple(out)
 
     init = tuple((jnp.zeros((h,), jnp.float32), jnp.float32(_MASKED), jnp.float32(0.0)) for _ in qs)
-    return jax.lax.fori_loop(0, n_iter, body, init)
+    return jax.lax.fori_loop(0, n_iter, body, (load(0), init))[1]
 
 
 def _check_knobs(blocks_per_iter: int, min_programs: int, num_warps: int, num_stages: int, qk: str, split: str,
