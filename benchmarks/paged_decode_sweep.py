@@ -1,7 +1,7 @@
 """Tune the Pallas paged decode-attention kernel (``surojax/models/layers/paged_decode.py``) on one GPU: a grid of
 its knobs (qk, split, blocks_per_iter, min_programs, num_warps, num_stages) over the serving shapes.
 
-    PYTHONPATH=$PWD python benchmarks/paged_decode_sweep.py            # H200: Qwen3-0.6B shapes, ~2 minutes
+    PYTHONPATH=$PWD python benchmarks/paged_decode_sweep.py            # H200: Qwen3-0.6B shapes, < 3 minutes
     PYTHONPATH=$PWD python benchmarks/paged_decode_sweep.py --rows 64 --contexts 576 --configs 0,1,5
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/paged_decode_sweep.py --smoke   # CPU, interpret mode
 
@@ -130,99 +130,99 @@ def program(cfg: dict, block_size: int, inner: int, interpret: bool | None):
     return jax.jit(run)
 
 
-def compile_all(jobs, args_of, workers: int):
-    """{job: compiled or exception}: lowered and compiled in `workers` threads; a failure is retried alone."""
-    def build(job):
-        shape, i, fn = job
-        return fn.lower(*args_of[shape]).compile()
+def compile_all(fns: list, args: tuple, workers: int) -> list:
+    """Each jitted fn lowered and compiled for `args` in `workers` threads (a failure is retried alone, in case
+    threads were the cause); a compiled program or the exception, in order."""
+    def build(fn):
+        return fn.lower(*args).compile()
 
-    out = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as ex:
-        futures = {ex.submit(build, job): job for job in jobs}
-        for f in concurrent.futures.as_completed(futures):
-            job = futures[f]
+        futures = [ex.submit(build, fn) for fn in fns]
+    out = []
+    for fn, f in zip(fns, futures):
+        try:
+            out.append(f.result())
+        except Exception:  # noqa: BLE001 - retried alone
             try:
-                out[job[:2]] = f.result()
-            except Exception:  # noqa: BLE001 - retried below, alone, in case threads were the cause
-                out[job[:2]] = None
-    for job in jobs:
-        if out[job[:2]] is None:
-            try:
-                out[job[:2]] = build(job)
+                out.append(build(fn))
             except Exception as e:  # noqa: BLE001 - reported per config, the sweep goes on
-                out[job[:2]] = e
+                out.append(e)
     return out
+
+
+def measure(fn, args, ref: np.ndarray, inner: int, repeats: int) -> dict:
+    """Check the layer-0 call against the reference, then time: {rel_err, us} (raises on a failed check)."""
+    first, _ = jax.block_until_ready(fn(*args))
+    err = float(np.max(np.abs(np.asarray(first, np.float32) - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+    if not np.isfinite(err) or err > REL_TOL:
+        raise AssertionError(f"max |out - ref| / max |ref| = {err:.3g} > {REL_TOL}")
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t) / (inner + 1))
+    return dict(rel_err=err, us=round(statistics.median(times) * 1e6, 2))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,16,64", help="comma list of R")
+    p.add_argument("--rows", default="64,16,1", help="comma list of R (in this order)")
     p.add_argument("--contexts", default="576,2048", help="comma list of context lengths")
     p.add_argument("--configs", default="", help="comma list of GRID indices (default: all)")
-    p.add_argument("--inner", type=int, default=10, help="calls per timed run")
+    p.add_argument("--inner", type=int, default=50, help="calls per timed run (after the checked one)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per config (median)")
     p.add_argument("--workers", type=int, default=8, help="compile threads")
+    p.add_argument("--budget-s", type=float, default=170.0, help="no new shape starts after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, 3 configs, Pallas interpret mode")
     a = p.parse_args(argv)
+    start = time.perf_counter()
     model, grid, dtype, interpret = QWEN3_06B, GRID, jnp.bfloat16, None
     rows = [int(x) for x in a.rows.split(",")]
     contexts = [int(x) for x in a.contexts.split(",")]
     if a.smoke:
         model, grid, dtype, interpret = SMOKE_MODEL, SMOKE_GRID, jnp.float32, True
-        rows, contexts, a.inner, a.repeats = [1, 3], [40], 2, 2
+        rows, contexts, a.inner, a.repeats, a.workers = [1, 3], [40], 2, 2, 1
     if a.configs:
         grid = [grid[int(i)] for i in a.configs.split(",")]
     bs = model["block_size"]
     print(f"# paged decode sweep on {jax.devices()[0].device_kind}: {len(grid)} configs x {len(rows) * len(contexts)} "
           f"shapes, {jnp.dtype(dtype).name} pool, heads {model['heads']}/{model['kv_heads']} x {model['head_dim']}, "
           f"block size {bs}", flush=True)
+    pd.prepare()  # Pallas's lazy lowering imports once, before any compile thread starts
 
     rng = np.random.default_rng(0)
-    cases, refs, args_of = {}, {}, {}
+    cases, results = {}, []
     for R in rows:
         for ctx in contexts:
             shape = f"R{R}-ctx{ctx}"
+            if time.perf_counter() - start > a.budget_s:
+                print(f"# {shape}: SKIPPED (past --budget-s {a.budget_s:.0f})", flush=True)
+                continue
             q, k_pool, v_pool, table, lengths, real_bytes = make_case(R, ctx, model, dtype, rng)
-            cases[shape] = dict(R=R, context=ctx, layers=k_pool.shape[0], table_blocks=table.shape[1],
-                                mean_length=float(np.mean(np.asarray(lengths))), real_bytes=real_bytes)
-            args_of[shape] = (q, k_pool, v_pool, table, lengths)
-            ref = jax.jit(pd.paged_decode_reference, static_argnames="block_size")(
-                q.astype(jnp.float32), k_pool, v_pool, jnp.int32(0), table, lengths, block_size=bs)
-            refs[shape] = np.asarray(ref)
-            print(f"# {shape}: pool {k_pool.shape[0]} layers x {k_pool.shape[1] // bs} blocks, table {table.shape[1]} "
-                  f"blocks, {real_bytes / 1e6:.1f} MB of real K/V per call", flush=True)
-
-    t0 = time.perf_counter()
-    pd.prepare()  # Pallas's lazy lowering imports once, before the compile threads start
-    jobs = [(shape, i, program(cfg, bs, a.inner, interpret)) for shape in cases for i, cfg in enumerate(grid)]
-    compiled = compile_all(jobs, args_of, 1 if a.smoke else a.workers)
-    print(f"# compiled {len(jobs)} programs in {time.perf_counter() - t0:.0f} s", flush=True)
-
-    results = []
-    for shape, case in cases.items():
-        ref = refs[shape]
-        for i, cfg in enumerate(grid):
-            row = dict(shape=shape, config=i, knobs=cfg, label=label(cfg), **case)
-            fn = compiled[(shape, i)]
-            try:
-                if isinstance(fn, Exception):
-                    raise fn
-                first, acc = jax.block_until_ready(fn(*args_of[shape]))
-                err = float(np.max(np.abs(np.asarray(first, np.float32) - ref)) / max(np.max(np.abs(ref)), 1e-30))
-                row["rel_err"] = err
-                if not np.isfinite(err) or err > REL_TOL:
-                    raise AssertionError(f"max |out - ref| / max |ref| = {err:.3g} > {REL_TOL}")
-                times = []
-                for _ in range(a.repeats):
-                    t = time.perf_counter()
-                    jax.block_until_ready(fn(*args_of[shape]))
-                    times.append((time.perf_counter() - t) / (a.inner + 1))
-                us = statistics.median(times) * 1e6
-                row.update(ok=True, us=round(us, 2), gbps=round(case["real_bytes"] / (us * 1e-6) / 1e9, 1))
-            except Exception as e:  # noqa: BLE001 - report the config, go on
-                row.update(ok=False, error=f"{type(e).__name__}: {' | '.join(str(e).strip().splitlines()[:3])[:300]}")
-            results.append(row)
-            print(json.dumps(row), flush=True)
+            case = cases[shape] = dict(R=R, context=ctx, layers=k_pool.shape[0], table_blocks=table.shape[1],
+                                       mean_length=float(np.mean(np.asarray(lengths))), real_bytes=real_bytes)
+            args = (q, k_pool, v_pool, table, lengths)
+            ref = np.asarray(jax.jit(pd.paged_decode_reference, static_argnames="block_size")(
+                q.astype(jnp.float32), k_pool, v_pool, jnp.int32(0), table, lengths, block_size=bs))
+            t0 = time.perf_counter()
+            compiled = compile_all([program(cfg, bs, a.inner, interpret) for cfg in grid], args, a.workers)
+            print(f"# {shape}: pool {k_pool.shape[0]} layers x {k_pool.shape[1] // bs} blocks, table "
+                  f"{table.shape[1]} blocks, {real_bytes / 1e6:.1f} MB of real K/V per call; {len(grid)} programs "
+                  f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+            for i, (cfg, fn) in enumerate(zip(grid, compiled)):
+                row = dict(shape=shape, config=i, knobs=cfg, label=label(cfg), **case)
+                try:
+                    if isinstance(fn, Exception):
+                        raise fn
+                    row.update(ok=True, **measure(fn, args, ref, a.inner, a.repeats))
+                    row["gbps"] = round(real_bytes / (row["us"] * 1e-6) / 1e9, 1)
+                except Exception as e:  # noqa: BLE001 - report the config, go on
+                    row.update(ok=False, error=f"{type(e).__name__}: "
+                                               f"{' | '.join(str(e).strip().splitlines()[:3])[:300]}")
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            del compiled, args, q, k_pool, v_pool
+    print(f"# total {time.perf_counter() - start:.0f} s", flush=True)
 
     for shape in cases:
         rows_ = [r for r in results if r["shape"] == shape]
