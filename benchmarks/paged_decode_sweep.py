@@ -202,8 +202,9 @@ def main(argv=None) -> int:
             case = cases[shape] = dict(R=R, context=ctx, layers=k_pool.shape[0], table_blocks=table.shape[1],
                                        mean_length=float(np.mean(np.asarray(lengths))), real_bytes=real_bytes)
             args = (q, k_pool, v_pool, table, lengths)
-            ref = np.asarray(jax.jit(pd.paged_decode_reference, static_argnames="block_size")(
-                q.astype(jnp.float32), k_pool, v_pool, jnp.int32(0), table, lengths, block_size=bs))
+            with jax.default_matmul_precision("highest"):  # fp32 dots, not TF32
+                ref = np.asarray(jax.jit(pd.paged_decode_reference, static_argnames="block_size")(
+                    q.astype(jnp.float32), k_pool, v_pool, jnp.int32(0), table, lengths, block_size=bs))
             t0 = time.perf_counter()
             compiled = compile_all([program(cfg, bs, a.inner, interpret) for cfg in grid], args, a.workers)
             print(f"# {shape}: pool {k_pool.shape[0]} layers x {k_pool.shape[1] // bs} blocks, table "
