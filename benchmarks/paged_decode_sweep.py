@@ -182,8 +182,8 @@ def main(argv=None) -> int:
     if a.smoke:
         model, grid, dtype, interpret = SMOKE_MODEL, SMOKE_GRID, jnp.float32, True
         rows, contexts, a.inner, a.repeats, a.workers = [1, 3], [40], 2, 2, 1
-    if a.configs:
-        grid = [grid[int(i)] for i in a.configs.split(",")]
+    indices = [int(i) for i in a.configs.split(",")] if a.configs else list(range(len(grid)))
+    grid = [grid[i] for i in indices]
     bs = model["block_size"]
     print(f"# paged decode sweep on {jax.devices()[0].device_kind}: {len(grid)} configs x {len(rows) * len(contexts)} "
           f"shapes, {jnp.dtype(dtype).name} pool, heads {model['heads']}/{model['kv_heads']} x {model['head_dim']}, "
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
             print(f"# {shape}: pool {k_pool.shape[0]} layers x {k_pool.shape[1] // bs} blocks, table "
                   f"{table.shape[1]} blocks, {real_bytes / 1e6:.1f} MB of real K/V per call; {len(grid)} programs "
                   f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
-            for i, (cfg, fn) in enumerate(zip(grid, compiled)):
+            for i, cfg, fn in zip(indices, grid, compiled):
                 row = dict(shape=shape, config=i, knobs=cfg, label=label(cfg), **case)
                 try:
                     if isinstance(fn, Exception):
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
 
     for shape in cases:
         rows_ = [r for r in results if r["shape"] == shape]
-        base = next((r["us"] for r in rows_ if r["config"] == 0 and r["ok"]), None)
+        base = next((r["us"] for r in rows_ if r["knobs"] == DEFAULT and r["ok"]), None)
         print(f"\n## {shape} (layers {cases[shape]['layers']}, mean length {cases[shape]['mean_length']:.0f}, "
               f"{cases[shape]['real_bytes'] / 1e6:.1f} MB per call)")
         print(f"{'#':>3} {'config':<34} {'us':>9} {'GB/s':>7} {'vs #0':>6} {'rel err':>8}")
