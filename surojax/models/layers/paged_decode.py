@@ -17,8 +17,8 @@ benchmarks/paged_decode_sweep.py times a grid of them on the GPU):
     min_programs     split each row's context into partitions until the grid has about this many programs
     num_warps, num_stages   Triton's launch / software-pipelining parameters
     qk               "dot": the kv head's G query heads padded to MIN_QUERY_ROWS rows, scores and output by
-                     tensor-core dots; "fma": no padding (G rounded up to a power of two), scores and output as
-                     elementwise products summed over H and over the keys, one query head at a time (no MMA)
+                     tensor-core dots; "fma": the G rows alone, scores and output as elementwise products summed
+                     over H and over the keys, one query head at a time (no MMA; k/v loaded an iteration ahead)
     split            "table": partition p covers the block table's p-th slice, whatever the row's length (with
                      the S bucket's padding, the last partitions of a short row have nothing to do); "length":
                      p covers the p-th of P equal shares of the row's real blocks
@@ -225,10 +225,12 @@ def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, bl
         table_spec = pl.BlockSpec((None, NB + it), lambda b, k, p: (b, 0))
     if qk == "dot":  # query rows per program: G rounded up to a power of two, at least Triton's smallest dot
         gp = max(MIN_QUERY_ROWS, 1 << (G - 1).bit_length())
-        pool_view, pool_spec = (L * nblk, bs, K, H), pl.BlockSpec((L * nblk, bs, None, H), lambda b, k, p: (0, 0, k, 0))
-    else:  # the G rows themselves; the pool as [slots, K, H]
+        pool_view = (L * nblk, bs, K, H)  # whole blocks
+        pool_spec = pl.BlockSpec((L * nblk, bs, None, H), lambda b, k, p: (0, 0, k, 0))
+    else:  # the G rows themselves
         gp = G
-        pool_view, pool_spec = (L * NS, K, H), pl.BlockSpec((L * NS, None, H), lambda b, k, p: (0, k, 0))
+        pool_view = (L * NS, K, H)  # slot by slot
+        pool_spec = pl.BlockSpec((L * NS, None, H), lambda b, k, p: (0, k, 0))
     qg = jnp.pad(q.reshape(B, K, G, H), ((0, 0), (0, 0), (0, gp - G), (0, 0)))
     kp, vp = k_pool.reshape(pool_view), v_pool.reshape(pool_view)
     kernel = functools.partial(_kernel, block_size=bs, blocks_per_iter=it, scale=H ** -0.5, qk=qk, split=split)
