@@ -10,7 +10,10 @@ Two steps, because the project's environment has jax but not `triton` (any Pytho
     TRITON_DEFAULT_FP_FUSION=1 /path/to/triton-env/bin/python benchmarks/triton_offline_check.py compile /tmp/ttir
 
 `dump` writes one .ttir file per (format, product, tile configuration of benchmarks/quant_matmul_h200.py) at
-the Qwen3-8B shape 4096 x 4096, M = 8192. `compile` needs only `triton` (it imports nothing else from here).
+the Qwen3-8B shape 4096 x 4096, M = 8192. `dump-paged` writes one per knob setting of
+benchmarks/paged_decode_sweep.py's grid (the paged decode-attention kernel, Qwen3-0.6B shapes, 64 rows, a
+768-slot block table). `compile` needs only `triton` (it imports nothing else from here); it also reports
+registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
 """
 from __future__ import annotations
 
@@ -72,6 +75,74 @@ def dump(out: str, formats: list[str]) -> None:
         lowering.lower_jaxpr_to_triton_module = original
 
 
+def dump_paged(out: str) -> None:
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import paged_decode_sweep as sweep
+
+    from surojax.models.layers.paged_decode import paged_decode_attention
+
+    warnings.filterwarnings("ignore")  # the Pallas Triton backend's deprecation notice
+    h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    original = lowering.lower_jaxpr_to_triton_module
+    captured: list[str] = []
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm())
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    os.makedirs(out, exist_ok=True)
+    m, B, NB, nblk = sweep.QWEN3_06B, 64, 48, 4096
+    pool = jax.ShapeDtypeStruct((m["layers"], nblk * m["block_size"], m["kv_heads"], m["head_dim"]), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((B, m["heads"], m["head_dim"]), jnp.bfloat16), pool, pool,
+            jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((B, NB), jnp.int32),
+            jax.ShapeDtypeStruct((B,), jnp.int32))
+    check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    try:
+        for i, cfg in enumerate(sweep.GRID):
+            captured.clear()
+            fn = jax.jit(lambda *a, cfg=cfg: paged_decode_attention(*a, block_size=m["block_size"], interpret=False,
+                                                                    **cfg))
+            with jax.sharding.use_abstract_mesh(h200):
+                jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args)
+            path = os.path.join(out, f"paged{i:02d}_{cfg['qk']}-{cfg['split']}-it{cfg['blocks_per_iter']}"
+                                     f"-w{cfg['num_warps']}-s{cfg['num_stages']}.ttir")
+            with open(path, "w") as f:
+                f.write(captured[-1])
+            print(path, flush=True)
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+def _registers(ptx: str, out_dir: str) -> str:
+    """Registers per thread and spill stores from the bundled ptxas -v (sm_90a), or '' where it cannot run."""
+    import subprocess
+    import tempfile
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", dir=out_dir, delete=False) as f:
+            f.write(ptx)
+        r = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+                           capture_output=True, text=True, timeout=120)
+        os.unlink(f.name)
+        regs = re.search(r"Used (\d+) registers", r.stderr)
+        spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+        return ((f", regs {regs.group(1)}" if regs else "")
+                + (f", ptxas spill stores {spill.group(1)} B" if spill else ""))
+    except Exception:  # noqa: BLE001 - the register count is a bonus
+        return ""
+
+
 def compile_all(src: str) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
@@ -94,18 +165,22 @@ def compile_all(src: str) -> int:
         fits = smem <= H200_SMEM
         bad += not fits
         print(f"{'OK  ' if fits else 'SMEM'} {fname}: shared {smem} B{'' if fits else ' > ' + str(H200_SMEM)}, "
-              f"wgmma {'yes' if 'wgmma.mma_async' in ptx else 'no'}, spills {'yes' if '.local' in ptx else 'no'}")
+              f"wgmma {'yes' if 'wgmma.mma_async' in ptx else 'no'}, spills {'yes' if '.local' in ptx else 'no'}"
+              f"{_registers(ptx, src)}")
     return 1 if bad else 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("step", choices=("dump", "compile"))
+    p.add_argument("step", choices=("dump", "dump-paged", "compile"))
     p.add_argument("dir")
     p.add_argument("--formats", default="q4_k,q5_k,q6_k,q8_0,nf4,nvfp4,fp8")
     args = p.parse_args(argv)
     if args.step == "dump":
         dump(args.dir, [f.strip() for f in args.formats.split(",") if f.strip()])
+        return 0
+    if args.step == "dump-paged":
+        dump_paged(args.dir)
         return 0
     return compile_all(args.dir)
 

@@ -29,6 +29,45 @@ def test_kernel_equals_reference(partitions):
     assert np.all(np.asarray(out)[2] == 0)  # length 0: zeros, not NaN
 
 
+@pytest.mark.parametrize("knobs", [dict(qk="fma"), dict(qk="fma", blocks_per_iter=1, partitions=3),
+                                   dict(qk="dot", blocks_per_iter=2, min_programs=64),
+                                   dict(qk="fma", blocks_per_iter=8, min_programs=1),
+                                   dict(split="length", partitions=3), dict(split="length", blocks_per_iter=1),
+                                   dict(qk="fma", split="length", blocks_per_iter=2, partitions=4)])
+def test_tuning_knobs_equal_reference(knobs):
+    """Every tuning knob computes the same attention (G = 3: the fma path pads the kv head's query rows to 4)."""
+    q, k, v, table = _case(np.random.default_rng(1))
+    lengths = jnp.asarray([1, 23, 0, 40], jnp.int32)
+    out = paged_decode_attention(q, k, v, jnp.int32(2), table, lengths, block_size=4, **knobs)
+    ref = paged_decode_reference(q, k, v, jnp.int32(2), table, lengths, block_size=4)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)
+    assert np.all(np.asarray(out)[2] == 0)
+
+
+def test_fma_one_query_head_bf16():
+    """G = 1 (no padding at all in the fma path) with a bf16 pool, within bf16 rounding of the fp32 reference."""
+    q, k, v, table = _case(np.random.default_rng(2), G=1, dtype=jnp.bfloat16)
+    lengths = jnp.asarray([40, 17, 4, 5], jnp.int32)
+    out = paged_decode_attention(q, k, v, jnp.int32(0), table, lengths, block_size=4, qk="fma")
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = paged_decode_reference(*f32[:1], *f32[1:], jnp.int32(0), table, lengths, block_size=4)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=2e-2, rtol=2e-2)
+
+
+def test_bad_knob_is_a_clear_error():
+    q, k, v, table = _case(np.random.default_rng(0))
+    lengths = jnp.asarray([1, 2, 3, 4], jnp.int32)
+    with pytest.raises(ValueError, match="qk='mma'"):
+        paged_decode_attention(q, k, v, jnp.int32(0), table, lengths, block_size=4, qk="mma")
+    with pytest.raises(ValueError, match="split='rows'"):
+        paged_decode_attention(q, k, v, jnp.int32(0), table, lengths, block_size=4, split="rows")
+    with pytest.raises(ValueError, match="blocks_per_iter=0"):
+        paged_decode_attention(q, k, v, jnp.int32(0), table, lengths, block_size=4, blocks_per_iter=0)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_attention(q, k, v, jnp.int32(0), table, lengths, block_size=4, blocks_per_iter=3,
+                               interpret=False)
+
+
 def test_max_pool_blocks():
     n = max_pool_blocks(28, 16, 8, 128)  # Qwen3-0.6B
     assert kernel_applies((28, n * 16, 8, 128), 1, None) and not kernel_applies((28, (n + 1) * 16, 8, 128), 1, None)
@@ -50,7 +89,8 @@ def test_lowers_for_h200():
     args = (jax.ShapeDtypeStruct((B, K * G, H), jnp.bfloat16), pool, pool, jax.ShapeDtypeStruct((), jnp.int32),
             jax.ShapeDtypeStruct((B, NB), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    fn = jax.jit(lambda *a: paged_decode_attention(*a, block_size=bs, interpret=False))
-    with jax.sharding.use_abstract_mesh(h200):
-        exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args)
-    assert "triton" in exported.mlir_module()
+    for qk in ("dot", "fma"):
+        fn = jax.jit(lambda *a: paged_decode_attention(*a, block_size=bs, interpret=False, qk=qk))
+        with jax.sharding.use_abstract_mesh(h200):
+            exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args)
+        assert "triton" in exported.mlir_module()

@@ -9,6 +9,19 @@ each row's real blocks are read (a partition's loop stops at the row's length), 
 On a non-GPU backend the same kernel runs in Pallas interpret mode (tests); `paged_decode_reference` is the
 pure-jnp definition it is checked against. Softmax in fp32, scale H ** -0.5, no sliding window. A row with
 length 0 (padding) gets zeros.
+
+Tuning knobs (keyword arguments of `paged_decode_attention`; the defaults are the module constants below, and
+benchmarks/paged_decode_sweep.py times a grid of them on the GPU):
+
+    blocks_per_iter  pool blocks read per loop iteration (bs * blocks_per_iter keys; a power of two on a GPU)
+    min_programs     split each row's context into partitions until the grid has about this many programs
+    num_warps, num_stages   Triton's launch / software-pipelining parameters
+    qk               "dot": the kv head's G query heads padded to MIN_QUERY_ROWS rows, scores and output by
+                     tensor-core dots; "fma": the G rows alone, scores and output as elementwise products summed
+                     over H and over the keys, one query head at a time (no MMA; k/v loaded an iteration ahead)
+    split            "table": partition p covers the block table's p-th slice, whatever the row's length (with
+                     the S bucket's padding, the last partitions of a short row have nothing to do); "length":
+                     p covers the p-th of P equal shares of the row's real blocks
 """
 from __future__ import annotations
 
@@ -22,6 +35,10 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 MIN_QUERY_ROWS = 16  # Triton's dot wants >= 16 rows: a kv head's G query heads are padded to this
 BLOCKS_PER_ITER = 4  # pool blocks per loop iteration of a program (bs * 4 keys: 64 at block size 16)
 MIN_PROGRAMS = 1024  # split each row's context until the grid has about this many programs (fills 132 SMs)
+NUM_WARPS = 4
+NUM_STAGES = 2
+QK_MODES = ("dot", "fma")
+SPLIT_MODES = ("table", "length")
 
 
 def kernel_applies(pool_shape, num_query_tokens: int, sliding_window) -> bool:
@@ -56,27 +73,53 @@ def paged_decode_reference(q, k_pool, v_pool, layer, block_table, lengths, *, bl
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, l_ref, *, block_size: int, blocks_per_iter: int,
-            scale: float):
-    """One program: (row b, kv head, partition p). q_ref [Gp, H]; k_ref/v_ref [L * NBLK, bs, H] (this kv
-    head's column of the whole pool); table_ref [NBp] (this partition's block ids, already offset to the
-    layer); len_ref [1]. Writes the partition's unnormalised output [Gp, H], running max and sum [Gp]."""
-    p = pl.program_id(2)
-    nbp = table_ref.shape[0]
-    chunk = blocks_per_iter * block_size
+            scale: float, qk: str, split: str):
+    """One program: (row b, kv head, partition p). q_ref [Gp, H]; k_ref/v_ref this kv head's column of the
+    whole pool ([L * NBLK, bs, H] for qk="dot", [L * NBLK * bs, H] for "fma"); table_ref the partition's block
+    ids [NBp] (split="table") or the row's [NB + blocks_per_iter] (split="length"), already offset to the layer;
+    len_ref [1]. Writes the partition's unnormalised output [Gp, H], running max and sum [Gp]."""
+    p, num_p = pl.program_id(2), pl.num_programs(2)
+    it, bs = blocks_per_iter, block_size
     length = len_ref[0]
-    first = p * nbp  # the partition's first block of the row
-    n_blocks = jnp.clip(pl.cdiv(length, block_size) - first, 0, nbp)  # real blocks in this partition
-    q = q_ref[...]
+    if split == "table":  # partition p: table blocks [p * NBp, (p + 1) * NBp), whatever the row's length
+        nbp = table_ref.shape[0]
+        first, offset = p * nbp, 0  # the partition's first block of the row, its index in table_ref
+        row_blocks = pl.cdiv(length, bs)
+    else:  # P equal shares of the row's real blocks (rounded up to whole iterations)
+        row_blocks = jnp.minimum(pl.cdiv(length, bs), table_ref.shape[0] - it)
+        nbp = pl.cdiv(pl.cdiv(row_blocks, num_p), it) * it
+        first = offset = p * nbp
+    n_iter = pl.cdiv(jnp.clip(row_blocks - first, 0, nbp), it)  # iterations over this partition's real blocks
+    chunk = it * bs
+
+    def valid(i):  # [chunk] which of iteration i's keys the row attends to
+        return (first + i * it) * bs + jnp.arange(chunk) < length
+
+    if qk == "dot":
+        o, m, l = _attend_dot(q_ref[...], k_ref, v_ref, table_ref, offset, n_iter, valid, it, scale)
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        heads = _attend_fma(q_ref, k_ref, v_ref, table_ref, offset, n_iter, valid, it, bs, scale)
+        for g, (o, m, l) in enumerate(heads):
+            o_ref[g] = o
+            m_ref[g] = m
+            l_ref[g] = l
+
+
+def _attend_dot(q, k_ref, v_ref, table_ref, offset, n_iter, valid, it: int, scale: float):
+    """Online softmax over n_iter iterations of `it` whole blocks, scores and output by tensor-core dots:
+    q [Gp, H] (Gp >= 16 rows, mostly padding when G is small) -> o [Gp, H], m [Gp], l [Gp]."""
     gp, h = q.shape
 
     def body(i, carry):
         o, m, l = carry
-        blocks = table_ref[pl.ds(i * blocks_per_iter, blocks_per_iter)]
-        k = k_ref[blocks].reshape(chunk, h).astype(q.dtype)
-        v = v_ref[blocks].reshape(chunk, h).astype(q.dtype)
+        blocks = table_ref[pl.ds(offset + i * it, it)]
+        k = k_ref[blocks].reshape(-1, h).astype(q.dtype)  # [chunk, H]
+        v = v_ref[blocks].reshape(-1, h).astype(q.dtype)
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale  # [Gp, chunk]
-        pos = (first + i * blocks_per_iter) * block_size + jnp.arange(chunk)
-        s = jnp.where((pos < length)[None, :], s, _MASKED)
+        s = jnp.where(valid(i)[None, :], s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
         corr = jnp.exp(m - m_new)
         e = jnp.exp(s - m_new[:, None])
@@ -85,18 +128,77 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, l_ref, *, blo
         return o, m_new, l
 
     init = (jnp.zeros((gp, h), jnp.float32), jnp.full((gp,), _MASKED, jnp.float32), jnp.zeros((gp,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, pl.cdiv(n_blocks, blocks_per_iter), body, init)
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    return jax.lax.fori_loop(0, n_iter, body, init)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "partitions", "interpret", "num_warps", "num_stages"))
+def _attend_fma(q_ref, k_ref, v_ref, table_ref, offset, n_iter, valid, it: int, bs: int, scale: float):
+    """The same online softmax for each of the G query heads on its own, as multiplies summed over H (scores)
+    and over the keys (output), in fp32: no padded rows, no MMA. Keys are gathered slot by slot ([chunk, H]
+    straight from the [slots, H] pool view, no reshape), one iteration ahead: Triton pipelines only loads that
+    feed a dot, so the next iteration's k/v are loaded (into registers) before this one's math. Returns G
+    tuples (o [H], m [], l [])."""
+    h = q_ref.shape[1]
+    chunk = it * bs
+    tok = jnp.arange(chunk)
+    last = table_ref.shape[0] - 1
+    qs = [q_ref[g].astype(jnp.float32) for g in range(q_ref.shape[0])]  # G x [H]
+
+    def load(i):  # iteration i's k, v [chunk, H]; past the partition's end (the prefetch after the last
+        # iteration) the table index is clamped: a real block, read and never used
+        slots = table_ref[jnp.minimum(offset + i * it + tok // bs, last)] * bs + tok % bs  # [chunk]
+        return k_ref[slots], v_ref[slots]
+
+    def body(i, carry):
+        (k, v), heads = carry
+        ahead = load(i + 1)
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        mask = valid(i)
+        out = []
+        for q, (o, m, l) in zip(qs, heads):
+            s = jnp.where(mask, jnp.sum(k * q[None, :], axis=1) * scale, _MASKED)  # [chunk]
+            m_new = jnp.maximum(m, s.max())
+            corr = jnp.exp(m - m_new)
+            e = jnp.exp(s - m_new)
+            out.append((corr * o + jnp.sum(e[:, None] * v, axis=0), m_new, corr * l + e.sum()))
+        return ahead, tuple(out)
+
+    init = tuple((jnp.zeros((h,), jnp.float32), jnp.float32(_MASKED), jnp.float32(0.0)) for _ in qs)
+    return jax.lax.fori_loop(0, n_iter, body, (load(0), init))[1]
+
+
+def _check_knobs(blocks_per_iter: int, min_programs: int, num_warps: int, num_stages: int, qk: str, split: str,
+                 block_size: int, interpret: bool) -> None:
+    """A bad tuning knob is an error that names it and what was expected."""
+    if qk not in QK_MODES:
+        raise ValueError(f"paged_decode_attention: qk={qk!r}, expected one of {QK_MODES}")
+    if split not in SPLIT_MODES:
+        raise ValueError(f"paged_decode_attention: split={split!r}, expected one of {SPLIT_MODES}")
+    for name, value in (("blocks_per_iter", blocks_per_iter), ("min_programs", min_programs),
+                        ("num_warps", num_warps), ("num_stages", num_stages)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"paged_decode_attention: {name}={value!r}, expected a positive int")
+    chunk = blocks_per_iter * block_size
+    if not interpret and chunk & (chunk - 1):
+        raise ValueError(f"paged_decode_attention: blocks_per_iter {blocks_per_iter} x block_size {block_size} = "
+                         f"{chunk} keys per iteration; Triton wants a power of two")
+
+
+def num_partitions(batch: int, kv_heads: int, table_blocks: int, *, blocks_per_iter: int = BLOCKS_PER_ITER,
+                   min_programs: int = MIN_PROGRAMS) -> int:
+    """P: enough partitions per (row, kv head) for about `min_programs` programs, at most one per
+    `blocks_per_iter` blocks of the table."""
+    return max(1, min(-(-min_programs // (batch * kv_heads)), -(-table_blocks // blocks_per_iter)))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "partitions", "interpret", "blocks_per_iter",
+                                             "min_programs", "num_warps", "num_stages", "qk", "split"))
 def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, block_size: int,
-                           partitions: int | None = None, interpret: bool | None = None, num_warps: int = 4,
-                           num_stages: int = 2):
-    """See the module docstring. partitions: P (default: enough for ~MIN_PROGRAMS programs, at most one per
-    BLOCKS_PER_ITER blocks of the table); interpret: None = on any backend but GPU."""
+                           partitions: int | None = None, interpret: bool | None = None,
+                           blocks_per_iter: int = BLOCKS_PER_ITER, min_programs: int = MIN_PROGRAMS,
+                           num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, qk: str = "dot",
+                           split: str = "table"):
+    """See the module docstring (the tuning knobs too). partitions: P (default `num_partitions`); interpret:
+    None = on any backend but GPU."""
     B, N, H = q.shape
     L, NS, K, _ = k_pool.shape
     G = N // K
@@ -107,20 +209,31 @@ def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, bl
                          f"query heads {N} of kv heads {K}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    _check_knobs(blocks_per_iter, min_programs, num_warps, num_stages, qk, split, bs, interpret)
     NB = block_table.shape[1]
-    it = BLOCKS_PER_ITER
+    it = blocks_per_iter
     if partitions is None:
-        partitions = max(1, min(-(-MIN_PROGRAMS // (B * K)), -(-NB // it)))
+        partitions = num_partitions(B, K, NB, blocks_per_iter=it, min_programs=min_programs)
     P = partitions
-    nbp = -(-NB // (P * it)) * it  # blocks per partition, a multiple of the blocks per iteration
     table = block_table.astype(jnp.int32) + layer * nblk  # block ids in the [L * NBLK] view of the pool
-    table = jnp.pad(table, ((0, 0), (0, P * nbp - NB))).reshape(B, P, nbp)
-    gp = max(MIN_QUERY_ROWS, 1 << (G - 1).bit_length())
+    if split == "table":  # [B, P, NBp]: each partition's slice, NBp blocks, a multiple of the blocks per iteration
+        nbp = -(-NB // (P * it)) * it
+        table = jnp.pad(table, ((0, 0), (0, P * nbp - NB))).reshape(B, P, nbp)
+        table_spec = pl.BlockSpec((None, None, nbp), lambda b, k, p: (b, p, 0))
+    else:  # [B, NB + it]: the whole row (an iteration may read up to it - 1 blocks past the row's last)
+        table = jnp.pad(table, ((0, 0), (0, it)))
+        table_spec = pl.BlockSpec((None, NB + it), lambda b, k, p: (b, 0))
+    if qk == "dot":  # query rows per program: G rounded up to a power of two, at least Triton's smallest dot
+        gp = max(MIN_QUERY_ROWS, 1 << (G - 1).bit_length())
+        pool_view = (L * nblk, bs, K, H)  # whole blocks
+        pool_spec = pl.BlockSpec((L * nblk, bs, None, H), lambda b, k, p: (0, 0, k, 0))
+    else:  # the G rows themselves
+        gp = G
+        pool_view = (L * NS, K, H)  # slot by slot
+        pool_spec = pl.BlockSpec((L * NS, None, H), lambda b, k, p: (0, k, 0))
     qg = jnp.pad(q.reshape(B, K, G, H), ((0, 0), (0, 0), (0, gp - G), (0, 0)))
-    kp = k_pool.reshape(L * nblk, bs, K, H)
-    vp = v_pool.reshape(L * nblk, bs, K, H)
-    kernel = functools.partial(_kernel, block_size=bs, blocks_per_iter=it, scale=H ** -0.5)
-    pool_spec = pl.BlockSpec((L * nblk, bs, None, H), lambda b, k, p: (0, 0, k, 0))
+    kp, vp = k_pool.reshape(pool_view), v_pool.reshape(pool_view)
+    kernel = functools.partial(_kernel, block_size=bs, blocks_per_iter=it, scale=H ** -0.5, qk=qk, split=split)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -130,8 +243,7 @@ def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, bl
         kernel,
         grid=(B, K, P),
         in_specs=[pl.BlockSpec((None, None, gp, H), lambda b, k, p: (b, k, 0, 0)), pool_spec, pool_spec,
-                  pl.BlockSpec((None, None, nbp), lambda b, k, p: (b, p, 0)),
-                  pl.BlockSpec((1,), lambda b, k, p: (b,))],
+                  table_spec, pl.BlockSpec((1,), lambda b, k, p: (b,))],
         out_specs=[pl.BlockSpec((None, None, None, gp, H), lambda b, k, p: (b, k, p, 0, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda b, k, p: (b, k, p, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda b, k, p: (b, k, p, 0))],
@@ -169,4 +281,5 @@ def prepare() -> None:
     _prepared.add(backend)
 
 
-__all__ = ["kernel_applies", "max_pool_blocks", "paged_decode_attention", "paged_decode_reference", "prepare"]
+__all__ = ["kernel_applies", "max_pool_blocks", "num_partitions", "paged_decode_attention", "paged_decode_reference",
+           "prepare"]
