@@ -41,6 +41,7 @@ dnosr) XLA_FLAGS="$XLA_FLAGS --xla_gpu_enable_dot_strength_reduction=false" item
 hostcopy) item host-copy-overlap ${THC:-200} python3 benchmarks/host_copy_overlap.py --profile ${HCARGS:-} ;;
 servefull) item serve-full ${TSF:-260} python3 benchmarks/serve_load.py --modes hf,engine,server --users ${SUSERS:-1,16,64} \
          --decode-steps 8 ;;
+sweep) item paged-decode-sweep ${TSW:-200} python3 benchmarks/paged_decode_sweep.py ${SWARGS:-} ;;
 esac; done
 echo "== done in $(( $(date +%s) - START ))s"
 for f in "$ITEMS_DIR"/*.out; do echo "--- $f"; tail -${TAILN:-30} "$f" | cut -c1-250; done
