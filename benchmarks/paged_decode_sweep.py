@@ -41,8 +41,9 @@ import numpy as np  # noqa: E402
 from surojax.models.layers import paged_decode as pd  # noqa: E402
 from surojax.serve.runner import _context_bucket  # noqa: E402
 
-DEFAULT = dict(qk="dot", split="table", blocks_per_iter=pd.BLOCKS_PER_ITER, min_programs=pd.MIN_PROGRAMS,
-               num_warps=pd.NUM_WARPS, num_stages=pd.NUM_STAGES)
+# config 0 (the "vs #0" column): the kernel's knobs before this sweep ran on the H200 (2026-11-29), kept fixed
+# so the grid stays the one measured; the winner there (config 22) is now the module's default
+DEFAULT = dict(qk="dot", split="table", blocks_per_iter=4, min_programs=1024, num_warps=4, num_stages=2)
 _CHANGES = [
     # one knob at a time around today's defaults
     dict(split="length"), dict(blocks_per_iter=2), dict(blocks_per_iter=8), dict(num_warps=2), dict(num_warps=8),

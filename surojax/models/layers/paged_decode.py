@@ -33,10 +33,14 @@ from jax.experimental import pallas as pl
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 MIN_QUERY_ROWS = 16  # Triton's dot wants >= 16 rows: a kv head's G query heads are padded to this
-BLOCKS_PER_ITER = 4  # pool blocks per loop iteration of a program (bs * 4 keys: 64 at block size 16)
+# defaults: the best configuration of benchmarks/paged_decode_sweep.py on the H200 at every shape it timed
+# (R 1 / 16 / 64 x context 576 / 2048: 1.09-1.52x the previous dot / table / 4 blocks / 4 warps; 2026-11-29)
+BLOCKS_PER_ITER = 1  # pool blocks per loop iteration of a program (bs keys per iteration)
 MIN_PROGRAMS = 1024  # split each row's context until the grid has about this many programs (fills 132 SMs)
-NUM_WARPS = 4
+NUM_WARPS = 1
 NUM_STAGES = 2
+QK = "fma"
+SPLIT = "length"
 QK_MODES = ("dot", "fma")
 SPLIT_MODES = ("table", "length")
 
@@ -195,8 +199,8 @@ def num_partitions(batch: int, kv_heads: int, table_blocks: int, *, blocks_per_i
 def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, block_size: int,
                            partitions: int | None = None, interpret: bool | None = None,
                            blocks_per_iter: int = BLOCKS_PER_ITER, min_programs: int = MIN_PROGRAMS,
-                           num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, qk: str = "dot",
-                           split: str = "table"):
+                           num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, qk: str = QK,
+                           split: str = SPLIT):
     """See the module docstring (the tuning knobs too). partitions: P (default `num_partitions`); interpret:
     None = on any backend but GPU."""
     B, N, H = q.shape
