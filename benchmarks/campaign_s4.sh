@@ -42,6 +42,10 @@ hostcopy) item host-copy-overlap ${THC:-200} python3 benchmarks/host_copy_overla
 servefull) item serve-full ${TSF:-260} python3 benchmarks/serve_load.py --modes hf,engine,server --users ${SUSERS:-1,16,64} \
          --decode-steps 8 ;;
 sweep) item paged-decode-sweep ${TSW:-200} python3 benchmarks/paged_decode_sweep.py ${SWARGS:-} ;;
+offpl) item offload-perlayer ${TOP:-330} python3 benchmarks/offload_h200.py --only \
+         ${OFFPL:-llama8b-resident-b4,llama8b-resident-b4-twin,llama8b-streamed-b4-prefetch} --timeout ${TOPI:-160} ;;
+offex) item offload-exact-perlayer ${TOE:-200} python3 benchmarks/offload_h200.py --only \
+         exact-resident-twin,exact-streamed-prefetch --timeout 120 ;;
 esac; done
 echo "== done in $(( $(date +%s) - START ))s"
 for f in "$ITEMS_DIR"/*.out; do echo "--- $f"; tail -${TAILN:-30} "$f" | cut -c1-250; done

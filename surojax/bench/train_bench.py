@@ -61,7 +61,8 @@ class BenchConfig:
     seed: int = 0
     quant: str | None = None  # LoRA over a random quantised base in this format (surojax.bench.quant_base)
     offload_base: bool = False  # LoRA: the stacked base in pinned host memory, streamed per layer
-    prefetch: bool = False  # with offload_base: fetch layer l+1 during layer l's compute (offload_prefetch)
+    prefetch: bool = False  # offload_prefetch: the base as per-layer host buffers, layer l+1 fetched during layer l
+    # (without offload_base: the same unrolled per-layer loop over a resident base, the exactness protocol's twin)
     base_format: str | None = None  # None: the recipe's dtype; q4_0 / q5_0 / q8_0: a random GGUF block base
     init: str = "jit"  # jit: built on the device (init_sharded); host: random values placed from the host
     optimizer: str = "adamw"  # adamw | adamw_8bit
@@ -105,8 +106,8 @@ class BenchConfig:
         if self.offload_base and self.recompute == "none":
             raise ValueError("--offload-base needs --recompute full, dots or offload (none keeps every layer's "
                              "device copy of its weights for the backward pass)")
-        if self.prefetch and not (self.offload_base and self.recompute == "full"):
-            raise ValueError("--prefetch needs --offload-base and --recompute full (offload_prefetch)")
+        if self.prefetch and self.recompute != "full":  # without --offload-base: the same loop, base resident
+            raise ValueError("--prefetch needs --recompute full (offload_prefetch)")
         if self.quant is not None and (self.offload_base or self.base_format or self.init == "host"):
             raise ValueError("--quant builds its random quantised base on the device; with --offload-base / "
                              "--init host use --base-format (a random GGUF block base built on the host)")
@@ -243,7 +244,8 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
     if bc.init == "host" or bc.offload_base or bc.base_format:
         from surojax.offload.host_init import random_placed_model
 
-        model = random_placed_model(make_model, mesh, offload_base=bc.offload_base, seed=bc.seed)
+        model = random_placed_model(make_model, mesh, offload_base=bc.offload_base, seed=bc.seed,
+                                    per_layer=bc.offload_base and bc.prefetch)
     else:
         model = init_sharded(make_model, mesh)
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
@@ -268,7 +270,8 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
     def loss_fn(model, batch, remat=None):  # as Trainer._loss_fn
         return lm_loss(model, batch, chunk=chunk, remat=remat, unroll=cfg.unroll_layers)
 
-    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch),
+    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch,
+                                                                       per_layer=cfg.offload_prefetch),
                            **apply)
     return Setup(cfg, model_cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk, plan)
 

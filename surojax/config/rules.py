@@ -91,6 +91,10 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.offload_prefetch and cfg.recompute != "full":
         add(("recompute", "offload_prefetch"), f"the prefetching layer loop recomputes each layer whole (full); "
             f"{cfg.recompute} is not built for it: set recompute: full")
+    if cfg.offload_prefetch and getattr(cfg, "eval_generation", None) is not None:
+        add(("offload_prefetch", "eval_generation"), "offload_prefetch keeps the base as per-layer host buffers "
+            "that only the training step's prefetching loop reads; eval_generation decodes with a KV cache over "
+            "the plain layer loop: drop one of the two")
 
     # --- length of training and schedule
     if cfg.max_steps is None and cfg.num_epochs is None:

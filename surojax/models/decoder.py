@@ -26,6 +26,7 @@ from surojax.models.layers.mlp import MLP
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import inv_freq, rope_cos_sin
+from surojax.offload.host_layers import contains_host_layers
 
 
 class Block(nnx.Module):
@@ -199,6 +200,10 @@ class Decoder(nnx.Module):
 
             h = run_layers(apply_layer, h, layer_state, (cos, sin, segment_ids, positions), unroll=unroll)
             return self.final_norm(h), None
+
+        if contains_host_layers(layer_state):
+            raise ValueError("the base is held as per-layer host buffers (offload_prefetch): only the prefetching "
+                             "layer loop reads them (Decoder.hidden_states(remat=PrefetchedLayers()), no KV cache)")
 
         def body(h, xs):
             state_l, kv_l = xs

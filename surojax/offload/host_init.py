@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from surojax.offload.host_layers import split_layers
 from surojax.offload.streaming import _on_host, build_context, host_memory_kind
 
 
@@ -72,10 +73,10 @@ def random_quant_value(abstract, seed: int, index: int):
 
 
 def random_placed_model(make_model: Callable[[], nnx.Module], mesh, *, offload_base: bool,
-                        seed: int = 0) -> nnx.Module:
+                        seed: int = 0, per_layer: bool = False) -> nnx.Module:
     """`make_model()`'s structure (traced abstractly: nothing allocated) with random values built on the host and
-    placed leaf by leaf: the stacked frozen base in pinned host memory when `offload_base`, the rest on the
-    device by the parameter rules."""
+    placed leaf by leaf: the stacked frozen base in pinned host memory when `offload_base` (as per-layer host
+    buffers, `HostLayers`, with `per_layer`: offload_prefetch), the rest on the device by the parameter rules."""
     from surojax.parallel import param_shardings
     from surojax.quant.base import QuantFormat
 
@@ -99,6 +100,8 @@ def random_placed_model(make_model: Callable[[], nnx.Module], mesh, *, offload_b
             return random_quant_value(value, seed, i)
 
         def put(x, s):
+            if host and per_layer and stacked:
+                return split_layers(x, s.with_memory_kind(kind))
             return jax.device_put(x, s.with_memory_kind(kind) if host else s)
 
         flat.append((path, var.replace(jax.tree.map(put, host_values(var.get_value()), sh.get_value()))))

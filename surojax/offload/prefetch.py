@@ -36,10 +36,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from surojax.offload.host_layers import is_host_layers
+
 FETCH_TO = jax.memory.Space.Device
 
 
 def is_host(x) -> bool:
+    if is_host_layers(x):
+        x = x.layers[0]
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
@@ -57,7 +61,7 @@ class _Split:
 
     @classmethod
     def of(cls, layer_state):
-        leaves, treedef = jax.tree.flatten(layer_state)
+        leaves, treedef = jax.tree.flatten(layer_state, is_leaf=is_host_layers)
         counts = {"diff": 0, "dev": 0, "host": 0}
         slots = []
         for x in leaves:
@@ -81,11 +85,14 @@ def _index(leaves: tuple, l) -> tuple:
     return tuple(jax.lax.dynamic_index_in_dim(x, l, keepdims=False) for x in leaves)
 
 
-def prefetched_layer_stack(apply_layer: Callable, h: jax.Array, layer_state, consts, *, unroll: int | bool = 1):
+def prefetched_layer_stack(apply_layer: Callable, h: jax.Array, layer_state, consts, *, unroll: int | bool = 1,
+                           per_layer: bool = False):
     """h after every layer of `layer_state` (stacked [L, ...]), each layer's host leaves fetched one step ahead.
 
     apply_layer(state_l, h, consts) -> h: one layer (state_l: the layer's slice of `layer_state`, every leaf on
-    the device). consts: arrays every layer reads (not differentiated).
+    the device). consts: arrays every layer reads (not differentiated). The layers run as a Python loop
+    (`_unrolled_stack`) when a host leaf is a `HostLayers` or with `per_layer` (the same program over a resident
+    base: the exactness protocol's twin), else as scans.
     """
     split, leaves = _Split.of(layer_state)
     diff, dev, host = split.parts(leaves)
@@ -93,6 +100,9 @@ def prefetched_layer_stack(apply_layer: Callable, h: jax.Array, layer_state, con
 
     def layer(diff_l, dev_l, host_l, h, consts):
         return apply_layer(split.join(diff_l, dev_l, host_l), h, consts)
+
+    if per_layer or any(map(is_host_layers, host)):
+        return _unrolled_stack(layer, diff, dev, host, h, consts, num_layers)
 
     def forward(diff, dev, host, h, consts, save: bool):
         def step(carry, l):
@@ -133,13 +143,67 @@ def prefetched_layer_stack(apply_layer: Callable, h: jax.Array, layer_state, con
     return stack(diff, dev, host, h, consts)
 
 
+def _fetch_static(host_leaves: tuple, l: int) -> tuple:
+    """Layer l (a Python int) of each host leaf on the device: a whole per-layer buffer of a HostLayers (an
+    asynchronous copy XLA overlaps with compute), else a static slice of a stacked host array."""
+    return tuple(jax.device_put(x.layers[l] if is_host_layers(x) else x[l], FETCH_TO) for x in host_leaves)
+
+
+def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, consts, num_layers: int):
+    """The layer stack as a Python loop over the layers (the base as per-layer host buffers, `HostLayers`): the
+    fetch of layer l+1 (l-1 in the backward pass) is issued before layer l's compute and depends only on host
+    buffers, so XLA may run it during that compute. Same math as the scan form (recompute full)."""
+    L = num_layers
+
+    def at(leaves, l):
+        return tuple(x[l] for x in leaves)
+
+    def forward(diff, dev, host, h, consts, save: bool):
+        saved = []
+        w = _fetch_static(host, 0)
+        for l in range(L):
+            w_next = _fetch_static(host, l + 1) if l + 1 < L else None
+            if save:
+                saved.append(h)
+            h = layer(at(diff, l), at(dev, l), w, h, consts)
+            w = w_next
+        return h, tuple(saved)
+
+    @jax.custom_vjp
+    def stack(diff, dev, host, h, consts):
+        return forward(diff, dev, host, h, consts, save=False)[0]
+
+    def stack_fwd(diff, dev, host, h, consts):
+        out, h_in = forward(diff, dev, host, h, consts, save=True)
+        return out, (diff, dev, host, h_in, consts)
+
+    def stack_bwd(res, dh):
+        diff, dev, host, h_in, consts = res
+        grads = [None] * L
+        w = _fetch_static(host, L - 1)
+        for l in reversed(range(L)):
+            w_prev = _fetch_static(host, l - 1) if l > 0 else None
+            dev_l = at(dev, l)
+            _, vjp = jax.vjp(lambda d, x, w=w, dev_l=dev_l: layer(d, dev_l, w, x, consts), at(diff, l), h_in[l])
+            grads[l], dh = vjp(dh)
+            w = w_prev
+        d_diff = tuple(jnp.stack([g[i] for g in grads]) for i in range(len(diff)))
+        return d_diff, None, None, dh, None
+
+    stack.defvjp(stack_fwd, stack_bwd)
+    return stack(diff, dev, host, h, consts)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefetchedLayers:
     """The decoder's layer-loop hook for `offload_prefetch`: passed where a remat wrapper goes (`remat=`), it runs
-    the whole layer stack with `prefetched_layer_stack` (recompute full semantics, the next layer fetched early)."""
+    the whole layer stack with `prefetched_layer_stack` (recompute full semantics, the next layer fetched early).
+    per_layer: always the unrolled per-layer loop (what a `HostLayers` base gets; for its resident twin)."""
+
+    per_layer: bool = False
 
     def run_layers(self, apply_layer: Callable, h, layer_state, consts, *, unroll: int | bool = 1):
-        return prefetched_layer_stack(apply_layer, h, layer_state, consts, unroll=unroll)
+        return prefetched_layer_stack(apply_layer, h, layer_state, consts, unroll=unroll, per_layer=self.per_layer)
 
     def __call__(self, body):  # not a remat wrapper: the decoder must call run_layers
         raise TypeError("PrefetchedLayers replaces the layer scan (Decoder.hidden_states calls run_layers); "

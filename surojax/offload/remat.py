@@ -40,13 +40,14 @@ def remat_wrapper(name: str) -> Callable | None:
     raise ValueError(f"recompute {name!r} is unknown ({', '.join(POLICIES)})")
 
 
-def layer_loop(recompute: str, *, prefetch: bool = False):
+def layer_loop(recompute: str, *, prefetch: bool = False, per_layer: bool = False):
     """What the trainer passes as the decoder's `remat=`: the recompute wrapper of the scan body, or with `prefetch`
-    (offload_prefetch; recompute must be full) the double-buffered streamed layer loop."""
+    (offload_prefetch; recompute must be full) the double-buffered streamed layer loop (`per_layer`: always its
+    unrolled per-layer form, which a `HostLayers` base gets anyway; the bench's resident twin)."""
     if not prefetch:
         return remat_wrapper(recompute)
     if recompute != "full":
         raise ValueError(f"offload_prefetch recomputes each layer whole: recompute must be full, not {recompute!r}")
     from surojax.offload.prefetch import PrefetchedLayers
 
-    return PrefetchedLayers()
+    return PrefetchedLayers(per_layer=per_layer)

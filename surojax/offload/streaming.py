@@ -35,6 +35,8 @@ import contextlib
 import jax
 from flax import nnx
 
+from surojax.offload.host_layers import split_layers
+
 HOST_KIND = "pinned_host"
 DEVICE_KIND = "device"
 STREAMED_SUBTREE = "layers"
@@ -70,9 +72,12 @@ def _on_host(path: tuple, var, embedding: bool) -> bool:
     return _is_streamed(path, var) or (embedding and tuple(path) == EMBEDDING and not isinstance(var, nnx.LoRAParam))
 
 
-def place_base_on_host(frozen: nnx.State, *, kind: str | None = None, embedding: bool = False) -> nnx.State:
+def place_base_on_host(frozen: nnx.State, *, kind: str | None = None, embedding: bool = False,
+                       per_layer: bool = False) -> nnx.State:
     """`frozen` with every frozen Param under `layers` (and the embedding table with `embedding`; only for an
     untied embedding: a tied one is the LM head too) moved to host memory, its sharding otherwise unchanged.
+    per_layer (offload_prefetch): each stacked [L, ...] array becomes L host buffers (`HostLayers`), which the
+    prefetching loop can copy asynchronously (host_layers.py says why).
 
     The input arrays are not modified; the caller drops its references to let the device copies go.
     """
@@ -80,7 +85,11 @@ def place_base_on_host(frozen: nnx.State, *, kind: str | None = None, embedding:
     flat = []
     for path, var in nnx.to_flat_state(frozen):
         if _on_host(path, var, embedding):
-            var = var.replace(jax.tree.map(lambda x: _with_kind(x, kind), var.get_value()))
+            if per_layer and _is_streamed(path, var):
+                var = var.replace(jax.tree.map(lambda x: split_layers(x, x.sharding.with_memory_kind(kind)),
+                                               var.get_value()))
+            else:
+                var = var.replace(jax.tree.map(lambda x: _with_kind(x, kind), var.get_value()))
         flat.append((path, var))
     return nnx.from_flat_state(flat)
 
@@ -115,9 +124,10 @@ def host_bytes(state: nnx.State) -> int:
                    if getattr(x, "sharding", None) is not None and x.sharding.memory_kind == HOST_KIND))
 
 
-def place_model(model: nnx.Module, mesh, *, offload_base: bool) -> nnx.Module:
+def place_model(model: nnx.Module, mesh, *, offload_base: bool, per_layer: bool = False) -> nnx.Module:
     """Place a built model on `mesh` by the parameter rules (as `parallel.shard_model`), the stacked base weights
-    (and an untied embedding table) in host memory when `offload_base` (in place; returns the model)."""
+    (and an untied embedding table) in host memory when `offload_base` (in place; returns the model); with
+    `per_layer` (offload_prefetch) the stacked base as per-layer host buffers (`HostLayers`)."""
     from surojax.parallel import param_shardings
 
     state = nnx.state(model)
@@ -129,6 +139,16 @@ def place_model(model: nnx.Module, mesh, *, offload_base: bool) -> nnx.Module:
             (path, sh.replace(jax.tree.map(lambda s: s.with_memory_kind(kind), sh.get_value()))
              if _on_host(path, var, embedding) else sh)
             for (path, sh), (_, var) in zip(nnx.to_flat_state(shardings), nnx.to_flat_state(state))])
+    if offload_base and per_layer:  # split the streamed stacks where they were built, layer by layer
+        flat = []
+        for (path, var), (_, sh) in zip(nnx.to_flat_state(state), nnx.to_flat_state(shardings)):
+            if _is_streamed(path, var):
+                var = var.replace(jax.tree.map(split_layers, var.get_value(), sh.get_value()))
+            else:
+                var = var.replace(jax.device_put(var.get_value(), sh.get_value()))
+            flat.append((path, var))
+        nnx.update(model, nnx.from_flat_state(flat))
+        return model
     nnx.update(model, jax.device_put(state, shardings))
     return model
 

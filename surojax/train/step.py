@@ -72,11 +72,13 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     return jax.jit(step, donate_argnums=(0, 2) if donate else ())
 
 
-def make_eval_step(graphdef, loss_fn: Callable):
+def make_eval_step(graphdef, loss_fn: Callable, *, remat=None):
+    """remat: the layer loop the forward pass runs (None: the plain scan; the prefetching loop where the base
+    is kept as per-layer host buffers, which only that loop reads)."""
     @jax.jit
     def eval_step(trainable, frozen, batch):
         model = nnx.merge(graphdef, trainable, frozen)
-        loss_sum, aux = loss_fn(model, batch)
+        loss_sum, aux = loss_fn(model, batch) if remat is None else loss_fn(model, batch, remat=remat)
         return loss_sum, aux["tokens"]
 
     return eval_step

@@ -123,7 +123,8 @@ class Trainer:
         if cfg.offload_master:  # the layers' fp32 Params in host memory, never whole on the device
             place_master_on_host(self.model, self.mesh)
         else:
-            place_model(self.model, self.mesh, offload_base=cfg.offload_base_weights)  # shard_model (+ base on host)
+            place_model(self.model, self.mesh, offload_base=cfg.offload_base_weights,  # shard_model (+ base on host,
+                        per_layer=cfg.offload_base_weights and cfg.offload_prefetch)  # per-layer buffers to prefetch)
         self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
 
         warmup = cfg.warmup_steps_for(total) if hasattr(cfg, "warmup_steps_for") else (cfg.warmup_steps or 0)
@@ -150,7 +151,8 @@ class Trainer:
         prepare = self._dropout_prepare() if self._train_mode else None
         self._train_step = make_train_step(self.graphdef, self._loss_fn, self.optimizer, remat=remat, prepare=prepare,
                                            **apply)
-        self._eval_step = make_eval_step(self.eval_graphdef, self._loss_fn)
+        self._eval_step = make_eval_step(self.eval_graphdef, self._loss_fn,
+                                         remat=remat if cfg.offload_prefetch else None)
         self.key = jax.random.key(cfg.seed)
         self.step_count = 0
 
