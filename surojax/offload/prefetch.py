@@ -184,7 +184,11 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
         for l in reversed(range(L)):
             w_prev = _fetch_static(host, l - 1) if l > 0 else None
             dev_l = at(dev, l)
-            _, vjp = jax.vjp(lambda d, x, w=w, dev_l=dev_l: layer(d, dev_l, w, x, consts), at(diff, l), h_in[l])
+            # the recompute of layer l reads only h_in[l]: without this barrier XLA may hoist every layer's
+            # recompute to the start of the backward pass and keep all their intermediates alive at once
+            # (measured on the H200: 30 GiB of activations instead of ~6 for Llama-3.1-8B at batch 4)
+            x_l, dh = jax.lax.optimization_barrier((h_in[l], dh))
+            _, vjp = jax.vjp(lambda d, x, w=w, dev_l=dev_l: layer(d, dev_l, w, x, consts), at(diff, l), x_l)
             grads[l], dh = vjp(dh)
             w = w_prev
         d_diff = tuple(jnp.stack([g[i] for g in grads]) for i in range(len(diff)))
