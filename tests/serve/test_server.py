@@ -324,3 +324,36 @@ def test_gguf_file_is_served(tmp_path):
     assert name == "tiny"
     ids = tok.encode("The quick brown fox")
     assert generate(model, [ids], 6)[0] == generate(base, [ids], 6)[0]
+
+
+def test_a_trained_adapter_is_served_at_run_time(server, base, tok, tmp_path):
+    """The training issue's output served: a LoRA adapter trained by the Trainer (its `adapter/` folder) is loaded
+    into the running server with POST /v1/load_lora_adapter and answers exactly as the base with that adapter
+    merged in."""
+    from surojax.config import config_from_dict
+    from surojax.peft.stacked import load_adapter_into
+    from surojax.train.trainer import Trainer
+    from tests.train.conftest import write_instruction_data
+
+    cfg = config_from_dict(dict(
+        model=str(FIXTURE), output_dir=str(tmp_path / "out"), recipe="fp32", recompute="full", lora=True,
+        lora_rank=4, lora_alpha=8, datasets=[{"path": str(write_instruction_data(tmp_path / "inst.jsonl", n=16)),
+                                              "type": "instruction"}], sequence_len=64,
+        per_device_train_batch_size=2, learning_rate=5e-2, max_steps=3))
+    Trainer(cfg).train()
+    folder = tmp_path / "out" / "adapter"
+    merged = merge_lora(load_adapter_into(load_model(FIXTURE, attention="xla"), folder, trainable=True))
+    prompt = "hello there, general"
+    ids = tok.encode(prompt)
+    want = reference(merged, tok, ids, 8)
+    assert want != reference(base, tok, ids, 8)  # the trained adapter changes the answer
+    url, _ = server
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "trained", "lora_path": str(folder)}, headers=h)
+    assert r.status_code == 200, r.text
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        got = c.completions.create(model="trained", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+        assert got == want
+    finally:
+        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "trained"}, headers=h)
