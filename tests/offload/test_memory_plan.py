@@ -87,6 +87,8 @@ def test_format_plan():
         assert k in s
     assert f"{p.total / GiB:.2f}" in s and "does NOT fit" in s
     assert "capacity" not in format_plan(p)
+    assert "lower bound" not in s  # the offload_prefetch note only where it applies
+    assert "lower bound" in format_plan(p.with_settings(offload_base=True, recompute="full", prefetch=True))
 
 
 def test_device_capacity_cpu():
