@@ -62,6 +62,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: the shared trace helpers
+from trace_intervals import overlap, union  # noqa: E402
+
 H2D_BANDWIDTH_GBPS = 50.0      # pinned host -> H200 over PCIe 5 x16, as measured for surojax's streaming
 BF16_TFLOPS = 700.0            # a realistic dense bf16 GEMM rate on the H200 (peak 989)
 LHS_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
@@ -219,20 +222,6 @@ FLOOR = {name: "copy-only-list" for name in ("copy-only-list", "list-unrolled", 
 # ------------------------------------------------------------------------------------------------- the trace
 
 
-def _union(intervals):
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
-def _overlap(s, e, merged) -> float:
-    return sum(max(0.0, min(e, m1) - max(s, m0)) for m0, m1 in merged if m0 < e and m1 > s)
-
-
 def is_h2d(name: str) -> bool:
     n = name.lower()
     return "memcpyh2d" in n or "htod" in n or ("memcpy" in n and "h2d" in n)
@@ -274,12 +263,12 @@ def analyse_trace(events: list[dict], calls: int) -> dict:
     other_copies = [e for e in evs if "memcpy" in e["name"].lower() and not is_h2d(e["name"])]   # D2D, D2H
     compute = [e for e in evs if not is_h2d(e["name"]) and not is_dynamic_slice(e["name"])
                and "memcpy" not in e["name"].lower() and "memset" not in e["name"].lower()]
-    merged = _union([iv(e) for e in compute])
+    merged = union([iv(e) for e in compute])
     compute_streams = collections.Counter(stream(e) for e in compute)
 
     def summary(kind, group):
         ms = sum(float(e["dur"]) for e in group) / 1e3
-        hidden = sum(_overlap(*iv(e), merged) for e in group) / 1e3
+        hidden = sum(overlap(*iv(e), merged) for e in group) / 1e3
         streams = sorted({stream(e) for e in group})
         return {f"{kind}_per_call": len(group) / calls, f"{kind}_ms": ms / calls,
                 f"{kind}_overlap_pct": 100.0 * hidden / ms if ms else 0.0, f"{kind}_streams": streams,

@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 from surojax.bench.train_bench import BenchConfig, build, place_batch, synthetic_batch  # noqa: E402
 
 from kernel_categories import category as kernel_category  # noqa: E402  (benchmarks/ is sys.path[0])
+from trace_intervals import overlap, union  # noqa: E402
 
 CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
     ("attention (cuDNN)", ("cudnn", "flash", "fmha", "sdpa")),
@@ -108,27 +109,6 @@ def main():
 def is_copy(name: str) -> bool:
     n = name.lower()
     return "memcpy" in n and not any(k in n for k in ("dtod", "d2d", "memcpy128", "memcpy32", "memcpy64"))
-
-
-def union(intervals):
-    """Merge [start, end) intervals; returns the sorted disjoint list."""
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
-def overlap(s, e, merged) -> float:
-    import bisect
-    i = max(bisect.bisect_right([m[0] for m in merged], s) - 1, 0)
-    total = 0.0
-    while i < len(merged) and merged[i][0] < e:
-        total += max(0.0, min(e, merged[i][1]) - max(s, merged[i][0]))
-        i += 1
-    return total
 
 
 def timeline(events, gpu_pids, steps: int) -> None:

@@ -114,14 +114,6 @@ def prefetched_layer_stack(apply_layer: Callable, h: jax.Array, layer_state, con
         (h, _), saved = jax.lax.scan(step, (h, _fetch(host, 0)), jnp.arange(num_layers), unroll=unroll)
         return h, saved
 
-    @jax.custom_vjp
-    def stack(diff, dev, host, h, consts):
-        return forward(diff, dev, host, h, consts, save=False)[0]
-
-    def stack_fwd(diff, dev, host, h, consts):
-        out, h_in = forward(diff, dev, host, h, consts, save=True)
-        return out, (diff, dev, host, h_in, consts)
-
     def stack_bwd(res, dh):
         diff, dev, host, h_in, consts = res
 
@@ -139,8 +131,23 @@ def prefetched_layer_stack(apply_layer: Callable, h: jax.Array, layer_state, con
                                        unroll=unroll)
         return d_diff, None, None, dh, None
 
-    stack.defvjp(stack_fwd, stack_bwd)
-    return stack(diff, dev, host, h, consts)
+    return _layer_stack_vjp(forward, stack_bwd)(diff, dev, host, h, consts)
+
+
+def _layer_stack_vjp(forward: Callable, backward: Callable):
+    """The layer stack as a custom_vjp: forward(diff, dev, host, h, consts, save) -> (h, saved inputs); the
+    residuals are the inputs and each layer's saved input (never a device copy of the weights); backward(res, dh)
+    -> (d diff, None, None, dh, None)."""
+    @jax.custom_vjp
+    def stack(diff, dev, host, h, consts):
+        return forward(diff, dev, host, h, consts, save=False)[0]
+
+    def stack_fwd(diff, dev, host, h, consts):
+        out, h_in = forward(diff, dev, host, h, consts, save=True)
+        return out, (diff, dev, host, h_in, consts)
+
+    stack.defvjp(stack_fwd, backward)
+    return stack
 
 
 def _fetch_static(host_leaves: tuple, l: int) -> tuple:
@@ -169,14 +176,6 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
             w = w_next
         return h, tuple(saved)
 
-    @jax.custom_vjp
-    def stack(diff, dev, host, h, consts):
-        return forward(diff, dev, host, h, consts, save=False)[0]
-
-    def stack_fwd(diff, dev, host, h, consts):
-        out, h_in = forward(diff, dev, host, h, consts, save=True)
-        return out, (diff, dev, host, h_in, consts)
-
     def stack_bwd(res, dh):
         diff, dev, host, h_in, consts = res
         grads = [None] * L
@@ -194,8 +193,7 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
         d_diff = tuple(jnp.stack([g[i] for g in grads]) for i in range(len(diff)))
         return d_diff, None, None, dh, None
 
-    stack.defvjp(stack_fwd, stack_bwd)
-    return stack(diff, dev, host, h, consts)
+    return _layer_stack_vjp(forward, stack_bwd)(diff, dev, host, h, consts)
 
 
 @dataclasses.dataclass(frozen=True)
