@@ -47,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-base", action="store_true",
                    help="LoRA: keep the stacked base in pinned host memory, streamed one layer at a time")
     g.add_argument("--prefetch", action="store_true",
-                   help="with --offload-base (and --recompute full): fetch layer l+1 while layer l computes "
-                        "(offload_prefetch)")
+                   help="offload_prefetch (--recompute full): with --offload-base the base as per-layer host "
+                        "buffers, layer l+1 fetched while layer l computes; without it the same unrolled loop "
+                        "over a resident base (the exactness twin)")
     g.add_argument("--base-format", default=None, choices=("q4_0", "q5_0", "q8_0"),
                    help="LoRA: a random GGUF block-quantised base (built on the host)")
     g.add_argument("--init", default="jit", choices=("jit", "host"),
