@@ -18,6 +18,7 @@ registers per thread (the bundled `ptxas -v`), which bound how many programs an 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -25,23 +26,19 @@ import sys
 H200_SMEM = 232448  # bytes of shared memory per block (opt-in maximum of sm_90)
 
 
-def dump(out: str, formats: list[str]) -> None:
+@contextlib.contextmanager
+def _h200_triton_writer():
+    """Yields write(fn, args, path): lower jit `fn` at `args` for an abstract "NVIDIA H200" and write the Triton
+    module (MLIR text) of its last pallas_call to `path`. Jaxlib's Triton lowering is wrapped while open."""
     import warnings
 
     import jax
-    import jax.numpy as jnp
     from jax._src.pallas.triton import lowering
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import quant_matmul_h200 as bench
-
-    from pallas_kernels.fused import forward, transposed
-    from pallas_kernels.layout import to_layout
-    from surojax.bench.quant_base import random_weight
 
     warnings.filterwarnings("ignore")  # the Pallas Triton backend's deprecation notice
     h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     original = lowering.lower_jaxpr_to_triton_module
     captured: list[str] = []
 
@@ -50,12 +47,36 @@ def dump(out: str, formats: list[str]) -> None:
         captured.append(result.module.operation.get_asm())
         return result
 
+    def write(fn, args, path: str) -> None:
+        captured.clear()
+        with jax.sharding.use_abstract_mesh(h200):
+            jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args)
+        with open(path, "w") as f:
+            f.write(captured[-1])
+        print(path, flush=True)
+
     lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        yield write
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+def dump(out: str, formats: list[str]) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import quant_matmul_h200 as bench
+
+    from pallas_kernels.fused import forward, transposed
+    from pallas_kernels.layout import to_layout
+    from surojax.bench.quant_base import random_weight
+
     os.makedirs(out, exist_ok=True)
     k = n = 4096
     m = 8192
-    check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    try:
+    with _h200_triton_writer() as write:
         for name in formats:
             w = random_weight(name, k, n, jax.random.key(0))
             for prod, candidates in (("fwd", bench.FWD_TILES), ("dx", bench.BWD_TILES)):
@@ -63,63 +84,31 @@ def dump(out: str, formats: list[str]) -> None:
                     lw = to_layout(w, tiles.kt)
                     a = jnp.zeros((m, k if prod == "fwd" else n), jnp.bfloat16)
                     kernel = forward if prod == "fwd" else transposed
-                    captured.clear()
-                    with jax.sharding.use_abstract_mesh(h200):
-                        jax.export.export(jax.jit(lambda a, lw: kernel(a, lw, tiles=tiles)), platforms=["cuda"],
-                                          disabled_checks=check)(a, lw)
-                    path = os.path.join(out, f"{name}_{prod}_{tiles.label()}.ttir")
-                    with open(path, "w") as f:
-                        f.write(captured[-1])
-                    print(path, flush=True)
-    finally:
-        lowering.lower_jaxpr_to_triton_module = original
+                    write(jax.jit(lambda a, lw, kernel=kernel, tiles=tiles: kernel(a, lw, tiles=tiles)), (a, lw),
+                          os.path.join(out, f"{name}_{prod}_{tiles.label()}.ttir"))
 
 
 def dump_paged(out: str) -> None:
-    import warnings
-
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import lowering
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import paged_decode_sweep as sweep
 
     from surojax.models.layers.paged_decode import paged_decode_attention
 
-    warnings.filterwarnings("ignore")  # the Pallas Triton backend's deprecation notice
-    h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    original = lowering.lower_jaxpr_to_triton_module
-    captured: list[str] = []
-
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        captured.append(result.module.operation.get_asm())
-        return result
-
-    lowering.lower_jaxpr_to_triton_module = capture
     os.makedirs(out, exist_ok=True)
     m, B, NB, nblk = sweep.QWEN3_06B, 64, 48, 4096
     pool = jax.ShapeDtypeStruct((m["layers"], nblk * m["block_size"], m["kv_heads"], m["head_dim"]), jnp.bfloat16)
     args = (jax.ShapeDtypeStruct((B, m["heads"], m["head_dim"]), jnp.bfloat16), pool, pool,
             jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((B, NB), jnp.int32),
             jax.ShapeDtypeStruct((B,), jnp.int32))
-    check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    try:
+    with _h200_triton_writer() as write:
         for i, cfg in enumerate(sweep.GRID):
-            captured.clear()
             fn = jax.jit(lambda *a, cfg=cfg: paged_decode_attention(*a, block_size=m["block_size"], interpret=False,
                                                                     **cfg))
-            with jax.sharding.use_abstract_mesh(h200):
-                jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args)
-            path = os.path.join(out, f"paged{i:02d}_{cfg['qk']}-{cfg['split']}-it{cfg['blocks_per_iter']}"
-                                     f"-w{cfg['num_warps']}-s{cfg['num_stages']}.ttir")
-            with open(path, "w") as f:
-                f.write(captured[-1])
-            print(path, flush=True)
-    finally:
-        lowering.lower_jaxpr_to_triton_module = original
+            write(fn, args, os.path.join(out, f"paged{i:02d}_{cfg['qk']}-{cfg['split']}-it{cfg['blocks_per_iter']}"
+                                              f"-w{cfg['num_warps']}-s{cfg['num_stages']}.ttir"))
 
 
 def _registers(ptx: str, out_dir: str) -> str:

@@ -192,6 +192,7 @@ class Setup:
     step: object
     chunk: int
     plan: object = None  # the memory plan (estimate)
+    attention: str = "auto"  # the attention backend the model was built with (`packed_backend` of the bench rows)
 
 
 def build(bc: BenchConfig, *, device=None) -> Setup:
@@ -231,10 +232,12 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
         check_fits(plan, device_capacity(), offload_available=("offload_optimizer", "offload_master"))
     base_format = bc.quant or bc.base_format  # check() allows at most one of them
 
+    # as the Trainer: "auto" on a GPU -> cuDNN packed with M = the runs per row of the data (synthetic rows are
+    # full and hold exactly bc.segments samples; `run` checks it)
+    attention = packed_backend(bc.attention, bc.segments)
+
     def make_model():
-        # as the Trainer: "auto" on a GPU -> cuDNN packed with M = the runs per row of the data (synthetic rows
-        # are full and hold exactly bc.segments samples; `run` checks it)
-        model = build_model(cfg, attention=packed_backend(bc.attention, bc.segments))
+        model = build_model(cfg, attention=attention)
         if base_format:
             from surojax.bench.quant_base import randomize_base
 
@@ -273,7 +276,8 @@ def build(bc: BenchConfig, *, device=None) -> Setup:
     step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch,
                                                                        per_layer=cfg.offload_prefetch),
                            **apply)
-    return Setup(cfg, model_cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk, plan)
+    return Setup(cfg, model_cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk, plan,
+                 attention)
 
 
 def memory_plan(bc: BenchConfig):
@@ -336,7 +340,7 @@ def run(bc: BenchConfig, log=None) -> dict:
     """Build, compile, time; return the result record (the JSON line)."""
     import jax
 
-    from surojax.models.layers.attention import packed_backend, runs_per_row
+    from surojax.models.layers.attention import runs_per_row
 
     bc.check()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -347,7 +351,7 @@ def run(bc: BenchConfig, log=None) -> dict:
     init_s = time.perf_counter() - t0
     init_peak = _peak_gib(device)
     mcfg = setup.model_cfg
-    attention = packed_backend(bc.attention, bc.segments)
+    attention = setup.attention
     log(f"built {bc.shape} ({bc.mode}{', base ' + bc.quant if bc.quant else ''}) in {init_s:.1f}s; attention "
         f"{attention}, recompute {bc.recompute}, lm-head chunk {setup.chunk} tokens")
 

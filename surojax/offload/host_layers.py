@@ -10,14 +10,13 @@ So `offload_prefetch` keeps the streamed base as `HostLayers` and the prefetchin
 layers in Python, fetching buffer l+1 while layer l computes.
 
     HostLayers(layers)    a pytree node whose children are the L arrays [...] (each in pinned host memory);
-                          `shape` / `dtype` / `nbytes` describe the stacked [L, ...] it stands for
+                          `shape` is the stacked [L, ...] it stands for
     split_layers(x, s)    stacked x [L, ...] (numpy, or a jax array off the device) -> HostLayers placed with the
                           per-layer form of sharding s (its memory kind, its spec without the layer axis)
 """
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 
 @jax.tree_util.register_pytree_node_class
@@ -43,20 +42,8 @@ class HostLayers:
     def shape(self) -> tuple:
         return (len(self.layers), *self.layers[0].shape)
 
-    @property
-    def dtype(self):
-        return self.layers[0].dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(x.nbytes) for x in self.layers)
-
     def __repr__(self) -> str:
-        return f"HostLayers({len(self.layers)} x {tuple(self.layers[0].shape)} {self.dtype})"
+        return f"HostLayers({len(self.layers)} x {tuple(self.layers[0].shape)} {self.layers[0].dtype})"
 
 
 def is_host_layers(x) -> bool:
@@ -79,7 +66,7 @@ def split_layers(x, sharding: jax.sharding.Sharding) -> HostLayers:
     base), one layer at a time, so the host never holds a second copy of the whole stack."""
     s = layer_sharding(sharding)
     n = x.shape[0]
-    return HostLayers(jax.device_put(np.asarray(x[l]) if isinstance(x, np.ndarray) else x[l], s) for l in range(n))
+    return HostLayers(jax.device_put(x[l], s) for l in range(n))
 
 
 def contains_host_layers(tree) -> bool:

@@ -128,16 +128,21 @@ def test_engine_tokens_equal_reference(model):
     assert [eng.generate([p], 7)[0] for p in ps] == outs[0]
 
 
-def test_engine_pallas_kernel_tokens_equal_reference(model):
-    """paged_kernel="pallas" (decode attention in the Pallas kernel, interpret mode on CPU): same greedy tokens."""
-    rng = np.random.default_rng(4)
+@pytest.mark.parametrize("kernel, seed", [("pallas", 4), ("reduce", 5)])
+def test_engine_decode_kernel_tokens_equal_reference(model, kernel, seed):
+    """paged_kernel="pallas" (decode attention in the Pallas kernel, interpret mode on CPU) and "reduce"
+    (multiply + reduce over the gather): the reference path's greedy tokens, one step and 4 per call."""
+    rng = np.random.default_rng(seed)
     ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)]
     outs = []
-    for k, paged, kernel in ((1, False, "gather"), (1, True, "pallas"), (4, True, "pallas")):
+    for k, paged, kern in ((1, False, "gather"), (1, True, kernel), (4, True, kernel)):
         eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
-                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged, paged_kernel=kernel)
+                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged, paged_kernel=kern)
         outs.append(eng.generate(ps, 6))
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_unknown_paged_kernel_is_refused(model):
     with pytest.raises(ValueError, match="paged_kernel"):
         Engine(model, num_blocks=8, block_size=BS, max_model_len=16, paged_kernel="triton")
 
@@ -167,18 +172,6 @@ def test_pallas_caps_an_auto_sized_pool(model, monkeypatch):
     monkeypatch.setattr(engine_mod, "num_kv_blocks", lambda *a, **k: 10 ** 6)
     monkeypatch.setattr(engine_mod, "max_pool_blocks", lambda *a: 24)
     assert engine_mod.Engine(model, block_size=BS, max_model_len=64, paged_kernel="pallas").runner.num_slots == 24 * BS
-
-
-def test_engine_reduce_kernel_tokens_equal_reference(model):
-    """paged_kernel="reduce" (decode attention as multiply + reduce over the gather): same greedy tokens."""
-    rng = np.random.default_rng(5)
-    ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)]
-    outs = []
-    for k, paged, kernel in ((1, False, "gather"), (1, True, "reduce"), (4, True, "reduce")):
-        eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
-                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged, paged_kernel=kernel)
-        outs.append(eng.generate(ps, 6))
-    assert outs[0] == outs[1] == outs[2]
 
 
 def test_auto_kv_path_picks_the_kernel_only_where_it_applies(model, monkeypatch):
