@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from surojax.config.base import StrictModel
 
@@ -12,6 +12,10 @@ LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 # llama.cpp file types that mix tensor types (surojax.quant.quantize_mix): one type per target when training
 GGUF_MIXES = ("q3_k_m", "q4_k_m", "q5_k_m")
+QloraFormat = Literal["nf4", "fp8", "nvfp4", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k",
+                      "q6_k", "iq4_nl", "iq4_xs", "q3_k_m", "q4_k_m", "q5_k_m"]
+# Surogate's four switches, accepted as spellings of one `qlora:` choice (a GGUF key names its type)
+QLORA_SPELLINGS = {"qlora_bnb": "nf4", "qlora_fp8": "fp8", "qlora_fp4": "nvfp4", "qlora_gguf": None}
 GgufType = Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
                    "q3_k_m", "q4_k_m", "q5_k_m"]
 
@@ -57,8 +61,12 @@ class LoraSection(StrictModel):
 
 
 class QLoraSection(StrictModel):
-    """At most one qlora_* format is set (checked in rules.py); each needs `lora: true`."""
+    """The frozen base of LoRA quantised to one format: `qlora: nf4 | fp8 | nvfp4 | <GGUF type or mix>`, or
+    Surogate's spellings `qlora_bnb: true` (nf4), `qlora_fp8: true`, `qlora_fp4: true` (nvfp4), `qlora_gguf: TYPE`.
+    A single spelling fills `qlora`; several that disagree are a problem reported by rules.py."""
 
+    qlora: QloraFormat | None = None
+    """The quantised-base format (needs `lora: true`); see the qlora_* spellings below."""
     qlora_bnb: bool = False
     """Quantize the frozen base to NF4 (bitsandbytes-style)."""
     qlora_bnb_block_size: int = 64
@@ -74,6 +82,17 @@ class QLoraSection(StrictModel):
     """Quantize the frozen base to this GGUF type, or to a llama.cpp mix (q3_k_m / q4_k_m / q5_k_m: per target the
     widest type llama.cpp's rule gives any of its layers). A .gguf `model` keeps its own quantization: leave this
     key unset."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_choice(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        chosen = {fmt or str(data[key]).lower() for key, fmt in QLORA_SPELLINGS.items()
+                  if data.get(key) not in (None, False)}
+        if data.get("qlora") is None and len(chosen) == 1:
+            return {**data, "qlora": chosen.pop()}
+        return data
 
     @field_validator("qlora_bnb_block_size", "qlora_block_size")
     @classmethod

@@ -7,14 +7,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from surojax.config.lora import QLORA_SPELLINGS
+
 if TYPE_CHECKING:
     from surojax.config.schema import TrainConfig
 
 Problem = tuple[tuple[str, ...], str]
 
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "use_rslora", "lora_target_modules", "lora_dtype",
-             "train_router", "merge_adapter")
-QLORA_FORMATS = ("qlora_bnb", "qlora_fp8", "qlora_fp4", "qlora_gguf")
+             "merge_adapter")
+QLORA_FORMATS = ("qlora", "qlora_bnb", "qlora_fp8", "qlora_fp4", "qlora_gguf")
+# accepted keys whose feature this version does not have: refused when set (key -> (is it set?, why))
+NOT_AVAILABLE = {
+    "optimizer": (lambda c: c.optimizer == "normuon", "normuon is not available in this version (adamw, adamw_8bit)"),
+    "recipe": (lambda c: c.recipe == "nvfp4", "nvfp4 training is not available in this version (bf16, fp32, "
+               "fp8_hybrid)"),
+    "gradient_dtype": (lambda c: c.gradient_dtype == "bf16", "bf16 gradient accumulation is not available in this "
+                       "version: gradients accumulate in fp32 (remove the key or set fp32)"),
+    "sequence_chunks": (lambda c: c.sequence_chunks != 1, "chunking the sequence through the layers is not "
+                        "available in this version (the LM head is chunked by lmhead_chunks)"),
+    "long_context": (lambda c: c.long_context, "the tiled long-context MLP is not available in this version"),
+    "offload_grads": (lambda c: c.offload_grads, "gradients in host memory are not available in this version "
+                      "(see offload_optimizer / offload_master)"),
+    "train_router": (lambda c: c.train_router, "is not available in this version: every supported family is dense "
+                     "(no router to train)"),
+}
 
 
 def _changed(cfg: TrainConfig, name: str) -> bool:
@@ -39,20 +56,39 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.from_scratch and (cfg.adapter_path or cfg.lora):
         add(("from_scratch",), "trains all weights from random init; it cannot be combined with lora or adapter_path")
 
+    # --- keys whose feature is not in this version
+    for key, (is_set, why) in NOT_AVAILABLE.items():
+        if is_set(cfg):
+            add((key,), why)
+
     # --- LoRA / QLoRA
     if not cfg.lora:
         for k in [k for k in LORA_KEYS if _changed(cfg, k)]:
             add((k,), "is a LoRA option; set lora: true to use it")
     formats = [k for k in QLORA_FORMATS if getattr(cfg, k) not in (False, None)]
-    if len(formats) > 1:
-        add(tuple(formats), f"at most one qlora_* format may be set (got {', '.join(formats)})")
+    chosen = {cfg.qlora} | {fmt or str(cfg.qlora_gguf) for k, fmt in QLORA_SPELLINGS.items()
+                            if getattr(cfg, k) not in (False, None)}
+    if len(chosen - {None}) > 1:
+        add(tuple(formats), f"at most one quantised-base format may be set (got {', '.join(formats)})")
+    formats = [k for k in formats if k != "qlora"] or formats  # report the key the user wrote
     if formats and not cfg.lora:
         add((formats[0],), "quantizes the frozen base for LoRA; set lora: true")
     for k in ("qlora_bnb_block_size", "qlora_bnb_double_quant"):
-        if _changed(cfg, k) and not cfg.qlora_bnb:
-            add((k,), "only applies with qlora_bnb: true")
-    if _changed(cfg, "qlora_block_size") and not cfg.qlora_fp8:
-        add(("qlora_block_size",), "only applies with qlora_fp8: true")
+        if _changed(cfg, k) and cfg.qlora != "nf4":
+            add((k,), "only applies with qlora_bnb: true (qlora: nf4)")
+    if _changed(cfg, "qlora_block_size") and cfg.qlora != "fp8":
+        add(("qlora_block_size",), "only applies with qlora_fp8: true (qlora: fp8)")
+    if _changed(cfg, "qlora_bnb_block_size") and cfg.qlora == "nf4":
+        add(("qlora_bnb_block_size",), f"{cfg.qlora_bnb_block_size} is not available: NF4 uses the bitsandbytes "
+            "block size 64")
+    if _changed(cfg, "qlora_block_size") and cfg.qlora == "fp8":
+        add(("qlora_block_size",), f"{cfg.qlora_block_size} is not available: qlora fp8 uses 128 x 128 scale blocks")
+    if cfg.qlora is not None and cfg.lora and cfg.merge_adapter:
+        add(("merge_adapter", formats[0]), "cannot fold the adapter into a quantized base; train without it, then "
+            "merge the saved adapter into the unquantized model (surojax merge)")
+    if cfg.qlora is not None and cfg.adapter_path and (cfg.adapter_init_mode or "merge") == "merge":
+        add(("adapter_init_mode", formats[0]), "merge cannot fold the adapter into a quantized base; use "
+            "adapter_init_mode: trainable, or merge it into the unquantized model first")
     if cfg.adapter_init_mode is not None and cfg.adapter_path is None:
         add(("adapter_init_mode",), "needs adapter_path (the adapter to merge or keep training)")
     if cfg.adapter_init_mode == "trainable" and not cfg.lora:
@@ -91,7 +127,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.offload_prefetch and cfg.recompute != "full":
         add(("recompute", "offload_prefetch"), f"the prefetching layer loop recomputes each layer whole (full); "
             f"{cfg.recompute} is not built for it: set recompute: full")
-    if cfg.offload_prefetch and getattr(cfg, "eval_generation", None) is not None:
+    if cfg.offload_prefetch and cfg.eval_generation is not None:
         add(("offload_prefetch", "eval_generation"), "offload_prefetch keeps the base as per-layer host buffers "
             "that only the training step's prefetching loop reads; eval_generation decodes with a KV cache over "
             "the plain layer loop: drop one of the two")

@@ -38,7 +38,7 @@ class TrainConfig(
 
     @property
     def is_qlora(self) -> bool:
-        return self.lora and any((self.qlora_bnb, self.qlora_fp8, self.qlora_fp4, self.qlora_gguf))
+        return self.lora and self.qlora is not None
 
     def warmup_steps_for(self, total_steps: int) -> int:
         """Warmup steps for a run of `total_steps`: `warmup_steps`, or `warmup_ratio` of the steps, or 0."""

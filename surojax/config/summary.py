@@ -7,8 +7,7 @@ from surojax.config.schema import TrainConfig
 def _method(cfg: TrainConfig) -> str:
     if not cfg.lora:
         return "full fine-tuning" if not cfg.from_scratch else "pretraining from scratch"
-    quant = next((k.removeprefix("qlora_") for k in ("qlora_bnb", "qlora_fp8", "qlora_fp4") if getattr(cfg, k)), None)
-    quant = {"bnb": "nf4"}.get(quant, quant) if quant else cfg.qlora_gguf
+    quant = cfg.qlora
     kind = f"QLoRA ({quant} base)" if quant else "LoRA"
     scale = "rs" if cfg.use_rslora else ""
     s = f"{kind} r={cfg.lora_rank} alpha={cfg.lora_alpha:g} {scale}on {','.join(cfg.lora_target_modules)}"
@@ -24,8 +23,8 @@ def summarize(cfg: TrainConfig) -> list[str]:
             else f"warmup {cfg.warmup_ratio:g}" if cfg.warmup_ratio is not None else "no warmup")
     data = ", ".join(f"{d.path} ({d.type})" for d in cfg.datasets)
     mesh = " ".join(f"{a}={'rest' if n == -1 else n}" for a, n in cfg.parallel.sizes().items() if n != 1)
-    offload = [k.removeprefix("offload_") for k in ("offload_base_weights", "offload_optimizer", "offload_master",
-                                                    "offload_grads") if getattr(cfg, k)]
+    offload = [name for name, on in (("base_weights", cfg.offload_base_weights), ("optimizer", cfg.offload_optimizer),
+                                     ("master", cfg.offload_master)) if on]
     return [
         f"model:     {cfg.model or '(from model_config)'}",
         f"method:    {_method(cfg)}",

@@ -23,20 +23,26 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from surojax.losses.lm import lm_chunk_tokens, lm_loss
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from surojax.config.schema import TrainConfig
+from surojax.data.hub import resolve_local
+from surojax.data.pipeline import build_data_from_config
+from surojax.data.tokenizer import Tokenizer
 from surojax.models.layers.attention import packed_backend
-from surojax.offload.memory_plan import check_fits, device_capacity, plan_for_config
-from surojax.offload.master import place_master_on_host
-from surojax.offload.optimizer import apply_master_updates, compute_copy, master_params
-from surojax.offload.remat import layer_loop
-from surojax.offload.settings import OFFLOAD_AVAILABLE, check_offload_settings
-from surojax.offload.streaming import build_context, place_model
+from surojax.offload.optimizer import master_params
+from surojax.parallel import batch_sharding, make_mesh
+from surojax.peft.lora import merge_lora
+from surojax.peft.peft_io import save_peft_adapter
+from surojax.quant.base import QuantFormat
+from surojax.train.build import build_run, data_parallel_size
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.metrics import Metrics, plot_loss
-from surojax.train.model_setup import (TrainSetupError, build_model, is_gguf_path, model_config_for, precision_for,
-                                        trainable_filter)
-from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
-from surojax.train.step import make_eval_step, make_train_step
+from surojax.train.run_spec import TrainSetupError, is_gguf_path, model_config_for, run_spec
+from surojax.weights.gguf_checkpoint import load_gguf_tokenizer
+from surojax.weights.gguf_tokenizer import save_tokenizer_dir
+from surojax.weights.hf_checkpoint import copy_tokenizer_files, save_model
 
 log = logging.getLogger(__name__)
 CHINCHILLA_TOKENS_PER_PARAM = 20
@@ -44,8 +50,6 @@ CHINCHILLA_TOKENS_PER_PARAM = 20
 
 def _count(state) -> int:
     """Parameters (a quantised weight counts its logical [.., K, N] values, not its packed bytes)."""
-    from surojax.quant.base import QuantFormat
-
     def size(x):
         if isinstance(x, QuantFormat):
             return int(np.prod(jax.eval_shape(lambda v: v.dequantize(jnp.float32), x).shape))
@@ -66,35 +70,23 @@ class RunPlan:
 
 
 class Trainer:
-    def __init__(self, cfg, *, console=None):
-        from rich.console import Console
-
-        from surojax.data.hub import resolve_local
-        from surojax.data.pipeline import build_data_from_config
-        from surojax.data.tokenizer import Tokenizer
-        from surojax.parallel import batch_sharding, make_mesh
-
+    def __init__(self, cfg: TrainConfig, *, console=None):
         self.cfg = cfg
         self.console = console or Console(stderr=True)
         self.output_dir = Path(cfg.output_dir)
         self._check_output_dir()
         model_config_for(cfg)  # cheap: the architecture is checked before data and weights are touched
-        check_offload_settings(cfg)
         tok_src = cfg.tokenizer or cfg.model
         if tok_src is None:
             raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
         if is_gguf_path(tok_src):  # the tokenizer of a GGUF base is in its metadata: export it once, as HF files
-            from surojax.weights.gguf_checkpoint import load_gguf_tokenizer
-            from surojax.weights.gguf_tokenizer import save_tokenizer_dir
-
             self.tokenizer_dir = save_tokenizer_dir(load_gguf_tokenizer(tok_src), self.output_dir / "gguf_tokenizer")
         else:
             self.tokenizer_dir = Path(resolve_local(tok_src))
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir)
 
-        self.mesh = make_mesh(cfg.parallel)
-        dp = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        A, B = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size * dp
+        self.mesh = make_mesh(cfg.parallel.sizes())
+        A, B = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size * data_parallel_size(self.mesh)
         epochs = None if cfg.max_steps else max(1, math.ceil(cfg.num_epochs))
         self.data = build_data_from_config(cfg, self.tokenizer, batch_size=A * B, seed=cfg.seed, num_epochs=epochs,
                                            eval_batch_size=B)
@@ -103,56 +95,20 @@ class Trainer:
         else:
             total = max(1, int(self.data.train.num_rows * cfg.num_epochs // (A * B)))
         self.plan = RunPlan(total, B, A, cfg.sequence_len)
-        self.chunk = lm_chunk_tokens(B, cfg.sequence_len, cfg.lmhead_chunks)
-        self.memory_plan = plan_for_config(cfg, model_config_for(cfg), rows=cfg.per_device_train_batch_size,
-                                           lm_chunk_tokens=self.chunk)
-        if self.mesh.shape["fsdp"] * self.mesh.shape["tensor"] == 1:  # the estimate is for an unsharded device
-            check_fits(self.memory_plan, device_capacity(),  # before any weight is allocated
-                       offload_available=OFFLOAD_AVAILABLE)
-
-        self.attention = packed_backend(cfg.attention, max(
+        attention = packed_backend(cfg.attention, max(
             rows.max_runs for rows in (self.data.train_rows, self.data.eval_rows) if rows is not None))
-        if self.attention != cfg.attention:
+        if attention != cfg.attention:
             log.info("attention: %s (cuDNN over the packed rows, at most %s samples + padding per row)",
-                     self.attention, self.attention.split(":")[1])
-        with build_context(cfg.offload_base_weights or cfg.offload_master):  # a base / master bound for host
-            self.model = build_model(cfg, attention=self.attention)         # memory is built off the device
-        if self.tokenizer.vocab_size > self.model.cfg.vocab_size:
+                     attention, attention.split(":")[1])
+        self.spec = run_spec(cfg, total_steps=total, attention=attention)
+        if self.tokenizer.vocab_size > self.spec.model.config.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
-                                  f"{self.model.cfg.vocab_size}")
-        if cfg.offload_master:  # the layers' fp32 Params in host memory, never whole on the device
-            place_master_on_host(self.model, self.mesh)
-        else:
-            place_model(self.model, self.mesh, offload_base=cfg.offload_base_weights,  # shard_model (+ base on host,
-                        per_layer=cfg.offload_base_weights and cfg.offload_prefetch)  # per-layer buffers to prefetch)
+                                  f"{self.spec.model.config.vocab_size}")
+        self.run = build_run(self.spec, self.mesh)
+        self.trainable, self.frozen, self.opt_state = self.run.trainable, self.run.frozen, self.run.opt_state
+        self.run.trainable = self.run.frozen = self.run.opt_state = None  # the trainer owns the live state
+        self.memory_plan = self.run.memory_plan
         self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
-
-        warmup = cfg.warmup_steps_for(total) if hasattr(cfg, "warmup_steps_for") else (cfg.warmup_steps or 0)
-        self.schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, total, warmup or 0,
-                                    cfg.final_lr_fraction, cfg.cooldown_steps or 0)
-        self.optimizer = build_optimizer(cfg.optimizer, self.schedule, weight_decay=cfg.weight_decay,
-                                         b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
-                                         max_grad_norm=cfg.max_grad_norm, offload_state=cfg.offload_optimizer,
-                                         offload_master=cfg.offload_master)
-
-        self._train_mode = cfg.lora and cfg.lora_dropout > 0
-        if self._train_mode:
-            self.model.train()
-        self.graphdef, self.trainable, self.frozen = nnx.split(self.model, trainable_filter(cfg), ...)
-        self.model.eval()
-        self.eval_graphdef = nnx.split(self.model, trainable_filter(cfg), ...)[0]
-        self.opt_state = init_opt_state(self.optimizer, self.trainable, self.mesh)
-        apply = {}
-        if cfg.offload_master:  # the fp32 layers now live in the optimizer state (host); train their bf16 copy
-            self.trainable = compute_copy(self.trainable, precision_for(cfg).compute)
-            nnx.update(self.model, self.trainable)  # drops the model's reference to the fp32 device arrays
-            apply = {"apply_updates": apply_master_updates}
-        remat = layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch)
-        prepare = self._dropout_prepare() if self._train_mode else None
-        self._train_step = make_train_step(self.graphdef, self._loss_fn, self.optimizer, remat=remat, prepare=prepare,
-                                           **apply)
-        self._eval_step = make_eval_step(self.eval_graphdef, self._loss_fn,
-                                         remat=remat if cfg.offload_prefetch else None)
         self.key = jax.random.key(cfg.seed)
         self.step_count = 0
 
@@ -169,15 +125,6 @@ class Trainer:
         if done and not self.cfg.resume_from_checkpoint:
             raise TrainSetupError(f"output_dir: {self.output_dir} already holds a trained {done[0].name} "
                                   f"({done[0]}); choose another output_dir or set resume_from_checkpoint")
-
-    def _loss_fn(self, model, batch, remat=None):
-        return lm_loss(model, batch, chunk=self.chunk, remat=remat, unroll=self.cfg.unroll_layers)
-
-    @staticmethod
-    def _dropout_prepare():
-        from surojax.peft.lora import set_dropout_key
-
-        return set_dropout_key
 
     def _resume(self) -> None:
         target = self.cfg.resume_from_checkpoint
@@ -214,9 +161,9 @@ class Trainer:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics."""
         t0 = time.perf_counter()
         batch = self._device_batch(next(self.data.train))
-        lr = float(self.schedule(self.step_count))
+        lr = float(self.run.schedule(self.step_count))
         rng = jax.random.fold_in(self.key, self.step_count)
-        self.trainable, self.opt_state, m = self._train_step(self.trainable, self.frozen, self.opt_state, batch, rng)
+        self.trainable, self.opt_state, m = self.run.train_step(self.trainable, self.frozen, self.opt_state, batch, rng)
         self.step_count += 1
         m = {k: float(v) for k, v in m.items()}
         dt = time.perf_counter() - t0
@@ -229,22 +176,21 @@ class Trainer:
             return None
         total, count = 0.0, 0.0
         for batch in self.data.eval:
-            s, n = self._eval_step(self.trainable, self.frozen, jax.device_put(batch, NamedSharding(
+            s, n = self.run.eval_step(self.trainable, self.frozen, jax.device_put(batch, NamedSharding(
                 self.mesh, P(*self.batch_sharding.spec[1:]))))
             total, count = total + float(s), count + float(n)
         return total / max(count, 1.0)
 
     # ---- the run --------------------------------------------------------------------------------------------
     def summary_lines(self) -> list[str]:
-        n_total = _count(nnx.state(self.model, nnx.Param)) if not self.cfg.lora else (
-            _count(self.frozen) + _count(self.trainable))
+        n_total = _count(self.trainable) + (_count(self.frozen) if self.cfg.lora else 0)
         n_train = _count(self.trainable)
         planned = self.plan.total_steps * self.plan.tokens_per_step
         budget = CHINCHILLA_TOKENS_PER_PARAM * n_total
         s = self.data.stats
         mode = "LoRA" if self.cfg.lora else ("pretraining" if self.cfg.from_scratch else "full fine-tune")
         return [
-            f"model   {self.model.cfg.model_type}, {n_total / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable "
+            f"model   {self.spec.model.config.model_type}, {n_total / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({100 * n_train / max(n_total, 1):.2f}%), {mode}, recipe {self.cfg.recipe}, recompute {self.cfg.recompute}",
             f"data    {s.summary()}",
             f"plan    {self.plan.total_steps} steps x {self.plan.accumulation} x {self.plan.micro_batch} rows x "
@@ -255,8 +201,6 @@ class Trainer:
         ]
 
     def train(self) -> dict:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
         cfg = self.cfg
         for line in self.summary_lines():
             self.console.print(line, highlight=False)
@@ -308,20 +252,15 @@ class Trainer:
     # ---- export ---------------------------------------------------------------------------------------------
     def trained_model(self):
         """The model with the trained weights (a fresh module; the trainer's own state is untouched)."""
-        return nnx.merge(self.eval_graphdef, master_params(self.trainable, self.opt_state), self.frozen)
+        return nnx.merge(self.run.eval_graphdef, master_params(self.trainable, self.opt_state), self.frozen)
 
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the trained weights: a PEFT adapter (LoRA; plus the merged model with `merge_adapter`) or an
         HF model folder, each with the tokenizer files. Default folder: <output_dir>/adapter or /model."""
-        from surojax.weights.hf_checkpoint import copy_tokenizer_files, save_model
-
         model = self.trained_model()
-        save_dtype = jnp.bfloat16 if self.cfg.recipe in ("bf16", "fp8_hybrid") else jnp.float32
+        save_dtype = self.spec.precision.save_dtype
         overwrite = bool(self.cfg.resume_from_checkpoint) and out_dir is None
         if self.cfg.lora:
-            from surojax.peft.lora import merge_lora
-            from surojax.peft.peft_io import save_peft_adapter
-
             out = save_peft_adapter(model, Path(out_dir or self.output_dir / "adapter"), self.cfg.model,
                                     overwrite=overwrite)
             copy_tokenizer_files(self.tokenizer_dir, out)

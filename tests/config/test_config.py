@@ -256,9 +256,36 @@ def test_cross_field_rule(d, key, words):
     assert k == key and words in msg, msg
 
 
+@pytest.mark.parametrize("d,key", [
+    ({"optimizer": "normuon"}, "optimizer"),
+    ({"recipe": "nvfp4"}, "recipe"),
+    ({"gradient_dtype": "bf16"}, "gradient_dtype"),
+    ({"sequence_chunks": 4}, "sequence_chunks"),
+    ({"long_context": True}, "long_context"),
+    ({"offload_grads": True}, "offload_grads"),
+    ({"lora": True, "train_router": True}, "train_router"),
+    ({"lora": True, "qlora_bnb": True, "qlora_bnb_block_size": 128}, "qlora_bnb_block_size"),
+    ({"lora": True, "qlora_fp8": True, "qlora_block_size": 64}, "qlora_block_size"),
+])
+def test_keys_whose_feature_is_not_built_are_refused_by_name(d, key):
+    k, msg = one_error(d)
+    assert k == key and "not available" in msg, msg
+
+
+@pytest.mark.parametrize("spelling,fmt", [({"qlora_bnb": True}, "nf4"), ({"qlora_fp8": True}, "fp8"),
+                                          ({"qlora_fp4": True}, "nvfp4"), ({"qlora_gguf": "q4_k"}, "q4_k"),
+                                          ({"qlora": "q8_0"}, "q8_0")])
+def test_qlora_spellings_are_one_choice(spelling, fmt):
+    cfg = config_from_dict({**BASE, "lora": True, **spelling})
+    assert cfg.qlora == fmt and cfg.is_qlora
+    k, msg = one_error({"lora": True, "qlora": "nf4", "qlora_fp8": True})
+    assert "at most one" in msg
+
+
 @pytest.mark.parametrize("d", [
-    {"lora": True, "qlora_bnb": True, "qlora_bnb_block_size": 128, "qlora_bnb_double_quant": False},
-    {"lora": True, "qlora_fp8": True, "qlora_block_size": 64},
+    {"lora": True, "qlora_bnb": True, "qlora_bnb_double_quant": False},
+    {"lora": True, "qlora_fp8": True},
+    {"lora": True, "qlora": "q4_k_m"},
     {"lora": True, "adapter_path": "a", "adapter_init_mode": "trainable"},
     {"adapter_path": "a", "adapter_init_mode": "merge"},  # merge, then full fine-tuning
     {"model": None, "from_scratch": True, "model_config": {"hidden_size": 8}},

@@ -13,7 +13,8 @@ from surojax.config import config_from_dict  # noqa: E402
 from surojax.peft.lora import LORA_TARGETS, base_linear  # noqa: E402
 from surojax.quant import Q8_0  # noqa: E402
 from surojax.quant.transform import dequantize_model, is_quantized  # noqa: E402
-from surojax.train.model_setup import TrainSetupError, build_model  # noqa: E402
+from surojax.train.model_setup import build_model as build_spec_model
+from surojax.train.run_spec import TrainSetupError, run_spec  # noqa: E402
 from surojax.train.trainer import Trainer  # noqa: E402
 from surojax.weights.gguf_checkpoint import save_gguf  # noqa: E402
 
@@ -28,6 +29,10 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_train")
     hf_dir = tiny_model_dir("qwen3", root / "qwen3")
     return hf_dir, save_gguf(hf_dir, root / "qwen3-q8_0.gguf", "q8_0"), save_gguf(hf_dir, root / "q4km.gguf", "q4_k_m")
+
+
+def build_model(cfg):
+    return build_spec_model(run_spec(cfg, total_steps=1))
 
 
 def _cfg(tmp_path, model, **kw):
@@ -46,7 +51,7 @@ def test_trainer_trains_lora_over_a_gguf_base(tmp_path, tiny):
     assert trainer.tokenizer.encode(text) == Tokenizer.from_dir(TOKENIZER).encode(text)
     assert trainer.tokenizer.eos_token_id == 509
     for name in LORA_TARGETS:
-        assert isinstance(base_linear(trainer.model, name).kernel.get_value(), Q8_0)
+        assert isinstance(base_linear(trainer.trained_model(), name).kernel.get_value(), Q8_0)
     trainer.train()
     losses = [r["loss"] for r in trainer.metrics.history if "loss" in r]
     assert len(losses) == 3 and all(np.isfinite(losses))

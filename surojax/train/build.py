@@ -1,0 +1,155 @@
+"""`build_run(spec, mesh)`: the one assembly of a training run, used by the Trainer, the bench and every task.
+
+    spec ─ memory plan ─ check it fits (before any weight exists)
+         ─ model: load / initialise ─ transforms (quantise base, LoRA, fp8) ─ placement (mesh, host memory)
+         ─ split (graphdef, trainable, frozen) ─ optimizer + its state ─ layer loop ─ jitted train / eval steps
+
+The loss is a pure function `loss(model, batch, *, chunk, remat, unroll) -> (loss_sum, {"tokens": ...})`
+(default: the chunked LM loss); SFT, pretraining and the later tasks differ only in their data and this function.
+Shapes: the train step takes batches [A, B, T] (A micro-batches of B rows of T tokens, B = rows per device x
+the data-parallel devices); the eval step takes [B, T].
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Callable
+
+import jax
+import optax
+from flax import nnx
+
+from surojax.losses.lm import lm_chunk_tokens, lm_loss
+from surojax.models.decoder import Decoder
+from surojax.offload.host_init import random_placed_model
+from surojax.offload.master import place_master_on_host
+from surojax.offload.memory_plan import MemoryPlan, check_fits, device_capacity, plan_memory
+from surojax.offload.optimizer import apply_master_updates, compute_copy
+from surojax.offload.remat import layer_loop
+from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
+from surojax.offload.streaming import build_context, place_model
+from surojax.parallel import init_sharded
+from surojax.peft.lora import set_dropout_key
+from surojax.train.model_setup import build_model, trainable_filter
+from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
+from surojax.train.run_spec import RunSpec
+from surojax.train.step import make_eval_step, make_train_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Run:
+    """What a training loop needs: the split model, the optimizer and the jitted steps.
+
+    train_step(trainable, frozen, opt_state, batch[A, B, T], rng) -> (trainable, opt_state, metrics)
+    eval_step(trainable, frozen, batch[B, T]) -> (loss_sum, tokens)
+    """
+    spec: RunSpec
+    graphdef: nnx.GraphDef  # train mode (LoRA dropout on when it is set)
+    eval_graphdef: nnx.GraphDef
+    trainable: nnx.State
+    frozen: nnx.State
+    optimizer: optax.GradientTransformation
+    opt_state: object
+    schedule: optax.Schedule
+    train_step: Callable
+    eval_step: Callable
+    chunk: int  # tokens per chunk of the chunked LM head
+    memory_plan: MemoryPlan
+    layer_loop: object  # what the decoder's `remat=` receives
+
+    @property
+    def model_config(self):
+        return self.spec.model.config
+
+
+def data_parallel_size(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def memory_plan_of(spec: RunSpec, chunk: int) -> MemoryPlan:
+    """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded."""
+    lora, mem = spec.lora, spec.memory
+    return plan_memory(spec.model.config, mode="lora" if lora else "full", recipe=spec.precision.recipe,
+                       rank=lora.rank if lora else 0, targets=lora.targets if lora else None,
+                       batch=spec.batch.rows, seq=spec.batch.sequence_len, recompute=mem.recompute,
+                       lm_chunk_tokens=chunk, optimizer=spec.optim.name, offload_base=mem.offload_base,
+                       offload_optimizer=mem.offload_optimizer, offload_master=mem.offload_master,
+                       master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
+                       lora_dtype="fp32" if spec.precision.adapter == jax.numpy.float32 else "bf16",
+                       prefetch=mem.offload_prefetch, accum=spec.batch.accumulation)
+
+
+def _placed_model(spec: RunSpec, mesh, customize: Callable[[Decoder], None] | None) -> Decoder:
+    """Build the model and put every weight where it lives (devices of the mesh, or host memory)."""
+    mem = spec.memory
+
+    def make_model() -> Decoder:
+        model = build_model(spec)
+        if customize is not None:
+            customize(model)
+        return model
+
+    if spec.model.init == "host" or (spec.model.init == "jit" and mem.offload_base):
+        model = random_placed_model(make_model, mesh, offload_base=mem.offload_base, seed=spec.model.seed,
+                                    per_layer=mem.offload_base and mem.offload_prefetch)
+    elif spec.model.init == "jit":
+        model = init_sharded(make_model, mesh)
+    else:
+        with build_context(mem.offload_base or mem.offload_master):  # a host-bound base is built off the device
+            model = make_model()
+        if mem.offload_master:
+            return place_master_on_host(model, mesh)
+        return place_model(model, mesh, offload_base=mem.offload_base,
+                           per_layer=mem.offload_base and mem.offload_prefetch)
+    if mem.offload_master:
+        place_master_on_host(model, mesh)
+    return model
+
+
+def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Callable[[Decoder], None] | None = None,
+              check_memory: bool = True) -> Run:
+    """Assemble the run `spec` describes on `mesh`.
+
+    customize(model): applied after the transforms, before placement (the bench swaps in a random quantised
+    base). check_memory: refuse a run whose planned peak exceeds the device (unsharded meshes only: the plan is
+    for one device holding everything).
+    """
+    mem, prec = spec.memory, spec.precision
+    prepare_host_memory(mem.host_memory)
+    chunk = lm_chunk_tokens(spec.batch.rows * data_parallel_size(mesh), spec.batch.sequence_len, mem.lmhead_chunks)
+    plan = memory_plan_of(spec, chunk)
+    if check_memory and mesh.shape["fsdp"] * mesh.shape["tensor"] == 1:
+        check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
+
+    model = _placed_model(spec, mesh, customize)
+    train_mode = spec.lora is not None and spec.lora.dropout > 0
+    if train_mode:
+        model.train()
+    graphdef, trainable, frozen = nnx.split(model, trainable_filter(spec), ...)
+    model.eval()
+    eval_graphdef = nnx.split(model, trainable_filter(spec), ...)[0]
+
+    o = spec.optim
+    schedule = lr_schedule(o.schedule, o.learning_rate, o.total_steps, o.warmup_steps, o.final_lr_fraction,
+                           o.cooldown_steps)
+    optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                                max_grad_norm=o.max_grad_norm, offload_state=mem.offload_optimizer,
+                                offload_master=mem.offload_master)
+    opt_state = init_opt_state(optimizer, trainable, mesh)
+    apply = {}
+    if mem.offload_master:  # the fp32 layers now live in the optimizer state (host); train their compute copy
+        trainable = compute_copy(trainable, prec.compute)
+        apply = {"apply_updates": apply_master_updates}
+    del model  # the model's own references to replaced arrays (offload_master's fp32 layers) are dropped
+
+    loop = layer_loop(mem.recompute, prefetch=mem.offload_prefetch, per_layer=mem.offload_prefetch)
+    loss_fn = functools.partial(loss, chunk=chunk, unroll=mem.unroll)
+    train_step = make_train_step(graphdef, loss_fn, optimizer, remat=loop,
+                                 prepare=set_dropout_key if train_mode else None, **apply)
+    eval_step = make_eval_step(eval_graphdef, loss_fn, remat=loop if mem.offload_prefetch else None)
+    return Run(spec=spec, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
+               optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
+               eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop)

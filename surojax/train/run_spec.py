@@ -1,0 +1,256 @@
+"""The typed, frozen description of a training run, made once from a TrainConfig, read by `build_run`.
+
+    RunSpec
+      model      ModelSpec      architecture (resolved ModelConfig), where the weights come from, attention backend
+      precision  PrecisionSpec  recipe and the dtypes it implies (compute, frozen base / master, adapters)
+      lora       LoraSpec|None  adapters on a frozen base (None: every weight trains)
+      quant      QuantSpec|None the frozen base quantised to this format (QLoRA)
+      memory     MemorySpec     recompute, layer unrolling, lm-head chunks, what lives in host memory
+      optim      OptimSpec      optimizer, learning-rate schedule over `total_steps`, clipping
+      batch      BatchSpec      rows per device per micro-batch, accumulation, sequence length
+
+`run_spec(cfg, ...)` is the only place that reads training keys into specs; everything below (`build_run`, the
+model set-up, the bench, later trainers) reads the specs, never a config object. The checks that need the model
+at hand (a key that cannot apply to it) run here, before any weight is loaded.
+
+Precision recipes (`recipe`):
+    fp32        everything fp32 (exact CPU tests)
+    bf16        bf16 compute (matmul operands), fp32 accumulation. Full fine-tuning keeps `master_dtype` (fp32)
+                weights cast at each use; LoRA keeps the frozen base in bf16 and the adapters in `lora_dtype`.
+    fp8_hybrid  bf16 as above, and the decoder's Linear layers multiply in FP8 (surojax.precision)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+from surojax.config.lora import GGUF_MIXES, GGUF_TYPES as CONFIG_GGUF_TYPES
+from surojax.config.schema import TrainConfig
+from surojax.data.hub import resolve_local
+from surojax.models.config import ModelConfig
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+RECIPES = ("fp32", "bf16", "fp8_hybrid")  # the recipes this build runs (nvfp4 is refused by the config check)
+
+
+class TrainSetupError(ValueError):
+    is_user_error = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    config: ModelConfig
+    source: str | None  # a model reference to load (HF folder, .gguf file, repo id); None: random weights
+    seed: int
+    attention: str  # the attention backend the layers are built with
+    init: Literal["build", "jit", "host"] = "build"
+    """build: load `source` (or initialise eagerly from `seed`); jit: random weights computed on the devices inside
+    one jit (a model as large as the devices allow); host: random values made on the host and placed where they
+    live (a streamed base never whole on the device)."""
+
+    @property
+    def is_gguf(self) -> bool:
+        return is_gguf_path(self.source)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionSpec:
+    recipe: str
+    compute: Any  # activation / matmul operand dtype
+    base: Any  # storage of the frozen (LoRA) or master (full) weights
+    adapter: Any  # storage of LoRA adapters
+    skip_first_layers: int = 0  # fp8_hybrid: layers kept in bf16
+    skip_last_layers: int = 0
+
+    @property
+    def save_dtype(self):
+        """The dtype exported weights are written in."""
+        return jnp.float32 if self.recipe == "fp32" else jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+    use_rslora: bool = False
+    adapter_path: str | None = None  # an existing PEFT adapter to stack on
+    adapter_init_mode: str | None = None  # merge | trainable
+    merge_adapter: bool = False  # also export the merged model
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    format: str  # a surojax.quant format name (nf4, fp8, nvfp4, q4_k, ...) or a llama.cpp mix (q4_k_m ...)
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def is_mix(self) -> bool:
+        return self.format in GGUF_MIXES
+
+
+@dataclasses.dataclass(frozen=True)
+class MemorySpec:
+    recompute: str = "full"  # none | full | dots | offload | auto
+    unroll: int | bool | str = 1  # layers per scan iteration, True: all, "auto"
+    lmhead_chunks: int = 1
+    offload_base: bool = False
+    offload_prefetch: bool = False
+    offload_optimizer: bool = False
+    offload_master: bool = False
+
+    @property
+    def host_memory(self) -> bool:
+        """Whether anything lives in host memory (the GPU client's pinned-host cap must be raised first)."""
+        return (self.offload_base or self.offload_optimizer or self.offload_master or self.recompute == "offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+    name: str = "adamw"
+    learning_rate: float = 2e-4
+    schedule: str = "cosine"
+    total_steps: int = 1
+    warmup_steps: int = 0
+    final_lr_fraction: float = 0.0
+    cooldown_steps: int = 0
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    rows: int  # rows per device per micro-batch
+    accumulation: int
+    sequence_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    model: ModelSpec
+    precision: PrecisionSpec
+    lora: LoraSpec | None
+    quant: QuantSpec | None
+    memory: MemorySpec
+    optim: OptimSpec
+    batch: BatchSpec
+
+    def replace(self, **sections) -> RunSpec:
+        return dataclasses.replace(self, **sections)
+
+
+# ---- from a TrainConfig ---------------------------------------------------------------------------------------
+
+def is_gguf_path(p) -> bool:
+    return p is not None and str(p).lower().endswith(".gguf")
+
+
+def hf_config_of(cfg: TrainConfig) -> dict:
+    """The config.json dict of `model` (a folder's config.json or a .gguf file's metadata), {} without one."""
+    if not cfg.model:
+        return {}
+    if is_gguf_path(cfg.model):
+        from surojax.weights.gguf_checkpoint import read_gguf_hf_config
+
+        return read_gguf_hf_config(cfg.model)
+    path = Path(resolve_local(cfg.model)) / "config.json"
+    if not path.is_file():
+        raise TrainSetupError(f"model: {cfg.model} has no config.json")
+    return json.loads(path.read_text())
+
+
+def model_config_for(cfg: TrainConfig) -> ModelConfig:
+    """The architecture: the model's config.json, updated by `model_config` (from_scratch), `rope_scaling` and
+    `max_model_len`."""
+    hf = hf_config_of(cfg)
+    hf.update(cfg.model_config_overrides or {})
+    if cfg.rope_scaling:
+        hf["rope_scaling"] = dict(cfg.rope_scaling)
+        hf.pop("rope_parameters", None)
+    if cfg.max_model_len:
+        hf["max_position_embeddings"] = cfg.max_model_len
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as e:
+        raise TrainSetupError(f"model_config: {e}") from None
+
+
+def precision_spec(cfg: TrainConfig) -> PrecisionSpec:
+    if cfg.recipe not in RECIPES:
+        raise TrainSetupError(f"recipe: {cfg.recipe} is not available in this version (use {', '.join(RECIPES)})")
+    if cfg.recipe == "fp32":
+        return PrecisionSpec("fp32", jnp.float32, jnp.float32, jnp.float32)
+    base = jnp.bfloat16 if cfg.lora else DTYPES[cfg.master_dtype]
+    return PrecisionSpec(cfg.recipe, jnp.bfloat16, base, DTYPES[cfg.lora_dtype],
+                         cfg.skip_quant_first_layers, cfg.skip_quant_last_layers)
+
+
+def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
+    if not cfg.lora:
+        return None
+    return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=tuple(cfg.lora_target_modules),
+                    dropout=cfg.lora_dropout, use_rslora=cfg.use_rslora, adapter_path=cfg.adapter_path,
+                    adapter_init_mode=cfg.adapter_init_mode, merge_adapter=cfg.merge_adapter)
+
+
+def quant_spec(cfg: TrainConfig) -> QuantSpec | None:
+    """The quantised-base format asked by `qlora` (or its spellings qlora_bnb / qlora_fp8 / qlora_fp4 /
+    qlora_gguf). Raises TrainSetupError for what cannot be done (yet)."""
+    from surojax.quant import GGUF_TYPES
+
+    fmt = cfg.qlora
+    if fmt is None:
+        return None
+    options: tuple = ()
+    if fmt == "nf4":
+        options = (("double_quant", bool(cfg.qlora_bnb_double_quant)),)
+    elif fmt not in ("fp8", "nvfp4") and fmt not in GGUF_MIXES:
+        cls = GGUF_TYPES.get(fmt)
+        if cls is None or not cls.can_quantize:
+            ok = [t for t in CONFIG_GGUF_TYPES if t in GGUF_TYPES and GGUF_TYPES[t].can_quantize]
+            raise TrainSetupError(f"qlora_gguf: {fmt} cannot be quantised to yet (no quantiser for it in this "
+                                  f"version); types that work: {', '.join(ok)}")
+    if not cfg.lora:
+        raise TrainSetupError("qlora quantizes the frozen base for LoRA; full fine-tuning over a quantized base is "
+                              "not possible: set lora: true")
+    if is_gguf_path(cfg.model):
+        raise TrainSetupError(f"qlora: model: {cfg.model} is a GGUF file, which keeps its own quantization; "
+                              "remove the qlora key (or start from the HF model folder)")
+    return QuantSpec(fmt, options)
+
+
+def memory_spec(cfg: TrainConfig) -> MemorySpec:
+    return MemorySpec(recompute=cfg.recompute, unroll=cfg.unroll_layers, lmhead_chunks=cfg.lmhead_chunks,
+                      offload_base=cfg.offload_base_weights, offload_prefetch=cfg.offload_prefetch,
+                      offload_optimizer=cfg.offload_optimizer, offload_master=cfg.offload_master)
+
+
+def optim_spec(cfg: TrainConfig, total_steps: int) -> OptimSpec:
+    return OptimSpec(name=cfg.optimizer, learning_rate=cfg.learning_rate, schedule=cfg.lr_scheduler_type,
+                     total_steps=total_steps, warmup_steps=cfg.warmup_steps_for(total_steps),
+                     final_lr_fraction=cfg.final_lr_fraction, cooldown_steps=cfg.cooldown_steps or 0,
+                     weight_decay=cfg.weight_decay, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
+                     max_grad_norm=cfg.max_grad_norm)
+
+
+def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None,
+             init: Literal["build", "jit", "host"] = "build") -> RunSpec:
+    """The run a TrainConfig describes. attention: the backend the layers are built with (default
+    `cfg.attention`; the Trainer passes `packed_backend` of its data)."""
+    model_cfg = model_config_for(cfg)
+    precision = precision_spec(cfg)
+    quant = quant_spec(cfg)
+    model = ModelSpec(config=model_cfg, source=None if cfg.from_scratch else cfg.model, seed=cfg.seed,
+                      attention=attention or cfg.attention, init=init)
+    batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
+                      sequence_len=cfg.sequence_len)
+    return RunSpec(model=model, precision=precision, lora=lora_spec(cfg), quant=quant, memory=memory_spec(cfg),
+                   optim=optim_spec(cfg, total_steps), batch=batch)
