@@ -275,7 +275,7 @@ def part_step(rows, shape: str, mode: str, batch: int, seq: int, unroll, time_st
     bc.check()
     t0 = time.perf_counter()
     s = build(bc)
-    host, _ = synthetic_batch(np.random.default_rng(0), 1, batch, seq, s.model_cfg.vocab_size, 1, 1)
+    host, _ = synthetic_batch(np.random.default_rng(0), 1, batch, seq, s.model_config.vocab_size, 1, 1)
     batch_dev = place_batch(s, host)
     hlo = s.step.lower(s.trainable, s.frozen, s.opt_state, batch_dev, jax.random.key(0)).compile().as_text()
     census = gemm_census(hlo)

@@ -250,7 +250,7 @@ def our_losses(shape, recipe, mode, batch, *, steps, lr, adapter_dir):
     from surojax.weights.hf_checkpoint import hf_tensors
 
     B, T = batch["tokens"].shape[1:]
-    bc = BenchConfig(shape=shape, mode=mode, batch=B, seq=T, recipe=recipe, learning_rate=lr, seed=0,
+    bc = BenchConfig(shape=shape, mode=mode, batch=B, seq=T, recipe=recipe, learning_rate=lr, seed=0, min_segment=1,
                      unroll_layers=OPTIONS["unroll_layers"])
     setup = build(bc)
     model = nnx.merge(setup.graphdef, setup.trainable, setup.frozen)
@@ -262,9 +262,9 @@ def our_losses(shape, recipe, mode, batch, *, steps, lr, adapter_dir):
     tr, opt, key = setup.trainable, setup.opt_state, jax.random.key(0)
     losses = []
     for _ in range(steps):
-        tr, opt, m = setup.step(tr, setup.frozen, opt, dev_batch, key)
+        tr, opt, m = setup.train_step(tr, setup.frozen, opt, dev_batch, key)
         losses.append(float(m["loss"]))
-    return losses, tensors, setup.model_cfg
+    return losses, tensors, setup.model_config
 
 
 TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}

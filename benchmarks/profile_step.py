@@ -63,17 +63,17 @@ def main():
                      prefetch=a.prefetch, init=a.init,
                      unroll_layers=True if a.unroll_layers == "all" else int(a.unroll_layers))
     setup = build(bc)
-    host, _ = synthetic_batch(np.random.default_rng(0), 1, a.batch, a.seq, setup.model_cfg.vocab_size, 4, 64)
+    host, _ = synthetic_batch(np.random.default_rng(0), 1, a.batch, a.seq, setup.model_config.vocab_size, 4, 64)
     batch = place_batch(setup, host)
     key = jax.random.key(0)
     tr, st = setup.trainable, setup.opt_state
     for _ in range(3):
-        tr, st, m = setup.step(tr, setup.frozen, st, batch, key)
+        tr, st, m = setup.train_step(tr, setup.frozen, st, batch, key)
     jax.block_until_ready(m)
     trace_dir = Path(tempfile.mkdtemp(prefix="surojax-trace-"))  # one per process: runs may share a machine
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         for _ in range(a.steps):
-            tr, st, m = setup.step(tr, setup.frozen, st, batch, key)
+            tr, st, m = setup.train_step(tr, setup.frozen, st, batch, key)
         jax.block_until_ready(m)
     files = glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True)
     if not files:

@@ -30,28 +30,30 @@ def abstract_step_args(bc, *, layers: int | None = None):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from surojax.bench.shapes import shape_hf_config
-    from surojax.bench.train_bench import lm_chunk, train_namespace
-    from surojax.losses.lm import lm_loss
+    from surojax.bench.train_bench import bench_spec
+    from surojax.losses.lm import lm_chunk_tokens, lm_loss
     from surojax.offload.optimizer import apply_master_updates, has_layerwise_state, host_state_shardings
     from surojax.offload.remat import layer_loop
     from surojax.parallel import make_mesh, param_shardings
-    from surojax.train.model_setup import DTYPES, build_model, trainable_filter
+    from surojax.models.config import ModelConfig
+    from surojax.train.model_setup import build_model, trainable_filter
     from surojax.train.optim import build_optimizer, lr_schedule
     from surojax.train.step import make_train_step
 
     if bc.mode != "full":
         raise ValueError("step_memory: --mode full only (LoRA's streamed base is measured on the device)")
-    bc.check()
-    cfg = train_namespace(bc)
+    spec = bench_spec(bc)
     if layers is not None:
-        cfg.model_config_overrides = dict(shape_hf_config(bc.shape), num_hidden_layers=layers)
+        config = ModelConfig.from_hf(dict(shape_hf_config(bc.shape), num_hidden_layers=layers))
+        spec = spec.replace(model=dataclasses.replace(spec.model, config=config))
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-    model = nnx.eval_shape(lambda: build_model(cfg))
-    graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
-    schedule = lr_schedule("constant", cfg.learning_rate, 10**6)
-    optimizer = build_optimizer(cfg.optimizer, schedule, weight_decay=cfg.weight_decay, b1=cfg.adam_beta1,
-                                b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm,
-                                offload_state=bc.offload_optimizer, offload_master=bc.offload_master)
+    model = nnx.eval_shape(lambda: build_model(spec))
+    graphdef, trainable, frozen = nnx.split(model, trainable_filter(spec), ...)
+    o = spec.optim
+    schedule = lr_schedule("constant", o.learning_rate, 10**6)
+    optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                                max_grad_norm=o.max_grad_norm, offload_state=bc.offload_optimizer,
+                                offload_master=bc.offload_master)
     replicated = NamedSharding(mesh, P())
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     param_sh = param_shardings(trainable, mesh)
@@ -67,18 +69,18 @@ def abstract_step_args(bc, *, layers: int | None = None):
     tr = jax.tree.map(sds, trainable, param_sh)
     kw = {}
     if bc.offload_master:  # the layers train their compute copy (offload.optimizer.compute_copy)
-        compute = DTYPES[bc.recipe]
+        compute = spec.precision.compute
         raw = tr.raw_mapping if hasattr(tr, "raw_mapping") else tr
         raw["layers"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute, sharding=x.sharding)
                                      if jnp.issubdtype(x.dtype, jnp.floating) else x, raw["layers"])
         kw["apply_updates"] = apply_master_updates
     fr = jax.tree.map(lambda x: sds(x, replicated), frozen)
-    chunk = lm_chunk(cfg, bc.batch)
+    chunk = lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks)
 
     def loss_fn(m, batch, remat=None):
-        return lm_loss(m, batch, chunk=chunk, remat=remat, unroll=cfg.unroll_layers)
+        return lm_loss(m, batch, chunk=chunk, remat=remat, unroll=spec.memory.unroll)
 
-    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute), **kw)
+    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(spec.memory.recompute), **kw)
     shape = (bc.accum, bc.batch, bc.seq)
     bsh = NamedSharding(mesh, P(None, None, None))
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)

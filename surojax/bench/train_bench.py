@@ -1,15 +1,14 @@
 """`surojax bench train`: time the trainer's own training step on synthetic packed batches.
 
-Same code path as `surojax sft` (surojax/train/trainer.py), minus data loading and checkpoints:
-    model      `build_model` (model_setup.py) on a config namespace with from_scratch weights of the real
-               shape, LoRA through `init_lora` on all 7 targets; built inside one jit (`init_sharded`) on a
-               one-device mesh, so an 8B model is initialised on the GPU, not the host (`--init host`: random
-               values built on the host and placed, for models larger than the device; see `build`)
-    precision  the trainer's recipes (`precision_for`): bf16 = bf16 compute; LoRA base bf16 + fp32 adapters;
-               full fine-tune fp32 master weights; fp8_hybrid = bf16 + the FP8 Linear transform, applied by
-               `build_model` as in the trainer
-    step       `make_train_step(graphdef, lm_loss, adamw)` with the trainer's chunk size, remat policy
-               (`offload.remat.layer_loop`) and optimizer (`build_optimizer` + `lr_schedule`); its buffers donated
+Same code path as `surojax sft` (surojax/train/trainer.py), minus data loading and checkpoints: the bench's
+options become a TrainConfig (validated by the same config check), `run_spec` turns it into a RunSpec and
+`build_run` (surojax/train/build.py) assembles the run exactly as for the Trainer:
+    model      from_scratch weights of the real shape, LoRA on all 7 targets; built inside one jit on a one-device
+               mesh, so an 8B model is initialised on the GPU, not the host (`--init host`: random values built on
+               the host and placed, for models larger than the device)
+    precision  the trainer's recipes: bf16 = bf16 compute; LoRA base bf16 + fp32 adapters; full fine-tune fp32
+               master weights; fp8_hybrid = bf16 + the FP8 Linear transform
+    step       the trainer's jitted step (chunked LM loss, layer loop, optimizer), its buffers donated
     batch      [A, B, T] packed rows: `segments` sequences per row with random lengths (>= min_segment),
                random token ids in [1, V) (never zeros), positions restarting per segment, loss mask 1 on
                every token that has a next token in its segment
@@ -23,19 +22,35 @@ since the process started (init included: init_peak_gib says what the model buil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
-from types import SimpleNamespace
+from pathlib import Path
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_kernels.dispatch import matmul_mode
 from surojax.bench.flops import PEAK_BF16_FLOPS, step_flops
+from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS, randomize_base
 from surojax.bench.shapes import SHAPES, shape_hf_config
+from surojax.config.load import config_from_dict
+from surojax.config.schema import TrainConfig
+from surojax.losses.lm import lm_chunk_tokens
+from surojax.models.layers.attention import packed_backend, runs_per_row
+from surojax.offload.memory_plan import MemoryPlan
+from surojax.offload.streaming import host_bytes
+from surojax.parallel import batch_sharding, make_mesh
+from surojax.quant.base import QuantFormat
+from surojax.train.build import Run, build_run, memory_plan_of
+from surojax.train.run_spec import RunSpec, run_spec
 
-RECOMPUTE = ("none", "full", "dots", "offload")
+STEPS_PLANNED = 10**6  # the bench's learning-rate schedule is constant: the planned length only has to be long
 
 
 @dataclasses.dataclass
@@ -70,77 +85,76 @@ class BenchConfig:
     offload_master: bool = False  # full, bf16: the layers' fp32 master in pinned host memory, bf16 copy on device
 
     def check(self) -> None:
+        """The bench's own options; everything the trainer also has is checked by the config check
+        (`train_config`)."""
         if self.shape not in SHAPES:
             raise ValueError(f"--shape {self.shape!r}: expected one of {', '.join(SHAPES)}")
         if self.mode not in ("lora", "full"):
             raise ValueError(f"--mode {self.mode!r}: expected lora or full")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"--recompute {self.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
-        if self.recipe not in ("bf16", "fp32", "fp8_hybrid"):
-            raise ValueError(f"--recipe {self.recipe!r}: expected bf16, fp32 or fp8_hybrid")
         if self.recipe == "fp8_hybrid" and (self.quant or self.offload_base or self.base_format or self.init == "host"):
             raise ValueError("--recipe fp8_hybrid multiplies a bf16 base built on the device in FP8; it does not "
                              "combine with --quant / --offload-base / --base-format / --init host")
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.base_format is not None:
-            from surojax.bench.quant_base import GGUF_LEGACY_FORMATS
-
-            if self.base_format not in GGUF_LEGACY_FORMATS:
-                raise ValueError(f"--base-format {self.base_format!r}: expected one of "
-                                 f"{', '.join(GGUF_LEGACY_FORMATS)}")
+        if self.base_format is not None and self.base_format not in GGUF_LEGACY_FORMATS:
+            raise ValueError(f"--base-format {self.base_format!r}: expected one of {', '.join(GGUF_LEGACY_FORMATS)}")
         if self.quant is not None:
-            from surojax.bench.quant_base import KERNEL_FORMATS
-
             if self.quant not in KERNEL_FORMATS:
                 raise ValueError(f"--quant {self.quant!r}: expected one of {', '.join(KERNEL_FORMATS)}")
             if self.mode != "lora":
                 raise ValueError("--quant trains LoRA over a quantised frozen base: use --mode lora")
-        if self.optimizer not in ("adamw", "adamw_8bit"):
-            raise ValueError(f"--optimizer {self.optimizer!r}: expected adamw or adamw_8bit")
         if self.init not in ("jit", "host"):
             raise ValueError(f"--init {self.init!r}: expected jit or host")
-        if (self.offload_base or self.base_format) and self.mode != "lora":
-            raise ValueError("--offload-base / --base-format apply to the frozen base of --mode lora")
-        if self.offload_base and self.recompute == "none":
-            raise ValueError("--offload-base needs --recompute full, dots or offload (none keeps every layer's "
-                             "device copy of its weights for the backward pass)")
-        if self.prefetch and self.recompute != "full":  # without --offload-base: the same loop, base resident
+        if self.base_format and self.mode != "lora":
+            raise ValueError("--base-format applies to the frozen base of --mode lora")
+        if self.prefetch and self.recompute not in ("full", "auto"):  # without --offload-base: the resident twin
             raise ValueError("--prefetch needs --recompute full (offload_prefetch)")
         if self.quant is not None and (self.offload_base or self.base_format or self.init == "host"):
             raise ValueError("--quant builds its random quantised base on the device; with --offload-base / "
                              "--init host use --base-format (a random GGUF block base built on the host)")
-        if self.offload_master and (self.mode != "full" or self.recipe != "bf16"):
-            raise ValueError("--offload-master keeps the fp32 master weights of --mode full --recipe bf16 in host "
-                             "memory")
         if self.segments * max(self.min_segment, 2) > self.seq:
             raise ValueError(f"--segments {self.segments} x --min-segment {self.min_segment} exceeds --seq {self.seq}")
 
 
-def train_namespace(bc: BenchConfig) -> SimpleNamespace:
-    """The TrainConfig fields the trainer's model and optimizer set-up reads (no pydantic needed)."""
-    return SimpleNamespace(
-        model=None, from_scratch=True, model_config_overrides=shape_hf_config(bc.shape), rope_scaling=None,
-        max_model_len=None, seed=bc.seed, attention=bc.attention, recipe=bc.recipe, master_dtype="fp32",
-        lora_dtype="fp32", is_qlora=False, lora=bc.mode == "lora", lora_rank=bc.rank,
-        lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank), lora_dropout=0.0, use_rslora=False,
-        lora_target_modules="all-linear", adapter_path=None, adapter_init_mode=None,
-        recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks, unroll_layers=bc.unroll_layers,
-        optimizer=bc.optimizer,
-        learning_rate=bc.learning_rate, lr_scheduler_type="constant", warmup_steps=0, final_lr_fraction=0.0,
-        cooldown_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        max_grad_norm=1.0, sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
+@functools.cache
+def shape_dir(shape: str) -> str:
+    """A model folder holding only the config.json of `shape` (the bench's weights are random, never loaded)."""
+    path = Path(tempfile.mkdtemp(prefix=f"surojax-bench-{shape}-"))
+    (path / "config.json").write_text(json.dumps(shape_hf_config(shape)))
+    return str(path)
+
+
+def train_config(bc: BenchConfig) -> TrainConfig:
+    """The bench's run as a TrainConfig (the trainer's keys, through the same config check): the architecture of
+    `shape` as the model (its weights random: `bench_spec`); the data is the synthetic packed rows below."""
+    lora = bc.mode == "lora"
+    keys = dict(
+        model=shape_dir(bc.shape), seed=bc.seed, attention=bc.attention,
+        recipe=bc.recipe, lora=lora, recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks,
+        unroll_layers=bc.unroll_layers, optimizer=bc.optimizer, learning_rate=bc.learning_rate,
+        lr_scheduler_type="constant", sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
         gradient_accumulation_steps=bc.accum, offload_base_weights=bc.offload_base,
-        offload_prefetch=bc.prefetch, offload_optimizer=bc.offload_optimizer, offload_master=bc.offload_master,
-    )
+        offload_prefetch=bc.prefetch and bc.offload_base, offload_optimizer=bc.offload_optimizer,
+        offload_master=bc.offload_master, max_steps=STEPS_PLANNED,
+        datasets=[{"path": "synthetic", "type": "text"}])
+    if lora:
+        keys.update(lora_rank=bc.rank, lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank),
+                    lora_target_modules="all-linear")
+    return config_from_dict(keys)
 
 
-def lm_chunk(cfg, rows: int) -> int:
-    """The trainer's lm-head chunk (tokens per chunk of the chunked loss), from `lmhead_chunks`."""
-    from surojax.losses.lm import lm_chunk_tokens
-
-    return lm_chunk_tokens(rows, cfg.sequence_len, cfg.lmhead_chunks)
+def bench_spec(bc: BenchConfig) -> RunSpec:
+    """The RunSpec of the bench: the TrainConfig's, with the rows' packing bound for attention (`segments` runs
+    per row) and the bench's init; `--prefetch` without `--offload-base` is the prefetching loop over a resident
+    base, the exactness protocol's twin (a spec, not a user config)."""
+    bc.check()
+    attention = packed_backend(bc.attention, bc.segments)
+    init = "host" if (bc.init == "host" or bc.offload_base or bc.base_format) else "jit"
+    spec = run_spec(train_config(bc), total_steps=STEPS_PLANNED, attention=attention, init=init)
+    if bc.prefetch and not bc.offload_base:
+        spec = spec.replace(memory=dataclasses.replace(spec.memory, offload_prefetch=True))
+    return spec
 
 
 # ---- synthetic packed batches -------------------------------------------------------------------------------
@@ -179,132 +193,33 @@ def synthetic_batch(rng: np.random.Generator, accum: int, batch: int, seq: int, 
 
 # ---- set-up -------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class Setup:
-    cfg: SimpleNamespace
-    model_cfg: object
-    mesh: object
-    graphdef: object
-    trainable: object
-    frozen: object
-    opt_state: object
-    optimizer: object
-    step: object
-    chunk: int
-    plan: object = None  # the memory plan (estimate)
-    attention: str = "auto"  # the attention backend the model was built with (`packed_backend` of the bench rows)
-
-
-def build(bc: BenchConfig, *, device=None) -> Setup:
-    """Model + optimizer state + the jitted step, exactly as the Trainer builds them (one device).
-
-    One model recipe, `make_model` (the trainer's `build_model`, then a random quantised base swapped in for
-    `--quant` / `--base-format`), and one of two ways to give it values, which must differ for models larger
-    than the device:
-        on the device  `init_sharded` runs `make_model` inside one jit: the weights are computed on the device
-                       and the bf16 kernels a quantised base replaces are dead code, never materialised
-        on the host    (`--init host`, forced by `--offload-base` / `--base-format`) `random_placed_model` traces
-                       `make_model` abstractly and fills every leaf with numpy values put straight where it lives
-                       (the streamed base in pinned host memory: the device never holds it whole)
-    """
-    import jax
-    from flax import nnx
-
-    from surojax.losses.lm import lm_loss
-    from surojax.models.layers.attention import packed_backend
-    from surojax.offload.remat import layer_loop
-    from surojax.parallel import init_sharded, make_mesh
-    from surojax.train.model_setup import build_model, trainable_filter
-    from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
-    from surojax.train.step import make_train_step
-
-    cfg = train_namespace(bc)
-    if bc.offload_base or bc.offload_optimizer or bc.offload_master or bc.recompute == "offload":
-        from surojax.offload.host_memory import raise_host_memory_limit
-
-        raise_host_memory_limit()  # before jax.devices() creates the GPU client (XLA caps pinned host at 64 GB)
+def build(bc: BenchConfig, *, device=None) -> Run:
+    """The run `build_run` assembles for the bench's spec on a one-device mesh; `--quant` / `--base-format` swap a
+    random quantised base into the model before it is placed."""
     device = device or jax.devices()[0]
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
-    plan = memory_plan(bc)
-    if bc.mode == "full":  # as the Trainer: refuse before anything is built or compiled when it cannot fit
-        from surojax.offload.memory_plan import check_fits, device_capacity
-
-        check_fits(plan, device_capacity(), offload_available=("offload_optimizer", "offload_master"))
+    spec = bench_spec(bc)
     base_format = bc.quant or bc.base_format  # check() allows at most one of them
-
-    # as the Trainer: "auto" on a GPU -> cuDNN packed with M = the runs per row of the data (synthetic rows are
-    # full and hold exactly bc.segments samples; `run` checks it)
-    attention = packed_backend(bc.attention, bc.segments)
-
-    def make_model():
-        model = build_model(cfg, attention=attention)
-        if base_format:
-            from surojax.bench.quant_base import randomize_base
-
+    customize = None
+    if base_format:
+        def customize(model):
             randomize_base(model, base_format, jax.random.key(bc.seed + 1000))
-        return model
-
-    if bc.init == "host" or bc.offload_base or bc.base_format:
-        from surojax.offload.host_init import random_placed_model
-
-        model = random_placed_model(make_model, mesh, offload_base=bc.offload_base, seed=bc.seed,
-                                    per_layer=bc.offload_base and bc.prefetch)
-    else:
-        model = init_sharded(make_model, mesh)
-    graphdef, trainable, frozen = nnx.split(model, trainable_filter(cfg), ...)
-    model_cfg = model.cfg
-
-    schedule = lr_schedule(cfg.lr_scheduler_type, cfg.learning_rate, 10**6, cfg.warmup_steps,
-                           cfg.final_lr_fraction, cfg.cooldown_steps)
-    optimizer = build_optimizer(cfg.optimizer, schedule, weight_decay=cfg.weight_decay, b1=cfg.adam_beta1,
-                                b2=cfg.adam_beta2, eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm,
-                                offload_state=bc.offload_optimizer, offload_master=bc.offload_master)
-    opt_state = init_opt_state(optimizer, trainable, mesh)  # as the Trainer
-    apply = {}
-    if bc.offload_master:  # as the Trainer: the fp32 layers now live in opt_state (host); train their bf16 copy
-        from surojax.offload.optimizer import apply_master_updates, compute_copy
-
-        trainable = compute_copy(trainable, jax.numpy.bfloat16)
-        apply = {"apply_updates": apply_master_updates}
-    del model  # its fp32 layers are freed once nothing refers to them
-
-    chunk = lm_chunk(cfg, bc.batch)
-
-    def loss_fn(model, batch, remat=None):  # as Trainer._loss_fn
-        return lm_loss(model, batch, chunk=chunk, remat=remat, unroll=cfg.unroll_layers)
-
-    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(cfg.recompute, prefetch=cfg.offload_prefetch,
-                                                                       per_layer=cfg.offload_prefetch),
-                           **apply)
-    return Setup(cfg, model_cfg, mesh, graphdef, trainable, frozen, opt_state, optimizer, step, chunk, plan,
-                 attention)
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
+    return build_run(spec, mesh, customize=customize)
 
 
-def memory_plan(bc: BenchConfig):
+def memory_plan(bc: BenchConfig) -> MemoryPlan:
     """The Trainer's memory plan (surojax/offload/memory_plan.py) of this configuration."""
-    from surojax.bench.shapes import model_config
-    from surojax.offload.memory_plan import plan_for_config
-
-    cfg = train_namespace(bc)
-    return plan_for_config(cfg, model_config(bc.shape), rows=bc.batch, lm_chunk_tokens=lm_chunk(cfg, bc.batch))
+    spec = bench_spec(bc)
+    return memory_plan_of(spec, lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks))
 
 
-def place_batch(setup: Setup, batch: dict) -> dict:
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from surojax.parallel import batch_sharding
-
+def place_batch(setup: Run, batch: dict) -> dict:
     sharding = NamedSharding(setup.mesh, P(None, *batch_sharding(setup.mesh).spec))  # as Trainer.batch_sharding
     return jax.device_put(batch, sharding)
 
 
 def _count(tree) -> int:
     """Parameters in a state: a quantised weight counts its logical [..., K, N] values, not its packed bytes."""
-    import jax
-
-    from surojax.quant.base import QuantFormat
-
     def n(x):
         if isinstance(x, QuantFormat):
             data = x.data  # [..., N*K/2] for nf4, [..., N, row] for the others: the leading dims are layers
@@ -313,18 +228,6 @@ def _count(tree) -> int:
         return int(np.prod(x.shape))
 
     return int(sum(n(x) for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantFormat))))
-
-
-def _quant_matmul_mode() -> str:
-    from pallas_kernels.dispatch import matmul_mode
-
-    return matmul_mode()
-
-
-def _host_bytes(state) -> int:
-    from surojax.offload.streaming import host_bytes
-
-    return host_bytes(state)
 
 
 def _peak_gib(device) -> float | None:
@@ -338,10 +241,6 @@ def _peak_gib(device) -> float | None:
 
 def run(bc: BenchConfig, log=None) -> dict:
     """Build, compile, time; return the result record (the JSON line)."""
-    import jax
-
-    from surojax.models.layers.attention import runs_per_row
-
     bc.check()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     device = jax.devices()[0]
@@ -350,8 +249,8 @@ def run(bc: BenchConfig, log=None) -> dict:
     jax.block_until_ready((setup.trainable, setup.frozen, setup.opt_state))
     init_s = time.perf_counter() - t0
     init_peak = _peak_gib(device)
-    mcfg = setup.model_cfg
-    attention = setup.attention
+    mcfg = setup.model_config
+    attention = setup.spec.model.attention
     log(f"built {bc.shape} ({bc.mode}{', base ' + bc.quant if bc.quant else ''}) in {init_s:.1f}s; attention "
         f"{attention}, recompute {bc.recompute}, lm-head chunk {setup.chunk} tokens")
 
@@ -366,7 +265,7 @@ def run(bc: BenchConfig, log=None) -> dict:
 
     def one():
         nonlocal trainable, opt_state
-        trainable, opt_state, m = setup.step(trainable, setup.frozen, opt_state, batch, key)
+        trainable, opt_state, m = setup.train_step(trainable, setup.frozen, opt_state, batch, key)
         return m
 
     t0 = time.perf_counter()
@@ -396,8 +295,8 @@ def run(bc: BenchConfig, log=None) -> dict:
         "step_ms_repeats": [t * 1e3 for t in times],
         "peak_gib": _peak_gib(device),
         "init_peak_gib": init_peak,
-        "plan_gib": setup.plan.total / 2**30 if setup.plan is not None else None,
-        "host_gib": (_host_bytes(setup.frozen) + _host_bytes(opt_state)) / 2**30,
+        "plan_gib": setup.memory_plan.total / 2**30,
+        "host_gib": (host_bytes(setup.frozen) + host_bytes(opt_state)) / 2**30,
         "mfu": fl["total"] / step_s / PEAK_BF16_FLOPS,
         "model_tflops_per_s": fl["total"] / step_s / 1e12,
         "gflops_per_token": fl["per_token"] / 1e9,
@@ -417,7 +316,7 @@ def run(bc: BenchConfig, log=None) -> dict:
             "offload_master": bc.offload_master,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,
-            "quant_matmul": _quant_matmul_mode() if bc.quant else None,
+            "quant_matmul": matmul_mode() if bc.quant else None,
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": device.device_kind,
             "jax": jax.__version__,

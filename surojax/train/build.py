@@ -47,6 +47,7 @@ class Run:
     eval_step(trainable, frozen, batch[B, T]) -> (loss_sum, tokens)
     """
     spec: RunSpec
+    mesh: object
     graphdef: nnx.GraphDef  # train mode (LoRA dropout on when it is set)
     eval_graphdef: nnx.GraphDef
     trainable: nnx.State
@@ -150,6 +151,6 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     train_step = make_train_step(graphdef, loss_fn, optimizer, remat=loop,
                                  prepare=set_dropout_key if train_mode else None, **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn, remat=loop if mem.offload_prefetch else None)
-    return Run(spec=spec, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
+    return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop)

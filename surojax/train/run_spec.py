@@ -244,11 +244,13 @@ def optim_spec(cfg: TrainConfig, total_steps: int) -> OptimSpec:
 def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None,
              init: Literal["build", "jit", "host"] = "build") -> RunSpec:
     """The run a TrainConfig describes. attention: the backend the layers are built with (default
-    `cfg.attention`; the Trainer passes `packed_backend` of its data)."""
+    `cfg.attention`; the Trainer passes `packed_backend` of its data). init: "build" loads `model` (or initialises
+    from the seed with from_scratch); "jit" / "host" give random weights of `model`'s architecture (benchmarks)."""
     model_cfg = model_config_for(cfg)
     precision = precision_spec(cfg)
     quant = quant_spec(cfg)
-    model = ModelSpec(config=model_cfg, source=None if cfg.from_scratch else cfg.model, seed=cfg.seed,
+    random_weights = cfg.from_scratch or init != "build"
+    model = ModelSpec(config=model_cfg, source=None if random_weights else cfg.model, seed=cfg.seed,
                       attention=attention or cfg.attention, init=init)
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
                       sequence_len=cfg.sequence_len)

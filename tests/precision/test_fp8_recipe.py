@@ -37,11 +37,11 @@ def _trajectory(recipe, mode):
     bc = BenchConfig(shape="debug", mode=mode, batch=4, seq=64, recipe=recipe, learning_rate=1e-2, segments=2,
                      min_segment=16)
     s = build(bc)
-    host, _ = synthetic_batch(np.random.default_rng(0), 1, 4, 64, s.model_cfg.vocab_size, 2, 16)
+    host, _ = synthetic_batch(np.random.default_rng(0), 1, 4, 64, s.model_config.vocab_size, 2, 16)
     batch = place_batch(s, host)
     trainable, opt_state, losses = s.trainable, s.opt_state, []
     for _ in range(STEPS):
-        trainable, opt_state, m = s.step(trainable, s.frozen, opt_state, batch, jax.random.key(0))
+        trainable, opt_state, m = s.train_step(trainable, s.frozen, opt_state, batch, jax.random.key(0))
         losses.append(float(m["loss"]))
     model = nnx.merge(s.graphdef, trainable, s.frozen)
     return np.array(losses), model, s
