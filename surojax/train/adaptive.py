@@ -9,7 +9,7 @@ Three switches (surojax/config/optim.py):
   (`epochs_for_budget`).
 
 The trainer calls, after each optimizer step `step` (its loss, global gradient norm before clipping, and the tokens
-it trained on),
+it processed over all replicas and micro-steps: they price the step's FLOPs),
 
     decision = adaptive.observe(step, loss, grad_norm, tokens)
 
@@ -17,6 +17,11 @@ and after each evaluation `adaptive.observe_eval(step, eval_loss)`. The `Decisio
 scheduled learning rate of the NEXT step by `lr_scale`; `skip_update` means this step's gradient was non-finite and
 must not be applied; `stop` is the reason to end training (or None); `events` are log lines; `phase` is the
 current training phase (always computed, even with every switch off, as information).
+
+The decision comes after the step has run, so the step itself must leave a non-finite update unapplied (a finite
+check inside the jitted step); `skip_update` reports it and counts it as an anomaly. Reading a step's loss and grad
+norm forces a host sync; reading step t's values after dispatching step t + 1 avoids the stall, at the price of the
+scale applying one step later than intended.
 
 With every switch off the object changes nothing: `lr_scale` is 1.0, `skip_update` False, `stop` None, no events.
 `state_dict()` / `load_state_dict()` carry everything the rules remember as JSON-serialisable values, so a resumed

@@ -19,7 +19,9 @@ Stop rules (only with `early_stop`; the first that fires gives the reason, and t
   once the window is full, as `(mean_older - mean_recent) / (flops_per_token * tokens of the recent half)`, the
   loss the last 50 steps bought per FLOP (FLOPs per token = 6 N). The peak is the largest value measured while the
   phase was `converging`, so noise on a flat or rising curve sets no peak; any later measurement under half the
-  peak stops. On a power-law curve this fires once learning has slowed to half its fastest rate.
+  peak stops. This is the rule as Surogate states it, and it is strict: on a power-law curve L - L_inf ~ t^-a the
+  rate falls as t^-(1+a), so it fires at 2^(1/(1+a)) (1.6 ... 1.9) times the step of the peak, which for a usual
+  LM loss curve is the first measurement: such a run stops a few hundred steps in.
 - `convergence` (from `observe_eval`): the convergence score of the eval losses is above 0.85 for 5 consecutive
   evals. score = 0.6 * stability + 0.4 * improvement, with
   stability   = clip(1 - CV of the last 5 eval losses, 0, 1),
@@ -27,6 +29,8 @@ Stop rules (only with `early_stop`; the first that fires gives the reason, and t
                 ((prev - cur) / |prev|); so this term is 1 when the eval loss no longer improves (or got worse)
                 and 0 when it improved by 5 % or more. The first eval has no previous one and is not scored.
 Non-finite losses (training or eval) are ignored: they enter no window and leave the counters as they are.
+The phase and convergence rules are relative to the loss level: they are meant for positive losses (cross-entropy,
+DPO); a loss that hovers around zero (policy-gradient objectives) reads as `unstable` and never stops them.
 """
 from __future__ import annotations
 

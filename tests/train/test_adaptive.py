@@ -205,6 +205,20 @@ def test_loss_reduction_per_flop_under_half_its_peak_stops(slope_after, tokens_a
         assert ds[stop_at].stop == "flop_efficiency"
 
 
+def test_a_power_law_curve_stops_on_the_flop_rule_soon_after_its_peak():
+    """The rule as written, checked against an independent evaluation of it on the noise-free curve: the rate of
+    each 50-step measurement, the running peak, the first measurement under half of it."""
+    t = np.arange(1000)
+    losses = 1.5 + 2.0 * (1 + t / 50) ** -0.5
+    ends = np.arange(99, 1000, 50)
+    rates = [(losses[m - 99:m - 49].mean() - losses[m - 49:m + 1].mean()) / (FLOPS * 50 * 1000) for m in ends]
+    peaks = np.maximum.accumulate(rates)
+    expected = next(m for m, r, p in zip(ends[1:], rates[1:], peaks[:-1]) if r < 0.5 * p)
+    ds = run(STOP, losses)
+    assert [d.stop for d in ds[:expected]] == [None] * expected
+    assert ds[expected].stop == "flop_efficiency" and expected < 300
+
+
 @pytest.mark.parametrize("num_params, dataset_tokens", [(1_000_000, 20_000_000), (1_000_000, 19_999_999),
                                                         (1_000_000, 3_000_000), (123_456_789, 987_654_321),
                                                         (1_000, 10**9), (8 * 10**9, 10**7)])
