@@ -119,7 +119,7 @@ class EarlyStop:
             return ()
         self.window.append((float(loss), int(tokens)))
         self.finite_steps += 1
-        before, self.phase = self.phase, classify_phase([l for l, _ in self.window], self.rules)
+        before, self.phase = self.phase, classify_phase([loss for loss, _ in self.window], self.rules)
         if not self.enabled or self.stop is not None:
             return ()
         events = [f"step {step}: phase {before} -> {self.phase}"] if self.phase != before else []
@@ -141,7 +141,7 @@ class EarlyStop:
         half = r.window // 2
         if len(self.window) < r.window or self.finite_steps % half:
             return []
-        losses = np.asarray([l for l, _ in self.window], dtype=np.float64)
+        losses = np.asarray([loss for loss, _ in self.window], dtype=np.float64)
         flops = self.flops_per_token * sum(t for _, t in list(self.window)[-half:])
         if flops <= 0:
             return []
@@ -174,7 +174,8 @@ class EarlyStop:
                 "converged_evals": self.converged_evals, "stop": self.stop}
 
     def load_state_dict(self, d: dict) -> None:
-        self.window = deque(((float(l), int(t)) for l, t in d["window"]), maxlen=self.rules.window)
+        self.window = deque(((float(loss), int(tokens)) for loss, tokens in d["window"]),
+                             maxlen=self.rules.window)
         self.finite_steps = int(d["finite_steps"])
         self.phase = d["phase"]
         self.plateau_run, self.diverging_run = int(d["plateau_run"]), int(d["diverging_run"])
