@@ -31,8 +31,14 @@ class OptimSection(StrictModel):
     """Rows (of `sequence_len` tokens) per data-parallel replica per micro-step."""
     gradient_accumulation_steps: int = Field(default=1, gt=0)
     auto_lr_reduction: bool = False
-    """Loss guard: halve the learning rate on loss spikes, exploding gradients and NaNs."""
+    """Loss guard (surojax/train/loss_guard.py): a step with a NaN/inf loss or gradient norm is skipped; an anomaly
+    (NaN/inf, a loss spike above mean + 3 sigma and 0.5 over the mean, a gradient norm above 10x its mean or
+    above 100; statistics over the last 100 normal steps) halves the learning rate: the first one for 50 steps,
+    blended back linearly, each later one for the rest of the run (at most 5 such cuts); one cut per 50 steps."""
     early_stop: bool = False
-    """Stop on convergence, plateau or divergence (Surogate's rules)."""
+    """Stop training (surojax/train/early_stop.py) when the eval-loss convergence score stays above 0.85 for 5
+    evals, when the loss reduction per FLOP falls under half its peak, or after 200 steps of divergence or 500
+    steps of plateau (phases over a 100-step loss window)."""
     epoch_adjustment: bool = False
-    """Set the number of epochs from the Chinchilla budget (20 tokens per parameter)."""
+    """Set the number of epochs to reach the Chinchilla budget of 20 tokens per model parameter:
+    ceil(20 N / dataset tokens), between 1 and 50."""
