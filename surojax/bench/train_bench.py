@@ -316,7 +316,7 @@ def _count(tree) -> int:
 
 
 def _quant_matmul_mode() -> str:
-    from pallas_kernels.dispatch import matmul_mode
+    from pallas_kernels.quant_matmul.api import matmul_mode
 
     return matmul_mode()
 

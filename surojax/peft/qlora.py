@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from surojax.models.registry import LINEAR_MODULES
 from surojax.peft.lora import base_linear, resolve_targets
 from surojax.quant import FORMATS
-from surojax.quant.quantize_mix import uniform_target_types
 from surojax.quant.transform import QuantReport, dequantize_kernel, kernel_format, quantize_kernel
 
 log = logging.getLogger(__name__)
@@ -46,6 +45,9 @@ def quantize_model(model, fmt: str, *, targets: str | Sequence[str] = "all-linea
 def quantize_model_mix(model, file_type: str, targets: str | Sequence[str] = "all-linear") -> dict[str, str]:
     """Quantise the targeted base kernels of `model` as a llama.cpp file type would (`qlora_gguf: q4_k_m`), one
     format per target (`quantize_mix.uniform_target_types`). In place; returns target -> format."""
+    # lazy: quantize_mix needs the optional `gguf` package (absent from the GPU image), quantize_model does not
+    from surojax.quant.quantize_mix import uniform_target_types
+
     names = resolve_targets(targets)
     chosen = uniform_target_types(file_type, model.cfg, names)
     for name in names:

@@ -144,8 +144,7 @@ def build_model(cfg, *, attention: str | None = None) -> Decoder:
         model = load_model(cfg.model, dtype=prec.compute, param_dtype=prec.base, attention=attention, cfg=mcfg)
     if qlora is not None:
         from surojax.config.lora import GGUF_MIXES
-        from surojax.quant.quantize_mix import quantize_model_mix
-        from surojax.quant.transform import quantize_model
+        from surojax.peft.qlora import quantize_model, quantize_model_mix
 
         fmt, options = qlora
         try:
@@ -226,7 +225,7 @@ def gguf_hf_config(path) -> dict:
 
 def load_gguf_base(cfg, prec: Precision, mcfg: ModelConfig, attention: str | None = None) -> Decoder:
     """`model: file.gguf`: the base with its quantised Linear kernels kept in their GGUF format (LoRA only)."""
-    from surojax.quant.transform import is_quantized
+    from surojax.peft.qlora import is_quantized
     from surojax.weights.gguf_checkpoint import load_gguf_model
 
     _, model, _ = load_gguf_model(cfg.model, dtype=prec.compute, param_dtype=prec.base,
