@@ -157,11 +157,8 @@ def choose(w: PackedWeight, mode: str | None = None) -> str:
     if mode == "xla":
         return "xla"
     spec = w.kernel_spec
-    if spec is None:
-        err = w.kernel_layout_error(DEFAULT_TILES[0].kt)
-    else:
-        fwd, bwd = tiles_for(spec)
-        err = w.kernel_layout_error(fwd.kt) or (w.kernel_layout_error(bwd.kt) if bwd.kt != fwd.kt else None)
+    fwd, bwd = tiles_for(spec) if spec is not None else DEFAULT_TILES
+    err = w.kernel_layout_error(fwd.kt) or (w.kernel_layout_error(bwd.kt) if bwd.kt != fwd.kt else None)
     if mode == "pallas":
         if err:
             raise ValueError(f"{ENV}=pallas: {err}")
