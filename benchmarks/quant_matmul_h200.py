@@ -6,7 +6,7 @@ tokens, both products of a LoRA step over a frozen quantised base:
     dx    dx [M, K] = g [M, N] @ W^T
 
 Paths: bf16 = jnp.dot on a bf16 W (the ceiling); xla = W.dequantize(bf16) then jnp.dot, one jit (what
-SUROJAX_QUANT_MATMUL=xla runs); pallas = the kernel-layout conversion (pallas_kernels.layout.to_layout) + the
+SUROJAX_QUANT_MATMUL=xla runs); pallas = the kernel-layout conversion (QuantFormat.kernel_layout) + the
 fused kernel, one jit (what SUROJAX_QUANT_MATMUL=pallas runs; the conversion is timed alone too).
 
 Per format: the tile configurations below are tried on the 4096x4096 shape (each compiled; a failure is printed
@@ -18,7 +18,7 @@ multiply-add). Weights are random codes in each format's layout with sane scales
 
 Timing: jax.block_until_ready around `iters` back-to-back calls (default 20) after a compile call and 2 warm-up
 calls; median of 3 repeats. One JSON line per measurement on stdout; a table and the suggested
-pallas_kernels.dispatch.AUTO_PALLAS (the formats whose fwd + dx time per decoder layer beats xla) last.
+pallas_kernels.quant_matmul.api.AUTO_PALLAS (the formats whose fwd + dx time per decoder layer beats xla) last.
 
     PYTHONPATH=$PWD python benchmarks/quant_matmul_h200.py --formats q4_k,nf4,q8_0      # H200, ~3 min
     PYTHONPATH=$PWD python benchmarks/quant_matmul_h200.py --formats q5_k,q6_k,nvfp4,fp8
@@ -35,9 +35,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fused import Tiles, forward, transposed
-from pallas_kernels.layout import to_layout
-from pallas_kernels.reference import forward_ref, transposed_ref
+from pallas_kernels.quant_matmul.kernel import Tiles, forward, transposed
+from pallas_kernels.quant_matmul.reference import forward_ref, transposed_ref
 from surojax.bench.quant_base import random_weight
 
 ALL_FORMATS = ["q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"]
@@ -93,19 +92,19 @@ def rel_err(a, b) -> float:
 
 
 def fwd_fn(tiles, interpret):
-    return jax.jit(lambda x, w: forward(x, to_layout(w, tiles.kt), tiles=tiles, interpret=interpret))
+    return jax.jit(lambda x, w: forward(x, w.kernel_layout(tiles.kt), tiles=tiles, interpret=interpret))
 
 
 def dx_fn(tiles, interpret):
-    return jax.jit(lambda g, w: transposed(g, to_layout(w, tiles.kt), tiles=tiles, interpret=interpret))
+    return jax.jit(lambda g, w: transposed(g, w.kernel_layout(tiles.kt), tiles=tiles, interpret=interpret))
 
 
 XLA_FWD = jax.jit(lambda x, w: jnp.dot(x, w.dequantize(x.dtype)))
 XLA_DX = jax.jit(lambda g, w: jnp.dot(g, w.dequantize(g.dtype).T))
 BF16_FWD = jax.jit(lambda x, w: jnp.dot(x, w))
 BF16_DX = jax.jit(lambda g, w: jnp.dot(g, w.T))
-REF_FWD = jax.jit(forward_ref, static_argnums=2)
-REF_DX = jax.jit(transposed_ref, static_argnums=2)
+REF_FWD = jax.jit(lambda x, w, out_dtype: forward_ref(x, w.kernel_layout(128), out_dtype), static_argnums=2)
+REF_DX = jax.jit(lambda g, w, out_dtype: transposed_ref(g, w.kernel_layout(128), out_dtype), static_argnums=2)
 
 
 def tune(name, fn_of, candidates, a, w, interpret, iters, product):
@@ -208,7 +207,7 @@ def main(argv=None) -> int:
                 tot["xla"] += PER_LAYER[sname] * t_xla
                 tot["pallas"] += PER_LAYER[sname] * t_pal
                 res[prod] = (t_bf, t_xla, t_pal, err, best.label() if best else "-")
-            t_conv = timeit(jax.jit(lambda w: to_layout(w, 128)), w, iters=iters)
+            t_conv = timeit(jax.jit(lambda w: w.kernel_layout(128)), w, iters=iters)
             emit(kind="time", format=name, shape=sname, K=k, N=n, product="to_layout", path="pallas", ms=t_conv * 1e3)
             log(f"{name} {sname}: " + ", ".join(f"{pr} bf16 {r[0] * 1e3:.3f} xla {r[1] * 1e3:.3f} pallas "
                                                  f"{r[2] * 1e3:.3f} ms (err {r[3]:.1e})" for pr, r in res.items()))
@@ -235,8 +234,8 @@ def main(argv=None) -> int:
               f"{tot['pallas'] * 1e3:.3f} ({tot['bf16'] / tot['pallas']:.2f}x) | {faster} |")
     ok = all(res[prod][3] < MAX_REL_ERR for *_, res, _ in rows for prod in res)
     print(f"\ncorrectness (pallas vs jnp reference, rel err < {MAX_REL_ERR}): {'ok' if ok else 'FAILED'}")
-    print(f"suggested pallas_kernels.dispatch.AUTO_PALLAS = frozenset({sorted(winners)})")
-    print("best tiles (pallas_kernels.dispatch.DEFAULT_TILES entries, fwd and dx):")
+    print(f"suggested pallas_kernels.quant_matmul.api.AUTO_PALLAS = frozenset({sorted(winners)})")
+    print("best tiles (pallas_kernels.quant_matmul.api.TUNED_TILES entries, fwd and dx):")
     for name, (f, b) in best_tiles.items():
         print(f"    {name!r}: ({f!r}, {b!r}),")
     log(f"done in {time.perf_counter() - T0:.0f} s")

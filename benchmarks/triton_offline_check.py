@@ -69,8 +69,7 @@ def dump(out: str, formats: list[str]) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import quant_matmul_h200 as bench
 
-    from pallas_kernels.fused import forward, transposed
-    from pallas_kernels.layout import to_layout
+    from pallas_kernels.quant_matmul.kernel import forward, transposed
     from surojax.bench.quant_base import random_weight
 
     os.makedirs(out, exist_ok=True)
@@ -81,7 +80,7 @@ def dump(out: str, formats: list[str]) -> None:
             w = random_weight(name, k, n, jax.random.key(0))
             for prod, candidates in (("fwd", bench.FWD_TILES), ("dx", bench.BWD_TILES)):
                 for tiles in candidates:
-                    lw = to_layout(w, tiles.kt)
+                    lw = w.kernel_layout(tiles.kt)
                     a = jnp.zeros((m, k if prod == "fwd" else n), jnp.bfloat16)
                     kernel = forward if prod == "fwd" else transposed
                     write(jax.jit(lambda a, lw, kernel=kernel, tiles=tiles: kernel(a, lw, tiles=tiles)), (a, lw),

@@ -1,9 +1,13 @@
-"""Pallas kernels of surojax.
+"""Pallas kernels of surojax, one folder per op, each with
 
-Fused dequantise + matmul for quantised frozen bases (LoRA over Q4_K, Q5_K, Q6_K, Q8_0, NF4, NVFP4, FP8-block):
-    layout      the kernel layout of a quantised weight (K tiles on rows) and its bit-exact conversion
-    fused       the two Pallas kernels: y = x @ W and dx = g @ W^T (Triton on GPU, interpret mode elsewhere)
-    reference   their pure-jnp references (dequantize + jnp.dot, fp32 accumulation)
-    dispatch    quant_matmul: custom_vjp over the kernels, or XLA's dequantise-then-matmul (SUROJAX_QUANT_MATMUL)
-See docs/quant_kernels.md.
+    kernel.py     the Pallas kernel (Triton lowering on GPU, interpret mode elsewhere)
+    reference.py  its pure-jnp reference
+    api.py        the public function: custom_vjp and the choice of backend
+
+Ops:
+    quant_matmul  fused dequantise + matmul of a quantised frozen weight (LoRA over Q4_K, Q5_K, Q6_K, Q8_0, NF4,
+                  NVFP4, FP8-block); layout.py holds the kernel layout a format hands over (arrays + LayoutSpec)
+
+This package imports nothing from surojax (tests/pallas_kernels/test_no_surojax_imports.py): callers hand their
+data over as arrays and small specs defined here. See docs/quant_kernels.md.
 """

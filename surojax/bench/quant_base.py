@@ -17,7 +17,7 @@ import ml_dtypes
 
 from surojax.quant import FORMATS
 
-# `--quant`: the formats with a fused dequantise + matmul kernel (pallas_kernels.layout.SPECS), built on the device
+# `--quant`: the formats with a fused dequantise + matmul kernel (a QuantFormat.kernel_spec), built on the device
 KERNEL_FORMATS = ("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8")
 # `--base-format`: GGUF legacy block types (one fp16 scale per 32 values), built on the host (offload/host_init.py)
 GGUF_LEGACY_FORMATS = ("q4_0", "q5_0", "q8_0")

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_kernels.dispatch import matmul_mode
+from pallas_kernels.quant_matmul.api import matmul_mode
 from surojax.bench.flops import PEAK_BF16_FLOPS, step_flops
 from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS, randomize_base
 from surojax.bench.shapes import SHAPES, shape_hf_config

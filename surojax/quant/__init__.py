@@ -1,7 +1,8 @@
 """Weight formats as JAX pytrees (see surojax.quant.base for the shape legend and the storage rule).
 
 `FORMATS` maps a format name to its class; `quantize(w [K, N], fmt)` packs a kernel into that format;
-every format has `dequantize(dtype) -> [K, N]`, `matmul(x)` and `nbytes`.
+every format has `dequantize(dtype) -> [K, N]`, `matmul(x)` and `nbytes`; those in FUSED_KERNEL_FORMATS also
+`kernel_layout(kt)` for the fused kernels (pallas_kernels.quant_matmul).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from surojax.quant.fp8 import FP8Block
 from surojax.quant.nvfp4 import NVFP4
 
 GGUF_TYPES = {name: cls for name, cls in FORMATS.items() if issubclass(cls, GGUFQuant)}
+# the formats the fused dequantise + matmul kernels decode (pallas_kernels.quant_matmul)
+FUSED_KERNEL_FORMATS = frozenset(name for name, cls in FORMATS.items() if cls.kernel_spec is not None)
 
 
 def quantize(w, fmt: str, **kw) -> QuantFormat:
@@ -26,6 +29,6 @@ def quantize(w, fmt: str, **kw) -> QuantFormat:
     return FORMATS[key].quantize(w, **kw)
 
 
-__all__ = ["FORMATS", "GGUF_TYPES", "QuantFormat", "GGUFQuant", "quantize", "F32", "F16", "BF16", "Q4_0", "Q4_1",
+__all__ = ["FORMATS", "FUSED_KERNEL_FORMATS", "GGUF_TYPES", "QuantFormat", "GGUFQuant", "quantize", "F32", "F16", "BF16", "Q4_0", "Q4_1",
            "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4",
            "NF4", "FP8Block", "NVFP4"]

@@ -13,6 +13,11 @@ instance a stacked `layers` axis, or `jax.lax.scan` slicing one off) pass throug
 A format is a frozen dataclass whose array fields are pytree leaves and whose `static()` fields are pytree
 metadata (hashable, part of the jit cache key), so `jax.jit`, `jax.tree.map`, `jax.device_put` and sharding
 all treat a quantised weight like any other parameter pytree.
+
+The fused kernels (pallas_kernels.quant_matmul) never see a format class: a format with a kernel sets
+`kernel_spec` (a LayoutSpec: code packing, scale block, decode) and implements `kernel_values()` (its codes and
+float32 scales in its own [N, K] row layout); `kernel_layout(kt)` hands them to `to_layout`, and `matmul` calls
+`quant_matmul(x, self)`, which uses only `dequantize`, `kernel_spec`, `kernel_layout_error` and `kernel_layout`.
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.quant_matmul.api import quant_matmul
+from pallas_kernels.quant_matmul.layout import KernelLayout, LayoutSpec, layout_error, to_layout
 
 FORMATS: dict[str, type["QuantFormat"]] = {}
 
@@ -49,7 +57,10 @@ class QuantFormat:
     """Interface of a quantised [K, N] weight. Subclasses are made with @register_format."""
 
     name: ClassVar[str]
+    data: jax.Array         # the packed codes; every subclass declares it (its first field)
     shape: tuple[int, int]  # (K, N) of the logical kernel; every subclass declares it as a static field
+    packed_ndim: ClassVar[int] = 2        # ndim of one layer's `data` (more: leading, stacked axes)
+    kernel_spec: ClassVar[LayoutSpec | None] = None  # how the fused kernels decode it; None: no kernel
 
     @classmethod
     def quantize(cls, w: np.ndarray, **kw) -> "QuantFormat":
@@ -66,12 +77,34 @@ class QuantFormat:
         return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(self)))
 
     def matmul(self, x: jax.Array) -> jax.Array:
-        """x [..., K] @ W [K, N] -> [..., N] in x's dtype. `pallas_kernels.dispatch.quant_matmul` picks the path:
-        the fused Pallas dequantise + matmul kernel (custom_vjp, no weight gradient) or x @ dequantize() in XLA
-        (the reference; always off GPU unless SUROJAX_QUANT_MATMUL=pallas)."""
-        from pallas_kernels.dispatch import quant_matmul  # lazy: the kernels import the formats
-
+        """x [..., K] @ W [K, N] -> [..., N] in x's dtype. `pallas_kernels.quant_matmul.api.quant_matmul` picks
+        the path: the fused Pallas dequantise + matmul kernel (custom_vjp, no weight gradient) or
+        x @ dequantize() in XLA (the reference; always off GPU unless SUROJAX_QUANT_MATMUL=pallas)."""
         return quant_matmul(x, self)
+
+    def kernel_values(self) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """One layer's values for the kernel layout, in the format's row layout: codes [N, K] (one code per
+        value), scale and offset [N, K/G] float32 (offset None unless kernel_spec.has_offset), computed with the
+        same operations as `dequantize`, so that decode(code) * scale (- offset) equals it bit for bit. Only
+        formats with a kernel_spec implement it."""
+        raise NotImplementedError(f"format {self.name!r} has no fused kernel")
+
+    def kernel_layout_error(self, kt: int) -> str | None:
+        """Why this weight cannot use the fused kernels with K tile `kt` (None when it can)."""
+        if self.kernel_spec is None:
+            return f"no fused kernel for format {self.name!r}"
+        lead = jnp.ndim(self.data) - self.packed_ndim
+        if lead:
+            return (f"{self.name}: the fused kernel takes one layer's weight; this one has {lead} leading (stacked) "
+                    "axes (the decoder's scan slices them off)")
+        return layout_error(self.kernel_spec, self.shape, kt)
+
+    def kernel_layout(self, kt: int = 128) -> KernelLayout:
+        """This layer's weight in the kernel layout with K tile kt (jnp, jit-able; ValueError: why it cannot)."""
+        err = self.kernel_layout_error(kt)
+        if err:
+            raise ValueError(err)
+        return to_layout(self.kernel_spec, *self.kernel_values(), kt=kt)
 
     def __repr__(self) -> str:  # arrays can be huge; show the shapes only
         leaves = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pallas_kernels.quant_matmul.layout import LayoutSpec, decode_integer
 from surojax.quant.base import QuantFormat, as_kn, register_format, static, to_kn
 
 BLOCK = 128
@@ -27,6 +28,8 @@ class FP8Block(QuantFormat):
     data: jax.Array
     scale: jax.Array
     shape: tuple[int, int] = static(default=(0, 0))
+
+    kernel_spec = LayoutSpec("fp8", nibble=False, group=BLOCK, has_offset=False, decode=decode_integer)
 
     @classmethod
     def quantize(cls, w) -> "FP8Block":
@@ -45,3 +48,9 @@ class FP8Block(QuantFormat):
         k, n = self.shape
         s = jnp.repeat(jnp.repeat(jnp.asarray(self.scale), BLOCK, axis=-2), BLOCK, axis=-1)[..., :n, :k]
         return to_kn(jnp.asarray(self.data).astype(jnp.float32) * s, dtype)
+
+    def kernel_values(self):
+        """codes E4M3, scale = the block scale of each row repeated over its 128-row block of N: [N, K/128]."""
+        k, n = self.shape
+        scale = jnp.repeat(jnp.asarray(self.scale), BLOCK, axis=0)[:n]
+        return jnp.asarray(self.data), scale, None

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from surojax.quant import quantize_iq4, quantize_kquants
 from surojax.quant.base import QuantFormat, as_kn, static, to_kn
 
 QK_K = 256  # super-block size of the K-quants and IQ4_XS
@@ -64,8 +65,6 @@ class GGUFQuant(QuantFormat):
                 f"quantising to GGUF {cls.name} is not implemented yet: the gguf package has no quantiser for it "
                 "(llama.cpp's reference quantiser is to come); it can be dequantised, so wrap pre-quantised "
                 f"tensors with {cls.__name__}.from_gguf")
-        from surojax.quant import quantize_iq4, quantize_kquants
-
         for impl in (quantize_kquants, quantize_iq4):  # llama.cpp's reference quantisers, byte-exact
             if cls.name in impl.BLOCK_QUANTIZERS:
                 return cls.from_gguf(impl.quantize_rows(w.T, cls.name), k, n)
@@ -74,6 +73,11 @@ class GGUFQuant(QuantFormat):
         return cls.from_gguf(np.asarray(raw), k, n)
 
     # -- decoding -----------------------------------------------------------------------------------------------
+    def row_blocks(self) -> jax.Array:
+        """One layer's uint8 data as [N, K / block_size, type_size]: block b of output row n."""
+        k, n = self.shape
+        return jnp.asarray(self.data).reshape(n, k // self.block_size, self.type_size)
+
     @classmethod
     def dequantize_blocks(cls, blocks: jax.Array) -> jax.Array:
         """uint8 [M, type_size] -> float32 [M, block_size]."""

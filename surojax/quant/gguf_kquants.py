@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant_matmul.layout import LayoutSpec, decode_integer
 from surojax.quant.base import f16_from_bytes, register_format
 from surojax.quant.gguf_base import QK_K, GGUFQuant
 
@@ -50,6 +51,14 @@ def _k4_scales_mins(b):
     d, dmin = f16_from_bytes(b[:, 0:2])[:, None], f16_from_bytes(b[:, 2:4])[:, None]
     sc, m = _scale_min_k4(b[:, 4:16])
     return (d * sc.astype(jnp.float32)).reshape(n, 8, 1), (dmin * m.astype(jnp.float32)).reshape(n, 8, 1)
+
+
+def _k4_kernel_scales(b):
+    """Q4_K/Q5_K super-blocks uint8 [N, nb, type_size] -> (d*sc, dmin*m) float32 [N, nb*8] (sub-block order)."""
+    n, nb = b.shape[:2]
+    d, dmin = f16_from_bytes(b[..., 0:2])[..., None], f16_from_bytes(b[..., 2:4])[..., None]
+    sc, m = (a.reshape(n, nb, 8) for a in _scale_min_k4(b[..., 4:16].reshape(-1, 12)))
+    return (d * sc.astype(jnp.float32)).reshape(n, -1), (dmin * m.astype(jnp.float32)).reshape(n, -1)
 
 
 @register_format("q2_k")
@@ -100,6 +109,17 @@ class Q4_K(GGUFQuant):
         q = q.reshape(n, 8, 32).astype(jnp.float32)
         return (dd * q - dm).reshape(n, QK_K)
 
+    kernel_spec = LayoutSpec("q4_k", nibble=True, group=32, has_offset=True, decode=decode_integer)
+
+    def kernel_values(self):
+        """codes 0..15, scale d*sc and offset dmin*m per sub-block of 32."""
+        b = self.row_blocks()
+        n, nb = b.shape[:2]
+        scale, offset = _k4_kernel_scales(b)
+        qs = b[..., 16:].reshape(n, nb, 4, 1, 32)                   # byte 32*i + l: sub-blocks 2i (lo), 2i+1 (hi)
+        codes = ((qs >> _shifts(0, 4).reshape(1, 1, 1, 2, 1)) & 0x0F).reshape(n, -1)
+        return codes, scale, offset
+
 
 @register_format("q5_k")
 class Q5_K(GGUFQuant):
@@ -113,6 +133,20 @@ class Q5_K(GGUFQuant):
         qh = _shift_out(b[:, 16:48].reshape(n, 1, 1, 32), jnp.arange(8, dtype=jnp.uint8), 1, (1, 1, 8, 1))
         q = (ql | (qh.reshape(n, 8, 32) << 4)).astype(jnp.float32)
         return (dd * q - dm).reshape(n, QK_K)
+
+    kernel_spec = LayoutSpec("q5_k", nibble=False, group=32, has_offset=True, decode=decode_integer)
+
+    def kernel_values(self):
+        """codes 0..31 (one per byte), scale d*sc and offset dmin*m per sub-block of 32."""
+        b = self.row_blocks()
+        n, nb = b.shape[:2]
+        scale, offset = _k4_kernel_scales(b)
+        qs = b[..., 48:].reshape(n, nb, 4, 1, 32)
+        lo = (qs >> _shifts(0, 4).reshape(1, 1, 1, 2, 1)) & 0x0F                        # [n, nb, 4, 2, 32]
+        qh = b[..., 16:48].reshape(n, nb, 1, 32)                                       # bit j of qh[l]: sub-block j
+        hi = (qh >> jnp.arange(8, dtype=jnp.uint8).reshape(1, 1, 8, 1)) & 1            # [n, nb, 8, 32]
+        codes = (lo.reshape(n, nb, 8, 32) | (hi << 4)).reshape(n, -1)
+        return codes, scale, offset
 
 
 @register_format("q6_k")
@@ -130,3 +164,17 @@ class Q6_K(GGUFQuant):
         hi = _shift_out(qh.reshape(n, 2, 1, 32), _shifts(0, 2, 4, 6), 0x03, (1, 1, 4, 1)).reshape(n, 8, 32)
         q = ((lo | (hi << 4)).astype(jnp.int32) - 32).reshape(n, 16, 16).astype(jnp.float32)
         return (dl * q).reshape(n, QK_K)
+
+    kernel_spec = LayoutSpec("q6_k", nibble=False, group=16, has_offset=False, decode=decode_integer)
+
+    def kernel_values(self):
+        """codes q - 32 as int8, scale d*sc per sub-block of 16."""
+        b = self.row_blocks()
+        n, nb = b.shape[:2]
+        ql, qh = b[..., :128].reshape(n, nb, 2, 1, 64), b[..., 128:192].reshape(n, nb, 2, 1, 32)
+        sc = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+        scale = (f16_from_bytes(b[..., 208:210])[..., None] * sc).reshape(n, -1)      # [N, K/16]
+        lo = (ql >> _shifts(0, 4).reshape(1, 1, 1, 2, 1)) & 0x0F                      # [n, nb, 2, 2, 64]
+        hi = (qh >> _shifts(0, 2, 4, 6).reshape(1, 1, 1, 4, 1)) & 0x03                # [n, nb, 2, 4, 32]
+        q = (lo.reshape(n, nb, 256) | (hi.reshape(n, nb, 256) << 4)).astype(jnp.int32) - 32
+        return q.astype(jnp.int8).reshape(n, -1), scale, None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant_matmul.layout import LayoutSpec, decode_integer
 from surojax.quant.base import f16_from_bytes, nibbles_lo_hi, register_format, u32_from_bytes
 from surojax.quant.gguf_base import GGUFQuant
 
@@ -77,3 +78,13 @@ class Q8_0(GGUFQuant):
     def dequantize_blocks(cls, b):
         d = f16_from_bytes(b[:, 0:2])[:, None]
         return jax.lax.bitcast_convert_type(b[:, 2:], jnp.int8).astype(jnp.float32) * d
+
+    kernel_spec = LayoutSpec("q8_0", nibble=False, group=32, has_offset=False, decode=decode_integer)
+
+    def kernel_values(self):
+        """codes int8, scale d per block of 32."""
+        b = self.row_blocks()
+        n = b.shape[0]
+        scale = f16_from_bytes(b[..., 0:2]).reshape(n, -1)                             # [N, K/32]
+        q = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).reshape(n, -1)
+        return q, scale, None

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.quant_matmul.layout import LayoutSpec, Table16
 from surojax.quant.base import QuantFormat, as_kn, register_format, static, to_kn
 
 BLOCK = 64
@@ -76,6 +77,9 @@ class NF4(QuantFormat):
     shape: tuple[int, int] = static(default=(0, 0))
     double_quant: bool = static(default=False)
 
+    packed_ndim = 1  # data is the flat [N*K/2]
+    kernel_spec = LayoutSpec("nf4", nibble=True, group=BLOCK, has_offset=False, decode=Table16.of(NF4_CODE))
+
     @classmethod
     def quantize(cls, w, double_quant: bool = False) -> "NF4":
         w = as_kn(w)
@@ -115,3 +119,9 @@ class NF4(QuantFormat):
         vals = jnp.asarray(NF4_CODE)[idx.astype(jnp.int32)] * self.block_absmax()[..., None]
         return to_kn(vals.reshape(*lead, n, k), dtype)
 
+    def kernel_values(self):
+        """codes 0..15 (the first value of a byte is its HIGH nibble), scale = the block absmax."""
+        k, n = self.shape
+        data = jnp.asarray(self.data)
+        codes = jnp.stack([data >> 4, data & 0x0F], axis=-1).reshape(n, k)
+        return codes, self.block_absmax().reshape(n, k // BLOCK), None

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pallas_kernels.quant_matmul.layout import LayoutSpec, e2m1
 from surojax.quant.base import QuantFormat, as_kn, register_format, static, to_kn
 
 BLOCK = 16
@@ -31,6 +32,8 @@ class NVFP4(QuantFormat):
     scale: jax.Array
     global_scale: jax.Array
     shape: tuple[int, int] = static(default=(0, 0))
+
+    kernel_spec = LayoutSpec("nvfp4", nibble=True, group=BLOCK, has_offset=False, decode=e2m1)
 
     @classmethod
     def quantize(cls, w) -> "NVFP4":
@@ -59,3 +62,11 @@ class NVFP4(QuantFormat):
         eff = jnp.asarray(self.scale).astype(jnp.float32) * jnp.asarray(self.global_scale)[..., None, None]
         vals = jnp.asarray(E2M1_VALUES)[q.astype(jnp.int32)] * eff[..., None]
         return to_kn(vals.reshape(*lead, n, k), dtype)
+
+    def kernel_values(self):
+        """codes 0..15 (the even value of a byte is its LOW nibble), scale = float32(scale) * global_scale."""
+        k, n = self.shape
+        data = jnp.asarray(self.data)
+        codes = jnp.stack([data & 0x0F, data >> 4], axis=-1).reshape(n, k)
+        eff = jnp.asarray(self.scale).astype(jnp.float32) * jnp.asarray(self.global_scale)
+        return codes, eff, None

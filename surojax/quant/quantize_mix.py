@@ -24,8 +24,8 @@ F32 / F16 / BF16 file types store every 2-D weight in that type.
 
 Training over a mix (`qlora_gguf: q4_k_m`): the decoder scans over stacked layers, so one target (say v_proj) must
 have one format on every layer. `uniform_target_types` gives each target the widest type the rule picks for any
-of its layers (Q4_K_M: v_proj and down_proj in Q6_K on every layer, the rest Q4_K) and the file's own per-layer
-choice is used when writing a .gguf.
+of its layers (Q4_K_M: v_proj and down_proj in Q6_K on every layer, the rest Q4_K; applied to a model by
+surojax.peft.qlora.quantize_model_mix) and the file's own per-layer choice is used when writing a .gguf.
 """
 from __future__ import annotations
 
@@ -135,16 +135,3 @@ def uniform_target_types(file_type: str, cfg, targets) -> dict[str, str]:
                                  n_gqa=n_gqa, arch=cfg.model_type) for i in range(cfg.num_layers)]
         out[t] = widest(per_layer)
     return out
-
-
-def quantize_model_mix(model, file_type: str, targets="all-linear") -> dict[str, str]:
-    """Quantise the targeted base kernels of `model` as a llama.cpp file type would (`qlora_gguf: q4_k_m`), one
-    format per target (`uniform_target_types`). In place; returns target -> format."""
-    from surojax.peft.lora import resolve_targets
-    from surojax.quant.transform import quantize_model
-
-    names = resolve_targets(targets)
-    chosen = uniform_target_types(file_type, model.cfg, names)
-    for name in names:
-        quantize_model(model, chosen[name], targets=[name])
-    return chosen

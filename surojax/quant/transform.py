@@ -1,35 +1,25 @@
-"""Quantise the frozen base of a built `Decoder`: the targeted Linear kernels of `model.layers` become quantised
-weights (surojax.quant formats) in place, for LoRA over a quantised base (QLoRA).
+"""Quantise the kernel of one Linear in place: the value of its stacked [L, K, N] `kernel` becomes a format's
+pytree (surojax.quant) whose every leaf has the layers axis L first (each layer quantised on its own, then the
+leaves stacked), so the decoder's `lax.scan` slices one layer's quantised weight exactly as it slices a plain
+kernel, and `nnx.split` / `nnx.merge` / `jax.jit` / `jax.device_put` carry it like any other parameter pytree.
+The variable stays an `nnx.Param` (the subclass `QuantParam`, which only lets `kernel[...]` return the packed
+pytree), with its "axes" metadata, so LoRA's filters see it as frozen base (LoRA trains only `nnx.LoRAParam`).
+`Linear.__call__` goes through `dot`, which calls the format's `matmul`.
 
-    report = quantize_model(model, "nf4", double_quant=True)     # in place; returns a QuantReport
-    apply_lora(model, rank=16, alpha=32, rngs=nnx.Rngs(0))        # the adapters on top, as on a plain base
-
-What changes: the VALUE of each targeted `Linear.kernel` (a stacked [L, in, out] array) becomes the format's pytree
-whose every leaf has the layers axis L first (each layer is quantised on its own, then the leaves are stacked), so
-the decoder's `lax.scan` slices one layer's quantised weight exactly as it slices a plain kernel, and
-`nnx.split` / `nnx.merge` / `jax.jit` / `jax.device_put` carry it like any other parameter pytree. The variable
-stays an `nnx.Param` (the subclass `QuantParam`, which only lets `kernel[...]` return the packed pytree), with its
-"axes" metadata, so LoRA's filters see it as frozen base (LoRA trains only `nnx.LoRAParam`). `Linear.__call__`
-goes through `dot`, which calls the format's `matmul` (x @ dequantize(x.dtype) in the jnp reference path).
-
-Embeddings, norms and the LM head are untouched. Folding a LoRA adapter into a quantised kernel (merge_lora,
-stacked adapters in merge mode) raises `fold_into`'s error: merge into the unquantised model, then quantise.
+These are the per-Linear steps; which Linears of a model (the LoRA targets, under a LoRA wrapper or not) is the
+caller's choice: surojax.peft.qlora.quantize_model applies them to a built Decoder.
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.quant import FORMATS, quantize
+from surojax.quant import quantize
 from surojax.quant.base import QuantFormat
-
-log = logging.getLogger(__name__)
 
 
 class QuantParam(nnx.Param):
@@ -84,62 +74,36 @@ def quantize_stacked(w, fmt: str, **options) -> QuantFormat:
     return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *per_layer)
 
 
-def quantize_model(model, fmt: str, *, targets: str | Sequence[str] = "all-linear", **format_options) -> QuantReport:
-    """Quantise the targeted Linear kernels of `model.layers` to `fmt` (a key of surojax.quant.FORMATS:
-    nf4, fp8, nvfp4, q8_0, q4_0, ...), in place. `format_options` go to the format's `quantize`
-    (e.g. double_quant=True for nf4). Works on a plain model or one already wrapped by LoRA (the base is
-    quantised, the adapters stay). Returns a QuantReport (bytes before / after); also logged."""
-    from surojax.models.registry import LINEAR_MODULES
-    from surojax.peft.lora import base_linear, resolve_targets
-
-    key = fmt.lower()
-    if key not in FORMATS:
-        raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(sorted(FORMATS))}")
-    report = QuantReport(key)
-    for name in resolve_targets(targets):
-        lin = base_linear(model, name)
-        var = lin.kernel
-        if not isinstance(var, nnx.Variable):
-            raise ValueError(f"{LINEAR_MODULES[name]}: kernel is not a Variable ({type(var).__name__})")
-        value = var.get_value()
-        if isinstance(value, QuantFormat):
-            raise ValueError(f"{LINEAR_MODULES[name]}: the kernel is already quantised ({type(value).__name__})")
-        try:
-            q = quantize_stacked(value, key, **format_options)
-        except ValueError as e:
-            raise ValueError(f"{name} ({LINEAR_MODULES[name]}, kernel {tuple(value.shape)}): {e}") from None
-        report.before[name] = _nbytes(value)
-        report.after[name] = _nbytes(q)
-        lin.kernel = QuantParam(q, **var.get_metadata())
-    log.info("%s", report)
-    return report
+def quantize_kernel(linear: nnx.Module, fmt: str, **format_options) -> tuple[int, int]:
+    """Quantise `linear.kernel` ([L, K, N] or [K, N]) to `fmt` in place (a QuantParam with the same metadata);
+    -> (bytes before, bytes after). ValueError when the kernel is not a Variable, is already quantised, or the
+    format refuses its shape."""
+    var = linear.kernel
+    if not isinstance(var, nnx.Variable):
+        raise ValueError(f"kernel is not a Variable ({type(var).__name__})")
+    value = var.get_value()
+    if isinstance(value, QuantFormat):
+        raise ValueError(f"the kernel is already quantised ({type(value).__name__})")
+    try:
+        q = quantize_stacked(value, fmt, **format_options)
+    except ValueError as e:
+        raise ValueError(f"kernel {tuple(value.shape)}: {e}") from None
+    linear.kernel = QuantParam(q, **var.get_metadata())
+    return _nbytes(value), _nbytes(q)
 
 
-def dequantize_model(model, dtype=jnp.float32) -> None:
-    """The inverse view, for tests and reference runs: every quantised kernel of `model.layers` becomes the plain
-    `nnx.Param` holding its `dequantize(dtype)` (in place). The result computes x @ W exactly as the quantised
-    model's jnp reference path does."""
-    from surojax.models.registry import LINEAR_MODULES
-    from surojax.peft.lora import base_linear
-
-    for name in LINEAR_MODULES:
-        lin = base_linear(model, name)
-        value = lin.kernel.get_value()
-        if isinstance(value, QuantFormat):
-            lin.kernel = nnx.Param(value.dequantize(dtype), **lin.kernel.get_metadata())
+def dequantize_kernel(linear: nnx.Module, dtype=jnp.float32) -> None:
+    """A quantised `linear.kernel` becomes the plain `nnx.Param` holding its `dequantize(dtype)` (in place; a plain
+    kernel is left as is)."""
+    value = linear.kernel.get_value()
+    if isinstance(value, QuantFormat):
+        linear.kernel = nnx.Param(value.dequantize(dtype), **linear.kernel.get_metadata())
 
 
-def is_quantized(model) -> dict[str, str]:
-    """Target name -> format name of every quantised base kernel of `model.layers`."""
-    from surojax.models.registry import LINEAR_MODULES
-    from surojax.peft.lora import base_linear
-
-    out = {}
-    for name in LINEAR_MODULES:
-        value = base_linear(model, name).kernel.get_value()
-        if isinstance(value, QuantFormat):
-            out[name] = value.name
-    return out
+def kernel_format(linear: nnx.Module) -> str | None:
+    """The format name of a quantised `linear.kernel`, None for a plain one."""
+    value = linear.kernel.get_value()
+    return value.name if isinstance(value, QuantFormat) else None
 
 
-__all__ = ["QuantParam", "QuantReport", "quantize_model", "quantize_stacked", "dequantize_model", "is_quantized"]
+__all__ = ["QuantParam", "QuantReport", "dequantize_kernel", "kernel_format", "quantize_kernel", "quantize_stacked"]

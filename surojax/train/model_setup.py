@@ -17,8 +17,7 @@ from surojax.peft.lora import TRAINABLE
 from surojax.peft.stacked import init_lora
 from surojax.precision.fp8_matmul import dot_form
 from surojax.precision.fp8_transform import apply_fp8
-from surojax.quant.quantize_mix import quantize_model_mix
-from surojax.quant.transform import is_quantized, quantize_model
+from surojax.peft.qlora import is_quantized, quantize_model, quantize_model_mix
 from surojax.train.run_spec import RunSpec, TrainSetupError
 from surojax.weights.gguf_checkpoint import load_gguf_model
 from surojax.weights.hf_checkpoint import load_model

@@ -40,7 +40,7 @@ def test_cli_choices_are_the_lists_the_bench_checks():
     the lists BenchConfig.check() uses, and --quant's to the formats that have a fused kernel."""
     import argparse
 
-    from pallas_kernels.layout import SPECS
+    from surojax.quant import FUSED_KERNEL_FORMATS
     from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS, RANDOM_FORMATS
     from surojax.bench.shapes import SHAPES
     from surojax.cli.bench import add_arguments
@@ -49,6 +49,6 @@ def test_cli_choices_are_the_lists_the_bench_checks():
     add_arguments(parser)
     choices = {a.dest: tuple(a.choices) for a in parser._actions if a.choices}
     assert choices["shape"] == tuple(SHAPES)
-    assert choices["quant"] == KERNEL_FORMATS == tuple(SPECS)
+    assert choices["quant"] == KERNEL_FORMATS and set(KERNEL_FORMATS) == FUSED_KERNEL_FORMATS
     assert choices["base_format"] == GGUF_LEGACY_FORMATS
     assert set(KERNEL_FORMATS) | set(GGUF_LEGACY_FORMATS) == set(RANDOM_FORMATS)

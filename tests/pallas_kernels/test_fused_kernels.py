@@ -1,4 +1,5 @@
-"""The fused kernels (interpret mode) equal their jnp references (dequantize + one jnp.dot, fp32 accumulation).
+"""The fused kernels (interpret mode) equal x @ the format's own dequantize (one jnp.dot, fp32 accumulation), and
+the package's reference (the same product over the kernel layout) equals that product exactly.
 
 Tolerance. The kernel decodes the same bf16 weights as `dequantize(bf16)` (same float32 operations, then the same
 cast), and bf16 x bf16 products are exact in float32, so kernel and reference differ only in the order of the fp32
@@ -10,9 +11,8 @@ import numpy as np
 import pytest
 
 from kernel_weights import KERNEL_FORMATS, make_weight
-from pallas_kernels.fused import Tiles, forward, transposed
-from pallas_kernels.layout import to_layout
-from pallas_kernels.reference import forward_ref, transposed_ref
+from pallas_kernels.quant_matmul.kernel import Tiles, forward, transposed
+from pallas_kernels.quant_matmul.reference import forward_ref, transposed_ref
 
 K, N, M = 256, 64, 40          # M = 40 is ragged for bm = 32: padded to 64 rows, sliced back
 TILES = Tiles(bm=32, bn=32, kt=128)
@@ -23,6 +23,15 @@ def _bound(a, b):
     return a.shape[-1] * 2.0 ** -23 * (a @ b)
 
 
+def _dot(a, w, out_dtype):
+    """a @ w.dequantize(a.dtype), fp32 accumulation: the reference independent of the kernel layout."""
+    return jnp.dot(a, w.dequantize(a.dtype), preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _dot_t(g, w, out_dtype):
+    return jnp.dot(g, w.dequantize(g.dtype).T, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
 def _bf16_ulp(y):
     y = np.abs(np.asarray(y, np.float32))
     return np.exp2(np.floor(np.log2(np.maximum(y, 1e-30))) - 7)
@@ -31,37 +40,48 @@ def _bf16_ulp(y):
 @pytest.mark.parametrize("name", [f for f in KERNEL_FORMATS if f != "nf4-dq"])  # dq: same kernel as nf4
 def test_kernels_equal_the_reference(name):
     w = make_weight(name, K, N)
-    lw = to_layout(w, TILES.kt)
+    lw = w.kernel_layout(TILES.kt)
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
     g = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
     wd = np.asarray(w.dequantize(jnp.bfloat16), np.float32)
 
     y = forward(x, lw, tiles=TILES, interpret=True, out_dtype=jnp.float32)
-    y_ref = forward_ref(x, w, out_dtype=jnp.float32)
+    y_ref = _dot(x, w, jnp.float32)
     assert y.shape == (M, N)
     assert np.all(np.abs(np.asarray(y) - np.asarray(y_ref)) <= _bound(x, wd))
 
     dx = transposed(g, lw, tiles=TILES, interpret=True, out_dtype=jnp.float32)
-    dx_ref = transposed_ref(g, w, out_dtype=jnp.float32)
+    dx_ref = _dot_t(g, w, jnp.float32)
     assert dx.shape == (M, K)
     assert np.all(np.abs(np.asarray(dx) - np.asarray(dx_ref)) <= _bound(g, wd.T))
 
+
+@pytest.mark.parametrize("name", KERNEL_FORMATS)
+def test_the_reference_is_the_product_with_dequantize(name):
+    """forward_ref / transposed_ref over the kernel layout: the same bf16 weights, the same jnp.dot (eager)."""
+    w = make_weight(name, K, N)
+    lw = w.kernel_layout(TILES.kt)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(forward_ref(x, lw, jnp.float32)), np.asarray(_dot(x, w, jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(transposed_ref(g, lw)), np.asarray(_dot_t(g, w, jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("name", ["q4_k", "q6_k"])
 def test_swapped_tiles_and_few_rows(name):
     """swap (the transposed accumulator), kt = 256, bn = N, and M = 1 / 3 (bm shrinks to 16, padded)."""
     w = make_weight(name, K, N, seed=3)
-    lw = to_layout(w, 256)
+    lw = w.kernel_layout(256)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((1, K)), jnp.bfloat16)
     tiles = Tiles(bm=128, bn=64, kt=256, swap=True)
     y = forward(x, lw, tiles=tiles, interpret=True, out_dtype=jnp.float32)
     wd = np.asarray(w.dequantize(jnp.bfloat16), np.float32)
-    assert np.all(np.abs(np.asarray(y) - np.asarray(forward_ref(x, w, jnp.float32))) <= _bound(x, wd))
+    assert np.all(np.abs(np.asarray(y) - np.asarray(_dot(x, w, jnp.float32))) <= _bound(x, wd))
     # in the compute dtype: within one bf16 ulp of the reference
     g = jnp.asarray(np.random.default_rng(3).standard_normal((3, N)), jnp.bfloat16)
-    dx, dx_ref = transposed(g, lw, tiles=tiles, interpret=True), transposed_ref(g, w)
+    dx, dx_ref = transposed(g, lw, tiles=tiles, interpret=True), _dot_t(g, w, jnp.bfloat16)
     assert dx.dtype == jnp.bfloat16 and dx.shape == (3, K)
     diff = np.abs(np.asarray(dx, np.float32) - np.asarray(dx_ref, np.float32))
     assert np.all(diff <= _bf16_ulp(dx_ref) + _bound(g, wd.T))
@@ -69,7 +89,7 @@ def test_swapped_tiles_and_few_rows(name):
 
 def test_bad_shapes_and_tiles_are_rejected():
     w = make_weight("q8_0", K, 48)
-    lw = to_layout(w, 128)
+    lw = w.kernel_layout(128)
     x = jnp.ones((8, K), jnp.bfloat16)
     with pytest.raises(ValueError, match="x has K=128"):
         forward(jnp.ones((8, 128), jnp.bfloat16), lw, interpret=True)
@@ -78,7 +98,7 @@ def test_bad_shapes_and_tiles_are_rejected():
     with pytest.raises(ValueError, match="differs from the layout"):
         forward(x, lw, tiles=Tiles(kt=256), interpret=True)
     with pytest.raises(ValueError, match="N=40"):
-        to_layout(make_weight("nf4", K, 40), 128)
+        make_weight("nf4", K, 40).kernel_layout(128)
     # N = 48 is not a multiple of bn = 32: the column tile shrinks to 16 and the result is still right
     y = forward(x, lw, tiles=Tiles(bm=16, bn=32, kt=128), interpret=True, out_dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(forward_ref(x, w, jnp.float32)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(_dot(x, w, jnp.float32)), rtol=1e-5, atol=1e-5)

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.fused import Tiles, forward, transposed
-from pallas_kernels.layout import to_layout
+from pallas_kernels.quant_matmul.kernel import Tiles, forward, transposed
 from surojax.bench.quant_base import random_weight
 
 H200 = jax.sharding.AbstractMesh(
@@ -31,7 +30,7 @@ def test_kernels_lower_to_triton_for_an_h200(name):
     k, n, m = 512, 256, 256
     w = random_weight(name, k, n, jax.random.key(0))
     for tiles in (Tiles(128, 128, 128, 8, 3), Tiles(128, 64, 256, 4, 3, swap=True)):
-        lw = to_layout(w, tiles.kt)
+        lw = w.kernel_layout(tiles.kt)
         x, g = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((m, n), jnp.bfloat16)
         assert TRITON in _lower(lambda x, lw: forward(x, lw, tiles=tiles), x, lw)
         assert TRITON in _lower(lambda g, lw: transposed(g, lw, tiles=tiles), g, lw)

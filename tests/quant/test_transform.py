@@ -1,4 +1,4 @@
-"""quantize_model: the targeted kernels of a built Decoder become quantised pytrees (leading layers axis) that
+"""quantize_model (surojax.peft.qlora over quant.transform): the targeted kernels of a built Decoder become quantised pytrees (leading layers axis) that
 run through nnx.split / merge, lax.scan, jit and LoRA; the logits and LoRA gradients equal those of the same model
 over the dequantised kernels.
 
@@ -18,7 +18,8 @@ from surojax.models.decoder import Decoder
 from surojax.peft.lora import LORA_TARGETS, apply_lora, base_linear, merge_lora
 from surojax.quant import FP8Block, NF4, NVFP4, Q4_0, Q8_0
 from surojax.quant.base import QuantFormat
-from surojax.quant.transform import QuantParam, dequantize_model, is_quantized, quantize_model
+from surojax.peft.qlora import dequantize_model, is_quantized, quantize_model
+from surojax.quant.transform import QuantParam, quantize_stacked
 
 HF = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
@@ -124,8 +125,6 @@ def test_lora_gradients_equal_those_over_the_dequantised_base(fmt, options, cls)
 @pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
 def test_matmul_is_exactly_x_at_dequantize(fmt, options, cls):
     """The same math, bit for bit: x @ W equals the GEMM over dequantize() in the storage layout [N, K]."""
-    from surojax.quant.transform import quantize_stacked
-
     w = np.random.RandomState(0).randn(2, 64, 32).astype(np.float32)
     x = jnp.asarray(np.random.RandomState(1).randn(2, 8, 64).astype(np.float32))
     q = quantize_stacked(w, fmt, **options)

@@ -1,4 +1,4 @@
-"""quant_matmul's dispatch (SUROJAX_QUANT_MATMUL) and the custom_vjp over the fused kernels: forward and input
+"""quant_matmul's api (SUROJAX_QUANT_MATMUL) and the custom_vjp over the fused kernels: forward and input
 gradient equal the XLA path's, the frozen weight gets no gradient, and LoRA gradients over a quantised base
 through the kernels (interpret mode on CPU) equal those over its dequantised copy.
 
@@ -10,15 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from kernel_weights import make_weight
-from pallas_kernels import dispatch
-from pallas_kernels.dispatch import ENV, KernelOptions, choose, fused_matmul, xla_matmul
-from pallas_kernels.fused import Tiles
+from pallas_kernels.quant_matmul import api
+from pallas_kernels.quant_matmul.api import ENV, KernelOptions, choose, fused_matmul, xla_matmul
+from pallas_kernels.quant_matmul.kernel import Tiles
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.lora import apply_lora
-from surojax.quant.transform import dequantize_model, quantize_model
+from surojax.peft.qlora import dequantize_model, quantize_model
 
 OPTS = KernelOptions(Tiles(bm=16, bn=32, kt=128), Tiles(bm=16, bn=32, kt=128), interpret=True)
 
@@ -26,7 +27,7 @@ OPTS = KernelOptions(Tiles(bm=16, bn=32, kt=128), Tiles(bm=16, bn=32, kt=128), i
 def test_mode_selection(monkeypatch):
     w = make_weight("q8_0", 128, 32)
     monkeypatch.delenv(ENV, raising=False)
-    assert dispatch.matmul_mode() == "auto" and choose(w) == "xla"  # auto is xla off GPU
+    assert api.matmul_mode() == "auto" and choose(w) == "xla"  # auto is xla off GPU
     monkeypatch.setenv(ENV, "pallas")
     assert choose(w) == "pallas"
     with pytest.raises(ValueError, match="stacked"):
@@ -36,9 +37,9 @@ def test_mode_selection(monkeypatch):
     assert choose(w, "xla") == "xla"
     monkeypatch.setenv(ENV, "cuda")
     with pytest.raises(ValueError, match="SUROJAX_QUANT_MATMUL='cuda'"):
-        dispatch.matmul_mode()
-    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)  # auto on GPU: only the formats of AUTO_PALLAS
-    monkeypatch.setattr(dispatch, "AUTO_PALLAS", frozenset({"q8_0"}))
+        api.matmul_mode()
+    monkeypatch.setattr(api, "on_gpu", lambda: True)  # auto on GPU: only the formats of AUTO_PALLAS
+    monkeypatch.setattr(api, "AUTO_PALLAS", frozenset({"q8_0"}))
     assert choose(w, "auto") == "pallas" and choose(make_weight("fp8", 128, 32), "auto") == "xla"
     assert choose(make_weight("q8_0", 64, 32), "auto") == "xla"  # off the tiles: auto falls back
 
@@ -99,8 +100,8 @@ def test_lora_gradients_through_the_kernels_equal_the_dequantised_base(monkeypat
     dequantize_model(reference, jnp.float32)
 
     calls = []
-    real = dispatch.fused_matmul
-    monkeypatch.setattr(dispatch, "fused_matmul", lambda *a: calls.append(a[1].name) or real(*a))
+    real = api.fused_matmul
+    monkeypatch.setattr(api, "fused_matmul", lambda *a: calls.append(a[1].name) or real(*a))
     monkeypatch.setenv(ENV, "pallas")
     g_kernel = _grads(model)
     assert sorted(calls) == ["nf4"] * 2  # each quantised linear went through the kernels (traced once: the scan)
@@ -117,8 +118,6 @@ def test_lora_gradients_through_the_kernels_equal_the_dequantised_base(monkeypat
 def test_scan_saves_the_packed_weight_not_a_bf16_copy(path, capsys):
     """Under a scan without remat, plain autodiff of x @ dequantize(w) saves every layer's bf16 weight for the
     backward (the whole base in bf16); both custom_vjps keep only the packed bytes (the scanned argument itself)."""
-    from jax.ad_checkpoint import print_saved_residuals
-
     w = make_weight("q4_k", 256, 128)
     stacked = jax.tree.map(lambda a: jnp.stack([a, a, a]), w)
 

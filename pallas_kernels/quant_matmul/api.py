@@ -1,6 +1,6 @@
-"""`quant_matmul(x, w)`: the matmul of every quantised weight (QuantFormat.matmul calls it), choosing between
+"""`quant_matmul(x, w)`: the matmul of every quantised weight (a format's `matmul` calls it), choosing between
 
-    pallas  the fused dequantise + matmul kernels (pallas_kernels.fused) under a custom_vjp: forward y = x @ W,
+    pallas  the fused dequantise + matmul kernels (quant_matmul.kernel) under a custom_vjp: forward y = x @ W,
             backward dx = g @ W^T by the transposed kernel, no gradient for the frozen W (zero cotangents)
     xla     x @ w.dequantize(x.dtype): XLA dequantises the weight into a bf16 temporary and runs its GEMM; a
             custom_vjp dequantises again in the backward for dx = g @ W^T (no bf16 copy kept as a residual)
@@ -11,6 +11,9 @@ benchmark, benchmarks/quant_matmul_h200.py, measured the fused kernel faster tha
 for the rest. pallas forces the kernels (interpret mode off GPU: slow, for tests) and raises when a weight cannot
 take them (a format without a kernel, stacked leaves, K or N off the tiles); auto falls back to xla instead.
 
+The weight is any pytree that has the `PackedWeight` methods (surojax.quant's formats do): the api never needs
+its class, only its dequantize (the xla path) and its KernelLayout (the kernels). The weight itself, not its
+layout, is the custom_vjps' residual: under a scan that is the scanned slice, nothing new is saved per layer.
 The kernels see one layer's weight: the decoder's lax.scan slices the stacked [L, ...] leaves before the call.
 """
 from __future__ import annotations
@@ -18,29 +21,55 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.fused import Tiles, forward, transposed
-from pallas_kernels.layout import SPECS, layout_error, to_layout
+from pallas_kernels.quant_matmul.kernel import Tiles, forward, transposed
+from pallas_kernels.quant_matmul.layout import KernelLayout, LayoutSpec
+
+
+class PackedWeight(Protocol):
+    """What quant_matmul needs of a quantised [K, N] weight (a JAX pytree of its packed arrays)."""
+
+    @property
+    def kernel_spec(self) -> LayoutSpec | None:
+        """How the kernels decode this format; None: no fused kernel."""
+
+    def dequantize(self, dtype) -> jax.Array:
+        """-> [K, N] in dtype (pure jnp)."""
+
+    def kernel_layout_error(self, kt: int) -> str | None:
+        """Why this weight cannot take the kernels with K tile kt (None: it can)."""
+
+    def kernel_layout(self, kt: int) -> KernelLayout:
+        """The weight's KernelLayout with K tile kt (jnp, jit-able)."""
+
 
 ENV = "SUROJAX_QUANT_MATMUL"
 MODES = ("auto", "pallas", "xla")
 
 # Formats whose fused kernel beat XLA's dequantise-then-matmul (forward + input gradient, M = 8192, Qwen3-8B
 # shapes) on the H200, as benchmarks/quant_matmul_h200.py prints it. Empty: XLA won for every format measured
-# (benchmarks/RESULTS.md, "Quantised bases": fused 0.24-0.48x of bf16, XLA 0.86-0.95x).
+# (benchmarks/RESULTS.md, "Quantised bases").
 AUTO_PALLAS: frozenset[str] = frozenset()
 
-# Default tiles per format: (forward, transposed). The benchmark prints its best configurations per format.
-DEFAULT_TILES: dict[str, tuple[Tiles, Tiles]] = {
-    name: (Tiles(bm=128, bn=128, kt=128, num_warps=8, num_stages=3),
-           Tiles(bm=128, bn=64, kt=128, num_warps=8, num_stages=3)) for name in SPECS}
+# Tiles (forward, transposed) of every format, unless TUNED_TILES (keyed by LayoutSpec.name) has its own. The
+# benchmark prints its best configurations per format.
+DEFAULT_TILES: tuple[Tiles, Tiles] = (Tiles(bm=128, bn=128, kt=128, num_warps=8, num_stages=3),
+                                      Tiles(bm=128, bn=64, kt=128, num_warps=8, num_stages=3))
+TUNED_TILES: dict[str, tuple[Tiles, Tiles]] = {}
+
+
+def tiles_for(spec: LayoutSpec) -> tuple[Tiles, Tiles]:
+    """(forward, transposed) tiles of a format."""
+    return TUNED_TILES.get(spec.name, DEFAULT_TILES)
 
 
 def matmul_mode() -> str:
+    """The path SUROJAX_QUANT_MATMUL asks for: "auto" (unset or empty), "pallas" or "xla"; ValueError otherwise."""
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
@@ -48,6 +77,7 @@ def matmul_mode() -> str:
 
 
 def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU (the kernels run compiled there, in interpret mode elsewhere)."""
     return jax.default_backend() == "gpu"
 
 
@@ -76,7 +106,7 @@ def _xla(x, w):
 
 
 @jax.custom_vjp
-def xla_matmul(x: jax.Array, w) -> jax.Array:
+def xla_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     """x [..., K] @ W -> [..., N]: dequantise in XLA, then its GEMM (the reference path). The backward
     dequantises again for dx = g @ W^T instead of keeping the bf16 copy as a residual: under a scan without
     remat, autodiff would otherwise save every layer's dequantised weight (the whole base in bf16)."""
@@ -95,13 +125,13 @@ xla_matmul.defvjp(_xla_fwd, _xla_bwd)
 
 
 def _fused(x, w, opts):
-    lw = to_layout(w, opts.fwd.kt)
+    lw = w.kernel_layout(opts.fwd.kt)
     y = forward(x.reshape(-1, x.shape[-1]), lw, tiles=opts.fwd, interpret=opts.interpret)
     return y.reshape(*x.shape[:-1], -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fused_matmul(x: jax.Array, w, opts: KernelOptions) -> jax.Array:
+def fused_matmul(x: jax.Array, w: PackedWeight, opts: KernelOptions) -> jax.Array:
     """x [..., K] @ W [K, N] -> [..., N] in x's dtype by the fused kernel; differentiable in x only. The residual
     is the packed weight itself (re-laid out again for the backward kernel: one cheap pass over its bytes)."""
     return _fused(x, w, opts)
@@ -112,7 +142,7 @@ def _fused_fwd(x, w, opts):
 
 
 def _fused_bwd(opts, w, g):
-    lw = to_layout(w, opts.bwd.kt)
+    lw = w.kernel_layout(opts.bwd.kt)
     dx = transposed(g.reshape(-1, g.shape[-1]), lw, tiles=opts.bwd, interpret=opts.interpret)
     return dx.reshape(*g.shape[:-1], -1), _frozen(w)
 
@@ -120,30 +150,29 @@ def _fused_bwd(opts, w, g):
 fused_matmul.defvjp(_fused_fwd, _fused_bwd)
 
 
-def choose(w, mode: str | None = None) -> str:
+def choose(w: PackedWeight, mode: str | None = None) -> str:
     """'pallas' or 'xla' for weight w under `mode` (default: the env var). Raises in mode pallas when the weight
     cannot take the kernels."""
     mode = mode or matmul_mode()
     if mode == "xla":
         return "xla"
-    tiles = DEFAULT_TILES.get(getattr(w, "name", ""))
-    err = layout_error(w, tiles[0].kt) if tiles else f"no fused kernel for format {getattr(w, 'name', w)!r}"
-    if tiles and not err and tiles[1].kt != tiles[0].kt:
-        err = layout_error(w, tiles[1].kt)
+    spec = w.kernel_spec
+    fwd, bwd = tiles_for(spec) if spec is not None else DEFAULT_TILES
+    err = w.kernel_layout_error(fwd.kt) or (w.kernel_layout_error(bwd.kt) if bwd.kt != fwd.kt else None)
     if mode == "pallas":
         if err:
             raise ValueError(f"{ENV}=pallas: {err}")
         return "pallas"
-    return "pallas" if on_gpu() and not err and w.name in AUTO_PALLAS else "xla"
+    return "pallas" if on_gpu() and not err and spec.name in AUTO_PALLAS else "xla"
 
 
-def quant_matmul(x: jax.Array, w, mode: str | None = None) -> jax.Array:
+def quant_matmul(x: jax.Array, w: PackedWeight, mode: str | None = None) -> jax.Array:
     """x [..., K] @ W [K, N] -> [..., N] in x's dtype, by the path `choose` picks."""
     if choose(w, mode) == "xla":
         return xla_matmul(x, w)
-    fwd, bwd = DEFAULT_TILES[w.name]
+    fwd, bwd = tiles_for(w.kernel_spec)
     return fused_matmul(x, w, KernelOptions(fwd, bwd, interpret=not on_gpu()))
 
 
-__all__ = ["AUTO_PALLAS", "DEFAULT_TILES", "ENV", "KernelOptions", "choose", "fused_matmul", "matmul_mode",
-           "quant_matmul", "xla_matmul"]
+__all__ = ["AUTO_PALLAS", "DEFAULT_TILES", "ENV", "KernelOptions", "PackedWeight", "TUNED_TILES", "choose",
+           "fused_matmul", "matmul_mode", "on_gpu", "quant_matmul", "tiles_for", "xla_matmul"]

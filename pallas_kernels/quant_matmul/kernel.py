@@ -3,7 +3,7 @@
     forward     y [M, N]  = x [M, K] @ W [K, N]      grid (M/bm, N/bn), loop over K in tiles of kt
     transposed  dx [M, K] = g [M, N] @ W^T [N, K]    grid (M/bm, K/kt), loop over N in tiles of bn
 
-W arrives in the kernel layout (pallas_kernels.layout): per K tile the kernel loads the packed codes of a
+W arrives in the kernel layout (pallas_kernels.quant_matmul.layout): per K tile the kernel loads the packed codes of a
 [kt, bn] tile (a [kt/2, bn] byte tile for 4-bit codes), the [kt/G, bn] scales (and offsets), decodes
 w = decode(code) * scale (- offset) in float32 registers, casts to the activation dtype (bf16) and runs the dot
 with float32 accumulation. For 4-bit codes the low nibbles are the first half of the K tile and the high nibbles
@@ -21,8 +21,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.layout import KernelLayout, Spec
+from pallas_kernels.quant_matmul.layout import KernelLayout, LayoutSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,6 @@ def _pow2(v: int) -> bool:
 def _compiler_params(tiles: Tiles, interpret: bool):
     if interpret:
         return None
-    from jax.experimental.pallas import triton as plgpu
-
     return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -63,7 +62,7 @@ def _rows(s: jax.Array, group: int) -> jax.Array:
     return jnp.broadcast_to(s[:, None, :], (r, group, bn)).reshape(r * group, bn)
 
 
-def _decode(code, scale, offset, spec: Spec, dtype):
+def _decode(code, scale, offset, spec: LayoutSpec, dtype):
     """code [R, bn], scale/offset [R/G, bn] -> W tile [R, bn] in dtype (float32 math as the format's)."""
     w = spec.decode(code) * _rows(scale, spec.group)
     if spec.has_offset:
@@ -71,7 +70,7 @@ def _decode(code, scale, offset, spec: Spec, dtype):
     return w.astype(dtype)
 
 
-def _tile(q_ref, s_ref, o_ref, t, cols, spec: Spec, kt: int, dtype):
+def _tile(q_ref, s_ref, o_ref, t, cols, spec: LayoutSpec, kt: int, dtype):
     """The decoded W of K tile t: [(w [rows, cols], k offset in the tile)], two halves for 4-bit codes.
     t: the K tile's index in the refs (traced in the forward loop, 0 in the transposed kernel's block);
     cols: pl.ds (or slice) over N. Offsets are products of t with static ints (no traced division)."""
@@ -97,7 +96,7 @@ def _dot(a, b, contract: tuple[int, int]):
                                preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, n_k: int, swap: bool):
+def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: LayoutSpec, kt: int, n_k: int, swap: bool):
     """y tile [bm, bn] = sum over K tiles of x [bm, kt] @ w [kt, bn]; with swap the accumulator is y^T [bn, bm]
     = w^T @ x^T (on Hopper the left wgmma operand may stay in registers, where the decoded tile is)."""
     o_ref, y_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
@@ -113,7 +112,7 @@ def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, n_k: int, s
     y_ref[...] = (acc.T if swap else acc).astype(y_ref.dtype)
 
 
-def _transposed_kernel(g_ref, q_ref, s_ref, *rest, spec: Spec, kt: int, bn: int, n_n: int, swap: bool):
+def _transposed_kernel(g_ref, q_ref, s_ref, *rest, spec: LayoutSpec, kt: int, bn: int, n_n: int, swap: bool):
     """dx tile [bm, kt] = sum over N tiles of g [bm, bn] @ w[kt, bn]^T (one accumulator per half of the K tile
     for 4-bit codes); with swap the accumulators are dx^T = w @ g^T, the decoded tile the left operand as is."""
     o_ref, dx_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
@@ -142,7 +141,7 @@ def _check(lw: KernelLayout, tiles: Tiles, n_tile: int):
         if not _pow2(v) or v < 16:
             raise ValueError(f"tile {name}={v} must be a power of 2 >= 16 (Triton)")
     if n % n_tile:
-        raise ValueError(f"{lw.fmt}: N={n} (the output dim) must be a multiple of the column tile bn={n_tile}")
+        raise ValueError(f"{lw.spec.name}: N={n} (the output dim) must be a multiple of the column tile bn={n_tile}")
 
 
 def fit_tiles(tiles: Tiles, m: int, n: int) -> Tiles:
@@ -188,7 +187,7 @@ def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: b
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         compiler_params=_compiler_params(tiles, interpret),
         interpret=interpret,
-        name=f"qmm_{lw.fmt}_fwd",
+        name=f"qmm_{lw.spec.name}_fwd",
     )(xp, *_weight_args(lw))
     return y[:m]
 
@@ -218,7 +217,7 @@ def transposed(g: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret
         out_specs=pl.BlockSpec((bm, kt), lambda i, t: (i, t)),
         compiler_params=_compiler_params(tiles, interpret),
         interpret=interpret,
-        name=f"qmm_{lw.fmt}_bwd",
+        name=f"qmm_{lw.spec.name}_bwd",
     )(gp, *_weight_args(lw))
     return dx[:m]
 

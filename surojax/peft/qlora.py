@@ -1,0 +1,72 @@
+"""QLoRA's frozen base: quantise (or dequantise, or list) the targeted Linear kernels of a built `Decoder`, whether
+or not LoRA already wraps them (the base of a `LoRALinear`).
+
+    report = quantize_model(model, "nf4", double_quant=True)     # in place; returns a QuantReport
+    apply_lora(model, rank=16, alpha=32, rngs=nnx.Rngs(0))        # the adapters on top, as on a plain base
+
+Each targeted kernel becomes a format's stacked pytree in a `QuantParam` (surojax.quant.transform: one Linear at a
+time); embeddings, norms and the LM head are untouched. Folding a LoRA adapter into a quantised kernel
+(merge_lora, stacked adapters in merge mode) raises `fold_into`'s error: merge into the unquantised model, then
+quantise. This module sits above surojax.quant (the formats and the per-Linear step know nothing of LoRA).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from surojax.models.registry import LINEAR_MODULES
+from surojax.peft.lora import base_linear, resolve_targets
+from surojax.quant import FORMATS
+from surojax.quant.transform import QuantReport, dequantize_kernel, kernel_format, quantize_kernel
+
+log = logging.getLogger(__name__)
+
+
+def quantize_model(model, fmt: str, *, targets: str | Sequence[str] = "all-linear", **format_options) -> QuantReport:
+    """Quantise the targeted Linear kernels of `model.layers` to `fmt` (a key of surojax.quant.FORMATS:
+    nf4, fp8, nvfp4, q8_0, q4_0, ...), in place. `format_options` go to the format's `quantize`
+    (e.g. double_quant=True for nf4). Works on a plain model or one already wrapped by LoRA (the base is
+    quantised, the adapters stay). Returns a QuantReport (bytes before / after); also logged."""
+    key = fmt.lower()
+    if key not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(sorted(FORMATS))}")
+    report = QuantReport(key)
+    for name in resolve_targets(targets):
+        try:
+            report.before[name], report.after[name] = quantize_kernel(base_linear(model, name), key, **format_options)
+        except ValueError as e:
+            raise ValueError(f"{name} ({LINEAR_MODULES[name]}): {e}") from None
+    log.info("%s", report)
+    return report
+
+
+def quantize_model_mix(model, file_type: str, targets: str | Sequence[str] = "all-linear") -> dict[str, str]:
+    """Quantise the targeted base kernels of `model` as a llama.cpp file type would (`qlora_gguf: q4_k_m`), one
+    format per target (`quantize_mix.uniform_target_types`). In place; returns target -> format."""
+    # lazy: quantize_mix needs the optional `gguf` package (absent from the GPU image), quantize_model does not
+    from surojax.quant.quantize_mix import uniform_target_types
+
+    names = resolve_targets(targets)
+    chosen = uniform_target_types(file_type, model.cfg, names)
+    for name in names:
+        quantize_model(model, chosen[name], targets=[name])
+    return chosen
+
+
+def dequantize_model(model, dtype=jnp.float32) -> None:
+    """The inverse view, for tests and reference runs: every quantised kernel of `model.layers` becomes the plain
+    `nnx.Param` holding its `dequantize(dtype)` (in place). The result computes x @ W exactly as the quantised
+    model's jnp reference path does."""
+    for name in LINEAR_MODULES:
+        dequantize_kernel(base_linear(model, name), dtype)
+
+
+def is_quantized(model) -> dict[str, str]:
+    """Target name -> format name of every quantised base kernel of `model.layers`."""
+    formats = {name: kernel_format(base_linear(model, name)) for name in LINEAR_MODULES}
+    return {name: fmt for name, fmt in formats.items() if fmt is not None}
+
+
+__all__ = ["dequantize_model", "is_quantized", "quantize_model", "quantize_model_mix"]
