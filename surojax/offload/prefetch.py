@@ -206,7 +206,9 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
     def stack_bwd(res, dh):
         diff, dev, host, h_in, consts = res
         grads = [None] * L
-        fetched = {j: _fetch_static(host, j, after=dh) for j in range(L - 1, max(L - 2 - depth, -1), -1)}
+        # the first copies wait for the cotangent and the last layer's input: never alongside the forward pass
+        first = range(L - 1, max(L - 2 - depth, -1), -1)
+        fetched = {j: _fetch_static(host, j, after=(dh, h_in[L - 1])) for j in first}
         for l in reversed(range(L)):
             dev_l, w = at(dev, l), fetched.pop(l)
             # the recompute of layer l reads only h_in[l]: the barrier keeps it after layer l+1's gradient, so XLA
