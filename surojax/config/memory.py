@@ -9,12 +9,14 @@ from surojax.config.base import StrictModel
 
 
 class MemorySection(StrictModel):
-    recompute: Literal["none", "full", "dots", "offload"] = "full"
-    """Activation remat per decoder layer: none, full (recompute the layer), dots (save matmul outputs only),
-    offload (save activations to host memory). true / false mean full / none."""
-    unroll_layers: int | bool = 1
-    """Layers per iteration of the scanned layer loop: 1 (default) compiles one layer; true inlines every layer,
-    which saves the per-layer copies of the activations kept for the backward (faster step, longer compile)."""
+    recompute: Literal["auto", "none", "full", "dots", "offload"] = "auto"
+    """Activation remat per decoder layer: auto (default: the fastest setting whose planned peak fits the device,
+    chosen with unroll_layers; surojax/offload/layer_loop_choice.py), none, full (recompute the layer), dots (save
+    matmul outputs only), offload (save activations to host memory). true / false mean full / none."""
+    unroll_layers: Literal["auto"] | int | bool = "auto"
+    """Layers per iteration of the scanned layer loop: auto (default: chosen with recompute, see above); 1 compiles
+    one layer; true inlines every layer, which keeps the activations saved for the backward as separate buffers
+    instead of [L, ...] stacks (faster step, less memory with recompute none, longer compile)."""
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     """Attention backend; auto picks cuDNN flash attention on GPU where it applies, else XLA."""
     lmhead_chunks: int = Field(default=1, gt=0)
@@ -36,7 +38,9 @@ class MemorySection(StrictModel):
 
     @field_validator("unroll_layers")
     @classmethod
-    def _positive_unroll(cls, v: int | bool) -> int | bool:
+    def _positive_unroll(cls, v: str | int | bool) -> str | int | bool:
+        if v == "auto":
+            return v
         if not isinstance(v, bool) and v < 1:
             raise ValueError(f"must be true, false or a positive number of layers (got {v})")
         return 1 if v is False else v

@@ -5,7 +5,8 @@
     weights      frozen base (LoRA: compute dtype, bf16) or master weights (full: `master_dtype`, fp32 in the
                  bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
                  on the device (an untied embedding is streamed too: it is on the device only for the forward's
-                 token gather; XLA does not prefetch the next layer, measured; `prefetch`: two layers); with `offload_master` the
+                 token gather; XLA does not prefetch the next layer, measured; `prefetch`: the layer computing plus
+                 `prefetch_depth` layers fetched ahead, the bound prefetch.py's unrolled loop enforces); with `offload_master` the
                  layers are their compute-dtype copy (c bytes / param; their fp32 master is in host memory) plus
                  two layers' master in flight during the per-layer update, the embedding / head / norms stay
                  in `master_dtype`
@@ -45,6 +46,13 @@ Activations, bytes saved per token per layer (c = compute-dtype bytes, D, F, NH 
            o_proj D*c, gate/up 2 F*c, down D*c, LoRA x@A and (x@A)@B of each target (R + out)*c
            (a first build that returned matmuls in fp32 measured dots above none; since the backward
            GEMMs run in the compute dtype the matmul outputs are c bytes)
+    none, unrolled (`unroll` covers every layer: no scan) the residuals XLA cannot fuse away: what dots keeps
+           plus the attention output NH*c. Inside a scan every residual autodiff names is written into an
+           [L, ...] stack; with the layers inlined, the elementwise ones (norms, rope, silu, the LoRA sums) are
+           fused into their backward consumers and recomputed there, and the matmul and attention outputs stay
+           (a model of the measured drop, calibrated in tests/offload/test_memory_plan.py). Partial unrolling
+           (an int below L) keeps the scan and is planned as rolled; dots / full / offload save what their
+           policy names either way (unrolled full is not a candidate of `layer_loop_choice`; unmeasured alone)
     full   the layer input only, D*c (the layer is recomputed in the backward: counted in workspace)
     offload  nothing on the device: the layer inputs of `full` are kept in host memory (the workspace still
            holds one recomputed layer)
@@ -56,6 +64,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Iterable
+
+from surojax.offload.prefetch import PREFETCH_DEPTH
 
 GiB = 1024 ** 3
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -115,10 +125,13 @@ def _targets(targets) -> tuple[str, ...]:
 
 
 def activation_bytes_per_token_layer(cfg, recompute: str, *, c: int = 2, rank: int = 0,
-                                     targets: Iterable[str] = ()) -> int:
-    """Bytes one layer saves for the backward per token, by recompute policy (see the module docstring)."""
+                                     targets: Iterable[str] = (), unrolled: bool = False) -> int:
+    """Bytes one layer saves for the backward per token, by recompute policy and layer loop (see the module
+    docstring; `unrolled`: every layer inlined, no scan)."""
     D, F, NH, KH, io = _layer_shapes(cfg)
     targets = _targets(targets) if rank else ()
+    if recompute == "none" and unrolled:
+        return activation_bytes_per_token_layer(cfg, "dots", c=c, rank=rank, targets=targets) + NH * c
     if recompute == "full":
         return D * c
     if recompute == "dots":
@@ -137,14 +150,18 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                 batch: int, seq: int, recompute: str = "full", lm_chunk_tokens: int = 4096,
                 optimizer: str = "adamw", offload_base: bool = False, offload_optimizer: bool = False,
                 offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32",
-                prefetch: bool = False, accum: int = 1) -> MemoryPlan:
-    """Peak device memory of one training step, by component (bytes; see the module docstring)."""
+                prefetch: bool = False, prefetch_depth: int = PREFETCH_DEPTH, accum: int = 1,
+                unroll: int | bool = 1) -> MemoryPlan:
+    """Peak device memory of one training step, by component (bytes; see the module docstring).
+
+    unroll: the layer loop's `unroll_layers` (True or an int >= the layer count: every layer inlined)."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
                     lm_chunk_tokens=lm_chunk_tokens, optimizer=optimizer, offload_base=offload_base,
                     offload_optimizer=offload_optimizer, offload_master=offload_master, master_dtype=master_dtype,
-                    lora_dtype=lora_dtype, prefetch=prefetch, accum=accum)
+                    lora_dtype=lora_dtype, prefetch=prefetch, prefetch_depth=prefetch_depth, accum=accum,
+                    unroll=unroll)
     cfg = model_cfg
     fp32 = recipe == "fp32"
     c = 4 if fp32 else 2
@@ -165,8 +182,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
         # is). Measured on the H200 (Llama-3.1-8B, batch 1 and 4): streamed peak = resident peak - host bytes.
         head_params = embed_params if cfg.tie_word_embeddings else V * D + D
         resident = (head_params + layer_params) if offload_base else embed_params + L * layer_params
-        if offload_base and prefetch:  # offload_prefetch: the next layer's copy arrives during this one's compute
-            resident += layer_params
+        if offload_base and prefetch:  # offload_prefetch: the copies of the next `prefetch_depth` layers in flight
+            resident += prefetch_depth * layer_params
         weights = resident * wb
         trainable = L * sum(r * (i + o) for i, o in (io[t] for t in tgts))
         tb = 4 if fp32 else _DTYPE_BYTES[lora_dtype]
@@ -201,7 +218,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     else:
         optimizer_bytes = trainable * opt_b
     tokens = batch * seq
-    per_tl = activation_bytes_per_token_layer(cfg, recompute, c=c, rank=r, targets=tgts)
+    unrolled = unroll is True or (not isinstance(unroll, bool) and unroll >= L)
+    per_tl = activation_bytes_per_token_layer(cfg, recompute, c=c, rank=r, targets=tgts, unrolled=unrolled)
     activations = tokens * L * per_tl
     C = min(lm_chunk_tokens, tokens)
     logits = C * V * (4 + 4 + c)
@@ -222,16 +240,7 @@ def format_plan(plan: MemoryPlan, capacity: int | None = None) -> str:
     if capacity is not None:
         verdict = "fits" if plan.fits(capacity) else "does NOT fit"
         lines.append(f"{'capacity':<{width}}  {capacity / GiB:8.2f}  ({verdict})")
-    if plan.settings.get("offload_base") and plan.settings.get("prefetch"):
-        lines.append(PREFETCH_NOTE)
     return "\n".join(lines)
-
-
-# offload_prefetch's per-layer loop is not modelled: XLA starts copies as early as memory allows and the unrolled
-# loop keeps more activations alive (measured on the H200, Llama-3.1-8B LoRA batch 4: 35.2 GiB peak, plan 7.6)
-PREFETCH_NOTE = ("note: with offload_prefetch this is a lower bound: XLA may copy several layers ahead and the "
-                 "unrolled layer loop keeps more activations (H200, Llama-3.1-8B LoRA, batch 4: 35 GiB measured, "
-                 "7.6 planned); offload_prefetch: false has the smallest footprint")
 
 
 def fitting_options(plan: MemoryPlan, capacity: int, *, offload_available: Iterable[str] = (),
@@ -330,12 +339,18 @@ def device_capacity() -> int | None:
     return int(stats["bytes_limit"])
 
 
-def plan_for_config(cfg, model_cfg, *, rows: int, lm_chunk_tokens: int) -> MemoryPlan:
-    """The plan of a TrainConfig (the trainer's keys) for micro-batches of `rows` rows per device."""
+def plan_for_config(cfg, model_cfg, *, rows: int, lm_chunk_tokens: int, recompute: str | None = None,
+                    unroll: int | bool | None = None) -> MemoryPlan:
+    """The plan of a TrainConfig (the trainer's keys) for micro-batches of `rows` rows per device; `recompute` /
+    `unroll` replace the config's (a layer-loop candidate of `choose_layer_loop`, or the config's `auto`)."""
+    recompute = cfg.recompute if recompute is None else recompute
+    unroll = cfg.unroll_layers if unroll is None else unroll
+    if recompute == "auto" or unroll == "auto":
+        raise ValueError("plan_for_config needs a concrete recompute / unroll_layers (resolve auto with "
+                         "layer_loop_choice.choose_layer_loop first)")
     return plan_memory(model_cfg, mode="lora" if cfg.lora else "full", recipe=cfg.recipe, rank=cfg.lora_rank,
-                       targets=cfg.lora_target_modules, batch=rows, seq=cfg.sequence_len, recompute=cfg.recompute,
+                       targets=cfg.lora_target_modules, batch=rows, seq=cfg.sequence_len, recompute=recompute,
                        lm_chunk_tokens=lm_chunk_tokens, optimizer=cfg.optimizer,
                        offload_base=cfg.offload_base_weights, offload_optimizer=cfg.offload_optimizer,
                        offload_master=cfg.offload_master, master_dtype=cfg.master_dtype, lora_dtype=cfg.lora_dtype,
-                       prefetch=getattr(cfg, "offload_prefetch", False),
-                       accum=getattr(cfg, "gradient_accumulation_steps", 1) or 1)
+                       prefetch=cfg.offload_prefetch, accum=cfg.gradient_accumulation_steps or 1, unroll=unroll)

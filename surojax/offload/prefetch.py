@@ -25,11 +25,15 @@ numerics are those of `recompute: full` (equal bit for bit on CPU: tests/offload
 inexact leaves that are not in host memory (the LoRA adapters) get cotangents; host leaves (the base) and integer
 leaves (LoRA dropout keys) get none.
 
-Two forms. Over a stacked host base ([L, ...] pinned arrays) the loops above are scans; measured on the H200 the
-copies still ran serially (1.83x resident at batch 4): XLA copies a slice of a stacked host array with a kernel
-on the compute stream. Over per-layer host buffers (`host_layers.HostLayers`, what `offload_prefetch` places now)
-the same schedule runs as an unrolled Python loop (`_unrolled_stack`) whose fetches are whole-buffer copies, which
-XLA issues as asynchronous DMA beside the compute: 1.20x resident at batch 4, at more device memory.
+Two forms. Over a stacked host base ([L, ...] pinned arrays) the loops above are scans; on the GPU XLA copies a
+slice of a stacked host array with a kernel on the compute stream, so those copies run serially with the compute
+(benchmarks/RESULTS.md, "Host streaming"). Over per-layer host buffers (`host_layers.HostLayers`, what
+`offload_prefetch` places) the same schedule runs as an unrolled Python loop (`_unrolled_stack`) whose fetches
+are whole-buffer copies, which XLA issues as asynchronous DMA beside the compute. In that loop nothing but data
+dependencies orders a copy, and XLA's scheduler starts each as early as its operands allow: an independent fetch
+of every layer would be issued at once and hold the whole base on the device. So each fetch is made to depend,
+through an optimization barrier, on the output of the layer `PREFETCH_DEPTH + 1` places before it (forward) or
+after it (backward): at most 1 + depth layers' device copies are live, which is what memory_plan.py counts.
 
 Used through the decoder's layer-loop hook: `Decoder.hidden_states(remat=PrefetchedLayers())` (an object with a
 `run_layers` method replaces the scan; the trainer builds it for `offload_prefetch: true`).
@@ -45,6 +49,7 @@ import jax.numpy as jnp
 from surojax.offload.host_layers import is_host_layers
 
 FETCH_TO = jax.memory.Space.Device
+PREFETCH_DEPTH = 1  # layers fetched beyond the one computing (the unrolled loop's bound; memory_plan models it)
 
 
 def is_host(x) -> bool:
@@ -92,13 +97,14 @@ def _index(leaves: tuple, l) -> tuple:
 
 
 def prefetched_layer_stack(apply_layer: Callable, h: jax.Array, layer_state, consts, *, unroll: int | bool = 1,
-                           per_layer: bool = False):
+                           per_layer: bool = False, depth: int = PREFETCH_DEPTH):
     """h after every layer of `layer_state` (stacked [L, ...]), each layer's host leaves fetched one step ahead.
 
     apply_layer(state_l, h, consts) -> h: one layer (state_l: the layer's slice of `layer_state`, every leaf on
     the device). consts: arrays every layer reads (not differentiated). The layers run as a Python loop
     (`_unrolled_stack`) when a host leaf is a `HostLayers` or with `per_layer` (the same program over a resident
-    base: the exactness protocol's twin), else as scans.
+    base: the exactness protocol's twin), else as scans. depth: layers fetched beyond the one computing in the
+    unrolled loop (the scans hold one by construction: a fetch cannot leave its loop step).
     """
     split, leaves = _Split.of(layer_state)
     diff, dev, host = split.parts(leaves)
@@ -108,7 +114,7 @@ def prefetched_layer_stack(apply_layer: Callable, h: jax.Array, layer_state, con
         return apply_layer(split.join(diff_l, dev_l, host_l), h, consts)
 
     if per_layer or any(map(is_host_layers, host)):
-        return _unrolled_stack(layer, diff, dev, host, h, consts, num_layers)
+        return _unrolled_stack(layer, diff, dev, host, h, consts, num_layers, depth)
 
     def forward(diff, dev, host, h, consts, save: bool):
         def step(carry, l):
@@ -156,17 +162,31 @@ def _layer_stack_vjp(forward: Callable, backward: Callable):
     return stack
 
 
-def _fetch_static(host_leaves: tuple, l: int) -> tuple:
+def _fetch_static(host_leaves: tuple, l: int, after=None) -> tuple:
     """Layer l (a Python int) of each host leaf on the device: a whole per-layer buffer of a HostLayers (an
-    asynchronous copy XLA overlaps with compute), else a static slice of a stacked host array."""
-    return tuple(jax.device_put(x.layers[l] if is_host_layers(x) else x[l], FETCH_TO) for x in host_leaves)
+    asynchronous copy XLA overlaps with compute), else a static slice of a stacked host array.
+
+    after: an array the copy must wait for. The sources pass through an optimization barrier together with it, so
+    the copies read values that exist only once `after` is computed: XLA cannot start them earlier (the barrier
+    moves no data; the values are unchanged)."""
+    sources = tuple(x.layers[l] if is_host_layers(x) else x for x in host_leaves)
+    if after is not None:
+        sources, _ = jax.lax.optimization_barrier((sources, after))
+    return tuple(jax.device_put(s if is_host_layers(x) else s[l], FETCH_TO) for s, x in zip(sources, host_leaves))
 
 
-def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, consts, num_layers: int):
-    """The layer stack as a Python loop over the layers (the base as per-layer host buffers, `HostLayers`): the
-    fetch of layer l+1 (l-1 in the backward pass) is issued before layer l's compute and depends only on host
-    buffers, so XLA may run it during that compute. Same math as the scan form (recompute full); the unrolled
-    program may fuse and so round differently, hence its own resident twin (`PrefetchedLayers(per_layer=True)`)."""
+def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, consts, num_layers: int, depth: int):
+    """The layer stack as a Python loop over the layers (the base as per-layer host buffers, `HostLayers`), with a
+    bounded look-ahead: at most `depth` layers beyond the one computing are fetched or in flight.
+
+        forward   fetch 0 .. depth (unordered);  for l = 0 .. L-1:  h = layer_l(h);  fetch l+1+depth after h
+        backward  fetch L-1 .. L-1-depth after dh;  for l = L-1 .. 0:  dh = vjp(layer_l)(dh);  fetch l-1-depth after dh
+
+    Each fetch depends only on host buffers and on the activation (cotangent) of a layer already done, so XLA may
+    run it during the compute of the layers in between, and at most 1 + depth layers' device copies are live at any
+    time (XLA's scheduler starts a copy as early as its operands allow: an unordered fetch of every layer would be
+    issued up front and hold the whole base). Same math as the scan form (recompute full); the unrolled program may
+    fuse and so round differently, hence its own resident twin (`PrefetchedLayers(per_layer=True)`)."""
     L = num_layers
 
     def at(leaves, l):
@@ -174,29 +194,30 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
 
     def forward(diff, dev, host, h, consts, save: bool):
         saved = []
-        w = _fetch_static(host, 0)
+        fetched = {j: _fetch_static(host, j) for j in range(min(depth + 1, L))}
         for l in range(L):
-            w_next = _fetch_static(host, l + 1) if l + 1 < L else None
             if save:
                 saved.append(h)
-            h = layer(at(diff, l), at(dev, l), w, h, consts)
-            w = w_next
+            h = layer(at(diff, l), at(dev, l), fetched.pop(l), h, consts)
+            if l + 1 + depth < L:
+                fetched[l + 1 + depth] = _fetch_static(host, l + 1 + depth, after=h)
         return h, tuple(saved)
 
     def stack_bwd(res, dh):
         diff, dev, host, h_in, consts = res
         grads = [None] * L
-        w = _fetch_static(host, L - 1)
+        # the first copies wait for the cotangent and the last layer's input: never alongside the forward pass
+        first = range(L - 1, max(L - 2 - depth, -1), -1)
+        fetched = {j: _fetch_static(host, j, after=(dh, h_in[L - 1])) for j in first}
         for l in reversed(range(L)):
-            w_prev = _fetch_static(host, l - 1) if l > 0 else None
-            dev_l = at(dev, l)
+            dev_l, w = at(dev, l), fetched.pop(l)
             # the recompute of layer l reads only h_in[l]: the barrier keeps it after layer l+1's gradient, so XLA
-            # cannot hoist every recompute to the start of the backward pass (on the H200, Llama-3.1-8B batch 4:
-            # the resident twin's peak 44.2 -> 38.8 GiB; the scan form peaks at 19.7, so more is still kept alive)
+            # cannot hoist every recompute to the start of the backward pass
             x_l, dh = jax.lax.optimization_barrier((h_in[l], dh))
             _, vjp = jax.vjp(lambda d, x, w=w, dev_l=dev_l: layer(d, dev_l, w, x, consts), at(diff, l), x_l)
             grads[l], dh = vjp(dh)
-            w = w_prev
+            if l - 1 - depth >= 0:
+                fetched[l - 1 - depth] = _fetch_static(host, l - 1 - depth, after=dh)
         d_diff = tuple(jnp.stack([g[i] for g in grads]) for i in range(len(diff)))
         return d_diff, None, None, dh, None
 
@@ -207,12 +228,19 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
 class PrefetchedLayers:
     """The decoder's layer-loop hook for `offload_prefetch`: passed where a remat wrapper goes (`remat=`), it runs
     the whole layer stack with `prefetched_layer_stack` (recompute full semantics, the next layer fetched early).
-    per_layer: always the unrolled per-layer loop (what a `HostLayers` base gets; for its resident twin)."""
+    per_layer: always the unrolled per-layer loop (what a `HostLayers` base gets; for its resident twin).
+    depth: layers fetched beyond the one computing in that loop (>= 1; each adds one layer of device memory)."""
 
     per_layer: bool = False
+    depth: int = PREFETCH_DEPTH
+
+    def __post_init__(self):
+        if self.depth < 1:
+            raise ValueError(f"prefetch depth must be >= 1 (got {self.depth})")
 
     def run_layers(self, apply_layer: Callable, h, layer_state, consts, *, unroll: int | bool = 1):
-        return prefetched_layer_stack(apply_layer, h, layer_state, consts, unroll=unroll, per_layer=self.per_layer)
+        return prefetched_layer_stack(apply_layer, h, layer_state, consts, unroll=unroll, per_layer=self.per_layer,
+                                      depth=self.depth)
 
     def __call__(self, body):  # not a remat wrapper: the decoder must call run_layers
         raise TypeError("PrefetchedLayers replaces the layer scan (Decoder.hidden_states calls run_layers); "

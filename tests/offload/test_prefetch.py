@@ -205,3 +205,67 @@ def test_per_layer_host_buffers_equal_resident(quant):
     assert _host_dynamic_slices(jax.make_jaxpr(lambda t, f: loss_grads(t, f, PREFETCH))(trainable, stacked).jaxpr)
     with pytest.raises(ValueError, match="per-layer host buffers"):
         jax.jit(lambda t, f: loss_grads(t, f, full))(trainable, streamed)
+
+
+def _fetch_order(jaxpr, host_vars: list) -> list[tuple[int, object]]:
+    """(layer, fetched variable) of every device_put to the device in program order; the layer is the host buffer
+    it copies (its operand, or the operand an optimization barrier passes through to it)."""
+    through = {}  # a barrier's output -> the same position's input
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "optimization_barrier":
+            through.update(zip(eqn.outvars, eqn.invars))
+        if eqn.primitive.name == "device_put" and jax.memory.Space.Device in eqn.params["devices"]:
+            (src,) = eqn.invars
+            out.append((host_vars.index(through.get(src, src)), eqn.outvars[0]))
+    return out
+
+
+def _check_look_ahead(jaxpr, host_vars: list, depth: int) -> None:
+    """Each fetch of layer j (but the first depth + 1 of a pass) is ordered after every use of the device copy of
+    layer j - 1 - depth (forward) / j + 1 + depth (backward) and not after the uses of the next layer's copy (so it
+    can overlap that layer's compute); the backward's first fetches are ordered after the whole forward pass."""
+    L = len(host_vars)
+    fetches = _fetch_order(jaxpr, host_vars)
+    assert [l for l, _ in fetches] == list(range(L)) + list(range(L - 1, -1, -1))
+    uses = {v: [o for e in jaxpr.eqns if v in e.invars for o in e.outvars] for _, v in fetches}
+    fwd, bwd = dict(fetches[:L]), dict(fetches[L:])
+
+    def after(v, copy):  # every equation that reads `copy` is an ancestor of v
+        return set(uses[copy]) <= _ancestors(jaxpr, {v})
+
+    for j in range(depth + 1, L):
+        assert after(fwd[j], fwd[j - 1 - depth]), f"forward fetch of layer {j} not after layer {j - 1 - depth}"
+        assert not after(fwd[j], fwd[j - depth]), f"forward fetch of layer {j} waits for layer {j - depth}"
+    for j in range(L - 1 - depth):
+        assert after(bwd[j], bwd[j + 1 + depth]), f"backward fetch of layer {j} not after layer {j + 1 + depth}"
+        assert not after(bwd[j], bwd[j + depth]), f"backward fetch of layer {j} waits for layer {j + depth}"
+    for j in range(max(L - 1 - depth, 0), L):
+        assert all(after(bwd[j], fwd[l]) for l in range(L)), f"backward fetch of layer {j} during the forward"
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_look_ahead_is_bounded(depth):
+    """The unrolled loop over per-layer host buffers keeps at most 1 + depth layers' copies in flight: in the
+    jaxpr of the gradient each fetch is data-dependent on the layer depth + 1 places before it (after it in the
+    backward pass), and no more (the copy may still overlap the compute in between)."""
+    from surojax.offload.host_layers import HostLayers
+    from surojax.offload.prefetch import prefetched_layer_stack
+
+    L, D = 6, 4
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    w = HostLayers(jax.device_put(x, host) for x in jax.random.normal(jax.random.key(0), (L, D, D)))
+    a = 0.1 * jax.random.normal(jax.random.key(1), (L, D, D))
+
+    def loss(a, w, h, depth):
+        out = prefetched_layer_stack(lambda s, h, _: jnp.tanh(h @ s["w"] + h @ s["a"]), h, {"a": a, "w": w}, (),
+                                     depth=depth)
+        return jnp.sum(out ** 2)
+
+    def jaxpr(depth):
+        closed = jax.make_jaxpr(jax.grad(loss), static_argnums=3)(a, w, jnp.ones((2, D)), depth)
+        return closed.jaxpr, list(closed.jaxpr.invars[1:1 + L])
+
+    _check_look_ahead(*jaxpr(depth), depth)
+    with pytest.raises(AssertionError):  # the check can fail: a deeper look-ahead breaks the shallower bound
+        _check_look_ahead(*jaxpr(depth + 1), depth)

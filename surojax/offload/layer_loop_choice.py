@@ -1,0 +1,133 @@
+"""`recompute: auto` / `unroll_layers: auto`: the fastest layer loop whose planned peak fits the device.
+
+`choose_layer_loop(plan_fn, capacity, recompute=, unroll=, offload_base=, prefetch=)` walks the candidates
+fastest first and returns the first whose plan (`plan_fn(recompute, unroll) -> MemoryPlan`) fits
+`USABLE_FRACTION` of the capacity, with a one-line reason for the start-up summary.
+
+Candidates, fastest first (benchmarks/RESULTS.md, H200, bf16, seq 2048):
+
+    (none, unrolled)   the fastest measured loop: Qwen3-0.6B LoRA b8 +27% over the rolled scan (session 2), full
+                       fine-tune +25%, Qwen3-8B LoRA b4 +13%; and it peaks LOWER than (none, rolled) (-10, -16,
+                       -20 GiB): the inlined layers keep their residuals as separate buffers instead of [L, ...]
+                       stacks written by dynamic_update_slice (memory_plan.py models the drop). Its price is
+                       compile time (one program per layer; see `compilation_cache.py`)
+    (full, rolled)     the recompute costs next to nothing inside the scan: -1% vs (none, rolled) at 0.6B LoRA
+                       (the scan's stack copies, not the recomputed forward, bound that step), at a fifth of the
+                       memory; the trainer's old default
+    (offload, rolled)  full with each layer's input in host memory (device activations O(1) in depth)
+
+Left out, each dominated by a candidate above:
+    (none, rolled)     slower than (none, unrolled) and planned bigger: it never fits where that does not
+    (dots, rolled)     -12% vs (none, rolled) (it recomputes the attention), more memory than full
+    (dots, unrolled)   not measured; the plan keeps nearly what (none, unrolled) keeps, so the band where it would
+                       be chosen is a few percent of the capacity
+    (full, unrolled)   measured only as offload_prefetch's per-layer twin: 0.95-1.01x the rolled scan at 2x its peak
+
+Constraints. `offload_base_weights` (the base streamed from host memory) forbids none: its candidates are
+(full, rolled), (offload, rolled): the streamed step is bound by the host link, so the smallest footprint wins,
+and an unrolled loop over a stacked host base slices it serially (no faster, unbounded look-ahead).
+`offload_prefetch` needs full and runs its own per-layer loop (prefetch.py), whatever `unroll`: (full, rolled).
+A value the user set (not `auto`) is kept: it only filters the candidates (and is checked against the
+constraints); a pair set in full is returned as it is, fitting or not (`check_fits` reports it with options).
+
+No capacity (CPU, or a backend without memory statistics): (none, rolled): no recomputed forward, one compiled
+layer body (an unrolled program compiles every layer; the CPU quickstart stays quick to start).
+
+When nothing fits, the smallest candidate is returned with a reason saying so; `memory_plan.check_fits` then
+raises with the options that would fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+from surojax.offload.memory_plan import GiB, MemoryPlan
+
+AUTO = "auto"
+UNROLLED: bool = True  # every layer inlined
+ROLLED: int = 1  # the scan, one layer per iteration
+# the plan erred between -9% and +15% against the H200 peaks it is calibrated on (tests/offload/test_memory_plan.py);
+# 10% headroom keeps an underestimate of that size from running out of memory
+USABLE_FRACTION = 0.90
+FASTEST_FIRST: tuple[tuple[str, int | bool], ...] = (("none", UNROLLED), ("full", ROLLED), ("offload", ROLLED))
+STREAMED: tuple[tuple[str, int | bool], ...] = (("full", ROLLED), ("offload", ROLLED))
+NO_CAPACITY: tuple[str, int | bool] = ("none", ROLLED)
+
+PlanFn = Callable[[str, "int | bool"], MemoryPlan]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoopChoice:
+    """The layer loop a run uses: `recompute` (none | full | dots | offload), `unroll` (True: every layer inlined;
+    an int: layers per scan iteration), the `plan` of that pair, and `reason`, one line for the start-up summary."""
+
+    recompute: str
+    unroll: int | bool
+    plan: MemoryPlan
+    reason: str
+
+
+def describe_unroll(unroll: int | bool) -> str:
+    if unroll is True:
+        return "layers unrolled"
+    return "layers rolled" if unroll == 1 else f"{unroll} layers per scan step"
+
+
+def _check_constraints(recompute: str, *, offload_base: bool, prefetch: bool) -> None:
+    if offload_base and recompute == "none":
+        raise ValueError("offload_base_weights fetches each layer again in the backward pass: recompute none is "
+                         "not possible (use full, dots or offload)")
+    if prefetch and recompute != "full":
+        raise ValueError(f"offload_prefetch recomputes each layer whole: recompute must be full, not {recompute!r}")
+
+
+def _candidates(recompute: str, unroll: int | bool | Literal["auto"], *, capacity: int | None,
+                offload_base: bool, prefetch: bool) -> list[tuple[str, int | bool]]:
+    """The pairs to try in order, the user's set values kept."""
+    if prefetch:
+        order = [("full", ROLLED)]
+    elif offload_base:
+        order = list(STREAMED)
+    elif capacity is None:
+        order = [NO_CAPACITY]
+    else:
+        order = list(FASTEST_FIRST)
+    if recompute != AUTO:
+        _check_constraints(recompute, offload_base=offload_base, prefetch=prefetch)
+        # the order's unroll for this recompute where it has one, else rolled (no unrolled gain measured)
+        unrolls = [u for r, u in order if r == recompute] or [ROLLED]
+        order = [(recompute, u) for u in unrolls]
+    if unroll != AUTO:
+        order = list(dict.fromkeys((r, unroll) for r, _ in order))
+    return order
+
+
+def choose_layer_loop(plan_fn: PlanFn, capacity: int | None, *, recompute: str = AUTO,
+                      unroll: int | bool | Literal["auto"] = AUTO, offload_base: bool = False,
+                      prefetch: bool = False) -> LayerLoopChoice:
+    """The first candidate (module docstring) whose planned peak is <= USABLE_FRACTION * capacity.
+
+    plan_fn(recompute, unroll) -> MemoryPlan of the run with that layer loop (everything else fixed).
+    capacity: the device's allocator limit in bytes (`memory_plan.device_capacity()`), None where unknown.
+    recompute / unroll: the config's values; "auto" lets this choose, anything else is kept.
+    offload_base / prefetch: `offload_base_weights` / `offload_prefetch` (constrain the candidates).
+    """
+    order = _candidates(recompute, unroll, capacity=capacity, offload_base=offload_base, prefetch=prefetch)
+    chosen_by = "auto" if AUTO in (recompute, unroll) else "set in the config"
+    if capacity is None:
+        r, u = order[0]
+        return LayerLoopChoice(r, u, plan_fn(r, u), f"recompute {r}, {describe_unroll(u)} "
+                                                    f"(no device capacity known; {chosen_by})")
+    usable = int(USABLE_FRACTION * capacity)
+    plans = []
+    for r, u in order:
+        plan = plan_fn(r, u)
+        plans.append((r, u, plan))
+        if plan.total <= usable:
+            return LayerLoopChoice(r, u, plan, f"recompute {r}, {describe_unroll(u)}: planned "
+                                               f"{plan.total / GiB:.1f} of {usable / GiB:.1f} GiB usable fits "
+                                               f"({chosen_by})")
+    r, u, plan = min(plans, key=lambda p: p[2].total)
+    return LayerLoopChoice(r, u, plan, f"recompute {r}, {describe_unroll(u)}: planned {plan.total / GiB:.1f} GiB, "
+                                       f"more than the {usable / GiB:.1f} GiB usable ({chosen_by}; "
+                                       f"nothing smaller among the candidates)")
