@@ -44,8 +44,6 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     loaded = load_model_ref(args.model, dtype=dtype, tokenizer_dir=args.tokenizer)
     model, tokenizer = loaded.model, loaded.tokenizer
-    if tokenizer is None:
-        raise SystemExit(f"{args.model}: no tokenizer in the GGUF metadata; pass --tokenizer DIR")
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
