@@ -96,8 +96,8 @@ def _dir_ref(path: Path, source: str) -> tuple[ModelRef, Path | None]:
             return ModelRef("hf", path / sub, None, path / sub, source), None
         if sub == "adapter" and (path / sub / ADAPTER_CONFIG).is_file():
             return _adapter_base(path / sub, source), path / sub
-    raise ModelRefError(f"model {source}: {path} holds no config.json, {ADAPTER_CONFIG}, merged/, model/ or "
-                        f"adapter/; expected {EXPECTED}")
+    raise ModelRefError(f"model {source}: {path} is not a model folder: it holds no config.json, {ADAPTER_CONFIG}, "
+                        f"merged/, model/ or adapter/; expected {EXPECTED}")
 
 
 def adapter_base_name(adapter_dir: Path) -> str:
