@@ -1,8 +1,8 @@
 """The public Python API, for scripts and research notebooks. The CLI is a thin layer over these.
 
     import surojax as sj
-    model = sj.load_model("path/to/hf_model")                 # a Decoder (Flax NNX)
-    tokenizer = sj.load_tokenizer("path/to/hf_model")
+    model = sj.load_model("path/to/hf_model")                 # a Decoder (Flax NNX); also a .gguf, a run folder,
+    tokenizer = sj.load_tokenizer("path/to/hf_model")         # an adapter folder or a repo id in the local HF cache
     print(sj.complete(model, tokenizer, "Tom has 3 apples", max_new_tokens=16))
 
     trainer = sj.Trainer.from_config({"model": ..., "datasets": [...], "lora": True, "max_steps": 100})
@@ -21,12 +21,14 @@ from typing import Any
 import jax.numpy as jnp
 
 from surojax.config import TrainConfig, config_from_dict, load_config
-from surojax.data.hub import resolve_local
 from surojax.data.tokenizer import Tokenizer
+from surojax.model_loader import load_model_ref
+from surojax.peft.stacked import load_adapter_into
 from surojax.serve.generate import generate
 from surojax.train.trainer import Trainer
-from surojax.weights.hf_checkpoint import load_model as _load_model
+from surojax.weights.gguf_checkpoint import load_gguf_tokenizer
 from surojax.weights.hf_checkpoint import save_model
+from surojax.weights.model_ref import resolve_model
 
 __all__ = ["Trainer", "TrainConfig", "build_trainer", "complete", "generate", "load_config", "load_model",
            "load_tokenizer", "save_model"]
@@ -34,18 +36,23 @@ __all__ = ["Trainer", "TrainConfig", "build_trainer", "complete", "generate", "l
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
-def load_model(path: str | os.PathLike, *, dtype: str = "float32", adapter: str | os.PathLike | None = None):
-    """A Decoder from an HF folder (or a repo id in the local HF cache); `adapter` folds a PEFT adapter in."""
-    model = _load_model(path, dtype=_DTYPES[dtype])
+def load_model(ref: str | os.PathLike, *, dtype: str = "float32", adapter: str | os.PathLike | None = None):
+    """A Decoder from any model reference (surojax.weights.model_ref: HF folder, .gguf file, training output
+    folder, PEFT adapter folder, repo id in the local HF cache); an adapter the reference names is folded in.
+    `adapter`: a PEFT adapter to load on top as the model's trainable LoRA adapter (to continue training it)."""
+    model = load_model_ref(ref, dtype=_DTYPES[dtype]).model
     if adapter is not None:
-        from surojax.peft.stacked import load_adapter_into
-
         load_adapter_into(model, adapter, trainable=True)
     return model
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    return Tokenizer.from_dir(resolve_local(str(path)))
+def load_tokenizer(ref: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of any model reference (a GGUF's from its metadata), or of a folder holding tokenizer.json."""
+    path = Path(ref).expanduser()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return Tokenizer.from_dir(path)
+    r = resolve_model(ref)
+    return Tokenizer.from_dir(r.tokenizer_dir) if r.tokenizer_dir is not None else load_gguf_tokenizer(r.weights)
 
 
 def build_trainer(config: dict[str, Any] | str | os.PathLike | TrainConfig, **overrides) -> Trainer:

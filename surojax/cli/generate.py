@@ -1,17 +1,22 @@
-"""`surojax generate --model PATH --prompt TEXT [--chat] ...`: print a completion (a plain KV cache)."""
+"""`surojax generate --model REF --prompt TEXT [--chat] ...`: print a completion (a plain KV cache).
+
+REF is anything surojax.weights.model_ref resolves: an HF folder, a .gguf file, a training run's output folder,
+a PEFT adapter folder (folded into the base its adapter_config.json names) or a repo id in the local HF cache."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-HELP = "generate a completion from a model folder (checks and demos)"
+HELP = "generate a completion from a model (checks and demos)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF model folder, surojax output folder, or a repo id in the local HF cache")
+    p.add_argument("--model", required=True,
+                   help="HF model folder, .gguf file, surojax output folder (model/ or adapter/), PEFT adapter "
+                        "folder, or a repo id in the local HF cache")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: the model's)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
@@ -28,20 +33,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from surojax.data.hub import resolve_local
-    from surojax.data.tokenizer import Tokenizer
+    from surojax.model_loader import load_model_ref
     from surojax.serve.generate import eos_ids, generate
-    from surojax.weights.hf_checkpoint import load_model
 
     if args.max_new_tokens < 1:
         raise SystemExit("--max-new-tokens must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise SystemExit("--temperature must be >= 0 and --top-p in (0, 1]")
-    model_dir = Path(resolve_local(args.model))
-    tokenizer = Tokenizer.from_dir(model_dir)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     t0 = time.perf_counter()
-    model = load_model(model_dir, dtype=dtype)
+    loaded = load_model_ref(args.model, dtype=dtype, tokenizer_dir=args.tokenizer)
+    model, tokenizer = loaded.model, loaded.tokenizer
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         ids = tokenizer.encode(args.prompt)
     if not ids:
         raise SystemExit("the prompt encodes to no tokens")
-    stops = () if args.ignore_eos else eos_ids(model_dir, tokenizer, model.cfg)
+    stops = () if args.ignore_eos else eos_ids(loaded.ref.tokenizer_dir, tokenizer, model.cfg)
     out = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop_ids=stops)[0]
     dt = time.perf_counter() - t0

@@ -1,12 +1,14 @@
-"""`surojax merge --base-model DIR --checkpoint-dir OUT --output DIR`: fold LoRA adapters into their base
+"""`surojax merge --base-model REF --checkpoint-dir OUT --output DIR`: fold LoRA adapters into their base
 and save an HF model folder (safetensors + config.json + tokenizer) that transformers loads.
 
---checkpoint-dir takes a PEFT adapter folder or a training output_dir holding one in `adapter/`; repeat it
-to fold several adapters in order (stacked LoRA).
+--base-model is any model reference (surojax.weights.model_ref: HF folder, .gguf file (dequantised), surojax
+output folder, repo id in the local HF cache). --checkpoint-dir takes a PEFT adapter folder or a training
+output_dir holding one in `adapter/`; repeat it to fold several adapters in order (stacked LoRA).
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from surojax.cli.common import UsageError, existing_path
@@ -16,7 +18,7 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-model", "--base", dest="base", required=True, metavar="DIR",
-                        help="base model directory (HF safetensors) or a repo id in the local HF cache")
+                        help="base model: HF folder, .gguf file, surojax output folder, or a repo id in the local HF cache")
     parser.add_argument("--checkpoint-dir", "--adapter", dest="adapter", required=True, action="append",
                         metavar="DIR", help="PEFT adapter folder, or a training output_dir with adapter/ (repeatable)")
     parser.add_argument("--output", required=True, metavar="DIR", help="where the merged model is written")
@@ -34,16 +36,21 @@ def adapter_dir(path: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from surojax.data.hub import resolve_local
+    from surojax.model_loader import load_model_ref
     from surojax.peft.stacked import load_adapter_into
-    from surojax.weights.hf_checkpoint import load_model, save_model
+    from surojax.weights.gguf_tokenizer import save_tokenizer_dir
+    from surojax.weights.hf_checkpoint import save_model
 
     adapters = [adapter_dir(a) for a in args.adapter]
-    base = Path(resolve_local(args.base))
-    model = load_model(base, dtype=jnp.float32)  # fold in fp32, save in --dtype
+    loaded = load_model_ref(args.base, dtype=jnp.float32)  # fold in fp32, save in --dtype
     for a in adapters:
-        load_adapter_into(model, a, trainable=False)
-    tokenizer_dir = base if (base / "tokenizer.json").is_file() else adapters[-1]
-    out = save_model(model, args.output, dtype=getattr(jnp, DTYPES[args.dtype]), tokenizer_dir=tokenizer_dir)
-    print(f"merged {len(adapters)} adapter(s) into {base} -> {out}")
+        load_adapter_into(loaded.model, a, trainable=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = next((d for d in (loaded.ref.tokenizer_dir, *adapters[::-1])
+                              if d is not None and (d / "tokenizer.json").is_file()), None)
+        if tokenizer_dir is None:  # a GGUF base: its metadata's tokenizer
+            tokenizer_dir = save_tokenizer_dir(loaded.tokenizer, tmp)
+        out = save_model(loaded.model, args.output, dtype=jnp.dtype(DTYPES[args.dtype]),
+                         tokenizer_dir=tokenizer_dir)
+    print(f"merged {len(adapters)} adapter(s) into {loaded.ref.weights} -> {out}")
     return 0

@@ -1,16 +1,19 @@
-"""`surojax quantize --model DIR --output out.gguf --type q4_k_m`: write an HF model folder (safetensors +
-config.json + tokenizer.json) as a llama.cpp GGUF file with full metadata and tokenizer.
+"""`surojax quantize --model REF --output out.gguf --type q4_k_m`: write a model as a llama.cpp GGUF file with full
+metadata and tokenizer. REF is any model reference (surojax.weights.model_ref): an HF folder, a training run's
+output folder, a PEFT adapter folder (folded into its base first), a .gguf file (re-quantised from its
+dequantised values) or a repo id in the local HF cache.
 
 --type takes llama.cpp's file types: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_m, q4_k_m, q5_k_m,
 q6_k, iq4_nl, iq4_xs (the *_k_m mixes follow llama-quantize's per-tensor rule; see docs/quantization.md).
-The fine-tune path: `surojax merge ... --output merged/`, then
-`surojax quantize --model merged/ --output model.gguf --type q4_k_m`.
+The fine-tune path: `surojax quantize --model runs/NAME --output model.gguf --type q4_k_m` (or `surojax merge` first
+to keep the merged HF folder).
 NF4 / FP8 / NVFP4 safetensors output is not implemented (those formats are for training: `qlora_bnb`,
 `qlora_fp8`, `qlora_fp4` quantise the base at load).
 """
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from surojax.cli.common import UsageError, existing_path, not_implemented
@@ -21,23 +24,23 @@ SAFETENSORS_FORMATS = ("nf4", "fp8", "nvfp4")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="model directory (same as --model)")
-    parser.add_argument("--model", metavar="DIR", help="HF model directory (safetensors + config.json + tokenizer)")
+    parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model (same as --model)")
+    parser.add_argument("--model", metavar="REF", help="HF model folder, surojax output folder, PEFT adapter folder, "
+                                                       ".gguf file, or a repo id in the local HF cache")
     parser.add_argument("--type", "--format", dest="type", choices=GGUF_FILE_TYPES + SAFETENSORS_FORMATS,
                         required=True, help="GGUF file type (llama.cpp's names)")
     parser.add_argument("--output", required=True, metavar="PATH", help="the .gguf file to write")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder if not the model folder")
-    parser.add_argument("--name", help="general.name in the metadata (default: the model folder's name)")
+    parser.add_argument("--name", help="general.name in the metadata (default: the model folder's or file's name)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
 
 
 def run(args: argparse.Namespace) -> int:
     model = args.model or args.model_pos
     if model is None:
-        raise UsageError("quantize: pass the model folder (--model DIR)")
+        raise UsageError("quantize: pass the model (--model REF)")
     if args.model and args.model_pos and args.model != args.model_pos:
-        raise UsageError("quantize: give the model folder once (MODEL or --model)")
-    model_dir = existing_path(model, "--model")
+        raise UsageError("quantize: give the model once (MODEL or --model)")
     if args.type in SAFETENSORS_FORMATS:
         return not_implemented(f"quantize --type {args.type} (safetensors output; GGUF types only)")
     out = Path(args.output)
@@ -45,12 +48,25 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--output {out}: expected a .gguf file name")
     if out.exists() and not args.overwrite:
         raise UsageError(f"--output {out}: exists; pass --overwrite to replace it")
-    tokenizer = existing_path(args.tokenizer, "--tokenizer") if args.tokenizer else model_dir
-    if not (Path(tokenizer) / "tokenizer.json").is_file():
-        raise UsageError(f"{tokenizer}: no tokenizer.json (a GGUF file carries its tokenizer; pass --tokenizer DIR)")
+    tokenizer = existing_path(args.tokenizer, "--tokenizer") if args.tokenizer else None
+    if tokenizer is not None and not (tokenizer / "tokenizer.json").is_file():
+        raise UsageError(f"--tokenizer {tokenizer}: no tokenizer.json")
 
+    import jax.numpy as jnp
+
+    from surojax.model_loader import load_model_ref
     from surojax.weights.gguf_checkpoint import save_gguf
+    from surojax.weights.gguf_tokenizer import save_tokenizer_dir
+    from surojax.weights.model_ref import hf_config_of, resolve_model
 
-    path = save_gguf(model_dir, out, args.type, tokenizer_dir=tokenizer, name=args.name)
+    ref = resolve_model(model)
+    hf = hf_config_of(ref)
+    # A bf16 checkpoint loads losslessly as bf16 (half the memory); an adapter is folded in fp32.
+    stored_bf16 = ref.kind == "hf" and ref.adapter is None and (hf.get("torch_dtype") or hf.get("dtype")) == "bfloat16"
+    loaded = load_model_ref(ref, dtype=jnp.float32, param_dtype=jnp.bfloat16 if stored_bf16 else jnp.float32,
+                            tokenizer_dir=tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = tokenizer or ref.tokenizer_dir or save_tokenizer_dir(loaded.tokenizer, tmp)  # GGUF: metadata's
+        path = save_gguf(loaded.model, out, args.type, tokenizer_dir=tokenizer_dir, name=args.name or ref.name)
     print(f"wrote {path} ({args.type}, {path.stat().st_size / 2**20:.1f} MiB)")
     return 0

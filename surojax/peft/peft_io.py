@@ -114,6 +114,16 @@ def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None) -> dict:
     }
 
 
+def base_reference(base_model_name_or_path: str | os.PathLike | None) -> str | None:
+    """What adapter_config.json records as the base: an existing local path made absolute (as PEFT does, so the
+    adapter loads from any directory); anything else (a Hugging Face repo id) as given."""
+    if base_model_name_or_path is None:
+        return None
+    name = os.fspath(base_model_name_or_path)
+    path = Path(name).expanduser()
+    return os.path.abspath(path) if path.exists() else name
+
+
 def adapter_of(model) -> PeftAdapter:
     """The model's current (trainable) adapter as numpy arrays in our layout."""
     mods = lora_modules(model)
@@ -149,7 +159,8 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, base_model_name_or_path
                       overwrite: bool = False, rows: tuple[WeightRow, ...] | None = None) -> Path:
     """Write the model's adapter as a PEFT folder that `peft.PeftModel.from_pretrained` loads.
 
-    dtype: dtype of the saved tensors (default: as stored, fp32 master weights). The folder is written under
+    base_model_name_or_path: the base model; a local path is recorded absolute (`base_reference`), a hub repo id
+    as given. dtype: dtype of the saved tensors (default: as stored, fp32 master weights). The folder is written under
     a temporary name next to `out_dir` and renamed at the end; a non-empty `out_dir` is an error unless
     `overwrite`.
     """
@@ -164,7 +175,7 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, base_model_name_or_path
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        cfg = adapter_config(adapter.spec, None if base_model_name_or_path is None else str(base_model_name_or_path))
+        cfg = adapter_config(adapter.spec, base_reference(base_model_name_or_path))
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
         write_safetensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
         if out_dir.exists():

@@ -2,17 +2,16 @@
 wrap LoRA slots, start the engine thread, make the FastAPI app. `surojax serve` and scripts/serve.py call
 `serve(args)`; tests and the load generator call `build_server` and run uvicorn themselves.
 
-MODEL is an HF safetensors folder (config.json + *.safetensors + tokenizer files), a surojax output folder
-(its `model/`, `merged/`, or `adapter/` whose adapter_config.json names the base), or a .gguf file (needs
-`surojax.weights.gguf_checkpoint.load_gguf_model`, which issue 5's loader brings).
+MODEL is any model reference (surojax.weights.model_ref): an HF safetensors folder, a surojax output folder (its
+`merged/`, `model/`, or `adapter/` whose adapter_config.json names the base), a PEFT adapter folder, a .gguf
+file, or a repo id in the local HF cache.
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
-from pathlib import Path
 
+from surojax.model_loader import load_model_ref
 from surojax.serve.api_server import ServerState, build_app
 from surojax.serve.async_engine import AsyncEngine
 from surojax.serve.generate import eos_ids
@@ -22,27 +21,6 @@ log = logging.getLogger("surojax.serve")
 
 class ServeError(ValueError):
     is_user_error = True
-
-
-def resolve_model(path: str | Path) -> tuple[Path, Path | None]:
-    """MODEL -> (model folder, adapter folder to fold in or None)."""
-    p = Path(path).expanduser()
-    if (p / "config.json").is_file():
-        return p, None
-    for sub in ("merged", "model"):
-        if (p / sub / "config.json").is_file():
-            return p / sub, None
-    adapter = p / "adapter" if (p / "adapter" / "adapter_config.json").is_file() else p
-    if (adapter / "adapter_config.json").is_file():
-        base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not base:
-            raise ServeError(f"{adapter}: an adapter without base_model_name_or_path; serve the base model with "
-                             f"--enable-lora --lora-modules NAME={adapter}")
-        from surojax.data.hub import resolve_local
-
-        return Path(resolve_local(base)), adapter
-    raise ServeError(f"{p}: not a model folder (no config.json), surojax output folder (model/, merged/ or "
-                     "adapter/) or .gguf file")
 
 
 def _dtype(name: str):
@@ -55,40 +33,11 @@ def _dtype(name: str):
 
 
 def load_for_serving(args):
-    """-> (model, tokenizer, model_dir, served name)."""
-    from surojax.data.tokenizer import Tokenizer
-    from surojax.weights.hf_checkpoint import load_model
-
-    dtype = _dtype(args.dtype)
-    path = Path(args.model).expanduser()
-    if path.suffix == ".gguf":
-        try:
-            from surojax.weights.gguf_checkpoint import load_gguf_model
-        except ImportError:
-            raise ServeError(f"{path}: GGUF serving lands with issue 5's loader "
-                             "(surojax.weights.gguf_checkpoint.load_gguf_model is not there yet)") from None
-        if not path.is_file():
-            raise ServeError(f"{path} does not exist")
-        # issue 5's loader: (cfg, Decoder, Tokenizer from the file's metadata); quantised kernels are kept
-        loaded = load_gguf_model(path, dtype=dtype, param_dtype=dtype, attention=args.attention)
-        model, tokenizer = (loaded[1], loaded[2]) if isinstance(loaded, tuple) else (loaded, None)
-        if args.tokenizer:
-            tokenizer = Tokenizer.from_dir(args.tokenizer)
-        if tokenizer is None:
-            raise ServeError(f"{path}: no tokenizer in the GGUF metadata; give --tokenizer DIR")
-        return model, tokenizer, None, args.served_model_name or path.stem
-    if not path.exists():
-        raise ServeError(f"{path} does not exist")
-    model_dir, adapter = resolve_model(path)
-    model = load_model(model_dir, dtype=dtype, param_dtype=dtype, attention=args.attention)
-    if adapter is not None:
-        from surojax.peft.stacked import load_adapter_into
-
-        log.info("folding the adapter %s into its base %s", adapter, model_dir)
-        load_adapter_into(model, adapter, trainable=False)
-    tok_dir = Path(args.tokenizer) if args.tokenizer else (adapter if adapter and (adapter / "tokenizer.json").is_file()
-                                                          else model_dir)
-    return model, Tokenizer.from_dir(tok_dir), model_dir, args.served_model_name or path.name
+    """-> (model, tokenizer, folder with generation_config.json or None, served name). MODEL is any reference
+    surojax.model_loader loads (an adapter it names is folded in; GGUF kernels stay quantised)."""
+    loaded = load_model_ref(args.model, dtype=_dtype(args.dtype), attention=args.attention, keep_quantized=True,
+                            tokenizer_dir=args.tokenizer)
+    return loaded.model, loaded.tokenizer, loaded.ref.tokenizer_dir, args.served_model_name or loaded.ref.name
 
 
 def build_server(args, model=None, tokenizer=None):

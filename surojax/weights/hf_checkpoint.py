@@ -73,7 +73,7 @@ def open_checkpoint(model_dir: str | os.PathLike) -> dict[str, SafetensorsFile]:
         files = {f: SafetensorsFile(d / f) for f in sorted(set(weight_map.values()))}
         where = {}
         for name, fname in weight_map.items():
-            if name not in files[fname]._entries:
+            if name not in files[fname]:
                 raise WeightsError(f"{d / fname}: the index lists tensor {name!r} in this file but it is not there")
             where[name] = files[fname]
         return where
@@ -144,20 +144,27 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                            + "\n  - ".join(problems))
 
     np_dtype = np.dtype(jnp.dtype(param_dtype))
-    by_path: dict[str, list] = {}
+    by_path: dict[str, list[tuple[str, WeightRow, int | None]]] = {}
     for name, (row, i, _) in expected.items():
-        arr = where[name].get(name)
-        arr = arr.T if row.transpose else arr
-        by_path.setdefault(row.path, []).append((i, arr))
+        by_path.setdefault(row.path, []).append((name, row, i))
 
+    # One parameter at a time: each tensor read is a host copy, converted into the parameter's buffer and dropped,
+    # so host memory holds one parameter (all its layers) beyond the device copies.
     state = {}
     for path, items in by_path.items():
-        if items[0][0] is None:
-            value = np.asarray(items[0][1], dtype=np_dtype)
-        else:
-            items.sort(key=lambda t: t[0])
-            value = np.stack([np.asarray(a, dtype=np_dtype) for _, a in items])  # [L, ...]
+        items.sort(key=lambda t: -1 if t[2] is None else t[2])
+        value = None
+        for name, row, i in items:
+            arr = where[name].get(name)
+            arr = arr.T if row.transpose else arr
+            if i is None:
+                value = np.asarray(arr, dtype=np_dtype)
+            else:
+                if value is None:
+                    value = np.empty((len(items), *arr.shape), np_dtype)  # [L, ...]
+                value[i] = arr
         state[path] = jnp.asarray(value)
+        del value
 
     def fill(path, var):
         key = ".".join(map(str, path))

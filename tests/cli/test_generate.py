@@ -166,3 +166,102 @@ def test_bad_arguments_exit_with_a_message(capsys):
         assert message in str(e.value.code)
     assert main(["generate", "--model", str(QWEN3)]) == 2  # --prompt missing: argparse usage error
     assert "--prompt" in capsys.readouterr().err
+
+
+# ---- every kind of model reference (surojax.weights.model_ref) -----------------------------------------------------
+
+ARGS = ("--prompt", "hello world", "--max-new-tokens", "6", "--ignore-eos", "--show-ids")
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    """The fixture model with a random LoRA adapter on q/v/down (unmerged: the reference forward)."""
+    from flax import nnx
+
+    from surojax.peft.lora import apply_lora, lora_modules
+
+    model = apply_lora(load_model(QWEN3), targets=("q_proj", "v_proj", "down_proj"), rank=4, alpha=8.0,
+                       rngs=nnx.Rngs(3))
+    for i, (_, mod) in enumerate(sorted(lora_modules(model).items())):
+        b = mod.lora_b.get_value()
+        mod.lora_b.set_value(0.5 * np.random.default_rng(i).standard_normal(b.shape).astype(np.float32))
+    return model
+
+
+def saved_adapter(model, out: Path, base: str) -> Path:
+    from surojax.peft.peft_io import save_peft_adapter
+
+    return save_peft_adapter(model, out, base)
+
+
+@pytest.mark.parametrize("ref", ["run_folder", "adapter_folder"])
+def test_a_lora_run_folder_and_its_adapter_folder(ref, capsys, tmp_path, lora_model):
+    """`--model runs/x` (holding adapter/) and `--model runs/x/adapter`: the base adapter_config.json names, with the
+    adapter folded in, gives the unmerged LoRA model's greedy ids (and they differ from the base's)."""
+    run = tmp_path / "run"
+    saved_adapter(lora_model, run / "adapter", str(QWEN3))
+    rc, out, err = run_generate(capsys, "--model", str(run if ref == "run_folder" else run / "adapter"), *ARGS)
+    assert rc == 0, err
+    ids = shown_ids(out)
+    tok = Tokenizer.from_dir(QWEN3)
+    assert ids["prompt_ids"] == tok.encode("hello world")
+    want = generate(lora_model, [ids["prompt_ids"]], 6)[0]
+    assert ids["new_ids"] == want
+    assert want != generate(load_model(QWEN3), [ids["prompt_ids"]], 6)[0]  # the adapter matters
+
+
+def test_a_full_fine_tuning_run_folder(capsys, tmp_path):
+    shutil.copytree(QWEN3, tmp_path / "run" / "model")
+    rc, out, err = run_generate(capsys, "--model", str(tmp_path / "run"), *ARGS)
+    rc2, out2, _ = run_generate(capsys, "--model", str(QWEN3), *ARGS)
+    assert rc == 0 and rc2 == 0, err
+    assert shown_ids(out) == shown_ids(out2)
+
+
+def test_a_gguf_file(capsys, tmp_path):
+    """A .gguf (written from the fixture as F32, so lossless) generates what the HF folder generates, with the
+    tokenizer rebuilt from the file's metadata."""
+    pytest.importorskip("gguf")
+    from surojax.weights.gguf_checkpoint import save_gguf
+
+    path = save_gguf(QWEN3, tmp_path / "tiny.gguf", "f32")
+    rc, out, err = run_generate(capsys, "--model", str(path), *ARGS)
+    rc2, out2, _ = run_generate(capsys, "--model", str(QWEN3), *ARGS)
+    assert rc == 0 and rc2 == 0, err
+    assert shown_ids(out) == shown_ids(out2) and "qwen3, float32]" in err
+
+
+def test_an_adapter_keeps_working_from_another_directory(capsys, tmp_path, monkeypatch, lora_model):
+    """Trained with a relative `model:` path; the adapter records it absolute and loads from anywhere."""
+    shutil.copytree(QWEN3, tmp_path / "train" / "models" / "base")
+    monkeypatch.chdir(tmp_path / "train")
+    adapter = saved_adapter(lora_model, Path("runs/x/adapter"), "models/base").absolute()
+    recorded = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(tmp_path / "train" / "models" / "base")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    rc, out, err = run_generate(capsys, "--model", str(adapter), *ARGS)
+    assert rc == 0, err
+    assert shown_ids(out)["new_ids"] == generate(lora_model, [shown_ids(out)["prompt_ids"]], 6)[0]
+
+
+def test_a_moved_base_is_a_clear_error_naming_adapter_config(capsys, tmp_path, lora_model):
+    base = tmp_path / "base"
+    shutil.copytree(QWEN3, base)
+    adapter = saved_adapter(lora_model, tmp_path / "run" / "adapter", str(base))
+    base.rename(tmp_path / "moved")
+    rc, out, err = run_generate(capsys, "--model", str(tmp_path / "run"), "--prompt", "hi")
+    assert rc == 1 and out == ""
+    lines = error_lines(err)
+    assert len(lines) == 1 and str(adapter / "adapter_config.json") in lines[0], err
+    assert "base_model_name_or_path" in lines[0] and str(base) in lines[0] and "does not exist" in lines[0]
+
+
+def test_a_folder_that_is_no_model_says_what_was_expected(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    for ref, want in ((tmp_path / "empty", "holds no config.json"), (tmp_path / "weights.bin", "not a .gguf file"),
+                      (tmp_path / "nope.gguf", "does not exist")):
+        rc, out, err = run_generate(capsys, "--model", str(ref), "--prompt", "hi")
+        lines = error_lines(err)
+        assert rc == 1 and len(lines) == 1 and want in lines[0] and str(ref) in lines[0], err

@@ -60,3 +60,35 @@ def test_quantize_a_bf16_checkpoint(tmp_path):
     ref = load_model(bf16, dtype=jnp.float32)
     ids = jnp.asarray([[507, 72, 101, 108]])
     np.testing.assert_array_equal(np.asarray(model(ids)), np.asarray(ref(ids)))
+
+
+def test_quantize_any_model_reference(tmp_path):
+    """A .gguf re-quantises to the same tensors as its HF source (F32 GGUF is lossless), and a LoRA run folder
+    quantises its base with the adapter folded in (the same logits as the unmerged LoRA model)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from surojax.peft.lora import apply_lora, lora_modules
+    from surojax.peft.peft_io import save_peft_adapter
+    from surojax.weights.gguf_checkpoint import load_gguf_model
+    from surojax.weights.hf_checkpoint import load_model
+
+    src = tiny_model_dir("qwen3", tmp_path / "m")
+    assert main(["quantize", str(src), "--output", str(tmp_path / "f32.gguf"), "--type", "f32"]) == 0
+    assert main(["quantize", str(src), "--output", str(tmp_path / "a.gguf"), "--type", "q8_0"]) == 0
+    assert main(["quantize", str(tmp_path / "f32.gguf"), "--output", str(tmp_path / "b.gguf"), "--type", "q8_0"]) == 0
+    a, b = gguf.GGUFReader(tmp_path / "a.gguf"), gguf.GGUFReader(tmp_path / "b.gguf")
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert ta.tensor_type == tb.tensor_type and np.array_equal(ta.data, tb.data), ta.name
+
+    lora = apply_lora(load_model(src), targets=("q_proj", "down_proj"), rank=4, alpha=8.0, rngs=nnx.Rngs(1))
+    for i, (_, mod) in enumerate(sorted(lora_modules(lora).items())):
+        shape = mod.lora_b.get_value().shape
+        mod.lora_b.set_value(jnp.asarray(0.1 * np.random.default_rng(i).standard_normal(shape), jnp.float32))
+    save_peft_adapter(lora, tmp_path / "run" / "adapter", str(src))
+    assert main(["quantize", str(tmp_path / "run"), "--output", str(tmp_path / "l.gguf"), "--type", "f32"]) == 0
+    _, merged, _ = load_gguf_model(tmp_path / "l.gguf", dtype=jnp.float32)
+    ids = jnp.asarray([[507, 72, 101, 108]])
+    np.testing.assert_allclose(np.asarray(merged(ids)), np.asarray(lora(ids)), atol=1e-4)

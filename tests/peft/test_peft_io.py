@@ -65,6 +65,20 @@ def test_folder_layout_names_and_config(saved):
     assert f.get(f"{PREFIX}.1.mlp.down_proj.lora_A.weight").shape == (4, cfg_m.intermediate_size)
 
 
+
+def test_base_path_is_recorded_absolute_and_a_repo_id_as_given(tmp_path, monkeypatch):
+    """As PEFT does: an existing local base path is stored absolute (the adapter loads from any directory);
+    a hub repo id (no such local path) is kept as written."""
+    model = _adapted()
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for base, want in (("models/base", str(tmp_path / "models" / "base")),
+                       ("./models/../models/base", str(tmp_path / "models" / "base")),
+                       ("org/tiny-llama", "org/tiny-llama")):
+        out = save_peft_adapter(model, tmp_path / "out", base, overwrite=True)
+        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == want, base
+        assert load_peft_adapter(out).base_model_name_or_path == want
+
 @pytest.mark.parametrize("trainable", [True, False])
 def test_round_trip(saved, trainable):
     model, out = saved

@@ -1,9 +1,11 @@
-"""The safetensors reader/writer: exact round trips for every dtype, byte compatibility with the `safetensors`
-library in both directions, and errors that name the file and the tensor for truncated and corrupt files."""
+"""The safetensors reader/writer (over the `safetensors` package's numpy API): exact round trips for every dtype
+(bf16 and fp8 included), byte compatibility with the package's other frameworks in both directions, atomic writes,
+and errors that name the file and the tensor for truncated and corrupt files."""
 from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -27,6 +29,9 @@ def sample_tensors() -> dict[str, np.ndarray]:
         "i16": np.array([-2, 5], np.int16),
         "i8": np.array([-128, 127], np.int8),
         "u8": np.array([0, 255, 7], np.uint8),
+        "u16": np.array([0, 65535], np.uint16),
+        "u32": np.array([1, 2**32 - 1], np.uint32),
+        "u64": np.array([3, 2**64 - 1], np.uint64),
         "bool": np.array([True, False, True]),
         "scalar": np.array(2.5, np.float32),
         "empty": np.zeros((0, 4), np.float32),
@@ -40,13 +45,33 @@ def test_round_trip_every_dtype_bit_exact(tmp_path):
     path = tmp_path / "t.safetensors"
     write_safetensors(path, tensors, metadata={"format": "pt", "note": "hi"})
     f = SafetensorsFile(path)
-    assert f.names() == list(tensors)
+    assert sorted(f.names()) == sorted(tensors)  # names() is in file order, which the writer chooses
     assert f.metadata == {"format": "pt", "note": "hi"}
     for name, ref in tensors.items():
         got = f.get(name)
         assert f.shape(name) == ref.shape and f.dtype(name) == ref.dtype and got.dtype == ref.dtype, name
         assert got.tobytes() == np.ascontiguousarray(ref).tobytes(), name
-    assert not f.get("f32").flags.writeable  # a view of the read-only memory map
+    got = f.get("f32")
+    got[0, 0] = 1e9  # a copy: changing it changes neither the file nor a later read
+    assert f.get("f32")[0, 0] == tensors["f32"][0, 0]
+    assert SafetensorsFile(path).get("f32").tobytes() == tensors["f32"].tobytes()
+
+
+def test_a_failed_write_leaves_nothing_and_keeps_the_old_file(tmp_path, monkeypatch):
+    from surojax.weights import safetensors_file
+
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, {"old": np.ones(2, np.float32)})
+
+    def boom(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors_file, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_safetensors(path, {"new": np.zeros(2, np.float32)})
+    assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]
+    assert SafetensorsFile(path).names() == ["old"]
 
 
 def test_header_is_aligned_and_default_metadata(tmp_path):
@@ -171,3 +196,13 @@ def test_malformed_entries_name_the_tensor(tmp_path):
 def test_unwritable_dtype_names_the_tensor(tmp_path):
     with pytest.raises(WeightsError, match="'c'.*complex64"):
         write_safetensors(tmp_path / "x.safetensors", {"ok": np.ones(2, np.float32), "c": np.ones(2, np.complex64)})
+
+
+def test_absurd_shape_and_trailing_bytes(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    msg = error(header_file(
+        path, json.dumps({"w": {"dtype": "F32", "shape": [2**30, 2**30], "data_offsets": [0, 8]}}).encode(), b"x" * 8))
+    assert "'w'" in msg and "inconsistent" in msg and "vs 8 bytes" in msg  # a 2^60-element claim, nothing allocated
+    msg = error(header_file(
+        path, json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode(), b"x" * 12))
+    assert "not a valid safetensors file" in msg and "not fully covered" in msg  # the package's reason, kept
