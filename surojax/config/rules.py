@@ -124,13 +124,22 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
             "offload_base_weights")
     if cfg.offload_prefetch and not cfg.offload_base_weights:
         add(("offload_prefetch",), "prefetches the streamed base; set offload_base_weights: true")
-    if cfg.offload_prefetch and cfg.recompute != "full":
+    if cfg.offload_prefetch and cfg.recompute not in ("full", "auto"):
         add(("recompute", "offload_prefetch"), f"the prefetching layer loop recomputes each layer whole (full); "
             f"{cfg.recompute} is not built for it: set recompute: full")
     if cfg.offload_prefetch and cfg.eval_generation is not None:
         add(("offload_prefetch", "eval_generation"), "offload_prefetch keeps the base as per-layer host buffers "
             "that only the training step's prefetching loop reads; eval_generation decodes with a KV cache over "
             "the plain layer loop: drop one of the two")
+
+    # --- adaptive training
+    for k in ("offload_optimizer", "offload_master"):
+        if cfg.auto_lr_reduction and getattr(cfg, k):
+            add(("auto_lr_reduction", k), f"the loss guard's learning-rate cuts and skipped steps are not available "
+                f"with {k} (its update runs in place, layer by layer); drop one of the two")
+    if cfg.epoch_adjustment and cfg.max_steps is not None:
+        add(("epoch_adjustment", "max_steps"), "epoch_adjustment sets the number of epochs from the Chinchilla "
+            "budget; it does not apply to a run of max_steps: drop one of the two")
 
     # --- length of training and schedule
     if cfg.max_steps is None and cfg.num_epochs is None:

@@ -337,20 +337,3 @@ def device_capacity() -> int | None:
     if not stats or "bytes_limit" not in stats:
         return None
     return int(stats["bytes_limit"])
-
-
-def plan_for_config(cfg, model_cfg, *, rows: int, lm_chunk_tokens: int, recompute: str | None = None,
-                    unroll: int | bool | None = None) -> MemoryPlan:
-    """The plan of a TrainConfig (the trainer's keys) for micro-batches of `rows` rows per device; `recompute` /
-    `unroll` replace the config's (a layer-loop candidate of `choose_layer_loop`, or the config's `auto`)."""
-    recompute = cfg.recompute if recompute is None else recompute
-    unroll = cfg.unroll_layers if unroll is None else unroll
-    if recompute == "auto" or unroll == "auto":
-        raise ValueError("plan_for_config needs a concrete recompute / unroll_layers (resolve auto with "
-                         "layer_loop_choice.choose_layer_loop first)")
-    return plan_memory(model_cfg, mode="lora" if cfg.lora else "full", recipe=cfg.recipe, rank=cfg.lora_rank,
-                       targets=cfg.lora_target_modules, batch=rows, seq=cfg.sequence_len, recompute=recompute,
-                       lm_chunk_tokens=lm_chunk_tokens, optimizer=cfg.optimizer,
-                       offload_base=cfg.offload_base_weights, offload_optimizer=cfg.offload_optimizer,
-                       offload_master=cfg.offload_master, master_dtype=cfg.master_dtype, lora_dtype=cfg.lora_dtype,
-                       prefetch=cfg.offload_prefetch, accum=cfg.gradient_accumulation_steps or 1, unroll=unroll)

@@ -20,9 +20,11 @@ import jax
 import optax
 from flax import nnx
 
+from surojax.compilation_cache import enable_compilation_cache
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.models.decoder import Decoder
 from surojax.offload.host_init import random_placed_model
+from surojax.offload.layer_loop_choice import LayerLoopChoice, choose_layer_loop
 from surojax.offload.master import place_master_on_host
 from surojax.offload.memory_plan import MemoryPlan, check_fits, device_capacity, plan_memory
 from surojax.offload.optimizer import apply_master_updates, compute_copy
@@ -60,27 +62,49 @@ class Run:
     chunk: int  # tokens per chunk of the chunked LM head
     memory_plan: MemoryPlan
     layer_loop: object  # what the decoder's `remat=` receives
+    layer_loop_reason: str  # which recompute / unrolling the run uses, and why (the start-up summary)
 
     @property
     def model_config(self):
         return self.spec.model.config
 
 
+def count_params(config) -> int:
+    """Parameters of the architecture (an abstract model: nothing is allocated)."""
+    model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    return int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
 def data_parallel_size(mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def memory_plan_of(spec: RunSpec, chunk: int) -> MemoryPlan:
-    """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded."""
+def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
+                   unroll: int | bool | None = None) -> MemoryPlan:
+    """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded;
+    `recompute` / `unroll` replace the spec's (a candidate layer loop of `choose_layer_loop`)."""
     lora, mem = spec.lora, spec.memory
     return plan_memory(spec.model.config, mode="lora" if lora else "full", recipe=spec.precision.recipe,
                        rank=lora.rank if lora else 0, targets=lora.targets if lora else None,
-                       batch=spec.batch.rows, seq=spec.batch.sequence_len, recompute=mem.recompute,
+                       batch=spec.batch.rows, seq=spec.batch.sequence_len,
+                       recompute=mem.recompute if recompute is None else recompute,
+                       unroll=mem.unroll if unroll is None else unroll,
                        lm_chunk_tokens=chunk, optimizer=spec.optim.name, offload_base=mem.offload_base,
                        offload_optimizer=mem.offload_optimizer, offload_master=mem.offload_master,
                        master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
                        lora_dtype="fp32" if spec.precision.adapter == jax.numpy.float32 else "bf16",
                        prefetch=mem.offload_prefetch, accum=spec.batch.accumulation)
+
+
+def resolve_layer_loop(spec: RunSpec, chunk: int) -> tuple[RunSpec, LayerLoopChoice]:
+    """`recompute: auto` / `unroll_layers: auto` resolved by the memory plan (the fastest layer loop that fits the
+    device, surojax/offload/layer_loop_choice.py); explicit values are kept and checked. The returned spec holds
+    concrete values."""
+    mem = spec.memory
+    choice = choose_layer_loop(lambda r, u: memory_plan_of(spec, chunk, recompute=r, unroll=u), device_capacity(),
+                               recompute=mem.recompute, unroll=mem.unroll, offload_base=mem.offload_base,
+                               prefetch=mem.offload_prefetch)
+    return spec.replace(memory=dataclasses.replace(mem, recompute=choice.recompute, unroll=choice.unroll)), choice
 
 
 def _placed_model(spec: RunSpec, mesh, customize: Callable[[Decoder], None] | None) -> Decoder:
@@ -118,10 +142,13 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     base). check_memory: refuse a run whose planned peak exceeds the device (unsharded meshes only: the plan is
     for one device holding everything).
     """
-    mem, prec = spec.memory, spec.precision
-    prepare_host_memory(mem.host_memory)
-    chunk = lm_chunk_tokens(spec.batch.rows * data_parallel_size(mesh), spec.batch.sequence_len, mem.lmhead_chunks)
-    plan = memory_plan_of(spec, chunk)
+    prepare_host_memory(spec.memory.host_memory)
+    enable_compilation_cache(mesh.devices.flat[0].platform)
+    chunk = lm_chunk_tokens(spec.batch.rows * data_parallel_size(mesh), spec.batch.sequence_len,
+                            spec.memory.lmhead_chunks)
+    spec, choice = resolve_layer_loop(spec, chunk)
+    mem, prec, plan = spec.memory, spec.precision, choice.plan
+    log.info("layer loop: %s", choice.reason)
     if check_memory and mesh.shape["fsdp"] * mesh.shape["tensor"] == 1:
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
 
@@ -149,8 +176,10 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     loop = layer_loop(mem.recompute, prefetch=mem.offload_prefetch, per_layer=mem.offload_prefetch)
     loss_fn = functools.partial(loss, chunk=chunk, unroll=mem.unroll)
     train_step = make_train_step(graphdef, loss_fn, optimizer, remat=loop,
-                                 prepare=set_dropout_key if train_mode else None, **apply)
+                                 prepare=set_dropout_key if train_mode else None,
+                                 skip_nonfinite=o.skip_nonfinite, **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn, remat=loop if mem.offload_prefetch else None)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
-               eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop)
+               eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,
+               layer_loop_reason=choice.reason)

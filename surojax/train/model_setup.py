@@ -19,8 +19,8 @@ from surojax.precision.fp8_matmul import dot_form
 from surojax.precision.fp8_transform import apply_fp8
 from surojax.peft.qlora import is_quantized, quantize_model, quantize_model_mix
 from surojax.train.run_spec import RunSpec, TrainSetupError
-from surojax.weights.gguf_checkpoint import load_gguf_model
-from surojax.weights.hf_checkpoint import load_model
+from surojax.model_loader import load_base
+from surojax.weights.model_ref import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,8 @@ def build_model(spec: RunSpec) -> Decoder:
         model = Decoder(m.config, dtype=prec.compute, param_dtype=prec.base, attention=m.attention,
                         rngs=nnx.Rngs(params=m.seed))
         log.info("initialised %s from scratch (seed %d)", m.config.model_type, m.seed)
-    elif m.is_gguf:
-        model = load_gguf_base(spec)
     else:
-        model = load_model(m.source, dtype=prec.compute, param_dtype=prec.base, attention=m.attention,
-                           cfg=m.config)
+        model = load_base_model(spec)
     if spec.quant is not None:
         try:
             if spec.quant.is_mix:
@@ -96,11 +93,12 @@ def has_fp8_tensor_cores() -> bool:
         return False
 
 
-def load_gguf_base(spec: RunSpec) -> Decoder:
-    """`model: file.gguf`: the base with its quantised Linear kernels kept in their GGUF format (LoRA only)."""
+def load_base_model(spec: RunSpec) -> Decoder:
+    """The weights of `spec.model.source` through the one model loader; a .gguf base keeps its quantised Linear
+    kernels in their GGUF format (LoRA only)."""
     m = spec.model
-    _, model, _ = load_gguf_model(m.source, dtype=spec.precision.compute, param_dtype=spec.precision.base,
-                                  attention=m.attention, cfg=m.config, keep_quantized=True)
+    model, _ = load_base(resolve_model(m.source), dtype=spec.precision.compute, param_dtype=spec.precision.base,
+                         attention=m.attention, cfg=m.config, keep_quantized=True)
     quantized = is_quantized(model)
     if quantized and spec.lora is None:
         kinds = ", ".join(sorted(set(quantized.values())))
@@ -109,7 +107,8 @@ def load_gguf_base(spec: RunSpec) -> Decoder:
     if quantized and spec.lora.merge_adapter:
         raise TrainSetupError("merge_adapter cannot fold the adapter into a quantized GGUF base; train without it, "
                               "then merge the saved adapter into the unquantized HF model")
-    log.info("loaded GGUF base %s (quantized kernels: %s)", m.source, quantized or "none")
+    if m.is_gguf:
+        log.info("loaded GGUF base %s (quantized kernels: %s)", m.source, quantized or "none")
     return model
 
 

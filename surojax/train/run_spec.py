@@ -22,16 +22,15 @@ Precision recipes (`recipe`):
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any, Literal
 
 import jax.numpy as jnp
 
 from surojax.config.lora import GGUF_MIXES, GGUF_TYPES as CONFIG_GGUF_TYPES
 from surojax.config.schema import TrainConfig
-from surojax.data.hub import resolve_local
 from surojax.models.config import ModelConfig
+from surojax.weights.safetensors_file import WeightsError
+from surojax.weights.model_ref import ModelRef, hf_config_of, resolve_model
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 RECIPES = ("fp32", "bf16", "fp8_hybrid")  # the recipes this build runs (nvfp4 is refused by the config check)
@@ -124,6 +123,7 @@ class OptimSpec:
     b2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float = 1.0
+    skip_nonfinite: bool = False  # a step with a non-finite loss or gradient changes nothing (the loss guard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,24 +153,26 @@ def is_gguf_path(p) -> bool:
     return p is not None and str(p).lower().endswith(".gguf")
 
 
-def hf_config_of(cfg: TrainConfig) -> dict:
-    """The config.json dict of `model` (a folder's config.json or a .gguf file's metadata), {} without one."""
+def model_ref_of(cfg: TrainConfig) -> ModelRef | None:
+    """`model` resolved by the one model loader (HF folder, .gguf file, a run's output folder, a cached repo id);
+    a LoRA adapter is not a base to train on: it is refused with the keys to use instead."""
     if not cfg.model:
-        return {}
-    if is_gguf_path(cfg.model):
-        from surojax.weights.gguf_checkpoint import read_gguf_hf_config
-
-        return read_gguf_hf_config(cfg.model)
-    path = Path(resolve_local(cfg.model)) / "config.json"
-    if not path.is_file():
-        raise TrainSetupError(f"model: {cfg.model} has no config.json")
-    return json.loads(path.read_text())
+        return None
+    try:
+        ref = resolve_model(cfg.model)
+    except WeightsError as e:
+        raise TrainSetupError(f"model: {e}") from None
+    if ref.adapter is not None:
+        raise TrainSetupError(f"model: {cfg.model} is a LoRA adapter over {ref.weights}; train on its base with "
+                              f"model: {ref.weights} and adapter_path: {ref.adapter}")
+    return ref
 
 
 def model_config_for(cfg: TrainConfig) -> ModelConfig:
     """The architecture: the model's config.json, updated by `model_config` (from_scratch), `rope_scaling` and
     `max_model_len`."""
-    hf = hf_config_of(cfg)
+    ref = model_ref_of(cfg)
+    hf = hf_config_of(ref) if ref is not None else {}
     hf.update(cfg.model_config_overrides or {})
     if cfg.rope_scaling:
         hf["rope_scaling"] = dict(cfg.rope_scaling)
@@ -238,7 +240,7 @@ def optim_spec(cfg: TrainConfig, total_steps: int) -> OptimSpec:
                      total_steps=total_steps, warmup_steps=cfg.warmup_steps_for(total_steps),
                      final_lr_fraction=cfg.final_lr_fraction, cooldown_steps=cfg.cooldown_steps or 0,
                      weight_decay=cfg.weight_decay, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
-                     max_grad_norm=cfg.max_grad_norm)
+                     max_grad_norm=cfg.max_grad_norm, skip_nonfinite=cfg.auto_lr_reduction)
 
 
 def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None,

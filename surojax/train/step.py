@@ -1,11 +1,15 @@
 """The generic jitted training step: grad(loss o model) over accumulated micro-batches + the optimizer.
 
-    step(trainable, frozen, opt_state, batch[A, B, T], rng) -> (trainable, opt_state, metrics)
+    step(trainable, frozen, opt_state, batch[A, B, T], rng, lr_scale=1.0) -> (trainable, opt_state, metrics)
 
 The model is split once into (graphdef, trainable state, frozen state); only the trainable state is
 differentiated and updated (the full model for full fine-tuning, the adapters for LoRA). Gradients of the
 micro-batches' loss SUMS are accumulated (fp32) under `lax.scan` and divided once by the total count of
 supervised tokens, so accumulation A x batch B gives the same update as batch A*B.
+
+`lr_scale` multiplies the optimizer's update (for AdamW exactly a learning rate times lr_scale: the loss guard's
+cuts, surojax/train/loss_guard.py). With `skip_nonfinite` a step whose loss or gradient norm is not finite leaves
+the parameters and the optimizer state as they were (metrics["skipped"] = 1).
 """
 from __future__ import annotations
 
@@ -19,17 +23,18 @@ from flax import nnx
 
 def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, remat=None,
                     prepare: Callable | None = None, donate: bool = True, jit: bool = True,
-                    apply_updates: Callable = optax.apply_updates):
+                    apply_updates: Callable = optax.apply_updates, skip_nonfinite: bool = False):
     """`loss_fn(model, micro_batch, remat=...) -> (loss_sum, {"tokens": count, ...})`.
 
     `prepare(model, key)`, when given, runs on the merged model before each micro-batch's forward pass with
     a key distinct per step and micro-batch (LoRA dropout keys).
     `apply_updates(params, updates)`: offload_master passes surojax.offload.optimizer.apply_master_updates.
     An optimizer with `update_and_apply` (offload_optimizer / offload_master: surojax/offload/optimizer.py) is
-    given the gradient sums and their divisor and returns the new params itself (one layer at a time, in place).
+    given the gradient sums and their divisor and returns the new params itself (one layer at a time, in place);
+    it takes no lr_scale (the config check refuses auto_lr_reduction with offload_optimizer / offload_master).
     """
 
-    def step(trainable, frozen, opt_state, batch, rng):
+    def step(trainable, frozen, opt_state, batch, rng, lr_scale=1.0):
         def grads_of(mb, index):
             def f(tr):
                 model = nnx.merge(graphdef, tr, frozen, copy=True)  # fresh Variables: prepare() may set them
@@ -58,14 +63,21 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
             (grads, loss_sum, count), _ = jax.lax.scan(micro, (zeros, zero, zero), (batch, jnp.arange(n_micro)))
         denom = jnp.maximum(count, 1.0)
+        metrics = {"loss": loss_sum / denom, "tokens": count}
         if in_place is not None:  # offload: divided, clipped and applied per layer, in place
-            trainable, opt_state, grad_norm = in_place(grads, denom, opt_state, trainable)
-        else:
-            grads = jax.tree.map(lambda g: g / denom, grads)
-            grad_norm = optax.tree.norm(grads)
-            updates, opt_state = optimizer.update(grads, opt_state, trainable)
-            trainable = apply_updates(trainable, updates)
-        return trainable, opt_state, {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
+            trainable, opt_state, metrics["grad_norm"] = in_place(grads, denom, opt_state, trainable)
+            return trainable, opt_state, metrics
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        updates, new_state = optimizer.update(grads, opt_state, trainable)
+        updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
+        new_params = apply_updates(trainable, updates)
+        if skip_nonfinite:
+            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            new_params, new_state = keep(new_params, trainable), keep(new_state, opt_state)
+            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        return new_params, new_state, metrics
 
     if not jit:
         return step

@@ -36,7 +36,8 @@ from surojax.parallel import batch_sharding, make_mesh
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import save_peft_adapter
 from surojax.quant.base import QuantFormat
-from surojax.train.build import build_run, data_parallel_size
+from surojax.train.adaptive import AdaptiveSettings, AdaptiveTraining, budget_line, epochs_for_budget, flops_per_token
+from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.metrics import Metrics, plot_loss
 from surojax.train.run_spec import TrainSetupError, is_gguf_path, model_config_for, run_spec
@@ -87,13 +88,19 @@ class Trainer:
 
         self.mesh = make_mesh(cfg.parallel.sizes())
         A, B = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size * data_parallel_size(self.mesh)
-        epochs = None if cfg.max_steps else max(1, math.ceil(cfg.num_epochs))
+        epochs = None if (cfg.max_steps or cfg.epoch_adjustment) else max(1, math.ceil(cfg.num_epochs))
         self.data = build_data_from_config(cfg, self.tokenizer, batch_size=A * B, seed=cfg.seed, num_epochs=epochs,
                                            eval_batch_size=B)
+        self.num_params = count_params(model_config_for(cfg))
+        log.info("%s", budget_line(self.num_params, max(self.data.stats.tokens, 1)))
+        num_epochs = cfg.num_epochs
+        if cfg.epoch_adjustment:  # the Chinchilla budget sets the epochs (the loader above repeats the data)
+            num_epochs = epochs_for_budget(self.num_params, max(self.data.stats.tokens, 1))
+            log.info("epoch_adjustment: %d epoch(s) of %s tokens", num_epochs, f"{self.data.stats.tokens:,}")
         if cfg.max_steps:
             total = cfg.max_steps
         else:
-            total = max(1, int(self.data.train.num_rows * cfg.num_epochs // (A * B)))
+            total = max(1, int(self.data.train.num_rows * num_epochs // (A * B)))
         self.plan = RunPlan(total, B, A, cfg.sequence_len)
         attention = packed_backend(cfg.attention, max(
             rows.max_runs for rows in (self.data.train_rows, self.data.eval_rows) if rows is not None))
@@ -111,6 +118,10 @@ class Trainer:
         self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
         self.key = jax.random.key(cfg.seed)
         self.step_count = 0
+        self.adaptive = AdaptiveTraining(AdaptiveSettings.from_optim(cfg), flops_per_token=flops_per_token(
+            self.num_params))
+        self.lr_scale = 1.0  # the loss guard's multiplier of the scheduled learning rate
+        self.stop_reason: str | None = None
 
         self.checkpointer = Checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"),
                                          keep=cfg.save_total_limit)
@@ -142,6 +153,9 @@ class Trainer:
         self.trainable, self.opt_state = state["trainable"], state["opt_state"]
         self.data.train.set_state(meta["data"])
         self.step_count = int(meta["step"])
+        if "adaptive" in meta:
+            self.adaptive.load_state_dict(meta["adaptive"])
+            self.lr_scale = float(meta["adaptive_lr_scale"])
         self.console.print(f"[bold]resumed[/] from {self.checkpointer.directory / str(step)} at step {self.step_count}")
 
     def _checkpoint_state(self) -> dict:
@@ -149,7 +163,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.checkpointer.save(self.step_count, self._checkpoint_state(),
-                               {"step": self.step_count, "data": self.data.train.get_state()})
+                               {"step": self.step_count, "data": self.data.train.get_state(),
+                                "adaptive": self.adaptive.state_dict(), "adaptive_lr_scale": self.lr_scale})
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def _device_batch(self, batch: dict) -> dict:
@@ -161,14 +176,25 @@ class Trainer:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics."""
         t0 = time.perf_counter()
         batch = self._device_batch(next(self.data.train))
-        lr = float(self.run.schedule(self.step_count))
+        lr = float(self.run.schedule(self.step_count)) * self.lr_scale
         rng = jax.random.fold_in(self.key, self.step_count)
-        self.trainable, self.opt_state, m = self.run.train_step(self.trainable, self.frozen, self.opt_state, batch, rng)
+        self.trainable, self.opt_state, m = self.run.train_step(self.trainable, self.frozen, self.opt_state, batch, rng,
+                                                                self.lr_scale)
         self.step_count += 1
         m = {k: float(v) for k, v in m.items()}
         dt = time.perf_counter() - t0
         m.update(lr=lr, step_time=dt, tokens_per_s=self.plan.tokens_per_step / dt)
+        self._adapt(self.adaptive.observe(self.step_count, m["loss"], m["grad_norm"], self.plan.tokens_per_step))
         return m
+
+    def _adapt(self, decision) -> None:
+        """Apply an adaptive-training decision (surojax/train/adaptive.py): the next steps' learning-rate scale,
+        the reason to stop, and its log lines."""
+        self.lr_scale = decision.lr_scale
+        for event in decision.events:
+            log.warning("%s", event)
+        if decision.stop is not None and self.stop_reason is None:
+            self.stop_reason = decision.stop
 
     def evaluate(self) -> float | None:
         """Mean loss per supervised token over the whole validation set (None without validation data)."""
@@ -191,7 +217,8 @@ class Trainer:
         mode = "LoRA" if self.cfg.lora else ("pretraining" if self.cfg.from_scratch else "full fine-tune")
         return [
             f"model   {self.spec.model.config.model_type}, {n_total / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable "
-            f"({100 * n_train / max(n_total, 1):.2f}%), {mode}, recipe {self.cfg.recipe}, recompute {self.cfg.recompute}",
+            f"({100 * n_train / max(n_total, 1):.2f}%), {mode}, recipe {self.cfg.recipe}",
+            f"layers  {self.run.layer_loop_reason}",
             f"data    {s.summary()}",
             f"plan    {self.plan.total_steps} steps x {self.plan.accumulation} x {self.plan.micro_batch} rows x "
             f"{self.plan.sequence_len} = {planned:,} tokens; Chinchilla budget (20 x params) {budget:,} tokens "
@@ -219,8 +246,9 @@ class Trainer:
                 except StopIteration:
                     self.console.print("[yellow]the data ran out before max_steps; stopping[/]")
                     break
-                if not math.isfinite(m["loss"]):
-                    raise FloatingPointError(f"loss became {m['loss']} at step {self.step_count}")
+                if not math.isfinite(m["loss"]) and not cfg.auto_lr_reduction:
+                    raise FloatingPointError(f"loss became {m['loss']} at step {self.step_count} (auto_lr_reduction: "
+                                             "true skips such steps and lowers the learning rate)")
                 progress.update(task, completed=self.step_count, loss=m["loss"], lr=m["lr"], gnorm=m["grad_norm"],
                                 tps=m["tokens_per_s"])
                 if self.step_count % cfg.logging_steps == 0 or self.step_count in (1, self.plan.total_steps):
@@ -234,9 +262,16 @@ class Trainer:
                     if ev is not None:
                         self.metrics.write(self.step_count, {"eval_loss": ev})
                         progress.console.print(f"step {self.step_count}: eval loss {ev:.4f}", highlight=False)
+                        self._adapt(self.adaptive.observe_eval(self.step_count, ev))
                 if cfg.save_steps and self.step_count % cfg.save_steps == 0:
                     self.save_checkpoint()
                 last = m
+                if self.stop_reason is not None:
+                    self.console.print(f"[yellow]early_stop: stopping at step {self.step_count} "
+                                       f"({self.stop_reason})[/]")
+                    if not (cfg.save_steps and self.step_count % cfg.save_steps == 0):
+                        self.save_checkpoint()
+                    break
         ev = self.evaluate()
         if ev is not None:
             self.metrics.write(self.step_count, {"eval_loss": ev})
