@@ -63,7 +63,7 @@ from surojax.models.decoder import Decoder  # noqa: E402
 from surojax.serve.decode_check import DEFAULT_EPS, attention_check, format_check, teacher_forced_check  # noqa: E402
 from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged  # noqa: E402
 from surojax.serve.runner import _paged_step, _paged_step_in_pool  # noqa: E402
-from surojax.serve.sampling import BatchMode  # noqa: E402
+from surojax.generation.sampling import BatchMode  # noqa: E402
 
 from kernel_categories import category as kernel_category  # noqa: E402  (benchmarks/ is sys.path[0])
 

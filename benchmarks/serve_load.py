@@ -228,7 +228,7 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, pa
     import numpy as np
 
     from surojax.serve.engine import Engine
-    from surojax.serve.sampling import SamplingParams
+    from surojax.generation.sampling import SamplingParams
 
     eng = Engine(model, **engine_kwargs(a, users, k), kv_in_place=in_place, unroll_layers=a.unroll_layers,
                  paged_attention=paged, paged_kernel=kernel)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from surojax.config import TrainConfig, config_from_dict, load_config
 from surojax.data.hub import resolve_local
 from surojax.data.tokenizer import Tokenizer
-from surojax.serve.generate import generate
+from surojax.generation.loop import generate
 from surojax.train.trainer import Trainer
 from surojax.weights.hf_checkpoint import load_model as _load_model
 from surojax.weights.hf_checkpoint import save_model

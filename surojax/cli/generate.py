@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     from surojax.data.hub import resolve_local
     from surojax.data.tokenizer import Tokenizer
-    from surojax.serve.generate import eos_ids, generate
+    from surojax.generation.loop import eos_ids, generate
     from surojax.weights.hf_checkpoint import load_model
 
     if args.max_new_tokens < 1:

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from surojax.serve.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Stream
 from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
                                     TokenizeRequest, UnloadLoRARequest)
-from surojax.serve.sampling import SamplingParamsError
+from surojax.generation.sampling import SamplingParamsError
 
 OPEN_PATHS = ("/health", "/metrics")
 

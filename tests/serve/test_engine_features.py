@@ -13,8 +13,8 @@ from surojax.peft.lora import apply_lora, lora_modules, merge_lora
 from surojax.peft.multi_lora import AdapterSlots
 from surojax.peft.peft_io import save_peft_adapter
 from surojax.serve.engine import Engine
-from surojax.serve.generate import generate
-from surojax.serve.sampling import BatchMode, SamplingParams, SamplingParamsError, apply_penalties, filter_logits, \
+from surojax.generation.loop import generate
+from surojax.generation.sampling import BatchMode, SamplingParams, SamplingParamsError, apply_penalties, filter_logits, \
     sample_batch, sorted_keep_mask
 from surojax.weights.hf_checkpoint import load_model
 

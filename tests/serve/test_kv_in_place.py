@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surojax.models.decoder import KVCache
+from surojax.models.kv import KVCache
 from surojax.serve.engine import Engine
 from surojax.weights.hf_checkpoint import load_model
 

@@ -9,7 +9,7 @@ import pytest
 from surojax.data.tokenizer import Tokenizer
 from surojax.serve.engine import Engine
 from surojax.serve.kv_cache import KVCacheManager
-from surojax.serve.sampling import SamplingParams
+from surojax.generation.sampling import SamplingParams
 from surojax.serve.scheduler import Request, Scheduler
 from surojax.weights.hf_checkpoint import load_model
 

@@ -12,7 +12,7 @@ from flax import nnx
 from surojax.serve.engine import Engine
 from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged
 from surojax.serve.runner import _paged_step, _paged_step_in_pool
-from surojax.serve.sampling import BatchMode
+from surojax.generation.sampling import BatchMode
 from surojax.weights.hf_checkpoint import load_model
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"

@@ -1,4 +1,4 @@
-"""Engine (scheduler + paged runner over a KV pool) vs the plain-cache reference `surojax.serve.generate.generate`.
+"""Engine (scheduler + paged runner over a KV pool) vs the plain-cache reference `surojax.generation.loop.generate`.
 
 Greedy tokens must be identical alone, batched with chunked prefill, under preemption (small pool), and with
 prefix-cache hits (a repeated system prompt, sequential and in the same step).
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from surojax.serve.engine import Engine
-from surojax.serve.generate import generate
+from surojax.generation.loop import generate
 from surojax.weights.hf_checkpoint import load_model
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"

@@ -23,7 +23,7 @@ from surojax.cli.main import build_parser, load_command  # noqa: E402
 from surojax.data.tokenizer import Tokenizer  # noqa: E402
 from surojax.peft.lora import apply_lora, lora_modules, merge_lora  # noqa: E402
 from surojax.peft.peft_io import save_peft_adapter  # noqa: E402
-from surojax.serve.generate import generate  # noqa: E402
+from surojax.generation.loop import generate  # noqa: E402
 from surojax.serve.launch import build_server  # noqa: E402
 from surojax.serve.metrics import parse_metrics  # noqa: E402
 from surojax.weights.hf_checkpoint import load_model  # noqa: E402

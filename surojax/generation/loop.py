@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.decoder import Decoder, KVCache
-from surojax.serve.sampling import sample
+from surojax.models.decoder import Decoder
+from surojax.models.kv import KVCache
+from surojax.generation.sampling import sample
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
