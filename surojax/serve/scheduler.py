@@ -97,10 +97,6 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # finished/aborted since the last step
 
     @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: s.num_new_tokens for s in self.scheduled}
-
-    @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 

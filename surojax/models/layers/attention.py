@@ -89,8 +89,9 @@ def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
 
     Each maximal run of equal ids (padding runs included) is one segment: offsets[b, j] is the first token of
     run j of row b (a token index inside the row) and lengths[b, j] its length, for j < min(runs, M); every
-    other entry is -1 (no end marker: measured on the H200, an end marker misaligns every later row). `runs` counts the runs of each row. A row with
-    more than M runs gets its runs M-1, M, ... merged into slot M-1 (wrong attention there), which is why
+    other entry is -1 (no end marker: jax flattens the non-negative entries across rows, so an end marker
+    misaligns every later row; benchmarks/RESULTS.md). `runs` counts the runs of each row. A row with more
+    than M runs gets its runs M-1, M, ... merged into slot M-1 (wrong attention there), which is why
     `cudnn_packed_attention` never uses the layout of such a batch.
     """
     B, T = segment_ids.shape
@@ -191,9 +192,9 @@ def runs_per_row(segment_ids) -> int:
 def packed_backend(name: str, max_runs: int | None) -> str:
     """The backend for training on packed rows whose layout the data pipeline built (positions counting up from
     0 inside each sample, no id coming back) with at most `max_runs` runs per row: "auto" on a GPU becomes
-    `cudnn:M:nocheck`, M = max(2, max_runs): cuDNN's cost grows with M (B * M sequence slots; measured on the
-    H200: ~10 ms of a 0.6B step's 31 ms of attention at M = 16 for 4 samples per row), and the per-layer
-    check's switch is not needed for rows built that way (+3% on the H200). Anything else: unchanged."""
+    `cudnn:M:nocheck`, M = max(2, max_runs): cuDNN's cost grows with M (B * M sequence slots), and the
+    per-layer check's switch is not needed for rows built that way (the measurements: benchmarks/RESULTS.md).
+    Anything else: unchanged."""
     if name != "auto" or max_runs is None or jax.default_backend() != "gpu":
         return name
     return f"cudnn:{max(2, int(max_runs))}:nocheck"
