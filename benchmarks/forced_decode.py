@@ -78,7 +78,8 @@ def forced_decode(graphdef, state, k_pool, v_pool, tokens, start, block_table, *
 def forced_attention(graphdef, state, x, k_pool, v_pool, block_table, lengths, layer, *, kernel: str,
                      block_size: int):
     """One layer's attention sublayer alone, through the paged pool: the layer's ``Attention`` module (its
-    ``PagedLayerKV``, read by the `PagedKernel` named "gather", "reduce" or "pallas") on x [R, 1, D] as one new token per row at
+    ``PagedLayerKV``, read by the `PagedKernel` named "gather", "reduce" or "pallas") on x [R, 1, D] as one new
+    token per row at
     position lengths [R] (written to the pool first, then attended with the row's context).
     layer: int32 scalar. -> y [R, 1, D] fp32 (after o_proj). Isolates the attention: the check of a kernel
     without the rest of the network's rounding on top."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from surojax.serve.config import EngineConfig, KVPath, LoraServeConfig, RunnerBuckets, SchedulerConfig, ServeConfig
+from surojax.serve.config import EngineConfig, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 
@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=_positive, default=_SCHED.max_num_seqs, help="sequences batched at once")
     parser.add_argument("--max-num-batched-tokens", type=_positive, default=_SCHED.max_num_batched_tokens,
                         help="tokens per engine step (prompt tokens prefilled with the running decodes)")
-    parser.add_argument("--max-queue", type=int, default=_SERVE.max_queue, help="waiting requests beyond max-num-seqs (then 429)")
+    parser.add_argument("--max-queue", type=int, default=_SERVE.max_queue,
+                        help="waiting requests beyond max-num-seqs (then 429)")
     parser.add_argument("--block-size", type=_positive, default=_ENGINE.block_size, help="tokens per KV block")
     parser.add_argument("--decode-steps", type=_power_of_two, default=_SCHED.decode_steps,
                         help="decode tokens per device call when no request waits (1, 2, 4, 8, ...)")

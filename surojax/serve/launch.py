@@ -14,9 +14,9 @@ import logging
 import sys
 from pathlib import Path
 
+from surojax.generation.loop import eos_ids
 from surojax.serve.api_server import ServerState, build_app
 from surojax.serve.async_engine import AsyncEngine
-from surojax.generation.loop import eos_ids
 from surojax.serve.config import ServeConfig
 
 log = logging.getLogger("surojax.serve")

@@ -1,15 +1,15 @@
 """Multi-step decode: up to K decode steps for every row in ONE jitted call (the runner's fast decode path).
 
-Per call, instead of per token: the host builds the batch arrays once and fetches the sampled ids once. Two
-KV paths: ``multi_step_decode_paged`` (the default) carries the paged pool itself through the loop (every layer
-writes its new k/v into the pool in place and reads the context through the block tables: ``PagedKVCache``);
-``kv_reference.reference_multi_step_decode`` (the reference) gathers each row's context from the pool once into
-a dense per-row view and scatters the K new k/v back once; both run ``decode_loop``. Inside, a ``lax.while_loop`` runs one-token forwards (the Decoder
-appends each token's k/v at position ``start + i``), samples on device with each row's own parameters and key
-(``fold_in(key(seed), position)``, as in a single step) and feeds the sampled token back. A row stops when it
-samples one of its stop ids or reaches its limit (max_tokens / max_model_len / K, worked out by the
-scheduler); a stopped row keeps riding along (its results are masked: not counted, not written back), and the
-loop ends early once every row has stopped.
+Per call, instead of per token: the host builds the batch arrays once and fetches the sampled ids once. Two KV
+paths: ``multi_step_decode_paged`` (the default) carries the paged pool itself through the loop (every layer writes
+its new k/v into the pool in place and reads the context through the block tables: ``PagedKVCache``);
+``kv_reference.reference_multi_step_decode`` (the reference) gathers each row's context from the pool once into a
+dense per-row view and scatters the K new k/v back once; both run ``decode_loop``. Inside, a ``lax.while_loop``
+runs one-token forwards (the Decoder appends each token's k/v at position ``start + i``), samples on device with
+each row's own parameters and key (``fold_in(key(seed), position)``, as in a single step) and feeds the sampled
+token back. A row stops when it samples one of its stop ids or reaches its limit (max_tokens / max_model_len / K,
+worked out by the scheduler); a stopped row keeps riding along (its results are masked: not counted, not written
+back), and the loop ends early once every row has stopped.
 
 Greedy and seeded results equal K single steps: every step sees the same context values (the view holds the
 pool's dtype, as the pool would), the same position and the same key; penalties see each new token as soon

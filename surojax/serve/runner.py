@@ -4,8 +4,8 @@ The pool: k and v are each [L, num_blocks * block_size, K, H] (flattened slots).
 in slot ``block_table[p // bs] * bs + p % bs``. Each step the runner builds on the host a padded batch of the
 scheduled requests: tokens / positions / segment ids [R, T] (segment 1 = real, 0 = padding), each row's context
 length ``start`` [R] and its block table, then runs ONE jitted call that does the forward, writes the new k/v
-into the pool and samples on device (``surojax.generation.sampling.sample_batch``: per-row parameters as [R] arrays;
-the host fetches the sampled ids once per call, used where the scheduler asked, ``sample=True``). With
+into the pool and samples on device (``surojax.generation.sampling.sample_batch``: per-row parameters as [R]
+arrays; the host fetches the sampled ids once per call, used where the scheduler asked, ``sample=True``). With
 multi-LoRA slots in the model, each row's adapter slot is set on the merged model inside the call
 (``surojax.peft.multi_lora.set_adapter_rows``).
 
