@@ -12,7 +12,6 @@ passed in or applied from outside; none of them lives in ModelConfig.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
