@@ -10,20 +10,22 @@
 For each (rows R, variant) it builds the arrays the runner would (a pool holding R contexts of --context tokens,
 block size 16, slots scattered over the pool as after real traffic) and times
 
-  single         ``runner._paged_step``: one token per row per call (K = 1), the reference gather/scatter path
-  multi          ``multi_step.multi_step_decode``: --steps tokens per row per call (one host sync per call)
-  single-paged   ``runner._paged_step_in_pool``: the paged path (``PagedKVCache``: the pool rides in the layer
+  single         ``kv_reference.reference_step``: one token per row per call (K = 1), the reference gather/scatter
+                 path
+  multi          ``kv_reference.reference_multi_step_decode``: --steps tokens per row per call (one host sync per
+                 call)
+  single-paged   ``runner.paged_step``: the paged path (``PagedKVCache``: the pool rides in the layer
                  loop, each layer reads its context through the block tables and writes its new k/v in place)
   multi-paged    ``multi_step.multi_step_decode_paged``: the same over --steps tokens per call
-  single-reduce, multi-reduce   the paged path with ``kernel="reduce"``: the gather feeds a multiply + reduce
+  single-reduce, multi-reduce   the paged path with ``PagedKernel.REDUCE``: the gather feeds a multiply + reduce
                  attention that XLA can fuse it into (no materialised gather, if XLA does)
-  single-pallas, multi-pallas   the paged path with ``kernel="pallas"``: decode attention in the Pallas paged
-                 decode-attention kernel (``models/layers/paged_decode.py``), which reads each row's real
+  single-pallas, multi-pallas   the paged path with ``PagedKernel.PALLAS``: decode attention in the Pallas paged
+                 decode-attention kernel (``pallas_kernels/paged_decode/``), which reads each row's real
                  blocks in place (no per-layer gather, no S padding)
 
 each with the layer loop rolled (``-rolled``, ``unroll=1``) or inlined (``-unrolled``, ``unroll=True``); the
 reference variants with ``kv_in_place`` on. First, per R, a correctness check that decides
-(``surojax.serve.decode_check``, teacher-forced): the same pool and the same inputs through the reference
+(``benchmarks/decode_check.py``, teacher-forced): the same pool and the same inputs through the reference
 arithmetic in fp32 (the truth: fp32 copies of weights and pool), the reference in the model's dtype (its error
 is the bf16 noise floor) and each paged path (gather, and reduce / pallas where --variants names them): each
 layer's attention sublayer alone (``attention_check``), then the whole model over --steps forced tokens (no
@@ -60,11 +62,13 @@ from flax import nnx  # noqa: E402
 
 from surojax.bench.shapes import model_config  # noqa: E402
 from surojax.models.decoder import Decoder  # noqa: E402
-from surojax.serve.decode_check import DEFAULT_EPS, attention_check, format_check, teacher_forced_check  # noqa: E402
-from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged  # noqa: E402
-from surojax.serve.runner import _paged_step, _paged_step_in_pool  # noqa: E402
-from surojax.serve.sampling import BatchMode  # noqa: E402
+from surojax.generation.sampling import BatchMode  # noqa: E402
+from surojax.models.kv import PagedKernel  # noqa: E402
+from surojax.serve.kv_reference import reference_multi_step_decode, reference_step  # noqa: E402
+from surojax.serve.multi_step import multi_step_decode_paged  # noqa: E402
+from surojax.serve.runner import paged_step  # noqa: E402
 
+from decode_check import DEFAULT_EPS, attention_check, format_check, teacher_forced_check  # noqa: E402
 from kernel_categories import category as kernel_category  # noqa: E402  (benchmarks/ is sys.path[0])
 
 CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
@@ -234,10 +238,10 @@ def main(argv=None):
             if paged:
                 return multi_step_decode_paged(graphdef, state, pools["k"], pools["v"], tokens, start, table, limit,
                                                no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K,
-                                               block_size=bs, unroll=unroll, kernel=kernel)
-            return multi_step_decode(graphdef, state, pools["k"], pools["v"], tokens, start, ctx, write, limit,
-                                     no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K, kv_in_place=True,
-                                     unroll=unroll)
+                                               block_size=bs, unroll=unroll, kernel=PagedKernel(kernel))
+            return reference_multi_step_decode(graphdef, state, pools["k"], pools["v"], tokens, start, ctx, write,
+                                               limit, no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K,
+                                               kv_in_place=True, unroll=unroll)
 
         forced = np.random.default_rng(1000 + R).integers(1, cfg.vocab_size, (R, K)).astype(np.int32)
         if not a.no_check:
@@ -257,13 +261,13 @@ def main(argv=None):
                        rows=rows, pos=pos, start=start, zeros=zeros):
                     common = dict(rows=rows, mode=greedy, lora=False, unroll=unroll)
                     if paged:
-                        k, v, out = _paged_step_in_pool(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
-                                                        np.ones((R, 1), np.int32), table, start, zeros, zeros,
-                                                        block_size=bs, kernel=kernel, **common)
+                        k, v, out = paged_step(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
+                                               np.ones((R, 1), np.int32), table, start, zeros, zeros,
+                                               block_size=bs, kernel=PagedKernel(kernel), **common)
                     else:
-                        k, v, out = _paged_step(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
-                                                np.ones((R, 1), np.int32), ctx, start, write[:, :1], zeros, zeros,
-                                                kv_in_place=True, **common)
+                        k, v, out = reference_step(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
+                                                   np.ones((R, 1), np.int32), ctx, start, write[:, :1], zeros, zeros,
+                                                   kv_in_place=True, **common)
                     pools["k"], pools["v"] = k, v
                     return out["ids"]
             else:

@@ -1,4 +1,4 @@
-"""Tune the Pallas paged decode-attention kernel (``surojax/models/layers/paged_decode.py``) on one GPU: a grid of
+"""Tune the Pallas paged decode-attention kernel (``pallas_kernels/paged_decode/``) on one GPU: a grid of
 its knobs (qk, split, blocks_per_iter, min_programs, num_warps, num_stages) over the serving shapes.
 
     PYTHONPATH=$PWD python benchmarks/paged_decode_sweep.py            # H200: Qwen3-0.6B shapes, < 3 minutes
@@ -38,7 +38,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from surojax.models.layers import paged_decode as pd  # noqa: E402
+from pallas_kernels.paged_decode import api as pd  # noqa: E402
+from pallas_kernels.paged_decode.reference import paged_decode_reference  # noqa: E402
 from surojax.serve.runner import _context_bucket  # noqa: E402
 
 # config 0 (the "vs #0" column): the kernel's knobs before this sweep ran on the H200 (2026-11-29), kept fixed
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
                                        mean_length=float(np.mean(np.asarray(lengths))), real_bytes=real_bytes)
             args = (q, k_pool, v_pool, table, lengths)
             with jax.default_matmul_precision("highest"):  # fp32 dots, not TF32
-                ref = np.asarray(jax.jit(pd.paged_decode_reference, static_argnames="block_size")(
+                ref = np.asarray(jax.jit(paged_decode_reference, static_argnames="block_size")(
                     q.astype(jnp.float32), k_pool, v_pool, jnp.int32(0), table, lengths, block_size=bs))
             t0 = time.perf_counter()
             compiled = compile_all([program(cfg, bs, a.inner, interpret) for cfg in grid], args, a.workers)

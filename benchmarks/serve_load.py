@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -197,12 +198,25 @@ def build_model(a):
     return model
 
 
-def engine_kwargs(a, users, k=1):
+def kv_path(paged: bool, kernel: str):
+    """The bench's --paged-attention / --paged-kernel pair as the engine's `KVPath`."""
+    from surojax.serve.config import KVPath
+
+    if not paged:
+        return KVPath.REFERENCE
+    return {"auto": KVPath.AUTO, "gather": KVPath.PAGED, "reduce": KVPath.REDUCE, "pallas": KVPath.PALLAS}[kernel]
+
+
+def engine_config(a, users, k=1, in_place=True, paged=True, kernel="auto"):
+    """The `EngineConfig` of one measured variant."""
+    from surojax.serve.config import EngineConfig, SchedulerConfig
+
     blocks_per_seq = -(-(a.prompt_len + a.max_tokens + k) // a.block_size)
-    return dict(num_blocks=max(a.num_kv_blocks, users * blocks_per_seq + 8), block_size=a.block_size,
-                max_num_seqs=users, max_num_batched_tokens=step_budget(a, users),
-                max_model_len=a.prompt_len + a.max_tokens + a.block_size,
-                buckets=bench_buckets(a, users, k), decode_steps=k)
+    scheduler = SchedulerConfig(max_num_seqs=users, max_num_batched_tokens=step_budget(a, users),
+                                max_model_len=a.prompt_len + a.max_tokens + a.block_size, decode_steps=k)
+    return EngineConfig(scheduler=scheduler, num_blocks=max(a.num_kv_blocks, users * blocks_per_seq + 8),
+                        block_size=a.block_size, buckets=bench_buckets(a, users, k), kv_in_place=in_place,
+                        unroll_layers=a.unroll_layers, kv_path=kv_path(paged, kernel))
 
 
 def step_budget(a, users):
@@ -220,18 +234,19 @@ def bench_buckets(a, users, k=1):
     """One decode shape (R = users, S = the longest context) and one prefill shape (T = the prompt, R = the
     prompts one step's token budget holds), so the warm-up compiles everything and nothing compiles while
     measuring. Costs some padding (a chunked prompt's remainder is padded to a full prompt)."""
-    return dict(min_rows=users, min_prefill_rows=min(users, a.prefills_per_step),
-                min_prefill=a.prompt_len, min_context=a.prompt_len + a.max_tokens + k)
+    from surojax.serve.config import RunnerBuckets
+
+    return RunnerBuckets(min_rows=users, min_prefill_rows=min(users, a.prefills_per_step), min_prefill=a.prompt_len,
+                         min_context=a.prompt_len + a.max_tokens + k)
 
 
 def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, paged=True, kernel="auto"):
     import numpy as np
 
+    from surojax.generation.sampling import SamplingParams
     from surojax.serve.engine import Engine
-    from surojax.serve.sampling import SamplingParams
 
-    eng = Engine(model, **engine_kwargs(a, users, k), kv_in_place=in_place, unroll_layers=a.unroll_layers,
-                 paged_attention=paged, paged_kernel=kernel)
+    eng = Engine(model, engine_config(a, users, k, in_place, paged, kernel))
     compiled_before = _num_compiled()
     rng = np.random.default_rng(seed)
     records = []
@@ -249,7 +264,7 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, pa
     wall = time.perf_counter() - t_start
     return summarize(label, users, records, wall, {"decode_steps": k, "kv_in_place": int(in_place),
                                                    "paged_attention": int(paged),
-                                                   "paged_kernel": eng.runner.paged_kernel,
+                                                   "paged_kernel": eng.config.kv_path.value,
                                                    "steps": eng.runner.num_calls,
                                                    "multi_step_calls": eng.runner.num_multi_calls,
                                                    "compiled_while_measuring": _num_compiled() - compiled_before})
@@ -257,11 +272,12 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, pa
 
 def _num_compiled() -> int:
     """Compiled variants of the runner's step (a private jax API: -1 where it is missing)."""
-    from surojax.serve import multi_step, runner
+    from surojax.serve import kv_reference, multi_step, runner
 
     try:
-        return sum(f._cache_size() for f in (runner._paged_step, runner._paged_step_in_pool,
-                                             multi_step.multi_step_decode, multi_step.multi_step_decode_paged))
+        return sum(f._cache_size() for f in (kv_reference.reference_step, runner.paged_step,
+                                             kv_reference.reference_multi_step_decode,
+                                             multi_step.multi_step_decode_paged))
     except Exception:
         return -1
 
@@ -285,35 +301,28 @@ def ours_main(a):
             import uvicorn
 
             from surojax.cli.main import build_parser, load_command
+            from surojax.cli.serve import serve_config
             from surojax.serve.launch import build_server
         except ImportError as e:
             print(f"# server mode skipped: {e} (needs fastapi, starlette, uvicorn, anyio, h11, click, pydantic)",
                   flush=True)
             return results
         for users, k, ip, pa, kern in [(u, *v) for u in a.users_list for v in a.variants]:
-            kw = engine_kwargs(a, users, k)
+            engine = engine_config(a, users, k, ip, pa, kern)
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
             sock.close()
             args = build_parser("serve", load_command("serve")).parse_args(
                 ["serve", "random", "--served-model-name", "bench", "--max-num-seqs", str(users),
-                 "--num-kv-blocks", str(kw["num_blocks"]), "--block-size", str(a.block_size),
-                 "--max-model-len", str(kw["max_model_len"]), "--max-num-batched-tokens",
+                 "--num-kv-blocks", str(engine.num_blocks), "--block-size", str(a.block_size),
+                 "--max-model-len", str(engine.scheduler.max_model_len), "--max-num-batched-tokens",
                  str(step_budget(a, users)), "--decode-steps", str(k), "--log-level", "warning"]
                 + (["--unroll-layers"] if a.unroll_layers else []))
-            app, state = build_server(args, model=model, tokenizer=IdTokenizer())
-            for name, v in bench_buckets(a, users, k).items():
-                setattr(state.engine.engine.runner, name, v)
-            state.engine.engine.runner.kv_in_place = ip
-            state.engine.engine.runner.paged_attention = pa
-            if kern != "auto":  # auto: what the server resolved (`surojax serve --kv-path auto`)
-                state.engine.engine.runner.paged_kernel = kern
-            kern = state.engine.engine.runner.paged_kernel
-            if kern == "pallas":
-                from surojax.models.layers.paged_decode import prepare
-
-                prepare()  # as PagedRunner(paged_kernel="pallas") does
+            config = serve_config(args)
+            app, state = build_server(dataclasses.replace(config, engine=engine), model=model,
+                                      tokenizer=IdTokenizer())
+            kern = state.engine.engine.config.kv_path.value  # AUTO: what the server resolved
             srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
             th = threading.Thread(target=srv.run, daemon=True)
             th.start()

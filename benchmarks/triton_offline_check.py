@@ -94,7 +94,7 @@ def dump_paged(out: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import paged_decode_sweep as sweep
 
-    from surojax.models.layers.paged_decode import paged_decode_attention
+    from pallas_kernels.paged_decode import paged_decode_attention
 
     os.makedirs(out, exist_ok=True)
     m, B, NB, nblk = sweep.QWEN3_06B, 64, 48, 4096

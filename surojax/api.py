@@ -24,7 +24,7 @@ from surojax.config import TrainConfig, config_from_dict, load_config
 from surojax.data.tokenizer import Tokenizer
 from surojax.model_loader import load_model_ref
 from surojax.peft.stacked import load_adapter_into
-from surojax.serve.generate import generate
+from surojax.generation.loop import generate
 from surojax.train.trainer import Trainer
 from surojax.weights.gguf_checkpoint import load_gguf_tokenizer
 from surojax.weights.hf_checkpoint import save_model

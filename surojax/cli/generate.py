@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from surojax.model_loader import load_model_ref
-    from surojax.serve.generate import eos_ids, generate
+    from surojax.generation.loop import eos_ids, generate
 
     if args.max_new_tokens < 1:
         raise SystemExit("--max-new-tokens must be at least 1")

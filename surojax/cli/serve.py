@@ -1,48 +1,55 @@
 """`surojax serve MODEL [--port P] [--api-key K] [--enable-lora --lora-modules NAME=PATH ...]`: an
 OpenAI-compatible HTTP server with continuous batching, paged KV cache, prefix caching, streaming and runtime
-LoRA (docs/serving.md). scripts/serve.py is the same entry point. Nothing heavy is imported until `run`."""
+LoRA (docs/serving.md). scripts/serve.py is the same entry point. The options fill a `ServeConfig`
+(`serve_config`), whose defaults are the defaults here. Nothing heavy is imported until `run`."""
 from __future__ import annotations
 
 import argparse
 
+from surojax.serve.config import EngineConfig, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig
+
 HELP = "serve a model over an OpenAI-compatible HTTP API"
+
+
+_SERVE, _ENGINE, _SCHED, _LORA = ServeConfig(model=""), EngineConfig(), SchedulerConfig(), LoraServeConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="HF model folder, surojax output folder, or .gguf file")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_port, default=8000)
+    parser.add_argument("--host", default=_SERVE.host)
+    parser.add_argument("--port", type=_port, default=_SERVE.port)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     parser.add_argument("--served-model-name", default=None, help="the name clients pass as 'model'")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=_SERVE.dtype,
                         help="auto = bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--attention", default="xla", help="attention backend (xla, cudnn, auto)")
+    parser.add_argument("--attention", default=_SERVE.attention, help="attention backend (xla, cudnn, auto)")
     parser.add_argument("--max-model-len", type=_positive, default=None,
                         help="longest prompt + completion (default: the model's, at most 8192)")
-    parser.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences batched at once")
-    parser.add_argument("--max-num-batched-tokens", type=_positive, default=8192,
+    parser.add_argument("--max-num-seqs", type=_positive, default=_SCHED.max_num_seqs, help="sequences batched at once")
+    parser.add_argument("--max-num-batched-tokens", type=_positive, default=_SCHED.max_num_batched_tokens,
                         help="tokens per engine step (prompt tokens prefilled with the running decodes)")
-    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond max-num-seqs (then 429)")
-    parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
-    parser.add_argument("--decode-steps", type=_power_of_two, default=1,
+    parser.add_argument("--max-queue", type=int, default=_SERVE.max_queue,
+                        help="waiting requests beyond max-num-seqs (then 429)")
+    parser.add_argument("--block-size", type=_positive, default=_ENGINE.block_size, help="tokens per KV block")
+    parser.add_argument("--decode-steps", type=_power_of_two, default=_SCHED.decode_steps,
                         help="decode tokens per device call when no request waits (1, 2, 4, 8, ...)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="inline the layer loop (faster decode, longer compiles; same results)")
-    parser.add_argument("--kv-path", choices=("auto", "paged", "reduce", "pallas", "reference"), default="auto",
+    parser.add_argument("--kv-path", choices=[p.value for p in KVPath], default=_ENGINE.kv_path.value,
                         help="decode KV access: auto (pallas on a GPU where it applies, else paged), "
                              "paged (attention reads the pool in place through block tables), "
                              "reduce / pallas (the same, decode attention as multiply + reduce / in a Pallas "
                              "kernel), reference (gather/scatter)")
     parser.add_argument("--num-kv-blocks", type=_positive, default=None,
                         help="KV blocks (default: from free device memory; a fixed size on CPU)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=_ENGINE.memory_utilization)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters picked per request")
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="PEFT adapters to load")
-    parser.add_argument("--max-loras", type=_positive, default=4, help="adapter slots")
-    parser.add_argument("--max-lora-rank", type=_positive, default=64)
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--max-loras", type=_positive, default=_LORA.max_loras, help="adapter slots")
+    parser.add_argument("--max-lora-rank", type=_positive, default=_LORA.max_rank)
+    parser.add_argument("--log-level", default=_SERVE.log_level)
 
 
 def _positive(value: str) -> int:
@@ -69,7 +76,36 @@ def _port(value: str) -> int:
     return n
 
 
+class ServeOptionError(ValueError):
+    is_user_error = True
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The parsed options as a `ServeConfig` (max-num-batched-tokens is raised to at least one block)."""
+    lora = None
+    if args.enable_lora:
+        modules = []
+        for spec in args.lora_modules:
+            name, _, path = spec.partition("=")
+            if not name or not path:
+                raise ServeOptionError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+            modules.append((name, path))
+        lora = LoraServeConfig(max_loras=args.max_loras, max_rank=args.max_lora_rank, modules=tuple(modules))
+    elif args.lora_modules:
+        raise ServeOptionError("--lora-modules needs --enable-lora")
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
+                                max_model_len=args.max_model_len, decode_steps=args.decode_steps)
+    engine = EngineConfig(scheduler=scheduler, block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          memory_utilization=args.gpu_memory_utilization,
+                          enable_prefix_caching=not args.no_prefix_caching, kv_path=KVPath(args.kv_path),
+                          unroll_layers=args.unroll_layers)
+    return ServeConfig(model=args.model, engine=engine, host=args.host, port=args.port, api_key=args.api_key,
+                       served_model_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
+                       attention=args.attention, max_queue=args.max_queue, lora=lora, log_level=args.log_level)
+
+
 def run(args: argparse.Namespace) -> int:
     from surojax.serve.launch import serve
 
-    return serve(args)
+    return serve(serve_config(args))

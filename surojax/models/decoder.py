@@ -12,7 +12,6 @@ passed in or applied from outside; none of them lives in ModelConfig.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -21,7 +20,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from surojax.models.config import ModelConfig
-from surojax.models.layers.attention import Attention, LayerKV, PagedLayerKV, StackedLayerKV
+from surojax.models.kv import Cache, KVCache
+from surojax.models.layers.attention import Attention
 from surojax.models.layers.mlp import MLP
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
@@ -52,69 +52,6 @@ class Embedding(nnx.Module):
 class LMHead(nnx.Module):
     def __init__(self, dim: int, vocab: int, *, param_dtype, rngs: nnx.Rngs):
         self.kernel = param(rngs, (dim, vocab), ("embed", "vocab"), param_dtype)  # [D, V]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-    """A plain (unpaged) cache for generation. Slots are filled left to right per row.
-
-    k, v [L, B, S, K, H]; segment_ids [B, S] (0 = empty slot); positions [B, S]; lengths [B] = filled slots.
-    """
-
-    k: jax.Array
-    v: jax.Array
-    segment_ids: jax.Array
-    positions: jax.Array
-    lengths: jax.Array
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> "KVCache":
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        zeros_bs = jnp.zeros((batch, max_len), jnp.int32)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), zeros_bs, zeros_bs, jnp.zeros((batch,), jnp.int32))
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],
-                   meta_fields=["block_size", "kernel"])
-@dataclasses.dataclass
-class PagedKVCache:
-    """The serving runner's paged KV pool, read and written in place by the decoder (no per-row dense view).
-
-    k, v [L, N, K, H] (N = blocks * block_size slots, shared by every row); block_table [B, NB] (row b's token p
-    lives in slot ``block_table[b, p // bs] * bs + p % bs``; entries past a row's blocks are ignored);
-    lengths [B] = tokens of each row already in the pool. One sequence per row, positions 0, 1, 2 ... The new
-    tokens (segment id > 0) are written at positions lengths .. lengths + T - 1, which must have blocks in the
-    table (NB * bs >= lengths + T); padding tokens (segment id 0) are not written and do not count.
-    kernel: how attention reads the pool ("gather", "reduce" or "pallas", see `PagedLayerKV`).
-    """
-
-    k: jax.Array
-    v: jax.Array
-    block_table: jax.Array
-    lengths: jax.Array
-    block_size: int
-    kernel: str = "gather"
-
-    def step_meta(self, segment_ids, positions):
-        """-> (the attention's kv_meta for these new tokens, this cache with lengths advanced past them).
-
-        kv_meta = (pool slots of the new tokens [B, T] (N where not written), block_table, kv segment ids
-        [B, S], kv positions [B, S], lengths after the new tokens [B]) with S = NB * bs: view slot j holds
-        token position j."""
-        B, T = segment_ids.shape
-        NB = self.block_table.shape[1]
-        bs, S, N = self.block_size, self.block_table.shape[1] * self.block_size, self.k.shape[1]
-        rows = jnp.arange(B)[:, None]
-        p = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T] positions = view slots
-        block = jnp.take_along_axis(self.block_table, jnp.minimum(p // bs, NB - 1), axis=1)
-        write = jnp.where((segment_ids > 0) & (p < S), block * bs + p % bs, N).astype(jnp.int32)
-        j = jnp.arange(S, dtype=jnp.int32)[None, :]
-        ctx = j < self.lengths[:, None]
-        kv_seg = ctx.astype(jnp.int32).at[rows, p].set(segment_ids, mode="drop")
-        kv_pos = jnp.where(ctx, j, 0).astype(jnp.int32).at[rows, p].set(positions, mode="drop")
-        lengths = self.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32)
-        return (write, self.block_table, kv_seg, kv_pos, lengths), dataclasses.replace(self, lengths=lengths)
 
 
 def on_device(layer_state):
@@ -156,7 +93,7 @@ class Decoder(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(D, V, param_dtype=param_dtype, rngs=rngs)
 
     # ---- forward ----------------------------------------------------------------------------------------
-    def hidden_states(self, tokens, positions, segment_ids, *, cache: KVCache | PagedKVCache | None = None,
+    def hidden_states(self, tokens, positions, segment_ids, *, cache: Cache | None = None,
                       remat: Callable | None = None, unroll: int | bool = 1, cache_in_carry: bool = False):
         """tokens/positions/segment_ids [B, T] -> (final-normed hidden [B, T, D], updated cache or None).
 
@@ -166,31 +103,17 @@ class Decoder(nnx.Module):
         `unroll` is `lax.scan`'s: 1 = a rolled loop (one compiled layer), True = every layer inlined (no
         per-layer copies of the saved activations into stacked buffers; longer compile). Same math either way.
         `cache_in_carry` (with a cache; the serving runner's choice): the whole cache rides in the scan carry and
-        each layer writes its new k/v into it in place (`StackedLayerKV`) instead of the cache being a scan
-        input + output (a copy of every layer's slice in and out per call). Same values either way.
-        A `PagedKVCache` (the serving pool) always rides in the carry: each layer writes its new k/v into the
-        pool in place and attention reads the rows' context from the pool through the block table.
+        each layer writes its new k/v into it in place (`cache.carried()`) instead of the cache being a scan
+        input + output (`cache.per_layer()`: a copy of every layer's slice in and out per call). Same values
+        either way. A cache with `carry_only` (`PagedKVCache`, the serving pool) always rides in the carry.
+        Any `surojax.models.kv.Cache` works; attention hands it the call's metadata (`cache.step`).
         """
         h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0).astype(self.dtype)  # [B, T, D]
         cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype)  # [B, T, H]
-        kv_meta, layer_kv = None, None
-        if isinstance(cache, PagedKVCache):
-            kv_meta, cache = cache.step_meta(segment_ids, positions)
-            carried = PagedLayerKV(cache.k, cache.v, jnp.int32(0), cache.block_size, cache.kernel)
-            cache_in_carry = True
-        elif cache is not None:
-            B, T = tokens.shape
-            rows = jnp.arange(B)[:, None]
-            slots = cache.lengths[:, None] + jnp.arange(T)[None, :]  # [B, T]
-            cache = dataclasses.replace(
-                cache,
-                segment_ids=cache.segment_ids.at[rows, slots].set(segment_ids),
-                positions=cache.positions.at[rows, slots].set(positions),
-                lengths=cache.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32),
-            )
-            kv_meta = (slots, cache.segment_ids, cache.positions)
-            layer_kv = LayerKV(cache.k, cache.v)
-            carried = StackedLayerKV(cache.k, cache.v, jnp.int32(0))
+        kv_meta = None
+        if cache is not None:
+            kv_meta, cache = cache.step(segment_ids, positions)
+            cache_in_carry = cache_in_carry or cache.carry_only
 
         graphdef, layer_state = nnx.split(self.layers)
         run_layers = getattr(remat, "run_layers", None)  # a layer loop of its own (offload/prefetch.py)
@@ -220,13 +143,13 @@ class Decoder(nnx.Module):
 
         if cache is not None and cache_in_carry:
             loop_body = carry_body if remat is None else remat(carry_body)
-            (h, kv), _ = jax.lax.scan(loop_body, (h, carried), layer_state, unroll=unroll)
-            return self.final_norm(h), dataclasses.replace(cache, k=kv.k, v=kv.v)
+            (h, kv), _ = jax.lax.scan(loop_body, (h, cache.carried()), layer_state, unroll=unroll)
+            return self.final_norm(h), cache.with_kv(kv.k, kv.v)
         if remat is not None:
             body = remat(body)
-        h, new_kv = jax.lax.scan(body, h, (layer_state, layer_kv), unroll=unroll)
+        h, new_kv = jax.lax.scan(body, h, (layer_state, None if cache is None else cache.per_layer()), unroll=unroll)
         if cache is not None:
-            cache = dataclasses.replace(cache, k=new_kv.k, v=new_kv.v)
+            cache = cache.with_kv(new_kv.k, new_kv.v)
         return self.final_norm(h), cache
 
     def head_weight(self) -> jax.Array:

@@ -28,10 +28,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from surojax.generation.sampling import SamplingParamsError
 from surojax.serve.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Stream
 from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
                                     TokenizeRequest, UnloadLoRARequest)
-from surojax.serve.sampling import SamplingParamsError
 
 OPEN_PATHS = ("/health", "/metrics")
 

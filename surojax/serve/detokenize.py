@@ -117,11 +117,3 @@ class RequestText:
         final = finished or stopped
         reasoning = self.reasoning.take(final) if self.reasoning is not None else ""
         return self.content.take(final), reasoning, stopped
-
-    @property
-    def full_text(self) -> str:
-        return self.content.text
-
-    @property
-    def full_reasoning(self) -> str:
-        return self.reasoning.text if self.reasoning is not None else ""

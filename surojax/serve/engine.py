@@ -1,11 +1,17 @@
 """The serving engine: scheduler (continuous batching, prefix caching, preemption) + paged runner + text.
 
-    engine = Engine(model, tokenizer=tok, block_size=16, max_num_seqs=64, max_model_len=4096)  # pool sized
+    engine = Engine(model, EngineConfig(scheduler=SchedulerConfig(max_model_len=4096)), tokenizer=tok)
     rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=32, stop_token_ids=(eos,), stop=("\\n\\n",)))
     while engine.has_unfinished():
         for out in engine.step(): ...   # RequestOutput(request_id, new_token_ids, finished, finish_reason,
                                         #               logprobs, text, reasoning_text)
     engine.generate([prompt, ...], max_tokens=32) -> [[new ids], ...]   # run to completion, in prompt order
+
+Every setting is a field of `EngineConfig` (surojax/serve/config.py, the defaults live there). The engine
+decides once what the config leaves open: max_model_len None -> the model's (`default_max_model_len`),
+num_blocks None -> from free device memory (`capacity.num_kv_blocks`), kv_path AUTO -> PALLAS on a GPU where
+the kernel applies, else PAGED (`resolve_kv_path`); with PALLAS a pool sized from free memory is capped at the
+kernel's 2^31 elements (its int32 offsets).
 
 Greedy results do not depend on the batch: every row attends only to its own context, and the batched sampler
 takes each row's argmax (or its own seeded key) whatever the other rows ask for.
@@ -13,20 +19,10 @@ takes each row's argmax (or its own seeded key) whatever the other rows ask for.
 Text: with a tokenizer, each request is detokenised incrementally (``detokenize.RequestText``); a stop string
 ends the request in the step that produced it (its blocks are freed at once) and its text is cut before the
 match. LoRA: ``lora=AdapterSlots(...)`` (built on the model before the engine) maps ``adapter`` names to slots.
-KV capacity: ``num_blocks=None`` sizes the pool from free device memory (``capacity.num_kv_blocks``).
-``buckets``: the runner's smallest shape buckets (min_rows, min_context, min_prefill).
-``decode_steps`` K (a power of two): when nothing waits and every running request decodes, up to K tokens per
-request come from one device call (``multi_step``); the outputs of such a step carry several tokens each. Stop
-strings are checked token by token afterwards: the tokens after a match are dropped, as K single steps would.
-``kv_in_place`` (default on: 1.4-2x decode tok/s at 64 users on the H200, equal at 1): the decoder updates the
-dense view in its layer scan's carry (``PagedRunner``); same results. ``unroll_layers``: the layer loop inlined.
-``paged_attention`` (default on): no dense view at all, the decoder reads and writes the paged pool in place
-through the block tables (``PagedKVCache``; ``kv_in_place`` then does not apply); False = the reference
-gather/scatter path. Same tokens. ``paged_kernel="auto"`` (default): "pallas" on a GPU where the kernel applies,
-else "gather" (``resolve_paged_kernel``). ``paged_kernel="pallas"``: decode attention in a Pallas kernel reading the
-pool's blocks in place (``models/layers/paged_decode.py``; equal up to float rounding; "reduce": a multiply +
-reduce decode attention over the gather, for XLA to fuse); with "pallas" a pool sized from free
-memory is then capped at 2^31 elements (the kernel's int32 offsets: ~75k tokens of Qwen3-0.6B KV).
+Multi-step decode (``decode_steps`` K > 1): when nothing waits and every running request decodes, up to K tokens
+per request come from one device call (``multi_step``); the outputs of such a step carry several tokens each.
+Stop strings are checked token by token afterwards: the tokens after a match are dropped, as K single steps
+would.
 """
 from __future__ import annotations
 
@@ -35,67 +31,69 @@ import itertools
 import logging
 import random
 
+import jax
+
+from pallas_kernels.paged_decode import max_pool_blocks
+from surojax.generation.sampling import SamplingParams
+from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
-from surojax.models.layers.paged_decode import max_pool_blocks
 from surojax.serve.capacity import num_kv_blocks
+from surojax.serve.config import EngineConfig, KVPath, default_max_model_len
 from surojax.serve.detokenize import RequestText
 from surojax.serve.kv_cache import KVCacheManager
 from surojax.serve.runner import PagedRunner
-from surojax.serve.sampling import SamplingParams
 from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, Scheduler
 
 log = logging.getLogger(__name__)
 
 
-def resolve_paged_kernel(paged_kernel: str, cfg, block_size: int, num_blocks: int | None) -> str:
-    """"auto" -> "pallas" on a GPU when the kernel applies (no sliding window; a pool sized from free memory is
-    then capped at the kernel's 2^31 elements, an explicit num_blocks must fit under it), else "gather".
-    The Pallas kernel passed the teacher-forced check on the H200 (2026-11-29) and is 1.6x at 64 users."""
-    if paged_kernel != "auto":
-        return paged_kernel
-    import jax
-
+def resolve_kv_path(kv_path: KVPath, cfg: ModelConfig, block_size: int, num_blocks: int | None) -> KVPath:
+    """AUTO -> PALLAS on a GPU where the kernel applies (no sliding window; an explicit num_blocks must fit under
+    the kernel's 2^31-element pool, a pool sized from free memory is capped to fit), else PAGED. Any other path
+    is returned as it is."""
+    if kv_path is not KVPath.AUTO:
+        return kv_path
     fits = num_blocks is None or num_blocks <= max_pool_blocks(cfg.num_layers, block_size, cfg.num_kv_heads,
                                                                 cfg.head_dim)
-    choice = "pallas" if jax.default_backend() == "gpu" and cfg.sliding_window is None and fits else "gather"
-    log.info("decode attention: %s (kv path auto: the Pallas kernel needs a GPU, no sliding window and a pool "
-             "under 2^31 elements)", choice)
+    choice = KVPath.PALLAS if jax.default_backend() == "gpu" and cfg.sliding_window is None and fits \
+        else KVPath.PAGED
+    log.info("KV path: %s (auto: the Pallas kernel needs a GPU, no sliding window and a pool under 2^31 "
+             "elements)", choice.value)
     return choice
 
 
 class Engine:
-    def __init__(self, model: Decoder, *, num_blocks: int | None = None, block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
-                 chunk_size: int | None = None, enable_prefix_caching: bool = True, kv_dtype=None, tokenizer=None,
-                 lora=None, memory_utilization: float = 0.9, buckets: dict | None = None, decode_steps: int = 1,
-                 kv_in_place: bool = True, unroll_layers: bool = False, paged_attention: bool = True,
-                 paged_kernel: str = "auto"):
+    def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, tokenizer=None, lora=None,
+                 kv_dtype=None):
+        """config: every setting (`EngineConfig`); tokenizer: for text and stop strings; lora: `AdapterSlots`
+        built on the model; kv_dtype: the pool's dtype (None: the model's compute dtype)."""
+        cfg = model.cfg
         kv_dtype = kv_dtype or model.dtype
-        if paged_kernel == "auto":  # the kernel is only used by the paged path
-            paged_kernel = resolve_paged_kernel(paged_kernel, model.cfg, block_size, num_blocks) \
-                if paged_attention else "gather"
+        sched = config.scheduler
+        if sched.max_model_len is None:
+            sched = dataclasses.replace(sched, max_model_len=default_max_model_len(cfg.max_position_embeddings))
+        bs = config.block_size
+        kv_path = resolve_kv_path(config.kv_path, cfg, bs, config.num_blocks)
+        num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks = num_kv_blocks(model.cfg, kv_dtype, block_size, max_model_len,
-                                       memory_utilization=memory_utilization)
-            if paged_attention and paged_kernel == "pallas":  # the kernel addresses the pool with int32 offsets
-                cfg = model.cfg
-                num_blocks = min(num_blocks, max_pool_blocks(cfg.num_layers, block_size, cfg.num_kv_heads,
-                                                              cfg.head_dim))
+            num_blocks = num_kv_blocks(cfg, kv_dtype, bs, sched.max_model_len,
+                                       memory_utilization=config.memory_utilization)
+            if kv_path is KVPath.PALLAS:  # the kernel addresses the pool with int32 offsets
+                num_blocks = min(num_blocks, max_pool_blocks(cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim))
+        self.config = dataclasses.replace(config, scheduler=sched, num_blocks=num_blocks, kv_path=kv_path)
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
-        self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   max_model_len=max_model_len, chunk_size=chunk_size, decode_steps=decode_steps)
-        self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
-                                  adapter_slot=lora.slot if lora is not None else None, kv_in_place=kv_in_place,
-                                  decode_steps=decode_steps, unroll_layers=unroll_layers,
-                                  paged_attention=paged_attention, paged_kernel=paged_kernel, **(buckets or {}))
+        self.max_model_len = sched.max_model_len
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, sched)
+        self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=bs, kv_path=kv_path, kv_dtype=kv_dtype,
+                                  adapter_slot=lora.slot if lora is not None else None, buckets=config.buckets,
+                                  kv_in_place=config.kv_in_place, decode_steps=sched.decode_steps,
+                                  unroll_layers=config.unroll_layers)
         self._ids = itertools.count()
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}
-        self._logprobs: dict[str, bool] = {}
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | int | None = None,

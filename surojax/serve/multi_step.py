@@ -1,15 +1,15 @@
 """Multi-step decode: up to K decode steps for every row in ONE jitted call (the runner's fast decode path).
 
-Per call, instead of per token: the host builds the batch arrays once and fetches the sampled ids once. Two
-KV paths: ``multi_step_decode_paged`` (the default) carries the paged pool itself through the loop (every layer
-writes its new k/v into the pool in place and reads the context through the block tables: ``PagedKVCache``);
-``multi_step_decode`` (the reference) gathers each row's context from the pool once into a dense per-row view
-and scatters the K new k/v back once. Inside, a ``lax.while_loop`` runs one-token forwards (the Decoder
-appends each token's k/v at position ``start + i``), samples on device with each row's own parameters and key
-(``fold_in(key(seed), position)``, as in a single step) and feeds the sampled token back. A row stops when it
-samples one of its stop ids or reaches its limit (max_tokens / max_model_len / K, worked out by the
-scheduler); a stopped row keeps riding along (its results are masked: not counted, not written back), and the
-loop ends early once every row has stopped.
+Per call, instead of per token: the host builds the batch arrays once and fetches the sampled ids once. Two KV
+paths: ``multi_step_decode_paged`` (the default) carries the paged pool itself through the loop (every layer writes
+its new k/v into the pool in place and reads the context through the block tables: ``PagedKVCache``);
+``kv_reference.reference_multi_step_decode`` (the reference) gathers each row's context from the pool once into a
+dense per-row view and scatters the K new k/v back once; both run ``decode_loop``. Inside, a ``lax.while_loop``
+runs one-token forwards (the Decoder appends each token's k/v at position ``start + i``), samples on device with
+each row's own parameters and key (``fold_in(key(seed), position)``, as in a single step) and feeds the sampled
+token back. A row stops when it samples one of its stop ids or reaches its limit (max_tokens / max_model_len / K,
+worked out by the scheduler); a stopped row keeps riding along (its results are masked: not counted, not written
+back), and the loop ends early once every row has stopped.
 
 Greedy and seeded results equal K single steps: every step sees the same context values (the view holds the
 pool's dtype, as the pool would), the same position and the same key; penalties see each new token as soon
@@ -28,56 +28,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from surojax.models.decoder import KVCache, PagedKVCache
+from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
+from surojax.models.kv import PagedKernel, PagedKVCache
 from surojax.peft.multi_lora import set_adapter_rows
-from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "num_steps", "kv_in_place", "unroll"),
-                   donate_argnames=("k_pool", "v_pool"))
-def multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots, write_slots, limit, stop_ids,
-                      adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int, kv_in_place: bool = False,
-                      unroll: int | bool = 1):
-    """The reference: gather each row's context into a dense view, decode over it, scatter the new k/v back.
-
-    -> (k_pool, v_pool, dict(ids [R, K], count [R] = tokens produced per row, and with ``mode.logprobs``
-    logprob [R, K], top_ids / top_logprobs [R, K, 20]))."""
-    model = nnx.merge(graphdef, state)
-    if lora:
-        set_adapter_rows(model, adapter_rows)
-    R, S = ctx_slots.shape
-    K = num_steps
-    j = jnp.arange(S, dtype=jnp.int32)[None, :]
-    valid = j < start[:, None]  # [R, S]
-    cache = KVCache(k=k_pool[:, ctx_slots], v=v_pool[:, ctx_slots], segment_ids=valid.astype(jnp.int32),
-                    positions=jnp.where(valid, j, 0).astype(jnp.int32), lengths=start.astype(jnp.int32))
-    ones = jnp.ones((R, 1), jnp.int32)
-
-    def forward(cache, tok, pos, done):  # done rows ride along; their view writes are never scattered back
-        return model.hidden_states(tok, pos, ones, cache=cache, cache_in_carry=kv_in_place, unroll=unroll)
-
-    cache, result = _decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode, K)
-    count = result["count"]
-    idx = jnp.arange(R)
-    steps = jnp.arange(K, dtype=jnp.int32)[None, :]
-    view = jnp.minimum(start[:, None] + steps, S - 1)  # [R, K] view slots of positions start .. start+K-1
-    # the KV of the token fed at step i is real for i < count (later steps of a stopped row are not)
-    write = jnp.where(steps < count[:, None], write_slots, k_pool.shape[1])
-    k_pool = k_pool.at[:, write].set(cache.k[:, idx[:, None], view].astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[:, write].set(cache.v[:, idx[:, None], view].astype(v_pool.dtype), mode="drop")
-    return k_pool, v_pool, result
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "num_steps", "block_size", "unroll",
                                              "kernel"), donate_argnames=("k_pool", "v_pool"))
 def multi_step_decode_paged(graphdef, state, k_pool, v_pool, tokens, start, block_table, limit, stop_ids,
                             adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int, block_size: int,
-                            unroll: int | bool = 1, kernel: str = "gather"):
+                            unroll: int | bool = 1, kernel: PagedKernel = PagedKernel.GATHER):
     """The fast path: the pool rides in the loop carry (``PagedKVCache``); each step every layer writes its new
     k/v into the pool in place and reads the rows' context through block_table [R, NB] (NB * block_size >=
     max(start) + K). A stopped row's token has segment id 0: not written, its length does not grow.
-    Same results as ``multi_step_decode``, and the same pool afterwards (kernel "gather"; "pallas": the Pallas
-    paged decode attention, same up to float rounding)."""
+    Same results as ``reference_multi_step_decode``, and the same pool afterwards (kernel GATHER; REDUCE and
+    PALLAS: equal up to float rounding)."""
     model = nnx.merge(graphdef, state)
     if lora:
         set_adapter_rows(model, adapter_rows)
@@ -86,11 +51,11 @@ def multi_step_decode_paged(graphdef, state, k_pool, v_pool, tokens, start, bloc
     def forward(cache, tok, pos, done):
         return model.hidden_states(tok, pos, (~done).astype(jnp.int32)[:, None], cache=cache, unroll=unroll)
 
-    cache, result = _decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode, num_steps)
+    cache, result = decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode, num_steps)
     return cache.k, cache.v, result
 
 
-def _decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode: BatchMode, K: int):
+def decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode: BatchMode, K: int):
     """Up to K one-token steps: ``forward(cache, tokens [R, 1], positions [R, 1], done [R]) -> (h, cache)``,
     then sample, feed back, stop rows. -> (cache, dict(ids [R, K], count [R], logprobs ...))."""
     R = tokens.shape[0]

@@ -6,11 +6,11 @@ repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, chat_templa
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from surojax.serve.sampling import SamplingParams, SamplingParamsError
+from surojax.generation.sampling import SamplingParams, SamplingParamsError
 
 
 class _Base(BaseModel):
@@ -106,11 +106,3 @@ class LoadLoRARequest(_Base):
 
 class UnloadLoRARequest(_Base):
     lora_name: str
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: Literal["invalid_request_error", "authentication_error", "rate_limit_error", "server_error",
-                  "not_found_error"] = "invalid_request_error"
-    param: str | None = None
-    code: int | None = None

@@ -4,26 +4,23 @@ The pool: k and v are each [L, num_blocks * block_size, K, H] (flattened slots).
 in slot ``block_table[p // bs] * bs + p % bs``. Each step the runner builds on the host a padded batch of the
 scheduled requests: tokens / positions / segment ids [R, T] (segment 1 = real, 0 = padding), each row's context
 length ``start`` [R] and its block table, then runs ONE jitted call that does the forward, writes the new k/v
-into the pool and samples on device (``surojax.serve.sampling.sample_batch``: per-row parameters as [R] arrays;
-the host fetches the sampled ids once per call, used where the scheduler asked, ``sample=True``). With
+into the pool and samples on device (``surojax.generation.sampling.sample_batch``: per-row parameters as [R]
+arrays; the host fetches the sampled ids once per call, used where the scheduler asked, ``sample=True``). With
 multi-LoRA slots in the model, each row's adapter slot is set on the merged model inside the call
 (``surojax.peft.multi_lora.set_adapter_rows``).
 
-Two KV paths, same tokens and the same pool contents afterwards (``paged_attention``):
+Two KV paths, same tokens and the same pool contents afterwards (``KVPath``):
 
-* paged (default, ``_paged_step_in_pool`` / ``multi_step_decode_paged``): the host sends block tables
+* paged (default, ``paged_step`` / ``multi_step_decode_paged``): the host sends block tables
   [R, S / bs]; the decoder gets a ``PagedKVCache``: the pool rides in the layer scan's carry (and the
   multi-step while loop's), each layer writes its new tokens' k/v into its pool slice in place (``.at[].set``
   on the donated pool) and attention gathers only that layer's [R, S, K, H] context through the block table.
-  No [L, R, S, K, H] view exists and nothing is copied in or out of the loops. The remaining cost over the
-  ideal: the per-layer gather is materialised (XLA does not fuse it into the attention dots) and attention
-  runs over S padded slots per row; a paged-attention kernel reading the blocks inside the attention would
-  remove both.
-* reference (``_paged_step`` / ``multi_step_decode``): the host sends slot lists, ctx [R, S] (O(context) numpy
-  per row per step) and the new tokens' slots [R, T]; the call GATHERS every row's context from the pool into
-  a view k/v [L, R, S, K, H] (view slot j = token position j), wraps it in a ``KVCache``, runs the Decoder
-  (which writes the new k/v at view slots start..start+T-1 and attends over the view), then SCATTERS those new
-  k/v back to the pool.
+  No [L, R, S, K, H] view exists and nothing is copied in or out of the loops. Decode rows' attention reads
+  the pool by the ``PagedKernel`` (gather, multiply + reduce, or the Pallas kernel reading each row's real
+  blocks in place).
+* reference (``kv_reference.reference_step`` / ``reference_multi_step_decode``): the host sends slot lists,
+  ctx [R, S] (O(context) numpy per row per step) and the new tokens' slots [R, T]; the call GATHERS every
+  row's context from the pool into a dense view, runs the Decoder over it, then SCATTERS the new k/v back.
 
 Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size) so
 the number of compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so
@@ -46,17 +43,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.decoder import Decoder, KVCache, PagedKVCache
-from surojax.models.layers.paged_decode import kernel_applies
-from surojax.models.layers.paged_decode import prepare as prepare_paged_decode
+from pallas_kernels.paged_decode import kernel_applies
+from pallas_kernels.paged_decode import prepare as prepare_paged_decode
+from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, sample_last
+from surojax.models.decoder import Decoder
+from surojax.models.kv import PagedKernel, PagedKVCache
 from surojax.peft.multi_lora import multi_lora_modules, set_adapter_rows
-from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged
-from surojax.serve.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, sample_batch
+from surojax.serve.config import KVPath, RunnerBuckets
+from surojax.serve.kv_reference import reference_multi_step_decode, reference_step
+from surojax.serve.multi_step import multi_step_decode_paged
 from surojax.serve.scheduler import ScheduledRequest
 
-__all__ = ["PAGED_KERNELS", "PagedRunner", "SamplingParams", "StepResult"]
+__all__ = ["PAGED_KERNEL", "PagedRunner", "StepResult", "paged_step"]
 
-PAGED_KERNELS = ("gather", "reduce", "pallas")  # how the paged path's decode attention reads the pool
+PAGED_KERNEL = {KVPath.PAGED: PagedKernel.GATHER, KVPath.REDUCE: PagedKernel.REDUCE,
+                KVPath.PALLAS: PagedKernel.PALLAS}  # a paged KV path -> how its decode attention reads the pool
 
 
 def _context_bucket(n: int, minimum: int, multiple: int) -> int:
@@ -76,65 +77,26 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "kv_in_place", "unroll"),
-                   donate_argnames=("k_pool", "v_pool"))
-def _paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, ctx_slots, ctx_len, write_slots,
-                last_idx, adapter_rows, rows, mode: BatchMode, lora: bool, kv_in_place: bool = False,
-                unroll: int | bool = 1):
-    """tokens/positions/segment_ids/write_slots [R, T]; ctx_slots [R, S]; ctx_len/last_idx/adapter_rows [R];
-    rows: the per-row sampling arrays of `sample_batch`.
-
-    -> (k_pool, v_pool, sampled: dict of `sample_batch` outputs for each row's last real token).
-    """
-    model = nnx.merge(graphdef, state)
-    if lora:
-        set_adapter_rows(model, adapter_rows)
-    R, T = tokens.shape
-    S = ctx_slots.shape[1]
-    j = jnp.arange(S, dtype=jnp.int32)[None, :]
-    valid = j < ctx_len[:, None]  # [R, S]
-    cache = KVCache(
-        k=k_pool[:, ctx_slots],  # [L, R, S, K, H]   <- the gather the paged kernel removes
-        v=v_pool[:, ctx_slots],
-        segment_ids=valid.astype(jnp.int32),
-        positions=jnp.where(valid, j, 0).astype(jnp.int32),
-        lengths=ctx_len.astype(jnp.int32),
-    )
-    h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, cache_in_carry=kv_in_place,
-                                   unroll=unroll)
-    idx = jnp.arange(R)
-    view = ctx_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T] where the model wrote them
-    new_k = cache.k[:, idx[:, None], view]  # [L, R, T, K, H]
-    new_v = cache.v[:, idx[:, None], view]
-    k_pool = k_pool.at[:, write_slots].set(new_k.astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[:, write_slots].set(new_v.astype(v_pool.dtype), mode="drop")
-    return k_pool, v_pool, _sample_last(model, h, last_idx, rows, mode)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "block_size", "unroll", "kernel"),
                    donate_argnames=("k_pool", "v_pool"))
-def _paged_step_in_pool(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, block_table, ctx_len,
-                        last_idx, adapter_rows, rows, mode: BatchMode, lora: bool, block_size: int,
-                        unroll: int | bool = 1, kernel: str = "gather"):
-    """The fast path of `_paged_step`: no dense view. The pool rides in the layer scan's carry
+def paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, block_table, ctx_len, last_idx,
+               adapter_rows, rows, mode: BatchMode, lora: bool, block_size: int, unroll: int | bool = 1,
+               kernel: PagedKernel = PagedKernel.GATHER):
+    """One forward + sample over the paged pool, no dense view (the twin of `kv_reference.reference_step`).
+    The pool rides in the layer scan's carry
     (``PagedKVCache``): each layer writes the new tokens' k/v into its pool slice in place and attention reads
     the rows' context through block_table [R, NB] (NB * block_size = S). Same values, same pool afterwards.
 
-    tokens/positions/segment_ids [R, T] (segment 0 = padding: not written); ctx_len/last_idx/adapter_rows [R].
-    kernel: "gather" or "pallas" (decode rows read the pool inside a Pallas kernel: ``PagedLayerKV``).
+    tokens/positions/segment_ids [R, T] (segment 0 = padding: not written); ctx_len/last_idx/adapter_rows [R];
+    rows: the per-row sampling arrays of `sample_batch`. kernel: how decode rows read the pool (`PagedKernel`).
+    -> (k_pool, v_pool, sampled: dict of `sample_batch` outputs for each row's last real token).
     """
     model = nnx.merge(graphdef, state)
     if lora:
         set_adapter_rows(model, adapter_rows)
     cache = PagedKVCache(k_pool, v_pool, block_table, ctx_len, block_size, kernel)
     h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, unroll=unroll)
-    return cache.k, cache.v, _sample_last(model, h, last_idx, rows, mode)
-
-
-def _sample_last(model, h, last_idx, rows, mode: BatchMode):
-    """h [R, T, D] -> `sample_batch` of each row's last real token (logits in fp32)."""
-    logits = model.logits(h[jnp.arange(h.shape[0]), last_idx][:, None])[:, 0]  # [R, V]
-    return sample_batch(logits, rows, mode)
+    return cache.k, cache.v, sample_last(model, h, last_idx, rows, mode)
 
 
 class StepResult(dict):
@@ -150,40 +112,30 @@ class StepResult(dict):
 class PagedRunner:
     """Owns the device KV pool and runs one scheduler step: ``execute(scheduled) -> {request_id: token}``."""
 
-    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_dtype=None, adapter_slot=None,
-                 min_rows: int = 1, min_prefill_rows: int = 1, min_context: int = 0, min_prefill: int = 1,
-                 kv_in_place: bool = False, decode_steps: int = 1, unroll_layers: bool = False,
-                 paged_attention: bool = True, paged_kernel: str = "gather"):
-        """adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``).
-        min_rows / min_prefill_rows / min_context / min_prefill: smallest buckets of decode R, prefill R, S and
-        prefill T (fewer compilations, more padding: the tests use them on CPU, the benchmark pads decode
-        batches to the number of users). kv_in_place: the decoder writes new k/v into its cache in the layer
-        scan's carry (``Decoder.hidden_states(cache_in_carry=True)``) instead of copying every layer's view in
-        and out of the scan; same values. unroll_layers: the layer loop inlined (``lax.scan(unroll=True)``)
-        instead of a rolled loop: no per-layer loop overhead in decode (where a step is a few microseconds of
-        work per layer), longer compiles; same values. paged_attention (default): no dense view at all: the
-        pool rides in the layer loop (and the multi-step loop), each layer writes its new k/v into the pool in
-        place and reads the rows' context through their block tables (``PagedKVCache``); the host sends block
-        tables [R, S / block_size] instead of slot lists [R, S]. False: the reference gather/scatter path
-        (``kv_in_place`` applies to it only). Same tokens, same pool contents. paged_kernel (paged path):
-        "gather" (each layer gathers [R, S, K, H], then the attention backend; exact), "reduce" (decode calls:
-        that gather feeds a multiply + reduce attention XLA can fuse it into; equal up to float rounding) or
-        "pallas" (decode calls: a Pallas paged decode-attention kernel reads each row's real blocks in place,
-        online softmax; equal up to float rounding; prefill rows still gather)."""
-        if paged_kernel not in PAGED_KERNELS:
-            raise ValueError(f"PagedRunner: paged_kernel must be one of {', '.join(PAGED_KERNELS)}, "
-                             f"got {paged_kernel!r}")
+    def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_path: KVPath, kv_dtype=None,
+                 adapter_slot=None, buckets: RunnerBuckets = RunnerBuckets(), kv_in_place: bool = True,
+                 decode_steps: int = 1, unroll_layers: bool = False):
+        """kv_path: a resolved `KVPath` (not AUTO): PAGED / REDUCE / PALLAS read and write the pool in place
+        through block tables (the host sends tables [R, S / block_size]); REFERENCE gathers a dense view and
+        scatters back (slot lists [R, S]). Same tokens, same pool contents (REDUCE / PALLAS: equal up to float
+        rounding). adapter_slot: adapter name -> slot of the model's multi-LoRA stacks (``AdapterSlots.slot``).
+        buckets: the smallest shape buckets. kv_in_place (REFERENCE only): the decoder writes new k/v into
+        its view in the layer scan's carry instead of copying every layer's view in and out; same values.
+        unroll_layers: the layer loop inlined (``lax.scan(unroll=True)``), longer compiles; same values.
+        decode_steps: multi-step calls always loop up to this many steps (the loop exits once every row
+        stopped), so rows with fewer steps left do not compile smaller variants."""
+        if kv_path is KVPath.AUTO:
+            raise ValueError("PagedRunner: kv_path AUTO must be resolved first (Engine does: resolve_kv_path)")
+        self.kv_path = kv_path
+        self.paged = kv_path is not KVPath.REFERENCE
+        self.kernel = PAGED_KERNEL.get(kv_path, PagedKernel.GATHER)  # REFERENCE: unused
         self.kv_in_place = kv_in_place
-        self.paged_attention = paged_attention
-        self.paged_kernel = paged_kernel
-        if paged_attention and paged_kernel == "pallas":
+        if self.kernel is PagedKernel.PALLAS:
             prepare_paged_decode()
         self.unroll = True if unroll_layers else 1
-        # multi-step calls always loop up to this many steps (the loop exits once every row stopped), so rows
-        # with fewer steps left do not compile smaller variants
         self.decode_steps = decode_steps
-        self.min_rows, self.min_prefill_rows = min_rows, min_prefill_rows
-        self.min_context, self.min_prefill = min_context, min_prefill
+        self.min_rows, self.min_prefill_rows = buckets.min_rows, buckets.min_prefill_rows
+        self.min_context, self.min_prefill = buckets.min_context, buckets.min_prefill
         cfg = model.cfg
         self.cfg = cfg
         self.block_size = block_size
@@ -195,8 +147,8 @@ class PagedRunner:
         dtype = kv_dtype or model.dtype
         self.k_pool = jnp.zeros(shape, dtype)
         self.v_pool = jnp.zeros(shape, dtype)
-        if paged_attention and paged_kernel == "pallas" and not kernel_applies(shape, 1, cfg.sliding_window):
-            warnings.warn(f"PagedRunner: paged_kernel='pallas' does not apply to this model / pool (pool {shape}, "
+        if self.kernel is PagedKernel.PALLAS and not kernel_applies(shape, 1, cfg.sliding_window):
+            warnings.warn(f"PagedRunner: kv_path PALLAS does not apply to this model / pool (pool {shape}, "
                           f"sliding window {cfg.sliding_window}): decode attention gathers instead "
                           "(the kernel needs no sliding window and a pool under 2^31 elements)", stacklevel=2)
         self.num_calls = 0  # forward calls (waves x decode/prefill groups), for tests / metrics
@@ -300,7 +252,7 @@ class PagedRunner:
         tokens = np.zeros((R, T), np.int32)
         positions = np.zeros((R, T), np.int32)
         segments = np.zeros((R, T), np.int32)
-        paged = self.paged_attention  # no slot lists: block tables, slots computed on device
+        paged = self.paged  # no slot lists: block tables, slots computed on device
         write = None if paged else np.full((R, T), self.num_slots, np.int32)  # out of range -> dropped
         ctx = None if paged else np.zeros((R, S), np.int32)
         ctx_len = np.zeros((R,), np.int32)
@@ -322,12 +274,12 @@ class PagedRunner:
         rows, mode = self._sampling_rows(group, R, S)
         self.num_calls += 1
         if paged:
-            self.k_pool, self.v_pool, sampled = _paged_step_in_pool(
+            self.k_pool, self.v_pool, sampled = paged_step(
                 self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments,
                 self._block_table(group, R, S), ctx_len, last, adapters, rows, mode=mode, lora=self.lora,
-                block_size=self.block_size, unroll=self.unroll, kernel=self.paged_kernel)
+                block_size=self.block_size, unroll=self.unroll, kernel=self.kernel)
             return sampled
-        self.k_pool, self.v_pool, sampled = _paged_step(
+        self.k_pool, self.v_pool, sampled = reference_step(
             self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments, ctx, ctx_len, write,
             last, adapters, rows, mode=mode, lora=self.lora, kv_in_place=self.kv_in_place, unroll=self.unroll)
         return sampled
@@ -341,7 +293,7 @@ class PagedRunner:
         tokens = np.zeros((R,), np.int32)
         start = np.zeros((R,), np.int32)
         limit = np.zeros((R,), np.int32)  # padding rows: 0 = stopped from the start
-        paged = self.paged_attention
+        paged = self.paged
         write = None if paged else np.full((R, K), self.num_slots, np.int32)
         ctx = None if paged else np.zeros((R, S), np.int32)
         stop = np.full((R, M), -1, np.int32)
@@ -363,9 +315,9 @@ class PagedRunner:
             self.k_pool, self.v_pool, sampled = multi_step_decode_paged(
                 self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, self._block_table(group, R, S),
                 limit, stop, adapters, rows, mode=mode, lora=self.lora, num_steps=K, block_size=self.block_size,
-                unroll=self.unroll, kernel=self.paged_kernel)
+                unroll=self.unroll, kernel=self.kernel)
         else:
-            self.k_pool, self.v_pool, sampled = multi_step_decode(
+            self.k_pool, self.v_pool, sampled = reference_multi_step_decode(
                 self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, ctx, write, limit, stop,
                 adapters, rows, mode=mode, lora=self.lora, num_steps=K, kv_in_place=self.kv_in_place,
                 unroll=self.unroll)

@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Mapping
 
+from surojax.serve.config import SchedulerConfig
 from surojax.serve.kv_cache import KVCacheManager
 
 
@@ -96,10 +97,6 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # finished/aborted since the last step
 
     @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: s.num_new_tokens for s in self.scheduled}
-
-    @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
@@ -116,26 +113,19 @@ class RequestOutput:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        kv: KVCacheManager,
-        *,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int = 4096,
-        chunk_size: int | None = None,
-        decode_steps: int = 1,
-    ):
-        if decode_steps < 1 or decode_steps & (decode_steps - 1):
-            raise ValueError(f"decode_steps must be a power of two >= 1, got {decode_steps}")
-        if kv.num_blocks * kv.block_size < max_model_len:
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
+        """config.max_model_len must be resolved (not None: `Engine` resolves it from the model)."""
+        if config.max_model_len is None:
+            raise ValueError("Scheduler: config.max_model_len is None; resolve it first (Engine does)")
+        if kv.num_blocks * kv.block_size < config.max_model_len:
             raise ValueError("KV pool smaller than max_model_len: a lone request could never finish")
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.chunk_size = chunk_size or max_num_batched_tokens
-        self.decode_steps = decode_steps
+        self.config = config
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.chunk_size = config.chunk_size or config.max_num_batched_tokens
+        self.decode_steps = config.decode_steps
         self.num_multi_steps = 0  # steps scheduled as multi-step decodes (tests / metrics)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -179,10 +169,6 @@ class Scheduler:
         self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

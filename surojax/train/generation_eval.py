@@ -8,7 +8,7 @@ Each row gives a prompt (the conversation up to its last assistant turn) and the
 instruction rows (alpaca instruction/input/output, or prompt/completion) are rendered as user -> assistant the
 way the training data format renders them; conversation rows (`messages` or sharegpt `conversations`) end with
 the assistant turn to predict. The prompt goes through the chat template with add_generation_prompt (the plain
-alpaca "### Response:" prompt when the tokenizer has no template), and `surojax.serve.generate` answers all
+alpaca "### Response:" prompt when the tokenizer has no template), and `surojax.generation.loop` answers all
 prompts in batches, greedily, until EOS or max_new_tokens.
 
 Scoring (`is_correct`): whitespace is normalised (runs collapsed, ends stripped). When the expected answer holds
@@ -167,7 +167,7 @@ def stop_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
 def generate_answers(model, tokenizer: Tokenizer, examples: Sequence[EvalExample], *, max_new_tokens: int = 64,
                      batch_size: int = 256, chat_template: str | None = None) -> list[str]:
     """Greedy answers (decoded without special tokens), in the order of `examples`."""
-    from surojax.serve.generate import generate
+    from surojax.generation.loop import generate
 
     prompts = [prompt_ids(tokenizer, ex, chat_template) for ex in examples]
     limit = getattr(model.cfg, "max_position_embeddings", None)

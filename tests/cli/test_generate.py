@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from surojax.serve.generate import eos_ids
+from surojax.generation.loop import eos_ids
 from surojax.cli.main import main
 from surojax.data.tokenizer import Tokenizer
-from surojax.serve.generate import generate
+from surojax.generation.loop import generate
 from surojax.weights.hf_checkpoint import load_model
 
 ROOT = Path(__file__).resolve().parents[2]

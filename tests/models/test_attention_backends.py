@@ -242,7 +242,8 @@ def test_decoder_loss_and_grads_match_xla_backend(monkeypatch, recompute):
 
 def test_reduce_decode_attention_equals_xla():
     """The multiply + reduce form of one-token attention (the paged path's "reduce" kernel) == xla_attention."""
-    from surojax.models.layers.attention import reduce_decode_attention, xla_attention
+    from surojax.models.kv import reduce_decode_attention
+    from surojax.models.layers.attention import xla_attention
 
     rng = np.random.default_rng(0)
     B, S, N, K, H = 3, 12, 6, 2, 8

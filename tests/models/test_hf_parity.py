@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surojax.serve.generate import generate
+from surojax.generation.loop import generate
 from surojax.weights.hf_checkpoint import load_model
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"

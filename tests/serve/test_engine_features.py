@@ -13,10 +13,11 @@ from surojax.peft.lora import apply_lora, lora_modules, merge_lora
 from surojax.peft.multi_lora import AdapterSlots
 from surojax.peft.peft_io import save_peft_adapter
 from surojax.serve.engine import Engine
-from surojax.serve.generate import generate
-from surojax.serve.sampling import BatchMode, SamplingParams, SamplingParamsError, apply_penalties, filter_logits, \
+from surojax.generation.loop import generate
+from surojax.generation.sampling import BatchMode, SamplingParams, SamplingParamsError, apply_penalties, filter_logits, \
     sample_batch, sorted_keep_mask
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.configs import BUCKETS, engine_config
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
 
@@ -31,12 +32,12 @@ def tok():
     return Tokenizer.from_dir(FIXTURE)
 
 
-BUCKETS = dict(min_rows=4, min_prefill_rows=4, min_context=64, min_prefill=16)  # few shapes -> few compilations on CPU
 
 
-def engine(model, **kw):
-    return Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=96,
-                  buckets=BUCKETS, **kw)
+def engine(model, tokenizer=None, lora=None, **kw):
+    config = engine_config(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=96,
+                           buckets=BUCKETS, **kw)
+    return Engine(model, config, tokenizer=tokenizer, lora=lora)
 
 
 def test_sorted_keep_mask_matches_filter_logits():

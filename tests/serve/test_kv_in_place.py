@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surojax.models.decoder import KVCache
+from surojax.models.kv import KVCache
 from surojax.serve.engine import Engine
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.configs import BUCKETS, engine_config
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
-BUCKETS = dict(min_rows=4, min_prefill_rows=4, min_context=64, min_prefill=16)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,10 @@ def test_engine_tokens_unchanged(model):
     ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6)]
     outs = []
     for k, in_place, unroll in ((1, False, False), (4, True, False), (4, True, True)):
-        eng = Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
-                     max_model_len=96, buckets=BUCKETS, decode_steps=k, kv_in_place=in_place, unroll_layers=unroll)
+        config = engine_config(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
+                               max_model_len=96, buckets=BUCKETS, decode_steps=k, kv_in_place=in_place,
+                               unroll_layers=unroll)
+        eng = Engine(model, config)
         outs.append(eng.generate(ps, 7))
         assert eng.runner.num_calls > 0
     assert outs[0] == outs[1] == outs[2]

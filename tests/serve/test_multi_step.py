@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 
 from surojax.data.tokenizer import Tokenizer
+from surojax.generation.sampling import SamplingParams
+from surojax.serve.config import SchedulerConfig
 from surojax.serve.engine import Engine
 from surojax.serve.kv_cache import KVCacheManager
-from surojax.serve.sampling import SamplingParams
 from surojax.serve.scheduler import Request, Scheduler
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.configs import BUCKETS, engine_config
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
-BUCKETS = dict(min_rows=4, min_prefill_rows=4, min_context=64, min_prefill=16)
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +28,10 @@ def tok():
     return Tokenizer.from_dir(FIXTURE)
 
 
-def engine(model, k, **kw):
+def engine(model, k, tokenizer=None, **kw):
     kw = dict(dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=96,
                    buckets=BUCKETS, decode_steps=k), **kw)
-    return Engine(model, **kw)
+    return Engine(model, engine_config(**kw), tokenizer=tokenizer)
 
 
 def run(eng, requests, abort_after=None):
@@ -95,7 +96,7 @@ def test_stop_strings_and_abort_mid_run(model, tok):
 
 def test_lookahead_allocation_and_fallback():
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=24, decode_steps=8)
+    s = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=24, decode_steps=8))
     a = Request("a", list(range(1, 8)), max_tokens=20)
     s.add_request(a)
     s.update({"a": 100})  # nothing scheduled yet: ignored
@@ -119,7 +120,7 @@ def test_lookahead_allocation_and_fallback():
     s.update({"a": list(range(110, 118))})  # KV now written for 20 tokens: 5 full blocks published
     assert a.num_computed_tokens == 20 and len(kv._seqs["a"].block_hashes) == 5
     with pytest.raises(ValueError, match="power of two"):
-        Scheduler(kv, max_model_len=24, decode_steps=3)
+        Scheduler(kv, SchedulerConfig(max_model_len=24, decode_steps=3))
 
 
 def test_cli_option():

@@ -1,4 +1,4 @@
-"""``paged_attention`` (``PagedKVCache``): the decoder reads and writes the paged pool in place through block
+"""The paged KV path (``PagedKVCache``): the decoder reads and writes the paged pool in place through block
 tables. Against the reference gather -> dense view -> scatter path: the same pool contents after a step (exact,
 fp32 on CPU: same S, same mask, same reduction order), the same greedy tokens from the engine (single steps,
 multi-step decode, stop ids, concurrent = sequential)."""
@@ -9,14 +9,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from surojax.cli.serve import serve_config
+from surojax.generation.sampling import BatchMode
+from surojax.serve.config import EngineConfig, KVPath
 from surojax.serve.engine import Engine
-from surojax.serve.multi_step import multi_step_decode, multi_step_decode_paged
-from surojax.serve.runner import _paged_step, _paged_step_in_pool
-from surojax.serve.sampling import BatchMode
+from surojax.serve.kv_reference import reference_multi_step_decode, reference_step
+from surojax.serve.multi_step import multi_step_decode_paged
+from surojax.serve.runner import paged_step
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.configs import BUCKETS, engine_config
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
-BUCKETS = dict(min_rows=4, min_prefill_rows=4, min_context=64, min_prefill=16)
 GREEDY = BatchMode(sample=False, penalties=False, logprobs=False)
 BS = 4
 
@@ -65,10 +68,10 @@ def test_single_step_pool_equals_reference(model, T):
         write[r, :n[r]] = _slots(table[r], ctx_len[r], ctx_len[r] + n[r])
     common = dict(last_idx=(n - 1).astype(np.int32), adapter_rows=np.zeros(R, np.int32),
                   rows=_greedy_rows(R, ctx_len + n), mode=GREEDY, lora=False)
-    k1, v1, out1 = _paged_step(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, positions, segments, ctx,
-                               ctx_len, write, kv_in_place=True, **common)
-    k2, v2, out2 = _paged_step_in_pool(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, positions, segments,
-                                       table, ctx_len, block_size=BS, **common)
+    k1, v1, out1 = reference_step(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, positions, segments, ctx,
+                                  ctx_len, write, kv_in_place=True, **common)
+    k2, v2, out2 = paged_step(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, positions, segments, table,
+                              ctx_len, block_size=BS, **common)
     np.testing.assert_array_equal(np.asarray(k1), np.asarray(k2))
     np.testing.assert_array_equal(np.asarray(v1), np.asarray(v2))
     np.testing.assert_array_equal(np.asarray(out1["ids"]), np.asarray(out2["ids"]))
@@ -94,12 +97,12 @@ def test_multi_step_pool_equals_reference(model):
     # row 2 stops on the token it samples first (found by a reference run without stop ids)
     free = dict(limit=limit, adapter_rows=np.zeros(R, np.int32), rows=_greedy_rows(R, start), mode=GREEDY,
                 lora=False, num_steps=K)
-    _, _, probe = multi_step_decode(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, ctx, write,
-                                    stop_ids=np.full((R, 1), -1, np.int32), **free)
+    _, _, probe = reference_multi_step_decode(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, ctx,
+                                              write, stop_ids=np.full((R, 1), -1, np.int32), **free)
     stop = np.full((R, 1), -1, np.int32)
     stop[2, 0] = int(probe["ids"][2, 1])
-    k1, v1, out1 = multi_step_decode(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, ctx, write,
-                                     stop_ids=stop, kv_in_place=True, **free)
+    k1, v1, out1 = reference_multi_step_decode(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, ctx,
+                                               write, stop_ids=stop, kv_in_place=True, **free)
     k2, v2, out2 = multi_step_decode_paged(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, table,
                                            stop_ids=stop, block_size=BS, **free)
     assert list(np.asarray(out1["count"])) == [4, 2, 2, 0]
@@ -118,33 +121,36 @@ def test_engine_tokens_equal_reference(model):
     ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)] + [shared + [5, 6], shared + [7]]
     outs = []
     for k, paged in ((1, False), (1, True), (4, True)):
-        eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
-                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged)
+        path = KVPath.PAGED if paged else KVPath.REFERENCE
+        eng = Engine(model, engine_config(num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
+                                          max_model_len=96, buckets=BUCKETS, decode_steps=k, kv_path=path))
         outs.append(eng.generate(ps, 7))
-        assert eng.runner.paged_attention is paged
+        assert eng.runner.paged is paged
     assert outs[0] == outs[1] == outs[2]
-    eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=96,
-                 buckets=BUCKETS, decode_steps=4)
+    eng = Engine(model, engine_config(num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
+                                      max_model_len=96, buckets=BUCKETS, decode_steps=4))
     assert [eng.generate([p], 7)[0] for p in ps] == outs[0]
 
 
-@pytest.mark.parametrize("kernel, seed", [("pallas", 4), ("reduce", 5)])
+@pytest.mark.parametrize("kernel, seed", [(KVPath.PALLAS, 4), (KVPath.REDUCE, 5)])
 def test_engine_decode_kernel_tokens_equal_reference(model, kernel, seed):
-    """paged_kernel="pallas" (decode attention in the Pallas kernel, interpret mode on CPU) and "reduce"
+    """KVPath.PALLAS (decode attention in the Pallas kernel, interpret mode on CPU) and REDUCE
     (multiply + reduce over the gather): the reference path's greedy tokens, one step and 4 per call."""
     rng = np.random.default_rng(seed)
     ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)]
     outs = []
-    for k, paged, kern in ((1, False, "gather"), (1, True, kernel), (4, True, kernel)):
-        eng = Engine(model, num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
-                     max_model_len=96, buckets=BUCKETS, decode_steps=k, paged_attention=paged, paged_kernel=kern)
+    for k, path in ((1, KVPath.REFERENCE), (1, kernel), (4, kernel)):
+        eng = Engine(model, engine_config(num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
+                                          max_model_len=96, buckets=BUCKETS, decode_steps=k, kv_path=path))
         outs.append(eng.generate(ps, 6))
     assert outs[0] == outs[1] == outs[2]
 
 
-def test_unknown_paged_kernel_is_refused(model):
-    with pytest.raises(ValueError, match="paged_kernel"):
-        Engine(model, num_blocks=8, block_size=BS, max_model_len=16, paged_kernel="triton")
+def test_a_kv_path_is_typed():
+    with pytest.raises(TypeError, match="kv_path"):
+        EngineConfig(kv_path="pallas")
+    with pytest.raises(ValueError):
+        KVPath("triton")
 
 
 def test_serve_cli_kv_path():
@@ -155,6 +161,7 @@ def test_serve_cli_kv_path():
     assert parser.parse_args(["serve", "m", "--kv-path", "paged"]).kv_path == "paged"
     assert parser.parse_args(["serve", "m", "--kv-path", "pallas"]).kv_path == "pallas"
     assert parser.parse_args(["serve", "m", "--kv-path", "reduce"]).kv_path == "reduce"
+    assert serve_config(parser.parse_args(["serve", "m", "--kv-path", "reference"])).engine.kv_path is KVPath.REFERENCE
 
 
 def test_pallas_kernel_warns_where_it_does_not_apply(model, monkeypatch):
@@ -162,7 +169,7 @@ def test_pallas_kernel_warns_where_it_does_not_apply(model, monkeypatch):
 
     monkeypatch.setattr(runner, "kernel_applies", lambda *a: False)
     with pytest.warns(UserWarning, match="gathers instead"):
-        runner.PagedRunner(model, num_blocks=8, block_size=BS, paged_kernel="pallas")
+        runner.PagedRunner(model, num_blocks=8, block_size=BS, kv_path=KVPath.PALLAS)
 
 
 def test_pallas_caps_an_auto_sized_pool(model, monkeypatch):
@@ -171,23 +178,24 @@ def test_pallas_caps_an_auto_sized_pool(model, monkeypatch):
 
     monkeypatch.setattr(engine_mod, "num_kv_blocks", lambda *a, **k: 10 ** 6)
     monkeypatch.setattr(engine_mod, "max_pool_blocks", lambda *a: 24)
-    assert engine_mod.Engine(model, block_size=BS, max_model_len=64, paged_kernel="pallas").runner.num_slots == 24 * BS
+    eng = engine_mod.Engine(model, engine_config(block_size=BS, max_model_len=64, kv_path=KVPath.PALLAS))
+    assert eng.runner.num_slots == 24 * BS and eng.config.num_blocks == 24
 
 
 def test_auto_kv_path_picks_the_kernel_only_where_it_applies(model, monkeypatch):
-    """paged_kernel="auto": pallas on a GPU (no sliding window, pool under the cap), gather elsewhere."""
+    """KVPath.AUTO: PALLAS on a GPU (no sliding window, pool under the cap), PAGED elsewhere."""
     import dataclasses
 
     import jax
 
-    from surojax.serve.engine import resolve_paged_kernel
+    from surojax.serve.engine import resolve_kv_path
 
-    cfg = model.cfg
-    assert resolve_paged_kernel("auto", cfg, BS, 8) == ("pallas" if jax.default_backend() == "gpu" else "gather")
-    assert Engine(model, num_blocks=8, block_size=BS, max_model_len=16).runner.paged_kernel == \
-        resolve_paged_kernel("auto", cfg, BS, 8)
+    cfg, auto = model.cfg, KVPath.AUTO
+    assert resolve_kv_path(auto, cfg, BS, 8) is (KVPath.PALLAS if jax.default_backend() == "gpu" else KVPath.PAGED)
+    assert Engine(model, engine_config(num_blocks=8, block_size=BS, max_model_len=16)).runner.kv_path is \
+        resolve_kv_path(auto, cfg, BS, 8)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert resolve_paged_kernel("auto", cfg, BS, None) == "pallas"
-    assert resolve_paged_kernel("auto", cfg, BS, 10 ** 9) == "gather"  # over the kernel's 2^31-element pool
-    assert resolve_paged_kernel("auto", dataclasses.replace(cfg, sliding_window=8), BS, 8) == "gather"
-    assert resolve_paged_kernel("reduce", cfg, BS, 10 ** 9) == "reduce"
+    assert resolve_kv_path(auto, cfg, BS, None) is KVPath.PALLAS
+    assert resolve_kv_path(auto, cfg, BS, 10 ** 9) is KVPath.PAGED  # over the kernel's 2^31-element pool
+    assert resolve_kv_path(auto, dataclasses.replace(cfg, sliding_window=8), BS, 8) is KVPath.PAGED
+    assert resolve_kv_path(KVPath.REDUCE, cfg, BS, 10 ** 9) is KVPath.REDUCE

@@ -1,4 +1,4 @@
-"""Engine (scheduler + paged runner over a KV pool) vs the plain-cache reference `surojax.serve.generate.generate`.
+"""Engine (scheduler + paged runner over a KV pool) vs the plain-cache reference `surojax.generation.loop.generate`.
 
 Greedy tokens must be identical alone, batched with chunked prefill, under preemption (small pool), and with
 prefix-cache hits (a repeated system prompt, sequential and in the same step).
@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from surojax.generation.loop import generate
 from surojax.serve.engine import Engine
-from surojax.serve.generate import generate
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.configs import engine_config
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
 MAX_TOKENS = 10
@@ -33,7 +34,8 @@ def reference(model, ps, max_tokens=MAX_TOKENS):
 def test_alone_matches_generate(model):
     ps = prompts(3, seed=1)
     ref = reference(model, ps)
-    eng = Engine(model, num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    eng = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=64))
     for p, r in zip(ps, ref):
         assert eng.generate([p], MAX_TOKENS) == [r]
     assert eng.kv.num_free_blocks == eng.kv.num_blocks  # everything freed
@@ -43,8 +45,8 @@ def test_batched_chunked_preempted_matches_generate(model):
     ps = prompts(8, seed=2)
     ref = reference(model, ps)
     # chunk 8 tokens, 32-token step budget, 16 blocks x 4 slots (< what 8 requests need) -> preemption
-    eng = Engine(model, num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                 max_model_len=64, chunk_size=8)
+    eng = Engine(model, engine_config(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                                      max_model_len=64, chunk_size=8))
     assert eng.generate(ps, MAX_TOKENS) == ref
     assert eng.scheduler.num_preemptions > 0
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
@@ -54,7 +56,8 @@ def test_stop_token_and_sampling_runs(model):
     p = prompts(1, seed=3)[0]
     ref = reference(model, [p])[0]
     stop = ref[3]
-    eng = Engine(model, num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    eng = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=64))
     out = eng.generate([p], MAX_TOKENS, stop_token_ids=(stop,))[0]
     assert out == ref[:ref.index(stop) + 1]
     a = eng.generate([p], MAX_TOKENS, temperature=1.0, top_k=50, seed=7)[0]
@@ -67,12 +70,14 @@ def test_prefix_cache_hit_same_tokens(model):
     tails = prompts(4, seed=5, lo=2, hi=6)
     ps = [system + t for t in tails]
     ref = reference(model, ps)
-    eng = Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=64)
+    eng = Engine(model, engine_config(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
+                                      max_model_len=64))
     # sequential: the 2nd request onwards hits the system prompt's blocks
     assert [eng.generate([p], MAX_TOKENS)[0] for p in ps] == ref
     assert eng.kv.prefix_cache_hits >= 3 * 16
     # together in one step: later requests hit blocks the first writes in that same step (runner waves)
-    eng2 = Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=64)
+    eng2 = Engine(model, engine_config(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
+                                       max_model_len=64))
     assert eng2.generate(ps, MAX_TOKENS) == ref
     assert eng2.kv.prefix_cache_hits >= 3 * 16
     assert eng2.runner.num_deferred >= 3

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from surojax.serve.config import SchedulerConfig
 from surojax.serve.kv_cache import KVCacheManager, hash_block
 from surojax.serve.scheduler import Request, Scheduler
 
@@ -67,7 +68,7 @@ def reference(prompt, max_tokens, adapter=None, stop=(), max_model_len=10**9):
 
 def make(num_blocks=64, block_size=4, **kw):
     kw.setdefault("max_model_len", min(num_blocks * block_size, 256))
-    return Scheduler(KVCacheManager(num_blocks, block_size), **kw)
+    return Scheduler(KVCacheManager(num_blocks, block_size), SchedulerConfig(**kw))
 
 
 def test_single_request_matches_reference():
@@ -137,7 +138,7 @@ def test_no_prefix_sharing_across_adapters():
 
 def test_freed_cached_blocks_are_evicted_lru():
     kv = KVCacheManager(4, 2)
-    s = Scheduler(kv, max_model_len=8)
+    s = Scheduler(kv, SchedulerConfig(max_model_len=8))
     r = FakeRunner(s)
     s.add_request(Request("a", [1, 2, 3, 4, 5], max_tokens=1))
     r.run()
@@ -230,9 +231,9 @@ def test_random_workload_never_leaks(seed):
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randint(64 // bs, 128 // bs)  # small pool: preemption happens
-    s = Scheduler(KVCacheManager(num_blocks, bs), max_num_seqs=rng.randint(1, 8),
+    s = Scheduler(KVCacheManager(num_blocks, bs), SchedulerConfig(max_num_seqs=rng.randint(1, 8),
                   max_num_batched_tokens=rng.randint(8, 64), chunk_size=rng.randint(1, 32),
-                  max_model_len=64)
+                  max_model_len=64))
     r = FakeRunner(s)
     systems = [[rng.randint(3, 99) for _ in range(rng.randint(0, 20))] for _ in range(3)]
     expect, aborted, n = {}, set(), 0

@@ -5,6 +5,7 @@ LoRA per request = the merged model; auth; bad input; 429; disconnect frees bloc
 The model is the qwen3 fixture (tiny, random weights, with a ChatML tokenizer), served in fp32 on CPU.
 """
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -20,10 +21,12 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from surojax.cli.main import build_parser, load_command  # noqa: E402
+from surojax.cli.serve import serve_config  # noqa: E402
 from surojax.data.tokenizer import Tokenizer  # noqa: E402
+from surojax.generation.loop import generate  # noqa: E402
 from surojax.peft.lora import apply_lora, lora_modules, merge_lora  # noqa: E402
 from surojax.peft.peft_io import save_peft_adapter  # noqa: E402
-from surojax.serve.generate import generate  # noqa: E402
+from surojax.serve.config import RunnerBuckets  # noqa: E402
 from surojax.serve.launch import build_server  # noqa: E402
 from surojax.serve.metrics import parse_metrics  # noqa: E402
 from surojax.weights.hf_checkpoint import load_model  # noqa: E402
@@ -70,11 +73,9 @@ def server(adapter):
                               "--max-num-seqs", "32", "--block-size", "4", "--num-kv-blocks", "512",
                               "--max-model-len", "128", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                               "--lora-modules", f"ad={adapter[0]}", "--max-num-batched-tokens", "512"])
-    app, state = build_server(args)
-    # few shapes -> few compilations on CPU
-    runner = state.engine.engine.runner
-    runner.min_rows = runner.min_prefill_rows = 8
-    runner.min_context, runner.min_prefill = 128, 64
+    config = serve_config(args)
+    buckets = RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=128, min_prefill=64)  # few CPU compiles
+    app, state = build_server(dataclasses.replace(config, engine=dataclasses.replace(config.engine, buckets=buckets)))
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -320,7 +321,7 @@ def test_gguf_file_is_served(tmp_path):
     path = tmp_path / "tiny.gguf"
     gguf.save_gguf(base, path, "f32", tokenizer_dir=FIXTURE)
     args = build_parser("serve", load_command("serve")).parse_args(["serve", str(path)])
-    model, tok, _, name = load_for_serving(args)
+    model, tok, _, name = load_for_serving(serve_config(args))
     assert name == "tiny"
     ids = tok.encode("The quick brown fox")
     assert generate(model, [ids], 6)[0] == generate(base, [ids], 6)[0]

@@ -8,7 +8,7 @@ import pytest
 
 from surojax.config import config_from_dict
 from surojax.data.tokenizer import Tokenizer
-from surojax.serve.generate import generate
+from surojax.generation.loop import generate
 from surojax.train.generation_eval import (
     EvalExample, GenerationEval, GenerationEvalError, evaluate_generation, example_from_row, is_correct,
     last_number, load_eval_examples, prompt_ids, report, stop_ids,

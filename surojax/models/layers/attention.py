@@ -1,4 +1,4 @@
-"""Grouped-query self-attention over packed rows, with an optional plain KV cache.
+"""Grouped-query self-attention over packed rows, with an optional KV cache (any `surojax.models.kv.LayerKV`).
 
 Packing: every token carries a segment id (0 = padding) and its position inside its own segment. Query t
 sees key s only when both are in the same segment and pos[s] <= pos[t] (and, with a sliding window W,
@@ -30,31 +30,17 @@ dtypes (fp32 recipes) take the xla path statically. With a KV cache (generation)
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from surojax.models.config import ModelConfig
+from surojax.models.kv import MASKED as _MASKED
+from surojax.models.kv import AttendSpec, KVMeta, LayerKV, attention_mask
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.norm import RMSNorm
-from surojax.models.layers.paged_decode import kernel_applies, paged_decode_attention
 from surojax.models.layers.rope import apply_rope
-
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def attention_mask(q_seg, kv_seg, q_pos, kv_pos, sliding_window: int | None = None) -> jax.Array:
-    """[B, T] x [B, S] segment ids and positions -> boolean mask [B, T, S] (True = may attend)."""
-    same = q_seg[:, :, None] == kv_seg[:, None, :]
-    causal = kv_pos[:, None, :] <= q_pos[:, :, None]
-    mask = same & causal
-    if sliding_window is not None:
-        mask &= (q_pos[:, :, None] - kv_pos[:, None, :]) < sliding_window
-    return mask
 
 
 def xla_attention(q, k, v, mask, scale: float) -> jax.Array:
@@ -74,20 +60,6 @@ def cudnn_attention(q, k, v, mask, scale: float) -> jax.Array:
     if q.dtype not in _CUDNN_DTYPES:
         return xla_attention(q, k, v, mask, scale)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
-
-
-def reduce_decode_attention(q, k, v, mask, scale: float) -> jax.Array:
-    """One query token per row as multiply + reduce instead of dots: q [B, 1, N, H], k/v [B, S, K, H] (fp32),
-    mask [B, 1, S] -> [B, 1, N, H]. Same math as `xla_attention` (probabilities kept in fp32); written so
-    that XLA can fuse a gather producing k/v into the two reductions (dots take materialised operands)."""
-    B, _, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, 1, K, N // K, H).astype(jnp.float32)  # [B, 1, K, G, H]
-    scores = jnp.sum(qg * k[:, :, :, None, :], axis=-1) * scale  # [B, S, K, G]
-    scores = jnp.where(mask[:, 0, :, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=1)
-    out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [B, K, G, H]
-    return out.reshape(B, 1, N, H).astype(q.dtype)
 
 
 BACKENDS = {"xla": xla_attention, "cudnn": cudnn_attention}
@@ -117,8 +89,9 @@ def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arra
 
     Each maximal run of equal ids (padding runs included) is one segment: offsets[b, j] is the first token of
     run j of row b (a token index inside the row) and lengths[b, j] its length, for j < min(runs, M); every
-    other entry is -1 (no end marker: measured on the H200, an end marker misaligns every later row). `runs` counts the runs of each row. A row with
-    more than M runs gets its runs M-1, M, ... merged into slot M-1 (wrong attention there), which is why
+    other entry is -1 (no end marker: jax flattens the non-negative entries across rows, so an end marker
+    misaligns every later row; benchmarks/RESULTS.md). `runs` counts the runs of each row. A row with more
+    than M runs gets its runs M-1, M, ... merged into slot M-1 (wrong attention there), which is why
     `cudnn_packed_attention` never uses the layout of such a batch.
     """
     B, T = segment_ids.shape
@@ -219,9 +192,9 @@ def runs_per_row(segment_ids) -> int:
 def packed_backend(name: str, max_runs: int | None) -> str:
     """The backend for training on packed rows whose layout the data pipeline built (positions counting up from
     0 inside each sample, no id coming back) with at most `max_runs` runs per row: "auto" on a GPU becomes
-    `cudnn:M:nocheck`, M = max(2, max_runs): cuDNN's cost grows with M (B * M sequence slots; measured on the
-    H200: ~10 ms of a 0.6B step's 31 ms of attention at M = 16 for 4 samples per row), and the per-layer
-    check's switch is not needed for rows built that way (+3% on the H200). Anything else: unchanged."""
+    `cudnn:M:nocheck`, M = max(2, max_runs): cuDNN's cost grows with M (B * M sequence slots), and the
+    per-layer check's switch is not needed for rows built that way (the measurements: benchmarks/RESULTS.md).
+    Anything else: unchanged."""
     if name != "auto" or max_runs is None or jax.default_backend() != "gpu":
         return name
     return f"cudnn:{max(2, int(max_runs))}:nocheck"
@@ -237,71 +210,6 @@ def resolve_backend(name: str) -> str:
         raise ValueError(f"attention backend {name!r} is unknown; expected one of auto, {', '.join(BACKENDS)}, "
                          "cudnn:M, cudnn:M:nocheck")
     return name
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class LayerKV:
-    """One layer's cache slice: k, v [B, S, K, H]."""
-
-    k: jax.Array
-    v: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StackedLayerKV:
-    """Every layer's cache k, v [L, B, S, K, H] and this layer's index (a KV backend for the decoder's scan).
-
-    With it the new tokens' k/v are scattered straight into the stacked cache (the scan carry, updated in place)
-    and attention reads layer ``layer`` of it, instead of the layer's slice being copied in as a scan input,
-    updated and copied out as a scan output: one pass over the cache per layer instead of about three. Same
-    values, same math. ``Decoder.hidden_states(..., cache_in_carry=True)`` uses it."""
-
-    k: jax.Array
-    v: jax.Array
-    layer: jax.Array  # int32 scalar
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "layer"],
-                   meta_fields=["block_size", "kernel"])
-@dataclasses.dataclass
-class PagedLayerKV:
-    """The serving runner's paged pool as a KV backend: every layer's k, v [L, N, K, H] (N = blocks * block_size
-    slots; token p of a row lives in slot ``block_table[p // bs] * bs + p % bs``) and this layer's index.
-
-    The layer writes its new tokens' k/v into its slice of the pool in place (the pool rides in the scan carry)
-    and attention reads the row's context straight from the pool through the block table: only this layer's
-    [B, S, K, H] is ever gathered (S = NB * bs, the table's width), never an [L, B, S, K, H] view. With
-    ``Decoder.hidden_states(cache=PagedKVCache(...))``. kernel: "gather" (that gather, then the attention
-    backend), "reduce" (one-token rows: the gather feeds `reduce_decode_attention`, multiply + reduce that XLA
-    may fuse the gather into, instead of dots) or "pallas" (one-token rows: `paged_decode.paged_decode_attention`
-    reads the blocks inside the kernel, over each row's real length; other rows, sliding windows and pools past
-    int32 offsets gather)."""
-
-    k: jax.Array
-    v: jax.Array
-    layer: jax.Array  # int32 scalar
-    block_size: int
-    kernel: str = "gather"
-
-    def write(self, k, v, slots) -> "PagedLayerKV":
-        """k, v [B, T, K, H] into this layer's pool slots [B, T] (a slot >= N is dropped: padding)."""
-        l = self.layer
-        return dataclasses.replace(self, k=self.k.at[l, slots].set(k.astype(self.k.dtype), mode="drop"),
-                                   v=self.v.at[l, slots].set(v.astype(self.v.dtype), mode="drop"))
-
-    def read(self, block_table, dtype) -> tuple[jax.Array, jax.Array]:
-        """block_table [B, NB] -> this layer's k, v [B, NB * bs, K, H] (view slot j = token position j)."""
-        L, N, K, H = self.k.shape
-        B, NB = block_table.shape
-        bs = self.block_size
-
-        def gather(pool):  # whole blocks: [B, NB, bs, K, H]
-            blocks = pool.reshape(L, N // bs, bs, K, H)[self.layer, block_table]
-            return blocks.reshape(B, NB * bs, K, H).astype(dtype)
-
-        return gather(self.k), gather(self.v)
 
 
 class Attention(nnx.Module):
@@ -321,14 +229,13 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x, cos, sin, segment_ids, positions, kv: LayerKV | None = None, kv_meta=None):
-        """x [B, T, D]; cos/sin [B, T, H]; segment_ids/positions [B, T].
+    def __call__(self, x, cos, sin, segment_ids, positions, kv: LayerKV | None = None,
+                 kv_meta: KVMeta | None = None):
+        """x [B, T, D]; cos/sin [B, T, H]; segment_ids/positions [B, T] -> (y [B, T, D], kv).
 
-        With a cache: `kv` holds this layer's k/v [B, S, K, H] (a `LayerKV`, or a `StackedLayerKV`: every layer's
-        plus this layer's index) and `kv_meta` = (write_slots [B, T], kv_segment_ids [B, S], kv_positions [B, S])
-        already updated for the new tokens; or a `PagedLayerKV` (the paged pool) and `kv_meta` = (pool slots
-        [B, T], block_table [B, NB], kv_segment_ids [B, S], kv_positions [B, S], lengths [B] after the new
-        tokens). Returns (y, kv) with the new tokens' k/v written.
+        Without a cache (kv None): self-attention over the packed rows. With one: `kv` is this layer's view of
+        the cache (any `LayerKV`) and `kv_meta` the call's metadata its cache made (`Cache.step`); the view
+        writes the new tokens' k/v and attends over the rows' context, and comes back updated.
         """
         B, T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
@@ -338,37 +245,19 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv is None:
-            kv_seg, kv_pos = segment_ids, positions
-        elif isinstance(kv, PagedLayerKV):
-            slots, block_table, kv_seg, kv_pos, lengths = kv_meta
-            kv = kv.write(k, v, slots)
-            if kv.kernel == "pallas" and kernel_applies(kv.k.shape, T, self.sliding_window):
-                out = paged_decode_attention(q[:, 0], kv.k, kv.v, kv.layer, block_table, lengths,
-                                             block_size=kv.block_size)  # [B, N, H]
-                return self.o_proj(out.reshape(B, T, N * H)), kv
-            if kv.kernel == "reduce" and T == 1:
-                k, v = kv.read(block_table, jnp.float32)
-                mask = attention_mask(segment_ids, kv_seg, positions, kv_pos, self.sliding_window)
-                out = reduce_decode_attention(q, k, v, mask, H ** -0.5)
-                return self.o_proj(out.reshape(B, T, N * H)), kv
-            k, v = kv.read(block_table, q.dtype)
-        elif isinstance(kv, StackedLayerKV):
-            slots, kv_seg, kv_pos = kv_meta
-            rows, l = jnp.arange(B)[:, None], kv.layer
-            kv = StackedLayerKV(kv.k.at[l, rows, slots].set(k.astype(kv.k.dtype)),
-                                kv.v.at[l, rows, slots].set(v.astype(kv.v.dtype)), l)
-            k, v = kv.k[l].astype(q.dtype), kv.v[l].astype(q.dtype)
-        else:
-            slots, kv_seg, kv_pos = kv_meta
-            rows = jnp.arange(B)[:, None]
-            kv = LayerKV(kv.k.at[rows, slots].set(k.astype(kv.k.dtype)), kv.v.at[rows, slots].set(v.astype(kv.v.dtype)))
-            k, v = kv.k.astype(q.dtype), kv.v.astype(q.dtype)
-        if kv is None and self.backend.startswith("cudnn"):
+        if kv is not None:
+            out, kv = kv.update_and_attend(q, k, v, kv_meta, self.attend_spec)
+        elif self.backend.startswith("cudnn"):
             m, check = cudnn_options(self.backend)
             out = cudnn_packed_attention(q, k, v, segment_ids, positions, H ** -0.5,
                                          sliding_window=self.sliding_window, max_segments=m, check=check)
         else:
-            mask = attention_mask(segment_ids, kv_seg, positions, kv_pos, self.sliding_window)
-            out = BACKENDS[self.backend.split(":")[0]](q, k, v, mask, H ** -0.5)  # [B, T, N, H]
+            mask = attention_mask(segment_ids, segment_ids, positions, positions, self.sliding_window)
+            out = self.attend_spec.dense(q, k, v, mask, H ** -0.5)  # [B, T, N, H]
         return self.o_proj(out.reshape(B, T, N * H)), kv
+
+    @property
+    def attend_spec(self) -> AttendSpec:
+        """The dense attention over a cache's context: this layer's backend (cuDNN with a dense mask, or xla),
+        scale and sliding window."""
+        return AttendSpec(BACKENDS[self.backend.split(":")[0]], self.head_dim ** -0.5, self.sliding_window)

@@ -8,8 +8,8 @@ difference stays a rounding difference (it cannot flip a sampled token and chang
     block_table [R, NB] (NB * block_size >= max(start) + K), pools k/v [L, N, K, H]
     -> (k_pool, v_pool, logits [R, K, V] fp32)
 
-paths: "reference" (the dense-view path of ``multi_step_decode`` with ``kv_in_place``: gather the rows' context
-into a [L, R, S, K, H] view, decode over it, scatter the K new k/v back) or a ``PagedKVCache`` kernel
+paths: "reference" (the dense-view path of ``reference_multi_step_decode`` with ``kv_in_place``: gather the rows'
+context into a [L, R, S, K, H] view, decode over it, scatter the K new k/v back) or a ``PagedKernel`` value
 ("gather", "reduce", "pallas": the path of ``multi_step_decode_paged``). The same model code as the runner's
 jitted calls; only the sampling and stopping around it is left out. The pools are not donated (the caller
 compares several paths from one pool).
@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from surojax.models.decoder import KVCache, PagedKVCache
-from surojax.models.layers.attention import PagedLayerKV
+from surojax.models.kv import KVCache, PagedKernel, PagedKVCache, PagedLayerKV
 from surojax.models.layers.rope import inv_freq, rope_cos_sin
 
 FORCED_PATHS = ("reference", "gather", "reduce", "pallas")
@@ -55,7 +54,7 @@ def forced_decode(graphdef, state, k_pool, v_pool, tokens, start, block_table, *
         cache = KVCache(k=k_pool[:, ctx_slots], v=v_pool[:, ctx_slots], segment_ids=valid.astype(jnp.int32),
                         positions=jnp.where(valid, j, 0).astype(jnp.int32), lengths=start)
     else:
-        cache = PagedKVCache(k_pool, v_pool, block_table, start, block_size, path)
+        cache = PagedKVCache(k_pool, v_pool, block_table, start, block_size, PagedKernel(path))
 
     def step(cache, xs):
         i, tok = xs
@@ -79,7 +78,8 @@ def forced_decode(graphdef, state, k_pool, v_pool, tokens, start, block_table, *
 def forced_attention(graphdef, state, x, k_pool, v_pool, block_table, lengths, layer, *, kernel: str,
                      block_size: int):
     """One layer's attention sublayer alone, through the paged pool: the layer's ``Attention`` module (its
-    ``PagedLayerKV`` dispatch: "gather", "reduce" or "pallas") on x [R, 1, D] as one new token per row at
+    ``PagedLayerKV``, read by the `PagedKernel` named "gather", "reduce" or "pallas") on x [R, 1, D] as one new
+    token per row at
     position lengths [R] (written to the pool first, then attended with the row's context).
     layer: int32 scalar. -> y [R, 1, D] fp32 (after o_proj). Isolates the attention: the check of a kernel
     without the rest of the network's rounding on top."""
@@ -89,8 +89,9 @@ def forced_attention(graphdef, state, x, k_pool, v_pool, block_table, lengths, l
     R = x.shape[0]
     seg = jnp.ones((R, 1), jnp.int32)
     pos = lengths.astype(jnp.int32)[:, None]
+    kernel = PagedKernel(kernel)
     cache = PagedKVCache(k_pool, v_pool, block_table.astype(jnp.int32), lengths.astype(jnp.int32), block_size, kernel)
-    kv_meta, _ = cache.step_meta(seg, pos)
+    kv_meta, _ = cache.step(seg, pos)
     cos, sin = rope_cos_sin(pos, inv_freq(model.cfg), x.dtype)
     kv = PagedLayerKV(k_pool, v_pool, jnp.asarray(layer, jnp.int32), block_size, kernel)
     y, _ = block.attn(x, cos, sin, seg, pos, kv, kv_meta)

@@ -1,7 +1,8 @@
-"""The teacher-forced decode checks (``serve/decode_check.py``: the model over forced tokens, and each layer's
+"""The teacher-forced decode checks (``benchmarks/decode_check.py``: the model over forced tokens, and each layer's
 attention alone): every real decode path PASSES against the fp32 reference (fp32 on CPU: the Pallas kernel in
 interpret mode; and in bf16, judged by the bf16 floor), and a wrong attention in the Pallas path (an
 off-by-one length: the new token not attended; an output off by 1%) FAILS."""
+import sys
 from pathlib import Path
 
 import jax
@@ -10,10 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import surojax.models.layers.attention as attention
-from surojax.serve.decode_check import attention_check, format_check, fp32_twin, teacher_forced_check
-from surojax.serve.forced_decode import forced_attention, forced_decode
+import surojax.models.kv.paged as paged
 from surojax.weights.hf_checkpoint import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from decode_check import attention_check, format_check, fp32_twin, teacher_forced_check  # noqa: E402
+from forced_decode import forced_attention, forced_decode  # noqa: E402
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
 BS, R, K, NB, NUM_BLOCKS = 4, 3, 3, 10, 40
@@ -71,7 +75,7 @@ def _one_percent(real):
 
 @pytest.mark.parametrize("wrong", [_off_by_one, _one_percent])
 def test_a_wrong_kernel_fails(setup, monkeypatch, wrong):
-    monkeypatch.setattr(attention, "paged_decode_attention", wrong(attention.paged_decode_attention))
+    monkeypatch.setattr(paged, "paged_decode_attention", wrong(paged.paged_decode_attention))
     _clear()  # trace again with the wrong kernel
     try:
         ref, pallas = teacher_forced_check(*setup, block_size=BS, paths=("pallas",))
@@ -96,7 +100,7 @@ def test_bf16_judged_by_its_noise_floor(setup, monkeypatch):
     args16 = (g16, s16, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
     ok = attention_check(*args16, start, table, block_size=BS, paths=("pallas",))[1]
     assert ok["pass"] and 1e-3 < ok["attn_noise"] < 5e-2, format_check(ok)
-    monkeypatch.setattr(attention, "paged_decode_attention", _off_by_one(attention.paged_decode_attention))
+    monkeypatch.setattr(paged, "paged_decode_attention", _off_by_one(paged.paged_decode_attention))
     _clear()
     try:
         bad = attention_check(*args16, start, table, block_size=BS, paths=("pallas",))[1]

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surojax.models.layers.paged_decode import (kernel_applies, max_pool_blocks, paged_decode_attention,
-                                                paged_decode_reference)
+from pallas_kernels.paged_decode import (kernel_applies, max_pool_blocks, paged_decode_attention,
+                                         paged_decode_reference)
 
 
 def _case(rng, L=3, nblk=40, bs=4, K=2, H=16, G=3, B=4, NB=10, dtype=jnp.float32):

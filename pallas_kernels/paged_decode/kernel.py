@@ -1,26 +1,22 @@
-"""Paged decode attention as a Pallas (Triton) kernel: one query token per row reads its k/v blocks straight
+"""The paged decode-attention Pallas (Triton) kernel: one query token per row reads its k/v blocks straight
 from the paged pool through the block table (flash-decoding: online softmax over blocks, each row's context
 split into P partitions per (row, kv head), merged afterwards). No [B, S, K, H] gather is materialised, and only
-each row's real blocks are read (a partition's loop stops at the row's length), not the S bucket's padding.
+each row's real blocks are read (a partition's loop stops at the row's length), not the table's padding.
 
-    q [B, N, H] (N = K * G), pools k/v [L, NBLK * bs, K, H] (the serving pool, every layer), layer [] int32,
-    block_table [B, NB], lengths [B] (positions to attend to, the new token's included) -> out [B, N, H]
+    q [B, N, H] (N = K * G), pools k/v [L, NBLK * bs, K, H], layer [] int32, block_table [B, NB],
+    lengths [B] -> out [B, N, H]
 
-On a non-GPU backend the same kernel runs in Pallas interpret mode (tests); `paged_decode_reference` is the
-pure-jnp definition it is checked against. Softmax in fp32, scale H ** -0.5, no sliding window. A row with
-length 0 (padding) gets zeros.
-
-Tuning knobs (keyword arguments of `paged_decode_attention`; the defaults are the module constants below, and
-benchmarks/paged_decode_sweep.py times a grid of them on the GPU):
+`paged_decode_pallas` takes every knob explicitly (no defaults, no validation: `api.paged_decode_attention` is
+the public entry). The knobs:
 
     blocks_per_iter  pool blocks read per loop iteration (bs * blocks_per_iter keys; a power of two on a GPU)
-    min_programs     split each row's context into partitions until the grid has about this many programs
+    partitions       P, partitions per (row, kv head)
     num_warps, num_stages   Triton's launch / software-pipelining parameters
     qk               "dot": the kv head's G query heads padded to MIN_QUERY_ROWS rows, scores and output by
                      tensor-core dots; "fma": the G rows alone, scores and output as elementwise products summed
                      over H and over the keys, one query head at a time (no MMA; k/v loaded an iteration ahead)
     split            "table": partition p covers the block table's p-th slice, whatever the row's length (with
-                     the S bucket's padding, the last partitions of a short row have nothing to do); "length":
+                     the table's padding, the last partitions of a short row have nothing to do); "length":
                      p covers the p-th of P equal shares of the row's real blocks
 """
 from __future__ import annotations
@@ -30,50 +26,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels.paged_decode.reference import MASKED as _MASKED
+
 MIN_QUERY_ROWS = 16  # Triton's dot wants >= 16 rows: a kv head's G query heads are padded to this
-# defaults: the best configuration of benchmarks/paged_decode_sweep.py on the H200 at every shape it timed
-# (R 1 / 16 / 64 x context 576 / 2048: 1.09-1.52x the previous dot / table / 4 blocks / 4 warps; 2026-11-29)
-BLOCKS_PER_ITER = 1  # pool blocks per loop iteration of a program (bs keys per iteration)
-MIN_PROGRAMS = 1024  # split each row's context until the grid has about this many programs (fills 132 SMs)
-NUM_WARPS = 1
-NUM_STAGES = 2
-QK = "fma"
-SPLIT = "length"
-QK_MODES = ("dot", "fma")
-SPLIT_MODES = ("table", "length")
-
-
-def kernel_applies(pool_shape, num_query_tokens: int, sliding_window) -> bool:
-    """The kernel serves one query token per row without a sliding window, over a pool whose element offsets fit
-    in int32 (Triton's pointer arithmetic here); anything else takes the gather path."""
-    n = 1
-    for d in pool_shape:
-        n *= d
-    return num_query_tokens == 1 and sliding_window is None and n < 2 ** 31
-
-
-def max_pool_blocks(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """The most KV blocks a pool may have for the kernel to apply (under 2^31 elements)."""
-    return (2 ** 31 - 1) // (num_layers * block_size * num_kv_heads * head_dim)
-
-
-def paged_decode_reference(q, k_pool, v_pool, layer, block_table, lengths, *, block_size: int):
-    """The definition: gather every row's blocks of `layer`, mask positions >= lengths, softmax in fp32."""
-    B, N, H = q.shape
-    L, NS, K, _ = k_pool.shape
-    NB = block_table.shape[1]
-    S = NB * block_size
-    slots = (block_table[:, :, None] * block_size + jnp.arange(block_size)[None, None, :]).reshape(B, S)
-    k = k_pool[layer][slots].astype(jnp.float32)  # [B, S, K, H]
-    v = v_pool[layer][slots].astype(jnp.float32)
-    qg = q.reshape(B, K, N // K, H).astype(jnp.float32)
-    scores = jnp.einsum("bkgh,bskh->bkgs", qg, k) * H ** -0.5
-    valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B, S]
-    scores = jnp.where(valid[:, None, None, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1) * jnp.any(valid, axis=1)[:, None, None, None]
-    return jnp.einsum("bkgs,bskh->bkgh", probs, v).reshape(B, N, H).astype(q.dtype)
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, l_ref, *, block_size: int, blocks_per_iter: int,
@@ -170,54 +127,17 @@ def _attend_fma(q_ref, k_ref, v_ref, table_ref, offset, n_iter, valid, it: int, 
     return jax.lax.fori_loop(0, n_iter, body, (load(0), init))[1]
 
 
-def _check_knobs(blocks_per_iter: int, min_programs: int, num_warps: int, num_stages: int, qk: str, split: str,
-                 block_size: int, interpret: bool) -> None:
-    """A bad tuning knob is an error that names it and what was expected."""
-    if qk not in QK_MODES:
-        raise ValueError(f"paged_decode_attention: qk={qk!r}, expected one of {QK_MODES}")
-    if split not in SPLIT_MODES:
-        raise ValueError(f"paged_decode_attention: split={split!r}, expected one of {SPLIT_MODES}")
-    for name, value in (("blocks_per_iter", blocks_per_iter), ("min_programs", min_programs),
-                        ("num_warps", num_warps), ("num_stages", num_stages)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"paged_decode_attention: {name}={value!r}, expected a positive int")
-    chunk = blocks_per_iter * block_size
-    if not interpret and chunk & (chunk - 1):
-        raise ValueError(f"paged_decode_attention: blocks_per_iter {blocks_per_iter} x block_size {block_size} = "
-                         f"{chunk} keys per iteration; Triton wants a power of two")
-
-
-def num_partitions(batch: int, kv_heads: int, table_blocks: int, *, blocks_per_iter: int = BLOCKS_PER_ITER,
-                   min_programs: int = MIN_PROGRAMS) -> int:
-    """P: enough partitions per (row, kv head) for about `min_programs` programs, at most one per
-    `blocks_per_iter` blocks of the table."""
-    return max(1, min(-(-min_programs // (batch * kv_heads)), -(-table_blocks // blocks_per_iter)))
-
-
-@functools.partial(jax.jit, static_argnames=("block_size", "partitions", "interpret", "blocks_per_iter",
-                                             "min_programs", "num_warps", "num_stages", "qk", "split"))
-def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, block_size: int,
-                           partitions: int | None = None, interpret: bool | None = None,
-                           blocks_per_iter: int = BLOCKS_PER_ITER, min_programs: int = MIN_PROGRAMS,
-                           num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, qk: str = QK,
-                           split: str = SPLIT):
-    """See the module docstring (the tuning knobs too). partitions: P (default `num_partitions`); interpret:
-    None = on any backend but GPU."""
+def paged_decode_pallas(q, k_pool, v_pool, layer, block_table, lengths, *, block_size: int, partitions: int,
+                        interpret: bool, blocks_per_iter: int, num_warps: int, num_stages: int, qk: str,
+                        split: str):
+    """The kernel over a grid (B, K, P), then the merge of the P partitions. Shapes: the module docstring."""
     B, N, H = q.shape
     L, NS, K, _ = k_pool.shape
     G = N // K
     bs = block_size
     nblk = NS // bs
-    if NS % bs or N % K:
-        raise ValueError(f"paged_decode_attention: pool slots {NS} must be a multiple of block_size {bs} and "
-                         f"query heads {N} of kv heads {K}")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    _check_knobs(blocks_per_iter, min_programs, num_warps, num_stages, qk, split, bs, interpret)
     NB = block_table.shape[1]
     it = blocks_per_iter
-    if partitions is None:
-        partitions = num_partitions(B, K, NB, blocks_per_iter=it, min_programs=min_programs)
     P = partitions
     table = block_table.astype(jnp.int32) + layer * nblk  # block ids in the [L * NBLK] view of the pool
     if split == "table":  # [B, P, NBp]: each partition's slice, NBp blocks, a multiple of the blocks per iteration
@@ -238,11 +158,7 @@ def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, bl
     qg = jnp.pad(q.reshape(B, K, G, H), ((0, 0), (0, 0), (0, gp - G), (0, 0)))
     kp, vp = k_pool.reshape(pool_view), v_pool.reshape(pool_view)
     kernel = functools.partial(_kernel, block_size=bs, blocks_per_iter=it, scale=H ** -0.5, qk=qk, split=split)
-    compiler_params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    compiler_params = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, K, P),
@@ -266,24 +182,4 @@ def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, bl
     return out[:, :, :G].reshape(B, N, H).astype(q.dtype)
 
 
-_prepared: set[str] = set()
-
-
-def prepare() -> None:
-    """Lower a tiny call once per backend before the first real trace. Pallas imports its lowering modules
-    lazily, on the first lowering, and they add jax config state: a jitted step traced before that would not
-    share its cache with one traced after (one more compile of every serving shape)."""
-    backend = jax.default_backend()
-    if backend in _prepared:
-        return
-    q = jax.ShapeDtypeStruct((1, 1, 16), jnp.float32)
-    pool = jax.ShapeDtypeStruct((1, 16, 1, 16), jnp.float32)
-    i32 = jnp.int32
-    jax.jit(functools.partial(paged_decode_attention, block_size=16)).lower(
-        q, pool, pool, jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((1, 1), i32),
-        jax.ShapeDtypeStruct((1,), i32))
-    _prepared.add(backend)
-
-
-__all__ = ["kernel_applies", "max_pool_blocks", "num_partitions", "paged_decode_attention", "paged_decode_reference",
-           "prepare"]
+__all__ = ["MIN_QUERY_ROWS", "paged_decode_pallas"]

@@ -187,3 +187,10 @@ def sample_batch(logits, rows: dict, mode: BatchMode):
         out["logprob"] = jnp.take_along_axis(logp, ids[:, None], axis=-1)[:, 0]
         out["top_logprobs"], out["top_ids"] = jax.lax.top_k(logp, MAX_TOP_LOGPROBS)
     return out
+
+
+def sample_last(model, h, last_idx, rows: dict, mode: BatchMode):
+    """h [R, T, D] hidden states of a decoder (`model.logits`) -> `sample_batch` of each row's token
+    last_idx [R] (its last real token; logits in fp32)."""
+    logits = model.logits(h[jnp.arange(h.shape[0]), last_idx][:, None])[:, 0]  # [R, V]
+    return sample_batch(logits, rows, mode)

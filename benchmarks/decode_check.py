@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.serve.forced_decode import forced_attention, forced_decode, pool_slots
+from forced_decode import forced_attention, forced_decode, pool_slots  # benchmarks/ is on sys.path
 
 DEFAULT_EPS = 1e-4  # relative; bf16's unit roundoff is 3.9e-3, fp32's 6e-8
 

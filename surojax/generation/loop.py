@@ -1,4 +1,5 @@
-"""Batched generation with a plain KV cache, for checks and demos (the serving engine pages its cache).
+"""Batched generation with a plain KV cache: training's generation eval, `surojax generate`, checks and demos
+(the serving engine pages its cache).
 
     prefill(prompts)  -> cache, logits of each row's last prompt token
     decode_one_token  -> one new token per row, appended to the cache
@@ -18,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.decoder import Decoder, KVCache
-from surojax.serve.sampling import sample
+from surojax.generation.sampling import sample
+from surojax.models.decoder import Decoder
+from surojax.models.kv import KVCache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -1,0 +1,146 @@
+"""The serving runner's paged KV pool as a cache the decoder reads and writes in place (no per-row dense view).
+
+    k, v [L, N, K, H]: every layer's pool, N = blocks * block_size slots shared by every row. Row b's token p
+    lives in slot ``block_table[b, p // bs] * bs + p % bs``.
+
+Each layer writes its new tokens' k/v into its slice of the pool (the pool rides in the layer loop's carry) and
+reads its rows' context through the block table; how it reads is the `PagedKernel`, decided once by whoever
+builds the cache (the serving engine):
+
+    GATHER  gather the layer's [B, NB * bs, K, H] context, then the attention backend (exact)
+    REDUCE  one-token rows: that gather feeds `reduce_decode_attention`, multiply + reduce that XLA may fuse
+            the gather into (equal up to float rounding); other rows gather
+    PALLAS  one-token rows: the Pallas paged decode-attention kernel (`pallas_kernels.paged_decode`) reads
+            each row's real blocks inside the kernel, online softmax (equal up to float rounding); other rows,
+            sliding windows and pools past int32 offsets gather
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_decode import kernel_applies, paged_decode_attention
+from surojax.models.kv.meta import MASKED, AttendSpec, PagedKVMeta
+
+
+class PagedKernel(enum.Enum):
+    """How decode attention reads the paged pool (see the module docstring)."""
+
+    GATHER = "gather"
+    REDUCE = "reduce"
+    PALLAS = "pallas"
+
+
+def reduce_decode_attention(q, k, v, mask, scale: float) -> jax.Array:
+    """One query token per row as multiply + reduce instead of dots: q [B, 1, N, H], k/v [B, S, K, H] (fp32),
+    mask [B, 1, S] -> [B, 1, N, H]. The math of a dot-product attention (probabilities kept in fp32), written so
+    that XLA can fuse a gather producing k/v into the two reductions (dots take materialised operands)."""
+    B, _, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, 1, K, N // K, H).astype(jnp.float32)  # [B, 1, K, G, H]
+    scores = jnp.sum(qg * k[:, :, :, None, :], axis=-1) * scale  # [B, S, K, G]
+    scores = jnp.where(mask[:, 0, :, None, None], scores, MASKED)
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [B, K, G, H]
+    return out.reshape(B, 1, N, H).astype(q.dtype)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "layer"],
+                   meta_fields=["block_size", "kernel"])
+@dataclasses.dataclass(frozen=True)
+class PagedLayerKV:
+    """The pool as one layer sees it: every layer's k, v [L, N, K, H] and this layer's index [] int32. Only this
+    layer's [B, S, K, H] is ever gathered (S = NB * bs), never an [L, B, S, K, H] view."""
+
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array
+    block_size: int
+    kernel: PagedKernel = PagedKernel.GATHER
+
+    def write(self, k, v, slots) -> "PagedLayerKV":
+        """k, v [B, T, K, H] into this layer's pool slots [B, T] (a slot >= N is dropped: padding)."""
+        l = self.layer
+        return dataclasses.replace(self, k=self.k.at[l, slots].set(k.astype(self.k.dtype), mode="drop"),
+                                   v=self.v.at[l, slots].set(v.astype(self.v.dtype), mode="drop"))
+
+    def read(self, block_table, dtype) -> tuple[jax.Array, jax.Array]:
+        """block_table [B, NB] -> this layer's k, v [B, NB * bs, K, H] (view slot j = token position j)."""
+        L, N, K, H = self.k.shape
+        B, NB = block_table.shape
+        bs = self.block_size
+
+        def gather(pool):  # whole blocks: [B, NB, bs, K, H]
+            blocks = pool.reshape(L, N // bs, bs, K, H)[self.layer, block_table]
+            return blocks.reshape(B, NB * bs, K, H).astype(dtype)
+
+        return gather(self.k), gather(self.v)
+
+    def update_and_attend(self, q, k, v, meta: PagedKVMeta, spec: AttendSpec) -> tuple[jax.Array, "PagedLayerKV"]:
+        """Write k/v [B, T, K, H] at meta.write_slots; attend q [B, T, N, H] over each row's blocks."""
+        kv = self.write(k, v, meta.write_slots)
+        T = q.shape[1]
+        if kv.kernel is PagedKernel.PALLAS and kernel_applies(kv.k.shape, T, spec.sliding_window):
+            out = paged_decode_attention(q[:, 0], kv.k, kv.v, kv.layer, meta.block_table, meta.lengths,
+                                         block_size=kv.block_size)  # [B, N, H]
+            return out[:, None], kv
+        if kv.kernel is PagedKernel.REDUCE and T == 1:
+            ck, cv = kv.read(meta.block_table, jnp.float32)
+            return reduce_decode_attention(q, ck, cv, meta.mask(spec.sliding_window), spec.scale), kv
+        ck, cv = kv.read(meta.block_table, q.dtype)
+        return spec.dense(q, ck, cv, meta.mask(spec.sliding_window), spec.scale), kv
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],
+                   meta_fields=["block_size", "kernel"])
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """The pool as the decoder drives it. k, v [L, N, K, H]; block_table [B, NB] (entries past a row's blocks
+    are ignored); lengths [B] = tokens of each row already in the pool. One sequence per row, positions 0, 1,
+    2 ... The new tokens (segment id > 0) are written at positions lengths .. lengths + T - 1, which must have
+    blocks in the table (NB * bs >= lengths + T); padding tokens (segment id 0) are not written and do not
+    count. Always carried by the layer loop (written in place)."""
+
+    k: jax.Array
+    v: jax.Array
+    block_table: jax.Array
+    lengths: jax.Array
+    block_size: int
+    kernel: PagedKernel = PagedKernel.GATHER
+
+    carry_only: ClassVar[bool] = True
+
+    def step(self, segment_ids, positions) -> tuple[PagedKVMeta, "PagedKVCache"]:
+        """segment_ids / positions [B, T] -> (their `PagedKVMeta`, this cache with lengths advanced past them).
+        The meta's context view has S = NB * bs slots, view slot j = token position j."""
+        B, T = segment_ids.shape
+        NB = self.block_table.shape[1]
+        bs, S, N = self.block_size, self.block_table.shape[1] * self.block_size, self.k.shape[1]
+        rows = jnp.arange(B)[:, None]
+        p = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T] positions = view slots
+        block = jnp.take_along_axis(self.block_table, jnp.minimum(p // bs, NB - 1), axis=1)
+        write = jnp.where((segment_ids > 0) & (p < S), block * bs + p % bs, N).astype(jnp.int32)
+        j = jnp.arange(S, dtype=jnp.int32)[None, :]
+        ctx = j < self.lengths[:, None]
+        kv_seg = ctx.astype(jnp.int32).at[rows, p].set(segment_ids, mode="drop")
+        kv_pos = jnp.where(ctx, j, 0).astype(jnp.int32).at[rows, p].set(positions, mode="drop")
+        lengths = self.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32)
+        meta = PagedKVMeta(segment_ids, positions, write, kv_seg, kv_pos, self.block_table, lengths)
+        return meta, dataclasses.replace(self, lengths=lengths)
+
+    def carried(self) -> PagedLayerKV:
+        return PagedLayerKV(self.k, self.v, jnp.int32(0), self.block_size, self.kernel)
+
+    def per_layer(self):
+        raise TypeError("PagedKVCache is carried by the layer loop (carry_only), never scanned per layer")
+
+    def with_kv(self, k, v) -> "PagedKVCache":
+        return dataclasses.replace(self, k=k, v=v)
+
+
+__all__ = ["PagedKVCache", "PagedKernel", "PagedLayerKV", "reduce_decode_attention"]

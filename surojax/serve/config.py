@@ -1,0 +1,138 @@
+"""Every serving setting and its default, once: `SchedulerConfig` (what the scheduler reads), `RunnerBuckets`
+(the runner's smallest shape buckets), `EngineConfig` (the engine: KV pool, KV path, loops) and `ServeConfig`
+(the HTTP server around it). The CLI (`surojax serve`, scripts/serve.py) fills a `ServeConfig`; `Engine`,
+`Scheduler` and the server take these typed values, never an argparse namespace. Imports nothing heavy (the CLI
+builds a config before loading JAX).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+DEFAULT_MAX_MODEL_LEN_CAP = 8192  # max_model_len None: the model's max_position_embeddings, at most this
+
+
+class KVPath(enum.Enum):
+    """How the runner's forward reads and writes the KV pool.
+
+    PAGED / REDUCE / PALLAS: the decoder reads and writes the pool in place through block tables
+    (`PagedKVCache`), decode attention by `PagedKernel` GATHER / REDUCE / PALLAS. REFERENCE: each call gathers the
+    rows' context into a dense view and scatters the new k/v back (`serve.kv_reference`). AUTO: PALLAS on a GPU
+    where the kernel applies, else PAGED (`Engine` decides once, `resolve_kv_path`)."""
+
+    AUTO = "auto"
+    PAGED = "paged"
+    REDUCE = "reduce"
+    PALLAS = "pallas"
+    REFERENCE = "reference"
+
+
+def _positive(owner: str, **values) -> None:
+    for name, value in values.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """max_num_seqs: sequences running at once; max_num_batched_tokens: tokens per step (prefill chunks with
+    the running decodes); max_model_len: longest prompt + completion (None: the model's
+    max_position_embeddings, at most DEFAULT_MAX_MODEL_LEN_CAP, resolved by `Engine`); chunk_size: longest
+    prefill chunk (None: max_num_batched_tokens); decode_steps K (a power of two): decode tokens per device
+    call when nothing waits (`multi_step`)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    chunk_size: int | None = None
+    decode_steps: int = 1
+
+    def __post_init__(self):
+        _positive("SchedulerConfig", max_num_seqs=self.max_num_seqs,
+                  max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                  chunk_size=self.chunk_size, decode_steps=self.decode_steps)
+        if self.decode_steps & (self.decode_steps - 1):
+            raise ValueError(f"decode_steps must be a power of two >= 1, got {self.decode_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerBuckets:
+    """The runner's smallest shape buckets: decode rows R, prefill rows R, context S and prefill length T (fewer
+    compilations, more padding)."""
+
+    min_rows: int = 1
+    min_prefill_rows: int = 1
+    min_context: int = 0
+    min_prefill: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """block_size: tokens per KV block; num_blocks: KV blocks (None: from free device memory,
+    `capacity.num_kv_blocks`, capped for the Pallas kernel's int32 offsets); memory_utilization: the share of
+    the device's memory the server may fill; enable_prefix_caching: reuse full blocks across requests; kv_path:
+    `KVPath`; kv_in_place (REFERENCE path only): the decoder updates the dense view in its layer scan's carry
+    instead of copying it in and out; unroll_layers: the layer loop inlined (longer compiles, same values)."""
+
+    scheduler: SchedulerConfig = SchedulerConfig()
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    kv_path: KVPath = KVPath.AUTO
+    kv_in_place: bool = True
+    unroll_layers: bool = False
+    buckets: RunnerBuckets = RunnerBuckets()
+
+    def __post_init__(self):
+        _positive("EngineConfig", block_size=self.block_size, num_blocks=self.num_blocks)
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"EngineConfig: memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if not isinstance(self.kv_path, KVPath):
+            raise TypeError(f"EngineConfig: kv_path must be a KVPath, got {self.kv_path!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraServeConfig:
+    """Runtime LoRA: `max_loras` adapter slots of rank <= `max_rank`; `modules`: (name, PEFT folder) loaded at
+    start."""
+
+    max_loras: int = 4
+    max_rank: int = 64
+    modules: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """The HTTP server. model: HF folder, surojax output folder or .gguf file; tokenizer: a folder (None: the
+    model's); dtype: "auto" (bfloat16 on GPU, float32 elsewhere), "float32" or "bfloat16"; attention: the
+    attention backend name; max_queue: waiting requests beyond max_num_seqs before 429; lora: None = no
+    adapters."""
+
+    model: str
+    engine: EngineConfig = EngineConfig()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    attention: str = "xla"
+    max_queue: int = 256
+    lora: LoraServeConfig | None = None
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"ServeConfig: dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if not 0 < self.port <= 65535:
+            raise ValueError(f"ServeConfig: port must be in 1 .. 65535, got {self.port}")
+
+
+def default_max_model_len(max_position_embeddings: int | None) -> int:
+    """max_model_len None: the model's limit, at most DEFAULT_MAX_MODEL_LEN_CAP (4096 where the model has none)."""
+    return min(max_position_embeddings or 4096, DEFAULT_MAX_MODEL_LEN_CAP)
+
+
+__all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "EngineConfig", "KVPath", "LoraServeConfig", "RunnerBuckets",
+           "SchedulerConfig", "ServeConfig", "default_max_model_len"]
