@@ -48,10 +48,15 @@ def write_data(path: Path, docs: int, words: int, seed: int = 0) -> Path:
 
 
 def base_folder(shape: str, work: Path) -> Path:
-    """A model folder of `shape` with random bf16 weights (built on the device, saved once)."""
+    """A model folder of `shape` with random bf16 weights (built on the device, saved once) by a child process:
+    this process must not hold a GPU client (it would keep the device memory the runs need)."""
     out = work / f"base-{shape}"
-    if (out / "config.json").is_file():
-        return out
+    if not (out / "config.json").is_file():
+        subprocess.run([sys.executable, __file__, "--make-base", shape, "--work", str(work)], cwd=ROOT, check=True)
+    return out
+
+
+def make_base(shape: str, out: Path) -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -69,7 +74,6 @@ def base_folder(shape: str, work: Path) -> Path:
     graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                                                         rngs=nnx.Rngs(0))))[0]
     save_model(nnx.merge(graphdef, init()), out, dtype=jnp.bfloat16)
-    return out
 
 
 def config(name: str, variant: str, work: Path, data: Path, steps: int, seq: int, smoke: bool) -> dict:
@@ -130,7 +134,11 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--work", default=os.environ.get("WORK", "/tmp/surojax-defaults"))
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--make-base", metavar="SHAPE", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.make_base:
+        make_base(a.make_base, Path(a.work) / f"base-{a.make_base}")
+        return 0
     if a.smoke:
         a.steps, a.skip, a.seq = 3, 1, 64
     work = Path(a.work)
