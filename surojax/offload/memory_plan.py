@@ -240,6 +240,9 @@ def format_plan(plan: MemoryPlan, capacity: int | None = None) -> str:
     if capacity is not None:
         verdict = "fits" if plan.fits(capacity) else "does NOT fit"
         lines.append(f"{'capacity':<{width}}  {capacity / GiB:8.2f}  ({verdict})")
+    if plan.settings.get("prefetch"):
+        lines.append("(offload_prefetch: a lower bound; the unrolled prefetching loop keeps more activations than "
+                     "modelled here, see benchmarks/RESULTS.md)")
     return "\n".join(lines)
 
 
