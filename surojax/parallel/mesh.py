@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -32,19 +31,13 @@ class MeshError(ValueError):
     is_user_error = True
 
 
-def _sizes_of(parallel: Mapping[str, Any] | Any | None) -> dict[str, int]:
-    """Read data/fsdp/tensor from a dict or an object with those attributes; a missing one is 1."""
-    if parallel is None:
-        raw = {}
-    elif isinstance(parallel, Mapping):
-        unknown = sorted(set(parallel) - set(MESH_AXES) - set(FUTURE_AXES))
-        if unknown:
-            raise MeshError(f"parallel has unknown key(s) {', '.join(map(repr, unknown))}; "
-                            f"mesh axes are {', '.join(MESH_AXES)}")
-        raw = dict(parallel)
-    else:
-        names = MESH_AXES + FUTURE_AXES
-        raw = {a: getattr(parallel, a) for a in names if getattr(parallel, a, None) is not None}
+def _sizes_of(parallel: Mapping[str, int] | None) -> dict[str, int]:
+    """Read data/fsdp/tensor from a mapping of axis sizes (`ParallelConfig.sizes()`); a missing one is 1."""
+    raw = dict(parallel or {})
+    unknown = sorted(set(raw) - set(MESH_AXES) - set(FUTURE_AXES))
+    if unknown:
+        raise MeshError(f"parallel has unknown key(s) {', '.join(map(repr, unknown))}; "
+                        f"mesh axes are {', '.join(MESH_AXES)}")
     for axis in FUTURE_AXES:
         if raw.get(axis, 1) not in (1, None):
             raise MeshError(f"parallel.{axis} = {raw[axis]!r}: {axis} parallelism is not implemented yet "
@@ -60,7 +53,7 @@ def _sizes_of(parallel: Mapping[str, Any] | Any | None) -> dict[str, int]:
     return sizes
 
 
-def mesh_shape(parallel: Mapping[str, Any] | Any | None, num_devices: int) -> dict[str, int]:
+def mesh_shape(parallel: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
     """{axis: size} for `num_devices` devices, with a -1 resolved. Pure arithmetic (no devices needed)."""
     sizes = _sizes_of(parallel)
     given = ", ".join(f"{a}={s}" for a, s in sizes.items())
@@ -79,7 +72,7 @@ def mesh_shape(parallel: Mapping[str, Any] | Any | None, num_devices: int) -> di
     return sizes
 
 
-def make_mesh(parallel: Mapping[str, Any] | Any | None = None, devices: Sequence[jax.Device] | None = None, *,
+def make_mesh(parallel: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None, *,
               axis_types: tuple[AxisType, ...] | None = None) -> Mesh:
     """A Mesh with axes ("data", "fsdp", "tensor") over `devices` (default: all devices of all processes).
 

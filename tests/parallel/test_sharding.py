@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import traceback
-from types import SimpleNamespace
 
 import pytest
 
@@ -39,11 +38,11 @@ def test_mesh_shape_resolves_minus_one():
     assert mesh_shape({"data": 2, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
     assert mesh_shape({"data": -1, "tensor": 2}, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
     assert mesh_shape({"fsdp": -1}, 8) == {"data": 1, "fsdp": 8, "tensor": 1}
-    assert mesh_shape(SimpleNamespace(data=1, fsdp=-1, tensor=4), 8) == {"data": 1, "fsdp": 2, "tensor": 4}
+    assert mesh_shape({"data": 1, "fsdp": -1, "tensor": 4}, 8) == {"data": 1, "fsdp": 2, "tensor": 4}
     assert mesh_shape(None, 1) == {"data": 1, "fsdp": 1, "tensor": 1}
     # the config's parallel section also names expert / stage (size 1 until those axes exist)
     assert mesh_shape({"data": -1, "fsdp": 2, "tensor": 1, "expert": 1, "stage": 1}, 8)["data"] == 4
-    assert mesh_shape(SimpleNamespace(data=-1, fsdp=1, tensor=2, expert=1, stage=1), 8)["data"] == 4
+    assert mesh_shape({"data": -1, "fsdp": 1, "tensor": 2, "expert": 1, "stage": 1}, 8)["data"] == 4
 
 
 @pytest.mark.parametrize("parallel, words", [
@@ -55,7 +54,7 @@ def test_mesh_shape_resolves_minus_one():
     ({"tensor": 2.0}, ["parallel.tensor"]),
     ({"tensr": 2}, ["'tensr'", "data, fsdp, tensor"]),
     ({"data": -1, "expert": 2}, ["parallel.expert", "not implemented"]),
-    (SimpleNamespace(data=-1, fsdp=1, tensor=1, expert=1, stage=2), ["parallel.stage", "not implemented"]),
+    ({"data": -1, "fsdp": 1, "tensor": 1, "expert": 1, "stage": 2}, ["parallel.stage", "not implemented"]),
 ])
 def test_mesh_shape_errors_name_values_and_device_count(parallel, words):
     with pytest.raises(MeshError) as err:
@@ -188,7 +187,7 @@ def check_make_mesh_on_8_devices():
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2} and mesh.devices.size == 8
     assert mesh.axis_names == ("data", "fsdp", "tensor")
     assert dict(make_mesh({"data": -1, "fsdp": 2, "tensor": 2}).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert dict(make_mesh(SimpleNamespace(data=1, fsdp=-1, tensor=2)).shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert dict(make_mesh({"data": 1, "fsdp": -1, "tensor": 2}).shape) == {"data": 1, "fsdp": 4, "tensor": 2}
     assert len({d.id for d in make_mesh({"fsdp": -1}).devices.flat}) == 8
     for bad in ({"data": 3, "fsdp": 2, "tensor": 2}, {"data": 4, "fsdp": 4}, {"data": -1, "fsdp": 3}):
         try:
