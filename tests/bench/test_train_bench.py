@@ -112,6 +112,8 @@ def test_bench_full_fine_tune_refuses_before_building_when_the_plan_does_not_fit
     bc = BenchConfig(shape="qwen3-8b", mode="full", batch=1, seq=2048, lmhead_chunks=4, recompute="full",
                      offload_optimizer=True)
     assert 75 * 2**30 < bench_plan(bc).total < 90 * 2**30  # the in-place update: ~82 GiB (docs/memory.md)
-    monkeypatch.setattr(memory_plan, "device_capacity", lambda: 60 * 2**30)
+    import surojax.train.build as build_module
+
+    monkeypatch.setattr(build_module, "device_capacity", lambda: 60 * 2**30)  # what build_run reads
     with pytest.raises(memory_plan.MemoryPlanError, match="offload_master: true"):
         build(bc)  # an 8B would take minutes to build on the CPU: the refusal comes first
