@@ -143,12 +143,16 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     for one device holding everything).
     """
     prepare_host_memory(spec.memory.host_memory)
-    enable_compilation_cache(mesh.devices.flat[0].platform)
+    cache_dir = enable_compilation_cache(mesh.devices.flat[0].platform)
     chunk = lm_chunk_tokens(spec.batch.rows * data_parallel_size(mesh), spec.batch.sequence_len,
                             spec.memory.lmhead_chunks)
     spec, choice = resolve_layer_loop(spec, chunk)
     mem, prec, plan = spec.memory, spec.precision, choice.plan
-    log.info("layer loop: %s", choice.reason)
+    reason = choice.reason
+    if mem.unroll is True or (not isinstance(mem.unroll, bool) and mem.unroll > 1):
+        reason += ("; unrolled layers compile longer the first time" +
+                   (f" (compiled programs are cached in {cache_dir})" if cache_dir else ""))
+    log.info("layer loop: %s", reason)
     if check_memory and mesh.shape["fsdp"] * mesh.shape["tensor"] == 1:
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
 
@@ -182,4 +186,4 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,
-               layer_loop_reason=choice.reason)
+               layer_loop_reason=reason)

@@ -122,6 +122,7 @@ class Trainer:
             self.num_params))
         self.lr_scale = 1.0  # the loss guard's multiplier of the scheduled learning rate
         self.stop_reason: str | None = None
+        self._compiled = False  # whether this process has run (compiled) the train step yet
 
         self.checkpointer = Checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"),
                                          keep=cfg.save_total_limit)
@@ -242,10 +243,15 @@ class Trainer:
                                      lr=0.0, gnorm=0.0, tps=0.0)
             while self.step_count < self.plan.total_steps:
                 try:
+                    compiles = self._compiled is False
                     m = self.step()
                 except StopIteration:
                     self.console.print("[yellow]the data ran out before max_steps; stopping[/]")
                     break
+                if compiles:
+                    self._compiled = True
+                    progress.console.print(f"first step {m['step_time']:.1f} s (compiling the step included)",
+                                           highlight=False)
                 if not math.isfinite(m["loss"]) and not cfg.auto_lr_reduction:
                     raise FloatingPointError(f"loss became {m['loss']} at step {self.step_count} (auto_lr_reduction: "
                                              "true skips such steps and lowers the learning rate)")
