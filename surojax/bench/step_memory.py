@@ -16,7 +16,27 @@ the program's structure (what grows with L) and an estimate, the H200 run is the
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from surojax.bench.shapes import model_config, shape_hf_config
+from surojax.bench.train_bench import BenchConfig, bench_spec, memory_plan
+from surojax.losses.lm import lm_chunk_tokens, lm_loss
+from surojax.models.config import ModelConfig
+from surojax.offload.optimizer import apply_master_updates, has_layerwise_state, host_state_shardings
+from surojax.offload.remat import layer_loop
+from surojax.parallel import make_mesh, param_shardings
+from surojax.train.model_setup import build_model, trainable_filter
+from surojax.train.optim import build_optimizer, lr_schedule
+from surojax.train.step import make_train_step
 
 GiB = 2 ** 30
 
@@ -24,22 +44,6 @@ GiB = 2 ** 30
 def abstract_step_args(bc, *, layers: int | None = None):
     """(step, args): train_bench's jitted step and ShapeDtypeStructs of (trainable, frozen, opt_state, batch, key)
     for BenchConfig `bc` (mode full; `layers` overrides the depth)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from surojax.bench.shapes import shape_hf_config
-    from surojax.bench.train_bench import bench_spec
-    from surojax.losses.lm import lm_chunk_tokens, lm_loss
-    from surojax.offload.optimizer import apply_master_updates, has_layerwise_state, host_state_shardings
-    from surojax.offload.remat import layer_loop
-    from surojax.parallel import make_mesh, param_shardings
-    from surojax.models.config import ModelConfig
-    from surojax.train.model_setup import build_model, trainable_filter
-    from surojax.train.optim import build_optimizer, lr_schedule
-    from surojax.train.step import make_train_step
-
     if bc.mode != "full":
         raise ValueError("step_memory: --mode full only (LoRA's streamed base is measured on the device)")
     spec = bench_spec(bc)
@@ -61,8 +65,6 @@ def abstract_step_args(bc, *, layers: int | None = None):
     if has_layerwise_state(abstract_state):
         state_sh = host_state_shardings(jax.tree.map(lambda _: replicated, abstract_state))
     else:
-        import optax
-
         state_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state, param_sh,
                                          transform_non_params=lambda _: replicated)
     opt_state = jax.tree.map(sds, abstract_state, state_sh)
@@ -90,9 +92,6 @@ def abstract_step_args(bc, *, layers: int | None = None):
 
 
 def _host_bytes(tree) -> int:
-    import jax
-    import numpy as np
-
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)
                    if getattr(x.sharding, "memory_kind", None) == "pinned_host"))
 
@@ -113,8 +112,6 @@ def step_memory(bc, *, layers: int | None = None) -> dict:
 
 def scaled(bc, *, depths=(2, 4)) -> dict:
     """step_memory at two reduced depths, extrapolated linearly to the shape's own depth (bytes per figure)."""
-    from surojax.bench.shapes import model_config
-
     a, b = (step_memory(dataclasses.replace(bc), layers=d) for d in depths)
     L = model_config(bc.shape).num_layers
     return {k: a[k] + (b[k] - a[k]) * (L - depths[0]) / (depths[1] - depths[0]) for k in a}
@@ -122,11 +119,6 @@ def scaled(bc, *, depths=(2, 4)) -> dict:
 
 def main(argv=None) -> int:
     """Print the compiled step's memory (scaled from two reduced depths) next to the memory plan, in GiB."""
-    import argparse
-    import json
-
-    from surojax.bench.train_bench import BenchConfig, memory_plan
-
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--depths", default="4,8", help="two reduced depths to compile at (default 4,8)")

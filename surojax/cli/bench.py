@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config != "train":
         load_config_args(args, check_paths=False)  # synthetic batches: the datasets need not exist
         return not_implemented("bench")
+    # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     from surojax.bench.train_bench import BenchConfig, main_json
     from surojax.models.layers.attention import resolve_backend
 

@@ -10,6 +10,7 @@ This module imports nothing heavy: `surojax --help` must stay fast.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ def is_user_error(exc: BaseException) -> bool:
 
 def print_error(message: str) -> None:
     """Each line of `message` as one red `error: ...` line on stderr (never wrapped, no markup parsing)."""
+    # lazy: rich only once an error is printed (cli/main.py imports this module for a fast `--help`)
     from rich.console import Console
     from rich.text import Text
 
@@ -74,6 +76,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, flag: bool = False)
 
 def load_config_args(args: argparse.Namespace, *, check_paths: bool = True) -> TrainConfig:
     """Load + validate the config named by add_config_arguments (and check the paths it points at)."""
+    # lazy: cli/main.py imports this module for `--help`, which must not import pydantic or jax
     from surojax.config import check_paths as _check_paths
     from surojax.config import load_config
 
@@ -84,6 +87,7 @@ def load_config_args(args: argparse.Namespace, *, check_paths: bool = True) -> T
 
 
 def print_summary(cfg: TrainConfig) -> None:
+    # lazy: cli/main.py imports this module for `--help`, which must not import pydantic or jax
     from surojax.config import summarize
 
     print("\n".join(summarize(cfg)))
@@ -111,8 +115,7 @@ def train_from_args(args: argparse.Namespace) -> int:
     """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`).
 
     A config with a `stages:` list runs its stages in order, all validated first (surojax/config/stages.py)."""
-    import logging
-
+    # lazy: cli/main.py imports this module for `--help`, which must not import pydantic or jax
     from surojax.config.stages import load_run
     from surojax.train.stages import run_stages
 

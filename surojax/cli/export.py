@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import add_config_arguments, load_config_args
+from surojax.cli.common import UsageError, add_config_arguments, load_config_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from surojax.cli.common import UsageError
+    # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     from surojax.train.checkpoints import Checkpointer
     from surojax.train.trainer import Trainer
 

@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     import jax.numpy as jnp
 
     from surojax.model_loader import load_model_ref

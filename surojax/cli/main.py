@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 
 from surojax.cli.common import EXIT_NOT_IMPLEMENTED, print_error, run_guarded
@@ -28,8 +29,6 @@ COMMANDS: dict[str, str] = {
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("surojax")
     except PackageNotFoundError:

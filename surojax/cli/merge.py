@@ -34,6 +34,7 @@ def adapter_dir(path: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     import jax.numpy as jnp
 
     from surojax.model_loader import load_model_ref

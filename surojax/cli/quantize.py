@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is not None and not (tokenizer / "tokenizer.json").is_file():
         raise UsageError(f"--tokenizer {tokenizer}: no tokenizer.json")
 
+    # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     import jax.numpy as jnp
 
     from surojax.model_loader import load_model_ref

@@ -106,6 +106,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     from surojax.serve.launch import serve
 
     return serve(serve_config(args))

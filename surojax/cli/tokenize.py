@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import add_config_arguments, load_config_args, positive_int
+from surojax.cli.common import UsageError, add_config_arguments, load_config_args, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     from rich.console import Console
 
     from surojax.data.debug import debug_print
@@ -24,8 +25,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config_args(args)
     source = cfg.tokenizer or cfg.model
     if source is None:
-        from surojax.cli.common import UsageError
-
         raise UsageError("the config names no tokenizer (set `tokenizer` or `model`)")
     tokenizer = Tokenizer.from_dir(resolve_local(source))
     data = build_data_from_config(cfg, tokenizer, batch_size=cfg.per_device_train_batch_size, seed=cfg.seed)

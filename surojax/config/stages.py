@@ -43,7 +43,9 @@ from pydantic import ValidationError
 from surojax.config.errors import ConfigError, ConfigProblem
 from surojax.config.explain import Loc, Positions, problems_from_validation_error
 from surojax.config.load import apply_overrides, load_config, parse_override, read_config_file
+from surojax.config.paths import check_paths
 from surojax.config.schema import TrainConfig
+from surojax.data.hub import ModelNotFoundError, resolve_local
 
 STAGE_KEYS = ("name", "overwrite_output_dir")
 # What a training run writes into its output_dir; overwrite_output_dir deletes these and nothing else.
@@ -203,8 +205,6 @@ def _output_dir_clashes(stages: list[Stage], positions: Positions | None) -> lis
 
 def _exists_or_cached(name: str, kind: str) -> str | None:
     """None when `name` is a local path or found in the HF cache, else the reason why not."""
-    from surojax.data.hub import ModelNotFoundError, resolve_local
-
     if Path(name).expanduser().exists():
         return None
     try:
@@ -229,8 +229,6 @@ def stage_path_problems(stage: Stage, produced: dict[Path, tuple[str, str]] | No
                         positions: Positions | None = None) -> list[ConfigProblem]:
     """Missing paths of one stage (`check_paths` plus eval_generation.path and a finished output_dir), except
     those that `produced` (export folder -> (stage name, kind), from earlier stages) will hold."""
-    from surojax.config.paths import check_paths
-
     cfg, produced = stage.config, produced or {}
     out: list[ConfigProblem] = []
     blank: dict[str, Any] = {}

@@ -17,6 +17,8 @@ import dataclasses
 import math
 from typing import Any
 
+from surojax.models.registry import family_for
+
 
 class ModelConfigError(ValueError):
     """A config.json that surojax cannot turn into a ModelConfig."""
@@ -93,8 +95,6 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a parsed config.json. The family's registry entry supplies the family flags."""
-        from surojax.models.registry import family_for
-
         family = family_for(hf.get("model_type"))
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in hf]
@@ -150,7 +150,6 @@ class ModelConfig:
         """A config.json dict that `transformers.AutoConfig` reads back into the same architecture."""
         dropped = ("architectures", "model_type", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
         out = {k: v for k, v in self.hf_extra.items() if k not in dropped}
-        from surojax.models.registry import family_for
 
         family = family_for(self.model_type)
         out.update(

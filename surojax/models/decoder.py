@@ -26,7 +26,6 @@ from surojax.models.layers.mlp import MLP
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import inv_freq, rope_cos_sin
-from surojax.offload.host_layers import contains_host_layers
 
 
 class Block(nnx.Module):
@@ -67,6 +66,18 @@ def on_device(layer_state):
         return x
 
     return jax.tree.map(fetch, layer_state)
+
+
+def check_stacked(layer_state) -> None:
+    """The scan over the layer stack slices every leaf of `layer_state` on its leading `layers` axis: every leaf
+    must be [L, ...] with one L. A state that is not (a base held as per-layer host buffers, offload_prefetch's
+    `HostLayers`: L arrays without the layers axis) needs a layer loop of its own (`remat.run_layers`)."""
+    leading = {tuple(jnp.shape(x))[:1] for x in jax.tree.leaves(layer_state)}
+    if len(leading) > 1:
+        raise ValueError(f"the layer weights are not stacked on one leading layers axis (leading sizes "
+                         f"{sorted(leading)}): the scan cannot run them. A base held as per-layer host buffers "
+                         f"(offload_prefetch) is read by a layer loop of its own only "
+                         f"(Decoder.hidden_states(remat=<an object with run_layers>), no KV cache)")
 
 
 def _stack_blocks(make: Callable[[jax.Array], Block], keys: jax.Array) -> Block:
@@ -124,9 +135,7 @@ class Decoder(nnx.Module):
             h = run_layers(apply_layer, h, layer_state, (cos, sin, segment_ids, positions), unroll=unroll)
             return self.final_norm(h), None
 
-        if contains_host_layers(layer_state):
-            raise ValueError("the base is held as per-layer host buffers (offload_prefetch): only the prefetching "
-                             "layer loop reads them (Decoder.hidden_states(remat=PrefetchedLayers()), no KV cache)")
+        check_stacked(layer_state)
 
         def body(h, xs):
             state_l, kv_l = xs

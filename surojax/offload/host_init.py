@@ -10,8 +10,8 @@ the device. The device never holds the streamed base.
 Values (throughput does not depend on them, only finiteness matters):
     norm scales 1; LoRA B 0 (as a fresh adapter); everything else uniform in +-[2^-7, 2^-6) (bf16: random
     sign and mantissa bits under a fixed exponent, no float arithmetic); a quantised weight: one layer of
-    `quant_base.random_weight` (random codes, sane scales; the one builder of random quantised weights), run on
-    the CPU backend. A stacked [L, ...] leaf repeats one random layer L times (cheap to build on the host; every
+    `quant.random_weights.random_weight` (random codes, sane scales; the one builder of random quantised weights),
+    run on the CPU backend. A stacked [L, ...] leaf repeats one random layer L times (cheap to build on the host; every
     layer still has its own memory and is streamed as such).
 """
 from __future__ import annotations
@@ -26,6 +26,9 @@ from flax import nnx
 
 from surojax.offload.host_layers import split_layers
 from surojax.offload.streaming import _on_host, build_context, host_memory_kind
+from surojax.parallel import param_shardings
+from surojax.quant.base import QuantFormat
+from surojax.quant.random_weights import random_weight
 
 
 def _random_layer(rng: np.random.Generator, shape, dtype) -> np.ndarray:
@@ -55,15 +58,13 @@ def random_leaf(rng: np.random.Generator, shape: tuple, dtype, *, stacked: bool,
 
 @functools.cache
 def _one_random_layer(fmt: str, k: int, n: int) -> Callable:
-    """jit of `quant_base.random_weight` for one layer ([1, ...] leaves) of a [K, N] weight in `fmt`."""
-    from surojax.bench.quant_base import random_weight
-
+    """jit of `random_weight` for one layer ([1, ...] leaves) of a [K, N] weight in `fmt`."""
     return jax.jit(lambda key: random_weight(fmt, k, n, key, (1,)))
 
 
 def random_quant_value(abstract, seed: int, index: int):
     """Host values of an abstract stacked quantised weight (a QuantFormat of [L, ...] leaves): one random layer
-    built by `quant_base.random_weight` on the CPU backend (key `fold_in(key(seed), index)`), repeated over the
+    built by `random_weight` on the CPU backend (key `fold_in(key(seed), index)`), repeated over the
     leading layers axis; numpy leaves."""
     k, n = abstract.shape
     with build_context(offload_base=True):  # the CPU backend (the default device when there is none)
@@ -77,9 +78,6 @@ def random_placed_model(make_model: Callable[[], nnx.Module], mesh, *, offload_b
     """`make_model()`'s structure (traced abstractly: nothing allocated) with random values built on the host and
     placed leaf by leaf: the stacked frozen base in pinned host memory when `offload_base` (as per-layer host
     buffers, `HostLayers`, with `per_layer`: offload_prefetch), the rest on the device by the parameter rules."""
-    from surojax.parallel import param_shardings
-    from surojax.quant.base import QuantFormat
-
     abstract = nnx.eval_shape(make_model)
     graphdef, state = nnx.split(abstract)
     shardings = nnx.to_flat_state(param_shardings(state, mesh))

@@ -37,7 +37,7 @@ def limit_for(ram_gb: int) -> int:
 
 
 def _backends_initialized() -> bool:
-    try:
+    try:  # lazy: this module imports no jax (it runs before the GPU client exists)
         from jax._src import xla_bridge
     except ImportError:  # pragma: no cover - a jax without the private module: assume the worst
         return True

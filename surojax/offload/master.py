@@ -15,13 +15,12 @@ import jax
 from flax import nnx
 
 from surojax.offload.streaming import STREAMED_SUBTREE, host_memory_kind
+from surojax.parallel import param_shardings
 
 
 def place_master_on_host(model: nnx.Module, mesh) -> nnx.Module:
     """Place a built model on `mesh` by the parameter rules (as `parallel.shard_model`), its Params under
     `layers` in pinned host memory (in place; returns the model)."""
-    from surojax.parallel import param_shardings
-
     state = nnx.state(model)
     kind = host_memory_kind(mesh.devices.flat[0])
     shardings = param_shardings(state, mesh)

@@ -65,6 +65,8 @@ import dataclasses
 import math
 from typing import Iterable
 
+import jax
+
 from surojax.offload.prefetch import PREFETCH_DEPTH
 
 GiB = 1024 ** 3
@@ -328,8 +330,6 @@ def check_fits(plan: MemoryPlan, capacity: int | None, options_hint: bool = True
 
 def device_capacity() -> int | None:
     """Bytes the first device's allocator may use (GPU), or None where the backend does not say (CPU)."""
-    import jax
-
     dev = jax.devices()[0]
     if dev.platform == "cpu":
         return None

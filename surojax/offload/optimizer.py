@@ -41,6 +41,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from surojax.offload.streaming import HOST_KIND, STREAMED_SUBTREE
@@ -280,8 +281,6 @@ def init_state_on_host(optimizer: optax.GradientTransformation, trainable, shard
     with its host sharding; every other leaf is placed as `shardings` says. A `master` (offload_master) is the
     layers of `trainable` themselves, copied leaf by leaf to host memory (kept as they are when already there,
     offload.master.place_master_on_host): they must be the fp32 values."""
-    import numpy as np
-
     layers, rest = _split(trainable)
     one_layer = jax.tree.map(lambda x: _on_device(x)[:1], layers)  # offload_master: layers may be on host
     small = jax.jit(optimizer.init)(_join(one_layer, rest, trainable))

@@ -21,6 +21,8 @@ from typing import Callable
 
 import jax
 
+from surojax.offload.prefetch import PrefetchedLayers
+
 POLICIES = ("none", "full", "dots", "offload")
 LAYER_INPUT = "layer_input"  # the checkpoint name the decoder's scan body gives each layer's input
 
@@ -48,6 +50,5 @@ def layer_loop(recompute: str, *, prefetch: bool = False, per_layer: bool = Fals
         return remat_wrapper(recompute)
     if recompute != "full":
         raise ValueError(f"offload_prefetch recomputes each layer whole: recompute must be full, not {recompute!r}")
-    from surojax.offload.prefetch import PrefetchedLayers
 
     return PrefetchedLayers(per_layer=per_layer)

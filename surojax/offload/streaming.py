@@ -36,6 +36,7 @@ import jax
 from flax import nnx
 
 from surojax.offload.host_layers import split_layers
+from surojax.parallel import param_shardings
 
 HOST_KIND = "pinned_host"
 DEVICE_KIND = "device"
@@ -128,8 +129,6 @@ def place_model(model: nnx.Module, mesh, *, offload_base: bool, per_layer: bool 
     """Place a built model on `mesh` by the parameter rules (as `parallel.shard_model`), the stacked base weights
     (and an untied embedding table) in host memory when `offload_base` (in place; returns the model); with
     `per_layer` (offload_prefetch) the stacked base as per-layer host buffers (`HostLayers`)."""
-    from surojax.parallel import param_shardings
-
     state = nnx.state(model)
     shardings = param_shardings(state, mesh)
     if offload_base:

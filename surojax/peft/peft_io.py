@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from surojax.models.registry import LINEAR_MODULES, LLAMA_STYLE_WEIGHTS, WeightRow
+from surojax.models.registry import LINEAR_MODULES, LLAMA_STYLE_WEIGHTS, WeightRow, weight_rows
 from surojax.peft.lora import lora_modules, lora_scaling, resolve_targets
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 
@@ -169,7 +169,6 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, base_model_name_or_path
         raise AdapterError(f"{out_dir}: exists and is not empty; choose another output folder (or overwrite=True)")
     adapter = adapter_of(model)
     if rows is None:
-        from surojax.models.registry import weight_rows
         rows = tuple(weight_rows(model.cfg))
     tensors = peft_tensors(adapter, rows, dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

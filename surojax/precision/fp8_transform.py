@@ -25,6 +25,8 @@ from flax import nnx
 
 from surojax.models.layers.linear import Linear, dot
 from surojax.models.layers.params import AXES
+from surojax.models.registry import LINEAR_MODULES
+from surojax.peft.lora import LoRALinear, _get, _set
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen
 from surojax.precision.fp8_scaling import E4M3, dequant_factor, quantize, scale_from_amax
 
@@ -97,9 +99,6 @@ def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int =
 
     frozen_base: the kernels are frozen (LoRA): quantise them once into `Fp8Weight`s (unless layers are skipped,
     which need the bf16 values). Raises ValueError for a kernel that is already quantised (qlora_* bases)."""
-    from surojax.models.registry import LINEAR_MODULES
-    from surojax.peft.lora import LoRALinear, _get, _set
-
     mask = fp8_layer_mask(model.cfg.num_layers, skip_first, skip_last)
     done = []
     for name, path in LINEAR_MODULES.items():

@@ -12,11 +12,16 @@ from __future__ import annotations
 import logging
 import sys
 
+import jax
+import jax.numpy as jnp
+
 from surojax.generation.loop import eos_ids
 from surojax.model_loader import load_model_ref
+from surojax.peft.multi_lora import AdapterSlots
 from surojax.serve.api_server import ServerState, build_app
 from surojax.serve.async_engine import AsyncEngine
 from surojax.serve.config import ServeConfig
+from surojax.serve.engine import Engine
 
 log = logging.getLogger("surojax.serve")
 
@@ -26,9 +31,6 @@ class ServeError(ValueError):
 
 
 def _dtype(name: str):
-    import jax
-    import jax.numpy as jnp
-
     if name == "auto":
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
@@ -44,8 +46,6 @@ def load_for_serving(config: ServeConfig):
 
 def build_server(config: ServeConfig, model=None, tokenizer=None):
     """-> (FastAPI app, ServerState); the engine thread is started. `model`/`tokenizer` skip loading."""
-    from surojax.serve.engine import Engine
-
     model_dir = None
     if model is None:
         model, tokenizer, model_dir, name = load_for_serving(config)
@@ -53,8 +53,6 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
         name = config.served_model_name or "model"
     lora = None
     if config.lora is not None:
-        from surojax.peft.multi_lora import AdapterSlots
-
         lora = AdapterSlots(model, max_loras=config.lora.max_loras, max_rank=config.lora.max_rank)
     engine = Engine(model, config.engine, tokenizer=tokenizer, lora=lora)
     for lname, lpath in config.lora.modules if config.lora is not None else ():

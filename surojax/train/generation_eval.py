@@ -24,7 +24,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from surojax.data.formats import FormatSpec, _messages, detect_type
+from surojax.data.pipeline import chat_template_text
+from surojax.data.sources import DataError, InvalidRowError, read_rows
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer
+from surojax.generation.loop import generate
 
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
@@ -96,8 +103,6 @@ def _spec_get(spec: Any, key: str, default: Any) -> Any:
 
 def example_from_row(row: Mapping, kind: str = "auto", spec: Any = None) -> EvalExample:
     """One dataset row -> EvalExample. `spec` carries the *_field names and system_prompt (config keys)."""
-    from surojax.data.formats import FormatSpec, _messages, detect_type
-
     fs = FormatSpec(**{f.name: _spec_get(spec, f.name, f.default) for f in dataclasses.fields(FormatSpec)})
     if kind == "auto":
         kind, _ = detect_type(row, fs)
@@ -126,8 +131,6 @@ def example_from_row(row: Mapping, kind: str = "auto", spec: Any = None) -> Eval
 def load_eval_examples(path: str | Path, *, type: str = "auto", samples: int | None = None, spec: Any = None,
                        split: str = "train", subset: str | None = None) -> list[EvalExample]:
     """Read a dataset (any format `surojax.data.sources` reads) into EvalExamples; errors name the row."""
-    from surojax.data.sources import DataError, InvalidRowError, read_rows
-
     out = []
     for where, row in read_rows(path, split=split, subset=subset, samples=samples):
         try:
@@ -167,8 +170,6 @@ def stop_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
 def generate_answers(model, tokenizer: Tokenizer, examples: Sequence[EvalExample], *, max_new_tokens: int = 64,
                      batch_size: int = 256, chat_template: str | None = None) -> list[str]:
     """Greedy answers (decoded without special tokens), in the order of `examples`."""
-    from surojax.generation.loop import generate
-
     prompts = [prompt_ids(tokenizer, ex, chat_template) for ex in examples]
     limit = getattr(model.cfg, "max_position_embeddings", None)
     if limit and max(len(p) for p in prompts) + max_new_tokens > limit:
@@ -216,7 +217,6 @@ class GenerationEval:
     def from_config(cls, cfg, tokenizer: Tokenizer) -> GenerationEval | None:
         if getattr(cfg, "eval_generation", None) is None:
             return None
-        from surojax.data.pipeline import chat_template_text
 
         return cls(cfg.eval_generation, tokenizer, chat_template_text(cfg.chat_template))
 
@@ -230,9 +230,6 @@ class GenerationEval:
 def report(before: GenerationEvalResult | None, after: GenerationEvalResult, *, path: str | Path | None = None,
            dataset: str | None = None, console=None) -> dict:
     """Print "accuracy before -> after" and the samples as rich tables; write them as JSON to `path`."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console(stderr=True)
     table = Table(title="generation eval: greedy answers, exact match", caption=dataset)
     table.add_column("examples", justify="right")

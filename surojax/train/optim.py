@@ -14,6 +14,10 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from surojax.offload.optimizer import clipped_layerwise, has_layerwise_state, host_state_shardings, init_state_on_host
+from surojax.train.optim_8bit import Blockwise8bit, adamw_8bit
 
 
 def lr_schedule(kind: str, lr: float, total_steps: int, warmup_steps: int = 0, final_lr_fraction: float = 0.0,
@@ -68,13 +72,11 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
     if name not in ("adamw", "adamw_8bit"):
         raise ValueError(f"optimizer {name!r} is not available yet (adamw, adamw_8bit)")
     if name == "adamw_8bit":  # moments blockwise-quantised to 8 bits (surojax/train/optim_8bit.py)
-        from surojax.train.optim_8bit import adamw_8bit
 
         inner = adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     else:
         inner = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     if offload_state or offload_master:  # the chain below, plus its in-place per-layer step update
-        from surojax.offload.optimizer import clipped_layerwise
 
         return clipped_layerwise(inner, offload=offload_state, master=offload_master, max_grad_norm=max_grad_norm)
     return optax.chain(*([optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []), inner)
@@ -83,10 +85,6 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
 def init_opt_state(optimizer, trainable, mesh):
     """Optimizer state placed like the parameters it mirrors (moments) or replicated (counts), created under
     jit, so a jitted step sees the same input shardings on every call and compiles once."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from surojax.train.optim_8bit import Blockwise8bit
-
     param_sh = jax.tree.map(lambda x: x.sharding, trainable)
     abstract = jax.eval_shape(optimizer.init, trainable)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -94,8 +92,6 @@ def init_opt_state(optimizer, trainable, mesh):
 
     def like_param(x, s):
         return jax.tree.map(lambda _: replicated, x) if is_8bit(x) else s
-
-    from surojax.offload.optimizer import has_layerwise_state, host_state_shardings, init_state_on_host
 
     if has_layerwise_state(abstract):  # offload_optimizer / _master: per-layer state [L, ...] built on the host
         shardings = host_state_shardings(jax.tree.map(lambda _: replicated, abstract))

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from surojax.config.lora import GGUF_MIXES, GGUF_TYPES as CONFIG_GGUF_TYPES
 from surojax.config.schema import TrainConfig
 from surojax.models.config import ModelConfig
-from surojax.weights.safetensors_file import WeightsError
+from surojax.quant import GGUF_TYPES
 from surojax.weights.model_ref import ModelRef, hf_config_of, resolve_model
+from surojax.weights.safetensors_file import WeightsError
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 RECIPES = ("fp32", "bf16", "fp8_hybrid")  # the recipes this build runs (nvfp4 is refused by the config check)
@@ -206,8 +207,6 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
 def quant_spec(cfg: TrainConfig) -> QuantSpec | None:
     """The quantised-base format asked by `qlora` (or its spellings qlora_bnb / qlora_fp8 / qlora_fp4 /
     qlora_gguf). Raises TrainSetupError for what cannot be done (yet)."""
-    from surojax.quant import GGUF_TYPES
-
     fmt = cfg.qlora
     if fmt is None:
         return None

@@ -20,7 +20,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from surojax.config.stages import OUTPUT_ARTIFACTS, Stage
+from surojax.train.generation_eval import GenerationEval, report
+from surojax.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +57,6 @@ def clear_output_dir(output_dir: str | Path) -> list[Path]:
 
 def run_stage(stage: Stage, *, console=None) -> StageResult:
     """One stage: (clear its output_dir) -> Trainer -> generation eval before -> train -> eval after."""
-    from surojax.train.generation_eval import GenerationEval, report
-    from surojax.train.trainer import Trainer
-
     cfg = stage.config
     t0 = time.perf_counter()
     if stage.overwrite_output_dir:
@@ -80,8 +82,6 @@ def run_stage(stage: Stage, *, console=None) -> StageResult:
 
 def run_stages(stages: Sequence[Stage], *, console=None) -> list[StageResult]:
     """Run the (already validated) stages in order; a multi-stage run ends with a table of all stages."""
-    from rich.console import Console
-
     console = console or Console(stderr=True)
     staged = any(s.index is not None for s in stages)
     t0 = time.perf_counter()
@@ -103,8 +103,6 @@ def _duration(seconds: float) -> str:
 
 
 def _print_summary(results: list[StageResult], seconds: float, console) -> None:
-    from rich.table import Table
-
     table = Table(title=f"{len(results)} stages in {_duration(seconds)}")
     table.add_column("stage", no_wrap=True)
     table.add_column("output", overflow="fold")

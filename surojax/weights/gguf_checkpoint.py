@@ -27,7 +27,9 @@ Embeddings, norms, biases and the LM head are dequantised to `param_dtype`.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -40,6 +42,12 @@ from flax import nnx
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.models.registry import weight_rows
+from surojax.quant import FORMATS, GGUF_TYPES
+from surojax.quant.base import QuantFormat
+from surojax.quant.gguf_mixed import GGUFMixed
+from surojax.quant.transform import QuantParam
+from surojax.weights.gguf_tokenizer import add_tokenizer, tokenizer_from_fields, tokenizer_metadata
+from surojax.weights.hf_checkpoint import load_model
 from surojax.weights.safetensors_file import WeightsError
 
 log = logging.getLogger(__name__)
@@ -99,8 +107,6 @@ def _permute_heads(cfg: ModelConfig, hf_name: str) -> int | None:
 
 def llama3_rope_factors(cfg: ModelConfig) -> np.ndarray:
     """rope_freqs.weight as convert_hf_to_gguf computes it for rope_type llama3 (float32 [H/2])."""
-    import math
-
     rs, dim = cfg.rope_scaling, cfg.head_dim
     freqs = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     low, high = rs.original_max_position_embeddings / rs.low_freq_factor, \
@@ -126,7 +132,6 @@ def _encode(w: np.ndarray, qtype: str):
         return np.ascontiguousarray(w, np.float32), None
     if qtype == "f16":
         return np.ascontiguousarray(w.astype(np.float16)), None
-    from surojax.quant import FORMATS
 
     data = np.asarray(FORMATS[qtype].quantize(w.T).data)  # the format quantises w.T's columns = w's rows
     return np.ascontiguousarray(data).view(np.uint8), gguf.GGMLQuantizationType[qtype.upper()]
@@ -153,8 +158,6 @@ def gguf_name(hf_name: str) -> str:
 def _stored_dtype(model_dir):
     """bfloat16 when config.json says the checkpoint is bf16 (loading it so is lossless and halves the memory),
     else float32."""
-    import json
-
     try:
         hf = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -174,8 +177,6 @@ def _hf_tensor_reader(model: Decoder):
     def get(hf_name: str) -> np.ndarray:
         row, i = rows[hf_name]
         value = flat[row.path].get_value()
-        from surojax.quant.base import QuantFormat
-
         if isinstance(value, QuantFormat):
             raise WeightsError(f"save_gguf: {row.path} is quantised ({value.name}); write the unquantised model "
                                "(merge the adapter into the HF base first)")
@@ -191,9 +192,8 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
     surojax.quant.quantize_mix.FILE_TYPES: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_m, q4_k_m,
     q5_k_m, q6_k), with the tokenizer of `tokenizer_dir` (default: the model folder). The file is written under a
     temporary name and renamed at the end."""
+    # lazy: quantize_mix needs the optional `gguf` package (absent from the GPU image); loading does not
     from surojax.quant.quantize_mix import FILE_TYPES, tensor_type
-    from surojax.weights.gguf_tokenizer import add_tokenizer, tokenizer_metadata
-    from surojax.weights.hf_checkpoint import load_model
 
     gguf = _gguf()
     if isinstance(model, (str, os.PathLike)):
@@ -325,8 +325,6 @@ def _llama3_from_factors(hf: dict, factors: np.ndarray, source: str) -> None:
     """Recover llama3 rope_scaling parameters from rope_freqs.weight: the factor is its largest value; the
     wavelength band gives low/high factors relative to original_max_position_embeddings. We search the usual
     Llama 3 settings and accept the one that reproduces the factors."""
-    from surojax.models.config import ModelConfig
-
     factor = float(np.max(factors))
     for orig in (8192, 4096, 2048, 32, 16384, 32768):
         for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
@@ -361,8 +359,6 @@ def _dequantize(t, source: str) -> np.ndarray:
 
 def _quant_format(t, source: str):
     """A 2-D quantised reader tensor -> the surojax.quant GGUF format holding its bytes (layout [K, N] logical)."""
-    from surojax.quant import GGUF_TYPES
-
     cls = GGUF_TYPES.get(t.tensor_type.name.lower())
     if cls is None:
         return None
@@ -373,9 +369,6 @@ def _quant_format(t, source: str):
 def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, keep_quantized: bool = True,
                     attention: str = "auto", cfg: ModelConfig | None = None):
     """Load a llama.cpp GGUF file -> (ModelConfig, Decoder, Tokenizer). See the module docstring."""
-    from surojax.quant.transform import QuantParam
-    from surojax.weights.gguf_tokenizer import tokenizer_from_fields
-
     reader, fields, source = _open(path)
     by_name = {t.name: t for t in reader.tensors}
     hf = _hf_config(reader, fields, source)
@@ -446,8 +439,6 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                                                    shape=per_layer[0].shape)
                 continue
             if quant:  # per-layer types differ (llama.cpp's *_K_M mixes): one padded pytree, still quantised
-                from surojax.quant.gguf_mixed import GGUFMixed
-
                 values[spath] = GGUFMixed.from_layers(per_layer)
                 log.info("%s: %s has per-layer types %s (kept as gguf_mixed)", source, spath,
                          sorted(t.name for t in types))
@@ -461,8 +452,6 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
             arrs.append(a.T if row.transpose else a)
         value = np.stack(arrs) if row.per_layer else arrs[0]
         values[spath] = jnp.asarray(value.astype(np_dtype))
-
-    from surojax.quant.base import QuantFormat
 
     def fill(p, var):
         key = ".".join(map(str, p))
@@ -498,8 +487,6 @@ def read_gguf_hf_config(path) -> dict:
 
 def load_gguf_tokenizer(path):
     """The tokenizer of a GGUF file, rebuilt from its tokenizer.ggml.* metadata."""
-    from surojax.weights.gguf_tokenizer import tokenizer_from_fields
-
     _, fields, source = _open(path)
     return tokenizer_from_fields(fields, source)
 

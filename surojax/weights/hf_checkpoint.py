@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from surojax.data.hub import resolve_local
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.registry import WeightRow, weight_rows
@@ -107,8 +108,6 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: same as dtype).
     """
-    from surojax.data.hub import resolve_local
-
     model_dir = Path(resolve_local(str(model_dir)))
     cfg = cfg or read_config(model_dir)
     param_dtype = param_dtype or dtype

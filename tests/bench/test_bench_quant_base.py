@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surojax.bench.quant_base import random_weight
 from surojax.bench.train_bench import BenchConfig
+from surojax.quant.random_weights import random_weight
 from bench.test_train_bench import bench
 
 
@@ -41,7 +41,8 @@ def test_cli_choices_are_the_lists_the_bench_checks():
     import argparse
 
     from surojax.quant import FUSED_KERNEL_FORMATS
-    from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS, RANDOM_FORMATS
+    from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS
+    from surojax.quant.random_weights import RANDOM_FORMATS
     from surojax.bench.shapes import SHAPES
     from surojax.cli.bench import add_arguments
 

@@ -1,5 +1,5 @@
 """`offload/host_init.random_placed_model` (the benchmarks' host-built weights) over a random quantised base: the
-base comes from `bench.quant_base.random_weight` (the one builder of random quantised weights), one layer
+base comes from `quant.random_weights.random_weight` (the one builder of random quantised weights), one layer
 repeated over L, placed in pinned host memory when streamed; the streamed run equals its host-built resident
 pair (same weights)."""
 import jax
@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surojax.bench.quant_base import random_weight
 from surojax.bench.train_bench import BenchConfig, build, run
 from surojax.offload.host_init import random_quant_value
 from surojax.offload.streaming import HOST_KIND
 from surojax.quant.base import QuantFormat
+from surojax.quant.random_weights import random_weight
 
 SMALL = dict(shape="debug", seq=128, min_segment=16, batch=2, steps=1, repeats=1, warmup=1, recompute="full")
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.quant_matmul.kernel import Tiles, forward, transposed
-from surojax.bench.quant_base import random_weight
+from surojax.quant.random_weights import random_weight
 
 H200 = jax.sharding.AbstractMesh(
     (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
 from surojax.models.config import ModelConfig
 from surojax.models.kv import MASKED as _MASKED
@@ -132,8 +133,6 @@ def packing_is_canonical(segment_ids: jax.Array, positions: jax.Array) -> jax.Ar
 
 def _cudnn_fused(q, k, v, lengths, offsets, *, scale: float, causal_only: bool, sliding_window: int | None):
     """jax's cuDNN flash attention, BTNH layout, GQA as is. lengths/offsets None: plain causal rows."""
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
-
     if causal_only:
         return dot_product_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL, qkv_layout="BTNH",
                                      sliding_window_length=sliding_window)
