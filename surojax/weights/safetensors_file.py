@@ -134,6 +134,8 @@ def _explain(path: Path, refusal: str) -> str:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return f"{path}: corrupt safetensors header ({e})"
+    except RecursionError:
+        return f"{path}: corrupt safetensors header (JSON nested deeper than the parser allows)"
     if not isinstance(header, dict):
         return f"{path}: corrupt safetensors header (not a JSON object)"
     header.pop("__metadata__", None)
