@@ -340,8 +340,9 @@ def _llama3_from_factors(hf: dict, factors: np.ndarray, source: str) -> None:
     Llama 3 settings and accept the one that reproduces the factors."""
     half = hf["head_dim"] // 2
     if factors.shape != (half,) or not np.all(np.isfinite(factors)):
+        finite = "" if np.all(np.isfinite(factors)) else " with non-finite values"
         raise GGUFError(f"{source}: tensor {ROPE_FREQS}: expected {half} finite factors (head_dim / 2), found "
-                        f"shape {list(factors.shape)}{'' if np.all(np.isfinite(factors)) else ' with non-finite values'}")
+                        f"shape {list(factors.shape)}{finite}")
     factor = float(np.max(factors))
     for orig in (8192, 4096, 2048, 32, 16384, 32768):
         for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):

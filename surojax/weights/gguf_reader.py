@@ -1,6 +1,6 @@
 """A GGUF file's header and tensor table, parsed and checked against the file's size before anything is allocated.
 
-    gf = read_gguf("model.gguf")       # GGUFError on anything malformed (message: file, key / tensor, expected vs found)
+    gf = read_gguf("model.gguf")       # GGUFError on anything malformed (file, key / tensor, expected vs found)
     gf.fields["general.architecture"]  # key -> Python value (int, float, bool, str, or a list of those)
     t = gf.tensors[0]; t.name, t.tensor_type, t.shape, t.data   # shape in GGUF `ne` order; data a read-only view
 
@@ -101,8 +101,8 @@ class _Cursor:
         self.buf, self.size, self.source, self.pos = buf, size, source, 0
 
     def fail(self, what: str, expected: str, found: str):
-        raise GGUFError(f"{self.source}: not a readable GGUF file: {what}: expected {expected}, found {found} (at byte {self.pos} of "
-                        f"{self.size})")
+        raise GGUFError(f"{self.source}: not a readable GGUF file: {what}: expected {expected}, found {found} "
+                        f"(at byte {self.pos} of {self.size})")
 
     def left(self) -> int:
         return self.size - self.pos
@@ -172,8 +172,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         raise GGUFError(f"{source}: GGUF file not found")
     size = path.stat().st_size
     if size < 24:
-        raise GGUFError(f"{source}: not a readable GGUF file: expected a header of at least 24 bytes, found a file of {size} "
-                        "bytes (truncated?)")
+        raise GGUFError(f"{source}: not a readable GGUF file: expected a header of at least 24 bytes, found a "
+                        f"file of {size} bytes (truncated?)")
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     cur = _Cursor(buf, size, source)
@@ -251,8 +251,8 @@ def _check_tensors(infos, buf, size: int, data_offset: int, alignment: int, sour
     by_begin = sorted(tensors, key=lambda t: (t.begin, t.nbytes))
     for a, b in zip(by_begin, by_begin[1:]):
         if b.begin < a.begin + a.nbytes:
-            raise GGUFError(f"{source}: not a readable GGUF file: tensor {b.name!r} starts at byte {b.begin}, inside tensor {a.name!r} "
-                            f"(bytes {a.begin}..{a.begin + a.nbytes}): expected tensors not to overlap")
+            raise GGUFError(f"{source}: not a readable GGUF file: tensor {b.name!r} starts at byte {b.begin}, "
+                            f"inside tensor {a.name!r} (bytes {a.begin}..{a.begin + a.nbytes}): expected tensors not to overlap")
     return tensors
 
 
