@@ -73,8 +73,9 @@ def _added_token(value: Any, special: bool = True) -> tokenizers.AddedToken:
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"cannot read {path}: {e}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise TokenizerError(f"cannot read {path}: expected a UTF-8 JSON object, found {type(e).__name__}: {e}"
+                             ) from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{path} must hold a JSON object, found {type(data).__name__}")
     return data

@@ -28,6 +28,7 @@ import numpy as np
 
 from surojax.models.registry import LINEAR_MODULES, LLAMA_STYLE_WEIGHTS, WeightRow, weight_rows
 from surojax.peft.lora import lora_modules, lora_scaling, resolve_targets
+from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 
 CONFIG_FILE = "adapter_config.json"
@@ -214,12 +215,7 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
     path = Path(adapter_dir) / CONFIG_FILE
     if not path.is_file():
         raise AdapterError(f"{adapter_dir}: no {CONFIG_FILE} (expected a PEFT adapter folder)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise AdapterError(f"{path}: expected a JSON object")
+    cfg = read_json_object(path, AdapterError)
     if cfg.get("peft_type") != "LORA":
         raise AdapterError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
     bad = [f"{k}={cfg[k]!r}" for k, ok in _NEUTRAL.items() if k in cfg and cfg[k] not in ok]
@@ -229,8 +225,9 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
     try:
         rank = int(cfg["r"])
         alpha = float(cfg["lora_alpha"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise AdapterError(f"{path}: needs numeric r and lora_alpha ({e!r})") from None
+        dropout = float(cfg.get("lora_dropout") or 0.0)
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise AdapterError(f"{path}: needs numeric r and lora_alpha (and lora_dropout), found {e!r}") from None
     if rank <= 0:
         raise AdapterError(f"{path}: r must be positive, got {rank}")
     tm = cfg.get("target_modules")
@@ -243,7 +240,7 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
                                f"{', '.join(LINEAR_MODULES)})")
         targets = resolve_targets(known) if known else ()
     # A regex string (or anything else): the tensors decide which modules carry an adapter.
-    spec = LoraSpec(rank=rank, alpha=alpha, targets=targets, dropout=float(cfg.get("lora_dropout") or 0.0),
+    spec = LoraSpec(rank=rank, alpha=alpha, targets=targets, dropout=dropout,
                     use_rslora=bool(cfg.get("use_rslora", False)))
     return cfg, spec
 

@@ -1,5 +1,5 @@
 """A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 architectures), through the `gguf` package's
-GGUFWriter / GGUFReader.
+GGUFWriter and our checked reader (surojax.weights.gguf_reader: every count and offset bounded by the file size).
 
     save_gguf(model_or_hf_dir, "out.gguf", "q4_k_m", tokenizer_dir=...)       # what `surojax quantize` runs
     cfg, model, tokenizer = load_gguf_model("model.gguf", dtype=jnp.bfloat16)  # the training base
@@ -39,13 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.config import ModelConfig
+from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.registry import weight_rows
 from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.quant.base import QuantFormat
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
+from surojax.weights.gguf_reader import GGUFError, GGUFFile, read_gguf
 from surojax.weights.gguf_tokenizer import add_tokenizer, tokenizer_from_fields, tokenizer_metadata
 from surojax.weights.hf_checkpoint import load_model
 from surojax.weights.safetensors_file import WeightsError
@@ -269,55 +270,67 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
-def _fields(reader) -> dict:
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            out[key] = field.contents()
-        except Exception:  # a field type the reader cannot turn into Python: not one we need
-            continue
-    return out
+def _typed(fields: dict, key: str, kind: type, source: str, default=None):
+    """fields[key] checked to be a `kind` (int: a non-negative integer; float: any number; str), else a GGUFError
+    naming the key; `default` when absent (None: the key is required)."""
+    if key not in fields:
+        if default is None:
+            raise GGUFError(f"{source}: metadata key {key} is missing")
+        return default
+    v = fields[key]
+    ok = {int: type(v) is int and v >= 0, float: type(v) in (int, float), str: type(v) is str}[kind]
+    if not ok:
+        want = {int: "a non-negative integer", float: "a number", str: "a string"}[kind]
+        raise GGUFError(f"{source}: metadata key {key}: expected {want}, found {type(v).__name__} {_short(v)}")
+    return kind(v)
 
 
-def hf_config_from_gguf(fields: dict, source: str) -> dict:
-    """The config.json dict (HF keys) that the GGUF metadata describes."""
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None) -> dict:
+    """The config.json dict (HF keys) that the GGUF metadata describes. Every value is type-checked (GGUFError
+    naming the key); `n_tensors` (the file's tensor count), when given, bounds the block count."""
     arch = fields.get("general.architecture")
-    model_type = {v: k for k, v in ARCHS.items()}.get(arch)
+    model_type = {v: k for k, v in ARCHS.items()}.get(arch) if isinstance(arch, str) else None
     if model_type is None:
-        raise WeightsError(f"{source}: general.architecture is {arch!r}; loadable GGUF architectures: "
-                           f"{', '.join(ARCHS.values())}")
+        raise GGUFError(f"{source}: general.architecture: expected one of {', '.join(ARCHS.values())}, found "
+                        f"{_short(arch)}")
 
-    def get(key, default=None, required=True):
-        full = f"{arch}.{key}"
-        if full not in fields:
-            if required and default is None:
-                raise WeightsError(f"{source}: metadata key {full} is missing")
-            return default
-        return fields[full]
+    def get(key, kind=int, default=None):
+        return _typed(fields, f"{arch}.{key}", kind, source, default)
 
-    n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or [])
+    n_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    if n_heads == 0 or hidden == 0:
+        raise GGUFError(f"{source}: {arch}.attention.head_count and {arch}.embedding_length: expected positive "
+                        f"values, found {n_heads} and {hidden}")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size", default=0) or (len(tokens) if isinstance(tokens, list) else 0)
     if not vocab:
-        raise WeightsError(f"{source}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocab size")
-    hf = {"model_type": model_type, "vocab_size": int(vocab), "hidden_size": hidden,
-          "intermediate_size": int(get("feed_forward_length")), "num_hidden_layers": int(get("block_count")),
-          "num_attention_heads": n_heads, "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
-          "head_dim": int(get("attention.key_length", hidden // n_heads)),
-          "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-          "rope_theta": float(get("rope.freq_base", 10000.0)),
-          "max_position_embeddings": int(get("context_length", 4096))}
-    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+        raise GGUFError(f"{source}: neither {arch}.vocab_size nor tokenizer.ggml.tokens gives the vocab size")
+    layers = get("block_count")
+    if n_tensors is not None and layers > n_tensors:
+        raise GGUFError(f"{source}: {arch}.block_count: expected at most the file's {n_tensors} tensors, "
+                        f"found {layers}")
+    hf = {"model_type": model_type, "vocab_size": vocab, "hidden_size": hidden,
+          "intermediate_size": get("feed_forward_length"), "num_hidden_layers": layers,
+          "num_attention_heads": n_heads, "num_key_value_heads": get("attention.head_count_kv", default=n_heads),
+          "head_dim": get("attention.key_length", default=hidden // n_heads),
+          "rms_norm_eps": get("attention.layer_norm_rms_epsilon", float, 1e-6),
+          "rope_theta": get("rope.freq_base", float, 10000.0),
+          "max_position_embeddings": get("context_length", default=4096)}
+    scaling = get("rope.scaling.type", str, "none")
     if scaling == "linear":
-        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
     elif scaling != "none":
-        raise WeightsError(f"{source}: {arch}.rope.scaling.type {scaling!r} is not supported (none, linear, and "
-                           "Llama 3 scaling through rope_freqs.weight)")
+        raise GGUFError(f"{source}: {arch}.rope.scaling.type: expected none or linear (Llama 3 scaling comes "
+                        f"through rope_freqs.weight), found {scaling!r}")
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
         if f"tokenizer.ggml.{name}_token_id" in fields:
-            hf[key] = int(fields[f"tokenizer.ggml.{name}_token_id"])
+            hf[key] = _typed(fields, f"tokenizer.ggml.{name}_token_id", int, source)
     return hf
 
 
@@ -325,21 +338,30 @@ def _llama3_from_factors(hf: dict, factors: np.ndarray, source: str) -> None:
     """Recover llama3 rope_scaling parameters from rope_freqs.weight: the factor is its largest value; the
     wavelength band gives low/high factors relative to original_max_position_embeddings. We search the usual
     Llama 3 settings and accept the one that reproduces the factors."""
+    half = hf["head_dim"] // 2
+    if factors.shape != (half,) or not np.all(np.isfinite(factors)):
+        finite = "" if np.all(np.isfinite(factors)) else " with non-finite values"
+        raise GGUFError(f"{source}: tensor {ROPE_FREQS}: expected {half} finite factors (head_dim / 2), found "
+                        f"shape {list(factors.shape)}{finite}")
     factor = float(np.max(factors))
     for orig in (8192, 4096, 2048, 32, 16384, 32768):
         for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
             rs = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                   "original_max_position_embeddings": orig}
-            cfg = ModelConfig.from_hf({**hf, "rope_scaling": rs})
+            try:
+                cfg = ModelConfig.from_hf({**hf, "rope_scaling": rs})
+            except ModelConfigError as e:
+                raise GGUFError(f"{source}: the metadata does not make a valid model config: {e}") from None
             if np.allclose(llama3_rope_factors(cfg), factors, rtol=1e-6, atol=0):
                 hf["rope_scaling"] = rs
                 return
-    raise WeightsError(f"{source}: rope_freqs.weight does not match a Llama 3 rope scaling surojax can express")
+    raise GGUFError(f"{source}: tensor {ROPE_FREQS}: expected the factors of a Llama 3 rope scaling surojax can "
+                    "express, found others")
 
 
-def _hf_config(reader, fields: dict, source: str) -> dict:
+def _hf_config(reader: GGUFFile, fields: dict, source: str) -> dict:
     by_name = {t.name: t for t in reader.tensors}
-    hf = hf_config_from_gguf(fields, source)
+    hf = hf_config_from_gguf(fields, source, n_tensors=len(reader.tensors))
     if ROPE_FREQS in by_name:
         _llama3_from_factors(hf, _dequantize(by_name[ROPE_FREQS], source), source)
     hf["tie_word_embeddings"] = "output.weight" not in by_name
@@ -354,7 +376,7 @@ def _dequantize(t, source: str) -> np.ndarray:
     try:
         return np.asarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32)
     except Exception as e:
-        raise WeightsError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {e}") from None
+        raise GGUFError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {e}") from None
 
 
 def _quant_format(t, source: str):
@@ -372,7 +394,11 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     reader, fields, source = _open(path)
     by_name = {t.name: t for t in reader.tensors}
     hf = _hf_config(reader, fields, source)
-    cfg = cfg or ModelConfig.from_hf(hf)
+    if cfg is None:
+        try:
+            cfg = ModelConfig.from_hf(hf)
+        except ModelConfigError as e:
+            raise GGUFError(f"{source}: the metadata does not make a valid model config: {e}") from None
     tokenizer = tokenizer_from_fields(fields, source)
     param_dtype = param_dtype or dtype
     np_dtype = np.dtype(jnp.dtype(param_dtype))
@@ -390,7 +416,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     missing = sorted(set(expected) - set(by_name))
     unexpected = sorted(set(by_name) - set(expected) - {ROPE_FREQS})
     if missing or unexpected:
-        raise WeightsError(f"{source}: the tensors do not match the {hf['model_type']} architecture in its metadata:"
+        raise GGUFError(f"{source}: the tensors do not match the {hf['model_type']} architecture in its metadata:"
                            f" missing {missing[:8]}, unexpected {unexpected[:8]}")
 
     values: dict[str, object] = {}
@@ -404,9 +430,9 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         hf_shape = want_one[::-1] if row.transpose else want_one
         items.sort(key=lambda t: -1 if t[0] is None else t[0])
         for _, gname, _ in items:
-            got = tuple(int(d) for d in reversed(by_name[gname].shape.tolist()))  # numpy order
+            got = tuple(reversed(by_name[gname].shape))  # numpy order
             if got != tuple(hf_shape):
-                raise WeightsError(f"{source}: tensor {gname} has shape {list(got)} (numpy order), the metadata "
+                raise GGUFError(f"{source}: tensor {gname} has shape {list(got)} (numpy order), the metadata "
                                    f"implies {list(hf_shape)}")
         types = {by_name[g].tensor_type for _, g, _ in items}
         linear = row.transpose and row.path.startswith("layers.")  # the LM head is dequantised
@@ -425,7 +451,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                 if heads:
                     raw = _rope_permute(raw, heads, inverse=True)
                 if k % cls.block_size:
-                    raise WeightsError(f"{source}: tensor {gname}: row length {k} is not a multiple of the "
+                    raise GGUFError(f"{source}: tensor {gname}: row length {k} is not a multiple of the "
                                        f"{cls.name} block size {cls.block_size}")
                 row_len = k // cls.block_size * cls.type_size // np.dtype(cls.storage_dtype).itemsize
                 # numpy until the whole stack is built: one host -> device copy per target
@@ -466,17 +492,9 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     return cfg, model, tokenizer
 
 
-def _open(path) -> tuple[object, dict, str]:
-    gguf = _gguf()
-    path = Path(path)
-    source = str(path)
-    if not path.is_file():
-        raise WeightsError(f"{source}: GGUF file not found")
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:
-        raise WeightsError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    return reader, _fields(reader), source
+def _open(path) -> tuple[GGUFFile, dict, str]:
+    gf = read_gguf(path)
+    return gf, gf.fields, str(gf.path)
 
 
 def read_gguf_hf_config(path) -> dict:
@@ -496,4 +514,4 @@ def is_gguf_path(p) -> bool:
 
 
 __all__ = ["save_gguf", "load_gguf_model", "load_gguf_tokenizer", "read_gguf_hf_config", "hf_config_from_gguf",
-           "gguf_name", "is_gguf_path", "GGUF_NAMES"]
+           "gguf_name", "is_gguf_path", "GGUF_NAMES", "GGUFError"]

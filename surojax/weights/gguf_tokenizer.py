@@ -23,6 +23,7 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 from surojax.data.tokenizer import Tokenizer
+from surojax.weights.gguf_reader import GGUFError
 
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -41,8 +42,8 @@ KNOWN_HASHES = {"e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8ae
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
 
-class GGUFTokenizerError(ValueError):
-    is_user_error = True
+class GGUFTokenizerError(GGUFError):
+    """A tokenizer that cannot be written to GGUF, or tokenizer.ggml.* metadata that cannot be read back."""
 
 
 def _split_regex(pre) -> str | None:
@@ -135,13 +136,26 @@ def tokenizer_from_fields(fields: dict, source: str) -> Tokenizer:
     if model != "gpt2":
         raise GGUFTokenizerError(f"{source}: tokenizer.ggml.model is {model!r}; only byte-level BPE ('gpt2') GGUF "
                                  "vocabularies can be loaded (use `tokenizer:` to point at a HF tokenizer folder)")
-    tokens = fields["tokenizer.ggml.tokens"]
-    types = fields.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
+    tokens = _typed_list(fields, "tokenizer.ggml.tokens", str, source, required=True)
+    types = _typed_list(fields, "tokenizer.ggml.token_type", int, source) or [NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise GGUFTokenizerError(f"{source}: tokenizer.ggml.token_type: expected {len(tokens)} types (one per token),"
+                                 f" found {len(types)}")
+    merge_strings = _typed_list(fields, "tokenizer.ggml.merges", str, source)
+    bad = next((m for m in merge_strings if m.count(" ") != 1), None)
+    if bad is not None:
+        raise GGUFTokenizerError(f"{source}: tokenizer.ggml.merges: expected 'left right' pairs, found {bad!r}")
+    merges = [tuple(m.split(" ", 1)) for m in merge_strings]
     pre = fields.get("tokenizer.ggml.pre", "default")
+    if not isinstance(pre, str):
+        raise GGUFTokenizerError(f"{source}: tokenizer.ggml.pre: expected a string, found {type(pre).__name__}")
     vocab = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty != UNUSED}
-    backend = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False,
-                                              ignore_merges=pre == "llama-bpe"))
+    try:
+        bpe = models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre == "llama-bpe")
+    except Exception as e:  # tokenizers raises a bare Exception (e.g. a merge of a token not in the vocabulary)
+        raise GGUFTokenizerError(f"{source}: tokenizer.ggml.tokens / merges: expected a consistent BPE vocabulary, "
+                                 f"found {e}") from None
+    backend = tokenizers.Tokenizer(bpe)
     if pre == "qwen2":
         backend.normalizer = normalizers.NFC()
     split = PRE_SPLIT.get(pre)
@@ -161,15 +175,34 @@ def tokenizer_from_fields(fields: dict, source: str) -> Tokenizer:
     config = {}
     for key in ("bos", "eos", "pad"):
         i = fields.get(f"tokenizer.ggml.{key}_token_id")
-        if i is not None and 0 <= int(i) < len(tokens):
+        if type(i) is int and 0 <= i < len(tokens):
             config[f"{key}_token"] = tokens[int(i)]
     bos = config.get("bos_token")
-    if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
+    if fields.get("tokenizer.ggml.add_bos_token") is True and bos is not None and bos in vocab:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
     else:
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    return Tokenizer(backend, config, fields.get("tokenizer.chat_template"), source=source)
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise GGUFTokenizerError(f"{source}: tokenizer.chat_template: expected a string, found "
+                                 f"{type(template).__name__}")
+    return Tokenizer(backend, config, template, source=source)
+
+
+def _typed_list(fields: dict, key: str, kind: type, source: str, required: bool = False) -> list:
+    """fields[key] checked to be a list of `kind` (GGUFTokenizerError naming the key); [] when absent and not
+    required."""
+    if key not in fields:
+        if required:
+            raise GGUFTokenizerError(f"{source}: metadata key {key} is missing")
+        return []
+    v = fields[key]
+    if not isinstance(v, list) or not all(type(x) is kind for x in v):
+        found = type(v).__name__ if not isinstance(v, list) else \
+            f"an item of type {next(type(x).__name__ for x in v if type(x) is not kind)}"
+        raise GGUFTokenizerError(f"{source}: metadata key {key}: expected a list of {kind.__name__}, found {found}")
+    return v
 
 
 def save_tokenizer_dir(tok: Tokenizer, out_dir) -> Path:

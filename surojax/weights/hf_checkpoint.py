@@ -24,6 +24,7 @@ from surojax.data.hub import resolve_local
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.registry import WeightRow, weight_rows
+from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -43,13 +44,10 @@ def read_config(model_dir: str | os.PathLike) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise WeightsError(f"{model_dir}: no config.json (expected a Hugging Face model folder)")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+    hf = read_json_object(path, WeightsError)
     try:
         return ModelConfig.from_hf(hf)
-    except (ModelConfigError, ValueError) as e:
+    except (ModelConfigError, ValueError, TypeError, KeyError) as e:
         raise WeightsError(f"{path}: {e}") from None
 
 

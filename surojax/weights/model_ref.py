@@ -14,13 +14,13 @@ finds. Every refusal is a ModelRefError naming the path and what was expected th
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Literal
 
 from surojax.data.hub import resolve_local
 from surojax.weights.gguf_checkpoint import is_gguf_path, read_gguf_hf_config
+from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import WeightsError
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -103,10 +103,8 @@ def _dir_ref(path: Path, source: str) -> tuple[ModelRef, Path | None]:
 def adapter_base_name(adapter_dir: Path) -> str:
     """adapter_config.json's base_model_name_or_path (a ModelRefError naming the file when absent)."""
     cfg_file = adapter_dir / ADAPTER_CONFIG
-    try:
-        base = json.loads(cfg_file.read_text()).get("base_model_name_or_path")
-    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
-        raise ModelRefError(f"{cfg_file}: not a valid adapter config ({e})") from None
+    cfg = read_json_object(cfg_file, ModelRefError)
+    base = cfg.get("base_model_name_or_path")
     if not base or not isinstance(base, str):
         raise ModelRefError(f"{cfg_file}: no base_model_name_or_path, so the base model is unknown; pass the base "
                             f"model and the adapter separately (e.g. surojax merge --base-model DIR --adapter "
@@ -137,11 +135,4 @@ def hf_config_of(ref: str | os.PathLike | ModelRef) -> dict:
     r = ref if isinstance(ref, ModelRef) else resolve_model(ref)
     if r.kind == "gguf":
         return read_gguf_hf_config(r.weights)
-    path = r.weights / "config.json"
-    try:
-        hf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelRefError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ModelRefError(f"{path}: expected a JSON object")
-    return hf
+    return read_json_object(r.weights / "config.json", ModelRefError)

@@ -52,28 +52,32 @@ class WeightsError(ValueError):
     is_user_error = True
 
 
+class SafetensorsError(WeightsError):
+    """A .safetensors file that cannot be read: the message names the file, the tensor, and expected vs found."""
+
+
 class SafetensorsFile:
     """A read-only view of one .safetensors file: `names()`, `shape(name)`, `dtype(name)`, `get(name)`, `metadata`.
 
-    Opening validates the whole header (a WeightsError naming the file, and the tensor where one is at fault);
+    Opening validates the whole header (a SafetensorsError naming the file, and the tensor where one is at fault);
     `get` copies one tensor out of the memory map.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         if not self.path.is_file():
-            raise WeightsError(f"{self.path}: file not found")
+            raise SafetensorsError(f"{self.path}: file not found")
         try:
             self._file = safe_open(str(self.path), framework="numpy")
         except SafetensorError as e:
-            raise WeightsError(_explain(self.path, str(e))) from None
+            raise SafetensorsError(_explain(self.path, str(e))) from None
         self.metadata: dict[str, str] = self._file.metadata() or {}
         self._entries: dict[str, tuple[str, tuple[int, ...]]] = {}
         for name in self._file.offset_keys():
             view = self._file.get_slice(name)
             code = view.get_dtype()
             if code not in DTYPES:
-                raise WeightsError(f"{self.path}: tensor {name!r} has dtype {code}, which surojax cannot read "
+                raise SafetensorsError(f"{self.path}: tensor {name!r} has dtype {code}, which surojax cannot read "
                                    f"(supported: {', '.join(DTYPES)})")
             self._entries[name] = (code, tuple(int(d) for d in view.get_shape()))
 
@@ -93,7 +97,7 @@ class SafetensorsFile:
     def get(self, name: str) -> np.ndarray:
         """The tensor as a numpy array of `shape(name)` and `dtype(name)` (a copy; the file is not changed)."""
         if name not in self._entries:
-            raise WeightsError(f"{self.path}: no tensor {name!r}")
+            raise SafetensorsError(f"{self.path}: no tensor {name!r}")
         if self._entries[name][0] in _RAW_READ:
             return _read_raw(self.path, name, DTYPES[self._entries[name][0]], self.shape(name))
         return self._file.get_tensor(name)
@@ -130,6 +134,8 @@ def _explain(path: Path, refusal: str) -> str:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return f"{path}: corrupt safetensors header ({e})"
+    except RecursionError:
+        return f"{path}: corrupt safetensors header (JSON nested deeper than the parser allows)"
     if not isinstance(header, dict):
         return f"{path}: corrupt safetensors header (not a JSON object)"
     header.pop("__metadata__", None)
