@@ -148,9 +148,23 @@ def load_examples(spec: Any, tokenizer: Tokenizer, *, sequence_len: int, train_o
     if read.skipped:
         log.warning("%s: skipped %d invalid rows of %d", spec.path, read.skipped, read.rows + read.skipped)
     stats.skipped_rows += read.skipped
-    stats.datasets.append({"path": spec.path, "split": spec.split, "type": kind, "why": why, "rows": read.rows,
-                           "skipped": read.skipped, "examples": len(out)})
+    entry = {"path": spec.path, "split": spec.split, "type": kind, "why": why, "rows": read.rows,
+             "skipped": read.skipped, "examples": len(out),
+             "files_without_rows": [f for f, n in read.rows_per_file.items() if n == 0]}
+    stats.datasets.append(entry)
+    if not out:
+        log.warning("%s gave no examples: %s", spec.path, why_no_examples(entry))
     return out
+
+
+def why_no_examples(entry: dict) -> str:
+    """One `DataStats.datasets` entry that gave no examples -> which of its files had no rows, and what became of
+    the rows it had."""
+    parts = [f"no rows in {f}" for f in entry["files_without_rows"]]
+    if entry["rows"] or entry["skipped"]:
+        parts.append(f"{entry['rows']} rows read, {entry['skipped']} skipped as invalid, none left after "
+                     f"formatting and fitting to sequence_len")
+    return "; ".join(parts) or "no rows"
 
 
 def validation_split(n: int, ratio: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -189,7 +203,9 @@ def build_data(datasets: Iterable[Any], tokenizer: Tokenizer, *, sequence_len: i
         train_idx, val_idx = validation_split(len(examples), validation_split_ratio, seed)
         examples, val_examples = [examples[i] for i in train_idx], [examples[i] for i in val_idx]
     if not examples:
-        raise DataError(f"no training examples left ({stats.summary()})")
+        empty = [d for d in stats.datasets[:len(datasets)] if d["examples"] == 0]
+        raise DataError(f"no training examples left ({stats.summary()}); "
+                        + "; ".join(f"{d['path']}: {why_no_examples(d)}" for d in empty))
 
     rows = PackedRows(examples, sequence_len, packing=sample_packing)
     stats.examples, stats.tokens, stats.rows = len(examples), rows.tokens, len(rows)
