@@ -15,7 +15,8 @@ _SERVE, _ENGINE, _SCHED, _LORA = ServeConfig(model=""), EngineConfig(), Schedule
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="HF model folder, surojax output folder, or .gguf file")
+    parser.add_argument("model", metavar="MODEL", help="HF model folder, .gguf file, surojax run or output folder, "
+                                                      "PEFT adapter folder, or a repo id in the local HF cache")
     parser.add_argument("--host", default=_SERVE.host)
     parser.add_argument("--port", type=_port, default=_SERVE.port)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")

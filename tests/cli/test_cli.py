@@ -81,7 +81,7 @@ def test_each_command_module_has_the_interface(name):
 
 def _minimal_args(name: str) -> list[str]:
     return {"merge": ["--base", "b", "--adapter", "a", "--output", "o"], "export": ["cfg.yaml", "--output", "o"],
-            "quantize": ["m", "--format", "nf4", "--output", "o"], "serve": ["m"]}.get(name, ["cfg.yaml"])
+            "quantize": ["m", "--format", "q8_0", "--output", "o"], "serve": ["m"]}.get(name, ["cfg.yaml"])
 
 
 def test_sft_bad_config_is_one_clean_line(bad_config, capsys):
