@@ -157,6 +157,14 @@ def load_examples(spec: Any, tokenizer: Tokenizer, *, sequence_len: int, train_o
     return out
 
 
+def dataset_line(entry: dict) -> str:
+    """One `DataStats.datasets` entry as a line for people, e.g.
+    `data/chat.jsonl (split train): conversation (set in the config); 12 rows read, 0 skipped, 12 examples`."""
+    line = (f"{entry['path']} (split {entry['split']}): {entry['type']} ({entry['why']}); {entry['rows']:,} rows "
+            f"read, {entry['skipped']:,} skipped as invalid, {entry['examples']:,} examples")
+    return line + (f"; no rows in {', '.join(entry['files_without_rows'])}" if entry["files_without_rows"] else "")
+
+
 def why_no_examples(entry: dict) -> str:
     """One `DataStats.datasets` entry that gave no examples -> which of its files had no rows, and what became of
     the rows it had."""
@@ -219,7 +227,6 @@ def build_data(datasets: Iterable[Any], tokenizer: Tokenizer, *, sequence_len: i
         stats.eval_examples, stats.eval_tokens, stats.eval_rows = len(val_examples), eval_rows.tokens, len(eval_rows)
         stats.eval_supervised_tokens = sum(supervised_targets(e) for e in val_examples)
         eval_loader = EvalLoader(eval_rows, eval_batch_size or batch_size, **procs)
-    log.info("data: %s", stats.summary())
     return Data(train=train, eval=eval_loader, stats=stats, train_rows=rows, eval_rows=eval_rows)
 
 
