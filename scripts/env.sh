@@ -59,7 +59,7 @@ _sj_setup() {
   want="$(sha256sum "$_sj_root/pyproject.toml" | cut -d' ' -f1)"
   _sj_stamp_matches "$want" && return 0
   stamp="$_sj_venv/.surojax-installed${_sj_extras:+-$_sj_extras}"
-  rm -f "$stamp"
+  rm -f "$_sj_venv"/.surojax-installed*  # a failed install may have half-replaced packages any stamp vouched for
   echo "[surojax] installing surojax${_sj_extras:+[$_sj_extras]} and its dependencies into $_sj_venv" >&2
   log="$_sj_venv/.surojax-install.log"
   python -m pip install -q -e "$_sj_root${_sj_extras:+[$_sj_extras]}" >"$log" 2>&1
