@@ -3,5 +3,6 @@
 # tiny Qwen3 from scratch on arithmetic stories, LoRA-fine-tune it to answer questions, and show the held-out
 # accuracy before vs after. About five minutes on a 2-core CPU, no download; outputs in runs/quickstart/.
 # Extra arguments go to the trainer, e.g. scripts/run.sh --override stages.0.max_steps=100
-source "$(dirname "$0")/env.sh" || exit 1
+cd "$(dirname "$0")/.." || exit 1
+source scripts/env.sh "" || exit 1  # "" = no extras; without an argument, source would hand env.sh our "$@"
 exec python -m surojax.train --config configs/quickstart.yaml "$@"

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from surojax.config import TrainConfig
 
 EXIT_USER_ERROR = 1
@@ -111,6 +113,16 @@ def positive_int(value: str) -> int:
     return n
 
 
+def report_console() -> Console:
+    """The console training reports on: stderr. When stderr is not a terminal (a log file, a pipe, CI) rich would
+    wrap every line at 80 columns; there each line is printed whole (soft wrap) so a log keeps one record a line."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    console.soft_wrap = not console.is_terminal
+    return console
+
+
 def train_from_args(args: argparse.Namespace) -> int:
     """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`).
 
@@ -122,5 +134,5 @@ def train_from_args(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("absl", "jax._src", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    run_stages(load_run(args.config, args.override))
+    run_stages(load_run(args.config, args.override), console=report_console())
     return 0

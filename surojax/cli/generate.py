@@ -9,6 +9,8 @@ import json
 import sys
 import time
 
+from surojax.generation.context import completion_budget
+
 HELP = "generate a completion from a model (checks and demos)"
 
 
@@ -53,8 +55,13 @@ def run(args: argparse.Namespace) -> int:
         ids = tokenizer.encode(args.prompt)
     if not ids:
         raise SystemExit("the prompt encodes to no tokens")
+    context = model.cfg.max_position_embeddings
+    max_new_tokens = completion_budget(len(ids), args.max_new_tokens, context)  # the rule `serve` applies
+    if max_new_tokens < args.max_new_tokens:
+        print(f"[--max-new-tokens {args.max_new_tokens} cut to {max_new_tokens}: the prompt has {len(ids)} tokens "
+              f"and the model's context is {context}]", file=sys.stderr)
     stops = () if args.ignore_eos else eos_ids(loaded.ref.tokenizer_dir, tokenizer, model.cfg)
-    out = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    out = generate(model, [ids], max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop_ids=stops)[0]
     dt = time.perf_counter() - t0
     text = tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=True)

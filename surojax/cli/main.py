@@ -12,17 +12,18 @@ from types import ModuleType
 from surojax.cli.common import EXIT_NOT_IMPLEMENTED, print_error, run_guarded
 
 # name -> one-line help; the module is surojax.cli.<name>.
+NOT_AVAILABLE = "not available in this version (validates the config, then stops)"
 COMMANDS: dict[str, str] = {
     "sft": "supervised fine-tuning (full, LoRA, QLoRA) from a training YAML",
     "pt": "pretraining / continued pretraining from a training YAML",
-    "dpo": "preference optimisation (DPO) from a training YAML",
-    "grpo": "reinforcement learning with GRPO from a training YAML",
-    "distill": "knowledge distillation from a teacher model",
+    "dpo": f"preference optimisation (DPO): {NOT_AVAILABLE}",
+    "grpo": f"reinforcement learning with GRPO: {NOT_AVAILABLE}",
+    "distill": f"knowledge distillation: {NOT_AVAILABLE}",
     "tokenize": "tokenize and pack the datasets of a training YAML (--debug shows rows and loss masks)",
     "merge": "merge LoRA adapters into a base model",
-    "export": "export a checkpoint as HF safetensors, a PEFT adapter or GGUF",
-    "quantize": "quantize a model's weights (nf4, fp8, nvfp4, gguf types)",
-    "generate": "generate text from a model (and adapters) on the command line",
+    "export": "write a training run's checkpoint as a PEFT adapter (LoRA) or an HF safetensors folder (full)",
+    "quantize": "write a model as a llama.cpp GGUF file (q4_k_m, q8_0, f16, ... file types)",
+    "generate": "generate text on the command line from an HF folder, .gguf file, run or PEFT adapter folder",
     "serve": "serve a model over an OpenAI-compatible HTTP API",
     "bench": "measure training throughput, memory and MFU (`bench train --shape ...`)",
 }

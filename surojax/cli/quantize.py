@@ -7,8 +7,8 @@ dequantised values) or a repo id in the local HF cache.
 q6_k, iq4_nl, iq4_xs (the *_k_m mixes follow llama-quantize's per-tensor rule; see docs/quantization.md).
 The fine-tune path: `surojax quantize --model runs/NAME --output model.gguf --type q4_k_m` (or `surojax merge` first
 to keep the merged HF folder).
-NF4 / FP8 / NVFP4 safetensors output is not implemented (those formats are for training: `qlora_bnb`,
-`qlora_fp8`, `qlora_fp4` quantise the base at load).
+There is no NF4 / FP8 / NVFP4 file output: those formats are for training (`qlora_bnb`, `qlora_fp8`,
+`qlora_fp4` quantise the base at load).
 """
 from __future__ import annotations
 
@@ -16,18 +16,17 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from surojax.cli.common import UsageError, existing_path, not_implemented
+from surojax.cli.common import UsageError, existing_path
 
 GGUF_FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_m", "q4_k_m",
                    "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
-SAFETENSORS_FORMATS = ("nf4", "fp8", "nvfp4")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model (same as --model)")
     parser.add_argument("--model", metavar="REF", help="HF model folder, surojax output folder, PEFT adapter folder, "
                                                        ".gguf file, or a repo id in the local HF cache")
-    parser.add_argument("--type", "--format", dest="type", choices=GGUF_FILE_TYPES + SAFETENSORS_FORMATS,
+    parser.add_argument("--type", "--format", dest="type", choices=GGUF_FILE_TYPES,
                         required=True, help="GGUF file type (llama.cpp's names)")
     parser.add_argument("--output", required=True, metavar="PATH", help="the .gguf file to write")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder if not the model folder")
@@ -41,8 +40,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("quantize: pass the model (--model REF)")
     if args.model and args.model_pos and args.model != args.model_pos:
         raise UsageError("quantize: give the model once (MODEL or --model)")
-    if args.type in SAFETENSORS_FORMATS:
-        return not_implemented(f"quantize --type {args.type} (safetensors output; GGUF types only)")
     out = Path(args.output)
     if out.suffix.lower() != ".gguf":
         raise UsageError(f"--output {out}: expected a .gguf file name")

@@ -5,6 +5,7 @@ LoRA (docs/serving.md). scripts/serve.py is the same entry point. The options fi
 from __future__ import annotations
 
 import argparse
+import logging
 
 from surojax.serve.config import EngineConfig, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig
 
@@ -15,7 +16,8 @@ _SERVE, _ENGINE, _SCHED, _LORA = ServeConfig(model=""), EngineConfig(), Schedule
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="HF model folder, surojax output folder, or .gguf file")
+    parser.add_argument("model", metavar="MODEL", help="HF model folder, .gguf file, surojax run or output folder, "
+                                                      "PEFT adapter folder, or a repo id in the local HF cache")
     parser.add_argument("--host", default=_SERVE.host)
     parser.add_argument("--port", type=_port, default=_SERVE.port)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -105,8 +107,22 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        attention=args.attention, max_queue=args.max_queue, lora=lora, log_level=args.log_level)
 
 
+class QuietBackendProbe(logging.Filter):
+    """Drops jax's INFO record for each optional backend it could not start ("Unable to initialize backend 'tpu'"
+    on a GPU or CPU machine): noise in the server's log. A backend the user asked for still fails loudly."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unable to initialize backend")
+
+
+JAX_BACKEND_LOGGER = "jax._src.xla_bridge"
+
+
 def run(args: argparse.Namespace) -> int:
     # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     from surojax.serve.launch import serve
 
+    probe_log = logging.getLogger(JAX_BACKEND_LOGGER)
+    if not any(isinstance(f, QuietBackendProbe) for f in probe_log.filters):
+        probe_log.addFilter(QuietBackendProbe())
     return serve(serve_config(args))

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
 
     from surojax.data.debug import debug_print
     from surojax.data.hub import resolve_local
-    from surojax.data.pipeline import build_data_from_config
+    from surojax.data.pipeline import build_data_from_config, dataset_line
     from surojax.data.tokenizer import Tokenizer
 
     cfg = load_config_args(args)
@@ -32,6 +32,6 @@ def run(args: argparse.Namespace) -> int:
     if args.debug:
         debug_print(data.examples(args.rows), tokenizer, n=args.rows, console=console)
     console.print(data.stats.summary(), highlight=False)
-    for d in getattr(data.stats, "datasets", []) or []:
-        console.print(f"  {d}", highlight=False)
+    for d in data.stats.datasets:
+        console.print(f"  {dataset_line(d)}", highlight=False, soft_wrap=True)
     return 0

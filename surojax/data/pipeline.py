@@ -148,9 +148,31 @@ def load_examples(spec: Any, tokenizer: Tokenizer, *, sequence_len: int, train_o
     if read.skipped:
         log.warning("%s: skipped %d invalid rows of %d", spec.path, read.skipped, read.rows + read.skipped)
     stats.skipped_rows += read.skipped
-    stats.datasets.append({"path": spec.path, "split": spec.split, "type": kind, "why": why, "rows": read.rows,
-                           "skipped": read.skipped, "examples": len(out)})
+    entry = {"path": spec.path, "split": spec.split, "type": kind, "why": why, "rows": read.rows,
+             "skipped": read.skipped, "examples": len(out),
+             "files_without_rows": [f for f, n in read.rows_per_file.items() if n == 0]}
+    stats.datasets.append(entry)
+    if not out:
+        log.warning("%s gave no examples: %s", spec.path, why_no_examples(entry))
     return out
+
+
+def dataset_line(entry: dict) -> str:
+    """One `DataStats.datasets` entry as a line for people, e.g.
+    `data/chat.jsonl (split train): conversation (set in the config); 12 rows read, 0 skipped, 12 examples`."""
+    line = (f"{entry['path']} (split {entry['split']}): {entry['type']} ({entry['why']}); {entry['rows']:,} rows "
+            f"read, {entry['skipped']:,} skipped as invalid, {entry['examples']:,} examples")
+    return line + (f"; no rows in {', '.join(entry['files_without_rows'])}" if entry["files_without_rows"] else "")
+
+
+def why_no_examples(entry: dict) -> str:
+    """One `DataStats.datasets` entry that gave no examples -> which of its files had no rows, and what became of
+    the rows it had."""
+    parts = [f"no rows in {f}" for f in entry["files_without_rows"]]
+    if entry["rows"] or entry["skipped"]:
+        parts.append(f"{entry['rows']} rows read, {entry['skipped']} skipped as invalid, none left after "
+                     f"formatting and fitting to sequence_len")
+    return "; ".join(parts) or "no rows"
 
 
 def validation_split(n: int, ratio: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -189,7 +211,9 @@ def build_data(datasets: Iterable[Any], tokenizer: Tokenizer, *, sequence_len: i
         train_idx, val_idx = validation_split(len(examples), validation_split_ratio, seed)
         examples, val_examples = [examples[i] for i in train_idx], [examples[i] for i in val_idx]
     if not examples:
-        raise DataError(f"no training examples left ({stats.summary()})")
+        empty = [d for d in stats.datasets[:len(datasets)] if d["examples"] == 0]
+        raise DataError(f"no training examples left ({stats.summary()}); "
+                        + "; ".join(f"{d['path']}: {why_no_examples(d)}" for d in empty))
 
     rows = PackedRows(examples, sequence_len, packing=sample_packing)
     stats.examples, stats.tokens, stats.rows = len(examples), rows.tokens, len(rows)
@@ -203,7 +227,6 @@ def build_data(datasets: Iterable[Any], tokenizer: Tokenizer, *, sequence_len: i
         stats.eval_examples, stats.eval_tokens, stats.eval_rows = len(val_examples), eval_rows.tokens, len(eval_rows)
         stats.eval_supervised_tokens = sum(supervised_targets(e) for e in val_examples)
         eval_loader = EvalLoader(eval_rows, eval_batch_size or batch_size, **procs)
-    log.info("data: %s", stats.summary())
     return Data(train=train, eval=eval_loader, stats=stats, train_rows=rows, eval_rows=eval_rows)
 
 

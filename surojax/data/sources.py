@@ -48,6 +48,7 @@ class ReadStats:
     rows: int = 0
     skipped: int = 0
     skip_examples: list[str] = field(default_factory=list)
+    rows_per_file: dict[str, int] = field(default_factory=dict)  # valid rows of each file read (in read order)
 
     def skip(self, where: str, reason: str) -> None:
         self.skipped += 1
@@ -72,6 +73,7 @@ def read_rows(path: str | os.PathLike, *, split: str = "train", subset: str | No
     if samples is not None and samples <= 0:
         raise DataError(f"samples must be positive, got {samples}")
     for f in files:
+        stats.rows_per_file[str(f)] = 0
         for where, row in _read_file(f):
             if isinstance(row, InvalidRowError):
                 if not skip_invalid_rows:
@@ -79,6 +81,7 @@ def read_rows(path: str | os.PathLike, *, split: str = "train", subset: str | No
                 stats.skip(where, str(row))
                 continue
             stats.rows += 1
+            stats.rows_per_file[str(f)] += 1
             yield where, row
             if samples is not None and stats.rows >= samples:
                 return

@@ -54,7 +54,11 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the batched sampler always computes thi
 
 
 class SamplingParamsError(ValueError):
-    """An invalid sampling value (the HTTP layer answers 400 with this message)."""
+    """An invalid sampling value; `param` names the field (the HTTP layer answers 400 with both)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -84,31 +88,31 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        def bad(msg):
-            raise SamplingParamsError(msg)
+        def bad(param, msg):
+            raise SamplingParamsError(msg, param)
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
+            bad("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            bad(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+            bad("top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 < self.repetition_penalty <= 10.0:
-            bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+            bad("repetition_penalty", f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
-                bad(f"{name} must be in [-2, 2], got {v}")
+                bad(name, f"{name} must be in [-2, 2], got {v}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+            bad("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-            bad(f"stop_token_ids must be token ids in [0, {vocab_size})")
+            bad("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab_size})")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop strings must be non-empty strings")
+            bad("stop", "stop strings must be non-empty strings")
         return self
 
 

@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import jax
@@ -173,7 +173,9 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, base_model_name_or_path
         rows = tuple(weight_rows(model.cfg))
     tensors = peft_tensors(adapter, rows, dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    # Not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder; mkdir gives the usual umask mode.
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
     try:
         cfg = adapter_config(adapter.spec, base_reference(base_model_name_or_path))
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")

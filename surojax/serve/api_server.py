@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from surojax.generation.context import ContextLengthError, completion_budget
 from surojax.generation.sampling import SamplingParamsError
 from surojax.serve.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Stream
 from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
@@ -105,28 +106,28 @@ def _message_text(content) -> str:
                    param="messages")
 
 
-def _check_prompt(state: ServerState, ids: list[int]) -> None:
+def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
+    """`param` names the request field the prompt came from ("messages" for chat, "prompt" for completions)."""
     if not ids:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    if len(ids) >= state.max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens; the prompt has "
-                            f"{len(ids)} tokens (max-model-len counts prompt + completion).", param="messages")
+        raise ApiError(400, "the prompt is empty", param=param)
+    try:
+        completion_budget(len(ids), None, state.max_model_len)
+    except ContextLengthError as e:
+        raise ApiError(400, str(e), param=param) from None
     vocab = state.engine.engine.model.cfg.vocab_size
     if any(not 0 <= t < vocab for t in ids):
-        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param=param)
 
 
 def _params(state: ServerState, req, n_prompt: int, requested: int | None, logprobs: bool, top: int):
-    room = state.max_model_len - n_prompt
-    max_tokens = room if requested is None else requested
     if requested is not None and requested < 1:
         raise ApiError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
     try:
-        params = req.sampling_params(max_tokens=min(max_tokens, room), eos_ids=state.eos_ids, logprobs=logprobs,
-                                     top_logprobs=top)
+        params = req.sampling_params(max_tokens=completion_budget(n_prompt, requested, state.max_model_len),
+                                     eos_ids=state.eos_ids, logprobs=logprobs, top_logprobs=top)
         return params.validate(state.engine.engine.model.cfg.vocab_size)
     except SamplingParamsError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def _submit(state: ServerState, ids, params, adapter, split=False) -> Stream:
@@ -229,11 +230,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def _invalid(_, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            msg = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
-        return error_response(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
+        if first.get("type") == "json_invalid":  # loc holds a character offset, not a field: no param (as OpenAI)
+            return error_response(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        # param: the request's field (loc[0]); deeper parts (list indices, pydantic's union tags) go to the message
+        return error_response(400, f"{'.'.join(loc)}: {msg}" if loc else msg, param=loc[0] if loc else None)
 
     @app.exception_handler(Exception)
     async def _unexpected(_, e: Exception):
@@ -324,7 +326,7 @@ def build_app(state: ServerState) -> FastAPI:
             m["content"] = _message_text(m.get("content"))
             messages.append(m)
         ids = _render_chat(state, messages, req.tools, req.chat_template_kwargs or {}, True)
-        _check_prompt(state, ids)
+        _check_prompt(state, ids, "messages")
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -400,7 +402,7 @@ def build_app(state: ServerState) -> FastAPI:
             if isinstance(p, list) and not all(isinstance(t, int) for t in p):
                 raise ApiError(400, "a prompt is a string or a list of token ids", param="prompt")
             ids = tok.encode(p) if isinstance(p, str) else [int(t) for t in p]
-            _check_prompt(state, ids)
+            _check_prompt(state, ids, "prompt")
             encoded.append((ids, _params(state, req, len(ids), req.max_tokens, req.logprobs is not None, top)))
         streams = [_submit(state, ids, params, adapter) for ids, params in encoded]
         rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model or state.model_name

@@ -44,7 +44,7 @@ class _Sampling(_Base):
     def sampling_params(self, *, max_tokens: int, eos_ids: tuple[int, ...], logprobs: bool,
                         top_logprobs: int) -> SamplingParams:
         if self.n != 1:
-            raise SamplingParamsError(f"n must be 1 (got {self.n}): send n requests instead")
+            raise SamplingParamsError(f"n must be 1 (got {self.n}): send n requests instead", "n")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         stop_ids = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else tuple(eos_ids))
         return SamplingParams(

@@ -81,7 +81,7 @@ def test_each_command_module_has_the_interface(name):
 
 def _minimal_args(name: str) -> list[str]:
     return {"merge": ["--base", "b", "--adapter", "a", "--output", "o"], "export": ["cfg.yaml", "--output", "o"],
-            "quantize": ["m", "--format", "nf4", "--output", "o"], "serve": ["m"]}.get(name, ["cfg.yaml"])
+            "quantize": ["m", "--format", "q8_0", "--output", "o"], "serve": ["m"]}.get(name, ["cfg.yaml"])
 
 
 def test_sft_bad_config_is_one_clean_line(bad_config, capsys):
@@ -150,3 +150,17 @@ def test_python_m_train_reports_setup_errors_cleanly(good_config):
     r = run_py("-m", "surojax.train", "--config", str(good_config), "--override", "lora=true")
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and "model_type None is not supported" in r.stderr
+
+
+def test_training_reports_unwrapped_when_stderr_is_not_a_terminal(monkeypatch, capsys, good_config):
+    """sft / pt / python -m surojax.train print on a console that never wraps at 80 columns into a log file."""
+    import surojax.config.stages as config_stages
+    import surojax.train.stages as train_stages
+
+    seen = {}
+    monkeypatch.setattr(config_stages, "load_run", lambda config, overrides: [])
+    monkeypatch.setattr(train_stages, "run_stages", lambda stages, console: seen.setdefault("console", console))
+    assert main(["sft", str(good_config)]) == 0
+    line = "data    " + "x" * 200
+    seen["console"].print(line, highlight=False)
+    assert line in capsys.readouterr().err.splitlines()

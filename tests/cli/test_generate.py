@@ -168,6 +168,31 @@ def test_bad_arguments_exit_with_a_message(capsys):
     assert "--prompt" in capsys.readouterr().err
 
 
+def test_prompt_longer_than_the_context_is_an_error_naming_both_lengths(capsys, qwen3):
+    """The rule `serve` applies (surojax.generation.context): prompt + completion fit max_position_embeddings
+    (256 in the fixture); the prompt must leave room for one new token."""
+    _, tok, _ = qwen3
+    prompt = "hello " * 300
+    n = len(tok.encode(prompt))
+    assert n >= 256
+    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", prompt)
+    assert rc == 1 and out == ""
+    lines = error_lines(err)
+    assert len(lines) == 1 and f"maximum context length is 256 tokens; the prompt has {n} tokens" in lines[0], err
+
+
+def test_max_new_tokens_is_cut_to_the_room_left(capsys, qwen3):
+    _, tok, _ = qwen3
+    prompt = "x " * 125
+    n = len(tok.encode(prompt))
+    assert 192 < n < 256  # room for fewer than 64 new tokens
+    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", prompt, "--max-new-tokens", "64",
+                                "--ignore-eos", "--show-ids")
+    assert rc == 0, err
+    assert len(shown_ids(out)["new_ids"]) == 256 - n
+    assert f"[--max-new-tokens 64 cut to {256 - n}: the prompt has {n} tokens and the model's context is 256]" in err
+
+
 # ---- every kind of model reference (surojax.weights.model_ref) -----------------------------------------------------
 
 ARGS = ("--prompt", "hello world", "--max-new-tokens", "6", "--ignore-eos", "--show-ids")

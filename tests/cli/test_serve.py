@@ -27,3 +27,18 @@ def test_script_is_the_same_entry_point():
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "--enable-lora" in r.stdout and "--api-key" in r.stdout
+
+
+def test_serve_log_has_no_backend_probe_line(monkeypatch, caplog):
+    """jax's INFO "Unable to initialize backend 'tpu'" is dropped once `surojax serve` runs; its other records stay."""
+    import logging
+
+    import surojax.serve.launch as launch
+
+    monkeypatch.setattr(launch, "serve", lambda config: 0)
+    assert main(["serve", str(ROOT / "tests" / "fixtures" / "models" / "qwen3")]) == 0
+    probe = logging.getLogger("jax._src.xla_bridge")
+    with caplog.at_level(logging.INFO, logger=probe.name):  # other tests may have raised jax._src's level
+        probe.info("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so")
+        probe.info("another record")
+    assert [r.getMessage() for r in caplog.records if r.name == probe.name] == ["another record"]

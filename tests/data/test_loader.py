@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from surojax.data.formats import Example
 from surojax.data.loader import EvalLoader, TrainLoader
 from surojax.data.packing import PackedRows
 from surojax.data.pipeline import build_data, validation_split
+from surojax.data.sources import DataError
 from surojax.data.tokenizer import Tokenizer
 
 FIX = Path(__file__).parents[1] / "fixtures"
@@ -135,3 +137,26 @@ def test_debug_print_marks_supervised_tokens(tok):
     assert "example 0" in out
     assert "«Hello»" in out or "«H»" in out
     assert "«<|im_end|>»(509)" in out and "<|im_start|>(508)" in out and "«<|im_start|>" not in out
+
+
+def test_no_examples_names_every_file_without_rows(tok, tmp_path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "train-0.jsonl").write_text("")
+    (folder / "train-1.jsonl").write_text("\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError) as e:
+        build_data([empty, folder], tok, sequence_len=64, batch_size=1, process_index=0, process_count=1)
+    message = str(e.value)
+    assert message.startswith("no training examples left")
+    for f in (empty, folder / "train-0.jsonl", folder / "train-1.jsonl"):
+        assert f"no rows in {f}" in message
+
+
+def test_no_examples_says_what_became_of_the_rows(tok, tmp_path):
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"text": "hello world " * 50}) + "\n")
+    with pytest.raises(DataError, match=rf"{re.escape(str(data))}: 1 rows read, 0 skipped as invalid, none left after formatting"):
+        build_data([{"path": str(data), "type": "text"}], tok, sequence_len=8, batch_size=1, truncation="drop",
+                   process_index=0, process_count=1)

@@ -218,3 +218,10 @@ def test_writes_are_atomic_and_never_clobber(saved, monkeypatch):
     (out.parent / "empty").mkdir()
     save_peft_adapter(model, out.parent / "empty", None)  # an empty folder is fine
     save_peft_adapter(model, out, None, overwrite=True)
+
+
+def test_adapter_folder_has_the_umask_mode(saved, tmp_path):
+    """Not mkdtemp's 0700: the folder gets the mode a plain mkdir gives (0755 under umask 022)."""
+    _, out = saved
+    (tmp_path / "probe").mkdir()
+    assert out.stat().st_mode & 0o777 == (tmp_path / "probe").stat().st_mode & 0o777

@@ -209,19 +209,22 @@ def test_auth(server):
 
 @pytest.mark.parametrize("body, param", [
     ({"model": "nope", "prompt": "x"}, "model"),
-    ({"model": NAME, "prompt": "x " * 200}, "prompt too long"),
+    ({"model": NAME, "prompt": "x " * 200}, "prompt"),  # too long
     ({"model": NAME, "prompt": "x", "temperature": -1}, "temperature"),
     ({"model": NAME, "prompt": "x", "top_p": 2}, "top_p"),
     ({"model": NAME, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": NAME, "prompt": "x", "n": 3}, "n"),
-    ({"model": NAME, "prompt": [1, 2, 100000]}, "token id"),
-    ({"model": NAME}, "missing prompt"),
+    ({"model": NAME, "prompt": "x", "stop": [""]}, "stop"),
+    ({"model": NAME, "prompt": [1, 2, 100000]}, "prompt"),  # a token id out of the vocabulary
+    ({"model": NAME}, "prompt"),  # missing
+    ({"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature"),  # wrong type
 ])
-def test_bad_input_is_400(server, body, param):
+def test_bad_input_is_400_naming_the_field(server, body, param):
     url, _ = server
     r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400, (param, r.text)
     assert r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == param, r.text
 
 
 def test_bad_json_and_chat_errors(server):
@@ -229,10 +232,24 @@ def test_bad_json_and_chat_errors(server):
     h = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers=h)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] is None  # as OpenAI: no field to name (not the character offset)
     r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "wizard", "content": "x"}]},
                    headers=h)
     assert r.status_code == 400 and "Unknown role" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"
     assert httpx.get(url + "/health").status_code == 200  # still alive
+
+
+def test_prompt_longer_than_the_context_names_both_lengths(client):
+    """The rule `surojax generate` shares (surojax.generation.context): --max-model-len 128 counts prompt +
+    completion, so a 128-token prompt is refused, naming the field it came from."""
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x " * 200}])
+    assert chat.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as completion:
+        client.completions.create(model=NAME, prompt=[1] * 128, max_tokens=1)
+    assert completion.value.param == "prompt"
+    assert "maximum context length is 128 tokens; the prompt has 128 tokens" in completion.value.message
 
 
 def test_queue_full_is_429(server, client):
