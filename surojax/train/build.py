@@ -152,7 +152,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     if mem.unroll is True or (not isinstance(mem.unroll, bool) and mem.unroll > 1):
         reason += ("; unrolled layers compile longer the first time" +
                    (f" (compiled programs are cached in {cache_dir})" if cache_dir else ""))
-    log.info("layer loop: %s", reason)
+    log.debug("layer loop: %s", reason)  # the Trainer prints it in its start-up summary
     if check_memory and mesh.shape["fsdp"] * mesh.shape["tensor"] == 1:
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
 
