@@ -9,8 +9,6 @@ import json
 import sys
 import time
 
-HELP = "generate a completion from a model (checks and demos)"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,

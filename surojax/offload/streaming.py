@@ -38,7 +38,6 @@ from flax import nnx
 from surojax.offload.host_layers import split_layers
 
 HOST_KIND = "pinned_host"
-DEVICE_KIND = "device"
 STREAMED_SUBTREE = "layers"
 EMBEDDING = ("embed", "embedding")
 

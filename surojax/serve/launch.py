@@ -21,10 +21,6 @@ from surojax.serve.config import ServeConfig
 log = logging.getLogger("surojax.serve")
 
 
-class ServeError(ValueError):
-    is_user_error = True
-
-
 def _dtype(name: str):
     import jax
     import jax.numpy as jnp
