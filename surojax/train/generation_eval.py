@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from surojax.config.data import DatasetSpec
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer
 
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
@@ -94,11 +95,11 @@ def _spec_get(spec: Any, key: str, default: Any) -> Any:
     return getattr(spec, key, default)
 
 
-def example_from_row(row: Mapping, kind: str = "auto", spec: Any = None) -> EvalExample:
-    """One dataset row -> EvalExample. `spec` carries the *_field names and system_prompt (config keys)."""
-    from surojax.data.formats import FormatSpec, _messages, detect_type
+def example_from_row(row: Mapping, kind: str = "auto", spec: DatasetSpec | None = None) -> EvalExample:
+    """One dataset row -> EvalExample. `spec` carries the *_field names and system_prompt (default: DatasetSpec's)."""
+    from surojax.data.formats import _messages, detect_type
 
-    fs = FormatSpec(**{f.name: _spec_get(spec, f.name, f.default) for f in dataclasses.fields(FormatSpec)})
+    fs = spec if spec is not None else DatasetSpec(path="<row>")  # the default field names; no file behind it
     if kind == "auto":
         kind, _ = detect_type(row, fs)
     if kind == "instruction":
@@ -123,8 +124,9 @@ def example_from_row(row: Mapping, kind: str = "auto", spec: Any = None) -> Eval
     raise GenerationEvalError(f"type {kind!r} has no expected answer to score; use instruction or conversation")
 
 
-def load_eval_examples(path: str | Path, *, type: str = "auto", samples: int | None = None, spec: Any = None,
-                       split: str = "train", subset: str | None = None) -> list[EvalExample]:
+def load_eval_examples(path: str | Path, *, type: str = "auto", samples: int | None = None,
+                       spec: DatasetSpec | None = None, split: str = "train",
+                       subset: str | None = None) -> list[EvalExample]:
     """Read a dataset (any format `surojax.data.sources` reads) into EvalExamples; errors name the row."""
     from surojax.data.sources import DataError, InvalidRowError, read_rows
 
