@@ -113,7 +113,7 @@ def check_lengths(R, context, block_size):
 
 
 def check(R, graphdef, state, pools, tokens, start, table, block_size, kernels: str, eps: float):
-    """The teacher-forced checks (``surojax.serve.decode_check``): each layer's attention sublayer alone
+    """The teacher-forced checks (``benchmarks/decode_check.py``): each layer's attention sublayer alone
     (``attention_check``), then the whole model over the forced tokens [R, K] (``teacher_forced_check``),
     the same pool for the reference (bf16 and fp32) and each paged path (gather, and reduce / pallas where
     `kernels` names them); `CHECK {...}` lines with pass True / False. -> the result dicts."""

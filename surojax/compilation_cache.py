@@ -1,8 +1,8 @@
 """JAX's persistent compilation cache, on by default for GPU runs.
 
 An unrolled layer loop (`unroll_layers: true`, which `auto` picks where it fits) compiles every layer into one
-program: a minute or more for a 28-layer model on the H200 (benchmarks/RESULTS.md) against seconds for the rolled
-scan. With the cache a second run of the same program (same model shapes, batch, settings, jax / XLA build)
+program, so its compile time grows with depth where the rolled scan's stays flat (figures: benchmarks/RESULTS.md).
+With the cache a second run of the same program (same model shapes, batch, settings, jax / XLA build)
 loads the executable, and XLA's per-fusion autotuning results, from disk instead.
 
     directory   $JAX_COMPILATION_CACHE_DIR when set (JAX's own variable: the user's choice is kept), else

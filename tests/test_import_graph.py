@@ -29,12 +29,13 @@ PACKAGES = ("surojax", "pallas_kernels")
 # models never import parallel / train / serve, and pallas_kernels never imports surojax (docs/architecture.md).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pallas_kernels",),                                          # kernels: arrays + small specs in, arrays out
-    ("surojax.models", "surojax.data", "surojax.compilation_cache"),  # architecture; data pipeline; XLA cache
+    ("surojax.hub", "surojax.compilation_cache"),                 # local HF cache lookup; XLA compilation cache
+    ("surojax.config",),                                          # the validated YAML: typed sections and rules
+    ("surojax.models", "surojax.data"),                           # architecture; data pipeline (reads DatasetSpec)
     ("surojax.quant", "surojax.parallel", "surojax.generation", "surojax.losses"),  # transforms of / over a model
     ("surojax.weights",),                                         # safetensors / GGUF files <-> parameters
     ("surojax.peft", "surojax.precision"),                        # LoRA + adapter files; fp8 over (LoRA) linears
     ("surojax.offload", "surojax.model_loader"),                  # host placement + layer loops; ref -> a model
-    ("surojax.config",),                                          # the validated YAML (read by the assembly only)
     ("surojax.serve",),                                           # serving engine (GRPO will roll out on it)
     ("surojax.train",),                                           # specs -> one assembled run; trainer; tasks
     ("surojax.bench",),                                           # benchmarks built from the train specs
@@ -59,7 +60,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "quantize": ("surojax.model_loader", "surojax.weights.gguf_checkpoint", "surojax.weights.gguf_tokenizer",
                      "surojax.weights.model_ref"),
         "serve": ("surojax.serve.launch",),
-        "tokenize": ("surojax.data.debug", "surojax.data.hub", "surojax.data.pipeline", "surojax.data.tokenizer"),
+        "tokenize": ("surojax.data.debug", "surojax.hub", "surojax.data.pipeline", "surojax.data.tokenizer"),
     }.items() for target in targets},
     ("surojax.peft.qlora", "surojax.quant.quantize_mix"): _GGUF,
     ("surojax.weights.gguf_checkpoint", "surojax.quant.quantize_mix"): _GGUF,

@@ -6,9 +6,9 @@
             custom_vjp dequantises again in the backward for dx = g @ W^T (no bf16 copy kept as a residual)
 
 The choice is `SUROJAX_QUANT_MATMUL` = auto | pallas | xla (read when the matmul is traced; default auto).
-auto = xla off GPU, and on GPU pallas only for the formats listed in AUTO_PALLAS (the ones where the H200
-benchmark, benchmarks/quant_matmul_h200.py, measured the fused kernel faster than dequantise-then-matmul), xla
-for the rest. pallas forces the kernels (interpret mode off GPU: slow, for tests) and raises when a weight cannot
+auto = xla off GPU, and on GPU pallas only for the formats listed in AUTO_PALLAS (the ones whose fused kernel
+benchmarks/quant_matmul_h200.py found faster than dequantise-then-matmul: benchmarks/RESULTS.md), xla for the
+rest. pallas forces the kernels (interpret mode off GPU: slow, for tests) and raises when a weight cannot
 take them (a format without a kernel, stacked leaves, K or N off the tiles); auto falls back to xla instead.
 
 The weight is any pytree that has the `PackedWeight` methods (surojax.quant's formats do): the api never needs
@@ -51,9 +51,9 @@ class PackedWeight(Protocol):
 ENV = "SUROJAX_QUANT_MATMUL"
 MODES = ("auto", "pallas", "xla")
 
-# Formats whose fused kernel beat XLA's dequantise-then-matmul (forward + input gradient, M = 8192, Qwen3-8B
-# shapes) on the H200, as benchmarks/quant_matmul_h200.py prints it. Empty: XLA won for every format measured
-# (benchmarks/RESULTS.md, "Quantised bases").
+# Formats whose fused kernel beats XLA's dequantise-then-matmul (forward + input gradient) in
+# benchmarks/quant_matmul_h200.py. Empty: XLA won for every format benchmarked (benchmarks/RESULTS.md,
+# "Quantised bases").
 AUTO_PALLAS: frozenset[str] = frozenset()
 
 # Tiles (forward, transposed) of every format, unless TUNED_TILES (keyed by LayoutSpec.name) has its own. The

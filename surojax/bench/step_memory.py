@@ -79,10 +79,10 @@ def abstract_step_args(bc, *, layers: int | None = None):
     fr = jax.tree.map(lambda x: sds(x, replicated), frozen)
     chunk = lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks)
 
-    def loss_fn(m, batch, remat=None):
-        return lm_loss(m, batch, chunk=chunk, remat=remat, unroll=spec.memory.unroll)
+    def loss_fn(m, batch, layer_loop=None):
+        return lm_loss(m, batch, chunk=chunk, layer_loop=layer_loop, unroll=spec.memory.unroll)
 
-    step = make_train_step(graphdef, loss_fn, optimizer, remat=layer_loop(spec.memory.recompute), **kw)
+    step = make_train_step(graphdef, loss_fn, optimizer, layer_loop=layer_loop(spec.memory.recompute), **kw)
     shape = (bc.accum, bc.batch, bc.seq)
     bsh = NamedSharding(mesh, P(None, None, None))
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)

@@ -11,8 +11,6 @@ import time
 
 from surojax.generation.context import completion_budget
 
-HELP = "generate a completion from a model (checks and demos)"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,

@@ -9,8 +9,6 @@ import logging
 
 from surojax.serve.config import EngineConfig, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig
 
-HELP = "serve a model over an OpenAI-compatible HTTP API"
-
 
 _SERVE, _ENGINE, _SCHED, _LORA = ServeConfig(model=""), EngineConfig(), SchedulerConfig(), LoraServeConfig()
 

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from surojax.data.debug import debug_print
-    from surojax.data.hub import resolve_local
+    from surojax.hub import resolve_local
     from surojax.data.pipeline import build_data_from_config, dataset_line
     from surojax.data.tokenizer import Tokenizer
 

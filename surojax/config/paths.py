@@ -1,7 +1,7 @@
 """check_paths: the files a TrainConfig points at exist, checked on demand (never at schema time).
 
 A name that is not a local path may be a Hugging Face repo id; it resolves only through the local HF cache
-(surojax.data.hub, no network), and a miss says so and what to pass instead. Relative paths are relative
+(surojax.hub, no network), and a miss says so and what to pass instead. Relative paths are relative
 to the working directory.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from surojax.config.errors import ConfigError, ConfigProblem
 from surojax.config.schema import TrainConfig
-from surojax.data.hub import ModelNotFoundError, resolve_local
+from surojax.hub import ModelNotFoundError, resolve_local
 
 
 def _find(key: str, name: str, kind: str, problems: list[ConfigProblem]) -> Path | None:

@@ -45,9 +45,8 @@ from surojax.config.explain import Loc, Positions, problems_from_validation_erro
 from surojax.config.load import apply_overrides, load_config, parse_override, read_config_file
 from surojax.config.paths import check_paths
 from surojax.config.schema import TrainConfig
-from surojax.data.hub import ModelNotFoundError, resolve_local
+from surojax.hub import ModelNotFoundError, resolve_local
 
-STAGE_KEYS = ("name", "overwrite_output_dir")
 # What a training run writes into its output_dir; overwrite_output_dir deletes these and nothing else.
 OUTPUT_ARTIFACTS = ("model", "adapter", "merged", "checkpoints", "metrics.jsonl", "loss.png", "tensorboard",
                     "wandb", "generation_eval.json")

@@ -18,10 +18,6 @@ FIELDS = {"tokens": np.int32, "positions": np.int32, "segment_ids": np.int32, "t
           "loss_mask": np.float32}
 
 
-def empty_batch(batch: int, seq_len: int) -> dict[str, np.ndarray]:
-    return {k: np.zeros((batch, seq_len), dt) for k, dt in FIELDS.items()}
-
-
 def example_to_row(ids: list[int], mask: list[bool | float], seq_len: int) -> dict[str, np.ndarray]:
     """One unpacked sequence as a row: `mask[t]` says whether ids[t] is a supervised token.
 

@@ -10,7 +10,8 @@
     auto          the type chosen from the first row's columns (the choice and the reason are logged).
 
 Only assistant / output tokens are supervised unless train_on_inputs. `fit_length` truncates (or drops) an
-example longer than sequence_len. A row that cannot be formatted raises `InvalidRowError`.
+example longer than sequence_len. A row that cannot be formatted raises `InvalidRowError`. The column names and
+the system prompt come from the dataset's entry, `surojax.config.data.DatasetSpec` (its *_field keys).
 """
 from __future__ import annotations
 
@@ -18,17 +19,18 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
+from surojax.config.data import DatasetSpec, DatasetType
 from surojax.data.chat_masks import chat_ids_and_mask
 from surojax.data.sources import DataError, InvalidRowError
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
 
 log = logging.getLogger(__name__)
 
-TYPES = ("text", "instruction", "conversation", "preference", "auto")
+TYPES = get_args(DatasetType)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                   "bot": "assistant", "chatgpt": "assistant", "system": "system", "tool": "tool",
                   "function": "tool", "observation": "tool", "function_response": "tool"}
@@ -49,28 +51,15 @@ class Example:
         return Example(np.asarray(ids, np.int32), np.asarray(mask, bool))
 
 
-@dataclass(frozen=True)
-class FormatSpec:
-    """How to read a dataset's rows (the format keys of a `datasets:` entry)."""
-
-    type: str = "auto"
-    text_field: str = "text"
-    instruction_field: str = "instruction"
-    input_field: str = "input"
-    output_field: str = "output"
-    messages_field: str = "messages"
-    system_prompt: str | None = None
-
-
-def detect_type(row: Mapping[str, Any], spec: FormatSpec = FormatSpec()) -> tuple[str, str]:
+def detect_type(row: Mapping[str, Any], spec: DatasetSpec) -> tuple[str, str]:
     """(type, reason) for a row's columns, in the order conversation, preference, instruction, text."""
     cols = sorted(row)
     if isinstance(row.get(spec.messages_field), (list, str)):
         return "conversation", f"column {spec.messages_field!r} holds chat messages"
     if isinstance(row.get("conversations"), (list, str)):
         return "conversation", "column 'conversations' holds sharegpt turns"
-    if "chosen" in row and "rejected" in row:
-        return "preference", "columns 'chosen' and 'rejected'"
+    if spec.chosen_field in row and spec.rejected_field in row:
+        return "preference", f"columns {spec.chosen_field!r} and {spec.rejected_field!r}"
     if spec.instruction_field in row and spec.output_field in row:
         return "instruction", f"columns {spec.instruction_field!r} and {spec.output_field!r}"
     if "prompt" in row and "completion" in row:
@@ -82,7 +71,7 @@ def detect_type(row: Mapping[str, Any], spec: FormatSpec = FormatSpec()) -> tupl
                     f"(instruction) or {spec.text_field!r} (text); set `type:` and the *_field keys")
 
 
-def make_formatter(kind: str, tokenizer: Tokenizer, spec: FormatSpec = FormatSpec(), *,
+def make_formatter(kind: str, tokenizer: Tokenizer, spec: DatasetSpec, *,
                    train_on_inputs: bool = False, chat_template: str | None = None
                    ) -> Callable[[Mapping[str, Any]], Example]:
     """A function row -> Example for a resolved type (not auto). Set-up errors raise `DataError` here."""
@@ -124,7 +113,7 @@ def _text_value(row: Mapping, key: str, what: str, required: bool = True) -> str
     return value
 
 
-def _text(row, tokenizer: Tokenizer, spec: FormatSpec) -> Example:
+def _text(row, tokenizer: Tokenizer, spec: DatasetSpec) -> Example:
     text = _text_value(row, spec.text_field, "text")
     if not text.strip():
         raise InvalidRowError(f"empty text in field {spec.text_field!r}")
@@ -135,7 +124,7 @@ def _text(row, tokenizer: Tokenizer, spec: FormatSpec) -> Example:
     return Example.of(ids, [True] * len(ids))
 
 
-def _instruction(row, tokenizer: Tokenizer, spec: FormatSpec, template: str | None, train_on_inputs: bool):
+def _instruction(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str | None, train_on_inputs: bool):
     if spec.instruction_field not in row and "prompt" in row and "completion" in row:
         instruction, inp, output = _text_value(row, "prompt", "prompt"), "", _text_value(row, "completion", "completion")
     else:
@@ -160,7 +149,7 @@ def _instruction(row, tokenizer: Tokenizer, spec: FormatSpec, template: str | No
     return Example.of(p_ids + o_ids, [train_on_inputs] * len(p_ids) + [True] * len(o_ids))
 
 
-def _messages(row, spec: FormatSpec) -> list[dict]:
+def _messages(row, spec: DatasetSpec) -> list[dict]:
     raw, sharegpt = row.get(spec.messages_field), False
     if raw is None and row.get("conversations") is not None:
         raw, sharegpt = row["conversations"], True
@@ -197,7 +186,7 @@ def _messages(row, spec: FormatSpec) -> list[dict]:
     return out
 
 
-def _conversation(row, tokenizer: Tokenizer, spec: FormatSpec, template: str, train_on_inputs: bool) -> Example:
+def _conversation(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str, train_on_inputs: bool) -> Example:
     messages = _messages(row, spec)
     if not train_on_inputs and not any(m["role"] == "assistant" for m in messages):
         raise InvalidRowError("no assistant message: nothing to learn from this conversation")

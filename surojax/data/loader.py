@@ -67,11 +67,6 @@ class TrainLoader:
         self.step = 0
 
     @property
-    def steps_per_epoch(self) -> float:
-        """Global batches per pass over the rows (a batch may straddle two epochs, hence a float)."""
-        return self.num_rows / self.batch_size
-
-    @property
     def total_steps(self) -> int | None:
         return None if self.num_epochs is None else self.num_rows * self.num_epochs // self.batch_size
 

@@ -5,12 +5,12 @@
 Everything is tokenized up front (in every process: the result is identical, and data sharding happens on
 rows in the loader). Multiple training datasets are concatenated in order; the loader shuffles rows.
 `validation_split_ratio` holds out a seeded random subset of the training examples; `validation_datasets`
-give the eval set instead. `build_data` takes plain arguments; `build_data_from_config` reads the same keys
-from any object with the config's attribute names (surojax.config's DataSection).
+give the eval set instead. A dataset is described by the config's `DatasetSpec` (surojax.config.data): `build_data`
+takes those (or a path / a mapping of its keys) and plain arguments; `build_data_from_config` reads the same keys
+from the config's `DataSection`.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from surojax.data.formats import Example, FormatSpec, detect_type, fit_length, make_formatter, supervised_targets
+from surojax.config.data import DataSection, DatasetSpec
+from surojax.data.formats import Example, detect_type, fit_length, make_formatter, supervised_targets
 from surojax.data.loader import EvalLoader, TrainLoader
 from surojax.data.packing import PackedRows
 from surojax.data.sources import DataError, InvalidRowError, ReadStats, read_rows
@@ -27,36 +28,19 @@ from surojax.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+DatasetEntry = DatasetSpec | str | Path | Mapping[str, Any]  # what build_data takes per dataset (see dataset_spec)
 
-@dataclass(frozen=True)
-class DatasetSpec:
-    """One `datasets:` entry: where the rows are (sources) and how to read them (formats)."""
 
-    path: str
-    type: str = "auto"
-    split: str = "train"
-    subset: str | None = None
-    samples: int | None = None
-    text_field: str = "text"
-    instruction_field: str = "instruction"
-    input_field: str = "input"
-    output_field: str = "output"
-    messages_field: str = "messages"
-    system_prompt: str | None = None
-
-    @classmethod
-    def of(cls, obj: Any) -> "DatasetSpec":
-        """From a DatasetSpec, a str path, a dict, or any object with these attribute names (pydantic config)."""
-        if isinstance(obj, cls):
-            return obj
-        if isinstance(obj, (str, Path)):
-            return cls(path=str(obj))
-        get = obj.get if isinstance(obj, Mapping) else lambda k, d: getattr(obj, k, d)
-        return cls(**{f.name: get(f.name, f.default) for f in dataclasses.fields(cls) if f.name != "path"},
-                   path=str(get("path", None)))
-
-    def format_spec(self) -> FormatSpec:
-        return FormatSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(FormatSpec)})
+def dataset_spec(entry: DatasetEntry) -> DatasetSpec:
+    """A `datasets:` entry as the config's DatasetSpec: the spec itself, a path alone, or a mapping of its keys
+    (validated as the config validates it)."""
+    if isinstance(entry, DatasetSpec):
+        return entry
+    if isinstance(entry, (str, Path)):
+        return DatasetSpec(path=str(entry))
+    if isinstance(entry, Mapping):
+        return DatasetSpec.model_validate(dict(entry))
+    raise TypeError(f"a dataset entry is a DatasetSpec, a path or a mapping, got {type(entry).__name__}")
 
 
 @dataclass
@@ -113,11 +97,11 @@ def chat_template_text(chat_template: str | None) -> str | None:
     return p.read_text(encoding="utf-8")
 
 
-def load_examples(spec: Any, tokenizer: Tokenizer, *, sequence_len: int, train_on_inputs: bool = False,
+def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int, train_on_inputs: bool = False,
                   skip_invalid_rows: bool = False, truncation: str = "truncate", chat_template: str | None = None,
                   stats: DataStats | None = None) -> list[Example]:
     """Read, format and fit one dataset; counts go into `stats` (skips, truncation, the chosen type)."""
-    spec, stats = DatasetSpec.of(spec), stats if stats is not None else DataStats(sequence_len=sequence_len)
+    spec, stats = dataset_spec(spec), stats if stats is not None else DataStats(sequence_len=sequence_len)
     read = ReadStats()
     rows = read_rows(spec.path, split=spec.split, subset=spec.subset, samples=spec.samples,
                      skip_invalid_rows=skip_invalid_rows, stats=read)
@@ -125,9 +109,9 @@ def load_examples(spec: Any, tokenizer: Tokenizer, *, sequence_len: int, train_o
     for where, row in rows:
         if fmt is None:
             if kind == "auto":
-                kind, why = detect_type(row, spec.format_spec())
+                kind, why = detect_type(row, spec)
                 log.info("%s: type auto -> %s (%s)", spec.path, kind, why)
-            fmt = make_formatter(kind, tokenizer, spec.format_spec(), train_on_inputs=train_on_inputs,
+            fmt = make_formatter(kind, tokenizer, spec, train_on_inputs=train_on_inputs,
                                  chat_template=chat_template)
         try:
             ex = fmt(row)
@@ -188,10 +172,10 @@ def validation_split(n: int, ratio: float, seed: int) -> tuple[np.ndarray, np.nd
     return np.flatnonzero(~is_val), np.flatnonzero(is_val)
 
 
-def build_data(datasets: Iterable[Any], tokenizer: Tokenizer, *, sequence_len: int, batch_size: int,
+def build_data(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, sequence_len: int, batch_size: int,
                sample_packing: bool = True, seed: int = 0, train_on_inputs: bool = False,
                skip_invalid_rows: bool = False, truncation: str = "truncate", validation_split_ratio: float = 0.0,
-               validation_datasets: Iterable[Any] = (), num_epochs: int | None = None,
+               validation_datasets: Iterable[DatasetEntry] = (), num_epochs: int | None = None,
                eval_batch_size: int | None = None, chat_template: str | None = None,
                process_index: int | None = None, process_count: int | None = None) -> Data:
     """Train loader (+ eval loader) and stats. `batch_size` / `eval_batch_size` count rows of a GLOBAL batch."""
@@ -230,11 +214,13 @@ def build_data(datasets: Iterable[Any], tokenizer: Tokenizer, *, sequence_len: i
     return Data(train=train, eval=eval_loader, stats=stats, train_rows=rows, eval_rows=eval_rows)
 
 
-def build_data_from_config(cfg: Any, tokenizer: Tokenizer, *, batch_size: int, seed: int = 0,
+def build_data_from_config(cfg: DataSection, tokenizer: Tokenizer, *, batch_size: int, seed: int = 0,
                            num_epochs: int | None = None, **overrides) -> Data:
-    """`build_data` with the data keys read from `cfg` (sequence_len, sample_packing, datasets ...)."""
-    keys = ("sequence_len", "sample_packing", "train_on_inputs", "skip_invalid_rows", "validation_split_ratio",
-            "validation_datasets", "chat_template")
-    kwargs = {k: getattr(cfg, k) for k in keys if getattr(cfg, k, None) is not None}
+    """`build_data` with the data keys of the config (sequence_len, sample_packing, datasets ...); `overrides`
+    are further `build_data` keywords."""
+    kwargs = dict(sequence_len=cfg.sequence_len, sample_packing=cfg.sample_packing,
+                  train_on_inputs=cfg.train_on_inputs, skip_invalid_rows=cfg.skip_invalid_rows,
+                  validation_split_ratio=cfg.validation_split_ratio, validation_datasets=cfg.validation_datasets,
+                  chat_template=cfg.chat_template)
     kwargs.update(overrides)
     return build_data(cfg.datasets, tokenizer, batch_size=batch_size, seed=seed, num_epochs=num_epochs, **kwargs)

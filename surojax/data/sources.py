@@ -4,7 +4,7 @@ Readers: JSONL, JSON (a list of objects or {"data": [...]}), Parquet, CSV, Arrow
 `datasets.save_to_disk` folder (dataset_info.json / state.json + *.arrow shards, or a DatasetDict folder
 with one subfolder per split), and a plain folder of such files (files are chosen by `split` when their
 names say which split they hold). A Hugging Face dataset id that is not a local path resolves only through
-the local HF hub cache (surojax.data.hub); nothing is downloaded.
+the local HF hub cache (surojax.hub); nothing is downloaded.
 
 Every row comes with a location ("file.jsonl:12", 1-based line or row number) so that an invalid row is
 reported where the user can find it. `skip_invalid_rows` turns such errors into a counted skip (`ReadStats`).
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surojax.data.hub import ModelNotFoundError, resolve_local
+from surojax.hub import ModelNotFoundError, resolve_local
 
 log = logging.getLogger(__name__)
 

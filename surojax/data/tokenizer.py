@@ -38,8 +38,6 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import tokenizers
 
-# The named special tokens transformers exposes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
-NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
 _TRACKER_VAR = "__surojax_generation_tracker"
 

@@ -107,14 +107,15 @@ def _chunked_ce_bwd(res, g):
 _chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
 
 
-def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, remat=None,
+def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None,
             unroll: int | bool = 1) -> tuple[jax.Array, dict]:
     """The causal-LM loss of a `Decoder` on a packed batch (see surojax/data/batch.py).
 
     Returns (sum of CE over supervised tokens, {"tokens": count}); divide by the accumulated count.
-    `remat` / `unroll`: the layer loop's recompute wrapper and scan unrolling (Decoder.hidden_states).
+    `layer_loop` / `unroll`: the layer loop (a recompute wrapper of the scan body, or a loop of its own) and the
+    scan unrolling (Decoder.hidden_states).
     """
-    h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"], remat=remat,
+    h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"], layer_loop=layer_loop,
                                unroll=unroll)
     total, count = chunked_lm_loss(h, model.head_weight(), batch["targets"], batch["loss_mask"], chunk)
     return total, {"tokens": count}

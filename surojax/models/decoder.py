@@ -105,12 +105,13 @@ class Decoder(nnx.Module):
 
     # ---- forward ----------------------------------------------------------------------------------------
     def hidden_states(self, tokens, positions, segment_ids, *, cache: Cache | None = None,
-                      remat: Callable | None = None, unroll: int | bool = 1, cache_in_carry: bool = False):
+                      layer_loop: Callable | None = None, unroll: int | bool = 1, cache_in_carry: bool = False):
         """tokens/positions/segment_ids [B, T] -> (final-normed hidden [B, T, D], updated cache or None).
 
-        `remat` wraps the per-layer scan body (e.g. `functools.partial(jax.checkpoint, policy=...)`), or, when it
-        has a `run_layers(apply_layer, h, layer_state, consts, unroll=)` method, runs the whole layer stack in
-        place of the scan (offload/prefetch.py: the streamed base fetched one layer ahead; training only).
+        `layer_loop` (offload.remat.layer_loop makes it; None: the plain scan) either wraps the per-layer scan body
+        (a recompute wrapper, e.g. `functools.partial(jax.checkpoint, policy=...)`), or, when it has a
+        `run_layers(apply_layer, h, layer_state, consts, unroll=)` method, runs the whole layer stack in place of
+        the scan (offload/prefetch.py: the streamed base fetched one layer ahead; training only).
         `unroll` is `lax.scan`'s: 1 = a rolled loop (one compiled layer), True = every layer inlined (no
         per-layer copies of the saved activations into stacked buffers; longer compile). Same math either way.
         `cache_in_carry` (with a cache; the serving runner's choice): the whole cache rides in the scan carry and
@@ -127,7 +128,7 @@ class Decoder(nnx.Module):
             cache_in_carry = cache_in_carry or cache.carry_only
 
         graphdef, layer_state = nnx.split(self.layers)
-        run_layers = getattr(remat, "run_layers", None)  # a layer loop of its own (offload/prefetch.py)
+        run_layers = getattr(layer_loop, "run_layers", None)  # a layer loop of its own (offload/prefetch.py)
         if run_layers is not None and cache is None:
             def apply_layer(state_l, h, consts):
                 return nnx.merge(graphdef, state_l)(h, *consts)[0]
@@ -151,11 +152,11 @@ class Decoder(nnx.Module):
             return (h, dataclasses.replace(kv, layer=kv.layer + 1)), None
 
         if cache is not None and cache_in_carry:
-            loop_body = carry_body if remat is None else remat(carry_body)
+            loop_body = carry_body if layer_loop is None else layer_loop(carry_body)
             (h, kv), _ = jax.lax.scan(loop_body, (h, cache.carried()), layer_state, unroll=unroll)
             return self.final_norm(h), cache.with_kv(kv.k, kv.v)
-        if remat is not None:
-            body = remat(body)
+        if layer_loop is not None:
+            body = layer_loop(body)
         h, new_kv = jax.lax.scan(body, h, (layer_state, None if cache is None else cache.per_layer()), unroll=unroll)
         if cache is not None:
             cache = cache.with_kv(new_kv.k, new_kv.v)

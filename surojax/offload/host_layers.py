@@ -1,11 +1,11 @@
 """A stacked per-layer weight [L, ...] kept in host memory as L separate buffers, one per layer.
 
-Why (measured on the H200, benchmarks/host_copy_overlap.py, 2026-11-29): XLA moves a slice of a stacked
+Why (benchmarks/host_copy_overlap.py; figures in benchmarks/RESULTS.md): XLA moves a slice of a stacked
 pinned-host array to the device either as a dynamic-slice kernel that reads host memory over PCIe on the compute
-stream, or as a synchronous copy; either way the copy runs serially with the matmuls (a prefetching scan over
-the stack: 1.77x the resident loop). A whole host buffer moved with `jax.device_put` inside jit becomes an
-asynchronous copy (copy-start / copy-done, a DMA on its own stream) that XLA's scheduler overlaps with the compute:
-L buffers fetched one layer ahead in an unrolled loop ran at 1.12x resident (96.8% of the transfer hidden).
+stream, or as a synchronous copy; either way the copy runs serially with the matmuls, even in a prefetching scan
+over the stack. A whole host buffer moved with `jax.device_put` inside jit becomes an asynchronous copy
+(copy-start / copy-done, a DMA on its own stream) that XLA's scheduler overlaps with the compute, so L buffers
+fetched one layer ahead in an unrolled loop hide most of the transfer.
 So `offload_prefetch` keeps the streamed base as `HostLayers` and the prefetching loop (prefetch.py) walks the
 layers in Python, fetching buffer l+1 while layer l computes.
 

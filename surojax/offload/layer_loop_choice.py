@@ -4,24 +4,23 @@
 fastest first and returns the first whose plan (`plan_fn(recompute, unroll) -> MemoryPlan`) fits
 `USABLE_FRACTION` of the capacity, with a one-line reason for the start-up summary.
 
-Candidates, fastest first (benchmarks/RESULTS.md, H200, bf16, seq 2048):
+Candidates, fastest first (the order and the reasons come from the benchmarks in benchmarks/RESULTS.md):
 
-    (none, unrolled)   the fastest measured loop: Qwen3-0.6B LoRA b8 +27% over the rolled scan (session 2), full
-                       fine-tune +25%, Qwen3-8B LoRA b4 +13%; and it peaks LOWER than (none, rolled) (-10, -16,
-                       -20 GiB): the inlined layers keep their residuals as separate buffers instead of [L, ...]
-                       stacks written by dynamic_update_slice (memory_plan.py models the drop). Its price is
-                       compile time (one program per layer; see `compilation_cache.py`)
-    (full, rolled)     the recompute costs next to nothing inside the scan: -1% vs (none, rolled) at 0.6B LoRA
-                       (the scan's stack copies, not the recomputed forward, bound that step), at a fifth of the
-                       memory; the trainer's old default
+    (none, unrolled)   the fastest loop (Qwen3-0.6B LoRA and full fine-tune, Qwen3-8B LoRA), and it peaks LOWER
+                       than (none, rolled): the inlined layers keep their residuals as separate buffers instead of
+                       [L, ...] stacks written by dynamic_update_slice (memory_plan.py models the drop). Its price
+                       is compile time (one program per layer; see `compilation_cache.py`)
+    (full, rolled)     the recompute costs next to nothing inside the scan (the scan's stack copies, not the
+                       recomputed forward, bound that step), at a fraction of the memory; the trainer's old default
     (offload, rolled)  full with each layer's input in host memory (device activations O(1) in depth)
 
 Left out, each dominated by a candidate above:
     (none, rolled)     slower than (none, unrolled) and planned bigger: it never fits where that does not
-    (dots, rolled)     -12% vs (none, rolled) (it recomputes the attention), more memory than full
-    (dots, unrolled)   not measured; the plan keeps nearly what (none, unrolled) keeps, so the band where it would
-                       be chosen is a few percent of the capacity
-    (full, unrolled)   measured only as offload_prefetch's per-layer twin: 0.95-1.01x the rolled scan at 2x its peak
+    (dots, rolled)     slower than (none, rolled) (it recomputes the attention), more memory than full
+    (dots, unrolled)   not benchmarked; the plan keeps nearly what (none, unrolled) keeps, so the band where it
+                       would be chosen is a few percent of the capacity
+    (full, unrolled)   benchmarked only as offload_prefetch's per-layer twin: no faster than the rolled scan, at a
+                       larger peak
 
 Constraints. `offload_base_weights` (the base streamed from host memory) forbids none: its candidates are
 (full, rolled), (offload, rolled): the streamed step is bound by the host link, so the smallest footprint wins,
@@ -46,8 +45,8 @@ from surojax.offload.memory_plan import GiB, MemoryPlan
 AUTO = "auto"
 UNROLLED: bool = True  # every layer inlined
 ROLLED: int = 1  # the scan, one layer per iteration
-# the plan erred between -9% and +15% against the H200 peaks it is calibrated on (tests/offload/test_memory_plan.py);
-# 10% headroom keeps an underestimate of that size from running out of memory
+# headroom for the plan's error against the measured peaks it is calibrated on (tests/offload/test_memory_plan.py
+# holds them and the error bound): an underestimate within that bound does not run out of memory
 USABLE_FRACTION = 0.90
 FASTEST_FIRST: tuple[tuple[str, int | bool], ...] = (("none", UNROLLED), ("full", ROLLED), ("offload", ROLLED))
 STREAMED: tuple[tuple[str, int | bool], ...] = (("full", ROLLED), ("offload", ROLLED))

@@ -181,7 +181,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
         wb = c  # the frozen base in the compute dtype
         # streamed: the device copy of the layer being computed; an untied embedding table is in host memory too
         # (fetched for the gather at the start of the forward pass, dead before the backward pass where the peak
-        # is). Measured on the H200 (Llama-3.1-8B, batch 1 and 4): streamed peak = resident peak - host bytes.
+        # is): streamed peak = resident peak - host bytes (as the GPU runs measured it: benchmarks/RESULTS.md).
         head_params = embed_params if cfg.tie_word_embeddings else V * D + D
         resident = (head_params + layer_params) if offload_base else embed_params + L * layer_params
         if offload_base and prefetch:  # offload_prefetch: the copies of the next `prefetch_depth` layers in flight

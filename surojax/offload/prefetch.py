@@ -1,8 +1,8 @@
 """`offload_prefetch`: the streamed layer loop, double-buffered, so the copy of layer l+1 overlaps layer l's compute.
 
 The plain streamed loop (streaming.py) fetches layer l inside scan step l, right before its matmuls: the copy and
-the compute it feeds are serial, and XLA does not move the copy into the previous step (measured on the H200:
-step time ~ compute + copies). Here the copy is issued one step early, explicitly:
+the compute it feeds are serial, and XLA does not move the copy into the previous step (step time ~ compute +
+copies: benchmarks/RESULTS.md). Here the copy is issued one step early, explicitly:
 
     forward   w = fetch(host[0])
               scan l = 0..L-1, carry (h, w):   w' = fetch(host[min(l+1, L-1)])     (independent of h)
@@ -35,7 +35,7 @@ of every layer would be issued at once and hold the whole base on the device. So
 through an optimization barrier, on the output of the layer `PREFETCH_DEPTH + 1` places before it (forward) or
 after it (backward): at most 1 + depth layers' device copies are live, which is what memory_plan.py counts.
 
-Used through the decoder's layer-loop hook: `Decoder.hidden_states(remat=PrefetchedLayers())` (an object with a
+Used through the decoder's layer-loop hook: `Decoder.hidden_states(layer_loop=PrefetchedLayers())` (an object with a
 `run_layers` method replaces the scan; the trainer builds it for `offload_prefetch: true`).
 """
 from __future__ import annotations
@@ -226,8 +226,9 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchedLayers:
-    """The decoder's layer-loop hook for `offload_prefetch`: passed where a remat wrapper goes (`remat=`), it runs
-    the whole layer stack with `prefetched_layer_stack` (recompute full semantics, the next layer fetched early).
+    """The decoder's layer-loop hook for `offload_prefetch`: passed as `layer_loop=` (where a recompute wrapper goes),
+    it runs the whole layer stack with `prefetched_layer_stack` (recompute full semantics, the next layer fetched
+    early).
     per_layer: always the unrolled per-layer loop (what a `HostLayers` base gets; for its resident twin).
     depth: layers fetched beyond the one computing in that loop (>= 1; each adds one layer of device memory)."""
 

@@ -43,7 +43,7 @@ def remat_wrapper(name: str) -> Callable | None:
 
 
 def layer_loop(recompute: str, *, prefetch: bool = False, per_layer: bool = False):
-    """What the trainer passes as the decoder's `remat=`: the recompute wrapper of the scan body, or with `prefetch`
+    """What the trainer passes as the decoder's `layer_loop=`: the recompute wrapper of the scan body, or with `prefetch`
     (offload_prefetch; recompute must be full) the double-buffered streamed layer loop (`per_layer`: always its
     unrolled per-layer form, which a `HostLayers` base gets anyway; the bench's resident twin)."""
     if not prefetch:

@@ -12,10 +12,10 @@ Triton GEMM emitter runs it on FP8 tensor cores); elsewhere (CPU) the same dot r
 tests check the numbers the GPU computes up to accumulation order. `benchmarks/fp8_gemm_check.py` reads the compiled
 HLO to see which one happened and holds the result to the fp32 product of the dequantised operands.
 
-Why not `dot(convert(a_q) * a_d, convert(b_q) * b_d)` ("qdq", still selectable with SUROJAX_FP8_DOT=qdq)? On the
-H200 (jax 0.11.2) it ran as plain bf16 cuBLAS GEMMs *without* the FP8 rounding of the activations: 2.7 % (frozen) /
-3.7 % (trainable) off the fp32 product of the FP8 operands, where leaving out the E4M3 rounding of x gives 2.69 %
-on the same data (CPU). The quantiser of x is `convert(f32 -> f8)` read only by `convert(f8 -> bf16)`, a chain that
+Why not `dot(convert(a_q) * a_d, convert(b_q) * b_d)` ("qdq", still selectable with SUROJAX_FP8_DOT=qdq)? XLA
+GPU may compile it as plain bf16 cuBLAS GEMMs *without* the FP8 rounding of the activations, and did on the GPU
+checked (its error off the fp32 product of the FP8 operands matched that of leaving out the E4M3 rounding of x:
+benchmarks/RESULTS.md, fp8_gemm_check). The quantiser of x is `convert(f32 -> f8)` read only by `convert(f8 -> bf16)`, a chain that
 XLA GPU's SimplifyFPConversions (on by default, xla_allow_excess_precision) rewrites as one `f32 -> bf16` convert;
 with x no longer FP8 the GEMM cannot be an FP8 GEMM. Which pass order exposes the chain (Triton GemmFusion takes
 such dots before the FP8 rewriter; the autotuner's cuBLAS fallback meets them after the float normalisation) is
@@ -46,7 +46,8 @@ MARGIN = 0  # 2^-margin headroom in the scale (Transformer Engine's default)
 def dot_form() -> str:
     """How the scaled GEMM is written for XLA (read when a step is traced): `direct` (default) dot_general on the
     FP8 arrays (bf16 result) times a_d * b_d; `qdq` dot(convert(a_q) * a_d, convert(b_q) * b_d) in bf16,
-    the textbook pattern of XLA's FP8 rewriter that jax 0.11.2 on the H200 did not fold (module docstring).
+    the textbook pattern of XLA's FP8 rewriter, which XLA may leave unfolded (module docstring;
+    benchmarks/RESULTS.md).
     benchmarks/fp8_gemm_check.py compiles and times both."""
     form = os.environ.get("SUROJAX_FP8_DOT", "direct")
     if form not in ("qdq", "direct"):

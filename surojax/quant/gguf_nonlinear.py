@@ -23,13 +23,6 @@ KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
 
 
-def e8m0_to_fp32_half(e: jax.Array) -> jax.Array:
-    """uint8 E8M0 exponent -> float32 2^(e - 127) / 2, bit-exact as ggml (subnormal for e < 2)."""
-    e = e.astype(jnp.uint32)
-    bits = jnp.where(e < 2, jnp.uint32(0x00200000) << e, (e - 1) << 23)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
 @register_format("iq4_nl")
 class IQ4_NL(GGUFQuant):
     ggml_type, block_size, type_size, can_quantize = 20, 32, 18, True

@@ -49,7 +49,6 @@ FILE_TYPES: dict[str, tuple[int, str]] = {
     "iq4_nl": (gguf.LlamaFileType.MOSTLY_IQ4_NL, "iq4_nl"),
     "iq4_xs": (gguf.LlamaFileType.MOSTLY_IQ4_XS, "iq4_xs"),
 }
-MIX_TYPES = ("q2_k", "q3_k_m", "q4_k_m", "q5_k_m")  # the file types whose tensors do not all share one type
 FLOAT_TYPES = ("f32", "f16", "bf16")
 _BLOCK = {"q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q8_0": 32, "q2_k": 256, "q3_k": 256, "q4_k": 256,
           "q5_k": 256, "q6_k": 256, "iq4_nl": 32, "iq4_xs": 256, "f32": 1, "f16": 1, "bf16": 1}

@@ -63,9 +63,6 @@ class Stream:
             if not self.finished and self.owner is not None:  # cancelled / client went away
                 self.owner.abort(self)
 
-    async def collect(self) -> list[RequestOutput]:
-        return [o async for o in self]
-
 
 class AsyncEngine:
     def __init__(self, engine: Engine, *, max_queue: int = 256, idle_wait_s: float = 0.05):

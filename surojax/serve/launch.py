@@ -26,10 +26,6 @@ from surojax.serve.engine import Engine
 log = logging.getLogger("surojax.serve")
 
 
-class ServeError(ValueError):
-    is_user_error = True
-
-
 def _dtype(name: str):
     if name == "auto":
         return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32

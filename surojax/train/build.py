@@ -4,7 +4,7 @@
          ─ model: load / initialise ─ transforms (quantise base, LoRA, fp8) ─ placement (mesh, host memory)
          ─ split (graphdef, trainable, frozen) ─ optimizer + its state ─ layer loop ─ jitted train / eval steps
 
-The loss is a pure function `loss(model, batch, *, chunk, remat, unroll) -> (loss_sum, {"tokens": ...})`
+The loss is a pure function `loss(model, batch, *, chunk, layer_loop, unroll) -> (loss_sum, {"tokens": ...})`
 (default: the chunked LM loss); SFT, pretraining and the later tasks differ only in their data and this function.
 Shapes: the train step takes batches [A, B, T] (A micro-batches of B rows of T tokens, B = rows per device x
 the data-parallel devices); the eval step takes [B, T].
@@ -61,7 +61,7 @@ class Run:
     eval_step: Callable
     chunk: int  # tokens per chunk of the chunked LM head
     memory_plan: MemoryPlan
-    layer_loop: object  # what the decoder's `remat=` receives
+    layer_loop: object  # what the decoder's `layer_loop=` receives
     layer_loop_reason: str  # which recompute / unrolling the run uses, and why (the start-up summary)
 
     @property
@@ -179,10 +179,10 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
 
     loop = layer_loop(mem.recompute, prefetch=mem.offload_prefetch, per_layer=mem.offload_prefetch)
     loss_fn = functools.partial(loss, chunk=chunk, unroll=mem.unroll)
-    train_step = make_train_step(graphdef, loss_fn, optimizer, remat=loop,
+    train_step = make_train_step(graphdef, loss_fn, optimizer, layer_loop=loop,
                                  prepare=set_dropout_key if train_mode else None,
                                  skip_nonfinite=o.skip_nonfinite, **apply)
-    eval_step = make_eval_step(eval_graphdef, loss_fn, remat=loop if mem.offload_prefetch else None)
+    eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch else None)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,

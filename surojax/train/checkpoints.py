@@ -49,7 +49,3 @@ class Checkpointer:
 
 def key_to_array(key) -> np.ndarray:
     return np.asarray(jax.random.key_data(key))
-
-
-def array_to_key(data) -> jax.Array:
-    return jax.random.wrap_key_data(np.asarray(data, np.uint32))

@@ -27,7 +27,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from surojax.data.formats import FormatSpec, _messages, detect_type
+from surojax.config.data import DatasetSpec
+from surojax.data.formats import _messages, detect_type
 from surojax.data.pipeline import chat_template_text
 from surojax.data.sources import DataError, InvalidRowError, read_rows
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer
@@ -101,9 +102,9 @@ def _spec_get(spec: Any, key: str, default: Any) -> Any:
     return getattr(spec, key, default)
 
 
-def example_from_row(row: Mapping, kind: str = "auto", spec: Any = None) -> EvalExample:
-    """One dataset row -> EvalExample. `spec` carries the *_field names and system_prompt (config keys)."""
-    fs = FormatSpec(**{f.name: _spec_get(spec, f.name, f.default) for f in dataclasses.fields(FormatSpec)})
+def example_from_row(row: Mapping, kind: str = "auto", spec: DatasetSpec | None = None) -> EvalExample:
+    """One dataset row -> EvalExample. `spec` carries the *_field names and system_prompt (default: DatasetSpec's)."""
+    fs = spec if spec is not None else DatasetSpec(path="<row>")  # the default field names; no file behind it
     if kind == "auto":
         kind, _ = detect_type(row, fs)
     if kind == "instruction":
@@ -128,8 +129,9 @@ def example_from_row(row: Mapping, kind: str = "auto", spec: Any = None) -> Eval
     raise GenerationEvalError(f"type {kind!r} has no expected answer to score; use instruction or conversation")
 
 
-def load_eval_examples(path: str | Path, *, type: str = "auto", samples: int | None = None, spec: Any = None,
-                       split: str = "train", subset: str | None = None) -> list[EvalExample]:
+def load_eval_examples(path: str | Path, *, type: str = "auto", samples: int | None = None,
+                       spec: DatasetSpec | None = None, split: str = "train",
+                       subset: str | None = None) -> list[EvalExample]:
     """Read a dataset (any format `surojax.data.sources` reads) into EvalExamples; errors name the row."""
     out = []
     for where, row in read_rows(path, split=split, subset=subset, samples=samples):

@@ -71,10 +71,9 @@ def apply_fp8_recipe(spec: RunSpec, model: Decoder) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _warn_experimental() -> None:
-    log.warning("fp8_hybrid is EXPERIMENTAL: on the last H200 check (jax 0.11.2) its GEMMs did not run in FP8 "
-                "(the qdq form was compiled to bf16 GEMMs without the activation rounding, slower than recipe: "
-                "bf16); this build writes them as direct FP8 dots (SUROJAX_FP8_DOT=%s), not yet measured on the "
-                "GPU. Check with `python benchmarks/fp8_gemm_check.py` before relying on it (docs/precision.md)",
+    log.warning("fp8_hybrid is EXPERIMENTAL: XLA may compile its GEMMs as bf16 GEMMs without the activation "
+                "rounding, slower than recipe: bf16 (benchmarks/RESULTS.md); this build writes them as direct FP8 "
+                "dots (SUROJAX_FP8_DOT=%s). Check with `python benchmarks/fp8_gemm_check.py` before relying on it (docs/precision.md)",
                 dot_form())
 
 

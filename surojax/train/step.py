@@ -21,10 +21,11 @@ import optax
 from flax import nnx
 
 
-def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, remat=None,
+def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, layer_loop=None,
                     prepare: Callable | None = None, donate: bool = True, jit: bool = True,
                     apply_updates: Callable = optax.apply_updates, skip_nonfinite: bool = False):
-    """`loss_fn(model, micro_batch, remat=...) -> (loss_sum, {"tokens": count, ...})`.
+    """`loss_fn(model, micro_batch, layer_loop=...) -> (loss_sum, {"tokens": count, ...})`; `layer_loop`: what the
+    decoder runs its layers with (offload.remat.layer_loop: a recompute wrapper, or the prefetching loop).
 
     `prepare(model, key)`, when given, runs on the merged model before each micro-batch's forward pass with
     a key distinct per step and micro-batch (LoRA dropout keys).
@@ -40,7 +41,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
                 model = nnx.merge(graphdef, tr, frozen, copy=True)  # fresh Variables: prepare() may set them
                 if prepare is not None:
                     prepare(model, jax.random.fold_in(rng, index))
-                return loss_fn(model, mb, remat=remat)
+                return loss_fn(model, mb, layer_loop=layer_loop)
 
             (loss_sum, aux), g = jax.value_and_grad(f, has_aux=True)(trainable)
             return g, loss_sum, aux["tokens"]
@@ -84,13 +85,13 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     return jax.jit(step, donate_argnums=(0, 2) if donate else ())
 
 
-def make_eval_step(graphdef, loss_fn: Callable, *, remat=None):
-    """remat: the layer loop the forward pass runs (None: the plain scan; the prefetching loop where the base
+def make_eval_step(graphdef, loss_fn: Callable, *, layer_loop=None):
+    """layer_loop: the layer loop the forward pass runs (None: the plain scan; the prefetching loop where the base
     is kept as per-layer host buffers, which only that loop reads)."""
     @jax.jit
     def eval_step(trainable, frozen, batch):
         model = nnx.merge(graphdef, trainable, frozen)
-        loss_sum, aux = loss_fn(model, batch) if remat is None else loss_fn(model, batch, remat=remat)
+        loss_sum, aux = loss_fn(model, batch) if layer_loop is None else loss_fn(model, batch, layer_loop=layer_loop)
         return loss_sum, aux["tokens"]
 
     return eval_step

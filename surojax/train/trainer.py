@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from surojax.config.schema import TrainConfig
-from surojax.data.hub import resolve_local
+from surojax.hub import resolve_local
 from surojax.data.pipeline import build_data_from_config
 from surojax.data.tokenizer import Tokenizer
 from surojax.models.layers.attention import packed_backend

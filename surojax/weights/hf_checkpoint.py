@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from surojax.data.hub import resolve_local
+from surojax.hub import resolve_local
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.registry import WeightRow, weight_rows

@@ -6,7 +6,7 @@ A reference (`--model`, `model:`, `serve MODEL`) is one of:
     path/to/model.gguf         a llama.cpp GGUF file (architecture and tokenizer from its metadata)
     path/to/output_dir         a surojax training run: its merged/ or model/ (full fine-tuning) or adapter/ (LoRA)
     path/to/adapter            a PEFT adapter folder; adapter_config.json's base_model_name_or_path names the base
-    org/name[@revision]        a repo id present in the local Hugging Face cache (surojax.data.hub; never downloads)
+    org/name[@revision]        a repo id present in the local Hugging Face cache (surojax.hub; never downloads)
 
 `resolve_model` only looks at files (no weights are read); `surojax.model_loader.load_model_ref` loads what it
 finds. Every refusal is a ModelRefError naming the path and what was expected there.
@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from surojax.data.hub import resolve_local
+from surojax.hub import resolve_local
 from surojax.weights.gguf_checkpoint import is_gguf_path, read_gguf_hf_config
 from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import WeightsError

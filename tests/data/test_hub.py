@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from surojax.data.hub import ModelNotFoundError, hf_hub_cache, resolve_local
+from surojax.hub import ModelNotFoundError, hf_hub_cache, resolve_local
 
 COMMIT = "a" * 40
 OTHER = "b" * 40

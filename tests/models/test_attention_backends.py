@@ -220,7 +220,7 @@ def test_decoder_loss_and_grads_match_xla_backend(monkeypatch, recompute):
     cfg = model_config("debug")
     batch, _ = synthetic_batch(np.random.default_rng(0), 1, 2, 64, cfg.vocab_size, 3, 8)
     batch = {k: jnp.asarray(v[0]) for k, v in batch.items()}
-    remat = remat_wrapper(recompute)
+    loop = remat_wrapper(recompute)
     results = {}
     for backend in ("xla", "cudnn:8"):
         model = Decoder(cfg, dtype=BF16, param_dtype=jnp.float32, attention=backend, rngs=nnx.Rngs(params=0))
@@ -228,7 +228,7 @@ def test_decoder_loss_and_grads_match_xla_backend(monkeypatch, recompute):
 
         @jax.jit
         def loss_and_grads(params):
-            return jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p), batch, remat=remat)[0])(params)
+            return jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p), batch, layer_loop=loop)[0])(params)
 
         results[backend] = loss_and_grads(params)
     (l_x, g_x), (l_c, g_c) = results["xla"], results["cudnn:8"]

@@ -51,7 +51,7 @@ def _run(*, in_place: bool, offload: bool, master: bool, A: int, steps=2):
     state = init_opt_state(opt, trainable, mesh)
     if master:
         trainable = compute_copy(trainable, jnp.bfloat16)
-    step = make_train_step(graphdef, lm_loss, opt, remat=remat_wrapper("full"),
+    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"),
                            apply_updates=apply_master_updates if master else optax.apply_updates)
     losses, norms = [], []
     for _ in range(steps):

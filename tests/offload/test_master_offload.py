@@ -40,7 +40,7 @@ def _run(offload_state: bool, master: bool, steps=3):
     state = init_opt_state(opt, trainable, mesh)  # on the fp32 params: the master is their copy
     if master:
         trainable = compute_copy(trainable, jnp.bfloat16)
-    step = make_train_step(graphdef, lm_loss, opt, remat=remat_wrapper("full"), donate=False,
+    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"), donate=False,
                            apply_updates=apply_master_updates if master else optax.apply_updates)
     losses = []
     for _ in range(steps):

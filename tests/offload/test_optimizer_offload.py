@@ -39,7 +39,7 @@ def _run(opt, steps=3):
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     graphdef, trainable, frozen = nnx.split(shard_model(Decoder(CFG, rngs=nnx.Rngs(0)), mesh), nnx.Param, ...)
     state = init_opt_state(opt, trainable, mesh)
-    step = make_train_step(graphdef, lm_loss, opt, remat=remat_wrapper("full"), donate=False)
+    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"), donate=False)
     losses = []
     for _ in range(steps):
         trainable, state, m = step(trainable, frozen, state, _batch(), jax.random.key(0))

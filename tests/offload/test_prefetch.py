@@ -81,11 +81,11 @@ def test_prefetched_equals_resident(quant):
     graphdef, trainable, resident, streamed = _split(_model(quant))
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
 
-    def logits_loss_grads(tr, fr, remat):
+    def logits_loss_grads(tr, fr, loop):
         h, _ = nnx.merge(graphdef, tr, fr).hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"],
-                                                         remat=remat)
+                                                         layer_loop=loop)
         logits = nnx.merge(graphdef, tr, fr).logits(h)
-        loss, grads = jax.value_and_grad(lambda t: lm_loss(nnx.merge(graphdef, t, fr), mb, remat=remat)[0])(tr)
+        loss, grads = jax.value_and_grad(lambda t: lm_loss(nnx.merge(graphdef, t, fr), mb, layer_loop=loop)[0])(tr)
         return logits, loss, grads
 
     full = remat_wrapper("full")
@@ -122,8 +122,8 @@ def test_train_step_with_accumulation_equal(per_layer):
     if per_layer:
         streamed, twin = place_base_on_host(resident, embedding=True, per_layer=True), PrefetchedLayers(per_layer=True)
     opt = optax.adamw(1e-2)
-    step_p = make_train_step(graphdef, lm_loss, opt, remat=PREFETCH, jit=False)
-    step_r = make_train_step(graphdef, lm_loss, opt, remat=twin, jit=False)
+    step_p = make_train_step(graphdef, lm_loss, opt, layer_loop=PREFETCH, jit=False)
+    step_r = make_train_step(graphdef, lm_loss, opt, layer_loop=twin, jit=False)
     batch, key, opt_state = _batch(accum=2), jax.random.key(0), opt.init(trainable)
     both = jax.jit(lambda s, r: (step_p(trainable, s, opt_state, batch, key),
                                  step_r(trainable, r, opt_state, batch, key)))
@@ -139,7 +139,7 @@ def test_gpu_lowering_fetches_each_streamed_leaf_twice_per_pass():
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
 
     def loss(tr, fr):
-        return lm_loss(nnx.merge(graphdef, tr, fr), mb, remat=PREFETCH)[0]
+        return lm_loss(nnx.merge(graphdef, tr, fr), mb, layer_loop=PREFETCH)[0]
 
     try:
         text = jax.jit(jax.grad(loss)).trace(trainable, streamed).lower(lowering_platforms=("cuda",)).as_text()
@@ -179,8 +179,8 @@ def test_per_layer_host_buffers_equal_resident(quant):
     assert {a.sharding.memory_kind for x in hl for a in x.layers} == {"pinned_host"}
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
 
-    def loss_grads(tr, fr, remat, unroll=1):
-        return jax.value_and_grad(lambda t: lm_loss(nnx.merge(graphdef, t, fr), mb, remat=remat,
+    def loss_grads(tr, fr, loop, unroll=1):
+        return jax.value_and_grad(lambda t: lm_loss(nnx.merge(graphdef, t, fr), mb, layer_loop=loop,
                                                     unroll=unroll)[0])(tr)
 
     full = remat_wrapper("full")

@@ -92,11 +92,11 @@ def _max_diff(a, b) -> float:
 def test_streamed_logits_and_lora_grads_equal_resident(quant, recompute):
     graphdef, trainable, resident, streamed = _split(_model(quant))
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
-    remat = remat_wrapper(recompute)
+    loop = remat_wrapper(recompute)
 
-    def logits_loss_grads(tr, fr, remat=remat):
+    def logits_loss_grads(tr, fr, loop=loop):
         logits = nnx.merge(graphdef, tr, fr)(mb["tokens"], mb["positions"], mb["segment_ids"])
-        loss, grads = jax.value_and_grad(lambda t: lm_loss(nnx.merge(graphdef, t, fr), mb, remat=remat)[0])(tr)
+        loss, grads = jax.value_and_grad(lambda t: lm_loss(nnx.merge(graphdef, t, fr), mb, layer_loop=loop)[0])(tr)
         return logits, loss, grads
 
     # one compile: streamed, resident, and (for `offload`) resident under `full`, the policy it must equal
@@ -124,7 +124,7 @@ def test_streamed_logits_and_lora_grads_equal_resident(quant, recompute):
 def test_train_step_with_accumulation_equal():
     graphdef, trainable, resident, streamed = _split(_model())
     opt = optax.adamw(1e-2)
-    step = make_train_step(graphdef, lm_loss, opt, remat=remat_wrapper("full"), jit=False)
+    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"), jit=False)
     batch, key, opt_state = _batch(accum=A), jax.random.key(0), opt.init(trainable)
     both = jax.jit(lambda s, r: (step(trainable, s, opt_state, batch, key), step(trainable, r, opt_state, batch, key)))
     (p_s, _, m_s), (p_r, _, m_r) = both(streamed, resident)
@@ -142,7 +142,7 @@ def test_gpu_lowering_moves_each_streamed_leaf_to_the_device_in_forward_and_back
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
 
     def loss(tr, fr):
-        return lm_loss(nnx.merge(graphdef, tr, fr), mb, remat=remat_wrapper("full"))[0]
+        return lm_loss(nnx.merge(graphdef, tr, fr), mb, layer_loop=remat_wrapper("full"))[0]
 
     try:
         text = jax.jit(jax.grad(loss)).trace(trainable, streamed).lower(lowering_platforms=("cuda",)).as_text()

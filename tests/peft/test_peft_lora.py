@@ -154,11 +154,11 @@ def test_scan_with_remat_and_jit(llama):
     pos = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
     seg = jnp.ones_like(TOKENS)
     h, _ = llama.hidden_states(TOKENS, pos, seg)
-    h_remat, _ = llama.hidden_states(TOKENS, pos, seg, remat=functools.partial(jax.checkpoint))
+    h_remat, _ = llama.hidden_states(TOKENS, pos, seg, layer_loop=functools.partial(jax.checkpoint))
     assert jnp.array_equal(h, h_remat)
     jitted = nnx.jit(lambda m, t: m(t))(llama, TOKENS)
     np.testing.assert_allclose(jitted, llama(TOKENS), rtol=0, atol=1e-6)
-    g = nnx.grad(lambda m: jnp.sum(m.hidden_states(TOKENS, pos, seg, remat=jax.checkpoint)[0] ** 2),
+    g = nnx.grad(lambda m: jnp.sum(m.hidden_states(TOKENS, pos, seg, layer_loop=jax.checkpoint)[0] ** 2),
                  argnums=nnx.DiffState(0, TRAINABLE))(llama)
     assert all(jnp.any(v) for v in _flat(g).values())
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from surojax.data.hub import ModelNotFoundError
+from surojax.hub import ModelNotFoundError
 from surojax.models.config import ModelConfig
 from surojax.weights.hf_checkpoint import hf_tensors, load_model, open_checkpoint, read_config, save_model
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from surojax.data.hub import ModelNotFoundError
+from surojax.hub import ModelNotFoundError
 from surojax.weights.model_ref import ModelRef, ModelRefError, hf_config_of, resolve_model
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "models" / "qwen3"
