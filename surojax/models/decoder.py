@@ -77,7 +77,7 @@ def check_stacked(layer_state) -> None:
         raise ValueError(f"the layer weights are not stacked on one leading layers axis (leading sizes "
                          f"{sorted(leading)}): the scan cannot run them. A base held as per-layer host buffers "
                          f"(offload_prefetch) is read by a layer loop of its own only "
-                         f"(Decoder.hidden_states(remat=<an object with run_layers>), no KV cache)")
+                         f"(Decoder.hidden_states(layer_loop=<an object with run_layers>), no KV cache)")
 
 
 def _stack_blocks(make: Callable[[jax.Array], Block], keys: jax.Array) -> Block:
