@@ -22,12 +22,13 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from surojax.config.data import DatasetSpec
+from surojax.config.generation_eval import GenerationEvalSpec
+from surojax.config.schema import TrainConfig
 from surojax.data.formats import _messages, detect_type
 from surojax.data.pipeline import chat_template_text
 from surojax.data.sources import DataError, InvalidRowError, read_rows
@@ -93,14 +94,6 @@ def is_correct(expected: str, got: str) -> bool:
 
 
 # ---- examples ---------------------------------------------------------------------------------------------------
-
-def _spec_get(spec: Any, key: str, default: Any) -> Any:
-    if spec is None:
-        return default
-    if isinstance(spec, Mapping):
-        return spec.get(key, default)
-    return getattr(spec, key, default)
-
 
 def example_from_row(row: Mapping, kind: str = "auto", spec: DatasetSpec | None = None) -> EvalExample:
     """One dataset row -> EvalExample. `spec` carries the *_field names and system_prompt (default: DatasetSpec's)."""
@@ -173,7 +166,7 @@ def generate_answers(model, tokenizer: Tokenizer, examples: Sequence[EvalExample
                      batch_size: int = 256, chat_template: str | None = None) -> list[str]:
     """Greedy answers (decoded without special tokens), in the order of `examples`."""
     prompts = [prompt_ids(tokenizer, ex, chat_template) for ex in examples]
-    limit = getattr(model.cfg, "max_position_embeddings", None)
+    limit = model.cfg.max_position_embeddings
     if limit and max(len(p) for p in prompts) + max_new_tokens > limit:
         raise GenerationEvalError(f"eval_generation: the longest prompt ({max(len(p) for p in prompts)} tokens) plus "
                                   f"max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions")
@@ -206,27 +199,24 @@ class GenerationEval:
         before = ev.run(model)
     """
 
-    def __init__(self, spec: Any, tokenizer: Tokenizer, chat_template: str | None = None):
+    def __init__(self, spec: GenerationEvalSpec, tokenizer: Tokenizer, chat_template: str | None = None):
         self.spec = spec
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.examples = load_eval_examples(_spec_get(spec, "path", None), type=_spec_get(spec, "type", "auto"),
-                                           samples=_spec_get(spec, "samples", None), spec=spec,
-                                           split=_spec_get(spec, "split", "train"),
-                                           subset=_spec_get(spec, "subset", None))
+        self.examples = load_eval_examples(spec.path, type=spec.type, samples=spec.samples, spec=spec,
+                                           split=spec.split, subset=spec.subset)
 
     @classmethod
-    def from_config(cls, cfg, tokenizer: Tokenizer) -> GenerationEval | None:
-        if getattr(cfg, "eval_generation", None) is None:
+    def from_config(cls, cfg: TrainConfig, tokenizer: Tokenizer) -> GenerationEval | None:
+        if cfg.eval_generation is None:
             return None
 
         return cls(cfg.eval_generation, tokenizer, chat_template_text(cfg.chat_template))
 
     def run(self, model) -> GenerationEvalResult:
         return evaluate_generation(model, self.tokenizer, self.examples,
-                                   max_new_tokens=_spec_get(self.spec, "max_new_tokens", 64),
-                                   batch_size=_spec_get(self.spec, "batch_size", 256),
-                                   show=_spec_get(self.spec, "show", 3), chat_template=self.chat_template)
+                                   max_new_tokens=self.spec.max_new_tokens, batch_size=self.spec.batch_size,
+                                   show=self.spec.show, chat_template=self.chat_template)
 
 
 def report(before: GenerationEvalResult | None, after: GenerationEvalResult, *, path: str | Path | None = None,
