@@ -150,3 +150,22 @@ def test_python_m_train_reports_setup_errors_cleanly(good_config):
     r = run_py("-m", "surojax.train", "--config", str(good_config), "--override", "lora=true")
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr and "model_type None is not supported" in r.stderr
+
+
+def test_writing_commands_refuse_an_existing_output_without_overwrite(tmp_path, good_config, capsys):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_text("mine")
+    assert main(["merge", "--base", str(tmp_path), "--adapter", str(tmp_path), "--output", str(taken)]) == 1
+    assert main(["quantize", str(tmp_path), "--type", "q8_0", "--output", str(gguf)]) == 1
+    run_dir = tmp_path / "run"
+    (run_dir / "model").mkdir(parents=True)
+    (run_dir / "model" / "config.json").write_text("{}")  # the run's final export: export's default --output
+    assert main(["export", str(good_config), "-o", f"output_dir={run_dir}"]) == 1
+    err = capsys.readouterr().err
+    for path in (taken, gguf, run_dir / "model"):
+        assert f"{path}: exists and is not empty; pass --overwrite" in err
+    assert (taken / "keep.txt").read_text() == gguf.read_text() == "mine"
+    assert (run_dir / "model" / "config.json").read_text() == "{}"
