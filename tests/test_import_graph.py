@@ -50,17 +50,18 @@ _GGUF = "quant.quantize_mix imports the `gguf` package, which the GPU image lack
 FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("surojax", "surojax.api"): "the package root loads the API on first attribute use: `surojax --help` stays fast",
     **{("surojax.cli.common", target): _CLI_COMMON for target in (
-        "surojax.config", "surojax.config.stages", "surojax.train.stages")},
+        "surojax.config", "surojax.config.stages", "surojax.train.stages", "surojax.train.interrupts")},
     **{(f"surojax.cli.{command}", target): _CLI_RUN for command, targets in {
         "bench": ("surojax.bench.train_bench", "surojax.models.layers.attention"),
-        "export": ("surojax.train.checkpoints", "surojax.train.trainer"),
+        "export": ("surojax.config.stages", "surojax.train.checkpoints", "surojax.train.trainer"),
         "generate": ("surojax.model_loader", "surojax.generation.loop"),
         "merge": ("surojax.model_loader", "surojax.peft.stacked", "surojax.weights.gguf_tokenizer",
                   "surojax.weights.hf_checkpoint"),
         "quantize": ("surojax.model_loader", "surojax.weights.gguf_checkpoint", "surojax.weights.gguf_tokenizer",
                      "surojax.weights.model_ref"),
         "serve": ("surojax.serve.launch",),
-        "tokenize": ("surojax.data.debug", "surojax.hub", "surojax.data.pipeline", "surojax.data.tokenizer"),
+        "tokenize": ("surojax.config.stages", "surojax.data.debug", "surojax.hub", "surojax.data.pipeline",
+                     "surojax.data.tokenizer"),
     }.items() for target in targets},
     ("surojax.peft.qlora", "surojax.quant.quantize_mix"): _GGUF,
     ("surojax.weights.gguf_checkpoint", "surojax.quant.quantize_mix"): _GGUF,

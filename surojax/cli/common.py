@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +77,20 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, flag: bool = False)
                         help="set a config key, e.g. learning_rate=1e-4 or datasets.0.path=data.jsonl (repeatable)")
 
 
+def add_overwrite_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--overwrite`: the one way to let a command replace an output that exists (`what` names it)."""
+    parser.add_argument("--overwrite", action="store_true", help=f"replace {what} if it exists (without it, "
+                        "an existing output is an error)")
+
+
+def refuse_existing(path: str | Path, flag: str = "--output") -> None:
+    """UsageError when `path` exists and is not an empty folder: nothing is replaced without --overwrite."""
+    p = Path(path).expanduser()
+    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+        raise UsageError(f"{flag} {p}: exists and is not empty; pass --overwrite to replace it "
+                         "(or choose another path)")
+
+
 def load_config_args(args: argparse.Namespace, *, check_paths: bool = True) -> TrainConfig:
     """Load + validate the config named by add_config_arguments (and check the paths it points at)."""
     # lazy: cli/main.py imports this module for `--help`, which must not import pydantic or jax
@@ -123,16 +138,33 @@ def report_console() -> Console:
     return console
 
 
-def train_from_args(args: argparse.Namespace) -> int:
+def resume_command(prog: str, config: str, overrides: list[str], *, config_flag: bool = False) -> str:
+    """The command line that continues an interrupted run: the same config and overrides (never --overwrite)
+    plus `-o resume_from_checkpoint=true`."""
+    words = [*shlex.split(prog), *(["--config"] if config_flag else []), config]
+    for o in overrides:
+        if not o.startswith("resume_from_checkpoint="):
+            words += ["-o", o]
+    return shlex.join([*words, "-o", "resume_from_checkpoint=true"])
+
+
+def train_from_args(args: argparse.Namespace, prog: str | None = None, *, config_flag: bool = False) -> int:
     """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`).
 
-    A config with a `stages:` list runs its stages in order, all validated first (surojax/config/stages.py)."""
-    # lazy: cli/main.py imports this module for `--help`, which must not import pydantic or jax
+    A config with a `stages:` list runs its stages in order, all validated first (surojax/config/stages.py).
+    `args.overwrite` (add_overwrite_argument) lets the run replace what an earlier run left in its output_dir.
+    SIGINT / SIGTERM stop it after the current step with a checkpoint (surojax/train/interrupts.py); the exit
+    code is then 130 / 143 and the command that resumes it (`prog` = how the user called this) is printed."""
     from surojax.config.stages import load_run
+    from surojax.train.interrupts import Interrupts
     from surojax.train.stages import run_stages
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("absl", "jax._src", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    run_stages(load_run(args.config, args.override), console=report_console())
-    return 0
+    prog = prog or f"surojax {args.command}"
+    with Interrupts() as interrupts:
+        stages = load_run(args.config, args.override, overwrite=args.overwrite)
+        run_stages(stages, console=report_console(), interrupts=interrupts,
+                   resume_command=resume_command(prog, args.config, args.override, config_flag=config_flag))
+    return interrupts.exit_code or 0

@@ -4,6 +4,7 @@ and save an HF model folder (safetensors + config.json + tokenizer) that transfo
 --base-model is any model reference (surojax.weights.model_ref: HF folder, .gguf file (dequantised), surojax
 output folder, repo id in the local HF cache). --checkpoint-dir takes a PEFT adapter folder or a training
 output_dir holding one in `adapter/`; repeat it to fold several adapters in order (stacked LoRA).
+An --output folder that exists and is not empty is replaced only with --overwrite.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from surojax.cli.common import UsageError, existing_path
+from surojax.cli.common import UsageError, add_overwrite_argument, existing_path, refuse_existing
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -23,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="DIR", help="PEFT adapter folder, or a training output_dir with adapter/ (repeatable)")
     parser.add_argument("--output", required=True, metavar="DIR", help="where the merged model is written")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="saved dtype (default bf16)")
+    add_overwrite_argument(parser, "the output folder")
 
 
 def adapter_dir(path: str) -> Path:
@@ -42,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from surojax.weights.gguf_tokenizer import save_tokenizer_dir
     from surojax.weights.hf_checkpoint import save_model
 
+    if not args.overwrite:
+        refuse_existing(args.output)
     adapters = [adapter_dir(a) for a in args.adapter]
     loaded = load_model_ref(args.base, dtype=jnp.float32)  # fold in fp32, save in --dtype
     for a in adapters:
@@ -52,6 +56,6 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer_dir is None:  # a GGUF base: its metadata's tokenizer
             tokenizer_dir = save_tokenizer_dir(loaded.tokenizer, tmp)
         out = save_model(loaded.model, args.output, dtype=jnp.dtype(DTYPES[args.dtype]),
-                         tokenizer_dir=tokenizer_dir)
+                         tokenizer_dir=tokenizer_dir, overwrite=args.overwrite)
     print(f"merged {len(adapters)} adapter(s) into {loaded.ref.weights} -> {out}")
     return 0

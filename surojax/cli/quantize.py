@@ -16,7 +16,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from surojax.cli.common import UsageError, existing_path
+from surojax.cli.common import UsageError, add_overwrite_argument, existing_path, refuse_existing
 
 GGUF_FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_m", "q4_k_m",
                    "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, metavar="PATH", help="the .gguf file to write")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder if not the model folder")
     parser.add_argument("--name", help="general.name in the metadata (default: the model folder's or file's name)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    add_overwrite_argument(parser, "the output file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.suffix.lower() != ".gguf":
         raise UsageError(f"--output {out}: expected a .gguf file name")
-    if out.exists() and not args.overwrite:
-        raise UsageError(f"--output {out}: exists; pass --overwrite to replace it")
+    if not args.overwrite:
+        refuse_existing(out)
     tokenizer = existing_path(args.tokenizer, "--tokenizer") if args.tokenizer else None
     if tokenizer is not None and not (tokenizer / "tokenizer.json").is_file():
         raise UsageError(f"--tokenizer {tokenizer}: no tokenizer.json")

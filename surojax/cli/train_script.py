@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import add_config_arguments, run_guarded, train_from_args
+from surojax.cli.common import add_config_arguments, add_overwrite_argument, run_guarded, train_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m surojax.train", description="Train from a YAML config.")
     add_config_arguments(parser, flag=True)
+    add_overwrite_argument(parser, "what an earlier run wrote in the output_dir(s)")
     return parser
 
 
 def _run(args: argparse.Namespace) -> int:
-    return train_from_args(args)
+    return train_from_args(args, "python -m surojax.train", config_flag=True)
 
 
 def main(argv: list[str] | None = None) -> int:

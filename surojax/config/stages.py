@@ -18,7 +18,11 @@ Merging: a stage's own value wins over the shared default; mappings (model_confi
 are merged key by key, lists (datasets ...) are replaced. Stage-only keys, which are not TrainConfig keys:
     name                  the stage's name in logs and errors (default `stage<i>`); unique
     overwrite_output_dir  before the stage runs, delete what an earlier run left in its output_dir (only the
-                          files and folders training writes there, see OUTPUT_ARTIFACTS; anything else stays)
+                          files and folders training writes there, see OUTPUT_ARTIFACTS; anything else stays);
+                          the command line's `--overwrite` sets it in every stage
+Without it, nothing an earlier run wrote is replaced: a stage whose exports all exist (`Stage.is_complete`) is
+skipped when the run starts (train/stages.py says so and reports its saved results), and a stage whose output_dir
+holds only part of them is an error that names the folder and `--overwrite`.
 Command-line overrides: `stages.1.max_steps=2` sets one stage's key; any other key (`max_steps=2`) is set in
 every stage and wins over the stage's own value.
 
@@ -66,6 +70,11 @@ class Stage:
     def key(self) -> str:
         """How problems name this stage: `stages[1]` ('' for a plain config)."""
         return "" if self.index is None else f"stages[{self.index}]"
+
+    def is_complete(self) -> bool:
+        """Whether an earlier run finished this stage: every export folder exists and is not empty (exports
+        are written under a temporary name and renamed, so a folder that exists is whole)."""
+        return all(p.is_dir() and any(p.iterdir()) for p in self.outputs())
 
     def outputs(self) -> dict[Path, str]:
         """The folders this stage exports at its end -> their kind ('model' or 'adapter')."""
@@ -258,13 +267,14 @@ def stage_path_problems(stage: Stage, produced: dict[Path, tuple[str, str]] | No
         why = _exists_or_cached(cfg.eval_generation.path, "dataset")
         if why is not None:
             out.append(ConfigProblem("eval_generation.path", why))
-    if stage.index is not None and not stage.overwrite_output_dir and not cfg.resume_from_checkpoint:
-        # (a plain config leaves this to the Trainer, as before stages existed)
+    if (stage.index is not None and not stage.overwrite_output_dir and not cfg.resume_from_checkpoint
+            and not stage.is_complete()):
+        # (a complete stage is skipped; a plain config leaves this to the Trainer, as before stages existed)
         done = [Path(cfg.output_dir) / d for d in ("model", "adapter") if (Path(cfg.output_dir) / d).exists()]
         if done:
             out.append(ConfigProblem("output_dir", f"{cfg.output_dir} already holds a trained {done[0].name} "
-                                     f"({done[0]}) from an earlier run; delete it, choose another output_dir, "
-                                     "set overwrite_output_dir: true or set resume_from_checkpoint"))
+                                     f"({done[0]}) from an earlier run; choose another output_dir, or pass "
+                                     "--overwrite (overwrite_output_dir: true) to replace it"))
     located = []
     for p in out:
         line, col = (p.line, p.column) if p.line is not None else _line(positions, stage, _parse_key(p.key))
@@ -286,9 +296,10 @@ def check_stage_paths(stages: list[Stage], source: str | None = None, positions:
         raise ConfigError(problems, source)
 
 
-def load_stages(path: str | os.PathLike[str], overrides: Iterable[str] = (), *, check_paths: bool = True
-                ) -> list[Stage]:
-    """Read and validate a staged YAML (every stage, and with check_paths every stage's paths)."""
+def load_stages(path: str | os.PathLike[str], overrides: Iterable[str] = (), *, check_paths: bool = True,
+                overwrite: bool = False) -> list[Stage]:
+    """Read and validate a staged YAML (every stage, and with check_paths every stage's paths).
+    `overwrite` (the command line's --overwrite) sets overwrite_output_dir in every stage."""
     data, positions, source = read_config_file(path)
     if not is_staged(data):
         raise ConfigError(ConfigProblem("stages", "this config has no `stages:` list (load it with load_config)"),
@@ -302,21 +313,40 @@ def load_stages(path: str | os.PathLike[str], overrides: Iterable[str] = (), *, 
         positions = {k: v for k, v in positions.items() if not any(k[: len(o)] == o for o in set_by)}
         positions.update((loc, None) for loc in set_by)
     stages = stages_from_dict(data, source, positions, rest)
+    if overwrite:
+        stages = [dataclasses.replace(s, overwrite_output_dir=True) for s in stages]
     if check_paths:
         check_stage_paths(stages, source, positions)
     return stages
 
 
-def load_run(path: str | os.PathLike[str], overrides: Iterable[str] = (), *, check_paths: bool = True
-             ) -> list[Stage]:
+def load_run(path: str | os.PathLike[str], overrides: Iterable[str] = (), *, check_paths: bool = True,
+             overwrite: bool = False) -> list[Stage]:
     """The stages of a staged YAML, or a plain YAML as one Stage (name None, index None)."""
     data, _, source = read_config_file(path)
     if is_staged(data):
-        return load_stages(path, overrides, check_paths=check_paths)
+        return load_stages(path, overrides, check_paths=check_paths, overwrite=overwrite)
     cfg = load_config(path, overrides)
-    stage = Stage(None, cfg)
+    stage = Stage(None, cfg, overwrite_output_dir=overwrite)
     if check_paths:
         problems = stage_path_problems(stage)
         if problems:
             raise ConfigError(problems, source)
     return [stage]
+
+
+def select_stage(stages: list[Stage], ref: str | None, source: str | None = None) -> Stage:
+    """The stage named `ref` or at index `ref` (`--stage NAME|N` of export and tokenize); a plain config's one
+    stage when `ref` is None. A multi-stage config without `ref` is an error that lists the stage names."""
+    names = ", ".join(f"{s.index}={s.name}" for s in stages)
+    if ref is None:
+        if len(stages) == 1:
+            return stages[0]
+        raise ConfigError(ConfigProblem("stages", f"this config has {len(stages)} stages ({names}): pass "
+                                        "--stage NAME or --stage N"), source)
+    for s in stages:
+        if s.name == ref or (ref.isdigit() and s.index == int(ref)):
+            return s
+    raise ConfigError(ConfigProblem("stages", f"--stage {ref}: no such stage (the stages are {names})"
+                                    if stages[0].index is not None else
+                                    f"--stage {ref}: this config has no `stages:` list"), source)

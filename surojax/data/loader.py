@@ -92,9 +92,14 @@ class TrainLoader:
         if saved != self._fingerprint():
             raise ValueError(f"cannot resume the data iterator: it was saved over {saved} but the data now gives "
                              f"{self._fingerprint()} (the dataset, seed, batch size or epochs changed)")
+        self._it.close()
         self._it = iter(self._ds)
         self._it.set_state(state["grain"])
         self.step = int(state["step"])
+
+    def close(self) -> None:
+        """Stop grain's prefetch threads (idempotent)."""
+        self._it.close()
 
 
 class EvalLoader:

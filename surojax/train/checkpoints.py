@@ -23,6 +23,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True, cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self.closed = False
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -43,8 +44,13 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for the async writes, then stop orbax's threads (idempotent). An interpreter that exits while
+        they run can abort (`terminate called without an active exception`)."""
+        if self.closed:
+            return
         self.manager.wait_until_finished()
         self.manager.close()
+        self.closed = True
 
 
 def key_to_array(key) -> np.ndarray:

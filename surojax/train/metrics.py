@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -15,6 +16,8 @@ class MetricsSinkError(RuntimeError):
 
 
 class JsonlSink:
+    """One JSON object per line, `{"step": s, ...metrics}`, appended (line-buffered: each row is one write)."""
+
     def __init__(self, path: Path):
         self.path = path
         self.file = open(path, "a", buffering=1)
@@ -22,8 +25,26 @@ class JsonlSink:
     def write(self, step: int, metrics: dict) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
 
+    def truncate_after(self, step: int) -> None:
+        """Drop the rows of steps > `step` (a resumed run writes them again: no step appears twice).
+        The kept rows are written to a temporary file that replaces the old one."""
+        self.file.close()
+        kept = [line for line in self.path.read_text().splitlines(keepends=True) if _row_step(line) <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a", buffering=1)
+
     def close(self) -> None:
         self.file.close()
+
+
+def _row_step(line: str) -> float:
+    """The step of a metrics.jsonl row; a torn last line (a killed process) counts as after every step."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 class TensorBoardSink:
@@ -78,6 +99,13 @@ class Metrics:
             elif name not in ("jsonl", "none"):
                 raise MetricsSinkError(f"report_to: {name!r} is unknown (jsonl, tensorboard, wandb)")
         self.history: list[dict] = []
+        self.closed = False
+
+    def truncate_after(self, step: int) -> None:
+        """Resuming at `step`: metrics.jsonl keeps only the rows up to it (TensorBoard / W&B handle repeats)."""
+        for s in self.sinks:
+            if isinstance(s, JsonlSink):
+                s.truncate_after(step)
 
     def write(self, step: int, metrics: dict) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -86,8 +114,12 @@ class Metrics:
             s.write(step, metrics)
 
     def close(self) -> None:
+        """Close every sink (idempotent)."""
+        if self.closed:
+            return
         for s in self.sinks:
             s.close()
+        self.closed = True
 
 
 def plot_loss(history: list[dict], path: Path, title: str = "training loss") -> Path | None:

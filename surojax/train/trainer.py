@@ -39,6 +39,7 @@ from surojax.quant.base import QuantFormat
 from surojax.train.adaptive import AdaptiveSettings, AdaptiveTraining, budget_line, epochs_for_budget, flops_per_token
 from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoints import Checkpointer, key_to_array
+from surojax.train.interrupts import Interrupts
 from surojax.train.metrics import Metrics, plot_loss
 from surojax.train.run_spec import TrainSetupError, is_gguf_path, model_config_for, run_spec
 from surojax.weights.gguf_checkpoint import load_gguf_tokenizer
@@ -133,10 +134,18 @@ class Trainer:
 
     # ---- set-up helpers -------------------------------------------------------------------------------------
     def _check_output_dir(self) -> None:
+        """Refuse to start over what an earlier run left: a trained export (unless resuming), or checkpoints
+        (unless resuming them). `--overwrite` (overwrite_output_dir, train/stages.py) clears both first."""
         done = [p for p in (self.output_dir / "model", self.output_dir / "adapter") if p.exists()]
         if done and not self.cfg.resume_from_checkpoint:
             raise TrainSetupError(f"output_dir: {self.output_dir} already holds a trained {done[0].name} "
-                                  f"({done[0]}); choose another output_dir or set resume_from_checkpoint")
+                                  f"({done[0]}); choose another output_dir, or pass --overwrite to replace it")
+        checkpoints = Path(self.cfg.checkpoint_dir or self.output_dir / "checkpoints")
+        steps = sorted(int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()) if checkpoints.is_dir() else []
+        if steps and not self.cfg.resume_from_checkpoint:
+            raise TrainSetupError(f"output_dir: {checkpoints} holds checkpoints up to step {steps[-1]} of an earlier "
+                                  "run; continue it with -o resume_from_checkpoint=true, or pass --overwrite to start "
+                                  "again")
 
     def _resume(self) -> None:
         target = self.cfg.resume_from_checkpoint
@@ -228,8 +237,24 @@ class Trainer:
             f"estimated peak device memory {self.memory_plan.total / 2**30:.1f} GiB",
         ]
 
-    def train(self) -> dict:
+    def train(self, interrupts: Interrupts | None = None) -> dict:
+        """The whole run; returns the last logged metrics (+ eval_loss).
+
+        SIGINT / SIGTERM (through `interrupts`, installed here when not given) end the run after the current
+        step: a checkpoint at that step is written and waited for, the loader, checkpointer and metrics are
+        closed, and nothing is exported (`interrupts.exit_code` says 130 / 143). See train/interrupts.py."""
+        if interrupts is None:
+            with Interrupts() as own:
+                return self.train(own)
+        try:
+            return self._train(interrupts)
+        finally:
+            self.close()
+
+    def _train(self, interrupts: Interrupts) -> dict:
         cfg = self.cfg
+        if cfg.resume_from_checkpoint:  # the rows after the resumed step are written again: none twice
+            self.metrics.truncate_after(self.step_count)
         for line in self.summary_lines():
             self.console.print(line, highlight=False)
         last: dict = {}
@@ -241,7 +266,7 @@ class Trainer:
         with Progress(*columns, console=self.console, disable=not interactive) as progress:
             task = progress.add_task("train", total=self.plan.total_steps, completed=self.step_count, loss=float("nan"),
                                      lr=0.0, gnorm=0.0, tps=0.0)
-            while self.step_count < self.plan.total_steps:
+            while self.step_count < self.plan.total_steps and not interrupts.requested:
                 try:
                     compiles = self._compiled is False
                     m = self.step()
@@ -263,13 +288,14 @@ class Trainer:
                         self.console.print(f"step {self.step_count}/{self.plan.total_steps} loss {m['loss']:.4f} "
                                            f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} "
                                            f"{m['tokens_per_s']:,.0f} tok/s", highlight=False)
-                if cfg.eval_steps and self.step_count % cfg.eval_steps == 0:
+                if cfg.eval_steps and self.step_count % cfg.eval_steps == 0 and not interrupts.requested:
                     ev = self.evaluate()
                     if ev is not None:
                         self.metrics.write(self.step_count, {"eval_loss": ev})
                         progress.console.print(f"step {self.step_count}: eval loss {ev:.4f}", highlight=False)
                         self._adapt(self.adaptive.observe_eval(self.step_count, ev))
                 if cfg.save_steps and self.step_count % cfg.save_steps == 0:
+                    self.console.print(f"saving checkpoint {self.step_count}", highlight=False)
                     self.save_checkpoint()
                 last = m
                 if self.stop_reason is not None:
@@ -278,29 +304,50 @@ class Trainer:
                     if not (cfg.save_steps and self.step_count % cfg.save_steps == 0):
                         self.save_checkpoint()
                     break
+        if interrupts.requested:
+            self._checkpoint_interrupted(interrupts)
+            return last
         ev = self.evaluate()
         if ev is not None:
             self.metrics.write(self.step_count, {"eval_loss": ev})
             self.console.print(f"final eval loss {ev:.4f}", highlight=False)
             last["eval_loss"] = ev
         self.checkpointer.close()
-        out = self.export()
+        out = self.export(overwrite=bool(cfg.resume_from_checkpoint))
         chart = plot_loss(self.metrics.history, self.output_dir / "loss.png")
         self.metrics.close()
         self.console.print(f"[bold green]done[/]: {out}" + (f"; loss chart {chart}" if chart else ""))
         return last
+
+    def _checkpoint_interrupted(self, interrupts: Interrupts) -> None:
+        """After SIGINT / SIGTERM: a whole checkpoint at the current step (unless one is there already)."""
+        if self.step_count == 0:
+            self.console.print(f"[yellow]{interrupts.name}: stopped before the first step; nothing to save[/]")
+            return
+        if self.checkpointer.latest_step() != self.step_count:
+            self.save_checkpoint()
+        self.checkpointer.wait()
+        self.console.print(f"[yellow]{interrupts.name}[/]: stopped at step {self.step_count}/{self.plan.total_steps}; "
+                           f"checkpoint {self.checkpointer.directory / str(self.step_count)}", highlight=False)
+
+    def close(self) -> None:
+        """Wait for checkpoint writes, stop the data loader's threads, close the metrics sinks (idempotent).
+        Leaving these running when the interpreter exits is what aborted interrupted runs (interrupts.py)."""
+        self.checkpointer.close()
+        self.data.train.close()
+        self.metrics.close()
 
     # ---- export ---------------------------------------------------------------------------------------------
     def trained_model(self):
         """The model with the trained weights (a fresh module; the trainer's own state is untouched)."""
         return nnx.merge(self.run.eval_graphdef, master_params(self.trainable, self.opt_state), self.frozen)
 
-    def export(self, out_dir: str | Path | None = None) -> Path:
+    def export(self, out_dir: str | Path | None = None, *, overwrite: bool = False) -> Path:
         """Write the trained weights: a PEFT adapter (LoRA; plus the merged model with `merge_adapter`) or an
-        HF model folder, each with the tokenizer files. Default folder: <output_dir>/adapter or /model."""
+        HF model folder, each with the tokenizer files. Default folder: <output_dir>/adapter or /model.
+        An existing non-empty folder is an error unless `overwrite` (writes are atomic: temp folder + rename)."""
         model = self.trained_model()
         save_dtype = self.spec.precision.save_dtype
-        overwrite = bool(self.cfg.resume_from_checkpoint) and out_dir is None
         if self.cfg.lora:
             out = save_peft_adapter(model, Path(out_dir or self.output_dir / "adapter"), self.cfg.model,
                                     overwrite=overwrite)

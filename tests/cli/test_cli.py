@@ -158,9 +158,28 @@ def test_training_reports_unwrapped_when_stderr_is_not_a_terminal(monkeypatch, c
     import surojax.train.stages as train_stages
 
     seen = {}
-    monkeypatch.setattr(config_stages, "load_run", lambda config, overrides: [])
-    monkeypatch.setattr(train_stages, "run_stages", lambda stages, console: seen.setdefault("console", console))
+    monkeypatch.setattr(config_stages, "load_run", lambda config, overrides, overwrite=False: [])
+    monkeypatch.setattr(train_stages, "run_stages", lambda stages, console, **kw: seen.setdefault("console", console))
     assert main(["sft", str(good_config)]) == 0
     line = "data    " + "x" * 200
     seen["console"].print(line, highlight=False)
     assert line in capsys.readouterr().err.splitlines()
+
+
+def test_writing_commands_refuse_an_existing_output_without_overwrite(tmp_path, good_config, capsys):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_text("mine")
+    assert main(["merge", "--base", str(tmp_path), "--adapter", str(tmp_path), "--output", str(taken)]) == 1
+    assert main(["quantize", str(tmp_path), "--type", "q8_0", "--output", str(gguf)]) == 1
+    run_dir = tmp_path / "run"
+    (run_dir / "model").mkdir(parents=True)
+    (run_dir / "model" / "config.json").write_text("{}")  # the run's final export: export's default --output
+    assert main(["export", str(good_config), "-o", f"output_dir={run_dir}"]) == 1
+    err = capsys.readouterr().err
+    for path in (taken, gguf, run_dir / "model"):
+        assert f"{path}: exists and is not empty; pass --overwrite" in err
+    assert (taken / "keep.txt").read_text() == gguf.read_text() == "mine"
+    assert (run_dir / "model" / "config.json").read_text() == "{}"

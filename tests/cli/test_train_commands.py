@@ -1,5 +1,9 @@
-"""The training-side commands end to end: tokenize --debug, sft, export from a checkpoint, merge."""
+"""The training-side commands end to end: tokenize --debug, sft, export from a checkpoint, merge; nothing an
+earlier run wrote is replaced without --overwrite; multi-stage configs take --stage."""
 import json
+from pathlib import Path
+
+import pytest
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +13,7 @@ from surojax.cli.main import main
 from surojax.peft.stacked import load_adapter_into
 from surojax.weights.hf_checkpoint import load_model
 
-from tests.train.conftest import ROOT, write_instruction_data
+from tests.train.conftest import ROOT, TINY_QWEN3, TOKENIZER, write_instruction_data, write_text_data
 
 BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3"
 TOKENS = jnp.asarray([[508, 3, 17, 99, 250, 7, 509, 42]])
@@ -37,6 +41,15 @@ def test_sft_then_export_then_merge(tmp_path, capsys):
     assert main(["sft", str(config)]) == 0
     adapter = tmp_path / "run" / "adapter"
     trained = load_adapter_into(load_model(BASE), adapter, trainable=True)
+    final = _snapshot(adapter)
+
+    # nothing the run wrote is replaced without --overwrite: a second sft, an export to the default folder
+    capsys.readouterr()
+    assert main(["sft", str(config)]) == 1
+    assert main(["export", str(config), "--checkpoint", str(tmp_path / "run" / "checkpoints" / "2")]) == 1
+    err = capsys.readouterr().err
+    assert err.count(f"{adapter}") == 2 and err.count("--overwrite") == 2, err
+    assert _snapshot(adapter) == final
 
     # export the step-2 checkpoint: a different (earlier) adapter than the final one
     assert main(["export", str(config), "--checkpoint", str(tmp_path / "run" / "checkpoints" / "2"),
@@ -51,3 +64,47 @@ def test_sft_then_export_then_merge(tmp_path, capsys):
     np.testing.assert_allclose(np.asarray(merged(TOKENS)), np.asarray(trained(TOKENS)), atol=2e-5)
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
     capsys.readouterr()
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _two_stages(tmp_path) -> Path:
+    text = write_text_data(tmp_path / "text.jsonl", n=32)
+    qa = write_instruction_data(tmp_path / "qa.jsonl", n=24)
+    cfg = {"tokenizer": str(TOKENIZER), "recipe": "fp32", "recompute": "none", "sequence_len": 64,
+           "per_device_train_batch_size": 2, "max_steps": 2, "save_steps": 2, "stages": [
+               {"name": "pretrain", "from_scratch": True, "model_config": dict(TINY_QWEN3),
+                "datasets": [{"path": str(text), "type": "text"}], "output_dir": str(tmp_path / "out" / "pre")},
+               {"name": "lora", "model": str(tmp_path / "out" / "pre" / "model"), "lora": True, "lora_rank": 4,
+                "datasets": [{"path": str(qa), "type": "instruction"}], "output_dir": str(tmp_path / "out" / "lora")}]}
+    path = tmp_path / "stages.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_a_second_run_of_a_finished_multi_stage_config_changes_nothing(tmp_path, capsys):
+    config = _two_stages(tmp_path)
+    assert main(["sft", str(config)]) == 0
+    first = _snapshot(tmp_path / "out")
+    assert "pre/checkpoints/2/meta/metadata" in first and "lora/adapter/adapter_model.safetensors" in first
+    capsys.readouterr()
+    assert main(["sft", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("already complete") == 2 and "--overwrite" in err
+    assert _snapshot(tmp_path / "out") == first
+
+    # --stage NAME|N picks one stage of it for export and tokenize
+    assert main(["export", str(config), "--stage", "lora", "--output", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "adapter_config.json").is_file()
+    assert main(["tokenize", str(config), "--stage", "0"]) == 0
+    assert "32 examples" in capsys.readouterr().out  # the pretrain stage's 32 rows (the lora stage has 24)
+    assert _snapshot(tmp_path / "out") == first
+
+
+@pytest.mark.parametrize("stage", [None, "2", "nope"])
+def test_a_multi_stage_config_needs_an_existing_stage(tmp_path, capsys, stage):
+    argv = ["tokenize", str(_two_stages(tmp_path))] + ([] if stage is None else ["--stage", stage])
+    assert main(argv) == 1
+    assert "0=pretrain, 1=lora" in capsys.readouterr().err
