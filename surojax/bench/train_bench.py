@@ -119,9 +119,13 @@ class BenchConfig:
 
 @functools.cache
 def shape_dir(shape: str) -> str:
-    """A model folder holding only the config.json of `shape` (the bench's weights are random, never loaded)."""
-    path = Path(tempfile.mkdtemp(prefix=f"surojax-bench-{shape}-"))
-    (path / "config.json").write_text(json.dumps(shape_hf_config(shape)))
+    """A model folder holding only the config.json of `shape` (the bench's weights are random, never loaded); one
+    folder per shape in the temp directory, rewritten atomically, so repeated runs leave nothing behind."""
+    path = Path(tempfile.gettempdir()) / f"surojax-bench-shape-{shape}"
+    path.mkdir(exist_ok=True)
+    tmp = path / f"config.json.{os.getpid()}"
+    tmp.write_text(json.dumps(shape_hf_config(shape)))
+    os.replace(tmp, path / "config.json")
     return str(path)
 
 

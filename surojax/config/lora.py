@@ -1,6 +1,7 @@
 """LoRA and QLoRA keys: adapter shape, target modules, stacked adapters, and how the frozen base is quantized."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -16,6 +17,14 @@ QloraFormat = Literal["nf4", "fp8", "nvfp4", "q4_0", "q4_1", "q5_0", "q5_1", "q8
                       "q6_k", "iq4_nl", "iq4_xs", "q3_k_m", "q4_k_m", "q5_k_m"]
 # Surogate's four switches, accepted as spellings of one `qlora:` choice (a GGUF key names its type)
 QLORA_SPELLINGS = {"qlora_bnb": "nf4", "qlora_fp8": "fp8", "qlora_fp4": "nvfp4", "qlora_gguf": None}
+
+
+def spelled_formats(values: Mapping[str, Any]) -> set[str]:
+    """The quantised-base formats that the qlora_* spellings set in `values` ask for."""
+    return {fmt or str(values[key]).lower() for key, fmt in QLORA_SPELLINGS.items()
+            if values.get(key) not in (None, False)}
+
+
 GgufType = Literal["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
                    "q3_k_m", "q4_k_m", "q5_k_m"]
 
@@ -88,8 +97,7 @@ class QLoraSection(StrictModel):
     def _one_choice(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        chosen = {fmt or str(data[key]).lower() for key, fmt in QLORA_SPELLINGS.items()
-                  if data.get(key) not in (None, False)}
+        chosen = spelled_formats(data)
         if data.get("qlora") is None and len(chosen) == 1:
             return {**data, "qlora": chosen.pop()}
         return data

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from surojax.config.lora import QLORA_SPELLINGS
+from surojax.config.lora import QLORA_SPELLINGS, spelled_formats
 
 if TYPE_CHECKING:
     from surojax.config.schema import TrainConfig
@@ -68,8 +68,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         for k in [k for k in LORA_KEYS if _changed(cfg, k)]:
             add((k,), "is a LoRA option; set lora: true to use it")
     formats = [k for k in QLORA_FORMATS if getattr(cfg, k) not in (False, None)]
-    chosen = {cfg.qlora} | {fmt or str(cfg.qlora_gguf) for k, fmt in QLORA_SPELLINGS.items()
-                            if getattr(cfg, k) not in (False, None)}
+    chosen = {cfg.qlora} | spelled_formats({k: getattr(cfg, k) for k in QLORA_SPELLINGS})
     if len(chosen - {None}) > 1:
         add(tuple(formats), f"at most one quantised-base format may be set (got {', '.join(formats)})")
     formats = [k for k in formats if k != "qlora"] or formats  # report the key the user wrote
@@ -160,6 +159,13 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         add(("save_total_limit",), "needs save_steps (without it only the final model is saved)")
 
     # --- data
+    entries = [(f"datasets.{i}", d) for i, d in enumerate(cfg.datasets)]
+    entries += [(f"validation_datasets.{i}", d) for i, d in enumerate(cfg.validation_datasets)]
+    entries += [("eval_generation", cfg.eval_generation)] if cfg.eval_generation is not None else []
+    for where, d in entries:
+        if d.prompt_field != "prompt":
+            add((f"{where}.prompt_field",), "names the prompt column of preference (DPO) rows, which this version "
+                "does not train: it is not available; remove the key")
     if cfg.validation_datasets and cfg.validation_split_ratio > 0:
         add(("validation_split_ratio", "validation_datasets"), "set validation_datasets or validation_split_ratio, "
             "not both")

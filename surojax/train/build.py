@@ -85,7 +85,7 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
     `recompute` / `unroll` replace the spec's (a candidate layer loop of `choose_layer_loop`)."""
     lora, mem = spec.lora, spec.memory
     return plan_memory(spec.model.config, mode="lora" if lora else "full", recipe=spec.precision.recipe,
-                       rank=lora.rank if lora else 0, targets=lora.targets if lora else None,
+                       rank=lora.adapter.rank if lora else 0, targets=lora.adapter.targets if lora else None,
                        batch=spec.batch.rows, seq=spec.batch.sequence_len,
                        recompute=mem.recompute if recompute is None else recompute,
                        unroll=mem.unroll if unroll is None else unroll,
@@ -157,7 +157,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
 
     model = _placed_model(spec, mesh, customize)
-    train_mode = spec.lora is not None and spec.lora.dropout > 0
+    train_mode = spec.lora is not None and spec.lora.adapter.dropout > 0
     if train_mode:
         model.train()
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(spec), ...)
@@ -181,7 +181,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     loss_fn = functools.partial(loss, chunk=chunk, unroll=mem.unroll)
     train_step = make_train_step(graphdef, loss_fn, optimizer, layer_loop=loop,
                                  prepare=set_dropout_key if train_mode else None,
-                                 skip_nonfinite=o.skip_nonfinite, **apply)
+                                 loss_guard=o.loss_guard, **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch else None)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,

@@ -44,9 +44,9 @@ def build_model(spec: RunSpec) -> Decoder:
         except ValueError as e:
             raise TrainSetupError(f"quantising the base to {spec.quant.format}: {e}") from None
     if spec.lora is not None:
-        lo = spec.lora
-        init_lora(model, targets=lo.targets, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout,
-                  use_rslora=lo.use_rslora, rngs=nnx.Rngs(params=m.seed + 1), dtype=prec.adapter,
+        lo, a = spec.lora, spec.lora.adapter
+        init_lora(model, targets=a.targets, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
+                  use_rslora=a.use_rslora, rngs=nnx.Rngs(params=m.seed + 1), dtype=prec.adapter,
                   adapter_path=lo.adapter_path, adapter_init_mode=lo.adapter_init_mode)
     if prec.recipe == "fp8_hybrid":
         apply_fp8_recipe(spec, model)

@@ -3,7 +3,7 @@
     RunSpec
       model      ModelSpec      architecture (resolved ModelConfig), where the weights come from, attention backend
       precision  PrecisionSpec  recipe and the dtypes it implies (compute, frozen base / master, adapters)
-      lora       LoraSpec|None  adapters on a frozen base (None: every weight trains)
+      lora       LoraTraining|None  adapters on a frozen base (None: every weight trains)
       quant      QuantSpec|None the frozen base quantised to this format (QLoRA)
       memory     MemorySpec     recompute, layer unrolling, lm-head chunks, what lives in host memory
       optim      OptimSpec      optimizer, learning-rate schedule over `total_steps`, clipping
@@ -30,6 +30,8 @@ from surojax.config.lora import GGUF_MIXES, GGUF_TYPES as CONFIG_GGUF_TYPES
 from surojax.config.schema import TrainConfig
 from surojax.models.config import ModelConfig
 from surojax.quant import GGUF_TYPES
+from surojax.peft.peft_io import LoraSpec
+from surojax.weights.gguf_checkpoint import is_gguf_path
 from surojax.weights.model_ref import ModelRef, hf_config_of, resolve_model
 from surojax.weights.safetensors_file import WeightsError
 
@@ -73,12 +75,8 @@ class PrecisionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraSpec:
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-    dropout: float = 0.0
-    use_rslora: bool = False
+class LoraTraining:
+    adapter: LoraSpec  # the trained adapter's shape and scale (what adapter_config.json records)
     adapter_path: str | None = None  # an existing PEFT adapter to stack on
     adapter_init_mode: str | None = None  # merge | trainable
     merge_adapter: bool = False  # also export the merged model
@@ -124,7 +122,7 @@ class OptimSpec:
     b2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float = 1.0
-    skip_nonfinite: bool = False  # a step with a non-finite loss or gradient changes nothing (the loss guard)
+    loss_guard: bool = False  # the lr scale of auto_lr_reduction applies; a non-finite step changes nothing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +136,7 @@ class BatchSpec:
 class RunSpec:
     model: ModelSpec
     precision: PrecisionSpec
-    lora: LoraSpec | None
+    lora: LoraTraining | None
     quant: QuantSpec | None
     memory: MemorySpec
     optim: OptimSpec
@@ -149,10 +147,6 @@ class RunSpec:
 
 
 # ---- from a TrainConfig ---------------------------------------------------------------------------------------
-
-def is_gguf_path(p) -> bool:
-    return p is not None and str(p).lower().endswith(".gguf")
-
 
 def model_ref_of(cfg: TrainConfig) -> ModelRef | None:
     """`model` resolved by the one model loader (HF folder, .gguf file, a run's output folder, a cached repo id);
@@ -196,12 +190,13 @@ def precision_spec(cfg: TrainConfig) -> PrecisionSpec:
                          cfg.skip_quant_first_layers, cfg.skip_quant_last_layers)
 
 
-def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
+def lora_training(cfg: TrainConfig) -> LoraTraining | None:
     if not cfg.lora:
         return None
-    return LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=tuple(cfg.lora_target_modules),
-                    dropout=cfg.lora_dropout, use_rslora=cfg.use_rslora, adapter_path=cfg.adapter_path,
-                    adapter_init_mode=cfg.adapter_init_mode, merge_adapter=cfg.merge_adapter)
+    adapter = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=tuple(cfg.lora_target_modules),
+                       dropout=cfg.lora_dropout, use_rslora=cfg.use_rslora)
+    return LoraTraining(adapter, adapter_path=cfg.adapter_path, adapter_init_mode=cfg.adapter_init_mode,
+                        merge_adapter=cfg.merge_adapter)
 
 
 def quant_spec(cfg: TrainConfig) -> QuantSpec | None:
@@ -239,15 +234,15 @@ def optim_spec(cfg: TrainConfig, total_steps: int) -> OptimSpec:
                      total_steps=total_steps, warmup_steps=cfg.warmup_steps_for(total_steps),
                      final_lr_fraction=cfg.final_lr_fraction, cooldown_steps=cfg.cooldown_steps or 0,
                      weight_decay=cfg.weight_decay, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
-                     max_grad_norm=cfg.max_grad_norm, skip_nonfinite=cfg.auto_lr_reduction)
+                     max_grad_norm=cfg.max_grad_norm, loss_guard=cfg.auto_lr_reduction)
 
 
 def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None,
-             init: Literal["build", "jit", "host"] = "build") -> RunSpec:
+             init: Literal["build", "jit", "host"] = "build", model_config: ModelConfig | None = None) -> RunSpec:
     """The run a TrainConfig describes. attention: the backend the layers are built with (default
     `cfg.attention`; the Trainer passes `packed_backend` of its data). init: "build" loads `model` (or initialises
     from the seed with from_scratch); "jit" / "host" give random weights of `model`'s architecture (benchmarks)."""
-    model_cfg = model_config_for(cfg)
+    model_cfg = model_config or model_config_for(cfg)  # the caller's, when it already read it
     precision = precision_spec(cfg)
     quant = quant_spec(cfg)
     random_weights = cfg.from_scratch or init != "build"
@@ -255,5 +250,5 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
                       attention=attention or cfg.attention, init=init)
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
                       sequence_len=cfg.sequence_len)
-    return RunSpec(model=model, precision=precision, lora=lora_spec(cfg), quant=quant, memory=memory_spec(cfg),
+    return RunSpec(model=model, precision=precision, lora=lora_training(cfg), quant=quant, memory=memory_spec(cfg),
                    optim=optim_spec(cfg, total_steps), batch=batch)

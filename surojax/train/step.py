@@ -7,9 +7,10 @@ differentiated and updated (the full model for full fine-tuning, the adapters fo
 micro-batches' loss SUMS are accumulated (fp32) under `lax.scan` and divided once by the total count of
 supervised tokens, so accumulation A x batch B gives the same update as batch A*B.
 
-`lr_scale` multiplies the optimizer's update (for AdamW exactly a learning rate times lr_scale: the loss guard's
-cuts, surojax/train/loss_guard.py). With `skip_nonfinite` a step whose loss or gradient norm is not finite leaves
-the parameters and the optimizer state as they were (metrics["skipped"] = 1).
+With `loss_guard` (auto_lr_reduction, surojax/train/loss_guard.py) `lr_scale` multiplies the optimizer's update
+(for AdamW exactly a learning rate times lr_scale: the guard's cuts), and a step whose loss or gradient norm is not
+finite leaves the parameters and the optimizer state as they were (metrics["skipped"] = 1). Without it the step
+compiles neither (lr_scale is then ignored: it stays 1 without the guard).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from flax import nnx
 
 def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, layer_loop=None,
                     prepare: Callable | None = None, donate: bool = True, jit: bool = True,
-                    apply_updates: Callable = optax.apply_updates, skip_nonfinite: bool = False):
+                    apply_updates: Callable = optax.apply_updates, loss_guard: bool = False):
     """`loss_fn(model, micro_batch, layer_loop=...) -> (loss_sum, {"tokens": count, ...})`; `layer_loop`: what the
     decoder runs its layers with (offload.remat.layer_loop: a recompute wrapper, or the prefetching loop).
 
@@ -71,9 +72,10 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         grads = jax.tree.map(lambda g: g / denom, grads)
         metrics["grad_norm"] = optax.tree.norm(grads)
         updates, new_state = optimizer.update(grads, opt_state, trainable)
-        updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
+        if loss_guard:
+            updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
         new_params = apply_updates(trainable, updates)
-        if skip_nonfinite:
+        if loss_guard:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
             new_params, new_state = keep(new_params, trainable), keep(new_state, opt_state)

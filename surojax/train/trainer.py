@@ -41,8 +41,8 @@ from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.interrupts import Interrupts
 from surojax.train.metrics import Metrics, plot_loss
-from surojax.train.run_spec import TrainSetupError, is_gguf_path, model_config_for, run_spec
-from surojax.weights.gguf_checkpoint import load_gguf_tokenizer
+from surojax.train.run_spec import TrainSetupError, model_config_for, run_spec
+from surojax.weights.gguf_checkpoint import is_gguf_path, load_gguf_tokenizer
 from surojax.weights.gguf_tokenizer import save_tokenizer_dir
 from surojax.weights.hf_checkpoint import copy_tokenizer_files, save_model
 
@@ -77,7 +77,7 @@ class Trainer:
         self.console = console or Console(stderr=True)
         self.output_dir = Path(cfg.output_dir)
         self._check_output_dir()
-        model_config_for(cfg)  # cheap: the architecture is checked before data and weights are touched
+        model_config = model_config_for(cfg)  # cheap: the architecture is checked before data and weights
         tok_src = cfg.tokenizer or cfg.model
         if tok_src is None:
             raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
@@ -92,7 +92,7 @@ class Trainer:
         epochs = None if (cfg.max_steps or cfg.epoch_adjustment) else max(1, math.ceil(cfg.num_epochs))
         self.data = build_data_from_config(cfg, self.tokenizer, batch_size=A * B, seed=cfg.seed, num_epochs=epochs,
                                            eval_batch_size=B)
-        self.num_params = count_params(model_config_for(cfg))
+        self.num_params = count_params(model_config)
         log.info("%s", budget_line(self.num_params, max(self.data.stats.tokens, 1)))
         num_epochs = cfg.num_epochs
         if cfg.epoch_adjustment:  # the Chinchilla budget sets the epochs (the loader above repeats the data)
@@ -108,7 +108,7 @@ class Trainer:
         if attention != cfg.attention:
             log.info("attention: %s (cuDNN over the packed rows, at most %s samples + padding per row)",
                      attention, attention.split(":")[1])
-        self.spec = run_spec(cfg, total_steps=total, attention=attention)
+        self.spec = run_spec(cfg, total_steps=total, attention=attention, model_config=model_config)
         if self.tokenizer.vocab_size > self.spec.model.config.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                                   f"{self.spec.model.config.vocab_size}")

@@ -194,18 +194,24 @@ ABSURD = {  # name -> (file bytes, what the message must say)
 }
 
 
+def refused_within(path, read, error, message: str) -> int:
+    """`read(path)` raises `error` naming the file and matching `message`; returns the peak traced allocation."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(error, match=re.escape(str(path)) + ".*" + message):
+            read(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak
+
+
 @pytest.mark.parametrize("case", ABSURD)
 def test_gguf_absurd_counts_dims_and_offsets_are_refused_before_allocating(case, tmp_path):
     data, message = ABSURD[case]
     path = tmp_path / "absurd.gguf"
     path.write_bytes(data)
-    tracemalloc.start()
-    try:
-        with pytest.raises(GGUFError, match=re.escape(str(path)) + ".*" + message):
-            read_gguf(path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = refused_within(path, read_gguf, GGUFError, message)
     assert peak < 256 * 1024, peak  # a few small objects: nothing sized by the claimed counts
 
 
@@ -321,13 +327,7 @@ def test_safetensors_absurd_fields_are_refused(case, tmp_path):
     data, message = ST_CASES[case]
     path = tmp_path / "absurd.safetensors"
     path.write_bytes(data)
-    tracemalloc.start()
-    try:
-        with pytest.raises(SafetensorsError, match=re.escape(str(path)) + ".*" + message):
-            SafetensorsFile(path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = refused_within(path, SafetensorsFile, SafetensorsError, message)
     assert peak < 4 * len(data) + 256 * 1024, peak
 
 
