@@ -37,6 +37,56 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+ROUTERS = ("softmax_topk", "topk_softmax")
+EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The sparse feed-forward of a mixture-of-experts family (every layer of the stack is sparse).
+
+    router          "softmax_topk": softmax over the E logits, then the k largest probabilities (qwen3_moe,
+                    mixtral); "topk_softmax": the k largest logits, then a softmax over those k (gpt_oss)
+    norm_topk_prob  renormalise the k weights of "softmax_topk" to sum to 1 (mixtral always does)
+    activation      "swiglu": silu(gate) * up with gate | up the two halves of the fused gate_up projection;
+                    "swiglu_clamped" (gpt_oss): gate/up interleaved, clamped to `swiglu_limit`,
+                    (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    """
+
+    num_experts: int  # E
+    experts_per_token: int  # k
+    expert_intermediate_size: int  # F of one expert
+    norm_topk_prob: bool = False
+    router: str = "softmax_topk"
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    router_aux_loss_coef: float = 0.0  # the HF config's coefficient of the load-balancing loss
+
+    def __post_init__(self):
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok ({self.experts_per_token}) must be in 1..num_experts "
+                                   f"({self.num_experts})")
+        if self.expert_intermediate_size <= 0:
+            raise ModelConfigError(f"the experts' intermediate size must be positive, got "
+                                   f"{self.expert_intermediate_size}")
+        if self.router not in ROUTERS:
+            raise ModelConfigError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ModelConfigError(f"expert activation {self.activation!r} is not one of "
+                                   f"{', '.join(EXPERT_ACTIVATIONS)}")
+
+    def expert_params(self, hidden: int) -> int:
+        """Parameters of one expert: gate and up [D, F], down [F, D] (+ biases)."""
+        F = self.expert_intermediate_size
+        return 3 * hidden * F + ((2 * F + hidden) if self.expert_bias else 0)
+
+    def router_params(self, hidden: int) -> int:
+        return hidden * self.num_experts + (self.num_experts if self.router_bias else 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -59,6 +109,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in every layer (None: the dense SwiGLU MLP)
     # The HF config.json this came from, kept so that to_hf() can write back what surojax does not model.
     hf_extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -79,14 +130,27 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameters of the model, embeddings included (tied embeddings counted once)."""
-        D, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
+        D, V = self.hidden_size, self.vocab_size
         attn = D * self.q_dim + 2 * D * self.kv_dim + self.q_dim * D
         if self.attention_bias:
             attn += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * D * F + 2 * D
-        return self.num_layers * layer + V * D * (1 if self.tie_word_embeddings else 2) + D
+        return self.num_layers * (attn + self._ffn_params(active=False) + 2 * D) \
+            + V * D * (1 if self.tie_word_embeddings else 2) + D
+
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: a MoE layer counts its router and k experts, not all E."""
+        if self.moe is None:
+            return self.num_params()
+        return self.num_params() - self.num_layers * (self._ffn_params(active=False) - self._ffn_params(active=True))
+
+    def _ffn_params(self, *, active: bool) -> int:
+        D = self.hidden_size
+        if self.moe is None:
+            return 3 * D * self.intermediate_size
+        n = self.moe.experts_per_token if active else self.moe.num_experts
+        return self.moe.router_params(D) + n * self.moe.expert_params(D)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -143,6 +207,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            moe=moe_from_hf(family.moe, hf),
             hf_extra=dict(hf),
         )
 
@@ -182,7 +247,60 @@ class ModelConfig:
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
+        if self.moe is not None:
+            out.update(moe_to_hf(family.moe, self.moe))
         return out
+
+
+def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
+    """The MoE section of a family's config.json (`style` is the registry's `Family.moe`); None for dense families.
+
+    Key names differ by family: qwen3_moe writes `num_experts` / `moe_intermediate_size` (its
+    `intermediate_size` is the dense MLP's, used by no layer when every layer is sparse); mixtral and gpt_oss
+    write `num_local_experts` and the expert size as `intermediate_size`.
+    """
+    if style is None:
+        return None
+    k = int(hf.get("num_experts_per_tok", 2))
+    coef = float(hf.get("router_aux_loss_coef", 0.001))
+    if style == "qwen3_moe":
+        dense = list(hf.get("mlp_only_layers") or [])
+        step = int(hf.get("decoder_sparse_step", 1))
+        if dense or step != 1 or int(hf.get("num_experts", 1)) == 0:
+            raise ModelConfigError(
+                f"qwen3_moe with dense layers (mlp_only_layers {dense}, decoder_sparse_step {step}, num_experts "
+                f"{hf.get('num_experts')}) is not supported: every layer must be sparse (the layer stack is one "
+                f"scanned block type); published Qwen3-MoE models have mlp_only_layers [] and decoder_sparse_step 1")
+        return MoEConfig(num_experts=int(hf.get("num_experts", 128)), experts_per_token=k,
+                         expert_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+                         norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_aux_loss_coef=coef)
+    if style == "mixtral":
+        if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+            raise ModelConfigError(f"router_jitter_noise {hf['router_jitter_noise']} is not supported (only 0: "
+                                   "no multiplicative noise on the router input)")
+        return MoEConfig(num_experts=int(hf.get("num_local_experts", 8)), experts_per_token=k,
+                         expert_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
+                         router_aux_loss_coef=coef)
+    if style == "gpt_oss":
+        return MoEConfig(num_experts=int(hf.get("num_local_experts", 128)), experts_per_token=k,
+                         expert_intermediate_size=int(hf["intermediate_size"]), router="topk_softmax",
+                         router_bias=True, expert_bias=True, activation="swiglu_clamped",
+                         swiglu_limit=float(hf.get("swiglu_limit", 7.0)), router_aux_loss_coef=coef)
+    raise ModelConfigError(f"unknown MoE style {style!r}")
+
+
+def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
+    """The config.json keys of `moe` in the spelling of the family's MoE `style` (inverse of `moe_from_hf`)."""
+    out: dict[str, Any] = {"num_experts_per_tok": moe.experts_per_token,
+                           "router_aux_loss_coef": moe.router_aux_loss_coef}
+    if style == "qwen3_moe":
+        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
+                   norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        out.update(num_local_experts=moe.num_experts, intermediate_size=moe.expert_intermediate_size)
+    if style == "gpt_oss":
+        out["swiglu_limit"] = moe.swiglu_limit
+    return out
 
 
 def llama3_inv_freq(cfg: ModelConfig) -> list[float]:

@@ -1,10 +1,11 @@
-"""The dense decoder: one implementation for Llama 3.x, Qwen2/2.5, Qwen3 and Mistral.
+"""The decoder: one implementation for Llama 3.x, Qwen2/2.5, Qwen3, Mistral and the MoE families (Qwen3-MoE, Mixtral).
 
     tokens [B, T] -> embed [B, T, D] -> L x Block -> RMSNorm -> lm_head -> logits [B, T, V]
     Block:  h += Attention(RMSNorm(h));  h += MLP(RMSNorm(h))      (pre-norm, SwiGLU, GQA, rope)
+            the MLP is the dense SwiGLU, or with `cfg.moe` the mixture of experts (layers/moe.py)
 
 Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
-embeddings). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is [L, ...]) and
+embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is [L, ...]) and
 run under `jax.lax.scan`, so compile time does not grow with depth and remat / host streaming / pipeline
 stages act on one layer slice at a time. Training settings (remat policy, dtype policy, LoRA, sharding) are
 passed in or applied from outside; none of them lives in ModelConfig.
@@ -23,6 +24,7 @@ from surojax.models.config import ModelConfig
 from surojax.models.kv import Cache, KVCache
 from surojax.models.layers.attention import Attention
 from surojax.models.layers.mlp import MLP
+from surojax.models.layers.moe import MoE
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import inv_freq, rope_cos_sin
@@ -34,13 +36,19 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.attn = Attention(cfg, backend=attention, param_dtype=param_dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
-        self.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs)
+        if cfg.moe is None:
+            self.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.mlp = MoE(D, cfg.moe, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None):
+        """-> (h, kv, router stats of a MoE layer or None)."""
         a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta)
         h = h + a
-        h = h + self.mlp(self.mlp_norm(h))
-        return h, kv
+        if isinstance(self.mlp, MoE):
+            m, stats = self.mlp(self.mlp_norm(h), segment_ids)
+            return h + m, kv, stats
+        return h + self.mlp(self.mlp_norm(h)), kv, None
 
 
 class Embedding(nnx.Module):
@@ -105,8 +113,10 @@ class Decoder(nnx.Module):
 
     # ---- forward ----------------------------------------------------------------------------------------
     def hidden_states(self, tokens, positions, segment_ids, *, cache: Cache | None = None,
-                      layer_loop: Callable | None = None, unroll: int | bool = 1, cache_in_carry: bool = False):
-        """tokens/positions/segment_ids [B, T] -> (final-normed hidden [B, T, D], updated cache or None).
+                      layer_loop: Callable | None = None, unroll: int | bool = 1, cache_in_carry: bool = False,
+                      router_stats: bool = False):
+        """tokens/positions/segment_ids [B, T] -> (final-normed hidden [B, T, D], updated cache or None), and with
+        `router_stats` a third element: the MoE layers' `RouterStats` stacked on [L] (None for a dense model).
 
         `layer_loop` (offload.remat.layer_loop makes it; None: the plain scan) either wraps the per-layer scan body
         (a recompute wrapper, e.g. `functools.partial(jax.checkpoint, policy=...)`), or, when it has a
@@ -130,11 +140,14 @@ class Decoder(nnx.Module):
         graphdef, layer_state = nnx.split(self.layers)
         run_layers = getattr(layer_loop, "run_layers", None)  # a layer loop of its own (offload/prefetch.py)
         if run_layers is not None and cache is None:
+            if router_stats and self.cfg.moe is not None:
+                raise ValueError("router statistics are not collected by a layer loop of its own (offload_prefetch)")
+
             def apply_layer(state_l, h, consts):
                 return nnx.merge(graphdef, state_l)(h, *consts)[0]
 
             h = run_layers(apply_layer, h, layer_state, (cos, sin, segment_ids, positions), unroll=unroll)
-            return self.final_norm(h), None
+            return (self.final_norm(h), None) + ((None,) if router_stats else ())
 
         check_stacked(layer_state)
 
@@ -142,25 +155,27 @@ class Decoder(nnx.Module):
             state_l, kv_l = xs
             h = checkpoint_name(h, "layer_input")  # the residual that `recompute: offload` keeps in host memory
             block = nnx.merge(graphdef, on_device(state_l))
-            h, kv_l = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta)
-            return h, kv_l
+            h, kv_l, stats = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta)
+            return h, (kv_l, stats)
 
         def carry_body(carry, state_l):
             h, kv = carry
             block = nnx.merge(graphdef, on_device(state_l))
-            h, kv = block(h, cos, sin, segment_ids, positions, kv, kv_meta)
-            return (h, dataclasses.replace(kv, layer=kv.layer + 1)), None
+            h, kv, stats = block(h, cos, sin, segment_ids, positions, kv, kv_meta)
+            return (h, dataclasses.replace(kv, layer=kv.layer + 1)), stats
 
         if cache is not None and cache_in_carry:
             loop_body = carry_body if layer_loop is None else layer_loop(carry_body)
-            (h, kv), _ = jax.lax.scan(loop_body, (h, cache.carried()), layer_state, unroll=unroll)
-            return self.final_norm(h), cache.with_kv(kv.k, kv.v)
+            (h, kv), stats = jax.lax.scan(loop_body, (h, cache.carried()), layer_state, unroll=unroll)
+            out = (self.final_norm(h), cache.with_kv(kv.k, kv.v))
+            return out + ((stats,) if router_stats else ())
         if layer_loop is not None:
             body = layer_loop(body)
-        h, new_kv = jax.lax.scan(body, h, (layer_state, None if cache is None else cache.per_layer()), unroll=unroll)
+        h, (new_kv, stats) = jax.lax.scan(body, h, (layer_state, None if cache is None else cache.per_layer()),
+                                          unroll=unroll)
         if cache is not None:
             cache = cache.with_kv(new_kv.k, new_kv.v)
-        return self.final_norm(h), cache
+        return (self.final_norm(h), cache) + ((stats,) if router_stats else ())
 
     def head_weight(self) -> jax.Array:
         """The output projection as [D, V] (the transposed embedding when tied)."""

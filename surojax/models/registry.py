@@ -5,8 +5,15 @@ in the flags of its `Family` entry and which rows of the shared weight table app
 
 Weight table rows map a Hugging Face tensor name to a path in the NNX state of `Decoder`:
     hf name ("{i}" is the layer index)   ->  state path (dotted)   transform
-Per-layer rows are stacked on the leading L axis. `transpose` turns HF's torch Linear layout [out, in] into
-ours [in, out] (kernels are stored `x @ W`-ready; names below carry their axis order).
+Per-layer rows are stacked on the leading L axis; per-expert rows ("{e}" in the name: one tensor per expert, as
+Qwen3-MoE and Mixtral checkpoints are published) on the E axis after it. `transpose` turns HF's torch Linear layout
+[out, in] into ours [in, out] (the last two axes; kernels are stored `x @ W`-ready; names below carry their axis
+order). `half` (0 or 1) puts the tensor into that half of the last axis: the experts' gate and up projections
+are stored fused, gate_up [.., D, 2F] = [gate | up].
+
+A MoE family may have a second table, `fused_weights`: the same model under the fused expert names transformers 5
+keeps in memory (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]); the loader reads
+whichever table the checkpoint matches, the saver writes `weights` (the published layout).
 """
 from __future__ import annotations
 
@@ -19,10 +26,15 @@ class WeightRow:
     path: str  # dotted path in the Decoder's state
     transpose: bool = False
     when: str | None = None  # ModelConfig flag that must be true for this tensor to exist
+    half: int | None = None  # 0 / 1: the first / second half of the state's last axis
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf
 
 
 # One table for all llama-style families. Axis orders: kernel_DN... are [in, out].
@@ -46,6 +58,32 @@ LLAMA_STYLE_WEIGHTS: tuple[WeightRow, ...] = (
     WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"),  # [D, V]
 )
 
+# The attention and norm rows every MoE family shares with the dense ones (the MLP rows replaced by its own).
+ATTENTION_WEIGHTS: tuple[WeightRow, ...] = tuple(r for r in LLAMA_STYLE_WEIGHTS if ".mlp." not in r.hf)
+
+_EXPERTS = "layers.mlp.experts"
+QWEN3_MOE_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
+    WeightRow("model.layers.{i}.mlp.gate.weight", "layers.mlp.router.kernel", True),  # [L, D, E]
+    WeightRow("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", f"{_EXPERTS}.gate_up_proj.kernel", True,
+              half=0),  # [L, E, D, 2F]
+    WeightRow("model.layers.{i}.mlp.experts.{e}.up_proj.weight", f"{_EXPERTS}.gate_up_proj.kernel", True, half=1),
+    WeightRow("model.layers.{i}.mlp.experts.{e}.down_proj.weight", f"{_EXPERTS}.down_proj.kernel", True),  # [L, E, F, D]
+)
+MIXTRAL_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
+    WeightRow("model.layers.{i}.block_sparse_moe.gate.weight", "layers.mlp.router.kernel", True),
+    WeightRow("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", f"{_EXPERTS}.gate_up_proj.kernel", True,
+              half=0),
+    WeightRow("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", f"{_EXPERTS}.gate_up_proj.kernel", True,
+              half=1),
+    WeightRow("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", f"{_EXPERTS}.down_proj.kernel", True),
+)
+# transformers 5's in-memory names (both families): router `mlp.gate`, fused experts [E, out, in].
+FUSED_MOE_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
+    WeightRow("model.layers.{i}.mlp.gate.weight", "layers.mlp.router.kernel", True),
+    WeightRow("model.layers.{i}.mlp.experts.gate_up_proj", f"{_EXPERTS}.gate_up_proj.kernel", True),  # [E, 2F, D]
+    WeightRow("model.layers.{i}.mlp.experts.down_proj", f"{_EXPERTS}.down_proj.kernel", True),  # [E, D, F]
+)
+
 # HF module names users put in `lora_target_modules`, and where each lives in the Decoder.
 LINEAR_MODULES: dict[str, str] = {
     "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "o_proj": "attn.o_proj",
@@ -63,6 +101,8 @@ class Family:
     sliding_window: bool = False  # honours config.json's `sliding_window`
     tie_default: bool = False
     weights: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS
+    fused_weights: tuple[WeightRow, ...] = ()  # a second accepted naming (MoE: transformers 5's fused experts)
+    moe: str | None = None  # the MoE config spelling (ModelConfig.moe_from_hf); None: a dense family
 
 
 FAMILIES: dict[str, Family] = {
@@ -72,6 +112,10 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2ForCausalLM", attention_bias=True, attention_bias_key=False),
         Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
         Family("mistral", "MistralForCausalLM", attention_bias_key=False, sliding_window=True),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, weights=QWEN3_MOE_WEIGHTS,
+               fused_weights=FUSED_MOE_WEIGHTS, moe="qwen3_moe"),
+        Family("mixtral", "MixtralForCausalLM", attention_bias_key=False, sliding_window=True,
+               weights=MIXTRAL_WEIGHTS, fused_weights=FUSED_MOE_WEIGHTS, moe="mixtral"),
     )
 }
 
@@ -87,7 +131,12 @@ def family_for(model_type: str | None) -> Family:
     return FAMILIES[model_type]
 
 
-def weight_rows(cfg) -> list[WeightRow]:
-    """The table rows that exist for this config (bias / qk-norm / untied head filtered by its flags)."""
-    flags = {"attention_bias": cfg.attention_bias, "qk_norm": cfg.qk_norm, "untied": not cfg.tie_word_embeddings}
-    return [r for r in family_for(cfg.model_type).weights if r.when is None or flags[r.when]]
+def weight_rows(cfg, *, fused: bool = False) -> list[WeightRow]:
+    """The table rows that exist for this config (bias / qk-norm / untied head filtered by its flags); `fused`:
+    the family's second table (transformers 5's fused expert names)."""
+    moe = cfg.moe
+    flags = {"attention_bias": cfg.attention_bias, "qk_norm": cfg.qk_norm, "untied": not cfg.tie_word_embeddings,
+             "router_bias": bool(moe and moe.router_bias), "expert_bias": bool(moe and moe.expert_bias)}
+    family = family_for(cfg.model_type)
+    table = family.fused_weights if fused else family.weights
+    return [r for r in table if r.when is None or flags[r.when]]

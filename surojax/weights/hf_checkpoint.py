@@ -23,7 +23,7 @@ from flax import nnx
 from surojax.hub import resolve_local
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
-from surojax.models.registry import WeightRow, weight_rows
+from surojax.models.registry import WeightRow, family_for, weight_rows
 from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 
@@ -84,20 +84,38 @@ def open_checkpoint(model_dir: str | os.PathLike) -> dict[str, SafetensorsFile]:
     raise WeightsError(f"{d}: no model.safetensors or model.safetensors.index.json{hint}")
 
 
-def _expected(cfg: ModelConfig, abstract: nnx.State) -> dict[str, tuple[WeightRow, int | None, tuple]]:
-    """HF name -> (row, layer index or None, expected HF shape)."""
+def _expected(cfg: ModelConfig, abstract: nnx.State, *, fused: bool = False
+              ) -> dict[str, tuple[WeightRow, tuple[int, ...], tuple]]:
+    """HF name -> (row, index into the state's stacked axes ((), (i,) or (i, e)), expected HF shape)."""
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(abstract)}
+    E = cfg.moe.num_experts if cfg.moe is not None else 0
     out = {}
-    for row in weight_rows(cfg):
+    for row in weight_rows(cfg, fused=fused):
         shape = tuple(flat[row.path].get_value().shape)
-        if row.per_layer:
-            shape = shape[1:]
+        shape = shape[int(row.per_layer) + int(row.per_expert):]
+        if row.half is not None:
+            shape = shape[:-1] + (shape[-1] // 2,)
         if row.transpose:
-            shape = shape[::-1]
+            shape = shape[:-2] + shape[-2:][::-1]
         layers = range(cfg.num_layers) if row.per_layer else [None]
+        experts = range(E) if row.per_expert else [None]
         for i in layers:
-            out[row.hf.format(i=i)] = (row, i, shape)
+            for e in experts:
+                index = tuple(x for x in (i, e) if x is not None)
+                out[row.hf.format(i=i, e=e)] = (row, index, shape)
     return out
+
+
+def _hf_to_state(arr: np.ndarray, row: WeightRow) -> np.ndarray:
+    """An HF tensor in our axis order ([in, out] kernels: the last two axes swapped when `transpose`)."""
+    return np.swapaxes(arr, -1, -2) if row.transpose else arr
+
+
+def _half(row: WeightRow, width: int) -> slice:
+    """The slice of the state's last axis a `half` row fills (all of it for other rows)."""
+    if row.half is None:
+        return slice(None)
+    return slice(row.half * width // 2, (row.half + 1) * width // 2)
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
@@ -114,9 +132,12 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     abstract_model = nnx.eval_shape(
         lambda: Decoder(cfg, dtype=dtype, param_dtype=param_dtype, attention=attention, rngs=nnx.Rngs(0)))
     graphdef, abstract = nnx.split(abstract_model)
-    expected = _expected(cfg, abstract)
-
     present = {n for n in where if not n.endswith(_IGNORED_SUFFIXES)}
+    expected = _expected(cfg, abstract)
+    if family_for(cfg.model_type).fused_weights:  # a MoE family: the published or transformers 5's fused names
+        fused = _expected(cfg, abstract, fused=True)
+        if len(present & set(fused)) > len(present & set(expected)):
+            expected = fused
     if cfg.tie_word_embeddings and "lm_head.weight" in present:
         present.discard("lm_head.weight")  # a tied head saved anyway: the embedding is used
         log.info("%s: ignoring lm_head.weight (tie_word_embeddings is true)", model_dir)
@@ -127,7 +148,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
-    for name, (row, i, shape) in expected.items():
+    for name, (row, _, shape) in expected.items():
         if name in where:
             got = where[name].shape(name)
             if tuple(got) != shape:
@@ -141,25 +162,18 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                            + "\n  - ".join(problems))
 
     np_dtype = np.dtype(jnp.dtype(param_dtype))
-    by_path: dict[str, list[tuple[str, WeightRow, int | None]]] = {}
-    for name, (row, i, _) in expected.items():
-        by_path.setdefault(row.path, []).append((name, row, i))
+    shapes = {".".join(map(str, p)): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(abstract)}
+    by_path: dict[str, list[tuple[str, WeightRow, tuple[int, ...]]]] = {}
+    for name, (row, index, _) in expected.items():
+        by_path.setdefault(row.path, []).append((name, row, index))
 
     # One parameter at a time: each tensor read is a host copy, converted into the parameter's buffer and dropped,
     # so host memory holds one parameter (all its layers) beyond the device copies.
     state = {}
     for path, items in by_path.items():
-        items.sort(key=lambda t: -1 if t[2] is None else t[2])
-        value = None
-        for name, row, i in items:
-            arr = where[name].get(name)
-            arr = arr.T if row.transpose else arr
-            if i is None:
-                value = np.asarray(arr, dtype=np_dtype)
-            else:
-                if value is None:
-                    value = np.empty((len(items), *arr.shape), np_dtype)  # [L, ...]
-                value[i] = arr
+        value = np.empty(shapes[path], np_dtype)  # [L, (E,) ...] or the unstacked shape
+        for name, row, index in items:
+            value[index + (Ellipsis, _half(row, value.shape[-1]))] = _hf_to_state(where[name].get(name), row)
         state[path] = jnp.asarray(value)
         del value
 
@@ -172,19 +186,19 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
 
 def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
-    """The model's weights under their Hugging Face names, in `dtype` (default: as stored)."""
+    """The model's weights under their Hugging Face names (the published layout), in `dtype` (default: as stored)."""
     cfg = model.cfg
-    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    params = nnx.state(model, nnx.Param)
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(params)}
+    values: dict[str, np.ndarray] = {}
     out = {}
-    for row in weight_rows(cfg):
-        value = np.asarray(jax.device_get(flat[row.path]))
-        if dtype is not None:
-            value = value.astype(np.dtype(jnp.dtype(dtype)))
-        if row.per_layer:
-            for i in range(cfg.num_layers):
-                out[row.hf.format(i=i)] = value[i].T if row.transpose else value[i]
-        else:
-            out[row.hf] = value.T if row.transpose else value
+    for name, (row, index, _) in _expected(cfg, params).items():
+        if row.path not in values:
+            value = np.asarray(jax.device_get(flat[row.path]))
+            values[row.path] = value if dtype is None else value.astype(np.dtype(jnp.dtype(dtype)))
+        value = values[row.path]
+        part = value[index + (Ellipsis, _half(row, value.shape[-1]))]
+        out[name] = np.ascontiguousarray(_hf_to_state(part, row))
     return out
 
 

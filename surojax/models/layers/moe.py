@@ -1,0 +1,201 @@
+"""Mixture-of-experts feed-forward: a router picks k of E experts per token, dropless grouped GEMMs run them.
+
+    x [B, T, D] -> tokens X = B*T rows -> router logits [X, E] (fp32) -> k experts per token (ids, weights [X, k])
+    assignments A = X*k, sorted by expert (stable) -> one grouped GEMM per projection, each expert's rows against
+    its own weight: gate_up [E, D, 2F], activation, down [E, F, D]  -> back to assignment order
+    -> each token's k outputs summed with its routing weights -> y [B, T, D]
+
+Dropless by default: every assignment is computed, whatever the load (no capacity, no padding to a capacity,
+no token dropped). `capacity_factor` (optional) caps each expert at ceil(factor * A / E) assignments per call;
+those past the cap (in token order) get no expert output and are counted in the stats as dropped.
+
+The gradient through the routing is the exact one: the sort, gathers and grouped GEMMs are differentiable
+permutations and matmuls, and the router receives its gradient through the routing weights (top-k selection is
+piecewise constant), as in the dense one-hot formulation tests/models/test_moe.py checks against.
+
+Each call also returns `RouterStats` (sums over the call's real tokens, segment id != 0): per-expert assignment
+counts and router-probability sums (the load-balancing loss needs both, summed over layers, see
+surojax.losses.router), the router z-loss and entropy sums, the dropped-assignment count. They are tiny.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from surojax.models.config import MoEConfig
+from surojax.models.layers.linear import dot
+from surojax.models.layers.params import param
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RouterStats:
+    """One MoE call's router statistics over its real tokens (fp32; under the layer scan each gains [L])."""
+
+    expert_counts: jax.Array  # [E] assignments routed to each expert (k per token)
+    prob_sums: jax.Array  # [E] router softmax probabilities summed over tokens
+    z_sum: jax.Array  # [] sum over tokens of logsumexp(logits)^2 (the router z-loss numerator)
+    entropy_sum: jax.Array  # [] sum over tokens of the router distribution's entropy (nats)
+    dropped: jax.Array  # [] assignments past an expert's capacity (0 without a capacity)
+    tokens: jax.Array  # [] real tokens seen
+
+
+def grouped_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+    """x [A, I] (rows sorted by group) @ w [E, I, O] per group -> [A, O] in x's dtype; rows past
+    sum(group_sizes) give 0. A quantised weight (any pytree with `grouped_matmul`) runs its own kernel."""
+    if hasattr(w, "grouped_matmul"):
+        return w.grouped_matmul(x, group_sizes)
+    return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+
+
+class ExpertLinear(nnx.Module):
+    """E stacked linears: kernel [E, in, out] (`x @ W`-ready), optional bias [E, out]. Called on assignment rows
+    sorted by expert: x [A, in], group_sizes [E], row_expert [A] (each row's expert, for the bias)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, axes: tuple[str, str], *,
+                 use_bias: bool = False, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.in_features, self.out_features = in_features, out_features
+        self.kernel = param(rngs, (num_experts, in_features, out_features), ("experts",) + axes, param_dtype)
+        self.bias = (param(rngs, (num_experts, out_features), ("experts", axes[1]), param_dtype, init="zeros")
+                     if use_bias else None)
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+        y = grouped_dot(x, self.kernel[...], group_sizes)  # [A, out]
+        if self.bias is not None:
+            # a dropped row (expert id E, past the groups) gets no bias: its output stays 0
+            y = y + jnp.take(self.bias[...], row_expert, axis=0, mode="fill", fill_value=0).astype(y.dtype)
+        return y
+
+
+class Router(nnx.Module):
+    """logits = x @ kernel [D, E] (+ bias [E]), computed and returned in fp32."""
+
+    def __init__(self, dim: int, num_experts: int, *, use_bias: bool, param_dtype, rngs: nnx.Rngs | None = None):
+        self.kernel = param(rngs, (dim, num_experts), ("embed", None), param_dtype)
+        self.bias = param(rngs, (num_experts,), (None,), param_dtype, init="zeros") if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [X, D] -> [X, E] fp32
+        logits = dot(x, self.kernel[...]).astype(jnp.float32)
+        if self.bias is not None:
+            logits = logits + self.bias[...].astype(jnp.float32)
+        return logits
+
+
+def route(logits: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [X, E] fp32 -> (weights [X, k] fp32, expert ids [X, k] int32, softmax probabilities [X, E])."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    k = moe.experts_per_token
+    if moe.router == "topk_softmax":
+        top_logits, ids = jax.lax.top_k(logits, k)
+        weights = jax.nn.softmax(top_logits, axis=-1)
+    else:
+        weights, ids = jax.lax.top_k(probs, k)
+        if moe.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32), probs
+
+
+def expert_activation(h: jax.Array, moe: MoEConfig) -> jax.Array:
+    """gate_up output h [A, 2F] -> [A, F]."""
+    if moe.activation == "swiglu_clamped":  # gpt_oss: gate / up interleaved
+        gate, up = h[..., ::2], h[..., 1::2]
+        gate = jnp.minimum(gate, moe.swiglu_limit)
+        up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * moe.swiglu_alpha))
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """Assignments sorted by expert: `order` [A] (assignment index a = token * k + slot, in expert order),
+    `group_sizes` [E] (rows per expert that are computed), `row_expert` [A] (each sorted row's expert;
+    E for a dropped row, which sits past sum(group_sizes)), `kept` [A] (in assignment order)."""
+
+    order: jax.Array
+    group_sizes: jax.Array
+    row_expert: jax.Array
+    kept: jax.Array
+
+
+def dispatch(ids: jax.Array, num_experts: int, capacity: int | None = None) -> Dispatch:
+    """ids [X, k] -> the sorted layout. Stable: within an expert, rows keep token order."""
+    flat = ids.reshape(-1)  # [A]
+    A = flat.shape[0]
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.bincount(flat, length=num_experts)  # [E]
+    if capacity is None:
+        return Dispatch(order, counts.astype(jnp.int32), flat[order], jnp.ones((A,), bool))
+    starts = jnp.cumsum(counts) - counts  # [E] first sorted row of each expert
+    sorted_expert = flat[order]
+    rank = jnp.arange(A) - starts[sorted_expert]  # position inside its expert's group
+    kept_sorted = rank < capacity
+    kept = jnp.zeros((A,), bool).at[order].set(kept_sorted)
+    # re-sort with the dropped rows last (key E), so each expert's kept rows stay contiguous
+    key = jnp.where(kept, flat, num_experts)
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.minimum(counts, capacity).astype(jnp.int32)
+    return Dispatch(order, group_sizes, key[order], kept)
+
+
+class MoE(nnx.Module):
+    """The sparse feed-forward of one layer: `router` and `experts` (gate_up_proj [E, D, 2F], down_proj [E, F, D])."""
+
+    def __init__(self, dim: int, moe: MoEConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
+        E, F = moe.num_experts, moe.expert_intermediate_size
+        self.moe = moe
+        self.capacity_factor: float | None = None  # set from outside (training option); None = dropless
+        self.router = Router(dim, E, use_bias=moe.router_bias, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(dim, moe, param_dtype=param_dtype, rngs=rngs)
+
+    def capacity(self, num_assignments: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return max(1, math.ceil(self.capacity_factor * num_assignments / self.moe.num_experts))
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, RouterStats]:
+        """x [B, T, D], segment_ids [B, T] (0 = padding: routed but left out of the stats) -> (y [B, T, D], stats)."""
+        B, T, D = x.shape
+        E, k = self.moe.num_experts, self.moe.experts_per_token
+        xs = x.reshape(B * T, D)  # [X, D]
+        logits = self.router(xs)  # [X, E] fp32
+        weights, ids, probs = route(logits, self.moe)
+        d = dispatch(ids, E, self.capacity(B * T * k))
+        rows = jnp.take(xs, d.order // k, axis=0)  # [A, D] each assignment's token, in expert order
+        h = self.experts(rows, d.group_sizes, d.row_expert)  # [A, D]
+        out = jnp.zeros_like(h).at[d.order].set(h, unique_indices=True)  # back to assignment order (dropped rows stay 0)
+        y = jnp.einsum("xkd,xk->xd", out.reshape(B * T, k, D).astype(jnp.float32), weights)
+        return y.astype(x.dtype).reshape(B, T, D), router_stats(logits, probs, ids, d.kept, segment_ids, E)
+
+
+class Experts(nnx.Module):
+    """gate_up_proj [E, D, 2F] -> activation -> down_proj [E, F, D], on rows sorted by expert."""
+
+    def __init__(self, dim: int, moe: MoEConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
+        E, F = moe.num_experts, moe.expert_intermediate_size
+        self.moe = moe
+        self.gate_up_proj = ExpertLinear(E, dim, 2 * F, ("embed", "mlp"), use_bias=moe.expert_bias,
+                                         param_dtype=param_dtype, rngs=rngs)
+        self.down_proj = ExpertLinear(E, F, dim, ("mlp", "embed"), use_bias=moe.expert_bias,
+                                      param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+        h = expert_activation(self.gate_up_proj(rows, group_sizes, row_expert), self.moe)  # [A, F]
+        return self.down_proj(h, group_sizes, row_expert)  # [A, D]
+
+
+def router_stats(logits, probs, ids, kept, segment_ids, num_experts: int) -> RouterStats:
+    """The stats of one call over its real tokens (segment id != 0)."""
+    real = (segment_ids.reshape(-1) != 0).astype(jnp.float32)  # [X]
+    k = ids.shape[-1]
+    counts = jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(jnp.repeat(real, k))
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [X]
+    entropy = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
+    dropped = jnp.sum((~kept).astype(jnp.float32) * jnp.repeat(real, k))
+    return RouterStats(expert_counts=jax.lax.stop_gradient(counts), prob_sums=jnp.sum(probs * real[:, None], 0),
+                       z_sum=jnp.sum(lse * lse * real), entropy_sum=jax.lax.stop_gradient(jnp.sum(entropy * real)),
+                       dropped=dropped, tokens=jnp.sum(real))

@@ -1,0 +1,139 @@
+"""The MoE feed-forward (surojax/models/layers/moe.py) against a dense one-hot formulation: every expert run on
+every token, combined with a [X, E] weight matrix. Forward and gradients (input, router, experts) must agree."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from surojax.models.config import MoEConfig
+from surojax.models.layers.moe import MoE, dispatch
+
+D, E, F, K = 16, 6, 8, 2
+
+
+def make(moe_cfg: MoEConfig, seed=0):
+    m = MoE(D, moe_cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    # larger router weights than the init so that routing is decisive and differs per token
+    m.router.kernel.set_value(jax.random.normal(jax.random.key(seed + 1), (D, E)))
+    if m.router.bias is not None:
+        m.router.bias.set_value(0.5 * jax.random.normal(jax.random.key(seed + 2), (E,)))
+    for lin in (m.experts.gate_up_proj, m.experts.down_proj):
+        lin.kernel.set_value(0.3 * jax.random.normal(jax.random.key(seed + 3), lin.kernel.get_value().shape))
+        if lin.bias is not None:
+            lin.bias.set_value(0.2 * jax.random.normal(jax.random.key(seed + 4), lin.bias.get_value().shape))
+    return m
+
+
+def dense_reference(params, x, moe_cfg: MoEConfig, keep=None):
+    """Every expert on every token, combined by a one-hot [X, E] matrix of the routing weights."""
+    xs = x.reshape(-1, D)
+    logits = xs @ params["router"]["kernel"]
+    if "bias" in params["router"]:
+        logits = logits + params["router"]["bias"]
+    probs = jax.nn.softmax(logits, -1)
+    if moe_cfg.router == "topk_softmax":
+        top, ids = jax.lax.top_k(logits, K)
+        w = jax.nn.softmax(top, -1)
+    else:
+        w, ids = jax.lax.top_k(probs, K)
+        if moe_cfg.norm_topk_prob:
+            w = w / w.sum(-1, keepdims=True)
+    onehot = jax.nn.one_hot(ids, E)  # [X, k, E]
+    if keep is not None:
+        onehot = onehot * keep[..., None]
+    combine = jnp.einsum("xk,xke->xe", w, onehot)
+    gu = jnp.einsum("xd,edf->xef", xs, params["experts"]["gate_up_proj"]["kernel"])
+    if "bias" in params["experts"]["gate_up_proj"]:
+        gu = gu + params["experts"]["gate_up_proj"]["bias"]
+    if moe_cfg.activation == "swiglu_clamped":
+        g, u = gu[..., ::2], gu[..., 1::2]
+        g = jnp.minimum(g, moe_cfg.swiglu_limit)
+        u = jnp.clip(u, -moe_cfg.swiglu_limit, moe_cfg.swiglu_limit)
+        a = (u + 1) * g * jax.nn.sigmoid(moe_cfg.swiglu_alpha * g)
+    else:
+        g, u = jnp.split(gu, 2, -1)
+        a = jax.nn.silu(g) * u
+    out = jnp.einsum("xef,efd->xed", a, params["experts"]["down_proj"]["kernel"])
+    if "bias" in params["experts"]["down_proj"]:
+        out = out + params["experts"]["down_proj"]["bias"]
+    return jnp.einsum("xe,xed->xd", combine, out).reshape(x.shape)
+
+
+CONFIGS = {
+    "qwen3_moe": MoEConfig(E, K, F, norm_topk_prob=True),
+    "no_renorm": MoEConfig(E, K, F, norm_topk_prob=False),
+    "gpt_oss": MoEConfig(E, K, F, router="topk_softmax", router_bias=True, expert_bias=True,
+                         activation="swiglu_clamped", swiglu_limit=0.8),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_forward_and_gradients_equal_dense_one_hot(name):
+    cfg = CONFIGS[name]
+    m = make(cfg)
+    x = jax.random.normal(jax.random.key(7), (2, 5, D))
+    seg = jnp.ones((2, 5), jnp.int32)
+    graphdef, params = nnx.split(m)
+
+    def ours(p, x):
+        return jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x, seg)[0]))
+
+    def ref(p, x):
+        return jnp.sum(jnp.sin(dense_reference(nnx.to_pure_dict(p), x, cfg)))
+
+    np.testing.assert_allclose(nnx.merge(graphdef, params)(x, seg)[0],
+                               dense_reference(nnx.to_pure_dict(params), x, cfg), rtol=1e-5, atol=1e-5)
+    g_ours = jax.grad(ours, argnums=(0, 1))(params, x)
+    g_ref = jax.grad(ref, argnums=(0, 1))(params, x)
+    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert float(jnp.abs(g_ours[0]["router"]["kernel"][...]).max()) > 0  # the router does get a gradient
+
+
+def test_capacity_drops_the_overflow_in_token_order():
+    cfg = CONFIGS["qwen3_moe"]
+    m = make(cfg)
+    m.capacity_factor = 0.5  # at most ceil(0.5 * 20 / 6) = 2 assignments per expert
+    x = jax.random.normal(jax.random.key(3), (2, 5, D))
+    seg = jnp.ones((2, 5), jnp.int32)
+    y, stats = m(x, seg)
+    ids = jax.lax.top_k(jax.nn.softmax(x.reshape(-1, D) @ m.router.kernel[...], -1), K)[1]
+    flat = np.asarray(ids).reshape(-1)
+    seen, keep = {}, np.zeros(flat.shape, bool)
+    for a, e in enumerate(flat):  # in assignment (token) order, the first `capacity` of each expert are kept
+        seen[e] = seen.get(e, 0) + 1
+        keep[a] = seen[e] <= 2
+    assert (~keep).sum() > 0 and float(stats.dropped) == (~keep).sum()
+    ref = dense_reference(nnx.to_pure_dict(nnx.state(m)), x, cfg, keep=jnp.asarray(keep.reshape(-1, K), jnp.float32))
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_stats_count_real_tokens_only():
+    m = make(CONFIGS["no_renorm"])
+    x = jax.random.normal(jax.random.key(5), (2, 4, D))
+    seg = jnp.asarray([[1, 1, 2, 2], [1, 1, 0, 0]], jnp.int32)
+    _, st = m(x, seg)
+    xs = x.reshape(-1, D)[np.asarray(seg).reshape(-1) != 0]
+    probs = jax.nn.softmax(xs @ m.router.kernel[...], -1)
+    ids = np.asarray(jax.lax.top_k(probs, K)[1]).reshape(-1)
+    np.testing.assert_array_equal(st.expert_counts, np.bincount(ids, minlength=E))
+    np.testing.assert_allclose(st.prob_sums, probs.sum(0), rtol=1e-5)
+    assert float(st.tokens) == 6 and float(st.dropped) == 0
+    lse = jax.nn.logsumexp(xs @ m.router.kernel[...], -1)
+    np.testing.assert_allclose(st.z_sum, jnp.sum(lse ** 2), rtol=1e-5)
+
+
+def test_dispatch_groups_are_contiguous_and_stable():
+    ids = jnp.asarray([[2, 0], [0, 1], [2, 1], [0, 2]], jnp.int32)
+    d = dispatch(ids, 4)
+    np.testing.assert_array_equal(d.group_sizes, [3, 2, 3, 0])
+    np.testing.assert_array_equal(d.row_expert, [0, 0, 0, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(d.order, [1, 2, 6, 3, 5, 0, 4, 7])  # token order inside each expert
+
+
+def test_moe_config_refuses_bad_top_k():
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        dataclasses.replace(CONFIGS["qwen3_moe"], experts_per_token=E + 1)
