@@ -41,8 +41,8 @@ class GmmTiles:
     tm: int = 128
     tk: int = 64
     tn: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
+    num_warps: int = 8
+    num_stages: int = 3
 
     def label(self) -> str:
         return f"tm{self.tm}-tk{self.tk}-tn{self.tn}-w{self.num_warps}-s{self.num_stages}"
@@ -55,8 +55,8 @@ class TgmmTiles:
     tm: int = 64
     ti: int = 128
     to: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
+    num_warps: int = 8
+    num_stages: int = 3
 
     def label(self) -> str:
         return f"tm{self.tm}-ti{self.ti}-to{self.to}-w{self.num_warps}-s{self.num_stages}"
