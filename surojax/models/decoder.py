@@ -25,7 +25,7 @@ from surojax.models.layers.attention import Attention
 from surojax.models.layers.mlp import MLP
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
-from surojax.models.layers.rope import inv_freq, rope_cos_sin
+from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 
 
 class Block(nnx.Module):
@@ -121,7 +121,7 @@ class Decoder(nnx.Module):
         Any `surojax.models.kv.Cache` works; attention hands it the call's metadata (`cache.step`).
         """
         h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0).astype(self.dtype)  # [B, T, D]
-        cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype)  # [B, T, H]
+        cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype, attention_factor(self.cfg))  # [B, T, H]
         kv_meta = None
         if cache is not None:
             kv_meta, cache = cache.step(segment_ids, positions)
