@@ -107,6 +107,11 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm over H on q and k before rope (qwen3)
     sliding_window: int | None = None  # each token sees at most this many keys, itself included (mistral)
+    # Per-layer windows [L] from HF `layer_types` (an entry: `sliding_window` or None = full attention); None:
+    # every layer uses `sliding_window`. gpt_oss alternates sliding / full.
+    layer_windows: tuple[int | None, ...] | None = None
+    attention_sinks: bool = False  # a learned logit per query head [N] joins each softmax denominator (gpt_oss)
+    o_proj_bias: bool = False  # o_proj carries a bias too (gpt_oss: attention_bias covers q, k, v and o)
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -118,6 +123,11 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
+        if self.layer_windows is not None and (
+                len(self.layer_windows) != self.num_layers
+                or any(w is not None and w != self.sliding_window for w in self.layer_windows)):
+            raise ModelConfigError(f"layer_windows {self.layer_windows} must have num_layers ({self.num_layers}) "
+                                   f"entries, each None or sliding_window ({self.sliding_window})")
         if self.hidden_act not in ("silu", "swish"):
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected 'silu')")
 
@@ -129,6 +139,10 @@ class ModelConfig:
     def kv_dim(self) -> int:  # K * H
         return self.num_kv_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None: full causal attention)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
     def num_params(self) -> int:
         """Parameters of the model, embeddings included (tied embeddings counted once)."""
         D, F, V = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -137,6 +151,7 @@ class ModelConfig:
             attn += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
+        attn += D * self.o_proj_bias + self.num_heads * self.attention_sinks
         layer = attn + 3 * D * F + 2 * D
         return self.num_layers * layer + V * D * (1 if self.tie_word_embeddings else 2) + D
 
@@ -165,6 +180,13 @@ class ModelConfig:
         sliding = hf.get("sliding_window") if family.sliding_window else None
         if family.sliding_window and hf.get("use_sliding_window") is False:
             sliding = None
+        layer_windows = None
+        if hf.get("layer_types") is not None:
+            if family.sliding_window:
+                raise ModelConfigError(f"layer_types is not read by transformers' {family.hf_architecture} "
+                                       "(one sliding_window for every layer); remove it from config.json")
+            sliding, layer_windows = _windows_from_layer_types(hf)
+        attention_bias = bool(hf.get("attention_bias", family.attention_bias))
         return cls(
             model_type=family.name,
             vocab_size=int(hf["vocab_size"]),
@@ -179,9 +201,12 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tie_default)),
-            attention_bias=bool(hf.get("attention_bias", family.attention_bias)),
+            attention_bias=attention_bias,
             qk_norm=family.qk_norm,
             sliding_window=int(sliding) if sliding else None,
+            layer_windows=layer_windows,
+            attention_sinks=family.attention_sinks,
+            o_proj_bias=attention_bias and family.o_proj_bias,
             hidden_act=hf.get("hidden_act", "silu"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
@@ -220,10 +245,32 @@ class ModelConfig:
             out["attention_bias"] = self.attention_bias
         if family.sliding_window:
             out["sliding_window"] = self.sliding_window
+        if self.layer_windows is not None or "layer_types" in self.hf_extra:
+            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = ["full_attention" if self.layer_window(i) is None else "sliding_attention"
+                                  for i in range(self.num_layers)]
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
+
+
+def _windows_from_layer_types(hf: dict[str, Any]) -> tuple[int | None, tuple[int | None, ...] | None]:
+    """HF `layer_types` + `sliding_window` -> (sliding_window, layer_windows), as transformers' attention reads
+    them: a "sliding_attention" layer gets `sliding_window` (None when `use_sliding_window` is false: full), a
+    "full_attention" layer full attention. Every layer alike collapses to (that window, None)."""
+    types = list(hf["layer_types"])
+    if len(types) != int(hf["num_hidden_layers"]):
+        raise ModelConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {hf['num_hidden_layers']}")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ModelConfigError(f"layer_types {unknown} are not supported (sliding_attention, full_attention)")
+    window = hf.get("sliding_window")
+    window = None if hf.get("use_sliding_window") is False or not window else int(window)
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    if len(set(windows)) == 1:
+        return windows[0], None
+    return window, windows
 
 
 def rope_inv_freq(cfg: ModelConfig) -> list[float]:

@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from surojax.models.config import ModelConfig
 from surojax.models.kv import Cache, KVCache
-from surojax.models.layers.attention import Attention
+from surojax.models.layers.attention import Attention, layer_window_table
 from surojax.models.layers.mlp import MLP
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
@@ -36,8 +36,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None):
-        a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta)
+    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None, window=None):
+        a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window)
         h = h + a
         h = h + self.mlp(self.mlp_norm(h))
         return h, kv
@@ -128,8 +128,13 @@ class Decoder(nnx.Module):
             cache_in_carry = cache_in_carry or cache.carry_only
 
         graphdef, layer_state = nnx.split(self.layers)
+        windows = layer_window_table(self.cfg)  # [L] int32 per-layer attention windows, scanned; None: static
+        windows = None if windows is None else jnp.asarray(windows)
         run_layers = getattr(layer_loop, "run_layers", None)  # a layer loop of its own (offload/prefetch.py)
         if run_layers is not None and cache is None:
+            if windows is not None:
+                raise ValueError("per-layer attention windows (layer_types) are not supported by a layer loop of "
+                                 "its own (offload prefetch); use the scanned layers")
             def apply_layer(state_l, h, consts):
                 return nnx.merge(graphdef, state_l)(h, *consts)[0]
 
@@ -139,25 +144,26 @@ class Decoder(nnx.Module):
         check_stacked(layer_state)
 
         def body(h, xs):
-            state_l, kv_l = xs
+            state_l, kv_l, window_l = xs
             h = checkpoint_name(h, "layer_input")  # the residual that `recompute: offload` keeps in host memory
             block = nnx.merge(graphdef, on_device(state_l))
-            h, kv_l = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta)
+            h, kv_l = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta, window_l)
             return h, kv_l
 
-        def carry_body(carry, state_l):
-            h, kv = carry
+        def carry_body(carry, xs):
+            (h, kv), (state_l, window_l) = carry, xs
             block = nnx.merge(graphdef, on_device(state_l))
-            h, kv = block(h, cos, sin, segment_ids, positions, kv, kv_meta)
+            h, kv = block(h, cos, sin, segment_ids, positions, kv, kv_meta, window_l)
             return (h, dataclasses.replace(kv, layer=kv.layer + 1)), None
 
         if cache is not None and cache_in_carry:
             loop_body = carry_body if layer_loop is None else layer_loop(carry_body)
-            (h, kv), _ = jax.lax.scan(loop_body, (h, cache.carried()), layer_state, unroll=unroll)
+            (h, kv), _ = jax.lax.scan(loop_body, (h, cache.carried()), (layer_state, windows), unroll=unroll)
             return self.final_norm(h), cache.with_kv(kv.k, kv.v)
         if layer_loop is not None:
             body = layer_loop(body)
-        h, new_kv = jax.lax.scan(body, h, (layer_state, None if cache is None else cache.per_layer()), unroll=unroll)
+        h, new_kv = jax.lax.scan(body, h, (layer_state, None if cache is None else cache.per_layer(), windows),
+                                 unroll=unroll)
         if cache is not None:
             cache = cache.with_kv(new_kv.k, new_kv.v)
         return self.final_norm(h), cache

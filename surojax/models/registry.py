@@ -61,6 +61,8 @@ class Family:
     attention_bias_key: bool = True  # config.json has an `attention_bias` key
     qk_norm: bool = False
     sliding_window: bool = False  # honours config.json's `sliding_window`
+    attention_sinks: bool = False  # a learned sink logit per query head (`self_attn.sinks`)
+    o_proj_bias: bool = False  # `attention_bias` covers o_proj too
     tie_default: bool = False
     weights: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS
 
