@@ -17,6 +17,8 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+
 from surojax.models.registry import family_for
 
 
@@ -28,13 +30,63 @@ class ModelConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling. `rope_type` is 'default', 'linear' or 'llama3'."""
+    """Rotary-embedding frequency scaling. `rope_type` is 'default', 'linear', 'llama3' or 'yarn'.
+
+    linear: factor. llama3: factor, low/high_freq_factor, original_max_position_embeddings. yarn (transformers'
+    `_compute_yarn_parameters`): factor, original_max_position_embeddings, beta_fast / beta_slow (the ramp's
+    rotation bounds), truncate (round the ramp's ends to integers), and the cos/sin scale: attention_factor when
+    given, else from mscale / mscale_all_dim when both are given, else 0.1 ln(factor) + 1.
+    """
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+
+    def hf_fields(self) -> dict[str, Any]:
+        """The `rope_parameters` keys transformers reads for this rope_type (rope_theta aside)."""
+        keys = {"default": (), "linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                         "attention_factor", "mscale", "mscale_all_dim")}[self.rope_type]
+        return {"rope_type": self.rope_type} | {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+    @classmethod
+    def from_hf(cls, rs: dict[str, Any], hf: dict[str, Any]) -> "RopeScaling":
+        """`rs` the config's rope_scaling / rope_parameters dict ({} when absent), `hf` the whole config.json.
+
+        As transformers' `standardize_rope_params`: a top-level `original_max_position_embeddings` wins over the
+        dict's; llama3 / yarn without one use max_position_embeddings; yarn's factor None is their ratio."""
+        rope_type = rs.get("rope_type", rs.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ModelConfigError(
+                f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+        if float(rs.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ModelConfigError("partial_rotary_factor != 1 is not supported (rope over the whole head_dim)")
+        original = hf.get("original_max_position_embeddings", rs.get("original_max_position_embeddings"))
+        if original is None:
+            original = hf.get("max_position_embeddings", 4096) if rope_type in ("llama3", "yarn") else 8192
+        factor = rs.get("factor", 1.0)
+        if factor is None and rope_type == "yarn":
+            factor = hf.get("max_position_embeddings", 4096) / original
+
+        def opt(key):
+            return None if rs.get(key) is None else float(rs[key])
+
+        return cls(rope_type=rope_type, factor=float(factor),
+                   low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                   high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                   original_max_position_embeddings=int(original),
+                   beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
+                   truncate=bool(rs.get("truncate", True)), attention_factor=opt("attention_factor"),
+                   mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"))
 
 
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -105,6 +157,11 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm over H on q and k before rope (qwen3)
     sliding_window: int | None = None  # each token sees at most this many keys, itself included (mistral)
+    # Per-layer windows [L] from HF `layer_types` (an entry: `sliding_window` or None = full attention); None:
+    # every layer uses `sliding_window`. gpt_oss alternates sliding / full.
+    layer_windows: tuple[int | None, ...] | None = None
+    attention_sinks: bool = False  # a learned logit per query head [N] joins each softmax denominator (gpt_oss)
+    o_proj_bias: bool = False  # o_proj carries a bias too (gpt_oss: attention_bias covers q, k, v and o)
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -117,6 +174,11 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
+        if self.layer_windows is not None and (
+                len(self.layer_windows) != self.num_layers
+                or any(w is not None and w != self.sliding_window for w in self.layer_windows)):
+            raise ModelConfigError(f"layer_windows {self.layer_windows} must have num_layers ({self.num_layers}) "
+                                   f"entries, each None or sliding_window ({self.sliding_window})")
         if self.hidden_act not in ("silu", "swish"):
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected 'silu')")
 
@@ -128,6 +190,10 @@ class ModelConfig:
     def kv_dim(self) -> int:  # K * H
         return self.num_kv_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None: full causal attention)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
     def num_params(self) -> int:
         """Parameters of the model, embeddings included (tied embeddings counted once)."""
         D, V = self.hidden_size, self.vocab_size
@@ -136,6 +202,7 @@ class ModelConfig:
             attn += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
+        attn += D * self.o_proj_bias + self.num_heads * self.attention_sinks
         return self.num_layers * (attn + self._ffn_params(active=False) + 2 * D) \
             + V * D * (1 if self.tie_word_embeddings else 2) + D
 
@@ -167,17 +234,8 @@ class ModelConfig:
         n_heads = int(hf["num_attention_heads"])
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
         rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-        rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
         rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0) if rs else 10000.0)
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ModelConfigError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3)")
-        scaling = RopeScaling(
-            rope_type=rope_type,
-            factor=float(rs.get("factor", 1.0)) if rs else 1.0,
-            low_freq_factor=float(rs.get("low_freq_factor", 1.0)) if rs else 1.0,
-            high_freq_factor=float(rs.get("high_freq_factor", 4.0)) if rs else 4.0,
-            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)) if rs else 8192,
-        )
+        scaling = RopeScaling.from_hf(rs, hf)
         if hf.get("mlp_bias"):
             raise ModelConfigError("mlp_bias: true is not supported (no supported family has MLP biases)")
         if hf.get("attention_bias") and not family.attention_bias:
@@ -186,6 +244,13 @@ class ModelConfig:
         sliding = hf.get("sliding_window") if family.sliding_window else None
         if family.sliding_window and hf.get("use_sliding_window") is False:
             sliding = None
+        layer_windows = None
+        if hf.get("layer_types") is not None:
+            if family.sliding_window:
+                raise ModelConfigError(f"layer_types is not read by transformers' {family.hf_architecture} "
+                                       "(one sliding_window for every layer); remove it from config.json")
+            sliding, layer_windows = _windows_from_layer_types(hf)
+        attention_bias = bool(hf.get("attention_bias", family.attention_bias))
         return cls(
             model_type=family.name,
             vocab_size=int(hf["vocab_size"]),
@@ -200,9 +265,12 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tie_default)),
-            attention_bias=bool(hf.get("attention_bias", family.attention_bias)),
+            attention_bias=attention_bias,
             qk_norm=family.qk_norm,
             sliding_window=int(sliding) if sliding else None,
+            layer_windows=layer_windows,
+            attention_sinks=family.attention_sinks,
+            o_proj_bias=attention_bias and family.o_proj_bias,
             hidden_act=hf.get("hidden_act", "silu"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
@@ -234,16 +302,18 @@ class ModelConfig:
             hidden_act=self.hidden_act,
         )
         # transformers >= 5 reads `rope_parameters`; older versions read rope_theta / rope_scaling.
-        rope = {"rope_type": self.rope_scaling.rope_type, "rope_theta": self.rope_theta}
+        rs = self.rope_scaling.hf_fields()
         if self.rope_scaling.rope_type != "default":
-            rs = dataclasses.asdict(self.rope_scaling)
-            rope.update(rs)
             out["rope_scaling"] = rs | {"type": rs["rope_type"]}
-        out["rope_parameters"] = rope
+        out["rope_parameters"] = rs | {"rope_theta": self.rope_theta}
         if family.attention_bias_key:
             out["attention_bias"] = self.attention_bias
         if family.sliding_window:
             out["sliding_window"] = self.sliding_window
+        if self.layer_windows is not None or "layer_types" in self.hf_extra:
+            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = ["full_attention" if self.layer_window(i) is None else "sliding_attention"
+                                  for i in range(self.num_layers)]
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
@@ -303,8 +373,77 @@ def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
     return out
 
 
+def _windows_from_layer_types(hf: dict[str, Any]) -> tuple[int | None, tuple[int | None, ...] | None]:
+    """HF `layer_types` + `sliding_window` -> (sliding_window, layer_windows), as transformers' attention reads
+    them: a "sliding_attention" layer gets `sliding_window` (None when `use_sliding_window` is false: full), a
+    "full_attention" layer full attention. Every layer alike collapses to (that window, None)."""
+    types = list(hf["layer_types"])
+    if len(types) != int(hf["num_hidden_layers"]):
+        raise ModelConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {hf['num_hidden_layers']}")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ModelConfigError(f"layer_types {unknown} are not supported (sliding_attention, full_attention)")
+    window = hf.get("sliding_window")
+    window = None if hf.get("use_sliding_window") is False or not window else int(window)
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    if len(set(windows)) == 1:
+        return windows[0], None
+    return window, windows
+
+
+def rope_inv_freq(cfg: ModelConfig) -> list[float]:
+    """Inverse rotary frequencies [H/2] after scaling (any rope_type), computed on the host."""
+    if cfg.rope_scaling.rope_type == "yarn":
+        return yarn_inv_freq(cfg)
+    return llama3_inv_freq(cfg)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor transformers multiplies cos and sin by (in fp32, before the cast): 1 except for yarn."""
+    rs = cfg.rope_scaling
+    if rs.rope_type != "yarn":
+        return 1.0
+    if rs.attention_factor is not None:
+        return rs.attention_factor
+    if rs.mscale and rs.mscale_all_dim:
+        return _yarn_mscale(rs.factor, rs.mscale) / _yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return _yarn_mscale(rs.factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> list[float]:
+    """YaRN [H/2], as transformers' `_compute_yarn_parameters`: frequencies rotating more than beta_fast times
+    over the original context keep their value (extrapolation), those rotating fewer than beta_slow times are
+    divided by `factor` (interpolation), a linear ramp over the frequency index in between.
+
+    Step for step in fp32 as transformers computes it (its pow is correctly rounded: float64 pow, cast), so the
+    result is bit-identical: at positions near 1e5 one ulp of a frequency moves the angle by ~1e-2 rad."""
+    H, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    f32 = np.float32
+
+    def correction_dim(rotations: float) -> float:  # the frequency index that rotates `rotations` times
+        return H * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, H - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    exponent = (np.arange(0, H, 2, dtype=f32) / f32(H)).astype(np.float64)
+    pos_freqs = np.power(np.float64(base), exponent).astype(f32)  # [H/2]
+    extrapolation = f32(1.0) / pos_freqs
+    interpolation = f32(1.0) / (f32(rs.factor) * pos_freqs)
+    ramp = np.clip((np.arange(H // 2, dtype=f32) - f32(low)) / f32(high - low), f32(0), f32(1))  # 0: extrapolate
+    keep = f32(1) - ramp
+    return (interpolation * (f32(1) - keep) + extrapolation * keep).tolist()
+
+
 def llama3_inv_freq(cfg: ModelConfig) -> list[float]:
-    """Inverse rotary frequencies [H/2] after scaling, computed in float64 on the host (as HF does in fp32)."""
+    """Inverse rotary frequencies [H/2] after default / linear / llama3 scaling, computed in float64 on the host (as HF does in fp32)."""
     H = cfg.head_dim
     inv = [1.0 / (cfg.rope_theta ** (i / H)) for i in range(0, H, 2)]
     rs = cfg.rope_scaling

@@ -22,12 +22,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from surojax.models.config import ModelConfig
 from surojax.models.kv import Cache, KVCache
-from surojax.models.layers.attention import Attention
+from surojax.models.layers.attention import Attention, layer_window_table
 from surojax.models.layers.mlp import MLP
 from surojax.models.layers.moe import MoE
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
-from surojax.models.layers.rope import inv_freq, rope_cos_sin
+from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 
 
 class Block(nnx.Module):
@@ -41,9 +41,10 @@ class Block(nnx.Module):
         else:
             self.mlp = MoE(D, cfg.moe, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None):
-        """-> (h, kv, router stats of a MoE layer or None)."""
-        a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta)
+    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None, window=None):
+        """-> (h, kv, router stats of a MoE layer or None). `window`: this layer's attention window (per-layer
+        windows, scanned with the layer)."""
+        a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window)
         h = h + a
         if isinstance(self.mlp, MoE):
             m, stats = self.mlp(self.mlp_norm(h), segment_ids)
@@ -131,17 +132,22 @@ class Decoder(nnx.Module):
         Any `surojax.models.kv.Cache` works; attention hands it the call's metadata (`cache.step`).
         """
         h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0).astype(self.dtype)  # [B, T, D]
-        cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype)  # [B, T, H]
+        cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype, attention_factor(self.cfg))  # [B, T, H]
         kv_meta = None
         if cache is not None:
             kv_meta, cache = cache.step(segment_ids, positions)
             cache_in_carry = cache_in_carry or cache.carry_only
 
         graphdef, layer_state = nnx.split(self.layers)
+        windows = layer_window_table(self.cfg)  # [L] int32 per-layer attention windows, scanned; None: static
+        windows = None if windows is None else jnp.asarray(windows)
         run_layers = getattr(layer_loop, "run_layers", None)  # a layer loop of its own (offload/prefetch.py)
         if run_layers is not None and cache is None:
             if router_stats and self.cfg.moe is not None:
                 raise ValueError("router statistics are not collected by a layer loop of its own (offload_prefetch)")
+            if windows is not None:
+                raise ValueError("per-layer attention windows (layer_types) are not supported by a layer loop of "
+                                 "its own (offload prefetch); use the scanned layers")
 
             def apply_layer(state_l, h, consts):
                 return nnx.merge(graphdef, state_l)(h, *consts)[0]
@@ -152,26 +158,26 @@ class Decoder(nnx.Module):
         check_stacked(layer_state)
 
         def body(h, xs):
-            state_l, kv_l = xs
+            state_l, kv_l, window_l = xs
             h = checkpoint_name(h, "layer_input")  # the residual that `recompute: offload` keeps in host memory
             block = nnx.merge(graphdef, on_device(state_l))
-            h, kv_l, stats = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta)
+            h, kv_l, stats = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta, window_l)
             return h, (kv_l, stats)
 
-        def carry_body(carry, state_l):
-            h, kv = carry
+        def carry_body(carry, xs):
+            (h, kv), (state_l, window_l) = carry, xs
             block = nnx.merge(graphdef, on_device(state_l))
-            h, kv, stats = block(h, cos, sin, segment_ids, positions, kv, kv_meta)
+            h, kv, stats = block(h, cos, sin, segment_ids, positions, kv, kv_meta, window_l)
             return (h, dataclasses.replace(kv, layer=kv.layer + 1)), stats
 
         if cache is not None and cache_in_carry:
             loop_body = carry_body if layer_loop is None else layer_loop(carry_body)
-            (h, kv), stats = jax.lax.scan(loop_body, (h, cache.carried()), layer_state, unroll=unroll)
+            (h, kv), stats = jax.lax.scan(loop_body, (h, cache.carried()), (layer_state, windows), unroll=unroll)
             out = (self.final_norm(h), cache.with_kv(kv.k, kv.v))
             return out + ((stats,) if router_stats else ())
         if layer_loop is not None:
             body = layer_loop(body)
-        h, (new_kv, stats) = jax.lax.scan(body, h, (layer_state, None if cache is None else cache.per_layer()),
+        h, (new_kv, stats) = jax.lax.scan(body, h, (layer_state, None if cache is None else cache.per_layer(), windows),
                                           unroll=unroll)
         if cache is not None:
             cache = cache.with_kv(new_kv.k, new_kv.v)

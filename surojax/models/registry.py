@@ -84,6 +84,20 @@ FUSED_MOE_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
     WeightRow("model.layers.{i}.mlp.experts.down_proj", f"{_EXPERTS}.down_proj.kernel", True),  # [E, D, F]
 )
 
+# gpt_oss: q/k/v/o biases, a sink logit per query head, the router `mlp.router` with a bias, the experts fused and
+# stored `x @ W`-ready (no transpose) with gate / up interleaved on the last axis, and biased.
+GPT_OSS_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
+    WeightRow("model.layers.{i}.self_attn.o_proj.bias", "layers.attn.o_proj.bias", when="o_proj_bias"),  # [L, D]
+    WeightRow("model.layers.{i}.self_attn.sinks", "layers.attn.sinks", when="attention_sinks"),  # [L, N]
+    WeightRow("model.layers.{i}.mlp.router.weight", "layers.mlp.router.kernel", True),  # [L, D, E]
+    WeightRow("model.layers.{i}.mlp.router.bias", "layers.mlp.router.bias", when="router_bias"),  # [L, E]
+    WeightRow("model.layers.{i}.mlp.experts.gate_up_proj", f"{_EXPERTS}.gate_up_proj.kernel"),  # [L, E, D, 2F]
+    WeightRow("model.layers.{i}.mlp.experts.gate_up_proj_bias", f"{_EXPERTS}.gate_up_proj.bias",
+              when="expert_bias"),  # [L, E, 2F]
+    WeightRow("model.layers.{i}.mlp.experts.down_proj", f"{_EXPERTS}.down_proj.kernel"),  # [L, E, F, D]
+    WeightRow("model.layers.{i}.mlp.experts.down_proj_bias", f"{_EXPERTS}.down_proj.bias", when="expert_bias"),
+)
+
 # HF module names users put in `lora_target_modules`, and where each lives in the Decoder.
 LINEAR_MODULES: dict[str, str] = {
     "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "o_proj": "attn.o_proj",
@@ -99,6 +113,8 @@ class Family:
     attention_bias_key: bool = True  # config.json has an `attention_bias` key
     qk_norm: bool = False
     sliding_window: bool = False  # honours config.json's `sliding_window`
+    attention_sinks: bool = False  # a learned sink logit per query head (`self_attn.sinks`)
+    o_proj_bias: bool = False  # `attention_bias` covers o_proj too
     tie_default: bool = False
     weights: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS
     fused_weights: tuple[WeightRow, ...] = ()  # a second accepted naming (MoE: transformers 5's fused experts)
@@ -116,6 +132,8 @@ FAMILIES: dict[str, Family] = {
                fused_weights=FUSED_MOE_WEIGHTS, moe="qwen3_moe"),
         Family("mixtral", "MixtralForCausalLM", attention_bias_key=False, sliding_window=True,
                weights=MIXTRAL_WEIGHTS, fused_weights=FUSED_MOE_WEIGHTS, moe="mixtral"),
+        Family("gpt_oss", "GptOssForCausalLM", attention_bias=True, attention_sinks=True, o_proj_bias=True,
+               weights=GPT_OSS_WEIGHTS, moe="gpt_oss"),
     )
 }
 
@@ -136,7 +154,8 @@ def weight_rows(cfg, *, fused: bool = False) -> list[WeightRow]:
     the family's second table (transformers 5's fused expert names)."""
     moe = cfg.moe
     flags = {"attention_bias": cfg.attention_bias, "qk_norm": cfg.qk_norm, "untied": not cfg.tie_word_embeddings,
-             "router_bias": bool(moe and moe.router_bias), "expert_bias": bool(moe and moe.expert_bias)}
+             "router_bias": bool(moe and moe.router_bias), "expert_bias": bool(moe and moe.expert_bias),
+             "o_proj_bias": cfg.o_proj_bias, "attention_sinks": cfg.attention_sinks}
     family = family_for(cfg.model_type)
     table = family.fused_weights if fused else family.weights
     return [r for r in table if r.when is None or flags[r.when]]

@@ -87,7 +87,7 @@ def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
 def test_linear_rope_and_unsupported_rope_types():
     cfg = ModelConfig.from_hf(hf_config(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}))
     assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 2.0
-    for rope_type in ("yarn", "dynamic", "longrope"):
+    for rope_type in ("dynamic", "longrope"):
         with pytest.raises(ModelConfigError, match=f"rope_scaling type '{rope_type}' is not supported"):
             ModelConfig.from_hf(hf_config(rope_parameters={"rope_type": rope_type, "factor": 2.0}))
 

@@ -29,7 +29,7 @@ class DenseLayerKV:
         rows = jnp.arange(q.shape[0])[:, None]
         kv = DenseLayerKV(self.k.at[rows, meta.write_slots].set(k.astype(self.k.dtype)),
                           self.v.at[rows, meta.write_slots].set(v.astype(self.v.dtype)))
-        out = spec.dense(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), meta.mask(spec.sliding_window), spec.scale)
+        out = spec.attend(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), meta)
         return out, kv
 
 
@@ -47,8 +47,7 @@ class StackedLayerKV:
         rows, l = jnp.arange(q.shape[0])[:, None], self.layer
         kv = StackedLayerKV(self.k.at[l, rows, meta.write_slots].set(k.astype(self.k.dtype)),
                             self.v.at[l, rows, meta.write_slots].set(v.astype(self.v.dtype)), l)
-        out = spec.dense(q, kv.k[l].astype(q.dtype), kv.v[l].astype(q.dtype), meta.mask(spec.sliding_window),
-                         spec.scale)
+        out = spec.attend(q, kv.k[l].astype(q.dtype), kv.v[l].astype(q.dtype), meta)
         return out, kv
 
 

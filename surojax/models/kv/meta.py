@@ -17,15 +17,32 @@ import jax.numpy as jnp
 MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: softmax sends it to 0, no inf - inf = NaN
 
 
-def attention_mask(q_seg, kv_seg, q_pos, kv_pos, sliding_window: int | None = None) -> jax.Array:
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None, axis: int) -> jax.Array:
+    """Softmax of fp32 `scores` over `axis`, with one extra logit per head (the sink) in the denominator only.
+
+    sinks: None (a plain softmax) or logits broadcastable against `scores` with size 1 on `axis`. As transformers'
+    gpt_oss `eager_attention_forward`: softmax over [scores, sink], then the sink's column dropped, so each row's
+    probabilities sum to 1 - p(sink). A row whose scores are all MASKED gives zeros (its mass goes to the sink)."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=axis)
+    sinks = sinks.astype(jnp.float32)
+    top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=axis, keepdims=True), sinks))  # exact either way
+    e = jnp.exp(scores - top)
+    return e / (jnp.sum(e, axis=axis, keepdims=True) + jnp.exp(sinks - top))
+
+
+def attention_mask(q_seg, kv_seg, q_pos, kv_pos, sliding_window: int | jax.Array | None = None) -> jax.Array:
     """[B, T] x [B, S] segment ids and positions -> boolean mask [B, T, S] (True = may attend).
 
     Query t sees key s when both are in the same segment and pos[s] <= pos[t] (and, with a sliding window W,
-    pos[t] - pos[s] < W). Segment id 0 is padding / an empty slot."""
+    pos[t] - pos[s] < W). Segment id 0 is padding / an empty slot. `sliding_window` is None (full attention), a
+    static W, or a traced [] int32 W where 0 means full attention (a per-layer window scanned with the layer)."""
     same = q_seg[:, :, None] == kv_seg[:, None, :]
     causal = kv_pos[:, None, :] <= q_pos[:, :, None]
     mask = same & causal
-    if sliding_window is not None:
+    if isinstance(sliding_window, jax.Array):
+        mask &= (sliding_window <= 0) | ((q_pos[:, :, None] - kv_pos[:, None, :]) < sliding_window)
+    elif sliding_window is not None:
         mask &= (q_pos[:, :, None] - kv_pos[:, None, :]) < sliding_window
     return mask
 
@@ -45,7 +62,7 @@ class KVMeta:
     kv_segment_ids: jax.Array
     kv_positions: jax.Array
 
-    def mask(self, sliding_window: int | None) -> jax.Array:
+    def mask(self, sliding_window: int | jax.Array | None) -> jax.Array:
         """[B, T, S]: which context slots each new token attends to."""
         return attention_mask(self.q_segment_ids, self.kv_segment_ids, self.q_positions, self.kv_positions,
                               sliding_window)
@@ -64,14 +81,22 @@ class PagedKVMeta(KVMeta):
 
 @dataclasses.dataclass(frozen=True)
 class AttendSpec:
-    """How attention computes over a dense context, fixed per layer (static, not a pytree).
+    """How one layer's attention computes over a dense context (made by the layer inside the traced layer
+    body; not a pytree, never crosses a jit boundary).
 
-    dense(q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S], scale) -> [B, T, N, H]: the attention backend.
-    scale: the softmax scale (H ** -0.5); sliding_window: None or W (see `attention_mask`)."""
+    dense(q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S], scale, sinks) -> [B, T, N, H]: the attention backend.
+    scale: the softmax scale (H ** -0.5); sliding_window: None, a static W, or the layer's traced [] int32 W
+    (0 = full; see `attention_mask`); sinks: None or the layer's sink logits [N] (they join every softmax
+    denominator; a kernel without sinks must not serve this layer)."""
 
     dense: Callable[..., jax.Array]
     scale: float
-    sliding_window: int | None = None
+    sliding_window: int | jax.Array | None = None
+    sinks: jax.Array | None = None
+
+    def attend(self, q, k, v, meta: KVMeta) -> jax.Array:
+        """q [B, T, N, H] over the context k/v [B, S, K, H] that `meta` describes -> [B, T, N, H]."""
+        return self.dense(q, k, v, meta.mask(self.sliding_window), self.scale, self.sinks)
 
 
-__all__ = ["MASKED", "AttendSpec", "KVMeta", "PagedKVMeta", "attention_mask"]
+__all__ = ["MASKED", "AttendSpec", "KVMeta", "PagedKVMeta", "attention_mask", "softmax_with_sinks"]

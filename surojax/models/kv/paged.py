@@ -12,7 +12,8 @@ builds the cache (the serving engine):
             the gather into (equal up to float rounding); other rows gather
     PALLAS  one-token rows: the Pallas paged decode-attention kernel (`pallas_kernels.paged_decode`) reads
             each row's real blocks inside the kernel, online softmax (equal up to float rounding); other rows,
-            sliding windows and pools past int32 offsets gather
+            sliding windows (static or per layer), attention sinks (the kernel has none) and pools past int32
+            offsets gather
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_decode import kernel_applies, paged_decode_attention
-from surojax.models.kv.meta import MASKED, AttendSpec, PagedKVMeta
+from surojax.models.kv.meta import MASKED, AttendSpec, PagedKVMeta, softmax_with_sinks
 
 
 class PagedKernel(enum.Enum):
@@ -36,16 +37,17 @@ class PagedKernel(enum.Enum):
     PALLAS = "pallas"
 
 
-def reduce_decode_attention(q, k, v, mask, scale: float) -> jax.Array:
+def reduce_decode_attention(q, k, v, mask, scale: float, sinks: jax.Array | None = None) -> jax.Array:
     """One query token per row as multiply + reduce instead of dots: q [B, 1, N, H], k/v [B, S, K, H] (fp32),
-    mask [B, 1, S] -> [B, 1, N, H]. The math of a dot-product attention (probabilities kept in fp32), written so
-    that XLA can fuse a gather producing k/v into the two reductions (dots take materialised operands)."""
+    mask [B, 1, S], sinks None or [N] -> [B, 1, N, H]. The math of a dot-product attention (probabilities kept in
+    fp32; a sink logit joins each head's denominator), written so that XLA can fuse a gather producing k/v into
+    the two reductions (dots take materialised operands)."""
     B, _, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, 1, K, N // K, H).astype(jnp.float32)  # [B, 1, K, G, H]
     scores = jnp.sum(qg * k[:, :, :, None, :], axis=-1) * scale  # [B, S, K, G]
     scores = jnp.where(mask[:, 0, :, None, None], scores, MASKED)
-    probs = jax.nn.softmax(scores, axis=1)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.reshape(1, 1, K, N // K), axis=1)
     out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [B, K, G, H]
     return out.reshape(B, 1, N, H).astype(q.dtype)
 
@@ -85,15 +87,16 @@ class PagedLayerKV:
         """Write k/v [B, T, K, H] at meta.write_slots; attend q [B, T, N, H] over each row's blocks."""
         kv = self.write(k, v, meta.write_slots)
         T = q.shape[1]
-        if kv.kernel is PagedKernel.PALLAS and kernel_applies(kv.k.shape, T, spec.sliding_window):
+        if kv.kernel is PagedKernel.PALLAS and spec.sinks is None and kernel_applies(kv.k.shape, T,
+                                                                                    spec.sliding_window):
             out = paged_decode_attention(q[:, 0], kv.k, kv.v, kv.layer, meta.block_table, meta.lengths,
                                          block_size=kv.block_size)  # [B, N, H]
             return out[:, None], kv
         if kv.kernel is PagedKernel.REDUCE and T == 1:
             ck, cv = kv.read(meta.block_table, jnp.float32)
-            return reduce_decode_attention(q, ck, cv, meta.mask(spec.sliding_window), spec.scale), kv
+            return reduce_decode_attention(q, ck, cv, meta.mask(spec.sliding_window), spec.scale, spec.sinks), kv
         ck, cv = kv.read(meta.block_table, q.dtype)
-        return spec.dense(q, ck, cv, meta.mask(spec.sliding_window), spec.scale), kv
+        return spec.attend(q, ck, cv, meta), kv
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],

@@ -27,6 +27,15 @@ read of the branch index per layer in the forward and backward pass). `cudnn:M:n
 takes branch 1: only for callers that guarantee the packing (at most M runs per row, positions counting up
 from 0 inside each run); anything else then computes wrong attention. cuDNN handles bf16/fp16 only: other
 dtypes (fp32 recipes) take the xla path statically. With a KV cache (generation) cudnn uses the dense mask.
+
+Attention sinks (gpt_oss): a learned logit per query head [N] joins every softmax denominator and is dropped
+(`softmax_with_sinks`). cuDNN's fused attention in jax has no sinks, so a layer with sinks takes the xla path
+under every backend (statically); the paged Pallas decode kernel likewise never serves it (kv/paged.py gathers).
+
+Per-layer windows (gpt_oss alternates sliding / full; `ModelConfig.layer_windows`): the layers run as one scan,
+so a layer's window is data, not a Python constant: the decoder scans `layer_window_table(cfg)` [L] int32
+(0 = full) with the layer weights and hands each layer its [] int32 window. xla: the window enters the mask
+(`attention_mask` with a traced window). cudnn: one `lax.switch` over the config's distinct static windows.
 """
 from __future__ import annotations
 
@@ -38,28 +47,30 @@ from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_atten
 
 from surojax.models.config import ModelConfig
 from surojax.models.kv import MASKED as _MASKED
-from surojax.models.kv import AttendSpec, KVMeta, LayerKV, attention_mask
+from surojax.models.kv import AttendSpec, KVMeta, LayerKV, attention_mask, softmax_with_sinks
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.norm import RMSNorm
+from surojax.models.layers.params import param
 from surojax.models.layers.rope import apply_rope
 
 
-def xla_attention(q, k, v, mask, scale: float) -> jax.Array:
-    """q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] -> [B, T, N, H]. Softmax in fp32."""
+def xla_attention(q, k, v, mask, scale: float, sinks: jax.Array | None = None) -> jax.Array:
+    """q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S], sinks None or [N] -> [B, T, N, H]. Softmax in fp32."""
     B, T, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
+    sinks_kg = None if sinks is None else sinks.reshape(1, K, N // K, 1, 1)  # head n = k * G + g, as q's reshape
+    probs = softmax_with_sinks(scores, sinks_kg, axis=-1).astype(v.dtype)  # [B, K, G, T, S]
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32).astype(q.dtype)
     return out.reshape(B, T, N, H)
 
 
-def cudnn_attention(q, k, v, mask, scale: float) -> jax.Array:
-    """Dense-mask cuDNN attention (used with a KV cache, where q and k differ in length)."""
-    if q.dtype not in _CUDNN_DTYPES:
-        return xla_attention(q, k, v, mask, scale)
+def cudnn_attention(q, k, v, mask, scale: float, sinks: jax.Array | None = None) -> jax.Array:
+    """Dense-mask cuDNN attention (used with a KV cache, where q and k differ in length); sinks: the xla path."""
+    if q.dtype not in _CUDNN_DTYPES or sinks is not None:
+        return xla_attention(q, k, v, mask, scale, sinks)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
 
 
@@ -211,31 +222,50 @@ def resolve_backend(name: str) -> str:
     return name
 
 
+def layer_window_table(cfg: ModelConfig) -> np.ndarray | None:
+    """[L] int32: each layer's attention window, 0 = full (what the decoder scans with the layers); None when
+    every layer has the same window (`cfg.sliding_window`, a static constant of the layer)."""
+    if cfg.layer_windows is None:
+        return None
+    return np.asarray([w or 0 for w in cfg.layer_windows], np.int32)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, backend: str = "auto", param_dtype, rngs: nnx.Rngs | None = None):
         D, H = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, H
         self.sliding_window = cfg.sliding_window
+        # per-layer windows: the distinct static windows a traced one may take (0 = full), for cudnn's switch
+        table = layer_window_table(cfg)
+        self.window_choices = None if table is None else tuple(sorted({int(w) for w in table}))
         self.backend = resolve_backend(backend)
         bias = cfg.attention_bias
         self.q_proj = Linear(D, cfg.q_dim, ("embed", "heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.k_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.v_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.q_dim, D, ("heads", "embed"), param_dtype=param_dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.q_dim, D, ("heads", "embed"), use_bias=cfg.o_proj_bias, param_dtype=param_dtype,
+                             rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
+        # [N] sink logits (HF `self_attn.sinks`), one per query head; head n reads kv head n // G
+        self.sinks = param(rngs, (cfg.num_heads,), ("heads",), param_dtype) if cfg.attention_sinks else None
 
     def __call__(self, x, cos, sin, segment_ids, positions, kv: LayerKV | None = None,
-                 kv_meta: KVMeta | None = None):
+                 kv_meta: KVMeta | None = None, window: jax.Array | None = None):
         """x [B, T, D]; cos/sin [B, T, H]; segment_ids/positions [B, T] -> (y [B, T, D], kv).
 
         Without a cache (kv None): self-attention over the packed rows. With one: `kv` is this layer's view of
         the cache (any `LayerKV`) and `kv_meta` the call's metadata its cache made (`Cache.step`); the view
         writes the new tokens' k/v and attends over the rows' context, and comes back updated.
+        `window` [] int32: this layer's row of `layer_window_table` (0 = full); required exactly when the config
+        has per-layer windows.
         """
+        if (window is None) != (self.window_choices is None):
+            raise ValueError("per-layer attention windows: pass this layer's window (layer_window_table(cfg)[l]) "
+                             "exactly when cfg.layer_windows is set")
         B, T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).reshape(B, T, N, H)
@@ -244,19 +274,33 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        spec = self.attend_spec(window)
         if kv is not None:
-            out, kv = kv.update_and_attend(q, k, v, kv_meta, self.attend_spec)
-        elif self.backend.startswith("cudnn"):
-            m, check = cudnn_options(self.backend)
-            out = cudnn_packed_attention(q, k, v, segment_ids, positions, H ** -0.5,
-                                         sliding_window=self.sliding_window, max_segments=m, check=check)
+            out, kv = kv.update_and_attend(q, k, v, kv_meta, spec)
+        elif self.backend.startswith("cudnn") and self.sinks is None:
+            out = self._cudnn_self_attention(q, k, v, segment_ids, positions, window)
         else:
-            mask = attention_mask(segment_ids, segment_ids, positions, positions, self.sliding_window)
-            out = self.attend_spec.dense(q, k, v, mask, H ** -0.5)  # [B, T, N, H]
+            mask = attention_mask(segment_ids, segment_ids, positions, positions, spec.sliding_window)
+            out = xla_attention(q, k, v, mask, spec.scale, spec.sinks)  # [B, T, N, H]
         return self.o_proj(out.reshape(B, T, N * H)), kv
 
-    @property
-    def attend_spec(self) -> AttendSpec:
+    def _cudnn_self_attention(self, q, k, v, segment_ids, positions, window):
+        """cuDNN over packed rows; a per-layer window picks one of the static-window variants (`lax.switch`)."""
+        m, check = cudnn_options(self.backend)
+
+        def run(static_window):
+            return lambda q, k, v: cudnn_packed_attention(q, k, v, segment_ids, positions, self.head_dim ** -0.5,
+                                                          sliding_window=static_window, max_segments=m, check=check)
+
+        if window is None:
+            return run(self.sliding_window)(q, k, v)
+        choices = self.window_choices
+        index = sum(jnp.where(window == w, i, 0) for i, w in enumerate(choices))
+        return jax.lax.switch(index, [run(w or None) for w in choices], q, k, v)
+
+    def attend_spec(self, window: jax.Array | None = None) -> AttendSpec:
         """The dense attention over a cache's context: this layer's backend (cuDNN with a dense mask, or xla),
-        scale and sliding window."""
-        return AttendSpec(BACKENDS[self.backend.split(":")[0]], self.head_dim ** -0.5, self.sliding_window)
+        scale, window (static, or the traced per-layer one) and sinks."""
+        sinks = None if self.sinks is None else self.sinks[...]
+        return AttendSpec(BACKENDS[self.backend.split(":")[0]], self.head_dim ** -0.5,
+                          self.sliding_window if window is None else window, sinks)

@@ -1,7 +1,8 @@
 """Rotary position embedding, HF's non-interleaved ("rotate_half") convention.
 
-The inverse frequencies (with llama3 / linear scaling) are computed once on the host; angles are
-positions * inv_freq in fp32; cos/sin are cast to the activation dtype before use, as in transformers.
+The inverse frequencies (default, linear, llama3 or yarn scaling) are computed once on the host; angles are
+positions * inv_freq in fp32; cos/sin are multiplied by the rope's attention factor (yarn's mscale, 1
+otherwise) in fp32 and then cast to the activation dtype, as in transformers.
 """
 from __future__ import annotations
 
@@ -9,18 +10,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from surojax.models.config import ModelConfig, llama3_inv_freq
+from surojax.models.config import ModelConfig, rope_attention_factor, rope_inv_freq
 
 
 def inv_freq(cfg: ModelConfig) -> np.ndarray:
-    return np.asarray(llama3_inv_freq(cfg), np.float32)  # [H/2]
+    return np.asarray(rope_inv_freq(cfg), np.float32)  # [H/2]
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq_h: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
-    """positions [B, T] -> cos, sin [B, T, H] (the H/2 frequencies repeated twice)."""
+def attention_factor(cfg: ModelConfig) -> float:
+    """The scale of cos and sin (yarn's mscale; 1 for the other rope types)."""
+    return rope_attention_factor(cfg)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq_h: np.ndarray, dtype,
+                 scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """positions [B, T] -> cos, sin [B, T, H] (the H/2 frequencies repeated twice), each times `scale` (fp32)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_h)  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
