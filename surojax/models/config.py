@@ -281,7 +281,9 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that `transformers.AutoConfig` reads back into the same architecture."""
-        dropped = ("architectures", "model_type", "rope_scaling", "rope_parameters", "torch_dtype", "dtype")
+        # quantization_config: a saved model holds plain float weights (an MXFP4 checkpoint is dequantised on load)
+        dropped = ("architectures", "model_type", "rope_scaling", "rope_parameters", "torch_dtype", "dtype",
+                   "quantization_config")
         out = {k: v for k, v in self.hf_extra.items() if k not in dropped}
 
         family = family_for(self.model_type)

@@ -25,6 +25,7 @@ from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.registry import WeightRow, family_for, weight_rows
 from surojax.weights.json_file import read_json_object
+from surojax.weights.mxfp4_checkpoint import with_mxfp4_pairs
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     model_dir = Path(resolve_local(str(model_dir)))
     cfg = cfg or read_config(model_dir)
     param_dtype = param_dtype or dtype
-    where = open_checkpoint(model_dir)
+    where = with_mxfp4_pairs(open_checkpoint(model_dir))  # gpt-oss's published MXFP4 experts, dequantised
 
     abstract_model = nnx.eval_shape(
         lambda: Decoder(cfg, dtype=dtype, param_dtype=param_dtype, attention=attention, rngs=nnx.Rngs(0)))
