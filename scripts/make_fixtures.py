@@ -3,6 +3,7 @@
 Run with the reference environment (torch + transformers), never from the surojax venv:
 
     /work/refenv/bin/python scripts/make_fixtures.py            # writes tests/fixtures/
+    /work/refenv/bin/python scripts/make_fixtures.py --only gpt_oss gpt_oss_mxfp4   # just these model folders
 
 Everything is deterministic (fixed corpus, fixed seeds), so a re-run rewrites the same bytes as long as the
 library versions recorded in tests/fixtures/README.md are the same. What is written:
@@ -11,7 +12,9 @@ library versions recorded in tests/fixtures/README.md are the same. What is writ
                                             transformers.AutoTokenizer; expected_chat.json = HF's rendering
     tests/fixtures/chat_templates/          llama3_style.jinja (bos_token, raise_exception, tojson(indent=4))
     tests/fixtures/models/<name>/           save_pretrained() output (fp32 safetensors) + tokenizer files +
-                                            expected.npz (eager logits of three sequences, greedy tokens)
+                                            expected.npz (eager logits of three sequences, greedy tokens;
+                                            MoE folders also the load-balancing aux loss of a padded batch)
+    tests/fixtures/models/gpt_oss_mxfp4/    gpt_oss's weights in the published MXFP4 + bf16 checkpoint layout
     tests/fixtures/models/config_keys.json  the config.json keys transformers wrote for each model
 """
 from __future__ import annotations
@@ -348,7 +351,6 @@ MODEL_SPECS = {
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=6)),
 }
-SEQ_LENGTHS = (5, 9, 12)
 
 
 @dataclass(frozen=True)
@@ -378,6 +380,7 @@ MOE_SPECS = {
 MXFP4_SPECS = {"gpt_oss_mxfp4": "gpt_oss"}
 # 8 fp32 experts take 0.2 MB a layer: gpt_oss (4 layers) and the 3-layer mix do not fit in 1 MB.
 MAX_FOLDER_BYTES = {"gpt_oss": 1_600_000, "qwen3_moe_dense_mix": 1_100_000}
+SEQ_LENGTHS = (5, 9, 12)
 AUX_LEN, AUX_PADS = 12, 4  # aux-loss batch: [2, 12], second row right-padded with 4 pads
 GREEDY_PROMPT_LEN = 7
 GREEDY_NEW_TOKENS = 32
@@ -552,6 +555,8 @@ def moe_expectations(name: str, model, margin_inputs: list, vocab_size: int) -> 
     margins.append(router_margin(out.router_logits, top_k))
     assert min(margins) > 1e-3, (name, "router top-k margin", min(margins))
     assert out.aux_loss is not None and torch.isfinite(out.aux_loss), (name, out.aux_loss)
+    want = switch_aux_loss([r.float().numpy() for r in out.router_logits], mask, top_k)
+    assert abs(want - float(out.aux_loss)) < 1e-5 * want, (name, want, float(out.aux_loss))  # README's formula
     assert torch.isfinite(out.logits).all(), name
     if clamp is not None:
         # the clamped SwiGLU is really exercised: some gate pre-activations pass +limit, some up ones pass +-limit
@@ -561,6 +566,27 @@ def moe_expectations(name: str, model, margin_inputs: list, vocab_size: int) -> 
     return {"aux_tokens": tokens, "aux_mask": mask, "aux_loss": np.asarray(out.aux_loss.item(), dtype=np.float32),
             "aux_coef": np.asarray(cfg.router_aux_loss_coef, dtype=np.float32),
             "aux_logits": out.logits.float().numpy()}
+
+
+def switch_aux_loss(router_logits: list[np.ndarray], mask: np.ndarray, top_k: int) -> float:
+    """The load-balancing loss as tests/fixtures/README.md states it, in numpy: router_logits [L][B*T, E], mask [B, T].
+
+    p = softmax(logits); f_e = top-k hits of e, P_e = sum of p_e, both over unmasked tokens of every sparse layer,
+    divided by (layers x unmasked tokens); loss = E * sum_e f_e P_e (not yet times router_aux_loss_coef).
+    """
+    m = mask.reshape(-1).astype(np.float64)
+    hits, probs = 0.0, 0.0
+    for logits in router_logits:
+        z = logits.astype(np.float64)
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        top = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+        onehot = np.zeros_like(p)
+        np.put_along_axis(onehot, top, 1.0, axis=-1)
+        hits = hits + (onehot * m[:, None]).sum(0)
+        probs = probs + (p * m[:, None]).sum(0)
+    rows = len(router_logits) * m.sum()
+    return float(p.shape[-1] * np.sum((hits / rows) * (probs / rows)))
 
 
 def check_yarn_applies(model) -> None:
