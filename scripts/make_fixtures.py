@@ -3,6 +3,7 @@
 Run with the reference environment (torch + transformers), never from the surojax venv:
 
     /work/refenv/bin/python scripts/make_fixtures.py            # writes tests/fixtures/
+    /work/refenv/bin/python scripts/make_fixtures.py --only gpt_oss gpt_oss_mxfp4   # just these model folders
 
 Everything is deterministic (fixed corpus, fixed seeds), so a re-run rewrites the same bytes as long as the
 library versions recorded in tests/fixtures/README.md are the same. What is written:
@@ -11,15 +12,19 @@ library versions recorded in tests/fixtures/README.md are the same. What is writ
                                             transformers.AutoTokenizer; expected_chat.json = HF's rendering
     tests/fixtures/chat_templates/          llama3_style.jinja (bos_token, raise_exception, tojson(indent=4))
     tests/fixtures/models/<name>/           save_pretrained() output (fp32 safetensors) + tokenizer files +
-                                            expected.npz (eager logits of three sequences, greedy tokens)
+                                            expected.npz (eager logits of three sequences, greedy tokens;
+                                            MoE folders also the load-balancing aux loss of a padded batch)
+    tests/fixtures/models/gpt_oss_mxfp4/    gpt_oss's weights in the published MXFP4 + bf16 checkpoint layout
     tests/fixtures/models/config_keys.json  the config.json keys transformers wrote for each model
 """
 from __future__ import annotations
 
 import json
 import random
+import argparse
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -346,7 +351,37 @@ MODEL_SPECS = {
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=6)),
 }
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts fixture: transformers config class, its keys (over COMMON), and the weight seed."""
+    cls_name: str
+    config: dict
+    seed: int  # chosen so that the greedy and router top-k margins hold (see moe_expectations)
+
+
+YARN = {"rope_type": "yarn", "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 16}  # the published gpt-oss keys; 16 x 16 = 256 max positions
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                 tie_word_embeddings=False)
+MOE_SPECS = {
+    "qwen3_moe": MoeSpec("Qwen3MoeConfig", dict(QWEN3_MOE, norm_topk_prob=True), seed=1),
+    "qwen3_moe_dense_mix": MoeSpec("Qwen3MoeConfig", dict(QWEN3_MOE, num_hidden_layers=3, mlp_only_layers=[1],
+                                                          norm_topk_prob=False), seed=2),
+    "mixtral": MoeSpec("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                             sliding_window=6, tie_word_embeddings=False), seed=3),
+    "gpt_oss": MoeSpec("GptOssConfig", dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=4, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, rope_scaling=YARN, router_aux_loss_coef=0.9,
+        tie_word_embeddings=False), seed=14),
+}
+# name -> the MOE_SPECS folder whose weights it stores with MXFP4 experts, as openai/gpt-oss-* publish them.
+MXFP4_SPECS = {"gpt_oss_mxfp4": "gpt_oss"}
+# 8 fp32 experts take 0.2 MB a layer: gpt_oss (4 layers) and the 3-layer mix do not fit in 1 MB.
+MAX_FOLDER_BYTES = {"gpt_oss": 1_600_000, "qwen3_moe_dense_mix": 1_100_000}
 SEQ_LENGTHS = (5, 9, 12)
+AUX_LEN, AUX_PADS = 12, 4  # aux-loss batch: [2, 12], second row right-padded with 4 pads
 GREEDY_PROMPT_LEN = 7
 GREEDY_NEW_TOKENS = 32
 
@@ -371,17 +406,26 @@ def randomize_(model, seed: int):
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
+def experts_kwargs(name: str) -> dict:
+    """MoE models run transformers' eager experts loop (the modeling code as written), not torch._grouped_mm."""
+    return {"experts_implementation": "eager"} if name in MOE_SPECS or name in MXFP4_SPECS else {}
+
+
 def build_model(name: str, cls_name: str, extra: dict, ids: dict, vocab_size: int) -> dict:
+    """Make, save and reload one tiny random model; write its expected.npz. Returns the config.json it wrote."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    cfg = getattr(transformers, cls_name)(**COMMON, **extra, vocab_size=vocab_size, torch_dtype="float32",
+    torch.manual_seed(MOE_SPECS[name].seed if name in MOE_SPECS else 0)
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **extra}, vocab_size=vocab_size, torch_dtype="float32",
                                           bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                                           pad_token_id=ids["<|endoftext|>"])
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32,
+                                             **experts_kwargs(name))
     randomize_(model, seed=sum(map(ord, name)))
+    if name in MOE_SPECS:
+        randomize_moe_(model, seed=MOE_SPECS[name].seed)
     if name == "qwen2":
         assert all(model.model.layers[0].self_attn.q_proj.bias.abs() > 0)
     model.eval()
@@ -392,9 +436,21 @@ def build_model(name: str, cls_name: str, extra: dict, ids: dict, vocab_size: in
     model.save_pretrained(out_dir, safe_serialization=True)
     for f in TOKENIZER_FILES:
         shutil.copy(TOKENIZER_DIR / f, out_dir / f)
+    write_expected(name, out_dir, ids, vocab_size)
+    return json.loads((out_dir / "config.json").read_text())
 
-    # Reload from disk so that the expectations come from exactly what the fixture holds.
-    model = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager", dtype=torch.float32).eval()
+
+def write_expected(name: str, out_dir: Path, ids: dict, vocab_size: int) -> None:
+    """expected.npz from the model transformers loads back from `out_dir` (exactly what the fixture holds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager", dtype=torch.float32,
+                                                 **experts_kwargs(name)).eval()
+    if name in MXFP4_SPECS:
+        # transformers 5.17 on CPU dequantises the MXFP4 experts to bf16 and leaves them bf16 inside the fp32
+        # model (its forward then fails on the dtype mismatch); bf16 -> fp32 is exact, so cast.
+        model = model.float()
     seqs = fixed_sequences(vocab_size)
     arrays = {}
     with torch.no_grad():
@@ -420,16 +476,270 @@ def build_model(name: str, cls_name: str, extra: dict, ids: dict, vocab_size: in
         assert min(margins) > 1e-3, (name, min(margins))
         if name == "mistral":
             check_window_applies(model, torch.tensor(seqs["seq2"])[None], arrays["logits2"])
+        if name in MOE_SPECS or name in MXFP4_SPECS:
+            arrays.update(moe_expectations(name, model, [torch.tensor(seqs[f"seq{i}"])[None]
+                                                         for i in range(len(SEQ_LENGTHS))] + [cur], vocab_size))
     arrays["greedy_prompt"] = seqs["greedy_prompt"]
     arrays["greedy_tokens"] = greedy.astype(np.int64)
     np.savez(out_dir / "expected.npz", **arrays)
 
     size = sum(f.stat().st_size for f in out_dir.iterdir())
-    assert size < 1_000_000, (name, size)
+    assert size < MAX_FOLDER_BYTES.get(name, 1_000_000), (name, size)
     probs = torch.softmax(torch.tensor(arrays["logits2"]), -1)
     print(f"{name}: {size / 1e3:.0f} kB, max prob mean {probs.max(-1).values.mean():.3f}, "
           f"logit std {arrays['logits2'].std():.2f}, greedy margin >= {min(margins):.4f}", file=sys.stderr)
-    return json.loads((out_dir / "config.json").read_text())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mixture-of-experts models
+# ----------------------------------------------------------------------------------------------------------------
+
+def randomize_moe_(model, seed: int):
+    """What randomize_ does not reach: gpt-oss's attention sinks and expert biases (its router bias ends in .bias),
+    and gpt-oss expert weights large enough (gate_up 2x, down 0.5x the init) that the SwiGLU clamp at 7 bites."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("experts.gate_up_proj") and model.config.model_type == "gpt_oss":
+                p.mul_(2.0)
+            elif name.endswith("experts.down_proj") and model.config.model_type == "gpt_oss":
+                p.mul_(0.5)
+            elif name.endswith("self_attn.sinks"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def aux_batch(vocab_size: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """[2, 12] tokens and mask for the load-balancing loss; row 1 is right-padded with AUX_PADS pad tokens."""
+    rng = np.random.default_rng(4321)
+    tokens = rng.integers(0, vocab_size, size=(2, AUX_LEN), dtype=np.int64)
+    mask = np.ones((2, AUX_LEN), dtype=np.int64)
+    tokens[1, AUX_LEN - AUX_PADS:] = pad_id
+    mask[1, AUX_LEN - AUX_PADS:] = 0
+    return tokens, mask
+
+
+def router_margin(router_logits: tuple, top_k: int) -> float:
+    """Smallest gap between the k-th and (k+1)-th router logit over tokens and layers.
+
+    Softmax is monotonic, so this is the margin of every family's top-k choice; a near-tie would make a parity test
+    flip an expert on float noise.
+    """
+    gaps = []
+    for layer in router_logits:  # each [B*T, E]
+        top = layer.float().topk(top_k + 1, dim=-1).values
+        gaps.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
+    return min(gaps)
+
+
+def moe_expectations(name: str, model, margin_inputs: list, vocab_size: int) -> dict[str, np.ndarray]:
+    """HF's load-balancing aux loss on a padded batch, the logits of that batch, and router-margin checks."""
+    import torch
+
+    cfg = model.config
+    top_k = cfg.num_experts_per_tok
+    pad_id = cfg.pad_token_id
+    tokens, mask = aux_batch(vocab_size, pad_id)
+    clamp = watch_clamp(model) if cfg.model_type == "gpt_oss" else None
+    if cfg.model_type == "gpt_oss":
+        check_yarn_applies(model)
+    if cfg.model_type == "qwen3_moe":
+        dense = [i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts")]
+        assert dense == cfg.mlp_only_layers, (name, dense)
+    with torch.no_grad():
+        margins = [router_margin(model(x, output_router_logits=True).router_logits, top_k) for x in margin_inputs]
+        out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
+    margins.append(router_margin(out.router_logits, top_k))
+    assert min(margins) > 1e-3, (name, "router top-k margin", min(margins))
+    assert out.aux_loss is not None and torch.isfinite(out.aux_loss), (name, out.aux_loss)
+    want = switch_aux_loss([r.float().numpy() for r in out.router_logits], mask, top_k)
+    assert abs(want - float(out.aux_loss)) < 1e-5 * want, (name, want, float(out.aux_loss))  # README's formula
+    assert torch.isfinite(out.logits).all(), name
+    if clamp is not None:
+        # the clamped SwiGLU is really exercised: some gate pre-activations pass +limit, some up ones pass +-limit
+        assert clamp["gate"] > 0 and clamp["up"] > 0, (name, clamp)
+        print(f"{name}: clamped gate / up values {clamp}", file=sys.stderr)
+    print(f"{name}: router margin >= {min(margins):.4f}, aux loss {float(out.aux_loss):.5f}", file=sys.stderr)
+    return {"aux_tokens": tokens, "aux_mask": mask, "aux_loss": np.asarray(out.aux_loss.item(), dtype=np.float32),
+            "aux_coef": np.asarray(cfg.router_aux_loss_coef, dtype=np.float32),
+            "aux_logits": out.logits.float().numpy()}
+
+
+def switch_aux_loss(router_logits: list[np.ndarray], mask: np.ndarray, top_k: int) -> float:
+    """The load-balancing loss as tests/fixtures/README.md states it, in numpy: router_logits [L][B*T, E], mask [B, T].
+
+    p = softmax(logits); f_e = top-k hits of e, P_e = sum of p_e, both over unmasked tokens of every sparse layer,
+    divided by (layers x unmasked tokens); loss = E * sum_e f_e P_e (not yet times router_aux_loss_coef).
+    """
+    m = mask.reshape(-1).astype(np.float64)
+    hits, probs = 0.0, 0.0
+    for logits in router_logits:
+        z = logits.astype(np.float64)
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        top = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+        onehot = np.zeros_like(p)
+        np.put_along_axis(onehot, top, 1.0, axis=-1)
+        hits = hits + (onehot * m[:, None]).sum(0)
+        probs = probs + (p * m[:, None]).sum(0)
+    rows = len(router_logits) * m.sum()
+    return float(p.shape[-1] * np.sum((hits / rows) * (probs / rows)))
+
+
+def check_yarn_applies(model) -> None:
+    """YaRN really changes the rotary frequencies at these sizes (and scales cos/sin by 0.1 ln(factor) + 1)."""
+    import math
+
+    import torch
+
+    rope = model.config.rope_parameters
+    emb = model.model.rotary_emb
+    dim = model.config.head_dim
+    plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    assert (emb.inv_freq / plain).min() < 0.5, emb.inv_freq / plain  # interpolated dims: frequency / factor
+    assert abs(emb.attention_scaling - (0.1 * math.log(rope["factor"]) + 1.0)) < 1e-6, emb.attention_scaling
+
+
+def watch_clamp(model) -> dict[str, int]:
+    """Counts (in place, as the model runs) the gpt-oss gate / up pre-activations that the clamp changes."""
+    counts = {"gate": 0, "up": 0}
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        apply_gate = experts._apply_gate  # bound method of the instance: the counter wraps only this module
+
+        def counting(gate_up, apply_gate=apply_gate, limit=experts.limit):
+            counts["gate"] += int((gate_up[..., ::2] > limit).sum())
+            counts["up"] += int((gate_up[..., 1::2].abs() > limit).sum())
+            return apply_gate(gate_up)
+
+        experts._apply_gate = counting
+    return counts
+
+
+def layer_tensors(folder: Path, layers: tuple[int, ...]) -> dict[str, list]:
+    """{name: [dtype, shape]} of the given layers' tensors in folder/model.safetensors, as written."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        for key in sorted(f.keys()):
+            if any(key.startswith(f"model.layers.{i}.") for i in layers):
+                sl = f.get_slice(key)
+                out[key] = [sl.get_dtype(), list(sl.get_shape())]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MXFP4 (OCP microscaling FP4, as openai/gpt-oss-* store their expert weights)
+# ----------------------------------------------------------------------------------------------------------------
+
+FP4_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)  # e2m1 codes 0..7; bit 3 = sign
+MXFP4_BLOCK = 32
+
+
+def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [..., K] float32 -> (blocks [..., K/32, 16] uint8, scales [..., K/32] uint8).
+
+    Each 32-value block shares the scale 2**(scales - 127), the smallest power of two that brings the block's max |w|
+    to <= 6 (no clipping); values round to the nearest e2m1 magnitude. Byte j of a block holds value 2j in its low
+    nibble and value 2j+1 in its high nibble.
+    """
+    *lead, K = w.shape
+    x = w.reshape(*lead, K // MXFP4_BLOCK, MXFP4_BLOCK).astype(np.float32)
+    amax = np.abs(x).max(-1)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127).clip(-127, 127).astype(np.int32)
+    y = x / np.exp2(exp)[..., None].astype(np.float32)
+    codes = np.abs(np.abs(y)[..., None] - FP4_MAGNITUDES).argmin(-1).astype(np.uint8)
+    codes |= np.where(y < 0, 8, 0).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return np.ascontiguousarray(blocks, dtype=np.uint8), np.ascontiguousarray(exp + 127, dtype=np.uint8)
+
+
+def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(blocks [..., G, 16] uint8, scales [..., G] uint8) -> [..., G*32] float32; the inverse layout of the above."""
+    lut = np.concatenate([FP4_MAGNITUDES, -FP4_MAGNITUDES])
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 2 * blocks.shape[-1])
+    vals = lut[codes] * np.exp2(scales.astype(np.float32) - 127.0)[..., None]
+    return vals.reshape(*blocks.shape[:-2], -1).astype(np.float32)
+
+
+def published_gpt_oss_config(cfg: dict) -> dict:
+    """config.json in the spelling of openai/gpt-oss-20b/120b (transformers 4.55): rope_scaling + rope_theta,
+    experts_per_token, initial_context_length, swiglu_limit, quantization_config; from our saved config dict."""
+    rope = cfg["rope_parameters"]
+    return {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": cfg["eos_token_id"], "experts_per_token": cfg["num_experts_per_tok"],
+        "head_dim": cfg["head_dim"], "hidden_act": "silu", "hidden_size": cfg["hidden_size"],
+        "initial_context_length": rope["original_max_position_embeddings"],
+        "initializer_range": cfg["initializer_range"], "intermediate_size": cfg["intermediate_size"],
+        "layer_types": cfg["layer_types"], "max_position_embeddings": cfg["max_position_embeddings"],
+        "model_type": "gpt_oss", "num_attention_heads": cfg["num_attention_heads"],
+        "num_experts_per_tok": cfg["num_experts_per_tok"], "num_hidden_layers": cfg["num_hidden_layers"],
+        "num_key_value_heads": cfg["num_key_value_heads"], "num_local_experts": cfg["num_local_experts"],
+        "output_router_logits": False, "pad_token_id": cfg["pad_token_id"],
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"],
+                                "quant_method": "mxfp4"},
+        "rms_norm_eps": cfg["rms_norm_eps"],
+        "rope_scaling": {k: rope[k] for k in ("beta_fast", "beta_slow", "factor", "original_max_position_embeddings",
+                                              "rope_type", "truncate")},
+        "rope_theta": rope["rope_theta"], "router_aux_loss_coef": cfg["router_aux_loss_coef"],
+        "sliding_window": cfg["sliding_window"], "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": cfg["vocab_size"],
+    }
+
+
+def build_mxfp4_model(name: str, src_name: str, ids: dict, vocab_size: int) -> dict:
+    """`src_name`'s weights as published: experts MXFP4 (*_blocks / *_scales uint8), every other tensor bf16.
+
+    transformers stores gate_up_proj [E, D, 2I] (gate/up interleaved on the last axis) and down_proj [E, I, D];
+    the checkpoint stores their transposes [E, 2I, D] / [E, D, I] in 32-wide blocks along the input axis.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = MODELS_DIR / src_name
+    state = load_file(src / "model.safetensors")
+    tensors, dequantized = {}, {}
+    for key, t in state.items():
+        if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            blocks, scales = mxfp4_quantize(np.ascontiguousarray(t.transpose(1, 2).numpy()))
+            tensors[key + "_blocks"], tensors[key + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+            dequantized[key] = mxfp4_dequantize(blocks, scales).transpose(0, 2, 1)
+        else:
+            tensors[key] = t.to(torch.bfloat16).contiguous()
+    out_dir = MODELS_DIR / name
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config = published_gpt_oss_config(json.loads((src / "config.json").read_text()))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for f in ("generation_config.json", *TOKENIZER_FILES):
+        shutil.copy(src / f, out_dir / f)
+    check_mxfp4_load(out_dir, dequantized, state)
+    write_expected(name, out_dir, ids, vocab_size)
+    return config
+
+
+def check_mxfp4_load(out_dir: Path, dequantized: dict, state: dict) -> None:
+    """transformers loads the folder (on CPU it dequantises the experts) into exactly our numpy dequantisation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager", dtype=torch.float32)
+    params = dict(model.named_parameters())
+    for key, want in dequantized.items():
+        got = params[key].detach().float().numpy()
+        assert got.shape == want.shape and np.array_equal(got, want), key
+        err = np.abs(want - state[key].numpy()).max() / np.abs(state[key].numpy()).max()
+        assert 0 < err < 0.2, (key, err)  # a real, lossy quantisation, not a broken one
+    bf16 = params["model.layers.0.self_attn.sinks"].detach()
+    assert torch.equal(bf16, state["model.layers.0.self_attn.sinks"].to(torch.bfloat16).float())
 
 
 def check_window_applies(model, x, windowed_logits: np.ndarray):
@@ -465,24 +775,51 @@ def check_sliding_window() -> dict:
     return {"sliding_window": 3, "allowed[q, k]": allowed.tolist(), "rule": "0 <= q - k < W (W keys incl. self)"}
 
 
+ALL_MODELS = (*MODEL_SPECS, *MOE_SPECS, *MXFP4_SPECS)
+
+
 def main():
     import tokenizers
     import torch
     import transformers
 
-    TEMPLATES_DIR.mkdir(parents=True, exist_ok=True)
-    (TEMPLATES_DIR / "llama3_style.jinja").write_text(LLAMA3_STYLE_TEMPLATE)
-    ids = build_tokenizer(TOKENIZER_DIR)
-    expected = chat_expectations(TOKENIZER_DIR)
-    (TOKENIZER_DIR / "expected_chat.json").write_text(json.dumps(expected, indent=1, ensure_ascii=False) + "\n")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=ALL_MODELS, metavar="NAME",
+                        help="write only these model folders (the tokenizer and chat files stay as they are); "
+                             f"one of {', '.join(ALL_MODELS)}")
+    args = parser.parse_args()
+
+    if args.only:
+        expected = json.loads((TOKENIZER_DIR / "expected_chat.json").read_text())
+        ids = expected["special_token_ids"]
+        names = [n for n in ALL_MODELS if n in args.only]
+        previous = json.loads((MODELS_DIR / "config_keys.json").read_text())
+    else:
+        TEMPLATES_DIR.mkdir(parents=True, exist_ok=True)
+        (TEMPLATES_DIR / "llama3_style.jinja").write_text(LLAMA3_STYLE_TEMPLATE)
+        ids = build_tokenizer(TOKENIZER_DIR)
+        expected = chat_expectations(TOKENIZER_DIR)
+        (TOKENIZER_DIR / "expected_chat.json").write_text(json.dumps(expected, indent=1, ensure_ascii=False) + "\n")
+        names = list(ALL_MODELS)
+        previous = {"configs": {}, "moe_layer_tensors": {}}
     vocab_size = expected["vocab_size"]
 
     MODELS_DIR.mkdir(parents=True, exist_ok=True)
-    config_keys = {name: build_model(name, cls, extra, ids, vocab_size)
-                   for name, (cls, extra) in MODEL_SPECS.items()}
+    configs, tensors = dict(previous["configs"]), dict(previous.get("moe_layer_tensors", {}))
+    for name in names:
+        if name in MODEL_SPECS:
+            configs[name] = build_model(name, *MODEL_SPECS[name], ids, vocab_size)
+        elif name in MOE_SPECS:
+            configs[name] = build_model(name, MOE_SPECS[name].cls_name, MOE_SPECS[name].config, ids, vocab_size)
+        else:
+            configs[name] = build_mxfp4_model(name, MXFP4_SPECS[name], ids, vocab_size)
+        if name not in MODEL_SPECS:
+            tensors[name] = layer_tensors(MODELS_DIR / name, (0, 1) if name == "qwen3_moe_dense_mix" else (0,))
     window = check_sliding_window()
+    order = [n for n in ALL_MODELS if n in configs]
     (MODELS_DIR / "config_keys.json").write_text(json.dumps(
-        {"transformers": transformers.__version__, "configs": config_keys, "sliding_window_mask": window},
+        {"transformers": transformers.__version__, "configs": {n: configs[n] for n in order},
+         "sliding_window_mask": window, "moe_layer_tensors": {n: tensors[n] for n in order if n in tensors}},
         indent=1) + "\n")
     print(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__,
                       "tokenizers": tokenizers.__version__}), file=sys.stderr)
