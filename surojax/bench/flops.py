@@ -76,9 +76,28 @@ def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return dims
 
 
+def flop_targets(cfg: ModelConfig, targets: str | Iterable[str]) -> tuple[str, ...]:
+    """`lora_target_modules` as the keys of `target_dims`: "all-linear" is every target the model has; on a MoE
+    model "experts" is both expert projections, "experts.X" is X and gate_proj + up_proj is the fused
+    gate_up_proj (the spellings surojax.peft accepts)."""
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    targets = list(targets)
+    if targets == ["all-linear"]:
+        return tuple(target_dims(cfg))
+    if cfg.moe is None:
+        return tuple(targets)
+    out = []
+    for t in targets:
+        t = t.removeprefix("experts.")
+        names = EXPERT_TARGETS if t == "experts" else ("gate_up_proj",) if t in ("gate_proj", "up_proj") else (t,)
+        out += [n for n in names if n not in out]
+    return tuple(out)
+
+
 def adapter_params(cfg: ModelConfig, rank: int, targets: Iterable[str] = LORA_TARGETS) -> int:
     """Adapter parameters a token passes through: per layer, r*(d_in + d_out) per target, times k for an expert
-    target of a MoE model (each token runs k experts' adapters)."""
+    target of a MoE model (each token runs k experts' adapters). `targets`: keys of `target_dims`."""
     dims = target_dims(cfg)
     targets = list(targets)
     unknown = [t for t in targets if t not in dims]
