@@ -22,6 +22,19 @@ Qwen3-0.6B shapes, LoRA r16 on the 7 targets, one 2048-token segment per row: 3.
 "~3.1 GFLOP/token" of shared/BENCHMARKS.md): 2.38 frozen linear, 0.06 adapters, 0.70 attention; Qwen3-8B
 LoRA 32.3, Llama-3-8B LoRA 31.9. Packing 4 segments per row lowers the
 attention part to about a quarter: MFU counts the work actually done, tokens/s counts every position.
+
+Mixture of experts (`cfg.moe`): the FLOPs of the ACTIVE parameters, what each token runs through. A MoE layer's
+feed-forward per token is the router D*E plus k experts of 3*D*F_e each (gate, up [D, F_e], down [F_e, D]), so
+
+    P_lin = L * (D*N*H + 2*D*K*H + N*H*D + D*E + k*3*D*F_e)  +  D*V
+
+with the router frozen under LoRA like every other base weight (its input still needs gradients: the routing
+weights depend on it). The sort, gathers and the weighted sum of the k outputs are data movement (free).
+Expert LoRA targets `gate_up_proj` [D, 2*F_e] and `down_proj` [F_e, D] add r*(d_in + d_out) per token and
+per active expert: k times that per layer. Qwen3-30B-A3B (3.04B active matmul parameters of 30.5B), LoRA r16
+on the attention targets, one 2048-token segment per row: 14.7 GFLOP per token (12.2 frozen linear, of which
+the lm_head is 1.2; 0.08 adapters; 2.4 attention); with the expert targets too, 14.9. The "6 x active
+parameters" count quoted for MoE MFU is `mode="full"` here: 6 * P_lin * tokens + 3 * A_fwd (18.2 + 2.4).
 """
 from __future__ import annotations
 
@@ -34,21 +47,66 @@ PEAK_BF16_FLOPS = 731e12  # jnp.dot 8192^3 bf16 on the H200 (shared/BENCHMARKS.m
 
 
 def linear_params(cfg: ModelConfig) -> int:
-    """P_lin: matmul weights a token passes through (per layer x L, plus the lm_head)."""
-    D, F = cfg.hidden_size, cfg.intermediate_size
-    per_layer = D * cfg.q_dim + 2 * D * cfg.kv_dim + cfg.q_dim * D + 3 * D * F
-    return cfg.num_layers * per_layer + D * cfg.vocab_size
+    """P_lin: matmul weights a token passes through (per layer x L, plus the lm_head); a MoE layer counts its
+    router and the k active experts (module docstring)."""
+    D = cfg.hidden_size
+    attention = D * cfg.q_dim + 2 * D * cfg.kv_dim + cfg.q_dim * D
+    if cfg.moe is None:
+        ffn = 3 * D * cfg.intermediate_size
+    else:
+        ffn = D * cfg.moe.num_experts + cfg.moe.experts_per_token * 3 * D * cfg.moe.expert_intermediate_size
+    return cfg.num_layers * (attention + ffn) + D * cfg.vocab_size
+
+
+# MoE expert projections as LoRA targets: (d_in, d_out) of one expert, by the ExpertLinear names of
+# surojax/models/layers/moe.py (gate_up_proj [E, D, 2F_e], down_proj [E, F_e, D])
+EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 
 
 def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    D, F = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (D, cfg.q_dim), "k_proj": (D, cfg.kv_dim), "v_proj": (D, cfg.kv_dim),
-            "o_proj": (cfg.q_dim, D), "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
+    """(d_in, d_out) of each LoRA target one token passes through once (a dense MLP's or one expert's)."""
+    D = cfg.hidden_size
+    dims = {"q_proj": (D, cfg.q_dim), "k_proj": (D, cfg.kv_dim), "v_proj": (D, cfg.kv_dim), "o_proj": (cfg.q_dim, D)}
+    if cfg.moe is None:
+        F = cfg.intermediate_size
+        dims.update(gate_proj=(D, F), up_proj=(D, F), down_proj=(F, D))
+    else:
+        F = cfg.moe.expert_intermediate_size
+        dims.update(gate_up_proj=(D, 2 * F), down_proj=(F, D))
+    return dims
+
+
+def flop_targets(cfg: ModelConfig, targets: str | Iterable[str]) -> tuple[str, ...]:
+    """`lora_target_modules` as the keys of `target_dims`: "all-linear" is every target the model has; on a MoE
+    model "experts" is both expert projections, "experts.X" is X and gate_proj + up_proj is the fused
+    gate_up_proj (the spellings surojax.peft accepts)."""
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    targets = list(targets)
+    if targets == ["all-linear"]:
+        return tuple(target_dims(cfg))
+    if cfg.moe is None:
+        return tuple(targets)
+    out = []
+    for t in targets:
+        t = t.removeprefix("experts.")
+        names = EXPERT_TARGETS if t == "experts" else ("gate_up_proj",) if t in ("gate_proj", "up_proj") else (t,)
+        out += [n for n in names if n not in out]
+    return tuple(out)
 
 
 def adapter_params(cfg: ModelConfig, rank: int, targets: Iterable[str] = LORA_TARGETS) -> int:
+    """Adapter parameters a token passes through: per layer, r*(d_in + d_out) per target, times k for an expert
+    target of a MoE model (each token runs k experts' adapters). `targets`: keys of `target_dims`."""
     dims = target_dims(cfg)
-    return cfg.num_layers * rank * sum(sum(dims[t]) for t in targets)
+    targets = list(targets)
+    unknown = [t for t in targets if t not in dims]
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown} are not linears of a {cfg.model_type} layer "
+                         f"(expected some of {', '.join(dims)})")
+    k = cfg.moe.experts_per_token if cfg.moe is not None else 1
+    per_layer = sum(sum(dims[t]) * (k if cfg.moe is not None and t in EXPERT_TARGETS else 1) for t in targets)
+    return cfg.num_layers * rank * per_layer
 
 
 def causal_pairs(segment_lengths: Iterable[int], window: int | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 
 from surojax.peft.lora import base_linear, resolve_targets
+from surojax.quant import FORMATS
 from surojax.quant.random_weights import RANDOM_FORMATS, random_weight
 from surojax.quant.transform import QuantParam
 
@@ -21,15 +22,23 @@ from surojax.quant.transform import QuantParam
 KERNEL_FORMATS = ("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8")
 # `--base-format`: GGUF legacy block types (one fp16 scale per 32 values), built on the host (offload/host_init.py)
 GGUF_LEGACY_FORMATS = ("q4_0", "q5_0", "q8_0")
+ATTENTION = "q_proj,k_proj,v_proj,o_proj"
 
 
 def randomize_base(model, fmt: str, key, targets: str = "all-linear") -> None:
-    """Replace the targeted stacked kernels [L, K, N] of `model.layers` by random `fmt` weights (in place)."""
-    for i, name in enumerate(resolve_targets(targets)):
-        lin = base_linear(model, name)
+    """Replace the targeted stacked kernels [L, K, N] of `model.layers` by random `fmt` weights (in place). A MoE
+    model's base is its attention projections and its experts' kernels [L, E, K, N] (the router stays as it is);
+    the experts run the format's `grouped_matmul` (surojax.models.layers.moe.grouped_dot), so a format without
+    one is refused here, before anything is built."""
+    linears = [base_linear(model, name) for name in resolve_targets(ATTENTION if model.cfg.moe else targets)]
+    if model.cfg.moe is not None:
+        if not hasattr(FORMATS[fmt], "grouped_matmul"):
+            raise ValueError(f"{fmt} weights have no grouped_matmul on this checkout: MoE experts cannot be {fmt}")
+        experts = model.layers.mlp.experts
+        linears += [experts.gate_up_proj, experts.down_proj]
+    for i, lin in enumerate(linears):
         var = lin.kernel
-        lead_k_n = tuple(var.get_value().shape)
-        *lead, k, n = lead_k_n
+        *lead, k, n = tuple(var.get_value().shape)
         q = random_weight(fmt, k, n, jax.random.fold_in(key, i), tuple(lead))
         lin.kernel = QuantParam(q, **var.get_metadata())
 

@@ -24,6 +24,12 @@ SHAPES: dict[str, dict] = {
     "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                        rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # Mixture of experts: 128 experts, 8 per token, every layer sparse; the HF MoE anchor's model
+    # (benchmarks/anchors/hf_moe_baseline.py; `intermediate_size` is the dense MLP's, used by no layer).
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
     # The correctness check's model: Qwen3-0.6B widths and vocabulary, 4 layers.
     "qwen3-small": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -32,6 +38,11 @@ SHAPES: dict[str, dict] = {
     "debug": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # CPU-sized mixture of experts (qwen3_moe): 8 experts, 2 per token.
+    "debug-moe": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                      moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.quant_matmul.api import matmul_mode
-from surojax.bench.flops import PEAK_BF16_FLOPS, step_flops
+from surojax.bench.flops import PEAK_BF16_FLOPS, flop_targets, step_flops
 from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS, randomize_base
 from surojax.bench.shapes import SHAPES, shape_hf_config
 from surojax.config.load import config_from_dict
@@ -64,6 +64,7 @@ class BenchConfig:
     warmup: int = 2  # untimed steps after the compiling one
     repeats: int = 3
     rank: int = 16
+    targets: str = "all-linear"  # lora_target_modules (a MoE model: attention names, gate_up_proj, down_proj, experts)
     alpha: float | None = None  # default 2 * rank (the anchor's)
     recompute: str = "none"
     attention: str = "auto"  # auto | xla | cudnn | cudnn:M | cudnn:M:nocheck
@@ -144,7 +145,7 @@ def train_config(bc: BenchConfig) -> TrainConfig:
         datasets=[{"path": "synthetic", "type": "text"}])
     if lora:
         keys.update(lora_rank=bc.rank, lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank),
-                    lora_target_modules="all-linear")
+                    lora_target_modules=bc.targets)
     return config_from_dict(keys)
 
 
@@ -289,7 +290,9 @@ def run(bc: BenchConfig, log=None) -> dict:
         times.append((time.perf_counter() - t0) / bc.steps)
     step_s = statistics.median(times)
     tokens = bc.accum * bc.batch * bc.seq
-    fl = step_flops(mcfg, mode=bc.mode, tokens=tokens, segment_lengths=lengths, rank=bc.rank)
+    targets = flop_targets(mcfg, bc.targets)
+    fl = step_flops(mcfg, mode=bc.mode, tokens=tokens, segment_lengths=lengths, rank=bc.rank, targets=targets)
+    fl_6n = step_flops(mcfg, mode="full", tokens=tokens, segment_lengths=lengths)  # 6 x active params x tokens
     n_train, n_frozen = _count(trainable), _count(setup.frozen)
     return {
         "impl": "surojax",
@@ -302,6 +305,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         "plan_gib": setup.memory_plan.total / 2**30,
         "host_gib": (host_bytes(setup.frozen) + host_bytes(opt_state)) / 2**30,
         "mfu": fl["total"] / step_s / PEAK_BF16_FLOPS,
+        "mfu_6n": fl_6n["total"] / step_s / PEAK_BF16_FLOPS,  # 6 x (active) params: the convention MoE MFU quotes
         "model_tflops_per_s": fl["total"] / step_s / 1e12,
         "gflops_per_token": fl["per_token"] / 1e9,
         "flops_split": {k: fl[k] / fl["total"] for k in ("linear", "adapters", "attention")},
@@ -319,6 +323,7 @@ def run(bc: BenchConfig, log=None) -> dict:
             "optimizer": bc.optimizer, "offload_optimizer": bc.offload_optimizer,
             "offload_master": bc.offload_master,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
+            "lora_targets": list(targets) if bc.mode == "lora" else None, "layer_loop": setup.layer_loop_reason,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,
             "quant_matmul": matmul_mode() if bc.quant else None,
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,
