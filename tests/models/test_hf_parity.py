@@ -11,7 +11,8 @@ from surojax.generation.loop import generate
 from surojax.weights.hf_checkpoint import load_model
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
-FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4"]
+WINDOW = {"mistral": 6, "mixtral": 6}
 TOL = 1e-4
 
 
@@ -26,9 +27,10 @@ def case(request):
 
 def test_family_is_the_one_in_config(case):
     name, model, *_ = case
-    assert model.cfg.model_type == name.split("_")[0]
+    assert model.cfg.model_type == name.removesuffix("_tied").removesuffix("_mxfp4")
     assert model.cfg.tie_word_embeddings == (name == "llama_tied")
-    assert model.cfg.sliding_window == (6 if name == "mistral" else None)
+    assert model.cfg.sliding_window == WINDOW.get(name, 4 if name.startswith("gpt_oss") else None)
+    assert (model.cfg.moe is not None) == (name in ("qwen3_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4"))
 
 
 def test_each_sequence_alone(case):
