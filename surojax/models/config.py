@@ -266,12 +266,14 @@ def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
     if style == "qwen3_moe":
         dense = list(hf.get("mlp_only_layers") or [])
         step = int(hf.get("decoder_sparse_step", 1))
-        if dense or step != 1 or int(hf.get("num_experts", 1)) == 0:
+        # transformers 5 writes `num_local_experts` (num_experts is an alias of it there); older releases num_experts
+        num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 128)))
+        if dense or step != 1 or num_experts == 0:
             raise ModelConfigError(
                 f"qwen3_moe with dense layers (mlp_only_layers {dense}, decoder_sparse_step {step}, num_experts "
                 f"{hf.get('num_experts')}) is not supported: every layer must be sparse (the layer stack is one "
                 f"scanned block type); published Qwen3-MoE models have mlp_only_layers [] and decoder_sparse_step 1")
-        return MoEConfig(num_experts=int(hf.get("num_experts", 128)), experts_per_token=k,
+        return MoEConfig(num_experts=num_experts, experts_per_token=k,
                          expert_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
                          norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_aux_loss_coef=coef)
     if style == "mixtral":
