@@ -218,7 +218,7 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
     L = model.cfg.num_layers
     for name in experts:
         _set(model.layers, EXPERT_MODULES[name], _expert_adapter(_get(model.layers, EXPERT_MODULES[name]), L,
-                                                                rank, alpha, use_rslora, rngs, dtype))
+                                                                model.cfg.moe.num_experts, rank, alpha, use_rslora, rngs, dtype))
     for name in (t for t in targets if t in LINEAR_MODULES):
         base = _get(model.layers, LINEAR_MODULES[name])
         d_in, d_out = base.in_features, base.out_features
@@ -238,10 +238,9 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
     return model
 
 
-def _expert_adapter(base: ExpertLinear, L: int, rank: int, alpha: float, use_rslora: bool, rngs: nnx.Rngs,
+def _expert_adapter(base: ExpertLinear, L: int, E: int, rank: int, alpha: float, use_rslora: bool, rngs: nnx.Rngs,
                     dtype) -> LoRAExpertLinear:
     """A fresh per-expert adapter for `base` (kernel [L, E, in, out]): A as PEFT inits its Linear(in, R*E), B = 0."""
-    E = base.kernel.get_value().shape[-3]
     d_in, d_out = base.in_features, base.out_features
     _, _, in_axis, out_axis = logical_axes(base.kernel)
     bound = 1.0 / math.sqrt(d_in)
