@@ -10,6 +10,10 @@ from surojax.config.base import StrictModel
 
 # HF module names LoRA can wrap; "all-linear" means all of them (never the LM head, as in PEFT).
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# MoE models only: the experts' fused gate|up projection, and both expert projections (down_proj names the experts'
+# down projection on a MoE model; gate_proj + up_proj together mean gate_up_proj there). Checked against the model
+# when LoRA is applied (surojax.peft.lora.resolve_targets).
+MOE_LORA_TARGETS: tuple[str, ...] = ("gate_up_proj", "experts")
 GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 # llama.cpp file types that mix tensor types (surojax.quant.quantize_mix): one type per target when training
 GGUF_MIXES = ("q3_k_m", "q4_k_m", "q5_k_m")
@@ -38,7 +42,9 @@ class LoraSection(StrictModel):
     use_rslora: bool = False
     """Scale by alpha / sqrt(rank) instead of alpha / rank."""
     lora_target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
-    """HF module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or "all-linear"."""
+    """HF module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or "all-linear". On a MoE
+    model: gate_up_proj (= gate_proj + up_proj, the experts' fused weight), down_proj (the experts'), experts (both);
+    PEFT exports them as target_parameters mlp.experts.gate_up_proj / mlp.experts.down_proj."""
     lora_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the adapter weights."""
     train_router: bool = False
@@ -61,9 +67,10 @@ class LoraSection(StrictModel):
                 raise ValueError("'all-linear' cannot be combined with other module names")
             return list(LORA_TARGETS)
         if isinstance(v, (list, tuple)):
-            bad = [m for m in v if m not in LORA_TARGETS]
+            bad = [m for m in v if m not in LORA_TARGETS + MOE_LORA_TARGETS]
             if bad:
-                raise ValueError(f"unknown module {bad[0]!r}; choose from {', '.join(LORA_TARGETS)} or 'all-linear'")
+                raise ValueError(f"unknown module {bad[0]!r}; choose from {', '.join(LORA_TARGETS)} or 'all-linear' "
+                                 f"(MoE models also: {', '.join(MOE_LORA_TARGETS)})")
             if not v:
                 raise ValueError("needs at least one module name (or 'all-linear')")
         return v

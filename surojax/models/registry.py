@@ -103,6 +103,11 @@ LINEAR_MODULES: dict[str, str] = {
     "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "o_proj": "attn.o_proj",
     "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
 }
+# A MoE model's expert projections (ExpertLinear, [E, in, out] per layer) as LoRA targets: our target name -> path
+# in the Decoder. The path is also PEFT's `target_parameters` entry for transformers 5's fused experts.
+EXPERT_MODULES: dict[str, str] = {
+    "experts.gate_up_proj": "mlp.experts.gate_up_proj", "experts.down_proj": "mlp.experts.down_proj",
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,15 @@
     y = base(x) + ((dropout(x) @ A) * scaling) @ B       A [L, in, R], B [L, R, out]; per layer A [in, R], B [R, out]
     scaling = alpha / R,  or alpha / sqrt(R) with rsLoRA (use_rslora)
 
+A MoE model's expert projections (`ExpertLinear`, kernel [L, E, in, out]) become `LoRAExpertLinear`s: one adapter
+per expert, A [L, E, in, R], B [L, E, R, out], applied to the rows sorted by expert with the same grouped GEMM as
+the base (x @ A[e] * scaling, then @ B[e]). Target names (`resolve_targets`): on a dense model the seven HF
+module names; on a MoE model q/k/v/o_proj, and for the experts `gate_up_proj` (or `gate_proj` + `up_proj`
+together: the experts' gate and up are one fused weight, in transformers 5 and PEFT too), `down_proj`, or
+`experts` (both); "all-linear" is every one the model has. Internally the expert targets are called
+`experts.gate_up_proj` / `experts.down_proj` (registry.EXPERT_MODULES). PEFT refuses dropout on expert
+adapters (its ParamWrapper), so do we.
+
 Init as PEFT does: A ~ kaiming-uniform(a=sqrt(5)) of the torch [R, in] matrix, i.e. U(-1/sqrt(in), 1/sqrt(in));
 B = 0, so a fresh adapter leaves the model's output exactly unchanged. The rank-R product is formed first
 (x @ A is [..., R]) and scaled there, where it is cheapest, then projected up by B.
@@ -35,12 +44,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.models.layers.linear import dot
+from surojax.models.layers.moe import ExpertLinear, grouped_dot
 from surojax.models.layers.params import AXES, logical_axes
-from surojax.models.registry import LINEAR_MODULES
+from surojax.models.registry import EXPERT_MODULES, LINEAR_MODULES
 
 TRAINABLE = nnx.LoRAParam
 FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 LORA_TARGETS: tuple[str, ...] = tuple(LINEAR_MODULES)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+EXPERT_TARGETS: tuple[str, ...] = tuple(EXPERT_MODULES)  # experts.gate_up_proj experts.down_proj
+TARGET_PATHS: dict[str, str] = {**LINEAR_MODULES, **EXPERT_MODULES}  # every target name -> its path in model.layers
+ATTENTION_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+MOE_TARGETS: tuple[str, ...] = ATTENTION_TARGETS + EXPERT_TARGETS  # what a MoE model has, in order
 
 
 class LoRADropoutKey(nnx.Variable):
@@ -80,20 +94,71 @@ class LoRALinear(nnx.Module):
         return y + dot(h, self.lora_b[...])  # [..., out]
 
 
+class LoRAExpertLinear(nnx.Module):
+    """A frozen `base` ExpertLinear plus one low-rank update per expert; the same call as ExpertLinear:
+    x [A, in] (rows sorted by expert), group_sizes [E], row_expert [A] -> [A, out]. Rows past sum(group_sizes)
+    (dropped by a capacity) get no update, as they get no base output. Per layer: A [E, in, R], B [E, R, out]."""
+
+    dropout = 0.0
+    dropout_key = None  # PEFT's ParamWrapper has no dropout on expert adapters; neither do we
+
+    def __init__(self, base: ExpertLinear, lora_a: nnx.LoRAParam, lora_b: nnx.LoRAParam, *, rank: int,
+                 alpha: float, use_rslora: bool = False):
+        self.base = base
+        self.lora_a = lora_a  # [L, E, in, R]
+        self.lora_b = lora_b  # [L, E, R, out]
+        self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
+        self.scaling = lora_scaling(rank, alpha, use_rslora)
+
+    def __call__(self, x: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+        y = self.base(x, group_sizes, row_expert)  # [A, out]
+        h = grouped_dot(x, self.lora_a[...], group_sizes) * self.scaling  # [A, R]
+        return y + grouped_dot(h.astype(x.dtype), self.lora_b[...], group_sizes)  # [A, out]
+
+
 # ---- finding the targeted modules ---------------------------------------------------------------------------
 
-def resolve_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
-    """HF module names (or "all-linear") -> the names in LINEAR_MODULES order, checked."""
+# user-facing names on a MoE model -> our expert target names
+_MOE_SPELLINGS = {"gate_up_proj": ("experts.gate_up_proj",), "down_proj": ("experts.down_proj",),
+                  "experts": EXPERT_TARGETS, **{t: (t,) for t in ATTENTION_TARGETS + EXPERT_TARGETS}}
+
+
+def resolve_targets(targets: str | Iterable[str], *, moe: bool = False) -> tuple[str, ...]:
+    """User target names (or "all-linear") -> our target names in TARGET_PATHS order, checked.
+
+    Dense model (moe=False): HF module names of LINEAR_MODULES. MoE model (moe=True): q/k/v/o_proj; the experts'
+    `gate_up_proj` (also spelled `gate_proj` + `up_proj`, which must come together: one fused weight),
+    `down_proj`, `experts` (both), or our names experts.gate_up_proj / experts.down_proj."""
     if isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     targets = list(targets)
+    if not moe:
+        if targets == ["all-linear"]:
+            return LORA_TARGETS
+        unknown = [t for t in targets if t not in LINEAR_MODULES]
+        if unknown or not targets:
+            raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid; choose from "
+                             f"{', '.join(LORA_TARGETS)} or 'all-linear'")
+        return tuple(t for t in LORA_TARGETS if t in targets)
     if targets == ["all-linear"]:
-        return LORA_TARGETS
-    unknown = [t for t in targets if t not in LINEAR_MODULES]
+        return MOE_TARGETS
+    names = set(targets)
+    if ("gate_proj" in names) != ("up_proj" in names):
+        raise ValueError("on a MoE model the experts' gate_proj and up_proj are one fused weight (gate_up_proj): "
+                         "target both, or gate_up_proj, or neither")
+    if "gate_proj" in names:
+        names = (names - {"gate_proj", "up_proj"}) | {"gate_up_proj"}
+    unknown = sorted(n for n in names if n not in _MOE_SPELLINGS)
     if unknown or not targets:
-        raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid; choose from "
-                         f"{', '.join(LORA_TARGETS)} or 'all-linear'")
-    return tuple(t for t in LORA_TARGETS if t in targets)
+        raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid on a MoE model; choose from "
+                         f"{', '.join(ATTENTION_TARGETS)}, gate_up_proj (= gate_proj + up_proj), down_proj, "
+                         "experts (both expert projections) or 'all-linear'")
+    chosen = {t for n in names for t in _MOE_SPELLINGS[n]}
+    return tuple(t for t in MOE_TARGETS if t in chosen)
+
+
+def is_moe(model) -> bool:
+    return model.cfg.moe is not None
 
 
 def _get(root: nnx.Module, dotted: str):
@@ -109,39 +174,52 @@ def _set(root: nnx.Module, dotted: str, value) -> None:
     setattr(root, last, value)
 
 
-def lora_modules(model) -> dict[str, LoRALinear]:
-    """HF target name -> the LoRALinear that replaced it (only the targets that carry an adapter)."""
+def model_targets(model) -> tuple[str, ...]:
+    """The target names this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS)."""
+    return MOE_TARGETS if is_moe(model) else LORA_TARGETS
+
+
+def lora_modules(model) -> dict[str, LoRALinear | LoRAExpertLinear]:
+    """Target name -> the LoRALinear / LoRAExpertLinear that replaced it (only the targets that carry an adapter)."""
     out = {}
-    for name, sub in LINEAR_MODULES.items():
-        mod = _get(model.layers, sub)
-        if isinstance(mod, LoRALinear):
+    for name in model_targets(model):
+        mod = _get(model.layers, TARGET_PATHS[name])
+        if isinstance(mod, (LoRALinear, LoRAExpertLinear)):
             out[name] = mod
     return out
 
 
 def base_linear(model, target: str) -> nnx.Module:
-    """The base Linear of a target, whether or not it is wrapped by LoRA."""
-    mod = _get(model.layers, LINEAR_MODULES[target])
-    return mod.base if isinstance(mod, LoRALinear) else mod
+    """The base Linear (or ExpertLinear) of a target, whether or not it is wrapped by LoRA."""
+    mod = _get(model.layers, TARGET_PATHS[target])
+    return mod.base if isinstance(mod, (LoRALinear, LoRAExpertLinear)) else mod
 
 
 # ---- apply / merge ------------------------------------------------------------------------------------------
 
 def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int, alpha: float,
                dropout: float = 0.0, use_rslora: bool = False, rngs: nnx.Rngs, dtype=jnp.float32):
-    """Wrap each targeted Linear of `model.layers` in a LoRALinear (in place; returns the model).
+    """Wrap each targeted Linear of `model.layers` in a LoRALinear, each targeted ExpertLinear of a MoE model in a
+    LoRAExpertLinear (in place; returns the model). Target names: see `resolve_targets`.
 
     dtype: storage dtype of A and B (fp32 master weights by default, whatever the base's dtype).
     """
-    targets = resolve_targets(targets)
+    targets = resolve_targets(targets, moe=is_moe(model))
     if rank <= 0:
         raise ValueError(f"lora rank must be positive, got {rank}")
     existing = lora_modules(model)
     if existing:
         raise ValueError(f"the model already has LoRA adapters on {', '.join(existing)}: fold them into the base "
                          "first (merge_lora) or continue them (load_adapter_into(..., trainable=True))")
+    experts = [t for t in targets if t in EXPERT_MODULES]
+    if experts and dropout > 0.0:
+        raise ValueError(f"lora_dropout {dropout} cannot apply to the expert adapters ({', '.join(experts)}): PEFT "
+                         "does not support dropout there either (its ParamWrapper); set lora_dropout: 0")
     L = model.cfg.num_layers
-    for name in targets:
+    for name in experts:
+        _set(model.layers, EXPERT_MODULES[name], _expert_adapter(_get(model.layers, EXPERT_MODULES[name]), L,
+                                                                model.cfg.moe.num_experts, rank, alpha, use_rslora, rngs, dtype))
+    for name in (t for t in targets if t in LINEAR_MODULES):
         base = _get(model.layers, LINEAR_MODULES[name])
         d_in, d_out = base.in_features, base.out_features
         kernel_axes = logical_axes(base.kernel) if isinstance(base.kernel, nnx.Variable) else ("layers", None, None)
@@ -160,14 +238,27 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
     return model
 
 
+def _expert_adapter(base: ExpertLinear, L: int, E: int, rank: int, alpha: float, use_rslora: bool, rngs: nnx.Rngs,
+                    dtype) -> LoRAExpertLinear:
+    """A fresh per-expert adapter for `base` (kernel [L, E, in, out]): A as PEFT inits its Linear(in, R*E), B = 0."""
+    d_in, d_out = base.in_features, base.out_features
+    _, _, in_axis, out_axis = logical_axes(base.kernel)
+    bound = 1.0 / math.sqrt(d_in)
+    a = jax.random.uniform(rngs.params(), (L, E, d_in, rank), jnp.float32, -bound, bound).astype(dtype)
+    lora_a = nnx.LoRAParam(a, **{AXES: ("layers", "experts", in_axis, None)})
+    lora_b = nnx.LoRAParam(jnp.zeros((L, E, rank, d_out), dtype), **{AXES: ("layers", "experts", None, out_axis)})
+    return LoRAExpertLinear(base, lora_a, lora_b, rank=rank, alpha=alpha, use_rslora=use_rslora)
+
+
 def fold_into(linear: nnx.Module, a: jax.Array, b: jax.Array, scaling: float) -> None:
-    """kernel [L, in, out] += scaling * A [L, in, R] @ B [L, R, out], computed in fp32, stored in the kernel's dtype."""
+    """kernel [L, in, out] += scaling * A [L, in, R] @ B [L, R, out] (an ExpertLinear: [L, E, in, out] += A [L, E, in,
+    R] @ B [L, E, R, out]), computed in fp32, stored in the kernel's dtype."""
     kernel = linear.kernel
     if not isinstance(kernel, nnx.Variable) or hasattr(kernel.get_value(), "dequantize"):
         raise ValueError("cannot fold a LoRA adapter into a quantized base weight; merge into the unquantized "
                          "model, then quantize")
     w = kernel.get_value()
-    delta = jnp.einsum("lir,lro->lio", jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
+    delta = jnp.einsum("...ir,...ro->...io", jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)
     kernel.set_value((w.astype(jnp.float32) + scaling * delta).astype(w.dtype))
 
@@ -180,7 +271,7 @@ def merge_lora(model):
     """
     for name, mod in lora_modules(model).items():
         fold_into(mod.base, mod.lora_a.get_value(), mod.lora_b.get_value(), mod.scaling)
-        _set(model.layers, LINEAR_MODULES[name], mod.base)
+        _set(model.layers, TARGET_PATHS[name], mod.base)
     return model
 
 

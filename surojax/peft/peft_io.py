@@ -8,7 +8,8 @@ Tensor names and layouts are PEFT's (torch Linear layout, one tensor per layer):
 The module part (`model.layers.{i}.self_attn.q_proj`) comes from the family's weight table
 (surojax.models.registry), so a family with other HF names needs no code here. Reading also accepts names
 with PEFT's in-memory adapter segment (`lora_A.default.weight`) and without the `base_model.model.` prefix.
-Anything this loader cannot reproduce exactly (DoRA, per-module rank/alpha patterns, biases, extra saved
+A MoE model's expert adapters use PEFT's `target_parameters` layout (surojax.peft.peft_experts: one adapter per
+expert stacked into the rank axis, nested `.base_layer` names). Anything this loader cannot reproduce exactly (DoRA, per-module rank/alpha patterns, biases, extra saved
 modules, layer subsets, ...) is an error that names the option, never silently ignored.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ import ml_dtypes
 import numpy as np
 
 from surojax.models.registry import LINEAR_MODULES, LLAMA_STYLE_WEIGHTS, WeightRow, weight_rows
-from surojax.peft.lora import lora_modules, lora_scaling, resolve_targets
+from surojax.peft.lora import EXPERT_TARGETS, TARGET_PATHS, lora_modules, lora_scaling, resolve_targets
+from surojax.peft.peft_experts import PEFT_PARAMETERS, expert_module_name, from_peft, to_peft
 from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 
@@ -60,7 +62,8 @@ class LoraSpec:
 
 @dataclasses.dataclass
 class PeftAdapter:
-    """An adapter read from disk, in our layout: target -> (A [L, in, R], B [L, R, out]) numpy arrays."""
+    """An adapter read from disk, in our layout: target -> (A [L, in, R], B [L, R, out]) numpy arrays (an expert
+    target: A [L, E, in, R], B [L, E, R, out])."""
 
     spec: LoraSpec
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
@@ -73,12 +76,14 @@ class PeftAdapter:
 
 
 def module_names(rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> dict[str, str]:
-    """HF target name -> its HF module path, "{i}" for the layer: q_proj -> model.layers.{i}.self_attn.q_proj."""
+    """HF target name -> its HF module path, "{i}" for the layer: q_proj -> model.layers.{i}.self_attn.q_proj (the
+    Linear targets the family's table has; a MoE family has no dense MLP rows)."""
     by_path = {r.path: r.hf for r in rows}
     out = {}
     for name, sub in LINEAR_MODULES.items():
-        hf = by_path[f"layers.{sub}.kernel"]
-        out[name] = hf.removesuffix(".weight")
+        hf = by_path.get(f"layers.{sub}.kernel")
+        if hf is not None:
+            out[name] = hf.removesuffix(".weight")
     return out
 
 
@@ -100,7 +105,9 @@ def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None) -> dict:
         "r": spec.rank,
         "lora_alpha": int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": list(spec.targets),
+        # PEFT: Linear modules by name; the fused expert parameters by `target_parameters` (None when absent)
+        "target_modules": [t for t in spec.targets if t in LINEAR_MODULES] or None,
+        "target_parameters": [PEFT_PARAMETERS[t] for t in spec.targets if t in PEFT_PARAMETERS] or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": spec.use_rslora,
@@ -146,12 +153,15 @@ def peft_tensors(adapter: PeftAdapter, rows: tuple[WeightRow, ...] = LLAMA_STYLE
                  dtype=None) -> dict[str, np.ndarray]:
     """Our layout -> PEFT's tensor names and torch layout (A [R, in], B [out, R] per layer)."""
     names = module_names(rows)
+    expert_targets = tuple(t for t in adapter.weights if t in PEFT_PARAMETERS)
+    names.update({t: expert_module_name(t, expert_targets) for t in expert_targets})
     np_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
     out = {}
     for target, (a, b) in adapter.weights.items():
         for i in range(a.shape[0]):
             prefix = PEFT_PREFIX + names[target].format(i=i)
-            for ab, w in (("A", a[i].T), ("B", b[i].T)):
+            pair = to_peft(a[i], b[i]) if target in PEFT_PARAMETERS else (a[i].T, b[i].T)
+            for ab, w in zip("AB", pair):
                 out[f"{prefix}.lora_{ab}.weight"] = np.ascontiguousarray(w if np_dtype is None else w.astype(np_dtype))
     return out
 
@@ -204,7 +214,6 @@ _NEUTRAL = {
     "layers_to_transform": (None,),
     "layers_pattern": (None, [], ""),
     "layer_replication": (None,),
-    "target_parameters": (None, []),
     "trainable_token_indices": (None,),
     "use_qalora": (False, None),
     "alora_invocation_tokens": (None,),
@@ -242,18 +251,35 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
                                f"{', '.join(LINEAR_MODULES)})")
         targets = resolve_targets(known) if known else ()
     # A regex string (or anything else): the tensors decide which modules carry an adapter.
+    tp = cfg.get("target_parameters") or []
+    by_param = {v: k for k, v in PEFT_PARAMETERS.items()}
+    if not isinstance(tp, list) or any(p not in by_param for p in tp):
+        raise AdapterError(f"{path}: target_parameters {tp!r} are not supported (supported: "
+                           f"{', '.join(PEFT_PARAMETERS.values())})")
+    if tp:
+        if dropout:
+            raise AdapterError(f"{path}: lora_dropout {dropout} with target_parameters (PEFT refuses it too)")
+        chosen = {by_param[p] for p in tp}
+        targets = tuple(t for t in targets if t in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        dense_mlp = [t for t in (cfg.get("target_modules") or []) if t in ("gate_proj", "up_proj", "down_proj")]
+        if dense_mlp and isinstance(cfg.get("target_modules"), list):
+            raise AdapterError(f"{path}: target_modules {dense_mlp} together with expert target_parameters (a MoE "
+                               "model has no dense MLP modules)")
+        targets = targets + tuple(t for t in EXPERT_TARGETS if t in chosen)
     spec = LoraSpec(rank=rank, alpha=alpha, targets=targets, dropout=dropout,
                     use_rslora=bool(cfg.get("use_rslora", False)))
     return cfg, spec
 
 
 def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS,
-                      num_layers: int | None = None, dims: dict[str, tuple[int, int]] | None = None) -> PeftAdapter:
+                      num_layers: int | None = None, dims: dict[str, tuple[int, int]] | None = None,
+                      num_experts: int | None = None) -> PeftAdapter:
     """Read a PEFT LoRA folder into our layout, checking names, shapes and completeness.
 
     When loading for a model, pass its `num_layers` (every targeted module must have tensors for exactly
     layers 0..L-1) and `dims` (target -> (in, out) of its Linear; every tensor is checked against them).
-    Without `dims`, every layer must have layer 0's shapes.
+    Without `dims`, every layer must have layer 0's shapes. Expert targets (from `target_parameters`) are read in
+    PEFT's ParamWrapper layout (surojax.peft.peft_experts); `num_experts` (E of the model) is then checked too.
     """
     adapter_dir = Path(adapter_dir)
     cfg, spec = read_adapter_config(adapter_dir)
@@ -264,8 +290,11 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
         raise AdapterError(f"{adapter_dir}: no {WEIGHTS_FILE}{hint}")
     f = SafetensorsFile(wpath)
 
+    modules = module_names(rows)
+    expert_targets = tuple(t for t in spec.targets if t in PEFT_PARAMETERS)
+    modules.update({t: expert_module_name(t, expert_targets) for t in expert_targets})
     patterns = {t: re.compile("^" + re.escape(m).replace(re.escape("{i}"), r"(\d+)") + "$")
-                for t, m in module_names(rows).items()}
+                for t, m in modules.items()}
     found: dict[tuple[str, int, str], str] = {}  # (target, layer, "A"|"B") -> tensor name
     unexpected = []
     for name in f.names():
@@ -293,10 +322,10 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     if not found:
         raise AdapterError(f"{wpath}: holds no LoRA tensors")
 
-    present = tuple(t for t in LINEAR_MODULES if any(k[0] == t for k in found))
+    present = tuple(t for t in TARGET_PATHS if any(k[0] == t for k in found))
     targets = spec.targets or present
     L = num_layers if num_layers is not None else 1 + max(k[1] for k in found)
-    names = module_names(rows)
+    names = modules
     missing = [PEFT_PREFIX + names[t].format(i=i) + f".lora_{ab}.weight"
                for t in targets for i in range(L) for ab in "AB" if (t, i, ab) not in found]
     extra = [found[k] for k in found if k[0] not in targets or k[1] >= L]
@@ -316,7 +345,15 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
                     raise AdapterError(f"{wpath}: tensor {n} has shape {list(f.shape(n))}, expected a matrix")
                 if f.dtype(n) not in _FLOATS:
                     raise AdapterError(f"{wpath}: tensor {n} has dtype {f.dtype(n)}, expected a float (f32, f16, bf16)")
-            if dims is not None:
+            if dims is not None and t not in dims:
+                raise AdapterError(f"{wpath}: the adapter targets {t}, which the model does not have "
+                                   f"(it has {', '.join(dims)})")
+            if t in PEFT_PARAMETERS:
+                E = num_experts if num_experts is not None else f.shape(na)[0] // spec.rank
+                d_in, d_out = dims[t] if dims is not None else (f.shape(na)[-1], f.shape(nb)[0])
+                want_a, want_b = (E * spec.rank, d_in), (d_out, spec.rank * E)
+                why = f"r={spec.rank}, {E} experts need"
+            elif dims is not None:
                 want_a, want_b, why = (spec.rank, dims[t][0]), (dims[t][1], spec.rank), "the model needs"
             elif a_list:
                 want_a, want_b, why = a_list[0].shape[::-1], b_list[0].shape[::-1], "layer 0 has"
@@ -326,8 +363,12 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
             for n, want in ((na, want_a), (nb, want_b)):
                 if tuple(f.shape(n)) != tuple(want):
                     raise AdapterError(f"{wpath}: tensor {n} has shape {list(f.shape(n))}, {why} {list(want)}")
-            a_list.append(np.asarray(f.get(na)).T)  # [in, R]
-            b_list.append(np.asarray(f.get(nb)).T)  # [R, out]
-        weights[t] = (np.stack(a_list), np.stack(b_list))  # [L, in, R], [L, R, out]
+            if t in PEFT_PARAMETERS:
+                a, b = from_peft(np.asarray(f.get(na)), np.asarray(f.get(nb)), spec.rank)  # [E, in, R], [E, R, out]
+            else:
+                a, b = np.asarray(f.get(na)).T, np.asarray(f.get(nb)).T  # [in, R], [R, out]
+            a_list.append(a)
+            b_list.append(b)
+        weights[t] = (np.stack(a_list), np.stack(b_list))  # [L, (E,) in, R], [L, (E,) R, out]
     spec = dataclasses.replace(spec, targets=tuple(targets))
     return PeftAdapter(spec, weights, cfg.get("base_model_name_or_path"), adapter_dir)

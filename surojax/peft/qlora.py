@@ -5,7 +5,9 @@ or not LoRA already wraps them (the base of a `LoRALinear`).
     apply_lora(model, rank=16, alpha=32, rngs=nnx.Rngs(0))        # the adapters on top, as on a plain base
 
 Each targeted kernel becomes a format's stacked pytree in a `QuantParam` (surojax.quant.transform: one Linear at a
-time); embeddings, norms and the LM head are untouched. Folding a LoRA adapter into a quantised kernel
+time); on a MoE model the targets are q/k/v/o_proj and the experts' stacked [L, E, K, N] kernels (each expert
+quantised on its own, leaves [L, E, ...], run by the format's `grouped_matmul`); embeddings, norms, the MoE router
+and the LM head are untouched. Folding a LoRA adapter into a quantised kernel
 (merge_lora, stacked adapters in merge mode) raises `fold_into`'s error: merge into the unquantised model, then
 quantise. This module sits above surojax.quant (the formats and the per-Linear step know nothing of LoRA).
 """
@@ -16,8 +18,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from surojax.models.registry import LINEAR_MODULES
-from surojax.peft.lora import base_linear, resolve_targets
+from surojax.peft.lora import TARGET_PATHS, base_linear, is_moe, model_targets, resolve_targets
 from surojax.quant import FORMATS
 from surojax.quant.transform import QuantReport, dequantize_kernel, kernel_format, quantize_kernel
 
@@ -33,11 +34,11 @@ def quantize_model(model, fmt: str, *, targets: str | Sequence[str] = "all-linea
     if key not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(sorted(FORMATS))}")
     report = QuantReport(key)
-    for name in resolve_targets(targets):
+    for name in resolve_targets(targets, moe=is_moe(model)):
         try:
             report.before[name], report.after[name] = quantize_kernel(base_linear(model, name), key, **format_options)
         except ValueError as e:
-            raise ValueError(f"{name} ({LINEAR_MODULES[name]}): {e}") from None
+            raise ValueError(f"{name} ({TARGET_PATHS[name]}): {e}") from None
     log.info("%s", report)
     return report
 
@@ -48,7 +49,7 @@ def quantize_model_mix(model, file_type: str, targets: str | Sequence[str] = "al
     # lazy: quantize_mix needs the optional `gguf` package (absent from the GPU image), quantize_model does not
     from surojax.quant.quantize_mix import uniform_target_types
 
-    names = resolve_targets(targets)
+    names = resolve_targets(targets, moe=is_moe(model))
     chosen = uniform_target_types(file_type, model.cfg, names)
     for name in names:
         quantize_model(model, chosen[name], targets=[name])
@@ -59,13 +60,13 @@ def dequantize_model(model, dtype=jnp.float32) -> None:
     """The inverse view, for tests and reference runs: every quantised kernel of `model.layers` becomes the plain
     `nnx.Param` holding its `dequantize(dtype)` (in place). The result computes x @ W exactly as the quantised
     model's jnp reference path does."""
-    for name in LINEAR_MODULES:
+    for name in model_targets(model):
         dequantize_kernel(base_linear(model, name), dtype)
 
 
 def is_quantized(model) -> dict[str, str]:
     """Target name -> format name of every quantised base kernel of `model.layers`."""
-    formats = {name: kernel_format(base_linear(model, name)) for name in LINEAR_MODULES}
+    formats = {name: kernel_format(base_linear(model, name)) for name in model_targets(model)}
     return {name: fmt for name, fmt in formats.items() if fmt is not None}
 
 

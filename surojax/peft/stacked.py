@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.models.registry import weight_rows
-from surojax.peft.lora import LORA_TARGETS, apply_lora, base_linear, fold_into, lora_modules, resolve_targets
+from surojax.peft.lora import (LORA_TARGETS, apply_lora, base_linear, fold_into, is_moe, lora_modules, model_targets,
+                               resolve_targets)
 from surojax.peft.peft_io import load_peft_adapter
 
 log = logging.getLogger(__name__)
@@ -31,9 +32,10 @@ def load_adapter_into(model, adapter_dir: str | os.PathLike, *, trainable: bool,
     top). trainable=True: it becomes the model's LoRA adapter (LoRAParam A/B in `dtype`), to continue training;
     `dropout` (default: the adapter's lora_dropout) applies in training mode.
     """
-    dims = {t: (base_linear(model, t).in_features, base_linear(model, t).out_features) for t in LORA_TARGETS}
+    dims = {t: (base_linear(model, t).in_features, base_linear(model, t).out_features) for t in model_targets(model)}
+    moe = model.cfg.moe
     adapter = load_peft_adapter(adapter_dir, rows=tuple(weight_rows(model.cfg)), num_layers=model.cfg.num_layers,
-                                dims=dims)
+                                dims=dims, num_experts=moe.num_experts if moe is not None else None)
     spec = adapter.spec
     if not trainable:
         for t, (a, b) in adapter.weights.items():
@@ -64,7 +66,7 @@ def init_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int, 
         raise ValueError(f"adapter_init_mode {adapter_init_mode!r} is unknown (merge, trainable)")
     load_adapter_into(model, adapter_path, trainable=True, dropout=dropout, dtype=dtype)
     spec = next(iter(lora_modules(model).values()))
-    asked = (tuple(resolve_targets(targets)), rank, float(alpha), use_rslora)
+    asked = (tuple(resolve_targets(targets, moe=is_moe(model))), rank, float(alpha), use_rslora)
     got = (tuple(lora_modules(model)), spec.rank, float(spec.alpha), spec.use_rslora)
     if asked != got:
         log.warning("%s: continuing the adapter as saved (targets, r, alpha, rslora) = %s; the settings asked for %s "

@@ -82,6 +82,16 @@ class QuantFormat:
         x @ dequantize() in XLA (the reference; always off GPU unless SUROJAX_QUANT_MATMUL=pallas)."""
         return quant_matmul(x, self)
 
+    def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """E stacked experts (leaves [E, ...], `dequantize()` [E, K, N]): x [A, K], rows sorted by expert, group_sizes
+        [E] -> [A, N] in x's dtype, each group's rows @ its expert's W; rows past sum(group_sizes) give 0.
+
+        The reference path for every format: all E experts are dequantised at once (a full copy of this layer's
+        expert weights in x's dtype, e.g. bf16, alive for the GEMM; under the decoder's layer scan that is one
+        layer's experts at a time), then one `jax.lax.ragged_dot`. No gradient reaches the packed weight (codes
+        are integers; QLoRA's base is frozen); x gets its exact gradient through the GEMM."""
+        return jax.lax.ragged_dot(x, self.dequantize(x.dtype), group_sizes)
+
     def kernel_values(self) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """One layer's values for the kernel layout, in the format's row layout: codes [N, K] (one code per
         value), scale and offset [N, K/G] float32 (offset None unless kernel_spec.has_offset), computed with the

@@ -64,18 +64,23 @@ class QuantReport:
 
 
 def quantize_stacked(w, fmt: str, **options) -> QuantFormat:
-    """A stacked kernel [L, K, N] (or a single [K, N]) -> the format's pytree, leaves [L, ...] (or unstacked)."""
+    """A stacked kernel [L, K, N] (a MoE layer's experts: [L, E, K, N]; or a single [K, N]) -> the format's pytree,
+    leaves [L, ...] ([L, E, ...]; or unstacked). Each [K, N] matrix is quantised on its own."""
     w = jnp.asarray(w)
     if w.ndim == 2:
         return quantize(np.asarray(w, np.float32), fmt, **options)
-    if w.ndim != 3:
-        raise ValueError(f"quantize_stacked expects [L, in, out] or [in, out], got shape {tuple(w.shape)}")
-    per_layer = [quantize(np.asarray(w[i], np.float32), fmt, **options) for i in range(w.shape[0])]
-    return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]), *per_layer)
+    if w.ndim not in (3, 4):
+        raise ValueError(f"quantize_stacked expects [L, in, out], [L, E, in, out] or [in, out], got shape "
+                         f"{tuple(w.shape)}")
+    lead = w.shape[:-2]
+    flat = w.reshape(-1, *w.shape[-2:])
+    per_matrix = [quantize(np.asarray(flat[i], np.float32), fmt, **options) for i in range(flat.shape[0])]
+    return jax.tree.map(lambda *xs: jnp.stack([jnp.asarray(x) for x in xs]).reshape(*lead, *jnp.shape(xs[0])),
+                        *per_matrix)
 
 
 def quantize_kernel(linear: nnx.Module, fmt: str, **format_options) -> tuple[int, int]:
-    """Quantise `linear.kernel` ([L, K, N] or [K, N]) to `fmt` in place (a QuantParam with the same metadata);
+    """Quantise `linear.kernel` ([L, K, N], an ExpertLinear's [L, E, K, N], or [K, N]) to `fmt` in place (a QuantParam with the same metadata);
     -> (bytes before, bytes after). ValueError when the kernel is not a Variable, is already quantised, or the
     format refuses its shape."""
     var = linear.kernel
