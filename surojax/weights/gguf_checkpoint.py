@@ -1,5 +1,6 @@
-"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe architectures, Mixtral as llama), through the `gguf` package's
-GGUFWriter and our checked reader (surojax.weights.gguf_reader: every count and offset bounded by the file size).
+"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe architectures, Mixtral as llama),
+through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader: every count and
+offset bounded by the file size).
 
     save_gguf(model_or_hf_dir, "out.gguf", "q4_k_m", tokenizer_dir=...)       # what `surojax quantize` runs
     cfg, model, tokenizer = load_gguf_model("model.gguf", dtype=jnp.bfloat16)  # the training base
