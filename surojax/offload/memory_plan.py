@@ -57,6 +57,11 @@ Activations, bytes saved per token per layer (c = compute-dtype bytes, D, F, NH 
     offload  nothing on the device: the layer inputs of `full` are kept in host memory (the workspace still
            holds one recomputed layer)
 
+MoE layers (cfg.moe): the weights count every expert (ModelConfig.num_params); in the MLP terms above F is one
+expert's and its rows are per assignment, k per token ([A, 2F] with A = tokens * k), plus the router's fp32
+logits (dots; none also its softmax) [E] per token and, under none, the gathered input and expert output rows
+k * 2 D*c; LoRA on the experts' projections has one adapter per expert (E x the dense count) and k rows per token.
+
 Calibration (benchmarks/RESULTS.md, H200, bf16, seq 2048, lm chunk 4,096): see tests/offload/test_memory_plan.py.
 """
 from __future__ import annotations
@@ -114,10 +119,24 @@ class MemoryPlan:
 
 
 def _layer_shapes(cfg):
-    D, F, NH, KH = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
+    """D, F, NH, KH and each target's (in, out). A MoE layer: F is one expert's (its activations are per
+    assignment, k per token: `_moe_rows`)."""
+    F = cfg.intermediate_size if cfg.moe is None else cfg.moe.expert_intermediate_size
+    D, NH, KH = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
     io = {"q_proj": (D, NH), "k_proj": (D, KH), "v_proj": (D, KH), "o_proj": (NH, D),
           "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
     return D, F, NH, KH, io
+
+
+def _moe_rows(cfg) -> tuple[int, int]:
+    """(k, E): a MoE layer runs k expert rows per token ([A, 2F] with A = tokens * k) and a router over E
+    experts; a dense layer (1, 0): one MLP row per token, no router."""
+    return (1, 0) if cfg.moe is None else (cfg.moe.experts_per_token, cfg.moe.num_experts)
+
+
+def _per_expert(cfg, target: str) -> int:
+    """Copies of a target's LoRA per layer: E for the experts' projections of a MoE layer (A [E, in, R]), else 1."""
+    return cfg.moe.num_experts if cfg.moe is not None and target in ("gate_proj", "up_proj", "down_proj") else 1
 
 
 def _targets(targets) -> tuple[str, ...]:
@@ -131,20 +150,26 @@ def activation_bytes_per_token_layer(cfg, recompute: str, *, c: int = 2, rank: i
     """Bytes one layer saves for the backward per token, by recompute policy and layer loop (see the module
     docstring; `unrolled`: every layer inlined, no scan)."""
     D, F, NH, KH, io = _layer_shapes(cfg)
+    k, E = _moe_rows(cfg)
     targets = _targets(targets) if rank else ()
+    rows = {t: (k if t in ("gate_proj", "up_proj", "down_proj") else 1) for t in targets}  # LoRA rows per token
     if recompute == "none" and unrolled:
         return activation_bytes_per_token_layer(cfg, "dots", c=c, rank=rank, targets=targets) + NH * c
     if recompute == "full":
         return D * c
     if recompute == "dots":
-        lora = sum((rank + io[t][1]) * c for t in targets)
-        return D * c + (NH + 2 * KH) * c + D * c + 2 * F * c + D * c + lora
+        # MoE: the router's fp32 logits [E] and the k grouped-GEMM rows (gate_up [2F], down [D]) per token
+        lora = sum(rows[t] * (rank + io[t][1]) * c for t in targets)
+        return D * c + (NH + 2 * KH) * c + D * c + k * (2 * F * c + D * c) + 4 * E + lora
     if recompute == "offload":
         return 0  # the layer inputs (full's residuals) are kept in host memory
     if recompute == "none":
         qk = (NH + KH) * (4 + c) if cfg.qk_norm else 0
+        # MoE: router logits and softmax [E] fp32, and per assignment (k per token) the gathered input row D,
+        # gate / up / silu(gate) / product 4F and the expert output D before the weighted sum
+        moe = (8 * E + k * 2 * D * c) if E else 0
         return (2 * (D * 4 + D * c) + (NH + 2 * KH) * c + qk + (NH + KH) * c + NH * c
-                + 2 * D * c + 4 * F * c + 2 * D * c + sum(rank * c for t in targets))
+                + 2 * D * c + k * 4 * F * c + moe + 2 * D * c + sum(rows[t] * rank * c for t in targets))
     raise ValueError(f"recompute {recompute!r} is unknown (none, full, dots, offload)")
 
 
@@ -187,7 +212,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
         if offload_base and prefetch:  # offload_prefetch: the copies of the next `prefetch_depth` layers in flight
             resident += prefetch_depth * layer_params
         weights = resident * wb
-        trainable = L * sum(r * (i + o) for i, o in (io[t] for t in tgts))
+        trainable = L * sum(_per_expert(cfg, t) * r * (i + o) for t, (i, o) in ((t, io[t]) for t in tgts))
         tb = 4 if fp32 else _DTYPE_BYTES[lora_dtype]
         adapters = trainable * tb
         cast = 0

@@ -70,7 +70,8 @@ class MultiLoRALinear(nnx.Module):
 def multi_lora_modules(model) -> dict[str, MultiLoRALinear]:
     out = {}
     for name, sub in LINEAR_MODULES.items():
-        mod = _get(model.layers, sub)
+        parent, _, leaf = sub.rpartition(".")
+        mod = getattr(_get(model.layers, parent), leaf, None)  # None: a MoE layer has no mlp.gate_proj
         if isinstance(mod, MultiLoRALinear):
             out[name] = mod
     return out

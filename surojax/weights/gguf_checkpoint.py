@@ -1,5 +1,6 @@
-"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 architectures), through the `gguf` package's
-GGUFWriter and our checked reader (surojax.weights.gguf_reader: every count and offset bounded by the file size).
+"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe architectures, Mixtral as llama),
+through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader: every count and
+offset bounded by the file size).
 
     save_gguf(model_or_hf_dir, "out.gguf", "q4_k_m", tokenizer_dir=...)       # what `surojax quantize` runs
     cfg, model, tokenizer = load_gguf_model("model.gguf", dtype=jnp.bfloat16)  # the training base
@@ -12,6 +13,15 @@ applies rotary embeddings to interleaved pairs while HF rotates halves; convert_
 rows of q_proj / k_proj (per head: rows [0, H/2) and [H/2, H) interleaved), and `_rope_permute` does the same
 (writing) and its inverse (reading). qwen2 / qwen3 use the NeoX (half) rotation in llama.cpp: no permutation.
 Llama 3 rope scaling is the `rope_freqs.weight` tensor of per-frequency factors (as convert_hf_to_gguf makes it).
+
+MoE (qwen3_moe as `qwen3moe`, mixtral as `llama` with experts): the file holds the fused HF rows
+(registry.FUSED_MOE_WEIGHTS) under llama.cpp's names: blk.N.ffn_gate_inp (router [E, D], always F32, as
+convert_hf_to_gguf writes it and llama-quant keeps it), blk.N.ffn_gate_exps / ffn_up_exps (the two halves of
+gate_up_proj [E, 2F, D]) and ffn_down_exps [E, D, F] (numpy order; GGUF ne [in, out, E]), each expert's rows
+quantised like a 2-D weight's; metadata {arch}.expert_count / expert_used_count (+ expert_feed_forward_length
+for qwen3moe; the llama arch's feed_forward_length is the expert's). llama.cpp renormalises the top-k weights
+for both, so norm_topk_prob false is refused on write. Read back, quantised experts stay quantised ([L, E, ...]
+leaves) when their format has `grouped_matmul` and every layer has one type, else they are dequantised.
 
 Metadata (as convert_hf_to_gguf writes it): general.architecture / name / file_type / quantization_version,
 <arch>.context_length / embedding_length / feed_forward_length / block_count / vocab_size,
@@ -53,7 +63,8 @@ from surojax.weights.safetensors_file import WeightsError
 
 log = logging.getLogger(__name__)
 
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # our model_type -> general.architecture
+# our model_type -> general.architecture (llama.cpp runs Mixtral as `llama` with {arch}.expert_count > 0)
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # HF name -> llama.cpp name ("{i}" is the layer); rows absent from a family are simply not present
 GGUF_NAMES: dict[str, str] = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -73,7 +84,17 @@ GGUF_NAMES: dict[str, str] = {
     "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
+    # MoE (read from / written as the fused HF rows, registry.FUSED_MOE_WEIGHTS): the router [E, D] and the
+    # experts merged per layer, numpy [E, out, in] (GGUF ne [in, out, E]); gate_up is split below
+    "model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+    "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
 }
+# HF rows written as several GGUF tensors, concatenated along the out rows (numpy axis -2) when read:
+# gate_up_proj [E, 2F, D] = [ffn_gate_exps | ffn_up_exps]
+GGUF_PARTS: dict[str, tuple[str, ...]] = {
+    "model.layers.{i}.mlp.experts.gate_up_proj": ("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),
+}
+ROUTER_SUFFIX = "ffn_gate_inp.weight"  # kept F32 in every file type (convert_hf_to_gguf and llama-quant do)
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -96,8 +117,8 @@ def _rope_permute(w: np.ndarray, n_head: int, inverse: bool = False) -> np.ndarr
 
 
 def _permute_heads(cfg: ModelConfig, hf_name: str) -> int | None:
-    """Heads to rope-permute this tensor over (llama only), else None."""
-    if cfg.model_type != "llama":
+    """Heads to rope-permute this tensor over (the llama architecture: llama, mixtral), else None."""
+    if ARCHS.get(cfg.model_type) != "llama":
         return None
     if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
         return cfg.num_heads
@@ -127,33 +148,51 @@ def llama3_rope_factors(cfg: ModelConfig) -> np.ndarray:
 
 
 def _encode(w: np.ndarray, qtype: str):
-    """HF-layout float32 [N, K] -> (array to write, raw_dtype or None)."""
+    """HF-layout float32 [N, K] (or merged experts [E, N, K]) -> (array to write, raw_dtype or None); quantised
+    along the rows of K values: raw bytes [N, row bytes] ([E, N, row bytes])."""
     gguf = _gguf()
     if qtype == "f32":
         return np.ascontiguousarray(w, np.float32), None
     if qtype == "f16":
         return np.ascontiguousarray(w.astype(np.float16)), None
 
-    data = np.asarray(FORMATS[qtype].quantize(w.T).data)  # the format quantises w.T's columns = w's rows
-    return np.ascontiguousarray(data).view(np.uint8), gguf.GGMLQuantizationType[qtype.upper()]
+    rows = w.reshape(-1, w.shape[-1])  # [E*N, K]
+    data = np.asarray(FORMATS[qtype].quantize(rows.T).data)  # the format quantises rows.T's columns = the rows
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(*w.shape[:-1], -1)
+    return raw, gguf.GGMLQuantizationType[qtype.upper()]
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
+def _rows(cfg: ModelConfig):
+    """The weight rows a GGUF file holds: a MoE family's fused table (one router and merged experts per layer,
+    as llama.cpp stores them), the published table otherwise."""
+    return weight_rows(cfg, fused=cfg.moe is not None)
+
+
 def _ordered(cfg: ModelConfig) -> list[str]:
     """HF names in llama.cpp's order: embeddings, each layer's tensors, final norm, head."""
-    rows = [r.hf for r in weight_rows(cfg)]
+    rows = [r.hf for r in _rows(cfg)]
     out = [n for n in rows if "{i}" not in n and n != "model.norm.weight" and n != "lm_head.weight"]
     for i in range(cfg.num_layers):
         out += [n.format(i=i) for n in rows if "{i}" in n]
     return out + [n for n in ("model.norm.weight", "lm_head.weight") if n in rows]
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_names(hf_name: str) -> tuple[str, ...]:
+    """The GGUF tensor(s) of one HF tensor: one, or the parts of a split row (GGUF_PARTS), in order."""
     m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
     key = f"model.layers.{{i}}.{m.group(2)}" if m else hf_name
-    if key not in GGUF_NAMES:
+    names = GGUF_PARTS.get(key) or ((GGUF_NAMES[key],) if key in GGUF_NAMES else None)
+    if names is None:
         raise WeightsError(f"no GGUF name for tensor {hf_name}")
-    return GGUF_NAMES[key].format(i=m.group(1)) if m else GGUF_NAMES[key]
+    return tuple(n.format(i=m.group(1)) for n in names) if m else names
+
+
+def gguf_name(hf_name: str) -> str:
+    names = gguf_names(hf_name)
+    if len(names) != 1:
+        raise WeightsError(f"tensor {hf_name} is written as {len(names)} GGUF tensors: {', '.join(names)}")
+    return names[0]
 
 
 def _stored_dtype(model_dir):
@@ -171,7 +210,7 @@ def _hf_tensor_reader(model: Decoder):
     cfg = model.cfg
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     rows = {}
-    for row in weight_rows(cfg):
+    for row in _rows(cfg):
         for i in (range(cfg.num_layers) if row.per_layer else [None]):
             rows[row.hf.format(i=i) if i is not None else row.hf] = (row, i)
 
@@ -183,7 +222,7 @@ def _hf_tensor_reader(model: Decoder):
                                "(merge the adapter into the HF base first)")
         value = value[i] if i is not None else value
         arr = np.asarray(jax.device_get(value), np.float32)
-        return arr.T if row.transpose else arr
+        return np.swapaxes(arr, -1, -2) if row.transpose else arr  # HF [.., out, in]
     return get
 
 
@@ -212,6 +251,9 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
                            f"cannot be written to GGUF here (supported: {', '.join(ARCHS)})")
     if cfg.rope_scaling.rope_type not in ("default", "linear", "llama3"):
         raise WeightsError(f"rope_scaling {cfg.rope_scaling.rope_type!r} cannot be written to GGUF")
+    if cfg.moe is not None and not cfg.moe.norm_topk_prob:
+        raise WeightsError(f"{cfg.model_type} with norm_topk_prob false cannot be written to GGUF (llama.cpp's "
+                           f"{arch} graph always renormalises the top-k routing weights)")
     path = Path(path)
     tok_meta = tokenizer_metadata(tokenizer_dir, cfg.vocab_size)
     tensor = _hf_tensor_reader(model)
@@ -226,7 +268,13 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         w.add_vocab_size(cfg.vocab_size)
         w.add_context_length(cfg.max_position_embeddings)
         w.add_embedding_length(cfg.hidden_size)
-        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_feed_forward_length(cfg.intermediate_size if cfg.model_type != "mixtral"
+                                  else cfg.moe.expert_intermediate_size)  # llama.cpp's llama arch: n_ff = expert F
+        if cfg.moe is not None:
+            w.add_expert_count(cfg.moe.num_experts)
+            w.add_expert_used_count(cfg.moe.experts_per_token)
+            if cfg.model_type == "qwen3_moe":
+                w.add_expert_feed_forward_length(cfg.moe.expert_intermediate_size)
         w.add_block_count(cfg.num_layers)
         w.add_head_count(cfg.num_heads)
         w.add_head_count_kv(cfg.num_kv_heads)
@@ -246,17 +294,18 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         n_gqa = cfg.num_heads // cfg.num_kv_heads
         for hf in _ordered(cfg):
             arr = tensor(hf)  # one tensor at a time in float32: a large model never sits whole in float32
-            gname = gguf_name(hf)
             heads = _permute_heads(cfg, hf)
             if heads:
                 arr = _rope_permute(arr, heads)
-            if arr.ndim == 1:
-                w.add_tensor(gname, np.ascontiguousarray(arr, np.float32))
-                continue
-            qtype = tensor_type(file_type, gname, arr.shape[1], n_layers=cfg.num_layers, n_gqa=n_gqa, tied=tied,
-                                arch=arch)
-            data, raw = _encode(arr, qtype)
-            w.add_tensor(gname, data, raw_dtype=raw)
+            names = gguf_names(hf)
+            for gname, part in zip(names, np.split(arr, len(names), axis=-2) if len(names) > 1 else [arr]):
+                if part.ndim == 1:
+                    w.add_tensor(gname, np.ascontiguousarray(part, np.float32))
+                    continue
+                qtype = "f32" if gname.endswith(ROUTER_SUFFIX) else tensor_type(
+                    file_type, gname, part.shape[-1], n_layers=cfg.num_layers, n_gqa=n_gqa, tied=tied, arch=arch)
+                data, raw = _encode(part, qtype)
+                w.add_tensor(gname, data, raw_dtype=raw)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -294,13 +343,22 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
     """The config.json dict (HF keys) that the GGUF metadata describes. Every value is type-checked (GGUFError
     naming the key); `n_tensors` (the file's tensor count), when given, bounds the block count."""
     arch = fields.get("general.architecture")
-    model_type = {v: k for k, v in ARCHS.items()}.get(arch) if isinstance(arch, str) else None
+    model_type = {v: k for k, v in ARCHS.items() if k != "mixtral"}.get(arch) if isinstance(arch, str) else None
     if model_type is None:
-        raise GGUFError(f"{source}: general.architecture: expected one of {', '.join(ARCHS.values())}, found "
-                        f"{_short(arch)}")
+        raise GGUFError(f"{source}: general.architecture: expected one of {', '.join(sorted(set(ARCHS.values())))}, "
+                        f"found {_short(arch)}")
 
     def get(key, kind=int, default=None):
         return _typed(fields, f"{arch}.{key}", kind, source, default)
+
+    experts = get("expert_count", default=0)
+    if model_type == "llama" and experts:
+        model_type = "mixtral"
+    elif model_type == "qwen3_moe" and not experts:
+        raise GGUFError(f"{source}: {arch}.expert_count: expected a positive expert count, found {experts}")
+    elif experts and model_type != "qwen3_moe":
+        raise GGUFError(f"{source}: {arch}.expert_count {experts}: experts are read for qwen3moe and llama "
+                        f"(Mixtral) files only")
 
     n_heads = get("attention.head_count")
     hidden = get("embedding_length")
@@ -328,6 +386,11 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
     elif scaling != "none":
         raise GGUFError(f"{source}: {arch}.rope.scaling.type: expected none or linear (Llama 3 scaling comes "
                         f"through rope_freqs.weight), found {scaling!r}")
+    if model_type == "qwen3_moe":  # llama.cpp's qwen3moe graph renormalises the top-k weights
+        hf.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"), norm_topk_prob=True,
+                  moe_intermediate_size=get("expert_feed_forward_length"))
+    elif model_type == "mixtral":  # the llama arch's n_ff is the expert's
+        hf.update(num_local_experts=experts, num_experts_per_tok=get("expert_used_count"))
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
         if f"tokenizer.ggml.{name}_token_id" in fields:
             hf[key] = _typed(fields, f"tokenizer.ggml.{name}_token_id", int, source)
@@ -408,11 +471,15 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     graphdef, abstract = nnx.split(abstract_model)
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(abstract)}
 
-    expected = {}
-    for row in weight_rows(cfg):
+    rows = _rows(cfg)
+    by_path: dict[str, list] = {}  # state path -> [(layer or None, GGUF names (parts), HF name)]
+    expected = set()
+    for row in rows:
         for i in (range(cfg.num_layers) if row.per_layer else [None]):
             hf_name = row.hf.format(i=i) if i is not None else row.hf
-            expected[gguf_name(hf_name)] = (row, i, hf_name)
+            names = gguf_names(hf_name)
+            by_path.setdefault(row.path, []).append((i, names, hf_name))
+            expected.update(names)
     missing = sorted(set(expected) - set(by_name))
     unexpected = sorted(set(by_name) - set(expected) - {ROPE_FREQS})
     if missing or unexpected:
@@ -420,43 +487,49 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                            f" missing {missing[:8]}, unexpected {unexpected[:8]}")
 
     values: dict[str, object] = {}
-    by_path: dict[str, list] = {}
-    for gname, (row, i, hf_name) in expected.items():
-        by_path.setdefault(row.path, []).append((i, gname, hf_name))
     for spath, items in by_path.items():
-        row = next(r for r in weight_rows(cfg) if r.path == spath)
+        row = next(r for r in rows if r.path == spath)
         want = tuple(flat[spath].get_value().shape)
         want_one = want[1:] if row.per_layer else want
-        hf_shape = want_one[::-1] if row.transpose else want_one
+        hf_shape = tuple(want_one[:-2]) + tuple(want_one[-2:][::-1]) if row.transpose else tuple(want_one)
         items.sort(key=lambda t: -1 if t[0] is None else t[0])
-        for _, gname, _ in items:
-            got = tuple(reversed(by_name[gname].shape))  # numpy order
-            if got != tuple(hf_shape):
-                raise GGUFError(f"{source}: tensor {gname} has shape {list(got)} (numpy order), the metadata "
-                                   f"implies {list(hf_shape)}")
-        types = {by_name[g].tensor_type for _, g, _ in items}
+        for _, names, _ in items:
+            parts = [tuple(reversed(by_name[g].shape)) for g in names]  # numpy order
+            got = parts[0][:-2] + (sum(p[-2] for p in parts),) + parts[0][-1:] if len(parts) > 1 else parts[0]
+            if len({p[:-2] + p[-1:] for p in parts}) > 1 or got != hf_shape:
+                raise GGUFError(f"{source}: tensor {' + '.join(names)} has shape "
+                                f"{' + '.join(str(list(p)) for p in parts)} (numpy order), the metadata implies "
+                                f"{list(hf_shape)}")
+        types = {by_name[g].tensor_type for _, names, _ in items for g in names}
         linear = row.transpose and row.path.startswith("layers.")  # the LM head is dequantised
         quant = linear and keep_quantized and any(t.name not in ("F32", "F16", "BF16") for t in types)
+        experts = len(hf_shape) == 3  # merged experts [E, N, K]: kept quantised where grouped GEMMs can read them
+        if quant and experts:
+            quant = len(types) == 1 and all(hasattr(GGUF_TYPES.get(t.name.lower()), "grouped_matmul") for t in types)
+            if not quant:
+                log.info("%s: %s (%s) dequantised: %s", source, spath, sorted(t.name for t in types),
+                         "per-layer types differ" if len(types) > 1 else "no grouped matmul for this format")
         if quant:
             per_layer = []
-            for _, gname, hf_name in items:
-                t = by_name[gname]
-                spec = _quant_format(t, source)
-                if spec is None:
+            for _, names, hf_name in items:
+                specs = [_quant_format(by_name[g], source) for g in names]
+                if any(spec is None for spec in specs):
                     quant = False
                     break
-                cls, k, n = spec
-                raw = np.asarray(t.data)
+                cls, k = specs[0][0], specs[0][1]
+                n = sum(spec[2] for spec in specs)
+                raws = [np.asarray(by_name[g].data) for g in names]
+                raw = np.concatenate(raws, axis=-2) if len(raws) > 1 else raws[0]  # [(E,) N, row bytes]
                 heads = _permute_heads(cfg, hf_name)
                 if heads:
                     raw = _rope_permute(raw, heads, inverse=True)
                 if k % cls.block_size:
-                    raise GGUFError(f"{source}: tensor {gname}: row length {k} is not a multiple of the "
-                                       f"{cls.name} block size {cls.block_size}")
+                    raise GGUFError(f"{source}: tensor {names[0]}: row length {k} is not a multiple of the "
+                                    f"{cls.name} block size {cls.block_size}")
                 row_len = k // cls.block_size * cls.type_size // np.dtype(cls.storage_dtype).itemsize
                 # numpy until the whole stack is built: one host -> device copy per target
-                per_layer.append(cls(data=np.ascontiguousarray(raw).view(cls.storage_dtype).reshape(n, row_len),
-                                     shape=(k, n)))
+                data = np.ascontiguousarray(raw).view(cls.storage_dtype).reshape(*hf_shape[:-2], n, row_len)
+                per_layer.append(cls(data=data, shape=(k, n)))
             if quant and not row.per_layer:
                 values[spath] = type(per_layer[0])(data=jnp.asarray(per_layer[0].data), shape=per_layer[0].shape)
                 continue
@@ -470,12 +543,13 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                          sorted(t.name for t in types))
                 continue
         arrs = []
-        for _, gname, hf_name in items:
-            a = _dequantize(by_name[gname], source)
+        for _, names, hf_name in items:
+            parts = [_dequantize(by_name[g], source) for g in names]
+            a = np.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0]
             heads = _permute_heads(cfg, hf_name)
             if heads:
                 a = _rope_permute(a, heads, inverse=True)
-            arrs.append(a.T if row.transpose else a)
+            arrs.append(np.swapaxes(a, -1, -2) if row.transpose else a)
         value = np.stack(arrs) if row.per_layer else arrs[0]
         values[spath] = jnp.asarray(value.astype(np_dtype))
 
@@ -514,4 +588,4 @@ def is_gguf_path(p) -> bool:
 
 
 __all__ = ["save_gguf", "load_gguf_model", "load_gguf_tokenizer", "read_gguf_hf_config", "hf_config_from_gguf",
-           "gguf_name", "is_gguf_path", "GGUF_NAMES", "GGUFError"]
+           "gguf_name", "gguf_names", "is_gguf_path", "GGUF_NAMES", "GGUF_PARTS", "GGUFError"]
