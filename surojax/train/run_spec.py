@@ -262,6 +262,9 @@ def moe_training(cfg: TrainConfig, model_cfg: ModelConfig) -> MoETraining | None
             raise TrainSetupError(f"{set_keys[0]}: applies to mixture-of-experts models only; "
                                   f"{model_cfg.model_type} is dense (no router): remove the key")
         return None
+    if cfg.offload_prefetch:
+        raise TrainSetupError("offload_prefetch: its layer loop does not collect the router statistics the MoE "
+                              "training loss needs; use offload_base_weights without offload_prefetch")
     aux = model_cfg.moe.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef
     return MoETraining(RouterLossWeights(aux_coef=aux, z_coef=cfg.router_z_loss_coef),
                        capacity_factor=cfg.capacity_factor, train_router=cfg.train_router)
