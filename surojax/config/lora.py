@@ -48,7 +48,8 @@ class LoraSection(StrictModel):
     lora_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the adapter weights."""
     train_router: bool = False
-    """MoE: also train the (full) router weights alongside the adapters."""
+    """MoE: also train the (full) router weights alongside the adapters (a full fine-tune trains them anyway).
+    The adapter folder then carries them as PEFT `modules_to_save`; a dense model refuses the key."""
     adapter_path: str | None = None
     """An existing PEFT adapter to start from (stacked LoRA)."""
     adapter_init_mode: Literal["merge", "trainable"] | None = None

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 Problem = tuple[tuple[str, ...], str]
 
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "use_rslora", "lora_target_modules", "lora_dtype",
-             "merge_adapter")
+             "merge_adapter", "train_router")
 QLORA_FORMATS = ("qlora", "qlora_bnb", "qlora_fp8", "qlora_fp4", "qlora_gguf")
 # accepted keys whose feature this version does not have: refused when set (key -> (is it set?, why))
 NOT_AVAILABLE = {
@@ -31,8 +31,6 @@ NOT_AVAILABLE = {
                       "(see offload_optimizer / offload_master)"),
     "parallel": (lambda c: c.parallel.expert != 1 or c.parallel.stage != 1, "expert and pipeline (stage) "
                  "parallelism are not available in this version: keep parallel.expert and parallel.stage at 1"),
-    "train_router": (lambda c: c.train_router, "is not available in this version: every supported family is dense "
-                     "(no router to train)"),
 }
 
 

@@ -13,6 +13,7 @@ from surojax.config.data import DataSection
 from surojax.config.generation_eval import GenerationEvalSection
 from surojax.config.lora import LoraSection, QLoraSection
 from surojax.config.memory import MemorySection
+from surojax.config.moe import MoESection
 from surojax.config.optim import OptimSection
 from surojax.config.parallel import ParallelSection
 from surojax.config.precision import PrecisionSection
@@ -22,7 +23,7 @@ from surojax.config.run import RunSection
 
 # Bases in reverse: pydantic orders fields from the last base to the first, so dumps and errors read run first.
 class TrainConfig(
-    GenerationEvalSection, ParallelSection, MemorySection, OptimSection, QLoraSection, LoraSection,
+    GenerationEvalSection, ParallelSection, MemorySection, OptimSection, MoESection, QLoraSection, LoraSection,
     PrecisionSection, DataSection, RunSection,
 ):
     """A validated training config. Build it with `load_config(path)` or `config_from_dict(d)`."""

@@ -6,6 +6,7 @@
 
 The loss is a pure function `loss(model, batch, *, chunk, layer_loop, unroll) -> (loss_sum, {"tokens": ...})`
 (default: the chunked LM loss); SFT, pretraining and the later tasks differ only in their data and this function.
+A MoE model's training loss also gets `router=` (the router-loss weights) and returns its router stats.
 Shapes: the train step takes batches [A, B, T] (A micro-batches of B rows of T tokens, B = rows per device x
 the data-parallel devices); the eval step takes [B, T].
 """
@@ -33,9 +34,10 @@ from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
 from surojax.offload.streaming import build_context, place_model
 from surojax.parallel import init_sharded
 from surojax.peft.lora import set_dropout_key
+from surojax.peft.trained_router import make_router_trainable
 from surojax.train.model_setup import build_model, trainable_filter
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
-from surojax.train.run_spec import RunSpec
+from surojax.train.run_spec import MoETraining, RunSpec
 from surojax.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,8 @@ def _placed_model(spec: RunSpec, mesh, customize: Callable[[Decoder], None] | No
 
     def make_model() -> Decoder:
         model = build_model(spec)
+        if spec.moe is not None:
+            apply_moe_training(model, spec.moe, spec.precision.adapter)
         if customize is not None:
             customize(model)
         return model
@@ -132,6 +136,15 @@ def _placed_model(spec: RunSpec, mesh, customize: Callable[[Decoder], None] | No
     if mem.offload_master:
         place_master_on_host(model, mesh)
     return model
+
+
+def apply_moe_training(model: Decoder, moe: MoETraining, adapter_dtype) -> None:
+    """The MoE training settings on a built model, from outside: every layer's expert capacity, and (LoRA with
+    train_router) the router weights re-typed as trainable (surojax.peft.trained_router)."""
+    model.layers.mlp.capacity_factor = moe.capacity_factor
+    if moe.train_router:
+        log.info("train_router: %s router values train with the adapter",
+                 f"{make_router_trainable(model, adapter_dtype):,}")
 
 
 def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Callable[[Decoder], None] | None = None,
@@ -179,7 +192,9 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
 
     loop = layer_loop(mem.recompute, prefetch=mem.offload_prefetch, per_layer=mem.offload_prefetch)
     loss_fn = functools.partial(loss, chunk=chunk, unroll=mem.unroll)
-    train_step = make_train_step(graphdef, loss_fn, optimizer, layer_loop=loop,
+    # a MoE model trains with its router losses and reports its router stats (surojax.losses.router); eval is CE
+    train_loss = loss_fn if spec.moe is None else functools.partial(loss_fn, router=spec.moe.router_loss)
+    train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop,
                                  prepare=set_dropout_key if train_mode else None,
                                  loss_guard=o.loss_guard, **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch else None)

@@ -8,6 +8,7 @@
       memory     MemorySpec     recompute, layer unrolling, lm-head chunks, what lives in host memory
       optim      OptimSpec      optimizer, learning-rate schedule over `total_steps`, clipping
       batch      BatchSpec      rows per device per micro-batch, accumulation, sequence length
+      moe        MoETraining|None  router losses, expert capacity, router training (None: a dense model)
 
 `run_spec(cfg, ...)` is the only place that reads training keys into specs; everything below (`build_run`, the
 model set-up, the bench, later trainers) reads the specs, never a config object. The checks that need the model
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 
 from surojax.config.lora import GGUF_MIXES, GGUF_TYPES as CONFIG_GGUF_TYPES
 from surojax.config.schema import TrainConfig
+from surojax.losses.router import RouterLossWeights
 from surojax.models.config import ModelConfig
 from surojax.quant import GGUF_TYPES
 from surojax.peft.peft_io import LoraSpec
@@ -133,6 +135,15 @@ class BatchSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoETraining:
+    """How a mixture-of-experts model trains (surojax.losses.router, surojax.peft.trained_router)."""
+
+    router_loss: RouterLossWeights  # the load-balancing and z-loss coefficients of the training loss
+    capacity_factor: float | None = None  # MoE.capacity_factor of every layer; None: dropless
+    train_router: bool = False  # LoRA: the router kernels train too (a full fine-tune trains them anyway)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
     model: ModelSpec
     precision: PrecisionSpec
@@ -141,6 +152,7 @@ class RunSpec:
     memory: MemorySpec
     optim: OptimSpec
     batch: BatchSpec
+    moe: MoETraining | None = None
 
     def replace(self, **sections) -> RunSpec:
         return dataclasses.replace(self, **sections)
@@ -237,6 +249,27 @@ def optim_spec(cfg: TrainConfig, total_steps: int) -> OptimSpec:
                      max_grad_norm=cfg.max_grad_norm, loss_guard=cfg.auto_lr_reduction)
 
 
+MOE_KEYS = ("router_aux_loss_coef", "router_z_loss_coef", "capacity_factor", "train_router")
+
+
+def moe_training(cfg: TrainConfig, model_cfg: ModelConfig) -> MoETraining | None:
+    """The MoE keys read against the model: the aux coefficient defaults to its config.json's; on a dense model
+    a MoE key set away from its default is refused (there is no router)."""
+    if model_cfg.moe is None:
+        fields = type(cfg).model_fields
+        set_keys = [k for k in MOE_KEYS if getattr(cfg, k) != fields[k].get_default(call_default_factory=True)]
+        if set_keys:
+            raise TrainSetupError(f"{set_keys[0]}: applies to mixture-of-experts models only; "
+                                  f"{model_cfg.model_type} is dense (no router): remove the key")
+        return None
+    if cfg.offload_prefetch:
+        raise TrainSetupError("offload_prefetch: its layer loop does not collect the router statistics the MoE "
+                              "training loss needs; use offload_base_weights without offload_prefetch")
+    aux = model_cfg.moe.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef
+    return MoETraining(RouterLossWeights(aux_coef=aux, z_coef=cfg.router_z_loss_coef),
+                       capacity_factor=cfg.capacity_factor, train_router=cfg.train_router)
+
+
 def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None,
              init: Literal["build", "jit", "host"] = "build", model_config: ModelConfig | None = None) -> RunSpec:
     """The run a TrainConfig describes. attention: the backend the layers are built with (default
@@ -251,4 +284,4 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
                       sequence_len=cfg.sequence_len)
     return RunSpec(model=model, precision=precision, lora=lora_training(cfg), quant=quant, memory=memory_spec(cfg),
-                   optim=optim_spec(cfg, total_steps), batch=batch)
+                   optim=optim_spec(cfg, total_steps), batch=batch, moe=moe_training(cfg, model_cfg))

@@ -27,6 +27,8 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
                     apply_updates: Callable = optax.apply_updates, loss_guard: bool = False):
     """`loss_fn(model, micro_batch, layer_loop=...) -> (loss_sum, {"tokens": count, ...})`; `layer_loop`: what the
     decoder runs its layers with (offload.remat.layer_loop: a recompute wrapper, or the prefetching loop).
+    Every other entry of the loss's metrics (any pytree of arrays, e.g. the MoE router stats under "router") is
+    summed over the micro-batches in fp32 and returned in the step's metrics under its own key, undivided.
 
     `prepare(model, key)`, when given, runs on the merged model before each micro-batch's forward pass with
     a key distinct per step and micro-batch (LoRA dropout keys).
@@ -37,21 +39,22 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     """
 
     def step(trainable, frozen, opt_state, batch, rng, lr_scale=1.0):
-        def grads_of(mb, index):
-            def f(tr):
-                model = nnx.merge(graphdef, tr, frozen, copy=True)  # fresh Variables: prepare() may set them
-                if prepare is not None:
-                    prepare(model, jax.random.fold_in(rng, index))
-                return loss_fn(model, mb, layer_loop=layer_loop)
+        def loss_of(tr, mb, index):
+            model = nnx.merge(graphdef, tr, frozen, copy=True)  # fresh Variables: prepare() may set them
+            if prepare is not None:
+                prepare(model, jax.random.fold_in(rng, index))
+            return loss_fn(model, mb, layer_loop=layer_loop)
 
-            (loss_sum, aux), g = jax.value_and_grad(f, has_aux=True)(trainable)
-            return g, loss_sum, aux["tokens"]
+        def grads_of(mb, index):
+            (loss_sum, aux), g = jax.value_and_grad(loss_of, has_aux=True)(trainable, mb, index)
+            return g, loss_sum, aux
 
         def micro(carry, xs):
-            g_acc, loss_acc, n_acc = carry
-            g, loss_sum, tokens = grads_of(*xs)
+            g_acc, loss_acc, aux_acc = carry
+            g, loss_sum, aux = grads_of(*xs)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-            return (g_acc, loss_acc + loss_sum, n_acc + tokens), None
+            aux_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_acc, aux)
+            return (g_acc, loss_acc + loss_sum, aux_acc), None
 
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         zero = jnp.zeros((), jnp.float32)
@@ -59,13 +62,16 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         if in_place is not None and n_micro == 1:
             # one micro-batch: its gradients as they are (bf16 with offload_master, no fp32 copy of them all beside
             # them); the in-place update converts them layer by layer (the same fp32 values as the accumulator's)
-            grads, loss_sum, tokens = grads_of(jax.tree.map(lambda x: x[0], batch), 0)
-            loss_sum, count = zero + loss_sum, zero + tokens
+            grads, loss_sum, aux = grads_of(jax.tree.map(lambda x: x[0], batch), 0)
+            loss_sum, aux = zero + loss_sum, jax.tree.map(lambda a: a.astype(jnp.float32), aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
-            (grads, loss_sum, count), _ = jax.lax.scan(micro, (zeros, zero, zero), (batch, jnp.arange(n_micro)))
+            aux_shapes = jax.eval_shape(loss_of, trainable, jax.tree.map(lambda x: x[0], batch), 0)[1]  # trace only
+            aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shapes)
+            (grads, loss_sum, aux), _ = jax.lax.scan(micro, (zeros, zero, aux_zeros), (batch, jnp.arange(n_micro)))
+        count = aux.pop("tokens")
         denom = jnp.maximum(count, 1.0)
-        metrics = {"loss": loss_sum / denom, "tokens": count}
+        metrics = {**aux, "loss": loss_sum / denom, "tokens": count}
         if in_place is not None:  # offload: divided, clipped and applied per layer, in place
             trainable, opt_state, metrics["grad_norm"] = in_place(grads, denom, opt_state, trainable)
             return trainable, opt_state, metrics

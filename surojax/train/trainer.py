@@ -35,12 +35,14 @@ from surojax.offload.optimizer import master_params
 from surojax.parallel import batch_sharding, make_mesh
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import save_peft_adapter
+from surojax.peft.trained_router import add_router_to_adapter, has_trained_router
 from surojax.quant.base import QuantFormat
 from surojax.train.adaptive import AdaptiveSettings, AdaptiveTraining, budget_line, epochs_for_budget, flops_per_token
 from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.interrupts import Interrupts
 from surojax.train.metrics import Metrics, plot_loss
+from surojax.train.router_monitor import RouterMonitor, progress_text
 from surojax.train.run_spec import TrainSetupError, model_config_for, run_spec
 from surojax.weights.gguf_checkpoint import is_gguf_path, load_gguf_tokenizer
 from surojax.weights.gguf_tokenizer import save_tokenizer_dir
@@ -122,6 +124,8 @@ class Trainer:
         self.adaptive = AdaptiveTraining(AdaptiveSettings.from_optim(cfg), flops_per_token=flops_per_token(
             self.num_params))
         self.lr_scale = 1.0  # the loss guard's multiplier of the scheduled learning rate
+        moe = self.spec.moe
+        self.router_monitor = None if moe is None else RouterMonitor(capacity=moe.capacity_factor is not None)
         self.stop_reason: str | None = None
         self._compiled = False  # whether this process has run (compiled) the train step yet
 
@@ -191,7 +195,10 @@ class Trainer:
         self.trainable, self.opt_state, m = self.run.train_step(self.trainable, self.frozen, self.opt_state, batch, rng,
                                                                 self.lr_scale)
         self.step_count += 1
+        router = m.pop("router", None)  # a MoE model's RouterStats [L, ...], summed over the micro-batches
         m = {k: float(v) for k, v in m.items()}
+        if router is not None:
+            m.update(self.router_monitor.observe(self.step_count, router))
         dt = time.perf_counter() - t0
         m.update(lr=lr, step_time=dt, tokens_per_s=self.plan.tokens_per_step / dt)
         self._adapt(self.adaptive.observe(self.step_count, m["loss"], m["grad_norm"], self.plan.tokens_per_step))
@@ -259,13 +266,13 @@ class Trainer:
             self.console.print(line, highlight=False)
         last: dict = {}
         fields = "loss {task.fields[loss]:.4f} lr {task.fields[lr]:.2e} gnorm {task.fields[gnorm]:.3f} " \
-                 "{task.fields[tps]:,.0f} tok/s"
+                 "{task.fields[tps]:,.0f} tok/s{task.fields[router]}"
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn(fields),
                    TimeRemainingColumn()]
         interactive = self.console.is_terminal
         with Progress(*columns, console=self.console, disable=not interactive) as progress:
             task = progress.add_task("train", total=self.plan.total_steps, completed=self.step_count, loss=float("nan"),
-                                     lr=0.0, gnorm=0.0, tps=0.0)
+                                     lr=0.0, gnorm=0.0, tps=0.0, router="")
             while self.step_count < self.plan.total_steps and not interrupts.requested:
                 try:
                     compiles = self._compiled is False
@@ -280,14 +287,15 @@ class Trainer:
                 if not math.isfinite(m["loss"]) and not cfg.auto_lr_reduction:
                     raise FloatingPointError(f"loss became {m['loss']} at step {self.step_count} (auto_lr_reduction: "
                                              "true skips such steps and lowers the learning rate)")
+                router = f" {progress_text(m)}" if "router_aux_loss" in m else ""
                 progress.update(task, completed=self.step_count, loss=m["loss"], lr=m["lr"], gnorm=m["grad_norm"],
-                                tps=m["tokens_per_s"])
+                                tps=m["tokens_per_s"], router=router)
                 if self.step_count % cfg.logging_steps == 0 or self.step_count in (1, self.plan.total_steps):
                     self.metrics.write(self.step_count, m)
                     if not interactive:
                         self.console.print(f"step {self.step_count}/{self.plan.total_steps} loss {m['loss']:.4f} "
                                            f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} "
-                                           f"{m['tokens_per_s']:,.0f} tok/s", highlight=False)
+                                           f"{m['tokens_per_s']:,.0f} tok/s{router}", highlight=False)
                 if cfg.eval_steps and self.step_count % cfg.eval_steps == 0 and not interrupts.requested:
                     ev = self.evaluate()
                     if ev is not None:
@@ -351,6 +359,8 @@ class Trainer:
         if self.cfg.lora:
             out = save_peft_adapter(model, Path(out_dir or self.output_dir / "adapter"), self.cfg.model,
                                     overwrite=overwrite)
+            if has_trained_router(model):  # train_router: the routers as PEFT modules_to_save
+                add_router_to_adapter(model, out)
             copy_tokenizer_files(self.tokenizer_dir, out)
             if self.cfg.merge_adapter:
                 save_model(merge_lora(model), self.output_dir / "merged", dtype=save_dtype,

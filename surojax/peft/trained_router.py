@@ -1,0 +1,99 @@
+"""`train_router`: the full router weights of a MoE model train alongside a LoRA adapter.
+
+The trainer selects what trains by variable type (surojax.peft.lora: TRAINABLE = nnx.LoRAParam), so the router
+kernel [L, D, E] (and its bias [L, E] where the family has one) is re-typed as `RouterParam`, a subclass of
+`nnx.LoRAParam`: it is trainable, left out of FROZEN, still an `nnx.Param` (so `nnx.state(model, nnx.Param)`,
+the checkpoint saver and `merge_lora` see it as a weight of the model). It is stored in the adapter's dtype
+(fp32 by default: a bf16 base's router would otherwise take bf16 AdamW updates).
+
+Export: PEFT `modules_to_save` — the adapter folder gets the routers' full weights under the HF module name
+(`base_model.model.model.layers.{i}.mlp.gate.weight`, torch layout [E, D]) and adapter_config.json lists the
+module's last name (`gate`; `router` for gpt_oss), which `peft.PeftModel.from_pretrained` loads into its
+`ModulesToSaveWrapper`. The merged model (`merge_adapter`) carries them as ordinary weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from surojax.models.registry import WeightRow, weight_rows
+from surojax.peft.peft_io import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE
+from surojax.weights.safetensors_file import SafetensorsFile, write_safetensors
+
+ROUTER_PATHS = ("layers.mlp.router.kernel", "layers.mlp.router.bias")  # the Decoder state paths of the router
+
+
+class RouterParam(nnx.LoRAParam):
+    """A router weight that trains with the LoRA adapter (see the module docstring)."""
+
+
+def make_router_trainable(model, dtype) -> int:
+    """Re-type every router weight of `model` (a MoE Decoder) as a `RouterParam` in `dtype`, in place.
+    Returns how many values now train. Raises ValueError for a dense model (no router)."""
+    if model.cfg.moe is None:
+        raise ValueError(f"train_router: {model.cfg.model_type} is a dense model; it has no router to train")
+    router = model.layers.mlp.router
+    n = 0
+    for name in ("kernel", "bias"):
+        var = getattr(router, name)
+        if var is None:
+            continue
+        setattr(router, name, RouterParam(var.get_value().astype(dtype), **var.get_metadata()))
+        n += var.get_value().size
+    return n
+
+
+def has_trained_router(model) -> bool:
+    return model.cfg.moe is not None and isinstance(model.layers.mlp.router.kernel, RouterParam)
+
+
+def router_rows(model) -> tuple[WeightRow, ...]:
+    """The family's weight-table rows of the router (kernel, and the bias where it exists)."""
+    rows = tuple(r for r in weight_rows(model.cfg) if r.path in ROUTER_PATHS)
+    if not rows:
+        raise ValueError(f"{model.cfg.model_type}: the weight table has no router row")
+    return rows
+
+
+def router_tensors(model, dtype=None) -> dict[str, np.ndarray]:
+    """The routers' weights under PEFT's saved names, one tensor per layer, in torch layout."""
+    out = {}
+    for row in router_rows(model):
+        name = row.path.rsplit(".", 1)[1]
+        value = np.asarray(jax.device_get(getattr(model.layers.mlp.router, name).get_value()))  # [L, D, E] | [L, E]
+        if dtype is not None:
+            value = value.astype(np.dtype(dtype))
+        for i in range(value.shape[0]):
+            w = value[i].T if row.transpose else value[i]
+            out[PEFT_PREFIX + row.hf.format(i=i)] = np.ascontiguousarray(w)
+    return out
+
+
+def modules_to_save(model) -> list[str]:
+    """PEFT's `modules_to_save` entry: the last name of the router module (`gate`, or `router` for gpt_oss)."""
+    module = router_rows(model)[0].hf.format(i=0).rsplit(".", 1)[0]  # model.layers.0.mlp.gate
+    return [module.rsplit(".", 1)[1]]
+
+
+def add_router_to_adapter(model, adapter_dir: str | os.PathLike, dtype=None) -> None:
+    """Write the trained routers into a saved PEFT adapter folder as `modules_to_save` (each file is rewritten
+    under a temporary name and renamed into place)."""
+    adapter_dir = Path(adapter_dir)
+    weights = adapter_dir / WEIGHTS_FILE
+    f = SafetensorsFile(weights)
+    tensors = {n: np.asarray(f.get(n)) for n in f.names()}
+    tensors.update(router_tensors(model, dtype))
+    tmp = weights.with_name(weights.name + ".tmp")
+    write_safetensors(tmp, tensors, metadata={"format": "pt"})
+    os.replace(tmp, weights)
+    config_path = adapter_dir / CONFIG_FILE
+    cfg = json.loads(config_path.read_text())
+    cfg["modules_to_save"] = modules_to_save(model)
+    tmp = config_path.with_name(config_path.name + ".tmp")
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    os.replace(tmp, config_path)
