@@ -165,6 +165,32 @@ def check_expert_2_fsdp_2_tensor_2_matches_one_device():
     _check_mesh({"expert": 2, "fsdp": 2, "tensor": 2})
 
 
+@child_check
+def check_capacity_is_per_expert_group():
+    """With a capacity, each expert group (the 4 devices of one data index: batch rows 0-3, then 4-7) drops as one
+    device does on that group's rows alone: the capacity counts the group's assignments, in its token order."""
+    from surojax.parallel.mesh import make_mesh
+    from surojax.parallel.rules import batch_sharding, shard_model
+
+    cfg = qwen3_moe().moe
+    moe = MoE(16, cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    moe.capacity_factor = 0.5  # ceil(0.5 * 4*8*2 / 8) = 4 of the 64 assignments per expert and group: drops
+    x = jax.random.normal(jax.random.key(3), (8, 8, 16))
+    seg = _batch(8, 8, 64)[2]
+    halves = [jax.jit(lambda m, a, b: m(a, b))(moe, x[i:i + 4], seg[i:i + 4]) for i in (0, 4)]
+    want_y = np.concatenate([np.asarray(h[0]) for h in halves])
+    want_stats = jax.tree.map(lambda a, b: np.asarray(a) + np.asarray(b), halves[0][1], halves[1][1])
+    assert want_stats.dropped > 0
+
+    mesh = make_mesh({"data": 2, "expert": 4})
+    apply_expert_parallel(shard_model(moe, mesh), mesh)
+    assert moe.runner is not None
+    bs = batch_sharding(mesh)
+    y, stats = jax.jit(lambda m, a, b: m(a, b))(moe, jax.device_put(x, bs), jax.device_put(seg, bs))
+    _assert_close(np.asarray(y), want_y, "capacity y")
+    _assert_close(_numpy(stats), want_stats, "capacity stats")
+
+
 def _run_child_checks() -> dict[str, str]:
     results = {}
     for name, fn in CHILD_CHECKS.items():
