@@ -31,17 +31,25 @@ fsdp axes and the router's over all batch axes (`check_vma`). With `capacity_fac
 expert group (ceil(factor * X_g * k / E) assignments per expert, in the group's token order), as GShard does.
 
 Why all_gather + psum_scatter and not `jax.lax.ragged_all_to_all`: XLA:CPU has no ragged-all-to-all (JAX 0.11.2:
-"HLO opcode ragged-all-to-all is not supported by XLA:CPU ThunkEmitter"), so it could not be tested here.
-Traffic: per layer and device, all_gather receives (ep-1)*X_l*D and psum_scatter sends as much; an all-to-all
-of the assignments moves (ep-1)/ep * k*X_l*D each way, so for ep <= k+1 (Qwen3-30B-A3B: k=8, ep<=8) the
-gathered exchange moves no more bytes than the ragged all-to-all would (the fp32 psum_scatter doubles its half
-next to a bf16 one; kept fp32 for exactness). Memory: the expert activations are R = X_g*min(k, E_l) rows
-([R, D] in, [R, 2F] hidden) and the [X_g*k, D] combine buffer: the dropless worst case (all of the group's
-assignments on one device), which any static-shape dropless exchange must also reserve; a ragged all-to-all
-only saves it with a capacity. Compute: ragged_dot sees R rows but only ~X_l*k are real. On an H200 node
-(NVLink, ~450 GB/s per direction) the exchange of Qwen3-30B-A3B (D=2048, bf16 tokens, X_l=8192, ep=8) is
-~2 x 7 x 8192 x 2048 x 2-4 B = 0.5-0.9 GB per layer and step direction, ~1-2 ms: small next to the layer's
-expert GEMMs only when the grouped GEMM skips the empty rows (benchmark it; the Pallas gmm does per tile).
+"HLO opcode ragged-all-to-all is not supported by XLA:CPU ThunkEmitter"), so that path could not be tested here;
+this one is exact on every backend.
+
+Cost, per MoE layer and device (X_l tokens, hidden D, ep devices in the group, k of E experts, E_l = E / ep):
+  * traffic: the all_gather receives (ep-1)*X_l*D values (bf16 tokens), the psum_scatter sends (ep-1)*X_l*D
+    (fp32, for exactness; bf16 would halve it). An all-to-all of the assignments moves (ep-1)/ep * k*X_l*D each
+    way, so for ep <= k+1 (Qwen3-30B-A3B: k = 8, ep <= 8) the gathered exchange moves no more bytes.
+  * memory: expert activations of R = X_g*min(k, E_l) rows ([R, D] in, [R, 2F] hidden, X_g = ep*X_l) and the
+    [X_g*k, D] combine buffer: the dropless worst case (every assignment of the group on this device), which
+    any static-shape dropless exchange reserves too; a ragged all-to-all saves it only with a capacity.
+  * compute: the grouped GEMM gets R rows of which about X_l*k are real (ep times fewer when E_l >= k). ragged_dot
+    / a grouped GEMM that walks only the filled tiles costs the real rows; one that computes the whole buffer
+    costs ep times more: measure it (benchmarks/) before trusting EP throughput.
+What an H200 node should show, Qwen3-30B-A3B (D = 2048, F = 768, k = 8, E = 128), ep = 8, X_l = 8192 tokens:
+the exchange is ~0.24 GB gathered + ~0.47 GB reduce-scattered per layer forward (as much again backward), ~1.5 ms
+at ~450 GB/s NVLink per direction, against ~1 ms of expert GEMMs (0.6 TFLOP forward): communication-bound unless
+XLA overlaps it with attention, so EP pays on one node only when the experts do not fit otherwise; data / fsdp
+over the whole model is the faster choice for a model that fits. The ragged all-to-all path (GPU only) and a bf16
+reduce-scatter are the next steps, both to be benchmarked against this one.
 """
 from __future__ import annotations
 
@@ -55,7 +63,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from surojax.models.layers.moe import MoE, RouterStats, dispatch, route, router_stats
 from surojax.models.layers.params import AXES
-from surojax.parallel.rules import batch_axes
+from surojax.parallel.rules import batch_axes, batch_parallel_size
 
 EXPERT_AXIS = "expert"  # the mesh axis (surojax.parallel.mesh) that splits the experts
 EXPERTS = "experts"  # the logical axis of the expert dimension of a parameter
@@ -78,10 +86,7 @@ class ExpertParallel:
     mesh: Mesh
 
     def __call__(self, moe: MoE, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, RouterStats]:
-        axes = batch_axes(self.mesh)
-        split = 1
-        for a in axes:
-            split *= self.mesh.shape[a]
+        axes, split = batch_axes(self.mesh), batch_parallel_size(self.mesh)
         if x.shape[0] % split:
             raise ExpertParallelError(f"expert parallelism splits the batch over {' x '.join(axes)} = {split} "
                                       f"devices, but the MoE layer got {x.shape[0]} rows")

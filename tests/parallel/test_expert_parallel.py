@@ -35,7 +35,16 @@ from surojax.models.config import ModelConfig, MoEConfig  # noqa: E402
 from surojax.models.decoder import Decoder  # noqa: E402
 from surojax.models.layers.moe import MoE  # noqa: E402
 from surojax.parallel.expert import ExpertParallelError, apply_expert_parallel  # noqa: E402
-from surojax.parallel.rules import ACTIVATION_RULES, PARAM_RULES, batch_parallel_size, partition_spec  # noqa: E402
+from surojax.parallel.mesh import make_mesh  # noqa: E402
+from surojax.parallel.rules import (  # noqa: E402
+    ACTIVATION_RULES,
+    PARAM_RULES,
+    batch_parallel_size,
+    batch_sharding,
+    param_shardings,
+    partition_spec,
+    shard_model,
+)
 
 MARKER = "EXPERT_PARALLEL_CHECKS_JSON:"
 BASE = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
@@ -98,8 +107,6 @@ def _batch(B: int, T: int, V: int):
 
 def _forward_and_grads(model, mesh=None):
     """(logits, router stats, grads of a loss of both) of `model`, sharded by the rules on `mesh` when given."""
-    from surojax.parallel.rules import batch_sharding, param_shardings, shard_model
-
     batch = _batch(8, 8, model.cfg.vocab_size)
     probe = jax.random.normal(jax.random.key(2), (8, 8, model.cfg.vocab_size))
 
@@ -137,8 +144,6 @@ def _assert_close(got, want, what):
 
 
 def _check_mesh(parallel: dict):
-    from surojax.parallel.mesh import make_mesh
-
     mesh = make_mesh(parallel)
     for name, cfg in (("qwen3_moe", qwen3_moe()), ("biased", biased_moe())):
         ref_grads, (ref_logits, ref_stats) = _forward_and_grads(Decoder(cfg, attention="xla", rngs=nnx.Rngs(0)))
@@ -169,9 +174,6 @@ def check_expert_2_fsdp_2_tensor_2_matches_one_device():
 def check_capacity_is_per_expert_group():
     """With a capacity, each expert group (the 4 devices of one data index: batch rows 0-3, then 4-7) drops as one
     device does on that group's rows alone: the capacity counts the group's assignments, in its token order."""
-    from surojax.parallel.mesh import make_mesh
-    from surojax.parallel.rules import batch_sharding, shard_model
-
     cfg = qwen3_moe().moe
     moe = MoE(16, cfg, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     moe.capacity_factor = 0.5  # ceil(0.5 * 4*8*2 / 8) = 4 of the 64 assignments per expert and group: drops
