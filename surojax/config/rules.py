@@ -29,8 +29,8 @@ NOT_AVAILABLE = {
     "long_context": (lambda c: c.long_context, "the tiled long-context MLP is not available in this version"),
     "offload_grads": (lambda c: c.offload_grads, "gradients in host memory are not available in this version "
                       "(see offload_optimizer / offload_master)"),
-    "parallel": (lambda c: c.parallel.expert != 1 or c.parallel.stage != 1, "expert and pipeline (stage) "
-                 "parallelism are not available in this version: keep parallel.expert and parallel.stage at 1"),
+    "parallel": (lambda c: c.parallel.stage != 1, "pipeline (stage) parallelism is not available in this version: "
+                 "keep parallel.stage at 1"),
 }
 
 

@@ -1,8 +1,12 @@
-"""The device mesh: axes ("data", "fsdp", "tensor") sized from the `parallel` section of the config.
+"""The device mesh: axes ("data", "fsdp", "expert", "tensor") sized from the `parallel` section of the config.
 
     data    plain data parallelism: parameters replicated, batch split
     fsdp    ZeRO-3 / FSDP: parameters (and optimizer state) split on their `embed` axis, batch split too
+    expert  expert parallelism (MoE): the experts split, E / expert per device; every other parameter replicated
+            and the batch split, as data parallelism does (surojax/parallel/expert.py exchanges the tokens)
     tensor  Megatron tensor parallelism: heads / kv_heads / mlp / vocab split, batch not split
+
+The global batch is the per-device batch x data x fsdp x expert (as in Megatron / DeepSpeed expert parallelism).
 
 One size may be -1: "the rest of the devices" (the device count divided by the other sizes). The product of
 the sizes must equal the device count; anything else is an error that names the sizes and the count.
@@ -20,8 +24,8 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
-FUTURE_AXES: tuple[str, ...] = ("expert", "stage")  # in the config schema; only size 1 is accepted for now
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+FUTURE_AXES: tuple[str, ...] = ("stage",)  # in the config schema; only size 1 is accepted for now
 REST = -1  # "the rest of the devices"
 
 
@@ -32,7 +36,7 @@ class MeshError(ValueError):
 
 
 def _sizes_of(parallel: Mapping[str, int] | None) -> dict[str, int]:
-    """Read data/fsdp/tensor from a mapping of axis sizes (`ParallelConfig.sizes()`); a missing one is 1."""
+    """Read the mesh axes' sizes from a mapping of axis sizes (`ParallelConfig.sizes()`); a missing one is 1."""
     raw = dict(parallel or {})
     unknown = sorted(set(raw) - set(MESH_AXES) - set(FUTURE_AXES))
     if unknown:
@@ -74,9 +78,9 @@ def mesh_shape(parallel: Mapping[str, int] | None, num_devices: int) -> dict[str
 
 def make_mesh(parallel: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None, *,
               axis_types: tuple[AxisType, ...] | None = None) -> Mesh:
-    """A Mesh with axes ("data", "fsdp", "tensor") over `devices` (default: all devices of all processes).
+    """A Mesh with axes ("data", "fsdp", "expert", "tensor") over `devices` (default: all devices of all processes).
 
-    `parallel` is a dict or an object (the config's parallel section) with `data`, `fsdp`, `tensor`; a missing
+    `parallel` is a mapping (the config's `ParallelConfig.sizes()`) of `data`, `fsdp`, `expert`, `tensor`; a missing
     size is 1 and one size may be -1. `jax.make_mesh` orders the devices for the interconnect topology.
     """
     devices = list(jax.devices() if devices is None else devices)

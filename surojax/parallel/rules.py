@@ -5,11 +5,15 @@ surojax.models.layers.params) and never names a mesh axis. This module holds the
 names to the mesh axes of surojax.parallel.mesh, one table for parameters and one for activations:
 
     parameter   q_proj.kernel [L, D, N*H]  axes (layers, embed, heads)  -> P(None, 'fsdp', 'tensor')
-    activation  tokens [B, T]              axes (batch, seq)            -> P(('data', 'fsdp'), None)
+    parameter   experts.gate_up_proj.kernel [L, E, D, 2F]  axes (layers, experts, embed, mlp)
+                                                                  -> P(None, 'expert', 'fsdp', 'tensor')
+    activation  tokens [B, T]              axes (batch, seq)            -> P(('data', 'fsdp', 'expert'), None)
 
 Resolving one array's spec (`partition_spec`), dimension by dimension, left to right:
   * a logical name maps to None, one mesh axis or a tuple of mesh axes (the dimension is split over their
     product); a name missing from the table is an error (add it to the table, None to replicate);
+  * a mesh axis of size 1 splits nothing and is left out (so a run without expert parallelism keeps the
+    specs it always had);
   * a mesh axis already used by an earlier dimension of the same array is skipped (a mesh axis may shard
     only one dimension);
   * a mesh axis whose size does not divide what is left of the dimension is skipped, so an odd vocabulary
@@ -25,6 +29,7 @@ Placement is applied from outside the model, in one of three ways:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -52,13 +57,15 @@ PARAM_RULES: Rules = MappingProxyType({
     "head_dim": None,
     "mlp": "tensor",
     "layers": None,
-    "experts": None,  # expert parallelism will map this to its own mesh axis
+    "experts": "expert",  # E / expert experts per device; surojax/parallel/expert.py sends the tokens to them
 })
 
-# Activations and inputs: the batch is split over every data-like axis (data and fsdp), the rest follows
-# tensor parallelism. For with_sharding_constraint in steps and for the [B, T] inputs (`batch_sharding`).
+# Activations and inputs: the batch is split over every data-like axis (data, fsdp and expert: expert parallelism
+# splits the batch as data parallelism does), the rest follows tensor parallelism. For with_sharding_constraint
+# in steps and for the [B, T] inputs (`batch_sharding`). "expert" is last so that the devices of one expert group
+# hold consecutive rows of the batch (the token exchange of surojax/parallel/expert.py gathers over that group).
 ACTIVATION_RULES: Rules = MappingProxyType({
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "seq": None,
     "kv_seq": None,
     "embed": None,
@@ -103,6 +110,8 @@ def partition_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh 
             if axis not in sizes:
                 raise KeyError(f"rule {name!r} -> {rules[name]!r} names mesh axis {axis!r}, but the mesh has "
                                f"axes {', '.join(sizes)}")
+            if sizes[axis] == 1:
+                continue
             if axis in used:
                 log.debug("dim %d (%s): mesh axis %r already shards another dimension; not used again",
                           i, name, axis)
@@ -130,6 +139,17 @@ def batch_sharding(mesh: Mesh, rules: Rules = ACTIVATION_RULES) -> NamedSharding
     not a silently replicated batch.
     """
     return named_sharding(("batch", "seq"), mesh, rules)
+
+
+def batch_axes(mesh: Mesh | jax.sharding.AbstractMesh, rules: Rules = ACTIVATION_RULES) -> tuple[str, ...]:
+    """The mesh axes that split the batch (the `batch` rule), in order, all of them (size 1 included)."""
+    return tuple(a for a in _as_tuple(rules["batch"]) if a in mesh.shape)
+
+
+def batch_parallel_size(mesh: Mesh | jax.sharding.AbstractMesh, rules: Rules = ACTIVATION_RULES) -> int:
+    """How many ways the batch is split: data x fsdp x expert. Global batch = per-device batch x this."""
+    sizes = dict(mesh.shape)
+    return math.prod(sizes[a] for a in batch_axes(mesh, rules))
 
 
 def _variable_sharding(var: nnx.Variable, mesh: Mesh, rules: Rules, path) -> Any:
@@ -209,6 +229,7 @@ def sharding_report(model: nnx.Module) -> str:
 
 
 __all__ = [
-    "PARAM_RULES", "ACTIVATION_RULES", "Rules", "partition_spec", "named_sharding", "batch_sharding",
+    "PARAM_RULES", "ACTIVATION_RULES", "Rules", "partition_spec", "named_sharding", "batch_sharding", "batch_axes",
+    "batch_parallel_size",
     "param_shardings", "shard_model", "init_sharded", "sharding_report",
 ]

@@ -32,7 +32,8 @@ from surojax.offload.optimizer import apply_master_updates, compute_copy
 from surojax.offload.remat import layer_loop
 from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
 from surojax.offload.streaming import build_context, place_model
-from surojax.parallel import init_sharded
+from surojax.parallel import batch_parallel_size, init_sharded
+from surojax.parallel.expert import apply_expert_parallel
 from surojax.peft.lora import set_dropout_key
 from surojax.peft.trained_router import make_router_trainable
 from surojax.train.model_setup import build_model, trainable_filter
@@ -78,7 +79,8 @@ def count_params(config) -> int:
 
 
 def data_parallel_size(mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """Ways the batch is split: data x fsdp x expert (expert parallelism splits the batch like data parallelism)."""
+    return batch_parallel_size(mesh)
 
 
 def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
@@ -166,10 +168,10 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
         reason += ("; unrolled layers compile longer the first time" +
                    (f" (compiled programs are cached in {cache_dir})" if cache_dir else ""))
     log.debug("layer loop: %s", reason)  # the Trainer prints it in its start-up summary
-    if check_memory and mesh.shape["fsdp"] * mesh.shape["tensor"] == 1:
+    if check_memory and mesh.shape["fsdp"] * mesh.shape["tensor"] * mesh.shape["expert"] == 1:
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
 
-    model = _placed_model(spec, mesh, customize)
+    model = apply_expert_parallel(_placed_model(spec, mesh, customize), mesh)  # MoE tokens to their experts' devices
     train_mode = spec.lora is not None and spec.lora.adapter.dropout > 0
     if train_mode:
         model.train()

@@ -263,7 +263,7 @@ def test_cross_field_rule(d, key, words):
     ({"sequence_chunks": 4}, "sequence_chunks"),
     ({"long_context": True}, "long_context"),
     ({"offload_grads": True}, "offload_grads"),
-    ({"parallel": {"expert": 2}}, "parallel"),
+    ({"parallel": {"stage": 2}}, "parallel"),
     ({"datasets": [{"path": "d.jsonl", "prompt_field": "question"}]}, "datasets.0.prompt_field"),
     ({"lora": True, "qlora_bnb": True, "qlora_bnb_block_size": 128}, "qlora_bnb_block_size"),
     ({"lora": True, "qlora_fp8": True, "qlora_block_size": 64}, "qlora_block_size"),

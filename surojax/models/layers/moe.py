@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -149,6 +150,9 @@ class MoE(nnx.Module):
         E, F = moe.num_experts, moe.expert_intermediate_size
         self.moe = moe
         self.capacity_factor: float | None = None  # set from outside (training option); None = dropless
+        # set from outside (surojax.parallel.expert): runner(self, x, segment_ids) -> (y, stats) computes the layer
+        # across devices with the same contract as __call__; None = this device computes every expert
+        self.runner: Callable[[MoE, jax.Array, jax.Array], tuple[jax.Array, RouterStats]] | None = None
         self.router = Router(dim, E, use_bias=moe.router_bias, param_dtype=param_dtype, rngs=rngs)
         self.experts = Experts(dim, moe, param_dtype=param_dtype, rngs=rngs)
 
@@ -159,6 +163,8 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, RouterStats]:
         """x [B, T, D], segment_ids [B, T] (0 = padding: routed but left out of the stats) -> (y [B, T, D], stats)."""
+        if self.runner is not None:
+            return self.runner(self, x, segment_ids)
         B, T, D = x.shape
         E, k = self.moe.num_experts, self.moe.experts_per_token
         xs = x.reshape(B * T, D)  # [X, D]
