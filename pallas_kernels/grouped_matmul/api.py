@@ -65,4 +65,19 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiles:
     return _grouped_matmul(x, w, group_sizes.astype(jnp.int32), tiles, tgmm_tiles, _interpret(interpret))
 
 
-__all__ = ["GMM_TILES", "TGMM_TILES", "grouped_matmul"]
+# jax.lax.ragged_dot on the GPU (JAX 0.11.2) is no grouped GEMM: its lowering materialises dense [A, E, ...]
+# intermediates (36 ms for one Qwen3-30B-A3B down projection at 8192 tokens vs 0.58 ms here; its gradient asks for
+# 64 GiB: benchmarks/RESULTS.md), so on a GPU the kernel runs it. Elsewhere ragged_dot is exact and fast enough.
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def grouped_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The grouped matmul the model runs: this kernel on a GPU for bf16 / fp16 operands, jax.lax.ragged_dot
+    elsewhere (CPU; fp32 parity runs, where Triton's dots would use TF32). Same contract as `grouped_matmul`."""
+    w = w.astype(x.dtype)
+    if jax.default_backend() == "gpu" and jnp.dtype(x.dtype) in _KERNEL_DTYPES:
+        return grouped_matmul(x, w, group_sizes)
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+__all__ = ["GMM_TILES", "TGMM_TILES", "grouped_dot", "grouped_matmul"]

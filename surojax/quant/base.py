@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.grouped_matmul import grouped_dot
 from pallas_kernels.quant_matmul.api import quant_matmul
 from pallas_kernels.quant_matmul.layout import KernelLayout, LayoutSpec, layout_error, to_layout
 
@@ -88,9 +89,9 @@ class QuantFormat:
 
         The reference path for every format: all E experts are dequantised at once (a full copy of this layer's
         expert weights in x's dtype, e.g. bf16, alive for the GEMM; under the decoder's layer scan that is one
-        layer's experts at a time), then one `jax.lax.ragged_dot`. No gradient reaches the packed weight (codes
+        layer's experts at a time), then one grouped GEMM (pallas_kernels.grouped_matmul.grouped_dot). No gradient reaches the packed weight (codes
         are integers; QLoRA's base is frozen); x gets its exact gradient through the GEMM."""
-        return jax.lax.ragged_dot(x, self.dequantize(x.dtype), group_sizes)
+        return grouped_dot(x, self.dequantize(x.dtype), group_sizes)
 
     def kernel_values(self) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """One layer's values for the kernel layout, in the format's row layout: codes [N, K] (one code per

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.grouped_matmul import grouped_dot as kernel_grouped_dot
 from surojax.models.config import MoEConfig
 from surojax.models.layers.linear import dot
 from surojax.models.layers.params import param
@@ -47,10 +48,11 @@ class RouterStats:
 
 def grouped_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     """x [A, I] (rows sorted by group) @ w [E, I, O] per group -> [A, O] in x's dtype; rows past
-    sum(group_sizes) give 0. A quantised weight (any pytree with `grouped_matmul`) runs its own kernel."""
+    sum(group_sizes) give 0. A quantised weight (any pytree with `grouped_matmul`) runs its own path; a plain one
+    the Pallas grouped GEMM on a GPU, jax.lax.ragged_dot elsewhere (pallas_kernels.grouped_matmul.grouped_dot)."""
     if hasattr(w, "grouped_matmul"):
         return w.grouped_matmul(x, group_sizes)
-    return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+    return kernel_grouped_dot(x, w, group_sizes)
 
 
 class ExpertLinear(nnx.Module):
