@@ -35,7 +35,8 @@ def randomize_base(model, fmt: str, key, targets: str = "all-linear") -> None:
         if not hasattr(FORMATS[fmt], "grouped_matmul"):
             raise ValueError(f"{fmt} weights have no grouped_matmul on this checkout: MoE experts cannot be {fmt}")
         experts = model.layers.mlp.experts
-        linears += [experts.gate_up_proj, experts.down_proj]
+        # an expert projection wrapped by LoRA (LoRAExpertLinear) keeps its frozen ExpertLinear as `base`
+        linears += [getattr(lin, "base", lin) for lin in (experts.gate_up_proj, experts.down_proj)]
     for i, lin in enumerate(linears):
         var = lin.kernel
         *lead, k, n = tuple(var.get_value().shape)
