@@ -191,9 +191,14 @@ def build_model(a):
     from surojax.bench.shapes import model_config
     from surojax.models.decoder import Decoder
 
+    from surojax.parallel import init_sharded, make_mesh
+
     cfg = model_config(a.shape)
     dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
-    model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0))
+    # built inside one jit (init_sharded on a one-device mesh): each weight's fp32 random draw fuses into its cast,
+    # where an eager build materialises it whole (a 30B MoE's stacked experts: a 72 GiB fp32 buffer)
+    model = init_sharded(lambda: Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0)),
+                         make_mesh({"data": 1}, jax.devices()[:1]))
     print(f"# model {a.shape} {a.dtype} on {jax.devices()[0].device_kind}", flush=True)
     return model
 

@@ -253,8 +253,11 @@ MOE_KEYS = ("router_aux_loss_coef", "router_z_loss_coef", "capacity_factor", "tr
 
 
 def moe_training(cfg: TrainConfig, model_cfg: ModelConfig) -> MoETraining | None:
-    """The MoE keys read against the model: the aux coefficient defaults to its config.json's; on a dense model
-    a MoE key set away from its default is refused (there is no router)."""
+    """The MoE keys read against the model. The aux coefficient defaults to its config.json's
+    `router_aux_loss_coef` where the load-balancing term has a purpose: the router trains (`train_router`, or a
+    full fine-tune) or config.json asks for it (`output_router_logits: true`, transformers' own switch); else 0,
+    so a LoRA run's loss is transformers' loss. On a dense model a MoE key set away from its default is refused
+    (there is no router)."""
     if model_cfg.moe is None:
         fields = type(cfg).model_fields
         set_keys = [k for k in MOE_KEYS if getattr(cfg, k) != fields[k].get_default(call_default_factory=True)]
@@ -265,7 +268,11 @@ def moe_training(cfg: TrainConfig, model_cfg: ModelConfig) -> MoETraining | None
     if cfg.offload_prefetch:
         raise TrainSetupError("offload_prefetch: its layer loop does not collect the router statistics the MoE "
                               "training loss needs; use offload_base_weights without offload_prefetch")
-    aux = model_cfg.moe.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef
+    aux = cfg.router_aux_loss_coef
+    if aux is None:  # transformers adds the term with output_router_logits; we also do where the router trains
+        trains_router = cfg.train_router or not cfg.lora
+        wanted = trains_router or bool(model_cfg.hf_extra.get("output_router_logits"))
+        aux = model_cfg.moe.router_aux_loss_coef if wanted else 0.0
     return MoETraining(RouterLossWeights(aux_coef=aux, z_coef=cfg.router_z_loss_coef),
                        capacity_factor=cfg.capacity_factor, train_router=cfg.train_router)
 

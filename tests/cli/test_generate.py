@@ -55,18 +55,22 @@ def test_show_ids_equal_a_greedy_run(capsys, qwen3):
     assert "qwen3, float32]" in err and f"[{len(ids['new_ids'])} tokens in" in err
 
 
-def test_greedy_ids_equal_transformers(capsys):
-    """The fixture's greedy prompt as text: the CLI's 8 ids are the first 8 of transformers' greedy tokens."""
-    exp = np.load(QWEN3 / "expected.npz")
-    tok = Tokenizer.from_dir(QWEN3)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4"])
+def test_greedy_ids_equal_transformers(capsys, family):
+    """The fixture's greedy prompt as text: the CLI's ids are transformers' greedy tokens (the dense family's first
+    8; the MoE families' whole 32, MXFP4 experts included)."""
+    model = QWEN3.parent / family
+    exp = np.load(model / "expected.npz")
+    tok = Tokenizer.from_dir(model)
     text = tok.decode(exp["greedy_prompt"].tolist())
     assert tok.encode(text) == exp["greedy_prompt"].tolist()  # the text encodes back to the same prompt
-    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", text, "--max-new-tokens", "8",
+    n = 8 if family == "qwen3" else 32
+    rc, out, err = run_generate(capsys, "--model", str(model), "--prompt", text, "--max-new-tokens", str(n),
                                 "--ignore-eos", "--show-ids")
     assert rc == 0, err
     ids = shown_ids(out)
     assert ids["prompt_ids"] == exp["greedy_prompt"].tolist()
-    assert ids["new_ids"] == exp["greedy_tokens"][:8].tolist()
+    assert ids["new_ids"] == exp["greedy_tokens"][:n].tolist()
 
 
 def test_chat_uses_the_template(capsys, qwen3):

@@ -53,6 +53,12 @@ def test_aux_coefficient_override_capacity_and_refusals(tiny_config):
     moe = spec_of(router_aux_loss_coef=0.5, capacity_factor=1.25).moe
     assert moe.router_loss.aux_coef == 0.5 and moe.capacity_factor == 1.25 and not moe.train_router
     assert spec_of(router_aux_loss_coef=0.0).moe.router_loss.aux_coef == 0.0
+    # LoRA with a frozen router: transformers' rule (the term only with output_router_logits); a trained router: on
+    assert spec_of(lora=True).moe.router_loss.aux_coef == 0.0
+    assert spec_of(lora=True, train_router=True).moe.router_loss.aux_coef == 0.02
+    logits_on = dict(TINY_MOE, output_router_logits=True)
+    cfg = config_from_dict(tiny_config(model_config=logits_on, lora=True))
+    assert run_spec(cfg, total_steps=1).moe.router_loss.aux_coef == 0.02
     dense = config_from_dict(tiny_config(model_config=dict(TINY_QWEN3), router_z_loss_coef=0.1))
     with pytest.raises(TrainSetupError, match="router_z_loss_coef: applies to mixture-of-experts models only"):
         run_spec(dense, total_steps=1)
