@@ -115,14 +115,59 @@ def expert_activation(h: jax.Array, moe: MoEConfig) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Dispatch:
-    """Assignments sorted by expert: `order` [A] (assignment index a = token * k + slot, in expert order),
-    `group_sizes` [E] (rows per expert that are computed), `row_expert` [A] (each sorted row's expert;
-    E for a dropped row, which sits past sum(group_sizes)), `kept` [A] (in assignment order)."""
+    """Assignments sorted by expert: `order` [A] (assignment index a = token * k + slot, in expert order) and
+    its inverse `inverse` [A] (where each assignment sits in that order), `group_sizes` [E] (rows per expert
+    that are computed), `row_expert` [A] (each sorted row's expert; E for a dropped row, which sits past
+    sum(group_sizes)), `kept` [A] (in assignment order)."""
 
     order: jax.Array
     group_sizes: jax.Array
     row_expert: jax.Array
     kept: jax.Array
+    inverse: jax.Array
+
+
+def _inverse(order: jax.Array) -> jax.Array:
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+
+
+# The two permutations of a MoE call as gathers in both directions: the transpose of a gather is a scatter-add
+# (atomics on a GPU, duplicates assumed); a permutation's transpose is the gather by its inverse.
+@jax.custom_vjp
+def gather_token_rows(xs: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """xs [X, D] -> [A, D]: row i is the token of assignment order[i] (token = assignment // k, A = X * k)."""
+    return jnp.take(xs, order // (order.shape[0] // xs.shape[0]), axis=0)
+
+
+def _gather_fwd(xs, order, inverse):
+    return gather_token_rows(xs, order, inverse), (order, inverse, xs.shape[0])
+
+
+def _gather_bwd(res, g):
+    order, inverse, X = res
+    per_assignment = jnp.take(g, inverse, axis=0)  # [A, D] in assignment order: token-major, k slots each
+    return per_assignment.reshape(X, -1, g.shape[-1]).sum(axis=1, dtype=jnp.float32).astype(g.dtype), None, None
+
+
+gather_token_rows.defvjp(_gather_fwd, _gather_bwd)
+
+
+@jax.custom_vjp
+def permute_rows(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x [A, D] -> x[perm]; `inverse` is perm's inverse (the gradient gathers by it)."""
+    return jnp.take(x, perm, axis=0)
+
+
+def _permute_fwd(x, perm, inverse):
+    return permute_rows(x, perm, inverse), (perm, inverse)
+
+
+def _permute_bwd(res, g):
+    perm, inverse = res
+    return jnp.take(g, inverse, axis=0), None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
 def dispatch(ids: jax.Array, num_experts: int, capacity: int | None = None) -> Dispatch:
@@ -132,7 +177,7 @@ def dispatch(ids: jax.Array, num_experts: int, capacity: int | None = None) -> D
     order = jnp.argsort(flat, stable=True)
     counts = jnp.bincount(flat, length=num_experts)  # [E]
     if capacity is None:
-        return Dispatch(order, counts.astype(jnp.int32), flat[order], jnp.ones((A,), bool))
+        return Dispatch(order, counts.astype(jnp.int32), flat[order], jnp.ones((A,), bool), _inverse(order))
     starts = jnp.cumsum(counts) - counts  # [E] first sorted row of each expert
     sorted_expert = flat[order]
     rank = jnp.arange(A) - starts[sorted_expert]  # position inside its expert's group
@@ -142,7 +187,7 @@ def dispatch(ids: jax.Array, num_experts: int, capacity: int | None = None) -> D
     key = jnp.where(kept, flat, num_experts)
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.minimum(counts, capacity).astype(jnp.int32)
-    return Dispatch(order, group_sizes, key[order], kept)
+    return Dispatch(order, group_sizes, key[order], kept, _inverse(order))
 
 
 class MoE(nnx.Module):
@@ -173,9 +218,9 @@ class MoE(nnx.Module):
         logits = self.router(xs)  # [X, E] fp32
         weights, ids, probs = route(logits, self.moe)
         d = dispatch(ids, E, self.capacity(B * T * k))
-        rows = jnp.take(xs, d.order // k, axis=0)  # [A, D] each assignment's token, in expert order
+        rows = gather_token_rows(xs, d.order, d.inverse)  # [A, D] each assignment's token, in expert order
         h = self.experts(rows, d.group_sizes, d.row_expert)  # [A, D]
-        out = jnp.zeros_like(h).at[d.order].set(h, unique_indices=True)  # back to assignment order (dropped rows stay 0)
+        out = permute_rows(h, d.inverse, d.order)  # [A, D] back to assignment order (dropped rows are 0)
         y = jnp.einsum("xkd,xk->xd", out.reshape(B * T, k, D).astype(jnp.float32), weights)
         return y.astype(x.dtype).reshape(B, T, D), router_stats(logits, probs, ids, d.kept, segment_ids, E)
 
