@@ -17,7 +17,14 @@ down_proj; the first wrapped is the innermost), so the saved names differ by `.b
 
 Ours: A [L, E, in, R], B [L, E, R, out] (`x @ A[e] @ B[e]`), so per layer A_pt = A.transpose(0, 2, 1).reshape(E*R,
 in) and B_pt = B.transpose(2, 1, 0).reshape(out, R*E). PEFT forbids dropout, DoRA, bias and fan_in_fan_out on
-these wrappers. The gpt_oss experts (stored [E, in, out], interleaved gate/up) are not a registry family yet.
+these wrappers.
+
+gpt_oss stores its experts `x @ W`-ready: gate_up_proj [E, D, 2F] (gate / up interleaved on the last axis) and
+down_proj [E, F, D]; its experts module says `is_transposed = True`, so ParamWrapper reads in, out = shape[1:] and
+does not swap them. The saved tensors are then the same lora_A [E*R, in] / lora_B [out, R*E] (delta einsum
+"o r e, e r i -> e i o", added to the [E, in, out] parameter as is), and the interleaved 2F axis is lora_B's `out`
+in both, exactly as our kernel [E, D, 2F] keeps it: one layout for every family (checked against peft in
+tests/peft/test_router_adapter.py).
 """
 from __future__ import annotations
 

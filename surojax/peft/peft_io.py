@@ -9,8 +9,12 @@ The module part (`model.layers.{i}.self_attn.q_proj`) comes from the family's we
 (surojax.models.registry), so a family with other HF names needs no code here. Reading also accepts names
 with PEFT's in-memory adapter segment (`lora_A.default.weight`) and without the `base_model.model.` prefix.
 A MoE model's expert adapters use PEFT's `target_parameters` layout (surojax.peft.peft_experts: one adapter per
-expert stacked into the rank axis, nested `.base_layer` names). Anything this loader cannot reproduce exactly (DoRA, per-module rank/alpha patterns, biases, extra saved
-modules, layer subsets, ...) is an error that names the option, never silently ignored.
+expert stacked into the rank axis, nested `.base_layer` names). A MoE router trained with the adapter
+(surojax.peft.trained_router) is PEFT's `modules_to_save`: `["gate"]` (`["router"]` for gpt_oss) and the router's full
+weights per layer under the module's name (`base_model.model.model.layers.{i}.mlp.gate.weight`, torch [E, D]); the
+loader reads them into `PeftAdapter.router` when the caller passes the family's router rows. Anything this loader
+cannot reproduce exactly (DoRA, per-module rank/alpha patterns, biases, other saved modules, layer subsets, ...) is
+an error that names the option, never silently ignored.
 """
 from __future__ import annotations
 
@@ -38,6 +42,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 _LIST_LIMIT = 8
+# `modules_to_save` entries this loader reads: the last name of a MoE family's router module (PEFT matches a
+# module by the end of its name). qwen3_moe / mixtral: `mlp.gate`; gpt_oss: `mlp.router`.
+ROUTER_MODULES = ("gate", "router")
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -63,12 +70,14 @@ class LoraSpec:
 @dataclasses.dataclass
 class PeftAdapter:
     """An adapter read from disk, in our layout: target -> (A [L, in, R], B [L, R, out]) numpy arrays (an expert
-    target: A [L, E, in, R], B [L, E, R, out])."""
+    target: A [L, E, in, R], B [L, E, R, out]). router: the MoE router saved with it (`modules_to_save`), Decoder
+    path -> full weight (layers.mlp.router.kernel [L, D, E], layers.mlp.router.bias [L, E]); empty when none."""
 
     spec: LoraSpec
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
     base_model_name_or_path: str | None = None
     path: Path | None = None
+    router: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -210,7 +219,6 @@ _NEUTRAL = {
     "lora_bias": (False, None),
     "rank_pattern": ({}, None),
     "alpha_pattern": ({}, None),
-    "modules_to_save": (None, []),
     "layers_to_transform": (None,),
     "layers_pattern": (None, [], ""),
     "layer_replication": (None,),
@@ -233,6 +241,12 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
     if bad:
         raise AdapterError(f"{path}: unsupported LoRA options: {', '.join(bad)} (surojax reads plain LoRA adapters: "
                            "no DoRA, bias, rank/alpha patterns, saved modules or layer subsets)")
+    saved = cfg.get("modules_to_save")
+    if saved not in (None, []) and (not isinstance(saved, list) or any(m not in ROUTER_MODULES for m in saved)
+                                    or len(saved) != 1):
+        raise AdapterError(f"{path}: modules_to_save={saved!r} is not supported (surojax reads one saved module: a "
+                           "MoE router trained with the adapter, ['gate'] for qwen3_moe / mixtral, ['router'] for "
+                           "gpt_oss)")
     try:
         rank = int(cfg["r"])
         alpha = float(cfg["lora_alpha"])
@@ -273,13 +287,15 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
 
 def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS,
                       num_layers: int | None = None, dims: dict[str, tuple[int, int]] | None = None,
-                      num_experts: int | None = None) -> PeftAdapter:
+                      num_experts: int | None = None, router_rows: tuple[WeightRow, ...] = ()) -> PeftAdapter:
     """Read a PEFT LoRA folder into our layout, checking names, shapes and completeness.
 
     When loading for a model, pass its `num_layers` (every targeted module must have tensors for exactly
     layers 0..L-1) and `dims` (target -> (in, out) of its Linear; every tensor is checked against them).
     Without `dims`, every layer must have layer 0's shapes. Expert targets (from `target_parameters`) are read in
     PEFT's ParamWrapper layout (surojax.peft.peft_experts); `num_experts` (E of the model) is then checked too.
+    router_rows: the model's router rows under PEFT's names (surojax.peft.trained_router.peft_router_rows); an
+    adapter with `modules_to_save` needs them (its module must be that router, with a tensor per row and layer).
     """
     adapter_dir = Path(adapter_dir)
     cfg, spec = read_adapter_config(adapter_dir)
@@ -297,7 +313,10 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
                 for t, m in modules.items()}
     found: dict[tuple[str, int, str], str] = {}  # (target, layer, "A"|"B") -> tensor name
     unexpected = []
+    router_found = _router_names(cfg.get("modules_to_save"), router_rows, f.names(), adapter_dir)
     for name in f.names():
+        if name in router_found.values():
+            continue
         m = _NAME.match(name)
         hit = None
         if m:
@@ -371,4 +390,56 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
             b_list.append(b)
         weights[t] = (np.stack(a_list), np.stack(b_list))  # [L, (E,) in, R], [L, (E,) R, out]
     spec = dataclasses.replace(spec, targets=tuple(targets))
-    return PeftAdapter(spec, weights, cfg.get("base_model_name_or_path"), adapter_dir)
+    router = _read_router(f, wpath, router_found, router_rows, L)
+    return PeftAdapter(spec, weights, cfg.get("base_model_name_or_path"), adapter_dir, router)
+
+
+def _router_names(saved: list[str] | None, router_rows: tuple[WeightRow, ...], names, adapter_dir: Path
+                  ) -> dict[tuple[str, int], str]:
+    """The saved router's tensors: (Decoder path, layer) -> tensor name; empty without `modules_to_save`."""
+    if not saved:
+        return {}
+    if not router_rows:
+        raise AdapterError(f"{adapter_dir}: modules_to_save={saved!r} holds a MoE router, and this model has none "
+                           "to load it into (a dense model, or a loader that takes no saved router)")
+    module = router_rows[0].hf.format(i=0).rsplit(".", 2)[-2]  # model.layers.0.mlp.gate.weight -> gate
+    if saved != [module]:
+        raise AdapterError(f"{adapter_dir}: modules_to_save={saved!r}, but this model's router module is "
+                           f"{module!r}: the adapter was trained on another family")
+    patterns = {r.path: re.compile(r"^(?:base_model\.model\.)?" + re.escape(r.hf).replace(re.escape("{i}"), r"(\d+)")
+                                   + "$") for r in router_rows}
+    found = {}
+    for name in names:
+        for path, pat in patterns.items():
+            m = pat.match(name)
+            if m:
+                found[(path, int(m[1]))] = name
+    return found
+
+
+def _read_router(f: SafetensorsFile, wpath: Path, found: dict[tuple[str, int], str],
+                 router_rows: tuple[WeightRow, ...], num_layers: int) -> dict[str, np.ndarray]:
+    """Stack the saved router tensors into our layout (kernel [L, D, E], bias [L, E]), every layer present."""
+    if not found:
+        return {}
+    rows = {r.path: r for r in router_rows}
+    missing = [PEFT_PREFIX + rows[p].hf.format(i=i) for p in rows for i in range(num_layers) if (p, i) not in found]
+    extra = [n for (p, i), n in found.items() if i >= num_layers]
+    if missing or extra:
+        raise AdapterError(f"{wpath}: the saved router needs one tensor per row and layer (L={num_layers}); "
+                           f"missing: {_listing(missing) or 'none'}; "
+                           f"beyond the last layer: {_listing(extra) or 'none'}")
+    router = {}
+    for path, row in rows.items():
+        values = []
+        for i in range(num_layers):
+            name = found[(path, i)]
+            if f.dtype(name) not in _FLOATS:
+                raise AdapterError(f"{wpath}: tensor {name} has dtype {f.dtype(name)}, expected a float")
+            v = np.asarray(f.get(name))
+            values.append(v.T if row.transpose else v)  # torch [E, D] -> [D, E]
+        shapes = {v.shape for v in values}
+        if len(shapes) != 1:
+            raise AdapterError(f"{wpath}: the router's {path} differs in shape across layers: {sorted(shapes)}")
+        router[path] = np.stack(values)
+    return router

@@ -20,6 +20,7 @@ from surojax.models.registry import weight_rows
 from surojax.peft.lora import (LORA_TARGETS, apply_lora, base_linear, fold_into, is_moe, lora_modules, model_targets,
                                resolve_targets)
 from surojax.peft.peft_io import load_peft_adapter
+from surojax.peft.trained_router import peft_router_rows, set_router
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,11 @@ def load_adapter_into(model, adapter_dir: str | os.PathLike, *, trainable: bool,
     dims = {t: (base_linear(model, t).in_features, base_linear(model, t).out_features) for t in model_targets(model)}
     moe = model.cfg.moe
     adapter = load_peft_adapter(adapter_dir, rows=tuple(weight_rows(model.cfg)), num_layers=model.cfg.num_layers,
-                                dims=dims, num_experts=moe.num_experts if moe is not None else None)
+                                dims=dims, num_experts=moe.num_experts if moe is not None else None,
+                                router_rows=peft_router_rows(model.cfg))
     spec = adapter.spec
+    if adapter.router:  # a router trained with the adapter (modules_to_save): replaced, trainable with it or not
+        set_router(model, adapter.router, trainable=trainable, dtype=dtype)
     if not trainable:
         for t, (a, b) in adapter.weights.items():
             fold_into(base_linear(model, t), a, b, spec.scaling)

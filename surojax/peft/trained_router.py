@@ -9,7 +9,13 @@ the checkpoint saver and `merge_lora` see it as a weight of the model). It is st
 Export: PEFT `modules_to_save` — the adapter folder gets the routers' full weights under the HF module name
 (`base_model.model.model.layers.{i}.mlp.gate.weight`, torch layout [E, D]) and adapter_config.json lists the
 module's last name (`gate`; `router` for gpt_oss), which `peft.PeftModel.from_pretrained` loads into its
-`ModulesToSaveWrapper`. The merged model (`merge_adapter`) carries them as ordinary weights.
+`ModulesToSaveWrapper`. The names are transformers 5's in-memory module paths, which PEFT sees: Mixtral's router is
+`mlp.gate` there (its checkpoints say `block_sparse_moe.gate`), so the family's fused table wins where it has one.
+The merged model (`merge_adapter`) carries them as ordinary weights.
+
+Import: surojax.peft.peft_io reads such an adapter's router tensors (`PeftAdapter.router`, our layout) given
+`peft_router_rows(cfg)`; `set_router` puts them into a model: a `RouterParam` when the adapter is loaded to keep
+training, the model's own plain `nnx.Param` (in its dtype) when the adapter is folded in.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -52,12 +59,44 @@ def has_trained_router(model) -> bool:
     return model.cfg.moe is not None and isinstance(model.layers.mlp.router.kernel, RouterParam)
 
 
-def router_rows(model) -> tuple[WeightRow, ...]:
-    """The family's weight-table rows of the router (kernel, and the bias where it exists)."""
-    rows = tuple(r for r in weight_rows(model.cfg) if r.path in ROUTER_PATHS)
+def peft_router_rows(cfg) -> tuple[WeightRow, ...]:
+    """The router's weight-table rows (kernel, and the bias where it exists) under the names PEFT saves: those of
+    transformers 5's in-memory model (the family's fused table where it has one). Empty for a dense model."""
+    if cfg.moe is None:
+        return ()
+    rows = tuple(r for r in (weight_rows(cfg, fused=True) or weight_rows(cfg)) if r.path in ROUTER_PATHS)
     if not rows:
-        raise ValueError(f"{model.cfg.model_type}: the weight table has no router row")
+        raise ValueError(f"{cfg.model_type}: the weight table has no router row")
     return rows
+
+
+def router_rows(model) -> tuple[WeightRow, ...]:
+    """`peft_router_rows` of a MoE model; a dense model is an error."""
+    if model.cfg.moe is None:
+        raise ValueError(f"{model.cfg.model_type} is a dense model; it has no router")
+    return peft_router_rows(model.cfg)
+
+
+def set_router(model, router: dict[str, np.ndarray], *, trainable: bool, dtype) -> None:
+    """Put saved router weights into `model` (in place). router: Decoder path (ROUTER_PATHS) -> value in our layout
+    (kernel [L, D, E], bias [L, E]); every router weight of the model must be given, with the model's shape.
+    trainable: each becomes a `RouterParam` in `dtype` (it trains with the adapter, as `make_router_trainable`);
+    otherwise the value replaces the weight's, as a plain `nnx.Param` in the weight's own dtype."""
+    if model.cfg.moe is None:
+        raise ValueError(f"{model.cfg.model_type} is a dense model; it has no router to load")
+    module = model.layers.mlp.router
+    want = {p for p in ROUTER_PATHS if getattr(module, p.rsplit(".", 1)[1]) is not None}
+    if set(router) != want:
+        raise ValueError(f"router weights {sorted(router)} do not match the model's router {sorted(want)}")
+    for path, value in router.items():
+        name = path.rsplit(".", 1)[1]
+        var = getattr(module, name)
+        old = var.get_value()
+        if tuple(value.shape) != tuple(old.shape):
+            raise ValueError(f"router {name}: saved shape {list(value.shape)}, the model has {list(old.shape)}")
+        kind = RouterParam if trainable else nnx.Param
+        new = jnp.asarray(value, dtype if trainable else old.dtype)
+        setattr(module, name, kind(new, **var.get_metadata()))
 
 
 def router_tensors(model, dtype=None) -> dict[str, np.ndarray]:

@@ -348,7 +348,10 @@ class Trainer:
     # ---- export ---------------------------------------------------------------------------------------------
     def trained_model(self):
         """The model with the trained weights (a fresh module; the trainer's own state is untouched)."""
-        return nnx.merge(self.run.eval_graphdef, master_params(self.trainable, self.opt_state), self.frozen)
+        # copy: new Variables over the same arrays, so merge_lora's in-place fold (merge_adapter) cannot write
+        # into the trainer's frozen state
+        return nnx.merge(self.run.eval_graphdef, master_params(self.trainable, self.opt_state), self.frozen,
+                         copy=True)
 
     def export(self, out_dir: str | Path | None = None, *, overwrite: bool = False) -> Path:
         """Write the trained weights: a PEFT adapter (LoRA; plus the merged model with `merge_adapter`) or an

@@ -4,6 +4,7 @@ of one device on the same global batches, for a tiny random qwen3_moe (8 experts
 The expert-parallel run holds 2 of the 8 experts per device and splits the global batch of 8 rows over data x expert
 (1 row per device); the single-device run takes the 8 rows at once. fp32; not bit-equal (each token's expert
 outputs and the replicated parameters' gradients are summed across devices in another order), hence rel 1e-4.
+The same holds for a LoRA adapter on attention + experts with the router trained alongside.
 """
 import json
 import os
@@ -11,7 +12,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import yaml
+from flax import nnx
+
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+from surojax.weights.hf_checkpoint import save_model
 
 from tests.train.conftest import ROOT
 
@@ -32,14 +39,25 @@ def _train(config, devices: int) -> list[float]:
     return [row["loss"] for row in sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])]
 
 
-def test_data_2_expert_4_matches_one_device(tmp_path, tiny_config):
+# LoRA on attention + experts (the expert adapters [L, E, in, R] sharded over `expert` like their kernels), the
+# router trained with them
+LORA = dict(lora=True, lora_rank=4, lora_alpha=8, lora_target_modules="all-linear", train_router=True,
+            learning_rate=1e-2)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_data_2_expert_4_matches_one_device(tmp_path, tiny_config, lora):
     common = dict(model_config=dict(TINY_QWEN3_MOE), max_steps=3, gradient_accumulation_steps=1,
                   lr_scheduler_type="constant")
+    if lora:  # LoRA needs a base folder: the same tiny random qwen3_moe, saved
+        base = save_model(Decoder(ModelConfig.from_hf(dict(TINY_QWEN3_MOE)), rngs=nnx.Rngs(0)), tmp_path / "base")
+        common = dict(common, from_scratch=False, model_config=None, model=str(base), **LORA)
     one_cfg, ep_cfg = tmp_path / "one.yaml", tmp_path / "ep.yaml"
-    one_cfg.write_text(yaml.safe_dump(tiny_config(output_dir=str(tmp_path / "one"), per_device_train_batch_size=8,
-                                                  **common)))
-    ep_cfg.write_text(yaml.safe_dump(tiny_config(output_dir=str(tmp_path / "ep"), per_device_train_batch_size=1,
-                                                 parallel={"data": 2, "expert": 4}, **common)))
+    def write(path, **kw):  # None: a key of tiny_config's left out
+        path.write_text(yaml.safe_dump({k: v for k, v in tiny_config(**common, **kw).items() if v is not None}))
+
+    write(one_cfg, output_dir=str(tmp_path / "one"), per_device_train_batch_size=8)
+    write(ep_cfg, output_dir=str(tmp_path / "ep"), per_device_train_batch_size=1, parallel={"data": 2, "expert": 4})
     one, ep = _train(one_cfg, 1), _train(ep_cfg, 8)
     assert len(one) == 3
     np.testing.assert_allclose(ep, one, rtol=1e-4)
