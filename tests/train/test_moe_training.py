@@ -4,6 +4,7 @@ trains the router weights with a LoRA adapter (exported as PEFT modules_to_save)
 bit-identical."""
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from surojax.weights.safetensors_file import SafetensorsFile
 
 from tests.train.conftest import TINY_QWEN3
 
+QWEN3_MOE = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen3_moe"
 TINY_MOE = {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
             "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "router_aux_loss_coef": 0.02}
@@ -45,7 +47,7 @@ def test_moe_trains_with_the_router_losses_and_logs_router_metrics(tiny_config, 
     assert 0 < r["router_entropy"] <= np.log(4) + 1e-6 and r["router_load_min"] <= 1 <= r["router_load_max"]
 
 
-def test_aux_coefficient_override_capacity_and_refusals(tiny_config):
+def test_aux_coefficient_override_capacity_and_refusals(tiny_config, tmp_path):
     def spec_of(**kw):
         cfg = config_from_dict(tiny_config(model_config=dict(TINY_MOE), **kw))
         return run_spec(cfg, total_steps=1)
@@ -54,11 +56,18 @@ def test_aux_coefficient_override_capacity_and_refusals(tiny_config):
     assert moe.router_loss.aux_coef == 0.5 and moe.capacity_factor == 1.25 and not moe.train_router
     assert spec_of(router_aux_loss_coef=0.0).moe.router_loss.aux_coef == 0.0
     # LoRA with a frozen router: transformers' rule (the term only with output_router_logits); a trained router: on
-    assert spec_of(lora=True).moe.router_loss.aux_coef == 0.0
-    assert spec_of(lora=True, train_router=True).moe.router_loss.aux_coef == 0.02
-    logits_on = dict(TINY_MOE, output_router_logits=True)
-    cfg = config_from_dict(tiny_config(model_config=logits_on, lora=True))
-    assert run_spec(cfg, total_steps=1).moe.router_loss.aux_coef == 0.02
+    def lora_aux(model_dir, **kw):
+        d = tiny_config(from_scratch=False, model=str(model_dir), lora=True, **kw)
+        d.pop("model_config")
+        return run_spec(config_from_dict(d), total_steps=1).moe.router_loss.aux_coef
+
+    assert lora_aux(QWEN3_MOE) == 0.0  # its config.json: router_aux_loss_coef 0.001, output_router_logits false
+    assert lora_aux(QWEN3_MOE, train_router=True) == 0.001
+    logits_on = tmp_path / "logits_on"
+    logits_on.mkdir()
+    hf = json.loads((QWEN3_MOE / "config.json").read_text()) | {"output_router_logits": True}
+    (logits_on / "config.json").write_text(json.dumps(hf))
+    assert lora_aux(logits_on) == 0.001
     dense = config_from_dict(tiny_config(model_config=dict(TINY_QWEN3), router_z_loss_coef=0.1))
     with pytest.raises(TrainSetupError, match="router_z_loss_coef: applies to mixture-of-experts models only"):
         run_spec(dense, total_steps=1)
