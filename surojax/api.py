@@ -26,6 +26,7 @@ from surojax.model_loader import load_model_ref
 from surojax.peft.stacked import load_adapter_into
 from surojax.generation.loop import generate
 from surojax.train.trainer import Trainer
+from surojax.train.trainers import make_trainer
 from surojax.weights.gguf_checkpoint import load_gguf_tokenizer
 from surojax.weights.hf_checkpoint import save_model
 from surojax.weights.model_ref import resolve_model
@@ -63,7 +64,7 @@ def build_trainer(config: dict[str, Any] | str | os.PathLike | TrainConfig, **ov
         cfg = config_from_dict({**config, **overrides})
     else:
         cfg = load_config(Path(config), [f"{k}={v}" for k, v in overrides.items()])
-    return Trainer(cfg)
+    return make_trainer(cfg)
 
 
 Trainer.from_config = staticmethod(build_trainer)

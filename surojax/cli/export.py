@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     from surojax.config.stages import load_run, select_stage
     from surojax.train.checkpoints import Checkpointer
-    from surojax.train.trainer import Trainer
+    from surojax.train.trainers import make_trainer
 
     cfg = select_stage(load_run(args.config, args.override), args.stage, args.config).config
     output = Path(args.output) if args.output else Path(cfg.output_dir) / ("adapter" if cfg.lora else "model")
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         ck = Checkpointer(cfg.checkpoint_dir or f"{cfg.output_dir}/checkpoints")
         if ck.latest_step() is None:
             raise UsageError(f"no checkpoint in {ck.directory}; train with save_steps first, or pass --checkpoint")
-    trainer = Trainer(cfg.model_copy(update={"resume_from_checkpoint": target}))
+    trainer = make_trainer(cfg.model_copy(update={"resume_from_checkpoint": target}))
     try:
         out = trainer.export(output, overwrite=args.overwrite)
     finally:

@@ -36,7 +36,7 @@ from rich.table import Table
 from surojax.config.stages import OUTPUT_ARTIFACTS, Stage
 from surojax.train.generation_eval import GenerationEval, report
 from surojax.train.interrupts import Interrupts
-from surojax.train.trainer import Trainer
+from surojax.train.trainers import make_trainer
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def run_stage(stage: Stage, *, console=None, interrupts: Interrupts | None = Non
         removed = clear_output_dir(cfg.output_dir)
         if removed:
             log.info("overwrite_output_dir: removed %s", ", ".join(str(p) for p in removed))
-    trainer = Trainer(cfg, console=console)
+    trainer = make_trainer(cfg, console=console)
     console = trainer.console
     evaluator = GenerationEval.from_config(cfg, trainer.tokenizer)
     before = None

@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from surojax.config.schema import TrainConfig
 from surojax.hub import resolve_local
 from surojax.data.pipeline import build_data_from_config
+from surojax.losses.lm import lm_loss
 from surojax.data.tokenizer import Tokenizer
 from surojax.models.layers.attention import packed_backend
 from surojax.offload.optimizer import master_params
@@ -74,6 +75,13 @@ class RunPlan:
 
 
 class Trainer:
+    """The training loop of every trainer kind (config key `trainer`): SFT / pretraining here; a post-training
+    trainer (surojax/train/trainers.py maps the names) subclasses it and overrides the three task hooks:
+    `loss` (the pure loss function build_run compiles), `build_data` (its rows) and `next_batch` (the next
+    step's host batch, e.g. made by generation). Checkpoints, resume, metrics, progress and export are shared."""
+
+    loss = staticmethod(lm_loss)
+
     def __init__(self, cfg: TrainConfig, *, console=None):
         self.cfg = cfg
         self.console = console or Console(stderr=True)
@@ -92,8 +100,7 @@ class Trainer:
         self.mesh = make_mesh(cfg.parallel.sizes())
         A, B = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size * data_parallel_size(self.mesh)
         epochs = None if (cfg.max_steps or cfg.epoch_adjustment) else max(1, math.ceil(cfg.num_epochs))
-        self.data = build_data_from_config(cfg, self.tokenizer, batch_size=A * B, seed=cfg.seed, num_epochs=epochs,
-                                           eval_batch_size=B)
+        self.data = self.build_data(batch_size=A * B, eval_batch_size=B, num_epochs=epochs)
         self.num_params = count_params(model_config)
         log.info("%s", budget_line(self.num_params, max(self.data.stats.tokens, 1)))
         num_epochs = cfg.num_epochs
@@ -114,7 +121,7 @@ class Trainer:
         if self.tokenizer.vocab_size > self.spec.model.config.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                                   f"{self.spec.model.config.vocab_size}")
-        self.run = build_run(self.spec, self.mesh)
+        self.run = build_run(self.spec, self.mesh, loss=self.loss)
         self.trainable, self.frozen, self.opt_state = self.run.trainable, self.run.frozen, self.run.opt_state
         self.run.trainable = self.run.frozen = self.run.opt_state = None  # the trainer owns the live state
         self.memory_plan = self.run.memory_plan
@@ -181,6 +188,16 @@ class Trainer:
                                 "adaptive": self.adaptive.state_dict(), "adaptive_lr_scale": self.lr_scale})
 
     # ---- steps ----------------------------------------------------------------------------------------------
+    # ---- task hooks (overridden by post-training trainers) ---------------------------------------------------
+    def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None):
+        """The run's data (surojax/data/pipeline.py `Data`): `batch_size` rows per step (all micro-batches)."""
+        return build_data_from_config(self.cfg, self.tokenizer, batch_size=batch_size, seed=self.cfg.seed,
+                                      num_epochs=num_epochs, eval_batch_size=eval_batch_size)
+
+    def next_batch(self) -> dict:
+        """The next step's host batch: arrays [A * B, T] the loss reads."""
+        return next(self.data.train)
+
     def _device_batch(self, batch: dict) -> dict:
         A, B = self.plan.accumulation, self.plan.micro_batch
         shaped = {k: v.reshape(A, B, *v.shape[1:]) for k, v in batch.items()}
@@ -189,7 +206,7 @@ class Trainer:
     def step(self) -> dict:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics."""
         t0 = time.perf_counter()
-        batch = self._device_batch(next(self.data.train))
+        batch = self._device_batch(self.next_batch())
         lr = float(self.run.schedule(self.step_count)) * self.lr_scale
         rng = jax.random.fold_in(self.key, self.step_count)
         self.trainable, self.opt_state, m = self.run.train_step(self.trainable, self.frozen, self.opt_state, batch, rng,
