@@ -32,16 +32,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from surojax.config.schema import TrainConfig
 from surojax.data.pipeline import DataStats
 from surojax.data.prompts import Prompt, PromptData, PromptOrder, load_prompts
-from surojax.losses.grpo import GRPOLossSettings, group_advantages, grpo_loss
+from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics, \
+    target_logps
 from surojax.offload.memory_plan import device_capacity
-from surojax.parallel import batch_sharding
 from surojax.peft.lora import lora_modules
 from surojax.train.grpo_rollout import Completion, Rollout, RolloutSettings, completion_rows, kv_bytes
-from surojax.train.rewards import compute_rewards, load_reward_functions
+from surojax.train.rewards import RewardSettings, compute_rewards, load_reward_functions
 from surojax.train.run_spec import TrainSetupError
 from surojax.train.trainer import Trainer
 
@@ -59,24 +60,10 @@ class GenerationBatch:
 
 
 def token_logps(model, batch: dict, *, chunk: int, temperature: float) -> jax.Array:
-    """Log-probability of each row's next token under `model` at the sampling temperature: [R, T] fp32 (0 where
-    segment_ids is 0). The head runs over `chunk` tokens at a time (logits [C, V] fp32, never [R, T, V])."""
+    """Log-probability of each row's next token under `model` at the sampling temperature: [R, T] fp32 (the
+    loss's own `target_logps`, no gradient taken)."""
     h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])  # [R, T, D]
-    R, T, D = h.shape
-    w = model.head_weight().astype(h.dtype)  # [D, V]
-    n = R * T
-    c = min(chunk, n)
-    k = -(-n // c)
-    hf = jnp.pad(h.reshape(n, D), ((0, k * c - n), (0, 0))).reshape(k, c, D)
-    tf = jnp.pad(batch["targets"].reshape(n), (0, k * c - n)).reshape(k, c)
-
-    def one(args):
-        hc, tc = args
-        logits = jnp.einsum("cd,dv->cv", hc, w, preferred_element_type=jnp.float32) / temperature  # [C, V]
-        return jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
-
-    lp = jax.lax.map(one, (hf, tf)).reshape(k * c)[:n].reshape(R, T)
-    return jnp.where(batch["segment_ids"] > 0, lp, 0.0)
+    return target_logps(h, model.head_weight(), batch["targets"], temperature=temperature, chunk=chunk)
 
 
 def adapter_off(model) -> None:
@@ -90,7 +77,9 @@ class GRPOTrainer(Trainer):
     and `next_batch` (a generation batch made every num_iterations steps)."""
 
     def __init__(self, cfg: TrainConfig, **kwargs):
-        self.settings = GRPOLossSettings.from_config(cfg)
+        self.settings = GRPOLossSettings(loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                                         beta=cfg.beta, max_completion_length=cfg.max_completion_length,
+                                         temperature=cfg.temperature)
         self.loss = functools.partial(grpo_loss, settings=self.settings)  # build_run compiles this
         if cfg.beta > 0 and not cfg.lora:
             raise TrainSetupError("beta: a KL reference for full fine-tuning needs a frozen copy of the model, which "
@@ -99,12 +88,12 @@ class GRPOTrainer(Trainer):
         if cfg.beta > 0 and cfg.train_router:
             raise TrainSetupError("beta: the reference of a LoRA run is the base without the adapter, but "
                                   "train_router changes the base's routers; use beta: 0 or train_router: false")
-        if cfg.offload_base or cfg.offload_prefetch:
-            raise TrainSetupError("offload_base: the rollout engine reads the base weights on the device; GRPO "
+        if cfg.offload_base_weights:
+            raise TrainSetupError("offload_base_weights: the rollout engine reads the base weights on the device; GRPO "
                                   "cannot stream them from host memory in this version")
         self._pending: GenerationBatch | None = None
         super().__init__(cfg, **kwargs)
-        self.rewards = load_reward_functions(cfg)
+        self.reward_functions = load_reward_functions(cfg.reward_functions, RewardSettings.from_config(cfg))
         rows = self.plan.accumulation * self.plan.micro_batch
         eos = self.tokenizer.eos_token_id
         self.rollout = Rollout(self._live_model(), None, RolloutSettings(
@@ -174,7 +163,7 @@ class GRPOTrainer(Trainer):
         generation_time = time.perf_counter() - t0
 
         total, per_function = compute_rewards(
-            self.rewards.functions, self.rewards.weights, [p.prompt for p in prompts for _ in range(G)],
+            self.reward_functions, cfg.reward_weights, [p.prompt for p in prompts for _ in range(G)],
             [self._completion_value(p, c) for p, c in zip((p for p in prompts for _ in range(G)), completions)],
             {k: [p.columns.get(k) for p in prompts for _ in range(G)] for k in _column_names(prompts)})
         total = np.asarray(total, np.float32)
@@ -212,6 +201,13 @@ class GRPOTrainer(Trainer):
                for a in range(self.plan.accumulation)]
         return np.concatenate([np.asarray(jax.device_get(o)) for o in out]).astype(np.float32)
 
+    def _device_batch(self, batch: dict) -> dict:
+        """[A * B, ...] host rows -> [A, B, ...] on the batch sharding ([R] advantages too: rank 2, [A, B])."""
+        A, B = self.plan.accumulation, self.plan.micro_batch
+        spec = self.batch_sharding.spec  # (None, batch axes, None) for [A, B, T]
+        return {k: jax.device_put(v.reshape(A, B, *v.shape[1:]), NamedSharding(self.mesh, P(*spec[:v.ndim + 1])))
+                for k, v in batch.items()}
+
     # ---- Trainer hooks --------------------------------------------------------------------------------------
     def next_batch(self) -> dict:
         if self._pending is None or self._pending.remaining == 0:
@@ -223,6 +219,11 @@ class GRPOTrainer(Trainer):
     def step(self) -> dict:
         self._step_metrics = {}
         m = super().step()
+        sums = {k: m.pop(k) for k in ("completion_tokens", "sequences", "clip_count", *METRIC_DENOMINATORS)}
+        means = {k: float(v) for k, v in mean_metrics(sums).items()}
+        if self.cfg.beta == 0:  # no reference pass: no KL to report (TRL logs none either)
+            means.pop("kl")
+        m.update(means, clip_ratio=means["clip_ratio/region_mean"])
         gen = self._step_metrics
         fresh = self._pending is not None and self._pending.remaining == self.cfg.num_iterations - 1
         m.update({k: v for k, v in gen.items() if not k.endswith("_time")})
