@@ -67,3 +67,11 @@ def test_grpo_resume_inside_a_generation_batch(grpo_config, tmp_path):
     assert resumed[2]["loss"] == pytest.approx(full[2]["loss"], rel=1e-6, abs=1e-7)
     assert resumed[2]["reward"] == full[2]["reward"]
     assert resumed[2]["kl"] == pytest.approx(full[2]["kl"], rel=1e-5, abs=1e-8)
+
+
+def test_grpo_command_refuses_another_trainer(tmp_path, capsys):
+    from surojax.cli.main import main
+    config = tmp_path / "sft.yaml"
+    config.write_text("trainer: sft\nmodel: m\ndatasets: [{path: d.jsonl}]\n")
+    assert main(["grpo", str(config)]) == 2
+    assert "trainer: sft is not a GRPO run" in capsys.readouterr().err
