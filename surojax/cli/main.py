@@ -17,7 +17,7 @@ COMMANDS: dict[str, str] = {
     "sft": "supervised fine-tuning (full, LoRA, QLoRA) from a training YAML",
     "pt": "pretraining / continued pretraining from a training YAML",
     "dpo": f"preference optimisation (DPO): {NOT_AVAILABLE}",
-    "grpo": f"reinforcement learning with GRPO: {NOT_AVAILABLE}",
+    "grpo": "reinforcement learning with GRPO (rollouts on the serving engine) from a training YAML",
     "distill": f"knowledge distillation: {NOT_AVAILABLE}",
     "tokenize": "tokenize and pack the datasets of a training YAML (--debug shows rows and loss masks)",
     "merge": "merge LoRA adapters into a base model",

@@ -7,7 +7,7 @@ from pydantic import Field
 
 from surojax.config.base import StrictModel
 
-DatasetType = Literal["text", "instruction", "conversation", "preference", "auto"]
+DatasetType = Literal["text", "instruction", "conversation", "preference", "prompt", "auto"]
 
 
 class DatasetSpec(StrictModel):
@@ -16,8 +16,9 @@ class DatasetSpec(StrictModel):
     path: str = Field(min_length=1)
     """A local .jsonl / .json / .parquet / .arrow file or directory, or a HF dataset id in the local HF cache."""
     type: DatasetType = "auto"
-    """text (pretraining), instruction, conversation (chat messages), preference (DPO pairs), or auto (detect
-    from the columns)."""
+    """text (pretraining), instruction, conversation (chat messages), preference (DPO pairs), prompt (GRPO: a
+    prompt string or messages, other columns for the rewards; never detected by auto), or auto (detect from the
+    columns)."""
     split: str = "train"
     subset: str | None = None
     """HF dataset configuration name."""
@@ -29,7 +30,7 @@ class DatasetSpec(StrictModel):
     output_field: str = "output"
     messages_field: str = "messages"
     prompt_field: str = "prompt"
-    """The prompt column of preference rows (DPO, not available in this version: only the default is accepted)."""
+    """The prompt column of `type: prompt` rows (GRPO); of preference rows (DPO) only the default is accepted."""
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     system_prompt: str | None = None

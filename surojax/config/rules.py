@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from surojax.config.grpo import BUILTIN_REWARDS, GRPOSection
 from surojax.config.lora import QLORA_SPELLINGS, spelled_formats
 
 if TYPE_CHECKING:
@@ -171,6 +172,25 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         add(("eval_steps",), "needs validation data: validation_datasets or validation_split_ratio > 0")
     if cfg.max_model_len is not None and cfg.sequence_len > cfg.max_model_len:
         add(("sequence_len",), f"{cfg.sequence_len} exceeds max_model_len ({cfg.max_model_len})")
+
+    # --- GRPO (config/grpo.py)
+    if cfg.trainer != "grpo":
+        for k in [k for k in GRPOSection.model_fields if _changed(cfg, k)]:
+            add((k,), f"is a GRPO option; it does not apply to trainer: {cfg.trainer} (set trainer: grpo)")
+    else:
+        if not cfg.reward_functions:
+            add(("reward_functions",), "trainer: grpo needs at least one reward function (a built-in: "
+                f"{', '.join(BUILTIN_REWARDS)}, or module:function)")
+        if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward_functions):
+            add(("reward_weights", "reward_functions"), f"one weight per reward function: got "
+                f"{len(cfg.reward_weights)} weights for {len(cfg.reward_functions)} functions")
+        if cfg.format_regex is None and "format_regex" in cfg.reward_functions:
+            add(("format_regex", "reward_functions"), "the format_regex reward needs the pattern: set format_regex")
+        if cfg.format_regex is not None and "format_regex" not in cfg.reward_functions:
+            add(("format_regex",), "is the pattern of the format_regex reward; add format_regex to reward_functions")
+        if _changed(cfg, "exact_match_column") and "exact_match" not in cfg.reward_functions:
+            add(("exact_match_column",), "is the column of the exact_match reward; add exact_match to "
+                "reward_functions")
 
     # --- parallel
     rest = [a for a, n in cfg.parallel.sizes().items() if n == -1]

@@ -177,6 +177,7 @@ class Trainer:
         if "adaptive" in meta:
             self.adaptive.load_state_dict(meta["adaptive"])
             self.lr_scale = float(meta["adaptive_lr_scale"])
+        self.restore_task_state(state, meta)
         self.console.print(f"[bold]resumed[/] from {self.checkpointer.directory / str(step)} at step {self.step_count}")
 
     def _checkpoint_state(self) -> dict:
@@ -185,7 +186,16 @@ class Trainer:
     def save_checkpoint(self) -> None:
         self.checkpointer.save(self.step_count, self._checkpoint_state(),
                                {"step": self.step_count, "data": self.data.train.get_state(),
-                                "adaptive": self.adaptive.state_dict(), "adaptive_lr_scale": self.lr_scale})
+                                "adaptive": self.adaptive.state_dict(), "adaptive_lr_scale": self.lr_scale,
+                                **self.task_checkpoint_meta()})
+
+    def task_checkpoint_meta(self) -> dict:
+        """Task hook: JSON a post-training trainer adds to each checkpoint's meta (its arrays go into
+        `_checkpoint_state`); read back by `restore_task_state`."""
+        return {}
+
+    def restore_task_state(self, state: dict, meta: dict) -> None:
+        """Task hook: called on resume with the restored state pytree and meta (nothing to do for SFT)."""
 
     # ---- steps ----------------------------------------------------------------------------------------------
     # ---- task hooks (overridden by post-training trainers) ---------------------------------------------------

@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 from surojax.config import TrainConfig
+from surojax.train.grpo import GRPOTrainer
 from surojax.train.trainer import Trainer
 
-TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer}
+TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer, "grpo": GRPOTrainer}
 
 
 def trainer_class(cfg: TrainConfig) -> type[Trainer]:

@@ -1,0 +1,269 @@
+"""The GRPO trainer (`trainer: grpo`): rollouts on the co-located serving engine, rewards, the clipped policy loss.
+
+One generation batch every `num_iterations` optimizer steps:
+
+    P = rows per step / num_generations prompts (PromptOrder: a function of seed + generation index)
+      -> G completions each on the serving Engine over the trainer's CURRENT weights (grpo_rollout.Rollout)
+      -> rewards (surojax/train/rewards.py) -> group advantages (surojax/losses/grpo.py)
+      -> old log-probs (num_iterations > 1: one forward of the policy before its updates; with one iteration the
+         loss uses its own detached log-probs, TRL's rule) and reference log-probs (beta > 0: the base with the
+         adapter switched off, LoRA only)
+      -> num_iterations optimizer steps on that batch through the Trainer's compiled step (build_run(loss=grpo_loss))
+
+The rows of a step are the run's A x B rows (gradient_accumulation_steps x per_device_train_batch_size x data
+parallel), one prompt + completion each; num_generations must divide them. sequence_len bounds prompt +
+completion: prompts longer than sequence_len - max_completion_length are dropped at load.
+
+Sampler state and resume: the prompts of generation g and the seeds of its requests are functions of (seed, g);
+the trainer checkpoints g (the data state) and the generation batch still being trained on (num_iterations > 1),
+so a run resumed from any step repeats the uninterrupted run.
+
+Memory: the engine's KV pool is sized for one generation batch at once (grpo_rollout.kv_blocks) and added to the
+training memory plan; a run whose sum exceeds the device is refused before the first step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from surojax.config.schema import TrainConfig
+from surojax.data.pipeline import DataStats
+from surojax.data.prompts import Prompt, PromptData, PromptOrder, load_prompts
+from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics, \
+    target_logps
+from surojax.offload.memory_plan import device_capacity
+from surojax.peft.lora import lora_modules
+from surojax.train.grpo_rollout import Completion, Rollout, RolloutSettings, completion_rows, kv_bytes
+from surojax.train.rewards import RewardSettings, compute_rewards, load_reward_functions
+from surojax.train.run_spec import TrainSetupError
+from surojax.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationBatch:
+    """A generation batch on the host: the loss's rows (dict of [R, T] / [R] arrays), its metrics, and how many
+    optimizer steps still train on it."""
+
+    rows: dict
+    metrics: dict
+    remaining: int
+
+
+def token_logps(model, batch: dict, *, chunk: int, temperature: float) -> jax.Array:
+    """Log-probability of each row's next token under `model` at the sampling temperature: [R, T] fp32 (the
+    loss's own `target_logps`, no gradient taken)."""
+    h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])  # [R, T, D]
+    return target_logps(h, model.head_weight(), batch["targets"], temperature=temperature, chunk=chunk)
+
+
+def adapter_off(model) -> None:
+    """Switch every LoRA adapter of `model` off (scaling 0): the reference policy of a LoRA run is its base."""
+    for module in lora_modules(model).values():
+        module.scaling = 0.0
+
+
+class GRPOTrainer(Trainer):
+    """Trainer with GRPO's three hooks: `loss` (grpo_loss with the config's settings), `build_data` (the prompts)
+    and `next_batch` (a generation batch made every num_iterations steps)."""
+
+    def __init__(self, cfg: TrainConfig, **kwargs):
+        self.settings = GRPOLossSettings(loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                                         beta=cfg.beta, max_completion_length=cfg.max_completion_length,
+                                         temperature=cfg.temperature)
+        self.loss = functools.partial(grpo_loss, settings=self.settings)  # build_run compiles this
+        if cfg.beta > 0 and not cfg.lora:
+            raise TrainSetupError("beta: a KL reference for full fine-tuning needs a frozen copy of the model, which "
+                                  "this version does not keep; use beta: 0 (TRL's default) or LoRA (the reference "
+                                  "is the base without the adapter)")
+        if cfg.beta > 0 and cfg.train_router:
+            raise TrainSetupError("beta: the reference of a LoRA run is the base without the adapter, but "
+                                  "train_router changes the base's routers; use beta: 0 or train_router: false")
+        if cfg.offload_base_weights:
+            raise TrainSetupError("offload_base_weights: the rollout engine reads the base weights on the device; GRPO "
+                                  "cannot stream them from host memory in this version")
+        self._pending: GenerationBatch | None = None
+        super().__init__(cfg, **kwargs)
+        self.reward_functions = load_reward_functions(cfg.reward_functions, RewardSettings.from_config(cfg))
+        rows = self.plan.accumulation * self.plan.micro_batch
+        eos = self.tokenizer.eos_token_id
+        self.rollout = Rollout(self._live_model(), None, RolloutSettings(
+            max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+            stop_token_ids=() if eos is None else (eos,)), rows=rows, sequence_len=cfg.sequence_len)
+        self._plan_kv()
+        graphdef, chunk, temp = self.run.eval_graphdef, self.run.chunk, cfg.temperature
+
+        def policy(trainable, frozen, batch):
+            return token_logps(nnx.merge(graphdef, trainable, frozen), batch, chunk=chunk, temperature=temp)
+
+        def reference(trainable, frozen, batch):
+            model = nnx.merge(graphdef, trainable, frozen, copy=True)
+            adapter_off(model)
+            return token_logps(model, batch, chunk=chunk, temperature=temp)
+
+        self._policy_logps, self._reference_logps = jax.jit(policy), jax.jit(reference)
+        if self._restored_pending is not None:
+            self._pending = self._restored_pending
+
+    _restored_pending: GenerationBatch | None = None
+
+    # ---- set-up ---------------------------------------------------------------------------------------------
+    def _live_model(self):
+        """The trainer's current weights as a model: new Variables over the trainer's own arrays (no copy)."""
+        return nnx.merge(self.run.eval_graphdef, self.trainable, self.frozen)
+
+    def _plan_kv(self) -> None:
+        """Training memory + the engine's KV pool must fit the device together."""
+        cfg = self.spec.model.config
+        kv = kv_bytes(cfg, self.rollout.num_blocks, jnp.dtype(self.rollout.engine.runner.k_pool.dtype).itemsize)
+        capacity = device_capacity()
+        log.info("rollout KV pool: %d blocks, %.2f GiB next to the training plan's %.2f GiB", self.rollout.num_blocks,
+                 kv / 2**30, self.memory_plan.total / 2**30)
+        if capacity is not None and self.memory_plan.total + kv > capacity:
+            raise TrainSetupError(
+                f"training ({self.memory_plan.total / 2**30:.1f} GiB) plus the rollout KV pool ({kv / 2**30:.1f} GiB "
+                f"for {self.plan.accumulation * self.plan.micro_batch} rows of {self.cfg.sequence_len} tokens) exceed "
+                f"the device's {capacity / 2**30:.1f} GiB; lower per_device_train_batch_size or sequence_len")
+
+    def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None) -> PromptData:
+        cfg = self.cfg
+        G = cfg.num_generations
+        if batch_size % G:
+            raise TrainSetupError(f"num_generations: {G} must divide the rows of a step ({batch_size} = "
+                                  "gradient_accumulation_steps x per_device_train_batch_size x data parallel)")
+        if cfg.validation_datasets or cfg.validation_split_ratio:
+            raise TrainSetupError("validation_datasets: GRPO has no validation loss in this version; remove them")
+        stats = DataStats(sequence_len=cfg.sequence_len)
+        prompts = load_prompts(cfg.datasets, self.tokenizer, max_prompt_len=cfg.sequence_len - cfg.max_completion_length,
+                               skip_invalid_rows=cfg.skip_invalid_rows, chat_template=cfg.chat_template, stats=stats)
+        stats.rows = len(prompts)
+        order = PromptOrder(len(prompts), batch_size // G, seed=cfg.seed, num_epochs=num_epochs,
+                            rows_per_prompt=G * cfg.num_iterations)
+        return PromptData(prompts=prompts, train=order, stats=stats)
+
+    # ---- one generation batch ------------------------------------------------------------------------------
+    def _generate(self) -> GenerationBatch:
+        cfg, G = self.cfg, self.cfg.num_generations
+        generation = self.data.train.generation
+        prompts: list[Prompt] = [self.data.prompts[i] for i in self.data.train.next()]
+        t0 = time.perf_counter()
+        self.rollout.set_weights(self._live_model())
+        prompt_ids = [p.ids for p in prompts for _ in range(G)]
+        seeds = np.random.default_rng([cfg.seed, generation]).integers(0, 2**32, size=len(prompt_ids))
+        completions = self.rollout.generate(prompt_ids, seeds)
+        generation_time = time.perf_counter() - t0
+
+        total, per_function = compute_rewards(
+            self.reward_functions, cfg.reward_weights, [p.prompt for p in prompts for _ in range(G)],
+            [self._completion_value(p, c) for p, c in zip((p for p in prompts for _ in range(G)), completions)],
+            {k: [p.columns.get(k) for p in prompts for _ in range(G)] for k in _column_names(prompts)})
+        total = np.asarray(total, np.float32)
+        rows = completion_rows(prompt_ids, completions, cfg.sequence_len,
+                               mask_truncated=cfg.mask_truncated_completions)
+        rows["advantages"] = np.asarray(group_advantages(jnp.asarray(total), G, cfg.scale_rewards), np.float32)
+        t1 = time.perf_counter()
+        device = self._device_batch_flat(rows)
+        if cfg.num_iterations > 1:
+            rows["old_logps"] = self._micro_logps(self._policy_logps, device)
+        if cfg.beta > 0:
+            rows["ref_logps"] = self._micro_logps(self._reference_logps, device)
+        lengths = np.array([len(c.ids) for c in completions], np.float32)
+        metrics = {"reward": float(total.mean()), "reward_std": float(total.std()),
+                   **{f"reward/{name}": float(np.nanmean(np.asarray(v, np.float32)))
+                      for name, v in per_function.items()},
+                   "completion_length": float(lengths.mean()),
+                   "truncated_ratio": float(np.mean([c.truncated for c in completions])),
+                   "generation_time": generation_time, "reference_time": time.perf_counter() - t1}
+        return GenerationBatch(rows, metrics, cfg.num_iterations)
+
+    def _completion_value(self, prompt: Prompt, completion: Completion):
+        """What reward functions receive: the text (string prompts) or [{"role": "assistant", "content": text}]
+        (conversational prompts), TRL's forms."""
+        text = self.tokenizer.decode(completion.ids, skip_special_tokens=True)
+        return text if isinstance(prompt.prompt, str) else [{"role": "assistant", "content": text}]
+
+    def _device_batch_flat(self, rows: dict) -> dict:
+        """The rows as the forward reads them: [A, B, T] on the batch sharding (one micro-batch per call)."""
+        return self._device_batch({k: rows[k] for k in ("tokens", "positions", "segment_ids", "targets")})
+
+    def _micro_logps(self, fn, device: dict) -> np.ndarray:
+        """fn over each micro-batch of the [A, B, T] device batch -> [A * B, T] host log-probs."""
+        out = [fn(self.trainable, self.frozen, {k: v[a] for k, v in device.items()})
+               for a in range(self.plan.accumulation)]
+        return np.concatenate([np.asarray(jax.device_get(o)) for o in out]).astype(np.float32)
+
+    def _device_batch(self, batch: dict) -> dict:
+        """[A * B, ...] host rows -> [A, B, ...] on the batch sharding ([R] advantages too: rank 2, [A, B])."""
+        A, B = self.plan.accumulation, self.plan.micro_batch
+        spec = self.batch_sharding.spec  # (None, batch axes, None) for [A, B, T]
+        return {k: jax.device_put(v.reshape(A, B, *v.shape[1:]), NamedSharding(self.mesh, P(*spec[:v.ndim + 1])))
+                for k, v in batch.items()}
+
+    # ---- Trainer hooks --------------------------------------------------------------------------------------
+    def next_batch(self) -> dict:
+        if self._pending is None or self._pending.remaining == 0:
+            self._pending = self._generate()
+        self._pending = dataclasses.replace(self._pending, remaining=self._pending.remaining - 1)
+        self._step_metrics = self._pending.metrics
+        return self._pending.rows
+
+    def step(self) -> dict:
+        self._step_metrics = {}
+        m = super().step()
+        sums = {k: m.pop(k) for k in ("completion_tokens", "sequences", "clip_count", *METRIC_DENOMINATORS)}
+        means = {k: float(v) for k, v in mean_metrics(sums).items()}
+        if self.cfg.beta == 0:  # no reference pass: no KL to report (TRL logs none either)
+            means.pop("kl")
+        m.update(means, clip_ratio=means["clip_ratio/region_mean"])
+        gen = self._step_metrics
+        fresh = self._pending is not None and self._pending.remaining == self.cfg.num_iterations - 1
+        m.update({k: v for k, v in gen.items() if not k.endswith("_time")})
+        m["generation_time"] = gen.get("generation_time", 0.0) if fresh else 0.0
+        m["reference_time"] = gen.get("reference_time", 0.0) if fresh else 0.0
+        m["training_time"] = m["step_time"] - m["generation_time"] - m["reference_time"]
+        return m
+
+    # ---- checkpoints: the generation batch still being trained on -------------------------------------------
+    def _checkpoint_state(self) -> dict:
+        state = super()._checkpoint_state()
+        if self.cfg.num_iterations > 1:  # rows the next steps still train on (zeros when none)
+            state["generation_batch"] = self._pending_rows()
+        return state
+
+    def _pending_rows(self) -> dict:
+        if self._pending is not None and self._pending.remaining > 0:
+            return dict(self._pending.rows)
+        R, T = self.plan.accumulation * self.plan.micro_batch, self.cfg.sequence_len
+        like = {k: np.zeros((R, T), np.int32) for k in ("tokens", "positions", "segment_ids", "targets")}
+        like.update(completion_mask=np.zeros((R, T), np.float32), advantages=np.zeros((R,), np.float32),
+                    old_logps=np.zeros((R, T), np.float32))
+        if self.cfg.beta > 0:
+            like["ref_logps"] = np.zeros((R, T), np.float32)
+        return like
+
+    def task_checkpoint_meta(self) -> dict:
+        pending = self._pending
+        return {"grpo": {"remaining": 0 if pending is None else pending.remaining,
+                         "metrics": {} if pending is None else pending.metrics}}
+
+    def restore_task_state(self, state: dict, meta: dict) -> None:
+        grpo = meta.get("grpo", {"remaining": 0})
+        if grpo["remaining"] > 0:
+            rows = {k: np.asarray(v) for k, v in state["generation_batch"].items()}
+            self._restored_pending = GenerationBatch(rows, grpo["metrics"], int(grpo["remaining"]))
+
+
+def _column_names(prompts: list[Prompt]) -> list[str]:
+    names: dict[str, None] = {}
+    for p in prompts:
+        names.update(dict.fromkeys(p.columns))
+    return list(names)
