@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 from surojax.config import TrainConfig
+from surojax.train.distill import DistillTrainer
 from surojax.train.trainer import Trainer
 
-TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer}
+TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer, "distill": DistillTrainer}
 
 
 def trainer_class(cfg: TrainConfig) -> type[Trainer]:
