@@ -68,6 +68,12 @@ class DistillTrainer(Trainer):
                                               dtype=teacher_dtype(cfg.recipe), attention=self.spec.model.attention,
                                               chunk=self.run.chunk)
 
+    def summary_lines(self) -> list[str]:
+        source = (f"sidecar {self.teacher.path} (written by {self.teacher.meta['teacher']})"
+                  if isinstance(self.teacher, SidecarTeacher) else f"{self.teacher.name}, online")
+        return [*super().summary_lines(), f"teacher {source}; top-{self.cfg.teacher_top_k} KL x alpha "
+                f"{self.cfg.alpha} + CE x {1 - self.cfg.alpha:g}, temperature {self.cfg.temperature:g}"]
+
     def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None):
         """The SFT data; an online teacher's tokenizer is checked against the student's first (before weights)."""
         if self.cfg.teacher_logprobs is None:

@@ -71,7 +71,8 @@ def write_teacher_sidecar(out: str | Path, rows: Sequence[dict[str, np.ndarray]]
             keys[r] = np.frombuffer(row_key(row), np.uint8)
             sup = row["loss_mask"] > 0
             ids[offsets[r]:offsets[r + 1]] = top["teacher_ids"][j][sup]
-            logps[offsets[r]:offsets[r + 1]] = top["teacher_logps"][j][sup]
+            # fp16: a log-prob below -65504 stays finite (-inf would make 0 * inf = nan in the loss)
+            logps[offsets[r]:offsets[r + 1]] = np.maximum(top["teacher_logps"][j][sup], np.finfo(logps.dtype).min)
     ids.flush()
     logps.flush()
     del ids, logps

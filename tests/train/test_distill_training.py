@@ -37,6 +37,18 @@ def test_distillation_lowers_loss_and_kl(tiny_config):
     assert (Path(cfg.output_dir) / "model" / "model.safetensors").is_file()
 
 
+def test_lora_student_equal_to_its_teacher_has_zero_kl(tiny_config):
+    """The student is the teacher plus a LoRA adapter (B = 0 at the start) and K = V: the teacher's entries line up
+    with the student's positions, so the first step's KL is 0 (and its CE the teacher's own)."""
+    cfg = config_from_dict(distill_config(tiny_config, from_scratch=False, model_config=None, model=str(TEACHER),
+                                          lora=True, lora_rank=4, teacher_top_k=512, max_steps=1,
+                                          gradient_accumulation_steps=1, report_to=[]))
+    trainer = make_trainer(cfg)
+    m = trainer.step()
+    trainer.close()
+    assert m["kl"] < 1e-6 and m["ce"] > 1.0, m
+
+
 def test_precomputed_sidecar_gives_the_online_first_step(tiny_config, tmp_path):
     d = distill_config(tiny_config, max_steps=1, report_to=[], validation_split_ratio=0.1)
     d.pop("trainer")  # implied by `surojax distill`
@@ -49,17 +61,20 @@ def test_precomputed_sidecar_gives_the_online_first_step(tiny_config, tmp_path):
 
     online = make_trainer(config_from_dict({**d, "trainer": "distill"}))
     first_online = online.step()
-    eval_online = online.evaluate()
+    eval_batch = next(iter(online.data.eval))
+    eval_online = online.teacher.topk(eval_batch)
     online.close()
     from_file = make_trainer(config_from_dict({**d, "trainer": "distill", "teacher_logprobs": str(sidecar),
                                                "output_dir": str(tmp_path / "out2")}))
     assert not hasattr(from_file.teacher, "state")  # the teacher was never loaded
     first_file = from_file.step()
-    eval_file = from_file.evaluate()
+    eval_file = from_file.teacher.topk(eval_batch)
     from_file.close()
     for key in ("loss", "kl", "ce", "grad_norm"):
         np.testing.assert_allclose(first_file[key], first_online[key], rtol=1e-5, err_msg=key)
-    np.testing.assert_allclose(eval_file, eval_online, rtol=1e-5)  # the validation rows are in the sidecar too
+    sup = eval_batch["loss_mask"] > 0  # the validation rows are in the sidecar too
+    np.testing.assert_array_equal(eval_file["teacher_ids"][sup], eval_online["teacher_ids"][sup])
+    np.testing.assert_allclose(eval_file["teacher_logps"][sup], eval_online["teacher_logps"][sup], rtol=1e-6)
 
 
 def test_distillation_keys_and_teachers_are_checked(tiny_config, tmp_path):
