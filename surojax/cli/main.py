@@ -18,7 +18,7 @@ COMMANDS: dict[str, str] = {
     "pt": "pretraining / continued pretraining from a training YAML",
     "dpo": f"preference optimisation (DPO): {NOT_AVAILABLE}",
     "grpo": "reinforcement learning with GRPO (rollouts on the serving engine) from a training YAML",
-    "distill": f"knowledge distillation: {NOT_AVAILABLE}",
+    "distill": "knowledge distillation from a teacher (online, or --precompute its top-K log-probs once)",
     "tokenize": "tokenize and pack the datasets of a training YAML (--debug shows rows and loss masks)",
     "merge": "merge LoRA adapters into a base model",
     "export": "write a training run's checkpoint as a PEFT adapter (LoRA) or an HF safetensors folder (full)",

@@ -31,7 +31,8 @@ class GRPOSection(StrictModel):
     max_completion_length: int = Field(default=256, gt=0)
     """Tokens generated per completion at most; also dr_grpo's normalising constant."""
     temperature: float = Field(default=1.0, gt=0.0)
-    """Sampling temperature of the rollouts; the loss's log-probabilities use the same temperature (TRL)."""
+    """trainer: grpo — the rollouts' sampling temperature; the loss's log-probabilities use the same one (TRL).
+    trainer: distill — softens the teacher's top-K and the student's softmax by T; the KL is scaled by T^2."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling of the rollouts (1.0: the whole distribution)."""
     beta: float = Field(default=0.0, ge=0.0)

@@ -17,6 +17,8 @@ Problem = tuple[tuple[str, ...], str]
 
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "use_rslora", "lora_target_modules", "lora_dtype",
              "merge_adapter", "train_router")
+DISTILL_KEYS = ("teacher", "teacher_logprobs", "teacher_top_k", "alpha", "temperature")  # read by trainer: distill
+SHARED_KEYS = {"grpo": ("temperature",), "distill": ("temperature",)}  # trainer -> keys it reads that others own too
 QLORA_FORMATS = ("qlora", "qlora_bnb", "qlora_fp8", "qlora_fp4", "qlora_gguf")
 # accepted keys whose feature this version does not have: refused when set (key -> (is it set?, why))
 NOT_AVAILABLE = {
@@ -56,6 +58,14 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
             "rope_scaling / max_model_len)")
     if cfg.from_scratch and (cfg.adapter_path or cfg.lora):
         add(("from_scratch",), "trains all weights from random init; it cannot be combined with lora or adapter_path")
+
+    # --- trainer kinds
+    if cfg.trainer != "distill":
+        for k in [k for k in DISTILL_KEYS if _changed(cfg, k) and k not in SHARED_KEYS.get(cfg.trainer, ())]:
+            add((k,), f"is a distillation option (trainer: distill); trainer is {cfg.trainer}")
+    elif cfg.teacher is None and cfg.teacher_logprobs is None:
+        add(("teacher", "teacher_logprobs"), "trainer: distill needs a teacher model, or teacher_logprobs (a "
+            "sidecar written by `surojax distill CONFIG --precompute`)")
 
     # --- keys whose feature is not in this version
     for key, (is_set, why) in NOT_AVAILABLE.items():
@@ -175,7 +185,8 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
 
     # --- GRPO (config/grpo.py)
     if cfg.trainer != "grpo":
-        for k in [k for k in GRPOSection.model_fields if _changed(cfg, k)]:
+        shared = SHARED_KEYS.get(cfg.trainer, ())
+        for k in [k for k in GRPOSection.model_fields if _changed(cfg, k) and k not in shared]:
             add((k,), f"is a GRPO option; it does not apply to trainer: {cfg.trainer} (set trainer: grpo)")
     else:
         if not cfg.reward_functions:

@@ -11,9 +11,10 @@ ReportSink = Literal["tensorboard", "wandb", "jsonl"]
 
 
 class RunSection(StrictModel):
-    trainer: Literal["sft", "grpo"] = "sft"
+    trainer: Literal["sft", "grpo", "distill"] = "sft"
     """What the run trains: `sft` (supervised fine-tuning and pretraining on text / instruction / conversation
-    data). `surojax sft` / `pt` / `python -m surojax.train` read it; post-training trainers add their names here."""
+    data), `distill` (knowledge distillation from a `teacher`). `surojax sft` / `pt` / `python -m surojax.train`
+    read it; post-training trainers add their names here."""
     model: str | None = None
     """Base model: a local directory (HF safetensors + config.json), a .gguf file, or a HF repo id found in the
     local HF cache. Required unless `from_scratch` with `model_config`."""

@@ -10,6 +10,7 @@ from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
 from surojax.config.data import DataSection
+from surojax.config.distill import DistillSection
 from surojax.config.generation_eval import GenerationEvalSection
 from surojax.config.grpo import GRPOSection
 from surojax.config.lora import LoraSection, QLoraSection
@@ -24,7 +25,7 @@ from surojax.config.run import RunSection
 
 # Bases in reverse: pydantic orders fields from the last base to the first, so dumps and errors read run first.
 class TrainConfig(
-    GRPOSection,
+    GRPOSection, DistillSection,
     GenerationEvalSection, ParallelSection, MemorySection, OptimSection, MoESection, QLoraSection, LoraSection,
     PrecisionSection, DataSection, RunSection,
 ):

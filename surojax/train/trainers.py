@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 from surojax.config import TrainConfig
+from surojax.train.distill import DistillTrainer
 from surojax.train.grpo import GRPOTrainer
 from surojax.train.trainer import Trainer
 
-TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer, "grpo": GRPOTrainer}
+TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer, "grpo": GRPOTrainer, "distill": DistillTrainer}
 
 
 def trainer_class(cfg: TrainConfig) -> type[Trainer]:

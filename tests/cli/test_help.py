@@ -8,7 +8,7 @@ from surojax.cli.main import COMMANDS, main
 # NF4 / FP8 / NVFP4 are real for training (`bench --quant`, qlora_* configs), not as quantize outputs.
 FALSE_PROMISES = {None: ("nf4", "nvfp4", "or GGUF", "(and adapters)"), "quantize": ("nf4", "fp8", "nvfp4"),
                   "export": ("GGUF",), "generate": ("(and adapters)",)}
-NOT_BUILT = ("dpo", "distill")
+NOT_BUILT = ("dpo",)
 
 
 def help_text(capsys, *argv: str) -> str:

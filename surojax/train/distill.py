@@ -1,0 +1,132 @@
+"""Knowledge distillation (`trainer: distill`): the SFT loop with the teacher's top-K log-probs in every batch.
+
+    surojax distill CONFIG                  # teacher online: a frozen, jitted teacher forward per batch
+    surojax distill CONFIG --precompute     # write the teacher sidecar once (train/teacher_sidecar.py)
+    surojax distill CONFIG -o teacher_logprobs=out/teacher_logprobs   # train from it; the teacher is never loaded
+
+The student is the run's `model` (full, LoRA or QLoRA, as any run). The teacher's top-K ids and log-probs join the
+host batch in `next_batch` (and each validation batch), so the compiled step stays the generic one and the loss
+(surojax/losses/distill.py) reads them like the labels; an online teacher and its sidecar give the student the
+same batches. The online teacher's weights are resident on the device beside the student's (the memory plan of the
+start-up check covers the student only).
+
+metrics.jsonl adds per step: `kl` (mean KL(teacher || student) per supervised token, at `temperature`, before
+alpha and T^2) and `ce` (mean CE on the labels); `loss` = alpha * T^2 * kl + (1 - alpha) * ce.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from surojax.config.schema import TrainConfig
+from surojax.data.pipeline import build_data_from_config
+from surojax.data.tokenizer import Tokenizer
+from surojax.hub import resolve_local
+from surojax.losses.distill import distill_loss
+from surojax.models.layers.attention import packed_backend
+from surojax.train.run_spec import TrainSetupError
+from surojax.train.teacher_sidecar import SidecarTeacher, write_teacher_sidecar
+from surojax.train.teacher_topk import OnlineTeacher, check_same_vocabulary, teacher_tokenizer
+from surojax.train.trainer import Trainer
+from surojax.weights.gguf_checkpoint import is_gguf_path, load_gguf_tokenizer
+
+log = logging.getLogger(__name__)
+SIDECAR_NAME = "teacher_logprobs"  # the sidecar's folder under output_dir when `teacher_logprobs` is not set
+
+
+def teacher_dtype(recipe: str):
+    """The teacher's weight and compute dtype: fp32 runs keep fp32, every other recipe runs the teacher in bf16."""
+    return jnp.float32 if recipe == "fp32" else jnp.bfloat16
+
+
+def sidecar_path(cfg: TrainConfig) -> Path:
+    """Where --precompute writes the sidecar: `teacher_logprobs`, else <output_dir>/teacher_logprobs."""
+    return Path(cfg.teacher_logprobs or Path(cfg.output_dir) / SIDECAR_NAME)
+
+
+class DistillTrainer(Trainer):
+    """The Trainer with the distillation loss; each batch gets `teacher_ids` / `teacher_logps` [A * B, T, K] from
+    the online teacher or the sidecar (`self.teacher`, either has `topk(batch)`)."""
+
+    def __init__(self, cfg: TrainConfig, *, console=None):
+        if cfg.trainer != "distill":
+            raise TrainSetupError(f"DistillTrainer runs trainer: distill configs (got trainer: {cfg.trainer})")
+        # an instance attribute in place of the class's staticmethod: build_run compiles this loss
+        self.loss = functools.partial(distill_loss, alpha=cfg.alpha, temperature=cfg.temperature)
+        super().__init__(cfg, console=console)
+        if cfg.teacher_logprobs is not None:
+            self.teacher = SidecarTeacher.open(cfg.teacher_logprobs, self.tokenizer, top_k=cfg.teacher_top_k,
+                                               sequence_len=cfg.sequence_len, teacher=cfg.teacher)
+        else:
+            self.teacher = OnlineTeacher.load(cfg.teacher, self.tokenizer, top_k=cfg.teacher_top_k,
+                                              rows=max(1, self.plan.micro_batch // jax.process_count()),
+                                              dtype=teacher_dtype(cfg.recipe), attention=self.spec.model.attention,
+                                              chunk=self.run.chunk)
+
+    def summary_lines(self) -> list[str]:
+        source = (f"sidecar {self.teacher.path} (written by {self.teacher.meta['teacher']})"
+                  if isinstance(self.teacher, SidecarTeacher) else f"{self.teacher.name}, online")
+        return [*super().summary_lines(), f"teacher {source}; top-{self.cfg.teacher_top_k} KL x alpha "
+                f"{self.cfg.alpha} + CE x {1 - self.cfg.alpha:g}, temperature {self.cfg.temperature:g}"]
+
+    def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None):
+        """The SFT data; an online teacher's tokenizer is checked against the student's first (before weights)."""
+        if self.cfg.teacher_logprobs is None:
+            check_same_vocabulary(teacher_tokenizer(self.cfg.teacher), self.tokenizer, self.cfg.teacher)
+        return super().build_data(batch_size=batch_size, eval_batch_size=eval_batch_size, num_epochs=num_epochs)
+
+    def next_batch(self) -> dict:
+        batch = super().next_batch()
+        return batch | self.teacher.topk(batch)
+
+    def step(self) -> dict:
+        m = super().step()
+        count = max(m["tokens"], 1.0)
+        m["kl"], m["ce"] = m["kl"] / count, m["ce"] / count  # the step sums them: means per supervised token
+        return m
+
+    def evaluate(self) -> float | None:
+        """Mean distillation loss per supervised token over the validation set (None without validation data)."""
+        if self.data.eval is None:
+            return None
+        sharding = NamedSharding(self.mesh, P(*self.batch_sharding.spec[1:]))
+        total, count = 0.0, 0.0
+        for batch in self.data.eval:
+            batch = batch | self.teacher.topk(batch)
+            s, n = self.run.eval_step(self.trainable, self.frozen, jax.device_put(batch, sharding))
+            total, count = total + float(s), count + float(n)
+        return total / max(count, 1.0)
+
+
+def student_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    """The run's tokenizer (`tokenizer`, else the student `model`'s; a GGUF's from its metadata)."""
+    src = cfg.tokenizer or cfg.model
+    if src is None:
+        raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
+    return load_gguf_tokenizer(src) if is_gguf_path(src) else Tokenizer.from_dir(resolve_local(src))
+
+
+def precompute_teacher_logprobs(cfg: TrainConfig, out: str | Path | None = None, *, dtype: str = "float16") -> Path:
+    """Tokenize the config's data as the run does and write the teacher's top-K log-probs of every training and
+    validation row to the sidecar `out` (default `sidecar_path(cfg)`); the student is never built."""
+    if cfg.teacher is None:
+        raise TrainSetupError("teacher: --precompute runs the teacher; set `teacher`")
+    tokenizer = student_tokenizer(cfg)
+    data = build_data_from_config(cfg, tokenizer, batch_size=1, seed=cfg.seed, num_epochs=1, eval_batch_size=1)
+    try:
+        row_sets = [r for r in (data.train_rows, data.eval_rows) if r is not None]
+        attention = packed_backend(cfg.attention, max(r.max_runs for r in row_sets))
+        teacher = OnlineTeacher.load(cfg.teacher, tokenizer, top_k=cfg.teacher_top_k,
+                                     rows=cfg.per_device_train_batch_size, dtype=teacher_dtype(cfg.recipe),
+                                     attention=attention)
+        rows = [row for r in row_sets for row in (r[i] for i in range(len(r)))]
+        log.info("teacher %s: top-%d log-probs of %d rows", cfg.teacher, cfg.teacher_top_k, len(rows))
+        return write_teacher_sidecar(out or sidecar_path(cfg), rows, teacher, tokenizer=tokenizer,
+                                     sequence_len=cfg.sequence_len, dtype=dtype)
+    finally:
+        data.train.close()
