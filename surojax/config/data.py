@@ -29,7 +29,7 @@ class DatasetSpec(StrictModel):
     output_field: str = "output"
     messages_field: str = "messages"
     prompt_field: str = "prompt"
-    """The prompt column of preference rows (DPO, not available in this version: only the default is accepted)."""
+    """The prompt column of preference rows (trainer: dpo only)."""
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     system_prompt: str | None = None

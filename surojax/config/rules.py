@@ -17,6 +17,7 @@ Problem = tuple[tuple[str, ...], str]
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "use_rslora", "lora_target_modules", "lora_dtype",
              "merge_adapter", "train_router")
 QLORA_FORMATS = ("qlora", "qlora_bnb", "qlora_fp8", "qlora_fp4", "qlora_gguf")
+DPO_KEYS = ("beta", "loss_type", "label_smoothing", "reference_free")
 # accepted keys whose feature this version does not have: refused when set (key -> (is it set?, why))
 NOT_AVAILABLE = {
     "optimizer": (lambda c: c.optimizer == "normuon", "normuon is not available in this version (adamw, adamw_8bit)"),
@@ -161,9 +162,15 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     entries += [(f"validation_datasets.{i}", d) for i, d in enumerate(cfg.validation_datasets)]
     entries += [("eval_generation", cfg.eval_generation)] if cfg.eval_generation is not None else []
     for where, d in entries:
-        if d.prompt_field != "prompt":
-            add((f"{where}.prompt_field",), "names the prompt column of preference (DPO) rows, which this version "
-                "does not train: it is not available; remove the key")
+        if d.prompt_field != "prompt" and cfg.trainer != "dpo":
+            add((f"{where}.prompt_field",), "names the prompt column of preference rows, which only trainer: dpo "
+                "reads; remove the key or set trainer: dpo")
+        if cfg.trainer == "dpo" and d.type not in ("preference", "auto") and where != "eval_generation":
+            add((f"{where}.type",), f"trainer: dpo trains on preference pairs; type {d.type} is not one (use "
+                "type: preference)")
+        if cfg.trainer != "dpo" and d.type == "preference":
+            add((f"{where}.type",), "preference pairs train with trainer: dpo (`surojax dpo`); the "
+                f"{cfg.trainer} trainer takes text, instruction or conversation data")
     if cfg.validation_datasets and cfg.validation_split_ratio > 0:
         add(("validation_split_ratio", "validation_datasets"), "set validation_datasets or validation_split_ratio, "
             "not both")
@@ -171,6 +178,18 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         add(("eval_steps",), "needs validation data: validation_datasets or validation_split_ratio > 0")
     if cfg.max_model_len is not None and cfg.sequence_len > cfg.max_model_len:
         add(("sequence_len",), f"{cfg.sequence_len} exceeds max_model_len ({cfg.max_model_len})")
+
+    # --- DPO
+    if cfg.trainer != "dpo":
+        for k in [k for k in DPO_KEYS if _changed(cfg, k)]:
+            add((k,), f"is a DPO option; it applies with trainer: dpo (this run's trainer is {cfg.trainer})")
+    else:
+        if cfg.label_smoothing and cfg.loss_type != "sigmoid":
+            add(("label_smoothing", "loss_type"), f"label smoothing (cDPO) applies to loss_type sigmoid only, not "
+                f"{cfg.loss_type}")
+        if cfg.train_on_inputs:
+            add(("train_on_inputs",), "DPO compares the log-probs of the responses only; the prompt is never "
+                "supervised: remove the key")
 
     # --- parallel
     rest = [a for a, n in cfg.parallel.sizes().items() if n == -1]

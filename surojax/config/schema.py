@@ -10,6 +10,7 @@ from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
 from surojax.config.data import DataSection
+from surojax.config.dpo import DPOSection
 from surojax.config.generation_eval import GenerationEvalSection
 from surojax.config.lora import LoraSection, QLoraSection
 from surojax.config.memory import MemorySection
@@ -23,8 +24,8 @@ from surojax.config.run import RunSection
 
 # Bases in reverse: pydantic orders fields from the last base to the first, so dumps and errors read run first.
 class TrainConfig(
-    GenerationEvalSection, ParallelSection, MemorySection, OptimSection, MoESection, QLoraSection, LoraSection,
-    PrecisionSection, DataSection, RunSection,
+    DPOSection, GenerationEvalSection, ParallelSection, MemorySection, OptimSection, MoESection, QLoraSection,
+    LoraSection, PrecisionSection, DataSection, RunSection,
 ):
     """A validated training config. Build it with `load_config(path)` or `config_from_dict(d)`."""
 
