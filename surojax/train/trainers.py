@@ -6,9 +6,10 @@
 from __future__ import annotations
 
 from surojax.config import TrainConfig
+from surojax.train.dpo import DPOTrainer
 from surojax.train.trainer import Trainer
 
-TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer}
+TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer, "dpo": DPOTrainer}
 
 
 def trainer_class(cfg: TrainConfig) -> type[Trainer]:
