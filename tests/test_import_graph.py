@@ -53,6 +53,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "surojax.config", "surojax.config.stages", "surojax.train.stages", "surojax.train.interrupts")},
     **{(f"surojax.cli.{command}", target): _CLI_RUN for command, targets in {
         "bench": ("surojax.bench.train_bench", "surojax.models.layers.attention"),
+        "dpo": ("surojax.config.load", "surojax.config.stages"),
         "export": ("surojax.config.stages", "surojax.train.checkpoints", "surojax.train.trainers"),
         "generate": ("surojax.model_loader", "surojax.generation.loop"),
         "merge": ("surojax.model_loader", "surojax.peft.stacked", "surojax.weights.gguf_tokenizer",

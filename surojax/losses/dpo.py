@@ -17,17 +17,18 @@ loss is ln 2.
 
 The reference log-probs come from the batch (`ref_logps` [P, 2]: sums, precomputed in one pass over the data
 before full fine-tuning) or, for a LoRA / QLoRA model without them, from the same model with its adapters
-disabled (surojax.peft.lora.adapters_disabled) under stop_gradient in the same call: no second copy of the weights.
+disabled (`without_adapter`: surojax.peft.lora.adapters_disabled, passed in by the trainer) under stop_gradient in
+the same call: no second copy of the weights.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-
-from surojax.peft.lora import adapters_disabled, lora_modules
 
 DPOLossType = Literal["sigmoid", "ipo", "hinge"]
 LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
@@ -116,9 +117,11 @@ def pair_losses(policy: jax.Array, reference: jax.Array, settings: DPOSettings) 
     return loss, metrics
 
 
-def dpo_loss(model, batch: dict, *, settings: DPOSettings, chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None,
-             unroll: int | bool = 1) -> tuple[jax.Array, dict]:
+def dpo_loss(model, batch: dict, *, settings: DPOSettings,
+             without_adapter: Callable[[object], AbstractContextManager] | None = None,
+             chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None, unroll: int | bool = 1) -> tuple[jax.Array, dict]:
     """The DPO loss of a micro-batch of pairs (arrays [P, 2, T]; optional `ref_logps` [P, 2] sums).
+    The reference: none with reference_free, else `ref_logps`, else the model inside `without_adapter(model)`.
 
     Returns (sum of the pair losses, {"tokens": number of real pairs, and METRIC_KEYS: sums over the pairs}):
     the step divides the loss by the pairs; the trainer divides the reward sums. A padding pair (no response
@@ -131,12 +134,12 @@ def dpo_loss(model, batch: dict, *, settings: DPOSettings, chunk: int = DEFAULT_
         reference = jnp.zeros_like(policy)
     elif "ref_logps" in batch:
         reference = batch["ref_logps"].astype(jnp.float32)
-    elif lora_modules(model):
-        with adapters_disabled(model):
+    elif without_adapter is not None:
+        with without_adapter(model):
             reference = jax.lax.stop_gradient(sequence_logps(model, batch, **run))
     else:
-        raise ValueError("DPO needs reference log-probs: `ref_logps` in the batch (full fine-tuning), a LoRA "
-                         "model (its base is the reference) or reference_free")
+        raise ValueError("DPO needs reference log-probs: `ref_logps` in the batch (full fine-tuning), "
+                         "without_adapter (LoRA: the base is the reference) or reference_free")
     if settings.averages_tokens:
         denom = jnp.maximum(lengths, 1.0)
         policy, reference = policy / denom, reference / denom

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from surojax.data.preference import PreferenceData, build_preference_data
 from surojax.losses.dpo import METRIC_KEYS, DPOSettings, dpo_loss, sequence_logps
 from surojax.parallel import batch_sharding
-from surojax.peft.lora import lora_modules
+from surojax.peft.lora import adapters_disabled, lora_modules
 from surojax.train.run_spec import TrainSetupError
 from surojax.train.trainer import Trainer
 
@@ -49,7 +49,8 @@ class DPOTrainer(Trainer):
         if self.spec.moe is not None:
             raise TrainSetupError("trainer: dpo on a mixture-of-experts model is not available in this version "
                                   "(the DPO loss does not add the router losses)")
-        return functools.partial(dpo_loss, settings=self.settings)
+        without_adapter = adapters_disabled if self.cfg.lora and not self.cfg.reference_free else None
+        return functools.partial(dpo_loss, settings=self.settings, without_adapter=without_adapter)
 
     @property
     def needs_reference_pass(self) -> bool:

@@ -22,6 +22,7 @@ from tests.train.conftest import ROOT
 BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3"
 FIXTURES = ROOT / "tests" / "fixtures" / "dpo"
 GOLDEN = json.loads((FIXTURES / "golden.json").read_text())
+LORA_REFERENCE = {"without_adapter": adapters_disabled}  # the base is the reference
 SETTINGS = {"sigmoid": DPOSettings(beta=GOLDEN["beta"]),
             "sigmoid_ls": DPOSettings(beta=GOLDEN["beta"], label_smoothing=0.1),
             "hinge": DPOSettings(beta=GOLDEN["beta"], loss_type="hinge"),
@@ -56,7 +57,7 @@ def test_log_probs_and_losses_equal_transformers(pairs, policy):
     with adapters_disabled(policy):
         np.testing.assert_allclose(sequence_logps(policy, batch), GOLDEN["reference_logps"], rtol=1e-5, atol=1e-4)
     for name, settings in SETTINGS.items():
-        total, aux = dpo_loss(policy, batch, settings=settings, chunk=16)
+        total, aux = dpo_loss(policy, batch, settings=settings, chunk=16, **LORA_REFERENCE)
         assert float(aux["tokens"]) == 3
         np.testing.assert_allclose(float(total) / 3, GOLDEN["losses"][name], rtol=1e-5, atol=1e-4, err_msg=name)
 
@@ -66,7 +67,8 @@ def test_gradient_equals_torch(pairs, policy):
     graphdef, lora, rest = nnx.split(policy, nnx.LoRAParam, ...)
 
     def mean_loss(lora_state):
-        total, aux = dpo_loss(nnx.merge(graphdef, lora_state, rest), batch, settings=SETTINGS["sigmoid"])
+        total, aux = dpo_loss(nnx.merge(graphdef, lora_state, rest), batch, settings=SETTINGS["sigmoid"],
+                              **LORA_REFERENCE)
         return total / aux["tokens"]
 
     grads = jax.grad(mean_loss)(lora)
