@@ -55,6 +55,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "bench": ("surojax.bench.train_bench", "surojax.models.layers.attention"),
         "distill": ("surojax.config.load", "surojax.train.distill"),
         "grpo": ("surojax.config.load",),
+        "dpo": ("surojax.config.load", "surojax.config.stages"),
         "export": ("surojax.config.stages", "surojax.train.checkpoints", "surojax.train.trainers"),
         "generate": ("surojax.model_loader", "surojax.generation.loop"),
         "merge": ("surojax.model_loader", "surojax.peft.stacked", "surojax.weights.gguf_tokenizer",

@@ -30,7 +30,7 @@ class DatasetSpec(StrictModel):
     output_field: str = "output"
     messages_field: str = "messages"
     prompt_field: str = "prompt"
-    """The prompt column of `type: prompt` rows (GRPO); of preference rows (DPO) only the default is accepted."""
+    """The prompt column of `type: prompt` rows (GRPO) and of preference rows (DPO)."""
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
     system_prompt: str | None = None

@@ -20,7 +20,6 @@ from pydantic import Field, field_validator
 
 from surojax.config.base import StrictModel
 
-GRPOLossType = Literal["grpo", "dr_grpo", "dapo", "gspo"]
 ScaleRewards = Literal["group", "batch", "none"]
 BUILTIN_REWARDS = ("exact_match", "format_regex")
 
@@ -35,16 +34,12 @@ class GRPOSection(StrictModel):
     trainer: distill — softens the teacher's top-K and the student's softmax by T; the KL is scaled by T^2."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling of the rollouts (1.0: the whole distribution)."""
-    beta: float = Field(default=0.0, ge=0.0)
-    """Weight of the per-token KL to the reference model (k3 estimator). 0 (default, TRL's): no reference pass."""
+    # `beta` (KL weight, default 0.0: no reference pass) and `loss_type` (dapo | grpo | dr_grpo | gspo, default
+    # dapo: TRL's normalisations) are shared with DPO: config/policy_loss.py.
     epsilon: float = Field(default=0.2, gt=0.0)
     """Clipping: the importance ratio is clipped below at 1 - epsilon."""
     epsilon_high: float | None = Field(default=None, gt=0.0)
     """Clipping above at 1 + epsilon_high (DAPO's clip-higher, 0.28 in the paper); default: epsilon."""
-    loss_type: GRPOLossType = "dapo"
-    """How token losses are aggregated (TRL's names): `grpo` (mean over each completion's tokens, then over
-    completions), `dr_grpo` (sum / (completions x max_completion_length)), `dapo` (default: sum / completion tokens
-    of the whole step), `gspo` (a sequence-level importance ratio, aggregated like grpo)."""
     num_iterations: int = Field(default=1, ge=1)
     """Optimizer updates per generation batch (TRL's mu): >1 reuses the rollouts, clipped against their old
     log-probabilities."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from surojax.config.grpo import BUILTIN_REWARDS, GRPOSection
 from surojax.config.lora import QLORA_SPELLINGS, spelled_formats
+from surojax.config.policy_loss import LOSS_TYPES, resolved_loss_type
 
 if TYPE_CHECKING:
     from surojax.config.schema import TrainConfig
@@ -20,6 +21,7 @@ LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "use_rslora", "lora_targ
 DISTILL_KEYS = ("teacher", "teacher_logprobs", "teacher_top_k", "alpha", "temperature")  # read by trainer: distill
 SHARED_KEYS = {"grpo": ("temperature",), "distill": ("temperature",)}  # trainer -> keys it reads that others own too
 QLORA_FORMATS = ("qlora", "qlora_bnb", "qlora_fp8", "qlora_fp4", "qlora_gguf")
+DPO_KEYS = ("label_smoothing", "reference_free")  # read by trainer: dpo (beta / loss_type: config/policy_loss.py)
 # accepted keys whose feature this version does not have: refused when set (key -> (is it set?, why))
 NOT_AVAILABLE = {
     "optimizer": (lambda c: c.optimizer == "normuon", "normuon is not available in this version (adamw, adamw_8bit)"),
@@ -172,9 +174,15 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     entries += [(f"validation_datasets.{i}", d) for i, d in enumerate(cfg.validation_datasets)]
     entries += [("eval_generation", cfg.eval_generation)] if cfg.eval_generation is not None else []
     for where, d in entries:
-        if d.prompt_field != "prompt":
-            add((f"{where}.prompt_field",), "names the prompt column of preference (DPO) rows, which this version "
-                "does not train: it is not available; remove the key")
+        if d.prompt_field != "prompt" and cfg.trainer != "dpo":
+            add((f"{where}.prompt_field",), "names the prompt column of preference rows, which only trainer: dpo "
+                "reads; remove the key or set trainer: dpo")
+        if cfg.trainer == "dpo" and d.type not in ("preference", "auto") and where != "eval_generation":
+            add((f"{where}.type",), f"trainer: dpo trains on preference pairs; type {d.type} is not one (use "
+                "type: preference)")
+        if cfg.trainer != "dpo" and d.type == "preference":
+            add((f"{where}.type",), "preference pairs train with trainer: dpo (`surojax dpo`); the "
+                f"{cfg.trainer} trainer takes text, instruction or conversation data")
     if cfg.validation_datasets and cfg.validation_split_ratio > 0:
         add(("validation_split_ratio", "validation_datasets"), "set validation_datasets or validation_split_ratio, "
             "not both")
@@ -202,6 +210,27 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         if _changed(cfg, "exact_match_column") and "exact_match" not in cfg.reward_functions:
             add(("exact_match_column",), "is the column of the exact_match reward; add exact_match to "
                 "reward_functions")
+    # --- beta / loss_type: read by dpo and grpo, each with its own defaults and loss types (config/policy_loss.py)
+    for key in ("beta", "loss_type"):
+        if getattr(cfg, key) is not None and cfg.trainer not in LOSS_TYPES:
+            add((key,), f"applies with trainer: dpo or grpo (this run's trainer is {cfg.trainer})")
+    if cfg.trainer in LOSS_TYPES and cfg.loss_type is not None and cfg.loss_type not in LOSS_TYPES[cfg.trainer]:
+        add(("loss_type",), f"{cfg.loss_type!r} is not a {cfg.trainer} loss type; expected one of "
+            f"{', '.join(LOSS_TYPES[cfg.trainer])}")
+    if cfg.trainer == "dpo" and cfg.beta == 0:
+        add(("beta",), "must be > 0 for DPO (rewards are beta x log-ratio)")
+
+    # --- DPO
+    if cfg.trainer != "dpo":
+        for k in [k for k in DPO_KEYS if _changed(cfg, k)]:
+            add((k,), f"is a DPO option; it applies with trainer: dpo (this run's trainer is {cfg.trainer})")
+    else:
+        if cfg.label_smoothing and resolved_loss_type(cfg) != "sigmoid":
+            add(("label_smoothing", "loss_type"), f"label smoothing (cDPO) applies to loss_type sigmoid only, not "
+                f"{cfg.loss_type}")
+        if cfg.train_on_inputs:
+            add(("train_on_inputs",), "DPO compares the log-probs of the responses only; the prompt is never "
+                "supervised: remove the key")
 
     # --- parallel
     rest = [a for a, n in cfg.parallel.sizes().items() if n == -1]

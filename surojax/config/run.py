@@ -11,7 +11,7 @@ ReportSink = Literal["tensorboard", "wandb", "jsonl"]
 
 
 class RunSection(StrictModel):
-    trainer: Literal["sft", "grpo", "distill"] = "sft"
+    trainer: Literal["sft", "dpo", "grpo", "distill"] = "sft"
     """What the run trains: `sft` (supervised fine-tuning and pretraining on text / instruction / conversation
     data), `distill` (knowledge distillation from a `teacher`). `surojax sft` / `pt` / `python -m surojax.train`
     read it; post-training trainers add their names here."""

@@ -76,8 +76,9 @@ def make_formatter(kind: str, tokenizer: Tokenizer, spec: DatasetSpec, *,
                    ) -> Callable[[Mapping[str, Any]], Example]:
     """A function row -> Example for a resolved type (not auto). Set-up errors raise `DataError` here."""
     if kind == "preference":
-        raise DataError("type: preference holds chosen/rejected pairs for DPO; the SFT / pretraining data "
-                        "pipeline takes text, instruction or conversation")
+        raise DataError("type: preference holds chosen/rejected pairs: train them with trainer: dpo (`surojax dpo`, "
+                        "surojax/data/preference.py); the SFT / pretraining data pipeline takes text, instruction or "
+                        "conversation")
     template = _chat_template(tokenizer, chat_template, required=(kind == "conversation"))
     if kind == "text":
         return lambda row: _text(row, tokenizer, spec)

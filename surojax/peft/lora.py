@@ -36,6 +36,7 @@ training step calls `set_dropout_key(model, step_key)` before the forward pass, 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Sequence
 
@@ -83,9 +84,12 @@ class LoRALinear(nnx.Module):
         self.dropout = dropout
         self.dropout_key = dropout_key if dropout > 0.0 else None
         self.deterministic = True  # eval mode until model.train()
+        self.enabled = True  # False: the base output alone (adapters_disabled)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
         y = self.base(x)
+        if not self.enabled:
+            return y
         if self.dropout > 0.0 and not self.deterministic:
             key = jax.random.wrap_key_data(self.dropout_key[...])
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
@@ -109,9 +113,12 @@ class LoRAExpertLinear(nnx.Module):
         self.lora_b = lora_b  # [L, E, R, out]
         self.rank, self.alpha, self.use_rslora = rank, alpha, use_rslora
         self.scaling = lora_scaling(rank, alpha, use_rslora)
+        self.enabled = True  # False: the base output alone (adapters_disabled)
 
     def __call__(self, x: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
         y = self.base(x, group_sizes, row_expert)  # [A, out]
+        if not self.enabled:
+            return y
         h = grouped_dot(x, self.lora_a[...], group_sizes) * self.scaling  # [A, R]
         return y + grouped_dot(h.astype(x.dtype), self.lora_b[...], group_sizes)  # [A, out]
 
@@ -273,6 +280,22 @@ def merge_lora(model):
         fold_into(mod.base, mod.lora_a.get_value(), mod.lora_b.get_value(), mod.scaling)
         _set(model.layers, TARGET_PATHS[name], mod.base)
     return model
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Inside the block every LoRA module of `model` returns its base output alone: the model without its adapter
+    (DPO's reference for LoRA / QLoRA, with no second copy of the weights). A Python-level switch read at trace
+    time, so a forward pass traced inside the block is the base model's; restored on exit."""
+    mods = list(lora_modules(model).values())
+    before = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, e in zip(mods, before):
+            m.enabled = e
 
 
 # ---- dropout ------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from surojax.config.schema import TrainConfig
+from surojax.config.policy_loss import resolved_beta, resolved_loss_type
 from surojax.data.pipeline import DataStats
 from surojax.data.prompts import Prompt, PromptData, PromptOrder, load_prompts
 from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics, \
@@ -77,15 +78,15 @@ class GRPOTrainer(Trainer):
     and `next_batch` (a generation batch made every num_iterations steps)."""
 
     def __init__(self, cfg: TrainConfig, **kwargs):
-        self.settings = GRPOLossSettings(loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                                         beta=cfg.beta, max_completion_length=cfg.max_completion_length,
-                                         temperature=cfg.temperature)
+        self.settings = GRPOLossSettings(loss_type=resolved_loss_type(cfg), epsilon=cfg.epsilon,
+                                         epsilon_high=cfg.epsilon_high, beta=resolved_beta(cfg),
+                                         max_completion_length=cfg.max_completion_length, temperature=cfg.temperature)
         self.loss = functools.partial(grpo_loss, settings=self.settings)  # build_run compiles this
-        if cfg.beta > 0 and not cfg.lora:
+        if self.settings.beta > 0 and not cfg.lora:
             raise TrainSetupError("beta: a KL reference for full fine-tuning needs a frozen copy of the model, which "
                                   "this version does not keep; use beta: 0 (TRL's default) or LoRA (the reference "
                                   "is the base without the adapter)")
-        if cfg.beta > 0 and cfg.train_router:
+        if self.settings.beta > 0 and cfg.train_router:
             raise TrainSetupError("beta: the reference of a LoRA run is the base without the adapter, but "
                                   "train_router changes the base's routers; use beta: 0 or train_router: false")
         if cfg.offload_base_weights:
@@ -174,7 +175,7 @@ class GRPOTrainer(Trainer):
         device = self._device_batch_flat(rows)
         if cfg.num_iterations > 1:
             rows["old_logps"] = self._micro_logps(self._policy_logps, device)
-        if cfg.beta > 0:
+        if self.settings.beta > 0:
             rows["ref_logps"] = self._micro_logps(self._reference_logps, device)
         lengths = np.array([len(c.ids) for c in completions], np.float32)
         metrics = {"reward": float(total.mean()), "reward_std": float(total.std()),
@@ -221,7 +222,7 @@ class GRPOTrainer(Trainer):
         m = super().step()
         sums = {k: m.pop(k) for k in ("completion_tokens", "sequences", "clip_count", *METRIC_DENOMINATORS)}
         means = {k: float(v) for k, v in mean_metrics(sums).items()}
-        if self.cfg.beta == 0:  # no reference pass: no KL to report (TRL logs none either)
+        if self.settings.beta == 0:  # no reference pass: no KL to report (TRL logs none either)
             means.pop("kl")
         m.update(means, clip_ratio=means["clip_ratio/region_mean"])
         gen = self._step_metrics
@@ -246,7 +247,7 @@ class GRPOTrainer(Trainer):
         like = {k: np.zeros((R, T), np.int32) for k in ("tokens", "positions", "segment_ids", "targets")}
         like.update(completion_mask=np.zeros((R, T), np.float32), advantages=np.zeros((R,), np.float32),
                     old_logps=np.zeros((R, T), np.float32))
-        if self.cfg.beta > 0:
+        if self.settings.beta > 0:
             like["ref_logps"] = np.zeros((R, T), np.float32)
         return like
 

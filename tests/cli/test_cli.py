@@ -14,7 +14,7 @@ from surojax.cli.main import COMMANDS, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "configs" / "examples" / "lora_qwen3.yaml"
-CONFIG_COMMANDS = ("dpo", "bench")  # still placeholders that validate
+CONFIG_COMMANDS = ("bench",)  # still placeholders that validate
 
 
 def run_py(*args: str) -> subprocess.CompletedProcess:

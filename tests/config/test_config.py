@@ -250,6 +250,10 @@ def test_bad_overrides():
     ({"eval_steps": 10}, "eval_steps", "validation"),
     ({"max_model_len": 1024, "sequence_len": 2048}, "sequence_len", "max_model_len"),
     ({"parallel": {"data": -1, "fsdp": -1}}, "parallel", "at most one"),
+    ({"datasets": [{"path": "d.jsonl", "prompt_field": "question"}]}, "datasets.0.prompt_field", "trainer: dpo"),
+    ({"beta": 0.2}, "beta", "trainer: dpo"),
+    ({"trainer": "dpo", "loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing", "sigmoid only"),
+    ({"trainer": "dpo", "datasets": [{"path": "d.jsonl", "type": "text"}]}, "datasets.0.type", "preference"),
 ])
 def test_cross_field_rule(d, key, words):
     k, msg = one_error(d)
@@ -264,7 +268,6 @@ def test_cross_field_rule(d, key, words):
     ({"long_context": True}, "long_context"),
     ({"offload_grads": True}, "offload_grads"),
     ({"parallel": {"stage": 2}}, "parallel"),
-    ({"datasets": [{"path": "d.jsonl", "prompt_field": "question"}]}, "datasets.0.prompt_field"),
     ({"lora": True, "qlora_bnb": True, "qlora_bnb_block_size": 128}, "qlora_bnb_block_size"),
     ({"lora": True, "qlora_fp8": True, "qlora_block_size": 64}, "qlora_block_size"),
 ])
