@@ -114,6 +114,8 @@ def test_on_policy_old_logps_default_to_the_detached_policy():
     s = GRPOLossSettings(loss_type="dapo")
     g = jax.grad(lambda lp: policy_loss_sums(lp, None, None, x["advantages"], x["mask"], s)[0])(x["logps"])
     np.testing.assert_allclose(np.asarray(g), -INPUTS["advantages"][:, None] * INPUTS["mask"], rtol=1e-6)
+    column = policy_loss_sums(x["logps"], None, None, x["advantages"][:, None], x["mask"], s)[0]  # [R, 1] too
+    np.testing.assert_allclose(float(column), -float((x["advantages"][:, None] * x["mask"]).sum()), rtol=1e-6)
 
 
 TINY = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
