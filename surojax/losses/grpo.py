@@ -121,8 +121,8 @@ def group_advantages(rewards: jax.Array, num_generations: int, scale_rewards: Sc
 def policy_loss_sums(logps: jax.Array, old_logps: jax.Array | None, ref_logps: jax.Array | None,
                      advantages: jax.Array, mask: jax.Array, settings: GRPOLossSettings) -> tuple[jax.Array, dict]:
     """The loss as (loss_sum, sums) in the step's sum convention (module docstring): logps / old_logps /
-    ref_logps / mask [R, T], advantages [R]. `old_logps` None: on-policy (TRL's num_iterations == 1 shortcut,
-    old = stop_gradient(logps)); `ref_logps` is read only when beta > 0.
+    ref_logps / mask [R, T], advantages [R] (or [R, 1]). `old_logps` None: on-policy (TRL's num_iterations == 1
+    shortcut, old = stop_gradient(logps)); `ref_logps` is read only when beta > 0.
 
     sums (fp32 scalars, to be summed over micro-batches): "tokens" (the count loss_sum is a sum over),
     "completion_tokens", "sequences", "kl" (sum of the masked per-token KL; 0 when beta == 0), "clip_ratio/
@@ -133,8 +133,8 @@ def policy_loss_sums(logps: jax.Array, old_logps: jax.Array | None, ref_logps: j
     # masked positions are zeroed first: no exp() of an arbitrary difference there (no inf * 0 in the gradient)
     lp = jnp.where(on, logps.astype(jnp.float32), 0.0)  # [R, T]
     old = jax.lax.stop_gradient(lp) if old_logps is None else jnp.where(on, old_logps.astype(jnp.float32), 0.0)
-    adv = advantages.astype(jnp.float32)[:, None]  # [R, 1]
     R = lp.shape[0]
+    adv = advantages.astype(jnp.float32).reshape(R, 1)  # [R] or [R, 1] -> [R, 1]
     row_tokens = jnp.sum(m, axis=-1)  # [R]
     log_ratio = lp - old
     if settings.loss_type == "gspo":  # one importance ratio per completion: exp(mean_t log-ratio)
@@ -237,7 +237,8 @@ def grpo_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, layer_lo
     batch (one completion per row, prompt + completion, right-padded):
         tokens, positions, segment_ids, targets [R, T]   (targets: the next token at each position)
         completion_mask [R, T]   1 where the target is a completion token (0 on prompt, padding, masked truncations)
-        advantages [R]           group_advantages of the rollouts' rewards
+        advantages [R] or [R, 1] group_advantages of the rollouts' rewards ([R, 1]: the trainer's [A, B, ...]
+                                 batch sharding splits rows and a second axis, so a per-row key needs one)
         old_logps [R, T]         the rollout policy's log-probs of the targets (optional: absent = on-policy)
         ref_logps [R, T]         the reference model's (read only when settings.beta > 0)
     Returns (loss_sum, aux): aux["tokens"] is the count loss_sum is a sum over; the other aux entries are the
