@@ -10,17 +10,16 @@ from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
 from surojax.config.data import DataSection
-    PolicyLossSection, DPOSection, GRPOSection, DistillSection,
-    GenerationEvalSection, ParallelSection, MemorySection, OptimSection, MoESection, QLoraSection, LoraSection,
-    PrecisionSection, DataSection, RunSection,
+from surojax.config.distill import DistillSection
+from surojax.config.dpo import DPOSection
 from surojax.config.generation_eval import GenerationEvalSection
 from surojax.config.grpo import GRPOSection
 from surojax.config.lora import LoraSection, QLoraSection
 from surojax.config.memory import MemorySection
 from surojax.config.moe import MoESection
 from surojax.config.optim import OptimSection
-from surojax.config.policy_loss import PolicyLossSection
 from surojax.config.parallel import ParallelSection
+from surojax.config.policy_loss import PolicyLossSection
 from surojax.config.precision import PrecisionSection
 from surojax.config.rules import cross_field_problems
 from surojax.config.run import RunSection
@@ -28,14 +27,9 @@ from surojax.config.run import RunSection
 
 # Bases in reverse: pydantic orders fields from the last base to the first, so dumps and errors read run first.
 class TrainConfig(
-<<<<<<< HEAD
-    GRPOSection, DistillSection,
+    PolicyLossSection, DPOSection, GRPOSection, DistillSection,
     GenerationEvalSection, ParallelSection, MemorySection, OptimSection, MoESection, QLoraSection, LoraSection,
     PrecisionSection, DataSection, RunSection,
-=======
-    DPOSection, GenerationEvalSection, ParallelSection, MemorySection, OptimSection, MoESection, QLoraSection,
-    LoraSection, PrecisionSection, DataSection, RunSection,
->>>>>>> h-dpo
 ):
     """A validated training config. Build it with `load_config(path)` or `config_from_dict(d)`."""
 

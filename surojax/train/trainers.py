@@ -6,18 +6,13 @@
 from __future__ import annotations
 
 from surojax.config import TrainConfig
-<<<<<<< HEAD
 from surojax.train.distill import DistillTrainer
+from surojax.train.dpo import DPOTrainer
 from surojax.train.grpo import GRPOTrainer
 from surojax.train.trainer import Trainer
 
-TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer, "grpo": GRPOTrainer, "distill": DistillTrainer}
-=======
-from surojax.train.dpo import DPOTrainer
-from surojax.train.trainer import Trainer
-
-TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer, "dpo": DPOTrainer}
->>>>>>> h-dpo
+TRAINERS: dict[str, type[Trainer]] = {"sft": Trainer, "dpo": DPOTrainer, "grpo": GRPOTrainer,
+                                      "distill": DistillTrainer}
 
 
 def trainer_class(cfg: TrainConfig) -> type[Trainer]:
