@@ -14,6 +14,8 @@ What is written (committed, so the quickstart needs no download; a re-run rewrit
                                         ("Now Tom has 7.")
     configs/quickstart/test.jsonl       held-out problems in the same format: no (name, object, verb, numbers)
                                         problem of the test set occurs in train.jsonl or in pretrain.jsonl
+    configs/quickstart/prompts.jsonl    the train.jsonl questions as GRPO prompt rows: {"prompt": [{"role": "user",
+                                        "content": ...}], "answer": "Now Tom has 7."} (configs/grpo_arithmetic.yaml)
     configs/quickstart/tokenizer/       byte-level BPE (1024 ids incl. <|endoftext|>, <|im_start|>, <|im_end|>)
                                         trained on this text, with a ChatML chat template (eos = <|im_end|>);
                                         built the way scripts/make_fixtures.py builds tests/fixtures/tokenizer
@@ -131,7 +133,11 @@ def make_data(seed: int = SEED) -> dict[str, list[dict]]:
     def qa(p):
         return {"instruction": question(p), "input": "", "output": conclusion(p)}
 
-    return {"pretrain": [{"text": t} for t in lines], "train": [qa(p) for p in train], "test": [qa(p) for p in test]}
+    def prompt(p):  # GRPO's prompt rows: the same question as a chat message, the expected answer as a column
+        return {"prompt": [{"role": "user", "content": question(p)}], "answer": conclusion(p)}
+
+    return {"pretrain": [{"text": t} for t in lines], "train": [qa(p) for p in train], "test": [qa(p) for p in test],
+            "prompts": [prompt(p) for p in train]}
 
 
 # ----------------------------------------------------------------------------------------------------------------
