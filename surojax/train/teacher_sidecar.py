@@ -122,10 +122,11 @@ class SidecarTeacher:
                                       "run --precompute again with this config")
         if meta["vocabulary"] != vocabulary_hash(tokenizer):
             raise TrainSetupError(f"teacher_logprobs: {path} was written with another tokenizer than this run's")
-        keys = np.load(path / "row_keys.npy")
+        keys = np.load(path / "row_keys.npy", allow_pickle=False)
         return cls(path=path, meta=meta, index={k.tobytes(): r for r, k in enumerate(keys)},
-                   offsets=np.load(path / "offsets.npy"), ids=np.load(path / "ids.npy", mmap_mode="r"),
-                   logps=np.load(path / "logps.npy", mmap_mode="r"))
+                   offsets=np.load(path / "offsets.npy", allow_pickle=False),
+                   ids=np.load(path / "ids.npy", mmap_mode="r", allow_pickle=False),
+                   logps=np.load(path / "logps.npy", mmap_mode="r", allow_pickle=False))
 
     def topk(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A host batch [N, T] -> {teacher_ids int32, teacher_logps float32} [N, T, K] (zeros where loss_mask is
