@@ -30,11 +30,21 @@ def model():
     return m
 
 
-def recompute_greedy(model: Decoder, prompt: list[int], n: int) -> list[int]:
-    """The independent reference: each token is the argmax of a full forward over the whole sequence so far."""
+@nnx.jit
+def _last_logits(model, tokens, length):
+    """Logits at position length - 1 of one right-padded row (padding: segment 0, attended by nothing real)."""
+    T = tokens.shape[1]
+    seg = (jnp.arange(T) < length).astype(jnp.int32)[None]
+    return model(tokens, jnp.arange(T, dtype=jnp.int32)[None], seg)[0, length - 1]
+
+
+def recompute_greedy(model: Decoder, prompt: list[int], n: int, width: int = 32) -> list[int]:
+    """The independent reference: each token is the argmax of a full forward over the whole sequence so far (one
+    compiled forward over a right-padded row of `width`)."""
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(jnp.argmax(model(jnp.asarray([ids]))[0, -1])))
+        row = jnp.zeros((1, width), jnp.int32).at[0, :len(ids)].set(jnp.asarray(ids))
+        ids.append(int(jnp.argmax(_last_logits(model, row, len(ids)))))
     return ids[len(prompt):]
 
 

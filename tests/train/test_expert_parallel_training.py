@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import yaml
 from flax import nnx
 
@@ -45,13 +44,14 @@ LORA = dict(lora=True, lora_rank=4, lora_alpha=8, lora_target_modules="all-linea
             learning_rate=1e-2)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_data_2_expert_4_matches_one_device(tmp_path, tiny_config, lora):
+def test_data_2_expert_4_matches_one_device(tmp_path, tiny_config):
+    """LoRA on attention + experts with the router trained (full fine-tuning's exchange and gradients on the expert
+    mesh: tests/parallel/test_expert_parallel.py)."""
     common = dict(model_config=dict(TINY_QWEN3_MOE), max_steps=3, gradient_accumulation_steps=1,
                   lr_scheduler_type="constant")
-    if lora:  # LoRA needs a base folder: the same tiny random qwen3_moe, saved
-        base = save_model(Decoder(ModelConfig.from_hf(dict(TINY_QWEN3_MOE)), rngs=nnx.Rngs(0)), tmp_path / "base")
-        common = dict(common, from_scratch=False, model_config=None, model=str(base), **LORA)
+    # LoRA needs a base folder: the same tiny random qwen3_moe, saved
+    base = save_model(Decoder(ModelConfig.from_hf(dict(TINY_QWEN3_MOE)), rngs=nnx.Rngs(0)), tmp_path / "base")
+    common = dict(common, from_scratch=False, model_config=None, model=str(base), **LORA)
     one_cfg, ep_cfg = tmp_path / "one.yaml", tmp_path / "ep.yaml"
     def write(path, **kw):  # None: a key of tiny_config's left out
         path.write_text(yaml.safe_dump({k: v for k, v in tiny_config(**common, **kw).items() if v is not None}))
