@@ -69,15 +69,15 @@ def test_lm_loss_adds_coef_times_aux_per_supervised_token():
     tokens = jnp.asarray(rng.integers(0, 64, (2, 8)))
     batch = {"tokens": tokens, "positions": jnp.tile(jnp.arange(8), (2, 1)), "segment_ids": jnp.ones((2, 8), jnp.int32),
              "targets": jnp.roll(tokens, -1, 1), "loss_mask": jnp.asarray(rng.random((2, 8)) < 0.7)}
-    ce, aux0 = lm_loss(model, batch)
+    ce, aux0 = nnx.jit(lm_loss)(model, batch)
     w = RouterLossWeights(aux_coef=0.25, z_coef=0.01)
-    total, aux = lm_loss(model, batch, router=w)
+    total, aux = nnx.jit(lambda m, b: lm_loss(m, b, router=w))(model, batch)
     stats = aux["router"]
     assert stats.expert_counts.shape == (2, 4) and float(aux["tokens"]) == float(aux0["tokens"])
     expected = ce + (0.25 * load_balancing_loss(stats) + 0.01 * router_z_loss(stats)) * aux["tokens"]
     np.testing.assert_allclose(float(total), float(expected), rtol=1e-6)
     assert float(load_balancing_loss(stats)) > 0 and float(total) > float(ce)
     # the aux term has a gradient to the router kernel
-    g = nnx.grad(lambda m: lm_loss(m, batch, router=RouterLossWeights(aux_coef=1.0))[0]
-                 - lm_loss(m, batch)[0])(model)
+    g = nnx.jit(nnx.grad(lambda m: lm_loss(m, batch, router=RouterLossWeights(aux_coef=1.0))[0]
+                         - lm_loss(m, batch)[0]))(model)
     assert float(jnp.abs(g.layers.mlp.router.kernel[...]).max()) > 0

@@ -48,6 +48,11 @@ for spec in sys.argv[1:]:
 """
 
 
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens)
+
+
 def _adapter_with_router(family: str, out: Path) -> np.ndarray:
     """The fixture model with a random all-linear LoRA (attention + experts) and a perturbed trained router, saved
     to `out` as our trainer saves it. Returns that model's logits on TOKENS."""
@@ -55,14 +60,14 @@ def _adapter_with_router(family: str, out: Path) -> np.ndarray:
     apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(1))
     randomize_adapter(model)
     make_router_trainable(model, jnp.float32)
-    frozen_router = np.asarray(model(jnp.asarray(TOKENS)))
+    frozen_router = np.asarray(_logits(model, jnp.asarray(TOKENS)))
     router = model.layers.mlp.router
     for i, var in enumerate(v for v in (router.kernel, router.bias) if v is not None):
         noise = jax.random.normal(jax.random.key(10 + i), var.get_value().shape)
         var.set_value(var.get_value() + 0.5 * noise)  # a router change large enough to move the top-k choices
     save_peft_adapter(model, out, MODELS / family)
     add_router_to_adapter(model, out)
-    logits = np.asarray(model(jnp.asarray(TOKENS)))
+    logits = np.asarray(_logits(model, jnp.asarray(TOKENS)))
     assert np.abs(logits - frozen_router).max() > 0.1  # the saved router matters on its own
     return logits
 
