@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import (GMM_TILES, TGMM_TILES, GmmTiles, TgmmTiles, gmm, grouped_matmul,
                                            grouped_matmul_reference, tgmm)
+from timing import timeit  # benchmarks/ is sys.path[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,21 +70,6 @@ def log(msg: str) -> None:
 
 def emit(**rec) -> None:
     print(json.dumps({"bench": "grouped_matmul", **rec}), flush=True)
-
-
-def timeit(f, *args, iters: int, repeats: int = 3) -> float:
-    """Seconds per call: compile + 2 warm-up calls, then the median over `repeats` of `iters` calls."""
-    for _ in range(3):
-        jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
 
 
 def router_group_sizes(shape: MoeShape, key) -> jax.Array:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 from pallas_kernels.quant_matmul.kernel import Tiles, forward, transposed
 from pallas_kernels.quant_matmul.reference import forward_ref, transposed_ref
 from surojax.bench.quant_base import random_weight
+from timing import timeit  # noqa: E402  (benchmarks/ is sys.path[0])
 
 ALL_FORMATS = ["q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"]
 SHAPES = {"qo": (4096, 4096), "kv": (4096, 1024), "gate_up": (4096, 12288), "down": (12288, 4096)}
@@ -63,22 +63,6 @@ def log(msg: str) -> None:
 
 def emit(**rec) -> None:
     print(json.dumps({"bench": "quant_matmul", **rec}), flush=True)
-
-
-def timeit(f, *args, iters: int, repeats: int = 3) -> float:
-    """Seconds per call: compile + 2 warm-up calls, then the median over `repeats` of `iters` calls."""
-    jax.block_until_ready(f(*args))
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
 
 
 @jax.jit
