@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.paged_decode import kernel_applies
 from pallas_kernels.paged_decode import prepare as prepare_paged_decode
@@ -145,8 +146,7 @@ class PagedRunner:
         self.adapter_slot = adapter_slot or (lambda name: 0)
         shape = (cfg.num_layers, self.num_slots, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or model.dtype
-        self.k_pool = jnp.zeros(shape, dtype)
-        self.v_pool = jnp.zeros(shape, dtype)
+        self.k_pool, self.v_pool = self._new_pool(shape, dtype), self._new_pool(shape, dtype)
         if self.kernel is PagedKernel.PALLAS and not kernel_applies(shape, 1, cfg.sliding_window):
             warnings.warn(f"PagedRunner: kv_path PALLAS does not apply to this model / pool (pool {shape}, "
                           f"sliding window {cfg.sliding_window}): decode attention gathers instead "
@@ -160,9 +160,18 @@ class PagedRunner:
         -> True when they had to be rebuilt (every cached KV is lost: drop the prefix cache too)."""
         lost = self.k_pool.is_deleted() or self.v_pool.is_deleted()
         if lost:
-            self.k_pool = jnp.zeros(self.k_pool.shape, self.k_pool.dtype)
-            self.v_pool = jnp.zeros(self.v_pool.shape, self.v_pool.dtype)
+            self.k_pool = self._new_pool(self.k_pool.shape, self.k_pool.dtype)
+            self.v_pool = self._new_pool(self.v_pool.shape, self.v_pool.dtype)
         return lost
+
+    def _new_pool(self, shape, dtype) -> jax.Array:
+        """An empty pool, placed as the step returns it: replicated on the weights' mesh when they have one (a
+        trainer's model: GRPO rollouts), so the first step's output pool does not change the input types of the
+        next calls (one compile per shape, not two)."""
+        meshes = {x.sharding.mesh for x in jax.tree.leaves(self.state)
+                  if isinstance(getattr(x, "sharding", None), NamedSharding)}
+        pool = jnp.zeros(shape, dtype)
+        return jax.device_put(pool, NamedSharding(meshes.pop(), P())) if len(meshes) == 1 else pool
 
     def refresh_weights(self, model: Decoder) -> None:
         """Take the model's current values (after an adapter was loaded into / unloaded from its slots)."""
