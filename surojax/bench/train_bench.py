@@ -41,11 +41,13 @@ from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS, random
 from surojax.bench.shapes import SHAPES, shape_hf_config
 from surojax.config.load import config_from_dict
 from surojax.config.schema import TrainConfig
+from surojax.losses.dpo import DPOSettings, dpo_loss
 from surojax.losses.lm import lm_chunk_tokens
 from surojax.models.layers.attention import packed_backend, runs_per_row
 from surojax.offload.memory_plan import MemoryPlan
 from surojax.offload.streaming import host_bytes
 from surojax.parallel import batch_sharding, make_mesh
+from surojax.peft.lora import adapters_disabled
 from surojax.quant.base import QuantFormat
 from surojax.train.build import Run, build_run, memory_plan_of
 from surojax.train.run_spec import RunSpec, run_spec
@@ -84,6 +86,7 @@ class BenchConfig:
     optimizer: str = "adamw"  # adamw | adamw_8bit
     offload_optimizer: bool = False  # the layers' optimizer state in pinned host memory, updated per layer
     offload_master: bool = False  # full, bf16: the layers' fp32 master in pinned host memory, bf16 copy on device
+    task: str = "sft"  # sft: the LM loss on packed rows | dpo: the DPO loss on pairs (`batch` counts pairs)
 
     def check(self) -> None:
         """The bench's own options; everything the trainer also has is checked by the config check
@@ -92,6 +95,11 @@ class BenchConfig:
             raise ValueError(f"--shape {self.shape!r}: expected one of {', '.join(SHAPES)}")
         if self.mode not in ("lora", "full"):
             raise ValueError(f"--mode {self.mode!r}: expected lora or full")
+        if self.task not in ("sft", "dpo"):
+            raise ValueError(f"--task {self.task!r}: expected sft or dpo")
+        if self.task == "dpo" and (self.mode != "lora" or self.segments != 1):
+            raise ValueError("--task dpo: LoRA pairs (the reference is the base without the adapter, one pair's "
+                             "sequence per row): use --mode lora --segments 1")
         if self.recipe == "fp8_hybrid" and (self.quant or self.offload_base or self.base_format or self.init == "host"):
             raise ValueError("--recipe fp8_hybrid multiplies a bf16 base built on the device in FP8; it does not "
                              "combine with --quant / --offload-base / --base-format / --init host")
@@ -196,11 +204,29 @@ def synthetic_batch(rng: np.random.Generator, accum: int, batch: int, seq: int, 
     return out, lengths
 
 
+def synthetic_pairs(rng: np.random.Generator, accum: int, pairs: int, seq: int, vocab: int
+                    ) -> tuple[dict[str, np.ndarray], list[int]]:
+    """DPO pairs [A, P, 2, T] (surojax/losses/dpo.py contract): chosen and rejected share a prompt of T / 2
+    tokens, each response fills the rest of its row (loss mask 1 on the response's targets)."""
+    shape = (accum, pairs, 2, seq)
+    prompt = seq // 2
+    tokens = rng.integers(1, vocab, size=shape, dtype=np.int32)
+    tokens[..., 1, :prompt] = tokens[..., 0, :prompt]
+    targets = np.zeros(shape, np.int32)
+    targets[..., :-1] = tokens[..., 1:]
+    loss_mask = np.zeros(shape, np.float32)
+    loss_mask[..., prompt - 1:seq - 1] = 1.0
+    out = {"tokens": tokens, "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), shape).copy(),
+           "segment_ids": np.ones(shape, np.int32), "targets": targets, "loss_mask": loss_mask}
+    return out, [seq] * (accum * pairs * 2)
+
+
 # ---- set-up -------------------------------------------------------------------------------------------------
 
 def build(bc: BenchConfig, *, device=None) -> Run:
     """The run `build_run` assembles for the bench's spec on a one-device mesh; `--quant` / `--base-format` swap a
-    random quantised base into the model before it is placed."""
+    random quantised base into the model before it is placed; `--task dpo` compiles the DPO loss (sigmoid, beta
+    0.1, the reference = the base without the adapter, as DPOTrainer builds it)."""
     device = device or jax.devices()[0]
     spec = bench_spec(bc)
     base_format = bc.quant or bc.base_format  # check() allows at most one of them
@@ -209,6 +235,9 @@ def build(bc: BenchConfig, *, device=None) -> Run:
         def customize(model):
             randomize_base(model, base_format, jax.random.key(bc.seed + 1000))
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
+    if bc.task == "dpo":
+        loss = functools.partial(dpo_loss, settings=DPOSettings(), without_adapter=adapters_disabled)
+        return build_run(spec, mesh, customize=customize, loss=loss)
     return build_run(spec, mesh, customize=customize)
 
 
@@ -260,8 +289,11 @@ def run(bc: BenchConfig, log=None) -> dict:
         f"{attention}, recompute {bc.recompute}, lm-head chunk {setup.chunk} tokens")
 
     rng = np.random.default_rng(bc.seed)
-    host_batch, lengths = synthetic_batch(rng, bc.accum, bc.batch, bc.seq, mcfg.vocab_size, bc.segments,
-                                          bc.min_segment)
+    if bc.task == "dpo":
+        host_batch, lengths = synthetic_pairs(rng, bc.accum, bc.batch, bc.seq, mcfg.vocab_size)
+    else:
+        host_batch, lengths = synthetic_batch(rng, bc.accum, bc.batch, bc.seq, mcfg.vocab_size, bc.segments,
+                                              bc.min_segment)
     if runs_per_row(host_batch["segment_ids"]) > bc.segments:  # the bound the attention backend was built for
         raise AssertionError(f"synthetic rows hold {runs_per_row(host_batch['segment_ids'])} runs > --segments")
     batch = place_batch(setup, host_batch)
@@ -289,13 +321,14 @@ def run(bc: BenchConfig, log=None) -> dict:
         jax.block_until_ready((trainable, opt_state, metrics))
         times.append((time.perf_counter() - t0) / bc.steps)
     step_s = statistics.median(times)
-    tokens = bc.accum * bc.batch * bc.seq
+    sequences = bc.batch * (2 if bc.task == "dpo" else 1)  # per micro-batch
+    tokens = bc.accum * sequences * bc.seq
     targets = flop_targets(mcfg, bc.targets)
     fl = step_flops(mcfg, mode=bc.mode, tokens=tokens, segment_lengths=lengths, rank=bc.rank, targets=targets)
     fl_6n = step_flops(mcfg, mode="full", tokens=tokens, segment_lengths=lengths)  # 6 x active params x tokens
     n_train, n_frozen = _count(trainable), _count(setup.frozen)
     return {
-        "impl": "surojax",
+        "impl": "surojax", "task": bc.task,
         "shape": bc.shape, "mode": bc.mode, "batch": bc.batch, "seq": bc.seq, "accum": bc.accum,
         "tokens_per_s": tokens / step_s,
         "step_ms": step_s * 1e3,

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("bench train (synthetic packed batches, random weights of a real shape)")
     g.add_argument("--shape", default="qwen3-0.6b", choices=SHAPE_NAMES)
     g.add_argument("--mode", default="lora", choices=("lora", "full"))
+    g.add_argument("--task", default="sft", choices=("sft", "dpo"),
+                   help="dpo: the DPO loss on pairs of --seq tokens (--batch counts pairs; tokens/s counts both "
+                        "sequences; the reference forward is the base without the adapter)")
     g.add_argument("--batch", type=positive_int, default=8, help="rows per micro-batch (default 8)")
     g.add_argument("--seq", type=positive_int, default=2048, help="sequence length (default 2048)")
     g.add_argument("--accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
@@ -86,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
                          seed=args.seed, quant=args.quant, offload_base=args.offload_base, prefetch=args.prefetch,
                          base_format=args.base_format, init=args.init, optimizer=args.optimizer,
-                         offload_optimizer=args.offload_optimizer, offload_master=args.offload_master)
+                         offload_optimizer=args.offload_optimizer, offload_master=args.offload_master,
+                         task=args.task)
         bc.check()
     except ValueError as e:
         raise UsageError(str(e)) from None
