@@ -38,8 +38,8 @@ from surojax.config.schema import TrainConfig
 from surojax.config.policy_loss import resolved_beta, resolved_loss_type
 from surojax.data.pipeline import DataStats
 from surojax.data.prompts import Prompt, PromptData, PromptOrder, load_prompts
-from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics, \
-    target_logps
+from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics
+from surojax.losses.token_logps import model_target_logps
 from surojax.offload.memory_plan import device_capacity
 from surojax.peft.lora import lora_modules
 from surojax.train.grpo_rollout import Completion, Rollout, RolloutSettings, completion_rows, kv_bytes
@@ -58,13 +58,6 @@ class GenerationBatch:
     rows: dict
     metrics: dict
     remaining: int
-
-
-def token_logps(model, batch: dict, *, chunk: int, temperature: float) -> jax.Array:
-    """Log-probability of each row's next token under `model` at the sampling temperature: [R, T] fp32 (the
-    loss's own `target_logps`, no gradient taken)."""
-    h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])  # [R, T, D]
-    return target_logps(h, model.head_weight(), batch["targets"], temperature=temperature, chunk=chunk)
 
 
 def adapter_off(model) -> None:
@@ -104,12 +97,12 @@ class GRPOTrainer(Trainer):
         graphdef, chunk, temp = self.run.eval_graphdef, self.run.chunk, cfg.temperature
 
         def policy(trainable, frozen, batch):
-            return token_logps(nnx.merge(graphdef, trainable, frozen), batch, chunk=chunk, temperature=temp)
+            return model_target_logps(nnx.merge(graphdef, trainable, frozen), batch, chunk=chunk, temperature=temp)
 
         def reference(trainable, frozen, batch):
             model = nnx.merge(graphdef, trainable, frozen, copy=True)
             adapter_off(model)
-            return token_logps(model, batch, chunk=chunk, temperature=temp)
+            return model_target_logps(model, batch, chunk=chunk, temperature=temp)
 
         self._policy_logps, self._reference_logps = jax.jit(policy), jax.jit(reference)
         if self._restored_pending is not None:
