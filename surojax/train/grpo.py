@@ -21,10 +21,10 @@ The KL reference (beta > 0): with LoRA, the base with the adapter switched off (
 a frozen copy of the INITIAL trainable weights kept on the device (`reference_copy`), sharded like the parameters.
 Each matrix is stored in the compute dtype every forward casts it to at use (bf16 for a bf16 recipe: not the fp32
 master), so the reference forward computes the initial policy's values (the same casts); vectors (norm scales,
-biases, attention sinks, router biases: a few KiB) keep their storage dtype, as some are read in fp32. (Under fp8_hybrid the FP8
-layers then quantise from the bf16 copy rather than the fp32 master: the initial model up to that rounding.) On
-resume the copy is taken before the checkpoint replaces the weights (as DPO's reference pass), so it is the
-initial model again.
+biases, attention sinks, router biases: a few KiB) keep their storage dtype, as some are read in fp32. (Under
+fp8_hybrid the FP8 layers then quantise from the bf16 copy rather than the fp32 master: the initial model up to
+that rounding.) On resume the copy is taken before the checkpoint replaces the weights (as DPO's reference pass),
+so it is the initial model again.
 
 Memory: the engine's KV pool is sized for one generation batch at once (grpo_rollout.kv_blocks) and, with the full
 fine-tuning reference copy, added to the training memory plan; a run whose sum exceeds the device is refused before
