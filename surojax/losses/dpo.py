@@ -30,10 +30,12 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
+from surojax.losses.token_logps import model_target_logps
+
 DPOLossType = Literal["sigmoid", "ipo", "hinge"]
 LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
 METRIC_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
-DEFAULT_CHUNK_TOKENS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,41 +61,13 @@ class DPOSettings:
         return self.loss_type == "ipo"
 
 
-def token_logps(hidden: jax.Array, head_w: jax.Array, targets: jax.Array,
-                chunk: int = DEFAULT_CHUNK_TOKENS) -> jax.Array:
-    """hidden [N, T, D] (final-normed), head_w [D, V], targets [N, T] -> log p(target) [N, T] in fp32.
-
-    The logits exist one chunk of `chunk` tokens at a time ([C, V] fp32, recomputed in the backward pass by
-    jax.checkpoint), never [N, T, V]."""
-    N, T, D = hidden.shape
-    n = N * T
-    h, tg = hidden.reshape(n, D), targets.reshape(n).astype(jnp.int32)
-    chunk = min(chunk, n)
-    pad = -n % chunk
-    h, tg = jnp.pad(h, ((0, pad), (0, 0))), jnp.pad(tg, (0, pad))
-    w = head_w.astype(hidden.dtype)
-
-    @jax.checkpoint
-    def one(xs):
-        hc, tc = xs  # [C, D], [C]
-        logits = jnp.einsum("cd,dv->cv", hc, w, preferred_element_type=jnp.float32)  # [C, V]
-        target = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-        return target - jax.nn.logsumexp(logits, axis=-1)  # [C]
-
-    k = (n + pad) // chunk
-    out = jax.lax.map(one, (h.reshape(k, chunk, D), tg.reshape(k, chunk)))  # [k, C]
-    return out.reshape(-1)[:n].reshape(N, T)
-
-
 def sequence_logps(model, seqs: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None,
                    unroll: int | bool = 1) -> jax.Array:
     """Sums over the response tokens of log p(token): seqs' arrays [..., T] -> [...] fp32 (the model runs on
-    them flattened to [N, T])."""
+    them flattened to [N, T]; surojax.losses.token_logps)."""
     lead, T = seqs["tokens"].shape[:-1], seqs["tokens"].shape[-1]
     flat = {k: seqs[k].reshape(-1, T) for k in ("tokens", "positions", "segment_ids", "targets", "loss_mask")}
-    h, _ = model.hidden_states(flat["tokens"], flat["positions"], flat["segment_ids"], layer_loop=layer_loop,
-                               unroll=unroll)
-    lp = token_logps(h, model.head_weight(), flat["targets"], chunk)  # [N, T]
+    lp = model_target_logps(model, flat, chunk=chunk, layer_loop=layer_loop, unroll=unroll)  # [N, T]
     return jnp.sum(lp * flat["loss_mask"].astype(jnp.float32), axis=-1).reshape(lead)
 
 

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
 from surojax.losses.router import RouterLossWeights, router_loss
+from surojax.losses.token_logps import target_logps  # the policy's per-token log-probs (also imported from here)
 
 LossType = Literal["grpo", "dr_grpo", "dapo", "gspo"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -195,40 +196,7 @@ def grpo_token_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: ja
     return loss_sum / jnp.maximum(sums["tokens"], 1.0), mean_metrics(sums)
 
 
-# ---- per-token log-probabilities from the model -----------------------------------------------------------------
-
-def target_logps(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
-                 chunk: int = DEFAULT_CHUNK_TOKENS) -> jax.Array:
-    """hidden [R, T, D] (final-normed), head_w [D, V], targets [R, T] -> log p(target) [R, T] fp32, from
-    log_softmax(logits / temperature) in fp32.
-
-    The R*T tokens are walked in chunks of `chunk` (logits [C, V] in fp32 from compute-dtype operands); each chunk
-    is rematerialised in the backward pass, so no more than one chunk's [C, V] logits exist at a time (forward or
-    backward) at the price of one more head GEMM."""
-    R, T, D = hidden.shape
-    n = R * T
-    h = hidden.reshape(n, D)
-    tg = targets.reshape(n).astype(jnp.int32)
-    chunk = min(chunk, n)
-    pad = -n % chunk
-    if pad:
-        h = jnp.pad(h, ((0, pad), (0, 0)))
-        tg = jnp.pad(tg, (0, pad))
-    k = (n + pad) // chunk
-    w = head_w.astype(hidden.dtype)
-
-    @jax.checkpoint
-    def chunk_logps(hc, tc):  # [C, D], [C] -> [C]
-        logits = jnp.einsum("cd,dv->cv", hc, w, preferred_element_type=jnp.float32) / temperature  # [C, V] fp32
-        target = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
-        return target - jax.nn.logsumexp(logits, axis=-1)
-
-    def body(_, xs):
-        return None, chunk_logps(*xs)
-
-    _, out = jax.lax.scan(body, None, (h.reshape(k, chunk, D), tg.reshape(k, chunk)))  # [k, C]
-    return out.reshape(-1)[:n].reshape(R, T)
-
+# ---- the model-level loss --------------------------------------------------------------------------------------
 
 def grpo_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None, unroll: int | bool = 1,
               settings: GRPOLossSettings, router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:

@@ -47,23 +47,24 @@ def chunked_lm_loss(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, lo
     """
     B, T, D = hidden.shape
     n = B * T
-    h = hidden.reshape(n, D)
-    tg = targets.reshape(n).astype(jnp.int32)
-    m = loss_mask.reshape(n).astype(jnp.float32)
+    h, tg, m = token_chunks(chunk, hidden.reshape(n, D), targets.reshape(n).astype(jnp.int32),
+                            loss_mask.reshape(n).astype(jnp.float32))
+    return _chunked_ce(h, head_w.astype(hidden.dtype), tg, m), jnp.sum(m)
+
+
+def token_chunks(chunk: int, *flat: jax.Array) -> list[jax.Array]:
+    """Arrays [n, ...] over the same n tokens -> each [k, C, ...]: C = min(chunk, n) tokens a chunk, the last chunk
+    zero-padded (a padded token has hidden 0, target 0 and mask 0: the caller drops or masks it)."""
+    n = flat[0].shape[0]
     chunk = min(chunk, n)
     pad = -n % chunk
-    if pad:
-        h = jnp.pad(h, ((0, pad), (0, 0)))
-        tg = jnp.pad(tg, (0, pad))
-        m = jnp.pad(m, (0, pad))
     k = (n + pad) // chunk
-    total = _chunked_ce(h.reshape(k, chunk, D), head_w.astype(hidden.dtype), tg.reshape(k, chunk),
-                        m.reshape(k, chunk))
-    return total, jnp.sum(m)
+    return [jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(k, chunk, *x.shape[1:]) for x in flat]
 
 
-def _chunk_logits(h, w):
-    return jnp.einsum("cd,dv->cv", h, w, preferred_element_type=jnp.float32)  # [C, V] fp32
+def chunk_logits(h: jax.Array, w: jax.Array) -> jax.Array:
+    """h [C, D] @ w [D, V] -> logits [C, V] in fp32 (operands in the compute dtype, fp32 accumulation)."""
+    return jnp.einsum("cd,dv->cv", h, w, preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
@@ -71,7 +72,7 @@ def _chunked_ce(h, w, t, m):
     """Sum of CE over k chunks: h [k, C, D], w [D, V] (both in the compute dtype), targets/mask [k, C]."""
     def body(total, xs):
         hc, tc, mc = xs
-        return total + cross_entropy_sum(_chunk_logits(hc, w), tc, mc)[0], None
+        return total + cross_entropy_sum(chunk_logits(hc, w), tc, mc)[0], None
 
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (h, t, m))[0]
 
@@ -84,7 +85,7 @@ def _chunked_ce_fwd(h, w, t, m):
     def body(carry, xs):
         total, dw = carry
         hc, tc, mc = xs
-        logits = _chunk_logits(hc, w)
+        logits = chunk_logits(hc, w)
         lse = jax.nn.logsumexp(logits, axis=-1)  # [C]
         target_logit = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
         # softmax - onehot as one elementwise pass over the fp32 logits (a compare with the target column, not a

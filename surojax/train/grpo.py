@@ -6,8 +6,7 @@ One generation batch every `num_iterations` optimizer steps:
       -> G completions each on the serving Engine over the trainer's CURRENT weights (grpo_rollout.Rollout)
       -> rewards (surojax/train/rewards.py) -> group advantages (surojax/losses/grpo.py)
       -> old log-probs (num_iterations > 1: one forward of the policy before its updates; with one iteration the
-         loss uses its own detached log-probs, TRL's rule) and reference log-probs (beta > 0: the base with the
-         adapter switched off, LoRA only)
+         loss uses its own detached log-probs, TRL's rule) and reference log-probs (beta > 0, below)
       -> num_iterations optimizer steps on that batch through the Trainer's compiled step (build_run(loss=grpo_loss))
 
 The rows of a step are the run's A x B rows (gradient_accumulation_steps x per_device_train_batch_size x data
@@ -18,14 +17,25 @@ Sampler state and resume: the prompts of generation g and the seeds of its reque
 the trainer checkpoints g (the data state) and the generation batch still being trained on (num_iterations > 1),
 so a run resumed from any step repeats the uninterrupted run.
 
-Memory: the engine's KV pool is sized for one generation batch at once (grpo_rollout.kv_blocks) and added to the
-training memory plan; a run whose sum exceeds the device is refused before the first step.
+The KL reference (beta > 0): with LoRA, the base with the adapter switched off (no copy); under full fine-tuning,
+a frozen copy of the INITIAL trainable weights kept on the device (`reference_copy`), sharded like the parameters.
+Each matrix is stored in the compute dtype every forward casts it to at use (bf16 for a bf16 recipe: not the fp32
+master), so the reference forward computes the initial policy's values (the same casts); vectors (norm scales,
+biases, attention sinks, router biases: a few KiB) keep their storage dtype, as some are read in fp32. (Under
+fp8_hybrid the FP8 layers then quantise from the bf16 copy rather than the fp32 master: the initial model up to
+that rounding.) On resume the copy is taken before the checkpoint replaces the weights (as DPO's reference pass),
+so it is the initial model again.
+
+Memory: the engine's KV pool is sized for one generation batch at once (grpo_rollout.kv_blocks) and, with the full
+fine-tuning reference copy, added to the training memory plan; a run whose sum exceeds the device is refused before
+the first step, naming what does not fit.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+import math
 import time
 
 import jax
@@ -38,8 +48,9 @@ from surojax.config.schema import TrainConfig
 from surojax.config.policy_loss import resolved_beta, resolved_loss_type
 from surojax.data.pipeline import DataStats
 from surojax.data.prompts import Prompt, PromptData, PromptOrder, load_prompts
-from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics, \
-    target_logps
+from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics
+from surojax.losses.token_logps import model_target_logps
+from surojax.models.layers.params import logical_axes
 from surojax.offload.memory_plan import device_capacity
 from surojax.peft.lora import lora_modules
 from surojax.train.grpo_rollout import Completion, Rollout, RolloutSettings, completion_rows, kv_bytes
@@ -60,11 +71,51 @@ class GenerationBatch:
     remaining: int
 
 
-def token_logps(model, batch: dict, *, chunk: int, temperature: float) -> jax.Array:
-    """Log-probability of each row's next token under `model` at the sampling temperature: [R, T] fp32 (the
-    loss's own `target_logps`, no gradient taken)."""
-    h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])  # [R, T, D]
-    return target_logps(h, model.head_weight(), batch["targets"], temperature=temperature, chunk=chunk)
+def _reference_dtype(variable: nnx.Variable, compute_dtype):
+    """The dtype a full fine-tuning reference keeps `variable` in: the compute dtype for a floating matrix (two or
+    more axes besides `layers`: every forward casts it to the compute dtype at use), else its own dtype."""
+    x = variable.get_value()
+    matrix = sum(a != "layers" for a in logical_axes(variable)) >= 2
+    return jnp.dtype(compute_dtype) if matrix and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+
+
+def reference_copy(trainable: nnx.State, compute_dtype) -> nnx.State:
+    """A frozen copy of `trainable` on the devices (new buffers, each with its parameter's NamedSharding), matrices
+    in `compute_dtype` (`_reference_dtype`): the KL reference of a full fine-tuning run."""
+    leaves, treedef = jax.tree.flatten(trainable)
+    dtypes = jax.tree.leaves(jax.tree.map(lambda v: _reference_dtype(v, compute_dtype), trainable,
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    copy = jax.jit(lambda xs: [jnp.array(x, dtype=d, copy=True) for x, d in zip(xs, dtypes)],
+                   out_shardings=[x.sharding for x in leaves])
+    return jax.tree.unflatten(treedef, copy(leaves))
+
+
+def reference_bytes(trainable: nnx.State, compute_dtype) -> int:
+    """Bytes one device holds of `reference_copy(trainable, compute_dtype)` (its shard of each leaf)."""
+    def nbytes(v):
+        x = v.get_value()
+        return math.prod(x.sharding.shard_shape(x.shape)) * _reference_dtype(v, compute_dtype).itemsize
+
+    return sum(jax.tree.leaves(jax.tree.map(nbytes, trainable, is_leaf=lambda x: isinstance(x, nnx.Variable))))
+
+
+def rollout_memory_error(training: int, kv: int, reference: int, capacity: int | None, *, rows: int,
+                         sequence_len: int) -> str | None:
+    """Why training + the rollout KV pool + the KL reference copy (bytes per device) do not fit `capacity`, or None
+    when they do (or the capacity is unknown). The reference copy is named as the culprit when the rest fits."""
+    if capacity is None or training + kv + reference <= capacity:
+        return None
+    gib = 2**30
+    parts = (f"training ({training / gib:.1f} GiB) plus the rollout KV pool ({kv / gib:.1f} GiB for {rows} rows of "
+             f"{sequence_len} tokens)")
+    if reference:
+        parts += (f" plus the KL reference copy ({reference / gib:.1f} GiB: the initial weights, kept for beta > 0 "
+                  "under full fine-tuning)")
+    msg = f"{parts} exceed the device's {capacity / gib:.1f} GiB; "
+    if reference and training + kv <= capacity:
+        return msg + ("the KL reference copy is what does not fit: use beta: 0 (TRL's default), LoRA (its reference "
+                      "is the base without the adapter, no copy) or more devices (fsdp)")
+    return msg + "lower per_device_train_batch_size or sequence_len"
 
 
 def adapter_off(model) -> None:
@@ -82,10 +133,6 @@ class GRPOTrainer(Trainer):
                                          epsilon_high=cfg.epsilon_high, beta=resolved_beta(cfg),
                                          max_completion_length=cfg.max_completion_length, temperature=cfg.temperature)
         self.loss = functools.partial(grpo_loss, settings=self.settings)  # build_run compiles this
-        if self.settings.beta > 0 and not cfg.lora:
-            raise TrainSetupError("beta: a KL reference for full fine-tuning needs a frozen copy of the model, which "
-                                  "this version does not keep; use beta: 0 (TRL's default) or LoRA (the reference "
-                                  "is the base without the adapter)")
         if self.settings.beta > 0 and cfg.train_router:
             raise TrainSetupError("beta: the reference of a LoRA run is the base without the adapter, but "
                                   "train_router changes the base's routers; use beta: 0 or train_router: false")
@@ -93,6 +140,7 @@ class GRPOTrainer(Trainer):
             raise TrainSetupError("offload_base_weights: the rollout engine reads the base weights on the device; GRPO "
                                   "cannot stream them from host memory in this version")
         self._pending: GenerationBatch | None = None
+        self._reference: nnx.State | None = None  # full fine-tuning with beta > 0: the initial weights (copy)
         super().__init__(cfg, **kwargs)
         self.reward_functions = load_reward_functions(cfg.reward_functions, RewardSettings.from_config(cfg))
         rows = self.plan.accumulation * self.plan.micro_batch
@@ -101,17 +149,20 @@ class GRPOTrainer(Trainer):
             max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
             stop_token_ids=() if eos is None else (eos,)), rows=rows, sequence_len=cfg.sequence_len)
         self._plan_kv()
+        self._keep_reference()  # (already kept by _resume when resuming)
         graphdef, chunk, temp = self.run.eval_graphdef, self.run.chunk, cfg.temperature
 
         def policy(trainable, frozen, batch):
-            return token_logps(nnx.merge(graphdef, trainable, frozen), batch, chunk=chunk, temperature=temp)
+            return model_target_logps(nnx.merge(graphdef, trainable, frozen), batch, chunk=chunk, temperature=temp)
 
-        def reference(trainable, frozen, batch):
+        def base(trainable, frozen, batch):  # LoRA: the reference is the base, the adapter off
             model = nnx.merge(graphdef, trainable, frozen, copy=True)
             adapter_off(model)
-            return token_logps(model, batch, chunk=chunk, temperature=temp)
+            return model_target_logps(model, batch, chunk=chunk, temperature=temp)
 
-        self._policy_logps, self._reference_logps = jax.jit(policy), jax.jit(reference)
+        self._policy_logps = jax.jit(policy)
+        # full fine-tuning: the policy's forward over the reference copy (called with it in place of `trainable`)
+        self._reference_logps = self._policy_logps if self._reference is not None else jax.jit(base)
         if self._restored_pending is not None:
             self._pending = self._restored_pending
 
@@ -122,18 +173,31 @@ class GRPOTrainer(Trainer):
         """The trainer's current weights as a model: new Variables over the trainer's own arrays (no copy)."""
         return nnx.merge(self.run.eval_graphdef, self.trainable, self.frozen)
 
+    @property
+    def _needs_reference_copy(self) -> bool:
+        return self.settings.beta > 0 and not self.cfg.lora
+
     def _plan_kv(self) -> None:
-        """Training memory + the engine's KV pool must fit the device together."""
+        """Training memory + the engine's KV pool (+ the full fine-tuning reference copy) must fit the device."""
         cfg = self.spec.model.config
         kv = kv_bytes(cfg, self.rollout.num_blocks, jnp.dtype(self.rollout.engine.runner.k_pool.dtype).itemsize)
-        capacity = device_capacity()
-        log.info("rollout KV pool: %d blocks, %.2f GiB next to the training plan's %.2f GiB", self.rollout.num_blocks,
-                 kv / 2**30, self.memory_plan.total / 2**30)
-        if capacity is not None and self.memory_plan.total + kv > capacity:
-            raise TrainSetupError(
-                f"training ({self.memory_plan.total / 2**30:.1f} GiB) plus the rollout KV pool ({kv / 2**30:.1f} GiB "
-                f"for {self.plan.accumulation * self.plan.micro_batch} rows of {self.cfg.sequence_len} tokens) exceed "
-                f"the device's {capacity / 2**30:.1f} GiB; lower per_device_train_batch_size or sequence_len")
+        ref = reference_bytes(self.trainable, self.spec.precision.compute) if self._needs_reference_copy else 0
+        log.info("rollout KV pool: %d blocks, %.2f GiB and KL reference copy %.2f GiB next to the training plan's "
+                 "%.2f GiB", self.rollout.num_blocks, kv / 2**30, ref / 2**30, self.memory_plan.total / 2**30)
+        error = rollout_memory_error(self.memory_plan.total, kv, ref, device_capacity(),
+                                     rows=self.plan.accumulation * self.plan.micro_batch,
+                                     sequence_len=self.cfg.sequence_len)
+        if error is not None:
+            raise TrainSetupError(error)
+
+    def _keep_reference(self) -> None:
+        """Full fine-tuning with beta > 0: copy the current (initial) trainable weights as the KL reference, once."""
+        if self._needs_reference_copy and self._reference is None:
+            self._reference = reference_copy(self.trainable, self.spec.precision.compute)
+
+    def _resume(self) -> None:
+        self._keep_reference()  # the initial weights, before the checkpoint replaces them
+        super()._resume()
 
     def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None) -> PromptData:
         cfg = self.cfg
@@ -176,7 +240,7 @@ class GRPOTrainer(Trainer):
         if cfg.num_iterations > 1:
             rows["old_logps"] = self._micro_logps(self._policy_logps, device)
         if self.settings.beta > 0:
-            rows["ref_logps"] = self._micro_logps(self._reference_logps, device)
+            rows["ref_logps"] = self._micro_logps(self._reference_logps, device, self._reference)
         lengths = np.array([len(c.ids) for c in completions], np.float32)
         metrics = {"reward": float(total.mean()), "reward_std": float(total.std()),
                    **{f"reward/{name}": float(np.nanmean(np.asarray(v, np.float32)))
@@ -196,10 +260,11 @@ class GRPOTrainer(Trainer):
         """The rows as the forward reads them: [A, B, T] on the batch sharding (one micro-batch per call)."""
         return self._device_batch({k: rows[k] for k in ("tokens", "positions", "segment_ids", "targets")})
 
-    def _micro_logps(self, fn, device: dict) -> np.ndarray:
-        """fn over each micro-batch of the [A, B, T] device batch -> [A * B, T] host log-probs."""
-        out = [fn(self.trainable, self.frozen, {k: v[a] for k, v in device.items()})
-               for a in range(self.plan.accumulation)]
+    def _micro_logps(self, fn, device: dict, weights: nnx.State | None = None) -> np.ndarray:
+        """fn(weights or the trainable weights, frozen, micro-batch) over each micro-batch of the [A, B, T] device
+        batch -> [A * B, T] host log-probs."""
+        weights = self.trainable if weights is None else weights
+        out = [fn(weights, self.frozen, {k: v[a] for k, v in device.items()}) for a in range(self.plan.accumulation)]
         return np.concatenate([np.asarray(jax.device_get(o)) for o in out]).astype(np.float32)
 
     def _device_batch(self, batch: dict) -> dict:

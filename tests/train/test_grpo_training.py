@@ -3,12 +3,16 @@ metrics are logged, and a resume from a checkpoint inside a generation batch rep
 import json
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.train.conftest import ROOT
 
 from surojax.config import config_from_dict
+from surojax.train.grpo import rollout_memory_error
 from surojax.train.trainers import make_trainer
 
 REWARD_MODULE = '''
@@ -67,6 +71,35 @@ def test_grpo_resume_inside_a_generation_batch(grpo_config, tmp_path):
     assert resumed[2]["loss"] == pytest.approx(full[2]["loss"], rel=1e-6, abs=1e-7)
     assert resumed[2]["reward"] == full[2]["reward"]
     assert resumed[2]["kl"] == pytest.approx(full[2]["kl"], rel=1e-5, abs=1e-8)
+
+
+def test_grpo_kl_reference_under_full_fine_tuning(grpo_config, tmp_path):
+    """beta > 0 without LoRA: a frozen copy of the initial weights is the reference. Step 1's KL is 0 (policy ==
+    reference), later steps' is not, and the last generation batch's ref_logps are the initial model's log-probs
+    (a plain forward of the initial weights, log_softmax(logits / temperature) at the targets, in numpy)."""
+    trainer = make_trainer(grpo_config(max_steps=2, beta=0.04, temperature=0.8))
+    initial = jax.tree.map(np.asarray, trainer.trainable)
+    trainer.train()
+    kl = [r["kl"] for r in _rows(tmp_path / "out" / "metrics.jsonl") if "kl" in r]
+    assert len(kl) == 2 and kl[0] < 1e-7 and kl[1] > 1e-5, kl
+
+    rows = trainer._pending.rows
+    model = nnx.merge(trainer.run.eval_graphdef, jax.tree.map(jnp.asarray, initial), trainer.frozen)
+    logits = np.asarray(jax.jit(lambda m, *a: m(*a))(model, *(jnp.asarray(rows[k]) for k in (
+        "tokens", "positions", "segment_ids"))), np.float64) / 0.8
+    logits -= logits.max(-1, keepdims=True)
+    log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = np.take_along_axis(log_softmax, rows["targets"][..., None], -1)[..., 0]
+    real = rows["segment_ids"] > 0
+    np.testing.assert_allclose(rows["ref_logps"][real], want[real], rtol=1e-5, atol=2e-5)
+
+    # the start-up check names the reference copy when it is what does not fit (bytes per device)
+    gib = 2**30
+    assert rollout_memory_error(10 * gib, 2 * gib, 3 * gib, 20 * gib, rows=8, sequence_len=32) is None
+    refusal = rollout_memory_error(10 * gib, 2 * gib, 3 * gib, 14 * gib, rows=8, sequence_len=32)
+    assert "KL reference copy (3.0 GiB" in refusal and "is what does not fit" in refusal
+    assert "is what does not fit" not in rollout_memory_error(10 * gib, 5 * gib, 3 * gib, 14 * gib, rows=8,
+                                                              sequence_len=32)
 
 
 def test_grpo_command_refuses_another_trainer(tmp_path, capsys):
