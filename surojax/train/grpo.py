@@ -40,6 +40,7 @@ from surojax.data.pipeline import DataStats
 from surojax.data.prompts import Prompt, PromptData, PromptOrder, load_prompts
 from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics, \
     target_logps
+from surojax.offload.device_budget import Beside, check_beside
 from surojax.offload.memory_plan import device_capacity
 from surojax.peft.lora import lora_modules
 from surojax.train.grpo_rollout import Completion, Rollout, RolloutSettings, completion_rows, kv_bytes
@@ -123,17 +124,14 @@ class GRPOTrainer(Trainer):
         return nnx.merge(self.run.eval_graphdef, self.trainable, self.frozen)
 
     def _plan_kv(self) -> None:
-        """Training memory + the engine's KV pool must fit the device together."""
+        """Training memory + the engine's KV pool must fit the device together (surojax/offload/device_budget.py)."""
         cfg = self.spec.model.config
         kv = kv_bytes(cfg, self.rollout.num_blocks, jnp.dtype(self.rollout.engine.runner.k_pool.dtype).itemsize)
-        capacity = device_capacity()
-        log.info("rollout KV pool: %d blocks, %.2f GiB next to the training plan's %.2f GiB", self.rollout.num_blocks,
-                 kv / 2**30, self.memory_plan.total / 2**30)
-        if capacity is not None and self.memory_plan.total + kv > capacity:
-            raise TrainSetupError(
-                f"training ({self.memory_plan.total / 2**30:.1f} GiB) plus the rollout KV pool ({kv / 2**30:.1f} GiB "
-                f"for {self.plan.accumulation * self.plan.micro_batch} rows of {self.cfg.sequence_len} tokens) exceed "
-                f"the device's {capacity / 2**30:.1f} GiB; lower per_device_train_batch_size or sequence_len")
+        rows = self.plan.accumulation * self.plan.micro_batch
+        check_beside(self.memory_plan, [Beside(
+            "rollout KV pool", resident=kv,
+            detail=f"{self.rollout.num_blocks} blocks for {rows} rows of {self.cfg.sequence_len} tokens",
+            hint="lower per_device_train_batch_size or sequence_len")], device_capacity())
 
     def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None) -> PromptData:
         cfg = self.cfg
