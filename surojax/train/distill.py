@@ -64,6 +64,8 @@ class DistillTrainer(Trainer):
     """The Trainer with the distillation loss; each batch gets `teacher_ids` / `teacher_logps` [A * B, T, K] from
     the online teacher or the sidecar (`self.teacher`, either has `topk(batch)`)."""
 
+    peak_memory: int | None = None  # an online teacher's run: the planned peak bytes per device, student + teacher
+
     def __init__(self, cfg: TrainConfig, *, console=None):
         if cfg.trainer != "distill":
             raise TrainSetupError(f"DistillTrainer runs trainer: distill configs (got trainer: {cfg.trainer})")
@@ -74,10 +76,14 @@ class DistillTrainer(Trainer):
             self.teacher = SidecarTeacher.open(cfg.teacher_logprobs, self.tokenizer, top_k=cfg.teacher_top_k,
                                                sequence_len=cfg.sequence_len, teacher=cfg.teacher)
         else:
-            self.teacher = OnlineTeacher.load(cfg.teacher, self.tokenizer, top_k=cfg.teacher_top_k, mesh=self.mesh,
-                                              rows=self.plan.micro_batch, sequence_len=cfg.sequence_len,
-                                              dtype=teacher_dtype(cfg.recipe), attention=self.spec.model.attention,
-                                              chunk=self.run.chunk, admit=self._admit_teacher)
+            try:
+                self.teacher = OnlineTeacher.load(
+                    cfg.teacher, self.tokenizer, top_k=cfg.teacher_top_k, mesh=self.mesh, rows=self.plan.micro_batch,
+                    sequence_len=cfg.sequence_len, dtype=teacher_dtype(cfg.recipe),
+                    attention=self.spec.model.attention, chunk=self.run.chunk, admit=self._admit_teacher)
+            except BaseException:
+                self.close()  # a refused teacher: stop the data loader's threads the Trainer started
+                raise
 
     def _admit_teacher(self, teacher: Beside) -> None:
         """The student's plan + the online teacher must fit the device together (MemoryPlanError otherwise)."""

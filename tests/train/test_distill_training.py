@@ -3,6 +3,7 @@ teacher; --precompute's sidecar gives the online run's first step; distillation 
 online teacher is counted in the memory plan and placed on the run's mesh like the student."""
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -126,7 +127,8 @@ def test_online_teacher_is_counted_and_a_run_it_overflows_is_refused(tiny_config
     assert trainer.peak_memory == plan.total + teacher.resident  # its forward runs between steps, in their room
     assert f"weights {teacher.resident / 2**30:.2f} GiB" in summary  # the start-up summary states its size
     monkeypatch.setattr(distill_module, "device_capacity", lambda: plan.total + teacher.resident // 2)
-    with pytest.raises(MemoryPlanError, match=rf"training .* plus teacher {TEACHER} 0\.\d+ GiB \(weights"):
+    refusal = rf"training .* plus teacher {re.escape(str(TEACHER))} 0\.\d+ GiB \(weights"  # names it, with its size
+    with pytest.raises(MemoryPlanError, match=refusal):
         make_trainer(cfg)
 
 
