@@ -15,8 +15,8 @@ tensor splits; quantised kernels, GGUF's too, at their packed size) plus the pea
 micro-batch (its top-K in sequence chunks), added to the student's memory plan (surojax/offload/device_budget.py:
 the weights stay resident, the forward runs between steps) and checked against the device before they are placed
 on the mesh: a run whose student + teacher do not fit is refused before the first step, naming the teacher and
-its size (checked where build_run checks the student: meshes that do not shard the parameters). The start-up
-summary states the teacher's size. Its forward is one jit over the mesh, its rows split like the student's batch.
+its size (on a mesh that shards the parameters, where build_run does not check the student's one-device plan, the
+teacher is checked alone). The start-up summary states the teacher's size. Its forward is one jit over the mesh, its rows split like the student's batch.
 
 metrics.jsonl adds per step: `kl` (mean KL(teacher || student) per supervised token, at `temperature`, before
 alpha and T^2) and `ce` (mean CE on the labels); `loss` = alpha * T^2 * kl + (1 - alpha) * ce.
@@ -64,7 +64,7 @@ class DistillTrainer(Trainer):
     """The Trainer with the distillation loss; each batch gets `teacher_ids` / `teacher_logps` [A * B, T, K] from
     the online teacher or the sidecar (`self.teacher`, either has `topk(batch)`)."""
 
-    peak_memory: int | None = None  # an online teacher's run: the planned peak bytes per device, student + teacher
+    peak_memory: int | None = None  # an online teacher's run: the peak bytes per device checked at start-up
 
     def __init__(self, cfg: TrainConfig, *, console=None):
         if cfg.trainer != "distill":
@@ -86,9 +86,11 @@ class DistillTrainer(Trainer):
                 raise
 
     def _admit_teacher(self, teacher: Beside) -> None:
-        """The student's plan + the online teacher must fit the device together (MemoryPlanError otherwise)."""
-        capacity = device_capacity() if plans_one_device(self.mesh) else None
-        self.peak_memory = check_beside(self.memory_plan, [teacher], capacity)
+        """The student's plan + the online teacher must fit the device together (MemoryPlanError otherwise). On a
+        mesh that shards the parameters the student's plan (one device holding all of it) only bounds it from
+        above, and build_run does not check it: there the teacher is checked alone."""
+        plan = self.memory_plan if plans_one_device(self.mesh) else None
+        self.peak_memory = check_beside(plan, [teacher], device_capacity())
 
     def summary_lines(self) -> list[str]:
         source = (f"sidecar {self.teacher.path} (written by {self.teacher.meta['teacher']})"
@@ -145,7 +147,7 @@ def precompute_teacher_logprobs(cfg: TrainConfig, out: str | Path | None = None,
         row_sets = [r for r in (data.train_rows, data.eval_rows) if r is not None]
         attention = packed_backend(cfg.attention, max(r.max_runs for r in row_sets))
         mesh = make_mesh(cfg.parallel.sizes())
-        capacity = device_capacity() if plans_one_device(mesh) else None
+        capacity = device_capacity()
         teacher = OnlineTeacher.load(cfg.teacher, tokenizer, top_k=cfg.teacher_top_k, mesh=mesh,
                                      rows=cfg.per_device_train_batch_size * batch_parallel_size(mesh),
                                      sequence_len=cfg.sequence_len, dtype=teacher_dtype(cfg.recipe),
