@@ -24,6 +24,7 @@ from flax import nnx
 from surojax.compilation_cache import enable_compilation_cache
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.models.decoder import Decoder
+from surojax.offload.device_budget import plans_one_device
 from surojax.offload.host_init import random_placed_model
 from surojax.offload.layer_loop_choice import LayerLoopChoice, choose_layer_loop
 from surojax.offload.master import place_master_on_host
@@ -168,7 +169,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
         reason += ("; unrolled layers compile longer the first time" +
                    (f" (compiled programs are cached in {cache_dir})" if cache_dir else ""))
     log.debug("layer loop: %s", reason)  # the Trainer prints it in its start-up summary
-    if check_memory and mesh.shape["fsdp"] * mesh.shape["tensor"] * mesh.shape["expert"] == 1:
+    if check_memory and plans_one_device(mesh):
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
 
     model = apply_expert_parallel(_placed_model(spec, mesh, customize), mesh)  # MoE tokens to their experts' devices

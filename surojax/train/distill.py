@@ -7,8 +7,16 @@
 The student is the run's `model` (full, LoRA or QLoRA, as any run). The teacher's top-K ids and log-probs join the
 host batch in `next_batch` (and each validation batch), so the compiled step stays the generic one and the loss
 (surojax/losses/distill.py) reads them like the labels; an online teacher and its sidecar give the student the
-same batches. The online teacher's weights are resident on the device beside the student's (the memory plan of the
-start-up check covers the student only).
+same batches.
+
+The online teacher is placed and planned like a model of the run (surojax/train/teacher_topk.py): its weights are
+loaded into host memory, counted per device as the run's mesh will hold them (the student's parameter rules: fsdp /
+tensor splits; quantised kernels, GGUF's too, at their packed size) plus the peak of its forward over one
+micro-batch (its top-K in sequence chunks), added to the student's memory plan (surojax/offload/device_budget.py:
+the weights stay resident, the forward runs between steps) and checked against the device before they are placed
+on the mesh: a run whose student + teacher do not fit is refused before the first step, naming the teacher and
+its size (on a mesh that shards the parameters, where build_run does not check the student's one-device plan, the
+teacher is checked alone). The start-up summary states the teacher's size. Its forward is one jit over the mesh, its rows split like the student's batch.
 
 metrics.jsonl adds per step: `kl` (mean KL(teacher || student) per supervised token, at `temperature`, before
 alpha and T^2) and `ce` (mean CE on the labels); `loss` = alpha * T^2 * kl + (1 - alpha) * ce.
@@ -29,6 +37,9 @@ from surojax.data.tokenizer import Tokenizer
 from surojax.hub import resolve_local
 from surojax.losses.distill import distill_loss
 from surojax.models.layers.attention import packed_backend
+from surojax.offload.device_budget import Beside, check_beside, plans_one_device
+from surojax.offload.memory_plan import device_capacity
+from surojax.parallel import batch_parallel_size, make_mesh
 from surojax.train.run_spec import TrainSetupError
 from surojax.train.teacher_sidecar import SidecarTeacher, write_teacher_sidecar
 from surojax.train.teacher_topk import OnlineTeacher, check_same_vocabulary, teacher_tokenizer
@@ -53,6 +64,8 @@ class DistillTrainer(Trainer):
     """The Trainer with the distillation loss; each batch gets `teacher_ids` / `teacher_logps` [A * B, T, K] from
     the online teacher or the sidecar (`self.teacher`, either has `topk(batch)`)."""
 
+    peak_memory: int | None = None  # an online teacher's run: the peak bytes per device checked at start-up
+
     def __init__(self, cfg: TrainConfig, *, console=None):
         if cfg.trainer != "distill":
             raise TrainSetupError(f"DistillTrainer runs trainer: distill configs (got trainer: {cfg.trainer})")
@@ -63,14 +76,26 @@ class DistillTrainer(Trainer):
             self.teacher = SidecarTeacher.open(cfg.teacher_logprobs, self.tokenizer, top_k=cfg.teacher_top_k,
                                                sequence_len=cfg.sequence_len, teacher=cfg.teacher)
         else:
-            self.teacher = OnlineTeacher.load(cfg.teacher, self.tokenizer, top_k=cfg.teacher_top_k,
-                                              rows=max(1, self.plan.micro_batch // jax.process_count()),
-                                              dtype=teacher_dtype(cfg.recipe), attention=self.spec.model.attention,
-                                              chunk=self.run.chunk)
+            try:
+                self.teacher = OnlineTeacher.load(
+                    cfg.teacher, self.tokenizer, top_k=cfg.teacher_top_k, mesh=self.mesh, rows=self.plan.micro_batch,
+                    sequence_len=cfg.sequence_len, dtype=teacher_dtype(cfg.recipe),
+                    attention=self.spec.model.attention, chunk=self.run.chunk, admit=self._admit_teacher)
+            except BaseException:
+                self.close()  # a refused teacher: stop the data loader's threads the Trainer started
+                raise
+
+    def _admit_teacher(self, teacher: Beside) -> None:
+        """The student's plan + the online teacher must fit the device together (MemoryPlanError otherwise). On a
+        mesh that shards the parameters the student's plan (one device holding all of it) only bounds it from
+        above, and build_run does not check it: there the teacher is checked alone."""
+        plan = self.memory_plan if plans_one_device(self.mesh) else None
+        self.peak_memory = check_beside(plan, [teacher], device_capacity())
 
     def summary_lines(self) -> list[str]:
         source = (f"sidecar {self.teacher.path} (written by {self.teacher.meta['teacher']})"
-                  if isinstance(self.teacher, SidecarTeacher) else f"{self.teacher.name}, online")
+                  if isinstance(self.teacher, SidecarTeacher) else
+                  f"{self.teacher.name}, online, {self.teacher.memory.detail} per device")
         return [*super().summary_lines(), f"teacher {source}; top-{self.cfg.teacher_top_k} KL x alpha "
                 f"{self.cfg.alpha} + CE x {1 - self.cfg.alpha:g}, temperature {self.cfg.temperature:g}"]
 
@@ -121,9 +146,12 @@ def precompute_teacher_logprobs(cfg: TrainConfig, out: str | Path | None = None,
     try:
         row_sets = [r for r in (data.train_rows, data.eval_rows) if r is not None]
         attention = packed_backend(cfg.attention, max(r.max_runs for r in row_sets))
-        teacher = OnlineTeacher.load(cfg.teacher, tokenizer, top_k=cfg.teacher_top_k,
-                                     rows=cfg.per_device_train_batch_size, dtype=teacher_dtype(cfg.recipe),
-                                     attention=attention)
+        mesh = make_mesh(cfg.parallel.sizes())
+        capacity = device_capacity()
+        teacher = OnlineTeacher.load(cfg.teacher, tokenizer, top_k=cfg.teacher_top_k, mesh=mesh,
+                                     rows=cfg.per_device_train_batch_size * batch_parallel_size(mesh),
+                                     sequence_len=cfg.sequence_len, dtype=teacher_dtype(cfg.recipe),
+                                     attention=attention, admit=lambda m: check_beside(None, [m], capacity))
         rows = [row for r in row_sets for row in (r[i] for i in range(len(r)))]
         log.info("teacher %s: top-%d log-probs of %d rows", cfg.teacher, cfg.teacher_top_k, len(rows))
         return write_teacher_sidecar(out or sidecar_path(cfg), rows, teacher, tokenizer=tokenizer,

@@ -51,6 +51,7 @@ from surojax.data.prompts import Prompt, PromptData, PromptOrder, load_prompts
 from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics
 from surojax.losses.token_logps import model_target_logps
 from surojax.models.layers.params import logical_axes
+from surojax.offload.device_budget import Beside, check_beside
 from surojax.offload.memory_plan import device_capacity
 from surojax.peft.lora import lora_modules
 from surojax.train.grpo_rollout import Completion, Rollout, RolloutSettings, completion_rows, kv_bytes
@@ -99,23 +100,17 @@ def reference_bytes(trainable: nnx.State, compute_dtype) -> int:
     return sum(jax.tree.leaves(jax.tree.map(nbytes, trainable, is_leaf=lambda x: isinstance(x, nnx.Variable))))
 
 
-def rollout_memory_error(training: int, kv: int, reference: int, capacity: int | None, *, rows: int,
-                         sequence_len: int) -> str | None:
-    """Why training + the rollout KV pool + the KL reference copy (bytes per device) do not fit `capacity`, or None
-    when they do (or the capacity is unknown). The reference copy is named as the culprit when the rest fits."""
-    if capacity is None or training + kv + reference <= capacity:
-        return None
-    gib = 2**30
-    parts = (f"training ({training / gib:.1f} GiB) plus the rollout KV pool ({kv / gib:.1f} GiB for {rows} rows of "
-             f"{sequence_len} tokens)")
+def rollout_besides(kv: int, reference: int, *, blocks: int, rows: int, sequence_len: int) -> list[Beside]:
+    """What a GRPO run keeps on the device beside its training step (bytes per device): the rollout KV pool and,
+    for beta > 0 under full fine-tuning, the KL reference copy of the initial weights."""
+    out = [Beside("rollout KV pool", resident=kv, detail=f"{blocks} blocks for {rows} rows of {sequence_len} tokens",
+                  hint="lower per_device_train_batch_size or sequence_len")]
     if reference:
-        parts += (f" plus the KL reference copy ({reference / gib:.1f} GiB: the initial weights, kept for beta > 0 "
-                  "under full fine-tuning)")
-    msg = f"{parts} exceed the device's {capacity / gib:.1f} GiB; "
-    if reference and training + kv <= capacity:
-        return msg + ("the KL reference copy is what does not fit: use beta: 0 (TRL's default), LoRA (its reference "
-                      "is the base without the adapter, no copy) or more devices (fsdp)")
-    return msg + "lower per_device_train_batch_size or sequence_len"
+        out.append(Beside("KL reference copy", resident=reference,
+                          detail="the initial weights, kept for beta > 0 under full fine-tuning",
+                          hint="or drop the reference copy: beta: 0 (TRL's default), LoRA (its reference is the "
+                               "base without the adapter, no copy) or more devices (fsdp)"))
+    return out
 
 
 def adapter_off(model) -> None:
@@ -178,17 +173,14 @@ class GRPOTrainer(Trainer):
         return self.settings.beta > 0 and not self.cfg.lora
 
     def _plan_kv(self) -> None:
-        """Training memory + the engine's KV pool (+ the full fine-tuning reference copy) must fit the device."""
+        """Training memory + the engine's KV pool (+ the full fine-tuning reference copy) must fit the device
+        together (surojax/offload/device_budget.py)."""
         cfg = self.spec.model.config
         kv = kv_bytes(cfg, self.rollout.num_blocks, jnp.dtype(self.rollout.engine.runner.k_pool.dtype).itemsize)
         ref = reference_bytes(self.trainable, self.spec.precision.compute) if self._needs_reference_copy else 0
-        log.info("rollout KV pool: %d blocks, %.2f GiB and KL reference copy %.2f GiB next to the training plan's "
-                 "%.2f GiB", self.rollout.num_blocks, kv / 2**30, ref / 2**30, self.memory_plan.total / 2**30)
-        error = rollout_memory_error(self.memory_plan.total, kv, ref, device_capacity(),
-                                     rows=self.plan.accumulation * self.plan.micro_batch,
-                                     sequence_len=self.cfg.sequence_len)
-        if error is not None:
-            raise TrainSetupError(error)
+        check_beside(self.memory_plan, rollout_besides(kv, ref, blocks=self.rollout.num_blocks,
+                                                       rows=self.plan.accumulation * self.plan.micro_batch,
+                                                       sequence_len=self.cfg.sequence_len), device_capacity())
 
     def _keep_reference(self) -> None:
         """Full fine-tuning with beta > 0: copy the current (initial) trainable weights as the KL reference, once."""

@@ -83,7 +83,7 @@ def test_teacher_topk_equals_numpy():
     w = rng.normal(size=(D, V)).astype(np.float32)
     w[:, n_tokens:] += 10.0  # padding rows the teacher would otherwise prefer
     mask = (rng.random((B, T)) > 0.3).astype(np.float32)
-    ids, logps = teacher_topk(jnp.asarray(h), jnp.asarray(w), mask, k=K, n_tokens=n_tokens, chunk=3)
+    ids, logps = teacher_topk(jnp.asarray(h), jnp.asarray(w), mask, k=K, n_tokens=n_tokens, chunk=4)  # Tc = 2: 3 chunks
     lp = _log_softmax((h @ w)[..., :n_tokens])
     ref_ids = np.argsort(-lp, -1)[..., :K]
     keep = mask[..., None] > 0

@@ -1,7 +1,13 @@
 """Distillation through the Trainer (trainer: distill): a random tiny qwen3 student learns from the qwen3 fixture
-teacher; --precompute's sidecar gives the online run's first step; distillation keys and teachers are checked."""
+teacher; --precompute's sidecar gives the online run's first step; distillation keys and teachers are checked; the
+online teacher is counted in the memory plan and placed on the run's mesh like the student."""
 import json
+import os
+import re
 import shutil
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +16,15 @@ import yaml
 
 from surojax.cli.main import main
 from surojax.config import ConfigError, config_from_dict
+from surojax.offload.memory_plan import MemoryPlanError
+from surojax.train import distill as distill_module
 from surojax.train.run_spec import TrainSetupError
 from surojax.train.trainers import make_trainer
+from tests.train.conftest import ROOT
 
 TEACHER = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen3"
+TEACHER_ARCH = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
 def distill_config(tiny_config, **overrides):
@@ -95,3 +106,71 @@ def test_distillation_keys_and_teachers_are_checked(tiny_config, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(TrainSetupError, match="different tokenizer"):
         make_trainer(config_from_dict(distill_config(tiny_config, teacher=str(other))))
+
+
+def _safetensors_bytes_fp32(path: Path) -> int:
+    """4 bytes per value of every tensor a safetensors file holds (read from its JSON header)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return 4 * sum(int(np.prod(t["shape"])) for name, t in header.items() if name != "__metadata__")
+
+
+def test_online_teacher_is_counted_and_a_run_it_overflows_is_refused(tiny_config, monkeypatch):
+    cfg = config_from_dict(distill_config(tiny_config, report_to=[]))
+    trainer = make_trainer(cfg)  # CPU: no capacity known, nothing refused
+    teacher, plan = trainer.teacher.memory, trainer.memory_plan
+    summary = "\n".join(trainer.summary_lines())
+    trainer.close()
+    # fp32 recipe, one device: the teacher's resident bytes are its checkpoint's values at 4 bytes each
+    assert teacher.resident == _safetensors_bytes_fp32(TEACHER / "model.safetensors")
+    assert 0 < teacher.transient < plan.activations + plan.logits + plan.workspace
+    assert trainer.peak_memory == plan.total + teacher.resident  # its forward runs between steps, in their room
+    assert f"weights {teacher.resident / 2**30:.2f} GiB" in summary  # the start-up summary states its size
+    monkeypatch.setattr(distill_module, "device_capacity", lambda: plan.total + teacher.resident // 2)
+    refusal = rf"training .* plus teacher {re.escape(str(TEACHER))} 0\.\d+ GiB \(weights"  # names it, with its size
+    with pytest.raises(MemoryPlanError, match=refusal):
+        make_trainer(cfg)
+
+
+SHARDED_STEP = """
+import json, sys, jax
+from flax import nnx
+from surojax.config import load_config
+from surojax.train.trainers import make_trainer
+t = make_trainer(load_config(sys.argv[1]))
+m = t.step()
+def spec(x):  # P(None, None) and P() both replicate: compare the specs without trailing Nones
+    s = list(x.sharding.spec)
+    while s and s[-1] is None:
+        s.pop()
+    return str(s)
+specs = lambda state: {".".join(map(str, p)): spec(v.get_value()) for p, v in nnx.to_flat_state(state)}
+print("RESULT " + json.dumps({"kl": m["kl"], "loss": m["loss"], "devices": jax.device_count(),
+                              "teacher": specs(t.teacher.state), "student": specs(t.trainable)}))
+"""
+
+
+def test_teacher_sharded_like_the_student_gives_the_one_device_step(tiny_config, tmp_path):
+    """A student of the teacher's architecture on data 2 x fsdp 2 x tensor 2 (8 virtual CPU devices): every teacher
+    weight has its student twin's sharding, and step 1's kl / loss equal one device's (fp32; sums over shards are
+    taken in another order, hence 1e-5)."""
+    common = dict(model_config=dict(TEACHER_ARCH), max_steps=1, gradient_accumulation_steps=1, report_to=[])
+    one = make_trainer(config_from_dict(distill_config(tiny_config, per_device_train_batch_size=4,
+                                                       output_dir=str(tmp_path / "one"), **common)))
+    m1 = one.step()
+    one.close()
+    config = tmp_path / "sharded.yaml"
+    config.write_text(yaml.safe_dump(distill_config(tiny_config, per_device_train_batch_size=1,
+                                                    parallel={"data": 2, "fsdp": 2, "tensor": 2},
+                                                    output_dir=str(tmp_path / "eight"), **common)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    r = subprocess.run([sys.executable, "-c", SHARDED_STEP, str(config)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    eight = json.loads(r.stdout.split("RESULT ", 1)[1])
+    assert eight["devices"] == 8
+    student, teacher = eight["student"], eight["teacher"]
+    assert {k: teacher.get(k) for k in student} == student
+    assert any("fsdp" in s for s in student.values()) and any("tensor" in s for s in student.values())
+    np.testing.assert_allclose([eight["kl"], eight["loss"]], [m1["kl"], m1["loss"]], rtol=1e-5)

@@ -12,7 +12,9 @@ from flax import nnx
 from tests.train.conftest import ROOT
 
 from surojax.config import config_from_dict
-from surojax.train.grpo import rollout_memory_error
+from surojax.offload.memory_plan import MemoryPlanError
+from surojax.offload.device_budget import check_beside
+from surojax.train.grpo import rollout_besides
 from surojax.train.trainers import make_trainer
 
 REWARD_MODULE = '''
@@ -93,13 +95,12 @@ def test_grpo_kl_reference_under_full_fine_tuning(grpo_config, tmp_path):
     real = rows["segment_ids"] > 0
     np.testing.assert_allclose(rows["ref_logps"][real], want[real], rtol=1e-5, atol=2e-5)
 
-    # the start-up check names the reference copy when it is what does not fit (bytes per device)
+    # the start-up check names the reference copy and its size, and how to do without it (bytes per device)
     gib = 2**30
-    assert rollout_memory_error(10 * gib, 2 * gib, 3 * gib, 20 * gib, rows=8, sequence_len=32) is None
-    refusal = rollout_memory_error(10 * gib, 2 * gib, 3 * gib, 14 * gib, rows=8, sequence_len=32)
-    assert "KL reference copy (3.0 GiB" in refusal and "is what does not fit" in refusal
-    assert "is what does not fit" not in rollout_memory_error(10 * gib, 5 * gib, 3 * gib, 14 * gib, rows=8,
-                                                              sequence_len=32)
+    besides = rollout_besides(2 * gib, 3 * gib, blocks=16, rows=8, sequence_len=32)
+    assert check_beside(None, besides, 6 * gib) == 5 * gib
+    with pytest.raises(MemoryPlanError, match=r"KL reference copy 3.00 GiB .*beta: 0"):
+        check_beside(None, besides, 4 * gib)
 
 
 def test_grpo_command_refuses_another_trainer(tmp_path, capsys):
