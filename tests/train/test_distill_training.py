@@ -13,13 +13,7 @@ from surojax.config import ConfigError, config_from_dict
 from surojax.train.run_spec import TrainSetupError
 from surojax.train.trainers import make_trainer
 
-TEACHER = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen3"
-
-
-def distill_config(tiny_config, **overrides):
-    keys = dict(trainer="distill", teacher=str(TEACHER), teacher_top_k=16, alpha=0.5, temperature=2.0,
-                learning_rate=1e-2)
-    return tiny_config(**{**keys, **overrides})
+from tests.train.conftest import FIXTURE_QWEN3 as TEACHER, distill_config
 
 
 def test_distillation_lowers_loss_and_kl(tiny_config):

@@ -11,38 +11,13 @@ from tests.train.conftest import ROOT
 from surojax.config import config_from_dict
 from surojax.train.trainers import make_trainer
 
-REWARD_MODULE = '''
-def letter_a(prompts, completions, **columns):
-    """The share of the completion's characters that are the letter a (learnable from a random model)."""
-    return [c.count("a") / max(len(c), 1) for c in completions]
-'''
-
-
-@pytest.fixture
-def grpo_config(tiny_config, tmp_path, monkeypatch):
-    (tmp_path / "grpo_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.chdir(tmp_path)  # reward functions import from the working directory
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"prompt": f"Say {i} words:", "answer": str(i)}) + "\n")
-
-    def make(**overrides):
-        cfg = tiny_config(trainer="grpo", datasets=[{"path": str(tmp_path / "prompts.jsonl"), "type": "prompt"}],
-                          sequence_len=32, per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                          num_generations=4, max_completion_length=8, reward_functions=["grpo_rewards:letter_a"],
-                          learning_rate=2e-2, max_steps=8, loss_type="dapo")
-        cfg.update(overrides)
-        return config_from_dict(cfg)
-    return make
-
-
 def _rows(path):
     return [json.loads(line) for line in open(path)]
 
 
 def test_grpo_raises_a_learnable_reward(grpo_config, tmp_path):
     cfg = grpo_config(max_steps=30, learning_rate=5e-2)
-    make_trainer(cfg).train()
+    make_trainer(config_from_dict(cfg)).train()
     rows = [r for r in _rows(tmp_path / "out" / "metrics.jsonl") if "reward" in r]
     assert len(rows) == 30
     for key in ("reward", "reward_std", "reward/letter_a", "completion_length", "clip_ratio", "generation_time",
