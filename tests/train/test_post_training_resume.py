@@ -5,8 +5,8 @@ trainer's own metrics (DPO rewards, GRPO reward and KL, distillation KL and CE).
 Each case trains STEPS steps with a checkpoint every SAVE_STEPS in a subprocess (tests/train/kill_after_step.py)
 that is SIGKILLed once the last step's metrics are written, before its checkpoint and export: up to then it is the
 uninterrupted run, and its metrics.jsonl rows are the reference. Its saves are waited for, so the resume point is
-always SAVE_STEPS (half-written checkpoints are tests/train/test_resume.py's subject). A run of the same config
-with resume_from_checkpoint (in this process, reading only what the killed one left on disk) trains the steps
+always SAVE_STEPS (half-written checkpoints are tests/train/test_resume.py's subject). A fresh process running the
+same config with resume_from_checkpoint (reading only what the killed one left on disk) trains the steps
 after SAVE_STEPS again and must log them exactly as the killed process did, each step once.
 
 GRPO runs num_iterations 2 with sampling at temperature 1: the checkpoint falls inside a generation batch (one
@@ -22,9 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from surojax.config import config_from_dict
 from surojax.train.checkpoints import Checkpointer
-from surojax.train.trainers import make_trainer
 
 from tests.train.conftest import FIXTURE_QWEN3, ROOT, distill_config, write_pairs
 
@@ -60,22 +58,33 @@ def _steps(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
+def _run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    """A fresh Python process in tmp_path (GRPO's reward module is there). Both processes of a case share one
+    persistent compilation cache in tmp_path: the resumed process loads the killed one's executables instead of
+    compiling them again (CPU compiles dominate this test's time)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
 @pytest.mark.parametrize("case", [dpo, grpo, distill], ids=lambda f: f.__name__)
 def test_sigkill_then_resume_repeats_the_uninterrupted_run(case, tiny_config, tmp_path, request):
     cfg = {**case(tiny_config, tmp_path, request), **COMMON, "output_dir": str(tmp_path / "run")}
     run, run_yaml = tmp_path / "run", tmp_path / "run.yaml"
     run_yaml.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    killed = subprocess.run([sys.executable, str(ROOT / "tests" / "train" / "kill_after_step.py"), str(run_yaml),
-                             str(STEPS), "--sync-saves"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=240)
+    killed = _run(tmp_path, str(ROOT / "tests" / "train" / "kill_after_step.py"), str(run_yaml), str(STEPS),
+                  "--sync-saves")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     reference = {r["step"]: r for r in _steps(run)}
     assert sorted(reference) == list(range(1, STEPS + 1))
     assert Checkpointer(run / "checkpoints").latest_step() == SAVE_STEPS
     assert not (run / "adapter").exists() and not (run / "model").exists()
 
-    make_trainer(config_from_dict({**cfg, "resume_from_checkpoint": True})).train()
+    run_yaml.write_text(yaml.safe_dump({**cfg, "resume_from_checkpoint": True}))
+    resumed_run = _run(tmp_path, "-m", "surojax.train", "--config", str(run_yaml))
+    assert resumed_run.returncode == 0, resumed_run.stderr[-3000:]
+    assert f"at step {SAVE_STEPS}" in resumed_run.stderr
     resumed = _steps(run)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # each step once: the killed rows rewritten
     name = case.__name__
