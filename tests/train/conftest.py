@@ -1,4 +1,5 @@
-"""A tiny training set-up shared by the trainer tests: fixture tokenizer, random from-scratch qwen3."""
+"""A tiny training set-up shared by the trainer tests: fixture tokenizer, random from-scratch qwen3, and the data /
+configs of the post-training trainers (DPO pairs, GRPO prompts + reward module, distillation keys)."""
 import json
 import random
 from pathlib import Path
@@ -7,6 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "tests" / "fixtures" / "tokenizer"
+FIXTURE_QWEN3 = ROOT / "tests" / "fixtures" / "models" / "qwen3"  # the tiny HF qwen3 (512-token tokenizer)
 TINY_QWEN3 = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
 
@@ -43,3 +45,54 @@ def tiny_config(tmp_path):
         cfg.update(overrides)
         return cfg
     return make
+
+
+def write_pairs(path: Path, n: int = 24, seed: int = 0) -> Path:
+    """DPO pairs, standard and conversational: the right sum is chosen, a wrong one rejected."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            q, good, bad = f"What is {a} plus {b}?", str(a + b), str(a + b + rng.randint(1, 5))
+            if i % 2:
+                row = {"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": good}],
+                       "rejected": [{"role": "assistant", "content": bad}]}
+            else:
+                row = {"prompt": q, "chosen": good, "rejected": bad}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+GRPO_REWARD_MODULE = '''
+def letter_a(prompts, completions, **columns):
+    """The share of the completion's characters that are the letter a (learnable from a random model)."""
+    return [c.count("a") / max(len(c), 1) for c in completions]
+'''
+
+
+@pytest.fixture
+def grpo_config(tiny_config, tmp_path, monkeypatch):
+    """A function returning a `trainer: grpo` config dict over 8 prompts with the reward `grpo_rewards:letter_a`,
+    whose module is written in tmp_path, the working directory (reward functions import from there; a subprocess
+    running the config needs cwd=tmp_path too)."""
+    (tmp_path / "grpo_rewards.py").write_text(GRPO_REWARD_MODULE)
+    monkeypatch.chdir(tmp_path)
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"Say {i} words:", "answer": str(i)}) + "\n")
+
+    def make(**overrides):
+        cfg = tiny_config(trainer="grpo", datasets=[{"path": str(tmp_path / "prompts.jsonl"), "type": "prompt"}],
+                          sequence_len=32, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                          num_generations=4, max_completion_length=8, reward_functions=["grpo_rewards:letter_a"],
+                          learning_rate=2e-2, max_steps=8, loss_type="dapo")
+        cfg.update(overrides)
+        return cfg
+    return make
+
+
+def distill_config(tiny_config, **overrides) -> dict:
+    """A `trainer: distill` config dict: the random tiny student learns from the fixture qwen3 teacher (top-16)."""
+    keys = dict(trainer="distill", teacher=str(FIXTURE_QWEN3), teacher_top_k=16, alpha=0.5, temperature=2.0,
+                learning_rate=1e-2)
+    return tiny_config(**{**keys, **overrides})

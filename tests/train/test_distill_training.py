@@ -22,15 +22,10 @@ from surojax.train.run_spec import TrainSetupError
 from surojax.train.trainers import make_trainer
 from tests.train.conftest import ROOT
 
-TEACHER = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen3"
+from tests.train.conftest import FIXTURE_QWEN3 as TEACHER, distill_config
+
 TEACHER_ARCH = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-
-
-def distill_config(tiny_config, **overrides):
-    keys = dict(trainer="distill", teacher=str(TEACHER), teacher_top_k=16, alpha=0.5, temperature=2.0,
-                learning_rate=1e-2)
-    return tiny_config(**{**keys, **overrides})
 
 
 def test_distillation_lowers_loss_and_kl(tiny_config):

@@ -5,7 +5,6 @@ peft (reference env, skipped in CI) loads and that prefers the chosen answers.""
 import json
 import math
 import os
-import random
 import subprocess
 from pathlib import Path
 
@@ -18,26 +17,9 @@ from surojax.config import config_from_dict
 from surojax.train.dpo import DPOTrainer
 from surojax.train.trainers import make_trainer
 
-from tests.train.conftest import ROOT
+from tests.train.conftest import FIXTURE_QWEN3 as BASE, ROOT, write_pairs
 
-BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3"
 REFENV = Path("/work/refenv/bin/python")
-
-
-def write_pairs(path: Path, n: int = 24, seed: int = 0) -> Path:
-    """Standard and conversational pairs: the right sum is chosen, a wrong one rejected."""
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for i in range(n):
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            q, good, bad = f"What is {a} plus {b}?", str(a + b), str(a + b + rng.randint(1, 5))
-            if i % 2:
-                row = {"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": good}],
-                       "rejected": [{"role": "assistant", "content": bad}]}
-            else:
-                row = {"prompt": q, "chosen": good, "rejected": bad}
-            f.write(json.dumps(row) + "\n")
-    return path
 
 
 def _cfg(tmp_path, **kw):

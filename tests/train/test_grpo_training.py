@@ -1,7 +1,6 @@
-"""GRPOTrainer end to end on a tiny random qwen3: rollouts on the serving engine raise a learnable reward, the
-metrics are logged, and a resume from a checkpoint inside a generation batch repeats the uninterrupted run."""
+"""GRPOTrainer end to end on a tiny random qwen3: rollouts on the serving engine raise a learnable reward and the
+metrics are logged (the exact resume inside a generation batch: tests/train/test_post_training_resume.py)."""
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -9,37 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.train.conftest import ROOT
-
 from surojax.config import config_from_dict
 from surojax.offload.memory_plan import MemoryPlanError
 from surojax.offload.device_budget import check_beside
 from surojax.train.grpo import rollout_besides
 from surojax.train.trainers import make_trainer
-
-REWARD_MODULE = '''
-def letter_a(prompts, completions, **columns):
-    """The share of the completion's characters that are the letter a (learnable from a random model)."""
-    return [c.count("a") / max(len(c), 1) for c in completions]
-'''
-
-
-@pytest.fixture
-def grpo_config(tiny_config, tmp_path, monkeypatch):
-    (tmp_path / "grpo_rewards.py").write_text(REWARD_MODULE)
-    monkeypatch.chdir(tmp_path)  # reward functions import from the working directory
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"prompt": f"Say {i} words:", "answer": str(i)}) + "\n")
-
-    def make(**overrides):
-        cfg = tiny_config(trainer="grpo", datasets=[{"path": str(tmp_path / "prompts.jsonl"), "type": "prompt"}],
-                          sequence_len=32, per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                          num_generations=4, max_completion_length=8, reward_functions=["grpo_rewards:letter_a"],
-                          learning_rate=2e-2, max_steps=8, loss_type="dapo")
-        cfg.update(overrides)
-        return config_from_dict(cfg)
-    return make
 
 
 def _rows(path):
@@ -48,7 +21,7 @@ def _rows(path):
 
 def test_grpo_raises_a_learnable_reward(grpo_config, tmp_path):
     cfg = grpo_config(max_steps=30, learning_rate=5e-2)
-    make_trainer(cfg).train()
+    make_trainer(config_from_dict(cfg)).train()
     rows = [r for r in _rows(tmp_path / "out" / "metrics.jsonl") if "reward" in r]
     assert len(rows) == 30
     for key in ("reward", "reward_std", "reward/letter_a", "completion_length", "clip_ratio", "generation_time",
@@ -59,27 +32,11 @@ def test_grpo_raises_a_learnable_reward(grpo_config, tmp_path):
     assert last > first + 0.1, (first, last)
 
 
-def test_grpo_resume_inside_a_generation_batch(grpo_config, tmp_path):
-    """LoRA, beta > 0 (the reference = the adapter off), num_iterations 2: checkpoint 1 holds the generation batch
-    with one update left; resuming there gives the uninterrupted run's loss, reward and KL at step 2."""
-    lora = dict(max_steps=2, save_steps=1, num_iterations=2, lora=True, lora_rank=4, beta=0.05, from_scratch=False,
-                model=str(ROOT / "tests" / "fixtures" / "models" / "qwen3"), model_config=None, learning_rate=1e-2)
-    make_trainer(grpo_config(**lora)).train()
-    full = {r["step"]: r for r in _rows(tmp_path / "out" / "metrics.jsonl") if "loss" in r}
-    ckpt = tmp_path / "out" / "checkpoints"
-    shutil.rmtree(ckpt / "2")
-    make_trainer(grpo_config(**lora, resume_from_checkpoint=str(ckpt / "1"))).train()
-    resumed = {r["step"]: r for r in _rows(tmp_path / "out" / "metrics.jsonl") if "loss" in r}
-    assert resumed[2]["loss"] == pytest.approx(full[2]["loss"], rel=1e-6, abs=1e-7)
-    assert resumed[2]["reward"] == full[2]["reward"]
-    assert resumed[2]["kl"] == pytest.approx(full[2]["kl"], rel=1e-5, abs=1e-8)
-
-
 def test_grpo_kl_reference_under_full_fine_tuning(grpo_config, tmp_path):
     """beta > 0 without LoRA: a frozen copy of the initial weights is the reference. Step 1's KL is 0 (policy ==
     reference), later steps' is not, and the last generation batch's ref_logps are the initial model's log-probs
     (a plain forward of the initial weights, log_softmax(logits / temperature) at the targets, in numpy)."""
-    trainer = make_trainer(grpo_config(max_steps=2, beta=0.04, temperature=0.8))
+    trainer = make_trainer(config_from_dict(grpo_config(max_steps=2, beta=0.04, temperature=0.8)))
     initial = jax.tree.map(np.asarray, trainer.trainable)
     trainer.train()
     kl = [r["kl"] for r in _rows(tmp_path / "out" / "metrics.jsonl") if "kl" in r]
