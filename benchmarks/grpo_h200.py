@@ -1,18 +1,19 @@
 """Issue 16's H200 job: GRPO on Qwen3-0.6B shapes against TRL's GRPOTrainer, generation against the serve engine's
 decode, and DPO against SFT on Qwen3-8B shapes (LoRA). Random weights (speed does not depend on them).
 
-Items (`--only a,b,...`, run in this order, each in its own process so no two hold the GPU at once):
-  trl     anchor: TRL's GRPOTrainer, transformers generation, PEFT LoRA (benchmarks/anchors/trl_grpo_baseline.py;
-          needs trl + datasets wheels: `--anchor-python` or the image's python3)
+Items (`--only a,b,...`, run in the order grpo, trl, engine, sft8b, dpo8b, each in its own process so no two hold the
+GPU at once):
   grpo    ours: `python -m surojax.train --config` with `trainer: grpo` (the real entry point, metrics.jsonl's
           generation_time / reference_time / training_time per step)
-Both GRPO sides load the same random bf16 base, an HF folder written once by benchmarks/train_defaults.py.
+  trl     anchor: TRL's GRPOTrainer, transformers generation, PEFT LoRA (benchmarks/anchors/trl_grpo_baseline.py;
+          needs trl + datasets wheels: `--anchor-python` or the image's python3)
   engine  the serve engine's decode at the same batch: benchmarks/serve_load.py --modes engine, one request per
           completion of a step (R users), the same prompt and completion lengths, greedy, ignore-eos
   sft8b / dpo8b   `surojax bench train --shape qwen3-8b --mode lora`: SFT on rows of --seq tokens vs DPO on pairs
           of two such rows (half the pairs as SFT has rows: the same sequences per micro-batch); DPO's tok/s counts
           both sequences, its step adds the reference forward (the base without the adapter)
 
+Both GRPO sides load the same random bf16 base, an HF folder written once by benchmarks/train_defaults.py.
 The GRPO workload (both sides): 64 prompts x 256 prompt tokens per optimizer step, group 8 (512 completions),
 512 completion tokens, temperature 1.0, beta 0.04 (a reference pass each step), loss_type dapo, LoRA r16 alpha 32
 on all linear layers, learning rate 1e-6, one iteration per generation batch. Micro-batches: ours 32 rows x 16
@@ -45,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-ITEMS = ("trl", "grpo", "engine", "sft8b", "dpo8b")
+ITEMS = ("grpo", "trl", "engine", "sft8b", "dpo8b")
 EOS, PAD = "<eos>", "<pad>"
 
 
