@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
-from surojax.losses.token_logps import model_target_logps
+from surojax.losses.router import RouterLossWeights, router_loss
+from surojax.losses.token_logps import model_target_logps, target_logps
 
 DPOLossType = Literal["sigmoid", "ipo", "hinge"]
 LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
@@ -62,13 +63,20 @@ class DPOSettings:
 
 
 def sequence_logps(model, seqs: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None,
-                   unroll: int | bool = 1) -> jax.Array:
+                   unroll: int | bool = 1, router_stats: bool = False):
     """Sums over the response tokens of log p(token): seqs' arrays [..., T] -> [...] fp32 (the model runs on
-    them flattened to [N, T]; surojax.losses.token_logps)."""
+    them flattened to [N, T]; surojax.losses.token_logps). With `router_stats` (a MoE model): (sums, the layers'
+    RouterStats [L, ...] over the N sequences)."""
     lead, T = seqs["tokens"].shape[:-1], seqs["tokens"].shape[-1]
     flat = {k: seqs[k].reshape(-1, T) for k in ("tokens", "positions", "segment_ids", "targets", "loss_mask")}
-    lp = model_target_logps(model, flat, chunk=chunk, layer_loop=layer_loop, unroll=unroll)  # [N, T]
-    return jnp.sum(lp * flat["loss_mask"].astype(jnp.float32), axis=-1).reshape(lead)
+    mask = flat["loss_mask"].astype(jnp.float32)
+    if not router_stats:
+        lp = model_target_logps(model, flat, chunk=chunk, layer_loop=layer_loop, unroll=unroll)  # [N, T]
+        return jnp.sum(lp * mask, axis=-1).reshape(lead)
+    h, _, stats = model.hidden_states(flat["tokens"], flat["positions"], flat["segment_ids"], layer_loop=layer_loop,
+                                      unroll=unroll, router_stats=True)  # [N, T, D]
+    lp = target_logps(h, model.head_weight(), flat["targets"], chunk=chunk)  # [N, T]
+    return jnp.sum(lp * mask, axis=-1).reshape(lead), stats
 
 
 def pair_losses(policy: jax.Array, reference: jax.Array, settings: DPOSettings) -> tuple[jax.Array, dict]:
@@ -93,17 +101,28 @@ def pair_losses(policy: jax.Array, reference: jax.Array, settings: DPOSettings) 
 
 def dpo_loss(model, batch: dict, *, settings: DPOSettings,
              without_adapter: Callable[[object], AbstractContextManager] | None = None,
-             chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None, unroll: int | bool = 1) -> tuple[jax.Array, dict]:
+             chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None, unroll: int | bool = 1,
+             router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
     """The DPO loss of a micro-batch of pairs (arrays [P, 2, T]; optional `ref_logps` [P, 2] sums).
     The reference: none with reference_free, else `ref_logps`, else the model inside `without_adapter(model)`.
 
     Returns (sum of the pair losses, {"tokens": number of real pairs, and METRIC_KEYS: sums over the pairs}):
     the step divides the loss by the pairs; the trainer divides the reward sums. A padding pair (no response
-    token) weighs 0. Chosen and rejected run through the model as one batch of 2P sequences."""
+    token) weighs 0. Chosen and rejected run through the model as one batch of 2P sequences.
+    `router` (a MoE policy): the policy forward's router losses (surojax.losses.router, over the 2P sequences'
+    tokens) join the sum weighted by the pairs, so one micro-batch gives `dpo_loss + router_aux_loss_coef * aux`
+    (TRL's DPOTrainer adds the same with `output_router_logits`); aux["router"] holds the layers' RouterStats.
+    The reference forward adds no router loss."""
     lengths = jnp.sum(batch["loss_mask"].astype(jnp.float32), axis=-1)  # [P, 2]
     real = (lengths[:, 0] > 0).astype(jnp.float32)  # [P]
     run = dict(chunk=chunk, layer_loop=layer_loop, unroll=unroll)
-    policy = sequence_logps(model, batch, **run)  # [P, 2]
+    stats = None
+    if router is None:
+        policy = sequence_logps(model, batch, **run)  # [P, 2]
+    else:
+        if model.cfg.moe is None:
+            raise ValueError("router losses need a mixture-of-experts model; this one is dense")
+        policy, stats = sequence_logps(model, batch, **run, router_stats=True)
     if settings.reference_free:
         reference = jnp.zeros_like(policy)
     elif "ref_logps" in batch:
@@ -119,4 +138,8 @@ def dpo_loss(model, batch: dict, *, settings: DPOSettings,
         policy, reference = policy / denom, reference / denom
     loss, metrics = pair_losses(policy, reference, settings)
     metrics = {k: jnp.sum(v * real) for k, v in metrics.items()}
-    return jnp.sum(loss * real), {"tokens": jnp.sum(real), **metrics}
+    total, pairs = jnp.sum(loss * real), jnp.sum(real)
+    if stats is None:
+        return total, {"tokens": pairs, **metrics}
+    total = total + router_loss(stats, router) * pairs
+    return total, {"tokens": pairs, **metrics, "router": jax.lax.stop_gradient(stats)}

@@ -9,8 +9,8 @@ The reference policy is
                       made, before the checkpoint is restored) and added to each batch as `ref_logps` [.., 2];
     reference_free    none (0).
 Metrics per step: loss (mean over pairs), rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies
-(means over the step's pairs; TRL's definitions, surojax/losses/dpo.py). A mixture-of-experts model is refused:
-the DPO loss does not add the router losses yet.
+(means over the step's pairs; TRL's definitions, surojax/losses/dpo.py). A mixture-of-experts policy adds its
+router losses (build_run passes `router=`) and reports the router metrics as SFT does.
 """
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ class DPOTrainer(Trainer):
     @property
     def loss(self):
         """The pure loss build_run compiles: dpo_loss with this run's settings."""
-        if self.spec.moe is not None:
-            raise TrainSetupError("trainer: dpo on a mixture-of-experts model is not available in this version "
-                                  "(the DPO loss does not add the router losses)")
+        if self.cfg.lora and self.cfg.train_router and not self.cfg.reference_free:
+            raise TrainSetupError("train_router: the reference of a LoRA DPO run is the base without the adapter, "
+                                  "but train_router changes the base's routers; use train_router: false or "
+                                  "reference_free: true")
         without_adapter = adapters_disabled if self.cfg.lora and not self.cfg.reference_free else None
         return functools.partial(dpo_loss, settings=self.settings, without_adapter=without_adapter)
 

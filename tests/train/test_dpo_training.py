@@ -74,3 +74,18 @@ def test_cli_refuses_another_trainer(tmp_path):
     config = tmp_path / "dpo.yaml"
     config.write_text(yaml.safe_dump(_cfg(tmp_path, trainer="sft")))
     assert main(["dpo", str(config)]) != 0
+
+
+def test_dpo_on_a_mixture_of_experts_adds_its_router_loss(tmp_path):
+    """LoRA DPO on the qwen3_moe fixture with an explicit router_aux_loss_coef: step 1's loss is ln 2 (policy ==
+    reference) plus coef x the policy's load-balancing loss (one micro-batch: the logged aux is its own), the
+    router metrics are logged, and the DPO part goes down."""
+    moe = ROOT / "tests" / "fixtures" / "models" / "qwen3_moe"
+    coef = 0.25
+    cfg = _cfg(tmp_path, trainer="dpo", model=str(moe), lora=True, lora_rank=4, lora_alpha=8, max_steps=4,
+               per_device_train_batch_size=8, gradient_accumulation_steps=1, router_aux_loss_coef=coef)
+    make_trainer(config_from_dict(cfg)).train()
+    rows = _metrics(tmp_path / "out")
+    assert "router_aux_loss" in rows[0], sorted(rows[0])
+    assert rows[0]["loss"] == pytest.approx(math.log(2) + coef * rows[0]["router_aux_loss"], abs=1e-5)
+    assert rows[-1]["loss"] - coef * rows[-1]["router_aux_loss"] < math.log(2)
