@@ -20,8 +20,8 @@ Model, per GPU and per optimizer step (one micro-batch: gradient accumulation wo
                 exchange)
 
 Placement: the mesh's axes are laid out outermost to innermost as AXIS_ORDER, the innermost on consecutive GPUs of
-one node (how `jax.make_mesh` lays out process-major GPU devices), so an axis crosses nodes exactly when its size
-times the sizes of the axes inside it exceeds the GPUs of a node.
+one node (`jax.make_mesh` sorts GPU devices by global id, node by node, and reshapes them row-major), so an axis
+crosses nodes exactly when its size times the sizes of the axes inside it exceeds the GPUs of a node.
 """
 from __future__ import annotations
 
