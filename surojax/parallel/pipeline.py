@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
-from surojax.offload.remat import LAYER_INPUT
+from surojax.offload.remat import LAYER_INPUT, remat_wrapper
 from surojax.parallel.rules import batch_parallel_size
 
 STAGE = "stage"
@@ -211,5 +211,18 @@ def pipeline_stages(mesh) -> int:
     return dict(mesh.shape).get(STAGE, 1)
 
 
+def pipelined_layer_loop(mesh: Mesh, spec: PipelineSpec, *, rows_per_shard: int, num_layers: int,
+                         recompute: str) -> PipelinedLayers:
+    """The layer loop of a run on a mesh with stage > 1, its shapes checked before anything compiles.
+    rows_per_shard: rows of one data shard per micro-batch (per_device_train_batch_size); recompute: the per-layer
+    policy name (surojax.offload.remat)."""
+    stages = pipeline_stages(mesh)
+    microbatches = spec.microbatches or default_microbatches(stages, rows_per_shard)
+    dp = batch_parallel_size(mesh)
+    check_pipeline(num_layers=num_layers, rows=rows_per_shard * dp, data_parallel=dp, stages=stages,
+                   microbatches=microbatches, repeats=spec.repeats)
+    return PipelinedLayers(mesh, microbatches, spec.repeats, remat_wrapper(recompute))
+
+
 __all__ = ["PipelineError", "PipelineSpec", "PipelinedLayers", "bubble_fraction", "check_pipeline",
-           "default_microbatches", "pipeline_layers", "pipeline_stages", "schedule_length"]
+           "default_microbatches", "pipeline_layers", "pipeline_stages", "pipelined_layer_loop", "schedule_length"]
