@@ -34,8 +34,6 @@ NOT_AVAILABLE = {
     "long_context": (lambda c: c.long_context, "the tiled long-context MLP is not available in this version"),
     "offload_grads": (lambda c: c.offload_grads, "gradients in host memory are not available in this version "
                       "(see offload_optimizer / offload_master)"),
-    "parallel": (lambda c: c.parallel.stage != 1, "pipeline (stage) parallelism is not available in this version: "
-                 "keep parallel.stage at 1"),
 }
 
 
@@ -233,7 +231,19 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
                 "supervised: remove the key")
 
     # --- parallel
-    rest = [a for a, n in cfg.parallel.sizes().items() if n == -1]
+    par = cfg.parallel
+    rest = [a for a, n in par.sizes().items() if n == -1]
     if len(rest) > 1:
         add(("parallel",), f"at most one axis may be -1 (the rest of the devices); got {', '.join(rest)}")
+    if par.stage == 1:
+        for k in ("pipeline_microbatches", "pipeline_repeats"):
+            if getattr(par, k) != type(par).model_fields[k].default:
+                add((f"parallel.{k}",), "schedules the pipeline stages; it applies with parallel.stage > 1")
+    else:
+        for key, why in (("offload_base_weights", "streams the base layer by layer through the plain layer loop"),
+                         ("offload_prefetch", "is a layer loop of its own"),
+                         ("eval_generation", "decodes with a KV cache over the plain layer scan")):
+            if getattr(cfg, key) not in (False, None):
+                add((key, "parallel.stage"), f"{why}; it does not run with pipeline stages (parallel.stage > 1): "
+                    f"drop one of the two")
     return out

@@ -1,5 +1,8 @@
-"""The device mesh: axes ("data", "fsdp", "expert", "tensor") sized from the `parallel` section of the config.
+"""The device mesh: axes ("stage", "data", "fsdp", "expert", "tensor") sized from the `parallel` section of the config.
 
+    stage   pipeline parallelism: the stacked layers split into stages (surojax/parallel/pipeline.py runs the
+            microbatch schedule); the batch is not split. Outermost, so that with several nodes the stages (whose
+            traffic is one activation per microbatch) cross the slower links and the other axes stay within a node
     data    plain data parallelism: parameters replicated, batch split
     fsdp    ZeRO-3 / FSDP: parameters (and optimizer state) split on their `embed` axis, batch split too
     expert  expert parallelism (MoE): the experts split, E / expert per device; every other parameter replicated
@@ -24,8 +27,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
-FUTURE_AXES: tuple[str, ...] = ("stage",)  # in the config schema; only size 1 is accepted for now
+MESH_AXES: tuple[str, ...] = ("stage", "data", "fsdp", "expert", "tensor")
 REST = -1  # "the rest of the devices"
 
 
@@ -38,14 +40,10 @@ class MeshError(ValueError):
 def _sizes_of(parallel: Mapping[str, int] | None) -> dict[str, int]:
     """Read the mesh axes' sizes from a mapping of axis sizes (`ParallelConfig.sizes()`); a missing one is 1."""
     raw = dict(parallel or {})
-    unknown = sorted(set(raw) - set(MESH_AXES) - set(FUTURE_AXES))
+    unknown = sorted(set(raw) - set(MESH_AXES))
     if unknown:
         raise MeshError(f"parallel has unknown key(s) {', '.join(map(repr, unknown))}; "
                         f"mesh axes are {', '.join(MESH_AXES)}")
-    for axis in FUTURE_AXES:
-        if raw.get(axis, 1) not in (1, None):
-            raise MeshError(f"parallel.{axis} = {raw[axis]!r}: {axis} parallelism is not implemented yet "
-                            f"(only {axis}=1); the mesh has axes {', '.join(MESH_AXES)}")
     sizes = {}
     for axis in MESH_AXES:
         v = raw.get(axis, 1)
@@ -78,9 +76,10 @@ def mesh_shape(parallel: Mapping[str, int] | None, num_devices: int) -> dict[str
 
 def make_mesh(parallel: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None, *,
               axis_types: tuple[AxisType, ...] | None = None) -> Mesh:
-    """A Mesh with axes ("data", "fsdp", "expert", "tensor") over `devices` (default: all devices of all processes).
+    """A Mesh with axes ("stage", "data", "fsdp", "expert", "tensor") over `devices` (default: all devices of all
+    processes).
 
-    `parallel` is a mapping (the config's `ParallelConfig.sizes()`) of `data`, `fsdp`, `expert`, `tensor`; a missing
+    `parallel` is a mapping (the config's `ParallelConfig.sizes()`) of `stage`, `data`, `fsdp`, `expert`, `tensor`; a missing
     size is 1 and one size may be -1. `jax.make_mesh` orders the devices for the interconnect topology.
     """
     devices = list(jax.devices() if devices is None else devices)

@@ -47,8 +47,9 @@ Rules = Mapping[str, MeshAxes]
 M = TypeVar("M", bound=nnx.Module)
 
 # Parameters: FSDP splits the model dimension of every matrix (and the norms' scales); tensor parallelism
-# splits what a Megatron layer splits (heads, kv heads, the MLP hidden, the vocabulary). `layers` stays whole:
-# scan slices it, and pipeline stages will split it on their own axis.
+# splits what a Megatron layer splits (heads, kv heads, the MLP hidden, the vocabulary). `layers` splits over the
+# pipeline stages (contiguous blocks of L / stage layers, surojax/parallel/pipeline.py); with stage = 1 the rule
+# drops out (a size-1 axis splits nothing) and the scan slices the whole stack as before.
 PARAM_RULES: Rules = MappingProxyType({
     "vocab": "tensor",
     "embed": "fsdp",
@@ -56,7 +57,7 @@ PARAM_RULES: Rules = MappingProxyType({
     "kv_heads": "tensor",  # K*H flattened: with K < tensor size the split falls inside a head (still correct)
     "head_dim": None,
     "mlp": "tensor",
-    "layers": None,
+    "layers": "stage",
     "experts": "expert",  # E / expert experts per device; surojax/parallel/expert.py sends the tokens to them
 })
 

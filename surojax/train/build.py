@@ -35,6 +35,7 @@ from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
 from surojax.offload.streaming import build_context, place_model
 from surojax.parallel import batch_parallel_size, init_sharded
 from surojax.parallel.expert import apply_expert_parallel
+from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_layer_loop
 from surojax.peft.lora import set_dropout_key
 from surojax.peft.trained_router import make_router_trainable
 from surojax.train.model_setup import build_model, trainable_filter
@@ -168,6 +169,14 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     if mem.unroll is True or (not isinstance(mem.unroll, bool) and mem.unroll > 1):
         reason += ("; unrolled layers compile longer the first time" +
                    (f" (compiled programs are cached in {cache_dir})" if cache_dir else ""))
+    pipelined = pipeline_stages(mesh) > 1
+    if pipelined:  # stage > 1: the layers run as a microbatch schedule over the stages (parallel/pipeline.py)
+        if spec.moe is not None:
+            raise PipelineError("pipeline stages (parallel.stage > 1) do not collect the router statistics a MoE "
+                                "model's training loss needs yet; use expert / data / fsdp parallelism for it")
+        pipeline = pipelined_layer_loop(mesh, spec.pipeline, rows_per_shard=spec.batch.rows,
+                                        num_layers=spec.model.config.num_layers, recompute=mem.recompute)
+        reason += "; " + pipeline.describe()
     log.debug("layer loop: %s", reason)  # the Trainer prints it in its start-up summary
     if check_memory and plans_one_device(mesh):
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
@@ -193,14 +202,15 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
         apply = {"apply_updates": apply_master_updates}
     del model  # the model's own references to replaced arrays (offload_master's fp32 layers) are dropped
 
-    loop = layer_loop(mem.recompute, prefetch=mem.offload_prefetch, per_layer=mem.offload_prefetch)
+    loop = pipeline if pipelined else layer_loop(mem.recompute, prefetch=mem.offload_prefetch,
+                                                 per_layer=mem.offload_prefetch)
     loss_fn = functools.partial(loss, chunk=chunk, unroll=mem.unroll)
     # a MoE model trains with its router losses and reports its router stats (surojax.losses.router); eval is CE
     train_loss = loss_fn if spec.moe is None else functools.partial(loss_fn, router=spec.moe.router_loss)
     train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop,
                                  prepare=set_dropout_key if train_mode else None,
                                  loss_guard=o.loss_guard, **apply)
-    eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch else None)
+    eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch or pipelined else None)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,

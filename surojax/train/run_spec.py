@@ -9,6 +9,7 @@
       optim      OptimSpec      optimizer, learning-rate schedule over `total_steps`, clipping
       batch      BatchSpec      rows per device per micro-batch, accumulation, sequence length
       moe        MoETraining|None  router losses, expert capacity, router training (None: a dense model)
+      pipeline   PipelineSpec   microbatches and repeats of the pipeline schedule (read when the mesh has stage > 1)
 
 `run_spec(cfg, ...)` is the only place that reads training keys into specs; everything below (`build_run`, the
 model set-up, the bench, later trainers) reads the specs, never a config object. The checks that need the model
@@ -31,6 +32,7 @@ from surojax.config.lora import GGUF_MIXES, GGUF_TYPES as CONFIG_GGUF_TYPES
 from surojax.config.schema import TrainConfig
 from surojax.losses.router import RouterLossWeights
 from surojax.models.config import ModelConfig
+from surojax.parallel.pipeline import PipelineSpec
 from surojax.quant import GGUF_TYPES
 from surojax.peft.peft_io import LoraSpec
 from surojax.weights.gguf_checkpoint import is_gguf_path
@@ -153,6 +155,7 @@ class RunSpec:
     optim: OptimSpec
     batch: BatchSpec
     moe: MoETraining | None = None
+    pipeline: PipelineSpec = PipelineSpec()
 
     def replace(self, **sections) -> RunSpec:
         return dataclasses.replace(self, **sections)
@@ -291,4 +294,5 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
                       sequence_len=cfg.sequence_len)
     return RunSpec(model=model, precision=precision, lora=lora_training(cfg), quant=quant, memory=memory_spec(cfg),
-                   optim=optim_spec(cfg, total_steps), batch=batch, moe=moe_training(cfg, model_cfg))
+                   optim=optim_spec(cfg, total_steps), batch=batch, moe=moe_training(cfg, model_cfg),
+                   pipeline=PipelineSpec(cfg.parallel.pipeline_microbatches, cfg.parallel.pipeline_repeats))

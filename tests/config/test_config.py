@@ -267,7 +267,6 @@ def test_cross_field_rule(d, key, words):
     ({"sequence_chunks": 4}, "sequence_chunks"),
     ({"long_context": True}, "long_context"),
     ({"offload_grads": True}, "offload_grads"),
-    ({"parallel": {"stage": 2}}, "parallel"),
     ({"lora": True, "qlora_bnb": True, "qlora_bnb_block_size": 128}, "qlora_bnb_block_size"),
     ({"lora": True, "qlora_fp8": True, "qlora_block_size": 64}, "qlora_block_size"),
 ])

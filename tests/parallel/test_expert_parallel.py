@@ -66,7 +66,7 @@ def biased_moe() -> ModelConfig:
 
 # ---- in-process ---------------------------------------------------------------------------------------------------
 
-MESH_2141 = AbstractMesh((2, 1, 4, 1), ("data", "fsdp", "expert", "tensor"))
+MESH_2141 = AbstractMesh((1, 2, 1, 4, 1), ("stage", "data", "fsdp", "expert", "tensor"))
 
 
 def test_expert_weights_split_over_the_expert_axis_and_the_batch_over_it_too():
@@ -81,8 +81,8 @@ def test_expert_weights_split_over_the_expert_axis_and_the_batch_over_it_too():
 def test_experts_the_expert_axis_does_not_divide_are_refused():
     model = nnx.eval_shape(lambda: Decoder(qwen3_moe(), rngs=nnx.Rngs(0)))
     with pytest.raises(ExpertParallelError, match=r"parallel.expert = 3 does not divide the model's 8 experts"):
-        apply_expert_parallel(model, AbstractMesh((1, 1, 3, 1), ("data", "fsdp", "expert", "tensor")))
-    apply_expert_parallel(model, AbstractMesh((2, 1, 1, 1), ("data", "fsdp", "expert", "tensor")))
+        apply_expert_parallel(model, AbstractMesh((1, 1, 1, 3, 1), ("stage", "data", "fsdp", "expert", "tensor")))
+    apply_expert_parallel(model, AbstractMesh((1, 2, 1, 1, 1), ("stage", "data", "fsdp", "expert", "tensor")))
     assert all(m.runner is None for _, m in nnx.iter_graph(model) if isinstance(m, MoE))  # expert=1: local
 
 

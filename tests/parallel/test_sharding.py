@@ -35,15 +35,15 @@ MARKER = "SHARDING_CHECKS_JSON:"
 
 
 def test_mesh_shape_resolves_minus_one():
-    assert mesh_shape({"data": 2, "fsdp": 2, "tensor": 2}, 8) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
-    assert mesh_shape({"data": -1, "tensor": 2}, 8) == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
-    assert mesh_shape({"fsdp": -1}, 8) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
-    assert mesh_shape({"data": 1, "fsdp": -1, "tensor": 4}, 8) == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 4}
-    assert mesh_shape(None, 1) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
-    assert mesh_shape({"data": -1, "expert": 4}, 8) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
-    # the config's parallel section also names stage (size 1 until that axis exists)
+    s1 = {"stage": 1}
+    assert mesh_shape({"data": 2, "fsdp": 2, "tensor": 2}, 8) == {**s1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2}
+    assert mesh_shape({"data": -1, "tensor": 2}, 8) == {**s1, "data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
+    assert mesh_shape({"fsdp": -1}, 8) == {**s1, "data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+    assert mesh_shape({"data": 1, "fsdp": -1, "tensor": 4}, 8) == {**s1, "data": 1, "fsdp": 2, "expert": 1, "tensor": 4}
+    assert mesh_shape(None, 1) == {**s1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert mesh_shape({"data": -1, "expert": 4}, 8) == {**s1, "data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
     assert mesh_shape({"data": -1, "fsdp": 2, "tensor": 1, "expert": 1, "stage": 1}, 8)["data"] == 4
-    assert mesh_shape({"data": -1, "fsdp": 1, "tensor": 2, "expert": 1, "stage": 1}, 8)["data"] == 4
+    assert mesh_shape({"data": -1, "fsdp": 1, "tensor": 2, "expert": 1, "stage": 2}, 8)["data"] == 2
 
 
 @pytest.mark.parametrize("parallel, words", [
@@ -53,9 +53,9 @@ def test_mesh_shape_resolves_minus_one():
     ({"data": -1, "fsdp": 3}, ["fsdp=3", "8 devices"]),
     ({"tensor": 0}, ["parallel.tensor", "0"]),
     ({"tensor": 2.0}, ["parallel.tensor"]),
-    ({"tensr": 2}, ["'tensr'", "data, fsdp, expert, tensor"]),
+    ({"tensr": 2}, ["'tensr'", "stage, data, fsdp, expert, tensor"]),
     ({"data": 3, "expert": 2}, ["data=3", "expert=2", "8 devices"]),
-    ({"data": -1, "fsdp": 1, "tensor": 1, "expert": 1, "stage": 2}, ["parallel.stage", "not implemented"]),
+    ({"data": 3, "stage": 2}, ["data=3", "stage=2", "8 devices"]),
 ])
 def test_mesh_shape_errors_name_values_and_device_count(parallel, words):
     with pytest.raises(MeshError) as err:
@@ -67,7 +67,7 @@ def test_mesh_shape_errors_name_values_and_device_count(parallel, words):
 def test_make_mesh_checks_against_the_given_devices():
     one = jax.devices()[:1]
     mesh = make_mesh({"fsdp": -1}, devices=one)
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     with pytest.raises(MeshError, match="1 devices"):
         make_mesh({"data": 2}, devices=one)
@@ -75,7 +75,7 @@ def test_make_mesh_checks_against_the_given_devices():
 
 # ---- in-process: partition specs ------------------------------------------------------------------------------
 
-MESH_222 = AbstractMesh((2, 2, 1, 2), ("data", "fsdp", "expert", "tensor"))
+MESH_222 = AbstractMesh((1, 2, 2, 1, 2), ("stage", "data", "fsdp", "expert", "tensor"))
 
 
 def test_partition_spec_follows_rules():
@@ -108,8 +108,8 @@ def test_partition_spec_never_repeats_a_mesh_axis(caplog):
 def test_partition_spec_rejects_unknown_names():
     with pytest.raises(KeyError, match="lora_rank"):
         partition_spec(("embed", "lora_rank"), PARAM_RULES, MESH_222, (32, 8))
-    with pytest.raises(KeyError, match="stage"):
-        partition_spec(("embed",), {"embed": "stage"}, MESH_222, (32,))
+    with pytest.raises(KeyError, match="pipe"):
+        partition_spec(("embed",), {"embed": "pipe"}, MESH_222, (32,))
     with pytest.raises(ValueError, match="do not match"):
         partition_spec(("embed",), PARAM_RULES, MESH_222, (32, 8))
 
@@ -185,12 +185,12 @@ def _packed_batch(B: int, T: int, V: int):
 @child_check
 def check_make_mesh_on_8_devices():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 2} and mesh.devices.size == 8
-    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
-    assert dict(make_mesh({"data": -1, "fsdp": 2, "tensor": 2}).shape) == {"data": 2, "fsdp": 2, "expert": 1,
-                                                                            "tensor": 2}
-    assert dict(make_mesh({"data": 1, "fsdp": -1, "tensor": 2}).shape) == {"data": 1, "fsdp": 4, "expert": 1,
-                                                                            "tensor": 2}
+    assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "expert": 1, "tensor": 2} and mesh.devices.size == 8
+    assert mesh.axis_names == ("stage", "data", "fsdp", "expert", "tensor")
+    assert dict(make_mesh({"data": -1, "fsdp": 2, "tensor": 2}).shape) == {"stage": 1, "data": 2, "fsdp": 2,
+                                                                            "expert": 1, "tensor": 2}
+    assert dict(make_mesh({"data": 1, "fsdp": -1, "tensor": 2}).shape) == {"stage": 1, "data": 1, "fsdp": 4,
+                                                                            "expert": 1, "tensor": 2}
     assert len({d.id for d in make_mesh({"fsdp": -1}).devices.flat}) == 8
     for bad in ({"data": 3, "fsdp": 2, "tensor": 2}, {"data": 4, "fsdp": 4}, {"data": -1, "fsdp": 3}):
         try:
