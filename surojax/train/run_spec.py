@@ -9,6 +9,7 @@
       optim      OptimSpec      optimizer, learning-rate schedule over `total_steps`, clipping
       batch      BatchSpec      rows per device per micro-batch, accumulation, sequence length
       moe        MoETraining|None  router losses, expert capacity, router training (None: a dense model)
+      zero_stage int|None       ZeRO stage over the data devices (surojax/parallel/zero.py; None: the mesh's)
 
 `run_spec(cfg, ...)` is the only place that reads training keys into specs; everything below (`build_run`, the
 model set-up, the bench, later trainers) reads the specs, never a config object. The checks that need the model
@@ -153,6 +154,7 @@ class RunSpec:
     optim: OptimSpec
     batch: BatchSpec
     moe: MoETraining | None = None
+    zero_stage: int | None = None  # ZeRO stage over the data devices (config/zero.py); None: what the mesh does
 
     def replace(self, **sections) -> RunSpec:
         return dataclasses.replace(self, **sections)
@@ -291,4 +293,5 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
                       sequence_len=cfg.sequence_len)
     return RunSpec(model=model, precision=precision, lora=lora_training(cfg), quant=quant, memory=memory_spec(cfg),
-                   optim=optim_spec(cfg, total_steps), batch=batch, moe=moe_training(cfg, model_cfg))
+                   optim=optim_spec(cfg, total_steps), batch=batch, moe=moe_training(cfg, model_cfg),
+                   zero_stage=cfg.resolved_zero_stage)
