@@ -12,7 +12,7 @@
 "Split over data" (`zero_rules`): the dimension the rules map `embed` to also splits over `data`; an array without
 `embed`, or whose `embed` dimension `data` does not divide, splits its largest dimension that `data` divides
 (`spread`); an array nothing divides (a tiny bias) stays as the parameter. The 8-bit AdamW state (blocks
-[n_blocks, 256], no parameter layout) splits its blocks over `block_axes`: data at stages 1-2, fsdp at stage 3.
+[n_blocks, 256] and absmax [n_blocks], no parameter layout) splits its blocks (dimension 0) over `block_axes`: data at stages 1-2, fsdp at stage 3.
 
 Stages 1 and 2 differ in the gradients only: at stage 1 the fp32 accumulator is whole on every device and the
 update slices it; at stage 2 each device accumulates 1/N of it. Stages 0 and 3 leave placement to the parameters'
@@ -66,9 +66,11 @@ def _axes_of(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def spread(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...]) -> NamedSharding:
-    """`sharding` with each mesh axis of `axes` it does not use yet added to the largest dimension of `shape` that
-    it divides (after the dimension's own split; ties: the first); unchanged where no dimension is divisible."""
+def spread(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...],
+           dims: tuple[int, ...] | None = None) -> NamedSharding:
+    """`sharding` with each mesh axis of `axes` it does not use yet added to the largest dimension of `shape` (of
+    `dims`, default all) that it divides (after the dimension's own split; ties: the first); unchanged where no
+    such dimension is divisible."""
     mesh = sharding.mesh
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     for axis in axes:
@@ -76,7 +78,7 @@ def spread(sharding: NamedSharding, shape: tuple[int, ...], axes: tuple[str, ...
         if n == 1 or any(axis in _axes_of(e) for e in spec):
             continue
         split = [math.prod(mesh.shape[a] for a in _axes_of(e)) for e in spec]
-        fits = [i for i in range(len(shape)) if shape[i] % (split[i] * n) == 0]
+        fits = [i for i in (range(len(shape)) if dims is None else dims) if shape[i] % (split[i] * n) == 0]
         if not fits:
             continue
         i = max(fits, key=lambda d: (shape[d] // split[d], -d))

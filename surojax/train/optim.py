@@ -88,15 +88,15 @@ def init_opt_state(optimizer, trainable, mesh, *, like=None, block_axes: tuple[s
     jit, so a jitted step sees the same input shardings on every call and compiles once.
 
     like: the sharding tree (shaped like `trainable`) the moments follow instead of the parameters' own (ZeRO-1/2:
-    split over data, surojax/parallel/zero.py). block_axes: mesh axes splitting the 8-bit state's blocks
-    (`spread`: their largest dimension each axis divides; replicated without)."""
+    split over data, surojax/parallel/zero.py). block_axes: mesh axes splitting the 8-bit state's blocks (the
+    n_blocks dimension of codes and absmax, where each axis divides it; replicated without)."""
     param_sh = jax.tree.map(lambda x: x.sharding, trainable) if like is None else like
     abstract = jax.eval_shape(optimizer.init, trainable)
     replicated = NamedSharding(mesh, PartitionSpec())
     is_8bit = lambda x: isinstance(x, Blockwise8bit)  # noqa: E731 - [blocks, 256] codes: no parameter layout
 
     def like_param(x, s):
-        return jax.tree.map(lambda a: spread(replicated, a.shape, block_axes), x) if is_8bit(x) else s
+        return jax.tree.map(lambda a: spread(replicated, a.shape, block_axes, dims=(0,)), x) if is_8bit(x) else s
 
     if has_layerwise_state(abstract):  # offload_optimizer / _master: per-layer state [L, ...] built on the host
         shardings = host_state_shardings(jax.tree.map(lambda _: replicated, abstract))

@@ -86,7 +86,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
             g_acc, loss_acc, aux_acc = carry
             g, loss_sum, aux = grads_of(*xs)
             g = place(jax.tree.map(lambda b: b.astype(jnp.float32), g), shardings and shardings.gradients)
-            g_acc = jax.tree.map(lambda a, b: a + b, g_acc, g)
+            g_acc = place(jax.tree.map(lambda a, b: a + b, g_acc, g), shardings and shardings.gradients)
             aux_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_acc, aux)
             return (g_acc, loss_acc + loss_sum, aux_acc), None
 
