@@ -246,4 +246,16 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
             if getattr(cfg, key) not in (False, None):
                 add((key, "parallel.stage"), f"{why}; it does not run with pipeline stages (parallel.stage > 1): "
                     f"drop one of the two")
+
+    # --- ZeRO stage (config/zero.py)
+    stage = cfg.zero_stage
+    if stage is not None and stage < 3 and cfg.parallel.fsdp != 1:
+        add(("zero_stage", "parallel"), f"{stage} keeps the parameters whole on every data-parallel "
+            f"device, but parallel.fsdp = {cfg.parallel.fsdp} shards them (that is ZeRO-3): set zero_stage: 3, or "
+            "parallel.fsdp: 1 (and the devices on parallel.data)")
+    for k in ("offload_optimizer", "offload_master"):
+        if stage in (1, 2) and getattr(cfg, k):
+            add(("zero_stage", k), f"{stage} shards the optimizer state over the data devices; {k} keeps "
+                "it in host memory, whole, and updates it layer by layer: drop one of the two (zero_stage 0 or 3 "
+                f"work with {k})")
     return out

@@ -18,17 +18,17 @@ from surojax.config.lora import LoraSection, QLoraSection
 from surojax.config.memory import MemorySection
 from surojax.config.moe import MoESection
 from surojax.config.optim import OptimSection
-from surojax.config.parallel import ParallelSection
 from surojax.config.policy_loss import PolicyLossSection
 from surojax.config.precision import PrecisionSection
 from surojax.config.rules import cross_field_problems
 from surojax.config.run import RunSection
+from surojax.config.zero import ZeroSection
 
 
 # Bases in reverse: pydantic orders fields from the last base to the first, so dumps and errors read run first.
 class TrainConfig(
     PolicyLossSection, DPOSection, GRPOSection, DistillSection,
-    GenerationEvalSection, ParallelSection, MemorySection, OptimSection, MoESection, QLoraSection, LoraSection,
+    GenerationEvalSection, ZeroSection, MemorySection, OptimSection, MoESection, QLoraSection, LoraSection,
     PrecisionSection, DataSection, RunSection,
 ):
     """A validated training config. Build it with `load_config(path)` or `config_from_dict(d)`."""

@@ -1,6 +1,7 @@
 """Memory plan before training: an estimate of peak device memory by component, checked against capacity.
 
-`plan_memory(model_cfg, ...)` returns a `MemoryPlan` whose components are bytes ON ONE DEVICE (no sharding):
+`plan_memory(model_cfg, ...)` returns a `MemoryPlan` whose components are bytes ON ONE DEVICE (no sharding but
+the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`):
 
     weights      frozen base (LoRA: compute dtype, bf16) or master weights (full: `master_dtype`, fp32 in the
                  bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
@@ -178,17 +179,23 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                 optimizer: str = "adamw", offload_base: bool = False, offload_optimizer: bool = False,
                 offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32",
                 prefetch: bool = False, prefetch_depth: int = PREFETCH_DEPTH, accum: int = 1,
-                unroll: int | bool = 1) -> MemoryPlan:
+                unroll: int | bool = 1, weight_shards: int = 1, gradient_shards: int = 1,
+                optimizer_shards: int = 1) -> MemoryPlan:
     """Peak device memory of one training step, by component (bytes; see the module docstring).
 
-    unroll: the layer loop's `unroll_layers` (True or an int >= the layer count: every layer inlined)."""
+    unroll: the layer loop's `unroll_layers` (True or an int >= the layer count: every layer inlined).
+    *_shards: the ZeRO stage's divisors (surojax/parallel/zero.py `plan_divisors`): the weights (and adapters)
+    and the trainable-dtype gradients / weight_shards, the fp32 gradient accumulator / gradient_shards, the
+    optimizer state / optimizer_shards. Runs with any offload_* key keep their one-device figures (their
+    host-resident state is not sharded)."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
                     lm_chunk_tokens=lm_chunk_tokens, optimizer=optimizer, offload_base=offload_base,
                     offload_optimizer=offload_optimizer, offload_master=offload_master, master_dtype=master_dtype,
                     lora_dtype=lora_dtype, prefetch=prefetch, prefetch_depth=prefetch_depth, accum=accum,
-                    unroll=unroll)
+                    unroll=unroll, weight_shards=weight_shards, gradient_shards=gradient_shards,
+                    optimizer_shards=optimizer_shards)
     cfg = model_cfg
     fp32 = recipe == "fp32"
     c = 4 if fp32 else 2
@@ -244,6 +251,11 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
         host += (L * layer_params if not lora else trainable) * opt_b
     else:
         optimizer_bytes = trainable * opt_b
+    if not (offload_base or offload_optimizer or offload_master):  # the ZeRO stage's split (module docstring)
+        accumulator = trainable * 4
+        weights, adapters = weights / weight_shards, adapters / weight_shards
+        gradients = accumulator / gradient_shards + (gradients - accumulator) / weight_shards
+        optimizer_bytes = optimizer_bytes / optimizer_shards
     tokens = batch * seq
     unrolled = unroll is True or (not isinstance(unroll, bool) and unroll >= L)
     per_tl = activation_bytes_per_token_layer(cfg, recompute, c=c, rank=r, targets=tgts, unrolled=unrolled)

@@ -80,6 +80,12 @@ ACTIVATION_RULES: Rules = MappingProxyType({
 })
 
 
+def zero_rules(rules: Rules = PARAM_RULES, axis: str = "data") -> Rules:
+    """`rules` with `embed` also split over mesh axis `axis`: the layout ZeRO-1/2 give the optimizer state and
+    the gradients over the data devices while the parameters keep `rules` (surojax/parallel/zero.py)."""
+    return MappingProxyType({**rules, "embed": (*_as_tuple(rules["embed"]), axis)})
+
+
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
@@ -230,7 +236,7 @@ def sharding_report(model: nnx.Module) -> str:
 
 
 __all__ = [
-    "PARAM_RULES", "ACTIVATION_RULES", "Rules", "partition_spec", "named_sharding", "batch_sharding", "batch_axes",
+    "PARAM_RULES", "ACTIVATION_RULES", "Rules", "zero_rules", "partition_spec", "named_sharding", "batch_sharding", "batch_axes",
     "batch_parallel_size",
     "param_shardings", "shard_model", "init_sharded", "sharding_report",
 ]

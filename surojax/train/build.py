@@ -4,6 +4,10 @@
          ─ model: load / initialise ─ transforms (quantise base, LoRA, fp8) ─ placement (mesh, host memory)
          ─ split (graphdef, trainable, frozen) ─ optimizer + its state ─ layer loop ─ jitted train / eval steps
 
+ZeRO (`spec.zero_stage`, surojax/parallel/zero.py): stages 1-2 place the optimizer state (and at 2 the accumulated
+gradients) split over the data devices and constrain the step to that layout; 0 and 3 follow the parameters
+(3 is the fsdp mesh). `Run.zero_summary` says the stage and the bytes per device.
+
 The loss is a pure function `loss(model, batch, *, chunk, layer_loop, unroll) -> (loss_sum, {"tokens": ...})`
 (default: the chunked LM loss); SFT, pretraining and the later tasks differ only in their data and this function.
 A MoE model's training loss also gets `router=` (the router-loss weights) and returns its router stats.
@@ -24,7 +28,7 @@ from flax import nnx
 from surojax.compilation_cache import enable_compilation_cache
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.models.decoder import Decoder
-from surojax.offload.device_budget import plans_one_device
+from surojax.offload.device_budget import placed_bytes, plans_one_device
 from surojax.offload.host_init import random_placed_model
 from surojax.offload.layer_loop_choice import LayerLoopChoice, choose_layer_loop
 from surojax.offload.master import place_master_on_host
@@ -36,12 +40,13 @@ from surojax.offload.streaming import build_context, place_model
 from surojax.parallel import batch_parallel_size, init_sharded
 from surojax.parallel.expert import apply_expert_parallel
 from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_layer_loop
+from surojax.parallel.zero import ZeroLayout, ZeroStageError, plan_divisors, resolve_zero_stage, zero_layout
 from surojax.peft.lora import set_dropout_key
 from surojax.peft.trained_router import make_router_trainable
 from surojax.train.model_setup import build_model, trainable_filter
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.run_spec import MoETraining, RunSpec
-from surojax.train.step import make_eval_step, make_train_step
+from surojax.train.step import StepShardings, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,8 @@ class Run:
     memory_plan: MemoryPlan
     layer_loop: object  # what the decoder's `layer_loop=` receives
     layer_loop_reason: str  # which recompute / unrolling the run uses, and why (the start-up summary)
+    zero: ZeroLayout  # where params, gradients and optimizer state live (the resolved ZeRO stage)
+    zero_summary: str  # the stage and the bytes per device of params / gradients / optimizer state (start-up)
 
     @property
     def model_config(self):
@@ -86,10 +93,12 @@ def data_parallel_size(mesh) -> int:
 
 
 def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
-                   unroll: int | bool | None = None) -> MemoryPlan:
-    """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded;
-    `recompute` / `unroll` replace the spec's (a candidate layer loop of `choose_layer_loop`)."""
+                   unroll: int | bool | None = None, mesh=None) -> MemoryPlan:
+    """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded but for
+    the ZeRO stage's split on `mesh` (None: one device); `recompute` / `unroll` replace the spec's (a candidate
+    layer loop of `choose_layer_loop`)."""
     lora, mem = spec.lora, spec.memory
+    divisors = {} if mesh is None else plan_divisors(resolve_zero_stage(spec.zero_stage, mesh), mesh)
     return plan_memory(spec.model.config, mode="lora" if lora else "full", recipe=spec.precision.recipe,
                        rank=lora.adapter.rank if lora else 0, targets=lora.adapter.targets if lora else None,
                        batch=spec.batch.rows, seq=spec.batch.sequence_len,
@@ -99,15 +108,16 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
                        offload_optimizer=mem.offload_optimizer, offload_master=mem.offload_master,
                        master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
                        lora_dtype="fp32" if spec.precision.adapter == jax.numpy.float32 else "bf16",
-                       prefetch=mem.offload_prefetch, accum=spec.batch.accumulation)
+                       prefetch=mem.offload_prefetch, accum=spec.batch.accumulation, **divisors)
 
 
-def resolve_layer_loop(spec: RunSpec, chunk: int) -> tuple[RunSpec, LayerLoopChoice]:
+def resolve_layer_loop(spec: RunSpec, chunk: int, mesh=None) -> tuple[RunSpec, LayerLoopChoice]:
     """`recompute: auto` / `unroll_layers: auto` resolved by the memory plan (the fastest layer loop that fits the
     device, surojax/offload/layer_loop_choice.py); explicit values are kept and checked. The returned spec holds
     concrete values."""
     mem = spec.memory
-    choice = choose_layer_loop(lambda r, u: memory_plan_of(spec, chunk, recompute=r, unroll=u), device_capacity(),
+    choice = choose_layer_loop(lambda r, u: memory_plan_of(spec, chunk, recompute=r, unroll=u, mesh=mesh),
+                               device_capacity(),
                                recompute=mem.recompute, unroll=mem.unroll, offload_base=mem.offload_base,
                                prefetch=mem.offload_prefetch)
     return spec.replace(memory=dataclasses.replace(mem, recompute=choice.recompute, unroll=choice.unroll)), choice
@@ -163,7 +173,11 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     cache_dir = enable_compilation_cache(mesh.devices.flat[0].platform)
     chunk = lm_chunk_tokens(spec.batch.rows * data_parallel_size(mesh), spec.batch.sequence_len,
                             spec.memory.lmhead_chunks)
-    spec, choice = resolve_layer_loop(spec, chunk)
+    stage = resolve_zero_stage(spec.zero_stage, mesh)
+    if stage in (1, 2) and (spec.memory.offload_optimizer or spec.memory.offload_master):
+        raise ZeroStageError(f"zero_stage {stage} shards the optimizer state over the data devices; "
+                             "offload_optimizer / offload_master keep it whole in host memory: drop one of the two")
+    spec, choice = resolve_layer_loop(spec.replace(zero_stage=stage), chunk, mesh)
     mem, prec, plan = spec.memory, spec.precision, choice.plan
     reason = choice.reason
     if mem.unroll is True or (not isinstance(mem.unroll, bool) and mem.unroll > 1):
@@ -195,7 +209,10 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                                 max_grad_norm=o.max_grad_norm, offload_state=mem.offload_optimizer,
                                 offload_master=mem.offload_master)
-    opt_state = init_opt_state(optimizer, trainable, mesh)
+    zero = zero_layout(stage, trainable, mesh)
+    opt_state = init_opt_state(optimizer, trainable, mesh, like=zero.state, block_axes=zero.block_axes)
+    summary = zero_summary(zero, mesh, trainable, frozen, opt_state)
+    log.debug("zero: %s", summary)  # the Trainer prints it in its start-up summary
     apply = {}
     if mem.offload_master:  # the fp32 layers now live in the optimizer state (host); train their compute copy
         trainable = compute_copy(trainable, prec.compute)
@@ -209,9 +226,36 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     train_loss = loss_fn if spec.moe is None else functools.partial(loss_fn, router=spec.moe.router_loss)
     train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop,
                                  prepare=set_dropout_key if train_mode else None,
-                                 loss_guard=o.loss_guard, **apply)
+                                 loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state), **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch or pipelined else None)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,
-               layer_loop_reason=reason)
+               layer_loop_reason=reason, zero=zero, zero_summary=summary)
+
+
+def _step_shardings(zero: ZeroLayout, opt_state) -> StepShardings | None:
+    """What the step constrains at ZeRO stages 1-2 (None at 0 and 3: the parameters' shardings propagate)."""
+    if not zero.constrains_step:
+        return None
+    return StepShardings(params=zero.params, opt_state=jax.tree.map(lambda x: x.sharding, opt_state),
+                         gradients=zero.gradients, update=zero.state)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def zero_summary(zero: ZeroLayout, mesh, trainable, frozen, opt_state) -> str:
+    """One line: the ZeRO stage over the mesh and what one device holds of the parameters (trainable + frozen),
+    the fp32 accumulated gradients and the optimizer state (host-resident state included)."""
+    over = {0: "replicated over data", 1: "optimizer state split over data", 2: "optimizer state and gradients "
+            "split over data", 3: "parameters, gradients and optimizer state split over fsdp"}[zero.stage]
+    n = mesh.shape["fsdp"] if zero.stage == 3 else mesh.shape["data"]
+    sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+    params = placed_bytes(trainable, sharding_of(trainable)) + placed_bytes(frozen, sharding_of(frozen))
+    grads = placed_bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.numpy.float32), trainable),
+                         zero.gradients)
+    state = placed_bytes(opt_state, sharding_of(opt_state))
+    return (f"ZeRO stage {zero.stage} ({over}, {n} device(s)); per device: params {_mib(params)}, gradients "
+            f"{_mib(grads)}, optimizer state {_mib(state)}")

@@ -146,7 +146,7 @@ def precompute_teacher_logprobs(cfg: TrainConfig, out: str | Path | None = None,
     try:
         row_sets = [r for r in (data.train_rows, data.eval_rows) if r is not None]
         attention = packed_backend(cfg.attention, max(r.max_runs for r in row_sets))
-        mesh = make_mesh(cfg.parallel.sizes())
+        mesh = make_mesh(cfg.mesh_sizes())
         capacity = device_capacity()
         teacher = OnlineTeacher.load(cfg.teacher, tokenizer, top_k=cfg.teacher_top_k, mesh=mesh,
                                      rows=cfg.per_device_train_batch_size * batch_parallel_size(mesh),

@@ -17,6 +17,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from surojax.offload.optimizer import clipped_layerwise, has_layerwise_state, host_state_shardings, init_state_on_host
+from surojax.parallel.zero import spread
 from surojax.train.optim_8bit import Blockwise8bit, adamw_8bit
 
 
@@ -82,16 +83,20 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
     return optax.chain(*([optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []), inner)
 
 
-def init_opt_state(optimizer, trainable, mesh):
+def init_opt_state(optimizer, trainable, mesh, *, like=None, block_axes: tuple[str, ...] = ()):
     """Optimizer state placed like the parameters it mirrors (moments) or replicated (counts), created under
-    jit, so a jitted step sees the same input shardings on every call and compiles once."""
-    param_sh = jax.tree.map(lambda x: x.sharding, trainable)
+    jit, so a jitted step sees the same input shardings on every call and compiles once.
+
+    like: the sharding tree (shaped like `trainable`) the moments follow instead of the parameters' own (ZeRO-1/2:
+    split over data, surojax/parallel/zero.py). block_axes: mesh axes splitting the 8-bit state's blocks (the
+    n_blocks dimension of codes and absmax, where each axis divides it; replicated without)."""
+    param_sh = jax.tree.map(lambda x: x.sharding, trainable) if like is None else like
     abstract = jax.eval_shape(optimizer.init, trainable)
     replicated = NamedSharding(mesh, PartitionSpec())
     is_8bit = lambda x: isinstance(x, Blockwise8bit)  # noqa: E731 - [blocks, 256] codes: no parameter layout
 
     def like_param(x, s):
-        return jax.tree.map(lambda _: replicated, x) if is_8bit(x) else s
+        return jax.tree.map(lambda a: spread(replicated, a.shape, block_axes, dims=(0,)), x) if is_8bit(x) else s
 
     if has_layerwise_state(abstract):  # offload_optimizer / _master: per-layer state [L, ...] built on the host
         shardings = host_state_shardings(jax.tree.map(lambda _: replicated, abstract))

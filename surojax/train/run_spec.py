@@ -10,6 +10,7 @@
       batch      BatchSpec      rows per device per micro-batch, accumulation, sequence length
       moe        MoETraining|None  router losses, expert capacity, router training (None: a dense model)
       pipeline   PipelineSpec   microbatches and repeats of the pipeline schedule (read when the mesh has stage > 1)
+      zero_stage int|None       ZeRO stage over the data devices (surojax/parallel/zero.py; None: the mesh's)
 
 `run_spec(cfg, ...)` is the only place that reads training keys into specs; everything below (`build_run`, the
 model set-up, the bench, later trainers) reads the specs, never a config object. The checks that need the model
@@ -156,6 +157,7 @@ class RunSpec:
     batch: BatchSpec
     moe: MoETraining | None = None
     pipeline: PipelineSpec = PipelineSpec()
+    zero_stage: int | None = None  # ZeRO stage over the data devices (config/zero.py); None: what the mesh does
 
     def replace(self, **sections) -> RunSpec:
         return dataclasses.replace(self, **sections)
@@ -295,4 +297,5 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
                       sequence_len=cfg.sequence_len)
     return RunSpec(model=model, precision=precision, lora=lora_training(cfg), quant=quant, memory=memory_spec(cfg),
                    optim=optim_spec(cfg, total_steps), batch=batch, moe=moe_training(cfg, model_cfg),
-                   pipeline=PipelineSpec(cfg.parallel.pipeline_microbatches, cfg.parallel.pipeline_repeats))
+                   pipeline=PipelineSpec(cfg.parallel.pipeline_microbatches, cfg.parallel.pipeline_repeats),
+                   zero_stage=cfg.resolved_zero_stage)

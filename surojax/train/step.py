@@ -14,7 +14,8 @@ compiles neither (lr_scale is then ignored: it stays 1 without the guard).
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,38 @@ import optax
 from flax import nnx
 
 
+@dataclasses.dataclass(frozen=True)
+class StepShardings:
+    """Where the step puts its trees (ZeRO stages 1-2, surojax/parallel/zero.py); each a tree of NamedShardings
+    with one leaf per array of what it places.
+
+    params       the new parameters (the step's output: the inputs' layout, all-gathered after the update)
+    opt_state    the new optimizer state (its inputs' layout)
+    gradients    the fp32 accumulated gradients: each micro-batch's gradients are constrained to it before they
+                 are added (split: reduce-scattered; like the params: all-reduced)
+    update       the gradients and parameters the optimizer update reads (the optimizer state's split: each
+                 device updates its shard)
+    """
+    params: Any
+    opt_state: Any
+    gradients: Any
+    update: Any
+
+
+def constrain(tree, shardings):
+    """`jax.lax.with_sharding_constraint` leaf by leaf (`shardings`: the same leaves as `tree`; nnx Variables
+    may differ in their metadata)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    placed = jax.tree.leaves(shardings)
+    if len(leaves) != len(placed):
+        raise ValueError(f"{len(leaves)} arrays but {len(placed)} shardings")
+    return treedef.unflatten([jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, placed)])
+
+
 def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, layer_loop=None,
                     prepare: Callable | None = None, donate: bool = True, jit: bool = True,
-                    apply_updates: Callable = optax.apply_updates, loss_guard: bool = False):
+                    apply_updates: Callable = optax.apply_updates, loss_guard: bool = False,
+                    shardings: StepShardings | None = None):
     """`loss_fn(model, micro_batch, layer_loop=...) -> (loss_sum, {"tokens": count, ...})`; `layer_loop`: what the
     decoder runs its layers with (offload.remat.layer_loop: a recompute wrapper, or the prefetching loop).
     Every other entry of the loss's metrics (any pytree of arrays, e.g. the MoE router stats under "router") is
@@ -36,7 +66,10 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     An optimizer with `update_and_apply` (offload_optimizer / offload_master: surojax/offload/optimizer.py) is
     given the gradient sums and their divisor and returns the new params itself (one layer at a time, in place);
     it takes no lr_scale (the config check refuses auto_lr_reduction with offload_optimizer / offload_master).
+    `shardings` (ZeRO-1/2): the layouts the step constrains its gradients, update and outputs to; None: they
+    follow the parameters (GSPMD propagation).
     """
+    place = (lambda tree, _: tree) if shardings is None else constrain  # noqa: E731
 
     def step(trainable, frozen, opt_state, batch, rng, lr_scale=1.0):
         def loss_of(tr, mb, index):
@@ -52,7 +85,8 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         def micro(carry, xs):
             g_acc, loss_acc, aux_acc = carry
             g, loss_sum, aux = grads_of(*xs)
-            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            g = place(jax.tree.map(lambda b: b.astype(jnp.float32), g), shardings and shardings.gradients)
+            g_acc = place(jax.tree.map(lambda a, b: a + b, g_acc, g), shardings and shardings.gradients)
             aux_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_acc, aux)
             return (g_acc, loss_acc + loss_sum, aux_acc), None
 
@@ -66,6 +100,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
             loss_sum, aux = zero + loss_sum, jax.tree.map(lambda a: a.astype(jnp.float32), aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
+            zeros = place(zeros, shardings and shardings.gradients)
             aux_shapes = jax.eval_shape(loss_of, trainable, jax.tree.map(lambda x: x[0], batch), 0)[1]  # trace only
             aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shapes)
             (grads, loss_sum, aux), _ = jax.lax.scan(micro, (zeros, zero, aux_zeros), (batch, jnp.arange(n_micro)))
@@ -75,12 +110,14 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         if in_place is not None:  # offload: divided, clipped and applied per layer, in place
             trainable, opt_state, metrics["grad_norm"] = in_place(grads, denom, opt_state, trainable)
             return trainable, opt_state, metrics
-        grads = jax.tree.map(lambda g: g / denom, grads)
+        grads = place(jax.tree.map(lambda g: g / denom, grads), shardings and shardings.update)
         metrics["grad_norm"] = optax.tree.norm(grads)
-        updates, new_state = optimizer.update(grads, opt_state, trainable)
+        params = place(trainable, shardings and shardings.update)  # ZeRO-1/2: this device's shard, sliced
+        updates, new_state = optimizer.update(grads, opt_state, params)
         if loss_guard:
             updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
-        new_params = apply_updates(trainable, updates)
+        new_params = place(apply_updates(params, updates), shardings and shardings.params)  # all-gathered
+        new_state = place(new_state, shardings and shardings.opt_state)
         if loss_guard:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731

@@ -97,7 +97,7 @@ class Trainer:
             self.tokenizer_dir = Path(resolve_local(tok_src))
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir)
 
-        self.mesh = make_mesh(cfg.parallel.sizes())
+        self.mesh = make_mesh(cfg.mesh_sizes())  # zero_stage 3 spelled as the fsdp axis
         A, B = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size * data_parallel_size(self.mesh)
         epochs = None if (cfg.max_steps or cfg.epoch_adjustment) else max(1, math.ceil(cfg.num_epochs))
         self.data = self.build_data(batch_size=A * B, eval_batch_size=B, num_epochs=epochs)
@@ -263,6 +263,7 @@ class Trainer:
             f"model   {self.spec.model.config.model_type}, {n_total / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({100 * n_train / max(n_total, 1):.2f}%), {mode}, recipe {self.cfg.recipe}",
             f"layers  {self.run.layer_loop_reason}",
+            f"zero    {self.run.zero_summary}",
             f"data    {s.summary()}",
             f"plan    {self.plan.total_steps} steps x {self.plan.accumulation} x {self.plan.micro_batch} rows x "
             f"{self.plan.sequence_len} = {planned:,} tokens; Chinchilla budget (20 x params) {budget:,} tokens "
