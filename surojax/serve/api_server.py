@@ -181,6 +181,7 @@ async def _collect(stream: Stream, raw: Request):
             await asyncio.wait((item, gone), return_when=asyncio.FIRST_COMPLETED)
             if not item.done():
                 item.cancel()
+                gone.exception()  # a receive that failed counts as gone too (read here, so it is not logged unread)
                 stream.owner.abort(stream)
                 raise ClientGone()
             item = item.result()

@@ -224,13 +224,14 @@ def test_queue_full_is_429_and_draining_503_with_retry_after(server):
 
 # ---- disconnects ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_mid_request_frees_its_blocks(server, stream):
+@pytest.mark.parametrize("stream, prompts", [(True, 1), (False, 1), (False, 3)])
+def test_disconnect_mid_request_frees_its_blocks(server, stream, prompts):
     url, state = server
     kv = state.engine.engine.kv
     wait_all_blocks_free(state)
     aborts = state.engine.metrics.requests.get("abort", 0)
-    body = {"model": NAME, "prompt": "tell me a long story", "max_tokens": 50,
+    prompt = "tell me a long story" if prompts == 1 else [f"tell me story {i}" for i in range(prompts)]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 50,
             "ignore_eos": True, "stream": stream}
 
     async def go():
@@ -246,7 +247,7 @@ def test_disconnect_mid_request_frees_its_blocks(server, stream):
 
     asyncio.run(go())
     wait_all_blocks_free(state)
-    assert state.engine.metrics.requests.get("abort", 0) == aborts + 1  # aborted, not run to its end
+    assert state.engine.metrics.requests.get("abort", 0) == aborts + prompts  # aborted, not run to their end
 
 
 # ---- body size and load ---------------------------------------------------------------------------------------
