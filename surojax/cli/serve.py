@@ -1,4 +1,5 @@
-"""`surojax serve MODEL [--port P] [--api-key K] [--enable-lora --lora-modules NAME=PATH ...]`: an
+"""`surojax serve MODEL [--port P] [--api-key K] [--enable-lora --lora-modules NAME=PATH ...
+[--allow-runtime-lora --lora-root DIR]]`: an
 OpenAI-compatible HTTP server with continuous batching, paged KV cache, prefix caching, streaming and runtime
 LoRA (docs/serving.md). scripts/serve.py is the same entry point. The options fill a `ServeConfig`
 (`serve_config`), whose defaults are the defaults here. Nothing heavy is imported until `run`."""
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from surojax.serve.config import EngineConfig, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig
 
@@ -29,8 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=_positive, default=_SCHED.max_num_seqs, help="sequences batched at once")
     parser.add_argument("--max-num-batched-tokens", type=_positive, default=_SCHED.max_num_batched_tokens,
                         help="tokens per engine step (prompt tokens prefilled with the running decodes)")
-    parser.add_argument("--max-queue", type=int, default=_SERVE.max_queue,
-                        help="waiting requests beyond max-num-seqs (then 429)")
+    parser.add_argument("--max-queue", type=_non_negative, default=_SERVE.max_queue,
+                        help="waiting requests beyond max-num-seqs (then 429 with Retry-After)")
+    parser.add_argument("--max-request-bytes", type=_positive, default=_SERVE.max_request_bytes,
+                        help="largest request body in bytes (then 413)")
     parser.add_argument("--block-size", type=_positive, default=_ENGINE.block_size, help="tokens per KV block")
     parser.add_argument("--decode-steps", type=_power_of_two, default=_SCHED.decode_steps,
                         help="decode tokens per device call when no request waits (1, 2, 4, 8, ...)")
@@ -49,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="PEFT adapters to load")
     parser.add_argument("--max-loras", type=_positive, default=_LORA.max_loras, help="adapter slots")
     parser.add_argument("--max-lora-rank", type=_positive, default=_LORA.max_rank)
+    parser.add_argument("--allow-runtime-lora", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 403); adapters are "
+                             "read only from inside --lora-root")
+    parser.add_argument("--lora-root", default=None, metavar="DIR",
+                        help="the one directory runtime adapters are read from (required with --allow-runtime-lora)")
     parser.add_argument("--log-level", default=_SERVE.log_level)
 
 
@@ -59,6 +68,16 @@ def _positive(value: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer (got {value!r})") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (got {n})")
+    return n
+
+
+def _non_negative(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {value!r})") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {n})")
     return n
 
 
@@ -83,6 +102,13 @@ class ServeOptionError(ValueError):
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The parsed options as a `ServeConfig` (max-num-batched-tokens is raised to at least one block)."""
     lora = None
+    if (args.allow_runtime_lora or args.lora_root) and not args.enable_lora:
+        raise ServeOptionError("--allow-runtime-lora and --lora-root need --enable-lora")
+    if args.allow_runtime_lora != bool(args.lora_root):
+        raise ServeOptionError("--allow-runtime-lora and --lora-root DIR go together: runtime adapters are read only "
+                               "from inside that directory")
+    if args.lora_root and not os.path.isdir(args.lora_root):
+        raise ServeOptionError(f"--lora-root {args.lora_root!r} is not a directory")
     if args.enable_lora:
         modules = []
         for spec in args.lora_modules:
@@ -90,7 +116,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             if not name or not path:
                 raise ServeOptionError(f"--lora-modules takes NAME=PATH, got {spec!r}")
             modules.append((name, path))
-        lora = LoraServeConfig(max_loras=args.max_loras, max_rank=args.max_lora_rank, modules=tuple(modules))
+        lora = LoraServeConfig(max_loras=args.max_loras, max_rank=args.max_lora_rank, modules=tuple(modules),
+                               allow_runtime=args.allow_runtime_lora, root=args.lora_root)
     elif args.lora_modules:
         raise ServeOptionError("--lora-modules needs --enable-lora")
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -102,7 +129,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                           unroll_layers=args.unroll_layers)
     return ServeConfig(model=args.model, engine=engine, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
-                       attention=args.attention, max_queue=args.max_queue, lora=lora, log_level=args.log_level)
+                       attention=args.attention, max_queue=args.max_queue,
+                       max_request_bytes=args.max_request_bytes, lora=lora, log_level=args.log_level)
 
 
 class QuietBackendProbe(logging.Filter):

@@ -4,20 +4,24 @@
                                 reasoning_content split at <think> tokens for thinking templates
     POST /v1/completions        text or token-id prompt(s)
     GET  /v1/models             the base model and every loaded LoRA adapter (pick one with "model")
-    POST /v1/load_lora_adapter  {"lora_name", "lora_path"} (--enable-lora); /v1/unload_lora_adapter {"lora_name"}
+    POST /v1/load_lora_adapter  {"lora_name", "lora_path"}; /v1/unload_lora_adapter {"lora_name"}: only with
+                                --allow-runtime-lora (else 403), paths confined to --lora-root (`serve.lora_root`)
     POST /tokenize, /detokenize; GET /health, /metrics (Prometheus text)
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, unknown
 model, prompt longer than max-model-len and invalid sampling values, 401 without the --api-key bearer token
-(everything except /health and /metrics), 429 when the in-flight limit (max-num-seqs + max-queue) is reached,
-503 when the engine thread is gone, 500 for anything unexpected — never a crash. A client that disconnects
-(stream or not) aborts its request, which frees its KV blocks before the next engine step.
+(everything except /health and /metrics), 403 for runtime LoRA endpoints that are off, 413 for a body over
+--max-request-bytes (`serve.body_limit`), 429 + Retry-After when the in-flight limit (max-num-seqs + max-queue)
+is reached, 503 + Retry-After while draining or when the engine thread is gone, 500 for anything unexpected —
+never a crash. A client that disconnects (stream or not) aborts its request at once (the disconnect is awaited,
+not polled), which frees its KV blocks before the next engine step.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import logging
 import re
 import time
 import uuid
@@ -30,26 +34,32 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from surojax.generation.context import ContextLengthError, completion_budget
 from surojax.generation.sampling import SamplingParamsError
-from surojax.serve.async_engine import AsyncEngine, EngineDeadError, QueueFullError, Stream
+from surojax.serve.async_engine import AsyncEngine, QueueFullError, Refused, Stream
+from surojax.serve.body_limit import BodySizeLimit
+from surojax.serve.config import DEFAULT_MAX_REQUEST_BYTES
+from surojax.serve.lora_root import LoraPathRefused, LoraRoot
 from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
                                     TokenizeRequest, UnloadLoRARequest)
 
 OPEN_PATHS = ("/health", "/metrics")
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
 
 
 class ClientGone(Exception):
     pass
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None):
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 @dataclass
@@ -61,6 +71,8 @@ class ServerState:
     eos_ids: tuple[int, ...] = ()
     api_key: str | None = None
     model_path: str = ""
+    lora_root: LoraRoot | None = None  # None: runtime LoRA load / unload is off (403)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -131,30 +143,55 @@ def _params(state: ServerState, req, n_prompt: int, requested: int | None, logpr
 
 
 def _submit(state: ServerState, ids, params, adapter, split=False) -> Stream:
+    """429 (queue full) or 503 (draining, engine gone), each with Retry-After, instead of a stream."""
     try:
         return state.engine.submit(ids, params, adapter=adapter, split_reasoning=split)
-    except QueueFullError as e:
-        raise ApiError(429, str(e), "rate_limit_error") from None
-    except EngineDeadError as e:
-        raise ApiError(503, str(e), "server_error") from None
+    except Refused as e:
+        full = isinstance(e, QueueFullError)
+        raise ApiError(429 if full else 503, str(e), "rate_limit_error" if full else "server_error",
+                       headers={"Retry-After": str(e.retry_after_s)}) from None
+
+
+def _submit_all(state: ServerState, requests, adapter) -> list[Stream]:
+    """One stream per (ids, params); when one is refused, those already admitted are aborted (none left running)."""
+    streams: list[Stream] = []
+    try:
+        for ids, params in requests:
+            streams.append(_submit(state, ids, params, adapter))
+    except ApiError:
+        for s in streams:
+            state.engine.abort(s)
+        raise
+    return streams
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    """Returns when the client has gone (the body is read already, so the next message is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _collect(stream: Stream, raw: Request):
-    """All outputs of a non-streaming request; aborts it if the client disconnects meanwhile."""
+    """All outputs of a non-streaming request; aborts it the moment the client disconnects."""
     outs = []
-    while True:
-        try:
-            item = await asyncio.wait_for(stream.queue.get(), 0.5)
-        except asyncio.TimeoutError:
-            if await raw.is_disconnected():
+    gone = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        while True:
+            item = asyncio.ensure_future(stream.queue.get())
+            await asyncio.wait((item, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not item.done():
+                item.cancel()
+                gone.exception()  # a receive that failed counts as gone too (read here, so it is not logged unread)
                 stream.owner.abort(stream)
-                raise ClientGone() from None
-            continue
-        if isinstance(item, BaseException):
-            raise ApiError(500, str(item), "server_error")
-        outs.append(item)
-        if item.finished:
-            return outs
+                raise ClientGone()
+            item = item.result()
+            if isinstance(item, BaseException):
+                raise ApiError(500, str(item), "server_error")
+            outs.append(item)
+            if item.finished:
+                return outs
+    finally:
+        gone.cancel()
 
 
 def _sse(obj) -> str:
@@ -224,7 +261,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
-        return error_response(e.status, e.message, e.type, e.param)
+        return error_response(e.status, e.message, e.type, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
@@ -253,11 +290,17 @@ def build_app(state: ServerState) -> FastAPI:
         except ClientGone:
             return JSONResponse({}, status_code=499)
 
+    # outermost: a body over the limit is refused before authentication, parsing or any handler
+    app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes,
+                       reject=lambda status, message: error_response(status, message))
+
     # -- plumbing endpoints ------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
-        if not state.engine.alive:
-            return error_response(503, "the engine thread is not running", "server_error")
+        if not state.engine.alive or state.engine.draining:
+            message = "the engine thread is not running" if not state.engine.alive else "the server is draining"
+            return error_response(503, message, "server_error",
+                                  headers={"Retry-After": str(state.engine.retry_after_s())})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -292,22 +335,36 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": tok.decode(req.tokens)}
 
+    def _runtime_lora() -> tuple[Any, LoraRoot]:
+        lora = state.engine.engine.lora
+        if lora is None or state.lora_root is None:
+            raise ApiError(403, "loading and unloading LoRA adapters at run time is off: start the server with "
+                                "--enable-lora --allow-runtime-lora --lora-root DIR", "permission_error")
+        return lora, state.lora_root
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora(req: LoadLoRARequest):
-        if state.engine.engine.lora is None:
-            raise ApiError(400, "LoRA serving is off: start the server with --enable-lora")
+        lora, root = _runtime_lora()
         if req.lora_name == state.model_name:
             raise ApiError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
+        if req.lora_name in lora.slots:
+            raise ApiError(400, f"a LoRA adapter named {req.lora_name!r} is already loaded", param="lora_name")
         try:
-            await state.engine.call(lambda eng: eng.load_lora(req.lora_name, req.lora_path))
-        except (ValueError, OSError) as e:
+            folder = root.resolve(req.lora_path)
+        except LoraPathRefused as e:
             raise ApiError(400, str(e), param="lora_path") from None
+        try:
+            await state.engine.call(lambda eng: eng.load_lora(req.lora_name, folder))
+        except (ValueError, OSError) as e:  # the loader's messages quote the files: the log gets them, not the client
+            log.warning("runtime LoRA load of %r (%s) failed: %s", req.lora_name, folder, e)
+            raise ApiError(400, f"cannot load the LoRA adapter at lora_path {req.lora_path!r}: not a plain PEFT LoRA "
+                                "adapter this model and --max-lora-rank / --max-loras accept (the server log says "
+                                "why)", param="lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(req: UnloadLoRARequest):
-        if state.engine.engine.lora is None:
-            raise ApiError(400, "LoRA serving is off: start the server with --enable-lora")
+        _runtime_lora()
         try:
             await state.engine.call(lambda eng: eng.unload_lora(req.lora_name))
         except ValueError as e:
@@ -404,7 +461,7 @@ def build_app(state: ServerState) -> FastAPI:
             ids = tok.encode(p) if isinstance(p, str) else [int(t) for t in p]
             _check_prompt(state, ids, "prompt")
             encoded.append((ids, _params(state, req, len(ids), req.max_tokens, req.logprobs is not None, top)))
-        streams = [_submit(state, ids, params, adapter) for ids, params in encoded]
+        streams = _submit_all(state, encoded, adapter)
         rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model or state.model_name
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -7,6 +7,11 @@
     await call(fn) ----------- ("call") --->  fn(engine) between two steps (LoRA load / unload)
     async for out in stream   <--- outputs of each step, one call_soon_threadsafe per step
 
+Admission is bounded: at most max_num_seqs + max_queue requests in flight; beyond that `submit` raises
+`QueueFullError`, and while draining (`set_draining`, `shutdown`) or after the thread died it raises
+`EngineDrainingError` / `EngineDeadError`. Each carries `retry_after_s` (`serve.backpressure`: the queue in
+front over the recent finish rate), which the HTTP layer sends as Retry-After with its 429 / 503.
+
 The engine is only ever touched by its thread (the HTTP side reads counters for /metrics, which is safe to do
 racily). An exception in a step fails the requests then in flight with that error, aborts them in the engine
 and the loop carries on: a bad request never kills the server.
@@ -21,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from surojax.serve.backpressure import FinishRate, retry_after_s
 from surojax.serve.engine import Engine
 from surojax.serve.metrics import ServeMetrics
 from surojax.serve.scheduler import RequestOutput
@@ -28,12 +34,24 @@ from surojax.serve.scheduler import RequestOutput
 log = logging.getLogger(__name__)
 
 
-class QueueFullError(RuntimeError):
+class Refused(RuntimeError):
+    """A request not admitted; `retry_after_s`: whole seconds after which a retry is likely to be admitted."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFullError(Refused):
     """Too many requests in flight (the HTTP layer answers 429)."""
 
 
-class EngineDeadError(RuntimeError):
-    pass
+class EngineDeadError(Refused):
+    """The engine thread is not running (503)."""
+
+
+class EngineDrainingError(Refused):
+    """The server finishes what it has and admits nothing new (503)."""
 
 
 @dataclass(eq=False)
@@ -69,6 +87,8 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = ServeMetrics()
         self.max_in_flight = engine.scheduler.max_num_seqs + max_queue
+        self.finish_rate = FinishRate()
+        self._draining = False
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, Stream] = {}  # engine thread only
@@ -86,6 +106,7 @@ class AsyncEngine:
         return self
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        self._draining = True
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
@@ -98,15 +119,32 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._in_flight
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def set_draining(self, draining: bool) -> None:
+        """While draining, requests in flight run to their end and `submit` refuses new ones (503)."""
+        self._draining = draining
+
+    def retry_after_s(self, ahead: int | None = None) -> int:
+        """Seconds for `ahead` requests (default: all in flight) to finish at the recent rate."""
+        return retry_after_s(self._in_flight if ahead is None else ahead, self.finish_rate.per_second())
+
     # ---- event-loop side --------------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params, *, adapter: str | None = None,
                split_reasoning: bool = False) -> Stream:
         if not self.alive:
-            raise EngineDeadError("the engine thread is not running")
+            raise EngineDeadError("the engine thread is not running", self.retry_after_s())
+        if self._draining:
+            raise EngineDrainingError("the server is draining: it finishes the requests in flight and admits no "
+                                      "new ones", self.retry_after_s())
         with self._lock:
             if self._in_flight >= self.max_in_flight:
                 self.metrics.rejected += 1
-                raise QueueFullError(f"{self._in_flight} requests in flight (limit {self.max_in_flight}); retry later")
+                waiting = self._in_flight - self.engine.scheduler.max_num_seqs
+                raise QueueFullError(f"{self._in_flight} requests in flight (limit {self.max_in_flight}); retry later",
+                                     self.retry_after_s(max(waiting, 1)))
             self._in_flight += 1
         stream = Stream(f"req-{next(self._ids)}", asyncio.get_running_loop(), num_prompt_tokens=len(prompt_ids),
                         owner=self)
@@ -197,6 +235,7 @@ class AsyncEngine:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
                 continue
+            started = time.monotonic()
             try:
                 outs = eng.step()
             except Exception as e:  # fail what is in flight, keep serving
@@ -212,6 +251,7 @@ class AsyncEngine:
                 self._deliver([(s, RuntimeError(f"engine step failed: {e}")) for s in failed])
                 continue
             now = time.monotonic()
+            self.finish_rate.record(now - started, sum(o.finished for o in outs))
             items = []
             with self.metrics.lock:
                 for o in outs:

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192  # max_model_len None: the model's max_position_embeddings, at most this
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128k-token prompt as text (~0.5 MiB) or as token ids (~0.9 MiB), with room
 
 
 class KVPath(enum.Enum):
@@ -95,19 +96,30 @@ class EngineConfig:
 @dataclasses.dataclass(frozen=True)
 class LoraServeConfig:
     """Runtime LoRA: `max_loras` adapter slots of rank <= `max_rank`; `modules`: (name, PEFT folder) loaded at
-    start."""
+    start (any path the operator names); `allow_runtime`: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    are served (off: 403), reading adapters only from inside the directory `root` (required with it, refused
+    without it; `serve.lora_root`)."""
 
     max_loras: int = 4
     max_rank: int = 64
     modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime: bool = False
+    root: str | None = None
+
+    def __post_init__(self):
+        if self.allow_runtime and not self.root:
+            raise ValueError("LoraServeConfig: allow_runtime needs a root directory (--lora-root DIR): runtime "
+                             "adapters are read only from inside it")
+        if self.root and not self.allow_runtime:
+            raise ValueError("LoraServeConfig: root is read only with allow_runtime (--allow-runtime-lora)")
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """The HTTP server. model: HF folder, surojax output folder or .gguf file; tokenizer: a folder (None: the
     model's); dtype: "auto" (bfloat16 on GPU, float32 elsewhere), "float32" or "bfloat16"; attention: the
-    attention backend name; max_queue: waiting requests beyond max_num_seqs before 429; lora: None = no
-    adapters."""
+    attention backend name; max_queue: waiting requests beyond max_num_seqs before 429; max_request_bytes: the
+    largest request body (413 beyond it); lora: None = no adapters."""
 
     model: str
     engine: EngineConfig = EngineConfig()
@@ -119,6 +131,7 @@ class ServeConfig:
     dtype: str = "auto"
     attention: str = "xla"
     max_queue: int = 256
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     lora: LoraServeConfig | None = None
     log_level: str = "info"
 
@@ -127,6 +140,9 @@ class ServeConfig:
             raise ValueError(f"ServeConfig: dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if not 0 < self.port <= 65535:
             raise ValueError(f"ServeConfig: port must be in 1 .. 65535, got {self.port}")
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ValueError(f"ServeConfig: max_queue must be an integer >= 0, got {self.max_queue!r}")
+        _positive("ServeConfig", max_request_bytes=self.max_request_bytes)
 
 
 def default_max_model_len(max_position_embeddings: int | None) -> int:
@@ -134,5 +150,5 @@ def default_max_model_len(max_position_embeddings: int | None) -> int:
     return min(max_position_embeddings or 4096, DEFAULT_MAX_MODEL_LEN_CAP)
 
 
-__all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "EngineConfig", "KVPath", "LoraServeConfig", "RunnerBuckets",
+__all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "DEFAULT_MAX_REQUEST_BYTES", "EngineConfig", "KVPath", "LoraServeConfig", "RunnerBuckets",
            "SchedulerConfig", "ServeConfig", "default_max_model_len"]

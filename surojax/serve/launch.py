@@ -22,6 +22,7 @@ from surojax.serve.api_server import ServerState, build_app
 from surojax.serve.async_engine import AsyncEngine
 from surojax.serve.config import ServeConfig
 from surojax.serve.engine import Engine
+from surojax.serve.lora_root import LoraRoot
 
 log = logging.getLogger("surojax.serve")
 
@@ -42,7 +43,9 @@ def load_for_serving(config: ServeConfig):
 
 def build_server(config: ServeConfig, model=None, tokenizer=None):
     """-> (FastAPI app, ServerState); the engine thread is started. `model`/`tokenizer` skip loading."""
-    model_dir = None
+    model_dir, lora_root = None, None
+    if config.lora is not None and config.lora.allow_runtime:
+        lora_root = LoraRoot.at(config.lora.root)  # a missing root fails before the weights load
     if model is None:
         model, tokenizer, model_dir, name = load_for_serving(config)
     else:
@@ -63,7 +66,8 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     state = ServerState(engine=AsyncEngine(engine, max_queue=config.max_queue).start(), tokenizer=tokenizer,
                         model_name=name, max_model_len=engine.max_model_len,
                         eos_ids=eos_ids(model_dir, tokenizer, model.cfg), api_key=config.api_key,
-                        model_path=str(config.model))
+                        model_path=str(config.model), lora_root=lora_root,
+                        max_request_bytes=config.max_request_bytes)
     return build_app(state), state
 
 

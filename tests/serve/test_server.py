@@ -63,7 +63,7 @@ def adapter(base, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(adapter):
+def server(adapter, tmp_path_factory):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -72,7 +72,8 @@ def server(adapter):
     args = parser.parse_args(["serve", str(FIXTURE), "--served-model-name", NAME, "--api-key", KEY,
                               "--max-num-seqs", "32", "--block-size", "4", "--num-kv-blocks", "512",
                               "--max-model-len", "128", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-                              "--lora-modules", f"ad={adapter[0]}", "--max-num-batched-tokens", "512"])
+                              "--lora-modules", f"ad={adapter[0]}", "--max-num-batched-tokens", "512",
+                              "--allow-runtime-lora", "--lora-root", str(tmp_path_factory.getbasetemp())])
     config = serve_config(args)
     buckets = RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=128, min_prefill=64)  # few CPU compiles
     app, state = build_server(dataclasses.replace(config, engine=dataclasses.replace(config.engine, buckets=buckets)))
