@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI) over one `AsyncEngine`.
 
     POST /v1/chat/completions   chat template from the tokenizer (tools passed to it), SSE streaming,
-                                reasoning_content split at <think> tokens for thinking templates
-    POST /v1/completions        text or token-id prompt(s)
+                                reasoning_content split at <think> tokens for thinking templates, tool calls in
+                                the model's format -> tool_calls (tool_parsers; streamed too), n choices
+    POST /v1/completions        text or token-id prompt(s), n choices each, echo
     GET  /v1/models             the base model and every loaded LoRA adapter (pick one with "model")
     POST /v1/load_lora_adapter  {"lora_name", "lora_path"} (--enable-lora); /v1/unload_lora_adapter {"lora_name"}
     POST /tokenize, /detokenize; GET /health, /metrics (Prometheus text)
@@ -11,7 +12,10 @@ Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 40
 model, prompt longer than max-model-len and invalid sampling values, 401 without the --api-key bearer token
 (everything except /health and /metrics), 429 when the in-flight limit (max-num-seqs + max-queue) is reached,
 503 when the engine thread is gone, 500 for anything unexpected — never a crash. A client that disconnects
-(stream or not) aborts its request, which frees its KV blocks before the next engine step.
+(stream or not) aborts its request(s), which frees their KV blocks before the next engine step.
+
+`n` > 1: n engine requests of one prompt (seeds seed, seed + 1, ... when given; the later ones hit the prompt's
+prefix blocks), collected together or streamed interleaved (`_merged`), each chunk naming its choice index.
 """
 from __future__ import annotations
 
