@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI) over one `AsyncEngine`.
 
     POST /v1/chat/completions   chat template from the tokenizer (tools passed to it), SSE streaming,
-                                reasoning_content split at <think> tokens for thinking templates
-    POST /v1/completions        text or token-id prompt(s)
+                                reasoning_content split at <think> tokens for thinking templates, tool calls in
+                                the model's format -> tool_calls (tool_parsers; streamed too), n choices
+    POST /v1/completions        text or token-id prompt(s), n choices each, echo
     GET  /v1/models             the base model and every loaded LoRA adapter (pick one with "model")
     POST /v1/load_lora_adapter  {"lora_name", "lora_path"}; /v1/unload_lora_adapter {"lora_name"}: only with
                                 --allow-runtime-lora (else 403), paths confined to --lora-root (`serve.lora_root`)
@@ -13,16 +14,20 @@ model, prompt longer than max-model-len and invalid sampling values, 401 without
 (everything except /health and /metrics), 403 for runtime LoRA endpoints that are off, 413 for a body over
 --max-request-bytes (`serve.body_limit`), 429 + Retry-After when the in-flight limit (max-num-seqs + max-queue)
 is reached, 503 + Retry-After while draining or when the engine thread is gone, 500 for anything unexpected —
-never a crash. A client that disconnects (stream or not) aborts its request at once (the disconnect is awaited,
-not polled), which frees its KV blocks before the next engine step.
+never a crash. A client that disconnects (stream or not) aborts its request(s) at once (the disconnect is awaited,
+not polled), which frees their KV blocks before the next engine step.
+
+`n` > 1: n engine requests of one prompt (seeds seed, seed + 1, ... when given; the later ones hit the prompt's
+prefix blocks), collected together or streamed interleaved (`_merged`), each chunk naming its choice index.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hmac
 import json
 import logging
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,6 +45,8 @@ from surojax.serve.config import DEFAULT_MAX_REQUEST_BYTES
 from surojax.serve.lora_root import LoraPathRefused, LoraRoot
 from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
                                     TokenizeRequest, UnloadLoRARequest)
+from surojax.serve.tool_parsers import (ToolChoice, ToolChoiceError, ToolParser, ToolCallStream, parser_for,
+                                        resolve_tool_choice)
 
 OPEN_PATHS = ("/health", "/metrics")
 log = logging.getLogger(__name__)
@@ -83,6 +90,15 @@ class ServerState:
         except Exception:
             return False
         return "<think>" in template and self.engine.engine.think_ids() is not None
+
+    @functools.cached_property
+    def tool_parser(self) -> ToolParser | None:
+        """The tool-call format of this model (`tool_parsers.parser_for`: chat template, then family)."""
+        try:
+            template = self.tokenizer.get_chat_template()
+        except Exception:
+            template = None
+        return parser_for(template, self.engine.engine.model.cfg.model_type)
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
@@ -152,23 +168,28 @@ def _submit(state: ServerState, ids, params, adapter, split=False) -> Stream:
                        headers={"Retry-After": str(e.retry_after_s)}) from None
 
 
-def _submit_all(state: ServerState, requests, adapter) -> list[Stream]:
-    """One stream per (ids, params); when one is refused, those already admitted are aborted (none left running)."""
+async def _wait_disconnect(raw: Request) -> None:
+    """Returns when the client has gone (the body is read already, so the next message is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _submit_n(state: ServerState, ids, params, adapter, n: int, split=False) -> list[Stream]:
+    """n independent samples of one prompt: n engine requests (the later ones hit the first one's prefix blocks,
+    published when it is scheduled); seeds seed, seed + 1, ... when the request gives one. All or none."""
+    if n > state.engine.max_in_flight:
+        raise ApiError(400, f"n = {n} is more than the server takes in flight ({state.engine.max_in_flight})",
+                       param="n")
     streams: list[Stream] = []
     try:
-        for ids, params in requests:
-            streams.append(_submit(state, ids, params, adapter))
+        for j in range(n):
+            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+            streams.append(_submit(state, ids, p, adapter, split))
     except ApiError:
         for s in streams:
             state.engine.abort(s)
         raise
     return streams
-
-
-async def _wait_disconnect(raw: Request) -> None:
-    """Returns when the client has gone (the body is read already, so the next message is the disconnect)."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _collect(stream: Stream, raw: Request):
@@ -192,6 +213,35 @@ async def _collect(stream: Stream, raw: Request):
                 return outs
     finally:
         gone.cancel()
+
+
+async def _collect_all(state: ServerState, streams: list[Stream], raw: Request) -> list[list]:
+    """`_collect` of every stream, in order; whatever is left unfinished (an error, a disconnect) is aborted."""
+    try:
+        return await asyncio.gather(*(_collect(s, raw) for s in streams))
+    finally:
+        for s in streams:
+            if not s.finished:
+                state.engine.abort(s)
+
+
+async def _merged(streams: list[Stream]):
+    """(choice index, output) of several streams in arrival order (ties by index); an engine error is raised."""
+    gets = {asyncio.ensure_future(s.queue.get()): i for i, s in enumerate(streams)}
+    try:
+        while gets:
+            done, _ = await asyncio.wait(gets, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=gets.__getitem__):
+                i = gets.pop(fut)
+                item = fut.result()
+                if isinstance(item, BaseException):
+                    raise item
+                yield i, item
+                if not item.finished:
+                    gets[asyncio.ensure_future(streams[i].queue.get())] = i
+    finally:
+        for fut in gets:
+            fut.cancel()
 
 
 def _sse(obj) -> str:
@@ -226,26 +276,6 @@ def _completion_logprobs(tok, ids: list[int], lps, offset0: int = 0) -> dict:
         offsets.append(off)
         off += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-
-
-def _tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Qwen/Hermes-style <tool_call>{"name", "arguments"}</tool_call> blocks -> (remaining text, tool_calls)."""
-    calls = []
-    for m in _TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-            name = obj["name"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        args = obj.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if calls:
-        text = _TOOL_CALL.sub("", text).strip()
-    return text, calls
 
 
 def _usage(n_prompt: int, n_out: int) -> dict:
@@ -382,6 +412,10 @@ def build_app(state: ServerState) -> FastAPI:
                 raise ApiError(400, "every message needs a 'role'", param="messages")
             m["content"] = _message_text(m.get("content"))
             messages.append(m)
+        try:
+            tools = resolve_tool_choice(req.tools, req.tool_choice, state.tool_parser)
+        except ToolChoiceError as e:
+            raise ApiError(400, str(e), param="tool_choice") from None
         ids = _render_chat(state, messages, req.tools, req.chat_template_kwargs or {}, True)
         _check_prompt(state, ids, "messages")
         top = req.top_logprobs or 0
@@ -389,65 +423,102 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         params = _params(state, req, len(ids), req.requested_max_tokens(), req.logprobs, top)
         split = state.thinking
-        stream = _submit(state, ids, params, adapter, split)
+        streams = _submit_n(state, ids, params, adapter, req.n, split)
         rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or state.model_name
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_chat_stream(state, stream, rid, created, name, len(ids), usage),
+            return StreamingResponse(_chat_stream(state, streams, rid, created, name, len(ids), usage, split, tools),
                                      media_type="text/event-stream")
-        outs = await _collect(stream, raw)
-        out_ids = [t for o in outs for t in o.new_token_ids]
+        results = await _collect_all(state, streams, raw)
+        choices = [_chat_choice(i, outs, split, tools, req.logprobs) for i, outs in enumerate(results)]
+        n_out = sum(len(o.new_token_ids) for outs in results for o in outs)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
+                "usage": _usage(len(ids), n_out)}
+
+    def _chat_choice(index: int, outs: list, split: bool, tools: ToolChoice, logprobs: bool) -> dict:
         content = "".join(o.text for o in outs)
-        reasoning = "".join(o.reasoning_text for o in outs)
         finish = outs[-1].finish_reason
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if split:
-            message["reasoning_content"] = reasoning or None
-        if req.tools:
-            message["content"], calls = _tool_calls(content)
+            message["reasoning_content"] = "".join(o.reasoning_text for o in outs) or None
+        if tools.parser is not None:
+            text, calls = tools.parser.parse(content)
+            try:
+                tools.check(calls)
+            except ToolChoiceError as e:
+                raise ApiError(400, str(e), param="tool_choice") from None
             if calls:
-                message["tool_calls"] = calls
+                message["content"] = text or None
+                message["tool_calls"] = [c.to_openai() for c in calls]
                 finish = "tool_calls" if finish == "stop" else finish
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        if req.logprobs:
+        choice = {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+        if logprobs:
+            out_ids = [t for o in outs for t in o.new_token_ids]
             choice["logprobs"] = _chat_logprobs(tok, out_ids, [lp for o in outs for lp in (o.logprobs or [])])
-        return {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": [choice],
-                "usage": _usage(len(ids), len(out_ids))}
+        return choice
 
-    async def _chat_stream(state, stream: Stream, rid, created, name, n_prompt, include_usage):
-        def chunk(delta, finish=None, logprobs=None):
+    async def _chat_stream(state, streams: list[Stream], rid, created, name, n_prompt, include_usage, split,
+                           tools: ToolChoice):
+        def chunk(index, delta, finish=None, logprobs=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                         "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+                         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
+        parsers = [ToolCallStream(tools.parser) if tools.parser is not None else None for _ in streams]
         n_out = 0
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for o in stream:
+            for i in range(len(streams)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, o in _merged(streams):
                 n_out += len(o.new_token_ids)
-                delta = {}
+                deltas: list[dict] = []  # this output's deltas, in order; the finish reason goes on the last
+                first: dict[str, Any] = {}
                 if o.reasoning_text:
-                    delta["reasoning_content"] = o.reasoning_text
-                if o.text:
-                    delta["content"] = o.text
+                    first["reasoning_content"] = o.reasoning_text
+                content, calls = o.text, []
+                if parsers[i] is not None:
+                    got = parsers[i].add(o.text, final=o.finished)
+                    content, calls = got.content, got.calls
+                if content:
+                    first["content"] = content
                 lps = _chat_logprobs(tok, o.new_token_ids, o.logprobs) if o.logprobs else None
-                if delta or lps or o.finished:
-                    yield chunk(delta, o.finish_reason if o.finished else None, lps)
+                if first or lps:
+                    deltas.append(first)
+                for k, call in calls:  # a complete call: its id and name, then its arguments
+                    deltas.append({"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                                   "function": {"name": call.function.name, "arguments": ""}}]})
+                    deltas.append({"tool_calls": [{"index": k, "function": {"arguments": call.function.arguments}}]})
+                finish = o.finish_reason if o.finished else None
+                if o.finished and parsers[i] is not None:
+                    tools.check(parsers[i].calls)
+                    finish = "tool_calls" if finish == "stop" and parsers[i].calls else finish
+                if finish and not deltas:
+                    deltas.append({})
+                for j, delta in enumerate(deltas):
+                    last = j == len(deltas) - 1
+                    yield chunk(i, delta, finish if last else None, lps if j == 0 else None)
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                             "choices": [], "usage": _usage(n_prompt, n_out)})
+        except ToolChoiceError as e:
+            yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "param": "tool_choice",
+                                  "code": 400}})
         except Exception as e:  # engine failure mid-stream: an error event, then [DONE]
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
         finally:
-            if not stream.finished:
-                state.engine.abort(stream)
+            for s in streams:
+                if not s.finished:
+                    state.engine.abort(s)
         yield "data: [DONE]\n\n"
 
     # -- completions -------------------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         adapter = _resolve_model(state, req.model)
-        if req.echo or req.suffix:
-            raise ApiError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which the engine does not compute; "
+                           "send echo or logprobs, not both", param="echo")
         prompts = req.prompts()
         if not prompts:
             raise ApiError(400, "the prompt is empty", param="prompt")
@@ -460,50 +531,62 @@ def build_app(state: ServerState) -> FastAPI:
                 raise ApiError(400, "a prompt is a string or a list of token ids", param="prompt")
             ids = tok.encode(p) if isinstance(p, str) else [int(t) for t in p]
             _check_prompt(state, ids, "prompt")
-            encoded.append((ids, _params(state, req, len(ids), req.max_tokens, req.logprobs is not None, top)))
-        streams = _submit_all(state, encoded, adapter)
+            echo = (p if isinstance(p, str) else tok.decode(ids)) if req.echo else ""
+            encoded.append((ids, _params(state, req, len(ids), req.max_tokens, req.logprobs is not None, top), echo))
+        streams: list[Stream] = []  # choice index = prompt index * n + sample index (as OpenAI)
+        try:
+            for ids, params, _ in encoded:
+                streams.extend(_submit_n(state, ids, params, adapter, req.n))
+        except ApiError:
+            for s in streams:
+                state.engine.abort(s)
+            raise
+        echoes = [e for _, _, e in encoded for _ in range(req.n)]
         rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model or state.model_name
+        n_prompt = sum(len(ids) for ids, _, _ in encoded)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_completion_stream(state, streams[0], rid, created, name, len(encoded[0][0]),
-                                                        usage, req.logprobs is not None),
+            return StreamingResponse(_completion_stream(state, streams, echoes, rid, created, name, n_prompt, usage,
+                                                        req.logprobs is not None),
                                      media_type="text/event-stream")
-        try:
-            results = await asyncio.gather(*(_collect(s, raw) for s in streams))
-        finally:
-            for s in streams:
-                if not s.finished:
-                    state.engine.abort(s)
-        choices, n_prompt, n_out = [], 0, 0
-        for i, ((ids, _), outs) in enumerate(zip(encoded, results)):
+        results = await _collect_all(state, streams, raw)
+        choices, n_out = [], 0
+        for i, (outs, echo) in enumerate(zip(results, echoes)):
             out_ids = [t for o in outs for t in o.new_token_ids]
-            choice = {"index": i, "text": "".join(o.text for o in outs), "logprobs": None,
+            choice = {"index": i, "text": echo + "".join(o.text for o in outs), "logprobs": None,
                       "finish_reason": outs[-1].finish_reason}
             if req.logprobs is not None:
                 choice["logprobs"] = _completion_logprobs(tok, out_ids, [lp for o in outs for lp in (o.logprobs or [])])
             choices.append(choice)
-            n_prompt, n_out = n_prompt + len(ids), n_out + len(out_ids)
+            n_out += len(out_ids)
         return {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices,
                 "usage": _usage(n_prompt, n_out)}
 
-    async def _completion_stream(state, stream: Stream, rid, created, name, n_prompt, include_usage, want_lps):
+    async def _completion_stream(state, streams: list[Stream], echoes: list[str], rid, created, name, n_prompt,
+                                 include_usage, want_lps):
+        def chunk(index, text, logprobs=None, finish=None):
+            return _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+
         n_out = 0
         try:
-            async for o in stream:
+            for i, echo in enumerate(echoes):
+                if echo:
+                    yield chunk(i, echo)
+            async for i, o in _merged(streams):
                 n_out += len(o.new_token_ids)
                 lps = _completion_logprobs(tok, o.new_token_ids, o.logprobs) if (want_lps and o.logprobs) else None
                 if o.text or lps or o.finished:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                                "choices": [{"index": 0, "text": o.text, "logprobs": lps,
-                                             "finish_reason": o.finish_reason if o.finished else None}]})
+                    yield chunk(i, o.text, lps, o.finish_reason if o.finished else None)
             if include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                             "choices": [], "usage": _usage(n_prompt, n_out)})
         except Exception as e:
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
         finally:
-            if not stream.finished:
-                state.engine.abort(stream)
+            for s in streams:
+                if not s.finished:
+                    state.engine.abort(s)
         yield "data: [DONE]\n\n"
 
     return app

@@ -2,7 +2,8 @@
 
 Unknown fields are accepted and ignored (clients send vendor extras); values are range-checked by
 `SamplingParams.validate`, whose message becomes the 400 error. vLLM's extras are understood: top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, chat_template_kwargs.
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, chat_template_kwargs. `n` > 1 and `echo` are
+served by the HTTP layer (api_server); `tools` / `tool_choice` by `tool_parsers`.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class _Sampling(_Base):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = 1  # independent samples of each prompt (engine requests; seeds seed, seed + 1, ... when seeded)
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -43,8 +44,8 @@ class _Sampling(_Base):
 
     def sampling_params(self, *, max_tokens: int, eos_ids: tuple[int, ...], logprobs: bool,
                         top_logprobs: int) -> SamplingParams:
-        if self.n != 1:
-            raise SamplingParamsError(f"n must be 1 (got {self.n}): send n requests instead", "n")
+        if self.n < 1:
+            raise SamplingParamsError(f"n must be >= 1, got {self.n}", "n")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         stop_ids = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else tuple(eos_ids))
         return SamplingParams(

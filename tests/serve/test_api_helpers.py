@@ -6,17 +6,19 @@ import pytest
 pytest.importorskip("fastapi")
 
 from surojax.data.tokenizer import Tokenizer  # noqa: E402
-from surojax.serve.api_server import ApiError, ServerState, _completion_logprobs, _render_chat, _tool_calls  # noqa: E402
+from surojax.serve.api_server import ApiError, ServerState, _completion_logprobs, _render_chat  # noqa: E402
+from surojax.serve.tool_parsers import TOOL_PARSERS  # noqa: E402
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
 
 
 def test_tool_calls_are_parsed_out_of_the_text():
     text = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    rest, calls = _tool_calls(text)
+    rest, calls = TOOL_PARSERS["hermes"].parse(text)
     assert rest == "Sure."
-    assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'} and calls[0]["type"] == "function"
-    assert _tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    call = calls[0].to_openai()
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'} and call["type"] == "function"
+    assert TOOL_PARSERS["hermes"].parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
 
 
 def test_chat_rendering_passes_tools_and_reports_template_errors():

@@ -214,7 +214,7 @@ def test_auth(server):
     ({"model": NAME, "prompt": "x", "temperature": -1}, "temperature"),
     ({"model": NAME, "prompt": "x", "top_p": 2}, "top_p"),
     ({"model": NAME, "prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"model": NAME, "prompt": "x", "n": 3}, "n"),
+    ({"model": NAME, "prompt": "x", "n": 0}, "n"),
     ({"model": NAME, "prompt": "x", "stop": [""]}, "stop"),
     ({"model": NAME, "prompt": [1, 2, 100000]}, "prompt"),  # a token id out of the vocabulary
     ({"model": NAME}, "prompt"),  # missing
