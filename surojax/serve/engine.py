@@ -103,7 +103,7 @@ class Engine:
 
     @functools.cached_property
     def grammar_vocab(self) -> GrammarVocab:
-        """The tokenizer as the grammar engine sees it (built on first use; ~1 s for a 150k vocabulary)."""
+        """The tokenizer as the grammar engine sees it (built on first use: seconds for a 150k vocabulary)."""
         if self.tokenizer is None:
             raise ValueError("structured output (a grammar) needs an engine with a tokenizer")
         return GrammarVocab(self.tokenizer, self.model.cfg.vocab_size)

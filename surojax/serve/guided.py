@@ -10,11 +10,10 @@ on the device (``sampling.apply_token_bitmask``). After the step, each accepted 
 the grammar can accept nothing more (``finished``: a closed JSON value, the end of a choice), the engine ends the
 request with finish_reason "stop".
 
-Why llguidance (docs/serving.md "Structured output" has the numbers): it computes the mask lazily per step
-(an Earley parser over a token trie, ~tens of microseconds per token even with a 150k vocabulary), so a new
-schema costs no up-front compilation over the vocabulary, and it covers JSON schema widely ($ref, anyOf,
-pattern, min/max, enums, nested objects and arrays). outlines-core precompiles a regex automaton over the whole
-vocabulary (seconds per schema at 150k) and lacks recursive $ref; xgrammar needs torch.
+Why llguidance (docs/serving.md "Structured output" has the measurements): it computes each mask lazily from
+the parser state, so a new schema costs no compilation over the whole vocabulary (outlines-core's does, per
+schema), and it enforces the JSON-schema features clients use ($ref, anyOf, pattern, min/max, enums, nested
+objects and arrays); xgrammar needs torch.
 
 Shapes: V = the model's vocabulary (``cfg.vocab_size``, >= the tokenizer's; ids past the tokenizer are never
 allowed), W = ceil(V / 32).
@@ -91,7 +90,7 @@ def grammar_from_choice(choices: list[str]) -> str:
 # ---- the tokenizer as llguidance sees it, and one request's matcher ----------------------------------------------
 
 class GrammarVocab:
-    """llguidance's view of a tokenizer (built once per engine; ~1 s for a 150k vocabulary).
+    """llguidance's view of a tokenizer (built once per engine: seconds for a 150k vocabulary).
 
     tokenizer: surojax ``Tokenizer`` (its ``backend`` is a ``tokenizers.Tokenizer``); vocab_size: the model's V
     (the mask covers it; ids the tokenizer lacks are never allowed); eos_token_id: the token a grammar allows
