@@ -6,7 +6,8 @@ what every parity and "batching never changes a result" check relies on.
 ``sample``/``filter_logits``: one set of parameters for the whole batch (``generate.py``).
 ``sample_batch``: the serving engine's sampler, every row with its own parameters given as [R] arrays
 (temperature, top-k, top-p, min-p, penalties, seed), one jitted function per ``BatchMode`` (greedy only /
-sampling, with or without penalties, with or without logprobs). A row's random key is
+sampling, with or without penalties, with or without logprobs, with or without an allowed-token bitmask for
+structured output). A row's random key is
 ``fold_in(key(seed), position)``, so a seeded request gives the same tokens alone or in any batch, and a greedy
 row is a plain argmax whatever its neighbours ask for.
 """
@@ -78,6 +79,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: generation ends, the text is cut before the match
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: str | None = None  # structured output: llguidance grammar text (surojax/serve/guided.py builds it)
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +125,7 @@ class BatchMode:
     sample: bool = False  # some row has temperature > 0 (else argmax only)
     penalties: bool = False  # some row uses a penalty
     logprobs: bool = False  # some row wants logprobs
+    mask: bool = False  # some row has a grammar: rows["token_bitmask"] [R, W] restricts the tokens
 
 
 def _row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
@@ -141,6 +144,14 @@ def apply_penalties(logits, seen_ids, seen_valid, seen_is_output, repetition, pr
     rep = repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - presence[:, None] * (out_counts > 0) - frequency[:, None] * out_counts
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [R, V]; bitmask [R, W] int32 with W >= ceil(V / 32): token i is allowed where bit i % 32 of word
+    i // 32 is set (llguidance's layout; a row of -1 allows everything). -> logits, disallowed tokens at -inf."""
+    idx = jnp.arange(logits.shape[-1])
+    allowed = (bitmask[:, idx >> 5] >> (idx & 31)) & 1  # [R, V]; arithmetic shift, the low bit is the one
+    return jnp.where(allowed == 1, logits, -jnp.inf)
 
 
 def sorted_keep_mask(scaled, top_k, top_p, min_p):
@@ -166,7 +177,9 @@ def sample_batch(logits, rows: dict, mode: BatchMode):
     """One token per row with that row's own parameters; greedy rows are argmax whatever the batch holds.
 
     logits [R, V] fp32; rows holds [R] arrays temperature, top_k, top_p, min_p, seed (uint32), step (int32) and,
-    with ``mode.penalties``, repetition / presence / frequency [R] and seen_ids / seen_valid / seen_is_output [R, P].
+    with ``mode.penalties``, repetition / presence / frequency [R] and seen_ids / seen_valid / seen_is_output [R, P];
+    with ``mode.mask``, token_bitmask [R, W] int32 (``apply_token_bitmask``: greedy and sampled rows pick only
+    allowed tokens; penalties and top-k/p/min-p act on the allowed ones).
     -> dict(ids [R] int32, and with ``mode.logprobs``: logprob [R], top_ids [R, 20], top_logprobs [R, 20]).
     Logprobs are of the model's distribution (raw logits), as vLLM reports them.
     """
@@ -177,6 +190,8 @@ def sample_batch(logits, rows: dict, mode: BatchMode):
     if mode.penalties:
         x = apply_penalties(x, rows["seen_ids"], rows["seen_valid"], rows["seen_is_output"], rows["repetition"],
                             rows["presence"], rows["frequency"])
+    if mode.mask:
+        x = apply_token_bitmask(x, rows["token_bitmask"])
     ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
     if mode.sample:
         temp = rows["temperature"]

@@ -10,12 +10,13 @@
     POST /tokenize, /detokenize; GET /health, /metrics (Prometheus text)
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, unknown
-model, prompt longer than max-model-len and invalid sampling values, 401 without the --api-key bearer token
-(everything except /health and /metrics), 403 for runtime LoRA endpoints that are off, 413 for a body over
---max-request-bytes (`serve.body_limit`), 429 + Retry-After when the in-flight limit (max-num-seqs + max-queue)
-is reached, 503 + Retry-After while draining or when the engine thread is gone, 500 for anything unexpected —
-never a crash. A client that disconnects (stream or not) aborts its request(s) at once (the disconnect is awaited,
-not polled), which frees their KV blocks before the next engine step.
+model, prompt longer than max-model-len, invalid sampling values and invalid structured-output grammars
+(response_format / guided_*: the schema or regex is compiled before the request is queued), 401 without the
+--api-key bearer token (everything except /health and /metrics), 403 for runtime LoRA endpoints that are off,
+413 for a body over --max-request-bytes (`serve.body_limit`), 429 + Retry-After when the in-flight limit
+(max-num-seqs + max-queue) is reached, 503 + Retry-After while draining or when the engine thread is gone, 500 for
+anything unexpected — never a crash. A client that disconnects (stream or not) aborts its request(s) at once (the
+disconnect is awaited, not polled), which frees their KV blocks before the next engine step.
 
 `n` > 1: n engine requests of one prompt (seeds seed, seed + 1, ... when given; the later ones hit the prompt's
 prefix blocks), collected together or streamed interleaved (`_merged`), each chunk naming its choice index.
@@ -151,8 +152,12 @@ def _params(state: ServerState, req, n_prompt: int, requested: int | None, logpr
     if requested is not None and requested < 1:
         raise ApiError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
     try:
+        grammar = req.grammar()  # structured output: (field, grammar), checked here so a bad one is a 400
+        if grammar is not None and (err := state.engine.engine.grammar_vocab.check(grammar[1])) is not None:
+            raise SamplingParamsError(f"{grammar[0]}: {err}", grammar[0])
         params = req.sampling_params(max_tokens=completion_budget(n_prompt, requested, state.max_model_len),
-                                     eos_ids=state.eos_ids, logprobs=logprobs, top_logprobs=top)
+                                     eos_ids=state.eos_ids, logprobs=logprobs, top_logprobs=top,
+                                     grammar=grammar[1] if grammar is not None else None)
         return params.validate(state.engine.engine.model.cfg.vocab_size)
     except SamplingParamsError as e:
         raise ApiError(400, str(e), param=e.param) from None

@@ -22,11 +22,15 @@ match. LoRA: ``lora=AdapterSlots(...)`` (built on the model before the engine) m
 Multi-step decode (``decode_steps`` K > 1): when nothing waits and every running request decodes, up to K tokens
 per request come from one device call (``multi_step``); the outputs of such a step carry several tokens each.
 Stop strings are checked token by token afterwards: the tokens after a match are dropped, as K single steps
-would.
+would. Structured output (``SamplingParams.grammar``, ``guided.py``): each guided request has a matcher; every
+step the matchers of the sampling rows write their allowed-token bitmasks, which the runner applies on the
+device; each accepted token advances the matcher, and a grammar that admits nothing more ends the request
+("stop"). Guided requests decode one token per step (no multi-step).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import random
@@ -40,6 +44,7 @@ from surojax.models.decoder import Decoder
 from surojax.serve.capacity import num_kv_blocks
 from surojax.serve.config import EngineConfig, KVPath, default_max_model_len
 from surojax.serve.detokenize import RequestText
+from surojax.serve.guided import GrammarError, GrammarMatcher, GrammarVocab
 from surojax.serve.kv_cache import KVCacheManager
 from surojax.serve.runner import PagedRunner
 from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, Scheduler
@@ -94,6 +99,14 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}
+        self._matchers: dict[str, GrammarMatcher] = {}  # structured output: request id -> its grammar's state
+
+    @functools.cached_property
+    def grammar_vocab(self) -> GrammarVocab:
+        """The tokenizer as the grammar engine sees it (built on first use: seconds for a 150k vocabulary)."""
+        if self.tokenizer is None:
+            raise ValueError("structured output (a grammar) needs an engine with a tokenizer")
+        return GrammarVocab(self.tokenizer, self.model.cfg.vocab_size)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | int | None = None,
@@ -118,11 +131,16 @@ class Engine:
             self.lora.slot(adapter)  # raises for an unknown adapter
         elif adapter is not None:
             raise ValueError("LoRA adapters need an engine built with lora=AdapterSlots(...)")
+        matcher = None
+        if params.grammar is not None:  # GrammarError (a ValueError) for an invalid grammar
+            matcher = self.grammar_vocab.matcher(params.grammar, params.stop_token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         prompt_ids = [int(t) for t in prompt_ids]
         self.scheduler.add_request(Request(rid, prompt_ids, max_tokens=params.max_tokens,
                                            stop_token_ids=frozenset(params.stop_token_ids),
-                                           sampling_params=params, adapter=adapter))
+                                           sampling_params=params, adapter=adapter, single_step=matcher is not None))
+        if matcher is not None:
+            self._matchers[rid] = matcher
         if self.tokenizer is not None:
             self._text[rid] = RequestText(self.tokenizer, prompt_ids, stop=params.stop,
                                           stop_token_ids=params.stop_token_ids,
@@ -138,6 +156,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         self._text.pop(request_id, None)
+        self._matchers.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -159,19 +178,48 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with unfinished requests")
             return []
-        sampled = self.runner.execute(sched.scheduled)
+        sampled = self.runner.execute(sched.scheduled, self._bitmasks(sched.scheduled))
         outs = self.scheduler.update(sampled)
         for o in outs:
+            if o.request_id in self._matchers:
+                self._advance_grammar(o)
             if o.request_id in sampled.logprobs:
                 lp = sampled.logprobs[o.request_id]
                 o.logprobs = (lp if isinstance(lp, list) else [lp])[:len(o.new_token_ids)]
             text = self._text.get(o.request_id)
-            if text is None:
-                continue
-            self._add_text(o, text)
+            if text is not None:
+                self._add_text(o, text)
             if o.finished:
-                del self._text[o.request_id]
+                self._text.pop(o.request_id, None)
+                self._matchers.pop(o.request_id, None)
         return outs
+
+    def _bitmasks(self, scheduled) -> dict:
+        """request id -> allowed-token bitmask [W] int32 for this step's sampling rows that have a grammar."""
+        guided = [s.request_id for s in scheduled if s.sample and s.request_id in self._matchers]
+        if not guided:
+            return {}
+        masks = self.grammar_vocab.fill([self._matchers[r] for r in guided])  # [n, W]
+        return dict(zip(guided, masks))
+
+    def _advance_grammar(self, o: RequestOutput) -> None:
+        """Feed this step's tokens to the request's matcher; a complete grammar finishes the request ("stop")."""
+        matcher = self._matchers[o.request_id]
+        if o.finished and o.finish_reason != "length":  # a stop id (allowed only where the grammar may end)
+            return
+        try:
+            for tok in o.new_token_ids:
+                matcher.advance(tok)
+        except GrammarError:  # cannot happen while the mask holds: end the request rather than the engine
+            log.exception("request %s left its grammar", o.request_id)
+            if not o.finished:
+                self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_ABORTED)
+            o.finished, o.finish_reason = True, "abort"
+            return
+        if matcher.finished:  # complete, also when its last token was the last one max_tokens allowed
+            if not o.finished:
+                self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_STOPPED)
+            o.finished, o.finish_reason = True, "stop"
 
     def _add_text(self, o: RequestOutput, text: RequestText) -> None:
         """Detokenise this step's tokens one at a time; on a stop string drop the tokens after it and finish."""

@@ -4,14 +4,21 @@ Unknown fields are accepted and ignored (clients send vendor extras); values are
 `SamplingParams.validate`, whose message becomes the 400 error. vLLM's extras are understood: top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, chat_template_kwargs. `n` > 1 and `echo` are
 served by the HTTP layer (api_server); `tools` / `tool_choice` by `tool_parsers`.
+
+Structured output: ``response_format`` ({"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
+"schema", "strict"}}) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``, at most one of them,
+become ``SamplingParams.grammar`` (``_Sampling.grammar``; the grammar itself is checked against the tokenizer
+by the HTTP layer before the request is queued).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from surojax.generation.sampling import SamplingParams, SamplingParamsError
+from surojax.serve.guided import (GrammarError, grammar_from_choice, grammar_from_json_object,
+                                  grammar_from_json_schema, grammar_from_regex)
 
 
 class _Base(BaseModel):
@@ -20,6 +27,18 @@ class _Base(BaseModel):
 
 class StreamOptions(_Base):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Base):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # `schema` would shadow pydantic's
+    strict: bool | None = None  # the schema is enforced either way (as vLLM does)
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Base):
@@ -41,9 +60,42 @@ class _Sampling(_Base):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+    def grammar(self) -> tuple[str, str] | None:
+        """(the request field it came from, llguidance grammar text), or None without structured output.
+        Raises SamplingParamsError naming the field (several given; a schema that is not a JSON object ...)."""
+        given = [(name, getattr(self, name)) for name in ("guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, name) is not None]
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            given.append(("response_format", rf))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise SamplingParamsError(f"give at most one of response_format, guided_json, guided_regex, "
+                                      f"guided_choice (got {', '.join(n for n, _ in given)})", given[1][0])
+        param, value = given[0]
+        try:
+            if param == "guided_json":
+                return param, grammar_from_json_schema(value)
+            if param == "guided_regex":
+                return param, grammar_from_regex(value)
+            if param == "guided_choice":
+                return param, grammar_from_choice(value)
+            if value.type == "json_object":
+                return param, grammar_from_json_object()
+            if value.json_schema is None or value.json_schema.schema_ is None:
+                raise GrammarError('response_format {"type": "json_schema"} needs json_schema.schema')
+            return param, grammar_from_json_schema(value.json_schema.schema_)
+        except GrammarError as e:
+            raise SamplingParamsError(f"{param}: {e}", param) from None
 
     def sampling_params(self, *, max_tokens: int, eos_ids: tuple[int, ...], logprobs: bool,
-                        top_logprobs: int) -> SamplingParams:
+                        top_logprobs: int, grammar: str | None = None) -> SamplingParams:
         if self.n < 1:
             raise SamplingParamsError(f"n must be >= 1, got {self.n}", "n")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -55,7 +107,7 @@ class _Sampling(_Base):
             min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop=stop, logprobs=logprobs,
-            top_logprobs=top_logprobs)
+            top_logprobs=top_logprobs, grammar=grammar)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -35,6 +35,7 @@ runs in a later call (after the writer's KV is in the pool). Usually there is on
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -212,13 +213,28 @@ class PagedRunner:
             waves[i] = w
         return waves
 
-    def _sampling_rows(self, group: list[ScheduledRequest], R: int, S: int):
+    def _sampling_rows(self, group: list[ScheduledRequest], R: int, S: int, bitmasks=None):
         """Per-row sampling arrays [R] (rows that do not sample this step get greedy defaults) + the BatchMode.
 
         Two compiled variants only: greedy (argmax) and full (sampling + penalties + logprobs, used as soon as
         one row needs any of them); the penalties' token arrays are [R, S], the context bucket, since a row's
-        prompt + output tokens are its context plus this step's tokens.
+        prompt + output tokens are its context plus this step's tokens. Structured output: when a sampling row
+        has a bitmask (``bitmasks``: request id -> [W] int32), rows["token_bitmask"] [R, W] carries them (-1,
+        every token allowed, for the other rows) and ``mode.mask`` is set; without one nothing is sent.
         """
+        rows, mode = self._sampling_arrays(group, R, S)
+        guided = [(r, bitmasks[s.request_id]) for r, s in enumerate(group) if s.sample and s.request_id in bitmasks] \
+            if bitmasks else []
+        if guided:
+            token_bitmask = np.full((R, guided[0][1].shape[-1]), -1, np.int32)
+            for r, m in guided:
+                token_bitmask[r] = m
+            rows["token_bitmask"] = token_bitmask
+            mode = dataclasses.replace(mode, mask=True)
+        return rows, mode
+
+    def _sampling_arrays(self, group: list[ScheduledRequest], R: int, S: int):
+        """``_sampling_rows`` without the bitmasks."""
         temperature = np.zeros(R, np.float32)
         top_k = np.zeros(R, np.int32)
         top_p = np.ones(R, np.float32)
@@ -253,7 +269,7 @@ class PagedRunner:
                     seen_is_output=is_out)
         return rows, mode
 
-    def _run(self, group: list[ScheduledRequest]):
+    def _run(self, group: list[ScheduledRequest], bitmasks=None):
         decode = group[0].num_new_tokens == 1  # groups are all-decode or all-prefill
         R = _bucket(len(group), self.min_rows if decode else self.min_prefill_rows)
         T = _bucket(max(s.num_new_tokens for s in group), 1 if decode else self.min_prefill)
@@ -280,7 +296,7 @@ class PagedRunner:
             last[r] = n - 1
             if self.lora:
                 adapters[r] = self.adapter_slot(s.adapter)
-        rows, mode = self._sampling_rows(group, R, S)
+        rows, mode = self._sampling_rows(group, R, S, bitmasks)
         self.num_calls += 1
         if paged:
             self.k_pool, self.v_pool, sampled = paged_step(
@@ -347,9 +363,11 @@ class PagedRunner:
                     for i in range(n)]
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+    def execute(self, scheduled: list[ScheduledRequest], bitmasks=None) -> StepResult:
         """Run the forward for every scheduled request (writing its KV) and sample where ``sample`` is True.
 
+        bitmasks: request id -> allowed-token bitmask [W] int32 (structured output, ``serve/guided.py``) for the
+        sampling rows that have a grammar; single steps only (the scheduler never multi-steps a guided request).
         One host sync per forward call: the sampled ids (and logprobs when asked) come back together.
         """
         out = StepResult()
@@ -357,6 +375,8 @@ class PagedRunner:
         if not scheduled:
             return out
         if any(s.num_steps > 1 for s in scheduled):  # the scheduler makes these all-decode steps, one wave
+            if bitmasks:
+                raise ValueError("token bitmasks need single steps (a guided request is never multi-stepped)")
             self._collect_multi(scheduled, jax.device_get(self._run_multi(scheduled)), out)
             return out
         waves = self._waves(scheduled)
@@ -366,7 +386,7 @@ class PagedRunner:
             for group in ([s for s in in_wave if s.num_new_tokens == 1], [s for s in in_wave if s.num_new_tokens > 1]):
                 if not group:
                     continue
-                sampled = self._run(group)
+                sampled = self._run(group, bitmasks)
                 if not any(s.sample for s in group):
                     continue
                 host = jax.device_get(sampled)

@@ -56,6 +56,7 @@ class Request:
     stop_token_ids: frozenset[int] | set[int] | tuple[int, ...] = ()
     sampling_params: Any = None  # opaque to the scheduler
     adapter: str | None = None  # LoRA adapter name; None = base model
+    single_step: bool = False  # the host decides each token's mask (a grammar): never in a multi-step decode
     arrival: int = field(default_factory=lambda: next(_arrival))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -199,9 +200,10 @@ class Scheduler:
 
     def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
         """All running requests decode K tokens each, with their slots reserved ahead. False (nothing changed)
-        unless K > 1, no request waits, every running one is decoding, and the free blocks cover the lookahead."""
+        unless K > 1, no request waits, every running one is decoding and none is ``single_step``, and the free
+        blocks cover the lookahead."""
         if (self.decode_steps == 1 or self.waiting or not self.running
-                or len(self.running) > self.max_num_batched_tokens
+                or len(self.running) > self.max_num_batched_tokens or any(r.single_step for r in self.running)
                 or any(r.num_computed_tokens != r.num_tokens - 1 for r in self.running)):
             return False
         steps = [self._steps_left(r) for r in self.running]
