@@ -9,10 +9,12 @@ import argparse
 import logging
 import os
 
-from surojax.serve.config import EngineConfig, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig
+from surojax.serve.config import (EngineConfig, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig, SpecMethod,
+                                  SpeculativeConfig)
 
 
 _SERVE, _ENGINE, _SCHED, _LORA = ServeConfig(model=""), EngineConfig(), SchedulerConfig(), LoraServeConfig()
+_SPEC = SpeculativeConfig(SpecMethod.NGRAM)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "read only from inside --lora-root")
     parser.add_argument("--lora-root", default=None, metavar="DIR",
                         help="the one directory runtime adapters are read from (required with --allow-runtime-lora)")
+    parser.add_argument("--speculative-method", choices=[m.value for m in SpecMethod], default=None,
+                        help="speculative decoding: ngram (prompt lookup) or draft (--speculative-model); "
+                             "default off")
+    parser.add_argument("--speculative-model", default=None, metavar="DIR",
+                        help="the draft model (same tokenizer / vocabulary as MODEL; any supported family)")
+    parser.add_argument("--num-speculative-tokens", type=_positive, default=None, metavar="K",
+                        help=f"tokens proposed per sequence per step (default {_SPEC.num_tokens})")
     parser.add_argument("--log-level", default=_SERVE.log_level)
 
 
@@ -120,13 +129,29 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                allow_runtime=args.allow_runtime_lora, root=args.lora_root)
     elif args.lora_modules:
         raise ServeOptionError("--lora-modules needs --enable-lora")
+    speculative = None
+    if args.speculative_method is not None:
+        try:
+            speculative = SpeculativeConfig(SpecMethod(args.speculative_method),
+                                            num_tokens=args.num_speculative_tokens or _SPEC.num_tokens,
+                                            model=args.speculative_model)
+        except ValueError as e:
+            raise ServeOptionError(str(e)) from None
+    elif args.speculative_model is not None or args.num_speculative_tokens is not None:
+        raise ServeOptionError("--speculative-model and --num-speculative-tokens need --speculative-method")
+    if speculative is not None and args.enable_lora:
+        raise ServeOptionError("speculative decoding is not supported with --enable-lora")
+    if speculative is not None and args.decode_steps > 1:
+        raise ServeOptionError("speculative decoding is not supported with --decode-steps > 1")
+    if speculative is not None and args.kv_path == KVPath.REFERENCE.value:
+        raise ServeOptionError("speculative decoding needs a paged --kv-path (not reference)")
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
                                 max_model_len=args.max_model_len, decode_steps=args.decode_steps)
     engine = EngineConfig(scheduler=scheduler, block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching, kv_path=KVPath(args.kv_path),
-                          unroll_layers=args.unroll_layers)
+                          unroll_layers=args.unroll_layers, speculative=speculative)
     return ServeConfig(model=args.model, engine=engine, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
                        attention=args.attention, max_queue=args.max_queue,

@@ -35,7 +35,7 @@ from surojax.bench.shapes import SHAPES, model_config
 from surojax.models.config import ModelConfig
 
 # Outermost first. `stage` outermost: its traffic (point-to-point activations) is the smallest, so it is the
-# axis to put across nodes. LEAD: reconcile with the pipeline branch's place for `stage` in MESH_AXES.
+# axis to put across nodes (it is MESH_AXES' outermost axis, surojax/parallel/mesh.py).
 AXIS_ORDER: tuple[str, ...] = ("stage", "data", "fsdp", "expert", "tensor")
 MODELS: tuple[str, ...] = ("qwen3-8b", "llama3-70b", "qwen3-30b-a3b")
 NODES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)

@@ -67,13 +67,49 @@ class RunnerBuckets:
     min_prefill: int = 1
 
 
+class SpecMethod(enum.Enum):
+    """How speculative decoding proposes tokens: NGRAM = prompt lookup (the tokens that followed the last n
+    tokens' latest earlier occurrence in prompt + output), DRAFT = a small model with the same vocabulary."""
+
+    NGRAM = "ngram"
+    DRAFT = "draft"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`serve.speculative`): `num_tokens` K proposals per decoding sequence per step,
+    verified in one target forward over K + 1 positions. method: `SpecMethod`; model: the draft model reference
+    (DRAFT only: any folder or file the model loader takes, same vocabulary as the target); ngram_max /
+    ngram_min: the n-gram lengths tried, longest first (NGRAM only)."""
+
+    method: SpecMethod
+    num_tokens: int = 4
+    model: str | None = None
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.method, SpecMethod):
+            raise TypeError(f"SpeculativeConfig: method must be a SpecMethod, got {self.method!r}")
+        _positive("SpeculativeConfig", num_tokens=self.num_tokens, ngram_max=self.ngram_max,
+                  ngram_min=self.ngram_min)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"SpeculativeConfig: ngram_min {self.ngram_min} > ngram_max {self.ngram_max}")
+        if self.method is SpecMethod.DRAFT and not self.model:
+            raise ValueError("speculative method 'draft' needs a draft model (--speculative-model DIR)")
+        if self.method is SpecMethod.NGRAM and self.model:
+            raise ValueError("--speculative-model is only read by --speculative-method draft (ngram has no model)")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """block_size: tokens per KV block; num_blocks: KV blocks (None: from free device memory,
     `capacity.num_kv_blocks`, capped for the Pallas kernel's int32 offsets); memory_utilization: the share of
     the device's memory the server may fill; enable_prefix_caching: reuse full blocks across requests; kv_path:
     `KVPath`; kv_in_place (REFERENCE path only): the decoder updates the dense view in its layer scan's carry
-    instead of copying it in and out; unroll_layers: the layer loop inlined (longer compiles, same values)."""
+    instead of copying it in and out; unroll_layers: the layer loop inlined (longer compiles, same values);
+    speculative: `SpeculativeConfig` or None (off). Speculation is refused with decode_steps > 1 and with the
+    REFERENCE KV path (the verify step reads and writes the pool in place)."""
 
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
@@ -84,9 +120,17 @@ class EngineConfig:
     kv_in_place: bool = True
     unroll_layers: bool = False
     buckets: RunnerBuckets = RunnerBuckets()
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         _positive("EngineConfig", block_size=self.block_size, num_blocks=self.num_blocks)
+        if self.speculative is not None:
+            if self.scheduler.decode_steps > 1:
+                raise ValueError("speculative decoding is not supported with multi-step decode "
+                                 f"(decode_steps {self.scheduler.decode_steps}): use decode_steps 1")
+            if self.kv_path is KVPath.REFERENCE:
+                raise ValueError("speculative decoding needs a paged KV path (auto, paged, reduce, pallas), "
+                                 "not reference")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"EngineConfig: memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if not isinstance(self.kv_path, KVPath):
@@ -143,6 +187,9 @@ class ServeConfig:
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"ServeConfig: max_queue must be an integer >= 0, got {self.max_queue!r}")
         _positive("ServeConfig", max_request_bytes=self.max_request_bytes)
+        if self.lora is not None and self.engine.speculative is not None:
+            raise ValueError("speculative decoding is not supported with LoRA adapters (--enable-lora): "
+                             "the draft and the verify step serve the base model only")
 
 
 def default_max_model_len(max_position_embeddings: int | None) -> int:
@@ -150,5 +197,6 @@ def default_max_model_len(max_position_embeddings: int | None) -> int:
     return min(max_position_embeddings or 4096, DEFAULT_MAX_MODEL_LEN_CAP)
 
 
-__all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "DEFAULT_MAX_REQUEST_BYTES", "EngineConfig", "KVPath", "LoraServeConfig", "RunnerBuckets",
-           "SchedulerConfig", "ServeConfig", "default_max_model_len"]
+__all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "DEFAULT_MAX_REQUEST_BYTES", "EngineConfig", "KVPath", "LoraServeConfig",
+           "RunnerBuckets", "SchedulerConfig", "ServeConfig", "SpecMethod", "SpeculativeConfig",
+           "default_max_model_len"]

@@ -26,6 +26,15 @@ would. Structured output (``SamplingParams.grammar``, ``guided.py``): each guide
 step the matchers of the sampling rows write their allowed-token bitmasks, which the runner applies on the
 device; each accepted token advances the matcher, and a grammar that admits nothing more ends the request
 ("stop"). Guided requests decode one token per step (no multi-step).
+
+Speculative decoding (``config.speculative``, `serve.speculative`): decoding requests without penalties or
+logprobs get up to K proposals a step, from prompt lookup (NGRAM) or the draft model (DRAFT: ``draft_model``, a
+`DraftRunner` on its own pool that mirrors the target's; the pool size from free memory is shared between the
+two in proportion to their KV bytes per token). The step verifies every speculating row in one target call
+BEFORE the other rows run (their prefix hits may read blocks it writes), then runs the rest as usual. Outputs
+then carry several tokens; greedy tokens equal plain decoding's, sampled ones follow the target's distribution.
+``spec_stats`` counts proposals and acceptances (/metrics). Refused with LoRA; guided requests are not
+speculated.
 """
 from __future__ import annotations
 
@@ -36,18 +45,21 @@ import logging
 import random
 
 import jax
+import numpy as np
 
 from pallas_kernels.paged_decode import max_pool_blocks
 from surojax.generation.sampling import SamplingParams
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.serve.capacity import num_kv_blocks
-from surojax.serve.config import EngineConfig, KVPath, default_max_model_len
+from surojax.serve.config import EngineConfig, KVPath, SpecMethod, default_max_model_len
 from surojax.serve.detokenize import RequestText
 from surojax.serve.guided import GrammarError, GrammarMatcher, GrammarVocab
+from surojax.serve.draft import DraftRunner
 from surojax.serve.kv_cache import KVCacheManager
-from surojax.serve.runner import PagedRunner
-from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, Scheduler
+from surojax.serve.runner import PagedRunner, StepResult
+from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, ScheduledRequest, Scheduler
+from surojax.serve.speculative import SpecStats, ngram_propose, speculation_allowed
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +79,25 @@ def resolve_kv_path(kv_path: KVPath, cfg: ModelConfig, block_size: int, num_bloc
     return choice
 
 
+def _kv_bytes_per_token(cfg: ModelConfig) -> int:
+    return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+
+
 class Engine:
     def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, tokenizer=None, lora=None,
-                 kv_dtype=None):
+                 kv_dtype=None, draft_model: Decoder | None = None):
         """config: every setting (`EngineConfig`); tokenizer: for text and stop strings; lora: `AdapterSlots`
-        built on the model; kv_dtype: the pool's dtype (None: the model's compute dtype)."""
+        built on the model; kv_dtype: the pool's dtype (None: the model's compute dtype); draft_model: the
+        speculative draft (exactly when config.speculative.method is DRAFT; same vocabulary)."""
         cfg = model.cfg
+        spec = config.speculative
+        if spec is not None and lora is not None:
+            raise ValueError("speculative decoding is not supported with LoRA adapters")
+        if (draft_model is not None) != (spec is not None and spec.method is SpecMethod.DRAFT):
+            raise ValueError("Engine: pass draft_model exactly when the speculative method is 'draft'")
+        if draft_model is not None and draft_model.cfg.vocab_size != cfg.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
+                             f"target's ({cfg.vocab_size}): speculation needs the same tokenizer")
         kv_dtype = kv_dtype or model.dtype
         sched = config.scheduler
         if sched.max_model_len is None:
@@ -83,6 +108,9 @@ class Engine:
         if num_blocks is None:
             num_blocks = num_kv_blocks(cfg, kv_dtype, bs, sched.max_model_len,
                                        memory_utilization=config.memory_utilization)
+            if draft_model is not None:  # the draft's pool has as many blocks: share the memory
+                t, d = _kv_bytes_per_token(cfg), _kv_bytes_per_token(draft_model.cfg)
+                num_blocks = max(1, num_blocks * t // (t + d))
             if kv_path is KVPath.PALLAS:  # the kernel addresses the pool with int32 offsets
                 num_blocks = min(num_blocks, max_pool_blocks(cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim))
         self.config = dataclasses.replace(config, scheduler=sched, num_blocks=num_blocks, kv_path=kv_path)
@@ -91,11 +119,17 @@ class Engine:
         self.lora = lora
         self.max_model_len = sched.max_model_len
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, sched)
+        self.scheduler = Scheduler(self.kv, sched, self._speculative_tokens if spec is not None else None)
         self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=bs, kv_path=kv_path, kv_dtype=kv_dtype,
                                   adapter_slot=lora.slot if lora is not None else None, buckets=config.buckets,
                                   kv_in_place=config.kv_in_place, decode_steps=sched.decode_steps,
                                   unroll_layers=config.unroll_layers)
+        self.draft = None
+        if draft_model is not None:
+            self.draft = DraftRunner(draft_model, num_blocks=num_blocks, block_size=bs, kv_path=kv_path,
+                                     kv_dtype=draft_model.dtype, buckets=config.buckets,
+                                     unroll_layers=config.unroll_layers)
+        self.spec_stats = SpecStats() if spec is not None else None
         self._ids = itertools.count()
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}
@@ -170,6 +204,30 @@ class Engine:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    # ---- speculation ------------------------------------------------------------------------------------------
+    def _speculative_tokens(self, req: Request) -> int:
+        """K for requests the verify step can serve (no penalties, no logprobs), else 0."""
+        sp = req.sampling_params
+        ok = not isinstance(sp, SamplingParams) or speculation_allowed(sp)
+        return self.config.speculative.num_tokens if ok else 0
+
+    def _speculate(self, group: list[ScheduledRequest]) -> StepResult:
+        """Propose for the speculating rows, verify in one target call -> request id -> emitted tokens."""
+        spec = self.config.speculative
+        K = spec.num_tokens
+        R, S = self.runner.verify_shape(group, K)
+        if self.draft is not None:
+            proposals, counts, q = self.draft.propose(group, K, R, S)
+        else:
+            proposals, counts, q = np.zeros((R, K), np.int32), np.full(R, -1, np.int32), None
+            for r, s in enumerate(group):
+                found = ngram_propose(s.request.all_token_ids, s.num_spec, spec.ngram_max, spec.ngram_min)
+                proposals[r, :len(found)], counts[r] = found, len(found)
+        out = self.runner.verify(group, proposals, counts, q)
+        for r, s in enumerate(group):
+            self.spec_stats.record(int(counts[r]), len(out[s.request_id]) - 1)
+        return out
+
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the forward (writing KV into the pool), sample, advance, detokenise. -> this step's outputs."""
@@ -178,7 +236,16 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with unfinished requests")
             return []
-        sampled = self.runner.execute(sched.scheduled, self._bitmasks(sched.scheduled))
+        if self.draft is not None:
+            self.draft.recover_pools()  # after a failed call: a lost draft pool costs acceptance, never tokens
+        speculating = [s for s in sched.scheduled if s.num_spec]
+        rest = [s for s in sched.scheduled if not s.num_spec]
+        sampled = self._speculate(speculating) if speculating else StepResult()
+        if self.draft is not None:
+            self.draft.execute(rest)  # the draft pool mirrors every KV write of the target's
+        plain = self.runner.execute(rest, self._bitmasks(rest))
+        sampled.update(plain)
+        sampled.logprobs.update(plain.logprobs)
         outs = self.scheduler.update(sampled)
         for o in outs:
             if o.request_id in self._matchers:

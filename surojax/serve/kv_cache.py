@@ -197,6 +197,22 @@ class KVCacheManager:
         if st is not None and self.enable_prefix_caching:
             self._publish(seq, st, num_tokens)
 
+    def free_tail(self, seq: Sequence_, num_tokens: int) -> None:
+        """Release the blocks past the first ``blocks_needed(num_tokens)`` of a sequence: after a speculative
+        step rolled its length back, the blocks that held only rejected tokens (never published: their tokens
+        were not the sequence's when allocated)."""
+        st = self._seqs.get(seq.request_id)
+        if st is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        for b in reversed(st.blocks[keep:]):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = b
+                if b.block_hash is None:
+                    self._free.move_to_end(b.block_id, last=False)
+        del st.blocks[keep:]
+
     def free(self, seq_or_id: Sequence_ | str) -> None:
         """Release a sequence's blocks (finish, abort or preemption). Idempotent."""
         rid = seq_or_id if isinstance(seq_or_id, str) else seq_or_id.request_id

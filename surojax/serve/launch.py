@@ -20,7 +20,7 @@ from surojax.model_loader import load_model_ref
 from surojax.peft.multi_lora import AdapterSlots
 from surojax.serve.api_server import ServerState, build_app
 from surojax.serve.async_engine import AsyncEngine
-from surojax.serve.config import ServeConfig
+from surojax.serve.config import ServeConfig, SpecMethod
 from surojax.serve.engine import Engine
 from surojax.serve.lora_root import LoraRoot
 
@@ -41,8 +41,19 @@ def load_for_serving(config: ServeConfig):
     return loaded.model, loaded.tokenizer, loaded.ref.tokenizer_dir, config.served_model_name or loaded.ref.name
 
 
+def load_draft(config: ServeConfig):
+    """The speculative draft model named by the config (None unless the method is 'draft'), in the server's
+    dtype and attention backend."""
+    spec = config.engine.speculative
+    if spec is None or spec.method is not SpecMethod.DRAFT:
+        return None
+    return load_model_ref(spec.model, dtype=_dtype(config.dtype), attention=config.attention,
+                          keep_quantized=True).model
+
+
 def build_server(config: ServeConfig, model=None, tokenizer=None):
-    """-> (FastAPI app, ServerState); the engine thread is started. `model`/`tokenizer` skip loading."""
+    """-> (FastAPI app, ServerState); the engine thread is started. `model`/`tokenizer` skip loading (the
+    draft model of speculative decoding is always loaded from its reference)."""
     model_dir, lora_root = None, None
     if config.lora is not None and config.lora.allow_runtime:
         lora_root = LoraRoot.at(config.lora.root)  # a missing root fails before the weights load
@@ -53,12 +64,15 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     lora = None
     if config.lora is not None:
         lora = AdapterSlots(model, max_loras=config.lora.max_loras, max_rank=config.lora.max_rank)
-    engine = Engine(model, config.engine, tokenizer=tokenizer, lora=lora)
+    engine = Engine(model, config.engine, tokenizer=tokenizer, lora=lora, draft_model=load_draft(config))
     for lname, lpath in config.lora.modules if config.lora is not None else ():
         engine.load_lora(lname, lpath)
     resolved = engine.config
     log.info("KV cache: %d blocks x %d tokens; max-model-len %d; max-num-seqs %d; KV path %s", resolved.num_blocks,
              resolved.block_size, engine.max_model_len, resolved.scheduler.max_num_seqs, resolved.kv_path.value)
+    if resolved.speculative is not None:
+        log.info("speculative decoding: %s, %d tokens per step", resolved.speculative.method.value,
+                 resolved.speculative.num_tokens)
     # The engine thread and the HTTP event loop share the GIL; Python's default 5 ms switch interval would let
     # one hold it for 5 ms while the other waits for a decode step. A process-wide setting, set here because
     # this process is the server.

@@ -90,6 +90,16 @@ class ServeMetrics:
                kv.prefix_cache_hits)
         scalar("num_preemptions_total", "counter", "Requests preempted (recomputed later).",
                engine.scheduler.num_preemptions)
+        spec = engine.spec_stats
+        if spec is not None:  # speculative decoding (serve.speculative.SpecStats)
+            scalar("spec_decode_proposed_tokens_total", "counter", "Tokens proposed by speculation.", spec.proposed)
+            scalar("spec_decode_accepted_tokens_total", "counter", "Proposed tokens the target accepted.",
+                   spec.accepted)
+            scalar("spec_decode_verify_steps_total", "counter", "Sequences verified (one per sequence per step).",
+                   spec.row_steps)
+            scalar("spec_decode_acceptance_rate", "gauge", "Accepted / proposed tokens.", spec.acceptance_rate)
+            scalar("spec_decode_mean_accepted_length", "gauge", "Accepted proposals per sequence per verify step.",
+                   spec.mean_accepted_length)
         return "\n".join(lines) + "\n"
 
 

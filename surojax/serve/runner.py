@@ -55,8 +55,9 @@ from surojax.serve.config import KVPath, RunnerBuckets
 from surojax.serve.kv_reference import reference_multi_step_decode, reference_step
 from surojax.serve.multi_step import multi_step_decode_paged
 from surojax.serve.scheduler import ScheduledRequest
+from surojax.serve.speculative import accept, sampling_arrays
 
-__all__ = ["PAGED_KERNEL", "PagedRunner", "StepResult", "paged_step"]
+__all__ = ["PAGED_KERNEL", "PagedRunner", "StepResult", "paged_step", "verify_step"]
 
 PAGED_KERNEL = {KVPath.PAGED: PagedKernel.GATHER, KVPath.REDUCE: PagedKernel.REDUCE,
                 KVPath.PALLAS: PagedKernel.PALLAS}  # a paged KV path -> how its decode attention reads the pool
@@ -99,6 +100,32 @@ def paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, 
     cache = PagedKVCache(k_pool, v_pool, block_table, ctx_len, block_size, kernel)
     h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, unroll=unroll)
     return cache.k, cache.v, sample_last(model, h, last_idx, rows, mode)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sample", "block_size", "unroll", "kernel"),
+                   donate_argnames=("k_pool", "v_pool"))
+def verify_step(graphdef, state, k_pool, v_pool, last, start, proposals, num_proposed, draft_probs, block_table,
+                rows, sample: bool, block_size: int, unroll: int | bool = 1,
+                kernel: PagedKernel = PagedKernel.GATHER):
+    """Speculative verification: ONE target forward over [last, d_1 .. d_k] per row (a prefill chunk of K + 1
+    tokens on the paged pool, as ``paged_step``) whose logits at every position are kept, then
+    ``speculative.accept``.
+
+    last/start [R] (the row's last token and its position: the row's KV length); proposals [R, K];
+    num_proposed [R] (k_r <= K; -1 on padding rows: nothing written); draft_probs [R, K, V] or None (n-gram);
+    block_table [R, NB] with NB * block_size >= max(start) + K + 1; rows: `speculative.sampling_arrays`.
+    The KV of all k_r + 1 tokens is written; the scheduler rolls the rejected ones back.
+    -> (k_pool, v_pool, dict(ids [R, K + 1], count [R]))."""
+    model = nnx.merge(graphdef, state)
+    R, K = proposals.shape
+    j = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
+    tokens = jnp.concatenate([last[:, None], proposals], axis=1).astype(jnp.int32)  # [R, K + 1]
+    positions = start[:, None] + j
+    segments = (j <= num_proposed[:, None]).astype(jnp.int32)
+    cache = PagedKVCache(k_pool, v_pool, block_table, start, block_size, kernel)
+    h, cache = model.hidden_states(tokens, positions, segments, cache=cache, unroll=unroll)
+    logits = model.logits(h)  # [R, K + 1, V] fp32
+    return cache.k, cache.v, accept(logits, proposals, num_proposed, draft_probs, rows, start, sample=sample)
 
 
 class StepResult(dict):
@@ -361,6 +388,40 @@ class PagedRunner:
                     (float(host["logprob"][r, i]),
                      [(int(a), float(b)) for a, b in zip(host["top_ids"][r, i, :k], host["top_logprobs"][r, i, :k])])
                     for i in range(n)]
+
+    # ---- speculative verification -------------------------------------------------------------------------
+    def verify_shape(self, group: list[ScheduledRequest], num_tokens: int) -> tuple[int, int]:
+        """(R, S) of a verify (or draft) call over ``group`` (decoding rows) with K = num_tokens proposals."""
+        R = _bucket(len(group), self.min_rows)
+        S = _context_bucket(max(s.start for s in group) + num_tokens + 1, max(self.block_size, self.min_context),
+                            self.block_size)
+        return R, S
+
+    def verify(self, group: list[ScheduledRequest], proposals, num_proposed, draft_probs=None) -> StepResult:
+        """Verify the rows' proposals in one target call (``verify_step``) -> request id -> the emitted tokens
+        (accepted proposals, then the target's next token). proposals [R, K] and num_proposed [R] (-1 on
+        padding rows) with R from ``verify_shape``, host or device arrays; draft_probs [R, K, V] or None."""
+        if not self.paged:
+            raise ValueError("speculative verification needs a paged KV path")
+        K = proposals.shape[1]
+        R, S = self.verify_shape(group, K)
+        last = np.zeros(R, np.int32)
+        start = np.zeros(R, np.int32)
+        params = []
+        for r, s in enumerate(group):
+            last[r], start[r] = s.token_ids[0], s.start
+            params.append(s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams())
+        rows = sampling_arrays(params, R)
+        self.num_calls += 1
+        self.k_pool, self.v_pool, res = verify_step(
+            self.graphdef, self.state, self.k_pool, self.v_pool, last, start, proposals, num_proposed, draft_probs,
+            self._block_table(group, R, S), rows, sample=bool((rows["temperature"] > 0).any()),
+            block_size=self.block_size, unroll=self.unroll, kernel=self.kernel)
+        host = jax.device_get(res)
+        out = StepResult()
+        for r, s in enumerate(group):
+            out[s.request_id] = [int(t) for t in host["ids"][r, :int(host["count"][r])]]
+        return out
 
     # ---- one step -----------------------------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledRequest], bitmasks=None) -> StepResult:

@@ -17,6 +17,11 @@ Architecture choices:
   max_model_len come first) and reserves their slots ahead (lookahead blocks). The runner then runs the K
   forwards in one device call; ``update`` takes the list of tokens a row produced (it stops early on a stop id
   or its limit). When the free blocks do not cover every lookahead, the step falls back to one token.
+* Speculative decoding (``speculative_tokens``, a function request -> K it may propose): a decoding request
+  is scheduled as one token plus ``num_spec`` = k lookahead slots (k capped by max_tokens and max_model_len;
+  without the blocks for them it decodes plainly). ``update`` takes the accepted proposals plus the target's
+  next token, keeps the KV of the accepted ones and rolls the rest back: the sequence's length is what was
+  accepted and the blocks that held only rejected tokens are freed (``KVCacheManager.free_tail``).
 * Sampling params are opaque here; stop token ids / max_tokens / max_model_len are the scheduler's to enforce
   (stop *strings* need detokenisation and belong to the engine, which calls ``abort``/``finish`` for them).
 """
@@ -26,7 +31,7 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping
 
 from surojax.serve.config import SchedulerConfig
 from surojax.serve.kv_cache import KVCacheManager
@@ -89,6 +94,7 @@ class ScheduledRequest:
     sampling_params: Any = None
     request: Any = field(default=None, repr=False)  # the Request (the runner reads its tokens for penalties)
     num_steps: int = 1  # multi-step decode: up to this many tokens sampled in one call (slots reserved ahead)
+    num_spec: int = 0  # speculative decode: slots reserved for this many proposals after the one token
 
 
 @dataclass
@@ -114,8 +120,10 @@ class RequestOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
-        """config.max_model_len must be resolved (not None: `Engine` resolves it from the model)."""
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig,
+                 speculative_tokens: Callable[[Request], int] | None = None):
+        """config.max_model_len must be resolved (not None: `Engine` resolves it from the model).
+        speculative_tokens: request -> how many tokens may be proposed for it per step (None: no speculation)."""
         if config.max_model_len is None:
             raise ValueError("Scheduler: config.max_model_len is None; resolve it first (Engine does)")
         if kv.num_blocks * kv.block_size < config.max_model_len:
@@ -134,6 +142,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._last: dict[str, ScheduledRequest] = {}
         self.num_preemptions = 0
+        self.speculative_tokens = speculative_tokens
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -198,6 +207,14 @@ class Scheduler:
         return max(1, min(self.decode_steps, req.max_tokens - len(req.output_token_ids),
                           self.max_model_len - req.num_tokens))
 
+    def _num_spec(self, req: Request, budget: int) -> int:
+        """Proposals for a decoding request this step: its K, capped so that every token the step may emit
+        (k + 1) fits max_tokens and max_model_len and the step's token budget."""
+        if self.speculative_tokens is None or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        return max(0, min(self.speculative_tokens(req), req.max_tokens - len(req.output_token_ids) - 1,
+                          self.max_model_len - req.num_tokens - 1, budget - 1))
+
     def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
         """All running requests decode K tokens each, with their slots reserved ahead. False (nothing changed)
         unless K > 1, no request waits, every running one is decoding and none is ``single_step``, and the free
@@ -236,6 +253,14 @@ class Scheduler:
             req = self.running[i]
             n = self._num_new(req, budget, req.num_computed_tokens)
             if n == 0:
+                i += 1
+                continue
+            k = self._num_spec(req, budget)
+            if k and self.kv.allocate(req, 1 + k):  # else: a plain decode (with preemption if need be)
+                s = self._scheduled(req, 1)
+                s.num_spec = k
+                out.scheduled.append(s)
+                budget -= 1 + k
                 i += 1
                 continue
             while not self.kv.allocate(req, n):
@@ -290,8 +315,9 @@ class Scheduler:
                 raise KeyError(f"no sampled token for {rid!r}")
             toks = sampled[rid]
             toks = [int(t) for t in toks] if isinstance(toks, (list, tuple)) else [int(toks)]
-            if not toks or len(toks) > s.num_steps:
-                raise ValueError(f"{rid!r}: {len(toks)} sampled tokens for a step of {s.num_steps}")
+            if not toks or len(toks) > max(s.num_steps, s.num_spec + 1):
+                raise ValueError(f"{rid!r}: {len(toks)} sampled tokens for a step of {s.num_steps}"
+                                 f" (+{s.num_spec} proposals)")
             status, new = None, []
             for i, tok in enumerate(toks):
                 if i:
@@ -304,8 +330,10 @@ class Scheduler:
                     status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
                     break
-            if s.num_steps > 1:  # as single steps would have: the blocks whose KV is now written are cached
+            if s.num_steps > 1 or s.num_spec:  # as single steps would have: blocks whose KV is written are cached
                 self.kv.publish(req, req.num_computed_tokens)
+            if s.num_spec and status is None:  # roll back past the rejected proposals
+                self.kv.free_tail(req, req.num_computed_tokens)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
