@@ -182,7 +182,7 @@ async def _wait_disconnect(raw: Request) -> None:
 def _submit_n(state: ServerState, ids, params, adapter, n: int, split=False) -> list[Stream]:
     """n independent samples of one prompt: n engine requests (the later ones hit the first one's prefix blocks,
     published when it is scheduled); seeds seed, seed + 1, ... when the request gives one. All or none."""
-    if n > state.engine.max_in_flight:
+    if n > 1 and n > state.engine.max_in_flight:  # could never all be in flight (n = 1: a full queue is a 429)
         raise ApiError(400, f"n = {n} is more than the server takes in flight ({state.engine.max_in_flight})",
                        param="n")
     streams: list[Stream] = []

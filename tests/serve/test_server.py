@@ -317,7 +317,7 @@ def test_failed_engine_step_fails_only_its_requests(server, client):
     runner = state.engine.engine.runner
     real = runner.execute
 
-    def boom(scheduled):
+    def boom(scheduled, *rest):
         runner.execute = real
         raise RuntimeError("injected failure")
 

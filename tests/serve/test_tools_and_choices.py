@@ -120,8 +120,8 @@ def scripted(state, tok, text):
     engine = state.engine.engine
     script, eos, real = tok.encode(text), state.eos_ids[0], engine.runner.execute
 
-    def execute(scheduled):
-        out = real(scheduled)
+    def execute(scheduled, *rest):
+        out = real(scheduled, *rest)
         for rid in list(out):
             k = len(engine.scheduler.requests[rid].output_token_ids)
             out[rid] = script[k] if k < len(script) else eos
