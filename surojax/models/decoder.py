@@ -98,6 +98,8 @@ def _stack_blocks(make: Callable[[jax.Array], Block], keys: jax.Array) -> Block:
     return stacked
 
 
+LAYER_INPUT = "layer_input"  # the checkpoint name of each layer's input (what `recompute: offload` moves to host)
+
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, attention: str = "auto",
                  rngs: nnx.Rngs):
@@ -159,7 +161,7 @@ class Decoder(nnx.Module):
 
         def body(h, xs):
             state_l, kv_l, window_l = xs
-            h = checkpoint_name(h, "layer_input")  # the residual that `recompute: offload` keeps in host memory
+            h = checkpoint_name(h, LAYER_INPUT)  # the residual that `recompute: offload` keeps in host memory
             block = nnx.merge(graphdef, on_device(state_l))
             h, kv_l, stats = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta, window_l)
             return h, (kv_l, stats)

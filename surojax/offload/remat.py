@@ -22,9 +22,9 @@ from typing import Callable
 import jax
 
 from surojax.offload.prefetch import PrefetchedLayers
+from surojax.models.decoder import LAYER_INPUT  # the checkpoint name the decoder gives each layer's input
 
 POLICIES = ("none", "full", "dots", "offload")
-LAYER_INPUT = "layer_input"  # the checkpoint name the decoder's scan body gives each layer's input
 
 
 def remat_wrapper(name: str) -> Callable | None:

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
-from surojax.offload.remat import LAYER_INPUT, remat_wrapper
+from surojax.models.decoder import LAYER_INPUT
 from surojax.parallel.rules import batch_parallel_size
 
 STAGE = "stage"
@@ -212,16 +212,16 @@ def pipeline_stages(mesh) -> int:
 
 
 def pipelined_layer_loop(mesh: Mesh, spec: PipelineSpec, *, rows_per_shard: int, num_layers: int,
-                         recompute: str) -> PipelinedLayers:
+                         layer_remat: Callable | None) -> PipelinedLayers:
     """The layer loop of a run on a mesh with stage > 1, its shapes checked before anything compiles.
-    rows_per_shard: rows of one data shard per micro-batch (per_device_train_batch_size); recompute: the per-layer
-    policy name (surojax.offload.remat)."""
+    rows_per_shard: rows of one data shard per micro-batch (per_device_train_batch_size); layer_remat: the
+    per-layer recompute wrapper (surojax.offload.remat.remat_wrapper of the run's policy; None: none)."""
     stages = pipeline_stages(mesh)
     microbatches = spec.microbatches or default_microbatches(stages, rows_per_shard)
     dp = batch_parallel_size(mesh)
     check_pipeline(num_layers=num_layers, rows=rows_per_shard * dp, data_parallel=dp, stages=stages,
                    microbatches=microbatches, repeats=spec.repeats)
-    return PipelinedLayers(mesh, microbatches, spec.repeats, remat_wrapper(recompute))
+    return PipelinedLayers(mesh, microbatches, spec.repeats, layer_remat)
 
 
 __all__ = ["PipelineError", "PipelineSpec", "PipelinedLayers", "bubble_fraction", "check_pipeline",

@@ -34,7 +34,7 @@ from surojax.offload.layer_loop_choice import LayerLoopChoice, choose_layer_loop
 from surojax.offload.master import place_master_on_host
 from surojax.offload.memory_plan import MemoryPlan, check_fits, device_capacity, plan_memory
 from surojax.offload.optimizer import apply_master_updates, compute_copy
-from surojax.offload.remat import layer_loop
+from surojax.offload.remat import layer_loop, remat_wrapper
 from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
 from surojax.offload.streaming import build_context, place_model
 from surojax.parallel import batch_parallel_size, init_sharded
@@ -189,7 +189,8 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
             raise PipelineError("pipeline stages (parallel.stage > 1) do not collect the router statistics a MoE "
                                 "model's training loss needs yet; use expert / data / fsdp parallelism for it")
         pipeline = pipelined_layer_loop(mesh, spec.pipeline, rows_per_shard=spec.batch.rows,
-                                        num_layers=spec.model.config.num_layers, recompute=mem.recompute)
+                                        num_layers=spec.model.config.num_layers,
+                                        layer_remat=remat_wrapper(mem.recompute))
         reason += "; " + pipeline.describe()
     log.debug("layer loop: %s", reason)  # the Trainer prints it in its start-up summary
     if check_memory and plans_one_device(mesh):

@@ -1,6 +1,6 @@
 """Step time of a training run vs the number of nodes, on paper: compute, collective volumes, link bandwidths.
 
-    python -m surojax.parallel.scaling_model [--model qwen3-8b ...] [--nodes 1 2 4 ...] [--ib-gbs 50] ...
+    python -m surojax.bench.scaling_model [--model qwen3-8b ...] [--nodes 1 2 4 ...] [--ib-gbs 50] ...
 
 No device work: arithmetic over the repository's model shapes (surojax/bench/shapes.py), FLOPs per token as
 surojax/bench/flops.py counts them (`mode="full"`: full fine-tuning / pretraining), and the collectives that the
@@ -287,7 +287,7 @@ def format_table(name: str, preds: Sequence[Prediction]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m surojax.parallel.scaling_model", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m surojax.bench.scaling_model", description=__doc__.split("\n")[0])
     ap.add_argument("--model", action="append", choices=sorted(SHAPES), help=f"default: {', '.join(MODELS)}")
     ap.add_argument("--nodes", type=int, nargs="+", default=list(NODES))
     ap.add_argument("--mesh", help="axis sizes for every node count, e.g. data=-1,tensor=8 (default: the rule)")

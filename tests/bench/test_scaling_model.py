@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from surojax.bench.shapes import model_config
-from surojax.parallel.scaling_model import (
+from surojax.bench.scaling_model import (
     Hardware,
     MeshPlan,
     Workload,
