@@ -1,0 +1,109 @@
+"""Multi-process runs: `jax.distributed` initialised once, at process start, from the environment.
+
+One JAX process drives the devices of one host (or one GPU); the processes of a run find each other through a
+coordinator (process 0's host:port) and then see every device of every process in `jax.devices()`, so one mesh
+spans them all. Where the numbers come from, first match wins:
+
+    surojax launch      SUROJAX_COORDINATOR_ADDRESS (host:port of process 0's coordinator)
+                        SUROJAX_NUM_PROCESSES       (processes in the run, all nodes)
+                        SUROJAX_PROCESS_ID          (this process, 0 .. SUROJAX_NUM_PROCESSES - 1)
+                        set by `surojax launch` (surojax/cli/launch.py); set them by hand for another launcher
+    SLURM (srun)        SLURM_JOB_ID, SLURM_NTASKS > 1, SLURM_PROCID ... under `srun`: JAX's own cluster
+                        detection picks the coordinator (the first node of the step), count, id and local GPU
+    neither             one process; `jax.distributed` is not initialised
+
+The CPU backend's cross-process collectives are gloo (`jax_cpu_collectives_implementation`), set before the
+backends start; it only concerns the CPU client (GPU collectives are NCCL), so tests run N CPU processes here.
+
+Failure: a process that dies stops sending heartbeats; after `SUROJAX_HEARTBEAT_TIMEOUT` seconds (default 100,
+JAX's) the coordination service fails the others' pending collectives instead of letting them wait forever.
+`surojax launch` and `srun --kill-on-bad-exit` stop the other processes sooner.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+
+import jax
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_ENV = "SUROJAX_COORDINATOR_ADDRESS"
+NUM_PROCESSES_ENV = "SUROJAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "SUROJAX_PROCESS_ID"
+HEARTBEAT_ENV = "SUROJAX_HEARTBEAT_TIMEOUT"
+DEFAULT_HEARTBEAT_S = 100
+SLURM_REQUIRED = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+class DistributedSetupError(ValueError):
+    """Distributed environment variables that do not make a run."""
+
+    is_user_error = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessEnv:
+    """Where this process stands in the run. `source`: "launch", "slurm" or "single"."""
+
+    process_id: int
+    num_processes: int
+    source: str
+    coordinator: str | None = None  # host:port (None: single process, or left to JAX's SLURM detection)
+
+    @property
+    def is_main(self) -> bool:
+        """Process 0: the one that writes logs, metrics and exports."""
+        return self.process_id == 0
+
+
+def process_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
+    """Read the run's process layout from `environ` (pure: nothing is initialised)."""
+    launch = [k for k in (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV) if k in environ]
+    if launch:
+        if len(launch) != 3:
+            missing = sorted({COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV} - set(launch))
+            raise DistributedSetupError(f"{', '.join(launch)} set but not {', '.join(missing)}: a multi-process run "
+                                        "needs all three (surojax launch sets them)")
+        try:
+            count, pid = int(environ[NUM_PROCESSES_ENV]), int(environ[PROCESS_ID_ENV])
+        except ValueError:
+            raise DistributedSetupError(f"{NUM_PROCESSES_ENV}={environ[NUM_PROCESSES_ENV]!r} and {PROCESS_ID_ENV}="
+                                        f"{environ[PROCESS_ID_ENV]!r} must be integers") from None
+        if count < 1 or not 0 <= pid < count:
+            raise DistributedSetupError(f"{PROCESS_ID_ENV}={pid} is not in [0, {NUM_PROCESSES_ENV}={count})")
+        return ProcessEnv(pid, count, "launch", environ[COORDINATOR_ENV])
+    if all(k in environ for k in SLURM_REQUIRED) and int(environ["SLURM_NTASKS"]) > 1:
+        return ProcessEnv(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]), "slurm")
+    return ProcessEnv(0, 1, "single")
+
+
+def initialize_from_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
+    """Initialise `jax.distributed` for the run the environment describes (see the module docstring); call once,
+    at process start, before anything touches a device. A single process initialises nothing. Processes other
+    than 0 then log warnings and errors only. Idempotent: a second call returns the layout it started with."""
+    env = process_env(environ)
+    if env.num_processes == 1:
+        return env
+    if jax.distributed.is_initialized():
+        return env
+    heartbeat = int(environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S))
+    # only the CPU client reads it (GPU collectives are NCCL); must be set before the backends start
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if env.source == "launch":
+        jax.distributed.initialize(coordinator_address=env.coordinator, num_processes=env.num_processes,
+                                   process_id=env.process_id, heartbeat_timeout_seconds=heartbeat)
+    else:  # SLURM: JAX detects the coordinator, count, id and this task's local GPU
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
+    if not env.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    log.info("process %d of %d (%s), %d local / %d global devices", env.process_id, env.num_processes, env.source,
+             jax.local_device_count(), jax.device_count())
+    return env
+
+
+def is_main_process() -> bool:
+    """Whether this is process 0 (always, in a single-process run)."""
+    return jax.process_index() == 0
