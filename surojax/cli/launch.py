@@ -100,10 +100,20 @@ class _Rank:
         # a session of its own: a terminal's Ctrl-C reaches the launcher only, which passes it on once
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True, bufsize=0)
+        self.ended: float | None = None  # time.monotonic() when it exited (the first failure is the one to report)
         self.threads = [threading.Thread(target=self._copy, args=(self.proc.stdout, sys.stdout), daemon=True),
                         threading.Thread(target=self._copy, args=(self.proc.stderr, sys.stderr), daemon=True)]
         for t in self.threads:
             t.start()
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        self.ended = time.monotonic()
+
+    @property
+    def failed(self) -> bool:
+        return self.ended is not None and self.proc.returncode != 0
 
     def _copy(self, pipe, sink) -> None:
         prefix = f"[{self.rank}] "
@@ -119,7 +129,7 @@ class _Rank:
             t.join(timeout=5)
 
     def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
+        if self.ended is None:
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
@@ -135,7 +145,7 @@ def _stop(ranks: list[_Rank], grace: float) -> None:
     for r in ranks:
         r.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(r.proc.poll() is None for r in ranks):
+    while time.monotonic() < deadline and any(r.ended is None for r in ranks):
         time.sleep(POLL_S)
     for r in ranks:
         r.signal(signal.SIGKILL)
@@ -161,8 +171,9 @@ def run(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
-            failed = next((r for r in ranks if r.proc.poll() not in (None, 0)), None)
-            if failed is not None:
+            failures = sorted((r for r in ranks if r.failed), key=lambda r: r.ended)
+            if failures:
+                failed = failures[0]
                 _stop([r for r in ranks if r is not failed], args.grace)
                 for r in ranks:
                     r.drain()
@@ -170,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 print_error(f"launch: rank {failed.rank} exited with code {code}; the other processes were stopped. "
                             f"Its last lines:\n" + "\n".join(f"  [{failed.rank}] {line}" for line in failed.last))
                 return code
-            if all(r.proc.poll() == 0 for r in ranks):
+            if all(r.ended is not None and r.proc.returncode == 0 for r in ranks):
                 for r in ranks:
                     r.drain()
                 return 0

@@ -27,6 +27,8 @@ import os
 from collections.abc import Mapping
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
 
@@ -107,3 +109,30 @@ def initialize_from_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
 def is_main_process() -> bool:
     """Whether this is process 0 (always, in a single-process run)."""
     return jax.process_index() == 0
+
+
+def global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, batch_axis: int,
+                 process_count: int) -> dict[str, jax.Array]:
+    """The global batch arrays from this process's rows of them: `local[k]` holds the rows its devices own along
+    `batch_axis` (the loaders give process p its 1/P share, surojax/data/loader.py); the global array has P times
+    as many rows there. All processes call it with the same keys and shapes. One process: a plain device_put."""
+    def one(x: np.ndarray) -> jax.Array:
+        shape = list(x.shape)
+        shape[batch_axis] *= process_count
+        return jax.make_array_from_process_local_data(sharding, x, tuple(shape))
+    return {k: one(v) for k, v in local.items()}
+
+
+def gather_to_main(tree):
+    """The values of a pytree of (possibly process-spanning) arrays as numpy, on process 0; None on the others.
+    Every process must call it (each non-addressable leaf is one all-gather, in the tree's order); one leaf at a
+    time is materialised on the other processes' hosts, the whole tree only on process 0's."""
+    leaves, treedef = jax.tree.flatten(tree)
+    main = is_main_process()
+    kept = []
+    for x in leaves:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = multihost_utils.process_allgather(x, tiled=True)
+        if main:
+            kept.append(np.asarray(x) if isinstance(x, jax.Array) else x)
+    return jax.tree.unflatten(treedef, kept) if main else None

@@ -34,6 +34,7 @@ from surojax.data.tokenizer import Tokenizer
 from surojax.models.layers.attention import packed_backend
 from surojax.offload.optimizer import master_params
 from surojax.parallel import batch_sharding, make_mesh
+from surojax.parallel.distributed import gather_to_main, global_batch
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import save_peft_adapter
 from surojax.peft.trained_router import add_router_to_adapter, has_trained_router
@@ -83,8 +84,15 @@ class Trainer:
     loss = staticmethod(lm_loss)
 
     def __init__(self, cfg: TrainConfig, *, console=None):
+        if jax.process_count() > 1 and cfg.trainer != "sft":  # their batches and task state are one-process
+            raise TrainSetupError(f"trainer: {cfg.trainer} runs in one process for now; multi-process runs "
+                                  "(surojax launch, srun) train sft / pt")
         self.cfg = cfg
+        # multi-process: process 0 alone prints, writes metrics, the loss chart and the export
+        self.is_main = jax.process_index() == 0
         self.console = console or Console(stderr=True)
+        if not self.is_main:
+            self.console = Console(stderr=True, quiet=True)
         self.output_dir = Path(cfg.output_dir)
         self._check_output_dir()
         model_config = model_config_for(cfg)  # cheap: the architecture is checked before data and weights
@@ -139,7 +147,7 @@ class Trainer:
         self.checkpointer = Checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"),
                                          keep=cfg.save_total_limit)
         self.metrics = Metrics(self.output_dir, cfg.report_to, run_config=cfg.model_dump(by_alias=True),
-                               project=cfg.wandb_project or "surojax")
+                               project=cfg.wandb_project or "surojax", write=self.is_main)
         if cfg.resume_from_checkpoint:
             self._resume()
 
@@ -209,9 +217,14 @@ class Trainer:
         return next(self.data.train)
 
     def _device_batch(self, batch: dict) -> dict:
-        A, B = self.plan.accumulation, self.plan.micro_batch
-        shaped = {k: v.reshape(A, B, *v.shape[1:]) for k, v in batch.items()}
-        return jax.device_put(shaped, self.batch_sharding)
+        """This process's rows [A * B / P, T] of the step -> the global batch arrays [A, B, T].
+
+        Process p's loader holds rows p, p + P, ... of the global batch, so its micro-batch a (rows a*B/P ..
+        (a+1)*B/P of its share) is its part of global micro-batch a: every micro-batch holds the same rows as in
+        a one-process run, in another order (the loss sums over rows: equal up to fp32 summation order)."""
+        A, P = self.plan.accumulation, jax.process_count()
+        shaped = {k: v.reshape(A, v.shape[0] // A, *v.shape[1:]) for k, v in batch.items()}
+        return global_batch(shaped, self.batch_sharding, 1, P)
 
     def step(self) -> dict:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics."""
@@ -246,8 +259,8 @@ class Trainer:
             return None
         total, count = 0.0, 0.0
         for batch in self.data.eval:
-            s, n = self.run.eval_step(self.trainable, self.frozen, jax.device_put(batch, NamedSharding(
-                self.mesh, P(*self.batch_sharding.spec[1:]))))
+            s, n = self.run.eval_step(self.trainable, self.frozen, global_batch(batch, NamedSharding(
+                self.mesh, P(*self.batch_sharding.spec[1:])), 0, jax.process_count()))
             total, count = total + float(s), count + float(n)
         return total / max(count, 1.0)
 
@@ -349,7 +362,7 @@ class Trainer:
             last["eval_loss"] = ev
         self.checkpointer.close()
         out = self.export(overwrite=bool(cfg.resume_from_checkpoint))
-        chart = plot_loss(self.metrics.history, self.output_dir / "loss.png")
+        chart = plot_loss(self.metrics.history, self.output_dir / "loss.png") if self.is_main else None
         self.metrics.close()
         self.console.print(f"[bold green]done[/]: {out}" + (f"; loss chart {chart}" if chart else ""))
         return last
@@ -383,8 +396,16 @@ class Trainer:
     def export(self, out_dir: str | Path | None = None, *, overwrite: bool = False) -> Path:
         """Write the trained weights: a PEFT adapter (LoRA; plus the merged model with `merge_adapter`) or an
         HF model folder, each with the tokenizer files. Default folder: <output_dir>/adapter or /model.
-        An existing non-empty folder is an error unless `overwrite` (writes are atomic: temp folder + rename)."""
+        An existing non-empty folder is an error unless `overwrite` (writes are atomic: temp folder + rename).
+        Multi-process: every process calls it (the weights are all-gathered, surojax.parallel.distributed
+        `gather_to_main`); process 0 alone writes, the others return the same path."""
         model = self.trained_model()
+        if jax.process_count() > 1:
+            graphdef, state = nnx.split(model)
+            state = gather_to_main(state)
+            if state is None:
+                return Path(out_dir or self.output_dir / ("adapter" if self.cfg.lora else "model"))
+            model = nnx.merge(graphdef, state)
         save_dtype = self.spec.precision.save_dtype
         if self.cfg.lora:
             out = save_peft_adapter(model, Path(out_dir or self.output_dir / "adapter"), self.cfg.model,
