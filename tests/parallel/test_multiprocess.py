@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.train.conftest import ROOT, tiny_config  # noqa: F401  (the fixture)
@@ -56,20 +57,25 @@ make_trainer(load_config(sys.argv[1])).train()
 """
 
 
-def _env(devices: int) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+def _env(devices: int, cache: Path | None = None) -> dict[str, str]:
+    """A child's environment: CPU with `devices` virtual devices; `cache`: JAX's compilation cache there (the runs
+    of one test compile the same programs: each compiles once)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    if cache is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return env
 
 
-def _launch(*cmd: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "surojax.cli.main", "launch", "--nproc-per-node", str(nproc), "--", *cmd]
-    return subprocess.run(argv, cwd=ROOT, env=_env(DEVICES_PER_PROCESS), capture_output=True, text=True,
+def _launch(*cmd: str, cache: Path | None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "surojax.cli.main", "launch", "--nproc-per-node", "2", "--", *cmd]
+    return subprocess.run(argv, cwd=ROOT, env=_env(DEVICES_PER_PROCESS, cache), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
 
 
-def _train_one_process(config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "surojax.train", "--config", str(config)], cwd=ROOT, env=_env(1),
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+def _train_one_process(config: Path, cache: Path | None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "surojax.train", "--config", str(config)], cwd=ROOT,
+                          env=_env(1, cache), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def _losses(out_dir: Path) -> dict[int, float]:
@@ -89,22 +95,24 @@ def _write(path: Path, cfg: dict) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, tiny_config):
-    common = dict(max_steps=6, save_steps=2, gradient_accumulation_steps=2, lr_scheduler_type="cosine",
+    cache = tmp_path / "xla_cache"
+    common = dict(max_steps=4, save_steps=2, gradient_accumulation_steps=2, lr_scheduler_type="cosine",
                   warmup_steps=2)
     # the reference: one process, one device, the whole global batch on it; its checkpoints are one-process ones
     ref = _write(tmp_path / "ref.yaml", tiny_config(output_dir=str(tmp_path / "ref"),
                                                     per_device_train_batch_size=GLOBAL_BATCH, **common))
-    r = _train_one_process(ref)
+    r = _train_one_process(ref, cache)
     assert r.returncode == 0, r.stderr[-3000:]
     reference = _losses(tmp_path / "ref")
-    assert sorted(reference) == list(range(1, 7))
+    assert sorted(reference) == list(range(1, 5))
 
     # 2 processes x 4 devices; rank 1 dies (SIGKILL) after step 3: the launcher stops rank 0 and says so
     mp = tiny_config(output_dir=str(tmp_path / "mp"), per_device_train_batch_size=PER_DEVICE_BATCH,
                      parallel=PARALLEL, **common)
     mp_cfg = _write(tmp_path / "mp.yaml", mp)
-    killed = _launch("python", "-c", KILL_RANK_1, str(mp_cfg), "3")
+    killed = _launch("python", "-c", KILL_RANK_1, str(mp_cfg), "3", cache=cache)
     assert killed.returncode == 128 + signal.SIGKILL, killed.stderr[-3000:]
     assert "rank 1 exited with code 137" in killed.stderr
     assert not (tmp_path / "mp" / "model").exists()
@@ -112,28 +120,28 @@ def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, 
 
     # resumed in 2 processes: the remaining steps repeat the one-process losses; process 0 alone writes the export
     _write(mp_cfg, dict(mp, resume_from_checkpoint=True))
-    r = _launch("python", "-m", "surojax.train", "--config", str(mp_cfg))
+    r = _launch("python", "-m", "surojax.train", "--config", str(mp_cfg), cache=cache)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[0] resumed" in r.stderr and "[1] resumed" not in r.stderr
-    _assert_losses(tmp_path / "mp", reference, range(1, 7))
+    _assert_losses(tmp_path / "mp", reference, range(1, 5))
     assert (tmp_path / "mp" / "model" / "model.safetensors").is_file()
 
     # a checkpoint written by 2 processes continues in 1 (one device, the same global batch) ...
-    shutil.copytree(tmp_path / "mp" / "checkpoints" / "4", tmp_path / "from_mp" / "4")
+    shutil.copytree(tmp_path / "mp" / "checkpoints" / "2", tmp_path / "from_mp" / "2")
     to_one = _write(tmp_path / "to_one.yaml", tiny_config(
         output_dir=str(tmp_path / "to_one"), per_device_train_batch_size=GLOBAL_BATCH,
-        resume_from_checkpoint=str(tmp_path / "from_mp" / "4"), **common))
-    r = _train_one_process(to_one)
+        resume_from_checkpoint=str(tmp_path / "from_mp" / "2"), **common))
+    r = _train_one_process(to_one, cache)
     assert r.returncode == 0, r.stderr[-3000:]
-    _assert_losses(tmp_path / "to_one", reference, range(5, 7))
+    _assert_losses(tmp_path / "to_one", reference, range(3, 5))
 
     # ... and one written by 1 process continues in 2
-    shutil.copytree(tmp_path / "ref" / "checkpoints" / "4", tmp_path / "from_ref" / "4")
+    shutil.copytree(tmp_path / "ref" / "checkpoints" / "2", tmp_path / "from_ref" / "2")
     to_two = _write(tmp_path / "to_two.yaml", dict(mp, output_dir=str(tmp_path / "to_two"),
-                                                   resume_from_checkpoint=str(tmp_path / "from_ref" / "4")))
-    r = _launch("python", "-m", "surojax.train", "--config", str(to_two))
+                                                   resume_from_checkpoint=str(tmp_path / "from_ref" / "2")))
+    r = _launch("python", "-m", "surojax.train", "--config", str(to_two), cache=cache)
     assert r.returncode == 0, r.stderr[-3000:]
-    _assert_losses(tmp_path / "to_two", reference, range(5, 7))
+    _assert_losses(tmp_path / "to_two", reference, range(3, 5))
 
 
 def test_launch_stops_every_rank_when_one_fails_and_reports_it(tmp_path):
