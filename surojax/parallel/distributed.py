@@ -136,3 +136,10 @@ def gather_to_main(tree):
         if main:
             kept.append(np.asarray(x) if isinstance(x, jax.Array) else x)
     return jax.tree.unflatten(treedef, kept) if main else None
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (e.g. after process 0 alone wrote or removed files the
+    others then read). Nothing to wait for in a single process."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)

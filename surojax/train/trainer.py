@@ -34,7 +34,7 @@ from surojax.data.tokenizer import Tokenizer
 from surojax.models.layers.attention import packed_backend
 from surojax.offload.optimizer import master_params
 from surojax.parallel import batch_sharding, make_mesh
-from surojax.parallel.distributed import gather_to_main, global_batch
+from surojax.parallel.distributed import barrier, gather_to_main, global_batch
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import save_peft_adapter
 from surojax.peft.trained_router import add_router_to_adapter, has_trained_router
@@ -100,7 +100,10 @@ class Trainer:
         if tok_src is None:
             raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
         if is_gguf_path(tok_src):  # the tokenizer of a GGUF base is in its metadata: export it once, as HF files
-            self.tokenizer_dir = save_tokenizer_dir(load_gguf_tokenizer(tok_src), self.output_dir / "gguf_tokenizer")
+            self.tokenizer_dir = self.output_dir / "gguf_tokenizer"
+            if self.is_main:
+                save_tokenizer_dir(load_gguf_tokenizer(tok_src), self.tokenizer_dir)
+            barrier("gguf_tokenizer")
         else:
             self.tokenizer_dir = Path(resolve_local(tok_src))
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from surojax.parallel.distributed import DistributedSetupError, ProcessEnv, process_env
 from tests.train.conftest import ROOT, tiny_config  # noqa: F401  (the fixture)
 
 PARALLEL = {"data": 2, "fsdp": 4}  # 2 processes x 4 devices; with pipeline stages: {"data": 2, "stage": 2, "fsdp": 2}
@@ -157,3 +158,19 @@ def test_launch_stops_every_rank_when_one_fails_and_reports_it(tmp_path):
     assert "[1] rank 1 cannot read its shard" in r.stderr
     assert "rank 1 exited with code 7" in r.stderr
     assert not survivor.exists()
+
+
+def test_process_env_reads_launch_then_slurm_else_one_process():
+    launch = {"SUROJAX_COORDINATOR_ADDRESS": "node0:1234", "SUROJAX_NUM_PROCESSES": "4", "SUROJAX_PROCESS_ID": "3"}
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[0-1]", "SLURM_NTASKS": "16", "SLURM_PROCID": "9",
+             "SLURM_LOCALID": "1"}
+    assert process_env(launch) == ProcessEnv(3, 4, "launch", "node0:1234")
+    assert process_env({**slurm, **launch}).source == "launch"  # surojax launch inside an allocation wins
+    assert process_env(slurm) == ProcessEnv(9, 16, "slurm")
+    assert not process_env(slurm).is_main
+    assert process_env({**slurm, "SLURM_NTASKS": "1"}) == ProcessEnv(0, 1, "single")
+    assert process_env({}).is_main
+    with pytest.raises(DistributedSetupError, match="SUROJAX_PROCESS_ID"):
+        process_env({k: v for k, v in launch.items() if k != "SUROJAX_PROCESS_ID"})
+    with pytest.raises(DistributedSetupError, match=r"not in \[0"):
+        process_env({**launch, "SUROJAX_PROCESS_ID": "4"})
