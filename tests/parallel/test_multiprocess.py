@@ -1,6 +1,7 @@
 """Multi-process runs on CPU: `surojax launch` starts 2 JAX processes of 4 virtual devices each (gloo collectives);
-their training must log the losses of ONE process on one device over the same global batches, resume exactly after
-one of them is SIGKILLed, and exchange checkpoints with one-process runs in both directions.
+their training (full fine-tuning of the fixture HF qwen3, each process loading the shards of its devices) must log
+the losses of ONE process on one device over the same global batches, resume exactly after one of them is SIGKILLed,
+and exchange checkpoints with one-process runs in both directions.
 
 The global batch is the per-device batch x the batch-splitting mesh axes (data x fsdp): the one-device reference
 takes all of it on its one device. Losses agree to rel 1e-4, not exactly: the 2-process micro-batch holds the same
@@ -21,7 +22,7 @@ import pytest
 import yaml
 
 from surojax.parallel.distributed import DistributedSetupError, ProcessEnv, process_env
-from tests.train.conftest import ROOT, tiny_config  # noqa: F401  (the fixture)
+from tests.train.conftest import FIXTURE_QWEN3, ROOT, tiny_config  # noqa: F401  (the fixture)
 
 PARALLEL = {"data": 2, "fsdp": 4}  # 2 processes x 4 devices; with pipeline stages: {"data": 2, "stage": 2, "fsdp": 2}
 DEVICES_PER_PROCESS = 4
@@ -99,10 +100,16 @@ def _write(path: Path, cfg: dict) -> Path:
 @pytest.mark.slow
 def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, tiny_config):
     cache = tmp_path / "xla_cache"
+
+    def config(**overrides) -> dict:  # full fine-tuning of the fixture HF qwen3: each process loads its shards
+        cfg = tiny_config(**overrides)
+        del cfg["model_config"]
+        return dict(cfg, from_scratch=False, model=str(FIXTURE_QWEN3))
+
     common = dict(max_steps=4, save_steps=2, gradient_accumulation_steps=2, lr_scheduler_type="cosine",
                   warmup_steps=2)
     # the reference: one process, one device, the whole global batch on it; its checkpoints are one-process ones
-    ref = _write(tmp_path / "ref.yaml", tiny_config(output_dir=str(tmp_path / "ref"),
+    ref = _write(tmp_path / "ref.yaml", config(output_dir=str(tmp_path / "ref"),
                                                     per_device_train_batch_size=GLOBAL_BATCH, **common))
     r = _train_one_process(ref, cache)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -110,7 +117,7 @@ def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, 
     assert sorted(reference) == list(range(1, 5))
 
     # 2 processes x 4 devices; rank 1 dies (SIGKILL) after step 3: the launcher stops rank 0 and says so
-    mp = tiny_config(output_dir=str(tmp_path / "mp"), per_device_train_batch_size=PER_DEVICE_BATCH,
+    mp = config(output_dir=str(tmp_path / "mp"), per_device_train_batch_size=PER_DEVICE_BATCH,
                      parallel=PARALLEL, **common)
     mp_cfg = _write(tmp_path / "mp.yaml", mp)
     killed = _launch("python", "-c", KILL_RANK_1, str(mp_cfg), "3", cache=cache)
@@ -129,7 +136,7 @@ def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, 
 
     # a checkpoint written by 2 processes continues in 1 (one device, the same global batch) ...
     shutil.copytree(tmp_path / "mp" / "checkpoints" / "2", tmp_path / "from_mp" / "2")
-    to_one = _write(tmp_path / "to_one.yaml", tiny_config(
+    to_one = _write(tmp_path / "to_one.yaml", config(
         output_dir=str(tmp_path / "to_one"), per_device_train_batch_size=GLOBAL_BATCH,
         resume_from_checkpoint=str(tmp_path / "from_mp" / "2"), **common))
     r = _train_one_process(to_one, cache)
