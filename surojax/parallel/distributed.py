@@ -143,3 +143,11 @@ def barrier(name: str) -> None:
     others then read). Nothing to wait for in a single process."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def max_over_processes(value: int) -> int:
+    """The largest of every process's `value` (every process must call it: one small all-gather); `value` itself in
+    a single process. E.g. the signal number any process received, so that all stop at the same step."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))

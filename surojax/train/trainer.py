@@ -34,7 +34,7 @@ from surojax.data.tokenizer import Tokenizer
 from surojax.models.layers.attention import packed_backend
 from surojax.offload.optimizer import master_params
 from surojax.parallel import batch_sharding, make_mesh
-from surojax.parallel.distributed import barrier, gather_to_main, global_batch
+from surojax.parallel.distributed import barrier, gather_to_main, global_batch, max_over_processes
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import save_peft_adapter
 from surojax.peft.trained_router import add_router_to_adapter, has_trained_router
@@ -316,7 +316,7 @@ class Trainer:
         with Progress(*columns, console=self.console, disable=not interactive) as progress:
             task = progress.add_task("train", total=self.plan.total_steps, completed=self.step_count, loss=float("nan"),
                                      lr=0.0, gnorm=0.0, tps=0.0, router="")
-            while self.step_count < self.plan.total_steps and not interrupts.requested:
+            while self.step_count < self.plan.total_steps and not self._stop_requested(interrupts):
                 try:
                     compiles = self._compiled is False
                     m = self.step()
@@ -339,7 +339,7 @@ class Trainer:
                         self.console.print(f"step {self.step_count}/{self.plan.total_steps} loss {m['loss']:.4f} "
                                            f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} "
                                            f"{m['tokens_per_s']:,.0f} tok/s{router}", highlight=False)
-                if cfg.eval_steps and self.step_count % cfg.eval_steps == 0 and not interrupts.requested:
+                if cfg.eval_steps and self.step_count % cfg.eval_steps == 0 and not self._stop_requested(interrupts):
                     ev = self.evaluate()
                     if ev is not None:
                         self.metrics.write(self.step_count, {"eval_loss": ev})
@@ -355,7 +355,7 @@ class Trainer:
                     if not (cfg.save_steps and self.step_count % cfg.save_steps == 0):
                         self.save_checkpoint()
                     break
-        if interrupts.requested:
+        if self._stop_requested(interrupts):
             self._checkpoint_interrupted(interrupts)
             return last
         ev = self.evaluate()
@@ -369,6 +369,14 @@ class Trainer:
         self.metrics.close()
         self.console.print(f"[bold green]done[/]: {out}" + (f"; loss chart {chart}" if chart else ""))
         return last
+
+    def _stop_requested(self, interrupts: Interrupts) -> bool:
+        """Whether to stop at this step boundary. Multi-process: a signal any process got stops them all at the
+        same step (one small all-gather), and one that has not had it yet takes it on (its exit code included)."""
+        signum = max_over_processes(interrupts.signum or 0)
+        if signum and interrupts.signum is None:
+            interrupts.signum = signum
+        return bool(signum)
 
     def _checkpoint_interrupted(self, interrupts: Interrupts) -> None:
         """After SIGINT / SIGTERM: a whole checkpoint at the current step (unless one is there already)."""

@@ -85,11 +85,20 @@ def _losses(out_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _assert_losses(out_dir: Path, reference: dict[int, float], steps: range) -> None:
-    got = _losses(out_dir)
+def _eval_loss(out_dir: Path) -> float:
+    """The final validation loss (written once, after the last step)."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    (last,) = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    return last
+
+
+def _assert_losses(out_dir: Path, reference: Path, steps: range) -> None:
+    """Per-step train losses of `steps`, and the final validation loss, those of the `reference` run."""
+    got, want = _losses(out_dir), _losses(reference)
     assert sorted(got) == list(steps), sorted(got)
     for s in steps:
-        assert math.isclose(got[s], reference[s], rel_tol=REL), (s, got[s], reference[s])
+        assert math.isclose(got[s], want[s], rel_tol=REL), (s, got[s], want[s])
+    assert math.isclose(_eval_loss(out_dir), _eval_loss(reference), rel_tol=REL)
 
 
 def _write(path: Path, cfg: dict) -> Path:
@@ -107,14 +116,14 @@ def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, 
         return dict(cfg, from_scratch=False, model=str(FIXTURE_QWEN3))
 
     common = dict(max_steps=4, save_steps=2, gradient_accumulation_steps=2, lr_scheduler_type="cosine",
-                  warmup_steps=2)
+                  warmup_steps=2, validation_split_ratio=0.1)
     # the reference: one process, one device, the whole global batch on it; its checkpoints are one-process ones
     ref = _write(tmp_path / "ref.yaml", config(output_dir=str(tmp_path / "ref"),
                                                     per_device_train_batch_size=GLOBAL_BATCH, **common))
     r = _train_one_process(ref, cache)
     assert r.returncode == 0, r.stderr[-3000:]
-    reference = _losses(tmp_path / "ref")
-    assert sorted(reference) == list(range(1, 5))
+    reference = tmp_path / "ref"
+    assert sorted(_losses(reference)) == list(range(1, 5))
 
     # 2 processes x 4 devices; rank 1 dies (SIGKILL) after step 3: the launcher stops rank 0 and says so
     mp = config(output_dir=str(tmp_path / "mp"), per_device_train_batch_size=PER_DEVICE_BATCH,
