@@ -20,7 +20,8 @@ COMMAND is a surojax command (`sft run.yaml`, run as `python -m surojax.cli.main
 Every output line of process r is printed as `[r] line` (stdout to stdout, stderr to stderr). When a process
 exits with an error, the others are stopped (SIGTERM, then SIGKILL after --grace seconds), the failed rank and its
 last lines are printed, and the launcher exits with its code (128 + signal for a process killed by a signal).
-SIGINT / SIGTERM to the launcher are passed on to every process (a training run then checkpoints and stops).
+SIGINT / SIGTERM to the launcher are passed on to every process (a training run then checkpoints and stops), and
+the launcher waits for all of them (a second signal, passed on too, ends a training run at once).
 """
 from __future__ import annotations
 
@@ -164,7 +165,10 @@ def run(args: argparse.Namespace) -> int:
         os.environ, coordinator=coordinator, num_processes=total, process_id=args.node_rank * n + i, local_rank=i,
         nproc_per_node=n)) for i in range(n)]
 
+    forwarded: list[int] = []
+
     def forward(sig, _frame):
+        forwarded.append(sig)
         for r in ranks:
             r.signal(sig)
 
@@ -172,7 +176,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             failures = sorted((r for r in ranks if r.failed), key=lambda r: r.ended)
-            if failures:
+            if forwarded:  # every process got the signal and stops by itself (a training run checkpoints first)
+                if all(r.ended is not None for r in ranks):
+                    for r in ranks:
+                        r.drain()
+                    return exit_code(failures[0].proc.returncode) if failures else 0
+            elif failures:
                 failed = failures[0]
                 _stop([r for r in ranks if r is not failed], args.grace)
                 for r in ranks:
