@@ -111,14 +111,56 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+@dataclasses.dataclass(frozen=True)
+class RowBlock:
+    """The rows of a global batch this process's devices hold: block `index` of `count` equal, contiguous blocks.
+    Processes holding the same rows (e.g. pipeline stages of one data shard) share a block: `count` is the
+    number of distinct blocks, at most the process count, 1 in a single process."""
+
+    index: int
+    count: int
+
+
+def row_block(sharding: jax.sharding.Sharding, shape: tuple[int, ...], axis: int) -> RowBlock:
+    """This process's `RowBlock` of an array of `shape` placed by `sharding`, along the batch `axis`. An error when
+    the mesh gives a process rows that are not one contiguous block of the same size as every other process's."""
+    size = shape[axis]
+    parts: dict[int, set[tuple[int, int]]] = {}
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
+        parts.setdefault(device.process_index, set()).add(index[axis].indices(size)[:2])
+    spans = {}
+    for process, ranges in parts.items():
+        start, stop = min(a for a, _ in ranges), max(b for _, b in ranges)
+        if sum(b - a for a, b in _merged(ranges)) != stop - start:
+            raise DistributedSetupError(f"the mesh gives process {process} batch rows {sorted(ranges)} that are not "
+                                        "one contiguous block; order the mesh so each process's devices are adjacent")
+        spans[process] = (start, stop)
+    widths = {stop - start for start, stop in spans.values()}
+    width = max(widths)
+    if len(widths) != 1 or any(start % width for start, _ in spans.values()):
+        raise DistributedSetupError(f"the processes hold unequal batch row blocks {sorted(spans.values())}")
+    return RowBlock(spans[jax.process_index()][0] // width, size // width)
+
+
+def _merged(ranges: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def global_batch(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding, batch_axis: int,
-                 process_count: int) -> dict[str, jax.Array]:
-    """The global batch arrays from this process's rows of them: `local[k]` holds the rows its devices own along
-    `batch_axis` (the loaders give process p its 1/P share, surojax/data/loader.py); the global array has P times
-    as many rows there. All processes call it with the same keys and shapes. One process: a plain device_put."""
+                 blocks: int) -> dict[str, jax.Array]:
+    """The global batch arrays from this process's rows of them: `local[k]` holds its `RowBlock` along
+    `batch_axis` (the loaders give block g of G rows g, g + G, ... of each global batch, surojax/data/loader.py);
+    the global array has `blocks` (G) times as many rows there. All processes call it with the same keys and
+    shapes. One process: a plain device_put."""
     def one(x: np.ndarray) -> jax.Array:
         shape = list(x.shape)
-        shape[batch_axis] *= process_count
+        shape[batch_axis] *= blocks
         return jax.make_array_from_process_local_data(sharding, x, tuple(shape))
     return {k: one(v) for k, v in local.items()}
 

@@ -34,7 +34,7 @@ from surojax.data.tokenizer import Tokenizer
 from surojax.models.layers.attention import packed_backend
 from surojax.offload.optimizer import master_params
 from surojax.parallel import batch_sharding, make_mesh
-from surojax.parallel.distributed import barrier, gather_to_main, global_batch, max_over_processes
+from surojax.parallel.distributed import barrier, gather_to_main, global_batch, max_over_processes, row_block
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import save_peft_adapter
 from surojax.peft.trained_router import add_router_to_adapter, has_trained_router
@@ -110,6 +110,8 @@ class Trainer:
 
         self.mesh = make_mesh(cfg.parallel.sizes())
         A, B = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size * data_parallel_size(self.mesh)
+        self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
+        self.rows = row_block(self.batch_sharding, (A, B, cfg.sequence_len), 1)  # the loaders read this block
         epochs = None if (cfg.max_steps or cfg.epoch_adjustment) else max(1, math.ceil(cfg.num_epochs))
         self.data = self.build_data(batch_size=A * B, eval_batch_size=B, num_epochs=epochs)
         self.num_params = count_params(model_config)
@@ -136,7 +138,6 @@ class Trainer:
         self.trainable, self.frozen, self.opt_state = self.run.trainable, self.run.frozen, self.run.opt_state
         self.run.trainable = self.run.frozen = self.run.opt_state = None  # the trainer owns the live state
         self.memory_plan = self.run.memory_plan
-        self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
         self.key = jax.random.key(cfg.seed)
         self.step_count = 0
         self.adaptive = AdaptiveTraining(AdaptiveSettings.from_optim(cfg), flops_per_token=flops_per_token(
@@ -213,21 +214,23 @@ class Trainer:
     def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None):
         """The run's data (surojax/data/pipeline.py `Data`): `batch_size` rows per step (all micro-batches)."""
         return build_data_from_config(self.cfg, self.tokenizer, batch_size=batch_size, seed=self.cfg.seed,
-                                      num_epochs=num_epochs, eval_batch_size=eval_batch_size)
+                                      num_epochs=num_epochs, eval_batch_size=eval_batch_size,
+                                      process_index=self.rows.index, process_count=self.rows.count)
 
     def next_batch(self) -> dict:
         """The next step's host batch: arrays [A * B, T] the loss reads."""
         return next(self.data.train)
 
     def _device_batch(self, batch: dict) -> dict:
-        """This process's rows [A * B / P, T] of the step -> the global batch arrays [A, B, T].
+        """This process's rows [A * B / G, T] of the step -> the global batch arrays [A, B, T].
 
-        Process p's loader holds rows p, p + P, ... of the global batch, so its micro-batch a (rows a*B/P ..
-        (a+1)*B/P of its share) is its part of global micro-batch a: every micro-batch holds the same rows as in
+        The loader of row block g of G (`self.rows`; G <= the process count: pipeline stages of one data shard
+        share a block) holds rows g, g + G, ... of the global batch, so its micro-batch a (rows a*B/G ..
+        (a+1)*B/G of its share) is its part of global micro-batch a: every micro-batch holds the same rows as in
         a one-process run, in another order (the loss sums over rows: equal up to fp32 summation order)."""
-        A, P = self.plan.accumulation, jax.process_count()
+        A = self.plan.accumulation
         shaped = {k: v.reshape(A, v.shape[0] // A, *v.shape[1:]) for k, v in batch.items()}
-        return global_batch(shaped, self.batch_sharding, 1, P)
+        return global_batch(shaped, self.batch_sharding, 1, self.rows.count)
 
     def step(self) -> dict:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics."""
@@ -263,7 +266,7 @@ class Trainer:
         total, count = 0.0, 0.0
         for batch in self.data.eval:
             s, n = self.run.eval_step(self.trainable, self.frozen, global_batch(batch, NamedSharding(
-                self.mesh, P(*self.batch_sharding.spec[1:])), 0, jax.process_count()))
+                self.mesh, P(*self.batch_sharding.spec[1:])), 0, self.rows.count))
             total, count = total + float(s), count + float(n)
         return total / max(count, 1.0)
 
