@@ -18,6 +18,11 @@ backends start; it only concerns the CPU client (GPU collectives are NCCL), so t
 Failure: a process that dies stops sending heartbeats; after `SUROJAX_HEARTBEAT_TIMEOUT` seconds (default 100,
 JAX's) the coordination service fails the others' pending collectives instead of letting them wait forever.
 `surojax launch` and `srun --kill-on-bad-exit` stop the other processes sooner.
+
+What the Trainer uses once the processes run: `row_block` (which rows of the global batch this process's devices
+hold, so its loader reads only those), `global_batch` (the global arrays from those rows), `gather_to_main` (an
+export's weights on process 0), `barrier` (after process 0 alone wrote files) and `max_over_processes` (a signal
+any process got stops all at the same step).
 """
 from __future__ import annotations
 
@@ -91,14 +96,16 @@ def initialize_from_env(environ: Mapping[str, str] = os.environ) -> ProcessEnv:
         return env
     if jax.distributed.is_initialized():
         return env
-    heartbeat = int(environ.get(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S))
+    heartbeat = environ.get(HEARTBEAT_ENV, str(DEFAULT_HEARTBEAT_S))
+    if not heartbeat.isdigit() or int(heartbeat) < 1:
+        raise DistributedSetupError(f"{HEARTBEAT_ENV}={heartbeat!r}: expected a whole number of seconds >= 1")
     # only the CPU client reads it (GPU collectives are NCCL); must be set before the backends start
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if env.source == "launch":
         jax.distributed.initialize(coordinator_address=env.coordinator, num_processes=env.num_processes,
-                                   process_id=env.process_id, heartbeat_timeout_seconds=heartbeat)
+                                   process_id=env.process_id, heartbeat_timeout_seconds=int(heartbeat))
     else:  # SLURM: JAX detects the coordinator, count, id and this task's local GPU
-        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
+        jax.distributed.initialize(heartbeat_timeout_seconds=int(heartbeat))
     if not env.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     log.info("process %d of %d (%s), %d local / %d global devices", env.process_id, env.num_processes, env.source,
