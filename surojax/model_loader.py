@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 
 import jax.numpy as jnp
+from flax import nnx
 
 from surojax.data.tokenizer import Tokenizer
 from surojax.models.config import ModelConfig
@@ -42,17 +44,20 @@ class LoadedModel:
 
 
 def load_base(ref: ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
-              keep_quantized: bool = False, cfg: ModelConfig | None = None) -> tuple[Decoder, Tokenizer | None]:
+              keep_quantized: bool = False, cfg: ModelConfig | None = None,
+              shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> tuple[Decoder, Tokenizer | None]:
     """The base weights of `ref` (its adapter is not applied) -> (Decoder, the GGUF metadata's tokenizer or None).
 
     dtype: compute dtype; param_dtype: storage dtype (default dtype); cfg: an architecture to use instead of the
     reference's own (e.g. with max_position_embeddings changed); keep_quantized: GGUF only (see the module
-    docstring)."""
+    docstring); shardings_of: an HF folder's parameters made straight into these shardings (surojax.weights.
+    hf_checkpoint.load_model; a GGUF file is read whole)."""
     if ref.kind == "gguf":
         _, model, tokenizer = load_gguf_model(ref.weights, dtype=dtype, param_dtype=param_dtype, attention=attention,
                                               cfg=cfg, keep_quantized=keep_quantized)
         return model, tokenizer
-    return load_model(ref.weights, dtype=dtype, param_dtype=param_dtype, attention=attention, cfg=cfg), None
+    return load_model(ref.weights, dtype=dtype, param_dtype=param_dtype, attention=attention, cfg=cfg,
+                      shardings_of=shardings_of), None
 
 
 def load_model_ref(ref: str | os.PathLike | ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",

@@ -50,7 +50,8 @@ _GGUF = "quant.quantize_mix imports the `gguf` package, which the GPU image lack
 FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("surojax", "surojax.api"): "the package root loads the API on first attribute use: `surojax --help` stays fast",
     **{("surojax.cli.common", target): _CLI_COMMON for target in (
-        "surojax.config", "surojax.config.stages", "surojax.train.stages", "surojax.train.interrupts")},
+        "surojax.config", "surojax.config.stages", "surojax.train.stages", "surojax.train.interrupts",
+        "surojax.parallel.distributed")},
     **{(f"surojax.cli.{command}", target): _CLI_RUN for command, targets in {
         "bench": ("surojax.bench.train_bench", "surojax.models.layers.attention"),
         "distill": ("surojax.config.load", "surojax.train.distill"),

@@ -156,15 +156,19 @@ def train_from_args(args: argparse.Namespace, prog: str | None = None, *, config
     SIGINT / SIGTERM stop it after the current step with a checkpoint (surojax/train/interrupts.py); the exit
     code is then 130 / 143 and the command that resumes it (`prog` = how the user called this) is printed."""
     from surojax.config.stages import load_run
+    from surojax.parallel.distributed import initialize_from_env
     from surojax.train.interrupts import Interrupts
     from surojax.train.stages import run_stages
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("absl", "jax._src", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    process = initialize_from_env()  # multi-process (surojax launch, srun); the others print warnings only
     prog = prog or f"surojax {args.command}"
     with Interrupts() as interrupts:
         stages = load_run(args.config, args.override, overwrite=args.overwrite)
-        run_stages(stages, console=report_console(), interrupts=interrupts,
+        console = report_console()
+        console.quiet = not process.is_main
+        run_stages(stages, console=console, interrupts=interrupts,
                    resume_command=resume_command(prog, args.config, args.override, config_flag=config_flag))
     return interrupts.exit_code or 0

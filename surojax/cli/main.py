@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "generate": "generate text on the command line from an HF folder, .gguf file, run or PEFT adapter folder",
     "serve": "serve a model over an OpenAI-compatible HTTP API",
     "bench": "measure training throughput, memory and MFU (`bench train --shape ...`)",
+    "launch": "start the processes of a multi-process run (one per GPU) on this node: launch --nproc-per-node N -- sft ...",
 }
 
 

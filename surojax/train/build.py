@@ -37,7 +37,7 @@ from surojax.offload.optimizer import apply_master_updates, compute_copy
 from surojax.offload.remat import layer_loop, remat_wrapper
 from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
 from surojax.offload.streaming import build_context, place_model
-from surojax.parallel import batch_parallel_size, init_sharded
+from surojax.parallel import batch_parallel_size, init_sharded, param_shardings
 from surojax.parallel.expert import apply_expert_parallel
 from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_layer_loop
 from surojax.parallel.zero import ZeroLayout, ZeroStageError, plan_divisors, resolve_zero_stage, zero_layout
@@ -127,8 +127,8 @@ def _placed_model(spec: RunSpec, mesh, customize: Callable[[Decoder], None] | No
     """Build the model and put every weight where it lives (devices of the mesh, or host memory)."""
     mem = spec.memory
 
-    def make_model() -> Decoder:
-        model = build_model(spec)
+    def make_model(shardings_of=None) -> Decoder:
+        model = build_model(spec, shardings_of=shardings_of)
         if spec.moe is not None:
             apply_moe_training(model, spec.moe, spec.precision.adapter)
         if customize is not None:
@@ -141,8 +141,10 @@ def _placed_model(spec: RunSpec, mesh, customize: Callable[[Decoder], None] | No
     elif spec.model.init == "jit":
         model = init_sharded(make_model, mesh)
     else:
+        # a device-bound, unquantised HF base loads straight into its shards (each process reads its part)
+        direct = not (mem.offload_base or mem.offload_master) and spec.quant is None
         with build_context(mem.offload_base or mem.offload_master):  # a host-bound base is built off the device
-            model = make_model()
+            model = make_model(functools.partial(param_shardings, mesh=mesh) if direct else None)
         if mem.offload_master:
             return place_master_on_host(model, mesh)
         return place_model(model, mesh, offload_base=mem.offload_base,

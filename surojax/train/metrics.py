@@ -85,12 +85,19 @@ class WandbSink:
 
 
 class Metrics:
-    """Fan-out to the sinks; keeps the history for the final chart."""
+    """Fan-out to the sinks; keeps the history for the final chart. `write=False` (the processes other than 0
+    of a multi-process run): no sink is opened, only the history is kept."""
 
-    def __init__(self, output_dir: Path, report_to=(), run_config: dict | None = None, project: str = "surojax"):
-        output_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, output_dir: Path, report_to=(), run_config: dict | None = None, project: str = "surojax",
+                 *, write: bool = True):
         self.output_dir = output_dir
-        self.sinks = [JsonlSink(output_dir / "metrics.jsonl")]
+        self.sinks = []
+        self.history: list[dict] = []
+        self.closed = False
+        if not write:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.sinks.append(JsonlSink(output_dir / "metrics.jsonl"))
         for name in report_to or ():
             if name == "tensorboard":
                 self.sinks.append(TensorBoardSink(output_dir / "tensorboard"))
@@ -98,8 +105,6 @@ class Metrics:
                 self.sinks.append(WandbSink(project, run_config or {}, output_dir))
             elif name not in ("jsonl", "none"):
                 raise MetricsSinkError(f"report_to: {name!r} is unknown (jsonl, tensorboard, wandb)")
-        self.history: list[dict] = []
-        self.closed = False
 
     def truncate_after(self, step: int) -> None:
         """Resuming at `step`: metrics.jsonl keeps only the rows up to it (TensorBoard / W&B handle repeats)."""

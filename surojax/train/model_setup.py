@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import jax
 from flax import nnx
@@ -25,15 +26,16 @@ from surojax.weights.model_ref import resolve_model
 log = logging.getLogger(__name__)
 
 
-def build_model(spec: RunSpec) -> Decoder:
-    """The model of `spec`: loaded from `spec.model.source` (or initialised from its seed), then transformed."""
+def build_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
+    """The model of `spec`: loaded from `spec.model.source` (or initialised from its seed), then transformed.
+    shardings_of: a loaded HF base made straight into these shardings (`load_base_model`)."""
     m, prec = spec.model, spec.precision
     if m.source is None:
         model = Decoder(m.config, dtype=prec.compute, param_dtype=prec.base, attention=m.attention,
                         rngs=nnx.Rngs(params=m.seed))
         log.info("initialised %s from scratch (seed %d)", m.config.model_type, m.seed)
     else:
-        model = load_base_model(spec)
+        model = load_base_model(spec, shardings_of=shardings_of)
     if spec.quant is not None:
         try:
             if spec.quant.is_mix:
@@ -92,12 +94,13 @@ def has_fp8_tensor_cores() -> bool:
         return False
 
 
-def load_base_model(spec: RunSpec) -> Decoder:
+def load_base_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
     """The weights of `spec.model.source` through the one model loader; a .gguf base keeps its quantised Linear
-    kernels in their GGUF format (LoRA only)."""
+    kernels in their GGUF format (LoRA only). shardings_of: an HF base's parameters made straight into these
+    shardings, each process reading its part (surojax.weights.hf_checkpoint.load_model)."""
     m = spec.model
     model, _ = load_base(resolve_model(m.source), dtype=spec.precision.compute, param_dtype=spec.precision.base,
-                         attention=m.attention, cfg=m.config, keep_quantized=True)
+                         attention=m.attention, cfg=m.config, keep_quantized=True, shardings_of=shardings_of)
     quantized = is_quantized(model)
     if quantized and spec.lora is None:
         kinds = ", ".join(sorted(set(quantized.values())))

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from surojax.config.stages import OUTPUT_ARTIFACTS, Stage
+from surojax.parallel.distributed import barrier, is_main_process
 from surojax.train.generation_eval import GenerationEval, report
 from surojax.train.interrupts import Interrupts
 from surojax.train.trainers import make_trainer
@@ -101,8 +102,9 @@ def run_stage(stage: Stage, *, console=None, interrupts: Interrupts | None = Non
         else:
             console.print(message, highlight=False, soft_wrap=True)
         return finished_result(stage)
-    if stage.overwrite_output_dir:
-        removed = clear_output_dir(cfg.output_dir)
+    if stage.overwrite_output_dir:  # multi-process: process 0 removes, the others wait for it
+        removed = clear_output_dir(cfg.output_dir) if is_main_process() else []
+        barrier("overwrite_output_dir")
         if removed:
             log.info("overwrite_output_dir: removed %s", ", ".join(str(p) for p in removed))
     trainer = make_trainer(cfg, console=console)

@@ -34,6 +34,7 @@ from surojax.data.tokenizer import Tokenizer
 from surojax.models.layers.attention import packed_backend
 from surojax.offload.optimizer import master_params
 from surojax.parallel import batch_sharding, make_mesh
+from surojax.parallel.distributed import barrier, gather_to_main, global_batch, max_over_processes, row_block
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import save_peft_adapter
 from surojax.peft.trained_router import add_router_to_adapter, has_trained_router
@@ -83,8 +84,15 @@ class Trainer:
     loss = staticmethod(lm_loss)
 
     def __init__(self, cfg: TrainConfig, *, console=None):
+        if jax.process_count() > 1 and cfg.trainer != "sft":  # their batches and task state are one-process
+            raise TrainSetupError(f"trainer: {cfg.trainer} runs in one process for now; multi-process runs "
+                                  "(surojax launch, srun) train sft / pt")
         self.cfg = cfg
+        # multi-process: process 0 alone prints, writes metrics, the loss chart and the export
+        self.is_main = jax.process_index() == 0
         self.console = console or Console(stderr=True)
+        if not self.is_main:
+            self.console = Console(stderr=True, quiet=True)
         self.output_dir = Path(cfg.output_dir)
         self._check_output_dir()
         model_config = model_config_for(cfg)  # cheap: the architecture is checked before data and weights
@@ -92,13 +100,18 @@ class Trainer:
         if tok_src is None:
             raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
         if is_gguf_path(tok_src):  # the tokenizer of a GGUF base is in its metadata: export it once, as HF files
-            self.tokenizer_dir = save_tokenizer_dir(load_gguf_tokenizer(tok_src), self.output_dir / "gguf_tokenizer")
+            self.tokenizer_dir = self.output_dir / "gguf_tokenizer"
+            if self.is_main:
+                save_tokenizer_dir(load_gguf_tokenizer(tok_src), self.tokenizer_dir)
+            barrier("gguf_tokenizer")
         else:
             self.tokenizer_dir = Path(resolve_local(tok_src))
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir)
 
         self.mesh = make_mesh(cfg.mesh_sizes())  # zero_stage 3 spelled as the fsdp axis
         A, B = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size * data_parallel_size(self.mesh)
+        self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
+        self.rows = row_block(self.batch_sharding, (A, B, cfg.sequence_len), 1)  # the loaders read this block
         epochs = None if (cfg.max_steps or cfg.epoch_adjustment) else max(1, math.ceil(cfg.num_epochs))
         self.data = self.build_data(batch_size=A * B, eval_batch_size=B, num_epochs=epochs)
         self.num_params = count_params(model_config)
@@ -125,7 +138,6 @@ class Trainer:
         self.trainable, self.frozen, self.opt_state = self.run.trainable, self.run.frozen, self.run.opt_state
         self.run.trainable = self.run.frozen = self.run.opt_state = None  # the trainer owns the live state
         self.memory_plan = self.run.memory_plan
-        self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
         self.key = jax.random.key(cfg.seed)
         self.step_count = 0
         self.adaptive = AdaptiveTraining(AdaptiveSettings.from_optim(cfg), flops_per_token=flops_per_token(
@@ -139,7 +151,7 @@ class Trainer:
         self.checkpointer = Checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"),
                                          keep=cfg.save_total_limit)
         self.metrics = Metrics(self.output_dir, cfg.report_to, run_config=cfg.model_dump(by_alias=True),
-                               project=cfg.wandb_project or "surojax")
+                               project=cfg.wandb_project or "surojax", write=self.is_main)
         if cfg.resume_from_checkpoint:
             self._resume()
 
@@ -202,16 +214,23 @@ class Trainer:
     def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None):
         """The run's data (surojax/data/pipeline.py `Data`): `batch_size` rows per step (all micro-batches)."""
         return build_data_from_config(self.cfg, self.tokenizer, batch_size=batch_size, seed=self.cfg.seed,
-                                      num_epochs=num_epochs, eval_batch_size=eval_batch_size)
+                                      num_epochs=num_epochs, eval_batch_size=eval_batch_size,
+                                      process_index=self.rows.index, process_count=self.rows.count)
 
     def next_batch(self) -> dict:
         """The next step's host batch: arrays [A * B, T] the loss reads."""
         return next(self.data.train)
 
     def _device_batch(self, batch: dict) -> dict:
-        A, B = self.plan.accumulation, self.plan.micro_batch
-        shaped = {k: v.reshape(A, B, *v.shape[1:]) for k, v in batch.items()}
-        return jax.device_put(shaped, self.batch_sharding)
+        """This process's rows [A * B / G, T] of the step -> the global batch arrays [A, B, T].
+
+        The loader of row block g of G (`self.rows`; G <= the process count: pipeline stages of one data shard
+        share a block) holds rows g, g + G, ... of the global batch, so its micro-batch a (rows a*B/G ..
+        (a+1)*B/G of its share) is its part of global micro-batch a: every micro-batch holds the same rows as in
+        a one-process run, in another order (the loss sums over rows: equal up to fp32 summation order)."""
+        A = self.plan.accumulation
+        shaped = {k: v.reshape(A, v.shape[0] // A, *v.shape[1:]) for k, v in batch.items()}
+        return global_batch(shaped, self.batch_sharding, 1, self.rows.count)
 
     def step(self) -> dict:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics."""
@@ -246,8 +265,8 @@ class Trainer:
             return None
         total, count = 0.0, 0.0
         for batch in self.data.eval:
-            s, n = self.run.eval_step(self.trainable, self.frozen, jax.device_put(batch, NamedSharding(
-                self.mesh, P(*self.batch_sharding.spec[1:]))))
+            s, n = self.run.eval_step(self.trainable, self.frozen, global_batch(batch, NamedSharding(
+                self.mesh, P(*self.batch_sharding.spec[1:])), 0, self.rows.count))
             total, count = total + float(s), count + float(n)
         return total / max(count, 1.0)
 
@@ -301,7 +320,7 @@ class Trainer:
         with Progress(*columns, console=self.console, disable=not interactive) as progress:
             task = progress.add_task("train", total=self.plan.total_steps, completed=self.step_count, loss=float("nan"),
                                      lr=0.0, gnorm=0.0, tps=0.0, router="")
-            while self.step_count < self.plan.total_steps and not interrupts.requested:
+            while self.step_count < self.plan.total_steps and not self._stop_requested(interrupts):
                 try:
                     compiles = self._compiled is False
                     m = self.step()
@@ -324,7 +343,7 @@ class Trainer:
                         self.console.print(f"step {self.step_count}/{self.plan.total_steps} loss {m['loss']:.4f} "
                                            f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} "
                                            f"{m['tokens_per_s']:,.0f} tok/s{router}", highlight=False)
-                if cfg.eval_steps and self.step_count % cfg.eval_steps == 0 and not interrupts.requested:
+                if cfg.eval_steps and self.step_count % cfg.eval_steps == 0 and not self._stop_requested(interrupts):
                     ev = self.evaluate()
                     if ev is not None:
                         self.metrics.write(self.step_count, {"eval_loss": ev})
@@ -340,7 +359,7 @@ class Trainer:
                     if not (cfg.save_steps and self.step_count % cfg.save_steps == 0):
                         self.save_checkpoint()
                     break
-        if interrupts.requested:
+        if self._stop_requested(interrupts):
             self._checkpoint_interrupted(interrupts)
             return last
         ev = self.evaluate()
@@ -350,10 +369,18 @@ class Trainer:
             last["eval_loss"] = ev
         self.checkpointer.close()
         out = self.export(overwrite=bool(cfg.resume_from_checkpoint))
-        chart = plot_loss(self.metrics.history, self.output_dir / "loss.png")
+        chart = plot_loss(self.metrics.history, self.output_dir / "loss.png") if self.is_main else None
         self.metrics.close()
         self.console.print(f"[bold green]done[/]: {out}" + (f"; loss chart {chart}" if chart else ""))
         return last
+
+    def _stop_requested(self, interrupts: Interrupts) -> bool:
+        """Whether to stop at this step boundary. Multi-process: a signal any process got stops them all at the
+        same step (one small all-gather), and one that has not had it yet takes it on (its exit code included)."""
+        signum = max_over_processes(interrupts.signum or 0)
+        if signum and interrupts.signum is None:
+            interrupts.signum = signum
+        return bool(signum)
 
     def _checkpoint_interrupted(self, interrupts: Interrupts) -> None:
         """After SIGINT / SIGTERM: a whole checkpoint at the current step (unless one is there already)."""
@@ -384,8 +411,16 @@ class Trainer:
     def export(self, out_dir: str | Path | None = None, *, overwrite: bool = False) -> Path:
         """Write the trained weights: a PEFT adapter (LoRA; plus the merged model with `merge_adapter`) or an
         HF model folder, each with the tokenizer files. Default folder: <output_dir>/adapter or /model.
-        An existing non-empty folder is an error unless `overwrite` (writes are atomic: temp folder + rename)."""
+        An existing non-empty folder is an error unless `overwrite` (writes are atomic: temp folder + rename).
+        Multi-process: every process calls it (the weights are all-gathered, surojax.parallel.distributed
+        `gather_to_main`); process 0 alone writes, the others return the same path."""
         model = self.trained_model()
+        if jax.process_count() > 1:
+            graphdef, state = nnx.split(model)
+            state = gather_to_main(state)
+            if state is None:
+                return Path(out_dir or self.output_dir / ("adapter" if self.cfg.lora else "model"))
+            model = nnx.merge(graphdef, state)
         save_dtype = self.spec.precision.save_dtype
         if self.cfg.lora:
             out = save_peft_adapter(model, Path(out_dir or self.output_dir / "adapter"), self.cfg.model,

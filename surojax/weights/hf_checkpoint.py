@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -120,10 +121,15 @@ def _half(row: WeightRow, width: int) -> slice:
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
-               cfg: ModelConfig | None = None) -> Decoder:
+               cfg: ModelConfig | None = None,
+               shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
     """Load a Hugging Face checkpoint folder (or a repo id found in the local HF cache) into a `Decoder`.
 
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: same as dtype).
+    shardings_of: the abstract state -> its shardings (e.g. `parallel.param_shardings` over a mesh). With it, each
+    parameter is made straight into its shards: a process reads only the tensors whose part lands on its devices
+    (the layers of its pipeline stage, say) and no device ever holds more than its shards. Without it, each
+    parameter is put whole on the default device (one process, placed afterwards).
     """
     model_dir = Path(resolve_local(str(model_dir)))
     cfg = cfg or read_config(model_dir)
@@ -170,8 +176,13 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
     # One parameter at a time: each tensor read is a host copy, converted into the parameter's buffer and dropped,
     # so host memory holds one parameter (all its layers) beyond the device copies.
+    placed = None if shardings_of is None else {
+        ".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(shardings_of(abstract))}
     state = {}
     for path, items in by_path.items():
+        if placed is not None:
+            state[path] = _load_sharded(shapes[path], np_dtype, items, where, placed[path])
+            continue
         value = np.empty(shapes[path], np_dtype)  # [L, (E,) ...] or the unstacked shape
         for name, row, index in items:
             value[index + (Ellipsis, _half(row, value.shape[-1]))] = _hf_to_state(where[name].get(name), row)
@@ -184,6 +195,39 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
     filled = nnx.map_state(fill, abstract)
     return nnx.merge(graphdef, filled)
+
+
+def param_block(shape: tuple[int, ...], dtype, items: list[tuple[str, WeightRow, tuple[int, ...]]],
+                index: tuple[slice, ...], read: Callable[[str], np.ndarray]) -> np.ndarray:
+    """Block `index` of one parameter of `shape` (the slices `jax.make_array_from_callback` asks for), assembled
+    from its HF tensors `items` ((name, row, leading index: () | (layer,) | (layer, expert))). Only the tensors
+    whose part of the parameter meets the block are read (`read(name)`: the HF tensor as stored)."""
+    index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index + (slice(None),) * (len(shape) - len(index)), shape))
+    out = np.empty(tuple(s.stop - s.start for s in index), dtype)
+    last = index[-1]
+    for name, row, lead in items:
+        if not all(s.start <= i < s.stop for i, s in zip(lead, index)):
+            continue
+        part = slice(*_half(row, shape[-1]).indices(shape[-1])[:2])  # the span of the last axis this tensor fills
+        lo, hi = max(part.start, last.start), min(part.stop, last.stop)
+        if lo >= hi:
+            continue
+        src = _hf_to_state(read(name), row)[(*index[len(lead):-1], slice(lo - part.start, hi - part.start))]
+        out[(*(i - s.start for i, s in zip(lead, index)), Ellipsis, slice(lo - last.start, hi - last.start))] = src
+    return out
+
+
+def _load_sharded(shape: tuple[int, ...], dtype, items, where: dict[str, SafetensorsFile], sharding) -> jax.Array:
+    """One parameter as a global array of `sharding`: this process's blocks only (`param_block`); each HF tensor
+    is read once however many local devices need a part of it, and dropped with the parameter."""
+    cache: dict[str, np.ndarray] = {}
+
+    def read(name: str) -> np.ndarray:
+        if name not in cache:
+            cache[name] = where[name].get(name)
+        return cache[name]
+
+    return jax.make_array_from_callback(shape, sharding, lambda index: param_block(shape, dtype, items, index, read))
 
 
 def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
