@@ -24,7 +24,7 @@ import yaml
 from surojax.parallel.distributed import DistributedSetupError, ProcessEnv, process_env
 from tests.train.conftest import FIXTURE_QWEN3, ROOT, tiny_config  # noqa: F401  (the fixture)
 
-PARALLEL = {"data": 2, "fsdp": 4}  # 2 processes x 4 devices; with pipeline stages: {"data": 2, "stage": 2, "fsdp": 2}
+PARALLEL = {"data": 2, "stage": 2, "fsdp": 2}  # 2 processes x 4 devices: issue 17's mesh (pipeline stages across processes)
 DEVICES_PER_PROCESS = 4
 PER_DEVICE_BATCH = 1
 GLOBAL_BATCH = PER_DEVICE_BATCH * PARALLEL.get("data", 1) * PARALLEL.get("fsdp", 1) * PARALLEL.get("expert", 1)
