@@ -27,7 +27,7 @@ def free_port() -> int:
 
 
 def launch_command(command: list[str], *, gpus_per_node: int, nodes: int, rank: int, coordinator: str) -> list[str]:
-    """The per-node command line. LEAD: flag names as the launch branch reports them."""
+    """The per-node command line (`surojax launch`'s flags, surojax/cli/launch.py)."""
     return ["surojax", "launch", "--nproc-per-node", str(gpus_per_node), "--nnodes", str(nodes),
             "--node-rank", str(rank), "--coordinator", coordinator, "--", *command]
 
