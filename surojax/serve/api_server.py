@@ -428,7 +428,7 @@ def build_app(state: ServerState) -> FastAPI:
             m["content"] = _message_text(m.get("content"))
             messages.append(m)
         try:
-            tools = resolve_tool_choice(req.tools, req.tool_choice, state.tool_parser)
+            tools = resolve_tool_choice(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
         except ToolChoiceError as e:
             raise ApiError(400, str(e), param=e.param) from None
         ids = _render_chat(state, messages, req.tools, req.chat_template_kwargs or {}, True)

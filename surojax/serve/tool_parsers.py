@@ -342,8 +342,8 @@ class ToolChoiceError(ValueError):
 @dataclass(frozen=True)
 class ToolChoice:
     """What a request's `tool_choice` asks of the answer. ``parser`` None: the text is not parsed ("none", or no
-    tools). ``required``: at least one call; ``function``: exactly one call, to that function. ``functions``: the
-    request's tools.
+    tools). ``required``: at least one call (exactly one when ``one``: `parallel_tool_calls` false);
+    ``function``: exactly one call, to that function. ``functions``: the request's tools.
 
     "required" and a named function are forced while sampling: ``grammar`` is the mask's grammar. ``check`` is
     the safety net for what the grammar cannot rule out: a complete answer whose calls the parser does not see
@@ -353,6 +353,7 @@ class ToolChoice:
     required: bool = False
     function: str | None = None
     functions: tuple[Function, ...] = ()
+    one: bool = False
 
     def grammar(self, token_id: Callable[[str], int | None]) -> str | None:
         """The llguidance grammar that forces the calls ("required" / named), None when the answer is free.
@@ -360,7 +361,7 @@ class ToolChoice:
         if not self.required or self.parser is None:
             return None
         functions = [f for f in self.functions if self.function is None or f.name == self.function]
-        return self.parser.grammar(functions, self.function is not None, token_id)
+        return self.parser.grammar(functions, self.one or self.function is not None, token_id)
 
     def check(self, calls: list[ToolCall]) -> None:
         if self.required and not calls:
@@ -389,9 +390,11 @@ def parse_tools(tools: list) -> tuple[Function, ...]:
     return tuple(functions)
 
 
-def resolve_tool_choice(tools: list[dict] | None, tool_choice, parser: ToolParser | None) -> ToolChoice:
+def resolve_tool_choice(tools: list[dict] | None, tool_choice, parser: ToolParser | None,
+                        parallel: bool = True) -> ToolChoice:
     """The request's `tools` + `tool_choice` ("none" | "auto" | "required" | {"type": "function", "function":
-    {"name"}}; absent = "auto" with tools, "none" without) and the model's parser -> ToolChoice."""
+    {"name"}}; absent = "auto" with tools, "none" without), `parallel_tool_calls` (``parallel``; false: "required"
+    forces exactly one call) and the model's parser -> ToolChoice."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
@@ -408,7 +411,7 @@ def resolve_tool_choice(tools: list[dict] | None, tool_choice, parser: ToolParse
             raise ToolChoiceError(f"tool_choice names {name!r}, which is not in `tools`")
         choice = ToolChoice(parser, required=True, function=name, functions=functions)
     elif tool_choice in ("auto", "required"):
-        choice = ToolChoice(parser, required=tool_choice == "required", functions=functions)
+        choice = ToolChoice(parser, required=tool_choice == "required", functions=functions, one=not parallel)
     else:
         raise ToolChoiceError(f'tool_choice must be "none", "auto", "required" or a named function, '
                               f'got {tool_choice!r}')

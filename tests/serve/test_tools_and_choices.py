@@ -284,6 +284,9 @@ def test_call_grammar_admits_valid_calls_only(fmt):
     assert _admits(vocab, required, tokenizer.encode(layout(two)))
     assert [(c.function.name, c.function.arguments) for c in parser.parse(layout(two))[1]] == two
     assert _admits(vocab, named, tokenizer.encode(layout(two[1:])))
+    one = resolve_tool_choice([DIGIT, FLAG], "required", parser, parallel=False).grammar(tokenizer.token_to_id)
+    assert _admits(vocab, one, tokenizer.encode(layout(two[:1])))
+    assert not _admits(vocab, one, tokenizer.encode(layout(two)))  # parallel_tool_calls false: one call
     for grammar, calls in ((required, [("mul", '{"d": 7}')]), (required, [("digit", '{"d": 12}')]),
                            (required, [("digit", '{"d": 7, "e": 1}')]), (required, [("flag", '{"on": 1}')]),
                            (required, [("digit", '{"d":7}')]), (named, [("digit", '{"d": 7}')]), (named, two)):
@@ -325,12 +328,13 @@ def test_forced_tool_calls_from_the_random_model(server):
     too — because the mask writes the format. Without tool_choice it writes no call (checked)."""
     url, _ = server
     ask = dict(model=NAME, messages=ASK, tools=[DIGIT, FLAG], seed=4)
-    cases = [("required", 0.0, False), ("required", 1.0, False), ("required", 1.0, True),
-             (NAMED_FLAG, 0.0, False), (NAMED_FLAG, 1.0, True), ("auto", 1.0, False)]
-    results = together(url, *[lambda c, choice=choice, t=t, stream=stream: c.chat.completions.create(
-        **ask, tool_choice=choice, temperature=t, stream=stream, max_tokens=48 if choice == "auto" else 400)
-        for choice, t, stream in cases])
-    for (choice, t, stream), r in zip(cases, results):
+    cases = [("required", 0.0, False, True), ("required", 1.0, False, True), ("required", 1.0, True, True),
+             ("required", 1.0, False, False), (NAMED_FLAG, 0.0, False, True), (NAMED_FLAG, 1.0, True, True),
+             ("auto", 1.0, False, True)]
+    results = together(url, *[lambda c, choice=choice, t=t, stream=stream, parallel=parallel: c.chat.completions.create(
+        **ask, tool_choice=choice, temperature=t, stream=stream, parallel_tool_calls=parallel,
+        max_tokens=48 if choice == "auto" else 400) for choice, t, stream, parallel in cases])
+    for (choice, t, stream, parallel), r in zip(cases, results):
         assert not isinstance(r, Exception), r
         calls, finish = _calls_of(r, stream)
         if choice == "auto":
@@ -339,6 +343,8 @@ def test_forced_tool_calls_from_the_random_model(server):
         assert finish == "tool_calls" and calls, (choice, t, stream)
         if choice is NAMED_FLAG:
             assert [name for name, _ in calls] == ["flag"]
+        if not parallel:
+            assert len(calls) == 1
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
