@@ -257,9 +257,11 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (DIGIT, F
 NAMED_FLAG = {"type": "function", "function": {"name": "flag"}}
 # each format's layout of the calls the grammar writes: [(name, arguments JSON)] -> text
 LAYOUT = {
-    "hermes": lambda calls: "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>' for n, a in calls),
+    "hermes": lambda calls: "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>'
+                                      for n, a in calls),
     "llama3_json": lambda calls: "; ".join(f'{{"name": "{n}", "parameters": {a}}}' for n, a in calls),
-    "mistral": lambda calls: "[TOOL_CALLS][" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]",
+    "mistral": lambda calls: "[TOOL_CALLS][" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}'
+                                                         for n, a in calls) + "]",
 }
 
 
@@ -296,7 +298,8 @@ def test_call_grammar_admits_valid_calls_only(fmt):
     # the markers as single special tokens (Mistral's [TOOL_CALLS]; <tool_call> in Qwen's vocabulary)
     markers = parser.syntax.markers
     if markers:
-        tokenizer.backend.add_special_tokens([tokenizers.AddedToken(m, special=True, normalized=False) for m in markers])
+        tokenizer.backend.add_special_tokens([tokenizers.AddedToken(m, special=True, normalized=False)
+                                              for m in markers])
         vocab = GrammarVocab(tokenizer, tokenizer.vocab_size)
         as_tokens = resolve_tool_choice([DIGIT, FLAG], "required", parser).grammar(tokenizer.token_to_id)
         text = layout(two)
@@ -331,9 +334,10 @@ def test_forced_tool_calls_from_the_random_model(server):
     cases = [("required", 0.0, False, True), ("required", 1.0, False, True), ("required", 1.0, True, True),
              ("required", 1.0, False, False), (NAMED_FLAG, 0.0, False, True), (NAMED_FLAG, 1.0, True, True),
              ("auto", 1.0, False, True)]
-    results = together(url, *[lambda c, choice=choice, t=t, stream=stream, parallel=parallel: c.chat.completions.create(
-        **ask, tool_choice=choice, temperature=t, stream=stream, parallel_tool_calls=parallel,
-        max_tokens=48 if choice == "auto" else 400) for choice, t, stream, parallel in cases])
+    results = together(url, *[
+        lambda c, choice=choice, t=t, stream=stream, parallel=parallel: c.chat.completions.create(
+            **ask, tool_choice=choice, temperature=t, stream=stream, parallel_tool_calls=parallel,
+            max_tokens=48 if choice == "auto" else 400) for choice, t, stream, parallel in cases])
     for (choice, t, stream, parallel), r in zip(cases, results):
         assert not isinstance(r, Exception), r
         calls, finish = _calls_of(r, stream)
@@ -349,9 +353,13 @@ def test_forced_tool_calls_from_the_random_model(server):
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-def test_tools_with_structured_output_is_a_400(server):
+def test_forced_tools_with_structured_output_or_a_bad_schema_are_400s(server):
     client = openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=ASK, tools=[DIGIT], tool_choice="required",
                                        max_tokens=4, response_format={"type": "json_object"})
     assert e.value.param == "response_format" and "tools" in e.value.message
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=ASK, tools=[bad], tool_choice="required", max_tokens=4)
+    assert e.value.param == "tools" and "objekt" in e.value.message
