@@ -245,8 +245,7 @@ def call_grammar(syntax: CallSyntax, functions: Sequence[Function], one: bool,
     for i, fn in enumerate(functions):
         schema = dict(fn.parameters)
         schema.setdefault("x-guidance", _ARGS_LAYOUT)
-        head = syntax.open + "{" + json.dumps("name") + ": " + json.dumps(fn.name, ensure_ascii=False) + ", " + \
-            json.dumps(syntax.args_key) + ": "
+        head = f'{syntax.open}{{"name": {json.dumps(fn.name, ensure_ascii=False)}, "{syntax.args_key}": '
         body = " ".join(filter(None, (text(head), "%json " + json.dumps(schema), text("}" + syntax.close))))
         rules.append(f"fn_{i}: {body}")
     calls = "call" if one else " ".join(filter(None, ("call (", text(syntax.separator), "call)*")))

@@ -4,7 +4,8 @@ official `openai` client against a live server (qwen3 fixture, fp32 on CPU).
 
 The fixture's weights are random, so a test that needs a given answer scripts it: `scripted` wraps the runner's
 `execute` so each request's next sampled token is the next token of a fixed text (then EOS); the scheduler,
-detokeniser, stop strings, parsers and SSE all run as in production.
+detokeniser, stop strings, parsers and SSE all run as in production. Forced calls (tool_choice "required" / named)
+are not scripted: the grammar mask alone makes the random model write valid calls.
 """
 import asyncio
 import contextlib
