@@ -148,11 +148,21 @@ def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param=param)
 
 
-def _params(state: ServerState, req, n_prompt: int, requested: int | None, logprobs: bool, top: int):
+def _params(state: ServerState, req, n_prompt: int, requested: int | None, logprobs: bool, top: int,
+            tools: ToolChoice | None = None):
+    """tools: the chat request's tool_choice; "required" / a named function force the calls by a grammar, which
+    excludes response_format / guided_* (either one grammar or the other; tools with "auto" parse the answer as
+    calls, which a JSON answer is not)."""
     if requested is not None and requested < 1:
         raise ApiError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
     try:
         grammar = req.grammar()  # structured output: (field, grammar), checked here so a bad one is a 400
+        if tools is not None and tools.parser is not None:
+            if grammar is not None:
+                raise SamplingParamsError(f"{grammar[0]} cannot be combined with tools (use tool_choice \"none\" "
+                                          f"for structured output)", grammar[0])
+            forced = tools.grammar(state.tokenizer.token_to_id)
+            grammar = ("tools", forced) if forced is not None else None
         if grammar is not None and (err := state.engine.engine.grammar_vocab.check(grammar[1])) is not None:
             raise SamplingParamsError(f"{grammar[0]}: {err}", grammar[0])
         params = req.sampling_params(max_tokens=completion_budget(n_prompt, requested, state.max_model_len),
@@ -418,15 +428,15 @@ def build_app(state: ServerState) -> FastAPI:
             m["content"] = _message_text(m.get("content"))
             messages.append(m)
         try:
-            tools = resolve_tool_choice(req.tools, req.tool_choice, state.tool_parser)
+            tools = resolve_tool_choice(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
         except ToolChoiceError as e:
-            raise ApiError(400, str(e), param="tool_choice") from None
+            raise ApiError(400, str(e), param=e.param) from None
         ids = _render_chat(state, messages, req.tools, req.chat_template_kwargs or {}, True)
         _check_prompt(state, ids, "messages")
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = _params(state, req, len(ids), req.requested_max_tokens(), req.logprobs, top)
+        params = _params(state, req, len(ids), req.requested_max_tokens(), req.logprobs, top, tools)
         split = state.thinking
         streams = _submit_n(state, ids, params, adapter, req.n, split)
         rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or state.model_name
@@ -449,9 +459,10 @@ def build_app(state: ServerState) -> FastAPI:
         if tools.parser is not None:
             text, calls = tools.parser.parse(content)
             try:
-                tools.check(calls)
+                if finish != "length":  # a call cut by max_tokens comes back as text, finish_reason "length"
+                    tools.check(calls)
             except ToolChoiceError as e:
-                raise ApiError(400, str(e), param="tool_choice") from None
+                raise ApiError(400, str(e), param=e.param) from None
             if calls:
                 message["content"] = text or None
                 message["tool_calls"] = [c.to_openai() for c in calls]
@@ -494,7 +505,8 @@ def build_app(state: ServerState) -> FastAPI:
                     deltas.append({"tool_calls": [{"index": k, "function": {"arguments": call.function.arguments}}]})
                 finish = o.finish_reason if o.finished else None
                 if o.finished and parsers[i] is not None:
-                    tools.check(parsers[i].calls)
+                    if finish != "length":
+                        tools.check(parsers[i].calls)
                     finish = "tool_calls" if finish == "stop" and parsers[i].calls else finish
                 if finish and not deltas:
                     deltas.append({})

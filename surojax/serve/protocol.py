@@ -117,6 +117,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True  # false: tool_choice "required" forces exactly one call
     chat_template_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:

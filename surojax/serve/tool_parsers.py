@@ -18,14 +18,24 @@ by appending (``ToolCallStream`` sends the differences). Whitespace that touches
 
 ``parser_for(chat_template, model_type)`` picks the format: the template's markers first (what the model was
 trained to emit), then the family (``model_type`` of config.json); None where neither says.
+
+Forced calls (``tool_choice`` "required" or a named function): ``ToolParser.grammar`` writes the llguidance Lark
+grammar of an answer that is only calls in the format's layout (``CallSyntax``), each call's arguments a
+``%json`` of that function's ``parameters`` schema; it travels in ``SamplingParams.grammar`` and the sampler's
+mask makes the model write it (guided.py). A marker the tokenizer holds as one token (``<tool_call>`` in Qwen,
+``[TOOL_CALLS]`` in Mistral) is matched by its id (``<[id]>``), which llguidance needs for added tokens and which
+keeps the model on the token it was trained to emit; a marker the tokenizer lacks is plain text.
 """
 from __future__ import annotations
 
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
 
 
 @dataclass(frozen=True)
@@ -184,23 +194,96 @@ def scan_mistral(text: str, final: bool) -> Scan:
 # ---- registry -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Function:
+    """One entry of a request's `tools`: the function's name and its arguments' JSON schema."""
+
+    name: str
+    parameters: Mapping[str, Any]
+
+
+# The JSON layout of forced arguments: json.dumps's separators and no other whitespace (guided.JSON_LAYOUT, for
+# the same reason: a model that may put whitespace anywhere can fail to close the value). A schema that sets its
+# own "x-guidance" keeps it.
+_ARGS_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """The text of an answer that is only calls, as a format's chat template writes it:
+    ``before + call (separator + call)* + after``, each call ``open + {"name": NAME, "<args_key>": ARGS} + close``.
+    ``markers``: the texts in it that a tokenizer may hold as one (often special) token."""
+
+    before: str
+    open: str
+    close: str
+    separator: str
+    after: str
+    args_key: str
+    markers: tuple[str, ...] = ()
+
+
+def _lark_text(text: str, markers: tuple[str, ...], token_id: Callable[[str], int | None]) -> str:
+    """Literal text -> a Lark sequence: each marker the tokenizer has as one token becomes ``<[id]>``, the rest
+    JSON-quoted string literals ("" -> nothing)."""
+    pieces = re.split("(" + "|".join(map(re.escape, markers)) + ")", text) if markers else [text]
+    out = []
+    for piece in filter(None, pieces):
+        tid = token_id(piece) if piece in markers else None
+        out.append(f"<[{tid}]>" if tid is not None else json.dumps(piece))
+    return " ".join(out)
+
+
+def call_grammar(syntax: CallSyntax, functions: Sequence[Function], one: bool,
+                 token_id: Callable[[str], int | None]) -> str:
+    """Lark grammar (llguidance) of an answer that is calls only: one call (``one``) or one or more, each to one
+    of ``functions`` with arguments valid against its ``parameters`` schema. ``token_id(text)``: the id of a
+    marker the tokenizer holds as one token, else None."""
+    if not functions:
+        raise ValueError("a call grammar needs at least one function")
+    text = lambda t: _lark_text(t, syntax.markers, token_id)  # noqa: E731
+    rules = []
+    for i, fn in enumerate(functions):
+        schema = dict(fn.parameters)
+        schema.setdefault("x-guidance", _ARGS_LAYOUT)
+        head = f'{syntax.open}{{"name": {json.dumps(fn.name, ensure_ascii=False)}, "{syntax.args_key}": '
+        body = " ".join(filter(None, (text(head), "%json " + json.dumps(schema), text("}" + syntax.close))))
+        rules.append(f"fn_{i}: {body}")
+    calls = "call" if one else " ".join(filter(None, ("call (", text(syntax.separator), "call)*")))
+    start = " ".join(filter(None, (text(syntax.before), calls, text(syntax.after))))
+    alternatives = " | ".join(f"fn_{i}" for i in range(len(functions)))
+    return llguidance.LLMatcher.grammar_from_lark("\n".join([f"start: {start}", f"call: {alternatives}", *rules]))
+
+
+@dataclass(frozen=True)
 class ToolParser:
-    """A named format: its scan and the chat-template text that shows a template teaches it."""
+    """A named format: its scan, the chat-template text that shows a template teaches it, and how its forced
+    calls are written (``syntax``)."""
 
     name: str
     scan: Callable[[str, bool], Scan]
     template_marker: str
+    syntax: CallSyntax
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """A finished answer -> (content, calls with fresh ids)."""
         s = self.scan(text, True)
         return s.content, [ToolCall(new_call_id(), c) for c in s.calls]
 
+    def grammar(self, functions: Sequence[Function], one: bool, token_id: Callable[[str], int | None]) -> str:
+        """The Lark grammar of an answer that is only calls in this format (``call_grammar``)."""
+        return call_grammar(self.syntax, functions, one, token_id)
+
 
 TOOL_PARSERS = {p.name: p for p in (
-    ToolParser("hermes", scan_hermes, HERMES_OPEN),
-    ToolParser("mistral", scan_mistral, MISTRAL_MARKER),
-    ToolParser("llama3_json", scan_llama3_json, LLAMA3_MARKER),
+    # Qwen's template: "<tool_call>\n{...}\n</tool_call>", calls one per line
+    ToolParser("hermes", scan_hermes, HERMES_OPEN,
+               CallSyntax("", HERMES_OPEN + "\n", "\n" + HERMES_CLOSE, "\n", "", "arguments",
+                          (HERMES_OPEN, HERMES_CLOSE))),
+    ToolParser("mistral", scan_mistral, MISTRAL_MARKER,
+               CallSyntax(MISTRAL_MARKER + "[", "", "", ", ", "]", "arguments", (MISTRAL_MARKER,))),
+    # Llama 3.x's JSON tool calling: the bare object as the message (<|python_tag|> is for built-in tools)
+    ToolParser("llama3_json", scan_llama3_json, LLAMA3_MARKER,
+               CallSyntax("", "", "", "; ", "", "parameters")),
 )}
 FAMILY_PARSER = {"qwen2": "hermes", "qwen3": "hermes", "qwen2_moe": "hermes", "qwen3_moe": "hermes",
                  "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral"}
@@ -247,20 +330,37 @@ class ToolCallStream:
 # ---- tool_choice ----------------------------------------------------------------------------------------------
 
 class ToolChoiceError(ValueError):
-    """An invalid `tools` / `tool_choice`, or an answer that breaks "required" / a named function (HTTP 400)."""
+    """An invalid `tools` / `tool_choice`, or an answer that breaks "required" / a named function (HTTP 400);
+    ``param`` names the request field."""
+
+    def __init__(self, message: str, param: str = "tool_choice"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
 class ToolChoice:
     """What a request's `tool_choice` asks of the answer. ``parser`` None: the text is not parsed ("none", or no
-    tools). ``required``: at least one call; ``function``: every call is to that function.
+    tools). ``required``: at least one call (exactly one when ``one``: `parallel_tool_calls` false);
+    ``function``: exactly one call, to that function. ``functions``: the request's tools.
 
-    Without a grammar mask on the sampler, "required" and a named function are checked after the fact: an
-    answer that breaks them is refused (`check` raises), never silently returned as text."""
+    "required" and a named function are forced while sampling: ``grammar`` is the mask's grammar. ``check`` is
+    the safety net for what the grammar cannot rule out: a complete answer whose calls the parser does not see
+    (a `stop` string cut into the call; a marker the tokenizer holds as a special token that decoding dropped)."""
 
     parser: ToolParser | None = None
     required: bool = False
     function: str | None = None
+    functions: tuple[Function, ...] = ()
+    one: bool = False
+
+    def grammar(self, token_id: Callable[[str], int | None]) -> str | None:
+        """The llguidance grammar that forces the calls ("required" / named), None when the answer is free.
+        ``token_id``: the tokenizer's id of a marker text held as one token, else None."""
+        if not self.required or self.parser is None:
+            return None
+        functions = [f for f in self.functions if self.function is None or f.name == self.function]
+        return self.parser.grammar(functions, self.one or self.function is not None, token_id)
 
     def check(self, calls: list[ToolCall]) -> None:
         if self.required and not calls:
@@ -271,25 +371,46 @@ class ToolChoice:
                                   f"{', '.join(map(repr, wrong))}")
 
 
-def resolve_tool_choice(tools: list[dict] | None, tool_choice, parser: ToolParser | None) -> ToolChoice:
+def parse_tools(tools: list) -> tuple[Function, ...]:
+    """`tools` ([{"type": "function", "function": {"name", "description"?, "parameters"?}}]) -> the functions
+    (no parameters: an object of any keys). Raises ToolChoiceError (param "tools") for another shape."""
+    functions = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ToolChoiceError(f'tools[{i}] must be {{"type": "function", "function": {{"name": NAME, ...}}}}',
+                                  "tools")
+        parameters = fn.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object"}
+        if not isinstance(parameters, dict):
+            raise ToolChoiceError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        functions.append(Function(fn["name"], parameters))
+    return tuple(functions)
+
+
+def resolve_tool_choice(tools: list[dict] | None, tool_choice, parser: ToolParser | None,
+                        parallel: bool = True) -> ToolChoice:
     """The request's `tools` + `tool_choice` ("none" | "auto" | "required" | {"type": "function", "function":
-    {"name"}}; absent = "auto" with tools, "none" without) and the model's parser -> ToolChoice."""
+    {"name"}}; absent = "auto" with tools, "none" without), `parallel_tool_calls` (``parallel``; false: "required"
+    forces exactly one call) and the model's parser -> ToolChoice."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
         return ToolChoice()
     if not tools:
         raise ToolChoiceError(f"tool_choice {tool_choice!r} needs `tools`")
-    names = {t.get("function", {}).get("name") for t in tools if isinstance(t, dict)}
+    functions = parse_tools(tools)
+    names = {f.name for f in functions}
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
         if not isinstance(name, str):
             raise ToolChoiceError('a named tool_choice is {"type": "function", "function": {"name": NAME}}')
         if name not in names:
             raise ToolChoiceError(f"tool_choice names {name!r}, which is not in `tools`")
-        choice = ToolChoice(parser, required=True, function=name)
+        choice = ToolChoice(parser, required=True, function=name, functions=functions)
     elif tool_choice in ("auto", "required"):
-        choice = ToolChoice(parser, required=tool_choice == "required")
+        choice = ToolChoice(parser, required=tool_choice == "required", functions=functions, one=not parallel)
     else:
         raise ToolChoiceError(f'tool_choice must be "none", "auto", "required" or a named function, '
                               f'got {tool_choice!r}')

@@ -4,18 +4,24 @@ official `openai` client against a live server (qwen3 fixture, fp32 on CPU).
 
 The fixture's weights are random, so a test that needs a given answer scripts it: `scripted` wraps the runner's
 `execute` so each request's next sampled token is the next token of a fixed text (then EOS); the scheduler,
-detokeniser, stop strings, parsers and SSE all run as in production.
+detokeniser, stop strings, parsers and SSE all run as in production. Forced calls (tool_choice "required" / named)
+are not scripted: the grammar mask alone makes the random model write valid calls.
 """
 import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import socket
 import threading
 import time
 
+import jsonschema
 import pytest
+import tokenizers
 
+from surojax.data.tokenizer import Tokenizer
+from surojax.serve.guided import GrammarVocab
 from surojax.serve.tool_parsers import (TOOL_PARSERS, ToolCallStream, ToolChoiceError, parser_for,
                                         resolve_tool_choice)
 
@@ -85,6 +91,9 @@ def test_parser_choice_and_tool_choice_rules():
         resolve_tool_choice([ADD], "required", None)
     with pytest.raises(ToolChoiceError, match="without one"):
         resolve_tool_choice([ADD], "required", hermes).check([])
+    with pytest.raises(ToolChoiceError) as e:  # a tool without a name: the `tools` field is wrong
+        resolve_tool_choice([{"type": "function", "function": {"parameters": {}}}], "auto", hermes)
+    assert e.value.param == "tools"
 
 
 # ---- through the server ---------------------------------------------------------------------------------------
@@ -97,9 +106,9 @@ def server():
     sock.close()
     args = build_parser("serve", load_command("serve")).parse_args(
         ["serve", str(FIXTURE), "--served-model-name", NAME, "--api-key", KEY, "--max-num-seqs", "8",
-         "--block-size", "4", "--num-kv-blocks", "512", "--max-model-len", "512", "--max-num-batched-tokens", "512"])
-    config = serve_config(args)
-    buckets = RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=512, min_prefill=512)  # few CPU compiles
+         "--block-size", "4", "--num-kv-blocks", "1024", "--max-model-len", "1024", "--max-num-batched-tokens", "512"])
+    config = serve_config(args)  # 1024 tokens: the tiny tokenizer spells the template's tool list in ~450 tokens
+    buckets = RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=1024, min_prefill=512)  # few CPU compiles
     app, state = build_server(dataclasses.replace(config, engine=dataclasses.replace(config.engine, buckets=buckets)))
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -161,13 +170,10 @@ def test_tool_call_comes_back_as_tool_calls_streamed_or_not(server, tok):
     text = 'Let me add.\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n' \
            '<tool_call>{"name": "add", "arguments": {"b": 2}}</tool_call>'
     ask = dict(model=NAME, messages=ASK, tools=[ADD], temperature=0)
-    named_sub = {"type": "function", "function": {"name": "sub"}}
     with scripted(state, tok, text):
-        r, chunks, plain, refused = together(
+        r, chunks, plain = together(
             url, lambda c: c.chat.completions.create(**ask), lambda c: c.chat.completions.create(**ask, stream=True),
-            lambda c: c.chat.completions.create(**ask, tool_choice="none"),
-            lambda c: c.chat.completions.create(**{**ask, "tools": [ADD, SUB]}, tool_choice=named_sub))
-    assert isinstance(refused, openai.BadRequestError) and "'sub'" in refused.message
+            lambda c: c.chat.completions.create(**ask, tool_choice="none"))
     m = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and m.content == "Let me add."
     assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
@@ -239,3 +245,122 @@ def test_echo_returns_the_prompt(server, tok):
     assert plain.choices[0].text and echoed.choices[0].text == prompt + plain.choices[0].text
     assert "".join(c.choices[0].text for c in streamed) == prompt + plain.choices[0].text
     assert isinstance(both, openai.BadRequestError) and both.param == "echo"  # no prompt logprobs (yet)
+
+
+# ---- forced calls: the grammar, then the random model through the server ----------------------------------------
+
+DIGIT = {"type": "function", "function": {"name": "digit", "parameters": {
+    "type": "object", "properties": {"d": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["d"],
+    "additionalProperties": False}}}
+FLAG = {"type": "function", "function": {"name": "flag", "parameters": {
+    "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (DIGIT, FLAG)}
+NAMED_FLAG = {"type": "function", "function": {"name": "flag"}}
+# each format's layout of the calls the grammar writes: [(name, arguments JSON)] -> text
+LAYOUT = {
+    "hermes": lambda calls: "\n".join(f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>'
+                                      for n, a in calls),
+    "llama3_json": lambda calls: "; ".join(f'{{"name": "{n}", "parameters": {a}}}' for n, a in calls),
+    "mistral": lambda calls: "[TOOL_CALLS][" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}'
+                                                         for n, a in calls) + "]",
+}
+
+
+def _admits(vocab, grammar: str, ids: list[int]) -> bool:
+    """The grammar takes every token of ``ids`` and may end after them."""
+    m = vocab.matcher(grammar)
+    return m.llm.consume_tokens(ids) and m.llm.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_PARSERS))
+def test_call_grammar_admits_valid_calls_only(fmt):
+    """Each format's grammar, stepped token by token through llguidance on the fixture tokenizer: calls in the
+    format's layout with arguments valid against the schema pass (and parse back to the same calls); a wrong name,
+    arguments off the schema, text around the calls, or a second call where one is asked for do not. A marker the
+    tokenizer holds as one special token is matched by its id, and its spelling in plain text is refused."""
+    tokenizer = Tokenizer.from_dir(FIXTURE)
+    vocab = GrammarVocab(tokenizer, tokenizer.vocab_size)
+    parser, layout = TOOL_PARSERS[fmt], LAYOUT[fmt]
+    required = resolve_tool_choice([DIGIT, FLAG], "required", parser).grammar(tokenizer.token_to_id)
+    named = resolve_tool_choice([DIGIT, FLAG], NAMED_FLAG, parser).grammar(tokenizer.token_to_id)
+    two = [("digit", '{"d": 7}'), ("flag", '{"on": false}')]
+    assert _admits(vocab, required, tokenizer.encode(layout(two)))
+    assert [(c.function.name, c.function.arguments) for c in parser.parse(layout(two))[1]] == two
+    assert _admits(vocab, named, tokenizer.encode(layout(two[1:])))
+    one = resolve_tool_choice([DIGIT, FLAG], "required", parser, parallel=False).grammar(tokenizer.token_to_id)
+    assert _admits(vocab, one, tokenizer.encode(layout(two[:1])))
+    assert not _admits(vocab, one, tokenizer.encode(layout(two)))  # parallel_tool_calls false: one call
+    for grammar, calls in ((required, [("mul", '{"d": 7}')]), (required, [("digit", '{"d": 12}')]),
+                           (required, [("digit", '{"d": 7, "e": 1}')]), (required, [("flag", '{"on": 1}')]),
+                           (required, [("digit", '{"d":7}')]), (named, [("digit", '{"d": 7}')]), (named, two)):
+        assert not _admits(vocab, grammar, tokenizer.encode(layout(calls))), calls
+    assert not _admits(vocab, required, tokenizer.encode("Sure. " + layout(two)))
+    assert not _admits(vocab, required, [])  # "required": at least one call
+    # the markers as single special tokens (Mistral's [TOOL_CALLS]; <tool_call> in Qwen's vocabulary)
+    markers = parser.syntax.markers
+    if markers:
+        tokenizer.backend.add_special_tokens([tokenizers.AddedToken(m, special=True, normalized=False)
+                                              for m in markers])
+        vocab = GrammarVocab(tokenizer, tokenizer.vocab_size)
+        as_tokens = resolve_tool_choice([DIGIT, FLAG], "required", parser).grammar(tokenizer.token_to_id)
+        text = layout(two)
+        ids = tokenizer.encode(text)
+        assert tokenizer.token_to_id(markers[0]) in ids and _admits(vocab, as_tokens, ids)
+        spelled = [t for piece in re.split("(" + "|".join(map(re.escape, markers)) + ")", text) if piece
+                   for t in (tokenizer.encode(piece[0]) + tokenizer.encode(piece[1:]) if piece in markers
+                             else tokenizer.encode(piece))]
+        assert not _admits(vocab, as_tokens, spelled)
+
+
+def _calls_of(response, stream: bool) -> tuple[list[tuple[str, str]], str | None]:
+    """(name, arguments) of each call and the finish reason, from a response or its chunks (deltas joined)."""
+    if not stream:
+        choice = response.choices[0]
+        return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []], choice.finish_reason
+    calls: dict[int, list[str]] = {}
+    for chunk in response:
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            call = calls.setdefault(d.index, ["", ""])
+            call[0] += d.function.name or ""
+            call[1] += d.function.arguments or ""
+    return [tuple(c) for c in calls.values()], response[-1].choices[0].finish_reason
+
+
+def test_forced_tool_calls_from_the_random_model(server):
+    """The random model, unscripted, answers "required" / a named function with calls whose arguments validate
+    against their tool's schema (jsonschema, independent of the grammar engine) — greedy and sampled, streamed
+    too — because the mask writes the format. Without tool_choice it writes no call (checked)."""
+    url, _ = server
+    ask = dict(model=NAME, messages=ASK, tools=[DIGIT, FLAG], seed=4)
+    cases = [("required", 0.0, False, True), ("required", 1.0, False, True), ("required", 1.0, True, True),
+             ("required", 1.0, False, False), (NAMED_FLAG, 0.0, False, True), (NAMED_FLAG, 1.0, True, True),
+             ("auto", 1.0, False, True)]
+    results = together(url, *[
+        lambda c, choice=choice, t=t, stream=stream, parallel=parallel: c.chat.completions.create(
+            **ask, tool_choice=choice, temperature=t, stream=stream, parallel_tool_calls=parallel,
+            max_tokens=48 if choice == "auto" else 400) for choice, t, stream, parallel in cases])
+    for (choice, t, stream, parallel), r in zip(cases, results):
+        assert not isinstance(r, Exception), r
+        calls, finish = _calls_of(r, stream)
+        if choice == "auto":
+            assert not calls and finish != "tool_calls"
+            continue
+        assert finish == "tool_calls" and calls, (choice, t, stream)
+        if choice is NAMED_FLAG:
+            assert [name for name, _ in calls] == ["flag"]
+        if not parallel:
+            assert len(calls) == 1
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_forced_tools_with_structured_output_or_a_bad_schema_are_400s(server):
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=ASK, tools=[DIGIT], tool_choice="required",
+                                       max_tokens=4, response_format={"type": "json_object"})
+    assert e.value.param == "response_format" and "tools" in e.value.message
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=ASK, tools=[bad], tool_choice="required", max_tokens=4)
+    assert e.value.param == "tools" and "objekt" in e.value.message
