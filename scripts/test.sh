@@ -4,4 +4,14 @@
 cd "$(dirname "$0")/.." || exit 1
 source scripts/env.sh dev || exit 1
 export JAX_PLATFORMS=cpu
-exec python -m pytest -q -n 2 --dist loadfile "$@"
+# One persistent XLA compilation cache for this run, shared by both workers and every subprocess the tests start
+# (a training run, a CLI call, a resume): a program compiled once (the same tiny model's step, generate, forward)
+# is loaded from disk instead of compiled again. A fresh directory each run, removed at the end; a directory the
+# caller exports is kept as given.
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  JAX_COMPILATION_CACHE_DIR="$(mktemp -d)" || exit 1
+  export JAX_COMPILATION_CACHE_DIR
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+fi
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+python -m pytest -q -n 2 --dist loadfile "$@"

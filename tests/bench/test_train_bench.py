@@ -3,9 +3,6 @@ honest synthetic batches, and the FLOP count behind MFU. Tests never assert on t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,24 +11,28 @@ import pytest
 from surojax.bench.flops import causal_pairs, step_flops
 from surojax.bench.shapes import SHAPES, model_config
 from surojax.bench.train_bench import segment_lengths, synthetic_batch
+from surojax.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("tokens_per_s", "step_ms", "peak_gib", "mfu", "compile_s", "loss", "config", "shape", "mode", "batch",
           "seq", "gflops_per_token", "params_trainable", "params_total")
 
 
-def bench(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "surojax.cli.main", "bench", "train", "--shape", "debug", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+def bench(capsys, *args: str) -> tuple[int, str, str]:
+    """`surojax bench train --shape debug ARGS` in this process (the console script's `main`): exit code, stdout,
+    stderr. Nothing here needs a process of its own, and a new interpreter would import jax again."""
+    rc = main(["bench", "train", "--shape", "debug", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
-def test_bench_train_prints_one_json_line(mode):
-    r = bench("--mode", mode, "--steps", "2", "--repeats", "1", "--warmup", "1", "--batch", "2", "--seq", "128")
-    assert r.returncode == 0, r.stderr
-    lines = [line for line in r.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, r.stdout
+def test_bench_train_prints_one_json_line(capsys, mode):
+    rc, stdout, stderr = bench(capsys, "--mode", mode, "--steps", "2", "--repeats", "1", "--warmup", "1", "--batch",
+                               "2", "--seq", "128")
+    assert rc == 0, stderr
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, stdout
     out = json.loads(lines[0])
     for f in FIELDS:
         assert f in out, f
@@ -48,9 +49,9 @@ def test_bench_train_prints_one_json_line(mode):
     assert out["config"]["attention"] == "auto" and out["config"]["recompute"] == "none"
 
 
-def test_bench_train_bad_argument_is_one_clean_line():
-    r = bench("--attention", "cudnn:1")
-    assert r.returncode == 1 and "error:" in r.stderr and "Traceback" not in r.stderr
+def test_bench_train_bad_argument_is_one_clean_line(capsys):
+    rc, _, stderr = bench(capsys, "--attention", "cudnn:1")
+    assert rc == 1 and "error:" in stderr and "Traceback" not in stderr
 
 
 def test_synthetic_batch_is_packed_per_the_batch_contract():

@@ -28,6 +28,14 @@ TINY = {
 TOKENS = jnp.array([[1, 5, 9, 33, 2, 17, 60, 8], [4, 4, 21, 0, 63, 12, 7, 30]], jnp.int32)  # [B=2, T=8]
 
 
+@nnx.jit
+def forward(model, tokens):
+    """The model's logits, jitted once for the test process: models of one structure and input shape (a model
+    and its reloaded copy, a base before and after a merge) share one compilation. An eager `model(tokens)`
+    traces and compiles the layer scan again on every call."""
+    return model(tokens)
+
+
 def tiny_model(family: str = "llama", seed: int = 0) -> Decoder:
     return Decoder(TINY[family], rngs=nnx.Rngs(seed))
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from peft_support import FIXTURES, randomize_adapter
+from peft_support import FIXTURES, forward, randomize_adapter
 from surojax.models.config import ModelConfig, MoEConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.lora import LoRAExpertLinear, apply_lora, lora_modules, merge_lora, resolve_targets
@@ -53,19 +53,19 @@ def test_expert_dropout_is_refused():
 
 def test_fresh_adapter_is_exact_identity_then_merge_equals_adapter():
     model = Decoder(TINY_MOE, rngs=nnx.Rngs(0))
-    base = np.asarray(model(TOKENS))
+    base = np.asarray(forward(model, TOKENS))
     apply_lora(model, targets=["q_proj", "v_proj", "experts"], rank=3, alpha=6, rngs=nnx.Rngs(1))
     mods = lora_modules(model)
     assert isinstance(mods["experts.gate_up_proj"], LoRAExpertLinear)
     assert mods["experts.gate_up_proj"].lora_a.get_value().shape == (2, 4, 32, 3)  # [L, E, D, R]
     assert mods["experts.down_proj"].lora_b.get_value().shape == (2, 4, 3, 32)  # [L, E, R, D]
-    np.testing.assert_array_equal(np.asarray(model(TOKENS)), base)  # B = 0
+    np.testing.assert_array_equal(np.asarray(forward(model, TOKENS)), base)  # B = 0
     randomize_adapter(model)
-    with_adapter = np.asarray(model(TOKENS))
+    with_adapter = np.asarray(forward(model, TOKENS))
     assert np.abs(with_adapter - base).max() > 1e-2
     merge_lora(model)  # folds W[e] += s * A[e] @ B[e] and puts the plain ExpertLinear back
     assert not lora_modules(model)
-    np.testing.assert_allclose(np.asarray(model(TOKENS)), with_adapter, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), with_adapter, rtol=0, atol=2e-5)
 
 
 def test_moe_fixture_base_matches_transformers():
@@ -110,11 +110,11 @@ def test_trained_adapter_round_trips(tmp_path, targets):
     model = Decoder(TINY_MOE, rngs=nnx.Rngs(0))
     apply_lora(model, targets=["q_proj"] + targets, rank=2, alpha=4, rngs=nnx.Rngs(1))
     randomize_adapter(model)
-    want = np.asarray(model(TOKENS))
+    want = np.asarray(forward(model, TOKENS))
     out = save_peft_adapter(model, tmp_path / "a", None)
     names = SafetensorsFile(out / "adapter_model.safetensors").names()
     nested = [n for n in names if ".base_layer." in n]
     assert len(nested) == (4 if targets == ["experts"] else 0)
     fresh = Decoder(TINY_MOE, rngs=nnx.Rngs(0))
     load_adapter_into(fresh, out, trainable=True)
-    np.testing.assert_allclose(np.asarray(fresh(TOKENS)), want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(forward(fresh, TOKENS)), want, rtol=0, atol=1e-6)

@@ -39,8 +39,15 @@ def _clone(model):
     return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
 
 
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
 def _logits(model):
-    return np.asarray(nnx.jit(lambda m, t: m(t))(model, TOKENS))
+    """One jitted forward for the file: models of the same structure (every plain / dequantised reference) reuse
+    one compilation."""
+    return np.asarray(_forward(model, TOKENS))
 
 
 @pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
@@ -85,15 +92,17 @@ def test_nf4_report_ratios():
             assert report.ratio < 0.25
 
 
+def _loss(trainable, graphdef, frozen):
+    logits = nnx.merge(graphdef, trainable, frozen)(TOKENS)
+    return jnp.mean(jax.nn.log_softmax(logits, -1)[..., 0] ** 2)
+
+
+_lora_grad = jax.jit(jax.grad(_loss), static_argnums=1)  # one compilation per model structure
+
+
 def _grads(model):
     graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
-
-    def loss(tr):
-        m = nnx.merge(graphdef, tr, frozen)
-        logits = m(TOKENS)
-        return jnp.mean(jax.nn.log_softmax(logits, -1)[..., 0] ** 2)
-
-    return jax.jit(jax.grad(loss))(trainable)
+    return _lora_grad(trainable, graphdef, frozen)
 
 
 @pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)

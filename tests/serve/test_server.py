@@ -342,7 +342,7 @@ def test_gguf_file_is_served(tmp_path):
     model, tok, _, name = load_for_serving(serve_config(args))
     assert name == "tiny"
     ids = tok.encode("The quick brown fox")
-    assert generate(model, [ids], 6)[0] == generate(base, [ids], 6)[0]
+    assert generate(model, [ids], 10)[0] == generate(base, [ids], 10)[0]  # reference()'s shapes for this prompt
 
 
 def test_a_trained_adapter_is_served_at_run_time(server, base, tok, tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 gguf = pytest.importorskip("gguf")
 
@@ -48,8 +49,15 @@ def files(tmp_path_factory):
     return out
 
 
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
 def _logits(model):
-    return np.asarray(model(jnp.asarray([PROMPT_IDS])))[0]
+    """Logits of PROMPT_IDS [T, V] through one jitted forward: the f32, HF and dequantised models of a family share
+    one structure and so one compilation (an eager call compiles the layer scan again each time)."""
+    return np.asarray(_forward(model, jnp.asarray([PROMPT_IDS])))[0]
 
 
 def _rms(a):
