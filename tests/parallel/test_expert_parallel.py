@@ -12,12 +12,8 @@ The 8-device checks run in one child process started with XLA_FLAGS=--xla_force_
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
-import subprocess
 import sys
-import traceback
 
 import pytest
 
@@ -31,6 +27,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AbstractMesh, PartitionSpec as P  # noqa: E402
 
+from tests.parallel.virtual_devices import check_passed, print_results, run_child  # noqa: E402
 from surojax.models.config import ModelConfig, MoEConfig  # noqa: E402
 from surojax.models.decoder import Decoder  # noqa: E402
 from surojax.models.layers.moe import MoE  # noqa: E402
@@ -46,7 +43,6 @@ from surojax.parallel.rules import (  # noqa: E402
     shard_model,
 )
 
-MARKER = "EXPERT_PARALLEL_CHECKS_JSON:"
 BASE = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=4, tie_word_embeddings=False)
 QWEN3_MOE = dict(BASE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
@@ -193,40 +189,15 @@ def check_capacity_is_per_expert_group():
     _assert_close(_numpy(stats), want_stats, "capacity stats")
 
 
-def _run_child_checks() -> dict[str, str]:
-    results = {}
-    for name, fn in CHILD_CHECKS.items():
-        try:
-            assert len(jax.devices()) == 8, f"child sees {len(jax.devices())} devices, expected 8"
-            fn()
-            results[name] = "ok"
-        except Exception:  # reported to the parent, which fails that case with the traceback
-            results[name] = traceback.format_exc()
-    return results
-
-
 @pytest.fixture(scope="module")
 def child_results() -> dict[str, str]:
-    env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
-    if proc.returncode or not lines:
-        pytest.fail(f"expert-parallel child failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(MARKER):])
+    return run_child(__file__, devices=8, label="expert-parallel")
 
 
 @pytest.mark.parametrize("name", list(CHILD_CHECKS))
 def test_on_8_devices(child_results, name):
-    result = child_results[name]
-    if result != "ok":
-        pytest.fail(f"{name} failed on 8 devices:\n{result}", pytrace=False)
+    check_passed(child_results, name, "8 devices")
 
 
 if __name__ == "__main__":
-    print(MARKER + json.dumps(_run_child_checks()), flush=True)
+    print_results(CHILD_CHECKS, devices=8)

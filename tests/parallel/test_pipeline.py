@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-import traceback
 
 import pytest
-import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:  # the child runs this file as a script
@@ -28,10 +25,10 @@ if ROOT not in sys.path:  # the child runs this file as a script
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tests.parallel.virtual_devices import MARKER, check_passed, child_env, print_results  # noqa: E402
 from surojax.parallel.pipeline import (PipelineError, bubble_fraction, check_pipeline,  # noqa: E402
                                        default_microbatches, schedule_length)
 
-MARKER = "PIPELINE_CHECKS_JSON:"
 DEVICES = 4
 TRAIN_STEPS = 2
 
@@ -189,30 +186,13 @@ def check_trainer_on_stage_2_x_data_2():
     print("TRAIN_LOSSES " + json.dumps(losses), flush=True)
 
 
-def _run_child_checks() -> dict[str, str]:
-    results = {}
-    for name, fn in CHILD_CHECKS.items():
-        try:
-            assert len(jax.devices()) == DEVICES, f"child sees {len(jax.devices())} devices, expected {DEVICES}"
-            fn()
-            results[name] = "ok"
-        except Exception:  # reported to the parent, which fails that case with the traceback
-            results[name] = traceback.format_exc()
-    return results
-
-
 @pytest.fixture(scope="module")
 def child_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
     base = _base_config(tmp)
     pipelined = {**base, "output_dir": str(tmp / "pp"), "per_device_train_batch_size": 2,
                  "parallel": {"stage": 2, "data": 2}}
-    env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    env["PIPELINE_TRAIN_CONFIG"] = json.dumps(pipelined)
+    env = child_env(DEVICES, {"PIPELINE_TRAIN_CONFIG": json.dumps(pipelined)})
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
     # the one-device reference trains here while the child runs: the same global batch (2 rows x data 2)
@@ -228,9 +208,7 @@ def child_run(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CHILD_CHECKS))
 def test_on_4_devices(child_run, name):
-    result = child_run[0][name]
-    if result != "ok":
-        pytest.fail(f"{name} failed on {DEVICES} devices:\n{result}", pytrace=False)
+    check_passed(child_run[0], name, f"{DEVICES} devices")
 
 
 def test_pipelined_trainer_losses_equal_one_device(child_run):
@@ -242,4 +220,4 @@ def test_pipelined_trainer_losses_equal_one_device(child_run):
 
 
 if __name__ == "__main__":
-    print(MARKER + json.dumps(_run_child_checks()), flush=True)
+    print_results(CHILD_CHECKS, devices=DEVICES)

@@ -8,13 +8,9 @@ The child runs every `@child_check` and reports each result; one pytest case per
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import subprocess
 import sys
-import traceback
 
 import pytest
 
@@ -26,10 +22,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AbstractMesh, PartitionSpec as P  # noqa: E402
 
+from tests.parallel.virtual_devices import check_passed, print_results, run_child  # noqa: E402
 from surojax.parallel.mesh import MeshError, make_mesh, mesh_shape  # noqa: E402
 from surojax.parallel.rules import ACTIVATION_RULES, PARAM_RULES, partition_spec  # noqa: E402
 
-MARKER = "SHARDING_CHECKS_JSON:"
 
 # ---- in-process: mesh arithmetic ----------------------------------------------------------------------------
 
@@ -279,39 +275,15 @@ def check_init_sharded():
     assert logits.shape == (4, 16, cfg.vocab_size)
 
 
-def _run_child_checks() -> dict[str, str]:
-    results = {}
-    for name, fn in CHILD_CHECKS.items():
-        try:
-            assert len(jax.devices()) == 8, f"child sees {len(jax.devices())} devices, expected 8"
-            fn()
-            results[name] = "ok"
-        except Exception:  # reported to the parent, which fails that case with the traceback
-            results[name] = traceback.format_exc()
-    return results
-
-
 @pytest.fixture(scope="module")
 def child_results() -> dict[str, str]:
-    env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
-    if proc.returncode or not lines:
-        pytest.fail(f"sharding child failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(MARKER):])
+    return run_child(__file__, devices=8, label="sharding")
 
 
 @pytest.mark.parametrize("name", list(CHILD_CHECKS))
 def test_on_8_devices(child_results, name):
-    result = child_results[name]
-    if result != "ok":
-        pytest.fail(f"{name} failed on 8 devices:\n{result}", pytrace=False)
+    check_passed(child_results, name, "8 devices")
 
 
 if __name__ == "__main__":
-    print(MARKER + json.dumps(_run_child_checks()), flush=True)
+    print_results(CHILD_CHECKS, devices=8)

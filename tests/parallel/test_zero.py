@@ -7,13 +7,9 @@ The device checks run once in a child process started with XLA_FLAGS=--xla_force
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
-import subprocess
 import sys
-import traceback
 
 import pytest
 
@@ -23,12 +19,12 @@ if ROOT not in sys.path:  # the child runs this file as a script
 
 import numpy as np  # noqa: E402
 
+from tests.parallel.virtual_devices import check_passed, print_results, run_child  # noqa: E402
 from surojax.config.errors import ConfigError  # noqa: E402
 from surojax.config.load import config_from_dict  # noqa: E402
 from surojax.models.config import ModelConfig  # noqa: E402
 from surojax.offload.memory_plan import plan_memory  # noqa: E402
 
-MARKER = "ZERO_CHECKS_JSON:"
 BASE = {"model": "some/model", "datasets": [{"path": "d.jsonl", "type": "text"}], "max_steps": 1}
 TINY = ModelConfig(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True)
@@ -220,41 +216,15 @@ def check_8bit_adamw_state_splits_its_blocks():
     _assert_same_layout(st, run.opt_state, "8-bit state after the step")
 
 
-def _run_child_checks() -> dict[str, str]:
-    import jax
-
-    results = {}
-    for name, fn in CHILD_CHECKS.items():
-        try:
-            assert len(jax.devices()) == 8, f"child sees {len(jax.devices())} devices, expected 8"
-            fn()
-            results[name] = "ok"
-        except Exception:  # reported to the parent, which fails that case with the traceback
-            results[name] = traceback.format_exc()
-    return results
-
-
 @pytest.fixture(scope="module")
 def child_results() -> dict[str, str]:
-    env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
-    if proc.returncode or not lines:
-        pytest.fail(f"zero child failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(MARKER):])
+    return run_child(__file__, devices=8, label="zero")
 
 
 @pytest.mark.parametrize("name", list(CHILD_CHECKS))
 def test_on_4_data_devices(child_results, name):
-    result = child_results[name]
-    if result != "ok":
-        pytest.fail(f"{name} failed on 4 data devices:\n{result}", pytrace=False)
+    check_passed(child_results, name, "4 data devices")
 
 
 if __name__ == "__main__":
-    print(MARKER + json.dumps(_run_child_checks()), flush=True)
+    print_results(CHILD_CHECKS, devices=8)

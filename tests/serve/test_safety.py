@@ -11,8 +11,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from flax import nnx
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from tests.serve.live_server import live_server  # noqa: E402
 from surojax.cli.main import build_parser, load_command  # noqa: E402
 from surojax.peft.lora import apply_lora  # noqa: E402
 from surojax.peft.peft_io import save_peft_adapter  # noqa: E402
@@ -30,7 +29,6 @@ from surojax.cli.serve import ServeOptionError, serve_config  # noqa: E402
 from surojax.serve.api_server import build_app  # noqa: E402
 from surojax.serve.backpressure import MAX_S, FinishRate, retry_after_s  # noqa: E402
 from surojax.serve.config import RunnerBuckets  # noqa: E402
-from surojax.serve.launch import build_server  # noqa: E402
 from surojax.weights.hf_checkpoint import load_model  # noqa: E402
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
@@ -70,30 +68,14 @@ def dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(dirs):
     root, outside = dirs
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    config = parse(["--served-model-name", NAME, "--api-key", KEY, "--max-num-seqs", str(SEQS), "--max-queue",
-                    str(QUEUE), "--block-size", "4", "--num-kv-blocks", "96", "--max-model-len", "64",
-                    "--max-num-batched-tokens", "256", "--max-request-bytes", str(BODY_LIMIT), "--enable-lora",
-                    "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"boot={outside / 'ad'}",
-                    "--allow-runtime-lora", "--lora-root", str(root)])
+    argv = ["--served-model-name", NAME, "--api-key", KEY, "--max-num-seqs", str(SEQS), "--max-queue", str(QUEUE),
+            "--block-size", "4", "--num-kv-blocks", "96", "--max-model-len", "64", "--max-num-batched-tokens", "256",
+            "--max-request-bytes", str(BODY_LIMIT), "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+            "--lora-modules", f"boot={outside / 'ad'}", "--allow-runtime-lora", "--lora-root", str(root)]
     buckets = RunnerBuckets(min_rows=4, min_prefill_rows=4, min_context=64, min_prefill=32)  # few CPU compiles
-    app, state = build_server(dataclasses.replace(config, engine=dataclasses.replace(config.engine, buckets=buckets)))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", backlog=512))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    assert complete(url).status_code == 200  # compiles the steps here, not inside a test
-    yield url, state
-    srv.should_exit = True
-    thread.join(10)
-    state.engine.shutdown()
+    with live_server(argv, buckets=buckets, backlog=512) as (url, state):
+        assert complete(url).status_code == 200  # compiles the steps here, not inside a test
+        yield url, state
 
 
 def complete(url, **body):

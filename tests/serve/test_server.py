@@ -5,10 +5,7 @@ LoRA per request = the merged model; auth; bad input; 429; disconnect frees bloc
 The model is the qwen3 fixture (tiny, random weights, with a ChatML tokenizer), served in fp32 on CPU.
 """
 import asyncio
-import dataclasses
 import json
-import socket
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from flax import nnx
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from tests.serve.live_server import live_server  # noqa: E402
 from surojax.cli.main import build_parser, load_command  # noqa: E402
 from surojax.cli.serve import serve_config  # noqa: E402
 from surojax.data.tokenizer import Tokenizer  # noqa: E402
@@ -27,7 +25,6 @@ from surojax.generation.loop import generate  # noqa: E402
 from surojax.peft.lora import apply_lora, lora_modules, merge_lora  # noqa: E402
 from surojax.peft.peft_io import save_peft_adapter  # noqa: E402
 from surojax.serve.config import RunnerBuckets  # noqa: E402
-from surojax.serve.launch import build_server  # noqa: E402
 from surojax.serve.metrics import parse_metrics  # noqa: E402
 from surojax.weights.hf_checkpoint import load_model  # noqa: E402
 
@@ -64,30 +61,13 @@ def adapter(base, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(adapter, tmp_path_factory):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    parser = build_parser("serve", load_command("serve"))
-    args = parser.parse_args(["serve", str(FIXTURE), "--served-model-name", NAME, "--api-key", KEY,
-                              "--max-num-seqs", "32", "--block-size", "4", "--num-kv-blocks", "512",
-                              "--max-model-len", "128", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-                              "--lora-modules", f"ad={adapter[0]}", "--max-num-batched-tokens", "512",
-                              "--allow-runtime-lora", "--lora-root", str(tmp_path_factory.getbasetemp())])
-    config = serve_config(args)
+    argv = ["--served-model-name", NAME, "--api-key", KEY, "--max-num-seqs", "32", "--block-size", "4",
+            "--num-kv-blocks", "512", "--max-model-len", "128", "--enable-lora", "--max-loras", "2",
+            "--max-lora-rank", "8", "--lora-modules", f"ad={adapter[0]}", "--max-num-batched-tokens", "512",
+            "--allow-runtime-lora", "--lora-root", str(tmp_path_factory.getbasetemp())]
     buckets = RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=128, min_prefill=64)  # few CPU compiles
-    app, state = build_server(dataclasses.replace(config, engine=dataclasses.replace(config.engine, buckets=buckets)))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", state
-    srv.should_exit = True
-    thread.join(10)
-    state.engine.shutdown()
+    with live_server(argv, buckets=buckets) as served:
+        yield served
 
 
 @pytest.fixture()

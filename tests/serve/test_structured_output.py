@@ -6,12 +6,8 @@ parses and validates against its schema shows that the mask on the device is wha
 with `jsonschema` (installed with the dev extras, through nbformat), an implementation independent of the grammar
 engine.
 """
-import dataclasses
 import json
 import re
-import socket
-import threading
-import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -22,14 +18,12 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from surojax.cli.main import build_parser, load_command  # noqa: E402
-from surojax.cli.serve import serve_config  # noqa: E402
+from tests.serve.live_server import live_server  # noqa: E402
 from surojax.data.tokenizer import Tokenizer  # noqa: E402
 from surojax.generation.sampling import SamplingParams, apply_token_bitmask  # noqa: E402
 from surojax.serve.config import RunnerBuckets  # noqa: E402
 from surojax.serve.engine import Engine  # noqa: E402
 from surojax.serve.guided import grammar_from_regex  # noqa: E402
-from surojax.serve.launch import build_server  # noqa: E402
 from surojax.weights.hf_checkpoint import load_model  # noqa: E402
 from tests.serve.configs import BUCKETS, engine_config  # noqa: E402
 
@@ -52,27 +46,11 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def server():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    args = build_parser("serve", load_command("serve")).parse_args(
-        ["serve", str(FIXTURE), "--served-model-name", NAME, "--max-num-seqs", "8", "--block-size", "4",
-         "--num-kv-blocks", "256", "--max-model-len", "128", "--max-num-batched-tokens", "256"])
-    config = serve_config(args)
+    argv = ["--served-model-name", NAME, "--max-num-seqs", "8", "--block-size", "4", "--num-kv-blocks", "256",
+            "--max-model-len", "128", "--max-num-batched-tokens", "256"]
     buckets = RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=128, min_prefill=64)  # few CPU compiles
-    app, state = build_server(dataclasses.replace(config, engine=dataclasses.replace(config.engine, buckets=buckets)))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(10)
-    state.engine.shutdown()
+    with live_server(argv, buckets=buckets) as (url, _):
+        yield url
 
 
 @pytest.fixture()

@@ -9,17 +9,14 @@ are not scripted: the grammar mask alone makes the random model write valid call
 """
 import asyncio
 import contextlib
-import dataclasses
 import json
 import re
-import socket
-import threading
-import time
 
 import jsonschema
 import pytest
 import tokenizers
 
+from tests.serve.live_server import live_server  # noqa: E402
 from surojax.data.tokenizer import Tokenizer
 from surojax.serve.guided import GrammarVocab
 from surojax.serve.tool_parsers import (TOOL_PARSERS, ToolCallStream, ToolChoiceError, parser_for,
@@ -28,10 +25,7 @@ from surojax.serve.tool_parsers import (TOOL_PARSERS, ToolCallStream, ToolChoice
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from surojax.cli.main import build_parser, load_command  # noqa: E402
-from surojax.cli.serve import serve_config  # noqa: E402
 from surojax.serve.config import RunnerBuckets  # noqa: E402
-from surojax.serve.launch import build_server  # noqa: E402
 from tests.serve.test_server import FIXTURE, KEY, NAME, tok  # noqa: E402,F401
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
@@ -100,27 +94,12 @@ def test_parser_choice_and_tool_choice_rules():
 
 @pytest.fixture(scope="module")
 def server():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    args = build_parser("serve", load_command("serve")).parse_args(
-        ["serve", str(FIXTURE), "--served-model-name", NAME, "--api-key", KEY, "--max-num-seqs", "8",
-         "--block-size", "4", "--num-kv-blocks", "1024", "--max-model-len", "1024", "--max-num-batched-tokens", "512"])
-    config = serve_config(args)  # 1024 tokens: the tiny tokenizer spells the template's tool list in ~450 tokens
+    # 1024 tokens: the tiny tokenizer spells the template's tool list in ~450 tokens
+    argv = ["--served-model-name", NAME, "--api-key", KEY, "--max-num-seqs", "8", "--block-size", "4",
+            "--num-kv-blocks", "1024", "--max-model-len", "1024", "--max-num-batched-tokens", "512"]
     buckets = RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=1024, min_prefill=512)  # few CPU compiles
-    app, state = build_server(dataclasses.replace(config, engine=dataclasses.replace(config.engine, buckets=buckets)))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", state
-    srv.should_exit = True
-    thread.join(10)
-    state.engine.shutdown()
+    with live_server(argv, buckets=buckets) as served:
+        yield served
 
 
 @contextlib.contextmanager

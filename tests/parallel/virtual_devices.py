@@ -1,0 +1,76 @@
+"""Checks that need several devices run in ONE child process with N virtual CPU devices
+(`--xla_force_host_platform_device_count`): the test module runs itself as a script in the child, which runs every
+check of its CHECKS table and prints the results as one JSON line; the parent fails each parametrized case with
+its check's traceback. One start-up (and one set of compiles) per module instead of one per check.
+
+    CHECKS = {"name": fn, ...}
+
+    @pytest.fixture(scope="module")
+    def child_results():
+        return run_child(__file__, devices=8, label="sharding")
+
+    if __name__ == "__main__":
+        print_results(CHECKS, devices=8)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+
+ROOT = str(Path(__file__).resolve().parents[2])
+MARKER = "CHILD_RESULTS "
+
+
+def child_env(devices: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a CPU child with `devices` virtual devices and the repository importable."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+def run_child(script: str, *, devices: int, label: str, env: Mapping[str, str] | None = None,
+              timeout: float = 600) -> dict[str, str]:
+    """Run `script` in a child with `devices` devices -> {check name: "ok" or its traceback}; a child that dies or
+    prints no results fails the calling fixture with its output."""
+    proc = subprocess.run([sys.executable, os.path.abspath(script)], env=child_env(devices, env), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
+    if proc.returncode or not lines:
+        pytest.fail(f"{label} child failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len(MARKER):])
+
+
+def run_checks(checks: Mapping[str, Callable[[], None]], devices: int) -> dict[str, str]:
+    """In the child: every check, each one's failure caught and kept as its traceback."""
+    import jax
+
+    results = {}
+    for name, fn in checks.items():
+        try:
+            assert len(jax.devices()) == devices, f"child sees {len(jax.devices())} devices, expected {devices}"
+            fn()
+            results[name] = "ok"
+        except Exception:  # reported to the parent, which fails that case with the traceback
+            results[name] = traceback.format_exc()
+    return results
+
+
+def print_results(checks: Mapping[str, Callable[[], None]], devices: int) -> None:
+    print(MARKER + json.dumps(run_checks(checks, devices)), flush=True)
+
+
+def check_passed(results: Mapping[str, str], name: str, where: str) -> None:
+    if results[name] != "ok":
+        pytest.fail(f"{name} failed on {where}:\n{results[name]}", pytrace=False)
