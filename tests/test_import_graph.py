@@ -53,7 +53,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "surojax.config", "surojax.config.stages", "surojax.train.stages", "surojax.train.interrupts",
         "surojax.parallel.distributed")},
     **{(f"surojax.cli.{command}", target): _CLI_RUN for command, targets in {
-        "bench": ("surojax.bench.train_bench", "surojax.models.layers.attention"),
+        "bench": ("surojax.bench.train_bench", "surojax.bench.config_bench", "surojax.models.layers.attention"),
         "distill": ("surojax.config.load", "surojax.train.distill"),
         "grpo": ("surojax.config.load",),
         "dpo": ("surojax.config.load", "surojax.config.stages"),

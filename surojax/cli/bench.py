@@ -2,13 +2,15 @@
 step on synthetic packed batches with random weights of a real shape; prints one JSON line (tokens/s, step
 time, peak memory, MFU, the settings). See surojax/bench/train_bench.py for what is timed and how.
 
-`surojax bench CONFIG` (a training YAML) validates the config; timing a YAML's own run is not implemented yet.
+`surojax bench CONFIG [-o key=value]` times a training YAML's own steps (its model, data, trainer kind): the
+Trainer it describes, outputs in a temporary folder, no checkpoints; prints one JSON line (step time, tokens/s,
+first step with the compile, peak memory). See surojax/bench/config_bench.py.
 """
 from __future__ import annotations
 
 import argparse
 
-from surojax.cli.common import UsageError, load_config_args, not_implemented, positive_int
+from surojax.cli.common import UsageError, load_config_args, positive_int
 
 SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "qwen3-32b", "llama3-70b", "qwen3-30b-a3b", "qwen3-small", "debug",
                "debug-moe")  # = surojax.bench.shapes.SHAPES
@@ -73,8 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.config != "train":
-        load_config_args(args, check_paths=False)  # synthetic batches: the datasets need not exist
-        return not_implemented("bench")
+        return _bench_config(args)
     # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     from surojax.bench.train_bench import BenchConfig, main_json
     from surojax.models.layers.attention import resolve_backend
@@ -95,3 +96,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     return main_json(bc)
+
+
+def _bench_config(args: argparse.Namespace) -> int:
+    """`surojax bench CONFIG`: the YAML's own trainer timed (surojax/bench/config_bench.py)."""
+    import json
+
+    from surojax.bench.config_bench import run_config
+
+    cfg = load_config_args(args)  # the run reads its model and data: their paths must exist
+    result = run_config(cfg, steps=args.steps or 20, warmup=args.warmup if args.warmup is not None else 3)
+    print(json.dumps({"config": args.config, **result}), flush=True)
+    return 0

@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from surojax.cli import common
 from surojax.cli.main import COMMANDS, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "configs" / "examples" / "lora_qwen3.yaml"
-CONFIG_COMMANDS = ("bench",)  # still placeholders that validate
 
 
 def run_py(*args: str) -> subprocess.CompletedProcess:
@@ -81,7 +82,8 @@ def test_each_command_module_has_the_interface(name):
 
 def _minimal_args(name: str) -> list[str]:
     return {"merge": ["--base", "b", "--adapter", "a", "--output", "o"], "export": ["cfg.yaml", "--output", "o"],
-            "quantize": ["m", "--format", "q8_0", "--output", "o"], "serve": ["m"]}.get(name, ["cfg.yaml"])
+            "quantize": ["m", "--format", "q8_0", "--output", "o"], "serve": ["m"],
+            "launch": ["--nproc-per-node", "2", "--", "sft", "cfg.yaml"]}.get(name, ["cfg.yaml"])
 
 
 def test_sft_bad_config_is_one_clean_line(bad_config, capsys):
@@ -97,11 +99,24 @@ def test_sft_config_pointing_at_an_empty_model_config_is_a_clean_error(good_conf
     assert "model_type None is not supported" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("name", CONFIG_COMMANDS)
-def test_config_commands_validate(name, good_config, bad_config, capsys):
-    assert main([name, str(bad_config)]) == 1
-    assert main([name, str(good_config)]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_bench_times_a_configs_own_steps(tmp_path, capsys):
+    """`surojax bench CONFIG` runs the YAML's trainer for 1 + warmup + steps steps in a temporary output folder:
+    one JSON line, the config's own output_dir untouched; a bad config is refused before anything runs."""
+    from tests.train.conftest import write_instruction_data
+
+    out = tmp_path / "would-be-output"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(dict(
+        model=str(ROOT / "tests" / "fixtures" / "models" / "qwen3"), output_dir=str(out), recipe="fp32",
+        lora=True, lora_rank=4, datasets=[{"path": str(write_instruction_data(tmp_path / "d.jsonl", n=16)),
+                                           "type": "instruction"}], sequence_len=32, per_device_train_batch_size=2,
+        max_steps=100)))
+    assert main(["bench", str(config), "--steps", "2", "--warmup", "1"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["trainer"] == "sft" and result["steps"] == 2 and result["tokens_per_s"] > 0
+    assert result["step_ms"] > 0 and result["first_step_s"] > 0 and result["loss_first"] > 0
+    assert not out.exists()
+    assert main(["bench", str(config), "-o", "learning_rate=abc"]) == 1
 
 
 def test_override_error_and_missing_path(good_config, capsys):
