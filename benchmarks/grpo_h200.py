@@ -167,7 +167,7 @@ def base_folder(job: Job, work: Path) -> Path:
 def grpo_config(job: Job, work: Path) -> dict:
     cfg = {"trainer": "grpo", "model": str(base_folder(job, work)), "tokenizer": str(work / "tokenizer"),
            "datasets": [{"path": str(work / "prompts.jsonl"), "type": "prompt"}],
-           "reward_functions": ["grpo_rewards:distinct_words"],
+           "reward_functions": ["grpo_bench_rewards:distinct_words"],
            "sequence_len": job.prompt_len + job.completion_len, "max_completion_length": job.completion_len,
            "num_generations": job.group, "per_device_train_batch_size": job.micro_rows,
            "gradient_accumulation_steps": job.rows // job.micro_rows, "temperature": 1.0, "beta": 0.04,
@@ -183,7 +183,7 @@ def item_grpo(job: Job, work: Path, logs: Path, a) -> dict:
     cfg = grpo_config(job, work)
     path = work / "grpo.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
-    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}  # grpo_rewards imports from benchmarks/
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}  # grpo_bench_rewards imports from benchmarks/
     out, rc, wall = run_child([sys.executable, "-m", "surojax.train", "--config", str(path)], logs / "grpo.log",
                               a.timeout, env)
     metrics = Path(cfg["output_dir"]) / "metrics.jsonl"

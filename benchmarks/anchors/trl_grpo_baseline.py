@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerC
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared reward function
-from grpo_rewards import distinct_words  # noqa: E402
+from grpo_bench_rewards import distinct_words  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--work", required=True)

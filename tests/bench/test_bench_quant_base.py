@@ -21,10 +21,11 @@ def test_random_weights_are_finite_and_modest(name):
     assert d.shape == (2, 256, 32) and np.isfinite(d).all() and 0 < np.abs(d).max() < 10
 
 
-def test_bench_train_over_a_quantised_base():
-    r = bench("--quant", "nf4", "--steps", "1", "--repeats", "1", "--warmup", "1", "--batch", "2", "--seq", "128")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+def test_bench_train_over_a_quantised_base(capsys):
+    rc, stdout, stderr = bench(capsys, "--quant", "nf4", "--steps", "1", "--repeats", "1", "--warmup", "1", "--batch",
+                               "2", "--seq", "128")
+    assert rc == 0, stderr
+    out = json.loads(stdout.strip().splitlines()[-1])
     assert out["config"]["quant"] == "nf4" and out["config"]["quant_matmul"] == "auto"
     assert np.isfinite(out["loss"]) and out["tokens_per_s"] > 0
     plain = 32768 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # adapters + the base's logical values

@@ -1,4 +1,4 @@
-"""The reward of the GRPO benchmark, shared by ours (`reward_functions: [grpo_rewards:distinct_words]`) and the TRL
+"""The reward of the GRPO benchmark, shared by ours (`reward_functions: [grpo_bench_rewards:distinct_words]`) and the TRL
 anchor: TRL's signature f(prompts, completions, **columns) -> list[float]. Cheap and learnable; the bench measures
 time, not what is learnt."""
 
