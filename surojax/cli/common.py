@@ -128,6 +128,17 @@ def positive_int(value: str) -> int:
     return n
 
 
+def non_negative_int(value: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {n})")
+    return n
+
+
 def report_console() -> Console:
     """The console training reports on: stderr. When stderr is not a terminal (a log file, a pipe, CI) rich would
     wrap every line at 80 columns; there each line is printed whole (soft wrap) so a log keeps one record a line."""

@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 
+from surojax.cli.common import non_negative_int, positive_int
 from surojax.serve.config import (EngineConfig, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig, SpecMethod,
                                   SpeculativeConfig)
 
@@ -28,16 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=_SERVE.dtype,
                         help="auto = bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--attention", default=_SERVE.attention, help="attention backend (xla, cudnn, auto)")
-    parser.add_argument("--max-model-len", type=_positive, default=None,
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="longest prompt + completion (default: the model's, at most 8192)")
-    parser.add_argument("--max-num-seqs", type=_positive, default=_SCHED.max_num_seqs, help="sequences batched at once")
-    parser.add_argument("--max-num-batched-tokens", type=_positive, default=_SCHED.max_num_batched_tokens,
+    parser.add_argument("--max-num-seqs", type=positive_int, default=_SCHED.max_num_seqs, help="sequences batched at once")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=_SCHED.max_num_batched_tokens,
                         help="tokens per engine step (prompt tokens prefilled with the running decodes)")
-    parser.add_argument("--max-queue", type=_non_negative, default=_SERVE.max_queue,
+    parser.add_argument("--max-queue", type=non_negative_int, default=_SERVE.max_queue,
                         help="waiting requests beyond max-num-seqs (then 429 with Retry-After)")
-    parser.add_argument("--max-request-bytes", type=_positive, default=_SERVE.max_request_bytes,
+    parser.add_argument("--max-request-bytes", type=positive_int, default=_SERVE.max_request_bytes,
                         help="largest request body in bytes (then 413)")
-    parser.add_argument("--block-size", type=_positive, default=_ENGINE.block_size, help="tokens per KV block")
+    parser.add_argument("--block-size", type=positive_int, default=_ENGINE.block_size, help="tokens per KV block")
     parser.add_argument("--decode-steps", type=_power_of_two, default=_SCHED.decode_steps,
                         help="decode tokens per device call when no request waits (1, 2, 4, 8, ...)")
     parser.add_argument("--unroll-layers", action="store_true",
@@ -47,14 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "paged (attention reads the pool in place through block tables), "
                              "reduce / pallas (the same, decode attention as multiply + reduce / in a Pallas "
                              "kernel), reference (gather/scatter)")
-    parser.add_argument("--num-kv-blocks", type=_positive, default=None,
+    parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV blocks (default: from free device memory; a fixed size on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=_ENGINE.memory_utilization)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters picked per request")
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="PEFT adapters to load")
-    parser.add_argument("--max-loras", type=_positive, default=_LORA.max_loras, help="adapter slots")
-    parser.add_argument("--max-lora-rank", type=_positive, default=_LORA.max_rank)
+    parser.add_argument("--max-loras", type=positive_int, default=_LORA.max_loras, help="adapter slots")
+    parser.add_argument("--max-lora-rank", type=positive_int, default=_LORA.max_rank)
     parser.add_argument("--allow-runtime-lora", action="store_true",
                         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 403); adapters are "
                              "read only from inside --lora-root")
@@ -65,40 +66,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default off")
     parser.add_argument("--speculative-model", default=None, metavar="DIR",
                         help="the draft model (same tokenizer / vocabulary as MODEL; any supported family)")
-    parser.add_argument("--num-speculative-tokens", type=_positive, default=None, metavar="K",
+    parser.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                         help=f"tokens proposed per sequence per step (default {_SPEC.num_tokens})")
     parser.add_argument("--log-level", default=_SERVE.log_level)
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (got {value!r})") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (got {n})")
-    return n
-
-
-def _non_negative(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {value!r})") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {n})")
-    return n
-
-
 def _power_of_two(value: str) -> int:
-    n = _positive(value)
+    n = positive_int(value)
     if n & (n - 1):
         raise argparse.ArgumentTypeError(f"must be a power of two (got {n})")
     return n
 
 
 def _port(value: str) -> int:
-    n = _positive(value)
+    n = positive_int(value)
     if n > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number <= 65535 (got {n})")
     return n
