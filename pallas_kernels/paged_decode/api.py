@@ -7,8 +7,9 @@ definition it is checked against.
 
 On a GPU the kernel runs as Triton; on any other backend in Pallas interpret mode (tests). Softmax in fp32,
 scale H ** -0.5, no sliding window; a row of length 0 (padding) gets zeros. Where the kernel does not apply
-(`kernel_applies`: more than one query token per row, a sliding window, a pool past int32 element offsets) the
-caller gathers instead.
+(`kernel_applies`: more than one query token per row, a sliding window, a pool of 2^31 slots or more) the caller
+gathers instead. Pools past 2^31 elements are fine: Pallas' Triton lowering addresses an array of more than 4 GiB
+with 64-bit offsets (jax 0.11); only the kernel's slot indices (block id x bs + offset) are int32.
 
 Tuning knobs: keyword arguments of `paged_decode_attention` (described in `kernel.py`), defaulting to the
 module constants below, the best configuration of benchmarks/paged_decode_sweep.py at every shape it timed
@@ -32,21 +33,20 @@ QK = "fma"
 SPLIT = "length"
 QK_MODES = ("dot", "fma")
 SPLIT_MODES = ("table", "length")
-MAX_POOL_ELEMENTS = 2 ** 31  # the kernel's pointer arithmetic uses int32 element offsets
+MAX_POOL_SLOTS = 2 ** 31  # the kernel's slot indices into the [L * NBLK * bs] view of the pool are int32
 
 
 def kernel_applies(pool_shape, num_query_tokens: int, sliding_window: int | None) -> bool:
-    """The kernel serves one query token per row without a sliding window, over a pool whose element offsets fit
-    in int32; anything else takes the gather path."""
-    n = 1
-    for d in pool_shape:
-        n *= d
-    return num_query_tokens == 1 and sliding_window is None and n < MAX_POOL_ELEMENTS
+    """The kernel serves one query token per row without a sliding window, over a pool [L, NBLK * bs, K, H]
+    whose L * NBLK * bs slots have int32 indices; anything else takes the gather path."""
+    return num_query_tokens == 1 and sliding_window is None and pool_shape[0] * pool_shape[1] < MAX_POOL_SLOTS
 
 
 def max_pool_blocks(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """The most KV blocks a pool may have for the kernel to apply (under 2^31 elements)."""
-    return (MAX_POOL_ELEMENTS - 1) // (num_layers * block_size * num_kv_heads * head_dim)
+    """The most KV blocks a pool may have for the kernel to apply (under 2^31 slots over all layers;
+    num_kv_heads and head_dim do not bound it: element offsets are 64-bit past 4 GiB)."""
+    del num_kv_heads, head_dim
+    return (MAX_POOL_SLOTS - 1) // (num_layers * block_size)
 
 
 def num_partitions(batch: int, kv_heads: int, table_blocks: int, *, blocks_per_iter: int = BLOCKS_PER_ITER,

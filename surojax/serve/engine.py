@@ -11,7 +11,7 @@ Every setting is a field of `EngineConfig` (surojax/serve/config.py, the default
 decides once what the config leaves open: max_model_len None -> the model's (`default_max_model_len`),
 num_blocks None -> from free device memory (`capacity.num_kv_blocks`), kv_path AUTO -> PALLAS on a GPU where
 the kernel applies, else PAGED (`resolve_kv_path`); with PALLAS a pool sized from free memory is capped at the
-kernel's 2^31 elements (its int32 offsets).
+kernel's 2^31 slots over all layers (its int32 slot indices; far past any GPU's memory at today's shapes).
 
 Greedy results do not depend on the batch: every row attends only to its own context, and the batched sampler
 takes each row's argmax (or its own seeded key) whatever the other rows ask for.
@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 
 def resolve_kv_path(kv_path: KVPath, cfg: ModelConfig, block_size: int, num_blocks: int | None) -> KVPath:
     """AUTO -> PALLAS on a GPU where the kernel applies (no sliding window; an explicit num_blocks must fit under
-    the kernel's 2^31-element pool, a pool sized from free memory is capped to fit), else PAGED. Any other path
+    the kernel's 2^31 slots, a pool sized from free memory is capped to fit), else PAGED. Any other path
     is returned as it is."""
     if kv_path is not KVPath.AUTO:
         return kv_path
@@ -75,7 +75,7 @@ def resolve_kv_path(kv_path: KVPath, cfg: ModelConfig, block_size: int, num_bloc
     choice = KVPath.PALLAS if jax.default_backend() == "gpu" and cfg.sliding_window is None and fits \
         else KVPath.PAGED
     log.info("KV path: %s (auto: the Pallas kernel needs a GPU, no sliding window and a pool under 2^31 "
-             "elements)", choice.value)
+             "slots)", choice.value)
     return choice
 
 
@@ -111,7 +111,7 @@ class Engine:
             if draft_model is not None:  # the draft's pool has as many blocks: share the memory
                 t, d = _kv_bytes_per_token(cfg), _kv_bytes_per_token(draft_model.cfg)
                 num_blocks = max(1, num_blocks * t // (t + d))
-            if kv_path is KVPath.PALLAS:  # the kernel addresses the pool with int32 offsets
+            if kv_path is KVPath.PALLAS:  # the kernel indexes the pool's slots with int32
                 num_blocks = min(num_blocks, max_pool_blocks(cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim))
         self.config = dataclasses.replace(config, scheduler=sched, num_blocks=num_blocks, kv_path=kv_path)
         self.model = model

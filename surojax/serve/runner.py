@@ -178,7 +178,7 @@ class PagedRunner:
         if self.kernel is PagedKernel.PALLAS and not kernel_applies(shape, 1, cfg.sliding_window):
             warnings.warn(f"PagedRunner: kv_path PALLAS does not apply to this model / pool (pool {shape}, "
                           f"sliding window {cfg.sliding_window}): decode attention gathers instead "
-                          "(the kernel needs no sliding window and a pool under 2^31 elements)", stacklevel=2)
+                          "(the kernel needs no sliding window and a pool under 2^31 slots)", stacklevel=2)
         self.num_calls = 0  # forward calls (waves x decode/prefill groups), for tests / metrics
         self.num_multi_calls = 0  # multi-step decode calls
         self.num_deferred = 0  # requests run in a later wave (same-step prefix hits on blocks being written)

@@ -69,7 +69,8 @@ def test_bad_knob_is_a_clear_error():
 
 
 def test_max_pool_blocks():
-    n = max_pool_blocks(28, 16, 8, 128)  # Qwen3-0.6B
+    n = max_pool_blocks(28, 16, 8, 128)  # Qwen3-0.6B: 2^31 slots over 28 layers, 4.8M blocks (77M tokens)
+    assert n == (2 ** 31 - 1) // (28 * 16)
     assert kernel_applies((28, n * 16, 8, 128), 1, None) and not kernel_applies((28, (n + 1) * 16, 8, 128), 1, None)
 
 
@@ -77,7 +78,8 @@ def test_kernel_applies():
     assert kernel_applies((28, 1024, 8, 128), 1, None)
     assert not kernel_applies((28, 1024, 8, 128), 4, None)  # prefill rows gather
     assert not kernel_applies((28, 1024, 8, 128), 1, 4096)
-    assert not kernel_applies((28, 2 ** 20, 8, 128), 1, None)  # offsets past int32
+    assert kernel_applies((28, 2 ** 20, 8, 128), 1, None)  # 2^35 elements: 64-bit offsets in the lowering
+    assert not kernel_applies((28, 2 ** 27, 1, 1), 1, None)  # slot indices past int32
 
 
 def test_lowers_for_h200():

@@ -173,7 +173,7 @@ def test_pallas_kernel_warns_where_it_does_not_apply(model, monkeypatch):
 
 
 def test_pallas_caps_an_auto_sized_pool(model, monkeypatch):
-    """An auto-sized pool is capped where the kernel's int32 offsets end (the cap shrunk to 24 blocks here)."""
+    """An auto-sized pool is capped where the kernel's int32 slot indices end (the cap shrunk to 24 blocks here)."""
     from surojax.serve import engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "num_kv_blocks", lambda *a, **k: 10 ** 6)
