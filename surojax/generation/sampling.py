@@ -6,8 +6,8 @@ what every parity and "batching never changes a result" check relies on.
 ``sample``/``filter_logits``: one set of parameters for the whole batch (``generate.py``).
 ``sample_batch``: the serving engine's sampler, every row with its own parameters given as [R] arrays
 (temperature, top-k, top-p, min-p, penalties, seed), one jitted function per ``BatchMode`` (greedy only /
-sampling, with or without penalties, with or without logprobs, with or without an allowed-token bitmask for
-structured output). A row's random key is
+sampling, with or without the top-k / top-p / min-p sort, penalties, logprobs, an allowed-token bitmask for
+structured output: each only when a row of the batch asks for it). A row's random key is
 ``fold_in(key(seed), position)``, so a seeded request gives the same tokens alone or in any batch, and a greedy
 row is a plain argmax whatever its neighbours ask for.
 """
@@ -123,6 +123,7 @@ class BatchMode:
     """The static part of a batched sampling call (one compiled variant each)."""
 
     sample: bool = False  # some row has temperature > 0 (else argmax only)
+    filter: bool = False  # some sampling row restricts its tokens by top_k / top_p / min_p (a sort over V)
     penalties: bool = False  # some row uses a penalty
     logprobs: bool = False  # some row wants logprobs
     mask: bool = False  # some row has a grammar: rows["token_bitmask"] [R, W] restricts the tokens
@@ -173,13 +174,23 @@ def sorted_keep_mask(scaled, top_k, top_p, min_p):
     return order, s, keep
 
 
+def keep_mask(scaled, top_k, top_p, min_p):
+    """``sorted_keep_mask``'s keep [R, V] back in vocabulary order: the tokens each row may sample."""
+    R, V = scaled.shape
+    order, _, keep_sorted = sorted_keep_mask(scaled, top_k, top_p, min_p)
+    return jnp.zeros((R, V), bool).at[jnp.arange(R)[:, None], order].set(keep_sorted)
+
+
 def sample_batch(logits, rows: dict, mode: BatchMode):
     """One token per row with that row's own parameters; greedy rows are argmax whatever the batch holds.
 
     logits [R, V] fp32; rows holds [R] arrays temperature, top_k, top_p, min_p, seed (uint32), step (int32) and,
     with ``mode.penalties``, repetition / presence / frequency [R] and seen_ids / seen_valid / seen_is_output [R, P];
     with ``mode.mask``, token_bitmask [R, W] int32 (``apply_token_bitmask``: greedy and sampled rows pick only
-    allowed tokens; penalties and top-k/p/min-p act on the allowed ones).
+    allowed tokens; penalties and top-k/p/min-p act on the allowed ones). A sampled row draws from its
+    temperature-scaled logits in vocabulary order (Gumbel-max with its own key), restricted by top-k / top-p /
+    min-p only with ``mode.filter`` (the sort over V costs more than the draw): a row without a filter draws the
+    same token whichever mode its batch runs in.
     -> dict(ids [R] int32, and with ``mode.logprobs``: logprob [R], top_ids [R, 20], top_logprobs [R, 20]).
     Logprobs are of the model's distribution (raw logits), as vLLM reports them.
     """
@@ -196,10 +207,10 @@ def sample_batch(logits, rows: dict, mode: BatchMode):
     if mode.sample:
         temp = rows["temperature"]
         scaled = x / jnp.where(temp > 0, temp, 1.0)[:, None]
-        order, s, keep = sorted_keep_mask(scaled, rows["top_k"], rows["top_p"], rows["min_p"])
+        if mode.filter:
+            scaled = jnp.where(keep_mask(scaled, rows["top_k"], rows["top_p"], rows["min_p"]), scaled, -jnp.inf)
         keys = _row_keys(rows["seed"], rows["step"])
-        pick = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, jnp.where(keep, s, -jnp.inf))
-        sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
         ids = jnp.where(temp > 0, sampled, ids)
     out["ids"] = ids
     if mode.logprobs:

@@ -243,9 +243,11 @@ class PagedRunner:
     def _sampling_rows(self, group: list[ScheduledRequest], R: int, S: int, bitmasks=None):
         """Per-row sampling arrays [R] (rows that do not sample this step get greedy defaults) + the BatchMode.
 
-        Two compiled variants only: greedy (argmax) and full (sampling + penalties + logprobs, used as soon as
-        one row needs any of them); the penalties' token arrays are [R, S], the context bucket, since a row's
-        prompt + output tokens are its context plus this step's tokens. Structured output: when a sampling row
+        ``BatchMode``: sampling, its top-k / top-p / min-p filter, penalties and logprobs each switched on only
+        when a row of this step needs it (a filter sorts [R, V], logprobs take a top-20 over V, penalties carry
+        [R, S] token arrays: a batch of plain temperature sampling pays none of them). The penalties' token
+        arrays are [R, S], the context bucket, since a row's prompt + output tokens are its context plus this
+        step's tokens. Structured output: when a sampling row
         has a bitmask (``bitmasks``: request id -> [W] int32), rows["token_bitmask"] [R, W] carries them (-1,
         every token allowed, for the other rows) and ``mode.mask`` is set; without one nothing is sent.
         """
@@ -273,14 +275,18 @@ class PagedRunner:
         freq = np.zeros(R, np.float32)
         params = [(r, s, s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams())
                   for r, s in enumerate(group) if s.sample]
-        full = any(not sp.greedy or sp.uses_penalties or sp.logprobs for *_, sp in params)
-        mode = BatchMode(sample=full, penalties=full, logprobs=full)
+        sampled = [sp for *_, sp in params if not sp.greedy]
+        mode = BatchMode(sample=bool(sampled),
+                         filter=any(sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0 for sp in sampled),
+                         penalties=any(sp.uses_penalties for *_, sp in params),
+                         logprobs=any(sp.logprobs for *_, sp in params))
         rows = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, step=step)
-        if not full:
+        if not (mode.sample or mode.penalties):
             return rows, mode
-        ids = np.zeros((R, S), np.int32)
-        valid = np.zeros((R, S), bool)
-        is_out = np.zeros((R, S), bool)
+        if mode.penalties:
+            ids = np.zeros((R, S), np.int32)
+            valid = np.zeros((R, S), bool)
+            is_out = np.zeros((R, S), bool)
         for r, s, sp in params:
             temperature[r], top_k[r], top_p[r], min_p[r] = sp.temperature, max(sp.top_k, 0), sp.top_p, sp.min_p
             seed[r] = (sp.seed or 0) & 0xFFFFFFFF
@@ -292,8 +298,9 @@ class PagedRunner:
                 ids[r, :n] = req.all_token_ids[:n]
                 valid[r, :n] = True
                 is_out[r, n_p:n] = True
-        rows.update(repetition=rep, presence=pres, frequency=freq, seen_ids=ids, seen_valid=valid,
-                    seen_is_output=is_out)
+        if mode.penalties:
+            rows.update(repetition=rep, presence=pres, frequency=freq, seen_ids=ids, seen_valid=valid,
+                        seen_is_output=is_out)
         return rows, mode
 
     def _run(self, group: list[ScheduledRequest], bitmasks=None):

@@ -19,7 +19,7 @@ The scheduler then keeps the KV of [last, d_1 .. d_a] (a accepted) and rolls the
 rejected positions (their blocks freed when nothing else lives in them).
 
 p_i is the distribution the plain sampler draws from (temperature, then top-k / min-p / top-p:
-``sampling.sorted_keep_mask``), so a speculative sampled request follows the same distribution as a plain one.
+``sampling.keep_mask``), so a speculative sampled request follows the same distribution as a plain one.
 Randomness is per request: the uniform for d_i uses ``fold_in(fold_in(key(seed), position), ACCEPT)``, the
 residual / bonus draw ``... RESIDUAL`` and the draft's own draw ``... DRAFT``, so a seeded request gives the
 same tokens alone or in any batch. Requests with penalties or logprobs are decoded without speculation
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from surojax.generation.sampling import SamplingParams, sorted_keep_mask
+from surojax.generation.sampling import SamplingParams, keep_mask
 
 ACCEPT, RESIDUAL, DRAFT = 0, 1, 2  # key tags: one independent stream per use
 
@@ -89,10 +89,8 @@ def filtered_probs(logits: jax.Array, rows: dict) -> jax.Array:
     temp = rows["temperature"]
     scaled = (logits / jnp.where(temp > 0, temp, 1.0)[:, None, None]).reshape(R * N, V)
     rep = lambda x: jnp.repeat(x, N)  # noqa: E731  [R] -> [R * N]
-    order, s, keep = sorted_keep_mask(scaled, rep(rows["top_k"]), rep(rows["top_p"]), rep(rows["min_p"]))
-    p_sorted = jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1)
-    probs = jnp.zeros_like(p_sorted).at[jnp.arange(R * N)[:, None], order].set(p_sorted)
-    return probs.reshape(R, N, V)
+    keep = keep_mask(scaled, rep(rows["top_k"]), rep(rows["top_p"]), rep(rows["min_p"]))
+    return jax.nn.softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1).reshape(R, N, V)
 
 
 def accept(logits: jax.Array, proposals: jax.Array, num_proposed: jax.Array, draft_probs: jax.Array | None,
