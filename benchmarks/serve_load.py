@@ -214,14 +214,15 @@ def kv_path(paged: bool, kernel: str):
 
 def engine_config(a, users, k=1, in_place=True, paged=True, kernel="auto"):
     """The `EngineConfig` of one measured variant."""
-    from surojax.serve.config import EngineConfig, SchedulerConfig
+    from surojax.serve.config import EngineConfig, KVCacheDtype, SchedulerConfig
 
     blocks_per_seq = -(-(a.prompt_len + a.max_tokens + k) // a.block_size)
     scheduler = SchedulerConfig(max_num_seqs=users, max_num_batched_tokens=step_budget(a, users),
                                 max_model_len=a.prompt_len + a.max_tokens + a.block_size, decode_steps=k)
     return EngineConfig(scheduler=scheduler, num_blocks=max(a.num_kv_blocks, users * blocks_per_seq + 8),
                         block_size=a.block_size, buckets=bench_buckets(a, users, k), kv_in_place=in_place,
-                        unroll_layers=a.unroll_layers, kv_path=kv_path(paged, kernel))
+                        unroll_layers=a.unroll_layers, kv_path=kv_path(paged, kernel),
+                        kv_cache_dtype=KVCacheDtype(a.kv_cache_dtype))
 
 
 def step_budget(a, users):
@@ -270,6 +271,7 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, pa
     return summarize(label, users, records, wall, {"decode_steps": k, "kv_in_place": int(in_place),
                                                    "paged_attention": int(paged),
                                                    "paged_kernel": eng.config.kv_path.value,
+                                                   "kv_dtype": str(eng.runner.k_pool.dtype),
                                                    "steps": eng.runner.num_calls,
                                                    "multi_step_calls": eng.runner.num_multi_calls,
                                                    "compiled_while_measuring": _num_compiled() - compiled_before})
@@ -466,6 +468,8 @@ def main(argv=None):
                    help="comma list of auto / gather / reduce / pallas: the paged path's decode attention "
                         "(paged_kernel; auto = the engine's default: pallas on a GPU)")
     p.add_argument("--unroll-layers", action="store_true", help="the runner's unroll_layers (engine and server)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="the KV pool's dtype (engine and server): auto = the model's, fp8 = float8_e4m3fn")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
     p.add_argument("--url", default=None, help="client mode: the server's base URL")
     p.add_argument("--api-key", default=None)

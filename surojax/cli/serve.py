@@ -10,7 +10,7 @@ import logging
 import os
 
 from surojax.cli.common import non_negative_int, positive_int
-from surojax.serve.config import (EngineConfig, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig, SpecMethod,
+from surojax.serve.config import (EngineConfig, KVCacheDtype, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig, SpecMethod,
                                   SpeculativeConfig)
 
 
@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "paged (attention reads the pool in place through block tables), "
                              "reduce / pallas (the same, decode attention as multiply + reduce / in a Pallas "
                              "kernel), reference (gather/scatter)")
+    parser.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype],
+                        default=_ENGINE.kv_cache_dtype.value,
+                        help="what the KV cache stores: auto (the model's dtype) or fp8 (float8_e4m3fn with a "
+                             "per-layer scale bounded from the weights: 2x the tokens; docs/serving.md)")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV blocks (default: from free device memory; a fixed size on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=_ENGINE.memory_utilization)
@@ -124,6 +128,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise ServeOptionError("speculative decoding is not supported with --enable-lora")
     if speculative is not None and args.decode_steps > 1:
         raise ServeOptionError("speculative decoding is not supported with --decode-steps > 1")
+    if args.kv_cache_dtype == KVCacheDtype.FP8.value and args.enable_lora:
+        raise ServeOptionError("--kv-cache-dtype fp8 is not supported with --enable-lora (the FP8 scales are "
+                               "bounded from the base weights, which an adapter changes)")
     if speculative is not None and args.kv_path == KVPath.REFERENCE.value:
         raise ServeOptionError("speculative decoding needs a paged --kv-path (not reference)")
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -132,7 +139,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     engine = EngineConfig(scheduler=scheduler, block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching, kv_path=KVPath(args.kv_path),
-                          unroll_layers=args.unroll_layers, speculative=speculative)
+                          unroll_layers=args.unroll_layers, speculative=speculative,
+                          kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype))
     return ServeConfig(model=args.model, engine=engine, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
                        attention=args.attention, max_queue=args.max_queue,

@@ -1,6 +1,6 @@
 """How many KV blocks to allocate: from the device's free memory by default (GPU), a fixed size on CPU.
 
-    bytes per token = 2 (k, v) x L x K x H x itemsize(kv dtype)
+    bytes per token = 2 (k, v) x L x K x H x itemsize(kv dtype)     (fp8: 1 byte, half of bf16: 2x the tokens)
     GPU:  free = memory_utilization x bytes_limit - bytes_in_use (weights already loaded); the pool gets
           ``kv_share`` of it, the rest is left for the step's workspace. The reference runner gathers each
           row's context into a per-row view (and the decoder writes an updated copy of it), so the
@@ -11,9 +11,12 @@ At least one max_model_len sequence must fit, else the error says how much memor
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from surojax.models.config import ModelConfig
+from surojax.serve.config import KVCacheDtype
+from surojax.serve.kv_fp8 import FP8_DTYPE, check_pool_dtype, is_fp8
 
 CPU_KV_BYTES = 256 * 2**20
 CPU_MAX_TOKENS = 65536
@@ -21,6 +24,17 @@ CPU_MAX_TOKENS = 65536
 
 class KVCapacityError(ValueError):
     is_user_error = True
+
+
+def kv_pool_dtype(choice: KVCacheDtype, model_dtype, explicit=None):
+    """The pool's dtype: `explicit` when given (it must agree with `choice`: FP8 wants float8_e4m3fn), else
+    AUTO -> the model's compute dtype, FP8 -> float8_e4m3fn."""
+    if explicit is not None:
+        check_pool_dtype(explicit)
+        if (choice is KVCacheDtype.FP8) != is_fp8(explicit):
+            raise ValueError(f"kv_cache_dtype {choice.value} contradicts the pool dtype {jnp.dtype(explicit)}")
+        return explicit
+    return FP8_DTYPE if choice is KVCacheDtype.FP8 else model_dtype
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype) -> int:

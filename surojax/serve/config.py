@@ -67,6 +67,15 @@ class RunnerBuckets:
     min_prefill: int = 1
 
 
+class KVCacheDtype(enum.Enum):
+    """What the KV pool stores (vLLM's --kv-cache-dtype): AUTO = the model's compute dtype; FP8 =
+    float8_e4m3fn codes with a per-layer k / v scale bounded from the weights (`serve.kv_fp8`), half the bytes
+    of bf16 per token."""
+
+    AUTO = "auto"
+    FP8 = "fp8"
+
+
 class SpecMethod(enum.Enum):
     """How speculative decoding proposes tokens: NGRAM = prompt lookup (the tokens that followed the last n
     tokens' latest earlier occurrence in prompt + output), DRAFT = a small model with the same vocabulary."""
@@ -108,7 +117,8 @@ class EngineConfig:
     the device's memory the server may fill; enable_prefix_caching: reuse full blocks across requests; kv_path:
     `KVPath`; kv_in_place (REFERENCE path only): the decoder updates the dense view in its layer scan's carry
     instead of copying it in and out; unroll_layers: the layer loop inlined (longer compiles, same values);
-    speculative: `SpeculativeConfig` or None (off). Speculation is refused with decode_steps > 1 and with the
+    speculative: `SpeculativeConfig` or None (off); kv_cache_dtype: `KVCacheDtype` (FP8: not with LoRA slots,
+    whose adapters would change W_k / W_v after the scales are fixed; the draft's pool keeps its dtype). Speculation is refused with decode_steps > 1 and with the
     REFERENCE KV path (the verify step reads and writes the pool in place)."""
 
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -121,6 +131,7 @@ class EngineConfig:
     unroll_layers: bool = False
     buckets: RunnerBuckets = RunnerBuckets()
     speculative: SpeculativeConfig | None = None
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
 
     def __post_init__(self):
         _positive("EngineConfig", block_size=self.block_size, num_blocks=self.num_blocks)
@@ -135,6 +146,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig: memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if not isinstance(self.kv_path, KVPath):
             raise TypeError(f"EngineConfig: kv_path must be a KVPath, got {self.kv_path!r}")
+        if not isinstance(self.kv_cache_dtype, KVCacheDtype):
+            raise TypeError(f"EngineConfig: kv_cache_dtype must be a KVCacheDtype, got {self.kv_cache_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +203,9 @@ class ServeConfig:
         if self.lora is not None and self.engine.speculative is not None:
             raise ValueError("speculative decoding is not supported with LoRA adapters (--enable-lora): "
                              "the draft and the verify step serve the base model only")
+        if self.lora is not None and self.engine.kv_cache_dtype is KVCacheDtype.FP8:
+            raise ValueError("--kv-cache-dtype fp8 is not supported with LoRA adapters (--enable-lora): the FP8 "
+                             "scales are bounded from the base weights, which an adapter changes")
 
 
 def default_max_model_len(max_position_embeddings: int | None) -> int:
@@ -197,6 +213,6 @@ def default_max_model_len(max_position_embeddings: int | None) -> int:
     return min(max_position_embeddings or 4096, DEFAULT_MAX_MODEL_LEN_CAP)
 
 
-__all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "DEFAULT_MAX_REQUEST_BYTES", "EngineConfig", "KVPath", "LoraServeConfig",
+__all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "DEFAULT_MAX_REQUEST_BYTES", "EngineConfig", "KVCacheDtype", "KVPath", "LoraServeConfig",
            "RunnerBuckets", "SchedulerConfig", "ServeConfig", "SpecMethod", "SpeculativeConfig",
            "default_max_model_len"]

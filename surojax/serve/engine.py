@@ -51,7 +51,7 @@ from pallas_kernels.paged_decode import max_pool_blocks
 from surojax.generation.sampling import SamplingParams
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
-from surojax.serve.capacity import num_kv_blocks
+from surojax.serve.capacity import kv_bytes_per_token, kv_pool_dtype, num_kv_blocks
 from surojax.serve.config import EngineConfig, KVPath, SpecMethod, default_max_model_len
 from surojax.serve.detokenize import RequestText
 from surojax.serve.guided import GrammarError, GrammarMatcher, GrammarVocab
@@ -79,15 +79,11 @@ def resolve_kv_path(kv_path: KVPath, cfg: ModelConfig, block_size: int, num_bloc
     return choice
 
 
-def _kv_bytes_per_token(cfg: ModelConfig) -> int:
-    return cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-
-
 class Engine:
     def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, tokenizer=None, lora=None,
                  kv_dtype=None, draft_model: Decoder | None = None):
         """config: every setting (`EngineConfig`); tokenizer: for text and stop strings; lora: `AdapterSlots`
-        built on the model; kv_dtype: the pool's dtype (None: the model's compute dtype); draft_model: the
+        built on the model; kv_dtype: the pool's dtype (None: config.kv_cache_dtype's); draft_model: the
         speculative draft (exactly when config.speculative.method is DRAFT; same vocabulary)."""
         cfg = model.cfg
         spec = config.speculative
@@ -98,7 +94,7 @@ class Engine:
         if draft_model is not None and draft_model.cfg.vocab_size != cfg.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                              f"target's ({cfg.vocab_size}): speculation needs the same tokenizer")
-        kv_dtype = kv_dtype or model.dtype
+        kv_dtype = kv_pool_dtype(config.kv_cache_dtype, model.dtype, kv_dtype)
         sched = config.scheduler
         if sched.max_model_len is None:
             sched = dataclasses.replace(sched, max_model_len=default_max_model_len(cfg.max_position_embeddings))
@@ -109,7 +105,7 @@ class Engine:
             num_blocks = num_kv_blocks(cfg, kv_dtype, bs, sched.max_model_len,
                                        memory_utilization=config.memory_utilization)
             if draft_model is not None:  # the draft's pool has as many blocks: share the memory
-                t, d = _kv_bytes_per_token(cfg), _kv_bytes_per_token(draft_model.cfg)
+                t, d = kv_bytes_per_token(cfg, kv_dtype), kv_bytes_per_token(draft_model.cfg, draft_model.dtype)
                 num_blocks = max(1, num_blocks * t // (t + d))
             if kv_path is KVPath.PALLAS:  # the kernel indexes the pool's slots with int32
                 num_blocks = min(num_blocks, max_pool_blocks(cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim))

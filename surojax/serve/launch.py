@@ -68,8 +68,10 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     for lname, lpath in config.lora.modules if config.lora is not None else ():
         engine.load_lora(lname, lpath)
     resolved = engine.config
-    log.info("KV cache: %d blocks x %d tokens; max-model-len %d; max-num-seqs %d; KV path %s", resolved.num_blocks,
-             resolved.block_size, engine.max_model_len, resolved.scheduler.max_num_seqs, resolved.kv_path.value)
+    pool = engine.runner.k_pool
+    log.info("KV cache: %d blocks x %d tokens (%s, %.2f GiB); max-model-len %d; max-num-seqs %d; KV path %s",
+             resolved.num_blocks, resolved.block_size, jnp.dtype(pool.dtype).name, 2 * pool.nbytes / 2**30,
+             engine.max_model_len, resolved.scheduler.max_num_seqs, resolved.kv_path.value)
     if resolved.speculative is not None:
         log.info("speculative decoding: %s, %d tokens per step", resolved.speculative.method.value,
                  resolved.speculative.num_tokens)

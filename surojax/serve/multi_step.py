@@ -34,19 +34,20 @@ from surojax.peft.multi_lora import set_adapter_rows
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "num_steps", "block_size", "unroll",
-                                             "kernel"), donate_argnames=("k_pool", "v_pool"))
+                                             "kernel", "scales"), donate_argnames=("k_pool", "v_pool"))
 def multi_step_decode_paged(graphdef, state, k_pool, v_pool, tokens, start, block_table, limit, stop_ids,
                             adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int, block_size: int,
-                            unroll: int | bool = 1, kernel: PagedKernel = PagedKernel.GATHER):
+                            unroll: int | bool = 1, kernel: PagedKernel = PagedKernel.GATHER, scales=None):
     """The fast path: the pool rides in the loop carry (``PagedKVCache``); each step every layer writes its new
     k/v into the pool in place and reads the rows' context through block_table [R, NB] (NB * block_size >=
     max(start) + K). A stopped row's token has segment id 0: not written, its length does not grow.
     Same results as ``reference_multi_step_decode``, and the same pool afterwards (kernel GATHER; REDUCE and
-    PALLAS: equal up to float rounding)."""
+    PALLAS: equal up to float rounding). scales: an FP8 pool's `kv_fp8.KVScales` (None: compute dtype)."""
     model = nnx.merge(graphdef, state)
     if lora:
         set_adapter_rows(model, adapter_rows)
-    cache = PagedKVCache(k_pool, v_pool, block_table.astype(jnp.int32), start.astype(jnp.int32), block_size, kernel)
+    cache = PagedKVCache(k_pool, v_pool, block_table.astype(jnp.int32), start.astype(jnp.int32), block_size, kernel,
+                         scales)
 
     def forward(cache, tok, pos, done):
         return model.hidden_states(tok, pos, (~done).astype(jnp.int32)[:, None], cache=cache, unroll=unroll)

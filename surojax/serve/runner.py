@@ -52,6 +52,7 @@ from surojax.models.decoder import Decoder
 from surojax.models.kv import PagedKernel, PagedKVCache
 from surojax.peft.multi_lora import multi_lora_modules, set_adapter_rows
 from surojax.serve.config import KVPath, RunnerBuckets
+from surojax.serve.kv_fp8 import KVScales, check_pool_dtype, is_fp8, kv_scales
 from surojax.serve.kv_reference import reference_multi_step_decode, reference_step
 from surojax.serve.multi_step import multi_step_decode_paged
 from surojax.serve.scheduler import ScheduledRequest
@@ -80,11 +81,11 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "block_size", "unroll", "kernel"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "block_size", "unroll", "kernel", "scales"),
                    donate_argnames=("k_pool", "v_pool"))
 def paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, block_table, ctx_len, last_idx,
                adapter_rows, rows, mode: BatchMode, lora: bool, block_size: int, unroll: int | bool = 1,
-               kernel: PagedKernel = PagedKernel.GATHER):
+               kernel: PagedKernel = PagedKernel.GATHER, scales: KVScales | None = None):
     """One forward + sample over the paged pool, no dense view (the twin of `kv_reference.reference_step`).
     The pool rides in the layer scan's carry
     (``PagedKVCache``): each layer writes the new tokens' k/v into its pool slice in place and attention reads
@@ -92,21 +93,22 @@ def paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, 
 
     tokens/positions/segment_ids [R, T] (segment 0 = padding: not written); ctx_len/last_idx/adapter_rows [R];
     rows: the per-row sampling arrays of `sample_batch`. kernel: how decode rows read the pool (`PagedKernel`).
+    scales: an FP8 pool's `KVScales` (None: the pool holds the compute dtype).
     -> (k_pool, v_pool, sampled: dict of `sample_batch` outputs for each row's last real token).
     """
     model = nnx.merge(graphdef, state)
     if lora:
         set_adapter_rows(model, adapter_rows)
-    cache = PagedKVCache(k_pool, v_pool, block_table, ctx_len, block_size, kernel)
+    cache = PagedKVCache(k_pool, v_pool, block_table, ctx_len, block_size, kernel, scales)
     h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, unroll=unroll)
     return cache.k, cache.v, sample_last(model, h, last_idx, rows, mode)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sample", "block_size", "unroll", "kernel"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "sample", "block_size", "unroll", "kernel", "scales"),
                    donate_argnames=("k_pool", "v_pool"))
 def verify_step(graphdef, state, k_pool, v_pool, last, start, proposals, num_proposed, draft_probs, block_table,
                 rows, sample: bool, block_size: int, unroll: int | bool = 1,
-                kernel: PagedKernel = PagedKernel.GATHER):
+                kernel: PagedKernel = PagedKernel.GATHER, scales: KVScales | None = None):
     """Speculative verification: ONE target forward over [last, d_1 .. d_k] per row (a prefill chunk of K + 1
     tokens on the paged pool, as ``paged_step``) whose logits at every position are kept, then
     ``speculative.accept``.
@@ -122,7 +124,7 @@ def verify_step(graphdef, state, k_pool, v_pool, last, start, proposals, num_pro
     tokens = jnp.concatenate([last[:, None], proposals], axis=1).astype(jnp.int32)  # [R, K + 1]
     positions = start[:, None] + j
     segments = (j <= num_proposed[:, None]).astype(jnp.int32)
-    cache = PagedKVCache(k_pool, v_pool, block_table, start, block_size, kernel)
+    cache = PagedKVCache(k_pool, v_pool, block_table, start, block_size, kernel, scales)
     h, cache = model.hidden_states(tokens, positions, segments, cache=cache, unroll=unroll)
     logits = model.logits(h)  # [R, K + 1, V] fp32
     return cache.k, cache.v, accept(logits, proposals, num_proposed, draft_probs, rows, start, sample=sample)
@@ -152,7 +154,9 @@ class PagedRunner:
         its view in the layer scan's carry instead of copying every layer's view in and out; same values.
         unroll_layers: the layer loop inlined (``lax.scan(unroll=True)``), longer compiles; same values.
         decode_steps: multi-step calls always loop up to this many steps (the loop exits once every row
-        stopped), so rows with fewer steps left do not compile smaller variants."""
+        stopped), so rows with fewer steps left do not compile smaller variants. kv_dtype: the pool's dtype
+        (None: the model's); float8_e4m3fn makes an FP8 pool with per-layer scales bounded from the weights
+        (`kv_fp8.kv_scales`, ``self.kv_scales``), refused for a model with LoRA slots."""
         if kv_path is KVPath.AUTO:
             raise ValueError("PagedRunner: kv_path AUTO must be resolved first (Engine does: resolve_kv_path)")
         self.kv_path = kv_path
@@ -174,6 +178,13 @@ class PagedRunner:
         self.adapter_slot = adapter_slot or (lambda name: 0)
         shape = (cfg.num_layers, self.num_slots, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or model.dtype
+        check_pool_dtype(dtype)
+        self.kv_scales: KVScales | None = None
+        if is_fp8(dtype):
+            if self.lora:
+                raise ValueError("PagedRunner: an FP8 KV pool is not supported on a model with LoRA slots (the "
+                                 "scales are bounded from the base weights, which an adapter changes)")
+            self.kv_scales = kv_scales(model)
         self.k_pool, self.v_pool = self._new_pool(shape, dtype), self._new_pool(shape, dtype)
         if self.kernel is PagedKernel.PALLAS and not kernel_applies(shape, 1, cfg.sliding_window):
             warnings.warn(f"PagedRunner: kv_path PALLAS does not apply to this model / pool (pool {shape}, "
@@ -336,11 +347,12 @@ class PagedRunner:
             self.k_pool, self.v_pool, sampled = paged_step(
                 self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments,
                 self._block_table(group, R, S), ctx_len, last, adapters, rows, mode=mode, lora=self.lora,
-                block_size=self.block_size, unroll=self.unroll, kernel=self.kernel)
+                block_size=self.block_size, unroll=self.unroll, kernel=self.kernel, scales=self.kv_scales)
             return sampled
         self.k_pool, self.v_pool, sampled = reference_step(
             self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments, ctx, ctx_len, write,
-            last, adapters, rows, mode=mode, lora=self.lora, kv_in_place=self.kv_in_place, unroll=self.unroll)
+            last, adapters, rows, mode=mode, lora=self.lora, kv_in_place=self.kv_in_place, unroll=self.unroll,
+            scales=self.kv_scales)
         return sampled
 
     def _run_multi(self, group: list[ScheduledRequest]):
@@ -374,12 +386,12 @@ class PagedRunner:
             self.k_pool, self.v_pool, sampled = multi_step_decode_paged(
                 self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, self._block_table(group, R, S),
                 limit, stop, adapters, rows, mode=mode, lora=self.lora, num_steps=K, block_size=self.block_size,
-                unroll=self.unroll, kernel=self.kernel)
+                unroll=self.unroll, kernel=self.kernel, scales=self.kv_scales)
         else:
             self.k_pool, self.v_pool, sampled = reference_multi_step_decode(
                 self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, ctx, write, limit, stop,
                 adapters, rows, mode=mode, lora=self.lora, num_steps=K, kv_in_place=self.kv_in_place,
-                unroll=self.unroll)
+                unroll=self.unroll, scales=self.kv_scales)
         self.num_calls += 1
         self.num_multi_calls += 1
         return sampled
@@ -423,7 +435,7 @@ class PagedRunner:
         self.k_pool, self.v_pool, res = verify_step(
             self.graphdef, self.state, self.k_pool, self.v_pool, last, start, proposals, num_proposed, draft_probs,
             self._block_table(group, R, S), rows, sample=bool((rows["temperature"] > 0).any()),
-            block_size=self.block_size, unroll=self.unroll, kernel=self.kernel)
+            block_size=self.block_size, unroll=self.unroll, kernel=self.kernel, scales=self.kv_scales)
         host = jax.device_get(res)
         out = StepResult()
         for r, s in enumerate(group):

@@ -14,6 +14,11 @@ builds the cache (the serving engine):
             each row's real blocks inside the kernel, online softmax (equal up to float rounding); other rows,
             sliding windows (static or per layer), attention sinks (the kernel has none) and pools past int32
             offsets gather
+
+FP8 pool (`scales` set, a `KVScales`-like value with ``at(layer) -> (k scale, v scale)``): k/v are stored as
+float8_e4m3fn codes x / scale, saturated (`quantize`, given with the scales); every read dequantises (codes x
+scale, in fp32) before attention; the Pallas kernel loads the codes and casts them in-kernel, the k scale folded
+into q and the v scale into its output (q . (s k) = (s q) . k; sum p (s v) = s sum p v).
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ def reduce_decode_attention(q, k, v, mask, scale: float, sinks: jax.Array | None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "layer"],
-                   meta_fields=["block_size", "kernel"])
+                   meta_fields=["block_size", "kernel", "scales"])
 @dataclasses.dataclass(frozen=True)
 class PagedLayerKV:
     """The pool as one layer sees it: every layer's k, v [L, N, K, H] and this layer's index [] int32. Only this
@@ -64,10 +69,14 @@ class PagedLayerKV:
     layer: jax.Array
     block_size: int
     kernel: PagedKernel = PagedKernel.GATHER
+    scales: object | None = None  # FP8 pool: a `surojax.serve.kv_fp8.KVScales`; None: stored as is
 
     def write(self, k, v, slots) -> "PagedLayerKV":
         """k, v [B, T, K, H] into this layer's pool slots [B, T] (a slot >= N is dropped: padding)."""
         l = self.layer
+        if self.scales is not None:
+            ks, vs = self.scales.at(l)
+            k, v = self.scales.quantize(k, ks), self.scales.quantize(v, vs)
         return dataclasses.replace(self, k=self.k.at[l, slots].set(k.astype(self.k.dtype), mode="drop"),
                                    v=self.v.at[l, slots].set(v.astype(self.v.dtype), mode="drop"))
 
@@ -77,11 +86,12 @@ class PagedLayerKV:
         B, NB = block_table.shape
         bs = self.block_size
 
-        def gather(pool):  # whole blocks: [B, NB, bs, K, H]
-            blocks = pool.reshape(L, N // bs, bs, K, H)[self.layer, block_table]
-            return blocks.reshape(B, NB * bs, K, H).astype(dtype)
+        def gather(pool, scale):  # whole blocks: [B, NB, bs, K, H]
+            blocks = pool.reshape(L, N // bs, bs, K, H)[self.layer, block_table].reshape(B, NB * bs, K, H)
+            return blocks.astype(dtype) if scale is None else self.scales.dequantize(blocks, scale, dtype)
 
-        return gather(self.k), gather(self.v)
+        ks, vs = (None, None) if self.scales is None else self.scales.at(self.layer)
+        return gather(self.k, ks), gather(self.v, vs)
 
     def update_and_attend(self, q, k, v, meta: PagedKVMeta, spec: AttendSpec) -> tuple[jax.Array, "PagedLayerKV"]:
         """Write k/v [B, T, K, H] at meta.write_slots; attend q [B, T, N, H] over each row's blocks."""
@@ -89,8 +99,15 @@ class PagedLayerKV:
         T = q.shape[1]
         if kv.kernel is PagedKernel.PALLAS and spec.sinks is None and kernel_applies(kv.k.shape, T,
                                                                                     spec.sliding_window):
-            out = paged_decode_attention(q[:, 0], kv.k, kv.v, kv.layer, meta.block_table, meta.lengths,
-                                         block_size=kv.block_size)  # [B, N, H]
+            q1 = q[:, 0]  # [B, N, H]
+            if kv.scales is None:
+                out = paged_decode_attention(q1, kv.k, kv.v, kv.layer, meta.block_table, meta.lengths,
+                                             block_size=kv.block_size)  # [B, N, H]
+            else:  # fp8 codes: the scales folded into q and the output
+                ks, vs = kv.scales.at(kv.layer)
+                out = paged_decode_attention((q1.astype(jnp.float32) * ks).astype(q.dtype), kv.k, kv.v, kv.layer,
+                                             meta.block_table, meta.lengths, block_size=kv.block_size)
+                out = (out.astype(jnp.float32) * vs).astype(q.dtype)
             return out[:, None], kv
         if kv.kernel is PagedKernel.REDUCE and T == 1:
             ck, cv = kv.read(meta.block_table, jnp.float32)
@@ -100,14 +117,15 @@ class PagedLayerKV:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],
-                   meta_fields=["block_size", "kernel"])
+                   meta_fields=["block_size", "kernel", "scales"])
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     """The pool as the decoder drives it. k, v [L, N, K, H]; block_table [B, NB] (entries past a row's blocks
     are ignored); lengths [B] = tokens of each row already in the pool. One sequence per row, positions 0, 1,
     2 ... The new tokens (segment id > 0) are written at positions lengths .. lengths + T - 1, which must have
     blocks in the table (NB * bs >= lengths + T); padding tokens (segment id 0) are not written and do not
-    count. Always carried by the layer loop (written in place)."""
+    count. Always carried by the layer loop (written in place). scales: None, or for an FP8 pool a static value
+    with ``at(layer)``, ``quantize(x, scale)`` and ``dequantize(codes, scale, dtype)`` (`serve.kv_fp8.KVScales`)."""
 
     k: jax.Array
     v: jax.Array
@@ -115,6 +133,7 @@ class PagedKVCache:
     lengths: jax.Array
     block_size: int
     kernel: PagedKernel = PagedKernel.GATHER
+    scales: object | None = None
 
     carry_only: ClassVar[bool] = True
 
@@ -137,7 +156,7 @@ class PagedKVCache:
         return meta, dataclasses.replace(self, lengths=lengths)
 
     def carried(self) -> PagedLayerKV:
-        return PagedLayerKV(self.k, self.v, jnp.int32(0), self.block_size, self.kernel)
+        return PagedLayerKV(self.k, self.v, jnp.int32(0), self.block_size, self.kernel, self.scales)
 
     def per_layer(self):
         raise TypeError("PagedKVCache is carried by the layer loop (carry_only), never scanned per layer")
