@@ -9,10 +9,11 @@ d = 1 / s (the dequantisation factor). The scale follows Transformer Engine's ru
     s = fp8_max * 2^-margin / amax         (amax = max |t|; the previous scale is kept when amax is 0 or not finite)
 
 Two ways to pick amax:
-    current scaling   amax of the tensor being quantised, in the same step (what the trainer uses; see
-                      surojax/precision/fp8_matmul.py for why)
-    delayed scaling   max over a rolling history of the amaxes of the previous steps (`AmaxHistory`), so the
-                      quantisation never waits for a reduction over the tensor it quantises
+    current scaling   amax of the tensor being quantised, in the same step (fp8_scaling: current, the default;
+                      surojax/precision/fp8_matmul.py)
+    delayed scaling   max (or most recent) over a rolling history of the amaxes of the previous steps
+                      (`roll_amax_history`; fp8_scaling: delayed, fp8_delayed.py), so the quantisation never waits
+                      for a reduction over the tensor it quantises
 
 `d` is rounded to the compute dtype (bf16) first and `s` is taken as its exact reciprocal, so q * d is the value
 the GEMM sees whether XLA folds d into the cuBLASLt scale (GPU) or multiplies it out (the CPU reference).
