@@ -73,6 +73,7 @@ class BenchConfig:
     lmhead_chunks: int = 1
     unroll_layers: int | bool = 1  # 1 = rolled layer scan; True = every layer inlined
     recipe: str = "bf16"
+    fp8_scaling: str = "current"  # recipe fp8_hybrid: current | delayed | blockwise (config key fp8_scaling)
     segments: int = 4  # sequences packed per row
     min_segment: int = 64
     learning_rate: float = 2e-4
@@ -151,6 +152,8 @@ def train_config(bc: BenchConfig) -> TrainConfig:
         offload_prefetch=bc.prefetch and bc.offload_base, offload_optimizer=bc.offload_optimizer,
         offload_master=bc.offload_master, max_steps=STEPS_PLANNED,
         datasets=[{"path": "synthetic", "type": "text"}])
+    if bc.recipe == "fp8_hybrid":
+        keys.update(fp8_scaling=bc.fp8_scaling)
     if lora:
         keys.update(lora_rank=bc.rank, lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank),
                     lora_target_modules=bc.targets)

@@ -8,18 +8,26 @@ from pydantic import Field
 from surojax.config.base import StrictModel
 
 Recipe = Literal["bf16", "fp32", "fp8_hybrid", "nvfp4"]
+Fp8Scaling = Literal["current", "delayed", "blockwise"]
+AmaxAlgo = Literal["max", "most_recent"]
 FloatDtype = Literal["fp32", "bf16"]
 
 
 class PrecisionSection(StrictModel):
     recipe: Recipe = "bf16"
-    """Matmul precision: bf16, fp32, fp8_hybrid (E4M3 forward, E5M2 gradients, delayed scaling) or nvfp4."""
+    """Matmul precision: bf16, fp32, fp8_hybrid (E4M3 forward, E5M2 gradients) or nvfp4."""
     master_dtype: FloatDtype = "fp32"
     """Dtype of the weights the optimizer updates."""
     gradient_dtype: FloatDtype | None = None
     """Dtype gradients are accumulated in; unset: the recipe's choice (fp32)."""
+    fp8_scaling: Fp8Scaling = "current"
+    """fp8_hybrid scaling: current (per tensor, its own amax this step; the default), delayed (per tensor, from
+    the amax history of the previous steps) or blockwise (1x128 activation / gradient tiles, 128x128 weight
+    blocks, emulated with bf16 GEMMs on Hopper)."""
     fp8_amax_history: int = Field(default=1024, gt=0)
-    """Length of the rolling amax history for fp8_hybrid delayed scaling."""
+    """fp8_scaling: delayed: length of the rolling amax history (Transformer Engine's amax_history_len)."""
+    fp8_amax_compute_algo: AmaxAlgo = "max"
+    """fp8_scaling: delayed: the amax a scale is taken from, the history's max or its most recent entry."""
     skip_quant_first_layers: int = Field(default=0, ge=0)
     """Keep this many first decoder layers in bf16 under fp8_hybrid / nvfp4."""
     skip_quant_last_layers: int = Field(default=0, ge=0)

@@ -114,9 +114,16 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     for k in ("skip_quant_first_layers", "skip_quant_last_layers"):
         if _changed(cfg, k) and cfg.recipe not in ("fp8_hybrid", "nvfp4"):
             add((k,), "only applies with recipe: fp8_hybrid (or nvfp4)")
-    if _changed(cfg, "fp8_amax_history"):
-        add(("fp8_amax_history",), "delayed scaling is not built yet: fp8_hybrid scales each tensor by its own "
-            "amax in the same step (current scaling; docs/precision.md); remove the key")
+    if _changed(cfg, "fp8_scaling") and cfg.recipe != "fp8_hybrid":
+        add(("fp8_scaling",), "only applies with recipe: fp8_hybrid")
+    for k in ("fp8_amax_history", "fp8_amax_compute_algo"):
+        if _changed(cfg, k) and not (cfg.recipe == "fp8_hybrid" and cfg.fp8_scaling == "delayed"):
+            add((k,), f"is read by delayed scaling only (recipe: fp8_hybrid with fp8_scaling: delayed); with "
+                f"fp8_scaling: {cfg.fp8_scaling} (current scaling per tensor, or blockwise per tile) each tensor is "
+                "scaled by its own amax in the same step: remove the key")
+    if cfg.recipe == "fp8_hybrid" and cfg.fp8_scaling == "delayed" and cfg.offload_optimizer:
+        add(("fp8_scaling", "offload_optimizer"), "delayed scaling's amax histories are rolled by the training "
+            "step, which offload_optimizer's in-place update bypasses: use fp8_scaling: current with it")
 
     # --- memory
     if cfg.offload_base_weights and not cfg.lora:
@@ -246,6 +253,10 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
             if getattr(cfg, key) not in (False, None):
                 add((key, "parallel.stage"), f"{why}; it does not run with pipeline stages (parallel.stage > 1): "
                     f"drop one of the two")
+        if cfg.recipe == "fp8_hybrid" and cfg.fp8_scaling == "delayed":
+            add(("fp8_scaling", "parallel.stage"), "delayed scaling reads each layer's amaxes from one pass per "
+                "step; a pipeline schedule runs a layer once per microbatch (the amaxes would add up): use "
+                "fp8_scaling: current with pipeline stages")
 
     # --- ZeRO stage (config/zero.py)
     stage = cfg.zero_stage

@@ -25,11 +25,9 @@ operands (no fusible producer: a "pure" matmul that GemmFusion leaves alone) is 
 cuBLASLt directly. See docs/precision.md.
 
 The quantisers are straight-through (the gradient of round + saturate is taken as the identity, as Transformer
-Engine does). Scaling is *current* (each tensor's own amax, this step): delayed scaling needs the amax history to
-leave the scanned layer stack and the step as state (the decoder's scan drops what its body writes, so flax's
-"new history as the gradient of the meta variable" trick, plus a step and optimizer that treat those cotangents
-as values), which this version does not do; `fp8_scaling.AmaxHistory` is that state's update rule. The price of
-current scaling is one extra read of each quantised tensor for its amax.
+Engine does). Scaling here is *current* (each tensor's own amax, this step; `fp8_scaling: current`); delayed scaling
+is fp8_delayed.py, block-wise fp8_blockwise.py. The price of current scaling is one extra read of each quantised
+tensor for its amax.
 """
 from __future__ import annotations
 

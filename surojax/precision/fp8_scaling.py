@@ -9,10 +9,11 @@ d = 1 / s (the dequantisation factor). The scale follows Transformer Engine's ru
     s = fp8_max * 2^-margin / amax         (amax = max |t|; the previous scale is kept when amax is 0 or not finite)
 
 Two ways to pick amax:
-    current scaling   amax of the tensor being quantised, in the same step (what the trainer uses; see
-                      surojax/precision/fp8_matmul.py for why)
-    delayed scaling   max over a rolling history of the amaxes of the previous steps (`AmaxHistory`), so the
-                      quantisation never waits for a reduction over the tensor it quantises
+    current scaling   amax of the tensor being quantised, in the same step (fp8_scaling: current, the default;
+                      surojax/precision/fp8_matmul.py)
+    delayed scaling   max (or most recent) over a rolling history of the amaxes of the previous steps
+                      (`roll_amax_history`; fp8_scaling: delayed, fp8_delayed.py), so the quantisation never waits
+                      for a reduction over the tensor it quantises
 
 `d` is rounded to the compute dtype (bf16) first and `s` is taken as its exact reciprocal, so q * d is the value
 the GEMM sees whether XLA folds d into the cuBLASLt scale (GPU) or multiplies it out (the CPU reference).
@@ -38,6 +39,8 @@ class Fp8Spec:
     mantissa_bits: int
     min_exponent: int  # exponent of the smallest normal number
 
+
+AMAX_ALGOS = ("max", "most_recent")  # fp8_amax_compute_algo (Transformer Engine's names)
 
 SPECS = {
     "e4m3": Fp8Spec(E4M3, 448.0, 3, -6),
@@ -90,7 +93,51 @@ def quantize_current(x: jax.Array, dtype, compute_dtype, margin: int = 0) -> tup
     return quantize(x, d, dtype), d
 
 
+# ---- the recipe's scaling settings --------------------------------------------------------------------------
+
+SCALINGS = ("current", "delayed", "blockwise")  # fp8_scaling
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Settings:
+    """How fp8_hybrid scales its tensors (config keys fp8_scaling, fp8_amax_history, fp8_amax_compute_algo).
+
+    current     per tensor, by its own amax this step (the default)
+    delayed     per tensor, by the amax history of the previous steps (surojax/precision/fp8_delayed.py)
+    blockwise   1x128 tiles (activations, dy) / 128x128 blocks (weights), this step (fp8_blockwise.py)
+    amax_history / amax_compute_algo are read by `delayed` only."""
+    scaling: str = "current"
+    amax_history: int = 1024
+    amax_compute_algo: str = "max"
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"fp8_scaling: {self.scaling!r} is not one of {', '.join(SCALINGS)}")
+        if self.amax_history < 1:
+            raise ValueError(f"fp8_amax_history must be >= 1, got {self.amax_history}")
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ValueError(f"fp8_amax_compute_algo: {self.amax_compute_algo!r} is not one of "
+                             f"{', '.join(AMAX_ALGOS)}")
+
+
 # ---- delayed scaling ----------------------------------------------------------------------------------------
+
+
+
+def roll_amax_history(history: jax.Array, scale: jax.Array, new_amax: jax.Array, fp8_max: float,
+                      algo: str = "max", margin: int = 0) -> tuple[jax.Array, jax.Array]:
+    """One delayed-scaling update after a step, for any number of tensors at once.
+
+    history [..., H] fp32, newest first; scale [...] fp32 (the one the step used); new_amax [...] (the step's
+    observed amaxes). The step's amax is rolled in at index 0 (the oldest drops out), then the scale for the next
+    step is taken from `max` (the max over the history) or `most_recent` (index 0), Transformer Engine's order;
+    where that amax is 0 or not finite the scale is kept. Returns (history, scale)."""
+    if algo not in AMAX_ALGOS:
+        raise ValueError(f"fp8_amax_compute_algo: {algo!r} is not one of {', '.join(AMAX_ALGOS)}")
+    history = jnp.roll(history, 1, axis=-1).at[..., 0].set(jnp.asarray(new_amax, jnp.float32))
+    amax_used = jnp.max(history, axis=-1) if algo == "max" else history[..., 0]
+    return history, scale_from_amax(amax_used, fp8_max, scale, margin)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +156,9 @@ class AmaxHistory:
         """The scale for the coming step: from the max over the history; the current one if that is not usable."""
         return scale_from_amax(jnp.max(self.history), fp8_max, self.scale, margin)
 
-    def update(self, new_amax: jax.Array, fp8_max: float, margin: int = 0) -> "AmaxHistory":
-        """After a step: its amax rolled in (newest first, the oldest drops out), then the scale for the next
-        step from the max over that history (Transformer Engine's order); the old scale where that max is 0 or
-        not finite."""
-        history = jnp.roll(self.history, 1).at[0].set(jnp.asarray(new_amax, jnp.float32))
-        return AmaxHistory(history, AmaxHistory(history, self.scale).next_scale(fp8_max, margin))
+    def update(self, new_amax: jax.Array, fp8_max: float, margin: int = 0, algo: str = "max") -> "AmaxHistory":
+        """After a step: `roll_amax_history` on this one tensor."""
+        return AmaxHistory(*roll_amax_history(self.history, self.scale, new_amax, fp8_max, algo, margin))
 
 
 # ---- independent reference ----------------------------------------------------------------------------------
@@ -134,4 +178,4 @@ def round_fp8_reference(x: jax.Array, fmt: str) -> jax.Array:
 
 
 __all__ = ["E4M3", "E5M2", "SPECS", "Fp8Spec", "spec", "scale_from_amax", "amax", "dequant_factor", "quantize",
-           "dequantize", "quantize_current", "AmaxHistory", "round_fp8_reference"]
+           "dequantize", "quantize_current", "AmaxHistory", "AMAX_ALGOS", "roll_amax_history", "SCALINGS", "Fp8Settings", "round_fp8_reference"]

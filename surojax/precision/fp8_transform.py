@@ -11,6 +11,10 @@ Its `__call__` runs `fp8_matmul.fp8_dot` (trainable weight) or `fp8_dot_frozen` 
 layer [L], each layer scaled by its own amax), which halves the base's memory and reads; the variable stays a
 plain `nnx.Param`, so LoRA's filters keep it frozen. LoRA's A / B path is untouched (bf16 compute).
 
+Scaling (`Fp8Settings.scaling`, config key fp8_scaling): current (per tensor, its own amax), delayed (per tensor,
+an amax history carried by the training step: fp8_delayed.py) or blockwise (1x128 / 128x128 tiles, emulated:
+fp8_blockwise.py).
+
 Layers kept in bf16 (`skip_quant_first_layers` / `skip_quant_last_layers`): the stacked layers share one scan
 body, so each Fp8Linear then holds a per-layer flag ([L] bool, `Fp8LayerMask`) and picks the FP8 or the bf16
 matmul with `lax.cond`; the kernel then stays in bf16 (quantised per step) so the skipped layers keep it exact.
@@ -27,8 +31,12 @@ from surojax.models.layers.linear import Linear, dot
 from surojax.models.layers.params import AXES
 from surojax.models.registry import LINEAR_MODULES
 from surojax.peft.lora import LoRALinear, _get, _set
+from surojax.precision import fp8_delayed
+from surojax.precision.fp8_blockwise import Fp8BlockWeight, fp8_dot_blockwise, fp8_dot_blockwise_frozen
+from surojax.precision.fp8_delayed import Fp8AmaxHistory, Fp8AmaxProbe, Fp8Scale, fp8_dot_delayed, \
+    fp8_dot_frozen_delayed
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen
-from surojax.precision.fp8_scaling import E4M3, dequant_factor, quantize, scale_from_amax
+from surojax.precision.fp8_scaling import E4M3, Fp8Settings, dequant_factor, quantize, scale_from_amax
 
 
 @jax.tree_util.register_dataclass
@@ -58,25 +66,44 @@ class Fp8LayerMask(nnx.Variable):
 
 
 class Fp8Linear(Linear):
-    """A Linear whose matmul runs in FP8. Holds the original Linear's `kernel` and `bias` variables."""
+    """A Linear whose matmul runs in FP8. Holds the original Linear's `kernel` and `bias` variables.
 
-    def __init__(self, linear: Linear, *, mask: Fp8LayerMask | None = None):
+    scaling: current / blockwise (the kernel's value says frozen or trainable), or delayed, which adds the
+    variables fp8_scale [L, 3], fp8_history [L, 3, H] and fp8_probe [L, 3] (surojax/precision/fp8_delayed.py)."""
+
+    def __init__(self, linear: Linear, *, mask: Fp8LayerMask | None = None, scaling: str = "current",
+                 delayed_state: tuple[jax.Array, jax.Array, jax.Array] | None = None):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = linear.kernel
         self.bias = linear.bias
         self.fp8_layers = mask
+        self.scaling = scaling
+        if scaling == "delayed":
+            scale, history, probe = delayed_state
+            setattr(self, fp8_delayed.SCALE, Fp8Scale(scale, **{AXES: ("layers", None)}))
+            setattr(self, fp8_delayed.HISTORY, Fp8AmaxHistory(history, **{AXES: ("layers", None, None)}))
+            setattr(self, fp8_delayed.PROBE, Fp8AmaxProbe(probe, **{AXES: ("layers", None)}))
 
-    def _fp8(self, x, w):
+    def _fp8(self, x, w, *delayed):
+        if self.scaling == "delayed":
+            if isinstance(w, Fp8Weight):
+                return fp8_dot_frozen_delayed(x, w.q, w.d, *delayed)
+            return fp8_dot_delayed(x, w, *delayed)
+        if isinstance(w, Fp8BlockWeight):
+            return fp8_dot_blockwise_frozen(x, w.q, w.d)
+        if self.scaling == "blockwise":
+            return fp8_dot_blockwise(x, w)
         if isinstance(w, Fp8Weight):
             return fp8_dot_frozen(x, w.q, w.d)
         return fp8_dot(x, w)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.kernel.get_value()
+        delayed = () if self.scaling != "delayed" else (self.fp8_scale.get_value(), self.fp8_probe.get_value())
         if self.fp8_layers is None:
-            y = self._fp8(x, w)
+            y = self._fp8(x, w, *delayed)
         else:
-            y = jax.lax.cond(self.fp8_layers.get_value(), self._fp8, dot, x, w)
+            y = jax.lax.cond(self.fp8_layers.get_value(), self._fp8, lambda x, w, *_: dot(x, w), x, w, *delayed)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
@@ -94,12 +121,15 @@ def fp8_layer_mask(num_layers: int, skip_first: int, skip_last: int) -> jax.Arra
 
 
 def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int = 0,
-              compute_dtype=jnp.bfloat16) -> list[str]:
+              compute_dtype=jnp.bfloat16, settings: Fp8Settings = Fp8Settings()) -> list[str]:
     """Swap every base Linear of `model.layers` for an Fp8Linear (in place); returns the target names.
 
-    frozen_base: the kernels are frozen (LoRA): quantise them once into `Fp8Weight`s (unless layers are skipped,
-    which need the bf16 values). Raises ValueError for a kernel that is already quantised (qlora_* bases)."""
+    frozen_base: the kernels are frozen (LoRA): quantise them once into `Fp8Weight`s (per layer; `Fp8BlockWeight`
+    128 x 128 blocks with settings.scaling blockwise), unless layers are skipped, which need the bf16 values.
+    settings.scaling delayed: each Fp8Linear gets its delayed-scaling state (fp8_delayed.init_state).
+    Raises ValueError for a kernel that is already quantised (qlora_* bases)."""
     mask = fp8_layer_mask(model.cfg.num_layers, skip_first, skip_last)
+    blockwise = settings.scaling == "blockwise"
     done = []
     for name, path in LINEAR_MODULES.items():
         mod = _get(model.layers, path)
@@ -111,9 +141,13 @@ def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int =
             raise ValueError(f"{path}: kernel is already quantised ({type(value).__name__}); the fp8_hybrid recipe "
                              "needs a bf16 / fp32 base (remove the qlora_* key)")
         if frozen_base and mask is None:
-            lin.kernel = nnx.Param(Fp8Weight.quantize(value, compute_dtype), **lin.kernel.get_metadata())
+            frozen = Fp8BlockWeight.quantize(value) if blockwise else Fp8Weight.quantize(value, compute_dtype)
+            lin.kernel = nnx.Param(frozen, **lin.kernel.get_metadata())
         layer_mask = None if mask is None else Fp8LayerMask(mask, **{AXES: ("layers",)})
-        new = Fp8Linear(lin, mask=layer_mask)
+        state = None
+        if settings.scaling == "delayed":
+            state = fp8_delayed.init_state(model.cfg.num_layers, settings.amax_history)
+        new = Fp8Linear(lin, mask=layer_mask, scaling=settings.scaling, delayed_state=state)
         if holder is not None:
             holder.base = new
         else:

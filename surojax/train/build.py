@@ -43,7 +43,7 @@ from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_
 from surojax.parallel.zero import ZeroLayout, ZeroStageError, plan_divisors, resolve_zero_stage, zero_layout
 from surojax.peft.lora import set_dropout_key
 from surojax.peft.trained_router import make_router_trainable
-from surojax.train.model_setup import build_model, trainable_filter
+from surojax.train.model_setup import build_model, fp8_delayed_update, trainable_filter
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.run_spec import MoETraining, RunSpec
 from surojax.train.step import StepShardings, make_eval_step, make_train_step
@@ -203,6 +203,8 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     if train_mode:
         model.train()
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(spec), ...)
+    fp8_delayed = fp8_delayed_update(spec)  # fp8_scaling: delayed: amax state rides in `trainable`, not optimised
+    params = trainable if fp8_delayed is None else fp8_delayed.split(trainable)[0]
     model.eval()
     eval_graphdef = nnx.split(model, trainable_filter(spec), ...)[0]
 
@@ -212,9 +214,9 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                                 max_grad_norm=o.max_grad_norm, offload_state=mem.offload_optimizer,
                                 offload_master=mem.offload_master)
-    zero = zero_layout(stage, trainable, mesh)
-    opt_state = init_opt_state(optimizer, trainable, mesh, like=zero.state, block_axes=zero.block_axes)
-    summary = zero_summary(zero, mesh, trainable, frozen, opt_state)
+    zero = zero_layout(stage, params, mesh)
+    opt_state = init_opt_state(optimizer, params, mesh, like=zero.state, block_axes=zero.block_axes)
+    summary = zero_summary(zero, mesh, params, frozen, opt_state)
     log.debug("zero: %s", summary)  # the Trainer prints it in its start-up summary
     apply = {}
     if mem.offload_master:  # the fp32 layers now live in the optimizer state (host); train their compute copy
@@ -229,7 +231,8 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     train_loss = loss_fn if spec.moe is None else functools.partial(loss_fn, router=spec.moe.router_loss)
     train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop,
                                  prepare=set_dropout_key if train_mode else None,
-                                 loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state), **apply)
+                                 loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state),
+                                 fp8_delayed=fp8_delayed, **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch or pipelined else None)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,

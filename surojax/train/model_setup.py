@@ -16,6 +16,7 @@ from flax import nnx
 from surojax.models.decoder import Decoder
 from surojax.peft.lora import TRAINABLE
 from surojax.peft.stacked import init_lora
+from surojax.precision.fp8_delayed import DelayedScalingUpdate, Fp8AmaxProbe, Fp8DelayedState
 from surojax.precision.fp8_matmul import dot_form
 from surojax.precision.fp8_transform import apply_fp8
 from surojax.peft.qlora import is_quantized, quantize_model, quantize_model_mix
@@ -61,11 +62,11 @@ def apply_fp8_recipe(spec: RunSpec, model: Decoder) -> None:
     lora, prec = spec.lora is not None, spec.precision
     try:
         targets = apply_fp8(model, frozen_base=lora, skip_first=prec.skip_first_layers,
-                            skip_last=prec.skip_last_layers, compute_dtype=prec.compute)
+                            skip_last=prec.skip_last_layers, compute_dtype=prec.compute, settings=prec.fp8)
     except ValueError as e:
         raise TrainSetupError(f"recipe: fp8_hybrid: {e}") from None
-    log.info("fp8_hybrid: %d linear targets multiply in FP8 (%s base)", len(targets),
-             "frozen E4M3" if lora else "trainable")
+    log.info("fp8_hybrid: %d linear targets multiply in FP8 (%s base, %s scaling)", len(targets),
+             "frozen E4M3" if lora else "trainable", prec.fp8.scaling)
     _warn_experimental()
     if not has_fp8_tensor_cores():
         _warn_no_fp8(jax.devices()[0].device_kind)
@@ -115,5 +116,17 @@ def load_base_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.St
 
 
 def trainable_filter(spec: RunSpec):
-    """What the optimizer updates: the adapters for LoRA, every weight otherwise."""
-    return TRAINABLE if spec.lora is not None else nnx.Param
+    """What the step updates: the adapters for LoRA, every weight otherwise; with fp8_scaling: delayed also the
+    FP8 amax probes and histories (the step rolls them; the optimizer never sees them: fp8_delayed_update)."""
+    params = TRAINABLE if spec.lora is not None else nnx.Param
+    if fp8_delayed_update(spec) is None:
+        return params
+    return nnx.Any(params, Fp8AmaxProbe, Fp8DelayedState)
+
+
+def fp8_delayed_update(spec: RunSpec) -> DelayedScalingUpdate | None:
+    """The step's delayed-scaling update (recipe fp8_hybrid with fp8_scaling: delayed), else None."""
+    prec = spec.precision
+    if prec.recipe != "fp8_hybrid" or prec.fp8.scaling != "delayed":
+        return None
+    return DelayedScalingUpdate(algo=prec.fp8.amax_compute_algo)

@@ -36,6 +36,7 @@ from surojax.models.config import ModelConfig
 from surojax.parallel.pipeline import PipelineSpec
 from surojax.quant import GGUF_TYPES
 from surojax.peft.peft_io import LoraSpec
+from surojax.precision.fp8_scaling import Fp8Settings
 from surojax.weights.gguf_checkpoint import is_gguf_path
 from surojax.weights.model_ref import ModelRef, hf_config_of, resolve_model
 from surojax.weights.safetensors_file import WeightsError
@@ -72,6 +73,7 @@ class PrecisionSpec:
     adapter: Any  # storage of LoRA adapters
     skip_first_layers: int = 0  # fp8_hybrid: layers kept in bf16
     skip_last_layers: int = 0
+    fp8: Fp8Settings = Fp8Settings()  # fp8_hybrid: fp8_scaling, fp8_amax_history, fp8_amax_compute_algo
 
     @property
     def save_dtype(self):
@@ -203,8 +205,9 @@ def precision_spec(cfg: TrainConfig) -> PrecisionSpec:
     if cfg.recipe == "fp32":
         return PrecisionSpec("fp32", jnp.float32, jnp.float32, jnp.float32)
     base = jnp.bfloat16 if cfg.lora else DTYPES[cfg.master_dtype]
+    fp8 = Fp8Settings(cfg.fp8_scaling, cfg.fp8_amax_history, cfg.fp8_amax_compute_algo)
     return PrecisionSpec(cfg.recipe, jnp.bfloat16, base, DTYPES[cfg.lora_dtype],
-                         cfg.skip_quant_first_layers, cfg.skip_quant_last_layers)
+                         cfg.skip_quant_first_layers, cfg.skip_quant_last_layers, fp8)
 
 
 def lora_training(cfg: TrainConfig) -> LoraTraining | None:

@@ -54,7 +54,7 @@ def constrain(tree, shardings):
 def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, layer_loop=None,
                     prepare: Callable | None = None, donate: bool = True, jit: bool = True,
                     apply_updates: Callable = optax.apply_updates, loss_guard: bool = False,
-                    shardings: StepShardings | None = None):
+                    shardings: StepShardings | None = None, fp8_delayed=None):
     """`loss_fn(model, micro_batch, layer_loop=...) -> (loss_sum, {"tokens": count, ...})`; `layer_loop`: what the
     decoder runs its layers with (offload.remat.layer_loop: a recompute wrapper, or the prefetching loop).
     Every other entry of the loss's metrics (any pytree of arrays, e.g. the MoE router stats under "router") is
@@ -68,48 +68,71 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     it takes no lr_scale (the config check refuses auto_lr_reduction with offload_optimizer / offload_master).
     `shardings` (ZeRO-1/2): the layouts the step constrains its gradients, update and outputs to; None: they
     follow the parameters (GSPMD propagation).
+    `fp8_delayed` (a surojax.precision.fp8_delayed.DelayedScalingUpdate; fp8_scaling: delayed): the trainable
+    state also holds FP8 amax probes and histories; they are split off before the optimizer (which never sees
+    them: init its state on `fp8_delayed.split(trainable)[0]`), the probes' gradients (the amaxes each pass
+    observed) are combined over the micro-batches by max and rolled into the histories after the step, so the
+    scales of step t come from steps < t. The returned trainable state holds the new histories (checkpointed
+    with it).
     """
     place = (lambda tree, _: tree) if shardings is None else constrain  # noqa: E731
 
     def step(trainable, frozen, opt_state, batch, rng, lr_scale=1.0):
+        probes = delayed = None
+        if fp8_delayed is not None:
+            trainable, probes, delayed = fp8_delayed.split(trainable)
+
         def loss_of(tr, mb, index):
-            model = nnx.merge(graphdef, tr, frozen, copy=True)  # fresh Variables: prepare() may set them
-            if prepare is not None:
+            tr, pr = tr
+            model = nnx.merge(graphdef, tr, frozen, *((pr, delayed) if fp8_delayed else ()), copy=True)
+            if prepare is not None:  # fresh Variables above: prepare() may set them
                 prepare(model, jax.random.fold_in(rng, index))
             return loss_fn(model, mb, layer_loop=layer_loop)
 
         def grads_of(mb, index):
-            (loss_sum, aux), g = jax.value_and_grad(loss_of, has_aux=True)(trainable, mb, index)
-            return g, loss_sum, aux
+            (loss_sum, aux), (g, seen) = jax.value_and_grad(loss_of, has_aux=True)((trainable, probes), mb, index)
+            return g, seen, loss_sum, aux
 
         def micro(carry, xs):
-            g_acc, loss_acc, aux_acc = carry
-            g, loss_sum, aux = grads_of(*xs)
+            g_acc, seen_acc, loss_acc, aux_acc = carry
+            g, seen, loss_sum, aux = grads_of(*xs)
             g = place(jax.tree.map(lambda b: b.astype(jnp.float32), g), shardings and shardings.gradients)
             g_acc = place(jax.tree.map(lambda a, b: a + b, g_acc, g), shardings and shardings.gradients)
+            if fp8_delayed is not None:  # amaxes: the max over the micro-batches, not a sum
+                seen_acc = fp8_delayed.combine(seen_acc, seen)
             aux_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_acc, aux)
-            return (g_acc, loss_acc + loss_sum, aux_acc), None
+            return (g_acc, seen_acc, loss_acc + loss_sum, aux_acc), None
+
+        def finish(new_params, new_delayed=None):
+            if fp8_delayed is None:
+                return new_params
+            return fp8_delayed.merge(new_params, probes, delayed if new_delayed is None else new_delayed)
 
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         zero = jnp.zeros((), jnp.float32)
         in_place = getattr(optimizer, "update_and_apply", None)
+        if in_place is not None and fp8_delayed is not None:
+            raise ValueError("fp8_scaling: delayed is not carried by the offloaded optimizer's in-place update")
+        seen = None
         if in_place is not None and n_micro == 1:
             # one micro-batch: its gradients as they are (bf16 with offload_master, no fp32 copy of them all beside
             # them); the in-place update converts them layer by layer (the same fp32 values as the accumulator's)
-            grads, loss_sum, aux = grads_of(jax.tree.map(lambda x: x[0], batch), 0)
+            grads, _, loss_sum, aux = grads_of(jax.tree.map(lambda x: x[0], batch), 0)
             loss_sum, aux = zero + loss_sum, jax.tree.map(lambda a: a.astype(jnp.float32), aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
             zeros = place(zeros, shardings and shardings.gradients)
-            aux_shapes = jax.eval_shape(loss_of, trainable, jax.tree.map(lambda x: x[0], batch), 0)[1]  # trace only
-            aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shapes)
-            (grads, loss_sum, aux), _ = jax.lax.scan(micro, (zeros, zero, aux_zeros), (batch, jnp.arange(n_micro)))
+            aux_shapes = jax.eval_shape(loss_of, (trainable, probes), jax.tree.map(lambda x: x[0], batch), 0)[1]
+            aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shapes)  # (traced only)
+            seen_zeros = None if probes is None else jax.tree.map(jnp.zeros_like, probes)  # amaxes are >= 0
+            (grads, seen, loss_sum, aux), _ = jax.lax.scan(micro, (zeros, seen_zeros, zero, aux_zeros),
+                                                           (batch, jnp.arange(n_micro)))
         count = aux.pop("tokens")
         denom = jnp.maximum(count, 1.0)
         metrics = {**aux, "loss": loss_sum / denom, "tokens": count}
         if in_place is not None:  # offload: divided, clipped and applied per layer, in place
             trainable, opt_state, metrics["grad_norm"] = in_place(grads, denom, opt_state, trainable)
-            return trainable, opt_state, metrics
+            return finish(trainable), opt_state, metrics
         grads = place(jax.tree.map(lambda g: g / denom, grads), shardings and shardings.update)
         metrics["grad_norm"] = optax.tree.norm(grads)
         params = place(trainable, shardings and shardings.update)  # ZeRO-1/2: this device's shard, sliced
@@ -118,12 +141,15 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
             updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
         new_params = place(apply_updates(params, updates), shardings and shardings.params)  # all-gathered
         new_state = place(new_state, shardings and shardings.opt_state)
+        new_delayed = None if fp8_delayed is None else fp8_delayed.update(delayed, seen)
         if loss_guard:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
             new_params, new_state = keep(new_params, trainable), keep(new_state, opt_state)
+            if fp8_delayed is not None:  # a skipped step records no amaxes either
+                new_delayed = keep(new_delayed, delayed)
             metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-        return new_params, new_state, metrics
+        return finish(new_params, new_delayed), new_state, metrics
 
     if not jit:
         return step

@@ -1,0 +1,185 @@
+"""Delayed FP8 scaling (`fp8_scaling: delayed`): each quantised tensor is scaled from an amax history of the
+previous steps, so its quantisation does not wait for a reduction over the tensor itself.
+
+Per Fp8Linear and per layer of the scanned stack, three tensors are scaled: index 0 = x, 1 = W, 2 = dy (ROLES).
+Their state lives in the model as three variables, stacked on the layer axis like the kernel:
+
+    fp8_scale    Fp8Scale        [L, 3] fp32   s used by this step (q = saturate(rne(t * s))); 0: none yet,
+                                               the tensor's own amax is used (current scaling) for that step
+    fp8_history  Fp8AmaxHistory  [L, 3, H] fp32 amaxes of the last H steps, newest first
+    fp8_probe    Fp8AmaxProbe    [L, 3] fp32   always 0: its *gradient* is the amaxes observed this pass
+
+How the amaxes leave the scanned layer stack: the GEMM's custom_vjp takes the probe as an input and returns the
+amaxes of x, W (computed in the forward, kept as residuals) and dy (computed in the backward) as the probe's
+cotangent. The decoder's lax.scan stacks the cotangents of its per-layer inputs, so `value_and_grad` of the loss
+hands back [L, 3] observed amaxes per Linear with no change to model code (flax's fp8_ops return the new scale /
+history as the "gradient" of their meta variables, OVERWRITE_WITH_GRADIENT; here only the observation leaves the
+model and the update rule runs in the step, so micro-batches combine by max, not by the sum gradients get). The
+amax is a reduction over the logical (global) tensor, so under GSPMD data parallelism it is the max over the
+devices. A probe read by more than one pass per step (pipeline microbatches) would sum: refused by the config check.
+
+`DelayedScalingUpdate` is the step's side of it (surojax/train/step.py): split these variables off the trainable
+state, combine the micro-batches' observations (max), and roll them into the history after the step
+(fp8_scaling.roll_amax_history). The scale used at step t comes from the history of steps < t only.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from surojax.precision.fp8_matmul import _NN, _NT, _TN, _flat, _scaled_dot
+from surojax.precision.fp8_scaling import (E4M3, E5M2, amax, dequant_factor, quantize, roll_amax_history,
+                                           scale_from_amax)
+
+ROLES = ("x", "w", "dy")
+FORMAT_MAX = (448.0, 448.0, 57344.0)  # E4M3, E4M3, E5M2
+
+
+class Fp8DelayedState(nnx.Variable):
+    """Delayed-scaling state the step overwrites after each step (never the optimizer's)."""
+
+
+class Fp8Scale(Fp8DelayedState):
+    """[L, 3] fp32: the scales s of (x, W, dy) this step."""
+
+
+class Fp8AmaxHistory(Fp8DelayedState):
+    """[L, 3, H] fp32: the amaxes of the last H steps, newest first."""
+
+
+class Fp8AmaxProbe(nnx.Variable):
+    """[L, 3] fp32 zeros; the gradient of the loss with respect to it is the amaxes (x, W, dy) this pass saw."""
+
+
+# ---- the GEMMs ------------------------------------------------------------------------------------------------
+
+def _factor(t: jax.Array, s: jax.Array, role: int, dtype) -> jax.Array:
+    """The dequantisation factor of tensor t: 1 / s from the history, or (s == 0: no amax observed yet) t's own
+    amax. A lax.cond, so the delayed branch's quantisation does not wait for a reduction over t."""
+    return jax.lax.cond(s > 0, lambda: dequant_factor(s, dtype),
+                        lambda: dequant_factor(scale_from_amax(amax(t), FORMAT_MAX[role]), dtype))
+
+
+@jax.custom_vjp
+def fp8_dot_delayed(x: jax.Array, w: jax.Array, scale: jax.Array, probe: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x's dtype; x and W E4M3, dy E5M2, each scaled by `scale` [3] (not by
+    its own amax). The cotangent of `probe` [3] is (amax x, amax W, amax dy); `scale` gets none."""
+    return _delayed_fwd(x, w, scale, probe)[0]
+
+
+def _delayed_fwd(x, w, scale, probe):
+    del probe
+    dtype, x2 = x.dtype, _flat(x)
+    d = jnp.stack([_factor(x2, scale[0], 0, dtype), _factor(w, scale[1], 1, dtype)])  # [2]: x, W (dy: backward)
+    x_q, w_q = quantize(x2, d[0], E4M3), quantize(w, d[1], E4M3)
+    y = _scaled_dot(x_q, d[0], w_q, d[1], _NN, dtype)
+    res = (x_q, w_q, d, scale[2], amax(x2), amax(w), jnp.zeros((), w.dtype))
+    return y.reshape(*x.shape[:-1], w.shape[-1]), res
+
+
+def _delayed_bwd(res, g):
+    x_q, w_q, d, scale_g, amax_x, amax_w, w_dtype = res
+    dtype, g2 = g.dtype, _flat(g)
+    d_g = _factor(g2, scale_g, 2, dtype)
+    g_q = quantize(g2, d_g, E5M2)
+    dx = _scaled_dot(g_q, d_g, w_q, d[1], _NT, dtype)
+    dw = _scaled_dot(x_q, d[0], g_q, d_g, _TN, dtype)
+    observed = jnp.stack([amax_x, amax_w, amax(g2)])
+    return (dx.reshape(*g.shape[:-1], w_q.shape[0]), dw.astype(w_dtype.dtype), jnp.zeros((3,), jnp.float32),
+            observed)
+
+
+fp8_dot_delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+@jax.custom_vjp
+def fp8_dot_frozen_delayed(x, w_q, w_d, scale, probe):
+    """x [..., K] @ (w_q [K, N] E4M3 * w_d) with x and dy scaled by `scale` [3] (the W entry is unused: a frozen
+    base is quantised once at load by its own amax). Probe cotangent: (amax x, 0, amax dy)."""
+    return _frozen_delayed_fwd(x, w_q, w_d, scale, probe)[0]
+
+
+def _frozen_delayed_fwd(x, w_q, w_d, scale, probe):
+    del probe
+    dtype, x2 = x.dtype, _flat(x)
+    d_x = _factor(x2, scale[0], 0, dtype)
+    y = _scaled_dot(quantize(x2, d_x, E4M3), d_x, w_q, w_d, _NN, dtype)
+    return y.reshape(*x.shape[:-1], w_q.shape[-1]), (w_q, w_d, scale[2], amax(x2))
+
+
+def _frozen_delayed_bwd(res, g):
+    w_q, w_d, scale_g, amax_x = res
+    g2 = _flat(g)
+    d_g = _factor(g2, scale_g, 2, g.dtype)
+    dx = _scaled_dot(quantize(g2, d_g, E5M2), d_g, w_q, w_d, _NT, g.dtype)
+    observed = jnp.stack([amax_x, jnp.zeros((), jnp.float32), amax(g2)])
+    return (dx.reshape(*g.shape[:-1], w_q.shape[0]), jnp.zeros_like(w_q), jnp.zeros_like(w_d),
+            jnp.zeros((3,), jnp.float32), observed)
+
+
+fp8_dot_frozen_delayed.defvjp(_frozen_delayed_fwd, _frozen_delayed_bwd)
+
+
+# ---- the step's side ------------------------------------------------------------------------------------------
+
+SCALE, HISTORY, PROBE = "fp8_scale", "fp8_history", "fp8_probe"  # the variables' attribute names on Fp8Linear
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScalingUpdate:
+    """What the training step does with the delayed-scaling variables of a model's trainable state.
+
+    split(trainable) -> (params, probes, delayed)   params: what the optimizer updates
+    combine(a, b) -> the observations of two micro-batches (elementwise max)
+    update(delayed, observed) -> delayed            the step's amaxes rolled into every history, new scales
+    merge(params, probes, delayed) -> trainable
+    """
+    algo: str = "max"
+    margin: int = 0
+
+    @staticmethod
+    def split(trainable: nnx.State) -> tuple[nnx.State, nnx.State, nnx.State]:
+        probes, delayed, params = nnx.split_state(trainable, Fp8AmaxProbe, Fp8DelayedState, ...)
+        return params, probes, delayed
+
+    @staticmethod
+    def merge(params: nnx.State, probes: nnx.State, delayed: nnx.State) -> nnx.State:
+        return nnx.merge_state(params, probes, delayed)
+
+    @staticmethod
+    def combine(a, b):
+        return jax.tree.map(jnp.maximum, a, b)
+
+    def update(self, delayed: nnx.State, observed: nnx.State) -> nnx.State:
+        """observed: the probes' gradients (same paths as the probes), each [L, 3]."""
+        seen = {path[:-1]: var for path, var in nnx.to_flat_state(observed) if path[-1] == PROBE}
+        flat = dict(nnx.to_flat_state(delayed))
+        fp8_max = jnp.asarray(FORMAT_MAX, jnp.float32)
+        for path, var in list(flat.items()):
+            if path[-1] != HISTORY:
+                continue
+            owner = path[:-1]
+            scale_var = flat[owner + (SCALE,)]
+            new_amax = jnp.asarray(seen[owner].get_value() if isinstance(seen[owner], nnx.Variable) else seen[owner])
+            history, scale = roll_amax_history(var.get_value(), scale_var.get_value(), new_amax, fp8_max, self.algo,
+                                               self.margin)
+            flat[path] = var.replace(history)
+            flat[owner + (SCALE,)] = scale_var.replace(scale)
+        return nnx.from_flat_state(list(flat.items()))
+
+
+def init_state(num_layers: int, history: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(scale [L, 3] zeros, history [L, 3, H] zeros, probe [L, 3] zeros): the state before the first step.
+    A scale of 0 means "no amax seen yet": that tensor is scaled by its own amax (current scaling) until a step has
+    observed one (Transformer Engine starts from scale 1, which flushes a first-step dy of ~1e-6 to zero in E5M2)."""
+    if history < 1:
+        raise ValueError(f"fp8_amax_history must be >= 1, got {history}")
+    return (jnp.zeros((num_layers, 3), jnp.float32), jnp.zeros((num_layers, 3, history), jnp.float32),
+            jnp.zeros((num_layers, 3), jnp.float32))
+
+
+__all__ = ["ROLES", "FORMAT_MAX", "Fp8DelayedState", "Fp8Scale", "Fp8AmaxHistory", "Fp8AmaxProbe",
+           "fp8_dot_delayed", "fp8_dot_frozen_delayed", "DelayedScalingUpdate", "init_state"]
