@@ -27,13 +27,23 @@ def prompts(n, seed=0, lo=3, hi=40):
     return [rng.integers(1, 500, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-def reference(model, ps, max_tokens=MAX_TOKENS):
-    return [generate(model, [p], max_tokens)[0] for p in ps]
+SYSTEM = prompts(1, seed=4, lo=17, hi=18)[0]  # 17 tokens: 4 full blocks of 4
+PROMPTS = {"alone": prompts(3, seed=1), "batched": prompts(8, seed=2), "stop": prompts(1, seed=3),
+           "prefix": [SYSTEM + t for t in prompts(4, seed=5, lo=2, hi=6)]}
 
 
-def test_alone_matches_generate(model):
-    ps = prompts(3, seed=1)
-    ref = reference(model, ps)
+@pytest.fixture(scope="module")
+def reference(model):
+    """Each test's prompts and their plain-cache greedy tokens: every prompt of the module in one padded batch, so
+    one prefill and one decode compilation (a row does not depend on its batch:
+    tests/models/test_hf_parity.py::test_greedy_tokens_in_a_batch)."""
+    everything = [p for ps in PROMPTS.values() for p in ps]
+    tokens = iter(generate(model, everything, MAX_TOKENS))
+    return {name: (ps, [next(tokens) for _ in ps]) for name, ps in PROMPTS.items()}
+
+
+def test_alone_matches_generate(model, reference):
+    ps, ref = reference["alone"]
     eng = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                                       max_model_len=64))
     for p, r in zip(ps, ref):
@@ -41,9 +51,8 @@ def test_alone_matches_generate(model):
     assert eng.kv.num_free_blocks == eng.kv.num_blocks  # everything freed
 
 
-def test_batched_chunked_preempted_matches_generate(model):
-    ps = prompts(8, seed=2)
-    ref = reference(model, ps)
+def test_batched_chunked_preempted_matches_generate(model, reference):
+    ps, ref = reference["batched"]
     # chunk 8 tokens, 32-token step budget, 16 blocks x 4 slots (< what 8 requests need) -> preemption
     eng = Engine(model, engine_config(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
                                       max_model_len=64, chunk_size=8))
@@ -52,9 +61,8 @@ def test_batched_chunked_preempted_matches_generate(model):
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
 
 
-def test_stop_token_and_sampling_runs(model):
-    p = prompts(1, seed=3)[0]
-    ref = reference(model, [p])[0]
+def test_stop_token_and_sampling_runs(model, reference):
+    (p,), (ref,) = reference["stop"]
     stop = ref[3]
     eng = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                                       max_model_len=64))
@@ -65,18 +73,15 @@ def test_stop_token_and_sampling_runs(model):
     assert a == b and len(a) == MAX_TOKENS  # per-request seed: reproducible
 
 
-def test_prefix_cache_hit_same_tokens(model):
-    system = prompts(1, seed=4, lo=17, hi=18)[0]  # 17 tokens: 4 full blocks of 4
-    tails = prompts(4, seed=5, lo=2, hi=6)
-    ps = [system + t for t in tails]
-    ref = reference(model, ps)
-    eng = Engine(model, engine_config(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
+def test_prefix_cache_hit_same_tokens(model, reference):
+    ps, ref = reference["prefix"]
+    eng = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
                                       max_model_len=64))
     # sequential: the 2nd request onwards hits the system prompt's blocks
     assert [eng.generate([p], MAX_TOKENS)[0] for p in ps] == ref
     assert eng.kv.prefix_cache_hits >= 3 * 16
     # together in one step: later requests hit blocks the first writes in that same step (runner waves)
-    eng2 = Engine(model, engine_config(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
+    eng2 = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
                                        max_model_len=64))
     assert eng2.generate(ps, MAX_TOKENS) == ref
     assert eng2.kv.prefix_cache_hits >= 3 * 16

@@ -11,9 +11,12 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import yaml
 from flax import nnx
+
+from surojax.cli.train_script import main as train_main
 
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
@@ -27,12 +30,17 @@ TINY_QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 3
 
 
 def _train(config, devices: int) -> list[float]:
-    """Run the training command on `devices` CPU devices; the per-step losses of its metrics.jsonl."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    r = subprocess.run([sys.executable, "-m", "surojax.train", "--config", str(config)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    """Run the training command on `devices` CPU devices (1: in this one-device process, no child start-up); the
+    per-step losses of its metrics.jsonl."""
+    if devices == 1:
+        assert jax.device_count() == 1
+        assert train_main(["--config", str(config)]) == 0
+    else:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        r = subprocess.run([sys.executable, "-m", "surojax.train", "--config", str(config)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
     out = yaml.safe_load(open(config))["output_dir"]
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")).read().splitlines()]
     return [row["loss"] for row in sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])]

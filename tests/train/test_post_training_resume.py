@@ -26,7 +26,7 @@ from surojax.train.checkpoints import Checkpointer
 
 from tests.train.conftest import FIXTURE_QWEN3, ROOT, distill_config, write_pairs
 
-STEPS, SAVE_STEPS = 6, 3
+STEPS, SAVE_STEPS = 5, 3  # GRPO: step 4 is the carried batch's second update, step 5 a new generation
 COMMON = dict(max_steps=STEPS, save_steps=SAVE_STEPS, logging_steps=1, lr_scheduler_type="cosine", warmup_steps=2,
               report_to=["jsonl"])
 LORA = dict(from_scratch=False, model=str(FIXTURE_QWEN3), model_config=None, lora=True, lora_rank=4, lora_alpha=8)
