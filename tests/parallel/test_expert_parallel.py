@@ -139,31 +139,33 @@ def _assert_close(got, want, what):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * scale, err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
-def _check_mesh(parallel: dict):
+def _check_mesh(parallel: dict, name: str, cfg: ModelConfig):
     mesh = make_mesh(parallel)
-    for name, cfg in (("qwen3_moe", qwen3_moe()), ("biased", biased_moe())):
-        ref_grads, (ref_logits, ref_stats) = _forward_and_grads(Decoder(cfg, attention="xla", rngs=nnx.Rngs(0)))
-        model = Decoder(cfg, attention="xla", rngs=nnx.Rngs(0))
-        grads, (logits, stats) = _forward_and_grads(model, mesh)
-        assert np.abs(ref_logits).max() > 1e-2
-        _assert_close(logits, ref_logits, f"{name} logits")
-        _assert_close(stats, ref_stats, f"{name} router stats")
-        _assert_close(grads, ref_grads, f"{name} grads")
-        # the experts really are split: E / expert of them on each device
-        kernel = model.layers.mlp.experts.gate_up_proj.kernel.get_value()
-        assert kernel.sharding.spec[1] == "expert", kernel.sharding.spec
-        assert {s.data.shape[1] for s in kernel.addressable_shards} == {8 // parallel["expert"]}
-        assert np.abs(ref_grads["layers"]["mlp"]["experts"]["gate_up_proj"]["kernel"]).max() > 0
+    ref_grads, (ref_logits, ref_stats) = _forward_and_grads(Decoder(cfg, attention="xla", rngs=nnx.Rngs(0)))
+    model = Decoder(cfg, attention="xla", rngs=nnx.Rngs(0))
+    grads, (logits, stats) = _forward_and_grads(model, mesh)
+    assert np.abs(ref_logits).max() > 1e-2
+    _assert_close(logits, ref_logits, f"{name} logits")
+    _assert_close(stats, ref_stats, f"{name} router stats")
+    _assert_close(grads, ref_grads, f"{name} grads")
+    # the experts really are split: E / expert of them on each device
+    kernel = model.layers.mlp.experts.gate_up_proj.kernel.get_value()
+    assert kernel.sharding.spec[1] == "expert", kernel.sharding.spec
+    assert {s.data.shape[1] for s in kernel.addressable_shards} == {8 // parallel["expert"]}
+    assert np.abs(ref_grads["layers"]["mlp"]["experts"]["gate_up_proj"]["kernel"]).max() > 0
 
 
+# One expert form per mesh (each mesh compiles its own sharded program per model): the plain qwen3_moe router on
+# data x expert, and the biased form, whose router and expert biases are split over expert and tensor too, on the
+# composed expert x fsdp x tensor mesh.
 @child_check
 def check_data_2_expert_4_matches_one_device():
-    _check_mesh({"data": 2, "expert": 4})
+    _check_mesh({"data": 2, "expert": 4}, "qwen3_moe", qwen3_moe())
 
 
 @child_check
 def check_expert_2_fsdp_2_tensor_2_matches_one_device():
-    _check_mesh({"expert": 2, "fsdp": 2, "tensor": 2})
+    _check_mesh({"expert": 2, "fsdp": 2, "tensor": 2}, "biased", biased_moe())
 
 
 @child_check

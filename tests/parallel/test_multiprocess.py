@@ -23,6 +23,7 @@ import yaml
 
 from surojax.parallel.distributed import DistributedSetupError, ProcessEnv, process_env
 from tests.train.conftest import FIXTURE_QWEN3, ROOT, tiny_config  # noqa: F401  (the fixture)
+from tests.parallel.virtual_devices import FAST_COMPILE  # every run of a test compiled alike (see there)
 
 PARALLEL = {"data": 2, "stage": 2, "fsdp": 2}  # 2 processes x 4 devices: issue 17's mesh (pipeline stages across processes)
 DEVICES_PER_PROCESS = 4
@@ -63,7 +64,7 @@ def _env(devices: int, cache: Path | None = None) -> dict[str, str]:
     """A child's environment: CPU with `devices` virtual devices; `cache`: JAX's compilation cache there (the runs
     of one test compile the same programs: each compiles once)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"}
     if cache is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     return env
