@@ -25,10 +25,9 @@ from flax import nnx
 
 from surojax.models.layers.linear import Linear, dot
 from surojax.models.layers.params import AXES
-from surojax.models.registry import LINEAR_MODULES
-from surojax.peft.lora import LoRALinear, _get, _set
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen
 from surojax.precision.fp8_scaling import E4M3, dequant_factor, quantize, scale_from_amax
+from surojax.precision.linear_swap import layer_mask, swap_base_linears
 
 
 @jax.tree_util.register_dataclass
@@ -84,13 +83,7 @@ class Fp8Linear(Linear):
 
 def fp8_layer_mask(num_layers: int, skip_first: int, skip_last: int) -> jax.Array | None:
     """[L] bool (False on the first / last skipped layers), or None when every layer runs in FP8."""
-    if skip_first < 0 or skip_last < 0 or skip_first + skip_last >= num_layers:
-        raise ValueError(f"skip_quant_first_layers ({skip_first}) + skip_quant_last_layers ({skip_last}) must leave "
-                         f"at least one of the model's {num_layers} layers in FP8")
-    if skip_first == 0 and skip_last == 0:
-        return None
-    index = jnp.arange(num_layers)
-    return (index >= skip_first) & (index < num_layers - skip_last)
+    return layer_mask(num_layers, skip_first, skip_last, "FP8")
 
 
 def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int = 0,
@@ -100,26 +93,14 @@ def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int =
     frozen_base: the kernels are frozen (LoRA): quantise them once into `Fp8Weight`s (unless layers are skipped,
     which need the bf16 values). Raises ValueError for a kernel that is already quantised (qlora_* bases)."""
     mask = fp8_layer_mask(model.cfg.num_layers, skip_first, skip_last)
-    done = []
-    for name, path in LINEAR_MODULES.items():
-        mod = _get(model.layers, path)
-        holder, lin = (mod, mod.base) if isinstance(mod, LoRALinear) else (None, mod)
-        if isinstance(lin, Fp8Linear):
-            raise ValueError(f"{path}: the fp8 recipe is already applied")
-        value = lin.kernel.get_value()
-        if not isinstance(value, jax.Array):
-            raise ValueError(f"{path}: kernel is already quantised ({type(value).__name__}); the fp8_hybrid recipe "
-                             "needs a bf16 / fp32 base (remove the qlora_* key)")
+
+    def make(path: str, lin: Linear) -> Fp8Linear:
         if frozen_base and mask is None:
-            lin.kernel = nnx.Param(Fp8Weight.quantize(value, compute_dtype), **lin.kernel.get_metadata())
-        layer_mask = None if mask is None else Fp8LayerMask(mask, **{AXES: ("layers",)})
-        new = Fp8Linear(lin, mask=layer_mask)
-        if holder is not None:
-            holder.base = new
-        else:
-            _set(model.layers, path, new)
-        done.append(name)
-    return done
+            lin.kernel = nnx.Param(Fp8Weight.quantize(lin.kernel.get_value(), compute_dtype),
+                                   **lin.kernel.get_metadata())
+        return Fp8Linear(lin, mask=None if mask is None else Fp8LayerMask(mask, **{AXES: ("layers",)}))
+
+    return swap_base_linears(model, make, "fp8_hybrid")
 
 
 __all__ = ["Fp8Weight", "Fp8Linear", "Fp8LayerMask", "apply_fp8", "fp8_layer_mask"]
