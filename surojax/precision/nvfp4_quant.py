@@ -25,7 +25,8 @@ nothing (docs/precision.md, fp8_hybrid), which would silently drop the rounding.
 
 Bounds (per value, before the global scale): RNE |x - deq| <= step / 2 of the value's E2M1 binade, where a block's
 scale rounded down can push its largest value past 6, clipped to 6 (at most 6 * 2^-4 further: E4M3's half ulp);
-SR |x - deq| < one step, E[deq] = x wherever no clipping happened.
+SR |x - deq| < one step, E[deq] = x wherever no clipping happened. A block whose scale underflows E4M3
+(amax_b < 6 * 2^-10 * g: about 2^-17 of the tensor's amax) is flushed to zero.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def round_e2m1(x: jax.Array, rounding: Rounding = "rne", key: jax.Array | None =
             raise ValueError("stochastic rounding needs a PRNG key")
         uniform = jax.random.uniform(key, x.shape, jnp.float32)
     mag = round_to_grid(jnp.abs(x), 1, 0, E2M1_MAX, rounding, uniform)
-    return jnp.where(x < 0, -mag, mag)
+    return jnp.copysign(mag, x)  # -0 for a negative value rounded to zero, as the hardware conversion gives
 
 
 @jax.tree_util.register_dataclass
