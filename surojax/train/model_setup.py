@@ -1,8 +1,9 @@
 """From a RunSpec to the model a run trains: load or build, then the transforms, applied from outside the model.
 
 Transforms are applied to the built model in this order: quantise the base (QLoRA) -> LoRA (stacked adapters
-first) -> fp8 (recipe fp8_hybrid) or nvfp4 (recipe nvfp4). A `.gguf` model source keeps its quantised kernels in their GGUF format
-(surojax.weights.gguf_checkpoint); its architecture comes from its metadata (run_spec.hf_config_of).
+first) -> fp8 (recipe fp8_hybrid) or nvfp4 (recipe nvfp4). A `.gguf` model source keeps its quantised kernels in
+their GGUF format (surojax.weights.gguf_checkpoint); its architecture comes from its metadata
+(run_spec.hf_config_of).
 """
 from __future__ import annotations
 
