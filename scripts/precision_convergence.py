@@ -35,6 +35,7 @@ def run(base: dict, recipe: str, out: Path, overrides: dict) -> dict:
     """Train `recipe` (or read back a finished run of it in OUT/<recipe>); its losses per step."""
     cfg = {**base, **overrides, "recipe": recipe, "output_dir": str(out / recipe)}
     cfg["eval_steps"] = cfg["save_steps"] = cfg["max_steps"]  # one evaluation and one checkpoint, at the end
+    cfg["logging_steps"] = 1  # every step's loss in metrics.jsonl (the curve)
     metrics, seconds = out / recipe / "metrics.jsonl", None
     if not (metrics.exists() and _rows(metrics, "eval_loss")):
         start = time.perf_counter()
