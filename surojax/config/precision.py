@@ -15,7 +15,8 @@ FloatDtype = Literal["fp32", "bf16"]
 
 class PrecisionSection(StrictModel):
     recipe: Recipe = "bf16"
-    """Matmul precision: bf16, fp32, fp8_hybrid (E4M3 forward, E5M2 gradients) or nvfp4."""
+    """Matmul precision: bf16, fp32, fp8_hybrid (E4M3 forward, E5M2 gradients; fp8_scaling below) or nvfp4 (the
+    NVFP4 pretraining recipe of arXiv 2509.25149, emulated on Hopper: docs/precision.md)."""
     master_dtype: FloatDtype = "fp32"
     """Dtype of the weights the optimizer updates."""
     gradient_dtype: FloatDtype | None = None
@@ -28,6 +29,7 @@ class PrecisionSection(StrictModel):
     """fp8_scaling: delayed: length of the rolling amax history (Transformer Engine's amax_history_len)."""
     fp8_amax_compute_algo: AmaxAlgo = "max"
     """fp8_scaling: delayed: the amax a scale is taken from, the history's max or its most recent entry."""
-    skip_quant_first_layers: int = Field(default=0, ge=0)
-    """Keep this many first decoder layers in bf16 under fp8_hybrid / nvfp4."""
-    skip_quant_last_layers: int = Field(default=0, ge=0)
+    skip_quant_first_layers: int | None = Field(default=None, ge=0)
+    """Keep this many first decoder layers in bf16 under fp8_hybrid / nvfp4. Unset: 0 (fp8_hybrid); nvfp4 keeps
+    ceil(15 %) of the layers in bf16, a fifth of them first (surojax.precision.nvfp4_transform.bf16_layers)."""
+    skip_quant_last_layers: int | None = Field(default=None, ge=0)

@@ -25,8 +25,6 @@ DPO_KEYS = ("label_smoothing", "reference_free")  # read by trainer: dpo (beta /
 # accepted keys whose feature this version does not have: refused when set (key -> (is it set?, why))
 NOT_AVAILABLE = {
     "optimizer": (lambda c: c.optimizer == "normuon", "normuon is not available in this version (adamw, adamw_8bit)"),
-    "recipe": (lambda c: c.recipe == "nvfp4", "nvfp4 training is not available in this version (bf16, fp32, "
-               "fp8_hybrid)"),
     "gradient_dtype": (lambda c: c.gradient_dtype == "bf16", "bf16 gradient accumulation is not available in this "
                        "version: gradients accumulate in fp32 (remove the key or set fp32)"),
     "sequence_chunks": (lambda c: c.sequence_chunks != 1, "chunking the sequence through the layers is not "
@@ -105,11 +103,11 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         add(("adapter_init_mode",), "trainable keeps training the adapter; set lora: true")
 
     # --- precision
-    if cfg.recipe == "fp8_hybrid" and formats:
-        add(("recipe", formats[0]), "fp8_hybrid multiplies a bf16 base in FP8; a qlora_* base is already quantised "
-            "(use recipe: bf16 with qlora_*, or drop the qlora_* key)")
-    if cfg.recipe == "fp8_hybrid" and cfg.lora and cfg.merge_adapter:
-        add(("merge_adapter", "recipe"), "would fold the adapter into the FP8-quantised base of fp8_hybrid; train "
+    if cfg.recipe in ("fp8_hybrid", "nvfp4") and formats:
+        add(("recipe", formats[0]), f"{cfg.recipe} multiplies a bf16 base in low precision; a qlora_* base is "
+            "already quantised (use recipe: bf16 with qlora_*, or drop the qlora_* key)")
+    if cfg.recipe in ("fp8_hybrid", "nvfp4") and cfg.lora and cfg.merge_adapter:
+        add(("merge_adapter", "recipe"), f"would fold the adapter into the quantised base of {cfg.recipe}; train "
             "without it and merge the saved adapter into the bf16 model")
     for k in ("skip_quant_first_layers", "skip_quant_last_layers"):
         if _changed(cfg, k) and cfg.recipe not in ("fp8_hybrid", "nvfp4"):

@@ -29,14 +29,13 @@ from flax import nnx
 
 from surojax.models.layers.linear import Linear, dot
 from surojax.models.layers.params import AXES
-from surojax.models.registry import LINEAR_MODULES
-from surojax.peft.lora import LoRALinear, _get, _set
 from surojax.precision import fp8_delayed
 from surojax.precision.fp8_blockwise import Fp8BlockWeight, fp8_dot_blockwise, fp8_dot_blockwise_frozen
 from surojax.precision.fp8_delayed import Fp8AmaxHistory, Fp8AmaxProbe, Fp8Scale, fp8_dot_delayed, \
     fp8_dot_frozen_delayed
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen
 from surojax.precision.fp8_scaling import E4M3, Fp8Settings, dequant_factor, quantize, scale_from_amax
+from surojax.precision.linear_swap import layer_mask, swap_base_linears
 
 
 @jax.tree_util.register_dataclass
@@ -111,13 +110,7 @@ class Fp8Linear(Linear):
 
 def fp8_layer_mask(num_layers: int, skip_first: int, skip_last: int) -> jax.Array | None:
     """[L] bool (False on the first / last skipped layers), or None when every layer runs in FP8."""
-    if skip_first < 0 or skip_last < 0 or skip_first + skip_last >= num_layers:
-        raise ValueError(f"skip_quant_first_layers ({skip_first}) + skip_quant_last_layers ({skip_last}) must leave "
-                         f"at least one of the model's {num_layers} layers in FP8")
-    if skip_first == 0 and skip_last == 0:
-        return None
-    index = jnp.arange(num_layers)
-    return (index >= skip_first) & (index < num_layers - skip_last)
+    return layer_mask(num_layers, skip_first, skip_last, "FP8")
 
 
 def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int = 0,
@@ -130,30 +123,19 @@ def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int =
     Raises ValueError for a kernel that is already quantised (qlora_* bases)."""
     mask = fp8_layer_mask(model.cfg.num_layers, skip_first, skip_last)
     blockwise = settings.scaling == "blockwise"
-    done = []
-    for name, path in LINEAR_MODULES.items():
-        mod = _get(model.layers, path)
-        holder, lin = (mod, mod.base) if isinstance(mod, LoRALinear) else (None, mod)
-        if isinstance(lin, Fp8Linear):
-            raise ValueError(f"{path}: the fp8 recipe is already applied")
-        value = lin.kernel.get_value()
-        if not isinstance(value, jax.Array):
-            raise ValueError(f"{path}: kernel is already quantised ({type(value).__name__}); the fp8_hybrid recipe "
-                             "needs a bf16 / fp32 base (remove the qlora_* key)")
+
+    def make(path: str, lin: Linear) -> Fp8Linear:
         if frozen_base and mask is None:
+            value = lin.kernel.get_value()
             frozen = Fp8BlockWeight.quantize(value) if blockwise else Fp8Weight.quantize(value, compute_dtype)
             lin.kernel = nnx.Param(frozen, **lin.kernel.get_metadata())
-        layer_mask = None if mask is None else Fp8LayerMask(mask, **{AXES: ("layers",)})
         state = None
         if settings.scaling == "delayed":
             state = fp8_delayed.init_state(model.cfg.num_layers, settings.amax_history)
-        new = Fp8Linear(lin, mask=layer_mask, scaling=settings.scaling, delayed_state=state)
-        if holder is not None:
-            holder.base = new
-        else:
-            _set(model.layers, path, new)
-        done.append(name)
-    return done
+        return Fp8Linear(lin, mask=None if mask is None else Fp8LayerMask(mask, **{AXES: ("layers",)}),
+                         scaling=settings.scaling, delayed_state=state)
+
+    return swap_base_linears(model, make, "fp8_hybrid")
 
 
 __all__ = ["Fp8Weight", "Fp8Linear", "Fp8LayerMask", "apply_fp8", "fp8_layer_mask"]

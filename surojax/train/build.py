@@ -41,9 +41,8 @@ from surojax.parallel import batch_parallel_size, init_sharded, param_shardings
 from surojax.parallel.expert import apply_expert_parallel
 from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_layer_loop
 from surojax.parallel.zero import ZeroLayout, ZeroStageError, plan_divisors, resolve_zero_stage, zero_layout
-from surojax.peft.lora import set_dropout_key
 from surojax.peft.trained_router import make_router_trainable
-from surojax.train.model_setup import build_model, fp8_delayed_update, trainable_filter
+from surojax.train.model_setup import build_model, fp8_delayed_update, step_prepare, trainable_filter
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.run_spec import MoETraining, RunSpec
 from surojax.train.step import StepShardings, make_eval_step, make_train_step
@@ -230,7 +229,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     # a MoE model trains with its router losses and reports its router stats (surojax.losses.router); eval is CE
     train_loss = loss_fn if spec.moe is None else functools.partial(loss_fn, router=spec.moe.router_loss)
     train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop,
-                                 prepare=set_dropout_key if train_mode else None,
+                                 prepare=step_prepare(spec, dropout=train_mode),
                                  loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state),
                                  fp8_delayed=fp8_delayed, **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch or pipelined else None)

@@ -1,8 +1,9 @@
 """From a RunSpec to the model a run trains: load or build, then the transforms, applied from outside the model.
 
 Transforms are applied to the built model in this order: quantise the base (QLoRA) -> LoRA (stacked adapters
-first) -> fp8 (recipe fp8_hybrid). A `.gguf` model source keeps its quantised kernels in their GGUF format
-(surojax.weights.gguf_checkpoint); its architecture comes from its metadata (run_spec.hf_config_of).
+first) -> fp8 (recipe fp8_hybrid) or nvfp4 (recipe nvfp4). A `.gguf` model source keeps its quantised kernels in
+their GGUF format (surojax.weights.gguf_checkpoint); its architecture comes from its metadata
+(run_spec.hf_config_of).
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import jax
 from flax import nnx
 
 from surojax.models.decoder import Decoder
-from surojax.peft.lora import TRAINABLE
+from surojax.peft.lora import TRAINABLE, set_dropout_key
 from surojax.peft.stacked import init_lora
 from surojax.precision.fp8_delayed import DelayedScalingUpdate, Fp8AmaxProbe, Fp8DelayedState
 from surojax.precision.fp8_matmul import dot_form
 from surojax.precision.fp8_transform import apply_fp8
+from surojax.precision.nvfp4_transform import apply_nvfp4, bf16_layers, set_rounding_keys
 from surojax.peft.qlora import is_quantized, quantize_model, quantize_model_mix
 from surojax.train.run_spec import RunSpec, TrainSetupError
 from surojax.model_loader import load_base
@@ -53,7 +55,23 @@ def build_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State]
                   adapter_path=lo.adapter_path, adapter_init_mode=lo.adapter_init_mode)
     if prec.recipe == "fp8_hybrid":
         apply_fp8_recipe(spec, model)
+    elif prec.recipe == "nvfp4":
+        apply_nvfp4_recipe(spec, model)
     return model
+
+
+def apply_nvfp4_recipe(spec: RunSpec, model: Decoder) -> None:
+    """recipe: nvfp4: the decoder's Linear layers run the NVFP4 recipe (surojax.precision.nvfp4_transform), the RHT
+    signs and first rounding keys from the run's seed. The config check refuses qlora_* bases and merge_adapter."""
+    prec, L = spec.precision, spec.model.config.num_layers
+    try:
+        targets = apply_nvfp4(model, frozen_base=spec.lora is not None, seed=spec.model.seed,
+                              skip_first=prec.skip_first_layers, skip_last=prec.skip_last_layers)
+    except ValueError as e:
+        raise TrainSetupError(f"recipe: nvfp4: {e}") from None
+    first, last = bf16_layers(L, prec.skip_first_layers, prec.skip_last_layers)
+    log.info("nvfp4: %d linear targets run NVFP4 GEMMs (emulated: bf16 GEMMs on exactly quantised operands) in %d "
+             "of %d layers; the first %d and last %d stay bf16", len(targets), L - first - last, L, first, last)
 
 
 def apply_fp8_recipe(spec: RunSpec, model: Decoder) -> None:
@@ -113,6 +131,22 @@ def load_base_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.St
     if m.is_gguf:
         log.info("loaded GGUF base %s (quantized kernels: %s)", m.source, quantized or "none")
     return model
+
+
+def step_prepare(spec: RunSpec, *, dropout: bool) -> Callable | None:
+    """What the training step runs on the model before each micro-batch (`make_train_step(prepare=...)`) with a key
+    distinct per step and micro-batch: LoRA dropout keys (`dropout`), the nvfp4 recipe's stochastic-rounding keys
+    (from an independent stream); None when neither applies."""
+    nvfp4 = spec.precision.recipe == "nvfp4"
+    if not (dropout or nvfp4):
+        return None
+
+    def prepare(model, key):
+        if dropout:
+            set_dropout_key(model, key)
+        if nvfp4:
+            set_rounding_keys(model, jax.random.fold_in(key, 1))
+    return prepare
 
 
 def trainable_filter(spec: RunSpec):

@@ -21,6 +21,9 @@ Precision recipes (`recipe`):
     bf16        bf16 compute (matmul operands), fp32 accumulation. Full fine-tuning keeps `master_dtype` (fp32)
                 weights cast at each use; LoRA keeps the frozen base in bf16 and the adapters in `lora_dtype`.
     fp8_hybrid  bf16 as above, and the decoder's Linear layers multiply in FP8 (surojax.precision)
+    nvfp4       bf16 as above, and the decoder's Linear layers run the NVFP4 recipe (E2M1 + E4M3 block scales,
+                16x16 weight tiles, RHT on the Wgrad inputs, stochastic rounding of gradients), emulated by bf16 GEMMs
+                on exactly quantised operands; ~15 % of the layers stay bf16 (surojax.precision.nvfp4_transform)
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from surojax.weights.model_ref import ModelRef, hf_config_of, resolve_model
 from surojax.weights.safetensors_file import WeightsError
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-RECIPES = ("fp32", "bf16", "fp8_hybrid")  # the recipes this build runs (nvfp4 is refused by the config check)
+RECIPES = ("fp32", "bf16", "fp8_hybrid", "nvfp4")  # the recipes this build runs
 
 
 class TrainSetupError(ValueError):
@@ -71,8 +74,8 @@ class PrecisionSpec:
     compute: Any  # activation / matmul operand dtype
     base: Any  # storage of the frozen (LoRA) or master (full) weights
     adapter: Any  # storage of LoRA adapters
-    skip_first_layers: int = 0  # fp8_hybrid: layers kept in bf16
-    skip_last_layers: int = 0
+    skip_first_layers: int | None = 0  # fp8_hybrid / nvfp4: layers kept in bf16 (None: nvfp4's default rule)
+    skip_last_layers: int | None = 0
     fp8: Fp8Settings = Fp8Settings()  # fp8_hybrid: fp8_scaling, fp8_amax_history, fp8_amax_compute_algo
 
     @property
@@ -205,9 +208,11 @@ def precision_spec(cfg: TrainConfig) -> PrecisionSpec:
     if cfg.recipe == "fp32":
         return PrecisionSpec("fp32", jnp.float32, jnp.float32, jnp.float32)
     base = jnp.bfloat16 if cfg.lora else DTYPES[cfg.master_dtype]
+    first, last = cfg.skip_quant_first_layers, cfg.skip_quant_last_layers
+    if cfg.recipe != "nvfp4":  # unset is 0; nvfp4 resolves unset ends by its own rule (nvfp4_transform.bf16_layers)
+        first, last = first or 0, last or 0
     fp8 = Fp8Settings(cfg.fp8_scaling, cfg.fp8_amax_history, cfg.fp8_amax_compute_algo)
-    return PrecisionSpec(cfg.recipe, jnp.bfloat16, base, DTYPES[cfg.lora_dtype],
-                         cfg.skip_quant_first_layers, cfg.skip_quant_last_layers, fp8)
+    return PrecisionSpec(cfg.recipe, jnp.bfloat16, base, DTYPES[cfg.lora_dtype], first, last, fp8)
 
 
 def lora_training(cfg: TrainConfig) -> LoraTraining | None:

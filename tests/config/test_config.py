@@ -262,7 +262,6 @@ def test_cross_field_rule(d, key, words):
 
 @pytest.mark.parametrize("d,key", [
     ({"optimizer": "normuon"}, "optimizer"),
-    ({"recipe": "nvfp4"}, "recipe"),
     ({"gradient_dtype": "bf16"}, "gradient_dtype"),
     ({"sequence_chunks": 4}, "sequence_chunks"),
     ({"long_context": True}, "long_context"),
