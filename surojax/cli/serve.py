@@ -14,7 +14,8 @@ from surojax.serve.config import (EngineConfig, KVCacheDtype, KVPath, LoraServeC
                                   SpeculativeConfig)
 
 
-_SERVE, _ENGINE, _SCHED, _LORA = ServeConfig(model=""), EngineConfig(), SchedulerConfig(), LoraServeConfig()
+_SERVE, _ENGINE, _LORA = ServeConfig(model=""), EngineConfig(), LoraServeConfig()
+_SCHED = _SERVE.engine.scheduler
 _SPEC = SpeculativeConfig(SpecMethod.NGRAM)
 
 
@@ -39,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=positive_int, default=_SERVE.max_request_bytes,
                         help="largest request body in bytes (then 413)")
     parser.add_argument("--block-size", type=positive_int, default=_ENGINE.block_size, help="tokens per KV block")
-    parser.add_argument("--decode-steps", type=_power_of_two, default=_SCHED.decode_steps,
-                        help="decode tokens per device call when no request waits (1, 2, 4, 8, ...)")
+    parser.add_argument("--decode-steps", type=_decode_steps, default=AUTO,
+                        help=f"decode tokens per device call when no request waits: auto (= {_SCHED.decode_steps}, "
+                             "or 1 with speculative decoding) or a power of two (1, 2, 4, 8, ...)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="inline the layer loop (faster decode, longer compiles; same results)")
     parser.add_argument("--kv-path", choices=[p.value for p in KVPath], default=_ENGINE.kv_path.value,
@@ -73,6 +75,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                         help=f"tokens proposed per sequence per step (default {_SPEC.num_tokens})")
     parser.add_argument("--log-level", default=_SERVE.log_level)
+
+
+AUTO = "auto"
+
+
+def _decode_steps(value: str) -> int | str:
+    return AUTO if value == AUTO else _power_of_two(value)
+
+
+def resolve_decode_steps(value: int | str, speculative: bool) -> int:
+    """--decode-steps: auto -> ServeConfig's default (SERVE_DECODE_STEPS: multi-step runs only while no request
+    waits and every running request decodes, so it costs a waiting request at most one call), or 1 with
+    speculation (which verifies its own K tokens per step); an explicit K as given."""
+    if value == AUTO:
+        return 1 if speculative else _SCHED.decode_steps
+    return value
 
 
 def _power_of_two(value: str) -> int:
@@ -126,7 +144,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise ServeOptionError("--speculative-model and --num-speculative-tokens need --speculative-method")
     if speculative is not None and args.enable_lora:
         raise ServeOptionError("speculative decoding is not supported with --enable-lora")
-    if speculative is not None and args.decode_steps > 1:
+    decode_steps = resolve_decode_steps(args.decode_steps, speculative is not None)
+    if speculative is not None and decode_steps > 1:
         raise ServeOptionError("speculative decoding is not supported with --decode-steps > 1")
     if args.kv_cache_dtype == KVCacheDtype.FP8.value and args.enable_lora:
         raise ServeOptionError("--kv-cache-dtype fp8 is not supported with --enable-lora (the FP8 scales are "
@@ -135,7 +154,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise ServeOptionError("speculative decoding needs a paged --kv-path (not reference)")
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
-                                max_model_len=args.max_model_len, decode_steps=args.decode_steps)
+                                max_model_len=args.max_model_len, decode_steps=decode_steps)
     engine = EngineConfig(scheduler=scheduler, block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching, kv_path=KVPath(args.kv_path),

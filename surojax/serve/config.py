@@ -171,15 +171,19 @@ class LoraServeConfig:
             raise ValueError("LoraServeConfig: root is read only with allow_runtime (--allow-runtime-lora)")
 
 
+SERVE_DECODE_STEPS = 8  # the server's multi-step default: 1.5x (1 user) / 2x (64 users) K = 1's decode tok/s (H200)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """The HTTP server. model: HF folder, surojax output folder or .gguf file; tokenizer: a folder (None: the
     model's); dtype: "auto" (bfloat16 on GPU, float32 elsewhere), "float32" or "bfloat16"; attention: the
     attention backend name; max_queue: waiting requests beyond max_num_seqs before 429; max_request_bytes: the
-    largest request body (413 beyond it); lora: None = no adapters."""
+    largest request body (413 beyond it); lora: None = no adapters. The engine's default decodes
+    SERVE_DECODE_STEPS tokens per device call while no request waits (the library's EngineConfig: 1)."""
 
     model: str
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = EngineConfig(scheduler=SchedulerConfig(decode_steps=SERVE_DECODE_STEPS))
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None

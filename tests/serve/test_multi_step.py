@@ -125,10 +125,14 @@ def test_lookahead_allocation_and_fallback():
 
 def test_cli_option():
     from surojax.cli.main import build_parser, load_command
+    from surojax.cli.serve import serve_config
 
     parser = build_parser("serve", load_command("serve"))
     assert parser.parse_args(["serve", "m", "--decode-steps", "8"]).decode_steps == 8
-    assert parser.parse_args(["serve", "m"]).decode_steps == 1
+    assert parser.parse_args(["serve", "m"]).decode_steps == "auto"
+    assert serve_config(parser.parse_args(["serve", "m"])).engine.scheduler.decode_steps == 8
+    spec = ["serve", "m", "--speculative-method", "ngram"]
+    assert serve_config(parser.parse_args(spec)).engine.scheduler.decode_steps == 1
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--decode-steps", "3"])
 
