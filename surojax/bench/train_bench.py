@@ -101,9 +101,12 @@ class BenchConfig:
         if self.task == "dpo" and (self.mode != "lora" or self.segments != 1):
             raise ValueError("--task dpo: LoRA pairs (the reference is the base without the adapter, one pair's "
                              "sequence per row): use --mode lora --segments 1")
-        if self.recipe == "fp8_hybrid" and (self.quant or self.offload_base or self.base_format or self.init == "host"):
-            raise ValueError("--recipe fp8_hybrid multiplies a bf16 base built on the device in FP8; it does not "
+        if self.recipe in ("fp8_hybrid", "nvfp4") and (self.quant or self.offload_base or self.base_format
+                                                       or self.init == "host"):
+            raise ValueError(f"--recipe {self.recipe} quantises a bf16 base built on the device; it does not "
                              "combine with --quant / --offload-base / --base-format / --init host")
+        if self.fp8_scaling != "current" and self.recipe != "fp8_hybrid":
+            raise ValueError(f"--fp8-scaling {self.fp8_scaling} needs --recipe fp8_hybrid")
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -46,8 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="split the lm-head + loss into this many chunks of the micro-batch (1: 4096-token chunks)")
     g.add_argument("--unroll-layers", type=_unroll, default=1, metavar="N|all",
                    help="layers per iteration of the layer scan (1: rolled; all: every layer inlined)")
-    g.add_argument("--recipe", default="bf16", choices=("bf16", "fp32", "fp8_hybrid"),
-                   help="fp8_hybrid: the decoder's Linear GEMMs in FP8 (docs/precision.md)")
+    g.add_argument("--recipe", default="bf16", choices=("bf16", "fp32", "fp8_hybrid", "nvfp4"),
+                   help="fp8_hybrid: the decoder's Linear GEMMs in FP8; nvfp4: the NVFP4 recipe, emulated "
+                        "(docs/precision.md)")
+    g.add_argument("--fp8-scaling", default="current", choices=("current", "delayed", "blockwise"),
+                   help="--recipe fp8_hybrid: the scaling (config key fp8_scaling)")
     g.add_argument("--segments", type=positive_int, default=4, help="sequences packed per row (default 4)")
     g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
     g.add_argument("--offload-base", action="store_true",
@@ -86,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         bc = BenchConfig(shape=args.shape, mode=args.mode, batch=args.batch, seq=args.seq, accum=args.accum,
                          steps=args.steps or 10, warmup=args.warmup if args.warmup is not None else 2,
                          repeats=args.repeats, rank=args.rank, recompute=args.recompute, attention=args.attention,
-                         lmhead_chunks=args.lmhead_chunks, unroll_layers=args.unroll_layers, recipe=args.recipe, segments=args.segments,
+                         lmhead_chunks=args.lmhead_chunks, unroll_layers=args.unroll_layers, recipe=args.recipe,
+                         fp8_scaling=args.fp8_scaling, segments=args.segments,
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,
                          seed=args.seed, quant=args.quant, offload_base=args.offload_base, prefetch=args.prefetch,
                          base_format=args.base_format, init=args.init, optimizer=args.optimizer,
