@@ -16,7 +16,7 @@ an amax history carried by the training step: fp8_delayed.py) or blockwise (1x12
 fp8_blockwise.py).
 
 Layers kept in bf16 (`skip_quant_first_layers` / `skip_quant_last_layers`): the stacked layers share one scan
-body, so each Fp8Linear then holds a per-layer flag ([L] bool, `Fp8LayerMask`) and picks the FP8 or the bf16
+body, so each Fp8Linear then holds a per-layer flag ([L] bool, `linear_swap.QuantLayerMask`) and picks the FP8 or the bf16
 matmul with `lax.cond`; the kernel then stays in bf16 (quantised per step) so the skipped layers keep it exact.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from surojax.precision.fp8_delayed import Fp8AmaxHistory, Fp8AmaxProbe, Fp8Scale
     fp8_dot_frozen_delayed
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen
 from surojax.precision.fp8_scaling import E4M3, Fp8Settings, dequant_factor, quantize, scale_from_amax
-from surojax.precision.linear_swap import layer_mask, swap_base_linears
+from surojax.precision.linear_swap import QuantLayerMask, layer_mask, swap_base_linears
 
 
 @jax.tree_util.register_dataclass
@@ -60,17 +60,13 @@ class Fp8Weight:
         return tuple(self.q.shape)
 
 
-class Fp8LayerMask(nnx.Variable):
-    """[L] bool: True where the layer's matmuls run in FP8 (False: the bf16 layers of skip_quant_*)."""
-
-
 class Fp8Linear(Linear):
     """A Linear whose matmul runs in FP8. Holds the original Linear's `kernel` and `bias` variables.
 
     scaling: current / blockwise (the kernel's value says frozen or trainable), or delayed, which adds the
     variables fp8_scale [L, 3], fp8_history [L, 3, H] and fp8_probe [L, 3] (surojax/precision/fp8_delayed.py)."""
 
-    def __init__(self, linear: Linear, *, mask: Fp8LayerMask | None = None, scaling: str = "current",
+    def __init__(self, linear: Linear, *, mask: QuantLayerMask | None = None, scaling: str = "current",
                  delayed_state: tuple[jax.Array, jax.Array, jax.Array] | None = None):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = linear.kernel
@@ -132,10 +128,10 @@ def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int =
         state = None
         if settings.scaling == "delayed":
             state = fp8_delayed.init_state(model.cfg.num_layers, settings.amax_history)
-        return Fp8Linear(lin, mask=None if mask is None else Fp8LayerMask(mask, **{AXES: ("layers",)}),
+        return Fp8Linear(lin, mask=None if mask is None else QuantLayerMask(mask, **{AXES: ("layers",)}),
                          scaling=settings.scaling, delayed_state=state)
 
     return swap_base_linears(model, make, "fp8_hybrid")
 
 
-__all__ = ["Fp8Weight", "Fp8Linear", "Fp8LayerMask", "apply_fp8", "fp8_layer_mask"]
+__all__ = ["Fp8Weight", "Fp8Linear", "apply_fp8", "fp8_layer_mask"]

@@ -8,7 +8,8 @@ from flax import nnx
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen, reference_dot
 from surojax.precision.fp8_scaling import (E4M3, E5M2, SPECS, AmaxHistory, quantize, quantize_current,
                                            round_fp8_reference, scale_from_amax)
-from surojax.precision.fp8_transform import Fp8Linear, Fp8LayerMask, Fp8Weight, fp8_layer_mask
+from surojax.precision.fp8_transform import Fp8Linear, Fp8Weight, fp8_layer_mask
+from surojax.precision.linear_swap import QuantLayerMask
 from surojax.models.layers.linear import Linear, dot
 
 
@@ -117,7 +118,7 @@ def test_layer_mask_picks_bf16_or_fp8_per_layer():
     base = Linear(w.shape[0], w.shape[1], ("embed", "mlp"), rngs=nnx.Rngs(0))
     base.kernel.set_value(w)
     for flag, want in ((False, dot(x, w)), (True, fp8_dot(x, w))):
-        y = Fp8Linear(base, mask=Fp8LayerMask(jnp.asarray(flag)))(x)
+        y = Fp8Linear(base, mask=QuantLayerMask(jnp.asarray(flag)))(x)
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
 
 
