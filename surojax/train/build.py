@@ -107,7 +107,9 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
                        offload_optimizer=mem.offload_optimizer, offload_master=mem.offload_master,
                        master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
                        lora_dtype="fp32" if spec.precision.adapter == jax.numpy.float32 else "bf16",
-                       prefetch=mem.offload_prefetch, accum=spec.batch.accumulation, **divisors)
+                       prefetch=mem.offload_prefetch, accum=spec.batch.accumulation,
+                       layerwise_update=layerwise_update(spec, mesh, resolve_zero_stage(spec.zero_stage, mesh))
+                       if mesh is not None else layerwise_update(spec, None, 0), **divisors)
 
 
 def resolve_layer_loop(spec: RunSpec, chunk: int, mesh=None) -> tuple[RunSpec, LayerLoopChoice]:
@@ -244,8 +246,9 @@ def layerwise_update(spec: RunSpec, mesh, stage: int) -> bool:
     """Full fine-tuning updates its layers in place, one at a time (build_optimizer's `layerwise_update`), where
     the parameters and state are whole on every device (ZeRO stage 0, no fsdp / tensor / expert / stage split) and
     no loss guard scales the update (the in-place form takes no lr_scale)."""
-    return (spec.lora is None and not spec.optim.loss_guard and stage == 0 and plans_one_device(mesh)
-            and pipeline_stages(mesh) == 1)
+    one_device = mesh is None  # (the memory plan of one device)
+    return (spec.lora is None and not spec.optim.loss_guard and stage == 0
+            and (one_device or (plans_one_device(mesh) and pipeline_stages(mesh) == 1)))
 
 
 def _step_shardings(zero: ZeroLayout, opt_state) -> StepShardings | None:
