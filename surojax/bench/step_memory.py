@@ -34,8 +34,10 @@ from surojax.models.config import ModelConfig
 from surojax.offload.optimizer import apply_master_updates, has_layerwise_state, host_state_shardings
 from surojax.offload.remat import layer_loop
 from surojax.parallel import make_mesh, param_shardings
+from surojax.train.build import layerwise_update
 from surojax.train.model_setup import build_model, trainable_filter
 from surojax.train.optim import build_optimizer, lr_schedule
+from surojax.train.optim_8bit import Blockwise8bit
 from surojax.train.step import make_train_step
 
 GiB = 2 ** 30
@@ -57,7 +59,8 @@ def abstract_step_args(bc, *, layers: int | None = None):
     schedule = lr_schedule("constant", o.learning_rate, 10**6)
     optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                                 max_grad_norm=o.max_grad_norm, offload_state=bc.offload_optimizer,
-                                offload_master=bc.offload_master)
+                                offload_master=bc.offload_master,
+                                layerwise_update=layerwise_update(spec, mesh, 0))
     replicated = NamedSharding(mesh, P())
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     param_sh = param_shardings(trainable, mesh)
@@ -65,8 +68,10 @@ def abstract_step_args(bc, *, layers: int | None = None):
     if has_layerwise_state(abstract_state):
         state_sh = host_state_shardings(jax.tree.map(lambda _: replicated, abstract_state))
     else:
-        state_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_state, param_sh,
-                                         transform_non_params=lambda _: replicated)
+        is_8bit = lambda x: isinstance(x, Blockwise8bit)  # noqa: E731 - adamw_8bit's codes: replicated
+        state_sh = optax.tree_map_params(
+            optimizer, lambda x, s: jax.tree.map(lambda _: replicated, x) if is_8bit(x) else s, abstract_state,
+            param_sh, transform_non_params=lambda _: replicated, is_leaf=is_8bit)
     opt_state = jax.tree.map(sds, abstract_state, state_sh)
     tr = jax.tree.map(sds, trainable, param_sh)
     kw = {}

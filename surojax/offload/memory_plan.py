@@ -23,7 +23,10 @@ the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`)
                  accumulator only when `accum` > 1 (one micro-batch's gradients are used as they are), plus one
                  fp32 copy of the params outside the layers (their whole-tree update: embedding, head);
                  checked against XLA's compiled buffer assignment (surojax/bench/step_memory.py, Qwen3-8B at 4
-                 and 8 layers scaled to 36: tests/offload/test_in_place_update.py)
+                 and 8 layers scaled to 36: tests/offload/test_in_place_update.py). Full fine-tuning on one
+                 replicated device set (`layerwise_update`, build.layerwise_update) runs the same in-place update
+                 with everything on the device: the same gradient figure (the whole-tree update it replaces held
+                 ~40 bytes per parameter of temporaries with adamw_8bit, issue 19)
     host         (not a device component, not in the total) pinned host memory this plan puts there: the
                  layers' fp32 master (`offload_master`) and optimizer state (`offload_optimizer`)
     optimizer    AdamW: 2 fp32 moments per trainable param (adamw_8bit: 2 bytes, normuon: 4); with
@@ -180,14 +183,15 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                 offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32",
                 prefetch: bool = False, prefetch_depth: int = PREFETCH_DEPTH, accum: int = 1,
                 unroll: int | bool = 1, weight_shards: int = 1, gradient_shards: int = 1,
-                optimizer_shards: int = 1) -> MemoryPlan:
+                optimizer_shards: int = 1, layerwise_update: bool = False) -> MemoryPlan:
     """Peak device memory of one training step, by component (bytes; see the module docstring).
 
     unroll: the layer loop's `unroll_layers` (True or an int >= the layer count: every layer inlined).
     *_shards: the ZeRO stage's divisors (surojax/parallel/zero.py `plan_divisors`): the weights (and adapters)
     and the trainable-dtype gradients / weight_shards, the fp32 gradient accumulator / gradient_shards, the
     optimizer state / optimizer_shards. Runs with any offload_* key keep their one-device figures (their
-    host-resident state is not sharded)."""
+    host-resident state is not sharded). layerwise_update (full fine-tuning): the step updates the layers in place,
+    one at a time, on the device (build_optimizer's `layerwise_update`; ZeRO stage 0 only)."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
@@ -195,7 +199,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                     offload_optimizer=offload_optimizer, offload_master=offload_master, master_dtype=master_dtype,
                     lora_dtype=lora_dtype, prefetch=prefetch, prefetch_depth=prefetch_depth, accum=accum,
                     unroll=unroll, weight_shards=weight_shards, gradient_shards=gradient_shards,
-                    optimizer_shards=optimizer_shards)
+                    optimizer_shards=optimizer_shards, layerwise_update=layerwise_update)
     cfg = model_cfg
     fp32 = recipe == "fp32"
     c = 4 if fp32 else 2
@@ -239,7 +243,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
             if wb != c:
                 kept_layers = 1 if recompute == "full" else L
                 cast = (kept_layers * layer_params + V * D) * c
-    if not lora and (offload_optimizer or offload_master):  # the in-place per-layer update
+    if not lora and (offload_optimizer or offload_master or layerwise_update):  # the in-place per-layer update
         gradients = (trainable * 4 if accum > 1 else 0) + grad_bytes + embed_params * 4
     else:
         gradients = trainable * 4 + grad_bytes

@@ -107,7 +107,9 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
                        offload_optimizer=mem.offload_optimizer, offload_master=mem.offload_master,
                        master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
                        lora_dtype="fp32" if spec.precision.adapter == jax.numpy.float32 else "bf16",
-                       prefetch=mem.offload_prefetch, accum=spec.batch.accumulation, **divisors)
+                       prefetch=mem.offload_prefetch, accum=spec.batch.accumulation,
+                       layerwise_update=layerwise_update(spec, mesh, resolve_zero_stage(spec.zero_stage, mesh))
+                       if mesh is not None else layerwise_update(spec, None, 0), **divisors)
 
 
 def resolve_layer_loop(spec: RunSpec, chunk: int, mesh=None) -> tuple[RunSpec, LayerLoopChoice]:
@@ -212,7 +214,8 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
                            o.cooldown_steps)
     optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                                 max_grad_norm=o.max_grad_norm, offload_state=mem.offload_optimizer,
-                                offload_master=mem.offload_master)
+                                offload_master=mem.offload_master,
+                                layerwise_update=layerwise_update(spec, mesh, stage))
     zero = zero_layout(stage, params, mesh)
     opt_state = init_opt_state(optimizer, params, mesh, like=zero.state, block_axes=zero.block_axes)
     summary = zero_summary(zero, mesh, params, frozen, opt_state)
@@ -237,6 +240,15 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,
                layer_loop_reason=reason, zero=zero, zero_summary=summary)
+
+
+def layerwise_update(spec: RunSpec, mesh, stage: int) -> bool:
+    """Full fine-tuning updates its layers in place, one at a time (build_optimizer's `layerwise_update`), where
+    the parameters and state are whole on every device (ZeRO stage 0, no fsdp / tensor / expert / stage split) and
+    no loss guard scales the update (the in-place form takes no lr_scale)."""
+    one_device = mesh is None  # (the memory plan of one device)
+    return (spec.lora is None and not spec.optim.loss_guard and stage == 0
+            and (one_device or (plans_one_device(mesh) and pipeline_stages(mesh) == 1)))
 
 
 def _step_shardings(zero: ZeroLayout, opt_state) -> StepShardings | None:

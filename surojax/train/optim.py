@@ -63,13 +63,18 @@ def decay_mask(params):
 
 def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float = 0.0, b1: float = 0.9,
                     b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
-                    offload_state: bool = False, offload_master: bool = False):
+                    offload_state: bool = False, offload_master: bool = False, layerwise_update: bool = False):
     """The optimizer the trainer applies to already-averaged gradients.
 
     offload_state: the stacked layers' state in pinned host memory, updated one layer at a time
     (surojax/offload/optimizer.py; the global-norm clip still sees every gradient).
     offload_master: the layers' fp32 master weights kept in the state, in pinned host memory, updated in the same
-    per-layer loop; the params then hold the layers' compute copy (apply with `apply_master_updates`)."""
+    per-layer loop; the params then hold the layers' compute copy (apply with `apply_master_updates`).
+    layerwise_update: the same clipped, per-layer in-place update (`update_and_apply`) with everything on the device
+    (full fine-tuning on one replicated device set: what the trainer builds there). The whole-tree update holds
+    several gradient-sized temporaries at once (grads / denom, clipped grads, updates, and adamw_8bit's dequantised
+    moments and quantisation indices: ~40 bytes per layer parameter measured, issue 19); per layer, one layer's.
+    The state is then a LayerwiseState (the layers' state stacked per layer + the other params' state)."""
     if name not in ("adamw", "adamw_8bit"):
         raise ValueError(f"optimizer {name!r} is not available yet (adamw, adamw_8bit)")
     if name == "adamw_8bit":  # moments blockwise-quantised to 8 bits (surojax/train/optim_8bit.py)
@@ -77,7 +82,7 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
         inner = adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     else:
         inner = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
-    if offload_state or offload_master:  # the chain below, plus its in-place per-layer step update
+    if offload_state or offload_master or layerwise_update:  # the chain below + its in-place per-layer update
 
         return clipped_layerwise(inner, offload=offload_state, master=offload_master, max_grad_norm=max_grad_norm)
     return optax.chain(*([optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []), inner)

@@ -32,6 +32,10 @@ import optax
 
 BLOCK_SIZE = 256  # bitsandbytes' block for the 8-bit optimizers
 MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit state
+# blocks one pass of the update reads at a time: a larger tensor's moments are dequantised, updated and quantised
+# chunk by chunk (lax.map), so its fp32 moments and quantisation indices exist for 2^16 blocks (16.8M values) at
+# a time instead of for the whole tensor (a [V, D] embedding: ~30 bytes per value of temporaries otherwise, issue 19)
+CHUNK_BLOCKS = 1 << 18
 
 
 def dynamic_map(signed: bool) -> np.ndarray:
@@ -67,7 +71,11 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
 
 def quantize_blockwise(x: jax.Array, code: np.ndarray, block: int = BLOCK_SIZE) -> Blockwise8bit:
     """x (any shape) -> per-block absmax and the index of the code nearest to x / absmax (ties: the lower)."""
-    b = _blocks(x, block)
+    return _quantize_blocks(_blocks(x, block), code)
+
+
+def _quantize_blocks(b: jax.Array, code: np.ndarray) -> Blockwise8bit:
+    """Blocks [n_blocks, block] fp32 -> their Blockwise8bit."""
     absmax = jnp.max(jnp.abs(b), axis=1)  # [n_blocks]
     normed = b / jnp.where(absmax > 0, absmax, 1.0)[:, None]
     code = jnp.asarray(code)
@@ -112,17 +120,40 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         c2 = 1.0 - b2 ** count.astype(jnp.float32)
         is_q = lambda x: isinstance(x, Blockwise8bit)  # noqa: E731
 
-        def leaf(g, m_s, v_s):
-            q = is_q(m_s)
-            m = dequantize_blockwise(m_s, SIGNED_MAP, g.shape) if q else m_s
-            v = dequantize_blockwise(v_s, UNSIGNED_MAP, g.shape) if q else v_s
-            g32 = g.astype(jnp.float32)
+        def moments(g32, m, v):
             m = b1 * m + (1.0 - b1) * g32
             v = b2 * v + (1.0 - b2) * g32 * g32
-            direction = ((m / c1) / (jnp.sqrt(v / c2) + eps)).astype(g.dtype)
-            if q:
-                m, v = quantize_blockwise(m, SIGNED_MAP, block_size), quantize_blockwise(v, UNSIGNED_MAP, block_size)
-            return direction, m, v
+            return (m / c1) / (jnp.sqrt(v / c2) + eps), m, v
+
+        def blocks_update(args):  # blocks [n, block]: the quantised moments' update, per block
+            g_b, m_s, v_s = args
+            m = jnp.asarray(SIGNED_MAP)[m_s.codes.astype(jnp.int32)] * m_s.absmax[:, None]
+            v = jnp.asarray(UNSIGNED_MAP)[v_s.codes.astype(jnp.int32)] * v_s.absmax[:, None]
+            d, m, v = moments(g_b, m, v)
+            return d, _quantize_blocks(m, SIGNED_MAP), _quantize_blocks(v, UNSIGNED_MAP)
+
+        def leaf(g, m_s, v_s):
+            q = is_q(m_s)
+            if not q or m_s.codes.shape[0] <= CHUNK_BLOCKS:  # the whole tensor at once
+                m = dequantize_blockwise(m_s, SIGNED_MAP, g.shape) if q else m_s
+                v = dequantize_blockwise(v_s, UNSIGNED_MAP, g.shape) if q else v_s
+                d, m, v = moments(g.astype(jnp.float32), m, v)
+                if q:
+                    m, v = _quantize_blocks(_blocks(m, block_size), SIGNED_MAP), \
+                        _quantize_blocks(_blocks(v, block_size), UNSIGNED_MAP)
+                return d.astype(g.dtype), m, v
+            # chunks of CHUNK_BLOCKS blocks, one at a time: per block, the same values as the whole tensor at once
+            # (the padding of the last block, and the zero blocks padding the last chunk, are zeros in g and in the
+            # moments: 0 is a code of both maps, so they stay 0 and leave every absmax as it is); the division and
+            # the square root may round 1 ulp apart from the whole-tensor form where XLA vectorises them otherwise
+            g_b = _blocks(g, block_size)  # [n_blocks, block]
+            n_blocks = g_b.shape[0]
+            pad = (-n_blocks) % CHUNK_BLOCKS
+            chunked = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(  # noqa: E731
+                -1, CHUNK_BLOCKS, *x.shape[1:])  # [n_chunks, CHUNK_BLOCKS, ...]
+            d, m, v = jax.lax.map(blocks_update, jax.tree.map(chunked, (g_b, m_s, v_s)))
+            d, m, v = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:n_blocks], (d, m, v))
+            return d.reshape(-1)[:g.size].reshape(g.shape).astype(g.dtype), m, v
 
         out = jax.tree.map(leaf, updates, state.mu, state.nu, is_leaf=is_q)
         treedef = jax.tree.structure(updates)

@@ -63,9 +63,10 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     `prepare(model, key)`, when given, runs on the merged model before each micro-batch's forward pass with
     a key distinct per step and micro-batch (LoRA dropout keys).
     `apply_updates(params, updates)`: offload_master passes surojax.offload.optimizer.apply_master_updates.
-    An optimizer with `update_and_apply` (offload_optimizer / offload_master: surojax/offload/optimizer.py) is
-    given the gradient sums and their divisor and returns the new params itself (one layer at a time, in place);
-    it takes no lr_scale (the config check refuses auto_lr_reduction with offload_optimizer / offload_master).
+    An optimizer with `update_and_apply` (offload_optimizer / offload_master, and full fine-tuning's on-device
+    `layerwise_update`: surojax/offload/optimizer.py) is given the gradient sums and their divisor and returns the
+    new params itself (one layer at a time, in place); it takes no lr_scale (the config check refuses
+    auto_lr_reduction with offload_optimizer / offload_master; build_run updates whole-tree under the loss guard).
     `shardings` (ZeRO-1/2): the layouts the step constrains its gradients, update and outputs to; None: they
     follow the parameters (GSPMD propagation).
     `fp8_delayed` (a surojax.precision.fp8_delayed.DelayedScalingUpdate; fp8_scaling: delayed): the trainable
@@ -111,13 +112,11 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         zero = jnp.zeros((), jnp.float32)
         in_place = getattr(optimizer, "update_and_apply", None)
-        if in_place is not None and fp8_delayed is not None:
-            raise ValueError("fp8_scaling: delayed is not carried by the offloaded optimizer's in-place update")
         seen = None
         if in_place is not None and n_micro == 1:
             # one micro-batch: its gradients as they are (bf16 with offload_master, no fp32 copy of them all beside
             # them); the in-place update converts them layer by layer (the same fp32 values as the accumulator's)
-            grads, _, loss_sum, aux = grads_of(jax.tree.map(lambda x: x[0], batch), 0)
+            grads, seen, loss_sum, aux = grads_of(jax.tree.map(lambda x: x[0], batch), 0)
             loss_sum, aux = zero + loss_sum, jax.tree.map(lambda a: a.astype(jnp.float32), aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
@@ -132,7 +131,8 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         metrics = {**aux, "loss": loss_sum / denom, "tokens": count}
         if in_place is not None:  # offload: divided, clipped and applied per layer, in place
             trainable, opt_state, metrics["grad_norm"] = in_place(grads, denom, opt_state, trainable)
-            return finish(trainable), opt_state, metrics
+            return finish(trainable, None if fp8_delayed is None else fp8_delayed.update(delayed, seen)), \
+                opt_state, metrics
         grads = place(jax.tree.map(lambda g: g / denom, grads), shardings and shardings.update)
         metrics["grad_norm"] = optax.tree.norm(grads)
         params = place(trainable, shardings and shardings.update)  # ZeRO-1/2: this device's shard, sliced
