@@ -19,7 +19,8 @@ of `surojax.bench.shapes` (default qwen3-0.6b, bf16); prompts are token ids, so 
     python benchmarks/serve_load.py --smoke              # CPU: debug shape, tiny lengths, engine + server
     python benchmarks/serve_load.py --modes engine,server --decode-steps 1,8   # A/B multi-step decode
 
-`--decode-steps` (comma list of powers of two) runs engine and server once per value: K decode tokens per
+`--decode-steps` (comma list of powers of two or auto, the default: the server's own default) runs engine and
+server once per value: K decode tokens per
 device call when nothing waits (the engine's ``decode_steps``). With K > 1 tokens reach a user in bursts of
 K, so inter-token p50 drops towards 0 and p99 is about one K-step call; decode tok/s is the figure to compare.
 `--kv-in-place 0,1` (default 1) likewise A/Bs the runner's ``kv_in_place`` (the decoder updates its cache in the layer scan's
@@ -421,6 +422,29 @@ def hf_main(a):
 
 # ---- driver -------------------------------------------------------------------------------------------------
 
+def serve_decode_steps() -> int:
+    """`surojax serve`'s default decode steps per device call (what --decode-steps auto gives a user)."""
+    from surojax.serve.config import SERVE_DECODE_STEPS
+
+    return SERVE_DECODE_STEPS
+
+
+def server_engine_ratios(results) -> list[str]:
+    """One line per (users, variant) measured in both modes: the server's decode tok/s over the engine's (the
+    HTTP path's cost; issue 18's goal: >= 0.90 at 64 users)."""
+    key = lambda r: (r["users"], r.get("decode_steps"), r.get("kv_in_place"), r.get("paged_attention"),
+                     r.get("paged_kernel"))
+    engine = {key(r): r for r in results if r["mode"] == "engine"}
+    lines = []
+    for r in results:
+        e = engine.get(key(r)) if r["mode"] == "server" else None
+        if e is not None and e["decode_tok_s"]:
+            lines.append(f"server/engine users {r['users']} decode_steps {r.get('decode_steps')}: decode tok/s "
+                         f"{r['decode_tok_s'] / e['decode_tok_s']:.3f}, output tok/s "
+                         f"{r['output_tok_s'] / max(e['output_tok_s'], 1e-9):.3f}")
+    return lines
+
+
 def table(results):
     cols = ["mode", "users", "decode_steps", "kv_in_place", "paged_attention", "paged_kernel", "decode_tok_s",
             "output_tok_s",
@@ -459,8 +483,9 @@ def main(argv=None):
                    help="whole prompts one engine step may prefill (token budget = users + this x prompt-len; "
                         "16 x 512 ~ `surojax serve`'s default --max-num-batched-tokens 8192)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--decode-steps", default="1",
-                   help="comma list of decode steps per device call (powers of two) to run engine/server with")
+    p.add_argument("--decode-steps", default="auto",
+                   help="comma list of decode steps per device call (powers of two) to run engine/server with; "
+                        "auto = the server's default (SERVE_DECODE_STEPS)")
     p.add_argument("--kv-in-place", default="1", help="comma list of 0/1: the runner's kv_in_place setting")
     p.add_argument("--paged-attention", default="1",
                    help="comma list of 0/1: the runner's paged_attention (1 = in-pool decoder, 0 = reference)")
@@ -488,7 +513,7 @@ def main(argv=None):
         if a.modes == "hf,engine,server":
             a.modes = "engine,server"
     a.users_list = [int(u) for u in a.users.split(",")]
-    a.decode_steps_list = [int(k) for k in a.decode_steps.split(",")]
+    a.decode_steps_list = [serve_decode_steps() if k.strip() == "auto" else int(k) for k in a.decode_steps.split(",")]
     if any(k < 1 or k & (k - 1) for k in a.decode_steps_list):
         p.error(f"--decode-steps takes powers of two, got {a.decode_steps}")
     ips = [bool(int(ip)) for ip in a.kv_in_place.split(",")]
@@ -515,6 +540,8 @@ def main(argv=None):
         results += run_child(a, ours)
     print()
     print(table(results))
+    for line in server_engine_ratios(results):
+        print(line)
     want = len(a.users_list) * len(ours) * len(a.variants)
     got = sum(1 for r in results if r["mode"] in ours)
     return 0 if got == want else 1

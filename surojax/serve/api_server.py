@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hmac
 import json
 import logging
 import time
@@ -40,6 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from surojax.generation.context import ContextLengthError, completion_budget
 from surojax.generation.sampling import SamplingParamsError
+from surojax.serve.api_key import ApiKeyAuth
 from surojax.serve.async_engine import AsyncEngine, QueueFullError, Refused, Stream
 from surojax.serve.body_limit import BodySizeLimit
 from surojax.serve.config import DEFAULT_MAX_REQUEST_BYTES
@@ -240,20 +240,51 @@ async def _collect_all(state: ServerState, streams: list[Stream], raw: Request) 
                 state.engine.abort(s)
 
 
+def _ends(item) -> bool:
+    return isinstance(item, BaseException) or item.finished
+
+
+def _drain(q: asyncio.Queue, first) -> list:
+    """``first`` and what else is already queued behind it, up to a stream's last item."""
+    items = [first]
+    while not _ends(items[-1]) and not q.empty():
+        items.append(q.get_nowait())
+    return items
+
+
 async def _merged(streams: list[Stream]):
-    """(choice index, output) of several streams in arrival order (ties by index); an engine error is raised."""
+    """Batches of (choice index, output): everything that has arrived when the handler wakes up (an engine step
+    delivers every stream's output at once; a slow client finds several queued), each stream's in order,
+    streams by index. An engine error is raised after the outputs that came before it."""
+    if len(streams) == 1:  # the common case: no futures, no asyncio.wait
+        q = streams[0].queue
+        while True:
+            items = _drain(q, await q.get())
+            if not isinstance(items[-1], BaseException):
+                yield [(0, o) for o in items]
+            elif len(items) > 1:
+                yield [(0, o) for o in items[:-1]]
+            if isinstance(items[-1], BaseException):
+                raise items[-1]
+            if items[-1].finished:
+                return
     gets = {asyncio.ensure_future(s.queue.get()): i for i, s in enumerate(streams)}
     try:
         while gets:
             done, _ = await asyncio.wait(gets, return_when=asyncio.FIRST_COMPLETED)
+            batch, error = [], None
             for fut in sorted(done, key=gets.__getitem__):
                 i = gets.pop(fut)
-                item = fut.result()
-                if isinstance(item, BaseException):
-                    raise item
-                yield i, item
-                if not item.finished:
+                items = _drain(streams[i].queue, fut.result())
+                if isinstance(items[-1], BaseException):
+                    error = error or items.pop()
+                elif not items[-1].finished:
                     gets[asyncio.ensure_future(streams[i].queue.get())] = i
+                batch += [(i, o) for o in items]
+            if batch:
+                yield batch
+            if error is not None:
+                raise error
     finally:
         for fut in gets:
             fut.cancel()
@@ -261,6 +292,19 @@ async def _merged(streams: list[Stream]):
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _SseChunks:
+    """``_sse`` of one response's chunk objects, which differ only in their "choices": the fixed part is encoded
+    once and each chunk's choices spliced in (the same text as ``_sse(dict(head, choices=choices))``)."""
+    _MARK = "\x00choices\x00"
+
+    def __init__(self, head: dict):
+        pre, _, post = _sse(dict(head, choices=self._MARK)).partition(json.dumps(self._MARK, ensure_ascii=False))
+        self.pre, self.post = pre, post
+
+    def __call__(self, choices: list) -> str:
+        return self.pre + json.dumps(choices, ensure_ascii=False) + self.post
 
 
 def _token_text(tok, t: int) -> str:
@@ -323,17 +367,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def _unexpected(_, e: Exception):
         return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path not in OPEN_PATHS:
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
-                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                      "authentication_error")
-        try:
-            return await call_next(request)
-        except ClientGone:
-            return JSONResponse({}, status_code=499)
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_, e: ClientGone):
+        return JSONResponse({}, status_code=499)
+
+    app.add_middleware(ApiKeyAuth, api_key=lambda: state.api_key, open_paths=OPEN_PATHS,
+                       reject=lambda: error_response(401, "invalid or missing API key (send 'Authorization: Bearer "
+                                                          "KEY')", "authentication_error"))
 
     # outermost: a body over the limit is refused before authentication, parsing or any handler
     app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes,
@@ -475,52 +515,60 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def _chat_stream(state, streams: list[Stream], rid, created, name, n_prompt, include_usage, split,
                            tools: ToolChoice):
+        encode = _SseChunks({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name})
+
         def chunk(index, delta, finish=None, logprobs=None):
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+            return encode([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
         parsers = [ToolCallStream(tools.parser) if tools.parser is not None else None for _ in streams]
         n_out = 0
+        parts: list[str] = []  # the chunks of one batch of outputs: sent together
         try:
             for i in range(len(streams)):
                 yield chunk(i, {"role": "assistant", "content": ""})
-            async for i, o in _merged(streams):
-                n_out += len(o.new_token_ids)
-                deltas: list[dict] = []  # this output's deltas, in order; the finish reason goes on the last
-                first: dict[str, Any] = {}
-                if o.reasoning_text:
-                    first["reasoning_content"] = o.reasoning_text
-                content, calls = o.text, []
-                if parsers[i] is not None:
-                    got = parsers[i].add(o.text, final=o.finished)
-                    content, calls = got.content, got.calls
-                if content:
-                    first["content"] = content
-                lps = _chat_logprobs(tok, o.new_token_ids, o.logprobs) if o.logprobs else None
-                if first or lps:
-                    deltas.append(first)
-                for k, call in calls:  # a complete call: its id and name, then its arguments
-                    deltas.append({"tool_calls": [{"index": k, "id": call.id, "type": "function",
-                                                   "function": {"name": call.function.name, "arguments": ""}}]})
-                    deltas.append({"tool_calls": [{"index": k, "function": {"arguments": call.function.arguments}}]})
-                finish = o.finish_reason if o.finished else None
-                if o.finished and parsers[i] is not None:
-                    if finish != "length":
-                        tools.check(parsers[i].calls)
-                    finish = "tool_calls" if finish == "stop" and parsers[i].calls else finish
-                if finish and not deltas:
-                    deltas.append({})
-                for j, delta in enumerate(deltas):
-                    last = j == len(deltas) - 1
-                    yield chunk(i, delta, finish if last else None, lps if j == 0 else None)
+            async for batch in _merged(streams):
+                for i, o in batch:
+                    n_out += len(o.new_token_ids)
+                    deltas: list[dict] = []  # this output's deltas, in order; the finish reason goes on the last
+                    first: dict[str, Any] = {}
+                    if o.reasoning_text:
+                        first["reasoning_content"] = o.reasoning_text
+                    content, calls = o.text, []
+                    if parsers[i] is not None:
+                        got = parsers[i].add(o.text, final=o.finished)
+                        content, calls = got.content, got.calls
+                    if content:
+                        first["content"] = content
+                    lps = _chat_logprobs(tok, o.new_token_ids, o.logprobs) if o.logprobs else None
+                    if first or lps:
+                        deltas.append(first)
+                    for k, call in calls:  # a complete call: its id and name, then its arguments
+                        deltas.append({"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                                       "function": {"name": call.function.name, "arguments": ""}}]})
+                        deltas.append({"tool_calls": [{"index": k,
+                                                       "function": {"arguments": call.function.arguments}}]})
+                    finish = o.finish_reason if o.finished else None
+                    if o.finished and parsers[i] is not None:
+                        if finish != "length":
+                            tools.check(parsers[i].calls)
+                        finish = "tool_calls" if finish == "stop" and parsers[i].calls else finish
+                    if finish and not deltas:
+                        deltas.append({})
+                    for j, delta in enumerate(deltas):
+                        last = j == len(deltas) - 1
+                        parts.append(chunk(i, delta, finish if last else None, lps if j == 0 else None))
+                if parts:
+                    yield "".join(parts)
+                    parts.clear()
             if include_usage:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                             "choices": [], "usage": _usage(n_prompt, n_out)})
         except ToolChoiceError as e:
-            yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "param": "tool_choice",
-                                  "code": 400}})
+            yield "".join(parts) + _sse({"error": {"message": str(e), "type": "invalid_request_error",
+                                                   "param": "tool_choice", "code": 400}})
         except Exception as e:  # engine failure mid-stream: an error event, then [DONE]
-            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
+            yield "".join(parts) + _sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                                                   "code": 500}})
         finally:
             for s in streams:
                 if not s.finished:
@@ -581,20 +629,25 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def _completion_stream(state, streams: list[Stream], echoes: list[str], rid, created, name, n_prompt,
                                  include_usage, want_lps):
+        encode = _SseChunks({"id": rid, "object": "text_completion", "created": created, "model": name})
+
         def chunk(index, text, logprobs=None, finish=None):
-            return _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+            return encode([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
 
         n_out = 0
         try:
             for i, echo in enumerate(echoes):
                 if echo:
                     yield chunk(i, echo)
-            async for i, o in _merged(streams):
-                n_out += len(o.new_token_ids)
-                lps = _completion_logprobs(tok, o.new_token_ids, o.logprobs) if (want_lps and o.logprobs) else None
-                if o.text or lps or o.finished:
-                    yield chunk(i, o.text, lps, o.finish_reason if o.finished else None)
+            async for batch in _merged(streams):
+                parts = []
+                for i, o in batch:
+                    n_out += len(o.new_token_ids)
+                    lps = _completion_logprobs(tok, o.new_token_ids, o.logprobs) if (want_lps and o.logprobs) else None
+                    if o.text or lps or o.finished:
+                        parts.append(chunk(i, o.text, lps, o.finish_reason if o.finished else None))
+                if parts:
+                    yield "".join(parts)
             if include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                             "choices": [], "usage": _usage(n_prompt, n_out)})

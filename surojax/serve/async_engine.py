@@ -1,20 +1,33 @@
-"""One engine thread owned by the server; the asyncio side talks to it through a command queue.
+"""The server's two threads around the engine; the asyncio side talks to them through queues.
 
-    HTTP handler (event loop)                 engine thread
-    ------------------------                  -------------
-    submit(...) -> Stream  ---- ("add") --->  engine.add_request
-    stream.abort() / disconnect -("abort")->  engine.abort (blocks freed before the next step)
-    await call(fn) ----------- ("call") --->  fn(engine) between two steps (LoRA load / unload)
-    async for out in stream   <--- outputs of each step, one call_soon_threadsafe per step
+    HTTP handler (event loop)            engine thread                      output thread
+    -------------------------            -------------                      -------------
+    submit(...) -> Stream  -- "add" -->  engine.add_request  -- "open" -->  the request's RequestText
+    abort / disconnect -- "abort" ---->  engine.abort (blocks freed) -----> an "abort" output
+    await call(fn) ------ "call" ----->  fn(engine) between two steps
+                                         engine.step_tokens() -- "step" --> detokenise, stop strings, metrics
+    async for out in stream  <----------------- one call_soon_threadsafe per step (all the step's streams) ---
+                                         engine.finish  <----- "finish" --  a stop string found after the fact
+
+The engine thread does only what the device waits for: commands, scheduling, dispatch, the sampled ids' readback
+and the scheduler's bookkeeping (`Engine.step_tokens`); then it hands the step's token ids over and schedules the
+next step. The output thread turns them into text (`detokenize.apply_text`, each request's `RequestText`, which
+the engine thread detaches at admission), updates the metrics and delivers the whole step to the event loop in
+one ``call_soon_threadsafe``. A stop string it finds ends the request with the same text, tokens and finish
+reason as in the engine's own `Engine.step`: the output is truncated there, the engine is told to finish the
+request (its KV blocks are freed before the step after next at the latest), and that request's outputs of any
+step already run are dropped. One FIFO carries everything to the output thread, so a request's "open" comes
+before its outputs and its "abort" after them.
 
 Admission is bounded: at most max_num_seqs + max_queue requests in flight; beyond that `submit` raises
-`QueueFullError`, and while draining (`set_draining`, `shutdown`) or after the thread died it raises
+`QueueFullError`, and while draining (`set_draining`, `shutdown`) or after a thread died it raises
 `EngineDrainingError` / `EngineDeadError`. Each carries `retry_after_s` (`serve.backpressure`: the queue in
 front over the recent finish rate), which the HTTP layer sends as Retry-After with its 429 / 503.
 
 The engine is only ever touched by its thread (the HTTP side reads counters for /metrics, which is safe to do
-racily). An exception in a step fails the requests then in flight with that error, aborts them in the engine
-and the loop carries on: a bad request never kills the server.
+racily); the streams and the detokenisers only by the output thread. An exception in a step fails the requests
+then in flight with that error, aborts them in the engine and the loop carries on: a bad request never kills
+the server.
 """
 from __future__ import annotations
 
@@ -29,6 +42,7 @@ from dataclasses import dataclass, field
 from surojax.serve.backpressure import FinishRate, retry_after_s
 from surojax.serve.engine import Engine
 from surojax.serve.metrics import ServeMetrics
+from surojax.serve.detokenize import apply_text
 from surojax.serve.scheduler import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -89,19 +103,22 @@ class AsyncEngine:
         self.max_in_flight = engine.scheduler.max_num_seqs + max_queue
         self.finish_rate = FinishRate()
         self._draining = False
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()  # -> engine thread
+        self._outs: queue.SimpleQueue = queue.SimpleQueue()  # engine thread -> output thread
         self._wake = threading.Event()
-        self._streams: dict[str, Stream] = {}  # engine thread only
+        self._open: dict[str, tuple[Stream, object]] = {}  # output thread only: request id -> (stream, RequestText)
         self._in_flight = 0  # event-loop side count (for 429)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._idle_wait_s = idle_wait_s
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="surojax-engine", daemon=True)
+        self._out_thread = threading.Thread(target=self._run_outputs, name="surojax-output", daemon=True)
         self.error: BaseException | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> "AsyncEngine":
+        self._out_thread.start()
         self._thread.start()
         return self
 
@@ -110,10 +127,12 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        self._outs.put(None)
+        self._out_thread.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self._out_thread.is_alive()
 
     @property
     def num_in_flight(self) -> int:
@@ -148,21 +167,22 @@ class AsyncEngine:
             self._in_flight += 1
         stream = Stream(f"req-{next(self._ids)}", asyncio.get_running_loop(), num_prompt_tokens=len(prompt_ids),
                         owner=self)
-        self._cmds.put(("add", stream, (prompt_ids, params, adapter, split_reasoning)))
-        self._wake.set()
+        self._command("add", stream, (prompt_ids, params, adapter, split_reasoning))
         return stream
 
     def abort(self, stream: Stream) -> None:
-        self._cmds.put(("abort", stream, None))
-        self._wake.set()
+        self._command("abort", stream, None)
 
     async def call(self, fn):
         """Run fn(engine) on the engine thread between steps -> its result (exceptions re-raised here)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._cmds.put(("call", None, (fn, loop, fut)))
-        self._wake.set()
+        self._command("call", None, (fn, loop, fut))
         return await fut
+
+    def _command(self, kind: str, stream: Stream | None, payload) -> None:
+        self._cmds.put((kind, stream, payload))
+        self._wake.set()
 
     def _release(self, stream: Stream) -> None:
         if not stream.finished:
@@ -171,23 +191,6 @@ class AsyncEngine:
                 self._in_flight -= 1
 
     # ---- engine thread ----------------------------------------------------------------------------------------
-    def _deliver(self, items: list[tuple[Stream, object]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for stream, item in items:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-
-        def put(batch):
-            for stream, item in batch:
-                if isinstance(item, BaseException) or item.finished:
-                    self._release(stream)
-                stream.queue.put_nowait(item)
-
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put, batch)
-            except RuntimeError:  # the loop is closed (server shutting down)
-                pass
-
     def _handle(self, kind, stream, payload) -> None:
         eng = self.engine
         if kind == "add":
@@ -196,16 +199,14 @@ class AsyncEngine:
                 eng.add_request(prompt_ids, params, request_id=stream.request_id, adapter=adapter,
                                 split_reasoning=split)
             except Exception as e:  # validated by the HTTP layer first; this is the last line
-                self._deliver([(stream, e)])
+                self._outs.put(("fail", stream, e))
                 return
-            self._streams[stream.request_id] = stream
-            with self.metrics.lock:
-                self.metrics.prompt_tokens += len(prompt_ids)
+            self._outs.put(("open", stream, eng.detach_text(stream.request_id)))
         elif kind == "abort":
-            if self._streams.pop(stream.request_id, None) is not None:
-                eng.abort(stream.request_id)
-                self.metrics.finished("abort", time.monotonic() - stream.arrival)
-            self._deliver([(stream, RequestOutput(stream.request_id, [], True, "abort"))])
+            eng.abort(stream.request_id)
+            self._outs.put(("abort", stream, None))
+        elif kind == "finish":  # a stop string, found by the output thread
+            eng.finish(payload)
         elif kind == "call":
             fn, loop, fut = payload
             try:
@@ -213,8 +214,7 @@ class AsyncEngine:
             except Exception as e:
                 result, err = None, e
             if isinstance(result, list):  # ids of requests the call aborted (LoRA unload)
-                self._deliver([(self._streams.pop(r), RequestOutput(r, [], True, "abort"))
-                               for r in result if r in self._streams])
+                self._outs.put(("aborted", None, result))
 
             def done(result=result, err=err):
                 if not fut.done():
@@ -237,36 +237,94 @@ class AsyncEngine:
                 continue
             started = time.monotonic()
             try:
-                outs = eng.step()
+                outs = eng.step_tokens()
             except Exception as e:  # fail what is in flight, keep serving
-                log.exception("engine step failed; failing %d requests", len(self._streams))
-                failed = list(self._streams.values())
-                self._streams.clear()
-                for s in failed:
-                    eng.abort(s.request_id)
-                for rid in list(eng.scheduler.requests):  # requests whose stream is gone already
+                log.exception("engine step failed; failing the requests in flight")
+                for rid in list(eng.scheduler.requests):
                     eng.abort(rid)
                 if eng.runner.recover_pools():
                     eng.kv.reset_prefix_cache()
-                self._deliver([(s, RuntimeError(f"engine step failed: {e}")) for s in failed])
+                self._outs.put(("failed", None, RuntimeError(f"engine step failed: {e}")))
                 continue
-            now = time.monotonic()
-            self.finish_rate.record(now - started, sum(o.finished for o in outs))
-            items = []
+            self._outs.put(("step", None, (outs, time.monotonic() - started)))
+
+    # ---- output thread ----------------------------------------------------------------------------------------
+    def _run_outputs(self) -> None:
+        """Everything after the step, one message at a time: text, stop strings, metrics, delivery."""
+        while True:
+            msg = self._outs.get()
+            if msg is None:
+                return
+            try:
+                self._output(*msg)
+            except Exception:  # a bug here must not leave the streams hanging: fail them, keep serving
+                log.exception("output processing failed; failing the requests in flight")
+                self._fail_open(RuntimeError("output processing failed"))
+
+    def _output(self, kind: str, stream: Stream | None, payload) -> None:
+        if kind == "step":
+            self._deliver_step(*payload)
+        elif kind == "open":
+            self._open[stream.request_id] = (stream, payload)
             with self.metrics.lock:
-                for o in outs:
-                    stream = self._streams.get(o.request_id)
-                    if stream is None:
-                        continue
-                    self.metrics.generation_tokens += len(o.new_token_ids)
-                    if stream.last_token_at is None:
-                        self.metrics.ttft.observe(now - stream.arrival)
-                    else:
-                        self.metrics.itl.observe(now - stream.last_token_at)
-                    stream.last_token_at = now
-                    if o.finished:
-                        del self._streams[o.request_id]
-                        self.metrics.requests[o.finish_reason] = self.metrics.requests.get(o.finish_reason, 0) + 1
-                        self.metrics.e2e.observe(now - stream.arrival)
-                    items.append((stream, o))
-            self._deliver(items)
+                self.metrics.prompt_tokens += stream.num_prompt_tokens
+        elif kind == "fail":
+            self._deliver([(stream, payload)])
+        elif kind == "abort":
+            if self._open.pop(stream.request_id, None) is not None:
+                self.metrics.finished("abort", time.monotonic() - stream.arrival)
+                self._deliver([(stream, RequestOutput(stream.request_id, [], True, "abort"))])
+        elif kind == "aborted":
+            gone = [self._open.pop(r)[0] for r in payload if r in self._open]
+            self._deliver([(s, RequestOutput(s.request_id, [], True, "abort")) for s in gone])
+        elif kind == "failed":
+            self._fail_open(payload)
+
+    def _fail_open(self, error: BaseException) -> None:
+        failed = [s for s, _ in self._open.values()]
+        self._open.clear()
+        self._deliver([(s, error) for s in failed])
+
+    def _deliver_step(self, outs: list[RequestOutput], step_s: float) -> None:
+        now = time.monotonic()
+        items, num_finished = [], 0
+        with self.metrics.lock:
+            for o in outs:
+                entry = self._open.get(o.request_id)
+                if entry is None:  # ended by a stop string in an earlier step, or aborted
+                    continue
+                stream, text = entry
+                if text is not None and apply_text(o, text):
+                    self._command("finish", None, o.request_id)
+                self.metrics.generation_tokens += len(o.new_token_ids)
+                if stream.last_token_at is None:
+                    self.metrics.ttft.observe(now - stream.arrival)
+                else:
+                    self.metrics.itl.observe(now - stream.last_token_at)
+                stream.last_token_at = now
+                if o.finished:
+                    del self._open[o.request_id]
+                    num_finished += 1
+                    self.metrics.requests[o.finish_reason] = self.metrics.requests.get(o.finish_reason, 0) + 1
+                    self.metrics.e2e.observe(now - stream.arrival)
+                items.append((stream, o))
+        self.finish_rate.record(step_s, num_finished)
+        self._deliver(items)
+
+    def _deliver(self, items: list[tuple[Stream, object]]) -> None:
+        """One ``call_soon_threadsafe`` per event loop for all of ``items`` (normally: one loop, one call)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+
+        def put(batch):
+            for stream, item in batch:
+                if isinstance(item, BaseException) or item.finished:
+                    self._release(stream)
+                stream.queue.put_nowait(item)
+
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(put, batch)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass

@@ -117,3 +117,28 @@ class RequestText:
         final = finished or stopped
         reasoning = self.reasoning.take(final) if self.reasoning is not None else ""
         return self.content.take(final), reasoning, stopped
+
+
+def apply_text(out, text: RequestText) -> bool:
+    """Detokenise one step's output of a request in place, token by token (``out``: a `RequestOutput`; its
+    ``text`` / ``reasoning_text`` get the deltas). A stop string ends it: the tokens (and logprobs) after the one
+    that completed the match are dropped, ``finished`` / ``finish_reason`` become True / "stop" -- what single
+    steps would have given. -> True when the stop string ended a request the scheduler had not finished (the
+    caller finishes it there: its KV blocks are freed)."""
+    ids, content, reasoning = out.new_token_ids, [], []
+    ended_here = False
+    for i, tok in enumerate(ids):
+        last = i == len(ids) - 1
+        c, r, stopped = text.add([tok], out.finished and last, out.finish_reason if last else None)
+        content.append(c)
+        reasoning.append(r)
+        if stopped:
+            if not last or not out.finished:
+                ended_here = not out.finished
+                out.finished, out.finish_reason = True, "stop"
+                out.new_token_ids = ids[:i + 1]
+                if out.logprobs is not None:
+                    out.logprobs = out.logprobs[:i + 1]
+            break
+    out.text, out.reasoning_text = "".join(content), "".join(reasoning)
+    return ended_here

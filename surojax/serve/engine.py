@@ -53,7 +53,7 @@ from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.serve.capacity import kv_bytes_per_token, kv_pool_dtype, num_kv_blocks
 from surojax.serve.config import EngineConfig, KVPath, SpecMethod, default_max_model_len
-from surojax.serve.detokenize import RequestText
+from surojax.serve.detokenize import RequestText, apply_text
 from surojax.serve.guided import GrammarError, GrammarMatcher, GrammarVocab
 from surojax.serve.draft import DraftRunner
 from surojax.serve.kv_cache import KVCacheManager
@@ -226,7 +226,21 @@ class Engine:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the forward (writing KV into the pool), sample, advance, detokenise. -> this step's outputs."""
+        """Schedule, run the forward (writing KV into the pool), sample, advance, detokenise. -> this step's outputs.
+        A stop string ends its request in this very step (its blocks are freed at once)."""
+        outs = self.step_tokens()
+        for o in outs:
+            text = self._text.get(o.request_id)
+            if text is not None and apply_text(o, text):
+                self.finish(o.request_id)
+            if o.finished:
+                self._text.pop(o.request_id, None)
+        return outs
+
+    def step_tokens(self) -> list[RequestOutput]:
+        """`step` without the text: the outputs carry token ids (and logprobs), ``text`` stays empty. For a
+        caller that detokenises elsewhere (``AsyncEngine``'s output thread: it takes each request's
+        `RequestText` with `detach_text` and ends a request whose stop string it finds with `finish`)."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished():
@@ -249,13 +263,20 @@ class Engine:
             if o.request_id in sampled.logprobs:
                 lp = sampled.logprobs[o.request_id]
                 o.logprobs = (lp if isinstance(lp, list) else [lp])[:len(o.new_token_ids)]
-            text = self._text.get(o.request_id)
-            if text is not None:
-                self._add_text(o, text)
             if o.finished:
-                self._text.pop(o.request_id, None)
                 self._matchers.pop(o.request_id, None)
         return outs
+
+    def detach_text(self, request_id: str) -> RequestText | None:
+        """Hand the request's detokeniser to the caller (`step` no longer makes its text; `step_tokens` never
+        does). None without a tokenizer."""
+        return self._text.pop(request_id, None)
+
+    def finish(self, request_id: str) -> bool:
+        """End a request whose stop string was found ("stop"): its blocks are freed now. False if it is gone."""
+        self._text.pop(request_id, None)
+        self._matchers.pop(request_id, None)
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
 
     def _bitmasks(self, scheduled) -> dict:
         """request id -> allowed-token bitmask [W] int32 for this step's sampling rows that have a grammar."""
@@ -283,24 +304,6 @@ class Engine:
             if not o.finished:
                 self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_STOPPED)
             o.finished, o.finish_reason = True, "stop"
-
-    def _add_text(self, o: RequestOutput, text: RequestText) -> None:
-        """Detokenise this step's tokens one at a time; on a stop string drop the tokens after it and finish."""
-        ids, content, reasoning = o.new_token_ids, [], []
-        for i, tok in enumerate(ids):
-            last = i == len(ids) - 1
-            c, r, stopped = text.add([tok], o.finished and last, o.finish_reason if last else None)
-            content.append(c)
-            reasoning.append(r)
-            if stopped:
-                if not last or not o.finished:
-                    self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_STOPPED)
-                    o.finished, o.finish_reason = True, "stop"
-                    o.new_token_ids = ids[:i + 1]
-                    if o.logprobs is not None:
-                        o.logprobs = o.logprobs[:i + 1]
-                break
-        o.text, o.reasoning_text = "".join(content), "".join(reasoning)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, stop_token_ids=(), **sampling) -> list[list[int]]:
         """Run every prompt to completion; new token ids per prompt, in order (a stop id is kept)."""

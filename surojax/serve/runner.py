@@ -448,7 +448,8 @@ class PagedRunner:
 
         bitmasks: request id -> allowed-token bitmask [W] int32 (structured output, ``serve/guided.py``) for the
         sampling rows that have a grammar; single steps only (the scheduler never multi-steps a guided request).
-        One host sync per forward call: the sampled ids (and logprobs when asked) come back together.
+        One host sync per step: every forward call is dispatched first, then the sampled ids (and logprobs
+        when asked) of all of them come back together.
         """
         out = StepResult()
         scheduled = [s for s in scheduled if s.num_new_tokens > 0]
@@ -461,22 +462,22 @@ class PagedRunner:
             return out
         waves = self._waves(scheduled)
         self.num_deferred += sum(w > 0 for w in waves)
+        calls = []  # every call is dispatched before any result is read back (the pool orders them on device)
         for w in range(max(waves) + 1):
             in_wave = [s for s, wi in zip(scheduled, waves) if wi == w]
             for group in ([s for s in in_wave if s.num_new_tokens == 1], [s for s in in_wave if s.num_new_tokens > 1]):
-                if not group:
+                if group:
+                    sampled = self._run(group, bitmasks)
+                    if any(s.sample for s in group):
+                        calls.append((group, sampled))
+        for group, host in zip([g for g, _ in calls], jax.device_get([x for _, x in calls])):
+            for r, s in enumerate(group):
+                if not s.sample:
                     continue
-                sampled = self._run(group, bitmasks)
-                if not any(s.sample for s in group):
-                    continue
-                host = jax.device_get(sampled)
-                for r, s in enumerate(group):
-                    if not s.sample:
-                        continue
-                    out[s.request_id] = int(host["ids"][r])
-                    sp = s.sampling_params
-                    if isinstance(sp, SamplingParams) and sp.logprobs:
-                        k = min(sp.top_logprobs, MAX_TOP_LOGPROBS)
-                        top = [(int(i), float(v)) for i, v in zip(host["top_ids"][r, :k], host["top_logprobs"][r, :k])]
-                        out.logprobs[s.request_id] = (float(host["logprob"][r]), top)
+                out[s.request_id] = int(host["ids"][r])
+                sp = s.sampling_params
+                if isinstance(sp, SamplingParams) and sp.logprobs:
+                    k = min(sp.top_logprobs, MAX_TOP_LOGPROBS)
+                    top = [(int(i), float(v)) for i, v in zip(host["top_ids"][r, :k], host["top_logprobs"][r, :k])]
+                    out.logprobs[s.request_id] = (float(host["logprob"][r]), top)
         return out

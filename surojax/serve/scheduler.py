@@ -12,8 +12,8 @@ Architecture choices:
   is sent back to the front of the waiting queue with its blocks freed and ``num_computed_tokens = 0``; when
   re-admitted it recomputes prompt + generated tokens (often mostly from the prefix cache, since freed blocks keep
   their hashes). No new requests are admitted in a step that preempted.
-* Multi-step decode (``decode_steps`` K > 1): when nothing waits and every running request is decoding, one
-  step schedules up to K decode tokens per request (``ScheduledRequest.num_steps``; fewer where max_tokens or
+* Multi-step decode (``decode_steps`` K > 1): when no waiting request has a free seat and every running request
+  is decoding, one step schedules up to K decode tokens per request (``ScheduledRequest.num_steps``; fewer where max_tokens or
   max_model_len come first) and reserves their slots ahead (lookahead blocks). The runner then runs the K
   forwards in one device call; ``update`` takes the list of tokens a row produced (it stops early on a stop id
   or its limit). When the free blocks do not cover every lookahead, the step falls back to one token.
@@ -217,9 +217,12 @@ class Scheduler:
 
     def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
         """All running requests decode K tokens each, with their slots reserved ahead. False (nothing changed)
-        unless K > 1, no request waits, every running one is decoding and none is ``single_step``, and the free
-        blocks cover the lookahead."""
-        if (self.decode_steps == 1 or self.waiting or not self.running
+        unless K > 1, no waiting request could be admitted (one waits only while every seat is taken: steady
+        arrivals at full occupancy keep multi-step; a free seat and a waiting request make this a single step,
+        which admits it), every running one is decoding and none is ``single_step``, and the free blocks cover
+        the lookahead."""
+        admissible = self.waiting and len(self.running) < self.max_num_seqs
+        if (self.decode_steps == 1 or admissible or not self.running
                 or len(self.running) > self.max_num_batched_tokens or any(r.single_step for r in self.running)
                 or any(r.num_computed_tokens != r.num_tokens - 1 for r in self.running)):
             return False

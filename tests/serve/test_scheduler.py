@@ -263,3 +263,19 @@ def test_random_workload_never_leaks(seed):
     assert s.kv.num_free_blocks == num_blocks
     assert s.kv.usage == 0.0
     assert all(b.ref_cnt == 0 for b in s.kv.blocks)
+
+
+def test_multi_step_keeps_running_while_waiting_requests_have_no_seat():
+    """A request that waits for a seat cannot be admitted this step: multi-step decode goes on (K tokens each);
+    once a seat frees, the waiting request makes the next step a single one that admits it."""
+    s = make(max_num_seqs=2, decode_steps=4)
+    for i in range(3):
+        s.add_request(Request(f"r{i}", [i + 3, i + 4, i + 5], max_tokens=3))
+    assert [x.request_id for x in s.schedule().scheduled] == ["r0", "r1"]  # prefills; r2 has no seat
+    s.update({"r0": 7, "r1": 7})
+    multi = s.schedule().scheduled
+    assert [(x.request_id, x.num_steps) for x in multi] == [("r0", 2), ("r1", 2)]  # max_tokens 3 - 1 left
+    outs = s.update({"r0": [8, 9], "r1": [8, 9]})
+    assert all(o.finished for o in outs)
+    admit = s.schedule().scheduled
+    assert [(x.request_id, x.num_steps) for x in admit] == [("r2", 1)]
