@@ -277,7 +277,7 @@ def part_step(rows, shape: str, mode: str, batch: int, seq: int, unroll, time_st
     s = build(bc)
     host, _ = synthetic_batch(np.random.default_rng(0), 1, batch, seq, s.model_config.vocab_size, 1, 1)
     batch_dev = place_batch(s, host)
-    hlo = s.step.lower(s.trainable, s.frozen, s.opt_state, batch_dev, jax.random.key(0)).compile().as_text()
+    hlo = s.train_step.lower(s.trainable, s.frozen, s.opt_state, batch_dev, jax.random.key(0)).compile().as_text()
     census = gemm_census(hlo)
     used = fp8_used(census)
     emit(rows, {"part": "step", "variant": f"{shape} {mode} fp8_hybrid", "batch": batch, "seq": seq,
