@@ -23,6 +23,7 @@ optax.adamw with the moments swapped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -80,23 +81,44 @@ def code_boundaries(code: np.ndarray) -> np.ndarray:
     return (code[1:] + code[:-1]) / np.float32(2.0)
 
 
+PREFIX_SHIFT = 16  # nearest_code_index's buckets: floats sharing their top 16 bits (sign, exponent, 7 mantissa bits)
+
+
+def _order_key(bits):
+    """int32 bit patterns of floats -> int32 keys in the floats' order (non-NaN; -0 just below +0)."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@functools.lru_cache(maxsize=8)
+def _bucket_table(code_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(first, bounds): first[p] (uint8 [2^16]) = the number of boundaries below bucket p (the floats whose order
+    key has the top 16 bits p - 2^15); bounds = the 255 boundaries + inf (fp32 [256]). Every bucket holds at most
+    one boundary (the narrowest gap between boundaries, 0.9 / 128 of a decade, is wider than a bucket: 2^-7 of
+    the value), checked here. Keyed by the map's float32 bytes (cached)."""
+    mid = code_boundaries(np.frombuffer(code_bytes, np.float32))
+    keys = _order_key(mid.view(np.int32).astype(np.int64))
+    n = 1 << (32 - PREFIX_SHIFT)
+    starts = (np.arange(n, dtype=np.int64) - n // 2) << PREFIX_SHIFT  # bucket p: keys [starts[p], + 2^16)
+    first = np.searchsorted(keys, starts, side="left")
+    per_bucket = np.searchsorted(keys, starts + (1 << PREFIX_SHIFT), side="left") - first
+    assert per_bucket.max() <= 1 and first.max() <= 255, (per_bucket.max(), first.max())
+    return first.astype(np.uint8), np.append(mid, np.float32(np.inf)).astype(np.float32)
+
+
 def nearest_code_index(normed: jax.Array, code: np.ndarray) -> jax.Array:
     """The index (uint8, normed's shape) of the code nearest to each value of `normed` (ties: the lower code).
 
     Exactly `jnp.searchsorted(code_boundaries(code), normed, side="left")`: the number of boundaries b with
-    NOT (x <= b) (strictly below x; NaN: all 255), found by a branchless binary search unrolled over the
-    2^8 - 1 sorted boundaries (a complete binary tree: the probe idx + step - 1 is always in [0, 254]). 8
-    compares and 7 lookups into a 1 KiB constant per value, all in one elementwise pass: searchsorted's default
-    ("scan") is a while loop of 8 passes over the whole array, each reading and writing two int32 index arrays.
-    """
-    mid = code_boundaries(code)
-    assert mid.shape == (255,), mid.shape
-    table = jnp.asarray(mid)
-    # unsigned indices: the gather needs no negative-index fix-up
-    idx = jnp.where(normed <= mid[127], jnp.uint32(0), jnp.uint32(128))  # the root of the tree: a constant
-    for step in (64, 32, 16, 8, 4, 2, 1):
-        idx = jnp.where(normed <= table[idx + jnp.uint32(step - 1)], idx, idx + jnp.uint32(step))
-    return idx.astype(jnp.uint8)
+    NOT (x <= b) (those below x; NaN: all 255). One elementwise pass with two lookups: the top 16 bits of x's
+    order key pick a bucket, `first` of the bucket counts the boundaries below it, and the one boundary the
+    bucket may hold decides the last +1 (x > bounds[first]; bounds[255] = inf). searchsorted's default ("scan")
+    is a while loop of 8 passes over the array, each reading and writing two int32 index arrays."""
+    first, bounds = _bucket_table(np.asarray(code, np.float32).tobytes())
+    bits = jax.lax.bitcast_convert_type(normed.astype(jnp.float32), jnp.int32)
+    bucket = ((_order_key(bits) >> PREFIX_SHIFT) + (1 << (31 - PREFIX_SHIFT))).astype(jnp.uint32)  # [0, 2^16)
+    below = jnp.asarray(first)[bucket].astype(jnp.uint32)  # unsigned indices: no negative-index fix-up
+    idx = jnp.where(normed <= jnp.asarray(bounds)[below], below, below + jnp.uint32(1))
+    return jnp.where(jnp.isnan(normed), jnp.uint32(255), idx).astype(jnp.uint8)
 
 
 def _quantize_blocks(b: jax.Array, code: np.ndarray) -> Blockwise8bit:
