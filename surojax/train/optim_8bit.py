@@ -93,8 +93,8 @@ def _order_key(bits):
 def _bucket_table(code_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:
     """(first, bounds): first[p] (uint8 [2^16]) = the number of boundaries below bucket p (the floats whose order
     key has the top 16 bits p - 2^15); bounds = the 255 boundaries + inf (fp32 [256]). Every bucket holds at most
-    one boundary (the narrowest gap between boundaries, 0.9 / 128 of a decade, is wider than a bucket: 2^-7 of
-    the value), checked here. Keyed by the map's float32 bytes (cached)."""
+    one boundary (a bucket spans at most 2^-7 of its values' magnitude; neighbouring boundaries are >= 0.9 / 128
+    of their decade's top apart), checked here. Keyed by the map's float32 bytes (cached)."""
     mid = code_boundaries(np.frombuffer(code_bytes, np.float32))
     keys = _order_key(mid.view(np.int32).astype(np.int64))
     n = 1 << (32 - PREFIX_SHIFT)
