@@ -23,6 +23,7 @@ optax.adamw with the moments swapped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -74,18 +75,66 @@ def quantize_blockwise(x: jax.Array, code: np.ndarray, block: int = BLOCK_SIZE) 
     return _quantize_blocks(_blocks(x, block), code)
 
 
+def code_boundaries(code: np.ndarray) -> np.ndarray:
+    """The 255 decision boundaries between neighbouring codes, (code[i] + code[i + 1]) / 2 in float32 [255]."""
+    code = np.asarray(code, np.float32)
+    return (code[1:] + code[:-1]) / np.float32(2.0)
+
+
+PREFIX_SHIFT = 16  # nearest_code_index's buckets: floats sharing their top 16 bits (sign, exponent, 7 mantissa bits)
+
+
+def _order_key(bits):
+    """int32 bit patterns of floats -> int32 keys in the floats' order (non-NaN; -0 just below +0)."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@functools.lru_cache(maxsize=8)
+def _bucket_table(code_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(first, bounds): first[p] (uint8 [2^16]) = the number of boundaries below bucket p (the floats whose order
+    key has the top 16 bits p - 2^15); bounds = the 255 boundaries + inf (fp32 [256]). Every bucket holds at most
+    one boundary (a bucket spans at most 2^-7 of its values' magnitude; neighbouring boundaries are >= 0.9 / 128
+    of their decade's top apart), checked here. Keyed by the map's float32 bytes (cached)."""
+    mid = code_boundaries(np.frombuffer(code_bytes, np.float32))
+    keys = _order_key(mid.view(np.int32).astype(np.int64))
+    n = 1 << (32 - PREFIX_SHIFT)
+    starts = (np.arange(n, dtype=np.int64) - n // 2) << PREFIX_SHIFT  # bucket p: keys [starts[p], + 2^16)
+    first = np.searchsorted(keys, starts, side="left")
+    per_bucket = np.searchsorted(keys, starts + (1 << PREFIX_SHIFT), side="left") - first
+    assert per_bucket.max() <= 1 and first.max() <= 255, (per_bucket.max(), first.max())
+    return first.astype(np.uint8), np.append(mid, np.float32(np.inf)).astype(np.float32)
+
+
+def nearest_code_index(normed: jax.Array, code: np.ndarray) -> jax.Array:
+    """The index (uint8, normed's shape) of the code nearest to each value of `normed` (ties: the lower code).
+
+    Exactly `jnp.searchsorted(code_boundaries(code), normed, side="left")`: the number of boundaries b with
+    NOT (x <= b) (those below x; NaN: all 255). One elementwise pass with two lookups: the top 16 bits of x's
+    order key pick a bucket, `first` of the bucket counts the boundaries below it, and the one boundary the
+    bucket may hold decides the last +1 (x > bounds[first]; bounds[255] = inf). searchsorted's default ("scan")
+    is a while loop of 8 passes over the array, each reading and writing two int32 index arrays."""
+    first, bounds = _bucket_table(np.asarray(code, np.float32).tobytes())
+    bits = jax.lax.bitcast_convert_type(normed.astype(jnp.float32), jnp.int32)
+    bucket = ((_order_key(bits) >> PREFIX_SHIFT) + (1 << (31 - PREFIX_SHIFT))).astype(jnp.uint32)  # [0, 2^16)
+    below = jnp.asarray(first)[bucket].astype(jnp.uint32)  # unsigned indices: no negative-index fix-up
+    idx = jnp.where(normed <= jnp.asarray(bounds)[below], below, below + jnp.uint32(1))
+    return jnp.where(jnp.isnan(normed), jnp.uint32(255), idx).astype(jnp.uint8)
+
+
 def _quantize_blocks(b: jax.Array, code: np.ndarray) -> Blockwise8bit:
     """Blocks [n_blocks, block] fp32 -> their Blockwise8bit."""
     absmax = jnp.max(jnp.abs(b), axis=1)  # [n_blocks]
     normed = b / jnp.where(absmax > 0, absmax, 1.0)[:, None]
-    code = jnp.asarray(code)
-    mid = (code[1:] + code[:-1]) / 2.0  # [255] decision boundaries between neighbouring codes
-    idx = jnp.searchsorted(mid, normed, side="left")  # count of boundaries strictly below: the nearest code
-    return Blockwise8bit(idx.astype(jnp.uint8), absmax)
+    return Blockwise8bit(nearest_code_index(normed, code), absmax)
+
+
+def _dequantize_blocks(q: Blockwise8bit, code: np.ndarray) -> jax.Array:
+    """Blockwise8bit -> its values [n_blocks, block] fp32 (uint8 codes index the 256-entry map as they are)."""
+    return jnp.asarray(code)[q.codes] * q.absmax[:, None]
 
 
 def dequantize_blockwise(q: Blockwise8bit, code: np.ndarray, shape: tuple[int, ...]) -> jax.Array:
-    vals = jnp.asarray(code)[q.codes.astype(jnp.int32)] * q.absmax[:, None]  # [n_blocks, block]
+    vals = _dequantize_blocks(q, code)  # [n_blocks, block]
     n = int(np.prod(shape)) if shape else 1
     return vals.reshape(-1)[:n].reshape(shape)
 
@@ -127,8 +176,7 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
         def blocks_update(args):  # blocks [n, block]: the quantised moments' update, per block
             g_b, m_s, v_s = args
-            m = jnp.asarray(SIGNED_MAP)[m_s.codes.astype(jnp.int32)] * m_s.absmax[:, None]
-            v = jnp.asarray(UNSIGNED_MAP)[v_s.codes.astype(jnp.int32)] * v_s.absmax[:, None]
+            m, v = _dequantize_blocks(m_s, SIGNED_MAP), _dequantize_blocks(v_s, UNSIGNED_MAP)
             d, m, v = moments(g_b, m, v)
             return d, _quantize_blocks(m, SIGNED_MAP), _quantize_blocks(v, UNSIGNED_MAP)
 
