@@ -19,4 +19,6 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENT
 # exactness test passes (at -O0 one does not). Children started with their own XLA_FLAGS keep -O2 unless they
 # append to it, as tests/parallel/virtual_devices.py does.
 export XLA_FLAGS="--xla_backend_optimization_level=1${XLA_FLAGS:+ $XLA_FLAGS}"
-python -m pytest -q -n 2 --dist loadfile "$@"
+# Whole modules per worker (module fixtures built once), handed out slowest first (tests/conftest.py orders them
+# by tests/module_seconds.txt; --no-loadscope-reorder keeps that order instead of xdist's "most tests first").
+python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -53,7 +53,7 @@ def test_run_sh_forwards_arguments_to_the_trainer_only(tmp_path):
 def test_test_sh_uses_dev_extras_and_forwards_arguments_to_pytest(tmp_path):
     done, calls, _ = _run(tmp_path, f"bash {REPO}/scripts/test.sh tests/cli -k help", stamp="-dev")
     assert done.returncode == 0, done.stderr
-    assert calls == [f"cwd={REPO} argv=-m pytest -q -n 2 --dist loadfile tests/cli -k help"]
+    assert calls == [f"cwd={REPO} argv=-m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests/cli -k help"]
 
 
 def test_sourcing_env_sh_keeps_the_callers_directory_and_options(tmp_path):

@@ -1,0 +1,29 @@
+"""Suite-wide: the slowest test modules run first (tests/module_seconds.txt, written by scripts/module_seconds.py).
+
+scripts/test.sh runs `pytest -n 2 --dist loadfile --no-loadscope-reorder`: xdist hands whole modules to the two
+workers in collection order, so ordering the slowest first lets the short ones fill in at the end (longest
+processing time first) instead of one worker running a long module alone while the other idles. Only the order
+changes; a module missing from the list keeps its place after the listed ones.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+SECONDS_FILE = Path(__file__).with_name("module_seconds.txt")
+
+
+def _module_seconds() -> dict[str, float]:
+    if not SECONDS_FILE.exists():
+        return {}
+    out = {}
+    for line in SECONDS_FILE.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            seconds, module = line.split(maxsplit=1)
+            out[module] = float(seconds)
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    seconds = _module_seconds()
+    if seconds:  # stable: tests keep their order within a module
+        items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))
