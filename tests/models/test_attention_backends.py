@@ -9,6 +9,8 @@ benchmarks/gpu_correctness.py runs the same comparison against the real cuDNN ke
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,22 +135,33 @@ def fwd_and_grads(fn, q, k, v, cot, real):
     return out, grads
 
 
+@functools.partial(jax.jit, static_argnames="window")
+def _reference(q, k, v, cot, seg, pos, *, window):
+    mask = att.attention_mask(seg, seg, pos, pos, window)
+    real = (seg > 0).astype(jnp.float32)
+    return fwd_and_grads(lambda q, k, v: att.xla_attention(q, k, v, mask, 16 ** -0.5), q, k, v, cot, real)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "max_segments", "check"))
+def _dispatch(q, k, v, cot, seg, pos, *, window, max_segments, check):
+    """The segment ids and positions are arguments (as in training), not constants: one compilation per static
+    configuration, shared by every test with the same shapes."""
+    real = (seg > 0).astype(jnp.float32)
+    return fwd_and_grads(lambda q, k, v: att.cudnn_packed_attention(
+        q, k, v, seg, pos, 16 ** -0.5, sliding_window=window, max_segments=max_segments, check=check,
+        fused=emulated_cudnn), q, k, v, cot, real)
+
+
 def compare(seg, pos, *, max_segments=4, window=None, check=True, key=0):
     """(out_err, grad_err) of the dispatch against the xla reference; `check` a tuple: one pair per value, all
     against one reference computation."""
     B, T = seg.shape
     q, k, v, cot = qkv(jax.random.key(key), B, T)
     real = (seg > 0).astype(jnp.float32)
-    scale = 16 ** -0.5
-    mask = att.attention_mask(seg, seg, pos, pos, window)
-    ref = jax.jit(lambda q, k, v: fwd_and_grads(lambda q, k, v: att.xla_attention(q, k, v, mask, scale),
-                                                q, k, v, cot, real))(q, k, v)
+    ref = _reference(q, k, v, cot, seg, pos, window=window)
     errs = []
     for chk in (check if isinstance(check, tuple) else (check,)):
-        got = jax.jit(lambda q, k, v: fwd_and_grads(
-            lambda q, k, v: att.cudnn_packed_attention(q, k, v, seg, pos, scale, sliding_window=window,
-                                                       max_segments=max_segments, check=chk, fused=emulated_cudnn),
-            q, k, v, cot, real))(q, k, v)
+        got = _dispatch(q, k, v, cot, seg, pos, window=window, max_segments=max_segments, check=chk)
         out_err = float(jnp.max(jnp.abs((got[0].astype(jnp.float32) - ref[0].astype(jnp.float32))
                                         * real[:, :, None, None])))
         grad_err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
@@ -169,7 +182,7 @@ def test_packed_rows_equal_the_xla_reference(window):
 
 
 def test_one_segment_per_row_takes_the_dense_branch():
-    B, T = 3, 32
+    B, T = 4, 64  # the shapes of test_packed_rows_equal_the_xla_reference: its reference compilation is reused
     seg = jnp.ones((B, T), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     assert branch_taken(seg, pos, 4) == 0
@@ -182,7 +195,7 @@ def branch_taken(seg, pos, max_segments):
 
 
 def test_more_segments_than_m_falls_back_and_stays_exact():
-    seg, pos = random_packing(np.random.default_rng(1), 2, 64, max_runs=9)
+    seg, pos = random_packing(np.random.default_rng(1), 4, 64, max_runs=9)
     seg = seg.at[0].set(jnp.repeat(jnp.arange(1, 9, dtype=jnp.int32), 8))  # row 0: 8 segments of 8
     pos = pos.at[0].set(jnp.tile(jnp.arange(8, dtype=jnp.int32), 8))
     assert branch_taken(seg, pos, 4) == 2
@@ -193,8 +206,8 @@ def test_more_segments_than_m_falls_back_and_stays_exact():
 
 
 def test_non_canonical_positions_fall_back():
-    seg = jnp.asarray([[1] * 16 + [2] * 16], jnp.int32)
-    pos = jnp.arange(32, dtype=jnp.int32)[None]  # positions continue into segment 2
+    seg = jnp.asarray([[1] * 32 + [2] * 32] * 4, jnp.int32)
+    pos = jnp.tile(jnp.arange(64, dtype=jnp.int32), (4, 1))  # positions continue into segment 2
     assert branch_taken(seg, pos, 4) == 2
     assert compare(seg, pos) == (0.0, 0.0)
 
