@@ -36,11 +36,10 @@ def _loss(model):
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_fresh_adapter_gives_exactly_the_base_logits(family):
     model = tiny_model(family)
-    base = model(TOKENS)
+    base = forward(model, TOKENS)  # the shared jitted forward: the plain structure's compilation is reused
     _lora(model)
-    assert jnp.array_equal(model(TOKENS), base)  # B = 0: base(x) + 0, bit for bit
-    fwd = nnx.jit(lambda m, t: m(t))
-    assert jnp.array_equal(fwd(model, TOKENS), fwd(tiny_model(family), TOKENS))
+    assert jnp.array_equal(forward(model, TOKENS), base)  # B = 0: base(x) + 0, bit for bit
+    assert jnp.array_equal(forward(model, TOKENS), forward(tiny_model(family), TOKENS))  # a fresh base too
 
 
 def test_init_follows_peft_and_carries_axes(llama):
@@ -107,11 +106,12 @@ def test_gradient_reaches_only_the_adapter(llama):
     # The trainer's form: split (trainable, rest); the gradient w.r.t. the base is structurally absent, and an
     # explicit gradient w.r.t. the base would be non-zero, so the filter (not the math) is what freezes it.
     graphdef, trainable, rest = nnx.split(llama, TRAINABLE, ...)
-    g_tr = jax.jit(jax.grad(lambda tr: _loss(nnx.merge(graphdef, tr, rest))))(trainable)
+    # One compilation for both: d/d(trainable) is the trainer's gradient, d/d(rest) the explicit one.
+    g_tr, g_rest = jax.jit(jax.grad(lambda tr, r: _loss(nnx.merge(graphdef, tr, r)), argnums=(0, 1)))(trainable,
+                                                                                                     rest)
     assert jax.tree.structure(g_tr) == jax.tree.structure(trainable)
     for k, g in _flat(g_tr).items():  # the same gradient as the DiffState form
         np.testing.assert_allclose(g, grads[k], rtol=1e-4, atol=1e-5)  # two compilations: rounding only
-    g_rest = jax.jit(jax.grad(lambda r: _loss(nnx.merge(graphdef, trainable, r))))(rest)
     assert jnp.any(_flat(g_rest)["layers.attn.q_proj.base.kernel"])
 
 
@@ -156,7 +156,7 @@ def test_scan_with_remat_and_jit(llama):
     h, _ = llama.hidden_states(TOKENS, pos, seg)
     h_remat, _ = llama.hidden_states(TOKENS, pos, seg, layer_loop=functools.partial(jax.checkpoint))
     assert jnp.array_equal(h, h_remat)
-    jitted = nnx.jit(lambda m, t: m(t))(llama, TOKENS)
+    jitted = forward(llama, TOKENS)  # the shared jitted forward (the LoRA llama's compilation is reused)
     np.testing.assert_allclose(jitted, llama(TOKENS), rtol=0, atol=1e-6)
     g = nnx.grad(lambda m: jnp.sum(m.hidden_states(TOKENS, pos, seg, layer_loop=jax.checkpoint)[0] ** 2),
                  argnums=nnx.DiffState(0, TRAINABLE))(llama)

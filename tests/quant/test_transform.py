@@ -39,22 +39,60 @@ def _clone(model):
     return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
 
 
-@nnx.jit
-def _forward(model, tokens):
-    return model(tokens)
+def _loss(trainable, graphdef, frozen):
+    logits = nnx.merge(graphdef, trainable, frozen)(TOKENS)
+    return jnp.mean(jax.nn.log_softmax(logits, -1)[..., 0] ** 2), logits
 
 
-def _logits(model):
-    """One jitted forward for the file: models of the same structure (every plain / dequantised reference) reuse
-    one compilation."""
-    return np.asarray(_forward(model, TOKENS))
+# One compilation per model structure, the logits and the LoRA gradients together: the quantised model of each
+# format compiles once for both tests below, every plain / dequantised reference shares one compilation.
+_lora_grad = jax.jit(jax.grad(_loss, has_aux=True), static_argnums=1)
+
+
+def _grads(model):
+    graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
+    grads, logits = _lora_grad(trainable, graphdef, frozen)
+    return grads, np.asarray(logits)
+
+
+def _with_adapter(model, adapter=None):
+    """Rank-4 LoRA on every target; B != 0 (a detached adapter would give A zero gradient), or `adapter`'s
+    values (the same adapter on another base)."""
+    apply_lora(model, rank=4, alpha=8, rngs=nnx.Rngs(1))
+    if adapter is not None:
+        nnx.update(model, adapter)
+        return model
+    key = jax.random.key(7)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        if path[-1] == "lora_b":
+            key, sub = jax.random.split(key)
+            var.set_value(0.1 * jax.random.normal(sub, var.get_value().shape, jnp.float32))
+    return model
+
+
+_RUNS: dict[str, dict] = {}
+
+
+def _run(fmt, options):
+    """Per format, once for the file: the quantised model with an adapter, its report, and the logits and LoRA
+    gradients of it, of its dequantised clone, and of the unquantised model with the same adapter."""
+    key = f"{fmt}{options}"
+    if key not in _RUNS:
+        model = _model()
+        report = quantize_model(model, fmt, **options)
+        _with_adapter(model)
+        reference = _clone(model)
+        dequantize_model(reference, jnp.float32)
+        plain = _with_adapter(_model(), nnx.state(model, nnx.LoRAParam))
+        _RUNS[key] = dict(model=model, report=report, reference=reference, quant=_grads(model),
+                          deq=_grads(reference), plain=_grads(plain)[1])
+    return _RUNS[key]
 
 
 @pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
 def test_logits_equal_the_dequantised_model(fmt, options, cls):
-    model = _model()
-    plain = _logits(model)
-    report = quantize_model(model, fmt, **options)
+    run = _run(fmt, options)
+    model, report = run["model"], run["report"]
     L = model.cfg.num_layers
     for name in LORA_TARGETS:
         var = base_linear(model, name).kernel
@@ -67,11 +105,8 @@ def test_logits_equal_the_dequantised_model(fmt, options, cls):
     assert model.embed.embedding.get_value().dtype == jnp.float32  # embeddings / head untouched
     assert not isinstance(model.lm_head.kernel.get_value(), QuantFormat)
 
-    quant = _logits(model)
-    reference = _clone(model)
-    dequantize_model(reference, jnp.float32)
-    assert is_quantized(reference) == {}
-    deq = _logits(reference)
+    assert is_quantized(run["reference"]) == {}
+    quant, deq, plain = run["quant"][1], run["deq"][1], run["plain"]
     np.testing.assert_allclose(quant, deq, rtol=RTOL, atol=ATOL)
     assert not np.array_equal(quant, plain)  # the quantisation did change the weights ...
     assert np.abs(quant - plain).max() < 0.5 * np.abs(plain).max()  # ... but not wildly
@@ -92,36 +127,12 @@ def test_nf4_report_ratios():
             assert report.ratio < 0.25
 
 
-def _loss(trainable, graphdef, frozen):
-    logits = nnx.merge(graphdef, trainable, frozen)(TOKENS)
-    return jnp.mean(jax.nn.log_softmax(logits, -1)[..., 0] ** 2)
-
-
-_lora_grad = jax.jit(jax.grad(_loss), static_argnums=1)  # one compilation per model structure
-
-
-def _grads(model):
-    graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
-    return _lora_grad(trainable, graphdef, frozen)
-
-
 @pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
 def test_lora_gradients_equal_those_over_the_dequantised_base(fmt, options, cls):
-    model = _model()
-    quantize_model(model, fmt, **options)
-    apply_lora(model, rank=4, alpha=8, rngs=nnx.Rngs(1))
-    key = jax.random.key(7)
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
-        if path[-1] == "lora_b":  # B != 0: a detached adapter would give A zero gradient and fail below
-            key, sub = jax.random.split(key)
-            var.set_value(0.1 * jax.random.normal(sub, var.get_value().shape, jnp.float32))
-    assert isinstance(base_linear(model, "q_proj").kernel.get_value(), cls)
-
-    reference = _clone(model)
-    dequantize_model(reference, jnp.float32)
-    g_quant, g_ref = _grads(model), _grads(reference)
-    flat_q = dict(nnx.to_flat_state(g_quant))
-    flat_r = dict(nnx.to_flat_state(g_ref))
+    run = _run(fmt, options)
+    assert isinstance(base_linear(run["model"], "q_proj").kernel.get_value(), cls)
+    flat_q = dict(nnx.to_flat_state(run["quant"][0]))
+    flat_r = dict(nnx.to_flat_state(run["deq"][0]))
     assert flat_q.keys() == flat_r.keys()
     assert {p[-1] for p in flat_q} == {"lora_a", "lora_b"}  # only the adapter is differentiated, never the base
     assert len(flat_q) == 2 * len(LORA_TARGETS)
@@ -148,14 +159,13 @@ def test_matmul_is_exactly_x_at_dequantize(fmt, options, cls):
 
 
 def test_jit_split_merge_and_scan_keep_the_format():
-    model = _model()
-    quantize_model(model, "q8_0")
-    apply_lora(model, rank=2, alpha=4, rngs=nnx.Rngs(0))
+    model = _run("q8_0", {})["model"]  # quantised, with an adapter
     graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
     frozen = jax.device_put(frozen)
     merged = nnx.merge(graphdef, trainable, frozen)
     assert isinstance(base_linear(merged, "down_proj").kernel.get_value(), Q8_0)
-    np.testing.assert_array_equal(_logits(merged), _logits(model))
+    g_merged, logits_merged = _grads(merged)
+    np.testing.assert_array_equal(logits_merged, _run("q8_0", {})["quant"][1])
     # one layer's slice is a one-layer weight
     layer0 = jax.tree.map(lambda x: x[0], base_linear(merged, "q_proj").kernel.get_value())
     assert layer0.dequantize(jnp.float32).shape == (64, 64)
