@@ -28,7 +28,7 @@ from surojax.peft.peft_io import save_peft_adapter  # noqa: E402
 from surojax.cli.serve import ServeOptionError, serve_config  # noqa: E402
 from surojax.serve.api_server import build_app  # noqa: E402
 from surojax.serve.backpressure import MAX_S, FinishRate, retry_after_s  # noqa: E402
-from tests.serve.configs import BUCKETS  # noqa: E402
+from surojax.serve.config import RunnerBuckets  # noqa: E402
 from surojax.weights.hf_checkpoint import load_model  # noqa: E402
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
@@ -69,11 +69,10 @@ def dirs(tmp_path_factory):
 def server(dirs):
     root, outside = dirs
     argv = ["--served-model-name", NAME, "--api-key", KEY, "--max-num-seqs", str(SEQS), "--max-queue", str(QUEUE),
-            "--block-size", "4", "--num-kv-blocks", "64", "--max-model-len", "64", "--max-num-batched-tokens", "256",
+            "--block-size", "4", "--num-kv-blocks", "96", "--max-model-len", "64", "--max-num-batched-tokens", "256",
             "--max-request-bytes", str(BODY_LIMIT), "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
             "--lora-modules", f"boot={outside / 'ad'}", "--allow-runtime-lora", "--lora-root", str(root)]
-    # the engine tests' pool and buckets (tests/serve/configs.py SMALL): their compiled programs are reused
-    buckets = BUCKETS
+    buckets = RunnerBuckets(min_rows=4, min_prefill_rows=4, min_context=64, min_prefill=32)  # few CPU compiles
     with live_server(argv, buckets=buckets, backlog=512) as (url, state):
         assert complete(url).status_code == 200  # compiles the steps here, not inside a test
         yield url, state
