@@ -135,10 +135,12 @@ def test_chunked_logps_value_and_gradient():
         logits = jnp.einsum("btd,dv->btv", h, w) / 0.7
         return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), t[..., None], -1)[..., 0]
 
-    got = target_logps(h, w, t, temperature=0.7, chunk=5)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(plain(h, w)), rtol=1e-5, atol=1e-6)
-    g_got = jax.grad(lambda h, w: jnp.sum(target_logps(h, w, t, temperature=0.7, chunk=5) * cot), (0, 1))(h, w)
-    g_want = jax.grad(lambda h, w: jnp.sum(plain(h, w) * cot), (0, 1))(h, w)
+    def value_and_grad(f):  # one compiled program per side (value and gradients), not op by op
+        return jax.jit(lambda h, w: (f(h, w), jax.grad(lambda h, w: jnp.sum(f(h, w) * cot), (0, 1))(h, w)))(h, w)
+
+    got, g_got = value_and_grad(lambda h, w: target_logps(h, w, t, temperature=0.7, chunk=5))
+    want, g_want = value_and_grad(plain)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     for a, b in zip(g_got, g_want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
@@ -162,8 +164,9 @@ def test_model_loss_is_the_token_loss_of_the_model_logps():
              "ref_logps": jnp.asarray(rng.normal(-4.2, 0.3, (R, T)), jnp.float32)}
     s = GRPOLossSettings(loss_type="grpo", epsilon=0.2, epsilon_high=0.28, beta=0.1, temperature=0.7)
 
-    loss_sum, aux = grpo_loss(model, batch, chunk=5, settings=s)
-    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"]).astype(jnp.float32) / 0.7
+    loss_sum, aux = nnx.jit(lambda m, b: grpo_loss(m, b, chunk=5, settings=s))(model, batch)  # one compile
+    logits = nnx.jit(lambda m, b: m(b["tokens"], b["positions"], b["segment_ids"]))(model, batch)
+    logits = logits.astype(jnp.float32) / 0.7
     lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), batch["targets"][..., None], -1)[..., 0]
     want, metrics = grpo_token_loss(lp, batch["old_logps"], batch["ref_logps"], batch["advantages"], mask,
                                     loss_type="grpo", epsilon=0.2, epsilon_high=0.28, beta=0.1,

@@ -17,7 +17,7 @@ from surojax.serve.kv_reference import reference_multi_step_decode, reference_st
 from surojax.serve.multi_step import multi_step_decode_paged
 from surojax.serve.runner import paged_step
 from surojax.weights.hf_checkpoint import load_model
-from tests.serve.configs import BUCKETS, engine_config
+from tests.serve.configs import SMALL, engine_config
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
 GREEDY = BatchMode(sample=False, penalties=False, logprobs=False)
@@ -113,37 +113,42 @@ def test_multi_step_pool_equals_reference(model):
     np.testing.assert_array_equal(np.asarray(v1), np.asarray(v2))
 
 
-def test_engine_tokens_equal_reference(model):
-    """Single steps and multi-step decode, concurrent prompts (with a shared prefix: prefix-cache hits):
-    the paged path gives the reference path's tokens, and concurrent == one at a time."""
+def _engine_prompts():
+    """Concurrent prompts, two sharing an 8-token prefix (prefix-cache hits)."""
     rng = np.random.default_rng(3)
     shared = rng.integers(1, 500, size=8).tolist()
-    ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)] + [shared + [5, 6], shared + [7]]
-    outs = []
-    for k, paged in ((1, False), (1, True), (4, True)):
-        path = KVPath.PAGED if paged else KVPath.REFERENCE
-        eng = Engine(model, engine_config(num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
-                                          max_model_len=96, buckets=BUCKETS, decode_steps=k, kv_path=path))
-        outs.append(eng.generate(ps, 7))
-        assert eng.runner.paged is paged
-    assert outs[0] == outs[1] == outs[2]
-    eng = Engine(model, engine_config(num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
-                                      max_model_len=96, buckets=BUCKETS, decode_steps=4))
-    assert [eng.generate([p], 7)[0] for p in ps] == outs[0]
+    return [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)] + [shared + [5, 6], shared + [7]]
 
 
-@pytest.mark.parametrize("kernel, seed", [(KVPath.PALLAS, 4), (KVPath.REDUCE, 5)])
-def test_engine_decode_kernel_tokens_equal_reference(model, kernel, seed):
+def _engine(model, path, k):
+    eng = Engine(model, engine_config(decode_steps=k, kv_path=path, **SMALL))
+    assert eng.runner.kv_path is path and eng.runner.paged is (path is not KVPath.REFERENCE)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(model):
+    """The reference (gather -> dense view -> scatter) path's greedy tokens for `_engine_prompts`, computed once for
+    every paged path below."""
+    return _engine(model, KVPath.REFERENCE, 1).generate(_engine_prompts(), 7)
+
+
+def test_engine_tokens_equal_reference(model, reference_tokens):
+    """Single steps and multi-step decode, concurrent prompts (with a shared prefix: prefix-cache hits):
+    the paged path gives the reference path's tokens, and concurrent == one at a time."""
+    ps = _engine_prompts()
+    for k in (1, 4):
+        assert _engine(model, KVPath.PAGED, k).generate(ps, 7) == reference_tokens, k
+    eng = _engine(model, KVPath.PAGED, 4)
+    assert [eng.generate([p], 7)[0] for p in ps] == reference_tokens
+
+
+@pytest.mark.parametrize("kernel", [KVPath.PALLAS, KVPath.REDUCE])
+def test_engine_decode_kernel_tokens_equal_reference(model, reference_tokens, kernel):
     """KVPath.PALLAS (decode attention in the Pallas kernel, interpret mode on CPU) and REDUCE
     (multiply + reduce over the gather): the reference path's greedy tokens, one step and 4 per call."""
-    rng = np.random.default_rng(seed)
-    ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13)]
-    outs = []
-    for k, path in ((1, KVPath.REFERENCE), (1, kernel), (4, kernel)):
-        eng = Engine(model, engine_config(num_blocks=96, block_size=BS, max_num_seqs=8, max_num_batched_tokens=128,
-                                          max_model_len=96, buckets=BUCKETS, decode_steps=k, kv_path=path))
-        outs.append(eng.generate(ps, 6))
-    assert outs[0] == outs[1] == outs[2]
+    for k in (1, 4):
+        assert _engine(model, kernel, k).generate(_engine_prompts(), 7) == reference_tokens, (kernel, k)
 
 
 def test_a_kv_path_is_typed():

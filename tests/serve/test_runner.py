@@ -11,7 +11,7 @@ import pytest
 from surojax.generation.loop import generate
 from surojax.serve.engine import Engine
 from surojax.weights.hf_checkpoint import load_model
-from tests.serve.configs import engine_config
+from tests.serve.configs import BUCKETS, SMALL, engine_config
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
 MAX_TOKENS = 10
@@ -44,8 +44,7 @@ def reference(model):
 
 def test_alone_matches_generate(model, reference):
     ps, ref = reference["alone"]
-    eng = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                                      max_model_len=64))
+    eng = Engine(model, engine_config(**SMALL))
     for p, r in zip(ps, ref):
         assert eng.generate([p], MAX_TOKENS) == [r]
     assert eng.kv.num_free_blocks == eng.kv.num_blocks  # everything freed
@@ -55,7 +54,7 @@ def test_batched_chunked_preempted_matches_generate(model, reference):
     ps, ref = reference["batched"]
     # chunk 8 tokens, 32-token step budget, 16 blocks x 4 slots (< what 8 requests need) -> preemption
     eng = Engine(model, engine_config(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                                      max_model_len=64, chunk_size=8))
+                                      max_model_len=64, chunk_size=8, buckets=BUCKETS))
     assert eng.generate(ps, MAX_TOKENS) == ref
     assert eng.scheduler.num_preemptions > 0
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
@@ -64,8 +63,7 @@ def test_batched_chunked_preempted_matches_generate(model, reference):
 def test_stop_token_and_sampling_runs(model, reference):
     (p,), (ref,) = reference["stop"]
     stop = ref[3]
-    eng = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                                      max_model_len=64))
+    eng = Engine(model, engine_config(**SMALL))
     out = eng.generate([p], MAX_TOKENS, stop_token_ids=(stop,))[0]
     assert out == ref[:ref.index(stop) + 1]
     a = eng.generate([p], MAX_TOKENS, temperature=1.0, top_k=50, seed=7)[0]
@@ -75,14 +73,12 @@ def test_stop_token_and_sampling_runs(model, reference):
 
 def test_prefix_cache_hit_same_tokens(model, reference):
     ps, ref = reference["prefix"]
-    eng = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
-                                      max_model_len=64))
+    eng = Engine(model, engine_config(**SMALL))
     # sequential: the 2nd request onwards hits the system prompt's blocks
     assert [eng.generate([p], MAX_TOKENS)[0] for p in ps] == ref
     assert eng.kv.prefix_cache_hits >= 3 * 16
     # together in one step: later requests hit blocks the first writes in that same step (runner waves)
-    eng2 = Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=128,
-                                       max_model_len=64))
+    eng2 = Engine(model, engine_config(**SMALL))
     assert eng2.generate(ps, MAX_TOKENS) == ref
     assert eng2.kv.prefix_cache_hits >= 3 * 16
     assert eng2.runner.num_deferred >= 3
