@@ -87,6 +87,7 @@ class BenchConfig:
     optimizer: str = "adamw"  # adamw | adamw_8bit
     offload_optimizer: bool = False  # the layers' optimizer state in pinned host memory, updated per layer
     offload_master: bool = False  # full, bf16: the layers' fp32 master in pinned host memory, bf16 copy on device
+    optimizer_layerwise: bool = False  # full: the in-place per-layer update on the device (config optimizer_layerwise)
     task: str = "sft"  # sft: the LM loss on packed rows | dpo: the DPO loss on pairs (`batch` counts pairs)
 
     def check(self) -> None:
@@ -153,7 +154,7 @@ def train_config(bc: BenchConfig) -> TrainConfig:
         lr_scheduler_type="constant", sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
         gradient_accumulation_steps=bc.accum, offload_base_weights=bc.offload_base,
         offload_prefetch=bc.prefetch and bc.offload_base, offload_optimizer=bc.offload_optimizer,
-        offload_master=bc.offload_master, max_steps=STEPS_PLANNED,
+        offload_master=bc.offload_master, optimizer_layerwise=bc.optimizer_layerwise, max_steps=STEPS_PLANNED,
         datasets=[{"path": "synthetic", "type": "text"}])
     if bc.recipe == "fp8_hybrid":
         keys.update(fp8_scaling=bc.fp8_scaling)

@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-master", action="store_true",
                    help="--mode full --recipe bf16: the layers' fp32 master weights in pinned host memory (the "
                         "device trains their bf16 copy; updated per layer, with or without --offload-optimizer)")
+    g.add_argument("--optimizer-layerwise", action="store_true",
+                   help="--mode full: update the layers in place one at a time on the device (optimizer_layerwise)")
     g.add_argument("--lr", type=float, default=2e-4)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quant", default=None, choices=("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"),
@@ -95,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                          seed=args.seed, quant=args.quant, offload_base=args.offload_base, prefetch=args.prefetch,
                          base_format=args.base_format, init=args.init, optimizer=args.optimizer,
                          offload_optimizer=args.offload_optimizer, offload_master=args.offload_master,
+                         optimizer_layerwise=args.optimizer_layerwise,
                          task=args.task)
         bc.check()
     except ValueError as e:

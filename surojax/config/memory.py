@@ -34,6 +34,12 @@ class MemorySection(StrictModel):
     offload_master: bool = False
     """Full fine-tuning, bf16 recipe: keep the decoder layers' fp32 master weights in host memory (the device keeps
     their bf16 copy; updated layer by layer, with or without offload_optimizer)."""
+    optimizer_layerwise: bool = False
+    """Full fine-tuning on one device or pure data parallelism: update the decoder layers' weights and optimizer
+    state in place, one layer at a time, on the device. The whole-tree update holds several gradient-sized
+    temporaries at once (~40 bytes per parameter with adamw_8bit: Qwen3-8B full fine-tuning needs it to fit one
+    H200). Same update; the optimizer state is stored per layer, so a checkpoint resumes only with the same
+    setting. Not with LoRA, auto_lr_reduction, zero_stage 1-3 or fsdp / tensor / expert / stage splits."""
     offload_grads: bool = False
 
     @field_validator("unroll_layers")

@@ -148,7 +148,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
             "the plain layer loop: drop one of the two")
 
     # --- adaptive training
-    for k in ("offload_optimizer", "offload_master"):
+    for k in ("offload_optimizer", "offload_master", "optimizer_layerwise"):
         if cfg.auto_lr_reduction and getattr(cfg, k):
             add(("auto_lr_reduction", k), f"the loss guard's learning-rate cuts and skipped steps are not available "
                 f"with {k} (its update runs in place, layer by layer); drop one of the two")
@@ -262,6 +262,17 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         add(("zero_stage", "parallel"), f"{stage} keeps the parameters whole on every data-parallel "
             f"device, but parallel.fsdp = {cfg.parallel.fsdp} shards them (that is ZeRO-3): set zero_stage: 3, or "
             "parallel.fsdp: 1 (and the devices on parallel.data)")
+    if cfg.optimizer_layerwise:
+        if cfg.lora:
+            add(("optimizer_layerwise", "lora"), "updates full fine-tuning's stacked layers in place; LoRA's "
+                "adapters are small enough for the whole-tree update: drop optimizer_layerwise")
+        split = {a: getattr(cfg.parallel, a) for a in ("fsdp", "tensor", "expert", "stage")
+                 if getattr(cfg.parallel, a, 1) != 1}
+        if split or stage in (1, 2, 3):
+            add(("optimizer_layerwise", "zero_stage" if stage in (1, 2, 3) else "parallel"), "updates whole "
+                "layers in place on every device; "
+                + (f"parallel {split} splits them" if split else f"zero_stage {stage} shards the state")
+                + ": drop optimizer_layerwise (or use pure data parallelism)")
     for k in ("offload_optimizer", "offload_master"):
         if stage in (1, 2) and getattr(cfg, k):
             add(("zero_stage", k), f"{stage} shards the optimizer state over the data devices; {k} keeps "

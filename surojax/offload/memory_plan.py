@@ -320,6 +320,8 @@ def fitting_options(plan: MemoryPlan, capacity: int, *, offload_available: Itera
     if s["mode"] == "full":
         consider(f"lora: true (rank {s['rank'] or 16}) instead of full fine-tuning", mode="lora", rank=s["rank"] or 16)
     avail = set(offload_available)
+    if s["mode"] == "full" and not (s["layerwise_update"] or s["offload_optimizer"] or s["offload_master"]):
+        consider("optimizer_layerwise: true", layerwise_update=True)
     if s["mode"] == "full":
         if not (s["recipe"] == "bf16" and s["master_dtype"] == "fp32"):
             avail.discard("offload_master")  # only the bf16 recipe keeps an fp32 master apart from its compute copy

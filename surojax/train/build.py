@@ -44,7 +44,7 @@ from surojax.parallel.zero import ZeroLayout, ZeroStageError, plan_divisors, res
 from surojax.peft.trained_router import make_router_trainable
 from surojax.train.model_setup import build_model, fp8_delayed_update, step_prepare, trainable_filter
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
-from surojax.train.run_spec import MoETraining, RunSpec
+from surojax.train.run_spec import MoETraining, RunSpec, TrainSetupError
 from surojax.train.step import StepShardings, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -243,12 +243,17 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
 
 
 def layerwise_update(spec: RunSpec, mesh, stage: int) -> bool:
-    """Full fine-tuning updates its layers in place, one at a time (build_optimizer's `layerwise_update`), where
-    the parameters and state are whole on every device (ZeRO stage 0, no fsdp / tensor / expert / stage split) and
-    no loss guard scales the update (the in-place form takes no lr_scale)."""
-    one_device = mesh is None  # (the memory plan of one device)
-    return (spec.lora is None and not spec.optim.loss_guard and stage == 0
-            and (one_device or (plans_one_device(mesh) and pipeline_stages(mesh) == 1)))
+    """`optimizer_layerwise: true`: full fine-tuning updates its layers in place, one at a time (build_optimizer's
+    `layerwise_update`). The config check refuses it with LoRA, the loss guard (the in-place form takes no
+    lr_scale), ZeRO stages 1-3 and parameter splits; a mesh that still splits the parameters is refused here.
+    Opt-in, not automatic: the optimizer state's layout follows it, and a checkpoint must restore on any mesh."""
+    if not spec.memory.optimizer_layerwise:
+        return False
+    if spec.lora is not None or spec.optim.loss_guard or stage != 0 or (
+            mesh is not None and not (plans_one_device(mesh) and pipeline_stages(mesh) == 1)):
+        raise TrainSetupError("optimizer_layerwise: the in-place per-layer update needs full fine-tuning, no "
+                              "auto_lr_reduction, zero_stage 0 and parameters whole on every device")
+    return True
 
 
 def _step_shardings(zero: ZeroLayout, opt_state) -> StepShardings | None:

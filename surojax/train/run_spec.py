@@ -111,6 +111,7 @@ class MemorySpec:
     offload_prefetch: bool = False
     offload_optimizer: bool = False
     offload_master: bool = False
+    optimizer_layerwise: bool = False  # full fine-tuning's in-place per-layer update on the device
 
     @property
     def host_memory(self) -> bool:
@@ -251,7 +252,8 @@ def quant_spec(cfg: TrainConfig) -> QuantSpec | None:
 def memory_spec(cfg: TrainConfig) -> MemorySpec:
     return MemorySpec(recompute=cfg.recompute, unroll=cfg.unroll_layers, lmhead_chunks=cfg.lmhead_chunks,
                       offload_base=cfg.offload_base_weights, offload_prefetch=cfg.offload_prefetch,
-                      offload_optimizer=cfg.offload_optimizer, offload_master=cfg.offload_master)
+                      offload_optimizer=cfg.offload_optimizer, offload_master=cfg.offload_master,
+                      optimizer_layerwise=cfg.optimizer_layerwise)
 
 
 def optim_spec(cfg: TrainConfig, total_steps: int) -> OptimSpec:

@@ -354,3 +354,13 @@ def test_from_scratch_model_needs_config_json(tmp_path):
 
 def test_schema_does_not_check_paths():
     assert isinstance(config_from_dict({"model": "/does/not/exist", "datasets": [{"path": "/nope"}]}), TrainConfig)
+
+
+def test_optimizer_layerwise_is_refused_where_the_in_place_update_cannot_run():
+    """optimizer_layerwise (full fine-tuning's in-place per-layer update) is read for full fine-tuning and refused
+    with LoRA, with the loss guard's learning-rate cuts and with a parameter split, naming the keys."""
+    assert config_from_dict({**BASE, "lora": False, "optimizer_layerwise": True}).optimizer_layerwise
+    for extra, keys in (({"lora": True}, "lora"), ({"lora": False, "auto_lr_reduction": True}, "auto_lr_reduction"),
+                        ({"lora": False, "parallel": {"fsdp": 2}}, "parallel")):
+        err = str(errors_of({"optimizer_layerwise": True, **extra}))
+        assert "optimizer_layerwise" in err and keys in err.lower(), err

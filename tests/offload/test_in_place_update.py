@@ -134,12 +134,12 @@ def test_step_temporaries_grow_by_one_gradient_per_layer(master, limit):
 
 
 def test_full_fine_tune_adamw_8bit_step_holds_one_gradient_copy_per_layer():
-    """Issue 19: full fine-tuning on one device updates its layers in place (build.layerwise_update), and
+    """Issue 19: full fine-tuning with optimizer_layerwise updates its layers in place (build.layerwise_update), and
     adamw_8bit quantises large tensors chunk by chunk. XLA's temporaries then grow by the fp32 gradients per layer
     parameter (4 bytes; the CPU backend adds a broadcast of the divisor, ~1.5-3) instead of the whole-tree update's
     ~40 bytes (measured at Qwen3-8B widths: 7.35 GiB per 0.19 G-parameter layer before, 1.2 after)."""
     bc = BenchConfig(shape="qwen3-0.6b", mode="full", optimizer="adamw_8bit", batch=1, seq=256, recompute="full",
-                     segments=1)
+                     segments=1, optimizer_layerwise=True)
     a, b = (step_memory(bc, layers=n)["temp"] for n in (1, 3))
     cfg = model_config("qwen3-0.6b")
     embed = 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size if not cfg.tie_word_embeddings else \
