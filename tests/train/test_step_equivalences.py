@@ -59,7 +59,9 @@ def test_accumulation_is_a_token_mean_not_a_mean_of_micro_batch_means():
     batch = _stack(rows)
     _, _, m = _grads_and_update({k: v.reshape(2, 2, 16) for k, v in batch.items()}, optax.sgd(0.0))
     model = Decoder(CFG, rngs=nnx.Rngs(0))
-    total, count = lm_loss(model, {k: jnp.asarray(v) for k, v in batch.items()})[0], batch["loss_mask"].sum()
+    # the whole batch's summed loss in one jitted call (not eager op-by-op), divided by its token count here
+    total = nnx.jit(lambda m, b: lm_loss(m, b)[0])(model, {k: jnp.asarray(v) for k, v in batch.items()})
+    count = batch["loss_mask"].sum()
     np.testing.assert_allclose(float(m["loss"]), float(total) / count, rtol=1e-6)
 
 
