@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AbstractMesh, PartitionSpec as P  # noqa: E402
 
-from tests.parallel.virtual_devices import check_passed, print_results, run_child  # noqa: E402
+from tests.parallel.virtual_devices import check_passed, print_results, shared_child_results  # noqa: E402
 from surojax.models.config import ModelConfig, MoEConfig  # noqa: E402
 from surojax.models.decoder import Decoder  # noqa: E402
 from surojax.models.layers.moe import MoE  # noqa: E402
@@ -192,8 +192,8 @@ def check_capacity_is_per_expert_group():
 
 
 @pytest.fixture(scope="module")
-def child_results() -> dict[str, str]:
-    return run_child(__file__, devices=8, label="expert-parallel")
+def child_results(tmp_path_factory) -> dict[str, str]:
+    return shared_child_results(tmp_path_factory, __file__, devices=8)  # one 8-device child for 3 modules
 
 
 @pytest.mark.parametrize("name", list(CHILD_CHECKS))

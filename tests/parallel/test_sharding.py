@@ -1,9 +1,9 @@
 """Sharding by the rules table: mesh sizes, partition specs, and sharded == unsharded numerics.
 
 The mesh arithmetic and spec resolution run in this process (pure functions; an AbstractMesh needs no
-devices). Everything that needs 8 devices runs once in a child process that this file starts on itself
-with XLA_FLAGS=--xla_force_host_platform_device_count=8: JAX reads that flag when its backend starts, so
-setting it here could not work once any other test has touched JAX, and would leak into other tests.
+devices). Everything that needs 8 devices runs once in a child process (one for this module, test_zero and
+test_expert_parallel: virtual_devices.shared_child_results) started with
+XLA_FLAGS=--xla_force_host_platform_device_count=8: JAX reads that flag when its backend starts, so setting it here could not work once any other test has touched JAX, and would leak into other tests.
 The child runs every `@child_check` and reports each result; one pytest case per check reads it.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AbstractMesh, PartitionSpec as P  # noqa: E402
 
-from tests.parallel.virtual_devices import check_passed, print_results, run_child  # noqa: E402
+from tests.parallel.virtual_devices import check_passed, print_results, shared_child_results  # noqa: E402
 from surojax.parallel.mesh import MeshError, make_mesh, mesh_shape  # noqa: E402
 from surojax.parallel.rules import ACTIVATION_RULES, PARAM_RULES, partition_spec  # noqa: E402
 
@@ -276,8 +276,8 @@ def check_init_sharded():
 
 
 @pytest.fixture(scope="module")
-def child_results() -> dict[str, str]:
-    return run_child(__file__, devices=8, label="sharding")
+def child_results(tmp_path_factory) -> dict[str, str]:
+    return shared_child_results(tmp_path_factory, __file__, devices=8)  # one 8-device child for 3 modules
 
 
 @pytest.mark.parametrize("name", list(CHILD_CHECKS))

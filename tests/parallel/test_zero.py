@@ -19,7 +19,7 @@ if ROOT not in sys.path:  # the child runs this file as a script
 
 import numpy as np  # noqa: E402
 
-from tests.parallel.virtual_devices import check_passed, print_results, run_child  # noqa: E402
+from tests.parallel.virtual_devices import check_passed, print_results, shared_child_results  # noqa: E402
 from surojax.config.errors import ConfigError  # noqa: E402
 from surojax.config.load import config_from_dict  # noqa: E402
 from surojax.models.config import ModelConfig  # noqa: E402
@@ -217,8 +217,8 @@ def check_8bit_adamw_state_splits_its_blocks():
 
 
 @pytest.fixture(scope="module")
-def child_results() -> dict[str, str]:
-    return run_child(__file__, devices=8, label="zero")
+def child_results(tmp_path_factory) -> dict[str, str]:
+    return shared_child_results(tmp_path_factory, __file__, devices=8)  # one 8-device child for 3 modules
 
 
 @pytest.mark.parametrize("name", list(CHILD_CHECKS))

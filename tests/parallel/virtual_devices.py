@@ -3,6 +3,10 @@
 check of its CHECKS table and prints the results as one JSON line; the parent fails each parametrized case with
 its check's traceback. One start-up (and one set of compiles) per module instead of one per check.
 
+Modules of one device count can share ONE child (SHARED): `shared_child_results` runs the checks of all of them
+in one process, once per pytest run (under xdist the workers share it through a locked file), and hands each
+module its own {check: result}, so every check still passes or fails under its own test name.
+
     CHECKS = {"name": fn, ...}
 
     @pytest.fixture(scope="module")
@@ -14,6 +18,8 @@ its check's traceback. One start-up (and one set of compiles) per module instead
 """
 from __future__ import annotations
 
+import fcntl
+import importlib
 import json
 import os
 import re
@@ -46,16 +52,51 @@ def child_env(devices: int, extra: Mapping[str, str] | None = None) -> dict[str,
     return env
 
 
+def _child(argv: list[str], *, devices: int, label: str, env: Mapping[str, str] | None, timeout: float) -> dict:
+    """Run `argv` (after the interpreter) in a child with `devices` devices -> its printed results, or
+    {"error": message} when it dies or prints none."""
+    proc = subprocess.run([sys.executable, *argv], env=child_env(devices, env), capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
+    if proc.returncode or not lines:
+        return {"error": f"{label} child failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"}
+    return {"results": json.loads(lines[-1][len(MARKER):])}
+
+
 def run_child(script: str, *, devices: int, label: str, env: Mapping[str, str] | None = None,
               timeout: float = 600) -> dict[str, str]:
     """Run `script` in a child with `devices` devices -> {check name: "ok" or its traceback}; a child that dies or
     prints no results fails the calling fixture with its output."""
-    proc = subprocess.run([sys.executable, os.path.abspath(script)], env=child_env(devices, env), capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
-    if proc.returncode or not lines:
-        pytest.fail(f"{label} child failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(MARKER):])
+    out = _child([os.path.abspath(script)], devices=devices, label=label, env=env, timeout=timeout)
+    if "error" in out:
+        pytest.fail(out["error"])
+    return out["results"]
+
+
+# device count -> the test modules whose CHECKS run in one shared child of that many devices
+SHARED = {8: ("tests.parallel.test_sharding", "tests.parallel.test_zero", "tests.parallel.test_expert_parallel")}
+
+
+def shared_child_results(tmp_path_factory: pytest.TempPathFactory, module_file: str, devices: int,
+                         timeout: float = 900) -> dict[str, str]:
+    """{check name: "ok" or its traceback} of `module_file`'s CHECKS, from the one child (per pytest run) that runs
+    the CHECKS of every module in SHARED[devices]. The first module to ask starts it; under xdist the others (in
+    any worker) wait on a lock and read its results from a file in the run's shared temporary directory. A child
+    that dies fails every module's fixture with its output."""
+    base, run_id = tmp_path_factory.getbasetemp(), os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id:  # xdist: each worker's basetemp is a folder of this run's shared one
+        base = base.parent
+    path = base / f"virtual-devices-{devices}-{run_id or 'local'}.json"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            out = _child([os.path.abspath(__file__), str(devices)], devices=devices,
+                         label=f"shared {devices}-device", env=None, timeout=timeout)
+            path.write_text(json.dumps(out))
+        out = json.loads(path.read_text())
+    if "error" in out:
+        pytest.fail(out["error"])
+    return out["results"][Path(module_file).stem]
 
 
 def run_checks(checks: Mapping[str, Callable[[], None]], devices: int) -> dict[str, str]:
@@ -80,3 +121,18 @@ def print_results(checks: Mapping[str, Callable[[], None]], devices: int) -> Non
 def check_passed(results: Mapping[str, str], name: str, where: str) -> None:
     if results[name] != "ok":
         pytest.fail(f"{name} failed on {where}:\n{results[name]}", pytrace=False)
+
+
+def run_shared(devices: int) -> None:
+    """In the shared child: every module's checks, one JSON line {module stem: {check: result}}."""
+    results = {}
+    for name in SHARED[devices]:
+        module = importlib.import_module(name)
+        results[name.rsplit(".", 1)[-1]] = run_checks(module.CHILD_CHECKS, devices)
+    print(MARKER + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    run_shared(int(sys.argv[1]))

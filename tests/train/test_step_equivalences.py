@@ -59,7 +59,9 @@ def test_accumulation_is_a_token_mean_not_a_mean_of_micro_batch_means():
     batch = _stack(rows)
     _, _, m = _grads_and_update({k: v.reshape(2, 2, 16) for k, v in batch.items()}, optax.sgd(0.0))
     model = Decoder(CFG, rngs=nnx.Rngs(0))
-    total, count = lm_loss(model, {k: jnp.asarray(v) for k, v in batch.items()})[0], batch["loss_mask"].sum()
+    # the whole batch's summed loss in one jitted call (not eager op-by-op), divided by its token count here
+    total = nnx.jit(lambda m, b: lm_loss(m, b)[0])(model, {k: jnp.asarray(v) for k, v in batch.items()})
+    count = batch["loss_mask"].sum()
     np.testing.assert_allclose(float(m["loss"]), float(total) / count, rtol=1e-6)
 
 
@@ -79,16 +81,18 @@ def test_packed_row_loss_and_grads_equal_unpacked_rows():
     model = Decoder(CFG, rngs=nnx.Rngs(0))
 
     def loss(m, b):
-        s, aux = lm_loss(m, {k: jnp.asarray(v) for k, v in b.items()})
+        s, aux = lm_loss(m, b)
         return s, aux["tokens"]
 
-    s_u, n_u = loss(model, unpacked)
-    s_p, n_p = loss(model, packed)
+    # one jitted loss-and-gradient program per batch shape (eager op-by-op dispatch compiled every op alone)
+    loss_and_grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+    (s_u, n_u), g_u = loss_and_grad(model, {k: jnp.asarray(v) for k, v in unpacked.items()})
+    (s_p, n_p), g_p = loss_and_grad(model, {k: jnp.asarray(v) for k, v in packed.items()})
     assert float(n_u) == float(n_p)
     np.testing.assert_allclose(float(s_p), float(s_u), rtol=1e-6)
-    grad = lambda b: nnx.grad(lambda m: loss(m, b)[0])(model)
-    for a, b in zip(jax.tree.leaves(grad(unpacked)), jax.tree.leaves(grad(packed))):
+    for a, b in zip(jax.tree.leaves(g_u), jax.tree.leaves(g_p)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g_u)) > 1e-3
 
 
 def test_unrolled_layer_loop_equals_the_rolled_scan():
