@@ -81,6 +81,12 @@ from surojax.offload.prefetch import PREFETCH_DEPTH
 GiB = 1024 ** 3
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPT_BYTES = {"adamw": 8, "adamw_8bit": 2, "normuon": 4}
+# the whole-tree update's temporaries beyond the fp32 gradients, per trainable parameter: adamw_8bit dequantises
+# every moment to fp32 and quantises the new ones at once (XLA's buffer figures of the compiled full fine-tuning
+# step between 2 and 4 layers: 23.1 bytes per layer parameter against adamw's 8.0 = accumulator + gradients;
+# Qwen3-8B full fine-tuning ran out of memory on the H200 at a 135 GiB allocation, where the plan said 117).
+# The in-place per-layer update (optimizer_layerwise, offload_*) holds one layer's.
+_UPDATE_TEMP_BYTES = {"adamw_8bit": 15}
 _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _FIXED_WORKSPACE = GiB // 2
 _UNMODELLED = 0.10
@@ -246,7 +252,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     if not lora and (offload_optimizer or offload_master or layerwise_update):  # the in-place per-layer update
         gradients = (trainable * 4 if accum > 1 else 0) + grad_bytes + embed_params * 4
     else:
-        gradients = trainable * 4 + grad_bytes
+        gradients = trainable * 4 + grad_bytes + trainable * _UPDATE_TEMP_BYTES.get(optimizer, 0)
     opt_b = _OPT_BYTES.get(optimizer, 8)
     host = L * layer_params * 4 if (offload_master and not lora) else 0
     if offload_optimizer:  # two layers' state in flight; the embedding / head / final norm state stays
