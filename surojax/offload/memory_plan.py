@@ -23,10 +23,10 @@ the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`)
                  accumulator only when `accum` > 1 (one micro-batch's gradients are used as they are), plus one
                  fp32 copy of the params outside the layers (their whole-tree update: embedding, head);
                  checked against XLA's compiled buffer assignment (surojax/bench/step_memory.py, Qwen3-8B at 4
-                 and 8 layers scaled to 36: tests/offload/test_in_place_update.py). Full fine-tuning on one
-                 replicated device set (`layerwise_update`, build.layerwise_update) runs the same in-place update
-                 with everything on the device: the same gradient figure (the whole-tree update it replaces held
-                 ~40 bytes per parameter of temporaries with adamw_8bit, issue 19)
+                 and 8 layers scaled to 36: tests/offload/test_in_place_update.py). Full fine-tuning with
+                 `optimizer_layerwise` (`layerwise_update` here) runs the same in-place update with everything
+                 on the device: the same gradient figure. The whole-tree update adds its temporaries
+                 (`_UPDATE_TEMP_BYTES`: adamw_8bit's fp32 moments of every tensor at once)
     host         (not a device component, not in the total) pinned host memory this plan puts there: the
                  layers' fp32 master (`offload_master`) and optimizer state (`offload_optimizer`)
     optimizer    AdamW: 2 fp32 moments per trainable param (adamw_8bit: 2 bytes, normuon: 4); with

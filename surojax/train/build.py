@@ -108,8 +108,7 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
                        master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
                        lora_dtype="fp32" if spec.precision.adapter == jax.numpy.float32 else "bf16",
                        prefetch=mem.offload_prefetch, accum=spec.batch.accumulation,
-                       layerwise_update=layerwise_update(spec, mesh, resolve_zero_stage(spec.zero_stage, mesh))
-                       if mesh is not None else layerwise_update(spec, None, 0), **divisors)
+                       layerwise_update=mem.optimizer_layerwise, **divisors)
 
 
 def resolve_layer_loop(spec: RunSpec, chunk: int, mesh=None) -> tuple[RunSpec, LayerLoopChoice]:

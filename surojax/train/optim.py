@@ -71,7 +71,7 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
     offload_master: the layers' fp32 master weights kept in the state, in pinned host memory, updated in the same
     per-layer loop; the params then hold the layers' compute copy (apply with `apply_master_updates`).
     layerwise_update: the same clipped, per-layer in-place update (`update_and_apply`) with everything on the device
-    (full fine-tuning on one replicated device set: what the trainer builds there). The whole-tree update holds
+    (the config key optimizer_layerwise: full fine-tuning with the parameters whole on every device). The whole-tree update holds
     several gradient-sized temporaries at once (grads / denom, clipped grads, updates, and adamw_8bit's dequantised
     moments and quantisation indices: ~40 bytes per layer parameter measured, issue 19); per layer, one layer's.
     The state is then a LayerwiseState (the layers' state stacked per layer + the other params' state)."""

@@ -34,7 +34,7 @@ import optax
 BLOCK_SIZE = 256  # bitsandbytes' block for the 8-bit optimizers
 MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit state
 # blocks one pass of the update reads at a time: a larger tensor's moments are dequantised, updated and quantised
-# chunk by chunk (lax.map), so its fp32 moments and quantisation indices exist for 2^16 blocks (16.8M values) at
+# chunk by chunk (lax.map), so its fp32 moments and quantisation indices exist for 2^18 blocks (67M values) at
 # a time instead of for the whole tensor (a [V, D] embedding: ~30 bytes per value of temporaries otherwise, issue 19)
 CHUNK_BLOCKS = 1 << 18
 
@@ -181,26 +181,22 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             return d, _quantize_blocks(m, SIGNED_MAP), _quantize_blocks(v, UNSIGNED_MAP)
 
         def leaf(g, m_s, v_s):
-            q = is_q(m_s)
-            if not q or m_s.codes.shape[0] <= CHUNK_BLOCKS:  # the whole tensor at once
-                m = dequantize_blockwise(m_s, SIGNED_MAP, g.shape) if q else m_s
-                v = dequantize_blockwise(v_s, UNSIGNED_MAP, g.shape) if q else v_s
-                d, m, v = moments(g.astype(jnp.float32), m, v)
-                if q:
-                    m, v = _quantize_blocks(_blocks(m, block_size), SIGNED_MAP), \
-                        _quantize_blocks(_blocks(v, block_size), UNSIGNED_MAP)
+            if not is_q(m_s):  # fp32 moments
+                d, m, v = moments(g.astype(jnp.float32), m_s, v_s)
                 return d.astype(g.dtype), m, v
-            # chunks of CHUNK_BLOCKS blocks, one at a time: per block, the same values as the whole tensor at once
-            # (the padding of the last block, and the zero blocks padding the last chunk, are zeros in g and in the
-            # moments: 0 is a code of both maps, so they stay 0 and leave every absmax as it is); the division and
-            # the square root may round 1 ulp apart from the whole-tensor form where XLA vectorises them otherwise
             g_b = _blocks(g, block_size)  # [n_blocks, block]
             n_blocks = g_b.shape[0]
-            pad = (-n_blocks) % CHUNK_BLOCKS
-            chunked = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(  # noqa: E731
-                -1, CHUNK_BLOCKS, *x.shape[1:])  # [n_chunks, CHUNK_BLOCKS, ...]
-            d, m, v = jax.lax.map(blocks_update, jax.tree.map(chunked, (g_b, m_s, v_s)))
-            d, m, v = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:n_blocks], (d, m, v))
+            if n_blocks <= CHUNK_BLOCKS:  # the whole tensor at once
+                d, m, v = blocks_update((g_b, m_s, v_s))
+            else:
+                # chunks of CHUNK_BLOCKS blocks, one at a time: per block, the same values as the whole tensor at
+                # once (the padding of the last block, and the zero blocks padding the last chunk, are zeros in g
+                # and in the moments: 0 is a code of both maps, so they stay 0 and leave every absmax as it is)
+                pad = (-n_blocks) % CHUNK_BLOCKS
+                chunked = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(  # noqa: E731
+                    -1, CHUNK_BLOCKS, *x.shape[1:])  # [n_chunks, CHUNK_BLOCKS, ...]
+                d, m, v = jax.lax.map(blocks_update, jax.tree.map(chunked, (g_b, m_s, v_s)))
+                d, m, v = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:n_blocks], (d, m, v))
             return d.reshape(-1)[:g.size].reshape(g.shape).astype(g.dtype), m, v
 
         out = jax.tree.map(leaf, updates, state.mu, state.nu, is_leaf=is_q)

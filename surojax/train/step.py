@@ -66,7 +66,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     An optimizer with `update_and_apply` (offload_optimizer / offload_master, and full fine-tuning's on-device
     `layerwise_update`: surojax/offload/optimizer.py) is given the gradient sums and their divisor and returns the
     new params itself (one layer at a time, in place); it takes no lr_scale (the config check refuses
-    auto_lr_reduction with offload_optimizer / offload_master; build_run updates whole-tree under the loss guard).
+    auto_lr_reduction with offload_optimizer / offload_master / optimizer_layerwise).
     `shardings` (ZeRO-1/2): the layouts the step constrains its gradients, update and outputs to; None: they
     follow the parameters (GSPMD propagation).
     `fp8_delayed` (a surojax.precision.fp8_delayed.DelayedScalingUpdate; fp8_scaling: delayed): the trainable
