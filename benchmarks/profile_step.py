@@ -57,13 +57,15 @@ def main():
     p.add_argument("--prefetch", action="store_true", help="with --offload-base: offload_prefetch")
     p.add_argument("--init", default="jit", help="jit | host (random weights placed from the host)")
     p.add_argument("--optimizer", default="adamw", help="adamw | adamw_8bit")
+    p.add_argument("--optimizer-layerwise", action="store_true", help="full: the in-place per-layer update")
     p.add_argument("--recipe", default="bf16", help="bf16 | fp8_hybrid | nvfp4")
     p.add_argument("--fp8-scaling", default="current", help="with --recipe fp8_hybrid: current | delayed | blockwise")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/surojax-profile"))
     a = p.parse_args()
     bc = BenchConfig(shape=a.shape, mode=a.mode, batch=a.batch, seq=a.seq, recompute=a.recompute,
                      attention=a.attention, lmhead_chunks=a.lmhead_chunks, offload_base=a.offload_base,
-                     prefetch=a.prefetch, init=a.init, optimizer=a.optimizer, recipe=a.recipe, fp8_scaling=a.fp8_scaling,
+                     prefetch=a.prefetch, init=a.init, optimizer=a.optimizer,
+                     optimizer_layerwise=a.optimizer_layerwise, recipe=a.recipe, fp8_scaling=a.fp8_scaling,
                      unroll_layers=True if a.unroll_layers == "all" else int(a.unroll_layers))
     setup = build(bc)
     host, _ = synthetic_batch(np.random.default_rng(0), 1, a.batch, a.seq, setup.model_config.vocab_size, 4, 64)
