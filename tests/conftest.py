@@ -1,4 +1,5 @@
-"""Suite-wide: the slowest test modules run first (tests/module_seconds.txt, written by scripts/module_seconds.py).
+"""Suite-wide: the slowest test modules run first (tests/module_seconds.txt, written by scripts/module_seconds.py),
+and the garbage collector is tuned for tracing (pytest_configure).
 
 scripts/test.sh runs `pytest -n 2 --dist loadfile --no-loadscope-reorder`: xdist hands whole modules to the two
 workers in collection order, so ordering the slowest first lets the short ones fill in at the end (longest
@@ -7,6 +8,7 @@ changes; a module missing from the list keeps its place after the listed ones.
 """
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 SECONDS_FILE = Path(__file__).with_name("module_seconds.txt")
@@ -21,6 +23,17 @@ def _module_seconds() -> dict[str, float]:
             seconds, module = line.split(maxsplit=1)
             out[module] = float(seconds)
     return out
+
+
+def pytest_configure(config):
+    """Python's cyclic garbage collector, tuned for tracing: JAX's tracing and lowering allocate millions of short-lived
+    objects, and with the default thresholds (700, 10, 10) the collector keeps re-walking every module the suite has
+    imported. Frozen after start-up (those objects leave the collected generations) and collected less often, the
+    suite spends ~10% less CPU (measured on test_step_equivalences + test_grpo_loss: 47.9 -> 42.9 s). Only when
+    the collector runs changes; what it frees does not."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 def pytest_collection_modifyitems(config, items):
