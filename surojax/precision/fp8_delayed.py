@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from surojax.precision.fp8_matmul import _NN, _NT, _TN, _flat, _scaled_dot
-from surojax.precision.fp8_scaling import (E4M3, E5M2, amax, dequant_factor, quantize, roll_amax_history,
-                                           scale_from_amax)
+from surojax.precision.fp8_matmul import _NN, _NT, _flat, _scaled_dot
+from surojax.precision.fp8_scaling import (E4M3, E5M2, amax, dequant_factor, quantize, quantize_both,
+                                           roll_amax_history, scale_from_amax)
 
 ROLES = ("x", "w", "dy")
 FORMAT_MAX = (448.0, 448.0, 57344.0)  # E4M3, E4M3, E5M2
@@ -74,20 +74,22 @@ def _delayed_fwd(x, w, scale, probe):
     del probe
     dtype, x2 = x.dtype, _flat(x)
     d = jnp.stack([_factor(x2, scale[0], 0, dtype), _factor(w, scale[1], 1, dtype)])  # [2]: x, W (dy: backward)
-    x_q, w_q = quantize(x2, d[0], E4M3), quantize(w, d[1], E4M3)
-    y = _scaled_dot(x_q, d[0], w_q, d[1], _NN, dtype)
-    res = (x_q, w_q, d, scale[2], amax(x2), amax(w), jnp.zeros((), w.dtype))
+    # both layouts and the amax in one pass per tensor (fp8_matmul's fp8_dot says which GEMM reads which)
+    x_q, x_qt, amax_x = quantize_both(x2, d[0], E4M3)
+    w_q, w_qt, amax_w = quantize_both(w, d[1], E4M3)
+    y = _scaled_dot(x_q, d[0], w_qt, d[1], _NT, dtype)
+    res = (x_qt, w_q, d, scale[2], amax_x, amax_w, jnp.zeros((), w.dtype))
     return y.reshape(*x.shape[:-1], w.shape[-1]), res
 
 
 def _delayed_bwd(res, g):
-    x_q, w_q, d, scale_g, amax_x, amax_w, w_dtype = res
+    x_qt, w_q, d, scale_g, amax_x, amax_w, w_dtype = res
     dtype, g2 = g.dtype, _flat(g)
     d_g = _factor(g2, scale_g, 2, dtype)
-    g_q = quantize(g2, d_g, E5M2)
+    g_q, g_qt, amax_g = quantize_both(g2, d_g, E5M2)
     dx = _scaled_dot(g_q, d_g, w_q, d[1], _NT, dtype)
-    dw = _scaled_dot(x_q, d[0], g_q, d_g, _TN, dtype)
-    observed = jnp.stack([amax_x, amax_w, amax(g2)])
+    dw = _scaled_dot(x_qt, d[0], g_qt, d_g, _NT, dtype)
+    observed = jnp.stack([amax_x, amax_w, amax_g])
     return (dx.reshape(*g.shape[:-1], w_q.shape[0]), dw.astype(w_dtype.dtype), jnp.zeros((3,), jnp.float32),
             observed)
 

@@ -36,7 +36,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from surojax.precision.fp8_scaling import E4M3, E5M2, dequantize, quantize_current
+from surojax.precision.fp8_scaling import (E4M3, E5M2, amax, dequant_factor, dequantize, quantize_both,
+                                           quantize_current, scale_from_amax, spec)
 
 MARGIN = 0  # 2^-margin headroom in the scale (Transformer Engine's default)
 
@@ -76,7 +77,6 @@ def _scaled_dot(a_q, a_d, b_q, b_d, dims, dtype):
 
 _NN = ((1,), (0,))  # [M, K] @ [K, N]
 _NT = ((1,), (1,))  # dy [M, N] @ w [K, N]^T -> [M, K]
-_TN = ((0,), (0,))  # x [M, K]^T @ dy [M, N] -> [K, N]
 
 
 def _flat(x):
@@ -89,6 +89,17 @@ def _backward_dx(g2, w_q, w_d, dtype):
 
 
 # ---- trainable weight: both operands quantised every step -----------------------------------------------------
+# Hopper's FP8 GEMMs take both operands K-major, so each tensor is quantised into both layouts at once
+# (`quantize_both`: one pass on a GPU): x [M, K] for the forward and x^T [K, M] for dW, W^T [N, K] for the forward
+# and W [K, N] for dx, dy [M, N] for dx and dy^T [N, M] for dW. Every GEMM below then contracts the minor
+# dimension of both operands (_NT) and XLA has nothing left to transpose.
+
+def _current_both(t, dtype, compute_dtype):
+    """Current scaling: (q, q^T, d) from t's own amax."""
+    d = dequant_factor(scale_from_amax(amax(t), spec(dtype).max, margin=MARGIN), compute_dtype)
+    q, qt, _ = quantize_both(t, d, dtype)
+    return q, qt, d
+
 
 @jax.custom_vjp
 def fp8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -98,18 +109,18 @@ def fp8_dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _fp8_dot_fwd(x, w):
     dtype = x.dtype
-    x2 = _flat(x)
-    x_q, x_d = quantize_current(x2, E4M3, dtype, MARGIN)
-    w_q, w_d = quantize_current(w, E4M3, dtype, MARGIN)
-    y = _scaled_dot(x_q, x_d, w_q, w_d, _NN, dtype)
-    return y.reshape(*x.shape[:-1], w.shape[-1]), (x_q, x_d, w_q, w_d, jnp.zeros((), w.dtype))
+    x_q, x_qt, x_d = _current_both(_flat(x), E4M3, dtype)
+    w_q, w_qt, w_d = _current_both(w, E4M3, dtype)
+    y = _scaled_dot(x_q, x_d, w_qt, w_d, _NT, dtype)
+    return y.reshape(*x.shape[:-1], w.shape[-1]), (x_qt, x_d, w_q, w_d, jnp.zeros((), w.dtype))
 
 
 def _fp8_dot_bwd(res, g):
-    x_q, x_d, w_q, w_d, w_dtype = res  # w_dtype: a scalar carrying the weight's dtype (fp32 master or bf16)
+    x_qt, x_d, w_q, w_d, w_dtype = res  # w_dtype: a scalar carrying the weight's dtype (fp32 master or bf16)
     dtype = g.dtype
-    dx, (g_q, g_d) = _backward_dx(_flat(g), w_q, w_d, dtype)
-    dw = _scaled_dot(x_q, x_d, g_q, g_d, _TN, dtype)
+    g_q, g_qt, g_d = _current_both(_flat(g), E5M2, dtype)
+    dx = _scaled_dot(g_q, g_d, w_q, w_d, _NT, dtype)
+    dw = _scaled_dot(x_qt, x_d, g_qt, g_d, _NT, dtype)
     return dx.reshape(*g.shape[:-1], w_q.shape[0]), dw.astype(w_dtype.dtype)
 
 

@@ -23,9 +23,12 @@ dtype involved) that tests hold the dtype conversion against.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.fp8_cast import cast_transpose
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -85,6 +88,24 @@ def dequantize(q: jax.Array, d: jax.Array, dtype) -> jax.Array:
     """q * d in `dtype` (the qdq GEMM operand; the default direct form multiplies the GEMM's result instead, see
     fp8_matmul: XLA GPU may rewrite the convert pair of quantize + dequantize away)."""
     return q.astype(dtype) * d.astype(dtype)
+
+
+def quantize_both(x: jax.Array, d: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [R, C] -> (quantize(x, d, dtype), its transpose [C, R], max |x|): an FP8 GEMM operand in both layouts
+    Hopper's FP8 GEMMs need (K-major: fp8_matmul), and the amax delayed scaling records. On a GPU one Pallas pass
+    (pallas_kernels/fp8_cast) when its tiles divide x, else (and with SUROJAX_FP8_CAST=xla) XLA's three passes;
+    the values are the same bits either way."""
+    inv = 1.0 / d.astype(jnp.float32)
+    return cast_transpose(x, inv, dtype, spec(dtype).max, use_kernel=None if cast_form() == "auto" else False)
+
+
+def cast_form() -> str:
+    """How `quantize_both` runs (read when a step is traced): `auto` (default; the fused Pallas kernel on a GPU where
+    it fits) or `xla` (convert, transpose and amax as XLA ops), for A/B runs (benchmarks/fp8_h200.py)."""
+    form = os.environ.get("SUROJAX_FP8_CAST", "auto")
+    if form not in ("auto", "xla"):
+        raise ValueError(f"SUROJAX_FP8_CAST={form!r}: expected auto or xla")
+    return form
 
 
 def quantize_current(x: jax.Array, dtype, compute_dtype, margin: int = 0) -> tuple[jax.Array, jax.Array]:
@@ -178,4 +199,4 @@ def round_fp8_reference(x: jax.Array, fmt: str) -> jax.Array:
 
 
 __all__ = ["E4M3", "E5M2", "SPECS", "Fp8Spec", "spec", "scale_from_amax", "amax", "dequant_factor", "quantize",
-           "dequantize", "quantize_current", "AmaxHistory", "AMAX_ALGOS", "roll_amax_history", "SCALINGS", "Fp8Settings", "round_fp8_reference"]
+           "dequantize", "quantize_both", "cast_form", "quantize_current", "AmaxHistory", "AMAX_ALGOS", "roll_amax_history", "SCALINGS", "Fp8Settings", "round_fp8_reference"]

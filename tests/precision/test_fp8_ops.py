@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen, reference_dot
-from surojax.precision.fp8_scaling import (E4M3, E5M2, SPECS, AmaxHistory, quantize, quantize_current,
-                                           round_fp8_reference, scale_from_amax)
+from surojax.precision.fp8_scaling import (E4M3, E5M2, SPECS, AmaxHistory, quantize, quantize_both,
+                                           quantize_current, round_fp8_reference, scale_from_amax)
 from surojax.precision.fp8_transform import Fp8Linear, Fp8Weight, fp8_layer_mask
 from surojax.precision.linear_swap import QuantLayerMask
 from surojax.models.layers.linear import Linear, dot
@@ -134,3 +134,19 @@ def test_direct_dot_form_matches_qdq(monkeypatch):
     monkeypatch.setenv("SUROJAX_FP8_DOT", "nope")
     with pytest.raises(ValueError, match="SUROJAX_FP8_DOT"):
         fp8_dot(x, w)
+
+
+def test_quantize_both_is_the_quantiser_in_both_layouts_and_the_switch_is_read(monkeypatch):
+    """quantize_both (the FP8 GEMMs' operands, fp8_scaling) = (quantize, its transpose, max |x|) bit for bit (XLA's
+    passes here; on a GPU the fused kernel, which tests/pallas_kernels/test_fp8_cast.py holds to the same bits); an
+    unknown SUROJAX_FP8_CAST is refused."""
+    x = (jax.random.normal(jax.random.key(3), (64, 128)) * 30).astype(jnp.bfloat16)
+    d = jnp.asarray(0.05, jnp.bfloat16)
+    q, qt, a = quantize_both(x, d, E4M3)
+    want = np.asarray(quantize(x, d, E4M3)).view(np.uint8)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want)
+    np.testing.assert_array_equal(np.asarray(qt).view(np.uint8), want.T)
+    assert float(a) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    monkeypatch.setenv("SUROJAX_FP8_CAST", "triton")
+    with pytest.raises(ValueError, match="SUROJAX_FP8_CAST"):
+        quantize_both(x, d, E4M3)
