@@ -34,7 +34,7 @@ from surojax.parallel import make_mesh, shard_model
 from surojax.train.optim import decay_mask, init_opt_state
 from surojax.train.step import make_train_step
 
-from tests.offload.test_optimizer_offload import _batch
+from tests.offload.layerwise_runs import _batch
 from tests.train.conftest import TINY_QWEN3
 
 CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))

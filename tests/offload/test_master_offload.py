@@ -20,7 +20,7 @@ from surojax.offload.optimizer import compute_copy, master_params
 from surojax.offload.streaming import HOST_KIND
 from surojax.parallel import make_mesh
 
-from tests.offload.test_optimizer_offload import _run, device_layerwise_run
+from tests.offload.layerwise_runs import _run, device_layerwise_run
 from tests.train.conftest import TINY_QWEN3, tiny_config  # noqa: F401 (fixture)
 
 CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
