@@ -34,7 +34,7 @@ from surojax.parallel import make_mesh, shard_model
 from surojax.train.optim import decay_mask, init_opt_state
 from surojax.train.step import make_train_step
 
-from tests.offload.test_optimizer_offload import _batch
+from tests.offload.layerwise_runs import _batch
 from tests.train.conftest import TINY_QWEN3
 
 CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
@@ -61,7 +61,11 @@ def _run(*, in_place: bool, offload: bool, master: bool, A: int, steps=2):
     return losses, norms, trainable, state
 
 
-@pytest.mark.parametrize("master,A", [(False, 2), (True, 1), (True, 2)])  # A=1: the bf16 gradients as they are
+# (False, 2): accumulation, fp32 params; (True, 1): the master, its bf16 gradients used as they are. Master with
+# accumulation (the fp32 accumulator) against the whole-tree update: the Trainer test in test_master_offload.py
+# (offload_master + offload_optimizer, accumulation 2, against the resident whole-tree Trainer), each program
+# here being ~10 s of compiling
+@pytest.mark.parametrize("master,A", [(False, 2), (True, 1)])
 def test_in_place_update_offloaded_equals_on_device_and_the_whole_tree_update(master, A):
     l_host, n_host, p_host, s_host = _run(in_place=True, offload=True, master=master, A=A)
     l_dev, n_dev, p_dev, s_dev = _run(in_place=True, offload=False, master=master, A=A)

@@ -12,47 +12,24 @@ the Trainer's losses are compared with rtol 1e-6 and the weights to a few fp32 u
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
-from surojax.losses.lm import lm_loss
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
-from surojax.offload.optimizer import apply_master_updates, compute_copy, layerwise, master_params
-from surojax.offload.remat import remat_wrapper
+from surojax.offload.optimizer import compute_copy, master_params
 from surojax.offload.streaming import HOST_KIND
-from surojax.parallel import make_mesh, shard_model
-from surojax.train.optim import decay_mask, init_opt_state
-from surojax.train.step import make_train_step
+from surojax.parallel import make_mesh
 
-from tests.offload.test_optimizer_offload import _batch
+from tests.offload.layerwise_runs import _run, device_layerwise_run
 from tests.train.conftest import TINY_QWEN3, tiny_config  # noqa: F401 (fixture)
 
 CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
 
 
-def _run(offload_state: bool, master: bool, steps=3):
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-    model = Decoder(CFG, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))  # the bf16 recipe
-    graphdef, trainable, frozen = nnx.split(shard_model(model, mesh), nnx.Param, ...)
-    inner = optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
-    opt = optax.chain(optax.clip_by_global_norm(1.0), layerwise(inner, offload=offload_state, master=master))
-    state = init_opt_state(opt, trainable, mesh)  # on the fp32 params: the master is their copy
-    if master:
-        trainable = compute_copy(trainable, jnp.bfloat16)
-    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"), donate=False,
-                           apply_updates=apply_master_updates if master else optax.apply_updates)
-    losses = []
-    for _ in range(steps):
-        trainable, state, m = step(trainable, frozen, state, _batch(), jax.random.key(0))
-        losses.append(float(m["loss"]))
-    return losses, trainable, state
-
-
 def test_master_on_host_trains_exactly_like_the_resident_fp32_master():
     """Master alone (its AdamW state on the device); with the state on host too: the Trainer test below."""
-    l_ref, p_ref, _ = _run(offload_state=False, master=False)
-    losses, params, state = _run(offload_state=False, master=True)
+    l_ref, p_ref, *_ = device_layerwise_run()  # shared with test_optimizer_offload.py
+    losses, params, state, *_ = _run(offload_state=False, master=True)
     assert losses == l_ref and losses[-1] < losses[0]
     lw = state[1]
     assert {x.sharding.memory_kind for x in jax.tree.leaves(lw.master)} == {HOST_KIND}  # still, after 3 steps
@@ -68,9 +45,10 @@ def test_master_on_host_trains_exactly_like_the_resident_fp32_master():
         assert bool(jnp.all(a == b.astype(jnp.bfloat16)))  # the device copy is the cast of the master
 
 
-def test_trainer_full_finetune_with_offload_master(tmp_path, tiny_config):  # noqa: F811
-    """The Trainer with offload_master + offload_optimizer against the plain bf16 recipe: the same losses (rtol
-    1e-6, the loop body's 1-ulp AdamW) and, exported, the same fp32 weights; a checkpoint resumes exactly."""
+def test_trainer_full_finetune_with_offload_optimizer_and_master(tmp_path, tiny_config):  # noqa: F811
+    """The Trainer with offload_optimizer, and with offload_master + offload_optimizer, against the plain bf16
+    recipe (one resident run for both): the same losses (rtol 1e-6, the loop body's 1-ulp AdamW) and, exported,
+    the same fp32 weights; a checkpoint resumes exactly."""
     from surojax.config import config_from_dict
     from surojax.train.trainer import Trainer
 
@@ -78,8 +56,17 @@ def test_trainer_full_finetune_with_offload_master(tmp_path, tiny_config):  # no
         return Trainer(config_from_dict(tiny_config(recipe="bf16", recompute="full", max_steps=3,
                                                     output_dir=str(tmp_path / name), **keys)))
 
+    def host_kinds(t):
+        return HOST_KIND in {x.sharding.memory_kind for x in jax.tree.leaves(t.opt_state)}
+
     ref = trainer("resident")
     ref_losses = [ref.step()["loss"] for _ in range(3)]
+    assert not host_kinds(ref)
+    # offload_optimizer alone (the AdamW state in host memory, the fp32 params on the device): the same losses
+    state_only = trainer("offload_state", offload_optimizer=True)
+    assert host_kinds(state_only)
+    np.testing.assert_allclose([state_only.step()["loss"] for _ in range(3)], ref_losses, rtol=1e-6)
+    del state_only
     off = trainer("offload", offload_master=True, offload_optimizer=True)
     losses = [off.step()["loss"] for _ in range(2)]
     off.save_checkpoint()  # the bf16 params + the state with the master in host memory

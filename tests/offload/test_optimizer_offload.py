@@ -2,58 +2,29 @@
 
 Exactness: the offloaded per-layer update equals the same per-layer update with the state on the device bit for
 bit (the memory space is the only difference). Against the plain whole-tree optax update (the Trainer without
-offload_optimizer) it agrees to 1 ulp of the update (XLA compiles the same elementwise math inside a loop body
+offload_optimizer; that Trainer test is in test_master_offload.py, sharing its resident run) it agrees to 1 ulp of the update (XLA compiles the same elementwise math inside a loop body
 differently: 2.8e-9 on updates of 1e-2), so the Trainer's losses are compared with rtol 1e-6.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
-from surojax.losses.lm import lm_loss
-from surojax.models.config import ModelConfig
-from surojax.models.decoder import Decoder
-from surojax.offload.optimizer import HostLayerwiseState, layerwise
-from surojax.offload.remat import remat_wrapper
+from surojax.offload.optimizer import HostLayerwiseState, LayerwiseState
 from surojax.offload.streaming import HOST_KIND
-from surojax.parallel import make_mesh, shard_model
-from surojax.train.optim import build_optimizer, decay_mask, init_opt_state
-from surojax.train.step import make_train_step
+from surojax.train.optim import build_optimizer
 
+from tests.offload.layerwise_runs import _batch, _run, device_layerwise_run
 from tests.offload.test_streaming import _device_puts
-from tests.train.conftest import TINY_QWEN3, tiny_config  # noqa: F401 (fixture)
-
-CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
-
-
-def _batch(A=2, B=2, T=16):
-    rng = np.random.default_rng(0)
-    return {"tokens": rng.integers(1, 128, (A, B, T)).astype(np.int32),
-            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (A, B, T)).copy(),
-            "segment_ids": np.ones((A, B, T), np.int32), "targets": rng.integers(1, 128, (A, B, T)).astype(np.int32),
-            "loss_mask": np.ones((A, B, T), np.float32)}
-
-
-def _run(opt, steps=3):
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-    graphdef, trainable, frozen = nnx.split(shard_model(Decoder(CFG, rngs=nnx.Rngs(0)), mesh), nnx.Param, ...)
-    state = init_opt_state(opt, trainable, mesh)
-    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"), donate=False)
-    losses = []
-    for _ in range(steps):
-        trainable, state, m = step(trainable, frozen, state, _batch(), jax.random.key(0))
-        losses.append(float(m["loss"]))
-    return losses, trainable, state, step, frozen
 
 
 def test_offloaded_state_lives_on_host_and_updates_exactly_like_the_device_state():
-    inner = lambda: optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)  # noqa: E731
-    chain = lambda off: optax.chain(optax.clip_by_global_norm(1.0), layerwise(inner(), offload=off))  # noqa: E731
-    l_host, p_host, s_host, step, frozen = _run(chain(True))
-    l_dev, p_dev, s_dev, _, _ = _run(chain(False))
+    l_host, p_host, s_host, step, frozen = _run(offload_state=True)
+    l_dev, p_dev, s_dev, _, _ = device_layerwise_run()
     assert l_host == l_dev and l_host[-1] < l_host[0]
-    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p_host), jax.tree.leaves(p_dev))) == 0
+    assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(p_host), jax.tree.leaves(p_dev), strict=True)) == 0
+    assert isinstance(s_dev[1], LayerwiseState) and not isinstance(s_dev[1], HostLayerwiseState)
     lw = s_host[1]
     assert isinstance(lw, HostLayerwiseState)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(lw.layers)} == {HOST_KIND}  # still on host after steps
@@ -64,19 +35,8 @@ def test_offloaded_state_lives_on_host_and_updates_exactly_like_the_device_state
     assert _device_puts(jaxpr, jax.memory.Space.Host) >= len(jax.tree.leaves(lw.layers))
 
 
-def test_trainer_full_finetune_with_offload_optimizer(tmp_path, tiny_config):  # noqa: F811
-    from surojax.config import config_from_dict
-    from surojax.train.trainer import Trainer
-
-    losses = {}
-    for off in (False, True):
-        trainer = Trainer(config_from_dict(tiny_config(recompute="full", max_steps=3, offload_optimizer=off,
-                                                       output_dir=str(tmp_path / f"o{off}"))))
-        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(trainer.opt_state)}
-        assert (HOST_KIND in kinds) == off
-        losses[off] = [trainer.step()["loss"] for _ in range(3)]
-    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
-    assert losses[True][-1] < losses[True][0]
+# the Trainer with offload_optimizer alone against the resident Trainer: in test_master_offload.py's Trainer test,
+# which shares that resident run
 
 
 def test_build_optimizer_offload_state_wraps_the_update():
