@@ -166,16 +166,17 @@ def test_cudnn_backend_with_sinks_takes_the_xla_path():
 def test_generation_with_a_cache_equals_the_full_forward():
     cfg = tiny()
     model = Decoder(cfg, attention="xla", rngs=nnx.Rngs(1))
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, T)), jnp.int32)
-    full = model(tokens)
+    run = nnx.jit(lambda m, *args, cache=None: m(*args, cache=cache))  # one compilation per shape (eager: per op)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, T)).astype(np.int32)
+    full = run(model, jnp.asarray(tokens))
     cache = KVCache.empty(cfg, 1, 8, jnp.float32)
-    pre, cache = model(tokens[:, :4], cache=cache)
-    steps = [pre]
-    for t in range(4, T):
-        out, cache = model(tokens[:, t:t + 1], jnp.full((1, 1), t, jnp.int32), jnp.ones((1, 1), jnp.int32),
-                           cache=cache)
-        steps.append(out)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=1e-5)
+    pre, cache = run(model, jnp.asarray(tokens[:, :4]), cache=cache)
+    steps = [np.asarray(pre)]
+    for t in range(4, T):  # both decode steps share one compilation
+        out, cache = run(model, jnp.asarray(tokens[:, t:t + 1]), jnp.full((1, 1), t, jnp.int32),
+                         jnp.ones((1, 1), jnp.int32), cache=cache)
+        steps.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), np.asarray(full), atol=1e-5)
 
 
 def test_o_proj_bias_and_sinks_are_parameters():
