@@ -143,11 +143,12 @@ def test_alternating_windows_equal_static_windows_layer_by_layer(backend):
     cfg = tiny(attention_sinks=False) if backend == "cudnn" else tiny()
     model = Decoder(cfg, attention=backend, rngs=nnx.Rngs(0))
     tokens, positions, segments = _inputs(cfg)
-    got = model(tokens, positions, segments)
-    want = layer_by_layer(model, tokens, positions, segments)
+    run = nnx.jit(lambda m, *args: m(*args))  # one compilation per model (eagerly, one per op)
+    got = run(model, tokens, positions, segments)
+    want = nnx.jit(layer_by_layer)(model, tokens, positions, segments)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     uniform = Decoder(cfg.replace(layer_windows=None, sliding_window=None), attention=backend, rngs=nnx.Rngs(0))
-    assert np.abs(np.asarray(uniform(tokens, positions, segments)) - np.asarray(got)).max() > 1e-4  # windows bite
+    assert np.abs(np.asarray(run(uniform, tokens, positions, segments)) - np.asarray(got)).max() > 1e-4  # windows bite
 
 
 def test_cudnn_backend_with_sinks_takes_the_xla_path():
