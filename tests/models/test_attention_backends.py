@@ -120,10 +120,12 @@ def random_packing(rng, B, T, max_runs, pad=True):
     return jnp.asarray(seg), jnp.asarray(pos)
 
 
-def qkv(key, B, T, N=4, K=2, H=16, dtype=BF16):
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    return (jax.random.normal(k1, (B, T, N, H), dtype), jax.random.normal(k2, (B, T, K, H), dtype),
-            jax.random.normal(k3, (B, T, K, H), dtype), jax.random.normal(k4, (B, T, N, H), jnp.float32))
+def qkv(seed, B, T, N=4, K=2, H=16, dtype=BF16):
+    """numpy draws (cast by ml_dtypes): no eager compilation per shape and dtype."""
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
+    return (jnp.asarray(draw(B, T, N, H).astype(dtype)), jnp.asarray(draw(B, T, K, H).astype(dtype)),
+            jnp.asarray(draw(B, T, K, H).astype(dtype)), jnp.asarray(draw(B, T, N, H)))
 
 
 def fwd_and_grads(fn, q, k, v, cot, real):
@@ -152,11 +154,11 @@ def _dispatch(q, k, v, cot, seg, pos, *, window, max_segments, check):
         fused=emulated_cudnn), q, k, v, cot, real)
 
 
-def compare(seg, pos, *, max_segments=4, window=None, check=True, key=0):
+def compare(seg, pos, *, max_segments=8, window=None, check=True, key=0):
     """(out_err, grad_err) of the dispatch against the xla reference; `check` a tuple: one pair per value, all
     against one reference computation."""
     B, T = seg.shape
-    q, k, v, cot = qkv(jax.random.key(key), B, T)
+    q, k, v, cot = qkv(key, B, T)
     real = (seg > 0).astype(jnp.float32)
     ref = _reference(q, k, v, cot, seg, pos, window=window)
     errs = []
@@ -182,10 +184,10 @@ def test_packed_rows_equal_the_xla_reference(window):
 
 
 def test_one_segment_per_row_takes_the_dense_branch():
-    B, T = 4, 64  # the shapes of test_packed_rows_equal_the_xla_reference: its reference compilation is reused
+    B, T = 4, 64  # the shapes and M of test_packed_rows_equal_the_xla_reference: its compilations are reused
     seg = jnp.ones((B, T), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    assert branch_taken(seg, pos, 4) == 0
+    assert branch_taken(seg, pos, 8) == 0
     out_err, grad_err = compare(seg, pos)
     assert out_err == 0.0 and grad_err == 0.0
 
@@ -196,10 +198,12 @@ def branch_taken(seg, pos, max_segments):
 
 def test_more_segments_than_m_falls_back_and_stays_exact():
     seg, pos = random_packing(np.random.default_rng(1), 4, 64, max_runs=9)
-    seg = seg.at[0].set(jnp.repeat(jnp.arange(1, 9, dtype=jnp.int32), 8))  # row 0: 8 segments of 8
-    pos = pos.at[0].set(jnp.tile(jnp.arange(8, dtype=jnp.int32), 8))
-    assert branch_taken(seg, pos, 4) == 2
-    (checked, unchecked) = compare(seg, pos, max_segments=4, check=(True, False))
+    # row 0: 16 segments of 4 > M = 8 (M of the tests above: their checked compilation is reused)
+    seg, pos = np.array(seg), np.array(pos)
+    seg[0], pos[0] = np.repeat(np.arange(1, 17, dtype=np.int32), 4), np.tile(np.arange(4, dtype=np.int32), 16)
+    seg, pos = jnp.asarray(seg), jnp.asarray(pos)
+    assert branch_taken(seg, pos, 8) == 2
+    (checked, unchecked) = compare(seg, pos, max_segments=8, check=(True, False))
     assert checked == (0.0, 0.0)
     # Without the check the merged tail attends across segments: the check is what keeps it exact.
     assert unchecked[0] > 0.1
@@ -208,13 +212,13 @@ def test_more_segments_than_m_falls_back_and_stays_exact():
 def test_non_canonical_positions_fall_back():
     seg = jnp.asarray([[1] * 32 + [2] * 32] * 4, jnp.int32)
     pos = jnp.tile(jnp.arange(64, dtype=jnp.int32), (4, 1))  # positions continue into segment 2
-    assert branch_taken(seg, pos, 4) == 2
+    assert branch_taken(seg, pos, 8) == 2
     assert compare(seg, pos) == (0.0, 0.0)
 
 
 def test_fp32_inputs_use_xla_statically():
     seg, pos = random_packing(np.random.default_rng(2), 2, 32, max_runs=3)
-    q, k, v, _ = qkv(jax.random.key(3), 2, 32, dtype=jnp.float32)
+    q, k, v, _ = qkv(3, 2, 32, dtype=np.float32)
 
     def boom(*a, **kw):
         raise AssertionError("cuDNN must not be called for fp32")

@@ -66,10 +66,10 @@ def test_sink_gradient_matches_finite_differences():
     k, v = k[:, :, :K], v[:, :, :K]
     mask = jnp.asarray(np.tril(np.ones((3, 3), bool))[None])
     sinks = jnp.asarray(rand(N, seed=4))
-    loss = lambda s: jnp.sum(xla_attention(q, k, v, mask, H ** -0.5, s) ** 2)  # noqa: E731
-    eps, e0 = 1e-3, jnp.zeros(N).at[2].set(1.0)
-    fd = (loss(sinks + eps * e0) - loss(sinks - eps * e0)) / (2 * eps)
-    assert float(jax.grad(loss)(sinks)[2]) == pytest.approx(float(fd), rel=2e-3)
+    loss = jax.jit(lambda s: jnp.sum(xla_attention(q, k, v, mask, H ** -0.5, s) ** 2))  # one compilation, 2 calls
+    eps, e0 = 1e-3, np.eye(N, dtype=np.float32)[2]
+    fd = (float(loss(sinks + eps * e0)) - float(loss(sinks - eps * e0))) / (2 * eps)
+    assert float(jax.jit(jax.grad(loss))(sinks)[2]) == pytest.approx(fd, rel=2e-3)
 
 
 def _context(seed=0):
@@ -143,11 +143,12 @@ def test_alternating_windows_equal_static_windows_layer_by_layer(backend):
     cfg = tiny(attention_sinks=False) if backend == "cudnn" else tiny()
     model = Decoder(cfg, attention=backend, rngs=nnx.Rngs(0))
     tokens, positions, segments = _inputs(cfg)
-    got = model(tokens, positions, segments)
-    want = layer_by_layer(model, tokens, positions, segments)
+    run = nnx.jit(lambda m, *args: m(*args))  # one compilation per model (eagerly, one per op)
+    got = run(model, tokens, positions, segments)
+    want = nnx.jit(layer_by_layer)(model, tokens, positions, segments)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     uniform = Decoder(cfg.replace(layer_windows=None, sliding_window=None), attention=backend, rngs=nnx.Rngs(0))
-    assert np.abs(np.asarray(uniform(tokens, positions, segments)) - np.asarray(got)).max() > 1e-4  # windows bite
+    assert np.abs(np.asarray(run(uniform, tokens, positions, segments)) - np.asarray(got)).max() > 1e-4  # windows bite
 
 
 def test_cudnn_backend_with_sinks_takes_the_xla_path():
@@ -166,16 +167,17 @@ def test_cudnn_backend_with_sinks_takes_the_xla_path():
 def test_generation_with_a_cache_equals_the_full_forward():
     cfg = tiny()
     model = Decoder(cfg, attention="xla", rngs=nnx.Rngs(1))
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, T)), jnp.int32)
-    full = model(tokens)
+    run = nnx.jit(lambda m, *args, cache=None: m(*args, cache=cache))  # one compilation per shape (eager: per op)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, T)).astype(np.int32)
+    full = run(model, jnp.asarray(tokens))
     cache = KVCache.empty(cfg, 1, 8, jnp.float32)
-    pre, cache = model(tokens[:, :4], cache=cache)
-    steps = [pre]
-    for t in range(4, T):
-        out, cache = model(tokens[:, t:t + 1], jnp.full((1, 1), t, jnp.int32), jnp.ones((1, 1), jnp.int32),
-                           cache=cache)
-        steps.append(out)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=1e-5)
+    pre, cache = run(model, jnp.asarray(tokens[:, :4]), cache=cache)
+    steps = [np.asarray(pre)]
+    for t in range(4, T):  # both decode steps share one compilation
+        out, cache = run(model, jnp.asarray(tokens[:, t:t + 1]), jnp.full((1, 1), t, jnp.int32),
+                         jnp.ones((1, 1), jnp.int32), cache=cache)
+        steps.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), np.asarray(full), atol=1e-5)
 
 
 def test_o_proj_bias_and_sinks_are_parameters():

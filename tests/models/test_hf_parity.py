@@ -1,11 +1,19 @@
 """HF parity: tiny random models made by transformers (tests/fixtures, scripts/make_fixtures.py) loaded by
 surojax give the same fp32 logits (max abs diff <= 1e-4) alone, right-padded in a batch and packed in one
-row, and the same 32 greedy tokens (in a padded batch)."""
+row, and the same 32 greedy tokens (in a padded batch).
+
+Compilations: per family one jitted program computes every logits check (the longest sequence alone on the default
+positions / segments path, and one [4, T] batch whose row 0 packs the three sequences and whose rows 1..3 hold each
+sequence right-padded), then generate's prefill and decode step. Families of one structure (gpt_oss and its MXFP4
+checkpoint, dequantised at load) share those programs."""
+import functools
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from surojax.generation.loop import generate
 from surojax.weights.hf_checkpoint import load_model
@@ -16,13 +24,43 @@ WINDOW = {"mistral": 6, "mixtral": 6}
 TOL = 1e-4
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _all_logits(graphdef, state, alone, tokens, positions, segments):
+    """model(alone) on the default positions / segments, and model(tokens, positions, segments)."""
+    model = nnx.merge(graphdef, state)
+    return model(alone), model(tokens, positions, segments)
+
+
+def _batch(seqs):
+    """Row 0: the sequences packed one after another (segment ids 1, 2, 3; positions restart) then padding; rows
+    1..3: sequence i alone, right-padded (segment 0). Returns tokens, positions, segments [4, T] and the offsets."""
+    T = sum(map(len, seqs)) + 3  # trailing padding in the packed row too
+    tokens, seg = (np.zeros((1 + len(seqs), T), np.int32) for _ in range(2))
+    pos = np.tile(np.arange(T, dtype=np.int32), (1 + len(seqs), 1))
+    starts, at = [], 0
+    for i, s in enumerate(seqs):
+        tokens[0, at:at + len(s)], seg[0, at:at + len(s)], pos[0, at:at + len(s)] = s, i + 1, np.arange(len(s))
+        tokens[1 + i, :len(s)], seg[1 + i, :len(s)] = s, 1
+        starts.append(at)
+        at += len(s)
+    pos[0, at:] = 0
+    return tokens, pos, seg, starts
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def case(request):
     d = FIXTURES / request.param
     exp = np.load(d / "expected.npz")
     seqs = [exp[f"tokens{i}"].tolist() for i in range(3)]
     logits = [exp[f"logits{i}"] for i in range(3)]
-    return request.param, load_model(d, dtype=jnp.float32, attention="xla"), seqs, logits, exp
+    model = load_model(d, dtype=jnp.float32, attention="xla")
+    i = max(range(len(seqs)), key=lambda j: len(seqs[j]))
+    tokens, pos, seg, starts = _batch(seqs)
+    graphdef, state = nnx.split(model)
+    alone, batch = _all_logits(graphdef, state, jnp.asarray([seqs[i]]), jnp.asarray(tokens), jnp.asarray(pos),
+                               jnp.asarray(seg))
+    got = dict(alone=(i, np.asarray(alone)[0]), batch=np.asarray(batch), starts=starts)
+    return request.param, model, seqs, logits, exp, got
 
 
 def test_family_is_the_one_in_config(case):
@@ -37,44 +75,28 @@ def test_a_sequence_alone(case):
     """The default positions / segments path on the longest sequence (past every sliding window). Each
     sequence's logits are checked again in the padded batch and the packed row below; another length alone
     would only compile the same path again."""
-    _, model, seqs, logits, _ = case
-    i = max(range(len(seqs)), key=lambda j: len(seqs[j]))
-    got = np.asarray(model(jnp.asarray([seqs[i]])))[0]
-    assert np.abs(got - logits[i]).max() <= TOL
+    _, _, seqs, logits, _, got = case
+    i, alone = got["alone"]
+    assert alone.shape == logits[i].shape and len(seqs[i]) == max(map(len, seqs))
+    assert np.abs(alone - logits[i]).max() <= TOL
 
 
 def test_right_padded_batch(case):
-    _, model, seqs, logits, _ = case
-    T = max(map(len, seqs))
-    tokens = np.zeros((3, T), np.int32)
-    seg = np.zeros((3, T), np.int32)
-    pos = np.tile(np.arange(T, dtype=np.int32), (3, 1))
-    for i, s in enumerate(seqs):
-        tokens[i, :len(s)], seg[i, :len(s)] = s, 1
-    got = np.asarray(model(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)))
+    _, _, seqs, logits, _, got = case
     for i, (s, ref) in enumerate(zip(seqs, logits)):
-        assert np.abs(got[i, :len(s)] - ref).max() <= TOL
+        assert np.abs(got["batch"][1 + i, :len(s)] - ref).max() <= TOL
 
 
 def test_packed_row_equals_each_sequence_alone(case):
-    _, model, seqs, logits, _ = case
-    T = sum(map(len, seqs)) + 3  # trailing padding too
-    tokens, seg, pos = (np.zeros((1, T), np.int32) for _ in range(3))
-    at = 0
-    for i, s in enumerate(seqs):
-        tokens[0, at:at + len(s)], seg[0, at:at + len(s)], pos[0, at:at + len(s)] = s, i + 1, np.arange(len(s))
-        at += len(s)
-    got = np.asarray(model(jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg)))[0]
-    at = 0
-    for s, ref in zip(seqs, logits):
-        assert np.abs(got[at:at + len(s)] - ref).max() <= TOL
-        at += len(s)
+    _, _, seqs, logits, _, got = case
+    for s, ref, at in zip(seqs, logits, got["starts"]):
+        assert np.abs(got["batch"][0, at:at + len(s)] - ref).max() <= TOL
 
 
 def test_greedy_tokens_in_a_batch(case):
     """transformers' 32 greedy tokens (its prompt run alone) come out of a row beside other (longer, shorter)
     prompts: surojax's greedy decode matches transformers and does not depend on the batch it runs in."""
-    _, model, seqs, _, exp = case
+    _, model, seqs, _, exp, _ = case
     prompt = exp["greedy_prompt"].tolist()
     assert len(seqs[0]) < len(prompt) < len(seqs[2])  # a shorter and a longer neighbour: the row is padded
     batch = generate(model, [seqs[2], prompt, seqs[0]], 32)

@@ -64,13 +64,13 @@ def test_init_follows_peft_and_carries_axes(llama):
 
 def test_forward_formula_and_rslora_scaling():
     """Standalone on one [in, out] Linear: y = x W + b + (x A) B * scaling, scaling alpha/r or alpha/sqrt(r)."""
-    rngs = nnx.Rngs(0)
-    x = jax.random.normal(jax.random.key(1), (3, 5, 16))
+    rngs, rs = nnx.Rngs(0), np.random.RandomState(1)  # numpy draws: no eager compilation per shape
+    x = jnp.asarray(rs.randn(3, 5, 16), jnp.float32)
     for use_rslora, scaling in ((False, 6.0 / 4), (True, 6.0 / 2)):
         base = Linear(16, 24, ("embed", "mlp"), use_bias=True, rngs=rngs)
-        base.bias.set_value(jax.random.normal(jax.random.key(2), (24,)))
-        a = jax.random.normal(jax.random.key(3), (16, 4))
-        b = jax.random.normal(jax.random.key(4), (4, 24))
+        base.bias.set_value(jnp.asarray(rs.randn(24), jnp.float32))
+        a = jnp.asarray(rs.randn(16, 4), jnp.float32)
+        b = jnp.asarray(rs.randn(4, 24), jnp.float32)
         mod = LoRALinear(base, nnx.LoRAParam(a), nnx.LoRAParam(b), rank=4, alpha=6.0, use_rslora=use_rslora)
         assert mod.scaling == scaling
         want = np.asarray(x) @ np.asarray(base.kernel[...]) + np.asarray(base.bias[...]) \
@@ -92,26 +92,32 @@ def test_state_filters_select_exactly_the_adapter(llama):
 
 def test_gradient_reaches_only_the_adapter(llama):
     _lora(llama)
+    graphdef, _, _ = nnx.split(llama, TRAINABLE, ...)
+
+    @jax.jit
+    def grad_fn(trainable, rest):
+        """One compilation for every gradient below (fresh and randomised adapter): nnx.grad with the TRAINABLE
+        DiffState, and the trainer's form, d/d(trainable) and d/d(rest) of the split state."""
+        g = nnx.grad(_loss, argnums=nnx.DiffState(0, TRAINABLE))(nnx.merge(graphdef, trainable, rest))
+        return g, *jax.grad(lambda tr, r: _loss(nnx.merge(graphdef, tr, r)), argnums=(0, 1))(trainable, rest)
+
     # Fresh adapter (B = 0): dL/dA = 0 (B blocks it) while dL/dB != 0 -- the classic LoRA start.
-    grad_fn = nnx.jit(nnx.grad(_loss, argnums=nnx.DiffState(0, TRAINABLE)))
-    g0 = _flat(grad_fn(llama))
+    g0 = _flat(grad_fn(*nnx.split(llama, TRAINABLE, ...)[1:])[0])
     assert all(not jnp.any(v) for k, v in g0.items() if k.endswith("lora_a"))
     assert all(jnp.any(v) for k, v in g0.items() if k.endswith("lora_b"))
     randomize_adapter(llama)
-    grads = _flat(grad_fn(llama))
+    _, trainable, rest = nnx.split(llama, TRAINABLE, ...)
+    g_diff, g_tr, g_rest = grad_fn(trainable, rest)
+    grads = _flat(g_diff)
     assert sorted(grads) == sorted(_flat(nnx.state(llama, TRAINABLE)))  # nothing else is differentiated
     for k, g in grads.items():  # every target, every layer of the scan gets a gradient
         assert all(jnp.any(g[i]) for i in range(g.shape[0])), k
 
     # The trainer's form: split (trainable, rest); the gradient w.r.t. the base is structurally absent, and an
     # explicit gradient w.r.t. the base would be non-zero, so the filter (not the math) is what freezes it.
-    graphdef, trainable, rest = nnx.split(llama, TRAINABLE, ...)
-    # One compilation for both: d/d(trainable) is the trainer's gradient, d/d(rest) the explicit one.
-    g_tr, g_rest = jax.jit(jax.grad(lambda tr, r: _loss(nnx.merge(graphdef, tr, r)), argnums=(0, 1)))(trainable,
-                                                                                                     rest)
     assert jax.tree.structure(g_tr) == jax.tree.structure(trainable)
     for k, g in _flat(g_tr).items():  # the same gradient as the DiffState form
-        np.testing.assert_allclose(g, grads[k], rtol=1e-4, atol=1e-5)  # two compilations: rounding only
+        np.testing.assert_allclose(g, grads[k], rtol=1e-4, atol=1e-5)  # two traces: rounding only
     assert jnp.any(_flat(g_rest)["layers.attn.q_proj.base.kernel"])
 
 
@@ -153,13 +159,22 @@ def test_scan_with_remat_and_jit(llama):
     randomize_adapter(llama)
     pos = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
     seg = jnp.ones_like(TOKENS)
-    h, _ = llama.hidden_states(TOKENS, pos, seg)
-    h_remat, _ = llama.hidden_states(TOKENS, pos, seg, layer_loop=functools.partial(jax.checkpoint))
+    graphdef, trainable, rest = nnx.split(llama, TRAINABLE, ...)
+
+    @jax.jit
+    def scan_and_remat(trainable, rest):
+        """One compilation: the layer scan without and with remat, and the adapter's gradient through the remat."""
+        def h(tr, loop=None):
+            kw = {} if loop is None else {"layer_loop": loop}
+            return nnx.merge(graphdef, tr, rest).hidden_states(TOKENS, pos, seg, **kw)[0]
+        g = jax.grad(lambda tr: jnp.sum(h(tr, jax.checkpoint) ** 2))(trainable)
+        return h(trainable), h(trainable, functools.partial(jax.checkpoint)), g
+
+    h, h_remat, g = scan_and_remat(trainable, rest)
     assert jnp.array_equal(h, h_remat)
     jitted = forward(llama, TOKENS)  # the shared jitted forward (the LoRA llama's compilation is reused)
-    np.testing.assert_allclose(jitted, llama(TOKENS), rtol=0, atol=1e-6)
-    g = nnx.grad(lambda m: jnp.sum(m.hidden_states(TOKENS, pos, seg, layer_loop=jax.checkpoint)[0] ** 2),
-                 argnums=nnx.DiffState(0, TRAINABLE))(llama)
+    np.testing.assert_allclose(jitted, llama(TOKENS), rtol=0, atol=1e-6)  # == the eager forward
+    assert jax.tree.structure(g) == jax.tree.structure(trainable)
     assert all(jnp.any(v) for v in _flat(g).values())
 
 
@@ -169,7 +184,7 @@ def test_dropout_only_in_training_mode_with_a_fresh_key_per_step(llama):
     keys = [mod.dropout_key for mod in lora_modules(llama).values()]
     assert all(isinstance(k, LoRADropoutKey) for k in keys)
     assert not _flat(nnx.state(llama, LoRADropoutKey)).keys() & _flat(nnx.state(llama, nnx.Param)).keys()
-    eval_logits = llama(TOKENS)
+    eval_logits = forward(llama, TOKENS)
     llama.train()
     fwd = nnx.jit(lambda m, k: (set_dropout_key(m, k), m(TOKENS))[1])
     a1, a2, b = fwd(llama, jax.random.key(1)), fwd(llama, jax.random.key(1)), fwd(llama, jax.random.key(2))
@@ -179,7 +194,7 @@ def test_dropout_only_in_training_mode_with_a_fresh_key_per_step(llama):
     rows = {tuple(d[i].ravel()) for d in data for i in range(d.shape[0])}
     assert len(rows) == len(data) * data[0].shape[0]
     llama.eval()
-    assert jnp.array_equal(llama(TOKENS), eval_logits)
+    assert jnp.array_equal(forward(llama, TOKENS), eval_logits)
 
 
 def test_dropout_mask_statistics():

@@ -30,8 +30,14 @@ IDS = ["nf4", "nf4-dq", "fp8", "nvfp4", "q8_0", "q4_0"]
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _model(seed=0):
-    return Decoder(ModelConfig.from_hf(dict(HF)), rngs=nnx.Rngs(params=seed))
+@nnx.jit
+def _init():
+    """One compilation for the model's random init (eagerly, each parameter shape compiles its own draw)."""
+    return Decoder(ModelConfig.from_hf(dict(HF)), rngs=nnx.Rngs(params=0))
+
+
+def _model():
+    return _init()
 
 
 def _clone(model):
@@ -44,8 +50,8 @@ def _loss(trainable, graphdef, frozen):
     return jnp.mean(jax.nn.log_softmax(logits, -1)[..., 0] ** 2), logits
 
 
-# One compilation per model structure, the logits and the LoRA gradients together: the quantised model of each
-# format compiles once for both tests below, every plain / dequantised reference shares one compilation.
+# One compilation per model structure, the logits and the LoRA gradients together: the quantised model compiles
+# once for both tests below, the plain / dequantised reference shares one compilation.
 _lora_grad = jax.jit(jax.grad(_loss, has_aux=True), static_argnums=1)
 
 
@@ -62,49 +68,68 @@ def _with_adapter(model, adapter=None):
     if adapter is not None:
         nnx.update(model, adapter)
         return model
-    key = jax.random.key(7)
+    rs = np.random.RandomState(7)  # numpy draws: no eager compilation per shape
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
         if path[-1] == "lora_b":
-            key, sub = jax.random.split(key)
-            var.set_value(0.1 * jax.random.normal(sub, var.get_value().shape, jnp.float32))
+            var.set_value(jnp.asarray(0.1 * rs.randn(*var.get_value().shape), jnp.float32))
     return model
 
 
-_RUNS: dict[str, dict] = {}
+# One quantised model for every format: each format quantises its own target(s) (quantize_model(targets=[...]), as
+# quantize_model_mix does for a llama.cpp file type), so a single compilation of the quantised model's logits and
+# LoRA gradients runs every format through nnx.split / merge, lax.scan, jit and LoRA, and the dequantised clone and
+# the plain model share one more. (One model per format compiled the same model six times.) The 4-bit formats sit
+# on the k / v projections (N = 32) and on the MLP (K = 128); nf4 (the QLoRA default) takes two targets.
+MIX = {"q_proj": "q8_0", "k_proj": "nf4", "v_proj": "nvfp4", "o_proj": "fp8", "gate_proj": "nf4-dq",
+       "up_proj": "q4_0", "down_proj": "nf4"}
+assert set(MIX) == set(LORA_TARGETS) and set(MIX.values()) == set(IDS)
+_RUN: dict = {}
 
 
-def _run(fmt, options):
-    """Per format, once for the file: the quantised model with an adapter, its report, and the logits and LoRA
+def _targets(fid):
+    return [t for t in LORA_TARGETS if MIX[t] == fid]
+
+
+def _run():
+    """Once for the file: the mixed quantised model with an adapter, one report per format, and the logits and LoRA
     gradients of it, of its dequantised clone, and of the unquantised model with the same adapter."""
-    key = f"{fmt}{options}"
-    if key not in _RUNS:
+    if not _RUN:
         model = _model()
-        report = quantize_model(model, fmt, **options)
+        reports = {fid: quantize_model(model, fmt, targets=_targets(fid), **options)
+                   for fid, (fmt, options, _) in zip(IDS, FORMATS)}
         _with_adapter(model)
         reference = _clone(model)
         dequantize_model(reference, jnp.float32)
         plain = _with_adapter(_model(), nnx.state(model, nnx.LoRAParam))
-        _RUNS[key] = dict(model=model, report=report, reference=reference, quant=_grads(model),
-                          deq=_grads(reference), plain=_grads(plain)[1])
-    return _RUNS[key]
+        _RUN.update(model=model, reports=reports, reference=reference, plain_model=plain, quant=_grads(model),
+                    deq=_grads(reference), plain=_grads(plain)[1])
+    return _RUN
 
 
 @pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
 def test_logits_equal_the_dequantised_model(fmt, options, cls):
-    run = _run(fmt, options)
-    model, report = run["model"], run["report"]
+    run = _run()
+    fid = IDS[FORMATS.index((fmt, options, cls))]
+    model, report = run["model"], run["reports"][fid]
     L = model.cfg.num_layers
-    for name in LORA_TARGETS:
+    for name in _targets(fid):
         var = base_linear(model, name).kernel
         assert isinstance(var, QuantParam) and isinstance(var, nnx.Param)
         value = var.get_value()
         assert type(value) is cls and value.name == fmt
+        if cls is NF4:  # nf4 and nf4-dq are told apart by their double-quantised absmax
+            assert (value.absmax_q is not None) == bool(options.get("double_quant"))
         assert all(leaf.shape[0] == L for leaf in jax.tree.leaves(value))  # the scan slices axis 0
         assert var.get_metadata()["axes"][0] == "layers"
-    assert is_quantized(model) == {t: fmt for t in LORA_TARGETS}
+        # the quantisation did change this kernel ... but not wildly
+        deq = np.asarray(base_linear(run["reference"], name).kernel.get_value())
+        orig = np.asarray(base_linear(run["plain_model"], name).kernel.get_value())
+        assert not np.array_equal(deq, orig) and np.abs(deq - orig).max() < 0.5 * np.abs(orig).max()
+    assert is_quantized(model) == {t: MIX[t].removesuffix("-dq") for t in LORA_TARGETS}
     assert model.embed.embedding.get_value().dtype == jnp.float32  # embeddings / head untouched
     assert not isinstance(model.lm_head.kernel.get_value(), QuantFormat)
 
+    # the whole model's logits: every format's matmul (this one among them) == x @ its dequantised kernel
     assert is_quantized(run["reference"]) == {}
     quant, deq, plain = run["quant"][1], run["deq"][1], run["plain"]
     np.testing.assert_allclose(quant, deq, rtol=RTOL, atol=ATOL)
@@ -112,15 +137,16 @@ def test_logits_equal_the_dequantised_model(fmt, options, cls):
     assert np.abs(quant - plain).max() < 0.5 * np.abs(plain).max()  # ... but not wildly
 
     # (d) the memory report: every kernel is smaller
-    assert set(report.before) == set(LORA_TARGETS)
+    assert set(report.before) == set(_targets(fid))
     assert report.bytes_after < report.bytes_before
-    assert all(report.after[t] < report.before[t] for t in LORA_TARGETS)
+    assert all(report.after[t] < report.before[t] for t in report.before)
     assert f"to {fmt}" in str(report)
 
 
 def test_nf4_report_ratios():
     for options, expected in (({}, 0.5625 / 4), ({"double_quant": True}, None)):
         report = quantize_model(_model(), "nf4", **options)
+        assert set(report.before) == set(LORA_TARGETS)  # the default targets: every linear kernel
         if expected is not None:
             assert report.ratio == pytest.approx(expected)
         else:  # double quant: 0.5 + ~1/64 bytes per value, plus a 1 KiB code book per layer (large here)
@@ -129,17 +155,25 @@ def test_nf4_report_ratios():
 
 @pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
 def test_lora_gradients_equal_those_over_the_dequantised_base(fmt, options, cls):
-    run = _run(fmt, options)
-    assert isinstance(base_linear(run["model"], "q_proj").kernel.get_value(), cls)
+    """Each format's targets: their adapter's gradients flow back through the quantised kernel (x's gradient of
+    x @ W goes through dequantize), and those of the targets before them through theirs."""
+    run = _run()
+    fid = IDS[FORMATS.index((fmt, options, cls))]
+    assert all(isinstance(base_linear(run["model"], t).kernel.get_value(), cls) for t in _targets(fid))
     flat_q = dict(nnx.to_flat_state(run["quant"][0]))
     flat_r = dict(nnx.to_flat_state(run["deq"][0]))
     assert flat_q.keys() == flat_r.keys()
     assert {p[-1] for p in flat_q} == {"lora_a", "lora_b"}  # only the adapter is differentiated, never the base
     assert len(flat_q) == 2 * len(LORA_TARGETS)
+    checked = 0
     for path in flat_q:
+        if not set(path) & set(_targets(fid)):
+            continue
         gq, gr = np.asarray(flat_q[path].get_value()), np.asarray(flat_r[path].get_value())
         assert np.abs(gq).max() > 0, path
         np.testing.assert_allclose(gq, gr, rtol=RTOL, atol=ATOL * np.abs(gr).max(), err_msg=str(path))
+        checked += 1
+    assert checked == 2 * len(_targets(fid))
 
 
 @pytest.mark.parametrize("fmt,options,cls", FORMATS, ids=IDS)
@@ -159,13 +193,16 @@ def test_matmul_is_exactly_x_at_dequantize(fmt, options, cls):
 
 
 def test_jit_split_merge_and_scan_keep_the_format():
-    model = _run("q8_0", {})["model"]  # quantised, with an adapter
+    run = _run()
+    model = run["model"]  # quantised, with an adapter
     graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
     frozen = jax.device_put(frozen)
     merged = nnx.merge(graphdef, trainable, frozen)
-    assert isinstance(base_linear(merged, "down_proj").kernel.get_value(), Q8_0)
+    for t in LORA_TARGETS:
+        assert type(base_linear(merged, t).kernel.get_value()) is type(base_linear(model, t).kernel.get_value())
+    assert isinstance(base_linear(merged, "q_proj").kernel.get_value(), Q8_0)
     g_merged, logits_merged = _grads(merged)
-    np.testing.assert_array_equal(logits_merged, _run("q8_0", {})["quant"][1])
+    np.testing.assert_array_equal(logits_merged, run["quant"][1])
     # one layer's slice is a one-layer weight
     layer0 = jax.tree.map(lambda x: x[0], base_linear(merged, "q_proj").kernel.get_value())
     assert layer0.dequantize(jnp.float32).shape == (64, 64)
