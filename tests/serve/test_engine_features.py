@@ -71,18 +71,23 @@ def test_penalties_match_numpy():
 def test_greedy_and_seeded_rows_do_not_depend_on_the_batch():
     """Greedy rows are argmax in any mode; a seeded row draws the same token alone or in a batch, and a row
     without top-k / top-p / min-p the same token whether its batch sorts for another row's filter or not."""
-    logits = jax.random.normal(jax.random.key(1), (5, 64))
-    rows = dict(temperature=jnp.array([0.0, 1.0, 0.8, 0.0, 1.3]), top_k=jnp.array([0, 0, 8, 0, 0]),
-                top_p=jnp.array([1.0, 0.9, 1.0, 1.0, 1.0]), min_p=jnp.zeros(5),
-                seed=jnp.array([0, 7, 9, 0, 11], jnp.uint32), step=jnp.array([3, 3, 5, 3, 4]))
-    both = sample_batch(logits, rows, BatchMode(sample=True, filter=True, logprobs=True))
-    greedy = sample_batch(logits, rows, BatchMode())
-    assert both["ids"][0] == greedy["ids"][0] == jnp.argmax(logits[0])
-    alone = sample_batch(logits[1:2], {k: v[1:2] for k, v in rows.items()}, BatchMode(sample=True, filter=True))
-    assert alone["ids"][0] == both["ids"][1]
-    unfiltered = sample_batch(logits[4:], {k: v[4:] for k, v in rows.items()}, BatchMode(sample=True))
-    assert unfiltered["ids"][0] == both["ids"][4]
-    np.testing.assert_allclose(both["top_logprobs"][:, 0], jax.nn.log_softmax(logits).max(-1), rtol=1e-5)
+    logits = np.asarray(jax.random.normal(jax.random.key(1), (5, 64)))
+    rows = dict(temperature=np.array([0.0, 1.0, 0.8, 0.0, 1.3], np.float32),
+                top_k=np.array([0, 0, 8, 0, 0], np.int32),
+                top_p=np.array([1.0, 0.9, 1.0, 1.0, 1.0], np.float32), min_p=np.zeros(5, np.float32),
+                seed=np.array([0, 7, 9, 0, 11], np.uint32), step=np.array([3, 3, 5, 3, 4], np.int32))
+    # jitted as the runner calls it: one program per (shape, mode) instead of every op compiled eagerly
+    sample = jax.jit(sample_batch, static_argnames="mode")
+    both = sample(logits, rows, mode=BatchMode(sample=True, filter=True, logprobs=True))
+    greedy = sample(logits, rows, mode=BatchMode())
+    assert int(both["ids"][0]) == int(greedy["ids"][0]) == logits[0].argmax()
+    alone = sample(logits[1:2], {k: v[1:2] for k, v in rows.items()}, mode=BatchMode(sample=True, filter=True))
+    assert int(alone["ids"][0]) == int(both["ids"][1])
+    unfiltered = sample(logits[4:], {k: v[4:] for k, v in rows.items()}, mode=BatchMode(sample=True))
+    assert int(unfiltered["ids"][0]) == int(both["ids"][4])
+    z = logits - logits.max(-1, keepdims=True)  # numpy log-softmax
+    log_softmax = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(both["top_logprobs"])[:, 0], log_softmax.max(-1), rtol=1e-5)
 
 
 def test_invalid_sampling_values():
