@@ -40,12 +40,15 @@ def engine(model, tokenizer=None, lora=None, **kw):
 
 
 def test_sorted_keep_mask_matches_filter_logits():
-    logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+    logits = np.asarray(jax.random.normal(jax.random.key(0), (4, 50))) * 3
     params = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.7, 0.0), (10, 0.9, 0.1)]
-    order, _, keep = sorted_keep_mask(logits, jnp.array([p[0] for p in params]), jnp.array([p[1] for p in params]),
-                                      jnp.array([p[2] for p in params]))
+    # each jitted (one program per filter setting) instead of compiled op by op
+    order, _, keep = jax.jit(sorted_keep_mask)(logits, np.array([p[0] for p in params], np.int32),
+                                               np.array([p[1] for p in params], np.float32),
+                                               np.array([p[2] for p in params], np.float32))
+    filt = jax.jit(filter_logits, static_argnames=("top_k", "top_p", "min_p"))
     for r, (k, p, m) in enumerate(params):
-        ref = np.asarray(filter_logits(logits[r:r + 1], k, p, m)[0] > jnp.finfo(jnp.float32).min)
+        ref = np.asarray(filt(logits[r:r + 1], top_k=k, top_p=p, min_p=m)[0]) > np.finfo(np.float32).min
         got = np.zeros(50, bool)
         got[np.asarray(order[r])[np.asarray(keep[r])]] = True
         assert (got == ref).all(), r
