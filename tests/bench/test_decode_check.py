@@ -16,6 +16,7 @@ from surojax.weights.hf_checkpoint import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import decode_check  # noqa: E402
 from decode_check import attention_check, format_check, fp32_twin, teacher_forced_check  # noqa: E402
 from forced_decode import forced_attention, forced_decode  # noqa: E402
 
@@ -60,9 +61,24 @@ def _no_tokens(setup):
     return graphdef, state, k, v, start, table
 
 
-def _clear():
-    forced_decode.clear_cache()
-    forced_attention.clear_cache()
+def _wrong_pallas(monkeypatch, wrong):
+    """The Pallas kernel replaced by wrong(kernel), seen by the pallas path only: a fresh jit of forced_decode /
+    forced_attention (an empty cache, so traced again with the wrong kernel) serves path / kernel "pallas"; the
+    reference and gather paths keep the programs the module already compiled (they never call
+    paged_decode_attention: models/kv/paged.py), instead of all of them being compiled again."""
+    monkeypatch.setattr(paged, "paged_decode_attention", wrong(paged.paged_decode_attention))
+
+    def only_pallas(real, key, static):
+        def traced_again(*a, **kw):  # a new function: nothing of jax's caches for `real` applies to it
+            return real.__wrapped__(*a, **kw)
+
+        fresh = jax.jit(traced_again, static_argnames=static)
+        return lambda *a, **kw: (fresh if kw[key] == "pallas" else real)(*a, **kw)
+
+    monkeypatch.setattr(decode_check, "forced_decode",
+                        only_pallas(forced_decode, "path", ("graphdef", "path", "block_size", "unroll")))
+    monkeypatch.setattr(decode_check, "forced_attention",
+                        only_pallas(forced_attention, "kernel", ("graphdef", "kernel", "block_size")))
 
 
 def _off_by_one(real):
@@ -75,13 +91,9 @@ def _one_percent(real):
 
 @pytest.mark.parametrize("wrong", [_off_by_one, _one_percent])
 def test_a_wrong_kernel_fails(setup, monkeypatch, wrong):
-    monkeypatch.setattr(paged, "paged_decode_attention", wrong(paged.paged_decode_attention))
-    _clear()  # trace again with the wrong kernel
-    try:
-        ref, pallas = teacher_forced_check(*setup, block_size=BS, paths=("pallas",))
-        floor, attn = attention_check(*_no_tokens(setup), block_size=BS, paths=("pallas",))
-    finally:
-        _clear()
+    _wrong_pallas(monkeypatch, wrong)
+    ref, pallas = teacher_forced_check(*setup, block_size=BS, paths=("pallas",))
+    floor, attn = attention_check(*_no_tokens(setup), block_size=BS, paths=("pallas",))
     assert ref["check"] == "reference" and pallas["check"] == "pallas" and floor["check"] == "attention-gather"
     for r in (pallas, attn):
         assert not r["pass"], format_check(r)
@@ -100,12 +112,8 @@ def test_bf16_judged_by_its_noise_floor(setup, monkeypatch):
     args16 = (g16, s16, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
     ok = attention_check(*args16, start, table, block_size=BS, paths=("pallas",))[1]
     assert ok["pass"] and 1e-3 < ok["attn_noise"] < 5e-2, format_check(ok)
-    monkeypatch.setattr(paged, "paged_decode_attention", _off_by_one(paged.paged_decode_attention))
-    _clear()
-    try:
-        bad = attention_check(*args16, start, table, block_size=BS, paths=("pallas",))[1]
-    finally:
-        _clear()
+    _wrong_pallas(monkeypatch, _off_by_one)
+    bad = attention_check(*args16, start, table, block_size=BS, paths=("pallas",))[1]
     assert not bad["pass"] and bad["worst_row_length"] == 1, format_check(bad)
 
 

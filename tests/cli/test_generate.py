@@ -44,13 +44,14 @@ def qwen3():
 
 def test_show_ids_equal_a_greedy_run(capsys, qwen3):
     model, tok, stops = qwen3
-    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", "hello", "--max-new-tokens", "8",
+    # the prompt and length of ARGS below: the same prefill / decode programs as the model-reference tests
+    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", "hello world", "--max-new-tokens", "6",
                                 "--temperature", "0", "--show-ids")
     assert rc == 0, err
     ids = shown_ids(out)
-    assert ids["prompt_ids"] == tok.encode("hello")
-    assert ids["new_ids"] == generate(model, [tok.encode("hello")], 8, stop_ids=stops)[0]
-    assert 1 <= len(ids["new_ids"]) <= 8
+    assert ids["prompt_ids"] == tok.encode("hello world")
+    assert ids["new_ids"] == generate(model, [tok.encode("hello world")], 6, stop_ids=stops)[0]
+    assert 1 <= len(ids["new_ids"]) <= 6
     assert out.splitlines()[0] == tok.decode([t for t in ids["new_ids"] if t not in stops], skip_special_tokens=True)
     assert "qwen3, float32]" in err and f"[{len(ids['new_ids'])} tokens in" in err
 
@@ -106,7 +107,7 @@ def test_repo_id_from_the_hf_cache(capsys, tmp_path, monkeypatch):
     snap = tmp_path / "hub" / "models--tiny-org--tiny-qwen3" / "snapshots" / ("ab" * 20)
     shutil.copytree(QWEN3, snap)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    args = ("--prompt", "hello", "--max-new-tokens", "8", "--show-ids")
+    args = ("--prompt", "hello world", "--max-new-tokens", "6", "--show-ids")  # ARGS' shapes
     rc, out, err = run_generate(capsys, "--model", "tiny-org/tiny-qwen3", *args)
     assert rc == 0, err
     rc2, out2, _ = run_generate(capsys, "--model", str(QWEN3), *args)

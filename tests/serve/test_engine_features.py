@@ -40,12 +40,15 @@ def engine(model, tokenizer=None, lora=None, **kw):
 
 
 def test_sorted_keep_mask_matches_filter_logits():
-    logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+    logits = np.asarray(jax.random.normal(jax.random.key(0), (4, 50))) * 3
     params = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.7, 0.0), (10, 0.9, 0.1)]
-    order, _, keep = sorted_keep_mask(logits, jnp.array([p[0] for p in params]), jnp.array([p[1] for p in params]),
-                                      jnp.array([p[2] for p in params]))
+    # each jitted (one program per filter setting) instead of compiled op by op
+    order, _, keep = jax.jit(sorted_keep_mask)(logits, np.array([p[0] for p in params], np.int32),
+                                               np.array([p[1] for p in params], np.float32),
+                                               np.array([p[2] for p in params], np.float32))
+    filt = jax.jit(filter_logits, static_argnames=("top_k", "top_p", "min_p"))
     for r, (k, p, m) in enumerate(params):
-        ref = np.asarray(filter_logits(logits[r:r + 1], k, p, m)[0] > jnp.finfo(jnp.float32).min)
+        ref = np.asarray(filt(logits[r:r + 1], top_k=k, top_p=p, min_p=m)[0]) > np.finfo(np.float32).min
         got = np.zeros(50, bool)
         got[np.asarray(order[r])[np.asarray(keep[r])]] = True
         assert (got == ref).all(), r
@@ -71,18 +74,23 @@ def test_penalties_match_numpy():
 def test_greedy_and_seeded_rows_do_not_depend_on_the_batch():
     """Greedy rows are argmax in any mode; a seeded row draws the same token alone or in a batch, and a row
     without top-k / top-p / min-p the same token whether its batch sorts for another row's filter or not."""
-    logits = jax.random.normal(jax.random.key(1), (5, 64))
-    rows = dict(temperature=jnp.array([0.0, 1.0, 0.8, 0.0, 1.3]), top_k=jnp.array([0, 0, 8, 0, 0]),
-                top_p=jnp.array([1.0, 0.9, 1.0, 1.0, 1.0]), min_p=jnp.zeros(5),
-                seed=jnp.array([0, 7, 9, 0, 11], jnp.uint32), step=jnp.array([3, 3, 5, 3, 4]))
-    both = sample_batch(logits, rows, BatchMode(sample=True, filter=True, logprobs=True))
-    greedy = sample_batch(logits, rows, BatchMode())
-    assert both["ids"][0] == greedy["ids"][0] == jnp.argmax(logits[0])
-    alone = sample_batch(logits[1:2], {k: v[1:2] for k, v in rows.items()}, BatchMode(sample=True, filter=True))
-    assert alone["ids"][0] == both["ids"][1]
-    unfiltered = sample_batch(logits[4:], {k: v[4:] for k, v in rows.items()}, BatchMode(sample=True))
-    assert unfiltered["ids"][0] == both["ids"][4]
-    np.testing.assert_allclose(both["top_logprobs"][:, 0], jax.nn.log_softmax(logits).max(-1), rtol=1e-5)
+    logits = np.asarray(jax.random.normal(jax.random.key(1), (5, 64)))
+    rows = dict(temperature=np.array([0.0, 1.0, 0.8, 0.0, 1.3], np.float32),
+                top_k=np.array([0, 0, 8, 0, 0], np.int32),
+                top_p=np.array([1.0, 0.9, 1.0, 1.0, 1.0], np.float32), min_p=np.zeros(5, np.float32),
+                seed=np.array([0, 7, 9, 0, 11], np.uint32), step=np.array([3, 3, 5, 3, 4], np.int32))
+    # jitted as the runner calls it: one program per (shape, mode) instead of every op compiled eagerly
+    sample = jax.jit(sample_batch, static_argnames="mode")
+    both = sample(logits, rows, mode=BatchMode(sample=True, filter=True, logprobs=True))
+    greedy = sample(logits, rows, mode=BatchMode())
+    assert int(both["ids"][0]) == int(greedy["ids"][0]) == logits[0].argmax()
+    alone = sample(logits[1:2], {k: v[1:2] for k, v in rows.items()}, mode=BatchMode(sample=True, filter=True))
+    assert int(alone["ids"][0]) == int(both["ids"][1])
+    unfiltered = sample(logits[4:], {k: v[4:] for k, v in rows.items()}, mode=BatchMode(sample=True))
+    assert int(unfiltered["ids"][0]) == int(both["ids"][4])
+    z = logits - logits.max(-1, keepdims=True)  # numpy log-softmax
+    log_softmax = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(both["top_logprobs"])[:, 0], log_softmax.max(-1), rtol=1e-5)
 
 
 def test_invalid_sampling_values():

@@ -42,8 +42,15 @@ def hf_dirs(tmp_path_factory):
     return out
 
 
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
 def logits(model):
-    return np.asarray(model(jnp.asarray([PROMPT_IDS])))[0]
+    """Logits of PROMPT_IDS through one jitted forward: models of one structure (the HF-loaded and the f32 GGUF ones
+    of a family) share one compilation, where an eager call compiles the layer scan again for each model."""
+    return np.asarray(_forward(model, jnp.asarray([PROMPT_IDS])))[0]
 
 
 def test_qwen3moe_tensors_follow_llama_cpp(hf_dirs, tmp_path):
