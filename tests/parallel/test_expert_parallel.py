@@ -177,7 +177,8 @@ def check_capacity_is_per_expert_group():
     moe.capacity_factor = 0.5  # ceil(0.5 * 4*8*2 / 8) = 4 of the 64 assignments per expert and group: drops
     x = jax.random.normal(jax.random.key(3), (8, 8, 16))
     seg = _batch(8, 8, 64)[2]
-    halves = [jax.jit(lambda m, a, b: m(a, b))(moe, x[i:i + 4], seg[i:i + 4]) for i in (0, 4)]
+    apply = jax.jit(lambda m, a, b: m(a, b))  # one program for both halves (same shapes)
+    halves = [apply(moe, x[i:i + 4], seg[i:i + 4]) for i in (0, 4)]
     want_y = np.concatenate([np.asarray(h[0]) for h in halves])
     want_stats = jax.tree.map(lambda a, b: np.asarray(a) + np.asarray(b), halves[0][1], halves[1][1])
     assert want_stats.dropped > 0

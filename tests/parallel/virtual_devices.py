@@ -7,7 +7,7 @@ Modules of one device count can share ONE child (SHARED): `shared_child_results`
 in one process, once per pytest run (under xdist the workers share it through a locked file), and hands each
 module its own {check: result}, so every check still passes or fails under its own test name.
 
-    CHECKS = {"name": fn, ...}
+    CHECKS = {"name": fn, ...}   # a check that returns a value (JSON) hands it to the parent as results["name.value"]
 
     @pytest.fixture(scope="module")
     def child_results():
@@ -74,7 +74,8 @@ def run_child(script: str, *, devices: int, label: str, env: Mapping[str, str] |
 
 
 # device count -> the test modules whose CHECKS run in one shared child of that many devices
-SHARED = {8: ("tests.parallel.test_sharding", "tests.parallel.test_zero", "tests.parallel.test_expert_parallel")}
+SHARED = {8: ("tests.parallel.test_sharding", "tests.parallel.test_zero", "tests.parallel.test_expert_parallel",
+              "tests.train.test_sharded_training")}
 
 
 def shared_child_results(tmp_path_factory: pytest.TempPathFactory, module_file: str, devices: int,
@@ -100,15 +101,18 @@ def shared_child_results(tmp_path_factory: pytest.TempPathFactory, module_file: 
 
 
 def run_checks(checks: Mapping[str, Callable[[], None]], devices: int) -> dict[str, str]:
-    """In the child: every check, each one's failure caught and kept as its traceback."""
+    """In the child: every check, each one's failure caught and kept as its traceback; a value a check returns is
+    kept as results[f"{name}.value"] (for the parent to compare with what it computed itself)."""
     import jax
 
     results = {}
     for name, fn in checks.items():
         try:
             assert len(jax.devices()) == devices, f"child sees {len(jax.devices())} devices, expected {devices}"
-            fn()
+            value = fn()
             results[name] = "ok"
+            if value is not None:
+                results[f"{name}.value"] = value
         except Exception:  # reported to the parent, which fails that case with the traceback
             results[name] = traceback.format_exc()
     return results

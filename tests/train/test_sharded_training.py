@@ -1,58 +1,74 @@
 """The trainer on a data=2 x fsdp=2 x tensor=2 mesh of 8 virtual CPU devices gives the losses of the same
-global batches on one device (fp32; the sums over shards are taken in another order, hence a tolerance)."""
-import json
-import os
-import subprocess
-import sys
+global batches on one device (fp32; the sums over shards are taken in another order, hence a tolerance).
 
-import numpy as np
-import yaml
-
-from tests.train.conftest import ROOT
-
-SCRIPT = """
-import json, sys
-from surojax.config import load_config
-from surojax.train.trainer import Trainer
-t = Trainer(load_config(sys.argv[1]))
-losses = [t.step()["loss"] for _ in range(3)]
-shardings = {str(v.sharding.spec) for v in __import__("jax").tree.leaves(t.trainable)}
-print("RESULT " + json.dumps({"losses": losses, "devices": __import__("jax").device_count(),
-                              "specs": sorted(shardings)}))
+The 8-device run is a check of the one 8-device child that tests/parallel/virtual_devices.py shares with
+test_sharding, test_zero and test_expert_parallel (no process start-up of its own); the one-device reference trains
+in this process on the same config (but the mesh and the per-device batch) and compares the losses the check returns.
 """
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:  # the shared child imports this module
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from tests.parallel.virtual_devices import check_passed, shared_child_results  # noqa: E402
+from tests.train.conftest import TINY_QWEN3, TOKENIZER, write_text_data  # noqa: E402
+
+STEPS = 3
 
 
-def _one_device(config):
-    """The same script's result in this (one-device) process: no child start-up for the reference."""
+def _config(tmp: Path, **overrides) -> dict:
+    """tests/train/conftest.py's tiny fp32 from-scratch run (its tiny_config), 3 steps, no accumulation."""
+    cfg = {"from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": dict(TINY_QWEN3),
+           "output_dir": str(tmp / "out"), "recipe": "fp32", "recompute": "none",
+           "datasets": [{"path": str(write_text_data(tmp / "text.jsonl")), "type": "text"}],
+           "sequence_len": 64, "gradient_accumulation_steps": 1, "learning_rate": 3e-3,
+           "lr_scheduler_type": "constant", "max_steps": STEPS, "seed": 0}
+    return {**cfg, **overrides}
+
+
+def _losses(config: dict):
+    """(losses of STEPS steps, the trainer's device count, the specs of its trainable arrays)."""
     import jax
 
-    from surojax.config import load_config
+    from surojax.config import config_from_dict
     from surojax.train.trainer import Trainer
-    t = Trainer(load_config(str(config)))
-    losses = [t.step()["loss"] for _ in range(3)]
-    t.close()
-    return {"losses": losses, "devices": jax.device_count()}
+
+    t = Trainer(config_from_dict(config))
+    try:
+        losses = [float(t.step()["loss"]) for _ in range(STEPS)]
+        return losses, jax.device_count(), {str(v.sharding.spec) for v in jax.tree.leaves(t.trainable)}
+    finally:
+        t.close()
 
 
-def _run(config, devices):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(config)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.split("RESULT ", 1)[1])
+CHILD_CHECKS: dict = {}
 
 
-def test_data_fsdp_tensor_mesh_matches_one_device(tmp_path, tiny_config):
-    common = dict(max_steps=3, gradient_accumulation_steps=1, lr_scheduler_type="constant")
-    single = tmp_path / "single.yaml"
-    single.write_text(yaml.safe_dump(tiny_config(output_dir=str(tmp_path / "a"), per_device_train_batch_size=4,
-                                                 **common)))
-    sharded = tmp_path / "sharded.yaml"
-    sharded.write_text(yaml.safe_dump(tiny_config(output_dir=str(tmp_path / "b"), per_device_train_batch_size=1,
-                                                  parallel={"data": 2, "fsdp": 2, "tensor": 2}, **common)))
-    one, eight = _one_device(single), _run(sharded, 8)
-    assert one["devices"] == 1 and eight["devices"] == 8
-    assert any("fsdp" in s or "tensor" in s for s in eight["specs"])  # the parameters really are sharded
-    np.testing.assert_allclose(eight["losses"], one["losses"], rtol=2e-5)
-    assert one["losses"][2] < one["losses"][0]
+def check_trainer_on_data_2_fsdp_2_tensor_2():
+    """In the 8-device child: the trainer on the 2x2x2 mesh, 1 row per device (the global batch of 4 rows the
+    reference takes on one device) -> its losses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        losses, devices, specs = _losses(_config(Path(tmp), per_device_train_batch_size=1,
+                                                 parallel={"data": 2, "fsdp": 2, "tensor": 2}))
+    assert devices == 8
+    assert any("fsdp" in s or "tensor" in s for s in specs), specs  # the parameters really are sharded
+    return losses
+
+
+CHILD_CHECKS["check_trainer_on_data_2_fsdp_2_tensor_2"] = check_trainer_on_data_2_fsdp_2_tensor_2
+
+
+def test_data_fsdp_tensor_mesh_matches_one_device(tmp_path, tmp_path_factory):
+    one, devices, _ = _losses(_config(tmp_path, per_device_train_batch_size=4))  # before waiting for the child
+    assert devices == 1
+    results = shared_child_results(tmp_path_factory, __file__, devices=8)
+    name = "check_trainer_on_data_2_fsdp_2_tensor_2"
+    check_passed(results, name, "8 devices")
+    np.testing.assert_allclose(results[f"{name}.value"], one, rtol=2e-5)
+    assert one[2] < one[0]
