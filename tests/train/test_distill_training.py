@@ -26,10 +26,14 @@ from tests.train.conftest import FIXTURE_QWEN3 as TEACHER, distill_config
 
 TEACHER_ARCH = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+# The one-device student of the online runs: the teacher's architecture, 4 rows in one micro-batch. One shape for
+# the tests below (training, sidecar, sharded twin): their training step compiles once (the in-process jit cache /
+# the persistent cache) instead of once per test.
+ONE_DEVICE = dict(model_config=dict(TEACHER_ARCH), per_device_train_batch_size=4, gradient_accumulation_steps=1)
 
 
 def test_distillation_lowers_loss_and_kl(tiny_config):
-    cfg = config_from_dict(distill_config(tiny_config, max_steps=10, report_to=["jsonl"]))
+    cfg = config_from_dict(distill_config(tiny_config, max_steps=10, report_to=["jsonl"], **ONE_DEVICE))
     trainer = make_trainer(cfg)
     trainer.train()
     rows = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -56,7 +60,7 @@ def test_lora_student_equal_to_its_teacher_has_zero_kl(tiny_config):
 
 
 def test_precomputed_sidecar_gives_the_online_first_step(tiny_config, tmp_path):
-    d = distill_config(tiny_config, max_steps=1, report_to=[], validation_split_ratio=0.1)
+    d = distill_config(tiny_config, max_steps=1, report_to=[], validation_split_ratio=0.1, **ONE_DEVICE)
     d.pop("trainer")  # implied by `surojax distill`
     config_file = tmp_path / "distill.yaml"
     config_file.write_text(yaml.safe_dump(d))
@@ -111,7 +115,7 @@ def _safetensors_bytes_fp32(path: Path) -> int:
 
 
 def test_online_teacher_is_counted_and_a_run_it_overflows_is_refused(tiny_config, monkeypatch):
-    cfg = config_from_dict(distill_config(tiny_config, report_to=[]))
+    cfg = config_from_dict(distill_config(tiny_config, report_to=[], **ONE_DEVICE))
     trainer = make_trainer(cfg)  # CPU: no capacity known, nothing refused
     teacher, plan = trainer.teacher.memory, trainer.memory_plan
     summary = "\n".join(trainer.summary_lines())
@@ -149,17 +153,17 @@ def test_teacher_sharded_like_the_student_gives_the_one_device_step(tiny_config,
     """A student of the teacher's architecture on data 2 x fsdp 2 x tensor 2 (8 virtual CPU devices): every teacher
     weight has its student twin's sharding, and step 1's kl / loss equal one device's (fp32; sums over shards are
     taken in another order, hence 1e-5)."""
-    common = dict(model_config=dict(TEACHER_ARCH), max_steps=1, gradient_accumulation_steps=1, report_to=[])
-    one = make_trainer(config_from_dict(distill_config(tiny_config, per_device_train_batch_size=4,
-                                                       output_dir=str(tmp_path / "one"), **common)))
+    common = dict(ONE_DEVICE, max_steps=1, report_to=[])
+    one = make_trainer(config_from_dict(distill_config(tiny_config, output_dir=str(tmp_path / "one"), **common)))
     m1 = one.step()
     one.close()
     config = tmp_path / "sharded.yaml"
-    config.write_text(yaml.safe_dump(distill_config(tiny_config, per_device_train_batch_size=1,
+    config.write_text(yaml.safe_dump(distill_config(tiny_config, **{**common, "per_device_train_batch_size": 1},
                                                     parallel={"data": 2, "fsdp": 2, "tensor": 2},
-                                                    output_dir=str(tmp_path / "eight"), **common)))
+                                                    output_dir=str(tmp_path / "eight"))))
+    # the child compiles like this process (the suite's XLA_FLAGS kept, the device count appended)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()}
     r = subprocess.run([sys.executable, "-c", SHARDED_STEP, str(config)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -36,8 +36,9 @@ def _train(config, devices: int) -> list[float]:
         assert jax.device_count() == 1
         assert train_main(["--config", str(config)]) == 0
     else:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        # the child compiles like this process (the suite's XLA_FLAGS kept, the device count appended)
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
         r = subprocess.run([sys.executable, "-m", "surojax.train", "--config", str(config)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]

@@ -7,7 +7,10 @@ that is SIGKILLed once the last step's metrics are written, before its checkpoin
 uninterrupted run, and its metrics.jsonl rows are the reference. Its saves are waited for, so the resume point is
 always SAVE_STEPS (half-written checkpoints are tests/train/test_resume.py's subject). A fresh process running the
 same config with resume_from_checkpoint (reading only what the killed one left on disk) trains the steps
-after SAVE_STEPS again and must log them exactly as the killed process did, each step once.
+after SAVE_STEPS again and must log them exactly as the killed process did, each step once. The resumed run needs
+no process of its own (the killed one's memory is gone with it, whatever runs next): it runs in the test process,
+one child start-up fewer per case, and loads the killed child's programs from the persistent compilation cache
+when the suite sets one (scripts/test.sh) -- the child is pointed at that cache.
 
 GRPO runs num_iterations 2 with sampling at temperature 1: the checkpoint falls inside a generation batch (one
 update left on it), and the next generation's completions depend on the sampler's seeds and the prompt order, so
@@ -22,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from surojax.cli.train_script import main as train_main
 from surojax.train.checkpoints import Checkpointer
 
 from tests.train.conftest import FIXTURE_QWEN3, ROOT, distill_config, write_pairs
@@ -59,17 +63,18 @@ def _steps(out: Path) -> list[dict]:
 
 
 def _run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
-    """A fresh Python process in tmp_path (GRPO's reward module is there). Both processes of a case share one
-    persistent compilation cache in tmp_path: the resumed process loads the killed one's executables instead of
-    compiling them again (CPU compiles dominate this test's time)."""
+    """A fresh Python process in tmp_path (GRPO's reward module is there), on the suite's persistent compilation
+    cache when there is one (the resumed run in this process then loads its executables instead of compiling them
+    again: CPU compiles dominate this test's time), else on one in tmp_path."""
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path / "xla")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+           "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     return subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
 
 
 @pytest.mark.parametrize("case", [dpo, grpo, distill], ids=lambda f: f.__name__)
-def test_sigkill_then_resume_repeats_the_uninterrupted_run(case, tiny_config, tmp_path, request):
+def test_sigkill_then_resume_repeats_the_uninterrupted_run(case, tiny_config, tmp_path, request, capsys):
     cfg = {**case(tiny_config, tmp_path, request), **COMMON, "output_dir": str(tmp_path / "run")}
     run, run_yaml = tmp_path / "run", tmp_path / "run.yaml"
     run_yaml.write_text(yaml.safe_dump(cfg))
@@ -82,9 +87,9 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_run(case, tiny_config, tm
     assert not (run / "adapter").exists() and not (run / "model").exists()
 
     run_yaml.write_text(yaml.safe_dump({**cfg, "resume_from_checkpoint": True}))
-    resumed_run = _run(tmp_path, "-m", "surojax.train", "--config", str(run_yaml))
-    assert resumed_run.returncode == 0, resumed_run.stderr[-3000:]
-    assert f"at step {SAVE_STEPS}" in resumed_run.stderr
+    capsys.readouterr()
+    assert train_main(["--config", str(run_yaml)]) == 0  # GRPO: the working directory is tmp_path (grpo_config)
+    assert f"at step {SAVE_STEPS}" in capsys.readouterr().err
     resumed = _steps(run)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # each step once: the killed rows rewritten
     name = case.__name__

@@ -29,18 +29,24 @@ def _stack(rows):
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def _grads_and_update(batch_accum, opt):
+SGD = optax.sgd(1.0)  # the update is minus the gradient itself: compares the gradients directly
+_STEP = {}
+
+
+def _grads_and_update(batch_accum):
+    """One step of SGD(1.0) from the seed-0 model. One jitted step for the module: each batch shape (accumulation
+    count x micro-batch) compiles once, whichever test uses it first."""
     model = Decoder(CFG, rngs=nnx.Rngs(0))
     graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
-    step = make_train_step(graphdef, lm_loss, opt, donate=False)
-    new, _, metrics = step(trainable, frozen, opt.init(trainable), batch_accum, jax.random.key(0))
+    if "step" not in _STEP:
+        _STEP["step"] = make_train_step(graphdef, lm_loss, SGD, donate=False)
+    new, _, metrics = _STEP["step"](trainable, frozen, SGD.init(trainable), batch_accum, jax.random.key(0))
     return trainable, new, metrics
 
 
 def test_accumulation_4x2_equals_batch_8():
     batch = _stack(_rows(8, 16))
-    sgd = optax.sgd(1.0)  # the update is minus the gradient itself: compares the gradients directly
-    results = [_grads_and_update({k: v.reshape(a, 8 // a, 16) for k, v in batch.items()}, sgd) for a in (1, 4)]
+    results = [_grads_and_update({k: v.reshape(a, 8 // a, 16) for k, v in batch.items()}) for a in (1, 4)]
     (p0, big, m_big), (_, acc, m_acc) = results
     assert float(m_big["tokens"]) == float(m_acc["tokens"]) > 0
     np.testing.assert_allclose(float(m_big["loss"]), float(m_acc["loss"]), rtol=1e-6)
@@ -52,12 +58,14 @@ def test_accumulation_4x2_equals_batch_8():
 
 
 def test_accumulation_is_a_token_mean_not_a_mean_of_micro_batch_means():
-    """Micro-batches with very different supervised-token counts: the loss is sum / total count."""
-    rows = _rows(4, 16, seed=3)
-    rows[0]["loss_mask"][:] = 0
+    """Micro-batches with very different supervised-token counts: the loss is sum / total count. (4 micro-batches
+    of 2 rows: the shapes of the test above, so its compiled step is reused.)"""
+    rows = _rows(8, 16, seed=3)
+    for r in rows[:2]:
+        r["loss_mask"][:] = 0
     rows[0]["loss_mask"][0] = 1  # one supervised token in micro-batch 0
     batch = _stack(rows)
-    _, _, m = _grads_and_update({k: v.reshape(2, 2, 16) for k, v in batch.items()}, optax.sgd(0.0))
+    _, _, m = _grads_and_update({k: v.reshape(4, 2, 16) for k, v in batch.items()})
     model = Decoder(CFG, rngs=nnx.Rngs(0))
     # the whole batch's summed loss in one jitted call (not eager op-by-op), divided by its token count here
     total = nnx.jit(lambda m, b: lm_loss(m, b)[0])(model, {k: jnp.asarray(v) for k, v in batch.items()})
@@ -69,9 +77,10 @@ def test_packed_row_loss_and_grads_equal_unpacked_rows():
     rng = np.random.default_rng(7)
     seqs = [rng.integers(1, 64, size=k).tolist() for k in (5, 9, 7)]
     masks = [(rng.random(len(s)) > 0.2).tolist() for s in seqs]
-    unpacked = _stack([example_to_row(s, m, 10) for s, m in zip(seqs, masks)])
-    # pack the three into one row of 24 by hand (segment ids 1..3, per-segment positions)
-    packed = {k: np.zeros((1, 24), v.dtype) for k, v in unpacked.items()}
+    unpacked = _stack([example_to_row(s, m, 24) for s, m in zip(seqs, masks)])
+    # pack the three into one row of 24 by hand (segment ids 1..3, per-segment positions), then two all-padding
+    # rows: the same [3, 24] shape as the unpacked batch, so one compiled program computes both
+    packed = {k: np.zeros((3, 24), v.dtype) for k, v in unpacked.items()}
     at = 0
     for i, (s, m) in enumerate(zip(seqs, masks)):
         r = example_to_row(s, m, len(s))
@@ -84,7 +93,7 @@ def test_packed_row_loss_and_grads_equal_unpacked_rows():
         s, aux = lm_loss(m, b)
         return s, aux["tokens"]
 
-    # one jitted loss-and-gradient program per batch shape (eager op-by-op dispatch compiled every op alone)
+    # one jitted loss-and-gradient program for both batches (eager op-by-op dispatch compiled every op alone)
     loss_and_grad = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
     (s_u, n_u), g_u = loss_and_grad(model, {k: jnp.asarray(v) for k, v in unpacked.items()})
     (s_p, n_p), g_p = loss_and_grad(model, {k: jnp.asarray(v) for k, v in packed.items()})
