@@ -40,6 +40,8 @@ from fp8_gemm_check import fp8_used, gemm_census  # noqa: E402
 
 from surojax.bench.flops import PEAK_BF16_FLOPS, flop_targets, step_flops  # noqa: E402
 from surojax.bench.train_bench import BenchConfig, _peak_gib, build, place_batch, synthetic_batch  # noqa: E402
+from surojax.precision.fp8_matmul import dot_form  # noqa: E402
+from surojax.precision.fp8_scaling import cast_form  # noqa: E402
 
 WORKLOADS = {
     "qwen3-8b-full": dict(shape="qwen3-8b", mode="full", optimizer="adamw_8bit", optimizer_layerwise=True),
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
             keys = {**COMMON, **WORKLOADS[wl], **VARIANTS[var], **(SMOKE if args.smoke else {})}
             bc = BenchConfig(**keys)
             record = {"bench": "fp8_h200", "workload": wl, "variant": var,
-                      "config": {k: v for k, v in dataclasses.asdict(bc).items() if k in keys}}
+                      "config": {k: v for k, v in dataclasses.asdict(bc).items() if k in keys},
+                      "fp8_forms": {"dot": dot_form(), "cast": cast_form()}}  # SUROJAX_FP8_DOT / SUROJAX_FP8_CAST
             try:
                 record.update(measure(bc, args.steps, args.warmup, args.repeats))
                 if var == "bf16":
