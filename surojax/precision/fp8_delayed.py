@@ -31,11 +31,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.precision.fp8_matmul import _NN, _NT, _flat, _scaled_dot
-from surojax.precision.fp8_scaling import (E4M3, E5M2, amax, dequant_factor, quantize, quantize_both,
-                                           roll_amax_history, scale_from_amax)
+from surojax.precision.fp8_scaling import (E4M3, E5M2, amax, current_factor, dequant_factor, quantize,
+                                           quantize_both, roll_amax_history, spec)
 
 ROLES = ("x", "w", "dy")
-FORMAT_MAX = (448.0, 448.0, 57344.0)  # E4M3, E4M3, E5M2
+FORMATS = (E4M3, E4M3, E5M2)  # of x, W, dy
+FORMAT_MAX = tuple(spec(f).max for f in FORMATS)  # 448, 448, 57344
 
 
 class Fp8DelayedState(nnx.Variable):
@@ -60,7 +61,7 @@ def _factor(t: jax.Array, s: jax.Array, role: int, dtype) -> jax.Array:
     """The dequantisation factor of tensor t: 1 / s from the history, or (s == 0: no amax observed yet) t's own
     amax. A lax.cond, so the delayed branch's quantisation does not wait for a reduction over t."""
     return jax.lax.cond(s > 0, lambda: dequant_factor(s, dtype),
-                        lambda: dequant_factor(scale_from_amax(amax(t), FORMAT_MAX[role]), dtype))
+                        lambda: current_factor(t, FORMATS[role], dtype))
 
 
 @jax.custom_vjp

@@ -36,8 +36,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from surojax.precision.fp8_scaling import (E4M3, E5M2, amax, dequant_factor, dequantize, quantize_both,
-                                           quantize_current, scale_from_amax, spec)
+from surojax.precision.fp8_scaling import (E4M3, E5M2, current_factor, dequantize, quantize_both,
+                                           quantize_current)
 
 MARGIN = 0  # 2^-margin headroom in the scale (Transformer Engine's default)
 
@@ -96,7 +96,7 @@ def _backward_dx(g2, w_q, w_d, dtype):
 
 def _current_both(t, dtype, compute_dtype):
     """Current scaling: (q, q^T, d) from t's own amax."""
-    d = dequant_factor(scale_from_amax(amax(t), spec(dtype).max, margin=MARGIN), compute_dtype)
+    d = current_factor(t, dtype, compute_dtype, MARGIN)
     q, qt, _ = quantize_both(t, d, dtype)
     return q, qt, d
 

@@ -108,9 +108,14 @@ def cast_form() -> str:
     return form
 
 
+def current_factor(x: jax.Array, dtype, compute_dtype, margin: int = 0) -> jax.Array:
+    """Current scaling's dequantisation factor of x for the FP8 `dtype`: from x's own amax."""
+    return dequant_factor(scale_from_amax(amax(x), spec(dtype).max, margin=margin), compute_dtype)
+
+
 def quantize_current(x: jax.Array, dtype, compute_dtype, margin: int = 0) -> tuple[jax.Array, jax.Array]:
     """Current scaling: (q, d) from x's own amax."""
-    d = dequant_factor(scale_from_amax(amax(x), spec(dtype).max, margin=margin), compute_dtype)
+    d = current_factor(x, dtype, compute_dtype, margin)
     return quantize(x, d, dtype), d
 
 
@@ -199,4 +204,4 @@ def round_fp8_reference(x: jax.Array, fmt: str) -> jax.Array:
 
 
 __all__ = ["E4M3", "E5M2", "SPECS", "Fp8Spec", "spec", "scale_from_amax", "amax", "dequant_factor", "quantize",
-           "dequantize", "quantize_both", "cast_form", "quantize_current", "AmaxHistory", "AMAX_ALGOS", "roll_amax_history", "SCALINGS", "Fp8Settings", "round_fp8_reference"]
+           "dequantize", "quantize_both", "cast_form", "current_factor", "quantize_current", "AmaxHistory", "AMAX_ALGOS", "roll_amax_history", "SCALINGS", "Fp8Settings", "round_fp8_reference"]
