@@ -11,6 +11,13 @@ benchmarks/quant_matmul_h200.py found faster than dequantise-then-matmul: benchm
 rest. pallas forces the kernels (interpret mode off GPU: slow, for tests) and raises when a weight cannot
 take them (a format without a kernel, stacked leaves, K or N off the tiles); auto falls back to xla instead.
 
+Decode. With M <= DECODE_ROWS rows (one token per running sequence) the kernel runs in its decode form: a
+16-row tile, K split over programs (kernel.splits_for) so that the weight is read by enough SMs. auto takes it
+on GPU for a weight already in the kernel layout (`layout_is_free`: surojax.quant.laid_out, which a served model
+is converted to at load) when M <= DECODE_MAX_M[layout name], the crossover benchmarks/quant_matmul_h200.py
+--decode measured against XLA (dequantise-then-GEMV, or the plain GEMV for a bf16 weight). `decode_layouts()`
+says which layouts a server should convert.
+
 The weight is any pytree that has the `PackedWeight` methods (surojax.quant's formats do): the api never needs
 its class, only its dequantize (the xla path) and its KernelLayout (the kernels). The weight itself, not its
 layout, is the custom_vjps' residual: under a scan that is the scanned slice, nothing new is saved per layer.
@@ -27,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quant_matmul.kernel import Tiles, forward, transposed
+from pallas_kernels.quant_matmul.kernel import Tiles, forward, splits_for, transposed
 from pallas_kernels.quant_matmul.layout import KernelLayout, LayoutSpec
 
 
@@ -68,6 +75,32 @@ def tiles_for(spec: LayoutSpec) -> tuple[Tiles, Tiles]:
     return TUNED_TILES.get(spec.name, DEFAULT_TILES)
 
 
+# The decode form: M <= DECODE_ROWS rows, one 16-row tile, K split (kernel.splits_for). DECODE_MAX_M maps a layout
+# name (a format's LayoutSpec.name, or "bfloat16" for a plain weight) to the largest M at which auto takes the
+# kernel; a layout not listed stays on XLA at every M. Filled from benchmarks/quant_matmul_h200.py --decode.
+DECODE_ROWS = 64
+DECODE_MAX_M: dict[str, int] = {}
+DECODE_TILES = Tiles(bm=64, bn=64, kt=128, num_warps=4, num_stages=4)  # bm shrinks to M's power of 2 (>= 16)
+TUNED_DECODE_TILES: dict[str, Tiles] = {}
+
+
+def decode_tiles(spec: LayoutSpec) -> Tiles:
+    return TUNED_DECODE_TILES.get(spec.name, DECODE_TILES)
+
+
+def decode_layouts(mode: str | None = None) -> frozenset[str]:
+    """The layouts a server should convert its weights to (surojax.quant.laid_out.lay_out_model) so that decode
+    takes the kernel: under auto on a GPU those with a measured crossover, under pallas every one ("*": every
+    quantised format with a kernel, plus the plain dtypes), none under xla or off GPU in auto."""
+    mode = mode or matmul_mode()
+    if mode == "xla" or (mode == "auto" and not on_gpu()):
+        return frozenset()
+    if mode == "auto":
+        return frozenset(name for name, m in DECODE_MAX_M.items() if m > 0)
+    from pallas_kernels.quant_matmul.layout import PLAIN
+    return frozenset({"*"} | set(PLAIN))
+
+
 def matmul_mode() -> str:
     """The path SUROJAX_QUANT_MATMUL asks for: "auto" (unset or empty), "pallas" or "xla"; ValueError otherwise."""
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
@@ -88,6 +121,7 @@ class KernelOptions:
     fwd: Tiles
     bwd: Tiles
     interpret: bool = False
+    splits: int = 1          # K splits of the forward (the decode form)
 
 
 def _zero_cotangent(a):
@@ -126,7 +160,7 @@ xla_matmul.defvjp(_xla_fwd, _xla_bwd)
 
 def _fused(x, w, opts):
     lw = w.kernel_layout(opts.fwd.kt)
-    y = forward(x.reshape(-1, x.shape[-1]), lw, tiles=opts.fwd, interpret=opts.interpret)
+    y = forward(x.reshape(-1, x.shape[-1]), lw, tiles=opts.fwd, interpret=opts.interpret, splits=opts.splits)
     return y.reshape(*x.shape[:-1], -1)
 
 
@@ -150,29 +184,48 @@ def _fused_bwd(opts, w, g):
 fused_matmul.defvjp(_fused_fwd, _fused_bwd)
 
 
-def choose(w: PackedWeight, mode: str | None = None) -> str:
-    """'pallas' or 'xla' for weight w under `mode` (default: the env var). Raises in mode pallas when the weight
-    cannot take the kernels."""
+def _tiles(w: PackedWeight, m: int | None) -> tuple[Tiles, Tiles]:
+    spec = w.kernel_spec
+    fwd, bwd = tiles_for(spec) if spec is not None else DEFAULT_TILES
+    if spec is not None and m is not None and m <= DECODE_ROWS:
+        fwd = dataclasses.replace(decode_tiles(spec), kt=fwd.kt)
+    kt = getattr(w, "kt", None)          # a weight already laid out fixes the K tile
+    if kt is not None:
+        fwd, bwd = dataclasses.replace(fwd, kt=kt), dataclasses.replace(bwd, kt=kt)
+    return fwd, bwd
+
+
+def choose(w: PackedWeight, mode: str | None = None, m: int | None = None) -> str:
+    """'pallas' or 'xla' for weight w under `mode` (default: the env var) at M = m rows (None: unknown). Raises
+    in mode pallas when the weight cannot take the kernels."""
     mode = mode or matmul_mode()
     if mode == "xla":
         return "xla"
     spec = w.kernel_spec
-    fwd, bwd = tiles_for(spec) if spec is not None else DEFAULT_TILES
+    fwd, bwd = _tiles(w, m)
     err = w.kernel_layout_error(fwd.kt) or (w.kernel_layout_error(bwd.kt) if bwd.kt != fwd.kt else None)
     if mode == "pallas":
         if err:
             raise ValueError(f"{ENV}=pallas: {err}")
         return "pallas"
-    return "pallas" if on_gpu() and not err and spec.name in AUTO_PALLAS else "xla"
+    if not on_gpu() or err:
+        return "xla"
+    if m is not None and getattr(w, "layout_is_free", False) and m <= DECODE_MAX_M.get(spec.name, 0):
+        return "pallas"
+    return "pallas" if spec.name in AUTO_PALLAS else "xla"
 
 
 def quant_matmul(x: jax.Array, w: PackedWeight, mode: str | None = None) -> jax.Array:
-    """x [..., K] @ W [K, N] -> [..., N] in x's dtype, by the path `choose` picks."""
-    if choose(w, mode) == "xla":
+    """x [..., K] @ W [K, N] -> [..., N] in x's dtype, by the path `choose` picks (the decode form of the kernel
+    for M <= DECODE_ROWS rows)."""
+    m = int(np.prod(x.shape[:-1]))
+    if choose(w, mode, m) == "xla":
         return xla_matmul(x, w)
-    fwd, bwd = tiles_for(w.kernel_spec)
-    return fused_matmul(x, w, KernelOptions(fwd, bwd, interpret=not on_gpu()))
+    fwd, bwd = _tiles(w, m)
+    splits = splits_for(m, x.shape[-1], w.shape[-1], fwd) if m <= DECODE_ROWS else 1
+    return fused_matmul(x, w, KernelOptions(fwd, bwd, interpret=not on_gpu(), splits=splits))
 
 
-__all__ = ["AUTO_PALLAS", "DEFAULT_TILES", "ENV", "KernelOptions", "PackedWeight", "TUNED_TILES", "choose",
+__all__ = ["AUTO_PALLAS", "DECODE_MAX_M", "DECODE_ROWS", "DECODE_TILES", "DEFAULT_TILES", "ENV", "KernelOptions",
+           "PackedWeight", "TUNED_DECODE_TILES", "TUNED_TILES", "choose", "decode_layouts", "decode_tiles",
            "fused_matmul", "matmul_mode", "on_gpu", "quant_matmul", "tiles_for", "xla_matmul"]

@@ -12,6 +12,14 @@ the second (the layout's half-split), so a tile is two dots and never needs an i
 Shapes: M is padded up to the row tile (any M works); K must be a multiple of kt and N of the column tile
 (layout_error says why not); the tile sizes must be powers of 2 (Triton). Each program re-decodes its weight
 tiles: the decode work is (M / bm) x the weight size, which is why bm should be large (128-256).
+
+Decode (few rows, M <= 64: one token per running sequence) is the other regime: one row tile, and only N / bn
+programs, too few to keep 132 SMs reading the weight. `forward(..., splits=S)` splits K as well:
+
+    grid (M/bm, N/bn, S); program (i, j, s) sums K tiles [s K/S, (s+1) K/S) into fp32 partials p [S, M, N]
+    y = sum_s p[s]  (one small XLA reduction, fp32, then the cast)
+
+so every weight byte is still read once, by (N/bn) x S programs. `splits_for` picks S.
 """
 from __future__ import annotations
 
@@ -64,6 +72,8 @@ def _rows(s: jax.Array, group: int) -> jax.Array:
 
 def _decode(code, scale, offset, spec: LayoutSpec, dtype):
     """code [R, bn], scale/offset [R/G, bn] -> W tile [R, bn] in dtype (float32 math as the format's)."""
+    if not spec.group:                                # unscaled (plain_layout): the code is the value
+        return spec.decode(code).astype(dtype)
     w = spec.decode(code) * _rows(scale, spec.group)
     if spec.has_offset:
         w = w - _rows(offset, spec.group)
@@ -84,10 +94,21 @@ def _tile(q_ref, s_ref, o_ref, t, cols, spec: LayoutSpec, kt: int, dtype):
         codes = (q_ref[pl.ds(t * kt, kt), cols],)
     out = []
     for h, code in enumerate(codes):
+        if not g:
+            out.append((_decode(code, None, None, spec, dtype), h * rows))
+            continue
         srows = pl.ds(t * (kt // g) + h * (rows // g), rows // g)
         off = o_ref[srows, cols] if spec.has_offset else None
         out.append((_decode(code, s_ref[srows, cols], off, spec, dtype), h * rows))
     return out
+
+
+def _refs(rest, spec: LayoutSpec):
+    """The kernel's refs after x and the codes -> (scale, offset, out); None for what the format lacks."""
+    rest = list(rest)
+    s_ref = rest.pop(0) if spec.group else None
+    o_ref = rest.pop(0) if spec.has_offset else None
+    return s_ref, o_ref, rest[0]
 
 
 def _dot(a, b, contract: tuple[int, int]):
@@ -96,10 +117,10 @@ def _dot(a, b, contract: tuple[int, int]):
                                preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: LayoutSpec, kt: int, n_k: int, swap: bool):
+def _forward_kernel(x_ref, q_ref, *rest, spec: LayoutSpec, kt: int, n_k: int, swap: bool):
     """y tile [bm, bn] = sum over K tiles of x [bm, kt] @ w [kt, bn]; with swap the accumulator is y^T [bn, bm]
     = w^T @ x^T (on Hopper the left wgmma operand may stay in registers, where the decoded tile is)."""
-    o_ref, y_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
+    s_ref, o_ref, y_ref = _refs(rest, spec)
     bm, bn = y_ref.shape
 
     def step(t, acc):
@@ -112,10 +133,10 @@ def _forward_kernel(x_ref, q_ref, s_ref, *rest, spec: LayoutSpec, kt: int, n_k: 
     y_ref[...] = (acc.T if swap else acc).astype(y_ref.dtype)
 
 
-def _transposed_kernel(g_ref, q_ref, s_ref, *rest, spec: LayoutSpec, kt: int, bn: int, n_n: int, swap: bool):
+def _transposed_kernel(g_ref, q_ref, *rest, spec: LayoutSpec, kt: int, bn: int, n_n: int, swap: bool):
     """dx tile [bm, kt] = sum over N tiles of g [bm, bn] @ w[kt, bn]^T (one accumulator per half of the K tile
     for 4-bit codes); with swap the accumulators are dx^T = w @ g^T, the decoded tile the left operand as is."""
-    o_ref, dx_ref = (rest[0], rest[1]) if spec.has_offset else (None, rest[0])
+    s_ref, o_ref, dx_ref = _refs(rest, spec)
     bm = dx_ref.shape[0]
     n_parts = 2 if spec.nibble else 1
     width = kt // n_parts
@@ -159,12 +180,35 @@ def _pad_rows(a: jax.Array, bm: int) -> jax.Array:
 
 
 def _weight_args(lw: KernelLayout):
-    return (lw.codes, lw.scale) + ((lw.offset,) if lw.spec.has_offset else ())
+    return (lw.codes,) + ((lw.scale,) if lw.spec.group else ()) + ((lw.offset,) if lw.spec.has_offset else ())
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "out_dtype"))
-def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: bool = False, out_dtype=None):
-    """y [M, N] = x [M, K] @ W. x in the compute dtype (bf16); y in out_dtype (default x's dtype)."""
+def _scale_specs(spec: LayoutSpec, rows: int, cols: int, index) -> list:
+    """BlockSpecs of the scale and offset blocks covering `rows` values along K (none for an unscaled spec)."""
+    if not spec.group:
+        return []
+    return [pl.BlockSpec((rows // spec.group, cols), index)] * (2 if spec.has_offset else 1)
+
+
+def splits_for(m: int, k: int, n: int, tiles: Tiles, programs: int = 264) -> int:
+    """K splits S for the forward at M rows: the smallest divisor of the K tile count whose grid
+    (row tiles x N/bn x S) reaches `programs` (default two per SM of an H200), else the whole count (one K tile
+    per program). 1 when the row and column tiles alone give that many programs (training-sized M)."""
+    tiles = fit_tiles(tiles, m, n)
+    base = -(-max(m, 1) // tiles.bm) * (n // tiles.bn)
+    n_k = k // tiles.kt
+    for s in range(1, n_k + 1):
+        if n_k % s == 0 and base * s >= programs:
+            return s
+    return n_k
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "out_dtype", "splits"))
+def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: bool = False, out_dtype=None,
+            splits: int = 1):
+    """y [M, N] = x [M, K] @ W. x in the compute dtype (bf16); y in out_dtype (default x's dtype). splits = S > 1
+    splits K over S programs per output tile (fp32 partials, summed after: the decode form, module docstring);
+    S must divide the K tile count K / kt."""
     m, k = x.shape
     kk, n = lw.shape
     if k != kk:
@@ -172,23 +216,33 @@ def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: b
     tiles = fit_tiles(tiles, m, n)
     _check(lw, tiles, tiles.bn)
     bm, bn, kt = tiles.bm, tiles.bn, tiles.kt
+    if splits < 1 or (k // kt) % splits:
+        raise ValueError(f"splits={splits} must divide the {k // kt} K tiles of K={k} (kt={kt})")
     spec = lw.spec
     xp = _pad_rows(x, bm)
-    code_rows = k // 2 if spec.nibble else k
-    w_specs = [pl.BlockSpec((code_rows, bn), lambda i, j: (0, j)), pl.BlockSpec((k // spec.group, bn),
-                                                                                 lambda i, j: (0, j))]
-    if spec.has_offset:
-        w_specs.append(pl.BlockSpec((k // spec.group, bn), lambda i, j: (0, j)))
+    ks = k // splits                                       # K values per program
+    code_rows = ks // 2 if spec.nibble else ks
+    w_specs = [pl.BlockSpec((code_rows, bn), lambda i, j, s: (s, j))]
+    w_specs += _scale_specs(spec, ks, bn, lambda i, j, s: (s, j))
+    rows = xp.shape[0]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype)
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+    else:
+        out_shape = jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
     y = pl.pallas_call(
-        functools.partial(_forward_kernel, spec=spec, kt=kt, n_k=k // kt, swap=tiles.swap),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype or x.dtype),
-        grid=(xp.shape[0] // bm, n // bn),
-        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0))] + w_specs,
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        functools.partial(_forward_kernel, spec=spec, kt=kt, n_k=ks // kt, swap=tiles.swap),
+        out_shape=out_shape,
+        grid=(rows // bm, n // bn, splits),
+        in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s))] + w_specs,
+        out_specs=out_spec,
         compiler_params=_compiler_params(tiles, interpret),
         interpret=interpret,
-        name=f"qmm_{lw.spec.name}_fwd",
+        name=f"qmm_{lw.spec.name}_fwd" + (f"_split{splits}" if splits > 1 else ""),
     )(xp, *_weight_args(lw))
+    if splits > 1:
+        y = y.sum(axis=0).astype(out_dtype or x.dtype)
     return y[:m]
 
 
@@ -205,10 +259,8 @@ def transposed(g: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret
     spec = lw.spec
     gp = _pad_rows(g, bm)
     code_rows = kt // 2 if spec.nibble else kt
-    w_specs = [pl.BlockSpec((code_rows, n), lambda i, t: (t, 0)),
-               pl.BlockSpec((kt // spec.group, n), lambda i, t: (t, 0))]
-    if spec.has_offset:
-        w_specs.append(pl.BlockSpec((kt // spec.group, n), lambda i, t: (t, 0)))
+    w_specs = [pl.BlockSpec((code_rows, n), lambda i, t: (t, 0))]
+    w_specs += _scale_specs(spec, kt, n, lambda i, t: (t, 0))
     dx = pl.pallas_call(
         functools.partial(_transposed_kernel, spec=spec, kt=kt, bn=bn, n_n=n // bn, swap=tiles.swap),
         out_shape=jax.ShapeDtypeStruct((gp.shape[0], k), out_dtype or g.dtype),
@@ -222,4 +274,4 @@ def transposed(g: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret
     return dx[:m]
 
 
-__all__ = ["Tiles", "fit_tiles", "forward", "transposed"]
+__all__ = ["Tiles", "fit_tiles", "forward", "splits_for", "transposed"]

@@ -6,6 +6,8 @@ rows of every array (K on the row axis, N contiguous), with the format's byte se
                              k = t*kt + kt/2 + r in its HIGH nibble, so a kernel unpacks a [kt/2, bn] byte tile
                              into the two contiguous halves of its K tile (two dots, no interleave)
             [K, N]   uint8 / int8 / float8_e4m3fn   "byte" formats (one code per byte)
+            [K, N]   bfloat16 / float16 / float32   an unquantised weight as is (`plain_layout`, group 0: no
+                             scale, no offset; the decode-shaped kernels serve plain models through it)
     scale   [K/G, N] float32 one scale per G consecutive values of a column (G = the format's block along K)
     offset  [K/G, N] float32 the subtracted minimum (formats with `has_offset`), else None
 
@@ -75,9 +77,10 @@ class Table16:
 @dataclasses.dataclass(frozen=True)
 class LayoutSpec:
     """How one format decodes in the kernels. name: the format's name (labels the kernels, keys the tuning
-    tables); nibble: two 4-bit codes per byte (else one code per byte); group: values per scale along K (G);
-    has_offset: an offset array is subtracted after the scale; decode: code -> float32 (decode_integer, e2m1,
-    a Table16, or another hashable jnp function that Triton can lower)."""
+    tables); nibble: two 4-bit codes per byte (else one code per byte); group: values per scale along K (G), 0
+    for an unscaled weight (plain_layout: no scale array, the code is the value); has_offset: an offset array is
+    subtracted after the scale; decode: code -> float32 (decode_integer, e2m1, a Table16, or another hashable
+    jnp function that Triton can lower)."""
 
     name: str
     nibble: bool
@@ -102,7 +105,7 @@ class KernelLayout:
 def layout_error(spec: LayoutSpec, shape: tuple[int, int], kt: int) -> str | None:
     """Why a [K, N] = shape weight of this spec cannot use the fused kernels with K tile `kt` (None: it can)."""
     k, n = shape
-    g = spec.group
+    g = spec.group or 1
     if kt & (kt - 1) or kt < 16 or kt % g or (spec.nibble and (kt // 2) % g):
         return f"{spec.name}: K tile kt={kt} must be a power of 2, >= 16, and a multiple of the block {g} " \
                f"(of 2*{g} for 4-bit codes)"
@@ -111,6 +114,21 @@ def layout_error(spec: LayoutSpec, shape: tuple[int, int], kt: int) -> str | Non
     if n % 16:
         return f"{spec.name}: N={n} (the output dim) must be a multiple of 16"
     return None
+
+
+PLAIN = {name: LayoutSpec(name, nibble=False, group=0, has_offset=False, decode=decode_integer)
+         for name in ("bfloat16", "float16", "float32")}
+
+
+def plain_layout(w_kn: jax.Array, kt: int = 128) -> KernelLayout:
+    """An unquantised [K, N] weight (bf16 / fp16 / fp32) as a KernelLayout: the codes are the weight itself, no
+    scale, so the kernels (the decode form above all) run on plain weights too. No copy is made."""
+    k, n = w_kn.shape
+    spec = PLAIN[jnp.dtype(w_kn.dtype).name]
+    err = layout_error(spec, (k, n), kt)
+    if err:
+        raise ValueError(err)
+    return KernelLayout(codes=w_kn, scale=None, offset=None, spec=spec, shape=(k, n), kt=kt)
 
 
 def _pair_halves(codes_kn: jax.Array, kt: int) -> jax.Array:
@@ -142,5 +160,5 @@ def to_layout(spec: LayoutSpec, codes_nk: jax.Array, scale_nk: jax.Array, offset
                         kt=kt)
 
 
-__all__ = ["KernelLayout", "LayoutSpec", "Table16", "decode_integer", "e2m1", "layout_error", "lookup16",
-           "to_layout"]
+__all__ = ["KernelLayout", "LayoutSpec", "PLAIN", "Table16", "decode_integer", "e2m1", "layout_error", "lookup16",
+           "plain_layout", "to_layout"]

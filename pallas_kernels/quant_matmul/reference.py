@@ -19,6 +19,8 @@ def dequantize_layout(lw: KernelLayout) -> jax.Array:
     if spec.nibble:
         c = codes.reshape(k // lw.kt, 1, lw.kt // 2, n)
         codes = jnp.concatenate([c & 0x0F, c >> 4], axis=1).reshape(k, n)
+    if not spec.group:                                  # plain_layout: the codes are the values
+        return spec.decode(codes)
     rows = lambda a: jnp.repeat(a, spec.group, axis=0)  # noqa: E731  [K/G, N] -> [K, N]
     w = spec.decode(codes) * rows(lw.scale)
     if spec.has_offset:

@@ -15,9 +15,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quant_matmul.api import decode_layouts
 from surojax.generation.loop import eos_ids
 from surojax.model_loader import load_model_ref
 from surojax.peft.multi_lora import AdapterSlots
+from surojax.quant.laid_out import lay_out_model
 from surojax.serve.api_server import ServerState, build_app
 from surojax.serve.async_engine import AsyncEngine
 from surojax.serve.config import ServeConfig, SpecMethod
@@ -41,6 +43,17 @@ def load_for_serving(config: ServeConfig):
     return loaded.model, loaded.tokenizer, loaded.ref.tokenizer_dir, config.served_model_name or loaded.ref.name
 
 
+def decode_weights(model) -> dict[str, int]:
+    """Convert, in place, the model's Linear kernels whose decode GEMVs take the fused kernel into its layout
+    (surojax.quant.laid_out): the layouts `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU
+    those whose measured crossover DECODE_MAX_M is above 0). Idempotent. -> {layout: kernels converted}."""
+    done = lay_out_model(model, decode_layouts())
+    if done:
+        log.info("decode kernels: weights laid out once for the fused decode GEMV: %s",
+                 ", ".join(f"{k} x{v}" for k, v in sorted(done.items())))
+    return done
+
+
 def load_draft(config: ServeConfig):
     """The speculative draft model named by the config (None unless the method is 'draft'), in the server's
     dtype and attention backend."""
@@ -61,10 +74,14 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
         model, tokenizer, model_dir, name = load_for_serving(config)
     else:
         name = config.served_model_name or "model"
+    decode_weights(model)
     lora = None
     if config.lora is not None:
         lora = AdapterSlots(model, max_loras=config.lora.max_loras, max_rank=config.lora.max_rank)
-    engine = Engine(model, config.engine, tokenizer=tokenizer, lora=lora, draft_model=load_draft(config))
+    draft = load_draft(config)
+    if draft is not None:
+        decode_weights(draft)
+    engine = Engine(model, config.engine, tokenizer=tokenizer, lora=lora, draft_model=draft)
     for lname, lpath in config.lora.modules if config.lora is not None else ():
         engine.load_lora(lname, lpath)
     resolved = engine.config

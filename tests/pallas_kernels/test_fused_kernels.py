@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kernel_weights import KERNEL_FORMATS, make_weight
-from pallas_kernels.quant_matmul.kernel import Tiles, forward, transposed
+from pallas_kernels.quant_matmul.kernel import Tiles, forward, splits_for, transposed
+from pallas_kernels.quant_matmul.layout import plain_layout
 from pallas_kernels.quant_matmul.reference import forward_ref, transposed_ref
 
 K, N, M = 256, 64, 40          # M = 40 is ragged for bm = 32: padded to 64 rows, sliced back
@@ -85,6 +86,28 @@ def test_swapped_tiles_and_few_rows(name):
     assert dx.dtype == jnp.bfloat16 and dx.shape == (3, K)
     diff = np.abs(np.asarray(dx, np.float32) - np.asarray(dx_ref, np.float32))
     assert np.all(diff <= _bf16_ulp(dx_ref) + _bound(g, wd.T))
+
+
+@pytest.mark.parametrize("name", ["q4_k", "nf4", "bfloat16"])  # nibble + offset, table, a plain weight
+def test_decode_form_splits_k(name):
+    """The decode form: M = 1 and 5 rows (one 16-row tile), K split over 2 and 4 programs (fp32 partials summed
+    after); a plain bf16 weight through plain_layout. The bound as above, the split only reorders the sums."""
+    if name == "bfloat16":
+        wd = np.asarray(jnp.asarray(np.random.default_rng(6).standard_normal((512, N)), jnp.bfloat16), np.float32)
+        lw, ref = plain_layout(jnp.asarray(wd, jnp.bfloat16)), lambda x: x.astype(jnp.float32) @ wd
+    else:
+        w = make_weight(name, 512, N, seed=6)
+        lw, wd = w.kernel_layout(128), np.asarray(w.dequantize(jnp.bfloat16), np.float32)
+        ref = lambda x: _dot(x, w, jnp.float32)  # noqa: E731
+    tiles = Tiles(bm=64, bn=32, kt=128)
+    for m, splits in ((1, 4), (5, 2)):
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 512)), jnp.bfloat16)
+        y = forward(x, lw, tiles=tiles, interpret=True, out_dtype=jnp.float32, splits=splits)
+        assert y.shape == (m, N) and y.dtype == jnp.float32
+        assert np.all(np.abs(np.asarray(y) - np.asarray(ref(x))) <= 2 * _bound(x, wd))
+    assert splits_for(1, 512, N, tiles) == 4 and splits_for(1, 512, N, tiles, programs=4) == 2
+    with pytest.raises(ValueError, match="splits=3 must divide the 4 K tiles"):
+        forward(x, lw, tiles=tiles, interpret=True, splits=3)
 
 
 def test_bad_shapes_and_tiles_are_rejected():

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.quant_matmul.kernel import Tiles, forward, transposed
+from pallas_kernels.quant_matmul.layout import plain_layout
 from surojax.quant.random_weights import random_weight
 
 H200 = jax.sharding.AbstractMesh(
@@ -34,3 +35,9 @@ def test_kernels_lower_to_triton_for_an_h200(name):
         x, g = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((m, n), jnp.bfloat16)
         assert TRITON in _lower(lambda x, lw: forward(x, lw, tiles=tiles), x, lw)
         assert TRITON in _lower(lambda g, lw: transposed(g, lw, tiles=tiles), g, lw)
+        # the decode form: 8 rows, K split in 4 (fp32 partials), and a plain bf16 weight through it
+        x1 = jnp.zeros((8, k), jnp.bfloat16)
+        decode = Tiles(64, 64, tiles.kt, 4, 4)
+        assert TRITON in _lower(lambda x, lw: forward(x, lw, tiles=decode, splits=4 // (tiles.kt // 128)), x1, lw)
+    plain = plain_layout(jnp.zeros((k, n), jnp.bfloat16))
+    assert TRITON in _lower(lambda x, lw: forward(x, lw, tiles=Tiles(64, 64, 128, 4, 4), splits=4), x1, plain)

@@ -1,0 +1,138 @@
+"""LaidOut: a weight kept in the fused kernels' layout (pallas_kernels.quant_matmul.layout), for serving.
+
+Every quantised format hands its values to the kernels through `kernel_layout(kt)`, a jnp pass over the packed
+bytes. Training pays it once per step per layer, next to GEMMs of M = 8192 rows. A decode step is the other way
+round: M is the number of running sequences (1-64), the GEMV reads each weight once, and the re-layout would
+read and write every byte again on every token. So a served model converts each weight that the decode kernel
+will take once, at load (`lay_out_model`), into a LaidOut: the KernelLayout's arrays with the stacked layers axis
+first, as the decoder's scan slices any parameter.
+
+    data    codes  [..., K/2 or K, N]   (the layout's codes; for a plain weight the weight itself)
+    scale   [..., K/G, N] float32 or None, offset the same or None
+    spec, shape (K, N), kt              static: the layout's
+    source                              static: the format it was laid out from (logs, errors)
+
+It is a PackedWeight (pallas_kernels.quant_matmul.api): `dequantize` decodes the layout (bit-identical to the
+source format's own dequantize: the layout's contract, tested per format), so prefill and any M above the
+decode crossover run the XLA path unchanged; `kernel_layout(kt)` costs nothing (`layout_is_free`), which is
+what lets `quant_matmul`'s auto dispatch pick the decode kernel for small M. Memory: 4-bit formats keep float32
+scales (and offsets) per block in the layout: Q4_K 6 bits per weight instead of 4.5, NF4 5 instead of ~4.1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec, layout_error, plain_layout
+from pallas_kernels.quant_matmul.reference import dequantize_layout
+from surojax.quant.base import QuantFormat
+
+
+@dataclasses.dataclass(frozen=True)
+class LaidOut(QuantFormat):
+    data: jax.Array
+    scale: jax.Array | None
+    offset: jax.Array | None
+    spec: LayoutSpec = dataclasses.field(metadata={"static": True})
+    shape: tuple[int, int] = dataclasses.field(metadata={"static": True})
+    kt: int = dataclasses.field(metadata={"static": True})
+    source: str = dataclasses.field(metadata={"static": True})
+
+    layout_is_free = True   # kernel_layout is these arrays: quant_matmul may take the decode kernel for small M
+    name = "laid_out"       # not in FORMATS: made from a loaded weight (lay_out), never quantised from floats
+
+    @property
+    def kernel_spec(self) -> LayoutSpec:
+        return self.spec
+
+    def _layout(self) -> KernelLayout:
+        return KernelLayout(codes=self.data, scale=self.scale, offset=self.offset, spec=self.spec,
+                            shape=self.shape, kt=self.kt)
+
+    def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
+        """-> [..., K, N] in dtype: the layout decoded (leading, stacked axes pass through)."""
+        f = lambda d, s, o: dequantize_layout(dataclasses.replace(self._layout(), codes=d, scale=s, offset=o))  # noqa: E731
+        for _ in range(self.data.ndim - 2):
+            f = jax.vmap(f)
+        return f(self.data, self.scale, self.offset).astype(dtype)
+
+    def kernel_layout_error(self, kt: int) -> str | None:
+        if self.data.ndim != 2:
+            return (f"laid_out ({self.source}): the fused kernel takes one layer's weight; this one has "
+                    f"{self.data.ndim - 2} leading (stacked) axes (the decoder's scan slices them off)")
+        if kt != self.kt:
+            return f"laid_out ({self.source}): laid out with K tile {self.kt}, asked for {kt}"
+        return None
+
+    def kernel_layout(self, kt: int | None = None) -> KernelLayout:
+        err = self.kernel_layout_error(self.kt if kt is None else kt)
+        if err:
+            raise ValueError(err)
+        return self._layout()
+
+    def __repr__(self) -> str:
+        return f"LaidOut({self.source}, {self.spec.name}, data={self.data.dtype}{list(self.data.shape)})"
+
+
+jax.tree_util.register_dataclass(LaidOut, data_fields=["data", "scale", "offset"],
+                                 meta_fields=["spec", "shape", "kt", "source"])
+
+
+def lay_out(w, kt: int = 128) -> LaidOut | None:
+    """One stacked weight ([..., K, N] plain array or a QuantFormat with a kernel) -> LaidOut, or None when the
+    kernels cannot take it (no kernel for its format, or K / N off the tiles). One jitted pass over its bytes."""
+    if isinstance(w, LaidOut):
+        return w
+    if isinstance(w, QuantFormat):
+        spec = w.kernel_spec
+        if spec is None or layout_error(spec, w.shape, kt):
+            return None
+        per_layer, source = (lambda v: v.kernel_layout(kt)), w.name
+    else:
+        if jnp.dtype(w.dtype).name not in ("bfloat16", "float16", "float32") or w.ndim < 2:
+            return None
+        per_layer, source = (lambda v: plain_layout(v, kt)), jnp.dtype(w.dtype).name
+        if layout_error(PLAIN[source], tuple(w.shape[-2:]), kt):
+            return None
+    f = per_layer
+    lead = (w.data.ndim - w.packed_ndim) if isinstance(w, QuantFormat) else w.ndim - 2
+    for _ in range(lead):
+        f = jax.vmap(f)
+    lw = jax.jit(f)(w)
+    return LaidOut(data=lw.codes, scale=lw.scale, offset=lw.offset, spec=lw.spec, shape=lw.shape, kt=lw.kt,
+                   source=source)
+
+
+def lay_out_model(model, formats: frozenset[str], kt: int = 128) -> dict[str, int]:
+    """Convert, in place, every Linear kernel of `model` whose layout name (a quantised format's spec name, or
+    the dtype name of a plain kernel: "bfloat16") is in `formats` ("*" in it: every quantised format with a
+    kernel) into a LaidOut; pallas_kernels.quant_matmul.api.decode_layouts() says which a server converts.
+    Expert (grouped) weights, the embedding and the LM head are not Linears and stay as they are.
+    -> {layout name: kernels converted}."""
+    from surojax.models.layers.linear import Linear
+    from surojax.quant.transform import QuantParam
+
+    done: dict[str, int] = {}
+    if not formats:
+        return done
+    for _, module in nnx.iter_graph(model):
+        if not isinstance(module, Linear):
+            continue
+        var = module.kernel
+        w = var.get_value()
+        name = w.kernel_spec.name if isinstance(w, QuantFormat) and w.kernel_spec is not None else \
+            (jnp.dtype(w.dtype).name if hasattr(w, "dtype") else None)
+        if name is None or (name not in formats and not ("*" in formats and isinstance(w, QuantFormat))):
+            continue
+        laid = lay_out(w, kt)
+        if laid is None:
+            continue
+        module.kernel = QuantParam(laid, **var.get_metadata())
+        done[name] = done.get(name, 0) + 1
+    return done
+
+
+__all__ = ["LaidOut", "lay_out", "lay_out_model"]

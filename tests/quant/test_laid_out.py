@@ -1,0 +1,110 @@
+"""Weights laid out once for the decode kernel (surojax.quant.laid_out): the layout decodes to the source format's
+own values, a model converted by `lay_out_model` computes what it computed before on the XLA path and through
+the kernel's decode form, and a served model decodes the same greedy tokens through the kernels as without them.
+
+Tolerance. The laid-out weights are the same values; only the order of the fp32 sums differs (the kernel adds K
+in tiles and its split-K partials after), so fp32 logits agree to ~1e-6 relative."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels.quant_matmul import api
+from pallas_kernels.quant_matmul.api import ENV, decode_layouts
+from surojax.generation.sampling import SamplingParams
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+from surojax.peft.qlora import quantize_model
+from surojax.quant.laid_out import LaidOut, lay_out, lay_out_model
+from surojax.serve.engine import Engine
+from tests.pallas_kernels.kernel_weights import make_weight
+from tests.serve.configs import BUCKETS, engine_config
+
+HF = {"model_type": "qwen3", "vocab_size": 128, "hidden_size": 256, "intermediate_size": 512,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+TOKENS = jnp.asarray([[3, 17, 99, 120, 7, 42, 1, 100]])
+
+
+def _forward(model, tokens):
+    return jax.jit(lambda m, t: m(t))(model, tokens)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(quantised model, the same model laid out): q4_k v/down projections, the other Linears fp32."""
+    model = Decoder(ModelConfig.from_hf(dict(HF)), rngs=nnx.Rngs(params=0))
+    quantize_model(model, "q4_k", targets=("v_proj", "down_proj"))
+    graphdef, state = nnx.split(model)
+    laid = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    assert lay_out_model(laid, frozenset({"*", "float32"})) == {"q4_k": 2, "float32": 5}
+    return model, laid
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "nf4", "fp8", "nvfp4", "bfloat16"])
+def test_the_layout_decodes_to_the_source_values(name):
+    """Stacked [L, ...] weights: LaidOut.dequantize equals the source format's dequantize bit for bit."""
+    if name == "bfloat16":
+        w = jnp.asarray(np.random.default_rng(0).standard_normal((3, 256, 64)), jnp.bfloat16)
+        want = w.astype(jnp.float32)
+    else:
+        w = jax.tree.map(lambda *a: jnp.stack(a), *(make_weight(name, 256, 64, seed=s) for s in range(3)))
+        want = w.dequantize(jnp.float32)
+    laid = lay_out(w)
+    assert isinstance(laid, LaidOut) and laid.source == name and laid.data.shape[0] == 3
+    np.testing.assert_array_equal(np.asarray(laid.dequantize(jnp.float32)), np.asarray(want))
+    assert lay_out(laid) is laid
+    assert lay_out(make_weight("q8_0", 64, 64)) is None  # K off the 128 tile: stays in its format
+
+
+def test_a_laid_out_model_computes_the_same_logits(models, monkeypatch):
+    model, laid = models
+    monkeypatch.setenv(ENV, "xla")
+    ref = np.asarray(_forward(model, TOKENS))
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS)), ref, rtol=0, atol=1e-6 * scale)
+    monkeypatch.setenv(ENV, "pallas")  # the decode form (M = 1 row, K split) and the tiled form (M = 8)
+    calls = []
+    real = api.fused_matmul
+    monkeypatch.setattr(api, "fused_matmul", lambda *a: calls.append(a[2].splits) or real(*a))
+    np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS[:, :1])), ref[:, :1], rtol=0, atol=2e-6 * scale)
+    assert len(calls) == 7 and max(calls) > 1  # every Linear of the layer through the kernel, K split
+
+
+def test_auto_takes_the_decode_kernel_below_the_measured_crossover(monkeypatch):
+    laid, native = lay_out(make_weight("q4_k", 256, 64)), make_weight("q4_k", 256, 64)
+    monkeypatch.delenv(ENV, raising=False)
+    assert decode_layouts() == frozenset() and api.choose(laid, m=1) == "xla"  # auto off GPU: never
+    monkeypatch.setattr(api, "on_gpu", lambda: True)
+    assert api.choose(laid, m=1) == "xla"  # no measured crossover for q4_k: XLA
+    monkeypatch.setattr(api, "DECODE_MAX_M", {"q4_k": 16})
+    assert decode_layouts() == frozenset({"q4_k"})
+    assert [api.choose(laid, m=m) for m in (1, 16, 17)] == ["pallas", "pallas", "xla"]
+    assert api.choose(native, m=1) == "xla"  # not laid out: the per-call re-layout would cost a pass
+    monkeypatch.setenv(ENV, "xla")
+    assert decode_layouts() == frozenset() and api.choose(laid, m=1) == "xla"
+    monkeypatch.setenv(ENV, "pallas")
+    assert {"*", "bfloat16"} <= decode_layouts()
+
+
+def test_served_greedy_tokens_through_the_kernels_equal_xla(models, monkeypatch):
+    """The engine's prefill and its multi-step paged decode (the layer scan slicing LaidOut leaves) through the
+    kernels (interpret mode) give the greedy tokens of the XLA path on the unconverted model."""
+    model, laid = models
+    cfg = dict(num_blocks=32, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=48,
+               buckets=BUCKETS, decode_steps=4)
+    prompts = [[5, 9, 33, 2, 71, 8], [40, 41, 42]]
+
+    def run(m):
+        eng = Engine(m, engine_config(**cfg))
+        rids = [eng.add_request(p, SamplingParams(max_tokens=6)) for p in prompts]
+        out = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += o.new_token_ids
+        return [out[r] for r in rids]
+
+    monkeypatch.setenv(ENV, "xla")
+    want = run(model)
+    monkeypatch.setenv(ENV, "pallas")
+    assert run(laid) == want
