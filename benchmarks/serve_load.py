@@ -25,6 +25,9 @@ device call when nothing waits (the engine's ``decode_steps``). With K > 1 token
 K, so inter-token p50 drops towards 0 and p99 is about one K-step call; decode tok/s is the figure to compare.
 `--kv-in-place 0,1` (default 1) likewise A/Bs the runner's ``kv_in_place`` (the decoder updates its cache in the layer scan's
 carry instead of copying every layer's view in and out of the scan). `--unroll-layers` inlines the layer loop.
+`--quant FMT` serves a quantised base (every Linear of the layers random FMT codes, as a GGUF / QLoRA base would
+be held); run it under `SUROJAX_QUANT_MATMUL=xla` and `=pallas` (or auto) to A/B the fused decode GEMV against
+XLA's dequantise-then-GEMV. The model's weights go through `decode_weights` as `surojax serve` does.
 `--paged-attention 0,1` (default 1, the engine's default) A/Bs the runner's ``paged_attention``: 1 = no dense
 view, the decoder reads and writes the paged pool in place through the block tables (``kv_in_place`` does not
 apply, so with 1 each K runs once); 0 = the reference gather/scatter path. `--paged-kernel gather,reduce,pallas`
@@ -192,15 +195,25 @@ def build_model(a):
     from surojax.bench.shapes import model_config
     from surojax.models.decoder import Decoder
 
+    from surojax.bench.quant_base import randomize_base
     from surojax.parallel import init_sharded, make_mesh
+    from surojax.serve.launch import decode_weights
 
     cfg = model_config(a.shape)
     dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
     # built inside one jit (init_sharded on a one-device mesh): each weight's fp32 random draw fuses into its cast,
     # where an eager build materialises it whole (a 30B MoE's stacked experts: a 72 GiB fp32 buffer)
-    model = init_sharded(lambda: Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0)),
-                         make_mesh({"data": 1}, jax.devices()[:1]))
-    print(f"# model {a.shape} {a.dtype} on {jax.devices()[0].device_kind}", flush=True)
+    def build():
+        model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0))
+        if a.quant:  # every Linear of the layers in the format: random codes, built in the same jit
+            randomize_base(model, a.quant, jax.random.key(1))
+        return model
+
+    model = init_sharded(build, make_mesh({"data": 1}, jax.devices()[:1]))
+    laid = decode_weights(model)  # what build_server does: the weights the decode kernel takes, in its layout
+    print(f"# model {a.shape} {a.dtype}{' base ' + a.quant if a.quant else ''} on {jax.devices()[0].device_kind}; "
+          f"decode kernel layouts: {laid or 'none'} (SUROJAX_QUANT_MATMUL={os.environ.get('SUROJAX_QUANT_MATMUL', 'auto')})",
+          flush=True)
     return model
 
 
@@ -269,7 +282,7 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, pa
                 ts[o.request_id] += [now] * len(o.new_token_ids)  # one arrival time per token
         records += [(t0, v) for v in ts.values()]
     wall = time.perf_counter() - t_start
-    return summarize(label, users, records, wall, {"decode_steps": k, "kv_in_place": int(in_place),
+    return summarize(label, users, records, wall, {"base": a.quant or a.dtype, "decode_steps": k, "kv_in_place": int(in_place),
                                                    "paged_attention": int(paged),
                                                    "paged_kernel": eng.config.kv_path.value,
                                                    "kv_dtype": str(eng.runner.k_pool.dtype),
@@ -477,6 +490,9 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quant", default=None, choices=["q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"],
+                   help="a quantised base: every Linear of the layers in this format (random codes), the embedding "
+                        "and head as --dtype; decode takes the fused kernel where SUROJAX_QUANT_MATMUL says")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (default: what the users need)")
     p.add_argument("--prefills-per-step", type=int, default=16,
