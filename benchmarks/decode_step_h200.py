@@ -60,11 +60,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from surojax.bench.quant_base import randomize_base  # noqa: E402
 from surojax.bench.shapes import model_config  # noqa: E402
 from surojax.models.decoder import Decoder  # noqa: E402
 from surojax.generation.sampling import BatchMode  # noqa: E402
 from surojax.models.kv import PagedKernel  # noqa: E402
 from surojax.serve.kv_reference import reference_multi_step_decode, reference_step  # noqa: E402
+from surojax.serve.launch import decode_weights  # noqa: E402
 from surojax.serve.multi_step import multi_step_decode_paged  # noqa: E402
 from surojax.serve.runner import paged_step  # noqa: E402
 
@@ -208,6 +210,8 @@ def main(argv=None):
     p.add_argument("--no-check", action="store_true", help="the timing, no correctness check")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights, compute and pool dtype (auto: bf16 on the GPU, fp32 elsewhere)")
+    p.add_argument("--quant", default=None, help="a quantised base: every Linear of the layers in this format "
+                   "(random codes; q4_k, q8_0, nf4, ...); SUROJAX_QUANT_MATMUL picks XLA or the fused decode GEMV")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, tiny lengths")
     a = p.parse_args(argv)
     if a.smoke:
@@ -216,6 +220,9 @@ def main(argv=None):
     dtype = {"bf16": jnp.bfloat16, "fp32": jnp.float32}.get(
         a.dtype, jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
     model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0))
+    if a.quant:
+        randomize_base(model, a.quant, jax.random.key(1))
+    laid = decode_weights(model)  # as surojax serve: the weights the decode kernel takes, laid out once
     graphdef, state = nnx.split(model)
     bs = 16
     rows_list = [int(r) for r in a.rows.split(",")]
@@ -225,8 +232,10 @@ def main(argv=None):
     keys = jax.random.split(jax.random.key(0))  # random contexts: the correctness check reads them
     pools = {"k": jax.random.normal(keys[0], shape, dtype), "v": jax.random.normal(keys[1], shape, dtype)}
     greedy = BatchMode(sample=False, penalties=False, logprobs=False)
-    print(f"# {a.shape} {jnp.dtype(dtype).name} on {jax.devices()[0].device_kind}; context {a.context}, "
-          f"K {K}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    print(f"# {a.shape} {jnp.dtype(dtype).name}{' base ' + a.quant if a.quant else ''} on "
+          f"{jax.devices()[0].device_kind}; context {a.context}, K {K}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, "
+          f"SUROJAX_QUANT_MATMUL={os.environ.get('SUROJAX_QUANT_MATMUL', 'auto')}, decode kernel layouts: "
+          f"{laid or 'none'}", flush=True)
     results = []
     for R in rows_list:
         tokens, ctx, write, table, rows = make_inputs(cfg, R, a.context, K, bs, num_blocks, np.random.default_rng(R))
