@@ -383,6 +383,11 @@ def decode_main(args, p) -> int:
     smoke = args.smoke
     interpret = smoke or jax.default_backend() != "gpu"
     models = SMOKE_DECODE_MODELS if smoke else DECODE_MODELS
+    if args.models and not smoke:
+        names = [x.strip() for x in args.models.split(",") if x.strip()]
+        if set(names) - set(models):
+            p.error(f"--models: unknown {sorted(set(names) - set(models))}; choose from {list(models)}")
+        models = {k: models[k] for k in names}
     candidates = SMOKE_TILE_CANDIDATES if smoke else TILE_CANDIDATES
     rows = sorted({int(r) for r in (args.rows or ("1,4" if smoke else DECODE_ROWS)).split(",") if r.strip()})
     if not rows or rows[0] < 1 or rows[-1] > 64:
@@ -525,6 +530,7 @@ def main(argv=None) -> int:
                    "the first M where pallas is not faster)")
     p.add_argument("--budget", type=float, default=220.0, help="--decode: seconds (since start) after which no new "
                    "M is started (the first always is)")
+    p.add_argument("--models", default=None, help=f"--decode: comma list of {', '.join(DECODE_MODELS)} (default all)")
     p.add_argument("--compile-threads", type=int, default=8, help="--decode: pallas programs compiled concurrently")
     args = p.parse_args(argv)
     if args.decode:

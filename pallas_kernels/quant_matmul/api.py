@@ -79,7 +79,14 @@ def tiles_for(spec: LayoutSpec) -> tuple[Tiles, Tiles]:
 # name (a format's LayoutSpec.name, or "bfloat16" for a plain weight) to the largest M at which auto takes the
 # kernel; a layout not listed stays on XLA at every M. Filled from benchmarks/quant_matmul_h200.py --decode.
 DECODE_ROWS = 64
-DECODE_MAX_M: dict[str, int] = {}
+# Session 11 (H200, benchmarks/RESULTS.md): every quantised format won at M = 1-8 on Qwen3-8B layers, 2.0-5.1x
+# (the sweep stopped at 8 on its time budget); bf16 only 1.09x at M = 1 and lost at 2: left on XLA.
+DECODE_MAX_M: dict[str, int] = {"q4_k": 8, "q6_k": 8, "q8_0": 8, "nf4": 8, "fp8": 8, "nvfp4": 8}
+# ... and only for weights of at least this many values (K x N). The kernel's decode form is 2.2-4.8x XLA's
+# per Qwen3-8B layer (every 8B linear has >= 4096 x 1024 values), but a whole Qwen3-0.6B decode step (linears of
+# 1-3M values, each a few microseconds) got slower through it: each kernel brings a pad and a partial-sum
+# kernel of its own, and at that size a step is bound by the number of kernels, not by the bytes read.
+DECODE_MIN_VALUES = 4096 * 1024
 DECODE_TILES = Tiles(bm=64, bn=64, kt=128, num_warps=4, num_stages=4)  # bm shrinks to M's power of 2 (>= 16)
 TUNED_DECODE_TILES: dict[str, Tiles] = {}
 
@@ -88,17 +95,18 @@ def decode_tiles(spec: LayoutSpec) -> Tiles:
     return TUNED_DECODE_TILES.get(spec.name, DECODE_TILES)
 
 
-def decode_layouts(mode: str | None = None) -> frozenset[str]:
-    """The layouts a server should convert its weights to (surojax.quant.laid_out.lay_out_model) so that decode
-    takes the kernel: under auto on a GPU those with a measured crossover, under pallas every one ("*": every
-    quantised format with a kernel, plus the plain dtypes), none under xla or off GPU in auto."""
+def decode_layouts(mode: str | None = None) -> tuple[frozenset[str], int]:
+    """(layouts, min values): which weights a server should convert to the kernel layout
+    (surojax.quant.laid_out.lay_out_model) so that decode takes the kernel. Under auto on a GPU the layouts with
+    a measured crossover, for weights of at least DECODE_MIN_VALUES values; under pallas every one ("*": every
+    quantised format with a kernel, plus the plain dtypes) at any size; none under xla or off GPU in auto."""
     mode = mode or matmul_mode()
     if mode == "xla" or (mode == "auto" and not on_gpu()):
-        return frozenset()
+        return frozenset(), 0
     if mode == "auto":
-        return frozenset(name for name, m in DECODE_MAX_M.items() if m > 0)
+        return frozenset(name for name, m in DECODE_MAX_M.items() if m > 0), DECODE_MIN_VALUES
     from pallas_kernels.quant_matmul.layout import PLAIN
-    return frozenset({"*"} | set(PLAIN))
+    return frozenset({"*"} | set(PLAIN)), 0
 
 
 def matmul_mode() -> str:
@@ -210,7 +218,8 @@ def choose(w: PackedWeight, mode: str | None = None, m: int | None = None) -> st
         return "pallas"
     if not on_gpu() or err:
         return "xla"
-    if m is not None and getattr(w, "layout_is_free", False) and m <= DECODE_MAX_M.get(spec.name, 0):
+    if (m is not None and getattr(w, "layout_is_free", False) and m <= DECODE_MAX_M.get(spec.name, 0)
+            and w.shape[0] * w.shape[1] >= DECODE_MIN_VALUES):
         return "pallas"
     return "pallas" if spec.name in AUTO_PALLAS else "xla"
 
@@ -226,6 +235,6 @@ def quant_matmul(x: jax.Array, w: PackedWeight, mode: str | None = None) -> jax.
     return fused_matmul(x, w, KernelOptions(fwd, bwd, interpret=not on_gpu(), splits=splits))
 
 
-__all__ = ["AUTO_PALLAS", "DECODE_MAX_M", "DECODE_ROWS", "DECODE_TILES", "DEFAULT_TILES", "ENV", "KernelOptions",
+__all__ = ["AUTO_PALLAS", "DECODE_MAX_M", "DECODE_MIN_VALUES", "DECODE_ROWS", "DECODE_TILES", "DEFAULT_TILES", "ENV", "KernelOptions",
            "PackedWeight", "TUNED_DECODE_TILES", "TUNED_TILES", "choose", "decode_layouts", "decode_tiles",
            "fused_matmul", "matmul_mode", "on_gpu", "quant_matmul", "tiles_for", "xla_matmul"]

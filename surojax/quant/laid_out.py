@@ -106,10 +106,11 @@ def lay_out(w, kt: int = 128) -> LaidOut | None:
                    source=source)
 
 
-def lay_out_model(model, formats: frozenset[str], kt: int = 128) -> dict[str, int]:
+def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int = 128) -> dict[str, int]:
     """Convert, in place, every Linear kernel of `model` whose layout name (a quantised format's spec name, or
     the dtype name of a plain kernel: "bfloat16") is in `formats` ("*" in it: every quantised format with a
-    kernel) into a LaidOut; pallas_kernels.quant_matmul.api.decode_layouts() says which a server converts.
+    kernel) and that holds at least `min_values` values per layer (K x N) into a LaidOut;
+    pallas_kernels.quant_matmul.api.decode_layouts() says which a server converts.
     Expert (grouped) weights, the embedding and the LM head are not Linears and stay as they are.
     -> {layout name: kernels converted}."""
     from surojax.models.layers.linear import Linear
@@ -126,6 +127,9 @@ def lay_out_model(model, formats: frozenset[str], kt: int = 128) -> dict[str, in
         name = w.kernel_spec.name if isinstance(w, QuantFormat) and w.kernel_spec is not None else \
             (jnp.dtype(w.dtype).name if hasattr(w, "dtype") else None)
         if name is None or (name not in formats and not ("*" in formats and isinstance(w, QuantFormat))):
+            continue
+        k, n = w.shape if isinstance(w, QuantFormat) else w.shape[-2:]
+        if k * n < min_values:
             continue
         laid = lay_out(w, kt)
         if laid is None:

@@ -45,9 +45,11 @@ def load_for_serving(config: ServeConfig):
 
 def decode_weights(model) -> dict[str, int]:
     """Convert, in place, the model's Linear kernels whose decode GEMVs take the fused kernel into its layout
-    (surojax.quant.laid_out): the layouts `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU
-    those whose measured crossover DECODE_MAX_M is above 0). Idempotent. -> {layout: kernels converted}."""
-    done = lay_out_model(model, decode_layouts())
+    (surojax.quant.laid_out): the layouts and sizes `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto
+    on a GPU those with a measured crossover DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more).
+    Idempotent. -> {layout: kernels converted}."""
+    layouts, min_values = decode_layouts()
+    done = lay_out_model(model, layouts, min_values)
     if done:
         log.info("decode kernels: weights laid out once for the fused decode GEMV: %s",
                  ", ".join(f"{k} x{v}" for k, v in sorted(done.items())))

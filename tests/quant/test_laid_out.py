@@ -37,6 +37,8 @@ def models():
     quantize_model(model, "q4_k", targets=("v_proj", "down_proj"))
     graphdef, state = nnx.split(model)
     laid = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    probe = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    assert lay_out_model(probe, frozenset({"q4_k"}), min_values=256 * 512) == {"q4_k": 1}  # down [512, 256] only
     assert lay_out_model(laid, frozenset({"*", "float32"})) == {"q4_k": 2, "float32": 5}
     return model, laid
 
@@ -74,17 +76,22 @@ def test_a_laid_out_model_computes_the_same_logits(models, monkeypatch):
 def test_auto_takes_the_decode_kernel_below_the_measured_crossover(monkeypatch):
     laid, native = lay_out(make_weight("q4_k", 256, 64)), make_weight("q4_k", 256, 64)
     monkeypatch.delenv(ENV, raising=False)
-    assert decode_layouts() == frozenset() and api.choose(laid, m=1) == "xla"  # auto off GPU: never
+    assert decode_layouts() == (frozenset(), 0) and api.choose(laid, m=1) == "xla"  # auto off GPU: never
     monkeypatch.setattr(api, "on_gpu", lambda: True)
+    monkeypatch.setattr(api, "DECODE_MAX_M", {})
     assert api.choose(laid, m=1) == "xla"  # no measured crossover for q4_k: XLA
     monkeypatch.setattr(api, "DECODE_MAX_M", {"q4_k": 16})
-    assert decode_layouts() == frozenset({"q4_k"})
+    monkeypatch.setattr(api, "DECODE_MIN_VALUES", 256 * 64)
+    assert decode_layouts() == (frozenset({"q4_k"}), 256 * 64)
     assert [api.choose(laid, m=m) for m in (1, 16, 17)] == ["pallas", "pallas", "xla"]
     assert api.choose(native, m=1) == "xla"  # not laid out: the per-call re-layout would cost a pass
+    monkeypatch.setattr(api, "DECODE_MIN_VALUES", 256 * 64 + 1)
+    assert api.choose(laid, m=1) == "xla"  # below the size where the kernel pays
     monkeypatch.setenv(ENV, "xla")
-    assert decode_layouts() == frozenset() and api.choose(laid, m=1) == "xla"
+    assert decode_layouts() == (frozenset(), 0) and api.choose(laid, m=1) == "xla"
     monkeypatch.setenv(ENV, "pallas")
-    assert {"*", "bfloat16"} <= decode_layouts()
+    layouts, min_values = decode_layouts()
+    assert {"*", "bfloat16"} <= layouts and min_values == 0
 
 
 def test_served_greedy_tokens_through_the_kernels_equal_xla(models, monkeypatch):
