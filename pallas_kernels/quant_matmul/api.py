@@ -79,16 +79,22 @@ def tiles_for(spec: LayoutSpec) -> tuple[Tiles, Tiles]:
 # name (a format's LayoutSpec.name, or "bfloat16" for a plain weight) to the largest M at which auto takes the
 # kernel; a layout not listed stays on XLA at every M. Filled from benchmarks/quant_matmul_h200.py --decode.
 DECODE_ROWS = 64
-# Session 11 (H200, benchmarks/RESULTS.md): every quantised format won at M = 1-8 on Qwen3-8B layers, 2.0-5.1x
-# (the sweep stopped at 8 on its time budget); bf16 only 1.09x at M = 1 and lost at 2: left on XLA.
-DECODE_MAX_M: dict[str, int] = {"q4_k": 8, "q6_k": 8, "q8_0": 8, "nf4": 8, "fp8": 8, "nvfp4": 8}
+# Session 11 (H200, benchmarks/RESULTS.md "Session 11"): per Qwen3-8B layer the kernel beat XLA at every M
+# measured (1-64) for q4_k, q8_0 and fp8 (1.3-2.9x), nf4 to 16 (3.1-3.3x; 0.91x at 32), q6_k and nvfp4 at 1-8
+# (2.3-5.1x; larger M not measured). bf16 1.09x at M = 1, 0.88-0.98x at 32-64: left on XLA.
+DECODE_MAX_M: dict[str, int] = {"q4_k": 64, "q8_0": 64, "fp8": 64, "nf4": 16, "q6_k": 8, "nvfp4": 8}
 # ... and only for weights of at least this many values (K x N). The kernel's decode form is 2.2-4.8x XLA's
 # per Qwen3-8B layer (every 8B linear has >= 4096 x 1024 values), but a whole Qwen3-0.6B decode step (linears of
 # 1-3M values, each a few microseconds) got slower through it: each kernel brings a pad and a partial-sum
 # kernel of its own, and at that size a step is bound by the number of kernels, not by the bytes read.
 DECODE_MIN_VALUES = 4096 * 1024
 DECODE_TILES = Tiles(bm=64, bn=64, kt=128, num_warps=4, num_stages=4)  # bm shrinks to M's power of 2 (>= 16)
-TUNED_DECODE_TILES: dict[str, Tiles] = {}
+TUNED_DECODE_TILES: dict[str, Tiles] = {  # the sweep's best at M = 1 where it differs from DECODE_TILES
+    "q8_0": Tiles(bm=64, bn=64, kt=128, num_warps=4, num_stages=3),
+    "nf4": Tiles(bm=64, bn=32, kt=128, num_warps=4, num_stages=3),
+    "fp8": Tiles(bm=64, bn=128, kt=128, num_warps=8, num_stages=4),
+    "bfloat16": Tiles(bm=64, bn=32, kt=128, num_warps=4, num_stages=3),
+}
 
 
 def decode_tiles(spec: LayoutSpec) -> Tiles:
@@ -168,7 +174,8 @@ xla_matmul.defvjp(_xla_fwd, _xla_bwd)
 
 def _fused(x, w, opts):
     lw = w.kernel_layout(opts.fwd.kt)
-    y = forward(x.reshape(-1, x.shape[-1]), lw, tiles=opts.fwd, interpret=opts.interpret, splits=opts.splits)
+    y = forward(x.reshape(-1, x.shape[-1]), lw, tiles=opts.fwd, interpret=opts.interpret, splits=opts.splits,
+                layer=getattr(w, "layer", None))   # a layer of a stack read in place (surojax.quant.laid_out)
     return y.reshape(*x.shape[:-1], -1)
 
 
@@ -185,6 +192,9 @@ def _fused_fwd(x, w, opts):
 
 def _fused_bwd(opts, w, g):
     lw = w.kernel_layout(opts.bwd.kt)
+    layer = getattr(w, "layer", None)
+    if layer is not None:  # the backward kernel takes one layer: slice it out (serving never differentiates)
+        lw = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False), lw)
     dx = transposed(g.reshape(-1, g.shape[-1]), lw, tiles=opts.bwd, interpret=opts.interpret)
     return dx.reshape(*g.shape[:-1], -1), _frozen(w)
 

@@ -80,24 +80,25 @@ def _decode(code, scale, offset, spec: LayoutSpec, dtype):
     return w.astype(dtype)
 
 
-def _tile(q_ref, s_ref, o_ref, t, cols, spec: LayoutSpec, kt: int, dtype):
+def _tile(q_ref, s_ref, o_ref, t, cols, spec: LayoutSpec, kt: int, dtype, base=(0, 0)):
     """The decoded W of K tile t: [(w [rows, cols], k offset in the tile)], two halves for 4-bit codes.
     t: the K tile's index in the refs (traced in the forward loop, 0 in the transposed kernel's block);
-    cols: pl.ds (or slice) over N. Offsets are products of t with static ints (no traced division)."""
+    cols: pl.ds (or slice) over N; base: the first code row and scale row of the weight in the refs (a layer of
+    a stacked weight, `forward(..., layer=)`). Offsets are products of t with static ints (no traced division)."""
     g = spec.group
     parts = 2 if spec.nibble else 1
     rows = kt // parts                                # values (and code rows) per part
     if spec.nibble:
-        byte = q_ref[pl.ds(t * rows, rows), cols]     # [kt/2, bn] uint8: low nibbles, then high nibbles
+        byte = q_ref[pl.ds(base[0] + t * rows, rows), cols]     # [kt/2, bn] uint8: low nibbles, then high nibbles
         codes = (byte & 0x0F, byte >> 4)
     else:
-        codes = (q_ref[pl.ds(t * kt, kt), cols],)
+        codes = (q_ref[pl.ds(base[0] + t * kt, kt), cols],)
     out = []
     for h, code in enumerate(codes):
         if not g:
             out.append((_decode(code, None, None, spec, dtype), h * rows))
             continue
-        srows = pl.ds(t * (kt // g) + h * (rows // g), rows // g)
+        srows = pl.ds(base[1] + t * (kt // g) + h * (rows // g), rows // g)
         off = o_ref[srows, cols] if spec.has_offset else None
         out.append((_decode(code, s_ref[srows, cols], off, spec, dtype), h * rows))
     return out
@@ -125,6 +126,27 @@ def _forward_kernel(x_ref, q_ref, *rest, spec: LayoutSpec, kt: int, n_k: int, sw
 
     def step(t, acc):
         for w, k0 in _tile(q_ref, s_ref, o_ref, t, slice(None), spec, kt, x_ref.dtype):
+            x = x_ref[:, pl.ds(t * kt + k0, w.shape[0])]                   # [bm, rows]
+            acc = acc + (_dot(w, x, (0, 1)) if swap else _dot(x, w, (1, 0)))
+        return acc
+
+    acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+    y_ref[...] = (acc.T if swap else acc).astype(y_ref.dtype)
+
+
+def _forward_layer_kernel(x_ref, l_ref, q_ref, *rest, spec: LayoutSpec, kt: int, n_k: int, swap: bool,
+                          code_rows: int, scale_rows: int):
+    """The forward on one layer of a stacked weight, read in place: the refs hold every layer ([L * rows, N],
+    whole), l_ref [1] the layer; this program's K tiles and columns are offset by hand (the block is the whole
+    array). Same sums as _forward_kernel."""
+    s_ref, o_ref, y_ref = _refs(rest, spec)
+    bm, bn = y_ref.shape
+    layer, j, split = l_ref[0], pl.program_id(1), pl.program_id(2)
+    base = (layer * code_rows, layer * scale_rows)
+    cols = pl.ds(j * bn, bn)
+
+    def step(t, acc):
+        for w, k0 in _tile(q_ref, s_ref, o_ref, split * n_k + t, cols, spec, kt, x_ref.dtype, base):
             x = x_ref[:, pl.ds(t * kt + k0, w.shape[0])]                   # [bm, rows]
             acc = acc + (_dot(w, x, (0, 1)) if swap else _dot(x, w, (1, 0)))
         return acc
@@ -205,10 +227,14 @@ def splits_for(m: int, k: int, n: int, tiles: Tiles, programs: int = 264) -> int
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret", "out_dtype", "splits"))
 def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: bool = False, out_dtype=None,
-            splits: int = 1):
+            splits: int = 1, layer: jax.Array | None = None):
     """y [M, N] = x [M, K] @ W. x in the compute dtype (bf16); y in out_dtype (default x's dtype). splits = S > 1
     splits K over S programs per output tile (fp32 partials, summed after: the decode form, module docstring);
-    S must divide the K tile count K / kt."""
+    S must divide the K tile count K / kt. layer (an int32 scalar, traced): lw's arrays are stacked [L, ...] and
+    the product is with layer `layer`, read in place (a layer scan hands the kernel the whole stack and its index
+    instead of a slice, which XLA would copy out before a custom call: a weight-sized copy per layer)."""
+    if layer is not None:
+        return _forward_layer(x, lw, tiles, interpret, out_dtype, splits, layer)
     m, k = x.shape
     kk, n = lw.shape
     if k != kk:
@@ -241,6 +267,48 @@ def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: b
         interpret=interpret,
         name=f"qmm_{lw.spec.name}_fwd" + (f"_split{splits}" if splits > 1 else ""),
     )(xp, *_weight_args(lw))
+    if splits > 1:
+        y = y.sum(axis=0).astype(out_dtype or x.dtype)
+    return y[:m]
+
+
+def _forward_layer(x, lw: KernelLayout, tiles: Tiles, interpret: bool, out_dtype, splits: int, layer):
+    m, k = x.shape
+    kk, n = lw.shape
+    if k != kk or lw.codes.ndim != 3:
+        raise ValueError(f"x has K={k}, the weight {lw.shape}; a layer of it needs codes stacked [L, rows, N], "
+                         f"got {lw.codes.shape}")
+    tiles = fit_tiles(tiles, m, n)
+    _check(lw, tiles, tiles.bn)
+    bm, bn, kt = tiles.bm, tiles.bn, tiles.kt
+    if splits < 1 or (k // kt) % splits:
+        raise ValueError(f"splits={splits} must divide the {k // kt} K tiles of K={k} (kt={kt})")
+    spec = lw.spec
+    xp = _pad_rows(x, bm)
+    ks = k // splits
+    code_rows, scale_rows = lw.codes.shape[1], (k // spec.group if spec.group else 0)
+    flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731  [L, rows, N] -> [L * rows, N]: no copy
+    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0, 0))  # noqa: E731
+    weights = [flat(a) for a in _weight_args(lw)]
+    rows = xp.shape[0]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype)
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
+    else:
+        out_shape = jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)
+        out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
+    y = pl.pallas_call(
+        functools.partial(_forward_layer_kernel, spec=spec, kt=kt, n_k=ks // kt, swap=tiles.swap,
+                          code_rows=code_rows, scale_rows=scale_rows),
+        out_shape=out_shape,
+        grid=(rows // bm, n // bn, splits),
+        in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s)), pl.BlockSpec((1,), lambda i, j, s: (0,))]
+        + [whole(a) for a in weights],
+        out_specs=out_spec,
+        compiler_params=_compiler_params(tiles, interpret),
+        interpret=interpret,
+        name=f"qmm_{spec.name}_fwd_layer" + (f"_split{splits}" if splits > 1 else ""),
+    )(xp, jnp.reshape(layer, (1,)).astype(jnp.int32), *weights)
     if splits > 1:
         y = y.sum(axis=0).astype(out_dtype or x.dtype)
     return y[:m]

@@ -89,6 +89,25 @@ def check_stacked(layer_state) -> None:
                          f"(Decoder.hidden_states(layer_loop=<an object with run_layers>), no KV cache)")
 
 
+def split_in_place(layer_state):
+    """The leaves of the layer stack that read their own layer in place (`stacked_in_place`: a weight laid out
+    for the decode kernel, surojax.quant.laid_out) are not sliced by the scan: XLA would copy each layer's slice
+    out of the stack before the kernel's custom call (a weight-sized copy per layer and token). -> (xs, rebuild):
+    xs = layer_state with those leaves removed (None), for the scan to slice; rebuild(xs_l, i) = layer i's state,
+    those leaves given the whole stack and the index i. (layer_state, None) when there are none."""
+    in_place = lambda x: getattr(x, "stacked_in_place", False)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(layer_state, is_leaf=in_place)
+    whole = {i: leaf for i, leaf in enumerate(leaves) if in_place(leaf)}
+    if not whole:
+        return layer_state, None
+    xs = [None if i in whole else leaf for i, leaf in enumerate(leaves)]
+
+    def rebuild(xs_l, index):
+        return treedef.unflatten([whole[i].at_layer(index) if i in whole else leaf for i, leaf in enumerate(xs_l)])
+
+    return xs, rebuild
+
+
 def _stack_blocks(make: Callable[[jax.Array], Block], keys: jax.Array) -> Block:
     """Build L blocks with one key each and stack every parameter on a new leading `layers` axis."""
     stacked = nnx.vmap(make, in_axes=0, out_axes=0)(keys)
@@ -158,28 +177,34 @@ class Decoder(nnx.Module):
             return (self.final_norm(h), None) + ((None,) if router_stats else ())
 
         check_stacked(layer_state)
+        layer_xs, rebuild = split_in_place(layer_state)
+        layer_ids = None if rebuild is None else jnp.arange(self.cfg.num_layers)
+
+        def layer_block(xs_l, index):
+            return nnx.merge(graphdef, on_device(xs_l if rebuild is None else rebuild(xs_l, index)))
 
         def body(h, xs):
-            state_l, kv_l, window_l = xs
+            (state_l, index), kv_l, window_l = xs
             h = checkpoint_name(h, LAYER_INPUT)  # the residual that `recompute: offload` keeps in host memory
-            block = nnx.merge(graphdef, on_device(state_l))
+            block = layer_block(state_l, index)
             h, kv_l, stats = block(h, cos, sin, segment_ids, positions, kv_l, kv_meta, window_l)
             return h, (kv_l, stats)
 
         def carry_body(carry, xs):
-            (h, kv), (state_l, window_l) = carry, xs
-            block = nnx.merge(graphdef, on_device(state_l))
+            (h, kv), ((state_l, index), window_l) = carry, xs
+            block = layer_block(state_l, index)
             h, kv, stats = block(h, cos, sin, segment_ids, positions, kv, kv_meta, window_l)
             return (h, dataclasses.replace(kv, layer=kv.layer + 1)), stats
 
+        layer_xs = (layer_xs, layer_ids)
         if cache is not None and cache_in_carry:
             loop_body = carry_body if layer_loop is None else layer_loop(carry_body)
-            (h, kv), stats = jax.lax.scan(loop_body, (h, cache.carried()), (layer_state, windows), unroll=unroll)
+            (h, kv), stats = jax.lax.scan(loop_body, (h, cache.carried()), (layer_xs, windows), unroll=unroll)
             out = (self.final_norm(h), cache.with_kv(kv.k, kv.v))
             return out + ((stats,) if router_stats else ())
         if layer_loop is not None:
             body = layer_loop(body)
-        h, (new_kv, stats) = jax.lax.scan(body, h, (layer_state, None if cache is None else cache.per_layer(), windows),
+        h, (new_kv, stats) = jax.lax.scan(body, h, (layer_xs, None if cache is None else cache.per_layer(), windows),
                                           unroll=unroll)
         if cache is not None:
             cache = cache.with_kv(new_kv.k, new_kv.v)

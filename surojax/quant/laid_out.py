@@ -36,31 +36,52 @@ class LaidOut(QuantFormat):
     data: jax.Array
     scale: jax.Array | None
     offset: jax.Array | None
+    layer: jax.Array | None     # None: the arrays are this weight's (leading axes stacked); an int32 scalar: they
+    #                             are the whole stack [L, ...] and this is layer `layer`, read in place (at_layer)
     spec: LayoutSpec = dataclasses.field(metadata={"static": True})
     shape: tuple[int, int] = dataclasses.field(metadata={"static": True})
     kt: int = dataclasses.field(metadata={"static": True})
     source: str = dataclasses.field(metadata={"static": True})
 
     layout_is_free = True   # kernel_layout is these arrays: quant_matmul may take the decode kernel for small M
+    stacked_in_place = True  # the decoder's layer scan hands over the whole stack and the index (at_layer)
     name = "laid_out"       # not in FORMATS: made from a loaded weight (lay_out), never quantised from floats
 
     @property
     def kernel_spec(self) -> LayoutSpec:
         return self.spec
 
+    def at_layer(self, index: jax.Array) -> "LaidOut":
+        """Layer `index` of this [L, ...] stack, its arrays left whole (the kernel reads the layer in place)."""
+        if self.data.ndim != 3 or self.layer is not None:
+            raise ValueError(f"laid_out ({self.source}): at_layer needs one stacked layers axis, data "
+                             f"{self.data.shape}, layer {self.layer}")
+        return dataclasses.replace(self, layer=jnp.asarray(index, jnp.int32))
+
     def _layout(self) -> KernelLayout:
         return KernelLayout(codes=self.data, scale=self.scale, offset=self.offset, spec=self.spec,
                             shape=self.shape, kt=self.kt)
 
+    def _own(self) -> tuple:
+        """(codes, scale, offset) of this weight alone: layer `layer` sliced out of the stack when it is set."""
+        arrays = (self.data, self.scale, self.offset)
+        if self.layer is None:
+            return arrays
+        return tuple(None if a is None else jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False)
+                     for a in arrays)
+
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         """-> [..., K, N] in dtype: the layout decoded (leading, stacked axes pass through)."""
         f = lambda d, s, o: dequantize_layout(dataclasses.replace(self._layout(), codes=d, scale=s, offset=o))  # noqa: E731
-        for _ in range(self.data.ndim - 2):
+        data, scale, offset = self._own()
+        for _ in range(data.ndim - 2):
             f = jax.vmap(f)
-        return f(self.data, self.scale, self.offset).astype(dtype)
+        return f(data, scale, offset).astype(dtype)
 
     def kernel_layout_error(self, kt: int) -> str | None:
-        if self.data.ndim != 2:
+        if self.layer is not None and self.data.ndim == 3:
+            pass
+        elif self.data.ndim != 2:
             return (f"laid_out ({self.source}): the fused kernel takes one layer's weight; this one has "
                     f"{self.data.ndim - 2} leading (stacked) axes (the decoder's scan slices them off)")
         if kt != self.kt:
@@ -77,7 +98,7 @@ class LaidOut(QuantFormat):
         return f"LaidOut({self.source}, {self.spec.name}, data={self.data.dtype}{list(self.data.shape)})"
 
 
-jax.tree_util.register_dataclass(LaidOut, data_fields=["data", "scale", "offset"],
+jax.tree_util.register_dataclass(LaidOut, data_fields=["data", "scale", "offset", "layer"],
                                  meta_fields=["spec", "shape", "kt", "source"])
 
 
@@ -102,8 +123,8 @@ def lay_out(w, kt: int = 128) -> LaidOut | None:
     for _ in range(lead):
         f = jax.vmap(f)
     lw = jax.jit(f)(w)
-    return LaidOut(data=lw.codes, scale=lw.scale, offset=lw.offset, spec=lw.spec, shape=lw.shape, kt=lw.kt,
-                   source=source)
+    return LaidOut(data=lw.codes, scale=lw.scale, offset=lw.offset, layer=None, spec=lw.spec, shape=lw.shape,
+                   kt=lw.kt, source=source)
 
 
 def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int = 128) -> dict[str, int]:

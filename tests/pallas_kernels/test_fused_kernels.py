@@ -6,6 +6,7 @@ cast), and bf16 x bf16 products are exact in float32, so kernel and reference di
 sums (the kernel adds K in tiles, two half-tile dots for 4-bit codes). With fp32 outputs the test bounds that
 elementwise: |y - y_ref| <= K * 2^-23 * (|x| @ |W|). With bf16 outputs both round that fp32 value once, so they
 differ by at most one bf16 ulp of the result (plus the bound above)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,6 +106,11 @@ def test_decode_form_splits_k(name):
         y = forward(x, lw, tiles=tiles, interpret=True, out_dtype=jnp.float32, splits=splits)
         assert y.shape == (m, N) and y.dtype == jnp.float32
         assert np.all(np.abs(np.asarray(y) - np.asarray(ref(x))) <= 2 * _bound(x, wd))
+    # a layer of a stacked weight, read in place (the layer index traced): the same bits as that layer alone
+    stack = jax.tree.map(lambda a, b: jnp.stack([a, b]), plain_layout(jnp.zeros((512, N), jnp.bfloat16))
+                         if name == "bfloat16" else make_weight(name, 512, N, seed=7).kernel_layout(128), lw)
+    y1 = jax.jit(lambda x, st, i: forward(x, st, tiles=tiles, interpret=True, splits=2, layer=i))(x, stack, 1)
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(forward(x, lw, tiles=tiles, interpret=True, splits=2)))
     assert splits_for(1, 512, N, tiles) == 4 and splits_for(1, 512, N, tiles, programs=4) == 2
     with pytest.raises(ValueError, match="splits=3 must divide the 4 K tiles"):
         forward(x, lw, tiles=tiles, interpret=True, splits=3)

@@ -39,5 +39,8 @@ def test_kernels_lower_to_triton_for_an_h200(name):
         x1 = jnp.zeros((8, k), jnp.bfloat16)
         decode = Tiles(64, 64, tiles.kt, 4, 4)
         assert TRITON in _lower(lambda x, lw: forward(x, lw, tiles=decode, splits=4 // (tiles.kt // 128)), x1, lw)
+        stack = jax.tree.map(lambda a: jnp.stack([a, a]), lw)  # a layer of a stack, read in place
+        assert TRITON in _lower(lambda x, st, i: forward(x, st, tiles=decode, splits=2, layer=i), x1, stack,
+                                jnp.int32(1))
     plain = plain_layout(jnp.zeros((k, n), jnp.bfloat16))
     assert TRITON in _lower(lambda x, lw: forward(x, lw, tiles=Tiles(64, 64, 128, 4, 4), splits=4), x1, plain)

@@ -68,9 +68,10 @@ def test_a_laid_out_model_computes_the_same_logits(models, monkeypatch):
     monkeypatch.setenv(ENV, "pallas")  # the decode form (M = 1 row, K split) and the tiled form (M = 8)
     calls = []
     real = api.fused_matmul
-    monkeypatch.setattr(api, "fused_matmul", lambda *a: calls.append(a[2].splits) or real(*a))
+    monkeypatch.setattr(api, "fused_matmul", lambda *a: calls.append((a[2].splits, a[1].layer.shape)) or real(*a))
     np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS[:, :1])), ref[:, :1], rtol=0, atol=2e-6 * scale)
-    assert len(calls) == 7 and max(calls) > 1  # every Linear of the layer through the kernel, K split
+    # every Linear of the layer through the kernel, K split, reading its layer of the whole stack in place
+    assert len(calls) == 7 and max(c[0] for c in calls) > 1 and {c[1] for c in calls} == {()}
 
 
 def test_auto_takes_the_decode_kernel_below_the_measured_crossover(monkeypatch):
