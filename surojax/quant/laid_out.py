@@ -132,7 +132,8 @@ def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int =
     the dtype name of a plain kernel: "bfloat16") is in `formats` ("*" in it: every quantised format with a
     kernel) and that holds at least `min_values` values per layer (K x N) into a LaidOut;
     pallas_kernels.quant_matmul.api.decode_layouts() says which a server converts.
-    Expert (grouped) weights, the embedding and the LM head are not Linears and stay as they are.
+    Only the decoder's layer stack is walked: the embedding, the LM head (read whole by `Decoder.logits`) and
+    expert (grouped) weights stay as they are.
     -> {layout name: kernels converted}."""
     from surojax.models.layers.linear import Linear
     from surojax.quant.transform import QuantParam
@@ -140,7 +141,7 @@ def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int =
     done: dict[str, int] = {}
     if not formats:
         return done
-    for _, module in nnx.iter_graph(model):
+    for _, module in nnx.iter_graph(getattr(model, "layers", model)):  # the scanned layer stack only
         if not isinstance(module, Linear):
             continue
         var = module.kernel
