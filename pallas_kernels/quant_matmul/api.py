@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.quant_matmul.kernel import Tiles, forward, splits_for, transposed
-from pallas_kernels.quant_matmul.layout import KernelLayout, LayoutSpec
+from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec
 
 
 class PackedWeight(Protocol):
@@ -111,7 +111,6 @@ def decode_layouts(mode: str | None = None) -> tuple[frozenset[str], int]:
         return frozenset(), 0
     if mode == "auto":
         return frozenset(name for name, m in DECODE_MAX_M.items() if m > 0), DECODE_MIN_VALUES
-    from pallas_kernels.quant_matmul.layout import PLAIN
     return frozenset({"*"} | set(PLAIN)), 0
 
 

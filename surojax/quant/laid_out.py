@@ -29,6 +29,7 @@ from flax import nnx
 from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec, layout_error, plain_layout
 from pallas_kernels.quant_matmul.reference import dequantize_layout
 from surojax.quant.base import QuantFormat
+from surojax.quant.transform import QuantParam
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +104,9 @@ jax.tree_util.register_dataclass(LaidOut, data_fields=["data", "scale", "offset"
 
 
 def lay_out(w, kt: int = 128) -> LaidOut | None:
-    """One stacked weight ([..., K, N] plain array or a QuantFormat with a kernel) -> LaidOut, or None when the
-    kernels cannot take it (no kernel for its format, or K / N off the tiles). One jitted pass over its bytes."""
+    """One stacked weight ([L, K, N] plain array or a QuantFormat with a kernel, one leading layers axis) ->
+    LaidOut, or None when the kernels cannot take it (no kernel for its format, K / N off the tiles, not one
+    leading axis). One jitted pass over its bytes."""
     if isinstance(w, LaidOut):
         return w
     if isinstance(w, QuantFormat):
@@ -118,10 +120,10 @@ def lay_out(w, kt: int = 128) -> LaidOut | None:
         per_layer, source = (lambda v: plain_layout(v, kt)), jnp.dtype(w.dtype).name
         if layout_error(PLAIN[source], tuple(w.shape[-2:]), kt):
             return None
-    f = per_layer
     lead = (w.data.ndim - w.packed_ndim) if isinstance(w, QuantFormat) else w.ndim - 2
-    for _ in range(lead):
-        f = jax.vmap(f)
+    if lead != 1:  # one stacked layers axis, as the decoder's scan holds a Linear (not experts [L, E, ...])
+        return None
+    f = jax.vmap(per_layer)
     lw = jax.jit(f)(w)
     return LaidOut(data=lw.codes, scale=lw.scale, offset=lw.offset, layer=None, spec=lw.spec, shape=lw.shape,
                    kt=lw.kt, source=source)
@@ -135,16 +137,13 @@ def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int =
     Only the decoder's layer stack is walked: the embedding, the LM head (read whole by `Decoder.logits`) and
     expert (grouped) weights stay as they are.
     -> {layout name: kernels converted}."""
-    from surojax.models.layers.linear import Linear
-    from surojax.quant.transform import QuantParam
-
     done: dict[str, int] = {}
     if not formats:
         return done
     for _, module in nnx.iter_graph(getattr(model, "layers", model)):  # the scanned layer stack only
-        if not isinstance(module, Linear):
+        var = getattr(module, "kernel", None) if isinstance(module, nnx.Module) else None
+        if not isinstance(var, nnx.Param):   # a Linear's kernel [L, K, N] (experts [L, E, K, N]: lay_out refuses)
             continue
-        var = module.kernel
         w = var.get_value()
         name = w.kernel_spec.name if isinstance(w, QuantFormat) and w.kernel_spec is not None else \
             (jnp.dtype(w.dtype).name if hasattr(w, "dtype") else None)

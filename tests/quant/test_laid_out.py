@@ -56,7 +56,9 @@ def test_the_layout_decodes_to_the_source_values(name):
     assert isinstance(laid, LaidOut) and laid.source == name and laid.data.shape[0] == 3
     np.testing.assert_array_equal(np.asarray(laid.dequantize(jnp.float32)), np.asarray(want))
     assert lay_out(laid) is laid
-    assert lay_out(make_weight("q8_0", 64, 64)) is None  # K off the 128 tile: stays in its format
+    one = lambda w: jax.tree.map(lambda a: a[None], w)  # noqa: E731  a stack of one layer
+    assert lay_out(one(make_weight("q8_0", 64, 64))) is None  # K off the 128 tile: stays in its format
+    assert lay_out(make_weight("q8_0", 128, 64)) is None  # no layers axis: not a layer stack's weight
 
 
 def test_a_laid_out_model_computes_the_same_logits(models, monkeypatch):
@@ -75,7 +77,8 @@ def test_a_laid_out_model_computes_the_same_logits(models, monkeypatch):
 
 
 def test_auto_takes_the_decode_kernel_below_the_measured_crossover(monkeypatch):
-    laid, native = lay_out(make_weight("q4_k", 256, 64)), make_weight("q4_k", 256, 64)
+    native = make_weight("q4_k", 256, 64)
+    laid = lay_out(jax.tree.map(lambda a: a[None], native)).at_layer(0)  # what the layer scan hands a Linear
     monkeypatch.delenv(ENV, raising=False)
     assert decode_layouts() == (frozenset(), 0) and api.choose(laid, m=1) == "xla"  # auto off GPU: never
     monkeypatch.setattr(api, "on_gpu", lambda: True)
