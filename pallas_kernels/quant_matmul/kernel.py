@@ -118,35 +118,24 @@ def _dot(a, b, contract: tuple[int, int]):
                                preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(x_ref, q_ref, *rest, spec: LayoutSpec, kt: int, n_k: int, swap: bool):
+def _forward_kernel(x_ref, *refs, spec: LayoutSpec, kt: int, n_k: int, swap: bool, layered: bool = False,
+                    code_rows: int = 0, scale_rows: int = 0):
     """y tile [bm, bn] = sum over K tiles of x [bm, kt] @ w [kt, bn]; with swap the accumulator is y^T [bn, bm]
-    = w^T @ x^T (on Hopper the left wgmma operand may stay in registers, where the decoded tile is)."""
+    = w^T @ x^T (on Hopper the left wgmma operand may stay in registers, where the decoded tile is).
+    layered: one layer of a stacked weight, read in place: refs start with the layer [1], the weight refs hold
+    every layer ([L * code_rows, N], [L * scale_rows, N], whole blocks), and this program's K tiles and
+    columns are offset by hand."""
+    l_ref, q_ref, *rest = refs if layered else (None, *refs)
     s_ref, o_ref, y_ref = _refs(rest, spec)
     bm, bn = y_ref.shape
+    if layered:
+        layer, split = l_ref[0], pl.program_id(2)
+        base, cols, t0 = (layer * code_rows, layer * scale_rows), pl.ds(pl.program_id(1) * bn, bn), split * n_k
+    else:
+        base, cols, t0 = (0, 0), slice(None), 0
 
     def step(t, acc):
-        for w, k0 in _tile(q_ref, s_ref, o_ref, t, slice(None), spec, kt, x_ref.dtype):
-            x = x_ref[:, pl.ds(t * kt + k0, w.shape[0])]                   # [bm, rows]
-            acc = acc + (_dot(w, x, (0, 1)) if swap else _dot(x, w, (1, 0)))
-        return acc
-
-    acc = jax.lax.fori_loop(0, n_k, step, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
-    y_ref[...] = (acc.T if swap else acc).astype(y_ref.dtype)
-
-
-def _forward_layer_kernel(x_ref, l_ref, q_ref, *rest, spec: LayoutSpec, kt: int, n_k: int, swap: bool,
-                          code_rows: int, scale_rows: int):
-    """The forward on one layer of a stacked weight, read in place: the refs hold every layer ([L * rows, N],
-    whole), l_ref [1] the layer; this program's K tiles and columns are offset by hand (the block is the whole
-    array). Same sums as _forward_kernel."""
-    s_ref, o_ref, y_ref = _refs(rest, spec)
-    bm, bn = y_ref.shape
-    layer, j, split = l_ref[0], pl.program_id(1), pl.program_id(2)
-    base = (layer * code_rows, layer * scale_rows)
-    cols = pl.ds(j * bn, bn)
-
-    def step(t, acc):
-        for w, k0 in _tile(q_ref, s_ref, o_ref, split * n_k + t, cols, spec, kt, x_ref.dtype, base):
+        for w, k0 in _tile(q_ref, s_ref, o_ref, t0 + t, cols, spec, kt, x_ref.dtype, base):
             x = x_ref[:, pl.ds(t * kt + k0, w.shape[0])]                   # [bm, rows]
             acc = acc + (_dot(w, x, (0, 1)) if swap else _dot(x, w, (1, 0)))
         return acc
@@ -233,12 +222,12 @@ def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: b
     S must divide the K tile count K / kt. layer (an int32 scalar, traced): lw's arrays are stacked [L, ...] and
     the product is with layer `layer`, read in place (a layer scan hands the kernel the whole stack and its index
     instead of a slice, which XLA would copy out before a custom call: a weight-sized copy per layer)."""
-    if layer is not None:
-        return _forward_layer(x, lw, tiles, interpret, out_dtype, splits, layer)
     m, k = x.shape
     kk, n = lw.shape
     if k != kk:
         raise ValueError(f"x has K={k}, the weight {lw.shape}")
+    if layer is not None and lw.codes.ndim != 3:
+        raise ValueError(f"a layer of a stacked weight needs codes [L, rows, N], got {lw.codes.shape}")
     tiles = fit_tiles(tiles, m, n)
     _check(lw, tiles, tiles.bn)
     bm, bn, kt = tiles.bm, tiles.bn, tiles.kt
@@ -247,68 +236,34 @@ def forward(x: jax.Array, lw: KernelLayout, tiles: Tiles = Tiles(), interpret: b
     spec = lw.spec
     xp = _pad_rows(x, bm)
     ks = k // splits                                       # K values per program
-    code_rows = ks // 2 if spec.nibble else ks
-    w_specs = [pl.BlockSpec((code_rows, bn), lambda i, j, s: (s, j))]
-    w_specs += _scale_specs(spec, ks, bn, lambda i, j, s: (s, j))
     rows = xp.shape[0]
+    args = [xp]
+    in_specs = [pl.BlockSpec((bm, ks), lambda i, j, s: (i, s))]
+    name = f"qmm_{spec.name}_fwd"
+    if layer is None:   # this program's K range and columns as blocks
+        code_rows = ks // 2 if spec.nibble else ks
+        kernel = functools.partial(_forward_kernel, spec=spec, kt=kt, n_k=ks // kt, swap=tiles.swap)
+        in_specs += [pl.BlockSpec((code_rows, bn), lambda i, j, s: (s, j))]
+        in_specs += _scale_specs(spec, ks, bn, lambda i, j, s: (s, j))
+        args += list(_weight_args(lw))
+    else:               # the whole stack, [L * rows, N] (a free reshape), offsets taken by hand in the kernel
+        kernel = functools.partial(_forward_kernel, spec=spec, kt=kt, n_k=ks // kt, swap=tiles.swap, layered=True,
+                                   code_rows=lw.codes.shape[1], scale_rows=k // spec.group if spec.group else 0)
+        weights = [a.reshape(-1, a.shape[-1]) for a in _weight_args(lw)]
+        in_specs += [pl.BlockSpec((1,), lambda i, j, s: (0,))]
+        in_specs += [pl.BlockSpec(a.shape, lambda i, j, s: (0, 0)) for a in weights]
+        args += [jnp.reshape(layer, (1,)).astype(jnp.int32)] + weights
+        name += "_layer"
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype)
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
     else:
         out_shape = jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)
         out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
-    y = pl.pallas_call(
-        functools.partial(_forward_kernel, spec=spec, kt=kt, n_k=ks // kt, swap=tiles.swap),
-        out_shape=out_shape,
-        grid=(rows // bm, n // bn, splits),
-        in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s))] + w_specs,
-        out_specs=out_spec,
-        compiler_params=_compiler_params(tiles, interpret),
-        interpret=interpret,
-        name=f"qmm_{lw.spec.name}_fwd" + (f"_split{splits}" if splits > 1 else ""),
-    )(xp, *_weight_args(lw))
-    if splits > 1:
-        y = y.sum(axis=0).astype(out_dtype or x.dtype)
-    return y[:m]
-
-
-def _forward_layer(x, lw: KernelLayout, tiles: Tiles, interpret: bool, out_dtype, splits: int, layer):
-    m, k = x.shape
-    kk, n = lw.shape
-    if k != kk or lw.codes.ndim != 3:
-        raise ValueError(f"x has K={k}, the weight {lw.shape}; a layer of it needs codes stacked [L, rows, N], "
-                         f"got {lw.codes.shape}")
-    tiles = fit_tiles(tiles, m, n)
-    _check(lw, tiles, tiles.bn)
-    bm, bn, kt = tiles.bm, tiles.bn, tiles.kt
-    if splits < 1 or (k // kt) % splits:
-        raise ValueError(f"splits={splits} must divide the {k // kt} K tiles of K={k} (kt={kt})")
-    spec = lw.spec
-    xp = _pad_rows(x, bm)
-    ks = k // splits
-    code_rows, scale_rows = lw.codes.shape[1], (k // spec.group if spec.group else 0)
-    flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731  [L, rows, N] -> [L * rows, N]: no copy
-    whole = lambda a: pl.BlockSpec(a.shape, lambda i, j, s: (0, 0))  # noqa: E731
-    weights = [flat(a) for a in _weight_args(lw)]
-    rows = xp.shape[0]
-    if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype or x.dtype)
-        out_spec = pl.BlockSpec((bm, bn), lambda i, j, s: (i, j))
-    else:
-        out_shape = jax.ShapeDtypeStruct((splits, rows, n), jnp.float32)
-        out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
-    y = pl.pallas_call(
-        functools.partial(_forward_layer_kernel, spec=spec, kt=kt, n_k=ks // kt, swap=tiles.swap,
-                          code_rows=code_rows, scale_rows=scale_rows),
-        out_shape=out_shape,
-        grid=(rows // bm, n // bn, splits),
-        in_specs=[pl.BlockSpec((bm, ks), lambda i, j, s: (i, s)), pl.BlockSpec((1,), lambda i, j, s: (0,))]
-        + [whole(a) for a in weights],
-        out_specs=out_spec,
-        compiler_params=_compiler_params(tiles, interpret),
-        interpret=interpret,
-        name=f"qmm_{spec.name}_fwd_layer" + (f"_split{splits}" if splits > 1 else ""),
-    )(xp, jnp.reshape(layer, (1,)).astype(jnp.int32), *weights)
+        name += f"_split{splits}"
+    y = pl.pallas_call(kernel, out_shape=out_shape, grid=(rows // bm, n // bn, splits), in_specs=in_specs,
+                       out_specs=out_spec, compiler_params=_compiler_params(tiles, interpret), interpret=interpret,
+                       name=name)(*args)
     if splits > 1:
         y = y.sum(axis=0).astype(out_dtype or x.dtype)
     return y[:m]
