@@ -80,6 +80,7 @@ def test_auto_takes_the_decode_kernel_below_the_measured_crossover(monkeypatch):
     native = make_weight("q4_k", 256, 64)
     laid = lay_out(jax.tree.map(lambda a: a[None], native)).at_layer(0)  # what the layer scan hands a Linear
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(api, "on_gpu", lambda: False)
     assert decode_layouts() == (frozenset(), 0) and api.choose(laid, m=1) == "xla"  # auto off GPU: never
     monkeypatch.setattr(api, "on_gpu", lambda: True)
     monkeypatch.setattr(api, "DECODE_MAX_M", {})
