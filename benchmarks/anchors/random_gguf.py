@@ -1,0 +1,45 @@
+"""A random-weight GGUF of a benchmark shape, for the llama.cpp serving anchor (benchmarks/anchors/llama_cpp_anchor.sh).
+
+Speed does not depend on the weight values, so the anchor serves a random model of the shape serve_load.py uses
+(surojax.bench.shapes), written by our GGUF writer (surojax.weights.gguf_checkpoint.save_gguf, whose files
+llama.cpp loads: tests/weights) with the qwen3 fixture's byte-level BPE tokenizer padded to the model's vocabulary.
+llama.cpp's own llama-quantize then makes the Q4_K_M file from this one, as a user would.
+
+    python benchmarks/anchors/random_gguf.py --shape qwen3-0.6b --out /tmp/model-bf16.gguf [--file-type bf16]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from surojax.bench.shapes import model_config  # noqa: E402
+from surojax.models.decoder import Decoder  # noqa: E402
+from surojax.weights.gguf_checkpoint import save_gguf  # noqa: E402
+
+TOKENIZER = ROOT / "tests" / "fixtures" / "models" / "qwen3"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--out", required=True)
+    p.add_argument("--file-type", default="bf16", help="a save_gguf file type (bf16, q8_0, q4_k_m, ...)")
+    a = p.parse_args(argv)
+    cfg = model_config(a.shape)
+    # normal(0, 0.02)-style weights in bf16, built on the default device (a GPU where there is one)
+    model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention="xla", rngs=nnx.Rngs(0))
+    path = save_gguf(model, a.out, a.file_type, tokenizer_dir=TOKENIZER, name=a.shape)
+    print(f"# wrote {path} ({path.stat().st_size / 2**20:.0f} MiB, {a.shape}, {a.file_type}) on {jax.devices()[0].platform}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
