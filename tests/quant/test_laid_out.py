@@ -18,6 +18,7 @@ from surojax.models.decoder import Decoder
 from surojax.peft.qlora import quantize_model
 from surojax.quant.laid_out import LaidOut, lay_out, lay_out_model
 from surojax.serve.engine import Engine
+from surojax.serve.launch import decode_weights
 from tests.pallas_kernels.kernel_weights import make_weight
 from tests.serve.configs import BUCKETS, engine_config
 
@@ -97,6 +98,9 @@ def test_auto_takes_the_decode_kernel_below_the_measured_crossover(monkeypatch):
     monkeypatch.setenv(ENV, "pallas")
     layouts, min_values = decode_layouts()
     assert {"*", "bfloat16"} <= layouts and min_values == 0
+    model = Decoder(ModelConfig.from_hf(dict(HF)), rngs=nnx.Rngs(params=0))  # what build_server does at load
+    quantize_model(model, "q8_0", targets=("down_proj",))
+    assert decode_weights(model) == {"q8_0": 1, "float32": 6} and decode_weights(model) == {"q8_0": 1, "float32": 6}
 
 
 def test_served_greedy_tokens_through_the_kernels_equal_xla(models, monkeypatch):
