@@ -26,7 +26,7 @@ K, so inter-token p50 drops towards 0 and p99 is about one K-step call; decode t
 `--kv-in-place 0,1` (default 1) likewise A/Bs the runner's ``kv_in_place`` (the decoder updates its cache in the layer scan's
 carry instead of copying every layer's view in and out of the scan). `--unroll-layers` inlines the layer loop.
 `--quant FMT` serves a quantised base (every Linear of the layers random FMT codes, as a GGUF / QLoRA base would
-be held); run it under `SUROJAX_QUANT_MATMUL=xla` and `=pallas` (or auto) to A/B the fused decode GEMV against
+be held; `q4_k_m` / `q5_k_m`: typed layer by layer as llama.cpp types such a file, the anchor's Q4_K_M); run it under `SUROJAX_QUANT_MATMUL=xla` and `=pallas` (or auto) to A/B the fused decode GEMV against
 XLA's dequantise-then-GEMV. The model's weights go through `decode_weights` as `surojax serve` does.
 `--paged-attention 0,1` (default 1, the engine's default) A/Bs the runner's ``paged_attention``: 1 = no dense
 view, the decoder reads and writes the paged pool in place through the block tables (``kv_in_place`` does not
@@ -51,6 +51,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+GGUF_FILE_TYPES = ("q4_k_m", "q5_k_m")  # --quant values typed per layer (surojax.bench.quant_base.randomize_gguf_mix)
 
 
 # ---- statistics ---------------------------------------------------------------------------------------------
@@ -195,7 +198,7 @@ def build_model(a):
     from surojax.bench.shapes import model_config
     from surojax.models.decoder import Decoder
 
-    from surojax.bench.quant_base import randomize_base
+    from surojax.bench.quant_base import randomize_base, randomize_gguf_mix
     from surojax.parallel import init_sharded, make_mesh
     from surojax.serve.launch import decode_weights
 
@@ -205,11 +208,13 @@ def build_model(a):
     # where an eager build materialises it whole (a 30B MoE's stacked experts: a 72 GiB fp32 buffer)
     def build():
         model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0))
-        if a.quant:  # every Linear of the layers in the format: random codes, built in the same jit
+        if a.quant and a.quant not in GGUF_FILE_TYPES:  # every Linear in the format: random codes, in the same jit
             randomize_base(model, a.quant, jax.random.key(1))
         return model
 
     model = init_sharded(build, make_mesh({"data": 1}, jax.devices()[:1]))
+    if a.quant in GGUF_FILE_TYPES:  # typed per layer as llama.cpp's file type (mixed stacks: GGUFMixed)
+        randomize_gguf_mix(model, a.quant, jax.random.key(1))
     laid = decode_weights(model)  # what build_server does: the weights the decode kernel takes, in its layout
     print(f"# model {a.shape} {a.dtype}{' base ' + a.quant if a.quant else ''} on {jax.devices()[0].device_kind}; "
           f"decode kernel layouts: {laid or 'none'} (SUROJAX_QUANT_MATMUL={os.environ.get('SUROJAX_QUANT_MATMUL', 'auto')})",
@@ -490,9 +495,11 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--quant", default=None, choices=["q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"],
-                   help="a quantised base: every Linear of the layers in this format (random codes), the embedding "
-                        "and head as --dtype; decode takes the fused kernel where SUROJAX_QUANT_MATMUL says")
+    p.add_argument("--quant", default=None, choices=["q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"]
+                   + list(GGUF_FILE_TYPES),
+                   help="a quantised base: every Linear of the layers in this format (random codes), or typed layer "
+                        "by layer as a llama.cpp file of that type (q4_k_m, q5_k_m); the embedding and head as "
+                        "--dtype; decode takes the fused kernel where SUROJAX_QUANT_MATMUL says")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (default: what the users need)")
     p.add_argument("--prefills-per-step", type=int, default=16,

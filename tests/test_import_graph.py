@@ -68,6 +68,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
                      "surojax.data.tokenizer"),
     }.items() for target in targets},
     ("surojax.peft.qlora", "surojax.quant.quantize_mix"): _GGUF,
+    ("surojax.bench.quant_base", "surojax.quant.quantize_mix"): _GGUF,
     ("surojax.weights.gguf_checkpoint", "surojax.quant.quantize_mix"): _GGUF,
 }
 

@@ -15,6 +15,7 @@ import jax
 
 from surojax.peft.lora import base_linear, resolve_targets
 from surojax.quant import FORMATS
+from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.random_weights import RANDOM_FORMATS, random_weight
 from surojax.quant.transform import QuantParam
 
@@ -44,4 +45,34 @@ def randomize_base(model, fmt: str, key, targets: str = "all-linear") -> None:
         lin.kernel = QuantParam(q, **var.get_metadata())
 
 
-__all__ = ["GGUF_LEGACY_FORMATS", "KERNEL_FORMATS", "RANDOM_FORMATS", "random_weight", "randomize_base"]
+def randomize_gguf_mix(model, file_type: str, key) -> dict[str, tuple[str, ...]]:
+    """Replace every Linear kernel of a built dense Decoder's layers by random weights typed as llama.cpp's
+    `file_type` (e.g. q4_k_m) types that tensor on each layer (quantize_mix.tensor_type: Q4_K_M puts attn_v and
+    ffn_down in Q6_K on some layers): a stack whose layers share one type is that format, a mixed one a
+    `GGUFMixed`, as surojax.weights.gguf_checkpoint loads such a file. Eager (GGUFMixed is stacked on the host),
+    after the model is built. -> target -> the types of its layers."""
+    from surojax.quant.quantize_mix import TARGET_TENSORS, tensor_type  # needs the optional `gguf` package
+
+    cfg = model.cfg
+    if cfg.moe is not None:
+        raise ValueError("randomize_gguf_mix: dense models only")
+    n_gqa = cfg.num_heads // cfg.num_kv_heads
+    out = {}
+    for t, name in enumerate(TARGET_TENSORS):
+        lin = base_linear(model, name)
+        var = lin.kernel
+        L, k, n = tuple(var.get_value().shape)
+        types = tuple(tensor_type(file_type, f"blk.{i}.{TARGET_TENSORS[name]}.weight", k, n_layers=L, n_gqa=n_gqa,
+                                  arch=cfg.model_type) for i in range(L))
+        layers = [random_weight(ty, k, n, jax.random.fold_in(key, t * 1000 + i)) for i, ty in enumerate(types)]
+        if len(set(types)) == 1:
+            w = jax.tree.map(lambda *a: jax.numpy.stack(a), *layers)
+        else:
+            w = GGUFMixed.from_layers(layers)
+        lin.kernel = QuantParam(w, **var.get_metadata())
+        out[name] = types
+    return out
+
+
+__all__ = ["GGUF_LEGACY_FORMATS", "KERNEL_FORMATS", "RANDOM_FORMATS", "random_weight", "randomize_base",
+           "randomize_gguf_mix"]
