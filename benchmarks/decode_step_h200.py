@@ -65,8 +65,8 @@ from surojax.bench.shapes import model_config  # noqa: E402
 from surojax.models.decoder import Decoder  # noqa: E402
 from surojax.generation.sampling import BatchMode  # noqa: E402
 from surojax.models.kv import PagedKernel  # noqa: E402
+from surojax.quant.laid_out import decode_weights  # noqa: E402
 from surojax.serve.kv_reference import reference_multi_step_decode, reference_step  # noqa: E402
-from surojax.serve.launch import decode_weights  # noqa: E402
 from surojax.serve.multi_step import multi_step_decode_paged  # noqa: E402
 from surojax.serve.runner import paged_step  # noqa: E402
 

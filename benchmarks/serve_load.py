@@ -200,7 +200,7 @@ def build_model(a):
 
     from surojax.bench.quant_base import randomize_base, randomize_gguf_mix
     from surojax.parallel import init_sharded, make_mesh
-    from surojax.serve.launch import decode_weights
+    from surojax.quant.laid_out import decode_weights
 
     cfg = model_config(a.shape)
     dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32

@@ -58,7 +58,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "grpo": ("surojax.config.load",),
         "dpo": ("surojax.config.load", "surojax.config.stages"),
         "export": ("surojax.config.stages", "surojax.train.checkpoints", "surojax.train.trainers"),
-        "generate": ("surojax.model_loader", "surojax.generation.loop"),
+        "generate": ("surojax.model_loader", "surojax.generation.loop", "surojax.quant.laid_out"),
         "merge": ("surojax.model_loader", "surojax.peft.stacked", "surojax.weights.gguf_tokenizer",
                   "surojax.weights.hf_checkpoint"),
         "quantize": ("surojax.model_loader", "surojax.weights.gguf_checkpoint", "surojax.weights.gguf_tokenizer",

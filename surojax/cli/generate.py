@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     from surojax.model_loader import load_model_ref
     from surojax.generation.loop import eos_ids, generate
+    from surojax.quant.laid_out import decode_weights
 
     if args.max_new_tokens < 1:
         raise SystemExit("--max-new-tokens must be at least 1")
@@ -43,8 +44,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--temperature must be >= 0 and --top-p in (0, 1]")
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     t0 = time.perf_counter()
-    loaded = load_model_ref(args.model, dtype=dtype, tokenizer_dir=args.tokenizer)
+    # a GGUF file stays quantised (its weights packed on the device, not a bf16 copy), and the weights that the
+    # fused decode GEMV takes are laid out for it once, as `surojax serve` does (docs/quant_kernels.md, "Decode")
+    loaded = load_model_ref(args.model, dtype=dtype, tokenizer_dir=args.tokenizer, keep_quantized=True)
     model, tokenizer = loaded.model, loaded.tokenizer
+    decode_weights(model)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

@@ -25,15 +25,19 @@ weight instead of 4.5, Q6_K ~10 instead of 6.6, NF4 4.5 (~4.1 with double quanti
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.quant_matmul.api import decode_layouts
 from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec, layout_error, plain_layout
 from pallas_kernels.quant_matmul.reference import dequantize_layout
 from surojax.quant.base import QuantFormat
 from surojax.quant.transform import QuantParam
+
+log = logging.getLogger("surojax.quant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,4 +168,17 @@ def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int =
     return done
 
 
-__all__ = ["LaidOut", "lay_out", "lay_out_model"]
+def decode_weights(model) -> dict[str, int]:
+    """Convert, in place, the model's Linear kernels whose decode GEMVs take the fused kernel into its layout: the
+    layouts and sizes `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU those with a measured
+    crossover DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more). What `surojax serve` (build_server)
+    and `surojax generate` run after loading. Idempotent. -> {layout: kernels converted}."""
+    layouts, min_values = decode_layouts()
+    done = lay_out_model(model, layouts, min_values)
+    if done:
+        log.info("decode kernels: weights laid out once for the fused decode GEMV: %s",
+                 ", ".join(f"{k} x{v}" for k, v in sorted(done.items())))
+    return done
+
+
+__all__ = ["LaidOut", "decode_weights", "lay_out", "lay_out_model"]

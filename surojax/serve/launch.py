@@ -15,11 +15,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant_matmul.api import decode_layouts
 from surojax.generation.loop import eos_ids
 from surojax.model_loader import load_model_ref
 from surojax.peft.multi_lora import AdapterSlots
-from surojax.quant.laid_out import lay_out_model
+from surojax.quant.laid_out import decode_weights
 from surojax.serve.api_server import ServerState, build_app
 from surojax.serve.async_engine import AsyncEngine
 from surojax.serve.config import ServeConfig, SpecMethod
@@ -41,19 +40,6 @@ def load_for_serving(config: ServeConfig):
     loaded = load_model_ref(config.model, dtype=_dtype(config.dtype), attention=config.attention,
                             keep_quantized=True, tokenizer_dir=config.tokenizer)
     return loaded.model, loaded.tokenizer, loaded.ref.tokenizer_dir, config.served_model_name or loaded.ref.name
-
-
-def decode_weights(model) -> dict[str, int]:
-    """Convert, in place, the model's Linear kernels whose decode GEMVs take the fused kernel into its layout
-    (surojax.quant.laid_out): the layouts and sizes `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto
-    on a GPU those with a measured crossover DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more).
-    Idempotent. -> {layout: kernels converted}."""
-    layouts, min_values = decode_layouts()
-    done = lay_out_model(model, layouts, min_values)
-    if done:
-        log.info("decode kernels: weights laid out once for the fused decode GEMV: %s",
-                 ", ".join(f"{k} x{v}" for k, v in sorted(done.items())))
-    return done
 
 
 def load_draft(config: ServeConfig):

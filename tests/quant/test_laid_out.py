@@ -16,9 +16,8 @@ from surojax.generation.sampling import SamplingParams
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.qlora import quantize_model
-from surojax.quant.laid_out import LaidOut, lay_out, lay_out_model
+from surojax.quant.laid_out import LaidOut, decode_weights, lay_out, lay_out_model
 from surojax.serve.engine import Engine
-from surojax.serve.launch import decode_weights
 from tests.pallas_kernels.kernel_weights import make_weight
 from tests.serve.configs import BUCKETS, engine_config
 
