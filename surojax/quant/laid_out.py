@@ -88,11 +88,9 @@ class LaidOut(QuantFormat):
         return f(data, scale, offset).astype(dtype)
 
     def kernel_layout_error(self, kt: int) -> str | None:
-        if self.layer is not None and self.data.ndim == 3:
-            pass
-        elif self.data.ndim != 2:
-            return (f"laid_out ({self.source}): the fused kernel takes one layer's weight; this one has "
-                    f"{self.data.ndim - 2} leading (stacked) axes (the decoder's scan slices them off)")
+        if self.data.ndim - (self.layer is not None) != 2:  # one layer: its own arrays, or a stack and an index
+            return (f"laid_out ({self.source}): the fused kernel takes one layer's weight; this one is a stack "
+                    f"{self.data.shape} without a layer index (the decoder's scan gives it one: at_layer)")
         if kt != self.kt:
             return f"laid_out ({self.source}): laid out with K tile {self.kt}, asked for {kt}"
         return None
@@ -118,21 +116,16 @@ def lay_out(w, kt: int = 128) -> LaidOut | None:
     if isinstance(w, LaidOut):
         return w
     if isinstance(w, QuantFormat):
-        spec = w.kernel_spec
-        if spec is None or layout_error(spec, w.shape, kt):
-            return None
-        per_layer, source = (lambda v: v.kernel_layout(kt)), w.name
+        spec, lead, source = w.kernel_spec, w.data.ndim - w.packed_ndim, w.name
+        per_layer = lambda v: v.kernel_layout(kt)  # noqa: E731
     else:
-        if jnp.dtype(w.dtype).name not in ("bfloat16", "float16", "float32") or w.ndim < 2:
-            return None
-        per_layer, source = (lambda v: plain_layout(v, kt)), jnp.dtype(w.dtype).name
-        if layout_error(PLAIN[source], tuple(w.shape[-2:]), kt):
-            return None
-    lead = (w.data.ndim - w.packed_ndim) if isinstance(w, QuantFormat) else w.ndim - 2
-    if lead != 1:  # one stacked layers axis, as the decoder's scan holds a Linear (not experts [L, E, ...])
+        source = jnp.dtype(w.dtype).name
+        spec, lead = PLAIN.get(source), w.ndim - 2
+        per_layer = lambda v: plain_layout(v, kt)  # noqa: E731
+    # one stacked layers axis, as the decoder's scan holds a Linear (not experts [L, E, ...])
+    if spec is None or lead != 1 or layout_error(spec, tuple(w.shape[-2:]), kt):
         return None
-    f = jax.vmap(per_layer)
-    lw = jax.jit(f)(w)
+    lw = jax.jit(jax.vmap(per_layer))(w)
     return LaidOut(data=lw.codes, scale=lw.scale, offset=lw.offset, layer=None, spec=lw.spec, shape=lw.shape,
                    kt=lw.kt, source=source)
 
