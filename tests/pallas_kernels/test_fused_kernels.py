@@ -1,4 +1,4 @@
-"""The fused kernels (interpret mode) equal x @ the format's own dequantize (one jnp.dot, fp32 accumulation), and
+"""The fused kernels (interpret mode on CPU, compiled Triton kernels on a GPU) equal x @ the format's own dequantize (one jnp.dot, fp32 accumulation), and
 the package's reference (the same product over the kernel layout) equals that product exactly.
 
 Tolerance. The kernel decodes the same bf16 weights as `dequantize(bf16)` (same float32 operations, then the same
@@ -18,6 +18,7 @@ from pallas_kernels.quant_matmul.reference import forward_ref, transposed_ref
 
 K, N, M = 256, 64, 40          # M = 40 is ragged for bm = 32: padded to 64 rows, sliced back
 TILES = Tiles(bm=32, bn=32, kt=128)
+INTERPRET = jax.default_backend() != "gpu"  # on the H200 the same tests run the compiled kernels
 
 
 def _bound(a, b):
@@ -48,12 +49,12 @@ def test_kernels_equal_the_reference(name):
     g = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
     wd = np.asarray(w.dequantize(jnp.bfloat16), np.float32)
 
-    y = forward(x, lw, tiles=TILES, interpret=True, out_dtype=jnp.float32)
+    y = forward(x, lw, tiles=TILES, interpret=INTERPRET, out_dtype=jnp.float32)
     y_ref = _dot(x, w, jnp.float32)
     assert y.shape == (M, N)
     assert np.all(np.abs(np.asarray(y) - np.asarray(y_ref)) <= _bound(x, wd))
 
-    dx = transposed(g, lw, tiles=TILES, interpret=True, out_dtype=jnp.float32)
+    dx = transposed(g, lw, tiles=TILES, interpret=INTERPRET, out_dtype=jnp.float32)
     dx_ref = _dot_t(g, w, jnp.float32)
     assert dx.shape == (M, K)
     assert np.all(np.abs(np.asarray(dx) - np.asarray(dx_ref)) <= _bound(g, wd.T))
@@ -78,12 +79,12 @@ def test_swapped_tiles_and_few_rows(name):
     lw = w.kernel_layout(256)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((1, K)), jnp.bfloat16)
     tiles = Tiles(bm=128, bn=64, kt=256, swap=True)
-    y = forward(x, lw, tiles=tiles, interpret=True, out_dtype=jnp.float32)
+    y = forward(x, lw, tiles=tiles, interpret=INTERPRET, out_dtype=jnp.float32)
     wd = np.asarray(w.dequantize(jnp.bfloat16), np.float32)
     assert np.all(np.abs(np.asarray(y) - np.asarray(_dot(x, w, jnp.float32))) <= _bound(x, wd))
     # in the compute dtype: within one bf16 ulp of the reference
     g = jnp.asarray(np.random.default_rng(3).standard_normal((3, N)), jnp.bfloat16)
-    dx, dx_ref = transposed(g, lw, tiles=tiles, interpret=True), _dot_t(g, w, jnp.bfloat16)
+    dx, dx_ref = transposed(g, lw, tiles=tiles, interpret=INTERPRET), _dot_t(g, w, jnp.bfloat16)
     assert dx.dtype == jnp.bfloat16 and dx.shape == (3, K)
     diff = np.abs(np.asarray(dx, np.float32) - np.asarray(dx_ref, np.float32))
     assert np.all(diff <= _bf16_ulp(dx_ref) + _bound(g, wd.T))
@@ -103,17 +104,17 @@ def test_decode_form_splits_k(name):
     tiles = Tiles(bm=64, bn=32, kt=128)
     for m, splits in ((1, 4), (5, 2)):
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 512)), jnp.bfloat16)
-        y = forward(x, lw, tiles=tiles, interpret=True, out_dtype=jnp.float32, splits=splits)
+        y = forward(x, lw, tiles=tiles, interpret=INTERPRET, out_dtype=jnp.float32, splits=splits)
         assert y.shape == (m, N) and y.dtype == jnp.float32
         assert np.all(np.abs(np.asarray(y) - np.asarray(ref(x))) <= 2 * _bound(x, wd))
     # a layer of a stacked weight, read in place (the layer index traced): the same bits as that layer alone
     stack = jax.tree.map(lambda a, b: jnp.stack([a, b]), plain_layout(jnp.zeros((512, N), jnp.bfloat16))
                          if name == "bfloat16" else make_weight(name, 512, N, seed=7).kernel_layout(128), lw)
-    y1 = jax.jit(lambda x, st, i: forward(x, st, tiles=tiles, interpret=True, splits=2, layer=i))(x, stack, 1)
-    np.testing.assert_array_equal(np.asarray(y1), np.asarray(forward(x, lw, tiles=tiles, interpret=True, splits=2)))
+    y1 = jax.jit(lambda x, st, i: forward(x, st, tiles=tiles, interpret=INTERPRET, splits=2, layer=i))(x, stack, 1)
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(forward(x, lw, tiles=tiles, interpret=INTERPRET, splits=2)))
     assert splits_for(1, 512, N, tiles) == 4 and splits_for(1, 512, N, tiles, programs=4) == 2
     with pytest.raises(ValueError, match="splits=3 must divide the 4 K tiles"):
-        forward(x, lw, tiles=tiles, interpret=True, splits=3)
+        forward(x, lw, tiles=tiles, interpret=INTERPRET, splits=3)
 
 
 def test_bad_shapes_and_tiles_are_rejected():
@@ -121,13 +122,13 @@ def test_bad_shapes_and_tiles_are_rejected():
     lw = w.kernel_layout(128)
     x = jnp.ones((8, K), jnp.bfloat16)
     with pytest.raises(ValueError, match="x has K=128"):
-        forward(jnp.ones((8, 128), jnp.bfloat16), lw, interpret=True)
+        forward(jnp.ones((8, 128), jnp.bfloat16), lw, interpret=INTERPRET)
     with pytest.raises(ValueError, match="power of 2"):
-        forward(jnp.ones((64, K), jnp.bfloat16), lw, tiles=Tiles(bm=48, bn=16, kt=128), interpret=True)
+        forward(jnp.ones((64, K), jnp.bfloat16), lw, tiles=Tiles(bm=48, bn=16, kt=128), interpret=INTERPRET)
     with pytest.raises(ValueError, match="differs from the layout"):
-        forward(x, lw, tiles=Tiles(kt=256), interpret=True)
+        forward(x, lw, tiles=Tiles(kt=256), interpret=INTERPRET)
     with pytest.raises(ValueError, match="N=40"):
         make_weight("nf4", K, 40).kernel_layout(128)
     # N = 48 is not a multiple of bn = 32: the column tile shrinks to 16 and the result is still right
-    y = forward(x, lw, tiles=Tiles(bm=16, bn=32, kt=128), interpret=True, out_dtype=jnp.float32)
+    y = forward(x, lw, tiles=Tiles(bm=16, bn=32, kt=128), interpret=INTERPRET, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(y), np.asarray(_dot(x, w, jnp.float32)), rtol=1e-5, atol=1e-5)
