@@ -9,15 +9,16 @@
     async for out in stream  <----------------- one call_soon_threadsafe per step (all the step's streams) ---
                                          engine.finish  <----- "finish" --  a stop string found after the fact
 
-The engine thread does only what the device waits for: commands, scheduling, dispatch, the sampled ids' readback
-and the scheduler's bookkeeping (`Engine.step_tokens`); then it hands the step's token ids over and schedules the
-next step. The output thread turns them into text (`detokenize.apply_text`, each request's `RequestText`, which
-the engine thread detaches at admission), updates the metrics and delivers the whole step to the event loop in
-one ``call_soon_threadsafe``. A stop string it finds ends the request with the same text, tokens and finish
-reason as in the engine's own `Engine.step`: the output is truncated there, the engine is told to finish the
-request (its KV blocks are freed before the step after next at the latest), and that request's outputs of any
-step already run are dropped. One FIFO carries everything to the output thread, so a request's "open" comes
-before its outputs and its "abort" after them.
+The engine thread does only what the device waits for: commands, scheduling, dispatch, the sampled ids' readback and
+the scheduler's bookkeeping (`Engine.step_tokens`); it hands a step's token ids over once the next step is
+dispatched (`_hand_over`), so that the output thread's and the event loop's Python, which share its GIL, run while
+the device does instead of slowing the next call's preparation. The output thread turns them into text
+(`detokenize.apply_text`, each request's `RequestText`, which the engine thread detaches at admission), updates the
+metrics and delivers the whole step to the event loop in one ``call_soon_threadsafe``. A stop string it finds ends
+the request with the same text, tokens and finish reason as in the engine's own `Engine.step`: the output is
+truncated there, the engine is told to finish the request (its KV blocks are freed before the step after next at the
+latest), and that request's outputs of any step already run are dropped. One FIFO carries everything to the output
+thread, so a request's "open" comes before its outputs and its "abort" after them.
 
 Admission is bounded: at most max_num_seqs + max_queue requests in flight; beyond that `submit` raises
 `QueueFullError`, and while draining (`set_draining`, `shutdown`) or after a thread died it raises
@@ -104,7 +105,8 @@ class AsyncEngine:
         self.finish_rate = FinishRate()
         self._draining = False
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()  # -> engine thread
-        self._outs: queue.SimpleQueue = queue.SimpleQueue()  # engine thread -> output thread
+        self._outs: queue.SimpleQueue = queue.SimpleQueue()  # engine thread -> output thread: lists of messages
+        self._held: list = []  # engine thread only: messages not handed over yet (`_hand_over`)
         self._wake = threading.Event()
         self._open: dict[str, tuple[Stream, object]] = {}  # output thread only: request id -> (stream, RequestText)
         self._in_flight = 0  # event-loop side count (for 429)
@@ -199,22 +201,23 @@ class AsyncEngine:
                 eng.add_request(prompt_ids, params, request_id=stream.request_id, adapter=adapter,
                                 split_reasoning=split)
             except Exception as e:  # validated by the HTTP layer first; this is the last line
-                self._outs.put(("fail", stream, e))
+                self._held.append(("fail", stream, e))
                 return
-            self._outs.put(("open", stream, eng.detach_text(stream.request_id)))
+            self._held.append(("open", stream, eng.detach_text(stream.request_id)))
         elif kind == "abort":
             eng.abort(stream.request_id)
-            self._outs.put(("abort", stream, None))
+            self._held.append(("abort", stream, None))
         elif kind == "finish":  # a stop string, found by the output thread
             eng.finish(payload)
         elif kind == "call":
             fn, loop, fut = payload
+            self._hand_over()  # fn may take a while (a LoRA load): the streams get what is ready first
             try:
                 result, err = fn(eng), None
             except Exception as e:
                 result, err = None, e
             if isinstance(result, list):  # ids of requests the call aborted (LoRA unload)
-                self._outs.put(("aborted", None, result))
+                self._held.append(("aborted", None, result))
 
             def done(result=result, err=err):
                 if not fut.done():
@@ -232,34 +235,46 @@ class AsyncEngine:
                     break
                 self._handle(kind, stream, payload)
             if not eng.has_unfinished():
+                self._hand_over()
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
                 continue
             started = time.monotonic()
             try:
-                outs = eng.step_tokens()
+                outs = eng.step_tokens(on_dispatch=self._hand_over)
             except Exception as e:  # fail what is in flight, keep serving
                 log.exception("engine step failed; failing the requests in flight")
                 for rid in list(eng.scheduler.requests):
                     eng.abort(rid)
                 if eng.runner.recover_pools():
                     eng.kv.reset_prefix_cache()
-                self._outs.put(("failed", None, RuntimeError(f"engine step failed: {e}")))
+                self._held.append(("failed", None, RuntimeError(f"engine step failed: {e}")))
+                self._hand_over()
                 continue
-            self._outs.put(("step", None, (outs, time.monotonic() - started)))
+            self._held.append(("step", None, (outs, time.monotonic() - started)))
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Pass what the engine thread holds to the output thread: once the next step is dispatched (or before
+        the engine thread idles). The output thread's and the event loop's work on it (text, JSON, socket
+        writes) then takes the GIL while the device runs, not while the engine thread prepares the next call."""
+        if self._held:
+            self._outs.put(self._held)
+            self._held = []
 
     # ---- output thread ----------------------------------------------------------------------------------------
     def _run_outputs(self) -> None:
         """Everything after the step, one message at a time: text, stop strings, metrics, delivery."""
         while True:
-            msg = self._outs.get()
-            if msg is None:
+            msgs = self._outs.get()
+            if msgs is None:
                 return
-            try:
-                self._output(*msg)
-            except Exception:  # a bug here must not leave the streams hanging: fail them, keep serving
-                log.exception("output processing failed; failing the requests in flight")
-                self._fail_open(RuntimeError("output processing failed"))
+            for msg in msgs:
+                try:
+                    self._output(*msg)
+                except Exception:  # a bug here must not leave the streams hanging: fail them, keep serving
+                    log.exception("output processing failed; failing the requests in flight")
+                    self._fail_open(RuntimeError("output processing failed"))
 
     def _output(self, kind: str, stream: Stream | None, payload) -> None:
         if kind == "step":

@@ -79,6 +79,17 @@ def resolve_kv_path(kv_path: KVPath, cfg: ModelConfig, block_size: int, num_bloc
     return choice
 
 
+def _once(fn):
+    """``fn`` (or nothing, for None) as a function that runs it on its first call only."""
+    pending = [fn] if fn is not None else []
+
+    def call():
+        if pending:
+            pending.pop()()
+
+    return call
+
+
 class Engine:
     def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, tokenizer=None, lora=None,
                  kv_dtype=None, draft_model: Decoder | None = None):
@@ -237,10 +248,19 @@ class Engine:
                 self._text.pop(o.request_id, None)
         return outs
 
-    def step_tokens(self) -> list[RequestOutput]:
+    def step_tokens(self, on_dispatch=None) -> list[RequestOutput]:
         """`step` without the text: the outputs carry token ids (and logprobs), ``text`` stays empty. For a
         caller that detokenises elsewhere (``AsyncEngine``'s output thread: it takes each request's
-        `RequestText` with `detach_text` and ends a request whose stop string it finds with `finish`)."""
+        `RequestText` with `detach_text` and ends a request whose stop string it finds with `finish`).
+        on_dispatch: called once, as soon as the step's device calls are queued (at the latest on return), so
+        that host work it releases (the previous step's outputs) runs while the device does, not before."""
+        once = _once(on_dispatch)
+        try:
+            return self._step_tokens(once)
+        finally:
+            once()
+
+    def _step_tokens(self, on_dispatch) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished():
@@ -250,10 +270,12 @@ class Engine:
             self.draft.recover_pools()  # after a failed call: a lost draft pool costs acceptance, never tokens
         speculating = [s for s in sched.scheduled if s.num_spec]
         rest = [s for s in sched.scheduled if not s.num_spec]
+        if speculating:  # the verify call is read back before the rest run: hand over now, not a call later
+            on_dispatch()
         sampled = self._speculate(speculating) if speculating else StepResult()
         if self.draft is not None:
             self.draft.execute(rest)  # the draft pool mirrors every KV write of the target's
-        plain = self.runner.execute(rest, self._bitmasks(rest))
+        plain = self.runner.execute(rest, self._bitmasks(rest), on_dispatch)
         sampled.update(plain)
         sampled.logprobs.update(plain.logprobs)
         outs = self.scheduler.update(sampled)

@@ -130,6 +130,11 @@ def verify_step(graphdef, state, k_pool, v_pool, last, start, proposals, num_pro
     return cache.k, cache.v, accept(logits, proposals, num_proposed, draft_probs, rows, start, sample=sample)
 
 
+def _call(fn) -> None:
+    if fn is not None:
+        fn()
+
+
 class StepResult(dict):
     """request id -> sampled token id; ``logprobs``: request id -> (logprob, [(id, logprob)] * top_logprobs).
     After a multi-step decode (rows with ``num_steps > 1``): request id -> list of ids, and logprobs -> a list
@@ -443,13 +448,14 @@ class PagedRunner:
         return out
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def execute(self, scheduled: list[ScheduledRequest], bitmasks=None) -> StepResult:
+    def execute(self, scheduled: list[ScheduledRequest], bitmasks=None, on_dispatch=None) -> StepResult:
         """Run the forward for every scheduled request (writing its KV) and sample where ``sample`` is True.
 
         bitmasks: request id -> allowed-token bitmask [W] int32 (structured output, ``serve/guided.py``) for the
         sampling rows that have a grammar; single steps only (the scheduler never multi-steps a guided request).
         One host sync per step: every forward call is dispatched first, then the sampled ids (and logprobs
-        when asked) of all of them come back together.
+        when asked) of all of them come back together. on_dispatch: called once the calls are dispatched, before
+        the host waits for them (host work of the caller's that then overlaps the device's).
         """
         out = StepResult()
         scheduled = [s for s in scheduled if s.num_new_tokens > 0]
@@ -458,7 +464,9 @@ class PagedRunner:
         if any(s.num_steps > 1 for s in scheduled):  # the scheduler makes these all-decode steps, one wave
             if bitmasks:
                 raise ValueError("token bitmasks need single steps (a guided request is never multi-stepped)")
-            self._collect_multi(scheduled, jax.device_get(self._run_multi(scheduled)), out)
+            result = self._run_multi(scheduled)
+            _call(on_dispatch)
+            self._collect_multi(scheduled, jax.device_get(result), out)
             return out
         waves = self._waves(scheduled)
         self.num_deferred += sum(w > 0 for w in waves)
@@ -470,6 +478,7 @@ class PagedRunner:
                     sampled = self._run(group, bitmasks)
                     if any(s.sample for s in group):
                         calls.append((group, sampled))
+        _call(on_dispatch)
         for group, host in zip([g for g, _ in calls], jax.device_get([x for _, x in calls])):
             for r, s in enumerate(group):
                 if not s.sample:
