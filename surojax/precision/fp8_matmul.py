@@ -49,8 +49,8 @@ def dot_form() -> str:
     benchmarks/RESULTS.md).
     benchmarks/fp8_gemm_check.py compiles and times both."""
     form = os.environ.get("SUROJAX_FP8_DOT", "direct")
-    if form not in ("qdq", "direct", "direct-fused-scale"):
-        raise ValueError(f"SUROJAX_FP8_DOT={form!r}: expected direct, direct-fused-scale or qdq")
+    if form not in ("qdq", "direct"):
+        raise ValueError(f"SUROJAX_FP8_DOT={form!r}: expected direct or qdq")
     return form
 
 
@@ -67,18 +67,10 @@ QDQ_REL_ERR = 1e-2
 
 def _scaled_dot(a_q, a_d, b_q, b_d, dims, dtype):
     """dot_general(a_q * a_d, b_q * b_d) in `dtype` (fp32 accumulation inside the GEMM)."""
-    form = dot_form()
-    if form != "qdq":
+    if dot_form() == "direct":
         y = jax.lax.dot_general(a_q, b_q, (dims, ((), ())), preferred_element_type=dtype)
-        scale = (a_d.astype(jnp.float32) * b_d.astype(jnp.float32)).astype(dtype)
-        if form == "direct":
-            # the scale as a finished scalar: XLA must not fuse the chain that makes it (amax -> 448 / amax ->
-            # guards) into the GEMM, which turns a plain FP8 dot into a Triton GEMM fusion with that chain as its
-            # epilogue instead of a cuBLASLt call (the forward down projection of the 8B step: benchmarks/RESULTS.md,
-            # session 11). `direct-fused-scale` leaves XLA free to fuse it (the A/B of fp8_h200.py).
-            scale = jax.lax.optimization_barrier(scale)
         # multiply(gemm, broadcast(scalar)) right on the GEMM's result: XLA folds it into the FP8 GEMM's scale
-        return y * scale
+        return y * (a_d.astype(jnp.float32) * b_d.astype(jnp.float32)).astype(dtype)
     return jax.lax.dot_general(dequantize(a_q, a_d, dtype), dequantize(b_q, b_d, dtype), (dims, ((), ())),
                                preferred_element_type=dtype)
 

@@ -125,14 +125,12 @@ def test_layer_mask_picks_bf16_or_fp8_per_layer():
 def test_direct_dot_form_matches_qdq(monkeypatch):
     x, w, g = _operands(seed=2)
     outs = {}
-    for form in ("qdq", "direct", "direct-fused-scale"):
+    for form in ("qdq", "direct"):
         monkeypatch.setenv("SUROJAX_FP8_DOT", form)
         y, vjp = jax.vjp(fp8_dot, x, w)  # traced anew: the form is read at trace time
         outs[form] = (y, *vjp(g))
     for a, b in zip(outs["qdq"], outs["direct"]):
         assert _rel(a, b) < 1e-2
-    for a, b in zip(outs["direct"], outs["direct-fused-scale"]):  # the barrier only fences the scale off
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     monkeypatch.setenv("SUROJAX_FP8_DOT", "nope")
     with pytest.raises(ValueError, match="SUROJAX_FP8_DOT"):
         fp8_dot(x, w)
