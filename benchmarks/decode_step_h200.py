@@ -213,6 +213,8 @@ def main(argv=None):
     p.add_argument("--quant", default=None, help="a quantised base: every Linear of the layers in this format "
                    "(random codes; q4_k, q8_0, nf4, ...); SUROJAX_QUANT_MATMUL picks XLA or the fused decode GEMV")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, tiny lengths")
+    p.add_argument("--separate-projections", action="store_true",
+                   help="keep q / k / v and gate / up as separate GEMMs (the server joins them: fused_projections)")
     a = p.parse_args(argv)
     if a.smoke:
         a.shape, a.rows, a.context, a.steps, a.repeats = "debug", "1,4", 40, 4, 1
@@ -222,7 +224,8 @@ def main(argv=None):
     model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0))
     if a.quant:
         randomize_base(model, a.quant, jax.random.key(1))
-    laid = decode_weights(model)  # as surojax serve: the weights the decode kernel takes, laid out once
+    # as surojax serve: the weights the decode kernel takes laid out once, q / k / v and gate / up joined
+    laid = decode_weights(model, join_projections=not a.separate_projections)
     graphdef, state = nnx.split(model)
     bs = 16
     rows_list = [int(r) for r in a.rows.split(",")]

@@ -34,6 +34,7 @@ from flax import nnx
 from pallas_kernels.quant_matmul.api import decode_layouts
 from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec, layout_error, plain_layout
 from pallas_kernels.quant_matmul.reference import dequantize_layout
+from surojax.models.fused_projections import fuse_projections
 from surojax.quant.base import QuantFormat
 from surojax.quant.transform import QuantParam
 
@@ -66,6 +67,18 @@ class LaidOut(QuantFormat):
             raise ValueError(f"laid_out ({self.source}): at_layer needs one stacked layers axis, data "
                              f"{self.data.shape}, layer {self.layer}")
         return dataclasses.replace(self, layer=jnp.asarray(index, jnp.int32))
+
+    def join_columns(self, parts: list) -> "LaidOut | None":
+        """parts (this weight first) side by side along N: one [..., K, sum N] weight of the same layout, or None
+        when they differ in layout, K tile, source format, K or stacking. Exact: every array of a layout keeps N
+        as its last, contiguous axis and no column depends on another (layout.py)."""
+        key = lambda p: (p.spec, p.kt, p.source, p.shape[0], p.layer is None, p.data.shape[:-1])  # noqa: E731
+        if not all(isinstance(p, LaidOut) and key(p) == key(self) for p in parts) or self.layer is not None:
+            return None
+        join = lambda arrays: None if arrays[0] is None else jnp.concatenate(arrays, axis=-1)  # noqa: E731
+        return dataclasses.replace(self, data=join([p.data for p in parts]), scale=join([p.scale for p in parts]),
+                                   offset=join([p.offset for p in parts]),
+                                   shape=(self.shape[0], sum(p.shape[1] for p in parts)))
 
     def _layout(self) -> KernelLayout:
         return KernelLayout(codes=self.data, scale=self.scale, offset=self.offset, spec=self.spec,
@@ -161,16 +174,22 @@ def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int =
     return done
 
 
-def decode_weights(model) -> dict[str, int]:
-    """Convert, in place, the model's Linear kernels whose decode GEMVs take the fused kernel into its layout: the
-    layouts and sizes `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU those with a measured
-    crossover DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more). What `surojax serve` (build_server)
-    and `surojax generate` run after loading. Idempotent. -> {layout: kernels converted}."""
+def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
+    """Make the model's weights what a decode step reads best, in place, once after loading (what `surojax
+    serve` (build_server) and `surojax generate` run):
+    - the Linear kernels whose decode GEMVs take the fused kernel go into its layout: the layouts and sizes
+      `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU those with a measured crossover
+      DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more);
+    - join_projections: then q / k / v and gate / up become one GEMM each where their kernels can be joined
+      (surojax.models.fused_projections). Off where LoRA slots will wrap the parts by name.
+    Idempotent. -> {layout: kernels converted}."""
     layouts, min_values = decode_layouts()
     done = lay_out_model(model, layouts, min_values)
     if done:
         log.info("decode kernels: weights laid out once for the fused decode GEMV: %s",
                  ", ".join(f"{k} x{v}" for k, v in sorted(done.items())))
+    if join_projections:
+        fuse_projections(model)
     return done
 
 

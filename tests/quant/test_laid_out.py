@@ -99,7 +99,9 @@ def test_auto_takes_the_decode_kernel_below_the_measured_crossover(monkeypatch):
     assert {"*", "bfloat16"} <= layouts and min_values == 0
     model = Decoder(ModelConfig.from_hf(dict(HF)), rngs=nnx.Rngs(params=0))  # what build_server does at load
     quantize_model(model, "q8_0", targets=("down_proj",))
-    assert decode_weights(model) == {"q8_0": 1, "float32": 6} and decode_weights(model) == {"q8_0": 1, "float32": 6}
+    assert decode_weights(model) == {"q8_0": 1, "float32": 6}
+    assert model.layers.attn.qkv_proj is not None and model.layers.mlp.gate_up_proj is not None  # then joined
+    assert decode_weights(model) == {"q8_0": 1, "float32": 3}  # idempotent: qkv, o, gate_up (down is q8_0)
 
 
 def test_served_greedy_tokens_through_the_kernels_equal_xla(models, monkeypatch):

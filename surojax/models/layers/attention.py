@@ -245,6 +245,7 @@ class Attention(nnx.Module):
         self.v_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.o_proj = Linear(cfg.q_dim, D, ("heads", "embed"), use_bias=cfg.o_proj_bias, param_dtype=param_dtype,
                              rngs=rngs)
+        self.qkv_proj: Linear | None = nnx.data(None)  # q, k, v in one GEMM (fused_projections: serving)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
@@ -268,9 +269,11 @@ class Attention(nnx.Module):
                              "exactly when cfg.layer_windows is set")
         B, T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(B, T, N, H)
-        k = self.k_proj(x).reshape(B, T, K, H)
-        v = self.v_proj(x).reshape(B, T, K, H)
+        if self.qkv_proj is not None:  # [B, T, (N + 2K) H]: one read of x, one GEMM (decode: one GEMV launch)
+            q, k, v = jnp.split(self.qkv_proj(x), [N * H, (N + K) * H], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -1,7 +1,9 @@
-"""SwiGLU MLP: down(silu(gate(x)) * up(x)). Kernels gate/up [D, F], down [F, D]."""
+"""SwiGLU MLP: down(silu(gate(x)) * up(x)). Kernels gate/up [D, F], down [F, D]; or gate_up [D, 2F] (gate
+columns first) when surojax.models.fused_projections has joined them for serving."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from surojax.models.layers.linear import Linear
@@ -12,6 +14,11 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(dim, hidden, ("embed", "mlp"), param_dtype=param_dtype, rngs=rngs)
         self.up_proj = Linear(dim, hidden, ("embed", "mlp"), param_dtype=param_dtype, rngs=rngs)
         self.down_proj = Linear(hidden, dim, ("mlp", "embed"), param_dtype=param_dtype, rngs=rngs)
+        self.gate_up_proj: Linear | None = nnx.data(None)  # gate and up in one GEMM (fused_projections)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
