@@ -62,7 +62,7 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
         model, tokenizer, model_dir, name = load_for_serving(config)
     else:
         name = config.served_model_name or "model"
-    decode_weights(model)
+    decode_weights(model, join_projections=config.lora is None)  # LoRA slots wrap q / k / v ... by name
     lora = None
     if config.lora is not None:
         lora = AdapterSlots(model, max_loras=config.lora.max_loras, max_rank=config.lora.max_rank)
