@@ -215,7 +215,8 @@ def build_model(a):
     model = init_sharded(build, make_mesh({"data": 1}, jax.devices()[:1]))
     if a.quant in GGUF_FILE_TYPES:  # typed per layer as llama.cpp's file type (mixed stacks: GGUFMixed)
         randomize_gguf_mix(model, a.quant, jax.random.key(1))
-    laid = decode_weights(model)  # what build_server does: the weights the decode kernel takes, in its layout
+    # what build_server does: the weights the decode kernel takes in its layout, q / k / v and gate / up joined
+    laid = decode_weights(model, join_projections=not a.separate_projections)
     print(f"# model {a.shape} {a.dtype}{' base ' + a.quant if a.quant else ''} on {jax.devices()[0].device_kind}; "
           f"decode kernel layouts: {laid or 'none'} (SUROJAX_QUANT_MATMUL={os.environ.get('SUROJAX_QUANT_MATMUL', 'auto')})",
           flush=True)
@@ -516,6 +517,8 @@ def main(argv=None):
                    help="comma list of auto / gather / reduce / pallas: the paged path's decode attention "
                         "(paged_kernel; auto = the engine's default: pallas on a GPU)")
     p.add_argument("--unroll-layers", action="store_true", help="the runner's unroll_layers (engine and server)")
+    p.add_argument("--separate-projections", action="store_true",
+                   help="engine only: keep q / k / v and gate / up as separate GEMMs (the server joins them)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                    help="the KV pool's dtype (engine and server): auto = the model's, fp8 = float8_e4m3fn")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, short lengths, users 1,4")
@@ -535,6 +538,8 @@ def main(argv=None):
             a.users = "1,4"
         if a.modes == "hf,engine,server":
             a.modes = "engine,server"
+    if a.separate_projections and "server" in a.modes.split(","):
+        p.error("--separate-projections is for the engine alone: `surojax serve` joins q / k / v and gate / up")
     a.users_list = [int(u) for u in a.users.split(",")]
     a.decode_steps_list = [serve_decode_steps() if k.strip() == "auto" else int(k) for k in a.decode_steps.split(",")]
     if any(k < 1 or k & (k - 1) for k in a.decode_steps_list):
