@@ -65,3 +65,34 @@ def test_detokenisation_off_the_engine_thread_and_stop_strings_exact(monkeypatch
     assert got == [want[r] for r in rids]
     assert threads and set(threads) == {"surojax-output"}  # never "surojax-engine"
     assert not eng.has_unfinished() and eng.kv.usage == 0  # the stopped request's blocks were freed
+
+
+def test_a_steps_outputs_reach_the_output_thread_once_the_next_step_is_dispatched():
+    """The output thread and the event loop (which share the engine thread's GIL) work on a step's outputs while
+    the device runs the next step, not while the engine thread prepares that step: call k hands over step k - 1."""
+    model, tok = load_model(FIXTURE, attention="xla"), Tokenizer.from_dir(FIXTURE)
+    eng = make_engine(model, tok)
+    ae = AsyncEngine(eng)
+    delivered, at_dispatch = [], []
+    deliver, execute = ae._deliver_step, eng.runner.execute
+    ae._deliver_step = lambda *a: delivered.append(a) or deliver(*a)
+
+    def slow_dispatch(scheduled, bitmasks=None, on_dispatch=None):
+        def dispatched():
+            time.sleep(0.05)  # an output thread given the last step's outputs before this would have delivered them
+            at_dispatch.append(len(delivered))
+            on_dispatch()
+        return execute(scheduled, bitmasks, dispatched)
+
+    eng.runner.execute = slow_dispatch
+    ae.start()
+
+    async def main():
+        return [o async for o in ae.submit(tok.encode("hello"), SamplingParams(max_tokens=4))]
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert [len(o.new_token_ids) for o in outs] == [1, 1, 1, 1]
+    assert at_dispatch == [0, 0, 1, 2]  # a prefill, then three decode calls
