@@ -1,23 +1,26 @@
 """The HTTP server's host (Python) cost per streamed token, with the device made a fixed sleep.
 
 The real `surojax serve` code path (`build_server`: scheduler, engine thread, output thread, FastAPI under
-uvicorn, SSE) serves the debug shape, but the runner's `execute` is replaced by a fake device: it sleeps
---device-ms (the GIL released, as a device call's readback releases it) and returns K tokens per running request
-(``num_steps``, as a multi-step decode would). So the numbers depend only on the Python around the model: what
+uvicorn, SSE) serves the debug shape, but the runner's `execute` is replaced by a fake device: --dispatch-ms of
+Python (the real runner's inputs and dispatch, GIL held), then a sleep of --device-ms (--prefill-ms with a prompt
+chunk; the GIL released, as a readback releases it), then K tokens per running request (``num_steps``, as a
+multi-step decode gives). So the numbers depend only on the Python around the model: what
 `serve_load.py --modes engine,server` measures on a GPU, without one.
 
     python benchmarks/serve_host_cost.py                     # 64 users, K = 8, device 35 ms per call
-    python benchmarks/serve_host_cost.py --users 1,16,64 --device-ms 35
+    python benchmarks/serve_host_cost.py --users 1,16,64 --decode-steps 1 --device-ms 6
 
 Per users: the engine alone (`Engine.step` with the fake device, no HTTP) and the server (the load client of
-serve_load.py in a child process) -> decode tok/s of each, their ratio (serve_load's server/engine figure), and
-each server thread's CPU time per generated token in µs (engine thread, output thread, event loop = uvicorn's
-thread), read from /proc over the measured run. CPU time of a pure-Python thread is about its GIL time.
+serve_load.py in a child process) -> decode tok/s of each, their ratio (serve_load's server/engine figure; on this
+harness it also moves with how the requests' prefills fall into steps, a few %), the host time between device
+calls, and each server thread's CPU time per generated token in µs (engine thread, output thread, event loop =
+uvicorn's thread), read from /proc over the measured run. CPU time of a pure-Python thread is about its GIL time.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import socket
 import sys
@@ -112,7 +115,7 @@ def run_server(a, model, users: int, k: int) -> tuple[float, dict[str, float]]:
 
     from surojax.cli.main import build_parser, load_command
     from surojax.cli.serve import serve_config
-    from surojax.serve.launch import build_server
+    from surojax.serve.launch import build_server, freeze_heap
 
     engine = serve_load.engine_config(a, users, k)
     args = build_parser("serve", load_command("serve")).parse_args(
@@ -121,6 +124,7 @@ def run_server(a, model, users: int, k: int) -> tuple[float, dict[str, float]]:
     app, state = build_server(dataclasses.replace(serve_config(args), engine=engine), model=model,
                               tokenizer=serve_load.IdTokenizer())
     fake_device(state.engine.engine.runner, a)
+    freeze_heap()  # as `surojax serve` does
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -146,6 +150,7 @@ def run_server(a, model, users: int, k: int) -> tuple[float, dict[str, float]]:
         srv.should_exit = True
         th.join(10)
         state.engine.shutdown()
+        gc.unfreeze()
     return r["decode_tok_s"], cpu
 
 

@@ -329,7 +329,7 @@ def ours_main(a):
 
             from surojax.cli.main import build_parser, load_command
             from surojax.cli.serve import serve_config
-            from surojax.serve.launch import build_server
+            from surojax.serve.launch import build_server, freeze_heap
         except ImportError as e:
             print(f"# server mode skipped: {e} (needs fastapi, starlette, uvicorn, anyio, h11, click, pydantic)",
                   flush=True)
@@ -350,6 +350,7 @@ def ours_main(a):
             app, state = build_server(dataclasses.replace(config, engine=engine), model=model,
                                       tokenizer=IdTokenizer())
             kern = state.engine.engine.config.kv_path.value  # AUTO: what the server resolved
+            freeze_heap()  # as `surojax serve` does; undone below, so that this server can be collected
             srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
             th = threading.Thread(target=srv.run, daemon=True)
             th.start()
@@ -367,6 +368,7 @@ def ours_main(a):
                 srv.should_exit = True
                 th.join(10)
                 state.engine.shutdown()
+                gc.unfreeze()
             emit(r)
             results.append(r)
             del app, state
