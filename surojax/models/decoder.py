@@ -176,8 +176,8 @@ class Decoder(nnx.Module):
             h = run_layers(apply_layer, h, layer_state, (cos, sin, segment_ids, positions), unroll=unroll)
             return (self.final_norm(h), None) + ((None,) if router_stats else ())
 
-        check_stacked(layer_state)
         layer_xs, rebuild = split_in_place(layer_state)
+        check_stacked(layer_xs)  # what the scan slices (a weight read in place may hold stacks of other lengths)
         layer_ids = None if rebuild is None else jnp.arange(self.cfg.num_layers)
 
         def layer_block(xs_l, index):

@@ -29,13 +29,15 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pallas_kernels.quant_matmul.api import decode_layouts
 from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec, layout_error, plain_layout
 from pallas_kernels.quant_matmul.reference import dequantize_layout
 from surojax.models.fused_projections import fuse_projections
-from surojax.quant.base import QuantFormat
+from surojax.quant.base import FORMATS, QuantFormat
+from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
 
 log = logging.getLogger("surojax.quant")
@@ -122,6 +124,80 @@ jax.tree_util.register_dataclass(LaidOut, data_fields=["data", "scale", "offset"
                                  meta_fields=["spec", "shape", "kt", "source"])
 
 
+@dataclasses.dataclass(frozen=True)
+class LaidOutMixed(QuantFormat):
+    """A layer stack whose layers come in different formats (a GGUF Q4_K_M file's attn_v / ffn_down: Q4_K on some
+    layers, Q6_K on others; `GGUFMixed`), laid out per format: one LaidOut stack per format holding its layers,
+    and for each layer its format (`kind` [L]) and its index in that stack (`pos` [L]). A layer (`at_layer`, what
+    the decoder's scan hands it) multiplies through its own format's kernel, chosen by `lax.switch`; each branch
+    reads its layer of its stack in place, and quant_matmul's auto dispatch decides per format (Q4_K and Q6_K have
+    different crossovers). `dequantize` of a layer is its format's values, bit for bit (LaidOut's contract)."""
+    parts: tuple[LaidOut, ...]
+    kind: jax.Array
+    pos: jax.Array
+    layer: jax.Array | None
+    shape: tuple[int, int] = dataclasses.field(metadata={"static": True})
+    source: str = dataclasses.field(metadata={"static": True})
+
+    stacked_in_place = True
+    name = "laid_out_mixed"
+    data = property(lambda self: self.parts[0].data)  # QuantFormat's leading-axes convention (nbytes, logs)
+
+    def at_layer(self, index: jax.Array) -> "LaidOutMixed":
+        if self.layer is not None:
+            raise ValueError(f"laid_out_mixed ({self.source}): already one layer")
+        return dataclasses.replace(self, layer=jnp.asarray(index, jnp.int32))
+
+    def _switch(self, per_part):
+        """per_part(LaidOut of this layer) over the layer's own format (layer set: one branch runs)."""
+        if self.layer is None:
+            raise ValueError(f"laid_out_mixed ({self.source}): a stack; the decoder's scan gives a layer (at_layer)")
+        pos = self.pos[self.layer]
+        branches = [lambda pos, p=p: per_part(p.at_layer(pos)) for p in self.parts]
+        return jax.lax.switch(self.kind[self.layer], branches, pos)
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        return self._switch(lambda w: w.matmul(x))
+
+    def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
+        if self.layer is not None:
+            return self._switch(lambda w: w.dequantize(dtype))
+        stacked = jnp.concatenate([p.dequantize(dtype) for p in self.parts])  # parts in order of kind
+        starts = np.cumsum([0] + [p.data.shape[0] for p in self.parts])[:-1]
+        return stacked[jnp.asarray(starts)[self.kind] + self.pos]
+
+    def __repr__(self) -> str:
+        return f"LaidOutMixed({self.source}, layers {[p.data.shape[0] for p in self.parts]})"
+
+
+jax.tree_util.register_dataclass(LaidOutMixed, data_fields=["parts", "kind", "pos", "layer"],
+                                 meta_fields=["shape", "source"])
+
+
+def lay_out_mixed(w: GGUFMixed, kt: int = 128) -> LaidOutMixed | None:
+    """A GGUFMixed stack [L, ...] -> one LaidOut stack per GGUF type (its layers, in order), or None when a type
+    has no kernel layout. `kind` is read on the host (a loaded file's, concrete)."""
+    if w.data.ndim != 3:
+        return None
+    kind = np.asarray(w.kind)
+    k, n = w.shape
+    parts, pos = [], np.zeros_like(kind)
+    for t, name in enumerate(w.types):
+        layers = np.flatnonzero(kind == t)
+        pos[layers] = np.arange(len(layers))
+        fmt = FORMATS[name]
+        raw = w.data[jnp.asarray(layers), :, :GGUFMixed.row_bytes(name, k)]  # [L_t, N, row bytes]
+        if fmt.storage_dtype != np.uint8:
+            size = np.dtype(fmt.storage_dtype).itemsize
+            raw = jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:2], -1, size), fmt.storage_dtype)
+        part = lay_out(fmt(data=raw, shape=(k, n)), kt)
+        if part is None:
+            return None
+        parts.append(part)
+    return LaidOutMixed(parts=tuple(parts), kind=jnp.asarray(kind), pos=jnp.asarray(pos), layer=None, shape=(k, n),
+                        source="+".join(w.types))
+
+
 def lay_out(w, kt: int = 128) -> LaidOut | None:
     """One stacked weight ([L, K, N] plain array or a QuantFormat with a kernel, one leading layers axis) ->
     LaidOut, or None when the kernels cannot take it (no kernel for its format, K / N off the tiles, not one
@@ -159,14 +235,20 @@ def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int =
         if not isinstance(var, nnx.Param):   # a Linear's kernel [L, K, N] (experts [L, E, K, N]: lay_out refuses)
             continue
         w = var.get_value()
-        name = w.kernel_spec.name if isinstance(w, QuantFormat) and w.kernel_spec is not None else \
-            (jnp.dtype(w.dtype).name if hasattr(w, "dtype") else None)
-        if name is None or (name not in formats and not ("*" in formats and isinstance(w, QuantFormat))):
+        if isinstance(w, GGUFMixed):  # every type present must be one the caller converts
+            names = [FORMATS[t].kernel_spec.name if FORMATS[t].kernel_spec else t for t in w.types]
+            name = "+".join(names) if all(t in formats or "*" in formats for t in names) else None
+        elif isinstance(w, QuantFormat) and w.kernel_spec is not None:
+            name = w.kernel_spec.name
+        else:
+            name = jnp.dtype(w.dtype).name if hasattr(w, "dtype") and not isinstance(w, QuantFormat) else None
+        if name is None or (name not in formats and "+" not in name
+                            and not ("*" in formats and isinstance(w, QuantFormat))):
             continue
         k, n = w.shape if isinstance(w, QuantFormat) else w.shape[-2:]
         if k * n < min_values:
             continue
-        laid = lay_out(w, kt)
+        laid = lay_out_mixed(w, kt) if isinstance(w, GGUFMixed) else lay_out(w, kt)
         if laid is None:
             continue
         module.kernel = QuantParam(laid, **var.get_metadata())
@@ -193,4 +275,4 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     return done
 
 
-__all__ = ["LaidOut", "decode_weights", "lay_out", "lay_out_model"]
+__all__ = ["LaidOut", "LaidOutMixed", "decode_weights", "lay_out", "lay_out_mixed", "lay_out_model"]

@@ -16,7 +16,10 @@ from surojax.generation.sampling import SamplingParams
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.qlora import quantize_model
-from surojax.quant.laid_out import LaidOut, decode_weights, lay_out, lay_out_model
+from surojax.quant import quantize
+from surojax.quant.gguf_mixed import GGUFMixed
+from surojax.quant.laid_out import LaidOut, LaidOutMixed, decode_weights, lay_out, lay_out_model
+from surojax.quant.transform import QuantParam
 from surojax.serve.engine import Engine
 from tests.pallas_kernels.kernel_weights import make_weight
 from tests.serve.configs import BUCKETS, engine_config
@@ -125,3 +128,34 @@ def test_served_greedy_tokens_through_the_kernels_equal_xla(models, monkeypatch)
     want = run(model)
     monkeypatch.setenv(ENV, "pallas")
     assert run(laid) == want
+
+
+def test_mixed_stacks_lay_out_per_format(monkeypatch):
+    """A GGUF Q4_K_M-style mixed stack (Q4_K and Q6_K layers, GGUFMixed) lays out as one LaidOut stack per type:
+    each layer decodes to its own format's values bit for bit, and a model with mixed v / down projections gives
+    the unconverted model's logits through the kernels' decode form (interpret mode; lax.switch per layer)."""
+    rng = np.random.default_rng(5)
+    model = Decoder(ModelConfig.from_hf(dict(HF, num_hidden_layers=3)), rngs=nnx.Rngs(params=0))
+    for path, types in (("attn.v_proj", ("q6_k", "q4_k", "q6_k")), ("mlp.down_proj", ("q4_k", "q4_k", "q6_k"))):
+        holder, leaf = path.split(".")
+        lin = getattr(getattr(model.layers, holder), leaf)
+        k, n = lin.kernel.get_value().shape[1:]
+        layers = [quantize(rng.normal(size=(k, n)).astype(np.float32) * 0.05, t) for t in types]
+        lin.kernel = QuantParam(GGUFMixed.from_layers(layers), **lin.kernel.get_metadata())
+    monkeypatch.setenv(ENV, "xla")
+    want = np.asarray(_forward(model, TOKENS))
+    graphdef, state = nnx.split(model)
+    laid = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    assert lay_out_model(laid, frozenset({"q4_k", "q6_k"})) == {"q4_k+q6_k": 2}
+    v = laid.layers.attn.v_proj.kernel.get_value()
+    assert isinstance(v, LaidOutMixed) and [p.data.shape[0] for p in v.parts] == [1, 2]  # q4_k, q6_k layers
+    np.testing.assert_array_equal(np.asarray(v.dequantize(jnp.float32)),
+                                  np.asarray(model.layers.attn.v_proj.kernel.get_value().dequantize(jnp.float32)))
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS)), want, rtol=0, atol=1e-6 * scale)
+    monkeypatch.setenv(ENV, "pallas")
+    calls = []
+    real = api.fused_matmul
+    monkeypatch.setattr(api, "fused_matmul", lambda *a: calls.append(a[1].spec.name) or real(*a))
+    np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS[:, :1])), want[:, :1], rtol=0, atol=2e-6 * scale)
+    assert sorted(calls) == ["q4_k", "q4_k", "q6_k", "q6_k"]  # v and down: each format's branch is the kernel
