@@ -66,21 +66,18 @@ class GGUFMixed(QuantFormat):
         raw = np.asarray(self.data[i])[:, :self.row_bytes(name, self.shape[0])]
         return f.from_gguf(np.ascontiguousarray(raw), *self.shape)
 
+    def typed(self, name: str, data: jax.Array) -> GGUFQuant:
+        """Rows of layers of type `name` (data [..., N, R], this stack's padded bytes) as that format's weight
+        (padding cut off, the bytes read in its storage dtype)."""
+        f = FORMATS[name]
+        raw = data[..., :self.row_bytes(name, self.shape[0])]
+        if f.storage_dtype != np.uint8:
+            size = np.dtype(f.storage_dtype).itemsize
+            raw = jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], -1, size), f.storage_dtype)
+        return f(data=raw, shape=self.shape)
+
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
-        k, n = self.shape
-
-        def branch(name):
-            f, width = FORMATS[name], self.row_bytes(name, k)
-
-            def run(data):
-                raw = data[:, :width]
-                if f.storage_dtype != np.uint8:
-                    raw = jax.lax.bitcast_convert_type(raw.reshape(n, -1, np.dtype(f.storage_dtype).itemsize),
-                                                       f.storage_dtype)
-                return f(data=raw, shape=(k, n)).dequantize(dtype)
-            return run
-
-        branches = [branch(t) for t in self.types]
+        branches = [lambda data, t=t: self.typed(t, data).dequantize(dtype) for t in self.types]
 
         def one(data, kind):  # data [N, R], kind [] -> [K, N]
             return jax.lax.switch(kind, branches, data)

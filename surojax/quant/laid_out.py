@@ -180,21 +180,15 @@ def lay_out_mixed(w: GGUFMixed, kt: int = 128) -> LaidOutMixed | None:
     if w.data.ndim != 3:
         return None
     kind = np.asarray(w.kind)
-    k, n = w.shape
     parts, pos = [], np.zeros_like(kind)
     for t, name in enumerate(w.types):
         layers = np.flatnonzero(kind == t)
         pos[layers] = np.arange(len(layers))
-        fmt = FORMATS[name]
-        raw = w.data[jnp.asarray(layers), :, :GGUFMixed.row_bytes(name, k)]  # [L_t, N, row bytes]
-        if fmt.storage_dtype != np.uint8:
-            size = np.dtype(fmt.storage_dtype).itemsize
-            raw = jax.lax.bitcast_convert_type(raw.reshape(*raw.shape[:2], -1, size), fmt.storage_dtype)
-        part = lay_out(fmt(data=raw, shape=(k, n)), kt)
+        part = lay_out(w.typed(name, w.data[jnp.asarray(layers)]), kt)  # that type's layers, [L_t, N, R]
         if part is None:
             return None
         parts.append(part)
-    return LaidOutMixed(parts=tuple(parts), kind=jnp.asarray(kind), pos=jnp.asarray(pos), layer=None, shape=(k, n),
+    return LaidOutMixed(parts=tuple(parts), kind=jnp.asarray(kind), pos=jnp.asarray(pos), layer=None, shape=w.shape,
                         source="+".join(w.types))
 
 
@@ -219,6 +213,21 @@ def lay_out(w, kt: int = 128) -> LaidOut | None:
                    kt=lw.kt, source=source)
 
 
+def _wanted_layout(w, formats: frozenset[str]) -> str | None:
+    """w's layout name ("q4_k", "bfloat16", "q4_k+q6_k" for a mixed stack) when `formats` asks for it ("*": every
+    quantised format with a kernel), else None."""
+    def wanted(name: str, quantised: bool) -> bool:
+        return name in formats or (quantised and "*" in formats)
+
+    if isinstance(w, GGUFMixed):  # every type present must be one the caller converts
+        names = [FORMATS[t].kernel_spec.name if FORMATS[t].kernel_spec else t for t in w.types]
+        return "+".join(names) if all(wanted(t, True) for t in names) else None
+    if isinstance(w, QuantFormat):  # LaidOut / LaidOutMixed already: kernel_spec, or none
+        return w.kernel_spec.name if w.kernel_spec is not None and wanted(w.kernel_spec.name, True) else None
+    name = jnp.dtype(w.dtype).name if hasattr(w, "dtype") else None
+    return name if name is not None and wanted(name, False) else None
+
+
 def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int = 128) -> dict[str, int]:
     """Convert, in place, every Linear kernel of `model` whose layout name (a quantised format's spec name, or
     the dtype name of a plain kernel: "bfloat16") is in `formats` ("*" in it: every quantised format with a
@@ -235,15 +244,8 @@ def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int =
         if not isinstance(var, nnx.Param):   # a Linear's kernel [L, K, N] (experts [L, E, K, N]: lay_out refuses)
             continue
         w = var.get_value()
-        if isinstance(w, GGUFMixed):  # every type present must be one the caller converts
-            names = [FORMATS[t].kernel_spec.name if FORMATS[t].kernel_spec else t for t in w.types]
-            name = "+".join(names) if all(t in formats or "*" in formats for t in names) else None
-        elif isinstance(w, QuantFormat) and w.kernel_spec is not None:
-            name = w.kernel_spec.name
-        else:
-            name = jnp.dtype(w.dtype).name if hasattr(w, "dtype") and not isinstance(w, QuantFormat) else None
-        if name is None or (name not in formats and "+" not in name
-                            and not ("*" in formats and isinstance(w, QuantFormat))):
+        name = _wanted_layout(w, formats)
+        if name is None:
             continue
         k, n = w.shape if isinstance(w, QuantFormat) else w.shape[-2:]
         if k * n < min_values:
