@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 
 from surojax.bench.train_bench import BenchConfig, build, place_batch, synthetic_batch  # noqa: E402
 
-from kernel_categories import category as kernel_category  # noqa: E402  (benchmarks/ is sys.path[0])
+from hlo_attribution import attribute, instruction_sources  # noqa: E402  (benchmarks/ is sys.path[0])
+from kernel_categories import category as kernel_category  # noqa: E402
 from trace_intervals import overlap, union  # noqa: E402
 
 CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
@@ -61,7 +62,14 @@ def main():
     p.add_argument("--recipe", default="bf16", help="bf16 | fp8_hybrid | nvfp4")
     p.add_argument("--fp8-scaling", default="current", help="with --recipe fp8_hybrid: current | delayed | blockwise")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/surojax-profile"))
+    p.add_argument("--attribute", action="store_true",
+                   help="also print the kernel time by source line (dumps the optimized HLO: hlo_attribution.py)")
     a = p.parse_args()
+    dump_dir = None
+    if a.attribute:  # before the backend starts: XLA reads its flags once
+        dump_dir = tempfile.mkdtemp(prefix="surojax-hlo-")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir} "
+                                   "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*").strip()
     bc = BenchConfig(shape=a.shape, mode=a.mode, batch=a.batch, seq=a.seq, recompute=a.recompute,
                      attention=a.attention, lmhead_chunks=a.lmhead_chunks, offload_base=a.offload_base,
                      prefetch=a.prefetch, init=a.init, optimizer=a.optimizer,
@@ -104,6 +112,17 @@ def main():
     for name, d in by_name.most_common(40):
         print(f"  {d / 1e3:8.2f}  {name[:150]}")
     timeline(events, gpu_pids, a.steps)
+    if dump_dir is not None:
+        dumps = sorted(glob.glob(f"{dump_dir}/*after_optimizations.txt"), key=os.path.getsize)
+        if not dumps:
+            print("no optimized HLO dump under", dump_dir)
+        else:
+            kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+            print(attribute(kernels, instruction_sources(Path(dumps[-1]).read_text()), a.steps))
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            with open(dumps[-1], "rb") as src, gzip.open(Path(a.out) / f"hlo-{a.shape}-{a.mode}-{a.recipe}.txt.gz",
+                                                         "wb") as dst:
+                shutil.copyfileobj(src, dst)  # the optimized HLO the attribution read
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if os.path.getsize(files[0]) < 15 * 2**20:

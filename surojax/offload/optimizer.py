@@ -150,15 +150,16 @@ class LayerwiseOptimizer(NamedTuple):
 
 
 def clipped_layerwise(inner: optax.GradientTransformation, *, offload: bool, master: bool = False,
-                      max_grad_norm: float | None = None) -> LayerwiseOptimizer:
-    """The offload optimizer the trainer builds: clip by the global norm, then `layerwise(inner)`."""
+                      max_grad_norm: float | None = None, fused=None) -> LayerwiseOptimizer:
+    """The offload optimizer the trainer builds: clip by the global norm, then `layerwise(inner)`. `fused`: see
+    `in_place`."""
     parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
     chain = optax.chain(*parts, layerwise(inner, offload=offload, master=master))
     return LayerwiseOptimizer(chain.init, chain.update,
-                              in_place(inner, offload=offload, max_grad_norm=max_grad_norm))
+                              in_place(inner, offload=offload, max_grad_norm=max_grad_norm, fused=fused))
 
 
-def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_norm: float | None):
+def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_norm: float | None, fused=None):
     """`update_and_apply(grad_sums, denom, opt_state, params) -> (new params, new opt_state, grad norm)`: the
     update of `clipped_layerwise` (gradients grad_sums / denom), applied to the params, one layer at a time.
 
@@ -167,7 +168,11 @@ def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_nor
     and the clip run on layer l's gradient slice inside the loop, and the loop writes layer l's new params, state
     and master into the arrays it carries (dynamic_update_slice: in place in the donated buffers, the host ones
     included). The whole-tree form materialises grads / denom, the clipped grads and the stacked updates (3 x fp32
-    per layer parameter on the device) and builds the new state in a second host buffer."""
+    per layer parameter on the device) and builds the new state in a second host buffer.
+
+    `fused` (surojax/train/optim_8bit_fused.FusedAdam8bit, for `inner` = adamw_8bit; state and params on the
+    device, no master): when `fused.active()`, the layers are updated all at once by its one-pass kernel per
+    parameter instead of this loop (the same math)."""
 
     def update_and_apply(grad_sums, denom, opt_state, params):
         lw = opt_state[-1]
@@ -184,7 +189,12 @@ def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_nor
         p_layers, p_rest = _split(params)
         u_rest, s_rest = inner.update(jax.tree.map(grad, g_rest), lw.rest, p_rest)
         new_rest = optax.apply_updates(p_rest, u_rest)
+        if fused is not None and fused.active() and not offload and lw.master is None:
+            p_layers, s_layers = fused.update_layers(g_layers, grad, denom, grad_norm, max_grad_norm, p_layers,
+                                                     lw.layers)
+            return _join(p_layers, new_rest, params), (*opt_state[:-1], type(lw)(s_layers, s_rest, None)), grad_norm
         n_layers = jax.tree.leaves(g_layers)[0].shape[0]
+
         def at(tree, l):  # layer l's slice of every [L, ...] leaf
             return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, l, 0, keepdims=False), tree)
 

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from surojax.offload.optimizer import clipped_layerwise, has_layerwise_state, host_state_shardings, init_state_on_host
 from surojax.parallel.zero import spread
 from surojax.train.optim_8bit import Blockwise8bit, adamw_8bit
+from surojax.train.optim_8bit_fused import FusedAdam8bit
 
 
 def lr_schedule(kind: str, lr: float, total_steps: int, warmup_steps: int = 0, final_lr_fraction: float = 0.0,
@@ -74,17 +75,21 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
     (the config key optimizer_layerwise: full fine-tuning with the parameters whole on every device). The whole-tree update holds
     several gradient-sized temporaries at once (grads / denom, clipped grads, updates, and adamw_8bit's dequantised
     moments and quantisation indices: ~40 bytes per layer parameter measured, issue 19); per layer, one layer's.
-    The state is then a LayerwiseState (the layers' state stacked per layer + the other params' state)."""
+    The state is then a LayerwiseState (the layers' state stacked per layer + the other params' state). With
+    adamw_8bit on the device the layers' update is one fused kernel pass per parameter on a GPU
+    (surojax/train/optim_8bit_fused.py)."""
     if name not in ("adamw", "adamw_8bit"):
         raise ValueError(f"optimizer {name!r} is not available yet (adamw, adamw_8bit)")
+    fused = None
     if name == "adamw_8bit":  # moments blockwise-quantised to 8 bits (surojax/train/optim_8bit.py)
-
         inner = adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+        if layerwise_update and not (offload_state or offload_master):  # on a GPU: one kernel pass per parameter
+            fused = FusedAdam8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     else:
         inner = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     if offload_state or offload_master or layerwise_update:  # the chain below + its in-place per-layer update
-
-        return clipped_layerwise(inner, offload=offload_state, master=offload_master, max_grad_norm=max_grad_norm)
+        return clipped_layerwise(inner, offload=offload_state, master=offload_master, max_grad_norm=max_grad_norm,
+                                 fused=fused)
     return optax.chain(*([optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []), inner)
 
 

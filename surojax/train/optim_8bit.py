@@ -145,6 +145,41 @@ class ScaleByAdam8bitState(NamedTuple):
     nu: object  # per leaf: Blockwise8bit (unsigned map) or fp32 array
 
 
+def adam_leaf(g, m_s, v_s, *, c1, c2, b1: float, b2: float, eps: float, block_size: int = BLOCK_SIZE):
+    """One parameter's Adam step with its moments (Blockwise8bit, or fp32 arrays): (direction in g's dtype, new m,
+    new v). c1 / c2: this step's bias corrections 1 - b^count (fp32 scalars). The XLA form; the fused GPU pass
+    (surojax/train/optim_8bit_fused.py) does the same operations in one kernel."""
+
+    def moments(g32, m, v):
+        m = b1 * m + (1.0 - b1) * g32
+        v = b2 * v + (1.0 - b2) * g32 * g32
+        return (m / c1) / (jnp.sqrt(v / c2) + eps), m, v
+
+    def blocks_update(args):  # blocks [n, block]: the quantised moments' update, per block
+        g_b, m_s, v_s = args
+        m, v = _dequantize_blocks(m_s, SIGNED_MAP), _dequantize_blocks(v_s, UNSIGNED_MAP)
+        d, m, v = moments(g_b, m, v)
+        return d, _quantize_blocks(m, SIGNED_MAP), _quantize_blocks(v, UNSIGNED_MAP)
+
+    if not isinstance(m_s, Blockwise8bit):  # fp32 moments
+        d, m, v = moments(g.astype(jnp.float32), m_s, v_s)
+        return d.astype(g.dtype), m, v
+    g_b = _blocks(g, block_size)  # [n_blocks, block]
+    n_blocks = g_b.shape[0]
+    if n_blocks <= CHUNK_BLOCKS:  # the whole tensor at once
+        d, m, v = blocks_update((g_b, m_s, v_s))
+    else:
+        # chunks of CHUNK_BLOCKS blocks, one at a time: per block, the same values as the whole tensor at
+        # once (the padding of the last block, and the zero blocks padding the last chunk, are zeros in g
+        # and in the moments: 0 is a code of both maps, so they stay 0 and leave every absmax as it is)
+        pad = (-n_blocks) % CHUNK_BLOCKS
+        chunked = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(  # noqa: E731
+            -1, CHUNK_BLOCKS, *x.shape[1:])  # [n_chunks, CHUNK_BLOCKS, ...]
+        d, m, v = jax.lax.map(blocks_update, jax.tree.map(chunked, (g_b, m_s, v_s)))
+        d, m, v = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:n_blocks], (d, m, v))
+    return d.reshape(-1)[:g.size].reshape(g.shape).astype(g.dtype), m, v
+
+
 def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *, block_size: int = BLOCK_SIZE,
                        min_8bit_size: int = MIN_8BIT_SIZE) -> optax.GradientTransformation:
     """optax.scale_by_adam with the moments of every parameter of >= min_8bit_size elements kept in 8 bits."""
@@ -168,37 +203,7 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         c1 = 1.0 - b1 ** count.astype(jnp.float32)
         c2 = 1.0 - b2 ** count.astype(jnp.float32)
         is_q = lambda x: isinstance(x, Blockwise8bit)  # noqa: E731
-
-        def moments(g32, m, v):
-            m = b1 * m + (1.0 - b1) * g32
-            v = b2 * v + (1.0 - b2) * g32 * g32
-            return (m / c1) / (jnp.sqrt(v / c2) + eps), m, v
-
-        def blocks_update(args):  # blocks [n, block]: the quantised moments' update, per block
-            g_b, m_s, v_s = args
-            m, v = _dequantize_blocks(m_s, SIGNED_MAP), _dequantize_blocks(v_s, UNSIGNED_MAP)
-            d, m, v = moments(g_b, m, v)
-            return d, _quantize_blocks(m, SIGNED_MAP), _quantize_blocks(v, UNSIGNED_MAP)
-
-        def leaf(g, m_s, v_s):
-            if not is_q(m_s):  # fp32 moments
-                d, m, v = moments(g.astype(jnp.float32), m_s, v_s)
-                return d.astype(g.dtype), m, v
-            g_b = _blocks(g, block_size)  # [n_blocks, block]
-            n_blocks = g_b.shape[0]
-            if n_blocks <= CHUNK_BLOCKS:  # the whole tensor at once
-                d, m, v = blocks_update((g_b, m_s, v_s))
-            else:
-                # chunks of CHUNK_BLOCKS blocks, one at a time: per block, the same values as the whole tensor at
-                # once (the padding of the last block, and the zero blocks padding the last chunk, are zeros in g
-                # and in the moments: 0 is a code of both maps, so they stay 0 and leave every absmax as it is)
-                pad = (-n_blocks) % CHUNK_BLOCKS
-                chunked = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(  # noqa: E731
-                    -1, CHUNK_BLOCKS, *x.shape[1:])  # [n_chunks, CHUNK_BLOCKS, ...]
-                d, m, v = jax.lax.map(blocks_update, jax.tree.map(chunked, (g_b, m_s, v_s)))
-                d, m, v = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:n_blocks], (d, m, v))
-            return d.reshape(-1)[:g.size].reshape(g.shape).astype(g.dtype), m, v
-
+        leaf = functools.partial(adam_leaf, c1=c1, c2=c2, b1=b1, b2=b2, eps=eps, block_size=block_size)
         out = jax.tree.map(leaf, updates, state.mu, state.nu, is_leaf=is_q)
         treedef = jax.tree.structure(updates)
         flat = treedef.flatten_up_to(out)
