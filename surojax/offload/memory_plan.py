@@ -11,7 +11,8 @@ the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`)
                  layers are their compute-dtype copy (c bytes / param; their fp32 master is in host memory) plus
                  two layers' master in flight during the per-layer update, the embedding / head / norms stay
                  in `master_dtype`
-    cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights.
+    cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights; fp8_hybrid
+                 (current scaling) adds the step's E4M3 copies of the layers' kernels (2 bytes per parameter).
                  recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
                  layer; plus the head's cast copy used by the loss (with `offload_master` the head's only: the
                  layers are stored in the compute dtype, so bf16 recipe: 2 bytes / layer param instead of 4 + 2)
@@ -189,7 +190,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                 offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32",
                 prefetch: bool = False, prefetch_depth: int = PREFETCH_DEPTH, accum: int = 1,
                 unroll: int | bool = 1, weight_shards: int = 1, gradient_shards: int = 1,
-                optimizer_shards: int = 1, layerwise_update: bool = False) -> MemoryPlan:
+                optimizer_shards: int = 1, layerwise_update: bool = False,
+                fp8_scaling: str = "current") -> MemoryPlan:
     """Peak device memory of one training step, by component (bytes; see the module docstring).
 
     unroll: the layer loop's `unroll_layers` (True or an int >= the layer count: every layer inlined).
@@ -197,7 +199,9 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     and the trainable-dtype gradients / weight_shards, the fp32 gradient accumulator / gradient_shards, the
     optimizer state / optimizer_shards. Runs with any offload_* key keep their one-device figures (their
     host-resident state is not sharded). layerwise_update (full fine-tuning): the step updates the layers in place,
-    one at a time, on the device (build_optimizer's `layerwise_update`; ZeRO stage 0 only)."""
+    one at a time, on the device (build_optimizer's `layerwise_update`; ZeRO stage 0 only). fp8_scaling (recipe
+    fp8_hybrid): current scaling in full fine-tuning holds this step's E4M3 copies of the layers' kernels
+    (both layouts: 2 bytes per kernel parameter, fp8_transform.Fp8WeightCaching) under cast_weights."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
@@ -205,7 +209,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                     offload_optimizer=offload_optimizer, offload_master=offload_master, master_dtype=master_dtype,
                     lora_dtype=lora_dtype, prefetch=prefetch, prefetch_depth=prefetch_depth, accum=accum,
                     unroll=unroll, weight_shards=weight_shards, gradient_shards=gradient_shards,
-                    optimizer_shards=optimizer_shards, layerwise_update=layerwise_update)
+                    optimizer_shards=optimizer_shards, layerwise_update=layerwise_update, fp8_scaling=fp8_scaling)
     cfg = model_cfg
     fp32 = recipe == "fp32"
     c = 4 if fp32 else 2
@@ -249,6 +253,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
             if wb != c:
                 kept_layers = 1 if recompute == "full" else L
                 cast = (kept_layers * layer_params + V * D) * c
+        if recipe == "fp8_hybrid" and fp8_scaling == "current":  # the step's FP8 weight cache: q and q^T
+            cast += L * sum(i * o for i, o in io.values()) * 2
     if not lora and (offload_optimizer or offload_master or layerwise_update):  # the in-place per-layer update
         gradients = (trainable * 4 if accum > 1 else 0) + grad_bytes + embed_params * 4
     else:

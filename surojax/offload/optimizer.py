@@ -172,7 +172,7 @@ def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_nor
 
     `fused` (surojax/train/optim_8bit_fused.FusedAdam8bit, for `inner` = adamw_8bit; state and params on the
     device, no master): when `fused.active()`, the layers are updated all at once by its one-pass kernel per
-    parameter instead of this loop (the same math)."""
+    parameter instead of this loop, and the other params by the same kernel as a stack of one (the same math)."""
 
     def update_and_apply(grad_sums, denom, opt_state, params):
         lw = opt_state[-1]
@@ -187,12 +187,18 @@ def in_place(inner: optax.GradientTransformation, *, offload: bool, max_grad_nor
 
         g_layers, g_rest = _split(grad_sums)
         p_layers, p_rest = _split(params)
+        if fused is not None and fused.active() and not offload and lw.master is None:
+            def fused_update(g, p, s):
+                return fused.update_layers(g, grad, denom, grad_norm, max_grad_norm, p, s)
+
+            p_layers, s_layers = fused_update(g_layers, p_layers, lw.layers)
+            # the other params (embedding, head, final norm) as a stack of one layer: the same kernel
+            one, unone = (lambda t: jax.tree.map(lambda x: x[None], t)), (lambda t: jax.tree.map(lambda x: x[0], t))
+            new_rest, s_rest = unone(fused_update(one(g_rest), one(p_rest), one(lw.rest)))
+            return (_join(p_layers, new_rest, params), (*opt_state[:-1], type(lw)(s_layers, s_rest, None)),
+                    grad_norm)
         u_rest, s_rest = inner.update(jax.tree.map(grad, g_rest), lw.rest, p_rest)
         new_rest = optax.apply_updates(p_rest, u_rest)
-        if fused is not None and fused.active() and not offload and lw.master is None:
-            p_layers, s_layers = fused.update_layers(g_layers, grad, denom, grad_norm, max_grad_norm, p_layers,
-                                                     lw.layers)
-            return _join(p_layers, new_rest, params), (*opt_state[:-1], type(lw)(s_layers, s_rest, None)), grad_norm
         n_layers = jax.tree.leaves(g_layers)[0].shape[0]
 
         def at(tree, l):  # layer l's slice of every [L, ...] leaf

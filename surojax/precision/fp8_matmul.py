@@ -2,6 +2,9 @@
 
     fp8_dot(x, w)                 x [..., K] (bf16), w [K, N] (a trainable weight): both quantised to E4M3 this
                                   step; backward: dy quantised to E5M2, dx = dy @ w^T and dw = x^T @ dy as FP8 GEMMs
+    fp8_dot_cached(x, w, w_q, w_qt, w_d)
+                                  fp8_dot with w's E4M3 copies made once per step (quantize_weight: the same bits),
+                                  not at each use (forward and recompute); w receives the weight gradient
     fp8_dot_frozen(x, w_q, w_d)   the same with a weight quantised once (a frozen LoRA base): w_q [K, N] E4M3 and
                                   its dequantisation factor w_d; no weight gradient
 
@@ -127,6 +130,37 @@ def _fp8_dot_bwd(res, g):
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
+# ---- trainable weight quantised once per step ------------------------------------------------------------------
+
+def quantize_weight(w: jax.Array, compute_dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(w_q [K, N], w_qt [N, K], w_d): what `fp8_dot` makes of w at every use, for `fp8_dot_cached` (current
+    scaling: the same bits)."""
+    return _current_both(w, E4M3, compute_dtype)
+
+
+@jax.custom_vjp
+def fp8_dot_cached(x: jax.Array, w: jax.Array, w_q: jax.Array, w_qt: jax.Array, w_d: jax.Array) -> jax.Array:
+    """`fp8_dot(x, w)` with w's E4M3 copies made once per step (`quantize_weight`, fp8_transform's weight cache):
+    the forward and the recompute read w_qt, the input gradient w_q; w itself only receives the weight gradient.
+    The same values as fp8_dot; the copies get no gradient (they are the step's constants)."""
+    return _cached_fwd(x, w, w_q, w_qt, w_d)[0]
+
+
+def _cached_fwd(x, w, w_q, w_qt, w_d):
+    dtype = x.dtype
+    x_q, x_qt, x_d = _current_both(_flat(x), E4M3, dtype)
+    y = _scaled_dot(x_q, x_d, w_qt, w_d, _NT, dtype)
+    return y.reshape(*x.shape[:-1], w_qt.shape[0]), (x_qt, x_d, w_q, w_d, jnp.zeros((), w.dtype))
+
+
+def _cached_bwd(res, g):
+    dx, dw = _fp8_dot_bwd(res, g)
+    return dx, dw, None, None, None
+
+
+fp8_dot_cached.defvjp(_cached_fwd, _cached_bwd)
+
+
 # ---- frozen weight quantised once ---------------------------------------------------------------------------
 
 @jax.custom_vjp
@@ -158,4 +192,4 @@ def reference_dot(x_q, x_d, w_q, w_d) -> jax.Array:
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-__all__ = ["fp8_dot", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN", "DIRECT_REL_ERR", "QDQ_REL_ERR"]
+__all__ = ["fp8_dot", "fp8_dot_cached", "quantize_weight", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN", "DIRECT_REL_ERR", "QDQ_REL_ERR"]

@@ -33,7 +33,7 @@ from surojax.precision import fp8_delayed
 from surojax.precision.fp8_blockwise import Fp8BlockWeight, fp8_dot_blockwise, fp8_dot_blockwise_frozen
 from surojax.precision.fp8_delayed import Fp8AmaxHistory, Fp8AmaxProbe, Fp8Scale, fp8_dot_delayed, \
     fp8_dot_frozen_delayed
-from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen
+from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_cached, fp8_dot_frozen, quantize_weight
 from surojax.precision.fp8_scaling import E4M3, Fp8Settings, dequant_factor, quantize, scale_from_amax
 from surojax.precision.linear_swap import QuantLayerMask, layer_mask, swap_base_linears
 
@@ -60,6 +60,19 @@ class Fp8Weight:
         return tuple(self.q.shape)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8CachedWeight:
+    """This step's E4M3 copies of a trainable kernel: q [..., K, N], qt [..., N, K], d [...] (per layer)."""
+    q: jax.Array
+    qt: jax.Array
+    d: jax.Array
+
+
+class Fp8WeightCache(nnx.Variable):
+    """An Fp8Linear's `Fp8CachedWeight` for the step under way (set by `Fp8WeightCaching.attach`, never saved)."""
+
+
 class Fp8Linear(Linear):
     """A Linear whose matmul runs in FP8. Holds the original Linear's `kernel` and `bias` variables.
 
@@ -80,6 +93,10 @@ class Fp8Linear(Linear):
             setattr(self, fp8_delayed.PROBE, Fp8AmaxProbe(probe, **{AXES: ("layers", None)}))
 
     def _fp8(self, x, w, *delayed):
+        cache = getattr(self, "fp8_cache", None)
+        if cache is not None:  # current scaling of a trainable kernel, quantised once this step
+            c = cache.get_value()
+            return fp8_dot_cached(x, w, c.q, c.qt, c.d)
         if self.scaling == "delayed":
             if isinstance(w, Fp8Weight):
                 return fp8_dot_frozen_delayed(x, w.q, w.d, *delayed)
@@ -102,6 +119,41 @@ class Fp8Linear(Linear):
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
+
+
+def _cacheable(model):
+    """(path, Fp8Linear) of the scanned layers whose kernel a step may quantise once: trainable (a plain array),
+    current scaling."""
+    for path, lin in nnx.iter_graph(model.layers):
+        if isinstance(lin, Fp8Linear) and lin.scaling == "current" and isinstance(lin.kernel.get_value(), jax.Array):
+            yield path, lin
+
+
+class Fp8WeightCaching:
+    """fp8_hybrid full fine-tuning with current scaling: each trainable kernel is quantised to E4M3 (both layouts,
+    per layer) ONCE per step instead of at every use (the forward and the recompute of every micro-batch).
+
+        cache = Fp8WeightCaching().build(model)     # in the step, before the micro-batches: {path: Fp8CachedWeight}
+        Fp8WeightCaching().attach(model, cache)     # on each micro-batch's merged model, before its forward
+
+    The GEMMs then read the copies (fp8_dot_cached: the same bits as fp8_dot) and the kernel only receives its
+    gradient. Costs 2 bytes per kernel parameter of device memory for the step (the memory plan counts them);
+    saves per use one fp32 amax read and one cast pass of each weight (benchmarks/RESULTS.md, session 13)."""
+
+    def build(self, model) -> dict:
+        dtype = model.dtype
+
+        def one(w_l):
+            return Fp8CachedWeight(*quantize_weight(jax.lax.stop_gradient(w_l), dtype))
+
+        return {path: jax.lax.map(one, lin.kernel.get_value()) for path, lin in _cacheable(model)}
+
+    def attach(self, model, cache: dict) -> None:
+        found = dict(_cacheable(model))
+        if set(found) != set(cache):
+            raise ValueError(f"FP8 weight cache: built for {sorted(cache)}, the model has {sorted(found)}")
+        for path, lin in found.items():
+            lin.fp8_cache = Fp8WeightCache(cache[path])
 
 
 def fp8_layer_mask(num_layers: int, skip_first: int, skip_last: int) -> jax.Array | None:
@@ -134,4 +186,5 @@ def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int =
     return swap_base_linears(model, make, "fp8_hybrid")
 
 
-__all__ = ["Fp8Weight", "Fp8Linear", "apply_fp8", "fp8_layer_mask"]
+__all__ = ["Fp8Weight", "Fp8CachedWeight", "Fp8WeightCache", "Fp8WeightCaching", "Fp8Linear", "apply_fp8",
+           "fp8_layer_mask"]

@@ -42,7 +42,8 @@ from surojax.parallel.expert import apply_expert_parallel
 from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_layer_loop
 from surojax.parallel.zero import ZeroLayout, ZeroStageError, plan_divisors, resolve_zero_stage, zero_layout
 from surojax.peft.trained_router import make_router_trainable
-from surojax.train.model_setup import build_model, fp8_delayed_update, step_prepare, trainable_filter
+from surojax.train.model_setup import build_model, fp8_delayed_update, fp8_weight_cache, step_prepare, \
+    trainable_filter
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.run_spec import MoETraining, RunSpec, TrainSetupError
 from surojax.train.step import StepShardings, make_eval_step, make_train_step
@@ -108,7 +109,7 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
                        master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
                        lora_dtype="fp32" if spec.precision.adapter == jax.numpy.float32 else "bf16",
                        prefetch=mem.offload_prefetch, accum=spec.batch.accumulation,
-                       layerwise_update=mem.optimizer_layerwise, **divisors)
+                       layerwise_update=mem.optimizer_layerwise, fp8_scaling=spec.precision.fp8.scaling, **divisors)
 
 
 def resolve_layer_loop(spec: RunSpec, chunk: int, mesh=None) -> tuple[RunSpec, LayerLoopChoice]:
@@ -233,7 +234,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop,
                                  prepare=step_prepare(spec, dropout=train_mode),
                                  loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state),
-                                 fp8_delayed=fp8_delayed, **apply)
+                                 fp8_delayed=fp8_delayed, weight_cache=fp8_weight_cache(spec), **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch or pipelined else None)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,

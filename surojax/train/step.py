@@ -54,7 +54,7 @@ def constrain(tree, shardings):
 def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, layer_loop=None,
                     prepare: Callable | None = None, donate: bool = True, jit: bool = True,
                     apply_updates: Callable = optax.apply_updates, loss_guard: bool = False,
-                    shardings: StepShardings | None = None, fp8_delayed=None):
+                    shardings: StepShardings | None = None, fp8_delayed=None, weight_cache=None):
     """`loss_fn(model, micro_batch, layer_loop=...) -> (loss_sum, {"tokens": count, ...})`; `layer_loop`: what the
     decoder runs its layers with (offload.remat.layer_loop: a recompute wrapper, or the prefetching loop).
     Every other entry of the loss's metrics (any pytree of arrays, e.g. the MoE router stats under "router") is
@@ -75,6 +75,10 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     observed) are combined over the micro-batches by max and rolled into the histories after the step, so the
     scales of step t come from steps < t. The returned trainable state holds the new histories (checkpointed
     with it).
+    `weight_cache` (surojax.precision.fp8_transform.Fp8WeightCaching; fp8_hybrid full fine-tuning, current
+    scaling): `build(model)` runs once per step, before the micro-batches, on the step's parameters (not
+    differentiated), and `attach(model, cache)` hands its result to each micro-batch's merged model: the weights
+    are quantised once per step, not at every use.
     """
     place = (lambda tree, _: tree) if shardings is None else constrain  # noqa: E731
 
@@ -83,9 +87,16 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         if fp8_delayed is not None:
             trainable, probes, delayed = fp8_delayed.split(trainable)
 
+        def merged(tr, pr):
+            return nnx.merge(graphdef, tr, frozen, *((pr, delayed) if fp8_delayed else ()), copy=True)
+
+        cache = None if weight_cache is None else weight_cache.build(merged(trainable, probes))
+
         def loss_of(tr, mb, index):
             tr, pr = tr
-            model = nnx.merge(graphdef, tr, frozen, *((pr, delayed) if fp8_delayed else ()), copy=True)
+            model = merged(tr, pr)
+            if weight_cache is not None:
+                weight_cache.attach(model, cache)
             if prepare is not None:  # fresh Variables above: prepare() may set them
                 prepare(model, jax.random.fold_in(rng, index))
             return loss_fn(model, mb, layer_loop=layer_loop)

@@ -1,5 +1,7 @@
 """recipe: fp8_hybrid end to end on CPU: the config rules, the transform as build_model applies it (through the
 bench's build, the trainer's own path), and 12 training steps whose loss stays close to bf16's."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,3 +67,51 @@ def test_fp8_training_tracks_bf16(mode):
     # trajectory bends; 30 steps memorise the batch, 0.03, within 0.002 absolute). Tolerances ~1.5-5x those.
     rtol = 0.02 if mode == "lora" else 0.05
     np.testing.assert_allclose(got, ref, rtol=rtol, atol=0.05)
+
+
+def _cached_run(cached, steps=2):
+    import optax
+
+    from surojax.losses.lm import lm_loss
+    from surojax.models.config import ModelConfig
+    from surojax.models.decoder import Decoder
+    from surojax.offload.remat import remat_wrapper
+    from surojax.precision.fp8_transform import Fp8WeightCaching, apply_fp8
+    from surojax.train.step import make_train_step
+    from tests.offload.layerwise_runs import _batch
+    from tests.train.conftest import TINY_QWEN3
+
+    cfg = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
+    model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    apply_fp8(model, frozen_base=False)
+    graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
+    opt = optax.adam(1e-2)
+    state = opt.init(trainable)
+    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"),
+                           weight_cache=(Fp8WeightCaching() if cached is True else cached) or None)
+    losses = []
+    for _ in range(steps):  # 2 micro-batches per step: one cache for both
+        trainable, state, m = step(trainable, frozen, state, _batch(A=2), jax.random.key(0))
+        losses.append(float(m["loss"]))
+    return losses, trainable, step
+
+
+def test_fp8_weight_cache_is_the_same_step():
+    """Full fine-tuning with current scaling quantises each kernel once per step (Fp8WeightCaching; the step
+    train/build.py makes) instead of at every use: the same bits (losses, every parameter after 2 steps of 2
+    micro-batches); and the GEMMs do read the cache (one whose E4M3 values are halved changes the loss)."""
+    from surojax.precision.fp8_transform import Fp8WeightCaching
+
+    ref_losses, ref, _ = _cached_run(False)
+    got_losses, got, _ = _cached_run(True)
+    assert got_losses == ref_losses and got_losses[-1] < got_losses[0]
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    class Halved(Fp8WeightCaching):
+        def build(self, model):
+            return jax.tree.map(lambda c: dataclasses.replace(c, d=c.d / 2), super().build(model),
+                                is_leaf=lambda c: hasattr(c, "qt"))
+
+    off_losses, _, _ = _cached_run(Halved(), steps=1)
+    assert abs(off_losses[0] - ref_losses[0]) > 1e-3

@@ -6,7 +6,7 @@ is >= 1e-3); the 8-bit codes equal but for the rare value an ulp moves across a 
 which moves that parameter's next update by ~0.2%: after the first step every parameter is held to the ulps, after
 the third all but those few. The leaves cover the kernel (whole 256-value blocks per layer, with
 and without weight decay), an 8-bit leaf whose layer is not whole blocks and an fp32-moment leaf (both the XLA
-form per layer); the clip is active and the schedule moves, over three steps."""
+form per layer), and outside the layers an 8-bit head (the kernel, a stack of one) and an fp32-moment embedding; the clip is active and the schedule moves, over three steps."""
 import re
 
 import jax
@@ -27,7 +27,8 @@ def _params(key):
                        "mlp": {"kernel": jax.random.normal(ks[1], (L, 4100)) * 0.05},  # 8-bit, not whole blocks
                        "norm": {"scale": 1.0 + 0.1 * jax.random.normal(ks[2], (L, 4096))},  # 8-bit, no decay
                        "q_norm": {"scale": jnp.ones((L, 16))}},  # fp32 moments
-            "embed": {"embedding": jax.random.normal(ks[3], (32, 16))}}
+            "embed": {"embedding": jax.random.normal(ks[3], (32, 16))},  # not layers: fp32 moments
+            "lm_head": {"kernel": jax.random.normal(ks[4], (64, 128)) * 0.05}}  # not layers: 8-bit, the kernel
 
 
 def _run(mode, monkeypatch, steps=3):
@@ -83,7 +84,8 @@ def test_fused_update_runs_the_kernel_only_where_the_blocks_fit(monkeypatch):
     hlo = jax.jit(lambda g, s, p: opt.update_and_apply(g, jnp.float32(1.0), s, p)).lower(
         params, opt.init(params), params).as_text()
     calls = re.findall(r"= call @adam8bit_kernel\w*\(.*?tensor<(\d+)x256xf32>, tensor<(\d+)x256xf32>", hlo)
-    assert sorted(int(a) for a, _ in calls) == [L * 16, L * 32], calls  # the norm scale and attn, not mlp
+    # the norm scale, attn and lm_head (a stack of one), not mlp
+    assert sorted(int(a) for a, _ in calls) == sorted([L * 16, 32, L * 32]), calls
 
 
 def test_mode_is_checked(monkeypatch):
