@@ -19,7 +19,8 @@ Three parts:
             GEMM census, time vs the bf16 GEMM (median of 3 x `iters` calls).
             --forms: SUROJAX_FP8_DOT forms (direct | qdq), each optionally compiled with XLA options:
             +noexcess (xla_allow_excess_precision=false: no SimplifyFPConversions) and +notriton
-            (xla_gpu_enable_triton_gemm=false: the cuBLASLt FP8 rewriter sees the dot first); diagnostics only.
+            (xla_gpu_enable_triton_gemm=false: the cuBLASLt FP8 rewriter sees the dot first); diagnostics only;
+            +fast: SUROJAX_FP8_ACCUM=fast_forward (the forward GEMMs with cuBLASLt's fast accumulation).
   2. step   the `surojax bench train` step (same build path as the trainer: build_model applies the recipe) of
             --shape / --mode with --recipe fp8_hybrid in the first of --forms: GEMM census of the compiled step,
             then the bench's timing of that step, bf16 and fp8_hybrid (5 steps each; --no-step-time skips it).
@@ -142,10 +143,19 @@ XLA_VARIANTS = {
 }
 
 
+ACCUM_VARIANTS = {"fast": "fast_forward"}  # SUROJAX_FP8_ACCUM of that variant (default fp32)
+
+
+def _accum(entry: str) -> str:
+    return next((ACCUM_VARIANTS[e] for e in entry.split("+")[1:] if e in ACCUM_VARIANTS), "fp32")
+
+
 def _parse_form(entry: str) -> tuple[str, dict]:
     form, *extra = entry.split("+")
     options = {}
     for e in extra:
+        if e in ACCUM_VARIANTS:
+            continue
         if e not in XLA_VARIANTS:
             raise SystemExit(f"--forms {entry!r}: unknown variant {e!r} (expected one of {sorted(XLA_VARIANTS)})")
         options.update(XLA_VARIANTS[e])
@@ -237,6 +247,7 @@ def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool, forms: list
         form, options = _parse_form(entry)
         bound = DIRECT_REL_ERR if form == "direct" else QDQ_REL_ERR
         os.environ["SUROJAX_FP8_DOT"] = form  # read when the fp8 functions are traced (each variant is new)
+        os.environ["SUROJAX_FP8_ACCUM"] = _accum(entry)
         for name, (fn, args) in variants.items():
             if entry != forms[0] and not name.startswith("fp8"):
                 continue
@@ -263,6 +274,7 @@ def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool, forms: list
                 record["ms"] = _time(compiled, args, iters) * 1e3
             emit(rows, record)
     os.environ["SUROJAX_FP8_DOT"] = _parse_form(forms[0])[0]
+    os.environ["SUROJAX_FP8_ACCUM"] = _accum(forms[0])
     return any_fp8, ok
 
 

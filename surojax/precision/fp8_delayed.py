@@ -78,7 +78,7 @@ def _delayed_fwd(x, w, scale, probe):
     # both layouts and the amax in one pass per tensor (fp8_matmul's fp8_dot says which GEMM reads which)
     x_q, x_qt, amax_x = quantize_both(x2, d[0], E4M3)
     w_q, w_qt, amax_w = quantize_both(w, d[1], E4M3)
-    y = _scaled_dot(x_q, d[0], w_qt, d[1], _NT, dtype)
+    y = _scaled_dot(x_q, d[0], w_qt, d[1], _NT, dtype, forward=True)
     res = (x_qt, w_q, d, scale[2], amax_x, amax_w, jnp.zeros((), w.dtype))
     return y.reshape(*x.shape[:-1], w.shape[-1]), res
 
@@ -109,7 +109,7 @@ def _frozen_delayed_fwd(x, w_q, w_d, scale, probe):
     del probe
     dtype, x2 = x.dtype, _flat(x)
     d_x = _factor(x2, scale[0], 0, dtype)
-    y = _scaled_dot(quantize(x2, d_x, E4M3), d_x, w_q, w_d, _NN, dtype)
+    y = _scaled_dot(quantize(x2, d_x, E4M3), d_x, w_q, w_d, _NN, dtype, forward=True)
     return y.reshape(*x.shape[:-1], w_q.shape[-1]), (w_q, w_d, scale[2], amax(x2))
 
 

@@ -68,10 +68,29 @@ DIRECT_REL_ERR = 6e-3
 QDQ_REL_ERR = 1e-2
 
 
-def _scaled_dot(a_q, a_d, b_q, b_d, dims, dtype):
-    """dot_general(a_q * a_d, b_q * b_d) in `dtype` (fp32 accumulation inside the GEMM)."""
+ACCUMULATIONS = ("fp32", "fast_forward")
+
+
+def accumulation() -> str:
+    """How the FP8 GEMMs accumulate (SUROJAX_FP8_ACCUM, read when a step is traced):
+    `fp32` (default): every GEMM accumulates in fp32. The dots carry precision HIGHEST, which is how XLA GPU turns
+        cuBLASLt's FP8 fast accumulation off (its default for an FP8 dot of DEFAULT precision: Hopper's tensor
+        cores then keep the partial sums in a narrower accumulator); on CPU it changes nothing.
+    `fast_forward`: the forward GEMMs use the fast accumulation, the gradient GEMMs fp32 (Transformer Engine's
+        default split), for A/B runs (benchmarks/fp8_gemm_check.py measures both forms' error)."""
+    mode = os.environ.get("SUROJAX_FP8_ACCUM", "fp32")
+    if mode not in ACCUMULATIONS:
+        raise ValueError(f"SUROJAX_FP8_ACCUM={mode!r}: expected one of {', '.join(ACCUMULATIONS)}")
+    return mode
+
+
+def _scaled_dot(a_q, a_d, b_q, b_d, dims, dtype, *, forward: bool = False):
+    """dot_general(a_q * a_d, b_q * b_d) in `dtype` (fp32 accumulation inside the GEMM; `forward`: the forward
+    GEMM, which `accumulation()` may let accumulate fast)."""
     if dot_form() == "direct":
-        y = jax.lax.dot_general(a_q, b_q, (dims, ((), ())), preferred_element_type=dtype)
+        fast = forward and accumulation() == "fast_forward"
+        y = jax.lax.dot_general(a_q, b_q, (dims, ((), ())), preferred_element_type=dtype,
+                                precision=None if fast else jax.lax.Precision.HIGHEST)
         # multiply(gemm, broadcast(scalar)) right on the GEMM's result: XLA folds it into the FP8 GEMM's scale
         return y * (a_d.astype(jnp.float32) * b_d.astype(jnp.float32)).astype(dtype)
     return jax.lax.dot_general(dequantize(a_q, a_d, dtype), dequantize(b_q, b_d, dtype), (dims, ((), ())),
@@ -114,7 +133,7 @@ def _fp8_dot_fwd(x, w):
     dtype = x.dtype
     x_q, x_qt, x_d = _current_both(_flat(x), E4M3, dtype)
     w_q, w_qt, w_d = _current_both(w, E4M3, dtype)
-    y = _scaled_dot(x_q, x_d, w_qt, w_d, _NT, dtype)
+    y = _scaled_dot(x_q, x_d, w_qt, w_d, _NT, dtype, forward=True)
     return y.reshape(*x.shape[:-1], w.shape[-1]), (x_qt, x_d, w_q, w_d, jnp.zeros((), w.dtype))
 
 
@@ -149,7 +168,7 @@ def fp8_dot_cached(x: jax.Array, w: jax.Array, w_q: jax.Array, w_qt: jax.Array, 
 def _cached_fwd(x, w, w_q, w_qt, w_d):
     dtype = x.dtype
     x_q, x_qt, x_d = _current_both(_flat(x), E4M3, dtype)
-    y = _scaled_dot(x_q, x_d, w_qt, w_d, _NT, dtype)
+    y = _scaled_dot(x_q, x_d, w_qt, w_d, _NT, dtype, forward=True)
     return y.reshape(*x.shape[:-1], w_qt.shape[0]), (x_qt, x_d, w_q, w_d, jnp.zeros((), w.dtype))
 
 
@@ -172,7 +191,7 @@ def fp8_dot_frozen(x: jax.Array, w_q: jax.Array, w_d: jax.Array) -> jax.Array:
 def _frozen_fwd(x, w_q, w_d):
     dtype = x.dtype
     x_q, x_d = quantize_current(_flat(x), E4M3, dtype, MARGIN)
-    y = _scaled_dot(x_q, x_d, w_q, w_d, _NN, dtype)
+    y = _scaled_dot(x_q, x_d, w_q, w_d, _NN, dtype, forward=True)
     return y.reshape(*x.shape[:-1], w_q.shape[-1]), (w_q, w_d)
 
 
@@ -192,4 +211,4 @@ def reference_dot(x_q, x_d, w_q, w_d) -> jax.Array:
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-__all__ = ["fp8_dot", "fp8_dot_cached", "quantize_weight", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN", "DIRECT_REL_ERR", "QDQ_REL_ERR"]
+__all__ = ["accumulation", "ACCUMULATIONS", "fp8_dot", "fp8_dot_cached", "quantize_weight", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN", "DIRECT_REL_ERR", "QDQ_REL_ERR"]
