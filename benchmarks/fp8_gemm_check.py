@@ -20,7 +20,7 @@ Three parts:
             --forms: SUROJAX_FP8_DOT forms (direct | qdq), each optionally compiled with XLA options:
             +noexcess (xla_allow_excess_precision=false: no SimplifyFPConversions) and +notriton
             (xla_gpu_enable_triton_gemm=false: the cuBLASLt FP8 rewriter sees the dot first); diagnostics only;
-            +fast: SUROJAX_FP8_ACCUM=fast_forward (the forward GEMMs with cuBLASLt's fast accumulation).
+            +fast / +fp32: SUROJAX_FP8_ACCUM of that variant (default split: fast forward, fp32 gradients).
   2. step   the `surojax bench train` step (same build path as the trainer: build_model applies the recipe) of
             --shape / --mode with --recipe fp8_hybrid in the first of --forms: GEMM census of the compiled step,
             then the bench's timing of that step, bf16 and fp8_hybrid (5 steps each; --no-step-time skips it).
@@ -143,11 +143,11 @@ XLA_VARIANTS = {
 }
 
 
-ACCUM_VARIANTS = {"fast": "fast_forward"}  # SUROJAX_FP8_ACCUM of that variant (default fp32)
+ACCUM_VARIANTS = {"fast": "fast", "fp32": "fp32"}  # SUROJAX_FP8_ACCUM of that variant (default split)
 
 
 def _accum(entry: str) -> str:
-    return next((ACCUM_VARIANTS[e] for e in entry.split("+")[1:] if e in ACCUM_VARIANTS), "fp32")
+    return next((ACCUM_VARIANTS[e] for e in entry.split("+")[1:] if e in ACCUM_VARIANTS), "split")
 
 
 def _parse_form(entry: str) -> tuple[str, dict]:

@@ -68,27 +68,31 @@ DIRECT_REL_ERR = 6e-3
 QDQ_REL_ERR = 1e-2
 
 
-ACCUMULATIONS = ("fp32", "fast_forward")
+ACCUMULATIONS = ("split", "fp32", "fast")
 
 
 def accumulation() -> str:
-    """How the FP8 GEMMs accumulate (SUROJAX_FP8_ACCUM, read when a step is traced):
-    `fp32` (default): every GEMM accumulates in fp32. The dots carry precision HIGHEST, which is how XLA GPU turns
-        cuBLASLt's FP8 fast accumulation off (its default for an FP8 dot of DEFAULT precision: Hopper's tensor
-        cores then keep the partial sums in a narrower accumulator); on CPU it changes nothing.
-    `fast_forward`: the forward GEMMs use the fast accumulation, the gradient GEMMs fp32 (Transformer Engine's
-        default split), for A/B runs (benchmarks/fp8_gemm_check.py measures both forms' error)."""
-    mode = os.environ.get("SUROJAX_FP8_ACCUM", "fp32")
+    """How the FP8 GEMMs accumulate on the GPU (SUROJAX_FP8_ACCUM, read when a step is traced). XLA gives an FP8
+    dot of DEFAULT precision cuBLASLt's fast accumulation (Hopper's tensor cores keep the partial sums in a
+    narrower accumulator, promoted to fp32 less often) and one of precision HIGHEST the fp32 ("split") one.
+    `split` (default, Transformer Engine's choice): the forward GEMMs accumulate fast, the gradient GEMMs (dx, dW,
+        E5M2 dy) in fp32;
+    `fp32`: every GEMM in fp32 (on the H200 the forward GEMM ~12% slower; its op error did not change,
+        benchmarks/RESULTS.md session 13);
+    `fast`: every GEMM fast (before session 13).
+    On CPU the precision changes nothing."""
+    mode = os.environ.get("SUROJAX_FP8_ACCUM", "split")
     if mode not in ACCUMULATIONS:
         raise ValueError(f"SUROJAX_FP8_ACCUM={mode!r}: expected one of {', '.join(ACCUMULATIONS)}")
     return mode
 
 
 def _scaled_dot(a_q, a_d, b_q, b_d, dims, dtype, *, forward: bool = False):
-    """dot_general(a_q * a_d, b_q * b_d) in `dtype` (fp32 accumulation inside the GEMM; `forward`: the forward
-    GEMM, which `accumulation()` may let accumulate fast)."""
+    """dot_general(a_q * a_d, b_q * b_d) in `dtype` (fp32 accumulation inside the GEMM, fast or not: `forward`
+    says which GEMM this is, `accumulation()` what it gets)."""
     if dot_form() == "direct":
-        fast = forward and accumulation() == "fast_forward"
+        mode = accumulation()
+        fast = mode == "fast" or (forward and mode == "split")
         y = jax.lax.dot_general(a_q, b_q, (dims, ((), ())), preferred_element_type=dtype,
                                 precision=None if fast else jax.lax.Precision.HIGHEST)
         # multiply(gemm, broadcast(scalar)) right on the GEMM's result: XLA folds it into the FP8 GEMM's scale
