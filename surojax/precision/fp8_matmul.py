@@ -141,12 +141,23 @@ def _fp8_dot_fwd(x, w):
     return y.reshape(*x.shape[:-1], w.shape[-1]), (x_qt, x_d, w_q, w_d, jnp.zeros((), w.dtype))
 
 
+def wgrad_dtype(compute_dtype, weight_dtype):
+    """The dtype the weight-gradient GEMM writes (SUROJAX_FP8_WGRAD, read when a step is traced): `compute`
+    (default) the compute dtype, then converted to the weight's; `weight` the weight's own dtype straight from the
+    GEMM (an fp32 master's gradient then skips the bf16 rounding and the convert pass; for A/B runs: whether XLA
+    keeps such a GEMM on cuBLASLt FP8 is measured by benchmarks/fp8_gemm_check.py's census, not assumed)."""
+    mode = os.environ.get("SUROJAX_FP8_WGRAD", "compute")
+    if mode not in ("compute", "weight"):
+        raise ValueError(f"SUROJAX_FP8_WGRAD={mode!r}: expected compute or weight")
+    return weight_dtype if mode == "weight" else compute_dtype
+
+
 def _fp8_dot_bwd(res, g):
     x_qt, x_d, w_q, w_d, w_dtype = res  # w_dtype: a scalar carrying the weight's dtype (fp32 master or bf16)
     dtype = g.dtype
     g_q, g_qt, g_d = _current_both(_flat(g), E5M2, dtype)
     dx = _scaled_dot(g_q, g_d, w_q, w_d, _NT, dtype)
-    dw = _scaled_dot(x_qt, x_d, g_qt, g_d, _NT, dtype)
+    dw = _scaled_dot(x_qt, x_d, g_qt, g_d, _NT, wgrad_dtype(dtype, w_dtype.dtype))
     return dx.reshape(*g.shape[:-1], w_q.shape[0]), dw.astype(w_dtype.dtype)
 
 

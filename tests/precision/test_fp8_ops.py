@@ -150,3 +150,28 @@ def test_quantize_both_is_the_quantiser_in_both_layouts_and_the_switch_is_read(m
     monkeypatch.setenv("SUROJAX_FP8_CAST", "triton")
     with pytest.raises(ValueError, match="SUROJAX_FP8_CAST"):
         quantize_both(x, d, E4M3)
+
+
+def test_wgrad_in_the_weights_dtype_skips_the_bf16_rounding(monkeypatch):
+    """SUROJAX_FP8_WGRAD=weight: the weight-gradient GEMM of a trainable fp32 weight writes fp32 (no bf16 rounding
+    of dW): closer to the fp32 product of the same FP8 operands than the default's bf16 result, same dx."""
+    from surojax.precision.fp8_matmul import _current_both
+
+    x = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (32, 48), jnp.float32) * 0.1
+    g = jax.random.normal(jax.random.key(2), (64, 48), jnp.float32).astype(jnp.bfloat16)
+    x_q, _, x_d = _current_both(x, E4M3, jnp.bfloat16)
+    g_q, _, g_d = _current_both(g, E5M2, jnp.bfloat16)
+    ref = (x_q.astype(jnp.float32) * x_d.astype(jnp.float32)).T @ (g_q.astype(jnp.float32) * g_d.astype(jnp.float32))
+
+    def grads():
+        return jax.jit(lambda x, w: jax.vjp(fp8_dot, x, w)[1](g))(x, w)
+
+    dx0, dw0 = grads()
+    monkeypatch.setenv("SUROJAX_FP8_WGRAD", "weight")
+    dx1, dw1 = grads()
+    assert dw1.dtype == jnp.float32 and dw0.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(dx0), np.asarray(dx1))
+    err0 = float(jnp.max(jnp.abs(dw0 - ref))) / float(jnp.max(jnp.abs(ref)))
+    err1 = float(jnp.max(jnp.abs(dw1 - ref))) / float(jnp.max(jnp.abs(ref)))
+    assert err1 < err0 / 4 and err0 > 1e-4, (err0, err1)
