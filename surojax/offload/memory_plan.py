@@ -12,7 +12,7 @@ the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`)
                  two layers' master in flight during the per-layer update, the embedding / head / norms stay
                  in `master_dtype`
     cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights; fp8_hybrid
-                 (current scaling) adds the step's E4M3 copies of the layers' kernels (2 bytes per parameter).
+                 (current / delayed scaling) adds the step's E4M3 copies of the layers' kernels (2 bytes per parameter).
                  recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
                  layer; plus the head's cast copy used by the loss (with `offload_master` the head's only: the
                  layers are stored in the compute dtype, so bf16 recipe: 2 bytes / layer param instead of 4 + 2)
@@ -200,7 +200,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     optimizer state / optimizer_shards. Runs with any offload_* key keep their one-device figures (their
     host-resident state is not sharded). layerwise_update (full fine-tuning): the step updates the layers in place,
     one at a time, on the device (build_optimizer's `layerwise_update`; ZeRO stage 0 only). fp8_scaling (recipe
-    fp8_hybrid): current scaling in full fine-tuning holds this step's E4M3 copies of the layers' kernels
+    fp8_hybrid): current or delayed scaling in full fine-tuning holds this step's E4M3 copies of the layers' kernels
     (both layouts: 2 bytes per kernel parameter, fp8_transform.Fp8WeightCaching) under cast_weights."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
@@ -253,7 +253,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
             if wb != c:
                 kept_layers = 1 if recompute == "full" else L
                 cast = (kept_layers * layer_params + V * D) * c
-        if recipe == "fp8_hybrid" and fp8_scaling == "current":  # the step's FP8 weight cache: q and q^T
+        if recipe == "fp8_hybrid" and fp8_scaling in ("current", "delayed"):  # the step's FP8 weight cache: q, q^T
             cast += L * sum(i * o for i, o in io.values()) * 2
     if not lora and (offload_optimizer or offload_master or layerwise_update):  # the in-place per-layer update
         gradients = (trainable * 4 if accum > 1 else 0) + grad_bytes + embed_params * 4

@@ -98,6 +98,39 @@ def _delayed_bwd(res, g):
 fp8_dot_delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 
+def quantize_weight_delayed(w: jax.Array, scale_w: jax.Array, compute_dtype):
+    """(w_q, w_qt, w_d, amax_w): what `fp8_dot_delayed` makes of w at every use, for `fp8_dot_delayed_cached`
+    (fp8_transform's per-step weight cache: the same bits)."""
+    d = _factor(w, scale_w, 1, compute_dtype)
+    w_q, w_qt, amax_w = quantize_both(w, d, E4M3)
+    return w_q, w_qt, d, amax_w
+
+
+@jax.custom_vjp
+def fp8_dot_delayed_cached(x, w, w_q, w_qt, w_d, amax_w, scale, probe):
+    """`fp8_dot_delayed(x, w, scale, probe)` with w's E4M3 copies (and the amax the probe reports) made once per
+    step by `quantize_weight_delayed`; w itself only receives the weight gradient."""
+    return _delayed_cached_fwd(x, w, w_q, w_qt, w_d, amax_w, scale, probe)[0]
+
+
+def _delayed_cached_fwd(x, w, w_q, w_qt, w_d, amax_w, scale, probe):
+    del probe
+    dtype, x2 = x.dtype, _flat(x)
+    d_x = _factor(x2, scale[0], 0, dtype)
+    x_q, x_qt, amax_x = quantize_both(x2, d_x, E4M3)
+    y = _scaled_dot(x_q, d_x, w_qt, w_d, _NT, dtype, forward=True)
+    res = (x_qt, w_q, jnp.stack([d_x, w_d]), scale[2], amax_x, amax_w, jnp.zeros((), w.dtype))
+    return y.reshape(*x.shape[:-1], w_qt.shape[0]), res
+
+
+def _delayed_cached_bwd(res, g):
+    dx, dw, d_scale, observed = _delayed_bwd(res, g)
+    return dx, dw, None, None, None, None, d_scale, observed
+
+
+fp8_dot_delayed_cached.defvjp(_delayed_cached_fwd, _delayed_cached_bwd)
+
+
 @jax.custom_vjp
 def fp8_dot_frozen_delayed(x, w_q, w_d, scale, probe):
     """x [..., K] @ (w_q [K, N] E4M3 * w_d) with x and dy scaled by `scale` [3] (the W entry is unused: a frozen
@@ -185,4 +218,4 @@ def init_state(num_layers: int, history: int) -> tuple[jax.Array, jax.Array, jax
 
 
 __all__ = ["ROLES", "FORMAT_MAX", "Fp8DelayedState", "Fp8Scale", "Fp8AmaxHistory", "Fp8AmaxProbe",
-           "fp8_dot_delayed", "fp8_dot_frozen_delayed", "DelayedScalingUpdate", "init_state"]
+           "fp8_dot_delayed", "fp8_dot_delayed_cached", "quantize_weight_delayed", "fp8_dot_frozen_delayed", "DelayedScalingUpdate", "init_state"]

@@ -32,7 +32,7 @@ from surojax.models.layers.params import AXES
 from surojax.precision import fp8_delayed
 from surojax.precision.fp8_blockwise import Fp8BlockWeight, fp8_dot_blockwise, fp8_dot_blockwise_frozen
 from surojax.precision.fp8_delayed import Fp8AmaxHistory, Fp8AmaxProbe, Fp8Scale, fp8_dot_delayed, \
-    fp8_dot_frozen_delayed
+    fp8_dot_delayed_cached, fp8_dot_frozen_delayed, quantize_weight_delayed
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_cached, fp8_dot_frozen, quantize_weight
 from surojax.precision.fp8_scaling import E4M3, Fp8Settings, dequant_factor, quantize, scale_from_amax
 from surojax.precision.linear_swap import QuantLayerMask, layer_mask, swap_base_linears
@@ -63,10 +63,12 @@ class Fp8Weight:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8CachedWeight:
-    """This step's E4M3 copies of a trainable kernel: q [..., K, N], qt [..., N, K], d [...] (per layer)."""
+    """This step's E4M3 copies of a trainable kernel: q [..., K, N], qt [..., N, K], d [...] (per layer); amax
+    [...] the weight's amax for delayed scaling's probe (None with current scaling)."""
     q: jax.Array
     qt: jax.Array
     d: jax.Array
+    amax: jax.Array | None = None
 
 
 class Fp8WeightCache(nnx.Variable):
@@ -94,8 +96,10 @@ class Fp8Linear(Linear):
 
     def _fp8(self, x, w, *delayed):
         cache = getattr(self, "fp8_cache", None)
-        if cache is not None:  # current scaling of a trainable kernel, quantised once this step
+        if cache is not None:  # a trainable kernel quantised once this step (Fp8WeightCaching)
             c = cache.get_value()
+            if self.scaling == "delayed":
+                return fp8_dot_delayed_cached(x, w, c.q, c.qt, c.d, c.amax, *delayed)
             return fp8_dot_cached(x, w, c.q, c.qt, c.d)
         if self.scaling == "delayed":
             if isinstance(w, Fp8Weight):
@@ -121,17 +125,23 @@ class Fp8Linear(Linear):
         return y
 
 
+CACHED_SCALINGS = ("current", "delayed")  # the scalings whose trainable kernels a step quantises once
+
+
 def _cacheable(model):
     """(path, Fp8Linear) of the scanned layers whose kernel a step may quantise once: trainable (a plain array),
-    current scaling."""
+    current or delayed scaling."""
     for path, lin in nnx.iter_graph(model.layers):
-        if isinstance(lin, Fp8Linear) and lin.scaling == "current" and isinstance(lin.kernel.get_value(), jax.Array):
+        if (isinstance(lin, Fp8Linear) and lin.scaling in CACHED_SCALINGS
+                and isinstance(lin.kernel.get_value(), jax.Array)):
             yield path, lin
 
 
 class Fp8WeightCaching:
-    """fp8_hybrid full fine-tuning with current scaling: each trainable kernel is quantised to E4M3 (both layouts,
-    per layer) ONCE per step instead of at every use (the forward and the recompute of every micro-batch).
+    """fp8_hybrid full fine-tuning with current or delayed scaling: each trainable kernel is quantised to E4M3 (both
+    layouts, per layer) ONCE per step instead of at every use (the forward and the recompute of every micro-batch).
+    Delayed scaling quantises it with the step's W scale from the history (its own amax before any) and hands the
+    probe the amax the cast observed, as fp8_dot_delayed does.
 
         cache = Fp8WeightCaching().build(model)     # in the step, before the micro-batches: {path: Fp8CachedWeight}
         Fp8WeightCaching().attach(model, cache)     # on each micro-batch's merged model, before its forward
@@ -143,10 +153,19 @@ class Fp8WeightCaching:
     def build(self, model) -> dict:
         dtype = model.dtype
 
-        def one(w_l):
+        def current(w_l):
             return Fp8CachedWeight(*quantize_weight(jax.lax.stop_gradient(w_l), dtype))
 
-        return {path: jax.lax.map(one, lin.kernel.get_value()) for path, lin in _cacheable(model)}
+        def delayed(xs):
+            w_l, scale_l = xs
+            return Fp8CachedWeight(*quantize_weight_delayed(jax.lax.stop_gradient(w_l), scale_l[1], dtype))
+
+        cache = {}
+        for path, lin in _cacheable(model):
+            w = lin.kernel.get_value()
+            cache[path] = (jax.lax.map(current, w) if lin.scaling == "current" else
+                           jax.lax.map(delayed, (w, jax.lax.stop_gradient(getattr(lin, fp8_delayed.SCALE)[...]))))
+        return cache
 
     def attach(self, model, cache: dict) -> None:
         found = dict(_cacheable(model))

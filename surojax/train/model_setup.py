@@ -19,7 +19,7 @@ from surojax.peft.lora import TRAINABLE, set_dropout_key
 from surojax.peft.stacked import init_lora
 from surojax.precision.fp8_delayed import DelayedScalingUpdate, Fp8AmaxProbe, Fp8DelayedState
 from surojax.precision.fp8_matmul import dot_form
-from surojax.precision.fp8_transform import Fp8WeightCaching, apply_fp8
+from surojax.precision.fp8_transform import CACHED_SCALINGS, Fp8WeightCaching, apply_fp8
 from surojax.precision.nvfp4_transform import apply_nvfp4, bf16_layers, set_rounding_keys
 from surojax.peft.qlora import is_quantized, quantize_model, quantize_model_mix
 from surojax.train.run_spec import RunSpec, TrainSetupError
@@ -168,9 +168,9 @@ def fp8_delayed_update(spec: RunSpec) -> DelayedScalingUpdate | None:
 
 
 def fp8_weight_cache(spec: RunSpec) -> Fp8WeightCaching | None:
-    """The step's FP8 weight cache (recipe fp8_hybrid, full fine-tuning, fp8_scaling: current: each trainable
-    kernel quantised once per step), else None."""
+    """The step's FP8 weight cache (recipe fp8_hybrid, full fine-tuning, fp8_scaling current or delayed: each
+    trainable kernel quantised once per step), else None."""
     prec = spec.precision
-    if prec.recipe != "fp8_hybrid" or prec.fp8.scaling != "current" or spec.lora is not None:
+    if prec.recipe != "fp8_hybrid" or prec.fp8.scaling not in CACHED_SCALINGS or spec.lora is not None:
         return None
     return Fp8WeightCaching()

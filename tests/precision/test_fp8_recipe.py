@@ -69,13 +69,15 @@ def test_fp8_training_tracks_bf16(mode):
     np.testing.assert_allclose(got, ref, rtol=rtol, atol=0.05)
 
 
-def _cached_run(cached, steps=2):
+def _cached_run(cached, steps=2, scaling="current"):
     import optax
 
     from surojax.losses.lm import lm_loss
     from surojax.models.config import ModelConfig
     from surojax.models.decoder import Decoder
     from surojax.offload.remat import remat_wrapper
+    from surojax.precision.fp8_delayed import DelayedScalingUpdate, Fp8AmaxProbe, Fp8DelayedState
+    from surojax.precision.fp8_scaling import Fp8Settings
     from surojax.precision.fp8_transform import Fp8WeightCaching, apply_fp8
     from surojax.train.step import make_train_step
     from tests.offload.layerwise_runs import _batch
@@ -83,11 +85,13 @@ def _cached_run(cached, steps=2):
 
     cfg = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
     model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    apply_fp8(model, frozen_base=False)
-    graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
+    apply_fp8(model, frozen_base=False, settings=Fp8Settings(scaling=scaling, amax_history=4))
+    delayed = DelayedScalingUpdate() if scaling == "delayed" else None
+    trainable_filter = nnx.Param if delayed is None else nnx.Any(nnx.Param, Fp8AmaxProbe, Fp8DelayedState)
+    graphdef, trainable, frozen = nnx.split(model, trainable_filter, ...)
     opt = optax.adam(1e-2)
-    state = opt.init(trainable)
-    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"),
+    state = opt.init(trainable if delayed is None else delayed.split(trainable)[0])
+    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"), fp8_delayed=delayed,
                            weight_cache=(Fp8WeightCaching() if cached is True else cached) or None)
     losses = []
     for _ in range(steps):  # 2 micro-batches per step: one cache for both
@@ -96,16 +100,18 @@ def _cached_run(cached, steps=2):
     return losses, trainable, step
 
 
-def test_fp8_weight_cache_is_the_same_step():
-    """Full fine-tuning with current scaling quantises each kernel once per step (Fp8WeightCaching; the step
-    train/build.py makes) instead of at every use: the same bits (losses, every parameter after 2 steps of 2
-    micro-batches); and the GEMMs do read the cache (one whose dequantisation factors are halved changes the
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_weight_cache_is_the_same_step(scaling):
+    """Full fine-tuning with current or delayed scaling quantises each kernel once per step (Fp8WeightCaching;
+    the step train/build.py makes) instead of at every use: the same bits (losses, every parameter after 2 steps
+    of 2 micro-batches, and with delayed scaling the amax histories and scales: the W amax the cache observed
+    reaches the probe); and the GEMMs do read the cache (one whose dequantisation factors are halved changes the
     loss). On a GPU the two programs are compiled apart and XLA's autotuner may pick another GEMM algorithm for
     each (another accumulation order): there they agree to the GEMMs' rounding, not to the bit."""
     from surojax.precision.fp8_transform import Fp8WeightCaching
 
-    ref_losses, ref, _ = _cached_run(False)
-    got_losses, got, _ = _cached_run(True)
+    ref_losses, ref, _ = _cached_run(False, scaling=scaling)
+    got_losses, got, _ = _cached_run(True, scaling=scaling)
     assert got_losses[-1] < got_losses[0]
     if jax.default_backend() == "cpu":
         assert got_losses == ref_losses
@@ -119,5 +125,5 @@ def test_fp8_weight_cache_is_the_same_step():
             return jax.tree.map(lambda c: dataclasses.replace(c, d=c.d / 2), super().build(model),
                                 is_leaf=lambda c: hasattr(c, "qt"))
 
-    off_losses, _, _ = _cached_run(Halved(), steps=1)
+    off_losses, _, _ = _cached_run(Halved(), steps=1, scaling=scaling)
     assert abs(off_losses[0] - ref_losses[0]) > 1e-3
