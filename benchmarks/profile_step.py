@@ -98,13 +98,13 @@ def main():
     pids = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
             and e.get("name") == "process_name"}
     gpu_pids = {pid for pid, name in pids.items() if "/device:GPU" in name or "GPU" in name.upper()}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
     by_name, by_cat, total = collections.Counter(), collections.Counter(), 0.0
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
-            d = float(e["dur"]) / a.steps
-            by_name[e["name"]] += d
-            by_cat[category(e["name"])] += d
-            total += d
+    for e in kernels:
+        d = float(e["dur"]) / a.steps
+        by_name[e["name"]] += d
+        by_cat[category(e["name"])] += d
+        total += d
     print(f"device time per step (sum of kernel durations): {total / 1e3:.1f} ms over {len(by_name)} kernels")
     for cat, d in by_cat.most_common():
         print(f"  {cat:24s} {d / 1e3:8.1f} ms  {100 * d / max(total, 1):5.1f}%")
@@ -112,19 +112,17 @@ def main():
     for name, d in by_name.most_common(40):
         print(f"  {d / 1e3:8.2f}  {name[:150]}")
     timeline(events, gpu_pids, a.steps)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     if dump_dir is not None:
         dumps = sorted(glob.glob(f"{dump_dir}/*after_optimizations.txt"), key=os.path.getsize)
         if not dumps:
             print("no optimized HLO dump under", dump_dir)
         else:
-            kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
             print(attribute(kernels, instruction_sources(Path(dumps[-1]).read_text()), a.steps))
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            with open(dumps[-1], "rb") as src, gzip.open(Path(a.out) / f"hlo-{a.shape}-{a.mode}-{a.recipe}.txt.gz",
+            with open(dumps[-1], "rb") as src, gzip.open(out / f"hlo-{a.shape}-{a.mode}-{a.recipe}.txt.gz",
                                                          "wb") as dst:
                 shutil.copyfileobj(src, dst)  # the optimized HLO the attribution read
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     if os.path.getsize(files[0]) < 15 * 2**20:
         shutil.copy(files[0], out / f"trace-{a.shape}-{a.mode}.json.gz")
     return 0

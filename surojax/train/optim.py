@@ -83,8 +83,8 @@ def build_optimizer(name: str, schedule: optax.Schedule, *, weight_decay: float 
     fused = None
     if name == "adamw_8bit":  # moments blockwise-quantised to 8 bits (surojax/train/optim_8bit.py)
         inner = adamw_8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
-        if layerwise_update and not (offload_state or offload_master):  # on a GPU: one kernel pass per parameter
-            fused = FusedAdam8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+        # its one-pass kernel update (in_place takes it on a GPU when the state and params are on the device)
+        fused = FusedAdam8bit(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     else:
         inner = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     if offload_state or offload_master or layerwise_update:  # the chain below + its in-place per-layer update

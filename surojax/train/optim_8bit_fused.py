@@ -105,7 +105,7 @@ class FusedAdam8bit:
         dec_leaves = treedef.flatten_up_to(decayed) if decayed is not None else [False] * len(g_leaves)
         out = []
         for g, p, mu, nu, dec in zip(g_leaves, p_leaves, mu_leaves, nu_leaves, dec_leaves):
-            dec = bool(dec) and bool(self.weight_decay)
+            dec = bool(dec)
             if use_kernel and is_q(mu) and self._fits(p):
                 out.append(self._kernel_leaf(g, p, mu, nu, dec, glob, scalars, tables, hyper))
             else:

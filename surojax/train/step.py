@@ -75,7 +75,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     observed) are combined over the micro-batches by max and rolled into the histories after the step, so the
     scales of step t come from steps < t. The returned trainable state holds the new histories (checkpointed
     with it).
-    `weight_cache` (surojax.precision.fp8_transform.Fp8WeightCaching; fp8_hybrid full fine-tuning, current
+    `weight_cache` (surojax.precision.fp8_transform.Fp8WeightCaching; fp8_hybrid full fine-tuning, current or delayed
     scaling): `build(model)` runs once per step, before the micro-batches, on the step's parameters (not
     differentiated), and `attach(model, cache)` hands its result to each micro-batch's merged model: the weights
     are quantised once per step, not at every use.
