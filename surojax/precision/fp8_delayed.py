@@ -218,4 +218,5 @@ def init_state(num_layers: int, history: int) -> tuple[jax.Array, jax.Array, jax
 
 
 __all__ = ["ROLES", "FORMAT_MAX", "Fp8DelayedState", "Fp8Scale", "Fp8AmaxHistory", "Fp8AmaxProbe",
-           "fp8_dot_delayed", "fp8_dot_delayed_cached", "quantize_weight_delayed", "fp8_dot_frozen_delayed", "DelayedScalingUpdate", "init_state"]
+           "fp8_dot_delayed", "fp8_dot_delayed_cached", "quantize_weight_delayed", "fp8_dot_frozen_delayed",
+           "DelayedScalingUpdate", "init_state"]

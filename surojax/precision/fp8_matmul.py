@@ -226,4 +226,5 @@ def reference_dot(x_q, x_d, w_q, w_d) -> jax.Array:
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-__all__ = ["accumulation", "ACCUMULATIONS", "fp8_dot", "fp8_dot_cached", "quantize_weight", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN", "DIRECT_REL_ERR", "QDQ_REL_ERR"]
+__all__ = ["accumulation", "ACCUMULATIONS", "fp8_dot", "fp8_dot_cached", "quantize_weight", "wgrad_dtype",
+           "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN", "DIRECT_REL_ERR", "QDQ_REL_ERR"]
