@@ -13,10 +13,12 @@ Three parts:
   1. ops    fp8_dot / fp8_dot_frozen on one Qwen3-0.6B-sized GEMM (M = 16384 tokens): forward and forward +
             backward; each forward is checked against the fp32 (HIGHEST) product of the dequantised FP8 operands
             that the same program multiplied (returned beside y): max |y - ref| / max |ref| below
-            fp8_matmul.DIRECT_REL_ERR (direct, 6e-3: three bf16 roundings) or QDQ_REL_ERR (qdq, 1e-2). It also
-            prints the error against operands quantised eagerly, op by op, and where they differ: a program may
-            round a scale otherwise (XLA rewrites 1 / (448 / amax)), and then every element sits on another E4M3
-            grid point, ~2% of difference that is not the GEMM's (the H200's 1.5-2.1% of session 13). It also prints the error of the qdq GEMM with XLA's convert
+            fp8_matmul.DIRECT_REL_ERR (direct, 6e-3: the bf16 result and accumulation order) or QDQ_REL_ERR
+            (qdq, 1e-2). It also prints the error against operands quantised eagerly, op by op, and where they
+            differ: with the power-of-two scales they are the same bits (before them, XLA GPU dropped the bf16
+            rounding of d = 1 / s inside the program, every element sat on another E4M3 grid, and the H200
+            showed 1.5% / 2.1% of difference that was not the GEMM's: session 13, explained in session 14).
+            It also prints the error of the qdq GEMM with XLA's convert
             chains f32 -> f8 -> bf16 collapsed to f32 -> bf16 (2.69 % frozen / 3.71 % trainable here): a match
             means XLA removed the quantisers, as it did for qdq on the H200 (jax 0.11.2: 2.67 % / 3.71 %).
             GEMM census, time vs the bf16 GEMM (median of 3 x `iters` calls).
@@ -288,8 +290,8 @@ def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool, forms: list
                 which = name.split()[1]
                 err_eager = _rel(compiled(*args), refs[which])
                 # the GEMM against the product of ITS OWN FP8 operands, returned by the same program: the bound is
-                # about the GEMM given its operands; the eager reference's operands may differ (another program may
-                # round a scale differently, and every element then lands on another E4M3 grid point)
+                # about the GEMM given its operands; the eager reference's should be the same bits (power-of-two
+                # scales: nothing left for a compiler to round otherwise); operands_as_eager says where they are not
                 y_own, own = _own_operands(which, x, w, fw)
                 err = _rel(y_own, reference_dot(*own))
                 same = _same_operands(which, own, (x_q, x_d, w_q, w_d, fw))

@@ -58,10 +58,10 @@ def dot_form() -> str:
 
 
 # The error of one scaled GEMM against the fp32 product of its dequantised operands, relative to that product's
-# largest entry. Direct form: the GEMM's bf16 result, the bf16 scale a_d * b_d and the bf16 product y * scale are
-# each rounded once: (1 + 2^-9)^3 - 1 < 6e-3 (two roundings where XLA folds the multiply into cuBLASLt's scale,
-# F8ScaleD), plus accumulation order (XLA CPU's bf16-output dot does not keep one fp32 accumulator: ~4e-3 alone).
-# A quantiser that XLA optimised away is several times over it (2.7 % for x on the 0.6B-sized GEMM).
+# largest entry. Direct form: the GEMM's bf16 result is rounded once (2^-9; the scales are powers of two, so
+# a_d * b_d and y * scale are exact, folded into cuBLASLt's scale or not), plus accumulation order (XLA CPU's
+# bf16-output dot does not keep one fp32 accumulator: ~4e-3 alone); 6e-3 holds both. A quantiser that XLA optimised
+# away is several times over it (2.7 % for x on the 0.6B-sized GEMM), an operand on another E4M3 grid ~1.5 %.
 DIRECT_REL_ERR = 6e-3
 # qdq form: the operands q * d are rounded to bf16 before the GEMM, an error per product term that does not shrink
 # with the sum, so only a loose bound holds (1 %); folded into cuBLASLt (scales applied in fp32) it is one rounding.

@@ -4,9 +4,19 @@
     E5M2 (float8_e5m2,  max 57344)   backward operand: the output gradient dy
 
 A tensor t is stored as q = saturate(round_to_nearest_even(t * s)) in the FP8 format and read back as q * d with
-d = 1 / s (the dequantisation factor). The scale follows Transformer Engine's rule
+d = 1 / s (the dequantisation factor). The scale is Transformer Engine's rounded down to a power of two
 
-    s = fp8_max * 2^-margin / amax         (amax = max |t|; the previous scale is kept when amax is 0 or not finite)
+    s = 2^floor(log2(fp8_max * 2^-margin / amax))   (amax = max |t|; the previous s is kept when amax is 0 or not
+                                                     finite), so amax * s lies in (fp8_max / 2, fp8_max]
+
+(Transformer Engine's `force_pow_2_scales`, torchao's `round_scales_to_power_of_2`; MXFP8's and DeepSeek-V3.1's
+UE8M0 block scales are powers of two for the same reason). A power of two is exact in every float type, so s, d,
+t * s and the GEMM's final multiply by d_a * d_b round nothing: the bits cannot depend on where a compiler keeps a
+value in fp32 or bf16. With s = 448 / amax itself, d = 1 / s rounded to bf16 was the factor q * d was defined by,
+and XLA GPU removes such f32 -> bf16 -> f32 round trips inside a program (SimplifyFPConversions under
+xla_allow_excess_precision): the H200 quantised every operand with the exact fp32 s while the same code run op by op
+used 1 / bf16(1 / s), a grid shifted by up to 2^-9 (benchmarks/RESULTS.md, session 14). The cost: amax uses the top
+binade of the format only down to fp8_max / 2 (one binade less of headroom below, no precision lost above).
 
 Two ways to pick amax:
     current scaling   amax of the tensor being quantised, in the same step (fp8_scaling: current, the default;
@@ -15,8 +25,8 @@ Two ways to pick amax:
                       (`roll_amax_history`; fp8_scaling: delayed, fp8_delayed.py), so the quantisation never waits
                       for a reduction over the tensor it quantises
 
-`d` is rounded to the compute dtype (bf16) first and `s` is taken as its exact reciprocal, so q * d is the value
-the GEMM sees whether XLA folds d into the cuBLASLt scale (GPU) or multiplies it out (the CPU reference).
+q * d is then the value the GEMM sees whether XLA folds d into the cuBLASLt scale (GPU) or multiplies it out (the
+CPU reference), in one program or op by op.
 `round_fp8_reference` is an independent pure-jnp model of the rounding (exponent / mantissa arithmetic, no FP8
 dtype involved) that tests hold the dtype conversion against.
 """
@@ -59,11 +69,28 @@ def spec(dtype) -> Fp8Spec:
         raise ValueError(f"not an FP8 training format: {dtype} (expected float8_e4m3fn or float8_e5m2)") from None
 
 
+def _float_bits(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """fp32 x -> (biased exponent, mantissa bits) as int32: x = 1.mantissa * 2^(exponent - 127) when normal."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return (bits >> 23) & 0xFF, bits & 0x7FFFFF
+
+
+# scales are kept within fp32's normal range, so that 1 / s is a normal number too (a GPU may flush subnormals)
+MAX_SCALE_EXPONENT = 126
+
+
 def scale_from_amax(amax: jax.Array, fp8_max: float, previous: jax.Array | float = 1.0, margin: int = 0) -> jax.Array:
-    """s = fp8_max * 2^-margin / amax in fp32; `previous` where amax is 0, inf or nan."""
+    """s = the largest power of two with amax * s <= fp8_max * 2^-margin (fp32, within 2^+-126); `previous`
+    where amax is 0, inf or nan. Integer arithmetic on the exponent and mantissa bits: no division, nothing rounded."""
     amax = jnp.asarray(amax, jnp.float32)
     ok = jnp.isfinite(amax) & (amax > 0)
-    fresh = jnp.float32(fp8_max * 2.0 ** -margin) / jnp.where(ok, amax, 1.0)
+    exponent, mantissa = _float_bits(jnp.where(ok, amax, 1.0))  # amax = 1.mantissa * 2^(exponent - 127)
+    # the target fp8_max * 2^-margin (a scalar or per tensor, e.g. [3] for x, W, dy): exact in fp32
+    t_exponent, t_mantissa = _float_bits(jnp.asarray(fp8_max, jnp.float32) * jnp.float32(2.0 ** -margin))
+    # amax * 2^k <= target  <=>  k <= t_exponent - exponent, one less when amax's mantissa is the larger
+    k = t_exponent - exponent - (mantissa > t_mantissa).astype(jnp.int32)
+    k = jnp.clip(k, -MAX_SCALE_EXPONENT, MAX_SCALE_EXPONENT)  # a subnormal amax (exponent 0) lands on the clip
+    fresh = jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)
     return jnp.where(ok, fresh, jnp.asarray(previous, jnp.float32))
 
 
@@ -73,7 +100,8 @@ def amax(x: jax.Array) -> jax.Array:
 
 
 def dequant_factor(scale: jax.Array, compute_dtype) -> jax.Array:
-    """d = 1 / s rounded to the compute dtype (the factor the GEMM multiplies by)."""
+    """d = 1 / s in the compute dtype (the factor the GEMM multiplies by): exact for scale_from_amax's powers of
+    two."""
     return (1.0 / scale).astype(compute_dtype)
 
 
@@ -203,5 +231,7 @@ def round_fp8_reference(x: jax.Array, fmt: str) -> jax.Array:
     return jnp.where(jnp.isnan(x), x, jnp.sign(x) * rounded)
 
 
-__all__ = ["E4M3", "E5M2", "SPECS", "Fp8Spec", "spec", "scale_from_amax", "amax", "dequant_factor", "quantize",
-           "dequantize", "quantize_both", "cast_form", "current_factor", "quantize_current", "AmaxHistory", "AMAX_ALGOS", "roll_amax_history", "SCALINGS", "Fp8Settings", "round_fp8_reference"]
+__all__ = ["E4M3", "E5M2", "SPECS", "Fp8Spec", "spec", "scale_from_amax", "MAX_SCALE_EXPONENT", "amax",
+           "dequant_factor", "quantize", "dequantize", "quantize_both", "cast_form", "current_factor",
+           "quantize_current", "AmaxHistory", "AMAX_ALGOS", "roll_amax_history", "SCALINGS", "Fp8Settings",
+           "round_fp8_reference"]

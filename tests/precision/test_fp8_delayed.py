@@ -34,15 +34,16 @@ def test_history_update_rule_by_hand():
         by_algo[algo] = (np.asarray(hist), scales)
     # newest first, H = 3: after 4, 8, 2, 1, 0 the history is [0, 1, 2]
     np.testing.assert_array_equal(by_algo["max"][0], [0.0, 1.0, 2.0])
-    # max: 448 / max(window) = 448/4, 448/8, 448/8, 448/8 (4 dropped, 8 still in), 448/2 (8 dropped)
-    assert by_algo["max"][1] == [112.0, 56.0, 56.0, 56.0, 224.0]
+    # max: 448 / max(window) rounded down to a power of two: 448/4, 448/8, 448/8, 448/8 (4 dropped, 8 still in),
+    # 448/2 (8 dropped)
+    assert by_algo["max"][1] == [64.0, 32.0, 32.0, 32.0, 128.0]
     # most_recent: 448 / newest; the newest 0 keeps the previous scale
-    assert by_algo["most_recent"][1] == [112.0, 56.0, 224.0, 448.0, 448.0]
+    assert by_algo["most_recent"][1] == [64.0, 32.0, 128.0, 256.0, 256.0]
     # per-role format max broadcast over [L, 3] (x, W: E4M3; dy: E5M2); a nan keeps the scale
     hist, scale = roll_amax_history(jnp.zeros((2, 3, 4)), jnp.full((2, 3), 7.0),
                                     jnp.array([[1.0, 2.0, 4.0], [jnp.nan, 1.0, 1.0]]),
                                     jnp.array([448.0, 448.0, 57344.0]))
-    np.testing.assert_array_equal(np.asarray(scale), [[448.0, 224.0, 14336.0], [7.0, 448.0, 57344.0]])
+    np.testing.assert_array_equal(np.asarray(scale), [[256.0, 128.0, 8192.0], [7.0, 256.0, 32768.0]])
 
 
 # ---- block-wise quantiser -----------------------------------------------------------------------------------
@@ -93,11 +94,19 @@ def _group_amax(t, block):
     return out
 
 
+def _pow2_scale(fmax, amax):
+    """The largest power of two s with amax * s <= fmax (float64; independent of the exponent-bit arithmetic)."""
+    amax = np.asarray(amax, np.float64)
+    s = 2.0 ** np.floor(np.log2(fmax / amax))
+    s = np.where(amax * s > fmax, s / 2, s)
+    return np.where(amax * 2 * s <= fmax, 2 * s, s)
+
+
 def _delayed_after_warmup(x, w):
     """Step 1 (scale 0: its own amax) observes the amaxes; step 2 runs on the scales they give."""
     probe = jnp.zeros((3,))
     seen = jax.grad(lambda p: jnp.sum(fp8_dot_delayed(x, w, jnp.zeros((3,)), p) * G))(probe)
-    scale = jnp.array([448.0, 448.0, 57344.0]) / seen
+    scale = jnp.asarray(_pow2_scale(np.array([448.0, 448.0, 57344.0]), np.asarray(seen)), jnp.float32)
     return lambda a, b: fp8_dot_delayed(a, b, scale, probe)
 
 
@@ -168,9 +177,9 @@ def test_step_rolls_the_histories(delayed_run):
     assert (h1[..., 0] > 0).all() and not h1[..., 1:].any()  # one amax per layer and tensor recorded
     np.testing.assert_array_equal(h2[..., 1], h1[..., 0])  # rolled, newest first
     np.testing.assert_array_equal(h3[..., 1:3], h2[..., 0:2])
-    # the scale for step t+1 = format max / max over the history of steps <= t (algo max)
-    fmax = np.array([448.0, 448.0, 57344.0], np.float32)
-    np.testing.assert_allclose(s3, fmax / h3.max(-1), rtol=1e-6)
+    # the scale for step t+1 = format max / max over the history of steps <= t (algo max), as a power of two
+    fmax = np.array([448.0, 448.0, 57344.0])
+    np.testing.assert_array_equal(s3, _pow2_scale(fmax, h3.max(-1)))
     assert not np.array_equal(h3[..., 0], h2[..., 0])  # the weights moved: new amaxes
 
 
