@@ -53,6 +53,7 @@ from surojax.precision.fp8_matmul import (DIRECT_REL_ERR, QDQ_REL_ERR, _fp8_dot_
                                           reference_dot)
 from surojax.precision.fp8_scaling import E4M3, dequantize, quantize_current
 from surojax.precision.fp8_transform import Fp8Weight
+from surojax.train.step import steady_state
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s")
 _OPERANDS = re.compile(r"\b(?:custom-call|fusion|dot)\((.*?)\)(?:,|$)")
@@ -323,7 +324,8 @@ def part_step(rows, shape: str, mode: str, batch: int, seq: int, unroll, time_st
     s = build(bc)
     host, _ = synthetic_batch(np.random.default_rng(0), 1, batch, seq, s.model_config.vocab_size, 1, 1)
     batch_dev = place_batch(s, host)
-    hlo = s.train_step.lower(s.trainable, s.frozen, s.opt_state, batch_dev, jax.random.key(0)).compile().as_text()
+    hlo = steady_state(s.train_step).lower(s.trainable, s.frozen, s.opt_state, batch_dev,
+                                           jax.random.key(0)).compile().as_text()
     census = gemm_census(hlo)
     used = fp8_used(census)
     emit(rows, {"part": "step", "variant": f"{shape} {mode} fp8_hybrid", "batch": batch, "seq": seq,

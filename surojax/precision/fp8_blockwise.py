@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from surojax.precision.fp8_matmul import _flat
-from surojax.precision.fp8_scaling import E4M3, E5M2, spec
+from surojax.precision.fp8_scaling import E4M3, E5M2, scale_from_amax, spec
 
 TILE = 128
 ROW_TILE = (1, TILE)  # 1 x 128 along the last axis
@@ -42,12 +42,9 @@ _LUT = {jnp.dtype(t): np.arange(256, dtype=np.uint8).view(n).astype(np.float32)
 
 
 def pow2_factor(block_amax: jax.Array, fp8_max: float) -> jax.Array:
-    """d = 2^ceil(log2(amax / fp8_max)) in fp32 (amax / d <= fp8_max); 1 where amax is 0 or not finite."""
-    a = jnp.asarray(block_amax, jnp.float32)
-    ok = jnp.isfinite(a) & (a > 0)
-    mant, exp = jnp.frexp(jnp.where(ok, a / jnp.float32(fp8_max), 1.0))  # = mant * 2^exp, mant in [0.5, 1)
-    exp = jnp.where(mant > 0.5, exp, exp - 1)
-    return jnp.where(ok, jnp.ldexp(jnp.float32(1.0), exp), 1.0)
+    """d = 2^ceil(log2(amax / fp8_max)) in fp32 (amax / d <= fp8_max); 1 where amax is 0 or not finite. The
+    reciprocal of the per-tensor rule's power-of-two scale (fp8_scaling.scale_from_amax), exact."""
+    return 1.0 / scale_from_amax(block_amax, fp8_max)
 
 
 def _blocked(t: jax.Array, block: tuple[int, int]) -> jax.Array:

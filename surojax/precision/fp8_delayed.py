@@ -24,10 +24,13 @@ state, combine the micro-batches' observations (max), and roll them into the his
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from surojax.precision.fp8_matmul import _NN, _NT, _flat, _scaled_dot
@@ -57,9 +60,41 @@ class Fp8AmaxProbe(nnx.Variable):
 
 # ---- the GEMMs ------------------------------------------------------------------------------------------------
 
+# How the GEMMs traced here find each tensor's factor; read at trace time (`scale_source`, set by the training step)
+SOURCES = ("either", "own", "history")
+_SOURCE = contextvars.ContextVar("fp8_delayed_scale_source", default="either")
+
+
+@contextlib.contextmanager
+def scale_source(source: str):
+    """Trace the delayed GEMMs inside with this way of picking each tensor's dequantisation factor:
+
+    either   (default) 1 / s from the history, or the tensor's own amax where none was observed yet (s == 0): one
+             lax.cond per tensor, which XLA GPU runs by copying the predicate to the host and waiting for the
+             stream (ConditionalThunk): a pipeline drain per tensor and layer
+    own      every tensor by its own amax (current scaling): the first step of a run, before any history
+    history  1 / s, and 1 where s == 0 (Transformer Engine's starting scale): no reduction over the tensor before
+             it is quantised and no host round trip; the steps after the first
+
+    The training step (make_train_step) compiles `own` and `history` and picks one per step on the host; both give
+    what `either` gives whenever every tensor has a scale (history) or none has (own)."""
+    if source not in SOURCES:
+        raise ValueError(f"scale source {source!r}: expected one of {', '.join(SOURCES)}")
+    token = _SOURCE.set(source)
+    try:
+        yield
+    finally:
+        _SOURCE.reset(token)
+
+
 def _factor(t: jax.Array, s: jax.Array, role: int, dtype) -> jax.Array:
-    """The dequantisation factor of tensor t: 1 / s from the history, or (s == 0: no amax observed yet) t's own
-    amax. A lax.cond, so the delayed branch's quantisation does not wait for a reduction over t."""
+    """The dequantisation factor of tensor t from its scale s in the history (0: none yet), as `scale_source`
+    says."""
+    source = _SOURCE.get()
+    if source == "own":
+        return current_factor(t, FORMATS[role], dtype)
+    if source == "history":
+        return dequant_factor(jnp.where(s > 0, s, 1.0), dtype)
     return jax.lax.cond(s > 0, lambda: dequant_factor(s, dtype),
                         lambda: current_factor(t, FORMATS[role], dtype))
 
@@ -172,6 +207,9 @@ class DelayedScalingUpdate:
     combine(a, b) -> the observations of two micro-batches (elementwise max)
     update(delayed, observed) -> delayed            the step's amaxes rolled into every history, new scales
     merge(params, probes, delayed) -> trainable
+    fresh(trainable) -> bool                        no history yet: trace the step under scale_source("own"),
+                                                    else scale_source("history")
+    histories(trainable) -> [arrays]
     """
     algo: str = "max"
     margin: int = 0
@@ -188,6 +226,24 @@ class DelayedScalingUpdate:
     @staticmethod
     def combine(a, b):
         return jax.tree.map(jnp.maximum, a, b)
+
+    scale_source = staticmethod(scale_source)  # the step traces its two programs under it
+
+    @staticmethod
+    def histories(trainable: nnx.State) -> list[jax.Array]:
+        """The amax history arrays of a trainable state."""
+        return [v.get_value() if isinstance(v, nnx.Variable) else v
+                for _, v in nnx.to_flat_state(nnx.filter_state(trainable, Fp8AmaxHistory))]
+
+    @classmethod
+    def fresh(cls, trainable: nnx.State) -> bool:
+        """True when no amax history holds anything yet (a run's first step): the step then scales by the tensors'
+        own amaxes (`scale_source("own")`), after that by the histories' scales. One small reduction read back on
+        the host (the histories are replicated: every process decides alike)."""
+        histories = cls.histories(trainable)
+        if not histories:
+            return False
+        return not bool(np.asarray(_any_nonzero(histories).addressable_data(0)))
 
     def update(self, delayed: nnx.State, observed: nnx.State) -> nnx.State:
         """observed: the probes' gradients (same paths as the probes), each [L, 3]."""
@@ -207,6 +263,11 @@ class DelayedScalingUpdate:
         return nnx.from_flat_state(list(flat.items()))
 
 
+@jax.jit
+def _any_nonzero(arrays: list) -> jax.Array:
+    return jnp.any(jnp.stack([jnp.any(a != 0) for a in arrays]))
+
+
 def init_state(num_layers: int, history: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(scale [L, 3] zeros, history [L, 3, H] zeros, probe [L, 3] zeros): the state before the first step.
     A scale of 0 means "no amax seen yet": that tensor is scaled by its own amax (current scaling) until a step has
@@ -217,6 +278,6 @@ def init_state(num_layers: int, history: int) -> tuple[jax.Array, jax.Array, jax
             jnp.zeros((num_layers, 3), jnp.float32))
 
 
-__all__ = ["ROLES", "FORMAT_MAX", "Fp8DelayedState", "Fp8Scale", "Fp8AmaxHistory", "Fp8AmaxProbe",
-           "fp8_dot_delayed", "fp8_dot_delayed_cached", "quantize_weight_delayed", "fp8_dot_frozen_delayed",
-           "DelayedScalingUpdate", "init_state"]
+__all__ = ["ROLES", "FORMAT_MAX", "SOURCES", "scale_source", "Fp8DelayedState", "Fp8Scale", "Fp8AmaxHistory",
+           "Fp8AmaxProbe", "fp8_dot_delayed", "fp8_dot_delayed_cached", "quantize_weight_delayed",
+           "fp8_dot_frozen_delayed", "DelayedScalingUpdate", "init_state"]

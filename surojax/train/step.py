@@ -164,7 +164,63 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
 
     if not jit:
         return step
-    return jax.jit(step, donate_argnums=(0, 2) if donate else ())
+    donated = (0, 2) if donate else ()
+    if fp8_delayed is None:
+        return jax.jit(step, donate_argnums=donated)
+    return DelayedScalingStep(step, fp8_delayed, donated)
+
+
+class DelayedScalingStep:
+    """The step of fp8_scaling: delayed as two compiled programs, picked on the host: the first step of a run (no
+    amax history yet) scales each tensor by its own amax, every later one by its history's scale
+    (fp8_delayed.scale_source "own" / "history"). One program with a lax.cond per tensor would do both, but XLA GPU
+    runs a conditional by reading its predicate back to the host and waiting for the stream: a pipeline drain per
+    tensor, layer and micro-batch. Whether the histories are still empty is read from the input (one small
+    reduction read back) unless the input is what the history program itself returned last (then they are filled:
+    the steady state costs no read); a resumed run starts on the history program.
+
+    Called like the jitted step; `.lower(*args)` lowers the program those arguments would run (the history one for
+    abstract arguments)."""
+
+    def __init__(self, step: Callable, fp8_delayed, donated: tuple[int, ...]):
+        self.step = step  # the plain function (traced alone: one lax.cond per tensor, fp8_delayed's "either")
+        self._fp8 = fp8_delayed
+
+        def under(source):
+            def traced(*args, **kwargs):
+                with fp8_delayed.scale_source(source):
+                    return step(*args, **kwargs)
+            return jax.jit(traced, donate_argnums=donated)
+
+        self.first, self.later = under("own"), under("history")
+        self._returned = []  # the histories the history program returned last: filled
+
+    def program(self, trainable):
+        """The compiled step these arguments run (`first` or `later`)."""
+        leaves = jax.tree.leaves(trainable)
+        if any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):
+            return self.later  # abstract (lowering for a memory or HLO check): the steady-state program
+        histories = self._fp8.histories(trainable)
+        if self._returned and len(histories) == len(self._returned) and all(
+                a is b for a, b in zip(histories, self._returned)):
+            return self.later
+        return self.first if self._fp8.fresh(trainable) else self.later
+
+    def __call__(self, trainable, *args, **kwargs):
+        program = self.program(trainable)
+        out = program(trainable, *args, **kwargs)
+        self._returned = self._fp8.histories(out[0]) if program is self.later else []
+        return out
+
+    def lower(self, trainable, *args, **kwargs):
+        return self.program(trainable).lower(trainable, *args, **kwargs)
+
+
+def steady_state(step):
+    """The compiled program a run settles on, for benchmarks that time, profile or census one program: the history
+    program of a DelayedScalingStep (its first step then starts every scale at 1, Transformer Engine's start, and
+    fills the histories), else the step itself."""
+    return step.later if isinstance(step, DelayedScalingStep) else step
 
 
 def make_eval_step(graphdef, loss_fn: Callable, *, layer_loop=None):

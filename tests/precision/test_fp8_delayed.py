@@ -183,6 +183,29 @@ def test_step_rolls_the_histories(delayed_run):
     assert not np.array_equal(h3[..., 0], h2[..., 0])  # the weights moved: new amaxes
 
 
+def test_step_runs_two_programs_without_conditionals_equal_to_the_conditional_form(delayed_run):
+    """The delayed step is compiled twice (the first step: own amaxes; later: the histories' scales) and picked on the
+    host, because XLA GPU runs each lax.cond by reading its predicate back and waiting for the stream. Neither
+    program holds a conditional, and three steps give the bits of the one-program form with a lax.cond per tensor."""
+    run, batch = delayed_run
+    step = run.train_step
+    args = (run.trainable, run.frozen, run.opt_state, batch, jax.random.key(0))
+    conds = lambda text: text.count("stablehlo.case") + text.count("stablehlo.if")  # noqa: E731
+    assert conds(jax.jit(step.step).lower(*args).as_text()) > 0  # the reference form does hold them
+    assert step.program(run.trainable) is step.first
+    assert conds(step.first.lower(*args).as_text()) == 0 and conds(step.later.lower(*args).as_text()) == 0
+    reference = jax.jit(step.step)
+    tr_a, opt_a = jax.tree.map(jnp.copy, (run.trainable, run.opt_state))
+    tr_b, opt_b = jax.tree.map(jnp.copy, (run.trainable, run.opt_state))
+    for i in range(3):
+        tr_a, opt_a, m_a = step(tr_a, run.frozen, opt_a, batch, jax.random.key(0))
+        tr_b, opt_b, m_b = reference(tr_b, run.frozen, opt_b, batch, jax.random.key(0))
+        assert float(m_a["loss"]) == float(m_b["loss"]), i
+    assert step.program(tr_a) is step.later
+    for a, b in zip(jax.tree.leaves(tr_a), jax.tree.leaves(tr_b), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_resume_is_exact_with_the_histories(delayed_run, tmp_path):
     run, batch = delayed_run
     tr, opt, _ = _steps(run, batch, run.trainable, run.opt_state, 2)
