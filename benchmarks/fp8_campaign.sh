@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 19's queued H200 rows (benchmarks/RESULTS.md, "Queued"), in two parts that each fit one 10-minute call.
+# Run from the repository root on the GPU machine, with the wheels the image lacks carried along:
+#
+#     ../shared/tools/gpu-wheels.sh .gpu-wheels                       # here, once (git-ignored)
+#     run(command="bash benchmarks/fp8_campaign.sh 1", carry=[".gpu-wheels"])     # ~8 min
+#     run(command="bash benchmarks/fp8_campaign.sh 2", carry=[".gpu-wheels"])     # ~7 min
+#
+# part 1   the FP8 op check with the power-of-two scales (expected: 0 operand values differ from the eager ones,
+#          error within 0.6%); Qwen3-8B full fine-tuning: bf16, fp8-current, fp8-delayed (the delayed step
+#          without conditionals; split accumulation); fp8-delayed with SUROJAX_FP8_WGRAD=weight (A/B)
+# part 2   Llama-3-8B pretraining shapes: bf16, fp8-current, fp8-delayed; the 8-bit AdamW kernel's tile sweep
+#
+# Each command's output goes to $OUT/<name>.log (the device tool sets $OUT); fp8_h200.py's JSON lines to
+# $OUT/fp8_h200.jsonl; the tables are printed at the end. SMOKE=1: the same plumbing on a CPU, debug shapes
+# (PYTHON: the interpreter, default python3; e.g. PYTHON=.venv/bin/python here).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:?part 1 or 2}
+OUT=${OUT:-/tmp/fp8-campaign}
+mkdir -p "$OUT"
+if [ -z "${SMOKE:-}" ]; then
+  if compgen -G ".gpu-wheels/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-deps --no-index .gpu-wheels/*.whl 2>&1 | tail -2
+  fi
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+  export XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true${XLA_FLAGS:+ $XLA_FLAGS}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  STEPS="--steps 3 --warmup 1 --repeats 2"
+  CHECK="--shape qwen3-0.6b --mode lora --no-step-time --forms direct,direct+fp32"
+  SMOKE_ARG=""
+else
+  export JAX_PLATFORMS=cpu
+  STEPS=""
+  CHECK="--smoke"
+  SMOKE_ARG="--smoke"
+fi
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+PY=${PYTHON:-python3}
+echo "tree $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ) part $PART"
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going on failure
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -h '^{"bench": "fp8_h200"' "$OUT/$name.log" >> "$OUT/fp8_h200.jsonl" 2>/dev/null
+  echo "== $name: rc $rc, $((SECONDS - t0)) s"
+  tail -n 14 "$OUT/$name.log"
+}
+
+case $PART in
+  1)
+    step op_check 150 "$PY" benchmarks/fp8_gemm_check.py $CHECK
+    step qwen3_8b_full 330 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
+      --variants bf16 fp8-current fp8-delayed $STEPS $SMOKE_ARG
+    SUROJAX_FP8_WGRAD=weight step wgrad_weight 120 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
+      --variants fp8-delayed $STEPS $SMOKE_ARG
+    ;;
+  2)
+    step llama3_8b_pt 330 "$PY" benchmarks/fp8_h200.py --workloads llama3-8b-pt \
+      --variants bf16 fp8-current fp8-delayed $STEPS $SMOKE_ARG
+    step adam8bit_tiles 150 "$PY" benchmarks/adam8bit_h200.py $SMOKE_ARG
+    ;;
+  *) echo "part $PART: expected 1 or 2"; exit 2 ;;
+esac
