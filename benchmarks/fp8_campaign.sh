@@ -9,7 +9,8 @@
 # part 1   the FP8 op check with the power-of-two scales (expected: 0 operand values differ from the eager ones,
 #          error within 0.6%); Qwen3-8B full fine-tuning: bf16, fp8-current, fp8-delayed (the delayed step
 #          without conditionals; split accumulation); fp8-delayed with SUROJAX_FP8_WGRAD=weight (A/B)
-# part 2   Llama-3-8B pretraining shapes: bf16, fp8-current, fp8-delayed; the 8-bit AdamW kernel's tile sweep
+# part 2   Llama-3-8B pretraining shapes: bf16, fp8-current, fp8-delayed; the 8-bit AdamW kernel's tile sweep; the
+#          fp32 wgrad A/B again with XLA's dynamic-slice fusion on
 #
 # Each command's output goes to $OUT/<name>.log (the device tool sets $OUT); fp8_h200.py's JSON lines to
 # $OUT/fp8_h200.jsonl; the tables are printed at the end. SMOKE=1: the same plumbing on a CPU, debug shapes
@@ -63,6 +64,11 @@ case $PART in
     step llama3_8b_pt 330 "$PY" benchmarks/fp8_h200.py --workloads llama3-8b-pt \
       --variants bf16 fp8-current fp8-delayed $STEPS $SMOKE_ARG
     step adam8bit_tiles 150 "$PY" benchmarks/adam8bit_h200.py $SMOKE_ARG
+    # the wgrad GEMM writing fp32 straight into the scan's stacked gradient (XLA's dynamic-slice fusion lets a
+    # cuBLAS call write into a dynamic-update-slice of its result)
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" SUROJAX_FP8_WGRAD=weight \
+      step wgrad_weight_dsf 120 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full --variants fp8-delayed \
+      $STEPS $SMOKE_ARG
     ;;
   *) echo "part $PART: expected 1 or 2"; exit 2 ;;
 esac
