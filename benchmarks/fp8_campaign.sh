@@ -4,20 +4,23 @@
 #
 #     ../shared/tools/gpu-wheels.sh .gpu-wheels                       # here, once (git-ignored)
 #     run(command="bash benchmarks/fp8_campaign.sh 1", carry=[".gpu-wheels"])     # ~8 min
-#     run(command="bash benchmarks/fp8_campaign.sh 2", carry=[".gpu-wheels"])     # ~7 min
+#     run(command="bash benchmarks/fp8_campaign.sh 2", carry=[".gpu-wheels"])     # ~8 min
+#     run(command="bash benchmarks/fp8_campaign.sh 3", carry=[".gpu-wheels"])     # ~5 min
 #
 # part 1   the FP8 op check with the power-of-two scales (expected: 0 operand values differ from the eager ones,
 #          error within 0.6%); Qwen3-8B full fine-tuning: bf16, fp8-current, fp8-delayed (the delayed step
 #          without conditionals; split accumulation); fp8-delayed with SUROJAX_FP8_WGRAD=weight (A/B)
 # part 2   Llama-3-8B pretraining shapes: bf16, fp8-current, fp8-delayed; the 8-bit AdamW kernel's tile sweep; the
 #          fp32 wgrad A/B again with XLA's dynamic-slice fusion on
+# part 3   Qwen3-8B LoRA: bf16, fp8-delayed; the 8B full fp8-delayed step with the casts as XLA ops (fusable into
+#          their producers) instead of the Pallas pass
 #
 # Each command's output goes to $OUT/<name>.log (the device tool sets $OUT); fp8_h200.py's JSON lines to
 # $OUT/fp8_h200.jsonl; the tables are printed at the end. SMOKE=1: the same plumbing on a CPU, debug shapes
 # (PYTHON: the interpreter, default python3; e.g. PYTHON=.venv/bin/python here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?part 1 or 2}
+PART=${1:?part 1, 2 or 3}
 OUT=${OUT:-/tmp/fp8-campaign}
 mkdir -p "$OUT"
 if [ -z "${SMOKE:-}" ]; then
@@ -70,5 +73,14 @@ case $PART in
       step wgrad_weight_dsf 120 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full --variants fp8-delayed \
       $STEPS $SMOKE_ARG
     ;;
-  *) echo "part $PART: expected 1 or 2"; exit 2 ;;
+  3)
+    step qwen3_8b_lora 300 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-lora --variants bf16 fp8-delayed \
+      $STEPS $SMOKE_ARG
+    # the casts as XLA ops: with delayed scaling the scale is known before the tensor exists, so XLA may fuse
+    # convert(clip(x * s)) into the norm / SwiGLU / backward producer (no bf16 write and re-read) where the Pallas
+    # cast is a pass of its own
+    SUROJAX_FP8_CAST=xla step cast_xla 120 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
+      --variants fp8-delayed $STEPS $SMOKE_ARG
+    ;;
+  *) echo "part $PART: expected 1, 2 or 3"; exit 2 ;;
 esac
