@@ -270,8 +270,9 @@ def _any_nonzero(arrays: list) -> jax.Array:
 
 def init_state(num_layers: int, history: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(scale [L, 3] zeros, history [L, 3, H] zeros, probe [L, 3] zeros): the state before the first step.
-    A scale of 0 means "no amax seen yet": that tensor is scaled by its own amax (current scaling) until a step has
-    observed one (Transformer Engine starts from scale 1, which flushes a first-step dy of ~1e-6 to zero in E5M2)."""
+    A scale of 0 means "no amax seen yet": in a run's first step (every history empty) each tensor is scaled by its
+    own amax (current scaling; Transformer Engine starts from scale 1, which flushes a first-step dy of ~1e-6 to
+    zero in E5M2), in later steps a tensor still without one by 1 (`scale_source`)."""
     if history < 1:
         raise ValueError(f"fp8_amax_history must be >= 1, got {history}")
     return (jnp.zeros((num_layers, 3), jnp.float32), jnp.zeros((num_layers, 3, history), jnp.float32),
