@@ -193,6 +193,7 @@ class DelayedScalingStep:
             return jax.jit(traced, donate_argnums=donated)
 
         self.first, self.later = under("own"), under("history")
+        self.last = None  # the program the last call ran
         self._returned = []  # the histories the history program returned last: filled
 
     def program(self, trainable):
@@ -207,7 +208,7 @@ class DelayedScalingStep:
         return self.first if self._fp8.fresh(trainable) else self.later
 
     def __call__(self, trainable, *args, **kwargs):
-        program = self.program(trainable)
+        program = self.last = self.program(trainable)
         out = program(trainable, *args, **kwargs)
         self._returned = self._fp8.histories(out[0]) if program is self.later else []
         return out

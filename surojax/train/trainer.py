@@ -329,7 +329,10 @@ class Trainer:
                     break
                 if compiles:
                     self._compiled = True
-                    progress.console.print(f"first step {m['step_time']:.1f} s (compiling the step included)",
+                    step_fn = self.run.train_step
+                    again = ("; fp8 delayed scaling compiles its steady program (the histories' scales) in the "
+                             "next step" if getattr(step_fn, "last", None) is getattr(step_fn, "first", False) else "")
+                    progress.console.print(f"first step {m['step_time']:.1f} s (compiling the step included{again})",
                                            highlight=False)
                 if not math.isfinite(m["loss"]) and not cfg.auto_lr_reduction:
                     raise FloatingPointError(f"loss became {m['loss']} at step {self.step_count} (auto_lr_reduction: "
