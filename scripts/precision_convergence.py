@@ -5,6 +5,7 @@ side by side (PNG) and the numbers (JSON). Deterministic (seed 0); CPU-sized (th
 
     python scripts/precision_convergence.py                         # bf16, fp8_hybrid, nvfp4; 400 steps each
     python scripts/precision_convergence.py --max-steps 200 --recipes bf16 nvfp4
+    python scripts/precision_convergence.py --recipes bf16 fp8_hybrid fp8_hybrid:delayed   # RECIPE:fp8_scaling
     # a finished run in OUT/<recipe> is read back, not trained again: recipes can train in parallel processes,
     # then one call without training prints the table and draws the plot
 
@@ -31,12 +32,19 @@ def stage_config(path: Path, stage: str) -> dict:
     return {**doc, **own}
 
 
+def recipe_keys(name: str) -> dict:
+    """`fp8_hybrid` -> {"recipe": "fp8_hybrid"}; `fp8_hybrid:delayed` -> also {"fp8_scaling": "delayed"}."""
+    recipe, _, scaling = name.partition(":")
+    return {"recipe": recipe, **({"fp8_scaling": scaling} if scaling else {})}
+
+
 def run(base: dict, recipe: str, out: Path, overrides: dict) -> dict:
     """Train `recipe` (or read back a finished run of it in OUT/<recipe>); its losses per step."""
-    cfg = {**base, **overrides, "recipe": recipe, "output_dir": str(out / recipe)}
+    folder = recipe.replace(":", "-")
+    cfg = {**base, **overrides, **recipe_keys(recipe), "output_dir": str(out / folder)}
     cfg["eval_steps"] = cfg["save_steps"] = cfg["max_steps"]  # one evaluation and one checkpoint, at the end
     cfg["logging_steps"] = 1  # every step's loss in metrics.jsonl (the curve)
-    metrics, seconds = out / recipe / "metrics.jsonl", None
+    metrics, seconds = out / folder / "metrics.jsonl", None
     if not (metrics.exists() and _rows(metrics, "eval_loss")):
         start = time.perf_counter()
         Trainer(config_from_dict(cfg)).train()
@@ -74,7 +82,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=Path("configs/quickstart.yaml"))
     p.add_argument("--stage", default="pretrain")
-    p.add_argument("--recipes", nargs="+", default=["bf16", "fp8_hybrid", "nvfp4"])
+    p.add_argument("--recipes", nargs="+", default=["bf16", "fp8_hybrid", "nvfp4"],
+                   help="recipes to train; fp8_hybrid:delayed (or :blockwise) also sets fp8_scaling")
     p.add_argument("--max-steps", type=int, default=None, help="override the stage's max_steps")
     p.add_argument("--batch", type=int, default=None, help="override the stage's per_device_train_batch_size")
     p.add_argument("--warmup", type=int, default=None, help="override the stage's warmup_steps")
