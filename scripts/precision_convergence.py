@@ -60,7 +60,7 @@ def _rows(metrics: Path, key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in rows if key in r and "step" in r]
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -71,7 +71,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
-    ax.set_title("quickstart pretraining: the same data and seed per recipe")
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -106,7 +106,8 @@ def main() -> None:
         r["train_gap_vs_bf16_percent"], r["eval_gap_vs_bf16_percent"] = gap("final_train_loss"), gap("final_eval_loss")
         print(f"{recipe:<12} {r['final_train_loss']:>12.4f} {r['train_gap_vs_bf16_percent']:>+8.2f}% "
               f"{r['final_eval_loss']:>11.4f} {r['eval_gap_vs_bf16_percent']:>+8.2f}% {r['seconds'] or 0:>8.0f}")
-    plot(results, args.plot)
+    steps = max(r["train"][-1][0] for r in results.values())
+    plot(results, args.plot, f"{args.config.stem} {args.stage}, {steps} steps: the same data and seed per recipe")
     (args.json or args.out / "results.json").write_text(json.dumps(results, indent=1))
 
 
