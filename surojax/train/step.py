@@ -15,6 +15,7 @@ compiles neither (lr_scale is then ignored: it stays 1 without the guard).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -187,6 +188,7 @@ class DelayedScalingStep:
         self._fp8 = fp8_delayed
 
         def under(source):
+            @functools.wraps(step)  # the compiled module keeps the step's name (jit_step: profiles, HLO dumps)
             def traced(*args, **kwargs):
                 with fp8_delayed.scale_source(source):
                     return step(*args, **kwargs)

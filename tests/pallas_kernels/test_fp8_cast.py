@@ -54,3 +54,23 @@ def test_lowers_to_triton_for_an_h200():
             exp = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
                 jax.export.DisabledSafetyCheck.custom_call(triton)])(x, inv)
         assert triton in exp.mlir_module()
+
+
+def test_vmapped_over_layers_is_one_batched_kernel_with_each_layers_bits():
+    """The per-step FP8 weight cache casts a [L, K, N] kernel stack with jax.vmap (no loop): the batched kernel gives
+    every layer the bits of casting it alone, each with its own scale."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.fp8_cast import cast_transpose
+
+    w = jax.random.normal(jax.random.key(0), (3, 128, 256), jnp.float32)
+    inv = jnp.array([100.0, 200.0, 50.0], jnp.float32)
+    cast = lambda x, i: cast_transpose(x, i, jnp.float8_e4m3fn, 448.0, use_kernel=True, interpret=True)  # noqa: E731
+    qs, qts, amaxes = jax.vmap(cast)(w, inv)
+    for layer in range(3):
+        q, qt, a = cast(w[layer], inv[layer])
+        np.testing.assert_array_equal(np.asarray(qs[layer]).view(np.uint8), np.asarray(q).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(qts[layer]).view(np.uint8), np.asarray(qt).view(np.uint8))
+        assert float(amaxes[layer]) == float(a)
