@@ -92,9 +92,9 @@ def apply_fp8_recipe(spec: RunSpec, model: Decoder) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _warn_experimental() -> None:
-    log.warning("fp8_hybrid is EXPERIMENTAL: FP8 GEMMs on the H200 (8B LoRA 1.31x bf16, full fine-tuning 1.24-1.26x, "
-                "target 1.3x; the power-of-two scales and the delayed step without conditionals not yet measured "
-                "there: benchmarks/RESULTS.md); this build writes the GEMMs as direct FP8 dots (SUROJAX_FP8_DOT=%s). "
+    log.warning("fp8_hybrid is EXPERIMENTAL: FP8 GEMMs on the H200 (8B LoRA 1.31x bf16, full fine-tuning 1.37x with "
+                "fp8_scaling: delayed, 1.27x current; Llama-3-8B pretraining with delayed scaling not yet measured: "
+                "benchmarks/RESULTS.md); this build writes the GEMMs as direct FP8 dots (SUROJAX_FP8_DOT=%s). "
                 "Check with `python benchmarks/fp8_gemm_check.py` (docs/precision.md)",
                 dot_form())
 
