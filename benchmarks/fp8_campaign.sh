@@ -60,8 +60,9 @@ case $PART in
     step op_check 150 "$PY" benchmarks/fp8_gemm_check.py $CHECK
     step qwen3_8b_full 330 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
       --variants bf16 fp8-current fp8-delayed $STEPS $SMOKE_ARG
-    SUROJAX_FP8_WGRAD=weight step wgrad_weight 120 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
-      --variants fp8-delayed $STEPS $SMOKE_ARG
+    # (fp8-current: the delayed GEMMs do not read SUROJAX_FP8_WGRAD)
+    SUROJAX_FP8_WGRAD=weight step wgrad_weight 200 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
+      --variants fp8-current $STEPS $SMOKE_ARG
     ;;
   2)
     step llama3_8b_pt 330 "$PY" benchmarks/fp8_h200.py --workloads llama3-8b-pt \
@@ -70,7 +71,7 @@ case $PART in
     # the wgrad GEMM writing fp32 straight into the scan's stacked gradient (XLA's dynamic-slice fusion lets a
     # cuBLAS call write into a dynamic-update-slice of its result)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" SUROJAX_FP8_WGRAD=weight \
-      step wgrad_weight_dsf 120 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full --variants fp8-delayed \
+      step wgrad_weight_dsf 200 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full --variants fp8-current \
       $STEPS $SMOKE_ARG
     ;;
   3)
