@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from surojax.precision.fp8_matmul import reference_dot
-from surojax.precision.fp8_scaling import E4M3, amax, scale_from_amax
+from surojax.precision.fp8_scaling import E4M3, amax, quantize, scale_from_amax
 
 
 def te_scale(a):
@@ -29,7 +29,7 @@ def quantised(t, scale_rule, round_d: bool):
     else d stays fp32 (inside a program whose f32 -> bf16 -> f32 round trip XLA removed)."""
     s = scale_rule(amax(t))
     d = (1.0 / s).astype(jnp.bfloat16).astype(jnp.float32) if round_d else 1.0 / s
-    return jnp.clip(t.astype(jnp.float32) / d, -448.0, 448.0).astype(E4M3), d
+    return quantize(t, d, E4M3), d
 
 
 def rel(y, ref) -> float:

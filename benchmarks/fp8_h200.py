@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from fp8_gemm_check import fp8_used, gemm_census  # noqa: E402
 
 from surojax.bench.flops import PEAK_BF16_FLOPS, flop_targets, step_flops  # noqa: E402
 from surojax.bench.train_bench import BenchConfig, _peak_gib, build, place_batch, synthetic_batch  # noqa: E402
-from surojax.precision.fp8_matmul import accumulation, dot_form  # noqa: E402
+from surojax.precision.fp8_matmul import accumulation, dot_form, wgrad_form  # noqa: E402
 from surojax.precision.fp8_scaling import cast_form  # noqa: E402
 from surojax.train.step import steady_state  # noqa: E402
 
@@ -119,7 +118,7 @@ def main(argv=None) -> int:
                       "config": {k: v for k, v in dataclasses.asdict(bc).items() if k in keys},
                       # SUROJAX_FP8_DOT / _CAST / _ACCUM / _WGRAD
                       "fp8_forms": {"dot": dot_form(), "cast": cast_form(), "accum": accumulation(),
-                                    "wgrad": os.environ.get("SUROJAX_FP8_WGRAD", "compute")}}
+                                    "wgrad": wgrad_form()}}
             try:
                 record.update(measure(bc, args.steps, args.warmup, args.repeats))
                 if var == "bf16":

@@ -51,6 +51,7 @@ from surojax.peft.lora import adapters_disabled
 from surojax.quant.base import QuantFormat
 from surojax.train.build import Run, build_run, memory_plan_of
 from surojax.train.run_spec import RunSpec, run_spec
+from surojax.train.step import compiles_steady_next
 
 STEPS_PLANNED = 10**6  # the bench's learning-rate schedule is constant: the planned length only has to be long
 
@@ -317,8 +318,7 @@ def run(bc: BenchConfig, log=None) -> dict:
     compile_s = time.perf_counter() - t0
     loss_first = float(metrics["loss"])
     log(f"first step (compile + 1 step) {compile_s:.1f}s, loss {float(metrics['loss']):.4f}")
-    step_fn = setup.train_step
-    if getattr(step_fn, "last", None) is getattr(step_fn, "first", False):  # fp8 delayed: its steady program
+    if compiles_steady_next(setup.train_step):  # fp8 delayed scaling: its steady program compiles now
         t0 = time.perf_counter()
         jax.block_until_ready(one())
         compile_s += time.perf_counter() - t0

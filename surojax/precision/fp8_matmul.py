@@ -141,15 +141,20 @@ def _fp8_dot_fwd(x, w):
     return y.reshape(*x.shape[:-1], w.shape[-1]), (x_qt, x_d, w_q, w_d, jnp.zeros((), w.dtype))
 
 
-def wgrad_dtype(compute_dtype, weight_dtype):
-    """The dtype the weight-gradient GEMM writes (SUROJAX_FP8_WGRAD, read when a step is traced): `compute`
-    (default) the compute dtype, then converted to the weight's; `weight` the weight's own dtype straight from the
-    GEMM (an fp32 master's gradient then skips the bf16 rounding and the convert pass; for A/B runs: whether XLA
-    keeps such a GEMM on cuBLASLt FP8 is measured by benchmarks/fp8_gemm_check.py's census, not assumed)."""
+def wgrad_form() -> str:
+    """SUROJAX_FP8_WGRAD (read when a step is traced; current scaling's GEMMs): `compute` (default) the
+    weight-gradient GEMM writes the compute dtype, then converted to the weight's; `weight` the weight's own dtype
+    straight from the GEMM (an fp32 master's gradient then skips the bf16 rounding and the convert pass; for A/B
+    runs: whether XLA keeps such a GEMM on cuBLASLt FP8 is measured by benchmarks/fp8_gemm_check.py's census)."""
     mode = os.environ.get("SUROJAX_FP8_WGRAD", "compute")
     if mode not in ("compute", "weight"):
         raise ValueError(f"SUROJAX_FP8_WGRAD={mode!r}: expected compute or weight")
-    return weight_dtype if mode == "weight" else compute_dtype
+    return mode
+
+
+def wgrad_dtype(compute_dtype, weight_dtype):
+    """The dtype the weight-gradient GEMM writes (`wgrad_form`)."""
+    return weight_dtype if wgrad_form() == "weight" else compute_dtype
 
 
 def _fp8_dot_bwd(res, g):
@@ -227,4 +232,4 @@ def reference_dot(x_q, x_d, w_q, w_d) -> jax.Array:
 
 
 __all__ = ["accumulation", "ACCUMULATIONS", "fp8_dot", "fp8_dot_cached", "quantize_weight", "wgrad_dtype",
-           "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN", "DIRECT_REL_ERR", "QDQ_REL_ERR"]
+           "wgrad_form", "fp8_dot_frozen", "reference_dot", "dot_form", "MARGIN", "DIRECT_REL_ERR", "QDQ_REL_ERR"]

@@ -219,6 +219,12 @@ class DelayedScalingStep:
         return self.program(trainable).lower(trainable, *args, **kwargs)
 
 
+def compiles_steady_next(step) -> bool:
+    """Whether the step's last call ran a DelayedScalingStep's first-step program, so the next call compiles the
+    steady one (the trainer and `bench train` say so / count it as compile time)."""
+    return isinstance(step, DelayedScalingStep) and step.last is step.first
+
+
 def steady_state(step):
     """The compiled program a run settles on, for benchmarks that time, profile or census one program: the history
     program of a DelayedScalingStep (its first step then starts every scale at 1, Transformer Engine's start, and

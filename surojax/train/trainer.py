@@ -46,6 +46,7 @@ from surojax.train.interrupts import Interrupts
 from surojax.train.metrics import Metrics, plot_loss
 from surojax.train.router_monitor import RouterMonitor, progress_text
 from surojax.train.run_spec import TrainSetupError, model_config_for, run_spec
+from surojax.train.step import compiles_steady_next
 from surojax.weights.gguf_checkpoint import is_gguf_path, load_gguf_tokenizer
 from surojax.weights.gguf_tokenizer import save_tokenizer_dir
 from surojax.weights.hf_checkpoint import copy_tokenizer_files, save_model
@@ -329,9 +330,8 @@ class Trainer:
                     break
                 if compiles:
                     self._compiled = True
-                    step_fn = self.run.train_step
                     again = ("; fp8 delayed scaling compiles its steady program (the histories' scales) in the "
-                             "next step" if getattr(step_fn, "last", None) is getattr(step_fn, "first", False) else "")
+                             "next step" if compiles_steady_next(self.run.train_step) else "")
                     progress.console.print(f"first step {m['step_time']:.1f} s (compiling the step included{again})",
                                            highlight=False)
                 if not math.isfinite(m["loss"]) and not cfg.auto_lr_reduction:
