@@ -6,6 +6,7 @@
 #     run(command="bash benchmarks/fp8_campaign.sh 1", carry=[".gpu-wheels"])     # ~8 min
 #     run(command="bash benchmarks/fp8_campaign.sh 2", carry=[".gpu-wheels"])     # ~8 min
 #     run(command="bash benchmarks/fp8_campaign.sh 3", carry=[".gpu-wheels"])     # ~5 min
+#     run(command="bash benchmarks/fp8_campaign.sh pt", carry=[".gpu-wheels"])    # ~7 min; full, lora likewise
 #
 # part 1   the FP8 op check with the power-of-two scales (expected: 0 operand values differ from the eager ones,
 #          error within 0.6%); Qwen3-8B full fine-tuning: bf16, fp8-current, fp8-delayed (the delayed step
@@ -14,6 +15,9 @@
 #          fp32 wgrad A/B again with XLA's dynamic-slice fusion on
 # part 3   Qwen3-8B LoRA: bf16, fp8-delayed; the 8B full fp8-delayed step with the casts as XLA ops (fusable into
 #          their producers) instead of the Pallas pass
+# pt       Llama-3-8B pretraining shapes: bf16 and fp8-delayed (the default scaling) in one call
+# full     Qwen3-8B full fine-tuning: bf16 and fp8-delayed in one call
+# lora     the op check; Qwen3-8B LoRA: bf16 and fp8-delayed in one call
 #
 # Each command's output goes to $OUT/<name>.log (the device tool sets $OUT); fp8_h200.py's JSON lines to
 # $OUT/fp8_h200.jsonl; the tables are printed at the end. SMOKE=1: the same plumbing on a CPU, debug shapes
@@ -83,5 +87,18 @@ case $PART in
     SUROJAX_FP8_CAST=xla step cast_xla 120 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
       --variants fp8-delayed $STEPS $SMOKE_ARG
     ;;
-  *) echo "part $PART: expected 1, 2 or 3"; exit 2 ;;
+  pt)
+    step llama3_8b_pt 540 "$PY" benchmarks/fp8_h200.py --workloads llama3-8b-pt --variants bf16 fp8-delayed \
+      $STEPS $SMOKE_ARG
+    ;;
+  full)
+    step qwen3_8b_full 540 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full --variants bf16 fp8-delayed \
+      $STEPS $SMOKE_ARG
+    ;;
+  lora)
+    step op_check 150 "$PY" benchmarks/fp8_gemm_check.py $CHECK
+    step qwen3_8b_lora 400 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-lora --variants bf16 fp8-delayed \
+      $STEPS $SMOKE_ARG
+    ;;
+  *) echo "part $PART: expected 1, 2, 3, pt, full or lora"; exit 2 ;;
 esac
