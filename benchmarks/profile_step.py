@@ -61,7 +61,8 @@ def main():
     p.add_argument("--optimizer", default="adamw", help="adamw | adamw_8bit")
     p.add_argument("--optimizer-layerwise", action="store_true", help="full: the in-place per-layer update")
     p.add_argument("--recipe", default="bf16", help="bf16 | fp8_hybrid | nvfp4")
-    p.add_argument("--fp8-scaling", default="current", help="with --recipe fp8_hybrid: current | delayed | blockwise")
+    p.add_argument("--fp8-scaling", default=None,
+                   help="with --recipe fp8_hybrid: current | delayed | blockwise (default: the config's, delayed)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/surojax-profile"))
     p.add_argument("--attribute", action="store_true",
                    help="also print the kernel time by source line (dumps the optimized HLO: hlo_attribution.py)")

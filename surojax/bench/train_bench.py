@@ -74,7 +74,7 @@ class BenchConfig:
     lmhead_chunks: int = 1
     unroll_layers: int | bool = 1  # 1 = rolled layer scan; True = every layer inlined
     recipe: str = "bf16"
-    fp8_scaling: str = "current"  # recipe fp8_hybrid: current | delayed | blockwise (config key fp8_scaling)
+    fp8_scaling: str | None = None  # recipe fp8_hybrid: current | delayed | blockwise; None: the config's default
     segments: int = 4  # sequences packed per row
     min_segment: int = 64
     learning_rate: float = 2e-4
@@ -107,7 +107,7 @@ class BenchConfig:
                                                        or self.init == "host"):
             raise ValueError(f"--recipe {self.recipe} quantises a bf16 base built on the device; it does not "
                              "combine with --quant / --offload-base / --base-format / --init host")
-        if self.fp8_scaling != "current" and self.recipe != "fp8_hybrid":
+        if self.fp8_scaling is not None and self.recipe != "fp8_hybrid":
             raise ValueError(f"--fp8-scaling {self.fp8_scaling} needs --recipe fp8_hybrid")
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:
@@ -157,7 +157,7 @@ def train_config(bc: BenchConfig) -> TrainConfig:
         offload_prefetch=bc.prefetch and bc.offload_base, offload_optimizer=bc.offload_optimizer,
         offload_master=bc.offload_master, optimizer_layerwise=bc.optimizer_layerwise, max_steps=STEPS_PLANNED,
         datasets=[{"path": "synthetic", "type": "text"}])
-    if bc.recipe == "fp8_hybrid":
+    if bc.fp8_scaling is not None:
         keys.update(fp8_scaling=bc.fp8_scaling)
     if lora:
         keys.update(lora_rank=bc.rank, lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank),

@@ -49,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recipe", default="bf16", choices=("bf16", "fp32", "fp8_hybrid", "nvfp4"),
                    help="fp8_hybrid: the decoder's Linear GEMMs in FP8; nvfp4: the NVFP4 recipe, emulated "
                         "(docs/precision.md)")
-    g.add_argument("--fp8-scaling", default="current", choices=("current", "delayed", "blockwise"),
-                   help="--recipe fp8_hybrid: the scaling (config key fp8_scaling)")
+    g.add_argument("--fp8-scaling", default=None, choices=("current", "delayed", "blockwise"),
+                   help="--recipe fp8_hybrid: the scaling (config key fp8_scaling; default the config's: delayed, "
+                        "current with --offload-optimizer)")
     g.add_argument("--segments", type=positive_int, default=4, help="sequences packed per row (default 4)")
     g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
     g.add_argument("--offload-base", action="store_true",

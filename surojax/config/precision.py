@@ -21,10 +21,11 @@ class PrecisionSection(StrictModel):
     """Dtype of the weights the optimizer updates."""
     gradient_dtype: FloatDtype | None = None
     """Dtype gradients are accumulated in; unset: the recipe's choice (fp32)."""
-    fp8_scaling: Fp8Scaling = "current"
-    """fp8_hybrid scaling: current (per tensor, its own amax this step; the default), delayed (per tensor, from
-    the amax history of the previous steps) or blockwise (1x128 activation / gradient tiles, 128x128 weight
-    blocks, emulated with bf16 GEMMs on Hopper)."""
+    fp8_scaling: Fp8Scaling | None = None
+    """fp8_hybrid scaling: delayed (per tensor, from the amax history of the previous steps), current (per tensor,
+    its own amax this step) or blockwise (1x128 activation / gradient tiles, 128x128 weight blocks, emulated with
+    bf16 GEMMs on Hopper). Unset: delayed (the fastest, Transformer Engine's default), or current where delayed
+    does not run (offload_optimizer, pipeline stages)."""
     fp8_amax_history: int = Field(default=1024, gt=0)
     """fp8_scaling: delayed: length of the rolling amax history (Transformer Engine's amax_history_len)."""
     fp8_amax_compute_algo: AmaxAlgo = "max"

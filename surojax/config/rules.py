@@ -115,9 +115,9 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     if _changed(cfg, "fp8_scaling") and cfg.recipe != "fp8_hybrid":
         add(("fp8_scaling",), "only applies with recipe: fp8_hybrid")
     for k in ("fp8_amax_history", "fp8_amax_compute_algo"):
-        if _changed(cfg, k) and not (cfg.recipe == "fp8_hybrid" and cfg.fp8_scaling == "delayed"):
+        if _changed(cfg, k) and not (cfg.recipe == "fp8_hybrid" and cfg.resolved_fp8_scaling == "delayed"):
             add((k,), f"is read by delayed scaling only (recipe: fp8_hybrid with fp8_scaling: delayed); with "
-                f"fp8_scaling: {cfg.fp8_scaling} (current scaling per tensor, or blockwise per tile) each tensor is "
+                f"fp8_scaling: {cfg.resolved_fp8_scaling} (current scaling per tensor, or blockwise per tile) each tensor is "
                 "scaled by its own amax in the same step: remove the key")
     if cfg.recipe == "fp8_hybrid" and cfg.fp8_scaling == "delayed" and cfg.offload_optimizer:
         add(("fp8_scaling", "offload_optimizer"), "delayed scaling's amax histories are rolled by the training "

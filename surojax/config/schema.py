@@ -43,6 +43,15 @@ class TrainConfig(
         return self
 
     @property
+    def resolved_fp8_scaling(self) -> str:
+        """fp8_hybrid's scaling for this run: `fp8_scaling`, or unset delayed, except current with offload_optimizer
+        (its in-place update bypasses the step that rolls the amax histories) and pipeline stages (a layer runs once
+        per microbatch: its amaxes would add up)."""
+        if self.fp8_scaling is not None:
+            return self.fp8_scaling
+        return "current" if self.offload_optimizer or self.parallel.stage > 1 else "delayed"
+
+    @property
     def is_qlora(self) -> bool:
         return self.lora and self.qlora is not None
 

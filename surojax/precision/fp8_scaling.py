@@ -19,11 +19,11 @@ used 1 / bf16(1 / s), a grid shifted by up to 2^-9 (benchmarks/RESULTS.md, sessi
 binade of the format only down to fp8_max / 2 (one binade less of headroom below, no precision lost above).
 
 Two ways to pick amax:
-    current scaling   amax of the tensor being quantised, in the same step (fp8_scaling: current, the default;
+    current scaling   amax of the tensor being quantised, in the same step (fp8_scaling: current;
                       surojax/precision/fp8_matmul.py)
     delayed scaling   max (or most recent) over a rolling history of the amaxes of the previous steps
-                      (`roll_amax_history`; fp8_scaling: delayed, fp8_delayed.py), so the quantisation never waits
-                      for a reduction over the tensor it quantises
+                      (`roll_amax_history`; fp8_scaling: delayed, the config's default, fp8_delayed.py), so the
+                      quantisation never waits for a reduction over the tensor it quantises
 
 q * d is then the value the GEMM sees whether XLA folds d into the cuBLASLt scale (GPU) or multiplies it out (the
 CPU reference), in one program or op by op.
@@ -156,7 +156,8 @@ SCALINGS = ("current", "delayed", "blockwise")  # fp8_scaling
 class Fp8Settings:
     """How fp8_hybrid scales its tensors (config keys fp8_scaling, fp8_amax_history, fp8_amax_compute_algo).
 
-    current     per tensor, by its own amax this step (the default)
+    current     per tensor, by its own amax this step (this class's default: it needs no step-level state; the
+                config's unset fp8_scaling is delayed, TrainConfig.resolved_fp8_scaling)
     delayed     per tensor, by the amax history of the previous steps (surojax/precision/fp8_delayed.py)
     blockwise   1x128 tiles (activations, dy) / 128x128 blocks (weights), this step (fp8_blockwise.py)
     amax_history / amax_compute_algo are read by `delayed` only."""

@@ -212,7 +212,7 @@ def precision_spec(cfg: TrainConfig) -> PrecisionSpec:
     first, last = cfg.skip_quant_first_layers, cfg.skip_quant_last_layers
     if cfg.recipe != "nvfp4":  # unset is 0; nvfp4 resolves unset ends by its own rule (nvfp4_transform.bf16_layers)
         first, last = first or 0, last or 0
-    fp8 = Fp8Settings(cfg.fp8_scaling, cfg.fp8_amax_history, cfg.fp8_amax_compute_algo)
+    fp8 = Fp8Settings(cfg.resolved_fp8_scaling, cfg.fp8_amax_history, cfg.fp8_amax_compute_algo)
     return PrecisionSpec(cfg.recipe, jnp.bfloat16, base, DTYPES[cfg.lora_dtype], first, last, fp8)
 
 

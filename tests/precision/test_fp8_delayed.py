@@ -15,8 +15,9 @@ from surojax.precision.fp8_blockwise import (BLOCK, COL_TILE, ROW_TILE, dequanti
 from surojax.precision.fp8_bounds import element_error, gemm_error_bound
 from surojax.precision.fp8_delayed import Fp8AmaxHistory, Fp8Scale, fp8_dot_delayed
 from surojax.precision.fp8_matmul import fp8_dot
-from surojax.precision.fp8_scaling import roll_amax_history
+from surojax.precision.fp8_scaling import Fp8Settings, roll_amax_history
 from surojax.train.checkpoints import Checkpointer
+from surojax.train.run_spec import precision_spec
 
 BASE = {"model": "m", "datasets": [{"path": "d.jsonl"}]}
 
@@ -230,8 +231,9 @@ def test_config_keys():
     cfg = config_from_dict({**BASE, "recipe": "fp8_hybrid", "fp8_scaling": "delayed", "fp8_amax_history": 16,
                             "fp8_amax_compute_algo": "most_recent"})
     assert (cfg.fp8_scaling, cfg.fp8_amax_history, cfg.fp8_amax_compute_algo) == ("delayed", 16, "most_recent")
-    for extra in ({"recipe": "fp8_hybrid", "fp8_amax_compute_algo": "most_recent"},
-                  {"recipe": "fp8_hybrid", "fp8_scaling": "blockwise", "fp8_amax_history": 8}):
+    for extra in ({"recipe": "fp8_hybrid", "fp8_scaling": "current", "fp8_amax_compute_algo": "most_recent"},
+                  {"recipe": "fp8_hybrid", "fp8_scaling": "blockwise", "fp8_amax_history": 8},
+                  {"recipe": "fp8_hybrid", "offload_optimizer": True, "fp8_amax_history": 8}):
         with pytest.raises(ConfigError) as e:
             config_from_dict({**BASE, **extra})
         key = next(k for k in extra if k.startswith("fp8_amax"))
@@ -239,3 +241,9 @@ def test_config_keys():
     with pytest.raises(ConfigError) as e:
         config_from_dict({**BASE, "fp8_scaling": "delayed"})
     assert "fp8_scaling" in {p.key for p in e.value.problems}
+    # unset: delayed, except where delayed does not run (offload_optimizer's in-place update), read by the run spec
+    unset = config_from_dict({**BASE, "recipe": "fp8_hybrid", "fp8_amax_history": 8})
+    offload = config_from_dict({**BASE, "recipe": "fp8_hybrid", "offload_optimizer": True})
+    assert (unset.resolved_fp8_scaling, offload.resolved_fp8_scaling) == ("delayed", "current")
+    assert precision_spec(unset).fp8 == Fp8Settings("delayed", 8, "max")
+    assert precision_spec(offload).fp8.scaling == "current"

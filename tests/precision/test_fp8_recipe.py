@@ -31,7 +31,7 @@ def test_config_rules():
     assert "merge_adapter" in keys
     keys, msg = _problems({"skip_quant_first_layers": 2})
     assert "skip_quant_first_layers" in keys and "fp8_hybrid" in msg
-    keys, msg = _problems({"recipe": "fp8_hybrid", "fp8_amax_history": 16})
+    keys, msg = _problems({"recipe": "fp8_hybrid", "fp8_scaling": "current", "fp8_amax_history": 16})
     assert "fp8_amax_history" in keys and "current scaling" in msg
 
 
