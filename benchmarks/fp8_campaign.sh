@@ -3,6 +3,7 @@
 # Run from the repository root on the GPU machine, with the wheels the image lacks carried along:
 #
 #     ../shared/tools/gpu-wheels.sh .gpu-wheels                       # here, once (git-ignored)
+#     pip download --no-deps -d .gpu-wheels llguidance==1.9.1          # (a manylinux_2_31 wheel the script misses)
 #     run(command="bash benchmarks/fp8_campaign.sh 1", carry=[".gpu-wheels"])     # ~8 min
 #     run(command="bash benchmarks/fp8_campaign.sh 2", carry=[".gpu-wheels"])     # ~8 min
 #     run(command="bash benchmarks/fp8_campaign.sh 3", carry=[".gpu-wheels"])     # ~5 min

@@ -3,9 +3,9 @@ data from scripts/make_quickstart_data.py) trained once per recipe with the same
 the trainer itself. Prints the final training / validation losses, the relative gap to bf16, and writes the curves
 side by side (PNG) and the numbers (JSON). Deterministic (seed 0); CPU-sized (the quickstart model, 4 layers).
 
-    python scripts/precision_convergence.py                         # bf16, fp8_hybrid, nvfp4; 400 steps each
+    python scripts/precision_convergence.py                         # bf16, fp8_hybrid (delayed), nvfp4; 400 steps
     python scripts/precision_convergence.py --max-steps 200 --recipes bf16 nvfp4
-    python scripts/precision_convergence.py --recipes bf16 fp8_hybrid fp8_hybrid:delayed   # RECIPE:fp8_scaling
+    python scripts/precision_convergence.py --recipes bf16 fp8_hybrid:current fp8_hybrid:delayed   # RECIPE:fp8_scaling
     # a finished run in OUT/<recipe> is read back, not trained again: recipes can train in parallel processes,
     # then one call without training prints the table and draws the plot
 
@@ -33,7 +33,8 @@ def stage_config(path: Path, stage: str) -> dict:
 
 
 def recipe_keys(name: str) -> dict:
-    """`fp8_hybrid` -> {"recipe": "fp8_hybrid"}; `fp8_hybrid:delayed` -> also {"fp8_scaling": "delayed"}."""
+    """`fp8_hybrid` -> {"recipe": "fp8_hybrid"} (its default scaling); `fp8_hybrid:current` -> also
+    {"fp8_scaling": "current"}."""
     recipe, _, scaling = name.partition(":")
     return {"recipe": recipe, **({"fp8_scaling": scaling} if scaling else {})}
 
@@ -83,7 +84,7 @@ def main() -> None:
     p.add_argument("--config", type=Path, default=Path("configs/quickstart.yaml"))
     p.add_argument("--stage", default="pretrain")
     p.add_argument("--recipes", nargs="+", default=["bf16", "fp8_hybrid", "nvfp4"],
-                   help="recipes to train; fp8_hybrid:delayed (or :blockwise) also sets fp8_scaling")
+                   help="recipes to train; fp8_hybrid:current (or :delayed, :blockwise) also sets fp8_scaling")
     p.add_argument("--max-steps", type=int, default=None, help="override the stage's max_steps")
     p.add_argument("--batch", type=int, default=None, help="override the stage's per_device_train_batch_size")
     p.add_argument("--warmup", type=int, default=None, help="override the stage's warmup_steps")

@@ -83,20 +83,10 @@ def apply_fp8_recipe(spec: RunSpec, model: Decoder) -> None:
                             skip_last=prec.skip_last_layers, compute_dtype=prec.compute, settings=prec.fp8)
     except ValueError as e:
         raise TrainSetupError(f"recipe: fp8_hybrid: {e}") from None
-    log.info("fp8_hybrid: %d linear targets multiply in FP8 (%s base, %s scaling)", len(targets),
-             "frozen E4M3" if lora else "trainable", prec.fp8.scaling)
-    _warn_experimental()
+    log.info("fp8_hybrid: %d linear targets multiply in FP8 (%s base, %s scaling, %s GEMMs: SUROJAX_FP8_DOT)",
+             len(targets), "frozen E4M3" if lora else "trainable", prec.fp8.scaling, dot_form())
     if not has_fp8_tensor_cores():
         _warn_no_fp8(jax.devices()[0].device_kind)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_experimental() -> None:
-    log.warning("fp8_hybrid is EXPERIMENTAL: FP8 GEMMs on the H200 (8B LoRA 1.31x bf16, full fine-tuning 1.37x with "
-                "fp8_scaling: delayed, 1.27x current; Llama-3-8B pretraining with delayed scaling not yet measured: "
-                "benchmarks/RESULTS.md); this build writes the GEMMs as direct FP8 dots (SUROJAX_FP8_DOT=%s). "
-                "Check with `python benchmarks/fp8_gemm_check.py` (docs/precision.md)",
-                dot_form())
 
 
 @functools.lru_cache(maxsize=None)  # once per device kind (a model may be built twice: shapes, then values)

@@ -104,12 +104,3 @@ def test_direct_form_error_bound_separates_fp8_from_a_dropped_quantiser(monkeypa
                          precision="highest").astype(jnp.bfloat16)
     assert rel(dropped, ref) > 2 * CPU_REL_ERR > 3 * DIRECT_REL_ERR
     np.testing.assert_array_less(0, np.asarray(jnp.max(jnp.abs(y.astype(jnp.float32)))))
-
-
-def test_recipe_warns_it_is_experimental(caplog):
-    from surojax.train.model_setup import _warn_experimental
-
-    _warn_experimental.cache_clear()
-    with caplog.at_level("WARNING"):
-        _warn_experimental()
-    assert "EXPERIMENTAL" in caplog.text and "fp8_gemm_check" in caplog.text
