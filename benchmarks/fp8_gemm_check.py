@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from surojax.precision.fp8_matmul import (DIRECT_REL_ERR, QDQ_REL_ERR, _fp8_dot_fwd, fp8_dot, fp8_dot_frozen,
                                           reference_dot)
-from surojax.precision.fp8_scaling import E4M3, dequantize, quantize_current
+from surojax.precision.fp8_scaling import E4M3, E5M2, dequantize, quantize_current
 from surojax.precision.fp8_transform import Fp8Weight
 from surojax.train.step import steady_state
 
@@ -253,6 +253,12 @@ def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool, forms: list
     x_q, x_d = quantize_current(x, E4M3, jnp.bfloat16)
     w_q, w_d = quantize_current(w, E4M3, jnp.bfloat16)
     refs = {"frozen": reference_dot(x_q, x_d, fw.q, fw.d), "trainable": reference_dot(x_q, x_d, w_q, w_d)}
+    # the backward GEMMs: dy in E5M2 (current scaling); dx = dy W^T, dW = x^T dy. The program's operands are the
+    # eager ones (power-of-two scales; the forward rows print the count of values that differ)
+    g_q, g_d = quantize_current(g, E5M2, jnp.bfloat16)
+    grad_refs = {"frozen fwd+dx": {"dx": reference_dot(g_q, g_d, fw.q.T, fw.d)},
+                 "trainable fwd+dx+dw": {"dx": reference_dot(g_q, g_d, w_q.T, w_d),
+                                         "dw": reference_dot(x_q.T, x_d, g_q, g_d)}}
     dropped = {  # the qdq GEMM after XLA rewrote each convert chain f32 -> f8 -> bf16 as f32 -> bf16
         "frozen": _rel(_bf16_gemm(_quantiser_dropped(x, x_d), dequantize(fw.q, fw.d, jnp.bfloat16)), refs["frozen"]),
         "trainable": _rel(_bf16_gemm(_quantiser_dropped(x, x_d), _quantiser_dropped(w, w_d)), refs["trainable"]),
@@ -305,6 +311,17 @@ def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool, forms: list
                       f"quantised operands ({same}); the qdq GEMM with its f32->f8->bf16 converts collapsed "
                       f"(XLA's SimplifyFPConversions, the H200 failure) would be {dropped[which]:.4f} off",
                       file=sys.stderr, flush=True)
+            if name.split(" ", 1)[-1] in grad_refs and name.startswith("fp8"):  # dx (and dW) of the same program
+                which = name.split(" ", 1)[-1]
+                _, grads = compiled(*args)
+                errs = {k: _rel(got, grad_refs[which][k]) for k, got in zip(("dx", "dw"), grads)}
+                passed = max(errs.values()) < bound
+                ok[entry] = ok.get(entry, True) and passed
+                record.update(max_rel_err=max(errs.values()), grad_rel_err=errs, bound=bound,
+                              check="OK" if passed else "FAIL")
+                print(f"ops [{entry}] {which}: " + ", ".join(f"{k} max rel err {e:.4f}" for k, e in errs.items())
+                      + f" vs the fp32 product of the FP8 operands (dy E5M2; bound {bound:.4f}) -> "
+                      f"{'OK' if passed else 'FAIL'}", file=sys.stderr, flush=True)
             if timing:
                 record["ms"] = _time(compiled, args, iters) * 1e3
             emit(rows, record)
