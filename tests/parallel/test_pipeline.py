@@ -159,6 +159,42 @@ def check_pipelined_layers_match_the_scan():
                                        err_msg=f"{where} {k}")
 
 
+@child_check
+def check_pipeline_in_bf16_matches_the_scan():
+    """bf16 activations and weights through the pipeline (the bf16 recipe's dtypes): value and gradients equal the
+    plain scan's. XLA CPU aborted compiling this when the stage collectives carried bf16 (pipeline.py)."""
+    import jax.numpy as jnp
+
+    from surojax.parallel.mesh import make_mesh
+    from surojax.parallel.pipeline import pipeline_layers
+
+    def layer(w, h, consts):
+        (scale,) = consts
+        return jnp.tanh(h @ w) * scale[:, None, None] + h
+
+    kh, kw = jax.random.split(jax.random.key(3))
+    h = jax.random.normal(kh, (8, 4, 16), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (4, 16, 16), jnp.float32) / 4).astype(jnp.bfloat16)
+    scale = jnp.linspace(0.5, 1.5, 8).astype(jnp.bfloat16)
+
+    def scan(w, h):
+        return jax.lax.scan(lambda x, wl: (layer(wl, x, (scale,)), None), h, w)[0]
+
+    def loss(run):
+        return lambda w, h: jnp.sum(run(w, h).astype(jnp.float32) ** 2)
+
+    mesh = make_mesh({"stage": 2, "data": 2})
+    piped = lambda w, h: pipeline_layers(layer, w, h, (scale,), mesh=mesh, microbatches=2)  # noqa: E731
+    want = jax.jit(jax.value_and_grad(loss(scan), argnums=(0, 1)))(w, h)
+    got = jax.jit(jax.value_and_grad(loss(piped), argnums=(0, 1)))(w, h)
+    assert got[0].dtype == jnp.float32 and got[1][1].dtype == jnp.bfloat16
+    # bf16 rounding: the weight gradient is summed over microbatches in bf16 (the scan's in one matmul), so
+    # values agree to a few bf16 ulps of the array's scale, not elementwise; a wrong schedule is off by O(1)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=0, atol=3e-2 * np.abs(b).max())
+
+
 def _trainer_losses(config: dict) -> tuple[list[float], object]:
     from surojax.config import config_from_dict
     from surojax.train.trainer import Trainer
