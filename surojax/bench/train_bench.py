@@ -46,7 +46,7 @@ from surojax.losses.lm import lm_chunk_tokens
 from surojax.models.layers.attention import packed_backend, runs_per_row
 from surojax.offload.memory_plan import MemoryPlan
 from surojax.offload.streaming import host_bytes
-from surojax.parallel import batch_sharding, make_mesh
+from surojax.parallel import batch_parallel_size, batch_sharding, make_mesh
 from surojax.peft.lora import adapters_disabled
 from surojax.quant.base import QuantFormat
 from surojax.train.build import Run, build_run, memory_plan_of
@@ -90,6 +90,8 @@ class BenchConfig:
     offload_master: bool = False  # full, bf16: the layers' fp32 master in pinned host memory, bf16 copy on device
     optimizer_layerwise: bool = False  # full: the in-place per-layer update on the device (config optimizer_layerwise)
     task: str = "sft"  # sft: the LM loss on packed rows | dpo: the DPO loss on pairs (`batch` counts pairs)
+    parallel: dict | None = None  # config `parallel:` (mesh sizes over every visible device); None: one device
+    zero_stage: int | None = None  # config zero_stage (with `parallel`)
 
     def check(self) -> None:
         """The bench's own options; everything the trainer also has is checked by the config check
@@ -159,6 +161,10 @@ def train_config(bc: BenchConfig) -> TrainConfig:
         datasets=[{"path": "synthetic", "type": "text"}])
     if bc.fp8_scaling is not None:
         keys.update(fp8_scaling=bc.fp8_scaling)
+    if bc.parallel is not None:
+        keys.update(parallel=dict(bc.parallel))
+    if bc.zero_stage is not None:
+        keys.update(zero_stage=bc.zero_stage)
     if lora:
         keys.update(lora_rank=bc.rank, lora_alpha=float(bc.alpha if bc.alpha is not None else 2 * bc.rank),
                     lora_target_modules=bc.targets)
@@ -231,18 +237,25 @@ def synthetic_pairs(rng: np.random.Generator, accum: int, pairs: int, seq: int, 
 
 # ---- set-up -------------------------------------------------------------------------------------------------
 
+def bench_mesh(bc: BenchConfig, device=None):
+    """One device (`device`, default the first) unless `bc.parallel` / `bc.zero_stage` name a mesh: then the
+    Trainer's mesh over every visible device (`TrainConfig.mesh_sizes`: zero_stage 3 spelled as fsdp)."""
+    if bc.parallel is None and bc.zero_stage is None:
+        return make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device or jax.devices()[0]])
+    return make_mesh(train_config(bc).mesh_sizes())
+
+
 def build(bc: BenchConfig, *, device=None) -> Run:
-    """The run `build_run` assembles for the bench's spec on a one-device mesh; `--quant` / `--base-format` swap a
-    random quantised base into the model before it is placed; `--task dpo` compiles the DPO loss (sigmoid, beta
-    0.1, the reference = the base without the adapter, as DPOTrainer builds it)."""
-    device = device or jax.devices()[0]
+    """The run `build_run` assembles for the bench's spec on its mesh (`bench_mesh`); `--quant` / `--base-format`
+    swap a random quantised base into the model before it is placed; `--task dpo` compiles the DPO loss (sigmoid,
+    beta 0.1, the reference = the base without the adapter, as DPOTrainer builds it)."""
     spec = bench_spec(bc)
     base_format = bc.quant or bc.base_format  # check() allows at most one of them
     customize = None
     if base_format:
         def customize(model):
             randomize_base(model, base_format, jax.random.key(bc.seed + 1000))
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=[device])
+    mesh = bench_mesh(bc, device)
     if bc.task == "dpo":
         loss = functools.partial(dpo_loss, settings=DPOSettings(), without_adapter=adapters_disabled)
         return build_run(spec, mesh, customize=customize, loss=loss)
@@ -279,6 +292,12 @@ def _peak_gib(device) -> float | None:
     return stats["peak_bytes_in_use"] / 2**30
 
 
+def _mesh_peak_gib(mesh) -> float | None:
+    """The highest peak of the mesh's devices."""
+    peaks = [p for p in (_peak_gib(d) for d in mesh.devices.flat) if p is not None]
+    return max(peaks) if peaks else None
+
+
 # ---- the benchmark ------------------------------------------------------------------------------------------
 
 def run(bc: BenchConfig, log=None) -> dict:
@@ -290,7 +309,9 @@ def run(bc: BenchConfig, log=None) -> dict:
     setup = build(bc, device=device)
     jax.block_until_ready((setup.trainable, setup.frozen, setup.opt_state))
     init_s = time.perf_counter() - t0
-    init_peak = _peak_gib(device)
+    init_peak = _mesh_peak_gib(setup.mesh)
+    n_devices = setup.mesh.size
+    rows = bc.batch * batch_parallel_size(setup.mesh)  # per micro-batch, over the mesh (the Trainer's global batch)
     mcfg = setup.model_config
     attention = setup.spec.model.attention
     log(f"built {bc.shape} ({bc.mode}{', base ' + bc.quant if bc.quant else ''}) in {init_s:.1f}s; attention "
@@ -298,9 +319,9 @@ def run(bc: BenchConfig, log=None) -> dict:
 
     rng = np.random.default_rng(bc.seed)
     if bc.task == "dpo":
-        host_batch, lengths = synthetic_pairs(rng, bc.accum, bc.batch, bc.seq, mcfg.vocab_size)
+        host_batch, lengths = synthetic_pairs(rng, bc.accum, rows, bc.seq, mcfg.vocab_size)
     else:
-        host_batch, lengths = synthetic_batch(rng, bc.accum, bc.batch, bc.seq, mcfg.vocab_size, bc.segments,
+        host_batch, lengths = synthetic_batch(rng, bc.accum, rows, bc.seq, mcfg.vocab_size, bc.segments,
                                               bc.min_segment)
     if runs_per_row(host_batch["segment_ids"]) > bc.segments:  # the bound the attention backend was built for
         raise AssertionError(f"synthetic rows hold {runs_per_row(host_batch['segment_ids'])} runs > --segments")
@@ -334,7 +355,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         jax.block_until_ready((trainable, opt_state, metrics))
         times.append((time.perf_counter() - t0) / bc.steps)
     step_s = statistics.median(times)
-    sequences = bc.batch * (2 if bc.task == "dpo" else 1)  # per micro-batch
+    sequences = rows * (2 if bc.task == "dpo" else 1)  # per micro-batch
     tokens = bc.accum * sequences * bc.seq
     targets = flop_targets(mcfg, bc.targets)
     fl = step_flops(mcfg, mode=bc.mode, tokens=tokens, segment_lengths=lengths, rank=bc.rank, targets=targets)
@@ -343,15 +364,16 @@ def run(bc: BenchConfig, log=None) -> dict:
     return {
         "impl": "surojax", "task": bc.task,
         "shape": bc.shape, "mode": bc.mode, "batch": bc.batch, "seq": bc.seq, "accum": bc.accum,
-        "tokens_per_s": tokens / step_s,
+        "devices": n_devices, "mesh": {a: int(n) for a, n in setup.mesh.shape.items() if n != 1},
+        "rows": rows, "tokens_per_s": tokens / step_s,
         "step_ms": step_s * 1e3,
         "step_ms_repeats": [t * 1e3 for t in times],
-        "peak_gib": _peak_gib(device),
+        "peak_gib": _mesh_peak_gib(setup.mesh),  # the highest of the mesh's devices
         "init_peak_gib": init_peak,
         "plan_gib": setup.memory_plan.total / 2**30,
         "host_gib": (host_bytes(setup.frozen) + host_bytes(opt_state)) / 2**30,
-        "mfu": fl["total"] / step_s / PEAK_BF16_FLOPS,
-        "mfu_6n": fl_6n["total"] / step_s / PEAK_BF16_FLOPS,  # 6 x (active) params: the convention MoE MFU quotes
+        "mfu": fl["total"] / step_s / PEAK_BF16_FLOPS / n_devices,  # per device
+        "mfu_6n": fl_6n["total"] / step_s / PEAK_BF16_FLOPS / n_devices,  # 6 x (active) params: MoE's convention
         "model_tflops_per_s": fl["total"] / step_s / 1e12,
         "gflops_per_token": fl["per_token"] / 1e9,
         "flops_split": {k: fl[k] / fl["total"] for k in ("linear", "adapters", "attention")},
@@ -370,6 +392,7 @@ def run(bc: BenchConfig, log=None) -> dict:
             "offload_master": bc.offload_master,
             "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
             "lora_targets": list(targets) if bc.mode == "lora" else None, "layer_loop": setup.layer_loop_reason,
+            "parallel": bc.parallel, "zero_stage": bc.zero_stage,
             "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,
             "quant_matmul": matmul_mode() if bc.quant else None,
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,

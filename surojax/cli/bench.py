@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-scaling", default=None, choices=("current", "delayed", "blockwise"),
                    help="--recipe fp8_hybrid: the scaling (config key fp8_scaling; default the config's: delayed, "
                         "current with --offload-optimizer)")
+    g.add_argument("--parallel", type=_mesh_sizes, default=None, metavar="AXIS=N,...",
+                   help="the config's parallel: mesh over every visible device, e.g. data=2 or fsdp=8 or "
+                        "stage=2,pipeline_microbatches=4 (default: one device); --batch is then per data shard")
+    g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3), help="the config's zero_stage")
     g.add_argument("--segments", type=positive_int, default=4, help="sequences packed per row (default 4)")
     g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
     g.add_argument("--offload-base", action="store_true",
@@ -79,6 +83,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="LoRA over a random base quantised to this format (SUROJAX_QUANT_MATMUL picks the matmul)")
 
 
+def _mesh_sizes(text: str) -> dict[str, int]:
+    """`data=2,fsdp=4` -> {"data": 2, "fsdp": 4} (checked as the config's `parallel:` keys)."""
+    out = {}
+    for part in text.split(","):
+        key, eq, value = part.partition("=")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected AXIS=N (e.g. data=2,fsdp=4)") from None
+        if not eq or not key.strip():
+            raise argparse.ArgumentTypeError(f"{part!r}: expected AXIS=N (e.g. data=2,fsdp=4)")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     if args.config != "train":
         return _bench_config(args)
@@ -99,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                          base_format=args.base_format, init=args.init, optimizer=args.optimizer,
                          offload_optimizer=args.offload_optimizer, offload_master=args.offload_master,
                          optimizer_layerwise=args.optimizer_layerwise,
-                         task=args.task)
+                         task=args.task, parallel=args.parallel, zero_stage=args.zero_stage)
         bc.check()
     except ValueError as e:
         raise UsageError(str(e)) from None

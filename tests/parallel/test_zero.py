@@ -236,6 +236,26 @@ def check_8bit_adamw_state_splits_its_blocks():
     _assert_same_layout(st, run.opt_state, "8-bit state after the step")
 
 
+@child_check
+def check_bench_over_a_mesh_times_the_same_step():
+    """`surojax bench train --parallel data=-1 --zero-stage 1`: the Trainer's mesh over every device, --batch rows
+    per data shard, the record's counts over the mesh; its first step's loss is the one-device bench's on the same
+    global rows."""
+    import jax
+
+    from surojax.bench.train_bench import BenchConfig, run
+
+    keys = dict(shape="debug", mode="full", seq=64, segments=2, min_segment=16, steps=1, repeats=1, warmup=0,
+                recipe="fp32")
+    quiet = lambda msg: None  # noqa: E731
+    meshed = run(BenchConfig(batch=1, parallel={"data": -1}, zero_stage=1, **keys), log=quiet)
+    n = jax.device_count()
+    assert (meshed["devices"], meshed["mesh"], meshed["rows"]) == (n, {"data": n}, n), meshed
+    one = run(BenchConfig(batch=n, **keys), log=quiet)
+    assert (one["devices"], one["rows"]) == (1, n)
+    np.testing.assert_allclose(meshed["loss_first"], one["loss_first"], rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def child_results(tmp_path_factory) -> dict[str, str]:
     return shared_child_results(tmp_path_factory, __file__, devices=8)  # one 8-device child for 3 modules
