@@ -117,11 +117,12 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     for k in ("fp8_amax_history", "fp8_amax_compute_algo"):
         if _changed(cfg, k) and not (cfg.recipe == "fp8_hybrid" and cfg.resolved_fp8_scaling == "delayed"):
             add((k,), f"is read by delayed scaling only (recipe: fp8_hybrid with fp8_scaling: delayed); with "
-                f"fp8_scaling: {cfg.resolved_fp8_scaling} (current scaling per tensor, or blockwise per tile) each tensor is "
-                "scaled by its own amax in the same step: remove the key")
+                f"fp8_scaling: {cfg.resolved_fp8_scaling} (current scaling per tensor, or blockwise per tile) each "
+                "tensor is scaled by its own amax in the same step: remove the key")
     if cfg.recipe == "fp8_hybrid" and cfg.fp8_scaling == "delayed" and cfg.offload_optimizer:
         add(("fp8_scaling", "offload_optimizer"), "delayed scaling's amax histories are rolled by the training "
-            "step, which offload_optimizer's in-place update bypasses: use fp8_scaling: current with it")
+            "step, which offload_optimizer's in-place update bypasses: use fp8_scaling: current with it (or leave it "
+            "unset: it resolves to current here)")
 
     # --- memory
     if cfg.offload_base_weights and not cfg.lora:
@@ -254,7 +255,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         if cfg.recipe == "fp8_hybrid" and cfg.fp8_scaling == "delayed":
             add(("fp8_scaling", "parallel.stage"), "delayed scaling reads each layer's amaxes from one pass per "
                 "step; a pipeline schedule runs a layer once per microbatch (the amaxes would add up): use "
-                "fp8_scaling: current with pipeline stages")
+                "fp8_scaling: current with pipeline stages (or leave it unset: it resolves to current here)")
 
     # --- ZeRO stage (config/zero.py)
     stage = cfg.zero_stage

@@ -29,7 +29,8 @@ def summarize(cfg: TrainConfig) -> list[str]:
         f"model:     {cfg.model or '(from model_config)'}",
         f"method:    {_method(cfg)}",
         f"precision: {cfg.recipe}"
-        + (f" ({cfg.resolved_fp8_scaling} scaling)" if cfg.recipe == "fp8_hybrid" else "") + f", recompute={cfg.recompute}, attention={cfg.attention}"
+        + (f" ({cfg.resolved_fp8_scaling} scaling)" if cfg.recipe == "fp8_hybrid" else "")
+        + f", recompute={cfg.recompute}, attention={cfg.attention}"
         + (f", offload {'+'.join(offload)}" if offload else ""),
         f"data:      {data}; sequence_len={cfg.sequence_len}, packing={'on' if cfg.sample_packing else 'off'}",
         f"batch:     {cfg.per_device_train_batch_size} rows x {cfg.gradient_accumulation_steps} accumulation "
