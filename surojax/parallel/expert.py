@@ -26,8 +26,11 @@ experts' `mlp` split over tensor keeps working inside), on the device that holds
 Exact and dropless: every assignment is computed on the device of its expert, with the same weights and the
 same arithmetic per row as on one device; only the fp32 sum of a token's k expert outputs is taken in another
 order (per device, then across devices). The gradient is the transposed program: the psum_scatter's transpose
-is an all_gather, the all_gather's a psum_scatter, and shard_map adds the expert gradients over the data and
-fsdp axes and the router's over all batch axes (`check_vma`). With `capacity_factor` the capacity is per
+is an all_gather, the all_gather's a psum_scatter (in fp32, as step 5: `_gather_tokens`), and the parameters'
+gradients are summed over the devices that share them (expert weights over data and fsdp, the router over all
+batch axes) in fp32 (`_varying`: the parameters enter the body as varying fp32-or-wider values, so those sums never
+run in the bf16 of the compute copies; XLA CPU also aborts compiling a bf16 all-reduce of this partially manual
+shard_map). With `capacity_factor` the capacity is per
 expert group (ceil(factor * X_g * k / E) assignments per expert, in the group's token order), as GShard does.
 
 Why all_gather + psum_scatter and not `jax.lax.ragged_all_to_all`: XLA:CPU has no ragged-all-to-all (JAX 0.11.2:
@@ -36,7 +39,7 @@ this one is exact on every backend.
 
 Cost, per MoE layer and device (X_l tokens, hidden D, ep devices in the group, k of E experts, E_l = E / ep):
   * traffic: the all_gather receives (ep-1)*X_l*D values (bf16 tokens), the psum_scatter sends (ep-1)*X_l*D
-    (fp32, for exactness; bf16 would halve it). An all-to-all of the assignments moves (ep-1)/ep * k*X_l*D each
+    (fp32, for exactness; bf16 would halve it); backward the same with the roles swapped (both sums fp32). An all-to-all of the assignments moves (ep-1)/ep * k*X_l*D each
     way, so for ep <= k+1 (Qwen3-30B-A3B: k = 8, ep <= 8) the gathered exchange moves no more bytes.
   * memory: expert activations of R = X_g*min(k, E_l) rows ([R, D] in, [R, 2F] hidden, X_g = ep*X_l) and the
     [X_g*k, D] combine buffer: the dropless worst case (every assignment of the group on this device), which
@@ -122,6 +125,10 @@ def _expert_spec(var: nnx.Variable):
 def _local_moe(graphdef, manual_axes: tuple[str, ...], state, x, segment_ids):
     """One device's part (shard_map body over `manual_axes`): x [B_l, T, D], segment_ids [B_l, T], its E_l experts
     in `state`."""
+    # every parameter varying over all the manual axes from here: the transposes of these casts (the parameter
+    # gradients' sums over the devices that share the parameter) add in fp32, as the rest of the model's do, not
+    # in the bf16 of the compute copies made at each use
+    state = jax.tree.map(functools.partial(_varying, manual_axes), state)
     moe = nnx.merge(graphdef, state)
     B, T, D = x.shape
     E, k = moe.moe.num_experts, moe.moe.experts_per_token
@@ -133,7 +140,7 @@ def _local_moe(graphdef, manual_axes: tuple[str, ...], state, x, segment_ids):
     weights, ids, probs = route(logits, moe.moe)  # [X_l, k], [X_l, k], [X_l, E]
 
     # 2. the expert group's tokens and routing, in the group's token order
-    xs_g = jax.lax.all_gather(xs, EXPERT_AXIS, tiled=True)  # [X_g, D]
+    xs_g = _gather_tokens(xs)  # [X_g, D]
     ids_g = jax.lax.all_gather(ids, EXPERT_AXIS, tiled=True)  # [X_g, k]
     weights_g = jax.lax.all_gather(weights, EXPERT_AXIS, tiled=True)  # [X_g, k]
     X_g = ep * X
@@ -161,6 +168,36 @@ def _local_moe(graphdef, manual_axes: tuple[str, ...], state, x, segment_ids):
     stats = router_stats(logits, probs, ids, kept_own, segment_ids, E)
     stats = jax.tree.map(lambda s: jax.lax.psum(s, manual_axes), stats)
     return y.astype(x.dtype).reshape(B, T, D), stats
+
+
+@jax.custom_vjp
+def _gather_tokens(xs):
+    """all_gather over `expert` (tiled); its transpose, the sum of the group's token gradients, in fp32 like the
+    forward combine (step 5) rather than in the tokens' bf16 (XLA CPU also aborts compiling a bf16 one)."""
+    return jax.lax.all_gather(xs, EXPERT_AXIS, tiled=True)
+
+
+def _gather_tokens_fwd(xs):
+    return _gather_tokens(xs), None
+
+
+def _gather_tokens_bwd(_, g):
+    summed = jax.lax.psum_scatter(g.astype(jnp.float32), EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    return (summed.astype(g.dtype),)
+
+
+_gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
+
+
+def _varying(axes: tuple[str, ...], x):
+    """x varying over every one of `axes` (inside the shard_map): pcast over those it is not varying over yet, a
+    16-bit float as fp32 (so its gradient's sum over those devices adds in fp32; XLA CPU also aborts on a bf16 one)."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    if not missing:
+        return x
+    narrow = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4
+    wide = jax.lax.pcast(x.astype(jnp.float32) if narrow else x, missing, to="varying")
+    return wide.astype(x.dtype) if narrow else wide
 
 
 def apply_expert_parallel(model: nnx.Module, mesh: Mesh) -> nnx.Module:

@@ -169,6 +169,22 @@ def check_expert_2_fsdp_2_tensor_2_matches_one_device():
 
 
 @child_check
+def check_expert_parallel_trains_in_bf16():
+    """The bf16 recipe's LoRA step (recompute full) with expert=2 over the 8 devices: it compiles (XLA CPU aborted
+    on the bf16 reduce-scatter of the token gradients and the bf16 sums of the parameter gradients, which now add in
+    fp32) and its first loss is the one-device step's on the same rows, within bf16 rounding."""
+    from surojax.bench.train_bench import BenchConfig, run
+
+    keys = dict(shape="debug-moe", mode="lora", seq=64, segments=2, min_segment=16, steps=1, repeats=1, warmup=0,
+                recompute="full")
+    quiet = lambda msg: None  # noqa: E731
+    ep = run(BenchConfig(batch=1, parallel={"expert": 2, "data": -1}, **keys), log=quiet)
+    assert ep["mesh"] == {"data": 4, "expert": 2}, ep["mesh"]
+    one = run(BenchConfig(batch=8, **keys), log=quiet)
+    np.testing.assert_allclose(ep["loss_first"], one["loss_first"], rtol=1e-2)
+
+
+@child_check
 def check_capacity_is_per_expert_group():
     """With a capacity, each expert group (the 4 devices of one data index: batch rows 0-3, then 4-7) drops as one
     device does on that group's rows alone: the capacity counts the group's assignments, in its token order."""
