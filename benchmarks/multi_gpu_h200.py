@@ -40,10 +40,7 @@ def parts(n: int, smoke: bool) -> dict[str, list[tuple[str, int, list[str]]]]:
     def shape(real):
         return "debug-moe" if smoke and "a3b" in real else ("debug" if smoke else real)
 
-    # smoke: fp32, because XLA CPU aborts compiling a bf16 all-reduce of a partially manual shard_map (the expert
-    # exchange; surojax/parallel/pipeline.py widens its own) -- a CPU compiler bug, not the GPU's path
-    seq = (["--seq", "64", "--segments", "2", "--min-segment", "16", "--recipe", "fp32"] if smoke
-           else ["--seq", "2048"])
+    seq = ["--seq", "64", "--segments", "2", "--min-segment", "16"] if smoke else ["--seq", "2048"]
     common = seq + ["--recompute", "full"]
     lora8 = ["--shape", shape("qwen3-8b"), "--mode", "lora", "--batch", "4"] + common
     full8 = ["--shape", shape("qwen3-8b"), "--mode", "full", "--batch", "2", "--optimizer", "adamw_8bit"] + common
