@@ -19,6 +19,9 @@
 # pt       Llama-3-8B pretraining shapes: bf16 and fp8-delayed (the default scaling) in one call
 # full     Qwen3-8B full fine-tuning: bf16 and fp8-delayed in one call
 # lora     the op check; Qwen3-8B LoRA: bf16 and fp8-delayed in one call
+# rest     issue 19's remainder: the op check (forward and backward GEMMs; the step census on the debug shape);
+#          Qwen3-8B full fp8-delayed with the Pallas casts and with SUROJAX_FP8_CAST=xla (may XLA fuse the casts
+#          into their producers now that delayed scaling knows the scale ahead?), in one call
 #
 # Each command's output goes to $OUT/<name>.log (the device tool sets $OUT); fp8_h200.py's JSON lines to
 # $OUT/fp8_h200.jsonl; the tables are printed at the end. SMOKE=1: the same plumbing on a CPU, debug shapes
@@ -101,5 +104,13 @@ case $PART in
     step qwen3_8b_lora 400 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-lora --variants bf16 fp8-delayed \
       $STEPS $SMOKE_ARG
     ;;
-  *) echo "part $PART: expected 1, 2, 3, pt, full or lora"; exit 2 ;;
+  rest)
+    step op_check 120 "$PY" benchmarks/fp8_gemm_check.py ${SMOKE_ARG:---shape debug --mode lora --no-step-time \
+      --forms direct,direct+fp32 --iters 5}
+    step cast_pallas 230 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full --variants fp8-delayed \
+      $STEPS $SMOKE_ARG
+    SUROJAX_FP8_CAST=xla step cast_xla 230 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
+      --variants fp8-delayed $STEPS $SMOKE_ARG
+    ;;
+  *) echo "part $PART: expected 1, 2, 3, pt, full, lora or rest"; exit 2 ;;
 esac
