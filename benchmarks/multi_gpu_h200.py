@@ -113,7 +113,7 @@ LAUNCH_MODEL = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 1024, "
                 "max_position_embeddings": 4096, "tie_word_embeddings": True}
 
 
-def launch_rows(n: int, smoke: bool, timeout: int, out: Path) -> list[dict]:
+def launch_rows(n: int, smoke: bool, timeout: int) -> list[dict]:
     """The same config trained by one process over n GPUs and by n processes of one GPU each."""
     import yaml
 
@@ -192,10 +192,13 @@ def main() -> int:
     rows: list[dict] = []
     for part in args.parts:
         if part == "launch":
-            got = launch_rows(n, args.smoke, args.timeout, out)
+            got = launch_rows(n, args.smoke, args.timeout)
         else:
             got = [bench_row(part, name, g, argv, args.smoke, args.timeout) for name, g, argv in plan[part]]
-            add_scaling(got) if part != "pp" else add_bubble(got, n)
+            if part == "pp":
+                add_bubble(got, n)
+            else:
+                add_scaling(got)
         for r in got:
             print(json.dumps(r), flush=True)
             with open(out / "multi_gpu.jsonl", "a") as f:

@@ -28,10 +28,10 @@ same arithmetic per row as on one device; only the fp32 sum of a token's k exper
 order (per device, then across devices). The gradient is the transposed program: the psum_scatter's transpose
 is an all_gather, the all_gather's a psum_scatter (in fp32, as step 5: `_gather_tokens`), and the parameters'
 gradients are summed over the devices that share them (expert weights over data and fsdp, the router over all
-batch axes) in fp32 (`_varying`: the parameters enter the body as varying fp32-or-wider values, so those sums never
-run in the bf16 of the compute copies; XLA CPU also aborts compiling a bf16 all-reduce of this partially manual
-shard_map). With `capacity_factor` the capacity is per
-expert group (ceil(factor * X_g * k / E) assignments per expert, in the group's token order), as GShard does.
+batch axes) in fp32 (`fp32_sums.vary` on entry, so those sums never run in the bf16 of the compute copies; XLA
+CPU also aborts compiling a bf16 all-reduce of this partially manual shard_map). With `capacity_factor` the
+capacity is per expert group (ceil(factor * X_g * k / E) assignments per expert, in the group's token order), as
+GShard does.
 
 Why all_gather + psum_scatter and not `jax.lax.ragged_all_to_all`: XLA:CPU has no ragged-all-to-all (JAX 0.11.2:
 "HLO opcode ragged-all-to-all is not supported by XLA:CPU ThunkEmitter"), so that path could not be tested here;
@@ -39,8 +39,9 @@ this one is exact on every backend.
 
 Cost, per MoE layer and device (X_l tokens, hidden D, ep devices in the group, k of E experts, E_l = E / ep):
   * traffic: the all_gather receives (ep-1)*X_l*D values (bf16 tokens), the psum_scatter sends (ep-1)*X_l*D
-    (fp32, for exactness; bf16 would halve it); backward the same with the roles swapped (both sums fp32). An all-to-all of the assignments moves (ep-1)/ep * k*X_l*D each
-    way, so for ep <= k+1 (Qwen3-30B-A3B: k = 8, ep <= 8) the gathered exchange moves no more bytes.
+    (fp32, for exactness; bf16 would halve it); backward the same with the roles swapped (both sums fp32). An
+    all-to-all of the assignments moves (ep-1)/ep * k*X_l*D each way, so for ep <= k+1 (Qwen3-30B-A3B: k = 8,
+    ep <= 8) the gathered exchange moves no more bytes.
   * memory: expert activations of R = X_g*min(k, E_l) rows ([R, D] in, [R, 2F] hidden, X_g = ep*X_l) and the
     [X_g*k, D] combine buffer: the dropless worst case (every assignment of the group on this device), which
     any static-shape dropless exchange reserves too; a ragged all-to-all saves it only with a capacity.
@@ -66,6 +67,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from surojax.models.layers.moe import MoE, RouterStats, dispatch, route, router_stats
 from surojax.models.layers.params import AXES
+from surojax.parallel import fp32_sums
 from surojax.parallel.rules import batch_axes, batch_parallel_size
 
 EXPERT_AXIS = "expert"  # the mesh axis (surojax.parallel.mesh) that splits the experts
@@ -128,7 +130,7 @@ def _local_moe(graphdef, manual_axes: tuple[str, ...], state, x, segment_ids):
     # every parameter varying over all the manual axes from here: the transposes of these casts (the parameter
     # gradients' sums over the devices that share the parameter) add in fp32, as the rest of the model's do, not
     # in the bf16 of the compute copies made at each use
-    state = jax.tree.map(functools.partial(_varying, manual_axes), state)
+    state = jax.tree.map(lambda v: fp32_sums.vary(v, manual_axes), state)
     moe = nnx.merge(graphdef, state)
     B, T, D = x.shape
     E, k = moe.moe.num_experts, moe.moe.experts_per_token
@@ -187,17 +189,6 @@ def _gather_tokens_bwd(_, g):
 
 
 _gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
-
-
-def _varying(axes: tuple[str, ...], x):
-    """x varying over every one of `axes` (inside the shard_map): pcast over those it is not varying over yet, a
-    16-bit float as fp32 (so its gradient's sum over those devices adds in fp32; XLA CPU also aborts on a bf16 one)."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-    if not missing:
-        return x
-    narrow = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4
-    wide = jax.lax.pcast(x.astype(jnp.float32) if narrow else x, missing, to="varying")
-    return wide.astype(x.dtype) if narrow else wide
 
 
 def apply_expert_parallel(model: nnx.Module, mesh: Mesh) -> nnx.Module:

@@ -48,6 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from surojax.models.decoder import LAYER_INPUT
+from surojax.parallel import fp32_sums
 from surojax.parallel.rules import batch_parallel_size
 
 STAGE = "stage"
@@ -173,44 +174,21 @@ def pipeline_layers(apply_layer: Callable, layer_state, h: jax.Array, consts: tu
             held = jnp.concatenate([held[1:], received[None]]) if hold else held
             return (jax.lax.ppermute(y, STAGE, to_next), held), y
 
-        # varying over `stage` while still fp32, so the transposes of these casts (psums of the cotangents) are fp32
-        xs = _narrow(_varying(xs), dtype)
-        consts_mb = _narrow(jax.tree.map(_varying, consts_mb), const_dtypes)
-        zero = _varying(jnp.zeros_like(xs[0]))
+        # the broadcast inputs varying over `stage` here, so the sums of their cotangents over the stages (the
+        # transposes) add in fp32 (fp32_sums: exact either way, one stage contributes, the others add zeros)
+        xs = fp32_sums.vary(xs, (STAGE,))
+        consts_mb = jax.tree.map(lambda c: fp32_sums.vary(c, (STAGE,)), consts_mb)
+        zero = jnp.zeros_like(xs[0])  # varying, as xs
         held = jax.lax.pcast(jnp.zeros((hold,) + xs.shape[1:], xs.dtype), STAGE, to="varying")
         _, ys = jax.lax.scan(iteration, (zero, held), jnp.arange(n_iter))  # ys [N, B/M, T, D]
         out = jax.lax.slice_in_dim(ys, first_out, first_out + M)  # stage S-1: repeat R-1 of microbatches 0..M-1
-        out = _widen(jnp.where(s == S - 1, out, jnp.zeros_like(out)))
-        return jax.lax.psum(out, STAGE)
+        # stage S-1's results to every stage, added in fp32 (one fp32 [B, T, D] transfer per step instead of bf16)
+        return fp32_sums.psum(jnp.where(s == S - 1, out, jnp.zeros_like(out)), STAGE)
 
-    # The collectives over `stage` (the output's psum; in the backward pass the psums of the broadcast inputs'
-    # cotangents) carry 16-bit floats as fp32: XLA CPU's AllReducePromotion aborts on a bf16 all-reduce of a
-    # partially manual shard_map (its reducer ends in a sharding annotation, a copy after partitioning:
-    # "Invalid binary instruction opcode copy"). The sums are exact either way (one stage contributes each value,
-    # the others zeros); the cost is one fp32 [B, T, D] transfer per step and direction instead of bf16.
-    dtype = h.dtype
-    const_dtypes = jax.tree.map(lambda x: x.dtype, tuple(consts))
     run = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(STAGE), P()), out_specs=P(), axis_names={STAGE})
     stage_state = jax.tree.map(lambda x: _stage_major(x, S, R), layer_state)
-    consts_mb = _widen(jax.tree.map(lambda x: _to_microbatches(x, M), tuple(consts)))
-    return _from_microbatches(run(_widen(_to_microbatches(h, M)), stage_state, consts_mb).astype(dtype))
-
-
-def _varying(x):
-    """x marked as varying over `stage` inside the shard_map (as it is when it already is)."""
-    return x if STAGE in jax.typeof(x).manual_axis_type.varying else jax.lax.pcast(x, STAGE, to="varying")
-
-
-def _widen(tree):
-    """Floating leaves narrower than fp32 as fp32 (the stage collectives' dtype); others as they are."""
-    def wide(x):
-        return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4 else x
-    return jax.tree.map(wide, tree)
-
-
-def _narrow(tree, dtypes):
-    """Undo `_widen`: each leaf back to its dtype."""
-    return jax.tree.map(lambda x, d: x.astype(d), tree, dtypes)
+    consts_mb = jax.tree.map(lambda x: _to_microbatches(x, M), tuple(consts))
+    return _from_microbatches(run(_to_microbatches(h, M), stage_state, consts_mb))
 
 
 @dataclasses.dataclass(frozen=True)
