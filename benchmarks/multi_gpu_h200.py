@@ -20,6 +20,10 @@ error and the job goes on.
     PYTHONPATH=$PWD python3 benchmarks/multi_gpu_h200.py --parts dp-lora dp-full      # one 10-minute call
     PYTHONPATH=$PWD python3 benchmarks/multi_gpu_h200.py --parts ep pp launch
     PYTHONPATH=$PWD python benchmarks/multi_gpu_h200.py --smoke      # CPU: 2 virtual devices, debug shapes
+
+Then the scaling model calibrated from these rows (docs/multi_gpu.md), on any machine:
+
+    python -m surojax.bench.scaling_calibration $OUT/multi_gpu.jsonl
 """
 from __future__ import annotations
 

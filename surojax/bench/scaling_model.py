@@ -6,7 +6,8 @@ No device work: arithmetic over the repository's model shapes (surojax/bench/sha
 surojax/bench/flops.py counts them (`mode="full"`: full fine-tuning / pretraining), and the collectives that the
 sharding rules (surojax/parallel/rules.py) and expert parallelism (surojax/parallel/expert.py) imply. The formulas,
 the defaults and where each default comes from are written out in docs/multi_gpu.md. UNCALIBRATED: no multi-GPU
-measurement exists yet; docs/multi_gpu.md says which measurement calibrates which input.
+measurement exists yet; docs/multi_gpu.md says which measurement calibrates which input, and
+surojax/bench/scaling_calibration.py fits mfu and overlap from benchmarks/multi_gpu_h200.py's rows.
 
 Model, per GPU and per optimizer step (one micro-batch: gradient accumulation would repeat the fsdp gathers):
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from surojax.bench.flops import PEAK_BF16_FLOPS, step_flops
 from surojax.bench.shapes import SHAPES, model_config
@@ -202,6 +203,8 @@ class Prediction:
     step_s: float
     tokens_per_s: float  # global
     efficiency: float  # compute-bound step / step: the fraction of the single-GPU compute rate kept per GPU
+    hidden_s: float = 0.0  # collectives compute may hide (before overlap), NVLink and IB together
+    exposed_s: float = 0.0  # collectives on the critical path
 
 
 def predict(cfg: ModelConfig, plan: MeshPlan, nodes: int, hw: Hardware = Hardware(),
@@ -224,7 +227,8 @@ def predict(cfg: ModelConfig, plan: MeshPlan, nodes: int, hw: Hardware = Hardwar
     state = state_bytes_per_gpu(cfg, plan)
     return Prediction(nodes=nodes, plan=plan, state_gib=state / 2**30, fits=state <= 0.6 * hw.hbm_bytes,
                       compute_s=compute, comm_intra_s=times["intra"], comm_inter_s=times["inter"], step_s=step,
-                      tokens_per_s=plan.devices * work.tokens_per_gpu / step, efficiency=ideal / step)
+                      tokens_per_s=plan.devices * work.tokens_per_gpu / step, efficiency=ideal / step,
+                      hidden_s=hidden, exposed_s=exposed)
 
 
 def default_plan(cfg: ModelConfig, nodes: int, hw: Hardware = Hardware(), work: Workload = Workload()) -> MeshPlan:
@@ -274,8 +278,8 @@ HEADER = (f"{'nodes':>5}  {'mesh':<24} {'state GiB':>9} {'compute s':>9} {'intra
           f"{'step s':>7} {'tokens/s':>11} {'eff':>5} {'vs 1st':>6}")
 
 
-def format_table(name: str, preds: Sequence[Prediction]) -> str:
-    lines = [f"{name} (uncalibrated; eff = compute-bound step / step; vs 1st = eff / eff of the first row that fits; "
+def format_table(name: str, preds: Sequence[Prediction], label: str = "uncalibrated") -> str:
+    lines = [f"{name} ({label}; eff = compute-bound step / step; vs 1st = eff / eff of the first row that fits; "
              f"! = training state over 60% of a GPU)", HEADER]
     base = next((p for p in preds if p.fits), None)
     for p in preds:
@@ -291,29 +295,44 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--model", action="append", choices=sorted(SHAPES), help=f"default: {', '.join(MODELS)}")
     ap.add_argument("--nodes", type=int, nargs="+", default=list(NODES))
     ap.add_argument("--mesh", help="axis sizes for every node count, e.g. data=-1,tensor=8 (default: the rule)")
-    ap.add_argument("--gpus-per-node", type=int, default=Hardware.gpus_per_node)
-    ap.add_argument("--peak-tflops", type=float, default=Hardware.peak_flops / 1e12)
+    add_hardware_args(ap)
     ap.add_argument("--mfu", type=float, help=f"sustained fraction of the peak (default {DEFAULT_MFU})")
-    ap.add_argument("--nvlink-gbs", type=float, default=Hardware.nvlink_bytes_s / 1e9,
-                    help="GB/s per GPU per direction inside a node")
-    ap.add_argument("--ib-gbs", type=float, default=Hardware.ib_bytes_s / 1e9,
-                    help="GB/s per GPU per direction between nodes")
     ap.add_argument("--overlap", type=float, default=Workload.overlap)
     ap.add_argument("--seq", type=int, default=Workload.seq_len)
     ap.add_argument("--tokens-per-gpu", type=int, default=Workload.tokens_per_gpu)
     args = ap.parse_args(argv)
-    hw = Hardware(gpus_per_node=args.gpus_per_node, peak_flops=args.peak_tflops * 1e12,
-                  nvlink_bytes_s=args.nvlink_gbs * 1e9, ib_bytes_s=args.ib_gbs * 1e9)
+    hw = hardware(args)
     work = Workload(seq_len=args.seq, tokens_per_gpu=args.tokens_per_gpu, mfu=args.mfu, overlap=args.overlap)
-    tables = []
-    for name in args.model or MODELS:
+    print(tables(args.model or MODELS, args.nodes, hw, lambda cfg: work, args.mesh))
+
+
+def add_hardware_args(ap: argparse.ArgumentParser) -> None:
+    """The GPU and link options of the CLIs (this one, scaling_calibration's)."""
+    ap.add_argument("--gpus-per-node", type=int, default=Hardware.gpus_per_node)
+    ap.add_argument("--peak-tflops", type=float, default=Hardware.peak_flops / 1e12)
+    ap.add_argument("--nvlink-gbs", type=float, default=Hardware.nvlink_bytes_s / 1e9,
+                    help="GB/s per GPU per direction inside a node")
+    ap.add_argument("--ib-gbs", type=float, default=Hardware.ib_bytes_s / 1e9,
+                    help="GB/s per GPU per direction between nodes")
+
+
+def hardware(args: argparse.Namespace) -> Hardware:
+    """The CLI's link and GPU options (add_hardware_args) as a Hardware."""
+    return Hardware(gpus_per_node=args.gpus_per_node, peak_flops=args.peak_tflops * 1e12,
+                    nvlink_bytes_s=args.nvlink_gbs * 1e9, ib_bytes_s=args.ib_gbs * 1e9)
+
+
+def tables(models: Sequence[str], nodes: Sequence[int], hw: Hardware, work_of: Callable[[ModelConfig], Workload],
+           mesh: str | None = None, label: str = "uncalibrated") -> str:
+    """The prediction table of each model over the node counts; `work_of(cfg)` its workload (mfu per kind)."""
+    out = []
+    for name in models:
         cfg = model_config(name)
-        preds = []
-        for n in args.nodes:
-            plan = parse_mesh(args.mesh, n * hw.gpus_per_node) if args.mesh else default_plan(cfg, n, hw, work)
-            preds.append(predict(cfg, plan, n, hw, work))
-        tables.append(format_table(name, preds))
-    print("\n\n".join(tables))
+        work = work_of(cfg)
+        preds = [predict(cfg, parse_mesh(mesh, n * hw.gpus_per_node) if mesh else default_plan(cfg, n, hw, work),
+                         n, hw, work) for n in nodes]
+        out.append(format_table(name, preds, label))
+    return "\n\n".join(out)
 
 
 if __name__ == "__main__":
