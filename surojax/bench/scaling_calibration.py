@@ -35,7 +35,7 @@ from pathlib import Path
 from surojax.bench.flops import flop_targets, step_flops
 from surojax.bench.scaling_model import (DEFAULT_MFU, MODELS, NODES, Hardware, MeshPlan, Workload, add_hardware_args,
                                          hardware, predict, tables)
-from surojax.bench.shapes import model_config
+from surojax.bench.shapes import SHAPES, model_config
 
 MFU_PART = {"dense": "dp-full", "moe": "ep"}  # the part whose 1-GPU row gives the kind's mfu
 OVERLAP_PART = "dp-full"
@@ -108,8 +108,8 @@ class Calibration:
 
     def label(self) -> str:
         fitted = ", ".join(self.fitted) or "nothing"
-        return (f"calibrated: {fitted} from measured rows; mfu dense {self.mfu['dense']:.3f}, moe "
-                f"{self.mfu['moe']:.3f}, overlap {self.overlap:.2f}")
+        return (f"calibrated: {fitted} from measured rows; mfu dense {self.mfu['dense']:.3g}, moe "
+                f"{self.mfu['moe']:.3g}, overlap {self.overlap:.2f}")
 
 
 def _kind(shape: str) -> str:
@@ -232,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m surojax.bench.scaling_calibration",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("rows", help="benchmarks/multi_gpu_h200.py's JSON lines ($OUT/multi_gpu.jsonl)")
-    ap.add_argument("--model", action="append", help=f"default: {', '.join(MODELS)}")
+    ap.add_argument("--model", action="append", choices=sorted(SHAPES), help=f"default: {', '.join(MODELS)}")
     ap.add_argument("--nodes", type=int, nargs="+", default=list(NODES))
     ap.add_argument("--seq", type=int, default=Workload.seq_len)
     ap.add_argument("--tokens-per-gpu", type=int, default=Workload.tokens_per_gpu)
