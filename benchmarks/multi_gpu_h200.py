@@ -11,6 +11,9 @@ it uses, so the 1-GPU anchor runs in the same job as the N-GPU rows.
                        bubble measured (t(M) = (M + S - 1) t_mb, two M give t_mb) vs predicted (S-1)/(M+S-1)
              launch    the same from-scratch full fine-tune (0.6B shape, data=N) in one process over N GPUs and in
                        N processes of one GPU (`surojax launch --nproc-per-node N`): losses and tokens/s
+             ep-profile  the expert=N row of `ep` under the profiler (benchmarks/profile_step.py): its NCCL
+                       collectives' time (the token all-gather / psum_scatter over the expert axis, the gradients'
+                       sums) against all kernel time, per GPU and step
 
 Per row: tokens/s over all its GPUs, step ms, MFU per GPU, the highest peak GiB. Scaling = tokens/s(N GPUs) /
 (N x tokens/s(1 GPU)) of the same part (the issue's target: >= 0.95 on 2 GPUs). One JSON line per row on stdout
@@ -19,6 +22,7 @@ error and the job goes on.
 
     PYTHONPATH=$PWD python3 benchmarks/multi_gpu_h200.py --parts dp-lora dp-full      # one 10-minute call
     PYTHONPATH=$PWD python3 benchmarks/multi_gpu_h200.py --parts ep pp launch
+    PYTHONPATH=$PWD python3 benchmarks/multi_gpu_h200.py --parts ep-profile
     PYTHONPATH=$PWD python benchmarks/multi_gpu_h200.py --smoke      # CPU: 2 virtual devices, debug shapes
 
 Then the scaling model calibrated from these rows (docs/multi_gpu.md), on any machine:
@@ -88,6 +92,26 @@ def bench_row(part: str, name: str, gpus: int, argv: list[str], smoke: bool, tim
     rec = json.loads(lines[-1])
     keep = ("tokens_per_s", "step_ms", "mfu", "peak_gib", "compile_s", "loss_first", "loss", "mesh", "rows")
     return {**row, **{k: rec.get(k) for k in keep}}
+
+
+def profile_row(n: int, smoke: bool, timeout: int, out: Path) -> dict:
+    """The `ep` part's expert=N step under benchmarks/profile_step.py: NCCL collectives vs all kernels."""
+    argv = ["--shape", "debug-moe" if smoke else "qwen3-30b-a3b", "--mode", "lora", "--batch", "2",
+            "--seq", "256" if smoke else "2048", "--recompute", "full", "--parallel", f"expert={n},data=1",
+            "--steps", "2", "--out", str(out / "ep-profile")]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), *argv]
+    row = {"bench": "multi_gpu", "part": "ep-profile", "row": f"expert={n}", "gpus": n,
+           "command": "benchmarks/profile_step.py " + " ".join(argv)}
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=device_env(n, smoke), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**row, "error": f"timed out after {timeout} s"}
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("PROFILE ")]
+    if r.returncode or not lines:
+        return {**row, "error": (r.stderr or r.stdout)[-1500:]}
+    prof = json.loads(lines[-1][len("PROFILE "):])
+    return {**row, "kernel_ms": prof["kernel_ms"], "categories_ms": prof["categories_ms"],
+            "collectives_ms": prof["categories_ms"].get("collectives (NCCL)", 0.0)}
 
 
 def add_scaling(rows: list[dict]) -> None:
@@ -164,7 +188,7 @@ def launch_rows(n: int, smoke: bool, timeout: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = [f"{'part':<8} {'row':<30} {'GPUs':>4} {'tok/s':>10} {'scaling':>8} {'step ms':>9} {'MFU':>6} "
+    out = [f"{'part':<10} {'row':<30} {'GPUs':>4} {'tok/s':>10} {'scaling':>8} {'step ms':>9} {'MFU':>6} "
            f"{'peak GiB':>8}  note"]
     for r in rows:
         note = r.get("error", "").strip().splitlines()[-1][:60] if r.get("error") else ""
@@ -172,10 +196,12 @@ def table(rows: list[dict]) -> str:
             note = f"bubble {r['bubble_measured']:.3f} measured, {r['bubble_predicted']:.3f} predicted"
         if "max_loss_rel_diff" in r:
             note = f"losses vs 1 process: max rel diff {r['max_loss_rel_diff']:.2e}"
+        if "kernel_ms" in r:
+            note = f"NCCL {r['collectives_ms']:.1f} of {r['kernel_ms']:.1f} kernel ms per GPU and step"
 
         def f(k, fmt):
             return format(r[k], fmt) if r.get(k) is not None else "-"
-        out.append(f"{r['part']:<8} {r['row']:<30} {r['gpus']:>4} {f('tokens_per_s', ',.0f'):>10} "
+        out.append(f"{r['part']:<10} {r['row']:<30} {r['gpus']:>4} {f('tokens_per_s', ',.0f'):>10} "
                    f"{f('scaling', '.3f'):>8} {f('step_ms', '.1f'):>9} {f('mfu', '.1%'):>6} "
                    f"{f('peak_gib', '.1f'):>8}  {note}")
     return "\n".join(out)
@@ -183,8 +209,8 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["dp-lora", "dp-full", "ep", "pp", "launch"],
-                   choices=["dp-lora", "dp-full", "ep", "pp", "launch"])
+    p.add_argument("--parts", nargs="+", default=["dp-lora", "dp-full", "ep", "pp", "launch", "ep-profile"],
+                   choices=["dp-lora", "dp-full", "ep", "pp", "launch", "ep-profile"])
     p.add_argument("--gpus", type=int, default=None, help="N (default: every visible GPU; --smoke: 2)")
     p.add_argument("--timeout", type=int, default=420, help="seconds per row")
     p.add_argument("--smoke", action="store_true", help="CPU plumbing: virtual devices, debug shapes")
@@ -197,6 +223,8 @@ def main() -> int:
     for part in args.parts:
         if part == "launch":
             got = launch_rows(n, args.smoke, args.timeout)
+        elif part == "ep-profile":
+            got = [profile_row(n, args.smoke, args.timeout, out)]
         else:
             got = [bench_row(part, name, g, argv, args.smoke, args.timeout) for name, g, argv in plan[part]]
             if part == "pp":

@@ -3,7 +3,10 @@
     python benchmarks/profile_step.py --shape qwen3-0.6b --mode lora [--recompute none] [--out DIR]
     python benchmarks/profile_step.py --shape llama3-8b --batch 4 --recompute full --lmhead-chunks 16 \
         --offload-base --init host [--prefetch]          # where the streamed base's copies wait (issue 6)
-Prints the top kernels by total device time over the traced steps, grouped by a coarse category, and copies
+    python benchmarks/profile_step.py --shape qwen3-30b-a3b --mode lora --batch 2 --seq 2048 --recompute full \
+        --parallel expert=2,data=1                       # over every visible GPU: the expert exchange's NCCL time
+Prints the top kernels by device time per step and GPU (over several GPUs: the mean of theirs), grouped by a coarse
+category (NCCL collectives first), one `PROFILE {json}` line of the categories, and copies
 the perfetto trace (trace.json.gz) to --out when it is small enough to bring back. Then the timeline: per GPU
 stream (trace thread) its busy time, and how much of the host-to-device copy time runs while a compute kernel
 runs on another stream (overlap), against the wall time of a step.
@@ -25,6 +28,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from surojax.bench.train_bench import BenchConfig, build, place_batch, synthetic_batch  # noqa: E402
+from surojax.cli.bench import mesh_sizes_arg  # noqa: E402
+from surojax.parallel import batch_parallel_size  # noqa: E402
 from surojax.train.step import steady_state  # noqa: E402
 
 from hlo_attribution import attribute, instruction_sources  # noqa: E402  (benchmarks/ is sys.path[0])
@@ -32,6 +37,8 @@ from kernel_categories import category as kernel_category  # noqa: E402
 from trace_intervals import overlap, union  # noqa: E402
 
 CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
+    ("collectives (NCCL)", ("nccl", "all-gather", "all_gather", "allgather", "reduce-scatter", "reduce_scatter",
+                            "all-reduce", "all_reduce", "allreduce", "all-to-all", "alltoall", "collective-permute")),
     ("attention (cuDNN)", ("cudnn", "flash", "fmha", "sdpa")),
     ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "triton_gemm", "matmul", "wgmma")),
     ("loss / softmax", ("reduce", "logsumexp")),
@@ -63,6 +70,9 @@ def main():
     p.add_argument("--recipe", default="bf16", help="bf16 | fp8_hybrid | nvfp4")
     p.add_argument("--fp8-scaling", default=None,
                    help="with --recipe fp8_hybrid: current | delayed | blockwise (default: the config's, delayed)")
+    p.add_argument("--parallel", type=mesh_sizes_arg, default=None, metavar="AXIS=N,...",
+                   help="the config's parallel: the step over a mesh of every visible device (e.g. expert=2,data=1)")
+    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3), help="the config's zero_stage")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/surojax-profile"))
     p.add_argument("--attribute", action="store_true",
                    help="also print the kernel time by source line (dumps the optimized HLO: hlo_attribution.py)")
@@ -76,9 +86,11 @@ def main():
                      attention=a.attention, lmhead_chunks=a.lmhead_chunks, offload_base=a.offload_base,
                      prefetch=a.prefetch, init=a.init, optimizer=a.optimizer,
                      optimizer_layerwise=a.optimizer_layerwise, recipe=a.recipe, fp8_scaling=a.fp8_scaling,
-                     unroll_layers=True if a.unroll_layers == "all" else int(a.unroll_layers))
+                     unroll_layers=True if a.unroll_layers == "all" else int(a.unroll_layers),
+                     parallel=a.parallel, zero_stage=a.zero_stage)
     setup = build(bc)
-    host, _ = synthetic_batch(np.random.default_rng(0), 1, a.batch, a.seq, setup.model_config.vocab_size, 4, 64)
+    rows = a.batch * batch_parallel_size(setup.mesh)  # --batch per data shard, as `surojax bench train` counts it
+    host, _ = synthetic_batch(np.random.default_rng(0), 1, rows, a.seq, setup.model_config.vocab_size, 4, 64)
     batch = place_batch(setup, host)
     key = jax.random.key(0)
     tr, st = setup.trainable, setup.opt_state
@@ -103,14 +115,18 @@ def main():
     gpu_pids = {pid for pid, name in pids.items() if "/device:GPU" in name or "GPU" in name.upper()}
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
     by_name, by_cat, total = collections.Counter(), collections.Counter(), 0.0
+    devices = max(len({e["pid"] for e in kernels}), 1)  # the GPUs that ran kernels: figures below are per GPU
     for e in kernels:
-        d = float(e["dur"]) / a.steps
+        d = float(e["dur"]) / a.steps / devices
         by_name[e["name"]] += d
         by_cat[category(e["name"])] += d
         total += d
-    print(f"device time per step (sum of kernel durations): {total / 1e3:.1f} ms over {len(by_name)} kernels")
+    print(f"device time per step and GPU (sum of kernel durations, mean over {devices} GPU(s)): {total / 1e3:.1f} ms "
+          f"over {len(by_name)} kernels")
     for cat, d in by_cat.most_common():
         print(f"  {cat:24s} {d / 1e3:8.1f} ms  {100 * d / max(total, 1):5.1f}%")
+    print("PROFILE " + json.dumps({"gpus": devices, "kernel_ms": total / 1e3,
+                                   "categories_ms": {c: d / 1e3 for c, d in by_cat.items()}}), flush=True)
     print("top kernels (ms per step):")
     for name, d in by_name.most_common(40):
         print(f"  {d / 1e3:8.2f}  {name[:150]}")

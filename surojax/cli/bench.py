@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-scaling", default=None, choices=("current", "delayed", "blockwise"),
                    help="--recipe fp8_hybrid: the scaling (config key fp8_scaling; default the config's: delayed, "
                         "current with --offload-optimizer)")
-    g.add_argument("--parallel", type=_mesh_sizes, default=None, metavar="AXIS=N,...",
+    g.add_argument("--parallel", type=mesh_sizes_arg, default=None, metavar="AXIS=N,...",
                    help="the config's parallel: mesh over every visible device, e.g. data=2 or fsdp=8 or "
                         "stage=2,pipeline_microbatches=4 (default: one device); --batch is then per data shard")
     g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3), help="the config's zero_stage")
@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="LoRA over a random base quantised to this format (SUROJAX_QUANT_MATMUL picks the matmul)")
 
 
-def _mesh_sizes(text: str) -> dict[str, int]:
+def mesh_sizes_arg(text: str) -> dict[str, int]:
     """`data=2,fsdp=4` -> {"data": 2, "fsdp": 4} (checked as the config's `parallel:` keys)."""
     out = {}
     for part in text.split(","):
