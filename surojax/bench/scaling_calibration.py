@@ -55,8 +55,7 @@ class RowSpec:
     plan: MeshPlan
     tokens_per_gpu: int
     step_s: float
-    rank: int = 16  # LoRA rows: the bench's --rank / --targets (its defaults)
-    targets: str = "all-linear"
+    rank: int = 16  # LoRA rows: the bench's --rank (its default)
 
 
 def row_spec(row: dict) -> RowSpec:
@@ -84,7 +83,7 @@ def row_spec(row: dict) -> RowSpec:
     seq = int(opts["seq"])
     return RowSpec(part=row["part"], name=row["row"], shape=opts["shape"], mode=opts["mode"], seq=seq, gpus=gpus,
                    plan=plan, tokens_per_gpu=int(row["rows"]) * seq // gpus, step_s=row["step_ms"] / 1e3,
-                   rank=int(opts.get("rank", 16)), targets=opts.get("targets", "all-linear"))
+                   rank=int(opts.get("rank", 16)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +101,7 @@ class Calibration:
     overlap: float
     fitted: tuple[str, ...]  # which inputs came from rows
     rows: tuple[RowFit, ...]
+    skipped: tuple[str, ...] = ()  # rows that could not be read, and why
 
     def workload(self, kind: str, base: Workload = Workload()) -> Workload:
         return dataclasses.replace(base, mfu=self.mfu[kind], overlap=self.overlap)
@@ -132,7 +132,7 @@ def fit_mfu(spec: RowSpec, hw: Hardware) -> float:
     full training's FLOPs, the model's convention for MoE (DEFAULT_MFU)."""
     cfg = model_config(spec.shape)
     flops = step_flops(cfg, mode=spec.mode, tokens=spec.tokens_per_gpu, segment_lengths=[spec.seq] * max(
-        spec.tokens_per_gpu // spec.seq, 1), rank=spec.rank, targets=flop_targets(cfg, spec.targets))["total"]
+        spec.tokens_per_gpu // spec.seq, 1), rank=spec.rank, targets=flop_targets(cfg, "all-linear"))["total"]
     return flops / (hw.peak_flops * spec.step_s)
 
 
@@ -164,42 +164,36 @@ def calibrate(rows: Iterable[dict], hw: Hardware = Hardware()) -> Calibration:
             specs.append(row_spec(row))
         except ValueError as e:
             skipped.append(str(e))
-    mfu, fits, fitted = dict(DEFAULT_MFU), [], []
+    mfu, fitted = dict(DEFAULT_MFU), []
     for kind, part in MFU_PART.items():
         one = next((s for s in specs if s.part == part and s.gpus == 1), None)
         if one is not None:
             mfu[kind] = fit_mfu(one, hw)
             fitted.append(f"mfu {kind}")
-    overlaps = []
-    for s in specs:
-        if s.gpus == 1:
-            continue
-        if s.part == OVERLAP_PART and s.mode == "full":
-            value, note = fit_overlap(s, mfu[_kind(s.shape)], hw)
-            overlaps.append(value)
-            fits.append((s, "overlap", value, note))
-        else:
-            fits.append((s, "", None, WHY_NOT.get(s.part) or ("LoRA: the model counts full training's gradients"
-                                                            if s.mode == "lora" else "not an input of the model")))
-    overlap = statistics.fmean(overlaps) if overlaps else Workload.overlap
+    overlaps = {id(s): fit_overlap(s, mfu[_kind(s.shape)], hw) for s in specs
+                if s.gpus > 1 and s.part == OVERLAP_PART and s.mode == "full"}  # id -> (overlap, note)
+    overlap = statistics.fmean(v for v, _ in overlaps.values()) if overlaps else Workload.overlap
     if overlaps:
         fitted.append("overlap")
-    out = []
-    for s in specs:
-        if s.gpus == 1:
-            used = "mfu" if any(s.part == p for p in MFU_PART.values()) else ""
-            value = mfu[_kind(s.shape)] if used else None
-            note = "" if used else f"part {s.part}: the 1-GPU anchor of its scaling"
-        else:
-            _, used, value, note = next(f for f in fits if f[0] is s)
-        model = None  # the model's step only where it counts the row's work (full training)
-        if s.mode == "full":
-            model = predict(model_config(s.shape), s.plan, 1, _row_hw(s, hw),
-                            _row_work(s, mfu[_kind(s.shape)], overlap)).step_s
-        out.append(RowFit(s, used, value, model, note))
-    out += [RowFit(RowSpec("?", msg, "", "", 0, 0, MeshPlan(), 0, 0.0), "", None, None, "skipped")
-            for msg in skipped]
-    return Calibration(mfu=mfu, overlap=overlap, fitted=tuple(fitted), rows=tuple(out))
+    return Calibration(mfu=mfu, overlap=overlap, fitted=tuple(fitted), skipped=tuple(skipped),
+                       rows=tuple(_row_fit(s, mfu, overlap, overlaps.get(id(s)), hw) for s in specs))
+
+
+def _row_fit(s: RowSpec, mfu: dict[str, float], overlap: float, fitted_overlap, hw: Hardware) -> RowFit:
+    """What one row gave the fit (its input and note, or why none) and the calibrated model's step for it."""
+    model = None  # the model's step only where it counts the row's work (full training)
+    if s.mode == "full":
+        model = predict(model_config(s.shape), s.plan, 1, _row_hw(s, hw),
+                        _row_work(s, mfu[_kind(s.shape)], overlap)).step_s
+    if fitted_overlap is not None:
+        return RowFit(s, "overlap", fitted_overlap[0], model, fitted_overlap[1])
+    if s.gpus == 1:
+        if s.part in MFU_PART.values():
+            return RowFit(s, "mfu", mfu[_kind(s.shape)], model)
+        return RowFit(s, "", None, model, f"part {s.part}: the 1-GPU anchor of its scaling")
+    why = WHY_NOT.get(s.part) or ("LoRA: the model counts full training's gradients" if s.mode == "lora"
+                                  else "not an input of the model")
+    return RowFit(s, "", None, model, why)
 
 
 def format_fit(cal: Calibration) -> str:
@@ -207,13 +201,11 @@ def format_fit(cal: Calibration) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in cal.rows:
         s = r.spec
-        if r.note == "skipped":
-            lines.append(f"| - | {s.name} | | | | | | skipped |")
-            continue
         model = f"{r.model_step_s * 1e3:.1f}" if r.model_step_s is not None else "-"
         value = f"{r.value:.3g}" if r.value is not None else "-"
         lines.append(f"| {s.part} | {s.name} | {s.gpus} | {s.step_s * 1e3:.1f} | {model} | {r.used_for or '-'} | "
                      f"{value} | {r.note} |")
+    lines += [f"| - | {why} | | | | | | skipped |" for why in cal.skipped]
     return "\n".join(lines)
 
 
