@@ -1,5 +1,7 @@
 # Source me: creates (once) and activates the project's virtual environment (.venv at the repo root, Python 3.12).
-# Re-installs when pyproject.toml changes. Usage: source scripts/env.sh [EXTRAS]   (EXTRAS e.g. dev, serve, gpu)
+# Installs the versions that were tested: every package pinned by constraints.txt (scripts/lock.sh writes it, on
+# purpose, from a fresh resolution; the CI run installs from it). Re-installs when pyproject.toml or
+# constraints.txt changes. Usage: source scripts/env.sh [EXTRAS]   (EXTRAS e.g. dev, serve, gpu)
 # Contract: the only argument is an extras name (scripts pass it explicitly, so a caller's "$@" never leaks in);
 # the caller's directory and shell options are left as they were; a failed or interrupted set-up leaves no stamp,
 # so the next run starts it again. SUROJAX_VENV overrides the environment's location.
@@ -21,8 +23,8 @@ _sj_find_python312() {
   return 1
 }
 
-# A stamp file holds the sha256 of pyproject.toml the install was made from; the base install (no extras) is also
-# satisfied by any extras' stamp (extras only add packages).
+# A stamp file holds the sha256 of pyproject.toml + constraints.txt the install was made from; the base install
+# (no extras) is also satisfied by any extras' stamp (extras only add packages).
 _sj_stamp_matches() {
   local want="$1" f
   if [ -n "$_sj_extras" ]; then set -- "$_sj_venv/.surojax-installed-$_sj_extras"
@@ -56,17 +58,19 @@ _sj_setup() {
   fi
   # shellcheck disable=SC1091
   . "$_sj_venv/bin/activate" || { _sj_fail "cannot activate $_sj_venv"; return 1; }
-  want="$(sha256sum "$_sj_root/pyproject.toml" | cut -d' ' -f1)"
+  [ -f "$_sj_root/pyproject.toml" ] && [ -f "$_sj_root/constraints.txt" ] \
+    || { _sj_fail "$_sj_root lacks pyproject.toml or constraints.txt (the tested versions)"; return 1; }
+  want="$(cat "$_sj_root/pyproject.toml" "$_sj_root/constraints.txt" | sha256sum | cut -d' ' -f1)"
   _sj_stamp_matches "$want" && return 0
   stamp="$_sj_venv/.surojax-installed${_sj_extras:+-$_sj_extras}"
   rm -f "$_sj_venv"/.surojax-installed*  # a failed install may have half-replaced packages any stamp vouched for
   echo "[surojax] installing surojax${_sj_extras:+[$_sj_extras]} and its dependencies into $_sj_venv" >&2
   log="$_sj_venv/.surojax-install.log"
-  python -m pip install -q -e "$_sj_root${_sj_extras:+[$_sj_extras]}" >"$log" 2>&1
+  python -m pip install -q -c "$_sj_root/constraints.txt" -e "$_sj_root${_sj_extras:+[$_sj_extras]}" >"$log" 2>&1
   rc=$?
   if [ "$rc" -ne 0 ]; then
     tail -n 20 "$log" >&2
-    _sj_fail "'pip install -e $_sj_root${_sj_extras:+[$_sj_extras]}' failed (exit $rc; full log: $log); the next run retries"
+    _sj_fail "'pip install -c constraints.txt -e $_sj_root${_sj_extras:+[$_sj_extras]}' failed (exit $rc; full log: $log); the next run retries"
     return 1
   fi
   python -c "import surojax, jax, flax" \

@@ -19,6 +19,11 @@ exit 0
 """
 
 
+def _digest() -> str:
+    """What env.sh stamps an install with: the sha256 of pyproject.toml followed by constraints.txt."""
+    return hashlib.sha256((REPO / "pyproject.toml").read_bytes() + (REPO / "constraints.txt").read_bytes()).hexdigest()
+
+
 def _fake_venv(root: Path, stamp: str | None) -> Path:
     """A directory shaped like a virtual environment: bin/python (the stub), bin/activate, and optionally the
     install stamp (`stamp` names its suffix: "" for the base install, "-dev" for the dev extras)."""
@@ -29,8 +34,7 @@ def _fake_venv(root: Path, stamp: str | None) -> Path:
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
     if stamp is not None:
-        digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
-        (venv / f".surojax-installed{stamp}").write_text(digest + "\n")
+        (venv / f".surojax-installed{stamp}").write_text(_digest() + "\n")
     return venv
 
 
@@ -79,9 +83,10 @@ def test_failed_install_says_what_failed_and_leaves_no_stamp(tmp_path):
     # An up-to-date base stamp: a failed dev install may have half-replaced the packages it vouched for.
     done, calls, venv = _run(tmp_path, f"source {REPO}/scripts/env.sh dev", stamp="", fail_pip=True)
     assert done.returncode == 1
-    assert "pip install -e" in done.stderr and "failed" in done.stderr and "the next run retries" in done.stderr
+    assert "pip install -c constraints.txt -e" in done.stderr and "failed" in done.stderr
+    assert "the next run retries" in done.stderr
     assert "ERROR: no matching distribution" in done.stderr  # pip's own words are shown
-    assert calls == [f"cwd={tmp_path} argv=-m pip install -q -e {REPO}[dev]"]
+    assert calls == [f"cwd={tmp_path} argv=-m pip install -q -c {REPO}/constraints.txt -e {REPO}[dev]"]
     assert not list(venv.glob(".surojax-installed*"))
 
 
@@ -89,7 +94,6 @@ def test_an_outdated_stamp_is_replaced_after_a_successful_install(tmp_path):
     done, calls, venv = _run(tmp_path, f"echo old > $SUROJAX_VENV/.surojax-installed-dev; "
                                        f"source {REPO}/scripts/env.sh dev", stamp=None)
     assert done.returncode == 0, done.stderr
-    assert [c.split(" argv=")[1] for c in calls] == [f"-m pip install -q -e {REPO}[dev]",
-                                                     "-c import surojax, jax, flax"]
-    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
-    assert (venv / ".surojax-installed-dev").read_text().strip() == digest
+    assert [c.split(" argv=")[1] for c in calls] == [
+        f"-m pip install -q -c {REPO}/constraints.txt -e {REPO}[dev]", "-c import surojax, jax, flax"]
+    assert (venv / ".surojax-installed-dev").read_text().strip() == _digest()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Write constraints.txt: the exact versions `bash scripts/test.sh` and `bash scripts/run.sh` install (scripts/env.sh
+# passes it to pip as constraints). Run it on purpose, when a dependency should move: it resolves pyproject.toml's
+# requirements afresh against today's package registries in a throw-away environment (the dev extras, which hold
+# the base install), freezes the result, and shows what changed. Then run the suite on it and commit both.
+#   bash scripts/lock.sh            # rewrite constraints.txt
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+py="${SUROJAX_PYTHON:-$(command -v python3.12 || ls "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)}"
+[ -x "$py" ] || { echo "[lock] Python 3.12 not found (set SUROJAX_PYTHON)" >&2; exit 1; }
+tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
+"$py" -m venv "$tmp/venv"
+"$tmp/venv/bin/python" -m pip install -q --upgrade pip
+"$tmp/venv/bin/python" -m pip install -q -e "$root[dev,serve]"
+{
+  echo "# The versions the test suite ran on (pip constraints; scripts/env.sh installs with -c constraints.txt)."
+  echo "# Written by scripts/lock.sh from a fresh resolution of pyproject.toml on $(date -u +%Y-%m-%d); do not edit."
+  "$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -v '^surojax'
+} > "$tmp/constraints.txt"
+[ -f "$root/constraints.txt" ] && { diff "$root/constraints.txt" "$tmp/constraints.txt" | grep '^[<>] [^#]' \
+  || echo "[lock] no version changed"; }
+cp "$tmp/constraints.txt" "$root/constraints.txt"
+echo "[lock] wrote $root/constraints.txt; run bash scripts/test.sh on it before committing" >&2
