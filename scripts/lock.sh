@@ -6,8 +6,11 @@
 #   bash scripts/lock.sh            # rewrite constraints.txt
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-py="${SUROJAX_PYTHON:-$(command -v python3.12 || ls "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)}"
-[ -x "$py" ] || { echo "[lock] Python 3.12 not found (set SUROJAX_PYTHON)" >&2; exit 1; }
+py=""
+for c in "${SUROJAX_PYTHON:-}" python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do  # as scripts/env.sh looks
+  if [ -n "$c" ] && "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then py="$c"; break; fi
+done
+[ -n "$py" ] || { echo "[lock] Python 3.12 not found (set SUROJAX_PYTHON)" >&2; exit 1; }
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
 "$py" -m venv "$tmp/venv"
 "$tmp/venv/bin/python" -m pip install -q --upgrade pip
