@@ -30,6 +30,7 @@ import dataclasses
 from pathlib import Path
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -165,7 +166,12 @@ class PrequantTensor:
 
     def get(self, name: str) -> np.ndarray:
         """The dequantised weight, float32 [out, in] (the format's own dequantize, transposed back)."""
-        return np.ascontiguousarray(np.asarray(self.quantized().dequantize(jnp.float32)).T)
+        return np.ascontiguousarray(np.asarray(_dequantize_f32(self.quantized())).T)
+
+
+@jax.jit
+def _dequantize_f32(q: QuantFormat) -> jax.Array:
+    return q.dequantize(jnp.float32)  # one compiled program per format and shape, not one dispatch per operation
 
 
 def with_prequant(where: dict, scheme: QuantScheme) -> tuple[dict, tuple[str, ...]]:

@@ -39,8 +39,8 @@ class BitsAndBytesNF4(QuantScheme):
     method = "bitsandbytes"
     format = "nf4"
 
-    def __init__(self, source: Path):
-        self.source = source
+    def __init__(self, source: Path, double_quant: bool = False):
+        self.source, self.double_quant = source, double_quant  # config.json's bnb_4bit_use_double_quant
 
     @classmethod
     def from_config(cls, config: dict, source: Path) -> "BitsAndBytesNF4":
@@ -53,7 +53,7 @@ class BitsAndBytesNF4(QuantScheme):
         kind = config.get("bnb_4bit_quant_type", "fp4")  # bitsandbytes' own default
         if kind != "nf4":
             raise self.config_error("bnb_4bit_quant_type", "\"nf4\" (FP4 exports are not supported)", kind)
-        return self
+        return cls(source, bool(config.get("bnb_4bit_use_double_quant", False)))
 
     def describe(self) -> str:
         return "bitsandbytes 4-bit NF4 (blocks of 64, double quantisation where stored) -> surojax nf4"
