@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -175,3 +176,48 @@ def test_broken_quantised_tensors_are_named(tmp_path, folder, drop, replace, mat
     with pytest.raises(PrequantError, match=match) as e:
         load_model(d, keep_quantized=True)
     assert "model.safetensors" in str(e.value)
+
+
+def _fp8_blocks(w: np.ndarray, bn: int, bk: int) -> tuple[np.ndarray, np.ndarray]:
+    """w [N, K] -> (E4M3 codes, fp32 scale per bn x bk block): transformers' rule (block absmax / 448)."""
+    n, k = w.shape
+    padded = np.pad(w, ((0, -n % bn), (0, -k % bk)))
+    amax = np.abs(padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / 448, 1).astype(np.float32)
+    codes = (w / np.repeat(np.repeat(scale, bn, 0), bk, 1)[:n, :k]).astype(ml_dtypes.float8_e4m3fn)
+    return codes, scale
+
+
+@pytest.mark.parametrize("block,joined", [((16, 32), True), ((128, 128), False)])
+def test_moe_experts_stay_quantised_where_gate_and_up_join(tmp_path, block, joined):
+    """A Qwen3-MoE FP8 checkpoint (per-expert weights, as Qwen3-30B-A3B-FP8 publishes them): the experts' kernels
+    stack to [L, E, ...]; gate and up fill one gate_up kernel, kept quantised when their scale blocks end at the
+    seam (16-row blocks, F = 32) and dequantised otherwise (128-row blocks straddle it). Either way the model
+    computes what the dequantised checkpoint does."""
+    src, d = FIXTURES.parent / "models" / "qwen3_moe", tmp_path / "moe_fp8"
+    d.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                  "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    f = SafetensorsFile(src / "model.safetensors")
+    tensors = {}
+    for name in f.names():
+        w = f.get(name)
+        if w.ndim == 2 and "_proj." in name:
+            tensors[name], tensors[name[:-len("weight")] + "weight_scale_inv"] = _fp8_blocks(w, *block)
+        else:
+            tensors[name] = w
+    write_safetensors(d / "model.safetensors", tensors)
+    quant, plain = load_model(d, keep_quantized=True), load_model(d)
+    experts = quant.layers.mlp.experts
+    assert isinstance(experts.down_proj.kernel.get_value(), FP8Block)
+    assert experts.down_proj.kernel.get_value().data.shape == (2, 8, 64, 32)  # [L, E, N, K]
+    assert isinstance(experts.gate_up_proj.kernel.get_value(), FP8Block) == joined
+    assert isinstance(quant.layers.attn.q_proj.kernel.get_value(), FP8Block) and not is_quantized(plain)
+    np.testing.assert_array_equal(np.asarray(experts.gate_up_proj.kernel.get_value().dequantize(jnp.float32)
+                                             if joined else experts.gate_up_proj.kernel.get_value()),
+                                  np.asarray(plain.layers.mlp.experts.gate_up_proj.kernel.get_value()))
+    tokens = jnp.asarray([[507, 12, 300, 45, 7, 99, 250, 509]])
+    run = nnx.jit(lambda m, t: m(t))
+    np.testing.assert_allclose(np.asarray(run(quant, tokens)), np.asarray(run(plain, tokens)), rtol=0, atol=1e-5)
