@@ -40,7 +40,6 @@ Deterministic: fixed seeds; a re-run with the versions in tests/fixtures/README.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -81,14 +80,13 @@ def linear_names(model) -> list[str]:
     return [f"model.layers.{i}.{m}" for i in range(model.config.num_hidden_layers) for m in LINEARS]
 
 
-def reference_logits(model_type: str, folder: Path, deq: dict[str, np.ndarray]) -> np.ndarray:
+def reference_logits(folder: Path, deq: dict[str, np.ndarray]) -> np.ndarray:
     """transformers' eager fp32 forward of the checkpoint's architecture with the dequantised weights `deq` (HF name
     -> [N, K]) and every other tensor of the folder as stored."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(folder)
-    cfg.quantization_config = None
-    if hasattr(cfg, "quantization_config"):
+    if hasattr(cfg, "quantization_config"):  # the float architecture: the weights below are the dequantised ones
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
     state = {}
@@ -109,9 +107,9 @@ def probe(k: int) -> np.ndarray:
     return np.random.default_rng(k).choice([-1.0, 1.0], size=(k, 2))
 
 
-def finish(name: str, model_type: str, folder: Path, deq: dict[str, np.ndarray]) -> None:
+def finish(name: str, folder: Path, deq: dict[str, np.ndarray]) -> None:
     """reference.npz: layer 0's q_proj dequantised whole, every weight's probe fingerprint, the logits."""
-    logits = reference_logits(model_type, folder, deq)
+    logits = reference_logits(folder, deq)
     arrays = {"tokens": TOKENS, "logits": logits}
     for k, v in deq.items():
         v = v.astype(np.float32)
@@ -149,7 +147,7 @@ def make_fp8_block(folder: Path) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for k, v in deq.items():
         assert torch.equal(loaded.state_dict()[k], torch.from_numpy(v)), k
-    finish("fp8_block", "qwen3", folder, deq)
+    finish("fp8_block", folder, deq)
 
 
 # ---- compressed-tensors ----------------------------------------------------------------------------------------
@@ -171,7 +169,8 @@ def make_ct_fp8(folder: Path) -> None:
             targets=["re:.*mlp\\.(gate|up)_proj$"], weights=QuantizationArgs(**fp8, strategy="channel"),
             input_activations=QuantizationArgs(**fp8, strategy="token", dynamic=True)),
         "mlp_out": QuantizationScheme(
-            targets=["re:.*mlp\\.down_proj$"], input_activations=QuantizationArgs(**fp8, strategy="token", dynamic=True),
+            targets=["re:.*mlp\\.down_proj$"],
+            input_activations=QuantizationArgs(**fp8, strategy="token", dynamic=True),
             weights=QuantizationArgs(**fp8, strategy="block", block_structure=[128, 128])),
     }
     apply_quantization_config(model, QuantizationConfig(config_groups=schemes, ignore=["lm_head"]))
@@ -211,7 +210,7 @@ def make_ct_fp8(folder: Path) -> None:
             exact = dequantize(weight, scale.float(), args=args, dtype=torch.float32)
             assert torch.equal(exact.bfloat16(), dequantize(weight, scale, args=args, dtype=torch.bfloat16)), base
             deq[f"{base}.weight"] = exact.numpy()
-    finish("ct_fp8", "qwen3", folder, deq)
+    finish("ct_fp8", folder, deq)
 
 
 # ---- NVIDIA ModelOpt -------------------------------------------------------------------------------------------
@@ -241,7 +240,7 @@ def make_modelopt_nvfp4(folder: Path) -> None:
                                                  double_scale=f.get_tensor(f"{base}.weight_scale_2"),
                                                  block_sizes={-1: 16}).numpy()
     assert any(n.endswith("input_scale") for n in names)
-    finish("modelopt_nvfp4", "qwen3", folder, deq)
+    finish("modelopt_nvfp4", folder, deq)
 
 
 # ---- bitsandbytes ----------------------------------------------------------------------------------------------
@@ -273,13 +272,13 @@ def make_bnb_quant_states(folder: Path) -> None:
     print(f"bnb_quant_states: {len(cases)} weights")
 
 
-def make_bnb(folder: Path, *, double_quant: bool, seed: int) -> None:
+def make_bnb_nf4(folder: Path) -> None:
     import bitsandbytes.functional as bnbf
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     with tempfile.TemporaryDirectory() as tmp:
-        base_model("llama", seed=seed).save_pretrained(tmp)
-        qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
+        base_model("llama", seed=4).save_pretrained(tmp)
+        qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                   bnb_4bit_compute_dtype=torch.bfloat16)
         model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=qcfg, dtype=torch.bfloat16,
                                                      device_map="cpu")
@@ -288,17 +287,17 @@ def make_bnb(folder: Path, *, double_quant: bool, seed: int) -> None:
     for base in linear_names(model):
         param = model.get_submodule(base).weight
         state = param.quant_state
-        assert (state.nested == double_quant) and state.blocksize == 64
+        assert state.nested and state.blocksize == 64
         state.dtype = torch.float32  # the dequantised values in fp32 (bnb computes them in fp32, then casts)
         deq[f"{base}.weight"] = bnbf.dequantize_4bit(param.data, state).numpy()
-    finish("bnb_nf4" if double_quant else "bnb_nf4_single", "llama", folder, deq)
+    finish("bnb_nf4", folder, deq)
 
 
 MAKERS = {
     "fp8_block": make_fp8_block,
     "ct_fp8": make_ct_fp8,
     "modelopt_nvfp4": make_modelopt_nvfp4,
-    "bnb_nf4": lambda folder: make_bnb(folder, double_quant=True, seed=4),
+    "bnb_nf4": make_bnb_nf4,
     "bnb_quant_states": make_bnb_quant_states,
 }
 
@@ -319,7 +318,6 @@ def main(argv=None) -> None:
                 extra.unlink()
             else:
                 extra.chmod(0o644)
-    json.dump  # noqa: B018 (json is used by the tools' config writers)
 
 
 if __name__ == "__main__":

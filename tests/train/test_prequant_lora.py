@@ -1,8 +1,8 @@
 """LoRA over pre-quantised checkpoints (tests/fixtures/prequant: FP8 blocks, compressed-tensors FP8, ModelOpt NVFP4,
 bitsandbytes NF4) through the Trainer: `model: <folder>` + `lora: true` trains the adapters over the checkpoint's
 own quantised kernels, no `qlora:` needed, and the base stays quantised; the loss and LoRA gradients over the
-quantised base equal those over its dequantised copy; `qlora:` naming the checkpoint's own format keeps it, another format and full fine-tuning are
-refused before any weight is read."""
+quantised base equal those over its dequantised copy; `qlora:` naming the checkpoint's own format keeps it,
+another format and full fine-tuning are refused before any weight is read."""
 import jax
 import jax.numpy as jnp
 import numpy as np

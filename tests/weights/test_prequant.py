@@ -30,7 +30,7 @@ from surojax.weights.safetensors_file import SafetensorsFile, write_safetensors
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "prequant"
 FORMATS = {"fp8_block": FP8Block, "ct_fp8": FP8Block, "modelopt_nvfp4": NVFP4, "bnb_nf4": NF4}
-HF_TOL = 1e-4  # fp32 logits against transformers' (the fixtures' correctness protocol, tests/weights/test_hf_checkpoint)
+HF_TOL = 1e-4  # fp32 logits against transformers' (the fixtures' protocol, as tests/weights/test_hf_checkpoint.py)
 
 
 def probe(k: int) -> np.ndarray:

@@ -55,7 +55,8 @@ def stack_quantized(parts: dict[tuple[int, ...], dict[int | None, QuantFormat]],
         weights.append(joined)
     if len({jax.tree.structure(w) for w in weights}) > 1 or len({
             tuple(np.shape(x) for x in jax.tree.leaves(w)) for w in weights}) > 1:
-        return None, "its layers are stored in different layouts (" + ", ".join(sorted({repr(w) for w in weights})) + ")"
+        layouts = ", ".join(sorted({repr(w) for w in weights}))
+        return None, f"its layers are stored in different layouts ({layouts})"
     if not lead:
         return jax.tree.map(jnp.asarray, weights[0]), ""
     return jax.tree.map(lambda *xs: jnp.asarray(np.stack([np.asarray(x) for x in xs]).reshape(*lead, *np.shape(xs[0]))),
