@@ -161,7 +161,9 @@ Q = "model.layers.1.self_attn.q_proj"
 
 @pytest.mark.parametrize("folder,drop,replace,match", [
     ("fp8_block", [f"{Q}.weight_scale_inv"], None,
-     rf"tensor {Q}\.weight is float8_e4m3fn but has no {Q}\.weight_scale_inv"),
+     rf"tensor {Q}\.weight is float8_e4m3fn but is not a quantised weight .*<module>\.weight_scale_inv"),
+    ("ct_fp8", [f"{Q}.weight_scale"], None,
+     rf"tensor {Q}\.weight is float8_e4m3fn but is not a quantised weight .*<module>\.weight_scale\)"),
     ("fp8_block", [], {f"{Q}.weight_scale_inv": np.ones((1, 1), np.float32)},
      rf"tensor {Q}\.weight_scale_inv has shape \[1, 1\], expected \[2, 1\] .*32 x 64 block"),
     ("ct_fp8", [f"{Q}.input_scale"], None, rf"module {Q} has no {Q}\.input_scale .*static input activations"),
@@ -221,3 +223,16 @@ def test_moe_experts_stay_quantised_where_gate_and_up_join(tmp_path, block, join
     tokens = jnp.asarray([[507, 12, 300, 45, 7, 99, 250, 509]])
     run = nnx.jit(lambda m, t: m(t))
     np.testing.assert_allclose(np.asarray(run(quant, tokens)), np.asarray(run(plain, tokens)), rtol=0, atol=1e-5)
+
+
+def test_a_projection_stored_float_in_one_layer_is_dequantised(tmp_path):
+    """modules_to_not_convert naming one layer's q_proj: that projection loads as float (the layer scan takes one
+    format per projection), every other stays FP8, and the logits are still transformers'."""
+    d = _copy(tmp_path, "fp8_block")
+    ref = np.load(d / "reference.npz")
+    where, _ = with_prequant(open_checkpoint(d), read_scheme(d))
+    _edit_tensors(d, drop=[f"{Q}.weight_scale_inv"], replace={f"{Q}.weight": where[f"{Q}.weight"].get(f"{Q}.weight")})
+    model = load_model(d, dtype=jnp.float32, keep_quantized=True)
+    assert set(is_quantized(model)) == set(LORA_TARGETS) - {"q_proj"}
+    out = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(ref["tokens"])[None]))[0]
+    assert np.abs(out - ref["logits"]).max() <= HF_TOL

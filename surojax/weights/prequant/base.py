@@ -142,6 +142,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def refuse_unclaimed(where: dict, weights: dict[str, Stored], dtypes: tuple, what: str) -> None:
+    """PrequantError for a tensor of a quantised dtype (`dtypes`) that no claimed weight stores (`what` says what a
+    quantised weight needs next to it)."""
+    claimed = {n for s in weights.values() for n in (s.weight, *s.parts.values(), *s.unused)}
+    for name, f in where.items():
+        if name not in claimed and np.dtype(f.dtype(name)) in dtypes:
+            raise PrequantError(f"{f.path}: tensor {name} is {np.dtype(f.dtype(name))} but is not a quantised weight "
+                                f"this checkpoint describes ({what})")
+
+
 def with_suffix(names, suffix: str) -> list[str]:
     """The module names (`name` minus `suffix`) of the tensors named `<module><suffix>`."""
     return [n[: -len(suffix)] for n in names if n.endswith(suffix)]

@@ -33,8 +33,8 @@ import re
 from pathlib import Path
 
 from surojax.quant.fp8 import FP8Block
-from surojax.weights.prequant.base import Claims, PrequantError, QuantScheme, Stored, with_suffix
-from surojax.weights.prequant.fp8_blocks import fp8_weight
+from surojax.weights.prequant.base import Claims, PrequantError, QuantScheme, Stored, refuse_unclaimed, with_suffix
+from surojax.weights.prequant.fp8_blocks import E4M3, fp8_weight
 
 FORMATS = ("float-quantized", "naive-quantized")  # the same tensors for 8-bit float weights
 STRATEGIES = ("tensor", "channel", "group", "block")
@@ -157,6 +157,7 @@ class CompressedTensors(QuantScheme):
                 raise PrequantError(f"{path}: module {module} has no {module}.input_scale ({self.source}: group "
                                     f"{group.name} has static input activations)")
             weights[weight] = Stored(weight, {"scale": module + SCALE}, unused)
+        refuse_unclaimed(where, weights, (E4M3,), f"compressed-tensors stores <module>.weight with <module>{SCALE}")
         kv = tuple(n for n in where if n.endswith((".k_scale", ".v_scale"))) if self.kv_cache else ()
         return Claims(weights, kv)
 

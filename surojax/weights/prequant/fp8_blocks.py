@@ -28,7 +28,7 @@ import numpy as np
 
 from surojax.quant.fp8 import FP8Block
 from surojax.weights.prequant.base import (FLOAT_SCALES, Claims, PrequantError, QuantScheme, Stored, cdiv,
-                                           expect_shape, tensor, with_suffix)
+                                           expect_shape, refuse_unclaimed, tensor, with_suffix)
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 SCALE = ".weight_scale_inv"
@@ -93,10 +93,7 @@ class FineGrainedFP8(QuantScheme):
                 raise PrequantError(f"{where[module + SCALE].path}: tensor {module + SCALE} has no {weight}")
             unused = tuple(module + s for s in ACTIVATION_SCALES if module + s in where)
             weights[weight] = Stored(weight, {"scale": module + SCALE}, unused)
-        for name, f in where.items():
-            if name not in weights and np.dtype(f.dtype(name)) == E4M3:
-                raise PrequantError(f"{f.path}: tensor {name} is float8_e4m3fn but has no "
-                                    f"{name.rsplit('.', 1)[0] + SCALE} (quant_method fp8 stores one next to it)")
+        refuse_unclaimed(where, weights, (E4M3,), f"quant_method fp8 stores <module>.weight with <module>{SCALE}")
         return Claims(weights)
 
     def logical_shape(self, stored: Stored, where: dict) -> tuple[int, int]:

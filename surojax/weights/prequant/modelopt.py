@@ -28,8 +28,8 @@ import numpy as np
 
 from surojax.quant.base import QuantFormat
 from surojax.quant.nvfp4 import BLOCK, NVFP4
-from surojax.weights.prequant.base import (Claims, PrequantError, QuantScheme, Stored, expect_shape, scalar, tensor,
-                                           with_suffix)
+from surojax.weights.prequant.base import (Claims, PrequantError, QuantScheme, Stored, expect_shape, refuse_unclaimed,
+                                           scalar, tensor, with_suffix)
 from surojax.weights.prequant.fp8_blocks import fp8_weight
 
 ALGOS = {"NVFP4": "nvfp4", "FP8": "fp8"}
@@ -79,10 +79,8 @@ class ModelOpt(QuantScheme):
                                         f"(ModelOpt {self.algo} stores {', '.join([weight, *parts.values()])})")
             unused = (f"{module}.input_scale",) if f"{module}.input_scale" in where else ()
             weights[weight] = Stored(weight, parts, unused)
-        for name, f in where.items():
-            if name not in weights and name.endswith(".weight") and np.dtype(f.dtype(name)) in (E4M3, np.uint8):
-                raise PrequantError(f"{f.path}: tensor {name} is {np.dtype(f.dtype(name))} but has no "
-                                    f"{name[:-len('.weight')] + marker} (ModelOpt {self.algo})")
+        refuse_unclaimed(where, weights, (E4M3, np.dtype(np.uint8)),
+                         f"ModelOpt {self.algo} stores <module>.weight with <module>{marker}")
         kv = tuple(n for n in where if n.endswith((".k_scale", ".v_scale"))) if self.kv_cache else ()
         return Claims(weights, kv)
 
