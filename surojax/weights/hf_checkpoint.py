@@ -31,9 +31,9 @@ from surojax.hub import resolve_local
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.registry import WeightRow, family_for, weight_rows
-from surojax.weights.json_file import read_json_object
 from surojax.quant.base import QuantFormat
 from surojax.quant.transform import QuantParam
+from surojax.weights.json_file import read_json_object
 from surojax.weights.mxfp4_checkpoint import with_mxfp4_pairs
 from surojax.weights.prequant import PrequantTensor, QuantScheme, read_scheme, with_prequant
 from surojax.weights.prequant.stacking import stack_quantized
@@ -257,8 +257,8 @@ def _quantized_state(model_dir: Path, scheme: QuantScheme, by_path: dict, where:
     if dequantised:
         log.info("%s: dequantised to %s: %s", model_dir, np.dtype(jnp.dtype(param_dtype)), "; ".join(dequantised))
     if unused:
-        log.info("%s: %d activation / KV-cache scale tensors are read and not used (weight-only: activations and the "
-                 "KV cache run in the compute dtype), e.g. %s", model_dir, len(unused), _listing(unused))
+        log.info("%s: %d activation / KV-cache scale tensors are not used (weight-only: activations and the KV cache "
+                 "run in the compute dtype): %s", model_dir, len(unused), _listing(unused))
     return out
 
 

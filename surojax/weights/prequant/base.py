@@ -5,7 +5,7 @@ A reader is a `QuantScheme`, made from the checkpoint's quantization_config (sur
 class by quant_method). It knows its format's tensors and does three things:
 
     scheme.claim(where) -> Claims        which weights are quantised, and every tensor that stores them (scales),
-                                         plus tensors it reads but does not use (activation / KV-cache scales)
+                                         plus tensors of the format it does not use (activation / KV-cache scales)
     scheme.logical_shape(stored, where)  the [out, in] shape of one quantised weight (what the config implies)
     scheme.read(stored, where)           that weight as surojax's matching format (surojax.quant: FP8Block,
                                          NVFP4, NF4), logical [in, out] = [K, N], its arrays as stored
@@ -49,7 +49,7 @@ class PrequantError(WeightsError):
 @dataclasses.dataclass(frozen=True)
 class Stored:
     """One quantised weight as the checkpoint stores it: its name (`<module>.weight`), the other tensors that hold
-    it (role -> tensor name, e.g. {"scale": "<module>.weight_scale_inv"}), and tensors read but not used."""
+    it (role -> tensor name, e.g. {"scale": "<module>.weight_scale_inv"}), and tensors it holds that are not used."""
 
     weight: str
     parts: dict[str, str]
@@ -63,7 +63,7 @@ class Stored:
 @dataclasses.dataclass(frozen=True)
 class Claims:
     """What a scheme claims in a checkpoint: each quantised weight, and tensors that belong to no weight but to the
-    format (KV-cache scales), read and not used."""
+    format (KV-cache scales), not used."""
 
     weights: dict[str, Stored]
     unused: tuple[str, ...] = ()
@@ -185,7 +185,7 @@ def _dequantize_f32(q: QuantFormat) -> jax.Array:
 
 
 def with_prequant(where: dict, scheme: QuantScheme) -> tuple[dict, tuple[str, ...]]:
-    """(`where` with each quantised weight one PrequantTensor and its scales gone, the tensors read and not used)."""
+    """(`where` with each quantised weight one PrequantTensor and its scales gone, the claimed tensors not used)."""
     claims = scheme.claim(where)
     out = dict(where)
     unused = list(claims.unused)

@@ -12,8 +12,8 @@ llm-compressor writes them and vLLM / transformers read them: RedHatAI/*-FP8-dyn
                              "group"   [N, ceil(K/g)] (group_size g)    -> block (1, g)
                              "block"   [ceil(N/bn), ceil(K/bk)] (block_structure [bn, bk]; partial blocks padded
                                         as compressed-tensors pads)   -> block (bn, bk)
-    <module>.input_scale   static input activations (read, not used: the weight only runs)
-    <layer>.k_scale / v_scale  with a kv_cache_scheme (read, not used)
+    <module>.input_scale   static input activations (not used: the weight only runs)
+    <layer>.k_scale / v_scale  with a kv_cache_scheme (not used)
 
 Every strategy is an FP8Block block shape, so the stored arrays load as they are (scales widened to fp32
 exactly) and dequantisation is compressed-tensors' `dequantize` (weight * scale) computed in float32; rounded to

@@ -6,7 +6,7 @@ Qwen3-*-FP8, DeepSeek-V3 / R1, MiniMax):
                  "modules_to_not_convert": [...]}
     <module>.weight            F8_E4M3 [N, K]                      (out, in)
     <module>.weight_scale_inv  F32 (or BF16) [ceil(N/bn), ceil(K/bk)]   x = weight * weight_scale_inv
-    <module>.activation_scale  (static activations; read, not used: surojax runs the weight only)
+    <module>.activation_scale  (static activations; not used: surojax runs the weight only)
 
 -> surojax.quant.FP8Block(data = weight, scale = weight_scale_inv widened to fp32, block = (bn, bk)): the same
 arrays, so nothing is rounded and dequantisation is transformers' `Fp8Dequantize` bit for bit (weight * scale in

@@ -6,7 +6,7 @@ quant_algo "NVFP4" (W4A4; the weight is read):
     <module>.weight          U8 [N, K/2]        two E2M1 codes per byte, element 2j in the LOW nibble
     <module>.weight_scale    F8_E4M3 [N, K/16]  one scale per 16 values of a row
     <module>.weight_scale_2  F32 []             per-tensor scale: x = E2M1[q] * (float32(weight_scale) * weight_scale_2)
-    <module>.input_scale     F32 []             the activations' global scale (read, not used)
+    <module>.input_scale     F32 []             the activations' global scale (not used)
 -> surojax.quant.NVFP4(data = weight, scale = weight_scale, global_scale = weight_scale_2): the same arrays and the
 same arithmetic as ModelOpt's NVFP4QTensor.dequantize, so the values agree bit for bit in float32.
 
@@ -14,7 +14,7 @@ quant_algo "FP8" (per-tensor W8A8):
     <module>.weight F8_E4M3 [N, K], <module>.weight_scale F32 [] (x = weight * weight_scale), input_scale
 -> surojax.quant.FP8Block with one scale for the tensor (block (N, K)).
 
-kv_cache_quant_algo "FP8": the attention layers' k_scale / v_scale are read and not used (the KV cache stays in the
+kv_cache_quant_algo "FP8": the attention layers' k_scale / v_scale are not used (the KV cache stays in the
 compute dtype). Which modules are quantised comes from the tensors (exclude_modules / ignore are stored in float).
 Refused, naming the key: other quant_algo values (W4A16_AWQ, W4A8_AWQ, NVFP4_AWQ, MXFP8, MIXED_PRECISION, ...), an
 NVFP4 group_size other than 16.
