@@ -4,11 +4,12 @@ its tokenizer.
     loaded = load_model_ref("runs/quickstart/lora", dtype=jnp.bfloat16)   # base + adapter folded in
     loaded.model, loaded.tokenizer, loaded.ref
 
-An HF folder loads through surojax.weights.hf_checkpoint, a .gguf through surojax.weights.gguf_checkpoint (its
-quantised Linear kernels kept when `keep_quantized`, else dequantised to `param_dtype`). A reference that
+An HF folder loads through surojax.weights.hf_checkpoint, a .gguf through surojax.weights.gguf_checkpoint; the
+quantised Linear kernels of either (a GGUF file's, a pre-quantised HF checkpoint's: FP8, NVFP4, bitsandbytes NF4)
+are kept when `keep_quantized`, else dequantised to `param_dtype`. A reference that
 names an adapter (an adapter folder, or a run folder holding adapter/) loads its base and folds the adapter into
 the base kernels (`W + scale * A @ B`), so the result is a plain model. A LoRA delta cannot be folded into
-quantised kernels: with an adapter the GGUF base is always dequantised.
+quantised kernels: with an adapter a quantised base is always dequantised.
 
 This module sits above weights/ and peft/ (it uses both) and below the CLI, the API, serving and training.
 """
@@ -49,15 +50,15 @@ def load_base(ref: ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: 
     """The base weights of `ref` (its adapter is not applied) -> (Decoder, the GGUF metadata's tokenizer or None).
 
     dtype: compute dtype; param_dtype: storage dtype (default dtype); cfg: an architecture to use instead of the
-    reference's own (e.g. with max_position_embeddings changed); keep_quantized: GGUF only (see the module
-    docstring); shardings_of: an HF folder's parameters made straight into these shardings (surojax.weights.
-    hf_checkpoint.load_model; a GGUF file is read whole)."""
+    reference's own (e.g. with max_position_embeddings changed); keep_quantized: see the module docstring;
+    shardings_of: an HF folder's float parameters made straight into these shardings (surojax.weights.
+    hf_checkpoint.load_model; a GGUF file and quantised kernels are read whole)."""
     if ref.kind == "gguf":
         _, model, tokenizer = load_gguf_model(ref.weights, dtype=dtype, param_dtype=param_dtype, attention=attention,
                                               cfg=cfg, keep_quantized=keep_quantized)
         return model, tokenizer
     return load_model(ref.weights, dtype=dtype, param_dtype=param_dtype, attention=attention, cfg=cfg,
-                      shardings_of=shardings_of), None
+                      keep_quantized=keep_quantized, shardings_of=shardings_of), None
 
 
 def load_model_ref(ref: str | os.PathLike | ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",

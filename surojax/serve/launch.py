@@ -37,7 +37,8 @@ def _dtype(name: str):
 
 def load_for_serving(config: ServeConfig):
     """-> (model, tokenizer, folder with generation_config.json or None, served name). MODEL is any reference
-    surojax.model_loader loads (an adapter it names is folded in; GGUF kernels stay quantised)."""
+    surojax.model_loader loads (an adapter it names is folded in; the quantised kernels of a GGUF file or of a
+    pre-quantised HF checkpoint stay quantised)."""
     loaded = load_model_ref(config.model, dtype=_dtype(config.dtype), attention=config.attention,
                             keep_quantized=True, tokenizer_dir=config.tokenizer)
     return loaded.model, loaded.tokenizer, loaded.ref.tokenizer_dir, config.served_model_name or loaded.ref.name

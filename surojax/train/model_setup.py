@@ -3,7 +3,8 @@
 Transforms are applied to the built model in this order: quantise the base (QLoRA) -> LoRA (stacked adapters
 first) -> fp8 (recipe fp8_hybrid) or nvfp4 (recipe nvfp4). A `.gguf` model source keeps its quantised kernels in
 their GGUF format (surojax.weights.gguf_checkpoint); its architecture comes from its metadata
-(run_spec.hf_config_of).
+(run_spec.hf_config_of). A pre-quantised HF checkpoint keeps its kernels in the surojax format that holds them
+(surojax.weights.prequant); `qlora:` over it must name that format (run_spec.quant_spec).
 """
 from __future__ import annotations
 
@@ -105,8 +106,9 @@ def has_fp8_tensor_cores() -> bool:
 
 
 def load_base_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
-    """The weights of `spec.model.source` through the one model loader; a .gguf base keeps its quantised Linear
-    kernels in their GGUF format (LoRA only). shardings_of: an HF base's parameters made straight into these
+    """The weights of `spec.model.source` through the one model loader; a .gguf base, and a pre-quantised HF
+    checkpoint (FP8, NVFP4, bitsandbytes NF4: surojax.weights.prequant), keep their quantised Linear kernels in
+    their format (LoRA only). shardings_of: an HF base's parameters made straight into these
     shardings, each process reading its part (surojax.weights.hf_checkpoint.load_model)."""
     m = spec.model
     model, _ = load_base(resolve_model(m.source), dtype=spec.precision.compute, param_dtype=spec.precision.base,
@@ -117,8 +119,9 @@ def load_base_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.St
         raise TrainSetupError(f"model: {m.source} holds quantized weights ({kinds}); full fine-tuning over a "
                               "quantized base is not possible: set lora: true")
     if quantized and spec.lora.merge_adapter:
-        raise TrainSetupError("merge_adapter cannot fold the adapter into a quantized GGUF base; train without it, "
-                              "then merge the saved adapter into the unquantized HF model")
+        kinds = ", ".join(sorted(set(quantized.values())))
+        raise TrainSetupError(f"merge_adapter cannot fold the adapter into a quantized base ({kinds}); train "
+                              "without it, then merge the saved adapter into the unquantized HF model")
     if m.is_gguf:
         log.info("loaded GGUF base %s (quantized kernels: %s)", m.source, quantized or "none")
     return model

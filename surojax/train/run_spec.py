@@ -28,6 +28,7 @@ Precision recipes (`recipe`):
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -42,7 +43,10 @@ from surojax.peft.peft_io import LoraSpec
 from surojax.precision.fp8_scaling import Fp8Settings
 from surojax.weights.gguf_checkpoint import is_gguf_path
 from surojax.weights.model_ref import ModelRef, hf_config_of, resolve_model
+from surojax.weights.prequant import QuantScheme, read_scheme
 from surojax.weights.safetensors_file import WeightsError
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
 RECIPES = ("fp32", "bf16", "fp8_hybrid", "nvfp4")  # the recipes this build runs
@@ -225,10 +229,19 @@ def lora_training(cfg: TrainConfig) -> LoraTraining | None:
                         merge_adapter=cfg.merge_adapter)
 
 
-def quant_spec(cfg: TrainConfig) -> QuantSpec | None:
+def quant_spec(cfg: TrainConfig, *, loads_model: bool = True) -> QuantSpec | None:
     """The quantised-base format asked by `qlora` (or its spellings qlora_bnb / qlora_fp8 / qlora_fp4 /
-    qlora_gguf). Raises TrainSetupError for what cannot be done (yet)."""
+    qlora_gguf). Raises TrainSetupError for what cannot be done (yet). loads_model: `model`'s weights are loaded
+    (a pre-quantised checkpoint's own format is then the base's: `prequantized_base`)."""
+    prequant = prequantized_base(cfg) if loads_model else None
     fmt = cfg.qlora
+    if prequant is not None:
+        if not cfg.lora:
+            raise TrainSetupError(f"model: {cfg.model} is pre-quantised ({prequant.describe()}); full fine-tuning "
+                                  "over a quantized base is not possible: set lora: true")
+        if fmt is not None:
+            _check_qlora_matches(cfg, prequant)
+        return None
     if fmt is None:
         return None
     options: tuple = ()
@@ -247,6 +260,36 @@ def quant_spec(cfg: TrainConfig) -> QuantSpec | None:
         raise TrainSetupError(f"qlora: model: {cfg.model} is a GGUF file, which keeps its own quantization; "
                               "remove the qlora key (or start from the HF model folder)")
     return QuantSpec(fmt, options)
+
+
+def prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
+    """The reader of `model` when it is a pre-quantised HF checkpoint (surojax.weights.prequant: FP8, NVFP4,
+    bitsandbytes NF4), else None. Its quantised Linear kernels are the frozen base of LoRA as stored."""
+    ref = model_ref_of(cfg)
+    if ref is None or ref.kind != "hf":
+        return None
+    try:
+        return read_scheme(ref.weights)
+    except WeightsError as e:
+        raise TrainSetupError(f"model: {e}") from None
+
+
+def _check_qlora_matches(cfg: TrainConfig, prequant: QuantScheme) -> None:
+    """`qlora` over a pre-quantised base: the same format is the checkpoint's own (nothing is re-quantised, said
+    once in the log); another format would round every weight a second time, so it is refused."""
+    if cfg.qlora != prequant.format:
+        raise TrainSetupError(
+            f"qlora: {cfg.qlora}: model: {cfg.model} is already quantised ({prequant.describe()}); quantising it "
+            f"again to {cfg.qlora} would round every weight a second time. Remove qlora (lora: true trains LoRA "
+            f"over the checkpoint's own {prequant.format} weights) or start from the unquantised model")
+    stored = getattr(prequant, "double_quant", None)
+    if cfg.qlora == "nf4" and "qlora_bnb_double_quant" in cfg.model_fields_set and stored != cfg.qlora_bnb_double_quant:
+        raise TrainSetupError(
+            f"qlora_bnb_double_quant: {cfg.qlora_bnb_double_quant}: model: {cfg.model} is stored as NF4 "
+            f"{'with' if stored else 'without'} double quantisation (its config.json bnb_4bit_use_double_quant), "
+            "which is used as stored; remove the key")
+    log.info("qlora: %s: model %s is stored as %s already (%s); its own quantisation is the frozen base, nothing is "
+             "re-quantised", cfg.qlora, cfg.model, prequant.format, prequant.describe())
 
 
 def memory_spec(cfg: TrainConfig) -> MemorySpec:
@@ -299,8 +342,8 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
     from the seed with from_scratch); "jit" / "host" give random weights of `model`'s architecture (benchmarks)."""
     model_cfg = model_config or model_config_for(cfg)  # the caller's, when it already read it
     precision = precision_spec(cfg)
-    quant = quant_spec(cfg)
     random_weights = cfg.from_scratch or init != "build"
+    quant = quant_spec(cfg, loads_model=not random_weights and bool(cfg.model))
     model = ModelSpec(config=model_cfg, source=None if random_weights else cfg.model, seed=cfg.seed,
                       attention=attention or cfg.attention, init=init)
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,

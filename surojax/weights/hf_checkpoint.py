@@ -4,6 +4,12 @@ A folder holds config.json and either model.safetensors or model.safetensors.ind
 Loading checks everything before any weight is converted: the files exist and are whole, every tensor the
 config implies is present with the shape the config implies, and nothing unexpected is left over. The
 name mapping is the family's weight table (surojax.models.registry), data rather than code.
+
+A pre-quantised checkpoint (a quantization_config surojax.weights.prequant reads: FP8 block / per-tensor /
+per-channel scales, NVFP4, bitsandbytes NF4) shows each quantised weight as one tensor under its plain name. With
+`keep_quantized` the decoder's Linear kernels stay in their format (stacked over layers in a `QuantParam`, as
+`qlora:` leaves them), the frozen base of LoRA and of serving; embeddings, norms, the router and the LM head are
+dequantised (a quantised one) or loaded as stored. Without it every weight is dequantised to `param_dtype`.
 """
 from __future__ import annotations
 
@@ -25,8 +31,12 @@ from surojax.hub import resolve_local
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.registry import WeightRow, family_for, weight_rows
+from surojax.quant.base import QuantFormat
+from surojax.quant.transform import QuantParam
 from surojax.weights.json_file import read_json_object
 from surojax.weights.mxfp4_checkpoint import with_mxfp4_pairs
+from surojax.weights.prequant import PrequantTensor, QuantScheme, read_scheme, with_prequant
+from surojax.weights.prequant.stacking import stack_quantized
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -121,11 +131,14 @@ def _half(row: WeightRow, width: int) -> slice:
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
-               cfg: ModelConfig | None = None,
+               cfg: ModelConfig | None = None, keep_quantized: bool = False,
                shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
     """Load a Hugging Face checkpoint folder (or a repo id found in the local HF cache) into a `Decoder`.
 
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: same as dtype).
+    keep_quantized: a pre-quantised checkpoint's Linear kernels stay in their format (module docstring); else
+    (and always for a float checkpoint) every weight is `param_dtype`. Quantised kernels are made whole on the
+    default device (shardings_of places the float parameters only; the caller places the rest).
     shardings_of: the abstract state -> its shardings (e.g. `parallel.param_shardings` over a mesh). With it, each
     parameter is made straight into its shards: a process reads only the tensors whose part lands on its devices
     (the layers of its pipeline stage, say) and no device ever holds more than its shards. Without it, each
@@ -135,6 +148,10 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     cfg = cfg or read_config(model_dir)
     param_dtype = param_dtype or dtype
     where = with_mxfp4_pairs(open_checkpoint(model_dir))  # gpt-oss's published MXFP4 experts, dequantised
+    scheme = read_scheme(model_dir)  # a pre-quantised checkpoint's reader, None for float weights
+    unused: tuple[str, ...] = ()
+    if scheme is not None:
+        where, unused = with_prequant(where, scheme)
 
     abstract_model = nnx.eval_shape(
         lambda: Decoder(cfg, dtype=dtype, param_dtype=param_dtype, attention=attention, rngs=nnx.Rngs(0)))
@@ -163,7 +180,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                                 f"the config implies {list(shape)}")
             elif where[name].dtype(name) not in (np.float32, np.float16, ml_dtypes.bfloat16):
                 problems.append(f"{where[name].path.name}: tensor {name} has dtype {where[name].dtype(name)}, "
-                                f"expected a float (quantised checkpoints load through surojax.quant)")
+                                f"expected a float (a pre-quantised checkpoint says how it is quantised in "
+                                f"config.json's quantization_config)")
     if problems:
         raise WeightsError(f"{model_dir}: the weights do not match config.json ({cfg.model_type}):\n  - "
                            + "\n  - ".join(problems))
@@ -173,13 +191,18 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     by_path: dict[str, list[tuple[str, WeightRow, tuple[int, ...]]]] = {}
     for name, (row, index, _) in expected.items():
         by_path.setdefault(row.path, []).append((name, row, index))
+    state = _quantized_state(model_dir, scheme, by_path, where, shapes, unused, param_dtype) \
+        if scheme is not None and keep_quantized else {}
+    if scheme is not None and not keep_quantized:
+        log.info("%s: %s, dequantised to %s", model_dir, scheme.describe(), np_dtype)
 
     # One parameter at a time: each tensor read is a host copy, converted into the parameter's buffer and dropped,
     # so host memory holds one parameter (all its layers) beyond the device copies.
     placed = None if shardings_of is None else {
         ".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(shardings_of(abstract))}
-    state = {}
     for path, items in by_path.items():
+        if path in state:  # kept quantised
+            continue
         if placed is not None:
             state[path] = _load_sharded(shapes[path], np_dtype, items, where, placed[path])
             continue
@@ -191,10 +214,52 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
     def fill(path, var):
         key = ".".join(map(str, path))
-        return var.replace(state[key]) if key in state else var
+        if key not in state:
+            return var
+        if isinstance(state[key], QuantFormat):
+            return QuantParam(state[key], **var.get_metadata())
+        return var.replace(state[key])
 
     filled = nnx.map_state(fill, abstract)
     return nnx.merge(graphdef, filled)
+
+
+def _kept_quantized(row: WeightRow) -> bool:
+    """A decoder Linear kernel (the layer scan's, experts included; not the router, not the LM head)."""
+    return row.transpose and row.path.startswith("layers.") and row.path.endswith(".kernel") and ".router." not in \
+        row.path
+
+
+def _quantized_state(model_dir: Path, scheme: QuantScheme, by_path: dict, where: dict, shapes: dict,
+                     unused: tuple[str, ...], param_dtype) -> dict[str, QuantFormat]:
+    """State path -> the stacked quantised pytree of every Linear kernel the checkpoint stores quantised in all its
+    layers (surojax.weights.prequant.stacking); the others are left to the float path, with the reason logged."""
+    out, dequantised = {}, []
+    for path, items in by_path.items():
+        stored = [isinstance(where[name], PrequantTensor) for name, _, _ in items]
+        if not any(stored):
+            continue
+        if not _kept_quantized(items[0][1]):
+            dequantised.append(f"{path} (not a decoder Linear)")
+            continue
+        if not all(stored):
+            dequantised.append(f"{path} (some of its layers are stored in float)")
+            continue
+        parts: dict[tuple[int, ...], dict] = {}
+        for name, row, index in items:
+            parts.setdefault(index, {})[row.half] = where[name].quantized()
+        value, why = stack_quantized(parts, shapes[path][:len(items[0][2])])
+        if value is None:
+            dequantised.append(f"{path} ({why})")
+            continue
+        out[path] = value
+    log.info("%s: %s; %d Linear kernels kept quantised", model_dir, scheme.describe(), len(out))
+    if dequantised:
+        log.info("%s: dequantised to %s: %s", model_dir, np.dtype(jnp.dtype(param_dtype)), "; ".join(dequantised))
+    if unused:
+        log.info("%s: %d activation / KV-cache scale tensors are not used (weight-only: activations and the KV cache "
+                 "run in the compute dtype): %s", model_dir, len(unused), _listing(unused))
+    return out
 
 
 def param_block(shape: tuple[int, ...], dtype, items: list[tuple[str, WeightRow, tuple[int, ...]]],

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels.quant_matmul.reference import dequantize_layout
 from surojax.quant import FORMATS, NF4, NVFP4, FP8Block, quantize
 from surojax.quant.nf4 import NF4_CODE, dynamic_map
 from surojax.quant.nvfp4 import E2M1_VALUES
@@ -88,6 +89,26 @@ def test_fp8_exact_on_representable():
     f = FP8Block.quantize(wt.T)
     np.testing.assert_array_equal(np.asarray(f.scale), scale)
     np.testing.assert_array_equal(_deq(f), wt.T)
+
+
+@pytest.mark.parametrize("block", [(1, 256), (64, 128), (1, 384), (32, 64)])
+def test_fp8_other_scale_blocks_decode_and_lay_out_exactly(block):
+    """A checkpoint's scale block (per channel (1, K), per tensor (N, K), groups, transformers' [bn, bk]): the value
+    is code * its block's scale, and the kernel layout (one scale per 128 of a row) decodes to the same bits where
+    bk is a multiple of 128; narrower blocks say why they have no kernel."""
+    rng = np.random.default_rng(7)
+    n, k = 96, 384
+    bn, bk = block
+    codes = rng.normal(size=(n, k)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.01, 1, size=(-(-n // bn), -(-k // bk))).astype(np.float32)
+    f = FP8Block(data=jnp.asarray(codes), scale=jnp.asarray(scale), shape=(k, n), block=block)
+    want = codes.astype(np.float32) * np.repeat(np.repeat(scale, bn, 0), bk, 1)[:n, :k]
+    np.testing.assert_array_equal(_deq(f), want.T)
+    if bk % 128:
+        assert "scale blocks are 64 wide" in f.kernel_layout_error(128)
+        return
+    got = np.asarray(dequantize_layout(f.kernel_layout(128)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.T.view(np.uint32))
 
 
 def test_nvfp4_round_trip_bound():
