@@ -5,10 +5,11 @@ its tokenizer.
     loaded.model, loaded.tokenizer, loaded.ref
 
 An HF folder loads through surojax.weights.hf_checkpoint, a .gguf through surojax.weights.gguf_checkpoint (its
-quantised Linear kernels kept when `keep_quantized`, else dequantised to `param_dtype`). A reference that
-names an adapter (an adapter folder, or a run folder holding adapter/) loads its base and folds the adapter into
-the base kernels (`W + scale * A @ B`), so the result is a plain model. A LoRA delta cannot be folded into
-quantised kernels: with an adapter the GGUF base is always dequantised.
+quantised Linear kernels kept when `keep_quantized`, else dequantised to `param_dtype`; so are gpt-oss's
+published MXFP4 experts in an HF folder). A reference that names an adapter (an adapter folder, or a run folder
+holding adapter/) loads its base and folds the adapter into the base kernels (`W + scale * A @ B`), so the result
+is a plain model. A LoRA delta cannot be folded into quantised kernels: with an adapter the base is always
+dequantised.
 
 This module sits above weights/ and peft/ (it uses both) and below the CLI, the API, serving and training.
 """
@@ -49,15 +50,16 @@ def load_base(ref: ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: 
     """The base weights of `ref` (its adapter is not applied) -> (Decoder, the GGUF metadata's tokenizer or None).
 
     dtype: compute dtype; param_dtype: storage dtype (default dtype); cfg: an architecture to use instead of the
-    reference's own (e.g. with max_position_embeddings changed); keep_quantized: GGUF only (see the module
-    docstring); shardings_of: an HF folder's parameters made straight into these shardings (surojax.weights.
-    hf_checkpoint.load_model; a GGUF file is read whole)."""
+    reference's own (e.g. with max_position_embeddings changed); keep_quantized: a GGUF's quantised kernels and an
+    HF checkpoint's published MXFP4 experts stay packed (see the module docstring); shardings_of: an HF folder's
+    parameters made straight into these shardings (surojax.weights.hf_checkpoint.load_model; a GGUF file is read
+    whole)."""
     if ref.kind == "gguf":
         _, model, tokenizer = load_gguf_model(ref.weights, dtype=dtype, param_dtype=param_dtype, attention=attention,
                                               cfg=cfg, keep_quantized=keep_quantized)
         return model, tokenizer
     return load_model(ref.weights, dtype=dtype, param_dtype=param_dtype, attention=attention, cfg=cfg,
-                      shardings_of=shardings_of), None
+                      keep_quantized=keep_quantized, shardings_of=shardings_of), None
 
 
 def load_model_ref(ref: str | os.PathLike | ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",

@@ -25,8 +25,10 @@ from surojax.hub import resolve_local
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.registry import WeightRow, family_for, weight_rows
+from surojax.quant.base import QuantFormat
+from surojax.quant.transform import QuantParam
 from surojax.weights.json_file import read_json_object
-from surojax.weights.mxfp4_checkpoint import with_mxfp4_pairs
+from surojax.weights.mxfp4_checkpoint import packed_stack, with_mxfp4_pairs
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -121,11 +123,14 @@ def _half(row: WeightRow, width: int) -> slice:
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
-               cfg: ModelConfig | None = None,
+               cfg: ModelConfig | None = None, keep_quantized: bool = False,
                shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
     """Load a Hugging Face checkpoint folder (or a repo id found in the local HF cache) into a `Decoder`.
 
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: same as dtype).
+    keep_quantized: gpt-oss's MXFP4 experts stay packed (the `mxfp4` format in a QuantParam, leaves [L, E, ...]:
+    a frozen base, for LoRA and serving; surojax.weights.mxfp4_checkpoint); else they are dequantised to
+    param_dtype (exact in bf16).
     shardings_of: the abstract state -> its shardings (e.g. `parallel.param_shardings` over a mesh). With it, each
     parameter is made straight into its shards: a process reads only the tensors whose part lands on its devices
     (the layers of its pipeline stage, say) and no device ever holds more than its shards. Without it, each
@@ -134,7 +139,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     model_dir = Path(resolve_local(str(model_dir)))
     cfg = cfg or read_config(model_dir)
     param_dtype = param_dtype or dtype
-    where = with_mxfp4_pairs(open_checkpoint(model_dir))  # gpt-oss's published MXFP4 experts, dequantised
+    where = with_mxfp4_pairs(open_checkpoint(model_dir))  # gpt-oss's published MXFP4 experts
 
     abstract_model = nnx.eval_shape(
         lambda: Decoder(cfg, dtype=dtype, param_dtype=param_dtype, attention=attention, rngs=nnx.Rngs(0)))
@@ -180,6 +185,10 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         ".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(shardings_of(abstract))}
     state = {}
     for path, items in by_path.items():
+        packed = packed_stack(items, where) if keep_quantized else None  # read whole, placed afterwards
+        if packed is not None:
+            state[path] = packed
+            continue
         if placed is not None:
             state[path] = _load_sharded(shapes[path], np_dtype, items, where, placed[path])
             continue
@@ -191,6 +200,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
     def fill(path, var):
         key = ".".join(map(str, path))
+        if key in state and isinstance(state[key], QuantFormat):
+            return QuantParam(state[key], **var.get_metadata())
         return var.replace(state[key]) if key in state else var
 
     filled = nnx.map_state(fill, abstract)
