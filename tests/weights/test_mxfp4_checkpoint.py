@@ -206,3 +206,18 @@ def test_experts_stay_packed_only_where_frozen(tmp_path, kw, keep, why):
     if not keep:
         assert kernel.dtype == spec.precision.base
         assert packed.describe(spec.precision.base) == f"experts MXFP4 dequantised to float32 at load: {why}"
+
+
+def test_serving_engine_decodes_over_the_packed_experts():
+    """What `surojax serve` / `generate` load (load_model_ref with keep_quantized): the experts packed; the
+    continuous-batching engine's greedy tokens are transformers' (the fixture's 32, from its bf16 form)."""
+    from surojax.model_loader import load_model_ref
+    from surojax.serve.engine import Engine
+    from tests.serve.configs import BUCKETS, engine_config
+
+    exp = np.load(CHECKPOINT / "expected.npz")
+    model = load_model_ref(str(CHECKPOINT), attention="xla", keep_quantized=True).model
+    assert isinstance(model.layers.mlp.experts.down_proj.kernel.get_value(), MXFP4)
+    engine = Engine(model, engine_config(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                         max_model_len=48, buckets=BUCKETS))
+    assert engine.generate([exp["greedy_prompt"].tolist()], max_tokens=32) == [exp["greedy_tokens"].tolist()]
