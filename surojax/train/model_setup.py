@@ -107,14 +107,13 @@ def has_fp8_tensor_cores() -> bool:
 def load_base_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
     """The weights of `spec.model.source` through the one model loader; a .gguf base keeps its quantised Linear
     kernels in their GGUF format (LoRA only); published MXFP4 experts stay packed or are dequantised as
-    `spec.model.packed_experts` decided (logged). shardings_of: an HF base's parameters made straight into these
-    shardings, each process reading its part (surojax.weights.hf_checkpoint.load_model)."""
+    `spec.model.packed_experts` decided (the start-up summary's `base` line). shardings_of: an HF base's
+    parameters made straight into these shardings, each process reading its part
+    (surojax.weights.hf_checkpoint.load_model)."""
     m = spec.model
     keep = m.packed_experts.keep if m.packed_experts is not None else True
     model, _ = load_base(resolve_model(m.source), dtype=spec.precision.compute, param_dtype=spec.precision.base,
                          attention=m.attention, cfg=m.config, keep_quantized=keep, shardings_of=shardings_of)
-    if m.packed_experts is not None:
-        log.info("model: %s: %s", m.source, m.packed_experts.describe(spec.precision.base))
     quantized = is_quantized(model)
     if quantized and spec.lora is None:
         kinds = ", ".join(sorted(set(quantized.values())))
