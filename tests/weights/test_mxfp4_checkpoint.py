@@ -2,6 +2,7 @@
 packed in the `mxfp4` format (a frozen base: LoRA, serving), both equal to transformers' own dequantisation bit for
 bit (tests/fixtures/mxfp4, scripts/make_mxfp4_fixtures.py) and to the OCP spec's E2M1 / E8M0 tables; the packed
 model computes the dequantised model's logits, and LoRA trains over it through the Trainer with the base packed."""
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -23,7 +24,7 @@ from surojax.train.run_spec import run_spec
 from surojax.train.trainer import Trainer
 from surojax.weights.hf_checkpoint import hf_tensors, load_model, save_model
 from surojax.weights.mxfp4_checkpoint import dequantize_mxfp4, gguf_blocks
-from surojax.weights.safetensors_file import WeightsError, write_safetensors
+from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 from tests.train.conftest import write_instruction_data
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -44,6 +45,11 @@ def bf16_bits(x) -> np.ndarray:
     return np.asarray(x).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def dequantize(w, dtype):  # one compilation per shape instead of one per operation (eager)
+    return w.dequantize(dtype)
+
+
 def test_dequantisation_equals_transformers_bit_for_bit():
     """Every code in both nibbles and every exponent 0..254 (subnormals, overflow to inf included), and the
     fixture checkpoint's experts: numpy's dequantisation (load) and the packed format's (compute) give the bits of
@@ -53,12 +59,12 @@ def test_dequantisation_equals_transformers_bit_for_bit():
     assert set(scales.ravel()) == set(range(255))
     np.testing.assert_array_equal(bf16_bits(dequantize_mxfp4(blocks, scales)), want)
     packed = MXFP4(data=jnp.asarray(gguf_blocks(blocks, scales)), shape=want.shape[-2:], negative_zero=True)
-    np.testing.assert_array_equal(np.asarray(packed.dequantize(jnp.bfloat16)).view(np.uint16), want)
+    np.testing.assert_array_equal(np.asarray(dequantize(packed, jnp.bfloat16)).view(np.uint16), want)
 
     digests = json.loads((FIXTURES / "mxfp4" / "checkpoint.json").read_text())
     model = load_model(CHECKPOINT, keep_quantized=True)
     experts = model.layers.mlp.experts
-    stacks = {proj: np.asarray(getattr(experts, proj).kernel.get_value().dequantize(jnp.bfloat16)).view(np.uint16)
+    stacks = {proj: np.asarray(dequantize(getattr(experts, proj).kernel.get_value(), jnp.bfloat16)).view(np.uint16)
               for proj in ("gate_up_proj", "down_proj")}  # [L, E, in, out]
     assert len(digests) == 2 * model.cfg.num_layers
     for name, ref in digests.items():
@@ -76,7 +82,7 @@ def test_values_follow_the_ocp_tables():
     for negative_zero in (True, False):
         w = MXFP4(data=jnp.asarray(gguf_blocks(blocks, scales)), shape=(32, len(exponents)),
                   negative_zero=negative_zero)
-        got = np.asarray(w.dequantize(jnp.float32))  # [32, N]
+        got = np.asarray(dequantize(w, jnp.float32))  # [32, N]
         with np.errstate(over="ignore"):
             want = np.asarray([[spec_value(int(c), e) for e in exponents] for c in codes], np.float32)
         if not negative_zero:
@@ -88,36 +94,21 @@ def test_values_follow_the_ocp_tables():
         gguf_blocks(blocks, nan, source="t.w")
 
 
-def _published(tmp_path, rng, hf=HF):
-    """A tiny gpt-oss folder in the published layout: experts as random `_blocks` / `_scales`, the rest float."""
-    tensors = hf_tensors(Decoder(ModelConfig.from_hf(hf), rngs=nnx.Rngs(0)))
-    for i in range(hf["num_hidden_layers"]):
-        for proj, (out, inn) in {"gate_up_proj": (64, 64), "down_proj": (64, 32)}.items():
-            name = f"model.layers.{i}.mlp.experts.{proj}"
-            del tensors[name]
-            tensors[name + "_blocks"] = rng.integers(0, 256, (4, out, inn // 32, 16), dtype=np.uint8)
-            tensors[name + "_scales"] = rng.integers(122, 130, (4, out, inn // 32), dtype=np.uint8)
-    d = tmp_path / "gpt-oss"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(hf))
-    write_safetensors(d / "model.safetensors", tensors)
-    return d, tensors
-
-
 def test_published_checkpoint_loads_dequantised_or_packed(tmp_path):
-    """Dequantised: float experts [E, in, out] equal to the packed weights' decoding; saved as a plain float
-    checkpoint. Packed: a QuantParam holding `mxfp4` leaves [L, E, out, in/32 * 17] (4.25 bits a value)."""
-    d, tensors = _published(tmp_path, np.random.default_rng(1))
-    plain, packed = load_model(d), load_model(d, keep_quantized=True)
-    got = hf_tensors(plain)
-    for i in range(2):
-        name = f"model.layers.{i}.mlp.experts.down_proj"
-        np.testing.assert_array_equal(got[name], dequantize_mxfp4(tensors[name + "_blocks"],
-                                                                  tensors[name + "_scales"]))
+    """Dequantised: float experts [E, in, out], the numpy decoding of the pairs, equal to the packed weights'
+    decoding; saved as a plain float checkpoint. Packed: a QuantParam holding `mxfp4` leaves
+    [L, E, out, in/32 * 17] (4.25 bits a value)."""
+    plain, packed = load_model(CHECKPOINT), load_model(CHECKPOINT, keep_quantized=True)
+    stored = SafetensorsFile(CHECKPOINT / "model.safetensors")
+    name = "model.layers.2.mlp.experts.down_proj"
+    np.testing.assert_array_equal(hf_tensors(plain)[name], dequantize_mxfp4(stored.get(name + "_blocks"),
+                                                                            stored.get(name + "_scales")))
     var = packed.layers.mlp.experts.down_proj.kernel
     assert isinstance(var, QuantParam) and isinstance(var.get_value(), MXFP4)
-    assert var.get_value().data.shape == (2, 4, 64, 17) and var.get_value().nbytes * 8 / (2 * 4 * 32 * 64) == 4.25
-    np.testing.assert_array_equal(np.asarray(var.get_value().dequantize(jnp.float32)),
+    L, E, F, D = 4, 8, 32, 64
+    assert var.get_value().data.shape == (L, E, D, F // 32 * 17)
+    assert var.get_value().nbytes * 8 / (L * E * F * D) == 4.25
+    np.testing.assert_array_equal(np.asarray(dequantize(var.get_value(), jnp.float32)),
                                   np.asarray(plain.layers.mlp.experts.down_proj.kernel.get_value()))
     save_model(plain, tmp_path / "saved")
     assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
@@ -141,19 +132,16 @@ def _logits(model, tokens):
     return model(tokens)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_packed_experts_give_the_dequantised_models_logits(dtype):
-    """Same math: the grouped GEMM over the packed experts is the one over their dequantised copy, so the logits
-    are equal bit for bit (fp32 and bf16 compute); fp32 ones are transformers' (its expected.npz) within 1e-4."""
-    exp = np.load(CHECKPOINT / "expected.npz")
-    tokens = jnp.asarray([exp["tokens2"]])
-    plain = load_model(CHECKPOINT, dtype=dtype, attention="xla")
-    packed = load_model(CHECKPOINT, dtype=dtype, attention="xla", keep_quantized=True)
+def test_packed_experts_give_the_dequantised_models_logits():
+    """Same math: the grouped GEMM over the packed experts is the one over their dequantised bf16 copy, so the bf16
+    logits are equal bit for bit (the dequantised model's are transformers': tests/models/test_hf_parity.py)."""
+    tokens = jnp.asarray([np.load(CHECKPOINT / "expected.npz")["tokens2"]])
+    plain = load_model(CHECKPOINT, dtype=jnp.bfloat16, attention="xla")
+    packed = load_model(CHECKPOINT, dtype=jnp.bfloat16, attention="xla", keep_quantized=True)
     assert isinstance(packed.layers.mlp.experts.gate_up_proj.kernel.get_value(), MXFP4)
-    got = np.asarray(_logits(packed, tokens), np.float32)
-    np.testing.assert_array_equal(got, np.asarray(_logits(plain, tokens), np.float32))
-    if dtype == jnp.float32:
-        assert np.abs(got[0] - exp["logits2"]).max() <= 1e-4
+    assert plain.layers.mlp.experts.gate_up_proj.kernel.get_value().dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(_logits(packed, tokens), np.float32),
+                                  np.asarray(_logits(plain, tokens), np.float32))
 
 
 def _train_config(tmp_path, **kw):
