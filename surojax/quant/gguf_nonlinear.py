@@ -84,6 +84,21 @@ class MXFP4(GGUFQuant):
 
     ggml_type, block_size, type_size, can_quantize = 39, 32, 17, True
 
+    @classmethod
+    def from_blocks_scales(cls, blocks: np.ndarray, scales: np.ndarray) -> "MXFP4":
+        """The OCP MXFP4 pair as gpt-oss publishes it (`_blocks` [..., N, K/32, 16] uint8, byte j of a block holding
+        element 2j in its low and 2j + 1 in its high nibble; `_scales` [..., N, K/32] uint8 E8M0) -> this format
+        with the same values (negative_zero=True), data [..., N, K/32 * 17]: only the bytes are reordered."""
+        blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+        if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16 or blocks.ndim < 3:
+            raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not pair "
+                             "(expected blocks [..., N, K/32, 16] and scales [..., N, K/32])")
+        codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*scales.shape, 32)  # element order
+        block = np.concatenate([scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)], axis=-1)
+        n, groups = scales.shape[-2:]
+        return cls(data=np.ascontiguousarray(block.reshape(*scales.shape[:-1], groups * cls.type_size)),
+                   shape=(groups * cls.block_size, n), negative_zero=True)
+
     def dequantize_blocks(self, b):  # per instance (GGUFQuant.dequantize calls it on self): negative_zero
         q = nibbles_lo_hi(b[:, 1:]).reshape(b.shape[0], 32)
         return _mxfp4_bits(b[:, 0], q, self.negative_zero)

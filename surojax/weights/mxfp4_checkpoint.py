@@ -18,8 +18,8 @@ Two ways to read a pair (`MXFP4Pair`, the `SafetensorsFile` reading interface):
 - `packed()`: kept packed as the surojax.quant `mxfp4` format (its [E, out, in/32 * 17] block bytes: the E8M0
   byte, then 16 bytes of codes with element j in the low and j + 16 in the high nibble, as ggml and GGUF store
   MXFP4), 4.25 bits per value, the frozen base of LoRA and of serving. Only the order of the bytes changes
-  (`gguf_blocks`, as llama.cpp's convert_hf_to_gguf repacks gpt-oss): the format's `dequantize` gives the same
-  values, and its `grouped_matmul` runs the experts.
+  (`MXFP4.from_blocks_scales`, as llama.cpp's convert_hf_to_gguf repacks gpt-oss): the format's `dequantize`
+  gives the same values, and its `grouped_matmul` runs the experts.
 
 `with_mxfp4_pairs(where)` wraps a checkpoint's name -> file map so that each complete pair appears as one virtual
 tensor under the plain name; the pair's own names disappear from the map.
@@ -67,16 +67,6 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, source: str = "MXFP
     return np.ascontiguousarray(np.swapaxes(values, -1, -2))
 
 
-def gguf_blocks(blocks: np.ndarray, scales: np.ndarray, source: str = "MXFP4") -> np.ndarray:
-    """The published pair -> the `mxfp4` format's bytes [..., out, G * 17]: per block the E8M0 byte, then byte j
-    holds element j (low nibble) and element j + 16 (high nibble). A permutation of the bytes, nothing rounded."""
-    _check_pair(blocks, scales, source)
-    codes = _codes(blocks)  # [..., out, G, 32]
-    qs = codes[..., :16] | (codes[..., 16:] << 4)
-    out = np.concatenate([scales[..., None], qs], axis=-1)  # [..., out, G, 17]
-    return np.ascontiguousarray(out.reshape(*scales.shape[:-1], -1), dtype=np.uint8)
-
-
 class MXFP4Pair:
     """A virtual tensor (the `SafetensorsFile` reading interface) made of one `_blocks` / `_scales` pair."""
 
@@ -107,9 +97,8 @@ class MXFP4Pair:
     def packed(self) -> MXFP4:
         """The pair as the `mxfp4` format: data [E, out, in/32 * 17] uint8 (numpy), shape (in, out)."""
         blocks, scales = self._read()
-        data = gguf_blocks(blocks, scales, source=f"{self.path.name}: tensor {self.name}")
-        k, n = self.shape(self.name)[-2:]
-        return MXFP4(data=data, shape=(k, n), negative_zero=True)
+        _check_pair(blocks, scales, source=f"{self.path.name}: tensor {self.name}")
+        return MXFP4.from_blocks_scales(blocks, scales)
 
 
 def packed_stack(items: list, where: dict) -> MXFP4 | None:

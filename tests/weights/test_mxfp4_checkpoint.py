@@ -2,6 +2,7 @@
 packed in the `mxfp4` format (a frozen base: LoRA, serving), both equal to transformers' own dequantisation bit for
 bit (tests/fixtures/mxfp4, scripts/make_mxfp4_fixtures.py) and to the OCP spec's E2M1 / E8M0 tables; the packed
 model computes the dequantised model's logits, and LoRA trains over it through the Trainer with the base packed."""
+import dataclasses
 import functools
 import hashlib
 import json
@@ -23,7 +24,7 @@ from surojax.quant.transform import QuantParam
 from surojax.train.run_spec import run_spec
 from surojax.train.trainer import Trainer
 from surojax.weights.hf_checkpoint import hf_tensors, load_model, save_model
-from surojax.weights.mxfp4_checkpoint import dequantize_mxfp4, gguf_blocks
+from surojax.weights.mxfp4_checkpoint import dequantize_mxfp4
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 from tests.train.conftest import write_instruction_data
 
@@ -58,7 +59,8 @@ def test_dequantisation_equals_transformers_bit_for_bit():
     blocks, scales, want = v["blocks"], v["scales"], v["dequantized"]
     assert set(scales.ravel()) == set(range(255))
     np.testing.assert_array_equal(bf16_bits(dequantize_mxfp4(blocks, scales)), want)
-    packed = MXFP4(data=jnp.asarray(gguf_blocks(blocks, scales)), shape=want.shape[-2:], negative_zero=True)
+    packed = MXFP4.from_blocks_scales(blocks, scales)
+    assert packed.shape == want.shape[-2:] and packed.negative_zero
     np.testing.assert_array_equal(np.asarray(dequantize(packed, jnp.bfloat16)).view(np.uint16), want)
 
     digests = json.loads((FIXTURES / "mxfp4" / "checkpoint.json").read_text())
@@ -80,8 +82,7 @@ def test_values_follow_the_ocp_tables():
     blocks = np.tile(codes[0::2] | (codes[1::2] << 4), (len(exponents), 1, 1))  # [N, 1, 16]
     scales = np.asarray(exponents, np.uint8)[:, None]
     for negative_zero in (True, False):
-        w = MXFP4(data=jnp.asarray(gguf_blocks(blocks, scales)), shape=(32, len(exponents)),
-                  negative_zero=negative_zero)
+        w = dataclasses.replace(MXFP4.from_blocks_scales(blocks, scales), negative_zero=negative_zero)
         got = np.asarray(dequantize(w, jnp.float32))  # [32, N]
         with np.errstate(over="ignore"):
             want = np.asarray([[spec_value(int(c), e) for e in exponents] for c in codes], np.float32)
@@ -91,7 +92,7 @@ def test_values_follow_the_ocp_tables():
     nan = scales.copy()
     nan[3, 0] = 0xFF
     with pytest.raises(WeightsError, match=r"t\.w: scale byte 0xFF \(NaN in the OCP MX spec\) at block \[3, 0\]"):
-        gguf_blocks(blocks, nan, source="t.w")
+        dequantize_mxfp4(blocks, nan, source="t.w")
 
 
 def test_published_checkpoint_loads_dequantised_or_packed(tmp_path):
