@@ -107,9 +107,13 @@ def packed_stack(items: list, where: dict) -> MXFP4 | None:
     kernel), when every one is a pair stored in the experts' [E, in, out] layout; else None."""
     if not all(isinstance(where[n], MXFP4Pair) and not row.transpose and row.half is None for n, row, _ in items):
         return None
-    per_layer = [where[n].packed() for n, _, _ in sorted(items, key=lambda item: item[2])]
-    return MXFP4(data=jnp.asarray(np.stack([w.data for w in per_layer])), shape=per_layer[0].shape,
-                 negative_zero=True)
+    data, shape = None, None
+    for i, (name, _, _) in enumerate(sorted(items, key=lambda item: item[2])):  # one host copy of the stack
+        layer = where[name].packed()
+        if data is None:
+            data, shape = np.empty((len(items), *layer.data.shape), np.uint8), layer.shape
+        data[i] = layer.data
+    return MXFP4(data=jnp.asarray(data), shape=shape, negative_zero=True)
 
 
 def with_mxfp4_pairs(where: dict) -> dict:
