@@ -5,10 +5,10 @@ its tokenizer.
     loaded.model, loaded.tokenizer, loaded.ref
 
 An HF folder loads through surojax.weights.hf_checkpoint, a .gguf through surojax.weights.gguf_checkpoint; the
-quantised Linear kernels of either (a GGUF file's, a pre-quantised HF checkpoint's: FP8, NVFP4, bitsandbytes NF4)
-are kept when `keep_quantized`, else dequantised to `param_dtype`. A reference that
-names an adapter (an adapter folder, or a run folder holding adapter/) loads its base and folds the adapter into
-the base kernels (`W + scale * A @ B`), so the result is a plain model. A LoRA delta cannot be folded into
+quantised Linear kernels of either (a GGUF file's, a pre-quantised HF checkpoint's: FP8, NVFP4, bitsandbytes NF4,
+gpt-oss's published MXFP4 experts) are kept when `keep_quantized`, else dequantised to `param_dtype`. A reference
+that names an adapter (an adapter folder, or a run folder holding adapter/) loads its base and folds the adapter
+into the base kernels (`W + scale * A @ B`), so the result is a plain model. A LoRA delta cannot be folded into
 quantised kernels: with an adapter a quantised base is always dequantised.
 
 This module sits above weights/ and peft/ (it uses both) and below the CLI, the API, serving and training.

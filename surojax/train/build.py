@@ -97,7 +97,7 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
     """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded but for
     the ZeRO stage's split on `mesh` (None: one device); `recompute` / `unroll` replace the spec's (a candidate
     layer loop of `choose_layer_loop`)."""
-    lora, mem = spec.lora, spec.memory
+    lora, mem, packed = spec.lora, spec.memory, spec.model.packed_experts
     divisors = {} if mesh is None else plan_divisors(resolve_zero_stage(spec.zero_stage, mesh), mesh)
     return plan_memory(spec.model.config, mode="lora" if lora else "full", recipe=spec.precision.recipe,
                        rank=lora.adapter.rank if lora else 0, targets=lora.adapter.targets if lora else None,
@@ -109,7 +109,9 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
                        master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
                        lora_dtype="fp32" if spec.precision.adapter == jax.numpy.float32 else "bf16",
                        prefetch=mem.offload_prefetch, accum=spec.batch.accumulation,
-                       layerwise_update=mem.optimizer_layerwise, fp8_scaling=spec.precision.fp8.scaling, **divisors)
+                       layerwise_update=mem.optimizer_layerwise, fp8_scaling=spec.precision.fp8.scaling,
+                       expert_weight_bytes=packed.bytes_per_value if packed is not None and packed.keep else None,
+                       **divisors)
 
 
 def resolve_layer_loop(spec: RunSpec, chunk: int, mesh=None) -> tuple[RunSpec, LayerLoopChoice]:

@@ -108,11 +108,13 @@ def has_fp8_tensor_cores() -> bool:
 def load_base_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
     """The weights of `spec.model.source` through the one model loader; a .gguf base, and a pre-quantised HF
     checkpoint (FP8, NVFP4, bitsandbytes NF4: surojax.weights.prequant), keep their quantised Linear kernels in
-    their format (LoRA only). shardings_of: an HF base's parameters made straight into these
+    their format (LoRA only); published MXFP4 experts stay packed or are dequantised as `spec.model.packed_experts`
+    decided (the start-up summary's `base` line). shardings_of: an HF base's parameters made straight into these
     shardings, each process reading its part (surojax.weights.hf_checkpoint.load_model)."""
     m = spec.model
+    keep = m.packed_experts.keep if m.packed_experts is not None else True
     model, _ = load_base(resolve_model(m.source), dtype=spec.precision.compute, param_dtype=spec.precision.base,
-                         attention=m.attention, cfg=m.config, keep_quantized=True, shardings_of=shardings_of)
+                         attention=m.attention, cfg=m.config, keep_quantized=keep, shardings_of=shardings_of)
     quantized = is_quantized(model)
     if quantized and spec.lora is None:
         kinds = ", ".join(sorted(set(quantized.values())))

@@ -1,7 +1,8 @@
 """The typed, frozen description of a training run, made once from a TrainConfig, read by `build_run`.
 
     RunSpec
-      model      ModelSpec      architecture (resolved ModelConfig), where the weights come from, attention backend
+      model      ModelSpec      architecture (resolved ModelConfig), where the weights come from, attention backend,
+                                what happens to experts the checkpoint publishes quantised (PackedExperts)
       precision  PrecisionSpec  recipe and the dtypes it implies (compute, frozen base / master, adapters)
       lora       LoraTraining|None  adapters on a frozen base (None: every weight trains)
       quant      QuantSpec|None the frozen base quantised to this format (QLoRA)
@@ -38,7 +39,7 @@ from surojax.config.schema import TrainConfig
 from surojax.losses.router import RouterLossWeights
 from surojax.models.config import ModelConfig
 from surojax.parallel.pipeline import PipelineSpec
-from surojax.quant import GGUF_TYPES
+from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.peft.peft_io import LoraSpec
 from surojax.precision.fp8_scaling import Fp8Settings
 from surojax.weights.gguf_checkpoint import is_gguf_path
@@ -57,6 +58,29 @@ class TrainSetupError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class PackedExperts:
+    """A checkpoint that publishes its experts quantised (gpt-oss: config.json `quantization_config.quant_method:
+    mxfp4`) and what the run does with them: `keep` them packed in `format` (a surojax.quant format) as the frozen
+    base, or dequantise them to the base dtype at load because `why` needs float experts (full fine-tuning trains
+    them; merging an adapter folds into them; qlora quantises the base again)."""
+
+    format: str
+    keep: bool
+    why: str
+
+    @property
+    def bytes_per_value(self) -> float:
+        cls = FORMATS[self.format]
+        return cls.type_size / cls.block_size
+
+    def describe(self, base_dtype) -> str:
+        if self.keep:
+            return (f"experts kept packed in {self.format.upper()} ({8 * self.bytes_per_value:g} bits per value) as "
+                    f"the {self.why}")
+        return f"experts {self.format.upper()} dequantised to {jnp.dtype(base_dtype).name} at load: {self.why}"
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     config: ModelConfig
     source: str | None  # a model reference to load (HF folder, .gguf file, repo id); None: random weights
@@ -66,6 +90,7 @@ class ModelSpec:
     """build: load `source` (or initialise eagerly from `seed`); jit: random weights computed on the devices inside
     one jit (a model as large as the devices allow); host: random values made on the host and placed where they
     live (a streamed base never whole on the device)."""
+    packed_experts: PackedExperts | None = None  # `source` publishes its experts quantised (gpt-oss's MXFP4)
 
     @property
     def is_gguf(self) -> bool:
@@ -335,6 +360,25 @@ def moe_training(cfg: TrainConfig, model_cfg: ModelConfig) -> MoETraining | None
                        capacity_factor=cfg.capacity_factor, train_router=cfg.train_router)
 
 
+def packed_experts(cfg: TrainConfig, model_cfg: ModelConfig) -> PackedExperts | None:
+    """What the run does with experts its checkpoint publishes in MXFP4 (None: the checkpoint's experts are float):
+    kept packed where they stay frozen (LoRA, nothing folded into them), else dequantised (PackedExperts.why)."""
+    qc = model_cfg.hf_extra.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "mxfp4":
+        return None
+    if not cfg.lora:
+        why = "full fine-tuning trains them"
+    elif cfg.merge_adapter:
+        why = "merge_adapter folds the adapter into them"
+    elif cfg.adapter_path and (cfg.adapter_init_mode or "merge") == "merge":
+        why = "adapter_init_mode merge folds adapter_path into them"
+    elif cfg.qlora is not None:
+        why = f"qlora {cfg.qlora} quantises the base again"
+    else:
+        return PackedExperts("mxfp4", True, "frozen LoRA base")
+    return PackedExperts("mxfp4", False, why)
+
+
 def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None,
              init: Literal["build", "jit", "host"] = "build", model_config: ModelConfig | None = None) -> RunSpec:
     """The run a TrainConfig describes. attention: the backend the layers are built with (default
@@ -345,7 +389,8 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
     random_weights = cfg.from_scratch or init != "build"
     quant = quant_spec(cfg, loads_model=not random_weights and bool(cfg.model))
     model = ModelSpec(config=model_cfg, source=None if random_weights else cfg.model, seed=cfg.seed,
-                      attention=attention or cfg.attention, init=init)
+                      attention=attention or cfg.attention, init=init,
+                      packed_experts=None if random_weights else packed_experts(cfg, model_cfg))
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
                       sequence_len=cfg.sequence_len)
     return RunSpec(model=model, precision=precision, lora=lora_training(cfg), quant=quant, memory=memory_spec(cfg),

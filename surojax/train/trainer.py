@@ -279,9 +279,11 @@ class Trainer:
         budget = CHINCHILLA_TOKENS_PER_PARAM * n_total
         s = self.data.stats
         mode = "LoRA" if self.cfg.lora else ("pretraining" if self.cfg.from_scratch else "full fine-tune")
+        packed = self.spec.model.packed_experts
         return [
             f"model   {self.spec.model.config.model_type}, {n_total / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({100 * n_train / max(n_total, 1):.2f}%), {mode}, recipe {self.cfg.recipe}",
+            *([f"base    {packed.describe(self.spec.precision.base)}"] if packed is not None else []),
             f"layers  {self.run.layer_loop_reason}",
             f"zero    {self.run.zero_summary}",
             f"data    {s.summary()}",

@@ -34,6 +34,9 @@ over layers in a `QuantParam`, exactly as `quantize_model` leaves a model. A tar
 types in the file (llama.cpp's Q4_K_M gives attn_v / ffn_down Q6_K on some layers only) is kept as one
 `GGUFMixed` pytree (surojax.quant.gguf_mixed: each layer's bytes in its own type, padded to the widest row).
 Embeddings, norms, biases and the LM head are dequantised to `param_dtype`.
+
+A model split in several files (`name-00001-of-00003.gguf`, gguf-split / GGUFWriter's split options) is read
+whole from any part's name (surojax.weights.gguf_split): metadata from the first part, tensors from all.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.quant.base import QuantFormat
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
-from surojax.weights.gguf_reader import GGUFError, GGUFFile, read_gguf
+from surojax.weights.gguf_reader import GGUFError, GGUFFile
+from surojax.weights.gguf_split import read_gguf_model
 from surojax.weights.gguf_tokenizer import add_tokenizer, tokenizer_from_fields, tokenizer_metadata
 from surojax.weights.hf_checkpoint import load_model
 from surojax.weights.safetensors_file import WeightsError
@@ -567,7 +571,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
 
 def _open(path) -> tuple[GGUFFile, dict, str]:
-    gf = read_gguf(path)
+    gf = read_gguf_model(path)  # a split model's parts read as one (surojax.weights.gguf_split)
     return gf, gf.fields, str(gf.path)
 
 

@@ -34,7 +34,7 @@ from surojax.models.registry import WeightRow, family_for, weight_rows
 from surojax.quant.base import QuantFormat
 from surojax.quant.transform import QuantParam
 from surojax.weights.json_file import read_json_object
-from surojax.weights.mxfp4_checkpoint import with_mxfp4_pairs
+from surojax.weights.mxfp4_checkpoint import packed_stack, with_mxfp4_pairs
 from surojax.weights.prequant import PrequantTensor, QuantScheme, read_scheme, with_prequant
 from surojax.weights.prequant.stacking import stack_quantized
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
@@ -136,9 +136,11 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     """Load a Hugging Face checkpoint folder (or a repo id found in the local HF cache) into a `Decoder`.
 
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: same as dtype).
-    keep_quantized: a pre-quantised checkpoint's Linear kernels stay in their format (module docstring); else
-    (and always for a float checkpoint) every weight is `param_dtype`. Quantised kernels are made whole on the
-    default device (shardings_of places the float parameters only; the caller places the rest).
+    keep_quantized: a pre-quantised checkpoint's Linear kernels (FP8, NVFP4, bitsandbytes NF4) and gpt-oss's
+    published MXFP4 experts stay in their format (module docstring; the experts as `mxfp4` in a QuantParam, leaves
+    [L, E, ...]: a frozen base, for LoRA and serving; surojax.weights.mxfp4_checkpoint); else (and always for a
+    float checkpoint) every weight is `param_dtype` (MXFP4 dequantises exactly in bf16). Quantised kernels are
+    made whole on the default device (shardings_of places the float parameters only; the caller places the rest).
     shardings_of: the abstract state -> its shardings (e.g. `parallel.param_shardings` over a mesh). With it, each
     parameter is made straight into its shards: a process reads only the tensors whose part lands on its devices
     (the layers of its pipeline stage, say) and no device ever holds more than its shards. Without it, each
@@ -147,7 +149,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     model_dir = Path(resolve_local(str(model_dir)))
     cfg = cfg or read_config(model_dir)
     param_dtype = param_dtype or dtype
-    where = with_mxfp4_pairs(open_checkpoint(model_dir))  # gpt-oss's published MXFP4 experts, dequantised
+    where = with_mxfp4_pairs(open_checkpoint(model_dir))  # gpt-oss's published MXFP4 experts
     scheme = read_scheme(model_dir)  # a pre-quantised checkpoint's reader, None for float weights
     unused: tuple[str, ...] = ()
     if scheme is not None:
@@ -202,6 +204,10 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         ".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(shardings_of(abstract))}
     for path, items in by_path.items():
         if path in state:  # kept quantised
+            continue
+        packed = packed_stack(items, where) if keep_quantized else None  # MXFP4 experts: read whole, placed later
+        if packed is not None:
+            state[path] = packed
             continue
         if placed is not None:
             state[path] = _load_sharded(shapes[path], np_dtype, items, where, placed[path])

@@ -3,7 +3,8 @@
 A reference (`--model`, `model:`, `serve MODEL`) is one of:
 
     path/to/hf_folder          config.json + model.safetensors (or an index + shards)
-    path/to/model.gguf         a llama.cpp GGUF file (architecture and tokenizer from its metadata)
+    path/to/model.gguf         a llama.cpp GGUF file (architecture and tokenizer from its metadata); a model split
+                               in files name-00001-of-0000N.gguf .. by any part's name (weights/gguf_split.py)
     path/to/output_dir         a surojax training run: its merged/ or model/ (full fine-tuning) or adapter/ (LoRA)
     path/to/adapter            a PEFT adapter folder; adapter_config.json's base_model_name_or_path names the base
     org/name[@revision]        a repo id present in the local Hugging Face cache (surojax.hub; never downloads)
@@ -20,6 +21,7 @@ from typing import Literal
 
 from surojax.hub import resolve_local
 from surojax.weights.gguf_checkpoint import is_gguf_path, read_gguf_hf_config
+from surojax.weights.gguf_split import model_name
 from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import WeightsError
 
@@ -54,7 +56,7 @@ class ModelRef:
     def name(self) -> str:
         """A short display name: the file's stem, the folder's name (the run folder's for model/, adapter/)."""
         p = Path(self.source.rstrip("/")).expanduser()
-        return p.stem if p.suffix.lower() == ".gguf" else p.name
+        return model_name(p) if p.suffix.lower() == ".gguf" else p.name
 
 
 def resolve_model(ref: str | os.PathLike) -> ModelRef:
@@ -96,6 +98,11 @@ def _dir_ref(path: Path, source: str) -> tuple[ModelRef, Path | None]:
             return ModelRef("hf", path / sub, None, path / sub, source), None
         if sub == "adapter" and (path / sub / ADAPTER_CONFIG).is_file():
             return _adapter_base(path / sub, source), path / sub
+    ggufs = sorted(p.name for p in path.iterdir() if is_gguf_path(p))
+    if ggufs:  # a folder of GGUF files (several quantisations, or a split model's parts): the file is named
+        more = f" ... and {len(ggufs) - 4} more" if len(ggufs) > 4 else ""
+        raise ModelRefError(f"model {source}: {path} holds GGUF files ({', '.join(ggufs[:4])}{more}) and no "
+                            "config.json: name the .gguf file (for a split model, any of its parts)")
     raise ModelRefError(f"model {source}: {path} is not a model folder: it holds no config.json, {ADAPTER_CONFIG}, "
                         f"merged/, model/ or adapter/; expected {EXPECTED}")
 
