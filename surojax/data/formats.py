@@ -27,6 +27,7 @@ from surojax.config.data import DatasetSpec, DatasetType
 from surojax.data.chat_masks import chat_ids_and_mask
 from surojax.data.sources import DataError, InvalidRowError
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
+from surojax.wording import a_type
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _text_value(row: Mapping, key: str, what: str, required: bool = True) -> str
     if value is None and not required:
         return ""
     if not isinstance(value, str):
-        found = "missing" if key not in row else f"a {type(value).__name__}"
+        found = "missing" if key not in row else a_type(value)
         raise InvalidRowError(f"{what} field {key!r} must be a string, found {found} (columns: {sorted(row)})")
     return value
 
@@ -165,7 +166,7 @@ def _messages(row, spec: DatasetSpec) -> list[dict]:
     out = []
     for j, m in enumerate(raw):
         if not isinstance(m, Mapping):
-            raise InvalidRowError(f"message {j} is a {type(m).__name__}, not an object")
+            raise InvalidRowError(f"message {j} is {a_type(m)}, not an object")
         m = {k: v for k, v in m.items() if v is not None}  # parquet fills absent struct fields with None
         if "from" in m and "role" not in m:
             sharegpt = True

@@ -38,6 +38,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import tokenizers
 
+from surojax.wording import json_type
+
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
 _TRACKER_VAR = "__surojax_generation_tracker"
 
@@ -75,7 +77,7 @@ def _read_json(path: Path) -> dict:
         raise TokenizerError(f"cannot read {path}: expected a UTF-8 JSON object, found {type(e).__name__}: {e}"
                              ) from None
     if not isinstance(data, dict):
-        raise TokenizerError(f"{path} must hold a JSON object, found {type(data).__name__}")
+        raise TokenizerError(f"{path} must hold a JSON object, found {json_type(data)}")
     return data
 
 

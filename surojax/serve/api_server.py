@@ -48,6 +48,7 @@ from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, De
                                     TokenizeRequest, UnloadLoRARequest)
 from surojax.serve.tool_parsers import (ToolChoice, ToolChoiceError, ToolParser, ToolCallStream, parser_for,
                                         resolve_tool_choice)
+from surojax.wording import json_type
 
 OPEN_PATHS = ("/health", "/metrics")
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def _message_text(content) -> str:
             else:
                 raise ApiError(400, "only text content parts are supported", param="messages")
         return "".join(parts)
-    raise ApiError(400, f"message content must be a string or a list of text parts, got {type(content).__name__}",
+    raise ApiError(400, f"message content must be a string or a list of text parts, got {json_type(content)}",
                    param="messages")
 
 

@@ -28,6 +28,8 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from surojax.wording import json_type
+
 __all__ = ["GrammarError", "GrammarMatcher", "GrammarVocab", "bitmask_width", "grammar_from_choice",
            "grammar_from_json_object", "grammar_from_json_schema", "grammar_from_regex"]
 
@@ -61,7 +63,7 @@ def grammar_from_json_schema(schema: dict[str, Any] | str) -> str:
         except ValueError as e:
             raise GrammarError(f"the schema is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
-        raise GrammarError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+        raise GrammarError(f"a JSON schema must be a JSON object, got {json_type(schema)}")
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     except ValueError as e:
