@@ -25,6 +25,7 @@ import numpy as np
 
 from surojax.config.data import DatasetSpec, DatasetType
 from surojax.data.chat_masks import chat_ids_and_mask
+from surojax.data.chat_roles import role_problem
 from surojax.data.sources import DataError, InvalidRowError
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
 from surojax.wording import a_type
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 TYPES = get_args(DatasetType)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                   "bot": "assistant", "chatgpt": "assistant", "system": "system", "tool": "tool",
-                  "function": "tool", "observation": "tool", "function_response": "tool"}
+                  "function": "tool", "observation": "tool", "function_response": "tool",
+                  "developer": "developer"}
 
 
 @dataclass(frozen=True)
@@ -173,10 +175,11 @@ def _messages(row, spec: DatasetSpec) -> list[dict]:
         if sharegpt:
             role = SHAREGPT_ROLES.get(str(m.get("from", m.get("role"))).lower())
             if role is None:
-                raise InvalidRowError(f"message {j}: unknown sharegpt role {m.get('from')!r}")
+                raise InvalidRowError(f"message {j}: unknown sharegpt role {m.get('from')!r} (one of "
+                                      f"{', '.join(SHAREGPT_ROLES)})")
             m = {"role": role, "content": m.get("value", m.get("content"))}
-        if m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise InvalidRowError(f"message {j}: role must be system, user, assistant or tool, got {m.get('role')!r}")
+        if (problem := role_problem(m)) is not None:
+            raise InvalidRowError(f"message {j} {problem}")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
             m["content"] = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))

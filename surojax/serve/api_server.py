@@ -10,7 +10,8 @@
     POST /tokenize, /detokenize; GET /health, /metrics (Prometheus text)
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, unknown
-model, prompt longer than max-model-len, invalid sampling values and invalid structured-output grammars
+model, a message whose role is not one of OpenAI's (system, developer, user, assistant, tool; developer reaches a
+template that lacks it as system: `data.chat_roles`), prompt longer than max-model-len, invalid sampling values and invalid structured-output grammars
 (response_format / guided_*: the schema or regex is compiled before the request is queued), 401 without the
 --api-key bearer token (everything except /health and /metrics), 403 for runtime LoRA endpoints that are off,
 413 for a body over --max-request-bytes (`serve.body_limit`), 429 + Retry-After when the in-flight limit
@@ -37,6 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from surojax.data.chat_roles import role_problem
 from surojax.generation.context import ContextLengthError, completion_budget
 from surojax.generation.sampling import SamplingParamsError
 from surojax.serve.api_key import ApiKeyAuth
@@ -134,6 +136,12 @@ def _message_text(content) -> str:
         return "".join(parts)
     raise ApiError(400, f"message content must be a string or a list of text parts, got {json_type(content)}",
                    param="messages")
+
+
+def _check_role(message, index: int) -> None:
+    """400 for a message without one of OpenAI's chat roles (a template would drop it silently, or fail)."""
+    if (problem := role_problem(message)) is not None:
+        raise ApiError(400, f"messages[{index}] {problem}", param="messages")
 
 
 def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
@@ -409,6 +417,8 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
+            for i, m in enumerate(req.messages):
+                _check_role(m, i)
             ids = _render_chat(state, [dict(m) for m in req.messages], None, {}, req.add_generation_prompt)
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -462,10 +472,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(req: ChatCompletionRequest, raw: Request):
         adapter = _resolve_model(state, req.model)
         messages = []
-        for m in req.messages:
+        for i, m in enumerate(req.messages):
+            _check_role(m, i)
             m = dict(m)
-            if "role" not in m:
-                raise ApiError(400, "every message needs a 'role'", param="messages")
             m["content"] = _message_text(m.get("content"))
             messages.append(m)
         try:
