@@ -12,11 +12,14 @@
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, unknown
 model, a message whose role is not one of OpenAI's (system, developer, user, assistant, tool; developer reaches a
 template that lacks it as system: `data.chat_roles`), prompt longer than max-model-len, invalid sampling values and invalid structured-output grammars
-(response_format / guided_*: the schema or regex is compiled before the request is queued), 401 without the
+(response_format / guided_*: the schema or regex is compiled before the request is queued) and grammars the
+vocabulary cannot spell (`GrammarVocab.unwritable`; tool_choice for a forced call format), 401 without the
 --api-key bearer token (everything except /health and /metrics), 403 for runtime LoRA endpoints that are off,
 413 for a body over --max-request-bytes (`serve.body_limit`), 429 + Retry-After when the in-flight limit
 (max-num-seqs + max-queue) is reached, 503 + Retry-After while draining or when the engine thread is gone, 500 for
-anything unexpected — never a crash. A client that disconnects (stream or not) aborts its request(s) at once (the
+anything unexpected — never a crash. A request the engine ends early (finish_reason "abort" inside: a grammar
+stuck where no token continues it, an unloaded adapter) is an error saying why (`_for_client`), never a choice with
+that finish reason. A client that disconnects (stream or not) aborts its request(s) at once (the
 disconnect is awaited, not polled), which frees their KV blocks before the next engine step.
 
 `n` > 1: n engine requests of one prompt (seeds seed, seed + 1, ... when given; the later ones hit the prompt's
@@ -172,8 +175,13 @@ def _params(state: ServerState, req, n_prompt: int, requested: int | None, logpr
                                           f"for structured output)", grammar[0])
             forced = tools.grammar(state.tokenizer.token_to_id)
             grammar = ("tools", forced) if forced is not None else None
-        if grammar is not None and (err := state.engine.engine.grammar_vocab.check(grammar[1])) is not None:
-            raise SamplingParamsError(f"{grammar[0]}: {err}", grammar[0])
+        if grammar is not None:
+            vocab = state.engine.engine.grammar_vocab
+            if (err := vocab.check(grammar[1])) is not None:
+                raise SamplingParamsError(f"{grammar[0]}: {err}", grammar[0])
+            if (err := vocab.unwritable(grammar[1])) is not None:  # said now, not after a generation that fails
+                field = "tool_choice" if grammar[0] == "tools" else grammar[0]  # the choice forces the call format
+                raise SamplingParamsError(f"{field}: {err}", field)
         params = req.sampling_params(max_tokens=completion_budget(n_prompt, requested, state.max_model_len),
                                      eos_ids=state.eos_ids, logprobs=logprobs, top_logprobs=top,
                                      grammar=grammar[1] if grammar is not None else None)
@@ -216,6 +224,19 @@ def _submit_n(state: ServerState, ids, params, adapter, n: int, split=False) -> 
     return streams
 
 
+ABORTED = "abort"  # the engine's finish reason for a request it ended early: not one of OpenAI's, never sent
+
+
+def _for_client(item):
+    """An engine output as the client may see it: an aborted one (`ABORTED`) becomes the ApiError that says why
+    (400: its grammar cannot be continued by this vocabulary, its adapter was unloaded ...; 500 without a reason)."""
+    if isinstance(item, BaseException) or not (item.finished and item.finish_reason == ABORTED):
+        return item
+    if item.error:
+        return ApiError(400, item.error)
+    return ApiError(500, "the engine ended the request early", "server_error")
+
+
 async def _collect(stream: Stream, raw: Request):
     """All outputs of a non-streaming request; aborts it the moment the client disconnects."""
     outs = []
@@ -229,7 +250,9 @@ async def _collect(stream: Stream, raw: Request):
                 gone.exception()  # a receive that failed counts as gone too (read here, so it is not logged unread)
                 stream.owner.abort(stream)
                 raise ClientGone()
-            item = item.result()
+            item = _for_client(item.result())
+            if isinstance(item, ApiError):
+                raise item
             if isinstance(item, BaseException):
                 raise ApiError(500, str(item), "server_error")
             outs.append(item)
@@ -254,10 +277,10 @@ def _ends(item) -> bool:
 
 
 def _drain(q: asyncio.Queue, first) -> list:
-    """``first`` and what else is already queued behind it, up to a stream's last item."""
-    items = [first]
+    """``first`` and what else is already queued behind it, up to a stream's last item (`_for_client`'s)."""
+    items = [_for_client(first)]
     while not _ends(items[-1]) and not q.empty():
-        items.append(q.get_nowait())
+        items.append(_for_client(q.get_nowait()))
     return items
 
 
@@ -301,6 +324,10 @@ async def _merged(streams: list[Stream]):
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_event(e: ApiError) -> str:
+    return _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}})
 
 
 class _SseChunks:
@@ -576,6 +603,8 @@ def build_app(state: ServerState) -> FastAPI:
         except ToolChoiceError as e:
             yield "".join(parts) + _sse({"error": {"message": str(e), "type": "invalid_request_error",
                                                    "param": "tool_choice", "code": 400}})
+        except ApiError as e:  # the engine ended a request early (`_for_client`)
+            yield "".join(parts) + _error_event(e)
         except Exception as e:  # engine failure mid-stream: an error event, then [DONE]
             yield "".join(parts) + _sse({"error": {"message": str(e), "type": "server_error", "param": None,
                                                    "code": 500}})
@@ -661,6 +690,8 @@ def build_app(state: ServerState) -> FastAPI:
             if include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                             "choices": [], "usage": _usage(n_prompt, n_out)})
+        except ApiError as e:  # the engine ended a request early (`_for_client`)
+            yield _error_event(e)
         except Exception as e:
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
         finally:
