@@ -1,7 +1,7 @@
 """What every CLI command shares: run it with user errors turned into a clean message, config arguments.
 
 Exit codes: 0 done, 1 a user error (bad config, missing file: one red line each, no traceback),
-2 bad usage or not implemented yet, 130 interrupted. Anything else is a bug and keeps its traceback.
+2 bad usage (or a command module missing from a broken install), 130 interrupted. Anything else is a bug and keeps its traceback.
 
 A user error is a ConfigError or any exception whose class sets `is_user_error = True`; raise such a class
 (or UsageError) for mistakes the user can fix, so that every command reports them the same way.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,11 +59,6 @@ def run_guarded(fn: Callable[..., int | None], *args: Any, **kwargs: Any) -> int
             return EXIT_USER_ERROR
         raise
     return 0 if rc is None else int(rc)
-
-
-def not_implemented(what: str) -> int:
-    print(f"surojax {what}: not implemented yet in this version", file=sys.stderr)
-    return EXIT_NOT_IMPLEMENTED
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, flag: bool = False) -> None:

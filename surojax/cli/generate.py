@@ -1,14 +1,21 @@
 """`surojax generate --model REF --prompt TEXT [--chat] ...`: print a completion (a plain KV cache).
 
 REF is anything surojax.weights.model_ref resolves: an HF folder, a .gguf file, a training run's output folder,
-a PEFT adapter folder (folded into the base its adapter_config.json names) or a repo id in the local HF cache."""
+a PEFT adapter folder (folded into the base its adapter_config.json names) or a repo id in the local HF cache.
+
+The options are checked before the model loads, every bad one with its own line (the flag, its value, what it
+accepts). `--system` is a message of the chat template, so it needs `--chat` (without it the prompt is plain text
+and a system message has no place: refused, not ignored and not implied).
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
+from surojax.cli.common import UsageError
 from surojax.generation.context import completion_budget
 
 
@@ -19,18 +26,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: the model's)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
-    p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--system", default=None, help="system message of the chat template (needs --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="at least 1 (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
+    p.add_argument("--top-k", type=int, default=0, help="the k most likely tokens; 0 (default) or -1 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--show-ids", action="store_true", help="also print the generated token ids")
 
 
+def option_problems(args: argparse.Namespace) -> list[str]:
+    """One line per unusable option: the flag, the value given and what it accepts."""
+    problems = []
+    if args.max_new_tokens < 1:
+        problems.append(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        problems.append(f"--temperature {args.temperature:g}: must be >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        problems.append(f"--top-p {args.top_p:g}: must be in (0, 1] (1 = off)")
+    if args.top_k < -1:
+        problems.append(f"--top-k {args.top_k}: must be -1 or 0 (off) or positive")
+    if args.system is not None and not args.chat:
+        problems.append("--system: a system message goes through the chat template; add --chat (without it the "
+                        "prompt is encoded as plain text)")
+    return problems
+
+
 def run(args: argparse.Namespace) -> int:
+    problems = option_problems(args)
+    if problems:
+        raise UsageError("\n".join(problems))
     # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     import jax.numpy as jnp
 
@@ -38,10 +65,6 @@ def run(args: argparse.Namespace) -> int:
     from surojax.generation.loop import eos_ids, generate
     from surojax.quant.laid_out import decode_weights
 
-    if args.max_new_tokens < 1:
-        raise SystemExit("--max-new-tokens must be at least 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise SystemExit("--temperature must be >= 0 and --top-p in (0, 1]")
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     t0 = time.perf_counter()
     # a GGUF file stays quantised (its weights packed on the device, not a bf16 copy), and the weights that the

@@ -6,8 +6,11 @@ LoRA (docs/serving.md). scripts/serve.py is the same entry point. The options fi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
+import shlex
+import sys
 
 from surojax.cli.common import non_negative_int, positive_int
 from surojax.serve.config import (EngineConfig, KVCacheDtype, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig, SpecMethod,
@@ -176,10 +179,38 @@ class QuietBackendProbe(logging.Filter):
 
 JAX_BACKEND_LOGGER = "jax._src.xla_bridge"
 
+# The HTTP server's packages. They are base dependencies (pyproject.toml), so `bash scripts/run.sh` installs them;
+# an environment made otherwise may lack them, which `surojax serve` says before any heavy work.
+SERVING_PACKAGES = ("fastapi", "uvicorn")
+
+
+def install_command(packages: tuple[str, ...] = SERVING_PACKAGES) -> str:
+    """The command that installs `packages` into the environment running this process."""
+    return shlex.join([sys.executable, "-m", "pip", "install", *packages])
+
+
+def missing_serving_packages() -> list[str]:
+    return [p for p in SERVING_PACKAGES if importlib.util.find_spec(p) is None]
+
+
+def require_serving_packages() -> None:
+    """ServeOptionError (one line: what is missing and the install command) unless fastapi and uvicorn import."""
+    missing = missing_serving_packages()
+    if missing:
+        raise ServeOptionError(f"surojax serve needs {' and '.join(missing)}, which this Python environment "
+                               f"({sys.prefix}) does not have; install with: {install_command()}")
+
 
 def run(args: argparse.Namespace) -> int:
+    require_serving_packages()
     # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
-    from surojax.serve.launch import serve
+    try:
+        from surojax.serve.launch import serve
+    except ModuleNotFoundError as e:  # a serving package that is there but broken (one of its own imports missing)
+        if e.name is None or e.name.split(".")[0] not in (*SERVING_PACKAGES, "starlette"):
+            raise
+        raise ServeOptionError(f"surojax serve cannot import {e.name} ({e}); reinstall with: "
+                               f"{install_command()}") from None
 
     probe_log = logging.getLogger(JAX_BACKEND_LOGGER)
     if not any(isinstance(f, QuietBackendProbe) for f in probe_log.filters):

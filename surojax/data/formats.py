@@ -25,15 +25,18 @@ import numpy as np
 
 from surojax.config.data import DatasetSpec, DatasetType
 from surojax.data.chat_masks import chat_ids_and_mask
+from surojax.data.chat_roles import role_problem
 from surojax.data.sources import DataError, InvalidRowError
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
+from surojax.wording import a_type
 
 log = logging.getLogger(__name__)
 
 TYPES = get_args(DatasetType)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                   "bot": "assistant", "chatgpt": "assistant", "system": "system", "tool": "tool",
-                  "function": "tool", "observation": "tool", "function_response": "tool"}
+                  "function": "tool", "observation": "tool", "function_response": "tool",
+                  "developer": "developer"}
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ def _text_value(row: Mapping, key: str, what: str, required: bool = True) -> str
     if value is None and not required:
         return ""
     if not isinstance(value, str):
-        found = "missing" if key not in row else f"a {type(value).__name__}"
+        found = "missing" if key not in row else a_type(value)
         raise InvalidRowError(f"{what} field {key!r} must be a string, found {found} (columns: {sorted(row)})")
     return value
 
@@ -165,17 +168,18 @@ def _messages(row, spec: DatasetSpec) -> list[dict]:
     out = []
     for j, m in enumerate(raw):
         if not isinstance(m, Mapping):
-            raise InvalidRowError(f"message {j} is a {type(m).__name__}, not an object")
+            raise InvalidRowError(f"message {j} is {a_type(m)}, not an object")
         m = {k: v for k, v in m.items() if v is not None}  # parquet fills absent struct fields with None
         if "from" in m and "role" not in m:
             sharegpt = True
         if sharegpt:
             role = SHAREGPT_ROLES.get(str(m.get("from", m.get("role"))).lower())
             if role is None:
-                raise InvalidRowError(f"message {j}: unknown sharegpt role {m.get('from')!r}")
+                raise InvalidRowError(f"message {j}: unknown sharegpt role {m.get('from')!r} (one of "
+                                      f"{', '.join(SHAREGPT_ROLES)})")
             m = {"role": role, "content": m.get("value", m.get("content"))}
-        if m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise InvalidRowError(f"message {j}: role must be system, user, assistant or tool, got {m.get('role')!r}")
+        if (problem := role_problem(m)) is not None:
+            raise InvalidRowError(f"message {j} {problem}")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
             m["content"] = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))

@@ -34,6 +34,7 @@ from surojax.data.loader import TrainLoader, _local_batch, _process
 from surojax.data.pipeline import DataStats, DatasetEntry, chat_template_text, dataset_spec, validation_split
 from surojax.data.sources import DataError, InvalidRowError, ReadStats, read_rows
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer
+from surojax.wording import a_type
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def _response_messages(row: Mapping, key: str) -> list[dict]:
         value = [value]
     if not isinstance(value, list) or not value:
         raise InvalidRowError(f"conversational preference field {key!r} must be a non-empty list of assistant "
-                              f"messages, found {type(value).__name__}")
+                              f"messages, found {'an empty list' if value == [] else a_type(value)}")
     messages = _messages({"messages": value}, DatasetSpec(path="-"))
     if any(m["role"] != "assistant" for m in messages):
         raise InvalidRowError(f"field {key!r} must hold assistant messages only, found roles "
@@ -109,7 +110,7 @@ class PairFormatter:
         for key, value in ((self.spec.chosen_field, chosen), (self.spec.rejected_field, rejected)):
             if not isinstance(value, str) or not value.strip():
                 raise InvalidRowError(f"standard preference field {key!r} must be a non-empty string (the prompt "
-                                      f"is a string), found {type(value).__name__}")
+                                      f"is a string), found {'an empty string' if isinstance(value, str) else a_type(value)}")
         tok = self.tokenizer
         eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
         return PreferencePair(_ids(tok.encode(prompt, add_special_tokens=True)), _ids(tok.encode(chosen) + eos),

@@ -27,6 +27,7 @@ from surojax.data.formats import _chat_template, _messages
 from surojax.data.pipeline import DataStats, DatasetEntry, dataset_spec
 from surojax.data.sources import DataError, InvalidRowError, ReadStats, read_rows
 from surojax.data.tokenizer import Tokenizer
+from surojax.wording import a_type
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def prompt_of_row(row: Mapping[str, Any], tokenizer: Tokenizer, spec: DatasetSpe
         messages = _messages({spec.messages_field: value}, spec)
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
         return Prompt(tuple(ids), messages, columns)
-    found = "missing" if key not in row else f"a {type(value).__name__}"
+    found = "missing" if key not in row else a_type(value)
     raise InvalidRowError(f"prompt field {key!r} must be a string or a list of chat messages, found {found} "
                           f"(columns: {sorted(row)})")
 

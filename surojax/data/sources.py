@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from surojax.hub import ModelNotFoundError, resolve_local
+from surojax.wording import json_error, json_type
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ def _read_file(f: Path) -> Iterator[tuple[str, dict | InvalidRowError]]:
 def _checked(row: Any) -> dict | InvalidRowError:
     if isinstance(row, dict):
         return row
-    return InvalidRowError(f"expected a JSON object, got {type(row).__name__}")
+    return InvalidRowError(f"expected a JSON object, found {json_type(row)}")
 
 
 def _read_jsonl(f: Path):
@@ -169,7 +170,7 @@ def _read_jsonl(f: Path):
             try:
                 yield where, _checked(json.loads(line))
             except json.JSONDecodeError as e:
-                yield where, InvalidRowError(f"invalid JSON ({e.msg} at column {e.colno})")
+                yield where, InvalidRowError(f"invalid JSON ({json_error(e, line=False)})")
 
 
 def _read_json(f: Path):
@@ -181,7 +182,7 @@ def _read_json(f: Path):
         if text.lstrip().startswith("{") and "\n" in text.strip():
             yield from _read_jsonl(f)
             return
-        raise DataError(f"{f}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise DataError(f"{f}: invalid JSON ({json_error(e)})") from None
     if isinstance(data, dict):
         if isinstance(data.get("data"), list):
             data = data["data"]
@@ -189,7 +190,7 @@ def _read_json(f: Path):
             raise DataError(f"{f}: expected a list of objects or {{\"data\": [...]}}, got an object with keys "
                             f"{sorted(data)[:8]}")
     if not isinstance(data, list):
-        raise DataError(f"{f}: expected a list of objects, got {type(data).__name__}")
+        raise DataError(f"{f}: expected a list of objects, found {json_type(data)}")
     for i, row in enumerate(data, 1):
         where = f"{f} row {i}"
         yield where, _checked(row)

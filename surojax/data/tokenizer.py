@@ -38,6 +38,9 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 import tokenizers
 
+from surojax.data.chat_roles import for_template
+from surojax.wording import json_type
+
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker for continue_final_message
 _TRACKER_VAR = "__surojax_generation_tracker"
 
@@ -75,7 +78,7 @@ def _read_json(path: Path) -> dict:
         raise TokenizerError(f"cannot read {path}: expected a UTF-8 JSON object, found {type(e).__name__}: {e}"
                              ) from None
     if not isinstance(data, dict):
-        raise TokenizerError(f"{path} must hold a JSON object, found {type(data).__name__}")
+        raise TokenizerError(f"{path} must hold a JSON object, found {json_type(data)}")
     return data
 
 
@@ -323,7 +326,8 @@ class Tokenizer:
         Returns text (tokenize=False), ids, or with return_assistant_mask=True a dict {"input_ids",
         "assistant_mask"} where the mask is 1 on tokens inside the template's `{% generation %}` blocks
         (transformers' return_assistant_tokens_mask). Extra keyword arguments become template variables
-        (e.g. enable_thinking=False) and override the special-token variables.
+        (e.g. enable_thinking=False) and override the special-token variables. A `developer` message reaches a
+        template that does not name that role as a `system` message (surojax/data/chat_roles.py).
         """
         if not messages:
             raise ChatTemplateError("cannot apply a chat template to an empty conversation")
@@ -334,6 +338,7 @@ class Tokenizer:
         if return_assistant_mask and not tokenize:
             raise ChatTemplateError("return_assistant_mask needs tokenize=True")
         template = self.get_chat_template(chat_template, tools)
+        messages = for_template(messages, template)  # OpenAI's `developer` as `system` where the template lacks it
         if tools is not None:
             tools = list(tools)
             if not all(isinstance(t, Mapping) for t in tools):

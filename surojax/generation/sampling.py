@@ -90,15 +90,19 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """self, or SamplingParamsError: each bad field's own message (its name, the value, the allowed range),
+        joined with "; " when several are bad; `param` names the first."""
+        problems: list[tuple[str, str]] = []
+
         def bad(param, msg):
-            raise SamplingParamsError(msg, param)
+            problems.append((param, msg))
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            bad("temperature", f"temperature must be >= 0, got {self.temperature}")
+            bad("temperature", f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+            bad("top_p", f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.top_k < -1:
             bad("top_k", f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -115,6 +119,8 @@ class SamplingParams:
             bad("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab_size})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
+        if problems:
+            raise SamplingParamsError("; ".join(msg for _, msg in problems), problems[0][0])
         return self
 
 

@@ -30,6 +30,7 @@ from flax import nnx
 
 from surojax.models.registry import WeightRow, weight_rows
 from surojax.peft.peft_io import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE
+from surojax.weights.atomic import write_text_atomic
 from surojax.weights.safetensors_file import SafetensorsFile, write_safetensors
 
 ROUTER_PATHS = ("layers.mlp.router.kernel", "layers.mlp.router.bias")  # the Decoder state paths of the router
@@ -127,12 +128,8 @@ def add_router_to_adapter(model, adapter_dir: str | os.PathLike, dtype=None) -> 
     f = SafetensorsFile(weights)
     tensors = {n: np.asarray(f.get(n)) for n in f.names()}
     tensors.update(router_tensors(model, dtype))
-    tmp = weights.with_name(weights.name + ".tmp")
-    write_safetensors(tmp, tensors, metadata={"format": "pt"})
-    os.replace(tmp, weights)
+    write_safetensors(weights, tensors, metadata={"format": "pt"})  # atomic: a temporary file renamed over it
     config_path = adapter_dir / CONFIG_FILE
     cfg = json.loads(config_path.read_text())
     cfg["modules_to_save"] = modules_to_save(model)
-    tmp = config_path.with_name(config_path.name + ".tmp")
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, config_path)
+    write_text_atomic(config_path, json.dumps(cfg, indent=2) + "\n")

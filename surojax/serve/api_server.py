@@ -10,12 +10,16 @@
     POST /tokenize, /detokenize; GET /health, /metrics (Prometheus text)
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, unknown
-model, prompt longer than max-model-len, invalid sampling values and invalid structured-output grammars
-(response_format / guided_*: the schema or regex is compiled before the request is queued), 401 without the
+model, a message whose role is not one of OpenAI's (system, developer, user, assistant, tool; developer reaches a
+template that lacks it as system: `data.chat_roles`), prompt longer than max-model-len, invalid sampling values and invalid structured-output grammars
+(response_format / guided_*: the schema or regex is compiled before the request is queued) and grammars the
+vocabulary cannot spell (`GrammarVocab.unwritable`; tool_choice for a forced call format), 401 without the
 --api-key bearer token (everything except /health and /metrics), 403 for runtime LoRA endpoints that are off,
 413 for a body over --max-request-bytes (`serve.body_limit`), 429 + Retry-After when the in-flight limit
 (max-num-seqs + max-queue) is reached, 503 + Retry-After while draining or when the engine thread is gone, 500 for
-anything unexpected — never a crash. A client that disconnects (stream or not) aborts its request(s) at once (the
+anything unexpected — never a crash. A request the engine ends early (finish_reason "abort" inside: a grammar
+stuck where no token continues it, an unloaded adapter) is an error saying why (`_for_client`), never a choice with
+that finish reason. A client that disconnects (stream or not) aborts its request(s) at once (the
 disconnect is awaited, not polled), which frees their KV blocks before the next engine step.
 
 `n` > 1: n engine requests of one prompt (seeds seed, seed + 1, ... when given; the later ones hit the prompt's
@@ -37,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from surojax.data.chat_roles import role_problem
 from surojax.generation.context import ContextLengthError, completion_budget
 from surojax.generation.sampling import SamplingParamsError
 from surojax.serve.api_key import ApiKeyAuth
@@ -48,6 +53,7 @@ from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, De
                                     TokenizeRequest, UnloadLoRARequest)
 from surojax.serve.tool_parsers import (ToolChoice, ToolChoiceError, ToolParser, ToolCallStream, parser_for,
                                         resolve_tool_choice)
+from surojax.wording import json_type
 
 OPEN_PATHS = ("/health", "/metrics")
 log = logging.getLogger(__name__)
@@ -131,8 +137,14 @@ def _message_text(content) -> str:
             else:
                 raise ApiError(400, "only text content parts are supported", param="messages")
         return "".join(parts)
-    raise ApiError(400, f"message content must be a string or a list of text parts, got {type(content).__name__}",
+    raise ApiError(400, f"message content must be a string or a list of text parts, got {json_type(content)}",
                    param="messages")
+
+
+def _check_role(message, index: int) -> None:
+    """400 for a message without one of OpenAI's chat roles (a template would drop it silently, or fail)."""
+    if (problem := role_problem(message)) is not None:
+        raise ApiError(400, f"messages[{index}] {problem}", param="messages")
 
 
 def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
@@ -163,8 +175,13 @@ def _params(state: ServerState, req, n_prompt: int, requested: int | None, logpr
                                           f"for structured output)", grammar[0])
             forced = tools.grammar(state.tokenizer.token_to_id)
             grammar = ("tools", forced) if forced is not None else None
-        if grammar is not None and (err := state.engine.engine.grammar_vocab.check(grammar[1])) is not None:
-            raise SamplingParamsError(f"{grammar[0]}: {err}", grammar[0])
+        if grammar is not None:
+            vocab = state.engine.engine.grammar_vocab
+            if (err := vocab.check(grammar[1])) is not None:
+                raise SamplingParamsError(f"{grammar[0]}: {err}", grammar[0])
+            if (err := vocab.unwritable(grammar[1])) is not None:  # said now, not after a generation that fails
+                field = "tool_choice" if grammar[0] == "tools" else grammar[0]  # the choice forces the call format
+                raise SamplingParamsError(f"{field}: {err}", field)
         params = req.sampling_params(max_tokens=completion_budget(n_prompt, requested, state.max_model_len),
                                      eos_ids=state.eos_ids, logprobs=logprobs, top_logprobs=top,
                                      grammar=grammar[1] if grammar is not None else None)
@@ -207,6 +224,19 @@ def _submit_n(state: ServerState, ids, params, adapter, n: int, split=False) -> 
     return streams
 
 
+ABORTED = "abort"  # the engine's finish reason for a request it ended early: not one of OpenAI's, never sent
+
+
+def _for_client(item):
+    """An engine output as the client may see it: an aborted one (`ABORTED`) becomes the ApiError that says why
+    (400: its grammar cannot be continued by this vocabulary, its adapter was unloaded ...; 500 without a reason)."""
+    if isinstance(item, BaseException) or not (item.finished and item.finish_reason == ABORTED):
+        return item
+    if item.error:
+        return ApiError(400, item.error)
+    return ApiError(500, "the engine ended the request early", "server_error")
+
+
 async def _collect(stream: Stream, raw: Request):
     """All outputs of a non-streaming request; aborts it the moment the client disconnects."""
     outs = []
@@ -220,7 +250,9 @@ async def _collect(stream: Stream, raw: Request):
                 gone.exception()  # a receive that failed counts as gone too (read here, so it is not logged unread)
                 stream.owner.abort(stream)
                 raise ClientGone()
-            item = item.result()
+            item = _for_client(item.result())
+            if isinstance(item, ApiError):
+                raise item
             if isinstance(item, BaseException):
                 raise ApiError(500, str(item), "server_error")
             outs.append(item)
@@ -245,10 +277,10 @@ def _ends(item) -> bool:
 
 
 def _drain(q: asyncio.Queue, first) -> list:
-    """``first`` and what else is already queued behind it, up to a stream's last item."""
-    items = [first]
+    """``first`` and what else is already queued behind it, up to a stream's last item (`_for_client`'s)."""
+    items = [_for_client(first)]
     while not _ends(items[-1]) and not q.empty():
-        items.append(q.get_nowait())
+        items.append(_for_client(q.get_nowait()))
     return items
 
 
@@ -292,6 +324,10 @@ async def _merged(streams: list[Stream]):
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error_event(e: ApiError) -> str:
+    return _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}})
 
 
 class _SseChunks:
@@ -408,6 +444,8 @@ def build_app(state: ServerState) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'")
         if req.messages is not None:
+            for i, m in enumerate(req.messages):
+                _check_role(m, i)
             ids = _render_chat(state, [dict(m) for m in req.messages], None, {}, req.add_generation_prompt)
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -461,10 +499,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(req: ChatCompletionRequest, raw: Request):
         adapter = _resolve_model(state, req.model)
         messages = []
-        for m in req.messages:
+        for i, m in enumerate(req.messages):
+            _check_role(m, i)
             m = dict(m)
-            if "role" not in m:
-                raise ApiError(400, "every message needs a 'role'", param="messages")
             m["content"] = _message_text(m.get("content"))
             messages.append(m)
         try:
@@ -566,6 +603,8 @@ def build_app(state: ServerState) -> FastAPI:
         except ToolChoiceError as e:
             yield "".join(parts) + _sse({"error": {"message": str(e), "type": "invalid_request_error",
                                                    "param": "tool_choice", "code": 400}})
+        except ApiError as e:  # the engine ended a request early (`_for_client`)
+            yield "".join(parts) + _error_event(e)
         except Exception as e:  # engine failure mid-stream: an error event, then [DONE]
             yield "".join(parts) + _sse({"error": {"message": str(e), "type": "server_error", "param": None,
                                                    "code": 500}})
@@ -651,6 +690,8 @@ def build_app(state: ServerState) -> FastAPI:
             if include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                             "choices": [], "usage": _usage(n_prompt, n_out)})
+        except ApiError as e:  # the engine ended a request early (`_for_client`)
+            yield _error_event(e)
         except Exception as e:
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
         finally:

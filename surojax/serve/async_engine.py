@@ -291,7 +291,8 @@ class AsyncEngine:
                 self._deliver([(stream, RequestOutput(stream.request_id, [], True, "abort"))])
         elif kind == "aborted":
             gone = [self._open.pop(r)[0] for r in payload if r in self._open]
-            self._deliver([(s, RequestOutput(s.request_id, [], True, "abort")) for s in gone])
+            why = "its LoRA adapter was unloaded while it ran"
+            self._deliver([(s, RequestOutput(s.request_id, [], True, "abort", error=why)) for s in gone])
         elif kind == "failed":
             self._fail_open(payload)
 

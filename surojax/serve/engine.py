@@ -309,19 +309,20 @@ class Engine:
         return dict(zip(guided, masks))
 
     def _advance_grammar(self, o: RequestOutput) -> None:
-        """Feed this step's tokens to the request's matcher; a complete grammar finishes the request ("stop")."""
+        """Feed this step's tokens to the request's matcher; a complete grammar finishes the request ("stop").
+        A token the grammar does not take was sampled from a mask with nothing the grammar takes (a state this
+        vocabulary cannot continue): it is dropped and the request ends ("abort") with the matcher's reason."""
         matcher = self._matchers[o.request_id]
-        if o.finished and o.finish_reason != "length":  # a stop id (allowed only where the grammar may end)
-            return
-        try:
-            for tok in o.new_token_ids:
+        for k, tok in enumerate(o.new_token_ids):  # a stop id ends it where the grammar may end (`advance`)
+            try:
                 matcher.advance(tok)
-        except GrammarError:  # cannot happen while the mask holds: end the request rather than the engine
-            log.exception("request %s left its grammar", o.request_id)
-            if not o.finished:
-                self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_ABORTED)
-            o.finished, o.finish_reason = True, "abort"
-            return
+            except GrammarError as e:  # end the request rather than the engine
+                log.warning("request %s: structured output stuck: %s", o.request_id, e)
+                del o.new_token_ids[k:]
+                if not o.finished:
+                    self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_ABORTED)
+                o.finished, o.finish_reason, o.error = True, "abort", f"structured output: {e}"
+                return
         if matcher.finished:  # complete, also when its last token was the last one max_tokens allowed
             if not o.finished:
                 self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_STOPPED)

@@ -113,7 +113,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (internal: never sent to a client as such)
+    error: str | None = None  # why the engine aborted it, for the client ("abort" outputs; None: the client left)
     logprobs: list | None = None  # per new token: (logprob, [(id, logprob), ...]) when the request asked
     text: str = ""  # detokenised delta (engine with a tokenizer)
     reasoning_text: str = ""  # delta inside <think> ... </think> (requests that split reasoning)

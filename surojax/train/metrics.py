@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
+
+from surojax.weights.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +31,7 @@ class JsonlSink:
         The kept rows are written to a temporary file that replaces the old one."""
         self.file.close()
         kept = [line for line in self.path.read_text().splitlines(keepends=True) if _row_step(line) <= step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(kept))
         self.file = open(self.path, "a", buffering=1)
 
     def close(self) -> None:

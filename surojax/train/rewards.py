@@ -28,6 +28,7 @@ import numpy as np
 
 from surojax.config.grpo import BUILTIN_REWARDS as BUILTINS, GRPOSection
 from surojax.train.generation_eval import is_correct
+from surojax.wording import a_type
 
 RewardCallable = Callable[..., Sequence[float | None]]
 
@@ -78,7 +79,7 @@ def completion_text(completion) -> str:
         return completion
     if isinstance(completion, Sequence) and completion and isinstance(completion[-1], Mapping):
         return str(completion[-1].get("content", ""))
-    raise RewardFunctionError(f"a completion must be a string or a list of messages; got {type(completion).__name__}")
+    raise RewardFunctionError(f"a completion must be a string or a list of messages; got {a_type(completion)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +156,7 @@ def load_reward_function(spec: str, settings: RewardSettings = RewardSettings())
         raise RewardFunctionError(f"reward function {spec!r}: module {module_name} ({module.__file__}) has no "
                                   f"{attr!r}")
     if not callable(fn):
-        raise RewardFunctionError(f"reward function {spec!r}: {attr} is a {type(fn).__name__}, not callable")
+        raise RewardFunctionError(f"reward function {spec!r}: {attr} is {a_type(fn)}, not callable")
     return RewardFunction(attr, fn)
 
 

@@ -59,6 +59,7 @@ from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.quant.base import QuantFormat
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
+from surojax.weights.atomic import AtomicFile
 from surojax.weights.gguf_reader import GGUFError, GGUFFile
 from surojax.weights.gguf_split import read_gguf_model
 from surojax.weights.gguf_tokenizer import add_tokenizer, tokenizer_from_fields, tokenizer_metadata
@@ -262,8 +263,8 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
     tok_meta = tokenizer_metadata(tokenizer_dir, cfg.vocab_size)
     tensor = _hf_tensor_reader(model)
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), arch)
+    out = AtomicFile(path)
+    w = gguf.GGUFWriter(str(out.tmp), arch)
     try:
         w.add_name(name or "surojax-model")
         w.add_file_type(int(FILE_TYPES[file_type][0]))
@@ -314,10 +315,10 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.replace(tmp, path)
+        out.commit()
     except BaseException:
         w.close()
-        tmp.unlink(missing_ok=True)
+        out.discard()
         raise
     return path
 

@@ -377,4 +377,4 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None
     for name in TOKENIZER_FILES:
         p = Path(src) / name
         if p.is_file():
-            shutil.copy2(p, Path(dst) / name)
+            shutil.copyfile(p, Path(dst) / name)  # the contents: the copy gets a new file's mode, not the source's

@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from surojax.wording import json_error, json_type
+
 
 def read_json_object(path: str | os.PathLike, error: type[ValueError]) -> dict:
     """The JSON object in `path`; any failure raises `error` (module docstring)."""
@@ -26,10 +28,10 @@ def read_json_object(path: str | os.PathLike, error: type[ValueError]) -> dict:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise error(f"{path}: not valid JSON: expected a JSON object, found {e.msg} at line {e.lineno} "
-                    f"column {e.colno}") from None
+        raise error(f"{path}: expected a JSON object, found text that is not valid JSON ({json_error(e)})"
+                    ) from None
     except RecursionError:
         raise error(f"{path}: expected a JSON object, found nesting deeper than the parser allows") from None
     if not isinstance(data, dict):
-        raise error(f"{path}: expected a JSON object, found a JSON {type(data).__name__}")
+        raise error(f"{path}: expected a JSON object, found {json_type(data)}")
     return data

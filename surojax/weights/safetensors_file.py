@@ -26,13 +26,14 @@ import json
 import math
 import os
 import struct
-import uuid
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
+
+from surojax.weights.atomic import atomic_path
 
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -160,7 +161,8 @@ def _explain(path: Path, refusal: str) -> str:
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
     """Write `tensors` (numpy arrays; bf16 / fp8 via ml_dtypes) to `path` in the safetensors format, atomically
-    (a temporary file in the same folder, renamed at the end). Default metadata: {"format": "pt"}."""
+    (`atomic_path`: a temporary file in the same folder, renamed at the end, with the usual new-file mode, not the
+    0600 of safetensors' own temporary file). Default metadata: {"format": "pt"}."""
     path = Path(path)
     arrays = {}
     for name, arr in tensors.items():
@@ -169,10 +171,5 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
             raise WeightsError(f"{path}: tensor {name!r}: dtype {arr.dtype} cannot be written to safetensors "
                                f"(supported: {', '.join(str(d) for d in NAMES)})")
         arrays[name] = np.ascontiguousarray(arr).reshape(arr.shape)  # ascontiguousarray alone makes a 0-d tensor [1]
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
+    with atomic_path(path) as tmp:
         save_file(arrays, str(tmp), metadata=dict(metadata or {"format": "pt"}))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

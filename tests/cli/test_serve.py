@@ -42,3 +42,13 @@ def test_serve_log_has_no_backend_probe_line(monkeypatch, caplog):
         probe.info("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so")
         probe.info("another record")
     assert [r.getMessage() for r in caplog.records if r.name == probe.name] == ["another record"]
+
+
+def test_missing_serving_package_is_one_line_with_the_install_command(monkeypatch, capsys):
+    """An environment without fastapi (None in sys.modules: not found, and its import fails): one error line that
+    names it and the pip command for this interpreter, before any model loads; no traceback."""
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    assert main(["serve", str(ROOT / "tests" / "fixtures" / "models" / "qwen3")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "surojax serve needs fastapi" in err and f"{sys.executable} -m pip install fastapi uvicorn" in err, err

@@ -139,6 +139,11 @@ def test_invalid_row_names_location_or_is_skipped(tok, tmp_path):
                         stats=stats)
     assert len(out) == 1 and stats.skipped_rows == 2
     assert stats.datasets[0]["skipped"] == 2
+    robot = tmp_path / "robot.jsonl"
+    robot.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    with pytest.raises(DataError, match=r"robot\.jsonl:1: message 0 has the unknown role 'robot' \(a message's role "
+                                        r"is one of system, developer, user, assistant, tool\)"):
+        load_examples(dict(path=str(robot), type="conversation"), tok, sequence_len=256)
 
 
 def test_truncation_and_drop_with_counts(tok, tmp_path):

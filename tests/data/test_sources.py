@@ -115,14 +115,15 @@ def test_dataset_id_resolves_through_local_hf_cache(tmp_path, monkeypatch):
 
 def test_malformed_rows_name_file_and_line_or_are_skipped_and_counted(tmp_path):
     p = tmp_path / "bad.jsonl"
-    p.write_text('{"text": "ok"}\n\n{"text": broken}\n[1, 2]\n{"text": "fine"}\n')
+    p.write_text('{"text": "ok"}\n\n{"text": broken}\n[1, 2]\n{"text": "fine"}\n{"text": "cut\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:3: invalid JSON"):
         rows_of(p)
     stats = ReadStats()
     got = list(read_rows(p, skip_invalid_rows=True, stats=stats))
     assert [(where.rsplit(":", 1)[1], row) for where, row in got] == [("1", {"text": "ok"}), ("5", {"text": "fine"})]
-    assert (stats.rows, stats.skipped) == (2, 2)
-    assert "bad.jsonl:4: expected a JSON object, got list" in stats.skip_examples[1]
+    assert (stats.rows, stats.skipped) == (2, 3)
+    assert "bad.jsonl:4: expected a JSON object, found an array" in stats.skip_examples[1]
+    assert "bad.jsonl:6: invalid JSON (Invalid control character at column 14)" in stats.skip_examples[2]  # not "at at"
 
     (tmp_path / "bad.json").write_text(json.dumps([{"a": 1}, "oops"]))
     with pytest.raises(DataError, match=r"bad\.json row 2: expected a JSON object"):

@@ -250,3 +250,13 @@ def test_trim_and_lstrip_blocks(tok):
     t = "A\n  {% if true %}\n  B\n  {% endif %}\nC{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}"
     t += "{{ m.content }}{% endfor %}"
     assert tok.apply_chat_template(MSGS, tokenize=False, chat_template=t) == "A\n  B\nCYes it is.And 9?No: 3 x 3."
+
+
+def test_developer_role_is_system_unless_the_template_names_it(tok):
+    """OpenAI's `developer` role (surojax/data/chat_roles.py): as `system` for a template that does not handle it,
+    as itself for one that does (GPT-OSS's)."""
+    chat = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    assert tok.apply_chat_template(chat, chat_template=plain, tokenize=False) == "system: Be brief.\nuser: hi\n"
+    knows = "{% for m in messages %}{{ '# ' if m.role == 'developer' else '' }}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    assert tok.apply_chat_template(chat, chat_template=knows, tokenize=False) == "# developer: Be brief.\nuser: hi\n"

@@ -98,6 +98,10 @@ def test_invalid_sampling_values():
                 dict(presence_penalty=3), dict(repetition_penalty=0), dict(min_p=2)):
         with pytest.raises(SamplingParamsError):
             SamplingParams(**bad).validate()
+    with pytest.raises(SamplingParamsError) as e:  # each bad field its own message (the value, the range)
+        SamplingParams(temperature=-1.0, top_p=2.0).validate()
+    assert str(e.value) == "temperature must be >= 0 (0 = greedy), got -1.0; top_p must be in (0, 1] (1 = off), got 2.0"
+    assert e.value.param == "temperature"
 
 
 def test_mixed_batch_keeps_greedy_and_logprobs(model):

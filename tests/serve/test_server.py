@@ -227,8 +227,17 @@ def test_bad_json_and_chat_errors(server):
     assert r.json()["error"]["param"] is None  # as OpenAI: no field to name (not the character offset)
     r = httpx.post(url + "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "wizard", "content": "x"}]},
                    headers=h)
-    assert r.status_code == 400 and "Unknown role" in r.json()["error"]["message"]
-    assert r.json()["error"]["param"] == "messages"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert r.json()["error"]["message"] == ("messages[0] has the unknown role 'wizard' (a message's role is one of "
+                                            "system, developer, user, assistant, tool)")  # refused before the template
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = httpx.post(url + path, json={"model": NAME, "messages": [{"content": "x"}]}, headers=h)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "messages[0] has no 'role'", r.text
+    # developer: the template does not name it, so it is rendered as the system message
+    tokens = [httpx.post(url + "/tokenize", json={"model": NAME, "messages": [{"role": role, "content": "Be brief."},
+                                                                            {"role": "user", "content": "hi"}]},
+                         headers=h).json()["tokens"] for role in ("developer", "system")]
+    assert tokens[0] == tokens[1]
     assert httpx.get(url + "/health").status_code == 200  # still alive
 
 

@@ -343,3 +343,20 @@ def test_forced_tools_with_structured_output_or_a_bad_schema_are_400s(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=NAME, messages=ASK, tools=[bad], tool_choice="required", max_tokens=4)
     assert e.value.param == "tools" and "objekt" in e.value.message
+
+
+def test_forced_call_the_vocabulary_cannot_write_is_a_400_saying_why(server, tmp_path, monkeypatch):
+    """A named tool_choice whose call format needs `{`, served with a `{`-less vocabulary's grammar view: a 400 on
+    tool_choice that names the missing `{` when the request arrives (it was "the model answered without one")."""
+    from tests.serve.test_structured_output import tokenizer_without
+
+    url, state = server
+    engine = state.engine.engine
+    vocab = GrammarVocab(tokenizer_without("{", tmp_path / "no_brace"), engine.model.cfg.vocab_size)
+    monkeypatch.setitem(engine.__dict__, "grammar_vocab", vocab)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=ASK, tools=[DIGIT, FLAG], tool_choice=NAMED_FLAG,
+                                       max_tokens=64)
+    assert e.value.param == "tool_choice", e.value.body
+    assert "vocabulary cannot write it" in e.value.message and "starts with '{'" in e.value.message, e.value.message

@@ -368,6 +368,22 @@ def test_save_then_load_round_trip(tmp_path, family, originals):
     assert hf["dtype"] == "float32" and hf["architectures"] == fixture_config(family)["architectures"]
 
 
+def test_saved_folder_has_the_usual_modes(tmp_path, originals):
+    """Every file of a saved folder gets 0666 & ~umask and the folder 0777 & ~umask, as anything the user makes:
+    not the 0600 of safetensors' temporary file, nor a read-only tokenizer source's mode."""
+    src = tmp_path / "tok"
+    shutil.copytree(FIXTURES / "llama", src)
+    for p in src.iterdir():
+        p.chmod(0o444)
+    old = os.umask(0o027)
+    try:
+        out = save_model(originals["llama"], tmp_path / "out", tokenizer_dir=src)
+    finally:
+        os.umask(old)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {p.name: oct(0o640) for p in out.iterdir()}
+
+
 def test_saved_config_keys(tmp_path, originals):
     """What transformers needs: rope_parameters (v5) and rope_scaling / rope_theta (older), qwen2 without the
     attention_bias key (it always has q/k/v biases), mistral's window."""

@@ -4,6 +4,8 @@ and errors that name the file and the tensor for truncated and corrupt files."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -206,3 +208,23 @@ def test_absurd_shape_and_trailing_bytes(tmp_path):
     msg = error(header_file(
         path, json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode(), b"x" * 12))
     assert "not a valid safetensors file" in msg and "not fully covered" in msg  # the package's reason, kept
+
+
+def test_written_files_get_the_usual_new_file_mode(tmp_path):
+    """Not the 0600 of safetensors' own temporary file: 0666 & ~umask, as any file the user writes, also when the
+    file replaces an older one (atomic_path / AtomicFile, weights/atomic.py)."""
+    from surojax.weights.atomic import write_text_atomic
+
+    old = os.umask(0o027)
+    try:
+        path = tmp_path / "t.safetensors"
+        write_safetensors(path, {"a": np.ones(2, np.float32)})
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+        path.chmod(0o600)
+        write_safetensors(path, {"b": np.ones(2, np.float32)})
+        write_text_atomic(tmp_path / "c.json", "{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640 and SafetensorsFile(path).names() == ["b"]
+    assert stat.S_IMODE((tmp_path / "c.json").stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "t.safetensors"]  # no temporary file left
