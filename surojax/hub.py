@@ -137,7 +137,8 @@ def _why(e: BaseException, hid: HubId, offline: bool, cache: Path) -> str:
         return f"the repo has no revision {rev!r} (a branch, tag or commit hash)"
     if isinstance(e, RepositoryNotFoundError):
         status = e.response.status_code if e.response is not None else "?"
-        return f"no such model repo on the Hub at {_endpoint()} (HTTP {status}; a private repo needs HF_TOKEN)"
+        return (f"no such local path, and no such model repo on the Hub at {_endpoint()} (HTTP {status}; a private "
+                "repo needs HF_TOKEN)")
     if isinstance(e, IncompleteSnapshotError):
         why = "offline (HF_HUB_OFFLINE is set)" if offline else "the Hub cannot be reached"
         return f"{why} and the cached snapshot of revision {rev!r} in {cache} lacks files: {e}"
@@ -170,7 +171,7 @@ def model_path(name: str | os.PathLike, *, weights: bool = True) -> Path:
         return path
     hid = parse_hub_id(text)
     if hid is None:
-        raise ModelNotFoundError(f"model {text!r}: no such file or folder (and not a Hugging Face Hub id like "
+        raise ModelNotFoundError(f"model {text!r}: {path} does not exist (and is not a Hugging Face Hub id like "
                                  "org/name or org/name@revision)")
     if hid.quant is not None:
         return _fetch_gguf(hid)
@@ -312,11 +313,11 @@ def _datasets_offline() -> bool:
 def _dataset_call(name: str, call: Callable[[Any, HubId], Any]) -> Any:
     """Run `call(datasets module, hub id)`; the library's errors become a DatasetNotFoundError naming the id."""
     import datasets  # a Hub dataset was named: only then is the library (and pyarrow) imported
-    from datasets.exceptions import DatasetsError
+    from datasets.exceptions import DatasetNotFoundError as MissingDataset, DatasetsError
 
     hid = parse_hub_id(name, "dataset")
     if hid is None:
-        raise DatasetNotFoundError(f"dataset {name!r}: no such file or folder (and not a Hugging Face Hub dataset "
+        raise DatasetNotFoundError(f"dataset {name!r}: {name} does not exist (and is not a Hugging Face Hub dataset "
                                    "id like org/name or org/name@revision)")
     offline = _datasets_offline()
     quiet = logging.getLogger("datasets")  # offline, it warns twice per call that it reads the cache: say it once
@@ -329,6 +330,8 @@ def _dataset_call(name: str, call: Callable[[Any, HubId], Any]) -> Any:
     except (DatasetsError, ValueError, FileNotFoundError, ConnectionError, HfHubHTTPError,
             httpx.TransportError) as e:
         reason = str(e).strip() or type(e).__name__
+        if isinstance(e, MissingDataset) and "doesn't exist on the Hub" in reason:
+            reason = f"no such local path, and {reason}"
         if offline and isinstance(e, (ConnectionError, FileNotFoundError)):
             reason = (f"offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set) and it is not in the datasets cache "
                       f"{datasets.config.HF_DATASETS_CACHE}: {reason}")

@@ -29,7 +29,7 @@ PACKAGES = ("surojax", "pallas_kernels")
 # models never import parallel / train / serve, and pallas_kernels never imports surojax (docs/architecture.md).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pallas_kernels",),                                          # kernels: arrays + small specs in, arrays out
-    ("surojax.hub", "surojax.compilation_cache"),                 # local HF cache lookup; XLA compilation cache
+    ("surojax.hub", "surojax.compilation_cache"),                 # names -> local files (the Hub); XLA compile cache
     ("surojax.config",),                                          # the validated YAML: typed sections and rules
     ("surojax.models", "surojax.data"),                           # architecture; data pipeline (reads DatasetSpec)
     ("surojax.quant", "surojax.parallel", "surojax.generation", "surojax.losses"),  # transforms of / over a model

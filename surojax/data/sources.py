@@ -112,7 +112,7 @@ def resolve_files(path: str | os.PathLike, *, split: str = "train", subset: str 
     """The local data files behind `path` for `split` (and `subset`, `data_files`), in a fixed order."""
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
-        raise DataError(f"{path}: no such file or folder (and not a Hugging Face Hub dataset id like org/name)")
+        raise DataError(f"{path} does not exist (and is not a Hugging Face Hub dataset id like org/name)")
     if p.is_file():
         if data_files is not None:
             raise DataError(f"{p}: data_files picks files inside a folder or Hub repo; this path is one file")

@@ -331,7 +331,7 @@ def test_check_paths_names_missing_keys(tmp_path, monkeypatch):
         check_paths(cfg)
     assert e.value.keys == ["model", "adapter_path", "datasets[0].path", "validation_datasets[0].path"]
     assert "not in the cache" in str(e.value) and "adapter_config.json" in str(e.value)
-    assert "not a Hugging Face Hub dataset id" in str(e.value)
+    assert "is not a Hugging Face Hub dataset id" in str(e.value)
 
 
 def test_check_paths_ok_and_hf_cache(tmp_path, monkeypatch):

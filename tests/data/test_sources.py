@@ -119,7 +119,7 @@ def test_data_files_pick_files_of_a_local_folder(tmp_path):
 
 def test_a_missing_path_is_named(tmp_path):
     for name in (str(tmp_path / "nope" / "x.jsonl"), "./data/train.jsonl", "data/train.jsonl"):
-        with pytest.raises(DataError, match="no such file or folder .and not a Hugging Face Hub dataset id"):
+        with pytest.raises(DataError, match="does not exist .and is not a Hugging Face Hub dataset id"):
             rows_of(name)
 
 
