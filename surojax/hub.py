@@ -213,7 +213,8 @@ def _fetch_head(hid: HubId) -> Path:
 def _repo_files(hid: HubId, snapshot: Path) -> list[str]:
     """The files of the snapshot's commit: the tree listing snapshot_download cached, else what is on disk."""
     try:
-        return sorted(f.path for f in get_cached_repo_tree(hid.repo, revision=snapshot.name, cache_dir=hf_hub_cache()))
+        tree = get_cached_repo_tree(hid.repo, revision=snapshot.name, cache_dir=hf_hub_cache())
+        return sorted(f.path for f in tree)
     except CachedRepoTreeNotFoundError:
         return sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file())
 
@@ -252,6 +253,9 @@ def _fetch_weights(hid: HubId, head: Path) -> Path:
         log.info("%s: fetching %s (revision %s) into %s", hid, ", ".join(names), commit[:12], hf_hub_cache())
         folder = _snapshot(hid, commit, [glob.escape(n) for n in names])
         missing = [n for n in names if not (folder / n).is_file()]
+        if missing and hub_offline():
+            raise ModelNotFoundError(f"model {str(hid)!r}: offline (HF_HUB_OFFLINE is set) and the cached snapshot "
+                                     f"{folder} lacks {', '.join(missing)}")
         if missing:
             have = _repo_files(hid, folder)
             other = [f for f in have if f.endswith((".bin", ".pt", ".pth", ".gguf"))]

@@ -6,7 +6,7 @@ HfFileSystem) to fetch files from repos held in memory. Point HF_ENDPOINT at `St
     hub.add_repo("org/name", {"config.json": b"{}", ...})                 # a model repo, branch main
     hub.add_repo("org/name", {...}, revision="v1")                       # another commit under tag v1
     hub.add_repo("org/data", {...}, repo_type="dataset")
-    hub.add_repo("org/gated", {...}, gated=True)                          # files answer 401 GatedRepo
+    hub.add_repo("org/gated", {...}, gated=True)    # files answer 401 GatedRepo without HF_TOKEN=StandInHub.TOKEN
     with hub:                                                            # serves on 127.0.0.1:<random port>
         ...  hub.requests  # (method, path) of every request, in order
 
@@ -81,6 +81,8 @@ class _Repo:
 
 class StandInHub:
     """The repos, the server thread, and the log of requests (see the module docstring)."""
+
+    TOKEN = "hf_stand_in_token"  # the one token that opens a gated repo
 
     def __init__(self) -> None:
         self.repos: dict[tuple[str, str], _Repo] = {}
@@ -252,7 +254,7 @@ class _Handler(BaseHTTPRequestHandler):
         repo, commit = self._lookup(repo_type, repo_id, revision, head)
         if repo is None:
             return
-        if repo.gated and not self.headers.get("Authorization"):
+        if repo.gated and self.headers.get("Authorization") != f"Bearer {StandInHub.TOKEN}":
             return self._error(401, "GatedRepo", f"Access to {repo_type} {repo_id} is restricted. You must have "
                                                  "access to it and be authenticated to access it.", head)
         content = repo.commits[commit].get(path)

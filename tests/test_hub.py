@@ -98,14 +98,17 @@ def test_a_model_id_fetches_what_a_run_needs_once_and_a_revision_its_own_commit(
         "revision": "v1"}
 
 
-def test_bad_ids_fail_on_the_head_files_naming_the_id_and_why(hub, online, tmp_path):
-    for name, why in (("Qwen/Nope", "no such local path, and no such model repo on the Hub"), (f"{QWEN}@v9", "has no revision 'v9'"),
+def test_bad_ids_fail_on_the_head_files_naming_the_id_and_why(hub, online, tmp_path, monkeypatch):
+    for name, why in (("Qwen/Nope", "no such local path, and no such model repo on the Hub"),
+                      (f"{QWEN}@v9", "has no revision 'v9'"),
                       ("org/gated", r"gated \(HTTP 401\).*HF_TOKEN"),
                       ("org/bert", "model_type 'bert' is not supported")):
         with pytest.raises((ModelNotFoundError, ModelRefError), match=why) as e:
             resolve_model(name)
         assert name in str(e.value)
     assert "model.safetensors" not in fetched_since(hub, 0, "org/bert")  # refused before its weights
+    monkeypatch.setenv("HF_TOKEN", hub.TOKEN)  # the client sends it
+    assert resolve_model("org/gated").weights.parents[1] == online / "models--org--gated"
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ConfigError) as e:
         check_paths(config_from_dict({"model": "Qwen/Nope", "datasets": [{"path": str(tmp_path / "d.jsonl")}]}))

@@ -19,7 +19,8 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-model", "--base", dest="base", required=True, metavar="DIR",
-                        help="base model: HF folder, .gguf file, surojax output folder, or a Hub id (org/name[@revision])")
+                        help="base model: HF folder, .gguf file, surojax output folder, or a Hub id "
+                             "(org/name[@revision])")
     parser.add_argument("--checkpoint-dir", "--adapter", dest="adapter", required=True, action="append",
                         metavar="DIR", help="PEFT adapter folder, or a training output_dir with adapter/ (repeatable)")
     parser.add_argument("--output", required=True, metavar="DIR", help="where the merged model is written")

@@ -8,7 +8,8 @@ Hub dataset id (org/name[@revision]) is loaded through `datasets.load_dataset` w
 `data_files` (surojax.hub: its cache, offline too).
 
 Every row comes with a location ("file.jsonl:12", 1-based line or row number; "org/name[train]:row 12" for a
-Hub dataset) so that an invalid row is reported where the user can find it. `skip_invalid_rows` turns such errors into a counted skip (`ReadStats`).
+Hub dataset) so that an invalid row is reported where the user can find it. `skip_invalid_rows` turns such
+errors into a counted skip (`ReadStats`).
 pyarrow is imported only when a Parquet / Arrow file is read.
 """
 from __future__ import annotations

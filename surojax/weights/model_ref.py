@@ -6,7 +6,7 @@ A reference (`--model`, `model:`, `serve MODEL`) is one of:
     path/to/model.gguf         a llama.cpp GGUF file (architecture and tokenizer from its metadata)
     path/to/output_dir         a surojax training run: its merged/ or model/ (full fine-tuning) or adapter/ (LoRA)
     path/to/adapter            a PEFT adapter folder; adapter_config.json's base_model_name_or_path names the base
-    org/name[@revision]        a Hugging Face Hub repo of any of the above kinds, fetched into the HF cache (surojax.hub)
+    org/name[@revision]        a Hugging Face Hub repo of any kind above, fetched into the HF cache (surojax.hub)
     org/name[@revision]:QUANT  the .gguf file of that quantisation in a Hub GGUF repo
 
 `resolve_model` only looks at files (no weights are read); `surojax.model_loader.load_model_ref` loads what it
