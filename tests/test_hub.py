@@ -128,6 +128,11 @@ def test_offline_reads_the_cache_revision_honoured_or_says_why(hub, online, monk
                                                  rf"'main' is not in the cache {online}"):
         resolve_model("org/bert")
     assert len(hub.requests) == n
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # no flag, but no network: the cache all the same
+    assert resolve_model(QWEN) == ref
+    with pytest.raises(ModelNotFoundError, match=r"'org/bert': the Hub at http://127.0.0.1:9 cannot be reached"):
+        resolve_model("org/bert")
 
 
 def test_a_gguf_quantisation_fetches_its_files_only(hub, online):
@@ -196,9 +201,9 @@ def test_the_hub_quickstart_trains_from_the_hub_then_offline_from_the_cache(hub,
     assert len(losses[0]) == 2 and losses[0] == losses[1]  # the same model, data and steps
 
 
-def test_hub_dataset_problems_are_named_before_any_work(hub, tmp_path):
+def test_hub_datasets_rows_and_problems(hub, tmp_path):
     """A missing split / subset / repo / revision and, offline, an id that is not cached: one error per key from
-    the config check (no model loaded, no data read)."""
+    the config check (no model loaded, no data read); rows are named by id, split and row."""
     cfg = {"model": QWEN, "lora": True, "output_dir": str(tmp_path / "out"),
            "datasets": [{"path": FINETOME, "split": "test"}, {"path": FINETOME, "subset": "chat"},
                         {"path": "mlabonne/FineTome-1M"}, {"path": f"{FINETOME}@v9"}]}
@@ -213,6 +218,15 @@ def test_hub_dataset_problems_are_named_before_any_work(hub, tmp_path):
             "dataset 'mlabonne/FineTome-1M': no such local path, and Dataset 'mlabonne/FineTome-1M' doesn't exist",
             f"dataset '{FINETOME}@v9': Revision 'v9' doesn't exist"))):
         assert f"datasets[{i}].path: {want}" in error, error
+
+    read = ("import json; from surojax.data.sources import read_rows as r; print(json.dumps("
+            f"[w for w, _ in r('{FINETOME}', samples=2)] + "
+            f"[w for w, _ in r('{FINETOME}', data_files={{'train': 'data/*.parquet'}}, samples=1)]))")
+    r = subprocess.run([sys.executable, "-c", read], cwd=ROOT, env=_env(hub.url, tmp_path / "hf"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == [f"{FINETOME}[train]:row 1", f"{FINETOME}[train]:row 2",
+                                                     f"{FINETOME}[train]:row 1"]
 
     cfg["datasets"] = [{"path": FINETOME}]
     (tmp_path / "offline.yaml").write_text(yaml.safe_dump(cfg))
