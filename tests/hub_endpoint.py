@@ -133,10 +133,11 @@ class StandInHub:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def downloaded(self, repo_id: str) -> set[str]:
-        """The file paths of `repo_id` that a GET has fetched (HEAD requests are not counted)."""
+    def downloaded(self, repo_id: str, since: int = 0) -> set[str]:
+        """The file paths of `repo_id` fetched (GET; HEAD requests are not counted) after the first `since`
+        requests."""
         out = set()
-        for method, path in self.requests:
+        for method, path in self.requests[since:]:
             parts = path.split("/resolve/", 1)
             if method == "GET" and len(parts) == 2 and parts[0].removeprefix("/datasets").strip("/") == repo_id:
                 out.add(parts[1].split("/", 1)[1])

@@ -65,12 +65,6 @@ def online(hub, tmp_path, monkeypatch):
     return tmp_path / "hub"
 
 
-def fetched_since(hub: StandInHub, n: int, repo: str) -> set[str]:
-    """The files of `repo` that were downloaded (GET) after the first `n` requests."""
-    return {p.split("/resolve/", 1)[1].split("/", 1)[1] for m, p in hub.requests[n:]
-            if m == "GET" and p.split("/resolve/", 1)[0].removeprefix("/datasets").strip("/") == repo}
-
-
 def test_what_reads_as_a_hub_id():
     assert parse_hub_id(QWEN) == HubId(QWEN)
     assert parse_hub_id("Qwen/Qwen2.5-0.5B@v1.0") == HubId("Qwen/Qwen2.5-0.5B", "v1.0")
@@ -83,10 +77,10 @@ def test_what_reads_as_a_hub_id():
 def test_a_model_id_fetches_what_a_run_needs_once_and_a_revision_its_own_commit(hub, online):
     n = len(hub.requests)
     head = resolve_model(QWEN, weights=False)
-    assert fetched_since(hub, n, QWEN) == RUN_FILES - {"model.safetensors"}  # the config is read before weights
+    assert hub.downloaded(QWEN, n) == RUN_FILES - {"model.safetensors"}  # the config is read before weights
     ref = resolve_model(QWEN)
     assert ref.weights == online / "models--Qwen--Qwen3-0.6B" / "snapshots" / hub.commits["main"] == head.weights
-    assert fetched_since(hub, n, QWEN) == RUN_FILES and ref.name == QWEN
+    assert hub.downloaded(QWEN, n) == RUN_FILES and ref.name == QWEN
     exp = np.load(FIXTURES / "models" / "qwen3" / "expected.npz")
     model = load_model_ref(QWEN).model
     got = np.asarray(model(exp["tokens2"][None]))[0]
@@ -106,7 +100,7 @@ def test_bad_ids_fail_on_the_head_files_naming_the_id_and_why(hub, online, tmp_p
         with pytest.raises((ModelNotFoundError, ModelRefError), match=why) as e:
             resolve_model(name)
         assert name in str(e.value)
-    assert "model.safetensors" not in fetched_since(hub, 0, "org/bert")  # refused before its weights
+    assert "model.safetensors" not in hub.downloaded("org/bert")  # refused before its weights
     monkeypatch.setenv("HF_TOKEN", hub.TOKEN)  # the client sends it
     assert resolve_model("org/gated").weights.parents[1] == online / "models--org--gated"
     (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
@@ -141,7 +135,7 @@ def test_a_gguf_quantisation_fetches_its_files_only(hub, online):
     n = len(hub.requests)
     path = model_path("org/tiny-GGUF:q2_k")
     assert path.name == "tiny-Q2_K-00001-of-00002.gguf" and path.read_bytes() == b"part1"
-    assert fetched_since(hub, n, "org/tiny-GGUF") == {"Q2_K/tiny-Q2_K-00001-of-00002.gguf",
+    assert hub.downloaded("org/tiny-GGUF", n) == {"Q2_K/tiny-Q2_K-00001-of-00002.gguf",
                                                       "Q2_K/tiny-Q2_K-00002-of-00002.gguf"}
     with pytest.raises(ModelNotFoundError, match="no GGUF file matches 'Q5_K'.*tiny-Q4_K_M.gguf"):
         model_path("org/tiny-GGUF:Q5_K")
@@ -154,8 +148,8 @@ def test_an_adapter_repo_naming_a_hub_base_gives_peft_logits(hub, online):
     loaded = load_model_ref(LORA)
     assert loaded.ref.adapter.name == hub.repos[("model", LORA)].refs["main"]  # both from the HF cache
     assert loaded.ref.weights.parents[1] == online / "models--peft-test--tiny-llama"
-    assert fetched_since(hub, 0, LORA) >= {"adapter_config.json", "adapter_model.safetensors"}
-    assert "README.md" not in fetched_since(hub, 0, LORA)
+    assert hub.downloaded(LORA) >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert "README.md" not in hub.downloaded(LORA)
     np.testing.assert_allclose(np.asarray(loaded.model(exp["tokens"])), exp["logits"], rtol=0, atol=1e-4)
 
 
@@ -185,8 +179,8 @@ def test_the_hub_quickstart_trains_from_the_hub_then_offline_from_the_cache(hub,
     n = len(hub.requests)
     first = _train(config, _env(hub.url, tmp_path / "hf"), f"output_dir={tmp_path / 'online'}", *small)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert fetched_since(hub, n, QWEN) == RUN_FILES
-    assert fetched_since(hub, n, FINETOME) >= {"data/train-00000-of-00001.parquet"}
+    assert hub.downloaded(QWEN, n) == RUN_FILES
+    assert hub.downloaded(FINETOME, n) >= {"data/train-00000-of-00001.parquet"}
     adapter = json.loads((tmp_path / "online" / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == QWEN  # the adapter names its base by the Hub id
 
