@@ -2,7 +2,7 @@
 
     import surojax as sj
     model = sj.load_model("path/to/hf_model")                 # a Decoder (Flax NNX); also a .gguf, a run folder,
-    tokenizer = sj.load_tokenizer("path/to/hf_model")         # an adapter folder or a repo id in the local HF cache
+    tokenizer = sj.load_tokenizer("path/to/hf_model")         # an adapter folder or a Hub id (org/name)
     print(sj.complete(model, tokenizer, "Tom has 3 apples", max_new_tokens=16))
 
     trainer = sj.Trainer.from_config({"model": ..., "datasets": [...], "lora": True, "max_steps": 100})
@@ -39,7 +39,7 @@ _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16
 
 def load_model(ref: str | os.PathLike, *, dtype: str = "float32", adapter: str | os.PathLike | None = None):
     """A Decoder from any model reference (surojax.weights.model_ref: HF folder, .gguf file, training output
-    folder, PEFT adapter folder, repo id in the local HF cache); an adapter the reference names is folded in.
+    folder, PEFT adapter folder, Hugging Face Hub id); an adapter the reference names is folded in.
     `adapter`: a PEFT adapter to load on top as the model's trainable LoRA adapter (to continue training it)."""
     model = load_model_ref(ref, dtype=_DTYPES[dtype]).model
     if adapter is not None:
@@ -52,7 +52,7 @@ def load_tokenizer(ref: str | os.PathLike) -> Tokenizer:
     path = Path(ref).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return Tokenizer.from_dir(path)
-    r = resolve_model(ref)
+    r = resolve_model(ref, weights=False)
     return Tokenizer.from_dir(r.tokenizer_dir) if r.tokenizer_dir is not None else load_gguf_tokenizer(r.weights)
 
 

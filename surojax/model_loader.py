@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.data.tokenizer import Tokenizer
+from surojax.hub import model_path
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.stacked import load_adapter_into
@@ -66,12 +67,14 @@ def load_model_ref(ref: str | os.PathLike | ModelRef, *, dtype=jnp.float32, para
                    tokenizer_dir: str | os.PathLike | None = None) -> LoadedModel:
     """Load any model reference (surojax.weights.model_ref) with its adapter folded in and its tokenizer.
 
-    tokenizer_dir: a folder with tokenizer.json to use instead of the reference's. A GGUF's tokenizer comes
-    from its metadata (or from the adapter folder's tokenizer.json when an adapter names the GGUF as its base).
+    tokenizer_dir: a folder with tokenizer.json (or a Hub id) to use instead of the reference's. A GGUF's tokenizer
+    comes from its metadata (or from the adapter folder's tokenizer.json when an adapter names the GGUF as its base).
     """
-    r = ref if isinstance(ref, ModelRef) else resolve_model(ref)
-    tok_dir = tokenizer_dir if tokenizer_dir is not None else r.tokenizer_dir
+    r = ref if isinstance(ref, ModelRef) else resolve_model(ref, weights=False)
+    tok_dir = model_path(tokenizer_dir, weights=False) if tokenizer_dir is not None else r.tokenizer_dir
     tokenizer = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None  # before the weights: fails fast
+    if not isinstance(ref, ModelRef):
+        r = resolve_model(ref)  # a Hub id's weight files are fetched now
     if r.adapter is not None and keep_quantized:
         log.info("%s: dequantising the base to fold the adapter %s into it", r.weights, r.adapter)
     model, gguf_tokenizer = load_base(r, dtype=dtype, param_dtype=param_dtype, attention=attention,

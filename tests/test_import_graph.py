@@ -29,7 +29,8 @@ PACKAGES = ("surojax", "pallas_kernels")
 # models never import parallel / train / serve, and pallas_kernels never imports surojax (docs/architecture.md).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pallas_kernels",),                                          # kernels: arrays + small specs in, arrays out
-    ("surojax.hub", "surojax.compilation_cache", "surojax.wording"),  # HF cache lookup; XLA cache; message phrases
+    ("surojax.hub", "surojax.compilation_cache", "surojax.wording"),  # names -> local files (the Hub); XLA cache;
+                                                                      # message phrases
     ("surojax.config",),                                          # the validated YAML: typed sections and rules
     ("surojax.models", "surojax.data"),                           # architecture; data pipeline (reads DatasetSpec)
     ("surojax.quant", "surojax.parallel", "surojax.generation", "surojax.losses"),  # transforms of / over a model

@@ -1,7 +1,8 @@
 """`surojax generate --model REF --prompt TEXT [--chat] ...`: print a completion (a plain KV cache).
 
 REF is anything surojax.weights.model_ref resolves: an HF folder, a .gguf file, a training run's output folder,
-a PEFT adapter folder (folded into the base its adapter_config.json names) or a repo id in the local HF cache.
+a PEFT adapter folder (folded into the base its adapter_config.json names) or a Hugging Face Hub id
+(org/name[@revision], org/name:QUANT for a GGUF repo; fetched into the HF cache, see surojax.hub).
 
 The options are checked before the model loads, every bad one with its own line (the flag, its value, what it
 accepts). `--system` is a message of the chat template, so it needs `--chat` (without it the prompt is plain text
@@ -22,7 +23,7 @@ from surojax.generation.context import completion_budget
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="HF model folder, .gguf file, surojax output folder (model/ or adapter/), PEFT adapter "
-                        "folder, or a repo id in the local HF cache")
+                        "folder, or a Hub id (org/name[@revision], org/name:QUANT)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: the model's)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")

@@ -2,7 +2,7 @@
 and save an HF model folder (safetensors + config.json + tokenizer) that transformers loads.
 
 --base-model is any model reference (surojax.weights.model_ref: HF folder, .gguf file (dequantised), surojax
-output folder, repo id in the local HF cache). --checkpoint-dir takes a PEFT adapter folder or a training
+output folder, Hugging Face Hub id). --checkpoint-dir takes a PEFT adapter folder or a training
 output_dir holding one in `adapter/`; repeat it to fold several adapters in order (stacked LoRA).
 An --output folder that exists and is not empty is replaced only with --overwrite.
 """
@@ -19,7 +19,8 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-model", "--base", dest="base", required=True, metavar="DIR",
-                        help="base model: HF folder, .gguf file, surojax output folder, or a repo id in the local HF cache")
+                        help="base model: HF folder, .gguf file, surojax output folder, or a Hub id "
+                             "(org/name[@revision])")
     parser.add_argument("--checkpoint-dir", "--adapter", dest="adapter", required=True, action="append",
                         metavar="DIR", help="PEFT adapter folder, or a training output_dir with adapter/ (repeatable)")
     parser.add_argument("--output", required=True, metavar="DIR", help="where the merged model is written")

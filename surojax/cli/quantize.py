@@ -1,7 +1,7 @@
 """`surojax quantize --model REF --output out.gguf --type q4_k_m`: write a model as a llama.cpp GGUF file with full
 metadata and tokenizer. REF is any model reference (surojax.weights.model_ref): an HF folder, a training run's
 output folder, a PEFT adapter folder (folded into its base first), a .gguf file (re-quantised from its
-dequantised values) or a repo id in the local HF cache.
+dequantised values) or a Hugging Face Hub id.
 
 --type takes llama.cpp's file types: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_m, q4_k_m, q5_k_m,
 q6_k, iq4_nl, iq4_xs (the *_k_m mixes follow llama-quantize's per-tensor rule; see docs/quantization.md).
@@ -25,7 +25,7 @@ GGUF_FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="the model (same as --model)")
     parser.add_argument("--model", metavar="REF", help="HF model folder, surojax output folder, PEFT adapter folder, "
-                                                       ".gguf file, or a repo id in the local HF cache")
+                                                       ".gguf file, or a Hub id (org/name[@revision])")
     parser.add_argument("--type", "--format", dest="type", choices=GGUF_FILE_TYPES,
                         required=True, help="GGUF file type (llama.cpp's names)")
     parser.add_argument("--output", required=True, metavar="PATH", help="the .gguf file to write")
@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
                             tokenizer_dir=tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dir = tokenizer or ref.tokenizer_dir or save_tokenizer_dir(loaded.tokenizer, tmp)  # GGUF: metadata's
-        path = save_gguf(loaded.model, out, args.type, tokenizer_dir=tokenizer_dir, name=args.name or ref.name)
+        path = save_gguf(loaded.model, out, args.type, tokenizer_dir=tokenizer_dir,
+                        name=args.name or ref.name.split("/")[-1])
     print(f"wrote {path} ({args.type}, {path.stat().st_size / 2**20:.1f} MiB)")
     return 0

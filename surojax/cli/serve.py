@@ -24,7 +24,8 @@ _SPEC = SpeculativeConfig(SpecMethod.NGRAM)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="HF model folder, .gguf file, surojax run or output folder, "
-                                                      "PEFT adapter folder, or a repo id in the local HF cache")
+                                                      "PEFT adapter folder, or a Hub id (org/name[@revision], "
+                                                      "org/name:QUANT)")
     parser.add_argument("--host", default=_SERVE.host)
     parser.add_argument("--port", type=_port, default=_SERVE.port)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")

@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
 
     from surojax.config.stages import load_run, select_stage
     from surojax.data.debug import debug_print
-    from surojax.hub import resolve_local
+    from surojax.hub import model_path
     from surojax.data.pipeline import build_data_from_config, dataset_line
     from surojax.data.tokenizer import Tokenizer
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     source = cfg.tokenizer or cfg.model
     if source is None:
         raise UsageError("the config names no tokenizer (set `tokenizer` or `model`)")
-    tokenizer = Tokenizer.from_dir(resolve_local(source))
+    tokenizer = Tokenizer.from_dir(model_path(source, weights=False))
     data = build_data_from_config(cfg, tokenizer, batch_size=cfg.per_device_train_batch_size, seed=cfg.seed)
     console = Console()
     if args.debug:

@@ -6,7 +6,7 @@
 
 Files: base (strict model), one section per concept (run, data, precision, lora, optim, memory, parallel),
 schema (TrainConfig = all sections), rules (all cross-field checks), explain (pydantic errors -> short
-problems), load (YAML + overrides), paths (existence checks; HF cache via surojax.hub), summary (console lines),
+problems), load (YAML + overrides), paths (existence checks; Hub ids via surojax.hub), summary (console lines),
 stages (multi-stage YAML: `load_run` / `load_stages` validate every stage up front).
 """
 from surojax.config.data import DatasetSpec

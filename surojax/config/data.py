@@ -14,14 +14,18 @@ class DatasetSpec(StrictModel):
     """One dataset entry of `datasets:` / `validation_datasets:`."""
 
     path: str = Field(min_length=1)
-    """A local .jsonl / .json / .parquet / .arrow file or directory, or a HF dataset id in the local HF cache."""
+    """A local .jsonl / .json / .parquet / .csv / .arrow file or directory, or a Hugging Face Hub dataset id
+    (org/name[@revision], loaded through `datasets.load_dataset` into its cache; surojax.hub)."""
     type: DatasetType = "auto"
     """text (pretraining), instruction, conversation (chat messages), preference (DPO pairs), prompt (GRPO: a
     prompt string or messages, other columns for the rewards; never detected by auto), or auto (detect from the
     columns)."""
     split: str = "train"
     subset: str | None = None
-    """HF dataset configuration name."""
+    """HF dataset configuration name (a Hub dataset's `name`; a local folder's subfolder)."""
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    """Which files make the dataset, as datasets.load_dataset takes them: patterns relative to the Hub repo or
+    the local folder; a string or list is the `train` split, a mapping gives each split its own."""
     samples: int | None = Field(default=None, gt=0)
     """Use only the first this many rows."""
     text_field: str = "text"

@@ -15,7 +15,7 @@ from surojax.config.base import StrictModel
 class DistillSection(StrictModel):
     teacher: str | None = None
     """The teacher model: an HF folder, a .gguf file (its quantised kernels are kept), a surojax output folder or a
-    repo id in the local HF cache; any supported family. It must use the student's tokenizer. Loaded and run
+    Hugging Face Hub id; any supported family. It must use the student's tokenizer. Loaded and run
     frozen in the same process unless `teacher_logprobs` is set."""
     teacher_logprobs: str | None = None
     """A sidecar folder of the teacher's precomputed top-K log-probs (`surojax distill CONFIG --precompute` writes

@@ -16,8 +16,9 @@ class RunSection(StrictModel):
     data), `distill` (knowledge distillation from a `teacher`). `surojax sft` / `pt` / `python -m surojax.train`
     read it; post-training trainers add their names here."""
     model: str | None = None
-    """Base model: a local directory (HF safetensors + config.json), a .gguf file, or a HF repo id found in the
-    local HF cache. Required unless `from_scratch` with `model_config`."""
+    """Base model: a local directory (HF safetensors + config.json), a .gguf file, or a Hugging Face Hub id
+    (org/name[@revision], org/name:QUANT; fetched by surojax.hub). Required unless `from_scratch` with
+    `model_config`."""
     tokenizer: str | None = None
     """Tokenizer directory or repo id; defaults to `model`."""
     output_dir: str = "output"

@@ -47,9 +47,8 @@ from pydantic import ValidationError
 from surojax.config.errors import ConfigError, ConfigProblem
 from surojax.config.explain import Loc, Positions, problems_from_validation_error
 from surojax.config.load import apply_overrides, load_config, parse_override, read_config_file
-from surojax.config.paths import check_paths
+from surojax.config.paths import check_paths, dataset_problem
 from surojax.config.schema import TrainConfig
-from surojax.hub import ModelNotFoundError, resolve_local
 
 # What a training run writes into its output_dir; overwrite_output_dir deletes these and nothing else.
 OUTPUT_ARTIFACTS = ("model", "adapter", "merged", "checkpoints", "metrics.jsonl", "loss.png", "tensorboard",
@@ -211,17 +210,6 @@ def _output_dir_clashes(stages: list[Stage], positions: Positions | None) -> lis
     return out
 
 
-def _exists_or_cached(name: str, kind: str) -> str | None:
-    """None when `name` is a local path or found in the HF cache, else the reason why not."""
-    if Path(name).expanduser().exists():
-        return None
-    try:
-        resolve_local(name, kind)
-    except ModelNotFoundError as e:
-        return str(e)
-    return None
-
-
 def _produced_by(path: str | None, produced: dict[Path, tuple[str, str]]) -> tuple[Path, str, str] | None:
     """(export folder, stage name, kind) when `path` is an export folder of an earlier stage or inside one."""
     if path is None:
@@ -264,7 +252,7 @@ def stage_path_problems(stage: Stage, produced: dict[Path, tuple[str, str]] | No
     except ConfigError as e:
         out += e.problems
     if cfg.eval_generation is not None:
-        why = _exists_or_cached(cfg.eval_generation.path, "dataset")
+        why = dataset_problem(cfg.eval_generation)
         if why is not None:
             out.append(ConfigProblem("eval_generation.path", why))
     if (stage.index is not None and not stage.overwrite_output_dir and not cfg.resume_from_checkpoint

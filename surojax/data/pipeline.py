@@ -103,8 +103,8 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
     """Read, format and fit one dataset; counts go into `stats` (skips, truncation, the chosen type)."""
     spec, stats = dataset_spec(spec), stats if stats is not None else DataStats(sequence_len=sequence_len)
     read = ReadStats()
-    rows = read_rows(spec.path, split=spec.split, subset=spec.subset, samples=spec.samples,
-                     skip_invalid_rows=skip_invalid_rows, stats=read)
+    rows = read_rows(spec.path, split=spec.split, subset=spec.subset, data_files=spec.data_files,
+                     samples=spec.samples, skip_invalid_rows=skip_invalid_rows, stats=read)
     fmt, kind, why, out = None, spec.type, "set in the config", []
     for where, row in rows:
         if fmt is None:

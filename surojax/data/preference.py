@@ -208,8 +208,8 @@ def load_pairs(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int, s
     """Read, tokenize and fit one preference dataset (type preference, or auto detected as preference)."""
     spec = dataset_spec(spec)
     read = ReadStats()
-    rows = read_rows(spec.path, split=spec.split, subset=spec.subset, samples=spec.samples,
-                     skip_invalid_rows=skip_invalid_rows, stats=read)
+    rows = read_rows(spec.path, split=spec.split, subset=spec.subset, data_files=spec.data_files,
+                     samples=spec.samples, skip_invalid_rows=skip_invalid_rows, stats=read)
     fmt, why, out = PairFormatter(tokenizer, spec, chat_template), "set in the config", []
     for n, (where, row) in enumerate(rows):
         if n == 0 and spec.type == "auto":

@@ -83,8 +83,8 @@ def load_prompts(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, max_
             template = None  # string prompts need none; a messages row says so when it comes
         read = ReadStats()
         n0 = len(out)
-        for where, row in read_rows(spec.path, split=spec.split, subset=spec.subset, samples=spec.samples,
-                                    skip_invalid_rows=skip_invalid_rows, stats=read):
+        for where, row in read_rows(spec.path, split=spec.split, subset=spec.subset, data_files=spec.data_files,
+                                    samples=spec.samples, skip_invalid_rows=skip_invalid_rows, stats=read):
             try:
                 p = prompt_of_row(row, tokenizer, spec, template)
             except InvalidRowError as e:

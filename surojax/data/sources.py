@@ -1,13 +1,15 @@
-"""Dataset sources: local files and folders -> dict rows, each with where it came from.
+"""Dataset sources: local files and folders, or Hugging Face Hub datasets -> dict rows, each with where it came from.
 
 Readers: JSONL, JSON (a list of objects or {"data": [...]}), Parquet, CSV, Arrow (IPC file or stream), a
 `datasets.save_to_disk` folder (dataset_info.json / state.json + *.arrow shards, or a DatasetDict folder
 with one subfolder per split), and a plain folder of such files (files are chosen by `split` when their
-names say which split they hold). A Hugging Face dataset id that is not a local path resolves only through
-the local HF hub cache (surojax.hub); nothing is downloaded.
+names say which split they hold, or by `data_files` patterns). A name that is not a local path and reads as a
+Hub dataset id (org/name[@revision]) is loaded through `datasets.load_dataset` with `subset` / `split` /
+`data_files` (surojax.hub: its cache, offline too).
 
-Every row comes with a location ("file.jsonl:12", 1-based line or row number) so that an invalid row is
-reported where the user can find it. `skip_invalid_rows` turns such errors into a counted skip (`ReadStats`).
+Every row comes with a location ("file.jsonl:12", 1-based line or row number; "org/name[train]:row 12" for a
+Hub dataset) so that an invalid row is reported where the user can find it. `skip_invalid_rows` turns such
+errors into a counted skip (`ReadStats`).
 pyarrow is imported only when a Parquet / Arrow file is read.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surojax.hub import ModelNotFoundError, resolve_local
+from surojax.hub import HubError, load_dataset, parse_hub_id
 from surojax.wording import json_error, json_type
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,11 @@ class ReadStats:
 Row = tuple[str, dict[str, Any]]  # (location, row)
 
 
+DataFiles = str | list[str] | dict[str, str | list[str]]  # as datasets.load_dataset takes them
+
+
 def read_rows(path: str | os.PathLike, *, split: str = "train", subset: str | None = None,
-              samples: int | None = None, skip_invalid_rows: bool = False,
+              data_files: DataFiles | None = None, samples: int | None = None, skip_invalid_rows: bool = False,
               stats: ReadStats | None = None) -> Iterator[Row]:
     """Yield (location, row) for the dataset at `path` (see the module docstring for what `path` may be).
 
@@ -70,41 +75,57 @@ def read_rows(path: str | os.PathLike, *, split: str = "train", subset: str | No
     or, with `skip_invalid_rows`, is skipped and counted in `stats`.
     """
     stats = stats if stats is not None else ReadStats()
-    files = resolve_files(path, split=split, subset=subset)
     if samples is not None and samples <= 0:
         raise DataError(f"samples must be positive, got {samples}")
-    for f in files:
-        stats.rows_per_file[str(f)] = 0
-        for where, row in _read_file(f):
+    for source, rows in _sources(path, split, subset, data_files):
+        stats.rows_per_file[source] = 0
+        for where, row in rows:
             if isinstance(row, InvalidRowError):
                 if not skip_invalid_rows:
                     raise DataError(f"{where}: {row} (set skip_invalid_rows: true to skip such rows)")
                 stats.skip(where, str(row))
                 continue
             stats.rows += 1
-            stats.rows_per_file[str(f)] += 1
+            stats.rows_per_file[source] += 1
             yield where, row
             if samples is not None and stats.rows >= samples:
                 return
 
 
+def _sources(path: str | os.PathLike, split: str, subset: str | None, data_files: DataFiles | None):
+    """(source name, its (location, row) iterator) for each file of a local dataset, or the one Hub split."""
+    name = os.fspath(path)
+    if not Path(name).expanduser().exists() and parse_hub_id(name, "dataset") is not None:
+        try:
+            ds = load_dataset(name, subset=subset, split=split, data_files=data_files)
+        except HubError as e:
+            raise DataError(str(e)) from None
+        label = f"{name}{f'({subset})' if subset else ''}[{split}]"
+        yield label, ((f"{label}:row {i}", _checked(row)) for i, row in enumerate(ds, 1))
+        return
+    for f in resolve_files(path, split=split, subset=subset, data_files=data_files):
+        yield str(f), _read_file(f)
+
+
 # ---------------------------------------------------------------------------------------------- resolution
 
-def resolve_files(path: str | os.PathLike, *, split: str = "train", subset: str | None = None) -> list[Path]:
-    """The data files behind `path` for `split` (and `subset`), in a fixed order."""
+def resolve_files(path: str | os.PathLike, *, split: str = "train", subset: str | None = None,
+                  data_files: DataFiles | None = None) -> list[Path]:
+    """The local data files behind `path` for `split` (and `subset`, `data_files`), in a fixed order."""
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
-        try:
-            p = resolve_local(str(path), kind="dataset")
-        except ModelNotFoundError as e:
-            raise DataError(str(e)) from None
+        raise DataError(f"{path} does not exist (and is not a Hugging Face Hub dataset id like org/name)")
     if p.is_file():
+        if data_files is not None:
+            raise DataError(f"{p}: data_files picks files inside a folder or Hub repo; this path is one file")
         return [p]
     if subset is not None and subset != "default":
         if not (p / subset).is_dir():
             have = sorted(d.name for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
             raise DataError(f"{p}: no subset folder {subset!r} (folders: {have or 'none'})")
         p = p / subset
+    if data_files is not None:
+        return _matching_files(p, data_files, split)
     if (p / "dataset_dict.json").is_file():  # datasets.DatasetDict.save_to_disk
         splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
         if split not in splits or not (p / split).is_dir():
@@ -118,6 +139,22 @@ def resolve_files(path: str | os.PathLike, *, split: str = "train", subset: str 
             raise DataError(f"{p}: a save_to_disk folder without .arrow shards")
         return [p / n for n in names]
     return _split_files(p, split)
+
+
+def _matching_files(folder: Path, data_files: DataFiles, split: str) -> list[Path]:
+    """The files of `folder` that `data_files` names for `split` (glob patterns relative to the folder; a
+    string or list is the train split, as in datasets.load_dataset)."""
+    by_split = data_files if isinstance(data_files, dict) else {"train": data_files}
+    if split not in by_split:
+        raise DataError(f"{folder}: data_files names the splits {sorted(by_split)}, not {split!r} (set `split:`)")
+    patterns = [by_split[split]] if isinstance(by_split[split], str) else list(by_split[split])
+    files = []
+    for pattern in patterns:
+        found = sorted(f for f in folder.glob(pattern) if f.is_file())
+        if not found:
+            raise DataError(f"{folder}: no file matches data_files pattern {pattern!r}")
+        files += [f for f in found if f not in files]
+    return files
 
 
 def _split_files(folder: Path, split: str) -> list[Path]:

@@ -5,7 +5,7 @@ and run uvicorn themselves.
 
 MODEL is any model reference (surojax.weights.model_ref): an HF safetensors folder, a surojax output folder (its
 `merged/`, `model/`, or `adapter/` whose adapter_config.json names the base), a PEFT adapter folder, a .gguf
-file, or a repo id in the local HF cache.
+file, or a Hugging Face Hub id (surojax.hub fetches it; so too the draft model and --lora-modules NAME=REF).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from surojax.generation.loop import eos_ids
+from surojax.hub import model_path
 from surojax.model_loader import load_model_ref
 from surojax.peft.multi_lora import AdapterSlots
 from surojax.quant.laid_out import decode_weights
@@ -60,6 +61,8 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     model_dir, lora_root = None, None
     if config.lora is not None and config.lora.allow_runtime:
         lora_root = LoraRoot.at(config.lora.root)  # a missing root fails before the weights load
+    # --lora-modules NAME=REF: a folder, or a Hub adapter repo fetched now (a bad one fails before the weights load)
+    adapters = [(lname, model_path(ref)) for lname, ref in (config.lora.modules if config.lora is not None else ())]
     if model is None:
         model, tokenizer, model_dir, name = load_for_serving(config)
     else:
@@ -72,7 +75,7 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     if draft is not None:
         decode_weights(draft)
     engine = Engine(model, config.engine, tokenizer=tokenizer, lora=lora, draft_model=draft)
-    for lname, lpath in config.lora.modules if config.lora is not None else ():
+    for lname, lpath in adapters:
         engine.load_lora(lname, lpath)
     resolved = engine.config
     pool = engine.runner.k_pool

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from surojax.config.schema import TrainConfig
 from surojax.data.pipeline import build_data_from_config
 from surojax.data.tokenizer import Tokenizer
-from surojax.hub import resolve_local
+from surojax.hub import model_path
 from surojax.losses.distill import distill_loss
 from surojax.models.layers.attention import packed_backend
 from surojax.offload.device_budget import Beside, check_beside, plans_one_device
@@ -133,7 +133,8 @@ def student_tokenizer(cfg: TrainConfig) -> Tokenizer:
     src = cfg.tokenizer or cfg.model
     if src is None:
         raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
-    return load_gguf_tokenizer(src) if is_gguf_path(src) else Tokenizer.from_dir(resolve_local(src))
+    local = model_path(src, weights=False)  # a folder, a .gguf, a Hub id's head files (or its GGUF)
+    return load_gguf_tokenizer(local) if is_gguf_path(local) else Tokenizer.from_dir(local)
 
 
 def precompute_teacher_logprobs(cfg: TrainConfig, out: str | Path | None = None, *, dtype: str = "float16") -> Path:

@@ -124,10 +124,10 @@ def example_from_row(row: Mapping, kind: str = "auto", spec: DatasetSpec | None 
 
 def load_eval_examples(path: str | Path, *, type: str = "auto", samples: int | None = None,
                        spec: DatasetSpec | None = None, split: str = "train",
-                       subset: str | None = None) -> list[EvalExample]:
+                       subset: str | None = None, data_files=None) -> list[EvalExample]:
     """Read a dataset (any format `surojax.data.sources` reads) into EvalExamples; errors name the row."""
     out = []
-    for where, row in read_rows(path, split=split, subset=subset, samples=samples):
+    for where, row in read_rows(path, split=split, subset=subset, data_files=data_files, samples=samples):
         try:
             out.append(example_from_row(row, type, spec))
         except (GenerationEvalError, InvalidRowError, DataError) as e:
@@ -204,7 +204,7 @@ class GenerationEval:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.examples = load_eval_examples(spec.path, type=spec.type, samples=spec.samples, spec=spec,
-                                           split=spec.split, subset=spec.subset)
+                                           split=spec.split, subset=spec.subset, data_files=spec.data_files)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, tokenizer: Tokenizer) -> GenerationEval | None:

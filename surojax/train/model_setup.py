@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from surojax.hub import model_path
 from surojax.models.decoder import Decoder
 from surojax.peft.lora import TRAINABLE, set_dropout_key
 from surojax.peft.stacked import init_lora
@@ -53,7 +54,8 @@ def build_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State]
         lo, a = spec.lora, spec.lora.adapter
         init_lora(model, targets=a.targets, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                   use_rslora=a.use_rslora, rngs=nnx.Rngs(params=m.seed + 1), dtype=prec.adapter,
-                  adapter_path=lo.adapter_path, adapter_init_mode=lo.adapter_init_mode)
+                  adapter_path=model_path(lo.adapter_path) if lo.adapter_path else None,  # a folder or a Hub id
+                  adapter_init_mode=lo.adapter_init_mode)
     if prec.recipe == "fp8_hybrid":
         apply_fp8_recipe(spec, model)
     elif prec.recipe == "nvfp4":

@@ -42,8 +42,7 @@ from surojax.parallel.pipeline import PipelineSpec
 from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.peft.peft_io import LoraSpec
 from surojax.precision.fp8_scaling import Fp8Settings
-from surojax.weights.gguf_checkpoint import is_gguf_path
-from surojax.weights.model_ref import ModelRef, hf_config_of, resolve_model
+from surojax.weights.model_ref import ModelRef, hf_config_of, names_gguf, resolve_model
 from surojax.weights.prequant import QuantScheme, read_scheme
 from surojax.weights.safetensors_file import WeightsError
 
@@ -94,7 +93,7 @@ class ModelSpec:
 
     @property
     def is_gguf(self) -> bool:
-        return is_gguf_path(self.source)
+        return names_gguf(self.source)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +205,7 @@ def model_ref_of(cfg: TrainConfig) -> ModelRef | None:
     if not cfg.model:
         return None
     try:
-        ref = resolve_model(cfg.model)
+        ref = resolve_model(cfg.model, weights=False)  # a Hub id's weights are fetched when loaded
     except WeightsError as e:
         raise TrainSetupError(f"model: {e}") from None
     if ref.adapter is not None:
@@ -281,7 +280,7 @@ def quant_spec(cfg: TrainConfig, *, loads_model: bool = True) -> QuantSpec | Non
     if not cfg.lora:
         raise TrainSetupError("qlora quantizes the frozen base for LoRA; full fine-tuning over a quantized base is "
                               "not possible: set lora: true")
-    if is_gguf_path(cfg.model):
+    if names_gguf(cfg.model):
         raise TrainSetupError(f"qlora: model: {cfg.model} is a GGUF file, which keeps its own quantization; "
                               "remove the qlora key (or start from the HF model folder)")
     return QuantSpec(fmt, options)

@@ -98,7 +98,7 @@ def teacher_tokenizer(ref: str | os.PathLike) -> Tokenizer:
     """The tokenizer of a teacher reference, without loading its weights (a GGUF's from its metadata)."""
     if is_gguf_path(ref):
         return load_gguf_tokenizer(ref)
-    r = resolve_model(ref)
+    r = resolve_model(ref, weights=False)
     if r.tokenizer_dir is None:
         return load_gguf_tokenizer(r.weights)
     return Tokenizer.from_dir(r.tokenizer_dir)

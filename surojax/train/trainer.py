@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from surojax.config.schema import TrainConfig
-from surojax.hub import resolve_local
+from surojax.hub import model_path
 from surojax.data.pipeline import build_data_from_config
 from surojax.losses.lm import lm_loss
 from surojax.data.tokenizer import Tokenizer
@@ -100,13 +100,14 @@ class Trainer:
         tok_src = cfg.tokenizer or cfg.model
         if tok_src is None:
             raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")
-        if is_gguf_path(tok_src):  # the tokenizer of a GGUF base is in its metadata: export it once, as HF files
+        tok_local = model_path(tok_src, weights=False)  # a folder, a .gguf, a Hub id's head files (or its GGUF)
+        if is_gguf_path(tok_local):  # the tokenizer of a GGUF base is in its metadata: export it once, as HF files
             self.tokenizer_dir = self.output_dir / "gguf_tokenizer"
             if self.is_main:
-                save_tokenizer_dir(load_gguf_tokenizer(tok_src), self.tokenizer_dir)
+                save_tokenizer_dir(load_gguf_tokenizer(tok_local), self.tokenizer_dir)
             barrier("gguf_tokenizer")
         else:
-            self.tokenizer_dir = Path(resolve_local(tok_src))
+            self.tokenizer_dir = tok_local
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir)
 
         self.mesh = make_mesh(cfg.mesh_sizes())  # zero_stage 3 spelled as the fsdp axis

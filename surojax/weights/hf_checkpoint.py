@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from surojax.hub import resolve_local
+from surojax.hub import model_path
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.registry import WeightRow, family_for, weight_rows
@@ -133,7 +133,7 @@ def _half(row: WeightRow, width: int) -> slice:
 def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
                cfg: ModelConfig | None = None, keep_quantized: bool = False,
                shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
-    """Load a Hugging Face checkpoint folder (or a repo id found in the local HF cache) into a `Decoder`.
+    """Load a Hugging Face checkpoint folder (or a Hub id, fetched by surojax.hub) into a `Decoder`.
 
     dtype: compute dtype; param_dtype: storage dtype of the weights (default: same as dtype).
     keep_quantized: a pre-quantised checkpoint's Linear kernels (FP8, NVFP4, bitsandbytes NF4) and gpt-oss's
@@ -146,8 +146,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     (the layers of its pipeline stage, say) and no device ever holds more than its shards. Without it, each
     parameter is put whole on the default device (one process, placed afterwards).
     """
-    model_dir = Path(resolve_local(str(model_dir)))
-    cfg = cfg or read_config(model_dir)
+    cfg = cfg or read_config(model_path(model_dir, weights=False))  # a Hub id: its config before its weights
+    model_dir = model_path(model_dir)
     param_dtype = param_dtype or dtype
     where = with_mxfp4_pairs(open_checkpoint(model_dir))  # gpt-oss's published MXFP4 experts
     scheme = read_scheme(model_dir)  # a pre-quantised checkpoint's reader, None for float weights

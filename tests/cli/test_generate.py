@@ -106,7 +106,10 @@ def test_bfloat16_and_sampling_run(capsys):
 def test_repo_id_from_the_hf_cache(capsys, tmp_path, monkeypatch):
     snap = tmp_path / "hub" / "models--tiny-org--tiny-qwen3" / "snapshots" / ("ab" * 20)
     shutil.copytree(QWEN3, snap)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text(snap.name)  # the layout huggingface_hub writes
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache only (tests/test_hub.py fetches from a stand-in Hub)
     args = ("--prompt", "hello world", "--max-new-tokens", "6", "--show-ids")  # ARGS' shapes
     rc, out, err = run_generate(capsys, "--model", "tiny-org/tiny-qwen3", *args)
     assert rc == 0, err
@@ -123,13 +126,13 @@ def error_lines(err: str) -> list[str]:
 
 def test_bad_model_in_a_subprocess_is_one_clean_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "HF_HUB_CACHE": str(tmp_path / "hub"),
-           "COLUMNS": "60"}
-    r = subprocess.run([sys.executable, "-m", "surojax.cli.main", "generate", "--model", "BAD", "--prompt", "hi"],
+           "HF_HUB_OFFLINE": "1", "COLUMNS": "60"}
+    r = subprocess.run([sys.executable, "-m", "surojax.cli.main", "generate", "--model", "org/BAD", "--prompt", "hi"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stderr
     lines = error_lines(r.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr  # not wrapped at COLUMNS either
-    assert "model 'BAD' was not found locally" in lines[0] and str(tmp_path / "hub") in lines[0]
+    assert "model 'org/BAD': offline" in lines[0] and str(tmp_path / "hub") in lines[0]
     assert r.stdout == ""
 
 

@@ -323,13 +323,15 @@ def test_warmup_steps_for():
 
 def test_check_paths_names_missing_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    cfg = config_from_dict({"model": str(tmp_path / "nope"), "datasets": [{"path": str(tmp_path / "d.jsonl")}],
-                            "validation_datasets": [{"path": "org/data"}], "lora": True,
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache only (tests/test_hub.py fetches from a stand-in Hub)
+    cfg = config_from_dict({"model": "org/absent", "datasets": [{"path": str(tmp_path / "d.jsonl")}],
+                            "validation_datasets": [{"path": "./data/valid.jsonl"}], "lora": True,
                             "adapter_path": str(tmp_path)})
     with pytest.raises(ConfigError) as e:
         check_paths(cfg)
     assert e.value.keys == ["model", "adapter_path", "datasets[0].path", "validation_datasets[0].path"]
-    assert "Hugging Face cache" in str(e.value) and "adapter_config.json" in str(e.value)
+    assert "not in the cache" in str(e.value) and "adapter_config.json" in str(e.value)
+    assert "is not a Hugging Face Hub dataset id" in str(e.value)
 
 
 def test_check_paths_ok_and_hf_cache(tmp_path, monkeypatch):
@@ -340,6 +342,7 @@ def test_check_paths_ok_and_hf_cache(tmp_path, monkeypatch):
     (hub / "models--org--tiny" / "refs").mkdir()
     (hub / "models--org--tiny" / "refs" / "main").write_text("abc")
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
     check_paths(config_from_dict({"model": "org/tiny", "datasets": [{"path": str(data)}]}))

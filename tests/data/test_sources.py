@@ -1,4 +1,5 @@
-"""Readers: every file type, folders and split selection, the HF cache, malformed rows, skips and samples."""
+"""Readers: every file type, folders and split selection, data_files, malformed rows, skips and samples (Hub
+datasets: tests/test_hub.py)."""
 from __future__ import annotations
 
 import csv
@@ -98,19 +99,28 @@ def test_folder_of_files_chosen_by_split(tmp_path):
     assert rows_of(plain) == ROWS  # no split in the names: every file, in name order
 
 
-def test_dataset_id_resolves_through_local_hf_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    snap = cache / "datasets--org--toy" / "snapshots" / ("a" * 40)
-    (snap / "sub").mkdir(parents=True)
-    write_jsonl(snap / "sub" / "train.jsonl", ROWS)
-    (cache / "datasets--org--toy" / "refs").mkdir()
-    (cache / "datasets--org--toy" / "refs" / "main").write_text("a" * 40)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    assert rows_of("org/toy", subset="sub") == ROWS
-    with pytest.raises(DataError, match="org/missing.*local"):
-        rows_of("org/missing")
-    with pytest.raises(DataError, match="does not exist"):
-        rows_of(str(tmp_path / "nope" / "x.jsonl"))
+def test_data_files_pick_files_of_a_local_folder(tmp_path):
+    """data_files as datasets.load_dataset takes it: patterns in the folder; a string / list is the train split."""
+    d = tmp_path / "d"
+    (d / "more").mkdir(parents=True)
+    write_jsonl(d / "a.jsonl", ROWS[:1])
+    write_jsonl(d / "more" / "b.jsonl", ROWS[1:2])
+    write_jsonl(d / "more" / "c.jsonl", ROWS[2:])
+    assert rows_of(d, data_files="more/*.jsonl") == ROWS[1:]
+    assert rows_of(d, data_files=["more/c.jsonl", "a.jsonl"]) == [ROWS[2], ROWS[0]]
+    assert rows_of(d, data_files={"train": "a.jsonl", "test": ["more/b.jsonl"]}, split="test") == ROWS[1:2]
+    with pytest.raises(DataError, match=r"data_files names the splits \['train'\], not 'test'"):
+        rows_of(d, data_files="a.jsonl", split="test")
+    with pytest.raises(DataError, match="no file matches data_files pattern 'none/\\*.jsonl'"):
+        rows_of(d, data_files="none/*.jsonl")
+    with pytest.raises(DataError, match="this path is one file"):
+        rows_of(d / "a.jsonl", data_files="a.jsonl")
+
+
+def test_a_missing_path_is_named(tmp_path):
+    for name in (str(tmp_path / "nope" / "x.jsonl"), "./data/train.jsonl", "data/train.jsonl"):
+        with pytest.raises(DataError, match="does not exist .and is not a Hugging Face Hub dataset id"):
+            rows_of(name)
 
 
 def test_malformed_rows_name_file_and_line_or_are_skipped_and_counted(tmp_path):

@@ -55,7 +55,10 @@ def test_gguf_file_and_an_adapter_over_it(tmp_path):
 def test_repo_id_in_the_local_cache(tmp_path, monkeypatch):
     snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("cd" * 20)
     shutil.copytree(FIXTURE, snap)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text(snap.name)  # the layout huggingface_hub writes
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache only (tests/test_hub.py fetches from a stand-in Hub)
     r = resolve_model("org/tiny")
     assert (r.kind, r.weights, r.source) == ("hf", snap, "org/tiny")
     with pytest.raises(ModelNotFoundError, match="org/absent"):
