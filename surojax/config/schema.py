@@ -6,7 +6,7 @@ Single-field checks live on the fields (section files); cross-field checks in ru
 """
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from surojax.config.data import DataSection
@@ -32,6 +32,11 @@ class TrainConfig(
     PrecisionSection, DataSection, RunSection,
 ):
     """A validated training config. Build it with `load_config(path)` or `config_from_dict(d)`."""
+
+    # Set by the loader (config/surogate.py): the Surogate spellings the config wrote (none: not a Surogate config)
+    # and readings worth a start-up line. Private: not keys, not dumped; kept by model_copy.
+    _surogate_spellings: tuple[str, ...] = PrivateAttr(default=())
+    _surogate_notes: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
     def _cross_fields(self) -> TrainConfig:

@@ -42,11 +42,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
 
 from surojax.config.errors import ConfigError, ConfigProblem
-from surojax.config.explain import Loc, Positions, problems_from_validation_error
-from surojax.config.load import apply_overrides, load_config, parse_override, read_config_file
+from surojax.config.explain import Loc, Positions
+from surojax.config.load import apply_overrides, load_config, parse_override, read_config_file, validated
 from surojax.config.paths import check_paths
 from surojax.config.schema import TrainConfig
 from surojax.hub import ModelNotFoundError, resolve_local
@@ -178,10 +177,9 @@ def stages_from_dict(data: Mapping[str, Any], source: str | None = None, positio
             merged = apply_overrides(merged, overrides)
             pos = {k: v for k, v in pos.items() if not any(k[: len(o)] == o for o in set_by)}
             pos.update((loc, None) for loc in set_by)
-        try:
-            cfg = TrainConfig.model_validate(merged)
-        except ValidationError as e:
-            problems += [_rekey(p, i, name) for p in problems_from_validation_error(e, TrainConfig, pos)]
+        cfg, found = validated(merged, pos)
+        if cfg is None:
+            problems += [_rekey(p, i, name) for p in found]
             continue
         stages.append(Stage(name, cfg, i, overwrite))
     if not problems:
