@@ -91,10 +91,16 @@ def parse_yaml(text: str, source: str | None = None) -> tuple[Any, Positions]:
         try:
             return _parse_yaml(text, source)
         except _TabIndented as tab:
-            log.warning("%s:%d: indented with a tab, which YAML does not allow; read as %d spaces a tab",
-                        source or "config", tab.line + 1, TAB_STOP)
+            where = (source or "config", tab.line + 1)
+            if where not in _TABS_WARNED:  # once per line: a run reads its config more than once
+                _TABS_WARNED.add(where)
+                log.warning("%s:%d: indented with a tab, which YAML does not allow; read as %d spaces a tab",
+                            *where, TAB_STOP)
             lines[tab.line] = _expand_tabs(lines[tab.line])
             text = "\n".join(lines)
+
+
+_TABS_WARNED: set[tuple[str, int]] = set()
 
 
 class _TabIndented(Exception):

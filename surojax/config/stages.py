@@ -52,7 +52,7 @@ from surojax.hub import ModelNotFoundError, resolve_local
 
 # What a training run writes into its output_dir; overwrite_output_dir deletes these and nothing else.
 OUTPUT_ARTIFACTS = ("model", "adapter", "merged", "checkpoints", "metrics.jsonl", "loss.png", "tensorboard",
-                    "wandb", "generation_eval.json")
+                    "wandb", "generation_eval.json", "adapter_config.json", "adapter_model.safetensors")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 

@@ -223,33 +223,41 @@ class _Work:
     def put(self, source: Loc, target: Loc, value: Any, meaning: str | None = None) -> None:
         """Set `target` to `value`, read from the user's `source` key; a different value already at `target` is a
         problem at `source` (`meaning` says what the source means, default: that it is target's spelling)."""
-        meaning = meaning or f"is Surogate's spelling of {format_key(target)}"
+        meaning = meaning or f"is Surogate's spelling of {format_key(target)} ({_yaml(value)})"
         node: Any = self.data
         for i, part in enumerate(target[:-1]):
-            nxt = node.get(part) if isinstance(node, dict) else None
-            if nxt is None:
-                if not isinstance(node, dict):
-                    self.problem(source, f"{meaning}, but {format_key(target[:i])} is not a mapping")
-                    return
-                nxt = node[part] = {}
-            node = nxt
+            if isinstance(node, list) and isinstance(part, int) and part < len(node):
+                node = node[part]
+                continue
+            if not isinstance(node, dict):
+                self.problem(source, f"{meaning}, but {format_key(target[:i])} is not a mapping")
+                return
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
         if not isinstance(node, dict):
             self.problem(source, f"{meaning}, but {format_key(target[:-1])} is not a mapping")
             return
         key = target[-1]
-        if key in node and target not in self.origins and not _same(node[key], value):
-            self.problem(source, f"{meaning} ({value!r}), which the config also sets to {node[key]!r}: keep one")
-            return
-        if key in node and target in self.origins and not _same(node[key], value):
-            self.problem(source, f"{meaning} ({value!r}), but {format_key(self.origins[target])} already sets "
-                         f"it to {node[key]!r}: keep one")
+        if key in node and not _same(node[key], value):
+            by = f"{format_key(self.origins[target])}" if target in self.origins else "the config"
+            self.problem(source, f"{meaning}, but {by} also sets {format_key(target)}: {_yaml(node[key])}: "
+                         "keep one")
             return
         node[key] = value
-        if target not in self.origins:
-            self.origins[target] = source
+        self.origins.setdefault(target, source)
         for loc, pos in list(self.positions.items()):  # the value's own positions move with it
             if loc[:len(source)] == source and loc[:len(target)] != target:
                 self.positions.setdefault(target + loc[len(source):], pos)
+
+
+def _yaml(value: Any) -> str:
+    """A value as YAML writes it (true, null, 1e-4, text)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
 
 
 _MISSING = object()
@@ -273,7 +281,8 @@ def _refusals(work: _Work, prefix: Loc, node: dict, refused: Mapping[str, Refusa
         rule = refused[key]
         if not any(_same(value, off) for off in rule.off):
             work.problem(source, f"is not read by surojax: {rule.why}"
-                         + (f" (accepted: {', '.join(repr(v) for v in rule.off)})" if rule.off else ""))
+                         + (f"; remove the key (or write {' or '.join(_yaml(v) for v in rule.off)})"
+                            if rule.off else "; remove the key"))
 
 
 def _values(work: _Work) -> None:
@@ -312,7 +321,7 @@ def _gpus(work: _Work) -> None:
         work.problem(("gpus",), f"{n} devices cannot hold the other parallel sizes {others} (product {other})")
         return
     work.put(("gpus",), ("parallel", "data"), n // other,
-             meaning=f"gpus: {n} is parallel.data: {n // other} here (the device count over the other sizes)")
+             meaning=f"{n} devices are parallel.data: {n // other} here (over the other parallel sizes)")
 
 
 def _zero(work: _Work) -> None:
@@ -333,7 +342,7 @@ def _zero(work: _Work) -> None:
             stage = implies if stage is None or (isinstance(stage, int) and stage < implies) else stage
             source = (key,) if level is None else source
     if stage is not None:
-        work.put(source, ("zero_stage",), stage, meaning=f"{format_key(source)} is zero_stage {stage!r} here")
+        work.put(source, ("zero_stage",), stage, meaning=f"is zero_stage: {_yaml(stage)} here")
 
 
 def _cpu_training(work: _Work) -> None:
@@ -350,7 +359,7 @@ def _cpu_training(work: _Work) -> None:
     keys = ("offload_base_weights", "offload_prefetch") if work.data.get("lora") is True else (
         "offload_master", "offload_optimizer")
     for k in keys:
-        work.put(("cpu_training",), (k,), True, meaning=f"cpu_training is {k}: true here")
+        work.put(("cpu_training",), (k,), True, meaning=f"is {k}: true here")
 
 
 _TORCH_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32", "float": "fp32",
@@ -371,7 +380,7 @@ def _torch_dtype(work: _Work) -> None:
                      "fp8_hybrid, nvfp4) or fp32 (recipe fp32); float16 needs loss scaling, which it does not have: "
                      "use bfloat16")
     elif dtype == "fp32":
-        work.put(("torch_dtype",), ("recipe",), "fp32", meaning="torch_dtype: float32 is recipe: fp32")
+        work.put(("torch_dtype",), ("recipe",), "fp32", meaning="float32 is recipe: fp32")
     elif dtype == "bf16" and work.data.get("recipe") == "fp32":
         work.problem(("torch_dtype",), "bfloat16 contradicts recipe: fp32 (which computes in float32): keep one")
 
@@ -444,7 +453,7 @@ def _distillation(work: _Work) -> None:
     block = _block(work, "distillation")
     if block is None:
         return
-    work.put(("distillation",), ("trainer",), "distill", meaning="distillation: is trainer: distill")
+    work.put(("distillation",), ("trainer",), "distill", meaning="is trainer: distill")
     for key in [k for k in block if k in DISTILLATION_KEYS]:
         loc = ("distillation", key)
         work.put(loc, (DISTILLATION_KEYS[key],), work.take(loc))
@@ -471,7 +480,7 @@ def _loss_block(work: _Work) -> None:
     if "type" in block:
         kind = work.take(("loss", "type"))
         if kind == "dpo":
-            work.put(("loss", "type"), ("trainer",), "dpo", meaning="loss.type: dpo is trainer: dpo")
+            work.put(("loss", "type"), ("trainer",), "dpo", meaning="dpo is trainer: dpo")
         else:
             work.problem(("loss", "type"), f"{kind!r}: Surogate's loss type is dpo (surojax: trainer: dpo with "
                          "loss_type sigmoid | ipo | hinge)")
@@ -518,6 +527,8 @@ def translate(data: Mapping[str, Any], positions: Positions | None = None) -> Tr
     if isinstance(work.data.get("report_to"), list) and "aim" in work.data["report_to"] or \
             work.data.get("report_to") == "aim":
         work.spellings.append("report_to: aim")
+    if isinstance(work.data.get("rope_scaling"), str):  # a type name or JSON text (run.py reads both)
+        work.spellings.append("rope_scaling")
     _refusals(work, (), work.data, REFUSED)
     _zero(work)  # zero_level together with the shard_* flags
     _renames(work, (), work.data, RENAMED)
@@ -615,6 +626,7 @@ def differing_defaults(cfg: TrainConfig) -> list[tuple[str, str, str]]:
         value = shown(cfg) if shown else getattr(cfg, d.key)
         if isinstance(value, list):
             value = ", ".join(map(str, value)) or "none"
+        value = "unset" if value is None else value
         out.append((d.key, str(value).lower() if isinstance(value, bool) else str(value), d.surogate))
     return out
 

@@ -4,7 +4,9 @@ A reference (`--model`, `model:`, `serve MODEL`) is one of:
 
     path/to/hf_folder          config.json + model.safetensors (or an index + shards)
     path/to/model.gguf         a llama.cpp GGUF file (architecture and tokenizer from its metadata)
-    path/to/output_dir         a surojax training run: its merged/ or model/ (full fine-tuning) or adapter/ (LoRA)
+    path/to/output_dir         a surojax training run: its merged/ or model/ (full fine-tuning) or adapter/ (LoRA;
+                               the run also copies the adapter's two files to the top of output_dir, as Surogate
+                               writes it: those subfolders are looked at first)
     path/to/adapter            a PEFT adapter folder; adapter_config.json's base_model_name_or_path names the base
     org/name[@revision]        a repo id present in the local Hugging Face cache (surojax.hub; never downloads)
 
@@ -89,13 +91,13 @@ def _file_ref(path: Path, source: str) -> ModelRef:
 def _dir_ref(path: Path, source: str) -> tuple[ModelRef, Path | None]:
     if (path / "config.json").is_file():
         return ModelRef("hf", path, None, path, source), None
-    if (path / ADAPTER_CONFIG).is_file():
-        return _adapter_base(path, source), path
-    for sub in RUN_SUBFOLDERS:
+    for sub in RUN_SUBFOLDERS:  # a run's folders first: its output_dir also holds the adapter's files at its top
         if (path / sub / "config.json").is_file():
             return ModelRef("hf", path / sub, None, path / sub, source), None
         if sub == "adapter" and (path / sub / ADAPTER_CONFIG).is_file():
             return _adapter_base(path / sub, source), path / sub
+    if (path / ADAPTER_CONFIG).is_file():
+        return _adapter_base(path, source), path
     raise ModelRefError(f"model {source}: {path} is not a model folder: it holds no config.json, {ADAPTER_CONFIG}, "
                         f"merged/, model/ or adapter/; expected {EXPECTED}")
 
