@@ -27,7 +27,8 @@ class DatasetSpec(StrictModel):
     """Use only the first this many rows."""
     text_field: str = "text"
     instruction_field: str = "instruction"
-    input_field: str = "input"
+    input_field: str | None = "input"
+    """Instruction rows' input column (null: none)."""
     output_field: str = "output"
     messages_field: str = "messages"
     prompt_field: str = "prompt"
@@ -39,8 +40,9 @@ class DatasetSpec(StrictModel):
     system_field: str | None = None
     """The column holding each row's system prompt (instruction and conversation rows); a row whose value is empty
     or missing falls back to `system_prompt`. Surogate's `system_prompt_type: field` + `system_prompt_field`."""
-    tools_field: str = "tools"
-    """The column holding a conversation's tool definitions (a list, or JSON text), passed to the chat template."""
+    tools_field: str | None = "tools"
+    """The column holding a conversation's tool definitions (a list, or JSON text), passed to the chat template
+    (null: none)."""
     message_property_mappings: dict[str, str] | None = None
     """Message keys under other names, surojax key -> the dataset's: e.g. {role: speaker, content: text}
     (role, content, tool_calls)."""
@@ -122,6 +124,8 @@ class DataSection(StrictModel):
     @field_validator("template")
     @classmethod
     def _family(cls, v: str | None) -> str | None:
+        if v == "auto":  # Surogate's default: the model's own template
+            return None
         if v is not None and v not in TEMPLATE_FAMILIES:
             raise ValueError(f"{v!r} is not a template family surojax knows ({', '.join(TEMPLATE_FAMILIES)}); "
                              "give the template's text or .jinja file as chat_template instead")

@@ -113,7 +113,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         add(("merge_adapter", "recipe"), f"would fold the adapter into the quantised base of {cfg.recipe}; train "
             "without it and merge the saved adapter into the bf16 model")
     for k in ("skip_quant_first_layers", "skip_quant_last_layers"):
-        if _changed(cfg, k) and cfg.recipe not in ("fp8_hybrid", "nvfp4"):
+        if getattr(cfg, k) and cfg.recipe not in ("fp8_hybrid", "nvfp4"):  # 0 asks for nothing
             add((k,), "only applies with recipe: fp8_hybrid (or nvfp4)")
     if _changed(cfg, "fp8_scaling") and cfg.recipe != "fp8_hybrid":
         add(("fp8_scaling",), "only applies with recipe: fp8_hybrid")
@@ -168,7 +168,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     # --- length of training and schedule
     if cfg.max_steps is None and cfg.num_epochs is None:
         add(("max_steps", "num_epochs"), "set max_steps or num_epochs")
-    if cfg.warmup_steps is not None and cfg.warmup_ratio is not None:
+    if cfg.warmup_steps and cfg.warmup_ratio:  # 0 asks for nothing (Surogate's default: then the ratio applies)
         add(("warmup_steps", "warmup_ratio"), "set warmup_steps or warmup_ratio, not both")
     if cfg.cooldown_steps and cfg.lr_scheduler_type != "wsd":  # 0 (Surogate's default) asks for nothing
         add(("cooldown_steps",), f"only applies with lr_scheduler_type: wsd (got {cfg.lr_scheduler_type})")

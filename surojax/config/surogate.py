@@ -54,6 +54,8 @@ RENAMED: dict[str, str] = {
     "ep_size": "parallel.expert",
     "wandb_name": "run_name", "aim_name": "run_name",
 }
+# Keys whose documented default is null, which surojax reads as its own default (a key it does not let be null)
+NULL_IS_DEFAULT = ("master_dtype", "validation_datasets", "router_z_loss_coef")
 _DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 VALUES: dict[str, dict[Any, Any]] = {
     "recipe": {"fp8-hybrid": "fp8_hybrid"},
@@ -114,7 +116,6 @@ REFUSED: dict[str, Refusal] = {
     "normuon_momentum": Refusal("normuon is not available (optimizer: adamw | adamw_8bit)"),
     "normuon_beta2": Refusal("normuon is not available (optimizer: adamw | adamw_8bit)"),
     "normuon_cautious_wd": Refusal("normuon is not available (optimizer: adamw | adamw_8bit)"),
-    "noise_scheduler": Refusal("QeRL rollout noise is not available", (None,)),
     # GRPO's train.yaml (Surogate's trainer / orchestrator / server processes): surojax rolls out in-process
     "transport_type": Refusal("surojax's GRPO samples its rollouts in the training process (surojax grpo): no "
                               "batches travel between processes"),
@@ -406,8 +407,14 @@ def _seeds_and_layout(work: _Work) -> None:
         elif free and work.data.get("sample_packing") is False:
             work.problem(("padding_free",), "padding-free rows are surojax's packing (samples back to back, never "
                          "attending to each other): it needs sample_packing: true")
-    if "router_z_loss_coef" in work.data and work.data["router_z_loss_coef"] is None:
-        work.take(("router_z_loss_coef",))  # Surogate's null: the model's own (no HF config has one: 0)
+    if _in(work, "noise_scheduler"):
+        noise = work.take(("noise_scheduler",))
+        if noise is not None and not (isinstance(noise, dict) and noise.get("enabled", False) is False):
+            work.problem(("noise_scheduler",), "is not read by surojax: QeRL rollout noise is not available; remove "
+                         "the block (or write enabled: false)")
+    for key in NULL_IS_DEFAULT:
+        if key in work.data and work.data[key] is None:
+            work.take((key,))
 
 
 def _system(work: _Work) -> None:

@@ -12,8 +12,9 @@
 Only assistant / output tokens are supervised unless train_on_inputs. `fit_pieces` fits an example longer than
 the length limit: truncated at the end or the start, dropped, or split into pieces (the config's
 truncation_strategy). An instruction dataset's prompt_format writes the user turn; system_field names a column of
-per-row system prompts; message_property_mappings renames message keys; tools_field is the tools column. A row that cannot be formatted raises `InvalidRowError`. The column names and
-the system prompt come from the dataset's entry, `surojax.config.data.DatasetSpec` (its *_field keys).
+per-row system prompts; message_property_mappings renames message keys; tools_field is the tools column. A row
+that cannot be formatted raises `InvalidRowError`. The column names and the system prompt come from the dataset's
+entry, `surojax.config.data.DatasetSpec` (its *_field keys).
 """
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ def _instruction(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str | N
         instruction, inp, output = _text_value(row, "prompt", "prompt"), "", _text_value(row, "completion", "completion")
     else:
         instruction = _text_value(row, spec.instruction_field, "instruction")
-        inp = _text_value(row, spec.input_field, "input", required=False)
+        inp = _text_value(row, spec.input_field, "input", required=False) if spec.input_field else ""
         output = _text_value(row, spec.output_field, "output")
     if not output.strip():
         raise InvalidRowError(f"empty output in field {spec.output_field!r}")
@@ -235,7 +236,7 @@ def _conversation(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str, t
     messages = _messages(row, spec)
     if not train_on_inputs and not any(m["role"] == "assistant" for m in messages):
         raise InvalidRowError("no assistant message: nothing to learn from this conversation")
-    tools = row.get(spec.tools_field)
+    tools = row.get(spec.tools_field) if spec.tools_field else None
     if isinstance(tools, str):
         try:
             tools = json.loads(tools) or None

@@ -199,7 +199,16 @@ def model_config_for(cfg: TrainConfig) -> ModelConfig:
         hf["rope_scaling"] = rope_scaling_for(cfg.rope_scaling, cfg.max_model_len, hf)
         hf.pop("rope_parameters", None)
     elif cfg.rope_scaling:
-        hf["rope_scaling"] = dict(cfg.rope_scaling)
+        rs = dict(cfg.rope_scaling)
+        kind = rs.get("rope_type", rs.get("type"))
+        if cfg.max_model_len and kind in ("yarn", "llama3") and "original_max_position_embeddings" not in rs \
+                and "original_max_position_embeddings" not in hf and hf.get("max_position_embeddings"):
+            # the context the factor stretches is the model's own, not max_model_len (set below)
+            rs["original_max_position_embeddings"] = hf["max_position_embeddings"]
+        theta = (hf.get("rope_parameters") or {}).get("rope_theta")
+        if theta is not None and "rope_theta" not in rs and "rope_theta" not in hf:  # transformers 5 keeps it there
+            rs["rope_theta"] = theta
+        hf["rope_scaling"] = rs
         hf.pop("rope_parameters", None)
     if cfg.max_model_len:
         hf["max_position_embeddings"] = cfg.max_model_len
