@@ -161,9 +161,11 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
             "budget; it does not apply to a run of max_steps: drop one of the two")
 
     # --- metric sinks
-    for k in ("aim_experiment", "aim_repo"):
+    for k in ("aim_experiment", "aim_repo", "aim_name"):
         if getattr(cfg, k) is not None and "aim" not in cfg.report_to:
             add((k,), "configures the Aim sink; add aim to report_to")
+    if cfg.wandb_name is not None and "wandb" not in cfg.report_to:
+        add(("wandb_name",), "names the W&B run; add wandb to report_to")
 
     # --- length of training and schedule
     if cfg.max_steps is None and cfg.num_epochs is None:

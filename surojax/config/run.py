@@ -65,12 +65,16 @@ class RunSection(StrictModel):
     report_to: list[ReportSink] = Field(default_factory=lambda: ["jsonl"])
     """Metric sinks besides the console: tensorboard, wandb, aim, jsonl. `none` or [] for console only."""
     run_name: str | None = None
-    """The run's name in wandb and aim (default: theirs)."""
+    """The run's name: printed at start, and its name in wandb and aim unless wandb_name / aim_name say otherwise."""
     wandb_project: str | None = None
+    wandb_name: str | None = None
+    """report_to: wandb — the run's name there (default: run_name, else wandb's)."""
     aim_experiment: str | None = None
     """report_to: aim — the Aim experiment the run joins (default: Aim's)."""
     aim_repo: str | None = None
     """report_to: aim — the Aim repository (a path or aim:// URL; default: Aim's, .aim in the working directory)."""
+    aim_name: str | None = None
+    """report_to: aim — the run's name there (default: run_name)."""
 
     @field_validator("max_steps", mode="before")
     @classmethod

@@ -52,7 +52,6 @@ RENAMED: dict[str, str] = {
     "adamw_beta1": "adam_beta1", "adamw_beta2": "adam_beta2", "adamw_epsilon": "adam_epsilon",
     "train_seed": "seed",
     "ep_size": "parallel.expert",
-    "wandb_name": "run_name", "aim_name": "run_name",
 }
 # Keys whose documented default is null, which surojax reads as its own default (a key it does not let be null)
 NULL_IS_DEFAULT = ("master_dtype", "validation_datasets", "router_z_loss_coef")
@@ -153,8 +152,8 @@ LOSS_REFUSED: dict[str, Refusal] = {
 }
 # Keys surojax reads under Surogate's own name (schema fields): they too make a config look like Surogate's.
 SUROGATE_NAMED = ("model_type", "use_cuda_graphs", "template", "use_chat_template", "truncation_strategy",
-                  "max_length", "dataloader_num_workers", "run_name", "aim_experiment", "aim_repo", "qlora_bnb",
-                  "qlora_fp8", "qlora_fp4")
+                  "max_length", "dataloader_num_workers", "run_name", "wandb_name", "aim_experiment", "aim_repo",
+                  "aim_name", "qlora_bnb", "qlora_fp8", "qlora_fp4")
 DATASET_NAMED = ("system_field", "tools_field", "prompt_format", "prompt_format_no_input",
                  "message_property_mappings")
 DATASET_SECTIONS = ("datasets", "validation_datasets")

@@ -111,8 +111,8 @@ class Metrics:
     of a multi-process run): no sink is opened, only the history is kept."""
 
     def __init__(self, output_dir: Path, report_to=(), run_config: dict | None = None, project: str = "surojax",
-                 *, write: bool = True, run_name: str | None = None, aim_experiment: str | None = None,
-                 aim_repo: str | None = None):
+                 *, write: bool = True, run_name: str | None = None, wandb_name: str | None = None,
+                 aim_experiment: str | None = None, aim_repo: str | None = None, aim_name: str | None = None):
         self.output_dir = output_dir
         self.sinks = []
         self.history: list[dict] = []
@@ -125,9 +125,9 @@ class Metrics:
             if name == "tensorboard":
                 self.sinks.append(TensorBoardSink(output_dir / "tensorboard"))
             elif name == "wandb":
-                self.sinks.append(WandbSink(project, run_config or {}, output_dir, run_name))
+                self.sinks.append(WandbSink(project, run_config or {}, output_dir, wandb_name or run_name))
             elif name == "aim":
-                self.sinks.append(AimSink(run_config or {}, run_name, aim_experiment, aim_repo))
+                self.sinks.append(AimSink(run_config or {}, aim_name or run_name, aim_experiment, aim_repo))
             elif name not in ("jsonl", "none"):
                 raise MetricsSinkError(f"report_to: {name!r} is unknown (jsonl, tensorboard, wandb, aim)")
 

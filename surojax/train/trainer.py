@@ -157,7 +157,8 @@ class Trainer:
                                          keep=cfg.save_total_limit)
         self.metrics = Metrics(self.output_dir, cfg.report_to, run_config=cfg.model_dump(by_alias=True),
                                project=cfg.wandb_project or "surojax", write=self.is_main, run_name=cfg.run_name,
-                               aim_experiment=cfg.aim_experiment, aim_repo=cfg.aim_repo)
+                               wandb_name=cfg.wandb_name, aim_experiment=cfg.aim_experiment, aim_repo=cfg.aim_repo,
+                               aim_name=cfg.aim_name)
         if cfg.resume_from_checkpoint:
             self._resume()
 

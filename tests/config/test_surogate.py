@@ -159,7 +159,7 @@ ALIASES = [
     ({"cpu_training": True}, {"offload_master": True, "offload_optimizer": True}),
     ({"rope_scaling": '{"factor": 2.0, "type": "yarn"}'}, {"rope_scaling": {"factor": 2.0, "type": "yarn"}}),
     ({"rope_scaling": "yarn", "max_model_len": 4096}, {"rope_scaling": "yarn"}),
-    ({"wandb_name": "r", "report_to": "wandb"}, {"run_name": "r"}),
+    ({"run_name": "r", "wandb_name": "w", "report_to": "wandb"}, {"run_name": "r", "wandb_name": "w"}),
     ({"report_to": ["aim"], "aim_experiment": "e", "aim_repo": "/tmp/aim"},
      {"report_to": ["aim"], "aim_experiment": "e"}),
     ({"distillation": {"teacher_model": "T", "top_k": 32, "temperature": 2.0, "kd_weight": 0.7, "ce_weight": 0.3}},

@@ -100,7 +100,7 @@ def test_report_to_aim_tracks_every_metric(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "aim", types.SimpleNamespace(Run=Run))
     cfg = _cfg(report_to=["aim"], run_name="r1", aim_experiment="exp", aim_repo=str(tmp_path / "aim"))
     m = Metrics(tmp_path, cfg.report_to, run_config={"lr": 1.0}, run_name=cfg.run_name,
-                aim_experiment=cfg.aim_experiment, aim_repo=cfg.aim_repo)
+                aim_experiment=cfg.aim_experiment, aim_repo=cfg.aim_repo, aim_name=cfg.aim_name)
     m.write(1, {"loss": 2.5})
     m.close()
     (run,) = runs
