@@ -144,7 +144,7 @@ def _orch(o: _File, out: dict) -> None:
         if _pop(o, key) is not _MISSING:
             o.problem((key,), f"is not read: {why}")
     for key in o.data:
-        o.problem((key,), "is not read by surojax's GRPO (see `surojax grpo-colocate --help`)")
+        o.problem((key,), "is not read by surojax's GRPO (the keys that map: docs/surogate_compat.md, GRPO)")
 
 
 def _rows_per_step(o: _File, out: dict, batch: Any) -> None:
@@ -190,4 +190,5 @@ def _infer(i: _File, out: dict) -> None:
         if _pop(i, key) is not _MISSING:
             i.problem((key,), f"is not read: {why}")
     for key in i.data:
-        i.problem((key,), "is not read by surojax's co-located engine (see `surojax grpo-colocate --help`)")
+        i.problem((key,), "is not read by surojax's co-located engine (the keys that map: docs/surogate_compat.md, "
+                  "GRPO)")

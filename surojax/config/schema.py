@@ -61,7 +61,8 @@ class TrainConfig(
         return self.lora and self.qlora is not None
 
     def warmup_steps_for(self, total_steps: int) -> int:
-        """Warmup steps for a run of `total_steps`: `warmup_steps`, or (unset or 0) `warmup_ratio` of the steps, or 0."""
+        """Warmup steps for a run of `total_steps`: `warmup_steps`, or (unset or 0) `warmup_ratio` of the steps, or
+        0."""
         if self.warmup_steps:
             return min(self.warmup_steps, total_steps)
         if self.warmup_ratio is not None:

@@ -3,8 +3,8 @@
 Surogate's training YAML (github.com/invergent-ai/surogate, docs/reference/config.md) and surojax's share most keys.
 Every key of Surogate's reference that surojax spells differently, or does not have, is an entry here:
 
-    RENAMED      key -> the surojax key (a dotted path) it is, the value unchanged        zero_level -> zero_stage
-    VALUES       surojax key -> {Surogate's value spelling: surojax's}                   recipe: fp8-hybrid -> fp8_hybrid
+    RENAMED      key -> the surojax key (a dotted path) it is, the value unchanged      zero_level -> zero_stage
+    VALUES       surojax key -> {Surogate's value spelling: surojax's}                 recipe: fp8-hybrid -> fp8_hybrid
     REFUSED      key -> why surojax has no such thing (naming the nearest surojax key), and the values that ask
                  for nothing (read as what surojax does: `use_zero_copy: false`)
     rules        keys whose reading depends on other keys (gpus, cpu_training, torch_dtype, shard_weights, ...):

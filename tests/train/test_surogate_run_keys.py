@@ -56,7 +56,8 @@ def test_a_rope_scaling_dict_keeps_the_models_rope_theta(tmp_path):
 
 def test_use_cuda_graphs_false_sets_xlas_command_buffer_flag(monkeypatch):
     assert xla_options.command_buffers_off("--a=1 --xla_gpu_enable_command_buffer=")
-    assert not xla_options.command_buffers_off("--xla_gpu_enable_command_buffer= --xla_gpu_enable_command_buffer=FUSION")
+    assert not xla_options.command_buffers_off("--xla_gpu_enable_command_buffer= "
+                                               "--xla_gpu_enable_command_buffer=FUSION")  # the last one wins
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
     monkeypatch.setattr(xla_options, "_backend_started", lambda: False)
     xla_options.apply_xla_options([_cfg(use_cuda_graphs=True), _cfg()])  # XLA's default: nothing to set
@@ -85,7 +86,8 @@ def test_report_to_aim_tracks_every_metric(tmp_path, monkeypatch):
 
     class Run:  # the part of aim's Run the sink uses
         def __init__(self, repo=None, experiment=None):
-            self.repo, self.experiment, self.name, self.items, self.tracked, self.closed = repo, experiment, None, {}, [], False
+            self.repo, self.experiment, self.name, self.items = repo, experiment, None, {}
+            self.tracked, self.closed = [], False
             runs.append(self)
 
         def __setitem__(self, key, value):
