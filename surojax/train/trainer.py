@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from surojax.config.schema import TrainConfig
-from surojax.config.surogate import summary_lines as surogate_summary_lines
+from surojax.config.surogate_defaults import summary_lines as surogate_summary_lines
 from surojax.hub import resolve_local
 from surojax.data.pipeline import build_data_from_config
 from surojax.losses.lm import lm_loss

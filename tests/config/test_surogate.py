@@ -12,7 +12,8 @@ import yaml
 from rich.console import Console
 
 from surojax.config import ConfigError, config_from_dict, load_config
-from surojax.config.surogate import REFUSED, differing_defaults, summary_lines
+from surojax.config.surogate import REFUSED
+from surojax.config.surogate_defaults import differing_defaults, summary_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
