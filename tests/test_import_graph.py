@@ -52,11 +52,12 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("surojax", "surojax.api"): "the package root loads the API on first attribute use: `surojax --help` stays fast",
     **{("surojax.cli.common", target): _CLI_COMMON for target in (
         "surojax.config", "surojax.config.stages", "surojax.train.stages", "surojax.train.interrupts",
-        "surojax.parallel.distributed")},
+        "surojax.parallel.distributed", "surojax.train.xla_options")},
     **{(f"surojax.cli.{command}", target): _CLI_RUN for command, targets in {
         "bench": ("surojax.bench.train_bench", "surojax.bench.config_bench", "surojax.models.layers.attention"),
         "distill": ("surojax.config.load", "surojax.train.distill"),
         "grpo": ("surojax.config.load",),
+        "grpo_colocate": ("surojax.config.errors", "surojax.config.grpo_colocate", "surojax.config.load"),
         "dpo": ("surojax.config.load", "surojax.config.stages"),
         "export": ("surojax.config.stages", "surojax.train.checkpoints", "surojax.train.trainers"),
         "generate": ("surojax.model_loader", "surojax.generation.loop", "surojax.quant.laid_out"),

@@ -164,14 +164,16 @@ def train_from_args(args: argparse.Namespace, prog: str | None = None, *, config
     from surojax.parallel.distributed import initialize_from_env
     from surojax.train.interrupts import Interrupts
     from surojax.train.stages import run_stages
+    from surojax.train.xla_options import apply_xla_options
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("absl", "jax._src", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    stages = load_run(args.config, args.override, overwrite=args.overwrite)
+    apply_xla_options(s.config for s in stages)  # XLA_FLAGS: before anything starts JAX's backend
     process = initialize_from_env()  # multi-process (surojax launch, srun); the others print warnings only
     prog = prog or f"surojax {args.command}"
     with Interrupts() as interrupts:
-        stages = load_run(args.config, args.override, overwrite=args.overwrite)
         console = report_console()
         console.quiet = not process.is_main
         run_stages(stages, console=console, interrupts=interrupts,

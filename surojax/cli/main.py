@@ -11,13 +11,15 @@ from types import ModuleType
 
 from surojax.cli.common import EXIT_NOT_IMPLEMENTED, print_error, run_guarded
 
-# name -> one-line help; the module is surojax.cli.<name>. Every command listed here is built (tests/cli/test_help.py
-# runs each one's --help and reads its module); a line says what the command does, never that it is missing.
+# name -> one-line help; the module is surojax.cli.<name> (a hyphen spelled _). Every command listed here is built
+# (tests/cli/test_help.py runs each one's --help and reads its module); a line says what the command does, never
+# that it is missing.
 COMMANDS: dict[str, str] = {
     "sft": "supervised fine-tuning (full, LoRA, QLoRA) from a training YAML",
     "pt": "pretraining / continued pretraining from a training YAML",
     "dpo": "preference optimisation (DPO) on chosen / rejected pairs from a training YAML (full, LoRA, QLoRA)",
     "grpo": "reinforcement learning with GRPO (rollouts on the serving engine) from a training YAML",
+    "grpo-colocate": "Surogate's three-file GRPO form (--train T --infer I --orch O), merged and run as `surojax grpo`",
     "distill": "knowledge distillation from a teacher (online, or --precompute its top-K log-probs once)",
     "tokenize": "tokenize and pack the datasets of a training YAML (--debug shows rows and loss masks)",
     "merge": "merge LoRA adapters into a base model",
@@ -47,7 +49,7 @@ class _VersionAction(argparse.Action):
 
 
 def load_command(name: str) -> ModuleType:
-    return importlib.import_module(f"surojax.cli.{name}")
+    return importlib.import_module(f"surojax.cli.{name.replace('-', '_')}")
 
 
 def build_parser(command: str | None = None, module: ModuleType | None = None) -> argparse.ArgumentParser:
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             module = load_command(command)
         except ModuleNotFoundError as e:
-            if e.name != f"surojax.cli.{command}":
+            if e.name != f"surojax.cli.{command.replace('-', '_')}":
                 raise
             print_error(f"surojax {command} is not available in this version")
             return EXIT_NOT_IMPLEMENTED

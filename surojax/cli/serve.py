@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per-layer scale bounded from the weights: 2x the tokens; docs/serving.md)")
     parser.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV blocks (default: from free device memory; a fixed size on CPU)")
+    parser.add_argument("--kv-capacity", type=_kv_capacity, default=None, metavar="N|auto",
+                        help="total KV cache capacity in tokens (Surogate's flag): N is ceil(N / block-size) KV "
+                             "blocks; auto sizes it from free device memory (the default, as --num-kv-blocks "
+                             "unset)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=_ENGINE.memory_utilization)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters picked per request")
@@ -82,6 +86,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 AUTO = "auto"
+
+
+def _kv_capacity(value: str) -> int | str:
+    return AUTO if value == AUTO else positive_int(value)
+
+
+def kv_blocks(num_kv_blocks: int | None, kv_capacity: int | str | None, block_size: int) -> int | None:
+    """The KV pool's block count from --num-kv-blocks or --kv-capacity (tokens, or auto = None: sized from free
+    device memory, capacity.num_kv_blocks); both at once is an error."""
+    if kv_capacity is not None and num_kv_blocks is not None:
+        raise ServeOptionError("--kv-capacity and --num-kv-blocks both size the KV cache: give one")
+    if kv_capacity is None or kv_capacity == AUTO:
+        return num_kv_blocks
+    return -(-kv_capacity // block_size)
 
 
 def _decode_steps(value: str) -> int | str:
@@ -159,7 +177,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=max(args.max_num_batched_tokens, args.block_size),
                                 max_model_len=args.max_model_len, decode_steps=decode_steps)
-    engine = EngineConfig(scheduler=scheduler, block_size=args.block_size, num_blocks=args.num_kv_blocks,
+    num_blocks = kv_blocks(args.num_kv_blocks, args.kv_capacity, args.block_size)
+    engine = EngineConfig(scheduler=scheduler, block_size=args.block_size, num_blocks=num_blocks,
                           memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_caching, kv_path=KVPath(args.kv_path),
                           unroll_layers=args.unroll_layers, speculative=speculative,

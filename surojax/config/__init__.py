@@ -7,7 +7,9 @@
 Files: base (strict model), one section per concept (run, data, precision, lora, optim, memory, parallel),
 schema (TrainConfig = all sections), rules (all cross-field checks), explain (pydantic errors -> short
 problems), load (YAML + overrides), paths (existence checks; Hub ids via surojax.hub), summary (console lines),
-stages (multi-stage YAML: `load_run` / `load_stages` validate every stage up front).
+stages (multi-stage YAML: `load_run` / `load_stages` validate every stage up front), surogate (Surogate's
+spellings read at load), surogate_defaults (its defaults that differ, for the start-up summary), grpo_colocate
+(Surogate's three GRPO files as one config).
 """
 from surojax.config.data import DatasetSpec
 from surojax.config.errors import ConfigError, ConfigProblem

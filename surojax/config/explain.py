@@ -8,25 +8,27 @@ from __future__ import annotations
 import difflib
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
 from surojax.config.errors import ConfigProblem, format_key
+from surojax.config.surogate import user_loc
 
 Loc = tuple[str | int, ...]
 Positions = dict[Loc, tuple[int, int] | None]  # YAML key path -> (line, column), 1-based; None: set by --override
 
-# Keys users bring from Surogate / Axolotl / HF that surojax spells differently (top level only).
+# Keys users bring from Axolotl / HF that surojax spells differently (top level only; Surogate's own spellings
+# are read as aliases: config/surogate.py).
 RENAMED: dict[str, str] = {
     "base_model": "model", "model_name_or_path": "model", "lora_r": "lora_rank",
     "lora_target_linear": "lora_target_modules (all-linear)", "micro_batch_size": "per_device_train_batch_size",
     "batch_size": "per_device_train_batch_size", "lr": "learning_rate", "lr_scheduler": "lr_scheduler_type",
     "epochs": "num_epochs", "num_train_epochs": "num_epochs", "max_seq_length": "sequence_len",
-    "seq_len": "sequence_len", "gradient_checkpointing": "recompute", "cpu_training": "offload_base_weights",
-    "template": "chat_template", "load_in_4bit": "qlora_bnb", "optim": "optimizer", "dataset": "datasets",
-    "zero_level": "parallel: {fsdp: N}", "gpus": "parallel: {data: N}", "ep_size": "parallel: {expert: N}",
-    "val_set_size": "validation_split_ratio", "warmup": "warmup_steps", "max_grad_norm_clip": "max_grad_norm",
+    "seq_len": "sequence_len", "gradient_checkpointing": "recompute", "load_in_4bit": "qlora_bnb",
+    "optim": "optimizer", "dataset": "datasets", "val_set_size": "validation_split_ratio", "warmup": "warmup_steps",
+    "max_grad_norm_clip": "max_grad_norm",
 }
 
 
@@ -134,9 +136,11 @@ def _position(positions: Positions | None, loc: Loc) -> tuple[int | None, int | 
 
 
 def problems_from_validation_error(
-    exc: ValidationError, root: type[BaseModel], positions: Positions | None = None
+    exc: ValidationError, root: type[BaseModel], positions: Positions | None = None,
+    origins: Mapping[Loc, Loc] | None = None,
 ) -> list[ConfigProblem]:
-    """One ConfigProblem per distinct key, in the order pydantic reports them."""
+    """One ConfigProblem per distinct key, in the order pydantic reports them. `origins` (config/surogate.py): the
+    user's key of each surojax key read from another spelling; such a problem is reported at the user's key."""
     merged: dict[Loc, list[str]] = {}
     for err in exc.errors(include_url=False):
         if err["type"] == "cross_field":
@@ -152,5 +156,8 @@ def problems_from_validation_error(
     for loc, msgs in merged.items():
         line, col, overridden = _position(positions, loc)
         msg = "; ".join(msgs) + (" (set by --override)" if overridden else "")
-        out.append(ConfigProblem(format_key(loc), msg, line, col))
+        user, read_as = user_loc(loc, origins or {})
+        if read_as is not None:
+            msg += f" (read as {format_key(read_as)})"
+        out.append(ConfigProblem(format_key(user), msg, line, col))
     return out

@@ -3,12 +3,16 @@
     cfg = load_config("configs/examples/lora_qwen3.yaml", ["learning_rate=1e-4", "datasets.0.samples=100"])
 
 YAML is read with PyYAML's safe loader, two fixes added: `1e-4` is a float (YAML 1.1 wants `1.0e-4`), and a
-key written twice in one mapping is an error instead of silently keeping the last. Override values are YAML
-scalars (or flow YAML like `[q_proj, v_proj]`).
+key written twice in one mapping is an error instead of silently keeping the last. A line that YAML refuses
+because a tab indents it (YAML indents with spaces only; Surogate's documented example has such lines, a Markdown
+habit) is read with each leading tab as 4 columns, Markdown's tab stop, and a warning names the line. Override
+values are YAML scalars (or flow YAML like `[q_proj, v_proj]`). Surogate's spellings are read as surojax's
+before validation (config/surogate.py).
 """
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -20,6 +24,10 @@ from pydantic import ValidationError
 from surojax.config.errors import ConfigError, ConfigProblem, format_key
 from surojax.config.explain import Loc, Positions, problems_from_validation_error
 from surojax.config.schema import TrainConfig
+from surojax.config.surogate import named_spellings, translate
+
+log = logging.getLogger(__name__)
+TAB_STOP = 4  # Markdown's (CommonMark): where the tab-indented YAML in Surogate's docs comes from
 
 _FLOAT = re.compile(
     r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
@@ -61,13 +69,54 @@ def _positions(node: yaml.Node | None, loc: Loc = (), out: Positions | None = No
     return out
 
 
+def _tab_indented_line(e: yaml.MarkedYAMLError, lines: list[str]) -> int | None:
+    """The 0-based line YAML refused for a tab in its indentation, else None."""
+    mark = e.problem_mark
+    if mark is None or "'\\t'" not in str(e.problem) or mark.line >= len(lines):
+        return None
+    line = lines[mark.line]
+    return mark.line if "\t" in line[:len(line) - len(line.lstrip())] else None
+
+
+def _expand_tabs(line: str) -> str:
+    indent = line[:len(line) - len(line.lstrip())]
+    return indent.expandtabs(TAB_STOP) + line[len(indent):]
+
+
 def parse_yaml(text: str, source: str | None = None) -> tuple[Any, Positions]:
-    """YAML text -> (data, key positions). A syntax error names the file, line and column."""
+    """YAML text -> (data, key positions). A syntax error names the file, line and column; a line indented with
+    tabs is read with Markdown's tab stop (4 columns), with a warning (module docstring)."""
+    lines = text.split("\n")
+    while True:
+        try:
+            return _parse_yaml(text, source)
+        except _TabIndented as tab:
+            where = (source or "config", tab.line + 1)
+            if where not in _TABS_WARNED:  # once per line: a run reads its config more than once
+                _TABS_WARNED.add(where)
+                log.warning("%s:%d: indented with a tab, which YAML does not allow; read as %d spaces a tab",
+                            *where, TAB_STOP)
+            lines[tab.line] = _expand_tabs(lines[tab.line])
+            text = "\n".join(lines)
+
+
+_TABS_WARNED: set[tuple[str, int]] = set()
+
+
+class _TabIndented(Exception):
+    def __init__(self, line: int):
+        self.line = line
+
+
+def _parse_yaml(text: str, source: str | None) -> tuple[Any, Positions]:
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as e:
+        tab = _tab_indented_line(e, text.split("\n"))
+        if tab is not None:
+            raise _TabIndented(tab) from None
         mark = e.problem_mark or e.context_mark
         what = " ".join(str(s) for s in (e.context, e.problem) if s) or "invalid YAML"
         line, col = (mark.line + 1, mark.column + 1) if mark else (None, None)
@@ -147,10 +196,26 @@ def config_from_dict(
         raise ConfigError(ConfigProblem("stages", "this is a multi-stage config: run it with `python -m surojax.train "
                                         "--config FILE`, or read it with surojax.config.load_stages",
                                         *((positions or {}).get(("stages",)) or (None, None))), source)
+    cfg, problems = validated(data, positions)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def validated(data: Mapping[str, Any], positions: Positions | None = None
+              ) -> tuple[TrainConfig | None, list[ConfigProblem]]:
+    """(the TrainConfig, []) or (None, every problem): Surogate's spellings read first (config/surogate.py), each
+    problem at the key and line the user wrote."""
+    t = translate(data, positions)
     try:
-        return TrainConfig.model_validate(dict(data))
+        cfg = TrainConfig.model_validate(t.data)
     except ValidationError as e:
-        raise ConfigError(problems_from_validation_error(e, TrainConfig, positions), source) from None
+        return None, t.problems + problems_from_validation_error(e, TrainConfig, t.positions, t.origins)
+    if t.problems:
+        return None, t.problems
+    cfg._surogate_spellings = (*named_spellings(cfg), *t.spellings)
+    cfg._surogate_notes = tuple(t.notes)
+    return cfg, []
 
 
 def read_config_file(path: str | os.PathLike[str]) -> tuple[Any, Positions, str]:

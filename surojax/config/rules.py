@@ -22,6 +22,9 @@ DISTILL_KEYS = ("teacher", "teacher_logprobs", "teacher_top_k", "alpha", "temper
 SHARED_KEYS = {"grpo": ("temperature",), "distill": ("temperature",)}  # trainer -> keys it reads that others own too
 QLORA_FORMATS = ("qlora", "qlora_bnb", "qlora_fp8", "qlora_fp4", "qlora_gguf")
 DPO_KEYS = ("label_smoothing", "reference_free")  # read by trainer: dpo (beta / loss_type: config/policy_loss.py)
+# read by the SFT / distill data pipeline only (data/pipeline.py): refused for trainer dpo / grpo
+SFT_DATA_KEYS = ("template", "use_chat_template", "truncation_strategy", "max_length", "dataloader_num_workers")
+SFT_DATASET_KEYS = ("system_field", "tools_field", "prompt_format", "prompt_format_no_input")
 # accepted keys whose feature this version does not have: refused when set (key -> (is it set?, why))
 NOT_AVAILABLE = {
     "optimizer": (lambda c: c.optimizer == "normuon", "normuon is not available in this version (adamw, adamw_8bit)"),
@@ -110,7 +113,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         add(("merge_adapter", "recipe"), f"would fold the adapter into the quantised base of {cfg.recipe}; train "
             "without it and merge the saved adapter into the bf16 model")
     for k in ("skip_quant_first_layers", "skip_quant_last_layers"):
-        if _changed(cfg, k) and cfg.recipe not in ("fp8_hybrid", "nvfp4"):
+        if getattr(cfg, k) and cfg.recipe not in ("fp8_hybrid", "nvfp4"):  # 0 asks for nothing
             add((k,), "only applies with recipe: fp8_hybrid (or nvfp4)")
     if _changed(cfg, "fp8_scaling") and cfg.recipe != "fp8_hybrid":
         add(("fp8_scaling",), "only applies with recipe: fp8_hybrid")
@@ -157,12 +160,19 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         add(("epoch_adjustment", "max_steps"), "epoch_adjustment sets the number of epochs from the Chinchilla "
             "budget; it does not apply to a run of max_steps: drop one of the two")
 
+    # --- metric sinks
+    for k in ("aim_experiment", "aim_repo", "aim_name"):
+        if getattr(cfg, k) is not None and "aim" not in cfg.report_to:
+            add((k,), "configures the Aim sink; add aim to report_to")
+    if cfg.wandb_name is not None and "wandb" not in cfg.report_to:
+        add(("wandb_name",), "names the W&B run; add wandb to report_to")
+
     # --- length of training and schedule
     if cfg.max_steps is None and cfg.num_epochs is None:
         add(("max_steps", "num_epochs"), "set max_steps or num_epochs")
-    if cfg.warmup_steps is not None and cfg.warmup_ratio is not None:
+    if cfg.warmup_steps and cfg.warmup_ratio:  # 0 asks for nothing (Surogate's default: then the ratio applies)
         add(("warmup_steps", "warmup_ratio"), "set warmup_steps or warmup_ratio, not both")
-    if cfg.cooldown_steps is not None and cfg.lr_scheduler_type != "wsd":
+    if cfg.cooldown_steps and cfg.lr_scheduler_type != "wsd":  # 0 (Surogate's default) asks for nothing
         add(("cooldown_steps",), f"only applies with lr_scheduler_type: wsd (got {cfg.lr_scheduler_type})")
     if cfg.max_steps is not None:
         warm = cfg.warmup_steps or 0
@@ -187,6 +197,25 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
         if cfg.trainer != "dpo" and d.type == "preference":
             add((f"{where}.type",), "preference pairs train with trainer: dpo (`surojax dpo`); the "
                 f"{cfg.trainer} trainer takes text, instruction or conversation data")
+    if cfg.template is not None and cfg.chat_template is not None:
+        add(("template", "chat_template"), "template names the tokenizer's own template by its family; chat_template "
+            "gives another template: set one of the two")
+    if cfg.max_length is not None and cfg.max_length > cfg.sequence_len:
+        add(("max_length",), f"{cfg.max_length} exceeds sequence_len ({cfg.sequence_len}): a row holds at most "
+            "sequence_len tokens")
+    if not cfg.use_chat_template:
+        for where, d in entries:
+            if d.type == "conversation" and where != "eval_generation":
+                add((f"{where}.type",), "conversation rows are rendered with a chat template, and "
+                    "use_chat_template is false")
+    if cfg.trainer in ("dpo", "grpo"):  # keys the SFT data pipeline reads (data/pipeline.py), not DPO's or GRPO's
+        for k in [k for k in SFT_DATA_KEYS if _changed(cfg, k)]:
+            add((k,), f"is read by the SFT data pipeline; trainer: {cfg.trainer} builds its rows its own way: remove "
+                "the key")
+        for where, d in entries:
+            for k in [k for k in SFT_DATASET_KEYS if k in d.model_fields_set]:
+                add((f"{where}.{k}",), f"is read by the SFT data pipeline; trainer: {cfg.trainer} builds its rows "
+                    "its own way: remove the key")
     if cfg.validation_datasets and cfg.validation_split_ratio > 0:
         add(("validation_split_ratio", "validation_datasets"), "set validation_datasets or validation_split_ratio, "
             "not both")

@@ -6,7 +6,7 @@ Single-field checks live on the fields (section files); cross-field checks in ru
 """
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from surojax.config.data import DataSection
@@ -33,6 +33,11 @@ class TrainConfig(
 ):
     """A validated training config. Build it with `load_config(path)` or `config_from_dict(d)`."""
 
+    # Set by the loader (config/surogate.py): the Surogate spellings the config wrote (none: not a Surogate config)
+    # and readings worth a start-up line. Private: not keys, not dumped; kept by model_copy.
+    _surogate_spellings: tuple[str, ...] = PrivateAttr(default=())
+    _surogate_notes: tuple[str, ...] = PrivateAttr(default=())
+
     @model_validator(mode="after")
     def _cross_fields(self) -> TrainConfig:
         problems = cross_field_problems(self)
@@ -56,8 +61,9 @@ class TrainConfig(
         return self.lora and self.qlora is not None
 
     def warmup_steps_for(self, total_steps: int) -> int:
-        """Warmup steps for a run of `total_steps`: `warmup_steps`, or `warmup_ratio` of the steps, or 0."""
-        if self.warmup_steps is not None:
+        """Warmup steps for a run of `total_steps`: `warmup_steps`, or (unset or 0) `warmup_ratio` of the steps, or
+        0."""
+        if self.warmup_steps:
             return min(self.warmup_steps, total_steps)
         if self.warmup_ratio is not None:
             return round(self.warmup_ratio * total_steps)

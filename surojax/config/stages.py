@@ -42,17 +42,16 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
 
 from surojax.config.errors import ConfigError, ConfigProblem
-from surojax.config.explain import Loc, Positions, problems_from_validation_error
-from surojax.config.load import apply_overrides, load_config, parse_override, read_config_file
+from surojax.config.explain import Loc, Positions
+from surojax.config.load import apply_overrides, load_config, parse_override, read_config_file, validated
 from surojax.config.paths import check_paths, dataset_problem
 from surojax.config.schema import TrainConfig
 
 # What a training run writes into its output_dir; overwrite_output_dir deletes these and nothing else.
 OUTPUT_ARTIFACTS = ("model", "adapter", "merged", "checkpoints", "metrics.jsonl", "loss.png", "tensorboard",
-                    "wandb", "generation_eval.json")
+                    "wandb", "generation_eval.json", "adapter_config.json", "adapter_model.safetensors")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -177,10 +176,9 @@ def stages_from_dict(data: Mapping[str, Any], source: str | None = None, positio
             merged = apply_overrides(merged, overrides)
             pos = {k: v for k, v in pos.items() if not any(k[: len(o)] == o for o in set_by)}
             pos.update((loc, None) for loc in set_by)
-        try:
-            cfg = TrainConfig.model_validate(merged)
-        except ValidationError as e:
-            problems += [_rekey(p, i, name) for p in problems_from_validation_error(e, TrainConfig, pos)]
+        cfg, found = validated(merged, pos)
+        if cfg is None:
+            problems += [_rekey(p, i, name) for p in found]
             continue
         stages.append(Stage(name, cfg, i, overwrite))
     if not problems:

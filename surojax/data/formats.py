@@ -9,9 +9,12 @@
                   rendered with the chat template (assistant turns located by chat_masks).
     auto          the type chosen from the first row's columns (the choice and the reason are logged).
 
-Only assistant / output tokens are supervised unless train_on_inputs. `fit_length` truncates (or drops) an
-example longer than sequence_len. A row that cannot be formatted raises `InvalidRowError`. The column names and
-the system prompt come from the dataset's entry, `surojax.config.data.DatasetSpec` (its *_field keys).
+Only assistant / output tokens are supervised unless train_on_inputs. `fit_pieces` fits an example longer than
+the length limit: truncated at the end or the start, dropped, or split into pieces (the config's
+truncation_strategy). An instruction dataset's prompt_format writes the user turn; system_field names a column of
+per-row system prompts; message_property_mappings renames message keys; tools_field is the tools column. A row
+that cannot be formatted raises `InvalidRowError`. The column names and the system prompt come from the dataset's
+entry, `surojax.config.data.DatasetSpec` (its *_field keys).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Any, get_args
 
 import numpy as np
 
-from surojax.config.data import DatasetSpec, DatasetType
+from surojax.config.data import TEMPLATE_FAMILIES, DatasetSpec, DatasetType
 from surojax.data.chat_masks import chat_ids_and_mask
 from surojax.data.chat_roles import role_problem
 from surojax.data.sources import DataError, InvalidRowError
@@ -75,14 +78,22 @@ def detect_type(row: Mapping[str, Any], spec: DatasetSpec) -> tuple[str, str]:
 
 
 def make_formatter(kind: str, tokenizer: Tokenizer, spec: DatasetSpec, *,
-                   train_on_inputs: bool = False, chat_template: str | None = None
-                   ) -> Callable[[Mapping[str, Any]], Example]:
-    """A function row -> Example for a resolved type (not auto). Set-up errors raise `DataError` here."""
+                   train_on_inputs: bool = False, chat_template: str | None = None, use_chat_template: bool = True,
+                   template_family: str | None = None) -> Callable[[Mapping[str, Any]], Example]:
+    """A function row -> Example for a resolved type (not auto). Set-up errors raise `DataError` here.
+    `use_chat_template` False renders instruction rows without the template (and refuses conversations);
+    `template_family` (the config's `template:`) checks that the tokenizer's template is of that family."""
     if kind == "preference":
         raise DataError("type: preference holds chosen/rejected pairs: train them with trainer: dpo (`surojax dpo`, "
                         "surojax/data/preference.py); the SFT / pretraining data pipeline takes text, instruction or "
                         "conversation")
-    template = _chat_template(tokenizer, chat_template, required=(kind == "conversation"))
+    if kind == "conversation" and not use_chat_template:
+        raise DataError(f"{spec.path}: conversation rows are rendered with a chat template, and use_chat_template "
+                        "is false: remove it, or use instruction / text data")
+    if template_family is not None and kind != "text":
+        check_template_family(tokenizer, template_family, chat_template)
+    template = None if not use_chat_template else _chat_template(tokenizer, chat_template,
+                                                                 required=(kind == "conversation"))
     if kind == "text":
         return lambda row: _text(row, tokenizer, spec)
     if kind == "instruction":
@@ -90,6 +101,19 @@ def make_formatter(kind: str, tokenizer: Tokenizer, spec: DatasetSpec, *,
     if kind == "conversation":
         return lambda row: _conversation(row, tokenizer, spec, template, train_on_inputs)
     raise DataError(f"unknown dataset type {kind!r} (expected one of {', '.join(TYPES)})")
+
+
+def check_template_family(tokenizer: Tokenizer, family: str, chat_template: str | None = None) -> None:
+    """`template: family` (Surogate's names, config.data.TEMPLATE_FAMILIES): the template in use must hold the
+    family's marker (ChatML's <|im_start|>, Llama 3's <|start_header_id|>, ...)."""
+    try:
+        text = tokenizer.get_chat_template(chat_template)
+    except ChatTemplateError as e:
+        raise DataError(f"template: {family}: {e}") from None
+    if TEMPLATE_FAMILIES[family] not in text:
+        raise DataError(f"template: {family}: the tokenizer's chat template ({tokenizer.source}) is not a {family} "
+                        f"template (it has no {TEMPLATE_FAMILIES[family]}); remove the key to use it, or give the "
+                        "template's text or file as chat_template")
 
 
 def _chat_template(tokenizer: Tokenizer, chat_template: str | None, required: bool) -> str | None:
@@ -133,24 +157,43 @@ def _instruction(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str | N
         instruction, inp, output = _text_value(row, "prompt", "prompt"), "", _text_value(row, "completion", "completion")
     else:
         instruction = _text_value(row, spec.instruction_field, "instruction")
-        inp = _text_value(row, spec.input_field, "input", required=False)
+        inp = _text_value(row, spec.input_field, "input", required=False) if spec.input_field else ""
         output = _text_value(row, spec.output_field, "output")
     if not output.strip():
         raise InvalidRowError(f"empty output in field {spec.output_field!r}")
-    system = row.get("system") if isinstance(row.get("system"), str) and row.get("system") else spec.system_prompt
+    system = _row_system(row, spec.system_field or "system") or spec.system_prompt
+    user = _user_turn(spec, instruction, inp)
     if template is not None:
-        user = instruction + ("\n\n" + inp if inp.strip() else "")
+        user = instruction + ("\n\n" + inp if inp.strip() else "") if user is None else user
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": user}, {"role": "assistant", "content": output}]
         ids, mask = chat_ids_and_mask(messages, tokenizer, chat_template=template, train_on_inputs=train_on_inputs)
         return Example.of(ids, mask)
-    prompt = (system + "\n\n" if system else "") + f"### Instruction:\n{instruction}\n\n"
-    if inp.strip():
-        prompt += f"### Input:\n{inp}\n\n"
-    prompt += "### Response:\n"
+    if user is not None:  # the dataset's own prompt format: the prompt is that text, then the output
+        prompt = (system + "\n\n" if system else "") + user
+    else:
+        prompt = (system + "\n\n" if system else "") + f"### Instruction:\n{instruction}\n\n"
+        if inp.strip():
+            prompt += f"### Input:\n{inp}\n\n"
+        prompt += "### Response:\n"
     p_ids = tokenizer.encode(prompt, add_special_tokens=True)
     o_ids = tokenizer.encode(output) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
     return Example.of(p_ids + o_ids, [train_on_inputs] * len(p_ids) + [True] * len(o_ids))
+
+
+def _row_system(row: Mapping, field: str) -> str | None:
+    """The row's own system prompt in `field` (a non-empty string), else None."""
+    value = row.get(field)
+    return value if isinstance(value, str) and value else None
+
+
+def _user_turn(spec: DatasetSpec, instruction: str, inp: str) -> str | None:
+    """The user turn written by the dataset's prompt_format / prompt_format_no_input, None when it sets neither."""
+    if inp.strip():
+        fmt = spec.prompt_format
+    else:  # Surogate's default for rows without input once a prompt_format is given: the instruction alone
+        fmt = spec.prompt_format_no_input or ("{instruction}" if spec.prompt_format else None)
+    return None if fmt is None else fmt.format(instruction=instruction, input=inp)
 
 
 def _messages(row, spec: DatasetSpec) -> list[dict]:
@@ -166,10 +209,11 @@ def _messages(row, spec: DatasetSpec) -> list[dict]:
         raise InvalidRowError(f"expected a non-empty list of messages in {spec.messages_field!r} or "
                               f"'conversations' (columns: {sorted(row)})")
     out = []
+    renamed = {theirs: ours for ours, theirs in (spec.message_property_mappings or {}).items() if theirs != ours}
     for j, m in enumerate(raw):
         if not isinstance(m, Mapping):
             raise InvalidRowError(f"message {j} is {a_type(m)}, not an object")
-        m = {k: v for k, v in m.items() if v is not None}  # parquet fills absent struct fields with None
+        m = {renamed.get(k, k): v for k, v in m.items() if v is not None}  # parquet fills absent fields with None
         if "from" in m and "role" not in m:
             sharegpt = True
         if sharegpt:
@@ -186,8 +230,9 @@ def _messages(row, spec: DatasetSpec) -> list[dict]:
         elif content is None and not m.get("tool_calls"):
             raise InvalidRowError(f"message {j} ({m['role']}) has no content")
         out.append(m)
-    if spec.system_prompt and out[0]["role"] != "system":
-        out.insert(0, {"role": "system", "content": spec.system_prompt})
+    system = (_row_system(row, spec.system_field) if spec.system_field else None) or spec.system_prompt
+    if system and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system})
     return out
 
 
@@ -195,26 +240,42 @@ def _conversation(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str, t
     messages = _messages(row, spec)
     if not train_on_inputs and not any(m["role"] == "assistant" for m in messages):
         raise InvalidRowError("no assistant message: nothing to learn from this conversation")
-    tools = row.get("tools")
+    tools = row.get(spec.tools_field) if spec.tools_field else None
     if isinstance(tools, str):
         try:
             tools = json.loads(tools) or None
         except json.JSONDecodeError:
-            raise InvalidRowError("field 'tools' is a string that is not JSON") from None
+            raise InvalidRowError(f"field {spec.tools_field!r} is a string that is not JSON") from None
     ids, mask = chat_ids_and_mask(messages, tokenizer, tools=tools or None, chat_template=template,
                                   train_on_inputs=train_on_inputs)
     return Example.of(ids, mask)
 
 
+TRUNCATION_MODES = ("truncate", "drop", "left", "split")
+
+
 def fit_length(ex: Example, sequence_len: int, mode: str = "truncate") -> Example | None:
-    """`ex` if it fits, else its first sequence_len tokens (mode "truncate") or None (mode "drop")."""
+    """`ex` if it fits, else its first sequence_len tokens (mode "truncate"), its last ones ("left") or None
+    ("drop"). Mode "split" cuts it into pieces: see `fit_pieces`."""
     if len(ex) <= sequence_len:
         return ex
     if mode == "drop":
         return None
+    if mode == "left":
+        return Example(ex.ids[-sequence_len:], ex.mask[-sequence_len:])
     if mode != "truncate":
-        raise ValueError(f"truncation mode must be 'truncate' or 'drop', got {mode!r}")
+        raise ValueError(f"truncation mode must be one of {', '.join(TRUNCATION_MODES[:3])}, got {mode!r}")
     return Example(ex.ids[:sequence_len], ex.mask[:sequence_len])
+
+
+def fit_pieces(ex: Example, sequence_len: int, mode: str = "truncate") -> list[Example]:
+    """The examples `ex` becomes at `sequence_len`: itself, its cut (fit_length), none, or with mode "split" its
+    consecutive pieces of sequence_len tokens (the last one shorter)."""
+    if mode != "split" or len(ex) <= sequence_len:
+        fitted = fit_length(ex, sequence_len, mode)
+        return [] if fitted is None else [fitted]
+    return [Example(ex.ids[i:i + sequence_len], ex.mask[i:i + sequence_len])
+            for i in range(0, len(ex), sequence_len)]
 
 
 def supervised_targets(ex: Example) -> int:

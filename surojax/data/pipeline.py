@@ -1,6 +1,6 @@
 """From dataset specs and a tokenizer to a train loader, an optional eval loader and the data's statistics.
 
-    specs --sources--> rows --formats--> Examples --fit_length--> (validation split) --packing--> rows --loader-->
+    specs --sources--> rows --formats--> Examples --fit_pieces--> (validation split) --packing--> rows --loader-->
 
 Everything is tokenized up front (in every process: the result is identical, and data sharding happens on
 rows in the loader). Multiple training datasets are concatenated in order; the loader shuffles rows.
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from surojax.config.data import DataSection, DatasetSpec
-from surojax.data.formats import Example, detect_type, fit_length, make_formatter, supervised_targets
+from surojax.data.formats import Example, detect_type, fit_pieces, make_formatter, supervised_targets
 from surojax.data.loader import EvalLoader, TrainLoader
 from surojax.data.packing import PackedRows
 from surojax.data.sources import DataError, InvalidRowError, ReadStats, read_rows
@@ -29,6 +29,8 @@ from surojax.data.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 DatasetEntry = DatasetSpec | str | Path | Mapping[str, Any]  # what build_data takes per dataset (see dataset_spec)
+# the config's truncation_strategy (Surogate's names) -> fit_pieces' mode
+TRUNCATION = {"right": "truncate", "left": "left", "delete": "drop", "split": "split"}
 
 
 def dataset_spec(entry: DatasetEntry) -> DatasetSpec:
@@ -54,7 +56,8 @@ class DataStats:
     rows: int = 0                  # rows of sequence_len per epoch (packed or one example each)
     packing_efficiency: float = 0.0  # tokens / (rows * sequence_len)
     skipped_rows: int = 0          # invalid source rows skipped (skip_invalid_rows)
-    truncated: int = 0             # examples cut to sequence_len (truncation="truncate")
+    truncated: int = 0             # examples cut to their length limit (truncation "truncate" / "left")
+    split: int = 0                 # extra examples made by cutting long ones into pieces (truncation "split")
     dropped_too_long: int = 0      # examples longer than sequence_len dropped (truncation="drop")
     dropped_unsupervised: int = 0  # examples with no supervised target left (e.g. the prompt fills sequence_len)
     eval_examples: int = 0
@@ -69,6 +72,7 @@ class DataStats:
         if self.eval_examples:
             s += f"; validation {self.eval_examples:,} examples / {self.eval_rows:,} rows"
         dropped = {"skipped invalid rows": self.skipped_rows, "truncated": self.truncated,
+                   "pieces split off long examples": self.split,
                    "dropped as too long": self.dropped_too_long,
                    "dropped with nothing supervised": self.dropped_unsupervised}
         return s + "".join(f"; {n:,} {what}" for what, n in dropped.items() if n)
@@ -99,8 +103,10 @@ def chat_template_text(chat_template: str | None) -> str | None:
 
 def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int, train_on_inputs: bool = False,
                   skip_invalid_rows: bool = False, truncation: str = "truncate", chat_template: str | None = None,
-                  stats: DataStats | None = None) -> list[Example]:
-    """Read, format and fit one dataset; counts go into `stats` (skips, truncation, the chosen type)."""
+                  stats: DataStats | None = None, use_chat_template: bool = True, template_family: str | None = None,
+                  max_length: int | None = None) -> list[Example]:
+    """Read, format and fit one dataset (to `max_length`, default sequence_len, by `truncation`: formats
+    TRUNCATION_MODES); counts go into `stats` (skips, truncation, the chosen type)."""
     spec, stats = dataset_spec(spec), stats if stats is not None else DataStats(sequence_len=sequence_len)
     read = ReadStats()
     rows = read_rows(spec.path, split=spec.split, subset=spec.subset, data_files=spec.data_files,
@@ -112,7 +118,8 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
                 kind, why = detect_type(row, spec)
                 log.info("%s: type auto -> %s (%s)", spec.path, kind, why)
             fmt = make_formatter(kind, tokenizer, spec, train_on_inputs=train_on_inputs,
-                                 chat_template=chat_template)
+                                 chat_template=chat_template, use_chat_template=use_chat_template,
+                                 template_family=template_family)
         try:
             ex = fmt(row)
         except InvalidRowError as e:
@@ -120,15 +127,17 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
                 raise DataError(f"{where}: {e} (set skip_invalid_rows: true to skip such rows)") from None
             read.skip(where, str(e))
             continue
-        fitted = fit_length(ex, sequence_len, truncation)
-        if fitted is None:
+        pieces = fit_pieces(ex, max_length or sequence_len, truncation)
+        if not pieces:
             stats.dropped_too_long += 1
             continue
-        stats.truncated += fitted is not ex
-        if supervised_targets(fitted) == 0:
-            stats.dropped_unsupervised += 1
-            continue
-        out.append(fitted)
+        stats.truncated += pieces[0] is not ex and truncation != "split"
+        stats.split += len(pieces) - 1
+        for fitted in pieces:
+            if supervised_targets(fitted) == 0:
+                stats.dropped_unsupervised += 1
+                continue
+            out.append(fitted)
     if read.skipped:
         log.warning("%s: skipped %d invalid rows of %d", spec.path, read.skipped, read.rows + read.skipped)
     stats.skipped_rows += read.skipped
@@ -177,8 +186,11 @@ def build_data(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, sequen
                skip_invalid_rows: bool = False, truncation: str = "truncate", validation_split_ratio: float = 0.0,
                validation_datasets: Iterable[DatasetEntry] = (), num_epochs: int | None = None,
                eval_batch_size: int | None = None, chat_template: str | None = None,
-               process_index: int | None = None, process_count: int | None = None) -> Data:
-    """Train loader (+ eval loader) and stats. `batch_size` / `eval_batch_size` count rows of a GLOBAL batch."""
+               process_index: int | None = None, process_count: int | None = None, use_chat_template: bool = True,
+               template_family: str | None = None, max_length: int | None = None,
+               num_threads: int | None = None) -> Data:
+    """Train loader (+ eval loader) and stats. `batch_size` / `eval_batch_size` count rows of a GLOBAL batch.
+    `num_threads`: the loaders' read threads (None: their default)."""
     datasets, validation_datasets = list(datasets), list(validation_datasets)
     if not datasets:
         raise DataError("no datasets given")
@@ -187,7 +199,8 @@ def build_data(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, sequen
     chat_template = chat_template_text(chat_template)
     stats = DataStats(sequence_len=sequence_len)
     common = dict(sequence_len=sequence_len, train_on_inputs=train_on_inputs, skip_invalid_rows=skip_invalid_rows,
-                  truncation=truncation, chat_template=chat_template, stats=stats)
+                  truncation=truncation, chat_template=chat_template, stats=stats,
+                  use_chat_template=use_chat_template, template_family=template_family, max_length=max_length)
     examples = [ex for spec in datasets for ex in load_examples(spec, tokenizer, **common)]
     if validation_datasets:
         val_examples = [ex for spec in validation_datasets for ex in load_examples(spec, tokenizer, **common)]
@@ -204,6 +217,8 @@ def build_data(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, sequen
     stats.supervised_tokens = sum(supervised_targets(e) for e in examples)
     stats.packing_efficiency = rows.efficiency
     procs = dict(process_index=process_index, process_count=process_count)
+    if num_threads is not None:
+        procs["num_threads"] = num_threads
     train = TrainLoader(rows, batch_size, seed=seed, num_epochs=num_epochs, **procs)
     eval_rows = eval_loader = None
     if val_examples:
@@ -221,6 +236,8 @@ def build_data_from_config(cfg: DataSection, tokenizer: Tokenizer, *, batch_size
     kwargs = dict(sequence_len=cfg.sequence_len, sample_packing=cfg.sample_packing,
                   train_on_inputs=cfg.train_on_inputs, skip_invalid_rows=cfg.skip_invalid_rows,
                   validation_split_ratio=cfg.validation_split_ratio, validation_datasets=cfg.validation_datasets,
-                  chat_template=cfg.chat_template)
+                  chat_template=cfg.chat_template, use_chat_template=cfg.use_chat_template,
+                  template_family=cfg.template, max_length=cfg.max_length,
+                  truncation=TRUNCATION[cfg.truncation_strategy], num_threads=cfg.dataloader_num_workers)
     kwargs.update(overrides)
     return build_data(cfg.datasets, tokenizer, batch_size=batch_size, seed=seed, num_epochs=num_epochs, **kwargs)

@@ -208,6 +208,24 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, base_model_name_or_path
     return out_dir
 
 
+def copy_adapter_files(adapter_dir: str | os.PathLike, dest: str | os.PathLike) -> list[Path]:
+    """Copy an adapter's two files (adapter_config.json, adapter_model.safetensors) into `dest`, each written under a
+    temporary name and renamed, weights first: `dest` then is a PEFT adapter folder too (a training run's output_dir,
+    where Surogate writes its adapter)."""
+    adapter_dir, dest = Path(adapter_dir), Path(dest)
+    out = []
+    for name in (WEIGHTS_FILE, CONFIG_FILE):  # the config last: a folder with it is taken as a whole adapter
+        tmp = dest / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            shutil.copyfile(adapter_dir / name, tmp)
+            os.replace(tmp, dest / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        out.append(dest / name)
+    return out
+
+
 # ---- reading ------------------------------------------------------------------------------------------------
 
 # Options of PEFT's LoraConfig that change what the adapter computes; a value other than the neutral one is

@@ -1,4 +1,4 @@
-"""Where training metrics go: JSONL (always), TensorBoard and Weights & Biases (when `report_to` lists
+"""Where training metrics go: JSONL (always), TensorBoard, Weights & Biases and Aim (when `report_to` lists
 them), and a loss-curve PNG written at the end of the run."""
 from __future__ import annotations
 
@@ -68,13 +68,13 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    def __init__(self, project: str, config: dict, run_dir: Path):
+    def __init__(self, project: str, config: dict, run_dir: Path, name: str | None = None):
         try:
             import wandb
         except ImportError:
             raise MetricsSinkError("report_to lists wandb, but wandb is not installed: pip install wandb") from None
         self.wandb = wandb
-        self.run = wandb.init(project=project, config=config, dir=str(run_dir))
+        self.run = wandb.init(project=project, config=config, dir=str(run_dir), name=name)
 
     def write(self, step: int, metrics: dict) -> None:
         self.run.log(metrics, step=step)
@@ -83,12 +83,35 @@ class WandbSink:
         self.run.finish()
 
 
+class AimSink:
+    """An Aim run (aimstack.io): the config as its hparams, each metric tracked by name and step."""
+
+    def __init__(self, config: dict, name: str | None = None, experiment: str | None = None,
+                 repo: str | None = None):
+        try:
+            from aim import Run
+        except ImportError:
+            raise MetricsSinkError("report_to lists aim, but aim is not installed: pip install aim") from None
+        self.run = Run(repo=repo, experiment=experiment)
+        if name is not None:
+            self.run.name = name
+        self.run["hparams"] = config
+
+    def write(self, step: int, metrics: dict) -> None:
+        for k, v in metrics.items():
+            self.run.track(v, name=k, step=step)
+
+    def close(self) -> None:
+        self.run.close()
+
+
 class Metrics:
     """Fan-out to the sinks; keeps the history for the final chart. `write=False` (the processes other than 0
     of a multi-process run): no sink is opened, only the history is kept."""
 
     def __init__(self, output_dir: Path, report_to=(), run_config: dict | None = None, project: str = "surojax",
-                 *, write: bool = True):
+                 *, write: bool = True, run_name: str | None = None, wandb_name: str | None = None,
+                 aim_experiment: str | None = None, aim_repo: str | None = None, aim_name: str | None = None):
         self.output_dir = output_dir
         self.sinks = []
         self.history: list[dict] = []
@@ -101,9 +124,11 @@ class Metrics:
             if name == "tensorboard":
                 self.sinks.append(TensorBoardSink(output_dir / "tensorboard"))
             elif name == "wandb":
-                self.sinks.append(WandbSink(project, run_config or {}, output_dir))
+                self.sinks.append(WandbSink(project, run_config or {}, output_dir, wandb_name or run_name))
+            elif name == "aim":
+                self.sinks.append(AimSink(run_config or {}, aim_name or run_name, aim_experiment, aim_repo))
             elif name not in ("jsonl", "none"):
-                raise MetricsSinkError(f"report_to: {name!r} is unknown (jsonl, tensorboard, wandb)")
+                raise MetricsSinkError(f"report_to: {name!r} is unknown (jsonl, tensorboard, wandb, aim)")
 
     def truncate_after(self, step: int) -> None:
         """Resuming at `step`: metrics.jsonl keeps only the rows up to it (TensorBoard / W&B handle repeats)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -216,12 +217,26 @@ def model_ref_of(cfg: TrainConfig) -> ModelRef | None:
 
 def model_config_for(cfg: TrainConfig) -> ModelConfig:
     """The architecture: the model's config.json, updated by `model_config` (from_scratch), `rope_scaling` and
-    `max_model_len`."""
+    `max_model_len`; `model_type`, when set, must name the model's family."""
     ref = model_ref_of(cfg)
     hf = hf_config_of(ref) if ref is not None else {}
     hf.update(cfg.model_config_overrides or {})
-    if cfg.rope_scaling:
-        hf["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.model_type is not None:
+        check_model_type(cfg.model_type, hf.get("model_type"), cfg.model or "model_config")
+    if isinstance(cfg.rope_scaling, str):
+        hf["rope_scaling"] = rope_scaling_for(cfg.rope_scaling, cfg.max_model_len, hf)
+        hf.pop("rope_parameters", None)
+    elif cfg.rope_scaling:
+        rs = dict(cfg.rope_scaling)
+        kind = rs.get("rope_type", rs.get("type"))
+        if cfg.max_model_len and kind in ("yarn", "llama3") and "original_max_position_embeddings" not in rs \
+                and "original_max_position_embeddings" not in hf and hf.get("max_position_embeddings"):
+            # the context the factor stretches is the model's own, not max_model_len (set below)
+            rs["original_max_position_embeddings"] = hf["max_position_embeddings"]
+        theta = (hf.get("rope_parameters") or {}).get("rope_theta")
+        if theta is not None and "rope_theta" not in rs and "rope_theta" not in hf:  # transformers 5 keeps it there
+            rs["rope_theta"] = theta
+        hf["rope_scaling"] = rs
         hf.pop("rope_parameters", None)
     if cfg.max_model_len:
         hf["max_position_embeddings"] = cfg.max_model_len
@@ -229,6 +244,41 @@ def model_config_for(cfg: TrainConfig) -> ModelConfig:
         return ModelConfig.from_hf(hf)
     except ValueError as e:
         raise TrainSetupError(f"model_config: {e}") from None
+
+
+# Surogate's model-type names that are not transformers' (config.json's model_type)
+MODEL_TYPE_NAMES = {"qwen2_5": "qwen2", "qwen2_5_vl": "qwen2_5_vl"}
+
+
+def check_model_type(expected: str, actual: str | None, model: str) -> None:
+    """`model_type: expected` names config.json's model_type, or its family as a prefix (qwen: qwen2, qwen3,
+    qwen3_moe; qwen3: qwen3_moe). Anything else is refused before data and weights are read."""
+    want = MODEL_TYPE_NAMES.get(expected.lower(), expected.lower())
+    if actual is None or not actual.lower().startswith(want):
+        raise TrainSetupError(f"model_type: {expected!r} does not match {model}, whose config.json says model_type "
+                              f"{actual!r}; remove the key (it is read from the model) or fix it")
+
+
+def rope_scaling_for(rope_type: str, max_model_len: int | None, hf: dict) -> dict:
+    """`rope_scaling: linear | yarn` with `max_model_len` (Surogate's spelling): the factor that stretches the
+    model's original context to max_model_len, ceil(max_model_len / original), at least 1; the original context is
+    the model's own rope_scaling's original_max_position_embeddings, else its max_position_embeddings."""
+    if max_model_len is None:
+        raise TrainSetupError(f"rope_scaling: {rope_type} takes its factor from max_model_len (the context to "
+                              "reach): set max_model_len, or give rope_scaling as a dict with its factor")
+    own = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    original = own.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or \
+        hf.get("max_position_embeddings")
+    if not original:
+        raise TrainSetupError(f"rope_scaling: {rope_type}: the model's config.json has no max_position_embeddings "
+                              "to scale from; give rope_scaling as a dict with factor and "
+                              "original_max_position_embeddings")
+    factor = max(float(math.ceil(max_model_len / original)), 1.0)
+    out = {"rope_type": rope_type, "factor": factor}
+    if rope_type == "yarn":
+        out["original_max_position_embeddings"] = int(original)
+    theta = own.get("rope_theta")
+    return out | ({"rope_theta": theta} if theta is not None else {})
 
 
 def precision_spec(cfg: TrainConfig) -> PrecisionSpec:

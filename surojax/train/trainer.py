@@ -4,7 +4,8 @@
     trainer.step()                  # one optimizer step (A micro-batches), returns its metrics
     trainer.train()                 # the whole run: progress bar, evals, checkpoints, export, loss chart
     trainer.evaluate()              # mean loss over the validation set
-    trainer.export()                # PEFT adapter (LoRA) or HF folder (full), with the tokenizer
+    trainer.export()                # PEFT adapter (LoRA; also its two files at the top of output_dir, where
+                                    # Surogate writes it) or HF folder (full), with the tokenizer
 
 Determinism: the data order comes from the loader's seed and checkpointed position, the dropout key of step
 s is fold_in(key(seed), s), so a run resumed from a checkpoint repeats the uninterrupted run's losses.
@@ -27,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from surojax.config.schema import TrainConfig
+from surojax.config.surogate_defaults import summary_lines as surogate_summary_lines
 from surojax.hub import model_path
 from surojax.data.pipeline import build_data_from_config
 from surojax.losses.lm import lm_loss
@@ -36,7 +38,7 @@ from surojax.offload.optimizer import master_params
 from surojax.parallel import batch_sharding, make_mesh
 from surojax.parallel.distributed import barrier, gather_to_main, global_batch, max_over_processes, row_block
 from surojax.peft.lora import merge_lora
-from surojax.peft.peft_io import save_peft_adapter
+from surojax.peft.peft_io import copy_adapter_files, save_peft_adapter
 from surojax.peft.trained_router import add_router_to_adapter, has_trained_router
 from surojax.quant.base import QuantFormat
 from surojax.train.adaptive import AdaptiveSettings, AdaptiveTraining, budget_line, epochs_for_budget, flops_per_token
@@ -47,6 +49,7 @@ from surojax.train.metrics import Metrics, plot_loss
 from surojax.train.router_monitor import RouterMonitor, progress_text
 from surojax.train.run_spec import TrainSetupError, model_config_for, run_spec
 from surojax.train.step import compiles_steady_next
+from surojax.train.xla_options import apply_xla_options
 from surojax.weights.gguf_checkpoint import is_gguf_path, load_gguf_tokenizer
 from surojax.weights.gguf_tokenizer import save_tokenizer_dir
 from surojax.weights.hf_checkpoint import copy_tokenizer_files, save_model
@@ -88,6 +91,7 @@ class Trainer:
         if jax.process_count() > 1 and cfg.trainer != "sft":  # their batches and task state are one-process
             raise TrainSetupError(f"trainer: {cfg.trainer} runs in one process for now; multi-process runs "
                                   "(surojax launch, srun) train sft / pt")
+        apply_xla_options([cfg])  # use_cuda_graphs (the CLI has set it before the backend started)
         self.cfg = cfg
         # multi-process: process 0 alone prints, writes metrics, the loss chart and the export
         self.is_main = jax.process_index() == 0
@@ -153,7 +157,9 @@ class Trainer:
         self.checkpointer = Checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"),
                                          keep=cfg.save_total_limit)
         self.metrics = Metrics(self.output_dir, cfg.report_to, run_config=cfg.model_dump(by_alias=True),
-                               project=cfg.wandb_project or "surojax", write=self.is_main)
+                               project=cfg.wandb_project or "surojax", write=self.is_main, run_name=cfg.run_name,
+                               wandb_name=cfg.wandb_name, aim_experiment=cfg.aim_experiment, aim_repo=cfg.aim_repo,
+                               aim_name=cfg.aim_name)
         if cfg.resume_from_checkpoint:
             self._resume()
 
@@ -282,6 +288,7 @@ class Trainer:
         mode = "LoRA" if self.cfg.lora else ("pretraining" if self.cfg.from_scratch else "full fine-tune")
         packed = self.spec.model.packed_experts
         return [
+            *([f"run     {self.cfg.run_name}"] if self.cfg.run_name else []),
             f"model   {self.spec.model.config.model_type}, {n_total / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({100 * n_train / max(n_total, 1):.2f}%), {mode}, recipe {self.cfg.recipe}",
             *([f"base    {packed.describe(self.spec.precision.base)}"] if packed is not None else []),
@@ -293,6 +300,7 @@ class Trainer:
             f"({planned / max(budget, 1):.2f}x)",
             f"devices {jax.device_count()} x {jax.devices()[0].device_kind}, mesh {dict(self.mesh.shape)}; "
             f"estimated peak device memory {self.memory_plan.total / 2**30:.1f} GiB",
+            *surogate_summary_lines(self.cfg),  # a Surogate config: the defaults that differ from Surogate's
         ]
 
     def train(self, interrupts: Interrupts | None = None) -> dict:
@@ -434,6 +442,8 @@ class Trainer:
             if has_trained_router(model):  # train_router: the routers as PEFT modules_to_save
                 add_router_to_adapter(model, out)
             copy_tokenizer_files(self.tokenizer_dir, out)
+            if out_dir is None:  # also where Surogate writes it: output_dir itself (merge --checkpoint-dir output)
+                copy_adapter_files(out, self.output_dir)
             if self.cfg.merge_adapter:
                 save_model(merge_lora(model), self.output_dir / "merged", dtype=save_dtype,
                            tokenizer_dir=self.tokenizer_dir, overwrite=overwrite)

@@ -5,7 +5,9 @@ A reference (`--model`, `model:`, `serve MODEL`) is one of:
     path/to/hf_folder          config.json + model.safetensors (or an index + shards)
     path/to/model.gguf         a llama.cpp GGUF file (architecture and tokenizer from its metadata); a model split
                                in files name-00001-of-0000N.gguf .. by any part's name (weights/gguf_split.py)
-    path/to/output_dir         a surojax training run: its merged/ or model/ (full fine-tuning) or adapter/ (LoRA)
+    path/to/output_dir         a surojax training run: its merged/ or model/ (full fine-tuning) or adapter/ (LoRA;
+                               the run also copies the adapter's two files to the top of output_dir, as Surogate
+                               writes it: those subfolders are looked at first)
     path/to/adapter            a PEFT adapter folder; adapter_config.json's base_model_name_or_path names the base
     org/name[@revision]        a Hugging Face Hub repo of any kind above, fetched into the HF cache (surojax.hub)
     org/name[@revision]:QUANT  the .gguf file of that quantisation in a Hub GGUF repo
@@ -129,13 +131,13 @@ def _file_ref(path: Path, source: str) -> ModelRef:
 def _dir_ref(path: Path, source: str, weights: bool) -> tuple[ModelRef, Path | None]:
     if (path / "config.json").is_file():
         return ModelRef("hf", path, None, path, source), None
-    if (path / ADAPTER_CONFIG).is_file():
-        return _adapter_base(path, source, weights), path
-    for sub in RUN_SUBFOLDERS:
+    for sub in RUN_SUBFOLDERS:  # a run's folders first: its output_dir also holds the adapter's files at its top
         if (path / sub / "config.json").is_file():
             return ModelRef("hf", path / sub, None, path / sub, source), None
         if sub == "adapter" and (path / sub / ADAPTER_CONFIG).is_file():
             return _adapter_base(path / sub, source, weights), path / sub
+    if (path / ADAPTER_CONFIG).is_file():
+        return _adapter_base(path, source, weights), path
     ggufs = sorted(p.name for p in path.iterdir() if is_gguf_path(p))
     if ggufs:  # a folder of GGUF files (several quantisations, or a split model's parts): the file is named
         more = f" ... and {len(ggufs) - 4} more" if len(ggufs) > 4 else ""
