@@ -95,7 +95,19 @@ TruncationStrategy = Literal["right", "left", "delete", "split"]
 
 class DataSection(StrictModel):
     datasets: list[DatasetSpec] = Field(min_length=1)
+    """Dataset entries; a path alone may stand for its entry (`datasets: org/name` or `[a.jsonl, org/name]`)."""
     validation_datasets: list[DatasetSpec] = Field(default_factory=list)
+
+    @field_validator("datasets", "validation_datasets", mode="before")
+    @classmethod
+    def _paths_as_entries(cls, value):
+        """`datasets: mlabonne/FineTome-100k` is `datasets: [{path: mlabonne/FineTome-100k}]`; so is a string in
+        the list. Anything else is validated as written."""
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            return [{"path": v} if isinstance(v, str) else v for v in value]
+        return value
     validation_split_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Hold out this fraction of the training rows for validation (instead of `validation_datasets`)."""
     sequence_len: int = Field(default=2048, gt=0)

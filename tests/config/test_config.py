@@ -52,6 +52,16 @@ def test_minimal_defaults():
     assert cfg.datasets[0].type == "auto" and cfg.datasets[0].split == "train"
 
 
+def test_a_dataset_path_alone_is_its_entry():
+    """`datasets: org/name` (the quickstarts' one-liner) and plain strings in the list are entries with that path."""
+    cfg = config_from_dict({"model": "m", "datasets": "mlabonne/FineTome-100k",
+                            "validation_datasets": ["v.jsonl", {"path": "w.jsonl", "type": "text"}]})
+    assert [d.path for d in cfg.datasets] == ["mlabonne/FineTome-100k"] and cfg.datasets[0].type == "auto"
+    assert [(d.path, d.type) for d in cfg.validation_datasets] == [("v.jsonl", "auto"), ("w.jsonl", "text")]
+    key, msg = one_error({"datasets": 3})
+    assert key == "datasets" and "list" in msg
+
+
 def test_dump_round_trips_by_yaml_key():
     cfg = config_from_dict({**BASE, "from_scratch": True, "model_config": {"hidden_size": 64}, "model": None})
     dumped = cfg.model_dump()
