@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -149,23 +151,59 @@ def report_console() -> Console:
     return console
 
 
-def resume_command(prog: str, config: str, overrides: list[str], *, config_flag: bool = False) -> str:
-    """The command line that continues an interrupted run: the same config and overrides (never --overwrite)
-    plus `-o resume_from_checkpoint=true`."""
-    words = [*shlex.split(prog), *(["--config"] if config_flag else []), config]
+# scripts/run.sh exports these: the path it was started by ($0, as the user typed it) and the config it passes
+RUN_SCRIPT_ENV, RUN_SCRIPT_CONFIG_ENV = "SUROJAX_RUN_SCRIPT", "SUROJAX_RUN_SCRIPT_CONFIG"
+
+
+def launcher(command: str | None) -> tuple[list[str], str | None]:
+    """The words that start this command again from the user's own shell, where the venv need not be active, and
+    the config those words already pass (None: none). `command`: the `surojax` subcommand, None for
+    `python -m surojax.train`.
+
+    - `python -m surojax.train` started by scripts/run.sh (it sets SUROJAX_RUN_SCRIPT): `bash <the script as the
+      user called it>`, which passes its own config (SUROJAX_RUN_SCRIPT_CONFIG);
+    - the `surojax` console script: `surojax COMMAND` when `surojax` on PATH is this one, else its absolute path;
+    - `python -m ...`: this interpreter's absolute path (a bare `python` there may lack jax)."""
+    script = os.environ.get(RUN_SCRIPT_ENV)
+    if command is None:
+        if script:
+            return ["bash", script], os.environ.get(RUN_SCRIPT_CONFIG_ENV) or None
+        return [sys.executable, "-m", "surojax.train"], None
+    if Path(sys.argv[0]).name == "surojax":
+        exe = os.path.abspath(sys.argv[0])
+        on_path = shutil.which("surojax")
+        return ["surojax" if on_path and os.path.abspath(on_path) == exe else exe, command], None
+    return [sys.executable, "-m", "surojax.cli.main", command], None
+
+
+def resume_command(words: list[str], config: str | None, overrides: list[str], *, config_flag: bool = False) -> str:
+    """The shell command line that continues an interrupted run: `words` (see `launcher`), the config unless None,
+    the same overrides (never --overwrite) and `-o resume_from_checkpoint=true`."""
+    words = list(words)
+    if config is not None:
+        words += [*(["--config"] if config_flag else []), config]
     for o in overrides:
         if not o.startswith("resume_from_checkpoint="):
             words += ["-o", o]
     return shlex.join([*words, "-o", "resume_from_checkpoint=true"])
 
 
-def train_from_args(args: argparse.Namespace, prog: str | None = None, *, config_flag: bool = False) -> int:
+def resume_command_for(args: argparse.Namespace, *, config_flag: bool = False) -> str:
+    """The resume command of the run `args` (add_config_arguments' config and overrides) started: `launcher` +
+    `resume_command`, the config left out when the launcher passes it already (scripts/run.sh)."""
+    words, given = launcher(None if config_flag else args.command)
+    return resume_command(words, None if given == args.config else args.config, args.override,
+                          config_flag=config_flag)
+
+
+def train_from_args(args: argparse.Namespace, *, config_flag: bool = False) -> int:
     """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`).
 
     A config with a `stages:` list runs its stages in order, all validated first (surojax/config/stages.py).
     `args.overwrite` (add_overwrite_argument) lets the run replace what an earlier run left in its output_dir.
     SIGINT / SIGTERM stop it after the current step with a checkpoint (surojax/train/interrupts.py); the exit
-    code is then 130 / 143 and the command that resumes it (`prog` = how the user called this) is printed."""
+    code is then 130 / 143 and the command that resumes it is printed (`launcher`: runnable from the user's shell;
+    `config_flag`: `python -m surojax.train`, which takes `--config FILE`, else `surojax COMMAND FILE`)."""
     from surojax.config.stages import load_run
     from surojax.parallel.distributed import initialize_from_env
     from surojax.train.interrupts import Interrupts
@@ -175,11 +213,11 @@ def train_from_args(args: argparse.Namespace, prog: str | None = None, *, config
     for noisy in ("absl", "jax._src", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     process = initialize_from_env()  # multi-process (surojax launch, srun); the others print warnings only
-    prog = prog or f"surojax {args.command}"
+    resume = resume_command_for(args, config_flag=config_flag)
     with Interrupts() as interrupts:
         stages = load_run(args.config, args.override, overwrite=args.overwrite)
         console = report_console()
         console.quiet = not process.is_main
         run_stages(stages, console=console, interrupts=interrupts,
-                   resume_command=resume_command(prog, args.config, args.override, config_flag=config_flag))
+                   resume_command=resume)
     return interrupts.exit_code or 0
