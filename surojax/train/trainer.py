@@ -41,6 +41,7 @@ from surojax.peft.trained_router import add_router_to_adapter, has_trained_route
 from surojax.quant.base import QuantFormat
 from surojax.train.adaptive import AdaptiveSettings, AdaptiveTraining, budget_line, epochs_for_budget, flops_per_token
 from surojax.train.build import build_run, count_params, data_parallel_size
+from surojax.train.checkpoint_match import CONFIG_META_KEY, check as check_checkpoint, config_record, open_step
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.interrupts import Interrupts
 from surojax.train.metrics import Metrics, plot_loss
@@ -172,18 +173,23 @@ class Trainer:
                                   "again")
 
     def _resume(self) -> None:
+        """Restore the checkpoint `resume_from_checkpoint` names (a step folder, or true: the latest), after
+        checking that it fits this run (train/checkpoint_match.py: a named error, else the changed keys printed)."""
         target = self.cfg.resume_from_checkpoint
         if isinstance(target, str):
-            path = Path(target)
-            self.checkpointer = Checkpointer(path.parent, keep=self.cfg.save_total_limit)
-            step = int(path.name)
+            checkpointer, step = open_step(target, keep=self.cfg.save_total_limit)
+            self.checkpointer.close()
+            self.checkpointer = checkpointer
         else:
             step = self.checkpointer.latest_step()
             if step is None:
                 log.warning("resume_from_checkpoint: no checkpoint in %s yet; starting from step 0",
                             self.checkpointer.directory)
                 return
-        state, meta = self.checkpointer.restore(step, self._checkpoint_state())
+        like = self._checkpoint_state()
+        for change in check_checkpoint(self.checkpointer, step, self.cfg, like):
+            self.console.print(f"changed since the checkpoint's run: {change}", highlight=False, markup=False)
+        state, meta = self.checkpointer.restore(step, like)
         self.trainable, self.opt_state = state["trainable"], state["opt_state"]
         self.data.train.set_state(meta["data"])
         self.step_count = int(meta["step"])
@@ -198,7 +204,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.checkpointer.save(self.step_count, self._checkpoint_state(),
-                               {"step": self.step_count, "data": self.data.train.get_state(),
+                               {"step": self.step_count, CONFIG_META_KEY: config_record(self.cfg),
+                                "data": self.data.train.get_state(),
                                 "adaptive": self.adaptive.state_dict(), "adaptive_lr_scale": self.lr_scale,
                                 **self.task_checkpoint_meta()})
 

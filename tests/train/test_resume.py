@@ -66,3 +66,25 @@ def test_a_half_written_checkpoint_is_never_listed(tmp_path):
     (tmp_path / "ck" / "4.orbax-checkpoint-tmp-1234").mkdir()
     (tmp_path / "ck" / "4.orbax-checkpoint-tmp-1234" / "partial").write_text("x")
     assert Checkpointer(tmp_path / "ck").latest_step() == 2
+
+
+def test_a_checkpoint_whose_arrays_do_not_fit_is_a_named_error(tmp_path):
+    """Before orbax reads an array: a checkpoint without a recorded config (an older one) whose arrays differ from
+    the run's is an error naming them, with shapes, instead of a TensorStore traceback."""
+    import numpy as np
+    import pytest
+
+    from surojax.config import config_from_dict
+    from surojax.train.checkpoint_match import CheckpointMismatchError, check
+
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(2, {"w": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)}, {"step": 2})
+    cfg = config_from_dict({"model": "m", "datasets": [{"path": "d.jsonl"}]})
+    assert check(ck, 2, cfg, {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}) == []
+    with pytest.raises(CheckpointMismatchError) as e:
+        check(ck, 2, cfg, {"w": np.zeros((3, 4), np.float32), "c": np.zeros(2, np.float32)})
+    ck.close()
+    assert str(e.value).splitlines() == [
+        f"checkpoint {tmp_path / 'ck' / '2'} does not fit this run: 3 of its arrays differ",
+        "  w: [3, 2] in the checkpoint, [3, 4] in this run", "  c: not in the checkpoint",
+        "  b: in the checkpoint, not in this run", "its run's config is not recorded in it (an older checkpoint)"]
