@@ -1,8 +1,8 @@
 """Whether a checkpoint belongs to the run reading it back (resume, `surojax export`), checked before orbax
 restores any array, so that a mismatch is a named error instead of orbax's TensorStore traceback.
 
-    checkpointer, step = open_step(path)     # a --checkpoint / resume_from_checkpoint path, or an error
-                                             # naming the steps that exist
+    step = open_step(path)                   # a --checkpoint / resume_from_checkpoint path -> its step, or an
+                                             # error naming the steps that exist
     changes = check(checkpointer, step, cfg, like)   # raises CheckpointMismatchError, else the accepted changes
     for c in changes: print(c)               # "learning_rate: 0.001 -> 0.002"
 
@@ -96,25 +96,29 @@ def config_changes(saved: Mapping, cfg: TrainConfig) -> list[Change]:
     return out
 
 
-def open_step(path: str | Path, *, keep: int | None = None) -> tuple[Checkpointer, int]:
-    """The checkpointer of a step folder's directory (`<checkpoint_dir>/<step>`, a --checkpoint or
-    resume_from_checkpoint path) and its step; an error naming the steps that exist when it is no whole checkpoint."""
+def open_step(path: str | Path) -> int:
+    """The step of a step folder (`<checkpoint_dir>/<step>`, a --checkpoint or resume_from_checkpoint path); an
+    error naming the steps that exist when it is no whole checkpoint."""
     path = Path(path)
     if path.is_dir() and not path.name.isdigit():
-        found = Checkpointer(path).steps()
+        found = _steps(path)
         if found:
             raise CheckpointMismatchError(f"checkpoint {path}: a checkpoint folder, not one of its steps; its steps are "
                                           f"{', '.join(map(str, found))} (pass {path / str(found[-1])} for the latest)")
     if not path.parent.is_dir():
         raise CheckpointMismatchError(f"checkpoint {path}: no such checkpoint; {path.parent} does not exist")
-    checkpointer = Checkpointer(path.parent, keep=keep)
-    steps = checkpointer.steps()
+    steps = _steps(path.parent)
     if not path.name.isdigit() or int(path.name) not in steps:
-        checkpointer.close()
-        there = (f"the checkpoints in {checkpointer.directory} are steps {', '.join(map(str, steps))}" if steps else
-                 f"{checkpointer.directory} holds no checkpoint")
+        there = (f"the checkpoints in {path.parent} are steps {', '.join(map(str, steps))}" if steps else
+                 f"{path.parent} holds no checkpoint")
         raise CheckpointMismatchError(f"checkpoint {path}: no such checkpoint; {there}")
-    return checkpointer, int(path.name)
+    return int(path.name)
+
+
+def _steps(directory: Path) -> list[int]:
+    """The whole checkpoints' steps in `directory`: its folders named by a step alone (orbax renames a save's
+    temporary folder to that only once it is complete). Read only: nothing is created or removed."""
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
 def _array_names(like) -> dict[str, tuple[int, ...]]:

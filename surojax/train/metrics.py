@@ -1,5 +1,9 @@
 """Where training metrics go: JSONL (always), TensorBoard and Weights & Biases (when `report_to` lists
-them), and a loss-curve PNG written at the end of the run."""
+them), and a loss-curve PNG written at the end of the run.
+
+metrics.jsonl is appended to only by the run that wrote it (a resume first drops the rows after its checkpoint,
+`truncate_after`); a run that starts at step 0 where an earlier one left rows (it stopped before any whole
+checkpoint: a crash, a second Ctrl-C) moves that file aside first (`set_aside`), never mixing two runs' steps."""
 from __future__ import annotations
 
 import json
@@ -37,6 +41,19 @@ class JsonlSink:
 
     def close(self) -> None:
         self.file.close()
+
+
+def set_aside(path: Path) -> tuple[Path, list[int]] | None:
+    """Move `path` (a metrics.jsonl of an earlier run) to the first free `metrics.<n>.jsonl` beside it, when it
+    holds rows; returns (where it went, the steps it holds). None (nothing moved) when it is missing or empty."""
+    if not path.is_file() or not path.read_text().strip():
+        return None
+    steps = sorted({int(s) for s in map(_row_step, path.read_text().splitlines()) if math.isfinite(s)})
+    n = 1
+    while (moved := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    os.replace(path, moved)
+    return moved, steps
 
 
 def _row_step(line: str) -> float:

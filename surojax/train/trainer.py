@@ -44,7 +44,7 @@ from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoint_match import CONFIG_META_KEY, check as check_checkpoint, config_record, open_step
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.interrupts import Interrupts
-from surojax.train.metrics import Metrics, plot_loss
+from surojax.train.metrics import Metrics, plot_loss, set_aside as set_aside_metrics
 from surojax.train.router_monitor import RouterMonitor, progress_text
 from surojax.train.run_spec import TrainSetupError, model_config_for, run_spec
 from surojax.train.step import compiles_steady_next
@@ -150,12 +150,13 @@ class Trainer:
         self.stop_reason: str | None = None
         self._compiled = False  # whether this process has run (compiled) the train step yet
 
-        self.checkpointer = Checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"),
-                                         keep=cfg.save_total_limit)
-        self.metrics = Metrics(self.output_dir, cfg.report_to, run_config=cfg.model_dump(by_alias=True),
-                               project=cfg.wandb_project or "surojax", write=self.is_main)
+        self.checkpointer = self._open_checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"))
         if cfg.resume_from_checkpoint:
             self._resume()
+        if self.step_count == 0 and self.is_main:
+            self._set_aside_earlier_metrics()
+        self.metrics = Metrics(self.output_dir, cfg.report_to, run_config=cfg.model_dump(by_alias=True),
+                               project=cfg.wandb_project or "surojax", write=self.is_main)
 
     # ---- set-up helpers -------------------------------------------------------------------------------------
     def _check_output_dir(self) -> None:
@@ -172,14 +173,34 @@ class Trainer:
                                   "run; continue it with -o resume_from_checkpoint=true, or pass --overwrite to start "
                                   "again")
 
+    def _open_checkpointer(self, directory: Path) -> Checkpointer:
+        """The Checkpointer of `directory`, saying which unfinished checkpoint saves (a second Ctrl-C or a kill
+        during a save) it found there and removed: they are never resumed from."""
+        checkpointer = Checkpointer(directory, keep=self.cfg.save_total_limit)
+        for p in checkpointer.removed_unfinished:
+            self.console.print(f"{p}: an unfinished checkpoint (its save was cut off, e.g. by a second Ctrl-C); "
+                               "removed", style="yellow", markup=False, highlight=False)
+        return checkpointer
+
+    def _set_aside_earlier_metrics(self) -> None:
+        """A run starting at step 0 never appends to an earlier run's metrics.jsonl (one that left no whole
+        checkpoint to resume): that file is moved aside, and the run says where."""
+        moved = set_aside_metrics(self.output_dir / "metrics.jsonl")
+        if moved is not None:
+            where, steps = moved
+            held = f"steps {steps[0]}-{steps[-1]}" if steps else "rows"
+            self.console.print(f"{self.output_dir / 'metrics.jsonl'} held {held} of an earlier run with no checkpoint to "
+                               f"resume; moved to {where} (this run starts at step 0)", style="yellow", markup=False,
+                               highlight=False)
+
     def _resume(self) -> None:
         """Restore the checkpoint `resume_from_checkpoint` names (a step folder, or true: the latest), after
         checking that it fits this run (train/checkpoint_match.py: a named error, else the changed keys printed)."""
         target = self.cfg.resume_from_checkpoint
         if isinstance(target, str):
-            checkpointer, step = open_step(target, keep=self.cfg.save_total_limit)
+            step = open_step(target)
             self.checkpointer.close()
-            self.checkpointer = checkpointer
+            self.checkpointer = self._open_checkpointer(Path(target).parent)
         else:
             step = self.checkpointer.latest_step()
             if step is None:
