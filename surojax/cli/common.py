@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from surojax.config import TrainConfig
+    from surojax.config.stages import Stage
 
 EXIT_USER_ERROR = 1
 EXIT_NOT_IMPLEMENTED = 2
@@ -196,14 +197,16 @@ def resume_command_for(args: argparse.Namespace, *, config_flag: bool = False) -
                           config_flag=config_flag)
 
 
-def train_from_args(args: argparse.Namespace, *, config_flag: bool = False) -> int:
+def train_from_args(args: argparse.Namespace, *, config_flag: bool = False,
+                    select: Callable[[list[Stage]], list[Stage]] | None = None) -> int:
     """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`).
 
     A config with a `stages:` list runs its stages in order, all validated first (surojax/config/stages.py).
     `args.overwrite` (add_overwrite_argument) lets the run replace what an earlier run left in its output_dir.
     SIGINT / SIGTERM stop it after the current step with a checkpoint (surojax/train/interrupts.py); the exit
     code is then 130 / 143 and the command that resumes it is printed (`launcher`: runnable from the user's shell;
-    `config_flag`: `python -m surojax.train`, which takes `--config FILE`, else `surojax COMMAND FILE`)."""
+    `config_flag`: `python -m surojax.train`, which takes `--config FILE`, else `surojax COMMAND FILE`).
+    `select`: the stages this command trains, of the validated ones (`surojax pt`: the pretraining stages)."""
     from surojax.config.stages import load_run
     from surojax.parallel.distributed import initialize_from_env
     from surojax.train.interrupts import Interrupts
@@ -216,6 +219,8 @@ def train_from_args(args: argparse.Namespace, *, config_flag: bool = False) -> i
     resume = resume_command_for(args, config_flag=config_flag)
     with Interrupts() as interrupts:
         stages = load_run(args.config, args.override, overwrite=args.overwrite)
+        if select is not None:
+            stages = select(stages)
         console = report_console()
         console.quiet = not process.is_main
         run_stages(stages, console=console, interrupts=interrupts,

@@ -154,6 +154,23 @@ def test_a_second_run_of_a_finished_multi_stage_config_changes_nothing(tmp_path,
     assert _snapshot(tmp_path / "out") == first
 
 
+def test_pt_trains_only_the_pretraining_stages(tmp_path, capsys, monkeypatch):
+    """`surojax pt` of the two-stage config trains its pretrain stage and names the LoRA stage it skips (an
+    instruction dataset: `surojax sft` trains it); a plain config that is not pretraining is refused."""
+    import surojax.train.stages as train_stages
+
+    trained = []
+    monkeypatch.setattr(train_stages, "run_stages", lambda stages, **kw: trained.extend(stages))
+    config = _two_stages(tmp_path)
+    assert main(["pt", str(config)]) == 0
+    assert [s.name for s in trained] == ["pretrain"]
+    assert (f"stage lora: skipped, not pretraining (datasets[0].type: instruction); `surojax sft {config}` runs "
+            "every stage") in capsys.readouterr().err
+    sft = _config(tmp_path)
+    assert main(["pt", str(sft)]) == 1 and [s.name for s in trained] == ["pretrain"]
+    assert f"{sft}: not a pretraining run (datasets[0].type: instruction)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("stage", [None, "2", "nope"])
 def test_a_multi_stage_config_needs_an_existing_stage(tmp_path, capsys, stage):
     argv = ["tokenize", str(_two_stages(tmp_path))] + ([] if stage is None else ["--stage", stage])
