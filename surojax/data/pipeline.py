@@ -62,10 +62,16 @@ class DataStats:
     eval_supervised_tokens: int = 0
     eval_rows: int = 0
     datasets: list[dict] = field(default_factory=list)  # per dataset: path, split, type, why, rows, skipped, examples
+    prompts: bool = False          # GRPO prompt rows (data/prompts.py): examples are prompts, tokens their tokens;
+                                   # nothing is supervised or packed (the completions are generated in training)
 
     def summary(self) -> str:
-        s = (f"{self.examples:,} examples, {self.tokens:,} tokens ({self.supervised_tokens:,} supervised) in "
-             f"{self.rows:,} rows of {self.sequence_len}; packing efficiency {self.packing_efficiency:.1%}")
+        if self.prompts:
+            s = (f"{self.examples:,} prompts, {self.tokens:,} prompt tokens ({self.tokens / max(self.examples, 1):.1f} "
+                 "per prompt; the completions are generated in training)")
+        else:
+            s = (f"{self.examples:,} examples, {self.tokens:,} tokens ({self.supervised_tokens:,} supervised) in "
+                 f"{self.rows:,} rows of {self.sequence_len}; packing efficiency {self.packing_efficiency:.1%}")
         if self.eval_examples:
             s += f"; validation {self.eval_examples:,} examples / {self.eval_rows:,} rows"
         dropped = {"skipped invalid rows": self.skipped_rows, "truncated": self.truncated,
