@@ -197,6 +197,21 @@ def resume_command_for(args: argparse.Namespace, *, config_flag: bool = False) -
                           config_flag=config_flag)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler writing to whatever sys.stderr is when a record comes (not the one it was made with)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def train_from_args(args: argparse.Namespace, *, config_flag: bool = False,
                     select: Callable[[list[Stage]], list[Stage]] | None = None) -> int:
     """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`).
@@ -212,7 +227,9 @@ def train_from_args(args: argparse.Namespace, *, config_flag: bool = False,
     from surojax.train.interrupts import Interrupts
     from surojax.train.stages import run_stages
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # force: importing orbax already gave the root logger absl's `WARNING:name:` handler (absl.logging.log calls
+    # logging.basicConfig() when the root has none), which would print our lines raw and hide the INFO ones
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_StderrHandler()], force=True)
     for noisy in ("absl", "jax._src", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     process = initialize_from_env()  # multi-process (surojax launch, srun); the others print warnings only

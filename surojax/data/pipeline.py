@@ -142,8 +142,6 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
              "skipped": read.skipped, "examples": len(out),
              "files_without_rows": [f for f, n in read.rows_per_file.items() if n == 0]}
     stats.datasets.append(entry)
-    if not out:
-        log.warning("%s gave no examples: %s", spec.path, why_no_examples(entry))
     return out
 
 
@@ -200,10 +198,13 @@ def build_data(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, sequen
     else:
         train_idx, val_idx = validation_split(len(examples), validation_split_ratio, seed)
         examples, val_examples = [examples[i] for i in train_idx], [examples[i] for i in val_idx]
-    if not examples:
+    if not examples:  # the error alone names every dataset's reason (no warning line before it)
         empty = [d for d in stats.datasets[:len(datasets)] if d["examples"] == 0]
         raise DataError(f"no training examples left ({stats.summary()}); "
                         + "; ".join(f"{d['path']}: {why_no_examples(d)}" for d in empty))
+    for d in stats.datasets:  # the run goes on without these
+        if d["examples"] == 0:
+            log.warning("%s gave no examples: %s", d["path"], why_no_examples(d))
 
     rows = PackedRows(examples, sequence_len, packing=sample_packing)
     stats.examples, stats.tokens, stats.rows = len(examples), rows.tokens, len(rows)

@@ -259,3 +259,18 @@ def test_resume_command_names_an_executable_the_users_shell_finds(tmp_path, monk
 
 def build_parser_for(command: str):
     return build_parser(command, importlib.import_module(f"surojax.cli.{command}"))
+
+
+def test_an_empty_dataset_is_one_error_line(tmp_path):
+    """`surojax sft` of a config whose only dataset has no rows prints the error alone: no `WARNING:name:` line
+    (the root handler importing orbax installs through absl) before it."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": str(ROOT / "tests" / "fixtures" / "models" / "qwen3"), "recipe": "fp32",
+                                      "datasets": [{"path": str(empty), "type": "text"}], "max_steps": 1,
+                                      "output_dir": str(tmp_path / "out")}))
+    r = run_py("-m", "surojax.cli.main", "sft", str(config))
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no training examples left"), r.stderr
