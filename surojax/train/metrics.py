@@ -145,17 +145,20 @@ class Metrics:
 
 
 def plot_loss(history: list[dict], path: Path, title: str = "training loss") -> Path | None:
-    """Loss (and eval loss when present) against the step, as a PNG. Returns None without data."""
+    """Loss (and eval loss when present) against the step, as a PNG. Returns None without data.
+
+    Drawn on a Figure with its own Agg canvas, never through pyplot: the process's matplotlib backend (a notebook's
+    inline one, a user's GUI one) and pyplot's figures are left as they were."""
     train = [(h["step"], h["loss"]) for h in history if "loss" in h and math.isfinite(h["loss"])]
     evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
     if not train and not evals:
         return None
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig = Figure(figsize=(7, 4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1.2)
     if evals:
@@ -167,5 +170,4 @@ def plot_loss(history: list[dict], path: Path, title: str = "training loss") -> 
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path
