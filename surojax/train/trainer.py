@@ -44,6 +44,7 @@ from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoint_match import CONFIG_META_KEY, check as check_checkpoint, config_record, open_step
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.interrupts import Interrupts
+from surojax.train.notebook_progress import NotebookProgress
 from surojax.train.metrics import Metrics, plot_loss, set_aside as set_aside_metrics
 from surojax.train.router_monitor import RouterMonitor, progress_text
 from surojax.train.run_spec import TrainSetupError, model_config_for, run_spec
@@ -338,15 +339,17 @@ class Trainer:
         cfg = self.cfg
         if cfg.resume_from_checkpoint:  # the rows after the resumed step are written again: none twice
             self.metrics.truncate_after(self.step_count)
-        for line in self.summary_lines():
-            self.console.print(line, highlight=False)
+        self.console.print("\n".join(self.summary_lines()), highlight=False)  # one output in a notebook
         last: dict = {}
         fields = "loss {task.fields[loss]:.4f} lr {task.fields[lr]:.2e} gnorm {task.fields[gnorm]:.3f} " \
                  "{task.fields[tps]:,.0f} tok/s{task.fields[router]}"
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn(fields),
                    TimeRemainingColumn()]
-        interactive = self.console.is_terminal
-        with Progress(*columns, console=self.console, disable=not interactive) as progress:
+        # a terminal: rich's live bar; a notebook: one output updated in place; a log file / pipe: a line per log
+        notebook = self.console.is_jupyter and not self.console.quiet
+        interactive = self.console.is_terminal or notebook
+        with (NotebookProgress(*columns, console=self.console) if notebook else
+              Progress(*columns, console=self.console, disable=not interactive)) as progress:
             task = progress.add_task("train", total=self.plan.total_steps, completed=self.step_count, loss=float("nan"),
                                      lr=0.0, gnorm=0.0, tps=0.0, router="")
             while self.step_count < self.plan.total_steps and not self._stop_requested(interrupts):
