@@ -10,12 +10,13 @@ This module imports nothing heavy: `surojax --help` must stay fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -197,19 +198,32 @@ def resume_command_for(args: argparse.Namespace, *, config_flag: bool = False) -
                           config_flag=config_flag)
 
 
-class _StderrHandler(logging.StreamHandler):
-    """A StreamHandler writing to whatever sys.stderr is when a record comes (not the one it was made with)."""
+NOISY_LOGGERS = ("absl", "jax._src", "orbax", "grain")  # warnings only, during a training command
 
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
 
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+@contextlib.contextmanager
+def training_logs() -> Iterator[None]:
+    """While a training command runs, log records at INFO and above go to stderr as their bare message (surojax's
+    INFO lines, e.g. the Chinchilla budget; other libraries' warnings only); everything is restored afterwards
+    (in-process callers such as tests keep their logging). Replaces a plain StreamHandler that `basicConfig()`
+    put on the root logger, e.g. the one absl adds when importing orbax logs (absl.logging.log calls basicConfig()
+    on a root without handlers), which printed `WARNING:name:` prefixes and hid the INFO lines."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    levels = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root.handlers[:] = [h for h in handlers if type(h) is not logging.StreamHandler] + [handler]
+    root.setLevel(logging.INFO)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name, old in levels.items():
+            logging.getLogger(name).setLevel(old)
 
 
 def train_from_args(args: argparse.Namespace, *, config_flag: bool = False,
@@ -227,19 +241,14 @@ def train_from_args(args: argparse.Namespace, *, config_flag: bool = False,
     from surojax.train.interrupts import Interrupts
     from surojax.train.stages import run_stages
 
-    # force: importing orbax already gave the root logger absl's `WARNING:name:` handler (absl.logging.log calls
-    # logging.basicConfig() when the root has none), which would print our lines raw and hide the INFO ones
-    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[_StderrHandler()], force=True)
-    for noisy in ("absl", "jax._src", "orbax", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    process = initialize_from_env()  # multi-process (surojax launch, srun); the others print warnings only
-    resume = resume_command_for(args, config_flag=config_flag)
-    with Interrupts() as interrupts:
-        stages = load_run(args.config, args.override, overwrite=args.overwrite)
-        if select is not None:
-            stages = select(stages)
-        console = report_console()
-        console.quiet = not process.is_main
-        run_stages(stages, console=console, interrupts=interrupts,
-                   resume_command=resume)
+    with training_logs():
+        process = initialize_from_env()  # multi-process (surojax launch, srun); the others print warnings only
+        resume = resume_command_for(args, config_flag=config_flag)
+        with Interrupts() as interrupts:
+            stages = load_run(args.config, args.override, overwrite=args.overwrite)
+            if select is not None:
+                stages = select(stages)
+            console = report_console()
+            console.quiet = not process.is_main
+            run_stages(stages, console=console, interrupts=interrupts, resume_command=resume)
     return interrupts.exit_code or 0
