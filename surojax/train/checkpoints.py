@@ -4,13 +4,15 @@ Each checkpoint is a step folder under `<output_dir>/checkpoints/` written by or
 which writes to a temporary folder and renames it only once every item is on disk: a checkpoint that was
 half-written when the process died is never listed, so `latest_step()` only ever returns a whole one; such an
 unfinished temporary folder (`<step>.orbax-checkpoint-tmp-*`, left by a second Ctrl-C or a kill during a save)
-is removed when a Checkpointer opens the directory, and listed in `removed_unfinished` for the run to say so.
+is removed when a Checkpointer opens the directory (by process 0), and listed in `removed_unfinished` for the run
+to say so.
 `save_total_limit` keeps the newest N. `meta` and `array_metadata` read a checkpoint's JSON and its arrays'
 names and shapes without restoring any array (train/checkpoint_match.py checks a checkpoint against the run).
 """
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import jax
@@ -32,7 +34,10 @@ def unfinished_checkpoints(directory: str | Path) -> list[Path]:
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int | None = None, async_save: bool = True):
         self.directory = Path(directory).absolute()
-        self.removed_unfinished = unfinished_checkpoints(self.directory)  # orbax removes them on opening
+        self.removed_unfinished = unfinished_checkpoints(self.directory)
+        if jax.process_index() == 0:  # (orbax's cleanup_tmp_directories does it too, but in the background)
+            for p in self.removed_unfinished:
+                shutil.rmtree(p, ignore_errors=True)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=True, cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
