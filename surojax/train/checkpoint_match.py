@@ -102,8 +102,9 @@ def open_step(path: str | Path) -> int:
     if path.is_dir() and not path.name.isdigit():
         found = _steps(path)
         if found:
-            raise CheckpointMismatchError(f"checkpoint {path}: a checkpoint folder, not one of its steps; its steps are "
-                                          f"{', '.join(map(str, found))} (pass {path / str(found[-1])} for the latest)")
+            raise CheckpointMismatchError(f"checkpoint {path}: a checkpoint folder, not one of its steps; its steps "
+                                          f"are {', '.join(map(str, found))} (pass {path / str(found[-1])} for the "
+                                          "latest)")
     if not path.parent.is_dir():
         raise CheckpointMismatchError(f"checkpoint {path}: no such checkpoint; {path.parent} does not exist")
     steps = _steps(path.parent)

@@ -44,8 +44,8 @@ from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoint_match import CONFIG_META_KEY, check as check_checkpoint, config_record, open_step
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.interrupts import Interrupts
-from surojax.train.notebook_progress import NotebookProgress
 from surojax.train.metrics import Metrics, plot_loss, set_aside as set_aside_metrics
+from surojax.train.notebook_progress import NotebookProgress
 from surojax.train.router_monitor import RouterMonitor, progress_text
 from surojax.train.run_spec import TrainSetupError, model_config_for, run_spec
 from surojax.train.step import compiles_steady_next
@@ -190,9 +190,9 @@ class Trainer:
         if moved is not None:
             where, steps = moved
             held = f"steps {steps[0]}-{steps[-1]}" if steps else "rows"
-            self.console.print(f"{self.output_dir / 'metrics.jsonl'} held {held} of an earlier run with no checkpoint to "
-                               f"resume; moved to {where} (this run starts at step 0)", style="yellow", markup=False,
-                               highlight=False)
+            self.console.print(f"{self.output_dir / 'metrics.jsonl'} held {held} of an earlier run with no checkpoint "
+                               f"to resume; moved to {where} (this run starts at step 0)", style="yellow",
+                               markup=False, highlight=False)
 
     def _resume(self) -> None:
         """Restore the checkpoint `resume_from_checkpoint` names (a step folder, or true: the latest), after

@@ -230,8 +230,8 @@ def test_run_sh_resume_command_runs_from_the_callers_shell(tmp_path, monkeypatch
         "bash repo/scripts/run.sh -o stages.0.max_steps=3 -o resume_from_checkpoint=true"
     # run.sh with a --config of the user's own: that config is named in the command
     args = build_parser().parse_args([*argv[2:], "--config", "my run.yaml"])
-    assert common.resume_command_for(args, config_flag=True) == ("bash repo/scripts/run.sh --config 'my run.yaml' "
-                                                                 "-o stages.0.max_steps=3 -o resume_from_checkpoint=true")
+    assert common.resume_command_for(args, config_flag=True) == \
+        "bash repo/scripts/run.sh --config 'my run.yaml' -o stages.0.max_steps=3 -o resume_from_checkpoint=true"
 
 
 def test_resume_command_names_an_executable_the_users_shell_finds(tmp_path, monkeypatch):
