@@ -128,7 +128,6 @@ def parse_result(line: str) -> dict | None:
         r = json.loads(line)
         return r if r.get("kind") == "time" else None
     return None
-    return rc, results, time.perf_counter() - t0
 
 
 def item_commands(item: str, job: Job, a: argparse.Namespace) -> list[str] | None:

@@ -10,9 +10,13 @@ This module imports nothing heavy: `surojax --help` must stay fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import shlex
-from collections.abc import Callable
+import shutil
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +24,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from surojax.config import TrainConfig
+    from surojax.config.stages import Stage
 
 EXIT_USER_ERROR = 1
 EXIT_NOT_IMPLEMENTED = 2
@@ -143,39 +148,104 @@ def report_console() -> Console:
     return console
 
 
-def resume_command(prog: str, config: str, overrides: list[str], *, config_flag: bool = False) -> str:
-    """The command line that continues an interrupted run: the same config and overrides (never --overwrite)
-    plus `-o resume_from_checkpoint=true`."""
-    words = [*shlex.split(prog), *(["--config"] if config_flag else []), config]
+# scripts/run.sh exports these: the path it was started by ($0, as the user typed it) and the config it passes
+RUN_SCRIPT_ENV, RUN_SCRIPT_CONFIG_ENV = "SUROJAX_RUN_SCRIPT", "SUROJAX_RUN_SCRIPT_CONFIG"
+
+
+def launcher(command: str | None) -> tuple[list[str], str | None]:
+    """The words that start this command again from the user's own shell, where the venv need not be active, and
+    the config those words already pass (None: none). `command`: the `surojax` subcommand, None for
+    `python -m surojax.train`.
+
+    - `python -m surojax.train` started by scripts/run.sh (it sets SUROJAX_RUN_SCRIPT): `bash <the script as the
+      user called it>`, which passes its own config (SUROJAX_RUN_SCRIPT_CONFIG);
+    - the `surojax` console script: `surojax COMMAND` when `surojax` on PATH is this one, else its absolute path;
+    - `python -m ...`: this interpreter's absolute path (a bare `python` there may lack jax)."""
+    script = os.environ.get(RUN_SCRIPT_ENV)
+    if command is None:
+        if script:
+            return ["bash", script], os.environ.get(RUN_SCRIPT_CONFIG_ENV) or None
+        return [sys.executable, "-m", "surojax.train"], None
+    if Path(sys.argv[0]).name == "surojax":
+        exe = os.path.abspath(sys.argv[0])
+        on_path = shutil.which("surojax")
+        return ["surojax" if on_path and os.path.abspath(on_path) == exe else exe, command], None
+    return [sys.executable, "-m", "surojax.cli.main", command], None
+
+
+def resume_command(words: list[str], config: str | None, overrides: list[str], *, config_flag: bool = False) -> str:
+    """The shell command line that continues an interrupted run: `words` (see `launcher`), the config unless None,
+    the same overrides (never --overwrite) and `-o resume_from_checkpoint=true`."""
+    words = list(words)
+    if config is not None:
+        words += [*(["--config"] if config_flag else []), config]
     for o in overrides:
         if not o.startswith("resume_from_checkpoint="):
             words += ["-o", o]
     return shlex.join([*words, "-o", "resume_from_checkpoint=true"])
 
 
-def train_from_args(args: argparse.Namespace, prog: str | None = None, *, config_flag: bool = False) -> int:
+def resume_command_for(args: argparse.Namespace, *, config_flag: bool = False) -> str:
+    """The resume command of the run `args` (add_config_arguments' config and overrides) started: `launcher` +
+    `resume_command`, the config left out when the launcher passes it already (scripts/run.sh)."""
+    words, given = launcher(None if config_flag else args.command)
+    return resume_command(words, None if given == args.config else args.config, args.override,
+                          config_flag=config_flag)
+
+
+NOISY_LOGGERS = ("absl", "jax._src", "orbax", "grain")  # warnings only, during a training command
+
+
+@contextlib.contextmanager
+def training_logs() -> Iterator[None]:
+    """While a training command runs, log records at INFO and above go to stderr as their bare message (surojax's
+    INFO lines, e.g. the Chinchilla budget; other libraries' warnings only); everything is restored afterwards
+    (in-process callers such as tests keep their logging). Replaces a plain StreamHandler that `basicConfig()`
+    put on the root logger, e.g. the one absl adds when importing orbax logs (absl.logging.log calls basicConfig()
+    on a root without handlers), which printed `WARNING:name:` prefixes and hid the INFO lines."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    levels = {name: logging.getLogger(name).level for name in NOISY_LOGGERS}
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root.handlers[:] = [h for h in handlers if type(h) is not logging.StreamHandler] + [handler]
+    root.setLevel(logging.INFO)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name, old in levels.items():
+            logging.getLogger(name).setLevel(old)
+
+
+def train_from_args(args: argparse.Namespace, *, config_flag: bool = False,
+                    select: Callable[[list[Stage]], list[Stage]] | None = None) -> int:
     """Load + check the config, then run the trainer to the end (sft, pt and `python -m surojax.train`).
 
     A config with a `stages:` list runs its stages in order, all validated first (surojax/config/stages.py).
     `args.overwrite` (add_overwrite_argument) lets the run replace what an earlier run left in its output_dir.
     SIGINT / SIGTERM stop it after the current step with a checkpoint (surojax/train/interrupts.py); the exit
-    code is then 130 / 143 and the command that resumes it (`prog` = how the user called this) is printed."""
+    code is then 130 / 143 and the command that resumes it is printed (`launcher`: runnable from the user's shell;
+    `config_flag`: `python -m surojax.train`, which takes `--config FILE`, else `surojax COMMAND FILE`).
+    `select`: the stages this command trains, of the validated ones (`surojax pt`: the pretraining stages)."""
     from surojax.config.stages import load_run
     from surojax.parallel.distributed import initialize_from_env
     from surojax.train.interrupts import Interrupts
     from surojax.train.stages import run_stages
     from surojax.train.xla_options import apply_xla_options
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("absl", "jax._src", "orbax", "grain"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    stages = load_run(args.config, args.override, overwrite=args.overwrite)
-    apply_xla_options(s.config for s in stages)  # XLA_FLAGS: before anything starts JAX's backend
-    process = initialize_from_env()  # multi-process (surojax launch, srun); the others print warnings only
-    prog = prog or f"surojax {args.command}"
-    with Interrupts() as interrupts:
-        console = report_console()
-        console.quiet = not process.is_main
-        run_stages(stages, console=console, interrupts=interrupts,
-                   resume_command=resume_command(prog, args.config, args.override, config_flag=config_flag))
+    with training_logs():
+        stages = load_run(args.config, args.override, overwrite=args.overwrite)
+        if select is not None:
+            stages = select(stages)
+        apply_xla_options(s.config for s in stages)  # XLA_FLAGS: before anything starts JAX's backend
+        process = initialize_from_env()  # multi-process (surojax launch, srun); the others print warnings only
+        resume = resume_command_for(args, config_flag=config_flag)
+        with Interrupts() as interrupts:
+            console = report_console()
+            console.quiet = not process.is_main
+            run_stages(stages, console=console, interrupts=interrupts, resume_command=resume)
     return interrupts.exit_code or 0

@@ -10,10 +10,12 @@ config's `teacher_logprobs`, else to <output_dir>/teacher_logprobs (surojax/trai
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from surojax.cli.common import (
-    UsageError, add_config_arguments, add_overwrite_argument, load_config_args, refuse_existing, train_from_args)
+    UsageError, add_config_arguments, add_overwrite_argument, launcher, load_config_args, refuse_existing,
+    train_from_args)
 
 TRAINER = "distill"
 
@@ -42,7 +44,19 @@ def trainer_override(config: str, overrides: list[str]) -> list[str]:
     return [*overrides, f"trainer={TRAINER}"]
 
 
-def precompute(args: argparse.Namespace) -> int:
+def train_command(config: str, overrides: list[str], sidecar: str | Path) -> str:
+    """The shell command that trains from a precomputed sidecar: the same config and the user's own overrides
+    (their teacher_logprobs replaced), runnable from the user's shell (cli/common.py `launcher`)."""
+    from surojax.config.load import parse_override  # lazy: `surojax --help` must not import pydantic
+
+    words = [*launcher("distill")[0], config]
+    for o in overrides:
+        if parse_override(o)[0] != ("teacher_logprobs",):
+            words += ["-o", o]
+    return shlex.join([*words, "-o", f"teacher_logprobs={sidecar}"])
+
+
+def precompute(args: argparse.Namespace, user_overrides: list[str]) -> int:
     from surojax.train.distill import precompute_teacher_logprobs, sidecar_path  # lazy: imports jax
 
     cfg = load_config_args(args)
@@ -51,14 +65,15 @@ def precompute(args: argparse.Namespace) -> int:
         refuse_existing(out, "teacher_logprobs")
     written = precompute_teacher_logprobs(cfg, out, dtype=args.logprobs_dtype or "float16")
     print(f"teacher top-{cfg.teacher_top_k} log-probs: {written}\n"
-          f"train from it with: surojax distill {args.config} -o teacher_logprobs={written}")
+          f"train from it with: {train_command(args.config, user_overrides, written)}")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    user_overrides = list(args.override)
     args.override = trainer_override(args.config, args.override)
     if args.precompute:
-        return precompute(args)
+        return precompute(args, user_overrides)
     if args.logprobs_dtype is not None:
         raise UsageError("--logprobs-dtype: only applies with --precompute")
     return train_from_args(args)

@@ -9,6 +9,7 @@ own final export, <output_dir>/adapter or /model) is never replaced without --ov
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from surojax.cli.common import UsageError, add_config_arguments, add_overwrite_argument, refuse_existing
@@ -40,7 +41,11 @@ def run(args: argparse.Namespace) -> int:
     target = args.checkpoint or True
     if target is True:
         ck = Checkpointer(cfg.checkpoint_dir or f"{cfg.output_dir}/checkpoints")
-        if ck.latest_step() is None:
+        for p in ck.removed_unfinished:
+            print(f"{p}: an unfinished checkpoint (its save was cut off); removed", file=sys.stderr)
+        latest = ck.latest_step()
+        ck.close()
+        if latest is None:
             raise UsageError(f"no checkpoint in {ck.directory}; train with save_steps first, or pass --checkpoint")
     trainer = make_trainer(cfg.model_copy(update={"resume_from_checkpoint": target}))
     try:

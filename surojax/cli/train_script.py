@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    return train_from_args(args, "python -m surojax.train", config_flag=True)
+    return train_from_args(args, config_flag=True)
 
 
 def main(argv: list[str] | None = None) -> int:

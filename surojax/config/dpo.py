@@ -6,7 +6,6 @@ training for full fine-tuning (surojax/train/dpo.py).
 """
 from __future__ import annotations
 
-from typing import Literal
 
 from pydantic import Field
 

@@ -65,10 +65,16 @@ class DataStats:
     eval_supervised_tokens: int = 0
     eval_rows: int = 0
     datasets: list[dict] = field(default_factory=list)  # per dataset: path, split, type, why, rows, skipped, examples
+    prompts: bool = False          # GRPO prompt rows (data/prompts.py): examples are prompts, tokens their tokens;
+                                   # nothing is supervised or packed (the completions are generated in training)
 
     def summary(self) -> str:
-        s = (f"{self.examples:,} examples, {self.tokens:,} tokens ({self.supervised_tokens:,} supervised) in "
-             f"{self.rows:,} rows of {self.sequence_len}; packing efficiency {self.packing_efficiency:.1%}")
+        if self.prompts:
+            s = (f"{self.examples:,} prompts, {self.tokens:,} prompt tokens ({self.tokens / max(self.examples, 1):.1f} "
+                 "per prompt; the completions are generated in training)")
+        else:
+            s = (f"{self.examples:,} examples, {self.tokens:,} tokens ({self.supervised_tokens:,} supervised) in "
+                 f"{self.rows:,} rows of {self.sequence_len}; packing efficiency {self.packing_efficiency:.1%}")
         if self.eval_examples:
             s += f"; validation {self.eval_examples:,} examples / {self.eval_rows:,} rows"
         dropped = {"skipped invalid rows": self.skipped_rows, "truncated": self.truncated,
@@ -145,8 +151,6 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
              "skipped": read.skipped, "examples": len(out),
              "files_without_rows": [f for f, n in read.rows_per_file.items() if n == 0]}
     stats.datasets.append(entry)
-    if not out:
-        log.warning("%s gave no examples: %s", spec.path, why_no_examples(entry))
     return out
 
 
@@ -207,10 +211,13 @@ def build_data(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, sequen
     else:
         train_idx, val_idx = validation_split(len(examples), validation_split_ratio, seed)
         examples, val_examples = [examples[i] for i in train_idx], [examples[i] for i in val_idx]
-    if not examples:
+    if not examples:  # the error alone names every dataset's reason (no warning line before it)
         empty = [d for d in stats.datasets[:len(datasets)] if d["examples"] == 0]
         raise DataError(f"no training examples left ({stats.summary()}); "
                         + "; ".join(f"{d['path']}: {why_no_examples(d)}" for d in empty))
+    for d in stats.datasets:  # the run goes on without these
+        if d["examples"] == 0:
+            log.warning("%s gave no examples: %s", d["path"], why_no_examples(d))
 
     rows = PackedRows(examples, sequence_len, packing=sample_packing)
     stats.examples, stats.tokens, stats.rows = len(examples), rows.tokens, len(rows)

@@ -72,6 +72,7 @@ def load_prompts(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, max_
     completion budget) is dropped and counted in `stats.dropped_too_long` (cutting a prompt would change the task)."""
     out: list[Prompt] = []
     stats = stats if stats is not None else DataStats()
+    stats.prompts = True
     for entry in datasets:
         spec = dataset_spec(entry)
         if spec.type != "prompt":

@@ -124,7 +124,8 @@ def epochs_for_budget(num_params: int, dataset_tokens: int, *, max_epochs: int =
 
 
 def budget_line(num_params: int, dataset_tokens: int) -> str:
-    """The log line of the Chinchilla budget (logged whether or not `epoch_adjustment` applies it)."""
+    """The log line of the Chinchilla budget `epoch_adjustment` applies (without it the summary's plan line gives
+    the budget beside the planned tokens)."""
     epochs = epochs_for_budget(num_params, dataset_tokens)
     uncapped = -(-chinchilla_tokens(num_params) // dataset_tokens)
     capped = f" (capped at {MAX_BUDGET_EPOCHS})" if uncapped > epochs else ""

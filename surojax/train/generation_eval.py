@@ -68,6 +68,10 @@ class GenerationEvalResult:
     def to_dict(self) -> dict:
         return {"accuracy": self.accuracy, "correct": self.correct, "total": self.total, "samples": self.samples}
 
+    @classmethod
+    def from_dict(cls, d: Mapping) -> GenerationEvalResult:
+        return cls(int(d["correct"]), int(d["total"]), list(d.get("samples") or []))
+
 
 # ---- scoring ----------------------------------------------------------------------------------------------------
 
@@ -217,6 +221,28 @@ class GenerationEval:
         return evaluate_generation(model, self.tokenizer, self.examples,
                                    max_new_tokens=self.spec.max_new_tokens, batch_size=self.spec.batch_size,
                                    show=self.spec.show, chat_template=self.chat_template)
+
+
+def save_before(path: str | Path, before: GenerationEvalResult, dataset: str | None) -> None:
+    """Write the before-training figures to `path` (generation_eval.json, "after": null) as soon as they are
+    measured: a run resumed from a checkpoint reads them back (`saved_before`) instead of measuring its resumed
+    weights; `report` replaces the file at the end of the run."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    out = {"dataset": dataset, "before": before.to_dict(), "after": None}
+    Path(path).write_text(json.dumps(out, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def saved_before(path: str | Path, dataset: str | None, total: int) -> GenerationEvalResult | None:
+    """The before-training figures `save_before` wrote to `path` for the same dataset and number of examples;
+    None when there are none (no file, an unreadable one, another eval)."""
+    try:
+        saved = json.loads(Path(path).read_text(encoding="utf-8"))
+        before = saved["before"]
+        if saved.get("dataset") != dataset or before is None or int(before["total"]) != total:
+            return None
+        return GenerationEvalResult.from_dict(before)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def report(before: GenerationEvalResult | None, after: GenerationEvalResult, *, path: str | Path | None = None,

@@ -1,10 +1,15 @@
 """Where training metrics go: JSONL (always), TensorBoard, Weights & Biases and Aim (when `report_to` lists
-them), and a loss-curve PNG written at the end of the run."""
+them), and a loss-curve PNG written at the end of the run.
+
+metrics.jsonl is appended to only by the run that wrote it (a resume first drops the rows after its checkpoint,
+`truncate_after`); a run that starts at step 0 where an earlier one left rows (it stopped before any whole
+checkpoint: a crash, a second Ctrl-C) moves that file aside first (`set_aside`), never mixing two runs' steps."""
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 from surojax.weights.atomic import write_text_atomic
@@ -36,6 +41,19 @@ class JsonlSink:
 
     def close(self) -> None:
         self.file.close()
+
+
+def set_aside(path: Path) -> tuple[Path, list[int]] | None:
+    """Move `path` (a metrics.jsonl of an earlier run) to the first free `metrics.<n>.jsonl` beside it, when it
+    holds rows; returns (where it went, the steps it holds). None (nothing moved) when it is missing or empty."""
+    if not path.is_file() or not path.read_text().strip():
+        return None
+    steps = sorted({int(s) for s in map(_row_step, path.read_text().splitlines()) if math.isfinite(s)})
+    n = 1
+    while (moved := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    os.replace(path, moved)
+    return moved, steps
 
 
 def _row_step(line: str) -> float:
@@ -152,17 +170,20 @@ class Metrics:
 
 
 def plot_loss(history: list[dict], path: Path, title: str = "training loss") -> Path | None:
-    """Loss (and eval loss when present) against the step, as a PNG. Returns None without data."""
+    """Loss (and eval loss when present) against the step, as a PNG. Returns None without data.
+
+    Drawn on a Figure with its own Agg canvas, never through pyplot: the process's matplotlib backend (a notebook's
+    inline one, a user's GUI one) and pyplot's figures are left as they were."""
     train = [(h["step"], h["loss"]) for h in history if "loss" in h and math.isfinite(h["loss"])]
     evals = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
     if not train and not evals:
         return None
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig = Figure(figsize=(7, 4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1.2)
     if evals:
@@ -174,5 +195,4 @@ def plot_loss(history: list[dict], path: Path, title: str = "training loss") -> 
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -9,7 +9,9 @@
 validated (config and paths) before the first one starts; see surojax/config/stages.py for the YAML.
 A stage with `eval_generation` answers the held-out prompts greedily before training (the model as loaded:
 a LoRA stage's fresh adapters are zero, so that is the base) and after it (`trainer.trained_model()`), prints
-"accuracy before -> after" with a few samples, and writes both to `<output_dir>/generation_eval.json`.
+"accuracy before -> after" with a few samples, and writes both to `<output_dir>/generation_eval.json`. The
+before figures are written there as soon as they are measured: a stage resumed from a checkpoint reuses them
+(its weights are no longer the ones before training, so they are never measured again).
 
 Nothing an earlier run wrote is replaced unless the stage has `overwrite_output_dir` (`--overwrite`): a stage that
 an earlier run finished (`Stage.is_complete`: all its exports exist) is skipped with a line saying so, and its
@@ -35,7 +37,7 @@ from rich.table import Table
 
 from surojax.config.stages import OUTPUT_ARTIFACTS, Stage
 from surojax.parallel.distributed import barrier, is_main_process
-from surojax.train.generation_eval import GenerationEval, report
+from surojax.train.generation_eval import GenerationEval, GenerationEvalResult, report, save_before, saved_before
 from surojax.train.interrupts import Interrupts
 from surojax.train.trainers import make_trainer
 
@@ -110,11 +112,7 @@ def run_stage(stage: Stage, *, console=None, interrupts: Interrupts | None = Non
     trainer = make_trainer(cfg, console=console)
     console = trainer.console
     evaluator = GenerationEval.from_config(cfg, trainer.tokenizer)
-    before = None
-    if evaluator is not None:
-        before = evaluator.run(trainer.trained_model())
-        console.print(f"generation eval before training: {100 * before.accuracy:.1f}% exact match "
-                      f"({before.correct}/{before.total}) on {cfg.eval_generation.path}", highlight=False)
+    before = None if evaluator is None else _before_training(evaluator, trainer, cfg.eval_generation.path, console)
     metrics = trainer.train(interrupts)
     if interrupts.requested:
         return StageResult(stage.name, trainer.output_dir, metrics, time.perf_counter() - t0, interrupted=True)
@@ -124,6 +122,28 @@ def run_stage(stage: Stage, *, console=None, interrupts: Interrupts | None = Non
         summary = report(before, after, path=trainer.output_dir / "generation_eval.json",
                          dataset=cfg.eval_generation.path, console=console)
     return StageResult(stage.name, trainer.output_dir, metrics, time.perf_counter() - t0, summary)
+
+
+def _before_training(evaluator: GenerationEval, trainer, dataset: str, console) -> GenerationEvalResult | None:
+    """The generation eval of the weights before training: measured on a run at step 0 (and saved to
+    generation_eval.json at once); a run resumed from a checkpoint takes the figures its start saved there, or
+    has none (it never measures its resumed weights as "before training")."""
+    path = trainer.output_dir / "generation_eval.json"
+    if trainer.step_count == 0:
+        before = evaluator.run(trainer.trained_model())
+        if is_main_process():
+            save_before(path, before, dataset)
+        where = ""
+    else:
+        before = saved_before(path, dataset, len(evaluator.examples))
+        where = f" (measured at the start of the run, read from {path})"
+    if before is None:
+        console.print(f"generation eval before training: not available: the run resumed at step "
+                      f"{trainer.step_count} and {path} holds no figures from its start", highlight=False)
+    else:
+        console.print(f"generation eval before training: {100 * before.accuracy:.1f}% exact match "
+                      f"({before.correct}/{before.total}) on {dataset}{where}", highlight=False)
+    return before
 
 
 def run_stages(stages: Sequence[Stage], *, console=None, interrupts: Interrupts | None = None,

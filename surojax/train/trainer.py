@@ -43,9 +43,11 @@ from surojax.peft.trained_router import add_router_to_adapter, has_trained_route
 from surojax.quant.base import QuantFormat
 from surojax.train.adaptive import AdaptiveSettings, AdaptiveTraining, budget_line, epochs_for_budget, flops_per_token
 from surojax.train.build import build_run, count_params, data_parallel_size
+from surojax.train.checkpoint_match import CONFIG_META_KEY, check as check_checkpoint, config_record, open_step
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.interrupts import Interrupts
-from surojax.train.metrics import Metrics, plot_loss
+from surojax.train.metrics import Metrics, plot_loss, set_aside as set_aside_metrics
+from surojax.train.notebook_progress import NotebookProgress
 from surojax.train.router_monitor import RouterMonitor, progress_text
 from surojax.train.run_spec import TrainSetupError, model_config_for, run_spec
 from surojax.train.step import compiles_steady_next
@@ -121,9 +123,9 @@ class Trainer:
         epochs = None if (cfg.max_steps or cfg.epoch_adjustment) else max(1, math.ceil(cfg.num_epochs))
         self.data = self.build_data(batch_size=A * B, eval_batch_size=B, num_epochs=epochs)
         self.num_params = count_params(model_config)
-        log.info("%s", budget_line(self.num_params, max(self.data.stats.tokens, 1)))
         num_epochs = cfg.num_epochs
         if cfg.epoch_adjustment:  # the Chinchilla budget sets the epochs (the loader above repeats the data)
+            log.info("%s", budget_line(self.num_params, max(self.data.stats.tokens, 1)))  # else: the plan line's
             num_epochs = epochs_for_budget(self.num_params, max(self.data.stats.tokens, 1))
             log.info("epoch_adjustment: %d epoch(s) of %s tokens", num_epochs, f"{self.data.stats.tokens:,}")
         if cfg.max_steps:
@@ -154,14 +156,15 @@ class Trainer:
         self.stop_reason: str | None = None
         self._compiled = False  # whether this process has run (compiled) the train step yet
 
-        self.checkpointer = Checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"),
-                                         keep=cfg.save_total_limit)
+        self.checkpointer = self._open_checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"))
+        if cfg.resume_from_checkpoint:
+            self._resume()
+        if self.step_count == 0 and self.is_main:
+            self._set_aside_earlier_metrics()
         self.metrics = Metrics(self.output_dir, cfg.report_to, run_config=cfg.model_dump(by_alias=True),
                                project=cfg.wandb_project or "surojax", write=self.is_main, run_name=cfg.run_name,
                                wandb_name=cfg.wandb_name, aim_experiment=cfg.aim_experiment, aim_repo=cfg.aim_repo,
                                aim_name=cfg.aim_name)
-        if cfg.resume_from_checkpoint:
-            self._resume()
 
     # ---- set-up helpers -------------------------------------------------------------------------------------
     def _check_output_dir(self) -> None:
@@ -178,19 +181,44 @@ class Trainer:
                                   "run; continue it with -o resume_from_checkpoint=true, or pass --overwrite to start "
                                   "again")
 
+    def _open_checkpointer(self, directory: Path) -> Checkpointer:
+        """The Checkpointer of `directory`, saying which unfinished checkpoint saves (a second Ctrl-C or a kill
+        during a save) it found there and removed: they are never resumed from."""
+        checkpointer = Checkpointer(directory, keep=self.cfg.save_total_limit)
+        for p in checkpointer.removed_unfinished:
+            self.console.print(f"{p}: an unfinished checkpoint (its save was cut off, e.g. by a second Ctrl-C); "
+                               "removed", style="yellow", markup=False, highlight=False)
+        return checkpointer
+
+    def _set_aside_earlier_metrics(self) -> None:
+        """A run starting at step 0 never appends to an earlier run's metrics.jsonl (one that left no whole
+        checkpoint to resume): that file is moved aside, and the run says where."""
+        moved = set_aside_metrics(self.output_dir / "metrics.jsonl")
+        if moved is not None:
+            where, steps = moved
+            held = f"steps {steps[0]}-{steps[-1]}" if steps else "rows"
+            self.console.print(f"{self.output_dir / 'metrics.jsonl'} held {held} of an earlier run with no checkpoint "
+                               f"to resume; moved to {where} (this run starts at step 0)", style="yellow",
+                               markup=False, highlight=False)
+
     def _resume(self) -> None:
+        """Restore the checkpoint `resume_from_checkpoint` names (a step folder, or true: the latest), after
+        checking that it fits this run (train/checkpoint_match.py: a named error, else the changed keys printed)."""
         target = self.cfg.resume_from_checkpoint
         if isinstance(target, str):
-            path = Path(target)
-            self.checkpointer = Checkpointer(path.parent, keep=self.cfg.save_total_limit)
-            step = int(path.name)
+            step = open_step(target)
+            self.checkpointer.close()
+            self.checkpointer = self._open_checkpointer(Path(target).parent)
         else:
             step = self.checkpointer.latest_step()
             if step is None:
                 log.warning("resume_from_checkpoint: no checkpoint in %s yet; starting from step 0",
                             self.checkpointer.directory)
                 return
-        state, meta = self.checkpointer.restore(step, self._checkpoint_state())
+        like = self._checkpoint_state()
+        for change in check_checkpoint(self.checkpointer, step, self.cfg, like):
+            self.console.print(f"changed since the checkpoint's run: {change}", highlight=False, markup=False)
+        state, meta = self.checkpointer.restore(step, like)
         self.trainable, self.opt_state = state["trainable"], state["opt_state"]
         self.data.train.set_state(meta["data"])
         self.step_count = int(meta["step"])
@@ -205,7 +233,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.checkpointer.save(self.step_count, self._checkpoint_state(),
-                               {"step": self.step_count, "data": self.data.train.get_state(),
+                               {"step": self.step_count, CONFIG_META_KEY: config_record(self.cfg),
+                                "data": self.data.train.get_state(),
                                 "adaptive": self.adaptive.state_dict(), "adaptive_lr_scale": self.lr_scale,
                                 **self.task_checkpoint_meta()})
 
@@ -321,15 +350,17 @@ class Trainer:
         cfg = self.cfg
         if cfg.resume_from_checkpoint:  # the rows after the resumed step are written again: none twice
             self.metrics.truncate_after(self.step_count)
-        for line in self.summary_lines():
-            self.console.print(line, highlight=False)
+        self.console.print("\n".join(self.summary_lines()), highlight=False)  # one output in a notebook
         last: dict = {}
         fields = "loss {task.fields[loss]:.4f} lr {task.fields[lr]:.2e} gnorm {task.fields[gnorm]:.3f} " \
                  "{task.fields[tps]:,.0f} tok/s{task.fields[router]}"
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn(fields),
                    TimeRemainingColumn()]
-        interactive = self.console.is_terminal
-        with Progress(*columns, console=self.console, disable=not interactive) as progress:
+        # a terminal: rich's live bar; a notebook: one output updated in place; a log file / pipe: a line per log
+        notebook = self.console.is_jupyter and not self.console.quiet
+        interactive = self.console.is_terminal or notebook
+        with (NotebookProgress(*columns, console=self.console) if notebook else
+              Progress(*columns, console=self.console, disable=not interactive)) as progress:
             task = progress.add_task("train", total=self.plan.total_steps, completed=self.step_count, loss=float("nan"),
                                      lr=0.0, gnorm=0.0, tps=0.0, router="")
             while self.step_count < self.plan.total_steps and not self._stop_requested(interrupts):

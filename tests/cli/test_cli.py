@@ -1,8 +1,10 @@
 """The `surojax` console script, the placeholder commands and `python -m surojax.train`."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +200,78 @@ def test_writing_commands_refuse_an_existing_output_without_overwrite(tmp_path, 
         assert f"{path}: exists and is not empty; pass --overwrite" in err
     assert (taken / "keep.txt").read_text() == gguf.read_text() == "mine"
     assert (run_dir / "model" / "config.json").read_text() == "{}"
+
+
+def test_run_sh_resume_command_runs_from_the_callers_shell(tmp_path, monkeypatch):
+    """After Ctrl-C of `bash scripts/run.sh ARGS` the printed resume command is `bash scripts/run.sh ARGS -o
+    resume_from_checkpoint=true` (the venv is active only inside run.sh): run.sh (with a stub env.sh and a fake
+    `python` that prints what it got) exports the script path as called and its config; `resume_command_for` builds
+    the command from them with the user's overrides, without --overwrite and without repeating the config."""
+    from surojax.cli.train_script import build_parser
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "run.sh").write_text((ROOT / "scripts" / "run.sh").read_text())
+    (tmp_path / "bin").mkdir()
+    fake = tmp_path / "bin" / "python"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$SUROJAX_RUN_SCRIPT" "$SUROJAX_RUN_SCRIPT_CONFIG" "$@"\n')
+    fake.chmod(0o755)
+    (repo / "scripts" / "env.sh").write_text(f'export PATH="{tmp_path / "bin"}:$PATH"\n')
+    r = subprocess.run(["bash", "repo/scripts/run.sh", "-o", "stages.0.max_steps=3", "--overwrite"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    script, config, *argv = r.stdout.splitlines()
+    assert (script, config) == ("repo/scripts/run.sh", "configs/quickstart.yaml")
+    assert argv == ["-m", "surojax.train", "--config", config, "-o", "stages.0.max_steps=3", "--overwrite"]
+
+    monkeypatch.setenv(common.RUN_SCRIPT_ENV, script)
+    monkeypatch.setenv(common.RUN_SCRIPT_CONFIG_ENV, config)
+    args = build_parser().parse_args(argv[2:])
+    assert common.resume_command_for(args, config_flag=True) == \
+        "bash repo/scripts/run.sh -o stages.0.max_steps=3 -o resume_from_checkpoint=true"
+    # run.sh with a --config of the user's own: that config is named in the command
+    args = build_parser().parse_args([*argv[2:], "--config", "my run.yaml"])
+    assert common.resume_command_for(args, config_flag=True) == \
+        "bash repo/scripts/run.sh --config 'my run.yaml' -o stages.0.max_steps=3 -o resume_from_checkpoint=true"
+
+
+def test_resume_command_names_an_executable_the_users_shell_finds(tmp_path, monkeypatch):
+    """Without run.sh: `python -m surojax.train` as this interpreter's absolute path (a bare `python` in the user's
+    shell may be one without jax); the console script as `surojax` when that is on PATH, else its absolute path."""
+    from surojax.cli.train_script import build_parser
+
+    monkeypatch.delenv(common.RUN_SCRIPT_ENV, raising=False)
+    args = build_parser().parse_args(["--config", "run.yaml", "-o", "learning_rate=1e-3"])
+    assert common.resume_command_for(args, config_flag=True) == \
+        f"{shlex.quote(sys.executable)} -m surojax.train --config run.yaml -o learning_rate=1e-3 " \
+        "-o resume_from_checkpoint=true"
+    args = build_parser_for("sft").parse_args(["sft", "run.yaml", "-o", "max_steps=9"])
+    exe = tmp_path / "venv bin" / "surojax"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setattr(sys, "argv", [str(exe), "sft", "run.yaml"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert common.resume_command_for(args) == \
+        f"{shlex.quote(str(exe))} sft run.yaml -o max_steps=9 -o resume_from_checkpoint=true"
+    monkeypatch.setenv("PATH", f"{exe.parent}:/usr/bin:/bin")
+    assert common.resume_command_for(args) == "surojax sft run.yaml -o max_steps=9 -o resume_from_checkpoint=true"
+
+
+def build_parser_for(command: str):
+    return build_parser(command, importlib.import_module(f"surojax.cli.{command}"))
+
+
+def test_an_empty_dataset_is_one_error_line(tmp_path):
+    """`surojax sft` of a config whose only dataset has no rows prints the error alone: no `WARNING:name:` line
+    (the root handler importing orbax installs through absl) before it."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": str(ROOT / "tests" / "fixtures" / "models" / "qwen3"), "recipe": "fp32",
+                                      "datasets": [{"path": str(empty), "type": "text"}], "max_steps": 1,
+                                      "output_dir": str(tmp_path / "out")}))
+    r = run_py("-m", "surojax.cli.main", "sft", str(config))
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no training examples left"), r.stderr

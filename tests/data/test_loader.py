@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -139,19 +140,25 @@ def test_debug_print_marks_supervised_tokens(tok):
     assert "«<|im_end|>»(509)" in out and "<|im_start|>(508)" in out and "«<|im_start|>" not in out
 
 
-def test_no_examples_names_every_file_without_rows(tok, tmp_path):
+def test_no_examples_names_every_file_without_rows(tok, tmp_path, caplog):
+    """... in the error alone: no warning line before it (one for a dataset left empty while others go on)."""
     folder = tmp_path / "shards"
     folder.mkdir()
     (folder / "train-0.jsonl").write_text("")
     (folder / "train-1.jsonl").write_text("\n")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    with pytest.raises(DataError) as e:
+    with pytest.raises(DataError) as e, caplog.at_level(logging.WARNING):
         build_data([empty, folder], tok, sequence_len=64, batch_size=1, process_index=0, process_count=1)
     message = str(e.value)
-    assert message.startswith("no training examples left")
+    assert message.startswith("no training examples left") and not caplog.records
     for f in (empty, folder / "train-0.jsonl", folder / "train-1.jsonl"):
         assert f"no rows in {f}" in message
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "hello world"}) + "\n")
+    with caplog.at_level(logging.WARNING):
+        build_data([empty, text], tok, sequence_len=64, batch_size=1, process_index=0, process_count=1)
+    assert [r.getMessage() for r in caplog.records] == [f"{empty} gave no examples: no rows in {empty}"]
 
 
 def test_no_examples_says_what_became_of_the_rows(tok, tmp_path):

@@ -234,7 +234,6 @@ def decoder_setup():
     """The debug decoder, a packed batch, and the xla backend's loss and gradients without remat: the one
     reference for every recompute policy of the cudnn backend (remat does not change what is computed; one
     compilation instead of one per policy)."""
-    from flax import nnx
 
     from surojax.bench.shapes import model_config
     from surojax.bench.train_bench import synthetic_batch

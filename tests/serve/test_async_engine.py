@@ -6,7 +6,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
 from surojax.data.tokenizer import Tokenizer
 from surojax.generation.sampling import SamplingParams

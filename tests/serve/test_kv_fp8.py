@@ -19,7 +19,7 @@ from flax import nnx
 
 from surojax.models.kv import AttendSpec, PagedKernel, PagedKVCache
 from surojax.models.layers.attention import xla_attention
-from surojax.serve.capacity import kv_bytes_per_token, kv_pool_dtype
+from surojax.serve.capacity import kv_pool_dtype
 from surojax.serve.config import KVCacheDtype
 from surojax.serve.engine import Engine
 from surojax.serve.kv_fp8 import FP8_DTYPE, FP8_MAX, FP8_REL_ERROR, kv_scales, quantize

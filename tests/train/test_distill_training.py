@@ -4,6 +4,7 @@ online teacher is counted in the memory plan and placed on the run's mesh like t
 import json
 import os
 import re
+import shlex
 import shutil
 import struct
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 from surojax.cli.main import main
-from surojax.config import ConfigError, config_from_dict
+from surojax.config import ConfigError, config_from_dict, load_config
 from surojax.offload.memory_plan import MemoryPlanError
 from surojax.train import distill as distill_module
 from surojax.train.run_spec import TrainSetupError
@@ -59,13 +60,20 @@ def test_lora_student_equal_to_its_teacher_has_zero_kl(tiny_config):
     assert m["kl"] < 1e-6 and m["ce"] > 1.0, m
 
 
-def test_precomputed_sidecar_gives_the_online_first_step(tiny_config, tmp_path):
+def test_precomputed_sidecar_gives_the_online_first_step(tiny_config, tmp_path, capsys):
+    """... and the command --precompute prints trains from it as printed: the user's own overrides kept, quoted."""
     d = distill_config(tiny_config, max_steps=1, report_to=[], validation_split_ratio=0.1, **ONE_DEVICE)
     d.pop("trainer")  # implied by `surojax distill`
     config_file = tmp_path / "distill.yaml"
-    config_file.write_text(yaml.safe_dump(d))
-    assert main(["distill", str(config_file), "--precompute", "--logprobs-dtype", "float32"]) == 0
+    config_file.write_text(yaml.safe_dump({**d, "max_steps": 7}))
+    own = ["max_steps=1", "wandb_project=my project"]  # the run as the user asked for it: these overrides included
+    assert main(["distill", str(config_file), "--precompute", "--logprobs-dtype", "float32", "-o", own[0], "-o",
+                 own[1]]) == 0
     sidecar = Path(d["output_dir"]) / "teacher_logprobs"
+    printed = capsys.readouterr().out.splitlines()[-1].removeprefix("train from it with: ")
+    argv = shlex.split(printed)
+    assert argv[argv.index("distill"):] == ["distill", str(config_file), "-o", own[0], "-o", own[1], "-o",
+                                            f"teacher_logprobs={sidecar}"]
     meta = json.loads((sidecar / "meta.json").read_text())
     assert meta["top_k"] == 16 and meta["dtype"] == "float32" and meta["positions"] > 0
 
@@ -74,8 +82,8 @@ def test_precomputed_sidecar_gives_the_online_first_step(tiny_config, tmp_path):
     eval_batch = next(iter(online.data.eval))
     eval_online = online.teacher.topk(eval_batch)
     online.close()
-    from_file = make_trainer(config_from_dict({**d, "trainer": "distill", "teacher_logprobs": str(sidecar),
-                                               "output_dir": str(tmp_path / "out2")}))
+    from_file = make_trainer(load_config(config_file, [*argv[argv.index("distill") + 2:][1::2], "trainer=distill"]))
+    assert from_file.cfg.teacher_logprobs == str(sidecar) and from_file.plan.total_steps == 1
     assert not hasattr(from_file.teacher, "state")  # the teacher was never loaded
     first_file = from_file.step()
     eval_file = from_file.teacher.topk(eval_batch)

@@ -124,3 +124,44 @@ def test_from_config_runs_and_reports(tiny, tmp_path):
     assert saved == json.loads(json.dumps(out)) and saved["after"]["total"] == 3 and saved["dataset"] == str(data)
     no_eval = config_from_dict({"model": str(QWEN3), "datasets": [{"path": str(data)}]})
     assert GenerationEval.from_config(no_eval, tok) is None
+
+
+def test_a_resumed_run_keeps_the_before_figures_of_its_start(tmp_path, monkeypatch):
+    """A stage stopped at step 2 (a checkpoint there) and resumed reports and saves the "before training" figures
+    measured at its start (kept in generation_eval.json), never a measurement of its resumed weights."""
+    import signal
+
+    from surojax.config.stages import Stage
+    from surojax.train import metrics as metrics_module
+    from surojax.train.interrupts import Interrupts
+    from surojax.train.stages import run_stage
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"What is {i} + 1?", "output": str(i + 1)}) + "\n"
+                            for i in range(8)))
+    cfg = config_from_dict({"model": str(QWEN3), "datasets": [{"path": str(data)}], "output_dir": str(tmp_path / "o"),
+                            "lora": True, "lora_rank": 4, "recipe": "fp32", "sequence_len": 32, "learning_rate": 1e-2,
+                            "max_steps": 4, "save_steps": 2, "report_to": [],
+                            "eval_generation": {"path": str(data), "max_new_tokens": 3, "show": 2, "samples": 3}})
+    interrupts = Interrupts()  # (not entered: the test sets its flag after step 2, as a Ctrl-C would)
+    write = metrics_module.Metrics.write
+
+    def write_then_stop(self, step, metrics):
+        write(self, step, metrics)
+        if step == 2:
+            interrupts.signum = signal.SIGINT
+
+    monkeypatch.setattr(metrics_module.Metrics, "write", write_then_stop)
+    assert run_stage(Stage(None, cfg), interrupts=interrupts).interrupted
+    start = json.loads((tmp_path / "o" / "generation_eval.json").read_text())
+    assert start["after"] is None and start["before"]["total"] == 3
+
+    monkeypatch.setattr(metrics_module.Metrics, "write", write)
+    measured = []
+    run = GenerationEval.run
+    monkeypatch.setattr(GenerationEval, "run", lambda self, model: measured.append(run(self, model)) or measured[-1])
+    result = run_stage(Stage(None, cfg.model_copy(update={"resume_from_checkpoint": True})))
+    assert len(measured) == 1  # after training only: the resumed weights are never measured as "before"
+    saved = json.loads((tmp_path / "o" / "generation_eval.json").read_text())
+    assert saved["before"] == start["before"] == result.generation_eval["before"]
+    assert saved["after"] == measured[0].to_dict()

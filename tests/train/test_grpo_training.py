@@ -66,3 +66,21 @@ def test_grpo_command_refuses_another_trainer(tmp_path, capsys):
     config.write_text("trainer: sft\nmodel: m\ndatasets: [{path: d.jsonl}]\n")
     assert main(["grpo", str(config)]) == 2
     assert "trainer: sft is not a GRPO run" in capsys.readouterr().err
+
+
+def test_the_data_summary_of_prompt_rows_counts_prompts(tmp_path):
+    """GRPO's start-up data line reports what prompt rows hold (prompts, prompt tokens), not supervised tokens and
+    packing efficiency, which prompts (completions generated in training) have none of."""
+    from surojax.data.pipeline import DataStats
+    from surojax.data.prompts import load_prompts
+    from surojax.data.tokenizer import Tokenizer
+    from tests.train.conftest import TOKENIZER
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {i} words:"}) + "\n" for i in range(8)))
+    tokenizer = Tokenizer.from_dir(TOKENIZER)
+    stats = DataStats(sequence_len=32)
+    prompts = load_prompts([{"path": str(data), "type": "prompt"}], tokenizer, max_prompt_len=24, stats=stats)
+    n = sum(len(p.ids) for p in prompts)
+    assert stats.summary() == f"8 prompts, {n} prompt tokens ({n / 8:.1f} per prompt; the completions are generated " \
+                              "in training)"

@@ -4,6 +4,7 @@ Subprocesses: the process boundary (handlers, threads alive at exit, the exit st
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -68,7 +69,8 @@ def _interrupt_then_resume(tmp_path, twin, signum: int, where: str) -> tuple[sub
     out = tmp_path / "out"
     assert not (out / "model").exists()  # nothing exported by an interrupted run
     step = Checkpointer(out / "checkpoints").latest_step()
-    resume = f"python -m surojax.train --config {config} -o resume_from_checkpoint=true"
+    resume = shlex.join([sys.executable, "-m", "surojax.train", "--config", str(config), "-o",
+                         "resume_from_checkpoint=true"])
     assert resume in r.stderr, r.stderr[-2000:]
 
     resumed = _run("-m", "surojax.train", "--config", str(config), "-o", "resume_from_checkpoint=true")

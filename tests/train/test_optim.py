@@ -44,7 +44,11 @@ def test_weight_decay_applies_to_matrices_only():
     assert flat3["layers.attn.q_norm.scale"] is False and flat3["layers.mlp.down_proj.kernel"] is True
 
 
-def test_metrics_jsonl_and_chart(tmp_path):
+def test_metrics_jsonl_and_chart(tmp_path, monkeypatch):
+    """... and the chart leaves matplotlib's backend alone (a notebook's inline one: plots after training show)."""
+    import matplotlib
+
+    monkeypatch.setitem(matplotlib.rcParams, "backend", "svg")  # as if the user's
     m = Metrics(tmp_path, report_to=["jsonl"])
     for step in range(1, 6):
         m.write(step, {"loss": 3.0 / step, "lr": jnp.asarray(1e-3)})
@@ -54,6 +58,7 @@ def test_metrics_jsonl_and_chart(tmp_path):
     assert rows[0] == {"step": 1, "loss": 3.0, "lr": pytest.approx(1e-3)} and rows[-1]["eval_loss"] == 0.9
     png = plot_loss(m.history, tmp_path / "loss.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.rcParams["backend"] == "svg"
 
 
 def test_unknown_or_missing_sink_is_a_clear_error(tmp_path, monkeypatch):

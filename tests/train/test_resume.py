@@ -66,3 +66,54 @@ def test_a_half_written_checkpoint_is_never_listed(tmp_path):
     (tmp_path / "ck" / "4.orbax-checkpoint-tmp-1234").mkdir()
     (tmp_path / "ck" / "4.orbax-checkpoint-tmp-1234" / "partial").write_text("x")
     assert Checkpointer(tmp_path / "ck").latest_step() == 2
+
+
+def test_a_checkpoint_whose_arrays_do_not_fit_is_a_named_error(tmp_path):
+    """Before orbax reads an array: a checkpoint without a recorded config (an older one) whose arrays differ from
+    the run's is an error naming them, with shapes, instead of a TensorStore traceback."""
+    import numpy as np
+    import pytest
+
+    from surojax.config import config_from_dict
+    from surojax.train.checkpoint_match import CheckpointMismatchError, check
+
+    ck = Checkpointer(tmp_path / "ck", async_save=False)
+    ck.save(2, {"w": np.ones((3, 2), np.float32), "b": np.ones(2, np.float32)}, {"step": 2})
+    cfg = config_from_dict({"model": "m", "datasets": [{"path": "d.jsonl"}]})
+    assert check(ck, 2, cfg, {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}) == []
+    with pytest.raises(CheckpointMismatchError) as e:
+        check(ck, 2, cfg, {"w": np.zeros((3, 4), np.float32), "c": np.zeros(2, np.float32)})
+    ck.close()
+    assert str(e.value).splitlines() == [
+        f"checkpoint {tmp_path / 'ck' / '2'} does not fit this run: 3 of its arrays differ",
+        "  w: [3, 2] in the checkpoint, [3, 4] in this run", "  c: not in the checkpoint",
+        "  b: in the checkpoint, not in this run", "its run's config is not recorded in it (an older checkpoint)"]
+
+
+def test_a_run_after_an_unfinished_first_save_says_so_and_never_appends_to_the_old_metrics(tmp_path, tiny_config):
+    """What a second Ctrl-C during the first save leaves (an unfinished `4.orbax-checkpoint-tmp-*`, metrics.jsonl
+    with steps 1-4, no whole checkpoint): the next run names the unfinished save and removes it, and moves the old
+    metrics.jsonl aside (saying where) instead of appending its own steps 1, 2, ... after the old ones."""
+    import io
+
+    from rich.console import Console
+
+    from surojax.config import config_from_dict
+    from surojax.train.trainers import make_trainer
+
+    out = tmp_path / "run"
+    unfinished = out / "checkpoints" / "4.orbax-checkpoint-tmp-1765432100"
+    unfinished.mkdir(parents=True)
+    (unfinished / "partial").write_text("x")
+    old = "".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in range(1, 5))
+    (out / "metrics.jsonl").write_text(old)
+    console = Console(file=io.StringIO(), width=300)
+    trainer = make_trainer(config_from_dict(tiny_config(output_dir=str(out), save_steps=4)), console=console)
+    trainer.metrics.write(1, {"loss": 9.0})
+    trainer.close()
+    said = console.file.getvalue()
+    assert f"{unfinished}: an unfinished checkpoint" in said and not unfinished.exists()
+    assert f"{out / 'metrics.jsonl'} held steps 1-4 of an earlier run with no checkpoint to resume; moved to " \
+           f"{out / 'metrics.1.jsonl'}" in said
+    assert (out / "metrics.1.jsonl").read_text() == old
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]

@@ -194,7 +194,7 @@ class MoE(nnx.Module):
     """The sparse feed-forward of one layer: `router` and `experts` (gate_up_proj [E, D, 2F], down_proj [E, F, D])."""
 
     def __init__(self, dim: int, moe: MoEConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
-        E, F = moe.num_experts, moe.expert_intermediate_size
+        E = moe.num_experts
         self.moe = moe
         self.capacity_factor: float | None = None  # set from outside (training option); None = dropless
         # set from outside (surojax.parallel.expert): runner(self, x, segment_ids) -> (y, stats) computes the layer
@@ -230,6 +230,7 @@ class Experts(nnx.Module):
 
     def __init__(self, dim: int, moe: MoEConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
         E, F = moe.num_experts, moe.expert_intermediate_size
+        E = moe.num_experts
         self.moe = moe
         self.gate_up_proj = ExpertLinear(E, dim, 2 * F, ("embed", "mlp"), use_bias=moe.expert_bias,
                                          param_dtype=param_dtype, rngs=rngs)
