@@ -303,9 +303,10 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
                 "layers in place on every device; "
                 + (f"parallel {split} splits them" if split else f"zero_stage {stage} shards the state")
                 + ": drop optimizer_layerwise (or use pure data parallelism)")
-    for k in ("offload_optimizer", "offload_master"):
-        if stage in (1, 2) and getattr(cfg, k):
-            add(("zero_stage", k), f"{stage} shards the optimizer state over the data devices; {k} keeps "
-                "it in host memory, whole, and updates it layer by layer: drop one of the two (zero_stage 0 or 3 "
-                f"work with {k})")
+    offloaded = [k for k in ("offload_optimizer", "offload_master") if getattr(cfg, k)]
+    if stage in (1, 2) and offloaded:  # one problem naming both, not the same sentence twice
+        names = " and ".join(offloaded)
+        add(("zero_stage", offloaded[0]), f"{stage} shards the optimizer state over the data devices; {names} "
+            f"keep{'s' if len(offloaded) == 1 else ''} the state in host memory, whole, updated layer by layer: drop "
+            f"one of the two (zero_stage 0 or 3 work with {names})")
     return out

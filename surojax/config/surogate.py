@@ -356,8 +356,19 @@ def _cpu_training(work: _Work) -> None:
         return
     if not on:
         return
-    keys = ("offload_base_weights", "offload_prefetch") if work.data.get("lora") is True else (
-        "offload_master", "offload_optimizer")
+    lora = work.data.get("lora") is True
+    level = work.data.get("zero_stage") if work.origins.get(("zero_stage",)) == ("zero_level",) else None
+    if not lora and _same(level, 1):
+        # Surogate's cpu_training runs the whole optimizer on every rank's CPU: its zero_level 1 (the documented
+        # default) shards nothing there
+        work.data["zero_stage"] = 0
+        work.notes.append("zero_level: 1 with cpu_training is zero_stage: 0 (Surogate's CPU optimizer is whole on "
+                          "every device)")
+    elif not lora and isinstance(level, int) and not isinstance(level, bool) and level > 1:
+        work.problem(("cpu_training",), f"keeps a full fine-tune's optimizer whole in host memory, which excludes "
+                     f"zero_level: {level} (as in Surogate); drop one of the two")
+        return
+    keys = ("offload_base_weights", "offload_prefetch") if lora else ("offload_master", "offload_optimizer")
     for k in keys:
         work.put(("cpu_training",), (k,), True, meaning=f"is {k}: true here")
 

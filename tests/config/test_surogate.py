@@ -158,6 +158,8 @@ ALIASES = [
     ({"master_dtype": "bfloat16", "gradient_dtype": "float32"}, {"master_dtype": "bf16", "gradient_dtype": "fp32"}),
     ({"cpu_training": True, "lora": True}, {"offload_base_weights": True, "offload_prefetch": True}),
     ({"cpu_training": True}, {"offload_master": True, "offload_optimizer": True}),
+    # Surogate's CPU optimizer is whole on every rank: its zero_level 1 (the documented default) shards nothing there
+    ({"cpu_training": True, "zero_level": 1}, {"zero_stage": 0, "offload_optimizer": True}),
     ({"rope_scaling": '{"factor": 2.0, "type": "yarn"}'}, {"rope_scaling": {"factor": 2.0, "type": "yarn"}}),
     ({"rope_scaling": "yarn", "max_model_len": 4096}, {"rope_scaling": "yarn"}),
     ({"run_name": "r", "wandb_name": "w", "report_to": "wandb"}, {"run_name": "r", "wandb_name": "w"}),
@@ -256,6 +258,7 @@ def test_each_refused_key_names_why_and_accepts_what_asks_for_nothing(key):
      "1 - alpha"),
     ({"loss": {"type": "dpo", "kl_tau": 0.1}}, "loss.kl_tau", "beta"),
     ({"gpus": 8, "ep_size": 3}, "gpus", "expert"),
+    ({"cpu_training": True, "zero_level": 2}, "cpu_training", "zero_level: 2"),
     ({"datasets": [{"path": "a", "prompt_format": "{system}: {instruction}"}]}, "datasets[0].prompt_format",
      "system_prompt"),
     ({"datasets": [{"path": "a", "system_prompt_type": "fixed"}]}, "datasets[0].system_prompt_type", "system_prompt"),
