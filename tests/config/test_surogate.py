@@ -44,11 +44,15 @@ def write_finetome(path: Path, n: int = 80) -> Path:
 
 # ---- the documented example ------------------------------------------------------------------------------------
 
-def test_the_documented_example_validates_as_written(caplog):
+def test_the_documented_example_validates_as_written(caplog, monkeypatch):
+    import surojax.config.load as load
+
+    monkeypatch.setattr(load, "_TABS_WARNED", set())  # warned once per file and line per process: not yet here
     with caplog.at_level(logging.WARNING):
         cfg = load_config(EXAMPLE)
     # its three tab-indented lines (a Markdown habit YAML refuses) are read at the Markdown tab stop, with a warning
-    assert [r.getMessage() for r in caplog.records if "tab" in r.getMessage()] or "already warned"
+    tabs = [r.getMessage() for r in caplog.records if "indented with a tab" in r.getMessage()]
+    assert len(tabs) == 3 and all(m.startswith(f"{EXAMPLE}:") for m in tabs), tabs
     ds = cfg.datasets[0]
     assert (ds.path, ds.type, ds.messages_field, ds.split) == ("mlabonne/FineTome-100k", "conversation",
                                                                "conversations", "train")
