@@ -159,7 +159,8 @@ ALIASES = [
      {"lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}),
     ({"torch_dtype": "float32"}, {"recipe": "fp32"}),
     ({"torch_dtype": "bfloat16"}, {"recipe": "bf16"}),
-    ({"master_dtype": "bfloat16", "gradient_dtype": "float32"}, {"master_dtype": "bf16", "gradient_dtype": "fp32"}),
+    ({"master_dtype": "bfloat16", "gradient_dtype": "bfloat16"}, {"master_dtype": "bf16", "gradient_dtype": "bf16"}),
+    ({"recipe": "fp32", "gradient_dtype": "float32"}, {"gradient_dtype": "fp32"}),
     ({"cpu_training": True, "lora": True}, {"offload_base_weights": True, "offload_prefetch": True}),
     ({"cpu_training": True}, {"offload_master": True, "offload_optimizer": True}),
     # Surogate's CPU optimizer is whole on every rank: its zero_level 1 (the documented default) shards nothing there
