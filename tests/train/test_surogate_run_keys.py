@@ -110,3 +110,18 @@ def test_report_to_aim_tracks_every_metric(tmp_path, monkeypatch):
                                                                           {"hparams": {"lr": 1.0}}, True)
     assert run.tracked == [("loss", 1, 2.5)]
     assert (tmp_path / "metrics.jsonl").read_text().count("loss") == 1
+
+
+def test_gpus_that_do_not_fit_the_devices_say_how_gpus_is_read():
+    import jax
+
+    from surojax.parallel import MeshError
+    from surojax.train.trainer import run_mesh
+
+    n = jax.device_count() + 1
+    with pytest.raises(MeshError, match=r"gpus: N is read as parallel.data.*CUDA_VISIBLE_DEVICES.*gpus: 0"):
+        run_mesh(_cfg(gpus=n))
+    with pytest.raises(MeshError) as e:  # surojax's own spelling: the mesh error alone
+        run_mesh(_cfg(parallel={"data": n}))
+    assert "gpus" not in str(e.value)
+    assert run_mesh(_cfg(gpus=0)).size == jax.device_count()
