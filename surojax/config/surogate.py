@@ -5,6 +5,7 @@ Every key of Surogate's reference that surojax spells differently, or does not h
 
     RENAMED      key -> the surojax key (a dotted path) it is, the value unchanged      zero_level -> zero_stage
     VALUES       surojax key -> {Surogate's value spelling: surojax's}                 recipe: fp8-hybrid -> fp8_hybrid
+    REFUSED_VALUES  surojax key -> {a value Surogate documents that surojax lacks: why, naming the nearest}
     REFUSED      key -> why surojax has no such thing (naming the nearest surojax key), and the values that ask
                  for nothing (read as what surojax does: `use_zero_copy: false`)
     rules        keys whose reading depends on other keys (gpus, cpu_training, torch_dtype, shard_weights, ...):
@@ -60,6 +61,12 @@ VALUES: dict[str, dict[Any, Any]] = {
     "recipe": {"fp8-hybrid": "fp8_hybrid"},
     "lora_target_modules": {"all": "all-linear"},  # element by element
     "master_dtype": _DTYPES, "gradient_dtype": _DTYPES, "lora_dtype": _DTYPES,
+}
+# Values Surogate documents for a key surojax has, that surojax does not have: value -> why, naming the nearest
+REFUSED_VALUES: dict[str, dict[Any, str]] = {
+    "recipe": {"nvfp4_quartet": "Quartet's FP4 training recipe is not available; the nearest is recipe: nvfp4 "
+                                "(NVIDIA's: 16-value blocks with E4M3 scales, random Hadamard transform, stochastic "
+                                "rounding of the gradients)"},
 }
 _OFF = (False,)
 REFUSED: dict[str, Refusal] = {
@@ -286,6 +293,11 @@ def _refusals(work: _Work, prefix: Loc, node: dict, refused: Mapping[str, Refusa
 
 
 def _values(work: _Work) -> None:
+    for key, table in REFUSED_VALUES.items():
+        value = work.data.get(key, _MISSING)
+        if isinstance(value, str) and value in table:
+            work.take((key,))
+            work.problem((key,), f"{value} is not read by surojax: {table[value]}")
     for key, table in VALUES.items():
         value = work.data.get(key, _MISSING)
         if value is _MISSING:

@@ -264,6 +264,7 @@ def test_each_refused_key_names_why_and_accepts_what_asks_for_nothing(key):
     ({"loss": {"type": "dpo", "kl_tau": 0.1}}, "loss.kl_tau", "beta"),
     ({"gpus": 8, "ep_size": 3}, "gpus", "expert"),
     ({"cpu_training": True, "zero_level": 2}, "cpu_training", "zero_level: 2"),
+    ({"recipe": "nvfp4_quartet"}, "recipe", "recipe: nvfp4"),
     ({"datasets": [{"path": "a", "prompt_format": "{system}: {instruction}"}]}, "datasets[0].prompt_format",
      "system_prompt"),
     ({"datasets": [{"path": "a", "system_prompt_type": "fixed"}]}, "datasets[0].system_prompt_type", "system_prompt"),
