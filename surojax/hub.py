@@ -101,6 +101,20 @@ def parse_hub_id(name: str | os.PathLike, kind: Kind = "model") -> HubId | None:
     return HubId(m["repo"], m["revision"], m["quant"])
 
 
+_URL = re.compile(r"^[A-Za-z][\w+.-]*://")
+
+
+def missing_name(name: str | os.PathLike, kind: Kind = "model") -> str:
+    """Why a name that is no local path and no Hub id names nothing (a remote URL is said to be one)."""
+    text = os.fspath(name)
+    if _URL.match(text):
+        return (f"{text} is a URL: surojax reads local paths and Hugging Face Hub ids (org/name), not remote URLs; "
+                "copy the files to a local folder")
+    what = "Hub id" if kind == "model" else "Hub dataset id"
+    return (f"{Path(text).expanduser()} does not exist (and is not a Hugging Face {what} like org/name or "
+            "org/name@revision)")
+
+
 # ---------------------------------------------------------------------------------------------- environment
 
 def _env_true(*names: str) -> bool:
@@ -171,8 +185,7 @@ def model_path(name: str | os.PathLike, *, weights: bool = True) -> Path:
         return path
     hid = parse_hub_id(text)
     if hid is None:
-        raise ModelNotFoundError(f"model {text!r}: {path} does not exist (and is not a Hugging Face Hub id like "
-                                 "org/name or org/name@revision)")
+        raise ModelNotFoundError(f"model {text!r}: {missing_name(text)}")
     if hid.quant is not None:
         return _fetch_gguf(hid)
     head = _fetch_head(hid)
@@ -321,8 +334,7 @@ def _dataset_call(name: str, call: Callable[[Any, HubId], Any]) -> Any:
 
     hid = parse_hub_id(name, "dataset")
     if hid is None:
-        raise DatasetNotFoundError(f"dataset {name!r}: {name} does not exist (and is not a Hugging Face Hub dataset "
-                                   "id like org/name or org/name@revision)")
+        raise DatasetNotFoundError(f"dataset {name!r}: {missing_name(name, 'dataset')}")
     offline = _datasets_offline()
     quiet = logging.getLogger("datasets")  # offline, it warns twice per call that it reads the cache: say it once
     level = quiet.level

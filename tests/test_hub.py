@@ -74,6 +74,17 @@ def test_what_reads_as_a_hub_id():
         assert parse_hub_id(path) is None, path
 
 
+def test_a_remote_url_is_said_to_be_one(tmp_path):
+    # Surogate's dataset path takes s3:// and gs:// URLs; surojax reads local paths and Hub ids
+    with pytest.raises(ModelNotFoundError, match="'s3://bucket/m': s3://bucket/m is a URL"):
+        model_path("s3://bucket/m")
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(ConfigError) as e:
+        check_paths(config_from_dict({"model": str(FIXTURES / "models" / "qwen3"),
+                                      "datasets": [{"path": str(tmp_path / "d.jsonl")}, {"path": "gs://b/train"}]}))
+    assert e.value.keys == ["datasets[1].path"] and "gs://b/train is a URL" in str(e.value)
+
+
 def test_a_model_id_fetches_what_a_run_needs_once_and_a_revision_its_own_commit(hub, online):
     n = len(hub.requests)
     head = resolve_model(QWEN, weights=False)

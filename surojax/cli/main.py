@@ -25,7 +25,7 @@ COMMANDS: dict[str, str] = {
     "merge": "merge LoRA adapters into a base model",
     "export": "write a training run's checkpoint as a PEFT adapter (LoRA) or an HF safetensors folder (full)",
     "quantize": "write a model as a llama.cpp GGUF file (q4_k_m, q8_0, f16, ... file types)",
-    "generate": "generate text on the command line from an HF folder, .gguf file, run or PEFT adapter folder",
+    "generate": "generate text on the command line from an HF folder, .gguf file, run, PEFT adapter or Hub id",
     "serve": "serve a model over an OpenAI-compatible HTTP API",
     "bench": "measure training throughput, memory and MFU (`bench train --shape ...`)",
     "launch": "start the processes of a multi-process run (one per GPU) on this node: launch --nproc-per-node N -- sft ...",

@@ -20,7 +20,9 @@ class PrecisionSection(StrictModel):
     master_dtype: FloatDtype = "fp32"
     """Dtype of the weights the optimizer updates."""
     gradient_dtype: FloatDtype | None = None
-    """Dtype gradients are accumulated in; unset: the recipe's choice (fp32)."""
+    """Dtype of the activation gradients (the backward pass), as Surogate's key: it is the recipe's matmul dtype,
+    bf16 (fp32 with recipe: fp32), and may only be written as that; unset: the same. The weights' gradients are
+    accumulated in fp32 whatever it is."""
     fp8_scaling: Fp8Scaling | None = None
     """fp8_hybrid scaling: delayed (per tensor, from the amax history of the previous steps), current (per tensor,
     its own amax this step) or blockwise (1x128 activation / gradient tiles, 128x128 weight blocks, emulated with

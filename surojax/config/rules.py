@@ -28,8 +28,10 @@ SFT_DATASET_KEYS = ("system_field", "tools_field", "prompt_format", "prompt_form
 # accepted keys whose feature this version does not have: refused when set (key -> (is it set?, why))
 NOT_AVAILABLE = {
     "optimizer": (lambda c: c.optimizer == "normuon", "normuon is not available in this version (adamw, adamw_8bit)"),
-    "gradient_dtype": (lambda c: c.gradient_dtype == "bf16", "bf16 gradient accumulation is not available in this "
-                       "version: gradients accumulate in fp32 (remove the key or set fp32)"),
+    "gradient_dtype": (lambda c: c.gradient_dtype not in (None, "fp32" if c.recipe == "fp32" else "bf16"),
+                       "activation gradients in a dtype other than the recipe's are not available in this version: "
+                       "the backward pass runs in bf16, in fp32 with recipe: fp32 (remove the key, or choose the "
+                       "recipe); weight gradients accumulate in fp32 either way"),
     "sequence_chunks": (lambda c: c.sequence_chunks != 1, "chunking the sequence through the layers is not "
                         "available in this version (the LM head is chunked by lmhead_chunks)"),
     "long_context": (lambda c: c.long_context, "the tiled long-context MLP is not available in this version"),
@@ -53,7 +55,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
             add(("model_config", "model"), "from_scratch needs model_config (HF config keys) or a model path "
                 "with a config.json")
         else:
-            add(("model",), "required: a local model directory, a .gguf file, or a HF repo id in the local cache")
+            add(("model",), "required: a local model directory, a .gguf file, or a Hugging Face Hub id (org/name)")
     if cfg.model_config_overrides is not None and not cfg.from_scratch:
         add(("model_config",), "only applies with from_scratch: true (to change a pretrained model use "
             "rope_scaling / max_model_len)")
@@ -303,9 +305,10 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
                 "layers in place on every device; "
                 + (f"parallel {split} splits them" if split else f"zero_stage {stage} shards the state")
                 + ": drop optimizer_layerwise (or use pure data parallelism)")
-    for k in ("offload_optimizer", "offload_master"):
-        if stage in (1, 2) and getattr(cfg, k):
-            add(("zero_stage", k), f"{stage} shards the optimizer state over the data devices; {k} keeps "
-                "it in host memory, whole, and updates it layer by layer: drop one of the two (zero_stage 0 or 3 "
-                f"work with {k})")
+    offloaded = [k for k in ("offload_optimizer", "offload_master") if getattr(cfg, k)]
+    if stage in (1, 2) and offloaded:  # one problem naming both, not the same sentence twice
+        names = " and ".join(offloaded)
+        add(("zero_stage", offloaded[0]), f"{stage} shards the optimizer state over the data devices; {names} "
+            f"keep{'s' if len(offloaded) == 1 else ''} the state in host memory, whole, updated layer by layer: drop "
+            f"one of the two (zero_stage 0 or 3 work with {names})")
     return out

@@ -5,6 +5,7 @@ Every key of Surogate's reference that surojax spells differently, or does not h
 
     RENAMED      key -> the surojax key (a dotted path) it is, the value unchanged      zero_level -> zero_stage
     VALUES       surojax key -> {Surogate's value spelling: surojax's}                 recipe: fp8-hybrid -> fp8_hybrid
+    REFUSED_VALUES  surojax key -> {a value Surogate documents that surojax lacks: why, naming the nearest}
     REFUSED      key -> why surojax has no such thing (naming the nearest surojax key), and the values that ask
                  for nothing (read as what surojax does: `use_zero_copy: false`)
     rules        keys whose reading depends on other keys (gpus, cpu_training, torch_dtype, shard_weights, ...):
@@ -60,6 +61,12 @@ VALUES: dict[str, dict[Any, Any]] = {
     "recipe": {"fp8-hybrid": "fp8_hybrid"},
     "lora_target_modules": {"all": "all-linear"},  # element by element
     "master_dtype": _DTYPES, "gradient_dtype": _DTYPES, "lora_dtype": _DTYPES,
+}
+# Values Surogate documents for a key surojax has, that surojax does not have: value -> why, naming the nearest
+REFUSED_VALUES: dict[str, dict[Any, str]] = {
+    "recipe": {"nvfp4_quartet": "Quartet's FP4 training recipe is not available; the nearest is recipe: nvfp4 "
+                                "(NVIDIA's: 16-value blocks with E4M3 scales, random Hadamard transform, stochastic "
+                                "rounding of the gradients)"},
 }
 _OFF = (False,)
 REFUSED: dict[str, Refusal] = {
@@ -286,6 +293,11 @@ def _refusals(work: _Work, prefix: Loc, node: dict, refused: Mapping[str, Refusa
 
 
 def _values(work: _Work) -> None:
+    for key, table in REFUSED_VALUES.items():
+        value = work.data.get(key, _MISSING)
+        if isinstance(value, str) and value in table:
+            work.take((key,))
+            work.problem((key,), f"{value} is not read by surojax: {table[value]}")
     for key, table in VALUES.items():
         value = work.data.get(key, _MISSING)
         if value is _MISSING:
@@ -356,8 +368,19 @@ def _cpu_training(work: _Work) -> None:
         return
     if not on:
         return
-    keys = ("offload_base_weights", "offload_prefetch") if work.data.get("lora") is True else (
-        "offload_master", "offload_optimizer")
+    lora = work.data.get("lora") is True
+    level = work.data.get("zero_stage") if work.origins.get(("zero_stage",)) == ("zero_level",) else None
+    if not lora and _same(level, 1):
+        # Surogate's cpu_training runs the whole optimizer on every rank's CPU: its zero_level 1 (the documented
+        # default) shards nothing there
+        work.data["zero_stage"] = 0
+        work.notes.append("zero_level: 1 with cpu_training is zero_stage: 0 (Surogate's CPU optimizer is whole on "
+                          "every device)")
+    elif not lora and isinstance(level, int) and not isinstance(level, bool) and level > 1:
+        work.problem(("cpu_training",), f"keeps a full fine-tune's optimizer whole in host memory, which excludes "
+                     f"zero_level: {level} (as in Surogate); drop one of the two")
+        return
+    keys = ("offload_base_weights", "offload_prefetch") if lora else ("offload_master", "offload_optimizer")
     for k in keys:
         work.put(("cpu_training",), (k,), True, meaning=f"is {k}: true here")
 

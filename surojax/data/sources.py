@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surojax.hub import HubError, load_dataset, parse_hub_id
+from surojax.hub import HubError, load_dataset, missing_name, parse_hub_id
 from surojax.wording import json_error, json_type
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def resolve_files(path: str | os.PathLike, *, split: str = "train", subset: str 
     """The local data files behind `path` for `split` (and `subset`, `data_files`), in a fixed order."""
     p = Path(os.path.expanduser(str(path)))
     if not p.exists():
-        raise DataError(f"{path} does not exist (and is not a Hugging Face Hub dataset id like org/name)")
+        raise DataError(missing_name(path, "dataset"))
     if p.is_file():
         if data_files is not None:
             raise DataError(f"{p}: data_files picks files inside a folder or Hub repo; this path is one file")

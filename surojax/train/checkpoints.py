@@ -47,10 +47,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def steps(self) -> list[int]:
-        """The whole checkpoints' steps, oldest first."""
-        return sorted(self.manager.all_steps())
-
     def meta(self, step: int) -> dict:
         """The JSON saved with checkpoint `step` (nothing else is read)."""
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

@@ -39,11 +39,11 @@ from surojax.losses.distill import distill_loss
 from surojax.models.layers.attention import packed_backend
 from surojax.offload.device_budget import Beside, check_beside, plans_one_device
 from surojax.offload.memory_plan import device_capacity
-from surojax.parallel import batch_parallel_size, make_mesh
+from surojax.parallel import batch_parallel_size
 from surojax.train.run_spec import TrainSetupError
 from surojax.train.teacher_sidecar import SidecarTeacher, write_teacher_sidecar
 from surojax.train.teacher_topk import OnlineTeacher, check_same_vocabulary, teacher_tokenizer
-from surojax.train.trainer import Trainer
+from surojax.train.trainer import Trainer, run_mesh
 from surojax.weights.gguf_checkpoint import is_gguf_path, load_gguf_tokenizer
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def precompute_teacher_logprobs(cfg: TrainConfig, out: str | Path | None = None,
     try:
         row_sets = [r for r in (data.train_rows, data.eval_rows) if r is not None]
         attention = packed_backend(cfg.attention, max(r.max_runs for r in row_sets))
-        mesh = make_mesh(cfg.mesh_sizes())
+        mesh = run_mesh(cfg)
         capacity = device_capacity()
         teacher = OnlineTeacher.load(cfg.teacher, tokenizer, top_k=cfg.teacher_top_k, mesh=mesh,
                                      rows=cfg.per_device_train_batch_size * batch_parallel_size(mesh),

@@ -262,13 +262,16 @@ def check_model_type(expected: str, actual: str | None, model: str) -> None:
 def rope_scaling_for(rope_type: str, max_model_len: int | None, hf: dict) -> dict:
     """`rope_scaling: linear | yarn` with `max_model_len` (Surogate's spelling): the factor that stretches the
     model's original context to max_model_len, ceil(max_model_len / original), at least 1; the original context is
-    the model's own rope_scaling's original_max_position_embeddings, else its max_position_embeddings."""
+    the model's own rope_scaling's original_max_position_embeddings, else its max_position_embeddings (divided by
+    its own rope_scaling's factor when it has one), as Surogate's ModelConfig computes it."""
     if max_model_len is None:
         raise TrainSetupError(f"rope_scaling: {rope_type} takes its factor from max_model_len (the context to "
                               "reach): set max_model_len, or give rope_scaling as a dict with its factor")
     own = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    original = own.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or \
-        hf.get("max_position_embeddings")
+    original = own.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if not original and hf.get("max_position_embeddings"):  # a model already scaled by `factor` (Surogate's rule)
+        scaled = own.get("rope_type", own.get("type", "default")) != "default" and own.get("factor")
+        original = hf["max_position_embeddings"] // scaled if scaled else hf["max_position_embeddings"]
     if not original:
         raise TrainSetupError(f"rope_scaling: {rope_type}: the model's config.json has no max_position_embeddings "
                               "to scale from; give rope_scaling as a dict with factor and "

@@ -35,7 +35,7 @@ from surojax.losses.lm import lm_loss
 from surojax.data.tokenizer import Tokenizer
 from surojax.models.layers.attention import packed_backend
 from surojax.offload.optimizer import master_params
-from surojax.parallel import batch_sharding, make_mesh
+from surojax.parallel import MeshError, batch_sharding, make_mesh
 from surojax.parallel.distributed import barrier, gather_to_main, global_batch, max_over_processes, row_block
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import copy_adapter_files, save_peft_adapter
@@ -58,6 +58,19 @@ from surojax.weights.hf_checkpoint import copy_tokenizer_files, save_model
 
 log = logging.getLogger(__name__)
 CHINCHILLA_TOKENS_PER_PARAM = 20
+
+
+def run_mesh(cfg: TrainConfig):
+    """The run's mesh over every visible device (`cfg.mesh_sizes()`). Where the sizes do not fit the devices and
+    the config wrote Surogate's `gpus: N` (read as parallel.data), the error says what surojax's reading is."""
+    try:
+        return make_mesh(cfg.mesh_sizes())  # zero_stage 3 spelled as the fsdp axis
+    except MeshError as e:
+        if "gpus" not in cfg._surogate_spellings:
+            raise
+        raise MeshError(f"{e}. gpus: N is read as parallel.data: N over the other sizes, and a run uses every "
+                        "visible device (Surogate picks N of them): make N devices visible (CUDA_VISIBLE_DEVICES), "
+                        "or write gpus: 0 (all of them)") from None
 
 
 def _count(state) -> int:
@@ -116,7 +129,7 @@ class Trainer:
             self.tokenizer_dir = tok_local
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir)
 
-        self.mesh = make_mesh(cfg.mesh_sizes())  # zero_stage 3 spelled as the fsdp axis
+        self.mesh = run_mesh(cfg)
         A, B = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size * data_parallel_size(self.mesh)
         self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
         self.rows = row_block(self.batch_sharding, (A, B, cfg.sequence_len), 1)  # the loaders read this block

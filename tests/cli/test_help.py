@@ -45,7 +45,7 @@ def test_every_listed_command_is_built(capsys):
 
 def test_generate_help_names_what_it_loads(capsys):
     text = " ".join(help_text(capsys, "generate").split())
-    for kind in ("HF model folder", ".gguf file", "surojax output folder", "PEFT adapter folder"):
+    for kind in ("HF model folder", ".gguf file", "surojax output folder", "PEFT adapter folder", "Hub id"):
         assert kind in text
 
 

@@ -110,3 +110,27 @@ def test_report_to_aim_tracks_every_metric(tmp_path, monkeypatch):
                                                                           {"hparams": {"lr": 1.0}}, True)
     assert run.tracked == [("loss", 1, 2.5)]
     assert (tmp_path / "metrics.jsonl").read_text().count("loss") == 1
+
+
+def test_gpus_that_do_not_fit_the_devices_say_how_gpus_is_read():
+    import jax
+
+    from surojax.parallel import MeshError
+    from surojax.train.trainer import run_mesh
+
+    n = jax.device_count() + 1
+    with pytest.raises(MeshError, match=r"gpus: N is read as parallel.data.*CUDA_VISIBLE_DEVICES.*gpus: 0"):
+        run_mesh(_cfg(gpus=n))
+    with pytest.raises(MeshError) as e:  # surojax's own spelling: the mesh error alone
+        run_mesh(_cfg(parallel={"data": n}))
+    assert "gpus" not in str(e.value)
+    assert run_mesh(_cfg(gpus=0)).size == jax.device_count()
+
+
+def test_rope_scaling_type_over_a_model_already_scaled_starts_from_its_original_context(tmp_path):
+    # Surogate: with no original_max_position_embeddings, the original context is max_position_embeddings / factor
+    hf = json.loads((QWEN3 / "config.json").read_text())
+    hf["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}  # 256 = 2 x 128
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = model_config_for(_cfg(model=str(tmp_path), rope_scaling="yarn", max_model_len=1024))
+    assert (cfg.rope_scaling.factor, cfg.rope_scaling.original_max_position_embeddings) == (8.0, 128)
