@@ -64,6 +64,7 @@ def test_dequantisation_equals_the_tools_bit_for_bit(folder):
 
 @pytest.mark.parametrize("folder", FORMATS)
 def test_loads_quantised_with_transformers_logits(folder):
+    """(The ModelOpt export has an FP8 KV cache, as nvidia's do: its k_scale / v_scale are read as not used.)"""
     d = FIXTURES / folder
     ref = np.load(d / "reference.npz")
     model = load_model(d, dtype=jnp.float32, keep_quantized=True)
@@ -130,6 +131,7 @@ def _edit_tensors(d: Path, drop=(), replace=None) -> None:
      r"quantization_config\.config_groups\.g\.format: expected one of float-quantized"),
     ("ct_fp8", {"transform_config": {"config_groups": {"r": {}}}}, r"quantization_config\.transform_config"),
     ("modelopt_nvfp4", {"quant_algo": "W4A16_AWQ"}, r"quantization_config\.quant_algo: expected one of NVFP4, FP8"),
+    ("modelopt_nvfp4", {"kv_cache_scheme": "NVFP4"}, r"quantization_config\.kv_cache_scheme: expected null, \"FP8\""),
     ("bnb_nf4", {"bnb_4bit_quant_type": "fp4"}, r"quantization_config\.bnb_4bit_quant_type: expected \"nf4\""),
     ("bnb_nf4", {"load_in_8bit": True, "load_in_4bit": False}, r"quantization_config\.load_in_8bit"),
 ])
