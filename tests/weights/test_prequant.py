@@ -158,6 +158,25 @@ def test_modelopt_hf_quant_config_alone_is_read(tmp_path):
         read_scheme(d)
 
 
+def test_older_compressed_tensors_exports_are_read(tmp_path):
+    """Older llm-compressor exports (nm-testing/Meta-Llama-3.1-8B-Instruct-FP8-hf, transformers' documented example)
+    say format "naive-quantized", quantization_status "frozen", some under the key compression_config (which vLLM
+    and compressed-tensors read too): the same FP8 tensors, the same values."""
+    d = _copy(tmp_path, "ct_fp8")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["compression_config"] = {**cfg.pop("quantization_config"), "format": "naive-quantized",
+                                 "quantization_status": "frozen"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    ref = np.load(d / "reference.npz")
+    where, _ = with_prequant(open_checkpoint(d), read_scheme(d))
+    for name in [k[len("probe:"):] for k in ref.files if k.startswith("probe:")]:
+        assert_same_values(name, where[name].get(name), ref)
+    cfg["compression_config"]["quantization_status"] = "initialized"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PrequantError, match=r"quantization_status: expected \"compressed\" or \"frozen\""):
+        read_scheme(d)
+
+
 Q = "model.layers.1.self_attn.q_proj"
 
 
