@@ -70,8 +70,7 @@ class PackedExperts:
 
     @property
     def bytes_per_value(self) -> float:
-        cls = FORMATS[self.format]
-        return cls.type_size / cls.block_size
+        return FORMATS[self.format].bytes_per_value()
 
     def describe(self, base_dtype) -> str:
         if self.keep:
@@ -91,6 +90,7 @@ class ModelSpec:
     one jit (a model as large as the devices allow); host: random values made on the host and placed where they
     live (a streamed base never whole on the device)."""
     packed_experts: PackedExperts | None = None  # `source` publishes its experts quantised (gpt-oss's MXFP4)
+    prequantized: str | None = None  # `source` is a pre-quantised checkpoint: the format its Linear kernels load in
 
     @property
     def is_gguf(self) -> bool:
@@ -196,6 +196,16 @@ class RunSpec:
 
     def replace(self, **sections) -> RunSpec:
         return dataclasses.replace(self, **sections)
+
+    @property
+    def base_kernel_format(self) -> str | None:
+        """The surojax.quant format the frozen base's Linear kernels stay in (qlora's, or a pre-quantised
+        checkpoint's own), None where they are in the base dtype (or a llama.cpp mix of several types)."""
+        if self.lora is None:
+            return None
+        if self.quant is not None:
+            return None if self.quant.is_mix else self.quant.format
+        return self.model.prequantized
 
 
 # ---- from a TrainConfig ---------------------------------------------------------------------------------------
@@ -436,10 +446,13 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
     model_cfg = model_config or model_config_for(cfg)  # the caller's, when it already read it
     precision = precision_spec(cfg)
     random_weights = cfg.from_scratch or init != "build"
-    quant = quant_spec(cfg, loads_model=not random_weights and bool(cfg.model))
+    loads_model = not random_weights and bool(cfg.model)
+    quant = quant_spec(cfg, loads_model=loads_model)
+    prequant = prequantized_base(cfg) if loads_model else None
     model = ModelSpec(config=model_cfg, source=None if random_weights else cfg.model, seed=cfg.seed,
                       attention=attention or cfg.attention, init=init,
-                      packed_experts=None if random_weights else packed_experts(cfg, model_cfg))
+                      packed_experts=None if random_weights else packed_experts(cfg, model_cfg),
+                      prequantized=prequant.format if prequant is not None else None)
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
                       sequence_len=cfg.sequence_len)
     return RunSpec(model=model, precision=precision, lora=lora_training(cfg), quant=quant, memory=memory_spec(cfg),
