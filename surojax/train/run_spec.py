@@ -317,14 +317,12 @@ def quant_spec(cfg: TrainConfig, *, loads_model: bool = True) -> QuantSpec | Non
     """The quantised-base format asked by `qlora` (or its spellings qlora_bnb / qlora_fp8 / qlora_fp4 /
     qlora_gguf). Raises TrainSetupError for what cannot be done (yet). loads_model: `model`'s weights are loaded
     (a pre-quantised checkpoint's own format is then the base's: `prequantized_base`)."""
-    prequant = prequantized_base(cfg) if loads_model else None
+    prequant = check_prequantized_base(cfg) if loads_model else None
     fmt = cfg.qlora
     if prequant is not None:
-        if not cfg.lora:
-            raise TrainSetupError(f"model: {cfg.model} is pre-quantised ({prequant.describe()}); full fine-tuning "
-                                  "over a quantized base is not possible: set lora: true")
         if fmt is not None:
-            _check_qlora_matches(cfg, prequant)
+            log.info("qlora: %s: model %s is stored as %s already (%s); its own quantisation is the frozen base, "
+                     "nothing is re-quantised", cfg.qlora, cfg.model, prequant.format, prequant.describe())
         return None
     if fmt is None:
         return None
@@ -358,9 +356,29 @@ def prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
         raise TrainSetupError(f"model: {e}") from None
 
 
+def check_prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
+    """`prequantized_base`, after refusing what cannot run over such a base: full fine-tuning, merge_adapter (the
+    adapter cannot be folded into quantised weights), a `qlora` of another format. It reads config files only, so
+    the Trainer calls it before its data (and quant_spec again)."""
+    prequant = prequantized_base(cfg)
+    if prequant is None:
+        return None
+    if not cfg.lora:
+        raise TrainSetupError(f"model: {cfg.model} is pre-quantised ({prequant.describe()}); full fine-tuning "
+                              "over a quantized base is not possible: set lora: true")
+    if cfg.merge_adapter:
+        raise TrainSetupError(
+            f"merge_adapter: model: {cfg.model} is pre-quantised ({prequant.describe()}); the adapter cannot be "
+            "folded into its quantised weights. Train without merge_adapter, then run surojax merge --base-model "
+            f"{cfg.model} --checkpoint-dir {cfg.output_dir} --output DIR (it dequantises the base)")
+    if cfg.qlora is not None:
+        _check_qlora_matches(cfg, prequant)
+    return prequant
+
+
 def _check_qlora_matches(cfg: TrainConfig, prequant: QuantScheme) -> None:
-    """`qlora` over a pre-quantised base: the same format is the checkpoint's own (nothing is re-quantised, said
-    once in the log); another format would round every weight a second time, so it is refused."""
+    """`qlora` over a pre-quantised base: the same format is the checkpoint's own (nothing is re-quantised);
+    another format would round every weight a second time, so it is refused."""
     if cfg.qlora != prequant.format:
         raise TrainSetupError(
             f"qlora: {cfg.qlora}: model: {cfg.model} is already quantised ({prequant.describe()}); quantising it "
@@ -372,8 +390,6 @@ def _check_qlora_matches(cfg: TrainConfig, prequant: QuantScheme) -> None:
             f"qlora_bnb_double_quant: {cfg.qlora_bnb_double_quant}: model: {cfg.model} is stored as NF4 "
             f"{'with' if stored else 'without'} double quantisation (its config.json bnb_4bit_use_double_quant), "
             "which is used as stored; remove the key")
-    log.info("qlora: %s: model %s is stored as %s already (%s); its own quantisation is the frozen base, nothing is "
-             "re-quantised", cfg.qlora, cfg.model, prequant.format, prequant.describe())
 
 
 def memory_spec(cfg: TrainConfig) -> MemorySpec:

@@ -92,3 +92,14 @@ def test_qlora_over_a_prequantised_base(tmp_path):
     cfg = _cfg(tmp_path, "ct_fp8").model_copy(update={"lora": False})
     with pytest.raises(TrainSetupError, match=r"is pre-quantised \(compressed-tensors.*set lora: true"):
         run_spec(cfg, total_steps=1)
+
+
+def test_what_cannot_run_over_a_prequantised_base_is_refused_before_the_data(tmp_path, monkeypatch):
+    """Full fine-tuning and merge_adapter (the adapter cannot be folded into quantised weights; surojax merge
+    dequantises the base afterwards) are refused by the Trainer before it reads any data."""
+    monkeypatch.setattr(Trainer, "build_data", lambda *a, **k: pytest.fail("the data was read first"))
+    with pytest.raises(TrainSetupError, match=r"merge_adapter: model: .*modelopt_nvfp4 is pre-quantised .*surojax "
+                                              r"merge --base-model"):
+        Trainer(_cfg(tmp_path, "modelopt_nvfp4", merge_adapter=True))
+    with pytest.raises(TrainSetupError, match=r"is pre-quantised \(bitsandbytes.*set lora: true"):
+        Trainer(_cfg(tmp_path, "bnb_nf4").model_copy(update={"lora": False}))
