@@ -57,12 +57,12 @@ class FineGrainedFP8(QuantScheme):
     method = "fp8"
     format = "fp8"
 
-    def __init__(self, source: Path, block: tuple[int, int] | None, static_activations: bool):
-        self.source, self.block, self.static_activations = source, block, static_activations
+    def __init__(self, source: Path, block: tuple[int, int] | None):
+        self.source, self.block = source, block
 
     @classmethod
     def from_config(cls, config: dict, source: Path) -> "FineGrainedFP8":
-        self = cls(source, None, False)
+        self = cls(source, None)
         fmt = config.get("fmt", "e4m3")
         if fmt not in ("e4m3", "float8_e4m3fn"):
             raise self.config_error("fmt", "\"e4m3\" (E5M2 weights are not supported)", fmt)
@@ -70,7 +70,7 @@ class FineGrainedFP8(QuantScheme):
         if scale_fmt != "float":
             raise self.config_error("scale_fmt", "\"float\" (fp32 scales; E8M0 \"ue8m0\" scales are not supported)",
                                     scale_fmt)
-        scheme = config.get("activation_scheme", "dynamic")
+        scheme = config.get("activation_scheme", "dynamic")  # weight-only either way (activation scales not used)
         if scheme not in ("dynamic", "static"):
             raise self.config_error("activation_scheme", "\"dynamic\" or \"static\"", scheme)
         block = config.get("weight_block_size")
@@ -79,7 +79,7 @@ class FineGrainedFP8(QuantScheme):
                     and all(type(b) is int and b > 0 for b in block)):
                 raise self.config_error("weight_block_size", "two positive integers [rows, columns] or null", block)
             block = (block[0], block[1])
-        return cls(source, block, scheme == "static")
+        return cls(source, block)
 
     def describe(self) -> str:
         grain = "one scale per tensor" if self.block is None else f"{self.block[0]} x {self.block[1]} block scales"
