@@ -357,8 +357,8 @@ def prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
 
 
 def check_prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
-    """`prequantized_base`, after refusing what cannot run over such a base: full fine-tuning, merge_adapter (the
-    adapter cannot be folded into quantised weights), a `qlora` of another format. It reads config files only, so
+    """`prequantized_base`, after refusing what cannot run over such a base: full fine-tuning, merge_adapter and
+    adapter_init_mode merge (an adapter cannot be folded into quantised weights), a `qlora` of another format. It reads config files only, so
     the Trainer calls it before its data (and quant_spec again)."""
     prequant = prequantized_base(cfg)
     if prequant is None:
@@ -371,6 +371,11 @@ def check_prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
             f"merge_adapter: model: {cfg.model} is pre-quantised ({prequant.describe()}); the adapter cannot be "
             "folded into its quantised weights. Train without merge_adapter, then run surojax merge --base-model "
             f"{cfg.model} --checkpoint-dir {cfg.output_dir} --output DIR (it dequantises the base)")
+    if cfg.adapter_path and (cfg.adapter_init_mode or "merge") == "merge":
+        raise TrainSetupError(
+            f"adapter_init_mode: merge: model: {cfg.model} is pre-quantised ({prequant.describe()}); "
+            f"{cfg.adapter_path} cannot be folded into its quantised weights. Use adapter_init_mode: trainable (the "
+            "adapter trains on), or merge it into the unquantised model first")
     if cfg.qlora is not None:
         _check_qlora_matches(cfg, prequant)
     return prequant

@@ -95,11 +95,15 @@ def test_qlora_over_a_prequantised_base(tmp_path):
 
 
 def test_what_cannot_run_over_a_prequantised_base_is_refused_before_the_data(tmp_path, monkeypatch):
-    """Full fine-tuning and merge_adapter (the adapter cannot be folded into quantised weights; surojax merge
-    dequantises the base afterwards) are refused by the Trainer before it reads any data."""
+    """Full fine-tuning, merge_adapter (surojax merge dequantises the base afterwards) and a stacked adapter folded
+    in (adapter_init_mode merge): an adapter cannot be folded into quantised weights. Refused by the Trainer before
+    it reads any data."""
     monkeypatch.setattr(Trainer, "build_data", lambda *a, **k: pytest.fail("the data was read first"))
     with pytest.raises(TrainSetupError, match=r"merge_adapter: model: .*modelopt_nvfp4 is pre-quantised .*surojax "
                                               r"merge --base-model"):
         Trainer(_cfg(tmp_path, "modelopt_nvfp4", merge_adapter=True))
     with pytest.raises(TrainSetupError, match=r"is pre-quantised \(bitsandbytes.*set lora: true"):
         Trainer(_cfg(tmp_path, "bnb_nf4").model_copy(update={"lora": False}))
+    with pytest.raises(TrainSetupError, match=r"adapter_init_mode: merge: .*fp8_block is pre-quantised .* "
+                                              r"adapter_init_mode: trainable"):
+        Trainer(_cfg(tmp_path, "fp8_block", adapter_path=str(tmp_path / "an_adapter")))
