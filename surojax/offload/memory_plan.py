@@ -5,8 +5,8 @@ the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`)
 
     weights      frozen base (LoRA: compute dtype, bf16; a quantised base, qlora's or a pre-quantised checkpoint's:
                  the layers' Linear kernels at `kernel_weight_bytes` per value; experts kept packed, gpt-oss's
-                 MXFP4: their kernels at `expert_weight_bytes` per value) or master weights (full: `master_dtype`, fp32 in the
-                 bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
+                 MXFP4: their kernels at `expert_weight_bytes` per value) or master weights (full:
+                 `master_dtype`, fp32 in the bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
                  on the device (an untied embedding is streamed too: it is on the device only for the forward's
                  token gather; XLA does not prefetch the next layer, measured; `prefetch`: the layer computing plus
                  `prefetch_depth` layers fetched ahead, the bound prefetch.py's unrolled loop enforces); with `offload_master` the

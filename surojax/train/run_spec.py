@@ -358,8 +358,8 @@ def prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
 
 def check_prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
     """`prequantized_base`, after refusing what cannot run over such a base: full fine-tuning, merge_adapter and
-    adapter_init_mode merge (an adapter cannot be folded into quantised weights), a `qlora` of another format. It reads config files only, so
-    the Trainer calls it before its data (and quant_spec again)."""
+    adapter_init_mode merge (an adapter cannot be folded into quantised weights), a `qlora` of another format. It
+    reads config files only, so the Trainer calls it before its data (and quant_spec again)."""
     prequant = prequantized_base(cfg)
     if prequant is None:
         return None

@@ -10,10 +10,15 @@ Qwen3-*-FP8, DeepSeek-V3 / R1, MiniMax):
 
 -> surojax.quant.FP8Block(data = weight, scale = weight_scale_inv widened to fp32, block = (bn, bk)): the same
 arrays, so nothing is rounded and dequantisation is transformers' `Fp8Dequantize` bit for bit (weight * scale in
-float32). A partial last block (N or K not a multiple of the block, as DeepSeek's own kernels allow) is held as
-stored. Which modules are quantised comes from the tensors: a module with a weight_scale_inv (a module listed in
+float32). A partial last block (N or K not a multiple of the block) is held as stored and read with the block of
+weight_block_size, as DeepSeek's weight_dequant kernel and compressed-tensors read it; transformers'
+`Fp8Dequantize` derives the block from the scale grid instead (rows // scale rows) and refuses or misreads such a
+weight, so there the reference is compressed-tensors' `dequantize` (the ct_fp8 fixture's down_proj, [64, 128] in
+one 128 x 128 block: tests/weights/test_prequant.py).
+
+Which modules are quantised comes from the tensors: those with a weight_scale_inv. A module listed in
 modules_to_not_convert, or one transformers' quantiser skipped because its shape does not divide, is stored in
-float and loads as one). Refused: scale_fmt "ue8m0" (E8M0 power-of-two scales, DeepSeek-V3.1 style) and E5M2
+float and loads as one. Refused: scale_fmt "ue8m0" (E8M0 power-of-two scales, DeepSeek-V3.1 style) and E5M2
 weights.
 
 `fp8_weight` (the FP8Block of one stored weight and its scale grid) is shared with the compressed-tensors and

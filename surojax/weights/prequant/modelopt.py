@@ -16,7 +16,8 @@ quant_algo "FP8" (per-tensor W8A8):
 
 An FP8 KV cache (hf_quant_config.json's kv_cache_quant_algo "FP8"; config.json's kv_cache_scheme {"num_bits": 8,
 "type": "float", ...} or "FP8" in the exports ModelOpt converts to the compressed-tensors layout): the attention
-layers' k_proj.k_scale / v_proj.v_scale are not used (the KV cache stays in the compute dtype). Which modules are quantised comes from the tensors (exclude_modules / ignore are stored in float).
+layers' k_proj.k_scale / v_proj.v_scale are not used (the KV cache stays in the compute dtype). Which modules are
+quantised comes from the tensors (exclude_modules / ignore are stored in float).
 Refused, naming the key: other quant_algo values (W4A16_AWQ, W4A8_AWQ, NVFP4_AWQ, MXFP8, MIXED_PRECISION, ...), an
 NVFP4 group_size other than 16.
 """
