@@ -190,6 +190,8 @@ Q = "model.layers.1.self_attn.q_proj"
     ("ct_fp8", [f"{Q}.input_scale"], None, rf"module {Q} has no {Q}\.input_scale .*static input activations"),
     ("modelopt_nvfp4", [f"{Q}.weight_scale"], None, rf"{Q}\.weight_scale_2 has no {Q}\.weight_scale"),
     ("bnb_nf4", [f"{Q}.weight.absmax"], None, rf"has no {Q}\.weight\.absmax"),
+    ("bnb_nf4", [f"{Q}.weight.quant_state.bitsandbytes__nf4"], None,
+     rf"tensor {Q}\.weight(\.\w+)* is uint8 but is not a quantised weight .*<module>\.weight\.quant_state\."),
     ("bnb_nf4", [], {f"{Q}.weight.quant_map": np.linspace(-1, 1, 16, dtype=np.float32)},
      rf"tensor {Q}\.weight\.quant_map is not bitsandbytes' NF4 code book"),
 ])
