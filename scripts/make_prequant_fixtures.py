@@ -15,9 +15,11 @@ head_dim 16, intermediate 128, tied embeddings, bf16) quantised and saved the wa
     ct_fp8/            compressed-tensors' FloatQuantizationCompressor ("float-quantized"): q/k/v/o per-tensor
                        scale + static input_scale, gate/up per-channel, down block [128, 128] (partial blocks,
                        padded as compressed-tensors pads); bf16 scales; quant_method "compressed-tensors" (qwen3)
-    modelopt_nvfp4/    NVIDIA ModelOpt's own export (mtq.quantize NVFP4_DEFAULT_CFG + export_hf_checkpoint):
-                       `weight` uint8 E2M1 pairs, `weight_scale` F8_E4M3 per 16, `weight_scale_2` fp32, `input_scale`;
-                       hf_quant_config.json and quantization_config quant_method "modelopt" (qwen3)
+    modelopt_nvfp4/    NVIDIA ModelOpt's own export (mtq.quantize NVFP4_DEFAULT_CFG with the FP8 KV cache config +
+                       export_hf_checkpoint): `weight` uint8 E2M1 pairs, `weight_scale` F8_E4M3 per 16,
+                       `weight_scale_2` fp32, `input_scale`, the attention's `k_proj.k_scale` / `v_proj.v_scale`;
+                       hf_quant_config.json (kv_cache_quant_algo "FP8") and quantization_config quant_method
+                       "modelopt" (kv_cache_scheme) (qwen3)
     bnb_nf4/           transformers + bitsandbytes (BitsAndBytesConfig load_in_4bit nf4, double quant) then
                        save_pretrained: `weight` uint8 [N*K/2, 1], `weight.absmax` uint8, `weight.nested_absmax`,
                        `weight.nested_quant_map`, `weight.quant_map`, `weight.quant_state.bitsandbytes__nf4` (llama)
@@ -219,6 +221,7 @@ def make_modelopt_nvfp4(folder: Path) -> None:
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    from modelopt.torch.quantization.utils.core_utils import update_quant_cfg_with_kv_cache_quant
 
     model = base_model("qwen3", seed=3)
     gen = torch.Generator().manual_seed(3)
@@ -227,7 +230,10 @@ def make_modelopt_nvfp4(folder: Path) -> None:
         for _ in range(4):
             m(torch.randint(0, 512, (2, 24), generator=gen))
 
-    model = mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, calibrate)
+    # NVFP4 weights and activations with an FP8 KV cache, as nvidia/*-FP4 exports are made (hf_ptq.py's
+    # --qformat nvfp4 --kv_cache_qformat fp8): k_proj.k_scale / v_proj.v_scale, kv_cache_scheme in config.json
+    cfg = update_quant_cfg_with_kv_cache_quant(mtq.NVFP4_DEFAULT_CFG, mtq.FP8_KV_CFG["quant_cfg"])
+    model = mtq.quantize(model, cfg, calibrate)
     export_hf_checkpoint(model, dtype=torch.bfloat16, export_dir=str(folder))
     deq = {}
     with safe_open(folder / "model.safetensors", "pt") as f:
@@ -239,7 +245,7 @@ def make_modelopt_nvfp4(folder: Path) -> None:
             deq[f"{base}.weight"] = q.dequantize(dtype=torch.float32, scale=f.get_tensor(f"{base}.weight_scale"),
                                                  double_scale=f.get_tensor(f"{base}.weight_scale_2"),
                                                  block_sizes={-1: 16}).numpy()
-    assert any(n.endswith("input_scale") for n in names)
+    assert any(n.endswith("input_scale") for n in names) and any(n.endswith("k_proj.k_scale") for n in names)
     finish("modelopt_nvfp4", folder, deq)
 
 

@@ -3,9 +3,10 @@
 `plan_memory(model_cfg, ...)` returns a `MemoryPlan` whose components are bytes ON ONE DEVICE (no sharding but
 the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`):
 
-    weights      frozen base (LoRA: compute dtype, bf16; experts kept packed, gpt-oss's MXFP4: their kernels at
-                 `expert_weight_bytes` per value) or master weights (full: `master_dtype`, fp32 in the
-                 bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
+    weights      frozen base (LoRA: compute dtype, bf16; a quantised base, qlora's or a pre-quantised checkpoint's:
+                 the layers' Linear kernels at `kernel_weight_bytes` per value; experts kept packed, gpt-oss's
+                 MXFP4: their kernels at `expert_weight_bytes` per value) or master weights (full:
+                 `master_dtype`, fp32 in the bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
                  on the device (an untied embedding is streamed too: it is on the device only for the forward's
                  token gather; XLA does not prefetch the next layer, measured; `prefetch`: the layer computing plus
                  `prefetch_depth` layers fetched ahead, the bound prefetch.py's unrolled loop enforces); with `offload_master` the
@@ -40,8 +41,9 @@ the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`)
     workspace    backward temporaries of one layer (the recomputed layer under `full`, its gradients
                  otherwise), 10% of the saved activations for residuals not modelled one by one (RMS inverse
                  scales, softmax statistics, rope tables, masks, allocator fragmentation), and 0.5 GiB fixed
-                 (cuDNN / cuBLAS workspaces, the batch, the embedding gather); packed experts add one layer's
-                 experts dequantised to the compute dtype (the reference grouped GEMM's operand)
+                 (cuDNN / cuBLAS workspaces, the batch, the embedding gather); quantised kernels add one layer's
+                 of them dequantised to the compute dtype (the reference path's operands: x @ dequantize(),
+                 the grouped GEMM's experts)
 
 Activations, bytes saved per token per layer (c = compute-dtype bytes, D, F, NH = N*H, KH = K*H):
 
@@ -152,6 +154,14 @@ def _per_expert(cfg, target: str) -> int:
     return cfg.moe.num_experts if cfg.moe is not None and target in ("gate_proj", "up_proj", "down_proj") else 1
 
 
+def _kernel_bytes(cfg, target: str, kernel_bytes: float | None, expert_bytes: float | None) -> float | None:
+    """Bytes per value of a target's frozen kernel when it stays quantised (plan_memory's kernel_weight_bytes /
+    expert_weight_bytes), None: the base dtype."""
+    if expert_bytes is not None and _per_expert(cfg, target) > 1:
+        return expert_bytes
+    return kernel_bytes
+
+
 def _targets(targets) -> tuple[str, ...]:
     if targets is None or targets == "all-linear" or list(targets) == ["all-linear"]:
         return _TARGETS
@@ -193,7 +203,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                 prefetch: bool = False, prefetch_depth: int = PREFETCH_DEPTH, accum: int = 1,
                 unroll: int | bool = 1, weight_shards: int = 1, gradient_shards: int = 1,
                 optimizer_shards: int = 1, layerwise_update: bool = False,
-                fp8_scaling: str = "current", expert_weight_bytes: float | None = None) -> MemoryPlan:
+                fp8_scaling: str = "current", expert_weight_bytes: float | None = None,
+                kernel_weight_bytes: float | None = None) -> MemoryPlan:
     """Peak device memory of one training step, by component (bytes; see the module docstring).
 
     unroll: the layer loop's `unroll_layers` (True or an int >= the layer count: every layer inlined).
@@ -205,7 +216,9 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     fp8_hybrid): current or delayed scaling in full fine-tuning holds this step's E4M3 copies of the layers' kernels
     (both layouts: 2 bytes per kernel parameter, fp8_transform.Fp8WeightCaching) under cast_weights.
     expert_weight_bytes (LoRA on a MoE model): bytes per value of the frozen experts' kernels when they stay packed
-    (MXFP4: 17 / 32), None: the compute dtype like the rest of the base."""
+    (MXFP4: 17 / 32), None: the compute dtype like the rest of the base. kernel_weight_bytes (LoRA): bytes per value
+    of every Linear kernel of the layers (attention, MLP, experts) when the frozen base keeps them quantised (qlora,
+    a pre-quantised checkpoint: `QuantFormat.bytes_per_value`); expert_weight_bytes, when given, for the experts."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
@@ -214,7 +227,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                     lora_dtype=lora_dtype, prefetch=prefetch, prefetch_depth=prefetch_depth, accum=accum,
                     unroll=unroll, weight_shards=weight_shards, gradient_shards=gradient_shards,
                     optimizer_shards=optimizer_shards, layerwise_update=layerwise_update, fp8_scaling=fp8_scaling,
-                    expert_weight_bytes=expert_weight_bytes)
+                    expert_weight_bytes=expert_weight_bytes, kernel_weight_bytes=kernel_weight_bytes)
     cfg = model_cfg
     fp32 = recipe == "fp32"
     c = 4 if fp32 else 2
@@ -230,10 +243,12 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     # weights
     if lora:
         wb = c  # the frozen base in the compute dtype
-        # packed experts (MXFP4): their kernels' E * 3 * D * F values per layer at expert_weight_bytes each
-        expert_kernels = 0 if cfg.moe is None or expert_weight_bytes is None else \
-            cfg.moe.num_experts * 3 * D * cfg.moe.expert_intermediate_size
-        layer_bytes = layer_params * wb - expert_kernels * (wb - (expert_weight_bytes or 0))
+        # quantised kernels (qlora / pre-quantised: all of them; packed MXFP4: the experts' E * 3 * D * F): their
+        # values per layer at their bytes each instead of wb
+        quantized = {t: _per_expert(cfg, t) * i * o for t, (i, o) in io.items()
+                     if _kernel_bytes(cfg, t, kernel_weight_bytes, expert_weight_bytes) is not None}
+        layer_bytes = layer_params * wb - sum(
+            v * (wb - _kernel_bytes(cfg, t, kernel_weight_bytes, expert_weight_bytes)) for t, v in quantized.items())
         # streamed: the device copy of the layer being computed; an untied embedding table is in host memory too
         # (fetched for the gather at the start of the forward pass, dead before the backward pass where the peak
         # is): streamed peak = resident peak - host bytes (as the GPU runs measured it: benchmarks/RESULTS.md).
@@ -288,8 +303,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     logits = C * V * (4 + 4 + c)
     one_layer = tokens * activation_bytes_per_token_layer(cfg, "none", c=c, rank=r, targets=tgts)
     workspace = one_layer + int(_UNMODELLED * activations) + _FIXED_WORKSPACE
-    if lora:  # packed experts: the reference grouped GEMM dequantises one layer's experts at a time
-        workspace += expert_kernels * c
+    if lora:  # quantised kernels: the reference path dequantises one layer's at a time
+        workspace += sum(quantized.values()) * c
     return MemoryPlan(weights=int(weights), cast_weights=int(cast), adapters=int(adapters), gradients=int(gradients),
                       optimizer=int(optimizer_bytes), activations=int(activations), logits=int(logits),
                       workspace=int(workspace), host=int(host), settings=settings, model_cfg=model_cfg)

@@ -72,6 +72,11 @@ class QuantFormat:
         """-> [..., K, N] in `dtype` (pure jnp, jit-able)."""
         raise NotImplementedError
 
+    @classmethod
+    def bytes_per_value(cls) -> float:
+        """Bytes a value of this format takes, scales included, at its default block layout (for memory plans)."""
+        raise NotImplementedError(f"format {cls.name!r} states no bytes per value")
+
     @property
     def nbytes(self) -> int:
         """Bytes of the packed storage (all array leaves)."""

@@ -43,6 +43,10 @@ class FP8Block(QuantFormat):
     kernel_spec = LayoutSpec("fp8", nibble=False, group=BLOCK, has_offset=False, decode=decode_integer)
 
     @classmethod
+    def bytes_per_value(cls) -> float:
+        return 1 + 4 / BLOCK ** 2  # a code, and an fp32 scale per 128 x 128 block (checkpoints' smaller blocks: ~1)
+
+    @classmethod
     def quantize(cls, w) -> "FP8Block":
         w = as_kn(w)
         k, n = w.shape

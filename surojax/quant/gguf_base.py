@@ -44,6 +44,10 @@ class GGUFQuant(QuantFormat):
     storage_dtype: ClassVar = np.uint8
     can_quantize: ClassVar[bool] = False
 
+    @classmethod
+    def bytes_per_value(cls) -> float:
+        return cls.type_size / cls.block_size
+
     # -- construction -------------------------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, raw: np.ndarray, k: int, n: int) -> "GGUFQuant":

@@ -192,6 +192,11 @@ def lay_out_mixed(w: GGUFMixed, kt: int = 128) -> LaidOutMixed | None:
                         source="+".join(w.types))
 
 
+def _one_layer(w: QuantFormat) -> QuantFormat:
+    """The first layer of a stacked weight, abstract (shapes only: for its kernel_layout_error, nothing copied)."""
+    return jax.eval_shape(lambda v: jax.tree.map(lambda x: x[0], v), w)
+
+
 def lay_out(w, kt: int = 128) -> LaidOut | None:
     """One stacked weight ([L, K, N] plain array or a QuantFormat with a kernel, one leading layers axis) ->
     LaidOut, or None when the kernels cannot take it (no kernel for its format, K / N off the tiles, not one
@@ -208,6 +213,8 @@ def lay_out(w, kt: int = 128) -> LaidOut | None:
     # one stacked layers axis, as the decoder's scan holds a Linear (not experts [L, E, ...])
     if spec is None or lead != 1 or layout_error(spec, tuple(w.shape[-2:]), kt):
         return None
+    if isinstance(w, QuantFormat) and _one_layer(w).kernel_layout_error(kt):  # the format's own conditions (FP8
+        return None                                                           # scale blocks narrower than 128)
     lw = jax.jit(jax.vmap(per_layer))(w)
     return LaidOut(data=lw.codes, scale=lw.scale, offset=lw.offset, layer=None, spec=lw.spec, shape=lw.shape,
                    kt=lw.kt, source=source)

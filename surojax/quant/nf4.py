@@ -81,6 +81,10 @@ class NF4(QuantFormat):
     kernel_spec = LayoutSpec("nf4", nibble=True, group=BLOCK, has_offset=False, decode=Table16.of(NF4_CODE))
 
     @classmethod
+    def bytes_per_value(cls) -> float:
+        return 0.5 + 4 / BLOCK  # a 4-bit code, and an fp32 absmax per 64 values (double quantisation: a little less)
+
+    @classmethod
     def quantize(cls, w, double_quant: bool = False) -> "NF4":
         w = as_kn(w)
         k, n = w.shape

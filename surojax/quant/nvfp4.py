@@ -36,6 +36,10 @@ class NVFP4(QuantFormat):
     kernel_spec = LayoutSpec("nvfp4", nibble=True, group=BLOCK, has_offset=False, decode=e2m1)
 
     @classmethod
+    def bytes_per_value(cls) -> float:
+        return 0.5 + 1 / BLOCK  # a 4-bit code, and an E4M3 scale per 16 values
+
+    @classmethod
     def quantize(cls, w) -> "NVFP4":
         w = as_kn(w)
         k, n = w.shape

@@ -42,6 +42,7 @@ from surojax.parallel.expert import apply_expert_parallel
 from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_layer_loop
 from surojax.parallel.zero import ZeroLayout, ZeroStageError, plan_divisors, resolve_zero_stage, zero_layout
 from surojax.peft.trained_router import make_router_trainable
+from surojax.quant import FORMATS
 from surojax.train.model_setup import build_model, fp8_delayed_update, fp8_weight_cache, step_prepare, \
     trainable_filter
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
@@ -97,7 +98,7 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
     """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded but for
     the ZeRO stage's split on `mesh` (None: one device); `recompute` / `unroll` replace the spec's (a candidate
     layer loop of `choose_layer_loop`)."""
-    lora, mem, packed = spec.lora, spec.memory, spec.model.packed_experts
+    lora, mem, packed, kernels = spec.lora, spec.memory, spec.model.packed_experts, spec.base_kernel_format
     divisors = {} if mesh is None else plan_divisors(resolve_zero_stage(spec.zero_stage, mesh), mesh)
     return plan_memory(spec.model.config, mode="lora" if lora else "full", recipe=spec.precision.recipe,
                        rank=lora.adapter.rank if lora else 0, targets=lora.adapter.targets if lora else None,
@@ -111,6 +112,7 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
                        prefetch=mem.offload_prefetch, accum=spec.batch.accumulation,
                        layerwise_update=mem.optimizer_layerwise, fp8_scaling=spec.precision.fp8.scaling,
                        expert_weight_bytes=packed.bytes_per_value if packed is not None and packed.keep else None,
+                       kernel_weight_bytes=None if kernels is None else FORMATS[kernels].bytes_per_value(),
                        **divisors)
 
 

@@ -70,8 +70,7 @@ class PackedExperts:
 
     @property
     def bytes_per_value(self) -> float:
-        cls = FORMATS[self.format]
-        return cls.type_size / cls.block_size
+        return FORMATS[self.format].bytes_per_value()
 
     def describe(self, base_dtype) -> str:
         if self.keep:
@@ -91,6 +90,7 @@ class ModelSpec:
     one jit (a model as large as the devices allow); host: random values made on the host and placed where they
     live (a streamed base never whole on the device)."""
     packed_experts: PackedExperts | None = None  # `source` publishes its experts quantised (gpt-oss's MXFP4)
+    prequantized: str | None = None  # `source` is a pre-quantised checkpoint: the format its Linear kernels load in
 
     @property
     def is_gguf(self) -> bool:
@@ -196,6 +196,16 @@ class RunSpec:
 
     def replace(self, **sections) -> RunSpec:
         return dataclasses.replace(self, **sections)
+
+    @property
+    def base_kernel_format(self) -> str | None:
+        """The surojax.quant format the frozen base's Linear kernels stay in (qlora's, or a pre-quantised
+        checkpoint's own), None where they are in the base dtype (or a llama.cpp mix of several types)."""
+        if self.lora is None:
+            return None
+        if self.quant is not None:
+            return None if self.quant.is_mix else self.quant.format
+        return self.model.prequantized
 
 
 # ---- from a TrainConfig ---------------------------------------------------------------------------------------
@@ -310,14 +320,12 @@ def quant_spec(cfg: TrainConfig, *, loads_model: bool = True) -> QuantSpec | Non
     """The quantised-base format asked by `qlora` (or its spellings qlora_bnb / qlora_fp8 / qlora_fp4 /
     qlora_gguf). Raises TrainSetupError for what cannot be done (yet). loads_model: `model`'s weights are loaded
     (a pre-quantised checkpoint's own format is then the base's: `prequantized_base`)."""
-    prequant = prequantized_base(cfg) if loads_model else None
+    prequant = check_prequantized_base(cfg) if loads_model else None
     fmt = cfg.qlora
     if prequant is not None:
-        if not cfg.lora:
-            raise TrainSetupError(f"model: {cfg.model} is pre-quantised ({prequant.describe()}); full fine-tuning "
-                                  "over a quantized base is not possible: set lora: true")
         if fmt is not None:
-            _check_qlora_matches(cfg, prequant)
+            log.info("qlora: %s: model %s is stored as %s already (%s); its own quantisation is the frozen base, "
+                     "nothing is re-quantised", cfg.qlora, cfg.model, prequant.format, prequant.describe())
         return None
     if fmt is None:
         return None
@@ -351,9 +359,34 @@ def prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
         raise TrainSetupError(f"model: {e}") from None
 
 
+def check_prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
+    """`prequantized_base`, after refusing what cannot run over such a base: full fine-tuning, merge_adapter and
+    adapter_init_mode merge (an adapter cannot be folded into quantised weights), a `qlora` of another format. It
+    reads config files only, so the Trainer calls it before its data (and quant_spec again)."""
+    prequant = prequantized_base(cfg)
+    if prequant is None:
+        return None
+    if not cfg.lora:
+        raise TrainSetupError(f"model: {cfg.model} is pre-quantised ({prequant.describe()}); full fine-tuning "
+                              "over a quantized base is not possible: set lora: true")
+    if cfg.merge_adapter:
+        raise TrainSetupError(
+            f"merge_adapter: model: {cfg.model} is pre-quantised ({prequant.describe()}); the adapter cannot be "
+            "folded into its quantised weights. Train without merge_adapter, then run surojax merge --base-model "
+            f"{cfg.model} --checkpoint-dir {cfg.output_dir} --output DIR (it dequantises the base)")
+    if cfg.adapter_path and (cfg.adapter_init_mode or "merge") == "merge":
+        raise TrainSetupError(
+            f"adapter_init_mode: merge: model: {cfg.model} is pre-quantised ({prequant.describe()}); "
+            f"{cfg.adapter_path} cannot be folded into its quantised weights. Use adapter_init_mode: trainable (the "
+            "adapter trains on), or merge it into the unquantised model first")
+    if cfg.qlora is not None:
+        _check_qlora_matches(cfg, prequant)
+    return prequant
+
+
 def _check_qlora_matches(cfg: TrainConfig, prequant: QuantScheme) -> None:
-    """`qlora` over a pre-quantised base: the same format is the checkpoint's own (nothing is re-quantised, said
-    once in the log); another format would round every weight a second time, so it is refused."""
+    """`qlora` over a pre-quantised base: the same format is the checkpoint's own (nothing is re-quantised);
+    another format would round every weight a second time, so it is refused."""
     if cfg.qlora != prequant.format:
         raise TrainSetupError(
             f"qlora: {cfg.qlora}: model: {cfg.model} is already quantised ({prequant.describe()}); quantising it "
@@ -365,8 +398,6 @@ def _check_qlora_matches(cfg: TrainConfig, prequant: QuantScheme) -> None:
             f"qlora_bnb_double_quant: {cfg.qlora_bnb_double_quant}: model: {cfg.model} is stored as NF4 "
             f"{'with' if stored else 'without'} double quantisation (its config.json bnb_4bit_use_double_quant), "
             "which is used as stored; remove the key")
-    log.info("qlora: %s: model %s is stored as %s already (%s); its own quantisation is the frozen base, nothing is "
-             "re-quantised", cfg.qlora, cfg.model, prequant.format, prequant.describe())
 
 
 def memory_spec(cfg: TrainConfig) -> MemorySpec:
@@ -439,10 +470,13 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
     model_cfg = model_config or model_config_for(cfg)  # the caller's, when it already read it
     precision = precision_spec(cfg)
     random_weights = cfg.from_scratch or init != "build"
-    quant = quant_spec(cfg, loads_model=not random_weights and bool(cfg.model))
+    loads_model = not random_weights and bool(cfg.model)
+    quant = quant_spec(cfg, loads_model=loads_model)
+    prequant = prequantized_base(cfg) if loads_model else None
     model = ModelSpec(config=model_cfg, source=None if random_weights else cfg.model, seed=cfg.seed,
                       attention=attention or cfg.attention, init=init,
-                      packed_experts=None if random_weights else packed_experts(cfg, model_cfg))
+                      packed_experts=None if random_weights else packed_experts(cfg, model_cfg),
+                      prequantized=prequant.format if prequant is not None else None)
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
                       sequence_len=cfg.sequence_len)
     return RunSpec(model=model, precision=precision, lora=lora_training(cfg), quant=quant, memory=memory_spec(cfg),

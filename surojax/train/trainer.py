@@ -49,7 +49,7 @@ from surojax.train.interrupts import Interrupts
 from surojax.train.metrics import Metrics, plot_loss, set_aside as set_aside_metrics
 from surojax.train.notebook_progress import NotebookProgress
 from surojax.train.router_monitor import RouterMonitor, progress_text
-from surojax.train.run_spec import TrainSetupError, model_config_for, run_spec
+from surojax.train.run_spec import TrainSetupError, check_prequantized_base, model_config_for, run_spec
 from surojax.train.step import compiles_steady_next
 from surojax.train.xla_options import apply_xla_options
 from surojax.weights.gguf_checkpoint import is_gguf_path, load_gguf_tokenizer
@@ -116,6 +116,8 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir)
         self._check_output_dir()
         model_config = model_config_for(cfg)  # cheap: the architecture is checked before data and weights
+        if not cfg.from_scratch:
+            check_prequantized_base(cfg)  # likewise what cannot run over a pre-quantised base
         tok_src = cfg.tokenizer or cfg.model
         if tok_src is None:
             raise TrainSetupError("tokenizer: needed when from_scratch has no `model` folder to take it from")

@@ -4,6 +4,8 @@ the kernel's decode form, and a served model decodes the same greedy tokens thro
 
 Tolerance. The laid-out weights are the same values; only the order of the fp32 sums differs (the kernel adds K
 in tiles and its split-K partials after), so fp32 logits agree to ~1e-6 relative."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from surojax.generation.sampling import SamplingParams
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.qlora import quantize_model
-from surojax.quant import quantize
+from surojax.quant import FP8Block, quantize
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.laid_out import LaidOut, LaidOutMixed, decode_weights, lay_out, lay_out_model
 from surojax.quant.transform import QuantParam
@@ -62,6 +64,15 @@ def test_the_layout_decodes_to_the_source_values(name):
     one = lambda w: jax.tree.map(lambda a: a[None], w)  # noqa: E731  a stack of one layer
     assert lay_out(one(make_weight("q8_0", 64, 64))) is None  # K off the 128 tile: stays in its format
     assert lay_out(make_weight("q8_0", 128, 64)) is None  # no layers axis: not a layer stack's weight
+
+
+def test_a_weight_its_format_keeps_from_the_kernels_stays_in_its_format():
+    """FP8 with scale blocks 64 wide along K (a checkpoint's groups of 64, surojax.weights.prequant): the shapes
+    suit the kernel, the format's own kernel_layout_error does not, so serving keeps it as it is (it raised)."""
+    codes = jnp.asarray(np.random.default_rng(0).normal(size=(2, 64, 256)), jnp.float8_e4m3fn)
+    w = FP8Block(data=codes, scale=jnp.ones((2, 64, 4), jnp.float32), shape=(256, 64), block=(1, 64))
+    assert lay_out(w) is None
+    assert isinstance(lay_out(dataclasses.replace(w, scale=jnp.ones((2, 64, 2)), block=(1, 128))), LaidOut)
 
 
 def test_a_laid_out_model_computes_the_same_logits(models, monkeypatch):

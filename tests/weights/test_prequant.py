@@ -64,6 +64,7 @@ def test_dequantisation_equals_the_tools_bit_for_bit(folder):
 
 @pytest.mark.parametrize("folder", FORMATS)
 def test_loads_quantised_with_transformers_logits(folder):
+    """(The ModelOpt export has an FP8 KV cache, as nvidia's do: its k_scale / v_scale are read as not used.)"""
     d = FIXTURES / folder
     ref = np.load(d / "reference.npz")
     model = load_model(d, dtype=jnp.float32, keep_quantized=True)
@@ -130,6 +131,7 @@ def _edit_tensors(d: Path, drop=(), replace=None) -> None:
      r"quantization_config\.config_groups\.g\.format: expected one of float-quantized"),
     ("ct_fp8", {"transform_config": {"config_groups": {"r": {}}}}, r"quantization_config\.transform_config"),
     ("modelopt_nvfp4", {"quant_algo": "W4A16_AWQ"}, r"quantization_config\.quant_algo: expected one of NVFP4, FP8"),
+    ("modelopt_nvfp4", {"kv_cache_scheme": "NVFP4"}, r"quantization_config\.kv_cache_scheme: expected null, \"FP8\""),
     ("bnb_nf4", {"bnb_4bit_quant_type": "fp4"}, r"quantization_config\.bnb_4bit_quant_type: expected \"nf4\""),
     ("bnb_nf4", {"load_in_8bit": True, "load_in_4bit": False}, r"quantization_config\.load_in_8bit"),
 ])
@@ -156,6 +158,25 @@ def test_modelopt_hf_quant_config_alone_is_read(tmp_path):
         read_scheme(d)
 
 
+def test_older_compressed_tensors_exports_are_read(tmp_path):
+    """Older llm-compressor exports (nm-testing/Meta-Llama-3.1-8B-Instruct-FP8-hf, transformers' documented example)
+    say format "naive-quantized", quantization_status "frozen", some under the key compression_config (which vLLM
+    and compressed-tensors read too): the same FP8 tensors, the same values."""
+    d = _copy(tmp_path, "ct_fp8")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["compression_config"] = {**cfg.pop("quantization_config"), "format": "naive-quantized",
+                                 "quantization_status": "frozen"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    ref = np.load(d / "reference.npz")
+    where, _ = with_prequant(open_checkpoint(d), read_scheme(d))
+    for name in [k[len("probe:"):] for k in ref.files if k.startswith("probe:")]:
+        assert_same_values(name, where[name].get(name), ref)
+    cfg["compression_config"]["quantization_status"] = "initialized"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PrequantError, match=r"quantization_status: expected \"compressed\" or \"frozen\""):
+        read_scheme(d)
+
+
 Q = "model.layers.1.self_attn.q_proj"
 
 
@@ -169,6 +190,8 @@ Q = "model.layers.1.self_attn.q_proj"
     ("ct_fp8", [f"{Q}.input_scale"], None, rf"module {Q} has no {Q}\.input_scale .*static input activations"),
     ("modelopt_nvfp4", [f"{Q}.weight_scale"], None, rf"{Q}\.weight_scale_2 has no {Q}\.weight_scale"),
     ("bnb_nf4", [f"{Q}.weight.absmax"], None, rf"has no {Q}\.weight\.absmax"),
+    ("bnb_nf4", [f"{Q}.weight.quant_state.bitsandbytes__nf4"], None,
+     rf"tensor {Q}\.weight(\.\w+)* is uint8 but is not a quantised weight .*<module>\.weight\.quant_state\."),
     ("bnb_nf4", [], {f"{Q}.weight.quant_map": np.linspace(-1, 1, 16, dtype=np.float32)},
      rf"tensor {Q}\.weight\.quant_map is not bitsandbytes' NF4 code book"),
 ])

@@ -5,7 +5,8 @@ quantised-weight pytree without a dequantise-requantise round trip.
     scheme = read_scheme(model_dir)      # None for a float checkpoint; PrequantError for one surojax cannot read
     where, unused = with_prequant(open_checkpoint(model_dir), scheme)   # what hf_checkpoint.load_model does
 
-quant_method (config.json quantization_config, or ModelOpt's hf_quant_config.json) -> reader -> surojax format:
+quant_method (config.json quantization_config, or compression_config in older compressed-tensors exports, or
+ModelOpt's hf_quant_config.json) -> reader -> surojax format:
 
     "fp8"                 fp8_blocks.FineGrainedFP8         transformers / DeepSeek / Qwen3-FP8 block scales   fp8
     "compressed-tensors"  compressed_tensors.CompressedTensors  float-quantized FP8 (tensor / channel / group /
@@ -32,6 +33,7 @@ READERS: dict[str, type[QuantScheme]] = {cls.method: cls for cls in
                                          (FineGrainedFP8, CompressedTensors, ModelOpt, BitsAndBytesNF4)}
 ELSEWHERE = {"mxfp4": "gpt-oss MXFP4 experts (surojax.weights.mxfp4_checkpoint)"}
 HF_QUANT_CONFIG = "hf_quant_config.json"
+LEGACY_KEY = "compression_config"  # older compressed-tensors exports' name for it (vLLM and compressed-tensors read it)
 
 
 def _supported() -> str:
@@ -39,12 +41,13 @@ def _supported() -> str:
 
 
 def read_scheme(model_dir: str | os.PathLike) -> QuantScheme | None:
-    """The reader of the checkpoint in `model_dir`: from config.json's quantization_config, else from ModelOpt's
-    hf_quant_config.json; None when neither says the weights are quantised (or for mxfp4, read elsewhere)."""
+    """The reader of the checkpoint in `model_dir`: from config.json's quantization_config (or compression_config,
+    as older compressed-tensors exports call it), else from ModelOpt's hf_quant_config.json; None when none says the
+    weights are quantised (or for mxfp4, read elsewhere)."""
     d = Path(model_dir)
     config_path = d / "config.json"
-    config = read_json_object(config_path, PrequantError).get("quantization_config") if config_path.is_file() \
-        else None
+    hf = read_json_object(config_path, PrequantError) if config_path.is_file() else {}
+    config = hf.get("quantization_config", hf.get(LEGACY_KEY))
     source = config_path
     if config is None and (d / HF_QUANT_CONFIG).is_file():
         source = d / HF_QUANT_CONFIG

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from surojax.quant.nf4 import BLOCK, DQ_BLOCK, NF4, NF4_CODE
-from surojax.weights.prequant.base import (Claims, PrequantError, QuantScheme, Stored, cdiv, expect_shape, tensor,
-                                           with_suffix)
+from surojax.weights.prequant.base import (Claims, PrequantError, QuantScheme, Stored, cdiv, expect_shape,
+                                           refuse_unclaimed, tensor, with_suffix)
 
 STATE = ".quant_state.bitsandbytes__nf4"
 FP4_STATE = ".quant_state.bitsandbytes__fp4"
@@ -72,6 +72,8 @@ class BitsAndBytesNF4(QuantScheme):
                     raise PrequantError(f"{where[weight + STATE].path}: tensor {weight + STATE} has no {name} "
                                         f"(bitsandbytes stores {', '.join([weight, *parts.values()])})")
             weights[weight] = Stored(weight, parts)
+        refuse_unclaimed(where, weights, (np.dtype(np.uint8),),
+                         f"bitsandbytes stores <module>.weight with <module>.weight{STATE}")
         return Claims(weights)
 
     def _state(self, stored: Stored, where: dict) -> dict:

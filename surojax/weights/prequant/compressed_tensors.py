@@ -24,7 +24,9 @@ A module's group is the first config group whose targets match its name as compr
 that no group targets, or that `ignore` lists, is an error. Refused, naming the key: weights that are not 8-bit
 symmetric floats (int8 "int-quantized", W4A16 "pack-quantized", NVFP4 "nvfp4-pack-quantized", zero points),
 dynamic weights, a non-empty transform_config (rotations) or sparsity_config, and quantization_status other than
-"compressed" (the weights would not be stored quantised).
+"compressed" or "frozen" (older "naive-quantized" exports such as nm-testing/Meta-Llama-3.1-8B-Instruct-FP8-hf,
+transformers' documented example, say "frozen" and store the same FP8 tensors; a weight not stored in E4M3 is
+refused naming it). Older exports name the whole object compression_config (surojax.weights.prequant reads it).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from surojax.weights.prequant.base import Claims, PrequantError, QuantScheme, St
 from surojax.weights.prequant.fp8_blocks import E4M3, fp8_weight
 
 FORMATS = ("float-quantized", "naive-quantized")  # the same tensors for 8-bit float weights
+STATUSES = ("compressed", "frozen")  # frozen: older naive-quantized exports, their weights stored in FP8 all the same
 STRATEGIES = ("tensor", "channel", "group", "block")
 SCALE = ".weight_scale"
 
@@ -72,8 +75,9 @@ class CompressedTensors(QuantScheme):
     def from_config(cls, config: dict, source: Path) -> "CompressedTensors":
         self = cls(source, (), (), False)
         status = config.get("quantization_status", "compressed")
-        if status != "compressed":
-            raise self.config_error("quantization_status", "\"compressed\" (weights stored quantised)", status)
+        if status not in STATUSES:
+            raise self.config_error("quantization_status", "\"compressed\" or \"frozen\" (weights stored quantised)",
+                                    status)
         for key in ("sparsity_config", "transform_config"):
             if config.get(key):
                 raise self.config_error(key, "empty (surojax reads dense weights without transforms)",

@@ -10,10 +10,15 @@ Qwen3-*-FP8, DeepSeek-V3 / R1, MiniMax):
 
 -> surojax.quant.FP8Block(data = weight, scale = weight_scale_inv widened to fp32, block = (bn, bk)): the same
 arrays, so nothing is rounded and dequantisation is transformers' `Fp8Dequantize` bit for bit (weight * scale in
-float32). A partial last block (N or K not a multiple of the block, as DeepSeek's own kernels allow) is held as
-stored. Which modules are quantised comes from the tensors: a module with a weight_scale_inv (a module listed in
+float32). A partial last block (N or K not a multiple of the block) is held as stored and read with the block of
+weight_block_size, as DeepSeek's weight_dequant kernel and compressed-tensors read it; transformers'
+`Fp8Dequantize` derives the block from the scale grid instead (rows // scale rows) and refuses or misreads such a
+weight, so there the reference is compressed-tensors' `dequantize` (the ct_fp8 fixture's down_proj, [64, 128] in
+one 128 x 128 block: tests/weights/test_prequant.py).
+
+Which modules are quantised comes from the tensors: those with a weight_scale_inv. A module listed in
 modules_to_not_convert, or one transformers' quantiser skipped because its shape does not divide, is stored in
-float and loads as one). Refused: scale_fmt "ue8m0" (E8M0 power-of-two scales, DeepSeek-V3.1 style) and E5M2
+float and loads as one. Refused: scale_fmt "ue8m0" (E8M0 power-of-two scales, DeepSeek-V3.1 style) and E5M2
 weights.
 
 `fp8_weight` (the FP8Block of one stored weight and its scale grid) is shared with the compressed-tensors and
@@ -57,12 +62,12 @@ class FineGrainedFP8(QuantScheme):
     method = "fp8"
     format = "fp8"
 
-    def __init__(self, source: Path, block: tuple[int, int] | None, static_activations: bool):
-        self.source, self.block, self.static_activations = source, block, static_activations
+    def __init__(self, source: Path, block: tuple[int, int] | None):
+        self.source, self.block = source, block
 
     @classmethod
     def from_config(cls, config: dict, source: Path) -> "FineGrainedFP8":
-        self = cls(source, None, False)
+        self = cls(source, None)
         fmt = config.get("fmt", "e4m3")
         if fmt not in ("e4m3", "float8_e4m3fn"):
             raise self.config_error("fmt", "\"e4m3\" (E5M2 weights are not supported)", fmt)
@@ -70,7 +75,7 @@ class FineGrainedFP8(QuantScheme):
         if scale_fmt != "float":
             raise self.config_error("scale_fmt", "\"float\" (fp32 scales; E8M0 \"ue8m0\" scales are not supported)",
                                     scale_fmt)
-        scheme = config.get("activation_scheme", "dynamic")
+        scheme = config.get("activation_scheme", "dynamic")  # weight-only either way (activation scales not used)
         if scheme not in ("dynamic", "static"):
             raise self.config_error("activation_scheme", "\"dynamic\" or \"static\"", scheme)
         block = config.get("weight_block_size")
@@ -79,7 +84,7 @@ class FineGrainedFP8(QuantScheme):
                     and all(type(b) is int and b > 0 for b in block)):
                 raise self.config_error("weight_block_size", "two positive integers [rows, columns] or null", block)
             block = (block[0], block[1])
-        return cls(source, block, scheme == "static")
+        return cls(source, block)
 
     def describe(self) -> str:
         grain = "one scale per tensor" if self.block is None else f"{self.block[0]} x {self.block[1]} block scales"

@@ -14,8 +14,10 @@ quant_algo "FP8" (per-tensor W8A8):
     <module>.weight F8_E4M3 [N, K], <module>.weight_scale F32 [] (x = weight * weight_scale), input_scale
 -> surojax.quant.FP8Block with one scale for the tensor (block (N, K)).
 
-kv_cache_quant_algo "FP8": the attention layers' k_scale / v_scale are not used (the KV cache stays in the
-compute dtype). Which modules are quantised comes from the tensors (exclude_modules / ignore are stored in float).
+An FP8 KV cache (hf_quant_config.json's kv_cache_quant_algo "FP8"; config.json's kv_cache_scheme {"num_bits": 8,
+"type": "float", ...} or "FP8" in the exports ModelOpt converts to the compressed-tensors layout): the attention
+layers' k_proj.k_scale / v_proj.v_scale are not used (the KV cache stays in the compute dtype). Which modules are
+quantised comes from the tensors (exclude_modules / ignore are stored in float).
 Refused, naming the key: other quant_algo values (W4A16_AWQ, W4A8_AWQ, NVFP4_AWQ, MXFP8, MIXED_PRECISION, ...), an
 NVFP4 group_size other than 16.
 """
@@ -33,7 +35,7 @@ from surojax.weights.prequant.base import (Claims, PrequantError, QuantScheme, S
 from surojax.weights.prequant.fp8_blocks import fp8_weight
 
 ALGOS = {"NVFP4": "nvfp4", "FP8": "fp8"}
-KV_ALGOS = (None, "FP8")
+FP8_KV = {"num_bits": 8, "type": "float"}  # kv_cache_scheme of an FP8 KV cache (modelopt convert_hf_config)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
@@ -51,16 +53,26 @@ class ModelOpt(QuantScheme):
         self = cls(source, algo, False)
         if algo not in ALGOS:
             raise self.config_error("quant_algo", f"one of {', '.join(ALGOS)}", algo)
-        kv = config.get("kv_cache_quant_algo")
-        if kv not in KV_ALGOS:
-            raise self.config_error("kv_cache_quant_algo", "null or \"FP8\"", kv)
+        kv = self._fp8_kv_cache(config)
         if algo == "NVFP4":
             size = config.get("group_size", BLOCK)
             for name, group in (config.get("config_groups") or {}).items():
                 size = (group.get("weights") or {}).get("group_size", size)
             if size != BLOCK:
                 raise self.config_error("group_size", f"{BLOCK} (NVFP4 scales 16 values each)", size)
-        return cls(source, algo, kv is not None)
+        return cls(source, algo, kv)
+
+    def _fp8_kv_cache(self, config: dict) -> bool:
+        """Whether the export has an FP8 KV cache (its k_scale / v_scale tensors): hf_quant_config.json's
+        kv_cache_quant_algo, or config.json's kv_cache_scheme; another KV cache format is refused."""
+        algo, scheme = config.get("kv_cache_quant_algo"), config.get("kv_cache_scheme")
+        if algo not in (None, "FP8"):
+            raise self.config_error("kv_cache_quant_algo", "null or \"FP8\"", algo)
+        if scheme is not None and scheme != "FP8" and not (
+                isinstance(scheme, dict) and all(scheme.get(k) == v for k, v in FP8_KV.items())):
+            raise self.config_error("kv_cache_scheme", "null, \"FP8\" or {\"num_bits\": 8, \"type\": \"float\"}",
+                                    scheme)
+        return algo is not None or scheme is not None
 
     def describe(self) -> str:
         return f"modelopt {self.algo} -> surojax {self.format}"
