@@ -49,7 +49,7 @@ from surojax.offload.streaming import host_bytes
 from surojax.parallel import batch_parallel_size, batch_sharding, make_mesh
 from surojax.peft.lora import adapters_disabled
 from surojax.quant.base import QuantFormat
-from surojax.train.build import Run, build_run, memory_plan_of
+from surojax.train.build import Run, build_run, memory_plan_of, resolve_layer_loop
 from surojax.train.run_spec import RunSpec, run_spec
 from surojax.train.step import compiles_steady_next
 
@@ -69,10 +69,10 @@ class BenchConfig:
     rank: int = 16
     targets: str = "all-linear"  # lora_target_modules (a MoE model: attention names, gate_up_proj, down_proj, experts)
     alpha: float | None = None  # default 2 * rank (the anchor's)
-    recompute: str = "none"
+    recompute: str = "auto"  # the trainer's default: the memory plan picks (resolved in build_run)
     attention: str = "auto"  # auto | xla | cudnn | cudnn:M | cudnn:M:nocheck
     lmhead_chunks: int = 1
-    unroll_layers: int | bool = 1  # 1 = rolled layer scan; True = every layer inlined
+    unroll_layers: int | bool | str = "auto"  # auto (the trainer's) | 1 = rolled layer scan | True = every layer
     recipe: str = "bf16"
     fp8_scaling: str | None = None  # recipe fp8_hybrid: current | delayed | blockwise; None: the config's default
     segments: int = 4  # sequences packed per row
@@ -263,9 +263,11 @@ def build(bc: BenchConfig, *, device=None) -> Run:
 
 
 def memory_plan(bc: BenchConfig) -> MemoryPlan:
-    """The Trainer's memory plan (surojax/offload/memory_plan.py) of this configuration."""
-    spec = bench_spec(bc)
-    return memory_plan_of(spec, lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks))
+    """The Trainer's memory plan (surojax/offload/memory_plan.py) of this configuration, with `auto` resolved as
+    build_run resolves it."""
+    chunk = lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks)
+    spec, _ = resolve_layer_loop(bench_spec(bc), chunk)
+    return memory_plan_of(spec, chunk)
 
 
 def place_batch(setup: Run, batch: dict) -> dict:
@@ -315,7 +317,7 @@ def run(bc: BenchConfig, log=None) -> dict:
     mcfg = setup.model_config
     attention = setup.spec.model.attention
     log(f"built {bc.shape} ({bc.mode}{', base ' + bc.quant if bc.quant else ''}) in {init_s:.1f}s; attention "
-        f"{attention}, recompute {bc.recompute}, lm-head chunk {setup.chunk} tokens")
+        f"{attention}, {setup.layer_loop_reason}, lm-head chunk {setup.chunk} tokens")
 
     rng = np.random.default_rng(bc.seed)
     if bc.task == "dpo":
@@ -384,9 +386,10 @@ def run(bc: BenchConfig, log=None) -> dict:
         "params_trainable": n_train,
         "params_total": n_train + (n_frozen if bc.mode == "lora" else 0),
         "config": {
-            "recompute": bc.recompute, "attention": bc.attention, "attention_backend": attention,
+            "recompute": setup.spec.memory.recompute, "attention": bc.attention, "attention_backend": attention,
             "lmhead_chunks": bc.lmhead_chunks,
-            "unroll_layers": bc.unroll_layers,
+            "unroll_layers": setup.spec.memory.unroll,  # as resolved (asked: the two below)
+            "recompute_asked": bc.recompute, "unroll_layers_asked": bc.unroll_layers,
             "offload_base": bc.offload_base, "prefetch": bc.prefetch, "base_format": bc.base_format, "init": bc.init,
             "optimizer": bc.optimizer, "offload_optimizer": bc.offload_optimizer,
             "offload_master": bc.offload_master,

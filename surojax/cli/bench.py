@@ -1,6 +1,8 @@
 """`surojax bench train --shape qwen3-0.6b --mode lora --batch 8 --seq 2048`: time the trainer's training
 step on synthetic packed batches with random weights of a real shape; prints one JSON line (tokens/s, step
-time, peak memory, MFU, the settings). See surojax/bench/train_bench.py for what is timed and how.
+time, peak memory, MFU, the settings). Every option the trainer also has defaults to the trainer's default
+(`--recompute auto`, `--unroll-layers auto`, ...), so the figure is what `python -m surojax.train` gives for that
+shape and batch. See surojax/bench/train_bench.py for what is timed and how.
 
 `surojax bench CONFIG [-o key=value]` times a training YAML's own steps (its model, data, trainer kind): the
 Trainer it describes, outputs in a temporary folder, no checkpoints; prints one JSON line (step time, tokens/s,
@@ -16,8 +18,8 @@ SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "qwen3-32b", "llama3-70b",
                "debug-moe")  # = surojax.bench.shapes.SHAPES
 
 
-def _unroll(value: str) -> int | bool:
-    return True if value == "all" else positive_int(value)
+def _unroll(value: str) -> int | bool | str:
+    return "auto" if value == "auto" else True if value == "all" else positive_int(value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,13 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--accum", type=positive_int, default=1, help="micro-batches per step (default 1)")
     g.add_argument("--repeats", type=positive_int, default=3, help="timed repeats; the median is reported")
     g.add_argument("--rank", type=positive_int, default=16, help="LoRA rank (alpha = 2 x rank)")
-    g.add_argument("--recompute", default="none", choices=("none", "full", "dots", "offload"))
+    g.add_argument("--recompute", default="auto", choices=("auto", "none", "full", "dots", "offload"),
+                   help="as the config key (default auto: the trainer's choice, the fastest layer loop that fits)")
     g.add_argument("--attention", default="auto",
                    help="auto | xla | cudnn | cudnn:M | cudnn:M:nocheck (M = max segments per row)")
     g.add_argument("--lmhead-chunks", type=positive_int, default=1,
                    help="split the lm-head + loss into this many chunks of the micro-batch (1: 4096-token chunks)")
-    g.add_argument("--unroll-layers", type=_unroll, default=1, metavar="N|all",
-                   help="layers per iteration of the layer scan (1: rolled; all: every layer inlined)")
+    g.add_argument("--unroll-layers", type=_unroll, default="auto", metavar="auto|N|all",
+                   help="layers per iteration of the layer scan (1: rolled; all: every layer inlined; default auto: "
+                        "the trainer's choice with --recompute)")
     g.add_argument("--recipe", default="bf16", choices=("bf16", "fp32", "fp8_hybrid", "nvfp4"),
                    help="fp8_hybrid: the decoder's Linear GEMMs in FP8; nvfp4: the NVFP4 recipe, emulated "
                         "(docs/precision.md)")

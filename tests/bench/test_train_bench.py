@@ -46,7 +46,31 @@ def test_bench_train_prints_one_json_line(capsys, mode):
         assert out["config"]["rank"] == 16
     else:
         assert out["params_trainable"] == out["params_total"]
-    assert out["config"]["attention"] == "auto" and out["config"]["recompute"] == "none"
+    assert out["config"]["attention"] == "auto" and out["config"]["recompute"] == "none"  # auto, resolved on a CPU
+    assert out["config"]["recompute_asked"] == "auto" and out["config"]["unroll_layers_asked"] == "auto"
+
+
+@pytest.mark.parametrize("shape, batch, want", [("qwen3-0.6b", 8, ("none", True)), ("qwen3-8b", 4, ("full", 1))])
+def test_bench_train_defaults_resolve_the_layer_loop_as_the_trainer(monkeypatch, shape, batch, want):
+    """`bench train` without tuning flags times the loop `python -m surojax.train` picks for the same keys (it
+    timed the rolled scan for 0.6B LoRA, and refused 8B LoRA b4 with recompute none, where the trainer picks full
+    recompute): on an 80 GiB device, as the memory plan resolves `auto` in build_run."""
+    import argparse
+
+    import surojax.train.build as build_module
+    from surojax.bench.train_bench import BenchConfig, bench_spec
+    from surojax.cli.bench import add_arguments
+    from surojax.losses.lm import lm_chunk_tokens
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["train"])
+    assert (args.recompute, args.unroll_layers) == ("auto", "auto") == (BenchConfig.recompute,
+                                                                         BenchConfig.unroll_layers)
+    monkeypatch.setattr(build_module, "device_capacity", lambda: 80 * 2**30)  # what build_run reads
+    bc = BenchConfig(shape=shape, batch=batch)
+    spec, _ = build_module.resolve_layer_loop(bench_spec(bc), lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks))
+    assert (spec.memory.recompute, spec.memory.unroll) == want
 
 
 def test_bench_train_bad_argument_is_one_clean_line(capsys):
