@@ -34,7 +34,7 @@ from surojax.models.config import ModelConfig
 from surojax.offload.optimizer import apply_master_updates, has_layerwise_state, host_state_shardings
 from surojax.offload.remat import layer_loop
 from surojax.parallel import make_mesh, param_shardings
-from surojax.train.build import layerwise_update
+from surojax.train.build import layerwise_update, resolve_layer_loop
 from surojax.train.model_setup import build_model, trainable_filter
 from surojax.train.optim import build_optimizer, lr_schedule
 from surojax.train.optim_8bit import Blockwise8bit
@@ -53,6 +53,8 @@ def abstract_step_args(bc, *, layers: int | None = None):
         config = ModelConfig.from_hf(dict(shape_hf_config(bc.shape), num_hidden_layers=layers))
         spec = spec.replace(model=dataclasses.replace(spec.model, config=config))
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    chunk = lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks)
+    spec, _ = resolve_layer_loop(spec, chunk, mesh)  # `auto` as build_run resolves it
     model = nnx.eval_shape(lambda: build_model(spec))
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(spec), ...)
     o = spec.optim
@@ -82,7 +84,6 @@ def abstract_step_args(bc, *, layers: int | None = None):
                                      if jnp.issubdtype(x.dtype, jnp.floating) else x, raw["layers"])
         kw["apply_updates"] = apply_master_updates
     fr = jax.tree.map(lambda x: sds(x, replicated), frozen)
-    chunk = lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks)
 
     def loss_fn(m, batch, layer_loop=None):
         return lm_loss(m, batch, chunk=chunk, layer_loop=layer_loop, unroll=spec.memory.unroll)
