@@ -107,7 +107,7 @@ def ours_logits(folder: Path, tokens, keep: bool):
     from flax import nnx
 
     from surojax.model_loader import load_base
-    from surojax.peft.qlora import is_quantized
+    from surojax.quant.model import is_quantized
     from surojax.weights.model_ref import resolve_model
 
     model, _ = load_base(resolve_model(str(folder)), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
@@ -141,7 +141,7 @@ def train(folder: Path, out: Path, data: Path, a) -> dict:
     import numpy as np
 
     from surojax.api import build_trainer
-    from surojax.peft.lora import base_linear
+    from surojax.models.targets import base_linear
     from surojax.config.lora import LORA_TARGETS
 
     trainer = build_trainer({

@@ -69,7 +69,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "tokenize": ("surojax.config.stages", "surojax.data.debug", "surojax.hub", "surojax.data.pipeline",
                      "surojax.data.tokenizer"),
     }.items() for target in targets},
-    ("surojax.peft.qlora", "surojax.quant.quantize_mix"): _GGUF,
+    ("surojax.quant.model", "surojax.quant.quantize_mix"): _GGUF,
     ("surojax.bench.quant_base", "surojax.quant.quantize_mix"): _GGUF,
     ("surojax.weights.gguf_checkpoint", "surojax.quant.quantize_mix"): _GGUF,
 }

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from surojax.models.config import ModelConfig
-from surojax.peft.lora import LORA_TARGETS
+from surojax.models.targets import LORA_TARGETS
 
 PEAK_BF16_FLOPS = 731e12  # jnp.dot 8192^3 bf16 on the H200 (shared/BENCHMARKS.md, 2026-11-29)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-from surojax.peft.lora import base_linear, resolve_targets
+from surojax.models.targets import base_linear, resolve_targets
 from surojax.quant import FORMATS
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.random_weights import RANDOM_FORMATS, random_weight

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,16 +48,13 @@ from surojax.models.layers.linear import dot
 from surojax.models.layers.moe import ExpertLinear, grouped_dot
 from surojax.models.layers.params import AXES, logical_axes
 from surojax.models.registry import EXPERT_MODULES, LINEAR_MODULES
+from surojax.models.targets import (  # noqa: F401 - the target names, re-exported where LoRA users look for them
+    ATTENTION_TARGETS, EXPERT_TARGETS, LORA_TARGETS, MOE_TARGETS, TARGET_PATHS, base_linear, is_moe, model_targets,
+    module_at, replace_module, resolve_targets,
+)
 
 TRAINABLE = nnx.LoRAParam
 FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
-LORA_TARGETS: tuple[str, ...] = tuple(LINEAR_MODULES)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
-EXPERT_TARGETS: tuple[str, ...] = tuple(EXPERT_MODULES)  # experts.gate_up_proj experts.down_proj
-TARGET_PATHS: dict[str, str] = {**LINEAR_MODULES, **EXPERT_MODULES}  # every target name -> its path in model.layers
-ATTENTION_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-MOE_TARGETS: tuple[str, ...] = ATTENTION_TARGETS + EXPERT_TARGETS  # what a MoE model has, in order
-
-
 class LoRADropoutKey(nnx.Variable):
     """Raw PRNG key data [L, *key_shape] for LoRA dropout (one key per layer); set by `set_dropout_key`."""
 
@@ -123,83 +120,16 @@ class LoRAExpertLinear(nnx.Module):
         return y + grouped_dot(h.astype(x.dtype), self.lora_b[...], group_sizes)  # [A, out]
 
 
-# ---- finding the targeted modules ---------------------------------------------------------------------------
-
-# user-facing names on a MoE model -> our expert target names
-_MOE_SPELLINGS = {"gate_up_proj": ("experts.gate_up_proj",), "down_proj": ("experts.down_proj",),
-                  "experts": EXPERT_TARGETS, **{t: (t,) for t in ATTENTION_TARGETS + EXPERT_TARGETS}}
-
-
-def resolve_targets(targets: str | Iterable[str], *, moe: bool = False) -> tuple[str, ...]:
-    """User target names (or "all-linear") -> our target names in TARGET_PATHS order, checked.
-
-    Dense model (moe=False): HF module names of LINEAR_MODULES. MoE model (moe=True): q/k/v/o_proj; the experts'
-    `gate_up_proj` (also spelled `gate_proj` + `up_proj`, which must come together: one fused weight),
-    `down_proj`, `experts` (both), or our names experts.gate_up_proj / experts.down_proj."""
-    if isinstance(targets, str):
-        targets = [t.strip() for t in targets.split(",") if t.strip()]
-    targets = list(targets)
-    if not moe:
-        if targets == ["all-linear"]:
-            return LORA_TARGETS
-        unknown = [t for t in targets if t not in LINEAR_MODULES]
-        if unknown or not targets:
-            raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid; choose from "
-                             f"{', '.join(LORA_TARGETS)} or 'all-linear'")
-        return tuple(t for t in LORA_TARGETS if t in targets)
-    if targets == ["all-linear"]:
-        return MOE_TARGETS
-    names = set(targets)
-    if ("gate_proj" in names) != ("up_proj" in names):
-        raise ValueError("on a MoE model the experts' gate_proj and up_proj are one fused weight (gate_up_proj): "
-                         "target both, or gate_up_proj, or neither")
-    if "gate_proj" in names:
-        names = (names - {"gate_proj", "up_proj"}) | {"gate_up_proj"}
-    unknown = sorted(n for n in names if n not in _MOE_SPELLINGS)
-    if unknown or not targets:
-        raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid on a MoE model; choose from "
-                         f"{', '.join(ATTENTION_TARGETS)}, gate_up_proj (= gate_proj + up_proj), down_proj, "
-                         "experts (both expert projections) or 'all-linear'")
-    chosen = {t for n in names for t in _MOE_SPELLINGS[n]}
-    return tuple(t for t in MOE_TARGETS if t in chosen)
-
-
-def is_moe(model) -> bool:
-    return model.cfg.moe is not None
-
-
-def _get(root: nnx.Module, dotted: str):
-    for part in dotted.split("."):
-        root = getattr(root, part)
-    return root
-
-
-def _set(root: nnx.Module, dotted: str, value) -> None:
-    *parents, last = dotted.split(".")
-    for part in parents:
-        root = getattr(root, part)
-    setattr(root, last, value)
-
-
-def model_targets(model) -> tuple[str, ...]:
-    """The target names this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS)."""
-    return MOE_TARGETS if is_moe(model) else LORA_TARGETS
-
+# ---- the adapters of a model ---------------------------------------------------------------------------
 
 def lora_modules(model) -> dict[str, LoRALinear | LoRAExpertLinear]:
     """Target name -> the LoRALinear / LoRAExpertLinear that replaced it (only the targets that carry an adapter)."""
     out = {}
     for name in model_targets(model):
-        mod = _get(model.layers, TARGET_PATHS[name])
+        mod = module_at(model.layers, TARGET_PATHS[name])
         if isinstance(mod, (LoRALinear, LoRAExpertLinear)):
             out[name] = mod
     return out
-
-
-def base_linear(model, target: str) -> nnx.Module:
-    """The base Linear (or ExpertLinear) of a target, whether or not it is wrapped by LoRA."""
-    mod = _get(model.layers, TARGET_PATHS[target])
-    return mod.base if isinstance(mod, (LoRALinear, LoRAExpertLinear)) else mod
 
 
 # ---- apply / merge ------------------------------------------------------------------------------------------
@@ -224,10 +154,11 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
                          "does not support dropout there either (its ParamWrapper); set lora_dropout: 0")
     L = model.cfg.num_layers
     for name in experts:
-        _set(model.layers, EXPERT_MODULES[name], _expert_adapter(_get(model.layers, EXPERT_MODULES[name]), L,
-                                                                model.cfg.moe.num_experts, rank, alpha, use_rslora, rngs, dtype))
+        replace_module(model.layers, EXPERT_MODULES[name],
+                       _expert_adapter(module_at(model.layers, EXPERT_MODULES[name]), L, model.cfg.moe.num_experts,
+                                       rank, alpha, use_rslora, rngs, dtype))
     for name in (t for t in targets if t in LINEAR_MODULES):
-        base = _get(model.layers, LINEAR_MODULES[name])
+        base = module_at(model.layers, LINEAR_MODULES[name])
         d_in, d_out = base.in_features, base.out_features
         kernel_axes = logical_axes(base.kernel) if isinstance(base.kernel, nnx.Variable) else ("layers", None, None)
         _, in_axis, out_axis = kernel_axes
@@ -239,7 +170,7 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
         if dropout > 0.0:
             data = jax.random.key_data(jax.random.split(rngs.params(), L))  # [L, *key_shape]
             key = LoRADropoutKey(data, **{AXES: ("layers",) + (None,) * (data.ndim - 1)})
-        _set(model.layers, LINEAR_MODULES[name],
+        replace_module(model.layers, LINEAR_MODULES[name],
              LoRALinear(base, lora_a, lora_b, rank=rank, alpha=alpha, use_rslora=use_rslora, dropout=dropout,
                         dropout_key=key))
     return model
@@ -278,7 +209,7 @@ def merge_lora(model):
     """
     for name, mod in lora_modules(model).items():
         fold_into(mod.base, mod.lora_a.get_value(), mod.lora_b.get_value(), mod.scaling)
-        _set(model.layers, TARGET_PATHS[name], mod.base)
+        replace_module(model.layers, TARGET_PATHS[name], mod.base)
     return model
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from surojax.models.registry import LINEAR_MODULES, weight_rows
-from surojax.peft.lora import LORA_TARGETS, _get, _set, resolve_targets
+from surojax.models.targets import LORA_TARGETS, module_at, replace_module, resolve_targets
 from surojax.peft.peft_io import load_peft_adapter
 
 
@@ -71,7 +71,7 @@ def multi_lora_modules(model) -> dict[str, MultiLoRALinear]:
     out = {}
     for name, sub in LINEAR_MODULES.items():
         parent, _, leaf = sub.rpartition(".")
-        mod = getattr(_get(model.layers, parent), leaf, None)  # None: a MoE layer has no mlp.gate_proj
+        mod = getattr(module_at(model.layers, parent), leaf, None)  # None: a MoE layer has no mlp.gate_proj
         if isinstance(mod, MultiLoRALinear):
             out[name] = mod
     return out
@@ -86,10 +86,10 @@ def apply_multi_lora(model, *, max_loras: int, max_rank: int, targets: str | Seq
         raise LoRASlotError("the model already has multi-LoRA slots")
     dtype = dtype or model.dtype
     for name in resolve_targets(targets):
-        base = _get(model.layers, LINEAR_MODULES[name])
+        base = module_at(model.layers, LINEAR_MODULES[name])
         if not hasattr(base, "in_features"):
             raise LoRASlotError(f"cannot serve LoRA adapters on {name}: it is not a plain Linear ({type(base).__name__})")
-        _set(model.layers, LINEAR_MODULES[name],
+        replace_module(model.layers, LINEAR_MODULES[name],
              MultiLoRALinear(base, num_layers=model.cfg.num_layers, num_slots=max_loras + 1, rank=max_rank,
                              dtype=dtype))
     return model

@@ -15,7 +15,8 @@ from flax import nnx
 
 from surojax.models.layers.linear import Linear
 from surojax.models.registry import LINEAR_MODULES
-from surojax.peft.lora import LoRALinear, _get, _set
+from surojax.models.targets import module_at, replace_module
+from surojax.peft.lora import LoRALinear
 
 
 class QuantLayerMask(nnx.Variable):
@@ -38,7 +39,7 @@ def swap_base_linears(model, make: Callable[[str, Linear], Linear], recipe: str)
     Raises ValueError for a Linear already swapped or a kernel that is already quantised (qlora_* bases)."""
     done = []
     for name, path in LINEAR_MODULES.items():
-        mod = _get(model.layers, path)
+        mod = module_at(model.layers, path)
         holder, lin = (mod, mod.base) if isinstance(mod, LoRALinear) else (None, mod)
         if type(lin) is not Linear:
             raise ValueError(f"{path}: a low-precision recipe is already applied ({type(lin).__name__})")
@@ -49,7 +50,7 @@ def swap_base_linears(model, make: Callable[[str, Linear], Linear], recipe: str)
         if holder is not None:
             holder.base = new
         else:
-            _set(model.layers, path, new)
+            replace_module(model.layers, path, new)
         done.append(name)
     return done
 

@@ -29,7 +29,8 @@ from flax import nnx
 from surojax.models.layers.linear import Linear, dot
 from surojax.models.layers.params import AXES
 from surojax.models.registry import LINEAR_MODULES
-from surojax.peft.lora import LoRALinear, _get
+from surojax.models.targets import module_at
+from surojax.peft.lora import LoRALinear
 from surojax.precision.hadamard import random_signs
 from surojax.precision.linear_swap import QuantLayerMask, layer_mask, swap_base_linears
 from surojax.precision.nvfp4_matmul import nvfp4_dot, nvfp4_dot_frozen
@@ -114,7 +115,7 @@ def nvfp4_linears(model) -> dict[str, Nvfp4Linear]:
     """path in model.layers -> its Nvfp4Linear (empty when the recipe is not applied)."""
     out = {}
     for path in LINEAR_MODULES.values():
-        mod = _get(model.layers, path)
+        mod = module_at(model.layers, path)
         mod = mod.base if isinstance(mod, LoRALinear) else mod
         if isinstance(mod, Nvfp4Linear):
             out[path] = mod

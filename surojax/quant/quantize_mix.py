@@ -25,7 +25,7 @@ F32 / F16 / BF16 file types store every 2-D weight in that type.
 Training over a mix (`qlora_gguf: q4_k_m`): the decoder scans over stacked layers, so one target (say v_proj) must
 have one format on every layer. `uniform_target_types` gives each target the widest type the rule picks for any
 of its layers (Q4_K_M: v_proj and down_proj in Q6_K on every layer, the rest Q4_K; applied to a model by
-surojax.peft.qlora.quantize_model_mix) and the file's own per-layer choice is used when writing a .gguf.
+surojax.quant.model.quantize_model_mix) and the file's own per-layer choice is used when writing a .gguf.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ pytree), with its "axes" metadata, so LoRA's filters see it as frozen base (LoRA
 `Linear.__call__` goes through `dot`, which calls the format's `matmul`.
 
 These are the per-Linear steps; which Linears of a model (the LoRA targets, under a LoRA wrapper or not) is the
-caller's choice: surojax.peft.qlora.quantize_model applies them to a built Decoder.
+caller's choice: surojax.quant.model.quantize_model applies them to a built Decoder.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from surojax.precision.fp8_delayed import DelayedScalingUpdate, Fp8AmaxProbe, Fp
 from surojax.precision.fp8_matmul import dot_form
 from surojax.precision.fp8_transform import CACHED_SCALINGS, Fp8WeightCaching, apply_fp8
 from surojax.precision.nvfp4_transform import apply_nvfp4, bf16_layers, set_rounding_keys
-from surojax.peft.qlora import is_quantized, quantize_model, quantize_model_mix
+from surojax.quant.model import is_quantized, quantize_model, quantize_model_mix
 from surojax.train.run_spec import RunSpec, TrainSetupError
 from surojax.model_loader import load_base
 from surojax.weights.model_ref import resolve_model

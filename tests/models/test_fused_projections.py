@@ -15,7 +15,7 @@ from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.models.fused_projections import fuse_projections
 from surojax.peft.lora import apply_lora
-from surojax.peft.qlora import quantize_model
+from surojax.quant.model import quantize_model
 from surojax.quant.laid_out import LaidOut, lay_out_model
 from tests.tolerances import reorder_atol
 

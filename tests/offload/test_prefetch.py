@@ -19,7 +19,7 @@ from surojax.offload.prefetch import PrefetchedLayers
 from surojax.offload.remat import remat_wrapper
 from surojax.offload.streaming import streamed_leaves
 from surojax.peft.lora import TRAINABLE, apply_lora
-from surojax.peft.qlora import quantize_model
+from surojax.quant.model import quantize_model
 from surojax.train.step import make_train_step
 
 from tests.offload.test_streaming import CFG, _batch, _device_puts, _max_diff, _split

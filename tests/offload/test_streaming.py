@@ -28,7 +28,7 @@ from surojax.models.decoder import Decoder
 from surojax.offload.remat import remat_wrapper
 from surojax.offload.streaming import HOST_KIND, OffloadError, check_streamed, place_base_on_host, streamed_leaves
 from surojax.peft.lora import TRAINABLE, apply_lora
-from surojax.peft.qlora import quantize_model
+from surojax.quant.model import quantize_model
 from surojax.train.step import make_train_step
 
 from tests.train.conftest import ROOT, TINY_QWEN3, tiny_config, write_instruction_data  # noqa: F401 (fixture)

@@ -19,7 +19,7 @@ from pallas_kernels.quant_matmul.kernel import Tiles
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.lora import apply_lora
-from surojax.peft.qlora import dequantize_model, quantize_model
+from surojax.quant.model import dequantize_model, quantize_model
 
 OPTS = KernelOptions(Tiles(bm=16, bn=32, kt=128), Tiles(bm=16, bn=32, kt=128), interpret=True)
 

@@ -17,7 +17,7 @@ from pallas_kernels.quant_matmul.api import ENV, decode_layouts
 from surojax.generation.sampling import SamplingParams
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
-from surojax.peft.qlora import quantize_model
+from surojax.quant.model import quantize_model
 from surojax.quant import FP8Block, quantize
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.laid_out import LaidOut, LaidOutMixed, decode_weights, lay_out, lay_out_model

@@ -12,7 +12,7 @@ from flax import nnx
 from surojax.models.config import ModelConfig, MoEConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.lora import TRAINABLE, apply_lora
-from surojax.peft.qlora import is_quantized, quantize_model
+from surojax.quant.model import is_quantized, quantize_model
 from surojax.quant.transform import quantize_stacked
 
 E, K, N = 3, 256, 64  # K = 256: a Q4_K super-block

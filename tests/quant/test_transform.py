@@ -1,4 +1,4 @@
-"""quantize_model (surojax.peft.qlora over quant.transform): the targeted kernels of a built Decoder become quantised pytrees (leading layers axis) that
+"""quantize_model (surojax.quant.model over quant.transform): the targeted kernels of a built Decoder become quantised pytrees (leading layers axis) that
 run through nnx.split / merge, lax.scan, jit and LoRA; the logits and LoRA gradients equal those of the same model
 over the dequantised kernels.
 
@@ -18,7 +18,7 @@ from surojax.models.decoder import Decoder
 from surojax.peft.lora import LORA_TARGETS, apply_lora, base_linear, merge_lora
 from surojax.quant import FP8Block, NF4, NVFP4, Q4_0, Q8_0
 from surojax.quant.base import QuantFormat
-from surojax.peft.qlora import dequantize_model, is_quantized, quantize_model
+from surojax.quant.model import dequantize_model, is_quantized, quantize_model
 from surojax.quant.transform import QuantParam, quantize_stacked
 
 HF = {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,

@@ -11,7 +11,7 @@ from flax import nnx
 from surojax.config import config_from_dict
 from surojax.model_loader import load_model_ref
 from surojax.peft.lora import lora_modules
-from surojax.peft.qlora import quantize_model
+from surojax.quant.model import quantize_model
 from surojax.peft.stacked import load_adapter_into
 from surojax.peft.trained_router import has_trained_router
 from surojax.quant import NF4

@@ -11,7 +11,7 @@ from flax import nnx
 
 from surojax.config import config_from_dict
 from surojax.peft.lora import LORA_TARGETS, base_linear
-from surojax.peft.qlora import dequantize_model, is_quantized
+from surojax.quant.model import dequantize_model, is_quantized
 from surojax.quant import NF4, NVFP4, FP8Block
 from surojax.train.model_setup import build_model
 from surojax.train.run_spec import TrainSetupError, run_spec

@@ -25,7 +25,7 @@ gguf = pytest.importorskip("gguf")
 from tests.weights.gguf_tiny import PROMPT_IDS, TOKENIZER_DIR, tiny_model_dir  # noqa: E402
 
 from surojax.data.tokenizer import Tokenizer  # noqa: E402
-from surojax.peft.qlora import is_quantized  # noqa: E402
+from surojax.quant.model import is_quantized  # noqa: E402
 from surojax.weights.gguf_checkpoint import _rope_permute, load_gguf_model, save_gguf  # noqa: E402
 from surojax.weights.hf_checkpoint import load_model  # noqa: E402
 from surojax.weights.safetensors_file import WeightsError  # noqa: E402

@@ -12,7 +12,7 @@ pytest.importorskip("gguf")
 from surojax.config import config_from_dict  # noqa: E402
 from surojax.peft.lora import LORA_TARGETS, base_linear  # noqa: E402
 from surojax.quant import Q8_0  # noqa: E402
-from surojax.peft.qlora import dequantize_model, is_quantized  # noqa: E402
+from surojax.quant.model import dequantize_model, is_quantized  # noqa: E402
 from surojax.train.model_setup import build_model as build_spec_model
 from surojax.train.run_spec import TrainSetupError, run_spec  # noqa: E402
 from surojax.train.trainer import Trainer  # noqa: E402

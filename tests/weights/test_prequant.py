@@ -21,7 +21,7 @@ from flax import nnx
 
 from surojax.model_loader import load_model_ref
 from surojax.peft.lora import LORA_TARGETS, base_linear
-from surojax.peft.qlora import is_quantized
+from surojax.quant.model import is_quantized
 from surojax.quant import NF4, NVFP4, FP8Block
 from surojax.weights.hf_checkpoint import load_model, open_checkpoint
 from surojax.weights.prequant import PrequantError, read_scheme, with_prequant

@@ -1,5 +1,6 @@
-"""QLoRA's frozen base: quantise (or dequantise, or list) the targeted Linear kernels of a built `Decoder`, whether
-or not LoRA already wraps them (the base of a `LoRALinear`).
+"""Quantisation as a transform of a built `Decoder` (QLoRA's frozen base, serving's quantised weights): quantise
+(or dequantise, or list) the targeted Linear kernels, whether or not a wrapper (LoRA) already holds them as its
+`base` (surojax.models.targets.base_linear).
 
     report = quantize_model(model, "nf4", double_quant=True)     # in place; returns a QuantReport
     apply_lora(model, rank=16, alpha=32, rngs=nnx.Rngs(0))        # the adapters on top, as on a plain base
@@ -9,7 +10,8 @@ time); on a MoE model the targets are q/k/v/o_proj and the experts' stacked [L, 
 quantised on its own, leaves [L, E, ...], run by the format's `grouped_matmul`); embeddings, norms, the MoE router
 and the LM head are untouched. Folding a LoRA adapter into a quantised kernel
 (merge_lora, stacked adapters in merge mode) raises `fold_into`'s error: merge into the unquantised model, then
-quantise. This module sits above surojax.quant (the formats and the per-Linear step know nothing of LoRA).
+quantise. The formats and the per-Linear step (surojax.quant.transform) know nothing of LoRA; this module finds the
+targets through surojax.models.targets.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from surojax.peft.lora import TARGET_PATHS, base_linear, is_moe, model_targets, resolve_targets
+from surojax.models.targets import TARGET_PATHS, base_linear, is_moe, model_targets, resolve_targets
 from surojax.quant import FORMATS
 from surojax.quant.transform import QuantReport, dequantize_kernel, kernel_format, quantize_kernel
 
