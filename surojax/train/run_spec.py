@@ -316,11 +316,10 @@ def lora_training(cfg: TrainConfig) -> LoraTraining | None:
                         merge_adapter=cfg.merge_adapter)
 
 
-def quant_spec(cfg: TrainConfig, *, loads_model: bool = True) -> QuantSpec | None:
+def quant_spec(cfg: TrainConfig, prequant: QuantScheme | None = None) -> QuantSpec | None:
     """The quantised-base format asked by `qlora` (or its spellings qlora_bnb / qlora_fp8 / qlora_fp4 /
-    qlora_gguf). Raises TrainSetupError for what cannot be done (yet). loads_model: `model`'s weights are loaded
-    (a pre-quantised checkpoint's own format is then the base's: `prequantized_base`)."""
-    prequant = check_prequantized_base(cfg) if loads_model else None
+    qlora_gguf). Raises TrainSetupError for what cannot be done (yet). prequant: the loaded `model` is a
+    pre-quantised checkpoint (`check_prequantized_base`): its own format is the base's, nothing is quantised."""
     fmt = cfg.qlora
     if prequant is not None:
         if fmt is not None:
@@ -362,7 +361,7 @@ def prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
 def check_prequantized_base(cfg: TrainConfig) -> QuantScheme | None:
     """`prequantized_base`, after refusing what cannot run over such a base: full fine-tuning, merge_adapter and
     adapter_init_mode merge (an adapter cannot be folded into quantised weights), a `qlora` of another format. It
-    reads config files only, so the Trainer calls it before its data (and quant_spec again)."""
+    reads config files only, so the Trainer calls it before its data (and run_spec again)."""
     prequant = prequantized_base(cfg)
     if prequant is None:
         return None
@@ -470,9 +469,8 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
     model_cfg = model_config or model_config_for(cfg)  # the caller's, when it already read it
     precision = precision_spec(cfg)
     random_weights = cfg.from_scratch or init != "build"
-    loads_model = not random_weights and bool(cfg.model)
-    quant = quant_spec(cfg, loads_model=loads_model)
-    prequant = prequantized_base(cfg) if loads_model else None
+    prequant = check_prequantized_base(cfg) if not random_weights and cfg.model else None
+    quant = quant_spec(cfg, prequant)
     model = ModelSpec(config=model_cfg, source=None if random_weights else cfg.model, seed=cfg.seed,
                       attention=attention or cfg.attention, init=init,
                       packed_experts=None if random_weights else packed_experts(cfg, model_cfg),
