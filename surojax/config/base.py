@@ -20,3 +20,8 @@ class StrictModel(BaseModel):
         validate_by_name=False,
         use_attribute_docstrings=True,
     )
+
+
+def differs_from_default(model: BaseModel, key: str) -> bool:
+    """`model`'s `key` differs from the field's default (writing a default value explicitly asks for nothing)."""
+    return getattr(model, key) != type(model).model_fields[key].get_default(call_default_factory=True)

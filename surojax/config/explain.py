@@ -14,7 +14,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from surojax.config.errors import ConfigProblem, format_key
-from surojax.config.surogate import user_loc
 
 Loc = tuple[str | int, ...]
 Positions = dict[Loc, tuple[int, int] | None]  # YAML key path -> (line, column), 1-based; None: set by --override
@@ -133,6 +132,15 @@ def _position(positions: Positions | None, loc: Loc) -> tuple[int | None, int | 
                 pos = positions[loc[:n]]
                 return (None, None, True) if pos is None else (pos[0], pos[1], False)
     return None, None, False
+
+
+def user_loc(loc: Loc, origins: Mapping[Loc, Loc]) -> tuple[Loc, Loc | None]:
+    """(the user's key for a surojax key, the surojax key it was read as, or None when the user wrote it);
+    `origins`: config/surogate.py's Translation.origins."""
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in origins:
+            return origins[loc[:n]] + loc[n:], loc
+    return loc, None
 
 
 def problems_from_validation_error(

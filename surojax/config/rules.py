@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from surojax.config.base import differs_from_default
 from surojax.config.grpo import BUILTIN_REWARDS, GRPOSection
 from surojax.config.lora import QLORA_SPELLINGS, spelled_formats
 from surojax.config.policy_loss import LOSS_TYPES, resolved_loss_type
@@ -40,11 +41,6 @@ NOT_AVAILABLE = {
 }
 
 
-def _changed(cfg: TrainConfig, name: str) -> bool:
-    """The key differs from its default (explicitly writing a default value is harmless, so not flagged)."""
-    return getattr(cfg, name) != type(cfg).model_fields[name].get_default(call_default_factory=True)
-
-
 def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     out: list[Problem] = []
     add = lambda keys, msg: out.append((keys, msg))  # noqa: E731
@@ -64,7 +60,8 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
 
     # --- trainer kinds
     if cfg.trainer != "distill":
-        for k in [k for k in DISTILL_KEYS if _changed(cfg, k) and k not in SHARED_KEYS.get(cfg.trainer, ())]:
+        shared = SHARED_KEYS.get(cfg.trainer, ())
+        for k in [k for k in DISTILL_KEYS if differs_from_default(cfg, k) and k not in shared]:
             add((k,), f"is a distillation option (trainer: distill); trainer is {cfg.trainer}")
     elif cfg.teacher is None and cfg.teacher_logprobs is None:
         add(("teacher", "teacher_logprobs"), "trainer: distill needs a teacher model, or teacher_logprobs (a "
@@ -77,7 +74,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
 
     # --- LoRA / QLoRA
     if not cfg.lora:
-        for k in [k for k in LORA_KEYS if _changed(cfg, k)]:
+        for k in [k for k in LORA_KEYS if differs_from_default(cfg, k)]:
             add((k,), "is a LoRA option; set lora: true to use it")
     formats = [k for k in QLORA_FORMATS if getattr(cfg, k) not in (False, None)]
     chosen = {cfg.qlora} | spelled_formats({k: getattr(cfg, k) for k in QLORA_SPELLINGS})
@@ -87,14 +84,14 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     if formats and not cfg.lora:
         add((formats[0],), "quantizes the frozen base for LoRA; set lora: true")
     for k in ("qlora_bnb_block_size", "qlora_bnb_double_quant"):
-        if _changed(cfg, k) and cfg.qlora != "nf4":
+        if differs_from_default(cfg, k) and cfg.qlora != "nf4":
             add((k,), "only applies with qlora_bnb: true (qlora: nf4)")
-    if _changed(cfg, "qlora_block_size") and cfg.qlora != "fp8":
+    if differs_from_default(cfg, "qlora_block_size") and cfg.qlora != "fp8":
         add(("qlora_block_size",), "only applies with qlora_fp8: true (qlora: fp8)")
-    if _changed(cfg, "qlora_bnb_block_size") and cfg.qlora == "nf4":
+    if differs_from_default(cfg, "qlora_bnb_block_size") and cfg.qlora == "nf4":
         add(("qlora_bnb_block_size",), f"{cfg.qlora_bnb_block_size} is not available: NF4 uses the bitsandbytes "
             "block size 64")
-    if _changed(cfg, "qlora_block_size") and cfg.qlora == "fp8":
+    if differs_from_default(cfg, "qlora_block_size") and cfg.qlora == "fp8":
         add(("qlora_block_size",), f"{cfg.qlora_block_size} is not available: qlora fp8 uses 128 x 128 scale blocks")
     if cfg.qlora is not None and cfg.lora and cfg.merge_adapter:
         add(("merge_adapter", formats[0]), "cannot fold the adapter into a quantized base; train without it, then "
@@ -117,10 +114,10 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     for k in ("skip_quant_first_layers", "skip_quant_last_layers"):
         if getattr(cfg, k) and cfg.recipe not in ("fp8_hybrid", "nvfp4"):  # 0 asks for nothing
             add((k,), "only applies with recipe: fp8_hybrid (or nvfp4)")
-    if _changed(cfg, "fp8_scaling") and cfg.recipe != "fp8_hybrid":
+    if differs_from_default(cfg, "fp8_scaling") and cfg.recipe != "fp8_hybrid":
         add(("fp8_scaling",), "only applies with recipe: fp8_hybrid")
     for k in ("fp8_amax_history", "fp8_amax_compute_algo"):
-        if _changed(cfg, k) and not (cfg.recipe == "fp8_hybrid" and cfg.resolved_fp8_scaling == "delayed"):
+        if differs_from_default(cfg, k) and not (cfg.recipe == "fp8_hybrid" and cfg.resolved_fp8_scaling == "delayed"):
             add((k,), f"is read by delayed scaling only (recipe: fp8_hybrid with fp8_scaling: delayed); with "
                 f"fp8_scaling: {cfg.resolved_fp8_scaling} (current scaling per tensor, or blockwise per tile) each "
                 "tensor is scaled by its own amax in the same step: remove the key")
@@ -211,7 +208,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
                 add((f"{where}.type",), "conversation rows are rendered with a chat template, and "
                     "use_chat_template is false")
     if cfg.trainer in ("dpo", "grpo"):  # keys the SFT data pipeline reads (data/pipeline.py), not DPO's or GRPO's
-        for k in [k for k in SFT_DATA_KEYS if _changed(cfg, k)]:
+        for k in [k for k in SFT_DATA_KEYS if differs_from_default(cfg, k)]:
             add((k,), f"is read by the SFT data pipeline; trainer: {cfg.trainer} builds its rows its own way: remove "
                 "the key")
         for where, d in entries:
@@ -229,7 +226,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
     # --- GRPO (config/grpo.py)
     if cfg.trainer != "grpo":
         shared = SHARED_KEYS.get(cfg.trainer, ())
-        for k in [k for k in GRPOSection.model_fields if _changed(cfg, k) and k not in shared]:
+        for k in [k for k in GRPOSection.model_fields if differs_from_default(cfg, k) and k not in shared]:
             add((k,), f"is a GRPO option; it does not apply to trainer: {cfg.trainer} (set trainer: grpo)")
     else:
         if not cfg.reward_functions:
@@ -242,7 +239,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
             add(("format_regex", "reward_functions"), "the format_regex reward needs the pattern: set format_regex")
         if cfg.format_regex is not None and "format_regex" not in cfg.reward_functions:
             add(("format_regex",), "is the pattern of the format_regex reward; add format_regex to reward_functions")
-        if _changed(cfg, "exact_match_column") and "exact_match" not in cfg.reward_functions:
+        if differs_from_default(cfg, "exact_match_column") and "exact_match" not in cfg.reward_functions:
             add(("exact_match_column",), "is the column of the exact_match reward; add exact_match to "
                 "reward_functions")
     # --- beta / loss_type: read by dpo and grpo, each with its own defaults and loss types (config/policy_loss.py)
@@ -257,7 +254,7 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
 
     # --- DPO
     if cfg.trainer != "dpo":
-        for k in [k for k in DPO_KEYS if _changed(cfg, k)]:
+        for k in [k for k in DPO_KEYS if differs_from_default(cfg, k)]:
             add((k,), f"is a DPO option; it applies with trainer: dpo (this run's trainer is {cfg.trainer})")
     else:
         if cfg.label_smoothing and resolved_loss_type(cfg) != "sigmoid":

@@ -30,13 +30,12 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from surojax.config.base import differs_from_default
 from surojax.config.errors import ConfigProblem, format_key
+from surojax.config.explain import Loc, Positions
 
 if TYPE_CHECKING:
     from surojax.config.schema import TrainConfig
-
-Loc = tuple[str | int, ...]
-Positions = dict[Loc, tuple[int, int] | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,21 +570,9 @@ def translate(data: Mapping[str, Any], positions: Positions | None = None) -> Tr
 def named_spellings(cfg: TrainConfig) -> list[str]:
     """The keys of SUROGATE_NAMED / DATASET_NAMED that `cfg` sets away from surojax's default (a key at its
     default, as a dumped config writes it, says nothing about where the config came from)."""
-    out = [k for k in SUROGATE_NAMED if k in cfg.model_fields_set and _changed(cfg, k)]
+    out = [k for k in SUROGATE_NAMED if k in cfg.model_fields_set and differs_from_default(cfg, k)]
     for section in DATASET_SECTIONS:
         for i, spec in enumerate(getattr(cfg, section)):
             out += [format_key((section, i, k)) for k in DATASET_NAMED if k in spec.model_fields_set
-                    and _changed(spec, k)]
+                    and differs_from_default(spec, k)]
     return out
-
-
-def _changed(model: Any, key: str) -> bool:
-    return getattr(model, key) != type(model).model_fields[key].get_default(call_default_factory=True)
-
-
-def user_loc(loc: Loc, origins: Mapping[Loc, Loc]) -> tuple[Loc, Loc | None]:
-    """(the user's key for a surojax key, the surojax key it was read as, or None when the user wrote it)."""
-    for n in range(len(loc), 0, -1):
-        if loc[:n] in origins:
-            return origins[loc[:n]] + loc[n:], loc
-    return loc, None
