@@ -6,7 +6,6 @@ training for full fine-tuning (surojax/train/dpo.py).
 """
 from __future__ import annotations
 
-
 from pydantic import Field
 
 from surojax.config.base import StrictModel

@@ -42,7 +42,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-
 from surojax.config.errors import ConfigError, ConfigProblem
 from surojax.config.explain import Loc, Positions
 from surojax.config.load import apply_overrides, load_config, parse_override, read_config_file, validated
