@@ -173,24 +173,26 @@ def launcher(command: str | None) -> tuple[list[str], str | None]:
     return [sys.executable, "-m", "surojax.cli.main", command], None
 
 
-def resume_command(words: list[str], config: str | None, overrides: list[str], *, config_flag: bool = False) -> str:
-    """The shell command line that continues an interrupted run: `words` (see `launcher`), the config unless None,
-    the same overrides (never --overwrite) and `-o resume_from_checkpoint=true`."""
+def command_setting(words: list[str], config: str | None, overrides: list[str], key: str, value: Any, *,
+                    config_flag: bool = False) -> str:
+    """The shell command line that runs again with top-level `key` set to `value`: `words` (see `launcher`), the
+    config unless None, the same overrides but those of `key` (never --overwrite), then `-o key=value`."""
     words = list(words)
     if config is not None:
         words += [*(["--config"] if config_flag else []), config]
     for o in overrides:
-        if not o.startswith("resume_from_checkpoint="):
+        if o.partition("=")[0].strip() != key:
             words += ["-o", o]
-    return shlex.join([*words, "-o", "resume_from_checkpoint=true"])
+    return shlex.join([*words, "-o", f"{key}={value}"])
 
 
 def resume_command_for(args: argparse.Namespace, *, config_flag: bool = False) -> str:
-    """The resume command of the run `args` (add_config_arguments' config and overrides) started: `launcher` +
-    `resume_command`, the config left out when the launcher passes it already (scripts/run.sh)."""
+    """The command line that continues the interrupted run `args` (add_config_arguments' config and overrides)
+    started, `-o resume_from_checkpoint=true` added (`command_setting`), from the user's shell (`launcher`); the
+    config left out when the launcher passes it already (scripts/run.sh)."""
     words, given = launcher(None if config_flag else args.command)
-    return resume_command(words, None if given == args.config else args.config, args.override,
-                          config_flag=config_flag)
+    return command_setting(words, None if given == args.config else args.config, args.override,
+                           "resume_from_checkpoint", "true", config_flag=config_flag)
 
 
 NOISY_LOGGERS = ("absl", "jax._src", "orbax", "grain")  # warnings only, during a training command

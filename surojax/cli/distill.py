@@ -10,12 +10,11 @@ config's `teacher_logprobs`, else to <output_dir>/teacher_logprobs (surojax/trai
 from __future__ import annotations
 
 import argparse
-import shlex
 from pathlib import Path
 
 from surojax.cli.common import (
-    UsageError, add_config_arguments, add_overwrite_argument, launcher, load_config_args, refuse_existing,
-    train_from_args)
+    UsageError, add_config_arguments, add_overwrite_argument, command_setting, launcher, load_config_args,
+    refuse_existing, train_from_args)
 
 TRAINER = "distill"
 
@@ -47,13 +46,7 @@ def trainer_override(config: str, overrides: list[str]) -> list[str]:
 def train_command(config: str, overrides: list[str], sidecar: str | Path) -> str:
     """The shell command that trains from a precomputed sidecar: the same config and the user's own overrides
     (their teacher_logprobs replaced), runnable from the user's shell (cli/common.py `launcher`)."""
-    from surojax.config.load import parse_override  # lazy: `surojax --help` must not import pydantic
-
-    words = [*launcher("distill")[0], config]
-    for o in overrides:
-        if parse_override(o)[0] != ("teacher_logprobs",):
-            words += ["-o", o]
-    return shlex.join([*words, "-o", f"teacher_logprobs={sidecar}"])
+    return command_setting(launcher("distill")[0], config, overrides, "teacher_logprobs", sidecar)
 
 
 def precompute(args: argparse.Namespace, user_overrides: list[str]) -> int:
