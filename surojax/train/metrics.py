@@ -46,9 +46,10 @@ class JsonlSink:
 def set_aside(path: Path) -> tuple[Path, list[int]] | None:
     """Move `path` (a metrics.jsonl of an earlier run) to the first free `metrics.<n>.jsonl` beside it, when it
     holds rows; returns (where it went, the steps it holds). None (nothing moved) when it is missing or empty."""
-    if not path.is_file() or not path.read_text().strip():
+    text = path.read_text() if path.is_file() else ""
+    if not text.strip():
         return None
-    steps = sorted({int(s) for s in map(_row_step, path.read_text().splitlines()) if math.isfinite(s)})
+    steps = sorted({int(s) for s in map(_row_step, text.splitlines()) if math.isfinite(s)})
     n = 1
     while (moved := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
         n += 1
