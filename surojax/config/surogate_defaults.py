@@ -70,7 +70,7 @@ _SUROJAX_SHOWN = {"zero_stage": lambda c: c.resolved_zero_stage, "dataloader_num
 def differing_defaults(cfg: TrainConfig) -> list[tuple[str, str, str]]:
     """(key, surojax's value, Surogate's documented default) for each default of DEFAULTS that this run uses
     (the config leaves the key unset) and that matters here."""
-    out, written = [], cfg.model_fields_set | set(getattr(cfg, "_surogate_spellings", ()))
+    out, written = [], cfg.model_fields_set | set(cfg._surogate_spellings)
     for d in DEFAULTS:
         if d.key in written or not d.applies(cfg):
             continue
@@ -86,7 +86,7 @@ def differing_defaults(cfg: TrainConfig) -> list[tuple[str, str, str]]:
 def summary_lines(cfg: TrainConfig) -> list[str]:
     """The start-up lines of a config that looks like Surogate's (none otherwise): which spellings were read, the
     notes, and every default that differs from Surogate's."""
-    spellings = getattr(cfg, "_surogate_spellings", ())
+    spellings = cfg._surogate_spellings
     if not spellings:
         return []
     shown = ", ".join(spellings[:6]) + (f" and {len(spellings) - 6} more" if len(spellings) > 6 else "")
