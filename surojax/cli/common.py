@@ -1,7 +1,8 @@
 """What every CLI command shares: run it with user errors turned into a clean message, config arguments.
 
 Exit codes: 0 done, 1 a user error (bad config, missing file: one red line each, no traceback),
-2 bad usage (or a command module missing from a broken install), 130 interrupted. Anything else is a bug and keeps its traceback.
+2 bad usage (or a command module missing from a broken install), 130 interrupted. Anything else is a bug and keeps
+its traceback.
 
 A user error is a ConfigError or any exception whose class sets `is_user_error = True`; raise such a class
 (or UsageError) for mistakes the user can fix, so that every command reports them the same way.
