@@ -3,16 +3,15 @@
 `plan_memory(model_cfg, ...)` returns a `MemoryPlan` whose components are bytes ON ONE DEVICE (no sharding but
 the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`):
 
-    weights      frozen base (LoRA: compute dtype, bf16; a quantised base, qlora's or a pre-quantised checkpoint's:
-                 the layers' Linear kernels at `kernel_weight_bytes` per value; experts kept packed, gpt-oss's
-                 MXFP4: their kernels at `expert_weight_bytes` per value) or master weights (full:
-                 `master_dtype`, fp32 in the bf16 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay
-                 on the device (an untied embedding is streamed too: it is on the device only for the forward's
-                 token gather; XLA does not prefetch the next layer, measured; `prefetch`: the layer computing plus
-                 `prefetch_depth` layers fetched ahead, the bound prefetch.py's unrolled loop enforces); with `offload_master` the
-                 layers are their compute-dtype copy (c bytes / param; their fp32 master is in host memory) plus
-                 two layers' master in flight during the per-layer update, the embedding / head / norms stay
-                 in `master_dtype`
+    weights      frozen base (LoRA: compute dtype, bf16; a quantised base, qlora's or a pre-quantised checkpoint's: the
+                 layers' Linear kernels at `kernel_weight_bytes` per value; experts kept packed, gpt-oss's MXFP4: their
+                 kernels at `expert_weight_bytes` per value) or master weights (full: `master_dtype`, fp32 in the bf16
+                 recipe); with `offload_base` the device copy of one layer plus the norms and the head stay on the
+                 device (an untied embedding is streamed too: it is on the device only for the forward's token gather;
+                 XLA does not prefetch the next layer, measured; `prefetch`: the layer computing plus `prefetch_depth`
+                 layers fetched ahead, the bound prefetch.py's unrolled loop enforces); with `offload_master` the layers
+                 are their compute-dtype copy (c bytes / param; their fp32 master is in host memory) plus two layers'
+                 master in flight during the per-layer update, the embedding / head / norms stay in `master_dtype`
     cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights; fp8_hybrid
                  (current / delayed scaling) adds the step's E4M3 copies of the layers' kernels (2 bytes per parameter).
                  recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
@@ -245,10 +244,10 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
         wb = c  # the frozen base in the compute dtype
         # quantised kernels (qlora / pre-quantised: all of them; packed MXFP4: the experts' E * 3 * D * F): their
         # values per layer at their bytes each instead of wb
-        quantized = {t: _per_expert(cfg, t) * i * o for t, (i, o) in io.items()
-                     if _kernel_bytes(cfg, t, kernel_weight_bytes, expert_weight_bytes) is not None}
-        layer_bytes = layer_params * wb - sum(
-            v * (wb - _kernel_bytes(cfg, t, kernel_weight_bytes, expert_weight_bytes)) for t, v in quantized.items())
+        kernel_bytes = {t: b for t in io if (b := _kernel_bytes(cfg, t, kernel_weight_bytes, expert_weight_bytes))
+                        is not None}
+        quantized = {t: _per_expert(cfg, t) * io[t][0] * io[t][1] for t in kernel_bytes}
+        layer_bytes = layer_params * wb - sum(v * (wb - kernel_bytes[t]) for t, v in quantized.items())
         # streamed: the device copy of the layer being computed; an untied embedding table is in host memory too
         # (fetched for the gather at the start of the forward pass, dead before the backward pass where the peak
         # is): streamed peak = resident peak - host bytes (as the GPU runs measured it: benchmarks/RESULTS.md).

@@ -55,6 +55,8 @@ from surojax.models.targets import (  # noqa: F401 - the target names, re-export
 
 TRAINABLE = nnx.LoRAParam
 FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
 class LoRADropoutKey(nnx.Variable):
     """Raw PRNG key data [L, *key_shape] for LoRA dropout (one key per layer); set by `set_dropout_key`."""
 
@@ -171,8 +173,8 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
             data = jax.random.key_data(jax.random.split(rngs.params(), L))  # [L, *key_shape]
             key = LoRADropoutKey(data, **{AXES: ("layers",) + (None,) * (data.ndim - 1)})
         replace_module(model.layers, LINEAR_MODULES[name],
-             LoRALinear(base, lora_a, lora_b, rank=rank, alpha=alpha, use_rslora=use_rslora, dropout=dropout,
-                        dropout_key=key))
+                       LoRALinear(base, lora_a, lora_b, rank=rank, alpha=alpha, use_rslora=use_rslora,
+                                  dropout=dropout, dropout_key=key))
     return model
 
 

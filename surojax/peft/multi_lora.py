@@ -90,8 +90,8 @@ def apply_multi_lora(model, *, max_loras: int, max_rank: int, targets: str | Seq
         if not hasattr(base, "in_features"):
             raise LoRASlotError(f"cannot serve LoRA adapters on {name}: it is not a plain Linear ({type(base).__name__})")
         replace_module(model.layers, LINEAR_MODULES[name],
-             MultiLoRALinear(base, num_layers=model.cfg.num_layers, num_slots=max_loras + 1, rank=max_rank,
-                             dtype=dtype))
+                       MultiLoRALinear(base, num_layers=model.cfg.num_layers, num_slots=max_loras + 1,
+                                       rank=max_rank, dtype=dtype))
     return model
 
 

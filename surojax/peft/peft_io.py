@@ -34,6 +34,7 @@ import numpy as np
 from surojax.models.registry import LINEAR_MODULES, LLAMA_STYLE_WEIGHTS, WeightRow, weight_rows
 from surojax.peft.lora import EXPERT_TARGETS, TARGET_PATHS, lora_modules, lora_scaling, resolve_targets
 from surojax.peft.peft_experts import PEFT_PARAMETERS, expert_module_name, from_peft, to_peft
+from surojax.weights.atomic import atomic_path
 from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
 
@@ -215,13 +216,8 @@ def copy_adapter_files(adapter_dir: str | os.PathLike, dest: str | os.PathLike) 
     adapter_dir, dest = Path(adapter_dir), Path(dest)
     out = []
     for name in (WEIGHTS_FILE, CONFIG_FILE):  # the config last: a folder with it is taken as a whole adapter
-        tmp = dest / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
+        with atomic_path(dest / name) as tmp:
             shutil.copyfile(adapter_dir / name, tmp)
-            os.replace(tmp, dest / name)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
         out.append(dest / name)
     return out
 

@@ -193,7 +193,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     by_path: dict[str, list[tuple[str, WeightRow, tuple[int, ...]]]] = {}
     for name, (row, index, _) in expected.items():
         by_path.setdefault(row.path, []).append((name, row, index))
-    state = _quantized_state(model_dir, scheme, by_path, where, shapes, unused, param_dtype) \
+    state = _quantized_state(model_dir, scheme, by_path, where, shapes, unused, np_dtype) \
         if scheme is not None and keep_quantized else {}
     if scheme is not None and not keep_quantized:
         log.info("%s: %s, dequantised to %s", model_dir, scheme.describe(), np_dtype)
@@ -237,7 +237,7 @@ def _kept_quantized(row: WeightRow) -> bool:
 
 
 def _quantized_state(model_dir: Path, scheme: QuantScheme, by_path: dict, where: dict, shapes: dict,
-                     unused: tuple[str, ...], param_dtype) -> dict[str, QuantFormat]:
+                     unused: tuple[str, ...], np_dtype: np.dtype) -> dict[str, QuantFormat]:
     """State path -> the stacked quantised pytree of every Linear kernel the checkpoint stores quantised in all its
     layers (surojax.weights.prequant.stacking); the others are left to the float path, with the reason logged."""
     out, dequantised = {}, []
@@ -261,7 +261,7 @@ def _quantized_state(model_dir: Path, scheme: QuantScheme, by_path: dict, where:
         out[path] = value
     log.info("%s: %s; %d Linear kernels kept quantised", model_dir, scheme.describe(), len(out))
     if dequantised:
-        log.info("%s: dequantised to %s: %s", model_dir, np.dtype(jnp.dtype(param_dtype)), "; ".join(dequantised))
+        log.info("%s: dequantised to %s: %s", model_dir, np_dtype, "; ".join(dequantised))
     if unused:
         log.info("%s: %d activation / KV-cache scale tensors are not used (weight-only: activations and the KV cache "
                  "run in the compute dtype): %s", model_dir, len(unused), _listing(unused))

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from surojax.weights.atomic import write_text_atomic
 from surojax.weights.safetensors_file import DTYPES, SafetensorsFile, WeightsError, write_safetensors
 
 
@@ -213,8 +214,6 @@ def test_absurd_shape_and_trailing_bytes(tmp_path):
 def test_written_files_get_the_usual_new_file_mode(tmp_path):
     """Not the 0600 of safetensors' own temporary file: 0666 & ~umask, as any file the user writes, also when the
     file replaces an older one (atomic_path / AtomicFile, weights/atomic.py)."""
-    from surojax.weights.atomic import write_text_atomic
-
     old = os.umask(0o027)
     try:
         path = tmp_path / "t.safetensors"

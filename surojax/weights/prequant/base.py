@@ -91,9 +91,10 @@ class QuantScheme(abc.ABC):
         """The quantised weights among the tensors of `where` (name -> file); PrequantError for a tensor of the
         format that is incomplete (a scale without its weight, a quantised weight without its scale)."""
 
-    @abc.abstractmethod
     def logical_shape(self, stored: Stored, where: dict) -> tuple[int, int]:
-        """(out, in) of the weight, as a float checkpoint would store it."""
+        """(out, in) of the weight, as a float checkpoint would store it: the stored weight's shape, for formats
+        that store one value per element (a packed format overrides it)."""
+        return tuple(where[stored.weight].shape(stored.weight))
 
     @abc.abstractmethod
     def read(self, stored: Stored, where: dict) -> QuantFormat:
@@ -150,6 +151,12 @@ def refuse_unclaimed(where: dict, weights: dict[str, Stored], dtypes: tuple, wha
         if name not in claimed and np.dtype(f.dtype(name)) in dtypes:
             raise PrequantError(f"{f.path}: tensor {name} is {np.dtype(f.dtype(name))} but is not a quantised weight "
                                 f"this checkpoint describes ({what})")
+
+
+def kv_cache_scales(where: dict) -> tuple[str, ...]:
+    """The KV-cache scale tensors (<attention>.k_scale / v_scale) of a checkpoint with a quantised KV cache (not
+    used: module docstring)."""
+    return tuple(n for n in where if n.endswith((".k_scale", ".v_scale")))
 
 
 def with_suffix(names, suffix: str) -> list[str]:

@@ -35,7 +35,8 @@ import re
 from pathlib import Path
 
 from surojax.quant.fp8 import FP8Block
-from surojax.weights.prequant.base import Claims, PrequantError, QuantScheme, Stored, refuse_unclaimed, with_suffix
+from surojax.weights.prequant.base import (Claims, PrequantError, QuantScheme, Stored, kv_cache_scales,
+                                           refuse_unclaimed, with_suffix)
 from surojax.weights.prequant.fp8_blocks import E4M3, fp8_weight
 
 FORMATS = ("float-quantized", "naive-quantized")  # the same tensors for 8-bit float weights
@@ -162,11 +163,7 @@ class CompressedTensors(QuantScheme):
                                     f"{group.name} has static input activations)")
             weights[weight] = Stored(weight, {"scale": module + SCALE}, unused)
         refuse_unclaimed(where, weights, (E4M3,), f"compressed-tensors stores <module>.weight with <module>{SCALE}")
-        kv = tuple(n for n in where if n.endswith((".k_scale", ".v_scale"))) if self.kv_cache else ()
-        return Claims(weights, kv)
-
-    def logical_shape(self, stored: Stored, where: dict) -> tuple[int, int]:
-        return tuple(where[stored.weight].shape(stored.weight))
+        return Claims(weights, kv_cache_scales(where) if self.kv_cache else ())
 
     def read(self, stored: Stored, where: dict) -> FP8Block:
         group = self.group_of(stored.module)

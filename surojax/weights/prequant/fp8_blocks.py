@@ -101,8 +101,5 @@ class FineGrainedFP8(QuantScheme):
         refuse_unclaimed(where, weights, (E4M3,), f"quant_method fp8 stores <module>.weight with <module>{SCALE}")
         return Claims(weights)
 
-    def logical_shape(self, stored: Stored, where: dict) -> tuple[int, int]:
-        return tuple(where[stored.weight].shape(stored.weight))
-
     def read(self, stored: Stored, where: dict) -> FP8Block:
         return fp8_weight(where, stored, self.block, f"{self.source.name}: quant_method fp8")

@@ -25,18 +25,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from surojax.quant.base import QuantFormat
 from surojax.quant.nvfp4 import BLOCK, NVFP4
-from surojax.weights.prequant.base import (Claims, PrequantError, QuantScheme, Stored, expect_shape, refuse_unclaimed,
-                                           scalar, tensor, with_suffix)
-from surojax.weights.prequant.fp8_blocks import fp8_weight
+from surojax.weights.prequant.base import (Claims, PrequantError, QuantScheme, Stored, expect_shape, kv_cache_scales,
+                                           refuse_unclaimed, scalar, tensor, with_suffix)
+from surojax.weights.prequant.fp8_blocks import E4M3, fp8_weight
 
 ALGOS = {"NVFP4": "nvfp4", "FP8": "fp8"}
 FP8_KV = {"num_bits": 8, "type": "float"}  # kv_cache_scheme of an FP8 KV cache (modelopt convert_hf_config)
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 class ModelOpt(QuantScheme):
@@ -93,8 +91,7 @@ class ModelOpt(QuantScheme):
             weights[weight] = Stored(weight, parts, unused)
         refuse_unclaimed(where, weights, (E4M3, np.dtype(np.uint8)),
                          f"ModelOpt {self.algo} stores <module>.weight with <module>{marker}")
-        kv = tuple(n for n in where if n.endswith((".k_scale", ".v_scale"))) if self.kv_cache else ()
-        return Claims(weights, kv)
+        return Claims(weights, kv_cache_scales(where) if self.kv_cache else ())
 
     def logical_shape(self, stored: Stored, where: dict) -> tuple[int, int]:
         n, k = where[stored.weight].shape(stored.weight)[:2]
