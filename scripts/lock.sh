@@ -20,7 +20,9 @@ tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
   echo "# Written by scripts/lock.sh from a fresh resolution of pyproject.toml on $(date -u +%Y-%m-%d); do not edit."
   "$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -v '^surojax'
 } > "$tmp/constraints.txt"
-[ -f "$root/constraints.txt" ] && { diff "$root/constraints.txt" "$tmp/constraints.txt" | grep '^[<>] [^#]' \
-  || echo "[lock] no version changed"; }
+if [ -f "$root/constraints.txt" ]; then  # the pins that moved (diff exits 1 when any did: not a failure here)
+  changed="$(diff "$root/constraints.txt" "$tmp/constraints.txt" | grep '^[<>] [^#]' || true)"
+  echo "${changed:-[lock] no version changed}"
+fi
 cp "$tmp/constraints.txt" "$root/constraints.txt"
 echo "[lock] wrote $root/constraints.txt; run bash scripts/test.sh on it before committing" >&2

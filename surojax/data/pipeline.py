@@ -12,7 +12,7 @@ from the config's `DataSection`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from surojax.config.data import DataSection, DatasetSpec
 from surojax.data.formats import Example, detect_type, fit_pieces, make_formatter, supervised_targets
 from surojax.data.loader import EvalLoader, TrainLoader
 from surojax.data.packing import PackedRows
-from surojax.data.sources import DataError, InvalidRowError, ReadStats, read_rows
+from surojax.data.sources import DataError, InvalidRowError, ReadStats, Row, read_rows
 from surojax.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,12 @@ def dataset_spec(entry: DatasetEntry) -> DatasetSpec:
     if isinstance(entry, Mapping):
         return DatasetSpec.model_validate(dict(entry))
     raise TypeError(f"a dataset entry is a DatasetSpec, a path or a mapping, got {type(entry).__name__}")
+
+
+def spec_rows(spec: DatasetSpec, *, skip_invalid_rows: bool, stats: ReadStats) -> Iterator[Row]:
+    """`read_rows` of the source a dataset entry names (path, split, subset, data_files, samples)."""
+    return read_rows(spec.path, split=spec.split, subset=spec.subset, data_files=spec.data_files,
+                     samples=spec.samples, skip_invalid_rows=skip_invalid_rows, stats=stats)
 
 
 @dataclass
@@ -115,8 +121,7 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
     TRUNCATION_MODES); counts go into `stats` (skips, truncation, the chosen type)."""
     spec, stats = dataset_spec(spec), stats if stats is not None else DataStats(sequence_len=sequence_len)
     read = ReadStats()
-    rows = read_rows(spec.path, split=spec.split, subset=spec.subset, data_files=spec.data_files,
-                     samples=spec.samples, skip_invalid_rows=skip_invalid_rows, stats=read)
+    rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)
     fmt, kind, why, out = None, spec.type, "set in the config", []
     for where, row in rows:
         if fmt is None:

@@ -31,8 +31,9 @@ from surojax.config.data import DatasetSpec
 from surojax.data.batch import FIELDS, example_to_row
 from surojax.data.formats import _chat_template, _messages, detect_type
 from surojax.data.loader import TrainLoader, _local_batch, _process
-from surojax.data.pipeline import DataStats, DatasetEntry, chat_template_text, dataset_spec, validation_split
-from surojax.data.sources import DataError, InvalidRowError, ReadStats, read_rows
+from surojax.data.pipeline import (DataStats, DatasetEntry, chat_template_text, dataset_spec, spec_rows,
+                                   validation_split)
+from surojax.data.sources import DataError, InvalidRowError, ReadStats
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer
 from surojax.wording import a_type
 
@@ -109,8 +110,9 @@ class PairFormatter:
     def _standard(self, prompt: str, chosen, rejected) -> PreferencePair:
         for key, value in ((self.spec.chosen_field, chosen), (self.spec.rejected_field, rejected)):
             if not isinstance(value, str) or not value.strip():
+                found = "an empty string" if isinstance(value, str) else a_type(value)
                 raise InvalidRowError(f"standard preference field {key!r} must be a non-empty string (the prompt "
-                                      f"is a string), found {'an empty string' if isinstance(value, str) else a_type(value)}")
+                                      f"is a string), found {found}")
         tok = self.tokenizer
         eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
         return PreferencePair(_ids(tok.encode(prompt, add_special_tokens=True)), _ids(tok.encode(chosen) + eos),
@@ -208,8 +210,7 @@ def load_pairs(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int, s
     """Read, tokenize and fit one preference dataset (type preference, or auto detected as preference)."""
     spec = dataset_spec(spec)
     read = ReadStats()
-    rows = read_rows(spec.path, split=spec.split, subset=spec.subset, data_files=spec.data_files,
-                     samples=spec.samples, skip_invalid_rows=skip_invalid_rows, stats=read)
+    rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)
     fmt, why, out = PairFormatter(tokenizer, spec, chat_template), "set in the config", []
     for n, (where, row) in enumerate(rows):
         if n == 0 and spec.type == "auto":

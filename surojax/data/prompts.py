@@ -24,8 +24,8 @@ import numpy as np
 
 from surojax.config.data import DatasetSpec
 from surojax.data.formats import _chat_template, _messages
-from surojax.data.pipeline import DataStats, DatasetEntry, dataset_spec
-from surojax.data.sources import DataError, InvalidRowError, ReadStats, read_rows
+from surojax.data.pipeline import DataStats, DatasetEntry, dataset_spec, spec_rows
+from surojax.data.sources import DataError, InvalidRowError, ReadStats
 from surojax.data.tokenizer import Tokenizer
 from surojax.wording import a_type
 
@@ -84,8 +84,7 @@ def load_prompts(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, max_
             template = None  # string prompts need none; a messages row says so when it comes
         read = ReadStats()
         n0 = len(out)
-        for where, row in read_rows(spec.path, split=spec.split, subset=spec.subset, data_files=spec.data_files,
-                                    samples=spec.samples, skip_invalid_rows=skip_invalid_rows, stats=read):
+        for where, row in spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read):
             try:
                 p = prompt_of_row(row, tokenizer, spec, template)
             except InvalidRowError as e:

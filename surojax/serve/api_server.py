@@ -9,18 +9,18 @@
                                 --allow-runtime-lora (else 403), paths confined to --lora-root (`serve.lora_root`)
     POST /tokenize, /detokenize; GET /health, /metrics (Prometheus text)
 
-Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, unknown
-model, a message whose role is not one of OpenAI's (system, developer, user, assistant, tool; developer reaches a
-template that lacks it as system: `data.chat_roles`), prompt longer than max-model-len, invalid sampling values and invalid structured-output grammars
-(response_format / guided_*: the schema or regex is compiled before the request is queued) and grammars the
-vocabulary cannot spell (`GrammarVocab.unwritable`; tool_choice for a forced call format), 401 without the
---api-key bearer token (everything except /health and /metrics), 403 for runtime LoRA endpoints that are off,
-413 for a body over --max-request-bytes (`serve.body_limit`), 429 + Retry-After when the in-flight limit
+Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, unknown model, a
+message whose role is not one of OpenAI's (system, developer, user, assistant, tool; developer reaches a template
+that lacks it as system: `data.chat_roles`), prompt longer than max-model-len, invalid sampling values and invalid
+structured-output grammars (response_format / guided_*: the schema or regex is compiled before the request is
+queued) and grammars the vocabulary cannot spell (`GrammarVocab.unwritable`; tool_choice for a forced call format),
+401 without the --api-key bearer token (everything except /health and /metrics), 403 for runtime LoRA endpoints that
+are off, 413 for a body over --max-request-bytes (`serve.body_limit`), 429 + Retry-After when the in-flight limit
 (max-num-seqs + max-queue) is reached, 503 + Retry-After while draining or when the engine thread is gone, 500 for
-anything unexpected — never a crash. A request the engine ends early (finish_reason "abort" inside: a grammar
-stuck where no token continues it, an unloaded adapter) is an error saying why (`_for_client`), never a choice with
-that finish reason. A client that disconnects (stream or not) aborts its request(s) at once (the
-disconnect is awaited, not polled), which frees their KV blocks before the next engine step.
+anything unexpected — never a crash. A request the engine ends early (finish_reason "abort" inside: a grammar stuck
+where no token continues it, an unloaded adapter) is an error saying why (`_for_client`), never a choice with that
+finish reason. A client that disconnects (stream or not) aborts its request(s) at once (the disconnect is awaited,
+not polled), which frees their KV blocks before the next engine step.
 
 `n` > 1: n engine requests of one prompt (seeds seed, seed + 1, ... when given; the later ones hit the prompt's
 prefix blocks), collected together or streamed interleaved (`_merged`), each chunk naming its choice index.
@@ -51,6 +51,7 @@ from surojax.serve.config import DEFAULT_MAX_REQUEST_BYTES
 from surojax.serve.lora_root import LoraPathRefused, LoraRoot
 from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
                                     TokenizeRequest, UnloadLoRARequest)
+from surojax.serve.scheduler import RequestStatus
 from surojax.serve.tool_parsers import (ToolChoice, ToolChoiceError, ToolParser, ToolCallStream, parser_for,
                                         resolve_tool_choice)
 from surojax.wording import json_type
@@ -224,7 +225,7 @@ def _submit_n(state: ServerState, ids, params, adapter, n: int, split=False) -> 
     return streams
 
 
-ABORTED = "abort"  # the engine's finish reason for a request it ended early: not one of OpenAI's, never sent
+ABORTED = RequestStatus.FINISHED_ABORTED.value  # a request the engine ended early: not an OpenAI reason, never sent
 
 
 def _for_client(item):

@@ -37,8 +37,8 @@ import numpy as np
 from surojax.serve.writability import DeadEnd, Vocabulary, find_dead_end
 from surojax.wording import json_type
 
-__all__ = ["GrammarError", "GrammarMatcher", "GrammarVocabularyError", "GrammarVocab", "bitmask_width", "grammar_from_choice",
-           "grammar_from_json_object", "grammar_from_json_schema", "grammar_from_regex"]
+__all__ = ["GrammarError", "GrammarMatcher", "GrammarVocabularyError", "GrammarVocab", "bitmask_width",
+           "grammar_from_choice", "grammar_from_json_object", "grammar_from_json_schema", "grammar_from_regex"]
 
 
 class GrammarError(ValueError):

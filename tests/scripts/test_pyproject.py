@@ -1,5 +1,6 @@
-"""pyproject.toml and constraints.txt: the license is an SPDX expression string (PEP 639), not the deprecated TOML table that makes
-setuptools print a deprecation banner on every install, and the build requires a setuptools that reads it."""
+"""pyproject.toml and constraints.txt: the license is an SPDX expression string (PEP 639), not the deprecated TOML
+table that makes setuptools print a deprecation banner on every install; the build requires a setuptools that reads
+it; constraints.txt pins every requirement within its range."""
 import re
 import tomllib
 from pathlib import Path
