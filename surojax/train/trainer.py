@@ -276,16 +276,16 @@ class Trainer:
     # Whether the next step's batch may be read while the current step computes: it must not depend on the
     # step's result (GRPO's rollouts come from the policy the step updates: it turns this off).
     prefetch_batches = True
-    _prefetched: dict | None = None  # the next step's host batch, read ahead
+    _prefetched: dict | None = None  # the next step's device batch, read ahead
     _prefetched_data_state: dict | None = None  # the train loader's state before that batch was read
 
     def _prefetch_batch(self) -> None:
         self._prefetched_data_state = self.data.train.get_state()
-        self._prefetched = self.next_batch()
+        self._prefetched = self._device_batch(self.next_batch())
 
     def _take_batch(self) -> dict:
         batch, self._prefetched, self._prefetched_data_state = self._prefetched, None, None
-        return self._device_batch(batch if batch is not None else self.next_batch())
+        return batch if batch is not None else self._device_batch(self.next_batch())
 
     def _data_state(self) -> dict:
         """The train loader's position for a checkpoint: before a batch read ahead, which the resumed run reads."""
@@ -306,8 +306,9 @@ class Trainer:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics.
 
         The jitted step is dispatched first; while the device computes it, the host reads the next step's batch
-        (`prefetch_batches`) and evaluates the learning rate it logs; then it waits for the metrics, read back in
-        one transfer. The device does not wait for the host's data work between steps."""
+        and places it on the devices (`prefetch_batches`) and evaluates the learning rate it logs; then it waits
+        for the metrics, read back in one transfer. The device does not wait for the host's data work between
+        steps."""
         t0 = time.perf_counter()
         batch = self._take_batch()
         rng = jax.random.fold_in(self.key, self.step_count)
