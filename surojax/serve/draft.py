@@ -15,8 +15,6 @@ position), DRAFT)``); the last forward only writes d_k's KV.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from surojax.generation.sampling import BatchMode, SamplingParams
@@ -44,9 +42,8 @@ class DraftRunner(PagedRunner):
             params.append(s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams())
         rows = sampling_arrays(params, R)
         batch = InputBatch(tokens=last, start=start, sampling=rows, limit=limit, **self._address(group, R, S))
-        settings = dataclasses.replace(self.settings, mode=BatchMode(sample=bool((rows["temperature"] > 0).any())),
-                                       num_steps=num_tokens)
-        ids, q = self._device_call(self.access.propose, batch, settings)
+        mode = BatchMode(sample=bool((rows["temperature"] > 0).any()))
+        ids, q = self._device_call(self.access.propose, batch, self.settings.for_call(mode, num_tokens))
         return ids, limit, q
 
 

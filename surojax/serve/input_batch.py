@@ -32,7 +32,7 @@ Array = Any  # a jax or numpy array
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class InputBatch:
     """The arrays of one runner call (R rows, bucketed). Which call reads what:
 
@@ -48,7 +48,8 @@ class InputBatch:
     Every call: ``sampling``, the per-row sampling arrays of `sample_batch` / `speculative.sampling_arrays`;
     the KV address of its path (`KVAccess.address`): paged ``block_table`` [R, NB], or reference
     ``ctx_slots`` [R, S] (the pool slots of each row's context) and ``write_slots`` [R, T or K] (of its new
-    tokens; out of range where nothing is written).
+    tokens; out of range where nothing is written). Built once per call on the host and not changed after (not
+    frozen only because a frozen dataclass's __init__ costs microseconds more on every call).
     """
 
     tokens: Array
@@ -86,6 +87,23 @@ class StepSettings:
     kv_in_place: bool = False
     mode: BatchMode = BatchMode()
     num_steps: int = 1
+
+    def __hash__(self) -> int:  # computed once: jit hashes its static arguments on every call
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def for_call(self, mode: BatchMode, num_steps: int = 1) -> StepSettings:
+        """These settings with a call's part set; the same object for the same call part (cached), so that
+        jit's static-argument lookup is a dictionary hit on a cached hash."""
+        key = (mode, num_steps)
+        calls = self.__dict__.setdefault("_calls", {})
+        found = calls.get(key)
+        if found is None:
+            found = calls[key] = dataclasses.replace(self, mode=mode, num_steps=num_steps)
+        return found
 
 
 def run_decoder(model, tokens, positions, segment_ids, cache, settings: StepSettings):

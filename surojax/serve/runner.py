@@ -302,7 +302,7 @@ class PagedRunner:
         batch = InputBatch(tokens=tokens, start=ctx_len, sampling=rows, positions=positions, segment_ids=segments,
                            last_idx=last, adapter_rows=adapters,
                            **self._address(group, R, S, [s.num_new_tokens for s in group], T))
-        return self._device_call(self.access.step, batch, dataclasses.replace(self.settings, mode=mode))[0]
+        return self._device_call(self.access.step, batch, self.settings.for_call(mode))[0]
 
     def _run_multi(self, group: list[ScheduledRequest]):
         """A multi-step decode group (every row decoding, up to ``num_steps`` tokens each): see ``multi_step``."""
@@ -326,8 +326,7 @@ class PagedRunner:
         batch = InputBatch(tokens=tokens, start=start, sampling=rows, limit=limit, stop_ids=stop,
                            adapter_rows=adapters, **self._address(group, R, S, [s.num_steps for s in group], K))
         self.num_multi_calls += 1
-        settings = dataclasses.replace(self.settings, mode=mode, num_steps=K)
-        return self._device_call(self.access.multi_step, batch, settings)[0]
+        return self._device_call(self.access.multi_step, batch, self.settings.for_call(mode, K))[0]
 
     def _collect_multi(self, group: list[ScheduledRequest], host: dict, out: StepResult) -> None:
         for r, s in enumerate(group):
@@ -366,7 +365,7 @@ class PagedRunner:
         batch = InputBatch(tokens=last, start=start, sampling=rows, proposals=proposals, num_proposed=num_proposed,
                            draft_probs=draft_probs, **self._address(group, R, S))
         mode = BatchMode(sample=bool((rows["temperature"] > 0).any()))
-        res, = self._device_call(self.access.verify, batch, dataclasses.replace(self.settings, mode=mode))
+        res, = self._device_call(self.access.verify, batch, self.settings.for_call(mode))
         host = jax.device_get(res)
         out = StepResult()
         for r, s in enumerate(group):

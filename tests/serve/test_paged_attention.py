@@ -4,6 +4,7 @@ fp32 on CPU: same S, same mask, same reduction order), the same greedy tokens fr
 multi-step decode, stop ids, concurrent = sequential)."""
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -210,3 +211,17 @@ def test_auto_kv_path_picks_the_kernel_only_where_it_applies(model, monkeypatch)
     assert resolve_kv_path(auto, cfg, BS, 10 ** 9) is KVPath.PAGED  # over the kernel's 2^31-element pool
     assert resolve_kv_path(auto, dataclasses.replace(cfg, sliding_window=8), BS, 8) is KVPath.PAGED
     assert resolve_kv_path(KVPath.REDUCE, cfg, BS, 10 ** 9) is KVPath.REDUCE
+
+
+def test_call_settings_are_cached_and_equal_to_fresh_ones():
+    """`StepSettings.for_call`: one object per call part (jit's static lookup hits a cached hash), equal to and
+    hashing like the settings built afresh, so a cached one never selects another compiled program."""
+    import dataclasses
+
+    base = StepSettings(block_size=BS, lora=True, unroll=True)
+    multi = base.for_call(GREEDY, 4)
+    assert base.for_call(GREEDY, 4) is multi and base.for_call(GREEDY) is not multi
+    fresh = dataclasses.replace(base, mode=BatchMode(), num_steps=4)
+    assert multi == fresh and hash(multi) == hash(fresh) and multi != base.for_call(BatchMode(sample=True), 4)
+    batch = InputBatch(tokens=np.zeros((2, 1), np.int32), start=np.zeros(2, np.int32), sampling={})
+    assert len(jax.tree.leaves(batch)) == 2  # the fields a call does not use send nothing
