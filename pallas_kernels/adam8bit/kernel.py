@@ -19,7 +19,7 @@ The same operations in the same order as the XLA form. Where a compiler contract
 fused multiply-add (XLA CPU does, by fusion; Triton does; its fp32 division may also be the 2-ulp `div.full`)
 the roundings differ by an ulp or two: tests hold the kernel (interpret mode) to the XLA form within a few ulps.
 Reads 10 bytes per parameter (g fp32, p, two codes), writes 6: the XLA form reads and writes each tensor several
-times and copies each layer's slices (benchmarks/RESULTS.md, session 13).
+times and copies each layer's slices (benchmarks/RESULTS.md#s13).
 """
 from __future__ import annotations
 
