@@ -31,8 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.adam8bit.reference import quantize_rows  # the per-block absmax and nearest-code search
+
 BLOCK = 256  # values per quantisation block (bitsandbytes' block for its 8-bit optimizers)
-PREFIX_SHIFT = 16  # the bucket table's key prefix (optim_8bit.PREFIX_SHIFT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,22 +50,6 @@ class Adam8bitHyper:
 class Adam8bitTiles:
     rows: int = 16  # blocks per program (rows * 256 values)
     num_warps: int = 4
-
-
-def _nearest(normed, first_ref, bounds_ref):
-    """optim_8bit.nearest_code_index in int32 arithmetic: the index of the nearest code (ties: the lower)."""
-    bits = jax.lax.bitcast_convert_type(normed, jnp.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    bucket = (key >> PREFIX_SHIFT) + (1 << (31 - PREFIX_SHIFT))  # [0, 2^16)
-    below = first_ref[bucket].astype(jnp.int32)
-    idx = jnp.where(normed <= bounds_ref[below], below, below + 1)
-    return jnp.where(jnp.isnan(normed), 255, idx).astype(jnp.uint8)
-
-
-def _quantize(x, first_ref, bounds_ref):
-    absmax = jnp.max(jnp.abs(x), axis=1)  # [rows]
-    normed = x / jnp.where(absmax > 0, absmax, 1.0)[:, None]
-    return _nearest(normed, first_ref, bounds_ref), absmax
 
 
 def _kernel(glob_ref, layer_ref, g_ref, p_ref, mc_ref, ma_ref, vc_ref, va_ref, smap_ref, umap_ref, sfirst_ref,
@@ -85,8 +70,8 @@ def _kernel(glob_ref, layer_ref, g_ref, p_ref, mc_ref, ma_ref, vc_ref, va_ref, s
     if decay:
         d = d + h.weight_decay * p
     p_out[...] = (p + step * d).astype(p_out.dtype)
-    mc_out[...], ma_out[...] = _quantize(m, sfirst_ref, sbounds_ref)
-    vc_out[...], va_out[...] = _quantize(v, ufirst_ref, ubounds_ref)
+    mc_out[...], ma_out[...] = quantize_rows(m, sfirst_ref, sbounds_ref)  # the tables are read as refs
+    vc_out[...], va_out[...] = quantize_rows(v, ufirst_ref, ubounds_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("hyper", "decay", "rows_per_layer", "tiles", "interpret"))

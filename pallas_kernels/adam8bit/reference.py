@@ -6,14 +6,19 @@ scale it. The nearest-code search is the bucket table's (optim_8bit.nearest_code
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.adam8bit.kernel import PREFIX_SHIFT, Adam8bitHyper
+if TYPE_CHECKING:
+    from pallas_kernels.adam8bit.kernel import Adam8bitHyper
+
+PREFIX_SHIFT = 16  # the bucket table's key prefix (optim_8bit.PREFIX_SHIFT)
 
 
 def nearest_code(normed: jax.Array, first: jax.Array, bounds: jax.Array) -> jax.Array:
-    """The index (uint8) of the code nearest each value of `normed` (ties: the lower; NaN: 255), from the bucket
+    """(Also the kernel's, with `first` / `bounds` its table refs.) The index (uint8) of the code nearest each value of `normed` (ties: the lower; NaN: 255), from the bucket
     table: the top 16 bits of the value's order key pick a bucket, one compare with its bound decides."""
     bits = jax.lax.bitcast_convert_type(normed, jnp.int32)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -31,7 +36,7 @@ def quantize_rows(x: jax.Array, first: jax.Array, bounds: jax.Array) -> tuple[ja
 
 
 def adam8bit_reference(glob, layer_scalars, g, p, m_codes, m_absmax, v_codes, v_absmax, tables, *,
-                       hyper: Adam8bitHyper, decay: bool, rows_per_layer: int):
+                       hyper: "Adam8bitHyper", decay: bool, rows_per_layer: int):
     """adam8bit_kernel's operands and results (kernel.py), without tiles: (p, m_codes, m_absmax, v_codes,
     v_absmax). Not in place: new arrays."""
     h = hyper
