@@ -31,19 +31,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.adam8bit.reference import quantize_rows  # the per-block absmax and nearest-code search
+# the update's constants; the per-block absmax and nearest-code search (the same code as the reference's)
+from pallas_kernels.adam8bit.reference import Adam8bitHyper, quantize_rows
 
 BLOCK = 256  # values per quantisation block (bitsandbytes' block for its 8-bit optimizers)
-
-
-@dataclasses.dataclass(frozen=True)
-class Adam8bitHyper:
-    """The update's constants (static: one compiled kernel per set)."""
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float  # 0: no decay term at all (optax skips it)
-    max_norm: float | None  # the global-norm clip (None: no clip)
 
 
 @dataclasses.dataclass(frozen=True)

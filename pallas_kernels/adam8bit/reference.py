@@ -6,20 +6,28 @@ scale it. The nearest-code search is the bucket table's (optim_8bit.nearest_code
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:
-    from pallas_kernels.adam8bit.kernel import Adam8bitHyper
-
 PREFIX_SHIFT = 16  # the bucket table's key prefix (optim_8bit.PREFIX_SHIFT)
 
 
+@dataclasses.dataclass(frozen=True)
+class Adam8bitHyper:
+    """The update's constants (static: one compiled kernel per set)."""
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float  # 0: no decay term at all (optax skips it)
+    max_norm: float | None  # the global-norm clip (None: no clip)
+
+
 def nearest_code(normed: jax.Array, first: jax.Array, bounds: jax.Array) -> jax.Array:
-    """(Also the kernel's, with `first` / `bounds` its table refs.) The index (uint8) of the code nearest each value of `normed` (ties: the lower; NaN: 255), from the bucket
-    table: the top 16 bits of the value's order key pick a bucket, one compare with its bound decides."""
+    """The index (uint8) of the code nearest each value of `normed` (ties: the lower; NaN: 255), from the bucket
+    table: the top 16 bits of the value's order key pick a bucket, one compare with its bound decides. The kernel
+    runs the same code on its table refs."""
     bits = jax.lax.bitcast_convert_type(normed, jnp.int32)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     bucket = (key >> PREFIX_SHIFT) + (1 << (31 - PREFIX_SHIFT))  # [0, 2^16)
@@ -36,7 +44,7 @@ def quantize_rows(x: jax.Array, first: jax.Array, bounds: jax.Array) -> tuple[ja
 
 
 def adam8bit_reference(glob, layer_scalars, g, p, m_codes, m_absmax, v_codes, v_absmax, tables, *,
-                       hyper: "Adam8bitHyper", decay: bool, rows_per_layer: int):
+                       hyper: Adam8bitHyper, decay: bool, rows_per_layer: int):
     """adam8bit_kernel's operands and results (kernel.py), without tiles: (p, m_codes, m_absmax, v_codes,
     v_absmax). Not in place: new arrays."""
     h = hyper
@@ -60,4 +68,4 @@ def adam8bit_reference(glob, layer_scalars, g, p, m_codes, m_absmax, v_codes, v_
     return new_p, mc, ma, vc, va
 
 
-__all__ = ["adam8bit_reference", "nearest_code", "quantize_rows"]
+__all__ = ["Adam8bitHyper", "adam8bit_reference", "nearest_code", "quantize_rows"]
