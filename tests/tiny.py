@@ -3,13 +3,13 @@
 
     QWEN3       dense, qwen3: q/k norms, GQA 4 heads over 2 kv heads, head_dim 8, 2 layers, vocabulary 512 (the
                 fixture tokenizer's size, so it trains on the fixture data)
-    LLAMA       the same widths as a llama: no q/k norms
     QWEN3_MOE   qwen3_moe at the same widths: 4 experts of width 16, top 2
 
 `hf(preset, **changes)` is a fresh copy with some keys changed (a test that needs another vocabulary or depth says
 which); `model_config(preset, **changes)` the ModelConfig. A test whose check depends on particular shapes (the
 hand-written shardings of tests/parallel, the block sizes of a quantised format, a widths-vs-memory slope) keeps
-its own config beside its check.
+its own config beside its check. (A dense llama-like preset joins when a test outside tests/models, tests/serve
+and tests/train/test_step* uses one: none does today.)
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from surojax.models.config import ModelConfig
 
 QWEN3: dict[str, Any] = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
-LLAMA: dict[str, Any] = {**QWEN3, "model_type": "llama"}
 QWEN3_MOE: dict[str, Any] = {**QWEN3, "model_type": "qwen3_moe", "moe_intermediate_size": 16, "num_experts": 4,
                              "num_experts_per_tok": 2}
 
