@@ -48,7 +48,8 @@ from surojax.config.schema import TrainConfig
 from surojax.config.policy_loss import resolved_beta, resolved_loss_type
 from surojax.data.pipeline import DataStats
 from surojax.data.prompts import Prompt, PromptData, PromptOrder, load_prompts
-from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics
+from surojax.losses.grpo import (METRIC_DENOMINATORS, GRPOLossSettings, ScaleRewards, group_advantages, grpo_loss,
+                                  mean_metrics)
 from surojax.losses.token_logps import model_target_logps
 from surojax.models.layers.params import logical_axes
 from surojax.offload.device_budget import Beside, check_beside
@@ -85,7 +86,7 @@ class GenerationSpec:
     temperature: float
     top_p: float
     reward_weights: tuple[float, ...] | None
-    scale_rewards: str
+    scale_rewards: ScaleRewards
     mask_truncated_completions: bool
 
     @classmethod
