@@ -176,6 +176,7 @@ class Trainer:
         self._compiled = False  # whether this process has run (compiled) the train step yet
 
         self._config_record = config_record(cfg)  # what each checkpoint records of the config (checkpoint_match)
+        self._surogate_lines = surogate_summary_lines(cfg)  # the start-up summary's words on the config itself
         self.checkpointer = self._open_checkpointer(loop.output.checkpoint_dir)
         if loop.resuming:
             self._resume()
@@ -350,7 +351,7 @@ class Trainer:
             f"({planned / max(budget, 1):.2f}x)",
             f"devices {jax.device_count()} x {jax.devices()[0].device_kind}, mesh {dict(self.mesh.shape)}; "
             f"estimated peak device memory {self.memory_plan.total / 2**30:.1f} GiB",
-            *surogate_summary_lines(self.cfg),  # a Surogate config: the defaults that differ from Surogate's
+            *self._surogate_lines,  # a Surogate config: the defaults that differ from Surogate's
             *kernel_settings().summary_lines(),  # SUROJAX_* kernel overrides (A/B runs): never silent
         ]
 
