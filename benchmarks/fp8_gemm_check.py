@@ -39,8 +39,8 @@ Three parts:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import re
 import statistics
 import sys
@@ -49,6 +49,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from surojax.kernel_settings import kernel_settings, set_kernel_settings
 from surojax.precision.fp8_matmul import (DIRECT_REL_ERR, QDQ_REL_ERR, _fp8_dot_fwd, fp8_dot, fp8_dot_frozen,
                                           reference_dot)
 from surojax.precision.fp8_scaling import E4M3, E5M2, dequantize, quantize_current
@@ -280,8 +281,8 @@ def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool, forms: list
     for entry in forms:
         form, options = _parse_form(entry)
         bound = DIRECT_REL_ERR if form == "direct" else QDQ_REL_ERR
-        os.environ["SUROJAX_FP8_DOT"] = form  # read when the fp8 functions are traced (each variant is new)
-        os.environ["SUROJAX_FP8_ACCUM"] = _accum(entry)
+        # read when the fp8 functions are traced (each variant is new)
+        set_kernel_settings(dataclasses.replace(kernel_settings(), fp8_dot=form, fp8_accum=_accum(entry)))
         for name, (fn, args) in variants.items():
             if entry != forms[0] and not name.startswith("fp8"):
                 continue
@@ -325,8 +326,8 @@ def part_ops(rows, M: int, K: int, N: int, iters: int, timing: bool, forms: list
             if timing:
                 record["ms"] = _time(compiled, args, iters) * 1e3
             emit(rows, record)
-    os.environ["SUROJAX_FP8_DOT"] = _parse_form(forms[0])[0]
-    os.environ["SUROJAX_FP8_ACCUM"] = _accum(forms[0])
+    set_kernel_settings(dataclasses.replace(kernel_settings(), fp8_dot=_parse_form(forms[0])[0],
+                                            fp8_accum=_accum(forms[0])))
     return any_fp8, ok
 
 

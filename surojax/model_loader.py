@@ -27,6 +27,7 @@ from surojax.data.tokenizer import Tokenizer
 from surojax.hub import model_path
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
+from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.peft.stacked import load_adapter_into
 from surojax.weights.gguf_checkpoint import load_gguf_model
 from surojax.weights.hf_checkpoint import load_model
@@ -45,7 +46,7 @@ class LoadedModel:
     ref: ModelRef
 
 
-def load_base(ref: ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
+def load_base(ref: ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: AttentionBackend | str = "auto",
               keep_quantized: bool = False, cfg: ModelConfig | None = None,
               shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> tuple[Decoder, Tokenizer | None]:
     """The base weights of `ref` (its adapter is not applied) -> (Decoder, the GGUF metadata's tokenizer or None).
@@ -62,7 +63,8 @@ def load_base(ref: ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: 
                       keep_quantized=keep_quantized, shardings_of=shardings_of), None
 
 
-def load_model_ref(ref: str | os.PathLike | ModelRef, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
+def load_model_ref(ref: str | os.PathLike | ModelRef, *, dtype=jnp.float32, param_dtype=None,
+                   attention: AttentionBackend | str = "auto",
                    keep_quantized: bool = False, cfg: ModelConfig | None = None,
                    tokenizer_dir: str | os.PathLike | None = None) -> LoadedModel:
     """Load any model reference (surojax.weights.model_ref) with its adapter folded in and its tokenizer.

@@ -29,8 +29,8 @@ PACKAGES = ("surojax", "pallas_kernels")
 # models never import parallel / train / serve, and pallas_kernels never imports surojax (docs/architecture.md).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("pallas_kernels",),                                          # kernels: arrays + small specs in, arrays out
-    ("surojax.hub", "surojax.compilation_cache", "surojax.wording"),  # names -> local files (the Hub); XLA cache;
-                                                                      # message phrases
+    ("surojax.hub", "surojax.compilation_cache", "surojax.wording",  # names -> local files (the Hub); XLA cache;
+     "surojax.kernel_settings"),                                  # message phrases; kernel choices (SUROJAX_*)
     ("surojax.config",),                                          # the validated YAML: typed sections and rules
     ("surojax.models", "surojax.data"),                           # architecture; data pipeline (reads DatasetSpec)
     ("surojax.quant", "surojax.parallel", "surojax.generation", "surojax.losses"),  # transforms of / over a model
@@ -54,7 +54,8 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
         "surojax.config", "surojax.config.stages", "surojax.train.stages", "surojax.train.interrupts",
         "surojax.parallel.distributed", "surojax.train.xla_options")},
     **{(f"surojax.cli.{command}", target): _CLI_RUN for command, targets in {
-        "bench": ("surojax.bench.train_bench", "surojax.bench.config_bench", "surojax.models.layers.attention"),
+        "bench": ("surojax.bench.train_bench", "surojax.bench.config_bench",
+                  "surojax.models.layers.attention_backend"),
         "distill": ("surojax.config.load", "surojax.train.distill"),
         "grpo": ("surojax.config.load",),
         "grpo_colocate": ("surojax.config.errors", "surojax.config.grpo_colocate", "surojax.config.load"),

@@ -5,5 +5,5 @@
     kernel     the two Pallas kernels: y = x @ W (`forward`) and dx = g @ W^T (`transposed`), `Tiles`
     reference  their pure-jnp references over the same layout (`dequantize_layout` + jnp.dot, fp32 accumulation)
     api        `quant_matmul(x, w)`: custom_vjp over the kernels, or XLA's dequantise-then-matmul
-               (SUROJAX_QUANT_MATMUL = auto | pallas | xla, `matmul_mode()`)
+               (mode = auto | pallas | xla: the caller's; surojax's SUROJAX_QUANT_MATMUL setting)
 """

@@ -5,7 +5,8 @@
     xla     x @ w.dequantize(x.dtype): XLA dequantises the weight into a bf16 temporary and runs its GEMM; a
             custom_vjp dequantises again in the backward for dx = g @ W^T (no bf16 copy kept as a residual)
 
-The choice is `SUROJAX_QUANT_MATMUL` = auto | pallas | xla (read when the matmul is traced; default auto).
+The choice is the caller's `mode` = auto | pallas | xla (default auto; surojax passes its kernel settings'
+quant_matmul, SUROJAX_QUANT_MATMUL: surojax/kernel_settings.py; this package reads no environment).
 auto = xla off GPU, and on GPU pallas only for the formats listed in AUTO_PALLAS (the ones whose fused kernel
 benchmarks/quant_matmul_h200.py found faster than dequantise-then-matmul: benchmarks/RESULTS.md), xla for the
 rest. pallas forces the kernels (interpret mode off GPU: slow, for tests) and raises when a weight cannot
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Protocol
 
 import jax
@@ -55,7 +55,6 @@ class PackedWeight(Protocol):
         """The weight's KernelLayout with K tile kt (jnp, jit-able)."""
 
 
-ENV = "SUROJAX_QUANT_MATMUL"
 MODES = ("auto", "pallas", "xla")
 
 # Formats whose fused kernel beats XLA's dequantise-then-matmul (forward + input gradient) in
@@ -100,12 +99,12 @@ def decode_tiles(spec: LayoutSpec) -> Tiles:
     return TUNED_DECODE_TILES.get(spec.name, DECODE_TILES)
 
 
-def decode_layouts(mode: str | None = None) -> tuple[frozenset[str], int]:
+def decode_layouts(mode: str = "auto") -> tuple[frozenset[str], int]:
     """(layouts, min values): which weights a server should convert to the kernel layout
     (surojax.quant.laid_out.lay_out_model) so that decode takes the kernel. Under auto on a GPU the layouts with
     a measured crossover, for weights of at least DECODE_MIN_VALUES values; under pallas every one ("*": every
     quantised format with a kernel, plus the plain dtypes) at any size; none under xla or off GPU in auto."""
-    mode = mode or matmul_mode()
+    _check_mode(mode)
     if mode == "xla" or (mode == "auto" and not on_gpu()):
         return frozenset(), 0
     if mode == "auto":
@@ -113,12 +112,9 @@ def decode_layouts(mode: str | None = None) -> tuple[frozenset[str], int]:
     return frozenset({"*"} | set(PLAIN)), 0
 
 
-def matmul_mode() -> str:
-    """The path SUROJAX_QUANT_MATMUL asks for: "auto" (unset or empty), "pallas" or "xla"; ValueError otherwise."""
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+def _check_mode(mode: str) -> None:
     if mode not in MODES:
-        raise ValueError(f"{ENV}={mode!r}: expected one of {', '.join(MODES)}")
-    return mode
+        raise ValueError(f"quant_matmul mode {mode!r}: expected one of {', '.join(MODES)}")
 
 
 def on_gpu() -> bool:
@@ -211,10 +207,10 @@ def _tiles(w: PackedWeight, m: int | None) -> tuple[Tiles, Tiles]:
     return fwd, bwd
 
 
-def choose(w: PackedWeight, mode: str | None = None, m: int | None = None) -> str:
-    """'pallas' or 'xla' for weight w under `mode` (default: the env var) at M = m rows (None: unknown). Raises
-    in mode pallas when the weight cannot take the kernels."""
-    mode = mode or matmul_mode()
+def choose(w: PackedWeight, mode: str = "auto", m: int | None = None) -> str:
+    """'pallas' or 'xla' for weight w under `mode` at M = m rows (None: unknown). Raises in mode pallas when the
+    weight cannot take the kernels."""
+    _check_mode(mode)
     if mode == "xla":
         return "xla"
     spec = w.kernel_spec
@@ -222,7 +218,7 @@ def choose(w: PackedWeight, mode: str | None = None, m: int | None = None) -> st
     err = w.kernel_layout_error(fwd.kt) or (w.kernel_layout_error(bwd.kt) if bwd.kt != fwd.kt else None)
     if mode == "pallas":
         if err:
-            raise ValueError(f"{ENV}=pallas: {err}")
+            raise ValueError(f"quant_matmul mode pallas: {err}")
         return "pallas"
     if not on_gpu() or err:
         return "xla"
@@ -232,7 +228,7 @@ def choose(w: PackedWeight, mode: str | None = None, m: int | None = None) -> st
     return "pallas" if spec.name in AUTO_PALLAS else "xla"
 
 
-def quant_matmul(x: jax.Array, w: PackedWeight, mode: str | None = None) -> jax.Array:
+def quant_matmul(x: jax.Array, w: PackedWeight, mode: str = "auto") -> jax.Array:
     """x [..., K] @ W [K, N] -> [..., N] in x's dtype, by the path `choose` picks (the decode form of the kernel
     for M <= DECODE_ROWS rows)."""
     m = int(np.prod(x.shape[:-1]))
@@ -243,6 +239,6 @@ def quant_matmul(x: jax.Array, w: PackedWeight, mode: str | None = None) -> jax.
     return fused_matmul(x, w, KernelOptions(fwd, bwd, interpret=not on_gpu(), splits=splits))
 
 
-__all__ = ["AUTO_PALLAS", "DECODE_MAX_M", "DECODE_MIN_VALUES", "DECODE_ROWS", "DECODE_TILES", "DEFAULT_TILES", "ENV", "KernelOptions",
+__all__ = ["AUTO_PALLAS", "DECODE_MAX_M", "DECODE_MIN_VALUES", "DECODE_ROWS", "DECODE_TILES", "DEFAULT_TILES", "KernelOptions",
            "PackedWeight", "TUNED_DECODE_TILES", "TUNED_TILES", "choose", "decode_layouts", "decode_tiles",
-           "fused_matmul", "matmul_mode", "on_gpu", "quant_matmul", "tiles_for", "xla_matmul"]
+           "fused_matmul", "MODES", "on_gpu", "quant_matmul", "tiles_for", "xla_matmul"]

@@ -20,6 +20,7 @@ import jax
 
 from surojax.config.load import config_from_dict
 from surojax.config.schema import TrainConfig
+from surojax.kernel_settings import kernel_settings
 from surojax.train.trainers import make_trainer
 
 NEVER = 10**9  # a save_steps no timed run reaches
@@ -51,11 +52,12 @@ def run_config(cfg: TrainConfig, *, steps: int, warmup: int) -> dict:
             trainer.close()
     stats = jax.devices()[0].memory_stats() or {}
     return {
-        "trainer": run.trainer, "steps": steps, "warmup": warmup,
+        "trainer": trainer.loop.trainer, "steps": steps, "warmup": warmup,
         "step_ms": 1e3 * statistics.median(m["step_time"] for m in timed),
         "tokens_per_s": statistics.median(m["tokens_per_s"] for m in timed),
         "first_step_s": first["step_time"], "build_s": build_s,
         "loss_first": first["loss"], "loss_last": timed[-1]["loss"] if timed else first["loss"],
         "peak_gib": stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
         "device": jax.devices()[0].device_kind, "devices": jax.device_count(), "jax": jax.__version__,
+        "kernel_overrides": kernel_settings().overrides(),  # SUROJAX_* A/B overrides (surojax/kernel_settings.py)
     }

@@ -35,7 +35,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_kernels.quant_matmul.api import matmul_mode
 from surojax.bench.flops import PEAK_BF16_FLOPS, flop_targets, step_flops
 from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS, randomize_base
 from surojax.bench.shapes import SHAPES, shape_hf_config
@@ -43,7 +42,9 @@ from surojax.config.load import config_from_dict
 from surojax.config.schema import TrainConfig
 from surojax.losses.dpo import DPOSettings, dpo_loss
 from surojax.losses.lm import lm_chunk_tokens
+from surojax.kernel_settings import kernel_settings
 from surojax.models.layers.attention import packed_backend, runs_per_row
+from surojax.models.layers.attention_backend import AUTO as AUTO_ATTENTION, AttentionBackend, as_attention_backend
 from surojax.offload.memory_plan import MemoryPlan
 from surojax.offload.streaming import host_bytes
 from surojax.parallel import batch_parallel_size, batch_sharding, make_mesh
@@ -70,7 +71,7 @@ class BenchConfig:
     targets: str = "all-linear"  # lora_target_modules (a MoE model: attention names, gate_up_proj, down_proj, experts)
     alpha: float | None = None  # default 2 * rank (the anchor's)
     recompute: str = "auto"  # the trainer's default: the memory plan picks (resolved in build_run)
-    attention: str = "auto"  # auto | xla | cudnn | cudnn:M | cudnn:M:nocheck
+    attention: AttentionBackend = AUTO_ATTENTION  # --attention auto | xla | cudnn | cudnn:M | cudnn:M:nocheck
     lmhead_chunks: int = 1
     unroll_layers: int | bool | str = "auto"  # auto (the trainer's) | 1 = rolled layer scan | True = every layer
     recipe: str = "bf16"
@@ -92,6 +93,9 @@ class BenchConfig:
     task: str = "sft"  # sft: the LM loss on packed rows | dpo: the DPO loss on pairs (`batch` counts pairs)
     parallel: dict | None = None  # config `parallel:` (mesh sizes over every visible device); None: one device
     zero_stage: int | None = None  # config zero_stage (with `parallel`)
+
+    def __post_init__(self):
+        self.attention = as_attention_backend(self.attention, key="--attention")  # a script's spelling: parsed once
 
     def check(self) -> None:
         """The bench's own options; everything the trainer also has is checked by the config check
@@ -151,7 +155,7 @@ def train_config(bc: BenchConfig) -> TrainConfig:
     `shape` as the model (its weights random: `bench_spec`); the data is the synthetic packed rows below."""
     lora = bc.mode == "lora"
     keys = dict(
-        model=shape_dir(bc.shape), seed=bc.seed, attention=bc.attention,
+        model=shape_dir(bc.shape), seed=bc.seed, attention=bc.attention.kind.value,  # M and check: bench_spec
         recipe=bc.recipe, lora=lora, recompute=bc.recompute, lmhead_chunks=bc.lmhead_chunks,
         unroll_layers=bc.unroll_layers, optimizer=bc.optimizer, learning_rate=bc.learning_rate,
         lr_scheduler_type="constant", sequence_len=bc.seq, per_device_train_batch_size=bc.batch,
@@ -318,6 +322,9 @@ def run(bc: BenchConfig, log=None) -> dict:
     attention = setup.spec.model.attention
     log(f"built {bc.shape} ({bc.mode}{', base ' + bc.quant if bc.quant else ''}) in {init_s:.1f}s; attention "
         f"{attention}, {setup.layer_loop_reason}, lm-head chunk {setup.chunk} tokens")
+    kernels = kernel_settings()
+    for line in kernels.summary_lines():  # an A/B override of a kernel choice is never silent
+        log(line)
 
     rng = np.random.default_rng(bc.seed)
     if bc.task == "dpo":
@@ -363,6 +370,7 @@ def run(bc: BenchConfig, log=None) -> dict:
     fl = step_flops(mcfg, mode=bc.mode, tokens=tokens, segment_lengths=lengths, rank=bc.rank, targets=targets)
     fl_6n = step_flops(mcfg, mode="full", tokens=tokens, segment_lengths=lengths)  # 6 x active params x tokens
     n_train, n_frozen = _count(trainable), _count(setup.frozen)
+    spec = setup.spec  # what was built: the record reads the spec, the `*_asked` keys the bench's options
     return {
         "impl": "surojax", "task": bc.task,
         "shape": bc.shape, "mode": bc.mode, "batch": bc.batch, "seq": bc.seq, "accum": bc.accum,
@@ -386,18 +394,19 @@ def run(bc: BenchConfig, log=None) -> dict:
         "params_trainable": n_train,
         "params_total": n_train + (n_frozen if bc.mode == "lora" else 0),
         "config": {
-            "recompute": setup.spec.memory.recompute, "attention": bc.attention, "attention_backend": attention,
-            "lmhead_chunks": bc.lmhead_chunks,
-            "unroll_layers": setup.spec.memory.unroll,  # as resolved (asked: the two below)
+            "recompute": spec.memory.recompute, "attention": str(bc.attention), "attention_backend": str(attention),
+            "lmhead_chunks": spec.memory.lmhead_chunks,
+            "unroll_layers": spec.memory.unroll,  # as resolved (asked: the two below)
             "recompute_asked": bc.recompute, "unroll_layers_asked": bc.unroll_layers,
-            "offload_base": bc.offload_base, "prefetch": bc.prefetch, "base_format": bc.base_format, "init": bc.init,
-            "optimizer": bc.optimizer, "offload_optimizer": bc.offload_optimizer,
-            "offload_master": bc.offload_master,
-            "lm_chunk_tokens": setup.chunk, "rank": bc.rank if bc.mode == "lora" else None,
+            "offload_base": spec.memory.offload_base, "prefetch": bc.prefetch, "base_format": bc.base_format,
+            "init": bc.init, "optimizer": spec.optim.name, "offload_optimizer": spec.memory.offload_optimizer,
+            "offload_master": spec.memory.offload_master,
+            "lm_chunk_tokens": setup.chunk, "rank": spec.lora.adapter.rank if spec.lora is not None else None,
             "lora_targets": list(targets) if bc.mode == "lora" else None, "layer_loop": setup.layer_loop_reason,
             "parallel": bc.parallel, "zero_stage": bc.zero_stage,
-            "recipe": bc.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,
-            "quant_matmul": matmul_mode() if bc.quant else None,
+            "recipe": spec.precision.recipe, "segments": bc.segments, "min_segment": bc.min_segment, "quant": bc.quant,
+            "quant_matmul": kernels.quant_matmul.value if bc.quant else None,
+            "kernel_overrides": kernels.overrides(),  # SUROJAX_* variables set for an A/B run (kernel_settings)
             "steps": bc.steps, "repeats": bc.repeats, "warmup": bc.warmup, "lr": bc.learning_rate,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "device": device.device_kind,
             "jax": jax.__version__,

@@ -106,14 +106,13 @@ def run(args: argparse.Namespace) -> int:
         return _bench_config(args)
     # lazy: `surojax COMMAND --help` never imports jax (cli/main.py)
     from surojax.bench.train_bench import BenchConfig, main_json
-    from surojax.models.layers.attention import resolve_backend
+    from surojax.models.layers.attention_backend import parse_attention_backend
 
     try:
-        if args.attention != "auto":
-            resolve_backend(args.attention)
         bc = BenchConfig(shape=args.shape, mode=args.mode, batch=args.batch, seq=args.seq, accum=args.accum,
                          steps=args.steps or 10, warmup=args.warmup if args.warmup is not None else 2,
-                         repeats=args.repeats, rank=args.rank, recompute=args.recompute, attention=args.attention,
+                         repeats=args.repeats, rank=args.rank, recompute=args.recompute,
+                         attention=parse_attention_backend(args.attention, key="--attention"),
                          lmhead_chunks=args.lmhead_chunks, unroll_layers=args.unroll_layers, recipe=args.recipe,
                          fp8_scaling=args.fp8_scaling, segments=args.segments,
                          min_segment=min(args.min_segment, args.seq // args.segments), learning_rate=args.lr,

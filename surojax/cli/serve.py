@@ -13,6 +13,7 @@ import shlex
 import sys
 
 from surojax.cli.common import non_negative_int, positive_int
+from surojax.models.layers.attention_backend import AttentionBackend, parse_attention_backend
 from surojax.serve.config import (EngineConfig, KVCacheDtype, KVPath, LoraServeConfig, SchedulerConfig, ServeConfig, SpecMethod,
                                   SpeculativeConfig)
 
@@ -33,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=_SERVE.dtype,
                         help="auto = bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--attention", default=_SERVE.attention, help="attention backend (xla, cudnn, auto)")
+    parser.add_argument("--attention", default=str(_SERVE.attention),
+                        help="attention backend: auto | xla | cudnn | cudnn:M | cudnn:M:nocheck")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="longest prompt + completion (default: the model's, at most 8192)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=_SCHED.max_num_seqs, help="sequences batched at once")
@@ -185,8 +187,15 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                           kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype))
     return ServeConfig(model=args.model, engine=engine, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
-                       attention=args.attention, max_queue=args.max_queue,
+                       attention=_attention(args.attention), max_queue=args.max_queue,
                        max_request_bytes=args.max_request_bytes, lora=lora, log_level=args.log_level)
+
+
+def _attention(text: str) -> AttentionBackend:
+    try:
+        return parse_attention_backend(text, key="--attention")
+    except ValueError as e:
+        raise ServeOptionError(str(e)) from None
 
 
 class QuietBackendProbe(logging.Filter):

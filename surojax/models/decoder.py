@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from surojax.models.config import ModelConfig
 from surojax.models.kv import Cache, KVCache
 from surojax.models.layers.attention import Attention, layer_window_table
+from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.models.layers.mlp import MLP
 from surojax.models.layers.moe import MoE
 from surojax.models.layers.norm import RMSNorm
@@ -31,7 +32,8 @@ from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, attention: str, param_dtype, rngs: nnx.Rngs | None = None):
+    def __init__(self, cfg: ModelConfig, *, attention: AttentionBackend | str, param_dtype,
+                 rngs: nnx.Rngs | None = None):
         D = cfg.hidden_size
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.attn = Attention(cfg, backend=attention, param_dtype=param_dtype, rngs=rngs)
@@ -120,9 +122,10 @@ def _stack_blocks(make: Callable[[jax.Array], Block], keys: jax.Array) -> Block:
 LAYER_INPUT = "layer_input"  # the checkpoint name of each layer's input (what `recompute: offload` moves to host)
 
 class Decoder(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, attention: str = "auto",
-                 rngs: nnx.Rngs):
-        """dtype: activation/compute dtype; param_dtype: storage dtype of the weights."""
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 attention: AttentionBackend | str = "auto", rngs: nnx.Rngs):
+        """dtype: activation/compute dtype; param_dtype: storage dtype of the weights; attention: the backend (its
+        config spelling is parsed here: models/layers/attention_backend.py)."""
         self.cfg = cfg
         self.dtype = dtype
         D, V = cfg.hidden_size, cfg.vocab_size

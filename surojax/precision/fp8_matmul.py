@@ -15,7 +15,8 @@ Triton GEMM emitter runs it on FP8 tensor cores); elsewhere (CPU) the same dot r
 tests check the numbers the GPU computes up to accumulation order. `benchmarks/fp8_gemm_check.py` reads the compiled
 HLO to see which one happened and holds the result to the fp32 product of the dequantised operands.
 
-Why not `dot(convert(a_q) * a_d, convert(b_q) * b_d)` ("qdq", still selectable with SUROJAX_FP8_DOT=qdq)? XLA
+Why not `dot(convert(a_q) * a_d, convert(b_q) * b_d)` ("qdq", still selectable with SUROJAX_FP8_DOT=qdq, one of
+the kernel settings read once per process: surojax/kernel_settings.py)? XLA
 GPU may compile it as plain bf16 cuBLAS GEMMs *without* the FP8 rounding of the activations, and did on the GPU
 checked (its error off the fp32 product of the FP8 operands matched that of leaving out the E4M3 rounding of x:
 benchmarks/RESULTS.md, fp8_gemm_check). The quantiser of x is `convert(f32 -> f8)` read only by `convert(f8 -> bf16)`, a chain that
@@ -34,27 +35,23 @@ tensor for its amax.
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
+from surojax.kernel_settings import Fp8Accum, Fp8Dot, Fp8Wgrad, kernel_settings
 from surojax.precision.fp8_scaling import (E4M3, E5M2, current_factor, dequantize, quantize_both,
                                            quantize_current)
 
 MARGIN = 0  # 2^-margin headroom in the scale (Transformer Engine's default)
 
 
-def dot_form() -> str:
-    """How the scaled GEMM is written for XLA (read when a step is traced): `direct` (default) dot_general on the
-    FP8 arrays (bf16 result) times a_d * b_d; `qdq` dot(convert(a_q) * a_d, convert(b_q) * b_d) in bf16,
-    the textbook pattern of XLA's FP8 rewriter, which XLA may leave unfolded (module docstring;
+def dot_form() -> Fp8Dot:
+    """How the scaled GEMM is written for XLA (`kernel_settings().fp8_dot`, SUROJAX_FP8_DOT): `direct` (default)
+    dot_general on the FP8 arrays (bf16 result) times a_d * b_d; `qdq` dot(convert(a_q) * a_d, convert(b_q) * b_d)
+    in bf16, the textbook pattern of XLA's FP8 rewriter, which XLA may leave unfolded (module docstring;
     benchmarks/RESULTS.md).
     benchmarks/fp8_gemm_check.py compiles and times both."""
-    form = os.environ.get("SUROJAX_FP8_DOT", "direct")
-    if form not in ("qdq", "direct"):
-        raise ValueError(f"SUROJAX_FP8_DOT={form!r}: expected direct or qdq")
-    return form
+    return kernel_settings().fp8_dot
 
 
 # The error of one scaled GEMM against the fp32 product of its dequantised operands, relative to that product's
@@ -68,11 +65,11 @@ DIRECT_REL_ERR = 6e-3
 QDQ_REL_ERR = 1e-2
 
 
-ACCUMULATIONS = ("split", "fp32", "fast")
+ACCUMULATIONS = tuple(m.value for m in Fp8Accum)
 
 
-def accumulation() -> str:
-    """How the FP8 GEMMs accumulate on the GPU (SUROJAX_FP8_ACCUM, read when a step is traced). XLA gives an FP8
+def accumulation() -> Fp8Accum:
+    """How the FP8 GEMMs accumulate on the GPU (`kernel_settings().fp8_accum`, SUROJAX_FP8_ACCUM). XLA gives an FP8
     dot of DEFAULT precision cuBLASLt's fast accumulation (Hopper's tensor cores keep the partial sums in a
     narrower accumulator, promoted to fp32 less often) and one of precision HIGHEST the fp32 ("split") one.
     `split` (default, Transformer Engine's choice): the forward GEMMs accumulate fast, the gradient GEMMs (dx, dW,
@@ -81,18 +78,15 @@ def accumulation() -> str:
         benchmarks/RESULTS.md session 13);
     `fast`: every GEMM fast (before session 13).
     On CPU the precision changes nothing."""
-    mode = os.environ.get("SUROJAX_FP8_ACCUM", "split")
-    if mode not in ACCUMULATIONS:
-        raise ValueError(f"SUROJAX_FP8_ACCUM={mode!r}: expected one of {', '.join(ACCUMULATIONS)}")
-    return mode
+    return kernel_settings().fp8_accum
 
 
 def _scaled_dot(a_q, a_d, b_q, b_d, dims, dtype, *, forward: bool = False):
     """dot_general(a_q * a_d, b_q * b_d) in `dtype` (fp32 accumulation inside the GEMM, fast or not: `forward`
     says which GEMM this is, `accumulation()` what it gets)."""
-    if dot_form() == "direct":
+    if dot_form() is Fp8Dot.DIRECT:
         mode = accumulation()
-        fast = mode == "fast" or (forward and mode == "split")
+        fast = mode is Fp8Accum.FAST or (forward and mode is Fp8Accum.SPLIT)
         y = jax.lax.dot_general(a_q, b_q, (dims, ((), ())), preferred_element_type=dtype,
                                 precision=None if fast else jax.lax.Precision.HIGHEST)
         # multiply(gemm, broadcast(scalar)) right on the GEMM's result: XLA folds it into the FP8 GEMM's scale
@@ -141,20 +135,17 @@ def _fp8_dot_fwd(x, w):
     return y.reshape(*x.shape[:-1], w.shape[-1]), (x_qt, x_d, w_q, w_d, jnp.zeros((), w.dtype))
 
 
-def wgrad_form() -> str:
-    """SUROJAX_FP8_WGRAD (read when a step is traced; current scaling's GEMMs): `compute` (default) the
+def wgrad_form() -> Fp8Wgrad:
+    """`kernel_settings().fp8_wgrad` (SUROJAX_FP8_WGRAD; current scaling's GEMMs): `compute` (default) the
     weight-gradient GEMM writes the compute dtype, then converted to the weight's; `weight` the weight's own dtype
     straight from the GEMM (an fp32 master's gradient then skips the bf16 rounding and the convert pass; for A/B
     runs: whether XLA keeps such a GEMM on cuBLASLt FP8 is measured by benchmarks/fp8_gemm_check.py's census)."""
-    mode = os.environ.get("SUROJAX_FP8_WGRAD", "compute")
-    if mode not in ("compute", "weight"):
-        raise ValueError(f"SUROJAX_FP8_WGRAD={mode!r}: expected compute or weight")
-    return mode
+    return kernel_settings().fp8_wgrad
 
 
 def wgrad_dtype(compute_dtype, weight_dtype):
     """The dtype the weight-gradient GEMM writes (`wgrad_form`)."""
-    return weight_dtype if wgrad_form() == "weight" else compute_dtype
+    return weight_dtype if wgrad_form() is Fp8Wgrad.WEIGHT else compute_dtype
 
 
 def _fp8_dot_bwd(res, g):

@@ -33,12 +33,12 @@ dtype involved) that tests hold the dtype conversion against.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_cast import cast_transpose
+from surojax.kernel_settings import Fp8Cast, kernel_settings
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -124,16 +124,14 @@ def quantize_both(x: jax.Array, d: jax.Array, dtype) -> tuple[jax.Array, jax.Arr
     (pallas_kernels/fp8_cast) when its tiles divide x, else (and with SUROJAX_FP8_CAST=xla) XLA's three passes;
     the values are the same bits either way."""
     inv = 1.0 / d.astype(jnp.float32)
-    return cast_transpose(x, inv, dtype, spec(dtype).max, use_kernel=None if cast_form() == "auto" else False)
+    return cast_transpose(x, inv, dtype, spec(dtype).max, use_kernel=None if cast_form() is Fp8Cast.AUTO else False)
 
 
-def cast_form() -> str:
-    """How `quantize_both` runs (read when a step is traced): `auto` (default; the fused Pallas kernel on a GPU where
-    it fits) or `xla` (convert, transpose and amax as XLA ops), for A/B runs (benchmarks/fp8_h200.py)."""
-    form = os.environ.get("SUROJAX_FP8_CAST", "auto")
-    if form not in ("auto", "xla"):
-        raise ValueError(f"SUROJAX_FP8_CAST={form!r}: expected auto or xla")
-    return form
+def cast_form() -> Fp8Cast:
+    """How `quantize_both` runs (`kernel_settings().fp8_cast`, SUROJAX_FP8_CAST): `auto` (default; the fused Pallas
+    kernel on a GPU where it fits) or `xla` (convert, transpose and amax as XLA ops), for A/B runs
+    (benchmarks/fp8_h200.py)."""
+    return kernel_settings().fp8_cast
 
 
 def current_factor(x: jax.Array, dtype, compute_dtype, margin: int = 0) -> jax.Array:

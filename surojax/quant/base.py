@@ -30,6 +30,7 @@ import numpy as np
 
 from pallas_kernels.grouped_matmul import grouped_dot
 from pallas_kernels.quant_matmul.api import quant_matmul
+from surojax.kernel_settings import kernel_settings
 from pallas_kernels.quant_matmul.layout import KernelLayout, LayoutSpec, layout_error, to_layout
 
 FORMATS: dict[str, type["QuantFormat"]] = {}
@@ -85,8 +86,9 @@ class QuantFormat:
     def matmul(self, x: jax.Array) -> jax.Array:
         """x [..., K] @ W [K, N] -> [..., N] in x's dtype. `pallas_kernels.quant_matmul.api.quant_matmul` picks
         the path: the fused Pallas dequantise + matmul kernel (custom_vjp, no weight gradient) or
-        x @ dequantize() in XLA (the reference; always off GPU unless SUROJAX_QUANT_MATMUL=pallas)."""
-        return quant_matmul(x, self)
+        x @ dequantize() in XLA (the reference; always off GPU unless SUROJAX_QUANT_MATMUL=pallas: the kernel
+        settings, surojax/kernel_settings.py)."""
+        return quant_matmul(x, self, kernel_settings().quant_matmul.value)
 
     def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """E stacked experts (leaves [E, ...], `dequantize()` [E, K, N]): x [A, K], rows sorted by expert, group_sizes

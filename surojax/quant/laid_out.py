@@ -35,6 +35,7 @@ from flax import nnx
 from pallas_kernels.quant_matmul.api import decode_layouts
 from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec, layout_error, plain_layout
 from pallas_kernels.quant_matmul.reference import dequantize_layout
+from surojax.kernel_settings import kernel_settings
 from surojax.models.fused_projections import fuse_projections
 from surojax.quant.base import FORMATS, QuantFormat
 from surojax.quant.gguf_mixed import GGUFMixed
@@ -274,7 +275,7 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     - join_projections: then q / k / v and gate / up become one GEMM each where their kernels can be joined
       (surojax.models.fused_projections). Off where LoRA slots will wrap the parts by name.
     Idempotent. -> {layout: kernels converted}."""
-    layouts, min_values = decode_layouts()
+    layouts, min_values = decode_layouts(kernel_settings().quant_matmul.value)
     done = lay_out_model(model, layouts, min_values)
     if done:
         log.info("decode kernels: weights laid out once for the fused decode GEMV: %s",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from surojax.models.layers.attention_backend import XLA as XLA_ATTENTION, AttentionBackend, as_attention_backend
+
 DEFAULT_MAX_MODEL_LEN_CAP = 8192  # max_model_len None: the model's max_position_embeddings, at most this
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # a 128k-token prompt as text (~0.5 MiB) or as token ids (~0.9 MiB), with room
 
@@ -179,7 +181,7 @@ SERVE_DECODE_STEPS = 8  # the server's multi-step default: faster decode than K 
 class ServeConfig:
     """The HTTP server. model: HF folder, surojax output folder or .gguf file; tokenizer: a folder (None: the
     model's); dtype: "auto" (bfloat16 on GPU, float32 elsewhere), "float32" or "bfloat16"; attention: the
-    attention backend name; max_queue: waiting requests beyond max_num_seqs before 429; max_request_bytes: the
+    attention backend (models/layers/attention_backend.py; its spelling is parsed here); max_queue: waiting requests beyond max_num_seqs before 429; max_request_bytes: the
     largest request body (413 beyond it); lora: None = no adapters. The engine's default decodes
     SERVE_DECODE_STEPS tokens per device call while no request waits (the library's EngineConfig: 1)."""
 
@@ -191,13 +193,14 @@ class ServeConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
-    attention: str = "xla"
+    attention: AttentionBackend = XLA_ATTENTION  # its CLI / keyword spelling ("cudnn:8") is parsed on construction
     max_queue: int = 256
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     lora: LoraServeConfig | None = None
     log_level: str = "info"
 
     def __post_init__(self):
+        object.__setattr__(self, "attention", as_attention_backend(self.attention, key="ServeConfig: attention"))
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"ServeConfig: dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if not 0 < self.port <= 65535:

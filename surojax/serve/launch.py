@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from surojax.generation.loop import eos_ids
 from surojax.hub import model_path
+from surojax.kernel_settings import kernel_settings
 from surojax.model_loader import load_model_ref
 from surojax.peft.multi_lora import AdapterSlots
 from surojax.quant.laid_out import decode_weights
@@ -85,6 +86,8 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     if resolved.speculative is not None:
         log.info("speculative decoding: %s, %d tokens per step", resolved.speculative.method.value,
                  resolved.speculative.num_tokens)
+    for line in kernel_settings().summary_lines():  # an A/B override of a kernel choice is never silent
+        log.warning("%s", line)
     # The engine thread and the HTTP event loop share the GIL; Python's default 5 ms switch interval would let
     # one hold it for 5 ms while the other waits for a decode step. A process-wide setting, set here because
     # this process is the server.

@@ -23,6 +23,7 @@ alpha and T^2) and `ce` (mean CE on the labels); `loss` = alpha * T^2 * kl + (1 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -40,7 +41,7 @@ from surojax.models.layers.attention import packed_backend
 from surojax.offload.device_budget import Beside, check_beside, plans_one_device
 from surojax.offload.memory_plan import device_capacity
 from surojax.parallel import batch_parallel_size
-from surojax.train.run_spec import TrainSetupError
+from surojax.train.run_spec import TrainSetupError, attention_backend
 from surojax.train.teacher_sidecar import SidecarTeacher, write_teacher_sidecar
 from surojax.train.teacher_topk import OnlineTeacher, check_same_vocabulary, teacher_tokenizer
 from surojax.train.trainer import Trainer, run_mesh
@@ -60,6 +61,22 @@ def sidecar_path(cfg: TrainConfig) -> Path:
     return Path(cfg.teacher_logprobs or Path(cfg.output_dir) / SIDECAR_NAME)
 
 
+@dataclasses.dataclass(frozen=True)
+class DistillSpec:
+    """The distillation keys, read once: the teacher (a model reference, or the sidecar of its log-probs), its
+    top-K, the loss's KL weight alpha and temperature."""
+
+    teacher: str | None
+    teacher_logprobs: str | None  # a sidecar written by --precompute (None: the teacher runs online)
+    top_k: int
+    alpha: float
+    temperature: float
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> DistillSpec:
+        return cls(cfg.teacher, cfg.teacher_logprobs, cfg.teacher_top_k, cfg.alpha, cfg.temperature)
+
+
 class DistillTrainer(Trainer):
     """The Trainer with the distillation loss; each batch gets `teacher_ids` / `teacher_logps` [A * B, T, K] from
     the online teacher or the sidecar (`self.teacher`, either has `topk(batch)`)."""
@@ -69,17 +86,19 @@ class DistillTrainer(Trainer):
     def __init__(self, cfg: TrainConfig, *, console=None):
         if cfg.trainer != "distill":
             raise TrainSetupError(f"DistillTrainer runs trainer: distill configs (got trainer: {cfg.trainer})")
+        self.distill = d = DistillSpec.from_config(cfg)
         # an instance attribute in place of the class's staticmethod: build_run compiles this loss
-        self.loss = functools.partial(distill_loss, alpha=cfg.alpha, temperature=cfg.temperature)
+        self.loss = functools.partial(distill_loss, alpha=d.alpha, temperature=d.temperature)
         super().__init__(cfg, console=console)
-        if cfg.teacher_logprobs is not None:
-            self.teacher = SidecarTeacher.open(cfg.teacher_logprobs, self.tokenizer, top_k=cfg.teacher_top_k,
-                                               sequence_len=cfg.sequence_len, teacher=cfg.teacher)
+        seq = self.loop.batch.sequence_len
+        if d.teacher_logprobs is not None:
+            self.teacher = SidecarTeacher.open(d.teacher_logprobs, self.tokenizer, top_k=d.top_k, sequence_len=seq,
+                                               teacher=d.teacher)
         else:
             try:
                 self.teacher = OnlineTeacher.load(
-                    cfg.teacher, self.tokenizer, top_k=cfg.teacher_top_k, mesh=self.mesh, rows=self.plan.micro_batch,
-                    sequence_len=cfg.sequence_len, dtype=teacher_dtype(cfg.recipe),
+                    d.teacher, self.tokenizer, top_k=d.top_k, mesh=self.mesh, rows=self.plan.micro_batch,
+                    sequence_len=seq, dtype=teacher_dtype(self.spec.precision.recipe),
                     attention=self.spec.model.attention, chunk=self.run.chunk, admit=self._admit_teacher)
             except BaseException:
                 self.close()  # a refused teacher: stop the data loader's threads the Trainer started
@@ -96,13 +115,14 @@ class DistillTrainer(Trainer):
         source = (f"sidecar {self.teacher.path} (written by {self.teacher.meta['teacher']})"
                   if isinstance(self.teacher, SidecarTeacher) else
                   f"{self.teacher.name}, online, {self.teacher.memory.detail} per device")
-        return [*super().summary_lines(), f"teacher {source}; top-{self.cfg.teacher_top_k} KL x alpha "
-                f"{self.cfg.alpha} + CE x {1 - self.cfg.alpha:g}, temperature {self.cfg.temperature:g}"]
+        d = self.distill
+        return [*super().summary_lines(), f"teacher {source}; top-{d.top_k} KL x alpha "
+                f"{d.alpha} + CE x {1 - d.alpha:g}, temperature {d.temperature:g}"]
 
     def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None):
         """The SFT data; an online teacher's tokenizer is checked against the student's first (before weights)."""
-        if self.cfg.teacher_logprobs is None:
-            check_same_vocabulary(teacher_tokenizer(self.cfg.teacher), self.tokenizer, self.cfg.teacher)
+        if self.distill.teacher_logprobs is None:
+            check_same_vocabulary(teacher_tokenizer(self.distill.teacher), self.tokenizer, self.distill.teacher)
         return super().build_data(batch_size=batch_size, eval_batch_size=eval_batch_size, num_epochs=num_epochs)
 
     def next_batch(self) -> dict:
@@ -146,7 +166,7 @@ def precompute_teacher_logprobs(cfg: TrainConfig, out: str | Path | None = None,
     data = build_data_from_config(cfg, tokenizer, batch_size=1, seed=cfg.seed, num_epochs=1, eval_batch_size=1)
     try:
         row_sets = [r for r in (data.train_rows, data.eval_rows) if r is not None]
-        attention = packed_backend(cfg.attention, max(r.max_runs for r in row_sets))
+        attention = packed_backend(attention_backend(cfg), max(r.max_runs for r in row_sets))
         mesh = run_mesh(cfg)
         capacity = device_capacity()
         teacher = OnlineTeacher.load(cfg.teacher, tokenizer, top_k=cfg.teacher_top_k, mesh=mesh,

@@ -37,28 +37,27 @@ class DPOTrainer(Trainer):
 
     data: PreferenceData
 
-    @property
-    def settings(self) -> DPOSettings:
-        c = self.cfg
-        return DPOSettings(beta=resolved_beta(c), loss_type=resolved_loss_type(c), label_smoothing=c.label_smoothing,
-                           reference_free=c.reference_free)
+    settings: DPOSettings  # made once from the config (beta, loss_type, label_smoothing, reference_free)
 
     @property
     def loss(self):
-        """The pure loss build_run compiles: dpo_loss with this run's settings."""
-        if self.cfg.lora and self.cfg.train_router and not self.cfg.reference_free:
+        """The pure loss build_run compiles: dpo_loss with this run's settings (read once `self.spec` is made)."""
+        lora, free = self.spec.lora is not None, self.settings.reference_free
+        if lora and self.spec.moe is not None and self.spec.moe.train_router and not free:
             raise TrainSetupError("train_router: the reference of a LoRA DPO run is the base without the adapter, "
                                   "but train_router changes the base's routers; use train_router: false or "
                                   "reference_free: true")
-        without_adapter = adapters_disabled if self.cfg.lora and not self.cfg.reference_free else None
+        without_adapter = adapters_disabled if lora and not free else None
         return functools.partial(dpo_loss, settings=self.settings, without_adapter=without_adapter)
 
     @property
     def needs_reference_pass(self) -> bool:
         """Full fine-tuning with a reference: its log-probs come from one pass over the data before training."""
-        return not self.cfg.reference_free and not self.cfg.lora
+        return not self.settings.reference_free and self.spec.lora is None
 
     def __init__(self, cfg, **kwargs):
+        self.settings = DPOSettings(beta=resolved_beta(cfg), loss_type=resolved_loss_type(cfg),
+                                    label_smoothing=cfg.label_smoothing, reference_free=cfg.reference_free)
         self._reference: dict[str, np.ndarray] = {}  # "train" / "eval" -> ref log-prob sums [pairs, 2]
         super().__init__(cfg, **kwargs)
         self._reference_pass()

@@ -48,7 +48,8 @@ from surojax.config.schema import TrainConfig
 from surojax.config.policy_loss import resolved_beta, resolved_loss_type
 from surojax.data.pipeline import DataStats
 from surojax.data.prompts import Prompt, PromptData, PromptOrder, load_prompts
-from surojax.losses.grpo import METRIC_DENOMINATORS, GRPOLossSettings, group_advantages, grpo_loss, mean_metrics
+from surojax.losses.grpo import (METRIC_DENOMINATORS, GRPOLossSettings, ScaleRewards, group_advantages, grpo_loss,
+                                  mean_metrics)
 from surojax.losses.token_logps import model_target_logps
 from surojax.models.layers.params import logical_axes
 from surojax.offload.device_budget import Beside, check_beside
@@ -70,6 +71,29 @@ class GenerationBatch:
     rows: dict
     metrics: dict
     remaining: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSpec:
+    """How each generation batch is made, read once from the config: G completions per prompt, trained on for
+    num_iterations steps; sampling; the rewards' weights and scaling; the rows' length."""
+
+    num_generations: int
+    num_iterations: int
+    seed: int
+    sequence_len: int
+    max_completion_length: int
+    temperature: float
+    top_p: float
+    reward_weights: tuple[float, ...] | None
+    scale_rewards: ScaleRewards
+    mask_truncated_completions: bool
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> GenerationSpec:
+        return cls(cfg.num_generations, cfg.num_iterations, cfg.seed, cfg.sequence_len, cfg.max_completion_length,
+                   cfg.temperature, cfg.top_p, None if cfg.reward_weights is None else tuple(cfg.reward_weights),
+                   cfg.scale_rewards, cfg.mask_truncated_completions)
 
 
 def _reference_dtype(variable: nnx.Variable, compute_dtype):
@@ -138,16 +162,17 @@ class GRPOTrainer(Trainer):
                                   "cannot stream them from host memory in this version")
         self._pending: GenerationBatch | None = None
         self._reference: nnx.State | None = None  # full fine-tuning with beta > 0: the initial weights (copy)
+        self.generation = gen = GenerationSpec.from_config(cfg)
         super().__init__(cfg, **kwargs)
         self.reward_functions = load_reward_functions(cfg.reward_functions, RewardSettings.from_config(cfg))
         rows = self.plan.accumulation * self.plan.micro_batch
         eos = self.tokenizer.eos_token_id
         self.rollout = Rollout(self._live_model(), None, RolloutSettings(
-            max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-            stop_token_ids=() if eos is None else (eos,)), rows=rows, sequence_len=cfg.sequence_len)
+            max_completion_length=gen.max_completion_length, temperature=gen.temperature, top_p=gen.top_p,
+            stop_token_ids=() if eos is None else (eos,)), rows=rows, sequence_len=gen.sequence_len)
         self._plan_kv()
         self._keep_reference()  # (already kept by _resume when resuming)
-        graphdef, chunk, temp = self.run.eval_graphdef, self.run.chunk, cfg.temperature
+        graphdef, chunk, temp = self.run.eval_graphdef, self.run.chunk, gen.temperature
 
         def policy(trainable, frozen, batch):
             return model_target_logps(nnx.merge(graphdef, trainable, frozen), batch, chunk=chunk, temperature=temp)
@@ -172,7 +197,7 @@ class GRPOTrainer(Trainer):
 
     @property
     def _needs_reference_copy(self) -> bool:
-        return self.settings.beta > 0 and not self.cfg.lora
+        return self.settings.beta > 0 and self.spec.lora is None
 
     def _plan_kv(self) -> None:
         """Training memory + the engine's KV pool (+ the full fine-tuning reference copy) must fit the device
@@ -182,7 +207,7 @@ class GRPOTrainer(Trainer):
         ref = reference_bytes(self.trainable, self.spec.precision.compute) if self._needs_reference_copy else 0
         check_beside(self.memory_plan, rollout_besides(kv, ref, blocks=self.rollout.num_blocks,
                                                        rows=self.plan.accumulation * self.plan.micro_batch,
-                                                       sequence_len=self.cfg.sequence_len), device_capacity())
+                                                       sequence_len=self.generation.sequence_len), device_capacity())
 
     def _keep_reference(self) -> None:
         """Full fine-tuning with beta > 0: copy the current (initial) trainable weights as the KL reference, once."""
@@ -194,44 +219,45 @@ class GRPOTrainer(Trainer):
         super()._resume()
 
     def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None) -> PromptData:
-        cfg = self.cfg
-        G = cfg.num_generations
+        cfg, gen = self.cfg, self.generation  # the prompts' keys: read here, while the trainer is built
+        G = gen.num_generations
         if batch_size % G:
             raise TrainSetupError(f"num_generations: {G} must divide the rows of a step ({batch_size} = "
                                   "gradient_accumulation_steps x per_device_train_batch_size x data parallel)")
         if cfg.validation_datasets or cfg.validation_split_ratio:
             raise TrainSetupError("validation_datasets: GRPO has no validation loss in this version; remove them")
-        stats = DataStats(sequence_len=cfg.sequence_len)
-        prompts = load_prompts(cfg.datasets, self.tokenizer, max_prompt_len=cfg.sequence_len - cfg.max_completion_length,
+        stats = DataStats(sequence_len=gen.sequence_len)
+        prompts = load_prompts(cfg.datasets, self.tokenizer, max_prompt_len=gen.sequence_len - gen.max_completion_length,
                                skip_invalid_rows=cfg.skip_invalid_rows, chat_template=cfg.chat_template, stats=stats)
         stats.rows = len(prompts)
-        order = PromptOrder(len(prompts), batch_size // G, seed=cfg.seed, num_epochs=num_epochs,
-                            rows_per_prompt=G * cfg.num_iterations)
+        order = PromptOrder(len(prompts), batch_size // G, seed=gen.seed, num_epochs=num_epochs,
+                            rows_per_prompt=G * gen.num_iterations)
         return PromptData(prompts=prompts, train=order, stats=stats)
 
     # ---- one generation batch ------------------------------------------------------------------------------
     def _generate(self) -> GenerationBatch:
-        cfg, G = self.cfg, self.cfg.num_generations
+        gen = self.generation
+        G = gen.num_generations
         generation = self.data.train.generation
         prompts: list[Prompt] = [self.data.prompts[i] for i in self.data.train.next()]
         t0 = time.perf_counter()
         self.rollout.set_weights(self._live_model())
         prompt_ids = [p.ids for p in prompts for _ in range(G)]
-        seeds = np.random.default_rng([cfg.seed, generation]).integers(0, 2**32, size=len(prompt_ids))
+        seeds = np.random.default_rng([gen.seed, generation]).integers(0, 2**32, size=len(prompt_ids))
         completions = self.rollout.generate(prompt_ids, seeds)
         generation_time = time.perf_counter() - t0
 
         total, per_function = compute_rewards(
-            self.reward_functions, cfg.reward_weights, [p.prompt for p in prompts for _ in range(G)],
+            self.reward_functions, gen.reward_weights, [p.prompt for p in prompts for _ in range(G)],
             [self._completion_value(p, c) for p, c in zip((p for p in prompts for _ in range(G)), completions)],
             {k: [p.columns.get(k) for p in prompts for _ in range(G)] for k in _column_names(prompts)})
         total = np.asarray(total, np.float32)
-        rows = completion_rows(prompt_ids, completions, cfg.sequence_len,
-                               mask_truncated=cfg.mask_truncated_completions)
-        rows["advantages"] = np.asarray(group_advantages(jnp.asarray(total), G, cfg.scale_rewards), np.float32)
+        rows = completion_rows(prompt_ids, completions, gen.sequence_len,
+                               mask_truncated=gen.mask_truncated_completions)
+        rows["advantages"] = np.asarray(group_advantages(jnp.asarray(total), G, gen.scale_rewards), np.float32)
         t1 = time.perf_counter()
         device = self._device_batch_flat(rows)
-        if cfg.num_iterations > 1:
+        if gen.num_iterations > 1:
             rows["old_logps"] = self._micro_logps(self._policy_logps, device)
         if self.settings.beta > 0:
             rows["ref_logps"] = self._micro_logps(self._reference_logps, device, self._reference)
@@ -242,7 +268,7 @@ class GRPOTrainer(Trainer):
                    "completion_length": float(lengths.mean()),
                    "truncated_ratio": float(np.mean([c.truncated for c in completions])),
                    "generation_time": generation_time, "reference_time": time.perf_counter() - t1}
-        return GenerationBatch(rows, metrics, cfg.num_iterations)
+        return GenerationBatch(rows, metrics, gen.num_iterations)
 
     def _completion_value(self, prompt: Prompt, completion: Completion):
         """What reward functions receive: the text (string prompts) or [{"role": "assistant", "content": text}]
@@ -285,7 +311,7 @@ class GRPOTrainer(Trainer):
             means.pop("kl")
         m.update(means, clip_ratio=means["clip_ratio/region_mean"])
         gen = self._step_metrics
-        fresh = self._pending is not None and self._pending.remaining == self.cfg.num_iterations - 1
+        fresh = self._pending is not None and self._pending.remaining == self.generation.num_iterations - 1
         m.update({k: v for k, v in gen.items() if not k.endswith("_time")})
         m["generation_time"] = gen.get("generation_time", 0.0) if fresh else 0.0
         m["reference_time"] = gen.get("reference_time", 0.0) if fresh else 0.0
@@ -295,14 +321,14 @@ class GRPOTrainer(Trainer):
     # ---- checkpoints: the generation batch still being trained on -------------------------------------------
     def _checkpoint_state(self) -> dict:
         state = super()._checkpoint_state()
-        if self.cfg.num_iterations > 1:  # rows the next steps still train on (zeros when none)
+        if self.generation.num_iterations > 1:  # rows the next steps still train on (zeros when none)
             state["generation_batch"] = self._pending_rows()
         return state
 
     def _pending_rows(self) -> dict:
         if self._pending is not None and self._pending.remaining > 0:
             return dict(self._pending.rows)
-        R, T = self.plan.accumulation * self.plan.micro_batch, self.cfg.sequence_len
+        R, T = self.plan.accumulation * self.plan.micro_batch, self.generation.sequence_len
         like = {k: np.zeros((R, T), np.int32) for k in ("tokens", "positions", "segment_ids", "targets")}
         like.update(completion_mask=np.zeros((R, T), np.float32), advantages=np.zeros((R,), np.float32),
                     old_logps=np.zeros((R, T), np.float32))

@@ -17,14 +17,14 @@ for bit on CPU, in interpret mode): the gradient divided and clipped, scale_by_a
 add_decayed_weights on the masked leaves (skipped at weight_decay 0, as optax does), scale_by_learning_rate
 (-schedule(count)), apply_updates. Counts advance as the chain's would.
 
-`SUROJAX_ADAM8BIT` (read when the step is traced): `auto` (the kernel on a GPU; off it the per-layer loop),
+`kernel_settings().adam8bit` (surojax/kernel_settings.py; SUROJAX_ADAM8BIT, read once per process): `auto` (the
+kernel on a GPU; off it the per-layer loop),
 `kernel` (also off the GPU, in interpret mode: tests), `xla` (the per-layer loop: A/B runs).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any, Callable
 
 import jax
@@ -33,18 +33,17 @@ import numpy as np
 import optax
 
 from pallas_kernels.adam8bit import BLOCK, Adam8bitHyper, Adam8bitTiles, adam8bit_kernel
+from surojax.kernel_settings import Adam8bit, kernel_settings
 from surojax.train.optim_8bit import (SIGNED_MAP, UNSIGNED_MAP, Blockwise8bit, ScaleByAdam8bitState, _bucket_table,
                                       adam_leaf)
 
-MODES = ("auto", "kernel", "xla")
+MODES = tuple(m.value for m in Adam8bit)
 TILES = Adam8bitTiles()
 
 
-def mode() -> str:
-    m = os.environ.get("SUROJAX_ADAM8BIT", "auto")
-    if m not in MODES:
-        raise ValueError(f"SUROJAX_ADAM8BIT={m!r}: expected one of {', '.join(MODES)}")
-    return m
+def mode() -> Adam8bit:
+    """`kernel_settings().adam8bit` (SUROJAX_ADAM8BIT; module docstring)."""
+    return kernel_settings().adam8bit
 
 
 def _tables():
@@ -68,7 +67,7 @@ class FusedAdam8bit:
     def active(self) -> bool:
         """Whether the step uses it (SUROJAX_ADAM8BIT, the backend)."""
         m = mode()
-        return m == "kernel" or (m == "auto" and jax.default_backend() == "gpu")
+        return m is Adam8bit.KERNEL or (m is Adam8bit.AUTO and jax.default_backend() == "gpu")
 
     def update_layers(self, grad_sums, grad: Callable, denom, grad_norm, max_norm: float | None, params, state):
         """(new params, new chain state) of the stacked layers. `grad(g_sum)`: the divided, clipped gradient of one

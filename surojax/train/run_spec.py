@@ -39,6 +39,7 @@ from surojax.config.lora import GGUF_MIXES, GGUF_TYPES as CONFIG_GGUF_TYPES
 from surojax.config.schema import TrainConfig
 from surojax.losses.router import RouterLossWeights
 from surojax.models.config import ModelConfig
+from surojax.models.layers.attention_backend import AttentionBackend, parse_attention_backend
 from surojax.parallel.pipeline import PipelineSpec
 from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.peft.peft_io import LoraSpec
@@ -84,7 +85,7 @@ class ModelSpec:
     config: ModelConfig
     source: str | None  # a model reference to load (HF folder, .gguf file, repo id); None: random weights
     seed: int
-    attention: str  # the attention backend the layers are built with
+    attention: AttentionBackend  # the attention backend the layers are built with
     init: Literal["build", "jit", "host"] = "build"
     """build: load `source` (or initialise eagerly from `seed`); jit: random weights computed on the devices inside
     one jit (a model as large as the devices allow); host: random values made on the host and placed where they
@@ -461,7 +462,15 @@ def packed_experts(cfg: TrainConfig, model_cfg: ModelConfig) -> PackedExperts | 
     return PackedExperts("mxfp4", False, why)
 
 
-def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None,
+def attention_backend(cfg: TrainConfig) -> AttentionBackend:
+    """The `attention` key as the typed backend (the one parse of its spelling)."""
+    try:
+        return parse_attention_backend(cfg.attention)
+    except ValueError as e:
+        raise TrainSetupError(str(e)) from None
+
+
+def run_spec(cfg: TrainConfig, *, total_steps: int, attention: AttentionBackend | None = None,
              init: Literal["build", "jit", "host"] = "build", model_config: ModelConfig | None = None) -> RunSpec:
     """The run a TrainConfig describes. attention: the backend the layers are built with (default
     `cfg.attention`; the Trainer passes `packed_backend` of its data). init: "build" loads `model` (or initialises
@@ -472,7 +481,7 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: str | None = None
     prequant = check_prequantized_base(cfg) if not random_weights and cfg.model else None
     quant = quant_spec(cfg, prequant)
     model = ModelSpec(config=model_cfg, source=None if random_weights else cfg.model, seed=cfg.seed,
-                      attention=attention or cfg.attention, init=init,
+                      attention=attention or attention_backend(cfg), init=init,
                       packed_experts=None if random_weights else packed_experts(cfg, model_cfg),
                       prequantized=prequant.format if prequant is not None else None)
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,

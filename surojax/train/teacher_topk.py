@@ -37,6 +37,7 @@ from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
 from surojax.model_loader import load_model_ref
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
+from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.offload.device_budget import Beside, placed_bytes
 from surojax.offload.memory_plan import GiB, activation_bytes_per_token_layer
 from surojax.offload.streaming import build_context
@@ -131,7 +132,7 @@ class OnlineTeacher:
 
     @classmethod
     def load(cls, ref: str, student_tokenizer: Tokenizer, *, top_k: int, mesh: Mesh, rows: int, sequence_len: int,
-             dtype=jnp.bfloat16, attention: str = "auto", chunk: int = DEFAULT_CHUNK_TOKENS,
+             dtype=jnp.bfloat16, attention: AttentionBackend | str = "auto", chunk: int = DEFAULT_CHUNK_TOKENS,
              admit: Callable[[Beside], None] | None = None) -> OnlineTeacher:
         """Load `ref` (its tokenizer checked first) in host memory, in `dtype` (a GGUF keeps its quantised kernels),
         count what each device of `mesh` will hold of it (`memory`), let `admit(memory)` refuse it (the run's

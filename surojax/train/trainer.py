@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from surojax.config.schema import TrainConfig
 from surojax.config.surogate_defaults import summary_lines as surogate_summary_lines
 from surojax.hub import model_path
+from surojax.kernel_settings import kernel_settings
 from surojax.data.pipeline import build_data_from_config
 from surojax.losses.lm import lm_loss
 from surojax.data.tokenizer import Tokenizer
@@ -46,10 +47,12 @@ from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoint_match import CONFIG_META_KEY, check as check_checkpoint, config_record, open_step
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.interrupts import Interrupts
+from surojax.train.loop_spec import loop_spec
 from surojax.train.metrics import Metrics, plot_loss, set_aside as set_aside_metrics
 from surojax.train.notebook_progress import NotebookProgress
 from surojax.train.router_monitor import RouterMonitor, progress_text
-from surojax.train.run_spec import TrainSetupError, check_prequantized_base, model_config_for, run_spec
+from surojax.train.run_spec import (TrainSetupError, attention_backend, check_prequantized_base, model_config_for,
+                                   run_spec)
 from surojax.train.step import compiles_steady_next
 from surojax.train.xla_options import apply_xla_options
 from surojax.weights.gguf_checkpoint import is_gguf_path, load_gguf_tokenizer
@@ -107,13 +110,14 @@ class Trainer:
             raise TrainSetupError(f"trainer: {cfg.trainer} runs in one process for now; multi-process runs "
                                   "(surojax launch, srun) train sft / pt")
         apply_xla_options([cfg])  # use_cuda_graphs (the CLI has set it before the backend started)
-        self.cfg = cfg
+        self.cfg = cfg  # read while the trainer is built; afterwards the loop reads `self.loop` and `self.spec`
+        self.loop = loop = loop_spec(cfg)
         # multi-process: process 0 alone prints, writes metrics, the loss chart and the export
         self.is_main = jax.process_index() == 0
         self.console = console or Console(stderr=True)
         if not self.is_main:
             self.console = Console(stderr=True, quiet=True)
-        self.output_dir = Path(cfg.output_dir)
+        self.output_dir = loop.output.output_dir
         self._check_output_dir()
         model_config = model_config_for(cfg)  # cheap: the architecture is checked before data and weights
         if not cfg.from_scratch:
@@ -132,27 +136,27 @@ class Trainer:
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir)
 
         self.mesh = run_mesh(cfg)
-        A, B = cfg.gradient_accumulation_steps, cfg.per_device_train_batch_size * data_parallel_size(self.mesh)
+        A, B = loop.batch.accumulation, loop.batch.rows * data_parallel_size(self.mesh)
         self.batch_sharding = NamedSharding(self.mesh, P(None, *batch_sharding(self.mesh).spec))
-        self.rows = row_block(self.batch_sharding, (A, B, cfg.sequence_len), 1)  # the loaders read this block
-        epochs = None if (cfg.max_steps or cfg.epoch_adjustment) else max(1, math.ceil(cfg.num_epochs))
-        self.data = self.build_data(batch_size=A * B, eval_batch_size=B, num_epochs=epochs)
+        self.rows = row_block(self.batch_sharding, (A, B, loop.batch.sequence_len), 1)  # the loaders read this block
+        self.data = self.build_data(batch_size=A * B, eval_batch_size=B, num_epochs=loop.length.loader_epochs)
         self.num_params = count_params(model_config)
-        num_epochs = cfg.num_epochs
-        if cfg.epoch_adjustment:  # the Chinchilla budget sets the epochs (the loader above repeats the data)
+        num_epochs = loop.length.num_epochs
+        if loop.length.epoch_adjustment:  # the Chinchilla budget sets the epochs (the loader above repeats the data)
             log.info("%s", budget_line(self.num_params, max(self.data.stats.tokens, 1)))  # else: the plan line's
             num_epochs = epochs_for_budget(self.num_params, max(self.data.stats.tokens, 1))
             log.info("epoch_adjustment: %d epoch(s) of %s tokens", num_epochs, f"{self.data.stats.tokens:,}")
-        if cfg.max_steps:
-            total = cfg.max_steps
+        if loop.length.max_steps:
+            total = loop.length.max_steps
         else:
             total = max(1, int(self.data.train.num_rows * num_epochs // (A * B)))
-        self.plan = RunPlan(total, B, A, cfg.sequence_len)
-        attention = packed_backend(cfg.attention, max(
+        self.plan = RunPlan(total, B, A, loop.batch.sequence_len)
+        configured = attention_backend(cfg)
+        attention = packed_backend(configured, max(
             rows.max_runs for rows in (self.data.train_rows, self.data.eval_rows) if rows is not None))
-        if attention != cfg.attention:
+        if attention != configured:
             log.info("attention: %s (cuDNN over the packed rows, at most %s samples + padding per row)",
-                     attention, attention.split(":")[1])
+                     attention, attention.max_segments)
         self.spec = run_spec(cfg, total_steps=total, attention=attention, model_config=model_config)
         if self.tokenizer.vocab_size > self.spec.model.config.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -161,7 +165,7 @@ class Trainer:
         self.trainable, self.frozen, self.opt_state = self.run.trainable, self.run.frozen, self.run.opt_state
         self.run.trainable = self.run.frozen = self.run.opt_state = None  # the trainer owns the live state
         self.memory_plan = self.run.memory_plan
-        self.key = jax.random.key(cfg.seed)
+        self.key = jax.random.key(loop.seed)
         self.step_count = 0
         self.adaptive = AdaptiveTraining(AdaptiveSettings.from_optim(cfg), flops_per_token=flops_per_token(
             self.num_params))
@@ -171,27 +175,30 @@ class Trainer:
         self.stop_reason: str | None = None
         self._compiled = False  # whether this process has run (compiled) the train step yet
 
-        self.checkpointer = self._open_checkpointer(Path(cfg.checkpoint_dir or self.output_dir / "checkpoints"))
-        if cfg.resume_from_checkpoint:
+        self._config_record = config_record(cfg)  # what each checkpoint records of the config (checkpoint_match)
+        self._surogate_lines = surogate_summary_lines(cfg)  # the start-up summary's words on the config itself
+        self.checkpointer = self._open_checkpointer(loop.output.checkpoint_dir)
+        if loop.resuming:
             self._resume()
         if self.step_count == 0 and self.is_main:
             self._set_aside_earlier_metrics()
-        self.metrics = Metrics(self.output_dir, cfg.report_to, run_config=cfg.model_dump(by_alias=True),
-                               project=cfg.wandb_project or "surojax", write=self.is_main, run_name=cfg.run_name,
-                               wandb_name=cfg.wandb_name, aim_experiment=cfg.aim_experiment, aim_repo=cfg.aim_repo,
-                               aim_name=cfg.aim_name)
+        ms = loop.metrics
+        self.metrics = Metrics(self.output_dir, list(ms.report_to), run_config=cfg.model_dump(by_alias=True),
+                               project=ms.project, write=self.is_main, run_name=ms.run_name,
+                               wandb_name=ms.wandb_name, aim_experiment=ms.aim_experiment, aim_repo=ms.aim_repo,
+                               aim_name=ms.aim_name)
 
     # ---- set-up helpers -------------------------------------------------------------------------------------
     def _check_output_dir(self) -> None:
         """Refuse to start over what an earlier run left: a trained export (unless resuming), or checkpoints
         (unless resuming them). `--overwrite` (overwrite_output_dir, train/stages.py) clears both first."""
         done = [p for p in (self.output_dir / "model", self.output_dir / "adapter") if p.exists()]
-        if done and not self.cfg.resume_from_checkpoint:
+        if done and not self.loop.resuming:
             raise TrainSetupError(f"output_dir: {self.output_dir} already holds a trained {done[0].name} "
                                   f"({done[0]}); choose another output_dir, or pass --overwrite to replace it")
-        checkpoints = Path(self.cfg.checkpoint_dir or self.output_dir / "checkpoints")
+        checkpoints = self.loop.output.checkpoint_dir
         steps = sorted(int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()) if checkpoints.is_dir() else []
-        if steps and not self.cfg.resume_from_checkpoint:
+        if steps and not self.loop.resuming:
             raise TrainSetupError(f"output_dir: {checkpoints} holds checkpoints up to step {steps[-1]} of an earlier "
                                   "run; continue it with -o resume_from_checkpoint=true, or pass --overwrite to start "
                                   "again")
@@ -199,7 +206,7 @@ class Trainer:
     def _open_checkpointer(self, directory: Path) -> Checkpointer:
         """The Checkpointer of `directory`, saying which unfinished checkpoint saves (a second Ctrl-C or a kill
         during a save) it found there and removed: they are never resumed from."""
-        checkpointer = Checkpointer(directory, keep=self.cfg.save_total_limit)
+        checkpointer = Checkpointer(directory, keep=self.loop.output.save_total_limit)
         for p in checkpointer.removed_unfinished:
             self.console.print(f"{p}: an unfinished checkpoint (its save was cut off, e.g. by a second Ctrl-C); "
                                "removed", style="yellow", markup=False, highlight=False)
@@ -219,7 +226,7 @@ class Trainer:
     def _resume(self) -> None:
         """Restore the checkpoint `resume_from_checkpoint` names (a step folder, or true: the latest), after
         checking that it fits this run (train/checkpoint_match.py: a named error, else the changed keys printed)."""
-        target = self.cfg.resume_from_checkpoint
+        target = self.loop.resume
         if isinstance(target, str):
             step = open_step(target)
             self.checkpointer.close()
@@ -248,7 +255,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.checkpointer.save(self.step_count, self._checkpoint_state(),
-                               {"step": self.step_count, CONFIG_META_KEY: config_record(self.cfg),
+                               {"step": self.step_count, CONFIG_META_KEY: self._config_record,
                                 "data": self._data_state(),
                                 "adaptive": self.adaptive.state_dict(), "adaptive_lr_scale": self.lr_scale,
                                 **self.task_checkpoint_meta()})
@@ -265,7 +272,7 @@ class Trainer:
     # ---- task hooks (overridden by post-training trainers) ---------------------------------------------------
     def build_data(self, *, batch_size: int, eval_batch_size: int, num_epochs: int | None):
         """The run's data (surojax/data/pipeline.py `Data`): `batch_size` rows per step (all micro-batches)."""
-        return build_data_from_config(self.cfg, self.tokenizer, batch_size=batch_size, seed=self.cfg.seed,
+        return build_data_from_config(self.cfg, self.tokenizer, batch_size=batch_size, seed=self.loop.seed,
                                       num_epochs=num_epochs, eval_batch_size=eval_batch_size,
                                       process_index=self.rows.index, process_count=self.rows.count)
 
@@ -349,17 +356,17 @@ class Trainer:
 
     # ---- the run --------------------------------------------------------------------------------------------
     def summary_lines(self) -> list[str]:
-        n_total = _count(self.trainable) + (_count(self.frozen) if self.cfg.lora else 0)
+        n_total = _count(self.trainable) + (_count(self.frozen) if self.spec.lora is not None else 0)
         n_train = _count(self.trainable)
         planned = self.plan.total_steps * self.plan.tokens_per_step
         budget = CHINCHILLA_TOKENS_PER_PARAM * n_total
         s = self.data.stats
-        mode = "LoRA" if self.cfg.lora else ("pretraining" if self.cfg.from_scratch else "full fine-tune")
+        mode, run_name = self.loop.kind, self.loop.metrics.run_name
         packed = self.spec.model.packed_experts
         return [
-            *([f"run     {self.cfg.run_name}"] if self.cfg.run_name else []),
+            *([f"run     {run_name}"] if run_name else []),
             f"model   {self.spec.model.config.model_type}, {n_total / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable "
-            f"({100 * n_train / max(n_total, 1):.2f}%), {mode}, recipe {self.cfg.recipe}",
+            f"({100 * n_train / max(n_total, 1):.2f}%), {mode}, recipe {self.spec.precision.recipe}",
             *([f"base    {packed.describe(self.spec.precision.base)}"] if packed is not None else []),
             f"layers  {self.run.layer_loop_reason}",
             f"zero    {self.run.zero_summary}",
@@ -369,7 +376,8 @@ class Trainer:
             f"({planned / max(budget, 1):.2f}x)",
             f"devices {jax.device_count()} x {jax.devices()[0].device_kind}, mesh {dict(self.mesh.shape)}; "
             f"estimated peak device memory {self.memory_plan.total / 2**30:.1f} GiB",
-            *surogate_summary_lines(self.cfg),  # a Surogate config: the defaults that differ from Surogate's
+            *self._surogate_lines,  # a Surogate config: the defaults that differ from Surogate's
+            *kernel_settings().summary_lines(),  # SUROJAX_* kernel overrides (A/B runs): never silent
         ]
 
     def train(self, interrupts: Interrupts | None = None) -> dict:
@@ -387,8 +395,8 @@ class Trainer:
             self.close()
 
     def _train(self, interrupts: Interrupts) -> dict:
-        cfg = self.cfg
-        if cfg.resume_from_checkpoint:  # the rows after the resumed step are written again: none twice
+        loop, cadence = self.loop, self.loop.cadence
+        if loop.resuming:  # the rows after the resumed step are written again: none twice
             self.metrics.truncate_after(self.step_count)
         self.console.print("\n".join(self.summary_lines()), highlight=False)  # one output in a notebook
         last: dict = {}
@@ -416,32 +424,32 @@ class Trainer:
                              "next step" if compiles_steady_next(self.run.train_step) else "")
                     progress.console.print(f"first step {m['step_time']:.1f} s (compiling the step included{again})",
                                            highlight=False)
-                if not math.isfinite(m["loss"]) and not cfg.auto_lr_reduction:
+                if not math.isfinite(m["loss"]) and loop.stop_on_nonfinite_loss:
                     raise FloatingPointError(f"loss became {m['loss']} at step {self.step_count} (auto_lr_reduction: "
                                              "true skips such steps and lowers the learning rate)")
                 router = f" {progress_text(m)}" if "router_aux_loss" in m else ""
                 progress.update(task, completed=self.step_count, loss=m["loss"], lr=m["lr"], gnorm=m["grad_norm"],
                                 tps=m["tokens_per_s"], router=router)
-                if self.step_count % cfg.logging_steps == 0 or self.step_count in (1, self.plan.total_steps):
+                if cadence.logs(self.step_count, self.plan.total_steps):
                     self.metrics.write(self.step_count, m)
                     if not interactive:
                         self.console.print(f"step {self.step_count}/{self.plan.total_steps} loss {m['loss']:.4f} "
                                            f"lr {m['lr']:.2e} gnorm {m['grad_norm']:.3f} "
                                            f"{m['tokens_per_s']:,.0f} tok/s{router}", highlight=False)
-                if cfg.eval_steps and self.step_count % cfg.eval_steps == 0 and not self._stop_requested(interrupts):
+                if cadence.evaluates(self.step_count) and not self._stop_requested(interrupts):
                     ev = self.evaluate()
                     if ev is not None:
                         self.metrics.write(self.step_count, {"eval_loss": ev})
                         progress.console.print(f"step {self.step_count}: eval loss {ev:.4f}", highlight=False)
                         self._adapt(self.adaptive.observe_eval(self.step_count, ev))
-                if cfg.save_steps and self.step_count % cfg.save_steps == 0:
+                if cadence.saves(self.step_count):
                     self.console.print(f"saving checkpoint {self.step_count}", highlight=False)
                     self.save_checkpoint()
                 last = m
                 if self.stop_reason is not None:
                     self.console.print(f"[yellow]early_stop: stopping at step {self.step_count} "
                                        f"({self.stop_reason})[/]")
-                    if not (cfg.save_steps and self.step_count % cfg.save_steps == 0):
+                    if not cadence.saves(self.step_count):
                         self.save_checkpoint()
                     break
         if self._stop_requested(interrupts):
@@ -453,7 +461,7 @@ class Trainer:
             self.console.print(f"final eval loss {ev:.4f}", highlight=False)
             last["eval_loss"] = ev
         self.checkpointer.close()
-        out = self.export(overwrite=bool(cfg.resume_from_checkpoint))
+        out = self.export(overwrite=loop.resuming)
         chart = plot_loss(self.metrics.history, self.output_dir / "loss.png") if self.is_main else None
         self.metrics.close()
         self.console.print(f"[bold green]done[/]: {out}" + (f"; loss chart {chart}" if chart else ""))
@@ -504,18 +512,19 @@ class Trainer:
             graphdef, state = nnx.split(model)
             state = gather_to_main(state)
             if state is None:
-                return Path(out_dir or self.output_dir / ("adapter" if self.cfg.lora else "model"))
+                return Path(out_dir or self.output_dir / ("adapter" if self.spec.lora is not None else "model"))
             model = nnx.merge(graphdef, state)
         save_dtype = self.spec.precision.save_dtype
-        if self.cfg.lora:
-            out = save_peft_adapter(model, Path(out_dir or self.output_dir / "adapter"), self.cfg.model,
+        lora = self.spec.lora
+        if lora is not None:
+            out = save_peft_adapter(model, Path(out_dir or self.output_dir / "adapter"), self.loop.output.base_model,
                                     overwrite=overwrite)
             if has_trained_router(model):  # train_router: the routers as PEFT modules_to_save
                 add_router_to_adapter(model, out)
             copy_tokenizer_files(self.tokenizer_dir, out)
             if out_dir is None:  # also where Surogate writes it: output_dir itself (merge --checkpoint-dir output)
                 copy_adapter_files(out, self.output_dir)
-            if self.cfg.merge_adapter:
+            if lora.merge_adapter:
                 save_model(merge_lora(model), self.output_dir / "merged", dtype=save_dtype,
                            tokenizer_dir=self.tokenizer_dir, overwrite=overwrite)
             return out

@@ -54,6 +54,7 @@ from flax import nnx
 
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
+from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.models.registry import weight_rows
 from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.quant.base import QuantFormat
@@ -457,7 +458,7 @@ def _quant_format(t, source: str):
 
 
 def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, keep_quantized: bool = True,
-                    attention: str = "auto", cfg: ModelConfig | None = None):
+                    attention: AttentionBackend | str = "auto", cfg: ModelConfig | None = None):
     """Load a llama.cpp GGUF file -> (ModelConfig, Decoder, Tokenizer). See the module docstring."""
     reader, fields, source = _open(path)
     by_name = {t.name: t for t in reader.tensors}

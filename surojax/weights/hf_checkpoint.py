@@ -30,6 +30,7 @@ from flax import nnx
 from surojax.hub import model_path
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
+from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.models.registry import WeightRow, family_for, weight_rows
 from surojax.quant.base import QuantFormat
 from surojax.quant.transform import QuantParam
@@ -130,8 +131,8 @@ def _half(row: WeightRow, width: int) -> slice:
     return slice(row.half * width // 2, (row.half + 1) * width // 2)
 
 
-def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None, attention: str = "auto",
-               cfg: ModelConfig | None = None, keep_quantized: bool = False,
+def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=None,
+               attention: AttentionBackend | str = "auto", cfg: ModelConfig | None = None, keep_quantized: bool = False,
                shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:
     """Load a Hugging Face checkpoint folder (or a Hub id, fetched by surojax.hub) into a `Decoder`.
 

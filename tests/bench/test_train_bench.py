@@ -78,6 +78,14 @@ def test_bench_train_bad_argument_is_one_clean_line(capsys):
     assert rc == 1 and "error:" in stderr and "Traceback" not in stderr
 
 
+def test_bench_attention_with_a_segment_bound_reaches_the_spec():
+    """`--attention cudnn:8` passes the config check (whose key spells the kind only) and builds with M = 8."""
+    from surojax.bench.train_bench import BenchConfig, bench_spec
+
+    spec = bench_spec(BenchConfig(shape="debug", attention="cudnn:8:nocheck", batch=2, seq=64, min_segment=8))
+    assert str(spec.model.attention) == "cudnn:8:nocheck"
+
+
 def test_synthetic_batch_is_packed_per_the_batch_contract():
     rng = np.random.default_rng(0)
     b, lengths = synthetic_batch(rng, accum=2, batch=3, seq=256, vocab=1000, segments=4, min_segment=16)

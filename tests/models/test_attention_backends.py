@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from surojax.models.layers import attention as att
+from surojax.models.layers.attention_backend import AttentionBackend, AttentionKind, parse_attention_backend
 
 BF16 = jnp.bfloat16
 
@@ -38,13 +39,16 @@ def test_packed_segments_hand_made():
 
 def test_packed_backend_only_rewrites_auto_on_a_gpu(monkeypatch):
     """auto + a known bound -> cudnn:M:nocheck on a GPU (M >= 2), nothing else changes."""
-    assert att.packed_backend("auto", 4) == ("cudnn:4:nocheck" if jax.default_backend() == "gpu" else "auto")
+    auto, parse = AttentionBackend(), parse_attention_backend
+    assert str(att.packed_backend(auto, 4)) == ("cudnn:4:nocheck" if jax.default_backend() == "gpu" else "auto")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert att.packed_backend("auto", 4) == "cudnn:4:nocheck"
-    assert att.packed_backend("auto", 1) == "cudnn:2:nocheck"
-    assert att.cudnn_options(att.packed_backend("auto", 7)) == (7, False)
-    assert att.packed_backend("auto", None) == "auto"
-    assert att.packed_backend("xla", 4) == "xla" and att.packed_backend("cudnn:16", 4) == "cudnn:16"
+    assert att.packed_backend(auto, 4) == AttentionBackend(AttentionKind.CUDNN, 4, check=False)
+    assert str(att.packed_backend(auto, 1)) == "cudnn:2:nocheck"
+    packed = att.packed_backend(auto, 7)
+    assert (packed.segments, packed.check) == (7, False)
+    assert att.packed_backend(auto, None) == auto
+    assert att.packed_backend(parse("xla"), 4) == parse("xla")
+    assert att.packed_backend(parse("cudnn:16"), 4) == parse("cudnn:16")
 
 
 def test_packed_segments_exactly_m_runs_fills_every_slot():
@@ -68,13 +72,21 @@ def test_packing_is_canonical(seg, pos, ok):
 
 
 def test_backend_names():
-    assert att.cudnn_options("cudnn") == (att.DEFAULT_MAX_SEGMENTS, True)
-    assert att.cudnn_options("cudnn:8") == (8, True)
-    assert att.cudnn_options("cudnn:8:nocheck") == (8, False)
-    assert att.resolve_backend("cudnn:32") == "cudnn:32"
-    for bad in ("cudnn:1", "cudnn:x", "cudnn:8:fast", "flash"):
-        with pytest.raises(ValueError):
-            att.resolve_backend(bad)
+    """Every spelling the config / CLI takes parses to its typed value and back to the same spelling."""
+    parse = parse_attention_backend
+    assert (parse("cudnn").segments, parse("cudnn").check) == (att.DEFAULT_MAX_SEGMENTS, True)
+    assert parse("cudnn:8") == AttentionBackend(AttentionKind.CUDNN, 8, True)
+    assert parse("cudnn:8:nocheck") == AttentionBackend(AttentionKind.CUDNN, 8, False)
+    assert parse("auto").kind is AttentionKind.AUTO and parse("xla").kind is AttentionKind.XLA
+    for text in ("auto", "xla", "cudnn", "cudnn:32", "cudnn:32:nocheck"):
+        assert str(parse(text)) == text
+    assert parse("auto").resolved("gpu") == parse("cudnn") and parse("auto").resolved("cpu") == parse("xla")
+
+
+@pytest.mark.parametrize("bad", ["cudnn:1", "cudnn:x", "cudnn:8:fast", "flash", "xla:8", "cudnn:8:nocheck:1", ""])
+def test_backend_parse_errors_name_the_key_and_the_forms(bad):
+    with pytest.raises(ValueError, match=r"^--attention: .* expected auto, xla, cudnn, cudnn:M or cudnn:M:nocheck"):
+        parse_attention_backend(bad, key="--attention")
 
 
 # ---- the dispatch, with cuDNN emulated ----------------------------------------------------------------------

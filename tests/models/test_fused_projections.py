@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pallas_kernels.quant_matmul.api import ENV
+from surojax.kernel_settings import use_kernel_settings
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.models.fused_projections import fuse_projections
@@ -53,7 +53,7 @@ def test_joined_projections_give_the_same_logits(model_type):
     assert fuse_projections(model) == []  # idempotent
 
 
-def test_laid_out_weights_join_and_mixed_formats_stay_apart(monkeypatch):
+def test_laid_out_weights_join_and_mixed_formats_stay_apart():
     """Plain weights laid out for the decode kernel join as one LaidOut (same values through the kernel's decode
     form, interpret mode); q / k fp32 next to a q4_k v cannot join, gate / up still do."""
     model = _model("qwen3", seed=1)
@@ -62,9 +62,9 @@ def test_laid_out_weights_join_and_mixed_formats_stay_apart(monkeypatch):
     assert fuse_projections(model) == ["qkv_proj", "gate_up_proj"]
     joined = model.layers.attn.qkv_proj.kernel.get_value()
     assert isinstance(joined, LaidOut) and joined.shape == (256, 512) and joined.data.shape == (2, 256, 512)
-    monkeypatch.setenv(ENV, "pallas")
-    np.testing.assert_allclose(_logits(model)[:, :1], want[:, :1], rtol=0,
-                               atol=reorder_atol(LONGEST_SUM, np.float32, np.abs(want).max()))
+    with use_kernel_settings(quant_matmul="pallas"):
+        np.testing.assert_allclose(_logits(model)[:, :1], want[:, :1], rtol=0,
+                                   atol=reorder_atol(LONGEST_SUM, np.float32, np.abs(want).max()))
 
     mixed = _model("qwen3", seed=1)
     quantize_model(mixed, "q4_k", targets=("v_proj",))

@@ -1,4 +1,4 @@
-"""quant_matmul's api (SUROJAX_QUANT_MATMUL) and the custom_vjp over the fused kernels: forward and input
+"""quant_matmul's api (its mode; surojax's SUROJAX_QUANT_MATMUL setting) and the custom_vjp over the fused kernels: forward and input
 gradient equal the XLA path's, the frozen weight gets no gradient, and LoRA gradients over a quantised base
 through the kernels (interpret mode on CPU) equal those over its dequantised copy.
 
@@ -14,8 +14,9 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from kernel_weights import make_weight
 from pallas_kernels.quant_matmul import api
-from pallas_kernels.quant_matmul.api import ENV, KernelOptions, choose, fused_matmul, xla_matmul
+from pallas_kernels.quant_matmul.api import KernelOptions, choose, fused_matmul, xla_matmul
 from pallas_kernels.quant_matmul.kernel import Tiles
+from surojax.kernel_settings import KernelSettings, QuantMatmul, kernel_settings, use_kernel_settings
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.lora import apply_lora
@@ -26,18 +27,18 @@ OPTS = KernelOptions(Tiles(bm=16, bn=32, kt=128), Tiles(bm=16, bn=32, kt=128), i
 
 def test_mode_selection(monkeypatch):
     w = make_weight("q8_0", 128, 32)
-    monkeypatch.delenv(ENV, raising=False)
-    assert api.matmul_mode() == "auto" and choose(w) == "xla"  # auto is xla off GPU
-    monkeypatch.setenv(ENV, "pallas")
-    assert choose(w) == "pallas"
+    assert choose(w) == "xla"  # auto (the default) is xla off GPU
+    assert choose(w, "pallas") == "pallas"
     with pytest.raises(ValueError, match="stacked"):
-        choose(jax.tree.map(lambda a: jnp.stack([a, a]), w))
+        choose(jax.tree.map(lambda a: jnp.stack([a, a]), w), "pallas")
     with pytest.raises(ValueError, match="K=64"):
-        choose(make_weight("q8_0", 64, 32))
+        choose(make_weight("q8_0", 64, 32), "pallas")
     assert choose(w, "xla") == "xla"
-    monkeypatch.setenv(ENV, "cuda")
-    with pytest.raises(ValueError, match="SUROJAX_QUANT_MATMUL='cuda'"):
-        api.matmul_mode()
+    with pytest.raises(ValueError, match="mode 'cuda'"):
+        choose(w, "cuda")
+    with pytest.raises(ValueError, match="SUROJAX_QUANT_MATMUL='cuda'"):  # surojax's setting names its variable
+        KernelSettings.from_environ({"SUROJAX_QUANT_MATMUL": "cuda"})
+    assert kernel_settings().quant_matmul is QuantMatmul.AUTO  # what surojax's formats pass (quant/base.py)
     monkeypatch.setattr(api, "on_gpu", lambda: True)  # auto on GPU: only the formats of AUTO_PALLAS
     monkeypatch.setattr(api, "AUTO_PALLAS", frozenset({"q8_0"}))
     assert choose(w, "auto") == "pallas" and choose(make_weight("fp8", 128, 32), "auto") == "xla"
@@ -102,11 +103,11 @@ def test_lora_gradients_through_the_kernels_equal_the_dequantised_base(monkeypat
     calls = []
     real = api.fused_matmul
     monkeypatch.setattr(api, "fused_matmul", lambda *a: calls.append(a[1].name) or real(*a))
-    monkeypatch.setenv(ENV, "pallas")
-    g_kernel = _grads(model)
+    with use_kernel_settings(quant_matmul="pallas"):
+        g_kernel = _grads(model)
     assert sorted(calls) == ["nf4"] * 2  # each quantised linear went through the kernels (traced once: the scan)
-    monkeypatch.setenv(ENV, "xla")
-    g_ref = _grads(reference)
+    with use_kernel_settings(quant_matmul="xla"):
+        g_ref = _grads(reference)
     assert g_kernel.keys() == g_ref.keys() and len(g_kernel) == 14
     for path in g_kernel:
         gk, gr = np.asarray(g_kernel[path].get_value()), np.asarray(g_ref[path].get_value())

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from surojax.kernel_settings import Fp8Dot, kernel_settings, use_kernel_settings
 from surojax.precision.fp8_matmul import DIRECT_REL_ERR, fp8_dot, fp8_dot_frozen, reference_dot
 from surojax.precision.fp8_scaling import E4M3, E5M2, quantize_current
 from surojax.precision.fp8_transform import Fp8Weight
@@ -45,8 +46,8 @@ def _operands(M=64, K=96, N=80):
     return x, w, g
 
 
-def test_direct_form_gives_xla_fp8_dots_and_no_fp8_to_wide_convert(monkeypatch):
-    monkeypatch.setenv("SUROJAX_FP8_DOT", "direct")
+def test_direct_form_gives_xla_fp8_dots_and_no_fp8_to_wide_convert():
+    assert kernel_settings().fp8_dot is Fp8Dot.DIRECT  # the default, read once from a clean environment
     x, w, g = _operands()
     fw = Fp8Weight.quantize(w)
     e4, e5 = "f8e4m3fn", "f8e5m2"
@@ -62,13 +63,13 @@ def test_direct_form_gives_xla_fp8_dots_and_no_fp8_to_wide_convert(monkeypatch):
         assert widened == []
 
 
-def test_qdq_form_is_the_convert_chain_that_xla_collapses(monkeypatch):
+def test_qdq_form_is_the_convert_chain_that_xla_collapses():
     """The qdq form's activation quantiser is convert(f32 -> f8) read only by convert(f8 -> bf16): two float
     converts in a row, which XLA GPU's SimplifyFPConversions rewrites as one f32 -> bf16 convert (H200 run)."""
-    monkeypatch.setenv("SUROJAX_FP8_DOT", "qdq")
     x, w, g = _operands()
     fw = Fp8Weight.quantize(w)
-    hlo = _hlo(lambda x, q, d: fp8_dot_frozen(x, q, d), x, fw.q, fw.d)
+    with use_kernel_settings(fp8_dot=Fp8Dot.QDQ):
+        hlo = _hlo(lambda x, q, d: fp8_dot_frozen(x, q, d), x, fw.q, fw.d)
     narrowed = {n for n, dt, op, ops in hlo if op == "convert" and dt.startswith("f8") and ops == ["f32"]}
     assert len(narrowed) == 1  # x's quantiser (the frozen weight arrives in FP8)
     chain = [n for n, dt, op, ops in hlo if op == "convert" and dt == "bf16" and ops and ops[0].startswith("f8")]
@@ -81,8 +82,8 @@ CPU_REL_ERR = 1e-2
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-def test_direct_form_error_bound_separates_fp8_from_a_dropped_quantiser(monkeypatch, frozen):
-    monkeypatch.setenv("SUROJAX_FP8_DOT", "direct")
+def test_direct_form_error_bound_separates_fp8_from_a_dropped_quantiser(frozen):
+    assert kernel_settings().fp8_dot is Fp8Dot.DIRECT
     x, w, g = _operands(M=256, K=512, N=128)
     x_q, x_d = quantize_current(x, E4M3, jnp.bfloat16)
     if frozen:

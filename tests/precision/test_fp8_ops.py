@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from surojax.kernel_settings import KernelSettings, use_kernel_settings
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_frozen, reference_dot
 from surojax.precision.fp8_scaling import (E4M3, E5M2, SPECS, AmaxHistory, dequant_factor, quantize, quantize_both,
                                            quantize_current, round_fp8_reference, scale_from_amax)
@@ -141,21 +142,20 @@ def test_layer_mask_picks_bf16_or_fp8_per_layer():
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
 
 
-def test_direct_dot_form_matches_qdq(monkeypatch):
+def test_direct_dot_form_matches_qdq():
     x, w, g = _operands(seed=2)
     outs = {}
     for form in ("qdq", "direct"):
-        monkeypatch.setenv("SUROJAX_FP8_DOT", form)
-        y, vjp = jax.vjp(fp8_dot, x, w)  # traced anew: the form is read at trace time
-        outs[form] = (y, *vjp(g))
+        with use_kernel_settings(fp8_dot=form):
+            y, vjp = jax.vjp(fp8_dot, x, w)  # traced anew: the form is read at trace time
+            outs[form] = (y, *vjp(g))
     for a, b in zip(outs["qdq"], outs["direct"]):
         assert _rel(a, b) < 1e-2
-    monkeypatch.setenv("SUROJAX_FP8_DOT", "nope")
-    with pytest.raises(ValueError, match="SUROJAX_FP8_DOT"):
-        fp8_dot(x, w)
+    with pytest.raises(ValueError, match="SUROJAX_FP8_DOT='nope'"):
+        KernelSettings.from_environ({"SUROJAX_FP8_DOT": "nope"})
 
 
-def test_quantize_both_is_the_quantiser_in_both_layouts_and_the_switch_is_read(monkeypatch):
+def test_quantize_both_is_the_quantiser_in_both_layouts_and_the_switch_is_read():
     """quantize_both (the FP8 GEMMs' operands, fp8_scaling) = (quantize, its transpose, max |x|) bit for bit (XLA's
     passes here; on a GPU the fused kernel, which tests/pallas_kernels/test_fp8_cast.py holds to the same bits); an
     unknown SUROJAX_FP8_CAST is refused."""
@@ -166,12 +166,13 @@ def test_quantize_both_is_the_quantiser_in_both_layouts_and_the_switch_is_read(m
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want)
     np.testing.assert_array_equal(np.asarray(qt).view(np.uint8), want.T)
     assert float(a) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
-    monkeypatch.setenv("SUROJAX_FP8_CAST", "triton")
+    with use_kernel_settings(fp8_cast="xla"):  # XLA's passes whatever the device: the same bits
+        np.testing.assert_array_equal(np.asarray(quantize_both(x, d, E4M3)[1]).view(np.uint8), want.T)
     with pytest.raises(ValueError, match="SUROJAX_FP8_CAST"):
-        quantize_both(x, d, E4M3)
+        KernelSettings.from_environ({"SUROJAX_FP8_CAST": "triton"})
 
 
-def test_wgrad_in_the_weights_dtype_skips_the_bf16_rounding(monkeypatch):
+def test_wgrad_in_the_weights_dtype_skips_the_bf16_rounding():
     """SUROJAX_FP8_WGRAD=weight: the weight-gradient GEMM of a trainable fp32 weight writes fp32 (no bf16 rounding
     of dW): closer to the fp32 product of the same FP8 operands than the default's bf16 result, same dx."""
     from surojax.precision.fp8_matmul import _current_both
@@ -187,8 +188,8 @@ def test_wgrad_in_the_weights_dtype_skips_the_bf16_rounding(monkeypatch):
         return jax.jit(lambda x, w: jax.vjp(fp8_dot, x, w)[1](g))(x, w)
 
     dx0, dw0 = grads()
-    monkeypatch.setenv("SUROJAX_FP8_WGRAD", "weight")
-    dx1, dw1 = grads()
+    with use_kernel_settings(fp8_wgrad="weight"):
+        dx1, dw1 = grads()
     assert dw1.dtype == jnp.float32 and dw0.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(dx0), np.asarray(dx1))
     err0 = float(jnp.max(jnp.abs(dw0 - ref))) / float(jnp.max(jnp.abs(ref)))

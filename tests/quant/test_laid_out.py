@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from pallas_kernels.quant_matmul import api
-from pallas_kernels.quant_matmul.api import ENV, decode_layouts
+from pallas_kernels.quant_matmul.api import decode_layouts
+from surojax.kernel_settings import QuantMatmul, kernel_settings, use_kernel_settings
 from surojax.generation.sampling import SamplingParams
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
@@ -80,15 +81,15 @@ def test_a_weight_its_format_keeps_from_the_kernels_stays_in_its_format():
 
 def test_a_laid_out_model_computes_the_same_logits(models, monkeypatch):
     model, laid = models
-    monkeypatch.setenv(ENV, "xla")
-    ref = np.asarray(_forward(model, TOKENS))
-    tol = reorder_atol(LONGEST_SUM, np.float32, np.abs(ref).max())
-    np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS)), ref, rtol=0, atol=tol)
-    monkeypatch.setenv(ENV, "pallas")  # the decode form (M = 1 row, K split) and the tiled form (M = 8)
+    with use_kernel_settings(quant_matmul="xla"):
+        ref = np.asarray(_forward(model, TOKENS))
+        tol = reorder_atol(LONGEST_SUM, np.float32, np.abs(ref).max())
+        np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS)), ref, rtol=0, atol=tol)
     calls = []
     real = api.fused_matmul
     monkeypatch.setattr(api, "fused_matmul", lambda *a: calls.append((a[2].splits, a[1].layer.shape)) or real(*a))
-    np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS[:, :1])), ref[:, :1], rtol=0, atol=tol)
+    with use_kernel_settings(quant_matmul="pallas"):  # the decode form (M = 1 row, K split), the tiled form (M = 8)
+        np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS[:, :1])), ref[:, :1], rtol=0, atol=tol)
     # every Linear of the layer through the kernel, K split, reading its layer of the whole stack in place
     assert len(calls) == 7 and max(c[0] for c in calls) > 1 and {c[1] for c in calls} == {()}
 
@@ -96,7 +97,7 @@ def test_a_laid_out_model_computes_the_same_logits(models, monkeypatch):
 def test_auto_takes_the_decode_kernel_below_the_measured_crossover(monkeypatch):
     native = make_weight("q4_k", 256, 64)
     laid = lay_out(jax.tree.map(lambda a: a[None], native)).at_layer(0)  # what the layer scan hands a Linear
-    monkeypatch.delenv(ENV, raising=False)
+    assert kernel_settings().quant_matmul is QuantMatmul.AUTO  # the default: a clean environment
     monkeypatch.setattr(api, "on_gpu", lambda: False)
     assert decode_layouts() == (frozenset(), 0) and api.choose(laid, m=1) == "xla"  # auto off GPU: never
     monkeypatch.setattr(api, "on_gpu", lambda: True)
@@ -109,16 +110,15 @@ def test_auto_takes_the_decode_kernel_below_the_measured_crossover(monkeypatch):
     assert api.choose(native, m=1) == "xla"  # not laid out: the per-call re-layout would cost a pass
     monkeypatch.setattr(api, "DECODE_MIN_VALUES", 256 * 64 + 1)
     assert api.choose(laid, m=1) == "xla"  # below the size where the kernel pays
-    monkeypatch.setenv(ENV, "xla")
-    assert decode_layouts() == (frozenset(), 0) and api.choose(laid, m=1) == "xla"
-    monkeypatch.setenv(ENV, "pallas")
-    layouts, min_values = decode_layouts()
+    assert decode_layouts("xla") == (frozenset(), 0) and api.choose(laid, "xla", m=1) == "xla"
+    layouts, min_values = decode_layouts("pallas")
     assert {"*", "bfloat16"} <= layouts and min_values == 0
     model = Decoder(ModelConfig.from_hf(dict(HF)), rngs=nnx.Rngs(params=0))  # what build_server does at load
     quantize_model(model, "q8_0", targets=("down_proj",))
-    assert decode_weights(model) == {"q8_0": 1, "float32": 6}
-    assert model.layers.attn.qkv_proj is not None and model.layers.mlp.gate_up_proj is not None  # then joined
-    assert decode_weights(model) == {"q8_0": 1, "float32": 3}  # idempotent: qkv, o, gate_up (down is q8_0)
+    with use_kernel_settings(quant_matmul="pallas"):  # decode_weights reads the setting
+        assert decode_weights(model) == {"q8_0": 1, "float32": 6}
+        assert model.layers.attn.qkv_proj is not None and model.layers.mlp.gate_up_proj is not None  # joined
+        assert decode_weights(model) == {"q8_0": 1, "float32": 3}  # idempotent: qkv, o, gate_up (down is q8_0)
 
 
 def test_served_greedy_tokens_through_the_kernels_equal_xla(models, monkeypatch):
@@ -138,10 +138,10 @@ def test_served_greedy_tokens_through_the_kernels_equal_xla(models, monkeypatch)
                 out[o.request_id] += o.new_token_ids
         return [out[r] for r in rids]
 
-    monkeypatch.setenv(ENV, "xla")
-    want = run(model)
-    monkeypatch.setenv(ENV, "pallas")
-    assert run(laid) == want
+    with use_kernel_settings(quant_matmul="xla"):
+        want = run(model)
+    with use_kernel_settings(quant_matmul="pallas"):
+        assert run(laid) == want
 
 
 def test_mixed_stacks_lay_out_per_format(monkeypatch):
@@ -156,8 +156,8 @@ def test_mixed_stacks_lay_out_per_format(monkeypatch):
         k, n = lin.kernel.get_value().shape[1:]
         layers = [quantize(rng.normal(size=(k, n)).astype(np.float32) * 0.05, t) for t in types]
         lin.kernel = QuantParam(GGUFMixed.from_layers(layers), **lin.kernel.get_metadata())
-    monkeypatch.setenv(ENV, "xla")
-    want = np.asarray(_forward(model, TOKENS))
+    with use_kernel_settings(quant_matmul="xla"):
+        want = np.asarray(_forward(model, TOKENS))
     graphdef, state = nnx.split(model)
     laid = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
     assert lay_out_model(laid, frozenset({"q4_k", "q6_k"})) == {"q4_k+q6_k": 2}
@@ -166,10 +166,11 @@ def test_mixed_stacks_lay_out_per_format(monkeypatch):
     np.testing.assert_array_equal(np.asarray(v.dequantize(jnp.float32)),
                                   np.asarray(model.layers.attn.v_proj.kernel.get_value().dequantize(jnp.float32)))
     tol = reorder_atol(LONGEST_SUM, np.float32, np.abs(want).max())
-    np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS)), want, rtol=0, atol=tol)
-    monkeypatch.setenv(ENV, "pallas")
+    with use_kernel_settings(quant_matmul="xla"):
+        np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS)), want, rtol=0, atol=tol)
     calls = []
     real = api.fused_matmul
     monkeypatch.setattr(api, "fused_matmul", lambda *a: calls.append(a[1].spec.name) or real(*a))
-    np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS[:, :1])), want[:, :1], rtol=0, atol=tol)
+    with use_kernel_settings(quant_matmul="pallas"):
+        np.testing.assert_allclose(np.asarray(_forward(laid, TOKENS[:, :1])), want[:, :1], rtol=0, atol=tol)
     assert sorted(calls) == ["q4_k", "q4_k", "q6_k", "q6_k"]  # v and down: each format's branch is the kernel

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+from surojax.kernel_settings import KernelSettings, use_kernel_settings
 from surojax.train.optim import build_optimizer
 from surojax.train.optim_8bit_fused import FusedAdam8bit
 
@@ -31,8 +32,12 @@ def _params(key):
             "lm_head": {"kernel": jax.random.normal(ks[4], (64, 128)) * 0.05}}  # not layers: 8-bit, the kernel
 
 
-def _run(mode, monkeypatch, steps=3):
-    monkeypatch.setenv("SUROJAX_ADAM8BIT", mode)
+def _run(mode, steps=3):
+    with use_kernel_settings(adam8bit=mode):  # read when the step is traced (the first call below)
+        return _steps(steps)
+
+
+def _steps(steps):
     schedule = lambda c: 1e-2 / (1.0 + c.astype(jnp.float32))  # noqa: E731 - moves every step
     opt = build_optimizer("adamw_8bit", schedule, weight_decay=0.1, max_grad_norm=0.5, layerwise_update=True)
     params = _params(jax.random.key(0))
@@ -65,8 +70,8 @@ def _close(ref, got, *, first: bool):
             np.testing.assert_array_equal(a, b)
 
 
-def test_fused_update_equals_the_per_layer_loop(monkeypatch):
-    ref, ker = _run("xla", monkeypatch), _run("kernel", monkeypatch)
+def test_fused_update_equals_the_per_layer_loop():
+    ref, ker = _run("xla"), _run("kernel")
     _close(ref[0], ker[0], first=True)
     _close(ref[-1], ker[-1], first=False)
     p_ref = ref[-1][0]
@@ -74,21 +79,20 @@ def test_fused_update_equals_the_per_layer_loop(monkeypatch):
                               np.asarray(_params(jax.random.key(0))["layers"]["attn"]["kernel"]))
 
 
-def test_fused_update_runs_the_kernel_only_where_the_blocks_fit(monkeypatch):
-    monkeypatch.setenv("SUROJAX_ADAM8BIT", "kernel")
+def test_fused_update_runs_the_kernel_only_where_the_blocks_fit():
     fused = FusedAdam8bit(1e-3)
     assert fused._fits(jnp.zeros((L, 64, 128))) and fused._fits(jnp.zeros((L, 4096)))
     assert not fused._fits(jnp.zeros((L, 4100)))
     opt = build_optimizer("adamw_8bit", optax.constant_schedule(1e-3), layerwise_update=True)
     params = _params(jax.random.key(1))
-    hlo = jax.jit(lambda g, s, p: opt.update_and_apply(g, jnp.float32(1.0), s, p)).lower(
-        params, opt.init(params), params).as_text()
+    with use_kernel_settings(adam8bit="kernel"):
+        hlo = jax.jit(lambda g, s, p: opt.update_and_apply(g, jnp.float32(1.0), s, p)).lower(
+            params, opt.init(params), params).as_text()
     calls = re.findall(r"= call @adam8bit_kernel\w*\(.*?tensor<(\d+)x256xf32>, tensor<(\d+)x256xf32>", hlo)
     # the norm scale, attn and lm_head (a stack of one), not mlp
     assert sorted(int(a) for a, _ in calls) == sorted([L * 16, 32, L * 32]), calls
 
 
-def test_mode_is_checked(monkeypatch):
-    monkeypatch.setenv("SUROJAX_ADAM8BIT", "fast")
+def test_mode_is_checked():
     with pytest.raises(ValueError, match="SUROJAX_ADAM8BIT"):
-        FusedAdam8bit(1e-3).active()
+        KernelSettings.from_environ({"SUROJAX_ADAM8BIT": "fast"})

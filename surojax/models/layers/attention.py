@@ -4,8 +4,9 @@ Packing: every token carries a segment id (0 = padding) and its position inside 
 sees key s only when both are in the same segment and pos[s] <= pos[t] (and, with a sliding window W,
 pos[t] - pos[s] < W), so a packed row computes exactly what each of its sequences computes alone.
 
-Backends (picked by name): `xla` (einsum + masked softmax, any device; the reference) and `cudnn` (cuDNN's
-fused flash attention, GPU only). `auto` picks cudnn on GPU and xla elsewhere.
+Backends (an `AttentionBackend`, models/layers/attention_backend.py, parsed once from the config's spelling):
+`xla` (einsum + masked softmax, any device; the reference) and `cudnn` (cuDNN's fused flash attention, GPU
+only). `auto` picks cudnn on GPU and xla elsewhere.
 
 The cudnn backend and packed rows (training / prefill, no KV cache): cuDNN's packed ("ragged", THD) layout
 takes per row up to M segments as (offsets [B, M+1], lengths [B, M]), unused entries -1, and runs causal
@@ -48,6 +49,8 @@ from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_atten
 from surojax.models.config import ModelConfig
 from surojax.models.kv import MASKED as _MASKED
 from surojax.models.kv import AttendSpec, KVMeta, LayerKV, attention_mask, softmax_with_sinks
+from surojax.models.layers.attention_backend import (AUTO, DEFAULT_MAX_SEGMENTS, AttentionBackend, AttentionKind,
+                                                     as_attention_backend)
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import param
@@ -74,26 +77,11 @@ def cudnn_attention(q, k, v, mask, scale: float, sinks: jax.Array | None = None)
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale, implementation="cudnn")
 
 
-BACKENDS = {"xla": xla_attention, "cudnn": cudnn_attention}
+BACKENDS = {AttentionKind.XLA: xla_attention, AttentionKind.CUDNN: cudnn_attention}
 
 # ---- cuDNN fused attention over packed rows -----------------------------------------------------------------
 
-DEFAULT_MAX_SEGMENTS = 16
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def cudnn_options(name: str) -> tuple[int, bool]:
-    """'cudnn' | 'cudnn:M' | 'cudnn:M:nocheck' -> (max_segments M, check)."""
-    parts = name.split(":")
-    if parts[0] != "cudnn" or len(parts) > 3 or (len(parts) == 3 and parts[2] != "nocheck"):
-        raise ValueError(f"attention backend {name!r} is unknown; expected auto, xla, cudnn, cudnn:M or "
-                         "cudnn:M:nocheck")
-    m = DEFAULT_MAX_SEGMENTS
-    if len(parts) >= 2:
-        if not parts[1].isdigit() or int(parts[1]) < 2:
-            raise ValueError(f"attention backend {name!r}: M (segments per row) must be an integer >= 2")
-        m = int(parts[1])
-    return m, len(parts) < 3
 
 
 def packed_segments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -199,27 +187,15 @@ def runs_per_row(segment_ids) -> int:
     return int(((ids[:, 1:] != ids[:, :-1]).sum(axis=1) + 1).max()) if ids.size else 1
 
 
-def packed_backend(name: str, max_runs: int | None) -> str:
+def packed_backend(backend: AttentionBackend, max_runs: int | None) -> AttentionBackend:
     """The backend for training on packed rows whose layout the data pipeline built (positions counting up from
-    0 inside each sample, no id coming back) with at most `max_runs` runs per row: "auto" on a GPU becomes
+    0 inside each sample, no id coming back) with at most `max_runs` runs per row: auto on a GPU becomes
     `cudnn:M:nocheck`, M = max(2, max_runs): cuDNN's cost grows with M (B * M sequence slots), and the
     per-layer check's switch is not needed for rows built that way (the measurements: benchmarks/RESULTS.md).
     Anything else: unchanged."""
-    if name != "auto" or max_runs is None or jax.default_backend() != "gpu":
-        return name
-    return f"cudnn:{max(2, int(max_runs))}:nocheck"
-
-
-def resolve_backend(name: str) -> str:
-    if name == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" else "xla"
-    if name.startswith("cudnn:"):
-        cudnn_options(name)  # validates
-        return name
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is unknown; expected one of auto, {', '.join(BACKENDS)}, "
-                         "cudnn:M, cudnn:M:nocheck")
-    return name
+    if backend.kind is not AttentionKind.AUTO or max_runs is None or jax.default_backend() != "gpu":
+        return backend
+    return AttentionBackend(AttentionKind.CUDNN, max(2, int(max_runs)), check=False)
 
 
 def layer_window_table(cfg: ModelConfig) -> np.ndarray | None:
@@ -231,14 +207,15 @@ def layer_window_table(cfg: ModelConfig) -> np.ndarray | None:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", param_dtype, rngs: nnx.Rngs | None = None):
+    def __init__(self, cfg: ModelConfig, *, backend: AttentionBackend | str = AUTO, param_dtype,
+                 rngs: nnx.Rngs | None = None):
         D, H = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, H
         self.sliding_window = cfg.sliding_window
         # per-layer windows: the distinct static windows a traced one may take (0 = full), for cudnn's switch
         table = layer_window_table(cfg)
         self.window_choices = None if table is None else tuple(sorted({int(w) for w in table}))
-        self.backend = resolve_backend(backend)
+        self.backend = as_attention_backend(backend).resolved(jax.default_backend())  # static: xla, or cudnn with its M and check
         bias = cfg.attention_bias
         self.q_proj = Linear(D, cfg.q_dim, ("embed", "heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.k_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
@@ -280,7 +257,7 @@ class Attention(nnx.Module):
         spec = self.attend_spec(window)
         if kv is not None:
             out, kv = kv.update_and_attend(q, k, v, kv_meta, spec)
-        elif self.backend.startswith("cudnn") and self.sinks is None:
+        elif self.backend.kind is AttentionKind.CUDNN and self.sinks is None:
             out = self._cudnn_self_attention(q, k, v, segment_ids, positions, window)
         else:
             mask = attention_mask(segment_ids, segment_ids, positions, positions, spec.sliding_window)
@@ -289,7 +266,7 @@ class Attention(nnx.Module):
 
     def _cudnn_self_attention(self, q, k, v, segment_ids, positions, window):
         """cuDNN over packed rows; a per-layer window picks one of the static-window variants (`lax.switch`)."""
-        m, check = cudnn_options(self.backend)
+        m, check = self.backend.segments, self.backend.check
 
         def run(static_window):
             return lambda q, k, v: cudnn_packed_attention(q, k, v, segment_ids, positions, self.head_dim ** -0.5,
@@ -305,5 +282,5 @@ class Attention(nnx.Module):
         """The dense attention over a cache's context: this layer's backend (cuDNN with a dense mask, or xla),
         scale, window (static, or the traced per-layer one) and sinks."""
         sinks = None if self.sinks is None else self.sinks[...]
-        return AttendSpec(BACKENDS[self.backend.split(":")[0]], self.head_dim ** -0.5,
+        return AttendSpec(BACKENDS[self.backend.kind], self.head_dim ** -0.5,
                           self.sliding_window if window is None else window, sinks)

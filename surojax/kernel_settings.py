@@ -1,0 +1,152 @@
+"""The kernel choices of a process: typed settings, read once, that the traced code reads instead of os.environ.
+
+    kernel_settings()                 the process's KernelSettings: the defaults, with the SUROJAX_* overrides of
+                                      the environment read on first use (once; a bad value names its variable)
+    use_kernel_settings(**changes)    a context in which other settings hold (tests; A/B in one process)
+    set_kernel_settings(settings)     the same for the rest of the process (a benchmark's loop over variants)
+    KernelSettings.summary_lines()    one line per override: the start-up summary of `surojax train`, `surojax
+                                      bench train` and `surojax serve` prints them
+
+    field          variable               values (default first)   read by
+    fp8_dot        SUROJAX_FP8_DOT        direct | qdq             precision/fp8_matmul: how the scaled GEMM is written
+    fp8_accum      SUROJAX_FP8_ACCUM      split | fp32 | fast      precision/fp8_matmul: the FP8 GEMMs' accumulation
+    fp8_wgrad      SUROJAX_FP8_WGRAD      compute | weight         precision/fp8_matmul: the weight-gradient's dtype
+    fp8_cast       SUROJAX_FP8_CAST       auto | xla               precision/fp8_scaling: the cast + transpose kernel
+    quant_matmul   SUROJAX_QUANT_MATMUL   auto | pallas | xla      quant/: the quantised matmul's kernel
+    adam8bit       SUROJAX_ADAM8BIT       auto | kernel | xla      train/optim_8bit_fused: the fused 8-bit AdamW
+
+Each choice changes what compiles, not what a config means: the defaults are the measured best (the modules above
+say why), the variables exist for A/B runs. A variable that changed what compiles without a word was the defect
+this module removes: every one set is printed at start-up. Nothing heavy is imported here (no jax).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import os
+from collections.abc import Iterator, Mapping
+
+
+class Fp8Dot(enum.StrEnum):
+    DIRECT = "direct"  # dot_general on the FP8 arrays, times a_d * b_d (XLA GPU: a cuBLASLt FP8 GEMM)
+    QDQ = "qdq"        # dot(convert(a_q) * a_d, convert(b_q) * b_d): the textbook pattern XLA may leave in bf16
+
+
+class Fp8Accum(enum.StrEnum):
+    SPLIT = "split"  # forward GEMMs fast accumulation, gradient GEMMs fp32 (Transformer Engine's choice)
+    FP32 = "fp32"    # every FP8 GEMM accumulates in fp32
+    FAST = "fast"    # every FP8 GEMM fast
+
+
+class Fp8Wgrad(enum.StrEnum):
+    COMPUTE = "compute"  # the weight-gradient GEMM writes the compute dtype
+    WEIGHT = "weight"    # ... the weight's own dtype
+
+
+class Fp8Cast(enum.StrEnum):
+    AUTO = "auto"  # the fused Pallas cast + transpose on a GPU where its tiles fit
+    XLA = "xla"    # XLA's convert, transpose and amax
+
+
+class QuantMatmul(enum.StrEnum):
+    AUTO = "auto"      # XLA off a GPU; on one the kernel where it was measured faster
+    PALLAS = "pallas"  # the fused dequantise + matmul kernels always (interpret mode off a GPU)
+    XLA = "xla"        # dequantise, then XLA's GEMM
+
+
+class Adam8bit(enum.StrEnum):
+    AUTO = "auto"      # the fused kernel on a GPU, the per-layer loop elsewhere
+    KERNEL = "kernel"  # the kernel always (interpret mode off a GPU)
+    XLA = "xla"        # the per-layer loop
+
+
+VARIABLES: dict[str, str] = {  # field -> its environment variable
+    "fp8_dot": "SUROJAX_FP8_DOT", "fp8_accum": "SUROJAX_FP8_ACCUM", "fp8_wgrad": "SUROJAX_FP8_WGRAD",
+    "fp8_cast": "SUROJAX_FP8_CAST", "quant_matmul": "SUROJAX_QUANT_MATMUL", "adam8bit": "SUROJAX_ADAM8BIT",
+}
+
+
+class KernelSettingsError(ValueError):
+    is_user_error = True
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    fp8_dot: Fp8Dot = Fp8Dot.DIRECT
+    fp8_accum: Fp8Accum = Fp8Accum.SPLIT
+    fp8_wgrad: Fp8Wgrad = Fp8Wgrad.COMPUTE
+    fp8_cast: Fp8Cast = Fp8Cast.AUTO
+    quant_matmul: QuantMatmul = QuantMatmul.AUTO
+    adam8bit: Adam8bit = Adam8bit.AUTO
+    from_environment: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
+    """the variables that were set when these settings were read (printed even where they name the default)"""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if f.name in VARIABLES:  # a spelling given in code ("qdq") becomes its enum member, or is refused
+                object.__setattr__(self, f.name, _member(f.name, getattr(self, f.name)))
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> KernelSettings:
+        """The defaults with every SUROJAX_* variable of `environ` that is set (an empty value: unset)."""
+        values = {field: environ[var].strip().lower() for field, var in VARIABLES.items()
+                  if environ.get(var, "").strip()}
+        return cls(**values, from_environment=frozenset(VARIABLES[f] for f in values))
+
+    def overrides(self) -> dict[str, str]:
+        """variable -> value of every setting that is not its default or was set in the environment."""
+        default = KernelSettings()
+        return {var: getattr(self, field).value for field, var in VARIABLES.items()
+                if getattr(self, field) != getattr(default, field) or var in self.from_environment}
+
+    def summary_lines(self) -> list[str]:
+        """The start-up summary's line of the overrides ([] with none)."""
+        over = self.overrides()
+        if not over:
+            return []
+        return ["kernels " + ", ".join(f"{var}={value}" for var, value in over.items())
+                + " (environment overrides for A/B runs: they change what compiles)"]
+
+
+def _member(field: str, value):
+    kind = type(getattr(KernelSettings, field))
+    try:
+        return kind(value)
+    except ValueError:
+        raise KernelSettingsError(f"{VARIABLES[field]}={value!r}: expected one of "
+                                  f"{', '.join(m.value for m in kind)}") from None
+
+
+_current: KernelSettings | None = None
+
+
+def kernel_settings() -> KernelSettings:
+    """The process's settings: read from the environment on first use, the same afterwards."""
+    global _current
+    if _current is None:
+        _current = KernelSettings.from_environ()
+    return _current
+
+
+def set_kernel_settings(settings: KernelSettings) -> KernelSettings:
+    """Make `settings` the process's from now on (a script's A/B loop); -> the ones they replace. Functions
+    traced afterwards compile with them (jit caches by function: trace a fresh one per setting)."""
+    global _current
+    before = kernel_settings()
+    _current = settings
+    return before
+
+
+@contextlib.contextmanager
+def use_kernel_settings(settings: KernelSettings | None = None, **changes) -> Iterator[KernelSettings]:
+    """Within the block, `settings` (default: the current ones) with `changes` (values or their spellings)."""
+    before = set_kernel_settings(dataclasses.replace(settings or kernel_settings(), **changes))
+    try:
+        yield kernel_settings()
+    finally:
+        set_kernel_settings(before)
+
+
+__all__ = ["VARIABLES", "Adam8bit", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "KernelSettings",
+           "KernelSettingsError", "QuantMatmul", "kernel_settings", "set_kernel_settings", "use_kernel_settings"]
