@@ -145,8 +145,10 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
               check_memory: bool = True) -> Run:
     """Assemble the run `spec` describes on `mesh`.
 
-    customize(model): applied after the transforms, before placement (the bench swaps in a random quantised
-    base). check_memory: refuse a run whose planned peak exceeds the device (unsharded meshes only: the plan is
+    The transforms (`model_setup.run_transforms`, models/transform.py's order) give the memory plan its terms, the
+    model its changes, the split its trainable filter, the step its hooks and the start-up summary its lines
+    (`Run.transform_lines`). customize(model): applied after the transforms before the placement, inside it (the
+    bench swaps in a random quantised base). check_memory: refuse a run whose planned peak exceeds the device (unsharded meshes only: the plan is
     for one device holding everything).
     """
     prepare_host_memory(spec.memory.host_memory)
