@@ -9,7 +9,9 @@ this order (`TRANSFORM_ORDER`; each one sees the model the previous ones left):
                      recipe (precision/)
     moe              expert capacity, router training, expert-parallel placement of MoE layers (parallel/expert.py)
     placement        where the weights live: the mesh's devices, host memory (offload_base, offload_master), streamed
-                     per-layer host buffers (offload/)
+                     per-layer host buffers (offload/placement.py); besides `apply` it has `build(make_model)`:
+                     a model built straight into its shards or host buffers, with the transforms above applied
+                     inside its construction (build_run)
     layer loop       the decoder's layer runner: recompute policy, unrolling, prefetching, pipeline (offload/,
                      parallel/pipeline.py)
 
