@@ -101,3 +101,11 @@ def test_fp8_transform_declares_what_its_scaling_needs():
         assert t.hooks is None and t.memory == {} and t.trainable is None
     with pytest.raises(ValueError, match="fp8_scaling: 'sometimes'"):
         Fp8Settings("sometimes")
+
+
+def test_the_step_takes_one_state_and_one_compile_hook():
+    from surojax.train.step import make_train_step
+
+    compiled = StepHooks(compile=lambda step, donated: step)
+    with pytest.raises(ValueError, match="two transforms give the training step a 'compile' hook"):
+        make_train_step(None, None, None, hooks=[compiled, compiled])
