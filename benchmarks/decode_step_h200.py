@@ -14,7 +14,7 @@ block size 16, slots scattered over the pool as after real traffic) and times
                  path
   multi          ``kv_reference.reference_multi_step_decode``: --steps tokens per row per call (one host sync per
                  call)
-  single-paged   ``runner.paged_step``: the paged path (``PagedKVCache``: the pool rides in the layer
+  single-paged   ``kv_paged.paged_step``: the paged path (``PagedKVCache``: the pool rides in the layer
                  loop, each layer reads its context through the block tables and writes its new k/v in place)
   multi-paged    ``multi_step.multi_step_decode_paged``: the same over --steps tokens per call
   single-reduce, multi-reduce   the paged path with ``PagedKernel.REDUCE``: the gather feeds a multiply + reduce
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -66,6 +67,7 @@ from surojax.models.decoder import Decoder  # noqa: E402
 from surojax.generation.sampling import BatchMode  # noqa: E402
 from surojax.models.kv import PagedKernel  # noqa: E402
 from surojax.quant.laid_out import decode_weights  # noqa: E402
+from surojax.serve.input_batch import InputBatch, StepSettings  # noqa: E402
 from surojax.serve.kv_reference import reference_multi_step_decode, reference_step  # noqa: E402
 from surojax.serve.multi_step import multi_step_decode_paged  # noqa: E402
 from surojax.serve.runner import paged_step  # noqa: E402
@@ -247,13 +249,15 @@ def main(argv=None):
 
         def multi(paged, unroll, kernel="gather", tokens=tokens, ctx=ctx, write=write, table=table, rows=rows,
                   start=start, limit=limit, no_stop=no_stop, zeros=zeros):
+            batch = dict(tokens=tokens, start=start, limit=limit, stop_ids=no_stop, adapter_rows=zeros, sampling=rows)
+            settings = StepSettings(block_size=bs, mode=greedy, num_steps=K, unroll=unroll)
             if paged:
-                return multi_step_decode_paged(graphdef, state, pools["k"], pools["v"], tokens, start, table, limit,
-                                               no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K,
-                                               block_size=bs, unroll=unroll, kernel=PagedKernel(kernel))
-            return reference_multi_step_decode(graphdef, state, pools["k"], pools["v"], tokens, start, ctx, write,
-                                               limit, no_stop, zeros, rows, mode=greedy, lora=False, num_steps=K,
-                                               kv_in_place=True, unroll=unroll)
+                return multi_step_decode_paged(graphdef, state, pools["k"], pools["v"],
+                                               InputBatch(block_table=table, **batch),
+                                               dataclasses.replace(settings, kernel=PagedKernel(kernel)))
+            return reference_multi_step_decode(graphdef, state, pools["k"], pools["v"],
+                                               InputBatch(ctx_slots=ctx, write_slots=write, **batch),
+                                               dataclasses.replace(settings, kv_in_place=True))
 
         forced = np.random.default_rng(1000 + R).integers(1, cfg.vocab_size, (R, K)).astype(np.int32)
         if not a.no_check:
@@ -271,15 +275,17 @@ def main(argv=None):
 
                 def fn(unroll=unroll, paged=paged, kernel=kernel, tokens=tokens, ctx=ctx, write=write, table=table,
                        rows=rows, pos=pos, start=start, zeros=zeros):
-                    common = dict(rows=rows, mode=greedy, lora=False, unroll=unroll)
+                    common = dict(tokens=tokens[:, None], positions=pos, segment_ids=np.ones((R, 1), np.int32),
+                                  start=start, last_idx=zeros, adapter_rows=zeros, sampling=rows)
+                    settings = StepSettings(block_size=bs, mode=greedy, unroll=unroll)
                     if paged:
-                        k, v, out = paged_step(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
-                                               np.ones((R, 1), np.int32), table, start, zeros, zeros,
-                                               block_size=bs, kernel=PagedKernel(kernel), **common)
+                        k, v, out = paged_step(graphdef, state, pools["k"], pools["v"],
+                                               InputBatch(block_table=table, **common),
+                                               dataclasses.replace(settings, kernel=PagedKernel(kernel)))
                     else:
-                        k, v, out = reference_step(graphdef, state, pools["k"], pools["v"], tokens[:, None], pos,
-                                                   np.ones((R, 1), np.int32), ctx, start, write[:, :1], zeros, zeros,
-                                                   kv_in_place=True, **common)
+                        k, v, out = reference_step(graphdef, state, pools["k"], pools["v"],
+                                                   InputBatch(ctx_slots=ctx, write_slots=write[:, :1], **common),
+                                                   dataclasses.replace(settings, kv_in_place=True))
                     pools["k"], pools["v"] = k, v
                     return out["ids"]
             else:

@@ -1,5 +1,5 @@
 """Anchor for GRPO: TRL's GRPOTrainer with transformers generation (`model.generate`, TRL's default without vLLM),
-PEFT LoRA, on the same shapes, prompts, reward and batch as benchmarks/grpo_h200.py's run of ours.
+PEFT LoRA, on the same shapes, prompts, reward and batch as benchmarks/campaigns/grpo_h200.py's run of ours.
 
     python3 trl_grpo_baseline.py --work DIR --steps 2 [--cpu]
 
@@ -21,7 +21,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared reward function
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "campaigns"))  # the shared reward function
 from grpo_bench_rewards import distinct_words  # noqa: E402
 
 p = argparse.ArgumentParser()

@@ -19,7 +19,7 @@ The same operations in the same order as the XLA form. Where a compiler contract
 fused multiply-add (XLA CPU does, by fusion; Triton does; its fp32 division may also be the 2-ulp `div.full`)
 the roundings differ by an ulp or two: tests hold the kernel (interpret mode) to the XLA form within a few ulps.
 Reads 10 bytes per parameter (g fp32, p, two codes), writes 6: the XLA form reads and writes each tensor several
-times and copies each layer's slices (benchmarks/RESULTS.md, session 13).
+times and copies each layer's slices (benchmarks/RESULTS.md#s13).
 """
 from __future__ import annotations
 
@@ -31,40 +31,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+# the update's constants; the per-block absmax and nearest-code search (the same code as the reference's)
+from pallas_kernels.adam8bit.reference import Adam8bitHyper, quantize_rows
+
 BLOCK = 256  # values per quantisation block (bitsandbytes' block for its 8-bit optimizers)
-PREFIX_SHIFT = 16  # the bucket table's key prefix (optim_8bit.PREFIX_SHIFT)
-
-
-@dataclasses.dataclass(frozen=True)
-class Adam8bitHyper:
-    """The update's constants (static: one compiled kernel per set)."""
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float  # 0: no decay term at all (optax skips it)
-    max_norm: float | None  # the global-norm clip (None: no clip)
 
 
 @dataclasses.dataclass(frozen=True)
 class Adam8bitTiles:
     rows: int = 16  # blocks per program (rows * 256 values)
     num_warps: int = 4
-
-
-def _nearest(normed, first_ref, bounds_ref):
-    """optim_8bit.nearest_code_index in int32 arithmetic: the index of the nearest code (ties: the lower)."""
-    bits = jax.lax.bitcast_convert_type(normed, jnp.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    bucket = (key >> PREFIX_SHIFT) + (1 << (31 - PREFIX_SHIFT))  # [0, 2^16)
-    below = first_ref[bucket].astype(jnp.int32)
-    idx = jnp.where(normed <= bounds_ref[below], below, below + 1)
-    return jnp.where(jnp.isnan(normed), 255, idx).astype(jnp.uint8)
-
-
-def _quantize(x, first_ref, bounds_ref):
-    absmax = jnp.max(jnp.abs(x), axis=1)  # [rows]
-    normed = x / jnp.where(absmax > 0, absmax, 1.0)[:, None]
-    return _nearest(normed, first_ref, bounds_ref), absmax
 
 
 def _kernel(glob_ref, layer_ref, g_ref, p_ref, mc_ref, ma_ref, vc_ref, va_ref, smap_ref, umap_ref, sfirst_ref,
@@ -85,8 +61,8 @@ def _kernel(glob_ref, layer_ref, g_ref, p_ref, mc_ref, ma_ref, vc_ref, va_ref, s
     if decay:
         d = d + h.weight_decay * p
     p_out[...] = (p + step * d).astype(p_out.dtype)
-    mc_out[...], ma_out[...] = _quantize(m, sfirst_ref, sbounds_ref)
-    vc_out[...], va_out[...] = _quantize(v, ufirst_ref, ubounds_ref)
+    mc_out[...], ma_out[...] = quantize_rows(m, sfirst_ref, sbounds_ref)  # the tables are read as refs
+    vc_out[...], va_out[...] = quantize_rows(v, ufirst_ref, ubounds_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("hyper", "decay", "rows_per_layer", "tiles", "interpret"))

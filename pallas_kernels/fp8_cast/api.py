@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from pallas_kernels.fp8_cast.kernel import CastTiles, cast_transpose_kernel
 from pallas_kernels.fp8_cast.reference import cast_transpose_reference
 
-# 64 x 128, 4 warps: the best or within 3% of the best tile on each of the 8B step's operands in the H200 sweep
-# (benchmarks/fp8_cast_h200.py, RESULTS.md session 13): 4-19% faster than the first 64 x 64
+# 64 x 128, 4 warps: the best or near the best tile on each of the 8B step's operands in the sweep
+# (benchmarks/fp8_cast_h200.py; figures: benchmarks/RESULTS.md#s13), faster than the first 64 x 64
 CAST_TILES = CastTiles(64, 128, 4)
 
 

@@ -66,8 +66,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiles:
 
 
 # jax.lax.ragged_dot on the GPU (JAX 0.11.2) is no grouped GEMM: its lowering materialises dense [A, E, ...]
-# intermediates (36 ms for one Qwen3-30B-A3B down projection at 8192 tokens vs 0.58 ms here; its gradient asks for
-# 64 GiB: benchmarks/RESULTS.md), so on a GPU the kernel runs it. Elsewhere ragged_dot is exact and fast enough.
+# intermediates (tens of times the kernel's time on Qwen3-30B-A3B's expert projections, and its gradient runs out
+# of memory: benchmarks/RESULTS.md#s6), so on a GPU the kernel runs it. Elsewhere ragged_dot is exact and fast enough.
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

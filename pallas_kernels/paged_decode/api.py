@@ -13,7 +13,7 @@ with 64-bit offsets (jax 0.11); only the kernel's slot indices (block id x bs + 
 
 Tuning knobs: keyword arguments of `paged_decode_attention` (described in `kernel.py`), defaulting to the
 module constants below, the best configuration of benchmarks/paged_decode_sweep.py at every shape it timed
-(the figures: benchmarks/RESULTS.md). `min_programs`: each row's context is split into partitions until the
+(the figures: benchmarks/RESULTS.md#s3-paged). `min_programs`: each row's context is split into partitions until the
 grid has about this many programs (`num_partitions`).
 """
 from __future__ import annotations

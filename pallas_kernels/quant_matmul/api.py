@@ -59,8 +59,7 @@ ENV = "SUROJAX_QUANT_MATMUL"
 MODES = ("auto", "pallas", "xla")
 
 # Formats whose fused kernel beats XLA's dequantise-then-matmul (forward + input gradient) in
-# benchmarks/quant_matmul_h200.py. Empty: XLA won for every format benchmarked (benchmarks/RESULTS.md,
-# "Quantised bases").
+# benchmarks/quant_matmul_h200.py. Empty: XLA won for every format benchmarked (benchmarks/RESULTS.md#quant-bases).
 AUTO_PALLAS: frozenset[str] = frozenset()
 
 # Tiles (forward, transposed) of every format, unless TUNED_TILES (keyed by LayoutSpec.name) has its own. The
@@ -79,11 +78,11 @@ def tiles_for(spec: LayoutSpec) -> tuple[Tiles, Tiles]:
 # name (a format's LayoutSpec.name, or "bfloat16" for a plain weight) to the largest M at which auto takes the
 # kernel; a layout not listed stays on XLA at every M. Filled from benchmarks/quant_matmul_h200.py --decode.
 DECODE_ROWS = 64
-# Session 11 (H200, benchmarks/RESULTS.md "Session 11"): per Qwen3-8B layer the kernel beat XLA at every M
-# measured (1-64) for q4_k, q8_0 and fp8 (1.3-2.9x), nf4 to 16 (3.1-3.3x; 0.91x at 32), q6_k and nvfp4 at 1-8
-# (2.3-5.1x; larger M not measured). bf16 1.09x at M = 1, 0.88-0.98x at 32-64: left on XLA.
+# Per Qwen3-8B layer (benchmarks/RESULTS.md#s11) the kernel beat XLA at every M measured (1-64) for q4_k, q8_0
+# and fp8, for nf4 up to 16 (not at 32), for q6_k and nvfp4 at 1-8 (larger M not measured); bf16 barely at M = 1
+# and not above: left on XLA.
 DECODE_MAX_M: dict[str, int] = {"q4_k": 64, "q8_0": 64, "fp8": 64, "nf4": 16, "q6_k": 8, "nvfp4": 8}
-# ... and only for weights of at least this many values (K x N). The kernel's decode form is 2.2-4.8x XLA's
+# ... and only for weights of at least this many values (K x N). The kernel's decode form is several times XLA's
 # per Qwen3-8B layer (every 8B linear has >= 4096 x 1024 values), but a whole Qwen3-0.6B decode step (linears of
 # 1-3M values, each a few microseconds) got slower through it: each kernel brings a pad and a partial-sum
 # kernel of its own, and at that size a step is bound by the number of kernels, not by the bytes read.

@@ -1,6 +1,6 @@
-"""`surojax COMMAND ...`: the console script. Each command is a module surojax/cli/<command>.py with
-`add_arguments(parser)` and `run(args) -> int`, imported only when that command runs (so `--help` is fast and
-never imports jax)."""
+"""`surojax COMMAND ...`: the console script. Each command is a module surojax/cli/<command>.py (or a module it
+shares with another command: `SHARED_MODULES`) with `add_arguments(parser)` and `run(args) -> int`, imported only
+when that command runs (so `--help` is fast and never imports jax)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ from types import ModuleType
 
 from surojax.cli.common import EXIT_NOT_IMPLEMENTED, print_error, run_guarded
 
-# name -> one-line help; the module is surojax.cli.<name> (a hyphen spelled _). Every command listed here is built
+# name -> one-line help; the module is command_module(name). Every command listed here is built
 # (tests/cli/test_help.py runs each one's --help and reads its module); a line says what the command does, never
 # that it is missing.
 COMMANDS: dict[str, str] = {
@@ -48,8 +48,17 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+# commands that share a module (their difference is a parameter the module reads from `args.command`)
+SHARED_MODULES: dict[str, str] = {"sft": "train_command", "pt": "train_command"}
+
+
+def command_module(name: str) -> str:
+    """The module that implements command `name`: surojax.cli.<name> (a hyphen spelled _) or a shared one."""
+    return f"surojax.cli.{SHARED_MODULES.get(name, name.replace('-', '_'))}"
+
+
 def load_command(name: str) -> ModuleType:
-    return importlib.import_module(f"surojax.cli.{name.replace('-', '_')}")
+    return importlib.import_module(command_module(name))
 
 
 def build_parser(command: str | None = None, module: ModuleType | None = None) -> argparse.ArgumentParser:
@@ -74,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             module = load_command(command)
         except ModuleNotFoundError as e:
-            if e.name != f"surojax.cli.{command.replace('-', '_')}":
+            if e.name != command_module(command):
                 raise
             print_error(f"surojax {command} is not available in this version")
             return EXIT_NOT_IMPLEMENTED

@@ -12,10 +12,10 @@ from the config's `DataSection`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -51,6 +51,32 @@ def spec_rows(spec: DatasetSpec, *, skip_invalid_rows: bool, stats: ReadStats) -
                      samples=spec.samples, skip_invalid_rows=skip_invalid_rows, stats=stats)
 
 
+T = TypeVar("T")
+SKIP_HINT = " (set skip_invalid_rows: true to skip such rows)"
+
+
+def _data_error(where: str, e: Exception) -> Exception:
+    return DataError(f"{where}: {e}{SKIP_HINT}")
+
+
+def formatted_rows(rows: Iterable[Row], fmt: Callable[[dict[str, Any]], T], *, skip_invalid_rows: bool,
+                   read: ReadStats, invalid: tuple[type[Exception], ...] = (InvalidRowError,),
+                   error: Callable[[str, Exception], Exception] = _data_error) -> Iterator[T]:
+    """`fmt(row)` of each (location, row), in order: the one row loop of every reader (SFT / PT examples, DPO
+    pairs, GRPO prompts, eval_generation's examples); what it makes is then fitted by the caller. A row `fmt`
+    refuses (an `invalid` exception) raises `error(location, exception)` (default: a DataError naming the row and
+    skip_invalid_rows), or with `skip_invalid_rows` is counted in `read` (ReadStats.skip) and left out."""
+    for where, row in rows:
+        try:
+            item = fmt(row)
+        except invalid as e:
+            if not skip_invalid_rows:
+                raise error(where, e) from None
+            read.skip(where, str(e))
+            continue
+        yield item
+
+
 @dataclass
 class DataStats:
     """What the pipeline made of the data (see the field comments; eval_* count the validation set)."""
@@ -73,6 +99,13 @@ class DataStats:
     datasets: list[dict] = field(default_factory=list)  # per dataset: path, split, type, why, rows, skipped, examples
     prompts: bool = False          # GRPO prompt rows (data/prompts.py): examples are prompts, tokens their tokens;
                                    # nothing is supervised or packed (the completions are generated in training)
+
+    def add_dataset(self, spec: DatasetSpec, kind: str, why: str, read: ReadStats, examples: int) -> None:
+        """Count one dataset's read: its invalid rows skipped and its `datasets` entry (dataset_line's fields)."""
+        self.skipped_rows += read.skipped
+        self.datasets.append({"path": spec.path, "split": spec.split, "type": kind, "why": why, "rows": read.rows,
+                              "skipped": read.skipped, "examples": examples,
+                              "files_without_rows": [f for f, n in read.rows_per_file.items() if n == 0]})
 
     def summary(self) -> str:
         if self.prompts:
@@ -121,23 +154,22 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
     TRUNCATION_MODES); counts go into `stats` (skips, truncation, the chosen type)."""
     spec, stats = dataset_spec(spec), stats if stats is not None else DataStats(sequence_len=sequence_len)
     read = ReadStats()
-    rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)
-    fmt, kind, why, out = None, spec.type, "set in the config", []
-    for where, row in rows:
-        if fmt is None:
+    kind, why, out = spec.type, "set in the config", []
+    formatter = None
+
+    def fmt(row: dict[str, Any]) -> Example:  # the formatter is chosen on the first row (type auto: detected)
+        nonlocal formatter, kind, why
+        if formatter is None:
             if kind == "auto":
                 kind, why = detect_type(row, spec)
                 log.info("%s: type auto -> %s (%s)", spec.path, kind, why)
-            fmt = make_formatter(kind, tokenizer, spec, train_on_inputs=train_on_inputs,
-                                 chat_template=chat_template, use_chat_template=use_chat_template,
-                                 template_family=template_family)
-        try:
-            ex = fmt(row)
-        except InvalidRowError as e:
-            if not skip_invalid_rows:
-                raise DataError(f"{where}: {e} (set skip_invalid_rows: true to skip such rows)") from None
-            read.skip(where, str(e))
-            continue
+            formatter = make_formatter(kind, tokenizer, spec, train_on_inputs=train_on_inputs,
+                                       chat_template=chat_template, use_chat_template=use_chat_template,
+                                       template_family=template_family)
+        return formatter(row)
+
+    rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)
+    for ex in formatted_rows(rows, fmt, skip_invalid_rows=skip_invalid_rows, read=read):
         pieces = fit_pieces(ex, max_length or sequence_len, truncation)
         if not pieces:
             stats.dropped_too_long += 1
@@ -151,11 +183,7 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
             out.append(fitted)
     if read.skipped:
         log.warning("%s: skipped %d invalid rows of %d", spec.path, read.skipped, read.rows + read.skipped)
-    stats.skipped_rows += read.skipped
-    entry = {"path": spec.path, "split": spec.split, "type": kind, "why": why, "rows": read.rows,
-             "skipped": read.skipped, "examples": len(out),
-             "files_without_rows": [f for f, n in read.rows_per_file.items() if n == 0]}
-    stats.datasets.append(entry)
+    stats.add_dataset(spec, kind, why, read, len(out))
     return out
 
 

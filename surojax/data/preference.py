@@ -31,7 +31,8 @@ from surojax.config.data import DatasetSpec
 from surojax.data.batch import FIELDS, example_to_row
 from surojax.data.formats import _chat_template, _messages, detect_type
 from surojax.data.loader import TrainLoader, _local_batch, _process
-from surojax.data.pipeline import (DataStats, DatasetEntry, chat_template_text, dataset_spec, spec_rows,
+from surojax.data.pipeline import (DataStats, DatasetEntry, chat_template_text, dataset_spec, formatted_rows,
+                                    spec_rows,
                                    validation_split)
 from surojax.data.sources import DataError, InvalidRowError, ReadStats
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer
@@ -210,33 +211,30 @@ def load_pairs(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int, s
     """Read, tokenize and fit one preference dataset (type preference, or auto detected as preference)."""
     spec = dataset_spec(spec)
     read = ReadStats()
-    rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)
-    fmt, why, out = PairFormatter(tokenizer, spec, chat_template), "set in the config", []
-    for n, (where, row) in enumerate(rows):
-        if n == 0 and spec.type == "auto":
+    formatter, why, out = PairFormatter(tokenizer, spec, chat_template), "set in the config", []
+    first = True
+
+    def fmt(row: dict[str, Any]) -> PreferencePair:  # the type is checked on the first row (auto: detected)
+        nonlocal first, why
+        if first and spec.type == "auto":
             kind, why = detect_type(row, spec)
             if kind != "preference":
                 raise DataError(f"{spec.path}: DPO trains on preference pairs, but type auto found {kind} ({why}); "
                                 f"set type: preference and prompt_field / chosen_field / rejected_field")
-        elif n == 0 and spec.type != "preference":
+        elif first and spec.type != "preference":
             raise DataError(f"{spec.path}: DPO trains on type: preference datasets, not {spec.type}")
-        try:
-            pair = fmt(row)
-        except InvalidRowError as e:
-            if not skip_invalid_rows:
-                raise DataError(f"{where}: {e} (set skip_invalid_rows: true to skip such rows)") from None
-            read.skip(where, str(e))
-            continue
+        first = False
+        return formatter(row)
+
+    rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)
+    for pair in formatted_rows(rows, fmt, skip_invalid_rows=skip_invalid_rows, read=read):
         fitted = pair.fit(sequence_len)
         if fitted is None:
             stats.dropped_unsupervised += 1
             continue
         stats.truncated += fitted is not pair
         out.append(fitted)
-    stats.skipped_rows += read.skipped
-    stats.datasets.append({"path": spec.path, "split": spec.split, "type": "preference", "why": why,
-                           "rows": read.rows, "skipped": read.skipped, "examples": len(out),
-                           "files_without_rows": [f for f, k in read.rows_per_file.items() if k == 0]})
+    stats.add_dataset(spec, "preference", why, read, len(out))
     return out
 
 

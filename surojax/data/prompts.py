@@ -24,7 +24,7 @@ import numpy as np
 
 from surojax.config.data import DatasetSpec
 from surojax.data.formats import _chat_template, _messages
-from surojax.data.pipeline import DataStats, DatasetEntry, dataset_spec, spec_rows
+from surojax.data.pipeline import DataStats, DatasetEntry, dataset_spec, formatted_rows, spec_rows
 from surojax.data.sources import DataError, InvalidRowError, ReadStats
 from surojax.data.tokenizer import Tokenizer
 from surojax.wording import a_type
@@ -84,23 +84,15 @@ def load_prompts(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, max_
             template = None  # string prompts need none; a messages row says so when it comes
         read = ReadStats()
         n0 = len(out)
-        for where, row in spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read):
-            try:
-                p = prompt_of_row(row, tokenizer, spec, template)
-            except InvalidRowError as e:
-                if not skip_invalid_rows:
-                    raise DataError(f"{where}: {e} (set skip_invalid_rows: true to skip such rows)") from None
-                read.skip(where, str(e))
-                continue
+        rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)
+        for p in formatted_rows(rows, lambda row: prompt_of_row(row, tokenizer, spec, template),
+                                skip_invalid_rows=skip_invalid_rows, read=read):
             if len(p.ids) > max_prompt_len:
                 stats.dropped_too_long += 1
                 continue
             out.append(p)
             stats.tokens += len(p.ids)
-        stats.skipped_rows += read.skipped
-        stats.datasets.append({"path": spec.path, "split": spec.split, "type": "prompt", "why": "set in the config",
-                               "rows": read.rows, "skipped": read.skipped, "examples": len(out) - n0,
-                               "files_without_rows": [f for f, n in read.rows_per_file.items() if n == 0]})
+        stats.add_dataset(spec, "prompt", "set in the config", read, len(out) - n0)
     if stats.dropped_too_long:
         log.warning("dropped %d prompts longer than %d tokens (sequence_len - max_completion_length)",
                     stats.dropped_too_long, max_prompt_len)

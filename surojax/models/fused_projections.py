@@ -4,8 +4,8 @@
                               mlp.gate_proj / up_proj       -> mlp.gate_up_proj [L, D, 2F] (gate columns first)
 
 A decode step multiplies one row per running sequence by every weight of every layer. At 1-16 rows a product
-is a few microseconds of memory traffic and a launch: Qwen3-0.6B's one-user token step is ~32 kernels per
-layer, 1-8 µs each (benchmarks/RESULTS.md, session 12). Joining the kernels that share an input along the output
+is a few microseconds of memory traffic and a launch: Qwen3-0.6B's one-user token step is ~32 short kernels per
+layer (benchmarks/RESULTS.md#s12). Joining the kernels that share an input along the output
 axis turns five of the layer's seven GEMVs into two: x is read once, and each kernel reads a weight 1.5-3x the
 size, where a launch amortises better. Prefill gets one wider GEMM instead of three or two.
 

@@ -1,6 +1,6 @@
 """A stacked per-layer weight [L, ...] kept in host memory as L separate buffers, one per layer.
 
-Why (benchmarks/host_copy_overlap.py; figures in benchmarks/RESULTS.md): XLA moves a slice of a stacked
+Why (benchmarks/host_copy_overlap.py; figures in benchmarks/RESULTS.md#s3-streaming): XLA moves a slice of a stacked
 pinned-host array to the device either as a dynamic-slice kernel that reads host memory over PCIe on the compute
 stream, or as a synchronous copy; either way the copy runs serially with the matmuls, even in a prefetching scan
 over the stack. A whole host buffer moved with `jax.device_put` inside jit becomes an asynchronous copy

@@ -18,7 +18,7 @@ axis: one state per layer, every leaf (the step count too) stacked [L, ...], so 
 The device then holds one layer's optimizer state at a time during the update (plus the non-layer params'
 state), instead of 8 bytes per parameter (AdamW) for the whole model. The copies are host-to-device and back,
 2 x 8 bytes per parameter per step (for Qwen3-8B ~130 GB, seconds per optimizer step at the host link's
-bandwidth: benchmarks/RESULTS.md): worth it when it makes the run fit; amortise with gradient accumulation.
+bandwidth: benchmarks/RESULTS.md#s4-master): worth it when it makes the run fit; amortise with gradient accumulation.
 
 `master=True` (offload_master, full fine-tuning with the bf16 recipe): the state also holds `master`, the fp32
 master weights of the layers [L, ...], always in pinned host memory; the trainable params' `layers` are then the

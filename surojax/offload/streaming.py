@@ -10,7 +10,7 @@ device inside the scan body. The forward pass therefore fetches layer l when it 
 pass fetches it again where it recomputes the layer (`recompute: full | dots | offload`: the device copy is
 never a saved residual, the host slice is). XLA's host-offload passes turn the copy into a host-to-device DMA
 of the slice that its scheduler may start ahead of the compute that waits for it.
-(It does not: the copies run serially with the compute, benchmarks/RESULTS.md. `offload_prefetch: true` runs the
+(It does not: the copies run serially with the compute, benchmarks/RESULTS.md#s3-streaming. `offload_prefetch: true` runs the
 layers through prefetch.py instead, which issues the copy of layer l+1 explicitly during layer l.)
 
 What moves: every frozen `nnx.Param` under `model.layers` (the stacked kernels, quantised or not, and the

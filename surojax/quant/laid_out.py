@@ -17,7 +17,7 @@ hands each layer the whole stack and the layer index (`at_layer`), and the kerne
 It is a PackedWeight (pallas_kernels.quant_matmul.api): `dequantize` decodes the layout (bit-identical to the
 source format's own dequantize: the layout's contract, tested per format), so prefill and any M above the
 decode crossover run the XLA path on the same values (somewhat slower to decode than the native blocks: a
-Qwen3-8B Q4_K prompt of 512 tokens took 36.5 instead of 29.3 ms to its first token on the H200);
+longer time to the first token of a Qwen3-8B Q4_K prompt, benchmarks/RESULTS.md#s11);
 `kernel_layout(kt)` costs nothing (`layout_is_free`), which is what lets `quant_matmul`'s auto dispatch pick
 the decode kernel for small M. Memory: the layout keeps float32 scales (and offsets) per block: Q4_K 6 bits per
 weight instead of 4.5, Q6_K ~10 instead of 6.6, NF4 4.5 (~4.1 with double quantisation).

@@ -171,7 +171,8 @@ class LoraServeConfig:
             raise ValueError("LoraServeConfig: root is read only with allow_runtime (--allow-runtime-lora)")
 
 
-SERVE_DECODE_STEPS = 8  # the server's multi-step default: 1.5x (1 user) / 2x (64 users) K = 1's decode tok/s (H200)
+SERVE_DECODE_STEPS = 8  # the server's multi-step default: faster decode than K = 1 at 1 and at 64 users
+# (benchmarks/RESULTS.md#s3-multistep)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,10 +3,11 @@
 Each call GATHERS every row's context from the pool into a view k/v [L, R, S, K, H] (view slot j = token
 position j), wraps it in a plain `KVCache`, runs the decoder (which writes the new k/v at view slots start ..
 start + T - 1 and attends over the view), then SCATTERS those new k/v back to the pool. The paged path
-(`runner.paged_step`, `multi_step.multi_step_decode_paged`) computes the same tokens and leaves the same pool
+(`kv_paged.paged_step`, `multi_step.multi_step_decode_paged`) computes the same tokens and leaves the same pool
 without any view; this module is the twin it is checked against (`KVPath.REFERENCE`, tests, benchmarks).
 
-The host sends slot lists: ctx_slots [R, S] (O(context) numpy per row per step) and the new tokens' slots.
+The host sends slot lists (`ReferenceAccess.address`, this path's `input_batch.KVAccess`): ctx_slots [R, S]
+(O(context) numpy per row per step) and the new tokens' slots. No speculative decoding on this path.
 
 FP8 pool (``scales`` a `kv_fp8.KVScales`): the gathered view is dequantised to the model's dtype and the new k/v
 are quantised on the scatter back. The call's own new tokens are attended at the compute dtype (the paged path
@@ -18,11 +19,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from surojax.generation.sampling import BatchMode, sample_last
+from surojax.generation.sampling import sample_last
 from surojax.models.kv import KVCache
 from surojax.peft.multi_lora import set_adapter_rows
+from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
 from surojax.serve.kv_fp8 import KVScales
 from surojax.serve.multi_step import decode_loop
 
@@ -44,78 +47,108 @@ def _scales(scales: KVScales | None):
     return (None, None) if scales is None else scales.stacked()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "kv_in_place", "unroll", "scales"),
-                   donate_argnames=("k_pool", "v_pool"))
-def reference_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, ctx_slots, ctx_len, write_slots,
-                last_idx, adapter_rows, rows, mode: BatchMode, lora: bool, kv_in_place: bool = False,
-                unroll: int | bool = 1, scales: KVScales | None = None):
-    """tokens/positions/segment_ids/write_slots [R, T]; ctx_slots [R, S]; ctx_len/last_idx/adapter_rows [R];
-    rows: the per-row sampling arrays of `sample_batch`; scales: an FP8 pool's `KVScales` (None: compute dtype).
+def _dense_cache(model, k_pool, v_pool, ctx_slots, lengths, ks, vs) -> KVCache:
+    """Every row's context gathered from the pool into a view [L, R, S, K, H] (view slot j = position j)."""
+    S = ctx_slots.shape[1]
+    j = jnp.arange(S, dtype=jnp.int32)[None, :]
+    valid = j < lengths[:, None]  # [R, S]
+    return KVCache(
+        k=_view(k_pool, ctx_slots, ks, model.dtype),  # [L, R, S, K, H]   <- the gather the paged path removes
+        v=_view(v_pool, ctx_slots, vs, model.dtype),
+        segment_ids=valid.astype(jnp.int32),
+        positions=jnp.where(valid, j, 0).astype(jnp.int32),
+        lengths=lengths.astype(jnp.int32),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))
+def reference_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings):
+    """batch: tokens / positions / segment_ids / write_slots [R, T]; ctx_slots [R, S]; start / last_idx /
+    adapter_rows [R]; sampling: the per-row sampling arrays of `sample_batch`.
 
     -> (k_pool, v_pool, sampled: dict of `sample_batch` outputs for each row's last real token).
     """
     model = nnx.merge(graphdef, state)
-    if lora:
-        set_adapter_rows(model, adapter_rows)
-    R, T = tokens.shape
-    S = ctx_slots.shape[1]
-    j = jnp.arange(S, dtype=jnp.int32)[None, :]
-    valid = j < ctx_len[:, None]  # [R, S]
-    ks, vs = _scales(scales)
-    cache = KVCache(
-        k=_view(k_pool, ctx_slots, ks, model.dtype),  # [L, R, S, K, H]   <- the gather the paged kernel removes
-        v=_view(v_pool, ctx_slots, vs, model.dtype),
-        segment_ids=valid.astype(jnp.int32),
-        positions=jnp.where(valid, j, 0).astype(jnp.int32),
-        lengths=ctx_len.astype(jnp.int32),
-    )
-    h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, cache_in_carry=kv_in_place,
-                                   unroll=unroll)
+    if settings.lora:
+        set_adapter_rows(model, batch.adapter_rows)
+    R, T = batch.tokens.shape
+    ctx_len = batch.start
+    ks, vs = _scales(settings.scales)
+    cache = _dense_cache(model, k_pool, v_pool, batch.ctx_slots, ctx_len, ks, vs)
+    h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings)
     idx = jnp.arange(R)
     view = ctx_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T] where the model wrote them
     new_k = cache.k[:, idx[:, None], view]  # [L, R, T, K, H]
     new_v = cache.v[:, idx[:, None], view]
-    k_pool = _scatter(k_pool, write_slots, new_k, ks)
-    v_pool = _scatter(v_pool, write_slots, new_v, vs)
-    return k_pool, v_pool, sample_last(model, h, last_idx, rows, mode)
+    k_pool = _scatter(k_pool, batch.write_slots, new_k, ks)
+    v_pool = _scatter(v_pool, batch.write_slots, new_v, vs)
+    return k_pool, v_pool, sample_last(model, h, batch.last_idx, batch.sampling, settings.mode)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "num_steps", "kv_in_place", "unroll",
-                                             "scales"),
-                   donate_argnames=("k_pool", "v_pool"))
-def reference_multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, ctx_slots, write_slots, limit, stop_ids,
-                      adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int, kv_in_place: bool = False,
-                      unroll: int | bool = 1, scales: KVScales | None = None):
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))
+def reference_multi_step_decode(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings):
     """The reference: gather each row's context into a dense view, decode over it, scatter the new k/v back.
 
+    batch: tokens / start / limit / adapter_rows [R], stop_ids [R, M], ctx_slots [R, S], write_slots [R, K],
+    sampling; K = settings.num_steps.
     -> (k_pool, v_pool, dict(ids [R, K], count [R] = tokens produced per row, and with ``mode.logprobs``
     logprob [R, K], top_ids / top_logprobs [R, K, 20]))."""
     model = nnx.merge(graphdef, state)
-    if lora:
-        set_adapter_rows(model, adapter_rows)
-    R, S = ctx_slots.shape
-    K = num_steps
-    j = jnp.arange(S, dtype=jnp.int32)[None, :]
-    valid = j < start[:, None]  # [R, S]
-    ks, vs = _scales(scales)
-    cache = KVCache(k=_view(k_pool, ctx_slots, ks, model.dtype), v=_view(v_pool, ctx_slots, vs, model.dtype),
-                    segment_ids=valid.astype(jnp.int32),
-                    positions=jnp.where(valid, j, 0).astype(jnp.int32), lengths=start.astype(jnp.int32))
+    if settings.lora:
+        set_adapter_rows(model, batch.adapter_rows)
+    R, S = batch.ctx_slots.shape
+    K = settings.num_steps
+    start = batch.start
+    ks, vs = _scales(settings.scales)
+    cache = _dense_cache(model, k_pool, v_pool, batch.ctx_slots, start, ks, vs)
     ones = jnp.ones((R, 1), jnp.int32)
 
     def forward(cache, tok, pos, done):  # done rows ride along; their view writes are never scattered back
-        return model.hidden_states(tok, pos, ones, cache=cache, cache_in_carry=kv_in_place, unroll=unroll)
+        return run_decoder(model, tok, pos, ones, cache, settings)
 
-    cache, result = decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode, K)
+    cache, result = decode_loop(model, forward, cache, batch, settings.mode, K)
     count = result["count"]
     idx = jnp.arange(R)
     steps = jnp.arange(K, dtype=jnp.int32)[None, :]
     view = jnp.minimum(start[:, None] + steps, S - 1)  # [R, K] view slots of positions start .. start+K-1
     # the KV of the token fed at step i is real for i < count (later steps of a stopped row are not)
-    write = jnp.where(steps < count[:, None], write_slots, k_pool.shape[1])
+    write = jnp.where(steps < count[:, None], batch.write_slots, k_pool.shape[1])
     k_pool = _scatter(k_pool, write, cache.k[:, idx[:, None], view], ks)
     v_pool = _scatter(v_pool, write, cache.v[:, idx[:, None], view], vs)
     return k_pool, v_pool, result
 
 
-__all__ = ["reference_multi_step_decode", "reference_step"]
+def _speculation_refused(*args, **kwargs):
+    raise ValueError("speculative verification needs a paged KV path")
+
+
+class ReferenceAccess:
+    """The reference path (`input_batch.KVAccess`): slot lists; every call gathers a dense view and scatters
+    the new k/v back. No speculative decoding (``verify`` / ``propose`` raise)."""
+
+    step = staticmethod(reference_step)
+    multi_step = staticmethod(reference_multi_step_decode)
+    verify = staticmethod(_speculation_refused)
+    propose = staticmethod(_speculation_refused)
+
+    def __init__(self, block_size: int, num_slots: int):
+        self.block_size, self.num_slots = block_size, num_slots
+
+    def _slots(self, block_table: np.ndarray, start: int, stop: int) -> np.ndarray:
+        p = np.arange(start, stop)
+        bs = self.block_size
+        return block_table[p // bs] * bs + p % bs
+
+    def address(self, block_tables, R, S, starts=(), written=(), width=0) -> dict[str, np.ndarray]:
+        """ctx_slots [R, S] (the pool slots of positions 0 .. start - 1; O(context) numpy per row per call) and
+        write_slots [R, width] (of positions start .. start + written - 1; out of range elsewhere: dropped)."""
+        write = np.full((R, width), self.num_slots, np.int32)
+        ctx = np.zeros((R, S), np.int32)
+        for r, (table, st, n) in enumerate(zip(block_tables, starts, written)):
+            bt = np.asarray(table, np.int64)
+            write[r, :n] = self._slots(bt, st, st + n)
+            ctx[r, :st] = self._slots(bt, 0, st)
+        return dict(ctx_slots=ctx, write_slots=write)
+
+
+__all__ = ["ReferenceAccess", "reference_multi_step_decode", "reference_step"]

@@ -16,7 +16,7 @@ pool's dtype, as the pool would), the same position and the same key; penalties 
 as it is sampled. Stop strings need text and are checked by the engine after the call (it trims the tokens
 past the match and finishes the request).
 
-Shapes: tokens/start/limit [R]; ctx_slots [R, S] with S >= max(start) + K; write_slots [R, K] (pool slots
+Shapes (`InputBatch` fields): tokens/start/limit [R]; ctx_slots [R, S] with S >= max(start) + K; write_slots [R, K] (pool slots
 of positions start .. start+K-1, out of range where no slot was reserved); block_table [R, NB] with
 NB * block_size >= max(start) + K; stop_ids [R, M] (-1 = none).
 """
@@ -29,36 +29,39 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
-from surojax.models.kv import PagedKernel, PagedKVCache
+from surojax.models.kv import PagedKVCache
 from surojax.peft.multi_lora import set_adapter_rows
+from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "num_steps", "block_size", "unroll",
-                                             "kernel", "scales"), donate_argnames=("k_pool", "v_pool"))
-def multi_step_decode_paged(graphdef, state, k_pool, v_pool, tokens, start, block_table, limit, stop_ids,
-                            adapter_rows, rows, mode: BatchMode, lora: bool, num_steps: int, block_size: int,
-                            unroll: int | bool = 1, kernel: PagedKernel = PagedKernel.GATHER, scales=None):
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))
+def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings):
     """The fast path: the pool rides in the loop carry (``PagedKVCache``); each step every layer writes its new
-    k/v into the pool in place and reads the rows' context through block_table [R, NB] (NB * block_size >=
-    max(start) + K). A stopped row's token has segment id 0: not written, its length does not grow.
+    k/v into the pool in place and reads the rows' context through ``batch.block_table`` [R, NB] (NB * block_size
+    >= max(start) + K). A stopped row's token has segment id 0: not written, its length does not grow.
     Same results as ``reference_multi_step_decode``, and the same pool afterwards (kernel GATHER; REDUCE and
-    PALLAS: equal up to float rounding). scales: an FP8 pool's `kv_fp8.KVScales` (None: compute dtype)."""
+    PALLAS: equal up to float rounding).
+
+    batch: tokens / start / limit / adapter_rows [R], stop_ids [R, M], sampling, block_table; K =
+    settings.num_steps."""
     model = nnx.merge(graphdef, state)
-    if lora:
-        set_adapter_rows(model, adapter_rows)
-    cache = PagedKVCache(k_pool, v_pool, block_table.astype(jnp.int32), start.astype(jnp.int32), block_size, kernel,
-                         scales)
+    if settings.lora:
+        set_adapter_rows(model, batch.adapter_rows)
+    cache = PagedKVCache(k_pool, v_pool, batch.block_table.astype(jnp.int32), batch.start.astype(jnp.int32),
+                         settings.block_size, settings.kernel, settings.scales)
 
     def forward(cache, tok, pos, done):
-        return model.hidden_states(tok, pos, (~done).astype(jnp.int32)[:, None], cache=cache, unroll=unroll)
+        return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings)
 
-    cache, result = decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode, num_steps)
+    cache, result = decode_loop(model, forward, cache, batch, settings.mode, settings.num_steps)
     return cache.k, cache.v, result
 
 
-def decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode: BatchMode, K: int):
+def decode_loop(model, forward, cache, batch: InputBatch, mode: BatchMode, K: int):
     """Up to K one-token steps: ``forward(cache, tokens [R, 1], positions [R, 1], done [R]) -> (h, cache)``,
-    then sample, feed back, stop rows. -> (cache, dict(ids [R, K], count [R], logprobs ...))."""
+    then sample, feed back, stop rows. batch: tokens / start / limit [R], stop_ids [R, M], sampling.
+    -> (cache, dict(ids [R, K], count [R], logprobs ...))."""
+    tokens, start, limit, stop_ids, rows = batch.tokens, batch.start, batch.limit, batch.stop_ids, batch.sampling
     R = tokens.shape[0]
     idx = jnp.arange(R)
     out = dict(ids=jnp.zeros((K, R), jnp.int32))

@@ -2,25 +2,26 @@
 
 The pool: k and v are each [L, num_blocks * block_size, K, H] (flattened slots). Token ``p`` of a sequence lives
 in slot ``block_table[p // bs] * bs + p % bs``. Each step the runner builds on the host a padded batch of the
-scheduled requests: tokens / positions / segment ids [R, T] (segment 1 = real, 0 = padding), each row's context
-length ``start`` [R] and its block table, then runs ONE jitted call that does the forward, writes the new k/v
-into the pool and samples on device (``surojax.generation.sampling.sample_batch``: per-row parameters as [R]
-arrays; the host fetches the sampled ids once per call, used where the scheduler asked, ``sample=True``). With
-multi-LoRA slots in the model, each row's adapter slot is set on the merged model inside the call
-(``surojax.peft.multi_lora.set_adapter_rows``).
+scheduled requests, an ``InputBatch`` (``input_batch.py``: tokens / positions / segment ids [R, T] (segment 1 =
+real, 0 = padding), each row's context length ``start`` [R], adapter rows, the per-row sampling arrays and the
+rows' KV address), then runs ONE jitted call ``fn(graphdef, state, k_pool, v_pool, batch, settings)`` that does
+the forward, writes the new k/v into the pool and samples on device (``surojax.generation.sampling.sample_batch``:
+per-row parameters as [R] arrays; the host fetches the sampled ids once per call, used where the scheduler asked,
+``sample=True``). ``settings`` (``StepSettings``, static) holds what picks the compiled program: the runner's
+part (block size, decode kernel, FP8 scales, unroll, LoRA, KV in the carry) is fixed when it is built, the
+call's (``BatchMode``, steps) set per call. With multi-LoRA slots in the model, each row's adapter slot is set
+on the merged model inside the call (``surojax.peft.multi_lora.set_adapter_rows``).
 
-Two KV paths, same tokens and the same pool contents afterwards (``KVPath``):
+Two KV paths, same tokens and the same pool contents afterwards (``KVPath``), two implementations of one
+interface (``input_batch.KVAccess``: ``address`` on the host, then ``step`` / ``multi_step`` / ``verify`` /
+``propose``), chosen once when the runner is built (``kv_access``):
 
-* paged (default, ``paged_step`` / ``multi_step_decode_paged``): the host sends block tables
-  [R, S / bs]; the decoder gets a ``PagedKVCache``: the pool rides in the layer scan's carry (and the
-  multi-step while loop's), each layer writes its new tokens' k/v into its pool slice in place (``.at[].set``
-  on the donated pool) and attention gathers only that layer's [R, S, K, H] context through the block table.
-  No [L, R, S, K, H] view exists and nothing is copied in or out of the loops. Decode rows' attention reads
-  the pool by the ``PagedKernel`` (gather, multiply + reduce, or the Pallas kernel reading each row's real
-  blocks in place).
-* reference (``kv_reference.reference_step`` / ``reference_multi_step_decode``): the host sends slot lists,
-  ctx [R, S] (O(context) numpy per row per step) and the new tokens' slots [R, T]; the call GATHERS every
-  row's context from the pool into a dense view, runs the Decoder over it, then SCATTERS the new k/v back.
+* paged (default, ``kv_paged.PagedAccess``): the host sends block tables [R, S / bs]; the decoder reads and
+  writes the pool in place through them (``PagedKVCache``); decode rows read it by the ``PagedKernel``
+  (gather, multiply + reduce, or the Pallas kernel). Speculative verification and draft proposals run here.
+* reference (``kv_reference.ReferenceAccess``): the host sends slot lists, ctx [R, S] (O(context) numpy per row
+  per step) and the new tokens' slots [R, T]; the call GATHERS every row's context from the pool into a dense
+  view, runs the Decoder over it, then SCATTERS the new k/v back.
 
 Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size) so
 the number of compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so
@@ -36,7 +37,6 @@ runs in a later call (after the writer's KV is in the pool). Usually there is on
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import jax
@@ -47,18 +47,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.paged_decode import kernel_applies
 from pallas_kernels.paged_decode import prepare as prepare_paged_decode
-from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, sample_last
+from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams
 from surojax.models.decoder import Decoder
-from surojax.models.kv import PagedKernel, PagedKVCache
-from surojax.peft.multi_lora import multi_lora_modules, set_adapter_rows
+from surojax.models.kv import PagedKernel
+from surojax.peft.multi_lora import multi_lora_modules
 from surojax.serve.config import KVPath, RunnerBuckets
+from surojax.serve.input_batch import InputBatch, KVAccess, StepSettings
 from surojax.serve.kv_fp8 import KVScales, check_pool_dtype, is_fp8, kv_scales
-from surojax.serve.kv_reference import reference_multi_step_decode, reference_step
-from surojax.serve.multi_step import multi_step_decode_paged
+from surojax.serve.kv_paged import PagedAccess, paged_step, verify_step
+from surojax.serve.kv_reference import ReferenceAccess
 from surojax.serve.scheduler import ScheduledRequest
-from surojax.serve.speculative import accept, sampling_arrays
+from surojax.serve.speculative import sampling_arrays
 
-__all__ = ["PAGED_KERNEL", "PagedRunner", "StepResult", "paged_step", "verify_step"]
+__all__ = ["PAGED_KERNEL", "PagedRunner", "StepResult", "kv_access", "paged_step", "verify_step"]
 
 PAGED_KERNEL = {KVPath.PAGED: PagedKernel.GATHER, KVPath.REDUCE: PagedKernel.REDUCE,
                 KVPath.PALLAS: PagedKernel.PALLAS}  # a paged KV path -> how its decode attention reads the pool
@@ -81,53 +82,12 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mode", "lora", "block_size", "unroll", "kernel", "scales"),
-                   donate_argnames=("k_pool", "v_pool"))
-def paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, block_table, ctx_len, last_idx,
-               adapter_rows, rows, mode: BatchMode, lora: bool, block_size: int, unroll: int | bool = 1,
-               kernel: PagedKernel = PagedKernel.GATHER, scales: KVScales | None = None):
-    """One forward + sample over the paged pool, no dense view (the twin of `kv_reference.reference_step`).
-    The pool rides in the layer scan's carry
-    (``PagedKVCache``): each layer writes the new tokens' k/v into its pool slice in place and attention reads
-    the rows' context through block_table [R, NB] (NB * block_size = S). Same values, same pool afterwards.
-
-    tokens/positions/segment_ids [R, T] (segment 0 = padding: not written); ctx_len/last_idx/adapter_rows [R];
-    rows: the per-row sampling arrays of `sample_batch`. kernel: how decode rows read the pool (`PagedKernel`).
-    scales: an FP8 pool's `KVScales` (None: the pool holds the compute dtype).
-    -> (k_pool, v_pool, sampled: dict of `sample_batch` outputs for each row's last real token).
-    """
-    model = nnx.merge(graphdef, state)
-    if lora:
-        set_adapter_rows(model, adapter_rows)
-    cache = PagedKVCache(k_pool, v_pool, block_table, ctx_len, block_size, kernel, scales)
-    h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, unroll=unroll)
-    return cache.k, cache.v, sample_last(model, h, last_idx, rows, mode)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "sample", "block_size", "unroll", "kernel", "scales"),
-                   donate_argnames=("k_pool", "v_pool"))
-def verify_step(graphdef, state, k_pool, v_pool, last, start, proposals, num_proposed, draft_probs, block_table,
-                rows, sample: bool, block_size: int, unroll: int | bool = 1,
-                kernel: PagedKernel = PagedKernel.GATHER, scales: KVScales | None = None):
-    """Speculative verification: ONE target forward over [last, d_1 .. d_k] per row (a prefill chunk of K + 1
-    tokens on the paged pool, as ``paged_step``) whose logits at every position are kept, then
-    ``speculative.accept``.
-
-    last/start [R] (the row's last token and its position: the row's KV length); proposals [R, K];
-    num_proposed [R] (k_r <= K; -1 on padding rows: nothing written); draft_probs [R, K, V] or None (n-gram);
-    block_table [R, NB] with NB * block_size >= max(start) + K + 1; rows: `speculative.sampling_arrays`.
-    The KV of all k_r + 1 tokens is written; the scheduler rolls the rejected ones back.
-    -> (k_pool, v_pool, dict(ids [R, K + 1], count [R]))."""
-    model = nnx.merge(graphdef, state)
-    R, K = proposals.shape
-    j = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
-    tokens = jnp.concatenate([last[:, None], proposals], axis=1).astype(jnp.int32)  # [R, K + 1]
-    positions = start[:, None] + j
-    segments = (j <= num_proposed[:, None]).astype(jnp.int32)
-    cache = PagedKVCache(k_pool, v_pool, block_table, start, block_size, kernel, scales)
-    h, cache = model.hidden_states(tokens, positions, segments, cache=cache, unroll=unroll)
-    logits = model.logits(h)  # [R, K + 1, V] fp32
-    return cache.k, cache.v, accept(logits, proposals, num_proposed, draft_probs, rows, start, sample=sample)
+def kv_access(kv_path: KVPath, block_size: int, num_slots: int) -> KVAccess:
+    """A resolved `KVPath` -> its implementation: REFERENCE -> `ReferenceAccess`, the others -> `PagedAccess`
+    (their decode kernel is ``PAGED_KERNEL[kv_path]``, a `StepSettings` field)."""
+    if kv_path is KVPath.REFERENCE:
+        return ReferenceAccess(block_size, num_slots)
+    return PagedAccess(block_size)
 
 
 def _call(fn) -> None:
@@ -167,10 +127,8 @@ class PagedRunner:
         self.kv_path = kv_path
         self.paged = kv_path is not KVPath.REFERENCE
         self.kernel = PAGED_KERNEL.get(kv_path, PagedKernel.GATHER)  # REFERENCE: unused
-        self.kv_in_place = kv_in_place
         if self.kernel is PagedKernel.PALLAS:
             prepare_paged_decode()
-        self.unroll = True if unroll_layers else 1
         self.decode_steps = decode_steps
         self.min_rows, self.min_prefill_rows = buckets.min_rows, buckets.min_prefill_rows
         self.min_context, self.min_prefill = buckets.min_context, buckets.min_prefill
@@ -190,6 +148,10 @@ class PagedRunner:
                 raise ValueError("PagedRunner: an FP8 KV pool is not supported on a model with LoRA slots (the "
                                  "scales are bounded from the base weights, which an adapter changes)")
             self.kv_scales = kv_scales(model)
+        self.access: KVAccess = kv_access(kv_path, block_size, self.num_slots)  # the KV path, chosen once
+        self.settings = StepSettings(  # fields a path does not read keep their defaults: one compile, not two
+            block_size=block_size, lora=self.lora, unroll=True if unroll_layers else 1, kernel=self.kernel,
+            scales=self.kv_scales, kv_in_place=kv_in_place and not self.paged)
         self.k_pool, self.v_pool = self._new_pool(shape, dtype), self._new_pool(shape, dtype)
         if self.kernel is PagedKernel.PALLAS and not kernel_applies(shape, 1, cfg.sliding_window):
             warnings.warn(f"PagedRunner: kv_path PALLAS does not apply to this model / pool (pool {shape}, "
@@ -222,19 +184,9 @@ class PagedRunner:
         self.state = nnx.state(model)
 
     # ---- host-side batch building -------------------------------------------------------------------------
-    def _slots(self, block_table: np.ndarray, start: int, stop: int) -> np.ndarray:
-        p = np.arange(start, stop)
-        bs = self.block_size
-        return block_table[p // bs] * bs + p % bs
-
-    def _block_table(self, group: list[ScheduledRequest], R: int, S: int) -> np.ndarray:
-        """[R, S / block_size] block ids (0 past a row's blocks: never read unmasked, never written)."""
-        nb = S // self.block_size
-        table = np.zeros((R, nb), np.int32)
-        for r, s in enumerate(group):
-            bt = s.block_table[:nb]
-            table[r, :len(bt)] = bt
-        return table
+    def _address(self, group: list[ScheduledRequest], R: int, S: int, written: list[int] = (), width: int = 0):
+        """The KV path's batch fields for ``group`` (`KVAccess.address`)."""
+        return self.access.address([s.block_table for s in group], R, S, [s.start for s in group], written, width)
 
     def _waves(self, scheduled: list[ScheduledRequest]) -> list[int]:
         """Wave index per request: a request whose context blocks another request writes this step runs later."""
@@ -319,6 +271,13 @@ class PagedRunner:
                         seen_is_output=is_out)
         return rows, mode
 
+    def _device_call(self, fn, batch: InputBatch, settings: StepSettings) -> list:
+        """One jitted call of the KV path (`KVAccess`) on the runner's pools (donated, replaced by the returned
+        ones) -> its other outputs."""
+        self.num_calls += 1
+        self.k_pool, self.v_pool, *out = fn(self.graphdef, self.state, self.k_pool, self.v_pool, batch, settings)
+        return out
+
     def _run(self, group: list[ScheduledRequest], bitmasks=None):
         decode = group[0].num_new_tokens == 1  # groups are all-decode or all-prefill
         R = _bucket(len(group), self.min_rows if decode else self.min_prefill_rows)
@@ -327,9 +286,6 @@ class PagedRunner:
         tokens = np.zeros((R, T), np.int32)
         positions = np.zeros((R, T), np.int32)
         segments = np.zeros((R, T), np.int32)
-        paged = self.paged  # no slot lists: block tables, slots computed on device
-        write = None if paged else np.full((R, T), self.num_slots, np.int32)  # out of range -> dropped
-        ctx = None if paged else np.zeros((R, S), np.int32)
         ctx_len = np.zeros((R,), np.int32)
         last = np.zeros((R,), np.int32)
         adapters = np.zeros((R,), np.int32)
@@ -338,27 +294,15 @@ class PagedRunner:
             tokens[r, :n] = s.token_ids
             positions[r, :] = st + np.arange(T)
             segments[r, :n] = 1
-            if not paged:
-                bt = np.asarray(s.block_table, np.int64)
-                write[r, :n] = self._slots(bt, st, st + n)
-                ctx[r, :st] = self._slots(bt, 0, st)
             ctx_len[r] = st
             last[r] = n - 1
             if self.lora:
                 adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S, bitmasks)
-        self.num_calls += 1
-        if paged:
-            self.k_pool, self.v_pool, sampled = paged_step(
-                self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments,
-                self._block_table(group, R, S), ctx_len, last, adapters, rows, mode=mode, lora=self.lora,
-                block_size=self.block_size, unroll=self.unroll, kernel=self.kernel, scales=self.kv_scales)
-            return sampled
-        self.k_pool, self.v_pool, sampled = reference_step(
-            self.graphdef, self.state, self.k_pool, self.v_pool, tokens, positions, segments, ctx, ctx_len, write,
-            last, adapters, rows, mode=mode, lora=self.lora, kv_in_place=self.kv_in_place, unroll=self.unroll,
-            scales=self.kv_scales)
-        return sampled
+        batch = InputBatch(tokens=tokens, start=ctx_len, sampling=rows, positions=positions, segment_ids=segments,
+                           last_idx=last, adapter_rows=adapters,
+                           **self._address(group, R, S, [s.num_new_tokens for s in group], T))
+        return self._device_call(self.access.step, batch, self.settings.for_call(mode))[0]
 
     def _run_multi(self, group: list[ScheduledRequest]):
         """A multi-step decode group (every row decoding, up to ``num_steps`` tokens each): see ``multi_step``."""
@@ -369,37 +313,20 @@ class PagedRunner:
         tokens = np.zeros((R,), np.int32)
         start = np.zeros((R,), np.int32)
         limit = np.zeros((R,), np.int32)  # padding rows: 0 = stopped from the start
-        paged = self.paged
-        write = None if paged else np.full((R, K), self.num_slots, np.int32)
-        ctx = None if paged else np.zeros((R, S), np.int32)
         stop = np.full((R, M), -1, np.int32)
         adapters = np.zeros((R,), np.int32)
         for r, s in enumerate(group):
-            st, n = s.start, s.num_steps
             tokens[r] = s.token_ids[0]
-            start[r], limit[r] = st, n
-            if not paged:
-                bt = np.asarray(s.block_table, np.int64)
-                write[r, :n] = self._slots(bt, st, st + n)
-                ctx[r, :st] = self._slots(bt, 0, st)
+            start[r], limit[r] = s.start, s.num_steps
             ids = sorted(s.request.stop_token_ids) if s.request is not None else []
             stop[r, :len(ids)] = ids
             if self.lora:
                 adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S)
-        if paged:
-            self.k_pool, self.v_pool, sampled = multi_step_decode_paged(
-                self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, self._block_table(group, R, S),
-                limit, stop, adapters, rows, mode=mode, lora=self.lora, num_steps=K, block_size=self.block_size,
-                unroll=self.unroll, kernel=self.kernel, scales=self.kv_scales)
-        else:
-            self.k_pool, self.v_pool, sampled = reference_multi_step_decode(
-                self.graphdef, self.state, self.k_pool, self.v_pool, tokens, start, ctx, write, limit, stop,
-                adapters, rows, mode=mode, lora=self.lora, num_steps=K, kv_in_place=self.kv_in_place,
-                unroll=self.unroll, scales=self.kv_scales)
-        self.num_calls += 1
+        batch = InputBatch(tokens=tokens, start=start, sampling=rows, limit=limit, stop_ids=stop,
+                           adapter_rows=adapters, **self._address(group, R, S, [s.num_steps for s in group], K))
         self.num_multi_calls += 1
-        return sampled
+        return self._device_call(self.access.multi_step, batch, self.settings.for_call(mode, K))[0]
 
     def _collect_multi(self, group: list[ScheduledRequest], host: dict, out: StepResult) -> None:
         for r, s in enumerate(group):
@@ -422,11 +349,10 @@ class PagedRunner:
         return R, S
 
     def verify(self, group: list[ScheduledRequest], proposals, num_proposed, draft_probs=None) -> StepResult:
-        """Verify the rows' proposals in one target call (``verify_step``) -> request id -> the emitted tokens
-        (accepted proposals, then the target's next token). proposals [R, K] and num_proposed [R] (-1 on
-        padding rows) with R from ``verify_shape``, host or device arrays; draft_probs [R, K, V] or None."""
-        if not self.paged:
-            raise ValueError("speculative verification needs a paged KV path")
+        """Verify the rows' proposals in one target call (``kv_paged.verify_step``; the reference path refuses)
+        -> request id -> the emitted tokens (accepted proposals, then the target's next token). proposals [R, K]
+        and num_proposed [R] (-1 on padding rows) with R from ``verify_shape``, host or device arrays;
+        draft_probs [R, K, V] or None."""
         K = proposals.shape[1]
         R, S = self.verify_shape(group, K)
         last = np.zeros(R, np.int32)
@@ -436,11 +362,10 @@ class PagedRunner:
             last[r], start[r] = s.token_ids[0], s.start
             params.append(s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams())
         rows = sampling_arrays(params, R)
-        self.num_calls += 1
-        self.k_pool, self.v_pool, res = verify_step(
-            self.graphdef, self.state, self.k_pool, self.v_pool, last, start, proposals, num_proposed, draft_probs,
-            self._block_table(group, R, S), rows, sample=bool((rows["temperature"] > 0).any()),
-            block_size=self.block_size, unroll=self.unroll, kernel=self.kernel, scales=self.kv_scales)
+        batch = InputBatch(tokens=last, start=start, sampling=rows, proposals=proposals, num_proposed=num_proposed,
+                           draft_probs=draft_probs, **self._address(group, R, S))
+        mode = BatchMode(sample=bool((rows["temperature"] > 0).any()))
+        res, = self._device_call(self.access.verify, batch, self.settings.for_call(mode))
         host = jax.device_get(res)
         out = StepResult()
         for r, s in enumerate(group):

@@ -5,7 +5,7 @@ One speculative step of a decoding sequence with n tokens (its last token, at po
 1. propose k <= K tokens d_1 .. d_k: ``ngram_propose`` (prompt lookup, host side) or the draft model
    (``serve.draft``: its own paged pool, k + 1 one-token forwards);
 2. verify: ONE target forward over the k + 1 tokens [last, d_1 .. d_k] at positions n - 1 .. n - 1 + k
-   (``runner.verify_step``: a prefill-shaped call on the paged pool whose logits at every position are kept);
+   (``kv_paged.verify_step``: a prefill-shaped call on the paged pool whose logits at every position are kept);
    logits row i is the target's distribution p_i of the token after d_i (d_0 = last);
 3. accept (``accept``): greedy rows take the longest prefix where the target's argmax equals the proposal, then
    the target's argmax at the first mismatch (or after the last proposal: the "bonus" token). Sampled rows use

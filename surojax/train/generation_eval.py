@@ -30,8 +30,8 @@ from surojax.config.data import DatasetSpec
 from surojax.config.generation_eval import GenerationEvalSpec
 from surojax.config.schema import TrainConfig
 from surojax.data.formats import _messages, detect_type
-from surojax.data.pipeline import chat_template_text
-from surojax.data.sources import DataError, InvalidRowError, read_rows
+from surojax.data.pipeline import chat_template_text, formatted_rows
+from surojax.data.sources import DataError, InvalidRowError, ReadStats, read_rows
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer
 from surojax.generation.loop import generate
 
@@ -130,12 +130,10 @@ def load_eval_examples(path: str | Path, *, type: str = "auto", samples: int | N
                        spec: DatasetSpec | None = None, split: str = "train",
                        subset: str | None = None, data_files=None) -> list[EvalExample]:
     """Read a dataset (any format `surojax.data.sources` reads) into EvalExamples; errors name the row."""
-    out = []
-    for where, row in read_rows(path, split=split, subset=subset, data_files=data_files, samples=samples):
-        try:
-            out.append(example_from_row(row, type, spec))
-        except (GenerationEvalError, InvalidRowError, DataError) as e:
-            raise GenerationEvalError(f"eval_generation: {where}: {e}") from None
+    rows = read_rows(path, split=split, subset=subset, data_files=data_files, samples=samples)
+    out = list(formatted_rows(rows, lambda row: example_from_row(row, type, spec), skip_invalid_rows=False,
+                              read=ReadStats(), invalid=(GenerationEvalError, InvalidRowError, DataError),
+                              error=lambda where, e: GenerationEvalError(f"eval_generation: {where}: {e}")))
     if not out:
         raise GenerationEvalError(f"eval_generation: {path} has no rows")
     return out

@@ -123,6 +123,8 @@ class GRPOTrainer(Trainer):
     """Trainer with GRPO's three hooks: `loss` (grpo_loss with the config's settings), `build_data` (the prompts)
     and `next_batch` (a generation batch made every num_iterations steps)."""
 
+    prefetch_batches = False  # the rollouts come from the policy the running step updates: read after it
+
     def __init__(self, cfg: TrainConfig, **kwargs):
         self.settings = GRPOLossSettings(loss_type=resolved_loss_type(cfg), epsilon=cfg.epsilon,
                                          epsilon_high=cfg.epsilon_high, beta=resolved_beta(cfg),

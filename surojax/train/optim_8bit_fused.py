@@ -6,7 +6,7 @@
 
 The per-layer in-place loop (surojax/offload/optimizer.py `in_place`) runs the optax chain one layer at a time: XLA
 then reads and writes each layer's gradient, parameter and moments in ~8 passes and copies each slice out of the
-stacked arrays (~175 ms of the Qwen3-8B step for ~40 ms of bytes: benchmarks/RESULTS.md, session 13). Here every
+stacked arrays (several times the time its bytes need on the Qwen3-8B step: benchmarks/RESULTS.md#s13). Here every
 [L, ...] leaf whose 8-bit state is in whole 256-value blocks per layer goes through pallas_kernels/adam8bit in ONE
 kernel over all layers, written in place over the donated parameter and state buffers; every other leaf (fp32
 moments: the small norms; a layer size that is not a multiple of the block) runs `adam_leaf`, the XLA form, one

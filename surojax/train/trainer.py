@@ -249,7 +249,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         self.checkpointer.save(self.step_count, self._checkpoint_state(),
                                {"step": self.step_count, CONFIG_META_KEY: config_record(self.cfg),
-                                "data": self.data.train.get_state(),
+                                "data": self._data_state(),
                                 "adaptive": self.adaptive.state_dict(), "adaptive_lr_scale": self.lr_scale,
                                 **self.task_checkpoint_meta()})
 
@@ -273,6 +273,24 @@ class Trainer:
         """The next step's host batch: arrays [A * B, T] the loss reads."""
         return next(self.data.train)
 
+    # Whether the next step's batch may be read while the current step computes: it must not depend on the
+    # step's result (GRPO's rollouts come from the policy the step updates: it turns this off).
+    prefetch_batches = True
+    _prefetched: dict | None = None  # the next step's device batch, read ahead
+    _prefetched_data_state: dict | None = None  # the train loader's state before that batch was read
+
+    def _prefetch_batch(self) -> None:
+        self._prefetched_data_state = self.data.train.get_state()
+        self._prefetched = self._device_batch(self.next_batch())
+
+    def _take_batch(self) -> dict:
+        batch, self._prefetched, self._prefetched_data_state = self._prefetched, None, None
+        return batch if batch is not None else self._device_batch(self.next_batch())
+
+    def _data_state(self) -> dict:
+        """The train loader's position for a checkpoint: before a batch read ahead, which the resumed run reads."""
+        return self._prefetched_data_state if self._prefetched is not None else self.data.train.get_state()
+
     def _device_batch(self, batch: dict) -> dict:
         """This process's rows [A * B / G, T] of the step -> the global batch arrays [A, B, T].
 
@@ -285,16 +303,23 @@ class Trainer:
         return global_batch(shaped, self.batch_sharding, 1, self.rows.count)
 
     def step(self) -> dict:
-        """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics."""
+        """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics.
+
+        The jitted step is dispatched first; while the device computes it, the host reads the next step's batch
+        and places it on the devices (`prefetch_batches`) and evaluates the learning rate it logs; then it waits
+        for the metrics, read back in one transfer. The device does not wait for the host's data work between
+        steps."""
         t0 = time.perf_counter()
-        batch = self._device_batch(self.next_batch())
-        lr = float(self.run.schedule(self.step_count)) * self.lr_scale
+        batch = self._take_batch()
         rng = jax.random.fold_in(self.key, self.step_count)
         self.trainable, self.opt_state, m = self.run.train_step(self.trainable, self.frozen, self.opt_state, batch, rng,
                                                                 self.lr_scale)
+        lr = float(self.run.schedule(self.step_count)) * self.lr_scale
         self.step_count += 1
+        if self.prefetch_batches and self.step_count < self.plan.total_steps:
+            self._prefetch_batch()
         router = m.pop("router", None)  # a MoE model's RouterStats [L, ...], summed over the micro-batches
-        m = {k: float(v) for k, v in m.items()}
+        m = {k: float(v) for k, v in jax.device_get(m).items()}
         if router is not None:
             m.update(self.router_monitor.observe(self.step_count, router))
         dt = time.perf_counter() - t0

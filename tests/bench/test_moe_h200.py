@@ -1,4 +1,4 @@
-"""benchmarks/moe_h200.py's parent side without running anything: which child lines count as results, and the
+"""benchmarks/campaigns/moe_h200.py's parent side without running anything: which child lines count as results, and the
 table (ratios to the same-job anchor and to the bf16 base, a reduced depth said out loud, skipped items kept)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("moe_h200", ROOT / "benchmarks/moe_h200.py")
+spec = importlib.util.spec_from_file_location("moe_h200", ROOT / "benchmarks/campaigns/moe_h200.py")
 moe_h200 = importlib.util.module_from_spec(spec)
 sys.modules["moe_h200"] = moe_h200  # its dataclass looks its module up there
 spec.loader.exec_module(moe_h200)

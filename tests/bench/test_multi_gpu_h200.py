@@ -1,11 +1,11 @@
-"""benchmarks/multi_gpu_h200.py's arithmetic: scaling against the part's 1-GPU row, the bubble from two microbatch
+"""benchmarks/campaigns/multi_gpu_h200.py's arithmetic: scaling against the part's 1-GPU row, the bubble from two microbatch
 counts (the campaign itself runs on a multi-GPU host; `--smoke` runs its plumbing on CPU)."""
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "campaigns"))
 from multi_gpu_h200 import add_bubble, add_scaling, parts  # noqa: E402
 
 

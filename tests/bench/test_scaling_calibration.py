@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from surojax.bench.flops import PEAK_BF16_FLOPS
-from surojax.bench.scaling_calibration import calibrate, main, row_spec
-from surojax.bench.scaling_model import Hardware, MeshPlan, Workload, flops_per_token, predict
-from surojax.bench.shapes import model_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))  # the tools
+
+from surojax.bench.flops import PEAK_BF16_FLOPS  # noqa: E402
+from scaling_calibration import calibrate, main, row_spec  # noqa: E402
+from scaling_model import Hardware, MeshPlan, Workload, flops_per_token, predict  # noqa: E402
+from surojax.bench.shapes import model_config  # noqa: E402
 
 SEQ, BATCH = 2048, 2  # the campaign's dp-full rows: --batch 2 per data shard, seq 2048
 

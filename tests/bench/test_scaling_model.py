@@ -2,10 +2,15 @@
 limit, and the CLI's table. Pure arithmetic, no devices."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from surojax.bench.shapes import model_config
-from surojax.bench.scaling_model import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))  # the tools
+
+from surojax.bench.shapes import model_config  # noqa: E402
+from scaling_model import (  # noqa: E402
     Hardware,
     MeshPlan,
     Workload,

@@ -1,7 +1,6 @@
 """The `surojax` console script, the placeholder commands and `python -m surojax.train`."""
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shlex
@@ -259,7 +258,7 @@ def test_resume_command_names_an_executable_the_users_shell_finds(tmp_path, monk
 
 
 def build_parser_for(command: str):
-    return build_parser(command, importlib.import_module(f"surojax.cli.{command}"))
+    return build_parser(command, load_command(command))
 
 
 def test_an_empty_dataset_is_one_error_line(tmp_path):

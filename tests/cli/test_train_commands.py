@@ -15,7 +15,8 @@ from surojax.train.trainers import make_trainer
 from surojax.peft.stacked import load_adapter_into
 from surojax.weights.hf_checkpoint import load_model
 
-from tests.train.conftest import ROOT, TINY_QWEN3, TOKENIZER, write_instruction_data, write_text_data
+from tests.tiny import QWEN3, hf
+from tests.train.conftest import ROOT, TOKENIZER, write_instruction_data, write_text_data
 
 BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3"
 TOKENS = jnp.asarray([[508, 3, 17, 99, 250, 7, 509, 42]])
@@ -126,7 +127,7 @@ def _two_stages(tmp_path) -> Path:
     qa = write_instruction_data(tmp_path / "qa.jsonl", n=24)
     cfg = {"tokenizer": str(TOKENIZER), "recipe": "fp32", "recompute": "none", "sequence_len": 64,
            "per_device_train_batch_size": 2, "max_steps": 2, "save_steps": 2, "stages": [
-               {"name": "pretrain", "from_scratch": True, "model_config": dict(TINY_QWEN3),
+               {"name": "pretrain", "from_scratch": True, "model_config": hf(QWEN3),
                 "datasets": [{"path": str(text), "type": "text"}], "output_dir": str(tmp_path / "out" / "pre")},
                {"name": "lora", "model": str(tmp_path / "out" / "pre" / "model"), "lora": True, "lora_rank": 4,
                 "datasets": [{"path": str(qa), "type": "instruction"}], "output_dir": str(tmp_path / "out" / "lora")}]}

@@ -146,6 +146,30 @@ def test_invalid_row_names_location_or_is_skipped(tok, tmp_path):
         load_examples(dict(path=str(robot), type="conversation"), tok, sequence_len=256)
 
 
+@pytest.mark.parametrize("reader", ["pairs", "prompts"])
+def test_dpo_pairs_and_grpo_prompts_name_or_skip_an_invalid_row(tok, tmp_path, reader):
+    """The DPO pair and GRPO prompt readers share load_examples' row loop (pipeline.formatted_rows): an invalid
+    row is an error naming file:line and skip_invalid_rows, or is skipped and counted."""
+    from surojax.data.preference import load_pairs
+    from surojax.data.prompts import load_prompts
+
+    good = {"prompt": "2+2?", "chosen": "4", "rejected": "5"} if reader == "pairs" else {"prompt": "2+2?"}
+    bad = {**good, "chosen": ""} if reader == "pairs" else {"prompt": ""}  # an empty answer / prompt: refused
+    p = tmp_path / "rows.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in (good, bad, good)) + "\n")
+    spec = dict(path=str(p), type="preference" if reader == "pairs" else "prompt")
+
+    def read(stats, skip):
+        if reader == "pairs":
+            return load_pairs(spec, tok, sequence_len=64, skip_invalid_rows=skip, stats=stats)
+        return load_prompts([spec], tok, max_prompt_len=64, skip_invalid_rows=skip, stats=stats)
+
+    with pytest.raises(DataError, match=r"rows\.jsonl:2: .*\(set skip_invalid_rows: true to skip such rows\)"):
+        read(DataStats(), False)
+    stats = DataStats()
+    assert len(read(stats, True)) == 2 and stats.skipped_rows == 1 and stats.datasets[0]["skipped"] == 1
+
+
 def test_truncation_and_drop_with_counts(tok, tmp_path):
     full = make_formatter("conversation", tok, SPEC)({"messages": CHAT})
     cut = fit_length(full, 20)

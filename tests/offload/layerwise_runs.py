@@ -11,7 +11,6 @@ import optax
 from flax import nnx
 
 from surojax.losses.lm import lm_loss
-from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.offload.optimizer import apply_master_updates, compute_copy, layerwise
 from surojax.offload.remat import remat_wrapper
@@ -19,9 +18,9 @@ from surojax.parallel import make_mesh, shard_model
 from surojax.train.optim import decay_mask, init_opt_state
 from surojax.train.step import make_train_step
 
-from tests.train.conftest import TINY_QWEN3
+from tests.tiny import QWEN3, model_config
 
-CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
+CFG = model_config(QWEN3, vocab_size=128)
 
 
 def _batch(A=2, B=2, T=16):

@@ -35,9 +35,9 @@ from surojax.train.optim import decay_mask, init_opt_state
 from surojax.train.step import make_train_step
 
 from tests.offload.layerwise_runs import _batch
-from tests.train.conftest import TINY_QWEN3
+from tests import tiny
 
-CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
+CFG = tiny.model_config(tiny.QWEN3, vocab_size=128)
 
 
 def _run(*, in_place: bool, offload: bool, master: bool, A: int, steps=2):

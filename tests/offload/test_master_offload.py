@@ -14,16 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.offload.optimizer import compute_copy, master_params
 from surojax.offload.streaming import HOST_KIND
 from surojax.parallel import make_mesh
 
 from tests.offload.layerwise_runs import _run, device_layerwise_run
-from tests.train.conftest import TINY_QWEN3, tiny_config  # noqa: F401 (fixture)
+from tests.tiny import QWEN3, model_config
+from tests.train.conftest import tiny_config  # noqa: F401 (fixture)
 
-CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
+CFG = model_config(QWEN3, vocab_size=128)
 
 
 def test_master_on_host_trains_exactly_like_the_resident_fp32_master():

@@ -23,7 +23,6 @@ import pytest
 from flax import nnx
 
 from surojax.losses.lm import lm_loss
-from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.offload.remat import remat_wrapper
 from surojax.offload.streaming import HOST_KIND, OffloadError, check_streamed, place_base_on_host, streamed_leaves
@@ -31,9 +30,10 @@ from surojax.peft.lora import TRAINABLE, apply_lora
 from surojax.quant.model import quantize_model
 from surojax.train.step import make_train_step
 
-from tests.train.conftest import ROOT, TINY_QWEN3, tiny_config, write_instruction_data  # noqa: F401 (fixture)
+from tests.tiny import QWEN3, model_config
+from tests.train.conftest import ROOT, tiny_config, write_instruction_data  # noqa: F401 (fixture)
 
-CFG = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
+CFG = model_config(QWEN3, vocab_size=128)
 A, B, T = 2, 2, 16
 
 

@@ -60,9 +60,10 @@ def test_check_pipeline_refuses_bad_shapes(kwargs, words):
 
 def _base_config(tmp) -> dict:
     """A tiny fp32 from-scratch run (tests/train/conftest.py's model and data), without output_dir / batch size."""
-    from tests.train.conftest import TINY_QWEN3, TOKENIZER, write_text_data
+    from tests.tiny import QWEN3, hf
+    from tests.train.conftest import TOKENIZER, write_text_data
 
-    return {"from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": dict(TINY_QWEN3),
+    return {"from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": hf(QWEN3),
             "recipe": "fp32", "datasets": [{"path": str(write_text_data(tmp / "text.jsonl")), "type": "text"}],
             "sequence_len": 64, "learning_rate": 3e-3, "lr_scheduler_type": "constant", "seed": 0,
             "max_steps": TRAIN_STEPS, "gradient_accumulation_steps": 2, "recompute": "full",

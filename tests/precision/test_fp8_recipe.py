@@ -76,7 +76,6 @@ def _cached_run(cached, steps=2, scaling="current"):
     import optax
 
     from surojax.losses.lm import lm_loss
-    from surojax.models.config import ModelConfig
     from surojax.models.decoder import Decoder
     from surojax.offload.remat import remat_wrapper
     from surojax.precision.fp8_delayed import DelayedScalingUpdate, Fp8AmaxProbe, Fp8DelayedState
@@ -85,9 +84,9 @@ def _cached_run(cached, steps=2, scaling="current"):
     from surojax.precision.fp8_transform import Fp8WeightCaching, apply_fp8
     from surojax.train.step import make_train_step
     from tests.offload.layerwise_runs import _batch
-    from tests.train.conftest import TINY_QWEN3
+    from tests.tiny import QWEN3, model_config
 
-    cfg = ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=128))
+    cfg = model_config(QWEN3, vocab_size=128)
     model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     apply_fp8(model, frozen_base=False, settings=Fp8Settings(scaling=scaling, amax_history=4))
     delayed = DelayedScalingUpdate() if scaling == "delayed" else None

@@ -166,10 +166,11 @@ def test_config_rules_and_the_default_bf16_layers():
 
 def test_nvfp4_trains_through_the_trainer(tmp_path):
     from surojax.train.trainer import Trainer
-    from tests.train.conftest import TINY_QWEN3, TOKENIZER, write_text_data
+    from tests.tiny import QWEN3, hf
+    from tests.train.conftest import TOKENIZER, write_text_data
 
     cfg = config_from_dict({
-        "from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": dict(TINY_QWEN3),
+        "from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": hf(QWEN3),
         "output_dir": str(tmp_path / "out"), "recipe": "nvfp4", "recompute": "none",
         "datasets": [{"path": str(write_text_data(tmp_path / "text.jsonl")), "type": "text"}],
         "sequence_len": 64, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,

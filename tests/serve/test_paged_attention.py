@@ -4,6 +4,7 @@ fp32 on CPU: same S, same mask, same reduction order), the same greedy tokens fr
 multi-step decode, stop ids, concurrent = sequential)."""
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from surojax.cli.serve import serve_config
 from surojax.generation.sampling import BatchMode
 from surojax.serve.config import EngineConfig, KVPath
 from surojax.serve.engine import Engine
+from surojax.serve.input_batch import InputBatch, StepSettings
 from surojax.serve.kv_reference import reference_multi_step_decode, reference_step
 from surojax.serve.multi_step import multi_step_decode_paged
 from surojax.serve.runner import paged_step
@@ -66,12 +68,14 @@ def test_single_step_pool_equals_reference(model, T):
     for r in range(R):
         ctx[r, :ctx_len[r]] = _slots(table[r], 0, ctx_len[r])
         write[r, :n[r]] = _slots(table[r], ctx_len[r], ctx_len[r] + n[r])
-    common = dict(last_idx=(n - 1).astype(np.int32), adapter_rows=np.zeros(R, np.int32),
-                  rows=_greedy_rows(R, ctx_len + n), mode=GREEDY, lora=False)
-    k1, v1, out1 = reference_step(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, positions, segments, ctx,
-                                  ctx_len, write, kv_in_place=True, **common)
-    k2, v2, out2 = paged_step(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, positions, segments, table,
-                              ctx_len, block_size=BS, **common)
+    common = dict(tokens=tokens, start=ctx_len, sampling=_greedy_rows(R, ctx_len + n), positions=positions,
+                  segment_ids=segments, last_idx=(n - 1).astype(np.int32), adapter_rows=np.zeros(R, np.int32))
+    settings = StepSettings(block_size=BS, mode=GREEDY)
+    k1, v1, out1 = reference_step(graphdef, state, k_pool.copy(), v_pool.copy(),
+                                  InputBatch(ctx_slots=ctx, write_slots=write, **common),
+                                  StepSettings(block_size=BS, mode=GREEDY, kv_in_place=True))
+    k2, v2, out2 = paged_step(graphdef, state, k_pool.copy(), v_pool.copy(), InputBatch(block_table=table, **common),
+                              settings)
     np.testing.assert_array_equal(np.asarray(k1), np.asarray(k2))
     np.testing.assert_array_equal(np.asarray(v1), np.asarray(v2))
     np.testing.assert_array_equal(np.asarray(out1["ids"]), np.asarray(out2["ids"]))
@@ -95,16 +99,19 @@ def test_multi_step_pool_equals_reference(model):
         ctx[r, :start[r]] = _slots(table[r], 0, start[r])
         write[r, :limit[r]] = _slots(table[r], start[r], start[r] + limit[r])
     # row 2 stops on the token it samples first (found by a reference run without stop ids)
-    free = dict(limit=limit, adapter_rows=np.zeros(R, np.int32), rows=_greedy_rows(R, start), mode=GREEDY,
-                lora=False, num_steps=K)
-    _, _, probe = reference_multi_step_decode(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, ctx,
-                                              write, stop_ids=np.full((R, 1), -1, np.int32), **free)
+    free = dict(tokens=tokens, start=start, limit=limit, adapter_rows=np.zeros(R, np.int32),
+                sampling=_greedy_rows(R, start))
+    settings = StepSettings(block_size=BS, mode=GREEDY, num_steps=K)
+    _, _, probe = reference_multi_step_decode(
+        graphdef, state, k_pool.copy(), v_pool.copy(),
+        InputBatch(ctx_slots=ctx, write_slots=write, stop_ids=np.full((R, 1), -1, np.int32), **free), settings)
     stop = np.full((R, 1), -1, np.int32)
     stop[2, 0] = int(probe["ids"][2, 1])
-    k1, v1, out1 = reference_multi_step_decode(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, ctx,
-                                               write, stop_ids=stop, kv_in_place=True, **free)
-    k2, v2, out2 = multi_step_decode_paged(graphdef, state, k_pool.copy(), v_pool.copy(), tokens, start, table,
-                                           stop_ids=stop, block_size=BS, **free)
+    k1, v1, out1 = reference_multi_step_decode(graphdef, state, k_pool.copy(), v_pool.copy(),
+                                               InputBatch(ctx_slots=ctx, write_slots=write, stop_ids=stop, **free),
+                                               StepSettings(block_size=BS, mode=GREEDY, num_steps=K, kv_in_place=True))
+    k2, v2, out2 = multi_step_decode_paged(graphdef, state, k_pool.copy(), v_pool.copy(),
+                                           InputBatch(block_table=table, stop_ids=stop, **free), settings)
     assert list(np.asarray(out1["count"])) == [4, 2, 2, 0]
     np.testing.assert_array_equal(np.asarray(out1["count"]), np.asarray(out2["count"]))
     real = np.arange(K)[None, :] < np.asarray(out1["count"])[:, None]  # a stopped row's later ids are garbage
@@ -204,3 +211,17 @@ def test_auto_kv_path_picks_the_kernel_only_where_it_applies(model, monkeypatch)
     assert resolve_kv_path(auto, cfg, BS, 10 ** 9) is KVPath.PAGED  # over the kernel's 2^31-element pool
     assert resolve_kv_path(auto, dataclasses.replace(cfg, sliding_window=8), BS, 8) is KVPath.PAGED
     assert resolve_kv_path(KVPath.REDUCE, cfg, BS, 10 ** 9) is KVPath.REDUCE
+
+
+def test_call_settings_are_cached_and_equal_to_fresh_ones():
+    """`StepSettings.for_call`: one object per call part (jit's static lookup hits a cached hash), equal to and
+    hashing like the settings built afresh, so a cached one never selects another compiled program."""
+    import dataclasses
+
+    base = StepSettings(block_size=BS, lora=True, unroll=True)
+    multi = base.for_call(GREEDY, 4)
+    assert base.for_call(GREEDY, 4) is multi and base.for_call(GREEDY) is not multi
+    fresh = dataclasses.replace(base, mode=BatchMode(), num_steps=4)
+    assert multi == fresh and hash(multi) == hash(fresh) and multi != base.for_call(BatchMode(sample=True), 4)
+    batch = InputBatch(tokens=np.zeros((2, 1), np.int32), start=np.zeros(2, np.int32), sampling={})
+    assert len(jax.tree.leaves(batch)) == 2  # the fields a call does not use send nothing

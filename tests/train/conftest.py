@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny import QWEN3
+
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "tests" / "fixtures" / "tokenizer"
 FIXTURE_QWEN3 = ROOT / "tests" / "fixtures" / "models" / "qwen3"  # the tiny HF qwen3 (512-token tokenizer)
-TINY_QWEN3 = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+TINY_QWEN3 = QWEN3  # the shared preset (tests/tiny.py), under the name the trainer tests import
 
 
 def write_text_data(path: Path, n: int = 64, seed: int = 0) -> Path:

@@ -12,6 +12,7 @@ def test_a_non_finite_step_changes_nothing_and_halves_the_next_learning_rate(tin
     """auto_lr_reduction end to end: a step whose loss is NaN leaves every weight and the optimizer state as they
     were, is not fatal, and the next step runs at half the scheduled learning rate (the loss guard's cut)."""
     trainer = Trainer(config_from_dict(tiny_config(max_steps=6, auto_lr_reduction=True, lr_scheduler_type="constant")))
+    trainer.prefetch_batches = False  # each step places its own batch: the one below is poisoned as it is placed
     trainer.step()
     before = jax.tree.map(np.asarray, (trainer.trainable, trainer.opt_state))
     poisoned = trainer._device_batch  # a batch whose loss mask is NaN gives a NaN loss and NaN gradients

@@ -22,11 +22,10 @@ from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.weights.hf_checkpoint import save_model
 
+from tests.tiny import QWEN3_MOE, hf
 from tests.train.conftest import ROOT
 
-TINY_QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
-                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-                  "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": True}
+TINY_QWEN3_MOE = hf(QWEN3_MOE, num_experts=8, norm_topk_prob=True)
 
 
 def _train(config, devices: int) -> list[float]:

@@ -16,14 +16,15 @@ import yaml
 from surojax.cli.train_script import main as train_main
 from surojax.train.checkpoints import Checkpointer
 
-from tests.train.conftest import ROOT, TINY_QWEN3, TOKENIZER, write_text_data
+from tests.tiny import QWEN3, hf
+from tests.train.conftest import ROOT, TOKENIZER, write_text_data
 
 HERE = Path(__file__).parent
 STEPS = 8
 
 
 def _config(directory: Path, data: Path) -> Path:
-    cfg = {"from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": dict(TINY_QWEN3),
+    cfg = {"from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": hf(QWEN3),
            "output_dir": str(directory / "out"), "recipe": "fp32", "recompute": "none",
            "datasets": [{"path": str(data), "type": "text"}], "sequence_len": 64, "per_device_train_batch_size": 2,
            "gradient_accumulation_steps": 2, "learning_rate": 3e-3, "lr_scheduler_type": "cosine",

@@ -19,12 +19,10 @@ from surojax.train.run_spec import TrainSetupError, run_spec
 from surojax.train.trainer import Trainer
 from surojax.weights.safetensors_file import SafetensorsFile
 
-from tests.train.conftest import TINY_QWEN3
+from tests import tiny
 
 QWEN3_MOE = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen3_moe"
-TINY_MOE = {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
-            "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "router_aux_loss_coef": 0.02}
+TINY_MOE = tiny.hf(tiny.QWEN3_MOE, router_aux_loss_coef=0.02)
 
 
 def _rows(path):
@@ -68,7 +66,7 @@ def test_aux_coefficient_override_capacity_and_refusals(tiny_config, tmp_path):
     hf = json.loads((QWEN3_MOE / "config.json").read_text()) | {"output_router_logits": True}
     (logits_on / "config.json").write_text(json.dumps(hf))
     assert lora_aux(logits_on) == 0.001
-    dense = config_from_dict(tiny_config(model_config=dict(TINY_QWEN3), router_z_loss_coef=0.1))
+    dense = config_from_dict(tiny_config(model_config=tiny.hf(tiny.QWEN3), router_z_loss_coef=0.1))
     with pytest.raises(TrainSetupError, match="router_z_loss_coef: applies to mixture-of-experts models only"):
         run_spec(dense, total_steps=1)
     with pytest.raises(Exception, match="train_router"):  # a LoRA option
@@ -134,7 +132,7 @@ def test_train_router_trains_only_the_router_and_exports_it_as_modules_to_save(t
 def test_train_router_is_refused_on_a_dense_model():
     from surojax.peft.trained_router import make_router_trainable
     with pytest.raises(ValueError, match="dense model; it has no router"):
-        make_router_trainable(Decoder(ModelConfig.from_hf(dict(TINY_QWEN3)), rngs=nnx.Rngs(0)), np.float32)
+        make_router_trainable(Decoder(tiny.model_config(tiny.QWEN3), rngs=nnx.Rngs(0)), np.float32)
 
 
 def test_starving_expert_is_warned_once_per_window(caplog):

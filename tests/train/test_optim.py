@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.train.metrics import Metrics, MetricsSinkError, plot_loss
 from surojax.train.optim import decay_mask, lr_schedule
 
-from tests.train.conftest import TINY_QWEN3
+from tests.tiny import QWEN3, model_config
 
 
 @pytest.mark.parametrize("kind", ["constant", "linear", "cosine", "wsd"])
@@ -32,13 +31,13 @@ def test_schedules_warm_up_then_follow_their_shape(kind):
 
 
 def test_weight_decay_applies_to_matrices_only():
-    model = Decoder(ModelConfig.from_hf(dict(TINY_QWEN3, model_type="qwen2", vocab_size=64)), rngs=nnx.Rngs(0))
+    model = Decoder(model_config(QWEN3, model_type="qwen2", vocab_size=64), rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(decay_mask(params))}
     assert flat["layers.attn.q_proj.kernel"] is True and flat["embed.embedding"] is True
     assert flat["layers.attn.q_proj.bias"] is False  # qwen2 biases
     assert flat["layers.attn_norm.scale"] is False and flat["final_norm.scale"] is False
-    qwen3 = Decoder(ModelConfig.from_hf(dict(TINY_QWEN3, vocab_size=64)), rngs=nnx.Rngs(0))
+    qwen3 = Decoder(model_config(QWEN3, vocab_size=64), rngs=nnx.Rngs(0))
     flat3 = {".".join(map(str, p)): v.get_value()
              for p, v in nnx.to_flat_state(decay_mask(nnx.state(qwen3, nnx.Param)))}
     assert flat3["layers.attn.q_norm.scale"] is False and flat3["layers.mlp.down_proj.kernel"] is True

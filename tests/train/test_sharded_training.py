@@ -17,14 +17,15 @@ if ROOT not in sys.path:  # the shared child imports this module
 import numpy as np  # noqa: E402
 
 from tests.parallel.virtual_devices import check_passed, shared_child_results  # noqa: E402
-from tests.train.conftest import TINY_QWEN3, TOKENIZER, write_text_data  # noqa: E402
+from tests.tiny import QWEN3, hf  # noqa: E402
+from tests.train.conftest import TOKENIZER, write_text_data  # noqa: E402
 
 STEPS = 3
 
 
 def _config(tmp: Path, **overrides) -> dict:
     """tests/train/conftest.py's tiny fp32 from-scratch run (its tiny_config), 3 steps, no accumulation."""
-    cfg = {"from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": dict(TINY_QWEN3),
+    cfg = {"from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": hf(QWEN3),
            "output_dir": str(tmp / "out"), "recipe": "fp32", "recompute": "none",
            "datasets": [{"path": str(write_text_data(tmp / "text.jsonl")), "type": "text"}],
            "sequence_len": 64, "gradient_accumulation_steps": 1, "learning_rate": 3e-3,

@@ -18,7 +18,7 @@ def dot(x: jax.Array, w) -> jax.Array:
 
     The GEMM accumulates in fp32 inside cuBLAS either way; asking for an fp32 result and casting back would
     make the backward pass run fp32 (tf32) GEMMs on fp32 cotangents, slower than compute-dtype GEMMs (a profile
-    of the LoRA step: benchmarks/RESULTS.md). Operands and result stay in the compute dtype, so does the backward.
+    of the LoRA step: benchmarks/RESULTS.md#s2-profile). Operands and result stay in the compute dtype, so does the backward.
     """
     if hasattr(w, "matmul"):
         return w.matmul(x)

@@ -17,9 +17,9 @@ speed-up over bf16 of the same workload), then a table on stderr. A variant that
 config) prints a JSON line with its error and the job goes on. blockwise is an emulation (bf16 GEMMs on
 exactly-quantised operands, docs/precision.md): expect it slower than bf16 and no FP8 GEMMs.
 
-    PYTHONPATH=$PWD python benchmarks/fp8_h200.py                          # H200, all 12 variants
-    PYTHONPATH=$PWD python benchmarks/fp8_h200.py --workloads qwen3-8b-lora --variants bf16 fp8-delayed
-    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/fp8_h200.py --smoke    # CPU plumbing: debug shape
+    PYTHONPATH=$PWD python benchmarks/campaigns/fp8_h200.py                          # H200, all 12 variants
+    PYTHONPATH=$PWD python benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-lora --variants bf16 fp8-delayed
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/campaigns/fp8_h200.py --smoke    # CPU plumbing: debug shape
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: fp8_gemm_check
 from fp8_gemm_check import fp8_used, gemm_census  # noqa: E402
 
 from surojax.bench.flops import PEAK_BF16_FLOPS, flop_targets, step_flops  # noqa: E402

@@ -1,13 +1,16 @@
 """Step time of a training run vs the number of nodes, on paper: compute, collective volumes, link bandwidths.
 
-    python -m surojax.bench.scaling_model [--model qwen3-8b ...] [--nodes 1 2 4 ...] [--ib-gbs 50] ...
+    python benchmarks/tools/scaling_model.py [--model qwen3-8b ...] [--nodes 1 2 4 ...] [--ib-gbs 50] ...
+
+A planning tool beside the benchmarks, not part of the package: nothing in surojax uses it (tests/bench holds its
+checks; it imports surojax from the repository root).
 
 No device work: arithmetic over the repository's model shapes (surojax/bench/shapes.py), FLOPs per token as
 surojax/bench/flops.py counts them (`mode="full"`: full fine-tuning / pretraining), and the collectives that the
 sharding rules (surojax/parallel/rules.py) and expert parallelism (surojax/parallel/expert.py) imply. The formulas,
 the defaults and where each default comes from are written out in docs/multi_gpu.md. UNCALIBRATED: no multi-GPU
 measurement exists yet; docs/multi_gpu.md says which measurement calibrates which input, and
-surojax/bench/scaling_calibration.py fits mfu and overlap from benchmarks/multi_gpu_h200.py's rows.
+benchmarks/tools/scaling_calibration.py fits mfu and overlap from benchmarks/campaigns/multi_gpu_h200.py's rows.
 
 Model, per GPU and per optimizer step (one micro-batch: gradient accumulation would repeat the fsdp gathers):
 
@@ -29,8 +32,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: surojax
 from surojax.bench.flops import PEAK_BF16_FLOPS, step_flops
 from surojax.bench.shapes import SHAPES, model_config
 from surojax.models.config import ModelConfig
@@ -291,7 +297,7 @@ def format_table(name: str, preds: Sequence[Prediction], label: str = "uncalibra
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m surojax.bench.scaling_model", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/tools/scaling_model.py", description=__doc__.split("\n")[0])
     ap.add_argument("--model", action="append", choices=sorted(SHAPES), help=f"default: {', '.join(MODELS)}")
     ap.add_argument("--nodes", type=int, nargs="+", default=list(NODES))
     ap.add_argument("--mesh", help="axis sizes for every node count, e.g. data=-1,tensor=8 (default: the rule)")

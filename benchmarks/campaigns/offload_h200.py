@@ -1,8 +1,8 @@
 """Training models larger than the GPU on one H200 (issue 6): LoRA over a base streamed from pinned host memory.
 
-    python3 benchmarks/offload_h200.py                       # every configuration (each in its own process)
-    python3 benchmarks/offload_h200.py --only llama8b-resident,llama8b-streamed
-    JAX_PLATFORMS=cpu python3 benchmarks/offload_h200.py --smoke     # the plumbing on a CPU, tiny shapes
+    python3 benchmarks/campaigns/offload_h200.py                       # every configuration (each in its own process)
+    python3 benchmarks/campaigns/offload_h200.py --only llama8b-resident,llama8b-streamed
+    JAX_PLATFORMS=cpu python3 benchmarks/campaigns/offload_h200.py --smoke     # the plumbing on a CPU, tiny shapes
 
 Each configuration runs `surojax bench train`'s own code (surojax/bench/train_bench.py: the trainer's
 build_model / optimizer / make_train_step on synthetic packed batches) in a fresh process, so its peak device
@@ -54,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 GiB = 2 ** 30

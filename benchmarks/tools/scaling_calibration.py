@@ -1,8 +1,8 @@
 """Calibrate the scaling model (scaling_model.py) from measured multi-GPU rows, then print its predictions.
 
-    python -m surojax.bench.scaling_calibration multi_gpu.jsonl [--nvlink-gbs 360] [--nodes 1 2 4 ...]
+    python benchmarks/tools/scaling_calibration.py multi_gpu.jsonl [--nvlink-gbs 360] [--nodes 1 2 4 ...]
 
-The rows are benchmarks/multi_gpu_h200.py's JSON lines (`surojax bench train` steps of one job: a 1-GPU row and its
+The rows are benchmarks/campaigns/multi_gpu_h200.py's JSON lines (`surojax bench train` steps of one job: a 1-GPU row and its
 N-GPU rows per part). Two inputs of the model are fitted, the rest keep their defaults (docs/multi_gpu.md):
 
     mfu       per kind, from the 1-GPU row of one part: dense from `dp-full` (Qwen3-8B full fine-tuning), MoE from
@@ -32,10 +32,11 @@ import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from surojax.bench.flops import flop_targets, step_flops
-from surojax.bench.scaling_model import (DEFAULT_MFU, MODELS, NODES, Hardware, MeshPlan, Workload, add_hardware_args,
-                                         hardware, predict, tables)
-from surojax.bench.shapes import SHAPES, model_config
+from scaling_model import (DEFAULT_MFU, MODELS, NODES, Hardware, MeshPlan, Workload,  # benchmarks/tools/: first,
+                           add_hardware_args, hardware, predict, tables)  # it puts the repository root on sys.path
+
+from surojax.bench.flops import flop_targets, step_flops  # noqa: E402
+from surojax.bench.shapes import SHAPES, model_config  # noqa: E402
 
 MFU_PART = {"dense": "dp-full", "moe": "ep"}  # the part whose 1-GPU row gives the kind's mfu
 OVERLAP_PART = "dp-full"
@@ -221,9 +222,9 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m surojax.bench.scaling_calibration",
+    ap = argparse.ArgumentParser(prog="python benchmarks/tools/scaling_calibration.py",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("rows", help="benchmarks/multi_gpu_h200.py's JSON lines ($OUT/multi_gpu.jsonl)")
+    ap.add_argument("rows", help="benchmarks/campaigns/multi_gpu_h200.py's JSON lines ($OUT/multi_gpu.jsonl)")
     ap.add_argument("--model", action="append", choices=sorted(SHAPES), help=f"default: {', '.join(MODELS)}")
     ap.add_argument("--nodes", type=int, nargs="+", default=list(NODES))
     ap.add_argument("--seq", type=int, default=Workload.seq_len)

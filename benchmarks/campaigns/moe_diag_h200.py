@@ -1,6 +1,6 @@
 """GPU diagnostics for issue 15 (H200): the MoE LoRA step at batch 2 / 4 and recompute dots / none / full (each in its
 own process), and the serve step's largest buffers at 4 layers (XLA buffer-assignment dump in $OUT/dump).
-    PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/moe_diag_h200.py"""
+    PYTHONPATH=$PWD OUT=/tmp/out python3 benchmarks/campaigns/moe_diag_h200.py"""
 import json, os, subprocess, sys, glob, re
 
 def child_train(spec):

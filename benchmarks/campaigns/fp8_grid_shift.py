@@ -7,7 +7,7 @@ xla_allow_excess_precision), so a program quantised with the exact fp32 scale wh
 Transformer Engine's scale s = 448 / amax (the rule before session 14) and for that scale rounded down to a power
 of two (fp8_scaling.scale_from_amax now), whose d is exact in bf16.
 
-    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/fp8_grid_shift.py          # ~10 s on 2 cores
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/campaigns/fp8_grid_shift.py          # ~10 s on 2 cores
 """
 from __future__ import annotations
 

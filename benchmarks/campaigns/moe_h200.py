@@ -23,9 +23,9 @@ Peak memory: the device's peak_bytes_in_use (JAX) / torch.cuda.max_memory_alloca
 
 One JSON line per measurement in $OUT/moe_results.jsonl (and on stdout), logs in $OUT/moe_logs/, the table last.
 
-    python3 benchmarks/moe_h200.py                        # everything, H200
-    python3 benchmarks/moe_h200.py --only a,c --layers 12 # a reduced-depth model (the table says so)
-    JAX_PLATFORMS=cpu python3 benchmarks/moe_h200.py --tiny   # CPU plumbing: debug-moe, all items but the anchor
+    python3 benchmarks/campaigns/moe_h200.py                        # everything, H200
+    python3 benchmarks/campaigns/moe_h200.py --only a,c --layers 12 # a reduced-depth model (the table says so)
+    JAX_PLATFORMS=cpu python3 benchmarks/campaigns/moe_h200.py --tiny   # CPU plumbing: debug-moe, all items but the anchor
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ITEMS = ("c", "a", "b", "d", "e")  # the run order: the anchor first
 NAMES = {"c": "hf-anchor", "a": "ours-lora", "b": "ours-qlora-nf4", "d": "serve", "e": "gmm"}
 ATTENTION_TARGETS = "q_proj,k_proj,v_proj,o_proj"

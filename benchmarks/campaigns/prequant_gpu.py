@@ -1,7 +1,7 @@
 """A pre-quantised FP8 checkpoint as the LoRA base on the GPU: correctness against transformers, then the Trainer.
 
-    python benchmarks/prequant_gpu.py                 # on an H100 / H200 (torch + transformers on CUDA beside JAX)
-    python benchmarks/prequant_gpu.py --cpu-smoke     # 2 layers, narrow widths, on the CPU (any machine)
+    python benchmarks/campaigns/prequant_gpu.py                 # on an H100 / H200 (torch + transformers on CUDA beside JAX)
+    python benchmarks/campaigns/prequant_gpu.py --cpu-smoke     # 2 layers, narrow widths, on the CPU (any machine)
 
 The checkpoint is made the way published FP8 models are (Qwen/Qwen3-*-FP8, DeepSeek): a Qwen3 with 0.6B's widths
 and vocabulary (`--layers`, default 28) and random weights, every decoder Linear quantised by transformers'
@@ -31,7 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU with JAX here
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 TOKENIZER = ROOT / "tests" / "fixtures" / "tokenizer"
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",

@@ -26,9 +26,9 @@ Step time: ours the median of steps 2.. (step 1 compiles), TRL its steps after t
 generation = completion tokens / generation_time; reference = R x (prompt + completion) / reference_time; training
 = the same tokens / training_time.
 
-    python3 benchmarks/grpo_h200.py --only grpo,engine,sft8b,dpo8b       # H200, ours (one job)
-    python3 benchmarks/grpo_h200.py --only trl                           # H200, the anchor (trl wheels installed)
-    JAX_PLATFORMS=cpu python3 benchmarks/grpo_h200.py --tiny --anchor-python /work/refenv/bin/python   # CPU plumbing
+    python3 benchmarks/campaigns/grpo_h200.py --only grpo,engine,sft8b,dpo8b       # H200, ours (one job)
+    python3 benchmarks/campaigns/grpo_h200.py --only trl                           # H200, the anchor (trl wheels installed)
+    JAX_PLATFORMS=cpu python3 benchmarks/campaigns/grpo_h200.py --tiny --anchor-python /work/refenv/bin/python   # CPU plumbing
 One JSON line per item in $OUT/grpo_results.jsonl (and stdout), logs in $OUT/grpo_logs/, the table last.
 """
 from __future__ import annotations
@@ -43,9 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent  # benchmarks/campaigns: grpo_bench_rewards
+BENCH = ROOT / "benchmarks"  # the standing tools: train_defaults, serve_load, anchors/
+sys.path[:0] = [str(ROOT), str(BENCH)]
 ITEMS = ("grpo", "trl", "engine", "sft8b", "dpo8b")
 EOS, PAD = "<eos>", "<pad>"
 
@@ -137,7 +138,7 @@ def phase_rates(rec: dict, job: Job, completion_len: float) -> dict:
 
 
 def item_trl(job: Job, work: Path, logs: Path, a) -> dict:
-    cmd = [a.anchor_python, str(HERE / "anchors" / "trl_grpo_baseline.py"), "--work", str(work),
+    cmd = [a.anchor_python, str(BENCH / "anchors" / "trl_grpo_baseline.py"), "--work", str(work),
            "--model", str(base_folder(job, work)),
            "--steps", str(job.trl_steps), "--batch", str(job.trl_micro), "--accum", str(job.rows // job.trl_micro),
            "--num-generations", str(job.group), "--max-completion", str(job.completion_len)]
@@ -183,7 +184,7 @@ def item_grpo(job: Job, work: Path, logs: Path, a) -> dict:
     cfg = grpo_config(job, work)
     path = work / "grpo.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
-    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}  # grpo_bench_rewards imports from benchmarks/
+    env = {"PYTHONPATH": os.pathsep.join(map(str, (ROOT, HERE, BENCH)))}  # grpo_bench_rewards: HERE
     out, rc, wall = run_child([sys.executable, "-m", "surojax.train", "--config", str(path)], logs / "grpo.log",
                               a.timeout, env)
     metrics = Path(cfg["output_dir"]) / "metrics.jsonl"
@@ -204,7 +205,7 @@ def item_grpo(job: Job, work: Path, logs: Path, a) -> dict:
 
 
 def item_engine(job: Job, work: Path, logs: Path, a) -> dict:
-    cmd = [sys.executable, str(HERE / "serve_load.py"), "--modes", "engine", "--users", str(job.rows),
+    cmd = [sys.executable, str(BENCH / "serve_load.py"), "--modes", "engine", "--users", str(job.rows),
            "--rounds", "1", "--prompt-len", str(job.prompt_len), "--max-tokens", str(job.completion_len),
            "--shape", job.shape]
     if job.tiny:

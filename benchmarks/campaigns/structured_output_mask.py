@@ -1,6 +1,6 @@
 """Grammar engines for structured output, measured on the CPU: llguidance vs outlines-core (xgrammar needs torch).
 
-    python benchmarks/structured_output_mask.py [--tokenizer DIR_OR_tokenizer.json] [--build-150k OUT.json]
+    python benchmarks/campaigns/structured_output_mask.py [--tokenizer DIR_OR_tokenizer.json] [--build-150k OUT.json]
 
 For each tokenizer (the 512-token fixture, and a ~150k byte-level BPE: pass one, or let ``--build-150k`` train one
 from the Python sources of site-packages with `tokenizers`, deterministic), and each engine: the time to compile a
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from surojax.data.tokenizer import Tokenizer  # noqa: E402

@@ -4,10 +4,10 @@
 #
 #     ../shared/tools/gpu-wheels.sh .gpu-wheels                       # here, once (git-ignored)
 #     pip download --no-deps -d .gpu-wheels llguidance==1.9.1          # (a manylinux_2_31 wheel the script misses)
-#     run(command="bash benchmarks/fp8_campaign.sh 1", carry=[".gpu-wheels"])     # ~8 min
-#     run(command="bash benchmarks/fp8_campaign.sh 2", carry=[".gpu-wheels"])     # ~8 min
-#     run(command="bash benchmarks/fp8_campaign.sh 3", carry=[".gpu-wheels"])     # ~5 min
-#     run(command="bash benchmarks/fp8_campaign.sh pt", carry=[".gpu-wheels"])    # ~7 min; full, lora likewise
+#     run(command="bash benchmarks/campaigns/fp8_campaign.sh 1", carry=[".gpu-wheels"])     # ~8 min
+#     run(command="bash benchmarks/campaigns/fp8_campaign.sh 2", carry=[".gpu-wheels"])     # ~8 min
+#     run(command="bash benchmarks/campaigns/fp8_campaign.sh 3", carry=[".gpu-wheels"])     # ~5 min
+#     run(command="bash benchmarks/campaigns/fp8_campaign.sh pt", carry=[".gpu-wheels"])    # ~7 min; full, lora likewise
 #
 # part 1   the FP8 op check with the power-of-two scales (expected: 0 operand values differ from the eager ones,
 #          error within 0.6%); Qwen3-8B full fine-tuning: bf16, fp8-current, fp8-delayed (the delayed step
@@ -27,7 +27,7 @@
 # $OUT/fp8_h200.jsonl; the tables are printed at the end. SMOKE=1: the same plumbing on a CPU, debug shapes
 # (PYTHON: the interpreter, default python3; e.g. PYTHON=.venv/bin/python here).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PART=${1:?part 1, 2 or 3}
 OUT=${OUT:-/tmp/fp8-campaign}
 mkdir -p "$OUT"
@@ -66,50 +66,50 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 case $PART in
   1)
     step op_check 150 "$PY" benchmarks/fp8_gemm_check.py $CHECK
-    step qwen3_8b_full 330 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
+    step qwen3_8b_full 330 "$PY" benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-full \
       --variants bf16 fp8-current fp8-delayed $STEPS $SMOKE_ARG
     # (fp8-current: the delayed GEMMs do not read SUROJAX_FP8_WGRAD)
-    SUROJAX_FP8_WGRAD=weight step wgrad_weight 200 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
+    SUROJAX_FP8_WGRAD=weight step wgrad_weight 200 "$PY" benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-full \
       --variants fp8-current $STEPS $SMOKE_ARG
     ;;
   2)
-    step llama3_8b_pt 330 "$PY" benchmarks/fp8_h200.py --workloads llama3-8b-pt \
+    step llama3_8b_pt 330 "$PY" benchmarks/campaigns/fp8_h200.py --workloads llama3-8b-pt \
       --variants bf16 fp8-current fp8-delayed $STEPS $SMOKE_ARG
     step adam8bit_tiles 150 "$PY" benchmarks/adam8bit_h200.py $SMOKE_ARG
     # the wgrad GEMM writing fp32 straight into the scan's stacked gradient (XLA's dynamic-slice fusion lets a
     # cuBLAS call write into a dynamic-update-slice of its result)
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" SUROJAX_FP8_WGRAD=weight \
-      step wgrad_weight_dsf 200 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full --variants fp8-current \
+      step wgrad_weight_dsf 200 "$PY" benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-full --variants fp8-current \
       $STEPS $SMOKE_ARG
     ;;
   3)
-    step qwen3_8b_lora 300 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-lora --variants bf16 fp8-delayed \
+    step qwen3_8b_lora 300 "$PY" benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-lora --variants bf16 fp8-delayed \
       $STEPS $SMOKE_ARG
     # the casts as XLA ops: with delayed scaling the scale is known before the tensor exists, so XLA may fuse
     # convert(clip(x * s)) into the norm / SwiGLU / backward producer (no bf16 write and re-read) where the Pallas
     # cast is a pass of its own
-    SUROJAX_FP8_CAST=xla step cast_xla 120 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
+    SUROJAX_FP8_CAST=xla step cast_xla 120 "$PY" benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-full \
       --variants fp8-delayed $STEPS $SMOKE_ARG
     ;;
   pt)
-    step llama3_8b_pt 540 "$PY" benchmarks/fp8_h200.py --workloads llama3-8b-pt --variants bf16 fp8-delayed \
+    step llama3_8b_pt 540 "$PY" benchmarks/campaigns/fp8_h200.py --workloads llama3-8b-pt --variants bf16 fp8-delayed \
       $STEPS $SMOKE_ARG
     ;;
   full)
-    step qwen3_8b_full 540 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full --variants bf16 fp8-delayed \
+    step qwen3_8b_full 540 "$PY" benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-full --variants bf16 fp8-delayed \
       $STEPS $SMOKE_ARG
     ;;
   lora)
     step op_check 150 "$PY" benchmarks/fp8_gemm_check.py $CHECK
-    step qwen3_8b_lora 400 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-lora --variants bf16 fp8-delayed \
+    step qwen3_8b_lora 400 "$PY" benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-lora --variants bf16 fp8-delayed \
       $STEPS $SMOKE_ARG
     ;;
   rest)
     step op_check 120 "$PY" benchmarks/fp8_gemm_check.py ${SMOKE_ARG:---shape debug --mode lora --no-step-time \
       --forms direct,direct+fp32 --iters 5}
-    step cast_pallas 230 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full --variants fp8-delayed \
+    step cast_pallas 230 "$PY" benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-full --variants fp8-delayed \
       $STEPS $SMOKE_ARG
-    SUROJAX_FP8_CAST=xla step cast_xla 230 "$PY" benchmarks/fp8_h200.py --workloads qwen3-8b-full \
+    SUROJAX_FP8_CAST=xla step cast_xla 230 "$PY" benchmarks/campaigns/fp8_h200.py --workloads qwen3-8b-full \
       --variants fp8-delayed $STEPS $SMOKE_ARG
     ;;
   *) echo "part $PART: expected 1, 2, 3, pt, full, lora or rest"; exit 2 ;;

@@ -7,8 +7,8 @@ chunk; the GIL released, as a readback releases it), then K tokens per running r
 multi-step decode gives). So the numbers depend only on the Python around the model: what
 `serve_load.py --modes engine,server` measures on a GPU, without one.
 
-    python benchmarks/serve_host_cost.py                     # 64 users, K = 8, device 35 ms per call
-    python benchmarks/serve_host_cost.py --users 1,16,64 --decode-steps 1 --device-ms 6
+    python benchmarks/campaigns/serve_host_cost.py                     # 64 users, K = 8, device 35 ms per call
+    python benchmarks/campaigns/serve_host_cost.py --users 1,16,64 --decode-steps 1 --device-ms 6
 
 Per users: the engine alone (`Engine.step` with the fake device, no HTTP) and the server (the load client of
 serve_load.py in a child process) -> decode tok/s of each, their ratio (serve_load's server/engine figure; on this
@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 

@@ -1,16 +1,20 @@
-"""`surojax pt CONFIG`: pretraining or continued pretraining on text.
+"""`surojax sft CONFIG` and `surojax pt CONFIG`: one command body, two stage selections.
 
-Validates the whole config and the paths it names before any heavy work, then trains its pretraining stages: a
-stage is pretraining unless its trainer is not sft or one of its datasets has a supervised type (instruction,
-conversation, preference, prompt); `type: auto` may be text, so it counts as pretraining. Of a multi-stage config
-(the quickstart: pretrain, then LoRA on instructions) the other stages are skipped with a line saying so (`surojax
-sft` runs every stage); a plain config that is not pretraining is refused, naming the key and `surojax sft`.
+Both validate the whole config and the paths it names before any heavy work, then train.
+- `sft`: supervised fine-tuning (full, LoRA, QLoRA); every stage of the config is trained.
+- `pt`: pretraining or continued pretraining on text; it trains the config's pretraining stages: a stage is
+  pretraining unless its trainer is not sft or one of its datasets has a supervised type (instruction,
+  conversation, preference, prompt); `type: auto` may be text, so it counts as pretraining. Of a multi-stage config
+  (the quickstart: pretrain, then LoRA on instructions) the other stages are skipped with a line saying so
+  (`surojax sft` runs every stage); a plain config that is not pretraining is refused, naming the key and
+  `surojax sft`.
+The command's name (`args.command`, set by cli/main.py's subparsers) picks the selection (`SELECT`).
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from surojax.cli.common import UsageError, add_config_arguments, add_overwrite_argument, train_from_args
 
@@ -54,5 +58,15 @@ def pretraining_stages(stages: list[Stage], config: str) -> list[Stage]:
     return kept
 
 
+def all_stages(stages: list[Stage], config: str) -> list[Stage]:
+    """The stages `surojax sft` trains: every one."""
+    return stages
+
+
+# command name -> the stages it trains, of the validated ones (the only difference between the two commands)
+SELECT: dict[str, Callable[[list[Stage], str], list[Stage]]] = {"sft": all_stages, "pt": pretraining_stages}
+
+
 def run(args: argparse.Namespace) -> int:
-    return train_from_args(args, select=lambda stages: pretraining_stages(stages, args.config))
+    select = SELECT[args.command]
+    return train_from_args(args, select=lambda stages: select(stages, args.config))

@@ -20,14 +20,14 @@ Per row: tokens/s over all its GPUs, step ms, MFU per GPU, the highest peak GiB.
 (also to $OUT/multi_gpu.jsonl), then the table. A row that fails (out of memory, a refused config) prints its
 error and the job goes on.
 
-    PYTHONPATH=$PWD python3 benchmarks/multi_gpu_h200.py --parts dp-lora dp-full      # one 10-minute call
-    PYTHONPATH=$PWD python3 benchmarks/multi_gpu_h200.py --parts ep pp launch
-    PYTHONPATH=$PWD python3 benchmarks/multi_gpu_h200.py --parts ep-profile
-    PYTHONPATH=$PWD python benchmarks/multi_gpu_h200.py --smoke      # CPU: 2 virtual devices, debug shapes
+    PYTHONPATH=$PWD python3 benchmarks/campaigns/multi_gpu_h200.py --parts dp-lora dp-full      # one 10-minute call
+    PYTHONPATH=$PWD python3 benchmarks/campaigns/multi_gpu_h200.py --parts ep pp launch
+    PYTHONPATH=$PWD python3 benchmarks/campaigns/multi_gpu_h200.py --parts ep-profile
+    PYTHONPATH=$PWD python benchmarks/campaigns/multi_gpu_h200.py --smoke      # CPU: 2 virtual devices, debug shapes
 
 Then the scaling model calibrated from these rows (docs/multi_gpu.md), on any machine:
 
-    python -m surojax.bench.scaling_calibration $OUT/multi_gpu.jsonl
+    python benchmarks/tools/scaling_calibration.py $OUT/multi_gpu.jsonl
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TIMING = ["--steps", "5", "--warmup", "2", "--repeats", "2"]
 
 
