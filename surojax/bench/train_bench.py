@@ -49,6 +49,7 @@ from surojax.offload.memory_plan import MemoryPlan
 from surojax.offload.streaming import host_bytes
 from surojax.parallel import batch_parallel_size, batch_sharding, make_mesh
 from surojax.peft.lora import adapters_disabled
+from surojax.precision.recipe import RECIPES, Recipe
 from surojax.quant.base import QuantFormat
 from surojax.train.build import Run, build_run, memory_plan_of, resolve_layer_loop
 from surojax.train.run_spec import RunSpec, run_spec
@@ -109,11 +110,13 @@ class BenchConfig:
         if self.task == "dpo" and (self.mode != "lora" or self.segments != 1):
             raise ValueError("--task dpo: LoRA pairs (the reference is the base without the adapter, one pair's "
                              "sequence per row): use --mode lora --segments 1")
-        if self.recipe in ("fp8_hybrid", "nvfp4") and (self.quant or self.offload_base or self.base_format
-                                                       or self.init == "host"):
+        if self.recipe not in RECIPES:
+            raise ValueError(f"--recipe {self.recipe!r}: expected one of {', '.join(RECIPES)}")
+        if Recipe(self.recipe).quantizes_linears and (self.quant or self.offload_base or self.base_format
+                                                      or self.init == "host"):
             raise ValueError(f"--recipe {self.recipe} quantises a bf16 base built on the device; it does not "
                              "combine with --quant / --offload-base / --base-format / --init host")
-        if self.fp8_scaling is not None and self.recipe != "fp8_hybrid":
+        if self.fp8_scaling is not None and Recipe(self.recipe) is not Recipe.FP8_HYBRID:
             raise ValueError(f"--fp8-scaling {self.fp8_scaling} needs --recipe fp8_hybrid")
         for name in ("batch", "seq", "accum", "steps", "repeats", "rank", "lmhead_chunks", "segments"):
             if getattr(self, name) < 1:

@@ -9,7 +9,9 @@ this order (`TRANSFORM_ORDER`; each one sees the model the previous ones left):
                      recipe (precision/)
     moe              expert capacity, router training, expert-parallel placement of MoE layers (parallel/expert.py)
     placement        where the weights live: the mesh's devices, host memory (offload_base, offload_master), streamed
-                     per-layer host buffers (offload/)
+                     per-layer host buffers (offload/placement.py); besides `apply` it has `build(make_model)`:
+                     a model built straight into its shards or host buffers, with the transforms above applied
+                     inside its construction (build_run)
     layer loop       the decoder's layer runner: recompute policy, unrolling, prefetching, pipeline (offload/,
                      parallel/pipeline.py)
 
@@ -41,19 +43,24 @@ TRANSFORM_ORDER = ("quantized_base", "lora", "fp8", "nvfp4", "moe", "placement",
 @runtime_checkable
 class StepState(Protocol):
     """State a transform carries in the trainable tree that the optimizer never sees (FP8 delayed scaling: the
-    amax probes and histories). The step splits it off before the update and merges it back after it."""
+    amax probes and histories). The step splits it off before the update and merges it back after it.
 
-    def split(self, trainable) -> tuple[Any, Any]:
-        """trainable -> (what the optimizer updates, this transform's state)."""
+    Two parts: the observers, differentiated with the parameters (their gradient is what a micro-batch observed:
+    FP8's amax probes), and the carried state (not differentiated: FP8's scales and histories), which `update`
+    advances after the step from the observations of all micro-batches. A tree of zeros is `combine`'s identity
+    (the step starts its accumulation there)."""
 
-    def merge(self, params, state) -> Any:
+    def split(self, trainable) -> tuple[Any, Any, Any]:
+        """trainable -> (what the optimizer updates, the observers, the carried state)."""
+
+    def merge(self, params, observers, carried) -> Any:
         """The inverse of `split`."""
 
     def combine(self, acc, seen) -> Any:
-        """Two micro-batches' observations (the state's gradients) combined (amaxes: their max)."""
+        """Two micro-batches' observations (the observers' gradients) combined (amaxes: their max)."""
 
-    def update(self, state, seen) -> Any:
-        """The state after a step that observed `seen` (rolled histories)."""
+    def update(self, carried, seen) -> Any:
+        """The carried state after a step that observed `seen` (rolled histories)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +68,14 @@ class StepHooks:
     """What a transform adds to the training step; every field optional.
 
     state         `StepState`: carried in the trainable tree, checkpointed with it, updated after the optimizer
+                  (at most one transform of a run has one)
     before_step   f(model) -> value, once per step on the step's parameters (not differentiated): e.g. the FP8
                   weights quantised once per step
     before_micro  f(model, key, value) before each micro-batch's forward pass, on a fresh merged model; `key` is
                   distinct per step and micro-batch, `value` is `before_step`'s (None without one): dropout and
                   stochastic-rounding keys, the per-step FP8 weights attached
     compile       f(step, donate_argnums) -> the compiled step, in place of `jax.jit` (FP8 delayed scaling's first
-                  and steady programs)
+                  and steady programs; at most one transform of a run has one)
     """
     state: StepState | None = None
     before_step: Callable[[nnx.Module], Any] | None = None

@@ -79,8 +79,10 @@ import math
 from typing import Iterable
 
 import jax
+import jax.numpy as jnp
 
 from surojax.offload.prefetch import PREFETCH_DEPTH
+from surojax.precision.recipe import Recipe
 
 GiB = 1024 ** 3
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -202,7 +204,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                 prefetch: bool = False, prefetch_depth: int = PREFETCH_DEPTH, accum: int = 1,
                 unroll: int | bool = 1, weight_shards: int = 1, gradient_shards: int = 1,
                 optimizer_shards: int = 1, layerwise_update: bool = False,
-                fp8_scaling: str = "current", expert_weight_bytes: float | None = None,
+                fp8_weight_cache: bool = False, expert_weight_bytes: float | None = None,
                 kernel_weight_bytes: float | None = None) -> MemoryPlan:
     """Peak device memory of one training step, by component (bytes; see the module docstring).
 
@@ -211,9 +213,11 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     and the trainable-dtype gradients / weight_shards, the fp32 gradient accumulator / gradient_shards, the
     optimizer state / optimizer_shards. Runs with any offload_* key keep their one-device figures (their
     host-resident state is not sharded). layerwise_update (full fine-tuning): the step updates the layers in place,
-    one at a time, on the device (build_optimizer's `layerwise_update`; ZeRO stage 0 only). fp8_scaling (recipe
-    fp8_hybrid): current or delayed scaling in full fine-tuning holds this step's E4M3 copies of the layers' kernels
-    (both layouts: 2 bytes per kernel parameter, fp8_transform.Fp8WeightCaching) under cast_weights.
+    one at a time, on the device (build_optimizer's `layerwise_update`; ZeRO stage 0 only). recipe: a `Recipe`
+    (or its config string); fp32 counts 4 bytes per compute value, every other 2. fp8_weight_cache (the FP8
+    transform's `memory`: fp8_hybrid full fine-tuning with current or delayed scaling): the step holds its E4M3
+    copies of the layers' kernels (both layouts: 2 bytes per kernel parameter, fp8_transform.Fp8WeightCaching)
+    under cast_weights.
     expert_weight_bytes (LoRA on a MoE model): bytes per value of the frozen experts' kernels when they stay packed
     (MXFP4: 17 / 32), None: the compute dtype like the rest of the base. kernel_weight_bytes (LoRA): bytes per value
     of every Linear kernel of the layers (attention, MLP, experts) when the frozen base keeps them quantised (qlora,
@@ -225,11 +229,12 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
                     offload_optimizer=offload_optimizer, offload_master=offload_master, master_dtype=master_dtype,
                     lora_dtype=lora_dtype, prefetch=prefetch, prefetch_depth=prefetch_depth, accum=accum,
                     unroll=unroll, weight_shards=weight_shards, gradient_shards=gradient_shards,
-                    optimizer_shards=optimizer_shards, layerwise_update=layerwise_update, fp8_scaling=fp8_scaling,
+                    optimizer_shards=optimizer_shards, layerwise_update=layerwise_update, fp8_weight_cache=fp8_weight_cache,
                     expert_weight_bytes=expert_weight_bytes, kernel_weight_bytes=kernel_weight_bytes)
     cfg = model_cfg
-    fp32 = recipe == "fp32"
-    c = 4 if fp32 else 2
+    recipe = Recipe(recipe)
+    fp32 = recipe is Recipe.FP32
+    c = jnp.dtype(recipe.compute_dtype).itemsize
     D, F, NH, KH, io = _layer_shapes(cfg)
     L, V = cfg.num_layers, cfg.vocab_size
     total_params = cfg.num_params()
@@ -275,7 +280,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
             if wb != c:
                 kept_layers = 1 if recompute == "full" else L
                 cast = (kept_layers * layer_params + V * D) * c
-        if recipe == "fp8_hybrid" and fp8_scaling in ("current", "delayed"):  # the step's FP8 weight cache: q, q^T
+        if fp8_weight_cache:  # the step's FP8 weight cache: q, q^T
             cast += L * sum(i * o for i, o in io.values()) * 2
     if not lora and (offload_optimizer or offload_master or layerwise_update):  # the in-place per-layer update
         gradients = (trainable * 4 if accum > 1 else 0) + grad_bytes + embed_params * 4

@@ -18,15 +18,19 @@ model and the update rule runs in the step, so micro-batches combine by max, not
 amax is a reduction over the logical (global) tensor, so under GSPMD data parallelism it is the max over the
 devices. A probe read by more than one pass per step (pipeline microbatches) would sum: refused by the config check.
 
-`DelayedScalingUpdate` is the step's side of it (surojax/train/step.py): split these variables off the trainable
-state, combine the micro-batches' observations (max), and roll them into the history after the step
+The step's side of it (the FP8 transform's step hooks, fp8_recipe.py, plugged into surojax/train/step.py):
+`DelayedScalingUpdate` is the hooks' `StepState` (surojax.models.transform): split these variables off the
+trainable state, combine the micro-batches' observations (max), and roll them into the history after the step
 (fp8_scaling.roll_amax_history). The scale used at step t comes from the history of steps < t only.
+`DelayedScalingStep` is the hooks' `compile`: the step as two programs, the first step's and the steady one's.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -201,7 +205,8 @@ SCALE, HISTORY, PROBE = "fp8_scale", "fp8_history", "fp8_probe"  # the variables
 
 @dataclasses.dataclass(frozen=True)
 class DelayedScalingUpdate:
-    """What the training step does with the delayed-scaling variables of a model's trainable state.
+    """What the training step does with the delayed-scaling variables of a model's trainable state (a
+    surojax.models.transform.StepState: the probes are its observers, the scales and histories what it carries).
 
     split(trainable) -> (params, probes, delayed)   params: what the optimizer updates
     combine(a, b) -> the observations of two micro-batches (elementwise max)
@@ -268,6 +273,65 @@ def _any_nonzero(arrays: list) -> jax.Array:
     return jnp.any(jnp.stack([jnp.any(a != 0) for a in arrays]))
 
 
+class DelayedScalingStep:
+    """The step of fp8_scaling: delayed as two compiled programs, picked on the host: the first step of a run (no
+    amax history yet) scales each tensor by its own amax, every later one by its history's scale
+    (`scale_source` "own" / "history"). One program with a lax.cond per tensor would do both, but XLA GPU
+    runs a conditional by reading its predicate back to the host and waiting for the stream: a pipeline drain per
+    tensor, layer and micro-batch. Whether the histories are still empty is read from the input (one small
+    reduction read back) unless the input is what the history program itself returned last (then they are filled:
+    the steady state costs no read); a resumed run starts on the history program.
+
+    Called like the jitted step; `.lower(*args)` lowers the program those arguments would run (the history one for
+    abstract arguments). `steady` is the program a run settles on, `compiles_next` whether the last call ran the
+    first-step program (the next compiles the steady one): the trainer and the bench read them through
+    surojax.train.step.steady_state / compiles_steady_next."""
+
+    def __init__(self, step: Callable, update: DelayedScalingUpdate, donated: tuple[int, ...]):
+        self.step = step  # the plain function (traced alone: one lax.cond per tensor, scale_source "either")
+        self._fp8 = update
+
+        def under(source):
+            @functools.wraps(step)  # the compiled module keeps the step's name (jit_step: profiles, HLO dumps)
+            def traced(*args, **kwargs):
+                with scale_source(source):
+                    return step(*args, **kwargs)
+            return jax.jit(traced, donate_argnums=donated)
+
+        self.first, self.later = under("own"), under("history")
+        self.last = None  # the program the last call ran
+        self._returned = []  # the histories the history program returned last: filled
+
+    @property
+    def steady(self):
+        """The history program (its first step starts every scale at 1, Transformer Engine's start)."""
+        return self.later
+
+    @property
+    def compiles_next(self) -> bool:
+        return self.last is self.first
+
+    def program(self, trainable):
+        """The compiled step these arguments run (`first` or `later`)."""
+        leaves = jax.tree.leaves(trainable)
+        if any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):
+            return self.later  # abstract (lowering for a memory or HLO check): the steady-state program
+        histories = self._fp8.histories(trainable)
+        if self._returned and len(histories) == len(self._returned) and all(
+                a is b for a, b in zip(histories, self._returned)):
+            return self.later
+        return self.first if self._fp8.fresh(trainable) else self.later
+
+    def __call__(self, trainable, *args, **kwargs):
+        program = self.last = self.program(trainable)
+        out = program(trainable, *args, **kwargs)
+        self._returned = self._fp8.histories(out[0]) if program is self.later else []
+        return out
+
+    def lower(self, trainable, *args, **kwargs):
+        return self.program(trainable).lower(trainable, *args, **kwargs)
+
+
 def init_state(num_layers: int, history: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(scale [L, 3] zeros, history [L, 3, H] zeros, probe [L, 3] zeros): the state before the first step.
     A scale of 0 means "no amax seen yet": in a run's first step (every history empty) each tensor is scaled by its
@@ -281,4 +345,4 @@ def init_state(num_layers: int, history: int) -> tuple[jax.Array, jax.Array, jax
 
 __all__ = ["ROLES", "FORMAT_MAX", "SOURCES", "scale_source", "Fp8DelayedState", "Fp8Scale", "Fp8AmaxHistory",
            "Fp8AmaxProbe", "fp8_dot_delayed", "fp8_dot_delayed_cached", "quantize_weight_delayed",
-           "fp8_dot_frozen_delayed", "DelayedScalingUpdate", "init_state"]
+           "fp8_dot_frozen_delayed", "DelayedScalingUpdate", "DelayedScalingStep", "init_state"]

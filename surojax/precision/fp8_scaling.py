@@ -33,6 +33,7 @@ dtype involved) that tests hold the dtype conversion against.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 import jax.numpy as jnp
@@ -147,25 +148,32 @@ def quantize_current(x: jax.Array, dtype, compute_dtype, margin: int = 0) -> tup
 
 # ---- the recipe's scaling settings --------------------------------------------------------------------------
 
-SCALINGS = ("current", "delayed", "blockwise")  # fp8_scaling
+class Fp8Scaling(enum.StrEnum):
+    """fp8_scaling: how fp8_hybrid picks each tensor's scale (the config's strings are its values)."""
+    CURRENT = "current"  # per tensor, by its own amax this step (fp8_matmul.py)
+    DELAYED = "delayed"  # per tensor, by the amax history of the previous steps (fp8_delayed.py)
+    BLOCKWISE = "blockwise"  # 1x128 tiles (activations, dy) / 128x128 blocks (weights), this step (fp8_blockwise.py)
+
+
+SCALINGS = tuple(s.value for s in Fp8Scaling)  # fp8_scaling
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Settings:
     """How fp8_hybrid scales its tensors (config keys fp8_scaling, fp8_amax_history, fp8_amax_compute_algo).
 
-    current     per tensor, by its own amax this step (this class's default: it needs no step-level state; the
-                config's unset fp8_scaling is delayed, TrainConfig.resolved_fp8_scaling)
-    delayed     per tensor, by the amax history of the previous steps (surojax/precision/fp8_delayed.py)
-    blockwise   1x128 tiles (activations, dy) / 128x128 blocks (weights), this step (fp8_blockwise.py)
-    amax_history / amax_compute_algo are read by `delayed` only."""
-    scaling: str = "current"
+    scaling   `Fp8Scaling` (a config string is converted): CURRENT is this class's default (it needs no
+              step-level state; the config's unset fp8_scaling is delayed, TrainConfig.resolved_fp8_scaling)
+    amax_history / amax_compute_algo are read by DELAYED only."""
+    scaling: Fp8Scaling = Fp8Scaling.CURRENT
     amax_history: int = 1024
     amax_compute_algo: str = "max"
 
     def __post_init__(self):
-        if self.scaling not in SCALINGS:
-            raise ValueError(f"fp8_scaling: {self.scaling!r} is not one of {', '.join(SCALINGS)}")
+        try:
+            object.__setattr__(self, "scaling", Fp8Scaling(self.scaling))
+        except ValueError:
+            raise ValueError(f"fp8_scaling: {self.scaling!r} is not one of {', '.join(SCALINGS)}") from None
         if self.amax_history < 1:
             raise ValueError(f"fp8_amax_history must be >= 1, got {self.amax_history}")
         if self.amax_compute_algo not in AMAX_ALGOS:
@@ -232,5 +240,5 @@ def round_fp8_reference(x: jax.Array, fmt: str) -> jax.Array:
 
 __all__ = ["E4M3", "E5M2", "SPECS", "Fp8Spec", "spec", "scale_from_amax", "MAX_SCALE_EXPONENT", "amax",
            "dequant_factor", "quantize", "dequantize", "quantize_both", "cast_form", "current_factor",
-           "quantize_current", "AmaxHistory", "AMAX_ALGOS", "roll_amax_history", "SCALINGS", "Fp8Settings",
+           "quantize_current", "AmaxHistory", "AMAX_ALGOS", "roll_amax_history", "SCALINGS", "Fp8Scaling", "Fp8Settings",
            "round_fp8_reference"]

@@ -34,7 +34,7 @@ from surojax.precision.fp8_blockwise import Fp8BlockWeight, fp8_dot_blockwise, f
 from surojax.precision.fp8_delayed import Fp8AmaxHistory, Fp8AmaxProbe, Fp8Scale, fp8_dot_delayed, \
     fp8_dot_delayed_cached, fp8_dot_frozen_delayed, quantize_weight_delayed
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_cached, fp8_dot_frozen, quantize_weight
-from surojax.precision.fp8_scaling import E4M3, Fp8Settings, dequant_factor, quantize, scale_from_amax
+from surojax.precision.fp8_scaling import E4M3, Fp8Scaling, Fp8Settings, dequant_factor, quantize, scale_from_amax
 from surojax.precision.linear_swap import QuantLayerMask, layer_mask, swap_base_linears
 
 
@@ -75,20 +75,69 @@ class Fp8WeightCache(nnx.Variable):
     """An Fp8Linear's `Fp8CachedWeight` for the step under way (set by `Fp8WeightCaching.attach`, never saved)."""
 
 
+def _gemm_current(x, w, c, delayed):
+    return fp8_dot(x, w)
+
+
+def _gemm_current_frozen(x, w, c, delayed):
+    return fp8_dot_frozen(x, w.q, w.d)
+
+
+def _gemm_current_cached(x, w, c, delayed):
+    return fp8_dot_cached(x, w, c.q, c.qt, c.d)
+
+
+def _gemm_delayed(x, w, c, delayed):
+    return fp8_dot_delayed(x, w, *delayed)
+
+
+def _gemm_delayed_frozen(x, w, c, delayed):
+    return fp8_dot_frozen_delayed(x, w.q, w.d, *delayed)
+
+
+def _gemm_delayed_cached(x, w, c, delayed):
+    return fp8_dot_delayed_cached(x, w, c.q, c.qt, c.d, c.amax, *delayed)
+
+
+def _gemm_blockwise(x, w, c, delayed):
+    return fp8_dot_blockwise(x, w)
+
+
+def _gemm_blockwise_frozen(x, w, c, delayed):
+    return fp8_dot_blockwise_frozen(x, w.q, w.d)
+
+
+# (scaling, the kernel's form) -> the GEMM: trainable (a plain array), frozen (quantised once at load: Fp8Weight,
+# Fp8BlockWeight for blockwise) or cached (a trainable kernel quantised once this step: Fp8WeightCaching)
+GEMMS = {
+    (Fp8Scaling.CURRENT, "trainable"): _gemm_current,
+    (Fp8Scaling.CURRENT, "frozen"): _gemm_current_frozen,
+    (Fp8Scaling.CURRENT, "cached"): _gemm_current_cached,
+    (Fp8Scaling.DELAYED, "trainable"): _gemm_delayed,
+    (Fp8Scaling.DELAYED, "frozen"): _gemm_delayed_frozen,
+    (Fp8Scaling.DELAYED, "cached"): _gemm_delayed_cached,
+    (Fp8Scaling.BLOCKWISE, "trainable"): _gemm_blockwise,
+    (Fp8Scaling.BLOCKWISE, "frozen"): _gemm_blockwise_frozen,
+}
+CACHED_SCALINGS = tuple(s for s, form in GEMMS if form == "cached")  # whose trainable kernels a step quantises once
+
+
 class Fp8Linear(Linear):
     """A Linear whose matmul runs in FP8. Holds the original Linear's `kernel` and `bias` variables.
 
-    scaling: current / blockwise (the kernel's value says frozen or trainable), or delayed, which adds the
-    variables fp8_scale [L, 3], fp8_history [L, 3, H] and fp8_probe [L, 3] (surojax/precision/fp8_delayed.py)."""
+    scaling: an `Fp8Scaling`; DELAYED adds the variables fp8_scale [L, 3], fp8_history [L, 3, H] and fp8_probe
+    [L, 3] (surojax/precision/fp8_delayed.py). The GEMM is looked up in `GEMMS` by the scaling and the kernel's
+    form (trainable, frozen, cached this step)."""
 
-    def __init__(self, linear: Linear, *, mask: QuantLayerMask | None = None, scaling: str = "current",
+    def __init__(self, linear: Linear, *, mask: QuantLayerMask | None = None,
+                 scaling: Fp8Scaling = Fp8Scaling.CURRENT,
                  delayed_state: tuple[jax.Array, jax.Array, jax.Array] | None = None):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = linear.kernel
         self.bias = linear.bias
         self.fp8_layers = mask
-        self.scaling = scaling
-        if scaling == "delayed":
+        self.scaling = Fp8Scaling(scaling)
+        if self.scaling is Fp8Scaling.DELAYED:
             scale, history, probe = delayed_state
             setattr(self, fp8_delayed.SCALE, Fp8Scale(scale, **{AXES: ("layers", None)}))
             setattr(self, fp8_delayed.HISTORY, Fp8AmaxHistory(history, **{AXES: ("layers", None, None)}))
@@ -96,26 +145,14 @@ class Fp8Linear(Linear):
 
     def _fp8(self, x, w, *delayed):
         cache = getattr(self, "fp8_cache", None)
-        if cache is not None:  # a trainable kernel quantised once this step (Fp8WeightCaching)
-            c = cache.get_value()
-            if self.scaling == "delayed":
-                return fp8_dot_delayed_cached(x, w, c.q, c.qt, c.d, c.amax, *delayed)
-            return fp8_dot_cached(x, w, c.q, c.qt, c.d)
-        if self.scaling == "delayed":
-            if isinstance(w, Fp8Weight):
-                return fp8_dot_frozen_delayed(x, w.q, w.d, *delayed)
-            return fp8_dot_delayed(x, w, *delayed)
-        if isinstance(w, Fp8BlockWeight):
-            return fp8_dot_blockwise_frozen(x, w.q, w.d)
-        if self.scaling == "blockwise":
-            return fp8_dot_blockwise(x, w)
-        if isinstance(w, Fp8Weight):
-            return fp8_dot_frozen(x, w.q, w.d)
-        return fp8_dot(x, w)
+        c = None if cache is None else cache.get_value()
+        form = "cached" if c is not None else "frozen" if isinstance(w, (Fp8Weight, Fp8BlockWeight)) else "trainable"
+        return GEMMS[self.scaling, form](x, w, c, delayed)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.kernel.get_value()
-        delayed = () if self.scaling != "delayed" else (self.fp8_scale.get_value(), self.fp8_probe.get_value())
+        delayed = () if self.scaling is not Fp8Scaling.DELAYED else (self.fp8_scale.get_value(),
+                                                                     self.fp8_probe.get_value())
         if self.fp8_layers is None:
             y = self._fp8(x, w, *delayed)
         else:
@@ -123,9 +160,6 @@ class Fp8Linear(Linear):
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
-
-
-CACHED_SCALINGS = ("current", "delayed")  # the scalings whose trainable kernels a step quantises once
 
 
 def _cacheable(model):
@@ -165,7 +199,7 @@ class Fp8WeightCaching:
         cache = {}
         for path, lin in _cacheable(model):
             w = lin.kernel.get_value()
-            cache[path] = (jax.vmap(current)(w) if lin.scaling == "current" else
+            cache[path] = (jax.vmap(current)(w) if lin.scaling is Fp8Scaling.CURRENT else
                            jax.vmap(delayed)((w, jax.lax.stop_gradient(getattr(lin, fp8_delayed.SCALE)[...]))))
         return cache
 
@@ -191,7 +225,7 @@ def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int =
     settings.scaling delayed: each Fp8Linear gets its delayed-scaling state (fp8_delayed.init_state).
     Raises ValueError for a kernel that is already quantised (qlora_* bases)."""
     mask = fp8_layer_mask(model.cfg.num_layers, skip_first, skip_last)
-    blockwise = settings.scaling == "blockwise"
+    blockwise = settings.scaling is Fp8Scaling.BLOCKWISE
 
     def make(path: str, lin: Linear) -> Fp8Linear:
         if frozen_base and mask is None:
@@ -199,7 +233,7 @@ def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int =
             frozen = Fp8BlockWeight.quantize(value) if blockwise else Fp8Weight.quantize(value, compute_dtype)
             lin.kernel = nnx.Param(frozen, **lin.kernel.get_metadata())
         state = None
-        if settings.scaling == "delayed":
+        if settings.scaling is Fp8Scaling.DELAYED:
             state = fp8_delayed.init_state(model.cfg.num_layers, settings.amax_history)
         return Fp8Linear(lin, mask=None if mask is None else QuantLayerMask(mask, **{AXES: ("layers",)}),
                          scaling=settings.scaling, delayed_state=state)

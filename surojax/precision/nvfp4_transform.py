@@ -5,6 +5,8 @@ cross-entropy stay bf16, as in the paper, and so do the layers kept in bf16 (`bf
     apply_nvfp4(model, frozen_base=False, seed=run_seed)   full fine-tuning / pretraining: W quantised every use
     apply_nvfp4(model, frozen_base=True, seed=run_seed)    LoRA: the base quantised once (16x16 tiles) at load
     set_rounding_keys(model, key)                          in the training step, before each micro-batch's forward
+    Nvfp4Transform(frozen_base=..., seed=...)              the recipe as a run's transform (its step hook sets the
+                                                           rounding keys)
 
 Each swapped Linear keeps the original `kernel` / `bias` variables under their names (state paths, checkpoints and
 exports do not move) and holds
@@ -20,6 +22,7 @@ kernel stays bf16 (quantised each step) so those layers keep it exact.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -30,11 +33,14 @@ from surojax.models.layers.linear import Linear, dot
 from surojax.models.layers.params import AXES
 from surojax.models.registry import LINEAR_MODULES
 from surojax.models.targets import module_at
+from surojax.models.transform import StepHooks
 from surojax.peft.lora import LoRALinear
 from surojax.precision.hadamard import random_signs
 from surojax.precision.linear_swap import QuantLayerMask, layer_mask, swap_base_linears
 from surojax.precision.nvfp4_matmul import nvfp4_dot, nvfp4_dot_frozen
 from surojax.precision.nvfp4_quant import BLOCK, Nvfp4Tensor, quantize_16x16
+
+log = logging.getLogger(__name__)
 
 BF16_FRACTION = 0.15  # of the decoder layers kept in bf16 by default (the paper: ~15-16 %, most at the end)
 
@@ -131,5 +137,43 @@ def set_rounding_keys(model, key: jax.Array) -> None:
         mod.rounding_key.set_value(_layer_keys(key, i, mod.rounding_key.get_value().shape[0]))
 
 
-__all__ = ["BF16_FRACTION", "Nvfp4Linear", "Nvfp4RoundingKey", "apply_nvfp4", "bf16_layers", "nvfp4_linears",
-           "set_rounding_keys"]
+class Nvfp4Transform:
+    """recipe nvfp4 as a Transform (surojax.models.transform): `apply_nvfp4`, the RHT signs and first rounding
+    keys from the run's seed; before each micro-batch fresh stochastic-rounding keys (`set_rounding_keys`, from
+    a stream independent of LoRA dropout's: the step's key folded with 1). Nothing new trains; no memory term."""
+
+    name = "nvfp4"
+    freezes_base = False
+    trainable = None
+    memory: dict = {}
+
+    def __init__(self, *, frozen_base: bool, seed: int = 0, skip_first: int | None = None,
+                 skip_last: int | None = None):
+        self.frozen_base, self.seed, self.skip_first, self.skip_last = frozen_base, seed, skip_first, skip_last
+        self.targets: list[str] | None = None
+        self.num_layers: int | None = None
+
+    def apply(self, model) -> None:
+        try:
+            self.targets = apply_nvfp4(model, frozen_base=self.frozen_base, seed=self.seed,
+                                       skip_first=self.skip_first, skip_last=self.skip_last)
+        except ValueError as e:
+            raise ValueError(f"recipe: nvfp4: {e}") from None
+        self.num_layers = model.cfg.num_layers
+        log.info("nvfp4: %s", self.summary())
+
+    @property
+    def hooks(self) -> StepHooks:
+        return StepHooks(before_micro=lambda model, key, _: set_rounding_keys(model, jax.random.fold_in(key, 1)))
+
+    def summary(self) -> str | None:
+        if self.targets is None:
+            return None
+        L = self.num_layers
+        first, last = bf16_layers(L, self.skip_first, self.skip_last)
+        return (f"{len(self.targets)} linear targets run NVFP4 GEMMs (emulated: bf16 GEMMs on exactly quantised "
+                f"operands) in {L - first - last} of {L} layers; the first {first} and last {last} stay bf16")
+
+
+__all__ = ["BF16_FRACTION", "Nvfp4Linear", "Nvfp4RoundingKey", "Nvfp4Transform", "apply_nvfp4", "bf16_layers",
+           "nvfp4_linears", "set_rounding_keys"]

@@ -72,4 +72,38 @@ def is_quantized(model) -> dict[str, str]:
     return {name: fmt for name, fmt in formats.items() if fmt is not None}
 
 
-__all__ = ["dequantize_model", "is_quantized", "quantize_model", "quantize_model_mix"]
+class QuantizedBase:
+    """QLoRA's frozen base as a run's transform (surojax.models.transform): the targeted base kernels quantised to
+    `fmt` (a surojax.quant format, `options` to its `quantize`) or as a llama.cpp file type (`quantize_model_mix`).
+    Nothing new trains and no step hook; its memory-plan term: the kernels' bytes per value (a mix: none, the
+    plan keeps the base dtype)."""
+
+    name = "quantized_base"
+    freezes_base = False
+    trainable = None
+    hooks = None
+
+    def __init__(self, fmt: str, options: dict | None = None, *, mix: bool = False):
+        self.format, self.options, self.mix = fmt, dict(options or {}), mix
+        self.report: str | None = None
+
+    def apply(self, model) -> None:
+        """Raises ValueError naming the format for what cannot be quantised."""
+        try:
+            if self.mix:
+                self.report = f"llama.cpp {self.format}: {quantize_model_mix(model, self.format)}"
+            else:
+                self.report = str(quantize_model(model, self.format, **self.options))
+        except ValueError as e:
+            raise ValueError(f"quantising the base to {self.format}: {e}") from None
+        log.info("quantised the base: %s", self.report)
+
+    @property
+    def memory(self) -> dict:
+        return {} if self.mix else {"kernel_weight_bytes": FORMATS[self.format].bytes_per_value()}
+
+    def summary(self) -> str:
+        return self.report or f"the frozen base quantised to {self.format}"
+
+
+__all__ = ["QuantizedBase", "dequantize_model", "is_quantized", "quantize_model", "quantize_model_mix"]

@@ -1,8 +1,9 @@
 """`build_run(spec, mesh)`: the one assembly of a training run, used by the Trainer, the bench and every task.
 
-    spec ─ memory plan ─ check it fits (before any weight exists)
-         ─ model: load / initialise ─ transforms (quantise base, LoRA, fp8) ─ placement (mesh, host memory)
-         ─ split (graphdef, trainable, frozen) ─ optimizer + its state ─ layer loop ─ jitted train / eval steps
+    spec ─ transforms (train/model_setup.run_transforms) ─ memory plan (their `memory` terms) ─ check it fits
+         ─ model: load / initialise ─ the transforms in order (quantised base, LoRA, fp8 | nvfp4, MoE) inside the
+           placement (mesh, host memory) ─ split by their trainable filter ─ optimizer + its state ─ layer loop
+         ─ jitted train / eval steps (accumulate-and-update + the transforms' step hooks, train/step.py)
 
 ZeRO (`spec.zero_stage`, surojax/parallel/zero.py): stages 1-2 place the optimizer state (and at 2 the accumulated
 gradients) split over the data devices and constrain the step to that layout; 0 and 3 follow the parameters
@@ -28,25 +29,20 @@ from flax import nnx
 from surojax.compilation_cache import enable_compilation_cache
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.models.decoder import Decoder
+from surojax.models.transform import Transform, memory_settings, step_hooks, summary_lines, trainable_filter
 from surojax.offload.device_budget import placed_bytes, plans_one_device
-from surojax.offload.host_init import random_placed_model
 from surojax.offload.layer_loop_choice import LayerLoopChoice, choose_layer_loop
-from surojax.offload.master import place_master_on_host
 from surojax.offload.memory_plan import MemoryPlan, check_fits, device_capacity, plan_memory
 from surojax.offload.optimizer import apply_master_updates, compute_copy
 from surojax.offload.remat import layer_loop, remat_wrapper
 from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
-from surojax.offload.streaming import build_context, place_model
-from surojax.parallel import batch_parallel_size, init_sharded, param_shardings
-from surojax.parallel.expert import apply_expert_parallel
+from surojax.parallel import batch_parallel_size
 from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_layer_loop
 from surojax.parallel.zero import ZeroLayout, ZeroStageError, plan_divisors, resolve_zero_stage, zero_layout
-from surojax.peft.trained_router import make_router_trainable
 from surojax.quant import FORMATS
-from surojax.train.model_setup import build_model, fp8_delayed_update, fp8_weight_cache, step_prepare, \
-    trainable_filter
+from surojax.train.model_setup import apply_model_transforms, build_model, run_transforms
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
-from surojax.train.run_spec import MoETraining, RunSpec, TrainSetupError
+from surojax.train.run_spec import RunSpec, TrainSetupError
 from surojax.train.step import StepShardings, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -76,6 +72,7 @@ class Run:
     layer_loop_reason: str  # which recompute / unrolling the run uses, and why (the start-up summary)
     zero: ZeroLayout  # where params, gradients and optimizer state live (the resolved ZeRO stage)
     zero_summary: str  # the stage and the bytes per device of params / gradients / optimizer state (start-up)
+    transform_lines: list = dataclasses.field(default_factory=list)  # (name, line) per transform (start-up)
 
     @property
     def model_config(self):
@@ -97,23 +94,21 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
                    unroll: int | bool | None = None, mesh=None) -> MemoryPlan:
     """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded but for
     the ZeRO stage's split on `mesh` (None: one device); `recompute` / `unroll` replace the spec's (a candidate
-    layer loop of `choose_layer_loop`)."""
-    lora, mem, packed, kernels = spec.lora, spec.memory, spec.model.packed_experts, spec.base_kernel_format
+    layer loop of `choose_layer_loop`). The transforms' terms are their `memory` settings (LoRA's rank and targets,
+    the quantised base's bytes, FP8's weight cache, placement's host memory), over the model's own."""
+    mem, packed = spec.memory, spec.model.packed_experts
     divisors = {} if mesh is None else plan_divisors(resolve_zero_stage(spec.zero_stage, mesh), mesh)
-    return plan_memory(spec.model.config, mode="lora" if lora else "full", recipe=spec.precision.recipe,
-                       rank=lora.adapter.rank if lora else 0, targets=lora.adapter.targets if lora else None,
-                       batch=spec.batch.rows, seq=spec.batch.sequence_len,
-                       recompute=mem.recompute if recompute is None else recompute,
-                       unroll=mem.unroll if unroll is None else unroll,
-                       lm_chunk_tokens=chunk, optimizer=spec.optim.name, offload_base=mem.offload_base,
-                       offload_optimizer=mem.offload_optimizer, offload_master=mem.offload_master,
-                       master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
-                       lora_dtype="fp32" if spec.precision.adapter == jax.numpy.float32 else "bf16",
-                       prefetch=mem.offload_prefetch, accum=spec.batch.accumulation,
-                       layerwise_update=mem.optimizer_layerwise, fp8_scaling=spec.precision.fp8.scaling,
-                       expert_weight_bytes=packed.bytes_per_value if packed is not None and packed.keep else None,
-                       kernel_weight_bytes=None if kernels is None else FORMATS[kernels].bytes_per_value(),
-                       **divisors)
+    prequantized = spec.model.prequantized if spec.lora is not None else None
+    own = dict(mode="full", recipe=spec.precision.recipe, batch=spec.batch.rows, seq=spec.batch.sequence_len,
+               recompute=mem.recompute if recompute is None else recompute,
+               unroll=mem.unroll if unroll is None else unroll,
+               lm_chunk_tokens=chunk, optimizer=spec.optim.name, offload_optimizer=mem.offload_optimizer,
+               master_dtype="fp32" if spec.precision.base == jax.numpy.float32 else "bf16",
+               accum=spec.batch.accumulation, layerwise_update=mem.optimizer_layerwise,
+               expert_weight_bytes=packed.bytes_per_value if packed is not None and packed.keep else None,
+               kernel_weight_bytes=None if prequantized is None else FORMATS[prequantized].bytes_per_value(),
+               **divisors)
+    return plan_memory(spec.model.config, **{**own, **memory_settings(run_transforms(spec, mesh))})
 
 
 def resolve_layer_loop(spec: RunSpec, chunk: int, mesh=None) -> tuple[RunSpec, LayerLoopChoice]:
@@ -128,52 +123,32 @@ def resolve_layer_loop(spec: RunSpec, chunk: int, mesh=None) -> tuple[RunSpec, L
     return spec.replace(memory=dataclasses.replace(mem, recompute=choice.recompute, unroll=choice.unroll)), choice
 
 
-def _placed_model(spec: RunSpec, mesh, customize: Callable[[Decoder], None] | None) -> Decoder:
-    """Build the model and put every weight where it lives (devices of the mesh, or host memory)."""
-    mem = spec.memory
+def placed_model(spec: RunSpec, transforms: list[Transform],
+                 customize: Callable[[Decoder], None] | None = None) -> Decoder:
+    """The model built and transformed in order: loaded / initialised, the transforms before the placement applied
+    (then `customize`), all inside the placement's construction (offload/placement.py: a model built straight
+    into its shards or host buffers never exists unplaced)."""
+    placement = next(t for t in transforms if t.name == "placement")
+    before = transforms[:transforms.index(placement)]
 
     def make_model(shardings_of=None) -> Decoder:
-        model = build_model(spec, shardings_of=shardings_of)
-        if spec.moe is not None:
-            apply_moe_training(model, spec.moe, spec.precision.adapter)
+        model = build_model(spec, shardings_of=shardings_of, transforms=[])
+        apply_model_transforms(model, before)
         if customize is not None:
             customize(model)
         return model
 
-    if spec.model.init == "host" or (spec.model.init == "jit" and mem.offload_base):
-        model = random_placed_model(make_model, mesh, offload_base=mem.offload_base, seed=spec.model.seed,
-                                    per_layer=mem.offload_base and mem.offload_prefetch)
-    elif spec.model.init == "jit":
-        model = init_sharded(make_model, mesh)
-    else:
-        # a device-bound, unquantised HF base loads straight into its shards (each process reads its part)
-        direct = not (mem.offload_base or mem.offload_master) and spec.quant is None
-        with build_context(mem.offload_base or mem.offload_master):  # a host-bound base is built off the device
-            model = make_model(functools.partial(param_shardings, mesh=mesh) if direct else None)
-        if mem.offload_master:
-            return place_master_on_host(model, mesh)
-        return place_model(model, mesh, offload_base=mem.offload_base,
-                           per_layer=mem.offload_base and mem.offload_prefetch)
-    if mem.offload_master:
-        place_master_on_host(model, mesh)
-    return model
-
-
-def apply_moe_training(model: Decoder, moe: MoETraining, adapter_dtype) -> None:
-    """The MoE training settings on a built model, from outside: every layer's expert capacity, and (LoRA with
-    train_router) the router weights re-typed as trainable (surojax.peft.trained_router)."""
-    model.layers.mlp.capacity_factor = moe.capacity_factor
-    if moe.train_router:
-        log.info("train_router: %s router values train with the adapter",
-                 f"{make_router_trainable(model, adapter_dtype):,}")
+    return placement.build(make_model)
 
 
 def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Callable[[Decoder], None] | None = None,
               check_memory: bool = True) -> Run:
     """Assemble the run `spec` describes on `mesh`.
 
-    customize(model): applied after the transforms, before placement (the bench swaps in a random quantised
-    base). check_memory: refuse a run whose planned peak exceeds the device (unsharded meshes only: the plan is
+    The transforms (`model_setup.run_transforms`, models/transform.py's order) give the memory plan its terms, the
+    model its changes, the split its trainable filter, the step its hooks and the start-up summary its lines
+    (`Run.transform_lines`). customize(model): applied after the transforms before the placement, inside it (the
+    bench swaps in a random quantised base). check_memory: refuse a run whose planned peak exceeds the device (unsharded meshes only: the plan is
     for one device holding everything).
     """
     prepare_host_memory(spec.memory.host_memory)
@@ -203,15 +178,18 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     if check_memory and plans_one_device(mesh):
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
 
-    model = apply_expert_parallel(_placed_model(spec, mesh, customize), mesh)  # MoE tokens to their experts' devices
+    transforms = run_transforms(spec, mesh)
+    model = placed_model(spec, transforms, customize)
     train_mode = spec.lora is not None and spec.lora.adapter.dropout > 0
     if train_mode:
         model.train()
-    graphdef, trainable, frozen = nnx.split(model, trainable_filter(spec), ...)
-    fp8_delayed = fp8_delayed_update(spec)  # fp8_scaling: delayed: amax state rides in `trainable`, not optimised
-    params = trainable if fp8_delayed is None else fp8_delayed.split(trainable)[0]
+    trains = trainable_filter(transforms)
+    graphdef, trainable, frozen = nnx.split(model, trains, ...)
+    hooks = step_hooks(transforms)
+    state = next((h.state for h in hooks if h.state is not None), None)  # step state: carried, never optimised
+    params = trainable if state is None else state.split(trainable)[0]
     model.eval()
-    eval_graphdef = nnx.split(model, trainable_filter(spec), ...)[0]
+    eval_graphdef = nnx.split(model, trains, ...)[0]
 
     o = spec.optim
     schedule = lr_schedule(o.schedule, o.learning_rate, o.total_steps, o.warmup_steps, o.final_lr_fraction,
@@ -235,15 +213,14 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     loss_fn = functools.partial(loss, chunk=chunk, unroll=mem.unroll)
     # a MoE model trains with its router losses and reports its router stats (surojax.losses.router); eval is CE
     train_loss = loss_fn if spec.moe is None else functools.partial(loss_fn, router=spec.moe.router_loss)
-    train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop,
-                                 prepare=step_prepare(spec, dropout=train_mode),
-                                 loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state),
-                                 fp8_delayed=fp8_delayed, weight_cache=fp8_weight_cache(spec), **apply)
+    train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop, hooks=hooks,
+                                 loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state), **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch or pipelined else None)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,
-               layer_loop_reason=reason, zero=zero, zero_summary=summary)
+               layer_loop_reason=reason, zero=zero, zero_summary=summary,
+               transform_lines=summary_lines(transforms))
 
 
 def layerwise_update(spec: RunSpec, mesh, stage: int) -> bool:

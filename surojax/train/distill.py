@@ -29,7 +29,6 @@ import logging
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from surojax.config.schema import TrainConfig
@@ -41,6 +40,7 @@ from surojax.models.layers.attention import packed_backend
 from surojax.offload.device_budget import Beside, check_beside, plans_one_device
 from surojax.offload.memory_plan import device_capacity
 from surojax.parallel import batch_parallel_size
+from surojax.precision.recipe import Recipe
 from surojax.train.run_spec import TrainSetupError, attention_backend
 from surojax.train.teacher_sidecar import SidecarTeacher, write_teacher_sidecar
 from surojax.train.teacher_topk import OnlineTeacher, check_same_vocabulary, teacher_tokenizer
@@ -51,9 +51,10 @@ log = logging.getLogger(__name__)
 SIDECAR_NAME = "teacher_logprobs"  # the sidecar's folder under output_dir when `teacher_logprobs` is not set
 
 
-def teacher_dtype(recipe: str):
-    """The teacher's weight and compute dtype: fp32 runs keep fp32, every other recipe runs the teacher in bf16."""
-    return jnp.float32 if recipe == "fp32" else jnp.bfloat16
+def teacher_dtype(recipe: str | Recipe):
+    """The teacher's weight and compute dtype: the recipe's compute dtype (fp32 runs keep fp32, every other recipe
+    runs the teacher in bf16)."""
+    return Recipe(recipe).compute_dtype
 
 
 def sidecar_path(cfg: TrainConfig) -> Path:

@@ -43,7 +43,8 @@ from surojax.models.layers.attention_backend import AttentionBackend, parse_atte
 from surojax.parallel.pipeline import PipelineSpec
 from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.peft.peft_io import LoraSpec
-from surojax.precision.fp8_scaling import Fp8Settings
+from surojax.precision.fp8_scaling import Fp8Scaling, Fp8Settings
+from surojax.precision.recipe import RECIPES, Recipe
 from surojax.weights.model_ref import ModelRef, hf_config_of, names_gguf, resolve_model
 from surojax.weights.prequant import QuantScheme, read_scheme
 from surojax.weights.safetensors_file import WeightsError
@@ -51,7 +52,6 @@ from surojax.weights.safetensors_file import WeightsError
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-RECIPES = ("fp32", "bf16", "fp8_hybrid", "nvfp4")  # the recipes this build runs
 
 
 class TrainSetupError(ValueError):
@@ -100,18 +100,19 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionSpec:
-    recipe: str
+    recipe: Recipe  # what its transform does (train/model_setup.PRECISION_TRANSFORMS); typed here from the config
     compute: Any  # activation / matmul operand dtype
     base: Any  # storage of the frozen (LoRA) or master (full) weights
     adapter: Any  # storage of LoRA adapters
-    skip_first_layers: int | None = 0  # fp8_hybrid / nvfp4: layers kept in bf16 (None: nvfp4's default rule)
+    skip_first_layers: int | None = 0  # fp8_hybrid / nvfp4: layers kept in bf16 (None: the recipe's default:
+    # none for fp8_hybrid, nvfp4_transform.bf16_layers' rule for nvfp4)
     skip_last_layers: int | None = 0
     fp8: Fp8Settings = Fp8Settings()  # fp8_hybrid: fp8_scaling, fp8_amax_history, fp8_amax_compute_algo
 
     @property
     def save_dtype(self):
         """The dtype exported weights are written in."""
-        return jnp.float32 if self.recipe == "fp32" else jnp.bfloat16
+        return self.recipe.compute_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,16 +297,16 @@ def rope_scaling_for(rope_type: str, max_model_len: int | None, hf: dict) -> dic
 
 
 def precision_spec(cfg: TrainConfig) -> PrecisionSpec:
+    """The config's `recipe` and `fp8_scaling` strings become `Recipe` and `Fp8Scaling` here, once."""
     if cfg.recipe not in RECIPES:
         raise TrainSetupError(f"recipe: {cfg.recipe} is not available in this version (use {', '.join(RECIPES)})")
-    if cfg.recipe == "fp32":
-        return PrecisionSpec("fp32", jnp.float32, jnp.float32, jnp.float32)
+    recipe = Recipe(cfg.recipe)
+    if recipe is Recipe.FP32:
+        return PrecisionSpec(recipe, jnp.float32, jnp.float32, jnp.float32)
     base = jnp.bfloat16 if cfg.lora else DTYPES[cfg.master_dtype]
-    first, last = cfg.skip_quant_first_layers, cfg.skip_quant_last_layers
-    if cfg.recipe != "nvfp4":  # unset is 0; nvfp4 resolves unset ends by its own rule (nvfp4_transform.bf16_layers)
-        first, last = first or 0, last or 0
-    fp8 = Fp8Settings(cfg.resolved_fp8_scaling, cfg.fp8_amax_history, cfg.fp8_amax_compute_algo)
-    return PrecisionSpec(cfg.recipe, jnp.bfloat16, base, DTYPES[cfg.lora_dtype], first, last, fp8)
+    first, last = cfg.skip_quant_first_layers, cfg.skip_quant_last_layers  # None: the recipe's transform's rule
+    fp8 = Fp8Settings(Fp8Scaling(cfg.resolved_fp8_scaling), cfg.fp8_amax_history, cfg.fp8_amax_compute_algo)
+    return PrecisionSpec(recipe, recipe.compute_dtype, base, DTYPES[cfg.lora_dtype], first, last, fp8)
 
 
 def lora_training(cfg: TrainConfig) -> LoraTraining | None:

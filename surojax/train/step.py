@@ -1,4 +1,5 @@
-"""The generic jitted training step: grad(loss o model) over accumulated micro-batches + the optimizer.
+"""The generic jitted training step: accumulate-and-update. grad(loss o model) over accumulated micro-batches + the
+optimizer, with the transforms' step hooks (surojax.models.transform.StepHooks) plugged in where they act.
 
     step(trainable, frozen, opt_state, batch[A, B, T], rng, lr_scale=1.0) -> (trainable, opt_state, metrics)
 
@@ -15,13 +16,15 @@ compiles neither (lr_scale is then ignored: it stays 1 without the guard).
 from __future__ import annotations
 
 import dataclasses
-import functools
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from surojax.models.transform import StepHooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,17 +55,33 @@ def constrain(tree, shardings):
     return treedef.unflatten([jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, placed)])
 
 
+def _one(hooks: Sequence[StepHooks], field: str):
+    """The one hook of this kind among `hooks` (None if none); two are refused (models/transform.py)."""
+    found = [getattr(h, field) for h in hooks if getattr(h, field) is not None]
+    if len(found) > 1:
+        raise ValueError(f"two transforms give the training step a {field!r} hook; the step takes one")
+    return found[0] if found else None
+
+
 def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, layer_loop=None,
-                    prepare: Callable | None = None, donate: bool = True, jit: bool = True,
+                    hooks: Sequence[StepHooks] = (), donate: bool = True, jit: bool = True,
                     apply_updates: Callable = optax.apply_updates, loss_guard: bool = False,
-                    shardings: StepShardings | None = None, fp8_delayed=None, weight_cache=None):
+                    shardings: StepShardings | None = None):
     """`loss_fn(model, micro_batch, layer_loop=...) -> (loss_sum, {"tokens": count, ...})`; `layer_loop`: what the
     decoder runs its layers with (offload.remat.layer_loop: a recompute wrapper, or the prefetching loop).
     Every other entry of the loss's metrics (any pytree of arrays, e.g. the MoE router stats under "router") is
     summed over the micro-batches in fp32 and returned in the step's metrics under its own key, undivided.
 
-    `prepare(model, key)`, when given, runs on the merged model before each micro-batch's forward pass with
-    a key distinct per step and micro-batch (LoRA dropout keys).
+    `hooks`: the transforms' `StepHooks` (surojax.models.transform), in the transforms' order:
+      state         (one at most) split off the trainable state before the optimizer, which never sees it (init
+                    the optimizer's state on `state.split(trainable)[0]`); its observers are differentiated with
+                    the parameters, their gradients combined over the micro-batches (`combine`) and handed to
+                    `update` after the step (a step the loss guard skips keeps the old state); the returned
+                    trainable state holds the new state (checkpointed with it)
+      before_step   run once per step on the step's merged model (not differentiated); its value reaches
+      before_micro  run on each micro-batch's merged model before its forward pass, with a key distinct per step
+                    and micro-batch (dropout and stochastic-rounding keys, the per-step FP8 weights attached)
+      compile       (one at most) compiles the step in place of `jax.jit`
     `apply_updates(params, updates)`: offload_master passes surojax.offload.optimizer.apply_master_updates.
     An optimizer with `update_and_apply` (offload_optimizer / offload_master, and full fine-tuning's on-device
     `layerwise_update`: surojax/offload/optimizer.py) is given the gradient sums and their divisor and returns the
@@ -70,40 +89,32 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     auto_lr_reduction with offload_optimizer / offload_master / optimizer_layerwise).
     `shardings` (ZeRO-1/2): the layouts the step constrains its gradients, update and outputs to; None: they
     follow the parameters (GSPMD propagation).
-    `fp8_delayed` (a surojax.precision.fp8_delayed.DelayedScalingUpdate; fp8_scaling: delayed): the trainable
-    state also holds FP8 amax probes and histories; they are split off before the optimizer (which never sees
-    them: init its state on `fp8_delayed.split(trainable)[0]`), the probes' gradients (the amaxes each pass
-    observed) are combined over the micro-batches by max and rolled into the histories after the step, so the
-    scales of step t come from steps < t. The returned trainable state holds the new histories (checkpointed
-    with it).
-    `weight_cache` (surojax.precision.fp8_transform.Fp8WeightCaching; fp8_hybrid full fine-tuning, current or delayed
-    scaling): `build(model)` runs once per step, before the micro-batches, on the step's parameters (not
-    differentiated), and `attach(model, cache)` hands its result to each micro-batch's merged model: the weights
-    are quantised once per step, not at every use.
     """
     place = (lambda tree, _: tree) if shardings is None else constrain  # noqa: E731
+    state = _one(hooks, "state")
+    compile_step = _one(hooks, "compile")
+    per_step = [h for h in hooks if h.before_step is not None or h.before_micro is not None]
 
     def step(trainable, frozen, opt_state, batch, rng, lr_scale=1.0):
-        probes = delayed = None
-        if fp8_delayed is not None:
-            trainable, probes, delayed = fp8_delayed.split(trainable)
+        observers = carried = None
+        if state is not None:
+            trainable, observers, carried = state.split(trainable)
 
-        def merged(tr, pr):
-            return nnx.merge(graphdef, tr, frozen, *((pr, delayed) if fp8_delayed else ()), copy=True)
+        def merged(tr, obs):
+            return nnx.merge(graphdef, tr, frozen, *((obs, carried) if state is not None else ()), copy=True)
 
-        cache = None if weight_cache is None else weight_cache.build(merged(trainable, probes))
+        values = [None if h.before_step is None else h.before_step(merged(trainable, observers)) for h in per_step]
 
         def loss_of(tr, mb, index):
-            tr, pr = tr
-            model = merged(tr, pr)
-            if weight_cache is not None:
-                weight_cache.attach(model, cache)
-            if prepare is not None:  # fresh Variables above: prepare() may set them
-                prepare(model, jax.random.fold_in(rng, index))
+            tr, obs = tr
+            model = merged(tr, obs)  # fresh Variables: the hooks may set them
+            for h, value in zip(per_step, values):
+                if h.before_micro is not None:
+                    h.before_micro(model, jax.random.fold_in(rng, index), value)
             return loss_fn(model, mb, layer_loop=layer_loop)
 
         def grads_of(mb, index):
-            (loss_sum, aux), (g, seen) = jax.value_and_grad(loss_of, has_aux=True)((trainable, probes), mb, index)
+            (loss_sum, aux), (g, seen) = jax.value_and_grad(loss_of, has_aux=True)((trainable, observers), mb, index)
             return g, seen, loss_sum, aux
 
         def micro(carry, xs):
@@ -111,15 +122,15 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
             g, seen, loss_sum, aux = grads_of(*xs)
             g = place(jax.tree.map(lambda b: b.astype(jnp.float32), g), shardings and shardings.gradients)
             g_acc = place(jax.tree.map(lambda a, b: a + b, g_acc, g), shardings and shardings.gradients)
-            if fp8_delayed is not None:  # amaxes: the max over the micro-batches, not a sum
-                seen_acc = fp8_delayed.combine(seen_acc, seen)
+            if state is not None:  # observations combine as the state says (amaxes: their max), not summed
+                seen_acc = state.combine(seen_acc, seen)
             aux_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), aux_acc, aux)
             return (g_acc, seen_acc, loss_acc + loss_sum, aux_acc), None
 
-        def finish(new_params, new_delayed=None):
-            if fp8_delayed is None:
+        def finish(new_params, new_carried=None):
+            if state is None:
                 return new_params
-            return fp8_delayed.merge(new_params, probes, delayed if new_delayed is None else new_delayed)
+            return state.merge(new_params, observers, carried if new_carried is None else new_carried)
 
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         zero = jnp.zeros((), jnp.float32)
@@ -133,9 +144,9 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
             zeros = place(zeros, shardings and shardings.gradients)
-            aux_shapes = jax.eval_shape(loss_of, (trainable, probes), jax.tree.map(lambda x: x[0], batch), 0)[1]
+            aux_shapes = jax.eval_shape(loss_of, (trainable, observers), jax.tree.map(lambda x: x[0], batch), 0)[1]
             aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shapes)  # (traced only)
-            seen_zeros = None if probes is None else jax.tree.map(jnp.zeros_like, probes)  # amaxes are >= 0
+            seen_zeros = None if observers is None else jax.tree.map(jnp.zeros_like, observers)  # combine's identity
             (grads, seen, loss_sum, aux), _ = jax.lax.scan(micro, (zeros, seen_zeros, zero, aux_zeros),
                                                            (batch, jnp.arange(n_micro)))
         count = aux.pop("tokens")
@@ -143,8 +154,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
         metrics = {**aux, "loss": loss_sum / denom, "tokens": count}
         if in_place is not None:  # offload: divided, clipped and applied per layer, in place
             trainable, opt_state, metrics["grad_norm"] = in_place(grads, denom, opt_state, trainable)
-            return finish(trainable, None if fp8_delayed is None else fp8_delayed.update(delayed, seen)), \
-                opt_state, metrics
+            return finish(trainable, None if state is None else state.update(carried, seen)), opt_state, metrics
         grads = place(jax.tree.map(lambda g: g / denom, grads), shardings and shardings.update)
         metrics["grad_norm"] = optax.tree.norm(grads)
         params = place(trainable, shardings and shardings.update)  # ZeRO-1/2: this device's shard, sliced
@@ -153,83 +163,34 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
             updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
         new_params = place(apply_updates(params, updates), shardings and shardings.params)  # all-gathered
         new_state = place(new_state, shardings and shardings.opt_state)
-        new_delayed = None if fp8_delayed is None else fp8_delayed.update(delayed, seen)
+        new_carried = None if state is None else state.update(carried, seen)
         if loss_guard:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
             new_params, new_state = keep(new_params, trainable), keep(new_state, opt_state)
-            if fp8_delayed is not None:  # a skipped step records no amaxes either
-                new_delayed = keep(new_delayed, delayed)
+            if state is not None:  # a skipped step records no observations either
+                new_carried = keep(new_carried, carried)
             metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-        return finish(new_params, new_delayed), new_state, metrics
+        return finish(new_params, new_carried), new_state, metrics
 
     if not jit:
         return step
     donated = (0, 2) if donate else ()
-    if fp8_delayed is None:
+    if compile_step is None:
         return jax.jit(step, donate_argnums=donated)
-    return DelayedScalingStep(step, fp8_delayed, donated)
-
-
-class DelayedScalingStep:
-    """The step of fp8_scaling: delayed as two compiled programs, picked on the host: the first step of a run (no
-    amax history yet) scales each tensor by its own amax, every later one by its history's scale
-    (fp8_delayed.scale_source "own" / "history"). One program with a lax.cond per tensor would do both, but XLA GPU
-    runs a conditional by reading its predicate back to the host and waiting for the stream: a pipeline drain per
-    tensor, layer and micro-batch. Whether the histories are still empty is read from the input (one small
-    reduction read back) unless the input is what the history program itself returned last (then they are filled:
-    the steady state costs no read); a resumed run starts on the history program.
-
-    Called like the jitted step; `.lower(*args)` lowers the program those arguments would run (the history one for
-    abstract arguments)."""
-
-    def __init__(self, step: Callable, fp8_delayed, donated: tuple[int, ...]):
-        self.step = step  # the plain function (traced alone: one lax.cond per tensor, fp8_delayed's "either")
-        self._fp8 = fp8_delayed
-
-        def under(source):
-            @functools.wraps(step)  # the compiled module keeps the step's name (jit_step: profiles, HLO dumps)
-            def traced(*args, **kwargs):
-                with fp8_delayed.scale_source(source):
-                    return step(*args, **kwargs)
-            return jax.jit(traced, donate_argnums=donated)
-
-        self.first, self.later = under("own"), under("history")
-        self.last = None  # the program the last call ran
-        self._returned = []  # the histories the history program returned last: filled
-
-    def program(self, trainable):
-        """The compiled step these arguments run (`first` or `later`)."""
-        leaves = jax.tree.leaves(trainable)
-        if any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):
-            return self.later  # abstract (lowering for a memory or HLO check): the steady-state program
-        histories = self._fp8.histories(trainable)
-        if self._returned and len(histories) == len(self._returned) and all(
-                a is b for a, b in zip(histories, self._returned)):
-            return self.later
-        return self.first if self._fp8.fresh(trainable) else self.later
-
-    def __call__(self, trainable, *args, **kwargs):
-        program = self.last = self.program(trainable)
-        out = program(trainable, *args, **kwargs)
-        self._returned = self._fp8.histories(out[0]) if program is self.later else []
-        return out
-
-    def lower(self, trainable, *args, **kwargs):
-        return self.program(trainable).lower(trainable, *args, **kwargs)
+    return compile_step(step, donated)
 
 
 def compiles_steady_next(step) -> bool:
-    """Whether the step's last call ran a DelayedScalingStep's first-step program, so the next call compiles the
-    steady one (the trainer and `bench train` say so / count it as compile time)."""
-    return isinstance(step, DelayedScalingStep) and step.last is step.first
+    """Whether the step's last call ran a first-step program of a `compile` hook (FP8 delayed scaling's), so the
+    next call compiles the steady one (the trainer and `bench train` say so / count it as compile time)."""
+    return bool(getattr(step, "compiles_next", False))
 
 
 def steady_state(step):
-    """The compiled program a run settles on, for benchmarks that time, profile or census one program: the history
-    program of a DelayedScalingStep (its first step then starts every scale at 1, Transformer Engine's start, and
-    fills the histories), else the step itself."""
-    return step.later if isinstance(step, DelayedScalingStep) else step
+    """The compiled program a run settles on, for benchmarks that time, profile or census one program: a
+    `compile` hook's `steady` program (FP8 delayed scaling's history program), else the step itself."""
+    return getattr(step, "steady", step)
 
 
 def make_eval_step(graphdef, loss_fn: Callable, *, layer_loop=None):

@@ -368,6 +368,7 @@ class Trainer:
             f"model   {self.spec.model.config.model_type}, {n_total / 1e6:.2f}M parameters, {n_train / 1e6:.3f}M trainable "
             f"({100 * n_train / max(n_total, 1):.2f}%), {mode}, recipe {self.spec.precision.recipe}",
             *([f"base    {packed.describe(self.spec.precision.base)}"] if packed is not None else []),
+            *(f"{name:<7} {line}" for name, line in self.run.transform_lines),  # the transforms', in order
             f"layers  {self.run.layer_loop_reason}",
             f"zero    {self.run.zero_summary}",
             f"data    {s.summary()}",

@@ -79,6 +79,7 @@ def _cached_run(cached, steps=2, scaling="current"):
     from surojax.models.decoder import Decoder
     from surojax.offload.remat import remat_wrapper
     from surojax.precision.fp8_delayed import DelayedScalingUpdate, Fp8AmaxProbe, Fp8DelayedState
+    from surojax.precision.fp8_recipe import fp8_step_hooks
     from surojax.precision.fp8_scaling import Fp8Settings
     from surojax.precision.fp8_transform import Fp8WeightCaching, apply_fp8
     from surojax.train.step import make_train_step
@@ -93,8 +94,9 @@ def _cached_run(cached, steps=2, scaling="current"):
     graphdef, trainable, frozen = nnx.split(model, trainable_filter, ...)
     opt = optax.adam(1e-2)
     state = opt.init(trainable if delayed is None else delayed.split(trainable)[0])
-    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"), fp8_delayed=delayed,
-                           weight_cache=(Fp8WeightCaching() if cached is True else cached) or None)
+    hooks = fp8_step_hooks(delayed, (Fp8WeightCaching() if cached is True else cached) or None)
+    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"),
+                           hooks=() if hooks is None else (hooks,))
     losses = []
     for _ in range(steps):  # 2 micro-batches per step: one cache for both
         trainable, state, m = step(trainable, frozen, state, _batch(A=2), jax.random.key(0))
