@@ -23,6 +23,7 @@ from flax import nnx
 
 from surojax.generation.sampling import SamplingParams
 from surojax.models.kv import PagedKernel, PagedKVCache
+from surojax.models.layer_runner import LayerScan
 from surojax.serve.runner import PagedRunner
 from surojax.serve.scheduler import ScheduledRequest
 from surojax.serve.speculative import DRAFT, filtered_probs, row_keys, sampling_arrays
@@ -44,8 +45,8 @@ def draft_propose_paged(graphdef, state, k_pool, v_pool, last, start, limit, blo
     def body(carry, i):
         cache, tok = carry
         pos = start + i
-        h, cache = model.hidden_states(tok[:, None], pos[:, None], (i <= limit).astype(jnp.int32)[:, None],
-                                       cache=cache, unroll=unroll)
+        h, cache, _ = model.hidden_states(tok[:, None], pos[:, None], (i <= limit).astype(jnp.int32)[:, None],
+                                          cache=cache, runner=LayerScan(unroll=unroll))
         logits = model.logits(h)  # [R, 1, V] fp32
         nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
         if not sample:

@@ -22,6 +22,7 @@ from flax import nnx
 
 from surojax.generation.sampling import BatchMode, sample_last
 from surojax.models.kv import KVCache
+from surojax.models.layer_runner import LayerScan
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.kv_fp8 import KVScales
 from surojax.serve.multi_step import decode_loop
@@ -69,8 +70,8 @@ def reference_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_i
         positions=jnp.where(valid, j, 0).astype(jnp.int32),
         lengths=ctx_len.astype(jnp.int32),
     )
-    h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, cache_in_carry=kv_in_place,
-                                   unroll=unroll)
+    h, cache, _ = model.hidden_states(tokens, positions, segment_ids, cache=cache,
+                                      runner=LayerScan(unroll=unroll, carry_cache=kv_in_place))
     idx = jnp.arange(R)
     view = ctx_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T] where the model wrote them
     new_k = cache.k[:, idx[:, None], view]  # [L, R, T, K, H]
@@ -104,7 +105,8 @@ def reference_multi_step_decode(graphdef, state, k_pool, v_pool, tokens, start, 
     ones = jnp.ones((R, 1), jnp.int32)
 
     def forward(cache, tok, pos, done):  # done rows ride along; their view writes are never scattered back
-        return model.hidden_states(tok, pos, ones, cache=cache, cache_in_carry=kv_in_place, unroll=unroll)
+        runner = LayerScan(unroll=unroll, carry_cache=kv_in_place)
+        return model.hidden_states(tok, pos, ones, cache=cache, runner=runner)[:2]
 
     cache, result = decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode, K)
     count = result["count"]

@@ -30,6 +30,7 @@ from flax import nnx
 
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
 from surojax.models.kv import PagedKernel, PagedKVCache
+from surojax.models.layer_runner import LayerScan
 from surojax.peft.multi_lora import set_adapter_rows
 
 
@@ -50,7 +51,8 @@ def multi_step_decode_paged(graphdef, state, k_pool, v_pool, tokens, start, bloc
                          scales)
 
     def forward(cache, tok, pos, done):
-        return model.hidden_states(tok, pos, (~done).astype(jnp.int32)[:, None], cache=cache, unroll=unroll)
+        return model.hidden_states(tok, pos, (~done).astype(jnp.int32)[:, None], cache=cache,
+                                   runner=LayerScan(unroll=unroll))[:2]
 
     cache, result = decode_loop(model, forward, cache, tokens, start, limit, stop_ids, rows, mode, num_steps)
     return cache.k, cache.v, result

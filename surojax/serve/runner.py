@@ -50,6 +50,7 @@ from pallas_kernels.paged_decode import prepare as prepare_paged_decode
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams, sample_last
 from surojax.models.decoder import Decoder
 from surojax.models.kv import PagedKernel, PagedKVCache
+from surojax.models.layer_runner import LayerScan
 from surojax.peft.multi_lora import multi_lora_modules, set_adapter_rows
 from surojax.serve.config import KVPath, RunnerBuckets
 from surojax.serve.kv_fp8 import KVScales, check_pool_dtype, is_fp8, kv_scales
@@ -100,7 +101,7 @@ def paged_step(graphdef, state, k_pool, v_pool, tokens, positions, segment_ids, 
     if lora:
         set_adapter_rows(model, adapter_rows)
     cache = PagedKVCache(k_pool, v_pool, block_table, ctx_len, block_size, kernel, scales)
-    h, cache = model.hidden_states(tokens, positions, segment_ids, cache=cache, unroll=unroll)
+    h, cache, _ = model.hidden_states(tokens, positions, segment_ids, cache=cache, runner=LayerScan(unroll=unroll))
     return cache.k, cache.v, sample_last(model, h, last_idx, rows, mode)
 
 
@@ -125,7 +126,7 @@ def verify_step(graphdef, state, k_pool, v_pool, last, start, proposals, num_pro
     positions = start[:, None] + j
     segments = (j <= num_proposed[:, None]).astype(jnp.int32)
     cache = PagedKVCache(k_pool, v_pool, block_table, start, block_size, kernel, scales)
-    h, cache = model.hidden_states(tokens, positions, segments, cache=cache, unroll=unroll)
+    h, cache, _ = model.hidden_states(tokens, positions, segments, cache=cache, runner=LayerScan(unroll=unroll))
     logits = model.logits(h)  # [R, K + 1, V] fp32
     return cache.k, cache.v, accept(logits, proposals, num_proposed, draft_probs, rows, start, sample=sample)
 

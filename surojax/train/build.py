@@ -8,7 +8,7 @@ ZeRO (`spec.zero_stage`, surojax/parallel/zero.py): stages 1-2 place the optimiz
 gradients) split over the data devices and constrain the step to that layout; 0 and 3 follow the parameters
 (3 is the fsdp mesh). `Run.zero_summary` says the stage and the bytes per device.
 
-The loss is a pure function `loss(model, batch, *, chunk, layer_loop, unroll) -> (loss_sum, {"tokens": ...})`
+The loss is a pure function `loss(model, batch, *, chunk) -> (loss_sum, {"tokens": ...})`
 (default: the chunked LM loss); SFT, pretraining and the later tasks differ only in their data and this function.
 A MoE model's training loss also gets `router=` (the router-loss weights) and returns its router stats.
 Shapes: the train step takes batches [A, B, T] (A micro-batches of B rows of T tokens, B = rows per device x
@@ -34,7 +34,8 @@ from surojax.offload.layer_loop_choice import LayerLoopChoice, choose_layer_loop
 from surojax.offload.master import place_master_on_host
 from surojax.offload.memory_plan import MemoryPlan, check_fits, device_capacity, plan_memory
 from surojax.offload.optimizer import apply_master_updates, compute_copy
-from surojax.offload.remat import layer_loop, remat_wrapper
+from surojax.models.layer_runner import Recompute
+from surojax.offload.layer_loop import LayerLoop
 from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
 from surojax.offload.streaming import build_context, place_model
 from surojax.parallel import batch_parallel_size, init_sharded, param_shardings
@@ -72,7 +73,7 @@ class Run:
     eval_step: Callable
     chunk: int  # tokens per chunk of the chunked LM head
     memory_plan: MemoryPlan
-    layer_loop: object  # what the decoder's `layer_loop=` receives
+    layer_loop: LayerLoop  # the layer-loop transform: the decoder's layer runner (offload/layer_loop.py)
     layer_loop_reason: str  # which recompute / unrolling the run uses, and why (the start-up summary)
     zero: ZeroLayout  # where params, gradients and optimizer state live (the resolved ZeRO stage)
     zero_summary: str  # the stage and the bytes per device of params / gradients / optimizer state (start-up)
@@ -93,7 +94,7 @@ def data_parallel_size(mesh) -> int:
     return batch_parallel_size(mesh)
 
 
-def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
+def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: Recompute | None = None,
                    unroll: int | bool | None = None, mesh=None) -> MemoryPlan:
     """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded but for
     the ZeRO stage's split on `mesh` (None: one device); `recompute` / `unroll` replace the spec's (a candidate
@@ -190,20 +191,22 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     if mem.unroll is True or (not isinstance(mem.unroll, bool) and mem.unroll > 1):
         reason += ("; unrolled layers compile longer the first time" +
                    (f" (compiled programs are cached in {cache_dir})" if cache_dir else ""))
-    pipelined = pipeline_stages(mesh) > 1
-    if pipelined:  # stage > 1: the layers run as a microbatch schedule over the stages (parallel/pipeline.py)
+    pipeline = None
+    if pipeline_stages(mesh) > 1:  # stage > 1: the layers run as a microbatch schedule over the stages (parallel/pipeline.py)
         if spec.moe is not None:
             raise PipelineError("pipeline stages (parallel.stage > 1) do not collect the router statistics a MoE "
                                 "model's training loss needs yet; use expert / data / fsdp parallelism for it")
         pipeline = pipelined_layer_loop(mesh, spec.pipeline, rows_per_shard=spec.batch.rows,
                                         num_layers=spec.model.config.num_layers,
-                                        layer_remat=remat_wrapper(mem.recompute))
-        reason += "; " + pipeline.describe()
+                                        recompute=mem.recompute, unroll=mem.unroll)
+    loop = LayerLoop(mem.recompute, mem.unroll, prefetch=mem.offload_prefetch, pipeline=pipeline, reason=reason)
+    reason = loop.summary()
     log.debug("layer loop: %s", reason)  # the Trainer prints it in its start-up summary
     if check_memory and plans_one_device(mesh):
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
 
     model = apply_expert_parallel(_placed_model(spec, mesh, customize), mesh)  # MoE tokens to their experts' devices
+    loop.apply(model)  # the decoder's layer runner (static: it is part of the graphdefs split below)
     train_mode = spec.lora is not None and spec.lora.adapter.dropout > 0
     if train_mode:
         model.train()
@@ -211,6 +214,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     fp8_delayed = fp8_delayed_update(spec)  # fp8_scaling: delayed: amax state rides in `trainable`, not optimised
     params = trainable if fp8_delayed is None else fp8_delayed.split(trainable)[0]
     model.eval()
+    model.runner = loop.eval_runner
     eval_graphdef = nnx.split(model, trainable_filter(spec), ...)[0]
 
     o = spec.optim
@@ -230,16 +234,14 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
         apply = {"apply_updates": apply_master_updates}
     del model  # the model's own references to replaced arrays (offload_master's fp32 layers) are dropped
 
-    loop = pipeline if pipelined else layer_loop(mem.recompute, prefetch=mem.offload_prefetch,
-                                                 per_layer=mem.offload_prefetch)
-    loss_fn = functools.partial(loss, chunk=chunk, unroll=mem.unroll)
+    loss_fn = functools.partial(loss, chunk=chunk)
     # a MoE model trains with its router losses and reports its router stats (surojax.losses.router); eval is CE
     train_loss = loss_fn if spec.moe is None else functools.partial(loss_fn, router=spec.moe.router_loss)
-    train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop,
+    train_step = make_train_step(graphdef, train_loss, optimizer,
                                  prepare=step_prepare(spec, dropout=train_mode),
                                  loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state),
                                  fp8_delayed=fp8_delayed, weight_cache=fp8_weight_cache(spec), **apply)
-    eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch or pipelined else None)
+    eval_step = make_eval_step(eval_graphdef, loss_fn)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,

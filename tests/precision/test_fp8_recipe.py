@@ -78,7 +78,7 @@ def _cached_run(cached, steps=2, scaling="current"):
     from surojax.losses.lm import lm_loss
     from surojax.models.config import ModelConfig
     from surojax.models.decoder import Decoder
-    from surojax.offload.remat import remat_wrapper
+    from surojax.models.layer_runner import LayerScan, Recompute
     from surojax.precision.fp8_delayed import DelayedScalingUpdate, Fp8AmaxProbe, Fp8DelayedState
     from surojax.precision.fp8_scaling import Fp8Settings
     from surojax.precision.fp8_transform import Fp8WeightCaching, apply_fp8
@@ -91,10 +91,11 @@ def _cached_run(cached, steps=2, scaling="current"):
     apply_fp8(model, frozen_base=False, settings=Fp8Settings(scaling=scaling, amax_history=4))
     delayed = DelayedScalingUpdate() if scaling == "delayed" else None
     trainable_filter = nnx.Param if delayed is None else nnx.Any(nnx.Param, Fp8AmaxProbe, Fp8DelayedState)
+    model.runner = LayerScan(Recompute.FULL)
     graphdef, trainable, frozen = nnx.split(model, trainable_filter, ...)
     opt = optax.adam(1e-2)
     state = opt.init(trainable if delayed is None else delayed.split(trainable)[0])
-    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"), fp8_delayed=delayed,
+    step = make_train_step(graphdef, lm_loss, opt, fp8_delayed=delayed,
                            weight_cache=(Fp8WeightCaching() if cached is True else cached) or None)
     losses = []
     for _ in range(steps):  # 2 micro-batches per step: one cache for both
