@@ -198,7 +198,8 @@ def grpo_token_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: ja
 
 # ---- the model-level loss --------------------------------------------------------------------------------------
 
-def grpo_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, settings: GRPOLossSettings, router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
+def grpo_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, settings: GRPOLossSettings,
+              router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
     """The GRPO loss of a `Decoder` on a micro-batch of rollouts, in the step's sum convention (module docstring).
 
     batch (one completion per row, prompt + completion, right-padded):

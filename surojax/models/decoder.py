@@ -5,10 +5,11 @@
             the MLP is the dense SwiGLU, or with `cfg.moe` the mixture of experts (layers/moe.py)
 
 Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
-embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is [L, ...]) and
-run by the decoder's layer runner (surojax/models/layer_runner.py; by default `jax.lax.scan`), so compile time
-does not grow with depth and remat / host streaming / pipeline stages act on one layer slice at a time. Training settings (remat policy, dtype policy, LoRA, sharding) are
-passed in or applied from outside; none of them lives in ModelConfig.
+embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is
+[L, ...]) and run by the decoder's layer runner (surojax/models/layer_runner.py; by default `jax.lax.scan` over
+the layer pattern `layer_pattern(cfg)`), so compile time does not grow with depth and remat / host streaming /
+pipeline stages act on one layer slice at a time. Training settings (the runner: remat policy, unrolling; dtype
+policy, LoRA, sharding) are applied from outside; none of them lives in ModelConfig.
 """
 from __future__ import annotations
 

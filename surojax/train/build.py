@@ -28,13 +28,13 @@ from flax import nnx
 from surojax.compilation_cache import enable_compilation_cache
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.models.decoder import Decoder
+from surojax.models.layer_runner import Recompute
 from surojax.offload.device_budget import placed_bytes, plans_one_device
 from surojax.offload.host_init import random_placed_model
 from surojax.offload.layer_loop_choice import LayerLoopChoice, choose_layer_loop
 from surojax.offload.master import place_master_on_host
 from surojax.offload.memory_plan import MemoryPlan, check_fits, device_capacity, plan_memory
 from surojax.offload.optimizer import apply_master_updates, compute_copy
-from surojax.models.layer_runner import Recompute
 from surojax.offload.layer_loop import LayerLoop
 from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
 from surojax.offload.streaming import build_context, place_model
@@ -192,7 +192,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
         reason += ("; unrolled layers compile longer the first time" +
                    (f" (compiled programs are cached in {cache_dir})" if cache_dir else ""))
     pipeline = None
-    if pipeline_stages(mesh) > 1:  # stage > 1: the layers run as a microbatch schedule over the stages (parallel/pipeline.py)
+    if pipeline_stages(mesh) > 1:  # the layers run as a microbatch schedule over the stages (parallel/pipeline.py)
         if spec.moe is not None:
             raise PipelineError("pipeline stages (parallel.stage > 1) do not collect the router statistics a MoE "
                                 "model's training loss needs yet; use expert / data / fsdp parallelism for it")

@@ -58,7 +58,7 @@ def test_contradicting_zero_stage_is_refused_naming_both_keys(extra, words):
 
 def test_memory_plan_divides_what_the_stage_splits():
     """Independent arithmetic: AdamW holds 8 bytes per trainable param, the accumulator 4, fp32 weights 4."""
-    kw = dict(mode="full", recipe="fp32", batch=1, seq=16, recompute="full")
+    kw = dict(mode="full", recipe="fp32", batch=1, seq=16, recompute=Recompute.FULL)
     one = plan_memory(TINY, **kw)
     n = TINY.num_params()
     assert one.optimizer == 8 * n and one.gradients == 8 * n and one.weights == 4 * n
