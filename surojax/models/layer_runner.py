@@ -270,12 +270,23 @@ def _take(tree, i):
     return jax.tree.map(lambda x: x[i], tree)
 
 
+def _stack(trees: list):
+    """Trees of one structure stacked leaf by leaf on a new leading axis."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
 def _stack_stats(stats: list):
-    """The router stats of a group's layers stacked on a new leading axis (None when no layer has any)."""
+    """The router stats of some layers stacked on a new leading axis, skipping the layers without (None when no
+    layer has any)."""
     stats = [s for s in stats if s is not None]
-    if not stats:
-        return None
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+    return _stack(stats) if stats else None
+
+
+def _concat(a, b):
+    """Two stacked trees one after the other on the leading axis (either may be None)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return jax.tree.map(lambda x, y: jnp.concatenate([x, y]), a, b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,94 +308,71 @@ class LayerScan:
             kv_meta=None) -> HiddenStates:
         split = _split(pattern, stacks)
         G, P, R = pattern.groups, pattern.period, pattern.remainder
-        carry_mode = cache is not None and (self.carry_cache or cache.carry_only)
+        carried = cache is not None and (self.carry_cache or cache.carry_only)
+        kv_layers = None if cache is None or carried else cache.per_layer()  # every layer's slice, [L, ...]
+        layers = [self._layer(split[t.stack], t, consts, kv_meta) for t in pattern.types]
 
-        def layer_fn(t: LayerType):
-            s, options = split[t.stack], t.kwargs
-
-            def apply(h, state_l, row, kv):
-                h = checkpoint_name(h, LAYER_INPUT)  # the residual that `recompute: offload` keeps in host memory
-                state_l = state_l if s.rebuild is None else s.rebuild(state_l, row)
-                layer = nnx.merge(s.graphdef, on_device(state_l))
-                return layer(h, *consts, kv=kv, kv_meta=kv_meta, **options)
-
-            return self.recompute.wrap(apply)
-
-        layers = [layer_fn(t) for t in pattern.types]
-
-        def row_of(g, p):  # position p's row of its stack in group g (what a leaf read in place indexes)
-            s = split[pattern.types[p].stack]
-            return None if s.rebuild is None else g * s.per_group + pattern.slot(p)
-
-        def state_of(group, p):  # position p's slice of a group's rows
-            t = pattern.types[p]
-            return group[t.stack] if split[t.stack].per_group == 1 else _take(group[t.stack], pattern.slot(p))
+        def apply(positions, h, kv_all, states, rows, kvs):
+            """The layers at `positions` of the pattern, in order, each with its state, row and cache slice (the
+            carried cache instead when it rides in the carry) -> (h, carried cache, new slices, stats)."""
+            new_kvs, stats = [], []
+            for p, state_l, row, kv in zip(positions, states, rows, kvs):
+                h, kv, st = layers[p](h, state_l, row, kv_all if carried else kv)
+                if carried:
+                    kv_all = dataclasses.replace(kv, layer=kv.layer + 1)
+                new_kvs.append(None if carried else kv)
+                stats.append(st)
+            return h, kv_all, new_kvs, stats
 
         def group_body(carry, xs):
-            h, kv_all = carry if carry_mode else (carry, None)
+            h, kv_all = carry
             group, g, kv_group = xs
-            new_kv, stats = [], []
-            for p in range(P):
-                kv = kv_all if carry_mode else (None if kv_group is None else
-                                                (kv_group if P == 1 else _take(kv_group, p)))
-                h, kv, st = layers[p](h, state_of(group, p), row_of(g, p), kv)
-                stats.append(st)
-                if carry_mode:
-                    kv_all = dataclasses.replace(kv, layer=kv.layer + 1)
-                else:
-                    new_kv.append(kv)
-            out_kv = None if carry_mode or kv_group is None else (
-                new_kv[0] if P == 1 else jax.tree.map(lambda *xs: jnp.stack(xs), *new_kv))
-            stats = stats[0] if P == 1 else _stack_stats(stats)
-            return ((h, kv_all) if carry_mode else h), (out_kv, stats)
+            states, rows = [], []
+            for p, t in enumerate(pattern.types):
+                s, j = split[t.stack], pattern.slot(p)
+                states.append(group[t.stack] if s.per_group == 1 else _take(group[t.stack], j))
+                rows.append(None if s.rebuild is None else g * s.per_group + j)
+            kvs = [kv_group] if P == 1 else [None if kv_group is None else _take(kv_group, p) for p in range(P)]
+            h, kv_all, new_kvs, stats = apply(range(P), h, kv_all, states, rows, kvs)
+            if P == 1:  # one layer a step: its slices as they are (the plain scan)
+                return (h, kv_all), (new_kvs[0], stats[0])
+            return (h, kv_all), (None if kv_group is None else _stack(new_kvs), _stack_stats(stats))
 
-        kv_layers = None if cache is None or carry_mode else cache.per_layer()
         kv_groups = kv_rest = None
         if kv_layers is not None:
-            kv_groups = kv_layers if R == 0 and P == 1 else jax.tree.map(
-                lambda x: _grouped(x, G, P, False), kv_layers)
-            kv_rest = None if R == 0 else jax.tree.map(lambda x: jax.lax.slice_in_dim(x, G * P, G * P + R), kv_layers)
-        any_rebuild = any(s.rebuild is not None for s in split.values())
-        group_ids = jnp.arange(G) if any_rebuild else None
-        xs = ({name: s.groups for name, s in split.items()}, group_ids, kv_groups)
-        carry = (h, cache.carried()) if carry_mode else h
-        stats_rest, kv_out = [], []
+            kv_groups = kv_layers if P == 1 else jax.tree.map(lambda x: _grouped(x, G, P, False), kv_layers)
+            kv_rest = jax.tree.map(lambda x: jax.lax.slice_in_dim(x, G * P, G * P + R), kv_layers) if R else None
+        any_in_place = any(s.rebuild is not None for s in split.values())
+        xs = ({name: s.groups for name, s in split.items()}, jnp.arange(G) if any_in_place else None, kv_groups)
+        kv_all = cache.carried() if carried else None
+        new_kv, stats = None, None
         if G:
-            carry, (kv_out_groups, stats) = jax.lax.scan(group_body, carry, xs, unroll=self.unroll)
-        else:
-            kv_out_groups = stats = None
-        if P > 1 and stats is not None:  # [G, m, ...] -> [G m, ...] in layer order
-            stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stats)
-        for p in range(R):  # the remainder: the pattern's first R types, once
-            t = pattern.types[p]
-            s = split[t.stack]
-            j = pattern.slot(p)  # its row among the stack's remainder rows (earlier positions are remainder too)
-            h_c, kv_all = carry if carry_mode else (carry, None)
-            kv = kv_all if carry_mode else (None if kv_rest is None else _take(kv_rest, p))
-            h_c, kv, st = layers[p](h_c, _take(s.rest, j), G * s.per_group + j, kv)
-            stats_rest.append(st)
-            if carry_mode:
-                carry = (h_c, dataclasses.replace(kv, layer=kv.layer + 1))
-            else:
-                carry = h_c
-                kv_out.append(kv)
-        rest_stats = _stack_stats(stats_rest)
-        if rest_stats is not None:
-            stats = rest_stats if stats is None else jax.tree.map(
-                lambda a, b: jnp.concatenate([a, b]), stats, rest_stats)
-        if carry_mode:
-            h, kv = carry
-            return HiddenStates(h, cache.with_kv(kv.k, kv.v), stats)
-        h = carry
+            (h, kv_all), (new_kv, stats) = jax.lax.scan(group_body, (h, kv_all), xs, unroll=self.unroll)
+            if P > 1:  # [G, P, ...] -> [G P, ...]: layer order
+                new_kv, stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), (new_kv, stats))
+        if R:  # the remainder: the pattern's first R types, once, after the groups
+            rest = [(split[t.stack], pattern.slot(p)) for p, t in enumerate(pattern.types[:R])]
+            h, kv_all, rest_kvs, rest_stats = apply(
+                range(R), h, kv_all, [_take(s.rest, j) for s, j in rest], [G * s.per_group + j for s, j in rest],
+                [None if kv_rest is None else _take(kv_rest, p) for p in range(R)])
+            stats = _concat(stats, _stack_stats(rest_stats))
+            new_kv = None if kv_rest is None else _concat(new_kv, _stack(rest_kvs))
         if cache is None:
             return HiddenStates(h, None, stats)
-        if P > 1:
-            kv_out_groups = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), kv_out_groups)
-        if kv_out:
-            rest = jax.tree.map(lambda *xs: jnp.stack(xs), *kv_out)
-            kv_out_groups = rest if kv_out_groups is None else jax.tree.map(
-                lambda a, b: jnp.concatenate([a, b]), kv_out_groups, rest)
-        return HiddenStates(h, cache.with_kv(kv_out_groups.k, kv_out_groups.v), stats)
+        kv = kv_all if carried else new_kv
+        return HiddenStates(h, cache.with_kv(kv.k, kv.v), stats)
+
+    def _layer(self, s: _Stack, t: LayerType, consts: tuple, kv_meta) -> Callable:
+        """One layer of type `t` as f(h, state_l, row, kv) -> (h, kv, stats), under the recompute policy."""
+        options = t.kwargs
+
+        def apply(h, state_l, row, kv):
+            h = checkpoint_name(h, LAYER_INPUT)  # the residual that `recompute: offload` keeps in host memory
+            state_l = state_l if s.rebuild is None else s.rebuild(state_l, row)
+            layer = nnx.merge(s.graphdef, on_device(state_l))
+            return layer(h, *consts, kv=kv, kv_meta=kv_meta, **options)
+
+        return self.recompute.wrap(apply)
 
 
 def with_runner(model: nnx.Module, runner: LayerRunner) -> nnx.Module:
