@@ -8,9 +8,9 @@ default), `CarriedCacheScan`, or a loop of its own that implements the same `Lay
 (offload/layer_loop.py); serving passes one per call (`hidden_states(runner=...)`).
 
 Layer pattern. What runs is a `LayerPattern`: a repeating pattern of layer types, each type naming the stack of
-stacked parameters it reads and its static options (keyword arguments of the layer's call), e.g. Qwen3.5's
+stacked parameters it reads and its static options (keyword arguments of the layer's call), e.g.
 
-    [linear_attention x 3, full_attention x 1] x 6       stacks "linear" [18, ...] and "full" [6, ...]
+    [linear_attention x 3, full_attention x 1] x 6       Qwen3.5: stacks "linear" [18, ...] and "full" [6, ...]
     [sliding x 5, global x 1] x 4 + [sliding x 2]         Gemma 3's 26 layers: one stack read by both types
     [sliding(window 128), full] x 12                      gpt_oss: two types, one stack `layers` [24, ...]
 
