@@ -24,6 +24,7 @@ from flax import nnx
 
 from surojax.models.kv import KVCache, PagedKernel, PagedKVCache, PagedLayerKV
 from surojax.models.layers.rope import inv_freq, rope_cos_sin
+from surojax.models.layer_runner import LayerScan
 
 FORCED_PATHS = ("reference", "gather", "reduce", "pallas")
 
@@ -59,8 +60,8 @@ def forced_decode(graphdef, state, k_pool, v_pool, tokens, start, block_table, *
     def step(cache, xs):
         i, tok = xs
         pos = (start + i)[:, None]
-        h, cache = model.hidden_states(tok[:, None], pos, ones, cache=cache, unroll=unroll,
-                                       cache_in_carry=path == "reference")
+        h, cache, _ = model.hidden_states(tok[:, None], pos, ones, cache=cache,
+                                          runner=LayerScan(unroll=unroll, carry_cache=path == "reference"))
         return cache, model.logits(h)[:, 0]  # [R, V] fp32
 
     cache, logits = jax.lax.scan(step, cache, (jnp.arange(K, dtype=jnp.int32), tokens.T))

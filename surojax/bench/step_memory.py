@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 
 import jax
@@ -32,7 +33,7 @@ from surojax.bench.train_bench import BenchConfig, bench_spec, memory_plan
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.models.config import ModelConfig
 from surojax.offload.optimizer import apply_master_updates, has_layerwise_state, host_state_shardings
-from surojax.offload.remat import layer_loop
+from surojax.models.layer_runner import LayerScan
 from surojax.parallel import make_mesh, param_shardings
 from surojax.train.build import layerwise_update, resolve_layer_loop
 from surojax.train.model_setup import build_model, trainable_filter
@@ -56,6 +57,7 @@ def abstract_step_args(bc, *, layers: int | None = None):
     chunk = lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks)
     spec, _ = resolve_layer_loop(spec, chunk, mesh)  # `auto` as build_run resolves it
     model = nnx.eval_shape(lambda: build_model(spec))
+    model.runner = LayerScan(spec.memory.recompute, spec.memory.unroll)
     graphdef, trainable, frozen = nnx.split(model, trainable_filter(spec), ...)
     o = spec.optim
     schedule = lr_schedule("constant", o.learning_rate, 10**6)
@@ -85,10 +87,7 @@ def abstract_step_args(bc, *, layers: int | None = None):
         kw["apply_updates"] = apply_master_updates
     fr = jax.tree.map(lambda x: sds(x, replicated), frozen)
 
-    def loss_fn(m, batch, layer_loop=None):
-        return lm_loss(m, batch, chunk=chunk, layer_loop=layer_loop, unroll=spec.memory.unroll)
-
-    step = make_train_step(graphdef, loss_fn, optimizer, layer_loop=layer_loop(spec.memory.recompute), **kw)
+    step = make_train_step(graphdef, functools.partial(lm_loss, chunk=chunk), optimizer, **kw)
     shape = (bc.accum, bc.batch, bc.seq)
     bsh = NamedSharding(mesh, P(None, None, None))
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)

@@ -132,8 +132,6 @@ class BenchConfig:
             raise ValueError(f"--init {self.init!r}: expected jit or host")
         if self.base_format and self.mode != "lora":
             raise ValueError("--base-format applies to the frozen base of --mode lora")
-        if self.prefetch and self.recompute not in ("full", "auto"):  # without --offload-base: the resident twin
-            raise ValueError("--prefetch needs --recompute full (offload_prefetch)")
         if self.quant is not None and (self.offload_base or self.base_format or self.init == "host"):
             raise ValueError("--quant builds its random quantised base on the device; with --offload-base / "
                              "--init host use --base-format (a random GGUF block base built on the host)")
@@ -397,8 +395,8 @@ def run(bc: BenchConfig, log=None) -> dict:
         "params_trainable": n_train,
         "params_total": n_train + (n_frozen if bc.mode == "lora" else 0),
         "config": {
-            "recompute": spec.memory.recompute, "attention": str(bc.attention), "attention_backend": str(attention),
-            "lmhead_chunks": spec.memory.lmhead_chunks,
+            "recompute": spec.memory.recompute.value, "attention": str(bc.attention),
+            "attention_backend": str(attention), "lmhead_chunks": spec.memory.lmhead_chunks,
             "unroll_layers": spec.memory.unroll,  # as resolved (asked: the two below)
             "recompute_asked": bc.recompute, "unroll_layers_asked": bc.unroll_layers,
             "offload_base": spec.memory.offload_base, "prefetch": bc.prefetch, "base_format": bc.base_format,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
-from surojax.losses.router import RouterLossWeights, router_loss
+from surojax.losses.router import RouterLossWeights, collected, router_loss
 
 
 def distill_terms(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, teacher_ids: jax.Array,
@@ -78,7 +78,6 @@ def chunked_distill_loss(hidden: jax.Array, head_w: jax.Array, targets: jax.Arra
 
 
 def distill_loss(model, batch: dict, *, alpha: float, temperature: float, chunk: int = DEFAULT_CHUNK_TOKENS,
-                 layer_loop=None, unroll: int | bool = 1,
                  router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
     """The distillation loss of a student `Decoder` on a packed batch (surojax/data/batch.py) that also carries
     the teacher's top-K: batch["teacher_ids"] int32 [B, T, K] and batch["teacher_logps"] float [B, T, K].
@@ -88,10 +87,9 @@ def distill_loss(model, batch: dict, *, alpha: float, temperature: float, chunk:
     "tokens" for the means). `router` (a MoE student): its router losses join the sum as in `lm_loss`.
     """
     inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
-    if router is None:
-        h, _ = model.hidden_states(*inputs, layer_loop=layer_loop, unroll=unroll)
-    else:
-        h, _, stats = model.hidden_states(*inputs, layer_loop=layer_loop, unroll=unroll, router_stats=True)
+    h, _, stats = model.hidden_states(*inputs)
+    if router is not None:
+        stats = collected(stats)
     kl, ce, count = chunked_distill_loss(h, model.head_weight(), batch["targets"], batch["loss_mask"],
                                          batch["teacher_ids"], batch["teacher_logps"], temperature=temperature,
                                          chunk=chunk)

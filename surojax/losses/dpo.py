@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
-from surojax.losses.router import RouterLossWeights, router_loss
+from surojax.losses.router import RouterLossWeights, collected, router_loss
 from surojax.losses.token_logps import model_target_logps, target_logps
 
 DPOLossType = Literal["sigmoid", "ipo", "hinge"]
@@ -62,8 +62,7 @@ class DPOSettings:
         return self.loss_type == "ipo"
 
 
-def sequence_logps(model, seqs: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None,
-                   unroll: int | bool = 1, router_stats: bool = False):
+def sequence_logps(model, seqs: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, router_stats: bool = False):
     """Sums over the response tokens of log p(token): seqs' arrays [..., T] -> [...] fp32 (the model runs on
     them flattened to [N, T]; surojax.losses.token_logps). With `router_stats` (a MoE model): (sums, the layers'
     RouterStats [L, ...] over the N sequences)."""
@@ -71,10 +70,10 @@ def sequence_logps(model, seqs: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, laye
     flat = {k: seqs[k].reshape(-1, T) for k in ("tokens", "positions", "segment_ids", "targets", "loss_mask")}
     mask = flat["loss_mask"].astype(jnp.float32)
     if not router_stats:
-        lp = model_target_logps(model, flat, chunk=chunk, layer_loop=layer_loop, unroll=unroll)  # [N, T]
+        lp = model_target_logps(model, flat, chunk=chunk)  # [N, T]
         return jnp.sum(lp * mask, axis=-1).reshape(lead)
-    h, _, stats = model.hidden_states(flat["tokens"], flat["positions"], flat["segment_ids"], layer_loop=layer_loop,
-                                      unroll=unroll, router_stats=True)  # [N, T, D]
+    h, _, stats = model.hidden_states(flat["tokens"], flat["positions"], flat["segment_ids"])  # [N, T, D]
+    stats = collected(stats)
     lp = target_logps(h, model.head_weight(), flat["targets"], chunk=chunk)  # [N, T]
     return jnp.sum(lp * mask, axis=-1).reshape(lead), stats
 
@@ -101,8 +100,7 @@ def pair_losses(policy: jax.Array, reference: jax.Array, settings: DPOSettings) 
 
 def dpo_loss(model, batch: dict, *, settings: DPOSettings,
              without_adapter: Callable[[object], AbstractContextManager] | None = None,
-             chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None, unroll: int | bool = 1,
-             router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
+             chunk: int = DEFAULT_CHUNK_TOKENS, router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
     """The DPO loss of a micro-batch of pairs (arrays [P, 2, T]; optional `ref_logps` [P, 2] sums).
     The reference: none with reference_free, else `ref_logps`, else the model inside `without_adapter(model)`.
 
@@ -115,7 +113,7 @@ def dpo_loss(model, batch: dict, *, settings: DPOSettings,
     The reference forward adds no router loss."""
     lengths = jnp.sum(batch["loss_mask"].astype(jnp.float32), axis=-1)  # [P, 2]
     real = (lengths[:, 0] > 0).astype(jnp.float32)  # [P]
-    run = dict(chunk=chunk, layer_loop=layer_loop, unroll=unroll)
+    run = dict(chunk=chunk)
     stats = None
     if router is None:
         policy = sequence_logps(model, batch, **run)  # [P, 2]

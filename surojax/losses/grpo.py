@@ -5,7 +5,7 @@ that the same rollouts give the same numbers:
 
     advantages = group_advantages(rewards [P*G], G, "group")            # [P*G]
     loss, metrics = grpo_token_loss(logps, old_logps, ref_logps, advantages, mask, loss_type="dapo", ...)
-    loss_sum, aux = grpo_loss(model, batch, chunk=..., layer_loop=..., unroll=1, settings=GRPOLossSettings(...))
+    loss_sum, aux = grpo_loss(model, batch, chunk=..., settings=GRPOLossSettings(...))
 
 Per token t of completion i (R completions, T positions, mask [R, T] = 1 on the completion's tokens):
 
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
-from surojax.losses.router import RouterLossWeights, router_loss
+from surojax.losses.router import RouterLossWeights, collected, router_loss
 from surojax.losses.token_logps import target_logps  # the policy's per-token log-probs (also imported from here)
 
 LossType = Literal["grpo", "dr_grpo", "dapo", "gspo"]
@@ -198,8 +198,8 @@ def grpo_token_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: ja
 
 # ---- the model-level loss --------------------------------------------------------------------------------------
 
-def grpo_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None, unroll: int | bool = 1,
-              settings: GRPOLossSettings, router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
+def grpo_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, settings: GRPOLossSettings,
+              router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
     """The GRPO loss of a `Decoder` on a micro-batch of rollouts, in the step's sum convention (module docstring).
 
     batch (one completion per row, prompt + completion, right-padded):
@@ -215,15 +215,10 @@ def grpo_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, layer_lo
     `router` (a MoE model): the router losses join the sum weighted by the count, as in surojax.losses.lm.lm_loss,
     and aux["router"] holds the layers' RouterStats.
     """
-    stats = None
-    if router is None:
-        h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"], layer_loop=layer_loop,
-                                   unroll=unroll)
-    else:
-        if model.cfg.moe is None:
-            raise ValueError("router losses need a mixture-of-experts model; this one is dense")
-        h, _, stats = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                          layer_loop=layer_loop, unroll=unroll, router_stats=True)
+    if router is not None and model.cfg.moe is None:
+        raise ValueError("router losses need a mixture-of-experts model; this one is dense")
+    h, _, stats = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])
+    stats = None if router is None else collected(stats)
     logps = target_logps(h, model.head_weight(), batch["targets"], temperature=settings.temperature, chunk=chunk)
     loss_sum, aux = policy_loss_sums(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
                                      batch["completion_mask"], settings)

@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from surojax.losses.router import RouterLossWeights, router_loss
+from surojax.losses.router import RouterLossWeights, collected, router_loss
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -110,28 +110,24 @@ def _chunked_ce_bwd(res, g):
 _chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
 
 
-def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, layer_loop=None,
-            unroll: int | bool = 1, router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
+def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS,
+            router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
     """The causal-LM loss of a `Decoder` on a packed batch (see surojax/data/batch.py).
 
     Returns (sum of CE over supervised tokens, {"tokens": count}); divide by the accumulated count.
-    `layer_loop` / `unroll`: the layer loop (a recompute wrapper of the scan body, or a loop of its own) and the
-    scan unrolling (Decoder.hidden_states).
 
     `router` (a MoE model only): the router losses join the sum as `(aux_coef * aux + z_coef * z) * count`, the
     micro-batch's own aux and z (surojax.losses.router) weighted by its supervised tokens, so that after the
     division by the count one micro-batch gives HF's `loss + router_aux_loss_coef * aux_loss`; the metrics then
     also hold "router": the layers' `RouterStats` [L, ...] (sums over the micro-batch's real tokens, no gradient).
     """
+    if router is not None and model.cfg.moe is None:
+        raise ValueError("router losses need a mixture-of-experts model; this one is dense")
+    h, _, stats = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])
     if router is None:
-        h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"], layer_loop=layer_loop,
-                                   unroll=unroll)
         total, count = chunked_lm_loss(h, model.head_weight(), batch["targets"], batch["loss_mask"], chunk)
         return total, {"tokens": count}
-    if model.cfg.moe is None:
-        raise ValueError("router losses need a mixture-of-experts model; this one is dense")
-    h, _, stats = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"],
-                                      layer_loop=layer_loop, unroll=unroll, router_stats=True)
+    stats = collected(stats)
     total, count = chunked_lm_loss(h, model.head_weight(), batch["targets"], batch["loss_mask"], chunk)
     total = total + router_loss(stats, router) * count
     return total, {"tokens": count, "router": jax.lax.stop_gradient(stats)}

@@ -65,3 +65,12 @@ def expert_load(stats: RouterStats) -> jax.Array:
     layer that saw no token). An even router gives 1 / E everywhere."""
     counts = stats.expert_counts
     return counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
+
+
+def collected(stats):
+    """The router statistics a forward pass returned (`HiddenStates.router_stats`), refused when its layer runner
+    collected none (the prefetching and the pipelined runners do not)."""
+    if stats is None:
+        raise ValueError("router losses need the layers' router statistics; this layer runner collects none "
+                         "(offload_prefetch and pipeline stages do not)")
+    return stats

@@ -47,10 +47,9 @@ def target_logps(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, *, te
     return out.reshape(-1)[:n].reshape(N, T)
 
 
-def model_target_logps(model, batch: dict, *, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK_TOKENS,
-                       layer_loop=None, unroll: int | bool = 1) -> jax.Array:
+def model_target_logps(model, batch: dict, *, temperature: float = 1.0,
+                       chunk: int = DEFAULT_CHUNK_TOKENS) -> jax.Array:
     """`target_logps` of a `Decoder` on rows: batch tokens / positions / segment_ids / targets [N, T] -> [N, T]
-    fp32. `layer_loop` / `unroll`: as Decoder.hidden_states."""
-    h, _ = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"], layer_loop=layer_loop,
-                               unroll=unroll)  # [N, T, D]
+    fp32 (the layers run on the decoder's layer runner)."""
+    h = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"]).hidden  # [N, T, D]
     return target_logps(h, model.head_weight(), batch["targets"], temperature=temperature, chunk=chunk)

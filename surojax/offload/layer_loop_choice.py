@@ -1,6 +1,7 @@
 """`recompute: auto` / `unroll_layers: auto`: the fastest layer loop whose planned peak fits the device.
 
-`choose_layer_loop(plan_fn, capacity, recompute=, unroll=, offload_base=, prefetch=)` walks the candidates
+`choose_layer_loop(plan_fn, capacity, recompute=, unroll=, offload_base=, prefetch=)` (recompute: a `Recompute`,
+None for auto) walks the candidates
 fastest first and returns the first whose plan (`plan_fn(recompute, unroll) -> MemoryPlan`) fits
 `USABLE_FRACTION` of the capacity, with a one-line reason for the start-up summary.
 
@@ -40,27 +41,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Literal
 
+from surojax.models.layer_runner import Recompute
 from surojax.offload.memory_plan import GiB, MemoryPlan
 
-AUTO = "auto"
+AUTO = "auto"  # unroll_layers: auto (recompute's auto is None)
 UNROLLED: bool = True  # every layer inlined
 ROLLED: int = 1  # the scan, one layer per iteration
 # headroom for the plan's error against the measured peaks it is calibrated on (tests/offload/test_memory_plan.py
 # holds them and the error bound): an underestimate within that bound does not run out of memory
 USABLE_FRACTION = 0.90
-FASTEST_FIRST: tuple[tuple[str, int | bool], ...] = (("none", UNROLLED), ("full", ROLLED), ("offload", ROLLED))
-STREAMED: tuple[tuple[str, int | bool], ...] = (("full", ROLLED), ("offload", ROLLED))
-NO_CAPACITY: tuple[str, int | bool] = ("none", ROLLED)
+NONE, FULL, OFFLOAD = Recompute.NONE, Recompute.FULL, Recompute.OFFLOAD
+FASTEST_FIRST: tuple[tuple[Recompute, int | bool], ...] = ((NONE, UNROLLED), (FULL, ROLLED), (OFFLOAD, ROLLED))
+STREAMED: tuple[tuple[Recompute, int | bool], ...] = ((FULL, ROLLED), (OFFLOAD, ROLLED))
+NO_CAPACITY: tuple[Recompute, int | bool] = (NONE, ROLLED)
 
-PlanFn = Callable[[str, "int | bool"], MemoryPlan]
+PlanFn = Callable[[Recompute, "int | bool"], MemoryPlan]
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerLoopChoice:
-    """The layer loop a run uses: `recompute` (none | full | dots | offload), `unroll` (True: every layer inlined;
+    """The layer loop a run uses: `recompute` (a `Recompute`), `unroll` (True: every layer inlined;
     an int: layers per scan iteration), the `plan` of that pair, and `reason`, one line for the start-up summary."""
 
-    recompute: str
+    recompute: Recompute
     unroll: int | bool
     plan: MemoryPlan
     reason: str
@@ -72,26 +75,27 @@ def describe_unroll(unroll: int | bool) -> str:
     return "layers rolled" if unroll == 1 else f"{unroll} layers per scan step"
 
 
-def _check_constraints(recompute: str, *, offload_base: bool, prefetch: bool) -> None:
-    if offload_base and recompute == "none":
+def _check_constraints(recompute: Recompute, *, offload_base: bool, prefetch: bool) -> None:
+    if offload_base and recompute is NONE:
         raise ValueError("offload_base_weights fetches each layer again in the backward pass: recompute none is "
                          "not possible (use full, dots or offload)")
-    if prefetch and recompute != "full":
-        raise ValueError(f"offload_prefetch recomputes each layer whole: recompute must be full, not {recompute!r}")
+    if prefetch and recompute is not FULL:
+        raise ValueError(f"offload_prefetch recomputes each layer whole: recompute must be full, not "
+                         f"{recompute.value}")
 
 
-def _candidates(recompute: str, unroll: int | bool | Literal["auto"], *, capacity: int | None,
-                offload_base: bool, prefetch: bool) -> list[tuple[str, int | bool]]:
+def _candidates(recompute: Recompute | None, unroll: int | bool | Literal["auto"], *, capacity: int | None,
+                offload_base: bool, prefetch: bool) -> list[tuple[Recompute, int | bool]]:
     """The pairs to try in order, the user's set values kept."""
     if prefetch:
-        order = [("full", ROLLED)]
+        order = [(FULL, ROLLED)]
     elif offload_base:
         order = list(STREAMED)
     elif capacity is None:
         order = [NO_CAPACITY]
     else:
         order = list(FASTEST_FIRST)
-    if recompute != AUTO:
+    if recompute is not None:
         _check_constraints(recompute, offload_base=offload_base, prefetch=prefetch)
         # the order's unroll for this recompute where it has one, else rolled (no unrolled gain measured)
         unrolls = [u for r, u in order if r == recompute] or [ROLLED]
@@ -101,21 +105,21 @@ def _candidates(recompute: str, unroll: int | bool | Literal["auto"], *, capacit
     return order
 
 
-def choose_layer_loop(plan_fn: PlanFn, capacity: int | None, *, recompute: str = AUTO,
+def choose_layer_loop(plan_fn: PlanFn, capacity: int | None, *, recompute: Recompute | None = None,
                       unroll: int | bool | Literal["auto"] = AUTO, offload_base: bool = False,
                       prefetch: bool = False) -> LayerLoopChoice:
     """The first candidate (module docstring) whose planned peak is <= USABLE_FRACTION * capacity.
 
     plan_fn(recompute, unroll) -> MemoryPlan of the run with that layer loop (everything else fixed).
     capacity: the device's allocator limit in bytes (`memory_plan.device_capacity()`), None where unknown.
-    recompute / unroll: the config's values; "auto" lets this choose, anything else is kept.
+    recompute / unroll: the run's values; None / "auto" lets this choose, anything else is kept.
     offload_base / prefetch: `offload_base_weights` / `offload_prefetch` (constrain the candidates).
     """
     order = _candidates(recompute, unroll, capacity=capacity, offload_base=offload_base, prefetch=prefetch)
-    chosen_by = "auto" if AUTO in (recompute, unroll) else "set in the config"
+    chosen_by = "auto" if recompute is None or unroll == AUTO else "set in the config"
     if capacity is None:
         r, u = order[0]
-        return LayerLoopChoice(r, u, plan_fn(r, u), f"recompute {r}, {describe_unroll(u)} "
+        return LayerLoopChoice(r, u, plan_fn(r, u), f"recompute {r.value}, {describe_unroll(u)} "
                                                     f"(no device capacity known; {chosen_by})")
     usable = int(USABLE_FRACTION * capacity)
     plans = []
@@ -123,10 +127,11 @@ def choose_layer_loop(plan_fn: PlanFn, capacity: int | None, *, recompute: str =
         plan = plan_fn(r, u)
         plans.append((r, u, plan))
         if plan.total <= usable:
-            return LayerLoopChoice(r, u, plan, f"recompute {r}, {describe_unroll(u)}: planned "
+            return LayerLoopChoice(r, u, plan, f"recompute {r.value}, {describe_unroll(u)}: planned "
                                                f"{plan.total / GiB:.1f} of {usable / GiB:.1f} GiB usable fits "
                                                f"({chosen_by})")
     r, u, plan = min(plans, key=lambda p: p[2].total)
-    return LayerLoopChoice(r, u, plan, f"recompute {r}, {describe_unroll(u)}: planned {plan.total / GiB:.1f} GiB, "
+    return LayerLoopChoice(r, u, plan, f"recompute {r.value}, {describe_unroll(u)}: planned "
+                                       f"{plan.total / GiB:.1f} GiB, "
                                        f"more than the {usable / GiB:.1f} GiB usable ({chosen_by}; "
                                        f"nothing smaller among the candidates)")

@@ -81,6 +81,7 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 
+from surojax.models.layer_runner import Recompute
 from surojax.offload.prefetch import PREFETCH_DEPTH
 from surojax.precision.recipe import Recipe
 
@@ -169,7 +170,7 @@ def _targets(targets) -> tuple[str, ...]:
     return tuple(t for t in _TARGETS if t in targets)
 
 
-def activation_bytes_per_token_layer(cfg, recompute: str, *, c: int = 2, rank: int = 0,
+def activation_bytes_per_token_layer(cfg, recompute: Recompute, *, c: int = 2, rank: int = 0,
                                      targets: Iterable[str] = (), unrolled: bool = False) -> int:
     """Bytes one layer saves for the backward per token, by recompute policy and layer loop (see the module
     docstring; `unrolled`: every layer inlined, no scan)."""
@@ -177,28 +178,28 @@ def activation_bytes_per_token_layer(cfg, recompute: str, *, c: int = 2, rank: i
     k, E = _moe_rows(cfg)
     targets = _targets(targets) if rank else ()
     rows = {t: (k if t in ("gate_proj", "up_proj", "down_proj") else 1) for t in targets}  # LoRA rows per token
-    if recompute == "none" and unrolled:
-        return activation_bytes_per_token_layer(cfg, "dots", c=c, rank=rank, targets=targets) + NH * c
-    if recompute == "full":
+    if recompute is Recompute.NONE and unrolled:
+        return activation_bytes_per_token_layer(cfg, Recompute.DOTS, c=c, rank=rank, targets=targets) + NH * c
+    if recompute is Recompute.FULL:
         return D * c
-    if recompute == "dots":
+    if recompute is Recompute.DOTS:
         # MoE: the router's fp32 logits [E] and the k grouped-GEMM rows (gate_up [2F], down [D]) per token
         lora = sum(rows[t] * (rank + io[t][1]) * c for t in targets)
         return D * c + (NH + 2 * KH) * c + D * c + k * (2 * F * c + D * c) + 4 * E + lora
-    if recompute == "offload":
+    if recompute is Recompute.OFFLOAD:
         return 0  # the layer inputs (full's residuals) are kept in host memory
-    if recompute == "none":
+    if recompute is Recompute.NONE:
         qk = (NH + KH) * (4 + c) if cfg.qk_norm else 0
         # MoE: router logits and softmax [E] fp32, and per assignment (k per token) the gathered input row D,
         # gate / up / silu(gate) / product 4F and the expert output D before the weighted sum
         moe = (8 * E + k * 2 * D * c) if E else 0
         return (2 * (D * 4 + D * c) + (NH + 2 * KH) * c + qk + (NH + KH) * c + NH * c
                 + 2 * D * c + k * 4 * F * c + moe + 2 * D * c + sum(rows[t] * rank * c for t in targets))
-    raise ValueError(f"recompute {recompute!r} is unknown (none, full, dots, offload)")
+    raise ValueError(f"recompute {recompute!r} is not a Recompute")
 
 
 def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: int = 16, targets=None,
-                batch: int, seq: int, recompute: str = "full", lm_chunk_tokens: int = 4096,
+                batch: int, seq: int, recompute: Recompute = Recompute.FULL, lm_chunk_tokens: int = 4096,
                 optimizer: str = "adamw", offload_base: bool = False, offload_optimizer: bool = False,
                 offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32",
                 prefetch: bool = False, prefetch_depth: int = PREFETCH_DEPTH, accum: int = 1,
@@ -278,7 +279,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
             weights = (embed_params + L * layer_params) * wb
             grad_bytes = trainable * tb
             if wb != c:
-                kept_layers = 1 if recompute == "full" else L
+                kept_layers = 1 if recompute is Recompute.FULL else L
                 cast = (kept_layers * layer_params + V * D) * c
         if fp8_weight_cache:  # the step's FP8 weight cache: q, q^T
             cast += L * sum(i * o for i, o in io.values()) * 2
@@ -305,7 +306,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: in
     activations = tokens * L * per_tl
     C = min(lm_chunk_tokens, tokens)
     logits = C * V * (4 + 4 + c)
-    one_layer = tokens * activation_bytes_per_token_layer(cfg, "none", c=c, rank=r, targets=tgts)
+    one_layer = tokens * activation_bytes_per_token_layer(cfg, Recompute.NONE, c=c, rank=r, targets=tgts)
     workspace = one_layer + int(_UNMODELLED * activations) + _FIXED_WORKSPACE
     if lora:  # quantised kernels: the reference path dequantises one layer's at a time
         workspace += sum(quantized.values()) * c
@@ -341,10 +342,10 @@ def fitting_options(plan: MemoryPlan, capacity: int, *, offload_available: Itera
         if p.fits(capacity):
             out.append((desc, p.total))
 
-    if s["recompute"] != "full":
-        consider("recompute: full", recompute="full")
-        if s["recompute"] == "none":
-            consider("recompute: dots", recompute="dots")
+    if s["recompute"] is not Recompute.FULL:
+        consider("recompute: full", recompute=Recompute.FULL)
+        if s["recompute"] is Recompute.NONE:
+            consider("recompute: dots", recompute=Recompute.DOTS)
     b = s["batch"]
     while b > 1:
         b = max(1, b // 2)
@@ -373,17 +374,17 @@ def fitting_options(plan: MemoryPlan, capacity: int, *, offload_available: Itera
         if {"offload_optimizer", "offload_master"} <= avail and not (s["offload_optimizer"] or s["offload_master"]):
             consider("offload_optimizer: true and offload_master: true", offload_optimizer=True, offload_master=True)
     elif "offload_base_weights" in avail and not s["offload_base"]:
-        if s["recompute"] == "none":  # streaming needs recomputation (the weights are fetched again)
-            consider("offload_base_weights: true with recompute: full", offload_base=True, recompute="full")
+        if s["recompute"] is Recompute.NONE:  # streaming needs recomputation (the weights are fetched again)
+            consider("offload_base_weights: true with recompute: full", offload_base=True, recompute=Recompute.FULL)
         else:
             consider("offload_base_weights: true", offload_base=True)
-    if s["recompute"] != "full" and s["batch"] > 1:
+    if s["recompute"] is not Recompute.FULL and s["batch"] > 1:
         # a combination, when no single change is enough
         if not out:
             b = s["batch"]
             while b > 1:
                 b = max(1, b // 2)
-                p = plan.with_settings(batch=b, recompute="full")
+                p = plan.with_settings(batch=b, recompute=Recompute.FULL)
                 if p.fits(capacity):
                     out.append((f"recompute: full and per_device_train_batch_size: {b} with "
                                 f"gradient_accumulation_steps multiplied by {math.ceil(s['batch'] / b)}", p.total))

@@ -35,8 +35,8 @@ of every layer would be issued at once and hold the whole base on the device. So
 through an optimization barrier, on the output of the layer `PREFETCH_DEPTH + 1` places before it (forward) or
 after it (backward): at most 1 + depth layers' device copies are live, which is what memory_plan.py counts.
 
-Used through the decoder's layer-loop hook: `Decoder.hidden_states(layer_loop=PrefetchedLayers())` (an object with a
-`run_layers` method replaces the scan; the trainer builds it for `offload_prefetch: true`).
+Used as the decoder's layer runner (surojax/models/layer_runner.py): the layer-loop transform sets
+`PrefetchedLayers()` for `offload_prefetch: true`. It collects no MoE router statistics (`router_stats` None).
 """
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from surojax.models.layer_runner import HiddenStates, LayerPattern, uniform_stack
 from surojax.offload.host_layers import is_host_layers
 
 FETCH_TO = jax.memory.Space.Device
@@ -226,24 +228,29 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchedLayers:
-    """The decoder's layer-loop hook for `offload_prefetch`: passed as `layer_loop=` (where a recompute wrapper goes),
-    it runs the whole layer stack with `prefetched_layer_stack` (recompute full semantics, the next layer fetched
-    early).
+    """The decoder's layer runner for `offload_prefetch` (surojax.models.layer_runner.LayerRunner): the whole
+    layer stack through `prefetched_layer_stack` (recompute full semantics, the next layer fetched early). One
+    stack of one layer type; no KV cache, no router statistics.
     per_layer: always the unrolled per-layer loop (what a `HostLayers` base gets; for its resident twin).
-    depth: layers fetched beyond the one computing in that loop (>= 1; each adds one layer of device memory)."""
+    depth: layers fetched beyond the one computing in that loop (>= 1; each adds one layer of device memory).
+    unroll: the scan form's `lax.scan` unroll."""
 
     per_layer: bool = False
     depth: int = PREFETCH_DEPTH
+    unroll: int | bool = 1
 
     def __post_init__(self):
         if self.depth < 1:
             raise ValueError(f"prefetch depth must be >= 1 (got {self.depth})")
 
-    def run_layers(self, apply_layer: Callable, h, layer_state, consts, *, unroll: int | bool = 1):
-        return prefetched_layer_stack(apply_layer, h, layer_state, consts, unroll=unroll, per_layer=self.per_layer,
-                                      depth=self.depth)
+    def run(self, pattern: LayerPattern, stacks, h, consts: tuple, *, cache=None, kv_meta=None) -> HiddenStates:
+        if cache is not None:
+            raise ValueError("the prefetching layer runner (offload_prefetch) is for training: it takes no KV cache")
+        graphdef, layer_state = nnx.split(uniform_stack(pattern, stacks, "the prefetching layer runner"))
 
-    def __call__(self, body):  # not a remat wrapper: the decoder must call run_layers
-        raise TypeError("PrefetchedLayers replaces the layer scan (Decoder.hidden_states calls run_layers); "
-                        "it does not wrap a scan body")
+        def apply_layer(state_l, h, consts):
+            return nnx.merge(graphdef, state_l)(h, *consts)[0]
 
+        h = prefetched_layer_stack(apply_layer, h, layer_state, consts, unroll=self.unroll, per_layer=self.per_layer,
+                                   depth=self.depth)
+        return HiddenStates(h)

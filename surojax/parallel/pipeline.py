@@ -45,9 +45,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from surojax.models.decoder import LAYER_INPUT
+from surojax.models.layer_runner import LAYER_INPUT, HiddenStates, LayerPattern, Recompute, uniform_stack
 from surojax.parallel import fp32_sums
 from surojax.parallel.rules import batch_parallel_size
 
@@ -117,13 +118,13 @@ def _stage_major(x: jax.Array, stages: int, repeats: int) -> jax.Array:
 
 
 def pipeline_layers(apply_layer: Callable, layer_state, h: jax.Array, consts: tuple, *, mesh: Mesh,
-                    microbatches: int, repeats: int = 1, layer_remat: Callable | None = None,
+                    microbatches: int, repeats: int = 1, recompute: Recompute = Recompute.NONE,
                     unroll: int | bool = 1) -> jax.Array:
     """h [B, T, D] after every layer of `layer_state` (every leaf stacked [L, ...]), pipelined over `stage`.
 
     apply_layer(state_l, h, consts) -> h: one layer on one microbatch (state_l: the layer's slice; h [B/M, T, D];
-    consts: the microbatch's rows of each `consts` array, every one [B, ...] on its leading axis). layer_remat:
-    the recompute wrapper of the per-layer body (surojax.offload.remat.remat_wrapper), None: none. unroll: the
+    consts: the microbatch's rows of each `consts` array, every one [B, ...] on its leading axis). recompute:
+    the policy wrapping the per-layer body (surojax.models.layer_runner.Recompute). unroll: the
     per-stage layer scan's. Equal to the plain scan over the layers, up to float reassociation (none in fp32 on
     CPU: the same ops run per row).
     """
@@ -147,7 +148,7 @@ def pipeline_layers(apply_layer: Callable, layer_state, h: jax.Array, consts: tu
             x = checkpoint_name(x, LAYER_INPUT)  # what `recompute: offload` keeps in host memory
             return apply_layer(state_l, x, c), None
 
-        body = body if layer_remat is None else layer_remat(body)
+        body = recompute.wrap(body)
         return jax.lax.scan(body, x, chunk_state, unroll=unroll)[0]
 
     run_chunk = jax.checkpoint(run_chunk)
@@ -193,18 +194,28 @@ def pipeline_layers(apply_layer: Callable, layer_state, h: jax.Array, consts: tu
 
 @dataclasses.dataclass(frozen=True)
 class PipelinedLayers:
-    """The decoder's layer loop for `parallel.stage > 1` (Decoder.hidden_states calls `run_layers` in place of its
-    scan): `pipeline_layers` with the run's microbatches, repeats and per-layer recompute wrapper."""
+    """The decoder's layer runner for `parallel.stage > 1` (surojax.models.layer_runner.LayerRunner):
+    `pipeline_layers` with the run's microbatches, repeats and per-layer recompute policy. One stack of one layer
+    type; no KV cache, no router statistics."""
 
     mesh: Mesh
     microbatches: int
     repeats: int = 1
-    layer_remat: Callable | None = None
+    recompute: Recompute = Recompute.NONE
+    unroll: int | bool = 1
 
-    def run_layers(self, apply_layer: Callable, h: jax.Array, layer_state, consts: tuple, *,
-                   unroll: int | bool = 1) -> jax.Array:
-        return pipeline_layers(apply_layer, layer_state, h, consts, mesh=self.mesh, microbatches=self.microbatches,
-                               repeats=self.repeats, layer_remat=self.layer_remat, unroll=unroll)
+    def run(self, pattern: LayerPattern, stacks, h: jax.Array, consts: tuple, *, cache=None,
+            kv_meta=None) -> HiddenStates:
+        if cache is not None:
+            raise PipelineError("the pipelined layer runner is for training: it takes no KV cache")
+        graphdef, layer_state = nnx.split(uniform_stack(pattern, stacks, "the pipelined layer runner"))
+
+        def apply_layer(state_l, h, consts):
+            return nnx.merge(graphdef, state_l)(h, *consts)[0]
+
+        return HiddenStates(pipeline_layers(apply_layer, layer_state, h, consts, mesh=self.mesh,
+                                            microbatches=self.microbatches, repeats=self.repeats,
+                                            recompute=self.recompute, unroll=self.unroll))
 
     def describe(self) -> str:
         S = self.mesh.shape[STAGE]
@@ -218,16 +229,16 @@ def pipeline_stages(mesh) -> int:
 
 
 def pipelined_layer_loop(mesh: Mesh, spec: PipelineSpec, *, rows_per_shard: int, num_layers: int,
-                         layer_remat: Callable | None) -> PipelinedLayers:
-    """The layer loop of a run on a mesh with stage > 1, its shapes checked before anything compiles.
-    rows_per_shard: rows of one data shard per micro-batch (per_device_train_batch_size); layer_remat: the
-    per-layer recompute wrapper (surojax.offload.remat.remat_wrapper of the run's policy; None: none)."""
+                         recompute: Recompute, unroll: int | bool = 1) -> PipelinedLayers:
+    """The layer runner of a run on a mesh with stage > 1, its shapes checked before anything compiles.
+    rows_per_shard: rows of one data shard per micro-batch (per_device_train_batch_size); recompute / unroll:
+    the run's per-layer policy and the per-stage scan's unroll."""
     stages = pipeline_stages(mesh)
     microbatches = spec.microbatches or default_microbatches(stages, rows_per_shard)
     dp = batch_parallel_size(mesh)
     check_pipeline(num_layers=num_layers, rows=rows_per_shard * dp, data_parallel=dp, stages=stages,
                    microbatches=microbatches, repeats=spec.repeats)
-    return PipelinedLayers(mesh, microbatches, spec.repeats, layer_remat)
+    return PipelinedLayers(mesh, microbatches, spec.repeats, recompute, unroll)
 
 
 __all__ = ["PipelineError", "PipelineSpec", "PipelinedLayers", "bubble_fraction", "check_pipeline",

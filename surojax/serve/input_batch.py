@@ -26,6 +26,7 @@ import numpy as np
 
 from surojax.generation.sampling import BatchMode
 from surojax.models.kv import PagedKernel
+from surojax.models.layer_runner import LayerScan
 from surojax.serve.kv_fp8 import KVScales
 
 Array = Any  # a jax or numpy array
@@ -109,8 +110,9 @@ class StepSettings:
 def run_decoder(model, tokens, positions, segment_ids, cache, settings: StepSettings):
     """The decoder over a serving cache -> (h, cache). A paged cache always rides in the layer scan's carry;
     a dense view does where ``settings.kv_in_place``."""
-    return model.hidden_states(tokens, positions, segment_ids, cache=cache, cache_in_carry=settings.kv_in_place,
-                               unroll=settings.unroll)
+    runner = LayerScan(unroll=settings.unroll, carry_cache=settings.kv_in_place)
+    h, cache, _ = model.hidden_states(tokens, positions, segment_ids, cache=cache, runner=runner)
+    return h, cache
 
 
 class KVAccess(Protocol):

@@ -9,7 +9,7 @@ ZeRO (`spec.zero_stage`, surojax/parallel/zero.py): stages 1-2 place the optimiz
 gradients) split over the data devices and constrain the step to that layout; 0 and 3 follow the parameters
 (3 is the fsdp mesh). `Run.zero_summary` says the stage and the bytes per device.
 
-The loss is a pure function `loss(model, batch, *, chunk, layer_loop, unroll) -> (loss_sum, {"tokens": ...})`
+The loss is a pure function `loss(model, batch, *, chunk) -> (loss_sum, {"tokens": ...})`
 (default: the chunked LM loss); SFT, pretraining and the later tasks differ only in their data and this function.
 A MoE model's training loss also gets `router=` (the router-loss weights) and returns its router stats.
 Shapes: the train step takes batches [A, B, T] (A micro-batches of B rows of T tokens, B = rows per device x
@@ -29,12 +29,13 @@ from flax import nnx
 from surojax.compilation_cache import enable_compilation_cache
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.models.decoder import Decoder
+from surojax.models.layer_runner import Recompute
 from surojax.models.transform import Transform, memory_settings, step_hooks, summary_lines, trainable_filter
 from surojax.offload.device_budget import placed_bytes, plans_one_device
 from surojax.offload.layer_loop_choice import LayerLoopChoice, choose_layer_loop
 from surojax.offload.memory_plan import MemoryPlan, check_fits, device_capacity, plan_memory
 from surojax.offload.optimizer import apply_master_updates, compute_copy
-from surojax.offload.remat import layer_loop, remat_wrapper
+from surojax.offload.layer_loop import LayerLoop
 from surojax.offload.settings import OFFLOAD_AVAILABLE, prepare_host_memory
 from surojax.parallel import batch_parallel_size
 from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_layer_loop
@@ -68,7 +69,7 @@ class Run:
     eval_step: Callable
     chunk: int  # tokens per chunk of the chunked LM head
     memory_plan: MemoryPlan
-    layer_loop: object  # what the decoder's `layer_loop=` receives
+    layer_loop: LayerLoop  # the layer-loop transform: the decoder's layer runner (offload/layer_loop.py)
     layer_loop_reason: str  # which recompute / unrolling the run uses, and why (the start-up summary)
     zero: ZeroLayout  # where params, gradients and optimizer state live (the resolved ZeRO stage)
     zero_summary: str  # the stage and the bytes per device of params / gradients / optimizer state (start-up)
@@ -90,7 +91,7 @@ def data_parallel_size(mesh) -> int:
     return batch_parallel_size(mesh)
 
 
-def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: str | None = None,
+def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: Recompute | None = None,
                    unroll: int | bool | None = None, mesh=None) -> MemoryPlan:
     """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded but for
     the ZeRO stage's split on `mesh` (None: one device); `recompute` / `unroll` replace the spec's (a candidate
@@ -127,18 +128,20 @@ def placed_model(spec: RunSpec, transforms: list[Transform],
                  customize: Callable[[Decoder], None] | None = None) -> Decoder:
     """The model built and transformed in order: loaded / initialised, the transforms before the placement applied
     (then `customize`), all inside the placement's construction (offload/placement.py: a model built straight
-    into its shards or host buffers never exists unplaced)."""
+    into its shards or host buffers never exists unplaced), then the ones after it (the layer loop)."""
     placement = next(t for t in transforms if t.name == "placement")
-    before = transforms[:transforms.index(placement)]
+    at = transforms.index(placement)
 
     def make_model(shardings_of=None) -> Decoder:
         model = build_model(spec, shardings_of=shardings_of, transforms=[])
-        apply_model_transforms(model, before)
+        apply_model_transforms(model, transforms[:at])
         if customize is not None:
             customize(model)
         return model
 
-    return placement.build(make_model)
+    model = placement.build(make_model)
+    apply_model_transforms(model, transforms[at + 1:])  # the layer loop: the decoder's runner
+    return model
 
 
 def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Callable[[Decoder], None] | None = None,
@@ -165,20 +168,21 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     if mem.unroll is True or (not isinstance(mem.unroll, bool) and mem.unroll > 1):
         reason += ("; unrolled layers compile longer the first time" +
                    (f" (compiled programs are cached in {cache_dir})" if cache_dir else ""))
-    pipelined = pipeline_stages(mesh) > 1
-    if pipelined:  # stage > 1: the layers run as a microbatch schedule over the stages (parallel/pipeline.py)
+    pipeline = None
+    if pipeline_stages(mesh) > 1:  # the layers run as a microbatch schedule over the stages (parallel/pipeline.py)
         if spec.moe is not None:
             raise PipelineError("pipeline stages (parallel.stage > 1) do not collect the router statistics a MoE "
                                 "model's training loss needs yet; use expert / data / fsdp parallelism for it")
         pipeline = pipelined_layer_loop(mesh, spec.pipeline, rows_per_shard=spec.batch.rows,
                                         num_layers=spec.model.config.num_layers,
-                                        layer_remat=remat_wrapper(mem.recompute))
-        reason += "; " + pipeline.describe()
+                                        recompute=mem.recompute, unroll=mem.unroll)
+    loop = LayerLoop(mem.recompute, mem.unroll, prefetch=mem.offload_prefetch, pipeline=pipeline, reason=reason)
+    reason = loop.summary()
     log.debug("layer loop: %s", reason)  # the Trainer prints it in its start-up summary
     if check_memory and plans_one_device(mesh):
         check_fits(plan, device_capacity(), offload_available=OFFLOAD_AVAILABLE)
 
-    transforms = run_transforms(spec, mesh)
+    transforms = [*run_transforms(spec, mesh), loop]  # models/transform.py's order: the layer loop last
     model = placed_model(spec, transforms, customize)
     train_mode = spec.lora is not None and spec.lora.adapter.dropout > 0
     if train_mode:
@@ -189,6 +193,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     state = next((h.state for h in hooks if h.state is not None), None)  # step state: carried, never optimised
     params = trainable if state is None else state.split(trainable)[0]
     model.eval()
+    model.runner = loop.eval_runner
     eval_graphdef = nnx.split(model, trains, ...)[0]
 
     o = spec.optim
@@ -208,19 +213,17 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
         apply = {"apply_updates": apply_master_updates}
     del model  # the model's own references to replaced arrays (offload_master's fp32 layers) are dropped
 
-    loop = pipeline if pipelined else layer_loop(mem.recompute, prefetch=mem.offload_prefetch,
-                                                 per_layer=mem.offload_prefetch)
-    loss_fn = functools.partial(loss, chunk=chunk, unroll=mem.unroll)
+    loss_fn = functools.partial(loss, chunk=chunk)
     # a MoE model trains with its router losses and reports its router stats (surojax.losses.router); eval is CE
     train_loss = loss_fn if spec.moe is None else functools.partial(loss_fn, router=spec.moe.router_loss)
-    train_step = make_train_step(graphdef, train_loss, optimizer, layer_loop=loop, hooks=hooks,
+    train_step = make_train_step(graphdef, train_loss, optimizer, hooks=hooks,
                                  loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state), **apply)
-    eval_step = make_eval_step(eval_graphdef, loss_fn, layer_loop=loop if mem.offload_prefetch or pipelined else None)
+    eval_step = make_eval_step(eval_graphdef, loss_fn)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
                optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,
                layer_loop_reason=reason, zero=zero, zero_summary=summary,
-               transform_lines=summary_lines(transforms))
+               transform_lines=summary_lines([t for t in transforms if t is not loop]))  # the loop: `layers`
 
 
 def layerwise_update(spec: RunSpec, mesh, stage: int) -> bool:

@@ -39,6 +39,7 @@ from surojax.config.lora import GGUF_MIXES, GGUF_TYPES as CONFIG_GGUF_TYPES
 from surojax.config.schema import TrainConfig
 from surojax.losses.router import RouterLossWeights
 from surojax.models.config import ModelConfig
+from surojax.models.layer_runner import Recompute
 from surojax.models.layers.attention_backend import AttentionBackend, parse_attention_backend
 from surojax.parallel.pipeline import PipelineSpec
 from surojax.quant import FORMATS, GGUF_TYPES
@@ -135,7 +136,7 @@ class QuantSpec:
 
 @dataclasses.dataclass(frozen=True)
 class MemorySpec:
-    recompute: str = "full"  # none | full | dots | offload | auto
+    recompute: Recompute | None = Recompute.FULL  # None: auto (build.resolve_layer_loop picks it)
     unroll: int | bool | str = 1  # layers per scan iteration, True: all, "auto"
     lmhead_chunks: int = 1
     offload_base: bool = False
@@ -147,7 +148,8 @@ class MemorySpec:
     @property
     def host_memory(self) -> bool:
         """Whether anything lives in host memory (the GPU client's pinned-host cap must be raised first)."""
-        return (self.offload_base or self.offload_optimizer or self.offload_master or self.recompute == "offload")
+        return (self.offload_base or self.offload_optimizer or self.offload_master
+                or self.recompute is Recompute.OFFLOAD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,7 +404,9 @@ def _check_qlora_matches(cfg: TrainConfig, prequant: QuantScheme) -> None:
 
 
 def memory_spec(cfg: TrainConfig) -> MemorySpec:
-    return MemorySpec(recompute=cfg.recompute, unroll=cfg.unroll_layers, lmhead_chunks=cfg.lmhead_chunks,
+    # `recompute: auto` becomes None (resolved by the memory plan in build.resolve_layer_loop); the rest typed
+    recompute = None if cfg.recompute == "auto" else Recompute.parse(cfg.recompute)
+    return MemorySpec(recompute=recompute, unroll=cfg.unroll_layers, lmhead_chunks=cfg.lmhead_chunks,
                       offload_base=cfg.offload_base_weights, offload_prefetch=cfg.offload_prefetch,
                       offload_optimizer=cfg.offload_optimizer, offload_master=cfg.offload_master,
                       optimizer_layerwise=cfg.optimizer_layerwise)

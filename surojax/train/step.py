@@ -63,12 +63,12 @@ def _one(hooks: Sequence[StepHooks], field: str):
     return found[0] if found else None
 
 
-def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *, layer_loop=None,
+def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                     hooks: Sequence[StepHooks] = (), donate: bool = True, jit: bool = True,
                     apply_updates: Callable = optax.apply_updates, loss_guard: bool = False,
                     shardings: StepShardings | None = None):
-    """`loss_fn(model, micro_batch, layer_loop=...) -> (loss_sum, {"tokens": count, ...})`; `layer_loop`: what the
-    decoder runs its layers with (offload.remat.layer_loop: a recompute wrapper, or the prefetching loop).
+    """`loss_fn(model, micro_batch) -> (loss_sum, {"tokens": count, ...})`; the model runs its layers on the layer
+    runner in `graphdef` (surojax/models/layer_runner.py, set by the layer-loop transform).
     Every other entry of the loss's metrics (any pytree of arrays, e.g. the MoE router stats under "router") is
     summed over the micro-batches in fp32 and returned in the step's metrics under its own key, undivided.
 
@@ -111,7 +111,7 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
             for h, value in zip(per_step, values):
                 if h.before_micro is not None:
                     h.before_micro(model, jax.random.fold_in(rng, index), value)
-            return loss_fn(model, mb, layer_loop=layer_loop)
+            return loss_fn(model, mb)
 
         def grads_of(mb, index):
             (loss_sum, aux), (g, seen) = jax.value_and_grad(loss_of, has_aux=True)((trainable, observers), mb, index)
@@ -193,13 +193,12 @@ def steady_state(step):
     return getattr(step, "steady", step)
 
 
-def make_eval_step(graphdef, loss_fn: Callable, *, layer_loop=None):
-    """layer_loop: the layer loop the forward pass runs (None: the plain scan; the prefetching loop where the base
-    is kept as per-layer host buffers, which only that loop reads)."""
+def make_eval_step(graphdef, loss_fn: Callable):
+    """The forward pass runs the layer runner in `graphdef` (the run's eval runner: surojax/offload/layer_loop.py)."""
     @jax.jit
     def eval_step(trainable, frozen, batch):
         model = nnx.merge(graphdef, trainable, frozen)
-        loss_sum, aux = loss_fn(model, batch) if layer_loop is None else loss_fn(model, batch, layer_loop=layer_loop)
+        loss_sum, aux = loss_fn(model, batch)
         return loss_sum, aux["tokens"]
 
     return eval_step

@@ -37,6 +37,7 @@ from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
 from surojax.model_loader import load_model_ref
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
+from surojax.models.layer_runner import Recompute
 from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.offload.device_budget import Beside, placed_bytes
 from surojax.offload.memory_plan import GiB, activation_bytes_per_token_layer
@@ -90,7 +91,7 @@ def forward_peak_bytes(cfg: ModelConfig, *, rows: int, device_rows: int, sequenc
     and log-probs [device_rows, Tc, V] x 2, plus the outputs [device_rows, T, K] (int32 ids + fp32 log-probs)."""
     tokens = device_rows * sequence_len
     stream = 2 * tokens * cfg.hidden_size * compute_bytes
-    layer = tokens * activation_bytes_per_token_layer(cfg, "none", c=compute_bytes)
+    layer = tokens * activation_bytes_per_token_layer(cfg, Recompute.NONE, c=compute_bytes)
     logits = 2 * device_rows * sequence_chunk(rows, sequence_len, chunk) * cfg.vocab_size * 4
     return stream + max(layer, logits) + tokens * top_k * 8
 
@@ -171,7 +172,7 @@ class OnlineTeacher:
         @functools.partial(jax.jit, out_shardings=(rows_out, rows_out))
         def forward(state, tokens, positions, segment_ids, loss_mask):
             teacher: Decoder = nnx.merge(graphdef, state)
-            h, _ = teacher.hidden_states(tokens, positions, segment_ids)
+            h = teacher.hidden_states(tokens, positions, segment_ids).hidden
             return teacher_topk(jax.lax.stop_gradient(h), teacher.head_weight(), loss_mask, k=top_k,
                                 n_tokens=n_tokens, chunk=chunk)
 

@@ -70,7 +70,7 @@ def test_bench_train_defaults_resolve_the_layer_loop_as_the_trainer(monkeypatch,
     monkeypatch.setattr(build_module, "device_capacity", lambda: 80 * 2**30)  # what build_run reads
     bc = BenchConfig(shape=shape, batch=batch)
     spec, _ = build_module.resolve_layer_loop(bench_spec(bc), lm_chunk_tokens(bc.batch, bc.seq, bc.lmhead_chunks))
-    assert (spec.memory.recompute, spec.memory.unroll) == want
+    assert (spec.memory.recompute.value, spec.memory.unroll) == want
 
 
 def test_bench_train_bad_argument_is_one_clean_line(capsys):

@@ -257,29 +257,32 @@ def decoder_setup():
 
 
 def decoder_loss_and_grads(cfg, batch, backend, loop):
+    """loop: the decoder's layer runner (None: the default plain scan)."""
     from flax import nnx
 
     from surojax.losses.lm import lm_loss
     from surojax.models.decoder import Decoder
 
     model = Decoder(cfg, dtype=BF16, param_dtype=jnp.float32, attention=backend, rngs=nnx.Rngs(params=0))
+    if loop is not None:
+        model.runner = loop
     graphdef, params = nnx.split(model, nnx.Param)
 
     @jax.jit
     def loss_and_grads(params):
-        return jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p), batch, layer_loop=loop)[0])(params)
+        return jax.value_and_grad(lambda p: lm_loss(nnx.merge(graphdef, p), batch)[0])(params)
 
     return loss_and_grads(params)
 
 
 @pytest.mark.parametrize("recompute", ["none", "dots", "full"])
 def test_decoder_loss_and_grads_match_xla_backend(monkeypatch, decoder_setup, recompute):
-    from surojax.offload.remat import remat_wrapper
+    from surojax.models.layer_runner import LayerScan, Recompute
 
     monkeypatch.setattr(att, "_cudnn_fused", emulated_cudnn)
     CALLS.clear()
     cfg, batch, (l_x, g_x) = decoder_setup
-    l_c, g_c = decoder_loss_and_grads(cfg, batch, "cudnn:8", remat_wrapper(recompute))
+    l_c, g_c = decoder_loss_and_grads(cfg, batch, "cudnn:8", LayerScan(Recompute(recompute)))
     assert "packed" in CALLS  # the emulated cuDNN call is what the cudnn backend traced
     assert abs(float(l_x) - float(l_c)) <= 1e-3 * abs(float(l_x))
     # bf16 compute with bf16 backward GEMMs: two backends differ by bf16 rounding, ~0.5% of a gradient's

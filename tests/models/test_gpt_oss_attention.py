@@ -1,6 +1,6 @@
 """gpt_oss attention: sink logits in the softmax denominator (every attention path: xla, the cudnn backend's
-static fallback, the dense and paged KV caches with the Pallas kernel requested), per-layer windows scanned with
-the layers (a 4-layer model against a layer-by-layer reference with static windows), the o_proj bias, and the
+static fallback, the dense and paged KV caches with the Pallas kernel requested), per-layer windows as the layer
+types of the decoder's layer pattern (a 4-layer model against a layer-by-layer reference with static windows), the o_proj bias, and the
 layer_types <-> layer_windows reading. References are written out here in numpy after transformers' gpt_oss
 `eager_attention_forward` (softmax over [scores, sink], sink column dropped)."""
 from __future__ import annotations
@@ -138,8 +138,8 @@ def layer_by_layer(model: Decoder, tokens, positions, segments):
 
 @pytest.mark.parametrize("backend", ["xla", "cudnn"])
 def test_alternating_windows_equal_static_windows_layer_by_layer(backend):
-    """backend cudnn on CPU in fp32: every branch of the window switch computes the xla reference with its static
-    window, so this checks that the switch picks each layer's window."""
+    """backend cudnn on CPU in fp32: each layer type's static window computes the xla reference with that window,
+    so this checks that the layer pattern hands each layer its window."""
     cfg = tiny(attention_sinks=False) if backend == "cudnn" else tiny()
     model = Decoder(cfg, attention=backend, rngs=nnx.Rngs(0))
     tokens, positions, segments = _inputs(cfg)
@@ -160,7 +160,7 @@ def test_cudnn_backend_with_sinks_takes_the_xla_path():
     outs = []
     for backend in ("cudnn", "xla"):
         att = Attention(cfg, backend=backend, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        outs.append(np.asarray(att(x, cos, sin, segments, positions, window=jnp.int32(2))[0], np.float32))
+        outs.append(np.asarray(att(x, cos, sin, segments, positions, window=2)[0], np.float32))
     np.testing.assert_array_equal(outs[0], outs[1])
 
 

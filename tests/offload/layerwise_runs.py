@@ -13,7 +13,7 @@ from flax import nnx
 from surojax.losses.lm import lm_loss
 from surojax.models.decoder import Decoder
 from surojax.offload.optimizer import apply_master_updates, compute_copy, layerwise
-from surojax.offload.remat import remat_wrapper
+from surojax.models.layer_runner import LayerScan, Recompute, with_runner
 from surojax.parallel import make_mesh, shard_model
 from surojax.train.optim import decay_mask, init_opt_state
 from surojax.train.step import make_train_step
@@ -37,13 +37,14 @@ def _run(offload_state: bool, master: bool = False, steps=3):
     (the device then trains the params' bf16 copy)."""
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     model = Decoder(CFG, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))  # the bf16 recipe
+    model = with_runner(model, LayerScan(Recompute.FULL))
     graphdef, trainable, frozen = nnx.split(shard_model(model, mesh), nnx.Param, ...)
     inner = optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
     opt = optax.chain(optax.clip_by_global_norm(1.0), layerwise(inner, offload=offload_state, master=master))
     state = init_opt_state(opt, trainable, mesh)  # on the fp32 params: the master is their copy
     if master:
         trainable = compute_copy(trainable, jnp.bfloat16)
-    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"), donate=False,
+    step = make_train_step(graphdef, lm_loss, opt, donate=False,
                            apply_updates=apply_master_updates if master else optax.apply_updates)
     losses = []
     for _ in range(steps):

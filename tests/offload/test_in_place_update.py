@@ -28,7 +28,7 @@ from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.offload.memory_plan import plan_memory
 from surojax.offload.optimizer import apply_master_updates, clipped_layerwise, compute_copy
-from surojax.offload.remat import remat_wrapper
+from surojax.models.layer_runner import LayerScan, Recompute, with_runner
 from surojax.offload.streaming import HOST_KIND
 from surojax.parallel import make_mesh, shard_model
 from surojax.train.optim import decay_mask, init_opt_state
@@ -43,6 +43,7 @@ CFG = tiny.model_config(tiny.QWEN3, vocab_size=128)
 def _run(*, in_place: bool, offload: bool, master: bool, A: int, steps=2):
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     model = Decoder(CFG, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))  # the bf16 recipe
+    model = with_runner(model, LayerScan(Recompute.FULL))
     graphdef, trainable, frozen = nnx.split(shard_model(model, mesh), nnx.Param, ...)
     opt = clipped_layerwise(optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask), offload=offload, master=master,
                             max_grad_norm=0.5)
@@ -51,7 +52,7 @@ def _run(*, in_place: bool, offload: bool, master: bool, A: int, steps=2):
     state = init_opt_state(opt, trainable, mesh)
     if master:
         trainable = compute_copy(trainable, jnp.bfloat16)
-    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"),
+    step = make_train_step(graphdef, lm_loss, opt,
                            apply_updates=apply_master_updates if master else optax.apply_updates)
     losses, norms = [], []
     for _ in range(steps):
@@ -129,7 +130,7 @@ def test_step_temporaries_grow_by_one_gradient_per_layer(master, limit):
     assert host_per_param == pytest.approx(12.0 if master else 8.0, rel=0.01)
     # the memory plan grows like the compiled device peak (less the CPU-only broadcast of the divisor)
     plans = [plan_memory(ModelConfig.from_hf(dict(shape_hf_config("debug"), num_hidden_layers=n)), mode="full",
-                         batch=1, seq=128, recompute="full", lm_chunk_tokens=128, offload_optimizer=True,
+                         batch=1, seq=128, recompute=Recompute.FULL, lm_chunk_tokens=128, offload_optimizer=True,
                          offload_master=master) for n in (2, 6)]
     plan_per_param = (plans[1].total - plans[0].total) / 4 / _layer_params(model_config("debug"))
     peak_per_param = (deep["device_peak"] - shallow["device_peak"]) / 4 / _layer_params(model_config("debug"))

@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 
 from surojax.bench.shapes import model_config
+from surojax.models.layer_runner import Recompute
 from surojax.offload.layer_loop_choice import USABLE_FRACTION, choose_layer_loop
 from surojax.offload.memory_plan import GiB, plan_memory
 
@@ -20,13 +21,14 @@ class FakePlan:
 
 def fake_plan(recompute, unroll):
     assert unroll is True or (unroll == 1 and not isinstance(unroll, bool))
-    return FakePlan(SIZES[(recompute, "unrolled" if unroll is True else "rolled")] * GiB)
+    return FakePlan(SIZES[(recompute.value, "unrolled" if unroll is True else "rolled")] * GiB)
 
 
-def choose(capacity_gib, **kw):
+def choose(capacity_gib, recompute: str | None = None, **kw):
+    """(recompute's name, "unrolled" or the unroll) chosen; `recompute` by its config name."""
     cap = None if capacity_gib is None else int(capacity_gib * GiB)
-    c = choose_layer_loop(fake_plan, cap, **kw)
-    return c.recompute, ("unrolled" if c.unroll is True else c.unroll)
+    c = choose_layer_loop(fake_plan, cap, recompute=None if recompute is None else Recompute(recompute), **kw)
+    return c.recompute.value, ("unrolled" if c.unroll is True else c.unroll)
 
 
 def test_fastest_that_fits_with_margin():
@@ -41,7 +43,7 @@ def test_fastest_that_fits_with_margin():
 
 def test_nothing_fits_returns_the_smallest_and_says_so():
     c = choose_layer_loop(fake_plan, 10 * GiB)
-    assert (c.recompute, c.unroll) == ("offload", 1) and "more than the 9.0 GiB usable" in c.reason
+    assert (c.recompute, c.unroll) == (Recompute.OFFLOAD, 1) and "more than the 9.0 GiB usable" in c.reason
 
 
 def test_no_capacity_is_rolled_without_recompute():
@@ -67,8 +69,8 @@ def test_user_values_kept():
     assert choose(140, unroll=1) == ("none", 1)
     assert choose(60, unroll=1) == ("full", 1)
     assert choose(None, unroll=True) == ("none", "unrolled")
-    c = choose_layer_loop(fake_plan, 10 * GiB, recompute="none", unroll=1)
-    assert (c.recompute, c.unroll) == ("none", 1) and "set in the config" in c.reason  # kept, even not fitting
+    c = choose_layer_loop(fake_plan, 10 * GiB, recompute=Recompute.NONE, unroll=1)
+    assert (c.recompute, c.unroll) == (Recompute.NONE, 1) and "set in the config" in c.reason  # kept, even not fitting
 
 
 def test_real_plans_on_the_h200():
@@ -79,6 +81,6 @@ def test_real_plans_on_the_h200():
                                         unroll=u)
 
     h200 = 140 * GiB
-    assert (c := choose_layer_loop(plan_fn("qwen3-0.6b", 8), h200)).recompute == "none" and c.unroll is True
-    assert (c := choose_layer_loop(plan_fn("qwen3-0.6b", 8), 24 * GiB)).recompute == "full" and c.unroll == 1
-    assert choose_layer_loop(plan_fn("qwen3-8b", 16), h200).recompute == "full"
+    assert (c := choose_layer_loop(plan_fn("qwen3-0.6b", 8), h200)).recompute is Recompute.NONE and c.unroll is True
+    assert (c := choose_layer_loop(plan_fn("qwen3-0.6b", 8), 24 * GiB)).recompute is Recompute.FULL and c.unroll == 1
+    assert choose_layer_loop(plan_fn("qwen3-8b", 16), h200).recompute is Recompute.FULL

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from surojax.models.decoder import Decoder
+from surojax.models.layer_runner import Recompute
 from surojax.offload.optimizer import compute_copy, master_params
 from surojax.offload.streaming import HOST_KIND
 from surojax.parallel import make_mesh
@@ -105,7 +106,7 @@ def test_memory_plan_counts_the_master_on_host():
     D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     embed = V * D * (1 if cfg.tie_word_embeddings else 2) + D
     layer = (cfg.num_params() - embed) // L
-    kw = dict(mode="full", batch=1, seq=2048, recompute="full")
+    kw = dict(mode="full", batch=1, seq=2048, recompute=Recompute.FULL)
     res, off = plan_memory(cfg, **kw), plan_memory(cfg, offload_master=True, **kw)
     # layers: 2 bytes / param (bf16 copy) on the device instead of 4 (fp32 master) + 2 (cast copy of one layer)
     assert off.weights == 4 * embed + 2 * L * layer + 2 * 4 * layer

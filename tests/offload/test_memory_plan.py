@@ -15,6 +15,7 @@ build, session 2:
 import pytest
 
 from surojax.bench.shapes import model_config
+from surojax.models.layer_runner import Recompute
 from surojax.offload.memory_plan import (GiB, MemoryPlanError, check_fits, device_capacity, fitting_options,
                                          format_plan, plan_memory)
 
@@ -25,7 +26,7 @@ CASES = [("qwen3-0.6b", "lora", 8, "none", 42.6), ("qwen3-0.6b", "lora", 8, "ful
 
 def _plan(shape="qwen3-0.6b", **kw):
     kw = {"mode": "lora", "batch": 8, "seq": 2048, "recompute": "none", **kw}
-    return plan_memory(model_config(shape), **kw)
+    return plan_memory(model_config(shape), **{**kw, "recompute": Recompute(kw["recompute"])})  # the config's names
 
 
 UNROLLED = [("qwen3-0.6b", "lora", 8, "none", 32.4), ("qwen3-0.6b", "full", 8, "none", 37.5),
@@ -84,7 +85,7 @@ def test_check_fits_lists_options_that_fit():
 
 
 def test_check_fits_passes_and_skips():
-    p = _plan(recompute="full")
+    p = _plan(recompute=Recompute.FULL)
     check_fits(p, 141 * GiB)
     check_fits(_plan(mode="full", batch=64), None)  # CPU: no capacity, no check
 
@@ -118,7 +119,7 @@ def test_device_capacity_cpu():
 
 def test_offload_components():
     cfg = model_config("llama3-8b")  # untied embeddings
-    kw = dict(mode="lora", batch=1, seq=2048, recompute="full")
+    kw = dict(mode="lora", batch=1, seq=2048, recompute=Recompute.FULL)
     resident, streamed = plan_memory(cfg, **kw), plan_memory(cfg, offload_base=True, **kw)
     D, V = cfg.hidden_size, cfg.vocab_size
     layer = (cfg.num_params() - (2 * V * D + D)) // cfg.num_layers
@@ -129,12 +130,12 @@ def test_offload_components():
     assert abs(resident.with_settings(lm_chunk_tokens=512).total / GiB - 17.8) < 0.5
     assert 3.78 <= streamed.with_settings(lm_chunk_tokens=512).total / GiB <= 3.78 * 1.2
     assert resident.weights == 2 * cfg.num_params()
-    assert plan_memory(cfg, **{**kw, "recompute": "offload"}).activations == 0
-    full = dict(mode="full", batch=1, seq=2048, recompute="full")
+    assert plan_memory(cfg, **{**kw, "recompute": Recompute.OFFLOAD}).activations == 0
+    full = dict(mode="full", batch=1, seq=2048, recompute=Recompute.FULL)
     off = plan_memory(cfg, offload_optimizer=True, **full)
     assert off.optimizer == 8 * (2 * layer + 2 * V * D + D)  # two layers' AdamW state + embedding / head / norm
     # a LoRA run that does not fit is told to stream its base (with recomputation when it had none)
-    big = plan_memory(model_config("qwen3-8b"), mode="lora", batch=1, seq=2048, recompute="none")
+    big = plan_memory(model_config("qwen3-8b"), mode="lora", batch=1, seq=2048, recompute=Recompute.NONE)
     opts = [d for d, _ in fitting_options(big, 12 * GiB, offload_available=("offload_base_weights",))]
     assert "offload_base_weights: true with recompute: full" in opts
 
@@ -144,7 +145,7 @@ def test_prefetch_plan_at_batch_4():
     12 GiB target (measured 35 GiB before the bound), the resident plan's activations and logits plus the
     streamed weights: the head and 1 + depth layers."""
     cfg = model_config("llama3-8b")
-    kw = dict(mode="lora", batch=4, seq=2048, recompute="full", lm_chunk_tokens=512)
+    kw = dict(mode="lora", batch=4, seq=2048, recompute=Recompute.FULL, lm_chunk_tokens=512)
     resident, prefetch = plan_memory(cfg, **kw), plan_memory(cfg, offload_base=True, prefetch=True, **kw)
     D, V = cfg.hidden_size, cfg.vocab_size
     layer = (cfg.num_params() - (2 * V * D + D)) // cfg.num_layers

@@ -15,8 +15,8 @@ from flax import nnx
 
 from surojax.losses.lm import lm_loss
 from surojax.models.decoder import Decoder
+from surojax.models.layer_runner import LayerScan, Recompute, with_runner
 from surojax.offload.prefetch import PrefetchedLayers
-from surojax.offload.remat import remat_wrapper
 from surojax.offload.streaming import streamed_leaves
 from surojax.peft.lora import TRAINABLE, apply_lora
 from surojax.quant.model import quantize_model
@@ -25,6 +25,12 @@ from surojax.train.step import make_train_step
 from tests.offload.test_streaming import CFG, _batch, _device_puts, _max_diff, _split
 
 PREFETCH = PrefetchedLayers()
+FULL = LayerScan(Recompute.FULL)
+
+
+def _graphdef(graphdef, trainable, rest, runner):
+    """`graphdef` with `runner` as the decoder's layer runner (the runner is static: part of the graphdef)."""
+    return nnx.split(with_runner(nnx.merge(graphdef, trainable, rest), runner), TRAINABLE, ...)[0]
 
 
 def _ancestors(jaxpr, targets: set) -> set:
@@ -83,13 +89,14 @@ def test_prefetched_equals_resident(quant):
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
 
     def logits_loss_grads(tr, fr, loop):
-        h, _ = nnx.merge(graphdef, tr, fr).hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"],
-                                                         layer_loop=loop)
+        h = nnx.merge(graphdef, tr, fr).hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"],
+                                                      runner=loop).hidden
         logits = nnx.merge(graphdef, tr, fr).logits(h)
-        loss, grads = jax.value_and_grad(lambda t: lm_loss(nnx.merge(graphdef, t, fr), mb, layer_loop=loop)[0])(tr)
+        loss, grads = jax.value_and_grad(
+            lambda t: lm_loss(with_runner(nnx.merge(graphdef, t, fr), loop), mb)[0])(tr)
         return logits, loss, grads
 
-    full = remat_wrapper("full")
+    full = FULL
     runs = jax.jit(lambda tr, s, r: (logits_loss_grads(tr, s, PREFETCH), logits_loss_grads(tr, r, full)))
     (lg_s, l_s, g_s), (lg_r, l_r, g_r) = runs(trainable, streamed, resident)
     assert _max_diff(lg_s, lg_r) == 0.0
@@ -119,12 +126,12 @@ def test_train_step_with_accumulation_equal(per_layer):
     from surojax.offload.streaming import place_base_on_host
 
     graphdef, trainable, resident, streamed = _split(_model())
-    twin = remat_wrapper("full")
+    twin = FULL
     if per_layer:
         streamed, twin = place_base_on_host(resident, embedding=True, per_layer=True), PrefetchedLayers(per_layer=True)
     opt = optax.adamw(1e-2)
-    step_p = make_train_step(graphdef, lm_loss, opt, layer_loop=PREFETCH, jit=False)
-    step_r = make_train_step(graphdef, lm_loss, opt, layer_loop=twin, jit=False)
+    step_p = make_train_step(_graphdef(graphdef, trainable, resident, PREFETCH), lm_loss, opt, jit=False)
+    step_r = make_train_step(_graphdef(graphdef, trainable, resident, twin), lm_loss, opt, jit=False)
     batch, key, opt_state = _batch(accum=2), jax.random.key(0), opt.init(trainable)
     both = jax.jit(lambda s, r: (step_p(trainable, s, opt_state, batch, key),
                                  step_r(trainable, r, opt_state, batch, key)))
@@ -140,7 +147,7 @@ def test_gpu_lowering_fetches_each_streamed_leaf_twice_per_pass():
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
 
     def loss(tr, fr):
-        return lm_loss(nnx.merge(graphdef, tr, fr), mb, layer_loop=PREFETCH)[0]
+        return lm_loss(with_runner(nnx.merge(graphdef, tr, fr), PREFETCH), mb)[0]
 
     try:
         text = jax.jit(jax.grad(loss)).trace(trainable, streamed).lower(lowering_platforms=("cuda",)).as_text()
@@ -183,11 +190,9 @@ def test_per_layer_host_buffers_equal_resident(quant):
     assert {a.sharding.memory_kind for x in hl for a in x.layers} == {"pinned_host"}
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
 
-    def loss_grads(tr, fr, loop, unroll=1):
-        return jax.value_and_grad(lambda t: lm_loss(nnx.merge(graphdef, t, fr), mb, layer_loop=loop,
-                                                    unroll=unroll)[0])(tr)
+    def loss_grads(tr, fr, loop):
+        return jax.value_and_grad(lambda t: lm_loss(with_runner(nnx.merge(graphdef, t, fr), loop), mb)[0])(tr)
 
-    full = remat_wrapper("full")
     # the resident twin: the same per-layer loop over the base on the device (only the placement differs)
     twin = PrefetchedLayers(per_layer=True)
     (l_s, g_s), (l_r, g_r) = jax.jit(lambda tr, s, r: (loss_grads(tr, s, PREFETCH), loss_grads(tr, r, twin)))(
@@ -196,7 +201,7 @@ def test_per_layer_host_buffers_equal_resident(quant):
     assert _max_diff(g_s, g_r) == 0.0
     assert all(np.abs(np.asarray(g, np.float32)).max() > 0 for g in jax.tree.leaves(g_s))
     # and it is the model's computation: the plain (unrolled, recompute full) layer loop agrees up to bf16 rounding
-    l_u, g_u = jax.jit(lambda tr, r: loss_grads(tr, r, full, True))(trainable, resident)
+    l_u, g_u = jax.jit(lambda tr, r: loss_grads(tr, r, LayerScan(Recompute.FULL, unroll=True)))(trainable, resident)
     assert abs(float(l_s) - float(l_u)) <= 1e-5 * abs(float(l_u))
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_u)):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -208,7 +213,7 @@ def test_per_layer_host_buffers_equal_resident(quant):
     stacked = place_base_on_host(resident, embedding=True)  # the check can fail: the scan form slices the stack
     assert _host_dynamic_slices(jax.make_jaxpr(lambda t, f: loss_grads(t, f, PREFETCH))(trainable, stacked).jaxpr)
     with pytest.raises(ValueError, match="per-layer host buffers"):
-        jax.jit(lambda t, f: loss_grads(t, f, full))(trainable, streamed)
+        jax.jit(lambda t, f: loss_grads(t, f, FULL))(trainable, streamed)
 
 
 def _fetch_order(jaxpr, host_vars: list) -> list[tuple[int, object]]:

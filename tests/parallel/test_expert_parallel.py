@@ -108,7 +108,7 @@ def _forward_and_grads(model, mesh=None):
 
     def f(params, rest, tokens, positions, segment_ids):
         m = nnx.merge(graphdef, params, rest)
-        h, _, stats = m.hidden_states(tokens, positions, segment_ids, router_stats=True)
+        h, _, stats = m.hidden_states(tokens, positions, segment_ids)
         logits = m.logits(h)
         # the router statistics take part, as a load-balancing loss does (sum over experts of counts x probs)
         aux = jnp.sum(stats.expert_counts * stats.prob_sums) + jnp.sum(stats.z_sum)

@@ -110,7 +110,7 @@ def _tiny_decoder(lora: bool):
     return model
 
 
-def _loss_and_grads(model, batch, mesh, layer_loop):
+def _loss_and_grads(model, batch, mesh, runner):
     """A probe of every hidden state (not only the LM loss) and its gradients w.r.t. the trainable Params."""
     from flax import nnx
 
@@ -121,7 +121,7 @@ def _loss_and_grads(model, batch, mesh, layer_loop):
     probe = jax.random.normal(jax.random.key(5), batch[0].shape + (model.cfg.hidden_size,))
 
     def loss(params, tokens, positions, segment_ids):
-        h, _ = nnx.merge(graphdef, params, rest).hidden_states(tokens, positions, segment_ids, layer_loop=layer_loop)
+        h = nnx.merge(graphdef, params, rest).hidden_states(tokens, positions, segment_ids, runner=runner).hidden
         return (h * probe).sum(), h
 
     bs = batch_sharding(mesh)
@@ -139,7 +139,7 @@ def check_pipelined_layers_match_the_scan():
     losses meet one device's."""
     from surojax.parallel.mesh import make_mesh
     from surojax.parallel.pipeline import PipelinedLayers
-    from surojax.offload.remat import remat_wrapper
+    from surojax.models.layer_runner import Recompute
     from tests.parallel.test_sharding import _packed_batch
 
     batch = _packed_batch(8, 8, 64)
@@ -148,7 +148,7 @@ def check_pipelined_layers_match_the_scan():
                                        make_mesh({"data": 1, "stage": 1}, jax.devices()[:1]), None)
     for parallel, m, r in cases:
         mesh = make_mesh(parallel)
-        loop = PipelinedLayers(mesh, microbatches=m, repeats=r, layer_remat=remat_wrapper("full" if r > 1 else "none"))
+        loop = PipelinedLayers(mesh, microbatches=m, repeats=r, recompute=Recompute.FULL if r > 1 else Recompute.NONE)
         h, grads = _loss_and_grads(_tiny_decoder(True), batch, mesh, loop)
         where = f"{parallel} M={m} R={r}"
         np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-6, err_msg=where)

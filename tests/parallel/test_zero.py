@@ -23,6 +23,7 @@ from tests.parallel.virtual_devices import check_passed, print_results, shared_c
 from surojax.config.errors import ConfigError  # noqa: E402
 from surojax.config.load import config_from_dict  # noqa: E402
 from surojax.models.config import ModelConfig  # noqa: E402
+from surojax.models.layer_runner import Recompute  # noqa: E402
 from surojax.offload.memory_plan import plan_memory  # noqa: E402
 
 BASE = {"model": "some/model", "datasets": [{"path": "d.jsonl", "type": "text"}], "max_steps": 1}
@@ -57,7 +58,7 @@ def test_contradicting_zero_stage_is_refused_naming_both_keys(extra, words):
 
 def test_memory_plan_divides_what_the_stage_splits():
     """Independent arithmetic: AdamW holds 8 bytes per trainable param, the accumulator 4, fp32 weights 4."""
-    kw = dict(mode="full", recipe="fp32", batch=1, seq=16, recompute="full")
+    kw = dict(mode="full", recipe="fp32", batch=1, seq=16, recompute=Recompute.FULL)
     one = plan_memory(TINY, **kw)
     n = TINY.num_params()
     assert one.optimizer == 8 * n and one.gradients == 8 * n and one.weights == 4 * n
@@ -87,7 +88,7 @@ def _spec(stage: int | None, optimizer: str = "adamw", rows: int = 2):
 
     return RunSpec(model=ModelSpec(config=TINY, source=None, seed=0, attention="xla"),
                    precision=PrecisionSpec("fp32", jnp.float32, jnp.float32, jnp.float32), lora=None, quant=None,
-                   memory=MemorySpec(recompute="none", unroll=1),
+                   memory=MemorySpec(recompute=Recompute.NONE, unroll=1),
                    optim=OptimSpec(name=optimizer, learning_rate=1e-2, schedule="constant", total_steps=2,
                                    weight_decay=0.1),
                    batch=BatchSpec(rows=rows, accumulation=2, sequence_len=16), zero_stage=stage)

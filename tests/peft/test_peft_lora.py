@@ -1,7 +1,6 @@
 """LoRA as a transform: exact no-op at init, gradients only to the adapter, merge, dropout, scan/remat/jit."""
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -12,6 +11,7 @@ import pytest
 from flax import nnx
 
 from peft_support import TINY, TOKENS, forward, randomize_adapter, tiny_model
+from surojax.models.layer_runner import LayerScan, Recompute
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.params import logical_axes
 from surojax.peft.lora import (FROZEN, LORA_TARGETS, TRAINABLE, LoRADropoutKey, LoRALinear, apply_lora, lora_modules,
@@ -164,11 +164,10 @@ def test_scan_with_remat_and_jit(llama):
     @jax.jit
     def scan_and_remat(trainable, rest):
         """One compilation: the layer scan without and with remat, and the adapter's gradient through the remat."""
-        def h(tr, loop=None):
-            kw = {} if loop is None else {"layer_loop": loop}
-            return nnx.merge(graphdef, tr, rest).hidden_states(TOKENS, pos, seg, **kw)[0]
-        g = jax.grad(lambda tr: jnp.sum(h(tr, jax.checkpoint) ** 2))(trainable)
-        return h(trainable), h(trainable, functools.partial(jax.checkpoint)), g
+        def h(tr, runner=None):
+            return nnx.merge(graphdef, tr, rest).hidden_states(TOKENS, pos, seg, runner=runner).hidden
+        g = jax.grad(lambda tr: jnp.sum(h(tr, LayerScan(Recompute.FULL)) ** 2))(trainable)
+        return h(trainable), h(trainable, LayerScan(Recompute.FULL)), g
 
     h, h_remat, g = scan_and_remat(trainable, rest)
     assert jnp.array_equal(h, h_remat)

@@ -77,7 +77,7 @@ def _cached_run(cached, steps=2, scaling="current"):
 
     from surojax.losses.lm import lm_loss
     from surojax.models.decoder import Decoder
-    from surojax.offload.remat import remat_wrapper
+    from surojax.models.layer_runner import LayerScan, Recompute
     from surojax.precision.fp8_delayed import DelayedScalingUpdate, Fp8AmaxProbe, Fp8DelayedState
     from surojax.precision.fp8_recipe import fp8_step_hooks
     from surojax.precision.fp8_scaling import Fp8Settings
@@ -91,12 +91,12 @@ def _cached_run(cached, steps=2, scaling="current"):
     apply_fp8(model, frozen_base=False, settings=Fp8Settings(scaling=scaling, amax_history=4))
     delayed = DelayedScalingUpdate() if scaling == "delayed" else None
     trainable_filter = nnx.Param if delayed is None else nnx.Any(nnx.Param, Fp8AmaxProbe, Fp8DelayedState)
+    model.runner = LayerScan(Recompute.FULL)
     graphdef, trainable, frozen = nnx.split(model, trainable_filter, ...)
     opt = optax.adam(1e-2)
     state = opt.init(trainable if delayed is None else delayed.split(trainable)[0])
     hooks = fp8_step_hooks(delayed, (Fp8WeightCaching() if cached is True else cached) or None)
-    step = make_train_step(graphdef, lm_loss, opt, layer_loop=remat_wrapper("full"),
-                           hooks=() if hooks is None else (hooks,))
+    step = make_train_step(graphdef, lm_loss, opt, hooks=() if hooks is None else (hooks,))
     losses = []
     for _ in range(steps):  # 2 micro-batches per step: one cache for both
         trainable, state, m = step(trainable, frozen, state, _batch(A=2), jax.random.key(0))

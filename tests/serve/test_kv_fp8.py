@@ -96,7 +96,7 @@ def _teacher_forced(model, tokens, pool_dtype, scales, kernel):
         n = tok.shape[1]
         cache = PagedKVCache(k, v, table, start, BS, kernel, scales)
         pos = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-        h, cache = m.hidden_states(tok, pos, jnp.ones_like(tok), cache=cache)
+        h, cache, _ = m.hidden_states(tok, pos, jnp.ones_like(tok), cache=cache)
         return cache.k, cache.v, m.logits(h[:, -1:])[:, 0]
 
     k, v = jnp.zeros(shape, pool_dtype), jnp.zeros(shape, pool_dtype)

@@ -1,4 +1,4 @@
-"""``kv_in_place`` (``Decoder.hidden_states(cache_in_carry=True)``): the cache rides in the layer scan's carry and
+"""``kv_in_place`` (``Decoder.hidden_states(runner=CarriedCacheScan())``): the cache rides in the layer scan's carry and
 each layer writes its new k/v in place. Same values as the scan-input/output path, and the engine gives the same
 tokens with it (single steps and multi-step decode), and with the layer loop unrolled (``unroll_layers``)."""
 from pathlib import Path
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from surojax.models.kv import KVCache
+from surojax.models.layer_runner import CarriedCacheScan
 from surojax.serve.engine import Engine
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.configs import BUCKETS, engine_config
@@ -26,8 +27,8 @@ def test_cache_in_carry_equals_scan_outputs(model):
     pos = jnp.broadcast_to(jnp.arange(T), (B, T)).astype(jnp.int32)
     seg = jnp.ones((B, T), jnp.int32).at[1, 4].set(0)  # a padded token
     cache = KVCache.empty(model.cfg, B, S, jnp.float32)
-    h1, c1 = model.hidden_states(toks, pos, seg, cache=cache)
-    h2, c2 = model.hidden_states(toks, pos, seg, cache=cache, cache_in_carry=True)
+    h1, c1, _ = model.hidden_states(toks, pos, seg, cache=cache)
+    h2, c2, _ = model.hidden_states(toks, pos, seg, cache=cache, runner=CarriedCacheScan())
     for a, b in ((h1, h2), (c1.k, c2.k), (c1.v, c2.v), (c1.lengths, c2.lengths), (c1.segment_ids, c2.segment_ids)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -93,8 +93,7 @@ def test_train_router_trains_only_the_router_and_exports_it_as_modules_to_save(t
     assert make_router_trainable(model, jnp.float32) == 2 * 32 * 4
     graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
     assert [k for k, _ in nnx.to_flat_state(trainable)] == [("layers", "mlp", "router", "kernel")]
-    loss = lambda m, b, layer_loop=None: lm_loss(m, b, layer_loop=layer_loop,  # noqa: E731
-                                                 router=RouterLossWeights(aux_coef=0.02))
+    loss = lambda m, b: lm_loss(m, b, router=RouterLossWeights(aux_coef=0.02))  # noqa: E731
     opt = optax.adam(1e-2)
     step = make_train_step(graphdef, loss, opt, donate=False)
     rng = np.random.default_rng(0)

@@ -9,6 +9,7 @@ from surojax.data.batch import example_to_row
 from surojax.losses.lm import lm_loss
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
+from surojax.models.layer_runner import LayerScan, with_runner
 from surojax.train.step import make_train_step
 
 from tests.train.conftest import TINY_QWEN3
@@ -113,8 +114,8 @@ def test_unrolled_layer_loop_equals_the_rolled_scan():
 
     def loss_and_grads(unroll):
         def loss(tr):
-            total, aux = lm_loss(nnx.merge(graphdef, tr, frozen), {k: v[0] for k, v in batch.items()},
-                                 unroll=unroll)
+            model = with_runner(nnx.merge(graphdef, tr, frozen), LayerScan(unroll=unroll))
+            total, aux = lm_loss(model, {k: v[0] for k, v in batch.items()})
             return total / aux["tokens"]
         return jax.jit(jax.value_and_grad(loss))(trainable)
 

@@ -33,10 +33,9 @@ Attention sinks (gpt_oss): a learned logit per query head [N] joins every softma
 (`softmax_with_sinks`). cuDNN's fused attention in jax has no sinks, so a layer with sinks takes the xla path
 under every backend (statically); the paged Pallas decode kernel likewise never serves it (kv/paged.py gathers).
 
-Per-layer windows (gpt_oss alternates sliding / full; `ModelConfig.layer_windows`): the layers run as one scan,
-so a layer's window is data, not a Python constant: the decoder scans `layer_window_table(cfg)` [L] int32
-(0 = full) with the layer weights and hands each layer its [] int32 window. xla: the window enters the mask
-(`attention_mask` with a traced window). cudnn: one `lax.switch` over the config's distinct static windows.
+Per-layer windows (gpt_oss alternates sliding / full; `ModelConfig.layer_windows`): each window is a layer type
+of the decoder's layer pattern (surojax/models/layer_runner.py), so a layer's window is a static Python int the
+runner passes to its call (0 = full attention): every backend sees a constant window.
 """
 from __future__ import annotations
 
@@ -198,23 +197,13 @@ def packed_backend(backend: AttentionBackend, max_runs: int | None) -> Attention
     return AttentionBackend(AttentionKind.CUDNN, max(2, int(max_runs)), check=False)
 
 
-def layer_window_table(cfg: ModelConfig) -> np.ndarray | None:
-    """[L] int32: each layer's attention window, 0 = full (what the decoder scans with the layers); None when
-    every layer has the same window (`cfg.sliding_window`, a static constant of the layer)."""
-    if cfg.layer_windows is None:
-        return None
-    return np.asarray([w or 0 for w in cfg.layer_windows], np.int32)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, backend: AttentionBackend | str = AUTO, param_dtype,
                  rngs: nnx.Rngs | None = None):
         D, H = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, H
         self.sliding_window = cfg.sliding_window
-        # per-layer windows: the distinct static windows a traced one may take (0 = full), for cudnn's switch
-        table = layer_window_table(cfg)
-        self.window_choices = None if table is None else tuple(sorted({int(w) for w in table}))
+        self.per_layer_windows = cfg.layer_windows is not None  # each call then passes its layer type's window
         self.backend = as_attention_backend(backend).resolved(jax.default_backend())  # static: xla, or cudnn with its M and check
         bias = cfg.attention_bias
         self.q_proj = Linear(D, cfg.q_dim, ("embed", "heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
@@ -232,18 +221,18 @@ class Attention(nnx.Module):
         self.sinks = param(rngs, (cfg.num_heads,), ("heads",), param_dtype) if cfg.attention_sinks else None
 
     def __call__(self, x, cos, sin, segment_ids, positions, kv: LayerKV | None = None,
-                 kv_meta: KVMeta | None = None, window: jax.Array | None = None):
+                 kv_meta: KVMeta | None = None, window: int | None = None):
         """x [B, T, D]; cos/sin [B, T, H]; segment_ids/positions [B, T] -> (y [B, T, D], kv).
 
         Without a cache (kv None): self-attention over the packed rows. With one: `kv` is this layer's view of
         the cache (any `LayerKV`) and `kv_meta` the call's metadata its cache made (`Cache.step`); the view
         writes the new tokens' k/v and attends over the rows' context, and comes back updated.
-        `window` [] int32: this layer's row of `layer_window_table` (0 = full); required exactly when the config
-        has per-layer windows.
+        `window`: this layer's static window (0 = full; its type's option in the decoder's layer pattern);
+        required exactly when the config has per-layer windows.
         """
-        if (window is None) != (self.window_choices is None):
-            raise ValueError("per-layer attention windows: pass this layer's window (layer_window_table(cfg)[l]) "
-                             "exactly when cfg.layer_windows is set")
+        if (window is None) == self.per_layer_windows:
+            raise ValueError("per-layer attention windows: pass this layer's window (its layer type's option, "
+                             "surojax.models.decoder.layer_pattern) exactly when cfg.layer_windows is set")
         B, T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:  # [B, T, (N + 2K) H]: one read of x, one GEMM (decode: one GEMV launch)
@@ -258,29 +247,21 @@ class Attention(nnx.Module):
         if kv is not None:
             out, kv = kv.update_and_attend(q, k, v, kv_meta, spec)
         elif self.backend.kind is AttentionKind.CUDNN and self.sinks is None:
-            out = self._cudnn_self_attention(q, k, v, segment_ids, positions, window)
+            out = self._cudnn_self_attention(q, k, v, segment_ids, positions, spec.sliding_window)
         else:
             mask = attention_mask(segment_ids, segment_ids, positions, positions, spec.sliding_window)
             out = xla_attention(q, k, v, mask, spec.scale, spec.sinks)  # [B, T, N, H]
         return self.o_proj(out.reshape(B, T, N * H)), kv
 
-    def _cudnn_self_attention(self, q, k, v, segment_ids, positions, window):
-        """cuDNN over packed rows; a per-layer window picks one of the static-window variants (`lax.switch`)."""
+    def _cudnn_self_attention(self, q, k, v, segment_ids, positions, sliding_window: int | None):
+        """cuDNN over packed rows, with this layer's static window."""
         m, check = self.backend.segments, self.backend.check
+        return cudnn_packed_attention(q, k, v, segment_ids, positions, self.head_dim ** -0.5,
+                                      sliding_window=sliding_window, max_segments=m, check=check)
 
-        def run(static_window):
-            return lambda q, k, v: cudnn_packed_attention(q, k, v, segment_ids, positions, self.head_dim ** -0.5,
-                                                          sliding_window=static_window, max_segments=m, check=check)
-
-        if window is None:
-            return run(self.sliding_window)(q, k, v)
-        choices = self.window_choices
-        index = sum(jnp.where(window == w, i, 0) for i, w in enumerate(choices))
-        return jax.lax.switch(index, [run(w or None) for w in choices], q, k, v)
-
-    def attend_spec(self, window: jax.Array | None = None) -> AttendSpec:
+    def attend_spec(self, window: int | None = None) -> AttendSpec:
         """The dense attention over a cache's context: this layer's backend (cuDNN with a dense mask, or xla),
-        scale, window (static, or the traced per-layer one) and sinks."""
+        scale, static window (the config's, or this layer's `window`, 0 = full) and sinks."""
         sinks = None if self.sinks is None else self.sinks[...]
         return AttendSpec(BACKENDS[self.backend.kind], self.head_dim ** -0.5,
-                          self.sliding_window if window is None else window, sinks)
+                          self.sliding_window if window is None else (window or None), sinks)

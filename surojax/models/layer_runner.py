@@ -1,0 +1,394 @@
+"""The layer runner: how the decoder runs its layer stack.
+
+`Decoder.hidden_states` embeds, asks its runner to run the layers, and final-norms. The runner is a static
+attribute of the decoder (part of its graphdef: a frozen, hashable value) chosen from outside: `LayerScan` (the
+default), `CarriedCacheScan`, or a loop of its own that implements the same `LayerRunner.run`
+(offload/prefetch.py `PrefetchedLayers`: the streamed base fetched one layer ahead; parallel/pipeline.py
+`PipelinedLayers`: the stages' microbatch schedule). The training run sets it through the layer-loop transform
+(offload/layer_loop.py); serving passes one per call (`hidden_states(runner=...)`).
+
+Layer pattern. What runs is a `LayerPattern`: a repeating pattern of layer types, each type naming the stack of
+stacked parameters it reads and its static options (keyword arguments of the layer's call), e.g.
+
+    [linear_attention x 3, full_attention x 1] x 6       Qwen3.5: stacks "linear" [18, ...] and "full" [6, ...]
+    [sliding x 5, global x 1] x 4 + [sliding x 2]         Gemma 3's 26 layers: one stack read by both types
+    [sliding(window 128), full] x 12                      gpt_oss: two types, one stack `layers` [24, ...]
+
+Layer i of the model has type `types[i % P]` (P = len(types)); a stack holds the layers of its types in layer
+order, so a stack named by k of the P types is read as [G, k, ...] (G = L // P groups) plus the remainder's rows.
+The scan runs over the G groups; its body applies the group's P layers in order (each wrapped by the recompute
+policy); the L % P remainder layers (the pattern's first types) run after it. A pattern of one type over one
+stack (`LayerPattern.uniform`, every dense and MoE family) is today's plain scan over [L, ...], unchanged: the
+parameter paths (`layers/...`), checkpoints, LoRA targets and KV caches see one stack.
+
+The layer call. A layer is an nnx module called as `layer(h, *consts, kv=, kv_meta=, **type.options) ->
+(h, kv, router stats or None)`; `consts` are the call's per-row arrays (cos, sin, segment ids, positions), `kv`
+that layer's view of the KV cache (None without one). A KV cache covers every layer ([L, ...] leaves): scanned as
+the loop's input (`Cache.per_layer`) or carried whole in the loop's carry (`Cache.carried`).
+
+Recompute (`recompute:` in the config, typed by `Recompute`): what a layer keeps for the backward pass; it wraps
+each layer's body. Weight leaves in host memory are fetched per layer (`on_device`); leaves read in place
+(`split_in_place`, quant/laid_out.py) are handed the whole stack and the layer's row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Hashable, Mapping
+from typing import Any, Callable, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+LAYER_INPUT = "layer_input"  # the checkpoint name of each layer's input (what `recompute: offload` moves to host)
+
+
+class Recompute(enum.Enum):
+    """Activation recomputation per layer (`recompute:`; `auto` is resolved by the run's memory plan before this):
+
+        NONE     keep every activation of every layer (fastest, most memory)
+        FULL     keep only each layer's input; recompute the layer in the backward pass
+        DOTS     keep the outputs of matmuls without batch dimensions (projections), recompute the rest
+        OFFLOAD  as FULL, but each layer's input (`LAYER_INPUT`) is kept in host memory (`pinned_host`) and copied
+                 back for the backward pass: device memory for saved activations O(1) in depth
+
+    With the base streamed from host memory the weights are never saved by FULL / DOTS / OFFLOAD (the layer is
+    fetched again). On the CPU backend OFFLOAD runs the same program as FULL (the host copies are no-ops)."""
+
+    NONE = "none"
+    FULL = "full"
+    DOTS = "dots"
+    OFFLOAD = "offload"
+
+    @classmethod
+    def parse(cls, value: str) -> "Recompute":
+        """The config's (or a CLI flag's) string -> the policy; `auto` is not a policy (resolve it first)."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"recompute {value!r} is unknown ({', '.join(r.value for r in cls)})") from None
+
+    def wrap(self, body: Callable) -> Callable:
+        """`body` under this policy's `jax.checkpoint` (NONE: `body` itself)."""
+        if self is Recompute.NONE:
+            return body
+        if self is Recompute.FULL:
+            policy = jax.checkpoint_policies.nothing_saveable
+        elif self is Recompute.DOTS:
+            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        else:
+            policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+                offload_src="device", offload_dst="pinned_host")
+        return jax.checkpoint(body, policy=policy)
+
+
+# ---- the pattern ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LayerType:
+    """One type of layer: the stack of stacked parameters it reads and its static call options (keyword
+    arguments of the layer's call, e.g. `(("window", 128),)`)."""
+
+    stack: str = "layers"
+    options: tuple[tuple[str, Hashable], ...] = ()
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPattern:
+    """`num_layers` layers, layer i of type `types[i % len(types)]` (module docstring)."""
+
+    types: tuple[LayerType, ...]
+    num_layers: int
+
+    def __post_init__(self):
+        if not self.types or self.num_layers < 1:
+            raise ValueError(f"a layer pattern needs at least one type and one layer (got {len(self.types)} "
+                             f"types, {self.num_layers} layers)")
+
+    @classmethod
+    def uniform(cls, num_layers: int, stack: str = "layers") -> "LayerPattern":
+        """Every layer of one type over one stack: the plain scan over [L, ...]."""
+        return cls((LayerType(stack),), num_layers)
+
+    @property
+    def period(self) -> int:
+        return len(self.types)
+
+    @property
+    def groups(self) -> int:
+        return self.num_layers // self.period
+
+    @property
+    def remainder(self) -> int:
+        return self.num_layers % self.period
+
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        """The stacks the types read, in order of first use."""
+        return tuple(dict.fromkeys(t.stack for t in self.types))
+
+    def slot(self, position: int) -> int:
+        """Where the type at `position` of the pattern reads its stack within a group: how many earlier
+        positions name the same stack."""
+        stack = self.types[position].stack
+        return sum(t.stack == stack for t in self.types[:position])
+
+    def per_group(self, stack: str) -> int:
+        return sum(t.stack == stack for t in self.types)
+
+    def rows(self, stack: str) -> int:
+        """The layers `stack` holds."""
+        return self.groups * self.per_group(stack) + sum(t.stack == stack for t in self.types[:self.remainder])
+
+    def layer(self, i: int) -> tuple[LayerType, int]:
+        """Layer i's type and its row in the type's stack."""
+        p = i % self.period
+        return self.types[p], (i // self.period) * self.per_group(self.types[p].stack) + self.slot(p)
+
+
+class HiddenStates(NamedTuple):
+    """What `Decoder.hidden_states` (and a runner) returns: the hidden states [B, T, D] (final-normed by the
+    decoder), the updated cache (None without one) and the router statistics of the layers that produce them,
+    stacked in layer order (None when no layer does, or the runner does not collect them)."""
+
+    hidden: jax.Array
+    cache: Any = None
+    router_stats: Any = None
+
+
+class LayerRunner(Protocol):
+    """Runs the layer pattern. Implementations are frozen and hashable (part of the decoder's graphdef)."""
+
+    def run(self, pattern: LayerPattern, stacks: Mapping[str, nnx.Module], h: jax.Array, consts: tuple, *,
+            cache=None, kv_meta=None) -> HiddenStates:
+        """h [B, T, D] after every layer (not final-normed). stacks: each stack's stacked module (leaves
+        [rows, ...]); consts: the per-row arrays every layer reads; cache / kv_meta: the KV cache (after its
+        `step`) and the call's metadata, or None."""
+        ...
+
+
+# ---- weights: host fetch, in-place leaves, stack checks ---------------------------------------------------------
+def on_device(layer_state):
+    """Copy the leaves of one layer's weights that live in host memory to the device (others pass through).
+
+    The runner calls it on each layer's slice, so weights kept in host memory (offload_base_weights places the
+    stacked base there) cross to the device one layer at a time, in the forward pass and again wherever the
+    backward pass recomputes the layer; XLA schedules the copy. The embedding gather calls it on the table.
+    """
+    def fetch(x):
+        if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+            return jax.device_put(x, jax.memory.Space.Device)
+        return x
+
+    return jax.tree.map(fetch, layer_state)
+
+
+def check_stacked(layer_state, rows: int | None = None, stack: str = "layers") -> None:
+    """The scan slices every leaf of a stack on its leading axis: every leaf must be [rows, ...]. A state that is
+    not (a base held as per-layer host buffers, offload_prefetch's `HostLayers`: L arrays without the layers axis)
+    needs a runner of its own (`PrefetchedLayers`)."""
+    leading = {tuple(jnp.shape(x))[:1] for x in jax.tree.leaves(layer_state)}
+    if len(leading) > 1 or (rows is not None and leading and leading != {(rows,)}):
+        raise ValueError(f"the weights of layer stack {stack!r} are not stacked on one leading layers axis of "
+                         f"{rows} (leading sizes {sorted(leading)}): the scan cannot run them. A base held as "
+                         f"per-layer host buffers (offload_prefetch) is read by its own runner only "
+                         f"(PrefetchedLayers, no KV cache)")
+
+
+def split_in_place(layer_state):
+    """The leaves of a layer stack that read their own layer in place (`stacked_in_place`: a weight laid out for
+    the decode kernel, surojax.quant.laid_out) are not sliced by the scan: XLA would copy each layer's slice out
+    of the stack before the kernel's custom call (a weight-sized copy per layer and token). -> (xs, rebuild):
+    xs = layer_state with those leaves removed (None), for the scan to slice; rebuild(xs_l, i) = layer i's state,
+    those leaves given the whole stack and the row i. (layer_state, None) when there are none."""
+    in_place = lambda x: getattr(x, "stacked_in_place", False)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(layer_state, is_leaf=in_place)
+    whole = {i: leaf for i, leaf in enumerate(leaves) if in_place(leaf)}
+    if not whole:
+        return layer_state, None
+    xs = [None if i in whole else leaf for i, leaf in enumerate(leaves)]
+
+    def rebuild(xs_l, index):
+        return treedef.unflatten([whole[i].at_layer(index) if i in whole else leaf for i, leaf in enumerate(xs_l)])
+
+    return xs, rebuild
+
+
+def uniform_stack(pattern: LayerPattern, stacks: Mapping[str, nnx.Module], runner: str) -> nnx.Module:
+    """The one stack of a one-type pattern (what a runner of its own reads); other patterns are refused."""
+    if pattern.period != 1:
+        raise ValueError(f"{runner} runs a one-type layer stack; this model's layer pattern has {pattern.period} "
+                         f"types ({', '.join(t.stack for t in pattern.types)}): use the layer scan")
+    return stacks[pattern.types[0].stack]
+
+
+# ---- the scan ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """One stack split for the scan: graphdef, the group rows [G, k, ...] (k = 1: [G, ...]), the remainder rows,
+    and the in-place rebuild (None: none)."""
+    graphdef: Any
+    groups: Any
+    rest: Any
+    rebuild: Callable | None
+    per_group: int
+
+
+def _grouped(x, groups: int, k: int, whole: bool):
+    """The group rows of a stacked leaf: [G, ...] as it is when k = 1 and it has no remainder rows (no slice, no
+    reshape: the plain scan), else its first G k rows as [G, k, ...]."""
+    if whole:
+        return x
+    x = jax.lax.slice_in_dim(x, 0, groups * k)
+    return x.reshape(groups, k, *x.shape[1:]) if k > 1 else x
+
+
+def _split(pattern: LayerPattern, stacks: Mapping[str, nnx.Module]) -> dict[str, _Stack]:
+    out = {}
+    G = pattern.groups
+    for name in pattern.stacks:
+        if name not in stacks:
+            raise ValueError(f"the layer pattern reads stack {name!r}; the model has {sorted(stacks)}")
+        graphdef, state = nnx.split(stacks[name])
+        xs, rebuild = split_in_place(state)
+        rows, k = pattern.rows(name), pattern.per_group(name)
+        check_stacked(xs, rows, name)
+        whole = k == 1 and rows == G
+        groups = jax.tree.map(lambda x: _grouped(x, G, k, whole), xs)
+        rest = None if whole else jax.tree.map(lambda x: jax.lax.slice_in_dim(x, G * k, rows), xs)
+        out[name] = _Stack(graphdef, groups, rest, rebuild, k)
+    return out
+
+
+def _take(tree, i):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def _stack(trees: list):
+    """Trees of one structure stacked leaf by leaf on a new leading axis."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _stack_stats(stats: list):
+    """The router stats of some layers stacked on a new leading axis, skipping the layers without (None when no
+    layer has any)."""
+    stats = [s for s in stats if s is not None]
+    return _stack(stats) if stats else None
+
+
+def _concat(a, b):
+    """Two stacked trees one after the other on the leading axis (either may be None)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return jax.tree.map(lambda x, y: jnp.concatenate([x, y]), a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScan:
+    """The layers under `jax.lax.scan` over the pattern's groups (one layer per group for a one-type pattern).
+
+    recompute: the policy wrapping each layer's body. unroll: `lax.scan`'s (1: a rolled loop, one compiled group;
+    True: every group inlined: no per-layer copies of the saved activations into stacked buffers, longer compile).
+    carry_cache: the whole KV cache rides in the scan carry and each layer writes its k/v in place
+    (`cache.carried()`) instead of being a scan input + output (`cache.per_layer()`: a copy of every layer's slice
+    in and out per call); same values. A cache with `carry_only` (the paged serving pool) always rides in the
+    carry."""
+
+    recompute: Recompute = Recompute.NONE
+    unroll: int | bool = 1
+    carry_cache: bool = False
+
+    def run(self, pattern: LayerPattern, stacks: Mapping[str, nnx.Module], h, consts: tuple, *, cache=None,
+            kv_meta=None) -> HiddenStates:
+        split = _split(pattern, stacks)
+        G, P, R = pattern.groups, pattern.period, pattern.remainder
+        carried = cache is not None and (self.carry_cache or cache.carry_only)
+        kv_layers = None if cache is None or carried else cache.per_layer()  # every layer's slice, [L, ...]
+        layers = [self._layer(split[t.stack], t, consts, kv_meta) for t in pattern.types]
+
+        def apply(positions, h, kv_all, states, rows, kvs):
+            """The layers at `positions` of the pattern, in order, each with its state, row and cache slice (the
+            carried cache instead when it rides in the carry) -> (h, carried cache, new slices, stats)."""
+            new_kvs, stats = [], []
+            for p, state_l, row, kv in zip(positions, states, rows, kvs):
+                h, kv, st = layers[p](h, state_l, row, kv_all if carried else kv)
+                if carried:
+                    kv_all = dataclasses.replace(kv, layer=kv.layer + 1)
+                new_kvs.append(None if carried else kv)
+                stats.append(st)
+            return h, kv_all, new_kvs, stats
+
+        def group_body(carry, xs):
+            h, kv_all = carry
+            group, g, kv_group = xs
+            states, rows = [], []
+            for p, t in enumerate(pattern.types):
+                s, j = split[t.stack], pattern.slot(p)
+                states.append(group[t.stack] if s.per_group == 1 else _take(group[t.stack], j))
+                rows.append(None if s.rebuild is None else g * s.per_group + j)
+            kvs = [kv_group] if P == 1 else [None if kv_group is None else _take(kv_group, p) for p in range(P)]
+            h, kv_all, new_kvs, stats = apply(range(P), h, kv_all, states, rows, kvs)
+            if P == 1:  # one layer a step: its slices as they are (the plain scan)
+                return (h, kv_all), (new_kvs[0], stats[0])
+            return (h, kv_all), (None if kv_group is None else _stack(new_kvs), _stack_stats(stats))
+
+        kv_groups = kv_rest = None
+        if kv_layers is not None:
+            kv_groups = kv_layers if P == 1 else jax.tree.map(lambda x: _grouped(x, G, P, False), kv_layers)
+            kv_rest = jax.tree.map(lambda x: jax.lax.slice_in_dim(x, G * P, G * P + R), kv_layers) if R else None
+        any_in_place = any(s.rebuild is not None for s in split.values())
+        xs = ({name: s.groups for name, s in split.items()}, jnp.arange(G) if any_in_place else None, kv_groups)
+        kv_all = cache.carried() if carried else None
+        new_kv, stats = None, None
+        if G:
+            (h, kv_all), (new_kv, stats) = jax.lax.scan(group_body, (h, kv_all), xs, unroll=self.unroll)
+            if P > 1:  # [G, P, ...] -> [G P, ...]: layer order
+                new_kv, stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), (new_kv, stats))
+        if R:  # the remainder: the pattern's first R types, once, after the groups
+            rest = [(split[t.stack], pattern.slot(p)) for p, t in enumerate(pattern.types[:R])]
+            h, kv_all, rest_kvs, rest_stats = apply(
+                range(R), h, kv_all, [_take(s.rest, j) for s, j in rest], [G * s.per_group + j for s, j in rest],
+                [None if kv_rest is None else _take(kv_rest, p) for p in range(R)])
+            stats = _concat(stats, _stack_stats(rest_stats))
+            new_kv = None if kv_rest is None else _concat(new_kv, _stack(rest_kvs))
+        if cache is None:
+            return HiddenStates(h, None, stats)
+        kv = kv_all if carried else new_kv
+        return HiddenStates(h, cache.with_kv(kv.k, kv.v), stats)
+
+    def _layer(self, s: _Stack, t: LayerType, consts: tuple, kv_meta) -> Callable:
+        """One layer of type `t` as f(h, state_l, row, kv) -> (h, kv, stats), under the recompute policy."""
+        options = t.kwargs
+
+        def apply(h, state_l, row, kv):
+            h = checkpoint_name(h, LAYER_INPUT)  # the residual that `recompute: offload` keeps in host memory
+            state_l = state_l if s.rebuild is None else s.rebuild(state_l, row)
+            layer = nnx.merge(s.graphdef, on_device(state_l))
+            return layer(h, *consts, kv=kv, kv_meta=kv_meta, **options)
+
+        return self.recompute.wrap(apply)
+
+
+def with_runner(model: nnx.Module, runner: LayerRunner) -> nnx.Module:
+    """`model` (a decoder) with `runner` as its layer runner: set in place, returned for chaining (a graphdef split
+    from it afterwards holds the runner)."""
+    model.runner = runner
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class CarriedCacheScan(LayerScan):
+    """`LayerScan` with the KV cache in the scan carry, written in place (the serving runner's `kv_in_place`)."""
+
+    carry_cache: bool = True
+
+
+__all__ = ["CarriedCacheScan", "HiddenStates", "LAYER_INPUT", "LayerPattern", "LayerRunner", "LayerScan",
+           "LayerType", "Recompute", "check_stacked", "on_device", "split_in_place", "uniform_stack",
+           "with_runner"]
