@@ -1,15 +1,16 @@
 """Old main against new main in one GPU job (issue 37's regression check): the same commands run from two trees,
 one after the other, each in its own process, and the new / old ratio per workload printed last.
 
-    python3 benchmarks/campaigns/old_vs_new.py --old .gpu-old --part train     # 0.6B LoRA: trainer, bench train
-    python3 benchmarks/campaigns/old_vs_new.py --old .gpu-old --part fp8serve  # 8B LoRA FP8; serving 1 / 64 users
+    python3 benchmarks/campaigns/old_vs_new.py --old .gpu-old [--only trainer,bench,serve,fp8]
 
 `--old` is an extracted tree of the old main (`git archive OLD | tar -x -C .gpu-old`); the new tree is this
-checkout. Workloads:
+checkout. Workloads, in this order, each old then new (a figure is printed as soon as both exist, so a job cut
+short keeps what it measured; the persistent compilation cache is shared, so a program the new tree compiles
+exactly as the old one did is loaded, not compiled again):
     trainer-0.6b-lora   benchmarks/train_defaults.py --only qwen3-0.6b-lora --variants default (python -m surojax.train)
     bench-0.6b-lora     surojax bench train --shape qwen3-0.6b --mode lora --batch 8 --seq 2048 (its defaults)
     bench-8b-lora-fp8   surojax bench train --shape qwen3-8b --mode lora --batch 4 --seq 2048 --recipe fp8_hybrid
-    serve-engine-u1/u64 benchmarks/serve_load.py --modes engine --users 1,64 (Qwen3-0.6B shapes, bf16)
+    serve-engine-u1/u64 benchmarks/serve_load.py --modes engine --users 1,64 --rounds 1 (Qwen3-0.6B shapes, bf16)
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def bench(tree: Path, name: str, extra: list[str], timeout: int) -> dict:
 
 
 def serving(tree: Path) -> dict:
-    rc, out, wall = run(tree, ["benchmarks/serve_load.py", "--modes", "engine", "--users", "1,64"], 400)
+    rc, out, wall = run(tree, ["benchmarks/serve_load.py", "--modes", "engine", "--users", "1,64", "--rounds", "1"], 400)
     res = {}
     for r in last_json(out, prefix="RESULT"):
         if r.get("mode") == "engine":
@@ -74,28 +75,32 @@ def serving(tree: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--old", required=True)
-    ap.add_argument("--part", choices=("train", "fp8serve"), required=True)
+    ap.add_argument("--only", default="trainer,bench,serve,fp8")
     ap.add_argument("--work", default="/tmp/surojax-ovn")
     a = ap.parse_args()
     trees = {"old": Path(a.old).resolve(), "new": NEW}
+    workloads = {
+        "trainer": lambda tree: trainer(tree, a.work),
+        "bench": lambda tree: bench(tree, "bench-0.6b-lora", ["--shape", "qwen3-0.6b", "--mode", "lora", "--batch", "8",
+                                                             "--seq", "2048", "--repeats", "2"], 300),
+        "serve": serving,
+        "fp8": lambda tree: bench(tree, "bench-8b-lora-fp8", ["--shape", "qwen3-8b", "--mode", "lora", "--batch", "4",
+                                                             "--seq", "2048", "--recipe", "fp8_hybrid", "--steps", "5",
+                                                             "--repeats", "1"], 420),
+    }
     results: dict[str, dict] = {"old": {}, "new": {}}
-    for label in ("old", "new"):
-        tree = trees[label]
-        if a.part == "train":
-            parts = [trainer(tree, a.work),
-                     bench(tree, "bench-0.6b-lora", ["--shape", "qwen3-0.6b", "--mode", "lora", "--batch", "8", "--seq",
-                                                     "2048", "--repeats", "2"], 300)]
-        else:
-            parts = [bench(tree, "bench-8b-lora-fp8", ["--shape", "qwen3-8b", "--mode", "lora", "--batch", "4", "--seq",
-                                                       "2048", "--recipe", "fp8_hybrid", "--steps", "5", "--repeats",
-                                                       "1"], 420),
-                     serving(tree)]
-        for p in parts:
+    for name in a.only.split(","):
+        keys: set[str] = set()
+        for label in ("old", "new"):
+            p = workloads[name](trees[label])
             out = p.pop("_out")
             if out:
-                print(f"[{label}] FAILED or no figure:\n{out}", flush=True)
+                print(f"[{label} {name}] FAILED or no figure:\n{out}", flush=True)
             results[label].update(p)
-        print(label, json.dumps(results[label]), flush=True)
+            keys |= set(p)
+        for k in sorted(keys):
+            o, n = results["old"].get(k), results["new"].get(k)
+            print(f"RATIO {k}: old {o} new {n}" + (f" new/old {n / o:.3f}" if o and n else ""), flush=True)
     print(f"\n{'workload':22} {'old':>12} {'new':>12} {'new/old':>8}")
     for k in results["new"] | results["old"]:
         o, n = results["old"].get(k), results["new"].get(k)

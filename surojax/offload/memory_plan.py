@@ -91,7 +91,7 @@ _OPT_BYTES = {"adamw": 8, "adamw_8bit": 2, "normuon": 4}
 # the whole-tree update's temporaries beyond the fp32 gradients, per trainable parameter: adamw_8bit dequantises
 # every moment to fp32 and quantises the new ones at once (XLA's buffer figures of the compiled full fine-tuning
 # step between 2 and 4 layers: 23.1 bytes per layer parameter against adamw's 8.0 = accumulator + gradients;
-# Qwen3-8B full fine-tuning ran out of memory on the H200 at a 135 GiB allocation, where the plan said 117).
+# without this term Qwen3-8B full fine-tuning ran out of memory on a GPU the plan said it fit: benchmarks/RESULTS.md).
 # The in-place per-layer update (optimizer_layerwise, offload_*) holds one layer's.
 _UPDATE_TEMP_BYTES = {"adamw_8bit": 15}
 _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -198,7 +198,7 @@ def activation_bytes_per_token_layer(cfg, recompute: Recompute, *, c: int = 2, r
     raise ValueError(f"recompute {recompute!r} is not a Recompute")
 
 
-def plan_memory(model_cfg, *, mode: str = "lora", recipe: str = "bf16", rank: int = 16, targets=None,
+def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.BF16, rank: int = 16, targets=None,
                 batch: int, seq: int, recompute: Recompute = Recompute.FULL, lm_chunk_tokens: int = 4096,
                 optimizer: str = "adamw", offload_base: bool = False, offload_optimizer: bool = False,
                 offload_master: bool = False, master_dtype: str = "fp32", lora_dtype: str = "fp32",
@@ -365,7 +365,7 @@ def fitting_options(plan: MemoryPlan, capacity: int, *, offload_available: Itera
     if s["mode"] == "full" and not (s["layerwise_update"] or s["offload_optimizer"] or s["offload_master"]):
         consider("optimizer_layerwise: true", layerwise_update=True)
     if s["mode"] == "full":
-        if not (s["recipe"] == "bf16" and s["master_dtype"] == "fp32"):
+        if not (Recipe(s["recipe"]) is Recipe.BF16 and s["master_dtype"] == "fp32"):
             avail.discard("offload_master")  # only the bf16 recipe keeps an fp32 master apart from its compute copy
         if "offload_optimizer" in avail and not s["offload_optimizer"]:
             consider("offload_optimizer: true", offload_optimizer=True)

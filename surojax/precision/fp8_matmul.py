@@ -74,8 +74,8 @@ def accumulation() -> Fp8Accum:
     narrower accumulator, promoted to fp32 less often) and one of precision HIGHEST the fp32 ("split") one.
     `split` (default, Transformer Engine's choice): the forward GEMMs accumulate fast, the gradient GEMMs (dx, dW,
         E5M2 dy) in fp32;
-    `fp32`: every GEMM in fp32 (on the H200 the forward GEMM ~12% slower; its op error did not change,
-        benchmarks/RESULTS.md session 13);
+    `fp32`: every GEMM in fp32 (the forward GEMM slower, its op error unchanged: benchmarks/RESULTS.md,
+        session 13);
     `fast`: every GEMM fast (before session 13).
     On CPU the precision changes nothing."""
     return kernel_settings().fp8_accum

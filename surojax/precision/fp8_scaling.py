@@ -131,7 +131,7 @@ def quantize_both(x: jax.Array, d: jax.Array, dtype) -> tuple[jax.Array, jax.Arr
 def cast_form() -> Fp8Cast:
     """How `quantize_both` runs (`kernel_settings().fp8_cast`, SUROJAX_FP8_CAST): `auto` (default; the fused Pallas
     kernel on a GPU where it fits) or `xla` (convert, transpose and amax as XLA ops), for A/B runs
-    (benchmarks/fp8_h200.py)."""
+    (benchmarks/campaigns/fp8_h200.py)."""
     return kernel_settings().fp8_cast
 
 

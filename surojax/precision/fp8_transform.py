@@ -195,7 +195,7 @@ class Fp8WeightCaching:
             return Fp8CachedWeight(*quantize_weight_delayed(jax.lax.stop_gradient(w_l), scale_l[1], dtype))
 
         # vmap over the layers, not lax.map: one batched cast kernel per kernel stack and no loop whose output
-        # stacks XLA zero-fills and copies first (~14 GB of f8 copies per 8B step on the H200, session 14)
+        # stacks XLA zero-fills and copies first (their cost: benchmarks/RESULTS.md, session 14)
         cache = {}
         for path, lin in _cacheable(model):
             w = lin.kernel.get_value()
