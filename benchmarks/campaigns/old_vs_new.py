@@ -1,7 +1,10 @@
 """Old main against new main in one GPU job (issue 37's regression check): the same commands run from two trees,
 one after the other, each in its own process, and the new / old ratio per workload printed last.
 
-    python3 benchmarks/campaigns/old_vs_new.py --old .gpu-old [--only trainer,bench,serve,fp8]
+    python3 benchmarks/campaigns/old_vs_new.py --old .gpu-old [--only trainer,bench,serve,fp8] > $OUT/ovn.log 2>&1
+
+Write its output to a file, never through `| tail`: a job cut by the device's time limit kills the pipe and
+returns nothing (session 18 lost its whole job that way); the file keeps every line printed so far.
 
 `--old` is an extracted tree of the old main (`git archive OLD | tar -x -C .gpu-old`); the new tree is this
 checkout. Workloads, in this order, each old then new (a figure is printed as soon as both exist, so a job cut
