@@ -18,9 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 import yaml
 
+from surojax.cli.train_script import main as train_main
 from surojax.parallel.distributed import DistributedSetupError, ProcessEnv, process_env
 from tests.train.conftest import FIXTURE_QWEN3, ROOT, tiny_config  # noqa: F401  (the fixture)
 from tests.parallel.virtual_devices import FAST_COMPILE  # every run of a test compiled alike (see there)
@@ -76,9 +78,13 @@ def _launch(*cmd: str, cache: Path | None) -> subprocess.CompletedProcess:
                           timeout=TIMEOUT_S)
 
 
-def _train_one_process(config: Path, cache: Path | None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "surojax.train", "--config", str(config)], cwd=ROOT,
-                          env=_env(1, cache), capture_output=True, text=True, timeout=TIMEOUT_S)
+def _train_one_process(config: Path) -> int:
+    """`python -m surojax.train --config CONFIG` on one device, in this process: the one-process runs are the
+    reference and the checkpoint exchange's other side, no process boundary is tested there (under scripts/test.sh
+    this process compiles as the children do, FAST_COMPILE, and the second run loads the first's programs from the
+    suite's persistent compilation cache)."""
+    assert jax.device_count() == 1  # the one-device reference (the suite's process: no virtual devices)
+    return train_main(["--config", str(config)])
 
 
 def _losses(out_dir: Path) -> dict[int, float]:
@@ -121,8 +127,7 @@ def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, 
     # the reference: one process, one device, the whole global batch on it; its checkpoints are one-process ones
     ref = _write(tmp_path / "ref.yaml", config(output_dir=str(tmp_path / "ref"),
                                                     per_device_train_batch_size=GLOBAL_BATCH, **common))
-    r = _train_one_process(ref, cache)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert _train_one_process(ref) == 0
     reference = tmp_path / "ref"
     assert sorted(_losses(reference)) == list(range(1, 5))
 
@@ -149,8 +154,7 @@ def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, 
     to_one = _write(tmp_path / "to_one.yaml", config(
         output_dir=str(tmp_path / "to_one"), per_device_train_batch_size=GLOBAL_BATCH,
         resume_from_checkpoint=str(tmp_path / "from_mp" / "2"), **common))
-    r = _train_one_process(to_one, cache)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert _train_one_process(to_one) == 0
     _assert_losses(tmp_path / "to_one", reference, range(3, 5))
 
     # ... and one written by 1 process continues in 2
