@@ -213,8 +213,17 @@ def test_hub_datasets_rows_and_problems(hub, tmp_path):
            "datasets": [{"path": FINETOME, "split": "test"}, {"path": FINETOME, "subset": "chat"},
                         {"path": "mlabonne/FineTome-1M"}, {"path": f"{FINETOME}@v9"}]}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
-    r = _train(tmp_path / "bad.yaml", _env(hub.url, tmp_path / "hf"))
-    assert r.returncode == 1, r.stderr[-3000:]
+    # one child for the config check and the rows (the same Hub and HF_HOME): `python -m surojax.train`'s main, its
+    # exit status printed, then read_rows
+    child = ("import json; from surojax.cli.train_script import main; "
+             f"print('RC', main(['--config', {str(tmp_path / 'bad.yaml')!r}]), flush=True); "
+             "from surojax.data.sources import read_rows as r; print(json.dumps("
+             f"[w for w, _ in r('{FINETOME}', samples=2)] + "
+             f"[w for w, _ in r('{FINETOME}', data_files={{'train': 'data/*.parquet'}}, samples=1)]))")
+    r = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=_env(hub.url, tmp_path / "hf"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "RC 1" in r.stdout.splitlines(), r.stdout + r.stderr[-3000:]  # the bad config: exit status 1
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 4, r.stderr[-3000:]
     for i, (error, want) in enumerate(zip(errors, (
@@ -223,13 +232,6 @@ def test_hub_datasets_rows_and_problems(hub, tmp_path):
             "dataset 'mlabonne/FineTome-1M': no such local path, and Dataset 'mlabonne/FineTome-1M' doesn't exist",
             f"dataset '{FINETOME}@v9': Revision 'v9' doesn't exist"))):
         assert f"datasets[{i}].path: {want}" in error, error
-
-    read = ("import json; from surojax.data.sources import read_rows as r; print(json.dumps("
-            f"[w for w, _ in r('{FINETOME}', samples=2)] + "
-            f"[w for w, _ in r('{FINETOME}', data_files={{'train': 'data/*.parquet'}}, samples=1)]))")
-    r = subprocess.run([sys.executable, "-c", read], cwd=ROOT, env=_env(hub.url, tmp_path / "hf"),
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.splitlines()[-1]) == [f"{FINETOME}[train]:row 1", f"{FINETOME}[train]:row 2",
                                                      f"{FINETOME}[train]:row 1"]
 

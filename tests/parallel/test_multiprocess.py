@@ -18,9 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 import yaml
 
+from surojax.cli.train_script import main as train_main
 from surojax.parallel.distributed import DistributedSetupError, ProcessEnv, process_env
 from tests.train.conftest import FIXTURE_QWEN3, ROOT, tiny_config  # noqa: F401  (the fixture)
 from tests.parallel.virtual_devices import FAST_COMPILE  # every run of a test compiled alike (see there)
@@ -59,6 +61,20 @@ metrics.Metrics.write, Checkpointer.save = write_then_die, save_and_wait
 make_trainer(load_config(sys.argv[1])).train()
 """
 
+# `python -m surojax.train --config C` for each config C in turn, in each launched process: one start-up and one
+# jax.distributed set-up for two runs; a line between them splits their output
+TRAIN_EACH = """
+import sys
+from surojax.cli.train_script import main
+
+for i, config in enumerate(sys.argv[1:]):
+    if i:
+        print("NEXT RUN", file=sys.stderr, flush=True)
+    rc = main(["--config", config])
+    if rc:
+        sys.exit(rc)
+"""
+
 
 def _env(devices: int, cache: Path | None = None) -> dict[str, str]:
     """A child's environment: CPU with `devices` virtual devices; `cache`: JAX's compilation cache there (the runs
@@ -76,9 +92,13 @@ def _launch(*cmd: str, cache: Path | None) -> subprocess.CompletedProcess:
                           timeout=TIMEOUT_S)
 
 
-def _train_one_process(config: Path, cache: Path | None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "surojax.train", "--config", str(config)], cwd=ROOT,
-                          env=_env(1, cache), capture_output=True, text=True, timeout=TIMEOUT_S)
+def _train_one_process(config: Path) -> int:
+    """`python -m surojax.train --config CONFIG` on one device, in this process: the one-process runs are the
+    reference and the checkpoint exchange's other side, no process boundary is tested there (under scripts/test.sh
+    this process compiles as the children do, FAST_COMPILE, and the second run loads the first's programs from the
+    suite's persistent compilation cache)."""
+    assert jax.device_count() == 1  # the one-device reference (the suite's process: no virtual devices)
+    return train_main(["--config", str(config)])
 
 
 def _losses(out_dir: Path) -> dict[int, float]:
@@ -121,8 +141,7 @@ def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, 
     # the reference: one process, one device, the whole global batch on it; its checkpoints are one-process ones
     ref = _write(tmp_path / "ref.yaml", config(output_dir=str(tmp_path / "ref"),
                                                     per_device_train_batch_size=GLOBAL_BATCH, **common))
-    r = _train_one_process(ref, cache)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert _train_one_process(ref) == 0
     reference = tmp_path / "ref"
     assert sorted(_losses(reference)) == list(range(1, 5))
 
@@ -136,29 +155,28 @@ def test_two_processes_train_resume_and_exchange_checkpoints_with_one(tmp_path, 
     assert not (tmp_path / "mp" / "model").exists()
     assert sorted(p.name for p in (tmp_path / "mp" / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
 
-    # resumed in 2 processes: the remaining steps repeat the one-process losses; process 0 alone writes the export
-    _write(mp_cfg, dict(mp, resume_from_checkpoint=True))
-    r = _launch("python", "-m", "surojax.train", "--config", str(mp_cfg), cache=cache)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "[0] resumed" in r.stderr and "[1] resumed" not in r.stderr
-    _assert_losses(tmp_path / "mp", reference, range(1, 5))
-    assert (tmp_path / "mp" / "model" / "model.safetensors").is_file()
-
-    # a checkpoint written by 2 processes continues in 1 (one device, the same global batch) ...
+    # a checkpoint written by 2 processes (the killed run's step 2) continues in 1 (one device, the same global
+    # batch) ...
     shutil.copytree(tmp_path / "mp" / "checkpoints" / "2", tmp_path / "from_mp" / "2")
     to_one = _write(tmp_path / "to_one.yaml", config(
         output_dir=str(tmp_path / "to_one"), per_device_train_batch_size=GLOBAL_BATCH,
         resume_from_checkpoint=str(tmp_path / "from_mp" / "2"), **common))
-    r = _train_one_process(to_one, cache)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert _train_one_process(to_one) == 0
     _assert_losses(tmp_path / "to_one", reference, range(3, 5))
 
-    # ... and one written by 1 process continues in 2
+    # resumed in 2 processes: the remaining steps repeat the one-process losses; process 0 alone writes the export.
+    # ... and one written by 1 process continues in 2: the next run of the same launch (TRAIN_EACH)
+    _write(mp_cfg, dict(mp, resume_from_checkpoint=True))
     shutil.copytree(tmp_path / "ref" / "checkpoints" / "2", tmp_path / "from_ref" / "2")
     to_two = _write(tmp_path / "to_two.yaml", dict(mp, output_dir=str(tmp_path / "to_two"),
                                                    resume_from_checkpoint=str(tmp_path / "from_ref" / "2")))
-    r = _launch("python", "-m", "surojax.train", "--config", str(to_two), cache=cache)
+    r = _launch("python", "-c", TRAIN_EACH, str(mp_cfg), str(to_two), cache=cache)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "[0] NEXT RUN" in r.stderr and "[1] NEXT RUN" in r.stderr, r.stderr[-3000:]
+    resume_err = r.stderr.split("[0] NEXT RUN", 1)[0]  # rank 0's lines of the first run
+    assert "[0] resumed" in resume_err and "[1] resumed" not in r.stderr
+    _assert_losses(tmp_path / "mp", reference, range(1, 5))
+    assert (tmp_path / "mp" / "model" / "model.safetensors").is_file()
     _assert_losses(tmp_path / "to_two", reference, range(3, 5))
 
 

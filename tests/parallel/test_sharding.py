@@ -1,8 +1,8 @@
 """Sharding by the rules table: mesh sizes, partition specs, and sharded == unsharded numerics.
 
 The mesh arithmetic and spec resolution run in this process (pure functions; an AbstractMesh needs no
-devices). Everything that needs 8 devices runs once in a child process (one for this module, test_zero and
-test_expert_parallel: virtual_devices.shared_child_results) started with
+devices). Everything that needs 8 devices runs once in a child process (one for the modules of
+virtual_devices.SHARED: virtual_devices.shared_child_results) started with
 XLA_FLAGS=--xla_force_host_platform_device_count=8: JAX reads that flag when its backend starts, so setting it here could not work once any other test has touched JAX, and would leak into other tests.
 The child runs every `@child_check` and reports each result; one pytest case per check reads it.
 """
@@ -277,7 +277,7 @@ def check_init_sharded():
 
 @pytest.fixture(scope="module")
 def child_results(tmp_path_factory) -> dict[str, str]:
-    return shared_child_results(tmp_path_factory, __file__, devices=8)  # one 8-device child for 3 modules
+    return shared_child_results(tmp_path_factory, __file__, devices=8)  # one 8-device child for the modules of SHARED
 
 
 @pytest.mark.parametrize("name", list(CHILD_CHECKS))

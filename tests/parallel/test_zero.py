@@ -259,7 +259,7 @@ def check_bench_over_a_mesh_times_the_same_step():
 
 @pytest.fixture(scope="module")
 def child_results(tmp_path_factory) -> dict[str, str]:
-    return shared_child_results(tmp_path_factory, __file__, devices=8)  # one 8-device child for 3 modules
+    return shared_child_results(tmp_path_factory, __file__, devices=8)  # one 8-device child for the modules of SHARED
 
 
 @pytest.mark.parametrize("name", list(CHILD_CHECKS))

@@ -75,7 +75,8 @@ def run_child(script: str, *, devices: int, label: str, env: Mapping[str, str] |
 
 # device count -> the test modules whose CHECKS run in one shared child of that many devices
 SHARED = {8: ("tests.parallel.test_sharding", "tests.parallel.test_zero", "tests.parallel.test_expert_parallel",
-              "tests.train.test_sharded_training")}
+              "tests.train.test_sharded_training", "tests.train.test_expert_parallel_training",
+              "tests.train.test_distill_training")}
 
 
 def shared_child_results(tmp_path_factory: pytest.TempPathFactory, module_file: str, devices: int,

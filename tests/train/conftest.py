@@ -32,19 +32,25 @@ def write_instruction_data(path: Path, n: int = 48, seed: int = 1) -> Path:
     return path
 
 
+def tiny_run_config(directory: Path, **overrides) -> dict:
+    """A config dict (and its data, written in `directory`) for a tiny fp32 run in `directory`: the tiny_config
+    fixture's, callable where there are no fixtures (a check in tests/parallel/virtual_devices.py's shared child)."""
+    cfg = {
+        "from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": dict(TINY_QWEN3),
+        "output_dir": str(directory / "out"), "recipe": "fp32", "recompute": "none",
+        "datasets": [{"path": str(write_text_data(directory / "text.jsonl")), "type": "text"}],
+        "sequence_len": 64, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+        "learning_rate": 3e-3, "lr_scheduler_type": "constant", "max_steps": 4, "seed": 0,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
 @pytest.fixture
 def tiny_config(tmp_path):
     """A function returning a config dict (and writing its data) for a tiny fp32 run in tmp_path."""
     def make(**overrides):
-        cfg = {
-            "from_scratch": True, "tokenizer": str(TOKENIZER), "model_config": dict(TINY_QWEN3),
-            "output_dir": str(tmp_path / "out"), "recipe": "fp32", "recompute": "none",
-            "datasets": [{"path": str(write_text_data(tmp_path / "text.jsonl")), "type": "text"}],
-            "sequence_len": 64, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-            "learning_rate": 3e-3, "lr_scheduler_type": "constant", "max_steps": 4, "seed": 0,
-        }
-        cfg.update(overrides)
-        return cfg
+        return tiny_run_config(tmp_path, **overrides)
     return make
 
 

@@ -1,14 +1,13 @@
 """Distillation through the Trainer (trainer: distill): a random tiny qwen3 student learns from the qwen3 fixture
 teacher; --precompute's sidecar gives the online run's first step; distillation keys and teachers are checked; the
-online teacher is counted in the memory plan and placed on the run's mesh like the student."""
+online teacher is counted in the memory plan and placed on the run's mesh like the student (the 8-device run is a
+check of the one 8-device child tests/parallel/virtual_devices.py shares: no process start-up of its own)."""
 import json
-import os
 import re
 import shlex
 import shutil
 import struct
-import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +20,8 @@ from surojax.offload.memory_plan import MemoryPlanError
 from surojax.train import distill as distill_module
 from surojax.train.run_spec import TrainSetupError
 from surojax.train.trainers import make_trainer
-from tests.train.conftest import ROOT
-
-from tests.train.conftest import FIXTURE_QWEN3 as TEACHER, distill_config
+from tests.parallel.virtual_devices import check_passed, shared_child_results
+from tests.train.conftest import FIXTURE_QWEN3 as TEACHER, distill_config, tiny_run_config
 
 TEACHER_ARCH = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
@@ -139,25 +137,46 @@ def test_online_teacher_is_counted_and_a_run_it_overflows_is_refused(tiny_config
         make_trainer(cfg)
 
 
-SHARDED_STEP = """
-import json, sys, jax
-from flax import nnx
-from surojax.config import load_config
-from surojax.train.trainers import make_trainer
-t = make_trainer(load_config(sys.argv[1]))
-m = t.step()
-def spec(x):  # P(None, None) and P() both replicate: compare the specs without trailing Nones
+CHILD_CHECKS: dict = {}
+
+
+def _sharded_spec(x) -> str:
+    """P(None, None) and P() both replicate: the spec without trailing Nones."""
     s = list(x.sharding.spec)
     while s and s[-1] is None:
         s.pop()
     return str(s)
-specs = lambda state: {".".join(map(str, p)): spec(v.get_value()) for p, v in nnx.to_flat_state(state)}
-print("RESULT " + json.dumps({"kl": m["kl"], "loss": m["loss"], "devices": jax.device_count(),
-                              "teacher": specs(t.teacher.state), "student": specs(t.trainable)}))
-"""
 
 
-def test_teacher_sharded_like_the_student_gives_the_one_device_step(tiny_config, tmp_path):
+def check_teacher_sharded_like_the_student() -> dict:
+    """In the 8-device child: step 1 of the one-device test's run on data 2 x fsdp 2 x tensor 2, 1 row per device
+    (the global batch of 4 rows the reference takes on one device) -> its kl, loss, device count and the specs of the
+    teacher's and the student's arrays."""
+    import jax
+    from flax import nnx
+
+    def specs(state):
+        return {".".join(map(str, p)): _sharded_spec(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cfg = distill_config(lambda **kw: tiny_run_config(tmp, **kw), **{**ONE_DEVICE, "max_steps": 1,
+                                                                         "report_to": [],
+                                                                         "per_device_train_batch_size": 1},
+                             parallel={"data": 2, "fsdp": 2, "tensor": 2}, output_dir=str(tmp / "eight"))
+        t = make_trainer(config_from_dict(cfg))
+        try:
+            m = t.step()
+            return {"kl": float(m["kl"]), "loss": float(m["loss"]), "devices": jax.device_count(),
+                    "teacher": specs(t.teacher.state), "student": specs(t.trainable)}
+        finally:
+            t.close()
+
+
+CHILD_CHECKS["check_teacher_sharded_like_the_student"] = check_teacher_sharded_like_the_student
+
+
+def test_teacher_sharded_like_the_student_gives_the_one_device_step(tiny_config, tmp_path, tmp_path_factory):
     """A student of the teacher's architecture on data 2 x fsdp 2 x tensor 2 (8 virtual CPU devices): every teacher
     weight has its student twin's sharding, and step 1's kl / loss equal one device's (fp32; sums over shards are
     taken in another order, hence 1e-5)."""
@@ -165,17 +184,10 @@ def test_teacher_sharded_like_the_student_gives_the_one_device_step(tiny_config,
     one = make_trainer(config_from_dict(distill_config(tiny_config, output_dir=str(tmp_path / "one"), **common)))
     m1 = one.step()
     one.close()
-    config = tmp_path / "sharded.yaml"
-    config.write_text(yaml.safe_dump(distill_config(tiny_config, **{**common, "per_device_train_batch_size": 1},
-                                                    parallel={"data": 2, "fsdp": 2, "tensor": 2},
-                                                    output_dir=str(tmp_path / "eight"))))
-    # the child compiles like this process (the suite's XLA_FLAGS kept, the device count appended)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()}
-    r = subprocess.run([sys.executable, "-c", SHARDED_STEP, str(config)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=240)
-    assert r.returncode == 0, r.stderr[-3000:]
-    eight = json.loads(r.stdout.split("RESULT ", 1)[1])
+    results = shared_child_results(tmp_path_factory, __file__, devices=8)
+    name = "check_teacher_sharded_like_the_student"
+    check_passed(results, name, "8 devices")
+    eight = results[f"{name}.value"]
     assert eight["devices"] == 8
     student, teacher = eight["student"], eight["teacher"]
     assert {k: teacher.get(k) for k in student} == student

@@ -1,6 +1,8 @@
 """A training process killed with SIGKILL resumes from its last whole checkpoint and then repeats the
 uninterrupted run's per-step losses exactly (fp32, CPU, same data order and dropout keys): the killed process's own
-rows up to its kill are the uninterrupted run's."""
+rows up to its kill are the uninterrupted run's. The resumed run reads only what the killed one left on disk (its
+memory is gone with it), so it runs in this process through the same main as `python -m surojax.train` (one child
+start-up fewer), as tests/train/test_post_training_resume.py's resumes do."""
 import json
 import os
 import signal
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from surojax.cli.train_script import main as train_main
 from surojax.train.checkpoints import Checkpointer
 
 from tests.train.conftest import ROOT
@@ -17,21 +20,20 @@ from tests.train.conftest import ROOT
 HERE = Path(__file__).parent
 
 
-def _run(config: Path, *extra):
+def _killed_run(config: Path, after_step: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, *extra, "--config", str(config)] if not extra[0].endswith(".py") else
-                          [sys.executable, extra[0], str(config), *extra[1:]],
+    return subprocess.run([sys.executable, str(HERE / "kill_after_step.py"), str(config), str(after_step)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 
-def test_sigkill_then_resume_repeats_the_uninterrupted_losses(tmp_path, tiny_config):
+def test_sigkill_then_resume_repeats_the_uninterrupted_losses(tmp_path, tiny_config, capsys):
     """The killed process is the uninterrupted run up to its kill (it logs steps 1..5 before dying): the resumed
     process must log the steps after its checkpoint up to 5 with exactly those losses, then finish and export."""
     cfg = tiny_config(output_dir=str(tmp_path / "run"), max_steps=8, save_steps=2, lora_dropout=0.0,
                       lr_scheduler_type="cosine", warmup_steps=2)
     run_cfg = tmp_path / "run.yaml"
     run_cfg.write_text(yaml.safe_dump(cfg))
-    killed = _run(run_cfg, str(HERE / "kill_after_step.py"), "5")
+    killed = _killed_run(run_cfg, 5)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert not (tmp_path / "run" / "model").exists()
     reference = {x["step"]: x for x in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
@@ -41,9 +43,9 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_losses(tmp_path, tiny_con
     assert resume_step in (2, 4)  # step 4's async write may or may not have finished before the kill
 
     run_cfg.write_text(yaml.safe_dump(dict(cfg, resume_from_checkpoint=True)))
-    r = _run(run_cfg, "-m", "surojax.train")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"at step {resume_step}" in r.stderr
+    capsys.readouterr()
+    assert train_main(["--config", str(run_cfg)]) == 0
+    assert f"at step {resume_step}" in capsys.readouterr().err
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [x for x in rows if "loss" in x]
     # the killed process logged steps up to 5; the resumed one logs them again from its checkpoint on:
