@@ -44,7 +44,7 @@ from surojax.quant import FORMATS
 from surojax.train.model_setup import apply_model_transforms, build_model, run_transforms
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.run_spec import RunSpec, TrainSetupError
-from surojax.train.step import StepShardings, make_eval_step, make_train_step
+from surojax.train.step import StepShardings, make_eval_step, make_train_step, single_hook
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,13 @@ def data_parallel_size(mesh) -> int:
 
 
 def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: Recompute | None = None,
-                   unroll: int | bool | None = None, mesh=None) -> MemoryPlan:
+                   unroll: int | bool | None = None, mesh=None,
+                   transforms: list[Transform] | None = None) -> MemoryPlan:
     """Estimated peak device memory of the run (surojax/offload/memory_plan.py), per device, unsharded but for
     the ZeRO stage's split on `mesh` (None: one device); `recompute` / `unroll` replace the spec's (a candidate
     layer loop of `choose_layer_loop`). The transforms' terms are their `memory` settings (LoRA's rank and targets,
-    the quantised base's bytes, FP8's weight cache, placement's host memory), over the model's own."""
+    the quantised base's bytes, FP8's weight cache, placement's host memory), over the model's own; `transforms`:
+    the run's (None: made from the spec)."""
     mem, packed = spec.memory, spec.model.packed_experts
     divisors = {} if mesh is None else plan_divisors(resolve_zero_stage(spec.zero_stage, mesh), mesh)
     prequantized = spec.model.prequantized if spec.lora is not None else None
@@ -109,15 +111,17 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: Recompute | None = N
                expert_weight_bytes=packed.bytes_per_value if packed is not None and packed.keep else None,
                kernel_weight_bytes=None if prequantized is None else FORMATS[prequantized].bytes_per_value(),
                **divisors)
-    return plan_memory(spec.model.config, **{**own, **memory_settings(run_transforms(spec, mesh))})
+    transforms = run_transforms(spec, mesh) if transforms is None else transforms
+    return plan_memory(spec.model.config, **{**own, **memory_settings(transforms)})
 
 
 def resolve_layer_loop(spec: RunSpec, chunk: int, mesh=None) -> tuple[RunSpec, LayerLoopChoice]:
     """`recompute: auto` / `unroll_layers: auto` resolved by the memory plan (the fastest layer loop that fits the
     device, surojax/offload/layer_loop_choice.py); explicit values are kept and checked. The returned spec holds
     concrete values."""
-    mem = spec.memory
-    choice = choose_layer_loop(lambda r, u: memory_plan_of(spec, chunk, recompute=r, unroll=u, mesh=mesh),
+    mem, transforms = spec.memory, run_transforms(spec, mesh)  # made once for every candidate's plan
+    choice = choose_layer_loop(lambda r, u: memory_plan_of(spec, chunk, recompute=r, unroll=u, mesh=mesh,
+                                                           transforms=transforms),
                                device_capacity(),
                                recompute=mem.recompute, unroll=mem.unroll, offload_base=mem.offload_base,
                                prefetch=mem.offload_prefetch)
@@ -151,8 +155,8 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     The transforms (`model_setup.run_transforms`, models/transform.py's order) give the memory plan its terms, the
     model its changes, the split its trainable filter, the step its hooks and the start-up summary its lines
     (`Run.transform_lines`). customize(model): applied after the transforms before the placement, inside it (the
-    bench swaps in a random quantised base). check_memory: refuse a run whose planned peak exceeds the device (unsharded meshes only: the plan is
-    for one device holding everything).
+    bench swaps in a random quantised base). check_memory: refuse a run whose planned peak exceeds the device
+    (unsharded meshes only: the plan is for one device holding everything).
     """
     prepare_host_memory(spec.memory.host_memory)
     cache_dir = enable_compilation_cache(mesh.devices.flat[0].platform)
@@ -190,7 +194,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     trains = trainable_filter(transforms)
     graphdef, trainable, frozen = nnx.split(model, trains, ...)
     hooks = step_hooks(transforms)
-    state = next((h.state for h in hooks if h.state is not None), None)  # step state: carried, never optimised
+    state = single_hook(hooks, "state")  # step state: carried, never optimised
     params = trainable if state is None else state.split(trainable)[0]
     model.eval()
     model.runner = loop.eval_runner

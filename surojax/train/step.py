@@ -55,7 +55,7 @@ def constrain(tree, shardings):
     return treedef.unflatten([jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, placed)])
 
 
-def _one(hooks: Sequence[StepHooks], field: str):
+def single_hook(hooks: Sequence[StepHooks], field: str):
     """The one hook of this kind among `hooks` (None if none); two are refused (models/transform.py)."""
     found = [getattr(h, field) for h in hooks if getattr(h, field) is not None]
     if len(found) > 1:
@@ -91,8 +91,8 @@ def make_train_step(graphdef, loss_fn: Callable, optimizer: optax.GradientTransf
     follow the parameters (GSPMD propagation).
     """
     place = (lambda tree, _: tree) if shardings is None else constrain  # noqa: E731
-    state = _one(hooks, "state")
-    compile_step = _one(hooks, "compile")
+    state = single_hook(hooks, "state")
+    compile_step = single_hook(hooks, "compile")
     per_step = [h for h in hooks if h.before_step is not None or h.before_micro is not None]
 
     def step(trainable, frozen, opt_state, batch, rng, lr_scale=1.0):
