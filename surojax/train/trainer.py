@@ -97,6 +97,8 @@ class RunPlan:
         return self.micro_batch * self.accumulation * self.sequence_len
 
 
+_DATA_RAN_OUT = object()  # read ahead: the data had no next batch (the step that would take it stops the run)
+
 class Trainer:
     """The training loop of every trainer kind (config key `trainer`): SFT / pretraining here; a post-training
     trainer (surojax/train/trainers.py maps the names) subclasses it and overrides the three task hooks:
@@ -283,15 +285,20 @@ class Trainer:
     # Whether the next step's batch may be read while the current step computes: it must not depend on the
     # step's result (GRPO's rollouts come from the policy the step updates: it turns this off).
     prefetch_batches = True
-    _prefetched: dict | None = None  # the next step's device batch, read ahead
+    _prefetched: dict | object | None = None  # the next step's device batch, read ahead (or _DATA_RAN_OUT)
     _prefetched_data_state: dict | None = None  # the train loader's state before that batch was read
 
     def _prefetch_batch(self) -> None:
         self._prefetched_data_state = self.data.train.get_state()
-        self._prefetched = self._device_batch(self.next_batch())
+        try:
+            self._prefetched = self._device_batch(self.next_batch())
+        except StopIteration:  # raised by the next step's read, where the loop expects it, not by this step's
+            self._prefetched = _DATA_RAN_OUT
 
     def _take_batch(self) -> dict:
         batch, self._prefetched, self._prefetched_data_state = self._prefetched, None, None
+        if batch is _DATA_RAN_OUT:
+            raise StopIteration
         return batch if batch is not None else self._device_batch(self.next_batch())
 
     def _data_state(self) -> dict:
