@@ -23,6 +23,7 @@ import logging
 from typing import Callable
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
@@ -64,7 +65,7 @@ class Run:
     frozen: nnx.State
     optimizer: optax.GradientTransformation
     opt_state: object
-    schedule: optax.Schedule
+    lr_at: Callable[[int], float]  # the scheduled learning rate of a step, computed on the host (numpy): logged
     train_step: Callable
     eval_step: Callable
     chunk: int  # tokens per chunk of the chunked LM head
@@ -203,6 +204,8 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     o = spec.optim
     schedule = lr_schedule(o.schedule, o.learning_rate, o.total_steps, o.warmup_steps, o.final_lr_fraction,
                            o.cooldown_steps)
+    lr_at = lr_schedule(o.schedule, o.learning_rate, o.total_steps, o.warmup_steps, o.final_lr_fraction,
+                        o.cooldown_steps, xp=np)
     optimizer = build_optimizer(o.name, schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                                 max_grad_norm=o.max_grad_norm, offload_state=mem.offload_optimizer,
                                 offload_master=mem.offload_master,
@@ -224,7 +227,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
                                  loss_guard=o.loss_guard, shardings=_step_shardings(zero, opt_state), **apply)
     eval_step = make_eval_step(eval_graphdef, loss_fn)
     return Run(spec=spec, mesh=mesh, graphdef=graphdef, eval_graphdef=eval_graphdef, trainable=trainable, frozen=frozen,
-               optimizer=optimizer, opt_state=opt_state, schedule=schedule, train_step=train_step,
+               optimizer=optimizer, opt_state=opt_state, lr_at=lr_at, train_step=train_step,
                eval_step=eval_step, chunk=chunk, memory_plan=plan, layer_loop=loop,
                layer_loop_reason=reason, zero=zero, zero_summary=summary,
                transform_lines=summary_lines([t for t in transforms if t is not loop]))  # the loop: `layers`

@@ -23,29 +23,33 @@ from surojax.train.optim_8bit_fused import FusedAdam8bit
 
 
 def lr_schedule(kind: str, lr: float, total_steps: int, warmup_steps: int = 0, final_lr_fraction: float = 0.0,
-                cooldown_steps: int = 0) -> optax.Schedule:
+                cooldown_steps: int = 0, xp=jnp) -> optax.Schedule:
+    """The schedule as a function of the step. `xp`: the array module it computes with, jax.numpy (traced inside
+    the optimizer) or numpy: the same float32 arithmetic on the host, for the learning rate the trainer logs
+    (a jax.numpy call there would be queued on the device behind the step it was dispatched after, and wait
+    for it)."""
     total_steps = max(int(total_steps), 1)
     warmup_steps = min(int(warmup_steps), total_steps)
     final = lr * final_lr_fraction
     decay_steps = max(total_steps - warmup_steps, 1)
 
     def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        warm = lr * jnp.minimum(1.0, (step + 1) / max(warmup_steps, 1)) if warmup_steps else lr
-        t = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
+        step = xp.asarray(step, xp.float32)
+        warm = lr * xp.minimum(1.0, (step + 1) / max(warmup_steps, 1)) if warmup_steps else lr
+        t = xp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
         if kind == "constant":
-            after = jnp.asarray(lr, jnp.float32)
+            after = xp.asarray(lr, xp.float32)
         elif kind == "linear":
             after = lr + (final - lr) * t
         elif kind == "cosine":
-            after = final + (lr - final) * 0.5 * (1 + jnp.cos(math.pi * t))
+            after = final + (lr - final) * 0.5 * (1 + xp.cos(math.pi * t))
         elif kind == "wsd":
             cool = max(int(cooldown_steps), 1)
-            tc = jnp.clip((step - (total_steps - cool)) / cool, 0.0, 1.0)
+            tc = xp.clip((step - (total_steps - cool)) / cool, 0.0, 1.0)
             after = lr + (final - lr) * tc
         else:
             raise ValueError(f"lr_scheduler_type {kind!r} is unknown (constant, linear, cosine, wsd)")
-        return jnp.where(step < warmup_steps, warm, after)
+        return xp.where(step < warmup_steps, warm, after)
 
     return schedule
 

@@ -328,12 +328,13 @@ class Trainer:
         rng = jax.random.fold_in(self.key, self.step_count)
         self.trainable, self.opt_state, m = self.run.train_step(self.trainable, self.frozen, self.opt_state, batch, rng,
                                                                 self.lr_scale)
-        lr = float(self.run.schedule(self.step_count)) * self.lr_scale
+        lr = float(self.run.lr_at(self.step_count)) * self.lr_scale  # numpy: no device work
         self.step_count += 1
         if self.prefetch_batches and self.step_count < self.plan.total_steps:
             self._prefetch_batch()
+        m = jax.device_get(m)  # the one wait for the device, one transfer (the router stats included)
         router = m.pop("router", None)  # a MoE model's RouterStats [L, ...], summed over the micro-batches
-        m = {k: float(v) for k, v in jax.device_get(m).items()}
+        m = {k: float(v) for k, v in m.items()}
         if router is not None:
             m.update(self.router_monitor.observe(self.step_count, router))
         dt = time.perf_counter() - t0

@@ -1,6 +1,7 @@
 """Schedules, the weight-decay mask and the metric sinks."""
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,6 +29,17 @@ def test_schedules_warm_up_then_follow_their_shape(kind):
         assert lrs[-1] == pytest.approx(0.1 + 0.9 / last_decay, abs=0.01)
     if kind == "wsd":
         assert np.all(lrs[10:80] == 1.0) and lrs[90] < 1.0  # stable, then the cooldown
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine", "wsd"])
+def test_host_schedule_equals_the_optimizers(kind):
+    """The trainer logs the numpy schedule (no device work after the step's dispatch): the optimizer's values."""
+    args = (kind, 3e-4, 100, 10, 0.1, 20)
+    on_device, on_host = lr_schedule(*args), lr_schedule(*args, xp=np)
+    steps = np.arange(100)
+    host = np.array([on_host(i) for i in steps])
+    assert not isinstance(on_host(50), jax.Array)
+    np.testing.assert_allclose(host, np.asarray(jnp.stack([on_device(i) for i in steps])), rtol=1e-6, atol=0)
 
 
 def test_weight_decay_applies_to_matrices_only():
