@@ -282,16 +282,18 @@ class Trainer:
         """The next step's host batch: arrays [A * B, T] the loss reads."""
         return next(self.data.train)
 
-    # Whether the next step's batch may be read while the current step computes: it must not depend on the
-    # step's result (GRPO's rollouts come from the policy the step updates: it turns this off).
+    # Whether the next step's host batch may be read while the current step computes: it must not depend on the
+    # step's result (GRPO's rollouts come from the policy the step updates: it turns this off). It is placed on
+    # the devices just before its own step's dispatch: placed during the step (while the launches of the step
+    # in flight go on) the run measured 2% slower on an H100 (benchmarks/RESULTS.md, session 19).
     prefetch_batches = True
-    _prefetched: dict | object | None = None  # the next step's device batch, read ahead (or _DATA_RAN_OUT)
+    _prefetched: dict | object | None = None  # the next step's host batch, read ahead (or _DATA_RAN_OUT)
     _prefetched_data_state: dict | None = None  # the train loader's state before that batch was read
 
     def _prefetch_batch(self) -> None:
         self._prefetched_data_state = self.data.train.get_state()
         try:
-            self._prefetched = self._device_batch(self.next_batch())
+            self._prefetched = self.next_batch()
         except StopIteration:  # raised by the next step's read, where the loop expects it, not by this step's
             self._prefetched = _DATA_RAN_OUT
 
@@ -299,7 +301,7 @@ class Trainer:
         batch, self._prefetched, self._prefetched_data_state = self._prefetched, None, None
         if batch is _DATA_RAN_OUT:
             raise StopIteration
-        return batch if batch is not None else self._device_batch(self.next_batch())
+        return self._device_batch(batch if batch is not None else self.next_batch())
 
     def _data_state(self) -> dict:
         """The train loader's position for a checkpoint: before a batch read ahead, which the resumed run reads."""
@@ -319,10 +321,10 @@ class Trainer:
     def step(self) -> dict:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics.
 
-        The jitted step is dispatched first; while the device computes it, the host reads the next step's batch
-        and places it on the devices (`prefetch_batches`) and evaluates the learning rate it logs; then it waits
-        for the metrics, read back in one transfer. The device does not wait for the host's data work between
-        steps."""
+        The jitted step is dispatched first; while the device computes it, the host evaluates the learning rate
+        it logs (numpy) and reads the next step's host batch (`prefetch_batches`); then it waits for the metrics,
+        read back in one transfer. Between steps the device waits only for the placement of the batch read
+        ahead and the dispatch."""
         t0 = time.perf_counter()
         batch = self._take_batch()
         rng = jax.random.fold_in(self.key, self.step_count)
