@@ -1,0 +1,180 @@
+"""The gated delta rule's forms (pallas_kernels/gated_delta): the chunked jnp form and the Pallas kernel (interpret
+mode on CPU; its backward is the chunked form's) against the token-by-token reference, and the reference against
+transformers' torch_recurrent_gated_delta_rule (tests/fixtures/gated_delta, scripts/make_gated_delta_fixture.py).
+Shapes are small but cover a whole chunk of 64 plus a partial one, segments that start inside a chunk, one that
+crosses a chunk boundary, one that starts exactly at a chunk boundary, and padding (id 0)."""
+import functools
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gated_delta.api import chunk_gated_delta_rule, pallas_forward
+from pallas_kernels.gated_delta.reference import gated_delta_rule_reference
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gated_delta" / "recurrent.npz"
+IMPLS = ["reference", "chunked", "pallas"]
+# packed rows of T = 100: row 0 starts segments at 20 and 70 (the second crosses the chunk boundary at 64),
+# row 1 at 64 (the boundary itself) and ends in 6 padding tokens
+SEGMENTS = [[1] * 20 + [2] * 50 + [3] * 30, [5] * 64 + [6] * 30 + [0] * 6]
+
+
+def operands(B=2, T=100, H=2, Dk=16, Dv=8, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 6)
+
+    def unit(key, shape):
+        x = jax.random.normal(key, shape)
+        return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+    q, k = unit(ks[0], (B, T, H, Dk)), unit(ks[1], (B, T, H, Dk))
+    v = jax.random.normal(ks[2], (B, T, H, Dv))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, H)) - 1.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+    state = 0.5 * jax.random.normal(ks[5], (B, H, Dk, Dv))
+    return (q, k, v, g, beta), state
+
+
+def close(got, want, tol=2e-5, name=""):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_transformers_recurrent(impl):
+    """transformers' torch_recurrent_gated_delta_rule (scale Dk^-0.5, an initial state): outputs and final state."""
+    f = np.load(FIXTURE)
+    xs = [jnp.asarray(f[n].astype(np.float32)) for n in ("q", "k", "v", "g", "beta")]
+    o, state = chunk_gated_delta_rule(*xs, scale=xs[0].shape[-1] ** -0.5,
+                                      initial_state=jnp.asarray(f["initial_state"].astype(np.float32)),
+                                      output_final_state=True, impl=impl)
+    close(o, f["o"])
+    close(state, f["final_state"])
+
+
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+def test_values_match_reference_from_a_zero_state(impl):
+    """No initial state, no final state asked for (None); o keeps v's dtype. (The initial and final states: the
+    transformers fixture above and the gradient tests below.)"""
+    xs, _ = operands()
+    o, none = chunk_gated_delta_rule(*xs, scale=0.25, impl=impl)
+    assert none is None and o.dtype == jnp.float32
+    close(o, reference_outputs())
+
+
+@functools.cache
+def reference_outputs():
+    return gated_delta_rule_reference(*operands()[0], scale=0.25)[0]
+
+
+def test_kernel_column_blocks_and_padded_head_dims():
+    """The kernel with several programs per head (Dv 32 in blocks of 16), Dk 24 padded to 32, 3 heads, two
+    chunks and a partial one, packed rows, bfloat16 operands: = the reference on the same values."""
+    (q, k, v, g, beta), s0 = operands(T=130, H=3, Dk=24, Dv=32, seed=1)
+    seg = jnp.asarray([[1] * 100 + [2] * 30, [1] * 10 + [2] * 120])
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    o, state = pallas_forward(q, k, v, g, beta, seg, s0, scale=0.2, interpret=True, block_v=16)
+    want = gated_delta_rule_reference(q, k, v, g, beta, scale=0.2, segment_ids=seg, initial_state=s0,
+                                      output_final_state=True)
+    assert o.dtype == jnp.bfloat16
+    close(o.astype(jnp.float32), want[0].astype(jnp.float32), tol=2e-2)  # both rounded to bfloat16 once
+    close(state, want[1], tol=1e-4)
+
+
+def loss_and_grads(impl, xs, w, s0, seg, ws=None):
+    """((sum(o * w) (+ sum(final state * ws)), o), d/d(q, k, v, g, beta, initial state)), one compile."""
+    def loss(q, k, v, g, beta, s0):
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.25, segment_ids=seg, initial_state=s0,
+                                          output_final_state=ws is not None, impl=impl)
+        return jnp.sum(o * w) + (0.0 if ws is None else jnp.sum(state * ws)), o
+
+    return jax.jit(jax.value_and_grad(loss, argnums=range(6), has_aux=True))(*xs, s0)
+
+
+@functools.cache
+def reference_gradients():
+    """The reference's loss and gradients for test_gradients_match_reference (computed once)."""
+    xs, s0 = operands()
+    w, ws = gradient_weights(xs, s0)
+    return loss_and_grads("reference", xs, w, s0, jnp.asarray(SEGMENTS), ws)
+
+
+def gradient_weights(xs, s0):
+    return jax.random.normal(jax.random.key(7), xs[2].shape), jax.random.normal(jax.random.key(8), s0.shape)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+def test_gradients_match_reference(impl):
+    """Gradients w.r.t. q, k, v, g, beta and the initial state, through the outputs and the final state, of
+    packed rows."""
+    xs, s0 = operands()
+    w, ws = gradient_weights(xs, s0)
+    (got_loss, _), got = loss_and_grads(impl, xs, w, s0, jnp.asarray(SEGMENTS), ws)
+    (want_loss, _), want = reference_gradients()
+    close(got_loss, want_loss, tol=1e-4)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+        close(a, b, tol=1e-4, name=name)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_packed_rows_equal_each_segment_alone(impl):
+    """Each segment of a packed row run as a row of its own (the row's first segment continuing the row's initial
+    state, the others from zero): the same outputs, and the same gradients w.r.t. q, k, v, g, beta and the
+    initial state; padding tokens (id 0) get zero gradients."""
+    xs, s0 = operands()
+    w = jax.random.normal(jax.random.key(7), xs[2].shape)
+    seg = np.asarray(SEGMENTS)
+    w = w * jnp.asarray(seg != 0)[..., None, None]  # padding outputs are don't-care
+    pieces = []  # (row, start, length) of each real segment
+    for b, row in enumerate(seg):
+        starts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]] + [len(row)]
+        pieces += [(b, s, e - s) for s, e in zip(starts, starts[1:]) if row[s] != 0]
+    width = max(n for _, _, n in pieces)
+
+    def alone(x):  # [B, T, ...] -> [segments, width, ...], each segment at the start of its own row
+        return jnp.stack([jnp.pad(x[b, s:s + n], [(0, width - n)] + [(0, 0)] * (x.ndim - 2)) for b, s, n in pieces])
+
+    firsts = [pieces.index(p) for p in pieces if p[1] == 0]  # the alone row of each packed row's first segment
+    s0_alone = jnp.zeros((len(pieces),) + s0.shape[1:]).at[jnp.asarray(firsts)].set(s0)
+    (_, o_packed), packed = loss_and_grads(impl, xs, w, s0, jnp.asarray(seg))
+    (_, o_single), single = loss_and_grads(impl, [alone(x) for x in xs], alone(w), s0_alone, None)
+    close(alone(o_packed), o_single, tol=1e-5)
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), packed[:5], single[:5]):
+        expected = jnp.zeros_like(a)
+        for i, (r, s, n) in enumerate(pieces):
+            expected = expected.at[r, s:s + n].set(b[i, :n])
+        close(a, expected, tol=1e-4, name=name)
+    close(packed[5], single[5][jnp.asarray(firsts)], tol=1e-4)
+
+
+def test_bad_operands_are_named():
+    xs, s0 = operands()
+    with pytest.raises(ValueError, match="impl 'cuda' is unknown"):
+        chunk_gated_delta_rule(*xs, scale=0.25, impl="cuda")
+    with pytest.raises(ValueError, match=r"beta has shape \(2, 100\), expected \(2, 100, 2\)"):
+        chunk_gated_delta_rule(*xs[:4], xs[4][..., 0], scale=0.25)
+    with pytest.raises(ValueError, match="initial_state has shape"):
+        chunk_gated_delta_rule(*xs, scale=0.25, initial_state=s0[..., :4])
+    with pytest.raises(ValueError, match="segment_ids has shape"):
+        chunk_gated_delta_rule(*xs, scale=0.25, segment_ids=jnp.zeros((2, 99), jnp.int32))
+
+
+def test_kernel_lowers_to_triton_for_an_h200():
+    """Qwen3.5's head dims (Dk = Dv = 128), bfloat16, packed rows: every primitive of the kernel body has a Triton
+    lowering (jax.export for cuda under an abstract H200, as test_triton_lowering.py). Triton's own compilation
+    (registers, shared memory) is only checked by a GPU run."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    triton = "__gpu$xla.gpu.triton"
+    B, T, H, D = 1, 130, 2, 128
+    bf16 = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    per_head = jax.ShapeDtypeStruct((B, T, H), jnp.float32)
+    args = (bf16, bf16, bf16, per_head, per_head, jax.ShapeDtypeStruct((B, T), jnp.int32),
+            jax.ShapeDtypeStruct((B, H, D, D), jnp.float32))
+    fn = jax.jit(functools.partial(pallas_forward, scale=D ** -0.5, interpret=False))
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore")  # the Pallas Triton backend's deprecation notice
+        exp = jax.export.export(fn, platforms=["cuda"],
+                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
+    assert triton in exp.mlir_module()
