@@ -10,7 +10,7 @@ Ops:
     fp8_cast      an FP8 training operand quantised into both layouts (q, q^T) with its amax, in one pass
     adam8bit      one 8-bit AdamW step of a stacked parameter (moments, update, requantisation) in one pass
     gated_delta   the gated delta rule (Gated DeltaNet): reference recurrence and decode step, chunked jnp form,
-                  the chunk forward as a Pallas kernel
+                  the chunk forward and backward as Pallas kernels
 
 This package imports nothing from surojax (tests/pallas_kernels/test_no_surojax_imports.py): callers hand their
 data over as arrays and small specs defined here. See docs/quant_kernels.md.

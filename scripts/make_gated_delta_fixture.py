@@ -7,7 +7,7 @@ surojax. Deterministic (a fixed seed). One row of 67 tokens (a whole chunk of 64
 Dk 16, Dv 8; the inputs stored as float16 (small; the reference runs on exactly those values, in fp32):
 
 q, k [B, T, H, Dk]   L2-normalised (transformers' use_qk_l2norm_in_kernel=False: the caller normalises, as ours)
-v [B, T, H, Dv]; g [B, T, H] log decay (-softplus: <= 0); beta [B, T, H] (sigmoid); initial_state [B, H, Dk, Dv]
+v [B, T, H, Dv]; g [B, T, H] log decay (-softplus: <= 0; head 0 slow, head 1 faster); beta [B, T, H] (sigmoid); initial_state [B, H, Dk, Dv]
 o [B, T, H, Dv], final_state [B, H, Dk, Dv]   fp32: transformers.models.qwen3_5.modeling_qwen3_5.
     torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state=True), which scales q by
     Dk^-0.5 itself
@@ -35,7 +35,7 @@ def inputs() -> dict[str, np.ndarray]:
         return np.log1p(np.exp(x))
 
     arrays = {"q": unit((B, T, H, Dk)), "k": unit((B, T, H, Dk)), "v": rng.standard_normal((B, T, H, Dv)),
-              "g": -softplus(rng.standard_normal((B, T, H)) - 1.0),
+              "g": -softplus(rng.standard_normal((B, T, H)) + np.array([-5.0, -1.0])),  # slow and fast decay
               "beta": 1 / (1 + np.exp(-rng.standard_normal((B, T, H)))),
               "initial_state": 0.5 * rng.standard_normal((B, H, Dk, Dv))}
     return {name: x.astype(np.float16) for name, x in arrays.items()}

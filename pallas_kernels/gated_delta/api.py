@@ -5,23 +5,25 @@ and operands: reference.py.
 impl:
     "reference"  the token-by-token scan (reference.py)
     "chunked"    chunks of 64 in pure jnp (chunked.py), gradient by JAX autodiff
-    "pallas"     the Pallas kernel (kernel.py) forward, Triton on a GPU, interpret mode elsewhere; its backward is
-                 NOT a kernel yet: the custom_vjp's backward recomputes the chunked jnp form and differentiates it
-                 (jax.vjp of chunked.py), which is exact but costs the chunked form's forward and backward in XLA
+    "pallas"     the Pallas kernels (kernel.py), Triton on a GPU, interpret mode elsewhere: a custom_vjp whose
+                 forward kernel also saves the state entering each chunk and whose backward kernel walks the chunks
+                 in reverse from them
     "auto"       "pallas" on a GPU, "chunked" elsewhere
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.chunked import CHUNK, chunk_gated_delta_rule_chunked, pad_to_chunks, segment_numbers
-from pallas_kernels.gated_delta.kernel import gated_delta_pallas
+from pallas_kernels.gated_delta.kernel import gated_delta_pallas, gated_delta_pallas_bwd
 from pallas_kernels.gated_delta.reference import gated_delta_rule_reference, recurrent_gated_delta_step
 
 IMPLS = ("auto", "reference", "chunked", "pallas")
+# launch knobs: untuned guesses (no GPU run yet); the GPU session sweeps them against fla's kernels
 BLOCK_V = 64  # value columns of the state per program
 NUM_WARPS = 4
 NUM_STAGES = 1
@@ -48,53 +50,60 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())  # Triton's blocks: powers of two, dots of at least 16
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelKnobs:
+    """The kernels' launch: static (hashable), one per call."""
+    scale: float
+    interpret: bool
+    block_v: int = BLOCK_V
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+    def kwargs(self) -> dict:
+        return dict(scale=self.scale, chunk=CHUNK, block_v=self.block_v, num_warps=self.num_warps,
+                    num_stages=self.num_stages, interpret=self.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernels(knobs: KernelKnobs, q, k, v, g, beta, seg, before, state):
+    """(o, final state) of padded operands by the forward kernel; the backward kernel is its VJP."""
+    return tuple(gated_delta_pallas(q, k, v, g, beta, seg, before, state, **knobs.kwargs()))
+
+
+def _kernels_fwd(knobs, q, k, v, g, beta, seg, before, state):
+    o, final, states = gated_delta_pallas(q, k, v, g, beta, seg, before, state, save_states=True,
+                                          **knobs.kwargs())
+    return (o, final), (q, k, v, g, beta, seg, before, states, state)
+
+
+def _kernels_bwd(knobs, residuals, cotangents):
+    q, k, v, g, beta, seg, before, states, state = residuals
+    do, ds = cotangents
+    dq, dk, dv, dg, dbeta, ds0 = gated_delta_pallas_bwd(q, k, v, g, beta, seg, before, states, do.astype(v.dtype),
+                                                        ds, **knobs.kwargs())
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv, dg, dbeta, None, None, ds0.astype(state.dtype))
+
+
+_kernels.defvjp(_kernels_fwd, _kernels_bwd)
+
+
 def pallas_forward(q, k, v, g, beta, segment_ids, state, *, scale: float, interpret: bool, block_v: int = BLOCK_V,
                    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES):
-    """(o [B, T, H, Dv], final state [B, H, Dk, Dv] fp32) by the kernel: T padded to whole chunks, Dk and Dv to
-    powers of two (zero columns: they neither read nor write the state), then cut back."""
+    """(o [B, T, H, Dv], final state [B, H, Dk, Dv] fp32) by the kernels (differentiable: the backward kernel): T
+    padded to whole chunks, Dk and Dv to powers of two (zero columns: they neither read nor write the state), then
+    cut back."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     dk, dv = _pow2(Dk), _pow2(Dv)
-    bv = min(block_v, dv)
+    knobs = KernelKnobs(scale=scale, interpret=interpret, block_v=min(block_v, dv), num_warps=num_warps,
+                        num_stages=num_stages)
     seg = segment_numbers(segment_ids, (B, T))
     q, k, v, g, beta, seg, before = pad_to_chunks(q, k, v, g, beta, seg)
     q, k = (jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, dk - Dk))) for x in (q, k))
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dv - Dv)))
     state = jnp.pad(state.astype(jnp.float32), ((0, 0), (0, 0), (0, dk - Dk), (0, dv - Dv)))
-    o, state = gated_delta_pallas(q, k, v, g, beta, seg, before, state, scale=scale, chunk=CHUNK, block_v=bv,
-                                  num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    o, state = _kernels(knobs, q, k, v, g, beta, seg, before, state)
     return o[:, :T, :, :Dv], state[:, :, :Dk, :Dv]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _pallas_rule(q, k, v, g, beta, segment_ids, state, scale, interpret):
-    return pallas_forward(q, k, v, g, beta, segment_ids, state, scale=scale, interpret=interpret)
-
-
-def _pallas_rule_fwd(q, k, v, g, beta, segment_ids, state, scale, interpret):
-    out = pallas_forward(q, k, v, g, beta, segment_ids, state, scale=scale, interpret=interpret)
-    return out, (q, k, v, g, beta, segment_ids, state)
-
-
-def _pallas_rule_bwd(scale, interpret, residuals, cotangents):
-    """The backward through the chunked jnp form (recomputed): exact, not yet a kernel (module docstring)."""
-    q, k, v, g, beta, segment_ids, state = residuals
-
-    def chunked(q, k, v, g, beta, state):
-        return chunk_gated_delta_rule_chunked(q, k, v, g, beta, scale=scale, segment_ids=segment_ids,
-                                              initial_state=state, output_final_state=True)
-
-    _, vjp = jax.vjp(chunked, q, k, v, g, beta, state)
-    return _with_none(vjp(cotangents))
-
-
-def _with_none(grads):
-    """(dq, dk, dv, dg, dbeta, dstate) -> the custom_vjp's cotangents, None for segment_ids."""
-    dq, dk, dv, dg, dbeta, dstate = grads
-    return dq, dk, dv, dg, dbeta, None, dstate
-
-
-_pallas_rule.defvjp(_pallas_rule_fwd, _pallas_rule_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "interpret"))
@@ -116,8 +125,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, segment_ids=None, 
         return chunk_gated_delta_rule_chunked(q, k, v, g, beta, **kwargs)
     B, T, H, Dk = q.shape
     state = jnp.zeros((B, H, Dk, v.shape[-1]), jnp.float32) if initial_state is None else initial_state
-    segments = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids
-    o, state = _pallas_rule(q, k, v, g, beta, segments, state, scale, not on_gpu if interpret is None else interpret)
+    o, state = pallas_forward(q, k, v, g, beta, segment_ids, state, scale=scale,
+                              interpret=not on_gpu if interpret is None else interpret)
     return o, (state if output_final_state else None)
 
 
