@@ -267,6 +267,16 @@ def _rows(tree, pattern: LayerPattern, name: str):
     return groups, rest
 
 
+def _check_part(view, pattern: LayerPattern, name: str):
+    """`view` (a cache part's per-layer or carried view), its array leaves checked to hold the stack's rows."""
+    rows = pattern.rows(name)
+    leading = {x.shape[0] for x in jax.tree.leaves(view) if jnp.ndim(x)}
+    if leading != {rows}:
+        raise ValueError(f"the cache of layer stack {name!r} holds {sorted(leading)} layers; the layer pattern "
+                         f"gives that stack {rows}")
+    return view
+
+
 def _split(pattern: LayerPattern, stacks: Mapping[str, nnx.Module]) -> dict[str, _Stack]:
     out = {}
     for name in pattern.stacks:
@@ -324,7 +334,9 @@ class LayerScan:
         G, P, R = pattern.groups, pattern.period, pattern.remainder
         parts = {} if cache is None else dict(cache.parts(pattern.stacks))  # stack -> its cache
         carried = {n for n, part in parts.items() if self.carry_cache or part.carry_only}
-        sliced = {n: _rows(part.per_layer(), pattern, n) for n, part in parts.items() if n not in carried}
+        carries = {n: _check_part(parts[n].carried(), pattern, n) for n in carried}
+        sliced = {n: _rows(_check_part(part.per_layer(), pattern, n), pattern, n)
+                  for n, part in parts.items() if n not in carried}
         layers = [self._layer(split[t.stack], t, consts, kv_meta) for t in pattern.types]
 
         def apply(positions, h, carries, states, rows, views):
@@ -362,7 +374,6 @@ class LayerScan:
         any_in_place = any(s.rebuild is not None for s in split.values())
         xs = ({name: s.groups for name, s in split.items()}, jnp.arange(G) if any_in_place else None,
               {name: groups for name, (groups, _) in sliced.items()})
-        carries = {name: parts[name].carried() for name in carried}
         new_groups, stats = {}, None
         if G:
             (h, carries), (new_groups, stats) = jax.lax.scan(group_body, (h, carries), xs, unroll=self.unroll)

@@ -10,8 +10,8 @@ import pytest
 from surojax.models.kv import LayerState, StackedLayerState, StateCache, StateShape
 from surojax.models.layers.deltanet_cache import deltanet_mix
 
-SHAPE = StateShape(key_heads=1, key_dim=4, value_heads=2, value_dim=3, conv_kernel=4)
-C, H = SHAPE.conv_dim, SHAPE.value_heads
+SHAPE = StateShape(num_key_heads=1, key_head_dim=4, num_value_heads=2, value_head_dim=3, conv_kernel=4)
+C, H = SHAPE.conv_dim, SHAPE.num_value_heads
 
 
 def _inputs(rng, n):
@@ -22,13 +22,15 @@ def _inputs(rng, n):
 
 
 def reference(x, g, beta, w):
-    """One sequence x [n, C] from zero state -> (o [n, H, Dv], last K - 1 inputs, final state [H, Dk, Dv])."""
+    """One sequence x [n, C] from zero state, conv weight [C, 1, K] -> (o [n, H, Dv], last K - 1 inputs, final
+    state [H, Dk, Dv])."""
     x, g, beta, w = (np.asarray(a, np.float64) for a in (x, g, beta, w))
+    w = w[:, 0]
     n, K = len(x), SHAPE.conv_kernel
     xin = np.concatenate([np.zeros((K - 1, C)), x])
     conv = np.stack([sum(w[:, j] * xin[t + j] for j in range(K)) for t in range(n)])
     conv = conv / (1 + np.exp(-conv))  # SiLU
-    Hk, Dk, Dv = SHAPE.key_heads, SHAPE.key_dim, SHAPE.value_dim
+    Hk, Dk, Dv = SHAPE.num_key_heads, SHAPE.key_head_dim, SHAPE.value_head_dim
     q, k = (conv[:, i * Hk * Dk:(i + 1) * Hk * Dk].reshape(n, Hk, Dk) for i in range(2))
     q, k = (np.repeat(a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6), H // Hk, axis=1) for a in (q, k))
     v = conv[:, 2 * Hk * Dk:].reshape(n, H, Dv)
@@ -44,7 +46,7 @@ def reference(x, g, beta, w):
 @pytest.mark.parametrize("carried", [False, True])
 def test_prefill_then_decode_equals_the_whole_sequence(carried):
     rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((C, SHAPE.conv_kernel)).astype(np.float32) * 0.5)
+    w = jnp.asarray(rng.standard_normal((C, 1, SHAPE.conv_kernel)).astype(np.float32) * 0.5)
     prompts, new = [6, 3], 3  # row 1's prompt ends inside the first chunk: padding there and in the second
     seqs = [_inputs(rng, n + new) for n in prompts]
     cache = StateCache.empty(2, len(seqs), SHAPE, jnp.float32)
@@ -99,7 +101,7 @@ def _token(seqs, prompts, t):
 
 def test_uncached_packed_rows_reset_at_segment_starts():
     rng = np.random.default_rng(1)
-    w = jnp.asarray(rng.standard_normal((C, SHAPE.conv_kernel)).astype(np.float32) * 0.5)
+    w = jnp.asarray(rng.standard_normal((C, 1, SHAPE.conv_kernel)).astype(np.float32) * 0.5)
     a, b = _inputs(rng, 5), _inputs(rng, 4)
     x, g, beta = (jnp.asarray(np.concatenate([a[i], b[i]])[None]) for i in range(3))
     seg = jnp.asarray([[1] * 5 + [2] * 4], jnp.int32)
@@ -116,4 +118,4 @@ def test_bad_shapes_are_named():
     x = jnp.zeros((1, 2, C + 1))
     with pytest.raises(ValueError, match="mixed_qkv has shape"):
         deltanet_mix(x, jnp.zeros((1, 2, H)), jnp.zeros((1, 2, H)), jnp.ones((1, 2), jnp.int32),
-                     conv_weight=jnp.zeros((C, SHAPE.conv_kernel)), shape=SHAPE)
+                     conv_weight=jnp.zeros((C, 1, SHAPE.conv_kernel)), shape=SHAPE)

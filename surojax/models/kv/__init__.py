@@ -12,5 +12,5 @@ from surojax.models.kv.recurrent import (ATTENTION_STACK, LINEAR_STACK, HybridCa
 
 __all__ = ["ATTENTION_STACK", "LINEAR_STACK", "MASKED", "AttendSpec", "Cache", "CarriedLayerKV", "DenseLayerKV",
            "HybridCache", "KVCache", "KVMeta", "LayerKV", "LayerState", "OneStack", "PagedKVCache", "PagedKVMeta",
-           "PagedKernel", "PagedLayerKV", "StackCache", "StackedLayerKV", "StateCache", "StateShape",
-           "attention_mask", "reduce_decode_attention", "softmax_with_sinks"]
+           "PagedKernel", "PagedLayerKV", "StackCache", "StackedLayerKV", "StackedLayerState", "StateCache",
+           "StateShape", "attention_mask", "reduce_decode_attention", "softmax_with_sinks"]

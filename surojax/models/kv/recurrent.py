@@ -37,33 +37,40 @@ LINEAR_STACK = "linear_layers"  # the decoder's stack of Gated DeltaNet layers (
 
 @dataclasses.dataclass(frozen=True)
 class StateShape:
-    """A Gated DeltaNet layer's head layout, which fixes its state's size: `key_heads` q/k heads of `key_dim`,
-    `value_heads` v heads of `value_dim` (a multiple of key_heads: q/k heads are repeated), conv kernel
-    `conv_kernel`. The conv runs over the concatenated q, k, v inputs: `conv_dim` channels."""
+    """A Gated DeltaNet layer's head layout, which fixes its state's size: `num_key_heads` q/k heads of
+    `key_head_dim`, `num_value_heads` v heads of `value_head_dim` (a multiple of the key heads: q/k heads are
+    repeated), a conv of `conv_kernel` taps over the `conv_dim` concatenated q | k | v channels. The model's
+    `ModelConfig.linear_attention` (`LinearAttentionConfig`) has these same fields and serves wherever a
+    `StateShape` is asked for."""
 
-    key_heads: int
-    key_dim: int
-    value_heads: int
-    value_dim: int
+    num_key_heads: int
+    key_head_dim: int
+    num_value_heads: int
+    value_head_dim: int
     conv_kernel: int
 
     def __post_init__(self):
-        if min(self.key_heads, self.key_dim, self.value_heads, self.value_dim) < 1 or self.conv_kernel < 2:
+        if min(self.num_key_heads, self.key_head_dim, self.num_value_heads, self.value_head_dim) < 1 \
+                or self.conv_kernel < 2:
             raise ValueError(f"a Gated DeltaNet state needs positive head counts / dims and a conv kernel >= 2 "
                              f"(got {self})")
-        if self.value_heads % self.key_heads:
-            raise ValueError(f"linear attention: value heads ({self.value_heads}) must be a multiple of key heads "
-                             f"({self.key_heads})")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear attention: value heads ({self.num_value_heads}) must be a multiple of key "
+                             f"heads ({self.num_key_heads})")
 
     @property
-    def conv_dim(self) -> int:  # C: q, k and v concatenated
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    def conv_dim(self) -> int:  # C: q | k | v
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
-    def conv_shape(self, batch: int) -> tuple[int, ...]:
-        return (batch, self.conv_kernel - 1, self.conv_dim)
 
-    def recurrent_shape(self, batch: int) -> tuple[int, ...]:
-        return (batch, self.value_heads, self.key_dim, self.value_dim)
+def conv_state_shape(shape: StateShape, batch: int) -> tuple[int, int, int]:
+    """[B, K - 1, C]: one layer's conv state."""
+    return (batch, shape.conv_kernel - 1, shape.conv_dim)
+
+
+def recurrent_state_shape(shape: StateShape, batch: int) -> tuple[int, int, int, int]:
+    """[B, H, Dk, Dv]: one layer's recurrent state (H value heads)."""
+    return (batch, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim)
 
 
 @jax.tree_util.register_dataclass
@@ -114,8 +121,8 @@ class StateCache:
     @classmethod
     def empty(cls, num_layers: int, batch: int, shape: StateShape, dtype) -> "StateCache":
         """Zeros: the state before a sequence's first token."""
-        return cls(jnp.zeros((num_layers, *shape.conv_shape(batch)), dtype),
-                   jnp.zeros((num_layers, *shape.recurrent_shape(batch)), jnp.float32))
+        return cls(jnp.zeros((num_layers, *conv_state_shape(shape, batch)), dtype),
+                   jnp.zeros((num_layers, *recurrent_state_shape(shape, batch)), jnp.float32))
 
     def carried(self) -> StackedLayerState:
         return StackedLayerState(self.conv, self.recurrent, jnp.int32(0))
@@ -165,4 +172,4 @@ class HybridCache:
 
 
 __all__ = ["ATTENTION_STACK", "LINEAR_STACK", "HybridCache", "LayerState", "StackedLayerState", "StateCache",
-           "StateShape"]
+           "StateShape", "conv_state_shape", "recurrent_state_shape"]

@@ -5,12 +5,12 @@ cache: the one function a Gated DeltaNet layer calls between its input projectio
 
 mixed_qkv [B, T, C] is the layer's `in_proj_qkv` output BEFORE the conv (q, k, v concatenated: C =
 `shape.conv_dim`); g [B, T, H] the log decay (fp32, <= 0: -exp(A_log) * softplus(a + dt_bias)); beta [B, T, H]
-(sigmoid(b)); H = value heads. conv_weight [C, K] (transformers' `conv1d.weight` [C, 1, K] squeezed), conv_bias
-[C] or None. -> o [B, T, H, Dv] (mixed_qkv's dtype), which the layer feeds to its gated RMSNorm and out_proj.
+(sigmoid(b)); H = value heads. conv_weight [C, 1, K] (transformers' `conv1d.weight`), conv_bias [C] or None;
+shape: the head layout (`StateShape`, or the config's `LinearAttentionConfig`: the same fields). -> o [B, T, H, Dv] (mixed_qkv's dtype), which the layer feeds to its gated RMSNorm and out_proj.
 
-Inside: the depthwise causal conv1d over time (kernel K) and SiLU; split into q, k [.., key_heads, Dk] and v
+Inside: the depthwise causal conv1d over time (kernel K) and SiLU; split into q, k [.., Hk, Dk] and v
 [.., H, Dv]; q and k L2-normalised (eps 1e-6, as transformers / fla); q / k heads repeated to the value heads
-(head h reads key head h // (H / key_heads), `repeat_interleave`); the gated delta rule with scale Dk ** -0.5
+(head h reads key head h // (H / Hk), `repeat_interleave`); the gated delta rule with scale Dk ** -0.5
 (pallas_kernels/gated_delta).
 
 Without a cache (`state` None: training, evaluation): packed rows; the conv window and the delta rule's state
@@ -42,18 +42,18 @@ def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
 
 
 def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None) -> jax.Array:
-    """SiLU(depthwise causal conv1d) of x [B, T, C] with weight [C, K] (bias [C] or None) -> [B, T, C] in x's dtype
-    (accumulated in fp32). Output t = sum_j weight[:, j] * input[t - (K - 1) + j].
+    """SiLU(depthwise causal conv1d) of x [B, T, C] with weight [C, 1, K] (bias [C] or None) -> [B, T, C] in x's
+    dtype (accumulated in fp32). Output t = sum_j weight[:, 0, j] * input[t - (K - 1) + j].
 
     prefix [B, K - 1, C]: the inputs before x (a cached sequence's last K - 1; None: zeros, the sequence starts
     here). segment_ids [B, T] or None: a tap reads only inputs of the output token's segment (the prefix counts
     as the first token's segment)."""
     B, T, C = x.shape
-    K = weight.shape[1]
+    K = weight.shape[-1]
     if prefix is None:
         prefix = jnp.zeros((B, K - 1, C), x.dtype)
     xin = jnp.concatenate([prefix.astype(x.dtype), x], axis=1).astype(jnp.float32)  # [B, K - 1 + T, C]
-    w = weight.astype(jnp.float32)
+    w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
     out = jnp.zeros((B, T, C), jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32), (B, T, C))
     if segment_ids is not None:
         seg_in = jnp.concatenate([jnp.repeat(segment_ids[:, :1], K - 1, axis=1), segment_ids], axis=1)
@@ -77,9 +77,9 @@ def last_real_inputs(prefix, x, segment_ids) -> jax.Array:
 
 def _check(mixed_qkv, g, beta, segment_ids, conv_weight, shape: StateShape) -> None:
     B, T, C = mixed_qkv.shape
-    want = {"mixed_qkv": ((B, T, shape.conv_dim), mixed_qkv.shape), "g": ((B, T, shape.value_heads), g.shape),
-            "beta": ((B, T, shape.value_heads), beta.shape), "segment_ids": ((B, T), segment_ids.shape),
-            "conv_weight": ((shape.conv_dim, shape.conv_kernel), conv_weight.shape)}
+    want = {"mixed_qkv": ((B, T, shape.conv_dim), mixed_qkv.shape), "g": ((B, T, shape.num_value_heads), g.shape),
+            "beta": ((B, T, shape.num_value_heads), beta.shape), "segment_ids": ((B, T), segment_ids.shape),
+            "conv_weight": ((shape.conv_dim, 1, shape.conv_kernel), conv_weight.shape)}
     for name, (expected, got) in want.items():
         if tuple(got) != expected:
             raise ValueError(f"deltanet_mix: {name} has shape {tuple(got)}, expected {expected} for {shape}")
@@ -91,7 +91,7 @@ def deltanet_mix(mixed_qkv, g, beta, segment_ids, *, conv_weight, shape: StateSh
     -> (o [B, T, H, Dv] in mixed_qkv's dtype, the new view or None)."""
     _check(mixed_qkv, g, beta, segment_ids, conv_weight, shape)
     B, T, _ = mixed_qkv.shape
-    Hk, Dk, H, Dv = shape.key_heads, shape.key_dim, shape.value_heads, shape.value_dim
+    Hk, Dk, H, Dv = shape.num_key_heads, shape.key_head_dim, shape.num_value_heads, shape.value_head_dim
     prefix, recurrent = (None, None) if state is None else state.read()
     x = causal_conv1d(mixed_qkv, conv_weight, conv_bias, segment_ids=segment_ids, prefix=prefix)
     q, k, v = jnp.split(x, [Hk * Dk, 2 * Hk * Dk], axis=-1)
