@@ -102,12 +102,12 @@ def _token(seqs, prompts, t):
 def test_uncached_packed_rows_reset_at_segment_starts():
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((C, 1, SHAPE.conv_kernel)).astype(np.float32) * 0.5)
-    a, b = _inputs(rng, 5), _inputs(rng, 4)
-    x, g, beta = (jnp.asarray(np.concatenate([a[i], b[i]])[None]) for i in range(3))
-    seg = jnp.asarray([[1] * 5 + [2] * 4], jnp.int32)
+    a, b, c = _inputs(rng, 5), _inputs(rng, 1), _inputs(rng, 3)  # the third sequence reuses the first's id
+    x, g, beta = (jnp.asarray(np.concatenate([a[i], b[i], c[i]])[None]) for i in range(3))
+    seg = jnp.asarray([[1] * 5 + [2] + [1] * 3], jnp.int32)
     o, none = deltanet_mix(x, g, beta, seg, conv_weight=w, shape=SHAPE)
     assert none is None
-    want = np.concatenate([reference(*a, w)[0], reference(*b, w)[0]])
+    want = np.concatenate([reference(*a, w)[0], reference(*b, w)[0], reference(*c, w)[0]])
     np.testing.assert_allclose(np.asarray(o[0]), want, atol=1e-5, rtol=1e-5)
     # the check can fail: one segment over the whole row differs from the second segment on
     o1, _ = deltanet_mix(x, g, beta, jnp.ones_like(seg), conv_weight=w, shape=SHAPE)

@@ -36,9 +36,16 @@ L2_EPS = 1e-6  # transformers' / fla's l2norm: x / sqrt(sum x^2 + eps)
 
 
 def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
-    """x / sqrt(sum(x^2) + eps) over the last axis, in fp32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    """x / sqrt(sum(x^2) + eps) over the last axis, computed in fp32, in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def segment_runs(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] -> [B, T] int32: the index of each token's run of equal segment ids within its row."""
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = jnp.zeros((segment_ids.shape[0], 1), bool)
+    return jnp.cumsum(jnp.concatenate([first, change], axis=1), axis=1, dtype=jnp.int32)
 
 
 def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None) -> jax.Array:
@@ -46,8 +53,8 @@ def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None) -> jax
     dtype (accumulated in fp32). Output t = sum_j weight[:, 0, j] * input[t - (K - 1) + j].
 
     prefix [B, K - 1, C]: the inputs before x (a cached sequence's last K - 1; None: zeros, the sequence starts
-    here). segment_ids [B, T] or None: a tap reads only inputs of the output token's segment (the prefix counts
-    as the first token's segment)."""
+    here). segment_ids [B, T] or None: a tap reads only inputs of the output token's run of equal segment ids
+    (the prefix counts as the first token's run)."""
     B, T, C = x.shape
     K = weight.shape[-1]
     if prefix is None:
@@ -56,11 +63,12 @@ def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None) -> jax
     w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
     out = jnp.zeros((B, T, C), jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32), (B, T, C))
     if segment_ids is not None:
-        seg_in = jnp.concatenate([jnp.repeat(segment_ids[:, :1], K - 1, axis=1), segment_ids], axis=1)
+        runs = segment_runs(segment_ids)
+        runs_in = jnp.concatenate([jnp.zeros((B, K - 1), jnp.int32), runs], axis=1)
     for j in range(K):  # tap j reads input t - (K - 1) + j = xin[t + j]
         tap = xin[:, j:j + T] * w[:, j]
         if segment_ids is not None and j < K - 1:
-            tap = jnp.where((seg_in[:, j:j + T] == segment_ids)[..., None], tap, 0.0)
+            tap = jnp.where((runs_in[:, j:j + T] == runs)[..., None], tap, 0.0)
         out = out + tap
     return jax.nn.silu(out).astype(x.dtype)
 
@@ -114,4 +122,4 @@ def deltanet_mix(mixed_qkv, g, beta, segment_ids, *, conv_weight, shape: StateSh
     return o, state.written(last_real_inputs(prefix, mixed_qkv, segment_ids), recurrent)
 
 
-__all__ = ["L2_EPS", "causal_conv1d", "deltanet_mix", "l2_normalize", "last_real_inputs"]
+__all__ = ["L2_EPS", "causal_conv1d", "deltanet_mix", "l2_normalize", "last_real_inputs", "segment_runs"]
