@@ -1,12 +1,15 @@
 """Batched generation with a plain KV cache: training's generation eval, `surojax generate`, checks and demos
-(the serving engine pages its cache).
+(the serving engine pages its cache). A hybrid model (a `linear_layers` stack of Gated DeltaNet layers beside the
+attention `layers`) gets a `HybridCache`: the KV cache over its attention layers, each linear layer's fixed-size
+state (conv + recurrent, zeros at the start) over its linear layers (`empty_cache`; models/kv/recurrent.py).
 
     prefill(prompts)  -> cache, logits of each row's last prompt token
     decode_one_token  -> one new token per row, appended to the cache
     generate          -> prefill, then decode until max_new_tokens or every row has hit a stop id
 
-Prompts of different lengths are right-padded; padding has segment id 0, so it is never attended and the
-next decoded token overwrites its cache slot. Greedy results do not depend on the batch they run in.
+Prompts of different lengths are right-padded; padding has segment id 0, so it is never attended, the next
+decoded token overwrites its cache slot, and it leaves the linear layers' states unchanged. Greedy results do not
+depend on the batch they run in.
 """
 from __future__ import annotations
 
@@ -21,7 +24,19 @@ from flax import nnx
 
 from surojax.generation.sampling import sample
 from surojax.models.decoder import Decoder
-from surojax.models.kv import KVCache
+from surojax.models.kv import ATTENTION_STACK, LINEAR_STACK, Cache, HybridCache, KVCache
+
+
+def empty_cache(model: Decoder, batch: int, max_len: int, dtype) -> Cache:
+    """A fresh cache for `batch` sequences of up to `max_len` tokens: a `KVCache` over the model's layers, or for
+    a hybrid model (its layer pattern reads a `linear_layers` stack) a `HybridCache`: the KV cache over the
+    attention stack's rows and zero states over the linear stack's rows, sized by the config's
+    `linear_attention` head layout (a `StateShape`'s fields)."""
+    pattern = model.layer_pattern
+    if LINEAR_STACK not in pattern.stacks:
+        return KVCache.empty(model.cfg, batch, max_len, dtype)
+    kv = KVCache.empty(model.cfg, batch, max_len, dtype, num_layers=pattern.rows(ATTENTION_STACK))
+    return HybridCache.empty(kv, pattern.rows(LINEAR_STACK), model.cfg.linear_attention, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -55,7 +70,7 @@ def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, *, t
         tokens[i, :len(p)] = p
         segments[i, :len(p)] = 1
     graphdef, state = nnx.split(model)
-    cache = KVCache.empty(model.cfg, B, T + max_new_tokens, cache_dtype or model.dtype)
+    cache = empty_cache(model, B, T + max_new_tokens, cache_dtype or model.dtype)
     logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(segments), cache)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)

@@ -10,7 +10,7 @@ default), `CarriedCacheScan`, or a loop of its own that implements the same `Lay
 Layer pattern. What runs is a `LayerPattern`: a repeating pattern of layer types, each type naming the stack of
 stacked parameters it reads and its static options (keyword arguments of the layer's call), e.g.
 
-    [linear_attention x 3, full_attention x 1] x 6       Qwen3.5: stacks "linear" [18, ...] and "full" [6, ...]
+    [linear_attention x 3, full_attention x 1] x 6       Qwen3.5: stacks "linear_layers" [18, ...], "layers" [6, ...]
     [sliding x 5, global x 1] x 4 + [sliding x 2]         Gemma 3's 26 layers: one stack read by both types
     [sliding(window 128), full] x 12                      gpt_oss: two types, one stack `layers` [24, ...]
 
@@ -23,8 +23,15 @@ parameter paths (`layers/...`), checkpoints, LoRA targets and KV caches see one 
 
 The layer call. A layer is an nnx module called as `layer(h, *consts, kv=, kv_meta=, **type.options) ->
 (h, kv, router stats or None)`; `consts` are the call's per-row arrays (cos, sin, segment ids, positions), `kv`
-that layer's view of the KV cache (None without one). A KV cache covers every layer ([L, ...] leaves): scanned as
-the loop's input (`Cache.per_layer`) or carried whole in the loop's carry (`Cache.carried`).
+that layer's view of its stack's cache (None without one: a KV view for attention layers, a recurrent-state view
+for linear-attention layers) and `kv_meta` the call's metadata (`Cache.step`, shared by every layer).
+
+Caches (models/kv/protocol.py). A model cache has one part per stack (`Cache.parts`: a one-stack model's cache is
+its own part; a hybrid's holds the attention layers' KV cache and the linear layers' state cache), each over its
+stack's rows ([rows, ...] leaves) and sliced exactly as that stack's parameters: scanned as the loop's input
+(`per_layer()`, grouped [G, k, ...] + the remainder's rows) or carried whole in the loop's carry (`carried()`,
+written in place; one row counter per stack, advanced only by that stack's layers). `with_layers` / `with_parts`
+take the loop's result back.
 
 Recompute (`recompute:` in the config, typed by `Recompute`): what a layer keeps for the backward pass; it wraps
 each layer's body. Weight leaves in host memory are fetched per layer (`on_device`); leaves read in place
@@ -168,8 +175,8 @@ class LayerRunner(Protocol):
     def run(self, pattern: LayerPattern, stacks: Mapping[str, nnx.Module], h: jax.Array, consts: tuple, *,
             cache=None, kv_meta=None) -> HiddenStates:
         """h [B, T, D] after every layer (not final-normed). stacks: each stack's stacked module (leaves
-        [rows, ...]); consts: the per-row arrays every layer reads; cache / kv_meta: the KV cache (after its
-        `step`) and the call's metadata, or None."""
+        [rows, ...]); consts: the per-row arrays every layer reads; cache / kv_meta: the model cache (after its
+        `step`; `cache.parts(pattern.stacks)` gives each stack's part) and the call's metadata, or None."""
         ...
 
 
@@ -249,20 +256,37 @@ def _grouped(x, groups: int, k: int, whole: bool):
     return x.reshape(groups, k, *x.shape[1:]) if k > 1 else x
 
 
+def _rows(tree, pattern: LayerPattern, name: str):
+    """A tree stacked over stack `name`'s rows [rows, ...] -> (group rows [G, k, ...] ([G, ...] for k = 1),
+    remainder rows or None). A stack read once per group with no remainder rows is passed as it is (no slice,
+    no reshape: the plain scan). Parameters and cache parts are split alike."""
+    G, rows, k = pattern.groups, pattern.rows(name), pattern.per_group(name)
+    whole = k == 1 and rows == G
+    groups = jax.tree.map(lambda x: _grouped(x, G, k, whole), tree)
+    rest = None if whole else jax.tree.map(lambda x: jax.lax.slice_in_dim(x, G * k, rows), tree)
+    return groups, rest
+
+
+def _check_part(view, pattern: LayerPattern, name: str):
+    """`view` (a cache part's per-layer or carried view), its array leaves checked to hold the stack's rows."""
+    rows = pattern.rows(name)
+    leading = {x.shape[0] for x in jax.tree.leaves(view) if jnp.ndim(x)}
+    if leading != {rows}:
+        raise ValueError(f"the cache of layer stack {name!r} holds {sorted(leading)} layers; the layer pattern "
+                         f"gives that stack {rows}")
+    return view
+
+
 def _split(pattern: LayerPattern, stacks: Mapping[str, nnx.Module]) -> dict[str, _Stack]:
     out = {}
-    G = pattern.groups
     for name in pattern.stacks:
         if name not in stacks:
             raise ValueError(f"the layer pattern reads stack {name!r}; the model has {sorted(stacks)}")
         graphdef, state = nnx.split(stacks[name])
         xs, rebuild = split_in_place(state)
-        rows, k = pattern.rows(name), pattern.per_group(name)
-        check_stacked(xs, rows, name)
-        whole = k == 1 and rows == G
-        groups = jax.tree.map(lambda x: _grouped(x, G, k, whole), xs)
-        rest = None if whole else jax.tree.map(lambda x: jax.lax.slice_in_dim(x, G * k, rows), xs)
-        out[name] = _Stack(graphdef, groups, rest, rebuild, k)
+        check_stacked(xs, pattern.rows(name), name)
+        groups, rest = _rows(xs, pattern, name)
+        out[name] = _Stack(graphdef, groups, rest, rebuild, pattern.per_group(name))
     return out
 
 
@@ -295,9 +319,9 @@ class LayerScan:
 
     recompute: the policy wrapping each layer's body. unroll: `lax.scan`'s (1: a rolled loop, one compiled group;
     True: every group inlined: no per-layer copies of the saved activations into stacked buffers, longer compile).
-    carry_cache: the whole KV cache rides in the scan carry and each layer writes its k/v in place
-    (`cache.carried()`) instead of being a scan input + output (`cache.per_layer()`: a copy of every layer's slice
-    in and out per call); same values. A cache with `carry_only` (the paged serving pool) always rides in the
+    carry_cache: each stack's whole cache rides in the scan carry and each layer writes its part in place
+    (`part.carried()`) instead of being a scan input + output (`part.per_layer()`: a copy of every layer's slice
+    in and out per call); same values. A part with `carry_only` (the paged serving pool) always rides in the
     carry."""
 
     recompute: Recompute = Recompute.NONE
@@ -308,59 +332,72 @@ class LayerScan:
             kv_meta=None) -> HiddenStates:
         split = _split(pattern, stacks)
         G, P, R = pattern.groups, pattern.period, pattern.remainder
-        carried = cache is not None and (self.carry_cache or cache.carry_only)
-        kv_layers = None if cache is None or carried else cache.per_layer()  # every layer's slice, [L, ...]
+        parts = {} if cache is None else dict(cache.parts(pattern.stacks))  # stack -> its cache
+        carried = {n for n, part in parts.items() if self.carry_cache or part.carry_only}
+        carries = {n: _check_part(parts[n].carried(), pattern, n) for n in carried}
+        sliced = {n: _rows(_check_part(part.per_layer(), pattern, n), pattern, n)
+                  for n, part in parts.items() if n not in carried}
         layers = [self._layer(split[t.stack], t, consts, kv_meta) for t in pattern.types]
 
-        def apply(positions, h, kv_all, states, rows, kvs):
-            """The layers at `positions` of the pattern, in order, each with its state, row and cache slice (the
-            carried cache instead when it rides in the carry) -> (h, carried cache, new slices, stats)."""
-            new_kvs, stats = [], []
-            for p, state_l, row, kv in zip(positions, states, rows, kvs):
-                h, kv, st = layers[p](h, state_l, row, kv_all if carried else kv)
-                if carried:
-                    kv_all = dataclasses.replace(kv, layer=kv.layer + 1)
-                new_kvs.append(None if carried else kv)
+        def apply(positions, h, carries, states, rows, views):
+            """The layers at `positions` of the pattern, in order, each with its parameters, row and cache view
+            (its stack's carried cache instead when that rides in the carry: advanced a row after the layer) ->
+            (h, carried caches, new per-layer views (None where carried or no cache), stats)."""
+            carries, new_views, stats = dict(carries), [], []
+            for p, state_l, row, view in zip(positions, states, rows, views):
+                name = pattern.types[p].stack
+                h, view, st = layers[p](h, state_l, row, carries.get(name, view))
+                if name in carries:
+                    carries[name] = dataclasses.replace(view, layer=view.layer + 1)
+                new_views.append(None if name in carries else view)
                 stats.append(st)
-            return h, kv_all, new_kvs, stats
+            return h, carries, new_views, stats
 
         def group_body(carry, xs):
-            h, kv_all = carry
-            group, g, kv_group = xs
-            states, rows = [], []
+            h, carries = carry
+            group, g, cache_groups = xs
+            states, rows, views = [], [], []
             for p, t in enumerate(pattern.types):
                 s, j = split[t.stack], pattern.slot(p)
-                states.append(group[t.stack] if s.per_group == 1 else _take(group[t.stack], j))
+                one = s.per_group == 1
+                states.append(group[t.stack] if one else _take(group[t.stack], j))
                 rows.append(None if s.rebuild is None else g * s.per_group + j)
-            kvs = [kv_group] if P == 1 else [None if kv_group is None else _take(kv_group, p) for p in range(P)]
-            h, kv_all, new_kvs, stats = apply(range(P), h, kv_all, states, rows, kvs)
-            if P == 1:  # one layer a step: its slices as they are (the plain scan)
-                return (h, kv_all), (new_kvs[0], stats[0])
-            return (h, kv_all), (None if kv_group is None else _stack(new_kvs), _stack_stats(stats))
+                views.append(None if t.stack not in cache_groups else
+                             cache_groups[t.stack] if one else _take(cache_groups[t.stack], j))
+            h, carries, new_views, stats = apply(range(P), h, carries, states, rows, views)
+            ys = {}
+            for name in cache_groups:  # each stack's new views, as its slices came: [k, ...] or one view
+                mine = [v for v, t in zip(new_views, pattern.types) if t.stack == name]
+                ys[name] = mine[0] if split[name].per_group == 1 else _stack(mine)
+            return (h, carries), (ys, stats[0] if P == 1 else _stack_stats(stats))
 
-        kv_groups = kv_rest = None
-        if kv_layers is not None:
-            kv_groups = kv_layers if P == 1 else jax.tree.map(lambda x: _grouped(x, G, P, False), kv_layers)
-            kv_rest = jax.tree.map(lambda x: jax.lax.slice_in_dim(x, G * P, G * P + R), kv_layers) if R else None
         any_in_place = any(s.rebuild is not None for s in split.values())
-        xs = ({name: s.groups for name, s in split.items()}, jnp.arange(G) if any_in_place else None, kv_groups)
-        kv_all = cache.carried() if carried else None
-        new_kv, stats = None, None
+        xs = ({name: s.groups for name, s in split.items()}, jnp.arange(G) if any_in_place else None,
+              {name: groups for name, (groups, _) in sliced.items()})
+        new_groups, stats = {}, None
         if G:
-            (h, kv_all), (new_kv, stats) = jax.lax.scan(group_body, (h, kv_all), xs, unroll=self.unroll)
-            if P > 1:  # [G, P, ...] -> [G P, ...]: layer order
-                new_kv, stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), (new_kv, stats))
+            (h, carries), (new_groups, stats) = jax.lax.scan(group_body, (h, carries), xs, unroll=self.unroll)
+            if P > 1:  # [G, n, ...] -> [G n, ...]: layer (row) order
+                stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stats)
+            new_groups = {name: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), v)
+                          if split[name].per_group > 1 else v for name, v in new_groups.items()}
+        new_views = dict(new_groups)
         if R:  # the remainder: the pattern's first R types, once, after the groups
-            rest = [(split[t.stack], pattern.slot(p)) for p, t in enumerate(pattern.types[:R])]
-            h, kv_all, rest_kvs, rest_stats = apply(
-                range(R), h, kv_all, [_take(s.rest, j) for s, j in rest], [G * s.per_group + j for s, j in rest],
-                [None if kv_rest is None else _take(kv_rest, p) for p in range(R)])
+            rest = [(split[t.stack], pattern.slot(p), t.stack) for p, t in enumerate(pattern.types[:R])]
+            h, carries, rest_views, rest_stats = apply(
+                range(R), h, carries, [_take(s.rest, j) for s, j, _ in rest],
+                [G * s.per_group + j for s, j, _ in rest],
+                [_take(sliced[n][1], j) if n in sliced else None for _, j, n in rest])
             stats = _concat(stats, _stack_stats(rest_stats))
-            new_kv = None if kv_rest is None else _concat(new_kv, _stack(rest_kvs))
+            for name in sliced:
+                mine = [v for v, (_, _, n) in zip(rest_views, rest) if n == name]
+                if mine:
+                    new_views[name] = _concat(new_views.get(name), _stack(mine))
         if cache is None:
             return HiddenStates(h, None, stats)
-        kv = kv_all if carried else new_kv
-        return HiddenStates(h, cache.with_kv(kv.k, kv.v), stats)
+        new_views.update(carries)
+        return HiddenStates(h, cache.with_parts({name: parts[name].with_layers(new_views[name]) for name in parts}),
+                            stats)
 
     def _layer(self, s: _Stack, t: LayerType, consts: tuple, kv_meta) -> Callable:
         """One layer of type `t` as f(h, state_l, row, kv) -> (h, kv, stats), under the recompute policy."""

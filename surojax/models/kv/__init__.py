@@ -1,12 +1,16 @@
-"""KV caches behind one protocol (`protocol.py`): attention calls `LayerKV.update_and_attend` once, the
-decoder drives a `Cache`. `dense.py`: the plain cache of generation; `paged.py`: the serving pool, read through
-block tables (gather, multiply + reduce, or the Pallas kernel: `PagedKernel`); `meta.py`: the typed per-call
-metadata and the attention mask."""
+"""Model caches behind one protocol (`protocol.py`): attention calls `LayerKV.update_and_attend` once, a
+linear-attention layer reads and writes its `LayerState`; the decoder drives a `Cache` with one part per layer
+stack. `dense.py`: the plain KV cache of generation; `paged.py`: the serving pool, read through block tables
+(gather, multiply + reduce, or the Pallas kernel: `PagedKernel`); `recurrent.py`: the linear layers' states and
+the hybrid cache (KV + states); `meta.py`: the typed per-call metadata and the attention mask."""
 from surojax.models.kv.dense import DenseLayerKV, KVCache, StackedLayerKV
 from surojax.models.kv.meta import MASKED, AttendSpec, KVMeta, PagedKVMeta, attention_mask, softmax_with_sinks
 from surojax.models.kv.paged import PagedKernel, PagedKVCache, PagedLayerKV, reduce_decode_attention
-from surojax.models.kv.protocol import Cache, CarriedLayerKV, LayerKV
+from surojax.models.kv.protocol import Cache, CarriedLayerKV, LayerKV, OneStack, StackCache
+from surojax.models.kv.recurrent import (ATTENTION_STACK, LINEAR_STACK, HybridCache, LayerState, StackedLayerState,
+                                         StateCache, StateShape)
 
-__all__ = ["MASKED", "AttendSpec", "Cache", "CarriedLayerKV", "DenseLayerKV", "KVCache", "KVMeta", "LayerKV",
-           "PagedKVCache", "PagedKVMeta", "PagedKernel", "PagedLayerKV", "StackedLayerKV", "attention_mask",
-           "reduce_decode_attention", "softmax_with_sinks"]
+__all__ = ["ATTENTION_STACK", "LINEAR_STACK", "MASKED", "AttendSpec", "Cache", "CarriedLayerKV", "DenseLayerKV",
+           "HybridCache", "KVCache", "KVMeta", "LayerKV", "LayerState", "OneStack", "PagedKVCache", "PagedKVMeta",
+           "PagedKernel", "PagedLayerKV", "StackCache", "StackedLayerKV", "StackedLayerState", "StateCache",
+           "StateShape", "attention_mask", "reduce_decode_attention", "softmax_with_sinks"]

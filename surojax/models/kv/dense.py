@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from surojax.models.config import ModelConfig
 from surojax.models.kv.meta import AttendSpec, KVMeta
+from surojax.models.kv.protocol import OneStack
 
 
 @jax.tree_util.register_dataclass
@@ -53,7 +54,7 @@ class StackedLayerKV:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class KVCache:
+class KVCache(OneStack):
     """A plain cache for generation. k, v [L, B, S, K, H]; segment_ids [B, S] (0 = empty slot); positions
     [B, S]; lengths [B] = filled slots. A call's new tokens (padding included) take slots lengths .. lengths +
     T - 1 of each row; only real tokens (segment id > 0) count in lengths."""
@@ -67,8 +68,9 @@ class KVCache:
     carry_only: ClassVar[bool] = False
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> "KVCache":
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, num_layers: int | None = None) -> "KVCache":
+        """Zeros for `num_layers` layers (None: every layer of `cfg`; a hybrid model: its attention layers)."""
+        shape = (cfg.num_layers if num_layers is None else num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         zeros_bs = jnp.zeros((batch, max_len), jnp.int32)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), zeros_bs, zeros_bs, jnp.zeros((batch,), jnp.int32))
 
@@ -91,8 +93,8 @@ class KVCache:
     def per_layer(self) -> DenseLayerKV:
         return DenseLayerKV(self.k, self.v)
 
-    def with_kv(self, k, v) -> "KVCache":
-        return dataclasses.replace(self, k=k, v=v)
+    def with_layers(self, view: DenseLayerKV | StackedLayerKV) -> "KVCache":
+        return dataclasses.replace(self, k=view.k, v=view.v)
 
 
 __all__ = ["DenseLayerKV", "KVCache", "StackedLayerKV"]

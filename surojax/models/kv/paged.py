@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.paged_decode import kernel_applies, paged_decode_attention
 from surojax.models.kv.meta import MASKED, AttendSpec, PagedKVMeta, softmax_with_sinks
+from surojax.models.kv.protocol import OneStack
 
 
 class PagedKernel(enum.Enum):
@@ -119,7 +120,7 @@ class PagedLayerKV:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],
                    meta_fields=["block_size", "kernel", "scales"])
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(OneStack):
     """The pool as the decoder drives it. k, v [L, N, K, H]; block_table [B, NB] (entries past a row's blocks
     are ignored); lengths [B] = tokens of each row already in the pool. One sequence per row, positions 0, 1,
     2 ... The new tokens (segment id > 0) are written at positions lengths .. lengths + T - 1, which must have
@@ -161,8 +162,8 @@ class PagedKVCache:
     def per_layer(self):
         raise TypeError("PagedKVCache is carried by the layer loop (carry_only), never scanned per layer")
 
-    def with_kv(self, k, v) -> "PagedKVCache":
-        return dataclasses.replace(self, k=k, v=v)
+    def with_layers(self, view: PagedLayerKV) -> "PagedKVCache":
+        return dataclasses.replace(self, k=view.k, v=view.v)
 
 
 __all__ = ["PagedKVCache", "PagedKernel", "PagedLayerKV", "reduce_decode_attention"]

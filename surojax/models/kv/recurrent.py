@@ -1,0 +1,175 @@
+"""The recurrent-state cache of linear-attention (Gated DeltaNet) layers, and the hybrid cache of generation.
+
+A Gated DeltaNet layer carries, per sequence, a fixed-size state whatever the sequence's length:
+
+    conv       [B, K - 1, C]     the last K - 1 inputs of its depthwise causal conv1d (C channels, kernel K), in
+                                 the cache's dtype
+    recurrent  [B, H, Dk, Dv]    the gated delta rule's state (H value heads), fp32
+
+`StateCache` holds them for every linear layer ([L, ...] leaves, L = the `linear_layers` stack's rows), zeros
+at the start of a sequence (a fresh cache). Two layer views of it, same values (as dense.py's k/v views):
+`LayerState` (one layer's [B, ...] slice, scanned as the layer loop's input and returned as its output) and
+`StackedLayerState` (every layer's state in the loop's carry, read and written at row `layer`). A layer reads its
+view whole (`read()`) and hands the new state back (`written(conv, recurrent)`): surojax/models/layers/
+deltanet_cache.py is that contract.
+
+`HybridCache` is a hybrid model's cache for generation: a `KVCache` over the attention stack (`layers`) and a
+`StateCache` over the linear stack (`linear_layers`). Its `step` is the attention part's: the metadata (segment
+ids, positions, write slots) and the lengths are the sequence's, shared by both stacks; the states need no
+bookkeeping (each layer advances its own over the call's real tokens).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from surojax.models.kv.dense import KVCache
+from surojax.models.kv.meta import KVMeta
+
+ATTENTION_STACK = "layers"  # the decoder's stack of attention layers (its KV cache)
+LINEAR_STACK = "linear_layers"  # the decoder's stack of Gated DeltaNet layers (its state cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateShape:
+    """A Gated DeltaNet layer's head layout, which fixes its state's size: `num_key_heads` q/k heads of
+    `key_head_dim`, `num_value_heads` v heads of `value_head_dim` (a multiple of the key heads: q/k heads are
+    repeated), a conv of `conv_kernel` taps over the `conv_dim` concatenated q | k | v channels. The model's
+    `ModelConfig.linear_attention` (`LinearAttentionConfig`) has these same fields and serves wherever a
+    `StateShape` is asked for."""
+
+    num_key_heads: int
+    key_head_dim: int
+    num_value_heads: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self):
+        if min(self.num_key_heads, self.key_head_dim, self.num_value_heads, self.value_head_dim) < 1 \
+                or self.conv_kernel < 2:
+            raise ValueError(f"a Gated DeltaNet state needs positive head counts / dims and a conv kernel >= 2 "
+                             f"(got {self})")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear attention: value heads ({self.num_value_heads}) must be a multiple of key "
+                             f"heads ({self.num_key_heads})")
+
+    @property
+    def conv_dim(self) -> int:  # C: q | k | v
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+def conv_state_shape(shape: StateShape, batch: int) -> tuple[int, int, int]:
+    """[B, K - 1, C]: one layer's conv state."""
+    return (batch, shape.conv_kernel - 1, shape.conv_dim)
+
+
+def recurrent_state_shape(shape: StateShape, batch: int) -> tuple[int, int, int, int]:
+    """[B, H, Dk, Dv]: one layer's recurrent state (H value heads)."""
+    return (batch, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerState:
+    """One layer's state slice: conv [B, K - 1, C], recurrent [B, H, Dk, Dv] fp32."""
+
+    conv: jax.Array
+    recurrent: jax.Array
+
+    def read(self) -> tuple[jax.Array, jax.Array]:
+        return self.conv, self.recurrent
+
+    def written(self, conv, recurrent) -> "LayerState":
+        return LayerState(conv.astype(self.conv.dtype), recurrent.astype(self.recurrent.dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedLayerState:
+    """Every layer's state, conv [L, B, K - 1, C] and recurrent [L, B, H, Dk, Dv], and the row [] int32 of the
+    layer this view serves."""
+
+    conv: jax.Array
+    recurrent: jax.Array
+    layer: jax.Array
+
+    def read(self) -> tuple[jax.Array, jax.Array]:
+        return self.conv[self.layer], self.recurrent[self.layer]
+
+    def written(self, conv, recurrent) -> "StackedLayerState":
+        l = self.layer
+        return StackedLayerState(self.conv.at[l].set(conv.astype(self.conv.dtype)),
+                                 self.recurrent.at[l].set(recurrent.astype(self.recurrent.dtype)), l)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StateCache:
+    """The linear layers' states: conv [L, B, K - 1, C] (the cache's dtype), recurrent [L, B, H, Dk, Dv] fp32.
+    The cache of one layer stack (`StackCache`); a model cache holds it as a part (`HybridCache`)."""
+
+    conv: jax.Array
+    recurrent: jax.Array
+
+    carry_only: ClassVar[bool] = False
+
+    @classmethod
+    def empty(cls, num_layers: int, batch: int, shape: StateShape, dtype) -> "StateCache":
+        """Zeros: the state before a sequence's first token."""
+        return cls(jnp.zeros((num_layers, *conv_state_shape(shape, batch)), dtype),
+                   jnp.zeros((num_layers, *recurrent_state_shape(shape, batch)), jnp.float32))
+
+    def carried(self) -> StackedLayerState:
+        return StackedLayerState(self.conv, self.recurrent, jnp.int32(0))
+
+    def per_layer(self) -> LayerState:
+        return LayerState(self.conv, self.recurrent)
+
+    def with_layers(self, view: LayerState | StackedLayerState) -> "StateCache":
+        return StateCache(view.conv, view.recurrent)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "state"],
+                   meta_fields=["kv_stack", "state_stack"])
+@dataclasses.dataclass(frozen=True)
+class HybridCache:
+    """A hybrid model's generation cache: `kv` (a `KVCache` over the attention stack's rows) and `state` (a
+    `StateCache` over the linear stack's rows). One sequence per row; `step`, `lengths` and the metadata are the
+    attention part's (module docstring)."""
+
+    kv: KVCache
+    state: StateCache
+    kv_stack: str = ATTENTION_STACK
+    state_stack: str = LINEAR_STACK
+
+    @classmethod
+    def empty(cls, kv: KVCache, num_linear_layers: int, shape: StateShape, dtype) -> "HybridCache":
+        """`kv` (an empty KVCache over the attention layers) and zero states for the linear layers."""
+        return cls(kv, StateCache.empty(num_linear_layers, kv.lengths.shape[0], shape, dtype))
+
+    @property
+    def lengths(self) -> jax.Array:
+        """[B]: each row's tokens so far (the next decode position)."""
+        return self.kv.lengths
+
+    def step(self, segment_ids, positions) -> tuple[KVMeta, "HybridCache"]:
+        meta, kv = self.kv.step(segment_ids, positions)
+        return meta, dataclasses.replace(self, kv=kv)
+
+    def parts(self, stacks: tuple[str, ...]) -> dict[str, KVCache | StateCache]:
+        if sorted(stacks) != sorted((self.kv_stack, self.state_stack)):
+            raise ValueError(f"this hybrid cache holds the stacks {self.kv_stack!r} (KV) and {self.state_stack!r} "
+                             f"(linear-attention states); the layer pattern reads {list(stacks)}")
+        return {self.kv_stack: self.kv, self.state_stack: self.state}
+
+    def with_parts(self, parts: Mapping[str, KVCache | StateCache]) -> "HybridCache":
+        return dataclasses.replace(self, kv=parts[self.kv_stack], state=parts[self.state_stack])
+
+
+__all__ = ["ATTENTION_STACK", "LINEAR_STACK", "HybridCache", "LayerState", "StackedLayerState", "StateCache",
+           "StateShape", "conv_state_shape", "recurrent_state_shape"]
