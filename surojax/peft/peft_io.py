@@ -329,11 +329,6 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
 
     modules = module_names(rows)
     spec = dataclasses.replace(spec, targets=_peft_meaning(spec.targets, modules))
-    absent = [t for t in spec.targets if t not in modules and t not in PEFT_PARAMETERS]
-    if absent:
-        raise AdapterError(f"{adapter_dir / CONFIG_FILE}: target_modules {absent} name modules this model does not "
-                           f"have (its Linear modules: {', '.join(modules)}; a MoE model's experts are "
-                           "target_parameters)")
     expert_targets = tuple(t for t in spec.targets if t in PEFT_PARAMETERS)
     modules.update({t: expert_module_name(t, expert_targets) for t in expert_targets})
     patterns = {t: re.compile("^" + re.escape(m).replace(re.escape("{i}"), r"(\d+)") + "$")
@@ -341,6 +336,11 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     found: dict[tuple[str, int, str], str] = {}  # (target, layer, "A"|"B") -> tensor name
     unexpected = []
     router_found = _router_names(cfg.get("modules_to_save"), router_rows, f.names(), adapter_dir)
+    absent = [t for t in spec.targets if t not in modules and t not in PEFT_PARAMETERS]
+    if absent:
+        raise AdapterError(f"{adapter_dir / CONFIG_FILE}: target_modules {absent} name modules this model does not "
+                           f"have (its Linear modules: {', '.join(modules)}; a MoE model's experts are "
+                           "target_parameters)")
     for name in f.names():
         if name in router_found.values():
             continue

@@ -19,7 +19,7 @@ from peft_support import FIXTURES, forward
 from surojax.models.registry import weight_rows
 from surojax.models.targets import resolve_targets
 from surojax.peft.lora import TRAINABLE, LoRALinear, apply_lora, lora_modules
-from surojax.peft.peft_io import load_peft_adapter, save_peft_adapter
+from surojax.peft.peft_io import AdapterError, load_peft_adapter, save_peft_adapter
 from surojax.peft.stacked import load_adapter_into
 from surojax.weights.hf_checkpoint import load_model
 from surojax.weights.safetensors_file import SafetensorsFile
@@ -114,3 +114,11 @@ def test_apply_lora_wraps_the_shared_expert_only_where_asked():
     assert set(lora_modules(model)) == set(SHARED_TARGETS)
     assert model.layers.mlp.shared_expert.down_proj.lora_a.get_value().shape == (2, 24, 2)  # [L, Fs, R]
     np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), EXPECTED["base_logits"], rtol=0, atol=1e-4)
+
+
+def test_bare_mlp_names_on_a_moe_model_without_shared_expert_are_refused():
+    """The same adapter for a Qwen3-MoE (no shared expert, no dense MLP): its bare gate/up/down_proj match nothing."""
+    rows = tuple(weight_rows(load_model(FIXTURES / "moe" / "base").cfg))
+    with pytest.raises(AdapterError, match=r"target_modules \['gate_proj', 'up_proj', 'down_proj'\] name modules "
+                                           "this model does not have"):
+        load_peft_adapter(SHARED / "adapter", rows=rows)
