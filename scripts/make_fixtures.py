@@ -369,6 +369,9 @@ MOE_SPECS = {
     "qwen3_moe": MoeSpec("Qwen3MoeConfig", dict(QWEN3_MOE, norm_topk_prob=True), seed=1),
     "qwen3_moe_dense_mix": MoeSpec("Qwen3MoeConfig", dict(QWEN3_MOE, num_hidden_layers=3, mlp_only_layers=[1],
                                                           norm_topk_prob=False), seed=2),
+    # a shared expert (width 48) and its sigmoid gate beside the routed experts; q/k/v biases (qkv_bias)
+    "qwen2_moe": MoeSpec("Qwen2MoeConfig", dict(QWEN3_MOE, shared_expert_intermediate_size=48, norm_topk_prob=False),
+                         seed=5),
     "mixtral": MoeSpec("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                                              sliding_window=6, tie_word_embeddings=False), seed=3),
     "gpt_oss": MoeSpec("GptOssConfig", dict(
@@ -549,6 +552,8 @@ def moe_expectations(name: str, model, margin_inputs: list, vocab_size: int) -> 
     if cfg.model_type == "qwen3_moe":
         dense = [i for i, layer in enumerate(model.model.layers) if not hasattr(layer.mlp, "experts")]
         assert dense == cfg.mlp_only_layers, (name, dense)
+    if cfg.model_type == "qwen2_moe":
+        check_shared_expert_gate(model, margin_inputs[-1])
     with torch.no_grad():
         margins = [router_margin(model(x, output_router_logits=True).router_logits, top_k) for x in margin_inputs]
         out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
@@ -566,6 +571,26 @@ def moe_expectations(name: str, model, margin_inputs: list, vocab_size: int) -> 
     return {"aux_tokens": tokens, "aux_mask": mask, "aux_loss": np.asarray(out.aux_loss.item(), dtype=np.float32),
             "aux_coef": np.asarray(cfg.router_aux_loss_coef, dtype=np.float32),
             "aux_logits": out.logits.float().numpy()}
+
+
+def check_shared_expert_gate(model, x) -> None:
+    """qwen2_moe: the shared expert's sigmoid gate is mostly neither shut nor wide open on the fixture inputs (it is
+    really tested), and every layer's q/k/v biases are non-zero."""
+    import torch
+
+    gates = []
+    hooks = [layer.mlp.shared_expert_gate.register_forward_hook(lambda m, i, o: gates.append(torch.sigmoid(o)))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    g = torch.cat([t.reshape(-1) for t in gates])
+    middle = float(((g > 0.1) & (g < 0.9)).float().mean())  # neither saturated nor constant
+    assert middle > 0.5 and float(g.std()) > 0.05, (middle, g.std())
+    assert all(bool(layer.self_attn.q_proj.bias.abs().min() > 0) for layer in model.model.layers)
+    print(f"qwen2_moe: shared-expert gate in [{float(g.min()):.3f}, {float(g.max()):.3f}], {middle:.0%} in "
+          "(0.1, 0.9)", file=sys.stderr)
 
 
 def switch_aux_loss(router_logits: list[np.ndarray], mask: np.ndarray, top_k: int) -> float:

@@ -5,7 +5,7 @@ Run with the reference environment (torch + transformers + peft), never from the
     /work/refenv/bin/python scripts/make_peft_fixtures.py          # writes tests/fixtures/peft/
 
 Deterministic (fixed seeds); a re-run rewrites the same bytes with the library versions recorded in
-tests/fixtures/peft/versions.json. What is written (< 500 KB in all):
+tests/fixtures/peft/versions.json. What is written (< 1 MB in all):
 
     base/           LlamaForCausalLM.save_pretrained (fp32): vocab 128, hidden 64, 2 layers, 4 heads, 2 kv heads
     adapter/        PeftModel.save_pretrained: LoRA r=4, alpha=8, all 7 linear modules, A and B random (non-zero)
@@ -14,9 +14,17 @@ tests/fixtures/peft/versions.json. What is written (< 500 KB in all):
                     saves the fused expert names): base/, adapter/ (LoRA r=4, alpha=8 on q_proj, v_proj and, through
                     target_parameters, the experts' gate_up_proj and down_proj: PEFT's ParamWrapper layout),
                     expected.npz
+    shared_expert/  the same for a tiny Qwen2-MoE with a shared expert (4 experts, top-2, hidden 32, expert F 16,
+                    shared expert F 24, 2 layers; q/k/v biases): base/, adapter/ (LoRA r=4, alpha=8, target_modules
+                    q_proj, v_proj and the bare gate_proj, up_proj, down_proj, which PEFT matches to the shared
+                    expert's modules only, plus the routed experts through target_parameters), expected.npz
+                    (also `loss`: the causal-LM loss of `tokens`, and `grad:<tensor name>`: its gradient for each
+                    shared-expert LoRA tensor, in PEFT's layout).
+                    Alone: `make_peft_fixtures.py --only shared_expert` (the other folders stay as they are).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -26,7 +34,8 @@ import peft
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "fixtures" / "peft"
@@ -77,7 +86,54 @@ def make_moe(out: Path) -> None:
     print(f"moe: max |logits - base_logits| = {np.abs(logits - base_logits).max():.4f}")
 
 
+def make_shared_expert(out: Path) -> None:
+    torch.manual_seed(2)
+    cfg = Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                         max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                         attn_implementation="eager", bos_token_id=1, eos_token_id=2)
+    model = Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # q/k/v biases non-zero (transformers initialises them to zero)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    tokens = torch.tensor(TOKENS)
+    with torch.no_grad():
+        base_logits = model(tokens).logits.float().numpy()
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "base").mkdir(parents=True)
+    model.save_pretrained(out / "base", safe_serialization=True)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+                      target_parameters=MOE_TARGET_PARAMETERS, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      init_lora_weights=False)
+    pmodel = get_peft_model(model, lora).eval()
+    wrapped = sorted({n.rsplit(".lora_A", 1)[0] for n, _ in pmodel.named_parameters() if "lora_A" in n and ".0." in n})
+    assert any("shared_expert.gate_proj" in n for n in wrapped) and not any("shared_expert_gate" in n for n in wrapped)
+    scale_b(pmodel, 0.2)
+    with torch.no_grad():
+        logits = pmodel(tokens).logits.float().numpy()
+    save_adapter(pmodel, out / "adapter")
+    # one training step's gradient: the causal-LM loss (mean next-token cross-entropy, no aux loss without
+    # output_router_logits) and its gradient for the shared expert's adapters, under their saved names
+    loss = pmodel(tokens, labels=tokens).loss
+    loss.backward()
+    grads = {"grad:" + n.removeprefix("base_model.model.").replace(".default", ""): p.grad.numpy()
+             for n, p in pmodel.named_parameters() if ".shared_expert." in n and "lora_" in n}
+    assert len(grads) == 2 * 3 * 2 and all(np.abs(g).max() > 0 for g in grads.values())
+    np.savez(out / "expected.npz", tokens=np.array(TOKENS, np.int32), base_logits=base_logits, logits=logits,
+             loss=np.float32(loss.item()), **grads)
+    print(f"shared_expert: max |logits - base_logits| = {np.abs(logits - base_logits).max():.4f}, "
+          f"loss {loss.item():.4f}")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["shared_expert"], help="write only this folder")
+    if parser.parse_args().only:
+        make_shared_expert(OUT / "shared_expert")
+        return
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -106,6 +162,7 @@ def main() -> None:
     (OUT / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
     print(f"max |logits - base_logits| = {np.abs(logits - base_logits).max():.4f}")
     make_moe(OUT / "moe")
+    make_shared_expert(OUT / "shared_expert")
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({total / 1024:.0f} KB)")
 

@@ -48,13 +48,14 @@ PEAK_BF16_FLOPS = 731e12  # jnp.dot 8192^3 bf16 on the H200 (shared/BENCHMARKS.m
 
 def linear_params(cfg: ModelConfig) -> int:
     """P_lin: matmul weights a token passes through (per layer x L, plus the lm_head); a MoE layer counts its
-    router and the k active experts (module docstring)."""
+    router, the k active experts and a shared expert (module docstring)."""
     D = cfg.hidden_size
     attention = D * cfg.q_dim + 2 * D * cfg.kv_dim + cfg.q_dim * D
     if cfg.moe is None:
         ffn = 3 * D * cfg.intermediate_size
     else:
-        ffn = D * cfg.moe.num_experts + cfg.moe.experts_per_token * 3 * D * cfg.moe.expert_intermediate_size
+        ffn = D * cfg.moe.num_experts + cfg.moe.experts_per_token * 3 * D * cfg.moe.expert_intermediate_size \
+            + cfg.moe.shared_expert_params(D)  # a shared expert and its gate: every token runs them
     return cfg.num_layers * (attention + ffn) + D * cfg.vocab_size
 
 

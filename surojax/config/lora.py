@@ -12,8 +12,10 @@ from surojax.config.base import StrictModel
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # MoE models only: the experts' fused gate|up projection, and both expert projections (down_proj names the experts'
 # down projection on a MoE model; gate_proj + up_proj together mean gate_up_proj there). Checked against the model
-# when LoRA is applied (surojax.peft.lora.resolve_targets).
-MOE_LORA_TARGETS: tuple[str, ...] = ("gate_up_proj", "experts")
+# when LoRA is applied (surojax.peft.lora.resolve_targets). A MoE model with a shared expert (qwen2_moe) also:
+# shared_expert (its three projections) or each by its PEFT module name.
+MOE_LORA_TARGETS: tuple[str, ...] = ("gate_up_proj", "experts", "shared_expert", "shared_expert.gate_proj",
+                                     "shared_expert.up_proj", "shared_expert.down_proj")
 GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 # llama.cpp file types that mix tensor types (surojax.quant.quantize_mix): one type per target when training
 GGUF_MIXES = ("q3_k_m", "q4_k_m", "q5_k_m")
@@ -44,7 +46,9 @@ class LoraSection(StrictModel):
     lora_target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
     """HF module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or "all-linear". On a MoE
     model: gate_up_proj (= gate_proj + up_proj, the experts' fused weight), down_proj (the experts'), experts (both);
-    PEFT exports them as target_parameters mlp.experts.gate_up_proj / mlp.experts.down_proj."""
+    PEFT exports them as target_parameters mlp.experts.gate_up_proj / mlp.experts.down_proj. A shared expert
+    (qwen2_moe): shared_expert (its gate/up/down projections) or shared_expert.gate_proj etc. one by one; "all-linear"
+    here is the seven names above (attention and the routed experts; add shared_expert to train it too)."""
     lora_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the adapter weights."""
     train_router: bool = False

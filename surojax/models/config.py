@@ -103,6 +103,10 @@ class MoEConfig:
     activation      "swiglu": silu(gate) * up with gate | up the two halves of the fused gate_up projection;
                     "swiglu_clamped" (gpt_oss): gate/up interleaved, clamped to `swiglu_limit`,
                     (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    shared_expert_intermediate_size
+                    F_s > 0: a shared expert beside the routed ones, a SwiGLU MLP of width F_s that every token runs,
+                    scaled by a sigmoid gate (Linear(D, 1)): y = routed(x) + sigmoid(x @ g) * shared(x) (qwen2_moe,
+                    qwen3_5_moe); 0: none. It is not routed: the router, its stats and losses do not see it.
     """
 
     num_experts: int  # E
@@ -116,6 +120,7 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     router_aux_loss_coef: float = 0.0  # the HF config's coefficient of the load-balancing loss
+    shared_expert_intermediate_size: int = 0  # F_s of the shared expert; 0: no shared expert
 
     def __post_init__(self):
         if not 0 < self.experts_per_token <= self.num_experts:
@@ -126,6 +131,9 @@ class MoEConfig:
                                    f"{self.expert_intermediate_size}")
         if self.router not in ROUTERS:
             raise ModelConfigError(f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ModelConfigError(f"shared_expert_intermediate_size must be >= 0 (0: no shared expert), got "
+                                   f"{self.shared_expert_intermediate_size}")
         if self.activation not in EXPERT_ACTIVATIONS:
             raise ModelConfigError(f"expert activation {self.activation!r} is not one of "
                                    f"{', '.join(EXPERT_ACTIVATIONS)}")
@@ -137,6 +145,11 @@ class MoEConfig:
 
     def router_params(self, hidden: int) -> int:
         return hidden * self.num_experts + (self.num_experts if self.router_bias else 0)
+
+    def shared_expert_params(self, hidden: int) -> int:
+        """The shared expert (gate and up [D, F_s], down [F_s, D]) and its gate [D, 1]; 0 without one."""
+        F = self.shared_expert_intermediate_size
+        return 3 * hidden * F + hidden if F else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +230,7 @@ class ModelConfig:
         if self.moe is None:
             return 3 * D * self.intermediate_size
         n = self.moe.experts_per_token if active else self.moe.num_experts
-        return self.moe.router_params(D) + n * self.moe.expert_params(D)
+        return self.moe.router_params(D) + n * self.moe.expert_params(D) + self.moe.shared_expert_params(D)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -250,7 +263,7 @@ class ModelConfig:
                 raise ModelConfigError(f"layer_types is not read by transformers' {family.hf_architecture} "
                                        "(one sliding_window for every layer); remove it from config.json")
             sliding, layer_windows = _windows_from_layer_types(hf)
-        attention_bias = bool(hf.get("attention_bias", family.attention_bias))
+        attention_bias = bool(hf.get(family.bias_key, family.attention_bias))
         return cls(
             model_type=family.name,
             vocab_size=int(hf["vocab_size"]),
@@ -309,7 +322,7 @@ class ModelConfig:
             out["rope_scaling"] = rs | {"type": rs["rope_type"]}
         out["rope_parameters"] = rs | {"rope_theta": self.rope_theta}
         if family.attention_bias_key:
-            out["attention_bias"] = self.attention_bias
+            out[family.bias_key] = self.attention_bias
         if family.sliding_window:
             out["sliding_window"] = self.sliding_window
         if self.layer_windows is not None or "layer_types" in self.hf_extra:
@@ -329,12 +342,21 @@ def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
 
     Key names differ by family: qwen3_moe writes `num_experts` / `moe_intermediate_size` (its
     `intermediate_size` is the dense MLP's, used by no layer when every layer is sparse); mixtral and gpt_oss
-    write `num_local_experts` and the expert size as `intermediate_size`.
+    write `num_local_experts` and the expert size as `intermediate_size`. qwen2_moe is qwen3_moe's spelling plus a
+    shared expert (`shared_expert_intermediate_size`); qwen3_5_moe the same with the top-k always renormalised
+    (no `norm_topk_prob` key) and no dense layers.
     """
     if style is None:
         return None
     k = int(hf.get("num_experts_per_tok", 2))
     coef = float(hf.get("router_aux_loss_coef", 0.001))
+    if style == "qwen2_moe":
+        return _qwen2_moe(hf, k, coef)
+    if style == "qwen3_5_moe":
+        return MoEConfig(num_experts=int(hf.get("num_experts", 256)), experts_per_token=k,
+                         expert_intermediate_size=int(hf.get("moe_intermediate_size", 512)), norm_topk_prob=True,
+                         router_aux_loss_coef=coef,
+                         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 512)))
     if style == "qwen3_moe":
         dense = list(hf.get("mlp_only_layers") or [])
         step = int(hf.get("decoder_sparse_step", 1))
@@ -363,17 +385,43 @@ def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
     raise ModelConfigError(f"unknown MoE style {style!r}")
 
 
+def _qwen2_moe(hf: dict[str, Any], k: int, coef: float) -> MoEConfig:
+    """qwen2_moe's MoE keys (transformers' Qwen2MoeConfig defaults). Every layer must be sparse: a layer in
+    `mlp_only_layers`, or one that `decoder_sparse_step` skips, would be a dense SwiGLU of `intermediate_size`
+    in a stack of one scanned block type; such configs are refused by the key that asks for them."""
+    dense = list(hf.get("mlp_only_layers") or [])
+    if dense:
+        raise ModelConfigError(f"qwen2_moe: mlp_only_layers {dense} is not supported (those layers would be dense "
+                               "MLPs; surojax runs qwen2_moe with every layer sparse: mlp_only_layers [])")
+    step = int(hf.get("decoder_sparse_step", 1))
+    if step != 1:
+        raise ModelConfigError(f"qwen2_moe: decoder_sparse_step {step} is not supported (only every "
+                               f"{step}th layer would be sparse; surojax runs qwen2_moe with every layer sparse: "
+                               "decoder_sparse_step 1)")
+    num_experts = int(hf.get("num_experts", 60))
+    if num_experts <= 0:
+        raise ModelConfigError(f"qwen2_moe: num_experts {num_experts} makes every layer dense; use a dense family")
+    return MoEConfig(num_experts=num_experts, experts_per_token=k,
+                     expert_intermediate_size=int(hf.get("moe_intermediate_size", 1408)),
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_aux_loss_coef=coef,
+                     shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 5632)))
+
+
 def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
     """The config.json keys of `moe` in the spelling of the family's MoE `style` (inverse of `moe_from_hf`)."""
     out: dict[str, Any] = {"num_experts_per_tok": moe.experts_per_token,
                            "router_aux_loss_coef": moe.router_aux_loss_coef}
-    if style == "qwen3_moe":
+    if style in ("qwen3_moe", "qwen2_moe"):
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
                    norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+    elif style == "qwen3_5_moe":
+        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size)
     else:
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.expert_intermediate_size)
     if style == "gpt_oss":
         out["swiglu_limit"] = moe.swiglu_limit
+    if moe.shared_expert_intermediate_size:
+        out["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
     return out
 
 

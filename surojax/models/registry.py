@@ -13,7 +13,9 @@ are stored fused, gate_up [.., D, 2F] = [gate | up].
 
 A MoE family may have a second table, `fused_weights`: the same model under the fused expert names transformers 5
 keeps in memory (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]); the loader reads
-whichever table the checkpoint matches, the saver writes `weights` (the published layout).
+whichever table the checkpoint matches, the saver writes `weights` (the published layout). A shared expert
+(qwen2_moe, qwen3_5_moe: `mlp.shared_expert.{gate,up,down}_proj`, `mlp.shared_expert_gate`) has the same names in
+both layouts (SHARED_EXPERT_WEIGHTS).
 """
 from __future__ import annotations
 
@@ -77,12 +79,25 @@ MIXTRAL_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
               half=1),
     WeightRow("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", f"{_EXPERTS}.down_proj.kernel", True),
 )
+# A shared expert beside the routed ones (MoEConfig.shared_expert_intermediate_size): a SwiGLU MLP and its sigmoid gate
+# Linear(D, 1). Published and transformers-5 checkpoints name them alike.
+_SHARED = "layers.mlp.shared_expert"
+SHARED_EXPERT_WEIGHTS: tuple[WeightRow, ...] = (
+    WeightRow("model.layers.{i}.mlp.shared_expert.gate_proj.weight", f"{_SHARED}.gate_proj.kernel", True),  # [L, D, Fs]
+    WeightRow("model.layers.{i}.mlp.shared_expert.up_proj.weight", f"{_SHARED}.up_proj.kernel", True),  # [L, D, Fs]
+    WeightRow("model.layers.{i}.mlp.shared_expert.down_proj.weight", f"{_SHARED}.down_proj.kernel", True),  # [L, Fs, D]
+    WeightRow("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.mlp.shared_expert_gate.kernel",
+              True),  # [L, D, 1]
+)
 # transformers 5's in-memory names (both families): router `mlp.gate`, fused experts [E, out, in].
 FUSED_MOE_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
     WeightRow("model.layers.{i}.mlp.gate.weight", "layers.mlp.router.kernel", True),
     WeightRow("model.layers.{i}.mlp.experts.gate_up_proj", f"{_EXPERTS}.gate_up_proj.kernel", True),  # [E, 2F, D]
     WeightRow("model.layers.{i}.mlp.experts.down_proj", f"{_EXPERTS}.down_proj.kernel", True),  # [E, D, F]
 )
+# qwen2_moe: qwen3_moe's expert names (no q/k norm: those rows need `qk_norm`) plus the shared expert
+QWEN2_MOE_WEIGHTS: tuple[WeightRow, ...] = QWEN3_MOE_WEIGHTS + SHARED_EXPERT_WEIGHTS
+FUSED_QWEN2_MOE_WEIGHTS: tuple[WeightRow, ...] = FUSED_MOE_WEIGHTS + SHARED_EXPERT_WEIGHTS
 
 # gpt_oss: q/k/v/o biases, a sink logit per query head, the router `mlp.router` with a bias, the experts fused and
 # stored `x @ W`-ready (no transpose) with gate / up interleaved on the last axis, and biased.
@@ -108,6 +123,11 @@ LINEAR_MODULES: dict[str, str] = {
 EXPERT_MODULES: dict[str, str] = {
     "experts.gate_up_proj": "mlp.experts.gate_up_proj", "experts.down_proj": "mlp.experts.down_proj",
 }
+# A shared expert's projections (plain Linears [D, Fs] / [Fs, D] per layer) as LoRA targets: the name is also PEFT's
+# `target_modules` entry (it matches `model.layers.{i}.mlp.shared_expert.gate_proj` by its end).
+SHARED_EXPERT_MODULES: dict[str, str] = {
+    f"shared_expert.{p}": f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +135,8 @@ class Family:
     name: str  # HF model_type
     hf_architecture: str  # `architectures[0]` written into config.json
     attention_bias: bool = False  # default when config.json does not say
-    attention_bias_key: bool = True  # config.json has an `attention_bias` key
+    attention_bias_key: bool = True  # config.json has a key for the q/k/v bias (`bias_key`)
+    bias_key: str = "attention_bias"  # its name (qwen2_moe: `qkv_bias`)
     qk_norm: bool = False
     sliding_window: bool = False  # honours config.json's `sliding_window`
     attention_sinks: bool = False  # a learned sink logit per query head (`self_attn.sinks`)
@@ -137,6 +158,8 @@ FAMILIES: dict[str, Family] = {
                fused_weights=FUSED_MOE_WEIGHTS, moe="qwen3_moe"),
         Family("mixtral", "MixtralForCausalLM", attention_bias_key=False, sliding_window=True,
                weights=MIXTRAL_WEIGHTS, fused_weights=FUSED_MOE_WEIGHTS, moe="mixtral"),
+        Family("qwen2_moe", "Qwen2MoeForCausalLM", attention_bias=True, bias_key="qkv_bias",
+               weights=QWEN2_MOE_WEIGHTS, fused_weights=FUSED_QWEN2_MOE_WEIGHTS, moe="qwen2_moe"),
         Family("gpt_oss", "GptOssForCausalLM", attention_bias=True, attention_sinks=True, o_proj_bias=True,
                weights=GPT_OSS_WEIGHTS, moe="gpt_oss"),
     )

@@ -8,9 +8,10 @@ per expert, A [L, E, in, R], B [L, E, R, out], applied to the rows sorted by exp
 the base (x @ A[e] * scaling, then @ B[e]). Target names (`resolve_targets`): on a dense model the seven HF
 module names; on a MoE model q/k/v/o_proj, and for the experts `gate_up_proj` (or `gate_proj` + `up_proj`
 together: the experts' gate and up are one fused weight, in transformers 5 and PEFT too), `down_proj`, or
-`experts` (both); "all-linear" is every one the model has. Internally the expert targets are called
-`experts.gate_up_proj` / `experts.down_proj` (registry.EXPERT_MODULES). PEFT refuses dropout on expert
-adapters (its ParamWrapper), so do we.
+`experts` (both), and with a shared expert (qwen2_moe) `shared_expert` or its projections one by one
+(`shared_expert.gate_proj` ..., plain LoRALinears); "all-linear" is every one the model has. Internally the
+expert targets are called `experts.gate_up_proj` / `experts.down_proj` (registry.EXPERT_MODULES). PEFT refuses
+dropout on expert adapters (its ParamWrapper), so do we.
 
 Init as PEFT does: A ~ kaiming-uniform(a=sqrt(5)) of the torch [R, in] matrix, i.e. U(-1/sqrt(in), 1/sqrt(in));
 B = 0, so a fresh adapter leaves the model's output exactly unchanged. The rank-R product is formed first
@@ -47,10 +48,10 @@ from flax import nnx
 from surojax.models.layers.linear import dot
 from surojax.models.layers.moe import ExpertLinear, grouped_dot
 from surojax.models.layers.params import AXES, logical_axes
-from surojax.models.registry import EXPERT_MODULES, LINEAR_MODULES
+from surojax.models.registry import EXPERT_MODULES
 from surojax.models.targets import (  # noqa: F401 - the target names, re-exported where LoRA users look for them
-    ATTENTION_TARGETS, EXPERT_TARGETS, LORA_TARGETS, MOE_TARGETS, TARGET_PATHS, base_linear, is_moe, model_targets,
-    module_at, replace_module, resolve_targets,
+    ATTENTION_TARGETS, EXPERT_TARGETS, LORA_TARGETS, MOE_TARGETS, SHARED_EXPERT_TARGETS, TARGET_PATHS, base_linear,
+    is_moe, model_resolve, model_targets, module_at, replace_module, resolve_targets,
 )
 
 TRAINABLE = nnx.LoRAParam
@@ -143,7 +144,7 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
 
     dtype: storage dtype of A and B (fp32 master weights by default, whatever the base's dtype).
     """
-    targets = resolve_targets(targets, moe=is_moe(model))
+    targets = model_resolve(model, targets)
     if rank <= 0:
         raise ValueError(f"lora rank must be positive, got {rank}")
     existing = lora_modules(model)
@@ -159,8 +160,8 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
         replace_module(model.layers, EXPERT_MODULES[name],
                        _expert_adapter(module_at(model.layers, EXPERT_MODULES[name]), L, model.cfg.moe.num_experts,
                                        rank, alpha, use_rslora, rngs, dtype))
-    for name in (t for t in targets if t in LINEAR_MODULES):
-        base = module_at(model.layers, LINEAR_MODULES[name])
+    for name in (t for t in targets if t not in EXPERT_MODULES):  # plain Linears: attention, dense MLP, shared expert
+        base = module_at(model.layers, TARGET_PATHS[name])
         d_in, d_out = base.in_features, base.out_features
         kernel_axes = logical_axes(base.kernel) if isinstance(base.kernel, nnx.Variable) else ("layers", None, None)
         _, in_axis, out_axis = kernel_axes
@@ -172,7 +173,7 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
         if dropout > 0.0:
             data = jax.random.key_data(jax.random.split(rngs.params(), L))  # [L, *key_shape]
             key = LoRADropoutKey(data, **{AXES: ("layers",) + (None,) * (data.ndim - 1)})
-        replace_module(model.layers, LINEAR_MODULES[name],
+        replace_module(model.layers, TARGET_PATHS[name],
                        LoRALinear(base, lora_a, lora_b, rank=rank, alpha=alpha, use_rslora=use_rslora,
                                   dropout=dropout, dropout_key=key))
     return model

@@ -15,6 +15,12 @@ weights per layer under the module's name (`base_model.model.model.layers.{i}.ml
 loader reads them into `PeftAdapter.router` when the caller passes the family's router rows. Anything this loader
 cannot reproduce exactly (DoRA, per-module rank/alpha patterns, biases, other saved modules, layer subsets, ...) is
 an error that names the option, never silently ignored.
+
+A shared expert's projections (qwen2_moe) are plain Linear targets under their module names
+(`model.layers.{i}.mlp.shared_expert.gate_proj`), written to `target_modules` as `shared_expert.gate_proj` etc.
+(PEFT matches a module by the end of its name). PEFT's bare `gate_proj` / `up_proj` / `down_proj` on such a model
+match only the shared expert's modules (transformers 5's routed experts are parameters, not modules), so an adapter
+that lists them is read as the shared expert's when the model has no dense MLP (`_peft_meaning`).
 """
 from __future__ import annotations
 
@@ -31,8 +37,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from surojax.models.registry import LINEAR_MODULES, LLAMA_STYLE_WEIGHTS, WeightRow, weight_rows
-from surojax.peft.lora import EXPERT_TARGETS, TARGET_PATHS, lora_modules, lora_scaling, resolve_targets
+from surojax.models.registry import LINEAR_MODULES, LLAMA_STYLE_WEIGHTS, SHARED_EXPERT_MODULES, WeightRow, weight_rows
+from surojax.peft.lora import ATTENTION_TARGETS, EXPERT_TARGETS, TARGET_PATHS, lora_modules, lora_scaling, resolve_targets
 from surojax.peft.peft_experts import PEFT_PARAMETERS, expert_module_name, from_peft, to_peft
 from surojax.weights.atomic import atomic_path
 from surojax.weights.json_file import read_json_object
@@ -87,10 +93,11 @@ class PeftAdapter:
 
 def module_names(rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> dict[str, str]:
     """HF target name -> its HF module path, "{i}" for the layer: q_proj -> model.layers.{i}.self_attn.q_proj (the
-    Linear targets the family's table has; a MoE family has no dense MLP rows)."""
+    Linear targets the family's table has; a MoE family has no dense MLP rows, one with a shared expert has its
+    three projections)."""
     by_path = {r.path: r.hf for r in rows}
     out = {}
-    for name, sub in LINEAR_MODULES.items():
+    for name, sub in {**LINEAR_MODULES, **SHARED_EXPERT_MODULES}.items():
         hf = by_path.get(f"layers.{sub}.kernel")
         if hf is not None:
             out[name] = hf.removesuffix(".weight")
@@ -116,7 +123,7 @@ def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None) -> dict:
         "lora_alpha": int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
         "lora_dropout": spec.dropout,
         # PEFT: Linear modules by name; the fused expert parameters by `target_parameters` (None when absent)
-        "target_modules": [t for t in spec.targets if t in LINEAR_MODULES] or None,
+        "target_modules": [t for t in spec.targets if t in LINEAR_MODULES or t in SHARED_EXPERT_MODULES] or None,
         "target_parameters": [PEFT_PARAMETERS[t] for t in spec.targets if t in PEFT_PARAMETERS] or None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -272,12 +279,14 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
     tm = cfg.get("target_modules")
     targets: tuple[str, ...] = ()
     if isinstance(tm, list) or tm == "all-linear":
-        known = [t for t in ([tm] if isinstance(tm, str) else tm) if t == "all-linear" or t in LINEAR_MODULES]
-        unknown = [t for t in ([tm] if isinstance(tm, str) else tm) if t not in known]
+        names = [tm] if isinstance(tm, str) else tm
+        known = [t for t in names if t == "all-linear" or t in LINEAR_MODULES]
+        shared = tuple(t for t in SHARED_EXPERT_MODULES if t in names)
+        unknown = [t for t in names if t not in known and t not in shared]
         if unknown:
             raise AdapterError(f"{path}: target_modules {unknown} are not supported (supported: "
-                               f"{', '.join(LINEAR_MODULES)})")
-        targets = resolve_targets(known) if known else ()
+                               f"{', '.join([*LINEAR_MODULES, *SHARED_EXPERT_MODULES])})")
+        targets = (resolve_targets(known) if known else ()) + shared
     # A regex string (or anything else): the tensors decide which modules carry an adapter.
     tp = cfg.get("target_parameters") or []
     by_param = {v: k for k, v in PEFT_PARAMETERS.items()}
@@ -288,11 +297,9 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
         if dropout:
             raise AdapterError(f"{path}: lora_dropout {dropout} with target_parameters (PEFT refuses it too)")
         chosen = {by_param[p] for p in tp}
-        targets = tuple(t for t in targets if t in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        dense_mlp = [t for t in (cfg.get("target_modules") or []) if t in ("gate_proj", "up_proj", "down_proj")]
-        if dense_mlp and isinstance(cfg.get("target_modules"), list):
-            raise AdapterError(f"{path}: target_modules {dense_mlp} together with expert target_parameters (a MoE "
-                               "model has no dense MLP modules)")
+        if tm == "all-linear":  # PEFT's all-linear: the Linear modules; here the dense names, not a MoE model's
+            targets = tuple(t for t in targets if t in ATTENTION_TARGETS)
+        # bare gate/up/down_proj stay: on a model with a shared expert they are its modules (_peft_meaning)
         targets = targets + tuple(t for t in EXPERT_TARGETS if t in chosen)
     spec = LoraSpec(rank=rank, alpha=alpha, targets=targets, dropout=dropout,
                     use_rslora=bool(cfg.get("use_rslora", False)))
@@ -321,6 +328,7 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     f = SafetensorsFile(wpath)
 
     modules = module_names(rows)
+    spec = dataclasses.replace(spec, targets=_peft_meaning(spec.targets, modules))
     expert_targets = tuple(t for t in spec.targets if t in PEFT_PARAMETERS)
     modules.update({t: expert_module_name(t, expert_targets) for t in expert_targets})
     patterns = {t: re.compile("^" + re.escape(m).replace(re.escape("{i}"), r"(\d+)") + "$")
@@ -328,6 +336,11 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     found: dict[tuple[str, int, str], str] = {}  # (target, layer, "A"|"B") -> tensor name
     unexpected = []
     router_found = _router_names(cfg.get("modules_to_save"), router_rows, f.names(), adapter_dir)
+    absent = [t for t in spec.targets if t not in modules and t not in PEFT_PARAMETERS]
+    if absent:
+        raise AdapterError(f"{adapter_dir / CONFIG_FILE}: target_modules {absent} name modules this model does not "
+                           f"have (its Linear modules: {', '.join(modules)}; a MoE model's experts are "
+                           "target_parameters)")
     for name in f.names():
         if name in router_found.values():
             continue
@@ -406,6 +419,18 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     spec = dataclasses.replace(spec, targets=tuple(targets))
     router = _read_router(f, wpath, router_found, router_rows, L)
     return PeftAdapter(spec, weights, cfg.get("base_model_name_or_path"), adapter_dir, router)
+
+
+def _peft_meaning(targets: tuple[str, ...], modules: dict[str, str]) -> tuple[str, ...]:
+    """The targets as PEFT applied them to this family: a bare gate_proj / up_proj / down_proj on a model without a
+    dense MLP but with a shared expert matched the shared expert's module (PEFT matches by the end of the name)."""
+    out = []
+    for t in targets:
+        shared = f"shared_expert.{t}"
+        t = shared if t not in modules and shared in modules else t
+        if t not in out:
+            out.append(t)
+    return tuple(out)
 
 
 def _router_names(saved: list[str] | None, router_rows: tuple[WeightRow, ...], names, adapter_dir: Path

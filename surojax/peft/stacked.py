@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.models.registry import weight_rows
-from surojax.peft.lora import (LORA_TARGETS, apply_lora, base_linear, fold_into, is_moe, lora_modules, model_targets,
-                               resolve_targets)
+from surojax.peft.lora import (LORA_TARGETS, apply_lora, base_linear, fold_into, lora_modules, model_resolve,
+                               model_targets)
 from surojax.peft.peft_io import load_peft_adapter
 from surojax.peft.trained_router import peft_router_rows, set_router
 
@@ -70,7 +70,7 @@ def init_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int, 
         raise ValueError(f"adapter_init_mode {adapter_init_mode!r} is unknown (merge, trainable)")
     load_adapter_into(model, adapter_path, trainable=True, dropout=dropout, dtype=dtype)
     spec = next(iter(lora_modules(model).values()))
-    asked = (tuple(resolve_targets(targets, moe=is_moe(model))), rank, float(alpha), use_rslora)
+    asked = (tuple(model_resolve(model, targets)), rank, float(alpha), use_rslora)
     got = (tuple(lora_modules(model)), spec.rank, float(spec.alpha), spec.use_rslora)
     if asked != got:
         log.warning("%s: continuing the adapter as saved (targets, r, alpha, rslora) = %s; the settings asked for %s "

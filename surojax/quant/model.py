@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from surojax.models.targets import TARGET_PATHS, base_linear, is_moe, model_targets, resolve_targets
+from surojax.models.targets import TARGET_PATHS, base_linear, model_resolve, model_targets
 from surojax.quant import FORMATS
 from surojax.quant.transform import QuantReport, dequantize_kernel, kernel_format, quantize_kernel
 
@@ -36,7 +36,7 @@ def quantize_model(model, fmt: str, *, targets: str | Sequence[str] = "all-linea
     if key not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(sorted(FORMATS))}")
     report = QuantReport(key)
-    for name in resolve_targets(targets, moe=is_moe(model)):
+    for name in model_resolve(model, targets):
         try:
             report.before[name], report.after[name] = quantize_kernel(base_linear(model, name), key, **format_options)
         except ValueError as e:
@@ -51,7 +51,7 @@ def quantize_model_mix(model, file_type: str, targets: str | Sequence[str] = "al
     # lazy: quantize_mix needs the optional `gguf` package (absent from the GPU image), quantize_model does not
     from surojax.quant.quantize_mix import uniform_target_types
 
-    names = resolve_targets(targets, moe=is_moe(model))
+    names = model_resolve(model, targets)
     chosen = uniform_target_types(file_type, model.cfg, names)
     for name in names:
         quantize_model(model, chosen[name], targets=[name])

@@ -19,7 +19,8 @@ from surojax.generation.loop import generate
 from surojax.weights.hf_checkpoint import load_model
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
-FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4"]
+FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
+            "gpt_oss_mxfp4"]
 WINDOW = {"mistral": 6, "mixtral": 6}
 TOL = 1e-4
 
@@ -68,7 +69,8 @@ def test_family_is_the_one_in_config(case):
     assert model.cfg.model_type == name.removesuffix("_tied").removesuffix("_mxfp4")
     assert model.cfg.tie_word_embeddings == (name == "llama_tied")
     assert model.cfg.sliding_window == WINDOW.get(name, 4 if name.startswith("gpt_oss") else None)
-    assert (model.cfg.moe is not None) == (name in ("qwen3_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4"))
+    assert (model.cfg.moe is not None) == (name in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4"))
+    assert bool(model.cfg.moe and model.cfg.moe.shared_expert_intermediate_size) == (name == "qwen2_moe")
 
 
 def test_a_sequence_alone(case):

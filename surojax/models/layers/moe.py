@@ -4,6 +4,7 @@
     assignments A = X*k, sorted by expert (stable) -> one grouped GEMM per projection, each expert's rows against
     its own weight: gate_up [E, D, 2F], activation, down [E, F, D]  -> back to assignment order
     -> each token's k outputs summed with its routing weights -> y [B, T, D]
+    (+ sigmoid(x @ shared_expert_gate [D, 1]) * shared_expert(x), with a shared expert: a SwiGLU MLP every token runs)
 
 Dropless by default: every assignment is computed, whatever the load (no capacity, no padding to a capacity,
 no token dropped). `capacity_factor` (optional) caps each expert at ceil(factor * A / E) assignments per call;
@@ -16,6 +17,10 @@ piecewise constant), as in the dense one-hot formulation tests/models/test_moe.p
 Each call also returns `RouterStats` (sums over the call's real tokens, segment id != 0): per-expert assignment
 counts and router-probability sums (the load-balancing loss needs both, summed over layers, see
 surojax.losses.router), the router z-loss and entropy sums, the dropped-assignment count. They are tiny.
+
+A shared expert (MoEConfig.shared_expert_intermediate_size > 0; qwen2_moe, qwen3_5_moe) is not routed: it runs on
+every token beside the routed experts, after them and outside any `runner` (expert parallelism splits the routed
+experts only; the shared one is an ordinary replicated / tensor-sharded MLP), and the stats do not see it.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from flax import nnx
 
 from pallas_kernels.grouped_matmul import grouped_dot as kernel_grouped_dot
 from surojax.models.config import MoEConfig
-from surojax.models.layers.linear import dot
+from surojax.models.layers.linear import Linear, dot
+from surojax.models.layers.mlp import MLP
 from surojax.models.layers.params import param
 
 
@@ -191,7 +197,8 @@ def dispatch(ids: jax.Array, num_experts: int, capacity: int | None = None) -> D
 
 
 class MoE(nnx.Module):
-    """The sparse feed-forward of one layer: `router` and `experts` (gate_up_proj [E, D, 2F], down_proj [E, F, D])."""
+    """The sparse feed-forward of one layer: `router` and `experts` (gate_up_proj [E, D, 2F], down_proj [E, F, D]);
+    with a shared expert also `shared_expert` (an MLP of width F_s) and `shared_expert_gate` (Linear [D, 1])."""
 
     def __init__(self, dim: int, moe: MoEConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
         E = moe.num_experts
@@ -202,6 +209,9 @@ class MoE(nnx.Module):
         self.runner: Callable[[MoE, jax.Array, jax.Array], tuple[jax.Array, RouterStats]] | None = None
         self.router = Router(dim, E, use_bias=moe.router_bias, param_dtype=param_dtype, rngs=rngs)
         self.experts = Experts(dim, moe, param_dtype=param_dtype, rngs=rngs)
+        Fs = moe.shared_expert_intermediate_size
+        self.shared_expert = MLP(dim, Fs, param_dtype=param_dtype, rngs=rngs) if Fs else None
+        self.shared_expert_gate = Linear(dim, 1, ("embed", None), param_dtype=param_dtype, rngs=rngs) if Fs else None
 
     def capacity(self, num_assignments: int) -> int | None:
         if self.capacity_factor is None:
@@ -210,8 +220,16 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, RouterStats]:
         """x [B, T, D], segment_ids [B, T] (0 = padding: routed but left out of the stats) -> (y [B, T, D], stats)."""
-        if self.runner is not None:
-            return self.runner(self, x, segment_ids)
+        if self.runner is None:
+            y, stats = self.routed(x, segment_ids)
+        else:
+            y, stats = self.runner(self, x, segment_ids)
+        if self.shared_expert is not None:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [B, T, 1] * [B, T, D]
+        return y, stats
+
+    def routed(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, RouterStats]:
+        """The routed experts alone, on this device: (y [B, T, D], stats)."""
         B, T, D = x.shape
         E, k = self.moe.num_experts, self.moe.experts_per_token
         xs = x.reshape(B * T, D)  # [X, D]
