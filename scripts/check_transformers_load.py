@@ -59,7 +59,9 @@ def check(model_dir: Path, expected: Path, tol: float | None, greedy: bool = Tru
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = AutoConfig.from_pretrained(model_dir)
-        model, info = AutoModelForCausalLM.from_pretrained(
+        # the class config.json names (a multimodal ConditionalGeneration model too), else the Auto class
+        arch = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], AutoModelForCausalLM)
+        model, info = arch.from_pretrained(
             model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     transformers.logging.get_logger("transformers").removeHandler(capture)
     model.eval()
@@ -77,7 +79,8 @@ def check(model_dir: Path, expected: Path, tol: float | None, greedy: bool = Tru
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                  max_new_tokens=len(exp["greedy_tokens"]), eos_token_id=None, pad_token_id=0)
             greedy_equal = out[0, prompt.shape[1]:].tolist() == exp["greedy_tokens"].tolist()
-    attn = model.model.layers[0].self_attn
+    decoder = getattr(model.model, "language_model", model.model)  # the text model of a multimodal one
+    attn = next(layer.self_attn for layer in decoder.layers if hasattr(layer, "self_attn"))  # hybrids: the 1st full
     report = {
         "dir": str(model_dir),
         "model_type": config.model_type,

@@ -68,8 +68,6 @@ class RopeScaling:
         if rope_type not in ("default", "linear", "llama3", "yarn"):
             raise ModelConfigError(
                 f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
-        if float(rs.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ModelConfigError("partial_rotary_factor != 1 is not supported (rope over the whole head_dim)")
         original = hf.get("original_max_position_embeddings", rs.get("original_max_position_embeddings"))
         if original is None:
             original = hf.get("max_position_embeddings", 4096) if rope_type in ("llama3", "yarn") else 8192
@@ -87,6 +85,48 @@ class RopeScaling:
                    beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
                    truncate=bool(rs.get("truncate", True)), attention_factor=opt("attention_factor"),
                    mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3.5; models/layers/gated_deltanet.py).
+
+    layers: per HF layer, True for a Gated DeltaNet layer (`linear_attention` in config.json's `layer_types`),
+    False for a full-attention one. Hk / Hv key / value heads (Hv a multiple of Hk: each key head serves Hv / Hk
+    value heads), Dk / Dv their dims, a depthwise causal conv of `conv_kernel` taps over the q | k | v channels.
+    """
+
+    layers: tuple[bool, ...]
+    num_key_heads: int  # Hk
+    num_value_heads: int  # Hv
+    key_head_dim: int  # Dk
+    value_head_dim: int  # Dv
+    conv_kernel: int
+
+    def __post_init__(self):
+        if self.num_value_heads % self.num_key_heads:
+            raise ModelConfigError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                                   f"linear_num_key_heads ({self.num_key_heads})")
+        if min(self.num_key_heads, self.key_head_dim, self.value_head_dim, self.conv_kernel) < 1:
+            raise ModelConfigError(f"the linear attention's heads, head dims and conv kernel must be positive: {self}")
+
+    @property
+    def key_dim(self) -> int:  # Hk * Dk
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:  # Hv * Dv
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # the channels of the conv: q | k | v
+        return 2 * self.key_dim + self.value_dim
+
+    def layer_params(self, hidden: int) -> int:
+        """One DeltaNet mixer: in_proj_qkv, in_proj_z, in_proj_b / a, conv, dt_bias, A_log, gated norm, out_proj."""
+        Hv = self.num_value_heads
+        return (hidden * (self.conv_dim + self.value_dim + 2 * Hv) + self.conv_dim * self.conv_kernel + 2 * Hv
+                + self.value_head_dim + self.value_dim * hidden)
 
 
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -180,6 +220,11 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in every layer (None: the dense SwiGLU MLP)
+    # Hybrid (Qwen3.5): the Gated DeltaNet layers (None: every layer is an attention layer)
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False  # q_proj also gives a per-head sigmoid gate on the attention output (Qwen3.5)
+    norm_zero_centered: bool = False  # RMSNorms scale by (1 + w), w initialised to zeros (Qwen3.5)
+    partial_rotary_factor: float = 1.0  # rope on the first head_dim * factor dims of each head, the rest passes
     # The HF config.json this came from, kept so that to_hf() can write back what surojax does not model.
     hf_extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -192,6 +237,12 @@ class ModelConfig:
                 or any(w is not None and w != self.sliding_window for w in self.layer_windows)):
             raise ModelConfigError(f"layer_windows {self.layer_windows} must have num_layers ({self.num_layers}) "
                                    f"entries, each None or sliding_window ({self.sliding_window})")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor} gives a rotary dim of "
+                                   f"{self.rotary_dim} for head_dim {self.head_dim} (must be even, 2..head_dim)")
+        if self.linear_attention is not None and len(self.linear_attention.layers) != self.num_layers:
+            raise ModelConfigError(f"layer_types has {len(self.linear_attention.layers)} entries, num_hidden_layers "
+                                   f"is {self.num_layers}")
         if self.hidden_act not in ("silu", "swish"):
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected 'silu')")
 
@@ -203,6 +254,17 @@ class ModelConfig:
     def kv_dim(self) -> int:  # K * H
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rope rotates (head_dim unless partial_rotary_factor < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """The layers with attention (and a KV cache): all of them but a hybrid's linear-attention layers."""
+        la = self.linear_attention
+        return self.num_layers if la is None else self.num_layers - sum(la.layers)
+
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: full causal attention)."""
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
@@ -210,13 +272,16 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameters of the model, embeddings included (tied embeddings counted once)."""
         D, V = self.hidden_size, self.vocab_size
-        attn = D * self.q_dim + 2 * D * self.kv_dim + self.q_dim * D
+        attn = D * self.q_dim * (2 if self.attn_output_gate else 1) + 2 * D * self.kv_dim + self.q_dim * D
         if self.attention_bias:
             attn += self.q_dim + 2 * self.kv_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
         attn += D * self.o_proj_bias + self.num_heads * self.attention_sinks
-        return self.num_layers * (attn + self._ffn_params(active=False) + 2 * D) \
+        mixers = self.num_attention_layers * attn
+        if self.linear_attention is not None:
+            mixers += (self.num_layers - self.num_attention_layers) * self.linear_attention.layer_params(D)
+        return mixers + self.num_layers * (self._ffn_params(active=False) + 2 * D) \
             + V * D * (1 if self.tie_word_embeddings else 2) + D
 
     def num_active_params(self) -> int:
@@ -238,8 +303,15 @@ class ModelConfig:
     # ---- Hugging Face config.json --------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a parsed config.json. The family's registry entry supplies the family flags."""
+        """Build from a parsed config.json. The family's registry entry supplies the family flags. A multimodal
+        family's config.json (`text_config`) gives the text model's keys; the whole file stays in hf_extra."""
         family = family_for(hf.get("model_type"))
+        outer = hf
+        if family.text_config:
+            if not isinstance(hf.get("text_config"), dict):
+                raise ModelConfigError(f"model_type {family.name!r}: config.json needs a `text_config` object (the "
+                                       "language model's keys)")
+            hf = {**hf["text_config"], **{k: outer[k] for k in ("tie_word_embeddings",) if k in outer}}
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in hf]
         if missing:
@@ -258,7 +330,14 @@ class ModelConfig:
         if family.sliding_window and hf.get("use_sliding_window") is False:
             sliding = None
         layer_windows = None
-        if hf.get("layer_types") is not None:
+        linear_attention = linear_attention_from_hf(hf) if family.hybrid else None
+        partial = float(rs.get("partial_rotary_factor", hf.get("partial_rotary_factor",
+                                                                 family.partial_rotary_default)))
+        if partial != 1.0 and not family.hybrid:
+            raise ModelConfigError("partial_rotary_factor != 1 is not supported (rope over the whole head_dim)")
+        if family.hybrid:
+            _check_mrope(rs)
+        if hf.get("layer_types") is not None and not family.hybrid:
             if family.sliding_window:
                 raise ModelConfigError(f"layer_types is not read by transformers' {family.hf_architecture} "
                                        "(one sliding_window for every layer); remove it from config.json")
@@ -289,7 +368,11 @@ class ModelConfig:
             eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
             moe=moe_from_hf(family.moe, hf),
-            hf_extra=dict(hf),
+            linear_attention=linear_attention,
+            attn_output_gate=family.hybrid,
+            norm_zero_centered=family.hybrid,
+            partial_rotary_factor=partial,
+            hf_extra=dict(outer),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -300,6 +383,12 @@ class ModelConfig:
         out = {k: v for k, v in self.hf_extra.items() if k not in dropped}
 
         family = family_for(self.model_type)
+        if family.text_config:  # the text model's keys under text_config; the rest (vision_config, ...) as read
+            text = self.replace(model_type=self.model_type + "_text",
+                                hf_extra=dict(self.hf_extra.get("text_config") or {})).to_hf()
+            text.pop("architectures")
+            return out | {"architectures": [family.hf_architecture], "model_type": self.model_type,
+                          "text_config": text, "tie_word_embeddings": self.tie_word_embeddings}
         out.update(
             architectures=[family.hf_architecture],
             model_type=self.model_type,
@@ -321,11 +410,17 @@ class ModelConfig:
         if self.rope_scaling.rope_type != "default":
             out["rope_scaling"] = rs | {"type": rs["rope_type"]}
         out["rope_parameters"] = rs | {"rope_theta": self.rope_theta}
+        if family.hybrid:
+            read = self.hf_extra.get("rope_parameters") or {}
+            out["rope_parameters"] |= {k: read[k] for k in ("mrope_section", "mrope_interleaved") if k in read}
+            out["rope_parameters"]["partial_rotary_factor"] = out["partial_rotary_factor"] = \
+                self.partial_rotary_factor
+            out.update(linear_attention_to_hf(self.linear_attention))
         if family.attention_bias_key:
             out[family.bias_key] = self.attention_bias
         if family.sliding_window:
             out["sliding_window"] = self.sliding_window
-        if self.layer_windows is not None or "layer_types" in self.hf_extra:
+        if self.layer_windows is not None or ("layer_types" in self.hf_extra and not family.hybrid):
             out["sliding_window"] = self.sliding_window
             out["layer_types"] = ["full_attention" if self.layer_window(i) is None else "sliding_attention"
                                   for i in range(self.num_layers)]
@@ -335,6 +430,50 @@ class ModelConfig:
         if self.moe is not None:
             out.update(moe_to_hf(family.moe, self.moe))
         return out
+
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def linear_attention_from_hf(hf: dict[str, Any]) -> LinearAttentionConfig:
+    """A hybrid's layer kinds and Gated DeltaNet shape: `layer_types` (or, without it, every
+    `full_attention_interval`-th layer full attention, as transformers builds it) and the `linear_*` keys."""
+    L = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)]
+    types = list(types)
+    if len(types) != L:
+        raise ModelConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {L}")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ModelConfigError(f"layer_types {unknown} are not supported (linear_attention, full_attention)")
+    return LinearAttentionConfig(
+        layers=tuple(t == "linear_attention" for t in types),
+        num_key_heads=int(hf.get("linear_num_key_heads", 16)), num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+        key_head_dim=int(hf.get("linear_key_head_dim", 128)), value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+        conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)))
+
+
+def linear_attention_to_hf(la: LinearAttentionConfig) -> dict[str, Any]:
+    return {"layer_types": [LAYER_TYPES[0] if lin else LAYER_TYPES[1] for lin in la.layers],
+            "linear_num_key_heads": la.num_key_heads, "linear_num_value_heads": la.num_value_heads,
+            "linear_key_head_dim": la.key_head_dim, "linear_value_head_dim": la.value_head_dim,
+            "linear_conv_kernel_dim": la.conv_kernel}
+
+
+def _check_mrope(rs: dict[str, Any]) -> None:
+    """Qwen3.5's multimodal rope sections (`mrope_section`: the rotary frequencies given to the temporal / height /
+    width position ids). Text tokens carry one position in all three, so every section rotates by the same
+    position and the multimodal rope is the plain (partial) rope: the sections are read and checked, nothing
+    more (tests/models/test_qwen3_5.py checks transformers' rotary against ours)."""
+    section = rs.get("mrope_section")
+    if section is None:
+        return
+    if not isinstance(section, list) or len(section) != 3 or any(not isinstance(s, int) or s < 0 for s in section):
+        raise ModelConfigError(f"rope_parameters.mrope_section {section!r} must be three non-negative integers "
+                               "(temporal, height, width)")
 
 
 def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
@@ -473,7 +612,7 @@ def yarn_inv_freq(cfg: ModelConfig) -> list[float]:
 
     Step for step in fp32 as transformers computes it (its pow is correctly rounded: float64 pow, cast), so the
     result is bit-identical: at positions near 1e5 one ulp of a frequency moves the angle by ~1e-2 rad."""
-    H, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    H, base, rs = cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling
     f32 = np.float32
 
     def correction_dim(rotations: float) -> float:  # the frequency index that rotates `rotations` times
@@ -495,8 +634,9 @@ def yarn_inv_freq(cfg: ModelConfig) -> list[float]:
 
 
 def llama3_inv_freq(cfg: ModelConfig) -> list[float]:
-    """Inverse rotary frequencies [H/2] after default / linear / llama3 scaling, computed in float64 on the host (as HF does in fp32)."""
-    H = cfg.head_dim
+    """Inverse rotary frequencies [H/2] after default / linear / llama3 scaling, computed in float64 on the host (as HF does in fp32).
+    H is the rotary dim (head_dim, or its rotated part with partial_rotary_factor < 1)."""
+    H = cfg.rotary_dim
     inv = [1.0 / (cfg.rope_theta ** (i / H)) for i in range(0, H, 2)]
     rs = cfg.rope_scaling
     if rs.rope_type == "linear":

@@ -4,6 +4,11 @@
     Block:  h += Attention(RMSNorm(h));  h += MLP(RMSNorm(h))      (pre-norm, SwiGLU, GQA, rope)
             the MLP is the dense SwiGLU, or with `cfg.moe` the mixture of experts (layers/moe.py)
 
+Hybrid (Qwen3.5, `cfg.linear_attention`): two stacks, `layers` (the attention Blocks, with the output gate) and
+`linear_layers` (`LinearBlock`s: the same pre-norm residual block with a Gated DeltaNet, layers/gated_deltanet.py,
+as its token mixer); `layer_types` says which HF layer is which, and the layer pattern runs them in HF order
+(the runner's mixed layer groups). RMSNorms are then zero-centred ((1 + w)) and rope partial.
+
 Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
 embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is
 [L, ...]) and run by the decoder's layer runner (surojax/models/layer_runner.py; by default `jax.lax.scan` over
@@ -24,6 +29,7 @@ from surojax.models.kv import Cache, KVCache
 from surojax.models.layer_runner import HiddenStates, LayerPattern, LayerRunner, LayerScan, LayerType, on_device
 from surojax.models.layers.attention import Attention
 from surojax.models.layers.attention_backend import AttentionBackend
+from surojax.models.layers.gated_deltanet import GatedDeltaNet
 from surojax.models.layers.mlp import MLP
 from surojax.models.layers.moe import MoE
 from surojax.models.layers.norm import RMSNorm
@@ -34,20 +40,44 @@ from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, attention: AttentionBackend | str, param_dtype,
                  rngs: nnx.Rngs | None = None):
-        D = cfg.hidden_size
-        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
         self.attn = Attention(cfg, backend=attention, param_dtype=param_dtype, rngs=rngs)
-        self.mlp_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
-        if cfg.moe is None:
-            self.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs)
-        else:
-            self.mlp = MoE(D, cfg.moe, param_dtype=param_dtype, rngs=rngs)
+        _norms_and_mlp(self, cfg, param_dtype, rngs)
 
     def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None, window=None):
         """-> (h, kv, router stats of a MoE layer or None). `window`: this layer's static attention window (0 =
         full), its layer type's option when the config has per-layer windows (`layer_pattern`)."""
         a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window)
         h = h + a
+        if isinstance(self.mlp, MoE):
+            m, stats = self.mlp(self.mlp_norm(h), segment_ids)
+            return h + m, kv, stats
+        return h + self.mlp(self.mlp_norm(h)), kv, None
+
+
+def _norms_and_mlp(block: nnx.Module, cfg: ModelConfig, param_dtype, rngs) -> None:
+    """The parts every block has: attn_norm, mlp_norm, and the MLP (dense SwiGLU or the MoE)."""
+    D, zc = cfg.hidden_size, cfg.norm_zero_centered
+    block.attn_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
+    block.mlp_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
+    if cfg.moe is None:
+        block.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs)
+    else:
+        block.mlp = MoE(D, cfg.moe, param_dtype=param_dtype, rngs=rngs)
+
+
+class LinearBlock(nnx.Module):
+    """A hybrid's linear-attention layer: h += GatedDeltaNet(RMSNorm(h)); h += MLP(RMSNorm(h))."""
+
+    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
+        self.linear_attn = GatedDeltaNet(cfg, param_dtype=param_dtype, rngs=rngs)
+        _norms_and_mlp(self, cfg, param_dtype, rngs)
+
+    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None):
+        """-> (h, kv, router stats of a MoE layer or None), as `Block`; no cache (kv stays None)."""
+        if kv is not None:
+            raise ValueError("a Gated DeltaNet layer has no KV cache view: the hybrid's serving cache (recurrent and "
+                             "conv state slots) is not built yet")
+        h = h + self.linear_attn(self.attn_norm(h), segment_ids)
         if isinstance(self.mlp, MoE):
             m, stats = self.mlp(self.mlp_norm(h), segment_ids)
             return h + m, kv, stats
@@ -64,7 +94,7 @@ class LMHead(nnx.Module):
         self.kernel = param(rngs, (dim, vocab), ("embed", "vocab"), param_dtype)  # [D, V]
 
 
-def _stack_blocks(make: Callable[[jax.Array], Block], keys: jax.Array) -> Block:
+def _stack_blocks(make: Callable[[jax.Array], nnx.Module], keys: jax.Array) -> nnx.Module:
     """Build L blocks with one key each and stack every parameter on a new leading `layers` axis."""
     stacked = nnx.vmap(make, in_axes=0, out_axes=0)(keys)
     for _, var in nnx.iter_graph(stacked):
@@ -76,13 +106,23 @@ def _stack_blocks(make: Callable[[jax.Array], Block], keys: jax.Array) -> Block:
 def layer_pattern(cfg: ModelConfig) -> LayerPattern:
     """The decoder's layer pattern (surojax/models/layer_runner.py) over its one stack `layers` [L, ...]: one type,
     or with per-layer attention windows (gpt_oss's alternating sliding / full) one type per window of the
-    windows' shortest period, each with its static `window` (0 = full attention)."""
+    windows' shortest period, each with its static `window` (0 = full attention). A hybrid: one type per layer
+    of `layer_types`' shortest period, reading `linear_layers` (Gated DeltaNet) or `layers` (attention); Qwen3.5's
+    [linear x 3, full] x G."""
     L = cfg.num_layers
+    if cfg.linear_attention is not None:
+        stacks = ["linear_layers" if linear else "layers" for linear in cfg.linear_attention.layers]
+        return LayerPattern(tuple(LayerType(s) for s in stacks[:_period(stacks)]), L)
     if cfg.layer_windows is None:
         return LayerPattern.uniform(L)
     windows = [w or 0 for w in cfg.layer_windows]
-    period = next(p for p in range(1, L + 1) if all(windows[i] == windows[i % p] for i in range(L)))
-    return LayerPattern(tuple(LayerType("layers", (("window", w),)) for w in windows[:period]), L)
+    return LayerPattern(tuple(LayerType("layers", (("window", w),)) for w in windows[:_period(windows)]), L)
+
+
+def _period(kinds: list) -> int:
+    """The shortest p with kinds[i] == kinds[i % p] for every i."""
+    L = len(kinds)
+    return next(p for p in range(1, L + 1) if all(kinds[i] == kinds[i % p] for i in range(L)))
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -93,16 +133,29 @@ class Decoder(nnx.Module):
         self.dtype = dtype
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed = Embedding(V, D, param_dtype=param_dtype, rngs=rngs)
+        pattern = layer_pattern(cfg)
         keys = jax.random.split(rngs.params(), cfg.num_layers)
         self.layers = _stack_blocks(
-            lambda k: Block(cfg, attention=attention, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)), keys)
-        self.final_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs)
+            lambda k: Block(cfg, attention=attention, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
+            keys[:pattern.rows("layers")])
+        self.linear_layers = None if cfg.linear_attention is None else _stack_blocks(
+            lambda k: LinearBlock(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
+            keys[pattern.rows("layers"):])
+        self.final_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs,
+                                  zero_centered=cfg.norm_zero_centered)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(D, V, param_dtype=param_dtype, rngs=rngs)
         self.runner: LayerRunner = LayerScan()  # static (graphdef); the layer-loop transform sets it
 
     @property
     def layer_pattern(self) -> LayerPattern:
         return layer_pattern(self.cfg)
+
+    @property
+    def stacks(self) -> dict[str, nnx.Module]:
+        """The layer stacks by name: `layers`, and a hybrid's `linear_layers`."""
+        if self.linear_layers is None:
+            return {"layers": self.layers}
+        return {"layers": self.layers, "linear_layers": self.linear_layers}
 
     # ---- forward ----------------------------------------------------------------------------------------
     def hidden_states(self, tokens, positions, segment_ids, *, cache: Cache | None = None,
@@ -120,7 +173,7 @@ class Decoder(nnx.Module):
         if cache is not None:
             kv_meta, cache = cache.step(segment_ids, positions)
         out = (self.runner if runner is None else runner).run(
-            self.layer_pattern, {"layers": self.layers}, h, (cos, sin, segment_ids, positions), cache=cache,
+            self.layer_pattern, self.stacks, h, (cos, sin, segment_ids, positions), cache=cache,
             kv_meta=kv_meta)
         return out._replace(hidden=self.final_norm(out.hidden))
 

@@ -16,6 +16,12 @@ keeps in memory (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` 
 whichever table the checkpoint matches, the saver writes `weights` (the published layout). A shared expert
 (qwen2_moe, qwen3_5_moe: `mlp.shared_expert.{gate,up,down}_proj`, `mlp.shared_expert_gate`) has the same names in
 both layouts (SHARED_EXPERT_WEIGHTS).
+
+Hybrid families (Qwen3.5: Gated DeltaNet and gated attention layers) hold their layers in two stacks: `layers`
+(the attention blocks) and `linear_layers` (the DeltaNet blocks). A per-layer row names its stack by the first part
+of its path; `stack_layers(cfg, stack)` is the one map from a stack to the HF layer indices ("{i}") it holds, in
+its row order, and `row_layers(cfg, row)` a row's indices: every reader and writer of per-layer tensors (HF
+checkpoints, GGUF, PEFT adapters, quantisation) goes through it.
 """
 from __future__ import annotations
 
@@ -37,6 +43,11 @@ class WeightRow:
     @property
     def per_expert(self) -> bool:
         return "{e}" in self.hf
+
+    @property
+    def stack(self) -> str | None:
+        """The layer stack a per-layer row's tensors are stacked in (`layers`, `linear_layers`); None otherwise."""
+        return self.path.split(".", 1)[0] if self.per_layer else None
 
 
 # One table for all llama-style families. Axis orders: kernel_DN... are [in, out].
@@ -113,11 +124,44 @@ GPT_OSS_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
     WeightRow("model.layers.{i}.mlp.experts.down_proj_bias", f"{_EXPERTS}.down_proj.bias", when="expert_bias"),
 )
 
+
+
+def qwen3_5_weights(prefix: str) -> tuple[WeightRow, ...]:
+    """Qwen3.5's dense hybrid under `prefix` (`model.`: Qwen3_5ForCausalLM; `model.language_model.`: the text backbone
+    of Qwen3_5ForConditionalGeneration). Attention layers (stack `layers`): q_proj [D, 2 N H] = query | output gate
+    per head, q/k norms; DeltaNet layers (stack `linear_layers`): in_proj_qkv [D, 2 Hk Dk + Hv Dv], in_proj_z
+    [D, Hv Dv], in_proj_b / in_proj_a [D, Hv], the depthwise conv kernel as stored [C, 1, K], dt_bias / A_log [Hv],
+    the gated norm [Dv], out_proj [Hv Dv, D]. Both stacks: the two norms and the dense MLP."""
+    layer = prefix + "layers.{i}."
+    both = []
+    for stack in ("layers", "linear_layers"):
+        both += [WeightRow(layer + "input_layernorm.weight", f"{stack}.attn_norm.scale"),
+                 WeightRow(layer + "post_attention_layernorm.weight", f"{stack}.mlp_norm.scale")]
+        both += [WeightRow(layer + f"mlp.{m}.weight", f"{stack}.mlp.{m}.kernel", True)
+                 for m in ("gate_proj", "up_proj", "down_proj")]
+    attn = [WeightRow(layer + f"self_attn.{m}.weight", f"layers.attn.{m}.kernel", True)
+            for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    attn += [WeightRow(layer + f"self_attn.{m}.weight", f"layers.attn.{m}.scale") for m in ("q_norm", "k_norm")]
+    la = "linear_layers.linear_attn"
+    linear = [WeightRow(layer + f"linear_attn.{m}.weight", f"{la}.{m}.kernel", True)
+              for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
+    linear += [WeightRow(layer + "linear_attn.conv1d.weight", f"{la}.conv1d.kernel"),  # [C, 1, K] as stored
+               WeightRow(layer + "linear_attn.dt_bias", f"{la}.dt_bias"),
+               WeightRow(layer + "linear_attn.A_log", f"{la}.A_log"),
+               WeightRow(layer + "linear_attn.norm.weight", f"{la}.norm.scale")]
+    return (WeightRow(prefix + "embed_tokens.weight", "embed.embedding"), *both, *attn, *linear,
+            WeightRow(prefix + "norm.weight", "final_norm.scale"),
+            WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
+
+
 # HF module names users put in `lora_target_modules`, and where each lives in the Decoder.
 LINEAR_MODULES: dict[str, str] = {
     "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "o_proj": "attn.o_proj",
     "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
 }
+# The Gated DeltaNet projections of a hybrid model's `linear_layers` (HF names; path inside that stack's block).
+LINEAR_ATTENTION_MODULES: dict[str, str] = {
+    m: f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")}
 # A MoE model's expert projections (ExpertLinear, [E, in, out] per layer) as LoRA targets: our target name -> path
 # in the Decoder. The path is also PEFT's `target_parameters` entry for transformers 5's fused experts.
 EXPERT_MODULES: dict[str, str] = {
@@ -145,6 +189,13 @@ class Family:
     weights: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS
     fused_weights: tuple[WeightRow, ...] = ()  # a second accepted naming (MoE: transformers 5's fused experts)
     moe: str | None = None  # the MoE config spelling (ModelConfig.moe_from_hf); None: a dense family
+    # Qwen3.5's hybrid: `layer_types` of linear_attention / full_attention layers (two stacks), the attention's
+    # sigmoid output gate, (1 + w) RMSNorms, partial rotary (this default when config.json does not say)
+    hybrid: bool = False
+    partial_rotary_default: float = 1.0
+    text_config: bool = False  # config.json nests the text model's keys under `text_config` (a multimodal model)
+    # tensors of the checkpoint that are not the text model's (a vision tower, MTP heads): skipped, with a log line
+    skipped_prefixes: tuple[str, ...] = ()
 
 
 FAMILIES: dict[str, Family] = {
@@ -162,6 +213,11 @@ FAMILIES: dict[str, Family] = {
                weights=QWEN2_MOE_WEIGHTS, fused_weights=FUSED_QWEN2_MOE_WEIGHTS, moe="qwen2_moe"),
         Family("gpt_oss", "GptOssForCausalLM", attention_bias=True, attention_sinks=True, o_proj_bias=True,
                weights=GPT_OSS_WEIGHTS, moe="gpt_oss"),
+        Family("qwen3_5_text", "Qwen3_5ForCausalLM", attention_bias=False, qk_norm=True, hybrid=True,
+               partial_rotary_default=0.25, weights=qwen3_5_weights("model."), skipped_prefixes=("mtp.",)),
+        Family("qwen3_5", "Qwen3_5ForConditionalGeneration", attention_bias=False, qk_norm=True, hybrid=True,
+               partial_rotary_default=0.25, weights=qwen3_5_weights("model.language_model."), text_config=True,
+               skipped_prefixes=("model.visual.", "mtp.")),
     )
 }
 
@@ -175,6 +231,25 @@ def family_for(model_type: str | None) -> Family:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported model types: {', '.join(sorted(FAMILIES))}")
     return FAMILIES[model_type]
+
+
+def stack_layers(cfg, stack: str) -> tuple[int, ...]:
+    """The HF layer indices the layer stack `stack` holds, in its row order: `layers` every layer of a one-stack
+    model, the full-attention layers of a hybrid; `linear_layers` a hybrid's Gated DeltaNet layers."""
+    la = getattr(cfg, "linear_attention", None)
+    if la is None:
+        if stack != "layers":
+            raise ValueError(f"{cfg.model_type} has one layer stack, `layers`; asked for {stack!r}")
+        return tuple(range(cfg.num_layers))
+    if stack not in ("layers", "linear_layers"):
+        raise ValueError(f"{cfg.model_type}'s layer stacks are `layers` and `linear_layers`; asked for {stack!r}")
+    linear = stack == "linear_layers"
+    return tuple(i for i, is_linear in enumerate(la.layers) if is_linear == linear)
+
+
+def row_layers(cfg, row: WeightRow) -> tuple[int | None, ...]:
+    """The HF layer indices of a row's tensors (its stack's, `stack_layers`); (None,) for a row outside the stacks."""
+    return stack_layers(cfg, row.stack) if row.per_layer else (None,)
 
 
 def weight_rows(cfg, *, fused: bool = False) -> list[WeightRow]:

@@ -4,7 +4,7 @@ serving path all find a model's targets here.
     model_targets(model)             ("q_proj", ..., "down_proj") on a dense model; attention + the experts on MoE
                                      (+ the shared expert's three projections where the model has one)
     resolve_targets("all-linear", moe=False)   a user's names (or "all-linear") -> target names, checked
-    model_resolve(model, targets)    the same for this model (its MoE / shared-expert flags)
+    resolve_model_targets(model, targets)   the same for this model: its site keys (MoE / shared expert / hybrid)
     module_at(model.layers, TARGET_PATHS["q_proj"])     the module at a target's path ("attn.q_proj")
     replace_module(model.layers, path, new)             put a module there (a wrapper around the old one)
     base_linear(model, "q_proj")     the Linear / ExpertLinear itself, through any wrapper around it
@@ -13,7 +13,15 @@ Target names: on a dense model the seven HF module names of registry.LINEAR_MODU
 and the experts' fused projections, called `experts.gate_up_proj` / `experts.down_proj` (registry.EXPERT_MODULES);
 a MoE model with a shared expert (qwen2_moe) also `shared_expert.gate_proj` / `.up_proj` / `.down_proj`
 (registry.SHARED_EXPERT_MODULES: plain Linears, PEFT's `target_modules` names). The shared expert's sigmoid gate
-(Linear(D, 1)) is not a target: it is trained by a full fine-tune only.
+(Linear(D, 1)) is not a target: it is trained by a full fine-tune only. On
+a hybrid (Qwen3.5) also the Gated DeltaNet projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj
+(registry.LINEAR_ATTENTION_MODULES).
+
+Sites. A target lives in one or more layer stacks (a hybrid's MLP projections in both `layers` and `linear_layers`,
+its attention projections in `layers`, its DeltaNet projections in `linear_layers`). Each (stack, target) is a
+site, keyed by the target name in `layers` (so every one-stack model's keys are its target names) and by
+"stack.target" in another stack ("linear_layers.in_proj_qkv"): `model_targets` lists a model's site keys,
+`site(model, key)` gives the stack module and the path inside it, `target_name(key)` the HF name back.
 A transform that wraps a target's Linear (LoRA, an FP8 swap) keeps the wrapped module as its `base` attribute:
 `base_linear` unwraps any such chain, so a transform applied later (quantising the base under LoRA) finds the
 weights without knowing which wrappers came first.
@@ -24,13 +32,16 @@ from collections.abc import Iterable
 
 from flax import nnx
 
-from surojax.models.registry import EXPERT_MODULES, LINEAR_MODULES, SHARED_EXPERT_MODULES
+from surojax.models.registry import EXPERT_MODULES, LINEAR_ATTENTION_MODULES, LINEAR_MODULES, SHARED_EXPERT_MODULES
 
 LORA_TARGETS: tuple[str, ...] = tuple(LINEAR_MODULES)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 EXPERT_TARGETS: tuple[str, ...] = tuple(EXPERT_MODULES)  # experts.gate_up_proj experts.down_proj
 SHARED_EXPERT_TARGETS: tuple[str, ...] = tuple(SHARED_EXPERT_MODULES)  # shared_expert.gate_proj / up_proj / down_proj
-# every target name -> its path in model.layers
-TARGET_PATHS: dict[str, str] = {**LINEAR_MODULES, **EXPERT_MODULES, **SHARED_EXPERT_MODULES}
+LINEAR_ATTENTION_TARGETS: tuple[str, ...] = tuple(LINEAR_ATTENTION_MODULES)  # in_proj_qkv ... out_proj
+HYBRID_TARGETS: tuple[str, ...] = LORA_TARGETS + LINEAR_ATTENTION_TARGETS  # what a dense hybrid has, in order
+# every target name -> its path inside a stack's block ("attn.q_proj", "linear_attn.in_proj_qkv")
+TARGET_PATHS: dict[str, str] = {**LINEAR_MODULES, **EXPERT_MODULES, **SHARED_EXPERT_MODULES,
+                                **LINEAR_ATTENTION_MODULES}
 ATTENTION_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MOE_TARGETS: tuple[str, ...] = ATTENTION_TARGETS + EXPERT_TARGETS  # what a MoE model has, in order
 
@@ -40,18 +51,27 @@ _MOE_SPELLINGS = {"gate_up_proj": ("experts.gate_up_proj",), "down_proj": ("expe
                   **{t: (t,) for t in ATTENTION_TARGETS + EXPERT_TARGETS + SHARED_EXPERT_TARGETS}}
 
 
-def resolve_targets(targets: str | Iterable[str], *, moe: bool = False,
-                    shared_expert: bool = False) -> tuple[str, ...]:
+def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_expert: bool = False,
+                    hybrid: bool = False) -> tuple[str, ...]:
     """User target names (or "all-linear") -> our target names in TARGET_PATHS order, checked.
 
     Dense model (moe=False): HF module names of LINEAR_MODULES. MoE model (moe=True): q/k/v/o_proj; the experts'
     `gate_up_proj` (also spelled `gate_proj` + `up_proj`, which must come together: one fused weight),
     `down_proj`, `experts` (both), or our names experts.gate_up_proj / experts.down_proj. With a shared expert
     (shared_expert=True) also `shared_expert` (its three projections) or shared_expert.gate_proj / .up_proj /
-    .down_proj one by one; "all-linear" includes them."""
+    .down_proj one by one; "all-linear" includes them. Dense hybrid
+    (hybrid=True): the dense names and the Gated DeltaNet's (HYBRID_TARGETS)."""
     if isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     targets = list(targets)
+    if hybrid and not moe:
+        if targets == ["all-linear"]:
+            return HYBRID_TARGETS
+        unknown = [t for t in targets if t not in HYBRID_TARGETS]
+        if unknown or not targets:
+            raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid; choose from "
+                             f"{', '.join(HYBRID_TARGETS)} or 'all-linear'")
+        return tuple(t for t in HYBRID_TARGETS if t in targets)
     if not moe:
         if targets == ["all-linear"]:
             return LORA_TARGETS
@@ -92,16 +112,64 @@ def has_shared_expert(model) -> bool:
     return is_moe(model) and model.cfg.moe.shared_expert_intermediate_size > 0
 
 
+
+
+def is_hybrid(model) -> bool:
+    return model.cfg.linear_attention is not None
+
+
+def stacks(model) -> dict[str, nnx.Module]:
+    """The model's layer stacks by name (`Decoder.stacks`; a model without the property: its `layers`)."""
+    return dict(getattr(model, "stacks", None) or {"layers": model.layers})
+
+
+def site_key(stack: str, target: str) -> str:
+    return target if stack == "layers" else f"{stack}.{target}"
+
+
+def target_name(key: str) -> str:
+    """The HF target name of a site key ("linear_layers.gate_proj" -> "gate_proj")."""
+    return key if key in TARGET_PATHS else key.split(".", 1)[1]
+
+
+def site_stack(key: str) -> str:
+    """The stack of a site key ("linear_layers.gate_proj" -> "linear_layers", "q_proj" -> "layers")."""
+    return "layers" if key in TARGET_PATHS else key.split(".", 1)[0]
+
+
+def site(model, key: str) -> tuple[nnx.Module, str]:
+    """(the stack module, the target's path in it) of a site key."""
+    return stacks(model)[site_stack(key)], TARGET_PATHS[target_name(key)]
+
+
+def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
+    """The site keys of target `names` on this model: each name in every stack whose blocks have that module."""
+    out = []
+    for stack, root in stacks(model).items():
+        for name in names:
+            parent, _, leaf = TARGET_PATHS[name].rpartition(".")
+            holder = module_at(root, parent) if parent and hasattr(root, parent.split(".")[0]) else None
+            if holder is not None and getattr(holder, leaf, None) is not None:
+                out.append(site_key(stack, name))
+    return tuple(out)
+
+
 def model_targets(model) -> tuple[str, ...]:
-    """The target names this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS, + SHARED_EXPERT_TARGETS)."""
+    """The target site keys this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS; a hybrid: HYBRID_TARGETS in
+    each stack that has them, `layers` first), + SHARED_EXPERT_TARGETS with a shared expert."""
+    if is_hybrid(model):
+        return target_sites(model, HYBRID_TARGETS)
     if not is_moe(model):
         return LORA_TARGETS
     return MOE_TARGETS + (SHARED_EXPERT_TARGETS if has_shared_expert(model) else ())
 
 
-def model_resolve(model, targets: str | Iterable[str]) -> tuple[str, ...]:
-    """`resolve_targets` for this model: its MoE and shared-expert flags."""
-    return resolve_targets(targets, moe=is_moe(model), shared_expert=has_shared_expert(model))
+def resolve_model_targets(model, targets: str | Iterable[str]) -> tuple[str, ...]:
+    """A user's target names (or "all-linear") -> this model's site keys (`resolve_targets`, then `target_sites`
+    on a hybrid; on a one-stack model the names themselves)."""
+    names = resolve_targets(targets, moe=is_moe(model), shared_expert=has_shared_expert(model),
+                            hybrid=is_hybrid(model))
+    return target_sites(model, names) if is_hybrid(model) else names
 
 
 def module_at(root: nnx.Module, dotted: str):
@@ -120,8 +188,9 @@ def replace_module(root: nnx.Module, dotted: str, value) -> None:
 
 
 def base_linear(model, target: str) -> nnx.Module:
-    """The base Linear (or ExpertLinear) of a target, through any wrapper that keeps it as `base` (LoRA, ...)."""
-    mod = module_at(model.layers, TARGET_PATHS[target])
+    """The base Linear (or ExpertLinear) of a target (a site key), through any wrapper that keeps it as `base`
+    (LoRA, ...)."""
+    mod = module_at(*site(model, target))
     while hasattr(mod, "base") and isinstance(mod.base, nnx.Module):
         mod = mod.base
     return mod

@@ -48,10 +48,12 @@ from flax import nnx
 from surojax.models.layers.linear import dot
 from surojax.models.layers.moe import ExpertLinear, grouped_dot
 from surojax.models.layers.params import AXES, logical_axes
-from surojax.models.registry import EXPERT_MODULES
+from surojax.models.registry import EXPERT_MODULES, stack_layers
 from surojax.models.targets import (  # noqa: F401 - the target names, re-exported where LoRA users look for them
-    ATTENTION_TARGETS, EXPERT_TARGETS, LORA_TARGETS, MOE_TARGETS, SHARED_EXPERT_TARGETS, TARGET_PATHS, base_linear,
-    is_moe, model_resolve, model_targets, module_at, replace_module, resolve_targets,
+    ATTENTION_TARGETS, EXPERT_TARGETS, HYBRID_TARGETS, LORA_TARGETS, MOE_TARGETS, SHARED_EXPERT_TARGETS, TARGET_PATHS,
+    base_linear, is_moe,
+    model_targets, module_at, replace_module, resolve_model_targets, resolve_targets, site, site_key, site_stack,
+    target_name,
 )
 
 TRAINABLE = nnx.LoRAParam
@@ -126,10 +128,11 @@ class LoRAExpertLinear(nnx.Module):
 # ---- the adapters of a model ---------------------------------------------------------------------------
 
 def lora_modules(model) -> dict[str, LoRALinear | LoRAExpertLinear]:
-    """Target name -> the LoRALinear / LoRAExpertLinear that replaced it (only the targets that carry an adapter)."""
+    """Target site key (the target name on a one-stack model; models/targets.py) -> the LoRALinear /
+    LoRAExpertLinear that replaced it (only the targets that carry an adapter)."""
     out = {}
     for name in model_targets(model):
-        mod = module_at(model.layers, TARGET_PATHS[name])
+        mod = module_at(*site(model, name))
         if isinstance(mod, (LoRALinear, LoRAExpertLinear)):
             out[name] = mod
     return out
@@ -139,12 +142,13 @@ def lora_modules(model) -> dict[str, LoRALinear | LoRAExpertLinear]:
 
 def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int, alpha: float,
                dropout: float = 0.0, use_rslora: bool = False, rngs: nnx.Rngs, dtype=jnp.float32):
-    """Wrap each targeted Linear of `model.layers` in a LoRALinear, each targeted ExpertLinear of a MoE model in a
-    LoRAExpertLinear (in place; returns the model). Target names: see `resolve_targets`.
+    """Wrap each targeted Linear of the layer stacks in a LoRALinear, each targeted ExpertLinear of a MoE model in a
+    LoRAExpertLinear (in place; returns the model). Target names: see `resolve_targets`; on a hybrid a name
+    applies in every stack that has it (its MLP projections in both, models/targets.py's sites).
 
     dtype: storage dtype of A and B (fp32 master weights by default, whatever the base's dtype).
     """
-    targets = model_resolve(model, targets)
+    targets = resolve_model_targets(model, targets)
     if rank <= 0:
         raise ValueError(f"lora rank must be positive, got {rank}")
     existing = lora_modules(model)
@@ -156,12 +160,14 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
         raise ValueError(f"lora_dropout {dropout} cannot apply to the expert adapters ({', '.join(experts)}): PEFT "
                          "does not support dropout there either (its ParamWrapper); set lora_dropout: 0")
     L = model.cfg.num_layers
-    for name in experts:
+    for name in experts:  # a MoE model: one stack
         replace_module(model.layers, EXPERT_MODULES[name],
                        _expert_adapter(module_at(model.layers, EXPERT_MODULES[name]), L, model.cfg.moe.num_experts,
                                        rank, alpha, use_rslora, rngs, dtype))
-    for name in (t for t in targets if t not in EXPERT_MODULES):  # plain Linears: attention, dense MLP, shared expert
-        base = module_at(model.layers, TARGET_PATHS[name])
+    for name in (t for t in targets if t not in experts):
+        root, path = site(model, name)
+        L = len(stack_layers(model.cfg, site_stack(name)))
+        base = module_at(root, path)
         d_in, d_out = base.in_features, base.out_features
         kernel_axes = logical_axes(base.kernel) if isinstance(base.kernel, nnx.Variable) else ("layers", None, None)
         _, in_axis, out_axis = kernel_axes
@@ -173,7 +179,7 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
         if dropout > 0.0:
             data = jax.random.key_data(jax.random.split(rngs.params(), L))  # [L, *key_shape]
             key = LoRADropoutKey(data, **{AXES: ("layers",) + (None,) * (data.ndim - 1)})
-        replace_module(model.layers, TARGET_PATHS[name],
+        replace_module(root, path,
                        LoRALinear(base, lora_a, lora_b, rank=rank, alpha=alpha, use_rslora=use_rslora,
                                   dropout=dropout, dropout_key=key))
     return model
@@ -212,7 +218,7 @@ def merge_lora(model):
     """
     for name, mod in lora_modules(model).items():
         fold_into(mod.base, mod.lora_a.get_value(), mod.lora_b.get_value(), mod.scaling)
-        replace_module(model.layers, TARGET_PATHS[name], mod.base)
+        replace_module(*site(model, name), mod.base)
     return model
 
 

@@ -6,7 +6,10 @@ Tensor names and layouts are PEFT's (torch Linear layout, one tensor per layer):
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight   [out, R]  = lora_b[i].T  (lora_b [L, R, out])
 
 The module part (`model.layers.{i}.self_attn.q_proj`) comes from the family's weight table
-(surojax.models.registry), so a family with other HF names needs no code here. Reading also accepts names
+(surojax.models.registry), so a family with other HF names needs no code here. A hybrid's (Qwen3.5) adapter is
+kept per site (models/targets.py: `gate_proj` in `layers`, `linear_layers.gate_proj`, `linear_layers.in_proj_qkv`,
+...), each [rows of its stack, ...]; its tensors are named by the HF layer index of each row
+(registry.stack_layers), so on disk it is PEFT's one adapter over `model.layers.{i}` whatever the stack. Reading also accepts names
 with PEFT's in-memory adapter segment (`lora_A.default.weight`) and without the `base_model.model.` prefix.
 A MoE model's expert adapters use PEFT's `target_parameters` layout (surojax.peft.peft_experts: one adapter per
 expert stacked into the rank axis, nested `.base_layer` names). A MoE router trained with the adapter
@@ -37,8 +40,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from surojax.models.registry import LINEAR_MODULES, LLAMA_STYLE_WEIGHTS, SHARED_EXPERT_MODULES, WeightRow, weight_rows
-from surojax.peft.lora import ATTENTION_TARGETS, EXPERT_TARGETS, TARGET_PATHS, lora_modules, lora_scaling, resolve_targets
+from surojax.models.registry import (LINEAR_ATTENTION_MODULES, LINEAR_MODULES, LLAMA_STYLE_WEIGHTS,
+                                     SHARED_EXPERT_MODULES, WeightRow, stack_layers, weight_rows)
+from surojax.peft.lora import (ATTENTION_TARGETS, EXPERT_TARGETS, lora_modules, lora_scaling, resolve_targets, site_key,
+                               site_stack, target_name)
 from surojax.peft.peft_experts import PEFT_PARAMETERS, expert_module_name, from_peft, to_peft
 from surojax.weights.atomic import atomic_path
 from surojax.weights.json_file import read_json_object
@@ -91,17 +96,27 @@ class PeftAdapter:
         return next(iter(self.weights.values()))[0].shape[0]
 
 
+# The Linear targets an adapter file names by module (PEFT's `target_modules`); the experts go by parameter.
+MODULE_TARGETS: dict[str, str] = {**LINEAR_MODULES, **SHARED_EXPERT_MODULES, **LINEAR_ATTENTION_MODULES}
+
+
 def module_names(rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> dict[str, str]:
-    """HF target name -> its HF module path, "{i}" for the layer: q_proj -> model.layers.{i}.self_attn.q_proj (the
-    Linear targets the family's table has; a MoE family has no dense MLP rows, one with a shared expert has its
-    three projections)."""
+    """Target site key -> its HF module path, "{i}" for the layer: q_proj -> model.layers.{i}.self_attn.q_proj (the
+    Linear targets the family's table has, in each stack: a MoE family has no dense MLP rows; a hybrid's
+    linear_layers.gate_proj -> model.layers.{i}.mlp.gate_proj)."""
     by_path = {r.path: r.hf for r in rows}
     out = {}
-    for name, sub in {**LINEAR_MODULES, **SHARED_EXPERT_MODULES}.items():
-        hf = by_path.get(f"layers.{sub}.kernel")
-        if hf is not None:
-            out[name] = hf.removesuffix(".weight")
+    for stack in dict.fromkeys(r.stack for r in rows if r.stack is not None):
+        for name, sub in MODULE_TARGETS.items():
+            hf = by_path.get(f"{stack}.{sub}.kernel")
+            if hf is not None:
+                out[site_key(stack, name)] = hf.removesuffix(".weight")
     return out
+
+
+def _hf_layers(cfg, key: str, rows: int) -> tuple[int, ...]:
+    """The HF layer index of each row of a site's adapter (registry.stack_layers; without a config, 0..rows-1)."""
+    return tuple(range(rows)) if cfg is None else stack_layers(cfg, site_stack(key))
 
 
 def _listing(names) -> str:
@@ -123,7 +138,7 @@ def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None) -> dict:
         "lora_alpha": int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
         "lora_dropout": spec.dropout,
         # PEFT: Linear modules by name; the fused expert parameters by `target_parameters` (None when absent)
-        "target_modules": [t for t in spec.targets if t in LINEAR_MODULES or t in SHARED_EXPERT_MODULES] or None,
+        "target_modules": [t for t in spec.targets if t in MODULE_TARGETS] or None,
         "target_parameters": [PEFT_PARAMETERS[t] for t in spec.targets if t in PEFT_PARAMETERS] or None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -159,7 +174,8 @@ def adapter_of(model) -> PeftAdapter:
         raise AdapterError(f"the model's adapters differ in (rank, alpha, use_rslora, dropout): {sorted(specs)}; "
                            "one PEFT adapter needs one setting")
     rank, alpha, use_rslora, dropout = specs.pop()
-    spec = LoraSpec(rank=rank, alpha=alpha, targets=tuple(mods), dropout=dropout, use_rslora=use_rslora)
+    names = tuple(dict.fromkeys(target_name(k) for k in mods))  # the HF target names (a hybrid: over its stacks)
+    spec = LoraSpec(rank=rank, alpha=alpha, targets=names, dropout=dropout, use_rslora=use_rslora)
     weights = {name: (np.asarray(jax.device_get(m.lora_a.get_value())),  # [L, in, R]
                       np.asarray(jax.device_get(m.lora_b.get_value())))  # [L, R, out]
                for name, m in mods.items()}
@@ -167,17 +183,18 @@ def adapter_of(model) -> PeftAdapter:
 
 
 def peft_tensors(adapter: PeftAdapter, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS,
-                 dtype=None) -> dict[str, np.ndarray]:
-    """Our layout -> PEFT's tensor names and torch layout (A [R, in], B [out, R] per layer)."""
+                 dtype=None, cfg=None) -> dict[str, np.ndarray]:
+    """Our layout -> PEFT's tensor names and torch layout (A [R, in], B [out, R] per layer). cfg: the model's
+    config, which maps a stack's rows to HF layer indices (needed for a hybrid; None: row r is layer r)."""
     names = module_names(rows)
     expert_targets = tuple(t for t in adapter.weights if t in PEFT_PARAMETERS)
     names.update({t: expert_module_name(t, expert_targets) for t in expert_targets})
     np_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
     out = {}
     for target, (a, b) in adapter.weights.items():
-        for i in range(a.shape[0]):
+        for r, i in enumerate(_hf_layers(cfg, target, a.shape[0])):
             prefix = PEFT_PREFIX + names[target].format(i=i)
-            pair = to_peft(a[i], b[i]) if target in PEFT_PARAMETERS else (a[i].T, b[i].T)
+            pair = to_peft(a[r], b[r]) if target in PEFT_PARAMETERS else (a[r].T, b[r].T)
             for ab, w in zip("AB", pair):
                 out[f"{prefix}.lora_{ab}.weight"] = np.ascontiguousarray(w if np_dtype is None else w.astype(np_dtype))
     return out
@@ -198,7 +215,7 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, base_model_name_or_path
     adapter = adapter_of(model)
     if rows is None:
         rows = tuple(weight_rows(model.cfg))
-    tensors = peft_tensors(adapter, rows, dtype)
+    tensors = peft_tensors(adapter, rows, dtype, cfg=model.cfg)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder; mkdir gives the usual umask mode.
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -280,13 +297,14 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
     targets: tuple[str, ...] = ()
     if isinstance(tm, list) or tm == "all-linear":
         names = [tm] if isinstance(tm, str) else tm
-        known = [t for t in names if t == "all-linear" or t in LINEAR_MODULES]
+        known = [t for t in names if t == "all-linear" or t in LINEAR_MODULES or t in LINEAR_ATTENTION_MODULES]
         shared = tuple(t for t in SHARED_EXPERT_MODULES if t in names)
         unknown = [t for t in names if t not in known and t not in shared]
         if unknown:
             raise AdapterError(f"{path}: target_modules {unknown} are not supported (supported: "
-                               f"{', '.join([*LINEAR_MODULES, *SHARED_EXPERT_MODULES])})")
-        targets = (resolve_targets(known) if known else ()) + shared
+                               f"{', '.join(MODULE_TARGETS)})")
+        hybrid = any(t in LINEAR_ATTENTION_MODULES for t in known)  # "all-linear": the tensors say (below)
+        targets = (resolve_targets(known, hybrid=hybrid) if known else ()) + shared
     # A regex string (or anything else): the tensors decide which modules carry an adapter.
     tp = cfg.get("target_parameters") or []
     by_param = {v: k for k, v in PEFT_PARAMETERS.items()}
@@ -308,7 +326,8 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
 
 def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS,
                       num_layers: int | None = None, dims: dict[str, tuple[int, int]] | None = None,
-                      num_experts: int | None = None, router_rows: tuple[WeightRow, ...] = ()) -> PeftAdapter:
+                      num_experts: int | None = None, router_rows: tuple[WeightRow, ...] = (),
+                      model_cfg=None) -> PeftAdapter:
     """Read a PEFT LoRA folder into our layout, checking names, shapes and completeness.
 
     When loading for a model, pass its `num_layers` (every targeted module must have tensors for exactly
@@ -317,6 +336,9 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     PEFT's ParamWrapper layout (surojax.peft.peft_experts); `num_experts` (E of the model) is then checked too.
     router_rows: the model's router rows under PEFT's names (surojax.peft.trained_router.peft_router_rows); an
     adapter with `modules_to_save` needs them (its module must be that router, with a tensor per row and layer).
+    model_cfg: the model's ModelConfig, which maps each stack's rows to HF layer indices (registry.stack_layers);
+    a hybrid needs it (its MLP modules have one HF name in both stacks: the layer index says which). Weights are
+    keyed by target site (models/targets.py), spec.targets are the HF target names.
     """
     adapter_dir = Path(adapter_dir)
     cfg, spec = read_adapter_config(adapter_dir)
@@ -331,8 +353,11 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     spec = dataclasses.replace(spec, targets=_peft_meaning(spec.targets, modules))
     expert_targets = tuple(t for t in spec.targets if t in PEFT_PARAMETERS)
     modules.update({t: expert_module_name(t, expert_targets) for t in expert_targets})
+    if cfg.get("target_modules") == "all-linear" and model_cfg is not None and model_cfg.linear_attention is not None:
+        spec = dataclasses.replace(spec, targets=resolve_targets("all-linear", hybrid=True))
     patterns = {t: re.compile("^" + re.escape(m).replace(re.escape("{i}"), r"(\d+)") + "$")
                 for t, m in modules.items()}
+    held = None if model_cfg is None else {k: set(_hf_layers(model_cfg, k, 0)) for k in modules}
     found: dict[tuple[str, int, str], str] = {}  # (target, layer, "A"|"B") -> tensor name
     unexpected = []
     router_found = _router_names(cfg.get("modules_to_save"), router_rows, f.names(), adapter_dir)
@@ -349,11 +374,9 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
         if m:
             module = m["module"]
             for candidate in (module, "model." + module):  # also a base saved without the CausalLM wrapper
-                for t, pat in patterns.items():
-                    mm = pat.match(candidate)
-                    if mm:
-                        hit = (t, int(mm[1]), m["ab"])
-                        break
+                hits = [(t, int(mm[1]), m["ab"]) for t, pat in patterns.items() if (mm := pat.match(candidate))]
+                # one HF module name in several stacks (a hybrid's MLP): the stack that holds layer i
+                hit = next((h for h in hits if held is None or h[1] in held[h[0]]), hits[0] if hits else None)
                 if hit:
                     break
         if hit is None:
@@ -368,23 +391,31 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     if not found:
         raise AdapterError(f"{wpath}: holds no LoRA tensors")
 
-    present = tuple(t for t in TARGET_PATHS if any(k[0] == t for k in found))
-    targets = spec.targets or present
+    present = tuple(t for t in modules if any(k[0] == t for k in found))
+    absent = [t for t in spec.targets if not any(target_name(k) == t for k in modules)]
+    if absent:
+        raise AdapterError(f"{wpath}: the adapter targets {absent}, which this model does not have (it has "
+                           f"{', '.join(dict.fromkeys(target_name(k) for k in modules))})")
+    targets = tuple(k for k in modules if target_name(k) in spec.targets) if spec.targets else present
     L = num_layers if num_layers is not None else 1 + max(k[1] for k in found)
+    if model_cfg is not None:
+        L = model_cfg.num_layers
+    ids = {t: _hf_layers(model_cfg, t, L) for t in modules}  # the HF layers of each site, in its row order
     names = modules
     missing = [PEFT_PREFIX + names[t].format(i=i) + f".lora_{ab}.weight"
-               for t in targets for i in range(L) for ab in "AB" if (t, i, ab) not in found]
-    extra = [found[k] for k in found if k[0] not in targets or k[1] >= L]
+               for t in targets for i in ids[t] for ab in "AB" if (t, i, ab) not in found]
+    extra = [found[k] for k in found if k[0] not in targets or k[1] not in ids[k[0]]]
     if missing:
         raise AdapterError(f"{wpath}: missing tensors ({len(missing)}): {_listing(missing)}")
     if extra:
-        why = f"the model has {L} layers" if num_layers is not None else f"target_modules is {list(targets)}"
+        why = f"the model has {L} layers" if num_layers is not None or model_cfg is not None else \
+            f"target_modules is {list(targets)}"
         raise AdapterError(f"{wpath}: tensors outside the adapter ({why}): {_listing(extra)}")
 
     weights = {}
     for t in targets:
         a_list, b_list = [], []
-        for i in range(L):
+        for i in ids[t]:
             na, nb = found[(t, i, "A")], found[(t, i, "B")]
             for n in (na, nb):
                 if len(f.shape(n)) != 2:
@@ -416,7 +447,7 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
             a_list.append(a)
             b_list.append(b)
         weights[t] = (np.stack(a_list), np.stack(b_list))  # [L, (E,) in, R], [L, (E,) R, out]
-    spec = dataclasses.replace(spec, targets=tuple(targets))
+    spec = dataclasses.replace(spec, targets=tuple(dict.fromkeys(target_name(t) for t in targets)))
     router = _read_router(f, wpath, router_found, router_rows, L)
     return PeftAdapter(spec, weights, cfg.get("base_model_name_or_path"), adapter_dir, router)
 

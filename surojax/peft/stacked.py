@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.models.registry import weight_rows
-from surojax.peft.lora import (LORA_TARGETS, apply_lora, base_linear, fold_into, lora_modules, model_resolve,
-                               model_targets)
+from surojax.peft.lora import (LORA_TARGETS, apply_lora, base_linear, fold_into, lora_modules, model_targets,
+                               resolve_model_targets)
 from surojax.peft.peft_io import load_peft_adapter
 from surojax.peft.trained_router import peft_router_rows, set_router
 
@@ -37,7 +37,7 @@ def load_adapter_into(model, adapter_dir: str | os.PathLike, *, trainable: bool,
     moe = model.cfg.moe
     adapter = load_peft_adapter(adapter_dir, rows=tuple(weight_rows(model.cfg)), num_layers=model.cfg.num_layers,
                                 dims=dims, num_experts=moe.num_experts if moe is not None else None,
-                                router_rows=peft_router_rows(model.cfg))
+                                router_rows=peft_router_rows(model.cfg), model_cfg=model.cfg)
     spec = adapter.spec
     if adapter.router:  # a router trained with the adapter (modules_to_save): replaced, trainable with it or not
         set_router(model, adapter.router, trainable=trainable, dtype=dtype)
@@ -70,7 +70,7 @@ def init_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int, 
         raise ValueError(f"adapter_init_mode {adapter_init_mode!r} is unknown (merge, trainable)")
     load_adapter_into(model, adapter_path, trainable=True, dropout=dropout, dtype=dtype)
     spec = next(iter(lora_modules(model).values()))
-    asked = (tuple(model_resolve(model, targets)), rank, float(alpha), use_rslora)
+    asked = (tuple(resolve_model_targets(model, targets)), rank, float(alpha), use_rslora)
     got = (tuple(lora_modules(model)), spec.rank, float(spec.alpha), spec.use_rslora)
     if asked != got:
         log.warning("%s: continuing the adapter as saved (targets, r, alpha, rslora) = %s; the settings asked for %s "

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from surojax.models.targets import TARGET_PATHS, base_linear, model_resolve, model_targets
+from surojax.models.targets import TARGET_PATHS, base_linear, model_targets, resolve_model_targets, target_name
 from surojax.quant import FORMATS
 from surojax.quant.transform import QuantReport, dequantize_kernel, kernel_format, quantize_kernel
 
@@ -35,12 +35,17 @@ def quantize_model(model, fmt: str, *, targets: str | Sequence[str] = "all-linea
     key = fmt.lower()
     if key not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(sorted(FORMATS))}")
+    return _quantize_sites(model, key, resolve_model_targets(model, targets), **format_options)
+
+
+def _quantize_sites(model, key: str, sites, **format_options) -> QuantReport:
+    """Quantise the base kernels of the target `sites` (site keys, surojax.models.targets) to format `key`."""
     report = QuantReport(key)
-    for name in model_resolve(model, targets):
+    for name in sites:
         try:
             report.before[name], report.after[name] = quantize_kernel(base_linear(model, name), key, **format_options)
         except ValueError as e:
-            raise ValueError(f"{name} ({TARGET_PATHS[name]}): {e}") from None
+            raise ValueError(f"{name} ({TARGET_PATHS[target_name(name)]}): {e}") from None
     log.info("%s", report)
     return report
 
@@ -51,10 +56,14 @@ def quantize_model_mix(model, file_type: str, targets: str | Sequence[str] = "al
     # lazy: quantize_mix needs the optional `gguf` package (absent from the GPU image), quantize_model does not
     from surojax.quant.quantize_mix import uniform_target_types
 
-    names = model_resolve(model, targets)
+    names = resolve_model_targets(model, targets)
+    if model.cfg.linear_attention is not None:
+        raise ValueError(f"a llama.cpp file type's per-tensor mix ({file_type}) is not defined for a hybrid "
+                         f"({model.cfg.model_type}: Gated DeltaNet layers) yet; quantise the base to one format "
+                         "(qlora: q4_k, q8_0, nf4, fp8, ...)")
     chosen = uniform_target_types(file_type, model.cfg, names)
     for name in names:
-        quantize_model(model, chosen[name], targets=[name])
+        _quantize_sites(model, chosen[name].lower(), [name])
     return chosen
 
 

@@ -55,7 +55,7 @@ from flax import nnx
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.layers.attention_backend import AttentionBackend
-from surojax.models.registry import weight_rows
+from surojax.models.registry import row_layers, weight_rows
 from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.quant.base import QuantFormat
 from surojax.quant.gguf_mixed import GGUFMixed
@@ -177,10 +177,11 @@ def _rows(cfg: ModelConfig):
 
 def _ordered(cfg: ModelConfig) -> list[str]:
     """HF names in llama.cpp's order: embeddings, each layer's tensors, final norm, head."""
-    rows = [r.hf for r in _rows(cfg)]
+    table = _rows(cfg)
+    rows = [r.hf for r in table]
     out = [n for n in rows if "{i}" not in n and n != "model.norm.weight" and n != "lm_head.weight"]
     for i in range(cfg.num_layers):
-        out += [n.format(i=i) for n in rows if "{i}" in n]
+        out += [r.hf.format(i=i) for r in table if r.per_layer and i in row_layers(cfg, r)]
     return out + [n for n in ("model.norm.weight", "lm_head.weight") if n in rows]
 
 
@@ -217,8 +218,8 @@ def _hf_tensor_reader(model: Decoder):
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     rows = {}
     for row in _rows(cfg):
-        for i in (range(cfg.num_layers) if row.per_layer else [None]):
-            rows[row.hf.format(i=i) if i is not None else row.hf] = (row, i)
+        for r, i in enumerate(row_layers(cfg, row)):  # r: the row in its stack, i: the HF layer
+            rows[row.hf.format(i=i) if i is not None else row.hf] = (row, None if i is None else r)
 
     def get(hf_name: str) -> np.ndarray:
         row, i = rows[hf_name]
@@ -481,7 +482,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     by_path: dict[str, list] = {}  # state path -> [(layer or None, GGUF names (parts), HF name)]
     expected = set()
     for row in rows:
-        for i in (range(cfg.num_layers) if row.per_layer else [None]):
+        for i in row_layers(cfg, row):  # HF layer indices, increasing: the stack's row order once sorted
             hf_name = row.hf.format(i=i) if i is not None else row.hf
             names = gguf_names(hf_name)
             by_path.setdefault(row.path, []).append((i, names, hf_name))
@@ -507,7 +508,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                                 f"{' + '.join(str(list(p)) for p in parts)} (numpy order), the metadata implies "
                                 f"{list(hf_shape)}")
         types = {by_name[g].tensor_type for _, names, _ in items for g in names}
-        linear = row.transpose and row.path.startswith("layers.")  # the LM head is dequantised
+        linear = row.transpose and row.stack is not None  # a layer stack's Linear; the LM head is dequantised
         quant = linear and keep_quantized and any(t.name not in ("F32", "F16", "BF16") for t in types)
         experts = len(hf_shape) == 3  # merged experts [E, N, K]: kept quantised where grouped GEMMs can read them
         if quant and experts:

@@ -31,7 +31,7 @@ from surojax.hub import model_path
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.layers.attention_backend import AttentionBackend
-from surojax.models.registry import WeightRow, family_for, weight_rows
+from surojax.models.registry import WeightRow, family_for, row_layers, weight_rows
 from surojax.quant.base import QuantFormat
 from surojax.quant.transform import QuantParam
 from surojax.weights.json_file import read_json_object
@@ -99,7 +99,8 @@ def open_checkpoint(model_dir: str | os.PathLike) -> dict[str, SafetensorsFile]:
 
 def _expected(cfg: ModelConfig, abstract: nnx.State, *, fused: bool = False
               ) -> dict[str, tuple[WeightRow, tuple[int, ...], tuple]]:
-    """HF name -> (row, index into the state's stacked axes ((), (i,) or (i, e)), expected HF shape)."""
+    """HF name -> (row, index into the state's stacked axes ((), (r,) or (r, e): r the row of HF layer i in its
+    stack, registry.row_layers), expected HF shape)."""
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(abstract)}
     E = cfg.moe.num_experts if cfg.moe is not None else 0
     out = {}
@@ -110,11 +111,10 @@ def _expected(cfg: ModelConfig, abstract: nnx.State, *, fused: bool = False
             shape = shape[:-1] + (shape[-1] // 2,)
         if row.transpose:
             shape = shape[:-2] + shape[-2:][::-1]
-        layers = range(cfg.num_layers) if row.per_layer else [None]
         experts = range(E) if row.per_expert else [None]
-        for i in layers:
+        for r, i in enumerate(row_layers(cfg, row)):  # r: the row in the stack, i: the HF layer index
             for e in experts:
-                index = tuple(x for x in (i, e) if x is not None)
+                index = tuple(x for x in (None if i is None else r, e) if x is not None)
                 out[row.hf.format(i=i, e=e)] = (row, index, shape)
     return out
 
@@ -160,6 +160,13 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         lambda: Decoder(cfg, dtype=dtype, param_dtype=param_dtype, attention=attention, rngs=nnx.Rngs(0)))
     graphdef, abstract = nnx.split(abstract_model)
     present = {n for n in where if not n.endswith(_IGNORED_SUFFIXES)}
+    skipped = family_for(cfg.model_type).skipped_prefixes
+    if skipped and any(n.startswith(skipped) for n in present):
+        not_text = sorted(n for n in present if n.startswith(skipped))
+        present -= set(not_text)
+        log.info("%s: skipping %d tensors outside the language model (%s: a vision tower / MTP heads surojax does "
+                 "not run)", model_dir, len(not_text), ", ".join(p for p in skipped if any(n.startswith(p)
+                                                                                         for n in not_text)))
     expected = _expected(cfg, abstract)
     if family_for(cfg.model_type).fused_weights:  # a MoE family: the published or transformers 5's fused names
         fused = _expected(cfg, abstract, fused=True)
@@ -232,9 +239,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
 
 def _kept_quantized(row: WeightRow) -> bool:
-    """A decoder Linear kernel (the layer scan's, experts included; not the router, not the LM head)."""
-    return row.transpose and row.path.startswith("layers.") and row.path.endswith(".kernel") and ".router." not in \
-        row.path
+    """A decoder Linear kernel (a layer stack's, experts included; not the router, not the LM head)."""
+    return row.transpose and row.stack is not None and row.path.endswith(".kernel") and ".router." not in row.path
 
 
 def _quantized_state(model_dir: Path, scheme: QuantScheme, by_path: dict, where: dict, shapes: dict,

@@ -36,6 +36,9 @@ under every backend (statically); the paged Pallas decode kernel likewise never 
 Per-layer windows (gpt_oss alternates sliding / full; `ModelConfig.layer_windows`): each window is a layer type
 of the decoder's layer pattern (surojax/models/layer_runner.py), so a layer's window is a static Python int the
 runner passes to its call (0 = full attention): every backend sees a constant window.
+
+Output gate (Qwen3.5, `ModelConfig.attn_output_gate`): q_proj gives [N, 2H] per token, each head's query then its
+gate; the attention output is multiplied by sigmoid(gate) before o_proj.
 """
 from __future__ import annotations
 
@@ -206,15 +209,18 @@ class Attention(nnx.Module):
         self.per_layer_windows = cfg.layer_windows is not None  # each call then passes its layer type's window
         self.backend = as_attention_backend(backend).resolved(jax.default_backend())  # static: xla, or cudnn with its M and check
         bias = cfg.attention_bias
-        self.q_proj = Linear(D, cfg.q_dim, ("embed", "heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
+        self.output_gate = cfg.attn_output_gate
+        q_out = cfg.q_dim * (2 if cfg.attn_output_gate else 1)  # [N, 2H]: query | gate per head
+        self.q_proj = Linear(D, q_out, ("embed", "heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.k_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.v_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.o_proj = Linear(cfg.q_dim, D, ("heads", "embed"), use_bias=cfg.o_proj_bias, param_dtype=param_dtype,
                              rngs=rngs)
         self.qkv_proj: Linear | None = nnx.data(None)  # q, k, v in one GEMM (fused_projections: serving)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
-            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs)
+            zc = cfg.norm_zero_centered
+            self.q_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
+            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
         else:
             self.q_norm = self.k_norm = None
         # [N] sink logits (HF `self_attn.sinks`), one per query head; head n reads kv head n // G
@@ -235,10 +241,14 @@ class Attention(nnx.Module):
                              "surojax.models.decoder.layer_pattern) exactly when cfg.layer_windows is set")
         B, T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+        Q = N * H * (2 if self.output_gate else 1)
         if self.qkv_proj is not None:  # [B, T, (N + 2K) H]: one read of x, one GEMM (decode: one GEMV launch)
-            q, k, v = jnp.split(self.qkv_proj(x), [N * H, (N + K) * H], axis=-1)
+            q, k, v = jnp.split(self.qkv_proj(x), [Q, Q + K * H], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.output_gate:  # [B, T, N, 2H] -> query, gate [B, T, N, H]
+            q, gate = jnp.split(q.reshape(B, T, N, 2 * H), 2, axis=-1)
         q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -251,7 +261,10 @@ class Attention(nnx.Module):
         else:
             mask = attention_mask(segment_ids, segment_ids, positions, positions, spec.sliding_window)
             out = xla_attention(q, k, v, mask, spec.scale, spec.sinks)  # [B, T, N, H]
-        return self.o_proj(out.reshape(B, T, N * H)), kv
+        out = out.reshape(B, T, N * H)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.reshape(B, T, N * H))
+        return self.o_proj(out), kv
 
     def _cudnn_self_attention(self, q, k, v, segment_ids, positions, sliding_window: int | None):
         """cuDNN over packed rows, with this layer's static window."""

@@ -2,7 +2,8 @@
 
 The inverse frequencies (default, linear, llama3 or yarn scaling) are computed once on the host; angles are
 positions * inv_freq in fp32; cos/sin are multiplied by the rope's attention factor (yarn's mscale, 1
-otherwise) in fp32 and then cast to the activation dtype, as in transformers.
+otherwise) in fp32 and then cast to the activation dtype, as in transformers. Partial rope (Qwen3.5's
+partial_rotary_factor): cos/sin cover the first `rotary_dim` dims of each head; the rest passes unrotated.
 """
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def rope_cos_sin(positions: jax.Array, inv_freq_h: np.ndarray, dtype,
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, N, H]; cos/sin [B, T, H]."""
+    """x [B, T, N, H]; cos/sin [B, T, H] (or [B, T, R], R < H: the first R dims rotate, the others pass)."""
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :R], cos, sin), x[..., R:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]

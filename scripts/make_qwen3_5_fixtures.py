@@ -1,0 +1,96 @@
+"""Golden fixtures for the Qwen3.5 dense family (Gated DeltaNet + gated attention hybrid): tiny random checkpoints
+made by transformers, and the logits it computes on them.
+
+Run with the reference environment (torch + transformers), never from the surojax venv:
+
+    /work/refenv/bin/python scripts/make_qwen3_5_fixtures.py      # writes tests/fixtures/models/qwen3_5{,_text}/
+
+    qwen3_5_text/   Qwen3_5ForCausalLM (model_type qwen3_5_text): 6 layers, layer_types from full_attention_interval
+                    4 = [linear x 3, full, linear x 2] (one group of the period and a remainder), untied head
+    qwen3_5/        Qwen3_5ForConditionalGeneration (model_type qwen3_5, config.json with text_config and
+                    vision_config): 4 layers [linear x 3, full], tied embeddings, a 1-block vision tower saved with
+                    it (model.visual.*), the language model under model.language_model.*
+
+Both: vocab 256, hidden 32, 4 query heads over 2 kv heads of head_dim 16, attention output gate, partial rotary
+0.25 (rotary dim 4, mrope_section [1, 1, 0]), linear attention with 2 key heads of dim 8 and 4 value heads of
+dim 16 (the key heads repeated), conv kernel 4. Every (1 + w) RMSNorm weight is 0.3 N(0, 1) (transformers
+initialises it to zeros), the gated norm's weight 1 + 0.3 N(0, 1), dt_bias N(0, 1), fp32. expected.npz:
+tokens0..2 ([5], [9], [20] int64), logits0..2 ([T, 256] fp32: each sequence alone, eager attention), num_params
+(the language model's parameters as transformers counts them: the vision tower left out, a tied head once).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS_DIR = ROOT / "tests" / "fixtures" / "models"
+LENGTHS = (5, 9, 20)
+
+TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=256,
+            initializer_range=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+
+
+def _perturb(model, seed: int) -> None:
+    """Norm weights and the DeltaNet's dt_bias away from their init, so that a wrong formula shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1 + 0.3 * noise)
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(0.3 * noise)
+            elif name.endswith("dt_bias"):
+                p.copy_(noise)
+
+
+def _expected(model, out: Path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for i, n in enumerate(LENGTHS):
+        tokens = rng.integers(0, TEXT["vocab_size"], size=n)
+        with torch.no_grad():
+            logits = model(torch.tensor(tokens)[None]).logits[0].float().numpy()
+        arrays[f"tokens{i}"], arrays[f"logits{i}"] = tokens, logits
+    arrays["num_params"] = np.int64(sum(p.numel() for n, p in model.named_parameters() if "visual" not in n))
+    np.savez(out / "expected.npz", **arrays)
+
+
+def make(name: str, seed: int) -> None:
+    from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                              Qwen3_5TextConfig)
+    torch.manual_seed(seed)
+    if name == "qwen3_5_text":
+        cfg = Qwen3_5TextConfig(num_hidden_layers=6, tie_word_embeddings=False, **TEXT)
+        model = Qwen3_5ForCausalLM(cfg)
+    else:
+        text = Qwen3_5TextConfig(num_hidden_layers=4, tie_word_embeddings=True, **TEXT).to_dict()
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+        cfg = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    model.config._attn_implementation = "eager"
+    _perturb(model, seed)
+    model.eval()
+    out = MODELS_DIR / name
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out)
+    _expected(model, out, seed + 1)
+    print(name, json.loads((out / "config.json").read_text()).get("architectures"),
+          sum(p.numel() for p in model.parameters()), sorted(p.name for p in out.iterdir()))
+
+
+if __name__ == "__main__":
+    make("qwen3_5_text", 35)
+    make("qwen3_5", 36)
