@@ -73,11 +73,10 @@ class LinearBlock(nnx.Module):
         _norms_and_mlp(self, cfg, param_dtype, rngs)
 
     def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None):
-        """-> (h, kv, router stats of a MoE layer or None), as `Block`; no cache (kv stays None)."""
-        if kv is not None:
-            raise ValueError("a Gated DeltaNet layer has no KV cache view: the hybrid's serving cache (recurrent and "
-                             "conv state slots) is not built yet")
-        h = h + self.linear_attn(self.attn_norm(h), segment_ids)
+        """-> (h, kv, router stats of a MoE layer or None), as `Block`; `kv`: this layer's recurrent-state view
+        (kv/recurrent.py) or None."""
+        a, kv = self.linear_attn(self.attn_norm(h), segment_ids, kv)
+        h = h + a
         if isinstance(self.mlp, MoE):
             m, stats = self.mlp(self.mlp_norm(h), segment_ids)
             return h + m, kv, stats

@@ -361,10 +361,11 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     found: dict[tuple[str, int, str], str] = {}  # (target, layer, "A"|"B") -> tensor name
     unexpected = []
     router_found = _router_names(cfg.get("modules_to_save"), router_rows, f.names(), adapter_dir)
-    absent = [t for t in spec.targets if t not in modules and t not in PEFT_PARAMETERS]
+    have = dict.fromkeys(target_name(k) for k in modules if k not in PEFT_PARAMETERS)  # HF names (every stack)
+    absent = [t for t in spec.targets if t not in have and t not in PEFT_PARAMETERS]
     if absent:
         raise AdapterError(f"{adapter_dir / CONFIG_FILE}: target_modules {absent} name modules this model does not "
-                           f"have (its Linear modules: {', '.join(modules)}; a MoE model's experts are "
+                           f"have (its Linear modules: {', '.join(have)}; a MoE model's experts are "
                            "target_parameters)")
     for name in f.names():
         if name in router_found.values():
@@ -392,10 +393,6 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
         raise AdapterError(f"{wpath}: holds no LoRA tensors")
 
     present = tuple(t for t in modules if any(k[0] == t for k in found))
-    absent = [t for t in spec.targets if not any(target_name(k) == t for k in modules)]
-    if absent:
-        raise AdapterError(f"{wpath}: the adapter targets {absent}, which this model does not have (it has "
-                           f"{', '.join(dict.fromkeys(target_name(k) for k in modules))})")
     targets = tuple(k for k in modules if target_name(k) in spec.targets) if spec.targets else present
     L = num_layers if num_layers is not None else 1 + max(k[1] for k in found)
     if model_cfg is not None:
@@ -455,10 +452,11 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
 def _peft_meaning(targets: tuple[str, ...], modules: dict[str, str]) -> tuple[str, ...]:
     """The targets as PEFT applied them to this family: a bare gate_proj / up_proj / down_proj on a model without a
     dense MLP but with a shared expert matched the shared expert's module (PEFT matches by the end of the name)."""
+    names = {target_name(k) for k in modules}
     out = []
     for t in targets:
         shared = f"shared_expert.{t}"
-        t = shared if t not in modules and shared in modules else t
+        t = shared if t not in names and shared in names else t
         if t not in out:
             out.append(t)
     return tuple(out)

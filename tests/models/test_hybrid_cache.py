@@ -12,7 +12,6 @@ import pytest
 from flax import nnx
 
 from surojax.generation.loop import empty_cache, generate
-from surojax.models.config import ModelConfig
 from surojax.models.kv import AttendSpec, HybridCache, KVCache, StateCache, StateShape, attention_mask
 from surojax.models.kv.recurrent import conv_state_shape, recurrent_state_shape
 from surojax.models.layer_runner import LayerPattern, LayerScan, LayerType
@@ -143,10 +142,13 @@ def test_caches_that_do_not_fit_the_pattern_are_refused():
 
 
 @dataclasses.dataclass(frozen=True)
-class ToyConfig(ModelConfig):
-    """A config with the hybrid's `linear_attention` head layout (the model's `LinearAttentionConfig` has the
-    fields generation reads, as `StateShape`)."""
+class ToyConfig:
+    """What generation reads of a model's config: the attention cache's layout and the hybrid's `linear_attention`
+    head layout (the model's `LinearAttentionConfig` has a `StateShape`'s fields)."""
 
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
     linear_attention: StateShape | None = None
 
 
@@ -154,7 +156,7 @@ class ToyHybrid(nnx.Module):
     """A two-stack decoder as generation drives it: embed, the layer pattern, a head."""
 
     def __init__(self, pattern):
-        self.cfg = ToyConfig("toy", V, D, D, pattern.num_layers, N, N, HD, linear_attention=SHAPE)
+        self.cfg = ToyConfig(pattern.num_layers, N, HD, linear_attention=SHAPE)
         self.dtype = jnp.float32
         self.pattern = pattern
         self.embed, self.head = _w(nnx.Rngs(params=5), V, D), _w(nnx.Rngs(params=6), D, V)

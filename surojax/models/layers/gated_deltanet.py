@@ -13,7 +13,7 @@ reads). transformers zeroes padded inputs instead (`apply_mask_to_padding_states
 the same as a fresh start. Parameters: in_proj_* and out_proj `Linear`s ([in, out]), the conv kernel as
 transformers stores it [C, 1, K] (C = 2 Hk Dk + Hv Dv channels: q | k | v), dt_bias / A_log [Hv], the gated norm's
 scale [Dv]. The linear attention's own dims carry no logical axis name (replicated under every sharding rule; only
-`embed` and the layers axis are split). No cache here (serving's state slots come with the serving cache).
+`embed` and the layers axis are split). With a cache view (generation: kv/recurrent.py), the conv and the rule continue the row's states.
 """
 from __future__ import annotations
 
@@ -22,45 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.gated_delta.api import chunk_gated_delta_rule
 from surojax.models.config import ModelConfig
+from surojax.models.layers.deltanet_cache import deltanet_mix
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.norm import gated_rms_norm
 from surojax.models.layers.params import AXES, param
-
-L2_EPS = 1e-6  # transformers' (and fla's) l2norm: x * rsqrt(sum(x^2) + eps)
-
-
-def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:
-    """x [..., Dk] / sqrt(sum(x^2) + eps), in fp32, cast back."""
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
-def segment_runs(segment_ids: jax.Array) -> jax.Array:
-    """[B, T] -> [B, T] int32: the index of each token's run of equal segment ids within its row."""
-    starts = jnp.concatenate([jnp.zeros_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
-                             axis=1)
-    return jnp.cumsum(starts, axis=1, dtype=jnp.int32)
-
-
-def causal_conv1d(x: jax.Array, kernel: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Depthwise causal conv with resets: x [B, T, C], kernel [C, 1, K], segment_ids [B, T] -> [B, T, C] in fp32.
-
-    y[t, c] = sum_j kernel[c, 0, j] * x[t - (K - 1) + j, c] over the taps that lie in t's own run of segment ids
-    (earlier taps read zeros, as at the start of a row)."""
-    K = kernel.shape[-1]
-    w = kernel[:, 0, :].astype(jnp.float32)  # [C, K]
-    x32 = x.astype(jnp.float32)
-    runs = segment_runs(segment_ids)
-    y = x32 * w[:, K - 1]
-    for d in range(1, K):  # tap K-1-d reads d tokens back
-        shifted = jnp.pad(x32[:, :-d], ((0, 0), (d, 0), (0, 0))) if d < x.shape[1] else jnp.zeros_like(x32)
-        same = jnp.pad(runs[:, :-d], ((0, 0), (d, 0)), constant_values=-1) == runs if d < x.shape[1] \
-            else jnp.zeros_like(runs, bool)
-        y = y + jnp.where(same[..., None], shifted, 0.0) * w[:, K - 1 - d]
-    return y
-
 
 def _a_log_init(rngs: nnx.Rngs | None, n: int, dtype) -> nnx.Param:
     """A_log = log(A), A ~ U(0.01, 16) per value head (transformers' init; kept away from log 0)."""
@@ -92,6 +58,7 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
         la = cfg.linear_attention
         D, Hv = cfg.hidden_size, la.num_value_heads
+        self.shape = la  # the head layout deltanet_mix reads (a frozen config: static)
         self.num_key_heads, self.num_value_heads = la.num_key_heads, Hv
         self.key_head_dim, self.value_head_dim = la.key_head_dim, la.value_head_dim
         self.in_proj_qkv = Linear(D, la.conv_dim, ("embed", None), param_dtype=param_dtype, rngs=rngs)
@@ -104,19 +71,15 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedNorm(la.value_head_dim, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
         self.out_proj = Linear(la.value_dim, D, (None, "embed"), param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """x [B, T, D], segment_ids [B, T] -> [B, T, D] (module docstring)."""
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, state=None):
+        """x [B, T, D], segment_ids [B, T], state: this layer's cache view or None -> ([B, T, D], the new view or
+        None). The conv, q / k normalisation and the delta rule: layers/deltanet_cache.py `deltanet_mix`."""
         B, T, _ = x.shape
-        Hk, Hv, Dk, Dv = self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim
-        mixed = jax.nn.silu(causal_conv1d(self.in_proj_qkv(x), self.conv1d.kernel[...], segment_ids)).astype(x.dtype)
-        q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
-        q, k, v = q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv)
+        Hv, Dv = self.num_value_heads, self.value_head_dim
         z = self.in_proj_z(x).reshape(B, T, Hv, Dv)
         beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))  # [B, T, Hv]
         a = self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)  # [B, T, Hv], <= 0
-        if Hv > Hk:  # value head h reads key head h // (Hv / Hk)
-            q, k = jnp.repeat(q, Hv // Hk, axis=2), jnp.repeat(k, Hv // Hk, axis=2)
-        o, _ = chunk_gated_delta_rule(l2_normalize(q), l2_normalize(k), v, g, beta, scale=Dk ** -0.5,
-                                      segment_ids=segment_ids)  # [B, T, Hv, Dv]
-        return self.out_proj(self.norm(o, z).reshape(B, T, Hv * Dv))
+        o, state = deltanet_mix(self.in_proj_qkv(x), g, beta, segment_ids, conv_weight=self.conv1d.kernel[...],
+                                shape=self.shape, state=state)  # [B, T, Hv, Dv]
+        return self.out_proj(self.norm(o, z).reshape(B, T, Hv * Dv)), state
