@@ -90,6 +90,12 @@ def _once(fn):
     return call
 
 
+class HybridServingError(ValueError):
+    """The paged engine cannot serve this model yet (its layers keep recurrent state)."""
+
+    is_user_error = True
+
+
 class Engine:
     def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, tokenizer=None, lora=None,
                  kv_dtype=None, draft_model: Decoder | None = None):
@@ -97,6 +103,11 @@ class Engine:
         built on the model; kv_dtype: the pool's dtype (None: config.kv_cache_dtype's); draft_model: the
         speculative draft (exactly when config.speculative.method is DRAFT; same vocabulary)."""
         cfg = model.cfg
+        if cfg.linear_attention is not None:
+            raise HybridServingError(
+                f"{cfg.model_type}: serving a hybrid model (Gated DeltaNet layers) needs per-sequence recurrent-state "
+                "slots in the paged engine, which are not built yet (issue 38); `surojax generate` (the plain "
+                "cache) runs it")
         spec = config.speculative
         if spec is not None and lora is not None:
             raise ValueError("speculative decoding is not supported with LoRA adapters")
