@@ -58,8 +58,10 @@ def reference(seg, scale):
 
 
 @pytest.mark.parametrize("B, T, H, Dk, Dv, block_v, num_warps", [
-    (2, 200, 2, 128, 128, 64, 4),  # Qwen3.5's head dims, today's knobs: two column blocks, a partial chunk
-    (2, 200, 2, 128, 128, 128, 8),  # one program per head
+    # Qwen3.5's head dims in 4 column blocks, a partial chunk (block_v 64 / 128: the backward kernel needs more shared
+    # memory than a Hopper block has by benchmarks/triton_offline_check.py: 278 / 442 KB > 227 KB)
+    (2, 200, 2, 128, 128, 32, 4),
+    (2, 200, 2, 128, 128, 16, 8),
     (1, 130, 3, 24, 32, 16, 4),  # Dk padded to 32, Dv in two blocks of 16, T padded to 192 (not a power of two)
 ])
 def test_compiled_kernels_fp32(B, T, H, Dk, Dv, block_v, num_warps):
@@ -86,14 +88,19 @@ def rel_err(got, want):
 
 
 def test_compiled_kernels_bf16_at_default_precision():
-    """bf16 q, k, v (as the model passes them), 4 heads of 128 x 128, 1024 tokens a row, TF32 dots."""
+    """chunk_gated_delta_rule(impl="pallas"), the kernels at the API's default knobs: bf16 q, k, v (as the model
+    passes them), 4 heads of 128 x 128, 1024 tokens a row, TF32 dots."""
     B, T, H, D = 2, 1024, 4, 128
     (q, k, v, g, beta), s0 = operands(B=B, T=T, H=H, Dk=D, Dv=D, seed=7)
     seg, scale = packed(B, T, seed=8), D ** -0.5
     w = jax.random.normal(jax.random.key(9), v.shape) * (seg != 0)[..., None, None]
     ws = jax.random.normal(jax.random.key(10), s0.shape)
     bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)] + [g, beta]
-    fn = kernel(seg, scale, 64, 4)
+
+    def fn(q, k, v, g, beta, s0):
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, segment_ids=seg, initial_state=s0,
+                                      output_final_state=True, impl="pallas")
+
     (_, (o, final)), grads = loss_and_grads(fn, bf16, s0, w, ws)
     o_fwd, _ = jax.jit(fn)(*bf16, s0)
     assert o.dtype == o_fwd.dtype == jnp.bfloat16
