@@ -17,7 +17,8 @@ import pytest
 from pallas_kernels.gated_delta.api import chunk_gated_delta_rule, pallas_forward
 from test_gated_delta import close, operands
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiles the Triton kernels: needs a GPU")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiles the Triton kernels: needs a GPU")]
 
 
 def packed(B, T, seed):
