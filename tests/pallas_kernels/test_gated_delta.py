@@ -23,6 +23,15 @@ IMPLS = ["reference", "chunked", "pallas"]
 SEGMENTS = [[1] * 20 + [2] * 50 + [3] * 30, [5] * 64 + [6] * 30 + [0] * 6]
 
 
+@pytest.fixture(autouse=True)
+def fp32_matmuls():
+    """fp32 dots computed in fp32 on every backend: on a GPU the default precision lowers them to TF32 (XLA's and
+    Pallas' Triton dots alike, ~1e-3 off) where these tests compare at 1e-5; on a CPU this changes nothing.
+    (test_gated_delta_gpu.py checks the kernels at the default precision too.)"""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def operands(B=2, T=100, H=2, Dk=16, Dv=8, seed=0):
     ks = jax.random.split(jax.random.key(seed), 6)
 
@@ -184,7 +193,7 @@ def test_kernels_lower_to_triton_for_an_h200():
     """Qwen3.5's head dims (Dk = Dv = 128), bfloat16, two chunks, in value-column blocks of 64: every primitive of
     the forward kernel (saving the states) and of the backward kernel has a Triton lowering (jax.export for cuda
     under an abstract H200, as test_triton_lowering.py). Triton's own compilation (registers, shared memory) is
-    only checked by a GPU run."""
+    only checked by a GPU run. At the default precision (TF32 dots), the training path's."""
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     triton = "__gpu$xla.gpu.triton"
@@ -199,7 +208,7 @@ def test_kernels_lower_to_triton_for_an_h200():
     states = jax.ShapeDtypeStruct((B, H, N, D, D), jnp.float32)
     for fn, args in ((forward, (bf16, bf16, bf16, per_head, per_head, *ints, state)),
                      (backward, (bf16, bf16, bf16, per_head, per_head, *ints, states, bf16, state))):
-        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh), jax.default_matmul_precision("default"):
             warnings.simplefilter("ignore")  # the Pallas Triton backend's deprecation notice
             exp = jax.export.export(jax.jit(fn), platforms=["cuda"],
                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
