@@ -19,8 +19,8 @@ owns BV of them: more programs than (row, head) alone, at the cost of recomputin
     before [B, N] int32 (the segment number preceding each chunk), state [B, H, Dk, Dv] fp32
         -> o [B, Tp, H, Dv] (v's dtype), final state [B, H, Dk, Dv] fp32
 
-Tp is a multiple of CHUNK, Dk and Dv powers of two (api.py pads). Matmuls are fp32 dots (Triton's IEEE fp32 on a
-GPU; tf32 / bf16 operands are a tuning step for the GPU session). The kernels take every knob explicitly;
+Tp is a multiple of CHUNK, Dk and Dv powers of two (api.py pads). Matmuls are fp32 dots at the default precision (TF32 on
+a Hopper GPU, as the generated code shows; bf16 operands are a tuning step for the GPU session). The kernels take every knob explicitly;
 api.chunk_gated_delta_rule is the public entry.
 """
 from __future__ import annotations

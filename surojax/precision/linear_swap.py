@@ -37,6 +37,10 @@ def layer_mask(num_layers: int, skip_first: int, skip_last: int, precision: str)
 def swap_base_linears(model, make: Callable[[str, Linear], Linear], recipe: str) -> list[str]:
     """Replace every base Linear of `model.layers` by make(path, linear) (in place); returns the target names.
     Raises ValueError for a Linear already swapped or a kernel that is already quantised (qlora_* bases)."""
+    if getattr(model, "linear_layers", None) is not None:  # a hybrid: a second stack this swap does not walk yet
+        raise ValueError(f"the {recipe} recipe does not support a hybrid model yet ({model.cfg.model_type}: its "
+                         "Gated DeltaNet layers' projections would stay bf16 while the recipe reports them swapped); "
+                         "train it with recipe: bf16")
     done = []
     for name, path in LINEAR_MODULES.items():
         mod = module_at(model.layers, path)
