@@ -8,7 +8,8 @@ from pydantic import Field, field_validator, model_validator
 
 from surojax.config.base import StrictModel
 
-# HF module names LoRA can wrap; "all-linear" means all of them (never the LM head, as in PEFT).
+# HF module names LoRA can wrap on every family; "all-linear" means every Linear target the model has (never the LM
+# head, as in PEFT): resolved against the model when LoRA is applied (surojax.models.targets.resolve_model_targets).
 LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # MoE models only: the experts' fused gate|up projection, and both expert projections (down_proj names the experts'
 # down projection on a MoE model; gate_proj + up_proj together mean gate_up_proj there). Checked against the model
@@ -16,6 +17,8 @@ LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_p
 # shared_expert (its three projections) or each by its PEFT module name.
 MOE_LORA_TARGETS: tuple[str, ...] = ("gate_up_proj", "experts", "shared_expert", "shared_expert.gate_proj",
                                      "shared_expert.up_proj", "shared_expert.down_proj")
+# Hybrid models (Qwen3.5) only: the Gated DeltaNet layers' projections (checked against the model when LoRA is applied).
+LINEAR_ATTENTION_LORA_TARGETS: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 # llama.cpp file types that mix tensor types (surojax.quant.quantize_mix): one type per target when training
 GGUF_MIXES = ("q3_k_m", "q4_k_m", "q5_k_m")
@@ -47,8 +50,10 @@ class LoraSection(StrictModel):
     """HF module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or "all-linear". On a MoE
     model: gate_up_proj (= gate_proj + up_proj, the experts' fused weight), down_proj (the experts'), experts (both);
     PEFT exports them as target_parameters mlp.experts.gate_up_proj / mlp.experts.down_proj. A shared expert
-    (qwen2_moe): shared_expert (its gate/up/down projections) or shared_expert.gate_proj etc. one by one; "all-linear"
-    here is the seven names above (attention and the routed experts; add shared_expert to train it too)."""
+    (qwen2_moe): shared_expert (its gate/up/down projections) or shared_expert.gate_proj etc. one by one. A hybrid
+    (Qwen3.5): also the Gated DeltaNet projections in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj.
+    "all-linear" is every Linear target the model has (as PEFT's: attention, MLP or experts, a shared expert's
+    projections, a hybrid's DeltaNet projections), resolved against the model."""
     lora_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the adapter weights."""
     train_router: bool = False
@@ -70,12 +75,13 @@ class LoraSection(StrictModel):
         if isinstance(v, (list, tuple)) and "all-linear" in v:
             if len(v) != 1:
                 raise ValueError("'all-linear' cannot be combined with other module names")
-            return list(LORA_TARGETS)
+            return ["all-linear"]
         if isinstance(v, (list, tuple)):
-            bad = [m for m in v if m not in LORA_TARGETS + MOE_LORA_TARGETS]
+            bad = [m for m in v if m not in LORA_TARGETS + MOE_LORA_TARGETS + LINEAR_ATTENTION_LORA_TARGETS]
             if bad:
                 raise ValueError(f"unknown module {bad[0]!r}; choose from {', '.join(LORA_TARGETS)} or 'all-linear' "
-                                 f"(MoE models also: {', '.join(MOE_LORA_TARGETS)})")
+                                 f"(MoE models also: {', '.join(MOE_LORA_TARGETS)}; hybrid models also: "
+                                 f"{', '.join(LINEAR_ATTENTION_LORA_TARGETS)})")
             if not v:
                 raise ValueError("needs at least one module name (or 'all-linear')")
         return v

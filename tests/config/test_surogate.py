@@ -156,7 +156,7 @@ ALIASES = [
     ({"gpus": 0}, {"parallel.data": -1}),
     ({"recipe": "fp8-hybrid"}, {"recipe": "fp8_hybrid"}),
     ({"lora": True, "lora_target_modules": ["all"]},
-     {"lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}),
+     {"lora_target_modules": ["all-linear"]}),  # Surogate's "all": every Linear target of the model
     ({"torch_dtype": "float32"}, {"recipe": "fp32"}),
     ({"torch_dtype": "bfloat16"}, {"recipe": "bf16"}),
     ({"master_dtype": "bfloat16", "gradient_dtype": "bfloat16"}, {"master_dtype": "bf16", "gradient_dtype": "bf16"}),
