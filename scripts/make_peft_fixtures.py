@@ -21,6 +21,12 @@ tests/fixtures/peft/versions.json. What is written (< 1 MB in all):
                     (also `loss`: the causal-LM loss of `tokens`, and `grad:<tensor name>`: its gradient for each
                     shared-expert LoRA tensor, in PEFT's layout).
                     Alone: `make_peft_fixtures.py --only shared_expert` (the other folders stay as they are).
+    qwen3_5/        a PEFT LoRA adapter (r=4, alpha=8, "all-linear": attention, MLP and the Gated DeltaNet
+                    projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj) on the Qwen3.5 parity
+                    fixture tests/fixtures/models/qwen3_5_text (its base, not copied): adapter/, expected.npz
+                    (tokens; logits with the adapter; `losses`: the causal-LM loss before each of 3 plain SGD steps
+                    (lr 0.1) on the adapter's tensors, and after the last: PEFT's loss curve).
+                    Alone: `make_peft_fixtures.py --only qwen3_5`.
 """
 from __future__ import annotations
 
@@ -128,11 +134,53 @@ def make_shared_expert(out: Path) -> None:
           f"loss {loss.item():.4f}")
 
 
+QWEN3_5_BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3_5_text"
+SGD_LR, SGD_STEPS = 0.1, 3
+
+
+def make_qwen3_5(out: Path) -> None:
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(QWEN3_5_BASE, torch_dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM",
+                      init_lora_weights=False)
+    pmodel = get_peft_model(model, lora).eval()
+    wrapped = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in pmodel.named_parameters() if "lora_A" in n}
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "gate_proj"} <= wrapped
+    scale_b(pmodel, 0.2)
+    tokens = torch.tensor(TOKENS)
+    with torch.no_grad():
+        logits = pmodel(tokens).logits.float().numpy()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    save_adapter(pmodel, out / "adapter")
+    cfg_path = out / "adapter" / "adapter_config.json"  # the base by its path in the repo, not this machine's
+    cfg_path.write_text(cfg_path.read_text().replace(str(QWEN3_5_BASE), str(QWEN3_5_BASE.relative_to(ROOT))))
+    params = [p for n, p in pmodel.named_parameters() if "lora_" in n]
+    losses = []
+    for _ in range(SGD_STEPS):  # the loss curve of plain SGD on the adapter: mean next-token cross-entropy
+        loss = pmodel(tokens, labels=tokens).loss
+        losses.append(loss.item())
+        for p in params:
+            p.grad = None
+        loss.backward()
+        with torch.no_grad():
+            for p in params:
+                p -= SGD_LR * p.grad
+    with torch.no_grad():
+        losses.append(pmodel(tokens, labels=tokens).loss.item())
+    np.savez(out / "expected.npz", tokens=np.array(TOKENS, np.int32), logits=logits,
+             losses=np.array(losses, np.float64), lr=np.float64(SGD_LR))
+    print(f"qwen3_5: losses {losses}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["shared_expert"], help="write only this folder")
-    if parser.parse_args().only:
-        make_shared_expert(OUT / "shared_expert")
+    parser.add_argument("--only", choices=["shared_expert", "qwen3_5"], help="write only this folder")
+    only = parser.parse_args().only
+    if only:
+        {"shared_expert": make_shared_expert, "qwen3_5": make_qwen3_5}[only](OUT / only)
         return
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -163,6 +211,7 @@ def main() -> None:
     print(f"max |logits - base_logits| = {np.abs(logits - base_logits).max():.4f}")
     make_moe(OUT / "moe")
     make_shared_expert(OUT / "shared_expert")
+    make_qwen3_5(OUT / "qwen3_5")
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({total / 1024:.0f} KB)")
 
