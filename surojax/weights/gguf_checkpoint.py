@@ -1,4 +1,4 @@
-"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe architectures, Mixtral as llama),
+"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe / qwen35 architectures, Mixtral as llama),
 through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader: every count and
 offset bounded by the file size).
 
@@ -35,6 +35,11 @@ types in the file (llama.cpp's Q4_K_M gives attn_v / ffn_down Q6_K on some layer
 `GGUFMixed` pytree (surojax.quant.gguf_mixed: each layer's bytes in its own type, padded to the widest row).
 Embeddings, norms, biases and the LM head are dequantised to `param_dtype`.
 
+Qwen3.5's dense hybrid (qwen3_5_text, qwen3_5: architecture `qwen35`, read back as qwen3_5_text) has its own
+names, per-tensor transforms ((1 + w) norms stored as 1 + w, A_log as -exp(A_log), llama.cpp's value-head order)
+and metadata: surojax.weights.gguf_qwen35. Its files are written as f32 / f16 / bf16 / q8_0, what llama.cpp's
+converter writes; files quantised further by llama-quantize are read like any other.
+
 A model split in several files (`name-00001-of-00003.gguf`, gguf-split / GGUFWriter's split options) is read
 whole from any part's name (surojax.weights.gguf_split): metadata from the first part, tensors from all.
 """
@@ -62,6 +67,7 @@ from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
 from surojax.weights.atomic import AtomicFile
 from surojax.weights.gguf_reader import GGUFError, GGUFFile
+from surojax.weights import gguf_qwen35 as qwen35
 from surojax.weights.gguf_split import read_gguf_model
 from surojax.weights.gguf_tokenizer import add_tokenizer, tokenizer_from_fields, tokenizer_metadata
 from surojax.weights.hf_checkpoint import load_model
@@ -70,7 +76,11 @@ from surojax.weights.safetensors_file import WeightsError
 log = logging.getLogger(__name__)
 
 # our model_type -> general.architecture (llama.cpp runs Mixtral as `llama` with {arch}.expert_count > 0)
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+         "qwen3_5_text": qwen35.ARCH, "qwen3_5": qwen35.ARCH}
+# general.architecture -> the model_type a file reads back as (llama with experts: mixtral, below)
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+               qwen35.ARCH: qwen35.MODEL_TYPE}
 # HF name -> llama.cpp name ("{i}" is the layer); rows absent from a family are simply not present
 GGUF_NAMES: dict[str, str] = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -95,6 +105,8 @@ GGUF_NAMES: dict[str, str] = {
     "model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",
     "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
 }
+# per-architecture names that differ from (or add to) GGUF_NAMES
+ARCH_NAMES: dict[str, dict[str, str]] = {qwen35.ARCH: qwen35.NAMES}
 # HF rows written as several GGUF tensors, concatenated along the out rows (numpy axis -2) when read:
 # gate_up_proj [E, 2F, D] = [ffn_gate_exps | ffn_up_exps]
 GGUF_PARTS: dict[str, tuple[str, ...]] = {
@@ -102,6 +114,8 @@ GGUF_PARTS: dict[str, tuple[str, ...]] = {
 }
 ROUTER_SUFFIX = "ffn_gate_inp.weight"  # kept F32 in every file type (convert_hf_to_gguf and llama-quant do)
 ROPE_FREQS = "rope_freqs.weight"
+# the file types convert_hf_to_gguf writes for qwen35 (the only ones whose per-tensor types are known here)
+QWEN35_FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def _gguf():
@@ -179,24 +193,29 @@ def _ordered(cfg: ModelConfig) -> list[str]:
     """HF names in llama.cpp's order: embeddings, each layer's tensors, final norm, head."""
     table = _rows(cfg)
     rows = [r.hf for r in table]
-    out = [n for n in rows if "{i}" not in n and n != "model.norm.weight" and n != "lm_head.weight"]
+    last = [n for n in rows if qwen35.text_name(n) in ("model.norm.weight", "lm_head.weight")]
+    out = [n for n in rows if "{i}" not in n and n not in last]
     for i in range(cfg.num_layers):
         out += [r.hf.format(i=i) for r in table if r.per_layer and i in row_layers(cfg, r)]
-    return out + [n for n in ("model.norm.weight", "lm_head.weight") if n in rows]
+    return out + last
 
 
-def gguf_names(hf_name: str) -> tuple[str, ...]:
-    """The GGUF tensor(s) of one HF tensor: one, or the parts of a split row (GGUF_PARTS), in order."""
+def gguf_names(hf_name: str, arch: str | None = None) -> tuple[str, ...]:
+    """The GGUF tensor(s) of one HF tensor of a file of architecture `arch` (None: the llama-style names): one, or
+    the parts of a split row (GGUF_PARTS), in order. A multimodal checkpoint's `model.language_model.` reads as
+    `model.`."""
+    hf_name = qwen35.text_name(hf_name)
     m = re.match(r"model\.layers\.(\d+)\.(.*)", hf_name)
     key = f"model.layers.{{i}}.{m.group(2)}" if m else hf_name
-    names = GGUF_PARTS.get(key) or ((GGUF_NAMES[key],) if key in GGUF_NAMES else None)
+    table = {**GGUF_NAMES, **ARCH_NAMES.get(arch, {})}
+    names = GGUF_PARTS.get(key) or ((table[key],) if key in table else None)
     if names is None:
         raise WeightsError(f"no GGUF name for tensor {hf_name}")
     return tuple(n.format(i=m.group(1)) for n in names) if m else names
 
 
-def gguf_name(hf_name: str) -> str:
-    names = gguf_names(hf_name)
+def gguf_name(hf_name: str, arch: str | None = None) -> str:
+    names = gguf_names(hf_name, arch)
     if len(names) != 1:
         raise WeightsError(f"tensor {hf_name} is written as {len(names)} GGUF tensors: {', '.join(names)}")
     return names[0]
@@ -258,6 +277,11 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
                            f"cannot be written to GGUF here (supported: {', '.join(ARCHS)})")
     if cfg.rope_scaling.rope_type not in ("default", "linear", "llama3"):
         raise WeightsError(f"rope_scaling {cfg.rope_scaling.rope_type!r} cannot be written to GGUF")
+    if arch == qwen35.ARCH and file_type not in QWEN35_FILE_TYPES:
+        raise WeightsError(f"{cfg.model_type} is written to GGUF as {', '.join(QWEN35_FILE_TYPES)} (what llama.cpp's "
+                           f"convert_hf_to_gguf writes), not {file_type!r}: llama.cpp's per-tensor mix of the other "
+                           "file types for the qwen35 architecture is not modelled here (run llama-quantize on the "
+                           "f16 / f32 file)")
     if cfg.moe is not None and not cfg.moe.norm_topk_prob:
         raise WeightsError(f"{cfg.model_type} with norm_topk_prob false cannot be written to GGUF (llama.cpp's "
                            f"{arch} graph always renormalises the top-k routing weights)")
@@ -289,7 +313,10 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         w.add_value_length(cfg.head_dim)
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         w.add_rope_freq_base(cfg.rope_theta)
-        w.add_rope_dimension_count(cfg.head_dim)
+        if arch == qwen35.ARCH:
+            qwen35.write_metadata(w, cfg)  # its rope.dimension_count is the rotary part
+        else:
+            w.add_rope_dimension_count(cfg.head_dim)
         if cfg.rope_scaling.rope_type == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(cfg.rope_scaling.factor)
@@ -304,9 +331,11 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
             heads = _permute_heads(cfg, hf)
             if heads:
                 arr = _rope_permute(arr, heads)
-            names = gguf_names(hf)
+            if arch == qwen35.ARCH:
+                arr = qwen35.to_file(cfg, hf, arr)
+            names = gguf_names(hf, arch)
             for gname, part in zip(names, np.split(arr, len(names), axis=-2) if len(names) > 1 else [arr]):
-                if part.ndim == 1:
+                if part.ndim == 1 or (arch == qwen35.ARCH and qwen35.forced_f32(gname)):
                     w.add_tensor(gname, np.ascontiguousarray(part, np.float32))
                     continue
                 qtype = "f32" if gname.endswith(ROUTER_SUFFIX) else tensor_type(
@@ -350,9 +379,9 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
     """The config.json dict (HF keys) that the GGUF metadata describes. Every value is type-checked (GGUFError
     naming the key); `n_tensors` (the file's tensor count), when given, bounds the block count."""
     arch = fields.get("general.architecture")
-    model_type = {v: k for k, v in ARCHS.items() if k != "mixtral"}.get(arch) if isinstance(arch, str) else None
+    model_type = MODEL_TYPES.get(arch) if isinstance(arch, str) else None
     if model_type is None:
-        raise GGUFError(f"{source}: general.architecture: expected one of {', '.join(sorted(set(ARCHS.values())))}, "
+        raise GGUFError(f"{source}: general.architecture: expected one of {', '.join(sorted(MODEL_TYPES))}, "
                         f"found {_short(arch)}")
 
     def get(key, kind=int, default=None):
@@ -398,6 +427,8 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
                   moe_intermediate_size=get("expert_feed_forward_length"))
     elif model_type == "mixtral":  # the llama arch's n_ff is the expert's
         hf.update(num_local_experts=experts, num_experts_per_tok=get("expert_used_count"))
+    if arch == qwen35.ARCH:
+        qwen35.hf_config(get, fields, hf, source)
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
         if f"tokenizer.ggml.{name}_token_id" in fields:
             hf[key] = _typed(fields, f"tokenizer.ggml.{name}_token_id", int, source)
@@ -479,16 +510,18 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(abstract)}
 
     rows = _rows(cfg)
+    arch = ARCHS[cfg.model_type]
+    hybrid = arch == qwen35.ARCH
     by_path: dict[str, list] = {}  # state path -> [(layer or None, GGUF names (parts), HF name)]
     expected = set()
     for row in rows:
         for i in row_layers(cfg, row):  # HF layer indices, increasing: the stack's row order once sorted
             hf_name = row.hf.format(i=i) if i is not None else row.hf
-            names = gguf_names(hf_name)
+            names = gguf_names(hf_name, arch)
             by_path.setdefault(row.path, []).append((i, names, hf_name))
             expected.update(names)
     missing = sorted(set(expected) - set(by_name))
-    unexpected = sorted(set(by_name) - set(expected) - {ROPE_FREQS})
+    unexpected = sorted(set(by_name) - set(expected) - {ROPE_FREQS} - _mtp_tensors(by_name, cfg, fields))
     if missing or unexpected:
         raise GGUFError(f"{source}: the tensors do not match the {hf['model_type']} architecture in its metadata:"
                            f" missing {missing[:8]}, unexpected {unexpected[:8]}")
@@ -500,13 +533,14 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         want_one = want[1:] if row.per_layer else want
         hf_shape = tuple(want_one[:-2]) + tuple(want_one[-2:][::-1]) if row.transpose else tuple(want_one)
         items.sort(key=lambda t: -1 if t[0] is None else t[0])
-        for _, names, _ in items:
+        for _, names, hf_name in items:
+            file_shape = qwen35.file_shape(hf_name, hf_shape) if hybrid else hf_shape
             parts = [tuple(reversed(by_name[g].shape)) for g in names]  # numpy order
             got = parts[0][:-2] + (sum(p[-2] for p in parts),) + parts[0][-1:] if len(parts) > 1 else parts[0]
-            if len({p[:-2] + p[-1:] for p in parts}) > 1 or got != hf_shape:
+            if len({p[:-2] + p[-1:] for p in parts}) > 1 or got != file_shape:
                 raise GGUFError(f"{source}: tensor {' + '.join(names)} has shape "
                                 f"{' + '.join(str(list(p)) for p in parts)} (numpy order), the metadata implies "
-                                f"{list(hf_shape)}")
+                                f"{list(file_shape)}")
         types = {by_name[g].tensor_type for _, names, _ in items for g in names}
         linear = row.transpose and row.stack is not None  # a layer stack's Linear; the LM head is dequantised
         quant = linear and keep_quantized and any(t.name not in ("F32", "F16", "BF16") for t in types)
@@ -530,6 +564,13 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                 heads = _permute_heads(cfg, hf_name)
                 if heads:
                     raw = _rope_permute(raw, heads, inverse=True)
+                order = qwen35.quantised_rows_order(cfg, hf_name) if hybrid else None
+                if order is False:  # value heads reordered along the rows' length: not on quantised bytes
+                    log.info("%s: %s dequantised: llama.cpp's value-head order moves its columns", source, spath)
+                    quant = False
+                    break
+                if order is not None:
+                    raw = raw[order]
                 if k % cls.block_size:
                     raise GGUFError(f"{source}: tensor {names[0]}: row length {k} is not a multiple of the "
                                     f"{cls.name} block size {cls.block_size}")
@@ -556,6 +597,8 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
             heads = _permute_heads(cfg, hf_name)
             if heads:
                 a = _rope_permute(a, heads, inverse=True)
+            if hybrid:
+                a = qwen35.from_file(cfg, hf_name, a, names[0], source)
             arrs.append(np.swapaxes(a, -1, -2) if row.transpose else a)
         value = np.stack(arrs) if row.per_layer else arrs[0]
         values[spath] = jnp.asarray(value.astype(np_dtype))
@@ -571,6 +614,17 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
     model = nnx.merge(graphdef, nnx.map_state(fill, abstract))
     return cfg, model, tokenizer
+
+
+def _mtp_tensors(by_name: dict, cfg: ModelConfig, fields: dict) -> set[str]:
+    """A qwen35 file's MTP layers (blk.N with N >= the model's layers, counted in nextn_predict_layers): skipped."""
+    if not fields.get(f"{ARCHS[cfg.model_type]}.nextn_predict_layers"):
+        return set()
+    extra = {n for n in by_name if (m := re.match(r"blk\.(\d+)\.", n)) and int(m.group(1)) >= cfg.num_layers}
+    if extra:
+        log.info("%d MTP tensors (layers >= %d) skipped: surojax does not run multi-token prediction", len(extra),
+                 cfg.num_layers)
+    return extra
 
 
 def _open(path) -> tuple[GGUFFile, dict, str]:
