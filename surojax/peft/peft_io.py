@@ -13,11 +13,12 @@ kept per site (models/targets.py: `gate_proj` in `layers`, `linear_layers.gate_p
 with PEFT's in-memory adapter segment (`lora_A.default.weight`) and without the `base_model.model.` prefix.
 A MoE model's expert adapters use PEFT's `target_parameters` layout (surojax.peft.peft_experts: one adapter per
 expert stacked into the rank axis, nested `.base_layer` names). A MoE router trained with the adapter
-(surojax.peft.trained_router) is PEFT's `modules_to_save`: `["gate"]` (`["router"]` for gpt_oss) and the router's full
-weights per layer under the module's name (`base_model.model.model.layers.{i}.mlp.gate.weight`, torch [E, D]); the
-loader reads them into `PeftAdapter.router` when the caller passes the family's router rows. Anything this loader
-cannot reproduce exactly (DoRA, per-module rank/alpha patterns, biases, other saved modules, layer subsets, ...) is
-an error that names the option, never silently ignored.
+(surojax.peft.trained_router) is PEFT's `modules_to_save`: `["gate"]` (`["router"]` for gpt_oss, `["mlp.gate"]`
+with a shared expert) and the router's full weights per layer under the module's name
+(`base_model.model.model.layers.{i}.mlp.gate.weight`, torch [E, D]); the loader reads them into
+`PeftAdapter.router` when the caller passes the family's router rows. Anything this loader cannot reproduce
+exactly (DoRA, per-module rank/alpha patterns, biases, other saved modules, layer subsets, ...) is an error that
+names the option, never silently ignored.
 
 A shared expert's projections (qwen2_moe) are plain Linear targets under their module names
 (`model.layers.{i}.mlp.shared_expert.gate_proj`), written to `target_modules` as `shared_expert.gate_proj` etc.
@@ -54,9 +55,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 _LIST_LIMIT = 8
-# `modules_to_save` entries this loader reads: the last name of a MoE family's router module (PEFT matches a
-# module by the end of its name). qwen3_moe / mixtral: `mlp.gate`; gpt_oss: `mlp.router`.
-ROUTER_MODULES = ("gate", "router")
+# `modules_to_save` entries this loader reads: the end of a MoE family's router module's name (PEFT matches a
+# module by the end of its name, as a string). qwen3_moe / mixtral: `gate`; gpt_oss: `router`; a family with a
+# shared expert `mlp.gate` (a bare `gate` would also match its `mlp.shared_expert_gate`).
+ROUTER_MODULES = ("gate", "router", "mlp.gate", "mlp.router")
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -489,10 +491,10 @@ def _router_names(saved: list[str] | None, router_rows: tuple[WeightRow, ...], n
     if not router_rows:
         raise AdapterError(f"{adapter_dir}: modules_to_save={saved!r} holds a MoE router, and this model has none "
                            "to load it into (a dense model, or a loader that takes no saved router)")
-    module = router_rows[0].hf.format(i=0).rsplit(".", 2)[-2]  # model.layers.0.mlp.gate.weight -> gate
-    if saved != [module]:
+    module = router_rows[0].hf.format(i=0).removesuffix(".weight")  # model.layers.0.mlp.gate
+    if len(saved) != 1 or not module.endswith("." + saved[0]):
         raise AdapterError(f"{adapter_dir}: modules_to_save={saved!r}, but this model's router module is "
-                           f"{module!r}: the adapter was trained on another family")
+                           f"{module.rsplit('.', 1)[-1]!r}: the adapter was trained on another family ({module} here)")
     patterns = {r.path: re.compile(r"^(?:base_model\.model\.)?" + re.escape(r.hf).replace(re.escape("{i}"), r"(\d+)")
                                    + "$") for r in router_rows}
     found = {}

@@ -131,9 +131,12 @@ def router_tensors(model, dtype=None) -> dict[str, np.ndarray]:
 
 
 def modules_to_save(model) -> list[str]:
-    """PEFT's `modules_to_save` entry: the last name of the router module (`gate`, or `router` for gpt_oss)."""
+    """PEFT's `modules_to_save` entry: the router module's last name (`gate`, or `router` for gpt_oss), with its
+    parent (`mlp.gate`) on a model with a shared expert: PEFT matches the end of a module's name as a string, and a
+    bare `gate` would also wrap the shared expert's gate (`mlp.shared_expert_gate`)."""
     module = router_rows(model)[0].hf.format(i=0).rsplit(".", 1)[0]  # model.layers.0.mlp.gate
-    return [module.rsplit(".", 1)[1]]
+    parts = 2 if model.cfg.moe.shared_expert_intermediate_size else 1
+    return [".".join(module.split(".")[-parts:])]
 
 
 def add_router_to_adapter(model, adapter_dir: str | os.PathLike, dtype=None) -> None:

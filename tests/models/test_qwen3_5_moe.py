@@ -237,7 +237,7 @@ def test_lora_over_deltanet_experts_and_shared_expert_trains_and_exports_as_peft
     assert sorted(config["target_modules"]) == sorted(["q_proj", "shared_expert.gate_proj", "shared_expert.up_proj",
                                                        "shared_expert.down_proj", *DELTANET])
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    assert config["modules_to_save"] == ["gate"]
+    assert config["modules_to_save"] == ["mlp.gate"]  # not "gate": PEFT would also wrap mlp.shared_expert_gate
 
     fresh = load_model(d, dtype=jnp.float32, attention="xla")
     load_adapter_into(fresh, out, trainable=True)
