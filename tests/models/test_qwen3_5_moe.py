@@ -1,6 +1,6 @@
 """Qwen3.5 MoE (Gated DeltaNet + gated attention hybrid, every layer's MLP the sparse MoE with a shared expert, in
 both stacks) against transformers: tiny random checkpoints made by transformers 5.17 (scripts/make_qwen3_5_fixtures.py;
-tests/fixtures/README.md) give the same fp32 logits (max abs diff <= 1e-4) alone, right-padded and packed, and the
+tests/fixtures/README.md) give the same fp32 logits (max abs diff <= 1e-4) alone, padded and packed, and the
 same 32 greedy tokens: the text-only checkpoint (qwen3_5_moe_text: model.layers.*, 6 layers [linear x 3, full,
 linear x 2]) and the multimodal one (qwen3_5_moe: model.language_model.*, text_config, the vision tower skipped).
 The router statistics cover every layer of both stacks in HF layer order (= transformers' per-layer top-k counts;
@@ -32,6 +32,8 @@ from surojax.train.router_monitor import RouterMonitor
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile, write_safetensors
 
+from tests.models.test_qwen3_5 import _batch  # rows: packed, each right-padded, the longest left-padded
+
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["qwen3_5_moe_text", "qwen3_5_moe"]
 TOL = 1e-4
@@ -43,21 +45,6 @@ def _all_logits(graphdef, state, alone, tokens, positions, segments):
     model = nnx.merge(graphdef, state)
     stats = model.hidden_states(alone, jnp.arange(alone.shape[1])[None], jnp.ones_like(alone)).router_stats
     return model(alone), model(tokens, positions, segments), stats
-
-
-def _batch(seqs):
-    """Row 0: the sequences packed (segment ids 1, 2, 3, positions restarting) then padding; rows 1..3: each
-    right-padded."""
-    T = sum(map(len, seqs)) + 3
-    tokens, seg, pos = (np.zeros((1 + len(seqs), T), np.int32) for _ in range(3))
-    starts, at = [], 0
-    for i, s in enumerate(seqs):
-        n = len(s)
-        tokens[0, at:at + n], seg[0, at:at + n], pos[0, at:at + n] = s, i + 1, np.arange(n)
-        tokens[1 + i, :n], seg[1 + i, :n], pos[1 + i, :n] = s, 1, np.arange(n)
-        starts.append(at)
-        at += n
-    return tokens, pos, seg, starts
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -94,6 +81,11 @@ def test_right_padded(case):
     _, _, seqs, logits, _, got = case
     for i, s in enumerate(seqs):
         np.testing.assert_allclose(got["batch"][1 + i, :len(s)], logits[i], atol=TOL, rtol=0)
+
+
+def test_left_padded(case):
+    _, _, seqs, logits, _, got = case
+    np.testing.assert_allclose(got["batch"][-1, -len(seqs[-1]):], logits[-1], atol=TOL, rtol=0)
 
 
 def test_packed(case):
