@@ -312,7 +312,13 @@ class ModelConfig:
                 raise ModelConfigError(f"model_type {family.name!r}: config.json needs a `text_config` object (the "
                                        "language model's keys)")
             hf = {**hf["text_config"], **{k: outer[k] for k in ("tie_word_embeddings",) if k in outer}}
-        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+        if family.intermediate_size_key:
+            required.insert(2, "intermediate_size")
+        elif "intermediate_size" in hf:
+            raise ModelConfigError(f"model_type {hf.get('model_type')!r}: intermediate_size {hf['intermediate_size']} "
+                                   "is not read (every layer's MLP is the sparse MoE: moe_intermediate_size and "
+                                   "shared_expert_intermediate_size give its widths); remove it from config.json")
         missing = [k for k in required if k not in hf]
         if missing:
             raise ModelConfigError(f"config.json lacks {', '.join(missing)} (model_type {hf.get('model_type')!r})")
@@ -347,7 +353,7 @@ class ModelConfig:
             model_type=family.name,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size=int(hf["intermediate_size"]) if family.intermediate_size_key else 0,
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=n_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
@@ -394,7 +400,6 @@ class ModelConfig:
             model_type=self.model_type,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
@@ -405,6 +410,8 @@ class ModelConfig:
             tie_word_embeddings=self.tie_word_embeddings,
             hidden_act=self.hidden_act,
         )
+        if family.intermediate_size_key:
+            out["intermediate_size"] = self.intermediate_size
         # transformers >= 5 reads `rope_parameters`; older versions read rope_theta / rope_scaling.
         rs = self.rope_scaling.hf_fields()
         if self.rope_scaling.rope_type != "default":
@@ -492,10 +499,7 @@ def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
     if style == "qwen2_moe":
         return _qwen2_moe(hf, k, coef)
     if style == "qwen3_5_moe":
-        return MoEConfig(num_experts=int(hf.get("num_experts", 256)), experts_per_token=k,
-                         expert_intermediate_size=int(hf.get("moe_intermediate_size", 512)), norm_topk_prob=True,
-                         router_aux_loss_coef=coef,
-                         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 512)))
+        return _qwen3_5_moe(hf, k, coef)
     if style == "qwen3_moe":
         dense = list(hf.get("mlp_only_layers") or [])
         step = int(hf.get("decoder_sparse_step", 1))
@@ -544,6 +548,27 @@ def _qwen2_moe(hf: dict[str, Any], k: int, coef: float) -> MoEConfig:
                      expert_intermediate_size=int(hf.get("moe_intermediate_size", 1408)),
                      norm_topk_prob=bool(hf.get("norm_topk_prob", False)), router_aux_loss_coef=coef,
                      shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 5632)))
+
+
+def _qwen3_5_moe(hf: dict[str, Any], k: int, coef: float) -> MoEConfig:
+    """qwen3_5_moe's MoE keys (transformers' Qwen3_5MoeTextConfig: every layer sparse, the top-k weights always
+    renormalised, a shared expert). Its config class has no `norm_topk_prob`, `mlp_only_layers` or
+    `decoder_sparse_step` (transformers ignores them): a value asking for other behaviour is refused by its key."""
+    if hf.get("norm_topk_prob", True) is not True:
+        raise ModelConfigError(f"qwen3_5_moe: norm_topk_prob {hf['norm_topk_prob']!r} is not supported (the family "
+                               "always renormalises the top-k routing weights; transformers does not read the key)")
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise ModelConfigError(f"qwen3_5_moe: mlp_only_layers {hf.get('mlp_only_layers')} / decoder_sparse_step "
+                               f"{hf.get('decoder_sparse_step')} are not supported (every layer of the family is "
+                               "sparse; transformers does not read these keys)")
+    num_experts = int(hf.get("num_experts", 256))
+    shared = int(hf.get("shared_expert_intermediate_size", 512))
+    if num_experts <= 0 or shared <= 0:
+        raise ModelConfigError(f"qwen3_5_moe: num_experts {num_experts} and shared_expert_intermediate_size {shared} "
+                               "must be positive (every layer has routed experts and the shared expert)")
+    return MoEConfig(num_experts=num_experts, experts_per_token=k,
+                     expert_intermediate_size=int(hf.get("moe_intermediate_size", 512)), norm_topk_prob=True,
+                     router_aux_loss_coef=coef, shared_expert_intermediate_size=shared)
 
 
 def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:

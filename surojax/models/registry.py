@@ -126,19 +126,25 @@ GPT_OSS_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
 
 
 
-def qwen3_5_weights(prefix: str) -> tuple[WeightRow, ...]:
-    """Qwen3.5's dense hybrid under `prefix` (`model.`: Qwen3_5ForCausalLM; `model.language_model.`: the text backbone
-    of Qwen3_5ForConditionalGeneration). Attention layers (stack `layers`): q_proj [D, 2 N H] = query | output gate
-    per head, q/k norms; DeltaNet layers (stack `linear_layers`): in_proj_qkv [D, 2 Hk Dk + Hv Dv], in_proj_z
-    [D, Hv Dv], in_proj_b / in_proj_a [D, Hv], the depthwise conv kernel as stored [C, 1, K], dt_bias / A_log [Hv],
-    the gated norm [Dv], out_proj [Hv Dv, D]. Both stacks: the two norms and the dense MLP."""
+def qwen3_5_weights(prefix: str, *, moe: bool = False, fused: bool = False) -> tuple[WeightRow, ...]:
+    """Qwen3.5's hybrid under `prefix` (`model.`: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM; `model.language_model.`:
+    the text backbone of the ConditionalGeneration models). Attention layers (stack `layers`): q_proj [D, 2 N H] =
+    query | output gate per head, q/k norms; DeltaNet layers (stack `linear_layers`): in_proj_qkv
+    [D, 2 Hk Dk + Hv Dv], in_proj_z [D, Hv Dv], in_proj_b / in_proj_a [D, Hv], the depthwise conv kernel as stored
+    [C, 1, K], dt_bias / A_log [Hv], the gated norm [Dv], out_proj [Hv Dv, D]. Both stacks: the two norms and the
+    MLP: the dense SwiGLU, or with `moe` (qwen3_5_moe) the sparse MoE in every layer: the router `mlp.gate`, the
+    routed experts (per expert as published, or with `fused` transformers 5's in-memory `mlp.experts.gate_up_proj`
+    [E, 2F, D] / `down_proj` [E, D, F]) and the shared expert with its sigmoid gate."""
     layer = prefix + "layers.{i}."
     both = []
     for stack in ("layers", "linear_layers"):
         both += [WeightRow(layer + "input_layernorm.weight", f"{stack}.attn_norm.scale"),
                  WeightRow(layer + "post_attention_layernorm.weight", f"{stack}.mlp_norm.scale")]
-        both += [WeightRow(layer + f"mlp.{m}.weight", f"{stack}.mlp.{m}.kernel", True)
-                 for m in ("gate_proj", "up_proj", "down_proj")]
+        if moe:
+            both += _moe_rows(layer, stack, fused)
+        else:
+            both += [WeightRow(layer + f"mlp.{m}.weight", f"{stack}.mlp.{m}.kernel", True)
+                     for m in ("gate_proj", "up_proj", "down_proj")]
     attn = [WeightRow(layer + f"self_attn.{m}.weight", f"layers.attn.{m}.kernel", True)
             for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
     attn += [WeightRow(layer + f"self_attn.{m}.weight", f"layers.attn.{m}.scale") for m in ("q_norm", "k_norm")]
@@ -152,6 +158,23 @@ def qwen3_5_weights(prefix: str) -> tuple[WeightRow, ...]:
     return (WeightRow(prefix + "embed_tokens.weight", "embed.embedding"), *both, *attn, *linear,
             WeightRow(prefix + "norm.weight", "final_norm.scale"),
             WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
+
+
+def _moe_rows(layer: str, stack: str, fused: bool) -> list[WeightRow]:
+    """One stack's sparse-MoE rows under the layer prefix `layer` (qwen2_moe's names: router `mlp.gate`, the experts,
+    the shared expert and its gate), per expert or fused."""
+    experts, mlp = f"{stack}.mlp.experts", layer + "mlp."
+    if fused:
+        routed = [WeightRow(mlp + "experts.gate_up_proj", f"{experts}.gate_up_proj.kernel", True),  # [E, 2F, D]
+                  WeightRow(mlp + "experts.down_proj", f"{experts}.down_proj.kernel", True)]  # [E, D, F]
+    else:
+        routed = [WeightRow(mlp + "experts.{e}.gate_proj.weight", f"{experts}.gate_up_proj.kernel", True, half=0),
+                  WeightRow(mlp + "experts.{e}.up_proj.weight", f"{experts}.gate_up_proj.kernel", True, half=1),
+                  WeightRow(mlp + "experts.{e}.down_proj.weight", f"{experts}.down_proj.kernel", True)]
+    shared = [WeightRow(mlp + f"shared_expert.{m}.weight", f"{stack}.mlp.shared_expert.{m}.kernel", True)
+              for m in ("gate_proj", "up_proj", "down_proj")]
+    return [WeightRow(mlp + "gate.weight", f"{stack}.mlp.router.kernel", True), *routed, *shared,
+            WeightRow(mlp + "shared_expert_gate.weight", f"{stack}.mlp.shared_expert_gate.kernel", True)]
 
 
 # HF module names users put in `lora_target_modules`, and where each lives in the Decoder.
@@ -189,6 +212,9 @@ class Family:
     weights: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS
     fused_weights: tuple[WeightRow, ...] = ()  # a second accepted naming (MoE: transformers 5's fused experts)
     moe: str | None = None  # the MoE config spelling (ModelConfig.moe_from_hf); None: a dense family
+    # config.json has the dense MLP's `intermediate_size` (qwen3_5_moe's has none: every layer is sparse;
+    # ModelConfig.intermediate_size is then 0)
+    intermediate_size_key: bool = True
     # Qwen3.5's hybrid: `layer_types` of linear_attention / full_attention layers (two stacks), the attention's
     # sigmoid output gate, (1 + w) RMSNorms, partial rotary (this default when config.json does not say)
     hybrid: bool = False
@@ -218,6 +244,14 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_5", "Qwen3_5ForConditionalGeneration", attention_bias=False, qk_norm=True, hybrid=True,
                partial_rotary_default=0.25, weights=qwen3_5_weights("model.language_model."), text_config=True,
                skipped_prefixes=("model.visual.", "mtp.")),
+        Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", attention_bias=False, qk_norm=True, hybrid=True,
+               partial_rotary_default=0.25, weights=qwen3_5_weights("model.", moe=True),
+               fused_weights=qwen3_5_weights("model.", moe=True, fused=True), moe="qwen3_5_moe",
+               intermediate_size_key=False, skipped_prefixes=("mtp.",)),
+        Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", attention_bias=False, qk_norm=True, hybrid=True,
+               partial_rotary_default=0.25, weights=qwen3_5_weights("model.language_model.", moe=True),
+               fused_weights=qwen3_5_weights("model.language_model.", moe=True, fused=True), moe="qwen3_5_moe",
+               intermediate_size_key=False, text_config=True, skipped_prefixes=("model.visual.", "mtp.")),
     )
 }
 

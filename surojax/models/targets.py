@@ -15,7 +15,8 @@ a MoE model with a shared expert (qwen2_moe) also `shared_expert.gate_proj` / `.
 (registry.SHARED_EXPERT_MODULES: plain Linears, PEFT's `target_modules` names). The shared expert's sigmoid gate
 (Linear(D, 1)) is not a target: it is trained by a full fine-tune only. On
 a hybrid (Qwen3.5) also the Gated DeltaNet projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj
-(registry.LINEAR_ATTENTION_MODULES).
+(registry.LINEAR_ATTENTION_MODULES); a MoE hybrid (qwen3_5_moe) has the MoE names (attention, experts, shared
+expert) and the DeltaNet's.
 
 Sites. A target lives in one or more layer stacks (a hybrid's MLP projections in both `layers` and `linear_layers`,
 its attention projections in `layers`, its DeltaNet projections in `linear_layers`). Each (stack, target) is a
@@ -48,7 +49,8 @@ MOE_TARGETS: tuple[str, ...] = ATTENTION_TARGETS + EXPERT_TARGETS  # what a MoE 
 # user-facing names on a MoE model -> our expert target names
 _MOE_SPELLINGS = {"gate_up_proj": ("experts.gate_up_proj",), "down_proj": ("experts.down_proj",),
                   "experts": EXPERT_TARGETS, "shared_expert": SHARED_EXPERT_TARGETS,
-                  **{t: (t,) for t in ATTENTION_TARGETS + EXPERT_TARGETS + SHARED_EXPERT_TARGETS}}
+                  **{t: (t,) for t in ATTENTION_TARGETS + EXPERT_TARGETS + SHARED_EXPERT_TARGETS
+                     + LINEAR_ATTENTION_TARGETS}}
 
 
 def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_expert: bool = False,
@@ -59,8 +61,8 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
     `gate_up_proj` (also spelled `gate_proj` + `up_proj`, which must come together: one fused weight),
     `down_proj`, `experts` (both), or our names experts.gate_up_proj / experts.down_proj. With a shared expert
     (shared_expert=True) also `shared_expert` (its three projections) or shared_expert.gate_proj / .up_proj /
-    .down_proj one by one; "all-linear" includes them. Dense hybrid
-    (hybrid=True): the dense names and the Gated DeltaNet's (HYBRID_TARGETS)."""
+    .down_proj one by one; "all-linear" includes them. Hybrid (hybrid=True): also the Gated DeltaNet's
+    projections (a dense hybrid: HYBRID_TARGETS; a MoE hybrid: the MoE names, then the DeltaNet's)."""
     if isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     targets = list(targets)
@@ -80,7 +82,7 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
             raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid; choose from "
                              f"{', '.join(LORA_TARGETS)} or 'all-linear'")
         return tuple(t for t in LORA_TARGETS if t in targets)
-    available = MOE_TARGETS + (SHARED_EXPERT_TARGETS if shared_expert else ())
+    available = _moe_names(shared_expert, hybrid)
     if targets == ["all-linear"]:
         return available
     names = set(targets)
@@ -97,11 +99,18 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
             shared = ", shared_expert (its three projections), " + ", ".join(SHARED_EXPERT_TARGETS)
         elif any(n.startswith("shared_expert") for n in names):
             shared = " (this model has no shared expert)"
+        linear = f", {', '.join(LINEAR_ATTENTION_TARGETS)}" if hybrid else ""
         raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid on a MoE model; choose from "
                          f"{', '.join(ATTENTION_TARGETS)}, gate_up_proj (= gate_proj + up_proj), down_proj, "
-                         f"experts (both expert projections){shared} or 'all-linear'")
+                         f"experts (both expert projections){shared}{linear} or 'all-linear'")
     chosen = {t for n in names for t in _MOE_SPELLINGS[n]}
     return tuple(t for t in available if t in chosen)
+
+
+def _moe_names(shared_expert: bool, hybrid: bool) -> tuple[str, ...]:
+    """A MoE model's target names in order: attention, experts, the shared expert's, a hybrid's DeltaNet's."""
+    return (MOE_TARGETS + (SHARED_EXPERT_TARGETS if shared_expert else ())
+            + (LINEAR_ATTENTION_TARGETS if hybrid else ()))
 
 
 def is_moe(model) -> bool:
@@ -155,13 +164,12 @@ def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
 
 
 def model_targets(model) -> tuple[str, ...]:
-    """The target site keys this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS; a hybrid: HYBRID_TARGETS in
-    each stack that has them, `layers` first), + SHARED_EXPERT_TARGETS with a shared expert."""
-    if is_hybrid(model):
-        return target_sites(model, HYBRID_TARGETS)
+    """The target site keys this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS, + SHARED_EXPERT_TARGETS with a
+    shared expert; a hybrid: those and LINEAR_ATTENTION_TARGETS in each stack that has them, `layers` first)."""
     if not is_moe(model):
-        return LORA_TARGETS
-    return MOE_TARGETS + (SHARED_EXPERT_TARGETS if has_shared_expert(model) else ())
+        return target_sites(model, HYBRID_TARGETS) if is_hybrid(model) else LORA_TARGETS
+    names = _moe_names(has_shared_expert(model), is_hybrid(model))
+    return target_sites(model, names) if is_hybrid(model) else names
 
 
 def resolve_model_targets(model, targets: str | Iterable[str]) -> tuple[str, ...]:

@@ -155,15 +155,15 @@ def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int,
     if existing:
         raise ValueError(f"the model already has LoRA adapters on {', '.join(existing)}: fold them into the base "
                          "first (merge_lora) or continue them (load_adapter_into(..., trainable=True))")
-    experts = [t for t in targets if t in EXPERT_MODULES]
+    experts = [t for t in targets if target_name(t) in EXPERT_MODULES]  # site keys (a hybrid: in both stacks)
     if experts and dropout > 0.0:
         raise ValueError(f"lora_dropout {dropout} cannot apply to the expert adapters ({', '.join(experts)}): PEFT "
                          "does not support dropout there either (its ParamWrapper); set lora_dropout: 0")
-    L = model.cfg.num_layers
-    for name in experts:  # a MoE model: one stack
-        replace_module(model.layers, EXPERT_MODULES[name],
-                       _expert_adapter(module_at(model.layers, EXPERT_MODULES[name]), L, model.cfg.moe.num_experts,
-                                       rank, alpha, use_rslora, rngs, dtype))
+    for name in experts:
+        root, path = site(model, name)
+        L = len(stack_layers(model.cfg, site_stack(name)))
+        replace_module(root, path, _expert_adapter(module_at(root, path), L, model.cfg.moe.num_experts, rank, alpha,
+                                                   use_rslora, rngs, dtype))
     for name in (t for t in targets if t not in experts):
         root, path = site(model, name)
         L = len(stack_layers(model.cfg, site_stack(name)))

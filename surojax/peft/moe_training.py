@@ -16,6 +16,7 @@ import logging
 
 from flax import nnx
 
+from surojax.models.targets import stacks
 from surojax.parallel.expert import EXPERT_AXIS, apply_expert_parallel
 from surojax.peft.trained_router import make_router_trainable
 
@@ -35,7 +36,8 @@ class MoeTransform:
         self.router_values: int | None = None
 
     def apply(self, model: nnx.Module) -> None:
-        model.layers.mlp.capacity_factor = self.capacity_factor
+        for stack in stacks(model).values():  # a hybrid's MoE layers are in both stacks
+            stack.mlp.capacity_factor = self.capacity_factor
         if self.train_router:
             self.router_values = make_router_trainable(model, self.router_dtype)
             log.info("train_router: %s router values train with the adapter", f"{self.router_values:,}")

@@ -1,6 +1,8 @@
 """PEFT's layout for LoRA on transformers 5's fused MoE experts (`target_parameters`, peft's `lora.ParamWrapper`).
 
-transformers 5 keeps a MoE layer's experts as 3-D parameters of one module `model.layers.{i}.mlp.experts`:
+transformers 5 keeps a MoE layer's experts as 3-D parameters of one module `model.layers.{i}.mlp.experts`
+(`model.language_model.layers.{i}.mlp.experts` in qwen3_5_moe's ConditionalGeneration model; a hybrid's experts are
+in both of its stacks, one module name by HF layer index):
 gate_up_proj [E, 2F, D] and down_proj [E, D, F] (torch [E, out, in]). PEFT 0.21 targets them with
 `target_parameters: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]` and wraps each in a ParamWrapper holding
 one adapter per expert, stacked into the rank axis of two Linears:
@@ -32,16 +34,18 @@ import numpy as np
 
 from surojax.models.registry import EXPERT_MODULES
 
-EXPERTS_MODULE = "model.layers.{i}.mlp.experts"  # the HF module that holds the fused expert parameters
+EXPERTS_MODULE = "layers.{i}.mlp.experts"  # the HF module that holds the fused expert parameters, after the
+# family's layer prefix (`model.`; `model.language_model.` for a ConditionalGeneration model's text backbone)
 # target name -> the PEFT target_parameters entry; also the parameters' order inside the module
 PEFT_PARAMETERS: dict[str, str] = dict(EXPERT_MODULES)
 
 
-def expert_module_name(target: str, targets: tuple[str, ...]) -> str:
-    """The module path ("{i}" for the layer) PEFT saves `target`'s tensors under, given all expert targets."""
+def expert_module_name(target: str, targets: tuple[str, ...], prefix: str = "model.") -> str:
+    """The module path ("{i}" for the layer) PEFT saves `target`'s tensors under, given all expert targets (target
+    names, not site keys) and the family's layer prefix."""
     ordered = [t for t in PEFT_PARAMETERS if t in targets]
     depth = len(ordered) - 1 - ordered.index(target)  # wrappers nested outside this one
-    return EXPERTS_MODULE + ".base_layer" * depth
+    return prefix + EXPERTS_MODULE + ".base_layer" * depth
 
 
 def to_peft(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -13,11 +13,12 @@ kept per site (models/targets.py: `gate_proj` in `layers`, `linear_layers.gate_p
 with PEFT's in-memory adapter segment (`lora_A.default.weight`) and without the `base_model.model.` prefix.
 A MoE model's expert adapters use PEFT's `target_parameters` layout (surojax.peft.peft_experts: one adapter per
 expert stacked into the rank axis, nested `.base_layer` names). A MoE router trained with the adapter
-(surojax.peft.trained_router) is PEFT's `modules_to_save`: `["gate"]` (`["router"]` for gpt_oss) and the router's full
-weights per layer under the module's name (`base_model.model.model.layers.{i}.mlp.gate.weight`, torch [E, D]); the
-loader reads them into `PeftAdapter.router` when the caller passes the family's router rows. Anything this loader
-cannot reproduce exactly (DoRA, per-module rank/alpha patterns, biases, other saved modules, layer subsets, ...) is
-an error that names the option, never silently ignored.
+(surojax.peft.trained_router) is PEFT's `modules_to_save`: `["gate"]` (`["router"]` for gpt_oss, `["mlp.gate"]`
+with a shared expert) and the router's full weights per layer under the module's name
+(`base_model.model.model.layers.{i}.mlp.gate.weight`, torch [E, D]); the loader reads them into
+`PeftAdapter.router` when the caller passes the family's router rows. Anything this loader cannot reproduce
+exactly (DoRA, per-module rank/alpha patterns, biases, other saved modules, layer subsets, ...) is an error that
+names the option, never silently ignored.
 
 A shared expert's projections (qwen2_moe) are plain Linear targets under their module names
 (`model.layers.{i}.mlp.shared_expert.gate_proj`), written to `target_modules` as `shared_expert.gate_proj` etc.
@@ -54,9 +55,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 _LIST_LIMIT = 8
-# `modules_to_save` entries this loader reads: the last name of a MoE family's router module (PEFT matches a
-# module by the end of its name). qwen3_moe / mixtral: `mlp.gate`; gpt_oss: `mlp.router`.
-ROUTER_MODULES = ("gate", "router")
+# `modules_to_save` entries this loader reads: the end of a MoE family's router module's name (PEFT matches a
+# module by the end of its name, as a string). qwen3_moe / mixtral: `gate`; gpt_oss: `router`; a family with a
+# shared expert `mlp.gate` (a bare `gate` would also match its `mlp.shared_expert_gate`).
+ROUTER_MODULES = ("gate", "router", "mlp.gate", "mlp.router")
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -112,6 +114,22 @@ def module_names(rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> dict[str,
             if hf is not None:
                 out[site_key(stack, name)] = hf.removesuffix(".weight")
     return out
+
+
+def layer_prefix(rows: tuple[WeightRow, ...]) -> str:
+    """The family's prefix of `layers.{i}` ("model."; "model.language_model." for a ConditionalGeneration model's
+    text backbone), read off its embedding row."""
+    embed = next((r.hf for r in rows if r.path == "embed.embedding"), "model.embed_tokens.weight")
+    return embed.removesuffix("embed_tokens.weight")
+
+
+def expert_sites(rows: tuple[WeightRow, ...], targets) -> dict[str, str]:
+    """Site key -> PEFT's module path ("{i}" for the layer) of the expert targets among `targets` (target names or
+    site keys), in every stack whose rows have experts (a one-stack model, or rows without experts: `layers`)."""
+    names = tuple(dict.fromkeys(target_name(t) for t in targets if target_name(t) in PEFT_PARAMETERS))
+    stacks = [r.stack for r in rows if r.per_layer and r.path.endswith(".mlp.experts.down_proj.kernel")]
+    return {site_key(stack, t): expert_module_name(t, names, layer_prefix(rows))
+            for stack in stacks or ["layers"] for t in names}
 
 
 def _hf_layers(cfg, key: str, rows: int) -> tuple[int, ...]:
@@ -187,14 +205,13 @@ def peft_tensors(adapter: PeftAdapter, rows: tuple[WeightRow, ...] = LLAMA_STYLE
     """Our layout -> PEFT's tensor names and torch layout (A [R, in], B [out, R] per layer). cfg: the model's
     config, which maps a stack's rows to HF layer indices (needed for a hybrid; None: row r is layer r)."""
     names = module_names(rows)
-    expert_targets = tuple(t for t in adapter.weights if t in PEFT_PARAMETERS)
-    names.update({t: expert_module_name(t, expert_targets) for t in expert_targets})
+    names.update(expert_sites(rows, adapter.weights))
     np_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
     out = {}
     for target, (a, b) in adapter.weights.items():
         for r, i in enumerate(_hf_layers(cfg, target, a.shape[0])):
             prefix = PEFT_PREFIX + names[target].format(i=i)
-            pair = to_peft(a[r], b[r]) if target in PEFT_PARAMETERS else (a[r].T, b[r].T)
+            pair = to_peft(a[r], b[r]) if target_name(target) in PEFT_PARAMETERS else (a[r].T, b[r].T)
             for ab, w in zip("AB", pair):
                 out[f"{prefix}.lora_{ab}.weight"] = np.ascontiguousarray(w if np_dtype is None else w.astype(np_dtype))
     return out
@@ -351,17 +368,20 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
 
     modules = module_names(rows)
     spec = dataclasses.replace(spec, targets=_peft_meaning(spec.targets, modules))
-    expert_targets = tuple(t for t in spec.targets if t in PEFT_PARAMETERS)
-    modules.update({t: expert_module_name(t, expert_targets) for t in expert_targets})
+    modules.update(expert_sites(rows, spec.targets))
     if cfg.get("target_modules") == "all-linear" and model_cfg is not None and model_cfg.linear_attention is not None:
-        spec = dataclasses.replace(spec, targets=resolve_targets("all-linear", hybrid=True))
+        moe = model_cfg.moe
+        linear = resolve_targets("all-linear", moe=moe is not None, hybrid=True,
+                                 shared_expert=bool(moe and moe.shared_expert_intermediate_size))
+        chosen = [t for t in linear if t not in PEFT_PARAMETERS or t in spec.targets]  # experts: target_parameters
+        spec = dataclasses.replace(spec, targets=tuple(chosen))
     patterns = {t: re.compile("^" + re.escape(m).replace(re.escape("{i}"), r"(\d+)") + "$")
                 for t, m in modules.items()}
     held = None if model_cfg is None else {k: set(_hf_layers(model_cfg, k, 0)) for k in modules}
     found: dict[tuple[str, int, str], str] = {}  # (target, layer, "A"|"B") -> tensor name
     unexpected = []
     router_found = _router_names(cfg.get("modules_to_save"), router_rows, f.names(), adapter_dir)
-    have = dict.fromkeys(target_name(k) for k in modules if k not in PEFT_PARAMETERS)  # HF names (every stack)
+    have = dict.fromkeys(target_name(k) for k in modules if target_name(k) not in PEFT_PARAMETERS)  # HF names
     absent = [t for t in spec.targets if t not in have and t not in PEFT_PARAMETERS]
     if absent:
         raise AdapterError(f"{adapter_dir / CONFIG_FILE}: target_modules {absent} name modules this model does not "
@@ -422,7 +442,8 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
             if dims is not None and t not in dims:
                 raise AdapterError(f"{wpath}: the adapter targets {t}, which the model does not have "
                                    f"(it has {', '.join(dims)})")
-            if t in PEFT_PARAMETERS:
+            expert = target_name(t) in PEFT_PARAMETERS
+            if expert:
                 E = num_experts if num_experts is not None else f.shape(na)[0] // spec.rank
                 d_in, d_out = dims[t] if dims is not None else (f.shape(na)[-1], f.shape(nb)[0])
                 want_a, want_b = (E * spec.rank, d_in), (d_out, spec.rank * E)
@@ -437,7 +458,7 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
             for n, want in ((na, want_a), (nb, want_b)):
                 if tuple(f.shape(n)) != tuple(want):
                     raise AdapterError(f"{wpath}: tensor {n} has shape {list(f.shape(n))}, {why} {list(want)}")
-            if t in PEFT_PARAMETERS:
+            if expert:
                 a, b = from_peft(np.asarray(f.get(na)), np.asarray(f.get(nb)), spec.rank)  # [E, in, R], [E, R, out]
             else:
                 a, b = np.asarray(f.get(na)).T, np.asarray(f.get(nb)).T  # [in, R], [R, out]
@@ -445,7 +466,7 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
             b_list.append(b)
         weights[t] = (np.stack(a_list), np.stack(b_list))  # [L, (E,) in, R], [L, (E,) R, out]
     spec = dataclasses.replace(spec, targets=tuple(dict.fromkeys(target_name(t) for t in targets)))
-    router = _read_router(f, wpath, router_found, router_rows, L)
+    router = _read_router(f, wpath, router_found, router_rows, L, model_cfg)
     return PeftAdapter(spec, weights, cfg.get("base_model_name_or_path"), adapter_dir, router)
 
 
@@ -470,10 +491,10 @@ def _router_names(saved: list[str] | None, router_rows: tuple[WeightRow, ...], n
     if not router_rows:
         raise AdapterError(f"{adapter_dir}: modules_to_save={saved!r} holds a MoE router, and this model has none "
                            "to load it into (a dense model, or a loader that takes no saved router)")
-    module = router_rows[0].hf.format(i=0).rsplit(".", 2)[-2]  # model.layers.0.mlp.gate.weight -> gate
-    if saved != [module]:
+    module = router_rows[0].hf.format(i=0).removesuffix(".weight")  # model.layers.0.mlp.gate
+    if len(saved) != 1 or not module.endswith("." + saved[0]):
         raise AdapterError(f"{adapter_dir}: modules_to_save={saved!r}, but this model's router module is "
-                           f"{module!r}: the adapter was trained on another family")
+                           f"{module.rsplit('.', 1)[-1]!r}: the adapter was trained on another family ({module} here)")
     patterns = {r.path: re.compile(r"^(?:base_model\.model\.)?" + re.escape(r.hf).replace(re.escape("{i}"), r"(\d+)")
                                    + "$") for r in router_rows}
     found = {}
@@ -486,13 +507,16 @@ def _router_names(saved: list[str] | None, router_rows: tuple[WeightRow, ...], n
 
 
 def _read_router(f: SafetensorsFile, wpath: Path, found: dict[tuple[str, int], str],
-                 router_rows: tuple[WeightRow, ...], num_layers: int) -> dict[str, np.ndarray]:
-    """Stack the saved router tensors into our layout (kernel [L, D, E], bias [L, E]), every layer present."""
+                 router_rows: tuple[WeightRow, ...], num_layers: int, model_cfg=None) -> dict[str, np.ndarray]:
+    """Stack the saved router tensors into our layout (kernel [rows, D, E], bias [rows, E]), every layer present:
+    each row's stack holds the HF layers registry.stack_layers gives it (without a config: 0..num_layers-1)."""
     if not found:
         return {}
     rows = {r.path: r for r in router_rows}
-    missing = [PEFT_PREFIX + rows[p].hf.format(i=i) for p in rows for i in range(num_layers) if (p, i) not in found]
-    extra = [n for (p, i), n in found.items() if i >= num_layers]
+    layers = {p: tuple(range(num_layers)) if model_cfg is None else stack_layers(model_cfg, r.stack)
+              for p, r in rows.items()}
+    missing = [PEFT_PREFIX + rows[p].hf.format(i=i) for p in rows for i in layers[p] if (p, i) not in found]
+    extra = sorted({n for (p, i), n in found.items() if i >= num_layers})
     if missing or extra:
         raise AdapterError(f"{wpath}: the saved router needs one tensor per row and layer (L={num_layers}); "
                            f"missing: {_listing(missing) or 'none'}; "
@@ -500,7 +524,7 @@ def _read_router(f: SafetensorsFile, wpath: Path, found: dict[tuple[str, int], s
     router = {}
     for path, row in rows.items():
         values = []
-        for i in range(num_layers):
+        for i in layers[path]:
             name = found[(path, i)]
             if f.dtype(name) not in _FLOATS:
                 raise AdapterError(f"{wpath}: tensor {name} has dtype {f.dtype(name)}, expected a float")

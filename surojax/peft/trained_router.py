@@ -11,7 +11,9 @@ Export: PEFT `modules_to_save` — the adapter folder gets the routers' full wei
 module's last name (`gate`; `router` for gpt_oss), which `peft.PeftModel.from_pretrained` loads into its
 `ModulesToSaveWrapper`. The names are transformers 5's in-memory module paths, which PEFT sees: Mixtral's router is
 `mlp.gate` there (its checkpoints say `block_sparse_moe.gate`), so the family's fused table wins where it has one.
-The merged model (`merge_adapter`) carries them as ordinary weights.
+The merged model (`merge_adapter`) carries them as ordinary weights. A hybrid MoE (qwen3_5_moe) has a router in
+each layer stack (`layers.mlp.router`, `linear_layers.mlp.router`): all of them train, and each stack's rows are
+saved under their HF layer indices (registry.stack_layers), one module name for both.
 
 Import: surojax.peft.peft_io reads such an adapter's router tensors (`PeftAdapter.router`, our layout) given
 `peft_router_rows(cfg)`; `set_router` puts them into a model: a `RouterParam` when the adapter is loaded to keep
@@ -28,12 +30,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.registry import WeightRow, weight_rows
+from surojax.models.registry import WeightRow, stack_layers, weight_rows
+from surojax.models.targets import stacks
 from surojax.peft.peft_io import CONFIG_FILE, PEFT_PREFIX, WEIGHTS_FILE
 from surojax.weights.atomic import write_text_atomic
 from surojax.weights.safetensors_file import SafetensorsFile, write_safetensors
 
-ROUTER_PATHS = ("layers.mlp.router.kernel", "layers.mlp.router.bias")  # the Decoder state paths of the router
+ROUTER_WEIGHTS = ("kernel", "bias")  # a router's weights: state path `{stack}.mlp.router.{name}`
+
+
+def _routers(model) -> dict[str, nnx.Module]:
+    """Each layer stack's router module, by stack name."""
+    return {name: stack.mlp.router for name, stack in stacks(model).items()}
+
+
+def _is_router_path(path: str) -> bool:
+    stack, _, rest = path.partition(".")
+    return rest in tuple(f"mlp.router.{w}" for w in ROUTER_WEIGHTS)
 
 
 class RouterParam(nnx.LoRAParam):
@@ -45,14 +58,14 @@ def make_router_trainable(model, dtype) -> int:
     Returns how many values now train. Raises ValueError for a dense model (no router)."""
     if model.cfg.moe is None:
         raise ValueError(f"train_router: {model.cfg.model_type} is a dense model; it has no router to train")
-    router = model.layers.mlp.router
     n = 0
-    for name in ("kernel", "bias"):
-        var = getattr(router, name)
-        if var is None:
-            continue
-        setattr(router, name, RouterParam(var.get_value().astype(dtype), **var.get_metadata()))
-        n += var.get_value().size
+    for router in _routers(model).values():
+        for name in ROUTER_WEIGHTS:
+            var = getattr(router, name)
+            if var is None:
+                continue
+            setattr(router, name, RouterParam(var.get_value().astype(dtype), **var.get_metadata()))
+            n += var.get_value().size
     return n
 
 
@@ -65,7 +78,7 @@ def peft_router_rows(cfg) -> tuple[WeightRow, ...]:
     transformers 5's in-memory model (the family's fused table where it has one). Empty for a dense model."""
     if cfg.moe is None:
         return ()
-    rows = tuple(r for r in (weight_rows(cfg, fused=True) or weight_rows(cfg)) if r.path in ROUTER_PATHS)
+    rows = tuple(r for r in (weight_rows(cfg, fused=True) or weight_rows(cfg)) if _is_router_path(r.path))
     if not rows:
         raise ValueError(f"{cfg.model_type}: the weight table has no router row")
     return rows
@@ -79,18 +92,21 @@ def router_rows(model) -> tuple[WeightRow, ...]:
 
 
 def set_router(model, router: dict[str, np.ndarray], *, trainable: bool, dtype) -> None:
-    """Put saved router weights into `model` (in place). router: Decoder path (ROUTER_PATHS) -> value in our layout
-    (kernel [L, D, E], bias [L, E]); every router weight of the model must be given, with the model's shape.
+    """Put saved router weights into `model` (in place). router: Decoder path (`{stack}.mlp.router.kernel` /
+    `.bias`) -> value in our layout (kernel [rows, D, E], bias [rows, E]); every router weight of the model must
+    be given, with the model's shape.
     trainable: each becomes a `RouterParam` in `dtype` (it trains with the adapter, as `make_router_trainable`);
     otherwise the value replaces the weight's, as a plain `nnx.Param` in the weight's own dtype."""
     if model.cfg.moe is None:
         raise ValueError(f"{model.cfg.model_type} is a dense model; it has no router to load")
-    module = model.layers.mlp.router
-    want = {p for p in ROUTER_PATHS if getattr(module, p.rsplit(".", 1)[1]) is not None}
+    routers = _routers(model)
+    want = {f"{stack}.mlp.router.{w}" for stack, module in routers.items() for w in ROUTER_WEIGHTS
+            if getattr(module, w) is not None}
     if set(router) != want:
         raise ValueError(f"router weights {sorted(router)} do not match the model's router {sorted(want)}")
     for path, value in router.items():
-        name = path.rsplit(".", 1)[1]
+        stack, name = path.split(".", 1)[0], path.rsplit(".", 1)[1]
+        module = routers[stack]
         var = getattr(module, name)
         old = var.get_value()
         if tuple(value.shape) != tuple(old.shape):
@@ -102,22 +118,25 @@ def set_router(model, router: dict[str, np.ndarray], *, trainable: bool, dtype) 
 
 def router_tensors(model, dtype=None) -> dict[str, np.ndarray]:
     """The routers' weights under PEFT's saved names, one tensor per layer, in torch layout."""
-    out = {}
+    out, routers = {}, _routers(model)
     for row in router_rows(model):
         name = row.path.rsplit(".", 1)[1]
-        value = np.asarray(jax.device_get(getattr(model.layers.mlp.router, name).get_value()))  # [L, D, E] | [L, E]
+        value = np.asarray(jax.device_get(getattr(routers[row.stack], name).get_value()))  # [rows, D, E] | [rows, E]
         if dtype is not None:
             value = value.astype(np.dtype(dtype))
-        for i in range(value.shape[0]):
-            w = value[i].T if row.transpose else value[i]
+        for r, i in enumerate(stack_layers(model.cfg, row.stack)):
+            w = value[r].T if row.transpose else value[r]
             out[PEFT_PREFIX + row.hf.format(i=i)] = np.ascontiguousarray(w)
     return out
 
 
 def modules_to_save(model) -> list[str]:
-    """PEFT's `modules_to_save` entry: the last name of the router module (`gate`, or `router` for gpt_oss)."""
+    """PEFT's `modules_to_save` entry: the router module's last name (`gate`, or `router` for gpt_oss), with its
+    parent (`mlp.gate`) on a model with a shared expert: PEFT matches the end of a module's name as a string, and a
+    bare `gate` would also wrap the shared expert's gate (`mlp.shared_expert_gate`)."""
     module = router_rows(model)[0].hf.format(i=0).rsplit(".", 1)[0]  # model.layers.0.mlp.gate
-    return [module.rsplit(".", 1)[1]]
+    parts = 2 if model.cfg.moe.shared_expert_intermediate_size else 1
+    return [".".join(module.split(".")[-parts:])]
 
 
 def add_router_to_adapter(model, adapter_dir: str | os.PathLike, dtype=None) -> None:

@@ -180,7 +180,8 @@ def test_bad_config_json(tmp_path):
     (d / "config.json").write_text(json.dumps(fixture_config() | {"model_type": "gpt2"}))
     msg = load_error(d)
     assert str(d / "config.json") in msg and "'gpt2' is not supported" in msg
-    assert "gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_text, qwen3_moe" in msg  # the supported ones
+    assert ("gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, "
+            "qwen3_5_text, qwen3_moe") in msg  # the supported ones
 
 
 def test_missing_weights_file_with_pytorch_bin_hint(tmp_path):
