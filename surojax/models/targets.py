@@ -66,22 +66,15 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
     if isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     targets = list(targets)
-    if hybrid and not moe:
-        if targets == ["all-linear"]:
-            return HYBRID_TARGETS
-        unknown = [t for t in targets if t not in HYBRID_TARGETS]
-        if unknown or not targets:
-            raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid; choose from "
-                             f"{', '.join(HYBRID_TARGETS)} or 'all-linear'")
-        return tuple(t for t in HYBRID_TARGETS if t in targets)
     if not moe:
+        available = HYBRID_TARGETS if hybrid else LORA_TARGETS
         if targets == ["all-linear"]:
-            return LORA_TARGETS
-        unknown = [t for t in targets if t not in LINEAR_MODULES]
+            return available
+        unknown = [t for t in targets if t not in available]
         if unknown or not targets:
             raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid; choose from "
-                             f"{', '.join(LORA_TARGETS)} or 'all-linear'")
-        return tuple(t for t in LORA_TARGETS if t in targets)
+                             f"{', '.join(available)} or 'all-linear'")
+        return tuple(t for t in available if t in targets)
     available = _moe_names(shared_expert, hybrid)
     if targets == ["all-linear"]:
         return available
