@@ -14,6 +14,9 @@
     fp8_cast       SUROJAX_FP8_CAST       auto | xla               precision/fp8_scaling: the cast + transpose kernel
     quant_matmul   SUROJAX_QUANT_MATMUL   auto | pallas | xla      quant/: the quantised matmul's kernel
     adam8bit       SUROJAX_ADAM8BIT       auto | kernel | xla      train/optim_8bit_fused: the fused 8-bit AdamW
+    gated_delta    SUROJAX_GATED_DELTA    auto | pallas | chunked | reference
+                                                                   models/layers/deltanet_cache: the chunked gated
+                                                                   delta rule (pallas_kernels/gated_delta impl)
 
 Each choice changes what compiles, not what a config means: the defaults are the measured best (the modules above
 say why), the variables exist for A/B runs. A variable that changed what compiles without a word was the defect
@@ -61,9 +64,17 @@ class Adam8bit(enum.StrEnum):
     XLA = "xla"        # the per-layer loop
 
 
+class GatedDelta(enum.StrEnum):
+    AUTO = "auto"            # pallas_kernels/gated_delta's measured choice for the backend
+    PALLAS = "pallas"        # the Pallas (Triton) forward and backward kernels (interpret mode off a GPU)
+    CHUNKED = "chunked"      # the chunked jnp form (XLA)
+    REFERENCE = "reference"  # the token-by-token recurrence (tests, checks; slow)
+
+
 VARIABLES: dict[str, str] = {  # field -> its environment variable
     "fp8_dot": "SUROJAX_FP8_DOT", "fp8_accum": "SUROJAX_FP8_ACCUM", "fp8_wgrad": "SUROJAX_FP8_WGRAD",
     "fp8_cast": "SUROJAX_FP8_CAST", "quant_matmul": "SUROJAX_QUANT_MATMUL", "adam8bit": "SUROJAX_ADAM8BIT",
+    "gated_delta": "SUROJAX_GATED_DELTA",
 }
 
 
@@ -79,6 +90,7 @@ class KernelSettings:
     fp8_cast: Fp8Cast = Fp8Cast.AUTO
     quant_matmul: QuantMatmul = QuantMatmul.AUTO
     adam8bit: Adam8bit = Adam8bit.AUTO
+    gated_delta: GatedDelta = GatedDelta.AUTO
     from_environment: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
     """the variables that were set when these settings were read (printed even where they name the default)"""
 
@@ -148,5 +160,5 @@ def use_kernel_settings(settings: KernelSettings | None = None, **changes) -> It
         set_kernel_settings(before)
 
 
-__all__ = ["VARIABLES", "Adam8bit", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "KernelSettings",
+__all__ = ["VARIABLES", "Adam8bit", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "KernelSettings",
            "KernelSettingsError", "QuantMatmul", "kernel_settings", "set_kernel_settings", "use_kernel_settings"]

@@ -35,14 +35,28 @@ per active expert: k times that per layer. Qwen3-30B-A3B (3.04B active matmul pa
 on the attention targets, one 2048-token segment per row: 14.7 GFLOP per token (12.2 frozen linear, of which
 the lm_head is 1.2; 0.08 adapters; 2.4 attention); with the expert targets too, 14.9. The "6 x active
 parameters" count quoted for MoE MFU is `mode="full"` here: 6 * P_lin * tokens + 3 * A_fwd (18.2 + 2.4).
+
+Hybrid (`cfg.linear_attention`, Qwen3.5): L_a attention layers and L_l = L - L_a Gated DeltaNet layers. An
+attention layer's q_proj is twice as wide when it gives the output gate; a DeltaNet layer's projections are
+in_proj_qkv [D, 2 Hk Dk + Hv Dv], in_proj_z [D, Hv Dv], in_proj_b / in_proj_a [D, Hv] and out_proj [Hv Dv, D];
+the feed-forward runs on every layer. The attention term counts the L_a layers only; the DeltaNet's token mixing
+is the chunk algorithm's work (pallas_kernels/gated_delta/chunked.py, chunks of C = 64), per token and value head
+
+    G_fwd = 2 C (3 Dk + 2 Dv) + 6 Dk Dv + C^2 / 3        (K K^T, Q K^T, U, W; W S, Q S, K^T u; the inverse)
+
+times L_l Hv tokens, and 3x that for forward + backward (as attention; the depthwise conv is free). LoRA targets
+count on the layers that have them (attention targets L_a times, DeltaNet targets L_l times, MLP targets L).
+Qwen3.5-0.8B shapes, LoRA r16 on all linears, one 2048-token segment per row: 3.38 GFLOP per token (3.01 frozen
+linear, 0.07 adapters, 0.15 attention, 0.16 DeltaNet mixing).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 from surojax.models.config import ModelConfig
-from surojax.models.targets import LORA_TARGETS
+from surojax.models.targets import ATTENTION_TARGETS, LINEAR_ATTENTION_TARGETS, LORA_TARGETS
 
+DELTANET_CHUNK = 64  # pallas_kernels/gated_delta/chunked.py CHUNK (bench/ does not import the kernels)
 PEAK_BF16_FLOPS = 731e12  # jnp.dot 8192^3 bf16 on the H200 (shared/BENCHMARKS.md, 2026-11-29)
 
 
@@ -50,13 +64,38 @@ def linear_params(cfg: ModelConfig) -> int:
     """P_lin: matmul weights a token passes through (per layer x L, plus the lm_head); a MoE layer counts its
     router, the k active experts and a shared expert (module docstring)."""
     D = cfg.hidden_size
-    attention = D * cfg.q_dim + 2 * D * cfg.kv_dim + cfg.q_dim * D
+    attention = D * cfg.q_dim * (2 if cfg.attn_output_gate else 1) + 2 * D * cfg.kv_dim + cfg.q_dim * D
     if cfg.moe is None:
         ffn = 3 * D * cfg.intermediate_size
     else:
         ffn = D * cfg.moe.num_experts + cfg.moe.experts_per_token * 3 * D * cfg.moe.expert_intermediate_size \
             + cfg.moe.shared_expert_params(D)  # a shared expert and its gate: every token runs them
-    return cfg.num_layers * (attention + ffn) + D * cfg.vocab_size
+    deltanet = sum(d_in * d_out for d_in, d_out in _deltanet_dims(cfg).values())
+    return (cfg.num_attention_layers * attention + _num_linear_layers(cfg) * deltanet + cfg.num_layers * ffn
+            + D * cfg.vocab_size)
+
+
+def _num_linear_layers(cfg: ModelConfig) -> int:
+    return cfg.num_layers - cfg.num_attention_layers
+
+
+def _deltanet_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of a Gated DeltaNet layer's projections; {} on a model without them."""
+    la, D = cfg.linear_attention, cfg.hidden_size
+    if la is None:
+        return {}
+    return {"in_proj_qkv": (D, la.conv_dim), "in_proj_z": (D, la.value_dim), "in_proj_b": (D, la.num_value_heads),
+            "in_proj_a": (D, la.num_value_heads), "out_proj": (la.value_dim, D)}
+
+
+def deltanet_mix_flops(cfg: ModelConfig, tokens: int) -> int:
+    """The chunk algorithm's forward work over `tokens` positions in every DeltaNet layer (module docstring)."""
+    la, C = cfg.linear_attention, DELTANET_CHUNK
+    if la is None:
+        return 0
+    Dk, Dv = la.key_head_dim, la.value_head_dim
+    per_head = 2 * C * (3 * Dk + 2 * Dv) + 6 * Dk * Dv + C * C // 3
+    return _num_linear_layers(cfg) * la.num_value_heads * per_head * tokens
 
 
 # MoE expert projections as LoRA targets: (d_in, d_out) of one expert, by the ExpertLinear names of
@@ -67,14 +106,18 @@ EXPERT_TARGETS = ("gate_up_proj", "down_proj")
 def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(d_in, d_out) of each LoRA target one token passes through once (a dense MLP's or one expert's)."""
     D = cfg.hidden_size
-    dims = {"q_proj": (D, cfg.q_dim), "k_proj": (D, cfg.kv_dim), "v_proj": (D, cfg.kv_dim), "o_proj": (cfg.q_dim, D)}
+    dims = {"q_proj": (D, cfg.q_dim * (2 if cfg.attn_output_gate else 1)), "k_proj": (D, cfg.kv_dim), "v_proj": (D, cfg.kv_dim), "o_proj": (cfg.q_dim, D)}
     if cfg.moe is None:
         F = cfg.intermediate_size
         dims.update(gate_proj=(D, F), up_proj=(D, F), down_proj=(F, D))
     else:
         F = cfg.moe.expert_intermediate_size
         dims.update(gate_up_proj=(D, 2 * F), down_proj=(F, D))
-    return dims
+        F_s = cfg.moe.shared_expert_intermediate_size
+        if F_s:  # the shared expert: every token runs it once
+            dims.update({"shared_expert.gate_proj": (D, F_s), "shared_expert.up_proj": (D, F_s),
+                         "shared_expert.down_proj": (F_s, D)})
+    return {**dims, **_deltanet_dims(cfg)}
 
 
 def flop_targets(cfg: ModelConfig, targets: str | Iterable[str]) -> tuple[str, ...]:
@@ -106,8 +149,12 @@ def adapter_params(cfg: ModelConfig, rank: int, targets: Iterable[str] = LORA_TA
         raise ValueError(f"LoRA targets {unknown} are not linears of a {cfg.model_type} layer "
                          f"(expected some of {', '.join(dims)})")
     k = cfg.moe.experts_per_token if cfg.moe is not None else 1
-    per_layer = sum(sum(dims[t]) * (k if cfg.moe is not None and t in EXPERT_TARGETS else 1) for t in targets)
-    return cfg.num_layers * rank * per_layer
+
+    def layers(t: str) -> int:  # the layers that have target t (a hybrid's attention / DeltaNet layers)
+        return cfg.num_attention_layers if t in ATTENTION_TARGETS else \
+            _num_linear_layers(cfg) if t in LINEAR_ATTENTION_TARGETS else cfg.num_layers
+    return rank * sum(layers(t) * sum(dims[t]) * (k if cfg.moe is not None and t in EXPERT_TARGETS else 1)
+                      for t in targets)
 
 
 def causal_pairs(segment_lengths: Iterable[int], window: int | None = None) -> int:
@@ -125,16 +172,16 @@ def causal_pairs(segment_lengths: Iterable[int], window: int | None = None) -> i
 def step_flops(cfg: ModelConfig, *, mode: str, tokens: int, segment_lengths: Sequence[int], rank: int = 16,
                targets: Iterable[str] = LORA_TARGETS) -> dict[str, float]:
     """FLOPs of one optimizer step over `tokens` positions whose segments have `segment_lengths` (all rows,
-    all micro-batches). Returns {"total", "linear", "adapters", "attention", "per_token"}."""
+    all micro-batches). Returns {"total", "linear", "adapters", "attention", "linear_attention", "per_token"}."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     p_lin = linear_params(cfg)
-    attn_fwd = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * causal_pairs(segment_lengths, cfg.sliding_window)
+    attn_fwd = cfg.num_attention_layers * 4 * cfg.num_heads * cfg.head_dim * causal_pairs(segment_lengths, cfg.sliding_window)
     if mode == "full":
         linear, adapters = 6 * p_lin * tokens, 0
     else:
         linear, adapters = 4 * p_lin * tokens, 6 * adapter_params(cfg, rank, targets) * tokens
-    attention = 3 * attn_fwd
-    total = linear + adapters + attention
+    attention, linear_attention = 3 * attn_fwd, 3 * deltanet_mix_flops(cfg, tokens)
+    total = linear + adapters + attention + linear_attention
     return {"total": float(total), "linear": float(linear), "adapters": float(adapters),
-            "attention": float(attention), "per_token": float(total) / max(tokens, 1)}
+            "attention": float(attention), "linear_attention": float(linear_attention), "per_token": float(total) / max(tokens, 1)}

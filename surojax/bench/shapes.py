@@ -24,6 +24,21 @@ SHAPES: dict[str, dict] = {
     "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                        rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # Qwen3.5 (Gated DeltaNet hybrid: three DeltaNet layers, then one gated-attention layer; transformers 5.17's
+    # Qwen3_5TextConfig, text backbone only). 0.8B: the published widths (24 layers, D 1024, F 3584, 8 heads / 2 KV
+    # of 256, 16 / 16 DeltaNet heads of 128, tied); 9B = Qwen3_5TextConfig's defaults (its docstring's model).
+    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                         rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+                         rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                       num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                       linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                       rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+                       rms_norm_eps=1e-6, tie_word_embeddings=False),
     # Mixture of experts: 128 experts, 8 per token, every layer sparse; the HF MoE anchor's model
     # (benchmarks/anchors/hf_moe_baseline.py; `intermediate_size` is the dense MLP's, used by no layer).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -43,6 +58,13 @@ SHAPES: dict[str, dict] = {
                       moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # CPU-sized Qwen3.5 hybrid: 4 layers (3 DeltaNet + 1 gated attention).
+    "debug-qwen3.5": dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
+                          rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+                          rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
 
 

@@ -387,7 +387,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         "mfu_6n": fl_6n["total"] / step_s / PEAK_BF16_FLOPS / n_devices,  # 6 x (active) params: MoE's convention
         "model_tflops_per_s": fl["total"] / step_s / 1e12,
         "gflops_per_token": fl["per_token"] / 1e9,
-        "flops_split": {k: fl[k] / fl["total"] for k in ("linear", "adapters", "attention")},
+        "flops_split": {k: fl[k] / fl["total"] for k in ("linear", "adapters", "attention", "linear_attention")},
         "compile_s": compile_s,
         "init_s": init_s,
         "loss": float(metrics["loss"]),

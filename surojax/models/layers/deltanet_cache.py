@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.api import chunk_gated_delta_rule, recurrent_gated_delta_step
+from surojax.kernel_settings import kernel_settings
 from surojax.models.kv.recurrent import StateShape
 
 L2_EPS = 1e-6  # transformers' / fla's l2norm: x / sqrt(sum x^2 + eps)
@@ -94,10 +95,12 @@ def _check(mixed_qkv, g, beta, segment_ids, conv_weight, shape: StateShape) -> N
 
 
 def deltanet_mix(mixed_qkv, g, beta, segment_ids, *, conv_weight, shape: StateShape, conv_bias=None, state=None,
-                 impl: str = "auto"):
+                 impl: str | None = None):
     """Gated DeltaNet's mixing, uncached (`state` None) or from the layer's cache view: the module docstring.
+    `impl`: the chunk rule's implementation (None: the process's kernel setting, SUROJAX_GATED_DELTA).
     -> (o [B, T, H, Dv] in mixed_qkv's dtype, the new view or None)."""
     _check(mixed_qkv, g, beta, segment_ids, conv_weight, shape)
+    impl = kernel_settings().gated_delta.value if impl is None else impl
     B, T, _ = mixed_qkv.shape
     Hk, Dk, H, Dv = shape.num_key_heads, shape.key_head_dim, shape.num_value_heads, shape.value_head_dim
     prefix, recurrent = (None, None) if state is None else state.read()
