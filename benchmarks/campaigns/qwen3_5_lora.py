@@ -19,7 +19,9 @@ Runs, each in its own process, in this order per size (a ratio is printed as soo
                     backward on Hopper with the image's Triton 3.6 (its issue #640) unless tilelang is installed,
                     which is too large to carry; lifting the guard runs the same kernels, so the time is fla's
     hf-torch        the same without fla on the path
-Sizes: 0.8b at batch 8, 9b at batch 4 (rows of 2048; the anchor's batch equals ours). Our rows are packed with
+Sizes: 0.8b at batch 8 (the anchor at 4), 9b at batch 4 (the anchor at 1), rows of 2048: the anchor at our batch
+runs out of memory on an 80 GB H100 (0.8b at 8 rows without fla: 78 GiB in use; with fla: the fp32 logits of the 248,320-token vocabulary, 15 GiB
+each, in the loss; measured 2026-12-06); tokens/s are compared, each at its batch. Our rows are packed with
 bench train's default segments (the state resets at each): tokens/s counts every position either way.
 """
 from __future__ import annotations
@@ -33,9 +35,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SIZES = {"0.8b": dict(shape="qwen3.5-0.8b", batch=8, steps=10, repeats=3, timeout=300),
-         "9b": dict(shape="qwen3.5-9b", batch=4, steps=5, repeats=2, timeout=420),
-         "debug": dict(shape="debug-qwen3.5", batch=2, steps=2, repeats=1, timeout=300)}  # CPU plumbing: ours only
+SIZES = {"0.8b": dict(shape="qwen3.5-0.8b", batch=8, hf_batch=4, steps=10, repeats=3, timeout=240),
+         "9b": dict(shape="qwen3.5-9b", batch=4, hf_batch=1, steps=5, repeats=2, timeout=240),
+         "debug": dict(shape="debug-qwen3.5", batch=2, hf_batch=2, steps=2, repeats=1, timeout=300)}  # CPU: ours only
 OURS = {"ours": None, "ours-pallas": "pallas", "ours-chunked": "chunked"}  # name -> SUROJAX_GATED_DELTA
 
 
@@ -67,6 +69,8 @@ def main() -> int:
     ap.add_argument("--runs", default=",".join([*OURS, "hf-fla", "hf-torch"]), help="which runs (module docstring)")
     ap.add_argument("--fla-site", help="folder with fla installed (pip install --target); without it hf-fla skips")
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, help="our rows per step (default: the size's)")
+    ap.add_argument("--hf-batch", type=int, help="the anchor's rows per step (default: the size's)")
     a = ap.parse_args()
     base_env = {k: v for k, v in os.environ.items() if k != "SUROJAX_GATED_DELTA"}
     base_env["PYTHONPATH"] = str(ROOT)
@@ -82,7 +86,7 @@ def main() -> int:
                 if OURS[name]:
                     env["SUROJAX_GATED_DELTA"] = OURS[name]
                 args = ["-m", "surojax.cli.main", "bench", "train", "--shape", shape, "--mode", "lora",
-                        "--batch", str(spec["batch"]), "--seq", str(a.seq), "--steps", str(spec["steps"]),
+                        "--batch", str(a.batch or spec["batch"]), "--seq", str(a.seq), "--steps", str(spec["steps"]),
                         "--repeats", str(spec["repeats"])]
             elif name in ("hf-fla", "hf-torch"):
                 if name == "hf-fla":
@@ -91,7 +95,7 @@ def main() -> int:
                         continue
                     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{a.fla_site}"
                 args = ["benchmarks/anchors/hf_peft_baseline.py", "--shape", shape, "--mode", "lora",
-                        "--batch", str(spec["batch"]), "--seq", str(a.seq), "--steps", str(spec["steps"])]
+                        "--batch", str(a.hf_batch or spec["hf_batch"]), "--seq", str(a.seq), "--steps", str(spec["steps"])]
                 if name == "hf-fla":
                     args.append("--fla-unguarded")
             else:
@@ -112,7 +116,8 @@ def main() -> int:
                     for ours in OURS:
                         if ours in figures and anchor in figures and (name in (ours, anchor)):
                             print(f"    {ours} / {anchor} = {figures[ours] / figures[anchor]:.2f}", flush=True)
-    print("\nsize  run            tok/s      step ms  peak GiB   MFU")
+    print("\n(ours at batch {}, the anchor at {})".format(a.batch or "the size's", a.hf_batch or "the size's"))
+    print("size  run            tok/s      step ms  peak GiB   MFU")
     for size, name, row in table:
         if row is None:
             print(f"{size:<5} {name:<14} {'failed':>9}")
