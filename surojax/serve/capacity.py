@@ -1,6 +1,7 @@
 """How many KV blocks to allocate: from the device's free memory by default (GPU), a fixed size on CPU.
 
-    bytes per token = 2 (k, v) x L x K x H x itemsize(kv dtype)     (fp8: 1 byte, half of bf16: 2x the tokens)
+    bytes per token = 2 (k, v) x L x K x H x itemsize(kv dtype)     (fp8: 1 byte, half of bf16: 2x the tokens;
+                                                                     L: the attention layers)
     GPU:  free = memory_utilization x bytes_limit - bytes_in_use (weights already loaded); the pool gets
           ``kv_share`` of it, the rest is left for the step's workspace. The reference runner gathers each
           row's context into a per-row view (and the decoder writes an updated copy of it), so the
@@ -38,7 +39,8 @@ def kv_pool_dtype(choice: KVCacheDtype, model_dtype, explicit=None):
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(kv_dtype).itemsize
+    """k and v of every attention layer (a hybrid's linear-attention layers keep state slots instead)."""
+    return 2 * cfg.num_attention_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(kv_dtype).itemsize
 
 
 def device_free_bytes(memory_utilization: float = 0.9, device=None) -> int | None:
@@ -54,13 +56,15 @@ def device_free_bytes(memory_utilization: float = 0.9, device=None) -> int | Non
 
 
 def num_kv_blocks(cfg: ModelConfig, kv_dtype, block_size: int, max_model_len: int, *,
-                  memory_utilization: float = 0.9, kv_share: float = 0.5, device=None) -> int:
+                  memory_utilization: float = 0.9, kv_share: float = 0.5, device=None, reserved_bytes: int = 0) -> int:
+    """reserved_bytes: device memory the engine allocates beside the pool (a hybrid model's state slots), taken
+    from the free memory first (GPU)."""
     per_block = kv_bytes_per_token(cfg, kv_dtype) * block_size
     free = device_free_bytes(memory_utilization, device)
     if free is None:
         blocks = min(CPU_KV_BYTES // per_block, CPU_MAX_TOKENS // block_size)
     else:
-        blocks = int(max(free, 0) * kv_share) // per_block
+        blocks = int(max(free - reserved_bytes, 0) * kv_share) // per_block
     need = -(-max_model_len // block_size)
     if blocks < need:
         raise KVCapacityError(

@@ -35,6 +35,13 @@ BEFORE the other rows run (their prefix hits may read blocks it writes), then ru
 then carry several tokens; greedy tokens equal plain decoding's, sampled ones follow the target's distribution.
 ``spec_stats`` counts proposals and acceptances (/metrics). Refused with LoRA; guided requests are not
 speculated.
+
+Hybrid models (Qwen3.5: Gated DeltaNet layers beside the attention layers): the paged pool holds the attention
+layers' KV, and each running sequence holds a state slot for its linear layers' states (`serve.state_slots`:
+allocated at admission, zeroed when the sequence starts, freed with it; chunked prefill and multi-step decode
+continue from it). Prefix caching is turned off (logged: `state_slots.PREFIX_CACHING_OFF`); speculative decoding
+and a hybrid draft model are refused (`HybridServingError`: `state_slots.SPECULATIVE_REFUSED`); so are runtime
+LoRA slots (`peft.multi_lora`) and an FP8 KV pool.
 """
 from __future__ import annotations
 
@@ -60,6 +67,7 @@ from surojax.serve.kv_cache import KVCacheManager
 from surojax.serve.runner import PagedRunner, StepResult
 from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, ScheduledRequest, Scheduler
 from surojax.serve.speculative import SpecStats, ngram_propose, speculation_allowed
+from surojax.serve.state_slots import PREFIX_CACHING_OFF, SPECULATIVE_REFUSED, StateSlots, is_hybrid, state_pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +78,8 @@ def resolve_kv_path(kv_path: KVPath, cfg: ModelConfig, block_size: int, num_bloc
     is returned as it is."""
     if kv_path is not KVPath.AUTO:
         return kv_path
-    fits = num_blocks is None or num_blocks <= max_pool_blocks(cfg.num_layers, block_size, cfg.num_kv_heads,
-                                                                cfg.head_dim)
+    fits = num_blocks is None or num_blocks <= max_pool_blocks(cfg.num_attention_layers, block_size,
+                                                                cfg.num_kv_heads, cfg.head_dim)
     choice = KVPath.PALLAS if jax.default_backend() == "gpu" and cfg.sliding_window is None and fits \
         else KVPath.PAGED
     log.info("KV path: %s (auto: the Pallas kernel needs a GPU, no sliding window and a pool under 2^31 "
@@ -91,7 +99,7 @@ def _once(fn):
 
 
 class HybridServingError(ValueError):
-    """The paged engine cannot serve this model yet (its layers keep recurrent state)."""
+    """A serving feature a hybrid model (linear-attention layers with per-sequence state) cannot have."""
 
     is_user_error = True
 
@@ -103,12 +111,15 @@ class Engine:
         built on the model; kv_dtype: the pool's dtype (None: config.kv_cache_dtype's); draft_model: the
         speculative draft (exactly when config.speculative.method is DRAFT; same vocabulary)."""
         cfg = model.cfg
-        if cfg.linear_attention is not None:
-            raise HybridServingError(
-                f"{cfg.model_type}: serving a hybrid model (Gated DeltaNet layers) needs per-sequence recurrent-state "
-                "slots in the paged engine, which are not built yet (issue 38); `surojax generate` (the plain "
-                "cache) runs it")
         spec = config.speculative
+        hybrid = is_hybrid(model)
+        if hybrid and spec is not None:
+            raise HybridServingError(f"{cfg.model_type}: {SPECULATIVE_REFUSED}")
+        if draft_model is not None and is_hybrid(draft_model):
+            raise HybridServingError(f"the draft model ({draft_model.cfg.model_type}): {SPECULATIVE_REFUSED}")
+        if hybrid and config.enable_prefix_caching:
+            log.info("%s: %s", cfg.model_type, PREFIX_CACHING_OFF)
+            config = dataclasses.replace(config, enable_prefix_caching=False)
         if spec is not None and lora is not None:
             raise ValueError("speculative decoding is not supported with LoRA adapters")
         if (draft_model is not None) != (spec is not None and spec.method is SpecMethod.DRAFT):
@@ -125,23 +136,27 @@ class Engine:
         num_blocks = config.num_blocks
         if num_blocks is None:
             num_blocks = num_kv_blocks(cfg, kv_dtype, bs, sched.max_model_len,
-                                       memory_utilization=config.memory_utilization)
+                                       memory_utilization=config.memory_utilization,
+                                       reserved_bytes=state_pool_bytes(model, sched.max_num_seqs))
             if draft_model is not None:  # the draft's pool has as many blocks: share the memory
                 t, d = kv_bytes_per_token(cfg, kv_dtype), kv_bytes_per_token(draft_model.cfg, draft_model.dtype)
                 num_blocks = max(1, num_blocks * t // (t + d))
             if kv_path is KVPath.PALLAS:  # the kernel indexes the pool's slots with int32
-                num_blocks = min(num_blocks, max_pool_blocks(cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim))
+                num_blocks = min(num_blocks, max_pool_blocks(cfg.num_attention_layers, bs, cfg.num_kv_heads,
+                                                              cfg.head_dim))
         self.config = dataclasses.replace(config, scheduler=sched, num_blocks=num_blocks, kv_path=kv_path)
         self.model = model
         self.tokenizer = tokenizer
         self.lora = lora
         self.max_model_len = sched.max_model_len
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, sched, self._speculative_tokens if spec is not None else None)
+        self.scheduler = Scheduler(self.kv, sched, self._speculative_tokens if spec is not None else None,
+                                   StateSlots(sched.max_num_seqs) if hybrid else None)
         self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=bs, kv_path=kv_path, kv_dtype=kv_dtype,
                                   adapter_slot=lora.slot if lora is not None else None, buckets=config.buckets,
                                   kv_in_place=config.kv_in_place, decode_steps=sched.decode_steps,
-                                  unroll_layers=config.unroll_layers)
+                                  unroll_layers=config.unroll_layers,
+                                  num_state_slots=sched.max_num_seqs if hybrid else None)
         self.draft = None
         if draft_model is not None:
             self.draft = DraftRunner(draft_model, num_blocks=num_blocks, block_size=bs, kv_path=kv_path,

@@ -1,6 +1,8 @@
 """What one jitted call of the serving runner takes: an `InputBatch` (arrays), `StepSettings` (static), a `KVAccess`.
 
-Every call of the runner has the same form, ``fn(graphdef, state, k_pool, v_pool, batch, settings)``:
+Every call of the runner has the same form, ``fn(graphdef, state, k_pool, v_pool, batch, settings)`` (a hybrid
+model's step and multi-step calls also take ``state_pool=``, its linear layers' state slots, `serve.state_slots`,
+donated and returned after the KV pools):
 
 * ``batch`` (`InputBatch`, a pytree dataclass): the host-built arrays of the call, one field per meaning. A call
   reads only the fields its kind needs; the others stay None (no leaves: nothing is sent).
@@ -46,6 +48,9 @@ class InputBatch:
     propose (draft model)     tokens [R] (last token), start [R], limit [R] (proposals wanted, -1 on padding)
     ========================  ===========================================================================
 
+    A hybrid model's step / multi-step calls also read ``state_slots`` [R] (each row's slot in the runner's
+    state pool, `serve.state_slots`; out of range on padding rows); None (no leaves) otherwise.
+
     Every call: ``sampling``, the per-row sampling arrays of `sample_batch` / `speculative.sampling_arrays`;
     the KV address of its path (`KVAccess.address`): paged ``block_table`` [R, NB], or reference
     ``ctx_slots`` [R, S] (the pool slots of each row's context) and ``write_slots`` [R, T or K] (of its new
@@ -68,6 +73,7 @@ class InputBatch:
     block_table: Array | None = None
     ctx_slots: Array | None = None
     write_slots: Array | None = None
+    state_slots: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

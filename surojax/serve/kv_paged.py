@@ -26,26 +26,32 @@ from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
 from surojax.serve.multi_step import multi_step_decode_paged
 from surojax.serve.speculative import DRAFT, accept, filtered_probs, row_keys
+from surojax.serve.state_slots import pools_and, split_state_rows, with_state_rows
 
 
 def _cache(k_pool, v_pool, block_table, lengths, settings: StepSettings) -> PagedKVCache:
     return PagedKVCache(k_pool, v_pool, block_table, lengths, settings.block_size, settings.kernel, settings.scales)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))
-def paged_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings):
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
+                   donate_argnames=("k_pool", "v_pool", "state_pool"))
+def paged_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings, state_pool=None):
     """One forward + sample over the paged pool, no dense view (the twin of `kv_reference.reference_step`):
     each layer writes the new tokens' k/v into its pool slice in place and reads the rows' context through
-    ``batch.block_table``. Same values, same pool afterwards.
+    ``batch.block_table``. Same values, same pool afterwards. A hybrid model: ``state_pool`` (its linear layers'
+    state slots) and ``batch.state_slots`` (`serve.state_slots`: the rows' states gathered, advanced, written
+    back).
 
     batch: tokens / positions / segment_ids [R, T], start / last_idx / adapter_rows [R], sampling, block_table.
-    -> (k_pool, v_pool, sampled: dict of `sample_batch` outputs for each row's last real token)."""
+    -> (k_pool, v_pool, [state_pool,] sampled: dict of `sample_batch` outputs for each row's last real token)."""
     model = nnx.merge(graphdef, state)
     if settings.lora:
         set_adapter_rows(model, batch.adapter_rows)
-    cache = _cache(k_pool, v_pool, batch.block_table, batch.start, settings)
+    cache = with_state_rows(_cache(k_pool, v_pool, batch.block_table, batch.start, settings), state_pool, batch)
     h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings)
-    return cache.k, cache.v, sample_last(model, h, batch.last_idx, batch.sampling, settings.mode)
+    cache, state_pool = split_state_rows(cache, state_pool, batch)
+    return pools_and(cache.k, cache.v, state_pool, sample_last(model, h, batch.last_idx, batch.sampling,
+                                                               settings.mode))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))

@@ -7,7 +7,8 @@ start + T - 1 and attends over the view), then SCATTERS those new k/v back to th
 without any view; this module is the twin it is checked against (`KVPath.REFERENCE`, tests, benchmarks).
 
 The host sends slot lists (`ReferenceAccess.address`, this path's `input_batch.KVAccess`): ctx_slots [R, S]
-(O(context) numpy per row per step) and the new tokens' slots. No speculative decoding on this path.
+(O(context) numpy per row per step) and the new tokens' slots. No speculative decoding on this path. A hybrid
+model's linear layers' states: as on the paged path (`serve.state_slots`).
 
 FP8 pool (``scales`` a `kv_fp8.KVScales`): the gathered view is dequantised to the model's dtype and the new k/v
 are quantised on the scatter back. The call's own new tokens are attended at the compute dtype (the paged path
@@ -28,6 +29,7 @@ from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
 from surojax.serve.kv_fp8 import KVScales
 from surojax.serve.multi_step import decode_loop
+from surojax.serve.state_slots import pools_and, split_state_rows, with_state_rows
 
 
 def _view(pool, ctx_slots, scale, dtype):
@@ -61,8 +63,9 @@ def _dense_cache(model, k_pool, v_pool, ctx_slots, lengths, ks, vs) -> KVCache:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))
-def reference_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings):
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
+                   donate_argnames=("k_pool", "v_pool", "state_pool"))
+def reference_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings, state_pool=None):
     """batch: tokens / positions / segment_ids / write_slots [R, T]; ctx_slots [R, S]; start / last_idx /
     adapter_rows [R]; sampling: the per-row sampling arrays of `sample_batch`.
 
@@ -74,19 +77,21 @@ def reference_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings:
     R, T = batch.tokens.shape
     ctx_len = batch.start
     ks, vs = _scales(settings.scales)
-    cache = _dense_cache(model, k_pool, v_pool, batch.ctx_slots, ctx_len, ks, vs)
+    cache = with_state_rows(_dense_cache(model, k_pool, v_pool, batch.ctx_slots, ctx_len, ks, vs), state_pool, batch)
     h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings)
+    cache, state_pool = split_state_rows(cache, state_pool, batch)
     idx = jnp.arange(R)
     view = ctx_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T] where the model wrote them
     new_k = cache.k[:, idx[:, None], view]  # [L, R, T, K, H]
     new_v = cache.v[:, idx[:, None], view]
     k_pool = _scatter(k_pool, batch.write_slots, new_k, ks)
     v_pool = _scatter(v_pool, batch.write_slots, new_v, vs)
-    return k_pool, v_pool, sample_last(model, h, batch.last_idx, batch.sampling, settings.mode)
+    return pools_and(k_pool, v_pool, state_pool, sample_last(model, h, batch.last_idx, batch.sampling, settings.mode))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))
-def reference_multi_step_decode(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings):
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
+                   donate_argnames=("k_pool", "v_pool", "state_pool"))
+def reference_multi_step_decode(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings, state_pool=None):
     """The reference: gather each row's context into a dense view, decode over it, scatter the new k/v back.
 
     batch: tokens / start / limit / adapter_rows [R], stop_ids [R, M], ctx_slots [R, S], write_slots [R, K],
@@ -100,13 +105,16 @@ def reference_multi_step_decode(graphdef, state, k_pool, v_pool, batch: InputBat
     K = settings.num_steps
     start = batch.start
     ks, vs = _scales(settings.scales)
-    cache = _dense_cache(model, k_pool, v_pool, batch.ctx_slots, start, ks, vs)
+    cache = with_state_rows(_dense_cache(model, k_pool, v_pool, batch.ctx_slots, start, ks, vs), state_pool, batch)
     ones = jnp.ones((R, 1), jnp.int32)
 
     def forward(cache, tok, pos, done):  # done rows ride along; their view writes are never scattered back
+        if state_pool is not None:  # ... but a done row's token must not advance its linear layers' state
+            return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings)
         return run_decoder(model, tok, pos, ones, cache, settings)
 
     cache, result = decode_loop(model, forward, cache, batch, settings.mode, K)
+    cache, state_pool = split_state_rows(cache, state_pool, batch)
     count = result["count"]
     idx = jnp.arange(R)
     steps = jnp.arange(K, dtype=jnp.int32)[None, :]
@@ -115,7 +123,7 @@ def reference_multi_step_decode(graphdef, state, k_pool, v_pool, batch: InputBat
     write = jnp.where(steps < count[:, None], batch.write_slots, k_pool.shape[1])
     k_pool = _scatter(k_pool, write, cache.k[:, idx[:, None], view], ks)
     v_pool = _scatter(v_pool, write, cache.v[:, idx[:, None], view], vs)
-    return k_pool, v_pool, result
+    return pools_and(k_pool, v_pool, state_pool, result)
 
 
 def _speculation_refused(*args, **kwargs):

@@ -83,6 +83,9 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     log.info("KV cache: %d blocks x %d tokens (%s, %.2f GiB); max-model-len %d; max-num-seqs %d; KV path %s",
              resolved.num_blocks, resolved.block_size, jnp.dtype(pool.dtype).name, 2 * pool.nbytes / 2**30,
              engine.max_model_len, resolved.scheduler.max_num_seqs, resolved.kv_path.value)
+    if engine.runner.state_pool is not None:
+        log.info("linear-attention state slots: %d (%.2f GiB)", resolved.scheduler.max_num_seqs,
+                 sum(x.nbytes for x in jax.tree.leaves(engine.runner.state_pool)) / 2**30)
     if resolved.speculative is not None:
         log.info("speculative decoding: %s, %d tokens per step", resolved.speculative.method.value,
                  resolved.speculative.num_tokens)

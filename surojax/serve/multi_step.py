@@ -32,10 +32,13 @@ from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batc
 from surojax.models.kv import PagedKVCache
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
+from surojax.serve.state_slots import pools_and, split_state_rows, with_state_rows
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))
-def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings):
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
+                   donate_argnames=("k_pool", "v_pool", "state_pool"))
+def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings,
+                            state_pool=None):
     """The fast path: the pool rides in the loop carry (``PagedKVCache``); each step every layer writes its new
     k/v into the pool in place and reads the rows' context through ``batch.block_table`` [R, NB] (NB * block_size
     >= max(start) + K). A stopped row's token has segment id 0: not written, its length does not grow.
@@ -43,18 +46,22 @@ def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, 
     PALLAS: equal up to float rounding).
 
     batch: tokens / start / limit / adapter_rows [R], stop_ids [R, M], sampling, block_table; K =
-    settings.num_steps."""
+    settings.num_steps. A hybrid model: ``state_pool`` and ``batch.state_slots`` (`serve.state_slots`): the rows'
+    states ride in the loop's carry (a stopped row's padding token leaves its state unchanged) and are written
+    back once. -> (k_pool, v_pool, [state_pool,] result)."""
     model = nnx.merge(graphdef, state)
     if settings.lora:
         set_adapter_rows(model, batch.adapter_rows)
     cache = PagedKVCache(k_pool, v_pool, batch.block_table.astype(jnp.int32), batch.start.astype(jnp.int32),
                          settings.block_size, settings.kernel, settings.scales)
+    cache = with_state_rows(cache, state_pool, batch)
 
     def forward(cache, tok, pos, done):
         return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings)
 
     cache, result = decode_loop(model, forward, cache, batch, settings.mode, settings.num_steps)
-    return cache.k, cache.v, result
+    cache, state_pool = split_state_rows(cache, state_pool, batch)
+    return pools_and(cache.k, cache.v, state_pool, result)
 
 
 def decode_loop(model, forward, cache, batch: InputBatch, mode: BatchMode, K: int):

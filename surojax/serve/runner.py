@@ -23,6 +23,11 @@ interface (``input_batch.KVAccess``: ``address`` on the host, then ``step`` / ``
   per step) and the new tokens' slots [R, T]; the call GATHERS every row's context from the pool into a dense
   view, runs the Decoder over it, then SCATTERS the new k/v back.
 
+A hybrid model (linear-attention layers beside the attention ones, `serve.state_slots`): the pool covers the
+attention layers only, and the runner also owns ``state_pool``, each running sequence's linear-layer states in
+the slot the scheduler gave it (``ScheduledRequest.state_slot`` -> ``InputBatch.state_slots``); the step and
+multi-step calls take it (``state_pool=``, donated) and return it after the KV pools.
+
 Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size) so
 the number of compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so
 that one long prefill chunk does not pad every decode row to its length.
@@ -49,7 +54,7 @@ from pallas_kernels.paged_decode import kernel_applies
 from pallas_kernels.paged_decode import prepare as prepare_paged_decode
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams
 from surojax.models.decoder import Decoder
-from surojax.models.kv import PagedKernel
+from surojax.models.kv import PagedKernel, StateCache
 from surojax.peft.multi_lora import multi_lora_modules
 from surojax.serve.config import KVPath, RunnerBuckets
 from surojax.serve.input_batch import InputBatch, KVAccess, StepSettings
@@ -58,6 +63,7 @@ from surojax.serve.kv_paged import PagedAccess, paged_step, verify_step
 from surojax.serve.kv_reference import ReferenceAccess
 from surojax.serve.scheduler import ScheduledRequest
 from surojax.serve.speculative import sampling_arrays
+from surojax.serve.state_slots import attention_layers, is_hybrid, state_pool
 
 __all__ = ["PAGED_KERNEL", "PagedRunner", "StepResult", "kv_access", "paged_step", "verify_step"]
 
@@ -110,7 +116,7 @@ class PagedRunner:
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_path: KVPath, kv_dtype=None,
                  adapter_slot=None, buckets: RunnerBuckets = RunnerBuckets(), kv_in_place: bool = True,
-                 decode_steps: int = 1, unroll_layers: bool = False):
+                 decode_steps: int = 1, unroll_layers: bool = False, num_state_slots: int | None = None):
         """kv_path: a resolved `KVPath` (not AUTO): PAGED / REDUCE / PALLAS read and write the pool in place
         through block tables (the host sends tables [R, S / block_size]); REFERENCE gathers a dense view and
         scatters back (slot lists [R, S]). Same tokens, same pool contents (REDUCE / PALLAS: equal up to float
@@ -121,7 +127,10 @@ class PagedRunner:
         decode_steps: multi-step calls always loop up to this many steps (the loop exits once every row
         stopped), so rows with fewer steps left do not compile smaller variants. kv_dtype: the pool's dtype
         (None: the model's); float8_e4m3fn makes an FP8 pool with per-layer scales bounded from the weights
-        (`kv_fp8.kv_scales`, ``self.kv_scales``), refused for a model with LoRA slots."""
+        (`kv_fp8.kv_scales`, ``self.kv_scales``), refused for a model with LoRA slots. num_state_slots: a
+        hybrid model's (linear-attention layers) state slots, one per sequence it may run at once (the
+        scheduler's max_num_seqs; `serve.state_slots`): the pool ``self.state_pool``, donated to each step and
+        multi-step call (None for other models). The KV pool then covers the attention layers only."""
         if kv_path is KVPath.AUTO:
             raise ValueError("PagedRunner: kv_path AUTO must be resolved first (Engine does: resolve_kv_path)")
         self.kv_path = kv_path
@@ -139,10 +148,20 @@ class PagedRunner:
         self.graphdef, self.state = nnx.split(model)
         self.lora = bool(multi_lora_modules(model))
         self.adapter_slot = adapter_slot or (lambda name: 0)
-        shape = (cfg.num_layers, self.num_slots, cfg.num_kv_heads, cfg.head_dim)
+        shape = (attention_layers(model), self.num_slots, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or model.dtype
         check_pool_dtype(dtype)
         self.kv_scales: KVScales | None = None
+        self.state_pool: StateCache | None = None
+        if is_hybrid(model):
+            if num_state_slots is None:
+                raise ValueError(f"PagedRunner: {cfg.model_type} has linear-attention layers; give num_state_slots "
+                                 "(one state slot per sequence run at once: the scheduler's max_num_seqs)")
+            if is_fp8(dtype):
+                raise ValueError(f"{cfg.model_type}: an FP8 KV pool is not supported for hybrid models (the scale "
+                                 "bound reads every layer as an attention layer with plain RMSNorm weights)")
+            self.state_pool = jax.tree.map(self._placed, state_pool(model, num_state_slots))
+            self.num_state_slots = num_state_slots
         if is_fp8(dtype):
             if self.lora:
                 raise ValueError("PagedRunner: an FP8 KV pool is not supported on a model with LoRA slots (the "
@@ -164,19 +183,25 @@ class PagedRunner:
     def recover_pools(self) -> bool:
         """After a failed step: the pools were donated to the call and may be gone; make fresh (empty) ones.
         -> True when they had to be rebuilt (every cached KV is lost: drop the prefix cache too)."""
-        lost = self.k_pool.is_deleted() or self.v_pool.is_deleted()
+        pools = [self.k_pool, self.v_pool, *jax.tree.leaves(self.state_pool)]
+        lost = any(p.is_deleted() for p in pools)
         if lost:
             self.k_pool = self._new_pool(self.k_pool.shape, self.k_pool.dtype)
             self.v_pool = self._new_pool(self.v_pool.shape, self.v_pool.dtype)
+            if self.state_pool is not None:  # every running sequence was failed with the step: zeros will do
+                self.state_pool = jax.tree.map(lambda x: self._new_pool(x.shape, x.dtype), self.state_pool)
         return lost
 
     def _new_pool(self, shape, dtype) -> jax.Array:
-        """An empty pool, placed as the step returns it: replicated on the weights' mesh when they have one (a
-        trainer's model: GRPO rollouts), so the first step's output pool does not change the input types of the
-        next calls (one compile per shape, not two)."""
+        """An empty pool, placed as the step returns it (`_placed`)."""
+        return self._placed(jnp.zeros(shape, dtype))
+
+    def _placed(self, pool: jax.Array) -> jax.Array:
+        """A pool placed as the step returns it: replicated on the weights' mesh when they have one (a trainer's
+        model: GRPO rollouts), so the first step's output pool does not change the input types of the next calls
+        (one compile per shape, not two)."""
         meshes = {x.sharding.mesh for x in jax.tree.leaves(self.state)
                   if isinstance(getattr(x, "sharding", None), NamedSharding)}
-        pool = jnp.zeros(shape, dtype)
         return jax.device_put(pool, NamedSharding(meshes.pop(), P())) if len(meshes) == 1 else pool
 
     def refresh_weights(self, model: Decoder) -> None:
@@ -275,8 +300,23 @@ class PagedRunner:
         """One jitted call of the KV path (`KVAccess`) on the runner's pools (donated, replaced by the returned
         ones) -> its other outputs."""
         self.num_calls += 1
-        self.k_pool, self.v_pool, *out = fn(self.graphdef, self.state, self.k_pool, self.v_pool, batch, settings)
+        if self.state_pool is None:
+            self.k_pool, self.v_pool, *out = fn(self.graphdef, self.state, self.k_pool, self.v_pool, batch, settings)
+        else:
+            self.k_pool, self.v_pool, self.state_pool, *out = fn(self.graphdef, self.state, self.k_pool, self.v_pool,
+                                                                 batch, settings, state_pool=self.state_pool)
         return out
+
+    def _state_slots(self, group: list[ScheduledRequest], R: int) -> dict[str, np.ndarray]:
+        """A hybrid model's batch field ``state_slots`` [R] (padding rows: out of range); nothing otherwise."""
+        if self.state_pool is None:
+            return {}
+        slots = np.full((R,), self.num_state_slots, np.int32)
+        for r, s in enumerate(group):
+            if s.state_slot < 0:
+                raise RuntimeError(f"request {s.request_id!r} runs on a hybrid model without a state slot")
+            slots[r] = s.state_slot
+        return dict(state_slots=slots)
 
     def _run(self, group: list[ScheduledRequest], bitmasks=None):
         decode = group[0].num_new_tokens == 1  # groups are all-decode or all-prefill
@@ -300,7 +340,7 @@ class PagedRunner:
                 adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S, bitmasks)
         batch = InputBatch(tokens=tokens, start=ctx_len, sampling=rows, positions=positions, segment_ids=segments,
-                           last_idx=last, adapter_rows=adapters,
+                           last_idx=last, adapter_rows=adapters, **self._state_slots(group, R),
                            **self._address(group, R, S, [s.num_new_tokens for s in group], T))
         return self._device_call(self.access.step, batch, self.settings.for_call(mode))[0]
 
@@ -324,7 +364,8 @@ class PagedRunner:
                 adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S)
         batch = InputBatch(tokens=tokens, start=start, sampling=rows, limit=limit, stop_ids=stop,
-                           adapter_rows=adapters, **self._address(group, R, S, [s.num_steps for s in group], K))
+                           adapter_rows=adapters, **self._state_slots(group, R),
+                           **self._address(group, R, S, [s.num_steps for s in group], K))
         self.num_multi_calls += 1
         return self._device_call(self.access.multi_step, batch, self.settings.for_call(mode, K))[0]
 

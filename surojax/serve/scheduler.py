@@ -22,6 +22,9 @@ Architecture choices:
   without the blocks for them it decodes plainly). ``update`` takes the accepted proposals plus the target's
   next token, keeps the KV of the accepted ones and rolls the rest back: the sequence's length is what was
   accepted and the blocks that held only rejected tokens are freed (``KVCacheManager.free_tail``).
+* State slots (a hybrid model's linear-attention states, ``state_slots.py``): a request takes a slot when it is
+  admitted and gives it back when it finishes, is aborted or is preempted, like its blocks; its
+  ``ScheduledRequest.state_slot`` tells the runner where its state lives.
 * Sampling params are opaque here; stop token ids / max_tokens / max_model_len are the scheduler's to enforce
   (stop *strings* need detokenisation and belong to the engine, which calls ``abort``/``finish`` for them).
 """
@@ -31,10 +34,13 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping
 
 from surojax.serve.config import SchedulerConfig
 from surojax.serve.kv_cache import KVCacheManager
+
+if TYPE_CHECKING:  # the scheduler stays pure Python: state_slots.py imports jax
+    from surojax.serve.state_slots import StateSlots
 
 
 class RequestStatus(enum.Enum):
@@ -95,6 +101,7 @@ class ScheduledRequest:
     request: Any = field(default=None, repr=False)  # the Request (the runner reads its tokens for penalties)
     num_steps: int = 1  # multi-step decode: up to this many tokens sampled in one call (slots reserved ahead)
     num_spec: int = 0  # speculative decode: slots reserved for this many proposals after the one token
+    state_slot: int = -1  # a hybrid model: the sequence's slot in the runner's state pool (serve/state_slots.py)
 
 
 @dataclass
@@ -122,9 +129,14 @@ class RequestOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig,
-                 speculative_tokens: Callable[[Request], int] | None = None):
+                 speculative_tokens: Callable[[Request], int] | None = None, state_slots: StateSlots | None = None):
         """config.max_model_len must be resolved (not None: `Engine` resolves it from the model).
-        speculative_tokens: request -> how many tokens may be proposed for it per step (None: no speculation)."""
+        speculative_tokens: request -> how many tokens may be proposed for it per step (None: no speculation).
+        state_slots: a hybrid model's per-sequence state slots (at least max_num_seqs): a request gets one when
+        it is admitted and gives it back when it finishes or is preempted."""
+        if state_slots is not None and state_slots.num_slots < config.max_num_seqs:
+            raise ValueError(f"Scheduler: {state_slots.num_slots} state slots for max_num_seqs "
+                             f"{config.max_num_seqs}: every running sequence needs one")
         if config.max_model_len is None:
             raise ValueError("Scheduler: config.max_model_len is None; resolve it first (Engine does)")
         if kv.num_blocks * kv.block_size < config.max_model_len:
@@ -144,6 +156,7 @@ class Scheduler:
         self._last: dict[str, ScheduledRequest] = {}
         self.num_preemptions = 0
         self.speculative_tokens = speculative_tokens
+        self.state_slots = state_slots
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -178,6 +191,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
+        self._free_state_slot(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
@@ -189,14 +203,21 @@ class Scheduler:
         n = req.num_tokens - num_computed
         return max(0, min(n, self.chunk_size, budget, self.max_model_len - num_computed))
 
+    def _free_state_slot(self, req: Request) -> None:
+        if self.state_slots is not None:
+            self.state_slots.free(req.request_id)
+
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         s = req.num_computed_tokens
+        slot = -1 if self.state_slots is None else self.state_slots.slot(req.request_id)
         return ScheduledRequest(
             req.request_id, n, s, req.all_token_ids[s:s + n], self.kv.block_table(req.request_id),
-            sample=s + n == req.num_tokens, adapter=req.adapter, sampling_params=req.sampling_params, request=req)
+            sample=s + n == req.num_tokens, adapter=req.adapter, sampling_params=req.sampling_params, request=req,
+            state_slot=slot)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self._free_state_slot(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -287,6 +308,8 @@ class Scheduler:
             if n == 0 or not self.kv.allocate(req, n, blocks):
                 break
             self.waiting.popleft()
+            if self.state_slots is not None:  # a seat: len(running) < max_num_seqs <= the slots
+                self.state_slots.allocate(req.request_id)
             self.kv.record_prefix_query(req.num_tokens, n_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = n_hit

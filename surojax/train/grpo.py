@@ -200,10 +200,12 @@ class GRPOTrainer(Trainer):
         return self.settings.beta > 0 and self.spec.lora is None
 
     def _plan_kv(self) -> None:
-        """Training memory + the engine's KV pool (+ the full fine-tuning reference copy) must fit the device
+        """Training memory + the engine's KV pool and state slots (+ the full fine-tuning reference copy) must fit the device
         together (surojax/offload/device_budget.py)."""
         cfg = self.spec.model.config
-        kv = kv_bytes(cfg, self.rollout.num_blocks, jnp.dtype(self.rollout.engine.runner.k_pool.dtype).itemsize)
+        runner = self.rollout.engine.runner  # a hybrid model's state slots count with the pool
+        kv = kv_bytes(cfg, self.rollout.num_blocks, jnp.dtype(runner.k_pool.dtype).itemsize) \
+            + sum(x.nbytes for x in jax.tree.leaves(runner.state_pool))
         ref = reference_bytes(self.trainable, self.spec.precision.compute) if self._needs_reference_copy else 0
         check_beside(self.memory_plan, rollout_besides(kv, ref, blocks=self.rollout.num_blocks,
                                                        rows=self.plan.accumulation * self.plan.micro_batch,

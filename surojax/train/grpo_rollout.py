@@ -14,7 +14,8 @@ runs as it trains: the base and the adapter as separate variables, the delta app
 KV pool: `kv_blocks(rows, sequence_len, block_size)` = rows x ceil(T / block_size) blocks, every completion of
 the batch at its longest at once (no preemption); the G completions of a prompt share its full prompt blocks
 (prefix caching), which only leaves blocks free. Its bytes (`kv_bytes`) are added to the training memory plan by
-the trainer, which refuses a run whose sum exceeds the device.
+the trainer, which refuses a run whose sum exceeds the device. A hybrid model (Qwen3.5) is served with a state slot
+per row (serve/state_slots.py, counted with the pool) and without prefix caching (the engine turns it off).
 
 Determinism: every request carries its own seed; the engine's sampler keys a row by fold_in(key(seed), position),
 so a completion depends on its prompt, its seed and the weights only, never on the batch around it.
@@ -58,8 +59,8 @@ def kv_blocks(rows: int, sequence_len: int, block_size: int = BLOCK_SIZE) -> int
 
 
 def kv_bytes(cfg: ModelConfig, num_blocks: int, itemsize: int, block_size: int = BLOCK_SIZE) -> int:
-    """Bytes of the engine's pool: k and v, [L, num_blocks * block_size, K, H] each."""
-    return 2 * cfg.num_layers * num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    """Bytes of the engine's pool: k and v, [L, num_blocks * block_size, K, H] each (L: the attention layers)."""
+    return 2 * cfg.num_attention_layers * num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 class Rollout:

@@ -27,7 +27,6 @@ from surojax.models.registry import stack_layers, weight_rows
 from surojax.peft.lora import TRAINABLE, apply_lora, lora_modules
 from surojax.peft.peft_io import WEIGHTS_FILE, load_peft_adapter, save_peft_adapter
 from surojax.peft.stacked import load_adapter_into
-from surojax.serve.engine import Engine, HybridServingError
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
 
@@ -231,10 +230,3 @@ def test_greedy_generation_equals_transformers(text_case):
     attention layers' KV cache) = transformers' cached greedy generation."""
     _, model, seqs, _, exp, _ = text_case
     assert generate(model, [seqs[1]], 32) == [exp["greedy"].tolist()]
-
-
-def test_the_paged_engine_refuses_a_hybrid_by_name(case):
-    """Serving's paged pool has no recurrent-state slots yet: a clear refusal, before any pool is built."""
-    _, model, *_ = case
-    with pytest.raises(HybridServingError, match=f"{model.cfg.model_type}: serving a hybrid model"):
-        Engine(model)

@@ -13,8 +13,12 @@ at the start of a sequence (a fresh cache). Two layer views of it, same values (
 view whole (`read()`) and hands the new state back (`written(conv, recurrent)`): surojax/models/layers/
 deltanet_cache.py is that contract.
 
-`HybridCache` is a hybrid model's cache for generation: a `KVCache` over the attention stack (`layers`) and a
-`StateCache` over the linear stack (`linear_layers`). Its `step` is the attention part's: the metadata (segment
+A `StateCache` whose batch axis counts sequence slots instead of rows is the serving engine's state pool
+(surojax/serve/state_slots.py): `rows(slots, fresh)` gathers a call's rows from it (zeros for a sequence that
+starts in the call) and `with_rows(slots, rows)` writes them back after the call.
+
+`HybridCache` is a hybrid model's cache: a `KVCache` (generation; the serving engine's `PagedKVCache`) over the
+attention stack (`layers`) and a `StateCache` over the linear stack (`linear_layers`). Its `step` is the attention part's: the metadata (segment
 ids, positions, write slots) and the lengths are the sequence's, shared by both stacks; the states need no
 bookkeeping (each layer advances its own over the call's real tokens).
 """
@@ -30,6 +34,7 @@ import jax.numpy as jnp
 
 from surojax.models.kv.dense import KVCache
 from surojax.models.kv.meta import KVMeta
+from surojax.models.kv.paged import PagedKVCache
 
 ATTENTION_STACK = "layers"  # the decoder's stack of attention layers (its KV cache)
 LINEAR_STACK = "linear_layers"  # the decoder's stack of Gated DeltaNet layers (its state cache)
@@ -133,16 +138,33 @@ class StateCache:
     def with_layers(self, view: LayerState | StackedLayerState) -> "StateCache":
         return StateCache(view.conv, view.recurrent)
 
+    def rows(self, slots: jax.Array, fresh: jax.Array) -> "StateCache":
+        """This cache as a pool of sequence slots [L, N, ...] -> the states of the slots [R] int32 as a cache of
+        R rows [L, R, ...]: zeros where fresh [R] bool (a sequence that starts in this call) or the slot is out of
+        range (>= N: a padding row)."""
+        def take(pool):
+            got = pool.at[:, slots].get(mode="fill", fill_value=0)
+            keep = (~fresh).reshape(1, -1, *(1,) * (pool.ndim - 2))
+            return jnp.where(keep, got, jnp.zeros((), pool.dtype))
+
+        return StateCache(take(self.conv), take(self.recurrent))
+
+    def with_rows(self, slots: jax.Array, rows: "StateCache") -> "StateCache":
+        """This pool with the rows' states [L, R, ...] written back at their slots [R] (a slot >= N is dropped:
+        padding rows). The slots of real rows are distinct."""
+        return StateCache(self.conv.at[:, slots].set(rows.conv.astype(self.conv.dtype), mode="drop"),
+                          self.recurrent.at[:, slots].set(rows.recurrent.astype(self.recurrent.dtype), mode="drop"))
+
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "state"],
                    meta_fields=["kv_stack", "state_stack"])
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
-    """A hybrid model's generation cache: `kv` (a `KVCache` over the attention stack's rows) and `state` (a
-    `StateCache` over the linear stack's rows). One sequence per row; `step`, `lengths` and the metadata are the
+    """A hybrid model's cache: `kv` (a `KVCache` over the attention stack's rows, or serving's `PagedKVCache`) and
+    `state` (a `StateCache` over the linear stack's rows). One sequence per row; `step`, `lengths` and the metadata are the
     attention part's (module docstring)."""
 
-    kv: KVCache
+    kv: KVCache | PagedKVCache
     state: StateCache
     kv_stack: str = ATTENTION_STACK
     state_stack: str = LINEAR_STACK
