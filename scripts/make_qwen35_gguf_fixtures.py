@@ -7,6 +7,15 @@ untar; the converter and its gguf-py 0.19.0 are read from there, nothing of them
 
     /work/refenv/bin/python scripts/make_qwen35_gguf_fixtures.py --llama-cpp <sdist>/vendor/llama.cpp
 
+llama-cpp-python has no prebuilt wheel on the registry; for the logits below it is imported from the same sdist
+with the llama library built by cmake from its vendor/llama.cpp (CPU, GGML_NATIVE=OFF, target `llama`: 5 minutes
+on 2 cores; `pip install diskcache` in the refenv for its import):
+
+    cmake -S <sdist>/vendor/llama.cpp -B <build> -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+    cmake --build <build> --target llama -j2
+    PYTHONPATH=<sdist> LLAMA_CPP_LIB_PATH=<build>/bin /work/refenv/bin/python scripts/make_qwen35_gguf_fixtures.py ...
+
 It writes:
     tests/fixtures/models/qwen3_5_gguf/   a tiny Qwen3_5ForCausalLM made by transformers (seed 0) whose shapes
         llama.cpp can run (linear key head dim = value head dim = 16; 2 key heads, 4 value heads so the value-head
@@ -92,28 +101,27 @@ def make_model(out: Path, moe: bool) -> None:
 
 def convert(llama_cpp: Path, model_dir: Path, outtype: str, out: Path, vocab: bool) -> None:
     """llama.cpp's convert_hf_to_gguf.py, in this process (--no-mtp: the fixtures have no MTP layers); without
-    `vocab` its tokenizer step is a no-op."""
+    `vocab` its tokenizer step is a no-op; with it, the fixture tokenizer (whose pre-tokenizer hash the converter
+    does not list) is named `qwen2`, as surojax's writer names it (the logits below read token ids, no text)."""
     if str(llama_cpp) not in sys.path:
         sys.path[:0] = [str(llama_cpp), str(llama_cpp / "gguf-py")]
     import convert_hf_to_gguf
     from conversion import qwen
 
+    patch = {"get_vocab_base_pre": lambda self, tokenizer: "qwen2"} if vocab else {"set_vocab": lambda self: None}
     classes = (qwen.Qwen3_5TextModel, qwen.Qwen3_5MoeTextModel)
-    saved = [c.__dict__.get("set_vocab") for c in classes]
-    if not vocab:
-        for c in classes:
-            c.set_vocab = lambda self: None
+    for c in classes:
+        for name, fn in patch.items():
+            setattr(c, name, fn)
     argv = sys.argv
     sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(out), "--outtype", outtype, "--no-mtp"]
     try:
         convert_hf_to_gguf.main()
     finally:
         sys.argv = argv
-        for c, s in zip(classes, saved):
-            if s is None:
-                del c.set_vocab
-            else:
-                c.set_vocab = s
+        for c in classes:  # the two classes define neither: their bases' methods come back
+            for name in patch:
+                delattr(c, name)
 
 
 def describe(path: Path) -> dict:

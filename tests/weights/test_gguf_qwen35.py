@@ -189,7 +189,7 @@ def test_moe_q8_0_experts_stay_quantised(files):
 def test_logits_match_llama_cpp(files, arch):
     _, model, _ = load_gguf_model(files[f"{RUNNABLE[arch]}-f32"], dtype=jnp.float32)
     ref = np.load(FIXTURES / "gguf" / f"logits_{arch}_f32.npy")
-    assert np.abs(_logits(model) - ref).max() < 5e-3
+    assert np.abs(_logits(model) - ref).max() < 1e-3  # 2.1e-4 (qwen35) and 2.8e-4 (qwen35moe) when made
 
 
 def test_names_of_the_multimodal_checkpoint():
