@@ -1,6 +1,6 @@
-"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe / qwen35 architectures, Mixtral as llama),
-through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader: every count and
-offset bounded by the file size).
+"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe / qwen35 / qwen35moe architectures,
+Mixtral as llama), through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader:
+every count and offset bounded by the file size).
 
     save_gguf(model_or_hf_dir, "out.gguf", "q4_k_m", tokenizer_dir=...)       # what `surojax quantize` runs
     cfg, model, tokenizer = load_gguf_model("model.gguf", dtype=jnp.bfloat16)  # the training base
@@ -14,14 +14,17 @@ rows of q_proj / k_proj (per head: rows [0, H/2) and [H/2, H) interleaved), and 
 (writing) and its inverse (reading). qwen2 / qwen3 use the NeoX (half) rotation in llama.cpp: no permutation.
 Llama 3 rope scaling is the `rope_freqs.weight` tensor of per-frequency factors (as convert_hf_to_gguf makes it).
 
-MoE (qwen3_moe as `qwen3moe`, mixtral as `llama` with experts): the file holds the fused HF rows
-(registry.FUSED_MOE_WEIGHTS) under llama.cpp's names: blk.N.ffn_gate_inp (router [E, D], always F32, as
-convert_hf_to_gguf writes it and llama-quant keeps it), blk.N.ffn_gate_exps / ffn_up_exps (the two halves of
+MoE (qwen3_moe as `qwen3moe`, mixtral as `llama` with experts, qwen3_5_moe as `qwen35moe`): the file holds the
+fused HF rows (registry.FUSED_MOE_WEIGHTS) under llama.cpp's names: blk.N.ffn_gate_inp (router [E, D], always F32,
+as convert_hf_to_gguf writes it and llama-quant keeps it), blk.N.ffn_gate_exps / ffn_up_exps (the two halves of
 gate_up_proj [E, 2F, D]) and ffn_down_exps [E, D, F] (numpy order; GGUF ne [in, out, E]), each expert's rows
-quantised like a 2-D weight's; metadata {arch}.expert_count / expert_used_count (+ expert_feed_forward_length
-for qwen3moe; the llama arch's feed_forward_length is the expert's). llama.cpp renormalises the top-k weights
-for both, so norm_topk_prob false is refused on write. Read back, quantised experts stay quantised ([L, E, ...]
-leaves) when their format has `grouped_matmul` and every layer has one type, else they are dequantised.
+quantised like a 2-D weight's; a shared expert (qwen3_5_moe) as ffn_gate_shexp / ffn_up_shexp / ffn_down_shexp
+and its sigmoid gate ffn_gate_inp_shexp ([1, D], always F32 like the router); metadata {arch}.expert_count /
+expert_used_count (+ expert_feed_forward_length for qwen3moe / qwen35moe, expert_shared_feed_forward_length with a
+shared expert; the llama arch's feed_forward_length is the expert's, qwen35moe has none). llama.cpp renormalises
+the top-k weights for all three, so norm_topk_prob false is refused on write. Read back, quantised experts stay
+quantised ([L, E, ...] leaves) when their format has `grouped_matmul` and every layer has one type, else they are
+dequantised.
 
 Metadata (as convert_hf_to_gguf writes it): general.architecture / name / file_type / quantization_version,
 <arch>.context_length / embedding_length / feed_forward_length / block_count / vocab_size,
@@ -35,10 +38,11 @@ types in the file (llama.cpp's Q4_K_M gives attn_v / ffn_down Q6_K on some layer
 `GGUFMixed` pytree (surojax.quant.gguf_mixed: each layer's bytes in its own type, padded to the widest row).
 Embeddings, norms, biases and the LM head are dequantised to `param_dtype`.
 
-Qwen3.5's dense hybrid (qwen3_5_text, qwen3_5: architecture `qwen35`, read back as qwen3_5_text) has its own
-names, per-tensor transforms ((1 + w) norms stored as 1 + w, A_log as -exp(A_log), llama.cpp's value-head order)
-and metadata: surojax.weights.gguf_qwen35. Its files are written as f32 / f16 / bf16 / q8_0, what llama.cpp's
-converter writes; files quantised further by llama-quantize are read like any other.
+Qwen3.5's hybrid (qwen3_5_text, qwen3_5: architecture `qwen35`, read back as qwen3_5_text; qwen3_5_moe_text,
+qwen3_5_moe: `qwen35moe`, read back as qwen3_5_moe_text) has its own names, per-tensor transforms ((1 + w) norms
+stored as 1 + w, A_log as -exp(A_log), llama.cpp's value-head order) and metadata: surojax.weights.gguf_qwen35.
+Its files are written as f32 / f16 / bf16 / q8_0, what llama.cpp's converter writes; files quantised further by
+llama-quantize are read like any other.
 
 A model split in several files (`name-00001-of-00003.gguf`, gguf-split / GGUFWriter's split options) is read
 whole from any part's name (surojax.weights.gguf_split): metadata from the first part, tensors from all.
@@ -60,7 +64,7 @@ from flax import nnx
 from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.layers.attention_backend import AttentionBackend
-from surojax.models.registry import row_layers, weight_rows
+from surojax.models.registry import family_for, row_layers, weight_rows
 from surojax.quant import FORMATS, GGUF_TYPES
 from surojax.quant.base import QuantFormat
 from surojax.quant.gguf_mixed import GGUFMixed
@@ -77,10 +81,12 @@ log = logging.getLogger(__name__)
 
 # our model_type -> general.architecture (llama.cpp runs Mixtral as `llama` with {arch}.expert_count > 0)
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-         "qwen3_5_text": qwen35.ARCH, "qwen3_5": qwen35.ARCH}
+         "qwen3_5_text": qwen35.ARCH, "qwen3_5": qwen35.ARCH, "qwen3_5_moe_text": qwen35.MOE_ARCH,
+         "qwen3_5_moe": qwen35.MOE_ARCH}
 # general.architecture -> the model_type a file reads back as (llama with experts: mixtral, below)
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-               qwen35.ARCH: qwen35.MODEL_TYPE}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", **qwen35.MODEL_TYPES}
+# the model_types read from a file with experts ({arch}.expert_count > 0): their MoE config.json keys
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text")
 # HF name -> llama.cpp name ("{i}" is the layer); rows absent from a family are simply not present
 GGUF_NAMES: dict[str, str] = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -104,18 +110,24 @@ GGUF_NAMES: dict[str, str] = {
     # experts merged per layer, numpy [E, out, in] (GGUF ne [in, out, E]); gate_up is split below
     "model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",
     "model.layers.{i}.mlp.experts.down_proj": "blk.{i}.ffn_down_exps.weight",
+    # a shared expert (qwen3_5_moe) and its sigmoid gate [1, D]
+    "model.layers.{i}.mlp.shared_expert.gate_proj.weight": "blk.{i}.ffn_gate_shexp.weight",
+    "model.layers.{i}.mlp.shared_expert.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
+    "model.layers.{i}.mlp.shared_expert.down_proj.weight": "blk.{i}.ffn_down_shexp.weight",
+    "model.layers.{i}.mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
 }
 # per-architecture names that differ from (or add to) GGUF_NAMES
-ARCH_NAMES: dict[str, dict[str, str]] = {qwen35.ARCH: qwen35.NAMES}
+ARCH_NAMES: dict[str, dict[str, str]] = {arch: qwen35.NAMES for arch in qwen35.HYBRID_ARCHS}
 # HF rows written as several GGUF tensors, concatenated along the out rows (numpy axis -2) when read:
 # gate_up_proj [E, 2F, D] = [ffn_gate_exps | ffn_up_exps]
 GGUF_PARTS: dict[str, tuple[str, ...]] = {
     "model.layers.{i}.mlp.experts.gate_up_proj": ("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),
 }
-ROUTER_SUFFIX = "ffn_gate_inp.weight"  # kept F32 in every file type (convert_hf_to_gguf and llama-quant do)
+# the routers and the shared expert's gate: kept F32 in every file type (convert_hf_to_gguf and llama-quant do)
+ROUTER_SUFFIXES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 ROPE_FREQS = "rope_freqs.weight"
-# the file types convert_hf_to_gguf writes for qwen35 (the only ones whose per-tensor types are known here)
-QWEN35_FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
+# the file types convert_hf_to_gguf writes for qwen35 / qwen35moe (the only ones whose per-tensor types are known)
+HYBRID_FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def _gguf():
@@ -277,10 +289,11 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
                            f"cannot be written to GGUF here (supported: {', '.join(ARCHS)})")
     if cfg.rope_scaling.rope_type not in ("default", "linear", "llama3"):
         raise WeightsError(f"rope_scaling {cfg.rope_scaling.rope_type!r} cannot be written to GGUF")
-    if arch == qwen35.ARCH and file_type not in QWEN35_FILE_TYPES:
-        raise WeightsError(f"{cfg.model_type} is written to GGUF as {', '.join(QWEN35_FILE_TYPES)} (what llama.cpp's "
+    hybrid = arch in qwen35.HYBRID_ARCHS
+    if hybrid and file_type not in HYBRID_FILE_TYPES:
+        raise WeightsError(f"{cfg.model_type} is written to GGUF as {', '.join(HYBRID_FILE_TYPES)} (what llama.cpp's "
                            f"convert_hf_to_gguf writes), not {file_type!r}: llama.cpp's per-tensor mix of the other "
-                           "file types for the qwen35 architecture is not modelled here (run llama-quantize on the "
+                           f"file types for the {arch} architecture is not modelled here (run llama-quantize on the "
                            "f16 / f32 file)")
     if cfg.moe is not None and not cfg.moe.norm_topk_prob:
         raise WeightsError(f"{cfg.model_type} with norm_topk_prob false cannot be written to GGUF (llama.cpp's "
@@ -299,13 +312,17 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         w.add_vocab_size(cfg.vocab_size)
         w.add_context_length(cfg.max_position_embeddings)
         w.add_embedding_length(cfg.hidden_size)
-        w.add_feed_forward_length(cfg.intermediate_size if cfg.model_type != "mixtral"
-                                  else cfg.moe.expert_intermediate_size)  # llama.cpp's llama arch: n_ff = expert F
+        if cfg.model_type == "mixtral":  # llama.cpp's llama arch: n_ff = expert F
+            w.add_feed_forward_length(cfg.moe.expert_intermediate_size)
+        elif family_for(cfg.model_type).intermediate_size_key:  # qwen3_5_moe has no dense MLP width
+            w.add_feed_forward_length(cfg.intermediate_size)
         if cfg.moe is not None:
             w.add_expert_count(cfg.moe.num_experts)
             w.add_expert_used_count(cfg.moe.experts_per_token)
-            if cfg.model_type == "qwen3_moe":
+            if arch in ("qwen3moe", qwen35.MOE_ARCH):
                 w.add_expert_feed_forward_length(cfg.moe.expert_intermediate_size)
+            if cfg.moe.shared_expert_intermediate_size:
+                w.add_expert_shared_feed_forward_length(cfg.moe.shared_expert_intermediate_size)
         w.add_block_count(cfg.num_layers)
         w.add_head_count(cfg.num_heads)
         w.add_head_count_kv(cfg.num_kv_heads)
@@ -313,7 +330,7 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         w.add_value_length(cfg.head_dim)
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         w.add_rope_freq_base(cfg.rope_theta)
-        if arch == qwen35.ARCH:
+        if hybrid:
             qwen35.write_metadata(w, cfg)  # its rope.dimension_count is the rotary part
         else:
             w.add_rope_dimension_count(cfg.head_dim)
@@ -331,14 +348,14 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
             heads = _permute_heads(cfg, hf)
             if heads:
                 arr = _rope_permute(arr, heads)
-            if arch == qwen35.ARCH:
+            if hybrid:
                 arr = qwen35.to_file(cfg, hf, arr)
             names = gguf_names(hf, arch)
             for gname, part in zip(names, np.split(arr, len(names), axis=-2) if len(names) > 1 else [arr]):
-                if part.ndim == 1 or (arch == qwen35.ARCH and qwen35.forced_f32(gname)):
+                if part.ndim == 1 or (hybrid and qwen35.forced_f32(gname)):
                     w.add_tensor(gname, np.ascontiguousarray(part, np.float32))
                     continue
-                qtype = "f32" if gname.endswith(ROUTER_SUFFIX) else tensor_type(
+                qtype = "f32" if gname.endswith(ROUTER_SUFFIXES) else tensor_type(
                     file_type, gname, part.shape[-1], n_layers=cfg.num_layers, n_gqa=n_gqa, tied=tied, arch=arch)
                 data, raw = _encode(part, qtype)
                 w.add_tensor(gname, data, raw_dtype=raw)
@@ -390,11 +407,11 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
     experts = get("expert_count", default=0)
     if model_type == "llama" and experts:
         model_type = "mixtral"
-    elif model_type == "qwen3_moe" and not experts:
+    elif model_type in MOE_MODEL_TYPES and not experts:
         raise GGUFError(f"{source}: {arch}.expert_count: expected a positive expert count, found {experts}")
-    elif experts and model_type != "qwen3_moe":
-        raise GGUFError(f"{source}: {arch}.expert_count {experts}: experts are read for qwen3moe and llama "
-                        f"(Mixtral) files only")
+    elif experts and model_type not in MOE_MODEL_TYPES:
+        raise GGUFError(f"{source}: {arch}.expert_count {experts}: experts are read for qwen3moe, qwen35moe and "
+                        f"llama (Mixtral) files only")
 
     n_heads = get("attention.head_count")
     hidden = get("embedding_length")
@@ -409,13 +426,14 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
     if n_tensors is not None and layers > n_tensors:
         raise GGUFError(f"{source}: {arch}.block_count: expected at most the file's {n_tensors} tensors, "
                         f"found {layers}")
-    hf = {"model_type": model_type, "vocab_size": vocab, "hidden_size": hidden,
-          "intermediate_size": get("feed_forward_length"), "num_hidden_layers": layers,
+    hf = {"model_type": model_type, "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
           "num_attention_heads": n_heads, "num_key_value_heads": get("attention.head_count_kv", default=n_heads),
           "head_dim": get("attention.key_length", default=hidden // n_heads),
           "rms_norm_eps": get("attention.layer_norm_rms_epsilon", float, 1e-6),
           "rope_theta": get("rope.freq_base", float, 10000.0),
           "max_position_embeddings": get("context_length", default=4096)}
+    if family_for(model_type).intermediate_size_key:  # qwen3_5_moe has no dense MLP
+        hf["intermediate_size"] = get("feed_forward_length")
     scaling = get("rope.scaling.type", str, "none")
     if scaling == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", float)}
@@ -427,8 +445,18 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
                   moe_intermediate_size=get("expert_feed_forward_length"))
     elif model_type == "mixtral":  # the llama arch's n_ff is the expert's
         hf.update(num_local_experts=experts, num_experts_per_tok=get("expert_used_count"))
-    if arch == qwen35.ARCH:
-        qwen35.hf_config(get, fields, hf, source)
+    elif model_type == "qwen3_5_moe_text":  # without the widths, llama.cpp's fallbacks from feed_forward_length
+        used, n_ff = get("expert_used_count"), get("feed_forward_length", default=0)
+        expert_ff = get("expert_feed_forward_length", default=0) or n_ff // max(used, 1)
+        shared_ff = get("expert_shared_feed_forward_length", default=0) or n_ff
+        if not (used and expert_ff and shared_ff):
+            raise GGUFError(f"{source}: {arch}.expert_used_count {used}, expert_feed_forward_length {expert_ff} and "
+                            f"expert_shared_feed_forward_length {shared_ff} (or feed_forward_length): expected "
+                            "positive values (every layer has routed experts and the shared expert)")
+        hf.update(num_experts=experts, num_experts_per_tok=used, moe_intermediate_size=expert_ff,
+                  shared_expert_intermediate_size=shared_ff)
+    if arch in qwen35.HYBRID_ARCHS:
+        qwen35.hf_config(get, fields, hf, source, arch)
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
         if f"tokenizer.ggml.{name}_token_id" in fields:
             hf[key] = _typed(fields, f"tokenizer.ggml.{name}_token_id", int, source)
@@ -511,7 +539,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
 
     rows = _rows(cfg)
     arch = ARCHS[cfg.model_type]
-    hybrid = arch == qwen35.ARCH
+    hybrid = arch in qwen35.HYBRID_ARCHS
     by_path: dict[str, list] = {}  # state path -> [(layer or None, GGUF names (parts), HF name)]
     expected = set()
     for row in rows:

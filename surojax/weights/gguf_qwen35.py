@@ -1,7 +1,11 @@
-"""Qwen3.5's dense hybrid (qwen3_5_text, qwen3_5) as llama.cpp's `qwen35` GGUF architecture: the tensor names,
-the per-tensor transforms and the metadata that llama.cpp's convert_hf_to_gguf (Qwen3_5TextModel, of the
-llama.cpp that llama-cpp-python 0.3.36 vendors) writes, and their inverses for reading. surojax.weights.
-gguf_checkpoint calls these for the `qwen35` architecture; everything else there is shared with the other families.
+"""Qwen3.5's hybrid as llama.cpp's GGUF architectures: the dense qwen3_5_text / qwen3_5 as `qwen35`, the MoE
+qwen3_5_moe_text / qwen3_5_moe as `qwen35moe`: the tensor names, the per-tensor transforms and the metadata that
+llama.cpp's convert_hf_to_gguf (Qwen3_5TextModel / Qwen3_5MoeTextModel, of the llama.cpp that llama-cpp-python
+0.3.36 vendors) writes, and their inverses for reading. surojax.weights.gguf_checkpoint calls these for both
+architectures; everything else there is shared with the other families (the MoE's router, stacked experts and
+shared expert are the shared MoE rows: ffn_gate_inp, ffn_gate_exps / ffn_up_exps / ffn_down_exps, ffn_gate_shexp /
+ffn_up_shexp / ffn_down_shexp, ffn_gate_inp_shexp). The two converter classes differ only in their MLP; the
+DeltaNet / attention tensors and keys below are the same for both.
 
 Names (HF, `model.language_model.` read as `model.`) -> GGUF, per layer `blk.N.`:
     input_layernorm attn_norm, post_attention_layernorm post_attention_norm (not ffn_norm), mlp.* ffn_gate / ffn_up /
@@ -29,6 +33,10 @@ rope.dimension_count (head_dim * partial_rotary_factor) and rope.dimension_secti
 default [11, 11, 10, 0]). llama.cpp itself runs only files with linear_key_head_dim == linear_value_head_dim
 (its ssm.state_size serves both); surojax reads the value head dim as inner_size / time_step_rank. MTP layers are
 not written (the converter's --no-mtp); a file with `nextn_predict_layers` has them skipped when read.
+qwen35moe adds (gguf_checkpoint writes them, as for qwen3moe) expert_count, expert_used_count,
+expert_feed_forward_length (moe_intermediate_size) and expert_shared_feed_forward_length
+(shared_expert_intermediate_size), and has no feed_forward_length (the family has no dense MLP); read back, a file
+without the two widths gets llama.cpp's fallbacks (feed_forward_length / expert_used_count and feed_forward_length).
 """
 from __future__ import annotations
 
@@ -39,7 +47,10 @@ from surojax.models.registry import family_for
 from surojax.weights.gguf_reader import GGUFError
 
 ARCH = "qwen35"
-MODEL_TYPE = "qwen3_5_text"  # what a qwen35 file reads back as (the text model; no vision tower in the file)
+MOE_ARCH = "qwen35moe"
+HYBRID_ARCHS = (ARCH, MOE_ARCH)
+# general.architecture -> what a file reads back as (the text model; no vision tower in the file)
+MODEL_TYPES = {ARCH: "qwen3_5_text", MOE_ARCH: "qwen3_5_moe_text"}
 DEFAULT_MROPE_SECTION = (11, 11, 10, 0)  # the converter's, when config.json has none
 
 _L = "model.layers.{i}."
@@ -167,22 +178,22 @@ def write_metadata(w, cfg: ModelConfig) -> None:
     w.add_rope_dimension_sections((section + [0, 0, 0, 0])[:4])
 
 
-def hf_config(get, fields: dict, hf: dict, source: str) -> None:
-    """Add the Qwen3.5 keys of config.json to `hf` (built from the shared keys) from the file's metadata; `get(key,
-    kind, default)` reads `qwen35.<key>` type-checked. MTP layers (nextn_predict_layers) are left out of the
-    layer count."""
+def hf_config(get, fields: dict, hf: dict, source: str, arch: str) -> None:
+    """Add the Qwen3.5 keys of config.json to `hf` (built from the shared keys) from the metadata of a file of
+    `arch` (qwen35 / qwen35moe); `get(key, kind, default)` reads `<arch>.<key>` type-checked. MTP layers
+    (nextn_predict_layers) are left out of the layer count."""
     n_mtp = get("nextn_predict_layers", default=0)
     layers = hf["num_hidden_layers"] - n_mtp
     if layers < 1:
-        raise GGUFError(f"{source}: {ARCH}.block_count {hf['num_hidden_layers']} leaves no layer besides the "
+        raise GGUFError(f"{source}: {arch}.block_count {hf['num_hidden_layers']} leaves no layer besides the "
                         f"{n_mtp} MTP layers")
     hk, hv = get("ssm.group_count"), get("ssm.time_step_rank")
     inner = get("ssm.inner_size")
     if hk == 0 or hv == 0 or hv % hk or inner % hv:
-        raise GGUFError(f"{source}: {ARCH}.ssm.group_count {hk}, ssm.time_step_rank {hv}, ssm.inner_size {inner}: "
+        raise GGUFError(f"{source}: {arch}.ssm.group_count {hk}, ssm.time_step_rank {hv}, ssm.inner_size {inner}: "
                         "expected positive head counts, the value heads a multiple of the key heads and the inner "
                         "size a multiple of the value heads")
-    key = f"{ARCH}.attention.recurrent_layers"
+    key = f"{arch}.attention.recurrent_layers"
     recurrent = fields.get(key)
     if recurrent is None:
         interval = get("full_attention_interval", default=4) or 4
@@ -190,12 +201,12 @@ def hf_config(get, fields: dict, hf: dict, source: str) -> None:
     elif not (isinstance(recurrent, list) and len(recurrent) >= layers and all(type(x) is bool for x in recurrent)):
         raise GGUFError(f"{source}: metadata key {key}: expected {layers} booleans, found {recurrent!r:.80}")
     rot = get("rope.dimension_count", default=hf["head_dim"])
-    sections = fields.get(f"{ARCH}.rope.dimension_sections", list(DEFAULT_MROPE_SECTION))
+    sections = fields.get(f"{arch}.rope.dimension_sections", list(DEFAULT_MROPE_SECTION))
     if not (isinstance(sections, list) and len(sections) >= 3 and all(type(s) is int for s in sections)):
-        raise GGUFError(f"{source}: metadata key {ARCH}.rope.dimension_sections: expected 4 integers, found "
+        raise GGUFError(f"{source}: metadata key {arch}.rope.dimension_sections: expected 4 integers, found "
                         f"{sections!r:.80}")
     partial = rot / hf["head_dim"]
-    hf.update(model_type=MODEL_TYPE, num_hidden_layers=layers,
+    hf.update(num_hidden_layers=layers,
               layer_types=["linear_attention" if x else "full_attention" for x in recurrent[:layers]],
               linear_conv_kernel_dim=get("ssm.conv_kernel"), linear_key_head_dim=get("ssm.state_size"),
               linear_num_key_heads=hk, linear_num_value_heads=hv, linear_value_head_dim=inner // hv,
@@ -203,5 +214,5 @@ def hf_config(get, fields: dict, hf: dict, source: str) -> None:
               rope_parameters={"rope_type": "default", "rope_theta": hf["rope_theta"],
                                "partial_rotary_factor": partial, "mrope_section": list(sections[:3]),
                                "mrope_interleaved": True})
-    if "full_attention_interval" in {k.removeprefix(f"{ARCH}.") for k in fields}:
+    if f"{arch}.full_attention_interval" in fields:
         hf["full_attention_interval"] = get("full_attention_interval")

@@ -1,6 +1,7 @@
-"""Qwen3.5 (qwen3_5_text / qwen3_5) as llama.cpp's `qwen35` GGUF, against llama.cpp's own converter
-(tests/fixtures/gguf/qwen35_converter.json, made by scripts/make_qwen35_gguf_fixtures.py with the
-convert_hf_to_gguf.py and gguf-py that llama-cpp-python 0.3.36 vendors):
+"""Qwen3.5 (qwen3_5_text / qwen3_5) as llama.cpp's `qwen35` GGUF and Qwen3.5-MoE (qwen3_5_moe_text / qwen3_5_moe)
+as `qwen35moe`, against llama.cpp's own converter (tests/fixtures/gguf/qwen35_converter.json and
+qwen35moe_converter.json, made by scripts/make_qwen35_gguf_fixtures.py with the convert_hf_to_gguf.py and gguf-py
+that llama-cpp-python 0.3.36 vendors):
 
 - for the HF folders qwen3_5_gguf (f32, f16, q8_0; 2 key / 4 value heads: the value-head reorder applies),
   qwen3_5_text (untied head, key head dim 8 != value head dim 16) and qwen3_5 (Qwen3_5ForConditionalGeneration:
@@ -10,9 +11,17 @@ convert_hf_to_gguf.py and gguf-py that llama-cpp-python 0.3.36 vendors):
 - read back, the f32 file gives the HF model's logits (to float32 rounding of A_log's round trip), and an f16 file
   the logits of the model whose 2-D weights are rounded to f16; q8_0 weights stay quantised (Q8_0) and give the
   logits of the dequantised model;
+- the same for the MoE folders qwen3_5_moe_gguf (f32, q8_0: every expert row quantises), qwen3_5_moe_text (f32,
+  q8_0: the expert / shared-expert down rows of 16 / 24 values fall back to F16, as the converter does) and
+  qwen3_5_moe: the router and the shared expert's gate F32, the stacked experts, the shared expert, the expert
+  widths' keys and no feed_forward_length; read back, the f32 files give transformers' logits (expected.npz), and
+  q8_0 experts and shared experts stay quantised;
 - llama.cpp's logits on the converter's f32 file (when the fixture has them) match ours on our file;
-- a file type whose qwen35 mix is not modelled, and a corrupted ssm_a, fail clearly.
+- a file type whose hybrid mix is not modelled (here, and for training: quantize_model_mix), a corrupted ssm_a and
+  a qwen35moe file without its expert widths fail clearly; with only feed_forward_length the widths are llama.cpp's
+  fallbacks.
 """
+import dataclasses
 import json
 from pathlib import Path
 
@@ -25,16 +34,18 @@ gguf = pytest.importorskip("gguf")
 
 from tests.weights.gguf_tiny import PROMPT_IDS  # noqa: E402
 
-from surojax.quant.model import is_quantized  # noqa: E402
-from surojax.weights.gguf_checkpoint import gguf_names, load_gguf_model, save_gguf  # noqa: E402
+from surojax.quant.model import is_quantized, quantize_model_mix  # noqa: E402
+from surojax.weights.gguf_checkpoint import gguf_names, hf_config_from_gguf, load_gguf_model, save_gguf  # noqa: E402
 from surojax.weights.hf_checkpoint import hf_tensors, load_model  # noqa: E402
 from surojax.weights.safetensors_file import WeightsError  # noqa: E402
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 MODELS = FIXTURES / "models"
-REF = json.loads((FIXTURES / "gguf" / "qwen35_converter.json").read_text())
-LOGITS = FIXTURES / "gguf" / "logits_qwen35_f32.npy"
+ARCHS = ("qwen35", "qwen35moe")
+REF = {case: ref for arch in ARCHS
+       for case, ref in json.loads((FIXTURES / "gguf" / f"{arch}_converter.json").read_text()).items()}
 CASES = sorted(REF)
+RUNNABLE = {"qwen35": "qwen3_5_gguf", "qwen35moe": "qwen3_5_moe_gguf"}  # llama.cpp runs these shapes
 
 
 def _byte_tokenizer(out: Path) -> Path:
@@ -79,7 +90,7 @@ def test_file_equals_the_converters(files, case):
     ref = REF[case]
     r = gguf.GGUFReader(files[case])
     meta = {k: f.contents() for k, f in r.fields.items() if not k.startswith(("general.", "tokenizer.", "GGUF."))}
-    meta.pop("qwen35.vocab_size")  # ours names it; the converter leaves it to the token list
+    meta.pop(f"{r.fields['general.architecture'].contents()}.vocab_size")  # the converter leaves it to the tokens
     assert meta == ref["metadata"]
     ours = {t.name: t for t in r.tensors}
     assert sorted(ours) == sorted(ref["tensors"])
@@ -92,23 +103,35 @@ def test_file_equals_the_converters(files, case):
             assert hashlib.sha256(np.ascontiguousarray(t.data).tobytes()).hexdigest() == digest, name
 
 
-@pytest.mark.parametrize("folder", ["qwen3_5_gguf", "qwen3_5_text", "qwen3_5"])
+@pytest.mark.parametrize("folder", ["qwen3_5_gguf", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe"])
 def test_f32_round_trip_gives_the_hf_logits(files, folder):
+    """Every weight read back equals the checkpoint's; the logits are transformers' (the folder's expected.npz;
+    qwen3_5_gguf has none: the HF folder loaded by surojax)."""
     hf = load_model(MODELS / folder, dtype=jnp.float32)
     cfg, model, _ = load_gguf_model(files[f"{folder}-f32"], dtype=jnp.float32)
-    assert cfg.model_type == "qwen3_5_text" and cfg.linear_attention == hf.cfg.linear_attention
+    assert cfg.model_type == ("qwen3_5_moe_text" if hf.cfg.moe else "qwen3_5_text")
+    assert cfg.linear_attention == hf.cfg.linear_attention  # with the layer pattern
+    if hf.cfg.moe:  # the aux-loss coefficient is a training setting, not in the file (transformers' default read)
+        assert cfg.moe == dataclasses.replace(hf.cfg.moe, router_aux_loss_coef=cfg.moe.router_aux_loss_coef)
     assert (cfg.partial_rotary_factor, cfg.tie_word_embeddings) == (hf.cfg.partial_rotary_factor,
                                                                      hf.cfg.tie_word_embeddings)
-    ids = [i % hf.cfg.vocab_size for i in PROMPT_IDS]
     ours, ref = hf_tensors(model), hf_tensors(hf)
+    multimodal = folder in ("qwen3_5", "qwen3_5_moe")
+    assert len(ours) == len(ref)
     for name, value in ours.items():
-        want = ref[name.replace("model.", "model.language_model.", 1) if folder == "qwen3_5"
+        want = ref[name.replace("model.", "model.language_model.", 1) if multimodal
                    and name.startswith("model.") else name]
         if name.endswith("A_log"):  # log(exp(x)) in float32
             np.testing.assert_allclose(value, want, rtol=1e-6, atol=1e-7)
         else:
             np.testing.assert_array_equal(np.asarray(value) + 1, np.asarray(want) + 1, err_msg=name)
-    np.testing.assert_allclose(_logits(model, ids), _logits(hf, ids), rtol=1e-5, atol=1e-5)
+    expected = MODELS / folder / "expected.npz"
+    if expected.is_file():
+        exp = np.load(expected)
+        np.testing.assert_allclose(_logits(model, list(exp["tokens2"])), exp["logits2"], rtol=1e-4, atol=1e-4)
+    else:
+        ids = [i % hf.cfg.vocab_size for i in PROMPT_IDS]
+        np.testing.assert_allclose(_logits(model, ids), _logits(hf, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_f16_and_q8_0_read_back(files):
@@ -129,11 +152,44 @@ def test_f16_and_q8_0_read_back(files):
     np.testing.assert_allclose(_logits(kept), _logits(deq), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not LOGITS.is_file(), reason="llama.cpp's logits were not made (llama-cpp-python missing)")
-def test_logits_match_llama_cpp(files):
-    _, model, _ = load_gguf_model(files["qwen3_5_gguf-f32"], dtype=jnp.float32)
-    ref = np.load(LOGITS)
-    assert np.abs(_logits(model) - ref).max() < 5e-3
+def test_moe_q8_0_experts_stay_quantised(files):
+    """Q8_0 experts (both stacks, in the grouped-GEMM layout) and shared experts are kept as read, each value where
+    the dequantised read puts it; the down rows the converter wrote as F16 (16 / 24 values: no Q8_0 block) are
+    dequantised."""
+    _, kept, _ = load_gguf_model(files["qwen3_5_moe_gguf-q8_0"], dtype=jnp.float32)
+    _, deq, _ = load_gguf_model(files["qwen3_5_moe_gguf-q8_0"], dtype=jnp.float32, keep_quantized=False)
+    q = is_quantized(kept)
+    for stack in ("", "linear_layers."):
+        for target in ("experts.gate_up_proj", "experts.down_proj", "shared_expert.gate_proj",
+                       "shared_expert.up_proj", "shared_expert.down_proj"):
+            assert q[stack + target] == "q8_0", stack + target
+    assert not is_quantized(deq)
+    # where the bytes went (the quantised matmuls themselves: tests/quant): each kept Q8_0 kernel decoded by gguf-py
+    # is the dequantised read's kernel
+    want = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(deq, nnx.Param))}
+    n = 0
+    for p, v in nnx.to_flat_state(nnx.state(kept, nnx.Param)):
+        value = v.get_value()
+        if hasattr(value, "data") and value.name == "q8_0":
+            raw = np.asarray(value.data).view(np.uint8)  # [..., N, row bytes]
+            rows = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
+            np.testing.assert_array_equal(np.swapaxes(rows, -1, -2), want[".".join(map(str, p))], err_msg=str(p))
+            n += 1
+    assert n == len(is_quantized(kept))
+    _, fallback, _ = load_gguf_model(files["qwen3_5_moe_text-q8_0"], dtype=jnp.float32)
+    q = is_quantized(fallback)
+    assert q["experts.gate_up_proj"] == q["linear_layers.shared_expert.up_proj"] == "q8_0"
+    assert not {"experts.down_proj", "linear_layers.experts.down_proj", "shared_expert.down_proj"} & set(q)
+
+
+@pytest.mark.parametrize("arch", [
+    pytest.param(arch, marks=pytest.mark.skipif(not (FIXTURES / "gguf" / f"logits_{arch}_f32.npy").is_file(),
+                                                reason="llama.cpp's logits were not made (llama-cpp-python missing)"))
+    for arch in ARCHS])
+def test_logits_match_llama_cpp(files, arch):
+    _, model, _ = load_gguf_model(files[f"{RUNNABLE[arch]}-f32"], dtype=jnp.float32)
+    ref = np.load(FIXTURES / "gguf" / f"logits_{arch}_f32.npy")
+    assert np.abs(_logits(model) - ref).max() < 1e-3  # 2.1e-4 (qwen35) and 2.8e-4 (qwen35moe) when made
 
 
 def test_names_of_the_multimodal_checkpoint():
@@ -141,6 +197,10 @@ def test_names_of_the_multimodal_checkpoint():
     assert gguf_names("model.layers.0.post_attention_layernorm.weight", "qwen35") == (
         "blk.0.post_attention_norm.weight",)
     assert gguf_names("model.layers.0.post_attention_layernorm.weight") == ("blk.0.ffn_norm.weight",)
+    assert gguf_names("model.language_model.layers.2.mlp.shared_expert_gate.weight", "qwen35moe") == (
+        "blk.2.ffn_gate_inp_shexp.weight",)
+    assert gguf_names("model.language_model.layers.2.mlp.experts.gate_up_proj", "qwen35moe") == (
+        "blk.2.ffn_gate_exps.weight", "blk.2.ffn_up_exps.weight")
 
 
 def test_bad_input_fails_clearly(files, tmp_path):
@@ -154,3 +214,34 @@ def test_bad_input_fails_clearly(files, tmp_path):
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     with pytest.raises(WeightsError, match=r"bad.gguf: tensor blk.1.ssm_a: expected negative values"):
         load_gguf_model(tmp_path / "bad.gguf")
+    with pytest.raises(WeightsError, match=r"qwen3_5_moe_text is written to GGUF as .*'q4_k_m'.*qwen35moe"):
+        save_gguf(MODELS / "qwen3_5_moe_text", tmp_path / "x.gguf", "q4_k_m")
+
+
+@pytest.mark.parametrize("folder", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_llama_cpp_mix_is_refused_for_training_hybrids(folder):
+    model = load_model(MODELS / folder, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=rf"per-tensor mix \(q4_k_m\) is not defined for a hybrid \({folder}"):
+        quantize_model_mix(model, "q4_k_m")
+
+
+def test_moe_expert_widths_from_the_metadata(files):
+    """qwen35moe without expert_feed_forward_length / expert_shared_feed_forward_length: llama.cpp's fallbacks from
+    feed_forward_length (n_ff / expert_used_count, n_ff), else a clear error naming the keys."""
+    from surojax.weights.gguf_split import read_gguf_model
+
+    fields = dict(read_gguf_model(files["qwen3_5_moe_text-f32"]).fields)
+    hf = hf_config_from_gguf(fields, "m.gguf")
+    assert (hf["model_type"], hf["moe_intermediate_size"], hf["shared_expert_intermediate_size"]) == (
+        "qwen3_5_moe_text", 16, 24) and "intermediate_size" not in hf
+    for key in ("qwen35moe.expert_feed_forward_length", "qwen35moe.expert_shared_feed_forward_length"):
+        del fields[key]
+    with pytest.raises(WeightsError, match=r"m.gguf: qwen35moe.expert_used_count 2, expert_feed_forward_length 0 "
+                                           r"and expert_shared_feed_forward_length 0 \(or feed_forward_length\)"):
+        hf_config_from_gguf(fields, "m.gguf")
+    fields["qwen35moe.feed_forward_length"] = 48
+    hf = hf_config_from_gguf(fields, "m.gguf")
+    assert (hf["moe_intermediate_size"], hf["shared_expert_intermediate_size"]) == (24, 48)
+    fields["qwen35moe.expert_count"] = 0
+    with pytest.raises(WeightsError, match=r"m.gguf: qwen35moe.expert_count: expected a positive expert count"):
+        hf_config_from_gguf(fields, "m.gguf")
