@@ -63,9 +63,35 @@ def _chunked(x, chunk: int):
     return jnp.moveaxis(x.reshape(B, Tp // chunk, chunk, H, *x.shape[3:]), 3, 1)
 
 
+def unit_lower_inverse(a, block: int = 16):
+    """(I + a)^-1 for a strictly lower-triangular [..., C, C] (C = block * 2^k): the diagonal blocks by a batched
+    triangular solve against the identity, then merged by halves with matmuls,
+        [[I + A11, 0], [A21, I + A22]]^-1 = [[T11, 0], [-T22 A21 T11, T22]],
+    so most of the work is tensor-core matmuls (flash-linear-attention's solve_tril builds the inverse the same way).
+    The merges run at fp32 precision ("highest"): an inverse in TF32 would carry its 1e-3 error into every U and W."""
+    C = a.shape[-1]
+    if C <= block:
+        eye = jnp.broadcast_to(jnp.eye(C, dtype=a.dtype), a.shape)
+        return jax.lax.linalg.triangular_solve(a + eye, eye, left_side=True, lower=True, unit_diagonal=True)
+    h = C // 2
+    t11, t22 = unit_lower_inverse(a[..., :h, :h], block), unit_lower_inverse(a[..., h:, h:], block)
+    with jax.default_matmul_precision("highest"):
+        t21 = -(t22 @ a[..., h:, :h] @ t11)
+    zeros = jnp.zeros_like(t11)
+    return jnp.concatenate([jnp.concatenate([t11, zeros], -1), jnp.concatenate([t21, t22], -1)], -2)
+
+
 def chunk_gated_delta_rule_chunked(q, k, v, g, beta, *, scale: float, segment_ids=None, initial_state=None,
-                                   output_final_state: bool = False, chunk: int = CHUNK):
-    """reference.py's operands and results, computed chunk by chunk (module docstring)."""
+                                   output_final_state: bool = False, chunk: int = CHUNK, form: str = "state"):
+    """reference.py's operands and results, computed chunk by chunk (module docstring).
+
+    form "state" (the default): everything but the state's own recurrence is computed for all chunks at once; the
+    sequential part is S_{n+1} = M_n S_n + R_n with M_n = carry_n I - K_write^T W and R_n = K_write^T U (one
+    [Dk, Dk] x [Dk, Dv] matmul per chunk), and the outputs o = (Q_read - attn W) S_n + attn U follow in one batched
+    matmul. form "token" (the first version, kept for the A/B on the GPU): the scan carries the state and computes
+    u, o and the next state per chunk (four matmuls per step, and their transposes in the backward)."""
+    if form not in ("state", "token"):
+        raise ValueError(f"chunk_gated_delta_rule_chunked: form {form!r} is unknown (state, token)")
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     f32, out_dtype = jnp.float32, v.dtype
@@ -86,10 +112,15 @@ def chunk_gated_delta_rule_chunked(q, k, v, g, beta, *, scale: float, segment_id
 
     kk = jnp.einsum("...ik,...jk->...ij", k, k)
     a = jnp.where(strict, beta[..., :, None] * decay * kk, 0.0)
-    system = a + jnp.eye(chunk, dtype=f32)
-    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gamma) * first)[..., None] * k], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u0, w = solved[..., :Dv], solved[..., Dv:]  # U [.., C, Dv], W [.., C, Dk]
+    rhs_w = (beta * jnp.exp(gamma) * first)[..., None] * k
+    if form == "state":
+        inverse = unit_lower_inverse(a)  # T = (I + A)^-1
+        u0, w = inverse @ (beta[..., None] * v), inverse @ rhs_w  # U [.., C, Dv], W [.., C, Dk]
+    else:
+        system = a + jnp.eye(chunk, dtype=f32)
+        solved = jax.lax.linalg.triangular_solve(system, jnp.concatenate([beta[..., None] * v, rhs_w], axis=-1),
+                                                 left_side=True, lower=True, unit_diagonal=True)
+        u0, w = solved[..., :Dv], solved[..., Dv:]
 
     attn = jnp.einsum("...ik,...jk->...ij", q, k) * decay * scale  # [.., C, C]
     q_read = q * (jnp.exp(gamma) * first * scale)[..., None]  # reads of the carried state
@@ -97,6 +128,21 @@ def chunk_gated_delta_rule_chunked(q, k, v, g, beta, *, scale: float, segment_id
     carry = jnp.exp(gamma[..., -1]) * first[..., -1]  # [B, H, N]: the old state's share of the next one
 
     state = jnp.zeros((B, H, Dk, Dv), f32) if initial_state is None else initial_state.astype(f32)
+
+    if form == "state":
+        kw = jnp.einsum("...ck,...cj->...kj", k_write, w)  # [B, H, N, Dk, Dk]
+        m = carry[..., None, None] * jnp.eye(Dk, dtype=f32) - kw
+        r = jnp.einsum("...ck,...cv->...kv", k_write, u0)  # [B, H, N, Dk, Dv]
+
+        def advance(state, xs):
+            m, r = xs
+            return jnp.einsum("bhkj,bhjv->bhkv", m, state) + r, state
+
+        state, entering = jax.lax.scan(advance, state, (jnp.moveaxis(m, 2, 0), jnp.moveaxis(r, 2, 0)))
+        entering = jnp.moveaxis(entering, 0, 2)  # [B, H, N, Dk, Dv]: the state each chunk starts from
+        o = jnp.einsum("...ck,...kv->...cv", q_read - attn @ w, entering) + attn @ u0  # [B, H, N, C, Dv]
+        o = o.reshape(B, H, -1, Dv)[:, :, :T]
+        return jnp.moveaxis(o, 1, 2).astype(out_dtype), (state if output_final_state else None)
 
     def step(state, xs):
         u0, w, attn, q_read, k_write, carry = xs
@@ -111,4 +157,4 @@ def chunk_gated_delta_rule_chunked(q, k, v, g, beta, *, scale: float, segment_id
     return jnp.moveaxis(o, 1, 2).astype(out_dtype), (state if output_final_state else None)
 
 
-__all__ = ["CHUNK", "chunk_gated_delta_rule_chunked", "pad_to_chunks", "segment_numbers"]
+__all__ = ["CHUNK", "chunk_gated_delta_rule_chunked", "pad_to_chunks", "segment_numbers", "unit_lower_inverse"]
