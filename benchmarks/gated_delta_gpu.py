@@ -66,13 +66,13 @@ import numpy as np  # noqa: E402
 
 from pallas_kernels.gated_delta.api import (  # noqa: E402
     BLOCK_V, NUM_STAGES, NUM_WARPS, KernelKnobs, chunk_gated_delta_rule, pallas_forward)
-from pallas_kernels.gated_delta.chunked import CHUNK, chunk_gated_delta_rule_chunked  # noqa: E402
+from pallas_kernels.gated_delta.chunked import CHUNK  # noqa: E402
 from timing import timeit  # noqa: E402  (benchmarks/ is sys.path[0])
 
 TOL = 1e-2  # ||x - ref|| / ||ref||, bf16 operands (module docstring)
 TOL_FP32 = 1e-4  # the fp32 chunked form against the token-by-token reference
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-IMPLS = ("chunked", "chunked-token", "pallas", "reference", "fla")  # what --impls picks from
+IMPLS = ("chunked", "pallas", "reference", "fla")  # what --impls picks from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,15 +213,6 @@ def api_rule(impl: str, scale: float):
     return rule
 
 
-def token_scan_rule(scale: float):
-    """The chunked jnp form's first version (its scan computes u, o and the state per chunk): the A/B of
-    chunked.py's `form` argument."""
-    def rule(q, k, v, g, beta, seg, s0, final):
-        return chunk_gated_delta_rule_chunked(q, k, v, g, beta, scale=scale, segment_ids=seg, initial_state=s0,
-                                              output_final_state=final, form="token")
-    return rule
-
-
 def pallas_rule(knobs: KernelKnobs):
     def rule(q, k, v, g, beta, seg, s0, final):
         if s0 is None:
@@ -311,8 +302,6 @@ def run_shape(job: Job, s: Shape, variants: list[str], args, interpret: bool) ->
     plain = contextlib.nullcontext
 
     impls = {"chunked": (api_rule("chunked", scale), plain)} if "chunked" in args.impls else {}
-    if "chunked-token" in args.impls:
-        impls["chunked-token"] = (token_scan_rule(scale), plain)
     for label in variants if "pallas" in args.impls else ():
         bv, nw, ns = parse_variant(label)
         impls[f"pallas:{label}"] = (pallas_rule(KernelKnobs(scale=scale, interpret=interpret, block_v=bv,
@@ -478,8 +467,7 @@ def main(argv=None) -> int:
     p.add_argument("--variant-shapes", default="short,0.8b-8x2048,0.8b-1x8192",
                    help="shapes that run every variant (the others: the default knobs)")
     p.add_argument("--impls", default=",".join(IMPLS),
-                   help="of chunked, chunked-token (the scan form before the state-only one), pallas (every variant), "
-                        "reference (short rows only), fla (where it imports)")
+                   help="of chunked, pallas (every variant), reference (short rows only), fla (where it imports)")
     p.add_argument("--fla-unguarded", action="store_true",
                    help="lift fla's refusal of its gated backward on Hopper + Triton < 3.7.1 (unguard_fla says why)")
     p.add_argument("--iters", type=int, default=10)

@@ -82,16 +82,14 @@ def unit_lower_inverse(a, block: int = 16):
 
 
 def chunk_gated_delta_rule_chunked(q, k, v, g, beta, *, scale: float, segment_ids=None, initial_state=None,
-                                   output_final_state: bool = False, chunk: int = CHUNK, form: str = "state"):
+                                   output_final_state: bool = False, chunk: int = CHUNK):
     """reference.py's operands and results, computed chunk by chunk (module docstring).
 
-    form "state" (the default): everything but the state's own recurrence is computed for all chunks at once; the
-    sequential part is S_{n+1} = M_n S_n + R_n with M_n = carry_n I - K_write^T W and R_n = K_write^T U (one
-    [Dk, Dk] x [Dk, Dv] matmul per chunk), and the outputs o = (Q_read - attn W) S_n + attn U follow in one batched
-    matmul. form "token" (the first version, kept for the A/B on the GPU): the scan carries the state and computes
-    u, o and the next state per chunk (four matmuls per step, and their transposes in the backward)."""
-    if form not in ("state", "token"):
-        raise ValueError(f"chunk_gated_delta_rule_chunked: form {form!r} is unknown (state, token)")
+    Everything but the state's own recurrence is computed for all chunks at once: the sequential part is
+    S_{n+1} = M_n S_n + R_n with M_n = carry_n I - K_write^T W and R_n = K_write^T U (one [Dk, Dk] x [Dk, Dv] matmul
+    per chunk), and the outputs o = (Q_read - attn W) S_n + attn U follow in one batched matmul. (The first version
+    scanned u, o and the state per chunk, four matmuls a step and their transposes in the backward: on an H100 at
+    Qwen3.5-0.8B shapes, 8 x 2048, forward + backward 13.8 ms against 10.6 ms here; benchmarks/RESULTS.md.)"""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     f32, out_dtype = jnp.float32, v.dtype
@@ -113,14 +111,8 @@ def chunk_gated_delta_rule_chunked(q, k, v, g, beta, *, scale: float, segment_id
     kk = jnp.einsum("...ik,...jk->...ij", k, k)
     a = jnp.where(strict, beta[..., :, None] * decay * kk, 0.0)
     rhs_w = (beta * jnp.exp(gamma) * first)[..., None] * k
-    if form == "state":
-        inverse = unit_lower_inverse(a)  # T = (I + A)^-1
-        u0, w = inverse @ (beta[..., None] * v), inverse @ rhs_w  # U [.., C, Dv], W [.., C, Dk]
-    else:
-        system = a + jnp.eye(chunk, dtype=f32)
-        solved = jax.lax.linalg.triangular_solve(system, jnp.concatenate([beta[..., None] * v, rhs_w], axis=-1),
-                                                 left_side=True, lower=True, unit_diagonal=True)
-        u0, w = solved[..., :Dv], solved[..., Dv:]
+    inverse = unit_lower_inverse(a)  # T = (I + A)^-1
+    u0, w = inverse @ (beta[..., None] * v), inverse @ rhs_w  # U [.., C, Dv], W [.., C, Dk]
 
     attn = jnp.einsum("...ik,...jk->...ij", q, k) * decay * scale  # [.., C, C]
     q_read = q * (jnp.exp(gamma) * first * scale)[..., None]  # reads of the carried state
@@ -129,31 +121,18 @@ def chunk_gated_delta_rule_chunked(q, k, v, g, beta, *, scale: float, segment_id
 
     state = jnp.zeros((B, H, Dk, Dv), f32) if initial_state is None else initial_state.astype(f32)
 
-    if form == "state":
-        kw = jnp.einsum("...ck,...cj->...kj", k_write, w)  # [B, H, N, Dk, Dk]
-        m = carry[..., None, None] * jnp.eye(Dk, dtype=f32) - kw
-        r = jnp.einsum("...ck,...cv->...kv", k_write, u0)  # [B, H, N, Dk, Dv]
+    kw = jnp.einsum("...ck,...cj->...kj", k_write, w)  # [B, H, N, Dk, Dk]
+    m = carry[..., None, None] * jnp.eye(Dk, dtype=f32) - kw
+    r = jnp.einsum("...ck,...cv->...kv", k_write, u0)  # [B, H, N, Dk, Dv]
 
-        def advance(state, xs):
-            m, r = xs
-            return jnp.einsum("bhkj,bhjv->bhkv", m, state) + r, state
+    def advance(state, xs):
+        m, r = xs
+        return jnp.einsum("bhkj,bhjv->bhkv", m, state) + r, state
 
-        state, entering = jax.lax.scan(advance, state, (jnp.moveaxis(m, 2, 0), jnp.moveaxis(r, 2, 0)))
-        entering = jnp.moveaxis(entering, 0, 2)  # [B, H, N, Dk, Dv]: the state each chunk starts from
-        o = jnp.einsum("...ck,...kv->...cv", q_read - attn @ w, entering) + attn @ u0  # [B, H, N, C, Dv]
-        o = o.reshape(B, H, -1, Dv)[:, :, :T]
-        return jnp.moveaxis(o, 1, 2).astype(out_dtype), (state if output_final_state else None)
-
-    def step(state, xs):
-        u0, w, attn, q_read, k_write, carry = xs
-        u = u0 - jnp.einsum("bhck,bhkv->bhcv", w, state)
-        o = jnp.einsum("bhck,bhkv->bhcv", q_read, state) + jnp.einsum("bhij,bhjv->bhiv", attn, u)
-        state = carry[..., None, None] * state + jnp.einsum("bhck,bhcv->bhkv", k_write, u)
-        return state, o
-
-    chunk_major = [jnp.moveaxis(x, 2, 0) for x in (u0, w, attn, q_read, k_write, carry)]
-    state, o = jax.lax.scan(step, state, chunk_major)  # o [N, B, H, C, Dv]
-    o = jnp.moveaxis(o, 0, 2).reshape(B, H, -1, Dv)[:, :, :T]
+    state, entering = jax.lax.scan(advance, state, (jnp.moveaxis(m, 2, 0), jnp.moveaxis(r, 2, 0)))
+    entering = jnp.moveaxis(entering, 0, 2)  # [B, H, N, Dk, Dv]: the state each chunk starts from
+    o = jnp.einsum("...ck,...kv->...cv", q_read - attn @ w, entering) + attn @ u0  # [B, H, N, C, Dv]
+    o = o.reshape(B, H, -1, Dv)[:, :, :T]
     return jnp.moveaxis(o, 1, 2).astype(out_dtype), (state if output_final_state else None)
 
 
