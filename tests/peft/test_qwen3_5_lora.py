@@ -60,7 +60,11 @@ def test_sgd_on_the_adapter_follows_peft_loss_curve_and_exports_as_peft(model, t
         if i < steps:
             trainable = jax.tree.map(lambda p, g: p - lr * g, trainable, grads)
     assert np.all(np.diff(EXPECTED["losses"]) < -0.02)  # the curve moves, every step
-    np.testing.assert_allclose(losses, EXPECTED["losses"], rtol=2e-6, atol=0)
+    # fp32 noise, measured against the float64 curve (our token-by-token rule in float64, 2026-12-06): after three
+    # steps PEFT's fp32 curve is 1.4e-6 off it, ours 1.6-3.2e-6 (the chunked rule; its order of sums changed with
+    # the state-only scan) and our token-by-token rule in fp32 3.7e-6; two fp32 implementations then differ by up
+    # to ~5e-6, so 2e-6 (the tolerance before) passed by luck. Every step moves the loss by > 2e-2.
+    np.testing.assert_allclose(losses, EXPECTED["losses"], rtol=1e-5, atol=0)
 
     # saved: PEFT's names (HF layer indices, the DeltaNet targets on DeltaNet layers only) and target modules
     trained = nnx.merge(graphdef, trainable, rest)
