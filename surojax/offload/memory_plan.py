@@ -65,6 +65,26 @@ Activations, bytes saved per token per layer (c = compute-dtype bytes, D, F, NH 
     offload  nothing on the device: the layer inputs of `full` are kept in host memory (the workspace still
            holds one recomputed layer)
 
+Hybrid models (Qwen3.5: cfg.linear_attention): the terms above are the attention layers' (cfg.num_attention_layers;
+a gated attention's q_proj is 2 NH wide: the query and its output gate, NH*c more under dots, 2 NH*c under none),
+and each Gated DeltaNet layer saves, with P = conv_dim + value_dim + 2 Hv its input projections' outputs
+(in_proj_qkv | z | b | a), Hv value heads, Dk / Dv their head dims and N = ceil(T / 64) chunks per row:
+
+    none   the norms and MLP as an attention layer, P*c, the causal conv's fp32 sum and SiLU output
+           conv_dim*(4 + c), the q / k L2-norm 2 key_dim*(4 + c), g and beta 2 Hv*4, the rule's output and the gated
+           norm's fp32 input and output value_dim*(4 + 2c), out_proj output and residual 2 D*c, the LoRA x@A of its
+           targets; plus the chunk rule's fp32 residuals per row and head (`deltanet_chunk_bytes`, per layer, not
+           per token): the state entering each chunk N*Dk*Dv, the state recurrence's m N*Dk*Dk and r N*Dk*Dv,
+           the per-chunk [64, 64] matrices (UT inverse, decay, attn and their intermediates) 11 N*64*64 and the
+           chunked operands N*64*(5 Dk + 2 Dv) (counts from XLA's buffer assignment, CPU, rolled scan)
+    dots   the layer input D*c, the input projections P*c, out_proj D*c, the MLP's and the LoRA's as above (the
+           chunk rule's matmuls all have batch dims: recomputed)
+    none, unrolled  what dots keeps plus the rule's output value_dim*c and the chunk rule's residuals
+    full / offload  as an attention layer
+The workspace's recomputed layer is the larger of the two kinds. LoRA adapters: the attention targets on the
+attention layers, the DeltaNet's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj) on the DeltaNet layers,
+the MLP's on all.
+
 MoE layers (cfg.moe): the weights count every expert (ModelConfig.num_params); in the MLP terms above F is one
 expert's and its rows are per assignment, k per token ([A, 2F] with A = tokens * k), plus the router's fp32
 logits (dots; none also its softmax) [E] per token and, under none, the gathered input and expert output rows
@@ -81,6 +101,7 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gated_delta.chunked import CHUNK
 from surojax.models.layer_runner import Recompute
 from surojax.offload.prefetch import PREFETCH_DEPTH
 from surojax.precision.recipe import Recipe
@@ -95,6 +116,9 @@ _OPT_BYTES = {"adamw": 8, "adamw_8bit": 2, "normuon": 4}
 # The in-place per-layer update (optimizer_layerwise, offload_*) holds one layer's.
 _UPDATE_TEMP_BYTES = {"adamw_8bit": 15}
 _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+_DELTANET_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # a hybrid's DeltaNet layers
 _FIXED_WORKSPACE = GiB // 2
 _UNMODELLED = 0.10
 COMPONENTS = ("weights", "cast_weights", "adapters", "gradients", "optimizer", "activations", "logits", "workspace")
@@ -140,7 +164,8 @@ def _layer_shapes(cfg):
     assignment, k per token: `_moe_rows`)."""
     F = cfg.intermediate_size if cfg.moe is None else cfg.moe.expert_intermediate_size
     D, NH, KH = cfg.hidden_size, cfg.q_dim, cfg.kv_dim
-    io = {"q_proj": (D, NH), "k_proj": (D, KH), "v_proj": (D, KH), "o_proj": (NH, D),
+    gated = NH * 2 if cfg.attn_output_gate else NH  # a gated attention's q_proj: the query and its output gate
+    io = {"q_proj": (D, gated), "k_proj": (D, KH), "v_proj": (D, KH), "o_proj": (NH, D),
           "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
     return D, F, NH, KH, io
 
@@ -165,9 +190,84 @@ def _kernel_bytes(cfg, target: str, kernel_bytes: float | None, expert_bytes: fl
 
 
 def _targets(targets) -> tuple[str, ...]:
+    """The planned LoRA targets: the seven dense names and a hybrid's DeltaNet projections ("all-linear": all of
+    them; a DeltaNet name counts only on a hybrid's DeltaNet layers)."""
+    names = _TARGETS + _DELTANET_TARGETS
     if targets is None or targets == "all-linear" or list(targets) == ["all-linear"]:
-        return _TARGETS
-    return tuple(t for t in _TARGETS if t in targets)
+        return names
+    return tuple(t for t in names if t in targets)
+
+
+def _deltanet_io(cfg) -> dict[str, tuple[int, int]]:
+    """(in, out) of a DeltaNet layer's projections and its MLP's (the same MLP as an attention layer's)."""
+    la, D = cfg.linear_attention, cfg.hidden_size
+    _, _, _, _, io = _layer_shapes(cfg)
+    return {"in_proj_qkv": (D, la.conv_dim), "in_proj_z": (D, la.value_dim), "in_proj_b": (D, la.num_value_heads),
+            "in_proj_a": (D, la.num_value_heads), "out_proj": (la.value_dim, D),
+            **{t: io[t] for t in _MLP_TARGETS}}
+
+
+def _layer_counts(cfg) -> tuple[int, int]:
+    """(attention layers, Gated DeltaNet layers): a hybrid's two stacks; every other model (L, 0)."""
+    La = cfg.num_attention_layers
+    return La, cfg.num_layers - La
+
+
+# The chunk rule's fp32 residuals per (row, head, chunk of 64), counted in XLA's buffer assignment (CPU compile of
+# the rolled layer scan's gradient, the slope per layer at Dk = Dv = 32, 64, 128: 11 x 64^2 + 7 x 64 D + 3 D^2
+# values, +- 0.3%): [64, 64] matrices (the UT inverse and its 16 x 16 blocks' merges, A, the decay, attn, masks'
+# products), token-wide [64, Dk] operands (q, k, W, the state reads and writes) and [64, Dv] ones (v, U), and
+# the [Dk, Dv] / [Dk, Dk] states (the state entering each chunk, m, r).
+_CHUNK_SQUARES, _CHUNK_KEY_ROWS, _CHUNK_VALUE_ROWS = 11, 5, 2
+
+
+def deltanet_chunk_bytes(cfg, *, batch: int, seq: int) -> int:
+    """fp32 bytes one Gated DeltaNet layer's chunk rule (pallas_kernels/gated_delta/chunked.py) keeps for its
+    backward over `batch` rows of `seq` tokens, N = ceil(seq / 64) chunks per row and value head (Hv): per
+    chunk and head the state entering it [Dk, Dv], the state recurrence's m [Dk, Dk] and r [Dk, Dv], the
+    per-chunk [64, 64] matrices (the UT inverse, decay, attn and their intermediates: `_CHUNK_SQUARES`) and the
+    chunked fp32 operands [64, Dk] / [64, Dv] (q, k, W / v, U: `_CHUNK_KEY_ROWS`, `_CHUNK_VALUE_ROWS`)."""
+    la = cfg.linear_attention
+    Dk, Dv = la.key_head_dim, la.value_head_dim
+    chunks = batch * la.num_value_heads * math.ceil(seq / CHUNK)
+    states = Dk * Dv + Dk * Dk + Dk * Dv
+    rows = CHUNK * (_CHUNK_KEY_ROWS * Dk + _CHUNK_VALUE_ROWS * Dv)
+    return chunks * 4 * (states + _CHUNK_SQUARES * CHUNK * CHUNK + rows)
+
+
+def deltanet_layer_bytes(cfg, recompute: Recompute, *, batch: int, seq: int, c: int = 2, rank: int = 0,
+                         targets: Iterable[str] = (), unrolled: bool = False) -> int:
+    """Bytes one Gated DeltaNet layer of a hybrid saves for the backward over `batch` x `seq` tokens (the
+    module docstring's `DeltaNet layers`); 0 on a model without them."""
+    la = cfg.linear_attention
+    if la is None:
+        return 0
+    tokens = batch * seq
+    D, F = cfg.hidden_size, (cfg.intermediate_size if cfg.moe is None else cfg.moe.expert_intermediate_size)
+    k, E = _moe_rows(cfg)
+    io = _deltanet_io(cfg)
+    targets = tuple(t for t in _targets(targets) if t in io) if rank else ()
+    rows = {t: (k if t in _MLP_TARGETS else 1) for t in targets}
+    proj = la.conv_dim + la.value_dim + 2 * la.num_value_heads  # in_proj_qkv | z | b | a outputs
+    if recompute is Recompute.FULL:
+        return tokens * D * c
+    if recompute is Recompute.OFFLOAD:
+        return 0
+    dots = D * c + proj * c + D * c + k * (2 * F * c + D * c) + 4 * E \
+        + sum(rows[t] * (rank + io[t][1]) * c for t in targets)
+    if recompute is Recompute.DOTS:
+        return tokens * dots
+    if recompute is not Recompute.NONE:
+        raise ValueError(f"recompute {recompute!r} is not a Recompute")
+    chunk = deltanet_chunk_bytes(cfg, batch=batch, seq=seq)
+    if unrolled:
+        return tokens * (dots + la.value_dim * c) + chunk
+    moe = (8 * E + k * 2 * D * c) if E else 0
+    Hv = la.num_value_heads
+    per_token = (2 * (D * 4 + D * c) + proj * c + la.conv_dim * (4 + c) + 2 * la.key_dim * (4 + c) + 2 * Hv * 4
+                 + la.value_dim * c + la.value_dim * (4 + c) + 2 * D * c + k * 4 * F * c + moe + 2 * D * c
+                 + sum(rows[t] * rank * c for t in targets))
+    return tokens * per_token + chunk
 
 
 def activation_bytes_per_token_layer(cfg, recompute: Recompute, *, c: int = 2, rank: int = 0,
@@ -176,8 +276,9 @@ def activation_bytes_per_token_layer(cfg, recompute: Recompute, *, c: int = 2, r
     docstring; `unrolled`: every layer inlined, no scan)."""
     D, F, NH, KH, io = _layer_shapes(cfg)
     k, E = _moe_rows(cfg)
-    targets = _targets(targets) if rank else ()
+    targets = tuple(t for t in _targets(targets) if t in io) if rank else ()
     rows = {t: (k if t in ("gate_proj", "up_proj", "down_proj") else 1) for t in targets}  # LoRA rows per token
+    gate = NH * c if cfg.attn_output_gate else 0  # the output gate: q_proj's second half, the gated output
     if recompute is Recompute.NONE and unrolled:
         return activation_bytes_per_token_layer(cfg, Recompute.DOTS, c=c, rank=rank, targets=targets) + NH * c
     if recompute is Recompute.FULL:
@@ -185,7 +286,7 @@ def activation_bytes_per_token_layer(cfg, recompute: Recompute, *, c: int = 2, r
     if recompute is Recompute.DOTS:
         # MoE: the router's fp32 logits [E] and the k grouped-GEMM rows (gate_up [2F], down [D]) per token
         lora = sum(rows[t] * (rank + io[t][1]) * c for t in targets)
-        return D * c + (NH + 2 * KH) * c + D * c + k * (2 * F * c + D * c) + 4 * E + lora
+        return D * c + (NH + 2 * KH) * c + gate + D * c + k * (2 * F * c + D * c) + 4 * E + lora
     if recompute is Recompute.OFFLOAD:
         return 0  # the layer inputs (full's residuals) are kept in host memory
     if recompute is Recompute.NONE:
@@ -193,7 +294,7 @@ def activation_bytes_per_token_layer(cfg, recompute: Recompute, *, c: int = 2, r
         # MoE: router logits and softmax [E] fp32, and per assignment (k per token) the gathered input row D,
         # gate / up / silu(gate) / product 4F and the expert output D before the weighted sum
         moe = (8 * E + k * 2 * D * c) if E else 0
-        return (2 * (D * 4 + D * c) + (NH + 2 * KH) * c + qk + (NH + KH) * c + NH * c
+        return (2 * (D * 4 + D * c) + (NH + 2 * KH) * c + 2 * gate + qk + (NH + KH) * c + NH * c
                 + 2 * D * c + k * 4 * F * c + moe + 2 * D * c + sum(rows[t] * rank * c for t in targets))
     raise ValueError(f"recompute {recompute!r} is not a Recompute")
 
@@ -261,7 +362,14 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
         weights = (head_params * wb + layer_bytes) if offload_base else embed_params * wb + L * layer_bytes
         if offload_base and prefetch:  # offload_prefetch: the copies of the next `prefetch_depth` layers in flight
             weights += prefetch_depth * layer_bytes
-        trainable = L * sum(_per_expert(cfg, t) * r * (i + o) for t, (i, o) in ((t, io[t]) for t in tgts))
+        # attention targets on the attention layers, a hybrid's DeltaNet targets on its DeltaNet layers, the MLP's
+        # on every layer
+        La, Ld = _layer_counts(cfg)
+        stacks = [(La, io, _ATTENTION_TARGETS), (L, io, _MLP_TARGETS)]
+        if Ld:
+            stacks.append((Ld, _deltanet_io(cfg), _DELTANET_TARGETS))
+        trainable = sum(n * sum(_per_expert(cfg, t) * r * (shapes[t][0] + shapes[t][1])
+                                for t in tgts if t in names) for n, shapes, names in stacks)
         tb = 4 if fp32 else _DTYPE_BYTES[lora_dtype]
         adapters = trainable * tb
         cast = 0
@@ -303,10 +411,14 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
     tokens = batch * seq
     unrolled = unroll is True or (not isinstance(unroll, bool) and unroll >= L)
     per_tl = activation_bytes_per_token_layer(cfg, recompute, c=c, rank=r, targets=tgts, unrolled=unrolled)
-    activations = tokens * L * per_tl
+    La, Ld = _layer_counts(cfg)  # a hybrid: its attention layers' and its Gated DeltaNet layers' terms
+    lora_terms = dict(c=c, rank=r, targets=tgts)
+    activations = tokens * La * per_tl + Ld * deltanet_layer_bytes(cfg, recompute, batch=batch, seq=seq,
+                                                                    unrolled=unrolled, **lora_terms)
     C = min(lm_chunk_tokens, tokens)
     logits = C * V * (4 + 4 + c)
-    one_layer = tokens * activation_bytes_per_token_layer(cfg, Recompute.NONE, c=c, rank=r, targets=tgts)
+    one_layer = max(tokens * activation_bytes_per_token_layer(cfg, Recompute.NONE, **lora_terms),
+                    deltanet_layer_bytes(cfg, Recompute.NONE, batch=batch, seq=seq, **lora_terms))
     workspace = one_layer + int(_UNMODELLED * activations) + _FIXED_WORKSPACE
     if lora:  # quantised kernels: the reference path dequantises one layer's at a time
         workspace += sum(quantized.values()) * c

@@ -40,7 +40,7 @@ from surojax.models.decoder import Decoder
 from surojax.models.layer_runner import Recompute
 from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.offload.device_budget import Beside, placed_bytes
-from surojax.offload.memory_plan import GiB, activation_bytes_per_token_layer
+from surojax.offload.memory_plan import GiB, activation_bytes_per_token_layer, deltanet_layer_bytes
 from surojax.offload.streaming import build_context
 from surojax.parallel import batch_parallel_size, batch_sharding, param_shardings
 from surojax.train.run_spec import TrainSetupError
@@ -87,11 +87,13 @@ def forward_peak_bytes(cfg: ModelConfig, *, rows: int, device_rows: int, sequenc
     this device; T = sequence_len), weights excluded. Nothing is saved for a backward, so the layers' scan keeps:
     the residual stream in and out [device_rows * T, D] x 2 (compute dtype); one layer's intermediates, bounded by
     what that layer would save for its backward without recomputation
-    (memory_plan.activation_bytes_per_token_layer, `none`); and then the top-K of one sequence chunk: fp32 logits
+    (memory_plan.activation_bytes_per_token_layer, `none`; a hybrid's larger of that and a Gated DeltaNet layer's,
+    deltanet_layer_bytes); and then the top-K of one sequence chunk: fp32 logits
     and log-probs [device_rows, Tc, V] x 2, plus the outputs [device_rows, T, K] (int32 ids + fp32 log-probs)."""
     tokens = device_rows * sequence_len
     stream = 2 * tokens * cfg.hidden_size * compute_bytes
-    layer = tokens * activation_bytes_per_token_layer(cfg, Recompute.NONE, c=compute_bytes)
+    layer = max(tokens * activation_bytes_per_token_layer(cfg, Recompute.NONE, c=compute_bytes),
+                deltanet_layer_bytes(cfg, Recompute.NONE, batch=device_rows, seq=sequence_len, c=compute_bytes))
     logits = 2 * device_rows * sequence_chunk(rows, sequence_len, chunk) * cfg.vocab_size * 4
     return stream + max(layer, logits) + tokens * top_k * 8
 

@@ -16,8 +16,8 @@ import pytest
 
 from surojax.bench.shapes import model_config
 from surojax.models.layer_runner import Recompute
-from surojax.offload.memory_plan import (GiB, MemoryPlanError, check_fits, device_capacity, fitting_options,
-                                         format_plan, plan_memory)
+from surojax.offload.memory_plan import (GiB, MemoryPlanError, activation_bytes_per_token_layer, check_fits,
+                                         device_capacity, fitting_options, format_plan, plan_memory)
 
 CASES = [("qwen3-0.6b", "lora", 8, "none", 42.6), ("qwen3-0.6b", "lora", 8, "full", 8.5),
          ("qwen3-0.6b", "full", 8, "none", 53.5), ("qwen3-8b", "lora", 4, "none", 91.8),
@@ -152,3 +152,30 @@ def test_prefetch_plan_at_batch_4():
     assert prefetch.weights == 2 * ((V * D + D) + 2 * layer)
     assert prefetch.total - prefetch.weights == resident.total - resident.weights
     assert prefetch.total <= 12 * GiB
+
+
+def test_hybrid_counts_its_deltanet_layers():
+    """Qwen3.5-0.8B's shape against the same shape with every layer an attention layer: the activations differ by
+    the 18 DeltaNet layers' terms written out here (the module docstring's `Hybrid models`), the LoRA adapters by
+    the DeltaNet targets on those layers; with recompute full every layer keeps its input either way."""
+    hybrid = model_config("qwen3.5-0.8b")
+    dense = hybrid.replace(linear_attention=None)
+    La, Ld = hybrid.num_attention_layers, hybrid.num_layers - hybrid.num_attention_layers
+    assert (La, Ld, dense.num_attention_layers) == (6, 18, 24)
+    B, T, c, r = 2, 2048, 2, 16
+    kw = dict(mode="lora", batch=B, seq=T, rank=r, targets=("q_proj", "in_proj_qkv"))
+    D, F, Hv, Dk, Dv = 1024, 3584, 16, 128, 128
+    conv, vdim, kdim = 2 * 16 * Dk + Hv * Dv, Hv * Dv, 16 * Dk  # q | k | v channels, value and key widths
+    per_token = (2 * (D * 4 + D * c) + (conv + vdim + 2 * Hv) * c + conv * (4 + c) + 2 * kdim * (4 + c)
+                 + 2 * Hv * 4 + vdim * c + vdim * (4 + c) + 2 * D * c + 4 * F * c + 2 * D * c + r * c)
+    chunks = B * Hv * (T // 64)  # per chunk and head, fp32: entering state, m, r; 11 [64, 64]; q, k, W, v, U...
+    chunk_rule = chunks * 4 * (Dk * Dv + Dk * Dk + Dk * Dv + 11 * 64 * 64 + 64 * (5 * Dk + 2 * Dv))
+    attention = activation_bytes_per_token_layer(hybrid, Recompute.NONE, c=c, rank=r, targets=("q_proj",))
+    got = plan_memory(hybrid, recompute=Recompute.NONE, **kw).activations - \
+        plan_memory(dense, recompute=Recompute.NONE, **kw).activations
+    assert got == Ld * (B * T * per_token + chunk_rule - B * T * attention)
+    full = [plan_memory(m, recompute=Recompute.FULL, **kw) for m in (hybrid, dense)]
+    assert full[0].activations == full[1].activations == 24 * B * T * D * c
+    q_proj = r * (D + 2 * 8 * 256) * 4  # the gated attention's q_proj [D, 2 NH], fp32 adapters
+    assert full[1].adapters == 24 * q_proj
+    assert full[0].adapters == La * q_proj + Ld * r * (D + conv) * 4

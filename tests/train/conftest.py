@@ -4,8 +4,13 @@ import json
 import random
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+from surojax.weights.hf_checkpoint import save_model
 from tests.tiny import QWEN3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,3 +108,15 @@ def distill_config(tiny_config, **overrides) -> dict:
     keys = dict(trainer="distill", teacher=str(FIXTURE_QWEN3), teacher_top_k=16, alpha=0.5, temperature=2.0,
                 learning_rate=1e-2)
     return tiny_config(**{**keys, **overrides})
+
+
+FIXTURE_QWEN3_5 = ROOT / "tests" / "fixtures" / "models" / "qwen3_5_text"  # the tiny Qwen3.5 hybrid (vocab 256)
+
+
+def write_hybrid_model(path: Path, seed: int = 0) -> Path:
+    """A random model of the qwen3_5_text fixture's architecture (five Gated DeltaNet layers and one gated
+    attention layer) with the fixture tokenizer's 512-token vocabulary, saved with that tokenizer in `path`: the
+    hybrid the post-training trainers run on (the fixture's own vocabulary is smaller than the tokenizer)."""
+    hf = json.loads((FIXTURE_QWEN3_5 / "config.json").read_text())
+    model = Decoder(ModelConfig.from_hf({**hf, "vocab_size": 512}), dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    return save_model(model, path, tokenizer_dir=TOKENIZER)

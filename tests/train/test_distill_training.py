@@ -10,9 +10,11 @@ import struct
 import tempfile
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from scipy.special import logsumexp
 
 from surojax.cli.main import main
 from surojax.config import ConfigError, config_from_dict, load_config
@@ -20,8 +22,9 @@ from surojax.offload.memory_plan import MemoryPlanError
 from surojax.train import distill as distill_module
 from surojax.train.run_spec import TrainSetupError
 from surojax.train.trainers import make_trainer
+from surojax.weights.hf_checkpoint import load_model
 from tests.parallel.virtual_devices import check_passed, shared_child_results
-from tests.train.conftest import FIXTURE_QWEN3 as TEACHER, distill_config, tiny_run_config
+from tests.train.conftest import FIXTURE_QWEN3 as TEACHER, distill_config, tiny_run_config, write_hybrid_model
 
 TEACHER_ARCH = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
@@ -193,3 +196,30 @@ def test_teacher_sharded_like_the_student_gives_the_one_device_step(tiny_config,
     assert {k: teacher.get(k) for k in student} == student
     assert any("fsdp" in s for s in student.values()) and any("tensor" in s for s in student.values())
     np.testing.assert_allclose([eight["kl"], eight["loss"]], [m1["kl"], m1["loss"]], rtol=1e-5)
+
+
+def test_hybrid_student_and_teacher_kl_equals_their_logits(tiny_config, tmp_path):
+    """A Qwen3.5 hybrid student (LoRA: it starts as its base) and another hybrid teacher (other weights), K = V:
+    step 1's kl and ce equal KL(softmax(z_t / T) || softmax(z_s / T)) and the CE computed here from the two
+    models' own logits on the step's packed batch (the teacher's forward and the student's over the DeltaNet
+    layers, segment resets included)."""
+    student, teacher = write_hybrid_model(tmp_path / "student", 0), write_hybrid_model(tmp_path / "teacher", 1)
+    cfg = config_from_dict(distill_config(tiny_config, from_scratch=False, model_config=None, model=str(student),
+                                          teacher=str(teacher), lora=True, lora_rank=4, teacher_top_k=512,
+                                          max_steps=1, gradient_accumulation_steps=1, report_to=[]))
+    trainer = make_trainer(cfg)
+    seen = []
+    next_batch = trainer.next_batch
+    trainer.next_batch = lambda: seen.append(next_batch()) or seen[-1]
+    m = trainer.step()
+    trainer.close()
+    batch = seen[0]
+    inputs = [jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")]
+    z_s, z_t = (np.asarray(load_model(path, dtype=jnp.float32, attention="xla")(*inputs), np.float64)
+                for path in (student, teacher))
+    T, mask = 2.0, batch["loss_mask"] > 0
+    log_p, log_q = (z / T - logsumexp(z / T, axis=-1, keepdims=True) for z in (z_t, z_s))
+    kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)[mask].mean()
+    ce = (logsumexp(z_s, axis=-1) - np.take_along_axis(z_s, batch["targets"][..., None], -1)[..., 0])[mask].mean()
+    assert kl > 1e-3  # two different models (random, so close to uniform at T = 2)
+    np.testing.assert_allclose([m["kl"], m["ce"]], [kl, ce], rtol=1e-5)
