@@ -2,7 +2,6 @@
 bench's build, the trainer's own path), and 12 training steps whose loss stays close to bf16's."""
 import dataclasses
 import functools
-import json
 from pathlib import Path
 
 import jax
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from surojax.bench import shapes
 from surojax.bench.train_bench import BenchConfig, build, place_batch, synthetic_batch
 from surojax.config import ConfigError, config_from_dict
 from surojax.models.layers.linear import Linear
@@ -44,9 +42,9 @@ def test_config_rules():
     assert "fp8_amax_history" in keys and "current scaling" in msg
 
 
-def _trajectory(recipe, mode, shape="debug", steps=STEPS):
-    bc = BenchConfig(shape=shape, mode=mode, batch=4, seq=64, recipe=recipe, learning_rate=1e-2, segments=2,
-                     min_segment=16)
+def _trajectory(recipe, mode, steps=STEPS, **bench):
+    bc = BenchConfig(**{"shape": "debug", "mode": mode, "batch": 4, "seq": 64, "recipe": recipe,
+                        "learning_rate": 1e-2, "segments": 2, "min_segment": 16, **bench})
     s = build(bc)
     host, _ = synthetic_batch(np.random.default_rng(0), 1, 4, 64, s.model_config.vocab_size, 2, 16)
     batch = place_batch(s, host)
@@ -196,14 +194,19 @@ def test_hybrid_swaps_every_linear_of_both_stacks():
         apply_nvfp4(moe, frozen_base=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["lora", "full"])
-def test_fp8_training_tracks_bf16_on_a_hybrid(mode, monkeypatch):
-    """Steps through the trainer's build on the qwen3_5_text fixture's architecture (random weights): every
-    intended site of both stacks runs FP8 and the loss stays within the dense test's tolerance of bf16's."""
-    hf = json.loads((FIXTURES / "qwen3_5_text" / "config.json").read_text())
-    monkeypatch.setitem(shapes.SHAPES, "fixture-qwen3.5", hf)
-    ref, _, _ = _trajectory("bf16", mode, "fixture-qwen3.5", steps=4)
-    got, model, _ = _trajectory("fp8_hybrid", mode, "fixture-qwen3.5", steps=4)
+def test_fp8_training_tracks_bf16_on_a_hybrid(mode):
+    """Steps through the trainer's build on a Qwen3.5 hybrid (the bench's debug-qwen3.5: 3 DeltaNet layers + 1
+    gated attention; the 6-layer fixture's architecture compiles twice as long on CPU): every intended site of
+    both stacks runs FP8 and the loss stays within the dense test's tolerance of bf16's. LoRA with current
+    scaling (the frozen base quantised once), full fine-tuning with delayed scaling (the default: amax histories
+    and the per-step weight cache in both stacks). Observed on CPU: within 0.2 % (LoRA) and 0.7 % (full) of bf16's
+    loss at every step; the tolerances are the dense test's."""
+    bench = {"shape": "debug-qwen3.5", "unroll_layers": 1}
+    ref, _, _ = _trajectory("bf16", mode, steps=4, **bench)
+    got, model, _ = _trajectory("fp8_hybrid", mode, steps=4, fp8_scaling="current" if mode == "lora" else None,
+                                **bench)
     assert {k for k in model_targets(model) if isinstance(base_linear(model, k), Fp8Linear)} == set(HYBRID_SWAPPED)
     assert got[-1] < got[0]  # it learns
     rtol = 0.02 if mode == "lora" else 0.05
