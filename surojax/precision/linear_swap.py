@@ -114,6 +114,11 @@ def swap_base_linears(model, make: Callable[[str, Linear, int, QuantLayerMask | 
     return done
 
 
+def kept_bf16_sites(model, swapped: list[str]) -> list[str]:
+    """The model's target sites a recipe left in bf16 (KEPT_BF16, or a stack with no quantised row), for its log."""
+    return [k for k in model_targets(model) if k not in swapped]
+
+
 def swapped_linears(model, kind: type) -> dict[str, Linear]:
     """site key -> the recipe's Linear of class `kind` at that site (through a LoRA wrapper), in site order."""
     out = {}
@@ -125,5 +130,5 @@ def swapped_linears(model, kind: type) -> dict[str, Linear]:
     return out
 
 
-__all__ = ["KEPT_BF16", "QuantLayerMask", "layer_mask", "quantised_sites", "stack_masks", "swap_base_linears",
-           "swapped_linears"]
+__all__ = ["KEPT_BF16", "QuantLayerMask", "kept_bf16_sites", "layer_mask", "quantised_sites", "stack_masks",
+           "swap_base_linears", "swapped_linears"]

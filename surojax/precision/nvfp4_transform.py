@@ -16,7 +16,8 @@ exports do not move) and holds
                   per layer on the scanned axis (the decoder's scan drops what its body writes, so a self-advancing rng
                   cannot live in the layer: the step sets fresh keys, as for LoRA dropout)
     signs         the RHT's 16 random signs, fixed for the run (from `seed`)
-    mask          `QuantLayerMask` [rows] where some of the stack's layers stay bf16 (shared with fp8_hybrid: linear_swap.py)
+    mask          `QuantLayerMask` [rows] where some of the stack's layers stay bf16 (shared with fp8_hybrid:
+                  linear_swap.py)
 
 With `frozen_base` the kernel's value becomes an `Nvfp4Tensor` (E2M1 values and E4M3 tile scales stored as
 float8_e4m3fn, one fp32 global scale per layer): half the bf16 base's memory. Where layers are kept in bf16 the
@@ -36,7 +37,7 @@ from surojax.models.layers.params import AXES
 from surojax.models.targets import model_targets
 from surojax.models.transform import StepHooks
 from surojax.precision.hadamard import random_signs
-from surojax.precision.linear_swap import QuantLayerMask, swap_base_linears, swapped_linears
+from surojax.precision.linear_swap import QuantLayerMask, kept_bf16_sites, swap_base_linears, swapped_linears
 from surojax.precision.nvfp4_matmul import nvfp4_dot, nvfp4_dot_frozen
 from surojax.precision.nvfp4_quant import BLOCK, Nvfp4Tensor, quantize_16x16
 
@@ -153,6 +154,8 @@ class Nvfp4Transform:
             raise ValueError(f"recipe: nvfp4: {e}") from None
         self.num_layers = model.cfg.num_layers
         log.info("nvfp4: %s", self.summary())
+        if kept := kept_bf16_sites(model, self.targets):
+            log.info("nvfp4: linear targets kept bf16: %s (docs/precision.md)", ", ".join(kept))
 
     @property
     def hooks(self) -> StepHooks:
