@@ -14,6 +14,7 @@ from surojax.bench.train_bench import BenchConfig, build, place_batch, synthetic
 from surojax.config import ConfigError, config_from_dict
 from surojax.models.layers.linear import Linear
 from surojax.models.targets import base_linear, model_targets
+from surojax.offload.memory_plan import fp8_cache_values
 from surojax.precision.fp8_transform import Fp8Linear, Fp8Weight, apply_fp8
 from surojax.precision.nvfp4_transform import Nvfp4Linear, apply_nvfp4
 from surojax.weights.hf_checkpoint import load_model
@@ -162,6 +163,7 @@ def _mask(lin, attr):
 def test_hybrid_swaps_every_linear_of_both_stacks():
     """fp8_hybrid and nvfp4 on the Qwen3.5 fixtures: exactly the intended sites of both stacks are swapped (the
     others stay plain Linears), and the bf16-layer rules count HF layers across the stacks."""
+    swapped = {}
     for recipe, cls, attr in (("fp8", Fp8Linear, "fp8_layers"), ("nvfp4", Nvfp4Linear, "nvfp4_layers")):
         model = load_model(FIXTURES / "qwen3_5_text", dtype=jnp.bfloat16, attention="xla")
         apply = (functools.partial(apply_fp8, skip_first=1, skip_last=1) if recipe == "fp8" else
@@ -173,6 +175,7 @@ def test_hybrid_swaps_every_linear_of_both_stacks():
         # quantised, so that stack has no per-layer switch
         assert _mask(base_linear(model, "linear_layers.in_proj_qkv"), attr) == [False, True, True, True, False]
         assert _mask(base_linear(model, "q_proj"), attr) is None
+        swapped = {**swapped, recipe: model}
 
     # the last 3 HF layers (3, 4, 5) in bf16: the attention stack's only row, so it is not swapped at all
     model = load_model(FIXTURES / "qwen3_5_text", dtype=jnp.bfloat16, attention="xla")
@@ -188,6 +191,11 @@ def test_hybrid_swaps_every_linear_of_both_stacks():
     moe = load_model(FIXTURES / "qwen3_5_moe_text", dtype=jnp.bfloat16, attention="xla")
     assert apply_fp8(moe, frozen_base=False) == list(MOE_HYBRID_SWAPPED)
     assert {k for k in model_targets(moe) if isinstance(base_linear(moe, k), Fp8Linear)} == set(MOE_HYBRID_SWAPPED)
+    # the memory plan's FP8 weight cache counts the swapped kernels' values (from the config), here as built
+    for m in (swapped["fp8"], moe):
+        built = sum(base_linear(m, k).kernel.get_value().size for k in model_targets(m)
+                    if isinstance(base_linear(m, k), Fp8Linear))
+        assert fp8_cache_values(m.cfg) == built
     assert type(base_linear(moe, "linear_layers.experts.down_proj")).__name__ == "ExpertLinear"
     moe = load_model(FIXTURES / "qwen3_5_moe_text", dtype=jnp.bfloat16, attention="xla")
     with pytest.raises(ValueError, match="shared_expert.gate_proj: out_features 24 is not a multiple of 16"):
