@@ -13,7 +13,8 @@ the ZeRO stage's divisors of weights, gradients and optimizer state, `*_shards`)
                  are their compute-dtype copy (c bytes / param; their fp32 master is in host memory) plus two layers'
                  master in flight during the per-layer update, the embedding / head / norms stay in `master_dtype`
     cast_weights full fine-tune with master != compute dtype: the compute-dtype copies of the weights; fp8_hybrid
-                 (current / delayed scaling) adds the step's E4M3 copies of the layers' kernels (2 bytes per parameter).
+                 (current / delayed scaling) adds the step's E4M3 copies of the kernels it swaps (2 bytes per value:
+                 `fp8_cache_values`).
                  recompute none / dots keep every layer's cast copy as a residual of the scan; full keeps one
                  layer; plus the head's cast copy used by the loss (with `offload_master` the head's only: the
                  layers are stored in the compute dtype, so bf16 recipe: 2 bytes / layer param instead of 4 + 2)
@@ -105,6 +106,7 @@ from pallas_kernels.gated_delta.chunked import CHUNK
 from surojax.models.layer_runner import Recompute
 from surojax.offload.prefetch import PREFETCH_DEPTH
 from surojax.precision.recipe import Recipe
+from surojax.precision.linear_swap import KEPT_BF16
 
 GiB = 1024 ** 3
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -205,6 +207,22 @@ def _deltanet_io(cfg) -> dict[str, tuple[int, int]]:
     return {"in_proj_qkv": (D, la.conv_dim), "in_proj_z": (D, la.value_dim), "in_proj_b": (D, la.num_value_heads),
             "in_proj_a": (D, la.num_value_heads), "out_proj": (la.value_dim, D),
             **{t: io[t] for t in _MLP_TARGETS}}
+
+
+def fp8_cache_values(cfg) -> int:
+    """Kernel values fp8_hybrid's per-step weight cache quantises (each held as q and q^T, 1 byte apiece): the
+    kernels the recipe swaps (precision/linear_swap.py), over every layer of each stack: q / k / v / o, the dense
+    MLP or a shared expert's three, a hybrid DeltaNet layer's in_proj_qkv / in_proj_z / out_proj; not in_proj_b /
+    in_proj_a or the routed experts (`KEPT_BF16`). Layers kept in bf16 are counted too (their kernels are cached)."""
+    _, _, _, _, io = _layer_shapes(cfg)
+    size = {t: i * o for t, (i, o) in io.items()}
+    attention = sum(v for t, v in size.items() if t not in _MLP_TARGETS)
+    mlp = sum(size[t] for t in _MLP_TARGETS) if cfg.moe is None else 3 * cfg.hidden_size * \
+        cfg.moe.shared_expert_intermediate_size
+    La, Ld = _layer_counts(cfg)
+    deltanet = 0 if Ld == 0 else sum(i * o for t, (i, o) in _deltanet_io(cfg).items()
+                                     if t not in _MLP_TARGETS and t not in KEPT_BF16)
+    return La * (attention + mlp) + Ld * (mlp + deltanet)
 
 
 def _layer_counts(cfg) -> tuple[int, int]:
@@ -390,7 +408,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
                 kept_layers = 1 if recompute is Recompute.FULL else L
                 cast = (kept_layers * layer_params + V * D) * c
         if fp8_weight_cache:  # the step's FP8 weight cache: q, q^T
-            cast += L * sum(i * o for i, o in io.values()) * 2
+            cast += fp8_cache_values(cfg) * 2
     if not lora and (offload_optimizer or offload_master or layerwise_update):  # the in-place per-layer update
         gradients = (trainable * 4 if accum > 1 else 0) + grad_bytes + embed_params * 4
     else:

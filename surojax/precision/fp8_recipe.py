@@ -26,6 +26,7 @@ from surojax.precision.fp8_delayed import DelayedScalingStep, DelayedScalingUpda
 from surojax.precision.fp8_matmul import dot_form
 from surojax.precision.fp8_scaling import Fp8Scaling, Fp8Settings
 from surojax.precision.fp8_transform import CACHED_SCALINGS, Fp8WeightCaching, apply_fp8
+from surojax.precision.linear_swap import kept_bf16_sites
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class Fp8Transform:
         except ValueError as e:
             raise ValueError(f"recipe: fp8_hybrid: {e}") from None
         log.info("fp8_hybrid: %s", self.summary())
+        if kept := kept_bf16_sites(model, self.targets):
+            log.info("fp8_hybrid: linear targets kept bf16: %s (docs/precision.md)", ", ".join(kept))
         if not has_fp8_tensor_cores():
             _warn_no_fp8(jax.devices()[0].device_kind)
 

@@ -1,5 +1,7 @@
-"""The `fp8_hybrid` recipe as a transform on a built `Decoder`: the decoder's Linear layers (q, k, v, o, gate, up,
-down) multiply in FP8. Embeddings, norms, attention and the LM head / chunked cross-entropy stay in bf16.
+"""The `fp8_hybrid` recipe as a transform on a built `Decoder`: the decoder's Linear targets multiply in FP8 (q, k,
+v, o, gate, up, down; a hybrid's Gated DeltaNet in_proj_qkv / in_proj_z / out_proj; a shared expert's three; the
+targets and the ones kept bf16 are linear_swap.py's). Embeddings, norms, attention, the DeltaNet's recurrence, MoE
+experts and the LM head / chunked cross-entropy stay in bf16.
 
     apply_fp8(model, frozen_base=True)     # LoRA: after apply_lora / init_lora; the base is quantised once
     apply_fp8(model, frozen_base=False)    # full fine-tuning: the weights are quantised at every use
@@ -15,9 +17,10 @@ Scaling (`Fp8Settings.scaling`, config key fp8_scaling): current (per tensor, it
 an amax history carried by the training step: fp8_delayed.py) or blockwise (1x128 / 128x128 tiles, emulated:
 fp8_blockwise.py).
 
-Layers kept in bf16 (`skip_quant_first_layers` / `skip_quant_last_layers`): the stacked layers share one scan
-body, so each Fp8Linear then holds a per-layer flag ([L] bool, `linear_swap.QuantLayerMask`) and picks the FP8 or the bf16
-matmul with `lax.cond`; the kernel then stays in bf16 (quantised per step) so the skipped layers keep it exact.
+Layers kept in bf16 (`skip_quant_first_layers` / `skip_quant_last_layers`, HF layer indices on a hybrid too): the
+stacked layers share one scan body, so each Fp8Linear of a stack with bf16 rows holds a per-row flag ([rows] bool,
+`linear_swap.QuantLayerMask`) and picks the FP8 or the bf16 matmul with `lax.cond`; the kernel then stays in bf16
+(quantised per step) so the skipped layers keep it exact.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from surojax.precision.fp8_delayed import Fp8AmaxHistory, Fp8AmaxProbe, Fp8Scale
     fp8_dot_delayed_cached, fp8_dot_frozen_delayed, quantize_weight_delayed
 from surojax.precision.fp8_matmul import fp8_dot, fp8_dot_cached, fp8_dot_frozen, quantize_weight
 from surojax.precision.fp8_scaling import E4M3, Fp8Scaling, Fp8Settings, dequant_factor, quantize, scale_from_amax
-from surojax.precision.linear_swap import QuantLayerMask, layer_mask, swap_base_linears
+from surojax.precision.linear_swap import QuantLayerMask, layer_mask, swap_base_linears, swapped_linears
 
 
 @jax.tree_util.register_dataclass
@@ -163,12 +166,11 @@ class Fp8Linear(Linear):
 
 
 def _cacheable(model):
-    """(path, Fp8Linear) of the scanned layers whose kernel a step may quantise once: trainable (a plain array),
-    current or delayed scaling."""
-    for path, lin in nnx.iter_graph(model.layers):
-        if (isinstance(lin, Fp8Linear) and lin.scaling in CACHED_SCALINGS
-                and isinstance(lin.kernel.get_value(), jax.Array)):
-            yield path, lin
+    """(site key, Fp8Linear) of the swapped layers whose kernel a step may quantise once: trainable (a plain
+    array), current or delayed scaling."""
+    for key, lin in swapped_linears(model, Fp8Linear).items():
+        if lin.scaling in CACHED_SCALINGS and isinstance(lin.kernel.get_value(), jax.Array):
+            yield key, lin
 
 
 class Fp8WeightCaching:
@@ -218,27 +220,28 @@ def fp8_layer_mask(num_layers: int, skip_first: int, skip_last: int) -> jax.Arra
 
 def apply_fp8(model, *, frozen_base: bool, skip_first: int = 0, skip_last: int = 0,
               compute_dtype=jnp.bfloat16, settings: Fp8Settings = Fp8Settings()) -> list[str]:
-    """Swap every base Linear of `model.layers` for an Fp8Linear (in place); returns the target names.
+    """Swap the base Linear of every target `linear_swap.quantised_sites` names for an Fp8Linear (in place);
+    returns the site keys swapped.
 
     frozen_base: the kernels are frozen (LoRA): quantise them once into `Fp8Weight`s (per layer; `Fp8BlockWeight`
-    128 x 128 blocks with settings.scaling blockwise), unless layers are skipped, which need the bf16 values.
-    settings.scaling delayed: each Fp8Linear gets its delayed-scaling state (fp8_delayed.init_state).
-    Raises ValueError for a kernel that is already quantised (qlora_* bases)."""
-    mask = fp8_layer_mask(model.cfg.num_layers, skip_first, skip_last)
+    128 x 128 blocks with settings.scaling blockwise), unless some of the stack's layers are kept in bf16, which
+    need the bf16 values. skip_first / skip_last: HF layers kept in bf16. settings.scaling delayed: each Fp8Linear
+    gets its delayed-scaling state (fp8_delayed.init_state). Raises ValueError for a kernel that is already
+    quantised (qlora_* bases)."""
     blockwise = settings.scaling is Fp8Scaling.BLOCKWISE
 
-    def make(path: str, lin: Linear) -> Fp8Linear:
+    def make(key: str, lin: Linear, rows: int, mask: QuantLayerMask | None) -> Fp8Linear:
         if frozen_base and mask is None:
             value = lin.kernel.get_value()
             frozen = Fp8BlockWeight.quantize(value) if blockwise else Fp8Weight.quantize(value, compute_dtype)
             lin.kernel = nnx.Param(frozen, **lin.kernel.get_metadata())
         state = None
         if settings.scaling is Fp8Scaling.DELAYED:
-            state = fp8_delayed.init_state(model.cfg.num_layers, settings.amax_history)
-        return Fp8Linear(lin, mask=None if mask is None else QuantLayerMask(mask, **{AXES: ("layers",)}),
-                         scaling=settings.scaling, delayed_state=state)
+            state = fp8_delayed.init_state(rows, settings.amax_history)
+        return Fp8Linear(lin, mask=mask, scaling=settings.scaling, delayed_state=state)
 
-    return swap_base_linears(model, make, "fp8_hybrid")
+    return swap_base_linears(model, make, "fp8_hybrid", skip_first=skip_first, skip_last=skip_last,
+                             precision="FP8")
 
 
 __all__ = ["Fp8Weight", "Fp8CachedWeight", "Fp8WeightCache", "Fp8WeightCaching", "Fp8Linear", "apply_fp8",

@@ -1,6 +1,8 @@
-"""The `nvfp4` recipe as a transform on a built `Decoder`: the decoder's Linear layers (q, k, v, o, gate, up, down)
-run the NVFP4 GEMMs of nvfp4_matmul (Fprop, Dgrad, Wgrad). Embeddings, norms, attention and the LM head / chunked
-cross-entropy stay bf16, as in the paper, and so do the layers kept in bf16 (`bf16_layers`).
+"""The `nvfp4` recipe as a transform on a built `Decoder`: the decoder's Linear targets (q, k, v, o, gate, up, down;
+a hybrid's Gated DeltaNet in_proj_qkv / in_proj_z / out_proj; a shared expert's three; the targets and the ones
+kept bf16 are linear_swap.py's) run the NVFP4 GEMMs of nvfp4_matmul (Fprop, Dgrad, Wgrad). Embeddings, norms,
+attention and the LM head / chunked cross-entropy stay bf16, as in the paper, and so do the layers kept in bf16
+(`bf16_layers`: HF layer indices, on a hybrid across both stacks).
 
     apply_nvfp4(model, frozen_base=False, seed=run_seed)   full fine-tuning / pretraining: W quantised every use
     apply_nvfp4(model, frozen_base=True, seed=run_seed)    LoRA: the base quantised once (16x16 tiles) at load
@@ -10,11 +12,12 @@ cross-entropy stay bf16, as in the paper, and so do the layers kept in bf16 (`bf
 
 Each swapped Linear keeps the original `kernel` / `bias` variables under their names (state paths, checkpoints and
 exports do not move) and holds
-    rounding_key  `Nvfp4RoundingKey` [L, key]: the stochastic-rounding draws of its gradient quantisers, one key per
-                  layer on the scanned axis (the decoder's scan drops what its body writes, so a self-advancing rng
+    rounding_key  `Nvfp4RoundingKey` [rows, key]: the stochastic-rounding draws of its gradient quantisers, one key
+                  per layer on the scanned axis (the decoder's scan drops what its body writes, so a self-advancing rng
                   cannot live in the layer: the step sets fresh keys, as for LoRA dropout)
     signs         the RHT's 16 random signs, fixed for the run (from `seed`)
-    mask          `QuantLayerMask` [L] where some layers stay bf16 (shared with fp8_hybrid: linear_swap.py)
+    mask          `QuantLayerMask` [rows] where some of the stack's layers stay bf16 (shared with fp8_hybrid:
+                  linear_swap.py)
 
 With `frozen_base` the kernel's value becomes an `Nvfp4Tensor` (E2M1 values and E4M3 tile scales stored as
 float8_e4m3fn, one fp32 global scale per layer): half the bf16 base's memory. Where layers are kept in bf16 the
@@ -31,12 +34,10 @@ from flax import nnx
 
 from surojax.models.layers.linear import Linear, dot
 from surojax.models.layers.params import AXES
-from surojax.models.registry import LINEAR_MODULES
-from surojax.models.targets import module_at
+from surojax.models.targets import model_targets
 from surojax.models.transform import StepHooks
-from surojax.peft.lora import LoRALinear
 from surojax.precision.hadamard import random_signs
-from surojax.precision.linear_swap import QuantLayerMask, layer_mask, swap_base_linears
+from surojax.precision.linear_swap import QuantLayerMask, kept_bf16_sites, swap_base_linears, swapped_linears
 from surojax.precision.nvfp4_matmul import nvfp4_dot, nvfp4_dot_frozen
 from surojax.precision.nvfp4_quant import BLOCK, Nvfp4Tensor, quantize_16x16
 
@@ -91,41 +92,33 @@ def _layer_keys(key: jax.Array, index: int, num_layers: int) -> jax.Array:
 
 def apply_nvfp4(model, *, frozen_base: bool, seed: int = 0, skip_first: int | None = None,
                 skip_last: int | None = None) -> list[str]:
-    """Swap every base Linear of `model.layers` for an Nvfp4Linear (in place); returns the target names.
+    """Swap the base Linear of every target `linear_swap.quantised_sites` names for an Nvfp4Linear (in place);
+    returns the site keys swapped.
 
-    skip_first / skip_last: decoder layers kept in bf16 (None: `bf16_layers`' rule for that end). seed: the RHT
+    skip_first / skip_last: HF decoder layers kept in bf16 (None: `bf16_layers`' rule for that end). seed: the RHT
     signs and the initial rounding keys. Raises ValueError for a kernel already quantised (qlora_* bases), a
     Linear already swapped, or in / out features that are not multiples of 16."""
-    L = model.cfg.num_layers
-    first, last = bf16_layers(L, skip_first, skip_last)
-    mask = layer_mask(L, first, last, "NVFP4")
+    first, last = bf16_layers(model.cfg.num_layers, skip_first, skip_last)
     signs = random_signs(seed)
     base_key = jax.random.key(seed)
-    index = iter(range(len(LINEAR_MODULES)))
+    index = iter(range(len(model_targets(model))))
 
-    def make(path: str, lin: Linear) -> Nvfp4Linear:
+    def make(key: str, lin: Linear, rows: int, mask: QuantLayerMask | None) -> Nvfp4Linear:
         for what, dim in (("in", lin.in_features), ("out", lin.out_features)):
             if dim % BLOCK:
-                raise ValueError(f"{path}: {what}_features {dim} is not a multiple of {BLOCK} (NVFP4 blocks)")
+                raise ValueError(f"{key}: {what}_features {dim} is not a multiple of {BLOCK} (NVFP4 blocks)")
         if frozen_base and mask is None:
             w_q = quantize_16x16(lin.kernel.get_value()).compact()  # [L, K, N] values, [L, K/16, N/16] scales
             lin.kernel = nnx.Param(w_q, **lin.kernel.get_metadata())
-        key = Nvfp4RoundingKey(_layer_keys(base_key, next(index), L), **{AXES: ("layers", None)})
-        return Nvfp4Linear(lin, signs=signs, rounding_key=key,
-                           mask=None if mask is None else QuantLayerMask(mask, **{AXES: ("layers",)}))
+        rounding = Nvfp4RoundingKey(_layer_keys(base_key, next(index), rows), **{AXES: ("layers", None)})
+        return Nvfp4Linear(lin, signs=signs, rounding_key=rounding, mask=mask)
 
-    return swap_base_linears(model, make, "nvfp4")
+    return swap_base_linears(model, make, "nvfp4", skip_first=first, skip_last=last, precision="NVFP4")
 
 
 def nvfp4_linears(model) -> dict[str, Nvfp4Linear]:
-    """path in model.layers -> its Nvfp4Linear (empty when the recipe is not applied)."""
-    out = {}
-    for path in LINEAR_MODULES.values():
-        mod = module_at(model.layers, path)
-        mod = mod.base if isinstance(mod, LoRALinear) else mod
-        if isinstance(mod, Nvfp4Linear):
-            out[path] = mod
-    return out
+    """site key -> its Nvfp4Linear (empty when the recipe is not applied)."""
+    return swapped_linears(model, Nvfp4Linear)
 
 
 def set_rounding_keys(model, key: jax.Array) -> None:
@@ -161,6 +154,8 @@ class Nvfp4Transform:
             raise ValueError(f"recipe: nvfp4: {e}") from None
         self.num_layers = model.cfg.num_layers
         log.info("nvfp4: %s", self.summary())
+        if kept := kept_bf16_sites(model, self.targets):
+            log.info("nvfp4: linear targets kept bf16: %s (docs/precision.md)", ", ".join(kept))
 
     @property
     def hooks(self) -> StepHooks:

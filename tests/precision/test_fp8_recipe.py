@@ -1,6 +1,8 @@
 """recipe: fp8_hybrid end to end on CPU: the config rules, the transform as build_model applies it (through the
 bench's build, the trainer's own path), and 12 training steps whose loss stays close to bf16's."""
 import dataclasses
+import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +12,15 @@ from flax import nnx
 
 from surojax.bench.train_bench import BenchConfig, build, place_batch, synthetic_batch
 from surojax.config import ConfigError, config_from_dict
-from surojax.precision.fp8_transform import Fp8Linear, Fp8Weight
+from surojax.models.layers.linear import Linear
+from surojax.models.targets import base_linear, model_targets
+from surojax.offload.memory_plan import fp8_cache_values
+from surojax.precision.fp8_transform import Fp8Linear, Fp8Weight, apply_fp8
+from surojax.precision.nvfp4_transform import Nvfp4Linear, apply_nvfp4
+from surojax.weights.hf_checkpoint import load_model
 
 BASE = {"model": "m", "datasets": [{"path": "d.jsonl"}]}
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 STEPS = 12  # past full fine-tuning's bend (step 4) and LoRA's first 0.5 of loss (step ~7)
 
 
@@ -35,14 +43,14 @@ def test_config_rules():
     assert "fp8_amax_history" in keys and "current scaling" in msg
 
 
-def _trajectory(recipe, mode):
-    bc = BenchConfig(shape="debug", mode=mode, batch=4, seq=64, recipe=recipe, learning_rate=1e-2, segments=2,
-                     min_segment=16)
+def _trajectory(recipe, mode, steps=STEPS, **bench):
+    bc = BenchConfig(**{"shape": "debug", "mode": mode, "batch": 4, "seq": 64, "recipe": recipe,
+                        "learning_rate": 1e-2, "segments": 2, "min_segment": 16, **bench})
     s = build(bc)
     host, _ = synthetic_batch(np.random.default_rng(0), 1, 4, 64, s.model_config.vocab_size, 2, 16)
     batch = place_batch(s, host)
     trainable, opt_state, losses = s.trainable, s.opt_state, []
-    for _ in range(STEPS):
+    for _ in range(steps):
         trainable, opt_state, m = s.train_step(trainable, s.frozen, opt_state, batch, jax.random.key(0))
         losses.append(float(m["loss"]))
     model = nnx.merge(s.graphdef, trainable, s.frozen)
@@ -131,3 +139,83 @@ def test_fp8_weight_cache_is_the_same_step(scaling):
 
     off_losses, _, _ = _cached_run(Halved(), steps=1, scaling=scaling)
     assert abs(off_losses[0] - ref_losses[0]) > 1e-3
+
+
+# Qwen3.5 (tests/fixtures/models/qwen3_5_text: HF layers 0-2 and 4-5 Gated DeltaNet, 3 gated attention): the sites
+# the recipes swap, by hand from the HF module names: every Linear of both stacks but the DeltaNet's thin
+# in_proj_b / in_proj_a (linear_swap.KEPT_BF16)
+ATTENTION_STACK = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DELTANET_SWAPPED = ("gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z", "out_proj")
+HYBRID_SWAPPED = ATTENTION_STACK + tuple(f"linear_layers.{t}" for t in DELTANET_SWAPPED)
+HYBRID_BF16 = ("linear_layers.in_proj_b", "linear_layers.in_proj_a")
+# qwen3_5_moe_text: attention and the shared expert in both stacks, the DeltaNet's three; the routed experts
+# (grouped GEMMs) stay bf16 as on qwen3_moe
+SHARED = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+MOE_HYBRID_SWAPPED = (("q_proj", "k_proj", "v_proj", "o_proj") + SHARED + tuple(f"linear_layers.{t}" for t in SHARED)
+                      + ("linear_layers.in_proj_qkv", "linear_layers.in_proj_z", "linear_layers.out_proj"))
+
+
+def _mask(lin, attr):
+    m = getattr(lin, attr)
+    return None if m is None else np.asarray(m.get_value()).tolist()
+
+
+def test_hybrid_swaps_every_linear_of_both_stacks():
+    """fp8_hybrid and nvfp4 on the Qwen3.5 fixtures: exactly the intended sites of both stacks are swapped (the
+    others stay plain Linears), and the bf16-layer rules count HF layers across the stacks."""
+    swapped = {}
+    for recipe, cls, attr in (("fp8", Fp8Linear, "fp8_layers"), ("nvfp4", Nvfp4Linear, "nvfp4_layers")):
+        model = load_model(FIXTURES / "qwen3_5_text", dtype=jnp.bfloat16, attention="xla")
+        apply = (functools.partial(apply_fp8, skip_first=1, skip_last=1) if recipe == "fp8" else
+                 functools.partial(apply_nvfp4, seed=0, skip_first=1, skip_last=1))
+        assert apply(model, frozen_base=False) == list(HYBRID_SWAPPED)
+        assert {k for k in model_targets(model) if isinstance(base_linear(model, k), cls)} == set(HYBRID_SWAPPED)
+        assert all(type(base_linear(model, k)) is Linear for k in HYBRID_BF16)
+        # HF layers 0 and 5 in bf16: DeltaNet rows (HF 0, 1, 2, 4, 5) -> first and last; the attention row (HF 3)
+        # quantised, so that stack has no per-layer switch
+        assert _mask(base_linear(model, "linear_layers.in_proj_qkv"), attr) == [False, True, True, True, False]
+        assert _mask(base_linear(model, "q_proj"), attr) is None
+        swapped = {**swapped, recipe: model}
+
+    # the last 3 HF layers (3, 4, 5) in bf16: the attention stack's only row, so it is not swapped at all
+    model = load_model(FIXTURES / "qwen3_5_text", dtype=jnp.bfloat16, attention="xla")
+    assert apply_fp8(model, frozen_base=True, skip_last=3) == [f"linear_layers.{t}" for t in DELTANET_SWAPPED]
+    assert all(type(base_linear(model, k)) is Linear for k in ATTENTION_STACK)
+    assert _mask(base_linear(model, "linear_layers.out_proj"), "fp8_layers") == [True, True, True, False, False]
+    # nvfp4's default rule (ceil(15 %) of 6 layers = 1, at the end): HF layer 5, a DeltaNet layer
+    model = load_model(FIXTURES / "qwen3_5_text", dtype=jnp.bfloat16, attention="xla")
+    apply_nvfp4(model, frozen_base=True)
+    assert _mask(base_linear(model, "linear_layers.down_proj"), "nvfp4_layers") == [True, True, True, True, False]
+    assert _mask(base_linear(model, "down_proj"), "nvfp4_layers") is None  # frozen base quantised once
+
+    moe = load_model(FIXTURES / "qwen3_5_moe_text", dtype=jnp.bfloat16, attention="xla")
+    assert apply_fp8(moe, frozen_base=False) == list(MOE_HYBRID_SWAPPED)
+    assert {k for k in model_targets(moe) if isinstance(base_linear(moe, k), Fp8Linear)} == set(MOE_HYBRID_SWAPPED)
+    # the memory plan's FP8 weight cache counts the swapped kernels' values (from the config), here as built
+    for m in (swapped["fp8"], moe):
+        built = sum(base_linear(m, k).kernel.get_value().size for k in model_targets(m)
+                    if isinstance(base_linear(m, k), Fp8Linear))
+        assert fp8_cache_values(m.cfg) == built
+    assert type(base_linear(moe, "linear_layers.experts.down_proj")).__name__ == "ExpertLinear"
+    moe = load_model(FIXTURES / "qwen3_5_moe_text", dtype=jnp.bfloat16, attention="xla")
+    with pytest.raises(ValueError, match="shared_expert.gate_proj: out_features 24 is not a multiple of 16"):
+        apply_nvfp4(moe, frozen_base=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_fp8_training_tracks_bf16_on_a_hybrid(mode):
+    """Steps through the trainer's build on a Qwen3.5 hybrid (the bench's debug-qwen3.5: 3 DeltaNet layers + 1
+    gated attention; the 6-layer fixture's architecture compiles twice as long on CPU): every intended site of
+    both stacks runs FP8 and the loss stays within the dense test's tolerance of bf16's. LoRA with current
+    scaling (the frozen base quantised once), full fine-tuning with delayed scaling (the default: amax histories
+    and the per-step weight cache in both stacks). Observed on CPU: within 0.2 % (LoRA) and 0.7 % (full) of bf16's
+    loss at every step; the tolerances are the dense test's."""
+    bench = {"shape": "debug-qwen3.5", "unroll_layers": 1}
+    ref, _, _ = _trajectory("bf16", mode, steps=4, **bench)
+    got, model, _ = _trajectory("fp8_hybrid", mode, steps=4, fp8_scaling="current" if mode == "lora" else None,
+                                **bench)
+    assert {k for k in model_targets(model) if isinstance(base_linear(model, k), Fp8Linear)} == set(HYBRID_SWAPPED)
+    assert got[-1] < got[0]  # it learns
+    rtol = 0.02 if mode == "lora" else 0.05
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=0.05)
