@@ -35,6 +35,10 @@ of every layer would be issued at once and hold the whole base on the device. So
 through an optimization barrier, on the output of the layer `PREFETCH_DEPTH + 1` places before it (forward) or
 after it (backward): at most 1 + depth layers' device copies are live, which is what memory_plan.py counts.
 
+A pattern of several layer types (Qwen3.5's hybrid: `linear_layers` x 3 then `layers`, per group) runs as that
+unrolled loop over the layers in model order (`prefetched_pattern`): each layer's fetch takes its row of its own
+stack, so the look-ahead crosses from one stack to the other as the layers do.
+
 Used as the decoder's layer runner (surojax/models/layer_runner.py): the layer-loop transform sets
 `PrefetchedLayers()` for `offload_prefetch: true`. It collects no MoE router statistics (`router_stats` None).
 """
@@ -178,8 +182,19 @@ def _fetch_static(host_leaves: tuple, l: int, after=None) -> tuple:
 
 
 def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, consts, num_layers: int, depth: int):
-    """The layer stack as a Python loop over the layers (the base as per-layer host buffers, `HostLayers`), with a
-    bounded look-ahead: at most `depth` layers beyond the one computing are fetched or in flight.
+    """One stack's layers 0 .. L-1 through `_unrolled_layers`."""
+    order = tuple((None, l, layer) for l in range(num_layers))
+    return _unrolled_layers(order, {None: diff}, {None: dev}, {None: host}, h, consts, depth)
+
+
+def _unrolled_layers(order: tuple, diff: dict, dev: dict, host: dict, h, consts, depth: int):
+    """The layers as a Python loop in `order`, with a bounded look-ahead: at most `depth` layers beyond the one
+    computing are fetched or in flight.
+
+    order: (stack, row, layer) per layer in model order, layer(diff_l, dev_l, host_l, h, consts) -> h; diff / dev /
+    host: each stack's leaves by kind ([rows, ...] arrays, host leaves possibly `HostLayers`). One stack read in
+    row order is the uniform model; a hybrid's pattern interleaves its stacks (Qwen3.5: `linear_layers` x 3, then
+    `layers`), each layer fetching its row of its own stack.
 
         forward   fetch 0 .. depth (unordered);  for l = 0 .. L-1:  h = layer_l(h);  fetch l+1+depth after h
         backward  fetch L-1 .. L-1-depth after dh;  for l = L-1 .. 0:  dh = vjp(layer_l)(dh);  fetch l-1-depth after dh
@@ -189,38 +204,45 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
     time (XLA's scheduler starts a copy as early as its operands allow: an unordered fetch of every layer would be
     issued up front and hold the whole base). Same math as the scan form (recompute full); the unrolled program may
     fuse and so round differently, hence its own resident twin (`PrefetchedLayers(per_layer=True)`)."""
-    L = num_layers
+    L = len(order)
 
-    def at(leaves, l):
-        return tuple(x[l] for x in leaves)
+    def at(leaves, row):
+        return tuple(x[row] for x in leaves)
+
+    def fetch(l, after=None):
+        stack, row, _ = order[l]
+        return _fetch_static(host[stack], row, after)
 
     def forward(diff, dev, host, h, consts, save: bool):
         saved = []
-        fetched = {j: _fetch_static(host, j) for j in range(min(depth + 1, L))}
-        for l in range(L):
+        fetched = {j: fetch(j) for j in range(min(depth + 1, L))}
+        for l, (stack, row, layer) in enumerate(order):
             if save:
                 saved.append(h)
-            h = layer(at(diff, l), at(dev, l), fetched.pop(l), h, consts)
+            h = layer(at(diff[stack], row), at(dev[stack], row), fetched.pop(l), h, consts)
             if l + 1 + depth < L:
-                fetched[l + 1 + depth] = _fetch_static(host, l + 1 + depth, after=h)
+                fetched[l + 1 + depth] = fetch(l + 1 + depth, after=h)
         return h, tuple(saved)
 
     def stack_bwd(res, dh):
         diff, dev, host, h_in, consts = res
-        grads = [None] * L
+        grads = {stack: {} for stack in diff}
         # the first copies wait for the cotangent and the last layer's input: never alongside the forward pass
         first = range(L - 1, max(L - 2 - depth, -1), -1)
-        fetched = {j: _fetch_static(host, j, after=(dh, h_in[L - 1])) for j in first}
+        fetched = {j: fetch(j, after=(dh, h_in[L - 1])) for j in first}
         for l in reversed(range(L)):
-            dev_l, w = at(dev, l), fetched.pop(l)
+            stack, row, layer = order[l]
+            dev_l, w = at(dev[stack], row), fetched.pop(l)
             # the recompute of layer l reads only h_in[l]: the barrier keeps it after layer l+1's gradient, so XLA
             # cannot hoist every recompute to the start of the backward pass
             x_l, dh = jax.lax.optimization_barrier((h_in[l], dh))
-            _, vjp = jax.vjp(lambda d, x, w=w, dev_l=dev_l: layer(d, dev_l, w, x, consts), at(diff, l), x_l)
-            grads[l], dh = vjp(dh)
+            _, vjp = jax.vjp(lambda d, x, w=w, dev_l=dev_l, layer=layer: layer(d, dev_l, w, x, consts),
+                             at(diff[stack], row), x_l)
+            grads[stack][row], dh = vjp(dh)
             if l - 1 - depth >= 0:
-                fetched[l - 1 - depth] = _fetch_static(host, l - 1 - depth, after=dh)
-        d_diff = tuple(jnp.stack([g[i] for g in grads]) for i in range(len(diff)))
+                fetched[l - 1 - depth] = fetch(l - 1 - depth, after=dh)
+        d_diff = {stack: tuple(jnp.stack([grads[stack][r][i] for r in sorted(grads[stack])])
+                               for i in range(len(leaves))) for stack, leaves in diff.items()}
         return d_diff, None, None, dh, None
 
     return _layer_stack_vjp(forward, stack_bwd)(diff, dev, host, h, consts)
@@ -229,8 +251,9 @@ def _unrolled_stack(layer: Callable, diff: tuple, dev: tuple, host: tuple, h, co
 @dataclasses.dataclass(frozen=True)
 class PrefetchedLayers:
     """The decoder's layer runner for `offload_prefetch` (surojax.models.layer_runner.LayerRunner): the whole
-    layer stack through `prefetched_layer_stack` (recompute full semantics, the next layer fetched early). One
-    stack of one layer type; no KV cache, no router statistics.
+    layer stack through `prefetched_layer_stack` (recompute full semantics, the next layer fetched early); a
+    pattern of several layer types (a hybrid's two stacks) through `prefetched_pattern`, the unrolled loop in
+    layer order. No KV cache, no router statistics.
     per_layer: always the unrolled per-layer loop (what a `HostLayers` base gets; for its resident twin).
     depth: layers fetched beyond the one computing in that loop (>= 1; each adds one layer of device memory).
     unroll: the scan form's `lax.scan` unroll."""
@@ -246,11 +269,36 @@ class PrefetchedLayers:
     def run(self, pattern: LayerPattern, stacks, h, consts: tuple, *, cache=None, kv_meta=None) -> HiddenStates:
         if cache is not None:
             raise ValueError("the prefetching layer runner (offload_prefetch) is for training: it takes no KV cache")
+        if pattern.period > 1:  # several layer types (a hybrid's two stacks): the unrolled loop in layer order
+            return HiddenStates(prefetched_pattern(pattern, stacks, h, consts, depth=self.depth))
         graphdef, layer_state = nnx.split(uniform_stack(pattern, stacks, "the prefetching layer runner"))
+        options = pattern.types[0].kwargs
 
         def apply_layer(state_l, h, consts):
-            return nnx.merge(graphdef, state_l)(h, *consts)[0]
+            return nnx.merge(graphdef, state_l)(h, *consts, **options)[0]
 
         h = prefetched_layer_stack(apply_layer, h, layer_state, consts, unroll=self.unroll, per_layer=self.per_layer,
                                    depth=self.depth)
         return HiddenStates(h)
+
+
+def prefetched_pattern(pattern: LayerPattern, stacks, h: jax.Array, consts, *, depth: int = PREFETCH_DEPTH):
+    """h after every layer of a pattern of several layer types (each type: its stack and static options), in model
+    order, as the unrolled prefetching loop (`_unrolled_layers`): layer i fetches its row of its own stack one
+    layer ahead, whatever stack the layer before it read. (No scan form: the scan over a pattern's groups would
+    fetch a whole group at once.)"""
+    diff, dev, host, layers = {}, {}, {}, {}
+    for name in pattern.stacks:
+        graphdef, state = nnx.split(stacks[name])
+        split, leaves = _Split.of(state)
+        diff[name], dev[name], host[name] = split.parts(leaves)
+        layers[name] = graphdef, split
+
+    def layer_of(t):
+        graphdef, split = layers[t.stack]
+        options = t.kwargs
+        return lambda d, v, w, h, consts: nnx.merge(graphdef, split.join(d, v, w))(h, *consts, **options)[0]
+
+    by_type = {t: layer_of(t) for t in pattern.types}
+    order = tuple((t.stack, row, by_type[t]) for t, row in map(pattern.layer, range(pattern.num_layers)))
+    return _unrolled_layers(order, diff, dev, host, h, consts, depth)

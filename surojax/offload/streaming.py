@@ -13,8 +13,9 @@ of the slice that its scheduler may start ahead of the compute that waits for it
 (It does not: the copies run serially with the compute, benchmarks/RESULTS.md#s3-streaming. `offload_prefetch: true` runs the
 layers through prefetch.py instead, which issues the copy of layer l+1 explicitly during layer l.)
 
-What moves: every frozen `nnx.Param` under `model.layers` (the stacked kernels, quantised or not, and the
-per-layer norm scales), and an untied embedding table: the decoder fetches it whole for the token gather at the
+What moves: every frozen `nnx.Param` under `model.layers` and, on a hybrid (Qwen3.5), `model.linear_layers` (the
+stacked kernels, quantised or not, the per-layer norm scales, the DeltaNet's conv / decay parameters; the layer
+scan runs both stacks in layer order and fetches each layer's slice of its own stack), and an untied embedding table: the decoder fetches it whole for the token gather at the
 start of the forward pass (the backward pass does not need it), so it occupies the device only then. What stays
 on the device: the LoRA adapters (trained), the final norm, the LM head (used by the loss in the forward and the
 backward pass) and a tied embedding (it is the LM head).
@@ -39,7 +40,8 @@ from surojax.offload.host_layers import split_layers
 from surojax.parallel import param_shardings
 
 HOST_KIND = "pinned_host"
-STREAMED_SUBTREE = "layers"
+STREAMED_SUBTREE = "layers"  # the (first) layer stack: what the layerwise optimizer and offload_master split off
+STREAMED_STACKS = ("layers", "linear_layers")  # every layer stack the base streams from (a hybrid has both)
 EMBEDDING = ("embed", "embedding")
 
 
@@ -58,7 +60,7 @@ def host_memory_kind(device: jax.Device | None = None) -> str:
 
 
 def _is_streamed(path: tuple, var) -> bool:
-    return (bool(path) and path[0] == STREAMED_SUBTREE and isinstance(var, nnx.Param)
+    return (bool(path) and path[0] in STREAMED_STACKS and isinstance(var, nnx.Param)
             and not isinstance(var, nnx.LoRAParam))
 
 
@@ -74,7 +76,7 @@ def _on_host(path: tuple, var, embedding: bool) -> bool:
 
 def place_base_on_host(frozen: nnx.State, *, kind: str | None = None, embedding: bool = False,
                        per_layer: bool = False) -> nnx.State:
-    """`frozen` with every frozen Param under `layers` (and the embedding table with `embedding`; only for an
+    """`frozen` with every frozen Param under the layer stacks (`STREAMED_STACKS`; and the embedding table with `embedding`; only for an
     untied embedding: a tied one is the LM head too) moved to host memory, its sharding otherwise unchanged.
     per_layer (offload_prefetch): each stacked [L, ...] array becomes L host buffers (`HostLayers`), which the
     prefetching loop can copy asynchronously (host_layers.py says why).

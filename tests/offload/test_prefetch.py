@@ -278,3 +278,41 @@ def test_look_ahead_is_bounded(depth):
     _check_look_ahead(*jaxpr(depth), depth)
     with pytest.raises(AssertionError):  # the check can fail: a deeper look-ahead breaks the shallower bound
         _check_look_ahead(*jaxpr(depth + 1), depth)
+
+
+def test_hybrid_prefetched_equals_resident():
+    """A Qwen3.5 hybrid (test_streaming's: a Gated DeltaNet layer, then a gated attention layer) over per-layer
+    host buffers of both stacks: the unrolled prefetching loop runs the layers in
+    model order, each fetching its row of its own stack, and computes the resident layer scan's loss and every
+    LoRA gradient of both stacks within fp32 rounding (the unrolled program fuses differently; bit equality with
+    its resident twin is the dense tests' protocol, the loop being the same code for one stack or two)."""
+    from surojax.offload.host_layers import is_host_layers
+    from surojax.offload.streaming import place_base_on_host
+    from tests.offload.test_streaming import HYBRID as cfg
+
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    apply_lora(model, targets="all-linear", rank=4, alpha=8, rngs=nnx.Rngs(1))
+    rs = np.random.RandomState(2)  # vacuity guard: B = 0 would zero every dL/dA
+    for path, var in nnx.to_flat_state(nnx.state(model, TRAINABLE)):
+        if path[-1] == "lora_b":
+            var.set_value(jnp.asarray(0.1 * rs.randn(*var.get_value().shape), jnp.float32))
+    graphdef, trainable, resident = nnx.split(model, TRAINABLE, ...)
+    streamed = place_base_on_host(resident, embedding=True, per_layer=True)
+    assert {k.split(".")[0] for k in streamed_leaves(streamed)} == {"layers", "linear_layers"}
+    mb = {k: jnp.asarray(v[0]) for k, v in _batch(vocab=cfg.vocab_size).items()}
+
+    def loss_grads(tr, fr, loop):
+        return jax.value_and_grad(lambda t: lm_loss(with_runner(nnx.merge(graphdef, t, fr), loop), mb)[0])(tr)
+
+    (l_s, g_s), (l_f, g_f) = jax.jit(lambda tr, s, r: (loss_grads(tr, s, PREFETCH), loss_grads(tr, r, FULL)))(
+        trainable, streamed, resident)
+    assert len(jax.tree.leaves(g_s)) == 2 * 15 and all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(g_s))
+    np.testing.assert_allclose(float(l_s), float(l_f), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_f)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
+    # every per-layer buffer of both stacks is fetched once forward and once in the backward recompute
+    hl = [x for p, v in nnx.to_flat_state(streamed) if p[0] in ("layers", "linear_layers")
+          for x in jax.tree.leaves(v.get_value(), is_leaf=is_host_layers)]
+    assert all(map(is_host_layers, hl))
+    jaxpr = jax.make_jaxpr(lambda t, f: loss_grads(t, f, PREFETCH))(trainable, streamed).jaxpr
+    assert _device_puts(jaxpr) == 2 * sum(map(len, hl)) + 1  # + the (untied) embedding

@@ -14,6 +14,9 @@ so a silently device-resident base fails. On CPU the host is ordinary RAM: `pinn
 space of the CPU device (jit arguments carry it, `f32<host>`), and the in-jit copy lowers to a no-op, so the
 GPU lowering is checked too (one annotate_device_placement per streamed leaf in the forward and the backward).
 """
+import collections
+import json
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -23,10 +26,11 @@ import pytest
 from flax import nnx
 
 from surojax.losses.lm import lm_loss
-from surojax.models.decoder import Decoder
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder, layer_pattern
 from surojax.models.layer_runner import LayerScan, Recompute, with_runner
 from surojax.offload.streaming import HOST_KIND, OffloadError, check_streamed, place_base_on_host, streamed_leaves
-from surojax.peft.lora import TRAINABLE, apply_lora
+from surojax.peft.lora import LORA_TARGETS, TRAINABLE, apply_lora
 from surojax.quant.model import quantize_model
 from surojax.train.step import make_train_step
 
@@ -34,16 +38,21 @@ from tests.tiny import QWEN3, model_config
 from tests.train.conftest import ROOT, tiny_config, write_instruction_data  # noqa: F401 (fixture)
 
 CFG = model_config(QWEN3, vocab_size=128)
+# the Qwen3.5 hybrid (Gated DeltaNet layers in `linear_layers`, gated attention layers in `layers`): both
+# stacks stream, each layer fetched from its own stack in layer order; LoRA on every projection of both
+# (two layers, [linear, full]: the fewest layer bodies to compile)
+HYBRID = ModelConfig.from_hf({**json.loads((ROOT / "tests/fixtures/models/qwen3_5_text/config.json").read_text()),
+                              "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})
 A, B, T = 2, 2, 16
 
 
-def _model(quant: str | None = None):
-    model = Decoder(CFG, rngs=nnx.Rngs(0))
+def _model(quant: str | None = None, cfg: ModelConfig = CFG):
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     if quant:
         quantize_model(model, quant)
-    apply_lora(model, rank=4, alpha=8, rngs=nnx.Rngs(1))
+    apply_lora(model, rank=4, alpha=8, rngs=nnx.Rngs(1), targets="all-linear" if cfg is HYBRID else LORA_TARGETS)
     # vacuity guard: B = 0 makes every dL/dA zero and the adapter's output zero; randomise B
-    keys = iter(jax.random.split(jax.random.key(2), 16))
+    keys = iter(jax.random.split(jax.random.key(2), 32))
     for path, var in nnx.to_flat_state(nnx.state(model, TRAINABLE)):
         if path[-1] == "lora_b":
             var.set_value(0.1 * jax.random.normal(next(keys), var.get_value().shape, var.get_value().dtype))
@@ -63,13 +72,13 @@ def _split(model):
     return graphdef, trainable, frozen, streamed
 
 
-def _batch(accum=A, seed=0):
+def _batch(accum=A, seed=0, vocab=CFG.vocab_size):
     rng = np.random.default_rng(seed)
     shape = (accum, B, T)
-    return {"tokens": rng.integers(1, CFG.vocab_size, shape).astype(np.int32),
+    return {"tokens": rng.integers(1, vocab, shape).astype(np.int32),
             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), shape).copy(),
             "segment_ids": np.ones(shape, np.int32),
-            "targets": rng.integers(1, CFG.vocab_size, shape).astype(np.int32),
+            "targets": rng.integers(1, vocab, shape).astype(np.int32),
             "loss_mask": (rng.random(shape) > 0.2).astype(np.float32)}
 
 
@@ -84,16 +93,28 @@ def _device_puts(jaxpr, space=jax.memory.Space.Device) -> int:
     return n
 
 
+def _fetches_per_pass(cfg: ModelConfig, streamed) -> int:
+    """The streamed leaves one pass over the layers fetches, as the program holds them: each layer of the scanned
+    group (the pattern's types) and of the remainder after it fetches its own stack's leaves (a one-type
+    pattern: the stack's leaves once)."""
+    pattern = layer_pattern(cfg)
+    per_stack = collections.Counter(k.split(".")[0] for k in streamed_leaves(streamed))
+    return sum(per_stack[t.stack] for t in pattern.types + pattern.types[:pattern.remainder])
+
+
 def _max_diff(a, b) -> float:
     """Max abs difference over the leaves, in NumPy (no eager XLA op to compile per leaf shape)."""
     return max(float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-@pytest.mark.parametrize("quant,recompute", [(None, "offload"), ("nf4", "dots")])
-def test_streamed_logits_and_lora_grads_equal_resident(quant, recompute):
-    graphdef, trainable, resident, streamed = _split(_model(quant))
-    mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
+@pytest.mark.parametrize("quant,recompute,cfg", [(None, "offload", CFG), ("nf4", "dots", CFG),
+                                                 (None, "full", HYBRID)], ids=["offload", "nf4-dots", "hybrid"])
+def test_streamed_logits_and_lora_grads_equal_resident(quant, recompute, cfg):
+    graphdef, trainable, resident, streamed = _split(_model(quant, cfg))
+    if cfg is HYBRID:  # both stacks stream: the DeltaNet layers' weights are in host memory too
+        assert {k.split(".")[0] for k in streamed_leaves(streamed)} == {"layers", "linear_layers"}
+    mb = {k: jnp.asarray(v[0]) for k, v in _batch(vocab=cfg.vocab_size).items()}
     loop = LayerScan(Recompute(recompute))
 
     def logits_loss_grads(tr, fr, loop=loop):
@@ -112,11 +133,12 @@ def test_streamed_logits_and_lora_grads_equal_resident(quant, recompute):
     if by_full is not None:  # recompute: offload computes exactly what recompute: full computes
         assert float(by_full[1]) == float(l_s) and _max_diff(by_full[2], g_s) == 0.0
     nonzero = [bool(np.abs(np.asarray(g)).max() > 0) for g in jax.tree.leaves(g_s)]
-    assert len(nonzero) == 2 * 7 and all(nonzero)  # every A and B of every target moves
+    # every A and B of every target moves (the hybrid: 7 projections in `layers`, 8 in `linear_layers`)
+    assert len(nonzero) == 2 * (7 if cfg is CFG else 15) and all(nonzero)
     # the program fetches each streamed leaf in the forward and again in the backward recompute, and the embedding
     # table once per forward pass (offload: plus the layer input coming back from host memory); the resident
     # program fetches no weight
-    n = len(streamed_leaves(streamed))
+    n = _fetches_per_pass(cfg, streamed)
     assert _device_puts(jax.make_jaxpr(logits_loss_grads)(trainable, streamed).jaxpr) == \
         (n + 1) + (n + 1) + n + (recompute == "offload")
     assert _device_puts(jax.make_jaxpr(logits_loss_grads)(trainable, resident).jaxpr) == \

@@ -1,5 +1,6 @@
 """Expert parallelism (surojax/parallel/expert.py): a tiny MoE decoder on 8 virtual CPU devices, expert-parallel
-and composed with data, fsdp and tensor, gives the single-device logits, router statistics and gradients.
+and composed with data, fsdp and tensor, gives the single-device logits, router statistics and gradients (qwen3_moe,
+gpt_oss's biased form, and the Qwen3.5 MoE hybrid, whose two layer stacks both hold MoE layers).
 
 The reference is the same model with no runner on one device (the MoE layer's local sort + ragged_dot, itself
 checked against a dense one-hot formulation in tests/models/test_moe.py). Not bit-equal: a token's k expert
@@ -12,8 +13,10 @@ The 8-device checks run in one child process started with XLA_FLAGS=--xla_force_
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +54,12 @@ QWEN3_MOE = dict(BASE, model_type="qwen3_moe", num_experts=8, num_experts_per_to
 
 def qwen3_moe() -> ModelConfig:
     return ModelConfig.from_hf(QWEN3_MOE)
+
+
+def qwen3_5_moe() -> ModelConfig:
+    hf = json.loads((Path(ROOT) / "tests/fixtures/models/qwen3_5_moe_text/config.json").read_text())
+    return ModelConfig.from_hf({**hf, "num_experts": 8, "num_hidden_layers": 2,
+                                "layer_types": ["linear_attention", "full_attention"]})
 
 
 def biased_moe() -> ModelConfig:
@@ -148,11 +157,12 @@ def _check_mesh(parallel: dict, name: str, cfg: ModelConfig):
     _assert_close(logits, ref_logits, f"{name} logits")
     _assert_close(stats, ref_stats, f"{name} router stats")
     _assert_close(grads, ref_grads, f"{name} grads")
-    # the experts really are split: E / expert of them on each device
-    kernel = model.layers.mlp.experts.gate_up_proj.kernel.get_value()
-    assert kernel.sharding.spec[1] == "expert", kernel.sharding.spec
-    assert {s.data.shape[1] for s in kernel.addressable_shards} == {8 // parallel["expert"]}
-    assert np.abs(ref_grads["layers"]["mlp"]["experts"]["gate_up_proj"]["kernel"]).max() > 0
+    # the experts of every layer stack really are split: E / expert of them on each device
+    for stack_name, stack in model.stacks.items():
+        kernel = stack.mlp.experts.gate_up_proj.kernel.get_value()
+        assert kernel.sharding.spec[1] == "expert", kernel.sharding.spec
+        assert {s.data.shape[1] for s in kernel.addressable_shards} == {cfg.moe.num_experts // parallel["expert"]}
+        assert np.abs(ref_grads[stack_name]["mlp"]["experts"]["gate_up_proj"]["kernel"]).max() > 0
 
 
 # One expert form per mesh (each mesh compiles its own sharded program per model): the plain qwen3_moe router on
@@ -161,6 +171,14 @@ def _check_mesh(parallel: dict, name: str, cfg: ModelConfig):
 @child_check
 def check_data_2_expert_4_matches_one_device():
     _check_mesh({"data": 2, "expert": 4}, "qwen3_moe", qwen3_moe())
+
+
+@child_check
+def check_qwen3_5_moe_data_2_expert_4_matches_one_device():
+    """The Qwen3.5 MoE hybrid (the qwen3_5_moe_text fixture's widths, 8 experts, a Gated DeltaNet layer then a gated
+    attention layer): the MoE layers of both stacks run expert-parallel; logits, router stats and every gradient
+    (the DeltaNet's included) are the one device's."""
+    _check_mesh({"data": 2, "expert": 4}, "qwen3_5_moe_text", qwen3_5_moe())
 
 
 @child_check
