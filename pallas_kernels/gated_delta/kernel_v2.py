@@ -1,0 +1,211 @@
+"""The chunked gated delta rule's forward in flash-linear-attention's layout: three Pallas (Triton) kernels, so that
+only the state's own recurrence is sequential and everything chunk-local runs once, chunk-parallel. The math and
+the packed-row masks are chunked.py's (its module docstring; the names below are its names):
+
+    K1 `wy_kernel`     grid (B, H, N chunks): A = beta_i D_ij (k_i . k_j) (j < i, same segment), T = (I + A)^-1
+                       blocked like fla's solve_tril (16 x 16 diagonal blocks by forward substitution, merged with
+                       fp32 matmuls), U = T (beta V) and W = T (beta exp(gamma) first K)
+    K2 `state_kernel`  grid (B, H, Dv / block_v), chunks in order: the fp32 state S [Dk, block_v] in registers;
+                       per chunk h_n = S (the state entering it), v_new = U - W S, then
+                       S = carry S + K_write^T v_new  (K_write = k exp(gamma_last - gamma) last)
+    K3 `output_kernel` grid (B, H, N, Dv / block_o): o = scale (exp(gamma) first (Q h_n) + (QK^T * D) v_new)
+
+Operands (api.py prepares them; T padded to whole chunks, Dk and Dv powers of two >= 16):
+    q, k [B, Tp, H, Dk], v [B, Tp, H, Dv] (the operand dtype), gamma (the chunk-local cumulative log decay),
+    beta [B, Tp, H] fp32, seg [B, Tp] int32 (segment numbers), first, last [B, Tp] fp32 0 / 1 (the token reads the
+    carried state / is in its chunk's last segment), state [B, H, Dk, Dv] fp32.
+
+Stored intermediates (W, U, h, v_new) are in `store_dtype` (the operand dtype by default, as fla does); the
+matmuls take their operands in that dtype and accumulate in fp32 (bf16 tensor-core dots on a GPU for bf16 operands);
+the state carried from chunk to chunk is fp32. Only the inverse's merges run at fp32 precision ("highest": IEEE
+fp32 in Triton), as in fla (an inverse in TF32 or bf16 would carry its error into every U and W). Accuracy of
+bf16 storage at Dk = Dv = 128 (tests/pallas_kernels/test_gated_delta.py measures it): see api.py's "pallas_v2".
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+SUB = 16  # rows of the inverse's diagonal blocks (and the smallest Triton dot)
+
+
+@dataclasses.dataclass(frozen=True)
+class V2Knobs:
+    """The three kernels' launch (static, hashable). block_v / block_o: value columns per program of K2 / K3."""
+    scale: float
+    interpret: bool
+    block_v: int = 32
+    block_o: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    store_dtype: str | None = None  # None: the operand (v's) dtype
+
+    def params(self):
+        return None if self.interpret else plgpu.CompilerParams(num_warps=self.num_warps,
+                                                                num_stages=self.num_stages)
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _dot_fp32(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+
+
+def unit_lower_inverse_16(a):
+    """(I + a)^-1 for a strictly lower-triangular [16, 16] fp32 a, by forward substitution: row i of the inverse is
+    e_i - sum_{j<i} a_ij row_j (rows picked and written through masks: Triton values cannot be sliced)."""
+    c = a.shape[0]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
+
+    def row(i, inv):
+        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # [c]: a_ij, zero for j >= i
+        new = jnp.where(col == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * inv, axis=0)
+        return jnp.where(rows == i, new[None, :], inv)
+
+    return jax.lax.fori_loop(0, c, row, jnp.zeros((c, c), jnp.float32))
+
+
+def wy_kernel(k_ref, v_ref, gamma_ref, beta_ref, seg_ref, first_ref, w_ref, u_ref):
+    """K1, one chunk of one head: k_ref [C, Dk], v_ref [C, Dv], gamma_ref, beta_ref, seg_ref, first_ref [C] ->
+    w_ref [C, Dk], u_ref [C, Dv]. Works in SUB-row blocks: T's block (i, j) is
+    T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's merge, in fp32)."""
+    f32 = jnp.float32
+    nb = k_ref.shape[0] // SUB
+    rows = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    blocks = [pl.ds(b * SUB, SUB) for b in range(nb)]
+    k = [k_ref[b, :] for b in blocks]
+    gamma = [gamma_ref[b] for b in blocks]
+    beta = [beta_ref[b] for b in blocks]
+    seg = [seg_ref[b] for b in blocks]
+
+    def a_block(i, j):  # A's block (i, j), i >= j: beta_i exp(gamma_i - gamma_j) (k_i . k_j), masked
+        mask = seg[i][:, None] == seg[j][None, :]
+        if i == j:
+            mask = mask & (rows > cols)
+        decay = jnp.exp(jnp.where(mask, gamma[i][:, None] - gamma[j][None, :], 0.0))
+        return jnp.where(mask, beta[i][:, None] * decay * _dot(k[i], k[j].T), 0.0)
+
+    a = {(i, j): a_block(i, j) for i in range(nb) for j in range(i + 1)}
+    t = {}
+    for i in range(nb):
+        t[i, i] = unit_lower_inverse_16(a[i, i])
+        for j in range(i - 1, -1, -1):
+            acc = _dot_fp32(a[i, j], t[j, j])
+            for m in range(j + 1, i):
+                acc = acc + _dot_fp32(a[i, m], t[m, j])
+            t[i, j] = -_dot_fp32(t[i, i], acc)
+    dt = w_ref.dtype
+    beta_v = [(beta[b][:, None] * v_ref[blocks[b], :].astype(f32)).astype(dt) for b in range(nb)]
+    read = [beta[b] * jnp.exp(gamma[b]) * first_ref[blocks[b]] for b in range(nb)]
+    beta_k = [(read[b][:, None] * k[b].astype(f32)).astype(dt) for b in range(nb)]
+    for i in range(nb):
+        u = w = None
+        for j in range(i + 1):
+            t_ij = t[i, j].astype(dt)
+            u = _dot(t_ij, beta_v[j]) if u is None else u + _dot(t_ij, beta_v[j])
+            w = _dot(t_ij, beta_k[j]) if w is None else w + _dot(t_ij, beta_k[j])
+        u_ref[blocks[i], :] = u.astype(u_ref.dtype)
+        w_ref[blocks[i], :] = w.astype(w_ref.dtype)
+
+
+def state_kernel(w_ref, u_ref, k_ref, gamma_ref, first_ref, last_ref, s0_ref, h_ref, v_new_ref, s_ref, *,
+                 chunk: int):
+    """K2, one (row, head, value-column block), chunks in order: w_ref, k_ref [Tp, Dk], u_ref, v_new_ref [Tp, BV],
+    gamma_ref, first_ref, last_ref [Tp], s0_ref, s_ref [Dk, BV] (the initial and the final state, fp32),
+    h_ref [N, Dk, BV] (the state entering each chunk)."""
+    f32 = jnp.float32
+    dt = w_ref.dtype
+
+    def body(c, s):
+        tok = pl.ds(c * chunk, chunk)
+        end = pl.ds(c * chunk + chunk - 1, 1)
+        h_ref[c] = s.astype(h_ref.dtype)
+        v_new = (u_ref[tok, :].astype(f32) - _dot(w_ref[tok, :], s.astype(dt))).astype(dt)
+        v_new_ref[tok, :] = v_new.astype(v_new_ref.dtype)
+        gamma_last = jnp.sum(gamma_ref[end])
+        write = jnp.exp(gamma_last - gamma_ref[tok]) * last_ref[tok]  # [C]: the share each token writes
+        carry = jnp.exp(gamma_last) * jnp.sum(first_ref[end])  # the old state's share of the next one
+        k = k_ref[tok, :].astype(dt)
+        return carry * s + _dot(k.T, (v_new.astype(f32) * write[:, None]).astype(dt))
+
+    s_ref[...] = jax.lax.fori_loop(0, h_ref.shape[0], body, s0_ref[...].astype(f32))
+
+
+def output_kernel(q_ref, k_ref, gamma_ref, seg_ref, first_ref, h_ref, v_new_ref, o_ref, *, scale: float):
+    """K3, one chunk of one head, BO value columns: q_ref, k_ref [C, Dk], gamma_ref, seg_ref, first_ref [C],
+    h_ref [Dk, BO] (the state entering the chunk), v_new_ref [C, BO] -> o_ref [C, BO]."""
+    dt = v_new_ref.dtype
+    c = q_ref.shape[0]
+    i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    gamma, seg = gamma_ref[...], seg_ref[...]
+    q = q_ref[...].astype(dt)
+    causal = (i >= j) & (seg[:, None] == seg[None, :])
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+    attn = (_dot(q, k_ref[...].astype(dt).T) * decay).astype(dt)
+    read = jnp.exp(gamma) * first_ref[...]
+    o = _dot(q, h_ref[...].astype(dt)) * read[:, None] + _dot(attn, v_new_ref[...])
+    o_ref[...] = (o * scale).astype(o_ref.dtype)
+
+
+def chunk_forward(q, k, v, gamma, beta, seg, first, last, state, *, knobs: V2Knobs, chunk: int,
+                  save_states: bool = False):
+    """The three kernels on prepared operands (module docstring) -> (o [B, Tp, H, Dv] in v's dtype, final state
+    [B, H, Dk, Dv] fp32), and with save_states also (h [B, H, N, Dk, Dv], v_new [B, Tp, H, Dv]) in store_dtype:
+    what a backward in this layout reads."""
+    B, Tp, H, Dk = q.shape
+    Dv = v.shape[-1]
+    N = Tp // chunk
+    dt = jnp.dtype(knobs.store_dtype) if knobs.store_dtype else v.dtype
+    bv, bo = min(knobs.block_v, Dv), min(knobs.block_o, Dv)
+    call = functools.partial(pl.pallas_call, compiler_params=knobs.params(), interpret=knobs.interpret)
+
+    def rows(width):  # one chunk of one head: grid (b, h, c, ...)
+        return pl.BlockSpec((None, chunk, None, width), lambda b, h, c, *_: (b, c, h, 0))
+
+    per_head = pl.BlockSpec((None, chunk, None), lambda b, h, c, *_: (b, c, h))
+    per_row = pl.BlockSpec((None, chunk), lambda b, h, c, *_: (b, c))
+    w, u = call(
+        wy_kernel, grid=(B, H, N),
+        in_specs=[rows(Dk), rows(Dv), per_head, per_head, per_row, per_row],
+        out_specs=[rows(Dk), rows(Dv)],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), dt), jax.ShapeDtypeStruct((B, Tp, H, Dv), dt)],
+        name="gated_delta_v2_wy",
+    )(k, v, gamma, beta, seg, first)
+
+    whole = pl.BlockSpec((None, Tp, None, Dk), lambda b, h, j: (b, 0, h, 0))  # grid (b, h, value block)
+    columns = pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j))
+    scalars = pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h))
+    flags = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0))
+    state_spec = pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j))
+    h_states, v_new, final = call(
+        functools.partial(state_kernel, chunk=chunk), grid=(B, H, Dv // bv),
+        in_specs=[whole, columns, whole, scalars, flags, flags, state_spec],
+        out_specs=[pl.BlockSpec((None, None, N, Dk, bv), lambda b, h, j: (b, h, 0, 0, j)), columns, state_spec],
+        out_shape=[jax.ShapeDtypeStruct((B, H, N, Dk, Dv), dt), jax.ShapeDtypeStruct((B, Tp, H, Dv), dt),
+                   jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)],
+        name="gated_delta_v2_state",
+    )(w, u, k, gamma, first, last, state)
+
+    out_cols = pl.BlockSpec((None, chunk, None, bo), lambda b, h, c, j: (b, c, h, j))
+    o = call(
+        functools.partial(output_kernel, scale=knobs.scale), grid=(B, H, N, Dv // bo),
+        in_specs=[rows(Dk), rows(Dk), per_head, per_row, per_row,
+                  pl.BlockSpec((None, None, None, Dk, bo), lambda b, h, c, j: (b, h, c, 0, j)), out_cols],
+        out_specs=out_cols,
+        out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+        name="gated_delta_v2_output",
+    )(q, k, gamma, seg, first, h_states, v_new)
+    return (o, final, h_states, v_new) if save_states else (o, final)
+
+
+__all__ = ["SUB", "V2Knobs", "chunk_forward", "output_kernel", "state_kernel", "unit_lower_inverse_16", "wy_kernel"]
