@@ -75,44 +75,46 @@ def unit_lower_inverse_16(a):
 
 def wy_kernel(k_ref, v_ref, gamma_ref, beta_ref, seg_ref, first_ref, w_ref, u_ref):
     """K1, one chunk of one head: k_ref [C, Dk], v_ref [C, Dv], gamma_ref, beta_ref, seg_ref, first_ref [C] ->
-    w_ref [C, Dk], u_ref [C, Dv]. Works in SUB-row blocks: T's block (i, j) is
-    T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's merge, in fp32)."""
+    w_ref [C, Dk], u_ref [C, Dv]. Works in SUB-row blocks, one block row of T at a time (then its rows of U and W,
+    stored): T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's merge, in fp32). Operand blocks
+    are read from the refs where used, so that only T's blocks and two accumulators stay live (registers: an
+    sm_90 compile of the version that kept every block live used 255 a thread and spilled)."""
     f32 = jnp.float32
     nb = k_ref.shape[0] // SUB
+    dt = w_ref.dtype
     rows = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     blocks = [pl.ds(b * SUB, SUB) for b in range(nb)]
-    k = [k_ref[b, :] for b in blocks]
-    gamma = [gamma_ref[b] for b in blocks]
-    beta = [beta_ref[b] for b in blocks]
-    seg = [seg_ref[b] for b in blocks]
 
     def a_block(i, j):  # A's block (i, j), i >= j: beta_i exp(gamma_i - gamma_j) (k_i . k_j), masked
-        mask = seg[i][:, None] == seg[j][None, :]
+        mask = seg_ref[blocks[i]][:, None] == seg_ref[blocks[j]][None, :]
         if i == j:
             mask = mask & (rows > cols)
-        decay = jnp.exp(jnp.where(mask, gamma[i][:, None] - gamma[j][None, :], 0.0))
-        return jnp.where(mask, beta[i][:, None] * decay * _dot(k[i], k[j].T), 0.0)
+        decay = jnp.exp(jnp.where(mask, gamma_ref[blocks[i]][:, None] - gamma_ref[blocks[j]][None, :], 0.0))
+        kk = _dot(k_ref[blocks[i], :], k_ref[blocks[j], :].T)
+        return jnp.where(mask, beta_ref[blocks[i]][:, None] * decay * kk, 0.0)
 
-    a = {(i, j): a_block(i, j) for i in range(nb) for j in range(i + 1)}
+    def beta_v(j):
+        return (beta_ref[blocks[j]][:, None] * v_ref[blocks[j], :].astype(f32)).astype(dt)
+
+    def beta_k(j):  # only the tokens that read the carried state
+        read = beta_ref[blocks[j]] * jnp.exp(gamma_ref[blocks[j]]) * first_ref[blocks[j]]
+        return (read[:, None] * k_ref[blocks[j], :].astype(f32)).astype(dt)
+
     t = {}
     for i in range(nb):
-        t[i, i] = unit_lower_inverse_16(a[i, i])
+        a = [a_block(i, j) for j in range(i + 1)]
+        t[i, i] = unit_lower_inverse_16(a[i])
         for j in range(i - 1, -1, -1):
-            acc = _dot_fp32(a[i, j], t[j, j])
+            acc = _dot_fp32(a[j], t[j, j])
             for m in range(j + 1, i):
-                acc = acc + _dot_fp32(a[i, m], t[m, j])
+                acc = acc + _dot_fp32(a[m], t[m, j])
             t[i, j] = -_dot_fp32(t[i, i], acc)
-    dt = w_ref.dtype
-    beta_v = [(beta[b][:, None] * v_ref[blocks[b], :].astype(f32)).astype(dt) for b in range(nb)]
-    read = [beta[b] * jnp.exp(gamma[b]) * first_ref[blocks[b]] for b in range(nb)]
-    beta_k = [(read[b][:, None] * k[b].astype(f32)).astype(dt) for b in range(nb)]
-    for i in range(nb):
         u = w = None
         for j in range(i + 1):
             t_ij = t[i, j].astype(dt)
-            u = _dot(t_ij, beta_v[j]) if u is None else u + _dot(t_ij, beta_v[j])
-            w = _dot(t_ij, beta_k[j]) if w is None else w + _dot(t_ij, beta_k[j])
+            u = _dot(t_ij, beta_v(j)) if u is None else u + _dot(t_ij, beta_v(j))
+            w = _dot(t_ij, beta_k(j)) if w is None else w + _dot(t_ij, beta_k(j))
         u_ref[blocks[i], :] = u.astype(u_ref.dtype)
         w_ref[blocks[i], :] = w.astype(w_ref.dtype)
 
