@@ -116,7 +116,7 @@ def dump_paged(out: str) -> None:
 
 
 # (block_v of the state kernel, block_o of the output kernel, num_warps, num_stages); the wy kernel uses neither block
-GDN_V2_GRID = [(bv, bo, w, st) for bv, bo in ((32, 64), (64, 128), (16, 32), (128, 128)) for w in (2, 4, 8)
+GDN_V2_GRID = [(bv, bo, w, st) for bv, bo in ((32, 64), (64, 128), (16, 32), (128, 128)) for w in (4, 8)
                for st in (1, 2, 3)]
 
 

@@ -39,9 +39,9 @@ class V2Knobs:
     """The three kernels' launch (static, hashable). block_v / block_o: value columns per program of K2 / K3."""
     scale: float
     interpret: bool
-    block_v: int = 32
-    block_o: int = 64
-    num_warps: int = 4
+    block_v: int = 32  # sm_90 offline (benchmarks/triton_offline_check.py dump-gdn, Dk = Dv = 128): K2 at bv32-w4-s2
+    block_o: int = 64  # 106 registers, 82 KB shared (its loads pipelined); K3 at bo64-w4 119 registers, 32 KB; K1
+    num_warps: int = 4  # 250 registers, 13 KB; no spills. 2 warps: no wgmma, spills in K2 / K3 (kept out)
     num_stages: int = 2
     store_dtype: str | None = None  # None: the operand (v's) dtype
 
@@ -159,55 +159,75 @@ def output_kernel(q_ref, k_ref, gamma_ref, seg_ref, first_ref, h_ref, v_new_ref,
     o_ref[...] = (o * scale).astype(o_ref.dtype)
 
 
+def _rows(chunk: int, width: int) -> pl.BlockSpec:  # one chunk of one head: grid (b, h, c, ...)
+    return pl.BlockSpec((None, chunk, None, width), lambda b, h, c, *_: (b, c, h, 0))
+
+
+def wy(k, v, gamma, beta, seg, first, *, knobs: V2Knobs, chunk: int, dtype):
+    """K1 over (B, H, N) -> (W [B, Tp, H, Dk], U [B, Tp, H, Dv]) in dtype."""
+    B, Tp, H, Dk = k.shape
+    Dv = v.shape[-1]
+    per_head = pl.BlockSpec((None, chunk, None), lambda b, h, c: (b, c, h))
+    per_row = pl.BlockSpec((None, chunk), lambda b, h, c: (b, c))
+    return pl.pallas_call(
+        wy_kernel, grid=(B, H, Tp // chunk),
+        in_specs=[_rows(chunk, Dk), _rows(chunk, Dv), per_head, per_head, per_row, per_row],
+        out_specs=[_rows(chunk, Dk), _rows(chunk, Dv)],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), dtype)],
+        compiler_params=knobs.params(), interpret=knobs.interpret, name="gated_delta_v2_wy",
+    )(k, v, gamma, beta, seg, first)
+
+
+def states(w, u, k, gamma, first, last, state, *, knobs: V2Knobs, chunk: int):
+    """K2 over (B, H, Dv / block_v) -> (h [B, H, N, Dk, Dv] in W's dtype, v_new [B, Tp, H, Dv] in W's dtype,
+    final state [B, H, Dk, Dv] fp32)."""
+    B, Tp, H, Dk = k.shape
+    Dv = u.shape[-1]
+    N, bv = Tp // chunk, min(knobs.block_v, Dv)
+    whole = pl.BlockSpec((None, Tp, None, Dk), lambda b, h, j: (b, 0, h, 0))
+    columns = pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j))
+    scalars = pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h))
+    flags = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0))
+    state_spec = pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j))
+    return pl.pallas_call(
+        functools.partial(state_kernel, chunk=chunk), grid=(B, H, Dv // bv),
+        in_specs=[whole, columns, whole, scalars, flags, flags, state_spec],
+        out_specs=[pl.BlockSpec((None, None, N, Dk, bv), lambda b, h, j: (b, h, 0, 0, j)), columns, state_spec],
+        out_shape=[jax.ShapeDtypeStruct((B, H, N, Dk, Dv), w.dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), w.dtype),
+                   jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)],
+        compiler_params=knobs.params(), interpret=knobs.interpret, name="gated_delta_v2_state",
+    )(w, u, k, gamma, first, last, state)
+
+
+def output(q, k, gamma, seg, first, h, v_new, *, knobs: V2Knobs, chunk: int, dtype):
+    """K3 over (B, H, N, Dv / block_o) -> o [B, Tp, H, Dv] in dtype."""
+    B, Tp, H, Dk = q.shape
+    Dv = v_new.shape[-1]
+    bo = min(knobs.block_o, Dv)
+    per_head = pl.BlockSpec((None, chunk, None), lambda b, h, c, j: (b, c, h))
+    per_row = pl.BlockSpec((None, chunk), lambda b, h, c, j: (b, c))
+    out_cols = pl.BlockSpec((None, chunk, None, bo), lambda b, h, c, j: (b, c, h, j))
+    return pl.pallas_call(
+        functools.partial(output_kernel, scale=knobs.scale), grid=(B, H, Tp // chunk, Dv // bo),
+        in_specs=[_rows(chunk, Dk), _rows(chunk, Dk), per_head, per_row, per_row,
+                  pl.BlockSpec((None, None, None, Dk, bo), lambda b, h, c, j: (b, h, c, 0, j)), out_cols],
+        out_specs=out_cols,
+        out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dv), dtype),
+        compiler_params=knobs.params(), interpret=knobs.interpret, name="gated_delta_v2_output",
+    )(q, k, gamma, seg, first, h, v_new)
+
+
 def chunk_forward(q, k, v, gamma, beta, seg, first, last, state, *, knobs: V2Knobs, chunk: int,
                   save_states: bool = False):
     """The three kernels on prepared operands (module docstring) -> (o [B, Tp, H, Dv] in v's dtype, final state
     [B, H, Dk, Dv] fp32), and with save_states also (h [B, H, N, Dk, Dv], v_new [B, Tp, H, Dv]) in store_dtype:
     what a backward in this layout reads."""
-    B, Tp, H, Dk = q.shape
-    Dv = v.shape[-1]
-    N = Tp // chunk
     dt = jnp.dtype(knobs.store_dtype) if knobs.store_dtype else v.dtype
-    bv, bo = min(knobs.block_v, Dv), min(knobs.block_o, Dv)
-    call = functools.partial(pl.pallas_call, compiler_params=knobs.params(), interpret=knobs.interpret)
-
-    def rows(width):  # one chunk of one head: grid (b, h, c, ...)
-        return pl.BlockSpec((None, chunk, None, width), lambda b, h, c, *_: (b, c, h, 0))
-
-    per_head = pl.BlockSpec((None, chunk, None), lambda b, h, c, *_: (b, c, h))
-    per_row = pl.BlockSpec((None, chunk), lambda b, h, c, *_: (b, c))
-    w, u = call(
-        wy_kernel, grid=(B, H, N),
-        in_specs=[rows(Dk), rows(Dv), per_head, per_head, per_row, per_row],
-        out_specs=[rows(Dk), rows(Dv)],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), dt), jax.ShapeDtypeStruct((B, Tp, H, Dv), dt)],
-        name="gated_delta_v2_wy",
-    )(k, v, gamma, beta, seg, first)
-
-    whole = pl.BlockSpec((None, Tp, None, Dk), lambda b, h, j: (b, 0, h, 0))  # grid (b, h, value block)
-    columns = pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j))
-    scalars = pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h))
-    flags = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0))
-    state_spec = pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j))
-    h_states, v_new, final = call(
-        functools.partial(state_kernel, chunk=chunk), grid=(B, H, Dv // bv),
-        in_specs=[whole, columns, whole, scalars, flags, flags, state_spec],
-        out_specs=[pl.BlockSpec((None, None, N, Dk, bv), lambda b, h, j: (b, h, 0, 0, j)), columns, state_spec],
-        out_shape=[jax.ShapeDtypeStruct((B, H, N, Dk, Dv), dt), jax.ShapeDtypeStruct((B, Tp, H, Dv), dt),
-                   jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)],
-        name="gated_delta_v2_state",
-    )(w, u, k, gamma, first, last, state)
-
-    out_cols = pl.BlockSpec((None, chunk, None, bo), lambda b, h, c, j: (b, c, h, j))
-    o = call(
-        functools.partial(output_kernel, scale=knobs.scale), grid=(B, H, N, Dv // bo),
-        in_specs=[rows(Dk), rows(Dk), per_head, per_row, per_row,
-                  pl.BlockSpec((None, None, None, Dk, bo), lambda b, h, c, j: (b, h, c, 0, j)), out_cols],
-        out_specs=out_cols,
-        out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
-        name="gated_delta_v2_output",
-    )(q, k, gamma, seg, first, h_states, v_new)
-    return (o, final, h_states, v_new) if save_states else (o, final)
+    w, u = wy(k, v, gamma, beta, seg, first, knobs=knobs, chunk=chunk, dtype=dt)
+    h, v_new, final = states(w, u, k, gamma, first, last, state, knobs=knobs, chunk=chunk)
+    o = output(q, k, gamma, seg, first, h, v_new, knobs=knobs, chunk=chunk, dtype=v.dtype)
+    return (o, final, h, v_new) if save_states else (o, final)
 
 
-__all__ = ["SUB", "V2Knobs", "chunk_forward", "output_kernel", "state_kernel", "unit_lower_inverse_16", "wy_kernel"]
+__all__ = ["SUB", "V2Knobs", "chunk_forward", "output", "output_kernel", "state_kernel", "states",
+           "unit_lower_inverse_16", "wy", "wy_kernel"]
