@@ -140,14 +140,16 @@ def test_v2_saves_what_a_backward_reads():
     """chunk_forward(save_states=True): h = the state entering each chunk (the token-by-token reference's state
     after the chunk before, reset where a segment starts at the boundary) and v_new = U - W h (the chunk's
     corrections u of chunked.py's docstring: beta (v - k's prediction), checked at a chunk's first token, where
-    u = beta (v - S^T k) exactly); Dv 32 in value blocks of 16 for K2 and K3."""
-    B, T, H, Dk, Dv = 1, 128, 2, 16, 32
+    u = beta (v - S^T k) exactly); Dk 24 padded to 32 (zero columns), Dv 32 in value blocks of 16 for K2 and K3."""
+    B, T, H, Dk, Dv = 1, 128, 2, 24, 32
     xs, s0 = operands(B=B, T=T, H=H, Dk=Dk, Dv=Dv, seed=4)
     seg = jnp.asarray([[1] * 100 + [2] * 28])
     q, k, v, g, beta = xs
     prepared = v2_operands(q, k, v, g, beta, segment_numbers(seg, (B, T)), s0)
     knobs = V2Knobs(scale=0.25, interpret=True, block_v=16, block_o=16)
     o, final, h, v_new = chunk_forward(*prepared, knobs=knobs, chunk=CHUNK, save_states=True)
+    assert h.shape == (B, H, T // CHUNK, 32, Dv)
+    h, final = h[..., :Dk, :], final[:, :, :Dk]
     _, state64 = chunk_gated_delta_rule(q[:, :CHUNK], k[:, :CHUNK], v[:, :CHUNK], g[:, :CHUNK], beta[:, :CHUNK],
                                         scale=0.25, initial_state=s0, output_final_state=True, impl="reference")
     close(h[:, :, 0], s0)
