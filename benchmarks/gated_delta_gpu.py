@@ -535,7 +535,8 @@ def main(argv=None) -> int:
     p.add_argument("--variant-shapes", default="short,0.8b-8x2048,0.8b-1x8192",
                    help="shapes that run every variant (the others: the default knobs)")
     p.add_argument("--impls", default=",".join(IMPLS),
-                   help="of chunked, pallas (every variant), pallas_v2 (every v2 variant), reference (short rows only), fla (where it imports)")
+                   help="of chunked, pallas (every variant), pallas_v2 (every v2 variant), reference (short rows "
+                   "only), fla (where it imports)")
     p.add_argument("--fla-unguarded", action="store_true",
                    help="lift fla's refusal of its gated backward on Hopper + Triton < 3.7.1 (unguard_fla says why)")
     p.add_argument("--iters", type=int, default=10)

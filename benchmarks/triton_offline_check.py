@@ -14,8 +14,8 @@ the Qwen3-8B shape 4096 x 4096, M = 8192. `dump-paged` writes one per knob setti
 benchmarks/paged_decode_sweep.py's grid (the paged decode-attention kernel, Qwen3-0.6B shapes, 64 rows, a
 768-slot block table). `dump-gdn` writes the three kernels of the gated delta rule's "pallas_v2" forward
 (pallas_kernels/gated_delta/kernel_v2.py: wy, state, output) at Qwen3.5-0.8B shapes (8 x 2048, H 16, Dk = Dv =
-128, bf16) for each setting of GDN_V2_GRID. `compile` needs only `triton` (it imports nothing else from here); it also reports
-registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
+128, bf16) for each setting of GDN_V2_GRID. `compile` needs only `triton` (it imports nothing else from here); it
+also reports registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
 """
 from __future__ import annotations
 

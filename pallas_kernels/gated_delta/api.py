@@ -9,9 +9,9 @@ impl:
                  forward kernel also saves the state entering each chunk and whose backward kernel walks the chunks
                  in reverse from them
     "pallas_v2"  the forward in flash-linear-attention's layout (kernel_v2.py: a chunk-parallel kernel for the inverse,
-                 U and W, a state-only sequential kernel, a chunk-parallel output kernel); interim backward: the VJP
-                 of the chunked jnp form, recomputed from the operands (a custom_vjp: training through it is
-                 correct, its backward costs what "chunked"'s does plus that form's forward)
+                 U and W, a state-only sequential kernel, a chunk-parallel output kernel); a custom_vjp whose
+                 backward is jnp for now (backward_v2.py: fla's chunk-backward decomposition, from the forward
+                 kernels' saved chunk states and v_new; each of its steps is the specification of one future kernel)
     "auto"       "chunked" on every backend: the kernels compile on an H100 and pass their checks at Qwen3.5's
                  shapes, but run 2.6-3.6x slower than the chunked form XLA compiles (forward + backward, 8 x 2048:
                  38.0 against 10.6 ms; benchmarks/RESULTS.md session 20); "auto" picks a kernel once one is faster
@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gated_delta.backward_v2 import chunk_backward
 from pallas_kernels.gated_delta.chunked import CHUNK, chunk_gated_delta_rule_chunked, pad_to_chunks, segment_numbers
 from pallas_kernels.gated_delta.kernel import gated_delta_pallas, gated_delta_pallas_bwd
 from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward
@@ -136,29 +137,33 @@ def v2_operands(q, k, v, g, beta, seg, state):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def pallas_v2_forward(knobs: V2Knobs, q, k, v, g, beta, seg, state):
     """(o [B, T, H, Dv], final state [B, H, Dk, Dv] fp32) by kernel_v2's three kernels; seg: segment numbers
-    [B, T]. Differentiable through the interim backward (`_v2_bwd`)."""
+    [B, T]. Differentiable: `_v2_bwd`."""
     T, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     o, final = chunk_forward(*v2_operands(q, k, v, g, beta, seg, state), knobs=knobs, chunk=CHUNK)
     return o[:, :T, :, :Dv], final[:, :, :Dk, :Dv]
 
 
 def _v2_fwd(knobs, q, k, v, g, beta, seg, state):
-    return pallas_v2_forward(knobs, q, k, v, g, beta, seg, state), (q, k, v, g, beta, seg, state)
+    T, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    o, final, h, v_new = chunk_forward(*v2_operands(q, k, v, g, beta, seg, state), knobs=knobs, chunk=CHUNK,
+                                       save_states=True)
+    return (o[:, :T, :, :Dv], final[:, :, :Dk, :Dv]), (q, k, v, g, beta, seg, state, h, v_new)
 
 
 def _v2_bwd(knobs, residuals, cotangents):
-    """The interim backward: the VJP of the chunked jnp form (chunked.py) at the same operands, its forward
-    recomputed (the kernels' saved h and v_new are not used until the backward kernels exist)."""
-    q, k, v, g, beta, seg, state = residuals
-
-    def chunked(q, k, v, g, beta, state):
-        return chunk_gated_delta_rule_chunked(q, k, v, g, beta, scale=knobs.scale, segment_ids=seg,
-                                              initial_state=state, output_final_state=True)
-
-    _, vjp = jax.vjp(chunked, q, k, v, g, beta, state)
+    """backward_v2.chunk_backward (jnp in fla's chunk-backward decomposition) from the forward kernels' saved h and
+    v_new; the chunk-local terms (A, T, W) recomputed from the operands."""
+    q, k, v, g, beta, seg, state, h, v_new = residuals
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    prepared = v2_operands(q, k, v, g, beta, seg, state)
+    Tp, dk, dv = prepared[0].shape[1], prepared[0].shape[-1], prepared[2].shape[-1]
     do, ds = cotangents
-    dq, dk, dv, dg, dbeta, ds0 = vjp((do.astype(v.dtype), ds.astype(jnp.float32)))
-    return dq, dk, dv, dg, dbeta, None, ds0
+    do = jnp.pad(do.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0), (0, dv - Dv)))
+    ds = jnp.pad(ds.astype(jnp.float32), ((0, 0), (0, 0), (0, dk - Dk), (0, dv - Dv)))
+    dq, dk_, dv_, dg, dbeta, ds0 = chunk_backward(*prepared[:-1], h, v_new, do, ds, scale=knobs.scale, chunk=CHUNK)
+    return (dq[:, :T, :, :Dk].astype(q.dtype), dk_[:, :T, :, :Dk].astype(k.dtype), dv_[:, :T, :, :Dv].astype(v.dtype),
+            dg[:, :T].astype(g.dtype), dbeta[:, :T].astype(beta.dtype), None, ds0[:, :, :Dk, :Dv].astype(state.dtype))
 
 
 pallas_v2_forward.defvjp(_v2_fwd, _v2_bwd)

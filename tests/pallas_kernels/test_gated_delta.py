@@ -1,8 +1,9 @@
 """The gated delta rule's forms (pallas_kernels/gated_delta): the chunked jnp form, the Pallas kernels (interpret
-mode on CPU) and the three-kernel forward "pallas_v2" (its interim backward is the chunked form's VJP) against the token-by-token reference, and the reference against
-transformers' torch_recurrent_gated_delta_rule (tests/fixtures/gated_delta, scripts/make_gated_delta_fixture.py).
-Shapes are small but cover a whole chunk of 64 plus a partial one, segments that start inside a chunk, one that
-crosses a chunk boundary, one that starts exactly at a chunk boundary, and padding (id 0)."""
+mode on CPU) and "pallas_v2" (the three-kernel forward; its backward backward_v2.py, jnp) against the
+token-by-token reference, and the reference against transformers' torch_recurrent_gated_delta_rule
+(tests/fixtures/gated_delta, scripts/make_gated_delta_fixture.py). Shapes are small but cover a whole chunk of 64
+plus a partial one, segments that start inside a chunk, one that crosses a chunk boundary, one that starts exactly
+at a chunk boundary, and padding (id 0)."""
 import functools
 import warnings
 from pathlib import Path
@@ -200,8 +201,8 @@ def test_gradients_match_reference(impl):
         close(a, b, tol=1e-4, name=name)
 
 
-@pytest.mark.parametrize("impl", IMPLS[:3])  # pallas_v2: its values = the reference's on packed rows (above), its
-def test_packed_rows_equal_each_segment_alone(impl):  # gradients the chunked form's
+@pytest.mark.parametrize("impl", IMPLS)
+def test_packed_rows_equal_each_segment_alone(impl):
     """Each segment of a packed row run as a row of its own (the row's first segment continuing the row's initial
     state, the others from zero): the same outputs, and the same gradients w.r.t. q, k, v, g, beta and the
     initial state; padding tokens (id 0) get zero gradients."""
