@@ -124,15 +124,11 @@ def dump_gdn(out: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward
+    from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward, operand_shapes
 
     os.makedirs(out, exist_ok=True)
-    B, Tp, H, D = 8, 2048, 16, 128
-    bf16 = jax.ShapeDtypeStruct((B, Tp, H, D), jnp.bfloat16)
-    per_head = jax.ShapeDtypeStruct((B, Tp, H), jnp.float32)
-    per_row = jax.ShapeDtypeStruct((B, Tp), jnp.float32)
-    args = (bf16, bf16, bf16, per_head, per_head, jax.ShapeDtypeStruct((B, Tp), jnp.int32), per_row, per_row,
-            jax.ShapeDtypeStruct((B, H, D, D), jnp.float32))
+    D = 128
+    args = operand_shapes(8, 2048, 16, D, D, jnp.bfloat16)
     with _h200_triton_writer() as write:
         for bv, bo, w, st in GDN_V2_GRID:
             knobs = V2Knobs(scale=D ** -0.5, interpret=False, block_v=bv, block_o=bo, num_warps=w, num_stages=st)

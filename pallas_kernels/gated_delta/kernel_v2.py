@@ -18,8 +18,14 @@ Operands (api.py prepares them; T padded to whole chunks, Dk and Dv powers of tw
 Stored intermediates (W, U, h, v_new) are in `store_dtype` (the operand dtype by default, as fla does); the
 matmuls take their operands in that dtype and accumulate in fp32 (bf16 tensor-core dots on a GPU for bf16 operands);
 the state carried from chunk to chunk is fp32. Only the inverse's merges run at fp32 precision ("highest": IEEE
-fp32 in Triton), as in fla (an inverse in TF32 or bf16 would carry its error into every U and W). Accuracy of
-bf16 storage at Dk = Dv = 128 (tests/pallas_kernels/test_gated_delta.py measures it): see api.py's "pallas_v2".
+fp32 in Triton), as in fla (an inverse in TF32 or bf16 would carry its error into every U and W).
+
+Why bf16 storage for bf16 operands: half the bytes the sequential kernel streams per chunk (W, U, k: its loads are
+the chain's latency) and bf16 tensor-core dots, at an error that stays under the bench's 1e-2. Measured in
+interpret mode on CPU (Dk = Dv = 128, 2 x 512, 3 segments a row, an initial state; ||x - ref|| / ||ref|| against
+the fp32 token reference of the same bf16 values): o 3.7e-3 and final state 3.6e-3 with bf16 storage; 1.7e-3 and
+3.6e-7 with store_dtype "float32" (1.7e-3 is o's own rounding to bf16); gradients through backward_v2.py from the
+bf16 h and v_new 1.7e-3 to 3.8e-3, the chunked jnp form's 2.3e-4 to 2.4e-3. fla stores the same in bf16.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gated_delta.kernel import unit_lower_inverse_rows
 
 SUB = 16  # rows of the inverse's diagonal blocks (and the smallest Triton dot)
 
@@ -56,21 +64,6 @@ def _dot(a, b):
 
 def _dot_fp32(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
-
-
-def unit_lower_inverse_16(a):
-    """(I + a)^-1 for a strictly lower-triangular [16, 16] fp32 a, by forward substitution: row i of the inverse is
-    e_i - sum_{j<i} a_ij row_j (rows picked and written through masks: Triton values cannot be sliced)."""
-    c = a.shape[0]
-    rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
-
-    def row(i, inv):
-        a_i = jnp.sum(jnp.where(rows == i, a, 0.0), axis=0)  # [c]: a_ij, zero for j >= i
-        new = jnp.where(col == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * inv, axis=0)
-        return jnp.where(rows == i, new[None, :], inv)
-
-    return jax.lax.fori_loop(0, c, row, jnp.zeros((c, c), jnp.float32))
 
 
 def wy_kernel(k_ref, v_ref, gamma_ref, beta_ref, seg_ref, first_ref, w_ref, u_ref):
@@ -104,7 +97,7 @@ def wy_kernel(k_ref, v_ref, gamma_ref, beta_ref, seg_ref, first_ref, w_ref, u_re
     t = {}
     for i in range(nb):
         a = [a_block(i, j) for j in range(i + 1)]
-        t[i, i] = unit_lower_inverse_16(a[i])
+        t[i, i] = unit_lower_inverse_rows(a[i])  # forward substitution, 16 steps
         for j in range(i - 1, -1, -1):
             acc = _dot_fp32(a[j], t[j, j])
             for m in range(j + 1, i):
@@ -157,6 +150,15 @@ def output_kernel(q_ref, k_ref, gamma_ref, seg_ref, first_ref, h_ref, v_new_ref,
     read = jnp.exp(gamma) * first_ref[...]
     o = _dot(q, h_ref[...].astype(dt)) * read[:, None] + _dot(attn, v_new_ref[...])
     o_ref[...] = (o * scale).astype(o_ref.dtype)
+
+
+def operand_shapes(B: int, Tp: int, H: int, Dk: int, Dv: int, dtype) -> tuple:
+    """jax.ShapeDtypeStructs of chunk_forward's operands (q, k, v in dtype), for lowering without arrays."""
+    f32 = jnp.float32
+    per_head, per_row = jax.ShapeDtypeStruct((B, Tp, H), f32), jax.ShapeDtypeStruct((B, Tp), f32)
+    qk = jax.ShapeDtypeStruct((B, Tp, H, Dk), dtype)
+    return (qk, qk, jax.ShapeDtypeStruct((B, Tp, H, Dv), dtype), per_head, per_head,
+            jax.ShapeDtypeStruct((B, Tp), jnp.int32), per_row, per_row, jax.ShapeDtypeStruct((B, H, Dk, Dv), f32))
 
 
 def _rows(chunk: int, width: int) -> pl.BlockSpec:  # one chunk of one head: grid (b, h, c, ...)
@@ -229,5 +231,5 @@ def chunk_forward(q, k, v, gamma, beta, seg, first, last, state, *, knobs: V2Kno
     return (o, final, h, v_new) if save_states else (o, final)
 
 
-__all__ = ["SUB", "V2Knobs", "chunk_forward", "output", "output_kernel", "state_kernel", "states",
-           "unit_lower_inverse_16", "wy", "wy_kernel"]
+__all__ = ["SUB", "V2Knobs", "chunk_forward", "operand_shapes", "output", "output_kernel", "state_kernel", "states",
+           "wy", "wy_kernel"]

@@ -16,7 +16,7 @@ import pytest
 from pallas_kernels.gated_delta.api import chunk_gated_delta_rule, pallas_forward, v2_operands
 from pallas_kernels.gated_delta.chunked import CHUNK, segment_numbers
 from pallas_kernels.gated_delta.kernel import gated_delta_pallas, gated_delta_pallas_bwd
-from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward
+from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward, operand_shapes
 from pallas_kernels.gated_delta.reference import gated_delta_rule_reference
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gated_delta" / "recurrent.npz"
@@ -276,12 +276,8 @@ def test_v2_kernels_lower_to_triton_for_an_h200():
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     triton = "__gpu$xla.gpu.triton"
-    B, Tp, H, D = 1, 128, 2, 128
-    bf16 = jax.ShapeDtypeStruct((B, Tp, H, D), jnp.bfloat16)
-    per_head = jax.ShapeDtypeStruct((B, Tp, H), jnp.float32)
-    per_row = jax.ShapeDtypeStruct((B, Tp), jnp.float32)
-    args = (bf16, bf16, bf16, per_head, per_head, jax.ShapeDtypeStruct((B, Tp), jnp.int32), per_row, per_row,
-            jax.ShapeDtypeStruct((B, H, D, D), jnp.float32))
+    D = 128
+    args = operand_shapes(1, 128, 2, D, D, jnp.bfloat16)
     fn = functools.partial(chunk_forward, knobs=V2Knobs(scale=D ** -0.5, interpret=False), chunk=64)
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
         warnings.simplefilter("ignore")
