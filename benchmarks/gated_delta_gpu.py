@@ -65,14 +65,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels.gated_delta.api import (  # noqa: E402
-    BLOCK_V, NUM_STAGES, NUM_WARPS, KernelKnobs, chunk_gated_delta_rule, pallas_forward)
-from pallas_kernels.gated_delta.chunked import CHUNK  # noqa: E402
+    BLOCK_V, NUM_STAGES, NUM_WARPS, KernelKnobs, chunk_gated_delta_rule, pallas_forward, pallas_v2_forward,
+    v2_operands)
+from pallas_kernels.gated_delta.chunked import CHUNK, segment_numbers  # noqa: E402
+from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, output, states, wy  # noqa: E402
 from timing import timeit  # noqa: E402  (benchmarks/ is sys.path[0])
 
 TOL = 1e-2  # ||x - ref|| / ||ref||, bf16 operands (module docstring)
 TOL_FP32 = 1e-4  # the fp32 chunked form against the token-by-token reference
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-IMPLS = ("chunked", "pallas", "reference", "fla")  # what --impls picks from
+IMPLS = ("chunked", "pallas", "pallas_v2", "reference", "fla")  # what --impls picks from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +125,27 @@ DEFAULT_VARIANT = knobs_label(BLOCK_V, NUM_WARPS, NUM_STAGES)
 # of them at the default), fewer spills (w8), one program per head (bv128: the forward only)
 VARIANTS = (DEFAULT_VARIANT, "bv32-w4-s1", "bv16-w4-s1", "bv32-w8-s1", "bv16-w8-s1", "bv64-w8-s1", "bv128-w8-s1")
 SMOKE_VARIANTS = (DEFAULT_VARIANT, "bv16-w4-s1")
+# "pallas_v2" (kernel_v2.py, its backward the chunked form's VJP): V2Knobs' block_v (the state kernel), block_o (the
+# output kernel), num_warps, num_stages. triton_offline_check.py dump-gdn (sm_90, Dk = Dv = 128): every one of these
+# compiles without spills, under 150 KB of shared memory (bv128: 255 registers and spills, kept out)
+V2_DEFAULT = "bv32-bo64-w4-s2"
+V2_VARIANTS = (V2_DEFAULT, "bv64-bo128-w4-s2", "bv16-bo64-w4-s3", "bv32-bo64-w8-s2", "bv64-bo64-w8-s3")
+
+
+def parse_v2_variant(label: str) -> tuple[int, int, int, int]:
+    """"bv32-bo64-w4-s2" -> (32, 64, 4, 2)."""
+    try:
+        bv, bo, w, s = label.split("-")
+        assert bv[:2] == "bv" and bo[:2] == "bo" and w[0] == "w" and s[0] == "s"
+        return int(bv[2:]), int(bo[2:]), int(w[1:]), int(s[1:])
+    except (ValueError, AssertionError):
+        raise SystemExit(f"gated_delta_gpu: v2 variant {label!r} is not of the form bv<block_v>-bo<block_o>-w<warps>-s"
+                         "<stages>")
+
+
+def v2_knobs(label: str, scale: float, interpret: bool) -> V2Knobs:
+    bv, bo, w, st = parse_v2_variant(label)
+    return V2Knobs(scale=scale, interpret=interpret, block_v=bv, block_o=bo, num_warps=w, num_stages=st)
 
 
 def chunk_flops(s: Shape) -> float:
@@ -222,6 +245,35 @@ def pallas_rule(knobs: KernelKnobs):
     return rule
 
 
+def pallas_v2_rule(knobs: V2Knobs):
+    def rule(q, k, v, g, beta, seg, s0, final):
+        if s0 is None:
+            s0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+        return pallas_v2_forward(knobs, q, k, v, g, beta, segment_numbers(seg, seg.shape), s0)
+    return rule
+
+
+def time_v2_parts(job: "Job", s: Shape, x: dict, label: str, knobs: V2Knobs, args) -> None:
+    """pallas_v2's three kernels timed one at a time on the shape's prepared operands (kind "part": ms each, and
+    the preparation, padding and cumulative decay, which XLA runs before them)."""
+    B, T = s.B, s.T
+    s0 = x.get("initial_state", jnp.zeros((B, s.H, s.Dk, s.Dv), jnp.float32))
+    numbers = segment_numbers(jnp.asarray(x["seg"]), (B, T))
+    prepare = jax.jit(v2_operands)
+    raw = (x["q"], x["k"], x["v"], x["g"], x["beta"], numbers, s0)
+    q, k, v, gamma, beta, seg, first, last, state = prepare(*raw)
+    kw = dict(knobs=knobs, chunk=CHUNK)
+    fns = {"prepare": (prepare, raw),
+           "wy": (jax.jit(functools.partial(wy, dtype=v.dtype, **kw)), (k, v, gamma, beta, seg, first))}
+    w, u = fns["wy"][0](*fns["wy"][1])
+    fns["state"] = (jax.jit(functools.partial(states, **kw)), (w, u, k, gamma, first, last, state))
+    h, v_new, _ = fns["state"][0](*fns["state"][1])
+    fns["output"] = (jax.jit(functools.partial(output, dtype=v.dtype, **kw)), (q, k, gamma, seg, first, h, v_new))
+    for part, (fn, fn_args) in fns.items():
+        ms = timeit(fn, *fn_args, iters=args.iters, repeats=args.repeats) * 1e3
+        job.emit(kind="part", shape=s.name, impl=f"pallas_v2:{label}", part=part, ms=ms)
+
+
 def upcast(x: dict) -> dict:
     return {n: (a.astype(jnp.float32) if isinstance(a, jax.Array) else a) for n, a in x.items()}
 
@@ -293,7 +345,7 @@ def time_row(job: Job, s: Shape, impl: str, program: str, seconds: float) -> Non
              tflops=flops / seconds / 1e12, gbps=min_bytes(s, backward) / seconds / 1e9)
 
 
-def run_shape(job: Job, s: Shape, variants: list[str], args, interpret: bool) -> None:
+def run_shape(job: Job, s: Shape, variants: list[str], args, interpret: bool, v2_variants: list[str] = ()) -> None:
     scale = s.Dk ** -0.5
     x = operands(s)
     args_of = leaves(x) + [x["w"]] + ([x["ws"]] if s.with_state else [])
@@ -306,6 +358,8 @@ def run_shape(job: Job, s: Shape, variants: list[str], args, interpret: bool) ->
         bv, nw, ns = parse_variant(label)
         impls[f"pallas:{label}"] = (pallas_rule(KernelKnobs(scale=scale, interpret=interpret, block_v=bv,
                                                             num_warps=nw, num_stages=ns)), plain)
+    for label in v2_variants if "pallas_v2" in args.impls else ():
+        impls[f"pallas_v2:{label}"] = (pallas_v2_rule(v2_knobs(label, scale, interpret)), plain)
     if s.reference and "reference" in args.impls:
         impls["reference"] = (api_rule("reference", scale), plain)
 
@@ -348,6 +402,13 @@ def run_shape(job: Job, s: Shape, variants: list[str], args, interpret: bool) ->
         except Exception as e:  # noqa: BLE001
             job.failed += 1
             job.emit(kind="error", shape=s.name, impl=name, stage="run", error=f"{type(e).__name__}: {str(e)[:600]}")
+
+    for label in v2_variants if "pallas_v2" in args.impls else ():
+        try:
+            time_v2_parts(job, s, x, label, v2_knobs(label, scale, interpret), args)
+        except Exception as e:  # noqa: BLE001
+            job.emit(kind="error", shape=s.name, impl=f"pallas_v2:{label}", stage="parts",
+                     error=f"{type(e).__name__}: {str(e)[:600]}")
 
     if "fla" in args.impls and not s.with_state:
         run_fla(job, s, x, ref_o, ref_grads, args)
@@ -455,6 +516,11 @@ def table(rows: list[dict]) -> str:
         err = worst.get((shape, impl))
         ok = "ERROR" if (shape, impl) in errors else ("FAIL" if (shape, impl) in failed else "yes")
         lines.append(f"{shape:<18} {impl:<22} {' '.join(cells)} {'-' if err is None else f'{err:8.1e}':>8}  {ok}")
+    parts: dict = {}
+    for r in rows:
+        if r["kind"] == "part":
+            parts.setdefault((r["shape"], r["impl"]), []).append(f"{r['part']} {r['ms']:.3f}")
+    lines += [f"{shape:<18} {impl:<22} ms: {', '.join(cells)}" for (shape, impl), cells in parts.items()]
     return "\n".join(lines)
 
 
@@ -464,10 +530,13 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"of {', '.join(SHAPES)}")
     p.add_argument("--variants", help="kernel knobs bv<block_v>-w<warps>-s<stages>, comma-separated (default: "
                    f"{','.join(VARIANTS)}; --smoke: {','.join(SMOKE_VARIANTS)})")
+    p.add_argument("--v2-variants", help="pallas_v2 knobs bv<block_v>-bo<block_o>-w<warps>-s<stages> (default: "
+                   f"{','.join(V2_VARIANTS)}; --smoke: {V2_DEFAULT})")
     p.add_argument("--variant-shapes", default="short,0.8b-8x2048,0.8b-1x8192",
                    help="shapes that run every variant (the others: the default knobs)")
     p.add_argument("--impls", default=",".join(IMPLS),
-                   help="of chunked, pallas (every variant), reference (short rows only), fla (where it imports)")
+                   help="of chunked, pallas (every variant), pallas_v2 (every v2 variant), reference (short rows "
+                   "only), fla (where it imports)")
     p.add_argument("--fla-unguarded", action="store_true",
                    help="lift fla's refusal of its gated backward on Hopper + Triton < 3.7.1 (unguard_fla says why)")
     p.add_argument("--iters", type=int, default=10)
@@ -482,6 +551,10 @@ def main(argv=None) -> int:
     variants = [v for v in (args.variants or ",".join(SMOKE_VARIANTS if args.smoke else VARIANTS)).split(",") if v]
     for v in variants:
         parse_variant(v)
+    v2_variants = [v for v in (args.v2_variants or (V2_DEFAULT if args.smoke else ",".join(V2_VARIANTS))).split(",")
+                   if v]
+    for v in v2_variants:
+        parse_v2_variant(v)
     if args.smoke:
         shapes, variant_shapes = SMOKE_SHAPES, {"smoke"}
         args.iters, args.repeats = 1, 1
@@ -500,7 +573,9 @@ def main(argv=None) -> int:
         if time.perf_counter() - start > args.budget_s:
             job.emit(kind="skip", shape=s.name, why=f"past --budget-s {args.budget_s:.0f}")
             continue
-        run_shape(job, s, variants if s.name in variant_shapes else [DEFAULT_VARIANT], args, interpret)
+        in_sweep = s.name in variant_shapes
+        run_shape(job, s, variants if in_sweep else [DEFAULT_VARIANT], args, interpret,
+                  v2_variants if in_sweep else [V2_DEFAULT])
     print(table(job.rows), flush=True)
     print(f"{job.failed} of our checks / programs failed; {time.perf_counter() - start:.0f} s", flush=True)
     return 1 if job.failed else 0

@@ -12,8 +12,10 @@ Two steps, because the project's environment has jax but not `triton` (any Pytho
 `dump` writes one .ttir file per (format, product, tile configuration of benchmarks/quant_matmul_h200.py) at
 the Qwen3-8B shape 4096 x 4096, M = 8192. `dump-paged` writes one per knob setting of
 benchmarks/paged_decode_sweep.py's grid (the paged decode-attention kernel, Qwen3-0.6B shapes, 64 rows, a
-768-slot block table). `compile` needs only `triton` (it imports nothing else from here); it also reports
-registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
+768-slot block table). `dump-gdn` writes the three kernels of the gated delta rule's "pallas_v2" forward
+(pallas_kernels/gated_delta/kernel_v2.py: wy, state, output) at Qwen3.5-0.8B shapes (8 x 2048, H 16, Dk = Dv =
+128, bf16) for each setting of GDN_V2_GRID. `compile` needs only `triton` (it imports nothing else from here); it
+also reports registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
 """
 from __future__ import annotations
 
@@ -47,13 +49,16 @@ def _h200_triton_writer():
         captured.append(result.module.operation.get_asm())
         return result
 
-    def write(fn, args, path: str) -> None:
+    def write(fn, args, path: str | list[str]) -> None:
+        """path: one file (the last pallas_call's module), or one per pallas_call of fn in order."""
         captured.clear()
         with jax.sharding.use_abstract_mesh(h200):
             jax.export.export(fn, platforms=["cuda"], disabled_checks=check)(*args)
-        with open(path, "w") as f:
-            f.write(captured[-1])
-        print(path, flush=True)
+        paths = [path] if isinstance(path, str) else path
+        for p, module in zip(paths, captured[-len(paths):]):
+            with open(p, "w") as f:
+                f.write(module)
+            print(p, flush=True)
 
     lowering.lower_jaxpr_to_triton_module = capture
     try:
@@ -110,6 +115,28 @@ def dump_paged(out: str) -> None:
                                               f"-w{cfg['num_warps']}-s{cfg['num_stages']}.ttir"))
 
 
+# (block_v of the state kernel, block_o of the output kernel, num_warps, num_stages); the wy kernel uses neither block
+GDN_V2_GRID = [(bv, bo, w, st) for bv, bo in ((32, 64), (64, 128), (16, 32), (128, 128)) for w in (4, 8)
+               for st in (1, 2, 3)]
+
+
+def dump_gdn(out: str) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward, operand_shapes
+
+    os.makedirs(out, exist_ok=True)
+    D = 128
+    args = operand_shapes(8, 2048, 16, D, D, jnp.bfloat16)
+    with _h200_triton_writer() as write:
+        for bv, bo, w, st in GDN_V2_GRID:
+            knobs = V2Knobs(scale=D ** -0.5, interpret=False, block_v=bv, block_o=bo, num_warps=w, num_stages=st)
+            fn = jax.jit(lambda *a, knobs=knobs: chunk_forward(*a, knobs=knobs, chunk=64))
+            write(fn, args, [os.path.join(out, f"gdnv2_{name}-w{w}-s{st}.ttir")
+                             for name in ("wy", f"state-bv{bv}", f"output-bo{bo}")])
+
+
 def _registers(ptx: str, out_dir: str) -> str:
     """Registers per thread and spill stores from the bundled ptxas -v (sm_90a), or '' where it cannot run."""
     import subprocess
@@ -160,12 +187,15 @@ def compile_all(src: str) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("step", choices=("dump", "dump-paged", "compile"))
+    p.add_argument("step", choices=("dump", "dump-paged", "dump-gdn", "compile"))
     p.add_argument("dir")
     p.add_argument("--formats", default="q4_k,q5_k,q6_k,q8_0,nf4,nvfp4,fp8")
     args = p.parse_args(argv)
     if args.step == "dump":
         dump(args.dir, [f.strip() for f in args.formats.split(",") if f.strip()])
+        return 0
+    if args.step == "dump-gdn":
+        dump_gdn(args.dir)
         return 0
     if args.step == "dump-paged":
         dump_paged(args.dir)

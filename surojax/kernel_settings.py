@@ -14,7 +14,7 @@
     fp8_cast       SUROJAX_FP8_CAST       auto | xla               precision/fp8_scaling: the cast + transpose kernel
     quant_matmul   SUROJAX_QUANT_MATMUL   auto | pallas | xla      quant/: the quantised matmul's kernel
     adam8bit       SUROJAX_ADAM8BIT       auto | kernel | xla      train/optim_8bit_fused: the fused 8-bit AdamW
-    gated_delta    SUROJAX_GATED_DELTA    auto | pallas | chunked | reference
+    gated_delta    SUROJAX_GATED_DELTA    auto | pallas | pallas_v2 | chunked | reference
                                                                    models/layers/deltanet_cache: the chunked gated
                                                                    delta rule (pallas_kernels/gated_delta impl)
 
@@ -67,6 +67,7 @@ class Adam8bit(enum.StrEnum):
 class GatedDelta(enum.StrEnum):
     AUTO = "auto"            # pallas_kernels/gated_delta's measured choice for the backend
     PALLAS = "pallas"        # the Pallas (Triton) forward and backward kernels (interpret mode off a GPU)
+    PALLAS_V2 = "pallas_v2"  # fla's three-kernel forward layout as Pallas kernels, its backward jnp (for now)
     CHUNKED = "chunked"      # the chunked jnp form (XLA)
     REFERENCE = "reference"  # the token-by-token recurrence (tests, checks; slow)
 

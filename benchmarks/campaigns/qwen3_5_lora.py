@@ -12,6 +12,7 @@ Runs, each in its own process, in this order per size (a ratio is printed as soo
     ours            `surojax bench train --shape qwen3.5-<size> --mode lora` with its defaults (the gated delta rule's
                     `impl` auto, what a user gets)
     ours-pallas     the same under SUROJAX_GATED_DELTA=pallas (the Pallas kernels; surojax/kernel_settings.py)
+    ours-pallas-v2  the same under SUROJAX_GATED_DELTA=pallas_v2 (fla's forward layout as Pallas kernels)
     ours-chunked    the same under SUROJAX_GATED_DELTA=chunked (the chunked jnp form, XLA)
     hf-fla          benchmarks/anchors/hf_peft_baseline.py --shape qwen3.5-<size> with fla importable
                     (`--fla-site`: a folder fla's wheels were installed into with `pip install --target`;
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SIZES = {"0.8b": dict(shape="qwen3.5-0.8b", batch=8, hf_batch=4, steps=10, repeats=3, timeout=240),
          "9b": dict(shape="qwen3.5-9b", batch=4, hf_batch=1, steps=5, repeats=2, timeout=240),
          "debug": dict(shape="debug-qwen3.5", batch=2, hf_batch=2, steps=2, repeats=1, timeout=300)}  # CPU: ours only
-OURS = {"ours": None, "ours-pallas": "pallas", "ours-chunked": "chunked"}  # name -> SUROJAX_GATED_DELTA
+OURS = {"ours": None, "ours-pallas": "pallas", "ours-pallas-v2": "pallas_v2", "ours-chunked": "chunked"}  # name -> SUROJAX_GATED_DELTA
 
 
 def run(args: list[str], env: dict, timeout: int) -> tuple[int, str, float]:

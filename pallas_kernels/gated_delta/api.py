@@ -8,6 +8,10 @@ impl:
     "pallas"     the Pallas kernels (kernel.py), Triton on a GPU, interpret mode elsewhere: a custom_vjp whose
                  forward kernel also saves the state entering each chunk and whose backward kernel walks the chunks
                  in reverse from them
+    "pallas_v2"  the forward in flash-linear-attention's layout (kernel_v2.py: a chunk-parallel kernel for the inverse,
+                 U and W, a state-only sequential kernel, a chunk-parallel output kernel); a custom_vjp whose
+                 backward is jnp for now (backward_v2.py: fla's chunk-backward decomposition, from the forward
+                 kernels' saved chunk states and v_new; each of its steps is the specification of one future kernel)
     "auto"       "chunked" on every backend: the kernels compile on an H100 and pass their checks at Qwen3.5's
                  shapes, but run 2.6-3.6x slower than the chunked form XLA compiles (forward + backward, 8 x 2048:
                  38.0 against 10.6 ms; benchmarks/RESULTS.md session 20); "auto" picks a kernel once one is faster
@@ -20,11 +24,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gated_delta.backward_v2 import chunk_backward
 from pallas_kernels.gated_delta.chunked import CHUNK, chunk_gated_delta_rule_chunked, pad_to_chunks, segment_numbers
 from pallas_kernels.gated_delta.kernel import gated_delta_pallas, gated_delta_pallas_bwd
+from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward
 from pallas_kernels.gated_delta.reference import gated_delta_rule_reference, recurrent_gated_delta_step
 
-IMPLS = ("auto", "reference", "chunked", "pallas")
+IMPLS = ("auto", "reference", "chunked", "pallas", "pallas_v2")
 # launch knobs: untuned guesses (no GPU run yet); the GPU session sweeps them against fla's kernels
 BLOCK_V = 32  # value columns of the state per program. An offline sm_90 compile (Triton 3.6) at Dk = Dv = 128: the
 #               backward needs 278 KB of shared memory at 64, over a block's 232,448 bytes; at 32 about 229,000 bytes,
@@ -110,11 +116,64 @@ def pallas_forward(q, k, v, g, beta, segment_ids, state, *, scale: float, interp
     return o[:, :T, :, :Dv], state[:, :, :Dk, :Dv]
 
 
+def v2_operands(q, k, v, g, beta, seg, state):
+    """kernel_v2's prepared operands from the API's (seg: segment numbers [B, T]): T padded to whole chunks, Dk
+    and Dv to powers of two, gamma the chunk-local cumulative log decay, first / last the packed-row flags."""
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    dk, dv = _pow2(Dk), _pow2(Dv)
+    q, k, v, g, beta, seg, before = pad_to_chunks(q, k, v, g, beta, seg)
+    Tp = g.shape[1]
+    gamma = jnp.cumsum(g.reshape(B, Tp // CHUNK, CHUNK, H), axis=2).reshape(B, Tp, H)
+    chunks = seg.reshape(B, Tp // CHUNK, CHUNK)
+    first = (chunks == before[..., None]).reshape(B, Tp).astype(jnp.float32)
+    last = (chunks == chunks[..., -1:]).reshape(B, Tp).astype(jnp.float32)
+    q, k = (jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, dk - Dk))) for x in (q, k))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dv - Dv)))
+    state = jnp.pad(state.astype(jnp.float32), ((0, 0), (0, 0), (0, dk - Dk), (0, dv - Dv)))
+    return q, k, v, gamma, beta, seg.astype(jnp.int32), first, last, state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def pallas_v2_forward(knobs: V2Knobs, q, k, v, g, beta, seg, state):
+    """(o [B, T, H, Dv], final state [B, H, Dk, Dv] fp32) by kernel_v2's three kernels; seg: segment numbers
+    [B, T]. Differentiable: `_v2_bwd`."""
+    T, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    o, final = chunk_forward(*v2_operands(q, k, v, g, beta, seg, state), knobs=knobs, chunk=CHUNK)
+    return o[:, :T, :, :Dv], final[:, :, :Dk, :Dv]
+
+
+def _v2_fwd(knobs, q, k, v, g, beta, seg, state):
+    T, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    o, final, h, v_new = chunk_forward(*v2_operands(q, k, v, g, beta, seg, state), knobs=knobs, chunk=CHUNK,
+                                       save_states=True)
+    return (o[:, :T, :, :Dv], final[:, :, :Dk, :Dv]), (q, k, v, g, beta, seg, state, h, v_new)
+
+
+def _v2_bwd(knobs, residuals, cotangents):
+    """backward_v2.chunk_backward (jnp in fla's chunk-backward decomposition) from the forward kernels' saved h and
+    v_new; the chunk-local terms (A, T, W) recomputed from the operands."""
+    q, k, v, g, beta, seg, state, h, v_new = residuals
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    prepared = v2_operands(q, k, v, g, beta, seg, state)
+    Tp, dk, dv = prepared[0].shape[1], prepared[0].shape[-1], prepared[2].shape[-1]
+    do, ds = cotangents
+    do = jnp.pad(do.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0), (0, dv - Dv)))
+    ds = jnp.pad(ds.astype(jnp.float32), ((0, 0), (0, 0), (0, dk - Dk), (0, dv - Dv)))
+    dq, dk_, dv_, dg, dbeta, ds0 = chunk_backward(*prepared[:-1], h, v_new, do, ds, scale=knobs.scale, chunk=CHUNK)
+    return (dq[:, :T, :, :Dk].astype(q.dtype), dk_[:, :T, :, :Dk].astype(k.dtype), dv_[:, :T, :, :Dv].astype(v.dtype),
+            dg[:, :T].astype(g.dtype), dbeta[:, :T].astype(beta.dtype), None, ds0[:, :, :Dk, :Dv].astype(state.dtype))
+
+
+pallas_v2_forward.defvjp(_v2_fwd, _v2_bwd)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "interpret"))
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, segment_ids=None, initial_state=None,
                            output_final_state: bool = False, impl: str = "auto", interpret: bool | None = None):
     """(o [B, T, H, Dv] in v's dtype, final state [B, H, Dk, Dv] fp32 or None): reference.py's operands.
-    interpret (impl "pallas"): None = interpret mode on any backend but GPU."""
+    interpret (impl "pallas", "pallas_v2"): None = interpret mode on any backend but GPU."""
     if impl not in IMPLS:
         raise ValueError(f"chunk_gated_delta_rule: impl {impl!r} is unknown ({', '.join(IMPLS)})")
     _check(q, k, v, g, beta, segment_ids, initial_state)
@@ -129,9 +188,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, segment_ids=None, 
         return chunk_gated_delta_rule_chunked(q, k, v, g, beta, **kwargs)
     B, T, H, Dk = q.shape
     state = jnp.zeros((B, H, Dk, v.shape[-1]), jnp.float32) if initial_state is None else initial_state
+    interpret = not on_gpu if interpret is None else interpret
+    if impl == "pallas_v2":
+        knobs = V2Knobs(scale=scale, interpret=interpret)
+        o, state = pallas_v2_forward(knobs, q, k, v, g, beta, segment_numbers(segment_ids, (B, T)), state)
+        return o, (state if output_final_state else None)
     o, state = pallas_forward(q, k, v, g, beta, segment_ids, state, scale=scale,
-                              interpret=not on_gpu if interpret is None else interpret)
+                              interpret=interpret)
     return o, (state if output_final_state else None)
 
 
-__all__ = ["IMPLS", "chunk_gated_delta_rule", "pallas_forward", "recurrent_gated_delta_step"]
+__all__ = ["IMPLS", "chunk_gated_delta_rule", "pallas_forward", "pallas_v2_forward", "recurrent_gated_delta_step",
+           "v2_operands"]

@@ -37,7 +37,7 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _unit_lower_inverse(a):
+def unit_lower_inverse_rows(a):
     """(I + a)^-1 for a strictly lower-triangular [C, C] a, by forward substitution: row i of the inverse is
     e_i - sum_{j<i} a_ij row_j. Rows are picked and written through masks (no slicing of register values)."""
     c = a.shape[0]
@@ -75,7 +75,7 @@ def _chunk_terms(q_ref, k_ref, v_ref, g_ref, beta_ref, seg_ref, before_ref, c, *
     strict = (i > j) & same
     decay = jnp.where(causal, jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
     kk = _dot(k, k.T)
-    inv = _unit_lower_inverse(jnp.where(strict, beta[:, None] * decay * kk, 0.0))
+    inv = unit_lower_inverse_rows(jnp.where(strict, beta[:, None] * decay * kk, 0.0))
     eg = jnp.exp(gamma)
     r1 = beta[:, None] * v
     r2 = (beta * eg * first)[:, None] * k
@@ -221,4 +221,4 @@ def gated_delta_pallas_bwd(q, k, v, g, beta, seg, before, states, do, ds, *, sca
     return dq.sum(axis=3), dk.sum(axis=3), dv, dg.sum(axis=3), dbeta.sum(axis=3), ds0
 
 
-__all__ = ["gated_delta_pallas", "gated_delta_pallas_bwd"]
+__all__ = ["gated_delta_pallas", "gated_delta_pallas_bwd", "unit_lower_inverse_rows"]

@@ -1,8 +1,9 @@
-"""The gated delta rule's forms (pallas_kernels/gated_delta): the chunked jnp form and the Pallas kernel (interpret
-mode on CPU; its backward is the chunked form's) against the token-by-token reference, and the reference against
-transformers' torch_recurrent_gated_delta_rule (tests/fixtures/gated_delta, scripts/make_gated_delta_fixture.py).
-Shapes are small but cover a whole chunk of 64 plus a partial one, segments that start inside a chunk, one that
-crosses a chunk boundary, one that starts exactly at a chunk boundary, and padding (id 0)."""
+"""The gated delta rule's forms (pallas_kernels/gated_delta): the chunked jnp form, the Pallas kernels (interpret
+mode on CPU) and "pallas_v2" (the three-kernel forward; its backward backward_v2.py, jnp) against the
+token-by-token reference, and the reference against transformers' torch_recurrent_gated_delta_rule
+(tests/fixtures/gated_delta, scripts/make_gated_delta_fixture.py). Shapes are small but cover a whole chunk of 64
+plus a partial one, segments that start inside a chunk, one that crosses a chunk boundary, one that starts exactly
+at a chunk boundary, and padding (id 0)."""
 import functools
 import warnings
 from pathlib import Path
@@ -12,12 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_delta.api import chunk_gated_delta_rule, pallas_forward
+from pallas_kernels.gated_delta.api import chunk_gated_delta_rule, pallas_forward, v2_operands
+from pallas_kernels.gated_delta.chunked import CHUNK, segment_numbers
 from pallas_kernels.gated_delta.kernel import gated_delta_pallas, gated_delta_pallas_bwd
+from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward, operand_shapes
 from pallas_kernels.gated_delta.reference import gated_delta_rule_reference
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gated_delta" / "recurrent.npz"
-IMPLS = ["reference", "chunked", "pallas"]
+IMPLS = ["reference", "chunked", "pallas", "pallas_v2"]
 # packed rows of T = 100: row 0 starts segments at 20 and 70 (the second crosses the chunk boundary at 64),
 # row 1 at 64 (the boundary itself) and ends in 6 padding tokens
 SEGMENTS = [[1] * 20 + [2] * 50 + [3] * 30, [5] * 64 + [6] * 30 + [0] * 6]
@@ -65,7 +68,7 @@ def test_matches_transformers_recurrent(impl):
     close(state, f["final_state"])
 
 
-@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+@pytest.mark.parametrize("impl", ["chunked", "pallas", "pallas_v2"])
 def test_values_match_reference_from_a_zero_state(impl):
     """No initial state, no final state asked for (None); o keeps v's dtype. (The initial and final states: the
     transformers fixture above and the gradient tests below.)"""
@@ -111,6 +114,58 @@ def test_kernel_column_blocks_and_padded_head_dims():
     close(o.astype(jnp.float32), want[0], tol=5e-2)  # inputs and output rounded to bfloat16
 
 
+def test_v2_at_qwen_head_dims_packed_and_padded():
+    """pallas_v2 at Qwen3.5's head dims (Dk = Dv = 128), T = 200 (three full chunks and a partial one), packed rows
+    (a segment crossing a chunk boundary, one starting at a boundary, padding id 0 at a row's end), an initial
+    state: o and the final state = the token-by-token reference in fp32. Then bf16 operands with the default bf16
+    storage of W, U, h, v_new: within 1e-2 (||x - ref|| / ||ref||) of the fp32 reference of the same bf16 values
+    (measured 3.7e-3 for o, 3.6e-3 for the state at T = 512; fp32 storage: 1.7e-3, the rounding of o alone)."""
+    B, T, H, D = 2, 200, 2, 128
+    xs, s0 = operands(B=B, T=T, H=H, Dk=D, Dv=D, seed=2)
+    seg = jnp.asarray([[1] * 50 + [2] * 100 + [3] * 50, [4] * 64 + [5] * 120 + [0] * 16])
+    kwargs = dict(scale=D ** -0.5, segment_ids=seg, initial_state=s0, output_final_state=True)
+    want = chunk_gated_delta_rule(*xs, impl="reference", **kwargs)
+    got = chunk_gated_delta_rule(*xs, impl="pallas_v2", **kwargs)
+    close(got[0], want[0])
+    close(got[1], want[1])
+    bf16 = [x.astype(jnp.bfloat16) for x in xs[:3]] + [xs[3], xs[4].astype(jnp.bfloat16)]
+    want = chunk_gated_delta_rule(*(x.astype(jnp.float32) for x in bf16), impl="reference", **kwargs)
+    o, state = chunk_gated_delta_rule(*bf16, impl="pallas_v2", **kwargs)
+    assert o.dtype == jnp.bfloat16
+    for a, b in ((o, want[0]), (state, want[1])):
+        a, b = np.asarray(a, np.float32), np.asarray(b)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+def test_v2_saves_what_a_backward_reads():
+    """chunk_forward(save_states=True): h = the state entering each chunk (the token-by-token reference's state
+    after the chunk before, reset where a segment starts at the boundary) and v_new = U - W h (the chunk's
+    corrections u of chunked.py's docstring: beta (v - k's prediction), checked at a chunk's first token, where
+    u = beta (v - S^T k) exactly); Dk 24 padded to 32 (zero columns), Dv 32 in value blocks of 16 for K2 and K3."""
+    B, T, H, Dk, Dv = 1, 128, 2, 24, 32
+    xs, s0 = operands(B=B, T=T, H=H, Dk=Dk, Dv=Dv, seed=4)
+    seg = jnp.asarray([[1] * 100 + [2] * 28])
+    q, k, v, g, beta = xs
+    prepared = v2_operands(q, k, v, g, beta, segment_numbers(seg, (B, T)), s0)
+    knobs = V2Knobs(scale=0.25, interpret=True, block_v=16, block_o=16)
+    o, final, h, v_new = chunk_forward(*prepared, knobs=knobs, chunk=CHUNK, save_states=True)
+    assert h.shape == (B, H, T // CHUNK, 32, Dv)
+    h, final = h[..., :Dk, :], final[:, :, :Dk]
+    _, state64 = chunk_gated_delta_rule(q[:, :CHUNK], k[:, :CHUNK], v[:, :CHUNK], g[:, :CHUNK], beta[:, :CHUNK],
+                                        scale=0.25, initial_state=s0, output_final_state=True, impl="reference")
+    close(h[:, :, 0], s0)
+    close(h[:, :, 1], state64)
+    for c, state in ((0, s0), (1, state64)):
+        t = c * CHUNK  # a chunk's first token: the state decays by exp(g_t), then predicts v_t from k_t
+        decayed = state * jnp.exp(g[:, t])[..., None, None]
+        u = beta[:, t, :, None] * (v[:, t] - jnp.einsum("bhk,bhkv->bhv", k[:, t], decayed))
+        close(v_new[:, t], u)
+    want = chunk_gated_delta_rule(*xs, scale=0.25, segment_ids=seg, initial_state=s0, output_final_state=True,
+                                  impl="reference")
+    close(o, want[0])
+    close(final, want[1])
+
+
 def loss_and_grads(impl, xs, w, s0, seg, ws=None):
     """((sum(o * w) (+ sum(final state * ws)), o), d/d(q, k, v, g, beta, initial state)), one compile."""
     def loss(q, k, v, g, beta, s0):
@@ -133,7 +188,7 @@ def gradient_weights(xs, s0):
     return jax.random.normal(jax.random.key(7), xs[2].shape), jax.random.normal(jax.random.key(8), s0.shape)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+@pytest.mark.parametrize("impl", ["chunked", "pallas", "pallas_v2"])
 def test_gradients_match_reference(impl):
     """Gradients w.r.t. q, k, v, g, beta and the initial state, through the outputs and the final state, of
     packed rows."""
@@ -213,3 +268,19 @@ def test_kernels_lower_to_triton_for_an_h200():
             exp = jax.export.export(jax.jit(fn), platforms=["cuda"],
                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
         assert triton in exp.mlir_module()
+
+
+def test_v2_kernels_lower_to_triton_for_an_h200():
+    """pallas_v2's three kernels at Qwen3.5's head dims, bfloat16, two chunks, the default knobs: every primitive
+    has a Triton lowering (as above; benchmarks/triton_offline_check.py `dump-gdn` compiles them for sm_90)."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    triton = "__gpu$xla.gpu.triton"
+    D = 128
+    args = operand_shapes(1, 128, 2, D, D, jnp.bfloat16)
+    fn = functools.partial(chunk_forward, knobs=V2Knobs(scale=D ** -0.5, interpret=False), chunk=64)
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore")
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
+    assert exp.mlir_module().count(triton) >= 3
