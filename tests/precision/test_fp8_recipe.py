@@ -203,19 +203,17 @@ def test_hybrid_swaps_every_linear_of_both_stacks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["lora", "full"])
-def test_fp8_training_tracks_bf16_on_a_hybrid(mode):
-    """Steps through the trainer's build on a Qwen3.5 hybrid (the bench's debug-qwen3.5: 3 DeltaNet layers + 1
-    gated attention; the 6-layer fixture's architecture compiles twice as long on CPU): every intended site of
-    both stacks runs FP8 and the loss stays within the dense test's tolerance of bf16's. LoRA with current
-    scaling (the frozen base quantised once), full fine-tuning with delayed scaling (the default: amax histories
-    and the per-step weight cache in both stacks). Observed on CPU: within 0.2 % (LoRA) and 0.7 % (full) of bf16's
-    loss at every step; the tolerances are the dense test's."""
+def test_fp8_full_training_tracks_bf16_on_a_hybrid():
+    """Full fine-tuning steps through the trainer's build on a Qwen3.5 hybrid (the bench's debug-qwen3.5: 3 DeltaNet
+    layers + 1 gated attention; the 6-layer fixture's architecture compiles twice as long on CPU) with delayed
+    scaling (the default: amax histories and the per-step weight cache in both stacks): every intended site of both
+    stacks runs FP8 and the loss stays within the dense test's tolerance of bf16's (observed within 0.7 % at every
+    step). LoRA over the hybrid's FP8 base is the dense LoRA path (test_fp8_training_tracks_bf16[lora]) on the sites
+    test_hybrid_swaps_every_linear_of_both_stacks lists (it tracked bf16 within 0.2 % when run here on 2026-12-06,
+    dropped to keep the suite's time)."""
     bench = {"shape": "debug-qwen3.5", "unroll_layers": 1}
-    ref, _, _ = _trajectory("bf16", mode, steps=4, **bench)
-    got, model, _ = _trajectory("fp8_hybrid", mode, steps=4, fp8_scaling="current" if mode == "lora" else None,
-                                **bench)
+    ref, _, _ = _trajectory("bf16", "full", steps=4, **bench)
+    got, model, _ = _trajectory("fp8_hybrid", "full", steps=4, **bench)
     assert {k for k in model_targets(model) if isinstance(base_linear(model, k), Fp8Linear)} == set(HYBRID_SWAPPED)
     assert got[-1] < got[0]  # it learns
-    rtol = 0.02 if mode == "lora" else 0.05
-    np.testing.assert_allclose(got, ref, rtol=rtol, atol=0.05)
+    np.testing.assert_allclose(got, ref, rtol=0.05, atol=0.05)
