@@ -112,11 +112,9 @@ def main() -> int:
                                                 "compile_s", "gflops_per_token")}
                 print(f"[{size} {name}] {wall:.0f}s " + json.dumps(keep), flush=True)
             table.append((size, name, row))
-            for anchor in ("hf-fla", "hf-torch"):
-                if name == anchor or (name in OURS and anchor in figures):
-                    for ours in OURS:
-                        if ours in figures and anchor in figures and (name in (ours, anchor)):
-                            print(f"    {ours} / {anchor} = {figures[ours] / figures[anchor]:.2f}", flush=True)
+            for ours in (o for o in figures if o in OURS):  # the ratios this run completes
+                for anchor in (h for h in ("hf-fla", "hf-torch") if h in figures and name in (ours, h)):
+                    print(f"    {ours} / {anchor} = {figures[ours] / figures[anchor]:.2f}", flush=True)
     print("\n(ours at batch {}, the anchor at {})".format(a.batch or "the size's", a.hf_batch or "the size's"))
     print("size  run            tok/s      step ms  peak GiB   MFU")
     for size, name, row in table:
