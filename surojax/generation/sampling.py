@@ -80,6 +80,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str | None = None  # structured output: llguidance grammar text (surojax/serve/guided.py builds it)
+    prompt_logprobs: int | None = None  # score the prompt: each token's logprob + this many alternatives (None: off)
 
     @property
     def greedy(self) -> bool:
@@ -97,8 +98,10 @@ class SamplingParams:
         def bad(param, msg):
             problems.append((param, msg))
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt only (prompt logprobs)
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            bad("max_tokens", f"max_tokens must be an integer >= {least}"
+                              f"{' (0 only with prompt logprobs)' if least else ''}, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -115,6 +118,8 @@ class SamplingParams:
                 bad(name, f"{name} must be in [-2, 2], got {v}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             bad("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            bad("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab_size})")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -133,6 +138,7 @@ class BatchMode:
     penalties: bool = False  # some row uses a penalty
     logprobs: bool = False  # some row wants logprobs
     mask: bool = False  # some row has a grammar: rows["token_bitmask"] [R, W] restricts the tokens
+    prompt_logprobs: bool = False  # some row scores its prompt tokens (serve/prompt_logprobs.py)
 
 
 def _row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:

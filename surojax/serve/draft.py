@@ -29,6 +29,8 @@ class DraftRunner(PagedRunner):
     """The draft model's runner: ``execute`` mirrors the target's prefill / plain decode writes, ``propose``
     drafts the speculative rows' tokens."""
 
+    scores_prompts = False  # prompt logprobs are the target's
+
     def propose(self, group: list[ScheduledRequest], num_tokens: int, R: int, S: int):
         """group: the rows to speculate for (decoding; ``num_spec`` proposals each); R, S: the verify call's
         shape (``verify_shape``). -> (proposals [R, K] device int32, num_proposed [R] int32 host, q [R, K, V]

@@ -27,6 +27,11 @@ step the matchers of the sampling rows write their allowed-token bitmasks, which
 device; each accepted token advances the matcher, and a grammar that admits nothing more ends the request
 ("stop"). Guided requests decode one token per step (no multi-step).
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``, `serve.prompt_logprobs`): the prefill chunks of a request
+that asks score its prompt tokens on the device; the scores are collected by position and handed out with the
+request's first output (``RequestOutput.prompt_logprobs``). Such a request reads no prefix-cache blocks; with
+max_tokens 0 it ends when its prompt is computed.
+
 Speculative decoding (``config.speculative``, `serve.speculative`): decoding requests without penalties or
 logprobs get up to K proposals a step, from prompt lookup (NGRAM) or the draft model (DRAFT: ``draft_model``, a
 `DraftRunner` on its own pool that mirrors the target's; the pool size from free memory is shared between the
@@ -64,6 +69,7 @@ from surojax.serve.detokenize import RequestText, apply_text
 from surojax.serve.guided import GrammarError, GrammarMatcher, GrammarVocab
 from surojax.serve.draft import DraftRunner
 from surojax.serve.kv_cache import KVCacheManager
+from surojax.serve.prompt_logprobs import PromptScores
 from surojax.serve.runner import PagedRunner, StepResult
 from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, ScheduledRequest, Scheduler
 from surojax.serve.speculative import SpecStats, ngram_propose, speculation_allowed
@@ -167,6 +173,7 @@ class Engine:
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}
         self._matchers: dict[str, GrammarMatcher] = {}  # structured output: request id -> its grammar's state
+        self._prompt_scores: dict[str, PromptScores] = {}  # prompt logprobs not yet handed out, by request id
 
     @functools.cached_property
     def grammar_vocab(self) -> GrammarVocab:
@@ -205,7 +212,10 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         self.scheduler.add_request(Request(rid, prompt_ids, max_tokens=params.max_tokens,
                                            stop_token_ids=frozenset(params.stop_token_ids),
-                                           sampling_params=params, adapter=adapter, single_step=matcher is not None))
+                                           sampling_params=params, adapter=adapter, single_step=matcher is not None,
+                                           skip_prefix_cache=params.prompt_logprobs is not None))
+        if params.prompt_logprobs is not None:
+            self._prompt_scores[rid] = PromptScores(len(prompt_ids))
         if matcher is not None:
             self._matchers[rid] = matcher
         if self.tokenizer is not None:
@@ -224,6 +234,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         self._text.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._prompt_scores.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -304,8 +315,13 @@ class Engine:
         plain = self.runner.execute(rest, self._bitmasks(rest), on_dispatch)
         sampled.update(plain)
         sampled.logprobs.update(plain.logprobs)
+        for rid, scores in plain.prompt_logprobs.items():
+            if rid in self._prompt_scores:
+                self._prompt_scores[rid].update(scores)
         outs = self.scheduler.update(sampled)
         for o in outs:
+            if o.request_id in self._prompt_scores:  # its first output: the prefill is complete
+                o.prompt_logprobs = self._prompt_scores.pop(o.request_id).result()
             if o.request_id in self._matchers:
                 self._advance_grammar(o)
             if o.request_id in sampled.logprobs:
@@ -324,6 +340,7 @@ class Engine:
         """End a request whose stop string was found ("stop"): its blocks are freed now. False if it is gone."""
         self._text.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._prompt_scores.pop(request_id, None)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
 
     def _bitmasks(self, scheduled) -> dict:

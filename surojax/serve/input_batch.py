@@ -48,6 +48,9 @@ class InputBatch:
     propose (draft model)     tokens [R] (last token), start [R], limit [R] (proposals wanted, -1 on padding)
     ========================  ===========================================================================
 
+    A step call with a row that scores its prompt (``BatchMode.prompt_logprobs``) also reads ``prompt_targets``
+    [R, T] (the prompt token after each position, -1 where none is scored: `serve.prompt_logprobs`).
+
     A hybrid model's step / multi-step calls also read ``state_slots`` [R] (each row's slot in the runner's
     state pool, `serve.state_slots`; out of range on padding rows); None (no leaves) otherwise.
 
@@ -74,6 +77,7 @@ class InputBatch:
     ctx_slots: Array | None = None
     write_slots: Array | None = None
     state_slots: Array | None = None
+    prompt_targets: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.generation.sampling import sample_last
 from surojax.models.kv import PagedKVCache
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
 from surojax.serve.multi_step import multi_step_decode_paged
+from surojax.serve.prompt_logprobs import step_outputs
 from surojax.serve.speculative import DRAFT, accept, filtered_probs, row_keys
 from surojax.serve.state_slots import pools_and, split_state_rows, with_state_rows
 
@@ -43,15 +43,15 @@ def paged_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: Ste
     back).
 
     batch: tokens / positions / segment_ids [R, T], start / last_idx / adapter_rows [R], sampling, block_table.
-    -> (k_pool, v_pool, [state_pool,] sampled: dict of `sample_batch` outputs for each row's last real token)."""
+    -> (k_pool, v_pool, [state_pool,] sampled: dict of `sample_batch` outputs for each row's last real token, and
+    with ``settings.mode.prompt_logprobs`` the prompt scores of ``batch.prompt_targets``: `step_outputs`)."""
     model = nnx.merge(graphdef, state)
     if settings.lora:
         set_adapter_rows(model, batch.adapter_rows)
     cache = with_state_rows(_cache(k_pool, v_pool, batch.block_table, batch.start, settings), state_pool, batch)
     h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
-    return pools_and(cache.k, cache.v, state_pool, sample_last(model, h, batch.last_idx, batch.sampling,
-                                                               settings.mode))
+    return pools_and(cache.k, cache.v, state_pool, step_outputs(model, h, batch, settings.mode))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.generation.sampling import sample_last
 from surojax.models.kv import KVCache
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
 from surojax.serve.kv_fp8 import KVScales
 from surojax.serve.multi_step import decode_loop
+from surojax.serve.prompt_logprobs import step_outputs
 from surojax.serve.state_slots import pools_and, split_state_rows, with_state_rows
 
 
@@ -69,7 +69,8 @@ def reference_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings:
     """batch: tokens / positions / segment_ids / write_slots [R, T]; ctx_slots [R, S]; start / last_idx /
     adapter_rows [R]; sampling: the per-row sampling arrays of `sample_batch`.
 
-    -> (k_pool, v_pool, sampled: dict of `sample_batch` outputs for each row's last real token).
+    -> (k_pool, v_pool, sampled: dict of `sample_batch` outputs for each row's last real token, and the prompt
+    scores of ``batch.prompt_targets`` with ``settings.mode.prompt_logprobs``: `step_outputs`).
     """
     model = nnx.merge(graphdef, state)
     if settings.lora:
@@ -86,7 +87,7 @@ def reference_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings:
     new_v = cache.v[:, idx[:, None], view]
     k_pool = _scatter(k_pool, batch.write_slots, new_k, ks)
     v_pool = _scatter(v_pool, batch.write_slots, new_v, vs)
-    return pools_and(k_pool, v_pool, state_pool, sample_last(model, h, batch.last_idx, batch.sampling, settings.mode))
+    return pools_and(k_pool, v_pool, state_pool, step_outputs(model, h, batch, settings.mode))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"),

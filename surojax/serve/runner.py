@@ -61,6 +61,7 @@ from surojax.serve.input_batch import InputBatch, KVAccess, StepSettings
 from surojax.serve.kv_fp8 import KVScales, check_pool_dtype, is_fp8, kv_scales
 from surojax.serve.kv_paged import PagedAccess, paged_step, verify_step
 from surojax.serve.kv_reference import ReferenceAccess
+from surojax.serve.prompt_logprobs import PromptLogprob, prompt_targets, read_rows, target_rows
 from surojax.serve.scheduler import ScheduledRequest
 from surojax.serve.speculative import sampling_arrays
 from surojax.serve.state_slots import attention_layers, is_hybrid, state_pool
@@ -104,15 +105,19 @@ def _call(fn) -> None:
 class StepResult(dict):
     """request id -> sampled token id; ``logprobs``: request id -> (logprob, [(id, logprob)] * top_logprobs).
     After a multi-step decode (rows with ``num_steps > 1``): request id -> list of ids, and logprobs -> a list
-    of those tuples, one per id."""
+    of those tuples, one per id. ``prompt_logprobs``: request id -> {prompt position: `PromptLogprob`} for the
+    prompt tokens this step's chunks scored (`serve.prompt_logprobs`)."""
 
     def __init__(self):
         super().__init__()
         self.logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
+        self.prompt_logprobs: dict[str, dict[int, PromptLogprob]] = {}
 
 
 class PagedRunner:
     """Owns the device KV pool and runs one scheduler step: ``execute(scheduled) -> {request_id: token}``."""
+
+    scores_prompts = True  # rows that ask score their prompt chunks (`serve.prompt_logprobs`); a draft does not
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_path: KVPath, kv_dtype=None,
                  adapter_slot=None, buckets: RunnerBuckets = RunnerBuckets(), kv_in_place: bool = True,
@@ -318,7 +323,8 @@ class PagedRunner:
             slots[r] = s.state_slot
         return dict(state_slots=slots)
 
-    def _run(self, group: list[ScheduledRequest], bitmasks=None):
+    def _run(self, group: list[ScheduledRequest], bitmasks=None, targets: list[list[int]] = ()):
+        """targets: per row, the prompt tokens its chunk scores (`prompt_logprobs.prompt_targets`; empty: none)."""
         decode = group[0].num_new_tokens == 1  # groups are all-decode or all-prefill
         R = _bucket(len(group), self.min_rows if decode else self.min_prefill_rows)
         T = _bucket(max(s.num_new_tokens for s in group), 1 if decode else self.min_prefill)
@@ -339,8 +345,12 @@ class PagedRunner:
             if self.lora:
                 adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S, bitmasks)
+        prompt_targets = target_rows(targets, R, T)
+        if prompt_targets is not None:
+            mode = dataclasses.replace(mode, prompt_logprobs=True)
         batch = InputBatch(tokens=tokens, start=ctx_len, sampling=rows, positions=positions, segment_ids=segments,
-                           last_idx=last, adapter_rows=adapters, **self._state_slots(group, R),
+                           last_idx=last, adapter_rows=adapters, prompt_targets=prompt_targets,
+                           **self._state_slots(group, R),
                            **self._address(group, R, S, [s.num_new_tokens for s in group], T))
         return self._device_call(self.access.step, batch, self.settings.for_call(mode))[0]
 
@@ -441,11 +451,14 @@ class PagedRunner:
             in_wave = [s for s, wi in zip(scheduled, waves) if wi == w]
             for group in ([s for s in in_wave if s.num_new_tokens == 1], [s for s in in_wave if s.num_new_tokens > 1]):
                 if group:
-                    sampled = self._run(group, bitmasks)
-                    if any(s.sample for s in group):
-                        calls.append((group, sampled))
+                    targets = [prompt_targets(s) for s in group] if self.scores_prompts else []
+                    sampled = self._run(group, bitmasks, targets)
+                    if any(s.sample for s in group) or any(targets):
+                        calls.append((group, targets, sampled))
         _call(on_dispatch)
-        for group, host in zip([g for g, _ in calls], jax.device_get([x for _, x in calls])):
+        for (group, targets, _), host in zip(calls, jax.device_get([x for *_, x in calls])):
+            if any(targets):
+                read_rows(group, targets, host, out.prompt_logprobs)
             for r, s in enumerate(group):
                 if not s.sample:
                     continue

@@ -25,6 +25,9 @@ Architecture choices:
 * State slots (a hybrid model's linear-attention states, ``state_slots.py``): a request takes a slot when it is
   admitted and gives it back when it finishes, is aborted or is preempted, like its blocks; its
   ``ScheduledRequest.state_slot`` tells the runner where its state lives.
+* Prompt logprobs (``serve.prompt_logprobs``): a request with ``skip_prefix_cache`` takes no prefix-cache hits (a
+  cached block has no logits to score its tokens with); one with ``max_tokens`` 0 finishes ("length") when its
+  prompt is computed, without a token.
 * Sampling params are opaque here; stop token ids / max_tokens / max_model_len are the scheduler's to enforce
   (stop *strings* need detokenisation and belong to the engine, which calls ``abort``/``finish`` for them).
 """
@@ -68,6 +71,7 @@ class Request:
     sampling_params: Any = None  # opaque to the scheduler
     adapter: str | None = None  # LoRA adapter name; None = base model
     single_step: bool = False  # the host decides each token's mask (a grammar): never in a multi-step decode
+    skip_prefix_cache: bool = False  # computes every prompt token (prompt logprobs: a cached block has no logits)
     arrival: int = field(default_factory=lambda: next(_arrival))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -123,6 +127,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" (internal: never sent to a client as such)
     error: str | None = None  # why the engine aborted it, for the client ("abort" outputs; None: the client left)
     logprobs: list | None = None  # per new token: (logprob, [(id, logprob), ...]) when the request asked
+    prompt_logprobs: list | None = None  # the request's first output, when it asked: [None, PromptLogprob, ...]
     text: str = ""  # detokenised delta (engine with a tokenizer)
     reasoning_text: str = ""  # delta inside <think> ... </think> (requests that split reasoning)
 
@@ -166,8 +171,8 @@ class Scheduler:
             raise ValueError("empty prompt")
         if len(req.prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(req.prompt_token_ids)} tokens >= max_model_len {self.max_model_len}")
-        if req.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if req.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0 (0: the prompt is computed, nothing is generated)")
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -303,14 +308,15 @@ class Scheduler:
         while (self.waiting and not out.preempted_request_ids and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            blocks, n_hit = self.kv.get_computed_blocks(req)
+            blocks, n_hit = self.kv.get_computed_blocks(req) if not req.skip_prefix_cache else ([], 0)
             n = self._num_new(req, budget, n_hit)
             if n == 0 or not self.kv.allocate(req, n, blocks):
                 break
             self.waiting.popleft()
             if self.state_slots is not None:  # a seat: len(running) < max_num_seqs <= the slots
                 self.state_slots.allocate(req.request_id)
-            self.kv.record_prefix_query(req.num_tokens, n_hit)
+            if not req.skip_prefix_cache:
+                self.kv.record_prefix_query(req.num_tokens, n_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = n_hit
             req.num_computed_tokens = n_hit
@@ -337,6 +343,11 @@ class Scheduler:
                 continue  # aborted (or preempted and re-admitted) since schedule()
             req.num_computed_tokens += s.num_new_tokens
             if not s.sample:
+                continue
+            if req.max_tokens == 0:  # the prompt only (its logprobs): done once it is computed, no token kept
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                outs.append(RequestOutput(rid, [], True, RequestStatus.FINISHED_LENGTH.value))
                 continue
             if rid not in sampled:
                 raise KeyError(f"no sampled token for {rid!r}")
