@@ -3,11 +3,14 @@
     POST /v1/chat/completions   chat template from the tokenizer (tools passed to it), SSE streaming,
                                 reasoning_content split at <think> tokens for thinking templates, tool calls in
                                 the model's format -> tool_calls (tool_parsers; streamed too), n choices
-    POST /v1/completions        text or token-id prompt(s), n choices each, echo
+    POST /v1/completions        text or token-id prompt(s), n choices each, echo; logprobs with echo include the
+                                prompt's tokens, vLLM's prompt_logprobs, max_tokens 0 scores the prompt only
+                                (`serve.prompt_logprobs`, shapes in `serve.completion_logprobs`)
     GET  /v1/models             the base model and every loaded LoRA adapter (pick one with "model")
     POST /v1/load_lora_adapter  {"lora_name", "lora_path"}; /v1/unload_lora_adapter {"lora_name"}: only with
                                 --allow-runtime-lora (else 403), paths confined to --lora-root (`serve.lora_root`)
-    POST /tokenize, /detokenize; GET /health, /metrics (Prometheus text)
+    POST /tokenize, /detokenize; GET /tokenizer_info (vLLM's: special tokens, chat template, max length; what
+                                lm-evaluation-harness's remote tokenizer reads); GET /health, /metrics (Prometheus text)
 
 Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, unknown model, a
 message whose role is not one of OpenAI's (system, developer, user, assistant, tool; developer reaches a template
@@ -42,11 +45,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from surojax.data.chat_roles import role_problem
+from surojax.data.tokenizer import ChatTemplateError
 from surojax.generation.context import ContextLengthError, completion_budget
 from surojax.generation.sampling import SamplingParamsError
 from surojax.serve.api_key import ApiKeyAuth
 from surojax.serve.async_engine import AsyncEngine, QueueFullError, Refused, Stream
 from surojax.serve.body_limit import BodySizeLimit
+from surojax.serve.completion_logprobs import legacy_logprobs, vllm_prompt_logprobs
 from surojax.serve.config import DEFAULT_MAX_REQUEST_BYTES
 from surojax.serve.lora_root import LoraPathRefused, LoraRoot
 from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
@@ -162,12 +167,14 @@ def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
 
 
 def _params(state: ServerState, req, n_prompt: int, requested: int | None, logprobs: bool, top: int,
-            tools: ToolChoice | None = None):
+            tools: ToolChoice | None = None, prompt_logprobs: int | None = None):
     """tools: the chat request's tool_choice; "required" / a named function force the calls by a grammar, which
     excludes response_format / guided_* (either one grammar or the other; tools with "auto" parse the answer as
-    calls, which a JSON answer is not)."""
-    if requested is not None and requested < 1:
-        raise ApiError(400, f"max_tokens must be >= 1, got {requested}", param="max_tokens")
+    calls, which a JSON answer is not). prompt_logprobs: the prompt is scored with this many alternatives
+    (`serve.prompt_logprobs`); max_tokens may then be 0."""
+    least = 0 if prompt_logprobs is not None else 1
+    if requested is not None and requested < least:
+        raise ApiError(400, f"max_tokens must be >= {least}, got {requested}", param="max_tokens")
     try:
         grammar = req.grammar()  # structured output: (field, grammar), checked here so a bad one is a 400
         if tools is not None and tools.parser is not None:
@@ -185,7 +192,8 @@ def _params(state: ServerState, req, n_prompt: int, requested: int | None, logpr
                 raise SamplingParamsError(f"{field}: {err}", field)
         params = req.sampling_params(max_tokens=completion_budget(n_prompt, requested, state.max_model_len),
                                      eos_ids=state.eos_ids, logprobs=logprobs, top_logprobs=top,
-                                     grammar=grammar[1] if grammar is not None else None)
+                                     grammar=grammar[1] if grammar is not None else None,
+                                     prompt_logprobs=prompt_logprobs)
         return params.validate(state.engine.engine.model.cfg.vocab_size)
     except SamplingParamsError as e:
         raise ApiError(400, str(e), param=e.param) from None
@@ -358,20 +366,16 @@ def _chat_logprobs(tok, ids: list[int], lps) -> dict:
     return {"content": content}
 
 
-def _completion_logprobs(tok, ids: list[int], lps, offset0: int = 0) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    off = offset0
-    for t, (lp, top) in zip(ids, lps):
-        s = _token_text(tok, t)
-        tokens.append(s)
-        token_lps.append(lp)
-        d: dict[str, float] = {}
-        for i, v in top:  # tokens that decode to the same text keep the highest logprob
-            d.setdefault(_token_text(tok, i), v)
-        tops.append(d)
-        offsets.append(off)
-        off += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+def tokenizer_info(tok, max_model_len: int) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer's named special tokens (eos_token, bos_token and pad_token always
+    present, None when it has none), its chat template, the served context length."""
+    info: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": None, "bos_token": None,
+                            "pad_token": None, **tok.special_tokens, "model_max_length": max_model_len}
+    try:
+        info["chat_template"] = tok.get_chat_template()
+    except ChatTemplateError:  # none, or several and none the default
+        pass
+    return info
 
 
 def _usage(n_prompt: int, n_out: int) -> dict:
@@ -451,6 +455,10 @@ def build_app(state: ServerState) -> FastAPI:
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return tokenizer_info(tok, state.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -621,15 +629,18 @@ def build_app(state: ServerState) -> FastAPI:
         adapter = _resolve_model(state, req.model)
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which the engine does not compute; "
-                           "send echo or logprobs, not both", param="echo")
+        if req.max_tokens == 0 and not req.echo:  # as vLLM: 0 asks for the prompt alone (scored), which is echo's
+            raise ApiError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone, with its logprobs)",
+                           param="max_tokens")
+        if req.stream and req.prompt_logprobs is not None:
+            raise ApiError(400, "prompt_logprobs is not available when stream is true (use echo with logprobs)",
+                           param="prompt_logprobs")
         prompts = req.prompts()
         if not prompts:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if req.stream and len(prompts) > 1:
             raise ApiError(400, "streaming supports one prompt per request", param="prompt")
-        top = req.logprobs or 0
+        top, scored = req.logprobs or 0, req.prompt_scores()
         encoded = []
         for p in prompts:
             if isinstance(p, list) and not all(isinstance(t, int) for t in p):
@@ -637,7 +648,8 @@ def build_app(state: ServerState) -> FastAPI:
             ids = tok.encode(p) if isinstance(p, str) else [int(t) for t in p]
             _check_prompt(state, ids, "prompt")
             echo = (p if isinstance(p, str) else tok.decode(ids)) if req.echo else ""
-            encoded.append((ids, _params(state, req, len(ids), req.max_tokens, req.logprobs is not None, top), echo))
+            encoded.append((ids, _params(state, req, len(ids), req.max_tokens, req.logprobs is not None, top,
+                                         prompt_logprobs=scored), echo))
         streams: list[Stream] = []  # choice index = prompt index * n + sample index (as OpenAI)
         try:
             for ids, params, _ in encoded:
@@ -647,45 +659,61 @@ def build_app(state: ServerState) -> FastAPI:
                 state.engine.abort(s)
             raise
         echoes = [e for _, _, e in encoded for _ in range(req.n)]
+        prompt_ids = [ids for ids, _, _ in encoded for _ in range(req.n)]
         rid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), req.model or state.model_name
         n_prompt = sum(len(ids) for ids, _, _ in encoded)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_completion_stream(state, streams, echoes, rid, created, name, n_prompt, usage,
-                                                        req.logprobs is not None),
+            return StreamingResponse(_completion_stream(state, streams, echoes, prompt_ids, rid, created, name, n_prompt,
+                                                        usage, req.logprobs),
                                      media_type="text/event-stream")
         results = await _collect_all(state, streams, raw)
         choices, n_out = [], 0
-        for i, (outs, echo) in enumerate(zip(results, echoes)):
+        for i, (outs, echo, pids) in enumerate(zip(results, echoes, prompt_ids)):
             out_ids = [t for o in outs for t in o.new_token_ids]
             choice = {"index": i, "text": echo + "".join(o.text for o in outs), "logprobs": None,
                       "finish_reason": outs[-1].finish_reason}
+            scores = outs[0].prompt_logprobs
             if req.logprobs is not None:
-                choice["logprobs"] = _completion_logprobs(tok, out_ids, [lp for o in outs for lp in (o.logprobs or [])])
+                out_lps = [lp for o in outs for lp in (o.logprobs or [])]
+                choice["logprobs"] = legacy_logprobs(tok, pids + out_ids, scores + out_lps, n=req.logprobs) \
+                    if req.echo else legacy_logprobs(tok, out_ids, out_lps, n=req.logprobs)
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(tok, pids, scores, req.prompt_logprobs)
             choices.append(choice)
             n_out += len(out_ids)
         return {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices,
                 "usage": _usage(n_prompt, n_out)}
 
-    async def _completion_stream(state, streams: list[Stream], echoes: list[str], rid, created, name, n_prompt,
-                                 include_usage, want_lps):
+    async def _completion_stream(state, streams: list[Stream], echoes: list[str], prompt_ids: list[list[int]], rid,
+                                 created, name, n_prompt, include_usage, top: int | None):
+        """echo: the prompt comes with a choice's first output (its prompt logprobs are computed by then), as
+        vLLM streams it; top: the request's logprobs (None: none); text_offset counts the token texts from the
+        choice's start, as the whole response does."""
         encode = _SseChunks({"id": rid, "object": "text_completion", "created": created, "model": name})
 
         def chunk(index, text, logprobs=None, finish=None):
             return encode([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
 
         n_out = 0
+        offset = [None] * len(streams)  # each choice's next text_offset, as the whole response has it (None: unsent)
         try:
-            for i, echo in enumerate(echoes):
-                if echo:
-                    yield chunk(i, echo)
             async for batch in _merged(streams):
                 parts = []
                 for i, o in batch:
                     n_out += len(o.new_token_ids)
-                    lps = _completion_logprobs(tok, o.new_token_ids, o.logprobs) if (want_lps and o.logprobs) else None
-                    if o.text or lps or o.finished:
-                        parts.append(chunk(i, o.text, lps, o.finish_reason if o.finished else None))
+                    text, ids, entries = o.text, list(o.new_token_ids), list(o.logprobs or [])
+                    if offset[i] is None:
+                        offset[i] = 0
+                        if echoes[i]:
+                            text = echoes[i] + text
+                            if top is not None:
+                                ids, entries = prompt_ids[i] + ids, o.prompt_logprobs + entries
+                    lps = legacy_logprobs(tok, ids, entries, offset[i], n=top) if top is not None and ids else None
+                    if lps is not None:
+                        offset[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                    if text or lps or o.finished:
+                        parts.append(chunk(i, text, lps, o.finish_reason if o.finished else None))
                 if parts:
                     yield "".join(parts)
             if include_usage:

@@ -2,8 +2,8 @@
 
 Unknown fields are accepted and ignored (clients send vendor extras); values are range-checked by
 `SamplingParams.validate`, whose message becomes the 400 error. vLLM's extras are understood: top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, chat_template_kwargs. `n` > 1 and `echo` are
-served by the HTTP layer (api_server); `tools` / `tool_choice` by `tool_parsers`.
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, chat_template_kwargs, and prompt_logprobs on
+completions. `n` > 1 and `echo` are served by the HTTP layer (api_server); `tools` / `tool_choice` by `tool_parsers`.
 
 Structured output: ``response_format`` ({"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
 "schema", "strict"}}) and vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``, at most one of them,
@@ -95,7 +95,8 @@ class _Sampling(_Base):
             raise SamplingParamsError(f"{param}: {e}", param) from None
 
     def sampling_params(self, *, max_tokens: int, eos_ids: tuple[int, ...], logprobs: bool,
-                        top_logprobs: int, grammar: str | None = None) -> SamplingParams:
+                        top_logprobs: int, grammar: str | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if self.n < 1:
             raise SamplingParamsError(f"n must be >= 1, got {self.n}", "n")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -107,7 +108,7 @@ class _Sampling(_Base):
             min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop=stop, logprobs=logprobs,
-            top_logprobs=top_logprobs, grammar=grammar)
+            top_logprobs=top_logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -130,6 +131,16 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the choice's prompt_logprobs, with this many alternatives
+
+    def prompt_scores(self) -> int | None:
+        """How many alternatives per prompt position the engine computes (None: the prompt is not scored): for
+        echo with logprobs (the prompt's tokens join the logprobs object), prompt_logprobs, and echo with
+        max_tokens 0 (the prompt alone: it is run through the model, nothing is generated)."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        if asked:
+            return max(asked)
+        return 0 if self.max_tokens == 0 and self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

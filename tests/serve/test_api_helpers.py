@@ -6,7 +6,8 @@ import pytest
 pytest.importorskip("fastapi")
 
 from surojax.data.tokenizer import Tokenizer  # noqa: E402
-from surojax.serve.api_server import ApiError, ServerState, _completion_logprobs, _render_chat  # noqa: E402
+from surojax.serve.api_server import ApiError, ServerState, _render_chat  # noqa: E402
+from surojax.serve.completion_logprobs import legacy_logprobs  # noqa: E402
 from surojax.serve.tool_parsers import TOOL_PARSERS  # noqa: E402
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
@@ -37,6 +38,6 @@ def test_completion_logprobs_layout():
     tok = Tokenizer.from_dir(FIXTURE)
     ids = tok.encode("ab cd")
     lps = [(-0.5, [(t, -0.5), (t + 1, -1.0)]) for t in ids]
-    out = _completion_logprobs(tok, ids, lps)
+    out = legacy_logprobs(tok, ids, lps)
     assert out["tokens"] == [tok.decode([t]) for t in ids] and out["token_logprobs"] == [-0.5] * len(ids)
     assert out["text_offset"][0] == 0 and out["text_offset"][-1] == len("".join(out["tokens"][:-1]))

@@ -65,3 +65,112 @@ def test_score_prompt_in_blocks_equals_at_once():
     ok = targets >= 0
     np.testing.assert_allclose(np.asarray(blocks["prompt_logprob"])[ok],
                                np.take_along_axis(logp, np.maximum(targets, 0)[..., None], -1)[..., 0][ok], atol=1e-5)
+
+
+# ---- through the server: the openai client's legacy logprobs, vLLM's prompt_logprobs, lm-evaluation-harness ------
+
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    from surojax.serve.config import RunnerBuckets
+    from tests.serve.live_server import live_server
+
+    # a 16-token step budget: the prompts here (12 to ~30 tokens) are prefilled in chunks
+    argv = ["--served-model-name", NAME, "--max-num-seqs", "8", "--block-size", "4", "--num-kv-blocks", "256",
+            "--max-model-len", "128", "--max-num-batched-tokens", "16"]
+    with live_server(argv, buckets=RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=128,
+                                                 min_prefill=16)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return load_model(MODELS / "qwen3", attention="xla")
+
+
+def full_forward_logprobs(model, seqs: list[list[int]]) -> list[np.ndarray]:
+    """log_softmax of the model's logits over each whole sequence [T, V], from one forward without a cache (the
+    sequences padded at the end: causal attention keeps the padding out of every real position)."""
+    width = max(map(len, seqs))
+    batch = np.asarray([s + [0] * (width - len(s)) for s in seqs], np.int32)
+    logp = log_softmax(np.asarray(model(batch)))
+    return [row[:len(s)] for row, s in zip(logp, seqs)]
+
+
+def test_completions_echo_logprobs_and_prompt_logprobs(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+    tok = server[1].tokenizer
+    expected = np.load(MODELS / "qwen3" / "expected.npz")
+    prompt, ref = expected["tokens2"].tolist(), log_softmax(expected["logits2"])  # transformers' logits
+    texts = [tok.decode([t]) for t in prompt]
+
+    only = client.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    c = only.choices[0]
+    assert c.text == tok.decode(prompt) and c.finish_reason == "length" and only.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert lp.tokens == texts and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], [ref[i - 1, prompt[i]] for i in range(1, len(prompt))],
+                               atol=1e-4)
+    assert lp.text_offset == np.cumsum([0] + [len(t) for t in texts[:-1]]).tolist()
+    for i, top in enumerate(lp.top_logprobs[1:], 1):  # the token itself + the most likely one (OpenAI: <= N + 1)
+        assert 1 <= len(top) <= 2 and texts[i] in top
+        assert max(top.values()) == pytest.approx(ref[i - 1].max(), abs=1e-4)
+
+    plain = client.completions.create(model=NAME, prompt=prompt, logprobs=2, max_tokens=3, temperature=0)
+    echoed = client.completions.create(model=NAME, prompt=prompt, logprobs=2, max_tokens=3, temperature=0, echo=True,
+                                       extra_body={"prompt_logprobs": 3})
+    streamed = list(client.completions.create(model=NAME, prompt=prompt, logprobs=2, max_tokens=3, temperature=0,
+                                              echo=True, stream=True))
+    e = echoed.choices[0]
+    assert e.text == c.text + plain.choices[0].text
+    assert e.logprobs.token_logprobs[len(prompt):] == plain.choices[0].logprobs.token_logprobs
+    assert e.logprobs.token_logprobs[:len(prompt)] == lp.token_logprobs
+    assert "".join(s.choices[0].text for s in streamed) == e.text
+    assert [x for s in streamed if s.choices[0].logprobs for x in s.choices[0].logprobs.token_logprobs] == \
+        e.logprobs.token_logprobs
+    assert [x for s in streamed if s.choices[0].logprobs for x in s.choices[0].logprobs.text_offset] == \
+        e.logprobs.text_offset
+
+    pl = e.model_extra["prompt_logprobs"]  # vLLM's: None, then {token id: {logprob, rank, decoded_token}}
+    assert len(pl) == len(prompt) and pl[0] is None
+    for i, d in enumerate(pl[1:], 1):
+        row = ref[i - 1]
+        mine = d[str(prompt[i])]
+        assert mine["logprob"] == pytest.approx(row[prompt[i]], abs=1e-4) and mine["decoded_token"] == texts[i]
+        assert mine["rank"] == 1 + int((row > row[prompt[i]]).sum())
+        top = [int(k) for k, v in d.items() if k != str(prompt[i]) or v["rank"] <= 3]
+        assert set(top) >= set(np.argsort(-row)[:3].tolist()) and len(d) <= 4
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
+    assert bad.value.body["param"] == "prompt_logprobs"
+
+
+def test_lm_eval_loglikelihoods_equal_the_reference(server, qwen3, monkeypatch):
+    import yaml
+    pytest.importorskip("tenacity", reason="lm-eval's API models need lm-eval[api] (tenacity)")
+    from lm_eval import simple_evaluate
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    task_dir = Path(__file__).parent.parent / "fixtures" / "lm_eval"
+    task = yaml.safe_load((task_dir / "surojax_tiny_mc.yaml").read_text())
+    task["dataset_kwargs"]["data_files"]["test"] = str(task_dir / "tiny_mc.jsonl")
+    lm = LocalCompletionsAPI(base_url=server[0] + "/v1/completions", model=NAME, batch_size=4, max_length=128)
+    assert lm.tokenizer_backend == "remote"  # found /tokenizer_info + /tokenize: no local tokenizer needed
+    out = simple_evaluate(model=lm, tasks=[task], log_samples=True,
+                          task_manager=TaskManager(include_defaults=False))  # no index of lm-eval's own tasks
+    samples = out["samples"]["surojax_tiny_mc"]
+    tok = server[1].tokenizer
+    pairs = [(args, resp) for s in samples for args, (resp,) in zip(s["arguments"], s["resps"])]
+    assert len(samples) == 4 and len(pairs) == 12
+    seqs = [(tok.encode(context + continuation), len(tok.encode(context))) for (context, continuation), _ in pairs]
+    for (ids, n_ctx), logp, (_, (ll, greedy)) in zip(seqs, full_forward_logprobs(qwen3, [s for s, _ in seqs]), pairs):
+        assert ll == pytest.approx(sum(logp[i - 1, ids[i]] for i in range(n_ctx, len(ids))), abs=1e-4)
+        assert greedy == all(logp[i - 1].argmax() == ids[i] for i in range(n_ctx, len(ids)))
+    assert 0 <= out["results"]["surojax_tiny_mc"]["acc,none"] <= 1

@@ -137,7 +137,9 @@ def test_completions_stream_logprobs(client, base, tok):
     r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
     assert r.choices[0].text == want
     lp = r.choices[0].logprobs
-    assert len(lp.token_logprobs) == 6 and all(1 <= len(t) <= 2 for t in lp.top_logprobs)  # same-text tokens merge
+    # the token itself + the top 2 (OpenAI: up to logprobs + 1); same-text tokens merge
+    assert len(lp.token_logprobs) == 6 and all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert all(tk in t for tk, t in zip(lp.tokens, lp.top_logprobs))
     assert all(max(t.values()) == pytest.approx(v, abs=1e-5) for t, v in zip(lp.top_logprobs, lp.token_logprobs))
     text = "".join(c.choices[0].text for c in client.completions.create(
         model=NAME, prompt=tok.encode(prompt), max_tokens=6, temperature=0, stream=True))

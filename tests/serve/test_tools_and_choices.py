@@ -223,7 +223,8 @@ def test_echo_returns_the_prompt(server, tok):
         lambda c: c.completions.create(**greedy, prompt=prompt, echo=True, logprobs=1))
     assert plain.choices[0].text and echoed.choices[0].text == prompt + plain.choices[0].text
     assert "".join(c.choices[0].text for c in streamed) == prompt + plain.choices[0].text
-    assert isinstance(both, openai.BadRequestError) and both.param == "echo"  # no prompt logprobs (yet)
+    assert both.choices[0].text == echoed.choices[0].text  # prompt logprobs: tests/serve/test_prompt_logprobs.py
+    assert len(both.choices[0].logprobs.tokens) == len(tok.encode(prompt)) + 5
 
 
 # ---- forced calls: the grammar, then the random model through the server ----------------------------------------
