@@ -178,9 +178,9 @@ def chat_tools(tools: list | None) -> list[dict] | None:
                                 '({"name", "description", "input_schema"})', param="tools")
         if not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema"), dict):
             raise ApiError(400, f"tools[{i}] needs a string name and an input_schema object", param="tools")
-        fn = {"name": t["name"], "parameters": t["input_schema"]}
-        if isinstance(t.get("description"), str):
-            fn["description"] = t["description"]
+        # OpenAI's key order: a template that writes the tools with tojson writes them as chat requests have them
+        fn = {"name": t["name"], **({"description": t["description"]} if isinstance(t.get("description"), str)
+                                    else {}), "parameters": t["input_schema"]}
         out.append({"type": "function", "function": fn})
     return out
 
