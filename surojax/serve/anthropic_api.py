@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from surojax.serve.api_convert import matched_stop, named_event, read_body, thinking_switch
-from surojax.serve.api_error import ApiError
+from surojax.serve.api_error import ApiError, ClientGone
 from surojax.serve.protocol import ChatCompletionRequest
 from surojax.serve.tool_parsers import ToolCall, ToolCallStream, ToolChoice, ToolChoiceError
 
@@ -373,6 +373,10 @@ def register(app: FastAPI, path: ChatPath) -> None:
             return error_response(e)
         except ToolChoiceError as e:
             return error_response(ApiError(400, str(e), param=e.param))
+        except ClientGone:
+            raise
+        except Exception as e:  # what the app's handler would answer OpenAI-shaped
+            return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
     @app.post(PATH + "/count_tokens")
     async def count_tokens(raw: Request):

@@ -4,6 +4,8 @@
                                 reasoning_content split at <think> tokens for thinking templates, tool calls in
                                 the model's format -> tool_calls (tool_parsers; streamed too), n choices
     POST /v1/completions        text or token-id prompt(s), n choices each, echo
+    POST /v1/responses, /v1/messages   OpenAI's Responses and Anthropic's Messages APIs (responses_api,
+                                anthropic_api): conversions onto the chat path (`ChatPath`, `start_chat`)
     GET  /v1/models             the base model and every loaded LoRA adapter (pick one with "model")
     POST /v1/load_lora_adapter  {"lora_name", "lora_path"}; /v1/unload_lora_adapter {"lora_name"}: only with
                                 --allow-runtime-lora (else 403), paths confined to --lora-root (`serve.lora_root`)
@@ -364,6 +366,8 @@ class ChatPath:
     state: ServerState
 
     def prompt(self, req: ChatCompletionRequest) -> tuple[list[int], ToolChoice]:
+        """The prompt `start` would queue (its "model" checked too), queued not."""
+        _resolve_model(self.state, req.model)
         return chat_prompt(self.state, req)
 
     def start(self, req: ChatCompletionRequest) -> ChatRun:
