@@ -7,6 +7,7 @@ Answers that need a given text are scripted (`scripted`: the runner samples the 
 conversions, engine, parsers and SSE run as in production.
 """
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -30,10 +31,10 @@ GREEDY = {"temperature": 0}  # the anthropic client has no temperature argument 
 
 @pytest.fixture(scope="module")
 def server():
-    # the tool-call test module's server shape (1024 tokens: the tiny tokenizer spells the template's tool list long)
+    # 512 tokens: the tiny tokenizer spells the template's tool list in ~400
     argv = ["--served-model-name", NAME, "--api-key", KEY, "--max-num-seqs", "8", "--block-size", "4",
-            "--num-kv-blocks", "1024", "--max-model-len", "1024", "--max-num-batched-tokens", "512"]
-    buckets = RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=1024, min_prefill=512)
+            "--num-kv-blocks", "1024", "--max-model-len", "512", "--max-num-batched-tokens", "512"]
+    buckets = RunnerBuckets(min_rows=8, min_prefill_rows=8, min_context=512, min_prefill=512)
     with live_server(argv, buckets=buckets) as served:
         yield served
 
@@ -52,18 +53,42 @@ def chat(oc, messages, **kw):
     return oc.chat.completions.create(model=NAME, messages=messages, temperature=0, **kw)
 
 
+def at_once(*calls):
+    """The calls' results, the calls made at the same time (their requests decode in one batch)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
+def responses_stream(oc, **kw):
+    """(the events, the final response) of the openai client's stream helper."""
+    with oc.responses.stream(**kw) as s:
+        return list(s), s.get_final_response()
+
+
+def messages_stream(ac, **kw):
+    """(the events, the final message) of the anthropic client's stream helper."""
+    with ac.messages.stream(**kw) as s:
+        return list(s), s.get_final_message()
+
+
 def test_greedy_text_and_usage_equal_chat_completions_streamed_or_not(oc, ac):
-    want = chat(oc, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}], max_tokens=8)
+    user = [{"role": "user", "content": ASK}]
+    want, r, events, m, (_, final), counted = at_once(
+        lambda: chat(oc, [{"role": "system", "content": SYSTEM}, *user], max_tokens=8),
+        lambda: oc.responses.create(model=NAME, instructions=SYSTEM, input=ASK, max_output_tokens=8, temperature=0),
+        lambda: list(oc.responses.create(model=NAME, instructions=SYSTEM, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": ASK}]}], max_output_tokens=8, temperature=0,
+            stream=True)),
+        lambda: ac.messages.create(model=NAME, system=SYSTEM, messages=user, max_tokens=8, extra_body=GREEDY),
+        lambda: messages_stream(ac, model=NAME, system=[{"type": "text", "text": SYSTEM}], messages=[
+            {"role": "user", "content": [{"type": "text", "text": ASK}]}], max_tokens=8, extra_body=GREEDY),
+        lambda: ac.messages.count_tokens(model=NAME, system=SYSTEM, messages=user))
     text = want.choices[0].message.content
     assert want.choices[0].finish_reason == "length" and text
-    r = oc.responses.create(model=NAME, instructions=SYSTEM, input=ASK, max_output_tokens=8, temperature=0)
     assert r.object == "response" and r.output_text == text and r.status == "incomplete"
     assert r.incomplete_details.reason == "max_output_tokens" and r.output[0].status == "incomplete"
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
         want.usage.prompt_tokens, want.usage.completion_tokens, want.usage.total_tokens)
-    events = list(oc.responses.create(model=NAME, instructions=SYSTEM, input=[
-        {"role": "user", "content": [{"type": "input_text", "text": ASK}]}], max_output_tokens=8, temperature=0,
-        stream=True))
     kinds = [e.type for e in events]
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
@@ -74,30 +99,19 @@ def test_greedy_text_and_usage_equal_chat_completions_streamed_or_not(oc, ac):
     assert "".join(deltas) == text and events[-1].response.output_text == text
     assert events[-1].response.usage.output_tokens == want.usage.completion_tokens
 
-    m = ac.messages.create(model=NAME, system=SYSTEM, messages=[{"role": "user", "content": ASK}], max_tokens=8,
-                           extra_body=GREEDY)
     assert m.type == "message" and m.role == "assistant" and [b.type for b in m.content] == ["text"]
     assert m.content[0].text == text and m.stop_reason == "max_tokens" and m.stop_sequence is None
     assert (m.usage.input_tokens, m.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
-    with ac.messages.stream(model=NAME, system=[{"type": "text", "text": SYSTEM}],
-                            messages=[{"role": "user", "content": [{"type": "text", "text": ASK}]}], max_tokens=8,
-                            extra_body=GREEDY) as s:
-        streamed = "".join(s.text_stream)
-        final = s.get_final_message()
-    assert streamed == text and final.content[0].text == text and final.stop_reason == "max_tokens"
+    assert final.content[0].text == text and final.stop_reason == "max_tokens"
     assert final.usage.output_tokens == want.usage.completion_tokens
-    assert ac.messages.count_tokens(model=NAME, system=SYSTEM, messages=[
-        {"role": "user", "content": ASK}]).input_tokens == want.usage.prompt_tokens
+    assert counted.input_tokens == want.usage.prompt_tokens
 
 
 def test_responses_tool_call_round_trip(server, oc):
     url, state = server
-    tok = state.tokenizer
-    with scripted(state, tok, CALL):
-        r = oc.responses.create(model=NAME, input=ASK, tools=[ADD_FLAT], temperature=0)
-        with oc.responses.stream(model=NAME, input=ASK, tools=[ADD_FLAT], temperature=0) as s:
-            events = list(s)
-            final = s.get_final_response()
+    ask = dict(model=NAME, input=ASK, tools=[ADD_FLAT], temperature=0)
+    with scripted(state, state.tokenizer, CALL):
+        r, (events, final) = at_once(lambda: oc.responses.create(**ask), lambda: responses_stream(oc, **ask))
     message, call = r.output
     assert r.status == "completed" and message.type == "message" and message.content[0].text == "Let me add."
     assert call.type == "function_call" and call.name == "add" and call.call_id.startswith("call_")
@@ -105,34 +119,32 @@ def test_responses_tool_call_round_trip(server, oc):
     assert [(o.type, getattr(o, "name", None)) for o in final.output] == [("message", None), ("function_call", "add")]
     assert final.output[1].arguments == call.arguments and final.output_text == "Let me add."
     assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
-    # the round trip: the output items and the call's output as input = chat's assistant tool_calls + tool message
+    # the round trip: the output items and the call's output as input = chat's assistant tool_calls + tool message;
+    # after previous_response_id, the stored conversation goes first: the same prompt
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "3"}
-    r2 = oc.responses.create(model=NAME, input=[{"role": "user", "content": ASK},
-                                                *[o.model_dump(exclude_none=True) for o in r.output], result],
-                             tools=[ADD_FLAT], max_output_tokens=6, temperature=0)
-    want = chat(oc, [{"role": "user", "content": ASK},
-                     {"role": "assistant", "content": "Let me add.", "tool_calls": [
-                         {"id": call.call_id, "type": "function",
-                          "function": {"name": "add", "arguments": call.arguments}}]},
-                     {"role": "tool", "tool_call_id": call.call_id, "content": "3"}], tools=[ADD], max_tokens=6)
-    assert r2.usage.input_tokens == want.usage.prompt_tokens and r2.output_text == want.choices[0].message.content
-    # the same turn after previous_response_id: the stored conversation goes first
-    r3 = oc.responses.create(model=NAME, previous_response_id=r.id, input=[result], tools=[ADD_FLAT],
-                             max_output_tokens=6, temperature=0)
-    assert r3.usage.input_tokens == want.usage.prompt_tokens and r3.output_text == r2.output_text
+    more = dict(tools=[ADD_FLAT], max_output_tokens=6, temperature=0)
+    r2, r3, want = at_once(
+        lambda: oc.responses.create(model=NAME, input=[{"role": "user", "content": ASK},
+                                                       *[o.model_dump(exclude_none=True) for o in r.output], result],
+                                    **more),
+        lambda: oc.responses.create(model=NAME, previous_response_id=r.id, input=[result], **more),
+        lambda: chat(oc, [{"role": "user", "content": ASK},
+                          {"role": "assistant", "content": "Let me add.", "tool_calls": [
+                              {"id": call.call_id, "type": "function",
+                               "function": {"name": "add", "arguments": call.arguments}}]},
+                          {"role": "tool", "tool_call_id": call.call_id, "content": "3"}], tools=[ADD], max_tokens=6))
+    for got in (r2, r3):
+        assert got.usage.input_tokens == want.usage.prompt_tokens
+        assert got.output_text == want.choices[0].message.content
     assert oc.responses.retrieve(r3.id).output_text == r3.output_text
 
 
 def test_messages_tool_call_round_trip(server, oc, ac):
     url, state = server
-    tok = state.tokenizer
-    ask = dict(model=NAME, messages=[{"role": "user", "content": ASK}], tools=[ADD_ANTHROPIC], max_tokens=200,
+    ask = dict(model=NAME, messages=[{"role": "user", "content": ASK}], tools=[ADD_ANTHROPIC], max_tokens=100,
                extra_body=GREEDY)
-    with scripted(state, tok, CALL):
-        m = ac.messages.create(**ask)
-        with ac.messages.stream(**ask) as s:
-            events = list(s)
-            final = s.get_final_message()
+    with scripted(state, state.tokenizer, CALL):
+        m, (events, final) = at_once(lambda: ac.messages.create(**ask), lambda: messages_stream(ac, **ask))
     text, use = m.content
     assert m.stop_reason == "tool_use" and text.text == "Let me add."
     assert use.type == "tool_use" and use.name == "add" and use.input == {"a": 1, "b": 2} and use.id.startswith("toolu_")
@@ -142,70 +154,67 @@ def test_messages_tool_call_round_trip(server, oc, ac):
                    and e.delta.type == "input_json_delta") == json.dumps(use.input)
     history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "3"}]}]
-    m2 = ac.messages.create(model=NAME, messages=history, tools=[ADD_ANTHROPIC], max_tokens=6, extra_body=GREEDY)
-    want = chat(oc, [{"role": "user", "content": ASK},
-                     {"role": "assistant", "content": "Let me add.", "tool_calls": [
-                         {"id": use.id, "type": "function",
-                          "function": {"name": "add", "arguments": json.dumps(use.input)}}]},
-                     {"role": "tool", "tool_call_id": use.id, "content": "3"}], tools=[ADD], max_tokens=6)
-    assert m2.usage.input_tokens == want.usage.prompt_tokens
+    m2, counted, want = at_once(
+        lambda: ac.messages.create(model=NAME, messages=history, tools=[ADD_ANTHROPIC], max_tokens=6,
+                                   extra_body=GREEDY),
+        lambda: ac.messages.count_tokens(model=NAME, messages=history, tools=[ADD_ANTHROPIC]),
+        lambda: chat(oc, [{"role": "user", "content": ASK},
+                          {"role": "assistant", "content": "Let me add.", "tool_calls": [
+                              {"id": use.id, "type": "function",
+                               "function": {"name": "add", "arguments": json.dumps(use.input)}}]},
+                          {"role": "tool", "tool_call_id": use.id, "content": "3"}], tools=[ADD], max_tokens=6))
+    assert m2.usage.input_tokens == counted.input_tokens == want.usage.prompt_tokens
     assert "".join(b.text for b in m2.content if b.type == "text") == want.choices[0].message.content
-    assert ac.messages.count_tokens(model=NAME, messages=history,
-                                    tools=[ADD_ANTHROPIC]).input_tokens == want.usage.prompt_tokens
 
 
 def test_reasoning_and_stop_reasons(server, oc, ac):
     url, state = server
     tok = state.tokenizer
     script = "<think>\nplan it\n</think>\n\nThe answer. END more"
-    inside = tok.encode(script)
-    n_reasoning = inside.index(tok.token_to_id("</think>")) - 1  # tokens between the markers
+    n_reasoning = tok.encode(script).index(tok.token_to_id("</think>")) - 1  # tokens between the markers
+    user = [{"role": "user", "content": ASK}]
+    stop = dict(model=NAME, messages=user, max_tokens=100, stop_sequences=["END"], extra_body=GREEDY)
     with scripted(state, tok, script):
-        want = chat(oc, [{"role": "user", "content": ASK}], max_tokens=200).choices[0].message
-        r = oc.responses.create(model=NAME, input=ASK, temperature=0)
-        with oc.responses.stream(model=NAME, input=ASK, temperature=0) as s:
-            kinds = [e.type for e in s]
-            final = s.get_final_response()
-        m = ac.messages.create(model=NAME, messages=[{"role": "user", "content": ASK}], max_tokens=200,
-                               stop_sequences=["END"], extra_body=GREEDY)
-        with ac.messages.stream(model=NAME, messages=[{"role": "user", "content": ASK}], max_tokens=200,
-                                stop_sequences=["END"], extra_body=GREEDY) as s:
-            thinking = "".join(e.delta.thinking for e in s if e.type == "content_block_delta"
-                               and e.delta.type == "thinking_delta")
-            streamed = s.get_final_message()
+        want, r, (events, final), m, (anthropic_events, streamed) = at_once(
+            lambda: chat(oc, user, max_tokens=100).choices[0].message,
+            lambda: oc.responses.create(model=NAME, input=ASK, temperature=0),
+            lambda: responses_stream(oc, model=NAME, input=ASK, temperature=0),
+            lambda: ac.messages.create(**stop), lambda: messages_stream(ac, **stop))
     assert want.reasoning_content.strip() == "plan it" and want.content == "The answer. END more"
     for resp in (r, final):
         assert [o.type for o in resp.output] == ["reasoning", "message"] and resp.status == "completed"
         assert resp.output[0].content[0].text == want.reasoning_content and resp.output_text == want.content
         assert resp.usage.output_tokens_details.reasoning_tokens == n_reasoning
+    kinds = [e.type for e in events]
     assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.completed"
     for msg in (m, streamed):  # the stop sequence ends the text and is named
         assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in msg.content] == [
             ("thinking", want.reasoning_content), ("text", "The answer. ")]
         assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "END"
-    assert thinking == want.reasoning_content
+    assert "".join(e.delta.thinking for e in anthropic_events if e.type == "content_block_delta"
+                   and e.delta.type == "thinking_delta") == want.reasoning_content
     with scripted(state, tok, "Done."):
-        m = ac.messages.create(model=NAME, messages=[{"role": "user", "content": ASK}], max_tokens=50,
-                               stop_sequences=["END"], extra_body=GREEDY)
+        m = ac.messages.create(**stop)
     assert m.stop_reason == "end_turn" and m.stop_sequence is None and m.content[0].text == "Done."
     # thinking switched off: the template's enable_thinking false, as chat_template_kwargs give it
-    off = chat(oc, [{"role": "user", "content": ASK}], max_tokens=1,
-               extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage.prompt_tokens
-    assert off != chat(oc, [{"role": "user", "content": ASK}], max_tokens=1).usage.prompt_tokens
-    assert ac.messages.count_tokens(model=NAME, messages=[{"role": "user", "content": ASK}],
-                                    thinking={"type": "disabled"}).input_tokens == off
-    assert oc.responses.create(model=NAME, input=ASK, reasoning={"effort": "none"}, max_output_tokens=1,
-                               temperature=0).usage.input_tokens == off
+    off, on, counted, r = at_once(
+        lambda: chat(oc, user, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}}),
+        lambda: chat(oc, user, max_tokens=1),
+        lambda: ac.messages.count_tokens(model=NAME, messages=user, thinking={"type": "disabled"}),
+        lambda: oc.responses.create(model=NAME, input=ASK, reasoning={"effort": "none"}, max_output_tokens=1))
+    assert off.usage.prompt_tokens != on.usage.prompt_tokens
+    assert counted.input_tokens == r.usage.input_tokens == off.usage.prompt_tokens
 
 
 def test_structured_output_in_both_apis(oc, ac):
     schema = {"type": "object", "properties": {"d": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["d"], "additionalProperties": False}
-    r = oc.responses.create(model=NAME, input=ASK, max_output_tokens=40, temperature=0, text={
-        "format": {"type": "json_schema", "name": "digit", "schema": schema, "strict": True}})
+    r, m = at_once(
+        lambda: oc.responses.create(model=NAME, input=ASK, max_output_tokens=40, temperature=0, text={
+            "format": {"type": "json_schema", "name": "digit", "schema": schema, "strict": True}}),
+        lambda: ac.messages.create(model=NAME, messages=[{"role": "user", "content": ASK}], max_tokens=40,
+                                   extra_body=GREEDY, output_config={"format": {"type": "json_schema", "schema": schema}}))
     jsonschema.validate(json.loads(r.output_text), schema)
-    m = ac.messages.create(model=NAME, messages=[{"role": "user", "content": ASK}], max_tokens=40, extra_body=GREEDY,
-                           output_config={"format": {"type": "json_schema", "schema": schema}})
     jsonschema.validate(json.loads(m.content[0].text), schema)
 
 
