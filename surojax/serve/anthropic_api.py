@@ -40,10 +40,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from surojax.serve.api_convert import matched_stop, named_event, read_body, thinking_switch
+from surojax.serve.api_convert import AnswerBuilder, matched_stop, named_event, read_body, thinking_switch
 from surojax.serve.api_error import ApiError, ClientGone
 from surojax.serve.protocol import ChatCompletionRequest
-from surojax.serve.tool_parsers import ToolCall, ToolCallStream, ToolChoice, ToolChoiceError
+from surojax.serve.tool_parsers import ToolCall, ToolChoice, ToolChoiceError
 
 if TYPE_CHECKING:
     from surojax.serve.api_server import ChatPath, ChatRun
@@ -252,18 +252,18 @@ def _tool_input(call: ToolCall):
     return json.loads(call.function.arguments) if call.function.arguments else {}
 
 
-class MessageBuilder:
-    """Engine outputs of one answer -> content blocks, and the stream events that build them. A block stays open
-    while the same kind of text continues (thinking, text); tool calls (complete when the tool parser sees them)
-    are blocks of their own."""
+class MessageBuilder(AnswerBuilder):
+    """Engine outputs of one answer -> content blocks, and the stream events that build them (`add`). A block
+    stays open while the same kind of text continues (thinking, text); tool calls (complete when the tool parser
+    sees them) are blocks of their own."""
+
+    REASONING, TEXT = "thinking", "text"
 
     def __init__(self, head: dict, tools: ToolChoice, n_prompt: int, stops: list[str], decode):
-        self.head, self.tools, self.n_prompt, self.stops, self.decode = head, tools, n_prompt, stops, decode
-        self.calls = ToolCallStream(tools.parser) if tools.parser is not None else None
+        super().__init__(tools)
+        self.head, self.n_prompt, self.stops, self.decode = head, n_prompt, stops, decode
         self.blocks: list[dict] = []
         self.open: dict | None = None
-        self.out_ids: list[int] = []
-        self.finish_reason: str | None = None
 
     def message(self, stop_reason: str | None = None, stop_sequence: str | None = None) -> dict:
         return {**self.head, "content": self.blocks, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -306,30 +306,12 @@ class MessageBuilder:
                           "delta": {"type": "input_json_delta", "partial_json": call.function.arguments}},
                          {"type": "content_block_stop", "index": index}]
 
-    def add(self, o) -> list[dict]:
-        """One engine output (`RequestOutput`) -> its events."""
-        self.out_ids += o.new_token_ids
-        events = self._text("thinking", o.reasoning_text) if o.reasoning_text else []
-        content, calls = o.text, []
-        if self.calls is not None:
-            got = self.calls.add(o.text, final=o.finished)
-            content, calls = got.content, got.calls
-        if content:
-            events += self._text("text", content)
-        for _, call in calls:
-            events += self._call(call)
-        if o.finished:
-            self.finish_reason = o.finish_reason
-        return events
-
     def stop(self) -> tuple[str, str | None]:
         """(stop_reason, stop_sequence). Raises ToolChoiceError for an answer that breaks a forced tool_choice."""
         if self.finish_reason == "length":
             return "max_tokens", None
-        if self.calls is not None:
-            self.tools.check(self.calls.calls)
-            if self.calls.calls:
-                return "tool_use", None
+        if self.checked_calls():
+            return "tool_use", None
         if self.stops and (hit := matched_stop(self.decode(self.out_ids), self.stops)) is not None:
             return "stop_sequence", hit
         return "end_turn", None

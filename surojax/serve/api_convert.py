@@ -1,6 +1,7 @@
 """What the Responses API (responses_api) and the Anthropic Messages API (anthropic_api) share as conversions onto
 the chat path: reading the JSON body into a pydantic model with a 400 that names the field, the thinking switch
-of a chat template, the stop sequence that ended an answer, named server-sent events.
+of a chat template, an engine output split into reasoning, text and tool calls, the stop sequence that ended an
+answer, named server-sent events.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from surojax.serve.api_error import ApiError
+from surojax.serve.tool_parsers import ToolCall, ToolCallStream, ToolChoice
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -46,6 +48,52 @@ def thinking_switch(template: str, on: bool, effort: str | None, param: str) -> 
         raise ApiError(400, f"{param}: this model's chat template has no switch for its reasoning (it reads "
                             "neither enable_thinking nor reasoning_effort); leave the field out", param=param)
     return kwargs
+
+
+class AnswerBuilder:
+    """What a builder of one API's answer (responses_api.ResponseBuilder, anthropic_api.MessageBuilder) shares:
+    `add` splits each engine output (`RequestOutput`) into its reasoning delta -> ``_text(REASONING, delta)``,
+    its text outside tool calls -> ``_text(TEXT, delta)`` and each call the tool parser sees complete ->
+    ``_call(call)``, whose events it returns in that order; it counts the answer's tokens and keeps its finish
+    reason. The subclass writes the events and the answer in its API's shape."""
+
+    REASONING = TEXT = ""
+
+    def __init__(self, tools: ToolChoice):
+        self.tools = tools
+        self.calls = ToolCallStream(tools.parser) if tools.parser is not None else None
+        self.out_ids: list[int] = []
+        self.finish_reason: str | None = None
+
+    def _text(self, kind: str, delta: str) -> list[dict]:
+        raise NotImplementedError
+
+    def _call(self, call: ToolCall) -> list[dict]:
+        raise NotImplementedError
+
+    def add(self, o) -> list[dict]:
+        self.out_ids += o.new_token_ids
+        events = self._text(self.REASONING, o.reasoning_text) if o.reasoning_text else []
+        content, calls = o.text, []
+        if self.calls is not None:
+            got = self.calls.add(o.text, final=o.finished)
+            content, calls = got.content, [call for _, call in got.calls]
+        if content:
+            events += self._text(self.TEXT, content)
+        for call in calls:
+            events += self._call(call)
+        if o.finished:
+            self.finish_reason = o.finish_reason
+        return events
+
+    def checked_calls(self) -> list[ToolCall]:
+        """The answer's calls, checked against a forced tool_choice unless max_tokens cut the answer (raises
+        ToolChoiceError)."""
+        if self.calls is None:
+            return []
+        if self.finish_reason != "length":
+            self.tools.check(self.calls.calls)
+        return self.calls.calls
 
 
 def matched_stop(text: str, stops: Sequence[str]) -> str | None:

@@ -41,10 +41,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from surojax.serve.api_convert import named_event, read_body, thinking_switch
+from surojax.serve.api_convert import AnswerBuilder, named_event, read_body, thinking_switch
 from surojax.serve.api_error import ApiError
 from surojax.serve.protocol import ChatCompletionRequest
-from surojax.serve.tool_parsers import ToolCallStream, ToolChoice, ToolChoiceError
+from surojax.serve.tool_parsers import ToolChoice, ToolChoiceError
 
 if TYPE_CHECKING:
     from surojax.serve.api_server import ChatPath, ChatRun
@@ -265,18 +265,18 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponseBuilder:
-    """Engine outputs of one answer -> output items, and the stream events that build them. An item stays open
-    while the same kind of text continues (reasoning, message); another kind closes it; function calls (complete
-    when the tool parser sees them) are items of their own."""
+class ResponseBuilder(AnswerBuilder):
+    """Engine outputs of one answer -> output items, and the stream events that build them (`add`). An item stays
+    open while the same kind of text continues (reasoning, message); another kind closes it; function calls
+    (complete when the tool parser sees them) are items of their own."""
+
+    REASONING, TEXT = "reasoning", "message"
 
     def __init__(self, head: dict, tools: ToolChoice, prompt_ids: list[int], think: tuple[int, int] | None):
-        self.head, self.tools, self.prompt_ids, self.think = head, tools, prompt_ids, think
-        self.calls = ToolCallStream(tools.parser) if tools.parser is not None else None
+        super().__init__(tools)
+        self.head, self.prompt_ids, self.think = head, prompt_ids, think
         self.items: list[dict] = []
         self.open: dict | None = None  # the open reasoning / message item
-        self.out_ids: list[int] = []
-        self.finish_reason: str | None = None
         self.seq = 0
 
     def event(self, type_: str, **fields) -> dict:
@@ -358,28 +358,11 @@ class ResponseBuilder:
                         arguments=item["arguments"]),
             self.event("response.output_item.done", output_index=index, item=_copy(item))]
 
-    def add(self, o) -> list[dict]:
-        """One engine output (`RequestOutput`: text and reasoning deltas of new tokens) -> its events."""
-        self.out_ids += o.new_token_ids
-        events = self._text("reasoning", o.reasoning_text) if o.reasoning_text else []
-        content, calls = o.text, []
-        if self.calls is not None:
-            got = self.calls.add(o.text, final=o.finished)
-            content, calls = got.content, got.calls
-        if content:
-            events += self._text("message", content)
-        for _, call in calls:
-            events += self._call(call)
-        if o.finished:
-            self.finish_reason = o.finish_reason
-        return events
-
     def finish(self) -> list[dict]:
         """The last events: the open item closed, then response.completed (or .incomplete at max_output_tokens).
         Raises ToolChoiceError for an answer that breaks a forced tool_choice."""
         cut = self.finish_reason == "length"
-        if self.calls is not None and not cut:
-            self.tools.check(self.calls.calls)
+        self.checked_calls()
         events = self._open("message") if not self.items else []  # an empty answer is an empty message
         events += self._close("incomplete" if cut else "completed")
         status = "incomplete" if cut else "completed"
