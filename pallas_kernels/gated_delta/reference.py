@@ -29,13 +29,13 @@ def segment_starts(segment_ids: jax.Array | None, shape: tuple[int, int]) -> jax
 def recurrent_gated_delta_step(q, k, v, g, beta, state, *, scale: float):
     """One token: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv] (fp32) -> (o [B, H, Dv] in
     v's dtype, the new state fp32). Decode's step."""
-    f32 = jnp.float32
+    f32, out_dtype = jnp.float32, v.dtype
     q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
     state = state.astype(f32) * jnp.exp(g)[..., None, None]
     predicted = jnp.einsum("bhk,bhkv->bhv", k, state)
     state = state + k[..., :, None] * ((v - predicted) * beta[..., None])[..., None, :]
     o = jnp.einsum("bhk,bhkv->bhv", q * scale, state)
-    return o.astype(v.dtype), state
+    return o.astype(out_dtype), state
 
 
 def gated_delta_rule_reference(q, k, v, g, beta, *, scale: float, segment_ids=None, initial_state=None,

@@ -63,7 +63,8 @@ SHAPES: dict[str, dict] = {
                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                           linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
-                          rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+                          rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                                               mrope_section=[1, 1, 0]),  # 4 rotary dims: 2 pairs
                           rms_norm_eps=1e-6, tie_word_embeddings=True),
 }
 

@@ -2,6 +2,9 @@
 
     fuse_projections(model)   attn.q_proj / k_proj / v_proj -> attn.qkv_proj  [L, D, (N + 2K) H]
                               mlp.gate_proj / up_proj       -> mlp.gate_up_proj [L, D, 2F] (gate columns first)
+                              linear_attn.in_proj_qkv / _z / _b / _a -> linear_attn.in_proj_qkvzba
+                                  [L, D, conv_dim + Hv Dv + 2 Hv] (a Gated DeltaNet's four input projections)
+    in every layer stack of the model (a hybrid's `layers` and `linear_layers`).
 
 A decode step multiplies one row per running sequence by every weight of every layer. At 1-16 rows a product
 is a few microseconds of memory traffic and a launch: Qwen3-0.6B's one-user token step is ~32 short kernels per
@@ -28,7 +31,8 @@ from surojax.models.layers.linear import Linear
 
 log = logging.getLogger("surojax.models")
 
-FUSED = {("attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"), ("mlp", "gate_up_proj"): ("gate_proj", "up_proj")}
+FUSED = {("attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"), ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
+         ("linear_attn", "in_proj_qkvzba"): ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
 
 
 def _join_columns(values: list):
@@ -66,13 +70,17 @@ def _fuse(holder, parts: tuple[str, ...], fused: str) -> bool:
 
 
 def fuse_projections(model) -> list[str]:
-    """Join, in place, the decoder's q / k / v and gate / up kernels (module docstring); idempotent.
-    -> the joined modules' names ("qkv_proj", "gate_up_proj")."""
+    """Join, in place, the decoder's q / k / v, gate / up and Gated DeltaNet input kernels in every layer stack
+    (module docstring); idempotent. -> the joined modules' names ("qkv_proj", "gate_up_proj", "in_proj_qkvzba"),
+    each once."""
     done = []
-    for (block, fused), parts in FUSED.items():
-        holder = getattr(model.layers, block, None)
-        if holder is not None and getattr(holder, fused, None) is None and _fuse(holder, parts, fused):
-            done.append(fused)
+    stacks = model.stacks if hasattr(model, "stacks") else {"layers": model.layers}
+    for stack in stacks.values():
+        for (block, fused), parts in FUSED.items():
+            holder = getattr(stack, block, None)
+            if holder is not None and getattr(holder, fused, None) is None and _fuse(holder, parts, fused):
+                if fused not in done:
+                    done.append(fused)
     if done:
         log.info("projections joined for serving: %s", ", ".join(done))
     return done

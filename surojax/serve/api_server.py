@@ -6,6 +6,8 @@
     POST /v1/completions        text or token-id prompt(s), n choices each, echo; logprobs with echo include the
                                 prompt's tokens, vLLM's prompt_logprobs, max_tokens 0 scores the prompt only
                                 (`serve.prompt_logprobs`, shapes in `serve.completion_logprobs`)
+    POST /v1/responses, /v1/messages   OpenAI's Responses and Anthropic's Messages APIs (responses_api,
+                                anthropic_api): conversions onto the chat path (`ChatPath`, `start_chat`)
     GET  /v1/models             the base model and every loaded LoRA adapter (pick one with "model")
     POST /v1/load_lora_adapter  {"lora_name", "lora_path"}; /v1/unload_lora_adapter {"lora_name"}: only with
                                 --allow-runtime-lora (else 403), paths confined to --lora-root (`serve.lora_root`)
@@ -48,6 +50,8 @@ from surojax.data.chat_roles import role_problem
 from surojax.data.tokenizer import ChatTemplateError
 from surojax.generation.context import ContextLengthError, completion_budget
 from surojax.generation.sampling import SamplingParamsError
+from surojax.serve import anthropic_api, responses_api
+from surojax.serve.api_error import ApiError, ClientGone
 from surojax.serve.api_key import ApiKeyAuth
 from surojax.serve.async_engine import AsyncEngine, QueueFullError, Refused, Stream
 from surojax.serve.body_limit import BodySizeLimit
@@ -63,17 +67,6 @@ from surojax.wording import json_type
 
 OPEN_PATHS = ("/health", "/metrics")
 log = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers
-
-
-class ClientGone(Exception):
-    pass
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -331,6 +324,81 @@ async def _merged(streams: list[Stream]):
             fut.cancel()
 
 
+# ---- the chat path: chat completions, and the Responses / Messages APIs converted onto it ---------------------
+
+@dataclass
+class ChatRun:
+    """A chat request on the engine: its prompt ids, the streams of its n samples, its tool choice, and whether
+    the reasoning is split from the content (`ServerState.thinking`)."""
+    ids: list[int]
+    streams: list[Stream]
+    tools: ToolChoice
+    split: bool
+
+
+def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], ToolChoice]:
+    """The request's messages (roles checked, content as text) and tools through the chat template -> (prompt ids,
+    checked against max-model-len and the vocabulary; the resolved tool choice)."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        _check_role(m, i)
+        m = dict(m)
+        m["content"] = _message_text(m.get("content"))
+        messages.append(m)
+    try:
+        tools = resolve_tool_choice(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
+    except ToolChoiceError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    ids = _render_chat(state, messages, req.tools, req.chat_template_kwargs or {}, True)
+    _check_prompt(state, ids, "messages")
+    return ids, tools
+
+
+def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
+    """Queue a chat request's n samples (the adapter its "model" names; sampling, stop, structured output and
+    forced tool calls in its SamplingParams)."""
+    adapter = _resolve_model(state, req.model)
+    ids, tools = chat_prompt(state, req)
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    params = _params(state, req, len(ids), req.requested_max_tokens(), req.logprobs, top, tools)
+    split = state.thinking
+    return ChatRun(ids, _submit_n(state, ids, params, adapter, req.n, split), tools, split)
+
+
+@dataclass(frozen=True)
+class ChatPath:
+    """The chat path as the other APIs drive it (responses_api, anthropic_api): they convert their request into a
+    ChatCompletionRequest and the engine's outputs into their own answer; the engine request is the same."""
+    state: ServerState
+
+    def prompt(self, req: ChatCompletionRequest) -> tuple[list[int], ToolChoice]:
+        """The prompt `start` would queue (its "model" checked too), queued not."""
+        _resolve_model(self.state, req.model)
+        return chat_prompt(self.state, req)
+
+    def start(self, req: ChatCompletionRequest) -> ChatRun:
+        return start_chat(self.state, req)
+
+    async def collect(self, run: ChatRun, raw: Request) -> list[list]:
+        """Every output of each stream (an aborted request: its ApiError; a disconnect: ClientGone)."""
+        return await _collect_all(self.state, run.streams, raw)
+
+    def merged(self, run: ChatRun):
+        """Batches of (choice index, output) as they arrive (`_merged`)."""
+        return _merged(run.streams)
+
+    def abort(self, run: ChatRun) -> None:
+        """End what is unfinished of `run` (a stream that stopped early: the client left, an error)."""
+        for s in run.streams:
+            if not s.finished:
+                self.state.engine.abort(s)
+
+    def think_ids(self) -> tuple[int, int] | None:
+        return self.state.engine.engine.think_ids()
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -412,9 +480,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def _client_gone(_, e: ClientGone):
         return JSONResponse({}, status_code=499)
 
-    app.add_middleware(ApiKeyAuth, api_key=lambda: state.api_key, open_paths=OPEN_PATHS,
-                       reject=lambda: error_response(401, "invalid or missing API key (send 'Authorization: Bearer "
-                                                          "KEY')", "authentication_error"))
+    def unauthorized(path: str):
+        message = "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
+        if anthropic_api.serves(path):
+            return anthropic_api.error_response(ApiError(401, message, "authentication_error"))
+        return error_response(401, message, "authentication_error")
+
+    app.add_middleware(ApiKeyAuth, api_key=lambda: state.api_key, open_paths=OPEN_PATHS, reject=unauthorized)
 
     # outermost: a body over the limit is refused before authentication, parsing or any handler
     app.add_middleware(BodySizeLimit, max_bytes=state.max_request_bytes,
@@ -506,25 +578,8 @@ def build_app(state: ServerState) -> FastAPI:
     # -- chat completions --------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
-        adapter = _resolve_model(state, req.model)
-        messages = []
-        for i, m in enumerate(req.messages):
-            _check_role(m, i)
-            m = dict(m)
-            m["content"] = _message_text(m.get("content"))
-            messages.append(m)
-        try:
-            tools = resolve_tool_choice(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
-        except ToolChoiceError as e:
-            raise ApiError(400, str(e), param=e.param) from None
-        ids = _render_chat(state, messages, req.tools, req.chat_template_kwargs or {}, True)
-        _check_prompt(state, ids, "messages")
-        top = req.top_logprobs or 0
-        if top and not req.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = _params(state, req, len(ids), req.requested_max_tokens(), req.logprobs, top, tools)
-        split = state.thinking
-        streams = _submit_n(state, ids, params, adapter, req.n, split)
+        run = start_chat(state, req)
+        ids, streams, tools, split = run.ids, run.streams, run.tools, run.split
         rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or state.model_name
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -729,6 +784,9 @@ def build_app(state: ServerState) -> FastAPI:
                     state.engine.abort(s)
         yield "data: [DONE]\n\n"
 
+    # -- the Responses and Anthropic Messages APIs: conversions onto the chat path ------------------------------
+    responses_api.register(app, ChatPath(state))
+    anthropic_api.register(app, ChatPath(state))
     return app
 
 

@@ -10,7 +10,8 @@
 * ``RequestText``: what the engine keeps per request. Reasoning is split on token ids (``<think>`` /
   ``</think>``), not on text, so it works whether or not the tokenizer marks those tokens special. A request
   starts "inside" reasoning when its prompt's last think token is an opening one (templates that open the
-  block themselves). A stop token id that finished the request is not part of the text.
+  block themselves). A stop token id that finished the request is not part of the text. ``</think>`` releases
+  what the reasoning channel holds back for stop strings, so all of the reasoning comes before the content.
 """
 from __future__ import annotations
 
@@ -103,11 +104,13 @@ class RequestText:
         ids = list(token_ids)
         if finished and finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]
+        closed = False  # a </think> ended the reasoning: its held-back tail goes out now, before any content
         for t in ids:
             if self.think is not None and t in self.think:
                 self.in_reasoning = t == self.think[0]
                 if not self.in_reasoning and self.reasoning is not None:
                     self.content.lstrip = True  # "</think>\n\n" -> content starts after the newlines
+                    closed = True
                 continue
             channel = self.reasoning if self.in_reasoning else self.content
             if channel.add([t]):
@@ -115,7 +118,7 @@ class RequestText:
                 break
         stopped = self.content.stopped or (self.reasoning is not None and self.reasoning.stopped)
         final = finished or stopped
-        reasoning = self.reasoning.take(final) if self.reasoning is not None else ""
+        reasoning = self.reasoning.take(final or closed) if self.reasoning is not None else ""
         return self.content.take(final), reasoning, stopped
 
 

@@ -175,6 +175,10 @@ def write_metadata(w, cfg: ModelConfig) -> None:
     w.add_rope_dimension_count(cfg.rotary_dim)
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = list(rope.get("mrope_section") or DEFAULT_MROPE_SECTION)
+    if sum(section) > cfg.rotary_dim // 2:  # llama.cpp asserts on such a file when it runs it (GGML_ASSERT sect_dims)
+        raise GGUFError(f"rope_parameters.mrope_section {section} gives {sum(section)} rotary frequency pairs, but the "
+                        f"rotary dimension {cfg.rotary_dim} has {cfg.rotary_dim // 2}: set mrope_section to sum to "
+                        f"{cfg.rotary_dim // 2} (the config's text sections) before writing a {w.arch} GGUF")
     w.add_rope_dimension_sections((section + [0, 0, 0, 0])[:4])
 
 

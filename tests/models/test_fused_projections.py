@@ -1,5 +1,5 @@
-"""fuse_projections (serving): q / k / v and gate / up joined into one GEMM each compute the logits of the parts;
-plain kernels and LaidOut weights of one layout join, anything else is left as it is.
+"""fuse_projections (serving): q / k / v, gate / up and a Gated DeltaNet's four input projections joined into one
+GEMM each compute the logits of the parts, in every layer stack of a hybrid; plain kernels and LaidOut weights of one layout join, anything else is left as it is.
 
 Tolerance. The joined kernel holds the same values; a column's dot product is the same sum, up to the order the
 GEMM's blocking gives it (fp32 here): tests/tolerances.py's reorder bound for the longest sum (the MLP's F = 512),
@@ -76,3 +76,21 @@ def test_lora_wrapped_projections_are_left_alone():
     model = _model("qwen3")
     apply_lora(model, targets=("q_proj", "gate_proj"), rank=4, alpha=8, rngs=nnx.Rngs(params=3))
     assert fuse_projections(model) == []
+
+
+def test_hybrid_joins_every_stack():
+    """Qwen3.5's two stacks: the attention layers' q / k / v and gate / up, the DeltaNet layers' gate / up and
+    in_proj_qkv / z / b / a (split back by width: a column in the wrong part would move the logits by O(1))."""
+    hf = {"model_type": "qwen3_5_text", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+          "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+          "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    model = Decoder(ModelConfig.from_hf(hf), rngs=nnx.Rngs(params=2))
+    want = _logits(model)
+    assert fuse_projections(model) == ["qkv_proj", "gate_up_proj", "in_proj_qkvzba"]
+    la = model.linear_layers.linear_attn
+    assert la.in_proj_qkv is None and la.in_proj_a is None and model.linear_layers.mlp.gate_proj is None
+    assert la.in_proj_qkvzba.kernel.get_value().shape == (3, 64, (2 * 2 * 16 + 4 * 8) + 4 * 8 + 2 * 4)
+    np.testing.assert_allclose(_logits(model), want, rtol=0,
+                               atol=reorder_atol(128, np.float32, np.abs(want).max()))

@@ -17,7 +17,7 @@ from pallas_kernels.gated_delta.api import chunk_gated_delta_rule, pallas_forwar
 from pallas_kernels.gated_delta.chunked import CHUNK, segment_numbers
 from pallas_kernels.gated_delta.kernel import gated_delta_pallas, gated_delta_pallas_bwd
 from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward, operand_shapes
-from pallas_kernels.gated_delta.reference import gated_delta_rule_reference
+from pallas_kernels.gated_delta.reference import gated_delta_rule_reference, recurrent_gated_delta_step
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gated_delta" / "recurrent.npz"
 IMPLS = ["reference", "chunked", "pallas", "pallas_v2"]
@@ -76,6 +76,19 @@ def test_values_match_reference_from_a_zero_state(impl):
     o, none = chunk_gated_delta_rule(*xs, scale=0.25, impl=impl)
     assert none is None and o.dtype == jnp.float32
     close(o, reference_outputs())
+
+
+def test_decode_step_keeps_v_dtype():
+    """Decode's one-token step on bf16 operands returns o in bf16 (the model's residual stream and the layer
+    scan's carry stay bf16; an fp32 o broke bf16 serving) and the state in fp32, equal to the fp32 step."""
+    (q, k, v, g, beta), state = operands(T=1)
+    args = [x[:, 0] for x in (q, k, v)] + [g[:, 0], beta[:, 0]]
+    o, new = recurrent_gated_delta_step(*[x.astype(jnp.bfloat16) for x in args], state, scale=0.25)
+    assert o.dtype == jnp.bfloat16 and new.dtype == jnp.float32
+    o32, new32 = recurrent_gated_delta_step(*[x.astype(jnp.bfloat16).astype(jnp.float32) for x in args], state,
+                                            scale=0.25)
+    close(o, o32.astype(jnp.bfloat16))
+    close(new, new32)
 
 
 @functools.cache

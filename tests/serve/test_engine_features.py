@@ -207,6 +207,7 @@ def test_reasoning_split_and_streamed_stop_holdback(tok):
     content, reasoning, stopped = "", "", False
     for i, t in enumerate(out):
         c, r, stopped = rt.add([t], finished=i == len(out) - 1, finish_reason="stop" if i == len(out) - 1 else None)
+        assert not (r and content), "reasoning after content"  # </think> releases the held-back reasoning
         content, reasoning = content + c, reasoning + r
         assert "EN" not in content or stopped  # a possible stop-string start is held back while streaming
         if stopped:

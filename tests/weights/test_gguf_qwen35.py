@@ -23,6 +23,7 @@ that llama-cpp-python 0.3.36 vendors):
 """
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -216,6 +217,14 @@ def test_bad_input_fails_clearly(files, tmp_path):
         load_gguf_model(tmp_path / "bad.gguf")
     with pytest.raises(WeightsError, match=r"qwen3_5_moe_text is written to GGUF as .*'q4_k_m'.*qwen35moe"):
         save_gguf(MODELS / "qwen3_5_moe_text", tmp_path / "x.gguf", "q4_k_m")
+    # rope sections wider than the rotary dimension (4 dims: 2 pairs): llama.cpp would assert running the file
+    wide = tmp_path / "wide"
+    shutil.copytree(MODELS / "qwen3_5_gguf", wide)
+    cfg = json.loads((wide / "config.json").read_text())
+    cfg["rope_parameters"]["mrope_section"] = [11, 11, 10]
+    (wide / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightsError, match=r"mrope_section \[11, 11, 10\] gives 32 .* rotary dimension 4 has 2"):
+        save_gguf(wide, tmp_path / "x.gguf", "f32")
 
 
 @pytest.mark.parametrize("folder", ["qwen3_5_text", "qwen3_5_moe_text"])

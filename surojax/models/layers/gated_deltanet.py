@@ -65,6 +65,8 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_z = Linear(D, la.value_dim, ("embed", None), param_dtype=param_dtype, rngs=rngs)
         self.in_proj_b = Linear(D, Hv, ("embed", None), param_dtype=param_dtype, rngs=rngs)
         self.in_proj_a = Linear(D, Hv, ("embed", None), param_dtype=param_dtype, rngs=rngs)
+        # the four in one GEMM (surojax.models.fused_projections: serving); the parts are None then
+        self.in_proj_qkvzba: Linear | None = nnx.data(None)
         self.conv1d = Conv1d(la.conv_dim, la.conv_kernel, param_dtype=param_dtype, rngs=rngs)
         self.dt_bias = param(rngs, (Hv,), (None,), param_dtype, init="ones")
         self.A_log = _a_log_init(rngs, Hv, param_dtype)
@@ -76,10 +78,16 @@ class GatedDeltaNet(nnx.Module):
         None). The conv, q / k normalisation and the delta rule: layers/deltanet_cache.py `deltanet_mix`."""
         B, T, _ = x.shape
         Hv, Dv = self.num_value_heads, self.value_head_dim
-        z = self.in_proj_z(x).reshape(B, T, Hv, Dv)
-        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))  # [B, T, Hv]
-        a = self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        if self.in_proj_qkvzba is not None:  # one read of x, one GEMM (decode: one GEMV launch)
+            conv_dim = self.shape.conv_dim
+            qkv, z, b, a = jnp.split(self.in_proj_qkvzba(x), [conv_dim, conv_dim + Hv * Dv, conv_dim + Hv * Dv + Hv],
+                                     axis=-1)
+        else:
+            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        z = z.reshape(B, T, Hv, Dv)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [B, T, Hv]
+        a = a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a)  # [B, T, Hv], <= 0
-        o, state = deltanet_mix(self.in_proj_qkv(x), g, beta, segment_ids, conv_weight=self.conv1d.kernel[...],
+        o, state = deltanet_mix(qkv, g, beta, segment_ids, conv_weight=self.conv1d.kernel[...],
                                 shape=self.shape, state=state)  # [B, T, Hv, Dv]
         return self.out_proj(self.norm(o, z).reshape(B, T, Hv * Dv)), state
