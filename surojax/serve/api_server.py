@@ -358,6 +358,9 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
     """Queue a chat request's n samples (the adapter its "model" names; sampling, stop, structured output and
     forced tool calls in its SamplingParams)."""
     adapter = _resolve_model(state, req.model)
+    if (req.model_extra or {}).get("prompt_logprobs") is not None:  # vLLM's extension: served on completions only
+        raise ApiError(400, "prompt_logprobs is served on /v1/completions (prompt_logprobs, or echo with "
+                       "logprobs), not on the chat endpoint", param="prompt_logprobs")
     ids, tools = chat_prompt(state, req)
     top = req.top_logprobs or 0
     if top and not req.logprobs:

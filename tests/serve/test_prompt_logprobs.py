@@ -148,6 +148,10 @@ def test_completions_echo_logprobs_and_prompt_logprobs(server):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=NAME, prompt=prompt, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
     assert bad.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError, match="served on /v1/completions") as bad:  # not silently dropped
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       extra_body={"prompt_logprobs": 1})
+    assert bad.value.body["param"] == "prompt_logprobs"
 
 
 def test_lm_eval_loglikelihoods_equal_the_reference(server, qwen3, monkeypatch):
