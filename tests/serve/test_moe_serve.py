@@ -93,16 +93,29 @@ def _gpt_oss() -> Decoder:
     return m
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def _qwen3_5_moe() -> Decoder:
+    """The Qwen3.5 MoE hybrid fixture's widths, two layers (Gated DeltaNet + gated attention, each with the routed
+    experts and the shared expert), random weights."""
+    hf = json.loads((ROOT / "tests/fixtures/models/qwen3_5_moe_text/config.json").read_text())
+    hf.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    m = Decoder(ModelConfig.from_hf(hf), attention="xla", rngs=nnx.Rngs(5))
+    m.embed.embedding[...] = m.embed.embedding[...] * 8
+    return m
+
+
+FAMILIES = {"gpt_oss": _gpt_oss, "qwen3_5_moe_text": _qwen3_5_moe}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_5_moe_text"])
 def test_one_user_decode_gathers_the_routed_experts(model, expected, family, monkeypatch):
     """One request, decode rows bucketed from 1 (the server's default): the decode step takes the gathered expert
     form (traced; the prefill and the recomputation the grouped GEMMs) and its greedy tokens equal the
-    recomputation's; gpt_oss with expert biases and sliding windows."""
+    recomputation's; gpt_oss with expert biases and sliding windows, the hybrid with its shared expert."""
     traced = []
     gathered = moe.Experts.gathered
     monkeypatch.setattr(moe.Experts, "gathered", lambda self, rows, ids: traced.append(rows.shape) or
                         gathered(self, rows, ids))
-    m = model if family == "qwen3_moe" else _gpt_oss()
+    m = model if family == "qwen3_moe" else FAMILIES[family]()
     want = expected[0] if family == "qwen3_moe" else recompute_greedy(m, PROMPTS[0], 6)
     e = engine(m, kv_path=KVPath.PAGED, buckets=dataclasses.replace(BUCKETS, min_rows=1))
     assert e.generate([PROMPTS[0]], max_tokens=6) == [want]
