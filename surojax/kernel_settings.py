@@ -17,6 +17,9 @@
     gated_delta    SUROJAX_GATED_DELTA    auto | pallas | pallas_v2 | chunked | reference
                                                                    models/layers/deltanet_cache: the chunked gated
                                                                    delta rule (pallas_kernels/gated_delta impl)
+    moe_decode     SUROJAX_MOE_DECODE     auto | gather | grouped  models/layers/moe: few-row MoE calls gather the
+                                                                   routed experts' weights (auto: by the crossover
+                                                                   there) or run the grouped GEMM over all experts
 
 Each choice changes what compiles, not what a config means: the defaults are the measured best (the modules above
 say why), the variables exist for A/B runs. A variable that changed what compiles without a word was the defect
@@ -64,6 +67,12 @@ class Adam8bit(enum.StrEnum):
     XLA = "xla"        # the per-layer loop
 
 
+class MoeDecode(enum.StrEnum):
+    AUTO = "auto"        # gather where X * k assignments are few against E (moe.GATHER_CROSSOVER), else grouped
+    GATHER = "gather"    # gather each assignment's expert weights and multiply row by row, at every size
+    GROUPED = "grouped"  # the grouped GEMM over all E experts at every size (the path before the gather existed)
+
+
 class GatedDelta(enum.StrEnum):
     AUTO = "auto"            # pallas_kernels/gated_delta's measured choice for the backend
     PALLAS = "pallas"        # the Pallas (Triton) forward and backward kernels (interpret mode off a GPU)
@@ -75,7 +84,7 @@ class GatedDelta(enum.StrEnum):
 VARIABLES: dict[str, str] = {  # field -> its environment variable
     "fp8_dot": "SUROJAX_FP8_DOT", "fp8_accum": "SUROJAX_FP8_ACCUM", "fp8_wgrad": "SUROJAX_FP8_WGRAD",
     "fp8_cast": "SUROJAX_FP8_CAST", "quant_matmul": "SUROJAX_QUANT_MATMUL", "adam8bit": "SUROJAX_ADAM8BIT",
-    "gated_delta": "SUROJAX_GATED_DELTA",
+    "gated_delta": "SUROJAX_GATED_DELTA", "moe_decode": "SUROJAX_MOE_DECODE",
 }
 
 
@@ -92,6 +101,7 @@ class KernelSettings:
     quant_matmul: QuantMatmul = QuantMatmul.AUTO
     adam8bit: Adam8bit = Adam8bit.AUTO
     gated_delta: GatedDelta = GatedDelta.AUTO
+    moe_decode: MoeDecode = MoeDecode.AUTO
     from_environment: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
     """the variables that were set when these settings were read (printed even where they name the default)"""
 
@@ -162,4 +172,5 @@ def use_kernel_settings(settings: KernelSettings | None = None, **changes) -> It
 
 
 __all__ = ["VARIABLES", "Adam8bit", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "KernelSettings",
-           "KernelSettingsError", "QuantMatmul", "kernel_settings", "set_kernel_settings", "use_kernel_settings"]
+           "KernelSettingsError", "MoeDecode", "QuantMatmul", "kernel_settings", "set_kernel_settings",
+           "use_kernel_settings"]

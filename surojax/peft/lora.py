@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.models.layers.linear import dot
-from surojax.models.layers.moe import ExpertLinear, grouped_dot
+from surojax.models.layers.moe import ExpertLinear, gathered_dot, grouped_dot
 from surojax.models.layers.params import AXES, logical_axes
 from surojax.models.registry import EXPERT_MODULES, stack_layers
 from surojax.models.targets import (  # noqa: F401 - the target names, re-exported where LoRA users look for them
@@ -123,6 +123,14 @@ class LoRAExpertLinear(nnx.Module):
             return y
         h = grouped_dot(x, self.lora_a[...], group_sizes) * self.scaling  # [A, R]
         return y + grouped_dot(h.astype(x.dtype), self.lora_b[...], group_sizes)  # [A, out]
+
+    def gathered(self, x: jax.Array, expert_ids: jax.Array) -> jax.Array:
+        """The few-rows form (ExpertLinear.gathered): x [A, in] in any order, expert_ids [A] -> [A, out]."""
+        y = self.base.gathered(x, expert_ids)  # [A, out]
+        if not self.enabled:
+            return y
+        h = gathered_dot(x, self.lora_a[...], expert_ids) * self.scaling  # [A, R]
+        return y + gathered_dot(h.astype(x.dtype), self.lora_b[...], expert_ids)  # [A, out]
 
 
 # ---- the adapters of a model ---------------------------------------------------------------------------

@@ -100,6 +100,21 @@ class QuantFormat:
         are integers; QLoRA's base is frozen); x gets its exact gradient through the GEMM."""
         return grouped_dot(x, self.dequantize(x.dtype), group_sizes)
 
+    def take_experts(self, ids: jax.Array) -> "QuantFormat":
+        """E stacked experts (every array leaf [E, ...]) -> the experts `ids` [A] as the same format, leaves
+        [A, ...]: the packed codes and scales gathered before any dequantisation, so the few-rows MoE path
+        (pallas_kernels.grouped_matmul.gathered_dot) reads only the routed experts' quantised bytes. ValueError
+        when a leaf does not carry the experts axis first."""
+        num_experts = jnp.shape(self.data)[0] if jnp.ndim(self.data) > self.packed_ndim else None
+        for f in dataclasses.fields(self):
+            leaf = getattr(self, f.name)
+            if f.metadata.get("static") or leaf is None:
+                continue
+            if num_experts is None or jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != num_experts:
+                raise ValueError(f"{self.name}.take_experts: leaf {f.name} {tuple(jnp.shape(leaf))} does not carry the "
+                                 f"experts axis first (data {tuple(jnp.shape(self.data))}: stacked experts expected)")
+        return jax.tree.map(lambda leaf: jnp.take(leaf, ids, axis=0), self)
+
     def kernel_values(self) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """One layer's values for the kernel layout, in the format's row layout: codes [N, K] (one code per
         value), scale and offset [N, K/G] float32 (offset None unless kernel_spec.has_offset), computed with the

@@ -1,5 +1,6 @@
 """The MoE feed-forward (surojax/models/layers/moe.py) against a dense one-hot formulation: every expert run on
-every token, combined with a [X, E] weight matrix. Forward and gradients (input, router, experts) must agree."""
+every token, combined with a [X, E] weight matrix. Forward and gradients (input, router, experts) must agree. The
+few-rows gathered form against the grouped GEMMs, and the static rule that picks it."""
 import dataclasses
 
 import jax
@@ -8,8 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from surojax.kernel_settings import MoeDecode, use_kernel_settings
 from surojax.models.config import MoEConfig
-from surojax.models.layers.moe import MoE, dispatch
+from surojax.models.layers.moe import GATHER_CROSSOVER, MoE, dispatch, expert_path
+from surojax.peft.lora import LoRAExpertLinear
+from tests.tolerances import reorder_atol
 
 D, E, F, K = 16, 6, 8, 2
 
@@ -142,3 +146,75 @@ def test_dispatch_groups_are_contiguous_and_stable():
 def test_moe_config_refuses_bad_top_k():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         dataclasses.replace(CONFIGS["qwen3_moe"], experts_per_token=E + 1)
+
+
+def _with_expert_lora(m: MoE) -> MoE:
+    """Both expert projections wrapped in LoRAExpertLinear with B != 0 (an adapter that changes the output)."""
+    for name in ("gate_up_proj", "down_proj"):
+        base = getattr(m.experts, name)
+        e, i, o = base.kernel.get_value().shape
+        a = nnx.LoRAParam(0.3 * jax.random.normal(jax.random.key(11), (e, i, 2)))
+        b = nnx.LoRAParam(0.3 * jax.random.normal(jax.random.key(12), (e, 2, o)))
+        setattr(m.experts, name, LoRAExpertLinear(base, a, b, rank=2, alpha=4))
+    return m
+
+
+def _run(m: MoE, x, seg, path: str):
+    """(y, stats, gradients of sum(sin(y)) w.r.t. the parameters and x) with `moe_decode` = path; a fresh jit per
+    call (the setting is read at trace time)."""
+    graphdef, params = nnx.split(m)
+
+    def f(p, x):
+        y, stats = nnx.merge(graphdef, p)(x, seg)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32))), (y, stats)
+
+    with use_kernel_settings(moe_decode=path):
+        grads, (y, stats) = jax.jit(jax.grad(f, argnums=(0, 1), has_aux=True))(params, x)
+    return y, stats, grads
+
+
+@pytest.mark.parametrize("name,dtype", [("qwen3_moe", jnp.float32), ("gpt_oss", jnp.float32),
+                                        ("qwen3_moe", jnp.bfloat16), ("lora", jnp.float32)])
+def test_gather_path_equals_grouped_path(name, dtype):
+    """The few-rows form (each assignment's expert gathered) against the grouped GEMMs on the same call: top-2 over
+    10 tokens of 6 experts (experts repeat across tokens), fp32 and bf16 parameters and inputs, gpt_oss's expert
+    biases and clamped activation, a LoRA adapter on both expert projections: outputs and gradients within the
+    fp32 reorder tolerance (bf16: its rounding of the projections' outputs), router stats identical."""
+    m = _with_expert_lora(make(CONFIGS["qwen3_moe"])) if name == "lora" else make(CONFIGS[name])
+    if dtype == jnp.bfloat16:
+        nnx.update(m, jax.tree.map(lambda a: a.astype(dtype), nnx.state(m)))
+    x = jax.random.normal(jax.random.key(7), (2, 5, D), dtype)
+    seg = jnp.asarray([[1, 1, 1, 2, 2], [1, 1, 1, 0, 0]], jnp.int32)
+    y_g, st_g, g_g = _run(m, x, seg, "grouped")
+    y_a, st_a, g_a = _run(m, x, seg, "gather")
+    assert float(st_a.expert_counts.max()) >= 2  # an expert routed by several tokens
+    for a, b in zip(jax.tree.leaves(st_a), jax.tree.leaves(st_g), strict=True):
+        np.testing.assert_array_equal(a, b)
+    scale = float(jnp.abs(y_g.astype(jnp.float32)).max())
+    # fp32: sums of up to F terms in another order (their |terms| summed run a few times the output: 8 x scale);
+    # bf16: each projection's output is rounded to bf16, which the reorder may flip by one ulp: 2 ulps of the scale
+    atol = reorder_atol(F, jnp.float32, 8 * scale) if dtype == jnp.float32 else 2 * float(jnp.finfo(dtype).eps) * scale
+    np.testing.assert_allclose(np.asarray(y_a, np.float32), np.asarray(y_g, np.float32), rtol=0, atol=atol)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_a), jax.tree.leaves(g_g), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        tol = 1e-5 if dtype == jnp.float32 else 0.02
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(float(np.abs(b).max()), 1e-6),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_expert_path_by_assignments_setting_and_capacity():
+    """auto: the gather while X * k <= E * GATHER_CROSSOVER, the grouped GEMM above; the settings force either;
+    a capacity that could drop rows keeps the grouped path (forcing the gather there is refused)."""
+    E = 128
+    limit = int(E * GATHER_CROSSOVER)
+    assert expert_path(8, E, None) is MoeDecode.GATHER  # one Qwen3-30B-A3B decode row
+    assert expert_path(limit, E, None) is MoeDecode.GATHER
+    assert expert_path(limit + 1, E, None) is MoeDecode.GROUPED
+    assert expert_path(8, E, capacity=8) is MoeDecode.GATHER  # no expert can overflow: nothing is dropped
+    assert expert_path(8, E, capacity=1) is MoeDecode.GROUPED
+    with use_kernel_settings(moe_decode="grouped"):
+        assert expert_path(8, E, None) is MoeDecode.GROUPED
+    with use_kernel_settings(moe_decode="gather"):
+        assert expert_path(4096, E, None) is MoeDecode.GATHER
+        with pytest.raises(ValueError, match="capacity"):
+            expert_path(8, E, capacity=1)

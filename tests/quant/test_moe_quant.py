@@ -1,5 +1,6 @@
-"""Quantised MoE experts: `grouped_matmul` of every format against a per-row reference, the qlora transform on a
-MoE model, and a QLoRA training step over quantised experts (qwen3_moe, and the Qwen3.5 MoE hybrid)."""
+"""Quantised MoE experts: `grouped_matmul` of every format and the gathered few-rows form against a per-row
+reference, the qlora transform on a MoE model, and a QLoRA training step over quantised experts (qwen3_moe, and the
+Qwen3.5 MoE hybrid)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
+from pallas_kernels.grouped_matmul import gathered_dot
 from surojax.models.config import ModelConfig, MoEConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.lora import TRAINABLE, apply_lora
@@ -36,6 +38,22 @@ def test_grouped_matmul_matches_per_row_reference(fmt):
         want[r] = np.asarray(x[r]) @ deq[e]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(deq - np.asarray(w)).max() > 0  # really quantised
+
+
+@pytest.mark.parametrize("fmt,options", [("nf4", {"double_quant": True}), ("fp8", {}), ("q4_k", {}), ("mxfp4", {})])
+def test_gathered_dot_reads_the_routed_experts_blocks(fmt, options):
+    """The few-rows MoE form on quantised experts: each row against its expert's dequantised weight (per-row
+    reference, experts repeated and out of order), from the gathered packed blocks alone (A experts' bytes)."""
+    w = jax.random.normal(jax.random.key(0), (E, K, N)) * 0.05
+    q = quantize_stacked(w, fmt, **options)  # leaves [E, ...]
+    ids = jnp.array([2, 0, 2, 1, 2], jnp.int32)
+    x = jax.random.normal(jax.random.key(1), (5, K))
+    got = np.asarray(jax.jit(gathered_dot)(x, q, ids))
+    deq = np.asarray(q.dequantize(jnp.float32))  # [E, K, N]
+    want = np.stack([np.asarray(x[r]) @ deq[e] for r, e in enumerate(np.asarray(ids))])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    taken = q.take_experts(ids)
+    assert type(taken) is type(q) and taken.nbytes * E == q.nbytes * len(ids)  # the routed experts' bytes only
 
 
 CFG = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=48, num_layers=2,

@@ -1,18 +1,26 @@
 """MoE decode through the serving engine: the continuous-batching engine (paged pool and the dense reference
 path, prefix cache hits, a batch of requests, multi-step decode) gives, for a tiny random qwen3_moe model, the
-greedy tokens of plain argmax over a full recomputation of the sequence. (`surojax generate` on every MoE family
-against transformers' greedy tokens: tests/cli/test_generate.py; the MoE layer is one code path for all families.)"""
+greedy tokens of plain argmax over a full recomputation of the sequence. One user's decode runs the gathered expert
+form (surojax/models/layers/moe.py: only the routed experts' weights), the recomputation the grouped GEMMs.
+(`surojax generate` on every MoE family against transformers' greedy tokens: tests/cli/test_generate.py; the MoE
+layer is one code path for all families.)"""
 from __future__ import annotations
 
+import dataclasses
+import json
+
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
+from surojax.models.layers import moe
 from surojax.serve.config import KVPath
 from surojax.serve.engine import Engine
 from tests.serve.configs import BUCKETS, engine_config
+from tests.train.conftest import ROOT
 
 BASE = dict(vocab_size=512, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -54,8 +62,8 @@ def expected(model):
 
 
 def engine(model, **kw) -> Engine:
-    return Engine(model, engine_config(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                                       max_model_len=64, buckets=BUCKETS, **kw))
+    return Engine(model, engine_config(**{**dict(num_blocks=32, block_size=4, max_num_seqs=4,
+                                                 max_num_batched_tokens=64, max_model_len=64, buckets=BUCKETS), **kw}))
 
 
 @pytest.mark.parametrize("kv_path", [KVPath.PAGED, KVPath.REFERENCE])
@@ -72,3 +80,43 @@ def test_multi_step_decode_equals_recompute(model, expected):
     e = engine(model, kv_path=KVPath.PAGED, decode_steps=4)
     assert e.generate(PROMPTS, max_tokens=6) == expected
     assert e.runner.num_multi_calls > 0
+
+
+def _gpt_oss() -> Decoder:
+    """The gpt_oss fixture's widths, two layers (sliding + full), random weights with nonzero expert biases."""
+    hf = json.loads((ROOT / "tests/fixtures/models/gpt_oss/config.json").read_text())
+    hf.update(num_hidden_layers=2, layer_types=hf["layer_types"][:2])
+    m = Decoder(ModelConfig.from_hf(hf), attention="xla", rngs=nnx.Rngs(3))
+    m.embed.embedding[...] = m.embed.embedding[...] * 8
+    for lin in (m.layers.mlp.experts.gate_up_proj, m.layers.mlp.experts.down_proj):
+        lin.bias[...] = 0.5 * jax.random.normal(jax.random.key(4), lin.bias[...].shape)
+    return m
+
+
+def _qwen3_5_moe() -> Decoder:
+    """The Qwen3.5 MoE hybrid fixture's widths, two layers (Gated DeltaNet + gated attention, each with the routed
+    experts and the shared expert), random weights."""
+    hf = json.loads((ROOT / "tests/fixtures/models/qwen3_5_moe_text/config.json").read_text())
+    hf.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    m = Decoder(ModelConfig.from_hf(hf), attention="xla", rngs=nnx.Rngs(5))
+    m.embed.embedding[...] = m.embed.embedding[...] * 8
+    return m
+
+
+FAMILIES = {"gpt_oss": _gpt_oss, "qwen3_5_moe_text": _qwen3_5_moe}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3_5_moe_text"])
+def test_one_user_decode_gathers_the_routed_experts(model, expected, family, monkeypatch):
+    """One request, decode rows bucketed from 1 (the server's default): the decode step takes the gathered expert
+    form (traced; the prefill and the recomputation the grouped GEMMs) and its greedy tokens equal the
+    recomputation's; gpt_oss with expert biases and sliding windows, the hybrid with its shared expert."""
+    traced = []
+    gathered = moe.Experts.gathered
+    monkeypatch.setattr(moe.Experts, "gathered", lambda self, rows, ids: traced.append(rows.shape) or
+                        gathered(self, rows, ids))
+    m = model if family == "qwen3_moe" else FAMILIES[family]()
+    want = expected[0] if family == "qwen3_moe" else recompute_greedy(m, PROMPTS[0], 6)
+    e = engine(m, kv_path=KVPath.PAGED, buckets=dataclasses.replace(BUCKETS, min_rows=1))
+    assert e.generate([PROMPTS[0]], max_tokens=6) == [want]
+    assert (2, m.cfg.hidden_size) in traced  # one decode row x k = 2 assignments: the gathered form ran

@@ -6,6 +6,16 @@
     -> each token's k outputs summed with its routing weights -> y [B, T, D]
     (+ sigmoid(x @ shared_expert_gate [D, 1]) * shared_expert(x), with a shared expert: a SwiGLU MLP every token runs)
 
+Few rows (a decode step: X * k assignments small against E, `expert_path`) take the gathered form instead:
+
+    assignments A = X*k in token order -> each one's expert weights gathered (gate_up [A, D, 2F], down [A, F, D];
+    a quantised expert's packed blocks and scales, dequantised after the gather) -> row-by-row products
+    -> the same activation, weighted sum and stats
+
+so only the routed experts' bytes cross HBM (the grouped GEMM reads all E experts' weights for a handful of
+rows). Same math and dtype rules (pallas_kernels.grouped_matmul.gathered); chosen by static shapes only, so a
+jitted decode step compiles one form. It has no capacity: it runs where no expert could overflow one.
+
 Dropless by default: every assignment is computed, whatever the load (no capacity, no padding to a capacity,
 no token dropped). `capacity_factor` (optional) caps each expert at ceil(factor * A / E) assignments per call;
 those past the cap (in token order) get no expert output and are counted in the stats as dropped.
@@ -32,7 +42,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.grouped_matmul import gathered_dot
 from pallas_kernels.grouped_matmul import grouped_dot as kernel_grouped_dot
+from surojax.kernel_settings import MoeDecode, kernel_settings
 from surojax.models.config import MoEConfig
 from surojax.models.layers.linear import Linear, dot
 from surojax.models.layers.mlp import MLP
@@ -79,6 +91,15 @@ class ExpertLinear(nnx.Module):
             y = y + jnp.take(self.bias[...], row_expert, axis=0, mode="fill", fill_value=0).astype(y.dtype)
         return y
 
+    def gathered(self, x: jax.Array, expert_ids: jax.Array) -> jax.Array:
+        """The few-rows form: x [A, in] in any order, expert_ids [A] (each row's expert) -> [A, out], row a
+        against expert_ids[a]'s kernel (gathered, quantised blocks included: only those experts' bytes are read)
+        and bias; the same values as __call__ on the rows sorted by expert."""
+        y = gathered_dot(x, self.kernel[...], expert_ids)  # [A, out]
+        if self.bias is not None:
+            y = y + jnp.take(self.bias[...], expert_ids, axis=0).astype(y.dtype)
+        return y
+
 
 class Router(nnx.Module):
     """logits = x @ kernel [D, E] (+ bias [E]), computed and returned in fp32."""
@@ -117,6 +138,31 @@ def expert_activation(h: jax.Array, moe: MoEConfig) -> jax.Array:
         return (up + 1) * (gate * jax.nn.sigmoid(gate * moe.swiglu_alpha))
     gate, up = jnp.split(h, 2, axis=-1)
     return jax.nn.silu(gate) * up
+
+
+# The gather path reads A = X * k expert matrices (one per assignment, an expert routed twice read twice) where the
+# grouped GEMM reads all E, but it writes the gathered copy before the products read it again (unless XLA fuses
+# the gather into them): ~3 A matrices of traffic against E. `auto` gathers while A <= E * GATHER_CROSSOVER:
+# one user on Qwen3-30B-A3B (A = 8, E = 128) up to 8 users (A = 64); Mixtral (E = 8, k = 2) one user.
+# Prefill and training (thousands of rows) keep the grouped GEMM. benchmarks/moe_decode.py measures the crossover.
+GATHER_CROSSOVER = 0.5
+
+
+def expert_path(num_assignments: int, num_experts: int, capacity: int | None) -> MoeDecode:
+    """How a MoE call of `num_assignments` (X * k, static) runs its experts: GATHER or GROUPED, by the kernel
+    setting `moe_decode` (surojax/kernel_settings.py): auto = GATHER while num_assignments <= num_experts *
+    GATHER_CROSSOVER. The gather has no capacity: it runs only where no expert can overflow one (capacity None or
+    >= num_assignments); forcing it where one could is a ValueError, as it would change which rows are dropped."""
+    setting = kernel_settings().moe_decode
+    no_drops = capacity is None or capacity >= num_assignments
+    if setting is MoeDecode.GATHER:
+        if not no_drops:
+            raise ValueError(f"SUROJAX_MOE_DECODE=gather: this MoE call has an expert capacity ({capacity} of "
+                             f"{num_assignments} assignments), which only the grouped path applies")
+        return MoeDecode.GATHER
+    if setting is MoeDecode.AUTO and no_drops and num_assignments <= num_experts * GATHER_CROSSOVER:
+        return MoeDecode.GATHER
+    return MoeDecode.GROUPED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,18 +275,27 @@ class MoE(nnx.Module):
         return y, stats
 
     def routed(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, RouterStats]:
-        """The routed experts alone, on this device: (y [B, T, D], stats)."""
+        """The routed experts alone, on this device: (y [B, T, D], stats). The grouped GEMMs over all experts, or
+        with few assignments against E the gathered form (`expert_path`); both give the same values and stats."""
         B, T, D = x.shape
         E, k = self.moe.num_experts, self.moe.experts_per_token
+        A = B * T * k
         xs = x.reshape(B * T, D)  # [X, D]
         logits = self.router(xs)  # [X, E] fp32
         weights, ids, probs = route(logits, self.moe)
-        d = dispatch(ids, E, self.capacity(B * T * k))
-        rows = gather_token_rows(xs, d.order, d.inverse)  # [A, D] each assignment's token, in expert order
-        h = self.experts(rows, d.group_sizes, d.row_expert)  # [A, D]
-        out = permute_rows(h, d.inverse, d.order)  # [A, D] back to assignment order (dropped rows are 0)
+        capacity = self.capacity(A)
+        if expert_path(A, E, capacity) is MoeDecode.GATHER:
+            rows = jnp.repeat(xs, k, axis=0)  # [A, D] each assignment's token, in assignment order
+            out = self.experts.gathered(rows, ids.reshape(-1))  # [A, D]
+            kept = jnp.ones((A,), bool)
+        else:
+            d = dispatch(ids, E, capacity)
+            rows = gather_token_rows(xs, d.order, d.inverse)  # [A, D] each assignment's token, in expert order
+            h = self.experts(rows, d.group_sizes, d.row_expert)  # [A, D]
+            out = permute_rows(h, d.inverse, d.order)  # [A, D] back to assignment order (dropped rows are 0)
+            kept = d.kept
         y = jnp.einsum("xkd,xk->xd", out.reshape(B * T, k, D).astype(jnp.float32), weights)
-        return y.astype(x.dtype).reshape(B, T, D), router_stats(logits, probs, ids, d.kept, segment_ids, E)
+        return y.astype(x.dtype).reshape(B, T, D), router_stats(logits, probs, ids, kept, segment_ids, E)
 
 
 class Experts(nnx.Module):
@@ -258,6 +313,11 @@ class Experts(nnx.Module):
     def __call__(self, rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
         h = expert_activation(self.gate_up_proj(rows, group_sizes, row_expert), self.moe)  # [A, F]
         return self.down_proj(h, group_sizes, row_expert)  # [A, D]
+
+    def gathered(self, rows: jax.Array, expert_ids: jax.Array) -> jax.Array:
+        """The few-rows form: rows [A, D] in any order, expert_ids [A] -> [A, D] (ExpertLinear.gathered)."""
+        h = expert_activation(self.gate_up_proj.gathered(rows, expert_ids), self.moe)  # [A, F]
+        return self.down_proj.gathered(h, expert_ids)  # [A, D]
 
 
 def router_stats(logits, probs, ids, kept, segment_ids, num_experts: int) -> RouterStats:

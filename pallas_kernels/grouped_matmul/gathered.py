@@ -1,0 +1,49 @@
+"""`gathered_dot(x, w, expert_ids)`: the few-rows form of the MoE expert matmul, reading only the routed experts.
+
+    x [A, I] (one row per assignment, any order), w [E, I, O], expert_ids [A] int
+    -> y [A, O],  y[a] = x[a] @ w[expert_ids[a]]
+
+The grouped GEMM (`grouped_dot`, api.py) runs over all E groups: at a decode step of one user (A = k assignments
+against E = 128 experts on Qwen3-30B-A3B) it reads, or at least launches over, every expert's weights for a
+handful of rows. Here each assignment's expert matrix is gathered first (`jnp.take` along E: A matrices of I x O
+cross HBM instead of E) and multiplied with its own row (a batched matrix-vector product). An expert routed by
+several assignments is gathered once per assignment: the path is meant for A small against E, where the
+caller's crossover sends it (surojax.models.layers.moe.GATHER_CROSSOVER).
+
+Same math as the grouped path: w is cast to x's dtype, products accumulate in fp32 (`preferred_element_type`),
+y is cast back to x's dtype. Differentiable: the gradient of the gather is a scatter-add into w's E rows.
+
+A quantised weight (any pytree with `take_experts(ids)` and `dequantize(dtype)`, surojax.quant's formats) is
+gathered in its packed form (codes and scales of the A experts only) and dequantised after the gather, so the
+bytes read are the active experts' quantised bytes. Imports nothing from surojax.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rowwise_dot(x: jax.Array, w_rows: jax.Array) -> jax.Array:
+    """x [A, I] @ w_rows [A, I, O] row by row -> [A, O] in x's dtype (w cast to x's dtype, fp32 accumulation)."""
+    y = jnp.einsum("ai,aio->ao", x, w_rows.astype(x.dtype), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def gathered_dot(x: jax.Array, w, expert_ids: jax.Array) -> jax.Array:
+    """y[a] = x[a] @ w[expert_ids[a]] -> [A, O] in x's dtype (module docstring). w: [E, I, O] or a quantised
+    pytree of E stacked experts (`take_experts`)."""
+    if x.ndim != 2 or expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"gathered_dot: x {x.shape} [A, I], expert_ids {expert_ids.shape} {expert_ids.dtype} "
+                         "[A] integers")
+    if hasattr(w, "take_experts"):
+        w_rows = w.take_experts(expert_ids).dequantize(x.dtype)  # [A, I, O]: only the A experts' blocks decoded
+    else:
+        if w.ndim != 3 or w.shape[1] != x.shape[1]:
+            raise ValueError(f"gathered_dot: x {x.shape} [A, I], w {w.shape} [E, I, O]")
+        w_rows = jnp.take(w, expert_ids, axis=0)  # [A, I, O]
+    if w_rows.shape[:2] != x.shape:
+        raise ValueError(f"gathered_dot: x {x.shape} [A, I], the gathered experts {w_rows.shape} [A, I, O]")
+    return rowwise_dot(x, w_rows)
+
+
+__all__ = ["gathered_dot", "rowwise_dot"]
