@@ -121,6 +121,8 @@ def _served(entry: ModelEntry, share: float | None, several: bool, options: Opti
     values = entry.model_dump(exclude_none=True, exclude={"model", "sleep_after_idle_s", "lora_modules",
                                                           "enable_prefix_caching", "gpu_memory_utilization"})
     for key, value in values.items():
+        if not hasattr(args, key):  # a schema key the CLI does not have would be read by nothing
+            raise AssertionError(f"serve file key {key!r} is not an option of `surojax serve`")
         setattr(args, key, value)
     if entry.lora_modules is not None:
         args.lora_modules = [f"{name}={path}" for name, path in entry.lora_modules.items()]

@@ -1,6 +1,6 @@
 """Every serving setting and its default, once: `SchedulerConfig` (what the scheduler reads), `RunnerBuckets`
 (the runner's smallest shape buckets), `EngineConfig` (the engine: KV pool, KV path, loops) and `ServeConfig`
-(the HTTP server around it). The CLI (`surojax serve`, scripts/serve.py) fills a `ServeConfig`; `Engine`,
+(the HTTP server around it); `MultiServeConfig` (several `ServedModel`s behind one server). The CLI (`surojax serve`, scripts/serve.py) fills a `ServeConfig`; `Engine`,
 `Scheduler` and the server take these typed values, never an argparse namespace. Imports nothing heavy (the CLI
 builds a config before loading JAX).
 """

@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from surojax.cli.serve import default_options, serve_config
-from surojax.cli.serve_file import read_serve_file
+from surojax.cli.serve_file import ModelEntry, _served, read_serve_file
 from surojax.config.errors import ConfigError
 from surojax.quant.laid_out import decode_weights
 from surojax.serve.engine import Engine
@@ -128,6 +128,18 @@ def test_an_idle_model_falls_asleep(server):
         time.sleep(0.1)
     assert not table.by_name["qwen"].state.engine.engine.is_sleeping  # no idle timer: stays awake
     assert _greedy(client, "llama") == before
+
+
+def test_every_model_key_is_read():
+    """Each model key is a `surojax serve` option (read by serve_config) or one the file reads itself."""
+    options = vars(default_options("m"))
+    own = {"model", "lora_modules", "enable_prefix_caching", "sleep_after_idle_s"}
+    assert set(ModelEntry.model_fields) - own <= set(options)
+    entry = ModelEntry(model="m", max_num_seqs=3, enable_prefix_caching=False, lora_modules={"a": "/x"},
+                       enable_lora=True, kv_capacity=64, block_size=8)
+    c = _served(entry, None, False, default_options, serve_config).serve
+    assert c.engine.scheduler.max_num_seqs == 3 and not c.engine.enable_prefix_caching
+    assert c.lora.modules == (("a", "/x"),) and c.engine.num_blocks == 8
 
 
 @pytest.mark.parametrize("text, key, said", [
