@@ -3,7 +3,6 @@
 404 naming the served ones; a sleeping model's device buffers are deleted and the next request wakes it with
 the same greedy answer; an idle model falls asleep by itself; the YAML is checked before anything loads."""
 import dataclasses
-import threading
 import time
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import httpx
 import jax
 import openai
 import pytest
-import uvicorn
 
 from surojax.cli.serve import default_options, serve_config
 from surojax.cli.serve_file import ModelEntry, _served, read_serve_file
@@ -20,7 +18,7 @@ from surojax.quant.laid_out import decode_weights
 from surojax.serve.engine import Engine
 from surojax.serve.launch import build_multi_server, load_for_serving
 from tests.serve.configs import BUCKETS
-from tests.serve.live_server import free_port
+from tests.serve.live_server import serving
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "models"
 SMALL = "max_num_seqs: 4\n    max_num_batched_tokens: 64\n    max_model_len: 64\n    num_kv_blocks: 32\n    " \
@@ -57,17 +55,10 @@ def server(tmp_path_factory):
                                                                                              buckets=BUCKETS)))
         for m in config.models))
     app, table = build_multi_server(config)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        assert thread.is_alive()
-        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{srv.config.port}", table
+        with serving(app) as url:
+            yield url, table
     finally:
-        srv.should_exit = True
-        thread.join(10)
         for m in table.models:
             m.state.engine.shutdown()
 
