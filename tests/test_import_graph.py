@@ -66,7 +66,7 @@ FUNCTION_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
                   "surojax.weights.hf_checkpoint"),
         "quantize": ("surojax.model_loader", "surojax.weights.gguf_checkpoint", "surojax.weights.gguf_tokenizer",
                      "surojax.weights.model_ref"),
-        "serve": ("surojax.serve.launch",),
+        "serve": ("surojax.serve.launch", "surojax.cli.serve_file"),
         "tokenize": ("surojax.config.stages", "surojax.data.debug", "surojax.hub", "surojax.data.pipeline",
                      "surojax.data.tokenizer"),
     }.items() for target in targets},

@@ -1,5 +1,6 @@
 """`surojax serve MODEL [--port P] [--api-key K] [--enable-lora --lora-modules NAME=PATH ...
-[--allow-runtime-lora --lora-root DIR]]`: an
+[--allow-runtime-lora --lora-root DIR]]` or `surojax serve FILE.yaml` (several models, sleep mode:
+`cli.serve_file`): an
 OpenAI-compatible HTTP server with continuous batching, paged KV cache, prefix caching, streaming and runtime
 LoRA (docs/serving.md). scripts/serve.py is the same entry point. The options fill a `ServeConfig`
 (`serve_config`), whose defaults are the defaults here. Nothing heavy is imported until `run`."""
@@ -26,7 +27,8 @@ _SPEC = SpeculativeConfig(SpecMethod.NGRAM)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="HF model folder, .gguf file, surojax run or output folder, "
                                                       "PEFT adapter folder, or a Hub id (org/name[@revision], "
-                                                      "org/name:QUANT)")
+                                                      "org/name:QUANT); or a serve config .yaml with several "
+                                                      "models (docs/serving.md)")
     parser.add_argument("--host", default=_SERVE.host)
     parser.add_argument("--port", type=_port, default=_SERVE.port)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -88,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 AUTO = "auto"
+SERVE_FILE_SUFFIXES = (".yaml", ".yml")  # MODEL is a serve config file (`cli.serve_file`: several models)
 
 
 def _kv_capacity(value: str) -> int | str:
@@ -191,6 +194,13 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        max_request_bytes=args.max_request_bytes, lora=lora, log_level=args.log_level)
 
 
+def default_options(model: str) -> argparse.Namespace:
+    """`surojax serve MODEL` with every option at its default."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return parser.parse_args([model])
+
+
 def _attention(text: str) -> AttentionBackend:
     try:
         return parse_attention_backend(text, key="--attention")
@@ -244,4 +254,8 @@ def run(args: argparse.Namespace) -> int:
     probe_log = logging.getLogger(JAX_BACKEND_LOGGER)
     if not any(isinstance(f, QuietBackendProbe) for f in probe_log.filters):
         probe_log.addFilter(QuietBackendProbe())
+    if args.model.endswith(SERVE_FILE_SUFFIXES):  # several models (or sleep mode) from a serve config YAML
+        from surojax.cli.serve_file import check_no_options, read_serve_file
+        check_no_options(args, default_options)
+        return serve(read_serve_file(args.model, default_options, serve_config))
     return serve(serve_config(args))

@@ -14,7 +14,8 @@
     POST /tokenize, /detokenize; GET /tokenizer_info (vLLM's: special tokens, chat template, max length; what
                                 lm-evaluation-harness's remote tokenizer reads); GET /health, /metrics (Prometheus text)
 
-Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, unknown model, a
+Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 404 for an unknown model (naming the
+served ones), 400 for bad JSON, a
 message whose role is not one of OpenAI's (system, developer, user, assistant, tool; developer reaches a template
 that lacks it as system: `data.chat_roles`), prompt longer than max-model-len, invalid sampling values and invalid
 structured-output grammars (response_format / guided_*: the schema or regex is compiled before the request is
@@ -116,9 +117,29 @@ def _resolve_model(state: ServerState, name: str | None) -> str | None:
     lora = state.engine.engine.lora
     if lora is not None and name in lora.slots:
         return name
-    known = [state.model_name] + (sorted(lora.slots) if lora is not None else [])
-    raise ApiError(400, f"The model `{name}` does not exist (served: {', '.join(known)}).", "invalid_request_error",
-                   "model")
+    known = served_names(state)
+    raise ApiError(404, unknown_model(name, known), "invalid_request_error", "model")
+
+
+def unknown_model(name: str, served: list[str]) -> str:
+    """The 404's message for a "model" the server does not serve (OpenAI's / vLLM's wording, with the names)."""
+    return f"The model `{name}` does not exist (served: {', '.join(served)})."
+
+
+def served_names(state: ServerState) -> list[str]:
+    """The base model's name, then its LoRA adapters' (what a request's "model" may name)."""
+    lora = state.engine.engine.lora
+    return [state.model_name] + (sorted(lora.slots) if lora is not None else [])
+
+
+def model_cards(state: ServerState) -> list[dict]:
+    """/v1/models' entries of one engine: the base model, then each loaded LoRA adapter (parent: the base)."""
+    lora = state.engine.engine.lora
+    card = {"object": "model", "created": state.created, "owned_by": "surojax", "max_model_len": state.max_model_len}
+    data = [{"id": state.model_name, **card, "root": state.model_path, "parent": None}]
+    for name in sorted(lora.slots) if lora is not None else []:
+        data.append({"id": name, **card, "root": lora.paths[name], "parent": state.model_name})
+    return data
 
 
 def _message_text(content) -> str:
@@ -511,13 +532,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        lora = state.engine.engine.lora
-        data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "surojax",
-                 "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}]
-        for name in sorted(lora.slots) if lora is not None else []:
-            data.append({"id": name, "object": "model", "created": state.created, "owned_by": "surojax",
-                         "root": lora.paths[name], "parent": state.model_name, "max_model_len": state.max_model_len})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": model_cards(state)}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

@@ -43,8 +43,9 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype) -> int:
     return 2 * cfg.num_attention_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(kv_dtype).itemsize
 
 
-def device_free_bytes(memory_utilization: float = 0.9, device=None) -> int | None:
-    """memory_utilization x the device's limit - what is in use, or None where the device has no statistics."""
+def device_free_bytes(memory_utilization: float = 0.9, device=None, others_bytes_in_use: int = 0) -> int | None:
+    """memory_utilization x the device's limit - what is in use (less others_bytes_in_use: memory of other models
+    in the same server, outside this one's share), or None where the device has no statistics."""
     device = device or jax.local_devices()[0]
     try:
         stats = device.memory_stats()
@@ -52,15 +53,16 @@ def device_free_bytes(memory_utilization: float = 0.9, device=None) -> int | Non
         stats = None
     if not stats or "bytes_limit" not in stats:
         return None
-    return int(memory_utilization * stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return int(memory_utilization * stats["bytes_limit"]) - (int(stats.get("bytes_in_use", 0)) - others_bytes_in_use)
 
 
 def num_kv_blocks(cfg: ModelConfig, kv_dtype, block_size: int, max_model_len: int, *,
-                  memory_utilization: float = 0.9, kv_share: float = 0.5, device=None, reserved_bytes: int = 0) -> int:
+                  memory_utilization: float = 0.9, kv_share: float = 0.5, device=None, reserved_bytes: int = 0,
+                  others_bytes_in_use: int = 0) -> int:
     """reserved_bytes: device memory the engine allocates beside the pool (a hybrid model's state slots), taken
-    from the free memory first (GPU)."""
+    from the free memory first (GPU); others_bytes_in_use: `device_free_bytes`'s."""
     per_block = kv_bytes_per_token(cfg, kv_dtype) * block_size
-    free = device_free_bytes(memory_utilization, device)
+    free = device_free_bytes(memory_utilization, device, others_bytes_in_use)
     if free is None:
         blocks = min(CPU_KV_BYTES // per_block, CPU_MAX_TOKENS // block_size)
     else:

@@ -1,6 +1,6 @@
 """Every serving setting and its default, once: `SchedulerConfig` (what the scheduler reads), `RunnerBuckets`
 (the runner's smallest shape buckets), `EngineConfig` (the engine: KV pool, KV path, loops) and `ServeConfig`
-(the HTTP server around it). The CLI (`surojax serve`, scripts/serve.py) fills a `ServeConfig`; `Engine`,
+(the HTTP server around it); `MultiServeConfig` (several `ServedModel`s behind one server). The CLI (`surojax serve`, scripts/serve.py) fills a `ServeConfig`; `Engine`,
 `Scheduler` and the server take these typed values, never an argparse namespace. Imports nothing heavy (the CLI
 builds a config before loading JAX).
 """
@@ -119,7 +119,9 @@ class EngineConfig:
     the device's memory the server may fill; enable_prefix_caching: reuse full blocks across requests; kv_path:
     `KVPath`; kv_in_place (REFERENCE path only): the decoder updates the dense view in its layer scan's carry
     instead of copying it in and out; unroll_layers: the layer loop inlined (longer compiles, same values);
-    speculative: `SpeculativeConfig` or None (off); kv_cache_dtype: `KVCacheDtype` (FP8: not with LoRA slots,
+    speculative: `SpeculativeConfig` or None (off); others_bytes_in_use: device memory held by others (the models
+    loaded before this one in a multi-model server), not counted against memory_utilization, which is then this
+    model's share of the device (its weights and pool); kv_cache_dtype: `KVCacheDtype` (FP8: not with LoRA slots,
     whose adapters would change W_k / W_v after the scales are fixed; the draft's pool keeps its dtype). Speculation is refused with decode_steps > 1 and with the
     REFERENCE KV path (the verify step reads and writes the pool in place)."""
 
@@ -134,6 +136,7 @@ class EngineConfig:
     buckets: RunnerBuckets = RunnerBuckets()
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    others_bytes_in_use: int = 0
 
     def __post_init__(self):
         _positive("EngineConfig", block_size=self.block_size, num_blocks=self.num_blocks)
@@ -216,11 +219,66 @@ class ServeConfig:
                              "scales are bounded from the base weights, which an adapter changes")
 
 
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """One model of a multi-model server (`MultiServeConfig`): its `ServeConfig` (source, served name, tokenizer,
+    engine with its own KV budget, LoRA; its host / port / api_key / max_request_bytes / log_level are unused: the
+    server's are `MultiServeConfig`'s) and sleep_after_idle_s: seconds without a request after which it sleeps
+    (`serve.sleep`; None: never)."""
+
+    serve: ServeConfig
+    sleep_after_idle_s: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.serve.served_model_name or self.serve.model
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.serve.lora.modules) if self.serve.lora is not None else ()
+
+    def __post_init__(self):
+        if self.sleep_after_idle_s is not None and not self.sleep_after_idle_s > 0:
+            raise ValueError(f"{self.name}: sleep_after_idle_s must be > 0, got {self.sleep_after_idle_s}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiServeConfig:
+    """Several models behind one HTTP server (`serve.model_router`), each with its own engine (scheduler, KV
+    pool), picked by the request's "model". enable_sleep_mode: POST /sleep, POST /wake_up and GET /is_sleeping
+    are served (vLLM's names; off: 403) and models may sleep when idle (`ServedModel.sleep_after_idle_s`).
+    Requests without "model" go to the first model. Model and adapter names must be unique across the server."""
+
+    models: tuple[ServedModel, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    log_level: str = "info"
+    enable_sleep_mode: bool = False
+
+    def __post_init__(self):
+        if not self.models:
+            raise ValueError("MultiServeConfig: give at least one model")
+        seen: dict[str, str] = {}
+        for m in self.models:
+            for name, what in ((m.name, "model"), *((a, f"LoRA adapter of {m.name}") for a in m.adapter_names)):
+                if name in seen:
+                    raise ValueError(f"the name {name!r} is used twice ({seen[name]} and {what}): requests pick a "
+                                     "model or adapter by its name, so every name must be unique")
+                seen[name] = what
+            if m.sleep_after_idle_s is not None and not self.enable_sleep_mode:
+                raise ValueError(f"{m.name}: sleep_after_idle_s needs enable_sleep_mode: true")
+        if not 0 < self.port <= 65535:
+            raise ValueError(f"MultiServeConfig: port must be in 1 .. 65535, got {self.port}")
+        _positive("MultiServeConfig", max_request_bytes=self.max_request_bytes)
+
+
 def default_max_model_len(max_position_embeddings: int | None) -> int:
     """max_model_len None: the model's limit, at most DEFAULT_MAX_MODEL_LEN_CAP (4096 where the model has none)."""
     return min(max_position_embeddings or 4096, DEFAULT_MAX_MODEL_LEN_CAP)
 
 
 __all__ = ["DEFAULT_MAX_MODEL_LEN_CAP", "DEFAULT_MAX_REQUEST_BYTES", "EngineConfig", "KVCacheDtype", "KVPath", "LoraServeConfig",
-           "RunnerBuckets", "SchedulerConfig", "ServeConfig", "SpecMethod", "SpeculativeConfig",
+           "MultiServeConfig", "RunnerBuckets", "ServedModel", "SchedulerConfig", "ServeConfig", "SpecMethod", "SpeculativeConfig",
            "default_max_model_len"]

@@ -47,6 +47,11 @@ allocated at admission, zeroed when the sequence starts, freed with it; chunked 
 continue from it). Prefix caching is turned off (logged: `state_slots.PREFIX_CACHING_OFF`); speculative decoding
 and a hybrid draft model are refused (`HybridServingError`: `state_slots.SPECULATIVE_REFUSED`); so are runtime
 LoRA slots (`peft.multi_lora`) and an FP8 KV pool.
+
+Sleep mode (`serve.sleep`, vLLM's level 1): ``sleep()`` (refused with requests in flight) moves the weights of
+every runner to host memory, deletes their device buffers and the KV pools, and drops the prefix cache;
+``wake_up()`` puts them back. ``add_request`` and the LoRA calls wake a sleeping engine first, so a request
+waits for the weights instead of failing; greedy output after a wake equals the output before the sleep.
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ from surojax.serve.kv_cache import KVCacheManager
 from surojax.serve.prompt_logprobs import PromptScores
 from surojax.serve.runner import PagedRunner, StepResult
 from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, ScheduledRequest, Scheduler
+from surojax.serve import sleep as sleep_mode
 from surojax.serve.speculative import SpecStats, ngram_propose, speculation_allowed
 from surojax.serve.state_slots import PREFIX_CACHING_OFF, SPECULATIVE_REFUSED, StateSlots, is_hybrid, state_pool_bytes
 
@@ -110,6 +116,10 @@ class HybridServingError(ValueError):
     is_user_error = True
 
 
+class EngineBusyError(RuntimeError):
+    """An engine with requests in flight cannot sleep."""
+
+
 class Engine:
     def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, tokenizer=None, lora=None,
                  kv_dtype=None, draft_model: Decoder | None = None):
@@ -143,7 +153,8 @@ class Engine:
         if num_blocks is None:
             num_blocks = num_kv_blocks(cfg, kv_dtype, bs, sched.max_model_len,
                                        memory_utilization=config.memory_utilization,
-                                       reserved_bytes=state_pool_bytes(model, sched.max_num_seqs))
+                                       reserved_bytes=state_pool_bytes(model, sched.max_num_seqs),
+                                       others_bytes_in_use=config.others_bytes_in_use)
             if draft_model is not None:  # the draft's pool has as many blocks: share the memory
                 t, d = kv_bytes_per_token(cfg, kv_dtype), kv_bytes_per_token(draft_model.cfg, draft_model.dtype)
                 num_blocks = max(1, num_blocks * t // (t + d))
@@ -174,6 +185,7 @@ class Engine:
         self._text: dict[str, RequestText] = {}
         self._matchers: dict[str, GrammarMatcher] = {}  # structured output: request id -> its grammar's state
         self._prompt_scores: dict[str, PromptScores] = {}  # prompt logprobs not yet handed out, by request id
+        self._slept: sleep_mode.Slept | None = None  # sleep mode: the weights on the host, no KV pool (`sleep`)
 
     @functools.cached_property
     def grammar_vocab(self) -> GrammarVocab:
@@ -210,6 +222,8 @@ class Engine:
             matcher = self.grammar_vocab.matcher(params.grammar, params.stop_token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         prompt_ids = [int(t) for t in prompt_ids]
+        if self._slept is not None:  # a request for a sleeping engine waits for its weights to come back
+            self.wake_up()
         self.scheduler.add_request(Request(rid, prompt_ids, max_tokens=params.max_tokens,
                                            stop_token_ids=frozenset(params.stop_token_ids),
                                            sampling_params=params, adapter=adapter, single_step=matcher is not None,
@@ -381,10 +395,45 @@ class Engine:
                     outs[o.request_id].extend(o.new_token_ids)
         return [outs[r] for r in rids]
 
+    # ---- sleep mode (`serve.sleep`) --------------------------------------------------------------------------
+    @property
+    def runners(self) -> list[PagedRunner]:
+        """The runners holding weights and pools: the target's, then the draft's."""
+        return [self.runner] + ([self.draft] if self.draft is not None else [])
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._slept is not None
+
+    def sleep(self, level: int = 1) -> bool:
+        """Move the weights to host memory and free the KV pool (vLLM's level 1) -> False if already asleep.
+        Refused (`EngineBusyError`) while requests are in flight. The next request (or `wake_up`) wakes it."""
+        if level != 1:
+            raise ValueError(f"sleep level {level} is not supported: level 1 moves the weights to host memory and "
+                             "frees the KV cache (level 2, discarding the weights, is not offered)")
+        if self.has_unfinished():
+            raise EngineBusyError(f"cannot sleep with {len(self.scheduler.requests)} request(s) in flight")
+        if self._slept is not None:
+            return False
+        self.kv.reset_prefix_cache()  # the cached blocks' KV goes with the pool
+        self._slept = sleep_mode.put_to_sleep(self.runners, model=self.model)
+        log.info("asleep: %.2f GiB of weights on the host, the KV pool freed", self._slept.host_bytes / 2**30)
+        return True
+
+    def wake_up(self) -> bool:
+        """Weights back on the device, a fresh KV pool -> False if it was awake."""
+        if self._slept is None:
+            return False
+        sleep_mode.wake_up(self._slept, self.runners, model=self.model)
+        self._slept = None
+        log.info("awake: weights back on the device, KV pool re-created")
+        return True
+
     # ---- LoRA -------------------------------------------------------------------------------------------------
     def load_lora(self, name: str, path) -> None:
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.wake_up()  # the adapter is written into the model's device arrays
         self.lora.load(name, path)
         self.runner.refresh_weights(self.model)
 
@@ -393,6 +442,7 @@ class Engine:
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
         self.lora.slot(name)
+        self.wake_up()
         aborted = [rid for rid, r in list(self.scheduler.requests.items()) if r.adapter == name]
         for rid in aborted:
             self.abort(rid)

@@ -6,9 +6,15 @@ and run uvicorn themselves.
 MODEL is any model reference (surojax.weights.model_ref): an HF safetensors folder, a surojax output folder (its
 `merged/`, `model/`, or `adapter/` whose adapter_config.json names the base), a PEFT adapter folder, a .gguf
 file, or a Hugging Face Hub id (surojax.hub fetches it; so too the draft model and --lora-modules NAME=REF).
+
+Several models (`MultiServeConfig`, read from a serve config YAML by `surojax.cli.serve_file`): `build_multi_server`
+builds each model's server as above, one after the other, each engine sized with the device memory the models
+before it hold left out of its share (`EngineConfig.others_bytes_in_use`), and puts `serve.model_router` in
+front.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import sys
@@ -24,9 +30,10 @@ from surojax.peft.multi_lora import AdapterSlots
 from surojax.quant.laid_out import decode_weights
 from surojax.serve.api_server import ServerState, build_app
 from surojax.serve.async_engine import AsyncEngine
-from surojax.serve.config import ServeConfig, SpecMethod
+from surojax.serve.config import MultiServeConfig, ServeConfig, SpecMethod
 from surojax.serve.engine import Engine
 from surojax.serve.lora_root import LoraRoot
+from surojax.serve.model_router import ModelTable, RoutedModel, build_router_app
 
 log = logging.getLogger("surojax.serve")
 
@@ -103,6 +110,36 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     return build_app(state), state
 
 
+def device_bytes_in_use(device=None) -> int:
+    """Device memory in use now (0 where the device keeps no statistics: CPU)."""
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # CPU backends raise or return None
+        stats = {}
+    return int(stats.get("bytes_in_use", 0))
+
+
+def build_multi_server(config: MultiServeConfig):
+    """-> (the router app, ModelTable): one server per model (`build_server`, engine threads started), in order;
+    a model's gpu_memory_utilization is its own share (the models loaded before it are left out)."""
+    models = []
+    try:
+        for m in config.models:
+            engine = dataclasses.replace(m.serve.engine, others_bytes_in_use=device_bytes_in_use())
+            serve_config = dataclasses.replace(m.serve, engine=engine, api_key=config.api_key,
+                                               max_request_bytes=config.max_request_bytes)
+            app, state = build_server(serve_config)
+            log.info("model %s served from %s", state.model_name, m.serve.model)
+            models.append(RoutedModel(state, app, m.sleep_after_idle_s))
+    except BaseException:
+        for routed in models:
+            routed.state.engine.shutdown()
+        raise
+    table = ModelTable(models, enable_sleep_mode=config.enable_sleep_mode)
+    return build_router_app(table, api_key=config.api_key, max_request_bytes=config.max_request_bytes), table
+
+
 def freeze_heap() -> None:
     """Take every object alive now (the model, JAX, FastAPI: ~10^5 and more) out of the cyclic GC's generations.
     A full collection walks them all with the GIL held (~80 ms on the debug shape, every few seconds at 64
@@ -112,14 +149,20 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def serve(config: ServeConfig) -> int:
+def serve(config: ServeConfig | MultiServeConfig) -> int:
     import uvicorn
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, state = build_server(config)
+    if isinstance(config, MultiServeConfig):
+        app, table = build_multi_server(config)
+        engines = [m.state.engine for m in table.models]
+    else:
+        app, state = build_server(config)
+        engines = [state.engine]
     freeze_heap()
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     finally:
-        state.engine.shutdown()
+        for engine in engines:
+            engine.shutdown()
     return 0

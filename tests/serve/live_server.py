@@ -42,6 +42,16 @@ def live_server(argv: list[str], *, buckets: RunnerBuckets, model: Path | str = 
     yields (base URL, ServerState); stops the server and its engine thread afterwards."""
     config = parse_serve_args(argv, model)
     app, state = build_server(dataclasses.replace(config, engine=dataclasses.replace(config.engine, buckets=buckets)))
+    try:
+        with serving(app, backlog=backlog) as url:
+            yield url, state
+    finally:
+        state.engine.shutdown()
+
+
+@contextlib.contextmanager
+def serving(app, *, backlog: int = 2048) -> Iterator[str]:
+    """uvicorn serving `app` on a free local port in a thread -> its base URL; stopped afterwards."""
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", backlog=backlog))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -51,8 +61,7 @@ def live_server(argv: list[str], *, buckets: RunnerBuckets, model: Path | str = 
         assert time.time() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", state
+        yield f"http://127.0.0.1:{port}"
     finally:
         srv.should_exit = True
         thread.join(10)
-        state.engine.shutdown()
