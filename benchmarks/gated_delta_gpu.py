@@ -128,8 +128,8 @@ SMOKE_VARIANTS = (DEFAULT_VARIANT, "bv16-w4-s1")
 # "pallas_v2" (kernel_v2.py, its backward the chunked form's VJP): V2Knobs' block_v (the state kernel), block_o (the
 # output kernel), num_warps, num_stages. triton_offline_check.py dump-gdn (sm_90, Dk = Dv = 128): every one of these
 # compiles without spills, under 150 KB of shared memory (bv128: 255 registers and spills, kept out)
-V2_DEFAULT = "bv32-bo64-w4-s2"
-V2_VARIANTS = (V2_DEFAULT, "bv64-bo128-w4-s2", "bv16-bo64-w4-s3", "bv32-bo64-w8-s2", "bv64-bo64-w8-s3")
+V2_DEFAULT = "bv64-bo128-w4-s2"
+V2_VARIANTS = (V2_DEFAULT, "bv32-bo64-w4-s2", "bv16-bo64-w4-s3", "bv32-bo64-w8-s2", "bv64-bo64-w8-s3")
 
 
 def parse_v2_variant(label: str) -> tuple[int, int, int, int]:

@@ -12,9 +12,11 @@ impl:
                  U and W, a state-only sequential kernel, a chunk-parallel output kernel); a custom_vjp whose
                  backward is jnp for now (backward_v2.py: fla's chunk-backward decomposition, from the forward
                  kernels' saved chunk states and v_new; each of its steps is the specification of one future kernel)
-    "auto"       "chunked" on every backend: the kernels compile on an H100 and pass their checks at Qwen3.5's
-                 shapes, but run 2.6-3.6x slower than the chunked form XLA compiles (forward + backward, 8 x 2048:
-                 38.0 against 10.6 ms; benchmarks/RESULTS.md session 20); "auto" picks a kernel once one is faster
+    "auto"       "pallas_v2" on a GPU, "chunked" elsewhere (interpret mode is for tests). Measured on an H100
+                 (benchmarks/RESULTS.md session 21, Qwen3.5 shapes, every program checked against the fp32 chunked
+                 form): forward + backward 8 x 2048 0.8B 6.98 ms against the chunked form's 10.60, 9B 14.40 / 20.80,
+                 1 x 8192 4.98 / 8.08 (forward alone 0.87 / 3.63 ms); "pallas" (kernel.py) is 2.6-3.6x slower than
+                 "chunked" (session 20) and never chosen
 """
 from __future__ import annotations
 
@@ -179,7 +181,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, segment_ids=None, 
     _check(q, k, v, g, beta, segment_ids, initial_state)
     on_gpu = jax.default_backend() == "gpu"
     if impl == "auto":
-        impl = "chunked"  # measured faster than the Pallas kernels on the GPU (module docstring)
+        impl = "pallas_v2" if on_gpu else "chunked"  # measured (module docstring)
     kwargs = dict(scale=scale, segment_ids=segment_ids, initial_state=initial_state,
                   output_final_state=output_final_state)
     if impl == "reference":

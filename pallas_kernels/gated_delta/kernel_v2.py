@@ -47,9 +47,14 @@ class V2Knobs:
     """The three kernels' launch (static, hashable). block_v / block_o: value columns per program of K2 / K3."""
     scale: float
     interpret: bool
-    block_v: int = 32  # sm_90 offline (benchmarks/triton_offline_check.py dump-gdn, Dk = Dv = 128): K2 at bv32-w4-s2
-    block_o: int = 64  # 106 registers, 82 KB shared (its loads pipelined); K3 at bo64-w4 119 registers, 32 KB; K1
-    num_warps: int = 4  # 250 registers, 13 KB; no spills. 2 warps: no wgmma, spills in K2 / K3 (kept out)
+    # H100 sweep (benchmarks/RESULTS.md session 21, Dk = Dv = 128): bv64-bo128-w4-s2 the fastest forward + backward
+    # at 0.8B 8 x 2048 (6.98 ms; bv32-bo64 7.10, bv16-bo64-w4-s3 7.44, 8 warps 7.6) and at 1 x 8192 (4.98; 5.32);
+    # 8 warps slow K1 (0.97 against 0.55 ms). sm_90 offline (benchmarks/triton_offline_check.py dump-gdn): K2 at
+    # bv32-w4-s2 106 registers, 82 KB shared; K3 at bo64-w4 119 registers, 32 KB; K1 250 registers, 13 KB; no
+    # spills. 2 warps: no wgmma, spills in K2 / K3 (kept out)
+    block_v: int = 64
+    block_o: int = 128
+    num_warps: int = 4
     num_stages: int = 2
     store_dtype: str | None = None  # None: the operand (v's) dtype
 
