@@ -171,17 +171,25 @@ def _v2_bwd(knobs, residuals, cotangents):
 pallas_v2_forward.defvjp(_v2_fwd, _v2_bwd)
 
 
+def resolve_impl(impl: str) -> str:
+    """The implementation `impl` runs on this process's default backend: "auto" is "pallas_v2" on a GPU and
+    "chunked" elsewhere (measured: module docstring); the others are themselves. The memory plan reads it too
+    (each form saves different residuals for its backward)."""
+    if impl not in IMPLS:
+        raise ValueError(f"chunk_gated_delta_rule: impl {impl!r} is unknown ({', '.join(IMPLS)})")
+    if impl == "auto":
+        return "pallas_v2" if jax.default_backend() == "gpu" else "chunked"
+    return impl
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "interpret"))
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, segment_ids=None, initial_state=None,
                            output_final_state: bool = False, impl: str = "auto", interpret: bool | None = None):
     """(o [B, T, H, Dv] in v's dtype, final state [B, H, Dk, Dv] fp32 or None): reference.py's operands.
     interpret (impl "pallas", "pallas_v2"): None = interpret mode on any backend but GPU."""
-    if impl not in IMPLS:
-        raise ValueError(f"chunk_gated_delta_rule: impl {impl!r} is unknown ({', '.join(IMPLS)})")
+    impl = resolve_impl(impl)
     _check(q, k, v, g, beta, segment_ids, initial_state)
     on_gpu = jax.default_backend() == "gpu"
-    if impl == "auto":
-        impl = "pallas_v2" if on_gpu else "chunked"  # measured (module docstring)
     kwargs = dict(scale=scale, segment_ids=segment_ids, initial_state=initial_state,
                   output_final_state=output_final_state)
     if impl == "reference":
@@ -201,4 +209,4 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, segment_ids=None, 
 
 
 __all__ = ["IMPLS", "chunk_gated_delta_rule", "pallas_forward", "pallas_v2_forward", "recurrent_gated_delta_step",
-           "v2_operands"]
+           "resolve_impl", "v2_operands"]

@@ -74,10 +74,12 @@ and each Gated DeltaNet layer saves, with P = conv_dim + value_dim + 2 Hv its in
     none   the norms and MLP as an attention layer, P*c, the causal conv's fp32 sum and SiLU output
            conv_dim*(4 + c), the q / k L2-norm 2 key_dim*(4 + c), g and beta 2 Hv*4, the rule's output and the gated
            norm's fp32 input and output value_dim*(4 + 2c), out_proj output and residual 2 D*c, the LoRA x@A of its
-           targets; plus the chunk rule's fp32 residuals per row and head (`deltanet_chunk_bytes`, per layer, not
-           per token): the state entering each chunk N*Dk*Dv, the state recurrence's m N*Dk*Dk and r N*Dk*Dv,
-           the per-chunk [64, 64] matrices (UT inverse, decay, attn and their intermediates) 11 N*64*64 and the
-           chunked operands N*64*(5 Dk + 2 Dv) (counts from XLA's buffer assignment, CPU, rolled scan)
+           targets; plus the chunk rule's residuals per row and head (`deltanet_chunk_bytes`, per layer, not
+           per token), by the implementation that runs: the chunked jnp form (a CPU's) keeps in fp32 the state
+           entering each chunk N*Dk*Dv, the state recurrence's m N*Dk*Dk and r N*Dk*Dv, the per-chunk [64, 64]
+           matrices (UT inverse, decay, attn and their intermediates) 11 N*64*64 and the chunked operands
+           N*64*(5 Dk + 2 Dv) (counts from XLA's buffer assignment, CPU, rolled scan); pallas_v2 (a GPU's) only
+           the chunk states and v_new in the compute dtype, N*(Dk*Dv + 64 Dv)*c
     dots   the layer input D*c, the input projections P*c, out_proj D*c, the MLP's and the LoRA's as above (the
            chunk rule's matmuls all have batch dims: recomputed)
     none, unrolled  what dots keeps plus the rule's output value_dim*c and the chunk rule's residuals
@@ -102,7 +104,9 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.gated_delta.api import resolve_impl
 from pallas_kernels.gated_delta.chunked import CHUNK
+from surojax.kernel_settings import kernel_settings
 from surojax.models.layer_runner import Recompute
 from surojax.offload.prefetch import PREFETCH_DEPTH
 from surojax.precision.recipe import Recipe
@@ -239,15 +243,26 @@ def _layer_counts(cfg) -> tuple[int, int]:
 _CHUNK_SQUARES, _CHUNK_KEY_ROWS, _CHUNK_VALUE_ROWS = 11, 5, 2
 
 
-def deltanet_chunk_bytes(cfg, *, batch: int, seq: int) -> int:
-    """fp32 bytes one Gated DeltaNet layer's chunk rule (pallas_kernels/gated_delta/chunked.py) keeps for its
-    backward over `batch` rows of `seq` tokens, N = ceil(seq / 64) chunks per row and value head (Hv): per
-    chunk and head the state entering it [Dk, Dv], the state recurrence's m [Dk, Dk] and r [Dk, Dv], the
-    per-chunk [64, 64] matrices (the UT inverse, decay, attn and their intermediates: `_CHUNK_SQUARES`) and the
-    chunked fp32 operands [64, Dk] / [64, Dv] (q, k, W / v, U: `_CHUNK_KEY_ROWS`, `_CHUNK_VALUE_ROWS`)."""
+def deltanet_chunk_bytes(cfg, *, batch: int, seq: int, c: int = 2, impl: str | None = None) -> int:
+    """Bytes one Gated DeltaNet layer's chunk rule keeps for its backward over `batch` rows of `seq` tokens,
+    N = ceil(seq / 64) chunks per row and value head (Hv), for the implementation that runs (`impl`: None = the
+    process's kernel setting SUROJAX_GATED_DELTA resolved on this backend, pallas_kernels.gated_delta.api):
+      chunked / reference  fp32, per chunk and head the state entering it [Dk, Dv], the state recurrence's
+                 m [Dk, Dk] and r [Dk, Dv], the per-chunk [64, 64] matrices (the UT inverse, decay, attn and their
+                 intermediates: `_CHUNK_SQUARES`) and the chunked fp32 operands [64, Dk] / [64, Dv] (q, k, W / v, U:
+                 `_CHUNK_KEY_ROWS`, `_CHUNK_VALUE_ROWS`) (XLA's buffer assignment, CPU, rolled scan)
+      pallas_v2  its custom_vjp's residuals beyond the layer's own tensors: the state entering each chunk
+                 [Dk, Dv] and v_new [64, Dv] per chunk and head in the compute dtype (c bytes), the fp32 initial
+                 state per row and head, and q / k repeated to the Hv value heads when Hv > Hk
+      pallas     the same with the chunk states in fp32 and no v_new."""
     la = cfg.linear_attention
-    Dk, Dv = la.key_head_dim, la.value_head_dim
-    chunks = batch * la.num_value_heads * math.ceil(seq / CHUNK)
+    Dk, Dv, Hv = la.key_head_dim, la.value_head_dim, la.num_value_heads
+    impl = resolve_impl(kernel_settings().gated_delta.value if impl is None else impl)
+    chunks = batch * Hv * math.ceil(seq / CHUNK)
+    if impl in ("pallas_v2", "pallas"):
+        repeated = batch * seq * 2 * Hv * Dk * c if Hv > la.num_key_heads else 0
+        states = chunks * Dk * Dv * c + chunks * CHUNK * Dv * c if impl == "pallas_v2" else chunks * Dk * Dv * 4
+        return states + repeated + batch * Hv * Dk * Dv * 4
     states = Dk * Dv + Dk * Dk + Dk * Dv
     rows = CHUNK * (_CHUNK_KEY_ROWS * Dk + _CHUNK_VALUE_ROWS * Dv)
     return chunks * 4 * (states + _CHUNK_SQUARES * CHUNK * CHUNK + rows)
@@ -277,7 +292,7 @@ def deltanet_layer_bytes(cfg, recompute: Recompute, *, batch: int, seq: int, c: 
         return tokens * dots
     if recompute is not Recompute.NONE:
         raise ValueError(f"recompute {recompute!r} is not a Recompute")
-    chunk = deltanet_chunk_bytes(cfg, batch=batch, seq=seq)
+    chunk = deltanet_chunk_bytes(cfg, batch=batch, seq=seq, c=c)
     if unrolled:
         return tokens * (dots + la.value_dim * c) + chunk
     moe = (8 * E + k * 2 * D * c) if E else 0

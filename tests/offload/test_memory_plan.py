@@ -12,12 +12,19 @@ build, session 2:
     Qwen3-0.6B full FT b8 recompute none    34.2 vs 37.5 GiB   -9%
     Qwen3-8B LoRA r16 b4 recompute none     76.3 vs 71.4 GiB   +7%
 """
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import pytest
 
+from pallas_kernels.gated_delta import api
+from pallas_kernels.gated_delta.kernel_v2 import V2Knobs
 from surojax.bench.shapes import model_config
 from surojax.models.layer_runner import Recompute
 from surojax.offload.memory_plan import (GiB, MemoryPlanError, activation_bytes_per_token_layer, check_fits,
-                                         device_capacity, fitting_options, format_plan, plan_memory)
+                                         deltanet_chunk_bytes, device_capacity, fitting_options, format_plan,
+                                         plan_memory)
 
 CASES = [("qwen3-0.6b", "lora", 8, "none", 42.6), ("qwen3-0.6b", "lora", 8, "full", 8.5),
          ("qwen3-0.6b", "full", 8, "none", 53.5), ("qwen3-8b", "lora", 4, "none", 91.8),
@@ -179,3 +186,21 @@ def test_hybrid_counts_its_deltanet_layers():
     q_proj = r * (D + 2 * 8 * 256) * 4  # the gated attention's q_proj [D, 2 NH], fp32 adapters
     assert full[1].adapters == 24 * q_proj
     assert full[0].adapters == La * q_proj + Ld * r * (D + conv) * 4
+
+
+@pytest.mark.parametrize("hk", [16, 8])  # Hv = Hk: q / k not repeated; Hv > Hk: repeated copies kept
+def test_pallas_v2_chunk_term_is_its_residuals(hk):
+    """The plan's pallas_v2 term (what a GPU runs under impl auto) = the custom_vjp's residuals beyond the layer's
+    own tensors, from their shapes (jax.eval_shape of the forward rule, nothing run): the chunk states h and
+    v_new in the compute dtype, the fp32 initial state, and q / k when repeated to the value heads."""
+    cfg = model_config("qwen3.5-0.8b")
+    cfg = cfg.replace(linear_attention=dataclasses.replace(cfg.linear_attention, num_key_heads=hk))
+    B, T, H, D = 2, 256, 16, 128
+    bf, f32 = jnp.bfloat16, jnp.float32
+    ops = [jax.ShapeDtypeStruct((B, T, H, D), bf)] * 3 + [jax.ShapeDtypeStruct((B, T, H), f32)] * 2 + [
+        jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, H, D, D), f32)]
+    res = jax.eval_shape(lambda *a: api._v2_fwd(V2Knobs(scale=0.1, interpret=True), *a)[1], *ops)
+    q, k, state, h, v_new = res[0], res[1], res[6], res[7], res[8]
+    nbytes = [x.size * x.dtype.itemsize for x in (q, k, state, h, v_new)]
+    repeated = (nbytes[0] + nbytes[1]) if H > hk else 0
+    assert deltanet_chunk_bytes(cfg, batch=B, seq=T, c=2, impl="pallas_v2") == sum(nbytes[2:]) + repeated
