@@ -11,9 +11,11 @@ Qwen3-MoE and Mixtral checkpoints are published) on the E axis after it. `transp
 order). `half` (0 or 1) puts the tensor into that half of the last axis: the experts' gate and up projections
 are stored fused, gate_up [.., D, 2F] = [gate | up].
 
-A MoE family may have a second table, `fused_weights`: the same model under the fused expert names transformers 5
-keeps in memory (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]); the loader reads
-whichever table the checkpoint matches, the saver writes `weights` (the published layout). A shared expert
+A family may have a second table, `fused_weights` (Gemma 3's multimodal checkpoint: its published
+`language_model.model.*` names beside transformers 5's in-memory `model.language_model.*`); a MoE family's is the
+same model under the fused expert names transformers 5 keeps in memory (`mlp.experts.gate_up_proj` [E, 2F, D],
+`mlp.experts.down_proj` [E, D, F]). The loader reads whichever table the checkpoint matches, the saver writes
+`weights` (a MoE's published per-expert layout; gemma3's in-memory names, which PEFT's adapters use). A shared expert
 (qwen2_moe, qwen3_5_moe: `mlp.shared_expert.{gate,up,down}_proj`, `mlp.shared_expert_gate`) has the same names in
 both layouts (SHARED_EXPERT_WEIGHTS).
 
