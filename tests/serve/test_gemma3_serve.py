@@ -8,8 +8,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from surojax.serve.config import KVPath
+from surojax.serve.config import KVCacheDtype, KVPath
 from surojax.serve.engine import Engine
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.configs import BUCKETS, engine_config
@@ -27,3 +28,10 @@ def test_served_greedy_equals_transformers():
     model = load_model(FIXTURE, dtype=jnp.float32, attention="xla")
     engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4))
     assert engine.generate(prompts, max_tokens=len(want[0])) == want
+
+
+def test_fp8_kv_pool_is_refused_by_name():
+    """The FP8 pool's scale bound (serve/kv_fp8.py) reads a norm weight as the scale; Gemma's are 1 + w."""
+    model = load_model(FIXTURE, dtype=jnp.float32, attention="xla")
+    with pytest.raises(ValueError, match=r"FP8 KV pool is not supported with \(1 \+ w\) RMSNorms"):
+        Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
