@@ -27,6 +27,9 @@ tests/fixtures/peft/versions.json. What is written (< 1 MB in all):
                     (tokens; logits with the adapter; `losses`: the causal-LM loss before each of 3 plain SGD steps
                     (lr 0.1) on the adapter's tensors, and after the last: PEFT's loss curve).
                     Alone: `make_peft_fixtures.py --only qwen3_5`.
+    gemma3/         the same protocol ("all-linear": q/k/v/o and gate/up/down) on the Gemma 3 parity fixture
+                    tests/fixtures/models/gemma3_text (sliding and global layers, GeGLU, sandwich norms).
+                    Alone: `make_peft_fixtures.py --only gemma3`.
 """
 from __future__ import annotations
 
@@ -138,15 +141,28 @@ QWEN3_5_BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3_5_text"
 SGD_LR, SGD_STEPS = 0.1, 3
 
 
+GEMMA3_BASE = ROOT / "tests" / "fixtures" / "models" / "gemma3_text"
+
+
 def make_qwen3_5(out: Path) -> None:
-    torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_pretrained(QWEN3_5_BASE, torch_dtype=torch.float32,
+    _all_linear_sgd(out, QWEN3_5_BASE, 3, {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj",
+                                           "gate_proj"})
+
+
+def make_gemma3(out: Path) -> None:
+    _all_linear_sgd(out, GEMMA3_BASE, 4, set(TARGETS))
+
+
+def _all_linear_sgd(out: Path, base: Path, seed: int, wrapped_at_least: set) -> None:
+    """An "all-linear" adapter on a parity fixture `base`, its logits and PEFT's SGD loss curve (see the docstring)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32,
                                                               attn_implementation="eager").eval()
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM",
                       init_lora_weights=False)
     pmodel = get_peft_model(model, lora).eval()
     wrapped = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in pmodel.named_parameters() if "lora_A" in n}
-    assert {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "gate_proj"} <= wrapped
+    assert wrapped_at_least <= wrapped, wrapped
     scale_b(pmodel, 0.2)
     tokens = torch.tensor(TOKENS)
     with torch.no_grad():
@@ -156,7 +172,7 @@ def make_qwen3_5(out: Path) -> None:
     out.mkdir(parents=True)
     save_adapter(pmodel, out / "adapter")
     cfg_path = out / "adapter" / "adapter_config.json"  # the base by its path in the repo, not this machine's
-    cfg_path.write_text(cfg_path.read_text().replace(str(QWEN3_5_BASE), str(QWEN3_5_BASE.relative_to(ROOT))))
+    cfg_path.write_text(cfg_path.read_text().replace(str(base), str(base.relative_to(ROOT))))
     params = [p for n, p in pmodel.named_parameters() if "lora_" in n]
     losses = []
     for _ in range(SGD_STEPS):  # the loss curve of plain SGD on the adapter: mean next-token cross-entropy
@@ -172,15 +188,15 @@ def make_qwen3_5(out: Path) -> None:
         losses.append(pmodel(tokens, labels=tokens).loss.item())
     np.savez(out / "expected.npz", tokens=np.array(TOKENS, np.int32), logits=logits,
              losses=np.array(losses, np.float64), lr=np.float64(SGD_LR))
-    print(f"qwen3_5: losses {losses}")
+    print(f"{out.name}: losses {losses}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["shared_expert", "qwen3_5"], help="write only this folder")
+    parser.add_argument("--only", choices=["shared_expert", "qwen3_5", "gemma3"], help="write only this folder")
     only = parser.parse_args().only
     if only:
-        {"shared_expert": make_shared_expert, "qwen3_5": make_qwen3_5}[only](OUT / only)
+        {"shared_expert": make_shared_expert, "qwen3_5": make_qwen3_5, "gemma3": make_gemma3}[only](OUT / only)
         return
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -212,6 +228,7 @@ def main() -> None:
     make_moe(OUT / "moe")
     make_shared_expert(OUT / "shared_expert")
     make_qwen3_5(OUT / "qwen3_5")
+    make_gemma3(OUT / "gemma3")
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({total / 1024:.0f} KB)")
 

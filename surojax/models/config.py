@@ -129,6 +129,8 @@ class LinearAttentionConfig:
                 + self.value_head_dim + self.value_dim * hidden)
 
 
+# the dense MLP's activations: silu / swish (SwiGLU), gelu_pytorch_tanh (Gemma's GeGLU, tanh-approximated GELU)
+HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh")
 ROUTERS = ("softmax_topk", "topk_softmax")
 EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped")
 
@@ -225,6 +227,15 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj also gives a per-head sigmoid gate on the attention output (Qwen3.5)
     norm_zero_centered: bool = False  # RMSNorms scale by (1 + w), w initialised to zeros (Qwen3.5)
     partial_rotary_factor: float = 1.0  # rope on the first head_dim * factor dims of each head, the rest passes
+    # Gemma 3 (`gemma3_text`, `gemma3`): post-attention and post-feed-forward norms on each sublayer's output before
+    # the residual add (the "sandwich"), embeddings times sqrt(D) (in the embedding's dtype), the query scale
+    # query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), and the sliding-window layers' own rope (None: every
+    # layer uses rope_theta / rope_scaling; else a layer with a window uses local_rope_theta / local_rope_scaling).
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    local_rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
     # The HF config.json this came from, kept so that to_hf() can write back what surojax does not model.
     hf_extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -243,8 +254,12 @@ class ModelConfig:
         if self.linear_attention is not None and len(self.linear_attention.layers) != self.num_layers:
             raise ModelConfigError(f"layer_types has {len(self.linear_attention.layers)} entries, num_hidden_layers "
                                    f"is {self.num_layers}")
-        if self.hidden_act not in ("silu", "swish"):
-            raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected 'silu')")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected one of "
+                                   f"{', '.join(HIDDEN_ACTS)})")
+        if self.hidden_act not in ("silu", "swish") and (self.moe is not None or self.linear_attention is not None):
+            raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported with MoE or hybrid layers "
+                                   "(their MLPs are SwiGLU)")
 
     @property
     def q_dim(self) -> int:  # N * H
@@ -269,6 +284,19 @@ class ModelConfig:
         """The attention window of layer `layer` (None: full causal attention)."""
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
+    def layer_rope(self, layer: int) -> int:
+        """Which rope layer `layer` uses: 0 the config's (rope_theta / rope_scaling), 1 the sliding layers' own
+        (Gemma 3: a layer with a window, when local_rope_theta is set)."""
+        return int(self.local_rope_theta is not None and self.layer_window(layer) is not None)
+
+    def rope_configs(self) -> tuple["ModelConfig", ...]:
+        """The configs whose rope_theta / rope_scaling give each rope `layer_rope` names (index 0, 1): this config
+        alone, or with a local rope also this config with the local rope as its own."""
+        if self.local_rope_theta is None:
+            return (self,)
+        return (self, self.replace(rope_theta=self.local_rope_theta, rope_scaling=self.local_rope_scaling,
+                                   local_rope_theta=None))
+
     def num_params(self) -> int:
         """Parameters of the model, embeddings included (tied embeddings counted once)."""
         D, V = self.hidden_size, self.vocab_size
@@ -281,7 +309,8 @@ class ModelConfig:
         mixers = self.num_attention_layers * attn
         if self.linear_attention is not None:
             mixers += (self.num_layers - self.num_attention_layers) * self.linear_attention.layer_params(D)
-        return mixers + self.num_layers * (self._ffn_params(active=False) + 2 * D) \
+        norms = 2 * D * (2 if self.sandwich_norms else 1)  # attn / mlp norms (+ their post norms)
+        return mixers + self.num_layers * (self._ffn_params(active=False) + norms) \
             + V * D * (1 if self.tie_word_embeddings else 2) + D
 
     def num_active_params(self) -> int:
@@ -324,9 +353,14 @@ class ModelConfig:
             raise ModelConfigError(f"config.json lacks {', '.join(missing)} (model_type {hf.get('model_type')!r})")
         n_heads = int(hf["num_attention_heads"])
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-        rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-        rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0) if rs else 10000.0)
-        scaling = RopeScaling.from_hf(rs, hf)
+        gemma = Gemma3Text.from_hf(hf) if family.gemma3 else None
+        if gemma is not None:
+            hf = gemma.hf
+            rs, rope_theta, scaling = {}, gemma.rope_theta, gemma.rope_scaling
+        else:
+            rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+            rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0) if rs else 10000.0)
+            scaling = RopeScaling.from_hf(rs, hf)
         if hf.get("mlp_bias"):
             raise ModelConfigError("mlp_bias: true is not supported (no supported family has MLP biases)")
         if hf.get("attention_bias") and not family.attention_bias:
@@ -344,7 +378,7 @@ class ModelConfig:
         if family.hybrid:
             _check_mrope(rs)
         if hf.get("layer_types") is not None and not family.hybrid:
-            if family.sliding_window:
+            if family.sliding_window and not family.gemma3:
                 raise ModelConfigError(f"layer_types is not read by transformers' {family.hf_architecture} "
                                        "(one sliding_window for every layer); remove it from config.json")
             sliding, layer_windows = _windows_from_layer_types(hf)
@@ -376,9 +410,10 @@ class ModelConfig:
             moe=moe_from_hf(family.moe, hf),
             linear_attention=linear_attention,
             attn_output_gate=family.hybrid,
-            norm_zero_centered=family.hybrid,
+            norm_zero_centered=family.hybrid or family.gemma3,
             partial_rotary_factor=partial,
             hf_extra=dict(outer),
+            **({} if gemma is None else gemma.fields()),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -412,11 +447,16 @@ class ModelConfig:
         )
         if family.intermediate_size_key:
             out["intermediate_size"] = self.intermediate_size
-        # transformers >= 5 reads `rope_parameters`; older versions read rope_theta / rope_scaling.
-        rs = self.rope_scaling.hf_fields()
-        if self.rope_scaling.rope_type != "default":
-            out["rope_scaling"] = rs | {"type": rs["rope_type"]}
-        out["rope_parameters"] = rs | {"rope_theta": self.rope_theta}
+        if family.gemma3:  # per-layer-type ropes, hidden_activation: the generic keys would be read differently
+            for k in ("rope_theta", "hidden_act", "rope_local_base_freq", "sliding_window_pattern"):
+                out.pop(k, None)
+            out.update(Gemma3Text.to_hf(self))
+        else:
+            # transformers >= 5 reads `rope_parameters`; older versions read rope_theta / rope_scaling.
+            rs = self.rope_scaling.hf_fields()
+            if self.rope_scaling.rope_type != "default":
+                out["rope_scaling"] = rs | {"type": rs["rope_type"]}
+            out["rope_parameters"] = rs | {"rope_theta": self.rope_theta}
         if family.hybrid:
             read = self.hf_extra.get("rope_parameters") or {}
             out["rope_parameters"] |= {k: read[k] for k in ("mrope_section", "mrope_interleaved") if k in read}
@@ -427,7 +467,7 @@ class ModelConfig:
             out[family.bias_key] = self.attention_bias
         if family.sliding_window:
             out["sliding_window"] = self.sliding_window
-        if self.layer_windows is not None or ("layer_types" in self.hf_extra and not family.hybrid):
+        if self.layer_windows is not None or family.gemma3 or ("layer_types" in self.hf_extra and not family.hybrid):
             out["sliding_window"] = self.sliding_window
             out["layer_types"] = ["full_attention" if self.layer_window(i) is None else "sliding_attention"
                                   for i in range(self.num_layers)]
@@ -437,6 +477,81 @@ class ModelConfig:
         if self.moe is not None:
             out.update(moe_to_hf(family.moe, self.moe))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3Text:
+    """Gemma 3's text keys (transformers' Gemma3TextConfig), read into the ModelConfig fields they set.
+
+    hf: the text config with `layer_types` filled in (as transformers builds it without the key: every
+    `sliding_window_pattern`-th layer full attention, the others sliding; default 6) and `hidden_act` the
+    `hidden_activation`. Ropes: transformers 5's `rope_parameters` per layer type ({"full_attention": {...},
+    "sliding_attention": {...}}), or the legacy keys `rope_theta` (+ `rope_scaling`) for the full-attention layers
+    and `rope_local_base_freq` for the sliding ones (defaults 1e6 and 1e4). Refused by name: logit soft-capping
+    (`final_logit_softcapping`, `attn_logit_softcapping`: tanh capping is not implemented), bidirectional
+    attention, a sliding layer without a positive `sliding_window`."""
+
+    hf: dict[str, Any]
+    rope_theta: float
+    rope_scaling: RopeScaling
+    local_rope_theta: float
+    local_rope_scaling: RopeScaling
+    query_pre_attn_scalar: float
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "Gemma3Text":
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if hf.get(key) is not None:
+                raise ModelConfigError(f"gemma3: {key} {hf[key]} is not supported (tanh soft-capping of the "
+                                       f"{'logits' if key.startswith('final') else 'attention scores'} is not "
+                                       "implemented; Gemma 3 checkpoints set it null)")
+        if hf.get("use_bidirectional_attention"):
+            raise ModelConfigError("gemma3: use_bidirectional_attention true is not supported (the decoder is causal)")
+        act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+        if hf.get("hidden_act") not in (None, act):
+            raise ModelConfigError(f"gemma3: hidden_act {hf['hidden_act']!r} differs from hidden_activation {act!r} "
+                                   "(transformers' Gemma 3 reads hidden_activation)")
+        L = int(hf["num_hidden_layers"])
+        types = hf.get("layer_types")
+        if types is None:
+            period = int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+            types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(L)]
+        if "sliding_attention" in types and not hf.get("sliding_window"):
+            raise ModelConfigError(f"gemma3: sliding_window {hf.get('sliding_window')!r}: the sliding_attention "
+                                   "layers of layer_types need a positive window")
+        rp = hf.get("rope_parameters") or {}
+        if rp and not set(rp) <= {"full_attention", "sliding_attention"}:
+            raise ModelConfigError(f"gemma3: rope_parameters {rp} must be per layer type (keys full_attention, "
+                                   "sliding_attention), as transformers 5 writes it")
+        full = dict(rp.get("full_attention") or {**(hf.get("rope_scaling") or {}),
+                                                  "rope_theta": hf.get("rope_theta", 1_000_000.0)})
+        local = dict(rp.get("sliding_attention") or {"rope_type": "default",
+                                                     "rope_theta": hf.get("rope_local_base_freq", 10_000.0)})
+        full.setdefault("rope_theta", 1_000_000.0)
+        local.setdefault("rope_theta", 10_000.0)
+        return cls(hf={**hf, "layer_types": list(types), "hidden_act": act},
+                   rope_theta=float(full["rope_theta"]), rope_scaling=RopeScaling.from_hf(full, hf),
+                   local_rope_theta=float(local["rope_theta"]), local_rope_scaling=RopeScaling.from_hf(local, hf),
+                   query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)))
+
+    def fields(self) -> dict[str, Any]:
+        """The ModelConfig fields Gemma 3 sets (beside the generic ones read from `hf`)."""
+        return dict(sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=self.query_pre_attn_scalar,
+                    local_rope_theta=self.local_rope_theta, local_rope_scaling=self.local_rope_scaling)
+
+    @staticmethod
+    def to_hf(cfg: "ModelConfig") -> dict[str, Any]:
+        """The Gemma 3 keys of cfg's config.json (transformers 5's spelling); layer_types / sliding_window are the
+        generic per-layer window keys."""
+        def rope(theta, scaling):
+            return scaling.hf_fields() | {"rope_theta": theta}
+
+        qpas = cfg.query_pre_attn_scalar
+        return {"hidden_activation": cfg.hidden_act,
+                "query_pre_attn_scalar": int(qpas) if float(qpas).is_integer() else qpas,
+                "rope_parameters": {"full_attention": rope(cfg.rope_theta, cfg.rope_scaling),
+                                    "sliding_attention": rope(cfg.local_rope_theta, cfg.local_rope_scaling)},
+                "final_logit_softcapping": None, "attn_logit_softcapping": None}
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")

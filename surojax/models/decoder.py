@@ -9,6 +9,11 @@ Hybrid (Qwen3.5, `cfg.linear_attention`): two stacks, `layers` (the attention Bl
 as its token mixer); `layer_types` says which HF layer is which, and the layer pattern runs them in HF order
 (the runner's mixed layer groups). RMSNorms are then zero-centred ((1 + w)) and rope partial.
 
+Gemma 3 (`gemma3_text`, the text backbone of `gemma3`): the same Block with sandwich norms
+    h += RMSNorm(Attention(RMSNorm(h)));  h += RMSNorm(GeGLU(RMSNorm(h)))      ((1 + w) norms, q/k norms)
+embeddings times sqrt(D), the softmax scale query_pre_attn_scalar ** -0.5, and `layer_types`' sliding / full
+layers as layer types with their window and their rope (`rope` option: the sliding layers' own base).
+
 Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
 embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is
 [L, ...]) and run by the decoder's layer runner (surojax/models/layer_runner.py; by default `jax.lax.scan` over
@@ -22,6 +27,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from surojax.models.config import ModelConfig
@@ -43,24 +49,35 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, backend=attention, param_dtype=param_dtype, rngs=rngs)
         _norms_and_mlp(self, cfg, param_dtype, rngs)
 
-    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None, window=None):
+    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None, window=None, rope=None):
         """-> (h, kv, router stats of a MoE layer or None). `window`: this layer's static attention window (0 =
-        full), its layer type's option when the config has per-layer windows (`layer_pattern`)."""
+        full), its layer type's option when the config has per-layer windows (`layer_pattern`). `rope`: with two
+        ropes (Gemma 3) cos / sin are each a pair (the config's, the sliding layers') and this layer's type option
+        picks one (`ModelConfig.layer_rope`)."""
+        if rope is not None:
+            cos, sin = cos[rope], sin[rope]
         a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window)
-        h = h + a
+        h = h + (a if self.attn_post_norm is None else self.attn_post_norm(a))
         if isinstance(self.mlp, MoE):
             m, stats = self.mlp(self.mlp_norm(h), segment_ids)
             return h + m, kv, stats
-        return h + self.mlp(self.mlp_norm(h)), kv, None
+        m = self.mlp(self.mlp_norm(h))
+        return h + (m if self.mlp_post_norm is None else self.mlp_post_norm(m)), kv, None
 
 
 def _norms_and_mlp(block: nnx.Module, cfg: ModelConfig, param_dtype, rngs) -> None:
-    """The parts every block has: attn_norm, mlp_norm, and the MLP (dense SwiGLU or the MoE)."""
+    """The parts every block has: attn_norm, mlp_norm, and the MLP (dense SwiGLU / GeGLU or the MoE); with
+    `cfg.sandwich_norms` (Gemma 3) also attn_post_norm / mlp_post_norm on the sublayers' outputs (None without)."""
     D, zc = cfg.hidden_size, cfg.norm_zero_centered
-    block.attn_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
-    block.mlp_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
+
+    def norm():
+        return RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
+
+    block.attn_norm, block.mlp_norm = norm(), norm()
+    block.attn_post_norm = norm() if cfg.sandwich_norms else None
+    block.mlp_post_norm = norm() if cfg.sandwich_norms else None
     if cfg.moe is None:
-        block.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs)
+        block.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs, activation=cfg.hidden_act)
     else:
         block.mlp = MoE(D, cfg.moe, param_dtype=param_dtype, rngs=rngs)
 
@@ -112,10 +129,27 @@ def layer_pattern(cfg: ModelConfig) -> LayerPattern:
     if cfg.linear_attention is not None:
         stacks = ["linear_layers" if linear else "layers" for linear in cfg.linear_attention.layers]
         return LayerPattern(tuple(LayerType(s) for s in stacks[:_period(stacks)]), L)
-    if cfg.layer_windows is None:
+    if cfg.layer_windows is None and cfg.local_rope_theta is None:
         return LayerPattern.uniform(L)
-    windows = [w or 0 for w in cfg.layer_windows]
-    return LayerPattern(tuple(LayerType("layers", (("window", w),)) for w in windows[:_period(windows)]), L)
+    options = [_attention_options(cfg, i) for i in range(L)]
+    return LayerPattern(tuple(LayerType("layers", o) for o in options[:_period(options)]), L)
+
+
+def _attention_options(cfg: ModelConfig, layer: int) -> tuple:
+    """Layer `layer`'s static call options: its window (0 = full) with per-layer windows, its rope (0 / 1) with
+    two ropes (Gemma 3: [sliding x 5, full] x G, the sliding layers on the local rope)."""
+    window = () if cfg.layer_windows is None else (("window", cfg.layer_window(layer) or 0),)
+    rope = () if cfg.local_rope_theta is None else (("rope", cfg.layer_rope(layer)),)
+    return window + rope
+
+
+def rope_tables(cfg: ModelConfig, positions, dtype):
+    """positions [B, T] -> cos, sin [B, T, H]; with two ropes (cfg.local_rope_theta: Gemma 3) each a pair
+    (the config's rope, the sliding layers' rope), indexed by the layer type's `rope` option."""
+    tables = [rope_cos_sin(positions, inv_freq(c), dtype, attention_factor(c)) for c in cfg.rope_configs()]
+    if len(tables) == 1:
+        return tables[0]
+    return tuple(t[0] for t in tables), tuple(t[1] for t in tables)
 
 
 def _period(kinds: list) -> int:
@@ -166,8 +200,11 @@ class Decoder(nnx.Module):
         serving passes one per call, e.g. `CarriedCacheScan`): surojax/models/layer_runner.py. Any
         `surojax.models.kv.Cache` works; attention hands it the call's metadata (`cache.step`).
         """
-        h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0).astype(self.dtype)  # [B, T, D]
-        cos, sin = rope_cos_sin(positions, inv_freq(self.cfg), self.dtype, attention_factor(self.cfg))  # [B, T, H]
+        h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0)  # [B, T, D]
+        if self.cfg.scale_embeddings:  # Gemma: x sqrt(D), the factor cast to the embedding's dtype (as transformers)
+            h = h * jnp.asarray(np.float32(self.cfg.hidden_size ** 0.5), h.dtype)
+        h = h.astype(self.dtype)
+        cos, sin = rope_tables(self.cfg, positions, self.dtype)  # [B, T, H] each, or a pair of them (two ropes)
         kv_meta = None
         if cache is not None:
             kv_meta, cache = cache.step(segment_ids, positions)

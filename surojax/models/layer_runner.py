@@ -229,9 +229,10 @@ def split_in_place(layer_state):
 
 def uniform_stack(pattern: LayerPattern, stacks: Mapping[str, nnx.Module], runner: str) -> nnx.Module:
     """The one stack of a one-type pattern (what a runner of its own reads); other patterns are refused."""
-    if pattern.period != 1:
-        raise ValueError(f"{runner} runs a one-type layer stack; this model's layer pattern has {pattern.period} "
-                         f"types ({', '.join(t.stack for t in pattern.types)}): use the layer scan")
+    if pattern.period != 1 or pattern.types[0].options:
+        raise ValueError(f"{runner} runs a one-type layer stack without per-type options; this model's layer "
+                         f"pattern has {pattern.period} types ({', '.join(t.stack for t in pattern.types)}, options "
+                         f"{[t.options for t in pattern.types]}): use the layer scan")
     return stacks[pattern.types[0].stack]
 
 

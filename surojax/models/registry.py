@@ -11,9 +11,11 @@ Qwen3-MoE and Mixtral checkpoints are published) on the E axis after it. `transp
 order). `half` (0 or 1) puts the tensor into that half of the last axis: the experts' gate and up projections
 are stored fused, gate_up [.., D, 2F] = [gate | up].
 
-A MoE family may have a second table, `fused_weights`: the same model under the fused expert names transformers 5
-keeps in memory (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]); the loader reads
-whichever table the checkpoint matches, the saver writes `weights` (the published layout). A shared expert
+A family may have a second table, `fused_weights` (Gemma 3's multimodal checkpoint: its published
+`language_model.model.*` names beside transformers 5's in-memory `model.language_model.*`); a MoE family's is the
+same model under the fused expert names transformers 5 keeps in memory (`mlp.experts.gate_up_proj` [E, 2F, D],
+`mlp.experts.down_proj` [E, D, F]). The loader reads whichever table the checkpoint matches, the saver writes
+`weights` (a MoE's published per-expert layout; gemma3's in-memory names, which PEFT's adapters use). A shared expert
 (qwen2_moe, qwen3_5_moe: `mlp.shared_expert.{gate,up,down}_proj`, `mlp.shared_expert_gate`) has the same names in
 both layouts (SHARED_EXPERT_WEIGHTS).
 
@@ -177,6 +179,26 @@ def _moe_rows(layer: str, stack: str, fused: bool) -> list[WeightRow]:
             WeightRow(mlp + "shared_expert_gate.weight", f"{stack}.mlp.shared_expert_gate.kernel", True)]
 
 
+def gemma3_weights(prefix: str, head: str = "lm_head.weight") -> tuple[WeightRow, ...]:
+    """Gemma 3's text model under `prefix` (`model.`: Gemma3ForCausalLM; `model.language_model.`: the text backbone
+    of Gemma3ForConditionalGeneration as transformers 5 holds it in memory; `language_model.model.`: the published
+    layout, with the head `language_model.lm_head.weight`). The llama rows with q/k norms, except the norms: four
+    per block, `input_layernorm` (before attention), `post_attention_layernorm` (on the attention's output, before
+    the residual add: not llama's pre-MLP norm), `pre_feedforward_layernorm`, `post_feedforward_layernorm`."""
+    layer = prefix + "layers.{i}."
+    norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
+             "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "mlp_post_norm"}
+    return (WeightRow(prefix + "embed_tokens.weight", "embed.embedding"),
+            *(WeightRow(layer + f"{hf}.weight", f"layers.{ours}.scale") for hf, ours in norms.items()),
+            *(WeightRow(layer + f"self_attn.{m}.weight", f"layers.attn.{m}.kernel", True)
+              for m in ("q_proj", "k_proj", "v_proj", "o_proj")),
+            *(WeightRow(layer + f"self_attn.{m}.weight", f"layers.attn.{m}.scale") for m in ("q_norm", "k_norm")),
+            *(WeightRow(layer + f"mlp.{m}.weight", f"layers.mlp.{m}.kernel", True)
+              for m in ("gate_proj", "up_proj", "down_proj")),
+            WeightRow(prefix + "norm.weight", "final_norm.scale"),
+            WeightRow(head, "lm_head.kernel", True, when="untied"))
+
+
 # HF module names users put in `lora_target_modules`, and where each lives in the Decoder.
 LINEAR_MODULES: dict[str, str] = {
     "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "o_proj": "attn.o_proj",
@@ -220,6 +242,9 @@ class Family:
     hybrid: bool = False
     partial_rotary_default: float = 1.0
     text_config: bool = False  # config.json nests the text model's keys under `text_config` (a multimodal model)
+    # Gemma 3 (config.Gemma3Text): sandwich norms, (1 + w) norms, embeddings x sqrt(D), GeGLU, query_pre_attn_scalar,
+    # a rope per layer type (full / sliding attention)
+    gemma3: bool = False
     # tensors of the checkpoint that are not the text model's (a vision tower, MTP heads): skipped, with a log line
     skipped_prefixes: tuple[str, ...] = ()
 
@@ -252,6 +277,14 @@ FAMILIES: dict[str, Family] = {
                partial_rotary_default=0.25, weights=qwen3_5_weights("model.language_model.", moe=True),
                fused_weights=qwen3_5_weights("model.language_model.", moe=True, fused=True), moe="qwen3_5_moe",
                intermediate_size_key=False, text_config=True, skipped_prefixes=("model.visual.", "mtp.")),
+        Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, tie_default=True, gemma3=True,
+               weights=gemma3_weights("model.")),
+        # the text backbone; `fused_weights` here is the second accepted naming: the published layout
+        Family("gemma3", "Gemma3ForConditionalGeneration", qk_norm=True, tie_default=True, gemma3=True,
+               text_config=True, weights=gemma3_weights("model.language_model."),
+               fused_weights=gemma3_weights("language_model.model.", "language_model.lm_head.weight"),
+               skipped_prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                                 "multi_modal_projector.")),
     )
 }
 

@@ -168,7 +168,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
                  "not run)", model_dir, len(not_text), ", ".join(p for p in skipped if any(n.startswith(p)
                                                                                          for n in not_text)))
     expected = _expected(cfg, abstract)
-    if family_for(cfg.model_type).fused_weights:  # a MoE family: the published or transformers 5's fused names
+    if family_for(cfg.model_type).fused_weights:  # a second naming (MoE: fused experts; gemma3: published layout)
         fused = _expected(cfg, abstract, fused=True)
         if len(present & set(fused)) > len(present & set(expected)):
             expected = fused

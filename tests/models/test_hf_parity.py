@@ -1,4 +1,5 @@
-"""HF parity: tiny random models made by transformers (tests/fixtures, scripts/make_fixtures.py) loaded by
+"""HF parity: tiny random models made by transformers (tests/fixtures, scripts/make_fixtures.py,
+scripts/make_gemma3_fixtures.py) loaded by
 surojax give the same fp32 logits (max abs diff <= 1e-4) alone, right-padded in a batch and packed in one
 row, and the same 32 greedy tokens (in a padded batch).
 
@@ -20,8 +21,9 @@ from surojax.weights.hf_checkpoint import load_model
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
-            "gpt_oss_mxfp4"]
-WINDOW = {"mistral": 6, "mixtral": 6}
+            "gpt_oss_mxfp4", "gemma3_text", "gemma3"]
+WINDOW = {"mistral": 6, "mixtral": 6, "gemma3_text": 4, "gemma3": 4}
+TIED = ("llama_tied", "gemma3_text", "gemma3")  # Gemma 3: scripts/make_gemma3_fixtures.py
 TOL = 1e-4
 
 
@@ -67,7 +69,7 @@ def case(request):
 def test_family_is_the_one_in_config(case):
     name, model, *_ = case
     assert model.cfg.model_type == name.removesuffix("_tied").removesuffix("_mxfp4")
-    assert model.cfg.tie_word_embeddings == (name == "llama_tied")
+    assert model.cfg.tie_word_embeddings == (name in TIED)
     assert model.cfg.sliding_window == WINDOW.get(name, 4 if name.startswith("gpt_oss") else None)
     assert (model.cfg.moe is not None) == (name in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4"))
     assert bool(model.cfg.moe and model.cfg.moe.shared_expert_intermediate_size) == (name == "qwen2_moe")

@@ -85,9 +85,9 @@ class AttendSpec:
     body; not a pytree, never crosses a jit boundary).
 
     dense(q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S], scale, sinks) -> [B, T, N, H]: the attention backend.
-    scale: the softmax scale (H ** -0.5); sliding_window: None, a static W, or the layer's traced [] int32 W
-    (0 = full; see `attention_mask`); sinks: None or the layer's sink logits [N] (they join every softmax
-    denominator; a kernel without sinks must not serve this layer)."""
+    scale: the softmax scale (H ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5); sliding_window: None, a static
+    W, or the layer's traced [] int32 W (0 = full; see `attention_mask`); sinks: None or the layer's sink logits
+    [N] (they join every softmax denominator; a kernel without sinks must not serve this layer)."""
 
     dense: Callable[..., jax.Array]
     scale: float

@@ -12,8 +12,9 @@ builds the cache (the serving engine):
             the gather into (equal up to float rounding); other rows gather
     PALLAS  one-token rows: the Pallas paged decode-attention kernel (`pallas_kernels.paged_decode`) reads
             each row's real blocks inside the kernel, online softmax (equal up to float rounding); other rows,
-            sliding windows (static or per layer), attention sinks (the kernel has none) and pools past int32
-            offsets gather
+            sliding windows (static or per layer), attention sinks (the kernel has none), a softmax scale other
+            than H ** -0.5 (Gemma's query_pre_attn_scalar; the kernel's is fixed) and pools past int32 offsets
+            gather
 
 FP8 pool (`scales` set, a `KVScales`-like value with ``at(layer) -> (k scale, v scale)``): k/v are stored as
 float8_e4m3fn codes x / scale, saturated (`quantize`, given with the scales); every read dequantises (codes x
@@ -98,8 +99,8 @@ class PagedLayerKV:
         """Write k/v [B, T, K, H] at meta.write_slots; attend q [B, T, N, H] over each row's blocks."""
         kv = self.write(k, v, meta.write_slots)
         T = q.shape[1]
-        if kv.kernel is PagedKernel.PALLAS and spec.sinks is None and kernel_applies(kv.k.shape, T,
-                                                                                    spec.sliding_window):
+        if kv.kernel is PagedKernel.PALLAS and spec.sinks is None and spec.scale == q.shape[-1] ** -0.5 \
+                and kernel_applies(kv.k.shape, T, spec.sliding_window):
             q1 = q[:, 0]  # [B, N, H]
             if kv.scales is None:
                 out = paged_decode_attention(q1, kv.k, kv.v, kv.layer, meta.block_table, meta.lengths,

@@ -37,6 +37,10 @@ Per-layer windows (gpt_oss alternates sliding / full; `ModelConfig.layer_windows
 of the decoder's layer pattern (surojax/models/layer_runner.py), so a layer's window is a static Python int the
 runner passes to its call (0 = full attention): every backend sees a constant window.
 
+Gemma 3: the softmax scale is query_pre_attn_scalar ** -0.5 (`ModelConfig.query_pre_attn_scalar`; else H ** -0.5),
+q/k norms zero-centred ((1 + w)), and the sliding layers' rope is their own: the decoder hands every layer both ropes'
+cos/sin and a layer's type option `rope` picks one (Block).
+
 Output gate (Qwen3.5, `ModelConfig.attn_output_gate`): q_proj gives [N, 2H] per token, each head's query then its
 gate; the attention output is multiplied by sigmoid(gate) before o_proj.
 """
@@ -205,6 +209,8 @@ class Attention(nnx.Module):
                  rngs: nnx.Rngs | None = None):
         D, H = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, H
+        # the softmax scale: H ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
+        self.scale = float(cfg.query_pre_attn_scalar or H) ** -0.5
         self.sliding_window = cfg.sliding_window
         self.per_layer_windows = cfg.layer_windows is not None  # each call then passes its layer type's window
         self.backend = as_attention_backend(backend).resolved(jax.default_backend())  # static: xla, or cudnn with its M and check
@@ -269,12 +275,12 @@ class Attention(nnx.Module):
     def _cudnn_self_attention(self, q, k, v, segment_ids, positions, sliding_window: int | None):
         """cuDNN over packed rows, with this layer's static window."""
         m, check = self.backend.segments, self.backend.check
-        return cudnn_packed_attention(q, k, v, segment_ids, positions, self.head_dim ** -0.5,
+        return cudnn_packed_attention(q, k, v, segment_ids, positions, self.scale,
                                       sliding_window=sliding_window, max_segments=m, check=check)
 
     def attend_spec(self, window: int | None = None) -> AttendSpec:
         """The dense attention over a cache's context: this layer's backend (cuDNN with a dense mask, or xla),
         scale, static window (the config's, or this layer's `window`, 0 = full) and sinks."""
         sinks = None if self.sinks is None else self.sinks[...]
-        return AttendSpec(BACKENDS[self.backend.kind], self.head_dim ** -0.5,
+        return AttendSpec(BACKENDS[self.backend.kind], self.scale,
                           self.sliding_window if window is None else (window or None), sinks)

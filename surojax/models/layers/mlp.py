@@ -1,5 +1,6 @@
-"""SwiGLU MLP: down(silu(gate(x)) * up(x)). Kernels gate/up [D, F], down [F, D]; or gate_up [D, 2F] (gate
-columns first) when surojax.models.fused_projections has joined them for serving."""
+"""Gated MLP: down(act(gate(x)) * up(x)): SwiGLU (act = silu) or Gemma's GeGLU (act = gelu_pytorch_tanh, the
+tanh-approximated GELU, in the input dtype as torch computes it). Kernels gate/up [D, F], down [F, D]; or gate_up
+[D, 2F] (gate columns first) when surojax.models.fused_projections has joined them for serving."""
 from __future__ import annotations
 
 import jax
@@ -9,8 +10,14 @@ from flax import nnx
 from surojax.models.layers.linear import Linear
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "swish": jax.nn.silu,
+               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-    def __init__(self, dim: int, hidden: int, *, param_dtype, rngs: nnx.Rngs | None = None):
+    def __init__(self, dim: int, hidden: int, *, param_dtype, rngs: nnx.Rngs | None = None,
+                 activation: str = "silu"):
+        self.activation = activation  # static: a key of ACTIVATIONS (ModelConfig.hidden_act)
         self.gate_proj = Linear(dim, hidden, ("embed", "mlp"), param_dtype=param_dtype, rngs=rngs)
         self.up_proj = Linear(dim, hidden, ("embed", "mlp"), param_dtype=param_dtype, rngs=rngs)
         self.down_proj = Linear(hidden, dim, ("mlp", "embed"), param_dtype=param_dtype, rngs=rngs)
@@ -21,4 +28,4 @@ class MLP(nnx.Module):
             gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(ACTIVATIONS[self.activation](gate) * up)
