@@ -30,7 +30,11 @@ class ModelConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling. `rope_type` is 'default', 'linear', 'llama3' or 'yarn'.
+    """Rotary-embedding frequency scaling. `rope_type` is 'default', 'linear', 'llama3', 'yarn' or 'proportional'.
+
+    proportional (Gemma 4's full-attention layers, transformers' `_compute_proportional_rope_parameters`): the first
+    int(partial_rotary_factor * H // 2) frequencies base ** (-2i / H) over the whole head_dim H, the rest zero (those
+    dims pass unrotated: cos 1, sin 0), all divided by factor.
 
     linear: factor. llama3: factor, low/high_freq_factor, original_max_position_embeddings. yarn (transformers'
     `_compute_yarn_parameters`): factor, original_max_position_embeddings, beta_fast / beta_slow (the ramp's
@@ -49,13 +53,15 @@ class RopeScaling:
     attention_factor: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    partial_rotary_factor: float = 1.0  # proportional: the rotated share of the head's frequencies
 
     def hf_fields(self) -> dict[str, Any]:
         """The `rope_parameters` keys transformers reads for this rope_type (rope_theta aside)."""
         keys = {"default": (), "linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
                 "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
-                         "attention_factor", "mscale", "mscale_all_dim")}[self.rope_type]
+                         "attention_factor", "mscale", "mscale_all_dim"),
+                "proportional": ("factor", "partial_rotary_factor")}[self.rope_type]
         return {"rope_type": self.rope_type} | {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     @classmethod
@@ -65,9 +71,9 @@ class RopeScaling:
         As transformers' `standardize_rope_params`: a top-level `original_max_position_embeddings` wins over the
         dict's; llama3 / yarn without one use max_position_embeddings; yarn's factor None is their ratio."""
         rope_type = rs.get("rope_type", rs.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
+        if rope_type not in ("default", "linear", "llama3", "yarn", "proportional"):
             raise ModelConfigError(
-                f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+                f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn, proportional)")
         original = hf.get("original_max_position_embeddings", rs.get("original_max_position_embeddings"))
         if original is None:
             original = hf.get("max_position_embeddings", 4096) if rope_type in ("llama3", "yarn") else 8192
@@ -84,7 +90,9 @@ class RopeScaling:
                    original_max_position_embeddings=int(original),
                    beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
                    truncate=bool(rs.get("truncate", True)), attention_factor=opt("attention_factor"),
-                   mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"))
+                   mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+                   partial_rotary_factor=float(rs.get("partial_rotary_factor", 1.0))
+                   if rope_type == "proportional" else 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +244,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
     local_rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
+    # Gemma 4 (`gemma4_text`, `gemma4`): the values RMS-normalised without a scale (v_norm), and each layer's output
+    # multiplied by its own scalar (`layer_scalar`, a buffer transformers saves with the checkpoint)
+    v_norm: bool = False
+    layer_scalar: bool = False
     # The HF config.json this came from, kept so that to_hf() can write back what surojax does not model.
     hf_extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -353,7 +365,7 @@ class ModelConfig:
             raise ModelConfigError(f"config.json lacks {', '.join(missing)} (model_type {hf.get('model_type')!r})")
         n_heads = int(hf["num_attention_heads"])
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-        gemma = Gemma3Text.from_hf(hf) if family.gemma3 else None
+        gemma = Gemma3Text.from_hf(hf) if family.gemma3 else Gemma4Text.from_hf(hf) if family.gemma4 else None
         if gemma is not None:
             hf = gemma.hf
             rs, rope_theta, scaling = {}, gemma.rope_theta, gemma.rope_scaling
@@ -378,7 +390,7 @@ class ModelConfig:
         if family.hybrid:
             _check_mrope(rs)
         if hf.get("layer_types") is not None and not family.hybrid:
-            if family.sliding_window and not family.gemma3:
+            if family.sliding_window and not (family.gemma3 or family.gemma4):
                 raise ModelConfigError(f"layer_types is not read by transformers' {family.hf_architecture} "
                                        "(one sliding_window for every layer); remove it from config.json")
             sliding, layer_windows = _windows_from_layer_types(hf)
@@ -447,10 +459,10 @@ class ModelConfig:
         )
         if family.intermediate_size_key:
             out["intermediate_size"] = self.intermediate_size
-        if family.gemma3:  # per-layer-type ropes, hidden_activation: the generic keys would be read differently
+        if family.gemma3 or family.gemma4:  # per-layer-type ropes, hidden_activation: the generic keys differ
             for k in ("rope_theta", "hidden_act", "rope_local_base_freq", "sliding_window_pattern"):
                 out.pop(k, None)
-            out.update(Gemma3Text.to_hf(self))
+            out.update((Gemma3Text if family.gemma3 else Gemma4Text).to_hf(self))
         else:
             # transformers >= 5 reads `rope_parameters`; older versions read rope_theta / rope_scaling.
             rs = self.rope_scaling.hf_fields()
@@ -467,7 +479,8 @@ class ModelConfig:
             out[family.bias_key] = self.attention_bias
         if family.sliding_window:
             out["sliding_window"] = self.sliding_window
-        if self.layer_windows is not None or family.gemma3 or ("layer_types" in self.hf_extra and not family.hybrid):
+        per_type = family.gemma3 or family.gemma4
+        if self.layer_windows is not None or per_type or ("layer_types" in self.hf_extra and not family.hybrid):
             out["sliding_window"] = self.sliding_window
             out["layer_types"] = ["full_attention" if self.layer_window(i) is None else "sliding_attention"
                                   for i in range(self.num_layers)]
@@ -552,6 +565,121 @@ class Gemma3Text:
                 "rope_parameters": {"full_attention": rope(cfg.rope_theta, cfg.rope_scaling),
                                     "sliding_attention": rope(cfg.local_rope_theta, cfg.local_rope_scaling)},
                 "final_logit_softcapping": None, "attn_logit_softcapping": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4Text:
+    """Gemma 4's text keys (transformers' Gemma4TextConfig), read into the ModelConfig fields they set: the dense
+    text model (Gemma 3's block with plain-w norms, an unscaled v norm, softmax scale 1, a scalar per layer).
+
+    hf: the text config with `layer_types` filled in as transformers builds it (without the key every 6th layer
+    full attention; the last layer is forced to full attention, as transformers does) and `hidden_act` the
+    `hidden_activation`. Ropes: `rope_parameters` per layer type (default: sliding layers rope_theta 1e4, full layers
+    `proportional` with partial_rotary_factor 0.25, rope_theta 1e6).
+
+    Refused by name, each with the reason (what is not built yet, never silently mis-read): per-layer input
+    embeddings (`hidden_size_per_layer_input` > 0), KV-shared layers (`num_kv_shared_layers` > 0; with them
+    `use_double_wide_mlp`, which widens only those layers' MLPs), `attention_k_eq_v`, the MoE block
+    (`enable_moe_block`), full-attention layers whose head size or kv heads differ from the sliding layers'
+    (`global_head_dim` / `num_global_key_value_heads` / `per_layer_config`: one attention stack has one shape),
+    `final_logit_softcapping`, bidirectional attention, a `query_pre_attn_scalar` (transformers' Gemma 4 does not
+    read one: its scale is 1)."""
+
+    hf: dict[str, Any]
+    rope_theta: float
+    rope_scaling: RopeScaling
+    local_rope_theta: float
+    local_rope_scaling: RopeScaling
+
+    NOT_YET = {"hidden_size_per_layer_input": "per-layer input embeddings (PLE)",
+               "num_kv_shared_layers": "KV-shared layers", "attention_k_eq_v": "keys reused as values",
+               "enable_moe_block": "the MoE block beside the dense MLP"}
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "Gemma4Text":
+        defaults = {"hidden_size_per_layer_input": 256}  # transformers' default: PLE on
+        for key, what in cls.NOT_YET.items():
+            value = hf.get(key, defaults.get(key))
+            if value:
+                raise ModelConfigError(f"gemma4: {key} {value!r} is not supported yet ({what} is not implemented; "
+                                       "only the dense text model is: a checkpoint without it sets the key to 0 / "
+                                       "false)")
+        if hf.get("final_logit_softcapping") is not None:
+            raise ModelConfigError(f"gemma4: final_logit_softcapping {hf['final_logit_softcapping']} is not supported "
+                                   "(tanh soft-capping of the logits is not implemented in the losses / sampling)")
+        if hf.get("use_bidirectional_attention"):
+            raise ModelConfigError(f"gemma4: use_bidirectional_attention {hf['use_bidirectional_attention']!r} is "
+                                   "not supported (the decoder is causal)")
+        if hf.get("query_pre_attn_scalar") is not None:
+            raise ModelConfigError("gemma4: query_pre_attn_scalar is not read by transformers' Gemma 4 (its softmax "
+                                   "scale is 1, the q norm sets the size); remove it from config.json")
+        act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+        if hf.get("hidden_act") not in (None, act):
+            raise ModelConfigError(f"gemma4: hidden_act {hf['hidden_act']!r} differs from hidden_activation {act!r} "
+                                   "(transformers' Gemma 4 reads hidden_activation)")
+        L = int(hf["num_hidden_layers"])
+        types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                               for i in range(L)])
+        if len(types) != L or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ModelConfigError(f"gemma4: layer_types {types} must give sliding_attention / full_attention for "
+                                   f"each of the {L} layers")
+        types[-1] = "full_attention"  # as transformers: the last layer is always full attention
+        if "sliding_attention" in types and not hf.get("sliding_window", 512):
+            raise ModelConfigError(f"gemma4: sliding_window {hf.get('sliding_window')!r}: the sliding_attention "
+                                   "layers of layer_types need a positive window")
+        _check_gemma4_full_layers(hf, types)
+        rp = hf.get("rope_parameters") or {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                           "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0,
+                                                              "partial_rotary_factor": 0.25}}
+        if not set(rp) <= {"full_attention", "sliding_attention"}:
+            raise ModelConfigError(f"gemma4: rope_parameters {rp} must be per layer type (keys full_attention, "
+                                   "sliding_attention)")
+        full, local = dict(rp.get("full_attention") or {}), dict(rp.get("sliding_attention") or {})
+        for name, r in (("full_attention", full), ("sliding_attention", local)):
+            if "rope_theta" not in r:
+                raise ModelConfigError(f"gemma4: rope_parameters.{name} lacks rope_theta")
+        return cls(hf={**hf, "layer_types": types, "hidden_act": act, "sliding_window": hf.get("sliding_window", 512)},
+                   rope_theta=float(full["rope_theta"]), rope_scaling=RopeScaling.from_hf(full, hf),
+                   local_rope_theta=float(local["rope_theta"]), local_rope_scaling=RopeScaling.from_hf(local, hf))
+
+    def fields(self) -> dict[str, Any]:
+        """The ModelConfig fields Gemma 4 sets (beside the generic ones read from `hf`)."""
+        return dict(sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=1.0, v_norm=True,
+                    layer_scalar=True, local_rope_theta=self.local_rope_theta,
+                    local_rope_scaling=self.local_rope_scaling)
+
+    @staticmethod
+    def to_hf(cfg: "ModelConfig") -> dict[str, Any]:
+        """The Gemma 4 keys of cfg's config.json (transformers 5's spelling), the unbuilt features written off;
+        layer_types / sliding_window are the generic per-layer window keys."""
+        def rope(theta, scaling):
+            return scaling.hf_fields() | {"rope_theta": theta}
+
+        return {"hidden_activation": cfg.hidden_act, "global_head_dim": cfg.head_dim, "per_layer_config": {},
+                "rope_parameters": {"full_attention": rope(cfg.rope_theta, cfg.rope_scaling),
+                                    "sliding_attention": rope(cfg.local_rope_theta, cfg.local_rope_scaling)},
+                "final_logit_softcapping": None, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+                "attention_k_eq_v": False, "enable_moe_block": False, "use_double_wide_mlp": False}
+
+
+def _check_gemma4_full_layers(hf: dict[str, Any], types: list[str]) -> None:
+    """Refuse full-attention layers shaped unlike the sliding ones, read as transformers reads them: a
+    `per_layer_config` ({layer: {head_dim, num_key_value_heads}}) when config.json has one, else `global_head_dim`
+    (default 512) for every full layer (and `num_global_key_value_heads` with attention_k_eq_v, refused above)."""
+    head_dim = hf.get("head_dim", 256)
+    if "per_layer_config" in hf:
+        overrides = {str(k): dict(v) for k, v in (hf["per_layer_config"] or {}).items()}
+    else:
+        overrides = {str(i): {"head_dim": hf.get("global_head_dim", 512)}
+                     for i, t in enumerate(types) if t == "full_attention"}
+    base = {"head_dim": head_dim, "num_key_value_heads": hf.get("num_key_value_heads")}
+    for layer, changes in overrides.items():
+        for key, value in changes.items():
+            if key not in base or value != base[key]:
+                raise ModelConfigError(
+                    f"gemma4: layer {layer}'s {key} {value!r} (per_layer_config / global_head_dim) differs from the "
+                    f"config's {base.get(key)!r}: full-attention layers shaped unlike the sliding ones are not "
+                    "supported yet (one attention stack has one head size)")
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -779,6 +907,9 @@ def llama3_inv_freq(cfg: ModelConfig) -> list[float]:
     H = cfg.rotary_dim
     inv = [1.0 / (cfg.rope_theta ** (i / H)) for i in range(0, H, 2)]
     rs = cfg.rope_scaling
+    if rs.rope_type == "proportional":  # the first `angles` frequencies over the whole head_dim, the rest zero
+        angles = int(rs.partial_rotary_factor * H // 2)
+        return [f / rs.factor for f in inv[:angles]] + [0.0] * (H // 2 - angles)
     if rs.rope_type == "linear":
         return [f / rs.factor for f in inv]
     if rs.rope_type != "llama3":

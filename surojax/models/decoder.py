@@ -14,6 +14,10 @@ Gemma 3 (`gemma3_text`, the text backbone of `gemma3`): the same Block with sand
 embeddings times sqrt(D), the softmax scale query_pre_attn_scalar ** -0.5, and `layer_types`' sliding / full
 layers as layer types with their window and their rope (`rope` option: the sliding layers' own base).
 
+Gemma 4 (`gemma4_text`, the text backbone of `gemma4`; the dense text model): Gemma 3's block with plain-w norms,
+the values RMS-normalised without a weight (v norm), softmax scale 1, the full-attention layers' `proportional`
+rope, and each layer's output times its loaded `layer_scalar`:  h = layer_scalar * (h + RMSNorm(GeGLU(...))).
+
 Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
 embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is
 [L, ...]) and run by the decoder's layer runner (surojax/models/layer_runner.py; by default `jax.lax.scan` over
@@ -48,6 +52,8 @@ class Block(nnx.Module):
                  rngs: nnx.Rngs | None = None):
         self.attn = Attention(cfg, backend=attention, param_dtype=param_dtype, rngs=rngs)
         _norms_and_mlp(self, cfg, param_dtype, rngs)
+        # Gemma 4: the layer's output times its scalar [1] (transformers' `layer_scalar` buffer, loaded)
+        self.layer_scalar = param(rngs, (1,), (None,), param_dtype, init="ones") if cfg.layer_scalar else None
 
     def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None, window=None, rope=None):
         """-> (h, kv, router stats of a MoE layer or None). `window`: this layer's static attention window (0 =
@@ -62,7 +68,10 @@ class Block(nnx.Module):
             m, stats = self.mlp(self.mlp_norm(h), segment_ids)
             return h + m, kv, stats
         m = self.mlp(self.mlp_norm(h))
-        return h + (m if self.mlp_post_norm is None else self.mlp_post_norm(m)), kv, None
+        h = h + (m if self.mlp_post_norm is None else self.mlp_post_norm(m))
+        if self.layer_scalar is not None:
+            h = h * self.layer_scalar[...].astype(h.dtype)
+        return h, kv, None
 
 
 def _norms_and_mlp(block: nnx.Module, cfg: ModelConfig, param_dtype, rngs) -> None:

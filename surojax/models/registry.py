@@ -199,6 +199,14 @@ def gemma3_weights(prefix: str, head: str = "lm_head.weight") -> tuple[WeightRow
             WeightRow(head, "lm_head.kernel", True, when="untied"))
 
 
+def gemma4_weights(prefix: str) -> tuple[WeightRow, ...]:
+    """Gemma 4's dense text model under `prefix` (`model.`: Gemma4ForCausalLM; `model.language_model.`: the text
+    backbone of Gemma4ForConditionalGeneration): Gemma 3's rows (the v norm has no weight) and each layer's
+    `layer_scalar` ([1], a buffer transformers saves) that multiplies the layer's output."""
+    return (*gemma3_weights(prefix)[:-1], WeightRow(prefix + "layers.{i}.layer_scalar", "layers.layer_scalar"),
+            gemma3_weights(prefix)[-1])
+
+
 # HF module names users put in `lora_target_modules`, and where each lives in the Decoder.
 LINEAR_MODULES: dict[str, str] = {
     "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "o_proj": "attn.o_proj",
@@ -245,6 +253,8 @@ class Family:
     # Gemma 3 (config.Gemma3Text): sandwich norms, (1 + w) norms, embeddings x sqrt(D), GeGLU, query_pre_attn_scalar,
     # a rope per layer type (full / sliding attention)
     gemma3: bool = False
+    # Gemma 4 (config.Gemma4Text): Gemma 3's block with plain-w norms, the v norm, softmax scale 1, layer scalars
+    gemma4: bool = False
     # tensors of the checkpoint that are not the text model's (a vision tower, MTP heads): skipped, with a log line
     skipped_prefixes: tuple[str, ...] = ()
 
@@ -285,6 +295,12 @@ FAMILIES: dict[str, Family] = {
                fused_weights=gemma3_weights("language_model.model.", "language_model.lm_head.weight"),
                skipped_prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
                                  "multi_modal_projector.")),
+        Family("gemma4_text", "Gemma4ForCausalLM", qk_norm=True, tie_default=True, gemma4=True,
+               weights=gemma4_weights("model.")),
+        Family("gemma4", "Gemma4ForConditionalGeneration", qk_norm=True, tie_default=True, gemma4=True,
+               text_config=True, weights=gemma4_weights("model.language_model."),
+               skipped_prefixes=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+                                 "model.embed_audio.")),
     )
 }
 

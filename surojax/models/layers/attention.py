@@ -41,6 +41,9 @@ Gemma 3: the softmax scale is query_pre_attn_scalar ** -0.5 (`ModelConfig.query_
 q/k norms zero-centred ((1 + w)), and the sliding layers' rope is their own: the decoder hands every layer both ropes'
 cos/sin and a layer's type option `rope` picks one (Block).
 
+Gemma 4: the softmax scale is 1 (`query_pre_attn_scalar` 1.0), q/k norms plain w, and the values RMS-normalised
+without a weight (`ModelConfig.v_norm`) before they are cached.
+
 Output gate (Qwen3.5, `ModelConfig.attn_output_gate`): q_proj gives [N, 2H] per token, each head's query then its
 gate; the attention output is multiplied by sigmoid(gate) before o_proj.
 """
@@ -58,7 +61,7 @@ from surojax.models.kv import AttendSpec, KVMeta, LayerKV, attention_mask, softm
 from surojax.models.layers.attention_backend import (AUTO, DEFAULT_MAX_SEGMENTS, AttentionBackend, AttentionKind,
                                                      as_attention_backend)
 from surojax.models.layers.linear import Linear
-from surojax.models.layers.norm import RMSNorm
+from surojax.models.layers.norm import RMSNorm, rms_norm_unscaled
 from surojax.models.layers.params import param
 from surojax.models.layers.rope import apply_rope
 
@@ -229,6 +232,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
         else:
             self.q_norm = self.k_norm = None
+        self.v_norm_eps = cfg.rms_norm_eps if cfg.v_norm else None  # Gemma 4: values RMS-normalised, no weight
         # [N] sink logits (HF `self_attn.sinks`), one per query head; head n reads kv head n // G
         self.sinks = param(rngs, (cfg.num_heads,), ("heads",), param_dtype) if cfg.attention_sinks else None
 
@@ -258,6 +262,8 @@ class Attention(nnx.Module):
         q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm_eps is not None:
+            v = rms_norm_unscaled(v, self.v_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         spec = self.attend_spec(window)
         if kv is not None:

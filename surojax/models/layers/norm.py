@@ -20,6 +20,12 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
+def rms_norm_unscaled(x: jax.Array, eps: float) -> jax.Array:
+    """x [..., D] * rsqrt(mean(x^2) + eps) in fp32, cast back: Gemma 4's v norm (an RMSNorm without a weight)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def rms_norm_zero_centered(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """x [..., D] * rsqrt(mean(x^2) + eps) * (1 + w [D]), all in fp32, cast back at the end."""
     x32 = x.astype(jnp.float32)
