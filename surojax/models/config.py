@@ -62,7 +62,10 @@ class RopeScaling:
                 "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
                          "attention_factor", "mscale", "mscale_all_dim"),
                 "proportional": ("factor", "partial_rotary_factor")}[self.rope_type]
-        return {"rope_type": self.rope_type} | {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        out = {"rope_type": self.rope_type} | {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        if self.rope_type == "proportional" and self.factor == 1.0:  # as transformers writes it: factor optional
+            out.pop("factor")
+        return out
 
     @classmethod
     def from_hf(cls, rs: dict[str, Any], hf: dict[str, Any]) -> "RopeScaling":

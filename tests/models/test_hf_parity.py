@@ -1,5 +1,5 @@
 """HF parity: tiny random models made by transformers (tests/fixtures, scripts/make_fixtures.py,
-scripts/make_gemma3_fixtures.py) loaded by
+scripts/make_gemma3_fixtures.py, scripts/make_gemma4_fixtures.py) loaded by
 surojax give the same fp32 logits (max abs diff <= 1e-4) alone, right-padded in a batch and packed in one
 row, and the same 32 greedy tokens (in a padded batch).
 
@@ -21,9 +21,9 @@ from surojax.weights.hf_checkpoint import load_model
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
-            "gpt_oss_mxfp4", "gemma3_text", "gemma3"]
-WINDOW = {"mistral": 6, "mixtral": 6, "gemma3_text": 4, "gemma3": 4}
-TIED = ("llama_tied", "gemma3_text", "gemma3")  # Gemma 3: scripts/make_gemma3_fixtures.py
+            "gpt_oss_mxfp4", "gemma3_text", "gemma3", "gemma4_text", "gemma4"]
+WINDOW = {"mistral": 6, "mixtral": 6, "gemma3_text": 4, "gemma3": 4, "gemma4_text": 4, "gemma4": 4}
+TIED = ("llama_tied", "gemma3_text", "gemma3", "gemma4_text", "gemma4")  # Gemma: scripts/make_gemma{3,4}_fixtures.py
 TOL = 1e-4
 
 

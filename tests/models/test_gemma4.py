@@ -1,0 +1,163 @@
+"""Gemma 4 text (`gemma4_text`, and the text backbone of the multimodal `gemma4`; the dense text model) beyond the
+logits parity of tests/models/test_hf_parity.py (fp32 logits alone / padded / packed and 32 greedy tokens =
+transformers, over the fixtures of scripts/make_gemma4_fixtures.py: 6 layers [sliding x 2, full] x 2, window 4,
+the full layers' proportional rope, v norm, softmax scale 1, layer scalars): the config's reading (what is not built
+yet is refused by name: per-layer input embeddings, KV-shared layers, attention_k_eq_v, the MoE block, wider
+full-attention layers, soft-capping), the proportional rope's frequencies against transformers' formula, the
+multimodal checkpoint (vision tower skipped with a log line), save -> load, the LoRA targets' PEFT names."""
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from surojax.models.config import ModelConfig, ModelConfigError, rope_inv_freq
+from surojax.models.decoder import layer_pattern
+from surojax.models.layer_runner import LayerPattern, LayerType
+from surojax.models.targets import model_targets
+from surojax.peft.lora import apply_lora
+from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
+from surojax.weights.hf_checkpoint import load_model, save_model
+from surojax.weights.safetensors_file import SafetensorsFile
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
+FAMILIES = ["gemma4_text", "gemma4"]
+
+
+def _hf(name: str) -> dict:
+    return json.loads((FIXTURES / name / "config.json").read_text())
+
+
+def _text(hf: dict) -> dict:
+    return hf.get("text_config", hf)
+
+
+def _with(name: str, **changes) -> dict:
+    hf = _hf(name)
+    return hf | {"text_config": _text(hf) | changes} if "text_config" in hf else hf | changes
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_config_reads_the_gemma4_keys(name):
+    cfg = ModelConfig.from_hf(_hf(name))
+    assert cfg.model_type == name and cfg.tie_word_embeddings and cfg.qk_norm and not cfg.norm_zero_centered
+    assert cfg.sandwich_norms and cfg.scale_embeddings and cfg.v_norm and cfg.layer_scalar
+    assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.query_pre_attn_scalar == 1.0
+    assert cfg.sliding_window == 4 and cfg.layer_windows == (4, 4, None) * 2
+    rs = cfg.rope_scaling
+    assert (cfg.rope_theta, rs.rope_type, rs.partial_rotary_factor) == (100.0, "proportional", 0.5)
+    assert (cfg.local_rope_theta, cfg.local_rope_scaling.rope_type) == (1e4, "default")
+    assert layer_pattern(cfg) == LayerPattern((LayerType("layers", (("window", 4), ("rope", 1))),) * 2
+                                              + (LayerType("layers", (("window", 0), ("rope", 0))),), 6)
+    assert cfg.num_params() == int(np.load(FIXTURES / name / "expected.npz")["num_params"])
+
+
+def test_proportional_rope_frequencies_are_transformers_formula():
+    """transformers' _compute_proportional_rope_parameters: int(p * H // 2) frequencies base ** (-2i / H) over the
+    whole head, the rest 0, all / factor (H 16, p 0.5 -> 4 of 8; a p that does not divide evenly floors)."""
+    cfg = ModelConfig.from_hf(_hf("gemma4_text"))
+    np.testing.assert_allclose(rope_inv_freq(cfg), [100.0 ** (-i / 16) for i in range(0, 8, 2)] + [0.0] * 4)
+    rp = _text(_hf("gemma4_text"))["rope_parameters"]
+    odd = rp | {"full_attention": rp["full_attention"] | {"partial_rotary_factor": 0.3, "factor": 2.0}}
+    cfg = ModelConfig.from_hf(_with("gemma4_text", rope_parameters=odd))
+    np.testing.assert_allclose(rope_inv_freq(cfg), [100.0 ** (-i / 16) / 2 for i in range(0, 4, 2)] + [0.0] * 6)
+
+
+def test_defaults_read_as_transformers_builds_them():
+    """Without layer_types every 6th layer is full attention and the last layer is forced to full attention;
+    without rope_parameters the full layers' rope is proportional (0.25, 1e6), the sliding ones' default 1e4."""
+    hf = {k: v for k, v in _hf("gemma4_text").items() if k not in ("layer_types", "rope_parameters")}
+    cfg = ModelConfig.from_hf(hf | {"num_hidden_layers": 8})
+    assert cfg.layer_windows == (4, 4, 4, 4, 4, None, 4, None)
+    assert (cfg.rope_theta, cfg.rope_scaling.rope_type, cfg.rope_scaling.partial_rotary_factor) == \
+        (1e6, "proportional", 0.25)
+    assert (cfg.local_rope_theta, cfg.local_rope_scaling.rope_type) == (1e4, "default")
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input 256 is not supported yet"),
+    ("num_kv_shared_layers", 2, "num_kv_shared_layers 2 is not supported yet"),
+    ("attention_k_eq_v", True, "attention_k_eq_v True is not supported yet"),
+    ("enable_moe_block", True, "enable_moe_block True is not supported yet"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping 30.0 is not supported"),
+    ("per_layer_config", {"2": {"head_dim": 32}}, "layer 2's head_dim 32"),
+    ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
+    ("query_pre_attn_scalar", 256, "query_pre_attn_scalar is not read"),
+    ("hidden_act", "silu", "hidden_act 'silu' differs from hidden_activation"),
+    ("attention_bias", True, "attention_bias"),
+])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_unsupported_keys_are_refused_by_name(name, key, value, match):
+    with pytest.raises(ModelConfigError, match=match):
+        ModelConfig.from_hf(_with(name, **{key: value}))
+
+
+def test_missing_keys_take_transformers_defaults_and_are_refused():
+    """No hidden_size_per_layer_input: transformers' default 256 (PLE on); no per_layer_config: the full layers'
+    head_dim is global_head_dim, default 512."""
+    text = _hf("gemma4_text")
+    with pytest.raises(ModelConfigError, match="hidden_size_per_layer_input 256"):
+        ModelConfig.from_hf({k: v for k, v in text.items() if k != "hidden_size_per_layer_input"})
+    without = {k: v for k, v in text.items() if k != "per_layer_config"}
+    with pytest.raises(ModelConfigError, match="layer 2's head_dim 512"):
+        ModelConfig.from_hf(without)
+    assert ModelConfig.from_hf(without | {"global_head_dim": 16}) == ModelConfig.from_hf(text)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_config_round_trip(name):
+    """config.json -> ModelConfig -> config.json: the same architecture, the unbuilt features written off."""
+    hf = _hf(name)
+    cfg = ModelConfig.from_hf(hf)
+    out = cfg.to_hf()
+    assert ModelConfig.from_hf(out) == cfg
+    text = _text(out)
+    for key in ("layer_types", "rope_parameters", "hidden_activation", "sliding_window", "final_logit_softcapping",
+                "head_dim", "intermediate_size", "hidden_size_per_layer_input", "num_kv_shared_layers",
+                "attention_k_eq_v", "enable_moe_block", "per_layer_config"):
+        assert text[key] == _text(hf)[key], key
+    assert "query_pre_attn_scalar" not in text and "hidden_act" not in text
+    if name == "gemma4":
+        assert out["vision_config"] == hf["vision_config"] and text["model_type"] == "gemma4_text"
+
+
+def test_vision_tower_is_skipped_with_a_log_line(caplog):
+    d = FIXTURES / "gemma4"
+    names = SafetensorsFile(d / "model.safetensors").names()
+    vision = sum(n.startswith(("model.vision_tower.", "model.embed_vision.")) for n in names)
+    assert vision > 0
+    with caplog.at_level(logging.INFO, logger="surojax.weights.hf_checkpoint"):
+        load_model(d, dtype=jnp.float32, attention="xla")
+    assert any(f"skipping {vision} tensors" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_saved_folder_loads_back(name, tmp_path):
+    """save_model writes the text tensors under the fixture's names (layer scalars included), the same bits; the
+    folder loads back equal."""
+    model = load_model(FIXTURES / name, dtype=jnp.float32, attention="xla")
+    out = save_model(model, tmp_path / name)
+    saved = SafetensorsFile(out / "model.safetensors")
+    fixture = SafetensorsFile(FIXTURES / name / "model.safetensors")
+    text = [n for n in fixture.names() if not n.startswith(("model.vision_tower.", "model.embed_vision."))]
+    assert set(saved.names()) == set(text) and any(n.endswith("layers.5.layer_scalar") for n in text)
+    assert all(np.array_equal(saved.get(n), fixture.get(n)) for n in text)
+    back = load_model(out, dtype=jnp.float32, attention="xla")
+    assert back.cfg == model.cfg
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+                 nnx.state(model, nnx.Param), nnx.state(back, nnx.Param))
+
+
+def test_lora_targets_export_under_peft_names(tmp_path):
+    model = load_model(FIXTURES / "gemma4", dtype=jnp.float32, attention="xla")
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert model_targets(model) == targets
+    apply_lora(model, targets=list(targets), rank=2, alpha=4, rngs=nnx.Rngs(0))
+    out = save_peft_adapter(model, tmp_path / "adapter", str(FIXTURES / "gemma4"))
+    names = set(SafetensorsFile(out / WEIGHTS_FILE).names())
+    assert len(names) == 2 * 7 * 6
+    assert "base_model.model.model.language_model.layers.5.mlp.down_proj.lora_B.weight" in names
