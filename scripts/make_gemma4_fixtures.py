@@ -22,7 +22,9 @@ a dropped scalar shows. fp32, eager attention.
 expected.npz (test_hf_parity's keys): tokens0..2 ([5], [9], [12] int64), logits0..2 ([T, 256]: each sequence alone,
 computed in float64, stored fp32), greedy_prompt ([7]), greedy_tokens ([32]: transformers' greedy generate in
 float64, eos never stopping it; checked equal to argmax over full recomputation, every top-1 / top-2 gap > 1e-3),
-num_params (the language model's parameters, vision tower and layer_scalar buffers left out, the tied head once).
+num_params (the language model's parameters, vision tower and layer_scalar buffers left out, the tied head once),
+serve_prompt0..3 ([3], [11], [26], [41]) and serve_greedy0..3 ([12] each: transformers' greedy generate in
+float64, top-1 / top-2 gap > 1e-3: the served-greedy test's requests).
 The script also checks that the window, each rope and the layer scalars change the logits (so a test that ignores
 one fails), and that the saved folder reloads in transformers to the same logits.
 """
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = ROOT / "tests" / "fixtures" / "models"
 LENGTHS = (5, 9, 12)
 GREEDY_PROMPT_LEN, GREEDY_TOKENS = 7, 32
+SERVE_PROMPTS, SERVE_TOKENS = (3, 11, 26, 41), 12
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
 TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
@@ -127,6 +130,15 @@ def _expected(model, out: Path, seed: int) -> None:
         assert min(margins) > 1e-3, min(margins)
         print(f"  greedy margin >= {min(margins):.4f}")
     arrays["greedy_prompt"], arrays["greedy_tokens"] = prompt, greedy.astype(np.int64)
+    for i, n in enumerate(SERVE_PROMPTS):  # the serving test's requests (several chunks, past the window)
+        x = torch.tensor(rng.integers(3, vocab, size=n))[None]
+        with torch.no_grad():
+            gen = m64.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=SERVE_TOKENS,
+                               eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None,
+                               output_logits=True, return_dict_in_generate=True)
+        gaps = [float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in gen.logits]
+        assert min(gaps) > 1e-3, (n, min(gaps))
+        arrays[f"serve_prompt{i}"], arrays[f"serve_greedy{i}"] = x[0].numpy(), gen.sequences[0, n:].numpy()
     arrays["num_params"] = np.int64(sum(p.numel() for p in _language_model(model).parameters()))
     long, ref = arrays["tokens2"], arrays["logits2"]
     checks = {

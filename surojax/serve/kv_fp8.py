@@ -14,6 +14,8 @@ to FP8_MAX, so no value the model can produce is clipped and no calibration pass
     k head (q/k norm, scale g_k)  ||k||_2 <= sqrt(H) * max|g_k|        (the smaller of the two bounds)
     rope rotates pairs of a head: every element of the rotated k is <= the head's L2 norm
     v element j                   |v_j| <= ||x_n||_2 * ||W_v[:, j]||_2 + |b_v[j]|
+    v head (Gemma 4's v norm: RMS-normalised, no weight)   |v_j| <= ||v||_2 <= sqrt(H)   (that bound alone: the
+                                  projection's bound says nothing about a normalised head)
 
 times BOUND_MARGIN (the compute dtype's roundings inside those steps), floored away from 0. The bound is loose
 (the hidden state is rarely aligned with a weight column), which costs little: a loose factor c puts the real
@@ -120,6 +122,8 @@ def layer_bounds(model) -> tuple[np.ndarray, np.ndarray]:
         if gk is not None:
             k_bound = jnp.minimum(k_bound, jnp.sqrt(jnp.float32(H)) * jnp.max(jnp.abs(gk.astype(jnp.float32))))
         v_bound = jnp.max(x_norm * jnp.linalg.norm(wv, axis=0) + jnp.abs(bv))
+        if cfg.v_norm:  # each value head RMS-normalised: sum v_j^2 <= H
+            v_bound = jnp.sqrt(jnp.float32(H))
         return k_bound, v_bound
 
     kv = cfg.num_kv_heads * cfg.head_dim

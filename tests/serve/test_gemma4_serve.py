@@ -1,0 +1,41 @@
+"""The paged engine serves Gemma 4 text (tests/fixtures/models/gemma4_text: 6 layers [sliding x 2, full] x 2,
+window 4, the full layers' proportional rope, v norm, softmax scale 1 != H ** -0.5, layer scalars): four
+concurrent requests of 3 .. 41 tokens give transformers' greedy tokens (expected.npz serve_prompt* /
+serve_greedy*: scripts/make_gemma4_fixtures.py, float64), prefilled in chunks past the window; and the FP8 pool's
+v bound is the v norm's sqrt(H) (serve/kv_fp8.py)."""
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from surojax.serve.config import KVCacheDtype, KVPath
+from surojax.serve.engine import Engine
+from surojax.serve.kv_fp8 import layer_bounds
+from surojax.weights.hf_checkpoint import load_model
+from tests.serve.configs import BUCKETS, engine_config
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "gemma4_text"
+SERVE = dict(num_blocks=32, block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+             buckets=BUCKETS)
+
+
+def _requests():
+    exp = np.load(FIXTURE / "expected.npz")
+    return [exp[f"serve_prompt{i}"].tolist() for i in range(4)], [exp[f"serve_greedy{i}"].tolist() for i in range(4)]
+
+
+def test_served_greedy_equals_transformers():
+    prompts, want = _requests()
+    assert max(map(len, prompts)) > 2 * SERVE["max_num_batched_tokens"]  # a prompt of three chunks
+    model = load_model(FIXTURE, dtype=jnp.float32, attention="xla")
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4))
+    assert engine.generate(prompts, max_tokens=len(want[0])) == want
+
+
+def test_fp8_kv_pool_bounds_the_normalised_values():
+    """The v bound is sqrt(head_dim) = 4 on every layer (the projection's bound would not hold after the v norm);
+    the engine builds its FP8 pool on it."""
+    model = load_model(FIXTURE, dtype=jnp.float32, attention="xla")
+    _, v = layer_bounds(model)
+    np.testing.assert_allclose(v, 4.0)
+    Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
