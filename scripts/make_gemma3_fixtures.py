@@ -88,13 +88,11 @@ def _changes(model, tokens, ref, edit) -> float:
     return float(np.abs(_logits(m, tokens) - ref).max())
 
 
-def _expected(model, out: Path, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    vocab = TEXT["vocab_size"]
+def greedy_and_serve(model, rng, vocab: int) -> dict:
+    """greedy_prompt / greedy_tokens (transformers' float64 greedy generate, checked against argmax over full
+    recomputation, every top-1 / top-2 gap > 1e-3) and serve_prompt0..3 / serve_greedy0..3 (the serving test's
+    requests, gaps > 1e-3), drawing the prompts from `rng` (make_gemma4_fixtures.py uses it too)."""
     arrays = {}
-    for i, n in enumerate(LENGTHS):
-        tokens = rng.integers(3, vocab, size=n)
-        arrays[f"tokens{i}"], arrays[f"logits{i}"] = tokens, _logits(model, tokens)
     prompt = rng.integers(3, vocab, size=GREEDY_PROMPT_LEN)
     m64 = copy.deepcopy(model).double()
     with torch.no_grad():
@@ -122,6 +120,17 @@ def _expected(model, out: Path, seed: int) -> None:
         gaps = [float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in gen.logits]
         assert min(gaps) > 1e-3, (n, min(gaps))
         arrays[f"serve_prompt{i}"], arrays[f"serve_greedy{i}"] = x[0].numpy(), gen.sequences[0, n:].numpy()
+    return arrays
+
+
+def _expected(model, out: Path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    vocab = TEXT["vocab_size"]
+    arrays = {}
+    for i, n in enumerate(LENGTHS):
+        tokens = rng.integers(3, vocab, size=n)
+        arrays[f"tokens{i}"], arrays[f"logits{i}"] = tokens, _logits(model, tokens)
+    arrays |= greedy_and_serve(model, rng, vocab)
     skip = ("vision_tower", "multi_modal_projector", "lm_head")  # lm_head: tied to the embedding
     arrays["num_params"] = np.int64(sum(p.numel() for n, p in model.named_parameters()
                                         if not any(s in n for s in skip)))

@@ -33,16 +33,17 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from scripts.make_gemma3_fixtures import LENGTHS, _logits, greedy_and_serve  # noqa: E402
+
 MODELS_DIR = ROOT / "tests" / "fixtures" / "models"
-LENGTHS = (5, 9, 12)
-GREEDY_PROMPT_LEN, GREEDY_TOKENS = 7, 32
-SERVE_PROMPTS, SERVE_TOKENS = (3, 11, 26, 41), 12
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
 TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
@@ -72,11 +73,6 @@ def _perturb(model, seed: int) -> None:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
         for layer in lm.layers:
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=g))
-
-
-def _logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():  # float64: the truth a 1e-4 check needs
-        return copy.deepcopy(model).double()(torch.tensor(tokens)[None]).logits[0].float().numpy()
 
 
 def _changes(model, tokens, ref, edit) -> float:
@@ -112,33 +108,7 @@ def _expected(model, out: Path, seed: int) -> None:
     for i, n in enumerate(LENGTHS):
         tokens = rng.integers(3, vocab, size=n)
         arrays[f"tokens{i}"], arrays[f"logits{i}"] = tokens, _logits(model, tokens)
-    prompt = rng.integers(3, vocab, size=GREEDY_PROMPT_LEN)
-    m64 = copy.deepcopy(model).double()
-    with torch.no_grad():
-        x = torch.tensor(prompt)[None]
-        gen = m64.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=GREEDY_TOKENS,
-                           eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
-        greedy = gen[0, GREEDY_PROMPT_LEN:].numpy()
-        assert greedy.shape == (GREEDY_TOKENS,), greedy.shape
-        cur, margins = x, []
-        for _ in range(GREEDY_TOKENS):  # the same tokens by full recomputation (generate's cache added nothing)
-            last = m64(cur).logits[0, -1]
-            top2 = last.topk(2).values
-            margins.append(float(top2[0] - top2[1]))
-            cur = torch.cat([cur, last.argmax().view(1, 1)], dim=1)
-        assert np.array_equal(cur[0, GREEDY_PROMPT_LEN:].numpy(), greedy), (cur, greedy)
-        assert min(margins) > 1e-3, min(margins)
-        print(f"  greedy margin >= {min(margins):.4f}")
-    arrays["greedy_prompt"], arrays["greedy_tokens"] = prompt, greedy.astype(np.int64)
-    for i, n in enumerate(SERVE_PROMPTS):  # the serving test's requests (several chunks, past the window)
-        x = torch.tensor(rng.integers(3, vocab, size=n))[None]
-        with torch.no_grad():
-            gen = m64.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=SERVE_TOKENS,
-                               eos_token_id=None, pad_token_id=0, temperature=None, top_p=None, top_k=None,
-                               output_logits=True, return_dict_in_generate=True)
-        gaps = [float(t.topk(2).values[0, 0] - t.topk(2).values[0, 1]) for t in gen.logits]
-        assert min(gaps) > 1e-3, (n, min(gaps))
-        arrays[f"serve_prompt{i}"], arrays[f"serve_greedy{i}"] = x[0].numpy(), gen.sequences[0, n:].numpy()
+    arrays |= greedy_and_serve(model, rng, vocab)  # the same prompts / checks as Gemma 3's fixtures
     arrays["num_params"] = np.int64(sum(p.numel() for p in _language_model(model).parameters()))
     long, ref = arrays["tokens2"], arrays["logits2"]
     checks = {

@@ -390,6 +390,9 @@ class ModelConfig:
                                                                  family.partial_rotary_default)))
         if partial != 1.0 and not family.hybrid:
             raise ModelConfigError("partial_rotary_factor != 1 is not supported (rope over the whole head_dim)")
+        if partial != 1.0 and "proportional" in (scaling.rope_type, gemma and gemma.local_rope_scaling.rope_type):
+            raise ModelConfigError("rope_type 'proportional' with partial_rotary_factor != 1 at the config's top level "
+                                   "is not supported (the proportional rope spans the whole head_dim)")
         if family.hybrid:
             _check_mrope(rs)
         if hf.get("layer_types") is not None and not family.hybrid:
