@@ -30,6 +30,8 @@ tests/fixtures/peft/versions.json. What is written (< 1 MB in all):
     gemma3/         the same protocol ("all-linear": q/k/v/o and gate/up/down) on the Gemma 3 parity fixture
                     tests/fixtures/models/gemma3_text (sliding and global layers, GeGLU, sandwich norms).
                     Alone: `make_peft_fixtures.py --only gemma3`.
+    gemma4/         the same protocol on the Gemma 4 parity fixture tests/fixtures/models/gemma4_text (the dense
+                    text model: v norm, layer scalars, proportional rope). Alone: `make_peft_fixtures.py --only gemma4`.
 """
 from __future__ import annotations
 
@@ -142,6 +144,7 @@ SGD_LR, SGD_STEPS = 0.1, 3
 
 
 GEMMA3_BASE = ROOT / "tests" / "fixtures" / "models" / "gemma3_text"
+GEMMA4_BASE = ROOT / "tests" / "fixtures" / "models" / "gemma4_text"
 
 
 def make_qwen3_5(out: Path) -> None:
@@ -151,6 +154,10 @@ def make_qwen3_5(out: Path) -> None:
 
 def make_gemma3(out: Path) -> None:
     _all_linear_sgd(out, GEMMA3_BASE, 4, set(TARGETS))
+
+
+def make_gemma4(out: Path) -> None:
+    _all_linear_sgd(out, GEMMA4_BASE, 5, set(TARGETS))
 
 
 def _all_linear_sgd(out: Path, base: Path, seed: int, wrapped_at_least: set) -> None:
@@ -193,10 +200,12 @@ def _all_linear_sgd(out: Path, base: Path, seed: int, wrapped_at_least: set) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["shared_expert", "qwen3_5", "gemma3"], help="write only this folder")
+    parser.add_argument("--only", choices=["shared_expert", "qwen3_5", "gemma3", "gemma4"],
+                        help="write only this folder")
     only = parser.parse_args().only
     if only:
-        {"shared_expert": make_shared_expert, "qwen3_5": make_qwen3_5, "gemma3": make_gemma3}[only](OUT / only)
+        {"shared_expert": make_shared_expert, "qwen3_5": make_qwen3_5, "gemma3": make_gemma3,
+         "gemma4": make_gemma4}[only](OUT / only)
         return
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -229,6 +238,7 @@ def main() -> None:
     make_shared_expert(OUT / "shared_expert")
     make_qwen3_5(OUT / "qwen3_5")
     make_gemma3(OUT / "gemma3")
+    make_gemma4(OUT / "gemma4")
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({total / 1024:.0f} KB)")
 
