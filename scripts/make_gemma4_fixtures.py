@@ -23,7 +23,7 @@ expected.npz (test_hf_parity's keys): tokens0..2 ([5], [9], [12] int64), logits0
 computed in float64, stored fp32), greedy_prompt ([7]), greedy_tokens ([32]: transformers' greedy generate in
 float64, eos never stopping it; checked equal to argmax over full recomputation, every top-1 / top-2 gap > 1e-3),
 num_params (the language model's parameters, vision tower and layer_scalar buffers left out, the tied head once),
-serve_prompt0..3 ([3], [11], [26], [41]) and serve_greedy0..3 ([12] each: transformers' greedy generate in
+softcap (2.0) / softcap_logits2 (logits2 with final_logit_softcapping 2), serve_prompt0..3 ([3], [11], [26], [41]) and serve_greedy0..3 ([12] each: transformers' greedy generate in
 float64, top-1 / top-2 gap > 1e-3: the served-greedy test's requests).
 The script also checks that the window, each rope and the layer scalars change the logits (so a test that ignores
 one fails), and that the saved folder reloads in transformers to the same logits.
@@ -121,6 +121,13 @@ def _expected(model, out: Path, seed: int) -> None:
         delta = _changes(model, long, ref, edit)
         print(f"  {what}: logits change {delta:.3g}")
         assert delta > 1e-2, (what, delta)
+    capped = copy.deepcopy(model)  # the logits soft-capped at 2 (published checkpoints: 30; 2 bites here)
+    capped.config.get_text_config().final_logit_softcapping = 2.0
+    capped.config.final_logit_softcapping = 2.0
+    arrays["softcap"], arrays["softcap_logits2"] = np.float64(2.0), _logits(capped, long)
+    delta = float(np.abs(arrays["softcap_logits2"] - ref).max())
+    print(f"  soft-capping: logits change {delta:.3g}")
+    assert delta > 1e-1 and np.abs(arrays["softcap_logits2"]).max() < 2.0
     np.savez(out / "expected.npz", **arrays)
 
 

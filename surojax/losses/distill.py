@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
+from surojax.losses.lm import DEFAULT_CHUNK_TOKENS, soft_cap
 from surojax.losses.router import RouterLossWeights, collected, router_loss
 
 
@@ -47,9 +47,11 @@ def distill_terms(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, t
 
 def chunked_distill_loss(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, loss_mask: jax.Array,
                          teacher_ids: jax.Array, teacher_logps: jax.Array, *, temperature: float,
-                         chunk: int = DEFAULT_CHUNK_TOKENS) -> tuple[jax.Array, jax.Array, jax.Array]:
+                         chunk: int = DEFAULT_CHUNK_TOKENS,
+                         softcap: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """hidden [B, T, D] (final-normed), head_w [D, V], targets / loss_mask [B, T], teacher_ids / teacher_logps
-    [B, T, K] -> (KL sum, CE sum, supervised count), fp32 scalars; logits in chunks of `chunk` tokens."""
+    [B, T, K] -> (KL sum, CE sum, supervised count), fp32 scalars; logits in chunks of `chunk` tokens (the
+    student's logits soft-capped when `softcap` is set)."""
     B, T, D = hidden.shape
     K = teacher_ids.shape[-1]
     n = B * T
@@ -65,7 +67,7 @@ def chunked_distill_loss(hidden: jax.Array, head_w: jax.Array, targets: jax.Arra
 
     @jax.checkpoint  # the backward pass recomputes this chunk's logits instead of keeping all k of them
     def chunk_terms(c):
-        logits = jnp.einsum("cd,dv->cv", c["h"], w, preferred_element_type=jnp.float32)  # [C, V] fp32
+        logits = soft_cap(jnp.einsum("cd,dv->cv", c["h"], w, preferred_element_type=jnp.float32), softcap)  # [C, V]
         return distill_terms(logits, c["t"], c["m"], c["ids"], c["lp"], temperature)
 
     def body(carry, c):
@@ -92,7 +94,7 @@ def distill_loss(model, batch: dict, *, alpha: float, temperature: float, chunk:
         stats = collected(stats)
     kl, ce, count = chunked_distill_loss(h, model.head_weight(), batch["targets"], batch["loss_mask"],
                                          batch["teacher_ids"], batch["teacher_logps"], temperature=temperature,
-                                         chunk=chunk)
+                                         chunk=chunk, softcap=model.cfg.final_logit_softcapping)
     total = alpha * temperature ** 2 * kl + (1.0 - alpha) * ce
     aux = {"tokens": count, "kl": jax.lax.stop_gradient(kl), "ce": jax.lax.stop_gradient(ce)}
     if router is not None:

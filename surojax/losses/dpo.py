@@ -74,7 +74,8 @@ def sequence_logps(model, seqs: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, rout
         return jnp.sum(lp * mask, axis=-1).reshape(lead)
     h, _, stats = model.hidden_states(flat["tokens"], flat["positions"], flat["segment_ids"])  # [N, T, D]
     stats = collected(stats)
-    lp = target_logps(h, model.head_weight(), flat["targets"], chunk=chunk)  # [N, T]
+    lp = target_logps(h, model.head_weight(), flat["targets"], chunk=chunk,
+                      softcap=model.cfg.final_logit_softcapping)  # [N, T]
     return jnp.sum(lp * mask, axis=-1).reshape(lead), stats
 
 

@@ -219,7 +219,8 @@ def grpo_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS, settings
         raise ValueError("router losses need a mixture-of-experts model; this one is dense")
     h, _, stats = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])
     stats = None if router is None else collected(stats)
-    logps = target_logps(h, model.head_weight(), batch["targets"], temperature=settings.temperature, chunk=chunk)
+    logps = target_logps(h, model.head_weight(), batch["targets"], temperature=settings.temperature, chunk=chunk,
+                         softcap=model.cfg.final_logit_softcapping)
     loss_sum, aux = policy_loss_sums(logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
                                      batch["completion_mask"], settings)
     if stats is not None:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from surojax.losses.lm import DEFAULT_CHUNK_TOKENS, chunk_logits, token_chunks
+from surojax.losses.lm import DEFAULT_CHUNK_TOKENS, chunk_logits, soft_cap, token_chunks
 
 
 def target_logps(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
-                 chunk: int = DEFAULT_CHUNK_TOKENS) -> jax.Array:
+                 chunk: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None) -> jax.Array:
     """hidden [N, T, D] (final-normed, compute dtype), head_w [D, V], targets [N, T] -> log p(target) [N, T] fp32
-    of log_softmax(logits / temperature). Differentiable in hidden and head_w (chunks recomputed backward)."""
+    of log_softmax(logits / temperature), the logits soft-capped first when `softcap` is set. Differentiable in
+    hidden and head_w (chunks recomputed backward)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     N, T, D = hidden.shape
@@ -34,7 +35,7 @@ def target_logps(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, *, te
 
     @jax.checkpoint
     def chunk_logps(hc, tc):  # [C, D], [C] -> [C]
-        logits = chunk_logits(hc, w)  # [C, V] fp32
+        logits = soft_cap(chunk_logits(hc, w), softcap)  # [C, V] fp32
         if temperature != 1.0:
             logits = logits / temperature
         target = jnp.take_along_axis(logits, tc[:, None], axis=-1)[:, 0]
@@ -52,4 +53,5 @@ def model_target_logps(model, batch: dict, *, temperature: float = 1.0,
     """`target_logps` of a `Decoder` on rows: batch tokens / positions / segment_ids / targets [N, T] -> [N, T]
     fp32 (the layers run on the decoder's layer runner)."""
     h = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"]).hidden  # [N, T, D]
-    return target_logps(h, model.head_weight(), batch["targets"], temperature=temperature, chunk=chunk)
+    return target_logps(h, model.head_weight(), batch["targets"], temperature=temperature, chunk=chunk,
+                        softcap=model.cfg.final_logit_softcapping)

@@ -251,6 +251,7 @@ class ModelConfig:
     # multiplied by its own scalar (`layer_scalar`, a buffer transformers saves with the checkpoint)
     v_norm: bool = False
     layer_scalar: bool = False
+    final_logit_softcapping: float | None = None  # c: logits -> c * tanh(logits / c) (Decoder.logits, the losses)
     # The HF config.json this came from, kept so that to_hf() can write back what surojax does not model.
     hf_extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -588,14 +589,15 @@ class Gemma4Text:
     `use_double_wide_mlp`, which widens only those layers' MLPs), `attention_k_eq_v`, the MoE block
     (`enable_moe_block`), full-attention layers whose head size or kv heads differ from the sliding layers'
     (`global_head_dim` / `num_global_key_value_heads` / `per_layer_config`: one attention stack has one shape),
-    `final_logit_softcapping`, bidirectional attention, a `query_pre_attn_scalar` (transformers' Gemma 4 does not
-    read one: its scale is 1)."""
+    bidirectional attention, a `query_pre_attn_scalar` (transformers' Gemma 4 does not read one: its scale is 1).
+    `final_logit_softcapping` (c > 0 or null) is read: logits c * tanh(logits / c)."""
 
     hf: dict[str, Any]
     rope_theta: float
     rope_scaling: RopeScaling
     local_rope_theta: float
     local_rope_scaling: RopeScaling
+    final_logit_softcapping: float | None
 
     NOT_YET = {"hidden_size_per_layer_input": "per-layer input embeddings (PLE)",
                "num_kv_shared_layers": "KV-shared layers", "attention_k_eq_v": "keys reused as values",
@@ -610,9 +612,9 @@ class Gemma4Text:
                 raise ModelConfigError(f"gemma4: {key} {value!r} is not supported yet ({what} is not implemented; "
                                        "only the dense text model is: a checkpoint without it sets the key to 0 / "
                                        "false)")
-        if hf.get("final_logit_softcapping") is not None:
-            raise ModelConfigError(f"gemma4: final_logit_softcapping {hf['final_logit_softcapping']} is not supported "
-                                   "(tanh soft-capping of the logits is not implemented in the losses / sampling)")
+        cap = hf.get("final_logit_softcapping")
+        if cap is not None and not float(cap) > 0:
+            raise ModelConfigError(f"gemma4: final_logit_softcapping {cap!r} must be a positive number or null")
         if hf.get("use_bidirectional_attention"):
             raise ModelConfigError(f"gemma4: use_bidirectional_attention {hf['use_bidirectional_attention']!r} is "
                                    "not supported (the decoder is causal)")
@@ -646,13 +648,14 @@ class Gemma4Text:
                 raise ModelConfigError(f"gemma4: rope_parameters.{name} lacks rope_theta")
         return cls(hf={**hf, "layer_types": types, "hidden_act": act, "sliding_window": hf.get("sliding_window", 512)},
                    rope_theta=float(full["rope_theta"]), rope_scaling=RopeScaling.from_hf(full, hf),
-                   local_rope_theta=float(local["rope_theta"]), local_rope_scaling=RopeScaling.from_hf(local, hf))
+                   local_rope_theta=float(local["rope_theta"]), local_rope_scaling=RopeScaling.from_hf(local, hf),
+                   final_logit_softcapping=None if cap is None else float(cap))
 
     def fields(self) -> dict[str, Any]:
         """The ModelConfig fields Gemma 4 sets (beside the generic ones read from `hf`)."""
         return dict(sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=1.0, v_norm=True,
                     layer_scalar=True, local_rope_theta=self.local_rope_theta,
-                    local_rope_scaling=self.local_rope_scaling)
+                    local_rope_scaling=self.local_rope_scaling, final_logit_softcapping=self.final_logit_softcapping)
 
     @staticmethod
     def to_hf(cfg: "ModelConfig") -> dict[str, Any]:
@@ -664,7 +667,8 @@ class Gemma4Text:
         return {"hidden_activation": cfg.hidden_act, "global_head_dim": cfg.head_dim, "per_layer_config": {},
                 "rope_parameters": {"full_attention": rope(cfg.rope_theta, cfg.rope_scaling),
                                     "sliding_attention": rope(cfg.local_rope_theta, cfg.local_rope_scaling)},
-                "final_logit_softcapping": None, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+                "final_logit_softcapping": cfg.final_logit_softcapping, "hidden_size_per_layer_input": 0,
+                "num_kv_shared_layers": 0,
                 "attention_k_eq_v": False, "enable_moe_block": False, "use_double_wide_mlp": False}
 
 

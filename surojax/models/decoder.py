@@ -229,9 +229,12 @@ class Decoder(nnx.Module):
         return self.lm_head.kernel[...]
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """h [B, T, D] -> logits [B, T, V] in fp32 (accumulated in fp32 from compute-dtype operands)."""
+        """h [B, T, D] -> logits [B, T, V] in fp32 (accumulated in fp32 from compute-dtype operands); with
+        `cfg.final_logit_softcapping` c (Gemma 4) c * tanh(logits / c), as the losses read them."""
         w = self.head_weight().astype(h.dtype)
-        return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
 
     def __call__(self, tokens, positions=None, segment_ids=None, *, cache: KVCache | None = None):
         """Logits [B, T, V] (and the cache when one is given). Defaults: one segment, positions 0..T-1."""

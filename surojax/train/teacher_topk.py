@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from surojax.data.tokenizer import Tokenizer
-from surojax.losses.lm import DEFAULT_CHUNK_TOKENS
+from surojax.losses.lm import DEFAULT_CHUNK_TOKENS, soft_cap
 from surojax.model_loader import load_model_ref
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
@@ -56,9 +56,10 @@ def sequence_chunk(rows: int, sequence_len: int, chunk: int) -> int:
 
 
 def teacher_topk(hidden: jax.Array, head_w: jax.Array, loss_mask: jax.Array, *, k: int, n_tokens: int,
-                 chunk: int = DEFAULT_CHUNK_TOKENS) -> tuple[jax.Array, jax.Array]:
+                 chunk: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """hidden [B, T, D] (final-normed), head_w [D, V], loss_mask [B, T] -> (ids int32 [B, T, K], log-probs fp32
-    [B, T, K] of the full-vocabulary softmax at T = 1, descending). Ids >= n_tokens are excluded (padding rows).
+    [B, T, K] of the full-vocabulary softmax at T = 1, descending; the logits soft-capped first when `softcap` is
+    set). Ids >= n_tokens are excluded (padding rows).
 
     Sequence chunks of Tc = `sequence_chunk(B, T, chunk)` positions of every row: the fp32 logits [B, Tc, V] of
     one chunk exist at a time, never [B, T, V], and the rows stay split where the batch sharding put them."""
@@ -69,7 +70,7 @@ def teacher_topk(hidden: jax.Array, head_w: jax.Array, loss_mask: jax.Array, *, 
     w = head_w.astype(hidden.dtype)
 
     def one(hc):
-        logits = jnp.einsum("btd,dv->btv", hc, w, preferred_element_type=jnp.float32)  # [B, Tc, V] fp32
+        logits = soft_cap(jnp.einsum("btd,dv->btv", hc, w, preferred_element_type=jnp.float32), softcap)
         real = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) < n_tokens
         logps = jax.nn.log_softmax(jnp.where(real, logits, -jnp.inf), axis=-1)
         values, ids = jax.lax.top_k(logps, k)  # [B, Tc, K]
@@ -176,7 +177,7 @@ class OnlineTeacher:
             teacher: Decoder = nnx.merge(graphdef, state)
             h = teacher.hidden_states(tokens, positions, segment_ids).hidden
             return teacher_topk(jax.lax.stop_gradient(h), teacher.head_weight(), loss_mask, k=top_k,
-                                n_tokens=n_tokens, chunk=chunk)
+                                n_tokens=n_tokens, chunk=chunk, softcap=teacher.cfg.final_logit_softcapping)
 
         return cls(name=str(ref), top_k=top_k, rows=max(1, rows // jax.process_count()), forward=forward,
                    state=state, mesh=mesh, memory=memory)

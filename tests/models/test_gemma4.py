@@ -3,7 +3,7 @@ logits parity of tests/models/test_hf_parity.py (fp32 logits alone / padded / pa
 transformers, over the fixtures of scripts/make_gemma4_fixtures.py: 6 layers [sliding x 2, full] x 2, window 4,
 the full layers' proportional rope, v norm, softmax scale 1, layer scalars): the config's reading (what is not built
 yet is refused by name: per-layer input embeddings, KV-shared layers, attention_k_eq_v, the MoE block, wider
-full-attention layers, soft-capping), the proportional rope's frequencies against transformers' formula, the
+full-attention layers), the logits' soft-capping against transformers, the proportional rope's frequencies against transformers' formula, the
 multimodal checkpoint (vision tower skipped with a log line), save -> load, the LoRA targets' PEFT names."""
 import json
 import logging
@@ -83,7 +83,7 @@ def test_defaults_read_as_transformers_builds_them():
     ("num_kv_shared_layers", 2, "num_kv_shared_layers 2 is not supported yet"),
     ("attention_k_eq_v", True, "attention_k_eq_v True is not supported yet"),
     ("enable_moe_block", True, "enable_moe_block True is not supported yet"),
-    ("final_logit_softcapping", 30.0, "final_logit_softcapping 30.0 is not supported"),
+    ("final_logit_softcapping", -1.0, "final_logit_softcapping -1.0 must be a positive number"),
     ("per_layer_config", {"2": {"head_dim": 32}}, "layer 2's head_dim 32"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
     ("query_pre_attn_scalar", 256, "query_pre_attn_scalar is not read"),
@@ -123,6 +123,20 @@ def test_config_round_trip(name):
     assert "query_pre_attn_scalar" not in text and "hidden_act" not in text
     if name == "gemma4":
         assert out["vision_config"] == hf["vision_config"] and text["model_type"] == "gemma4_text"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_softcapped_logits_equal_transformers(name, tmp_path):
+    """final_logit_softcapping 2 (expected.npz softcap_logits2: transformers with the cap set) is read, written
+    back, and caps the logits."""
+    exp = np.load(FIXTURES / name / "expected.npz")
+    (tmp_path / "config.json").write_text(json.dumps(_with(name, final_logit_softcapping=float(exp["softcap"]))))
+    (tmp_path / "model.safetensors").symlink_to(FIXTURES / name / "model.safetensors")
+    model = load_model(tmp_path, dtype=jnp.float32, attention="xla")
+    assert model.cfg.final_logit_softcapping == 2.0 and _text(model.cfg.to_hf())["final_logit_softcapping"] == 2.0
+    got = np.asarray(model(jnp.asarray(exp["tokens2"])[None]))[0]
+    assert np.abs(got - exp["softcap_logits2"]).max() <= 1e-4
+    assert np.abs(got - exp["logits2"]).max() > 0.1
 
 
 def test_vision_tower_is_skipped_with_a_log_line(caplog):
