@@ -466,7 +466,8 @@ class ModelConfig:
             out[family.bias_key] = self.attention_bias
         if family.sliding_window:
             out["sliding_window"] = self.sliding_window
-        if self.layer_windows is not None or ("layer_types" in self.hf_extra and not family.hybrid):
+        if self.layer_windows is not None or ("layer_types" in self.hf_extra
+                                              and not (family.hybrid or family.short_conv)):
             out["sliding_window"] = self.sliding_window
             out["layer_types"] = ["full_attention" if self.layer_window(i) is None else "sliding_attention"
                                   for i in range(self.num_layers)]

@@ -215,6 +215,10 @@ LINEAR_MODULES: dict[str, str] = {
 # The Gated DeltaNet projections of a hybrid model's `linear_layers` (HF names; path inside that stack's block).
 LINEAR_ATTENTION_MODULES: dict[str, str] = {
     m: f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")}
+# LFM2's short-convolution projections (its `conv_layers`): our target name -> path inside that stack's block. The
+# names are dotted (its HF module names in_proj / out_proj collide with the DeltaNet's and the attention's out_proj);
+# they are also PEFT's `target_modules` entries (`model.layers.{i}.conv.in_proj` matched by its end).
+SHORT_CONV_MODULES: dict[str, str] = {f"conv.{m}": f"conv.{m}" for m in ("in_proj", "out_proj")}
 # A MoE model's expert projections (ExpertLinear, [E, in, out] per layer) as LoRA targets: our target name -> path
 # in the Decoder. The path is also PEFT's `target_parameters` entry for transformers 5's fused experts.
 EXPERT_MODULES: dict[str, str] = {
