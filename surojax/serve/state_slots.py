@@ -28,19 +28,33 @@ decode) leaves the state unchanged.
 What a state cannot do: be rolled back (the state after token n does not give the state after token n - 1), nor
 be rebuilt from a cached prefix's KV pages (they hold no state of the linear layers). So a hybrid model is
 served without prefix caching (`PREFIX_CACHING_OFF`, logged once) and without speculative decoding
-(`SPECULATIVE_REFUSED`, an error at engine construction).
+(`SPECULATIVE_REFUSED`, an error at engine construction); LFM2's conv windows likewise (`*_CONV`: a conv window
+after token n cannot be rebuilt from KV pages either, and speculation would need it rolled back).
 """
 from __future__ import annotations
 
 import jax
 
 from surojax.models.decoder import Decoder
-from surojax.models.kv import ATTENTION_STACK, Cache, HybridCache, StateCache
+from surojax.models.kv import ATTENTION_STACK, CONV_STACK, Cache, HybridCache, StateCache
 
 PREFIX_CACHING_OFF = ("prefix caching is off for hybrid models: a cached prefix's KV pages do not carry the "
-                      "linear-attention / short-convolution layers' state at the block boundary")
-SPECULATIVE_REFUSED = ("speculative decoding is not supported for hybrid models: the linear-attention / "
-                       "short-convolution layers' states cannot be rolled back when proposals are rejected")
+                      "linear-attention layers' state at the block boundary")
+SPECULATIVE_REFUSED = ("speculative decoding is not supported for hybrid models: the linear-attention layers' "
+                       "states cannot be rolled back when proposals are rejected")
+# LFM2's (`conv_layers`): the same reasons for its short convolutions' conv windows
+PREFIX_CACHING_OFF_CONV = PREFIX_CACHING_OFF.replace("linear-attention", "short-convolution")
+SPECULATIVE_REFUSED_CONV = SPECULATIVE_REFUSED.replace("linear-attention", "short-convolution")
+
+
+def prefix_caching_off(model: Decoder) -> str:
+    """Why a hybrid model is served without prefix caching (worded for its kind of state layers)."""
+    return PREFIX_CACHING_OFF_CONV if model.state_stack == CONV_STACK else PREFIX_CACHING_OFF
+
+
+def speculative_refused(model: Decoder) -> str:
+    """Why a hybrid model refuses speculative decoding (worded for its kind of state layers)."""
+    return SPECULATIVE_REFUSED_CONV if model.state_stack == CONV_STACK else SPECULATIVE_REFUSED
 
 
 def is_hybrid(model: Decoder) -> bool:
@@ -126,5 +140,5 @@ def pools_and(k_pool, v_pool, pool: StateCache | None, *outputs) -> tuple:
     return (k_pool, v_pool, *outputs) if pool is None else (k_pool, v_pool, pool, *outputs)
 
 
-__all__ = ["PREFIX_CACHING_OFF", "SPECULATIVE_REFUSED", "StateSlots", "attention_layers", "is_hybrid",
-           "pools_and", "split_state_rows", "state_pool", "state_pool_bytes", "with_state_rows"]
+__all__ = ["PREFIX_CACHING_OFF", "PREFIX_CACHING_OFF_CONV", "SPECULATIVE_REFUSED", "SPECULATIVE_REFUSED_CONV",
+           "StateSlots", "attention_layers", "is_hybrid", "prefix_caching_off", "speculative_refused", "pools_and", "split_state_rows", "state_pool", "state_pool_bytes", "with_state_rows"]
