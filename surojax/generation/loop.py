@@ -23,20 +23,21 @@ import numpy as np
 from flax import nnx
 
 from surojax.generation.sampling import sample
-from surojax.models.decoder import Decoder
-from surojax.models.kv import ATTENTION_STACK, Cache, HybridCache, KVCache
+from surojax.models.decoder import Decoder, state_shape
+from surojax.models.kv import ATTENTION_STACK, Cache, HybridCache, KVCache, state_stack
 
 
 def empty_cache(model: Decoder, batch: int, max_len: int, dtype) -> Cache:
     """A fresh cache for `batch` sequences of up to `max_len` tokens: a `KVCache` over the model's layers, or for
-    a hybrid model (its layer pattern reads a `linear_layers` or LFM2's `conv_layers` stack: `model.state_stack`) a
-    `HybridCache`: the KV cache over the attention stack's rows and zero states over the state stack's rows, sized
-    by `model.state_shape`."""
-    pattern, stack = model.layer_pattern, model.state_stack
+    a hybrid model (its layer pattern reads a `linear_layers` or LFM2's `conv_layers` stack) a `HybridCache`: the KV
+    cache over the attention stack's rows and zero states over the state stack's rows, sized by
+    `decoder.state_shape(model.cfg)`."""
+    pattern = model.layer_pattern
+    stack = state_stack(pattern.stacks)
     if stack is None:
         return KVCache.empty(model.cfg, batch, max_len, dtype)
     kv = KVCache.empty(model.cfg, batch, max_len, dtype, num_layers=pattern.rows(ATTENTION_STACK))
-    return HybridCache.empty(kv, pattern.rows(stack), model.state_shape, dtype, state_stack=stack)
+    return HybridCache.empty(kv, pattern.rows(stack), state_shape(model.cfg), dtype, state_stack=stack)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -145,6 +145,17 @@ def layer_pattern(cfg: ModelConfig) -> LayerPattern:
     return LayerPattern(tuple(LayerType("layers", (("window", w),)) for w in windows[:_period(windows)]), L)
 
 
+def state_shape(cfg) -> StateShape | ConvShape:
+    """The per-layer state layout of a hybrid's state stack: the Gated DeltaNet's heads (the config's
+    `linear_attention`: a `StateShape`'s fields) or LFM2's short-conv window over the hidden size."""
+    sc = getattr(cfg, "short_conv", None)
+    if sc is not None:
+        return ConvShape(cfg.hidden_size, sc.kernel)
+    if cfg.linear_attention is None:
+        raise ValueError(f"{cfg.model_type} has no layers with per-sequence state")
+    return cfg.linear_attention
+
+
 def _period(kinds: list) -> int:
     """The shortest p with kinds[i] == kinds[i % p] for every i."""
     L = len(kinds)
@@ -195,13 +206,8 @@ class Decoder(nnx.Module):
 
     @property
     def state_shape(self) -> StateShape | ConvShape:
-        """The per-layer state layout of `state_stack`: the Gated DeltaNet's heads (the config's
-        `linear_attention`) or the short conv's window over the hidden size."""
-        if self.cfg.short_conv is not None:
-            return ConvShape(self.cfg.hidden_size, self.cfg.short_conv.kernel)
-        if self.cfg.linear_attention is None:
-            raise ValueError(f"{self.cfg.model_type} has no layers with per-sequence state")
-        return self.cfg.linear_attention
+        """The per-layer state layout of `state_stack` (`state_shape(cfg)`)."""
+        return state_shape(self.cfg)
 
     # ---- forward ----------------------------------------------------------------------------------------
     def hidden_states(self, tokens, positions, segment_ids, *, cache: Cache | None = None,

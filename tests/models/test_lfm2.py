@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from surojax.generation.loop import generate
+from surojax.generation.loop import empty_cache, generate
 from surojax.models.config import ModelConfig, ModelConfigError, lfm2_ff_dim
 from surojax.models.decoder import layer_pattern
-from surojax.models.layer_runner import LayerType
+from surojax.models.layer_runner import CarriedCacheScan, LayerType
 from surojax.models.registry import stack_layers, weight_rows
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import apply_lora, lora_modules
@@ -199,3 +199,31 @@ def test_lora_targets_and_peft_export(tmp_path):
     assert set(adapter.weights) == set(every)
     assert adapter.weights["conv_layers.conv.in_proj"][0].shape == (4, 32, 2)
     assert adapter.weights["o_proj"][1].shape == (2, 2, 32)
+
+
+def test_carried_conv_state_equals_the_uncached_forward():
+    """The conv-only state cache (recurrent None) carried whole in the scan (`CarriedCacheScan`, serving's in-place
+    path): a prefill of a right-padded batch, then two decode steps, give the uncached logits of each sequence."""
+    model, seqs, logits, _, _ = _case("lfm2")
+    prompts = [seqs[0][:3], seqs[1][:5]]  # the next two tokens of each come from the sequence itself
+
+    @jax.jit
+    def run(state, tokens, positions, segments, cache):
+        m = nnx.merge(graphdef, state)
+        out = m.hidden_states(tokens, positions, segments, cache=cache, runner=CarriedCacheScan())
+        return m.logits(out.hidden), out.cache
+
+    graphdef, state = nnx.split(model)
+    tokens, segments = np.zeros((2, 5), np.int32), np.zeros((2, 5), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)], segments[b, :len(p)] = p, 1
+    positions = np.tile(np.arange(5, dtype=np.int32), (2, 1))
+    got, cache = run(state, tokens, positions, segments, empty_cache(model, 2, 8, jnp.float32))
+    assert cache.state.recurrent is None and cache.state.conv.shape == (4, 2, 2, 32)
+    for b, p in enumerate(prompts):
+        np.testing.assert_allclose(np.asarray(got)[b, :len(p)], logits[b][:len(p)], atol=TOL, rtol=0)
+    for step in range(2):
+        nxt = np.array([[seqs[b][len(p) + step]] for b, p in enumerate(prompts)], np.int32)
+        got, cache = run(state, nxt, np.asarray(cache.lengths)[:, None], np.ones_like(nxt), cache)
+        for b, p in enumerate(prompts):
+            np.testing.assert_allclose(np.asarray(got)[b, 0], logits[b][len(p) + step], atol=TOL, rtol=0)
