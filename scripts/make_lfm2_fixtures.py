@@ -10,7 +10,8 @@ Run with the reference environment (torch + transformers), never from the suroja
                     bias, conv_L_cache 3; the feed-forward width from block_auto_adjust_ff_dim: intermediate_size
                     100 -> int(2 * 100 / 3) = 66 -> int(1.5 * 66) = 99 -> up to a multiple of 16 = 112
     lfm2_conv_bias/ Lfm2ForCausalLM in an older config.json's spelling: `full_attn_idxs` [1] (no layer_types) over
-                    3 layers, `block_ff_dim` for intermediate_size, `tie_embedding` for tie_word_embeddings, conv_bias true (in_proj, conv and out_proj biases), untied head, conv_L_cache 4,
+                    3 layers, `block_ff_dim` for intermediate_size, `tie_embedding` for tie_word_embeddings,
+                    conv_bias true (in_proj, conv and out_proj biases), untied head, conv_L_cache 4,
                     block_auto_adjust_ff_dim false (the MLP is intermediate_size 40 wide)
 
 Both: vocab 256, hidden 32, 4 query heads over 2 kv heads (head_dim 8), q / k layernorms, rope_theta 1e6 (the
@@ -80,7 +81,8 @@ def _expected(model, out: Path, seed: int, serve: bool) -> None:
     for i, n in enumerate(LENGTHS):
         tokens = rng.integers(0, COMMON["vocab_size"], size=n)
         with torch.no_grad():
-            arrays[f"tokens{i}"], arrays[f"logits{i}"] = tokens, f64(torch.tensor(tokens)[None]).logits[0].float().numpy()
+            logits = f64(torch.tensor(tokens)[None]).logits[0].float().numpy()
+        arrays[f"tokens{i}"], arrays[f"logits{i}"] = tokens, logits
     arrays["greedy"] = _greedy(f64, arrays["tokens1"], GREEDY_TOKENS, gaps)
     # the cached generation equals argmax over full recomputation (the conv state is carried right)
     seq = arrays["tokens1"].tolist()

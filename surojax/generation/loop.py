@@ -1,7 +1,8 @@
 """Batched generation with a plain KV cache: training's generation eval, `surojax generate`, checks and demos
 (the serving engine pages its cache). A hybrid model (a `linear_layers` stack of Gated DeltaNet layers, or LFM2's
 `conv_layers` of short convolutions, beside the attention `layers`) gets a `HybridCache`: the KV cache over its
-attention layers, each other layer's fixed-size state (conv window [+ recurrent], zeros at the start) (`empty_cache`; models/kv/recurrent.py).
+attention layers, each other layer's fixed-size state (conv window [+ recurrent], zeros at the start)
+(`empty_cache`; models/kv/recurrent.py).
 
     prefill(prompts)  -> cache, logits of each row's last prompt token
     decode_one_token  -> one new token per row, appended to the cache

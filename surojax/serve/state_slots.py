@@ -3,8 +3,9 @@
 A Gated DeltaNet layer (a hybrid's `linear_layers` stack: Qwen3.5) carries per sequence a fixed-size state
 (models/kv/recurrent.py: conv [K - 1, C] in the activation dtype, recurrent [H, Dk, Dv] fp32) where an attention
 layer keeps KV that grows with the sequence; an LFM2 short-convolution layer (`conv_layers`) its conv window
-[K - 1, D] alone. Below, "linear layers" means either stack. The engine keeps the attention layers' KV in the paged pool (blocks,
-the attention stack's layers only) and the linear layers' states in a pool of slots, one per running sequence:
+[K - 1, D] alone. Below, "linear layers" means either stack. The engine keeps the attention layers' KV in the
+paged pool (blocks, the attention stack's layers only) and the linear layers' states in a pool of slots, one per
+running sequence:
 
     pool        a `StateCache` [L_linear, N, ...] over N = max_num_seqs slots (`state_pool`), zeros at first,
                 owned by the runner and donated to each call like the KV pools
@@ -141,4 +142,5 @@ def pools_and(k_pool, v_pool, pool: StateCache | None, *outputs) -> tuple:
 
 
 __all__ = ["PREFIX_CACHING_OFF", "PREFIX_CACHING_OFF_CONV", "SPECULATIVE_REFUSED", "SPECULATIVE_REFUSED_CONV",
-           "StateSlots", "attention_layers", "is_hybrid", "prefix_caching_off", "speculative_refused", "pools_and", "split_state_rows", "state_pool", "state_pool_bytes", "with_state_rows"]
+           "StateSlots", "attention_layers", "is_hybrid", "pools_and", "prefix_caching_off", "speculative_refused",
+           "split_state_rows", "state_pool", "state_pool_bytes", "with_state_rows"]

@@ -7,8 +7,9 @@ from surojax.models.kv.dense import DenseLayerKV, KVCache, StackedLayerKV
 from surojax.models.kv.meta import MASKED, AttendSpec, KVMeta, PagedKVMeta, attention_mask, softmax_with_sinks
 from surojax.models.kv.paged import PagedKernel, PagedKVCache, PagedLayerKV, reduce_decode_attention
 from surojax.models.kv.protocol import Cache, CarriedLayerKV, LayerKV, OneStack, StackCache
-from surojax.models.kv.recurrent import (ATTENTION_STACK, CONV_STACK, LINEAR_STACK, STATE_STACKS, ConvShape, HybridCache,
-                                         LayerState, StackedLayerState, StateCache, StateShape, state_stack)
+from surojax.models.kv.recurrent import (ATTENTION_STACK, CONV_STACK, LINEAR_STACK, STATE_STACKS, ConvShape,
+                                         HybridCache, LayerState, StackedLayerState, StateCache, StateShape,
+                                         state_stack)
 
 __all__ = ["ATTENTION_STACK", "CONV_STACK", "LINEAR_STACK", "MASKED", "STATE_STACKS", "AttendSpec", "Cache",
            "CarriedLayerKV", "ConvShape", "DenseLayerKV",

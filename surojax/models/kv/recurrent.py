@@ -22,9 +22,10 @@ A `StateCache` whose batch axis counts sequence slots instead of rows is the ser
 starts in the call) and `with_rows(slots, rows)` writes them back after the call.
 
 `HybridCache` is a hybrid model's cache: a `KVCache` (generation; the serving engine's `PagedKVCache`) over the
-attention stack (`layers`) and a `StateCache` over the state stack (`linear_layers`, or LFM2's `conv_layers`). Its `step` is the attention part's: the metadata (segment
-ids, positions, write slots) and the lengths are the sequence's, shared by both stacks; the states need no
-bookkeeping (each layer advances its own over the call's real tokens).
+attention stack (`layers`) and a `StateCache` over the state stack (`linear_layers`, or LFM2's `conv_layers`). Its
+`step` is the attention part's: the metadata (segment ids, positions, write slots) and the lengths are the
+sequence's, shared by both stacks; the states need no bookkeeping (each layer advances its own over the call's
+real tokens).
 """
 from __future__ import annotations
 
@@ -227,5 +228,5 @@ class HybridCache:
         return dataclasses.replace(self, kv=parts[self.kv_stack], state=parts[self.state_stack])
 
 
-__all__ = ["ATTENTION_STACK", "CONV_STACK", "LINEAR_STACK", "STATE_STACKS", "ConvShape", "HybridCache", "LayerState", "StackedLayerState", "StateCache",
-           "StateShape", "conv_state_shape", "recurrent_state_shape", "state_stack"]
+__all__ = ["ATTENTION_STACK", "CONV_STACK", "LINEAR_STACK", "STATE_STACKS", "ConvShape", "HybridCache", "LayerState",
+           "StackedLayerState", "StateCache", "StateShape", "conv_state_shape", "recurrent_state_shape", "state_stack"]
