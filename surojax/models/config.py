@@ -522,12 +522,7 @@ def short_conv_from_hf(hf: dict[str, Any]) -> ShortConvConfig:
         idxs = hf.get("full_attn_idxs")
         idxs = set(range(L) if idxs is None else idxs)
         types = ["full_attention" if i in idxs else "conv" for i in range(L)]
-    types = list(types)
-    if len(types) != L:
-        raise ModelConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {L}")
-    unknown = sorted(set(types) - set(LFM2_LAYER_TYPES))
-    if unknown:
-        raise ModelConfigError(f"layer_types {unknown} are not supported for lfm2 (conv, full_attention)")
+    types = _checked_layer_types(types, L, LFM2_LAYER_TYPES)
     return ShortConvConfig(layers=tuple(t == "conv" for t in types), kernel=int(hf.get("conv_L_cache", 3)),
                            bias=bool(hf.get("conv_bias", False)))
 
@@ -547,6 +542,17 @@ def short_conv_to_hf(cfg: "ModelConfig") -> dict[str, Any]:
                    "conv_L_cache": sc.kernel, "conv_bias": sc.bias, "norm_eps": cfg.rms_norm_eps}
 
 
+def _checked_layer_types(types, num_layers: int, allowed: tuple[str, ...]) -> list[str]:
+    """A hybrid's `layer_types`: one entry per layer, each one of `allowed`."""
+    types = list(types)
+    if len(types) != num_layers:
+        raise ModelConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {num_layers}")
+    unknown = sorted(set(types) - set(allowed))
+    if unknown:
+        raise ModelConfigError(f"layer_types {unknown} are not supported ({', '.join(allowed)})")
+    return types
+
+
 def linear_attention_from_hf(hf: dict[str, Any]) -> LinearAttentionConfig:
     """A hybrid's layer kinds and Gated DeltaNet shape: `layer_types` (or, without it, every
     `full_attention_interval`-th layer full attention, as transformers builds it) and the `linear_*` keys."""
@@ -555,12 +561,7 @@ def linear_attention_from_hf(hf: dict[str, Any]) -> LinearAttentionConfig:
     if types is None:
         interval = int(hf.get("full_attention_interval", 4))
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)]
-    types = list(types)
-    if len(types) != L:
-        raise ModelConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {L}")
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise ModelConfigError(f"layer_types {unknown} are not supported (linear_attention, full_attention)")
+    types = _checked_layer_types(types, L, LAYER_TYPES)
     return LinearAttentionConfig(
         layers=tuple(t == "linear_attention" for t in types),
         num_key_heads=int(hf.get("linear_num_key_heads", 16)), num_value_heads=int(hf.get("linear_num_value_heads", 32)),

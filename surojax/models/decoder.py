@@ -53,11 +53,15 @@ class Block(nnx.Module):
         """-> (h, kv, router stats of a MoE layer or None). `window`: this layer's static attention window (0 =
         full), its layer type's option when the config has per-layer windows (`layer_pattern`)."""
         a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window)
-        h = h + a
-        if isinstance(self.mlp, MoE):
-            m, stats = self.mlp(self.mlp_norm(h), segment_ids)
-            return h + m, kv, stats
-        return h + self.mlp(self.mlp_norm(h)), kv, None
+        return _mlp_residual(self, h + a, kv, segment_ids)
+
+
+def _mlp_residual(block: nnx.Module, h, kv, segment_ids):
+    """Every block's second half: h += MLP(RMSNorm(h)) -> (h, kv, the MoE's router stats or None)."""
+    if isinstance(block.mlp, MoE):
+        m, stats = block.mlp(block.mlp_norm(h), segment_ids)
+        return h + m, kv, stats
+    return h + block.mlp(block.mlp_norm(h)), kv, None
 
 
 def _norms_and_mlp(block: nnx.Module, cfg: ModelConfig, param_dtype, rngs) -> None:
@@ -82,11 +86,7 @@ class LinearBlock(nnx.Module):
         """-> (h, kv, router stats of a MoE layer or None), as `Block`; `kv`: this layer's recurrent-state view
         (kv/recurrent.py) or None."""
         a, kv = self.linear_attn(self.attn_norm(h), segment_ids, kv)
-        h = h + a
-        if isinstance(self.mlp, MoE):
-            m, stats = self.mlp(self.mlp_norm(h), segment_ids)
-            return h + m, kv, stats
-        return h + self.mlp(self.mlp_norm(h)), kv, None
+        return _mlp_residual(self, h + a, kv, segment_ids)
 
 
 class ConvBlock(nnx.Module):
@@ -100,11 +100,7 @@ class ConvBlock(nnx.Module):
         """-> (h, kv, router stats of a MoE layer or None), as `Block`; `kv`: this layer's conv-state view
         (kv/recurrent.py) or None."""
         a, kv = self.conv(self.attn_norm(h), segment_ids, kv)
-        h = h + a
-        if isinstance(self.mlp, MoE):
-            m, stats = self.mlp(self.mlp_norm(h), segment_ids)
-            return h + m, kv, stats
-        return h + self.mlp(self.mlp_norm(h)), kv, None
+        return _mlp_residual(self, h + a, kv, segment_ids)
 
 
 class Embedding(nnx.Module):
