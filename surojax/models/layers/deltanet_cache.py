@@ -49,9 +49,10 @@ def segment_runs(segment_ids: jax.Array) -> jax.Array:
     return jnp.cumsum(jnp.concatenate([first, change], axis=1), axis=1, dtype=jnp.int32)
 
 
-def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None) -> jax.Array:
+def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None, silu: bool = True) -> jax.Array:
     """SiLU(depthwise causal conv1d) of x [B, T, C] with weight [C, 1, K] (bias [C] or None) -> [B, T, C] in x's
-    dtype (accumulated in fp32). Output t = sum_j weight[:, 0, j] * input[t - (K - 1) + j].
+    dtype (accumulated in fp32). Output t = sum_j weight[:, 0, j] * input[t - (K - 1) + j]. silu False: the conv
+    alone (LFM2's short convolution, layers/short_conv.py).
 
     prefix [B, K - 1, C]: the inputs before x (a cached sequence's last K - 1; None: zeros, the sequence starts
     here). segment_ids [B, T] or None: a tap reads only inputs of the output token's run of equal segment ids
@@ -71,7 +72,7 @@ def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None) -> jax
         if segment_ids is not None and j < K - 1:
             tap = jnp.where((runs_in[:, j:j + T] == runs)[..., None], tap, 0.0)
         out = out + tap
-    return jax.nn.silu(out).astype(x.dtype)
+    return (jax.nn.silu(out) if silu else out).astype(x.dtype)
 
 
 def last_real_inputs(prefix, x, segment_ids) -> jax.Array:
