@@ -124,9 +124,10 @@ GDN_V2_GRID = [(bv, bo, w, st) for bv, bo in ((32, 64), (64, 128), (16, 32), (12
                for st in (1, 2, 3)]
 
 
-# (block_dv of the backward's state kernel, block_dk of its dq / dk / dW kernel, num_warps, num_stages)
-GDN_V2_BWD_GRID = [(bv, bk, w, st) for bv, bk in ((64, 64), (32, 64), (64, 128), (32, 128)) for w in (4, 8)
-                   for st in (1, 2, 3)]
+# the backward's launches (kernel_v2_bwd.BwdKnobs: block_dv of its state kernel, block_dk of its dq / dk / dW kernel,
+# warps of wy_t, state, dqkw, wy_bwd, stages)
+GDN_V2_BWD_GRID = [(bv, bk, w, st) for bv, bk in ((32, 64), (64, 64), (32, 32), (64, 128))
+                   for w in ((4, 4, 8, 8), (4, 4, 4, 4), (8, 8, 8, 8)) for st in (1, 2, 3)]
 
 
 def dump_gdn(out: str) -> None:
@@ -151,10 +152,12 @@ def dump_gdn(out: str) -> None:
                  jax.ShapeDtypeStruct((B, H, D, D), jnp.float32))  # h, v_new, do, ds
         knobs = V2Knobs(scale=D ** -0.5, interpret=False)
         for bv, bk, w, st in GDN_V2_BWD_GRID:
-            bwd = BwdKnobs(block_dv=bv, block_dk=bk, num_warps=w, num_stages=st)
+            bwd = BwdKnobs(block_dv=bv, block_dk=bk, wy_warps=w[0], state_warps=w[1], dqkw_warps=w[2],
+                           wy_bwd_warps=w[3], num_stages=st)
             fn = jax.jit(lambda *a, bwd=bwd: chunk_backward(*a, knobs=knobs, bwd=bwd, chunk=64))
-            write(fn, args[:-1] + saved, [os.path.join(out, f"gdnv2bwd_{name}-w{w}-s{st}.ttir")
-                                          for name in ("wy_t", f"state-bv{bv}", f"dqkw-bk{bk}", "wy_bwd")])
+            names = ("wy_t", f"state-bv{bv}", f"dqkw-bk{bk}", "wy_bwd")
+            write(fn, args[:-1] + saved, [os.path.join(out, f"gdnv2bwd_{name}-w{warps}-s{st}.ttir")
+                                          for name, warps in zip(names, w)])
 
 
 def _registers(ptx: str, out_dir: str) -> str:

@@ -56,11 +56,23 @@ from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, inverse_rows
 @dataclasses.dataclass(frozen=True)
 class BwdKnobs:
     """The backward kernels' launch (static, hashable): block_dv value columns per program of B1, block_dk key
-    columns per program of B2 (both cut to the head dims)."""
-    block_dv: int = 64
+    columns per program of B2 (both cut to the head dims), warps per kernel. The defaults are the spill-free ones of
+    an offline sm_90 compile (Triton 3.6, benchmarks/triton_offline_check.py dump-gdn, 0.8B shapes, bf16): B0 at 4
+    warps 254 registers (8: 198), B1 at block_dv 32 and 4 warps 255 registers, 0 spill stores, 121 KB shared
+    (block_dv 64 spills 228 B at 4 warps, 196 at 8), B2 at block_dk 64 and 8 warps 209 registers, 82 KB (4 warps
+    spill 72 B; block_dk 32 at 4 warps 220, none), B3 at 8 warps 218 registers, 74 KB (4 warps spill 520 B). Not
+    yet timed on a GPU."""
+    block_dv: int = 32
     block_dk: int = 64
-    num_warps: int = 4
+    wy_warps: int = 4
+    state_warps: int = 4
+    dqkw_warps: int = 8
+    wy_bwd_warps: int = 8
     num_stages: int = 2
+
+    def label(self) -> str:
+        return (f"bv{self.block_dv}-bk{self.block_dk}-w{self.wy_warps}{self.state_warps}{self.dqkw_warps}"
+                f"{self.wy_bwd_warps}-s{self.num_stages}")
 
 
 def _dot(a, b):
@@ -115,8 +127,8 @@ def dstate_kernel(q_ref, k_ref, w_ref, do_ref, gamma_ref, seg_ref, first_ref, la
         dv_new = (_dot(attn.T, do) + _dot(k, ds.astype(dt)) * write[:, None]).astype(dt)
         dv_new_ref[tok, :] = dv_new.astype(dv_new_ref.dtype)
         carry = jnp.exp(gamma_last) * jnp.sum(first_ref[end])
-        q_read = (q.astype(f32) * (scale * jnp.exp(gamma) * first_ref[tok])[:, None]).astype(dt)
-        return carry * ds + _dot(q_read.T, do) - _dot(w_ref[tok, :].astype(dt).T, dv_new)
+        do_read = (do.astype(f32) * (scale * jnp.exp(gamma) * first_ref[tok])[:, None]).astype(dt)  # Q_read^T do
+        return carry * ds + _dot(q.T, do_read) - _dot(w_ref[tok, :].astype(dt).T, dv_new)
 
     ds0_ref[...] = jax.lax.fori_loop(0, n, body, ds_ref[...].astype(f32))
 
@@ -200,8 +212,8 @@ def wy_bwd_kernel(t_ref, k_ref, v_ref, dv_new_ref, dw_ref, dk_part_ref, dgam_ref
     dg_ref[...] = jnp.sum(jnp.where(j >= i, d_gamma[None, :], 0.0), axis=1)  # sum over the tokens from i on
 
 
-def _params(bk: BwdKnobs, knobs: V2Knobs):
-    return None if knobs.interpret else plgpu.CompilerParams(num_warps=bk.num_warps, num_stages=bk.num_stages)
+def _params(bk: BwdKnobs, knobs: V2Knobs, warps: int):
+    return None if knobs.interpret else plgpu.CompilerParams(num_warps=warps, num_stages=bk.num_stages)
 
 
 def _rows(chunk: int, width: int) -> pl.BlockSpec:  # one chunk of one head: grid (b, h, c, ...)
@@ -224,7 +236,7 @@ def wy_t(k, gamma, beta, seg, first, *, knobs: V2Knobs, bwd: BwdKnobs, chunk: in
         in_specs=[_rows(chunk, Dk), _per_head(chunk), _per_head(chunk), _per_row(chunk), _per_row(chunk)],
         out_specs=[_rows(chunk, Dk), _rows(chunk, chunk)],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), dtype), jax.ShapeDtypeStruct((B, Tp, H, chunk), dtype)],
-        compiler_params=_params(bwd, knobs), interpret=knobs.interpret, name="gated_delta_v2_bwd_wy",
+        compiler_params=_params(bwd, knobs, bwd.wy_warps), interpret=knobs.interpret, name="gated_delta_v2_bwd_wy",
     )(k, gamma, beta, seg, first)
 
 
@@ -245,7 +257,7 @@ def dstates(q, k, w, do, gamma, seg, first, last, ds, *, knobs: V2Knobs, bwd: Bw
         out_specs=[pl.BlockSpec((None, None, N, Dk, bv), lambda b, h, j: (b, h, 0, 0, j)), columns, state_spec],
         out_shape=[jax.ShapeDtypeStruct((B, H, N, Dk, Dv), w.dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), w.dtype),
                    jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)],
-        compiler_params=_params(bwd, knobs), interpret=knobs.interpret, name="gated_delta_v2_bwd_state",
+        compiler_params=_params(bwd, knobs, bwd.state_warps), interpret=knobs.interpret, name="gated_delta_v2_bwd_state",
     )(q, k, w, do, gamma, seg, first, last, ds)
 
 
@@ -267,7 +279,7 @@ def dqkw(q, k, v_new, do, dv_new, h, dh, gamma, seg, first, last, *, knobs: V2Kn
                    pl.BlockSpec((None, None, chunk, None), lambda b, h, c, kb: (kb, b, c, h))],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, Dk), jnp.float32),
                    jax.ShapeDtypeStruct((B, Tp, H, Dk), v_new.dtype), jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
-        compiler_params=_params(bwd, knobs), interpret=knobs.interpret, name="gated_delta_v2_bwd_dqkw",
+        compiler_params=_params(bwd, knobs, bwd.dqkw_warps), interpret=knobs.interpret, name="gated_delta_v2_bwd_dqkw",
     )(q, k, q, k, v_new, do, dv_new, h, dh, gamma, seg, first, last)
 
 
@@ -286,7 +298,7 @@ def wy_bwd(t, k, v, dv_new, dw, dk_part, dgam, gamma, beta, seg, first, *, knobs
         out_specs=[_rows(chunk, Dk), _rows(chunk, Dv), per_head, per_head],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), k.dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H), jnp.float32), jax.ShapeDtypeStruct((B, Tp, H), jnp.float32)],
-        compiler_params=_params(bwd, knobs), interpret=knobs.interpret, name="gated_delta_v2_bwd_wy_bwd",
+        compiler_params=_params(bwd, knobs, bwd.wy_bwd_warps), interpret=knobs.interpret, name="gated_delta_v2_bwd_wy_bwd",
     )(t, k, v, dv_new, dw, dk_part, dgam, gamma, beta, seg, first)
 
 
