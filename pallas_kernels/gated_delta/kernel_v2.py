@@ -172,7 +172,7 @@ def operand_shapes(B: int, Tp: int, H: int, Dk: int, Dv: int, dtype) -> tuple:
             jax.ShapeDtypeStruct((B, Tp), jnp.int32), per_row, per_row, jax.ShapeDtypeStruct((B, H, Dk, Dv), f32))
 
 
-def _rows(chunk: int, width: int) -> pl.BlockSpec:  # one chunk of one head: grid (b, h, c, ...)
+def chunk_rows(chunk: int, width: int) -> pl.BlockSpec:  # one chunk of one head: grid (b, h, c, ...)
     return pl.BlockSpec((None, chunk, None, width), lambda b, h, c, *_: (b, c, h, 0))
 
 
@@ -184,11 +184,23 @@ def wy(k, v, gamma, beta, seg, first, *, knobs: V2Knobs, chunk: int, dtype):
     per_row = pl.BlockSpec((None, chunk), lambda b, h, c: (b, c))
     return pl.pallas_call(
         wy_kernel, grid=(B, H, Tp // chunk),
-        in_specs=[_rows(chunk, Dk), _rows(chunk, Dv), per_head, per_head, per_row, per_row],
-        out_specs=[_rows(chunk, Dk), _rows(chunk, Dv)],
+        in_specs=[chunk_rows(chunk, Dk), chunk_rows(chunk, Dv), per_head, per_head, per_row, per_row],
+        out_specs=[chunk_rows(chunk, Dk), chunk_rows(chunk, Dv)],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), dtype)],
         compiler_params=knobs.params(), interpret=knobs.interpret, name="gated_delta_v2_wy",
     )(k, v, gamma, beta, seg, first)
+
+
+def sequential_specs(Tp: int, N: int, Dk: int, bv: int):
+    """The BlockSpecs of a sequential kernel over (B, H, Dv / bv) (K2 and the backward's mirror of it): whole
+    [Tp, Dk] rows, value columns [Tp, bv], per-head scalars [Tp], per-row flags [Tp], a state block [Dk, bv], the
+    per-chunk states [N, Dk, bv]."""
+    return (pl.BlockSpec((None, Tp, None, Dk), lambda b, h, j: (b, 0, h, 0)),
+            pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j)),
+            pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h)),
+            pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)),
+            pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j)),
+            pl.BlockSpec((None, None, N, Dk, bv), lambda b, h, j: (b, h, 0, 0, j)))
 
 
 def states(w, u, k, gamma, first, last, state, *, knobs: V2Knobs, chunk: int):
@@ -197,15 +209,11 @@ def states(w, u, k, gamma, first, last, state, *, knobs: V2Knobs, chunk: int):
     B, Tp, H, Dk = k.shape
     Dv = u.shape[-1]
     N, bv = Tp // chunk, min(knobs.block_v, Dv)
-    whole = pl.BlockSpec((None, Tp, None, Dk), lambda b, h, j: (b, 0, h, 0))
-    columns = pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j))
-    scalars = pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h))
-    flags = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0))
-    state_spec = pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j))
+    whole, columns, scalars, flags, state_spec, per_chunk = sequential_specs(Tp, N, Dk, bv)
     return pl.pallas_call(
         functools.partial(state_kernel, chunk=chunk), grid=(B, H, Dv // bv),
         in_specs=[whole, columns, whole, scalars, flags, flags, state_spec],
-        out_specs=[pl.BlockSpec((None, None, N, Dk, bv), lambda b, h, j: (b, h, 0, 0, j)), columns, state_spec],
+        out_specs=[per_chunk, columns, state_spec],
         out_shape=[jax.ShapeDtypeStruct((B, H, N, Dk, Dv), w.dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), w.dtype),
                    jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)],
         compiler_params=knobs.params(), interpret=knobs.interpret, name="gated_delta_v2_state",
@@ -222,7 +230,7 @@ def output(q, k, gamma, seg, first, h, v_new, *, knobs: V2Knobs, chunk: int, dty
     out_cols = pl.BlockSpec((None, chunk, None, bo), lambda b, h, c, j: (b, c, h, j))
     return pl.pallas_call(
         functools.partial(output_kernel, scale=knobs.scale), grid=(B, H, Tp // chunk, Dv // bo),
-        in_specs=[_rows(chunk, Dk), _rows(chunk, Dk), per_head, per_row, per_row,
+        in_specs=[chunk_rows(chunk, Dk), chunk_rows(chunk, Dk), per_head, per_row, per_row,
                   pl.BlockSpec((None, None, None, Dk, bo), lambda b, h, c, j: (b, h, c, 0, j)), out_cols],
         out_specs=out_cols,
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dv), dtype),
@@ -242,5 +250,5 @@ def chunk_forward(q, k, v, gamma, beta, seg, first, last, state, *, knobs: V2Kno
     return (o, final, h, v_new) if save_states else (o, final)
 
 
-__all__ = ["SUB", "V2Knobs", "chunk_forward", "inverse_rows", "operand_shapes", "output", "output_kernel", "state_kernel", "states",
-           "wy", "wy_kernel"]
+__all__ = ["SUB", "V2Knobs", "chunk_forward", "chunk_rows", "inverse_rows", "operand_shapes", "output",
+           "output_kernel", "sequential_specs", "state_kernel", "states", "wy", "wy_kernel"]

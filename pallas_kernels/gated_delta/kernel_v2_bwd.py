@@ -33,16 +33,19 @@ triples; [B, T, H, 128] bf16 = 67 MB, [B, H, N, 128, 128] bf16 = 268 MB), at ~2.
 bf16 (the FLOPs are 2 x multiply-adds):
     B0  reads k (67 MB), writes W (67) and T (17): ~0.15 GB, 0.06 ms; ~1.3 GFLOP (K1's without U), but its
         blocked inverse is latency-bound like K1 (measured 0.55 ms for K1 with U): ~0.4-0.5 ms
-    B1  reads q, k, W (3 x 67 MB, once per value block: x2 at block_dv 64), do (67), writes dh (268), dv_new (67):
-        ~0.8 GB, 0.32 ms; FLOPs 4096 x 2 x (64*64*128 + 64*64*128 + 3 x 64*128*128) ~ 26 GFLOP (0.13 ms); the
-        chain: 32 chunks of 4 dependent dots per program, 256 programs on 132 SMs, like K2 (measured 0.2-0.3 ms
-        for the forward's): ~0.35-0.5 ms
-    B2  reads q, k (x2 with the key blocks), do, v_new, dv_new (67 MB each) per key block (x2), h, dh (2 x 268),
-        writes dq (67), dk part (fp32, 134), dW (67): ~1.5 GB, 0.6 ms; ~22 GFLOP (0.11 ms): ~0.6-0.7 ms
+    B1  reads q, k, W (3 x 67 MB, once per value block: x4 at block_dv 32), do (67), writes dh (268), dv_new (67):
+        ~1.2 GB, 0.5 ms (much of it from L2: the value blocks of a head run together); FLOPs 4096 x 2 x
+        (4 x 64*64*128 for Q K^T, once per value block, + 64*64*128 + 3 x 64*128*128) ~ 47 GFLOP (0.24 ms); the
+        chain: 32 chunks of 5 dots per program (3 on the dependency chain), 512 programs on 132 SMs (2 a SM at
+        255 registers), like K2 (measured 0.2-0.3 ms for the forward's): ~0.4-0.6 ms
+    B2  reads q, k whole (for Q K^T) and do, v_new, dv_new once per key block (x2 at block_dk 64: 10 x 67 MB), the
+        block's q, k columns (134 MB), h and dh once (2 x 268), writes dq (67), dk's part (fp32, 134), dW (67):
+        ~1.6 GB, 0.65 ms; ~22 GFLOP (0.11 ms): ~0.6-0.7 ms
     B3  reads T, k, v, dv_new, dW (~0.3 GB), dk part (134 MB), writes dk, dv (134 MB), dg, dbeta: ~0.6 GB, 0.25 ms;
         ~13 GFLOP: ~0.25-0.3 ms
     together ~1.7-2.0 ms (backward_v2.py's jnp measured ~6.1 ms; fla's whole backward ~2.0 ms: RESULTS session 21).
-B2 is the largest mover (h and dh, 268 MB each, read once per key block): a block_dk of Dk reads them once.
+B2 is the largest mover (h and dh are twice a token tensor each); block_dk = Dk would read q, k, do, v_new, dv_new
+once (0.4 GB less) at the cost of registers (BwdKnobs: offline compile).
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, inverse_rows
+from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_rows, inverse_rows, sequential_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,10 +223,6 @@ def _params(bk: BwdKnobs, knobs: V2Knobs, warps: int):
     return None if knobs.interpret else plgpu.CompilerParams(num_warps=warps, num_stages=bk.num_stages)
 
 
-def _rows(chunk: int, width: int) -> pl.BlockSpec:  # one chunk of one head: grid (b, h, c, ...)
-    return pl.BlockSpec((None, chunk, None, width), lambda b, h, c, *_: (b, c, h, 0))
-
-
 def _per_head(chunk: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, chunk, None), lambda b, h, c, *_: (b, c, h))
 
@@ -237,8 +236,8 @@ def wy_t(k, gamma, beta, seg, first, *, knobs: V2Knobs, bwd: BwdKnobs, chunk: in
     B, Tp, H, Dk = k.shape
     return pl.pallas_call(
         wy_t_kernel, grid=(B, H, Tp // chunk),
-        in_specs=[_rows(chunk, Dk), _per_head(chunk), _per_head(chunk), _per_row(chunk), _per_row(chunk)],
-        out_specs=[_rows(chunk, Dk), _rows(chunk, chunk)],
+        in_specs=[chunk_rows(chunk, Dk), _per_head(chunk), _per_head(chunk), _per_row(chunk), _per_row(chunk)],
+        out_specs=[chunk_rows(chunk, Dk), chunk_rows(chunk, chunk)],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), dtype), jax.ShapeDtypeStruct((B, Tp, H, chunk), dtype)],
         compiler_params=_params(bwd, knobs, bwd.wy_warps), interpret=knobs.interpret, name="gated_delta_v2_bwd_wy",
     )(k, gamma, beta, seg, first)
@@ -250,18 +249,15 @@ def dstates(q, k, w, do, gamma, seg, first, last, ds, *, knobs: V2Knobs, bwd: Bw
     B, Tp, H, Dk = q.shape
     Dv = do.shape[-1]
     N, bv = Tp // chunk, min(bwd.block_dv, Dv)
-    whole = pl.BlockSpec((None, Tp, None, Dk), lambda b, h, j: (b, 0, h, 0))
-    columns = pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j))
-    scalars = pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h))
-    flags = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0))
-    state_spec = pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j))
+    whole, columns, scalars, flags, state_spec, per_chunk = sequential_specs(Tp, N, Dk, bv)
     return pl.pallas_call(
         functools.partial(dstate_kernel, chunk=chunk, scale=knobs.scale), grid=(B, H, Dv // bv),
         in_specs=[whole, whole, whole, columns, scalars, flags, flags, flags, state_spec],
-        out_specs=[pl.BlockSpec((None, None, N, Dk, bv), lambda b, h, j: (b, h, 0, 0, j)), columns, state_spec],
+        out_specs=[per_chunk, columns, state_spec],
         out_shape=[jax.ShapeDtypeStruct((B, H, N, Dk, Dv), w.dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), w.dtype),
                    jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)],
-        compiler_params=_params(bwd, knobs, bwd.state_warps), interpret=knobs.interpret, name="gated_delta_v2_bwd_state",
+        compiler_params=_params(bwd, knobs, bwd.state_warps), interpret=knobs.interpret,
+        name="gated_delta_v2_bwd_state",
     )(q, k, w, do, gamma, seg, first, last, ds)
 
 
@@ -274,15 +270,16 @@ def dqkw(q, k, v_new, do, dv_new, h, dh, gamma, seg, first, last, *, knobs: V2Kn
     nk = Dk // bk
     key_cols = pl.BlockSpec((None, chunk, None, bk), lambda b, h, c, kb: (b, c, h, kb))
     state_rows = pl.BlockSpec((None, None, None, bk, Dv), lambda b, h, c, kb: (b, h, c, kb, 0))
+    keys, values = chunk_rows(chunk, Dk), chunk_rows(chunk, Dv)
     return pl.pallas_call(
         functools.partial(dqkw_kernel, scale=knobs.scale), grid=(B, H, Tp // chunk, nk),
-        in_specs=[_rows(chunk, Dk), _rows(chunk, Dk), key_cols, key_cols, _rows(chunk, Dv), _rows(chunk, Dv),
-                  _rows(chunk, Dv), state_rows, state_rows, _per_head(chunk), _per_row(chunk), _per_row(chunk),
-                  _per_row(chunk)],
+        in_specs=[keys, keys, key_cols, key_cols, values, values, values, state_rows, state_rows, _per_head(chunk),
+                  _per_row(chunk), _per_row(chunk), _per_row(chunk)],
         out_specs=[key_cols, key_cols, key_cols,
                    pl.BlockSpec((None, None, chunk, None), lambda b, h, c, kb: (kb, b, c, h))],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, Dk), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Tp, H, Dk), v_new.dtype), jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
+                   jax.ShapeDtypeStruct((B, Tp, H, Dk), v_new.dtype),
+                   jax.ShapeDtypeStruct((nk, B, Tp, H), jnp.float32)],
         compiler_params=_params(bwd, knobs, bwd.dqkw_warps), interpret=knobs.interpret, name="gated_delta_v2_bwd_dqkw",
     )(q, k, q, k, v_new, do, dv_new, h, dh, gamma, seg, first, last)
 
@@ -294,15 +291,17 @@ def wy_bwd(t, k, v, dv_new, dw, dk_part, dgam, gamma, beta, seg, first, *, knobs
     Dv = v.shape[-1]
     nk = dgam.shape[0]
     per_head = _per_head(chunk)
+    keys, values = chunk_rows(chunk, Dk), chunk_rows(chunk, Dv)
     return pl.pallas_call(
         wy_bwd_kernel, grid=(B, H, Tp // chunk),
-        in_specs=[_rows(chunk, chunk), _rows(chunk, Dk), _rows(chunk, Dv), _rows(chunk, Dv), _rows(chunk, Dk),
-                  _rows(chunk, Dk), pl.BlockSpec((nk, None, chunk, None), lambda b, h, c: (0, b, c, h)), per_head,
-                  per_head, _per_row(chunk), _per_row(chunk)],
-        out_specs=[_rows(chunk, Dk), _rows(chunk, Dv), per_head, per_head],
+        in_specs=[chunk_rows(chunk, chunk), keys, values, values, keys, keys,
+                  pl.BlockSpec((nk, None, chunk, None), lambda b, h, c: (0, b, c, h)), per_head, per_head,
+                  _per_row(chunk), _per_row(chunk)],
+        out_specs=[keys, values, per_head, per_head],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), k.dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), v.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H), jnp.float32), jax.ShapeDtypeStruct((B, Tp, H), jnp.float32)],
-        compiler_params=_params(bwd, knobs, bwd.wy_bwd_warps), interpret=knobs.interpret, name="gated_delta_v2_bwd_wy_bwd",
+        compiler_params=_params(bwd, knobs, bwd.wy_bwd_warps), interpret=knobs.interpret,
+        name="gated_delta_v2_bwd_wy_bwd",
     )(t, k, v, dv_new, dw, dk_part, dgam, gamma, beta, seg, first)
 
 
