@@ -76,7 +76,7 @@ class MoeDecode(enum.StrEnum):
 class GatedDelta(enum.StrEnum):
     AUTO = "auto"            # pallas_kernels/gated_delta's measured choice for the backend
     PALLAS = "pallas"        # the Pallas (Triton) forward and backward kernels (interpret mode off a GPU)
-    PALLAS_V2 = "pallas_v2"  # fla's three-kernel forward layout as Pallas kernels, its backward jnp (for now)
+    PALLAS_V2 = "pallas_v2"  # fla's kernel layout as Pallas kernels: three forward, four backward
     CHUNKED = "chunked"      # the chunked jnp form (XLA)
     REFERENCE = "reference"  # the token-by-token recurrence (tests, checks; slow)
 

@@ -120,9 +120,9 @@ def test_compiled_kernels_bf16_at_default_precision():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_compiled_v2_forward(dtype):
     """impl "pallas_v2" compiled (its three kernels at the default V2Knobs): Qwen3.5's head dims, packed rows with
-    padding, an initial state. fp32 operands with fp32 dots: o and the final state = the token reference at 1e-4;
-    bf16 operands (bf16 W, U, h, v_new, bf16 tensor-core dots): within 1e-2 of the fp32 reference of the same
-    values, and the gradients too (backward_v2.py, jnp, from the saved bf16 h and v_new)."""
+    padding, an initial state. fp32 operands with fp32 dots: o, the final state and the gradients (its four backward
+    kernels, kernel_v2_bwd.py) = the token reference at 1e-4; bf16 operands (bf16 W, U, h, v_new, T, dh, dv_new,
+    bf16 tensor-core dots): within 1e-2 of the fp32 reference of the same values, the gradients too."""
     B, T, H, D = 2, 200, 2, 128
     xs, s0 = operands(B=B, T=T, H=H, Dk=D, Dv=D, seed=11)
     seg, scale = packed(B, T, seed=12), D ** -0.5
@@ -144,6 +144,8 @@ def test_compiled_v2_forward(dtype):
     if dtype == "float32":
         close(np.asarray(o)[real], np.asarray(o_ref)[real], tol=1e-4, name="o")
         close(final, final_ref, tol=1e-4, name="final state")
+        for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), grads, grads_ref):
+            close(a, b, tol=1e-4, name=f"d{name}")
         return
     errors = {"o": rel_err(np.asarray(o, np.float32)[real], np.asarray(o_ref)[real]),
               "final state": rel_err(final, final_ref)}
