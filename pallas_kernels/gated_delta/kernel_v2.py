@@ -57,6 +57,7 @@ class V2Knobs:
     num_warps: int = 4
     num_stages: int = 2
     store_dtype: str | None = None  # None: the operand (v's) dtype
+    backward: str = "jnp"  # "kernels": kernel_v2_bwd.py's four kernels; "jnp": backward_v2.py (api.BACKWARDS)
 
     def params(self):
         return None if self.interpret else plgpu.CompilerParams(num_warps=self.num_warps,

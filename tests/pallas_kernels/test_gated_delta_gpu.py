@@ -117,8 +117,9 @@ def test_compiled_kernels_bf16_at_default_precision():
     assert all(e <= 1e-2 for e in errors.values()), errors  # NaN fails too
 
 
+@pytest.mark.parametrize("backward", ["kernels", "jnp"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_v2_forward(dtype):
+def test_compiled_v2_forward(dtype, backward):
     """impl "pallas_v2" compiled (its three kernels at the default V2Knobs): Qwen3.5's head dims, packed rows with
     padding, an initial state. fp32 operands with fp32 dots: o, the final state and the gradients (its four backward
     kernels, kernel_v2_bwd.py) = the token reference at 1e-4; bf16 operands (bf16 W, U, h, v_new, T, dh, dv_new,
@@ -133,7 +134,7 @@ def test_compiled_v2_forward(dtype):
 
     def fn(q, k, v, g, beta, s0):
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, segment_ids=seg, initial_state=s0,
-                                      output_final_state=True, impl="pallas_v2")
+                                      output_final_state=True, impl="pallas_v2", backward=backward)
 
     f32 = [x.astype(jnp.float32) for x in xs]
     with jax.default_matmul_precision("highest"):

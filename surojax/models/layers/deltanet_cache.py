@@ -102,6 +102,7 @@ def deltanet_mix(mixed_qkv, g, beta, segment_ids, *, conv_weight, shape: StateSh
     -> (o [B, T, H, Dv] in mixed_qkv's dtype, the new view or None)."""
     _check(mixed_qkv, g, beta, segment_ids, conv_weight, shape)
     impl = kernel_settings().gated_delta.value if impl is None else impl
+    backward = kernel_settings().gated_delta_bwd.value
     B, T, _ = mixed_qkv.shape
     Hk, Dk, H, Dv = shape.num_key_heads, shape.key_head_dim, shape.num_value_heads, shape.value_head_dim
     prefix, recurrent = (None, None) if state is None else state.read()
@@ -112,7 +113,8 @@ def deltanet_mix(mixed_qkv, g, beta, segment_ids, *, conv_weight, shape: StateSh
     scale = Dk ** -0.5
     g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)
     if state is None:
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, impl=impl)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, impl=impl,
+                                      backward=backward)
         return o, None
     real = (segment_ids > 0)[..., None]  # padding: no decay, no write (the state passes unchanged)
     g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
