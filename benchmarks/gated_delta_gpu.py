@@ -68,6 +68,7 @@ from pallas_kernels.gated_delta.api import (  # noqa: E402
     BLOCK_V, NUM_STAGES, NUM_WARPS, KernelKnobs, chunk_gated_delta_rule, pallas_forward, pallas_v2_forward,
     v2_operands)
 from pallas_kernels.gated_delta.chunked import CHUNK, segment_numbers  # noqa: E402
+from pallas_kernels.gated_delta import backward_v2, kernel_v2_bwd  # noqa: E402
 from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, output, states, wy  # noqa: E402
 from timing import timeit  # noqa: E402  (benchmarks/ is sys.path[0])
 
@@ -254,8 +255,9 @@ def pallas_v2_rule(knobs: V2Knobs):
 
 
 def time_v2_parts(job: "Job", s: Shape, x: dict, label: str, knobs: V2Knobs, args) -> None:
-    """pallas_v2's three kernels timed one at a time on the shape's prepared operands (kind "part": ms each, and
-    the preparation, padding and cumulative decay, which XLA runs before them)."""
+    """pallas_v2's three forward and four backward kernels timed one at a time on the shape's prepared operands
+    (kind "part": ms each; the preparation, padding and cumulative decay, which XLA runs before them; the four
+    backward kernels together, bwd_kernels, and backward_v2.py's jnp they replace, bwd_jnp)."""
     B, T = s.B, s.T
     s0 = x.get("initial_state", jnp.zeros((B, s.H, s.Dk, s.Dv), jnp.float32))
     numbers = segment_numbers(jnp.asarray(x["seg"]), (B, T))
@@ -269,6 +271,27 @@ def time_v2_parts(job: "Job", s: Shape, x: dict, label: str, knobs: V2Knobs, arg
     fns["state"] = (jax.jit(functools.partial(states, **kw)), (w, u, k, gamma, first, last, state))
     h, v_new, _ = fns["state"][0](*fns["state"][1])
     fns["output"] = (jax.jit(functools.partial(output, dtype=v.dtype, **kw)), (q, k, gamma, seg, first, h, v_new))
+    # the backward's four kernels (kernel_v2_bwd.py, default BwdKnobs; its docstring's expectations) on random
+    # cotangents, and backward_v2.py's jnp whole (what they replace)
+    ks = jax.random.split(jax.random.key(99), 2)
+    do = jax.random.normal(ks[0], v_new.shape, v.dtype)
+    ds = jax.random.normal(ks[1], state.shape, jnp.float32)
+    bwd = kernel_v2_bwd.BwdKnobs()
+    kwb = dict(knobs=knobs, bwd=bwd, chunk=CHUNK)
+    fns["bwd_wy_t"] = (jax.jit(functools.partial(kernel_v2_bwd.wy_t, dtype=v_new.dtype, **kwb)),
+                       (k, gamma, beta, seg, first))
+    w_b, t_b = fns["bwd_wy_t"][0](*fns["bwd_wy_t"][1])
+    fns["bwd_state"] = (jax.jit(functools.partial(kernel_v2_bwd.dstates, **kwb)),
+                        (q, k, w_b, do, gamma, seg, first, last, ds))
+    dh, dv_new, _ = fns["bwd_state"][0](*fns["bwd_state"][1])
+    fns["bwd_dqkw"] = (jax.jit(functools.partial(kernel_v2_bwd.dqkw, **kwb)),
+                       (q, k, v_new, do, dv_new, h, dh, gamma, seg, first, last))
+    _, dk_part, dw, dgam = fns["bwd_dqkw"][0](*fns["bwd_dqkw"][1])
+    fns["bwd_wy_bwd"] = (jax.jit(functools.partial(kernel_v2_bwd.wy_bwd, **kwb)),
+                         (t_b, k, v, dv_new, dw, dk_part, dgam, gamma, beta, seg, first))
+    saved = (q, k, v, gamma, beta, seg, first, last, h, v_new, do, ds)
+    fns["bwd_kernels"] = (jax.jit(functools.partial(kernel_v2_bwd.chunk_backward, **kw)), saved)
+    fns["bwd_jnp"] = (jax.jit(functools.partial(backward_v2.chunk_backward, scale=knobs.scale, chunk=CHUNK)), saved)
     for part, (fn, fn_args) in fns.items():
         ms = timeit(fn, *fn_args, iters=args.iters, repeats=args.repeats) * 1e3
         job.emit(kind="part", shape=s.name, impl=f"pallas_v2:{label}", part=part, ms=ms)

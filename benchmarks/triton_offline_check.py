@@ -14,7 +14,8 @@ the Qwen3-8B shape 4096 x 4096, M = 8192. `dump-paged` writes one per knob setti
 benchmarks/paged_decode_sweep.py's grid (the paged decode-attention kernel, Qwen3-0.6B shapes, 64 rows, a
 768-slot block table). `dump-gdn` writes the three kernels of the gated delta rule's "pallas_v2" forward
 (pallas_kernels/gated_delta/kernel_v2.py: wy, state, output) at Qwen3.5-0.8B shapes (8 x 2048, H 16, Dk = Dv =
-128, bf16) for each setting of GDN_V2_GRID. `compile` needs only `triton` (it imports nothing else from here); it
+128, bf16) for each setting of GDN_V2_GRID, and the four of its backward (kernel_v2_bwd.py: wy_t, state, dqkw,
+wy_bwd) for each of GDN_V2_BWD_GRID. `compile` needs only `triton` (it imports nothing else from here); it
 also reports registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
 """
 from __future__ import annotations
@@ -38,8 +39,11 @@ def _h200_triton_writer():
     from jax._src.pallas.triton import lowering
 
     warnings.filterwarnings("ignore")  # the Pallas Triton backend's deprecation notice
-    h200 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    # Auto axis: under an Explicit one the avals carry a mesh sharding that the Triton lowering of a row sum
+    # ([C, C] -> [C], the gated delta rule's backward) mis-shapes; a GPU lowers with no mesh
+    h200 = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200",
+                                                                                 num_cores=132, platform="gpu"))
     check = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     original = lowering.lower_jaxpr_to_triton_module
     captured: list[str] = []
@@ -120,11 +124,18 @@ GDN_V2_GRID = [(bv, bo, w, st) for bv, bo in ((32, 64), (64, 128), (16, 32), (12
                for st in (1, 2, 3)]
 
 
+# the backward's launches (kernel_v2_bwd.BwdKnobs: block_dv of its state kernel, block_dk of its dq / dk / dW kernel,
+# warps of wy_t, state, dqkw, wy_bwd, stages)
+GDN_V2_BWD_GRID = [(bv, bk, w, st) for bv, bk in ((32, 64), (64, 64), (32, 32), (64, 128))
+                   for w in ((4, 4, 8, 8), (4, 4, 4, 4), (8, 8, 8, 8)) for st in (1, 2, 3)]
+
+
 def dump_gdn(out: str) -> None:
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward, operand_shapes
+    from pallas_kernels.gated_delta.kernel_v2_bwd import BwdKnobs, chunk_backward
 
     os.makedirs(out, exist_ok=True)
     D = 128
@@ -135,6 +146,18 @@ def dump_gdn(out: str) -> None:
             fn = jax.jit(lambda *a, knobs=knobs: chunk_forward(*a, knobs=knobs, chunk=64))
             write(fn, args, [os.path.join(out, f"gdnv2_{name}-w{w}-s{st}.ttir")
                              for name in ("wy", f"state-bv{bv}", f"output-bo{bo}")])
+        B, Tp, H = 8, 2048, 16
+        saved = (jax.ShapeDtypeStruct((B, H, Tp // 64, D, D), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((B, Tp, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((B, Tp, H, D), jnp.bfloat16),
+                 jax.ShapeDtypeStruct((B, H, D, D), jnp.float32))  # h, v_new, do, ds
+        knobs = V2Knobs(scale=D ** -0.5, interpret=False)
+        for bv, bk, w, st in GDN_V2_BWD_GRID:
+            bwd = BwdKnobs(block_dv=bv, block_dk=bk, wy_warps=w[0], state_warps=w[1], dqkw_warps=w[2],
+                           wy_bwd_warps=w[3], num_stages=st)
+            fn = jax.jit(lambda *a, bwd=bwd: chunk_backward(*a, knobs=knobs, bwd=bwd, chunk=64))
+            names = ("wy_t", f"state-bv{bv}", f"dqkw-bk{bk}", "wy_bwd")
+            write(fn, args[:-1] + saved, [os.path.join(out, f"gdnv2bwd_{name}-w{warps}-s{st}.ttir")
+                                          for name, warps in zip(names, w)])
 
 
 def _registers(ptx: str, out_dir: str) -> str:

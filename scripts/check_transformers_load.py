@@ -86,7 +86,9 @@ def check(model_dir: Path, expected: Path, tol: float | None, greedy: bool = Tru
         "model_type": config.model_type,
         "architecture": type(model).__name__,
         "rope_parameters": getattr(config, "rope_parameters", None),
-        "attention_bias": {p: getattr(attn, f"{p}_proj").bias is not None for p in "qkvo"},
+        "attention_bias": {p: getattr(attn, f"{p}_proj", None) is not None and getattr(attn, f"{p}_proj").bias
+                           is not None or p == "o" and getattr(attn, "out_proj", None) is not None  # LFM2's o_proj
+                           and attn.out_proj.bias is not None for p in "qkvo"},
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "sliding_window": getattr(config, "sliding_window", None),
         "missing_keys": sorted(info.get("missing_keys", [])),

@@ -17,6 +17,10 @@
     gated_delta    SUROJAX_GATED_DELTA    auto | pallas | pallas_v2 | chunked | reference
                                                                    models/layers/deltanet_cache: the chunked gated
                                                                    delta rule (pallas_kernels/gated_delta impl)
+    gated_delta_bwd  SUROJAX_GATED_DELTA_BWD  auto | kernels | jnp  the same, impl pallas_v2's backward: its four
+                                                                   Pallas kernels (kernel_v2_bwd.py) or backward_v2.py's
+                                                                   jnp; auto = jnp until the kernels are measured on a
+                                                                   GPU (they pass in interpret mode and compile offline)
     moe_decode     SUROJAX_MOE_DECODE     auto | gather | grouped  models/layers/moe: few-row MoE calls gather the
                                                                    routed experts' weights (auto: by the crossover
                                                                    there) or run the grouped GEMM over all experts
@@ -76,15 +80,22 @@ class MoeDecode(enum.StrEnum):
 class GatedDelta(enum.StrEnum):
     AUTO = "auto"            # pallas_kernels/gated_delta's measured choice for the backend
     PALLAS = "pallas"        # the Pallas (Triton) forward and backward kernels (interpret mode off a GPU)
-    PALLAS_V2 = "pallas_v2"  # fla's three-kernel forward layout as Pallas kernels, its backward jnp (for now)
+    PALLAS_V2 = "pallas_v2"  # fla's kernel layout as Pallas kernels: three forward, four backward
     CHUNKED = "chunked"      # the chunked jnp form (XLA)
     REFERENCE = "reference"  # the token-by-token recurrence (tests, checks; slow)
+
+
+class GatedDeltaBwd(enum.StrEnum):
+    AUTO = "auto"        # jnp until the kernels are measured on a GPU (pallas_kernels/gated_delta/api.py)
+    KERNELS = "kernels"  # kernel_v2_bwd.py's four Pallas kernels (fla's chunk-backward layout)
+    JNP = "jnp"          # backward_v2.py: the same decomposition in jnp
 
 
 VARIABLES: dict[str, str] = {  # field -> its environment variable
     "fp8_dot": "SUROJAX_FP8_DOT", "fp8_accum": "SUROJAX_FP8_ACCUM", "fp8_wgrad": "SUROJAX_FP8_WGRAD",
     "fp8_cast": "SUROJAX_FP8_CAST", "quant_matmul": "SUROJAX_QUANT_MATMUL", "adam8bit": "SUROJAX_ADAM8BIT",
-    "gated_delta": "SUROJAX_GATED_DELTA", "moe_decode": "SUROJAX_MOE_DECODE",
+    "gated_delta": "SUROJAX_GATED_DELTA", "gated_delta_bwd": "SUROJAX_GATED_DELTA_BWD",
+    "moe_decode": "SUROJAX_MOE_DECODE",
 }
 
 
@@ -101,6 +112,7 @@ class KernelSettings:
     quant_matmul: QuantMatmul = QuantMatmul.AUTO
     adam8bit: Adam8bit = Adam8bit.AUTO
     gated_delta: GatedDelta = GatedDelta.AUTO
+    gated_delta_bwd: GatedDeltaBwd = GatedDeltaBwd.AUTO
     moe_decode: MoeDecode = MoeDecode.AUTO
     from_environment: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
     """the variables that were set when these settings were read (printed even where they name the default)"""
@@ -171,6 +183,6 @@ def use_kernel_settings(settings: KernelSettings | None = None, **changes) -> It
         set_kernel_settings(before)
 
 
-__all__ = ["VARIABLES", "Adam8bit", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "KernelSettings",
+__all__ = ["VARIABLES", "Adam8bit", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
            "KernelSettingsError", "MoeDecode", "QuantMatmul", "kernel_settings", "set_kernel_settings",
            "use_kernel_settings"]

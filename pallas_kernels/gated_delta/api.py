@@ -10,11 +10,14 @@ impl:
                  in reverse from them
     "pallas_v2"  the forward in flash-linear-attention's layout (kernel_v2.py: a chunk-parallel kernel for the inverse,
                  U and W, a state-only sequential kernel, a chunk-parallel output kernel); a custom_vjp whose
-                 backward is jnp for now (backward_v2.py: fla's chunk-backward decomposition, from the forward
-                 kernels' saved chunk states and v_new; each of its steps is the specification of one future kernel)
+                 backward is four kernels in the same layout (kernel_v2_bwd.py: fla's chunk-backward decomposition,
+                 from the forward kernels' saved chunk states and v_new) or backward_v2.py's jnp, their reference
+                 (`backward`: "kernels" | "jnp" | "auto" = jnp until the kernels are measured on a GPU; the jnp
+                 runs in interpret mode either way)
     "auto"       "pallas_v2" on a GPU, "chunked" elsewhere (interpret mode is for tests). Measured on an H100
                  (benchmarks/RESULTS.md session 21, Qwen3.5 shapes, every program checked against the fp32 chunked
-                 form): forward + backward 8 x 2048 0.8B 6.98 ms against the chunked form's 10.60, 9B 14.40 / 20.80,
+                 form; the backward then backward_v2.py's jnp, ~6.1 ms of it at 0.8B: its kernels are not timed
+                 yet): forward + backward 8 x 2048 0.8B 6.98 ms against the chunked form's 10.60, 9B 14.40 / 20.80,
                  1 x 8192 4.98 / 8.08 (forward alone 0.87 / 3.63 ms); "pallas" (kernel.py) is 2.6-3.6x slower than
                  "chunked" (session 20) and never chosen
 """
@@ -26,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gated_delta.backward_v2 import chunk_backward
+from pallas_kernels.gated_delta import backward_v2, kernel_v2_bwd
 from pallas_kernels.gated_delta.chunked import CHUNK, chunk_gated_delta_rule_chunked, pad_to_chunks, segment_numbers
 from pallas_kernels.gated_delta.kernel import gated_delta_pallas, gated_delta_pallas_bwd
 from pallas_kernels.gated_delta.kernel_v2 import V2Knobs, chunk_forward
@@ -153,22 +156,39 @@ def _v2_fwd(knobs, q, k, v, g, beta, seg, state):
 
 
 def _v2_bwd(knobs, residuals, cotangents):
-    """backward_v2.chunk_backward (jnp in fla's chunk-backward decomposition) from the forward kernels' saved h and
-    v_new; the chunk-local terms (A, T, W) recomputed from the operands."""
+    """kernel_v2_bwd's four kernels (fla's chunk-backward decomposition) from the forward kernels' saved h and
+    v_new, T and W recomputed from the operands. In interpret mode backward_v2.py's jnp, their specification,
+    instead: the kernels interpreted cost the CPU suite ~6 s more (measured: the two gradient tests of
+    test_gated_delta.py), and test_v2_backward_kernels_match_jnp checks them against it."""
     q, k, v, g, beta, seg, state, h, v_new = residuals
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     prepared = v2_operands(q, k, v, g, beta, seg, state)
     Tp, dk, dv = prepared[0].shape[1], prepared[0].shape[-1], prepared[2].shape[-1]
     do, ds = cotangents
-    do = jnp.pad(do.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0), (0, dv - Dv)))
+    do = jnp.pad(do.astype(v.dtype), ((0, 0), (0, Tp - T), (0, 0), (0, dv - Dv)))
     ds = jnp.pad(ds.astype(jnp.float32), ((0, 0), (0, 0), (0, dk - Dk), (0, dv - Dv)))
-    dq, dk_, dv_, dg, dbeta, ds0 = chunk_backward(*prepared[:-1], h, v_new, do, ds, scale=knobs.scale, chunk=CHUNK)
+    if knobs.interpret or knobs.backward == "jnp":
+        grads = backward_v2.chunk_backward(*prepared[:-1], h, v_new, do, ds, scale=knobs.scale, chunk=CHUNK)
+    else:
+        grads = kernel_v2_bwd.chunk_backward(*prepared[:-1], h, v_new, do, ds, knobs=knobs, chunk=CHUNK)
+    dq, dk_, dv_, dg, dbeta, ds0 = grads
     return (dq[:, :T, :, :Dk].astype(q.dtype), dk_[:, :T, :, :Dk].astype(k.dtype), dv_[:, :T, :, :Dv].astype(v.dtype),
             dg[:, :T].astype(g.dtype), dbeta[:, :T].astype(beta.dtype), None, ds0[:, :, :Dk, :Dv].astype(state.dtype))
 
 
 pallas_v2_forward.defvjp(_v2_fwd, _v2_bwd)
+
+
+BACKWARDS = ("auto", "kernels", "jnp")  # impl pallas_v2's backward (module docstring)
+
+
+def resolve_backward(backward: str) -> str:
+    """impl pallas_v2's backward: "auto" is backward_v2.py's jnp until kernel_v2_bwd.py's kernels are measured on a
+    GPU (they equal it in interpret mode and compile for sm_90 without spills, session 21; never run compiled)."""
+    if backward not in BACKWARDS:
+        raise ValueError(f"chunk_gated_delta_rule: backward {backward!r} is unknown ({', '.join(BACKWARDS)})")
+    return "jnp" if backward == "auto" else backward
 
 
 def resolve_impl(impl: str) -> str:
@@ -182,11 +202,13 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "impl", "interpret", "backward"))
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, segment_ids=None, initial_state=None,
-                           output_final_state: bool = False, impl: str = "auto", interpret: bool | None = None):
+                           output_final_state: bool = False, impl: str = "auto", interpret: bool | None = None,
+                           backward: str = "auto"):
     """(o [B, T, H, Dv] in v's dtype, final state [B, H, Dk, Dv] fp32 or None): reference.py's operands.
-    interpret (impl "pallas", "pallas_v2"): None = interpret mode on any backend but GPU."""
+    interpret (impl "pallas", "pallas_v2"): None = interpret mode on any backend but GPU. backward (impl
+    "pallas_v2"): `BACKWARDS`."""
     impl = resolve_impl(impl)
     _check(q, k, v, g, beta, segment_ids, initial_state)
     on_gpu = jax.default_backend() == "gpu"
@@ -200,7 +222,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, segment_ids=None, 
     state = jnp.zeros((B, H, Dk, v.shape[-1]), jnp.float32) if initial_state is None else initial_state
     interpret = not on_gpu if interpret is None else interpret
     if impl == "pallas_v2":
-        knobs = V2Knobs(scale=scale, interpret=interpret)
+        knobs = V2Knobs(scale=scale, interpret=interpret, backward=resolve_backward(backward))
         o, state = pallas_v2_forward(knobs, q, k, v, g, beta, segment_numbers(segment_ids, (B, T)), state)
         return o, (state if output_final_state else None)
     o, state = pallas_forward(q, k, v, g, beta, segment_ids, state, scale=scale,
@@ -209,4 +231,4 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, segment_ids=None, 
 
 
 __all__ = ["IMPLS", "chunk_gated_delta_rule", "pallas_forward", "pallas_v2_forward", "recurrent_gated_delta_step",
-           "resolve_impl", "v2_operands"]
+           "resolve_backward", "resolve_impl", "v2_operands"]

@@ -1,6 +1,7 @@
 """The backward of kernel_v2's chunk layout, in jnp: the VJP of o and the final state, from the forward kernels'
 saved h (the state entering each chunk) and v_new (= U - W h), decomposed the way flash-linear-attention's
-chunk backward is, so that each step is the specification of one future Pallas kernel:
+chunk backward is, so that each step is the specification of a Pallas kernel (kernel_v2_bwd.py; this jnp is their
+reference in the tests):
 
     1. chunk-parallel  dv_local = Attn^T do                                         (fla: chunk_bwd_dv_local)
     2. sequential      dS_n = M_n^T dS_{n+1} + Q_read^T do - W^T dv_local, in reverse over the chunks, from the
@@ -33,10 +34,12 @@ def _tokens(x):
     return jnp.moveaxis(x, 1, 3).reshape(B, N * C, H, *x.shape[4:])
 
 
-def chunk_backward(q, k, v, gamma, beta, seg, first, last, h, v_new, do, ds, *, scale: float, chunk: int):
+def chunk_backward(q, k, v, gamma, beta, seg, first, last, h, v_new, do, ds, *, scale: float, chunk: int,
+                   intermediates: bool = False):
     """Prepared operands (kernel_v2.chunk_forward's), its saved h [B, H, N, Dk, Dv] and v_new [B, Tp, H, Dv], the
     cotangents do [B, Tp, H, Dv] and ds [B, H, Dk, Dv] of o and the final state -> (dq, dk, dv, d gamma's g: dg,
-    dbeta, d initial state), fp32, on the prepared (padded) shapes."""
+    dbeta, d initial state), fp32, on the prepared (padded) shapes. intermediates: also (dS_{n+1} of each chunk
+    [B, H, N, Dk, Dv], dv_new [B, Tp, H, Dv]), what kernel_v2_bwd's sequential kernel hands on (its tests)."""
     B, Tp, H, Dk = q.shape
     f32 = jnp.float32
     ein = jnp.einsum
@@ -103,7 +106,8 @@ def chunk_backward(q, k, v, gamma, beta, seg, first, last, h, v_new, do, ds, *, 
                + bk_k * read - d_ew)
     d_gamma_last = jnp.sum(d_ew, axis=-1) + d_carry * carry
     dg = jnp.flip(jnp.cumsum(jnp.flip(d_gamma, -1), axis=-1), -1) + d_gamma_last[..., None]
-    return (_tokens(dq), _tokens(dk), _tokens(dv), _tokens(dg), _tokens(dbeta), ds0)
+    grads = (_tokens(dq), _tokens(dk), _tokens(dv), _tokens(dg), _tokens(dbeta), ds0)
+    return grads + ((ds_next, _tokens(dv_new)) if intermediates else ())
 
 
 __all__ = ["chunk_backward"]

@@ -57,6 +57,7 @@ class V2Knobs:
     num_warps: int = 4
     num_stages: int = 2
     store_dtype: str | None = None  # None: the operand (v's) dtype
+    backward: str = "jnp"  # "kernels": kernel_v2_bwd.py's four kernels; "jnp": backward_v2.py (api.BACKWARDS)
 
     def params(self):
         return None if self.interpret else plgpu.CompilerParams(num_warps=self.num_warps,
@@ -71,15 +72,14 @@ def _dot_fp32(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
 
 
-def wy_kernel(k_ref, v_ref, gamma_ref, beta_ref, seg_ref, first_ref, w_ref, u_ref):
-    """K1, one chunk of one head: k_ref [C, Dk], v_ref [C, Dv], gamma_ref, beta_ref, seg_ref, first_ref [C] ->
-    w_ref [C, Dk], u_ref [C, Dv]. Works in SUB-row blocks, one block row of T at a time (then its rows of U and W,
-    stored): T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j <= m < i} A_im T_mj (fla's merge, in fp32). Operand blocks
-    are read from the refs where used, so that only T's blocks and two accumulators stay live (registers: an
-    sm_90 compile of the version that kept every block live used 255 a thread and spilled)."""
+def inverse_rows(k_ref, gamma_ref, beta_ref, seg_ref, first_ref, dt):
+    """T = (I + A)^-1 of one chunk, one SUB-row block row at a time: yields (blocks, i, t_i, beta_k) with t_i the
+    list of T's blocks (i, 0..i) in fp32 (T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j <= m < i} A_im T_mj: fla's
+    merge, in fp32) and beta_k(j) W's right-hand side's block j in dt. Operand blocks are read from the refs where
+    used, so that only T's blocks stay live (registers: an sm_90 compile of a version that kept every block live
+    used 255 a thread and spilled). K1 and the backward's wy_t_kernel share it."""
     f32 = jnp.float32
     nb = k_ref.shape[0] // SUB
-    dt = w_ref.dtype
     rows = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     blocks = [pl.ds(b * SUB, SUB) for b in range(nb)]
@@ -91,9 +91,6 @@ def wy_kernel(k_ref, v_ref, gamma_ref, beta_ref, seg_ref, first_ref, w_ref, u_re
         decay = jnp.exp(jnp.where(mask, gamma_ref[blocks[i]][:, None] - gamma_ref[blocks[j]][None, :], 0.0))
         kk = _dot(k_ref[blocks[i], :], k_ref[blocks[j], :].T)
         return jnp.where(mask, beta_ref[blocks[i]][:, None] * decay * kk, 0.0)
-
-    def beta_v(j):
-        return (beta_ref[blocks[j]][:, None] * v_ref[blocks[j], :].astype(f32)).astype(dt)
 
     def beta_k(j):  # only the tokens that read the carried state
         read = beta_ref[blocks[j]] * jnp.exp(gamma_ref[blocks[j]]) * first_ref[blocks[j]]
@@ -108,10 +105,20 @@ def wy_kernel(k_ref, v_ref, gamma_ref, beta_ref, seg_ref, first_ref, w_ref, u_re
             for m in range(j + 1, i):
                 acc = acc + _dot_fp32(a[m], t[m, j])
             t[i, j] = -_dot_fp32(t[i, i], acc)
+        yield blocks, i, [t[i, j] for j in range(i + 1)], beta_k
+
+
+def wy_kernel(k_ref, v_ref, gamma_ref, beta_ref, seg_ref, first_ref, w_ref, u_ref):
+    """K1, one chunk of one head: k_ref [C, Dk], v_ref [C, Dv], gamma_ref, beta_ref, seg_ref, first_ref [C] ->
+    w_ref [C, Dk], u_ref [C, Dv]: T's block rows (inverse_rows), then their rows of U and W, stored."""
+    f32 = jnp.float32
+    dt = w_ref.dtype
+    for blocks, i, t_i, beta_k in inverse_rows(k_ref, gamma_ref, beta_ref, seg_ref, first_ref, dt):
         u = w = None
-        for j in range(i + 1):
-            t_ij = t[i, j].astype(dt)
-            u = _dot(t_ij, beta_v(j)) if u is None else u + _dot(t_ij, beta_v(j))
+        for j, t_ij in enumerate(t_i):
+            t_ij = t_ij.astype(dt)
+            beta_v = (beta_ref[blocks[j]][:, None] * v_ref[blocks[j], :].astype(f32)).astype(dt)
+            u = _dot(t_ij, beta_v) if u is None else u + _dot(t_ij, beta_v)
             w = _dot(t_ij, beta_k(j)) if w is None else w + _dot(t_ij, beta_k(j))
         u_ref[blocks[i], :] = u.astype(u_ref.dtype)
         w_ref[blocks[i], :] = w.astype(w_ref.dtype)
@@ -166,7 +173,7 @@ def operand_shapes(B: int, Tp: int, H: int, Dk: int, Dv: int, dtype) -> tuple:
             jax.ShapeDtypeStruct((B, Tp), jnp.int32), per_row, per_row, jax.ShapeDtypeStruct((B, H, Dk, Dv), f32))
 
 
-def _rows(chunk: int, width: int) -> pl.BlockSpec:  # one chunk of one head: grid (b, h, c, ...)
+def chunk_rows(chunk: int, width: int) -> pl.BlockSpec:  # one chunk of one head: grid (b, h, c, ...)
     return pl.BlockSpec((None, chunk, None, width), lambda b, h, c, *_: (b, c, h, 0))
 
 
@@ -178,11 +185,23 @@ def wy(k, v, gamma, beta, seg, first, *, knobs: V2Knobs, chunk: int, dtype):
     per_row = pl.BlockSpec((None, chunk), lambda b, h, c: (b, c))
     return pl.pallas_call(
         wy_kernel, grid=(B, H, Tp // chunk),
-        in_specs=[_rows(chunk, Dk), _rows(chunk, Dv), per_head, per_head, per_row, per_row],
-        out_specs=[_rows(chunk, Dk), _rows(chunk, Dv)],
+        in_specs=[chunk_rows(chunk, Dk), chunk_rows(chunk, Dv), per_head, per_head, per_row, per_row],
+        out_specs=[chunk_rows(chunk, Dk), chunk_rows(chunk, Dv)],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dk), dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), dtype)],
         compiler_params=knobs.params(), interpret=knobs.interpret, name="gated_delta_v2_wy",
     )(k, v, gamma, beta, seg, first)
+
+
+def sequential_specs(Tp: int, N: int, Dk: int, bv: int):
+    """The BlockSpecs of a sequential kernel over (B, H, Dv / bv) (K2 and the backward's mirror of it): whole
+    [Tp, Dk] rows, value columns [Tp, bv], per-head scalars [Tp], per-row flags [Tp], a state block [Dk, bv], the
+    per-chunk states [N, Dk, bv]."""
+    return (pl.BlockSpec((None, Tp, None, Dk), lambda b, h, j: (b, 0, h, 0)),
+            pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j)),
+            pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h)),
+            pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)),
+            pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j)),
+            pl.BlockSpec((None, None, N, Dk, bv), lambda b, h, j: (b, h, 0, 0, j)))
 
 
 def states(w, u, k, gamma, first, last, state, *, knobs: V2Knobs, chunk: int):
@@ -191,15 +210,11 @@ def states(w, u, k, gamma, first, last, state, *, knobs: V2Knobs, chunk: int):
     B, Tp, H, Dk = k.shape
     Dv = u.shape[-1]
     N, bv = Tp // chunk, min(knobs.block_v, Dv)
-    whole = pl.BlockSpec((None, Tp, None, Dk), lambda b, h, j: (b, 0, h, 0))
-    columns = pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j))
-    scalars = pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h))
-    flags = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0))
-    state_spec = pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j))
+    whole, columns, scalars, flags, state_spec, per_chunk = sequential_specs(Tp, N, Dk, bv)
     return pl.pallas_call(
         functools.partial(state_kernel, chunk=chunk), grid=(B, H, Dv // bv),
         in_specs=[whole, columns, whole, scalars, flags, flags, state_spec],
-        out_specs=[pl.BlockSpec((None, None, N, Dk, bv), lambda b, h, j: (b, h, 0, 0, j)), columns, state_spec],
+        out_specs=[per_chunk, columns, state_spec],
         out_shape=[jax.ShapeDtypeStruct((B, H, N, Dk, Dv), w.dtype), jax.ShapeDtypeStruct((B, Tp, H, Dv), w.dtype),
                    jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)],
         compiler_params=knobs.params(), interpret=knobs.interpret, name="gated_delta_v2_state",
@@ -216,7 +231,7 @@ def output(q, k, gamma, seg, first, h, v_new, *, knobs: V2Knobs, chunk: int, dty
     out_cols = pl.BlockSpec((None, chunk, None, bo), lambda b, h, c, j: (b, c, h, j))
     return pl.pallas_call(
         functools.partial(output_kernel, scale=knobs.scale), grid=(B, H, Tp // chunk, Dv // bo),
-        in_specs=[_rows(chunk, Dk), _rows(chunk, Dk), per_head, per_row, per_row,
+        in_specs=[chunk_rows(chunk, Dk), chunk_rows(chunk, Dk), per_head, per_row, per_row,
                   pl.BlockSpec((None, None, None, Dk, bo), lambda b, h, c, j: (b, h, c, 0, j)), out_cols],
         out_specs=out_cols,
         out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dv), dtype),
@@ -236,5 +251,5 @@ def chunk_forward(q, k, v, gamma, beta, seg, first, last, state, *, knobs: V2Kno
     return (o, final, h, v_new) if save_states else (o, final)
 
 
-__all__ = ["SUB", "V2Knobs", "chunk_forward", "operand_shapes", "output", "output_kernel", "state_kernel", "states",
-           "wy", "wy_kernel"]
+__all__ = ["SUB", "V2Knobs", "chunk_forward", "chunk_rows", "inverse_rows", "operand_shapes", "output",
+           "output_kernel", "sequential_specs", "state_kernel", "states", "wy", "wy_kernel"]

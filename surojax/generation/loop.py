@@ -1,7 +1,8 @@
 """Batched generation with a plain KV cache: training's generation eval, `surojax generate`, checks and demos
-(the serving engine pages its cache). A hybrid model (a `linear_layers` stack of Gated DeltaNet layers beside the
-attention `layers`) gets a `HybridCache`: the KV cache over its attention layers, each linear layer's fixed-size
-state (conv + recurrent, zeros at the start) over its linear layers (`empty_cache`; models/kv/recurrent.py).
+(the serving engine pages its cache). A hybrid model (a `linear_layers` stack of Gated DeltaNet layers, or LFM2's
+`conv_layers` of short convolutions, beside the attention `layers`) gets a `HybridCache`: the KV cache over its
+attention layers, each other layer's fixed-size state (conv window [+ recurrent], zeros at the start)
+(`empty_cache`; models/kv/recurrent.py).
 
     prefill(prompts)  -> cache, logits of each row's last prompt token
     decode_one_token  -> one new token per row, appended to the cache
@@ -23,20 +24,21 @@ import numpy as np
 from flax import nnx
 
 from surojax.generation.sampling import sample
-from surojax.models.decoder import Decoder
-from surojax.models.kv import ATTENTION_STACK, LINEAR_STACK, Cache, HybridCache, KVCache
+from surojax.models.decoder import Decoder, state_shape
+from surojax.models.kv import ATTENTION_STACK, Cache, HybridCache, KVCache, state_stack
 
 
 def empty_cache(model: Decoder, batch: int, max_len: int, dtype) -> Cache:
     """A fresh cache for `batch` sequences of up to `max_len` tokens: a `KVCache` over the model's layers, or for
-    a hybrid model (its layer pattern reads a `linear_layers` stack) a `HybridCache`: the KV cache over the
-    attention stack's rows and zero states over the linear stack's rows, sized by the config's
-    `linear_attention` head layout (a `StateShape`'s fields)."""
+    a hybrid model (its layer pattern reads a `linear_layers` or LFM2's `conv_layers` stack) a `HybridCache`: the KV
+    cache over the attention stack's rows and zero states over the state stack's rows, sized by
+    `decoder.state_shape(model.cfg)`."""
     pattern = model.layer_pattern
-    if LINEAR_STACK not in pattern.stacks:
+    stack = state_stack(pattern.stacks)
+    if stack is None:
         return KVCache.empty(model.cfg, batch, max_len, dtype)
     kv = KVCache.empty(model.cfg, batch, max_len, dtype, num_layers=pattern.rows(ATTENTION_STACK))
-    return HybridCache.empty(kv, pattern.rows(LINEAR_STACK), model.cfg.linear_attention, dtype)
+    return HybridCache.empty(kv, pattern.rows(stack), state_shape(model.cfg), dtype, state_stack=stack)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

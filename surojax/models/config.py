@@ -142,6 +142,29 @@ class LinearAttentionConfig:
 
 # the dense MLP's activations: silu / swish (SwiGLU), gelu_pytorch_tanh (Gemma's GeGLU, tanh-approximated GELU)
 HIDDEN_ACTS = ("silu", "swish", "gelu_pytorch_tanh")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortConvConfig:
+    """The short-convolution layers of LFM2 (models/layers/short_conv.py).
+
+    layers: per HF layer, True for a short-convolution layer (`conv` in config.json's `layer_types`), False for a
+    full-attention one. kernel: the conv's taps (`conv_L_cache`); bias: `conv_bias` (in_proj, the conv and out_proj
+    carry biases)."""
+
+    layers: tuple[bool, ...]
+    kernel: int
+    bias: bool = False
+
+    def __post_init__(self):
+        if self.kernel < 2:
+            raise ModelConfigError(f"conv_L_cache {self.kernel} must be >= 2 (a causal conv of that many taps)")
+
+    def layer_params(self, hidden: int) -> int:
+        """One short conv: in_proj [D, 3D], the depthwise kernel [D, K], out_proj [D, D] (+ their biases)."""
+        return 4 * hidden * hidden + hidden * self.kernel + (5 * hidden if self.bias else 0)
+
+
 ROUTERS = ("softmax_topk", "topk_softmax")
 EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped")
 
@@ -252,6 +275,8 @@ class ModelConfig:
     v_norm: bool = False
     layer_scalar: bool = False
     final_logit_softcapping: float | None = None  # c: logits -> c * tanh(logits / c) (Decoder.logits, the losses)
+    # LFM2: the short-convolution layers (None: every layer is an attention layer or a DeltaNet one)
+    short_conv: ShortConvConfig | None = None
     # The HF config.json this came from, kept so that to_hf() can write back what surojax does not model.
     hf_extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -270,6 +295,11 @@ class ModelConfig:
         if self.linear_attention is not None and len(self.linear_attention.layers) != self.num_layers:
             raise ModelConfigError(f"layer_types has {len(self.linear_attention.layers)} entries, num_hidden_layers "
                                    f"is {self.num_layers}")
+        if self.short_conv is not None and len(self.short_conv.layers) != self.num_layers:
+            raise ModelConfigError(f"layer_types has {len(self.short_conv.layers)} entries, num_hidden_layers is "
+                                   f"{self.num_layers}")
+        if self.short_conv is not None and self.linear_attention is not None:
+            raise ModelConfigError("a model has either Gated DeltaNet or short-convolution layers, not both")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected one of "
                                    f"{', '.join(HIDDEN_ACTS)})")
@@ -293,8 +323,8 @@ class ModelConfig:
     @property
     def num_attention_layers(self) -> int:
         """The layers with attention (and a KV cache): all of them but a hybrid's linear-attention layers."""
-        la = self.linear_attention
-        return self.num_layers if la is None else self.num_layers - sum(la.layers)
+        kinds = self.linear_attention or self.short_conv
+        return self.num_layers if kinds is None else self.num_layers - sum(kinds.layers)
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: full causal attention)."""
@@ -325,6 +355,8 @@ class ModelConfig:
         mixers = self.num_attention_layers * attn
         if self.linear_attention is not None:
             mixers += (self.num_layers - self.num_attention_layers) * self.linear_attention.layer_params(D)
+        if self.short_conv is not None:
+            mixers += (self.num_layers - self.num_attention_layers) * self.short_conv.layer_params(D)
         norms = 2 * D * (2 if self.sandwich_norms else 1)  # attn / mlp norms (+ their post norms)
         return mixers + self.num_layers * (self._ffn_params(active=False) + norms) \
             + V * D * (1 if self.tie_word_embeddings else 2) + D
@@ -357,6 +389,8 @@ class ModelConfig:
                 raise ModelConfigError(f"model_type {family.name!r}: config.json needs a `text_config` object (the "
                                        "language model's keys)")
             hf = {**hf["text_config"], **{k: outer[k] for k in ("tie_word_embeddings",) if k in outer}}
+        if family.short_conv:
+            hf = lfm2_aliases(hf)
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if family.intermediate_size_key:
             required.insert(2, "intermediate_size")
@@ -375,7 +409,8 @@ class ModelConfig:
             rs, rope_theta, scaling = {}, gemma.rope_theta, gemma.rope_scaling
         else:
             rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-            rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0) if rs else 10000.0)
+            theta = family.rope_theta_default
+            rope_theta = hf.get("rope_theta", rs.get("rope_theta", theta) if rs else theta)
             scaling = RopeScaling.from_hf(rs, hf)
         if hf.get("mlp_bias"):
             raise ModelConfigError("mlp_bias: true is not supported (no supported family has MLP biases)")
@@ -396,7 +431,8 @@ class ModelConfig:
                                    "is not supported (the proportional rope spans the whole head_dim)")
         if family.hybrid:
             _check_mrope(rs)
-        if hf.get("layer_types") is not None and not family.hybrid:
+        short_conv = short_conv_from_hf(hf) if family.short_conv else None
+        if hf.get("layer_types") is not None and not (family.hybrid or family.short_conv):
             if family.sliding_window and not (family.gemma3 or family.gemma4):
                 raise ModelConfigError(f"layer_types is not read by transformers' {family.hf_architecture} "
                                        "(one sliding_window for every layer); remove it from config.json")
@@ -406,12 +442,13 @@ class ModelConfig:
             model_type=family.name,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]) if family.intermediate_size_key else 0,
+            intermediate_size=(lfm2_ff_dim(hf) if family.short_conv else int(hf["intermediate_size"]))
+            if family.intermediate_size_key else 0,
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=n_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf.get(family.norm_eps_key, 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
@@ -431,6 +468,7 @@ class ModelConfig:
             attn_output_gate=family.hybrid,
             norm_zero_centered=family.hybrid or family.gemma3,
             partial_rotary_factor=partial,
+            short_conv=short_conv,
             hf_extra=dict(outer),
             **({} if gemma is None else gemma.fields()),
         )
@@ -466,6 +504,9 @@ class ModelConfig:
         )
         if family.intermediate_size_key:
             out["intermediate_size"] = self.intermediate_size
+        if family.short_conv:  # the older aliases would override what is written (transformers pops them last)
+            out = {k: v for k, v in out.items() if k not in ("block_ff_dim", "tie_embedding")}
+            out.update(short_conv_to_hf(self))
         if family.gemma3 or family.gemma4:  # per-layer-type ropes, hidden_activation: the generic keys differ
             for k in ("rope_theta", "hidden_act", "rope_local_base_freq", "sliding_window_pattern"):
                 out.pop(k, None)
@@ -486,8 +527,8 @@ class ModelConfig:
             out[family.bias_key] = self.attention_bias
         if family.sliding_window:
             out["sliding_window"] = self.sliding_window
-        per_type = family.gemma3 or family.gemma4
-        if self.layer_windows is not None or per_type or ("layer_types" in self.hf_extra and not family.hybrid):
+        if self.layer_windows is not None or family.gemma3 or family.gemma4 or ("layer_types" in self.hf_extra
+                                                               and not (family.hybrid or family.short_conv)):
             out["sliding_window"] = self.sliding_window
             out["layer_types"] = ["full_attention" if self.layer_window(i) is None else "sliding_attention"
                                   for i in range(self.num_layers)]
@@ -693,6 +734,77 @@ def _check_gemma4_full_layers(hf: dict[str, Any], types: list[str]) -> None:
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+LFM2_LAYER_TYPES = ("conv", "full_attention")
+
+
+def lfm2_aliases(hf: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's older config.json spellings, as transformers' Lfm2Config reads them: `block_ff_dim` (when present)
+    is the intermediate size and `tie_embedding` the embedding tie."""
+    hf = dict(hf)
+    if "block_ff_dim" in hf:
+        hf["intermediate_size"] = hf.pop("block_ff_dim")
+    if "tie_embedding" in hf:
+        hf["tie_word_embeddings"] = hf.pop("tie_embedding")
+    return hf
+
+
+def lfm2_ff_dim(hf: dict[str, Any]) -> int:
+    """The width of LFM2's SwiGLU (transformers' Lfm2MLP): with `block_auto_adjust_ff_dim` (default true)
+    int(2 * intermediate_size / 3), then with a `block_ffn_dim_multiplier` (default 1.0; null skips this step)
+    int(multiplier * that) rounded up to a multiple of `block_multiple_of` (default 256)."""
+    width = int(hf["intermediate_size"])
+    if not hf.get("block_auto_adjust_ff_dim", True):
+        return width
+    width = int(2 * width / 3)
+    multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is not None:
+        of = int(hf.get("block_multiple_of", 256))
+        if of < 1:
+            raise ModelConfigError(f"block_multiple_of {of} must be >= 1")
+        width = int(multiplier * width)
+        width = of * ((width + of - 1) // of)
+    return width
+
+
+def short_conv_from_hf(hf: dict[str, Any]) -> ShortConvConfig:
+    """LFM2's layer kinds (`layer_types` of conv / full_attention, or, without it, an older config's
+    `full_attn_idxs`: those layers attention, the rest conv; neither: every layer attention, as transformers
+    builds it) and its conv (`conv_L_cache`, `conv_bias`)."""
+    L = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:
+        idxs = hf.get("full_attn_idxs")
+        idxs = set(range(L) if idxs is None else idxs)
+        types = ["full_attention" if i in idxs else "conv" for i in range(L)]
+    types = _checked_layer_types(types, L, LFM2_LAYER_TYPES)
+    return ShortConvConfig(layers=tuple(t == "conv" for t in types), kernel=int(hf.get("conv_L_cache", 3)),
+                           bias=bool(hf.get("conv_bias", False)))
+
+
+def short_conv_to_hf(cfg: "ModelConfig") -> dict[str, Any]:
+    """LFM2's keys: the layer kinds (layer_types and full_attn_idxs alike), the conv, `norm_eps`, and the MLP width:
+    the read intermediate_size / block_* keys when they still give `cfg.intermediate_size`, else the width itself
+    with block_auto_adjust_ff_dim false."""
+    sc = cfg.short_conv
+    read = lfm2_aliases(cfg.hf_extra)
+    read = {k: read[k] for k in ("intermediate_size", "block_auto_adjust_ff_dim", "block_ffn_dim_multiplier",
+                                  "block_multiple_of") if k in read}
+    if "intermediate_size" not in read or lfm2_ff_dim(read) != cfg.intermediate_size:
+        read = {"intermediate_size": cfg.intermediate_size, "block_auto_adjust_ff_dim": False}
+    return read | {"layer_types": [LFM2_LAYER_TYPES[0] if conv else LFM2_LAYER_TYPES[1] for conv in sc.layers],
+                   "full_attn_idxs": [i for i, conv in enumerate(sc.layers) if not conv],
+                   "conv_L_cache": sc.kernel, "conv_bias": sc.bias, "norm_eps": cfg.rms_norm_eps}
+
+
+def _checked_layer_types(types, num_layers: int, allowed: tuple[str, ...]) -> list[str]:
+    """A hybrid's `layer_types`: one entry per layer, each one of `allowed`."""
+    types = list(types)
+    if len(types) != num_layers:
+        raise ModelConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {num_layers}")
+    unknown = sorted(set(types) - set(allowed))
+    if unknown:
+        raise ModelConfigError(f"layer_types {unknown} are not supported ({', '.join(allowed)})")
+    return types
 
 
 def linear_attention_from_hf(hf: dict[str, Any]) -> LinearAttentionConfig:
@@ -703,12 +815,7 @@ def linear_attention_from_hf(hf: dict[str, Any]) -> LinearAttentionConfig:
     if types is None:
         interval = int(hf.get("full_attention_interval", 4))
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(L)]
-    types = list(types)
-    if len(types) != L:
-        raise ModelConfigError(f"layer_types has {len(types)} entries, num_hidden_layers is {L}")
-    unknown = sorted(set(types) - set(LAYER_TYPES))
-    if unknown:
-        raise ModelConfigError(f"layer_types {unknown} are not supported (linear_attention, full_attention)")
+    types = _checked_layer_types(types, L, LAYER_TYPES)
     return LinearAttentionConfig(
         layers=tuple(t == "linear_attention" for t in types),
         num_key_heads=int(hf.get("linear_num_key_heads", 16)), num_value_heads=int(hf.get("linear_num_value_heads", 32)),

@@ -14,6 +14,11 @@ Gemma 3 (`gemma3_text`, the text backbone of `gemma3`): the same Block with sand
 embeddings times sqrt(D), the softmax scale query_pre_attn_scalar ** -0.5, and `layer_types`' sliding / full
 layers as layer types with their window and their rope (`rope` option: the sliding layers' own base).
 
+LFM2 (`cfg.short_conv`): likewise two stacks, `layers` (its GQA attention layers, q / k norms) and `conv_layers`
+(`ConvBlock`s: the pre-norm residual block with LFM2's short convolution, layers/short_conv.py, as its token
+mixer); plain (w) RMSNorms, full rope. The non-attention stack of a hybrid keeps a fixed-size state per sequence
+in generation and serving (`Decoder.state_stack` / `state_shape`; kv/recurrent.py).
+
 Gemma 4 (`gemma4_text`, the text backbone of `gemma4`; the dense text model): Gemma 3's block with plain-w norms,
 the values RMS-normalised without a weight (v norm), softmax scale 1, the full-attention layers' `proportional`
 rope, and each layer's output times its loaded `layer_scalar`:  h = layer_scalar * (h + RMSNorm(GeGLU(...))).
@@ -35,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from surojax.models.config import ModelConfig
-from surojax.models.kv import Cache, KVCache
+from surojax.models.kv import CONV_STACK, LINEAR_STACK, Cache, ConvShape, KVCache, StateShape, state_stack
 from surojax.models.layer_runner import HiddenStates, LayerPattern, LayerRunner, LayerScan, LayerType, on_device
 from surojax.models.layers.attention import Attention
 from surojax.models.layers.attention_backend import AttentionBackend
@@ -45,6 +50,7 @@ from surojax.models.layers.moe import MoE
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
+from surojax.models.layers.short_conv import ShortConv
 
 
 class Block(nnx.Module):
@@ -63,15 +69,21 @@ class Block(nnx.Module):
         if rope is not None:
             cos, sin = cos[rope], sin[rope]
         a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window)
-        h = h + (a if self.attn_post_norm is None else self.attn_post_norm(a))
-        if isinstance(self.mlp, MoE):
-            m, stats = self.mlp(self.mlp_norm(h), segment_ids)
-            return h + m, kv, stats
-        m = self.mlp(self.mlp_norm(h))
-        h = h + (m if self.mlp_post_norm is None else self.mlp_post_norm(m))
-        if self.layer_scalar is not None:
+        h, kv, stats = _mlp_residual(self, h + (a if self.attn_post_norm is None else self.attn_post_norm(a)), kv,
+                                     segment_ids)
+        if self.layer_scalar is not None:  # Gemma 4: the whole layer's output times its scalar
             h = h * self.layer_scalar[...].astype(h.dtype)
-        return h, kv, None
+        return h, kv, stats
+
+
+def _mlp_residual(block: nnx.Module, h, kv, segment_ids):
+    """Every block's second half: h += MLP(RMSNorm(h)) (with sandwich norms, Gemma 3: h += RMSNorm(MLP(RMSNorm(h))))
+    -> (h, kv, the MoE's router stats or None)."""
+    if isinstance(block.mlp, MoE):
+        m, stats = block.mlp(block.mlp_norm(h), segment_ids)
+        return h + m, kv, stats
+    m = block.mlp(block.mlp_norm(h))
+    return h + (m if block.mlp_post_norm is None else block.mlp_post_norm(m)), kv, None
 
 
 def _norms_and_mlp(block: nnx.Module, cfg: ModelConfig, param_dtype, rngs) -> None:
@@ -102,11 +114,21 @@ class LinearBlock(nnx.Module):
         """-> (h, kv, router stats of a MoE layer or None), as `Block`; `kv`: this layer's recurrent-state view
         (kv/recurrent.py) or None."""
         a, kv = self.linear_attn(self.attn_norm(h), segment_ids, kv)
-        h = h + a
-        if isinstance(self.mlp, MoE):
-            m, stats = self.mlp(self.mlp_norm(h), segment_ids)
-            return h + m, kv, stats
-        return h + self.mlp(self.mlp_norm(h)), kv, None
+        return _mlp_residual(self, h + a, kv, segment_ids)
+
+
+class ConvBlock(nnx.Module):
+    """LFM2's short-convolution layer: h += ShortConv(RMSNorm(h)); h += MLP(RMSNorm(h))."""
+
+    def __init__(self, cfg: ModelConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
+        self.conv = ShortConv(cfg.hidden_size, cfg.short_conv, param_dtype=param_dtype, rngs=rngs)
+        _norms_and_mlp(self, cfg, param_dtype, rngs)
+
+    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None):
+        """-> (h, kv, router stats of a MoE layer or None), as `Block`; `kv`: this layer's conv-state view
+        (kv/recurrent.py) or None."""
+        a, kv = self.conv(self.attn_norm(h), segment_ids, kv)
+        return _mlp_residual(self, h + a, kv, segment_ids)
 
 
 class Embedding(nnx.Module):
@@ -133,10 +155,13 @@ def layer_pattern(cfg: ModelConfig) -> LayerPattern:
     or with per-layer attention windows (gpt_oss's alternating sliding / full) one type per window of the
     windows' shortest period, each with its static `window` (0 = full attention). A hybrid: one type per layer
     of `layer_types`' shortest period, reading `linear_layers` (Gated DeltaNet) or `layers` (attention); Qwen3.5's
-    [linear x 3, full] x G."""
+    [linear x 3, full] x G. LFM2 alike with `conv_layers` (its published patterns have no shorter period than L:
+    one group of L types)."""
     L = cfg.num_layers
-    if cfg.linear_attention is not None:
-        stacks = ["linear_layers" if linear else "layers" for linear in cfg.linear_attention.layers]
+    other = LINEAR_STACK if cfg.linear_attention is not None else CONV_STACK
+    kinds = cfg.linear_attention or cfg.short_conv
+    if kinds is not None:
+        stacks = [other if mine else "layers" for mine in kinds.layers]
         return LayerPattern(tuple(LayerType(s) for s in stacks[:_period(stacks)]), L)
     if cfg.layer_windows is None and cfg.local_rope_theta is None:
         return LayerPattern.uniform(L)
@@ -161,6 +186,17 @@ def rope_tables(cfg: ModelConfig, positions, dtype):
     return tuple(t[0] for t in tables), tuple(t[1] for t in tables)
 
 
+def state_shape(cfg) -> StateShape | ConvShape:
+    """The per-layer state layout of a hybrid's state stack: the Gated DeltaNet's heads (the config's
+    `linear_attention`: a `StateShape`'s fields) or LFM2's short-conv window over the hidden size."""
+    sc = getattr(cfg, "short_conv", None)
+    if sc is not None:
+        return ConvShape(cfg.hidden_size, sc.kernel)
+    if cfg.linear_attention is None:
+        raise ValueError(f"{cfg.model_type} has no layers with per-sequence state")
+    return cfg.linear_attention
+
+
 def _period(kinds: list) -> int:
     """The shortest p with kinds[i] == kinds[i % p] for every i."""
     L = len(kinds)
@@ -183,6 +219,9 @@ class Decoder(nnx.Module):
         self.linear_layers = None if cfg.linear_attention is None else _stack_blocks(
             lambda k: LinearBlock(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
             keys[pattern.rows("layers"):])
+        self.conv_layers = None if cfg.short_conv is None else _stack_blocks(
+            lambda k: ConvBlock(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
+            keys[pattern.rows("layers"):])
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs,
                                   zero_centered=cfg.norm_zero_centered)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(D, V, param_dtype=param_dtype, rngs=rngs)
@@ -194,10 +233,22 @@ class Decoder(nnx.Module):
 
     @property
     def stacks(self) -> dict[str, nnx.Module]:
-        """The layer stacks by name: `layers`, and a hybrid's `linear_layers`."""
-        if self.linear_layers is None:
-            return {"layers": self.layers}
-        return {"layers": self.layers, "linear_layers": self.linear_layers}
+        """The layer stacks by name: `layers`, and a hybrid's `linear_layers` or LFM2's `conv_layers`."""
+        out = {"layers": self.layers}
+        for name in (LINEAR_STACK, CONV_STACK):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    @property
+    def state_stack(self) -> str | None:
+        """The stack whose layers keep a fixed-size state per sequence (`linear_layers`, `conv_layers`), or None."""
+        return state_stack(self.layer_pattern.stacks)
+
+    @property
+    def state_shape(self) -> StateShape | ConvShape:
+        """The per-layer state layout of `state_stack` (`state_shape(cfg)`)."""
+        return state_shape(self.cfg)
 
     # ---- forward ----------------------------------------------------------------------------------------
     def hidden_states(self, tokens, positions, segment_ids, *, cache: Cache | None = None,

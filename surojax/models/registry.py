@@ -23,7 +23,8 @@ Hybrid families (Qwen3.5: Gated DeltaNet and gated attention layers) hold their 
 (the attention blocks) and `linear_layers` (the DeltaNet blocks). A per-layer row names its stack by the first part
 of its path; `stack_layers(cfg, stack)` is the one map from a stack to the HF layer indices ("{i}") it holds, in
 its row order, and `row_layers(cfg, row)` a row's indices: every reader and writer of per-layer tensors (HF
-checkpoints, GGUF, PEFT adapters, quantisation) goes through it.
+checkpoints, GGUF, PEFT adapters, quantisation) goes through it. LFM2 likewise: `layers` (its attention layers)
+and `conv_layers` (its short-convolution layers).
 """
 from __future__ import annotations
 
@@ -162,6 +163,35 @@ def qwen3_5_weights(prefix: str, *, moe: bool = False, fused: bool = False) -> t
             WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
 
 
+def lfm2_weights() -> tuple[WeightRow, ...]:
+    """LFM2 (Lfm2ForCausalLM) under `model.`: both stacks (`layers` = the attention layers, `conv_layers` = the
+    short-convolution layers) have `operator_norm` / `ffn_norm` and the SwiGLU `feed_forward.w1` (gate) / `w3` (up)
+    / `w2` (down); attention: q/k/v_proj, `out_proj`, `q_layernorm` / `k_layernorm`; the short conv: `in_proj`
+    [3D, D], the depthwise kernel `conv.conv.weight` [D, 1, K] as stored, `out_proj` [D, D], their biases with
+    `conv_bias`. The final norm is `model.embedding_norm`; the head tied unless the config unties it."""
+    layer = "model.layers.{i}."
+    both = []
+    for stack in ("layers", "conv_layers"):
+        both += [WeightRow(layer + "operator_norm.weight", f"{stack}.attn_norm.scale"),
+                 WeightRow(layer + "ffn_norm.weight", f"{stack}.mlp_norm.scale")]
+        both += [WeightRow(layer + f"feed_forward.{w}.weight", f"{stack}.mlp.{m}.kernel", True)
+                 for w, m in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))]
+    attn = [WeightRow(layer + f"self_attn.{m}.weight", f"layers.attn.{m}.kernel", True)
+            for m in ("q_proj", "k_proj", "v_proj")]
+    attn += [WeightRow(layer + "self_attn.out_proj.weight", "layers.attn.o_proj.kernel", True),
+             WeightRow(layer + "self_attn.q_layernorm.weight", "layers.attn.q_norm.scale"),
+             WeightRow(layer + "self_attn.k_layernorm.weight", "layers.attn.k_norm.scale")]
+    conv = []
+    for m in ("in_proj", "out_proj"):
+        conv += [WeightRow(layer + f"conv.{m}.weight", f"conv_layers.conv.{m}.kernel", True),
+                 WeightRow(layer + f"conv.{m}.bias", f"conv_layers.conv.{m}.bias", when="conv_bias")]
+    conv += [WeightRow(layer + "conv.conv.weight", "conv_layers.conv.conv.kernel"),  # [D, 1, K] as stored
+             WeightRow(layer + "conv.conv.bias", "conv_layers.conv.conv.bias", when="conv_bias")]
+    return (WeightRow("model.embed_tokens.weight", "embed.embedding"), *both, *attn, *conv,
+            WeightRow("model.embedding_norm.weight", "final_norm.scale"),
+            WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
+
+
 def _moe_rows(layer: str, stack: str, fused: bool) -> list[WeightRow]:
     """One stack's sparse-MoE rows under the layer prefix `layer` (qwen2_moe's names: router `mlp.gate`, the experts,
     the shared expert and its gate), per expert or fused."""
@@ -215,6 +245,10 @@ LINEAR_MODULES: dict[str, str] = {
 # The Gated DeltaNet projections of a hybrid model's `linear_layers` (HF names; path inside that stack's block).
 LINEAR_ATTENTION_MODULES: dict[str, str] = {
     m: f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")}
+# LFM2's short-convolution projections (its `conv_layers`): our target name -> path inside that stack's block. The
+# names are dotted (its HF module names in_proj / out_proj collide with the DeltaNet's and the attention's out_proj);
+# they are also PEFT's `target_modules` entries (`model.layers.{i}.conv.in_proj` matched by its end).
+SHORT_CONV_MODULES: dict[str, str] = {f"conv.{m}": f"conv.{m}" for m in ("in_proj", "out_proj")}
 # A MoE model's expert projections (ExpertLinear, [E, in, out] per layer) as LoRA targets: our target name -> path
 # in the Decoder. The path is also PEFT's `target_parameters` entry for transformers 5's fused experts.
 EXPERT_MODULES: dict[str, str] = {
@@ -257,6 +291,11 @@ class Family:
     gemma4: bool = False
     # tensors of the checkpoint that are not the text model's (a vision tower, MTP heads): skipped, with a log line
     skipped_prefixes: tuple[str, ...] = ()
+    # LFM2: `layer_types` of conv / full_attention layers (two stacks: `conv_layers` and `layers`), the
+    # feed-forward width from the block_* keys, `norm_eps`
+    short_conv: bool = False
+    norm_eps_key: str = "rms_norm_eps"  # config.json's RMSNorm epsilon key
+    rope_theta_default: float = 10000.0  # transformers' default when config.json does not say
 
 
 FAMILIES: dict[str, Family] = {
@@ -301,6 +340,8 @@ FAMILIES: dict[str, Family] = {
                text_config=True, weights=gemma4_weights("model.language_model."),
                skipped_prefixes=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
                                  "model.embed_audio.")),
+        Family("lfm2", "Lfm2ForCausalLM", attention_bias_key=False, qk_norm=True, tie_default=True,
+               weights=lfm2_weights(), short_conv=True, norm_eps_key="norm_eps", rope_theta_default=1e6),
     )
 }
 
@@ -318,16 +359,19 @@ def family_for(model_type: str | None) -> Family:
 
 def stack_layers(cfg, stack: str) -> tuple[int, ...]:
     """The HF layer indices the layer stack `stack` holds, in its row order: `layers` every layer of a one-stack
-    model, the full-attention layers of a hybrid; `linear_layers` a hybrid's Gated DeltaNet layers."""
+    model, the full-attention layers of a hybrid; `linear_layers` a hybrid's Gated DeltaNet layers, `conv_layers`
+    LFM2's short-convolution layers."""
     la = getattr(cfg, "linear_attention", None)
-    if la is None:
+    sc = getattr(cfg, "short_conv", None)
+    if la is None and sc is None:
         if stack != "layers":
             raise ValueError(f"{cfg.model_type} has one layer stack, `layers`; asked for {stack!r}")
         return tuple(range(cfg.num_layers))
-    if stack not in ("layers", "linear_layers"):
-        raise ValueError(f"{cfg.model_type}'s layer stacks are `layers` and `linear_layers`; asked for {stack!r}")
-    linear = stack == "linear_layers"
-    return tuple(i for i, is_linear in enumerate(la.layers) if is_linear == linear)
+    other = "linear_layers" if la is not None else "conv_layers"
+    if stack not in ("layers", other):
+        raise ValueError(f"{cfg.model_type}'s layer stacks are `layers` and `{other}`; asked for {stack!r}")
+    mine = stack == other
+    return tuple(i for i, is_other in enumerate((la or sc).layers) if is_other == mine)
 
 
 def row_layers(cfg, row: WeightRow) -> tuple[int | None, ...]:
@@ -341,7 +385,8 @@ def weight_rows(cfg, *, fused: bool = False) -> list[WeightRow]:
     moe = cfg.moe
     flags = {"attention_bias": cfg.attention_bias, "qk_norm": cfg.qk_norm, "untied": not cfg.tie_word_embeddings,
              "router_bias": bool(moe and moe.router_bias), "expert_bias": bool(moe and moe.expert_bias),
-             "o_proj_bias": cfg.o_proj_bias, "attention_sinks": cfg.attention_sinks}
+             "o_proj_bias": cfg.o_proj_bias, "attention_sinks": cfg.attention_sinks,
+             "conv_bias": bool(getattr(cfg, "short_conv", None) and cfg.short_conv.bias)}
     family = family_for(cfg.model_type)
     table = family.fused_weights if fused else family.weights
     return [r for r in table if r.when is None or flags[r.when]]

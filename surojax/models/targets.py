@@ -16,7 +16,9 @@ a MoE model with a shared expert (qwen2_moe) also `shared_expert.gate_proj` / `.
 (Linear(D, 1)) is not a target: it is trained by a full fine-tune only. On
 a hybrid (Qwen3.5) also the Gated DeltaNet projections in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj
 (registry.LINEAR_ATTENTION_MODULES); a MoE hybrid (qwen3_5_moe) has the MoE names (attention, experts, shared
-expert) and the DeltaNet's.
+expert) and the DeltaNet's. LFM2 (its `conv_layers` of short convolutions): the dense names (its attention's
+out_proj is `o_proj`, its MLP's w1 / w3 / w2 gate_proj / up_proj / down_proj) and conv.in_proj / conv.out_proj
+(registry.SHORT_CONV_MODULES); its HF spellings are accepted (CONV_SPELLINGS).
 
 Sites. A target lives in one or more layer stacks (a hybrid's MLP projections in both `layers` and `linear_layers`,
 its attention projections in `layers`, its DeltaNet projections in `linear_layers`). Each (stack, target) is a
@@ -33,16 +35,23 @@ from collections.abc import Iterable
 
 from flax import nnx
 
-from surojax.models.registry import EXPERT_MODULES, LINEAR_ATTENTION_MODULES, LINEAR_MODULES, SHARED_EXPERT_MODULES
+from surojax.models.registry import (EXPERT_MODULES, LINEAR_ATTENTION_MODULES, LINEAR_MODULES, SHARED_EXPERT_MODULES,
+                                     SHORT_CONV_MODULES)
 
 LORA_TARGETS: tuple[str, ...] = tuple(LINEAR_MODULES)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 EXPERT_TARGETS: tuple[str, ...] = tuple(EXPERT_MODULES)  # experts.gate_up_proj experts.down_proj
 SHARED_EXPERT_TARGETS: tuple[str, ...] = tuple(SHARED_EXPERT_MODULES)  # shared_expert.gate_proj / up_proj / down_proj
 LINEAR_ATTENTION_TARGETS: tuple[str, ...] = tuple(LINEAR_ATTENTION_MODULES)  # in_proj_qkv ... out_proj
 HYBRID_TARGETS: tuple[str, ...] = LORA_TARGETS + LINEAR_ATTENTION_TARGETS  # what a dense hybrid has, in order
+SHORT_CONV_TARGETS: tuple[str, ...] = tuple(SHORT_CONV_MODULES)  # conv.in_proj conv.out_proj (LFM2)
+CONV_HYBRID_TARGETS: tuple[str, ...] = LORA_TARGETS + SHORT_CONV_TARGETS  # what LFM2 has, in order
+# LFM2's HF module names (what its PEFT configs list) -> our target names
+CONV_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "w1": ("gate_proj",), "w3": ("up_proj",), "w2": ("down_proj",), "in_proj": ("conv.in_proj",),
+    "out_proj": ("o_proj", "conv.out_proj"), "self_attn.out_proj": ("o_proj",)}
 # every target name -> its path inside a stack's block ("attn.q_proj", "linear_attn.in_proj_qkv")
 TARGET_PATHS: dict[str, str] = {**LINEAR_MODULES, **EXPERT_MODULES, **SHARED_EXPERT_MODULES,
-                                **LINEAR_ATTENTION_MODULES}
+                                **LINEAR_ATTENTION_MODULES, **SHORT_CONV_MODULES}
 ATTENTION_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MOE_TARGETS: tuple[str, ...] = ATTENTION_TARGETS + EXPERT_TARGETS  # what a MoE model has, in order
 
@@ -54,7 +63,7 @@ _MOE_SPELLINGS = {"gate_up_proj": ("experts.gate_up_proj",), "down_proj": ("expe
 
 
 def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_expert: bool = False,
-                    hybrid: bool = False) -> tuple[str, ...]:
+                    hybrid: bool = False, conv: bool = False) -> tuple[str, ...]:
     """User target names (or "all-linear") -> our target names in TARGET_PATHS order, checked.
 
     Dense model (moe=False): HF module names of LINEAR_MODULES. MoE model (moe=True): q/k/v/o_proj; the experts'
@@ -62,10 +71,25 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
     `down_proj`, `experts` (both), or our names experts.gate_up_proj / experts.down_proj. With a shared expert
     (shared_expert=True) also `shared_expert` (its three projections) or shared_expert.gate_proj / .up_proj /
     .down_proj one by one; "all-linear" includes them. Hybrid (hybrid=True): also the Gated DeltaNet's
-    projections (a dense hybrid: HYBRID_TARGETS; a MoE hybrid: the MoE names, then the DeltaNet's)."""
+    projections (a dense hybrid: HYBRID_TARGETS; a MoE hybrid: the MoE names, then the DeltaNet's). LFM2 (conv=True,
+    dense): the dense names and the short conv's conv.in_proj / conv.out_proj (CONV_HYBRID_TARGETS), also spelled
+    as its HF modules (CONV_SPELLINGS: w1 / w3 / w2 the MLP's gate / up / down, in_proj, out_proj = the attention's
+    and the conv's)."""
     if isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     targets = list(targets)
+    if conv and not moe:
+        if targets == ["all-linear"]:
+            return CONV_HYBRID_TARGETS
+        unknown = [t for t in targets if t not in CONV_HYBRID_TARGETS and t not in CONV_SPELLINGS]
+        if unknown or not targets:
+            raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid; choose from "
+                             f"{', '.join(CONV_HYBRID_TARGETS)}, LFM2's names {', '.join(CONV_SPELLINGS)} or "
+                             "'all-linear'")
+        chosen = {n for t in targets for n in CONV_SPELLINGS.get(t, (t,))}
+        return tuple(t for t in CONV_HYBRID_TARGETS if t in chosen)
+    if conv:
+        raise ValueError("a mixture-of-experts model with short-convolution layers (lfm2_moe) has no LoRA targets yet")
     if not moe:
         available = HYBRID_TARGETS if hybrid else LORA_TARGETS
         if targets == ["all-linear"]:
@@ -120,6 +144,15 @@ def is_hybrid(model) -> bool:
     return model.cfg.linear_attention is not None
 
 
+def has_short_conv(model) -> bool:
+    return getattr(model.cfg, "short_conv", None) is not None
+
+
+def _multi_stack(model) -> bool:
+    """The targets live in several stacks (site keys "stack.target"): a Qwen3.5 hybrid, LFM2."""
+    return is_hybrid(model) or has_short_conv(model)
+
+
 def stacks(model) -> dict[str, nnx.Module]:
     """The model's layer stacks by name (`Decoder.stacks`; a model without the property: its `layers`)."""
     return dict(getattr(model, "stacks", None) or {"layers": model.layers})
@@ -159,6 +192,8 @@ def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
 def model_targets(model) -> tuple[str, ...]:
     """The target site keys this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS, + SHARED_EXPERT_TARGETS with a
     shared expert; a hybrid: those and LINEAR_ATTENTION_TARGETS in each stack that has them, `layers` first)."""
+    if has_short_conv(model) and not is_moe(model):
+        return target_sites(model, CONV_HYBRID_TARGETS)
     if not is_moe(model):
         return target_sites(model, HYBRID_TARGETS) if is_hybrid(model) else LORA_TARGETS
     names = _moe_names(has_shared_expert(model), is_hybrid(model))
@@ -169,8 +204,8 @@ def resolve_model_targets(model, targets: str | Iterable[str]) -> tuple[str, ...
     """A user's target names (or "all-linear") -> this model's site keys (`resolve_targets`, then `target_sites`
     on a hybrid; on a one-stack model the names themselves)."""
     names = resolve_targets(targets, moe=is_moe(model), shared_expert=has_shared_expert(model),
-                            hybrid=is_hybrid(model))
-    return target_sites(model, names) if is_hybrid(model) else names
+                            hybrid=is_hybrid(model), conv=has_short_conv(model))
+    return target_sites(model, names) if _multi_stack(model) else names
 
 
 def module_at(root: nnx.Module, dotted: str):

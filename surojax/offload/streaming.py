@@ -41,7 +41,8 @@ from surojax.parallel import param_shardings
 
 HOST_KIND = "pinned_host"
 STREAMED_SUBTREE = "layers"  # the (first) layer stack: what the layerwise optimizer and offload_master split off
-STREAMED_STACKS = ("layers", "linear_layers")  # every layer stack the base streams from (a hybrid has both)
+# every layer stack the base streams from (a hybrid has two: Qwen3.5's linear_layers, LFM2's conv_layers)
+STREAMED_STACKS = ("layers", "linear_layers", "conv_layers")
 EMBEDDING = ("embed", "embedding")
 
 

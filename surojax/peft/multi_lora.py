@@ -84,10 +84,13 @@ def apply_multi_lora(model, *, max_loras: int, max_rank: int, targets: str | Seq
         raise LoRASlotError(f"max_loras and max_lora_rank must be >= 1 (got {max_loras}, {max_rank})")
     if multi_lora_modules(model):
         raise LoRASlotError("the model already has multi-LoRA slots")
-    if model.cfg.linear_attention is not None:
+    other = "linear_layers" if model.cfg.linear_attention is not None else \
+        "conv_layers" if getattr(model.cfg, "short_conv", None) is not None else None
+    if other is not None:
+        kind = "Gated DeltaNet" if other == "linear_layers" else "short convolution"
         raise LoRASlotError(f"{model.cfg.model_type}: runtime LoRA adapters are not supported for hybrid models: the "
                             "adapter slots wrap every layer of the one stack `layers`, and a hybrid's layers are split "
-                            "between `layers` (attention) and `linear_layers` (Gated DeltaNet)")
+                            f"between `layers` (attention) and `{other}` ({kind})")
     dtype = dtype or model.dtype
     for name in resolve_targets(targets):
         base = module_at(model.layers, LINEAR_MODULES[name])

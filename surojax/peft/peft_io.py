@@ -42,7 +42,7 @@ import ml_dtypes
 import numpy as np
 
 from surojax.models.registry import (LINEAR_ATTENTION_MODULES, LINEAR_MODULES, LLAMA_STYLE_WEIGHTS,
-                                     SHARED_EXPERT_MODULES, WeightRow, stack_layers, weight_rows)
+                                     SHARED_EXPERT_MODULES, SHORT_CONV_MODULES, WeightRow, stack_layers, weight_rows)
 from surojax.peft.lora import (ATTENTION_TARGETS, EXPERT_TARGETS, lora_modules, lora_scaling, resolve_targets, site_key,
                                site_stack, target_name)
 from surojax.peft.peft_experts import PEFT_PARAMETERS, expert_module_name, from_peft, to_peft
@@ -99,7 +99,8 @@ class PeftAdapter:
 
 
 # The Linear targets an adapter file names by module (PEFT's `target_modules`); the experts go by parameter.
-MODULE_TARGETS: dict[str, str] = {**LINEAR_MODULES, **SHARED_EXPERT_MODULES, **LINEAR_ATTENTION_MODULES}
+MODULE_TARGETS: dict[str, str] = {**LINEAR_MODULES, **SHARED_EXPERT_MODULES, **LINEAR_ATTENTION_MODULES,
+                                  **SHORT_CONV_MODULES}
 
 
 def module_names(rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> dict[str, str]:
@@ -114,6 +115,35 @@ def module_names(rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> dict[str,
             if hf is not None:
                 out[site_key(stack, name)] = hf.removesuffix(".weight")
     return out
+
+
+def peft_target_modules(targets, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> list[str]:
+    """PEFT's `target_modules` entries for our Linear target names: the name itself where the family's HF module
+    ends with it (q_proj, shared_expert.gate_proj, LFM2's conv.in_proj), else the module's name after
+    `layers.{i}.` (LFM2's self_attn.out_proj for o_proj, feed_forward.w1 for gate_proj): PEFT matches a module by
+    the end of its name."""
+    modules = module_names(rows)
+    out = []
+    for t in targets:
+        if t not in MODULE_TARGETS:
+            continue
+        hf = next((m for k, m in modules.items() if target_name(k) == t), None)
+        out.append(t if hf is None or hf.endswith("." + t) else hf.split("{i}.", 1)[1])
+    return out
+
+
+def _by_suffix(names: list[str], modules: dict[str, str], path: Path) -> tuple[str, ...]:
+    """`target_modules` entries resolved as PEFT resolves them (a module matches an entry that is its whole name or
+    the end of it after a dot; "all-linear" every Linear target) -> our target names, in the modules' order."""
+    out = []
+    for entry in names:
+        hits = [target_name(k) for k, m in modules.items()
+                if entry == "all-linear" or m == entry or m.endswith("." + entry)]
+        if not hits:
+            raise AdapterError(f"{path}: target_modules entry {entry!r} matches no Linear module of this model (its "
+                               f"modules: {', '.join(m.split('{i}.', 1)[-1] for m in modules.values())})")
+        out += hits
+    return tuple(dict.fromkeys(t for t in (target_name(k) for k in modules) if t in out))
 
 
 def layer_prefix(rows: tuple[WeightRow, ...]) -> str:
@@ -145,8 +175,10 @@ def _listing(names) -> str:
 
 # ---- writing ------------------------------------------------------------------------------------------------
 
-def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None) -> dict:
-    """adapter_config.json for a plain LoRA, with the keys every PEFT release since rsLoRA/DoRA understands."""
+def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None,
+                   rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> dict:
+    """adapter_config.json for a plain LoRA, with the keys every PEFT release since rsLoRA/DoRA understands.
+    `rows`: the family's weight table (PEFT's module names: `peft_target_modules`)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -156,7 +188,7 @@ def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None) -> dict:
         "lora_alpha": int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
         "lora_dropout": spec.dropout,
         # PEFT: Linear modules by name; the fused expert parameters by `target_parameters` (None when absent)
-        "target_modules": [t for t in spec.targets if t in MODULE_TARGETS] or None,
+        "target_modules": peft_target_modules(spec.targets, rows) or None,
         "target_parameters": [PEFT_PARAMETERS[t] for t in spec.targets if t in PEFT_PARAMETERS] or None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -238,7 +270,7 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, base_model_name_or_path
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        cfg = adapter_config(adapter.spec, base_reference(base_model_name_or_path))
+        cfg = adapter_config(adapter.spec, base_reference(base_model_name_or_path), rows)
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
         write_safetensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
         if out_dir.exists():
@@ -284,8 +316,11 @@ _NEUTRAL = {
 }
 
 
-def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]:
-    """Parse and check adapter_config.json; returns the raw dict and the spec (targets from target_modules)."""
+def read_adapter_config(adapter_dir: str | os.PathLike, modules: dict[str, str] | None = None
+                        ) -> tuple[dict, LoraSpec]:
+    """Parse and check adapter_config.json; returns the raw dict and the spec (targets from target_modules).
+    `modules` (site key -> HF module path, `module_names`): resolve target_modules against the model's modules by
+    PEFT's own rule (`_by_suffix`; LFM2, whose HF module names are not our target names)."""
     path = Path(adapter_dir) / CONFIG_FILE
     if not path.is_file():
         raise AdapterError(f"{adapter_dir}: no {CONFIG_FILE} (expected a PEFT adapter folder)")
@@ -312,7 +347,9 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> tuple[dict, LoraSpec]
         raise AdapterError(f"{path}: r must be positive, got {rank}")
     tm = cfg.get("target_modules")
     targets: tuple[str, ...] = ()
-    if isinstance(tm, list) or tm == "all-linear":
+    if modules is not None and (isinstance(tm, list) or tm == "all-linear"):
+        targets = _by_suffix([tm] if isinstance(tm, str) else tm, modules, path)
+    elif isinstance(tm, list) or tm == "all-linear":
         names = [tm] if isinstance(tm, str) else tm
         known = [t for t in names if t == "all-linear" or t in LINEAR_MODULES or t in LINEAR_ATTENTION_MODULES]
         shared = tuple(t for t in SHARED_EXPERT_MODULES if t in names)
@@ -358,7 +395,8 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     keyed by target site (models/targets.py), spec.targets are the HF target names.
     """
     adapter_dir = Path(adapter_dir)
-    cfg, spec = read_adapter_config(adapter_dir)
+    by_suffix = any(r.stack == "conv_layers" for r in rows)  # LFM2: its HF module names are not our target names
+    cfg, spec = read_adapter_config(adapter_dir, module_names(rows) if by_suffix else None)
     wpath = adapter_dir / WEIGHTS_FILE
     if not wpath.is_file():
         others = [p.name for p in adapter_dir.glob("adapter_model.*")]

@@ -69,7 +69,8 @@ def stack_masks(cfg, skip_first: int, skip_last: int, precision: str) -> dict[st
     """Per layer stack, its rows' entries of `layer_mask` over the HF layers ([rows] bool; None: every row runs in
     `precision`). A stack absent from the model (a one-stack model's `linear_layers`) is absent here."""
     hf = layer_mask(cfg.num_layers, skip_first, skip_last, precision)
-    stacks = ("layers",) if getattr(cfg, "linear_attention", None) is None else ("layers", "linear_layers")
+    stacks = ("layers",) + (("linear_layers",) if getattr(cfg, "linear_attention", None) is not None else ()) \
+        + (("conv_layers",) if getattr(cfg, "short_conv", None) is not None else ())
     out = {}
     for stack in stacks:
         rows = np.asarray(stack_layers(cfg, stack), dtype=np.int64)

@@ -57,9 +57,10 @@ def quantize_model_mix(model, file_type: str, targets: str | Sequence[str] = "al
     from surojax.quant.quantize_mix import uniform_target_types
 
     names = resolve_model_targets(model, targets)
-    if model.cfg.linear_attention is not None:
+    if model.cfg.linear_attention is not None or getattr(model.cfg, "short_conv", None) is not None:
+        kind = "Gated DeltaNet" if model.cfg.linear_attention is not None else "short-convolution"
         raise ValueError(f"a llama.cpp file type's per-tensor mix ({file_type}) is not defined for a hybrid "
-                         f"({model.cfg.model_type}: Gated DeltaNet layers) yet; quantise the base to one format "
+                         f"({model.cfg.model_type}: {kind} layers) yet; quantise the base to one format "
                          "(qlora: q4_k, q8_0, nf4, fp8, ...)")
     chosen = uniform_target_types(file_type, model.cfg, names)
     for name in names:

@@ -44,7 +44,7 @@ speculated.
 Hybrid models (Qwen3.5: Gated DeltaNet layers beside the attention layers): the paged pool holds the attention
 layers' KV, and each running sequence holds a state slot for its linear layers' states (`serve.state_slots`:
 allocated at admission, zeroed when the sequence starts, freed with it; chunked prefill and multi-step decode
-continue from it). Prefix caching is turned off (logged: `state_slots.PREFIX_CACHING_OFF`); speculative decoding
+continue from it). Prefix caching is turned off (logged: `state_slots.prefix_caching_off`); speculative decoding
 and a hybrid draft model are refused (`HybridServingError`: `state_slots.SPECULATIVE_REFUSED`); so are runtime
 LoRA slots (`peft.multi_lora`) and an FP8 KV pool.
 
@@ -79,7 +79,8 @@ from surojax.serve.runner import PagedRunner, StepResult
 from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, ScheduledRequest, Scheduler
 from surojax.serve import sleep as sleep_mode
 from surojax.serve.speculative import SpecStats, ngram_propose, speculation_allowed
-from surojax.serve.state_slots import PREFIX_CACHING_OFF, SPECULATIVE_REFUSED, StateSlots, is_hybrid, state_pool_bytes
+from surojax.serve.state_slots import (StateSlots, is_hybrid, prefix_caching_off, speculative_refused,
+                                       state_pool_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +131,12 @@ class Engine:
         spec = config.speculative
         hybrid = is_hybrid(model)
         if hybrid and spec is not None:
-            raise HybridServingError(f"{cfg.model_type}: {SPECULATIVE_REFUSED}")
+            raise HybridServingError(f"{cfg.model_type}: {speculative_refused(model)}")
         if draft_model is not None and is_hybrid(draft_model):
-            raise HybridServingError(f"the draft model ({draft_model.cfg.model_type}): {SPECULATIVE_REFUSED}")
+            raise HybridServingError(f"the draft model ({draft_model.cfg.model_type}): "
+                                     f"{speculative_refused(draft_model)}")
         if hybrid and config.enable_prefix_caching:
-            log.info("%s: %s", cfg.model_type, PREFIX_CACHING_OFF)
+            log.info("%s: %s", cfg.model_type, prefix_caching_off(model))
             config = dataclasses.replace(config, enable_prefix_caching=False)
         if spec is not None and lora is not None:
             raise ValueError("speculative decoding is not supported with LoRA adapters")

@@ -110,17 +110,20 @@ def layer_bounds(model) -> tuple[np.ndarray, np.ndarray]:
     attn, norm = model.layers.attn, model.layers.attn_norm
     K, H, D = cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     has_qk_norm = attn.k_norm is not None
+    shift = 1.0 if cfg.norm_zero_centered else 0.0  # (1 + w) RMSNorms (Qwen3.5, Gemma) scale by 1 + w
 
     @jax.jit
     def one(layer):
         g, wk, bk, wv, bv, gk = layer
-        x_norm = jnp.sqrt(jnp.float32(D)) * jnp.max(jnp.abs(g.astype(jnp.float32)))  # ||x_n||_2 bound
+        g = g.astype(jnp.float32) + shift
+        gk = None if gk is None else gk.astype(jnp.float32) + shift
+        x_norm = jnp.sqrt(jnp.float32(D)) * jnp.max(jnp.abs(g))  # ||x_n||_2 bound
         wk, wv = _dense(wk), _dense(wv)  # [D, K * H]
         heads = x_norm * _spectral_norms(wk.reshape(D, K, H).transpose(1, 0, 2)) \
             + jnp.linalg.norm(bk.reshape(K, H), axis=-1)  # [K]
         k_bound = jnp.max(heads)
         if gk is not None:
-            k_bound = jnp.minimum(k_bound, jnp.sqrt(jnp.float32(H)) * jnp.max(jnp.abs(gk.astype(jnp.float32))))
+            k_bound = jnp.minimum(k_bound, jnp.sqrt(jnp.float32(H)) * jnp.max(jnp.abs(gk)))
         v_bound = jnp.max(x_norm * jnp.linalg.norm(wv, axis=0) + jnp.abs(bv))
         if cfg.v_norm:  # each value head RMS-normalised: sum v_j^2 <= H
             v_bound = jnp.sqrt(jnp.float32(H))

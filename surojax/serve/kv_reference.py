@@ -78,7 +78,8 @@ def reference_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings:
     R, T = batch.tokens.shape
     ctx_len = batch.start
     ks, vs = _scales(settings.scales)
-    cache = with_state_rows(_dense_cache(model, k_pool, v_pool, batch.ctx_slots, ctx_len, ks, vs), state_pool, batch)
+    cache = with_state_rows(_dense_cache(model, k_pool, v_pool, batch.ctx_slots, ctx_len, ks, vs), state_pool, batch,
+                            model)
     h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
     idx = jnp.arange(R)
@@ -106,7 +107,8 @@ def reference_multi_step_decode(graphdef, state, k_pool, v_pool, batch: InputBat
     K = settings.num_steps
     start = batch.start
     ks, vs = _scales(settings.scales)
-    cache = with_state_rows(_dense_cache(model, k_pool, v_pool, batch.ctx_slots, start, ks, vs), state_pool, batch)
+    cache = with_state_rows(_dense_cache(model, k_pool, v_pool, batch.ctx_slots, start, ks, vs), state_pool, batch,
+                            model)
     ones = jnp.ones((R, 1), jnp.int32)
 
     def forward(cache, tok, pos, done):  # done rows ride along; their view writes are never scattered back

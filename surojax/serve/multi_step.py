@@ -54,7 +54,7 @@ def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, 
         set_adapter_rows(model, batch.adapter_rows)
     cache = PagedKVCache(k_pool, v_pool, batch.block_table.astype(jnp.int32), batch.start.astype(jnp.int32),
                          settings.block_size, settings.kernel, settings.scales)
-    cache = with_state_rows(cache, state_pool, batch)
+    cache = with_state_rows(cache, state_pool, batch, model)
 
     def forward(cache, tok, pos, done):
         return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings)

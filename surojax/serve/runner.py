@@ -168,9 +168,6 @@ class PagedRunner:
             self.state_pool = jax.tree.map(self._placed, state_pool(model, num_state_slots))
             self.num_state_slots = num_state_slots
         if is_fp8(dtype):
-            if cfg.norm_zero_centered:  # kv_fp8.layer_bounds reads the norm weights w as the scale, not 1 + w
-                raise ValueError(f"{cfg.model_type}: an FP8 KV pool is not supported with (1 + w) RMSNorms (the "
-                                 "scale bound reads each norm weight as the scale itself)")
             if self.lora:
                 raise ValueError("PagedRunner: an FP8 KV pool is not supported on a model with LoRA slots (the "
                                  "scales are bounded from the base weights, which an adapter changes)")

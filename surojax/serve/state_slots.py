@@ -1,9 +1,11 @@
-"""Per-sequence state slots: how the serving engine keeps a hybrid model's linear-attention states.
+"""Per-sequence state slots: how the serving engine keeps a hybrid model's linear-attention / short-conv states.
 
 A Gated DeltaNet layer (a hybrid's `linear_layers` stack: Qwen3.5) carries per sequence a fixed-size state
 (models/kv/recurrent.py: conv [K - 1, C] in the activation dtype, recurrent [H, Dk, Dv] fp32) where an attention
-layer keeps KV that grows with the sequence. The engine keeps the attention layers' KV in the paged pool (blocks,
-the attention stack's layers only) and the linear layers' states in a pool of slots, one per running sequence:
+layer keeps KV that grows with the sequence; an LFM2 short-convolution layer (`conv_layers`) its conv window
+[K - 1, D] alone. Below, "linear layers" means either stack. The engine keeps the attention layers' KV in the
+paged pool (blocks, the attention stack's layers only) and the linear layers' states in a pool of slots, one per
+running sequence:
 
     pool        a `StateCache` [L_linear, N, ...] over N = max_num_seqs slots (`state_pool`), zeros at first,
                 owned by the runner and donated to each call like the KV pools
@@ -27,24 +29,39 @@ decode) leaves the state unchanged.
 What a state cannot do: be rolled back (the state after token n does not give the state after token n - 1), nor
 be rebuilt from a cached prefix's KV pages (they hold no state of the linear layers). So a hybrid model is
 served without prefix caching (`PREFIX_CACHING_OFF`, logged once) and without speculative decoding
-(`SPECULATIVE_REFUSED`, an error at engine construction).
+(`SPECULATIVE_REFUSED`, an error at engine construction); LFM2's conv windows likewise (`*_CONV`: a conv window
+after token n cannot be rebuilt from KV pages either, and speculation would need it rolled back).
 """
 from __future__ import annotations
 
 import jax
 
 from surojax.models.decoder import Decoder
-from surojax.models.kv import ATTENTION_STACK, LINEAR_STACK, Cache, HybridCache, StateCache
+from surojax.models.kv import ATTENTION_STACK, CONV_STACK, Cache, HybridCache, StateCache
 
 PREFIX_CACHING_OFF = ("prefix caching is off for hybrid models: a cached prefix's KV pages do not carry the "
                       "linear-attention layers' state at the block boundary")
 SPECULATIVE_REFUSED = ("speculative decoding is not supported for hybrid models: the linear-attention layers' "
                        "states cannot be rolled back when proposals are rejected")
+# LFM2's (`conv_layers`): the same reasons for its short convolutions' conv windows
+PREFIX_CACHING_OFF_CONV = PREFIX_CACHING_OFF.replace("linear-attention", "short-convolution")
+SPECULATIVE_REFUSED_CONV = SPECULATIVE_REFUSED.replace("linear-attention", "short-convolution")
+
+
+def prefix_caching_off(model: Decoder) -> str:
+    """Why a hybrid model is served without prefix caching (worded for its kind of state layers)."""
+    return PREFIX_CACHING_OFF_CONV if model.state_stack == CONV_STACK else PREFIX_CACHING_OFF
+
+
+def speculative_refused(model: Decoder) -> str:
+    """Why a hybrid model refuses speculative decoding (worded for its kind of state layers)."""
+    return SPECULATIVE_REFUSED_CONV if model.state_stack == CONV_STACK else SPECULATIVE_REFUSED
 
 
 def is_hybrid(model: Decoder) -> bool:
-    """True for a model whose layer pattern reads a linear-attention stack (it needs state slots to be served)."""
-    return LINEAR_STACK in model.layer_pattern.stacks
+    """True for a model whose layer pattern reads a stack with per-sequence states (`linear_layers`, LFM2's
+    `conv_layers`): it needs state slots to be served."""
+    return model.state_stack is not None
 
 
 def attention_layers(model: Decoder) -> int:
@@ -54,10 +71,9 @@ def attention_layers(model: Decoder) -> int:
 
 
 def state_pool(model: Decoder, num_slots: int) -> StateCache:
-    """Zero states for `num_slots` sequences over the model's linear layers: conv [L, N, K - 1, C] in the model's
-    activation dtype, recurrent [L, N, H, Dk, Dv] fp32."""
-    return StateCache.empty(model.layer_pattern.rows(LINEAR_STACK), num_slots, model.cfg.linear_attention,
-                            model.dtype)
+    """Zero states for `num_slots` sequences over the model's state layers: conv [L, N, K - 1, C] in the model's
+    activation dtype, recurrent [L, N, H, Dk, Dv] fp32 (none for LFM2's short convolutions)."""
+    return StateCache.empty(model.layer_pattern.rows(model.state_stack), num_slots, model.state_shape, model.dtype)
 
 
 def state_pool_bytes(model: Decoder, num_slots: int) -> int:
@@ -102,12 +118,13 @@ class StateSlots:
         return len(self._free)
 
 
-def with_state_rows(kv_cache, pool: StateCache | None, batch) -> Cache:
+def with_state_rows(kv_cache, pool: StateCache | None, batch, model: Decoder) -> Cache:
     """The decoder's cache for one call: `kv_cache` alone (no state pool), or a `HybridCache` of it and the
-    rows' states gathered from the pool at ``batch.state_slots`` [R] (zeros where ``batch.start`` is 0)."""
+    rows' states gathered from the pool at ``batch.state_slots`` [R] (zeros where ``batch.start`` is 0), as the
+    cache part of the model's state stack (`linear_layers`, LFM2's `conv_layers`)."""
     if pool is None:
         return kv_cache
-    return HybridCache(kv_cache, pool.rows(batch.state_slots, batch.start == 0))
+    return HybridCache(kv_cache, pool.rows(batch.state_slots, batch.start == 0), state_stack=model.state_stack)
 
 
 def split_state_rows(cache, pool: StateCache | None, batch):
@@ -124,5 +141,6 @@ def pools_and(k_pool, v_pool, pool: StateCache | None, *outputs) -> tuple:
     return (k_pool, v_pool, *outputs) if pool is None else (k_pool, v_pool, pool, *outputs)
 
 
-__all__ = ["PREFIX_CACHING_OFF", "SPECULATIVE_REFUSED", "StateSlots", "attention_layers", "is_hybrid",
-           "pools_and", "split_state_rows", "state_pool", "state_pool_bytes", "with_state_rows"]
+__all__ = ["PREFIX_CACHING_OFF", "PREFIX_CACHING_OFF_CONV", "SPECULATIVE_REFUSED", "SPECULATIVE_REFUSED_CONV",
+           "StateSlots", "attention_layers", "is_hybrid", "pools_and", "prefix_caching_off", "speculative_refused",
+           "split_state_rows", "state_pool", "state_pool_bytes", "with_state_rows"]

@@ -1,5 +1,6 @@
 """The gated delta rule's forms (pallas_kernels/gated_delta): the chunked jnp form, the Pallas kernels (interpret
-mode on CPU) and "pallas_v2" (the three-kernel forward; its backward backward_v2.py, jnp) against the
+mode on CPU) and "pallas_v2" (the three-kernel forward, the four-kernel backward; backward_v2.py's jnp the
+backward kernels' reference) against the
 token-by-token reference, and the reference against transformers' torch_recurrent_gated_delta_rule
 (tests/fixtures/gated_delta, scripts/make_gated_delta_fixture.py). Shapes are small but cover a whole chunk of 64
 plus a partial one, segments that start inside a chunk, one that crosses a chunk boundary, one that starts exactly
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.gated_delta import backward_v2, kernel_v2_bwd
 from pallas_kernels.gated_delta.api import chunk_gated_delta_rule, pallas_forward, v2_operands
 from pallas_kernels.gated_delta.chunked import CHUNK, segment_numbers
 from pallas_kernels.gated_delta.kernel import gated_delta_pallas, gated_delta_pallas_bwd
@@ -179,6 +181,37 @@ def test_v2_saves_what_a_backward_reads():
     close(final, want[1])
 
 
+def test_v2_backward_kernels_match_jnp():
+    """kernel_v2_bwd's four kernels, one at a time, = backward_v2.py's jnp (their specification), fp32, packed rows
+    (one row: a segment crossing a chunk boundary, one starting at one, padding), three chunks, random saved h and
+    v_new:
+    the sequential kernel's dS_{n+1} of each chunk, dv_new and initial-state cotangent, then dq, dk, dv, dg, dbeta;
+    Dk = Dv = 32 in blocks of 16 (two value blocks for the sequential kernel, two key blocks summed for dq / dk /
+    dW). (The whole gradient against the token reference: the tests below.)"""
+    B, T, H, D = 1, 136, 1, 32
+    xs, s0 = operands(B=B, T=T, H=H, Dk=D, Dv=D, seed=3)
+    seg = jnp.asarray([[1] * 40 + [2] * 40 + [3] * 48 + [4] * 4 + [0] * 4])
+    q, k, v, gamma, beta, seg, first, last, _ = v2_operands(*xs, segment_numbers(seg, (B, T)), s0)
+    Tp = q.shape[1]
+    ks = jax.random.split(jax.random.key(5), 4)
+    h = jax.random.normal(ks[0], (B, H, Tp // CHUNK, D, D))
+    v_new, do = jax.random.normal(ks[1], (B, Tp, H, D)), jax.random.normal(ks[2], (B, Tp, H, D))
+    ds = jax.random.normal(ks[3], (B, H, D, D))
+    kw = dict(knobs=V2Knobs(scale=0.3, interpret=True), bwd=kernel_v2_bwd.BwdKnobs(block_dv=16, block_dk=16),
+              chunk=CHUNK)
+    want = jax.jit(functools.partial(backward_v2.chunk_backward, scale=0.3, chunk=CHUNK, intermediates=True))(
+        q, k, v, gamma, beta, seg, first, last, h, v_new, do, ds)
+    w, t = kernel_v2_bwd.wy_t(k, gamma, beta, seg, first, dtype=jnp.float32, **kw)
+    dh, dv_new, ds0 = kernel_v2_bwd.dstates(q, k, w, do, gamma, seg, first, last, ds, **kw)
+    close(dh, want[6], name="dh")
+    close(dv_new, want[7], name="dv_new")
+    close(ds0, want[5], name="ds0")
+    dq, dk_part, dw, dgam = kernel_v2_bwd.dqkw(q, k, v_new, do, dv_new, h, dh, gamma, seg, first, last, **kw)
+    dk, dv, dbeta, dg = kernel_v2_bwd.wy_bwd(t, k, v, dv_new, dw, dk_part, dgam, gamma, beta, seg, first, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), (dq, dk, dv, dg, dbeta), want):
+        close(a, b, name=name)
+
+
 def loss_and_grads(impl, xs, w, s0, seg, ws=None):
     """((sum(o * w) (+ sum(final state * ws)), o), d/d(q, k, v, g, beta, initial state)), one compile."""
     def loss(q, k, v, g, beta, s0):
@@ -284,16 +317,25 @@ def test_kernels_lower_to_triton_for_an_h200():
 
 
 def test_v2_kernels_lower_to_triton_for_an_h200():
-    """pallas_v2's three kernels at Qwen3.5's head dims, bfloat16, two chunks, the default knobs: every primitive
-    has a Triton lowering (as above; benchmarks/triton_offline_check.py `dump-gdn` compiles them for sm_90)."""
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    """pallas_v2's three forward and four backward kernels at Qwen3.5's head dims, bfloat16, two chunks, the default
+    knobs: every primitive has a Triton lowering (as above; benchmarks/triton_offline_check.py `dump-gdn` compiles
+    them for sm_90). The abstract mesh's axis is Auto: under an Explicit one the avals carry a mesh sharding that
+    the Triton lowering of a row sum ([C, C] -> [C]) mis-shapes (a jax quirk of lowering without a device; a GPU
+    lowers with no mesh)."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200",
+                                                                                 num_cores=132, platform="gpu"))
     triton = "__gpu$xla.gpu.triton"
-    D = 128
-    args = operand_shapes(1, 128, 2, D, D, jnp.bfloat16)
-    fn = functools.partial(chunk_forward, knobs=V2Knobs(scale=D ** -0.5, interpret=False), chunk=64)
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore")
-        exp = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
-    assert exp.mlir_module().count(triton) >= 3
+    B, Tp, H, D = 1, 128, 2, 128
+    args = operand_shapes(B, Tp, H, D, D, jnp.bfloat16)
+    knobs = V2Knobs(scale=D ** -0.5, interpret=False)
+    tokens = jax.ShapeDtypeStruct((B, Tp, H, D), jnp.bfloat16)
+    saved = (jax.ShapeDtypeStruct((B, H, Tp // 64, D, D), jnp.bfloat16), tokens, tokens, args[-1])  # h, v_new, do, ds
+    for fn, fn_args, calls in ((functools.partial(chunk_forward, knobs=knobs, chunk=64), args, 3),
+                               (functools.partial(kernel_v2_bwd.chunk_backward, knobs=knobs, chunk=64),
+                                args[:-1] + saved, 4)):
+        with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+            warnings.simplefilter("ignore")
+            exp = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*fn_args)
+        assert exp.mlir_module().count(triton) >= calls

@@ -117,12 +117,13 @@ def test_compiled_kernels_bf16_at_default_precision():
     assert all(e <= 1e-2 for e in errors.values()), errors  # NaN fails too
 
 
+@pytest.mark.parametrize("backward", ["kernels", "jnp"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_v2_forward(dtype):
+def test_compiled_v2_forward(dtype, backward):
     """impl "pallas_v2" compiled (its three kernels at the default V2Knobs): Qwen3.5's head dims, packed rows with
-    padding, an initial state. fp32 operands with fp32 dots: o and the final state = the token reference at 1e-4;
-    bf16 operands (bf16 W, U, h, v_new, bf16 tensor-core dots): within 1e-2 of the fp32 reference of the same
-    values, and the gradients too (backward_v2.py, jnp, from the saved bf16 h and v_new)."""
+    padding, an initial state. fp32 operands with fp32 dots: o, the final state and the gradients (its four backward
+    kernels, kernel_v2_bwd.py) = the token reference at 1e-4; bf16 operands (bf16 W, U, h, v_new, T, dh, dv_new,
+    bf16 tensor-core dots): within 1e-2 of the fp32 reference of the same values, the gradients too."""
     B, T, H, D = 2, 200, 2, 128
     xs, s0 = operands(B=B, T=T, H=H, Dk=D, Dv=D, seed=11)
     seg, scale = packed(B, T, seed=12), D ** -0.5
@@ -133,7 +134,7 @@ def test_compiled_v2_forward(dtype):
 
     def fn(q, k, v, g, beta, s0):
         return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, segment_ids=seg, initial_state=s0,
-                                      output_final_state=True, impl="pallas_v2")
+                                      output_final_state=True, impl="pallas_v2", backward=backward)
 
     f32 = [x.astype(jnp.float32) for x in xs]
     with jax.default_matmul_precision("highest"):
@@ -144,6 +145,8 @@ def test_compiled_v2_forward(dtype):
     if dtype == "float32":
         close(np.asarray(o)[real], np.asarray(o_ref)[real], tol=1e-4, name="o")
         close(final, final_ref, tol=1e-4, name="final state")
+        for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), grads, grads_ref):
+            close(a, b, tol=1e-4, name=f"d{name}")
         return
     errors = {"o": rel_err(np.asarray(o, np.float32)[real], np.asarray(o_ref)[real]),
               "final state": rel_err(final, final_ref)}

@@ -1,6 +1,7 @@
-"""The paged engine serves hybrid models (Qwen3.5: Gated DeltaNet layers beside gated attention) through per-sequence
-state slots (surojax/serve/state_slots.py), checked against transformers' greedy generation on the tiny fixtures
-(tests/fixtures/models/qwen3_5*_text/serve_greedy.npz: scripts/make_qwen3_5_serve_fixtures.py, float64).
+"""The paged engine serves hybrid models (Qwen3.5: Gated DeltaNet layers beside gated attention; LFM2: short
+convolutions beside GQA attention) through per-sequence state slots (surojax/serve/state_slots.py), checked against
+transformers' greedy generation on the tiny fixtures (tests/fixtures/models/qwen3_5*_text/serve_greedy.npz:
+scripts/make_qwen3_5_serve_fixtures.py; lfm2/serve_greedy.npz: scripts/make_lfm2_fixtures.py; float64).
 
 One engine run per case serves five prompts of 3 .. 41 tokens with 3 seats, a 16-token step budget (the 26- and
 41-token prompts are prefilled in two and three chunks, while the other rows decode) and a pool small enough to
@@ -17,7 +18,7 @@ import pytest
 from surojax.peft.multi_lora import AdapterSlots, LoRASlotError
 from surojax.serve.config import KVPath, SpecMethod, SpeculativeConfig
 from surojax.serve.engine import Engine, HybridServingError
-from surojax.serve.state_slots import PREFIX_CACHING_OFF, StateSlots
+from surojax.serve.state_slots import PREFIX_CACHING_OFF, PREFIX_CACHING_OFF_CONV, StateSlots
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.configs import BUCKETS, engine_config
 
@@ -36,7 +37,8 @@ def _greedy(name):
     return [exp[f"prompt{i}"].tolist() for i in range(n)], [exp[f"greedy{i}"].tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("name, kv_path", [("qwen3_5_text", KVPath.PAGED), ("qwen3_5_moe_text", KVPath.REFERENCE)])
+@pytest.mark.parametrize("name, kv_path", [("qwen3_5_text", KVPath.PAGED), ("qwen3_5_moe_text", KVPath.REFERENCE),
+                                           ("lfm2", KVPath.PAGED)])
 def test_served_greedy_equals_transformers(name, kv_path):
     """Concurrent requests of different lengths, chunked prefill, slot reuse and preemption (recompute from a
     zeroed slot), on both KV paths. Decode is single-step while requests wait (prefill chunks of the later
@@ -61,11 +63,12 @@ def test_state_slots_follow_the_sequence():
     assert slots.allocate("c") == 0 and slots.slot("b") == 1 and slots.num_free == 0
 
 
-def test_prefix_caching_is_off_for_hybrids(caplog):
+@pytest.mark.parametrize("name, why", [("qwen3_5_text", PREFIX_CACHING_OFF), ("lfm2", PREFIX_CACHING_OFF_CONV)])
+def test_prefix_caching_is_off_for_hybrids(name, why, caplog):
     with caplog.at_level(logging.INFO, logger="surojax.serve.engine"):
-        engine = Engine(_model("qwen3_5_text"), engine_config(**SERVE, enable_prefix_caching=True))
+        engine = Engine(_model(name), engine_config(**SERVE, enable_prefix_caching=True))
     assert not engine.config.enable_prefix_caching and not engine.kv.enable_prefix_caching
-    assert f"qwen3_5_text: {PREFIX_CACHING_OFF}" in caplog.messages
+    assert f"{name}: {why}" in caplog.messages
 
 
 def test_speculative_decoding_and_lora_slots_are_refused_for_hybrids():
@@ -76,3 +79,9 @@ def test_speculative_decoding_and_lora_slots_are_refused_for_hybrids():
         Engine(model, engine_config(**SERVE, speculative=spec))
     with pytest.raises(LoRASlotError, match="qwen3_5_text: runtime LoRA adapters are not supported for hybrid"):
         AdapterSlots(model, max_loras=1, max_rank=4)
+    lfm2 = _model("lfm2")
+    with pytest.raises(HybridServingError, match="lfm2: speculative decoding is not supported for hybrid models: the "
+                                                 "short-convolution layers' states cannot be rolled back"):
+        Engine(lfm2, engine_config(**SERVE, speculative=spec))
+    with pytest.raises(LoRASlotError, match="lfm2: runtime LoRA.*`conv_layers` \\(short convolution\\)"):
+        AdapterSlots(lfm2, max_loras=1, max_rank=4)

@@ -10,10 +10,12 @@ import struct
 import tempfile
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from flax import nnx
 from scipy.special import logsumexp
 
 from surojax.cli.main import main
@@ -155,9 +157,6 @@ def check_teacher_sharded_like_the_student() -> dict:
     """In the 8-device child: step 1 of the one-device test's run on data 2 x fsdp 2 x tensor 2, 1 row per device
     (the global batch of 4 rows the reference takes on one device) -> its kl, loss, device count and the specs of the
     teacher's and the student's arrays."""
-    import jax
-    from flax import nnx
-
     def specs(state):
         return {".".join(map(str, p)): _sharded_spec(v.get_value()) for p, v in nnx.to_flat_state(state)}
 
@@ -215,8 +214,10 @@ def test_hybrid_student_and_teacher_kl_equals_their_logits(tiny_config, tmp_path
     trainer.close()
     batch = seen[0]
     inputs = [jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")]
-    z_s, z_t = (np.asarray(load_model(path, dtype=jnp.float32, attention="xla")(*inputs), np.float64)
-                for path in (student, teacher))
+    (graphdef, s_state), (_, t_state) = (nnx.split(load_model(path, dtype=jnp.float32, attention="xla"))
+                                         for path in (student, teacher))
+    logits = jax.jit(lambda state: nnx.merge(graphdef, state)(*inputs))  # one program for both models
+    z_s, z_t = (np.asarray(logits(state), np.float64) for state in (s_state, t_state))
     T, mask = 2.0, batch["loss_mask"] > 0
     log_p, log_q = (z / T - logsumexp(z / T, axis=-1, keepdims=True) for z in (z_t, z_s))
     kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)[mask].mean()

@@ -1,10 +1,14 @@
-"""The recurrent-state cache of linear-attention (Gated DeltaNet) layers, and the hybrid cache of generation.
+"""The fixed-size per-sequence state cache of a hybrid's non-attention layers, and the hybrid cache of generation.
 
-A Gated DeltaNet layer carries, per sequence, a fixed-size state whatever the sequence's length:
+A Gated DeltaNet layer (Qwen3.5's `linear_layers`) carries, per sequence, a fixed-size state whatever the
+sequence's length:
 
     conv       [B, K - 1, C]     the last K - 1 inputs of its depthwise causal conv1d (C channels, kernel K), in
                                  the cache's dtype
     recurrent  [B, H, Dk, Dv]    the gated delta rule's state (H value heads), fp32
+
+A short-convolution layer (LFM2's `conv_layers`, layers/short_conv.py) carries the conv part only (its shape a
+`ConvShape`: C = hidden size channels, K = conv_L_cache taps); its `recurrent` is None (no leaves) throughout.
 
 `StateCache` holds them for every linear layer ([L, ...] leaves, L = the `linear_layers` stack's rows), zeros
 at the start of a sequence (a fresh cache). Two layer views of it, same values (as dense.py's k/v views):
@@ -18,9 +22,10 @@ A `StateCache` whose batch axis counts sequence slots instead of rows is the ser
 starts in the call) and `with_rows(slots, rows)` writes them back after the call.
 
 `HybridCache` is a hybrid model's cache: a `KVCache` (generation; the serving engine's `PagedKVCache`) over the
-attention stack (`layers`) and a `StateCache` over the linear stack (`linear_layers`). Its `step` is the attention part's: the metadata (segment
-ids, positions, write slots) and the lengths are the sequence's, shared by both stacks; the states need no
-bookkeeping (each layer advances its own over the call's real tokens).
+attention stack (`layers`) and a `StateCache` over the state stack (`linear_layers`, or LFM2's `conv_layers`). Its
+`step` is the attention part's: the metadata (segment ids, positions, write slots) and the lengths are the
+sequence's, shared by both stacks; the states need no bookkeeping (each layer advances its own over the call's
+real tokens).
 """
 from __future__ import annotations
 
@@ -38,6 +43,14 @@ from surojax.models.kv.paged import PagedKVCache
 
 ATTENTION_STACK = "layers"  # the decoder's stack of attention layers (its KV cache)
 LINEAR_STACK = "linear_layers"  # the decoder's stack of Gated DeltaNet layers (its state cache)
+CONV_STACK = "conv_layers"  # the decoder's stack of short-convolution layers (LFM2; its conv-state cache)
+STATE_STACKS = (LINEAR_STACK, CONV_STACK)  # the stacks whose layers keep a fixed-size state per sequence
+
+
+def state_stack(stacks) -> str | None:
+    """The stack among `stacks` (a layer pattern's) whose layers keep per-sequence states; None when none does.
+    A model has at most one (a config with both kinds is refused when it is read)."""
+    return next((s for s in STATE_STACKS if s in stacks), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +81,20 @@ class StateShape:
         return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
 
 
-def conv_state_shape(shape: StateShape, batch: int) -> tuple[int, int, int]:
+@dataclasses.dataclass(frozen=True)
+class ConvShape:
+    """A short-convolution layer's state layout (LFM2): a depthwise causal conv of `conv_kernel` taps over
+    `conv_dim` channels; no recurrent state."""
+
+    conv_dim: int
+    conv_kernel: int
+
+    def __post_init__(self):
+        if self.conv_dim < 1 or self.conv_kernel < 2:
+            raise ValueError(f"a short-convolution state needs channels >= 1 and a conv kernel >= 2 (got {self})")
+
+
+def conv_state_shape(shape: StateShape | ConvShape, batch: int) -> tuple[int, int, int]:
     """[B, K - 1, C]: one layer's conv state."""
     return (batch, shape.conv_kernel - 1, shape.conv_dim)
 
@@ -81,7 +107,7 @@ def recurrent_state_shape(shape: StateShape, batch: int) -> tuple[int, int, int,
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerState:
-    """One layer's state slice: conv [B, K - 1, C], recurrent [B, H, Dk, Dv] fp32."""
+    """One layer's state slice: conv [B, K - 1, C], recurrent [B, H, Dk, Dv] fp32 (None: a short conv's)."""
 
     conv: jax.Array
     recurrent: jax.Array
@@ -90,7 +116,12 @@ class LayerState:
         return self.conv, self.recurrent
 
     def written(self, conv, recurrent) -> "LayerState":
-        return LayerState(conv.astype(self.conv.dtype), recurrent.astype(self.recurrent.dtype))
+        return LayerState(conv.astype(self.conv.dtype), _cast(recurrent, self.recurrent))
+
+
+def _cast(new, old):
+    """`new` in `old`'s dtype (None stays None: a conv-only state has no recurrent part)."""
+    return None if old is None else new.astype(old.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -103,20 +134,21 @@ class StackedLayerState:
     recurrent: jax.Array
     layer: jax.Array
 
-    def read(self) -> tuple[jax.Array, jax.Array]:
-        return self.conv[self.layer], self.recurrent[self.layer]
+    def read(self) -> tuple[jax.Array, jax.Array | None]:
+        return self.conv[self.layer], None if self.recurrent is None else self.recurrent[self.layer]
 
     def written(self, conv, recurrent) -> "StackedLayerState":
         l = self.layer
-        return StackedLayerState(self.conv.at[l].set(conv.astype(self.conv.dtype)),
-                                 self.recurrent.at[l].set(recurrent.astype(self.recurrent.dtype)), l)
+        new = None if self.recurrent is None else self.recurrent.at[l].set(recurrent.astype(self.recurrent.dtype))
+        return StackedLayerState(self.conv.at[l].set(conv.astype(self.conv.dtype)), new, l)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StateCache:
-    """The linear layers' states: conv [L, B, K - 1, C] (the cache's dtype), recurrent [L, B, H, Dk, Dv] fp32.
-    The cache of one layer stack (`StackCache`); a model cache holds it as a part (`HybridCache`)."""
+    """The state layers' states: conv [L, B, K - 1, C] (the cache's dtype), recurrent [L, B, H, Dk, Dv] fp32 (None
+    for short-convolution layers). The cache of one layer stack (`StackCache`); a model cache holds it as a part
+    (`HybridCache`)."""
 
     conv: jax.Array
     recurrent: jax.Array
@@ -124,10 +156,11 @@ class StateCache:
     carry_only: ClassVar[bool] = False
 
     @classmethod
-    def empty(cls, num_layers: int, batch: int, shape: StateShape, dtype) -> "StateCache":
-        """Zeros: the state before a sequence's first token."""
-        return cls(jnp.zeros((num_layers, *conv_state_shape(shape, batch)), dtype),
-                   jnp.zeros((num_layers, *recurrent_state_shape(shape, batch)), jnp.float32))
+    def empty(cls, num_layers: int, batch: int, shape: StateShape | ConvShape, dtype) -> "StateCache":
+        """Zeros: the state before a sequence's first token (a `ConvShape`: the conv window only)."""
+        recurrent = None if isinstance(shape, ConvShape) else jnp.zeros(
+            (num_layers, *recurrent_state_shape(shape, batch)), jnp.float32)
+        return cls(jnp.zeros((num_layers, *conv_state_shape(shape, batch)), dtype), recurrent)
 
     def carried(self) -> StackedLayerState:
         return StackedLayerState(self.conv, self.recurrent, jnp.int32(0))
@@ -147,13 +180,12 @@ class StateCache:
             keep = (~fresh).reshape(1, -1, *(1,) * (pool.ndim - 2))
             return jnp.where(keep, got, jnp.zeros((), pool.dtype))
 
-        return StateCache(take(self.conv), take(self.recurrent))
+        return jax.tree.map(take, self)
 
     def with_rows(self, slots: jax.Array, rows: "StateCache") -> "StateCache":
         """This pool with the rows' states [L, R, ...] written back at their slots [R] (a slot >= N is dropped:
         padding rows). The slots of real rows are distinct."""
-        return StateCache(self.conv.at[:, slots].set(rows.conv.astype(self.conv.dtype), mode="drop"),
-                          self.recurrent.at[:, slots].set(rows.recurrent.astype(self.recurrent.dtype), mode="drop"))
+        return jax.tree.map(lambda pool, new: pool.at[:, slots].set(new.astype(pool.dtype), mode="drop"), self, rows)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "state"],
@@ -161,7 +193,8 @@ class StateCache:
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
     """A hybrid model's cache: `kv` (a `KVCache` over the attention stack's rows, or serving's `PagedKVCache`) and
-    `state` (a `StateCache` over the linear stack's rows). One sequence per row; `step`, `lengths` and the metadata are the
+    `state` (a `StateCache` over the state stack's rows: `linear_layers`, or `conv_layers` with
+    state_stack=CONV_STACK). One sequence per row; `step`, `lengths` and the metadata are the
     attention part's (module docstring)."""
 
     kv: KVCache | PagedKVCache
@@ -170,9 +203,11 @@ class HybridCache:
     state_stack: str = LINEAR_STACK
 
     @classmethod
-    def empty(cls, kv: KVCache, num_linear_layers: int, shape: StateShape, dtype) -> "HybridCache":
-        """`kv` (an empty KVCache over the attention layers) and zero states for the linear layers."""
-        return cls(kv, StateCache.empty(num_linear_layers, kv.lengths.shape[0], shape, dtype))
+    def empty(cls, kv: KVCache, num_state_layers: int, shape: StateShape | ConvShape, dtype,
+              state_stack: str = LINEAR_STACK) -> "HybridCache":
+        """`kv` (an empty KVCache over the attention layers) and zero states for the state stack's layers."""
+        return cls(kv, StateCache.empty(num_state_layers, kv.lengths.shape[0], shape, dtype),
+                   state_stack=state_stack)
 
     @property
     def lengths(self) -> jax.Array:
@@ -186,12 +221,12 @@ class HybridCache:
     def parts(self, stacks: tuple[str, ...]) -> dict[str, KVCache | StateCache]:
         if sorted(stacks) != sorted((self.kv_stack, self.state_stack)):
             raise ValueError(f"this hybrid cache holds the stacks {self.kv_stack!r} (KV) and {self.state_stack!r} "
-                             f"(linear-attention states); the layer pattern reads {list(stacks)}")
+                             f"(per-sequence states); the layer pattern reads {list(stacks)}")
         return {self.kv_stack: self.kv, self.state_stack: self.state}
 
     def with_parts(self, parts: Mapping[str, KVCache | StateCache]) -> "HybridCache":
         return dataclasses.replace(self, kv=parts[self.kv_stack], state=parts[self.state_stack])
 
 
-__all__ = ["ATTENTION_STACK", "LINEAR_STACK", "HybridCache", "LayerState", "StackedLayerState", "StateCache",
-           "StateShape", "conv_state_shape", "recurrent_state_shape"]
+__all__ = ["ATTENTION_STACK", "CONV_STACK", "LINEAR_STACK", "STATE_STACKS", "ConvShape", "HybridCache", "LayerState",
+           "StackedLayerState", "StateCache", "StateShape", "conv_state_shape", "recurrent_state_shape", "state_stack"]

@@ -49,9 +49,10 @@ def segment_runs(segment_ids: jax.Array) -> jax.Array:
     return jnp.cumsum(jnp.concatenate([first, change], axis=1), axis=1, dtype=jnp.int32)
 
 
-def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None) -> jax.Array:
+def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None, silu: bool = True) -> jax.Array:
     """SiLU(depthwise causal conv1d) of x [B, T, C] with weight [C, 1, K] (bias [C] or None) -> [B, T, C] in x's
-    dtype (accumulated in fp32). Output t = sum_j weight[:, 0, j] * input[t - (K - 1) + j].
+    dtype (accumulated in fp32). Output t = sum_j weight[:, 0, j] * input[t - (K - 1) + j]. silu False: the conv
+    alone (LFM2's short convolution, layers/short_conv.py).
 
     prefix [B, K - 1, C]: the inputs before x (a cached sequence's last K - 1; None: zeros, the sequence starts
     here). segment_ids [B, T] or None: a tap reads only inputs of the output token's run of equal segment ids
@@ -71,7 +72,7 @@ def causal_conv1d(x, weight, bias=None, *, segment_ids=None, prefix=None) -> jax
         if segment_ids is not None and j < K - 1:
             tap = jnp.where((runs_in[:, j:j + T] == runs)[..., None], tap, 0.0)
         out = out + tap
-    return jax.nn.silu(out).astype(x.dtype)
+    return (jax.nn.silu(out) if silu else out).astype(x.dtype)
 
 
 def last_real_inputs(prefix, x, segment_ids) -> jax.Array:
@@ -101,6 +102,7 @@ def deltanet_mix(mixed_qkv, g, beta, segment_ids, *, conv_weight, shape: StateSh
     -> (o [B, T, H, Dv] in mixed_qkv's dtype, the new view or None)."""
     _check(mixed_qkv, g, beta, segment_ids, conv_weight, shape)
     impl = kernel_settings().gated_delta.value if impl is None else impl
+    backward = kernel_settings().gated_delta_bwd.value
     B, T, _ = mixed_qkv.shape
     Hk, Dk, H, Dv = shape.num_key_heads, shape.key_head_dim, shape.num_value_heads, shape.value_head_dim
     prefix, recurrent = (None, None) if state is None else state.read()
@@ -111,7 +113,8 @@ def deltanet_mix(mixed_qkv, g, beta, segment_ids, *, conv_weight, shape: StateSh
     scale = Dk ** -0.5
     g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)
     if state is None:
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, impl=impl)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, segment_ids=segment_ids, impl=impl,
+                                      backward=backward)
         return o, None
     real = (segment_ids > 0)[..., None]  # padding: no decay, no write (the state passes unchanged)
     g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
