@@ -1,5 +1,5 @@
-"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe / qwen35 / qwen35moe architectures,
-Mixtral as llama), through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader:
+"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe / qwen35 / qwen35moe / gemma3 / lfm2
+architectures, Mixtral as llama), through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader:
 every count and offset bounded by the file size).
 
     save_gguf(model_or_hf_dir, "out.gguf", "q4_k_m", tokenizer_dir=...)       # what `surojax quantize` runs
@@ -43,6 +43,10 @@ qwen3_5_moe: `qwen35moe`, read back as qwen3_5_moe_text) has its own names, per-
 stored as 1 + w, A_log as -exp(A_log), llama.cpp's value-head order) and metadata: surojax.weights.gguf_qwen35.
 Its files are written as f32 / f16 / bf16 / q8_0, what llama.cpp's converter writes; files quantised further by
 llama-quantize are read like any other.
+
+Gemma 3 (gemma3_text, gemma3: `gemma3`, read back as gemma3_text) and LFM2 (`lfm2`) likewise have their own names,
+transforms and metadata (surojax.weights.gguf_gemma3, gguf_lfm2: TRANSFORMS, and OWN_METADATA, which writes and reads
+their keys whole), the same four file types, and refuse by name what llama.cpp's graphs would run differently.
 
 A model split in several files (`name-00001-of-00003.gguf`, gguf-split / GGUFWriter's split options) is read
 whole from any part's name (surojax.weights.gguf_split): metadata from the first part, tensors from all.
