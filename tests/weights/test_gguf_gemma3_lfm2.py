@@ -21,12 +21,11 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 gguf = pytest.importorskip("gguf")
 
 from tests.weights.gguf_tiny import PROMPT_IDS  # noqa: E402
-from tests.weights.test_gguf_qwen35 import _byte_tokenizer  # noqa: E402
+from tests.weights.test_gguf_qwen35 import _byte_tokenizer, _logits  # noqa: E402
 
 from surojax.quant.model import is_quantized  # noqa: E402
 from surojax.weights.gguf_checkpoint import load_gguf_model, save_gguf  # noqa: E402
@@ -56,15 +55,6 @@ def files(tmp_path_factory):
         tok = MODELS / folder if (MODELS / folder / "tokenizer.json").is_file() else byte_tok
         out[case] = save_gguf(MODELS / folder, root / f"{case}.gguf", ft, tokenizer_dir=tok)
     return out
-
-
-@nnx.jit
-def _forward(model, tokens):
-    return model(tokens)
-
-
-def _logits(model, ids=PROMPT_IDS):
-    return np.asarray(_forward(model, jnp.asarray([ids])))[0]
 
 
 def _metadata(path) -> dict:
