@@ -1,5 +1,5 @@
-"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe / qwen35 / qwen35moe architectures,
-Mixtral as llama), through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader:
+"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe / qwen35 / qwen35moe / gemma3 / lfm2
+architectures, Mixtral as llama), through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader:
 every count and offset bounded by the file size).
 
     save_gguf(model_or_hf_dir, "out.gguf", "q4_k_m", tokenizer_dir=...)       # what `surojax quantize` runs
@@ -44,6 +44,10 @@ stored as 1 + w, A_log as -exp(A_log), llama.cpp's value-head order) and metadat
 Its files are written as f32 / f16 / bf16 / q8_0, what llama.cpp's converter writes; files quantised further by
 llama-quantize are read like any other.
 
+Gemma 3 (gemma3_text, gemma3: `gemma3`, read back as gemma3_text) and LFM2 (`lfm2`) likewise have their own names,
+transforms and metadata (surojax.weights.gguf_gemma3, gguf_lfm2: TRANSFORMS, and OWN_METADATA, which writes and reads
+their keys whole), the same four file types, and refuse by name what llama.cpp's graphs would run differently.
+
 A model split in several files (`name-00001-of-00003.gguf`, gguf-split / GGUFWriter's split options) is read
 whole from any part's name (surojax.weights.gguf_split): metadata from the first part, tensors from all.
 """
@@ -71,6 +75,8 @@ from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
 from surojax.weights.atomic import AtomicFile
 from surojax.weights.gguf_reader import GGUFError, GGUFFile
+from surojax.weights import gguf_gemma3 as gemma3
+from surojax.weights import gguf_lfm2 as lfm2
 from surojax.weights import gguf_qwen35 as qwen35
 from surojax.weights.gguf_split import read_gguf_model
 from surojax.weights.gguf_tokenizer import add_tokenizer, tokenizer_from_fields, tokenizer_metadata
@@ -82,9 +88,10 @@ log = logging.getLogger(__name__)
 # our model_type -> general.architecture (llama.cpp runs Mixtral as `llama` with {arch}.expert_count > 0)
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
          "qwen3_5_text": qwen35.ARCH, "qwen3_5": qwen35.ARCH, "qwen3_5_moe_text": qwen35.MOE_ARCH,
-         "qwen3_5_moe": qwen35.MOE_ARCH}
+         "qwen3_5_moe": qwen35.MOE_ARCH, "gemma3_text": gemma3.ARCH, "gemma3": gemma3.ARCH, "lfm2": lfm2.ARCH}
 # general.architecture -> the model_type a file reads back as (llama with experts: mixtral, below)
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", **qwen35.MODEL_TYPES}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", **qwen35.MODEL_TYPES,
+               gemma3.ARCH: gemma3.MODEL_TYPE, lfm2.ARCH: lfm2.MODEL_TYPE}
 # the model_types read from a file with experts ({arch}.expert_count > 0): their MoE config.json keys
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text")
 # HF name -> llama.cpp name ("{i}" is the layer); rows absent from a family are simply not present
@@ -117,7 +124,13 @@ GGUF_NAMES: dict[str, str] = {
     "model.layers.{i}.mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
 }
 # per-architecture names that differ from (or add to) GGUF_NAMES
-ARCH_NAMES: dict[str, dict[str, str]] = {arch: qwen35.NAMES for arch in qwen35.HYBRID_ARCHS}
+ARCH_NAMES: dict[str, dict[str, str]] = {**{arch: qwen35.NAMES for arch in qwen35.HYBRID_ARCHS},
+                                         gemma3.ARCH: gemma3.NAMES, lfm2.ARCH: lfm2.NAMES}
+# architectures whose tensors have per-tensor transforms (to_file / from_file / file_shape / forced_f32)
+TRANSFORMS = {qwen35.ARCH: qwen35, qwen35.MOE_ARCH: qwen35, gemma3.ARCH: gemma3, lfm2.ARCH: lfm2}
+# architectures whose metadata a module writes whole (write_metadata(w, cfg, gguf)): the converter writes no
+# rope.dimension_count / key_length for them, or its keys differ per layer
+OWN_METADATA = {gemma3.ARCH: gemma3, lfm2.ARCH: lfm2}
 # HF rows written as several GGUF tensors, concatenated along the out rows (numpy axis -2) when read:
 # gate_up_proj [E, 2F, D] = [ffn_gate_exps | ffn_up_exps]
 GGUF_PARTS: dict[str, tuple[str, ...]] = {
@@ -126,8 +139,10 @@ GGUF_PARTS: dict[str, tuple[str, ...]] = {
 # the routers and the shared expert's gate: kept F32 in every file type (convert_hf_to_gguf and llama-quant do)
 ROUTER_SUFFIXES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 ROPE_FREQS = "rope_freqs.weight"
-# the file types convert_hf_to_gguf writes for qwen35 / qwen35moe (the only ones whose per-tensor types are known)
+# the file types convert_hf_to_gguf writes for qwen35 / qwen35moe / gemma3 / lfm2 (the only ones whose per-tensor
+# types are known for them)
 HYBRID_FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
+CONVERTER_TYPES_ONLY = (*qwen35.HYBRID_ARCHS, gemma3.ARCH, lfm2.ARCH)
 
 
 def _gguf():
@@ -284,13 +299,15 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         raise WeightsError(f"unknown GGUF file type {file_type!r}; choose from {', '.join(FILE_TYPES)}")
     cfg = model.cfg
     arch = ARCHS.get(cfg.model_type)
-    if arch is None or cfg.sliding_window:
+    if arch is None or (cfg.sliding_window and arch != gemma3.ARCH):
         raise WeightsError(f"model_type {cfg.model_type!r}{' with sliding_window' if cfg.sliding_window else ''} "
                            f"cannot be written to GGUF here (supported: {', '.join(ARCHS)})")
     if cfg.rope_scaling.rope_type not in ("default", "linear", "llama3"):
         raise WeightsError(f"rope_scaling {cfg.rope_scaling.rope_type!r} cannot be written to GGUF")
-    hybrid = arch in qwen35.HYBRID_ARCHS
-    if hybrid and file_type not in HYBRID_FILE_TYPES:
+    transforms = TRANSFORMS.get(arch)
+    if arch in OWN_METADATA:
+        OWN_METADATA[arch].check_writable(cfg)  # before any heavy work
+    if arch in CONVERTER_TYPES_ONLY and file_type not in HYBRID_FILE_TYPES:
         raise WeightsError(f"{cfg.model_type} is written to GGUF as {', '.join(HYBRID_FILE_TYPES)} (what llama.cpp's "
                            f"convert_hf_to_gguf writes), not {file_type!r}: llama.cpp's per-tensor mix of the other "
                            f"file types for the {arch} architecture is not modelled here (run llama-quantize on the "
@@ -309,34 +326,10 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         w.add_file_type(int(FILE_TYPES[file_type][0]))
         if file_type not in ("f32", "f16", "bf16"):
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_vocab_size(cfg.vocab_size)
-        w.add_context_length(cfg.max_position_embeddings)
-        w.add_embedding_length(cfg.hidden_size)
-        if cfg.model_type == "mixtral":  # llama.cpp's llama arch: n_ff = expert F
-            w.add_feed_forward_length(cfg.moe.expert_intermediate_size)
-        elif family_for(cfg.model_type).intermediate_size_key:  # qwen3_5_moe has no dense MLP width
-            w.add_feed_forward_length(cfg.intermediate_size)
-        if cfg.moe is not None:
-            w.add_expert_count(cfg.moe.num_experts)
-            w.add_expert_used_count(cfg.moe.experts_per_token)
-            if arch in ("qwen3moe", qwen35.MOE_ARCH):
-                w.add_expert_feed_forward_length(cfg.moe.expert_intermediate_size)
-            if cfg.moe.shared_expert_intermediate_size:
-                w.add_expert_shared_feed_forward_length(cfg.moe.shared_expert_intermediate_size)
-        w.add_block_count(cfg.num_layers)
-        w.add_head_count(cfg.num_heads)
-        w.add_head_count_kv(cfg.num_kv_heads)
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-        w.add_rope_freq_base(cfg.rope_theta)
-        if hybrid:
-            qwen35.write_metadata(w, cfg)  # its rope.dimension_count is the rotary part
+        if arch in OWN_METADATA:
+            OWN_METADATA[arch].write_metadata(w, cfg, gguf)
         else:
-            w.add_rope_dimension_count(cfg.head_dim)
-        if cfg.rope_scaling.rope_type == "linear":
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+            _write_shared_metadata(w, cfg, arch, gguf)
         add_tokenizer(w, tok_meta)
 
         if cfg.rope_scaling.rope_type == "llama3":
@@ -348,11 +341,11 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
             heads = _permute_heads(cfg, hf)
             if heads:
                 arr = _rope_permute(arr, heads)
-            if hybrid:
-                arr = qwen35.to_file(cfg, hf, arr)
+            if transforms:
+                arr = transforms.to_file(cfg, hf, arr)
             names = gguf_names(hf, arch)
             for gname, part in zip(names, np.split(arr, len(names), axis=-2) if len(names) > 1 else [arr]):
-                if part.ndim == 1 or (hybrid and qwen35.forced_f32(gname)):
+                if part.ndim == 1 or (transforms and transforms.forced_f32(gname)):
                     w.add_tensor(gname, np.ascontiguousarray(part, np.float32))
                     continue
                 qtype = "f32" if gname.endswith(ROUTER_SUFFIXES) else tensor_type(
@@ -369,6 +362,38 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         out.discard()
         raise
     return path
+
+
+def _write_shared_metadata(w, cfg: ModelConfig, arch: str, gguf) -> None:
+    """The llama-style keys (every architecture but OWN_METADATA's)."""
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    if cfg.model_type == "mixtral":  # llama.cpp's llama arch: n_ff = expert F
+        w.add_feed_forward_length(cfg.moe.expert_intermediate_size)
+    elif family_for(cfg.model_type).intermediate_size_key:  # qwen3_5_moe has no dense MLP width
+        w.add_feed_forward_length(cfg.intermediate_size)
+    if cfg.moe is not None:
+        w.add_expert_count(cfg.moe.num_experts)
+        w.add_expert_used_count(cfg.moe.experts_per_token)
+        if arch in ("qwen3moe", qwen35.MOE_ARCH):
+            w.add_expert_feed_forward_length(cfg.moe.expert_intermediate_size)
+        if cfg.moe.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(cfg.moe.shared_expert_intermediate_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    if arch in qwen35.HYBRID_ARCHS:
+        qwen35.write_metadata(w, cfg)  # its rope.dimension_count is the rotary part
+    else:
+        w.add_rope_dimension_count(cfg.head_dim)
+    if cfg.rope_scaling.rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
@@ -427,7 +452,8 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
         raise GGUFError(f"{source}: {arch}.block_count: expected at most the file's {n_tensors} tensors, "
                         f"found {layers}")
     hf = {"model_type": model_type, "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
-          "num_attention_heads": n_heads, "num_key_value_heads": get("attention.head_count_kv", default=n_heads),
+          "num_attention_heads": n_heads,  # lfm2's head_count_kv is per layer: gguf_lfm2 reads it
+          "num_key_value_heads": n_heads if arch == lfm2.ARCH else get("attention.head_count_kv", default=n_heads),
           "head_dim": get("attention.key_length", default=hidden // n_heads),
           "rms_norm_eps": get("attention.layer_norm_rms_epsilon", float, 1e-6),
           "rope_theta": get("rope.freq_base", float, 10000.0),
@@ -457,6 +483,8 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
                   shared_expert_intermediate_size=shared_ff)
     if arch in qwen35.HYBRID_ARCHS:
         qwen35.hf_config(get, fields, hf, source, arch)
+    elif arch in OWN_METADATA:
+        OWN_METADATA[arch].hf_config(get, fields, hf, source)
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"), ("pad_token_id", "pad")):
         if f"tokenizer.ggml.{name}_token_id" in fields:
             hf[key] = _typed(fields, f"tokenizer.ggml.{name}_token_id", int, source)
@@ -540,6 +568,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     rows = _rows(cfg)
     arch = ARCHS[cfg.model_type]
     hybrid = arch in qwen35.HYBRID_ARCHS
+    transforms = TRANSFORMS.get(arch)
     by_path: dict[str, list] = {}  # state path -> [(layer or None, GGUF names (parts), HF name)]
     expected = set()
     for row in rows:
@@ -562,7 +591,7 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         hf_shape = tuple(want_one[:-2]) + tuple(want_one[-2:][::-1]) if row.transpose else tuple(want_one)
         items.sort(key=lambda t: -1 if t[0] is None else t[0])
         for _, names, hf_name in items:
-            file_shape = qwen35.file_shape(hf_name, hf_shape) if hybrid else hf_shape
+            file_shape = transforms.file_shape(hf_name, hf_shape) if transforms else hf_shape
             parts = [tuple(reversed(by_name[g].shape)) for g in names]  # numpy order
             got = parts[0][:-2] + (sum(p[-2] for p in parts),) + parts[0][-1:] if len(parts) > 1 else parts[0]
             if len({p[:-2] + p[-1:] for p in parts}) > 1 or got != file_shape:
@@ -625,8 +654,8 @@ def load_gguf_model(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
             heads = _permute_heads(cfg, hf_name)
             if heads:
                 a = _rope_permute(a, heads, inverse=True)
-            if hybrid:
-                a = qwen35.from_file(cfg, hf_name, a, names[0], source)
+            if transforms:
+                a = transforms.from_file(cfg, hf_name, a, names[0], source)
             arrs.append(np.swapaxes(a, -1, -2) if row.transpose else a)
         value = np.stack(arrs) if row.per_layer else arrs[0]
         values[spath] = jnp.asarray(value.astype(np_dtype))
