@@ -31,7 +31,14 @@ def pytest_configure(config):
     imported. Frozen after start-up (those objects leave the collected generations) and collected less often, the
     tests spend less CPU: on test_step_equivalences + test_grpo_loss 1-6% with the machine otherwise idle, ~10%
     with it loaded (47.9 -> 42.9 s). The gain is the higher threshold; freezing alone measured nothing. Only when
-    the collector runs changes; what it frees does not."""
+    the collector runs changes; what it frees does not.
+
+    Also: the persistent compilation cache the workers share (scripts/test.sh) writes its entries atomically
+    (surojax.compilation_cache.atomic_cache_writes: a worker reading an entry the other was still writing
+    crashed)."""
+    from surojax.compilation_cache import atomic_cache_writes
+
+    atomic_cache_writes()
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
