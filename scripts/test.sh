@@ -13,7 +13,11 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   export JAX_COMPILATION_CACHE_DIR
   trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 fi
-export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+# Only programs whose compile took >= 1 s (JAX's default; the training steps and CLI runs the subprocess tests share):
+# with every program cached (threshold 0) two fresh-clone runs of 2026-12-06 each lost a worker to a segfault
+# inside XLA's executable (de)serialisation of a small program (a forward, a prefill), and xdist then hung; not
+# reproduced alone, cause not found (benchmarks and docs: the closing note of session 21).
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 # LLVM at -O0 for the CPU backend: the tests' tiny programs spend most of their time compiling, not running, and
 # LLVM's optimisation passes and instruction selection are a large part of each compile. Same HLO (XLA's own passes
 # still run), IEEE semantics kept (no fast-math). Measured on the whole suite, fresh clone, 2 cores (2026-12-02):
