@@ -165,8 +165,8 @@ class ShortConvConfig:
         return 4 * hidden * hidden + hidden * self.kernel + (5 * hidden if self.bias else 0)
 
 
-ROUTERS = ("softmax_topk", "topk_softmax")
-EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped")
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped", "geglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +174,21 @@ class MoEConfig:
     """The sparse feed-forward of a mixture-of-experts family (every layer of the stack is sparse).
 
     router          "softmax_topk": softmax over the E logits, then the k largest probabilities (qwen3_moe,
-                    mixtral); "topk_softmax": the k largest logits, then a softmax over those k (gpt_oss)
-    norm_topk_prob  renormalise the k weights of "softmax_topk" to sum to 1 (mixtral always does)
+                    mixtral, gemma4); "topk_softmax": the k largest logits, then a softmax over those k (gpt_oss);
+                    "sigmoid_topk" (lfm2_moe): sigmoid of each logit, the k largest scores (+ `selection_bias`)
+    norm_topk_prob  renormalise the k weights of "softmax_topk" / "sigmoid_topk" to sum to 1 (mixtral always
+                    does): w / (sum w + norm_topk_eps)
+    selection_bias  a per-expert bias [E] added to the scores for choosing the k experts only; the weights stay
+                    the unbiased scores (lfm2_moe's `use_expert_bias`, its `expert_bias` buffer)
+    routed_scaling_factor
+                    the k weights times this after any renormalisation (lfm2_moe)
+    router_input_norm
+                    Gemma 4's router reads RMSNorm(x) without a weight (this eps) times a learned scale [D] and
+                    D^-0.5; None: the router reads x
+    per_expert_scale
+                    Gemma 4: each chosen weight times its expert's learned scale [E] (after the renormalisation)
     activation      "swiglu": silu(gate) * up with gate | up the two halves of the fused gate_up projection;
+                    "geglu" (gemma4): gelu_pytorch_tanh(gate) * up, same layout;
                     "swiglu_clamped" (gpt_oss): gate/up interleaved, clamped to `swiglu_limit`,
                     (up + 1) * gate * sigmoid(swiglu_alpha * gate)
     shared_expert_intermediate_size
@@ -197,6 +209,11 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     router_aux_loss_coef: float = 0.0  # the HF config's coefficient of the load-balancing loss
     shared_expert_intermediate_size: int = 0  # F_s of the shared expert; 0: no shared expert
+    selection_bias: bool = False
+    norm_topk_eps: float = 0.0
+    routed_scaling_factor: float = 1.0
+    router_input_norm: float | None = None  # eps of Gemma 4's router input norm
+    per_expert_scale: bool = False
 
     def __post_init__(self):
         if not 0 < self.experts_per_token <= self.num_experts:
@@ -220,7 +237,10 @@ class MoEConfig:
         return 3 * hidden * F + ((2 * F + hidden) if self.expert_bias else 0)
 
     def router_params(self, hidden: int) -> int:
-        return hidden * self.num_experts + (self.num_experts if self.router_bias else 0)
+        """The router's parameters (lfm2_moe's selection bias left out: transformers holds it as a buffer)."""
+        E = self.num_experts
+        return (hidden * E + (E if self.router_bias else 0) + (hidden if self.router_input_norm is not None else 0)
+                + (E if self.per_expert_scale else 0))
 
     def shared_expert_params(self, hidden: int) -> int:
         """The shared expert (gate and up [D, F_s], down [F_s, D]) and its gate [D, 1]; 0 without one."""
@@ -442,7 +462,8 @@ class ModelConfig:
             model_type=family.name,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
-            intermediate_size=(lfm2_ff_dim(hf) if family.short_conv else int(hf["intermediate_size"]))
+            intermediate_size=(lfm2_ff_dim(hf) if family.short_conv and family.moe is None
+                               else int(hf["intermediate_size"]))
             if family.intermediate_size_key else 0,
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=n_heads,
@@ -786,14 +807,16 @@ def short_conv_to_hf(cfg: "ModelConfig") -> dict[str, Any]:
     the read intermediate_size / block_* keys when they still give `cfg.intermediate_size`, else the width itself
     with block_auto_adjust_ff_dim false."""
     sc = cfg.short_conv
+    layers = {"layer_types": [LFM2_LAYER_TYPES[0] if conv else LFM2_LAYER_TYPES[1] for conv in sc.layers],
+              "conv_L_cache": sc.kernel, "conv_bias": sc.bias, "norm_eps": cfg.rms_norm_eps}
+    if cfg.moe is not None:  # lfm2_moe: intermediate_size as is (no block_* keys), no full_attn_idxs
+        return layers | {"intermediate_size": cfg.intermediate_size}
     read = lfm2_aliases(cfg.hf_extra)
     read = {k: read[k] for k in ("intermediate_size", "block_auto_adjust_ff_dim", "block_ffn_dim_multiplier",
                                   "block_multiple_of") if k in read}
     if "intermediate_size" not in read or lfm2_ff_dim(read) != cfg.intermediate_size:
         read = {"intermediate_size": cfg.intermediate_size, "block_auto_adjust_ff_dim": False}
-    return read | {"layer_types": [LFM2_LAYER_TYPES[0] if conv else LFM2_LAYER_TYPES[1] for conv in sc.layers],
-                   "full_attn_idxs": [i for i, conv in enumerate(sc.layers) if not conv],
-                   "conv_L_cache": sc.kernel, "conv_bias": sc.bias, "norm_eps": cfg.rms_norm_eps}
+    return read | layers | {"full_attn_idxs": [i for i, conv in enumerate(sc.layers) if not conv]}
 
 
 def _checked_layer_types(types, num_layers: int, allowed: tuple[str, ...]) -> list[str]:
@@ -860,6 +883,8 @@ def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
         return _qwen2_moe(hf, k, coef)
     if style == "qwen3_5_moe":
         return _qwen3_5_moe(hf, k, coef)
+    if style == "lfm2_moe":
+        return _lfm2_moe(hf)
     if style == "qwen3_moe":
         dense = list(hf.get("mlp_only_layers") or [])
         step = int(hf.get("decoder_sparse_step", 1))
@@ -931,6 +956,26 @@ def _qwen3_5_moe(hf: dict[str, Any], k: int, coef: float) -> MoEConfig:
                      router_aux_loss_coef=coef, shared_expert_intermediate_size=shared)
 
 
+def _lfm2_moe(hf: dict[str, Any]) -> MoEConfig:
+    """lfm2_moe's MoE keys (transformers' Lfm2MoeConfig defaults): sigmoid scores, the k experts chosen by score +
+    the `expert_bias` buffer (`use_expert_bias`), the k scores renormalised (`norm_topk_prob`, w / (sum + 1e-6))
+    and times `routed_scaling_factor`. The config class has no load-balancing coefficient: 0 unless given.
+    `num_dense_layers` > 0 (dense SwiGLU layers before the sparse ones) is refused by name."""
+    dense = int(hf.get("num_dense_layers", 2))
+    if dense != 0:
+        raise ModelConfigError(
+            f"lfm2_moe: num_dense_layers {dense} is not supported yet (its first {dense} layers would be dense "
+            "SwiGLU MLPs of intermediate_size in layer stacks whose blocks are all sparse; only num_dense_layers 0, "
+            "every layer a MoE, is built)")
+    num_experts = int(hf.get("num_experts", 32))
+    return MoEConfig(num_experts=num_experts, experts_per_token=int(hf.get("num_experts_per_tok", 4)),
+                     expert_intermediate_size=int(hf.get("moe_intermediate_size", 1792)), router="sigmoid_topk",
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", True)), norm_topk_eps=1e-6,
+                     selection_bias=bool(hf.get("use_expert_bias", True)),
+                     routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                     router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+
+
 def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
     """The config.json keys of `moe` in the spelling of the family's MoE `style` (inverse of `moe_from_hf`)."""
     out: dict[str, Any] = {"num_experts_per_tok": moe.experts_per_token,
@@ -940,6 +985,10 @@ def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
                    norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
     elif style == "qwen3_5_moe":
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size)
+    elif style == "lfm2_moe":
+        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
+                   norm_topk_prob=moe.norm_topk_prob, use_expert_bias=moe.selection_bias,
+                   routed_scaling_factor=moe.routed_scaling_factor, num_dense_layers=0)
     else:
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.expert_intermediate_size)
     if style == "gpt_oss":

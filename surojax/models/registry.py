@@ -163,17 +163,25 @@ def qwen3_5_weights(prefix: str, *, moe: bool = False, fused: bool = False) -> t
             WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
 
 
-def lfm2_weights() -> tuple[WeightRow, ...]:
+def lfm2_weights(*, moe: bool = False, fused: bool = False) -> tuple[WeightRow, ...]:
     """LFM2 (Lfm2ForCausalLM) under `model.`: both stacks (`layers` = the attention layers, `conv_layers` = the
     short-convolution layers) have `operator_norm` / `ffn_norm` and the SwiGLU `feed_forward.w1` (gate) / `w3` (up)
     / `w2` (down); attention: q/k/v_proj, `out_proj`, `q_layernorm` / `k_layernorm`; the short conv: `in_proj`
     [3D, D], the depthwise kernel `conv.conv.weight` [D, 1, K] as stored, `out_proj` [D, D], their biases with
-    `conv_bias`. The final norm is `model.embedding_norm`; the head tied unless the config unties it."""
+    `conv_bias`. The final norm is `model.embedding_norm`; the head tied unless the config unties it.
+
+    With `moe` (lfm2_moe, every layer sparse) the feed-forward is the MoE: the router `feed_forward.gate` [E, D],
+    the `feed_forward.expert_bias` buffer [E] (added to the scores for the choice only), the experts per expert as
+    published (`feed_forward.experts.{e}.w1` / `w3` / `w2`) or with `fused` transformers 5's in-memory
+    `feed_forward.experts.gate_up_proj` [E, 2F, D] / `down_proj` [E, D, F]."""
     layer = "model.layers.{i}."
     both = []
     for stack in ("layers", "conv_layers"):
         both += [WeightRow(layer + "operator_norm.weight", f"{stack}.attn_norm.scale"),
                  WeightRow(layer + "ffn_norm.weight", f"{stack}.mlp_norm.scale")]
+        if moe:
+            both += _lfm2_moe_rows(layer + "feed_forward.", stack, fused)
+            continue
         both += [WeightRow(layer + f"feed_forward.{w}.weight", f"{stack}.mlp.{m}.kernel", True)
                  for w, m in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))]
     attn = [WeightRow(layer + f"self_attn.{m}.weight", f"layers.attn.{m}.kernel", True)
@@ -190,6 +198,21 @@ def lfm2_weights() -> tuple[WeightRow, ...]:
     return (WeightRow("model.embed_tokens.weight", "embed.embedding"), *both, *attn, *conv,
             WeightRow("model.embedding_norm.weight", "final_norm.scale"),
             WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
+
+
+def _lfm2_moe_rows(ff: str, stack: str, fused: bool) -> list[WeightRow]:
+    """One stack's lfm2_moe feed-forward rows under `ff` (the layer's `feed_forward.` prefix)."""
+    experts = f"{stack}.mlp.experts"
+    if fused:
+        routed = [WeightRow(ff + "experts.gate_up_proj", f"{experts}.gate_up_proj.kernel", True),  # [E, 2F, D]
+                  WeightRow(ff + "experts.down_proj", f"{experts}.down_proj.kernel", True)]  # [E, D, F]
+    else:
+        routed = [WeightRow(ff + "experts.{e}.w1.weight", f"{experts}.gate_up_proj.kernel", True, half=0),
+                  WeightRow(ff + "experts.{e}.w3.weight", f"{experts}.gate_up_proj.kernel", True, half=1),
+                  WeightRow(ff + "experts.{e}.w2.weight", f"{experts}.down_proj.kernel", True)]
+    return [WeightRow(ff + "gate.weight", f"{stack}.mlp.router.kernel", True),  # [E, D]
+            WeightRow(ff + "expert_bias", f"{stack}.mlp.router.selection_bias", when="selection_bias"),  # [E]
+            *routed]
 
 
 def _moe_rows(layer: str, stack: str, fused: bool) -> list[WeightRow]:
@@ -342,6 +365,9 @@ FAMILIES: dict[str, Family] = {
                                  "model.embed_audio.")),
         Family("lfm2", "Lfm2ForCausalLM", attention_bias_key=False, qk_norm=True, tie_default=True,
                weights=lfm2_weights(), short_conv=True, norm_eps_key="norm_eps", rope_theta_default=1e6),
+        Family("lfm2_moe", "Lfm2MoeForCausalLM", attention_bias_key=False, qk_norm=True, tie_default=True,
+               weights=lfm2_weights(moe=True), fused_weights=lfm2_weights(moe=True, fused=True), moe="lfm2_moe",
+               short_conv=True, norm_eps_key="norm_eps", rope_theta_default=1e6),
     )
 }
 
@@ -385,6 +411,7 @@ def weight_rows(cfg, *, fused: bool = False) -> list[WeightRow]:
     moe = cfg.moe
     flags = {"attention_bias": cfg.attention_bias, "qk_norm": cfg.qk_norm, "untied": not cfg.tie_word_embeddings,
              "router_bias": bool(moe and moe.router_bias), "expert_bias": bool(moe and moe.expert_bias),
+             "selection_bias": bool(moe and moe.selection_bias),
              "o_proj_bias": cfg.o_proj_bias, "attention_sinks": cfg.attention_sinks,
              "conv_bias": bool(getattr(cfg, "short_conv", None) and cfg.short_conv.bias)}
     family = family_for(cfg.model_type)

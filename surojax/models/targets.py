@@ -18,7 +18,8 @@ a hybrid (Qwen3.5) also the Gated DeltaNet projections in_proj_qkv / in_proj_z /
 (registry.LINEAR_ATTENTION_MODULES); a MoE hybrid (qwen3_5_moe) has the MoE names (attention, experts, shared
 expert) and the DeltaNet's. LFM2 (its `conv_layers` of short convolutions): the dense names (its attention's
 out_proj is `o_proj`, its MLP's w1 / w3 / w2 gate_proj / up_proj / down_proj) and conv.in_proj / conv.out_proj
-(registry.SHORT_CONV_MODULES); its HF spellings are accepted (CONV_SPELLINGS).
+(registry.SHORT_CONV_MODULES); its HF spellings are accepted (CONV_SPELLINGS). LFM2-MoE: the MoE names (attention,
+experts.gate_up_proj / experts.down_proj in both stacks) and the short conv's.
 
 Sites. A target lives in one or more layer stacks (a hybrid's MLP projections in both `layers` and `linear_layers`,
 its attention projections in `layers`, its DeltaNet projections in `linear_layers`). Each (stack, target) is a
@@ -88,8 +89,19 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
                              "'all-linear'")
         chosen = {n for t in targets for n in CONV_SPELLINGS.get(t, (t,))}
         return tuple(t for t in CONV_HYBRID_TARGETS if t in chosen)
-    if conv:
-        raise ValueError("a mixture-of-experts model with short-convolution layers (lfm2_moe) has no LoRA targets yet")
+    if conv:  # lfm2_moe: the attention, the experts, the short conv
+        available = MOE_TARGETS + SHORT_CONV_TARGETS
+        if targets == ["all-linear"]:
+            return available
+        spell = {**_MOE_SPELLINGS, **{t: (t,) for t in SHORT_CONV_TARGETS}, "in_proj": ("conv.in_proj",),
+                 "out_proj": ("o_proj", "conv.out_proj"), "self_attn.out_proj": ("o_proj",)}
+        unknown = [t for t in targets if t not in spell or any(n not in available for n in spell[t])]
+        if unknown or not targets:
+            raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid on lfm2_moe; choose from "
+                             f"{', '.join(available)}, gate_up_proj, down_proj, experts (both expert projections), "
+                             "in_proj, out_proj (LFM2's names) or 'all-linear'")
+        chosen = {n for t in targets for n in spell[t]}
+        return tuple(t for t in available if t in chosen)
     if not moe:
         available = HYBRID_TARGETS if hybrid else LORA_TARGETS
         if targets == ["all-linear"]:
@@ -192,8 +204,8 @@ def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
 def model_targets(model) -> tuple[str, ...]:
     """The target site keys this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS, + SHARED_EXPERT_TARGETS with a
     shared expert; a hybrid: those and LINEAR_ATTENTION_TARGETS in each stack that has them, `layers` first)."""
-    if has_short_conv(model) and not is_moe(model):
-        return target_sites(model, CONV_HYBRID_TARGETS)
+    if has_short_conv(model):
+        return target_sites(model, MOE_TARGETS + SHORT_CONV_TARGETS if is_moe(model) else CONV_HYBRID_TARGETS)
     if not is_moe(model):
         return target_sites(model, HYBRID_TARGETS) if is_hybrid(model) else LORA_TARGETS
     names = _moe_names(has_shared_expert(model), is_hybrid(model))
