@@ -276,6 +276,9 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in every layer (None: the dense SwiGLU MLP)
+    # Gemma 4's MoE block (`enable_moe_block`): the MoE runs beside the dense MLP in every layer instead of replacing
+    # it (decoder.Block: each branch post-normed, the sum post-normed again)
+    moe_beside_mlp: bool = False
     # Hybrid (Qwen3.5): the Gated DeltaNet layers (None: every layer is an attention layer)
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False  # q_proj also gives a per-head sigmoid gate on the attention output (Qwen3.5)
@@ -323,7 +326,8 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected one of "
                                    f"{', '.join(HIDDEN_ACTS)})")
-        if self.hidden_act not in ("silu", "swish") and (self.moe is not None or self.linear_attention is not None):
+        if self.hidden_act not in ("silu", "swish") and ((self.moe is not None and not self.moe_beside_mlp)
+                                                         or self.linear_attention is not None):
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported with MoE or hybrid layers "
                                    "(their MLPs are SwiGLU)")
 
@@ -389,10 +393,12 @@ class ModelConfig:
 
     def _ffn_params(self, *, active: bool) -> int:
         D = self.hidden_size
+        dense = 3 * D * self.intermediate_size
         if self.moe is None:
-            return 3 * D * self.intermediate_size
+            return dense
         n = self.moe.experts_per_token if active else self.moe.num_experts
-        return self.moe.router_params(D) + n * self.moe.expert_params(D) + self.moe.shared_expert_params(D)
+        sparse = self.moe.router_params(D) + n * self.moe.expert_params(D) + self.moe.shared_expert_params(D)
+        return sparse + (dense + 3 * D if self.moe_beside_mlp else 0)  # Gemma 4: + the MLP and the block's 3 norms
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -484,7 +490,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
-            moe=moe_from_hf(family.moe, hf),
+            moe=moe_from_hf(family.moe, hf) if gemma is None else getattr(gemma, "moe", None),
             linear_attention=linear_attention,
             attn_output_gate=family.hybrid,
             norm_zero_centered=family.hybrid or family.gemma3,
@@ -556,7 +562,7 @@ class ModelConfig:
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
-        if self.moe is not None:
+        if self.moe is not None and not family.gemma4:  # Gemma 4 writes its MoE block's keys itself
             out.update(moe_to_hf(family.moe, self.moe))
         return out
 
@@ -648,11 +654,13 @@ class Gemma4Text:
 
     Refused by name, each with the reason (what is not built yet, never silently mis-read): per-layer input
     embeddings (`hidden_size_per_layer_input` > 0), KV-shared layers (`num_kv_shared_layers` > 0; with them
-    `use_double_wide_mlp`, which widens only those layers' MLPs), `attention_k_eq_v`, the MoE block
-    (`enable_moe_block`), full-attention layers whose head size or kv heads differ from the sliding layers'
+    `use_double_wide_mlp`, which widens only those layers' MLPs), `attention_k_eq_v`, full-attention layers whose head size or kv heads differ from the sliding layers'
     (`global_head_dim` / `num_global_key_value_heads` / `per_layer_config`: one attention stack has one shape),
     bidirectional attention, a `query_pre_attn_scalar` (transformers' Gemma 4 does not read one: its scale is 1).
-    `final_logit_softcapping` (c > 0 or null) is read: logits c * tanh(logits / c)."""
+    `final_logit_softcapping` (c > 0 or null) is read: logits c * tanh(logits / c). The MoE block
+    (`enable_moe_block`: `num_experts`, `top_k_experts`, `moe_intermediate_size`) is read into `moe`: beside the
+    dense MLP in every layer (ModelConfig.moe_beside_mlp), a softmax top-k router renormalised and times a
+    per-expert scale, reading RMSNorm(x) * scale * D^-0.5, GeGLU experts."""
 
     hf: dict[str, Any]
     rope_theta: float
@@ -660,10 +668,10 @@ class Gemma4Text:
     local_rope_theta: float
     local_rope_scaling: RopeScaling
     final_logit_softcapping: float | None
+    moe: MoEConfig | None = None
 
     NOT_YET = {"hidden_size_per_layer_input": "per-layer input embeddings (PLE)",
-               "num_kv_shared_layers": "KV-shared layers", "attention_k_eq_v": "keys reused as values",
-               "enable_moe_block": "the MoE block beside the dense MLP"}
+               "num_kv_shared_layers": "KV-shared layers", "attention_k_eq_v": "keys reused as values"}
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "Gemma4Text":
@@ -711,12 +719,12 @@ class Gemma4Text:
         return cls(hf={**hf, "layer_types": types, "hidden_act": act, "sliding_window": hf.get("sliding_window", 512)},
                    rope_theta=float(full["rope_theta"]), rope_scaling=RopeScaling.from_hf(full, hf),
                    local_rope_theta=float(local["rope_theta"]), local_rope_scaling=RopeScaling.from_hf(local, hf),
-                   final_logit_softcapping=None if cap is None else float(cap))
+                   final_logit_softcapping=None if cap is None else float(cap), moe=_gemma4_moe(hf, act))
 
     def fields(self) -> dict[str, Any]:
         """The ModelConfig fields Gemma 4 sets (beside the generic ones read from `hf`)."""
         return dict(sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=1.0, v_norm=True,
-                    layer_scalar=True, local_rope_theta=self.local_rope_theta,
+                    layer_scalar=True, moe_beside_mlp=self.moe is not None, local_rope_theta=self.local_rope_theta,
                     local_rope_scaling=self.local_rope_scaling, final_logit_softcapping=self.final_logit_softcapping)
 
     @staticmethod
@@ -730,8 +738,28 @@ class Gemma4Text:
                 "rope_parameters": {"full_attention": rope(cfg.rope_theta, cfg.rope_scaling),
                                     "sliding_attention": rope(cfg.local_rope_theta, cfg.local_rope_scaling)},
                 "final_logit_softcapping": cfg.final_logit_softcapping, "hidden_size_per_layer_input": 0,
-                "num_kv_shared_layers": 0,
-                "attention_k_eq_v": False, "enable_moe_block": False, "use_double_wide_mlp": False}
+                "num_kv_shared_layers": 0, "attention_k_eq_v": False, "use_double_wide_mlp": False,
+                "enable_moe_block": cfg.moe is not None,
+                **({} if cfg.moe is None else {"num_experts": cfg.moe.num_experts,
+                                               "top_k_experts": cfg.moe.experts_per_token,
+                                               "moe_intermediate_size": cfg.moe.expert_intermediate_size})}
+
+
+def _gemma4_moe(hf: dict[str, Any], act: str) -> MoEConfig | None:
+    """Gemma 4's MoE block (`enable_moe_block`) as transformers' Gemma4TextRouter / Gemma4TextExperts define it;
+    None without it. Its three sizes have no defaults in Gemma4TextConfig: each must be given."""
+    if not hf.get("enable_moe_block"):
+        return None
+    missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not hf.get(k)]
+    if missing:
+        raise ModelConfigError(f"gemma4: enable_moe_block true needs {', '.join(missing)} (positive integers)")
+    if act != "gelu_pytorch_tanh":
+        raise ModelConfigError(f"gemma4: the MoE block's experts with hidden_activation {act!r} are not supported "
+                               "(gelu_pytorch_tanh: GeGLU experts)")
+    return MoEConfig(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["top_k_experts"]),
+                     expert_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True,
+                     activation="geglu", router_input_norm=float(hf.get("rms_norm_eps", 1e-6)),
+                     per_expert_scale=True)
 
 
 def _check_gemma4_full_layers(hf: dict[str, Any], types: list[str]) -> None:

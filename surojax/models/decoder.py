@@ -19,9 +19,11 @@ LFM2 (`cfg.short_conv`): likewise two stacks, `layers` (its GQA attention layers
 mixer); plain (w) RMSNorms, full rope. The non-attention stack of a hybrid keeps a fixed-size state per sequence
 in generation and serving (`Decoder.state_stack` / `state_shape`; kv/recurrent.py).
 
-Gemma 4 (`gemma4_text`, the text backbone of `gemma4`; the dense text model): Gemma 3's block with plain-w norms,
+Gemma 4 (`gemma4_text`, the text backbone of `gemma4`): Gemma 3's block with plain-w norms,
 the values RMS-normalised without a weight (v norm), softmax scale 1, the full-attention layers' `proportional`
 rope, and each layer's output times its loaded `layer_scalar`:  h = layer_scalar * (h + RMSNorm(GeGLU(...))).
+With its MoE block (`cfg.moe_beside_mlp`) the MoE runs beside the GeGLU: its router reads the residual stream h, its
+experts their own pre-norm of h, each branch is post-normed and the sum post-normed (`_mlp_residual`).
 
 Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
 embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is
@@ -78,12 +80,17 @@ class Block(nnx.Module):
 
 def _mlp_residual(block: nnx.Module, h, kv, segment_ids):
     """Every block's second half: h += MLP(RMSNorm(h)) (with sandwich norms, Gemma 3: h += RMSNorm(MLP(RMSNorm(h))))
-    -> (h, kv, the MoE's router stats or None)."""
+    -> (h, kv, the MoE's router stats or None). Gemma 4's MoE block beside the MLP (`block.moe`), as transformers'
+    Gemma4TextDecoderLayer: h += RMSNorm(RMSNorm_1(MLP(RMSNorm(h))) + RMSNorm_2(MoE(RMSNorm'(h); router reads h)))."""
     if isinstance(block.mlp, MoE):
         m, stats = block.mlp(block.mlp_norm(h), segment_ids)
         return h + m, kv, stats
     m = block.mlp(block.mlp_norm(h))
-    return h + (m if block.mlp_post_norm is None else block.mlp_post_norm(m)), kv, None
+    stats = None
+    if getattr(block, "moe", None) is not None:
+        e, stats = block.moe(block.moe_pre_norm(h), segment_ids, router_input=h)
+        m = block.mlp_post_norm_dense(m) + block.moe_post_norm(e)
+    return h + (m if block.mlp_post_norm is None else block.mlp_post_norm(m)), kv, stats
 
 
 def _norms_and_mlp(block: nnx.Module, cfg: ModelConfig, param_dtype, rngs) -> None:
@@ -97,10 +104,13 @@ def _norms_and_mlp(block: nnx.Module, cfg: ModelConfig, param_dtype, rngs) -> No
     block.attn_norm, block.mlp_norm = norm(), norm()
     block.attn_post_norm = norm() if cfg.sandwich_norms else None
     block.mlp_post_norm = norm() if cfg.sandwich_norms else None
-    if cfg.moe is None:
+    if cfg.moe is None or cfg.moe_beside_mlp:
         block.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs, activation=cfg.hidden_act)
     else:
         block.mlp = MoE(D, cfg.moe, param_dtype=param_dtype, rngs=rngs)
+    if cfg.moe_beside_mlp:  # Gemma 4's MoE block: the MoE, its pre norm, each branch's post norm
+        block.moe = MoE(D, cfg.moe, param_dtype=param_dtype, rngs=rngs)
+        block.moe_pre_norm, block.mlp_post_norm_dense, block.moe_post_norm = norm(), norm(), norm()
 
 
 class LinearBlock(nnx.Module):

@@ -255,8 +255,22 @@ def gemma3_weights(prefix: str, head: str = "lm_head.weight") -> tuple[WeightRow
 def gemma4_weights(prefix: str) -> tuple[WeightRow, ...]:
     """Gemma 4's dense text model under `prefix` (`model.`: Gemma4ForCausalLM; `model.language_model.`: the text
     backbone of Gemma4ForConditionalGeneration): Gemma 3's rows (the v norm has no weight) and each layer's
-    `layer_scalar` ([1], a buffer transformers saves) that multiplies the layer's output."""
-    return (*gemma3_weights(prefix)[:-1], WeightRow(prefix + "layers.{i}.layer_scalar", "layers.layer_scalar"),
+    `layer_scalar` ([1], a buffer transformers saves) that multiplies the layer's output. With the MoE block
+    (`enable_moe_block`, rows `when` moe_block): the router `router.proj` [E, D], its input scale `router.scale` [D]
+    and `router.per_expert_scale` [E], the fused experts `experts.gate_up_proj` [E, 2F, D] / `experts.down_proj`
+    [E, D, F], and three norms: `pre_feedforward_layernorm_2` (the experts' input), `post_feedforward_layernorm_1`
+    (the dense MLP's output), `post_feedforward_layernorm_2` (the experts' output)."""
+    layer = prefix + "layers.{i}."
+    moe = [WeightRow(layer + "router.proj.weight", "layers.moe.router.kernel", True, when="moe_block"),
+           WeightRow(layer + "router.scale", "layers.moe.router.scale", when="moe_block"),
+           WeightRow(layer + "router.per_expert_scale", "layers.moe.router.per_expert_scale", when="moe_block"),
+           WeightRow(layer + "experts.gate_up_proj", "layers.moe.experts.gate_up_proj.kernel", True, when="moe_block"),
+           WeightRow(layer + "experts.down_proj", "layers.moe.experts.down_proj.kernel", True, when="moe_block"),
+           WeightRow(layer + "pre_feedforward_layernorm_2.weight", "layers.moe_pre_norm.scale", when="moe_block"),
+           WeightRow(layer + "post_feedforward_layernorm_1.weight", "layers.mlp_post_norm_dense.scale",
+                     when="moe_block"),
+           WeightRow(layer + "post_feedforward_layernorm_2.weight", "layers.moe_post_norm.scale", when="moe_block")]
+    return (*gemma3_weights(prefix)[:-1], WeightRow(layer + "layer_scalar", "layers.layer_scalar"), *moe,
             gemma3_weights(prefix)[-1])
 
 
@@ -411,7 +425,7 @@ def weight_rows(cfg, *, fused: bool = False) -> list[WeightRow]:
     moe = cfg.moe
     flags = {"attention_bias": cfg.attention_bias, "qk_norm": cfg.qk_norm, "untied": not cfg.tie_word_embeddings,
              "router_bias": bool(moe and moe.router_bias), "expert_bias": bool(moe and moe.expert_bias),
-             "selection_bias": bool(moe and moe.selection_bias),
+             "selection_bias": bool(moe and moe.selection_bias), "moe_block": getattr(cfg, "moe_beside_mlp", False),
              "o_proj_bias": cfg.o_proj_bias, "attention_sinks": cfg.attention_sinks,
              "conv_bias": bool(getattr(cfg, "short_conv", None) and cfg.short_conv.bias)}
     family = family_for(cfg.model_type)

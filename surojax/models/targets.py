@@ -143,7 +143,8 @@ def _moe_names(shared_expert: bool, hybrid: bool) -> tuple[str, ...]:
 
 
 def is_moe(model) -> bool:
-    return model.cfg.moe is not None
+    """The model's MLPs are MoEs (Gemma 4's MoE block beside a dense MLP is not: its targets are the dense names)."""
+    return model.cfg.moe is not None and not getattr(model.cfg, "moe_beside_mlp", False)
 
 
 def has_shared_expert(model) -> bool:

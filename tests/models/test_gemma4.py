@@ -26,6 +26,7 @@ from surojax.weights.safetensors_file import SafetensorsFile
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["gemma4_text", "gemma4"]
+WITH_MOE = FAMILIES + ["gemma4_text_moe"]  # gemma4_text with its MoE block (enable_moe_block)
 
 
 def _hf(name: str) -> dict:
@@ -82,7 +83,7 @@ def test_defaults_read_as_transformers_builds_them():
     ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input 256 is not supported yet"),
     ("num_kv_shared_layers", 2, "num_kv_shared_layers 2 is not supported yet"),
     ("attention_k_eq_v", True, "attention_k_eq_v True is not supported yet"),
-    ("enable_moe_block", True, "enable_moe_block True is not supported yet"),
+    ("enable_moe_block", True, "enable_moe_block true needs num_experts, top_k_experts, moe_intermediate_size"),
     ("final_logit_softcapping", -1.0, "final_logit_softcapping -1.0 must be a positive number"),
     ("per_layer_config", {"2": {"head_dim": 32}}, "layer 2's head_dim 32"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
@@ -94,6 +95,21 @@ def test_defaults_read_as_transformers_builds_them():
 def test_unsupported_keys_are_refused_by_name(name, key, value, match):
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_hf(_with(name, **{key: value}))
+
+
+def test_moe_block_config():
+    """enable_moe_block: the MoE beside the MLP, transformers' router (softmax top-k renormalised, per-expert scales,
+    the input norm with Gemma's eps) and GeGLU experts; the block's parameters counted as transformers counts them
+    (test_hf_parity checks the logits and greedy tokens)."""
+    cfg = ModelConfig.from_hf(_hf("gemma4_text_moe"))
+    moe = cfg.moe
+    assert cfg.moe_beside_mlp and cfg.intermediate_size == 64 and cfg.hidden_act == "gelu_pytorch_tanh"
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_intermediate_size) == (4, 2, 16)
+    assert (moe.router, moe.norm_topk_prob, moe.norm_topk_eps, moe.activation) == ("softmax_topk", True, 0.0, "geglu")
+    assert moe.per_expert_scale and moe.router_input_norm == 1e-6 and not moe.selection_bias
+    assert cfg.num_params() == int(np.load(FIXTURES / "gemma4_text_moe" / "expected.npz")["num_params"])
+    with pytest.raises(ModelConfigError, match="needs top_k_experts"):
+        ModelConfig.from_hf(_with("gemma4_text_moe", top_k_experts=None))
 
 
 def test_missing_keys_take_transformers_defaults_and_are_refused():
@@ -108,7 +124,7 @@ def test_missing_keys_take_transformers_defaults_and_are_refused():
     assert ModelConfig.from_hf(without | {"global_head_dim": 16}) == ModelConfig.from_hf(text)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", WITH_MOE)
 def test_config_round_trip(name):
     """config.json -> ModelConfig -> config.json: the same architecture, the unbuilt features written off."""
     hf = _hf(name)
@@ -118,7 +134,8 @@ def test_config_round_trip(name):
     text = _text(out)
     for key in ("layer_types", "rope_parameters", "hidden_activation", "sliding_window", "final_logit_softcapping",
                 "head_dim", "intermediate_size", "hidden_size_per_layer_input", "num_kv_shared_layers",
-                "attention_k_eq_v", "enable_moe_block", "per_layer_config"):
+                "attention_k_eq_v", "enable_moe_block", "per_layer_config") + (
+                    ("num_experts", "top_k_experts", "moe_intermediate_size") if cfg.moe else ()):
         assert text[key] == _text(hf)[key], key
     assert "query_pre_attn_scalar" not in text and "hidden_act" not in text
     if name == "gemma4":
@@ -149,7 +166,7 @@ def test_vision_tower_is_skipped_with_a_log_line(caplog):
     assert any(f"skipping {vision} tensors" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", WITH_MOE)
 def test_saved_folder_loads_back(name, tmp_path):
     """save_model writes the text tensors under the fixture's names (layer scalars included), the same bits; the
     folder loads back equal."""
