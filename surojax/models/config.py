@@ -279,6 +279,9 @@ class ModelConfig:
     # Gemma 4's MoE block (`enable_moe_block`): the MoE runs beside the dense MLP in every layer instead of replacing
     # it (decoder.Block: each branch post-normed, the sum post-normed again)
     moe_beside_mlp: bool = False
+    # lfm2_moe's `num_dense_layers`: its first n layers have the dense SwiGLU MLP (intermediate_size) instead of the
+    # MoE; they live in stacks of their own (registry.DENSE_STACKS) and share their kind's cache part
+    dense_layers: int = 0
     # Hybrid (Qwen3.5): the Gated DeltaNet layers (None: every layer is an attention layer)
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False  # q_proj also gives a per-head sigmoid gate on the attention output (Qwen3.5)
@@ -323,6 +326,9 @@ class ModelConfig:
                                    f"{self.num_layers}")
         if self.short_conv is not None and self.linear_attention is not None:
             raise ModelConfigError("a model has either Gated DeltaNet or short-convolution layers, not both")
+        if not 0 <= self.dense_layers <= self.num_layers or (self.dense_layers and self.moe is None):
+            raise ModelConfigError(f"num_dense_layers {self.dense_layers} must be in 0..num_hidden_layers "
+                                   f"({self.num_layers}), on a MoE model")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected one of "
                                    f"{', '.join(HIDDEN_ACTS)})")
@@ -382,14 +388,16 @@ class ModelConfig:
         if self.short_conv is not None:
             mixers += (self.num_layers - self.num_attention_layers) * self.short_conv.layer_params(D)
         norms = 2 * D * (2 if self.sandwich_norms else 1)  # attn / mlp norms (+ their post norms)
-        return mixers + self.num_layers * (self._ffn_params(active=False) + norms) \
-            + V * D * (1 if self.tie_word_embeddings else 2) + D
+        sparse, dense = self.num_layers - self.dense_layers, self.dense_layers  # lfm2_moe's dense leading layers
+        return mixers + sparse * self._ffn_params(active=False) + dense * 3 * D * self.intermediate_size \
+            + self.num_layers * norms + V * D * (1 if self.tie_word_embeddings else 2) + D
 
     def num_active_params(self) -> int:
         """Parameters one token runs through: a MoE layer counts its router and k experts, not all E."""
         if self.moe is None:
             return self.num_params()
-        return self.num_params() - self.num_layers * (self._ffn_params(active=False) - self._ffn_params(active=True))
+        sparse = self.num_layers - self.dense_layers
+        return self.num_params() - sparse * (self._ffn_params(active=False) - self._ffn_params(active=True))
 
     def _ffn_params(self, *, active: bool) -> int:
         D = self.hidden_size
@@ -491,6 +499,7 @@ class ModelConfig:
             eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
             moe=moe_from_hf(family.moe, hf) if gemma is None else getattr(gemma, "moe", None),
+            dense_layers=int(hf.get("num_dense_layers", 2)) if family.moe == "lfm2_moe" else 0,
             linear_attention=linear_attention,
             attn_output_gate=family.hybrid,
             norm_zero_centered=family.hybrid or family.gemma3,
@@ -838,7 +847,7 @@ def short_conv_to_hf(cfg: "ModelConfig") -> dict[str, Any]:
     layers = {"layer_types": [LFM2_LAYER_TYPES[0] if conv else LFM2_LAYER_TYPES[1] for conv in sc.layers],
               "conv_L_cache": sc.kernel, "conv_bias": sc.bias, "norm_eps": cfg.rms_norm_eps}
     if cfg.moe is not None:  # lfm2_moe: intermediate_size as is (no block_* keys), no full_attn_idxs
-        return layers | {"intermediate_size": cfg.intermediate_size}
+        return layers | {"intermediate_size": cfg.intermediate_size, "num_dense_layers": cfg.dense_layers}
     read = lfm2_aliases(cfg.hf_extra)
     read = {k: read[k] for k in ("intermediate_size", "block_auto_adjust_ff_dim", "block_ffn_dim_multiplier",
                                   "block_multiple_of") if k in read}
@@ -988,13 +997,7 @@ def _lfm2_moe(hf: dict[str, Any]) -> MoEConfig:
     """lfm2_moe's MoE keys (transformers' Lfm2MoeConfig defaults): sigmoid scores, the k experts chosen by score +
     the `expert_bias` buffer (`use_expert_bias`), the k scores renormalised (`norm_topk_prob`, w / (sum + 1e-6))
     and times `routed_scaling_factor`. The config class has no load-balancing coefficient: 0 unless given.
-    `num_dense_layers` > 0 (dense SwiGLU layers before the sparse ones) is refused by name."""
-    dense = int(hf.get("num_dense_layers", 2))
-    if dense != 0:
-        raise ModelConfigError(
-            f"lfm2_moe: num_dense_layers {dense} is not supported yet (its first {dense} layers would be dense "
-            "SwiGLU MLPs of intermediate_size in layer stacks whose blocks are all sparse; only num_dense_layers 0, "
-            "every layer a MoE, is built)")
+    `num_dense_layers` (the dense leading layers) is ModelConfig.dense_layers."""
     num_experts = int(hf.get("num_experts", 32))
     return MoEConfig(num_experts=num_experts, experts_per_token=int(hf.get("num_experts_per_tok", 4)),
                      expert_intermediate_size=int(hf.get("moe_intermediate_size", 1792)), router="sigmoid_topk",
@@ -1016,7 +1019,7 @@ def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
     elif style == "lfm2_moe":
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
                    norm_topk_prob=moe.norm_topk_prob, use_expert_bias=moe.selection_bias,
-                   routed_scaling_factor=moe.routed_scaling_factor, num_dense_layers=0)
+                   routed_scaling_factor=moe.routed_scaling_factor)
     else:
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.expert_intermediate_size)
     if style == "gpt_oss":

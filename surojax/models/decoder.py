@@ -53,6 +53,7 @@ from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 from surojax.models.layers.short_conv import ShortConv
+from surojax.models.registry import DENSE_STACKS
 
 
 class Block(nnx.Module):
@@ -166,13 +167,17 @@ def layer_pattern(cfg: ModelConfig) -> LayerPattern:
     windows' shortest period, each with its static `window` (0 = full attention). A hybrid: one type per layer
     of `layer_types`' shortest period, reading `linear_layers` (Gated DeltaNet) or `layers` (attention); Qwen3.5's
     [linear x 3, full] x G. LFM2 alike with `conv_layers` (its published patterns have no shorter period than L:
-    one group of L types)."""
+    one group of L types); lfm2_moe's dense leading layers read the stacks `dense_conv_layers` / `dense_layers` and
+the cache parts of their kind (`LayerType.cache`)."""
     L = cfg.num_layers
     other = LINEAR_STACK if cfg.linear_attention is not None else CONV_STACK
     kinds = cfg.linear_attention or cfg.short_conv
     if kinds is not None:
         stacks = [other if mine else "layers" for mine in kinds.layers]
-        return LayerPattern(tuple(LayerType(s) for s in stacks[:_period(stacks)]), L)
+        # lfm2_moe's dense leading layers: their own stacks, their kind's cache part
+        types = [LayerType(DENSE_STACKS[s], cache=s) if i < cfg.dense_layers else LayerType(s)
+                 for i, s in enumerate(stacks)]
+        return LayerPattern(tuple(types[:_period(types)]), L)
     if cfg.layer_windows is None and cfg.local_rope_theta is None:
         return LayerPattern.uniform(L)
     options = [_attention_options(cfg, i) for i in range(L)]
@@ -231,7 +236,17 @@ class Decoder(nnx.Module):
             keys[pattern.rows("layers"):])
         self.conv_layers = None if cfg.short_conv is None else _stack_blocks(
             lambda k: ConvBlock(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
-            keys[pattern.rows("layers"):])
+            keys[pattern.rows("layers"):pattern.rows("layers") + pattern.rows(CONV_STACK)])
+        # lfm2_moe's dense leading layers (cfg.dense_layers): the same blocks with the dense MLP, only where they hold
+        # a layer
+        dense_cfg = cfg.replace(moe=None, dense_layers=0)
+        rest = keys[pattern.rows("layers") + pattern.rows(CONV_STACK):]
+        self.dense_layers = None if not pattern.rows(DENSE_STACKS["layers"]) else _stack_blocks(
+            lambda k: Block(dense_cfg, attention=attention, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
+            rest[:pattern.rows(DENSE_STACKS["layers"])])
+        self.dense_conv_layers = None if not pattern.rows(DENSE_STACKS[CONV_STACK]) else _stack_blocks(
+            lambda k: ConvBlock(dense_cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
+            rest[pattern.rows(DENSE_STACKS["layers"]):])
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs,
                                   zero_centered=cfg.norm_zero_centered)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(D, V, param_dtype=param_dtype, rngs=rngs)
@@ -243,9 +258,10 @@ class Decoder(nnx.Module):
 
     @property
     def stacks(self) -> dict[str, nnx.Module]:
-        """The layer stacks by name: `layers`, and a hybrid's `linear_layers` or LFM2's `conv_layers`."""
+        """The layer stacks by name: `layers`, and a hybrid's `linear_layers` or LFM2's `conv_layers` (lfm2_moe: also
+        its dense leading layers' `dense_layers` / `dense_conv_layers` where they hold a layer)."""
         out = {"layers": self.layers}
-        for name in (LINEAR_STACK, CONV_STACK):
+        for name in (LINEAR_STACK, CONV_STACK, *DENSE_STACKS.values()):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -253,7 +269,7 @@ class Decoder(nnx.Module):
     @property
     def state_stack(self) -> str | None:
         """The stack whose layers keep a fixed-size state per sequence (`linear_layers`, `conv_layers`), or None."""
-        return state_stack(self.layer_pattern.stacks)
+        return state_stack(self.layer_pattern.caches)
 
     @property
     def state_shape(self) -> StateShape | ConvShape:

@@ -64,7 +64,7 @@ _MOE_SPELLINGS = {"gate_up_proj": ("experts.gate_up_proj",), "down_proj": ("expe
 
 
 def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_expert: bool = False,
-                    hybrid: bool = False, conv: bool = False) -> tuple[str, ...]:
+                    hybrid: bool = False, conv: bool = False, dense: bool = False) -> tuple[str, ...]:
     """User target names (or "all-linear") -> our target names in TARGET_PATHS order, checked.
 
     Dense model (moe=False): HF module names of LINEAR_MODULES. MoE model (moe=True): q/k/v/o_proj; the experts'
@@ -75,7 +75,9 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
     projections (a dense hybrid: HYBRID_TARGETS; a MoE hybrid: the MoE names, then the DeltaNet's). LFM2 (conv=True,
     dense): the dense names and the short conv's conv.in_proj / conv.out_proj (CONV_HYBRID_TARGETS), also spelled
     as its HF modules (CONV_SPELLINGS: w1 / w3 / w2 the MLP's gate / up / down, in_proj, out_proj = the attention's
-    and the conv's)."""
+    and the conv's). LFM2-MoE (conv=True, moe=True): the attention, the experts (experts.gate_up_proj /
+    experts.down_proj, `experts`, gate_up_proj) and the conv's; with dense leading layers (dense=True) also their
+    MLP's gate_proj / up_proj / down_proj (w1 / w3 / w2)."""
     if isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     targets = list(targets)
@@ -89,17 +91,18 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
                              "'all-linear'")
         chosen = {n for t in targets for n in CONV_SPELLINGS.get(t, (t,))}
         return tuple(t for t in CONV_HYBRID_TARGETS if t in chosen)
-    if conv:  # lfm2_moe: the attention, the experts, the short conv
-        available = MOE_TARGETS + SHORT_CONV_TARGETS
+    if conv:  # lfm2_moe: the attention, (the dense layers' MLP), the experts, the short conv
+        available = lfm2_moe_targets(dense)
         if targets == ["all-linear"]:
             return available
-        spell = {**_MOE_SPELLINGS, **{t: (t,) for t in SHORT_CONV_TARGETS}, "in_proj": ("conv.in_proj",),
-                 "out_proj": ("o_proj", "conv.out_proj"), "self_attn.out_proj": ("o_proj",)}
+        spell = {"gate_up_proj": ("experts.gate_up_proj",), "experts": EXPERT_TARGETS,
+                 **{t: (t,) for t in available}, **CONV_SPELLINGS}
         unknown = [t for t in targets if t not in spell or any(n not in available for n in spell[t])]
         if unknown or not targets:
             raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid on lfm2_moe; choose from "
-                             f"{', '.join(available)}, gate_up_proj, down_proj, experts (both expert projections), "
-                             "in_proj, out_proj (LFM2's names) or 'all-linear'")
+                             f"{', '.join(available)}, gate_up_proj, experts (both expert projections), LFM2's "
+                             f"names {', '.join(n for n in CONV_SPELLINGS if all(t in available for t in CONV_SPELLINGS[n]))} "
+                             "or 'all-linear'")
         chosen = {n for t in targets for n in spell[t]}
         return tuple(t for t in available if t in chosen)
     if not moe:
@@ -136,6 +139,11 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
     return tuple(t for t in available if t in chosen)
 
 
+def lfm2_moe_targets(dense: bool) -> tuple[str, ...]:
+    """LFM2-MoE's target names in order: attention, the dense leading layers' MLP (with `dense`), experts, conv."""
+    return ATTENTION_TARGETS + (LORA_TARGETS[4:] if dense else ()) + EXPERT_TARGETS + SHORT_CONV_TARGETS
+
+
 def _moe_names(shared_expert: bool, hybrid: bool) -> tuple[str, ...]:
     """A MoE model's target names in order: attention, experts, the shared expert's, a hybrid's DeltaNet's."""
     return (MOE_TARGETS + (SHARED_EXPERT_TARGETS if shared_expert else ())
@@ -155,6 +163,11 @@ def has_shared_expert(model) -> bool:
 
 def is_hybrid(model) -> bool:
     return model.cfg.linear_attention is not None
+
+
+def _has_dense_layers(model) -> bool:
+    """lfm2_moe with dense leading layers (their own stacks, with the dense MLP)."""
+    return bool(getattr(model.cfg, "dense_layers", 0))
 
 
 def has_short_conv(model) -> bool:
@@ -196,8 +209,10 @@ def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
     for stack, root in stacks(model).items():
         for name in names:
             parent, _, leaf = TARGET_PATHS[name].rpartition(".")
-            holder = module_at(root, parent) if parent and hasattr(root, parent.split(".")[0]) else None
-            if holder is not None and getattr(holder, leaf, None) is not None:
+            holder = root
+            for part in parent.split(".") if parent else ():  # None where the stack's blocks lack the path
+                holder = getattr(holder, part, None)
+            if parent and holder is not None and getattr(holder, leaf, None) is not None:
                 out.append(site_key(stack, name))
     return tuple(out)
 
@@ -206,7 +221,8 @@ def model_targets(model) -> tuple[str, ...]:
     """The target site keys this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS, + SHARED_EXPERT_TARGETS with a
     shared expert; a hybrid: those and LINEAR_ATTENTION_TARGETS in each stack that has them, `layers` first)."""
     if has_short_conv(model):
-        return target_sites(model, MOE_TARGETS + SHORT_CONV_TARGETS if is_moe(model) else CONV_HYBRID_TARGETS)
+        return target_sites(model, lfm2_moe_targets(_has_dense_layers(model)) if is_moe(model)
+                            else CONV_HYBRID_TARGETS)
     if not is_moe(model):
         return target_sites(model, HYBRID_TARGETS) if is_hybrid(model) else LORA_TARGETS
     names = _moe_names(has_shared_expert(model), is_hybrid(model))
@@ -217,7 +233,7 @@ def resolve_model_targets(model, targets: str | Iterable[str]) -> tuple[str, ...
     """A user's target names (or "all-linear") -> this model's site keys (`resolve_targets`, then `target_sites`
     on a hybrid; on a one-stack model the names themselves)."""
     names = resolve_targets(targets, moe=is_moe(model), shared_expert=has_shared_expert(model),
-                            hybrid=is_hybrid(model), conv=has_short_conv(model))
+                            hybrid=is_hybrid(model), conv=has_short_conv(model), dense=_has_dense_layers(model))
     return target_sites(model, names) if _multi_stack(model) else names
 
 

@@ -36,7 +36,8 @@ from surojax.weights.safetensors_file import SafetensorsFile
 from tests.models.test_qwen3_5 import _batch
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
-FAMILIES = ["lfm2", "lfm2_conv_bias", "lfm2_moe"]  # lfm2_moe: scripts/make_lfm2_moe_fixtures.py
+# lfm2_moe, lfm2_moe_dense (its dense leading layers): scripts/make_lfm2_moe_fixtures.py
+FAMILIES = ["lfm2", "lfm2_conv_bias", "lfm2_moe", "lfm2_moe_dense"]
 DENSE = FAMILIES[:2]
 TOL = 1e-4
 
@@ -161,7 +162,8 @@ def test_bad_configs_are_refused():
 def test_saved_folder_loads_back(case, tmp_path):
     """save_model writes the published names (the fixture's tensors exactly) and loads back equal."""
     model, *_ = case
-    name = "lfm2_moe" if model.cfg.moe else "lfm2" if model.cfg.tie_word_embeddings else "lfm2_conv_bias"
+    name = ("lfm2_moe_dense" if model.cfg.dense_layers else "lfm2_moe") if model.cfg.moe else \
+        "lfm2" if model.cfg.tie_word_embeddings else "lfm2_conv_bias"
     out = save_model(model, tmp_path / name)
     saved, fixture = SafetensorsFile(out / "model.safetensors"), SafetensorsFile(FIXTURES / name / "model.safetensors")
     assert set(saved.names()) == set(fixture.names())
@@ -271,8 +273,30 @@ def test_lfm2_moe_config_and_round_trip():
         "num_dense_layers": 0, "use_expert_bias": True, "routed_scaling_factor": 1.5, "num_experts": 6,
         "moe_intermediate_size": 16, "intermediate_size": 48}
     assert "block_auto_adjust_ff_dim" not in out and "full_attn_idxs" not in out
-    with pytest.raises(ModelConfigError, match="num_dense_layers 2 is not supported"):
-        ModelConfig.from_hf({k: v for k, v in hf.items() if k != "num_dense_layers"})  # transformers' default 2
+    assert ModelConfig.from_hf({k: v for k, v in hf.items() if k != "num_dense_layers"}).dense_layers == 2  # default
+    with pytest.raises(ModelConfigError, match="num_dense_layers 6 must be in 0..num_hidden_layers"):
+        ModelConfig.from_hf(hf | {"num_dense_layers": 6})
+
+
+def test_lfm2_moe_dense_leading_layers():
+    """num_dense_layers 3 over [conv, full, conv, conv, full, conv]: layers 0 - 2 dense in stacks of their own
+    (`dense_conv_layers` rows 0, 2; `dense_layers` row 1), the rest sparse; each dense stack shares its kind's cache
+    part, so the KV cache covers both attention layers in layer order and the conv state all four conv layers; the
+    config round trip keeps the count; the router's other branches (no expert bias, no renormalisation)."""
+    cfg = ModelConfig.from_hf(_hf("lfm2_moe_dense"))
+    assert cfg.dense_layers == 3 and not cfg.moe.selection_bias and not cfg.moe.norm_topk_prob
+    assert [stack_layers(cfg, s) for s in ("dense_conv_layers", "dense_layers", "conv_layers", "layers")] == [
+        (0, 2), (1,), (3, 5), (4,)]
+    pattern = layer_pattern(cfg)
+    assert pattern.caches == ("conv_layers", "layers") and pattern.cache_rows("layers") == 2
+    assert pattern.types[:2] == (LayerType("dense_conv_layers", cache="conv_layers"),
+                                 LayerType("dense_layers", cache="layers"))
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg and cfg.to_hf()["num_dense_layers"] == 3
+    model, *_ = _case("lfm2_moe_dense")
+    assert set(model.stacks) == {"layers", "conv_layers", "dense_layers", "dense_conv_layers"}
+    assert empty_cache(model, 1, 4, jnp.float32).state.conv.shape[0] == 4
+    published = ModelConfig.from_hf(_hf("lfm2_moe") | {"num_dense_layers": 1})  # LFM2-8B-A1B: only conv layers dense
+    assert "dense_layers" not in {r.stack for r in weight_rows(published)}
 
 
 def test_lfm2_moe_lora_targets_train():
@@ -297,3 +321,16 @@ def test_lfm2_moe_lora_targets_train():
     grads = jax.jit(jax.grad(lambda t: loss(nnx.merge(graphdef, t, rest))))(trainable)
     b_grads = [g for path, g in nnx.to_flat_state(grads) if path[-1] == "lora_b"]
     assert len(b_grads) == len(every) and all(np.abs(np.asarray(g.get_value())).max() > 0 for g in b_grads)
+
+
+def test_lfm2_moe_dense_lora_targets():
+    """With dense leading layers the dense MLP names target those layers (LFM2's w1 / w3 / w2 too), the experts
+    the sparse ones."""
+    model, *_ = _case("lfm2_moe_dense")
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    got = set(resolve_model_targets(model, "all-linear"))
+    assert {f"dense_conv_layers.{t}" for t in mlp} | {f"dense_layers.{t}" for t in mlp} <= got
+    assert {"experts.gate_up_proj", "conv_layers.experts.down_proj", "dense_layers.q_proj",
+            "dense_conv_layers.conv.in_proj"} <= got
+    assert "gate_proj" not in got and "conv_layers.gate_proj" not in got
+    assert set(resolve_model_targets(model, ["w1"])) == {"dense_layers.gate_proj", "dense_conv_layers.gate_proj"}
