@@ -210,32 +210,32 @@ def lfm2_weights(*, moe: bool = False, fused: bool = False) -> tuple[WeightRow, 
             WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
 
 
-def _lfm2_moe_rows(ff: str, stack: str, fused: bool) -> list[WeightRow]:
-    """One stack's lfm2_moe feed-forward rows under `ff` (the layer's `feed_forward.` prefix)."""
+def _routed_rows(prefix: str, stack: str, fused: bool, names: tuple[str, str, str]) -> list[WeightRow]:
+    """One stack's routed experts under `prefix` (the layer's MoE module prefix): transformers 5's fused
+    `experts.gate_up_proj` [E, 2F, D] / `experts.down_proj` [E, D, F], or per expert as published, `names` the
+    gate / up / down projections' (qwen: gate_proj / up_proj / down_proj; lfm2_moe: w1 / w3 / w2)."""
     experts = f"{stack}.mlp.experts"
     if fused:
-        routed = [WeightRow(ff + "experts.gate_up_proj", f"{experts}.gate_up_proj.kernel", True),  # [E, 2F, D]
-                  WeightRow(ff + "experts.down_proj", f"{experts}.down_proj.kernel", True)]  # [E, D, F]
-    else:
-        routed = [WeightRow(ff + "experts.{e}.w1.weight", f"{experts}.gate_up_proj.kernel", True, half=0),
-                  WeightRow(ff + "experts.{e}.w3.weight", f"{experts}.gate_up_proj.kernel", True, half=1),
-                  WeightRow(ff + "experts.{e}.w2.weight", f"{experts}.down_proj.kernel", True)]
+        return [WeightRow(prefix + "experts.gate_up_proj", f"{experts}.gate_up_proj.kernel", True),
+                WeightRow(prefix + "experts.down_proj", f"{experts}.down_proj.kernel", True)]
+    gate, up, down = (prefix + "experts.{e}." + n + ".weight" for n in names)
+    return [WeightRow(gate, f"{experts}.gate_up_proj.kernel", True, half=0),
+            WeightRow(up, f"{experts}.gate_up_proj.kernel", True, half=1),
+            WeightRow(down, f"{experts}.down_proj.kernel", True)]
+
+
+def _lfm2_moe_rows(ff: str, stack: str, fused: bool) -> list[WeightRow]:
+    """One stack's lfm2_moe feed-forward rows under `ff` (the layer's `feed_forward.` prefix)."""
     return [WeightRow(ff + "gate.weight", f"{stack}.mlp.router.kernel", True),  # [E, D]
             WeightRow(ff + "expert_bias", f"{stack}.mlp.router.selection_bias", when="selection_bias"),  # [E]
-            *routed]
+            *_routed_rows(ff, stack, fused, ("w1", "w3", "w2"))]
 
 
 def _moe_rows(layer: str, stack: str, fused: bool) -> list[WeightRow]:
     """One stack's sparse-MoE rows under the layer prefix `layer` (qwen2_moe's names: router `mlp.gate`, the experts,
     the shared expert and its gate), per expert or fused."""
-    experts, mlp = f"{stack}.mlp.experts", layer + "mlp."
-    if fused:
-        routed = [WeightRow(mlp + "experts.gate_up_proj", f"{experts}.gate_up_proj.kernel", True),  # [E, 2F, D]
-                  WeightRow(mlp + "experts.down_proj", f"{experts}.down_proj.kernel", True)]  # [E, D, F]
-    else:
-        routed = [WeightRow(mlp + "experts.{e}.gate_proj.weight", f"{experts}.gate_up_proj.kernel", True, half=0),
-                  WeightRow(mlp + "experts.{e}.up_proj.weight", f"{experts}.gate_up_proj.kernel", True, half=1),
-                  WeightRow(mlp + "experts.{e}.down_proj.weight", f"{experts}.down_proj.kernel", True)]
+    mlp = layer + "mlp."
+    routed = _routed_rows(mlp, stack, fused, ("gate_proj", "up_proj", "down_proj"))
     shared = [WeightRow(mlp + f"shared_expert.{m}.weight", f"{stack}.mlp.shared_expert.{m}.kernel", True)
               for m in ("gate_proj", "up_proj", "down_proj")]
     return [WeightRow(mlp + "gate.weight", f"{stack}.mlp.router.kernel", True), *routed, *shared,

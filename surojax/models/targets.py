@@ -139,6 +139,25 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
     return tuple(t for t in available if t in chosen)
 
 
+def resolve_moe_block_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
+    """Gemma 4 with its MoE block: the dense names (LORA_TARGETS: gate_proj / up_proj / down_proj are the dense MLP's)
+    and the experts' fused projections (experts.gate_up_proj / experts.down_proj, `experts` both, `gate_up_proj`)."""
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    targets = list(targets)
+    available = LORA_TARGETS + EXPERT_TARGETS
+    if targets == ["all-linear"]:
+        return available
+    spell = {**{t: (t,) for t in available}, "experts": EXPERT_TARGETS, "gate_up_proj": ("experts.gate_up_proj",)}
+    unknown = [t for t in targets if t not in spell]
+    if unknown or not targets:
+        raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid on Gemma 4 with its MoE block; "
+                         f"choose from {', '.join(available)}, experts (both expert projections), gate_up_proj or "
+                         "'all-linear'")
+    chosen = {n for t in targets for n in spell[t]}
+    return tuple(t for t in available if t in chosen)
+
+
 def lfm2_moe_targets(dense: bool) -> tuple[str, ...]:
     """LFM2-MoE's target names in order: attention, the dense leading layers' MLP (with `dense`), experts, conv."""
     return ATTENTION_TARGETS + (LORA_TARGETS[4:] if dense else ()) + EXPERT_TARGETS + SHORT_CONV_TARGETS
@@ -148,6 +167,11 @@ def _moe_names(shared_expert: bool, hybrid: bool) -> tuple[str, ...]:
     """A MoE model's target names in order: attention, experts, the shared expert's, a hybrid's DeltaNet's."""
     return (MOE_TARGETS + (SHARED_EXPERT_TARGETS if shared_expert else ())
             + (LINEAR_ATTENTION_TARGETS if hybrid else ()))
+
+
+def has_moe_block(model) -> bool:
+    """Gemma 4's MoE block beside the dense MLP (its experts are targets beside the dense names)."""
+    return bool(getattr(model.cfg, "moe_beside_mlp", False))
 
 
 def is_moe(model) -> bool:
@@ -200,7 +224,17 @@ def site_stack(key: str) -> str:
 
 def site(model, key: str) -> tuple[nnx.Module, str]:
     """(the stack module, the target's path in it) of a site key."""
-    return stacks(model)[site_stack(key)], TARGET_PATHS[target_name(key)]
+    root = stacks(model)[site_stack(key)]
+    return root, target_path(root, target_name(key))
+
+
+def target_path(root: nnx.Module, name: str) -> str:
+    """Target `name`'s path inside a stack's blocks: TARGET_PATHS, except Gemma 4's experts, which sit in the MoE
+    block beside the MLP (`moe.experts.*`, not `mlp.experts.*`)."""
+    path = TARGET_PATHS[name]
+    if name in EXPERT_TARGETS and getattr(root, "moe", None) is not None:
+        return "moe." + path.removeprefix("mlp.")
+    return path
 
 
 def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
@@ -208,7 +242,7 @@ def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
     out = []
     for stack, root in stacks(model).items():
         for name in names:
-            parent, _, leaf = TARGET_PATHS[name].rpartition(".")
+            parent, _, leaf = target_path(root, name).rpartition(".")
             holder = root
             for part in parent.split(".") if parent else ():  # None where the stack's blocks lack the path
                 holder = getattr(holder, part, None)
@@ -223,6 +257,8 @@ def model_targets(model) -> tuple[str, ...]:
     if has_short_conv(model):
         return target_sites(model, lfm2_moe_targets(_has_dense_layers(model)) if is_moe(model)
                             else CONV_HYBRID_TARGETS)
+    if has_moe_block(model):
+        return LORA_TARGETS + EXPERT_TARGETS
     if not is_moe(model):
         return target_sites(model, HYBRID_TARGETS) if is_hybrid(model) else LORA_TARGETS
     names = _moe_names(has_shared_expert(model), is_hybrid(model))
@@ -232,6 +268,8 @@ def model_targets(model) -> tuple[str, ...]:
 def resolve_model_targets(model, targets: str | Iterable[str]) -> tuple[str, ...]:
     """A user's target names (or "all-linear") -> this model's site keys (`resolve_targets`, then `target_sites`
     on a hybrid; on a one-stack model the names themselves)."""
+    if has_moe_block(model):
+        return resolve_moe_block_targets(targets)
     names = resolve_targets(targets, moe=is_moe(model), shared_expert=has_shared_expert(model),
                             hybrid=is_hybrid(model), conv=has_short_conv(model), dense=_has_dense_layers(model))
     return target_sites(model, names) if _multi_stack(model) else names

@@ -18,11 +18,12 @@ from flax import nnx
 from surojax.models.config import ModelConfig, ModelConfigError, rope_inv_freq
 from surojax.models.decoder import layer_pattern
 from surojax.models.layer_runner import LayerPattern, LayerType
-from surojax.models.targets import model_targets
+from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import apply_lora
-from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
+from surojax.peft.peft_io import WEIGHTS_FILE, AdapterError, save_peft_adapter
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
+from tests.models.test_lfm2 import lora_b_grads
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["gemma4_text", "gemma4"]
@@ -192,3 +193,21 @@ def test_lora_targets_export_under_peft_names(tmp_path):
     names = set(SafetensorsFile(out / WEIGHTS_FILE).names())
     assert len(names) == 2 * 7 * 6
     assert "base_model.model.model.language_model.layers.5.mlp.down_proj.lora_B.weight" in names
+
+
+def test_moe_block_lora_targets_train_and_export_is_refused(tmp_path):
+    """With the MoE block: the dense names (gate / up / down_proj are the dense MLP's) and the experts' fused
+    projections (`experts`, as the other MoE families name them), every adapter trained; PEFT's layout for these
+    experts (module `experts`, not `mlp.experts`) is refused by name on export."""
+    model = load_model(FIXTURES / "gemma4_text_moe", dtype=jnp.float32, attention="xla")
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.gate_up_proj",
+             "experts.down_proj")
+    assert model_targets(model) == every == resolve_model_targets(model, "all-linear")
+    assert resolve_model_targets(model, ["down_proj", "experts"]) == ("down_proj", *every[-2:])
+    with pytest.raises(ValueError, match="not valid on Gemma 4 with its MoE block"):
+        resolve_model_targets(model, ["shared_expert"])
+    apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(0))
+    b_grads = lora_b_grads(model, np.load(FIXTURES / "gemma4_text_moe" / "expected.npz")["tokens2"])
+    assert len(b_grads) == len(every) and all(np.abs(g).max() > 0 for g in b_grads)
+    with pytest.raises(AdapterError, match="experts module is `experts`, not `mlp.experts`"):
+        save_peft_adapter(model, tmp_path / "adapter", str(FIXTURES / "gemma4_text_moe"))

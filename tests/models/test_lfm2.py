@@ -29,7 +29,7 @@ from surojax.models.layer_runner import CarriedCacheScan, LayerType
 from surojax.models.registry import stack_layers, weight_rows
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import TRAINABLE, apply_lora, lora_modules
-from surojax.peft.peft_io import WEIGHTS_FILE, load_peft_adapter, save_peft_adapter
+from surojax.peft.peft_io import WEIGHTS_FILE, AdapterError, load_peft_adapter, save_peft_adapter
 from surojax.quant.model import is_quantized, quantize_model
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
@@ -299,9 +299,23 @@ def test_lfm2_moe_dense_leading_layers():
     assert "dense_layers" not in {r.stack for r in weight_rows(published)}
 
 
+def lora_b_grads(model, tokens) -> list[np.ndarray]:
+    """The gradients of every LoRA B of `model` for the next-token loss on `tokens` (one sequence)."""
+    tokens = jnp.asarray(tokens)[None]
+
+    def loss(m):
+        logits = m(tokens[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+    graphdef, trainable, rest = nnx.split(model, TRAINABLE, ...)
+    grads = jax.jit(jax.grad(lambda t: loss(nnx.merge(graphdef, t, rest))))(trainable)
+    return [np.asarray(g.get_value()) for path, g in nnx.to_flat_state(grads) if path[-1] == "lora_b"]
+
+
 def test_lfm2_moe_lora_targets_train():
     """LoRA on lfm2_moe: the attention (in `layers`), the experts' fused projections in both stacks and the short
-    conv's, also asked for in LFM2's names; every adapter gets a gradient."""
+    conv's, also asked for in LFM2's names; every adapter gets a gradient. PEFT's layout for its experts (module
+    `feed_forward.experts`) is refused by name on export."""
     model = load_model(FIXTURES / "lfm2_moe", dtype=jnp.float32, attention="xla")
     experts = ("experts.gate_up_proj", "experts.down_proj")
     every = ("q_proj", "k_proj", "v_proj", "o_proj", *experts, *(f"conv_layers.{t}" for t in experts),
@@ -311,16 +325,10 @@ def test_lfm2_moe_lora_targets_train():
     with pytest.raises(ValueError, match="not valid on lfm2_moe"):
         resolve_model_targets(model, ["w1"])
     apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(0))
-    tokens = jnp.asarray(np.load(FIXTURES / "lfm2_moe" / "expected.npz")["tokens2"])[None]
-
-    def loss(m):
-        logits = m(tokens[:, :-1])
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
-
-    graphdef, trainable, rest = nnx.split(model, TRAINABLE, ...)
-    grads = jax.jit(jax.grad(lambda t: loss(nnx.merge(graphdef, t, rest))))(trainable)
-    b_grads = [g for path, g in nnx.to_flat_state(grads) if path[-1] == "lora_b"]
-    assert len(b_grads) == len(every) and all(np.abs(np.asarray(g.get_value())).max() > 0 for g in b_grads)
+    b_grads = lora_b_grads(model, np.load(FIXTURES / "lfm2_moe" / "expected.npz")["tokens2"])
+    assert len(b_grads) == len(every) and all(np.abs(g).max() > 0 for g in b_grads)
+    with pytest.raises(AdapterError, match="experts module is `feed_forward.experts`"):  # not PEFT's layout yet
+        save_peft_adapter(model, "/nonexistent/adapter", str(FIXTURES / "lfm2_moe"))
 
 
 def test_lfm2_moe_dense_lora_targets():
