@@ -21,6 +21,7 @@ from surojax.models.layer_runner import LayerPattern, LayerType
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import apply_lora
 from surojax.peft.peft_io import WEIGHTS_FILE, AdapterError, save_peft_adapter
+from surojax.peft.trained_router import make_router_trainable
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
 from tests.models.test_lfm2 import lora_b_grads
@@ -198,7 +199,7 @@ def test_lora_targets_export_under_peft_names(tmp_path):
 def test_moe_block_lora_targets_train_and_export_is_refused(tmp_path):
     """With the MoE block: the dense names (gate / up / down_proj are the dense MLP's) and the experts' fused
     projections (`experts`, as the other MoE families name them), every adapter trained; PEFT's layout for these
-    experts (module `experts`, not `mlp.experts`) is refused by name on export."""
+    experts (module `experts`, not `mlp.experts`) is refused by name on export, and so is training its router."""
     model = load_model(FIXTURES / "gemma4_text_moe", dtype=jnp.float32, attention="xla")
     every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.gate_up_proj",
              "experts.down_proj")
@@ -211,3 +212,5 @@ def test_moe_block_lora_targets_train_and_export_is_refused(tmp_path):
     assert len(b_grads) == len(every) and all(np.abs(g).max() > 0 for g in b_grads)
     with pytest.raises(AdapterError, match="experts module is `experts`, not `mlp.experts`"):
         save_peft_adapter(model, tmp_path / "adapter", str(FIXTURES / "gemma4_text_moe"))
+    with pytest.raises(ValueError, match="train_router: Gemma 4's MoE-block router"):
+        make_router_trainable(model, jnp.float32)

@@ -30,6 +30,7 @@ from surojax.models.registry import stack_layers, weight_rows
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import TRAINABLE, apply_lora, lora_modules
 from surojax.peft.peft_io import WEIGHTS_FILE, AdapterError, load_peft_adapter, save_peft_adapter
+from surojax.peft.trained_router import make_router_trainable
 from surojax.quant.model import is_quantized, quantize_model
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
@@ -294,6 +295,8 @@ def test_lfm2_moe_dense_leading_layers():
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg and cfg.to_hf()["num_dense_layers"] == 3
     model, *_ = _case("lfm2_moe_dense")
     assert set(model.stacks) == {"layers", "conv_layers", "dense_layers", "dense_conv_layers"}
+    trainable = load_model(FIXTURES / "lfm2_moe_dense", dtype=jnp.float32, attention="xla")
+    assert make_router_trainable(trainable, jnp.float32) == 3 * 32 * 6  # the sparse layers' routers only
     assert empty_cache(model, 1, 4, jnp.float32).state.conv.shape[0] == 4
     published = ModelConfig.from_hf(_hf("lfm2_moe") | {"num_dense_layers": 1})  # LFM2-8B-A1B: only conv layers dense
     assert "dense_layers" not in {r.stack for r in weight_rows(published)}
