@@ -3,6 +3,7 @@
     python benchmarks/decode_gemv.py            # GPU: per-linear sweep + the engine A/B at one user
     python benchmarks/decode_gemv.py --smoke    # CPU: tiny shapes, interpret mode, the engine A/B on `debug`
     python benchmarks/decode_gemv.py --no-engine   # the per-linear part only
+    python benchmarks/decode_gemv.py --shapes qwen3-0.6b --engine-users 1,16   # also 16 users (XLA on [N, K])
 
 Part 1, per linear: the Qwen3-0.6B and Qwen3-8B decode linears as the server holds them (q/k/v and gate/up joined:
 fused_projections), bf16, at M = 1, 2, 4, 8 rows. Each variant is first checked against the jnp reference
@@ -21,8 +22,8 @@ the stack is >= 3x an H100's 50 MB L2: every weight comes from HBM, as in a deco
 
 Part 2, the decode step: benchmarks/serve_load.py --modes engine at one user (Qwen3-0.6B shape, random bf16 weights,
 prompt 128, 128 new tokens) twice, SUROJAX_DECODE_GEMV=xla and =pallas, each in its own process; its decode tok/s.
-(The engine path takes the plain GEMV for every linear and the gated product for gate_up; the norm prologue and
-residual epilogue are not wired into the decoder yet: docs/serving.md.)
+(Under pallas the decode step runs each layer's four linears as four kernels with the two RMSNorms, silu(g) * u and
+the two residual adds fused: the pallas+fused column's forms.)
 
 Expected on an H100 (~3 TB/s HBM read, ~3 us a launch; per linear: bytes / 3 TB/s + the launch):
     Qwen3-0.6B  qkv [4096 x 1024] 8.4 MB -> ~2.8 + 3 us;  o [1024 x 2048] 4.2 MB -> ~1.4 + 3 us;
@@ -32,8 +33,9 @@ Expected on an H100 (~3 TB/s HBM read, ~3 us a launch; per linear: bytes / 3 TB/
                 ~1.5x of bytes / 3 TB/s + 3 us at M = 1, and grow little up to M = 8 (the weight is read once).
     Qwen3-8B    qkv 50 MB ~17 us, o 34 MB ~11 us, gate_up 201 MB ~67 us, down 101 MB ~34 us: bandwidth-bound,
                 the kernel's GB/s should approach ~2.5-3 TB/s; XLA's two-fusion GEMV at ~0.6-1.5 TB/s.
-    Engine tok/s at one user: pallas above xla by the GEMV time saved per token (~28 x (4 GEMVs' saving + one act
-    fusion)); the ~18 small non-GEMV fusions per layer stay (item 1's remaining work: the norm / residual fusion).
+    Engine tok/s at one user: pallas above xla by the GEMV time saved per token plus ~5 small fusions a layer
+    (2 norms, the activation, 2 residual adds: ~28 x 5 x ~1.3 us); rope, the q / k norms and the KV write stay XLA
+    fusions. From ~400 tok/s (2.47 ms a token, docs/serving.md) towards ~600-700 if the GEMVs reach ~2.5 TB/s.
 A table prints last.
 """
 from __future__ import annotations
@@ -209,7 +211,8 @@ def engine_ab(a) -> list[dict]:
     out = []
     for mode in ("xla", "pallas"):
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, script, "--modes", "engine", "--users", "1", "--rounds", "1", "--child",
+        p = subprocess.run([sys.executable, script, "--modes", "engine", "--users", a.engine_users, "--rounds", "1",
+                            "--child",
                             *args], capture_output=True, text=True, env={**os.environ, "SUROJAX_DECODE_GEMV": mode})
         for ln in p.stdout.splitlines():
             if ln.startswith("RESULT ") or ln.startswith("# model"):
@@ -221,7 +224,8 @@ def engine_ab(a) -> list[dict]:
         for ln in p.stdout.splitlines():
             if ln.startswith("RESULT "):
                 r = json.loads(ln[7:])
-                out.append({"decode_gemv": mode, "decode_tok_s": r["decode_tok_s"], "itl_p50_ms": r["itl_p50_ms"],
+                out.append({"decode_gemv": mode, "users": r["users"], "decode_tok_s": r["decode_tok_s"],
+                            "itl_p50_ms": r["itl_p50_ms"],
                             "wall_s": time.perf_counter() - t0})
     return out
 
@@ -233,9 +237,10 @@ def table(lin_rows: list[dict], eng_rows: list[dict]) -> None:
         cells = [f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols]
         print("| " + " | ".join(cells) + " |")
     if eng_rows:
-        print("\n| engine, 1 user | decode tok/s | ITL p50 ms |\n|---|---|---|")
+        print("\n| engine | users | decode tok/s | ITL p50 ms |\n|---|---|---|---|")
         for r in eng_rows:
-            print(f"| SUROJAX_DECODE_GEMV={r['decode_gemv']} | {r['decode_tok_s']:.1f} | {r['itl_p50_ms']:.2f} |")
+            print(f"| SUROJAX_DECODE_GEMV={r['decode_gemv']} | {r['users']} | {r['decode_tok_s']:.1f} | "
+                  f"{r['itl_p50_ms']:.2f} |")
 
 
 def main(argv=None) -> int:
@@ -243,6 +248,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpret mode")
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--no-engine", action="store_true", help="skip the engine A/B")
+    p.add_argument("--engine-users", default="1",
+                   help="users of the engine A/B (comma list; e.g. 1,16: above 8 rows the transposed weights go "
+                        "through XLA's einsum, which must not be slower than the [K, N] path)")
     a = p.parse_args(argv)
     import jax
 

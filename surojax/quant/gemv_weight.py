@@ -15,8 +15,9 @@ kernel: `pallas_kernels.decode_gemv.api.converts`).
 
 `matmul(x)` takes the kernel for M <= 8 rows where the setting says (pallas_kernels.decode_gemv.api.choose), and
 XLA's einsum on the transposed weight otherwise (prefill, more rows: cuBLAS reads either orientation; a stacked
-weight's layer is sliced out there, as LaidOut's XLA path does). `gated_matmul(x, activation)`: a joined gate/up
-weight's act(gate) * up in the kernel's epilogue (the MLP, surojax.models.layers.mlp). The values are the
+weight's layer is sliced out there, as LaidOut's XLA path does). `fused_matmul(x, norm_weight=, activation=,
+residual=)`: the same product with the kernel's RMSNorm prologue, a joined gate/up weight's act(gate) * up and the
+residual add (surojax.models.layers.linear.fused_linear: the decoder's blocks ask for them at decode). The values are the
 kernel's, bit for bit (`dequantize` transposes back). Serving only: the kernel has no gradient.
 """
 from __future__ import annotations
@@ -88,13 +89,18 @@ class GemvWeight(QuantFormat):
             return decode_gemv(x, self.data, layer=self.layer)
         return jnp.einsum("...k,nk->...n", x, self._own().astype(x.dtype))
 
-    def gated_matmul(self, x: jax.Array, activation: str) -> jax.Array | None:
-        """act(x @ W_gate) * (x @ W_up) [..., N/2] for a joined [gate | up] weight in the kernel's epilogue, or
-        None where the kernel does not take this call (the caller splits the plain product itself)."""
-        act = KERNEL_ACTIVATIONS.get(activation)
-        if act is None or not self._kernel_takes(x, gated=True):
+    def fused_matmul(self, x: jax.Array, *, norm_weight: jax.Array | None = None, eps: float = 1e-6,
+                     zero_centered: bool = False, activation: str | None = None,
+                     residual: jax.Array | None = None) -> jax.Array | None:
+        """The decode GEMV with what it fuses, or None where the kernel does not take this call (the caller runs
+        the ops itself): RMSNorm(x) with norm_weight first (zero_centered: Gemma's (1 + w)), act(gate) * up of a
+        joined [gate | up] weight (`activation`: the config's hidden_act), residual + the result last."""
+        act = None if activation is None else KERNEL_ACTIVATIONS.get(activation)
+        if (activation is not None and act is None) or not self._kernel_takes(x, gated=act is not None):
             return None
-        return decode_gemv(x, self.data, layer=self.layer, activation=act)
+        norm = None if norm_weight is None else ("zero_centered" if zero_centered else "plain")
+        return decode_gemv(x, self.data, layer=self.layer, norm_weight=norm_weight, norm=norm, eps=eps,
+                           activation=act, residual=residual)
 
     def __repr__(self) -> str:
         return f"GemvWeight({self.source}, data={list(self.data.shape)})"

@@ -1,7 +1,7 @@
 """The decode GEMV in a served model (SUROJAX_DECODE_GEMV, surojax.quant.gemv_weight): `decode_weights` lays the plain
 Linear kernels out transposed only when the setting resolves to the kernel, the joined projections stay the same
 values, a forward of a few rows through the kernels gives XLA's logits, and the engine decodes the same greedy tokens through the kernel (interpret mode) as through XLA, its decode
-step taking the kernel for every linear and the gated product for the joined gate/up."""
+step taking the kernel for every linear with the block's RMSNorms, gated product and residual adds fused."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,15 +55,17 @@ def test_served_greedy_tokens_through_the_decode_gemv_equal_xla(monkeypatch):
 
     calls = []
     real = gemv_weight.decode_gemv
-    monkeypatch.setattr(gemv_weight, "decode_gemv",
-                        lambda x, w, **kw: calls.append((x.shape, w.shape, kw.get("activation"))) or real(x, w, **kw))
+    monkeypatch.setattr(gemv_weight, "decode_gemv", lambda x, w, **kw: calls.append(
+        (x.shape, w.shape[-2:], kw.get("norm"), kw.get("activation"), kw.get("residual") is not None))
+        or real(x, w, **kw))
     prompts = [[5, 9, 33, 2, 71, 8], [40, 41, 42]]
     with use_kernel_settings(decode_gemv="xla"):
         want = _greedy(plain, prompts)
     with use_kernel_settings(decode_gemv="pallas"):
         assert _greedy(served, prompts) == want
-    # the decode step (rows <= 8) took the kernel: qkv [128, 64], o, down, and gate/up with its gated product;
-    # the prefill (more rows) took XLA's einsum on the same weights
-    kinds = {(w[-2:], act) for _, w, act in calls}
-    assert kinds == {((128, 64), None), ((64, 64), None), ((256, 64), "silu"), ((64, 128), None)}
-    assert all(int(np.prod(x[:-1])) <= 8 for x, _, _ in calls)
+    # the decode step (rows <= 8) took the kernel with the block's ops fused: qkv [128, 64] with the attention
+    # norm, o with the residual, gate/up with the MLP norm and silu(gate) * up, down with the residual; the prefill
+    # (more rows) took XLA's einsum on the same weights
+    assert {c[1:] for c in calls} == {((128, 64), "plain", None, False), ((64, 64), None, None, True),
+                                      ((256, 64), "plain", "silu", False), ((64, 128), None, None, True)}
+    assert all(int(np.prod(x[:-1])) <= 8 for x, *_ in calls)
