@@ -75,8 +75,10 @@ SMOKE_SHAPES = {"debug": _layer(64, 64, 32, 128)}
 def _candidates():
     from pallas_kernels.decode_gemv.kernel import GemvTiles
 
-    return [GemvTiles(bn, bk, w, s) for bn, bk, w, s in
-            ((4, 1024, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4), (64, 128, 8, 3))]
+    return [GemvTiles(bn, bk, w, s, d) for bn, bk, w, s, d in
+            ((4, 1024, 4, 3, False), (8, 512, 4, 3, False), (16, 256, 4, 3, False), (16, 512, 8, 3, False),
+             (64, 128, 8, 3, False),   # the sum over bk every step; below: summed once after the loop
+             (4, 512, 4, 3, True), (8, 256, 4, 3, True), (16, 256, 8, 3, True), (32, 128, 8, 3, True))]
 
 
 CANDIDATES = _candidates()

@@ -5,6 +5,7 @@ stored TRANSPOSED, [N, K] with K contiguous (laid out once at load), one Pallas 
     grid (N_out / bn,)   program j owns output columns [j bn, (j+1) bn) of every row
     loop over K in steps of bk: load the weight tile w [bn, bk] (contiguous rows: bn runs of bk values),
                           and for each of the M rows  acc_i [bn] += sum_k w * x_i[k]   (fp32 products and sums)
+                          (tiles.deferred: acc_i [bn, bk] += w * x_i, summed over bk once after the loop)
     epilogue: acc cast to x's dtype, then the optional gated product and residual add, stored
 
 Why this shape. At M <= 8 the product is bound by the weight's bytes: every weight value is read once, by one
@@ -52,15 +53,26 @@ MIN_BN, MIN_BK = 4, 32
 @dataclasses.dataclass(frozen=True)
 class GemvTiles:
     """bn: output columns per program; bk: K values per loop step (the weight tile is [bn, bk]); Triton's
-    num_warps / num_stages."""
+    num_warps / num_stages. deferred: each row accumulates the [bn, bk] products elementwise and sums over bk once
+    after the loop (no cross-thread reduction per step), where the accumulators fit DEFERRED_REGISTERS fp32
+    registers per thread (`deferred_for`); else the sum over bk is taken every step."""
 
     bn: int = 16
     bk: int = 512
     num_warps: int = 4
     num_stages: int = 3
+    deferred: bool = False
 
     def label(self) -> str:
-        return f"bn{self.bn}-bk{self.bk}-w{self.num_warps}-s{self.num_stages}"
+        return f"bn{self.bn}-bk{self.bk}-w{self.num_warps}-s{self.num_stages}{'-defer' if self.deferred else ''}"
+
+
+DEFERRED_REGISTERS = 64
+
+
+def deferred_for(tiles: GemvTiles, accumulators: int) -> bool:
+    """Whether `accumulators` [bn, bk] fp32 accumulators (rows x 1 or 2) fit the deferred sum's register budget."""
+    return tiles.deferred and accumulators * tiles.bn * tiles.bk <= DEFERRED_REGISTERS * 32 * tiles.num_warps
 
 
 def _pow2(v: int) -> bool:
@@ -97,7 +109,7 @@ def shape_error(n: int, k: int, gated: bool = False, tiles: GemvTiles = GemvTile
 
 
 def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: int, bk: int, n_k: int,
-                 norm: str | None, eps: float, activation: str | None, residual: bool):
+                 norm: str | None, eps: float, activation: str | None, residual: bool, deferred: bool):
     """One program: output columns [j bn, (j+1) bn) of the M rows (module docstring). n: the weight's rows per
     layer (its N); half: the up rows' offset in a gated weight (0: not gated)."""
     refs = list(refs)
@@ -136,15 +148,19 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: 
         w = w_ref[pl.ds(row0, bn), cols].astype(f32)                    # [bn, bk]
         wu = w_ref[pl.ds(row0 + half, bn), cols].astype(f32) if gated else None
         out = []
+        reduce = (lambda p: p) if deferred else (lambda p: jnp.sum(p, axis=1))  # noqa: E731
         for i in range(m):
             x = row(i, cols)
-            out.append(accs[len(out)] + jnp.sum(w * x, axis=1))
+            out.append(accs[len(out)] + reduce(w * x))
             if gated:
-                out.append(accs[len(out)] + jnp.sum(wu * x, axis=1))
+                out.append(accs[len(out)] + reduce(wu * x))
         return tuple(out)
 
     per_row = 2 if gated else 1
-    accs = jax.lax.fori_loop(0, n_k, step, tuple(jnp.zeros((bn,), f32) for _ in range(m * per_row)))
+    shape = (bn, bk) if deferred else (bn,)
+    accs = jax.lax.fori_loop(0, n_k, step, tuple(jnp.zeros(shape, f32) for _ in range(m * per_row)))
+    if deferred:
+        accs = tuple(jnp.sum(a, axis=1) for a in accs)
     out_cols = pl.ds(j * bn, bn)
     rd = lambda v: v.astype(dt).astype(f32)  # noqa: E731  one rounding to dt, as each of the decoder's ops
     for i in range(m):
@@ -206,7 +222,8 @@ def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | 
     if residual is not None and residual.shape != (m, n_out):
         raise ValueError(f"decode GEMV: residual {residual.shape}, expected {(m, n_out)}")
     kernel = functools.partial(_gemv_kernel, m=m, n=n, half=n_out if gated else 0, bn=bn, bk=bk, n_k=k // bk,
-                               norm=norm, eps=float(eps), activation=activation, residual=residual is not None)
+                               norm=norm, eps=float(eps), activation=activation, residual=residual is not None,
+                               deferred=deferred_for(tiles, m * (2 if gated else 1)))
     args = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w]
     args += [norm_weight] if norm is not None else []
     args += [residual] if residual is not None else []
@@ -217,4 +234,5 @@ def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | 
                           name=name)(*args)
 
 
-__all__ = ["ACTIVATIONS", "MAX_ROWS", "NORMS", "GemvTiles", "fit", "gemv", "shape_error"]
+__all__ = ["ACTIVATIONS", "DEFERRED_REGISTERS", "MAX_ROWS", "NORMS", "GemvTiles", "deferred_for", "fit", "gemv",
+           "shape_error"]

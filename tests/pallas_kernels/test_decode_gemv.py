@@ -63,6 +63,19 @@ def test_matches_the_reference(case, dtype):
         assert np.mean(got != want) < 0.05
 
 
+def test_the_deferred_sum_matches_the_reference():
+    """tiles.deferred (elementwise [bn, bk] accumulators, one sum after the loop) with every fused form, fp32."""
+    from pallas_kernels.decode_gemv.kernel import deferred_for
+
+    tiles = GemvTiles(bn=8, bk=128, deferred=True)
+    assert deferred_for(tiles, 3 * 2) and not deferred_for(tiles, 8 * 2 * 2)  # the register budget
+    opts = {"norm": "plain", "activation": "silu", "residual": True}
+    x, w, kw = _operands(3, 512, 256, True, opts, jnp.float32, seed=2)
+    got = decode_gemv(x, w, layer=0, tiles=tiles, interpret=True, **kw)
+    want = _reference(x, w, kw, 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=reorder_atol(512, np.float32, float(np.max(np.abs(want)))))
+
+
 def test_default_tiles_cover_odd_widths_and_refuse_what_they_cannot():
     """N off the default column block is handled (the block shrinks to a power-of-2 divisor); widths and Ks the
     smallest blocks cannot tile, and more than MAX_ROWS rows, are refused by name."""
