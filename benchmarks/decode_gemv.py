@@ -152,7 +152,7 @@ def per_linear(a) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.decode_gemv.api import on_gpu
+    from pallas_kernels.decode_gemv.api import on_gpu, tiles_for
     from pallas_kernels.decode_gemv.kernel import fit
 
     interpret = not on_gpu()
@@ -161,6 +161,7 @@ def per_linear(a) -> list[dict]:
     rows = (1, 3) if a.smoke else ROWS
     cands = CANDIDATES[:2] if a.smoke else CANDIDATES
     results = []
+    t_start = time.perf_counter()
     for model, linears in shapes.items():
         for lin in linears:
             nbytes = lin.n * lin.k * 2
@@ -174,6 +175,8 @@ def per_linear(a) -> list[dict]:
                 row = {"model": model, "linear": lin.name, "N": lin.n, "K": lin.k, "M": m, "layers": layers}
                 for fused in (False, True):
                     tried = cands if m == rows[0] and not fused else [best]  # the sweep: M = 1, the plain GEMV
+                    if best is None and time.perf_counter() - t_start > a.sweep_budget_s:  # past it: defaults only
+                        tried = [tiles_for(n_out, lin.k)]
                     times = {}
                     for tiles in tried:
                         t = fit(tiles, n_out, lin.k)
@@ -250,6 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, interpret mode")
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--no-engine", action="store_true", help="skip the engine A/B")
+    p.add_argument("--sweep-budget-s", type=float, default=150.0,
+                   help="seconds of the per-linear part after which a linear's tile sweep is skipped (the default "
+                        "tiles only), so that one GPU call stays under ~5 minutes")
     p.add_argument("--engine-users", default="1",
                    help="users of the engine A/B (comma list; e.g. 1,16: above 8 rows the transposed weights go "
                         "through XLA's einsum, which must not be slower than the [K, N] path)")
