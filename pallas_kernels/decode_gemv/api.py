@@ -53,7 +53,7 @@ def choose(m: int, mode: str = "auto") -> str:
     _check_mode(mode)
     if mode == "pallas":
         return "pallas" if m <= MAX_ROWS else "xla"
-    if mode == "auto" and on_gpu() and m <= AUTO_MAX_M:
+    if mode == "auto" and on_gpu() and m <= min(AUTO_MAX_M, MAX_ROWS):
         return "pallas"
     return "xla"
 
