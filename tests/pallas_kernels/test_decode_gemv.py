@@ -105,3 +105,20 @@ def test_lowers_to_triton_for_an_h200():
     assert TRITON in _lower(fn, x, w, jnp.int32(1), kw["norm_weight"])
     r = jnp.zeros((1, 1024), jnp.bfloat16)
     assert TRITON in _lower(lambda x, w, r: decode_gemv(x, w, residual=r, interpret=False), x[:1], w[0, :1024], r)
+
+
+def test_the_mode_choice(monkeypatch):
+    """pallas: the kernel up to MAX_ROWS rows; xla: never; auto: only on a GPU and up to the measured AUTO_MAX_M
+    (0 until benchmarks/decode_gemv.py has measured it), weights laid out for it only where it can be taken."""
+    from pallas_kernels.decode_gemv import api
+
+    assert [api.choose(m, "pallas") for m in (1, MAX_ROWS, MAX_ROWS + 1)] == ["pallas", "pallas", "xla"]
+    assert api.converts("pallas") and not api.converts("xla") and api.choose(1, "xla") == "xla"
+    monkeypatch.setattr(api, "on_gpu", lambda: True)
+    assert not api.converts("auto") and api.choose(1, "auto") == "xla"  # AUTO_MAX_M = 0: not measured yet
+    monkeypatch.setattr(api, "AUTO_MAX_M", 4)
+    assert api.converts("auto") and [api.choose(m, "auto") for m in (4, 5)] == ["pallas", "xla"]
+    monkeypatch.setattr(api, "on_gpu", lambda: False)
+    assert not api.converts("auto") and api.choose(1, "auto") == "xla"
+    with pytest.raises(ValueError, match="decode_gemv mode 'fast'"):
+        api.choose(1, "fast")
