@@ -15,7 +15,9 @@ benchmarks/paged_decode_sweep.py's grid (the paged decode-attention kernel, Qwen
 768-slot block table). `dump-gdn` writes the three kernels of the gated delta rule's "pallas_v2" forward
 (pallas_kernels/gated_delta/kernel_v2.py: wy, state, output) at Qwen3.5-0.8B shapes (8 x 2048, H 16, Dk = Dv =
 128, bf16) for each setting of GDN_V2_GRID, and the four of its backward (kernel_v2_bwd.py: wy_t, state, dqkw,
-wy_bwd) for each of GDN_V2_BWD_GRID. `compile` needs only `triton` (it imports nothing else from here); it
+wy_bwd) for each of GDN_V2_BWD_GRID. `dump-gemv` writes the decode GEMV (pallas_kernels/decode_gemv) at the
+Qwen3-0.6B and Qwen3-8B linears' shapes, M = 1 and 8, for each tile configuration benchmarks/decode_gemv.py sweeps
+(and its fused forms: the RMSNorm prologue, the gated product, the residual). `compile` needs only `triton` (it imports nothing else from here); it
 also reports registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
 """
 from __future__ import annotations
@@ -160,6 +162,32 @@ def dump_gdn(out: str) -> None:
                                           for name, warps in zip(names, w)])
 
 
+def dump_gemv(out: str) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import decode_gemv as bench
+    from pallas_kernels.decode_gemv.api import tiles_for
+    from pallas_kernels.decode_gemv.kernel import fit, gemv
+
+    os.makedirs(out, exist_ok=True)
+    sd = jax.ShapeDtypeStruct
+    with _h200_triton_writer() as write:
+        for model, linears in bench.SHAPES.items():
+            for lin in linears:
+                n_out = lin.n // 2 if lin.gated else lin.n
+                for m in (1, 8):
+                    for tiles in {tiles_for(n_out, lin.k), *(fit(t, n_out, lin.k) for t in bench.CANDIDATES)}:
+                        args = [sd((m, lin.k), jnp.bfloat16), sd((lin.n, lin.k), jnp.bfloat16), sd((), jnp.int32),
+                                sd((lin.k,), jnp.bfloat16) if lin.norm else None,
+                                sd((m, n_out), jnp.bfloat16) if lin.residual else None]
+                        fn = jax.jit(lambda *a, lin=lin, tiles=tiles: gemv(
+                            *a, n=lin.n, tiles=tiles, norm="plain" if lin.norm else None,
+                            activation="silu" if lin.gated else None))
+                        write(fn, args, os.path.join(out, f"gemv_{model}_{lin.name}_m{m}_{tiles.label()}.ttir"))
+
+
 def _registers(ptx: str, out_dir: str) -> str:
     """Registers per thread and spill stores from the bundled ptxas -v (sm_90a), or '' where it cannot run."""
     import subprocess
@@ -210,7 +238,7 @@ def compile_all(src: str) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("step", choices=("dump", "dump-paged", "dump-gdn", "compile"))
+    p.add_argument("step", choices=("dump", "dump-paged", "dump-gdn", "dump-gemv", "compile"))
     p.add_argument("dir")
     p.add_argument("--formats", default="q4_k,q5_k,q6_k,q8_0,nf4,nvfp4,fp8")
     args = p.parse_args(argv)
@@ -219,6 +247,9 @@ def main(argv=None) -> int:
         return 0
     if args.step == "dump-gdn":
         dump_gdn(args.dir)
+        return 0
+    if args.step == "dump-gemv":
+        dump_gemv(args.dir)
         return 0
     if args.step == "dump-paged":
         dump_paged(args.dir)

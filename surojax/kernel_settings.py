@@ -24,6 +24,11 @@
     moe_decode     SUROJAX_MOE_DECODE     auto | gather | grouped  models/layers/moe: few-row MoE calls gather the
                                                                    routed experts' weights (auto: by the crossover
                                                                    there) or run the grouped GEMM over all experts
+    decode_gemv    SUROJAX_DECODE_GEMV    auto | pallas | xla      quant/gemv_weight: a served model's plain (bf16 /
+                                                                   fp32) linears laid out [N, K] at load for the
+                                                                   decode GEMV kernel (pallas_kernels/decode_gemv),
+                                                                   which takes calls of <= 8 rows; auto = xla until
+                                                                   benchmarks/decode_gemv.py measures it on a GPU
 
 Each choice changes what compiles, not what a config means: the defaults are the measured best (the modules above
 say why), the variables exist for A/B runs. A variable that changed what compiles without a word was the defect
@@ -77,6 +82,12 @@ class MoeDecode(enum.StrEnum):
     GROUPED = "grouped"  # the grouped GEMM over all E experts at every size (the path before the gather existed)
 
 
+class DecodeGemv(enum.StrEnum):
+    AUTO = "auto"      # the kernel where measured faster on a GPU (pallas_kernels/decode_gemv/api.py AUTO_MAX_M)
+    PALLAS = "pallas"  # the kernel for every decode call of <= 8 rows (interpret mode off a GPU)
+    XLA = "xla"        # the weights stay [K, N], XLA's GEMV
+
+
 class GatedDelta(enum.StrEnum):
     AUTO = "auto"            # pallas_kernels/gated_delta's measured choice for the backend
     PALLAS = "pallas"        # the Pallas (Triton) forward and backward kernels (interpret mode off a GPU)
@@ -95,7 +106,7 @@ VARIABLES: dict[str, str] = {  # field -> its environment variable
     "fp8_dot": "SUROJAX_FP8_DOT", "fp8_accum": "SUROJAX_FP8_ACCUM", "fp8_wgrad": "SUROJAX_FP8_WGRAD",
     "fp8_cast": "SUROJAX_FP8_CAST", "quant_matmul": "SUROJAX_QUANT_MATMUL", "adam8bit": "SUROJAX_ADAM8BIT",
     "gated_delta": "SUROJAX_GATED_DELTA", "gated_delta_bwd": "SUROJAX_GATED_DELTA_BWD",
-    "moe_decode": "SUROJAX_MOE_DECODE",
+    "moe_decode": "SUROJAX_MOE_DECODE", "decode_gemv": "SUROJAX_DECODE_GEMV",
 }
 
 
@@ -114,6 +125,7 @@ class KernelSettings:
     gated_delta: GatedDelta = GatedDelta.AUTO
     gated_delta_bwd: GatedDeltaBwd = GatedDeltaBwd.AUTO
     moe_decode: MoeDecode = MoeDecode.AUTO
+    decode_gemv: DecodeGemv = DecodeGemv.AUTO
     from_environment: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
     """the variables that were set when these settings were read (printed even where they name the default)"""
 
@@ -183,6 +195,6 @@ def use_kernel_settings(settings: KernelSettings | None = None, **changes) -> It
         set_kernel_settings(before)
 
 
-__all__ = ["VARIABLES", "Adam8bit", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
+__all__ = ["VARIABLES", "Adam8bit", "DecodeGemv", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
            "KernelSettingsError", "MoeDecode", "QuantMatmul", "kernel_settings", "set_kernel_settings",
            "use_kernel_settings"]

@@ -71,9 +71,13 @@ class Block(nnx.Module):
         picks one (`ModelConfig.layer_rope`)."""
         if rope is not None:
             cos, sin = cos[rope], sin[rope]
-        a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window)
-        h, kv, stats = _mlp_residual(self, h + (a if self.attn_post_norm is None else self.attn_post_norm(a)), kv,
-                                     segment_ids)
+        if self.attn_post_norm is None:  # h + Attention(RMSNorm(h)), the norm and the add handed in (decode GEMV)
+            h, kv = self.attn(h, cos, sin, segment_ids, positions, kv, kv_meta, window, norm=self.attn_norm,
+                              residual=h)
+        else:
+            a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window)
+            h = h + self.attn_post_norm(a)
+        h, kv, stats = _mlp_residual(self, h, kv, segment_ids)
         if self.layer_scalar is not None:  # Gemma 4: the whole layer's output times its scalar
             h = h * self.layer_scalar[...].astype(h.dtype)
         return h, kv, stats
@@ -86,12 +90,13 @@ def _mlp_residual(block: nnx.Module, h, kv, segment_ids):
     if isinstance(block.mlp, MoE):
         m, stats = block.mlp(block.mlp_norm(h), segment_ids)
         return h + m, kv, stats
-    m = block.mlp(block.mlp_norm(h))
-    stats = None
-    if getattr(block, "moe", None) is not None:
+    if getattr(block, "moe", None) is not None:  # Gemma 4's MoE block beside the MLP (sandwich norms)
         e, stats = block.moe(block.moe_pre_norm(h), segment_ids, router_input=h)
-        m = block.mlp_post_norm_dense(m) + block.moe_post_norm(e)
-    return h + (m if block.mlp_post_norm is None else block.mlp_post_norm(m)), kv, stats
+        m = block.mlp_post_norm_dense(block.mlp(block.mlp_norm(h))) + block.moe_post_norm(e)
+        return h + block.mlp_post_norm(m), kv, stats
+    if block.mlp_post_norm is None:  # the norm and the add handed in: the decode GEMV's prologue / epilogue
+        return block.mlp(h, norm=block.mlp_norm, residual=h), kv, None
+    return h + block.mlp_post_norm(block.mlp(block.mlp_norm(h))), kv, None
 
 
 def _norms_and_mlp(block: nnx.Module, cfg: ModelConfig, param_dtype, rngs) -> None:

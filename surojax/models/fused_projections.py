@@ -15,7 +15,7 @@ size, where a launch amortises better. Prefill gets one wider GEMM instead of th
 The joined kernel holds the same values side by side, so each output column is the same dot product as before;
 results may differ only where the GEMM's blocking orders a column's K sum differently (one rounding of the
 compute dtype). Joined: plain kernels of one dtype, and weights that can join columns themselves
-(`join_columns`: surojax.quant.laid_out.LaidOut of one layout). Left as they are: LoRA-wrapped or quantised
+(`join_columns`: surojax.quant.laid_out.LaidOut of one layout, surojax.quant.gemv_weight.GemvWeight of one dtype). Left as they are: LoRA-wrapped or quantised
 parts (GGUF blocks, a Q4_K / Q6_K mix), MoE experts. The parts' names are gone afterwards (checkpoints,
 adapters, exports name them), so this is for a model that only serves: `surojax serve` without LoRA slots and
 `surojax generate` call it after laying out the decode kernels' weights (surojax.quant.laid_out.decode_weights).

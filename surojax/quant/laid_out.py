@@ -21,6 +21,10 @@ longer time to the first token of a Qwen3-8B Q4_K prompt, benchmarks/RESULTS.md#
 `kernel_layout(kt)` costs nothing (`layout_is_free`), which is what lets `quant_matmul`'s auto dispatch pick
 the decode kernel for small M. Memory: the layout keeps float32 scales (and offsets) per block: Q4_K 6 bits per
 weight instead of 4.5, Q6_K ~10 instead of 6.6, NF4 4.5 (~4.1 with double quantisation).
+
+Plain kernels have a second decode path: `transpose_for_gemv` turns them into GemvWeights ([N, K], K contiguous;
+surojax.quant.gemv_weight) for the decode GEMV kernel (pallas_kernels.decode_gemv), when SUROJAX_DECODE_GEMV says
+(decode_weights runs it first; the plain kernels it takes are then no longer LaidOut candidates).
 """
 from __future__ import annotations
 
@@ -32,12 +36,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.decode_gemv.api import converts as gemv_converts
+from pallas_kernels.decode_gemv.api import weight_error as gemv_weight_error
 from pallas_kernels.quant_matmul.api import decode_layouts
 from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec, layout_error, plain_layout
 from pallas_kernels.quant_matmul.reference import dequantize_layout
 from surojax.kernel_settings import kernel_settings
 from surojax.models.fused_projections import fuse_projections
+from surojax.models.layers.linear import Linear
 from surojax.quant.base import FORMATS, QuantFormat
+from surojax.quant.gemv_weight import GemvWeight
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
 
@@ -266,17 +274,45 @@ def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int =
     return done
 
 
+GEMV_DTYPES = ("bfloat16", "float16", "float32")  # plain kernels the decode GEMV takes
+
+
+def transpose_for_gemv(model) -> dict[str, int]:
+    """Convert, in place, every plain Linear kernel [L, K, N] of the decoder's layer stacks (a dtype of GEMV_DTYPES,
+    a shape the kernel tiles) into a GemvWeight [L, N, K] (surojax.quant.gemv_weight) for the decode GEMV
+    kernel. The embedding, the LM head and expert weights stay as they are. -> {"gemv_t:<dtype>": kernels}."""
+    done: dict[str, int] = {}
+    for _, module in nnx.iter_graph(getattr(model, "layers", model)):
+        var = getattr(module, "kernel", None) if isinstance(module, Linear) else None
+        if not isinstance(var, nnx.Param):
+            continue
+        w = var.get_value()
+        if not isinstance(w, jax.Array) or w.ndim != 3 or jnp.dtype(w.dtype).name not in GEMV_DTYPES:
+            continue
+        if gemv_weight_error(w.shape[2], w.shape[1]):
+            continue
+        module.kernel = QuantParam(jax.jit(GemvWeight.from_kernel)(w), **var.get_metadata())
+        key = f"gemv_t:{jnp.dtype(w.dtype).name}"
+        done[key] = done.get(key, 0) + 1
+    return done
+
+
 def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     """Make the model's weights what a decode step reads best, in place, once after loading (what `surojax
     serve` (build_server) and `surojax generate` run):
+    - first, where SUROJAX_DECODE_GEMV resolves to the decode GEMV kernel (pallas_kernels.decode_gemv.api.converts),
+      the plain Linear kernels go transposed into GemvWeights for it (`transpose_for_gemv`); what follows then
+      takes only the quantised ones;
     - the Linear kernels whose decode GEMVs take the fused kernel go into its layout: the layouts and sizes
       `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU those with a measured crossover
       DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more);
     - join_projections: then q / k / v and gate / up become one GEMM each where their kernels can be joined
       (surojax.models.fused_projections). Off where LoRA slots will wrap the parts by name.
     Idempotent. -> {layout: kernels converted}."""
-    layouts, min_values = decode_layouts(kernel_settings().quant_matmul.value)
-    done = lay_out_model(model, layouts, min_values)
+    settings = kernel_settings()
+    done = transpose_for_gemv(model) if gemv_converts(settings.decode_gemv.value) else {}
+    layouts, min_values = decode_layouts(settings.quant_matmul.value)
+    done.update(lay_out_model(model, layouts, min_values))
     if done:
         log.info("decode kernels: weights laid out once for the fused decode GEMV: %s",
                  ", ".join(f"{k} x{v}" for k, v in sorted(done.items())))
@@ -285,4 +321,5 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     return done
 
 
-__all__ = ["LaidOut", "LaidOutMixed", "decode_weights", "lay_out", "lay_out_mixed", "lay_out_model"]
+__all__ = ["GEMV_DTYPES", "LaidOut", "LaidOutMixed", "decode_weights", "lay_out", "lay_out_mixed", "lay_out_model",
+           "transpose_for_gemv"]

@@ -60,7 +60,7 @@ from surojax.models.kv import MASKED as _MASKED
 from surojax.models.kv import AttendSpec, KVMeta, LayerKV, attention_mask, softmax_with_sinks
 from surojax.models.layers.attention_backend import (AUTO, DEFAULT_MAX_SEGMENTS, AttentionBackend, AttentionKind,
                                                      as_attention_backend)
-from surojax.models.layers.linear import Linear
+from surojax.models.layers.linear import Linear, fused_linear
 from surojax.models.layers.norm import RMSNorm, rms_norm_unscaled
 from surojax.models.layers.params import param
 from surojax.models.layers.rope import apply_rope
@@ -237,8 +237,13 @@ class Attention(nnx.Module):
         self.sinks = param(rngs, (cfg.num_heads,), ("heads",), param_dtype) if cfg.attention_sinks else None
 
     def __call__(self, x, cos, sin, segment_ids, positions, kv: LayerKV | None = None,
-                 kv_meta: KVMeta | None = None, window: int | None = None):
+                 kv_meta: KVMeta | None = None, window: int | None = None, *, norm=None,
+                 residual: jax.Array | None = None):
         """x [B, T, D]; cos/sin [B, T, H]; segment_ids/positions [B, T] -> (y [B, T, D], kv).
+
+        norm (the block's RMSNorm): x is the un-normalised stream, normalised here; residual: y = residual + the
+        attention's output. At decode a weight laid out for the decode GEMV runs them in the joined qkv
+        projection's prologue and o_proj's epilogue (linear.fused_linear); elsewhere they are the same ops.
 
         Without a cache (kv None): self-attention over the packed rows. With one: `kv` is this layer's view of
         the cache (any `LayerKV`) and `kv_meta` the call's metadata its cache made (`Cache.step`); the view
@@ -252,8 +257,11 @@ class Attention(nnx.Module):
         B, T, _ = x.shape
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
         Q = N * H * (2 if self.output_gate else 1)
+        qkv = None if norm is None or self.qkv_proj is None else fused_linear(self.qkv_proj, x, norm=norm)
+        if qkv is None and norm is not None:
+            x = norm(x)
         if self.qkv_proj is not None:  # [B, T, (N + 2K) H]: one read of x, one GEMM (decode: one GEMV launch)
-            q, k, v = jnp.split(self.qkv_proj(x), [Q, Q + K * H], axis=-1)
+            q, k, v = jnp.split(self.qkv_proj(x) if qkv is None else qkv, [Q, Q + K * H], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         gate = None
@@ -276,7 +284,11 @@ class Attention(nnx.Module):
         out = out.reshape(B, T, N * H)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.reshape(B, T, N * H))
-        return self.o_proj(out), kv
+        y = None if residual is None else fused_linear(self.o_proj, out, residual=residual)
+        if y is None:
+            y = self.o_proj(out)
+            y = y if residual is None else residual + y
+        return y, kv
 
     def _cudnn_self_attention(self, q, k, v, segment_ids, positions, sliding_window: int | None):
         """cuDNN over packed rows, with this layer's static window."""

@@ -2,7 +2,8 @@
 
 `dot(x, w)` is the one matmul entry point: a plain array is multiplied by XLA; a quantised weight (any
 pytree with a `matmul` method, see surojax.quant) dispatches to its own kernel. LoRA, quantisation and
-offload replace or wrap these modules from outside the model code.
+offload replace or wrap these modules from outside the model code. `fused_linear` is the decode path's variant: the
+product with the RMSNorm before it and the gated product / residual after it, where the weight's kernel fuses them.
 """
 from __future__ import annotations
 
@@ -37,3 +38,18 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
+
+
+def fused_linear(lin, x: jax.Array, *, norm=None, activation: str | None = None,
+                 residual: jax.Array | None = None) -> jax.Array | None:
+    """lin(norm(x)), or act(gate) * up of a joined [gate | up] lin (`activation`: a hidden_act name), plus
+    `residual`, computed by one kernel where lin's kernel offers `fused_matmul` (the decode GEMV's GemvWeight,
+    surojax.quant.gemv_weight, at a decode call) -> the result, or None: the caller runs the ops itself.
+    norm: an RMSNorm-like module (scale, eps, zero_centered) or None. A plain Linear without bias only."""
+    if type(lin) is not Linear or lin.bias is not None:
+        return None
+    fused = getattr(lin.kernel[...], "fused_matmul", None)
+    if fused is None:
+        return None
+    kw = {} if norm is None else dict(norm_weight=norm.scale[...], eps=norm.eps, zero_centered=norm.zero_centered)
+    return fused(x, activation=activation, residual=residual, **kw)

@@ -1,0 +1,110 @@
+"""`decode_gemv(x, wt, ...)`: the decode GEMV (kernel.py) for a caller's few rows, and the choice between it and XLA.
+
+    x [..., K] with M = prod(leading) <= MAX_ROWS rows; wt [N, K] (the weight TRANSPOSED, K contiguous), or a
+    layer stack [L, N, K] read in place at `layer`; optional RMSNorm prologue (`norm_weight`, `norm` = plain |
+    zero_centered, `eps`), gated product (`activation` = silu | gelu_tanh: wt is a joined [gate; up]) and
+    residual (`residual` [..., N_out]) -> [..., N_out] in x's dtype.
+
+Mode (the caller's; surojax passes SUROJAX_DECODE_GEMV from its kernel settings, this package reads no
+environment): auto | pallas | xla.
+    pallas  the kernel for every call of M <= MAX_ROWS (interpret mode off a GPU: slow, for tests)
+    xla     never
+    auto    the kernel on a GPU for M <= AUTO_MAX_M: 0 until benchmarks/decode_gemv.py has measured the crossover
+            on a GPU, so auto is xla today
+`converts(mode)` says whether a server should lay its plain weights out transposed for the kernel at load
+(surojax.quant.gemv_weight); `choose(m, mode)` which path a call of m rows takes.
+
+Tiles: `tiles_for(n_out, k)` -- TUNED_TILES[(n_out, k)] where the benchmark found better ones, else the
+default: bn such that the grid has about MIN_PROGRAMS programs (two per SM of an H100 / H200: the weight is read
+by every SM), bk so that a weight tile holds TILE_VALUES values (registers: bn x bk / (32 num_warps) fp32 per
+thread for the tile and its products).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.decode_gemv.kernel import MAX_ROWS, MIN_BN, GemvTiles, fit, gemv, shape_error
+
+MODES = ("auto", "pallas", "xla")
+AUTO_MAX_M = 0           # auto takes the kernel for M <= this on a GPU; 0 = never, until measured
+MIN_PROGRAMS = 264
+TILE_VALUES = 4096
+TUNED_TILES: dict[tuple[int, int], GemvTiles] = {}
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"decode_gemv mode {mode!r}: expected one of {', '.join(MODES)}")
+
+
+def converts(mode: str = "auto") -> bool:
+    """Whether weights should be laid out for the kernel ([N, K]) at load under `mode`."""
+    _check_mode(mode)
+    return mode == "pallas" or (mode == "auto" and on_gpu() and AUTO_MAX_M > 0)
+
+
+def choose(m: int, mode: str = "auto") -> str:
+    """'pallas' or 'xla' for a call of m rows under `mode`."""
+    _check_mode(mode)
+    if mode == "pallas":
+        return "pallas" if m <= MAX_ROWS else "xla"
+    if mode == "auto" and on_gpu() and m <= min(AUTO_MAX_M, MAX_ROWS):
+        return "pallas"
+    return "xla"
+
+
+def tiles_for(n_out: int, k: int) -> GemvTiles:
+    """The tiles of an [N_out, K] product (module docstring), fitted to divide both."""
+    tuned = TUNED_TILES.get((n_out, k))
+    if tuned is None:
+        bn = MIN_BN
+        while bn < 64 and n_out // (2 * bn) >= MIN_PROGRAMS:
+            bn *= 2
+        tuned = GemvTiles(bn=bn, bk=max(128, min(1024, TILE_VALUES // bn)))
+    return fit(tuned, n_out, k)
+
+
+def weight_error(n: int, k: int, gated: bool = False) -> str | None:
+    """Why a weight [N, K] cannot take the kernel at its default tiles (None: it can)."""
+    return shape_error(n, k, gated, tiles_for(n // 2 if gated else n, k))
+
+
+def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = None,
+                norm_weight: jax.Array | None = None, norm: str | None = None, eps: float = 1e-6,
+                activation: str | None = None, residual: jax.Array | None = None,
+                tiles: GemvTiles | None = None, interpret: bool | None = None) -> jax.Array:
+    """x [..., K] -> [..., N_out] by the kernel (module docstring). Raises ValueError naming what does not fit:
+    more than MAX_ROWS rows, a K that differs, a weight the tiles cannot cover, a layer index without a stack."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    m = 1
+    for d in lead:
+        m *= d
+    if wt.ndim == 3:
+        if layer is None:
+            raise ValueError(f"decode GEMV: a stacked weight {wt.shape} needs the layer index")
+        rows = wt.reshape(-1, wt.shape[-1])
+    elif wt.ndim == 2:
+        if layer is not None:
+            raise ValueError(f"decode GEMV: a layer index given for one weight {wt.shape}")
+        rows, layer = wt, 0
+    else:
+        raise ValueError(f"decode GEMV: weight {wt.shape}, expected [N, K] or [L, N, K]")
+    n = wt.shape[-2]
+    if wt.shape[-1] != k:
+        raise ValueError(f"decode GEMV: x has K={k}, the transposed weight {wt.shape} has {wt.shape[-1]}")
+    n_out = n // 2 if activation is not None else n
+    tiles = fit(tiles, n_out, k) if tiles is not None else tiles_for(n_out, k)
+    if residual is not None:
+        residual = residual.reshape(m, n_out)
+    y = gemv(x.reshape(m, k), rows, jnp.asarray(layer, jnp.int32), norm_weight, residual, n=n, tiles=tiles,
+             norm=norm, eps=eps, activation=activation, interpret=(not on_gpu()) if interpret is None else interpret)
+    return y.reshape(*lead, n_out)
+
+
+__all__ = ["AUTO_MAX_M", "MAX_ROWS", "MODES", "TUNED_TILES", "GemvTiles", "choose", "converts", "decode_gemv",
+           "on_gpu", "tiles_for", "weight_error"]

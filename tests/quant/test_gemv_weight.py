@@ -1,0 +1,71 @@
+"""The decode GEMV in a served model (SUROJAX_DECODE_GEMV, surojax.quant.gemv_weight): `decode_weights` lays the plain
+Linear kernels out transposed only when the setting resolves to the kernel, the joined projections stay the same
+values, a forward of a few rows through the kernels gives XLA's logits, and the engine decodes the same greedy tokens through the kernel (interpret mode) as through XLA, its decode
+step taking the kernel for every linear with the block's RMSNorms, gated product and residual adds fused."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from surojax.generation.sampling import SamplingParams
+from surojax.kernel_settings import use_kernel_settings
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+from surojax.quant import gemv_weight
+from surojax.quant.gemv_weight import GemvWeight
+from surojax.quant.laid_out import decode_weights
+from surojax.serve.engine import Engine
+from tests.serve.configs import BUCKETS, engine_config
+
+HF = {"model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+
+
+def _greedy(model, prompts, max_tokens=5):
+    eng = Engine(model, engine_config(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=32,
+                                      max_model_len=32, buckets=BUCKETS))
+    rids = [eng.add_request(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    out = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[r] for r in rids]
+
+
+def test_served_greedy_tokens_through_the_decode_gemv_equal_xla(monkeypatch):
+    cfg = ModelConfig.from_hf(dict(HF))
+    plain = Decoder(cfg, rngs=nnx.Rngs(params=0))
+    graphdef, state = nnx.split(plain)
+    served = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    q_kernel = plain.layers.attn.q_proj.kernel.get_value()
+    with use_kernel_settings(decode_gemv="auto"):  # auto off a GPU: nothing laid out
+        assert decode_weights(plain, join_projections=False) == {}
+    with use_kernel_settings(decode_gemv="pallas"):
+        assert decode_weights(served) == {"gemv_t:float32": 7}  # q, k, v, o, gate, up, down; then joined
+    qkv = served.layers.attn.qkv_proj.kernel.get_value()
+    assert isinstance(qkv, GemvWeight) and qkv.data.shape == (2, 64 + 2 * 32, 64)
+    np.testing.assert_array_equal(qkv.dequantize(jnp.float32)[..., :64], q_kernel)  # the same values, [K, N]
+
+    tokens = jnp.asarray([[3, 17, 99, 120, 7, 42]])  # 6 rows: every linear through the kernel
+    with use_kernel_settings(decode_gemv="xla"):
+        want_logits = np.asarray(jax.jit(lambda m, t: m(t))(plain, tokens))
+    with use_kernel_settings(decode_gemv="pallas"):
+        got_logits = np.asarray(jax.jit(lambda m, t: m(t))(served, tokens))
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4 * np.max(np.abs(want_logits)))
+
+    calls = []
+    real = gemv_weight.decode_gemv
+    monkeypatch.setattr(gemv_weight, "decode_gemv", lambda x, w, **kw: calls.append(
+        (x.shape, w.shape[-2:], kw.get("norm"), kw.get("activation"), kw.get("residual") is not None))
+        or real(x, w, **kw))
+    prompts = [[5, 9, 33, 2, 71, 8], [40, 41, 42]]
+    with use_kernel_settings(decode_gemv="xla"):
+        want = _greedy(plain, prompts)
+    with use_kernel_settings(decode_gemv="pallas"):
+        assert _greedy(served, prompts) == want
+    # the decode step (rows <= 8) took the kernel with the block's ops fused: qkv [128, 64] with the attention
+    # norm, o with the residual, gate/up with the MLP norm and silu(gate) * up, down with the residual; the prefill
+    # (more rows) took XLA's einsum on the same weights
+    assert {c[1:] for c in calls} == {((128, 64), "plain", None, False), ((64, 64), None, None, True),
+                                      ((256, 64), "plain", "silu", False), ((64, 128), None, None, True)}
+    assert all(int(np.prod(x[:-1])) <= 8 for x, *_ in calls)
