@@ -171,7 +171,8 @@ EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped", "geglu")
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """The sparse feed-forward of a mixture-of-experts family (every layer of the stack is sparse).
+    """The sparse feed-forward of a mixture-of-experts family (every layer of the stack is sparse; lfm2_moe's dense
+    leading layers are stacks of their own, Gemma 4's MoE block runs beside the dense MLP).
 
     router          "softmax_topk": softmax over the E logits, then the k largest probabilities (qwen3_moe,
                     mixtral, gemma4); "topk_softmax": the k largest logits, then a softmax over those k (gpt_oss);
@@ -275,7 +276,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
-    moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in every layer (None: the dense SwiGLU MLP)
+    # a mixture-of-experts feed-forward in every layer (None: the dense SwiGLU MLP), but `dense_layers` / beside it
+    moe: MoEConfig | None = None
     # Gemma 4's MoE block (`enable_moe_block`): the MoE runs beside the dense MLP in every layer instead of replacing
     # it (decoder.Block: each branch post-normed, the sum post-normed again)
     moe_beside_mlp: bool = False
@@ -423,8 +425,9 @@ class ModelConfig:
                 raise ModelConfigError(f"model_type {family.name!r}: config.json needs a `text_config` object (the "
                                        "language model's keys)")
             hf = {**hf["text_config"], **{k: outer[k] for k in ("tie_word_embeddings",) if k in outer}}
-        if family.short_conv:
-            hf = lfm2_aliases(hf)
+        if family.short_conv:  # Lfm2MoeConfig reads `tie_embedding` too, not `block_ff_dim`
+            hf = lfm2_aliases(hf) if family.moe is None else lfm2_aliases({k: v for k, v in hf.items()
+                                                                           if k != "block_ff_dim"})
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if family.intermediate_size_key:
             required.insert(2, "intermediate_size")
