@@ -50,9 +50,9 @@ for tool in llama-batched-bench llama-quantize; do
     [ -x "$BUILD/bin/$tool" ] || { echo "llama_cpp_anchor: $BUILD/bin/$tool is missing" >&2; exit 2; }
 done
 
-# one llama-batched-bench per user count: its table rows go through llama.cpp's asynchronous log, and a process
-# that exits right after its last row sometimes loses it (seen on the CPU build: a 1,2 run printed only the 1 row),
-# (rc 0, the row never written: 2 of 6 runs of one CPU case), so a count whose row is missing is run again, up to 4 times
+# one llama-batched-bench per user count: its table rows go through llama.cpp's asynchronous log, which a process
+# exiting right after its last row sometimes loses (CPU build: rc 0 and no row in 2 of 6 runs of one case), so a
+# count whose row is missing is run again, up to 4 times
 bench_row() {  # model users -> the table's data row for that many users
     local out
     for attempt in 1 2 3 4; do
