@@ -19,7 +19,8 @@
 #   BUILD=/tmp/gm/lcpp/build SHAPE=debug-lfm2 PROMPT=32 GEN=8 USERS=1,2 bash benchmarks/anchors/llama_cpp_anchor.sh
 # SHAPE: any surojax.bench.shapes name our GGUF writer writes for llama.cpp (qwen3, llama, qwen3.5 -> qwen35,
 # gemma3_text -> gemma3, lfm2 -> lfm2: gemma3-1b, lfm2-1.2b, qwen3.5-0.8b, ...; CPU-sized debug, debug-gemma3,
-# debug-lfm2). Several shapes in one call share the build: SHAPE=gemma3-1b,lfm2-1.2b.
+# debug-lfm2). Several shapes in one call share the build: SHAPE=gemma3-1b,lfm2-1.2b. SHAPE=none: build only (in
+# the background of another job; a later call passes BUILD=$WORK/build).
 set -euo pipefail
 BUILD=${BUILD:-}
 SRC=${1:-}
@@ -49,6 +50,7 @@ fi
 for tool in llama-batched-bench llama-quantize; do
     [ -x "$BUILD/bin/$tool" ] || { echo "llama_cpp_anchor: $BUILD/bin/$tool is missing" >&2; exit 2; }
 done
+[ "$SHAPE" = none ] && exit 0
 
 # one llama-batched-bench per user count: its table rows go through llama.cpp's asynchronous log, which a process
 # exiting right after its last row sometimes loses (CPU build: rc 0 and no row in 2 of 6 runs of one case), so a
