@@ -115,6 +115,7 @@ from pallas_kernels.gated_delta.api import resolve_impl
 from pallas_kernels.gated_delta.chunked import CHUNK
 from surojax.kernel_settings import kernel_settings
 from surojax.models.layer_runner import Recompute
+from surojax.models.targets import CONV_SPELLINGS
 from surojax.offload.prefetch import PREFETCH_DEPTH
 from surojax.precision.recipe import Recipe
 from surojax.precision.linear_swap import KEPT_BF16
@@ -133,9 +134,6 @@ _ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 _DELTANET_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # a hybrid's DeltaNet layers
 _CONV_TARGETS = ("conv.in_proj", "conv.out_proj")  # LFM2's short-convolution layers (models/targets.py)
-# LFM2's HF module names as the planned targets (targets.CONV_SPELLINGS: its attention's out_proj is o_proj)
-_CONV_SPELLINGS = {"in_proj": ("conv.in_proj",), "out_proj": ("o_proj", "conv.out_proj"), "w1": ("gate_proj",),
-                   "w3": ("up_proj",), "w2": ("down_proj",)}
 _FIXED_WORKSPACE = GiB // 2
 _UNMODELLED = 0.10
 COMPONENTS = ("weights", "cast_weights", "adapters", "gradients", "optimizer", "activations", "logits", "workspace")
@@ -215,7 +213,7 @@ def _targets(targets, cfg=None) -> tuple[str, ...]:
         return names
     targets = list(targets)
     if getattr(cfg, "short_conv", None) is not None:
-        targets = [n for t in targets for n in _CONV_SPELLINGS.get(t, (t,))]
+        targets = [n for t in targets for n in CONV_SPELLINGS.get(t, (t,))]  # LFM2's HF module names
     return tuple(t for t in names if t in targets)
 
 
