@@ -3,7 +3,7 @@ weights), LoRA r16 on all-linear at seq 2048, ours at the bench's defaults (what
 recompute auto, attention auto) against transformers + PEFT (benchmarks/anchors/hf_peft_baseline.py) in the same
 job, each run in its own process.
 
-    python3 benchmarks/campaigns/gemma_lfm2_lora.py > $OUT/gl.log 2>&1                   # both shapes, ~6 min on an H100
+    python3 benchmarks/campaigns/gemma_lfm2_lora.py > $OUT/gl.log 2>&1                   # both shapes, ~7-8 min on an H100
     python3 benchmarks/campaigns/gemma_lfm2_lora.py --only lfm2-1.2b                       # one shape
     python3 benchmarks/campaigns/gemma_lfm2_lora.py --only debug-gemma3,debug-lfm2 --runs ours --seq 128   # CPU
 
