@@ -17,6 +17,8 @@ of `surojax.bench.shapes` (default qwen3-0.6b, bf16); prompts are token ids, so 
 
     python benchmarks/serve_load.py                      # H200: hf, engine, server at users 1, 16, 64
     python benchmarks/serve_load.py --smoke              # CPU: debug shape, tiny lengths, engine + server
+    python benchmarks/serve_load.py --smoke --shape debug-lfm2   # the same on a CPU-sized LFM2 (or debug-gemma3)
+    python benchmarks/serve_load.py --shape gemma3-1b --modes engine,server   # issue 40's rows (or lfm2-1.2b)
     python benchmarks/serve_load.py --modes engine,server --decode-steps 1,8   # A/B multi-step decode
 
 `--decode-steps` (comma list of powers of two or auto, the default: the server's own default) runs engine and
@@ -496,7 +498,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="requests per user, back to back")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--shape", default=None,
+                   help="a surojax.bench.shapes name (default qwen3-0.6b; debug with --smoke), e.g. gemma3-1b, "
+                        "lfm2-1.2b, qwen3.5-0.8b; CPU-sized: debug, debug-gemma3, debug-lfm2, debug-qwen3.5")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--quant", default=None, choices=["q4_k", "q5_k", "q6_k", "q8_0", "nf4", "nvfp4", "fp8"]
                    + list(GGUF_FILE_TYPES),
@@ -534,12 +538,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     raw = list(sys.argv[1:] if argv is None else argv)
     a.passthrough = [x for i, x in enumerate(raw) if x != "--modes" and (i == 0 or raw[i - 1] != "--modes")]
-    if a.smoke:
-        a.shape, a.dtype, a.prompt_len, a.max_tokens, a.rounds = "debug", "float32", 24, 8, 1
+    if a.smoke:  # a --shape given with it is kept (a CPU-sized one)
+        a.shape, a.dtype, a.prompt_len, a.max_tokens, a.rounds = a.shape or "debug", "float32", 24, 8, 1
         if a.users == "1,16,64":
             a.users = "1,4"
         if a.modes == "hf,engine,server":
             a.modes = "engine,server"
+    a.shape = a.shape or "qwen3-0.6b"
     if a.separate_projections and "server" in a.modes.split(","):
         p.error("--separate-projections is for the engine alone: `surojax serve` joins q / k / v and gate / up")
     a.users_list = [int(u) for u in a.users.split(",")]

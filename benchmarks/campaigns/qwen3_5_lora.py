@@ -28,40 +28,15 @@ bench train's default segments (the state resets at each): tokens/s counts every
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from lora_pair import ROOT, anchor_args, ours_args, print_ratios, print_table, report, run
+
 SIZES = {"0.8b": dict(shape="qwen3.5-0.8b", batch=8, hf_batch=4, steps=10, repeats=3, timeout=240),
          "9b": dict(shape="qwen3.5-9b", batch=4, hf_batch=1, steps=5, repeats=2, timeout=240),
          "debug": dict(shape="debug-qwen3.5", batch=2, hf_batch=2, steps=2, repeats=1, timeout=300)}  # CPU: ours only
 OURS = {"ours": None, "ours-pallas": "pallas", "ours-pallas-v2": "pallas_v2", "ours-chunked": "chunked"}  # name -> SUROJAX_GATED_DELTA
-
-
-def run(args: list[str], env: dict, timeout: int) -> tuple[int, str, float]:
-    t = time.perf_counter()
-    try:
-        p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        out, rc = p.stdout + "\n" + p.stderr[-4000:], p.returncode
-    except subprocess.TimeoutExpired as e:
-        out, rc = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout), 124
-    return rc, out, time.perf_counter() - t
-
-
-def json_rows(out: str) -> list[dict]:
-    rows = []
-    for ln in out.splitlines():
-        ln = ln.strip().removeprefix("RESULT ")
-        if ln.startswith("{"):
-            try:
-                rows.append(json.loads(ln))
-            except json.JSONDecodeError:
-                pass
-    return [r for r in rows if "tokens_per_s" in r]
 
 
 def main() -> int:
@@ -86,44 +61,26 @@ def main() -> int:
             if name in OURS:
                 if OURS[name]:
                     env["SUROJAX_GATED_DELTA"] = OURS[name]
-                args = ["-m", "surojax.cli.main", "bench", "train", "--shape", shape, "--mode", "lora",
-                        "--batch", str(a.batch or spec["batch"]), "--seq", str(a.seq), "--steps", str(spec["steps"]),
-                        "--repeats", str(spec["repeats"])]
+                args = ours_args(shape, batch=a.batch or spec["batch"], seq=a.seq, steps=spec["steps"],
+                                 repeats=spec["repeats"])
             elif name in ("hf-fla", "hf-torch"):
                 if name == "hf-fla":
                     if not a.fla_site:
                         print(f"[{size} {name}] skipped: no --fla-site", flush=True)
                         continue
                     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{a.fla_site}"
-                args = ["benchmarks/anchors/hf_peft_baseline.py", "--shape", shape, "--mode", "lora",
-                        "--batch", str(a.hf_batch or spec["hf_batch"]), "--seq", str(a.seq), "--steps", str(spec["steps"])]
+                args = anchor_args(shape, batch=a.hf_batch or spec["hf_batch"], seq=a.seq, steps=spec["steps"])
                 if name == "hf-fla":
                     args.append("--fla-unguarded")
             else:
                 raise SystemExit(f"qwen3_5_lora: unknown run {name!r}")
-            rc, out, wall = run(args, env, spec["timeout"])
-            rows = json_rows(out)
-            row = rows[-1] if rows else None
-            if row is None:
-                print(f"[{size} {name}] rc {rc} in {wall:.0f}s, no result:\n{out[-2500:]}", flush=True)
-            else:
+            row = report(f"{size} {name}", *run(args, env, spec["timeout"]))
+            if row is not None:
                 figures[name] = row["tokens_per_s"]
-                keep = {k: row.get(k) for k in ("tokens_per_s", "step_ms", "peak_gib", "mfu", "loss", "fla",
-                                                "compile_s", "gflops_per_token")}
-                print(f"[{size} {name}] {wall:.0f}s " + json.dumps(keep), flush=True)
             table.append((size, name, row))
-            for ours in (o for o in figures if o in OURS):  # the ratios this run completes
-                for anchor in (h for h in ("hf-fla", "hf-torch") if h in figures and name in (ours, h)):
-                    print(f"    {ours} / {anchor} = {figures[ours] / figures[anchor]:.2f}", flush=True)
+            print_ratios(figures, name, tuple(OURS), ("hf-fla", "hf-torch"))  # the ratios this run completes
     print("\n(ours at batch {}, the anchor at {})".format(a.batch or "the size's", a.hf_batch or "the size's"))
-    print("size  run            tok/s      step ms  peak GiB   MFU")
-    for size, name, row in table:
-        if row is None:
-            print(f"{size:<5} {name:<14} {'failed':>9}")
-        else:
-            mfu = row.get("mfu")
-            print(f"{size:<5} {name:<14} {row['tokens_per_s']:9.0f} {row['step_ms']:10.1f} "
-                  f"{(row.get('peak_gib') or 0):8.1f} {'' if mfu is None else f'{100 * mfu:5.1f}%'}")
+    print_table(table)
     return 0
 
 

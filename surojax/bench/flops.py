@@ -48,13 +48,17 @@ times L_l Hv tokens, and 3x that for forward + backward (as attention; the depth
 count on the layers that have them (attention targets L_a times, DeltaNet targets L_l times, MLP targets L).
 Qwen3.5-0.8B shapes, LoRA r16 on all linears, one 2048-token segment per row: 3.38 GFLOP per token (3.01 frozen
 linear, 0.07 adapters, 0.15 attention, 0.16 DeltaNet mixing).
+
+LFM2 (`cfg.short_conv`): L_c = L - L_a short-conv layers, each with in_proj [D, 3D] and out_proj [D, D] (LoRA targets
+conv.in_proj / conv.out_proj on those layers only); the depthwise conv of K taps and the gates are free. Per-layer
+windows (`cfg.layer_windows`, Gemma 3's sliding layers): each attention layer's pairs with its own window.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
 from surojax.models.config import ModelConfig
-from surojax.models.targets import ATTENTION_TARGETS, LINEAR_ATTENTION_TARGETS, LORA_TARGETS
+from surojax.models.targets import ATTENTION_TARGETS, LINEAR_ATTENTION_TARGETS, LORA_TARGETS, SHORT_CONV_TARGETS
 
 DELTANET_CHUNK = 64  # pallas_kernels/gated_delta/chunked.py CHUNK (bench/ does not import the kernels)
 PEAK_BF16_FLOPS = 731e12  # jnp.dot 8192^3 bf16 on the H200 (shared/BENCHMARKS.md, 2026-11-29)
@@ -70,7 +74,8 @@ def linear_params(cfg: ModelConfig) -> int:
     else:
         ffn = D * cfg.moe.num_experts + cfg.moe.experts_per_token * 3 * D * cfg.moe.expert_intermediate_size \
             + cfg.moe.shared_expert_params(D)  # a shared expert and its gate: every token runs them
-    deltanet = sum(d_in * d_out for d_in, d_out in _deltanet_dims(cfg).values())
+    deltanet = sum(d_in * d_out for d_in, d_out in _deltanet_dims(cfg).values())  # or a short conv's
+
     return (cfg.num_attention_layers * attention + _num_linear_layers(cfg) * deltanet + cfg.num_layers * ffn
             + D * cfg.vocab_size)
 
@@ -80,8 +85,11 @@ def _num_linear_layers(cfg: ModelConfig) -> int:
 
 
 def _deltanet_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(d_in, d_out) of a Gated DeltaNet layer's projections; {} on a model without them."""
+    """(d_in, d_out) of the second stack's projections: a Gated DeltaNet layer's or LFM2's short conv's; {} on a
+    model with one stack."""
     la, D = cfg.linear_attention, cfg.hidden_size
+    if cfg.short_conv is not None:
+        return {"conv.in_proj": (D, 3 * D), "conv.out_proj": (D, D)}
     if la is None:
         return {}
     return {"in_proj_qkv": (D, la.conv_dim), "in_proj_z": (D, la.value_dim), "in_proj_b": (D, la.num_value_heads),
@@ -152,7 +160,7 @@ def adapter_params(cfg: ModelConfig, rank: int, targets: Iterable[str] = LORA_TA
 
     def layers(t: str) -> int:  # the layers that have target t (a hybrid's attention / DeltaNet layers)
         return cfg.num_attention_layers if t in ATTENTION_TARGETS else \
-            _num_linear_layers(cfg) if t in LINEAR_ATTENTION_TARGETS else cfg.num_layers
+            _num_linear_layers(cfg) if t in LINEAR_ATTENTION_TARGETS + SHORT_CONV_TARGETS else cfg.num_layers
     return rank * sum(layers(t) * sum(dims[t]) * (k if cfg.moe is not None and t in EXPERT_TARGETS else 1)
                       for t in targets)
 
@@ -169,6 +177,19 @@ def causal_pairs(segment_lengths: Iterable[int], window: int | None = None) -> i
     return total
 
 
+def attention_pairs(cfg: ModelConfig, segment_lengths: Sequence[int]) -> int:
+    """(query, key) pairs over every attention layer, each with its own window (cfg.layer_windows)."""
+    if cfg.layer_windows is None:
+        return cfg.num_attention_layers * causal_pairs(segment_lengths, cfg.sliding_window)
+    windows = [w for w, attention in zip(cfg.layer_windows, _attention_layers(cfg)) if attention]
+    return sum(causal_pairs(segment_lengths, w) * windows.count(w) for w in set(windows))
+
+
+def _attention_layers(cfg: ModelConfig) -> list[bool]:
+    kinds = cfg.linear_attention or cfg.short_conv
+    return [True] * cfg.num_layers if kinds is None else [not k for k in kinds.layers]
+
+
 def step_flops(cfg: ModelConfig, *, mode: str, tokens: int, segment_lengths: Sequence[int], rank: int = 16,
                targets: Iterable[str] = LORA_TARGETS) -> dict[str, float]:
     """FLOPs of one optimizer step over `tokens` positions whose segments have `segment_lengths` (all rows,
@@ -176,7 +197,7 @@ def step_flops(cfg: ModelConfig, *, mode: str, tokens: int, segment_lengths: Seq
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     p_lin = linear_params(cfg)
-    attn_fwd = cfg.num_attention_layers * 4 * cfg.num_heads * cfg.head_dim * causal_pairs(segment_lengths, cfg.sliding_window)
+    attn_fwd = 4 * cfg.num_heads * cfg.head_dim * attention_pairs(cfg, segment_lengths)
     if mode == "full":
         linear, adapters = 6 * p_lin * tokens, 0
     else:

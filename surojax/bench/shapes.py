@@ -39,6 +39,33 @@ SHAPES: dict[str, dict] = {
                        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
                        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
                        rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # Gemma 3 text (transformers 5.17's Gemma3TextConfig; layer_types left to its default: every 6th layer full
+    # attention, the others sliding). 1B = google/gemma-3-1b-pt's config.json; 4B = google/gemma-3-4b-pt's
+    # text_config (linear rope scaling x8 on the full-attention layers), both with their legacy rope keys
+    # (rope_theta 1e6, rope_local_base_freq 1e4, rope_scaling) written as transformers 5's rope_parameters.
+    "gemma3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                      num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                      query_pre_attn_scalar=256, sliding_window=512, hidden_activation="gelu_pytorch_tanh",
+                      rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
+                                           sliding_attention=dict(rope_type="default", rope_theta=1e4)),
+                      max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "gemma3-4b": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                      num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      query_pre_attn_scalar=256, sliding_window=1024, hidden_activation="gelu_pytorch_tanh",
+                      rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                                           sliding_attention=dict(rope_type="default", rope_theta=1e4)),
+                      max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # LFM2-1.2B (LiquidAI/LFM2-1.2B's config.json: 10 short-convolution and 6 attention layers, full_attn_idxs
+    # [2, 5, 8, 10, 12, 14] written as layer_types; the SwiGLU's width 2/3 x 12288 = 8192 by
+    # block_auto_adjust_ff_dim, as transformers' Lfm2MLP computes it).
+    "lfm2-1.2b": dict(model_type="lfm2", vocab_size=65536, hidden_size=2048, intermediate_size=12288,
+                      block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256,
+                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, conv_L_cache=3,
+                      conv_bias=False, layer_types=["conv", "conv", "full_attention", "conv", "conv", "full_attention",
+                                                    "conv", "conv", "full_attention", "conv", "full_attention", "conv",
+                                                    "full_attention", "conv", "full_attention", "conv"],
+                      rope_parameters=dict(rope_type="default", rope_theta=1e6), norm_eps=1e-5,
+                      max_position_embeddings=128000, tie_word_embeddings=True),
     # Mixture of experts: 128 experts, 8 per token, every layer sparse; the HF MoE anchor's model
     # (benchmarks/anchors/hf_moe_baseline.py; `intermediate_size` is the dense MLP's, used by no layer).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -66,6 +93,20 @@ SHAPES: dict[str, dict] = {
                           rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                                                mrope_section=[1, 1, 0]),  # 4 rotary dims: 2 pairs
                           rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # CPU-sized Gemma 3 text: 6 layers (5 sliding of window 16, then 1 full), both ropes.
+    "debug-gemma3": dict(model_type="gemma3_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         query_pre_attn_scalar=16, sliding_window=16, hidden_activation="gelu_pytorch_tanh",
+                         rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                                              sliding_attention=dict(rope_type="default", rope_theta=1e4)),
+                         rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # CPU-sized LFM2: 4 layers (conv, conv, attention, conv).
+    "debug-lfm2": dict(model_type="lfm2", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       block_auto_adjust_ff_dim=False, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, conv_L_cache=3, conv_bias=False,
+                       layer_types=["conv", "conv", "full_attention", "conv"],
+                       rope_parameters=dict(rope_type="default", rope_theta=1e6), norm_eps=1e-5,
+                       tie_word_embeddings=True),
 }
 
 

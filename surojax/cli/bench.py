@@ -15,7 +15,8 @@ import argparse
 from surojax.cli.common import UsageError, load_config_args, positive_int
 
 SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "qwen3-32b", "llama3-70b", "qwen3.5-0.8b", "qwen3.5-9b",
-               "qwen3-30b-a3b", "qwen3-small", "debug", "debug-moe", "debug-qwen3.5")  # = surojax.bench.shapes.SHAPES
+               "gemma3-1b", "gemma3-4b", "lfm2-1.2b", "qwen3-30b-a3b", "qwen3-small", "debug", "debug-moe",
+               "debug-qwen3.5", "debug-gemma3", "debug-lfm2")  # = surojax.bench.shapes.SHAPES
 
 
 def _unroll(value: str) -> int | bool | str:

@@ -88,6 +88,13 @@ The workspace's recomputed layer is the larger of the two kinds. LoRA adapters: 
 attention layers, the DeltaNet's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj) on the DeltaNet layers,
 the MLP's on all.
 
+Short-conv layers (LFM2: cfg.short_conv; `conv_layer_bytes`, the second stack's term like the DeltaNet's): per
+token, besides the norms and MLP of an attention layer, in_proj's output b | c | v 3 D*c, b * v D*c, the conv's
+output D*(4 + c), the gated product c * conv D*c and out_proj's output and residual 2 D*c under none (the LoRA x@A
+of its targets R*c); under dots the layer input D*c, in_proj 3 D*c, out_proj D*c, the MLP's and the LoRA's as
+above; none unrolled = dots + the gated product; full / offload as an attention layer. LoRA targets conv.in_proj
+[D, 3D] and conv.out_proj [D, D] count on the conv layers only.
+
 MoE layers (cfg.moe): the weights count every expert (ModelConfig.num_params); in the MLP terms above F is one
 expert's and its rows are per assignment, k per token ([A, 2F] with A = tokens * k), plus the router's fp32
 logits (dots; none also its softmax) [E] per token and, under none, the gathered input and expert output rows
@@ -108,6 +115,7 @@ from pallas_kernels.gated_delta.api import resolve_impl
 from pallas_kernels.gated_delta.chunked import CHUNK
 from surojax.kernel_settings import kernel_settings
 from surojax.models.layer_runner import Recompute
+from surojax.models.targets import CONV_SPELLINGS
 from surojax.offload.prefetch import PREFETCH_DEPTH
 from surojax.precision.recipe import Recipe
 from surojax.precision.linear_swap import KEPT_BF16
@@ -125,6 +133,7 @@ _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 _ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 _DELTANET_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # a hybrid's DeltaNet layers
+_CONV_TARGETS = ("conv.in_proj", "conv.out_proj")  # LFM2's short-convolution layers (models/targets.py)
 _FIXED_WORKSPACE = GiB // 2
 _UNMODELLED = 0.10
 COMPONENTS = ("weights", "cast_weights", "adapters", "gradients", "optimizer", "activations", "logits", "workspace")
@@ -195,12 +204,16 @@ def _kernel_bytes(cfg, target: str, kernel_bytes: float | None, expert_bytes: fl
     return kernel_bytes
 
 
-def _targets(targets) -> tuple[str, ...]:
-    """The planned LoRA targets: the seven dense names and a hybrid's DeltaNet projections ("all-linear": all of
-    them; a DeltaNet name counts only on a hybrid's DeltaNet layers)."""
-    names = _TARGETS + _DELTANET_TARGETS
+def _targets(targets, cfg=None) -> tuple[str, ...]:
+    """The planned LoRA targets: the seven dense names, a hybrid's DeltaNet projections and LFM2's conv
+    projections ("all-linear": all of them; a DeltaNet or conv name counts only on the layers that have it). On
+    LFM2 (`cfg.short_conv`) its HF spellings (in_proj, out_proj, w1 / w3 / w2) name our targets."""
+    names = _TARGETS + _DELTANET_TARGETS + _CONV_TARGETS
     if targets is None or targets == "all-linear" or list(targets) == ["all-linear"]:
         return names
+    targets = list(targets)
+    if getattr(cfg, "short_conv", None) is not None:
+        targets = [n for t in targets for n in CONV_SPELLINGS.get(t, (t,))]  # LFM2's HF module names
     return tuple(t for t in names if t in targets)
 
 
@@ -211,6 +224,21 @@ def _deltanet_io(cfg) -> dict[str, tuple[int, int]]:
     return {"in_proj_qkv": (D, la.conv_dim), "in_proj_z": (D, la.value_dim), "in_proj_b": (D, la.num_value_heads),
             "in_proj_a": (D, la.num_value_heads), "out_proj": (la.value_dim, D),
             **{t: io[t] for t in _MLP_TARGETS}}
+
+
+def _conv_io(cfg) -> dict[str, tuple[int, int]]:
+    """(in, out) of an LFM2 short-conv layer's projections and its MLP's (the same MLP as an attention layer's)."""
+    D = cfg.hidden_size
+    _, _, _, _, io = _layer_shapes(cfg)
+    return {"conv.in_proj": (D, 3 * D), "conv.out_proj": (D, D), **{t: io[t] for t in _MLP_TARGETS}}
+
+
+def _mixer_io(cfg) -> tuple[dict[str, tuple[int, int]], tuple[str, ...]]:
+    """The second stack's layer (a hybrid's Gated DeltaNet or LFM2's short conv): its projections' (in, out) and
+    the mixer's own target names."""
+    if cfg.short_conv is not None:
+        return _conv_io(cfg), _CONV_TARGETS
+    return _deltanet_io(cfg), _DELTANET_TARGETS
 
 
 def fp8_cache_values(cfg) -> int:
@@ -224,13 +252,14 @@ def fp8_cache_values(cfg) -> int:
     mlp = sum(size[t] for t in _MLP_TARGETS) if cfg.moe is None else 3 * cfg.hidden_size * \
         cfg.moe.shared_expert_intermediate_size
     La, Ld = _layer_counts(cfg)
-    deltanet = 0 if Ld == 0 else sum(i * o for t, (i, o) in _deltanet_io(cfg).items()
+    deltanet = 0 if Ld == 0 else sum(i * o for t, (i, o) in _mixer_io(cfg)[0].items()
                                      if t not in _MLP_TARGETS and t not in KEPT_BF16)
     return La * (attention + mlp) + Ld * (mlp + deltanet)
 
 
 def _layer_counts(cfg) -> tuple[int, int]:
-    """(attention layers, Gated DeltaNet layers): a hybrid's two stacks; every other model (L, 0)."""
+    """(attention layers, the other stack's layers): a hybrid's Gated DeltaNet layers or LFM2's short-conv layers;
+    every other model (L, 0)."""
     La = cfg.num_attention_layers
     return La, cfg.num_layers - La
 
@@ -271,10 +300,11 @@ def deltanet_chunk_bytes(cfg, *, batch: int, seq: int, c: int = 2, impl: str | N
 def deltanet_layer_bytes(cfg, recompute: Recompute, *, batch: int, seq: int, c: int = 2, rank: int = 0,
                          targets: Iterable[str] = (), unrolled: bool = False) -> int:
     """Bytes one Gated DeltaNet layer of a hybrid saves for the backward over `batch` x `seq` tokens (the
-    module docstring's `DeltaNet layers`); 0 on a model without them."""
+    module docstring's `DeltaNet layers`); LFM2's second stack: `conv_layer_bytes`; 0 on a model with neither."""
     la = cfg.linear_attention
     if la is None:
-        return 0
+        return conv_layer_bytes(cfg, recompute, batch=batch, seq=seq, c=c, rank=rank, targets=targets,
+                                unrolled=unrolled)
     tokens = batch * seq
     D, F = cfg.hidden_size, (cfg.intermediate_size if cfg.moe is None else cfg.moe.expert_intermediate_size)
     k, E = _moe_rows(cfg)
@@ -303,13 +333,39 @@ def deltanet_layer_bytes(cfg, recompute: Recompute, *, batch: int, seq: int, c: 
     return tokens * per_token + chunk
 
 
+def conv_layer_bytes(cfg, recompute: Recompute, *, batch: int, seq: int, c: int = 2, rank: int = 0,
+                     targets: Iterable[str] = (), unrolled: bool = False) -> int:
+    """Bytes one LFM2 short-conv layer saves for the backward over `batch` x `seq` tokens (the module docstring's
+    `Short-conv layers`); 0 on a model without them."""
+    if cfg.short_conv is None:
+        return 0
+    tokens, D, F = batch * seq, cfg.hidden_size, cfg.intermediate_size
+    io = _conv_io(cfg)
+    targets = tuple(t for t in _targets(targets, cfg) if t in io) if rank else ()
+    if recompute is Recompute.FULL:
+        return tokens * D * c
+    if recompute is Recompute.OFFLOAD:
+        return 0
+    lora_dots = sum((rank + io[t][1]) * c for t in targets)
+    dots = D * c + 3 * D * c + D * c + 2 * F * c + D * c + lora_dots
+    if recompute is Recompute.DOTS:
+        return tokens * dots
+    if recompute is not Recompute.NONE:
+        raise ValueError(f"recompute {recompute!r} is not a Recompute")
+    if unrolled:
+        return tokens * (dots + D * c)
+    # norms, in_proj's b | c | v, b * v, the conv (fp32 sum, cast), c * conv, out_proj + residual, the MLP, LoRA
+    return tokens * (2 * (D * 4 + D * c) + 3 * D * c + D * c + D * (4 + c) + D * c + 2 * D * c + 4 * F * c
+                     + 2 * D * c + sum(rank * c for _ in targets))
+
+
 def activation_bytes_per_token_layer(cfg, recompute: Recompute, *, c: int = 2, rank: int = 0,
                                      targets: Iterable[str] = (), unrolled: bool = False) -> int:
     """Bytes one layer saves for the backward per token, by recompute policy and layer loop (see the module
     docstring; `unrolled`: every layer inlined, no scan)."""
     D, F, NH, KH, io = _layer_shapes(cfg)
     k, E = _moe_rows(cfg)
-    targets = tuple(t for t in _targets(targets) if t in io) if rank else ()
+    targets = tuple(t for t in _targets(targets, cfg) if t in io) if rank else ()
     rows = {t: (k if t in ("gate_proj", "up_proj", "down_proj") else 1) for t in targets}  # LoRA rows per token
     gate = NH * c if cfg.attn_output_gate else 0  # the output gate: q_proj's second half, the gated output
     if recompute is Recompute.NONE and unrolled:
@@ -376,7 +432,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
     embed_params = V * D * (1 if cfg.tie_word_embeddings else 2) + D
     layer_params = (total_params - embed_params) // L
     lora = mode == "lora"
-    tgts = _targets(targets) if lora else ()
+    tgts = _targets(targets, cfg) if lora else ()
     r = rank if lora else 0
 
     # weights
@@ -400,7 +456,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
         La, Ld = _layer_counts(cfg)
         stacks = [(La, io, _ATTENTION_TARGETS), (L, io, _MLP_TARGETS)]
         if Ld:
-            stacks.append((Ld, _deltanet_io(cfg), _DELTANET_TARGETS))
+            stacks.append((Ld, *_mixer_io(cfg)))
         trainable = sum(n * sum(_per_expert(cfg, t) * r * (shapes[t][0] + shapes[t][1])
                                 for t in tgts if t in names) for n, shapes, names in stacks)
         tb = 4 if fp32 else _DTYPE_BYTES[lora_dtype]

@@ -188,6 +188,29 @@ def test_hybrid_counts_its_deltanet_layers():
     assert full[0].adapters == La * q_proj + Ld * r * (D + conv) * 4
 
 
+def test_lfm2_counts_its_conv_layers():
+    """LFM2-1.2B's shape (10 short-conv + 6 attention layers) against the same shape with every layer an attention
+    layer: the activations differ by the conv layers' terms written out here (the module docstring's `Short-conv
+    layers`), the adapters by the conv targets, named as LFM2's HF modules (in_proj = conv.in_proj)."""
+    lfm2 = model_config("lfm2-1.2b")
+    dense = lfm2.replace(short_conv=None)
+    La, Lc = lfm2.num_attention_layers, lfm2.num_layers - lfm2.num_attention_layers
+    assert (La, Lc) == (6, 10)
+    B, T, c, r, D, F = 2, 2048, 2, 16, 2048, 8192
+    kw = dict(mode="lora", batch=B, seq=T, rank=r, targets=("q_proj", "in_proj"))
+    per_token = 2 * (D * 4 + D * c) + 3 * D * c + D * c + D * (4 + c) + D * c + 2 * D * c + 4 * F * c + 2 * D * c \
+        + r * c
+    attention = activation_bytes_per_token_layer(lfm2, Recompute.NONE, c=c, rank=r, targets=("q_proj",))
+    got = plan_memory(lfm2, recompute=Recompute.NONE, **kw).activations - \
+        plan_memory(dense, recompute=Recompute.NONE, **kw).activations
+    assert got == Lc * B * T * (per_token - attention)
+    plans = [plan_memory(m, recompute=Recompute.FULL, **kw) for m in (lfm2, dense)]
+    assert plans[0].activations == plans[1].activations == 16 * B * T * D * c
+    q_proj = r * (D + D) * 4  # fp32 adapters
+    assert plans[1].adapters == 16 * q_proj
+    assert plans[0].adapters == La * q_proj + Lc * r * (D + 3 * D) * 4
+
+
 @pytest.mark.parametrize("hk", [16, 8])  # Hv = Hk: q / k not repeated; Hv > Hk: repeated copies kept
 def test_pallas_v2_chunk_term_is_its_residuals(hk):
     """The plan's pallas_v2 term (what a GPU runs under impl auto) = the custom_vjp's residuals beyond the layer's

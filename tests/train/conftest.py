@@ -110,13 +110,14 @@ def distill_config(tiny_config, **overrides) -> dict:
     return tiny_config(**{**keys, **overrides})
 
 
-FIXTURE_QWEN3_5 = ROOT / "tests" / "fixtures" / "models" / "qwen3_5_text"  # the tiny Qwen3.5 hybrid (vocab 256)
+FIXTURES = ROOT / "tests" / "fixtures" / "models"  # the parity fixtures (vocabularies of 256: below the tokenizer's)
 
 
-def write_hybrid_model(path: Path, seed: int = 0) -> Path:
-    """A random model of the qwen3_5_text fixture's architecture (five Gated DeltaNet layers and one gated
-    attention layer) with the fixture tokenizer's 512-token vocabulary, saved with that tokenizer in `path`: the
-    hybrid the post-training trainers run on (the fixture's own vocabulary is smaller than the tokenizer)."""
-    hf = json.loads((FIXTURE_QWEN3_5 / "config.json").read_text())
+def write_hybrid_model(path: Path, seed: int = 0, family: str = "qwen3_5_text") -> Path:
+    """A random model of a parity fixture's architecture (default the qwen3_5_text hybrid: five Gated DeltaNet layers
+    and one gated attention layer; lfm2: short-conv and attention layers; gemma3_text / gemma4_text: sliding and
+    full layers) with the fixture tokenizer's 512-token vocabulary, saved with that tokenizer in `path`: the model
+    the post-training trainers run on (the fixtures' own vocabularies are smaller than the tokenizer)."""
+    hf = json.loads((FIXTURES / family / "config.json").read_text())
     model = Decoder(ModelConfig.from_hf({**hf, "vocab_size": 512}), dtype=jnp.float32, rngs=nnx.Rngs(seed))
     return save_model(model, path, tokenizer_dir=TOKENIZER)

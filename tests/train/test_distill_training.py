@@ -197,12 +197,15 @@ def test_teacher_sharded_like_the_student_gives_the_one_device_step(tiny_config,
     np.testing.assert_allclose([eight["kl"], eight["loss"]], [m1["kl"], m1["loss"]], rtol=1e-5)
 
 
-def test_hybrid_student_and_teacher_kl_equals_their_logits(tiny_config, tmp_path):
-    """A Qwen3.5 hybrid student (LoRA: it starts as its base) and another hybrid teacher (other weights), K = V:
-    step 1's kl and ce equal KL(softmax(z_t / T) || softmax(z_s / T)) and the CE computed here from the two
-    models' own logits on the step's packed batch (the teacher's forward and the student's over the DeltaNet
-    layers, segment resets included)."""
-    student, teacher = write_hybrid_model(tmp_path / "student", 0), write_hybrid_model(tmp_path / "teacher", 1)
+@pytest.mark.parametrize("family", ["qwen3_5_text", "gemma3_text"])
+def test_hybrid_student_and_teacher_kl_equals_their_logits(tiny_config, tmp_path, family):
+    """A student of a fixture's architecture (LoRA: it starts as its base) and another teacher of it (other
+    weights), K = V: step 1's kl and ce equal KL(softmax(z_t / T) || softmax(z_s / T)) and the CE computed here from
+    the two models' own logits on the step's packed batch (the teacher's forward and the student's: Qwen3.5's
+    DeltaNet layers with their segment resets; Gemma 3's sliding-window layers of window 4 over packed segments,
+    its scaled embeddings and sandwich norms)."""
+    student, teacher = (write_hybrid_model(tmp_path / name, seed, family) for name, seed in (("student", 0),
+                                                                                             ("teacher", 1)))
     cfg = config_from_dict(distill_config(tiny_config, from_scratch=False, model_config=None, model=str(student),
                                           teacher=str(teacher), lora=True, lora_rank=4, teacher_top_k=512,
                                           max_steps=1, gradient_accumulation_steps=1, report_to=[]))

@@ -91,11 +91,16 @@ def test_dpo_on_a_mixture_of_experts_adds_its_router_loss(tmp_path):
     assert rows[-1]["loss"] - coef * rows[-1]["router_aux_loss"] < math.log(2)
 
 
-def test_lora_dpo_on_a_hybrid_learns_through_its_deltanet_layers(tmp_path):
-    """LoRA DPO (all-linear: the Gated DeltaNet projections carry adapters) on a Qwen3.5 hybrid of the fixture's
-    architecture: step 1's loss is ln 2 (the reference is the adapter-free policy) and, every step seeing all 24
-    pairs, the loss goes down; the exported adapter has the DeltaNet targets."""
-    base = write_hybrid_model(tmp_path / "hybrid")
+# family -> targets its exported adapter must have beside q_proj (PEFT's names: its second stack's projections)
+HYBRID_TARGETS = {"qwen3_5_text": {"in_proj_qkv", "out_proj"}, "lfm2": {"conv.in_proj", "conv.out_proj"}}
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_TARGETS))
+def test_lora_dpo_on_a_hybrid_learns_through_its_deltanet_layers(tmp_path, family):
+    """LoRA DPO (all-linear: the second stack's projections carry adapters: Qwen3.5's Gated DeltaNet, LFM2's short
+    conv) on a hybrid of the fixture's architecture: step 1's loss is ln 2 (the reference is the adapter-free
+    policy) and, every step seeing all 24 pairs, the loss goes down; the exported adapter has those targets."""
+    base = write_hybrid_model(tmp_path / "hybrid", family=family)
     cfg = _cfg(tmp_path, trainer="dpo", model=str(base), lora=True, lora_rank=4, lora_alpha=8,
                lora_target_modules="all-linear", max_steps=3, per_device_train_batch_size=24,
                gradient_accumulation_steps=1)
@@ -104,4 +109,4 @@ def test_lora_dpo_on_a_hybrid_learns_through_its_deltanet_layers(tmp_path):
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.02 and rows[-1]["rewards/margins"] > 0, rows
     targets = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())["target_modules"]
-    assert {"in_proj_qkv", "out_proj", "q_proj"} <= set(targets), targets
+    assert {"q_proj", *HYBRID_TARGETS[family]} <= set(targets), targets

@@ -2,6 +2,7 @@
 full fine-tuning exports an HF folder that reloads to the trained model."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from surojax.config import config_from_dict
@@ -9,7 +10,7 @@ from surojax.peft.stacked import load_adapter_into
 from surojax.train.trainer import Trainer
 from surojax.weights.hf_checkpoint import load_model
 
-from tests.train.conftest import ROOT, write_instruction_data
+from tests.train.conftest import ROOT, write_hybrid_model, write_instruction_data
 
 BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3"
 TOKENS = jnp.asarray([[508, 3, 17, 99, 250, 7, 509, 42]])
@@ -20,7 +21,7 @@ def _lora_cfg(tmp_path, **kw):
         model=str(BASE), output_dir=str(tmp_path / "out"), recipe="fp32", recompute="full", lora=True,
         lora_rank=4, lora_alpha=8, lora_dropout=0.1, datasets=[{"path": str(write_instruction_data(
             tmp_path / "inst.jsonl")), "type": "instruction"}], sequence_len=64, per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=3, validation_split_ratio=0.25, **kw))
+        gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=3, validation_split_ratio=0.25) | kw)
 
 
 def test_lora_training_keeps_the_base_and_exports_a_peft_adapter(tmp_path):
@@ -44,18 +45,21 @@ def test_lora_training_keeps_the_base_and_exports_a_peft_adapter(tmp_path):
     assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
 
 
-def test_full_finetune_exports_an_hf_folder_that_reloads(tmp_path):
-    cfg = _lora_cfg(tmp_path, ).model_copy(update={"lora": False, "lora_dropout": 0.0})
+@pytest.mark.parametrize("family", ["qwen3", "gemma4_text"])
+def test_full_finetune_exports_an_hf_folder_that_reloads(tmp_path, family):
+    """The qwen3 fixture, and a random model of the gemma4_text fixture's architecture (sliding and full layers with
+    their own ropes, the v norm, layer scalars: every weight of it trained and written back)."""
+    base = BASE if family == "qwen3" else write_hybrid_model(tmp_path / "base", family=family)
+    cfg = _lora_cfg(tmp_path, model=str(base)).model_copy(update={"lora": False, "lora_dropout": 0.0})
     trainer = Trainer(cfg)
     trainer.train()
     reloaded = load_model(tmp_path / "out" / "model")
     np.testing.assert_array_equal(np.asarray(reloaded(TOKENS)), np.asarray(trainer.trained_model()(TOKENS)))
-    assert not np.allclose(np.asarray(load_model(BASE)(TOKENS)), np.asarray(reloaded(TOKENS)), atol=1e-4)
+    assert not np.allclose(np.asarray(load_model(base)(TOKENS)), np.asarray(reloaded(TOKENS)), atol=1e-4)
 
 
 def test_refuses_to_overwrite_a_finished_run(tmp_path):
     (tmp_path / "out" / "adapter").mkdir(parents=True)
-    import pytest
     from surojax.train.model_setup import TrainSetupError
 
     with pytest.raises(TrainSetupError, match="already holds a trained adapter"):
