@@ -21,6 +21,10 @@ A `StateCache` whose batch axis counts sequence slots instead of rows is the ser
 (surojax/serve/state_slots.py): `rows(slots, fresh)` gathers a call's rows from it (zeros for a sequence that
 starts in the call) and `with_rows(slots, rows)` writes them back after the call.
 
+A `TokenStateCache` (a `StateCache` of R rows whose layers write the state after every token of the call, not
+only the last: speculative verification, which keeps the state after the last accepted token) gives its layers
+`TokenStatesView`s; `at_tokens(index)` then picks each row's state.
+
 `HybridCache` is a hybrid model's cache: a `KVCache` (generation; the serving engine's `PagedKVCache`) over the
 attention stack (`layers`) and a `StateCache` over the state stack (`linear_layers`, or LFM2's `conv_layers`). Its
 `step` is the attention part's: the metadata (segment ids, positions, write slots) and the lengths are the
@@ -112,11 +116,32 @@ class LayerState:
     conv: jax.Array
     recurrent: jax.Array
 
+    per_token: ClassVar[bool] = False  # the layer writes the state after its last real token
+
     def read(self) -> tuple[jax.Array, jax.Array]:
         return self.conv, self.recurrent
 
     def written(self, conv, recurrent) -> "LayerState":
         return LayerState(conv.astype(self.conv.dtype), _cast(recurrent, self.recurrent))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenStatesView:
+    """One layer's state slice in a call that keeps the state after EVERY token (`TokenStateCache`): read as
+    `LayerState` (conv [B, K - 1, C], recurrent [B, H, Dk, Dv]); written with the states after each of the call's
+    T tokens, conv [B, T, K - 1, C] and recurrent [B, T, H, Dk, Dv] (None: a short conv's)."""
+
+    conv: jax.Array
+    recurrent: jax.Array
+
+    per_token: ClassVar[bool] = True
+
+    def read(self) -> tuple[jax.Array, jax.Array]:
+        return self.conv, self.recurrent
+
+    def written(self, conv, recurrent) -> "TokenStatesView":
+        return TokenStatesView(conv.astype(self.conv.dtype), _cast(recurrent, self.recurrent))
 
 
 def _cast(new, old):
@@ -133,6 +158,8 @@ class StackedLayerState:
     conv: jax.Array
     recurrent: jax.Array
     layer: jax.Array
+
+    per_token: ClassVar[bool] = False
 
     def read(self) -> tuple[jax.Array, jax.Array | None]:
         return self.conv[self.layer], None if self.recurrent is None else self.recurrent[self.layer]
@@ -188,6 +215,34 @@ class StateCache:
         return jax.tree.map(lambda pool, new: pool.at[:, slots].set(new.astype(pool.dtype), mode="drop"), self, rows)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenStateCache(StateCache):
+    """A `StateCache` of R rows [L, R, ...] for a call that keeps every row's state after EACH of its T tokens
+    (speculative verification: the state to keep is the one after the last ACCEPTED token, known only after the
+    call's logits). Its layers get `TokenStatesView`s (scanned per layer, never carried: the written states have
+    a T axis the read ones lack); after the call its leaves are conv [L, R, T, K - 1, C] and recurrent
+    [L, R, T, H, Dk, Dv], and `at_tokens(index)` picks each row's state after its token index[r] (a plain
+    `StateCache` of R rows). States after a row's padding tokens (segment id 0) are don't-care."""
+
+    def carried(self):
+        raise TypeError("TokenStateCache is scanned per layer (its written states grow a token axis), never carried")
+
+    def per_layer(self) -> TokenStatesView:
+        return TokenStatesView(self.conv, self.recurrent)
+
+    def with_layers(self, view: TokenStatesView) -> "TokenStateCache":
+        return TokenStateCache(view.conv, view.recurrent)
+
+    def at_tokens(self, index: jax.Array) -> StateCache:
+        """index [R] int32 (< T) -> each row's state after its token index[r]: a `StateCache` [L, R, ...]."""
+        def pick(x):  # [L, R, T, ...] -> [L, R, ...]
+            idx = index.reshape(1, -1, 1, *(1,) * (x.ndim - 3))
+            return jnp.take_along_axis(x, idx, axis=2)[:, :, 0]
+
+        return StateCache(*(None if x is None else pick(x) for x in (self.conv, self.recurrent)))
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["kv", "state"],
                    meta_fields=["kv_stack", "state_stack"])
 @dataclasses.dataclass(frozen=True)
@@ -229,4 +284,5 @@ class HybridCache:
 
 
 __all__ = ["ATTENTION_STACK", "CONV_STACK", "LINEAR_STACK", "STATE_STACKS", "ConvShape", "HybridCache", "LayerState",
-           "StackedLayerState", "StateCache", "StateShape", "conv_state_shape", "recurrent_state_shape", "state_stack"]
+           "StackedLayerState", "StateCache", "StateShape", "TokenStateCache", "TokenStatesView", "conv_state_shape",
+           "recurrent_state_shape", "state_stack"]
