@@ -39,8 +39,9 @@ only with a trained draft's acceptance.
     python benchmarks/speculation.py --smoke                  # CPU: debug shapes, short lengths
     python benchmarks/speculation.py --shapes qwen3-0.6b --methods off,ngram --workloads repeat --users 1
 
-A hybrid target (qwen3.5-0.8b: Gated DeltaNet layers) is skipped with the engine's reason while speculation is
-refused for hybrid models; its draft is the dense qwen3 draft of the same vocabulary.
+A hybrid target (qwen3.5-0.8b: Gated DeltaNet layers) speculates too: its verify call runs the delta rule as
+k + 1 one-token steps and keeps every intermediate state (serve/state_slots.py), a cost the dense target does
+not pay; its draft is the dense qwen3 draft of the same vocabulary (a hybrid draft is refused).
 """
 from __future__ import annotations
 
