@@ -2,17 +2,15 @@
 `conv_layers`): the verify step keeps each sequence's state after its last ACCEPTED token
 (surojax/serve/state_slots.py, kv_paged.verify_step).
 
-Greedy: the proposals come from an oracle in place of prompt lookup that proposes transformers' own greedy
+Greedy (LFM2): the proposals come from an oracle in place of prompt lookup that proposes transformers' own greedy
 continuation (tests/fixtures/models/<name>/serve_greedy.npz) with one token corrupted at a place that moves from
 step to step, so the verify step accepts 0 .. K proposals and rejects the rest (asserted); the output must equal
 transformers' greedy tokens, which it cannot if a slot kept the state after a rejected proposal.
-Sampled (seeded, temperature 1 with top-k 1: the sampling branch of the acceptance rule, whose target
+Sampled (Qwen3.5; seeded, temperature 1 with top-k 1: the sampling branch of the acceptance rule, whose target
 distribution is then a point mass on the greedy token; the same oracle): the output equals transformers' greedy
 tokens, and after every step each running sequence's state slot holds the state a plain engine computes by
 prefilling the same tokens (the rule itself, at any temperature, is tested in test_speculative.py). A hybrid
 DRAFT model is refused by name."""
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,21 +21,11 @@ from surojax.serve.config import SpecMethod, SpeculativeConfig
 from surojax.serve.engine import Engine, HybridServingError
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.configs import BUCKETS, engine_config
+from tests.serve.test_hybrid_serve import FIXTURES, _greedy, _model
 
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 SERVE = dict(num_blocks=32, block_size=4, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64,
              buckets=BUCKETS)
 K = 3
-
-
-def _model(name):
-    return load_model(FIXTURES / name, dtype=jnp.float32, attention="xla")
-
-
-def _greedy(name):
-    exp = np.load(FIXTURES / name / "serve_greedy.npz")
-    n = len([k for k in exp.files if k.startswith("prompt")])
-    return [exp[f"prompt{i}"].tolist() for i in range(n)], [exp[f"greedy{i}"].tolist() for i in range(n)]
 
 
 def oracle(prompts, want, vocab):
@@ -61,8 +49,9 @@ def spec_engine(model, **kw):
     return Engine(model, engine_config(**SERVE, speculative=SpeculativeConfig(SpecMethod.NGRAM, K), **kw))
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2"])
-def test_greedy_with_partly_rejected_proposals_equals_transformers(name, monkeypatch):
+def test_greedy_with_partly_rejected_proposals_equals_transformers(monkeypatch):
+    """LFM2 (conv windows); Qwen3.5's Gated DeltaNet: the sampled test below, which also asserts greedy's tokens."""
+    name = "lfm2"
     prompts, want = _greedy(name)
     model = _model(name)
     monkeypatch.setattr(engine_module, "ngram_propose", oracle(prompts, want, model.cfg.vocab_size))
