@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve_load import bench_buckets, emit, engine_config, summarize  # noqa: E402
+from benchmarks.serve_load import _num_compiled, bench_buckets, emit, engine_config, summarize  # noqa: E402
 
 WORKLOADS = ("repeat", "code", "chat")
 METHODS = ("off", "ngram", "draft")
@@ -159,6 +159,7 @@ def run(a, model, draft, method: str, workload: str, users: int, max_tokens: int
         spec = SpeculativeConfig(SpecMethod(method), a.num_spec, model="bench-draft" if method == "draft" else None)
         config = dataclasses.replace(config, speculative=spec, buckets=bench_buckets(a, users, a.num_spec + 1))
     eng = Engine(model, config, draft_model=draft if method == "draft" else None)
+    compiled_before = num_compiled()
     rng = np.random.default_rng(seed)
     prompts = [PROMPTS[workload](rng, a) for _ in range(users)]
     t0 = time.perf_counter()
@@ -177,9 +178,21 @@ def run(a, model, draft, method: str, workload: str, users: int, max_tokens: int
              "steps": eng.runner.num_calls,
              "acceptance": round(st.acceptance_rate, 4) if st else None,
              "accepted_per_step": round(st.mean_accepted_length, 4) if st else None,
-             "proposed_per_step": round(st.proposed / st.row_steps, 4) if st and st.row_steps else None}
+             "proposed_per_step": round(st.proposed / st.row_steps, 4) if st and st.row_steps else None,
+             "compiled_while_measuring": num_compiled() - compiled_before}
     r = summarize(label, users, [(t0, ts[r]) for r in rids], wall, extra)
     return r, [ids[r] for r in rids]
+
+
+def num_compiled() -> int:
+    """Compiled variants of the runner's calls, the verify and draft calls included (-1 where jax's private
+    cache-size API is missing): 0 while measuring, or the run timed a compile."""
+    from surojax.serve import kv_paged
+
+    try:
+        return _num_compiled() + kv_paged.verify_step._cache_size() + kv_paged.draft_propose_paged._cache_size()
+    except Exception:
+        return -1
 
 
 def bench_shape(a, shape: str) -> tuple[list[dict], bool]:
@@ -265,6 +278,9 @@ def main(argv=None) -> int:
     print()
     print(table(results))
     print(f"# greedy output with speculation equals without: {all_equal}")
+    compiled = [r for r in results if r["compiled_while_measuring"]]
+    if compiled:
+        print(f"# WARNING: {len(compiled)} measured runs compiled (their tok/s include a compile)")
     print("SUMMARY " + json.dumps({"greedy_equal": all_equal, "runs": len(results)}), flush=True)
     return 0 if all_equal and results else 1
 
