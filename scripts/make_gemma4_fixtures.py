@@ -5,6 +5,9 @@ Run with the reference environment (torch + transformers), never from the suroja
     /work/refenv/bin/python scripts/make_gemma4_fixtures.py [NAME ...]   # tests/fixtures/models/NAME/ (default: all)
 
     gemma4_text/  Gemma4ForCausalLM (model_type gemma4_text), tensors model.layers.{i}...
+    gemma4_text_moe/  gemma4_text with the MoE block (enable_moe_block: 4 experts of width 16, top 2, beside the
+                  dense MLP in every layer); the router's input scale 1 + 0.3 N(0, 1) and its per-expert scales
+                  0.5 + U(0, 1), checked to change the logits
     gemma4/       Gemma4ForConditionalGeneration (model_type gemma4: config.json with text_config and vision_config,
                   no audio), the language model under model.language_model.*, a 1-layer vision tower
                   (model.vision_tower.*) and its embedder (model.embed_vision.*) saved with it
@@ -55,6 +58,8 @@ TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
             rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                                                 "rope_theta": 100.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+# gemma4_text_moe: the MoE block beside the MLP in every layer (4 experts of width 16, 2 per token)
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
               head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
 
@@ -73,6 +78,10 @@ def _perturb(model, seed: int) -> None:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
         for layer in lm.layers:
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=g))
+            if layer.enable_moe_block:  # the router's input scale and per-expert scales (ones at init)
+                layer.router.scale.copy_(1 + 0.3 * torch.randn(layer.router.scale.shape, generator=g))
+                layer.router.per_expert_scale.copy_(0.5 + torch.rand(layer.router.per_expert_scale.shape,
+                                                                     generator=g))
 
 
 def _changes(model, tokens, ref, edit) -> float:
@@ -101,6 +110,18 @@ def _scalars(lm):
             layer.layer_scalar.fill_(1.0)
 
 
+def _per_expert_scales(lm):
+    with torch.no_grad():
+        for layer in lm.layers:
+            layer.router.per_expert_scale.fill_(1.0)
+
+
+def _router_scales(lm):
+    with torch.no_grad():
+        for layer in lm.layers:
+            layer.router.scale.fill_(1.0)
+
+
 def _expected(model, out: Path, seed: int) -> None:
     rng = np.random.default_rng(seed)
     vocab = TEXT["vocab_size"]
@@ -117,6 +138,8 @@ def _expected(model, out: Path, seed: int) -> None:
         "proportional rope": lambda lm: _rope(lm, "full_attention", partial_rotary_factor=1.0),
         "layer scalars": _scalars,
     }
+    if _language_model(model).config.enable_moe_block:
+        checks |= {"per-expert scales": _per_expert_scales, "router input scale": _router_scales}
     for what, edit in checks.items():
         delta = _changes(model, long, ref, edit)
         print(f"  {what}: logits change {delta:.3g}")
@@ -133,7 +156,7 @@ def _expected(model, out: Path, seed: int) -> None:
 
 def _reloads(cls, out: Path, tokens, ref) -> None:
     """The saved folder reloads in transformers to the same logits."""
-    again = cls.from_pretrained(out, attn_implementation="eager")
+    again = cls.from_pretrained(out, attn_implementation="eager", experts_implementation="eager")
     assert np.abs(_logits(again, tokens) - ref).max() < 1e-6
 
 
@@ -141,14 +164,17 @@ def make(name: str, seed: int) -> None:
     from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig,
                               Gemma4VisionConfig)
     torch.manual_seed(seed)
-    if name == "gemma4_text":
-        cls, model = Gemma4ForCausalLM, Gemma4ForCausalLM(Gemma4TextConfig(**copy.deepcopy(TEXT)))
+    if name in ("gemma4_text", "gemma4_text_moe"):
+        text = copy.deepcopy(TEXT) | (MOE if name == "gemma4_text_moe" else {})
+        cls, model = Gemma4ForCausalLM, Gemma4ForCausalLM(Gemma4TextConfig(**text))
     else:
         cfg = Gemma4Config(text_config=Gemma4TextConfig(**copy.deepcopy(TEXT)),
                            vision_config=Gemma4VisionConfig(**VISION), audio_config=None, tie_word_embeddings=True)
         cls, model = Gemma4ForConditionalGeneration, Gemma4ForConditionalGeneration(cfg)
     model.config._attn_implementation = "eager"
     model.config.get_text_config()._attn_implementation = "eager"
+    if name == "gemma4_text_moe":
+        model.set_experts_implementation("eager")  # the reference loop over experts (float64 runs too)
     _perturb(model, seed)
     model.eval()
     out = MODELS_DIR / name
@@ -158,12 +184,12 @@ def make(name: str, seed: int) -> None:
     exp = np.load(out / "expected.npz")
     _reloads(cls, out, exp["tokens2"], exp["logits2"])
     size = sum(f.stat().st_size for f in out.iterdir())
-    assert size < 420_000, size
+    assert size < 600_000, size
     print(name, json.loads((out / "config.json").read_text()).get("architectures"), f"{size / 1e3:.0f} kB",
           sorted(p.name for p in out.iterdir()))
 
 
-SEEDS = {"gemma4_text": 42, "gemma4": 45}
+SEEDS = {"gemma4_text": 42, "gemma4": 45, "gemma4_text_moe": 47}
 
 if __name__ == "__main__":
     import sys

@@ -34,11 +34,11 @@ def empty_cache(model: Decoder, batch: int, max_len: int, dtype) -> Cache:
     cache over the attention stack's rows and zero states over the state stack's rows, sized by
     `decoder.state_shape(model.cfg)`."""
     pattern = model.layer_pattern
-    stack = state_stack(pattern.stacks)
+    stack = state_stack(pattern.caches)
     if stack is None:
         return KVCache.empty(model.cfg, batch, max_len, dtype)
-    kv = KVCache.empty(model.cfg, batch, max_len, dtype, num_layers=pattern.rows(ATTENTION_STACK))
-    return HybridCache.empty(kv, pattern.rows(stack), state_shape(model.cfg), dtype, state_stack=stack)
+    kv = KVCache.empty(model.cfg, batch, max_len, dtype, num_layers=pattern.cache_rows(ATTENTION_STACK))
+    return HybridCache.empty(kv, pattern.cache_rows(stack), state_shape(model.cfg), dtype, state_stack=stack)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

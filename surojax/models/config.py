@@ -165,18 +165,31 @@ class ShortConvConfig:
         return 4 * hidden * hidden + hidden * self.kernel + (5 * hidden if self.bias else 0)
 
 
-ROUTERS = ("softmax_topk", "topk_softmax")
-EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped")
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+EXPERT_ACTIVATIONS = ("swiglu", "swiglu_clamped", "geglu")
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """The sparse feed-forward of a mixture-of-experts family (every layer of the stack is sparse).
+    """The sparse feed-forward of a mixture-of-experts family (every layer of the stack is sparse; lfm2_moe's dense
+    leading layers are stacks of their own, Gemma 4's MoE block runs beside the dense MLP).
 
     router          "softmax_topk": softmax over the E logits, then the k largest probabilities (qwen3_moe,
-                    mixtral); "topk_softmax": the k largest logits, then a softmax over those k (gpt_oss)
-    norm_topk_prob  renormalise the k weights of "softmax_topk" to sum to 1 (mixtral always does)
+                    mixtral, gemma4); "topk_softmax": the k largest logits, then a softmax over those k (gpt_oss);
+                    "sigmoid_topk" (lfm2_moe): sigmoid of each logit, the k largest scores (+ `selection_bias`)
+    norm_topk_prob  renormalise the k weights of "softmax_topk" / "sigmoid_topk" to sum to 1 (mixtral always
+                    does): w / (sum w + norm_topk_eps)
+    selection_bias  a per-expert bias [E] added to the scores for choosing the k experts only; the weights stay
+                    the unbiased scores (lfm2_moe's `use_expert_bias`, its `expert_bias` buffer)
+    routed_scaling_factor
+                    the k weights times this after any renormalisation (lfm2_moe)
+    router_input_norm
+                    Gemma 4's router reads RMSNorm(x) without a weight (this eps) times a learned scale [D] and
+                    D^-0.5; None: the router reads x
+    per_expert_scale
+                    Gemma 4: each chosen weight times its expert's learned scale [E] (after the renormalisation)
     activation      "swiglu": silu(gate) * up with gate | up the two halves of the fused gate_up projection;
+                    "geglu" (gemma4): gelu_pytorch_tanh(gate) * up, same layout;
                     "swiglu_clamped" (gpt_oss): gate/up interleaved, clamped to `swiglu_limit`,
                     (up + 1) * gate * sigmoid(swiglu_alpha * gate)
     shared_expert_intermediate_size
@@ -197,6 +210,11 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     router_aux_loss_coef: float = 0.0  # the HF config's coefficient of the load-balancing loss
     shared_expert_intermediate_size: int = 0  # F_s of the shared expert; 0: no shared expert
+    selection_bias: bool = False
+    norm_topk_eps: float = 0.0
+    routed_scaling_factor: float = 1.0
+    router_input_norm: float | None = None  # eps of Gemma 4's router input norm
+    per_expert_scale: bool = False
 
     def __post_init__(self):
         if not 0 < self.experts_per_token <= self.num_experts:
@@ -220,7 +238,10 @@ class MoEConfig:
         return 3 * hidden * F + ((2 * F + hidden) if self.expert_bias else 0)
 
     def router_params(self, hidden: int) -> int:
-        return hidden * self.num_experts + (self.num_experts if self.router_bias else 0)
+        """The router's parameters (lfm2_moe's selection bias left out: transformers holds it as a buffer)."""
+        E = self.num_experts
+        return (hidden * E + (E if self.router_bias else 0) + (hidden if self.router_input_norm is not None else 0)
+                + (E if self.per_expert_scale else 0))
 
     def shared_expert_params(self, hidden: int) -> int:
         """The shared expert (gate and up [D, F_s], down [F_s, D]) and its gate [D, 1]; 0 without one."""
@@ -255,7 +276,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
-    moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in every layer (None: the dense SwiGLU MLP)
+    # a mixture-of-experts feed-forward in every layer (None: the dense SwiGLU MLP), but `dense_layers` / beside it
+    moe: MoEConfig | None = None
+    # Gemma 4's MoE block (`enable_moe_block`): the MoE runs beside the dense MLP in every layer instead of replacing
+    # it (decoder.Block: each branch post-normed, the sum post-normed again)
+    moe_beside_mlp: bool = False
+    # lfm2_moe's `num_dense_layers`: its first n layers have the dense SwiGLU MLP (intermediate_size) instead of the
+    # MoE; they live in stacks of their own (registry.DENSE_STACKS) and share their kind's cache part
+    dense_layers: int = 0
     # Hybrid (Qwen3.5): the Gated DeltaNet layers (None: every layer is an attention layer)
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False  # q_proj also gives a per-head sigmoid gate on the attention output (Qwen3.5)
@@ -300,10 +328,14 @@ class ModelConfig:
                                    f"{self.num_layers}")
         if self.short_conv is not None and self.linear_attention is not None:
             raise ModelConfigError("a model has either Gated DeltaNet or short-convolution layers, not both")
+        if not 0 <= self.dense_layers <= self.num_layers or (self.dense_layers and self.moe is None):
+            raise ModelConfigError(f"num_dense_layers {self.dense_layers} must be in 0..num_hidden_layers "
+                                   f"({self.num_layers}), on a MoE model")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected one of "
                                    f"{', '.join(HIDDEN_ACTS)})")
-        if self.hidden_act not in ("silu", "swish") and (self.moe is not None or self.linear_attention is not None):
+        if self.hidden_act not in ("silu", "swish") and ((self.moe is not None and not self.moe_beside_mlp)
+                                                         or self.linear_attention is not None):
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported with MoE or hybrid layers "
                                    "(their MLPs are SwiGLU)")
 
@@ -358,21 +390,25 @@ class ModelConfig:
         if self.short_conv is not None:
             mixers += (self.num_layers - self.num_attention_layers) * self.short_conv.layer_params(D)
         norms = 2 * D * (2 if self.sandwich_norms else 1)  # attn / mlp norms (+ their post norms)
-        return mixers + self.num_layers * (self._ffn_params(active=False) + norms) \
-            + V * D * (1 if self.tie_word_embeddings else 2) + D
+        sparse, dense = self.num_layers - self.dense_layers, self.dense_layers  # lfm2_moe's dense leading layers
+        return mixers + sparse * self._ffn_params(active=False) + dense * 3 * D * self.intermediate_size \
+            + self.num_layers * norms + V * D * (1 if self.tie_word_embeddings else 2) + D
 
     def num_active_params(self) -> int:
         """Parameters one token runs through: a MoE layer counts its router and k experts, not all E."""
         if self.moe is None:
             return self.num_params()
-        return self.num_params() - self.num_layers * (self._ffn_params(active=False) - self._ffn_params(active=True))
+        sparse = self.num_layers - self.dense_layers
+        return self.num_params() - sparse * (self._ffn_params(active=False) - self._ffn_params(active=True))
 
     def _ffn_params(self, *, active: bool) -> int:
         D = self.hidden_size
+        dense = 3 * D * self.intermediate_size
         if self.moe is None:
-            return 3 * D * self.intermediate_size
+            return dense
         n = self.moe.experts_per_token if active else self.moe.num_experts
-        return self.moe.router_params(D) + n * self.moe.expert_params(D) + self.moe.shared_expert_params(D)
+        sparse = self.moe.router_params(D) + n * self.moe.expert_params(D) + self.moe.shared_expert_params(D)
+        return sparse + (dense + 3 * D if self.moe_beside_mlp else 0)  # Gemma 4: + the MLP and the block's 3 norms
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -389,8 +425,9 @@ class ModelConfig:
                 raise ModelConfigError(f"model_type {family.name!r}: config.json needs a `text_config` object (the "
                                        "language model's keys)")
             hf = {**hf["text_config"], **{k: outer[k] for k in ("tie_word_embeddings",) if k in outer}}
-        if family.short_conv:
-            hf = lfm2_aliases(hf)
+        if family.short_conv:  # Lfm2MoeConfig reads `tie_embedding` too, not `block_ff_dim`
+            hf = lfm2_aliases(hf) if family.moe is None else lfm2_aliases({k: v for k, v in hf.items()
+                                                                           if k != "block_ff_dim"})
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
         if family.intermediate_size_key:
             required.insert(2, "intermediate_size")
@@ -442,7 +479,8 @@ class ModelConfig:
             model_type=family.name,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]),
-            intermediate_size=(lfm2_ff_dim(hf) if family.short_conv else int(hf["intermediate_size"]))
+            intermediate_size=(lfm2_ff_dim(hf) if family.short_conv and family.moe is None
+                               else int(hf["intermediate_size"]))
             if family.intermediate_size_key else 0,
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=n_heads,
@@ -463,7 +501,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list) else hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
-            moe=moe_from_hf(family.moe, hf),
+            moe=moe_from_hf(family.moe, hf) if gemma is None else getattr(gemma, "moe", None),
+            dense_layers=int(hf.get("num_dense_layers", 2)) if family.moe == "lfm2_moe" else 0,
             linear_attention=linear_attention,
             attn_output_gate=family.hybrid,
             norm_zero_centered=family.hybrid or family.gemma3,
@@ -535,7 +574,7 @@ class ModelConfig:
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
-        if self.moe is not None:
+        if self.moe is not None and not family.gemma4:  # Gemma 4 writes its MoE block's keys itself
             out.update(moe_to_hf(family.moe, self.moe))
         return out
 
@@ -627,11 +666,13 @@ class Gemma4Text:
 
     Refused by name, each with the reason (what is not built yet, never silently mis-read): per-layer input
     embeddings (`hidden_size_per_layer_input` > 0), KV-shared layers (`num_kv_shared_layers` > 0; with them
-    `use_double_wide_mlp`, which widens only those layers' MLPs), `attention_k_eq_v`, the MoE block
-    (`enable_moe_block`), full-attention layers whose head size or kv heads differ from the sliding layers'
+    `use_double_wide_mlp`, which widens only those layers' MLPs), `attention_k_eq_v`, full-attention layers whose head size or kv heads differ from the sliding layers'
     (`global_head_dim` / `num_global_key_value_heads` / `per_layer_config`: one attention stack has one shape),
     bidirectional attention, a `query_pre_attn_scalar` (transformers' Gemma 4 does not read one: its scale is 1).
-    `final_logit_softcapping` (c > 0 or null) is read: logits c * tanh(logits / c)."""
+    `final_logit_softcapping` (c > 0 or null) is read: logits c * tanh(logits / c). The MoE block
+    (`enable_moe_block`: `num_experts`, `top_k_experts`, `moe_intermediate_size`) is read into `moe`: beside the
+    dense MLP in every layer (ModelConfig.moe_beside_mlp), a softmax top-k router renormalised and times a
+    per-expert scale, reading RMSNorm(x) * scale * D^-0.5, GeGLU experts."""
 
     hf: dict[str, Any]
     rope_theta: float
@@ -639,10 +680,10 @@ class Gemma4Text:
     local_rope_theta: float
     local_rope_scaling: RopeScaling
     final_logit_softcapping: float | None
+    moe: MoEConfig | None = None
 
     NOT_YET = {"hidden_size_per_layer_input": "per-layer input embeddings (PLE)",
-               "num_kv_shared_layers": "KV-shared layers", "attention_k_eq_v": "keys reused as values",
-               "enable_moe_block": "the MoE block beside the dense MLP"}
+               "num_kv_shared_layers": "KV-shared layers", "attention_k_eq_v": "keys reused as values"}
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "Gemma4Text":
@@ -690,12 +731,12 @@ class Gemma4Text:
         return cls(hf={**hf, "layer_types": types, "hidden_act": act, "sliding_window": hf.get("sliding_window", 512)},
                    rope_theta=float(full["rope_theta"]), rope_scaling=RopeScaling.from_hf(full, hf),
                    local_rope_theta=float(local["rope_theta"]), local_rope_scaling=RopeScaling.from_hf(local, hf),
-                   final_logit_softcapping=None if cap is None else float(cap))
+                   final_logit_softcapping=None if cap is None else float(cap), moe=_gemma4_moe(hf, act))
 
     def fields(self) -> dict[str, Any]:
         """The ModelConfig fields Gemma 4 sets (beside the generic ones read from `hf`)."""
         return dict(sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=1.0, v_norm=True,
-                    layer_scalar=True, local_rope_theta=self.local_rope_theta,
+                    layer_scalar=True, moe_beside_mlp=self.moe is not None, local_rope_theta=self.local_rope_theta,
                     local_rope_scaling=self.local_rope_scaling, final_logit_softcapping=self.final_logit_softcapping)
 
     @staticmethod
@@ -709,8 +750,28 @@ class Gemma4Text:
                 "rope_parameters": {"full_attention": rope(cfg.rope_theta, cfg.rope_scaling),
                                     "sliding_attention": rope(cfg.local_rope_theta, cfg.local_rope_scaling)},
                 "final_logit_softcapping": cfg.final_logit_softcapping, "hidden_size_per_layer_input": 0,
-                "num_kv_shared_layers": 0,
-                "attention_k_eq_v": False, "enable_moe_block": False, "use_double_wide_mlp": False}
+                "num_kv_shared_layers": 0, "attention_k_eq_v": False, "use_double_wide_mlp": False,
+                "enable_moe_block": cfg.moe is not None,
+                **({} if cfg.moe is None else {"num_experts": cfg.moe.num_experts,
+                                               "top_k_experts": cfg.moe.experts_per_token,
+                                               "moe_intermediate_size": cfg.moe.expert_intermediate_size})}
+
+
+def _gemma4_moe(hf: dict[str, Any], act: str) -> MoEConfig | None:
+    """Gemma 4's MoE block (`enable_moe_block`) as transformers' Gemma4TextRouter / Gemma4TextExperts define it;
+    None without it. Its three sizes have no defaults in Gemma4TextConfig: each must be given."""
+    if not hf.get("enable_moe_block"):
+        return None
+    missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not hf.get(k)]
+    if missing:
+        raise ModelConfigError(f"gemma4: enable_moe_block true needs {', '.join(missing)} (positive integers)")
+    if act != "gelu_pytorch_tanh":
+        raise ModelConfigError(f"gemma4: the MoE block's experts with hidden_activation {act!r} are not supported "
+                               "(gelu_pytorch_tanh: GeGLU experts)")
+    return MoEConfig(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["top_k_experts"]),
+                     expert_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True,
+                     activation="geglu", router_input_norm=float(hf.get("rms_norm_eps", 1e-6)),
+                     per_expert_scale=True)
 
 
 def _check_gemma4_full_layers(hf: dict[str, Any], types: list[str]) -> None:
@@ -786,14 +847,16 @@ def short_conv_to_hf(cfg: "ModelConfig") -> dict[str, Any]:
     the read intermediate_size / block_* keys when they still give `cfg.intermediate_size`, else the width itself
     with block_auto_adjust_ff_dim false."""
     sc = cfg.short_conv
+    layers = {"layer_types": [LFM2_LAYER_TYPES[0] if conv else LFM2_LAYER_TYPES[1] for conv in sc.layers],
+              "conv_L_cache": sc.kernel, "conv_bias": sc.bias, "norm_eps": cfg.rms_norm_eps}
+    if cfg.moe is not None:  # lfm2_moe: intermediate_size as is (no block_* keys), no full_attn_idxs
+        return layers | {"intermediate_size": cfg.intermediate_size, "num_dense_layers": cfg.dense_layers}
     read = lfm2_aliases(cfg.hf_extra)
     read = {k: read[k] for k in ("intermediate_size", "block_auto_adjust_ff_dim", "block_ffn_dim_multiplier",
                                   "block_multiple_of") if k in read}
     if "intermediate_size" not in read or lfm2_ff_dim(read) != cfg.intermediate_size:
         read = {"intermediate_size": cfg.intermediate_size, "block_auto_adjust_ff_dim": False}
-    return read | {"layer_types": [LFM2_LAYER_TYPES[0] if conv else LFM2_LAYER_TYPES[1] for conv in sc.layers],
-                   "full_attn_idxs": [i for i, conv in enumerate(sc.layers) if not conv],
-                   "conv_L_cache": sc.kernel, "conv_bias": sc.bias, "norm_eps": cfg.rms_norm_eps}
+    return read | layers | {"full_attn_idxs": [i for i, conv in enumerate(sc.layers) if not conv]}
 
 
 def _checked_layer_types(types, num_layers: int, allowed: tuple[str, ...]) -> list[str]:
@@ -860,6 +923,8 @@ def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
         return _qwen2_moe(hf, k, coef)
     if style == "qwen3_5_moe":
         return _qwen3_5_moe(hf, k, coef)
+    if style == "lfm2_moe":
+        return _lfm2_moe(hf)
     if style == "qwen3_moe":
         dense = list(hf.get("mlp_only_layers") or [])
         step = int(hf.get("decoder_sparse_step", 1))
@@ -931,6 +996,20 @@ def _qwen3_5_moe(hf: dict[str, Any], k: int, coef: float) -> MoEConfig:
                      router_aux_loss_coef=coef, shared_expert_intermediate_size=shared)
 
 
+def _lfm2_moe(hf: dict[str, Any]) -> MoEConfig:
+    """lfm2_moe's MoE keys (transformers' Lfm2MoeConfig defaults): sigmoid scores, the k experts chosen by score +
+    the `expert_bias` buffer (`use_expert_bias`), the k scores renormalised (`norm_topk_prob`, w / (sum + 1e-6))
+    and times `routed_scaling_factor`. The config class has no load-balancing coefficient: 0 unless given.
+    `num_dense_layers` (the dense leading layers) is ModelConfig.dense_layers."""
+    num_experts = int(hf.get("num_experts", 32))
+    return MoEConfig(num_experts=num_experts, experts_per_token=int(hf.get("num_experts_per_tok", 4)),
+                     expert_intermediate_size=int(hf.get("moe_intermediate_size", 1792)), router="sigmoid_topk",
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", True)), norm_topk_eps=1e-6,
+                     selection_bias=bool(hf.get("use_expert_bias", True)),
+                     routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                     router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+
+
 def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
     """The config.json keys of `moe` in the spelling of the family's MoE `style` (inverse of `moe_from_hf`)."""
     out: dict[str, Any] = {"num_experts_per_tok": moe.experts_per_token,
@@ -940,6 +1019,10 @@ def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
                    norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
     elif style == "qwen3_5_moe":
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size)
+    elif style == "lfm2_moe":
+        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
+                   norm_topk_prob=moe.norm_topk_prob, use_expert_bias=moe.selection_bias,
+                   routed_scaling_factor=moe.routed_scaling_factor)
     else:
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.expert_intermediate_size)
     if style == "gpt_oss":

@@ -19,9 +19,11 @@ LFM2 (`cfg.short_conv`): likewise two stacks, `layers` (its GQA attention layers
 mixer); plain (w) RMSNorms, full rope. The non-attention stack of a hybrid keeps a fixed-size state per sequence
 in generation and serving (`Decoder.state_stack` / `state_shape`; kv/recurrent.py).
 
-Gemma 4 (`gemma4_text`, the text backbone of `gemma4`; the dense text model): Gemma 3's block with plain-w norms,
+Gemma 4 (`gemma4_text`, the text backbone of `gemma4`): Gemma 3's block with plain-w norms,
 the values RMS-normalised without a weight (v norm), softmax scale 1, the full-attention layers' `proportional`
 rope, and each layer's output times its loaded `layer_scalar`:  h = layer_scalar * (h + RMSNorm(GeGLU(...))).
+With its MoE block (`cfg.moe_beside_mlp`) the MoE runs beside the GeGLU: its router reads the residual stream h, its
+experts their own pre-norm of h, each branch is post-normed and the sum post-normed (`_mlp_residual`).
 
 Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
 embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is
@@ -51,6 +53,7 @@ from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 from surojax.models.layers.short_conv import ShortConv
+from surojax.models.registry import DENSE_STACKS
 
 
 class Block(nnx.Module):
@@ -82,10 +85,15 @@ class Block(nnx.Module):
 
 def _mlp_residual(block: nnx.Module, h, kv, segment_ids):
     """Every block's second half: h += MLP(RMSNorm(h)) (with sandwich norms, Gemma 3: h += RMSNorm(MLP(RMSNorm(h))))
-    -> (h, kv, the MoE's router stats or None)."""
+    -> (h, kv, the MoE's router stats or None). Gemma 4's MoE block beside the MLP (`block.moe`), as transformers'
+    Gemma4TextDecoderLayer: h += RMSNorm(RMSNorm_1(MLP(RMSNorm(h))) + RMSNorm_2(MoE(RMSNorm'(h); router reads h)))."""
     if isinstance(block.mlp, MoE):
         m, stats = block.mlp(block.mlp_norm(h), segment_ids)
         return h + m, kv, stats
+    if getattr(block, "moe", None) is not None:  # Gemma 4's MoE block beside the MLP (sandwich norms)
+        e, stats = block.moe(block.moe_pre_norm(h), segment_ids, router_input=h)
+        m = block.mlp_post_norm_dense(block.mlp(block.mlp_norm(h))) + block.moe_post_norm(e)
+        return h + block.mlp_post_norm(m), kv, stats
     if block.mlp_post_norm is None:  # the norm and the add handed in: the decode GEMV's prologue / epilogue
         return block.mlp(h, norm=block.mlp_norm, residual=h), kv, None
     return h + block.mlp_post_norm(block.mlp(block.mlp_norm(h))), kv, None
@@ -102,10 +110,13 @@ def _norms_and_mlp(block: nnx.Module, cfg: ModelConfig, param_dtype, rngs) -> No
     block.attn_norm, block.mlp_norm = norm(), norm()
     block.attn_post_norm = norm() if cfg.sandwich_norms else None
     block.mlp_post_norm = norm() if cfg.sandwich_norms else None
-    if cfg.moe is None:
+    if cfg.moe is None or cfg.moe_beside_mlp:
         block.mlp = MLP(D, cfg.intermediate_size, param_dtype=param_dtype, rngs=rngs, activation=cfg.hidden_act)
     else:
         block.mlp = MoE(D, cfg.moe, param_dtype=param_dtype, rngs=rngs)
+    if cfg.moe_beside_mlp:  # Gemma 4's MoE block: the MoE, its pre norm, each branch's post norm
+        block.moe = MoE(D, cfg.moe, param_dtype=param_dtype, rngs=rngs)
+        block.moe_pre_norm, block.mlp_post_norm_dense, block.moe_post_norm = norm(), norm(), norm()
 
 
 class LinearBlock(nnx.Module):
@@ -161,13 +172,17 @@ def layer_pattern(cfg: ModelConfig) -> LayerPattern:
     windows' shortest period, each with its static `window` (0 = full attention). A hybrid: one type per layer
     of `layer_types`' shortest period, reading `linear_layers` (Gated DeltaNet) or `layers` (attention); Qwen3.5's
     [linear x 3, full] x G. LFM2 alike with `conv_layers` (its published patterns have no shorter period than L:
-    one group of L types)."""
+    one group of L types); lfm2_moe's dense leading layers read the stacks `dense_conv_layers` / `dense_layers` and
+the cache parts of their kind (`LayerType.cache`)."""
     L = cfg.num_layers
     other = LINEAR_STACK if cfg.linear_attention is not None else CONV_STACK
     kinds = cfg.linear_attention or cfg.short_conv
     if kinds is not None:
         stacks = [other if mine else "layers" for mine in kinds.layers]
-        return LayerPattern(tuple(LayerType(s) for s in stacks[:_period(stacks)]), L)
+        # lfm2_moe's dense leading layers: their own stacks, their kind's cache part
+        types = [LayerType(DENSE_STACKS[s], cache=s) if i < cfg.dense_layers else LayerType(s)
+                 for i, s in enumerate(stacks)]
+        return LayerPattern(tuple(types[:_period(types)]), L)
     if cfg.layer_windows is None and cfg.local_rope_theta is None:
         return LayerPattern.uniform(L)
     options = [_attention_options(cfg, i) for i in range(L)]
@@ -226,7 +241,17 @@ class Decoder(nnx.Module):
             keys[pattern.rows("layers"):])
         self.conv_layers = None if cfg.short_conv is None else _stack_blocks(
             lambda k: ConvBlock(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
-            keys[pattern.rows("layers"):])
+            keys[pattern.rows("layers"):pattern.rows("layers") + pattern.rows(CONV_STACK)])
+        # lfm2_moe's dense leading layers (cfg.dense_layers): the same blocks with the dense MLP, only where they hold
+        # a layer
+        dense_cfg = cfg.replace(moe=None, dense_layers=0)
+        rest = keys[pattern.rows("layers") + pattern.rows(CONV_STACK):]
+        self.dense_layers = None if not pattern.rows(DENSE_STACKS["layers"]) else _stack_blocks(
+            lambda k: Block(dense_cfg, attention=attention, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
+            rest[:pattern.rows(DENSE_STACKS["layers"])])
+        self.dense_conv_layers = None if not pattern.rows(DENSE_STACKS[CONV_STACK]) else _stack_blocks(
+            lambda k: ConvBlock(dense_cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
+            rest[pattern.rows(DENSE_STACKS["layers"]):])
         self.final_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs,
                                   zero_centered=cfg.norm_zero_centered)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(D, V, param_dtype=param_dtype, rngs=rngs)
@@ -238,9 +263,10 @@ class Decoder(nnx.Module):
 
     @property
     def stacks(self) -> dict[str, nnx.Module]:
-        """The layer stacks by name: `layers`, and a hybrid's `linear_layers` or LFM2's `conv_layers`."""
+        """The layer stacks by name: `layers`, and a hybrid's `linear_layers` or LFM2's `conv_layers` (lfm2_moe: also
+        its dense leading layers' `dense_layers` / `dense_conv_layers` where they hold a layer)."""
         out = {"layers": self.layers}
-        for name in (LINEAR_STACK, CONV_STACK):
+        for name in (LINEAR_STACK, CONV_STACK, *DENSE_STACKS.values()):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -248,7 +274,7 @@ class Decoder(nnx.Module):
     @property
     def state_stack(self) -> str | None:
         """The stack whose layers keep a fixed-size state per sequence (`linear_layers`, `conv_layers`), or None."""
-        return state_stack(self.layer_pattern.stacks)
+        return state_stack(self.layer_pattern.caches)
 
     @property
     def state_shape(self) -> StateShape | ConvShape:

@@ -31,7 +31,10 @@ its own part; a hybrid's holds the attention layers' KV cache and the linear lay
 stack's rows ([rows, ...] leaves) and sliced exactly as that stack's parameters: scanned as the loop's input
 (`per_layer()`, grouped [G, k, ...] + the remainder's rows) or carried whole in the loop's carry (`carried()`,
 written in place; one row counter per stack, advanced only by that stack's layers). `with_layers` / `with_parts`
-take the loop's result back.
+take the loop's result back. A cache part is named by the types that read it (`LayerType.cache_part`, by default
+their stack; `LayerPattern.caches`): two stacks may share one part (lfm2_moe's dense leading conv layers in
+`dense_conv_layers` and its sparse ones in `conv_layers`, one state part `conv_layers` over both, in layer order),
+and the part is then sliced and counted over the layers that read it, not over one stack's rows.
 
 Recompute (`recompute:` in the config, typed by `Recompute`): what a layer keeps for the backward pass; it wraps
 each layer's body. Weight leaves in host memory are fetched per layer (`on_device`); leaves read in place
@@ -95,15 +98,24 @@ class Recompute(enum.Enum):
 # ---- the pattern ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LayerType:
-    """One type of layer: the stack of stacked parameters it reads and its static call options (keyword
-    arguments of the layer's call, e.g. `(("window", 128),)`)."""
+    """One type of layer: the stack of stacked parameters it reads, its static call options (keyword
+    arguments of the layer's call, e.g. `(("window", 128),)`) and the cache part it reads (`cache`; None: the part
+    named as its stack). Two stacks may share one cache part (lfm2_moe's dense leading layers: stacks
+    `dense_conv_layers` / `conv_layers` of one kind of mixer, one state part `conv_layers`): the part holds the rows
+    of every layer that reads it, in layer order."""
 
     stack: str = "layers"
     options: tuple[tuple[str, Hashable], ...] = ()
+    cache: str | None = None
 
     @property
     def kwargs(self) -> dict[str, Any]:
         return dict(self.options)
+
+    @property
+    def cache_part(self) -> str:
+        """The cache part this type reads (its stack's name unless `cache` says otherwise)."""
+        return self.stack if self.cache is None else self.cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +164,24 @@ class LayerPattern:
     def rows(self, stack: str) -> int:
         """The layers `stack` holds."""
         return self.groups * self.per_group(stack) + sum(t.stack == stack for t in self.types[:self.remainder])
+
+    @property
+    def caches(self) -> tuple[str, ...]:
+        """The cache parts the types read, in order of first use (`LayerType.cache_part`)."""
+        return tuple(dict.fromkeys(t.cache_part for t in self.types))
+
+    def cache_slot(self, position: int) -> int:
+        """`slot` for the cache part: how many earlier positions read the same part."""
+        part = self.types[position].cache_part
+        return sum(t.cache_part == part for t in self.types[:position])
+
+    def cache_per_group(self, part: str) -> int:
+        return sum(t.cache_part == part for t in self.types)
+
+    def cache_rows(self, part: str) -> int:
+        """The layers whose cache rows cache part `part` holds."""
+        return self.groups * self.cache_per_group(part) + sum(t.cache_part == part
+                                                              for t in self.types[:self.remainder])
 
     def layer(self, i: int) -> tuple[LayerType, int]:
         """Layer i's type and its row in the type's stack."""
@@ -257,11 +287,13 @@ def _grouped(x, groups: int, k: int, whole: bool):
     return x.reshape(groups, k, *x.shape[1:]) if k > 1 else x
 
 
-def _rows(tree, pattern: LayerPattern, name: str):
-    """A tree stacked over stack `name`'s rows [rows, ...] -> (group rows [G, k, ...] ([G, ...] for k = 1),
-    remainder rows or None). A stack read once per group with no remainder rows is passed as it is (no slice,
-    no reshape: the plain scan). Parameters and cache parts are split alike."""
-    G, rows, k = pattern.groups, pattern.rows(name), pattern.per_group(name)
+def _rows(tree, pattern: LayerPattern, name: str, *, cache: bool = False):
+    """A tree stacked over stack `name`'s rows [rows, ...] (`cache`: cache part `name`'s) -> (group rows [G, k, ...]
+    ([G, ...] for k = 1), remainder rows or None). A stack read once per group with no remainder rows is passed as
+    it is (no slice, no reshape: the plain scan). Parameters and cache parts are split alike."""
+    G = pattern.groups
+    rows, k = ((pattern.cache_rows(name), pattern.cache_per_group(name)) if cache
+               else (pattern.rows(name), pattern.per_group(name)))
     whole = k == 1 and rows == G
     groups = jax.tree.map(lambda x: _grouped(x, G, k, whole), tree)
     rest = None if whole else jax.tree.map(lambda x: jax.lax.slice_in_dim(x, G * k, rows), tree)
@@ -269,8 +301,8 @@ def _rows(tree, pattern: LayerPattern, name: str):
 
 
 def _check_part(view, pattern: LayerPattern, name: str):
-    """`view` (a cache part's per-layer or carried view), its array leaves checked to hold the stack's rows."""
-    rows = pattern.rows(name)
+    """`view` (a cache part's per-layer or carried view), its array leaves checked to hold the part's rows."""
+    rows = pattern.cache_rows(name)
     leading = {x.shape[0] for x in jax.tree.leaves(view) if jnp.ndim(x)}
     if leading != {rows}:
         raise ValueError(f"the cache of layer stack {name!r} holds {sorted(leading)} layers; the layer pattern "
@@ -333,10 +365,10 @@ class LayerScan:
             kv_meta=None) -> HiddenStates:
         split = _split(pattern, stacks)
         G, P, R = pattern.groups, pattern.period, pattern.remainder
-        parts = {} if cache is None else dict(cache.parts(pattern.stacks))  # stack -> its cache
+        parts = {} if cache is None else dict(cache.parts(pattern.caches))  # cache part -> its cache
         carried = {n for n, part in parts.items() if self.carry_cache or part.carry_only}
         carries = {n: _check_part(parts[n].carried(), pattern, n) for n in carried}
-        sliced = {n: _rows(_check_part(part.per_layer(), pattern, n), pattern, n)
+        sliced = {n: _rows(_check_part(part.per_layer(), pattern, n), pattern, n, cache=True)
                   for n, part in parts.items() if n not in carried}
         layers = [self._layer(split[t.stack], t, consts, kv_meta) for t in pattern.types]
 
@@ -346,7 +378,7 @@ class LayerScan:
             (h, carried caches, new per-layer views (None where carried or no cache), stats)."""
             carries, new_views, stats = dict(carries), [], []
             for p, state_l, row, view in zip(positions, states, rows, views):
-                name = pattern.types[p].stack
+                name = pattern.types[p].cache_part
                 h, view, st = layers[p](h, state_l, row, carries.get(name, view))
                 if name in carries:
                     carries[name] = dataclasses.replace(view, layer=view.layer + 1)
@@ -363,13 +395,14 @@ class LayerScan:
                 one = s.per_group == 1
                 states.append(group[t.stack] if one else _take(group[t.stack], j))
                 rows.append(None if s.rebuild is None else g * s.per_group + j)
-                views.append(None if t.stack not in cache_groups else
-                             cache_groups[t.stack] if one else _take(cache_groups[t.stack], j))
+                c = t.cache_part
+                views.append(None if c not in cache_groups else cache_groups[c]
+                             if pattern.cache_per_group(c) == 1 else _take(cache_groups[c], pattern.cache_slot(p)))
             h, carries, new_views, stats = apply(range(P), h, carries, states, rows, views)
             ys = {}
-            for name in cache_groups:  # each stack's new views, as its slices came: [k, ...] or one view
-                mine = [v for v, t in zip(new_views, pattern.types) if t.stack == name]
-                ys[name] = mine[0] if split[name].per_group == 1 else _stack(mine)
+            for name in cache_groups:  # each part's new views, as its slices came: [k, ...] or one view
+                mine = [v for v, t in zip(new_views, pattern.types) if t.cache_part == name]
+                ys[name] = mine[0] if pattern.cache_per_group(name) == 1 else _stack(mine)
             return (h, carries), (ys, stats[0] if P == 1 else _stack_stats(stats))
 
         any_in_place = any(s.rebuild is not None for s in split.values())
@@ -381,17 +414,18 @@ class LayerScan:
             if P > 1:  # [G, n, ...] -> [G n, ...]: layer (row) order
                 stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stats)
             new_groups = {name: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), v)
-                          if split[name].per_group > 1 else v for name, v in new_groups.items()}
+                          if pattern.cache_per_group(name) > 1 else v for name, v in new_groups.items()}
         new_views = dict(new_groups)
         if R:  # the remainder: the pattern's first R types, once, after the groups
-            rest = [(split[t.stack], pattern.slot(p), t.stack) for p, t in enumerate(pattern.types[:R])]
+            rest = [(split[t.stack], pattern.slot(p), t.cache_part, pattern.cache_slot(p))
+                    for p, t in enumerate(pattern.types[:R])]
             h, carries, rest_views, rest_stats = apply(
-                range(R), h, carries, [_take(s.rest, j) for s, j, _ in rest],
-                [G * s.per_group + j for s, j, _ in rest],
-                [_take(sliced[n][1], j) if n in sliced else None for _, j, n in rest])
+                range(R), h, carries, [_take(s.rest, j) for s, j, _, _ in rest],
+                [G * s.per_group + j for s, j, _, _ in rest],
+                [_take(sliced[n][1], jc) if n in sliced else None for _, _, n, jc in rest])
             stats = _concat(stats, _stack_stats(rest_stats))
             for name in sliced:
-                mine = [v for v, (_, _, n) in zip(rest_views, rest) if n == name]
+                mine = [v for v, (_, _, n, _) in zip(rest_views, rest) if n == name]
                 if mine:
                     new_views[name] = _concat(new_views.get(name), _stack(mine))
         if cache is None:

@@ -163,46 +163,79 @@ def qwen3_5_weights(prefix: str, *, moe: bool = False, fused: bool = False) -> t
             WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
 
 
-def lfm2_weights() -> tuple[WeightRow, ...]:
+# lfm2_moe's dense leading layers (`num_dense_layers`) live in stacks of their own, one per mixer kind: the stack
+# of that kind's sparse layers -> the stack of its dense ones (ModelConfig.dense_layers; decoder.layer_pattern)
+DENSE_STACKS: dict[str, str] = {"layers": "dense_layers", "conv_layers": "dense_conv_layers"}
+
+
+def lfm2_weights(*, moe: bool = False, fused: bool = False) -> tuple[WeightRow, ...]:
     """LFM2 (Lfm2ForCausalLM) under `model.`: both stacks (`layers` = the attention layers, `conv_layers` = the
     short-convolution layers) have `operator_norm` / `ffn_norm` and the SwiGLU `feed_forward.w1` (gate) / `w3` (up)
     / `w2` (down); attention: q/k/v_proj, `out_proj`, `q_layernorm` / `k_layernorm`; the short conv: `in_proj`
     [3D, D], the depthwise kernel `conv.conv.weight` [D, 1, K] as stored, `out_proj` [D, D], their biases with
-    `conv_bias`. The final norm is `model.embedding_norm`; the head tied unless the config unties it."""
+    `conv_bias`. The final norm is `model.embedding_norm`; the head tied unless the config unties it.
+
+    With `moe` (lfm2_moe) the feed-forward of `layers` / `conv_layers` is the MoE: the router `feed_forward.gate`
+    [E, D], the `feed_forward.expert_bias` buffer [E] (added to the scores for the choice only), the experts per
+    expert as published (`feed_forward.experts.{e}.w1` / `w3` / `w2`) or with `fused` transformers 5's in-memory
+    `feed_forward.experts.gate_up_proj` [E, 2F, D] / `down_proj` [E, D, F]; its dense leading layers
+    (`num_dense_layers`) are the stacks `dense_layers` / `dense_conv_layers` with the SwiGLU rows."""
     layer = "model.layers.{i}."
-    both = []
-    for stack in ("layers", "conv_layers"):
-        both += [WeightRow(layer + "operator_norm.weight", f"{stack}.attn_norm.scale"),
+    kinds = {"layers": "layers", "conv_layers": "conv_layers"}  # stack -> its mixer kind
+    if moe:
+        kinds |= {dense: kind for kind, dense in DENSE_STACKS.items()}
+    rows = []
+    for stack, kind in kinds.items():
+        rows += [WeightRow(layer + "operator_norm.weight", f"{stack}.attn_norm.scale"),
                  WeightRow(layer + "ffn_norm.weight", f"{stack}.mlp_norm.scale")]
-        both += [WeightRow(layer + f"feed_forward.{w}.weight", f"{stack}.mlp.{m}.kernel", True)
-                 for w, m in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))]
-    attn = [WeightRow(layer + f"self_attn.{m}.weight", f"layers.attn.{m}.kernel", True)
-            for m in ("q_proj", "k_proj", "v_proj")]
-    attn += [WeightRow(layer + "self_attn.out_proj.weight", "layers.attn.o_proj.kernel", True),
-             WeightRow(layer + "self_attn.q_layernorm.weight", "layers.attn.q_norm.scale"),
-             WeightRow(layer + "self_attn.k_layernorm.weight", "layers.attn.k_norm.scale")]
-    conv = []
-    for m in ("in_proj", "out_proj"):
-        conv += [WeightRow(layer + f"conv.{m}.weight", f"conv_layers.conv.{m}.kernel", True),
-                 WeightRow(layer + f"conv.{m}.bias", f"conv_layers.conv.{m}.bias", when="conv_bias")]
-    conv += [WeightRow(layer + "conv.conv.weight", "conv_layers.conv.conv.kernel"),  # [D, 1, K] as stored
-             WeightRow(layer + "conv.conv.bias", "conv_layers.conv.conv.bias", when="conv_bias")]
-    return (WeightRow("model.embed_tokens.weight", "embed.embedding"), *both, *attn, *conv,
+        if moe and stack == kind:
+            rows += _lfm2_moe_rows(layer + "feed_forward.", stack, fused)
+        else:
+            rows += [WeightRow(layer + f"feed_forward.{w}.weight", f"{stack}.mlp.{m}.kernel", True)
+                     for w, m in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))]
+        if kind == "layers":
+            rows += [WeightRow(layer + f"self_attn.{m}.weight", f"{stack}.attn.{m}.kernel", True)
+                     for m in ("q_proj", "k_proj", "v_proj")]
+            rows += [WeightRow(layer + "self_attn.out_proj.weight", f"{stack}.attn.o_proj.kernel", True),
+                     WeightRow(layer + "self_attn.q_layernorm.weight", f"{stack}.attn.q_norm.scale"),
+                     WeightRow(layer + "self_attn.k_layernorm.weight", f"{stack}.attn.k_norm.scale")]
+            continue
+        for m in ("in_proj", "out_proj"):
+            rows += [WeightRow(layer + f"conv.{m}.weight", f"{stack}.conv.{m}.kernel", True),
+                     WeightRow(layer + f"conv.{m}.bias", f"{stack}.conv.{m}.bias", when="conv_bias")]
+        rows += [WeightRow(layer + "conv.conv.weight", f"{stack}.conv.conv.kernel"),  # [D, 1, K] as stored
+                 WeightRow(layer + "conv.conv.bias", f"{stack}.conv.conv.bias", when="conv_bias")]
+    return (WeightRow("model.embed_tokens.weight", "embed.embedding"), *rows,
             WeightRow("model.embedding_norm.weight", "final_norm.scale"),
             WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
+
+
+def _routed_rows(prefix: str, stack: str, fused: bool, names: tuple[str, str, str]) -> list[WeightRow]:
+    """One stack's routed experts under `prefix` (the layer's MoE module prefix): transformers 5's fused
+    `experts.gate_up_proj` [E, 2F, D] / `experts.down_proj` [E, D, F], or per expert as published, `names` the
+    gate / up / down projections' (qwen: gate_proj / up_proj / down_proj; lfm2_moe: w1 / w3 / w2)."""
+    experts = f"{stack}.mlp.experts"
+    if fused:
+        return [WeightRow(prefix + "experts.gate_up_proj", f"{experts}.gate_up_proj.kernel", True),
+                WeightRow(prefix + "experts.down_proj", f"{experts}.down_proj.kernel", True)]
+    gate, up, down = (prefix + "experts.{e}." + n + ".weight" for n in names)
+    return [WeightRow(gate, f"{experts}.gate_up_proj.kernel", True, half=0),
+            WeightRow(up, f"{experts}.gate_up_proj.kernel", True, half=1),
+            WeightRow(down, f"{experts}.down_proj.kernel", True)]
+
+
+def _lfm2_moe_rows(ff: str, stack: str, fused: bool) -> list[WeightRow]:
+    """One stack's lfm2_moe feed-forward rows under `ff` (the layer's `feed_forward.` prefix)."""
+    return [WeightRow(ff + "gate.weight", f"{stack}.mlp.router.kernel", True),  # [E, D]
+            WeightRow(ff + "expert_bias", f"{stack}.mlp.router.selection_bias", when="selection_bias"),  # [E]
+            *_routed_rows(ff, stack, fused, ("w1", "w3", "w2"))]
 
 
 def _moe_rows(layer: str, stack: str, fused: bool) -> list[WeightRow]:
     """One stack's sparse-MoE rows under the layer prefix `layer` (qwen2_moe's names: router `mlp.gate`, the experts,
     the shared expert and its gate), per expert or fused."""
-    experts, mlp = f"{stack}.mlp.experts", layer + "mlp."
-    if fused:
-        routed = [WeightRow(mlp + "experts.gate_up_proj", f"{experts}.gate_up_proj.kernel", True),  # [E, 2F, D]
-                  WeightRow(mlp + "experts.down_proj", f"{experts}.down_proj.kernel", True)]  # [E, D, F]
-    else:
-        routed = [WeightRow(mlp + "experts.{e}.gate_proj.weight", f"{experts}.gate_up_proj.kernel", True, half=0),
-                  WeightRow(mlp + "experts.{e}.up_proj.weight", f"{experts}.gate_up_proj.kernel", True, half=1),
-                  WeightRow(mlp + "experts.{e}.down_proj.weight", f"{experts}.down_proj.kernel", True)]
+    mlp = layer + "mlp."
+    routed = _routed_rows(mlp, stack, fused, ("gate_proj", "up_proj", "down_proj"))
     shared = [WeightRow(mlp + f"shared_expert.{m}.weight", f"{stack}.mlp.shared_expert.{m}.kernel", True)
               for m in ("gate_proj", "up_proj", "down_proj")]
     return [WeightRow(mlp + "gate.weight", f"{stack}.mlp.router.kernel", True), *routed, *shared,
@@ -232,8 +265,22 @@ def gemma3_weights(prefix: str, head: str = "lm_head.weight") -> tuple[WeightRow
 def gemma4_weights(prefix: str) -> tuple[WeightRow, ...]:
     """Gemma 4's dense text model under `prefix` (`model.`: Gemma4ForCausalLM; `model.language_model.`: the text
     backbone of Gemma4ForConditionalGeneration): Gemma 3's rows (the v norm has no weight) and each layer's
-    `layer_scalar` ([1], a buffer transformers saves) that multiplies the layer's output."""
-    return (*gemma3_weights(prefix)[:-1], WeightRow(prefix + "layers.{i}.layer_scalar", "layers.layer_scalar"),
+    `layer_scalar` ([1], a buffer transformers saves) that multiplies the layer's output. With the MoE block
+    (`enable_moe_block`, rows `when` moe_block): the router `router.proj` [E, D], its input scale `router.scale` [D]
+    and `router.per_expert_scale` [E], the fused experts `experts.gate_up_proj` [E, 2F, D] / `experts.down_proj`
+    [E, D, F], and three norms: `pre_feedforward_layernorm_2` (the experts' input), `post_feedforward_layernorm_1`
+    (the dense MLP's output), `post_feedforward_layernorm_2` (the experts' output)."""
+    layer = prefix + "layers.{i}."
+    moe = [WeightRow(layer + "router.proj.weight", "layers.moe.router.kernel", True, when="moe_block"),
+           WeightRow(layer + "router.scale", "layers.moe.router.scale", when="moe_block"),
+           WeightRow(layer + "router.per_expert_scale", "layers.moe.router.per_expert_scale", when="moe_block"),
+           WeightRow(layer + "experts.gate_up_proj", "layers.moe.experts.gate_up_proj.kernel", True, when="moe_block"),
+           WeightRow(layer + "experts.down_proj", "layers.moe.experts.down_proj.kernel", True, when="moe_block"),
+           WeightRow(layer + "pre_feedforward_layernorm_2.weight", "layers.moe_pre_norm.scale", when="moe_block"),
+           WeightRow(layer + "post_feedforward_layernorm_1.weight", "layers.mlp_post_norm_dense.scale",
+                     when="moe_block"),
+           WeightRow(layer + "post_feedforward_layernorm_2.weight", "layers.moe_post_norm.scale", when="moe_block")]
+    return (*gemma3_weights(prefix)[:-1], WeightRow(layer + "layer_scalar", "layers.layer_scalar"), *moe,
             gemma3_weights(prefix)[-1])
 
 
@@ -342,6 +389,9 @@ FAMILIES: dict[str, Family] = {
                                  "model.embed_audio.")),
         Family("lfm2", "Lfm2ForCausalLM", attention_bias_key=False, qk_norm=True, tie_default=True,
                weights=lfm2_weights(), short_conv=True, norm_eps_key="norm_eps", rope_theta_default=1e6),
+        Family("lfm2_moe", "Lfm2MoeForCausalLM", attention_bias_key=False, qk_norm=True, tie_default=True,
+               weights=lfm2_weights(moe=True), fused_weights=lfm2_weights(moe=True, fused=True), moe="lfm2_moe",
+               short_conv=True, norm_eps_key="norm_eps", rope_theta_default=1e6),
     )
 }
 
@@ -360,7 +410,8 @@ def family_for(model_type: str | None) -> Family:
 def stack_layers(cfg, stack: str) -> tuple[int, ...]:
     """The HF layer indices the layer stack `stack` holds, in its row order: `layers` every layer of a one-stack
     model, the full-attention layers of a hybrid; `linear_layers` a hybrid's Gated DeltaNet layers, `conv_layers`
-    LFM2's short-convolution layers."""
+    LFM2's short-convolution layers. lfm2_moe's dense leading layers (the first `dense_layers`) are in
+    `dense_layers` / `dense_conv_layers` (DENSE_STACKS), the rest of their kind in `layers` / `conv_layers`."""
     la = getattr(cfg, "linear_attention", None)
     sc = getattr(cfg, "short_conv", None)
     if la is None and sc is None:
@@ -368,10 +419,23 @@ def stack_layers(cfg, stack: str) -> tuple[int, ...]:
             raise ValueError(f"{cfg.model_type} has one layer stack, `layers`; asked for {stack!r}")
         return tuple(range(cfg.num_layers))
     other = "linear_layers" if la is not None else "conv_layers"
-    if stack not in ("layers", other):
-        raise ValueError(f"{cfg.model_type}'s layer stacks are `layers` and `{other}`; asked for {stack!r}")
-    mine = stack == other
-    return tuple(i for i, is_other in enumerate((la or sc).layers) if is_other == mine)
+    dense = getattr(cfg, "dense_layers", 0)
+    kinds = {"layers": "layers", other: other} | ({v: k for k, v in DENSE_STACKS.items()} if dense else {})
+    if stack not in kinds:
+        raise ValueError(f"{cfg.model_type}'s layer stacks are {', '.join(f'`{k}`' for k in kinds)}; asked for "
+                         f"{stack!r}")
+    mine = kinds[stack] == other
+    in_stack = (lambda i: i < dense) if stack in DENSE_STACKS.values() else (lambda i: i >= dense)
+    return tuple(i for i, is_other in enumerate((la or sc).layers) if is_other == mine and in_stack(i))
+
+
+def model_stacks(cfg) -> tuple[str, ...]:
+    """The layer stacks a model of this config has, each holding at least one layer (`layers` first)."""
+    la, sc = getattr(cfg, "linear_attention", None), getattr(cfg, "short_conv", None)
+    names = ("layers",) + (("linear_layers",) if la is not None else ()) + (("conv_layers",) if sc is not None else ())
+    if getattr(cfg, "dense_layers", 0):
+        names += tuple(DENSE_STACKS[n] for n in names if n in DENSE_STACKS)
+    return tuple(n for n in names if n in ("layers", "linear_layers", "conv_layers") or stack_layers(cfg, n))
 
 
 def row_layers(cfg, row: WeightRow) -> tuple[int | None, ...]:
@@ -385,8 +449,11 @@ def weight_rows(cfg, *, fused: bool = False) -> list[WeightRow]:
     moe = cfg.moe
     flags = {"attention_bias": cfg.attention_bias, "qk_norm": cfg.qk_norm, "untied": not cfg.tie_word_embeddings,
              "router_bias": bool(moe and moe.router_bias), "expert_bias": bool(moe and moe.expert_bias),
+             "selection_bias": bool(moe and moe.selection_bias), "moe_block": getattr(cfg, "moe_beside_mlp", False),
              "o_proj_bias": cfg.o_proj_bias, "attention_sinks": cfg.attention_sinks,
              "conv_bias": bool(getattr(cfg, "short_conv", None) and cfg.short_conv.bias)}
     family = family_for(cfg.model_type)
     table = family.fused_weights if fused else family.weights
-    return [r for r in table if r.when is None or flags[r.when]]
+    present = model_stacks(cfg) if family.short_conv else None  # lfm2_moe: a dense stack only with its layers
+    return [r for r in table if (r.when is None or flags[r.when]) and (present is None or r.stack is None
+                                                                        or r.stack in present)]

@@ -18,7 +18,8 @@ a hybrid (Qwen3.5) also the Gated DeltaNet projections in_proj_qkv / in_proj_z /
 (registry.LINEAR_ATTENTION_MODULES); a MoE hybrid (qwen3_5_moe) has the MoE names (attention, experts, shared
 expert) and the DeltaNet's. LFM2 (its `conv_layers` of short convolutions): the dense names (its attention's
 out_proj is `o_proj`, its MLP's w1 / w3 / w2 gate_proj / up_proj / down_proj) and conv.in_proj / conv.out_proj
-(registry.SHORT_CONV_MODULES); its HF spellings are accepted (CONV_SPELLINGS).
+(registry.SHORT_CONV_MODULES); its HF spellings are accepted (CONV_SPELLINGS). LFM2-MoE: the MoE names (attention,
+experts.gate_up_proj / experts.down_proj in both stacks) and the short conv's.
 
 Sites. A target lives in one or more layer stacks (a hybrid's MLP projections in both `layers` and `linear_layers`,
 its attention projections in `layers`, its DeltaNet projections in `linear_layers`). Each (stack, target) is a
@@ -63,7 +64,7 @@ _MOE_SPELLINGS = {"gate_up_proj": ("experts.gate_up_proj",), "down_proj": ("expe
 
 
 def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_expert: bool = False,
-                    hybrid: bool = False, conv: bool = False) -> tuple[str, ...]:
+                    hybrid: bool = False, conv: bool = False, dense: bool = False) -> tuple[str, ...]:
     """User target names (or "all-linear") -> our target names in TARGET_PATHS order, checked.
 
     Dense model (moe=False): HF module names of LINEAR_MODULES. MoE model (moe=True): q/k/v/o_proj; the experts'
@@ -74,7 +75,9 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
     projections (a dense hybrid: HYBRID_TARGETS; a MoE hybrid: the MoE names, then the DeltaNet's). LFM2 (conv=True,
     dense): the dense names and the short conv's conv.in_proj / conv.out_proj (CONV_HYBRID_TARGETS), also spelled
     as its HF modules (CONV_SPELLINGS: w1 / w3 / w2 the MLP's gate / up / down, in_proj, out_proj = the attention's
-    and the conv's)."""
+    and the conv's). LFM2-MoE (conv=True, moe=True): the attention, the experts (experts.gate_up_proj /
+    experts.down_proj, `experts`, gate_up_proj) and the conv's; with dense leading layers (dense=True) also their
+    MLP's gate_proj / up_proj / down_proj (w1 / w3 / w2)."""
     if isinstance(targets, str):
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     targets = list(targets)
@@ -88,8 +91,20 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
                              "'all-linear'")
         chosen = {n for t in targets for n in CONV_SPELLINGS.get(t, (t,))}
         return tuple(t for t in CONV_HYBRID_TARGETS if t in chosen)
-    if conv:
-        raise ValueError("a mixture-of-experts model with short-convolution layers (lfm2_moe) has no LoRA targets yet")
+    if conv:  # lfm2_moe: the attention, (the dense layers' MLP), the experts, the short conv
+        available = lfm2_moe_targets(dense)
+        if targets == ["all-linear"]:
+            return available
+        spell = {"gate_up_proj": ("experts.gate_up_proj",), "experts": EXPERT_TARGETS,
+                 **{t: (t,) for t in available}, **CONV_SPELLINGS}
+        unknown = [t for t in targets if t not in spell or any(n not in available for n in spell[t])]
+        if unknown or not targets:
+            raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid on lfm2_moe; choose from "
+                             f"{', '.join(available)}, gate_up_proj, experts (both expert projections), LFM2's "
+                             f"names {', '.join(n for n in CONV_SPELLINGS if all(t in available for t in CONV_SPELLINGS[n]))} "
+                             "or 'all-linear'")
+        chosen = {n for t in targets for n in spell[t]}
+        return tuple(t for t in available if t in chosen)
     if not moe:
         available = HYBRID_TARGETS if hybrid else LORA_TARGETS
         if targets == ["all-linear"]:
@@ -124,14 +139,44 @@ def resolve_targets(targets: str | Iterable[str], *, moe: bool = False, shared_e
     return tuple(t for t in available if t in chosen)
 
 
+def resolve_moe_block_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
+    """Gemma 4 with its MoE block: the dense names (LORA_TARGETS: gate_proj / up_proj / down_proj are the dense MLP's)
+    and the experts' fused projections (experts.gate_up_proj / experts.down_proj, `experts` both, `gate_up_proj`)."""
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    targets = list(targets)
+    available = LORA_TARGETS + EXPERT_TARGETS
+    if targets == ["all-linear"]:
+        return available
+    spell = {**{t: (t,) for t in available}, "experts": EXPERT_TARGETS, "gate_up_proj": ("experts.gate_up_proj",)}
+    unknown = [t for t in targets if t not in spell]
+    if unknown or not targets:
+        raise ValueError(f"LoRA target modules {unknown or targets!r} are not valid on Gemma 4 with its MoE block; "
+                         f"choose from {', '.join(available)}, experts (both expert projections), gate_up_proj or "
+                         "'all-linear'")
+    chosen = {n for t in targets for n in spell[t]}
+    return tuple(t for t in available if t in chosen)
+
+
+def lfm2_moe_targets(dense: bool) -> tuple[str, ...]:
+    """LFM2-MoE's target names in order: attention, the dense leading layers' MLP (with `dense`), experts, conv."""
+    return ATTENTION_TARGETS + (LORA_TARGETS[4:] if dense else ()) + EXPERT_TARGETS + SHORT_CONV_TARGETS
+
+
 def _moe_names(shared_expert: bool, hybrid: bool) -> tuple[str, ...]:
     """A MoE model's target names in order: attention, experts, the shared expert's, a hybrid's DeltaNet's."""
     return (MOE_TARGETS + (SHARED_EXPERT_TARGETS if shared_expert else ())
             + (LINEAR_ATTENTION_TARGETS if hybrid else ()))
 
 
+def has_moe_block(model) -> bool:
+    """Gemma 4's MoE block beside the dense MLP (its experts are targets beside the dense names)."""
+    return bool(getattr(model.cfg, "moe_beside_mlp", False))
+
+
 def is_moe(model) -> bool:
-    return model.cfg.moe is not None
+    """The model's MLPs are MoEs (Gemma 4's MoE block beside a dense MLP is not: its targets are the dense names)."""
+    return model.cfg.moe is not None and not getattr(model.cfg, "moe_beside_mlp", False)
 
 
 def has_shared_expert(model) -> bool:
@@ -142,6 +187,11 @@ def has_shared_expert(model) -> bool:
 
 def is_hybrid(model) -> bool:
     return model.cfg.linear_attention is not None
+
+
+def _has_dense_layers(model) -> bool:
+    """lfm2_moe with dense leading layers (their own stacks, with the dense MLP)."""
+    return bool(getattr(model.cfg, "dense_layers", 0))
 
 
 def has_short_conv(model) -> bool:
@@ -174,7 +224,17 @@ def site_stack(key: str) -> str:
 
 def site(model, key: str) -> tuple[nnx.Module, str]:
     """(the stack module, the target's path in it) of a site key."""
-    return stacks(model)[site_stack(key)], TARGET_PATHS[target_name(key)]
+    root = stacks(model)[site_stack(key)]
+    return root, target_path(root, target_name(key))
+
+
+def target_path(root: nnx.Module, name: str) -> str:
+    """Target `name`'s path inside a stack's blocks: TARGET_PATHS, except Gemma 4's experts, which sit in the MoE
+    block beside the MLP (`moe.experts.*`, not `mlp.experts.*`)."""
+    path = TARGET_PATHS[name]
+    if name in EXPERT_TARGETS and getattr(root, "moe", None) is not None:
+        return "moe." + path.removeprefix("mlp.")
+    return path
 
 
 def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
@@ -182,9 +242,11 @@ def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
     out = []
     for stack, root in stacks(model).items():
         for name in names:
-            parent, _, leaf = TARGET_PATHS[name].rpartition(".")
-            holder = module_at(root, parent) if parent and hasattr(root, parent.split(".")[0]) else None
-            if holder is not None and getattr(holder, leaf, None) is not None:
+            parent, _, leaf = target_path(root, name).rpartition(".")
+            holder = root
+            for part in parent.split(".") if parent else ():  # None where the stack's blocks lack the path
+                holder = getattr(holder, part, None)
+            if parent and holder is not None and getattr(holder, leaf, None) is not None:
                 out.append(site_key(stack, name))
     return tuple(out)
 
@@ -192,8 +254,11 @@ def target_sites(model, names: Iterable[str]) -> tuple[str, ...]:
 def model_targets(model) -> tuple[str, ...]:
     """The target site keys this model has (dense: LORA_TARGETS; MoE: MOE_TARGETS, + SHARED_EXPERT_TARGETS with a
     shared expert; a hybrid: those and LINEAR_ATTENTION_TARGETS in each stack that has them, `layers` first)."""
-    if has_short_conv(model) and not is_moe(model):
-        return target_sites(model, CONV_HYBRID_TARGETS)
+    if has_short_conv(model):
+        return target_sites(model, lfm2_moe_targets(_has_dense_layers(model)) if is_moe(model)
+                            else CONV_HYBRID_TARGETS)
+    if has_moe_block(model):
+        return LORA_TARGETS + EXPERT_TARGETS
     if not is_moe(model):
         return target_sites(model, HYBRID_TARGETS) if is_hybrid(model) else LORA_TARGETS
     names = _moe_names(has_shared_expert(model), is_hybrid(model))
@@ -203,8 +268,10 @@ def model_targets(model) -> tuple[str, ...]:
 def resolve_model_targets(model, targets: str | Iterable[str]) -> tuple[str, ...]:
     """A user's target names (or "all-linear") -> this model's site keys (`resolve_targets`, then `target_sites`
     on a hybrid; on a one-stack model the names themselves)."""
+    if has_moe_block(model):
+        return resolve_moe_block_targets(targets)
     names = resolve_targets(targets, moe=is_moe(model), shared_expert=has_shared_expert(model),
-                            hybrid=is_hybrid(model), conv=has_short_conv(model))
+                            hybrid=is_hybrid(model), conv=has_short_conv(model), dense=_has_dense_layers(model))
     return target_sites(model, names) if _multi_stack(model) else names
 
 

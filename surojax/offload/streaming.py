@@ -41,8 +41,9 @@ from surojax.parallel import param_shardings
 
 HOST_KIND = "pinned_host"
 STREAMED_SUBTREE = "layers"  # the (first) layer stack: what the layerwise optimizer and offload_master split off
-# every layer stack the base streams from (a hybrid has two: Qwen3.5's linear_layers, LFM2's conv_layers)
-STREAMED_STACKS = ("layers", "linear_layers", "conv_layers")
+# every layer stack the base streams from (a hybrid has two: Qwen3.5's linear_layers, LFM2's conv_layers; lfm2_moe
+# also its dense leading layers' dense_layers / dense_conv_layers)
+STREAMED_STACKS = ("layers", "linear_layers", "conv_layers", "dense_layers", "dense_conv_layers")
 EMBEDDING = ("embed", "embedding")
 
 

@@ -65,7 +65,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
-from surojax.models.layers.moe import MoE, RouterStats, dispatch, route, router_stats
+from surojax.models.layers.moe import MoE, RouterStats, dispatch, router_stats
 from surojax.models.layers.params import AXES
 from surojax.parallel import fp32_sums
 from surojax.parallel.rules import batch_axes, batch_parallel_size
@@ -139,7 +139,7 @@ def _local_moe(graphdef, manual_axes: tuple[str, ...], state, x, segment_ids):
     X = B * T
     xs = x.reshape(X, D)  # [X_l, D]
     logits = moe.router(xs)  # [X_l, E] fp32
-    weights, ids, probs = route(logits, moe.moe)  # [X_l, k], [X_l, k], [X_l, E]
+    weights, ids, probs = moe.router.route(logits, moe.moe)  # [X_l, k], [X_l, k], [X_l, E]
 
     # 2. the expert group's tokens and routing, in the group's token order
     xs_g = _gather_tokens(xs)  # [X_g, D]

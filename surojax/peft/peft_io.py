@@ -157,6 +157,14 @@ def expert_sites(rows: tuple[WeightRow, ...], targets) -> dict[str, str]:
     """Site key -> PEFT's module path ("{i}" for the layer) of the expert targets among `targets` (target names or
     site keys), in every stack whose rows have experts (a one-stack model, or rows without experts: `layers`)."""
     names = tuple(dict.fromkeys(target_name(t) for t in targets if target_name(t) in PEFT_PARAMETERS))
+    # transformers holds Gemma 4's MoE-block experts as `layers.{i}.experts`, lfm2_moe's as `feed_forward.experts`
+    elsewhere = "experts" if any(".moe.experts." in r.path for r in rows) else \
+        "feed_forward.experts" if any(".feed_forward.experts." in r.hf for r in rows) else None
+    if names and elsewhere:
+        raise AdapterError(f"expert adapters ({', '.join(names)}) in PEFT's layout are not supported yet for this "
+                           f"model: its experts module is `{elsewhere}`, not `mlp.experts` (the layout written and "
+                           "read here, checked against PEFT for the qwen / mixtral / gpt_oss families only); train "
+                           "without the expert targets to exchange the adapter with PEFT")
     stacks = [r.stack for r in rows if r.per_layer and r.path.endswith(".mlp.experts.down_proj.kernel")]
     return {site_key(stack, t): expert_module_name(t, names, layer_prefix(rows))
             for stack in stacks or ["layers"] for t in names}

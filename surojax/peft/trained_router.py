@@ -40,8 +40,8 @@ ROUTER_WEIGHTS = ("kernel", "bias")  # a router's weights: state path `{stack}.m
 
 
 def _routers(model) -> dict[str, nnx.Module]:
-    """Each layer stack's router module, by stack name."""
-    return {name: stack.mlp.router for name, stack in stacks(model).items()}
+    """Each layer stack's router module, by stack name (lfm2_moe's dense leading stacks have none)."""
+    return {name: stack.mlp.router for name, stack in stacks(model).items() if hasattr(stack.mlp, "router")}
 
 
 def _is_router_path(path: str) -> bool:
@@ -58,6 +58,9 @@ def make_router_trainable(model, dtype) -> int:
     Returns how many values now train. Raises ValueError for a dense model (no router)."""
     if model.cfg.moe is None:
         raise ValueError(f"train_router: {model.cfg.model_type} is a dense model; it has no router to train")
+    if getattr(model.cfg, "moe_beside_mlp", False):
+        raise ValueError("train_router: Gemma 4's MoE-block router (its input scale and per-expert scales beside the "
+                         "projection) is not supported yet; train without train_router")
     n = 0
     for router in _routers(model).values():
         for name in ROUTER_WEIGHTS:

@@ -36,7 +36,7 @@ from flax import nnx
 
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.params import AXES
-from surojax.models.registry import stack_layers
+from surojax.models.registry import model_stacks, stack_layers
 from surojax.models.targets import model_targets, module_at, replace_module, site, site_stack, target_name
 from surojax.peft.lora import LoRALinear
 
@@ -69,9 +69,8 @@ def stack_masks(cfg, skip_first: int, skip_last: int, precision: str) -> dict[st
     """Per layer stack, its rows' entries of `layer_mask` over the HF layers ([rows] bool; None: every row runs in
     `precision`). A stack absent from the model (a one-stack model's `linear_layers`) is absent here."""
     hf = layer_mask(cfg.num_layers, skip_first, skip_last, precision)
-    stacks = ("layers",) + (("linear_layers",) if getattr(cfg, "linear_attention", None) is not None else ()) \
-        + (("conv_layers",) if getattr(cfg, "short_conv", None) is not None else ())
     out = {}
+    stacks = model_stacks(cfg)
     for stack in stacks:
         rows = np.asarray(stack_layers(cfg, stack), dtype=np.int64)
         m = None if hf is None else np.asarray(hf)[rows]

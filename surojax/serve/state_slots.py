@@ -72,13 +72,14 @@ def is_hybrid(model: Decoder) -> bool:
 def attention_layers(model: Decoder) -> int:
     """The layers the paged KV pool covers: the attention stack's rows (every layer of a model without linear
     attention)."""
-    return model.layer_pattern.rows(ATTENTION_STACK)
+    return model.layer_pattern.cache_rows(ATTENTION_STACK)
 
 
 def state_pool(model: Decoder, num_slots: int) -> StateCache:
     """Zero states for `num_slots` sequences over the model's state layers: conv [L, N, K - 1, C] in the model's
     activation dtype, recurrent [L, N, H, Dk, Dv] fp32 (none for LFM2's short convolutions)."""
-    return StateCache.empty(model.layer_pattern.rows(model.state_stack), num_slots, model.state_shape, model.dtype)
+    return StateCache.empty(model.layer_pattern.cache_rows(model.state_stack), num_slots, model.state_shape,
+                            model.dtype)
 
 
 def state_pool_bytes(model: Decoder, num_slots: int) -> int:

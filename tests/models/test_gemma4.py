@@ -18,14 +18,17 @@ from flax import nnx
 from surojax.models.config import ModelConfig, ModelConfigError, rope_inv_freq
 from surojax.models.decoder import layer_pattern
 from surojax.models.layer_runner import LayerPattern, LayerType
-from surojax.models.targets import model_targets
+from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import apply_lora
-from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
+from surojax.peft.peft_io import WEIGHTS_FILE, AdapterError, save_peft_adapter
+from surojax.peft.trained_router import make_router_trainable
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
+from tests.models.test_lfm2 import lora_b_grads
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["gemma4_text", "gemma4"]
+WITH_MOE = FAMILIES + ["gemma4_text_moe"]  # gemma4_text with its MoE block (enable_moe_block)
 
 
 def _hf(name: str) -> dict:
@@ -82,7 +85,7 @@ def test_defaults_read_as_transformers_builds_them():
     ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input 256 is not supported yet"),
     ("num_kv_shared_layers", 2, "num_kv_shared_layers 2 is not supported yet"),
     ("attention_k_eq_v", True, "attention_k_eq_v True is not supported yet"),
-    ("enable_moe_block", True, "enable_moe_block True is not supported yet"),
+    ("enable_moe_block", True, "enable_moe_block true needs num_experts, top_k_experts, moe_intermediate_size"),
     ("final_logit_softcapping", -1.0, "final_logit_softcapping -1.0 must be a positive number"),
     ("per_layer_config", {"2": {"head_dim": 32}}, "layer 2's head_dim 32"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
@@ -94,6 +97,21 @@ def test_defaults_read_as_transformers_builds_them():
 def test_unsupported_keys_are_refused_by_name(name, key, value, match):
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_hf(_with(name, **{key: value}))
+
+
+def test_moe_block_config():
+    """enable_moe_block: the MoE beside the MLP, transformers' router (softmax top-k renormalised, per-expert scales,
+    the input norm with Gemma's eps) and GeGLU experts; the block's parameters counted as transformers counts them
+    (test_hf_parity checks the logits and greedy tokens)."""
+    cfg = ModelConfig.from_hf(_hf("gemma4_text_moe"))
+    moe = cfg.moe
+    assert cfg.moe_beside_mlp and cfg.intermediate_size == 64 and cfg.hidden_act == "gelu_pytorch_tanh"
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_intermediate_size) == (4, 2, 16)
+    assert (moe.router, moe.norm_topk_prob, moe.norm_topk_eps, moe.activation) == ("softmax_topk", True, 0.0, "geglu")
+    assert moe.per_expert_scale and moe.router_input_norm == 1e-6 and not moe.selection_bias
+    assert cfg.num_params() == int(np.load(FIXTURES / "gemma4_text_moe" / "expected.npz")["num_params"])
+    with pytest.raises(ModelConfigError, match="needs top_k_experts"):
+        ModelConfig.from_hf(_with("gemma4_text_moe", top_k_experts=None))
 
 
 def test_missing_keys_take_transformers_defaults_and_are_refused():
@@ -108,7 +126,7 @@ def test_missing_keys_take_transformers_defaults_and_are_refused():
     assert ModelConfig.from_hf(without | {"global_head_dim": 16}) == ModelConfig.from_hf(text)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", WITH_MOE)
 def test_config_round_trip(name):
     """config.json -> ModelConfig -> config.json: the same architecture, the unbuilt features written off."""
     hf = _hf(name)
@@ -118,7 +136,8 @@ def test_config_round_trip(name):
     text = _text(out)
     for key in ("layer_types", "rope_parameters", "hidden_activation", "sliding_window", "final_logit_softcapping",
                 "head_dim", "intermediate_size", "hidden_size_per_layer_input", "num_kv_shared_layers",
-                "attention_k_eq_v", "enable_moe_block", "per_layer_config"):
+                "attention_k_eq_v", "enable_moe_block", "per_layer_config") + (
+                    ("num_experts", "top_k_experts", "moe_intermediate_size") if cfg.moe else ()):
         assert text[key] == _text(hf)[key], key
     assert "query_pre_attn_scalar" not in text and "hidden_act" not in text
     if name == "gemma4":
@@ -149,7 +168,7 @@ def test_vision_tower_is_skipped_with_a_log_line(caplog):
     assert any(f"skipping {vision} tensors" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", WITH_MOE)
 def test_saved_folder_loads_back(name, tmp_path):
     """save_model writes the text tensors under the fixture's names (layer scalars included), the same bits; the
     folder loads back equal."""
@@ -175,3 +194,23 @@ def test_lora_targets_export_under_peft_names(tmp_path):
     names = set(SafetensorsFile(out / WEIGHTS_FILE).names())
     assert len(names) == 2 * 7 * 6
     assert "base_model.model.model.language_model.layers.5.mlp.down_proj.lora_B.weight" in names
+
+
+def test_moe_block_lora_targets_train_and_export_is_refused(tmp_path):
+    """With the MoE block: the dense names (gate / up / down_proj are the dense MLP's) and the experts' fused
+    projections (`experts`, as the other MoE families name them), every adapter trained; PEFT's layout for these
+    experts (module `experts`, not `mlp.experts`) is refused by name on export, and so is training its router."""
+    model = load_model(FIXTURES / "gemma4_text_moe", dtype=jnp.float32, attention="xla")
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.gate_up_proj",
+             "experts.down_proj")
+    assert model_targets(model) == every == resolve_model_targets(model, "all-linear")
+    assert resolve_model_targets(model, ["down_proj", "experts"]) == ("down_proj", *every[-2:])
+    with pytest.raises(ValueError, match="not valid on Gemma 4 with its MoE block"):
+        resolve_model_targets(model, ["shared_expert"])
+    apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(0))
+    b_grads = lora_b_grads(model, np.load(FIXTURES / "gemma4_text_moe" / "expected.npz")["tokens2"])
+    assert len(b_grads) == len(every) and all(np.abs(g).max() > 0 for g in b_grads)
+    with pytest.raises(AdapterError, match="experts module is `experts`, not `mlp.experts`"):
+        save_peft_adapter(model, tmp_path / "adapter", str(FIXTURES / "gemma4_text_moe"))
+    with pytest.raises(ValueError, match="train_router: Gemma 4's MoE-block router"):
+        make_router_trainable(model, jnp.float32)

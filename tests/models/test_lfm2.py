@@ -29,14 +29,17 @@ from surojax.models.layer_runner import CarriedCacheScan, LayerType
 from surojax.models.registry import stack_layers, weight_rows
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import TRAINABLE, apply_lora, lora_modules
-from surojax.peft.peft_io import WEIGHTS_FILE, load_peft_adapter, save_peft_adapter
+from surojax.peft.peft_io import WEIGHTS_FILE, AdapterError, load_peft_adapter, save_peft_adapter
+from surojax.peft.trained_router import make_router_trainable
 from surojax.quant.model import is_quantized, quantize_model
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
 from tests.models.test_qwen3_5 import _batch
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
-FAMILIES = ["lfm2", "lfm2_conv_bias"]
+# lfm2_moe, lfm2_moe_dense (its dense leading layers): scripts/make_lfm2_moe_fixtures.py
+FAMILIES = ["lfm2", "lfm2_conv_bias", "lfm2_moe", "lfm2_moe_dense"]
+DENSE = FAMILIES[:2]
 TOL = 1e-4
 
 
@@ -115,8 +118,10 @@ def test_packed(case):
 
 
 def test_parameter_count(case):
+    """transformers' count; lfm2_moe's expert_bias is a buffer there (a parameter here, left out of the count)."""
     model, _, _, exp, _ = case
-    counted = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    counted = sum(int(np.prod(v.get_value().shape)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+                  if path[-1] != "selection_bias")
     assert model.cfg.num_params() == counted == int(exp["num_params"])
 
 
@@ -127,7 +132,7 @@ def test_greedy_generation_equals_transformers(case):
     assert generate(model, [seqs[2], seqs[1], seqs[0]], 32)[1] == exp["greedy"].tolist()
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", DENSE)
 def test_config_round_trip(name):
     """config.json -> ModelConfig -> config.json keeps the architecture; the older aliases are written in today's
     spelling (block_ff_dim would override intermediate_size in transformers)."""
@@ -158,7 +163,8 @@ def test_bad_configs_are_refused():
 def test_saved_folder_loads_back(case, tmp_path):
     """save_model writes the published names (the fixture's tensors exactly) and loads back equal."""
     model, *_ = case
-    name = "lfm2" if model.cfg.tie_word_embeddings else "lfm2_conv_bias"
+    name = ("lfm2_moe_dense" if model.cfg.dense_layers else "lfm2_moe") if model.cfg.moe else \
+        "lfm2" if model.cfg.tie_word_embeddings else "lfm2_conv_bias"
     out = save_model(model, tmp_path / name)
     saved, fixture = SafetensorsFile(out / "model.safetensors"), SafetensorsFile(FIXTURES / name / "model.safetensors")
     assert set(saved.names()) == set(fixture.names())
@@ -249,3 +255,93 @@ def test_qlora_nf4_quantises_both_stacks_and_every_adapter_trains():
     assert abs(float(value) - plain) < 0.05 * plain
     b_grads = [g for path, g in nnx.to_flat_state(grads) if path[-1] == "lora_b"]
     assert len(b_grads) == 12 and all(np.abs(np.asarray(g.get_value())).max() > 0 for g in b_grads)
+
+
+def test_lfm2_moe_config_and_round_trip():
+    """Lfm2MoeConfig's keys: every layer sparse (num_dense_layers 0), the sigmoid router with the expert bias,
+    renormalised top-k (+ 1e-6) times routed_scaling_factor; the dense width kept as read; written back the same."""
+    hf = _hf("lfm2_moe")
+    cfg = ModelConfig.from_hf(hf)
+    moe = cfg.moe
+    assert cfg.model_type == "lfm2_moe" and cfg.short_conv.layers == (True, False, True, True, False)
+    assert (moe.num_experts, moe.experts_per_token, moe.expert_intermediate_size) == (6, 2, 16)
+    assert (moe.router, moe.selection_bias, moe.norm_topk_prob, moe.norm_topk_eps) == ("sigmoid_topk", True, True, 1e-6)
+    assert moe.routed_scaling_factor == 1.5 and cfg.intermediate_size == 48 and cfg.tie_word_embeddings
+    out = cfg.to_hf()
+    assert ModelConfig.from_hf(out) == cfg
+    assert {k: out[k] for k in ("num_dense_layers", "use_expert_bias", "routed_scaling_factor", "num_experts",
+                                "moe_intermediate_size", "intermediate_size")} == {
+        "num_dense_layers": 0, "use_expert_bias": True, "routed_scaling_factor": 1.5, "num_experts": 6,
+        "moe_intermediate_size": 16, "intermediate_size": 48}
+    assert "block_auto_adjust_ff_dim" not in out and "full_attn_idxs" not in out
+    assert ModelConfig.from_hf({k: v for k, v in hf.items() if k != "num_dense_layers"}).dense_layers == 2  # default
+    with pytest.raises(ModelConfigError, match="num_dense_layers 6 must be in 0..num_hidden_layers"):
+        ModelConfig.from_hf(hf | {"num_dense_layers": 6})
+
+
+def test_lfm2_moe_dense_leading_layers():
+    """num_dense_layers 3 over [conv, full, conv, conv, full, conv]: layers 0 - 2 dense in stacks of their own
+    (`dense_conv_layers` rows 0, 2; `dense_layers` row 1), the rest sparse; each dense stack shares its kind's cache
+    part, so the KV cache covers both attention layers in layer order and the conv state all four conv layers; the
+    config round trip keeps the count; the router's other branches (no expert bias, no renormalisation)."""
+    cfg = ModelConfig.from_hf(_hf("lfm2_moe_dense"))
+    assert cfg.dense_layers == 3 and not cfg.moe.selection_bias and not cfg.moe.norm_topk_prob
+    assert [stack_layers(cfg, s) for s in ("dense_conv_layers", "dense_layers", "conv_layers", "layers")] == [
+        (0, 2), (1,), (3, 5), (4,)]
+    pattern = layer_pattern(cfg)
+    assert pattern.caches == ("conv_layers", "layers") and pattern.cache_rows("layers") == 2
+    assert pattern.types[:2] == (LayerType("dense_conv_layers", cache="conv_layers"),
+                                 LayerType("dense_layers", cache="layers"))
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg and cfg.to_hf()["num_dense_layers"] == 3
+    model, *_ = _case("lfm2_moe_dense")
+    assert set(model.stacks) == {"layers", "conv_layers", "dense_layers", "dense_conv_layers"}
+    trainable = load_model(FIXTURES / "lfm2_moe_dense", dtype=jnp.float32, attention="xla")
+    assert make_router_trainable(trainable, jnp.float32) == 3 * 32 * 6  # the sparse layers' routers only
+    assert empty_cache(model, 1, 4, jnp.float32).state.conv.shape[0] == 4
+    published = ModelConfig.from_hf(_hf("lfm2_moe") | {"num_dense_layers": 1})  # LFM2-8B-A1B: only conv layers dense
+    assert "dense_layers" not in {r.stack for r in weight_rows(published)}
+
+
+def lora_b_grads(model, tokens) -> list[np.ndarray]:
+    """The gradients of every LoRA B of `model` for the next-token loss on `tokens` (one sequence)."""
+    tokens = jnp.asarray(tokens)[None]
+
+    def loss(m):
+        logits = m(tokens[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+
+    graphdef, trainable, rest = nnx.split(model, TRAINABLE, ...)
+    grads = jax.jit(jax.grad(lambda t: loss(nnx.merge(graphdef, t, rest))))(trainable)
+    return [np.asarray(g.get_value()) for path, g in nnx.to_flat_state(grads) if path[-1] == "lora_b"]
+
+
+def test_lfm2_moe_lora_targets_train():
+    """LoRA on lfm2_moe: the attention (in `layers`), the experts' fused projections in both stacks and the short
+    conv's, also asked for in LFM2's names; every adapter gets a gradient. PEFT's layout for its experts (module
+    `feed_forward.experts`) is refused by name on export."""
+    model = load_model(FIXTURES / "lfm2_moe", dtype=jnp.float32, attention="xla")
+    experts = ("experts.gate_up_proj", "experts.down_proj")
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", *experts, *(f"conv_layers.{t}" for t in experts),
+             "conv_layers.conv.in_proj", "conv_layers.conv.out_proj")
+    assert model_targets(model) == every == resolve_model_targets(model, "all-linear")
+    assert resolve_model_targets(model, ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "experts"]) == every
+    with pytest.raises(ValueError, match="not valid on lfm2_moe"):
+        resolve_model_targets(model, ["w1"])
+    apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(0))
+    b_grads = lora_b_grads(model, np.load(FIXTURES / "lfm2_moe" / "expected.npz")["tokens2"])
+    assert len(b_grads) == len(every) and all(np.abs(g).max() > 0 for g in b_grads)
+    with pytest.raises(AdapterError, match="experts module is `feed_forward.experts`"):  # not PEFT's layout yet
+        save_peft_adapter(model, "/nonexistent/adapter", str(FIXTURES / "lfm2_moe"))
+
+
+def test_lfm2_moe_dense_lora_targets():
+    """With dense leading layers the dense MLP names target those layers (LFM2's w1 / w3 / w2 too), the experts
+    the sparse ones."""
+    model, *_ = _case("lfm2_moe_dense")
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    got = set(resolve_model_targets(model, "all-linear"))
+    assert {f"dense_conv_layers.{t}" for t in mlp} | {f"dense_layers.{t}" for t in mlp} <= got
+    assert {"experts.gate_up_proj", "conv_layers.experts.down_proj", "dense_layers.q_proj",
+            "dense_conv_layers.conv.in_proj"} <= got
+    assert "gate_proj" not in got and "conv_layers.gate_proj" not in got
+    assert set(resolve_model_targets(model, ["w1"])) == {"dense_layers.gate_proj", "dense_conv_layers.gate_proj"}

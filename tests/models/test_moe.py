@@ -218,3 +218,28 @@ def test_expert_path_by_assignments_setting_and_capacity():
         assert expert_path(4096, E, None) is MoeDecode.GATHER
         with pytest.raises(ValueError, match="capacity"):
             expert_path(8, E, capacity=1)
+
+
+def test_sigmoid_and_gemma4_routing_follow_transformers_formulas():
+    """route() against the routers of transformers' modeling_lfm2_moe / modeling_gemma4 written out in numpy:
+    lfm2_moe picks by sigmoid + expert bias, weighs by the unbiased sigmoid, renormalises (+ 1e-6) or not, scales;
+    Gemma 4 renormalises the top-k softmax and multiplies each weight by its expert's scale."""
+    from surojax.models.layers.moe import route
+    rng = np.random.default_rng(0)
+    logits, bias, scale = rng.normal(size=(7, 6)), rng.normal(size=6), rng.uniform(0.5, 2, size=6)
+    sig = 1 / (1 + np.exp(-logits))
+    for norm in (True, False):
+        moe = MoEConfig(6, 2, 4, router="sigmoid_topk", norm_topk_prob=norm, norm_topk_eps=1e-6,
+                        selection_bias=True, routed_scaling_factor=2.5)
+        w, ids, _ = route(jnp.asarray(logits, jnp.float32), moe, selection_bias=jnp.asarray(bias, jnp.float32))
+        want_ids = np.argsort(-(sig + bias), axis=-1)[:, :2]
+        want = np.take_along_axis(sig, want_ids, -1)
+        want = (want / (want.sum(-1, keepdims=True) + 1e-6) if norm else want) * 2.5
+        assert np.array_equal(np.asarray(ids), want_ids)
+        np.testing.assert_allclose(np.asarray(w), want, rtol=1e-5)
+    moe = MoEConfig(6, 2, 4, norm_topk_prob=True, per_expert_scale=True)
+    w, ids, _ = route(jnp.asarray(logits, jnp.float32), moe, per_expert_scale=jnp.asarray(scale, jnp.float32))
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    want_ids = np.argsort(-p, axis=-1)[:, :2]
+    want = np.take_along_axis(p, want_ids, -1)
+    np.testing.assert_allclose(np.asarray(w), want / want.sum(-1, keepdims=True) * scale[want_ids], rtol=1e-5)

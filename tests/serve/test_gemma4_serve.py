@@ -2,11 +2,13 @@
 window 4, the full layers' proportional rope, v norm, softmax scale 1 != H ** -0.5, layer scalars): four
 concurrent requests of 3 .. 41 tokens give transformers' greedy tokens (expected.npz serve_prompt* /
 serve_greedy*: scripts/make_gemma4_fixtures.py, float64), prefilled in chunks past the window; and the FP8 pool's
-v bound is the v norm's sqrt(H) (serve/kv_fp8.py)."""
+v bound is the v norm's sqrt(H) (serve/kv_fp8.py). gemma4_text_moe: the same with the MoE block beside the MLP
+(few rows per decode step: the experts' gathered path)."""
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from surojax.serve.config import KVCacheDtype, KVPath
 from surojax.serve.engine import Engine
@@ -14,20 +16,22 @@ from surojax.serve.kv_fp8 import layer_bounds
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.configs import BUCKETS, engine_config
 
-FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "gemma4_text"
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
+FIXTURE = FIXTURES / "gemma4_text"
 SERVE = dict(num_blocks=32, block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
              buckets=BUCKETS)
 
 
-def _requests():
-    exp = np.load(FIXTURE / "expected.npz")
+def _requests(fixture):
+    exp = np.load(fixture / "expected.npz")
     return [exp[f"serve_prompt{i}"].tolist() for i in range(4)], [exp[f"serve_greedy{i}"].tolist() for i in range(4)]
 
 
-def test_served_greedy_equals_transformers():
-    prompts, want = _requests()
+@pytest.mark.parametrize("name", ["gemma4_text", "gemma4_text_moe"])
+def test_served_greedy_equals_transformers(name):
+    prompts, want = _requests(FIXTURES / name)
     assert max(map(len, prompts)) > 2 * SERVE["max_num_batched_tokens"]  # a prompt of three chunks
-    model = load_model(FIXTURE, dtype=jnp.float32, attention="xla")
+    model = load_model(FIXTURES / name, dtype=jnp.float32, attention="xla")
     engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4))
     assert engine.generate(prompts, max_tokens=len(want[0])) == want
 

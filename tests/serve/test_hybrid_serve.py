@@ -1,7 +1,9 @@
 """The paged engine serves hybrid models (Qwen3.5: Gated DeltaNet layers beside gated attention; LFM2: short
 convolutions beside GQA attention) through per-sequence state slots (surojax/serve/state_slots.py), checked against
 transformers' greedy generation on the tiny fixtures (tests/fixtures/models/qwen3_5*_text/serve_greedy.npz:
-scripts/make_qwen3_5_serve_fixtures.py; lfm2/serve_greedy.npz: scripts/make_lfm2_fixtures.py; float64).
+scripts/make_qwen3_5_serve_fixtures.py; lfm2/serve_greedy.npz: scripts/make_lfm2_fixtures.py; lfm2_moe_dense:
+scripts/make_lfm2_moe_fixtures.py, its dense leading layers in stacks of their own sharing their kind's KV / state
+cache; float64).
 
 One engine run per case serves five prompts of 3 .. 41 tokens with 3 seats, a 16-token step budget (the 26- and
 41-token prompts are prefilled in two and three chunks, while the other rows decode) and a pool small enough to
@@ -38,7 +40,7 @@ def _greedy(name):
 
 
 @pytest.mark.parametrize("name, kv_path", [("qwen3_5_text", KVPath.PAGED), ("qwen3_5_moe_text", KVPath.REFERENCE),
-                                           ("lfm2", KVPath.PAGED)])
+                                           ("lfm2", KVPath.PAGED), ("lfm2_moe_dense", KVPath.PAGED)])
 def test_served_greedy_equals_transformers(name, kv_path):
     """Concurrent requests of different lengths, chunked prefill, slot reuse and preemption (recompute from a
     zeroed slot), on both KV paths. Decode is single-step while requests wait (prefill chunks of the later

@@ -48,6 +48,7 @@ from surojax.kernel_settings import MoeDecode, kernel_settings
 from surojax.models.config import MoEConfig
 from surojax.models.layers.linear import Linear, dot
 from surojax.models.layers.mlp import MLP
+from surojax.models.layers.norm import rms_norm_unscaled
 from surojax.models.layers.params import param
 
 
@@ -102,30 +103,63 @@ class ExpertLinear(nnx.Module):
 
 
 class Router(nnx.Module):
-    """logits = x @ kernel [D, E] (+ bias [E]), computed and returned in fp32."""
+    """logits = x @ kernel [D, E] (+ bias [E]), computed and returned in fp32. Gemma 4 (`router_input_norm`): x is
+    first RMS-normalised without a weight, times `scale` [D] and D^-0.5. Its routing parameters beside the logits
+    (`route`): lfm2_moe's `selection_bias` [E], Gemma 4's `per_expert_scale` [E]."""
 
-    def __init__(self, dim: int, num_experts: int, *, use_bias: bool, param_dtype, rngs: nnx.Rngs | None = None):
-        self.kernel = param(rngs, (dim, num_experts), ("embed", None), param_dtype)
-        self.bias = param(rngs, (num_experts,), (None,), param_dtype, init="zeros") if use_bias else None
+    def __init__(self, dim: int, moe: MoEConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
+        E = moe.num_experts
+        self.kernel = param(rngs, (dim, E), ("embed", None), param_dtype)
+        self.bias = param(rngs, (E,), (None,), param_dtype, init="zeros") if moe.router_bias else None
+        self.input_norm_eps = moe.router_input_norm
+        self.scale = param(rngs, (dim,), ("embed",), param_dtype, init="ones") \
+            if moe.router_input_norm is not None else None
+        self.selection_bias = param(rngs, (E,), (None,), param_dtype, init="zeros") if moe.selection_bias else None
+        self.per_expert_scale = param(rngs, (E,), (None,), param_dtype, init="ones") if moe.per_expert_scale else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [X, D] -> [X, E] fp32
+        if self.scale is not None:  # Gemma 4: RMSNorm without a weight, then scale [D] * D^-0.5
+            D = x.shape[-1]
+            x = rms_norm_unscaled(x, self.input_norm_eps) * self.scale[...].astype(x.dtype) \
+                * jnp.asarray(D ** -0.5, x.dtype)
         logits = dot(x, self.kernel[...]).astype(jnp.float32)
         if self.bias is not None:
             logits = logits + self.bias[...].astype(jnp.float32)
         return logits
 
+    def route(self, logits: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`route` with this router's selection bias and per-expert scales."""
+        return route(logits, moe, selection_bias=None if self.selection_bias is None else self.selection_bias[...],
+                     per_expert_scale=None if self.per_expert_scale is None else self.per_expert_scale[...])
 
-def route(logits: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """logits [X, E] fp32 -> (weights [X, k] fp32, expert ids [X, k] int32, softmax probabilities [X, E])."""
+
+def route(logits: jax.Array, moe: MoEConfig, *, selection_bias: jax.Array | None = None,
+          per_expert_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [X, E] fp32 -> (weights [X, k] fp32, expert ids [X, k] int32, softmax probabilities [X, E]).
+
+    The probabilities are the softmax of the logits whatever the router (the load-balancing and z losses and the
+    stats read them); the weights are the router's own (MoEConfig.router): softmax_topk the k largest
+    probabilities, topk_softmax a softmax over the k largest logits, sigmoid_topk the sigmoid scores of the k
+    experts with the largest score + `selection_bias` [E]; then renormalised (norm_topk_prob), times
+    routed_scaling_factor, times `per_expert_scale` [E] of each chosen expert."""
     probs = jax.nn.softmax(logits, axis=-1)
     k = moe.experts_per_token
     if moe.router == "topk_softmax":
         top_logits, ids = jax.lax.top_k(logits, k)
         weights = jax.nn.softmax(top_logits, axis=-1)
     else:
-        weights, ids = jax.lax.top_k(probs, k)
+        scores = jax.nn.sigmoid(logits) if moe.router == "sigmoid_topk" else probs
+        if selection_bias is None:
+            weights, ids = jax.lax.top_k(scores, k)
+        else:
+            _, ids = jax.lax.top_k(scores + selection_bias.astype(jnp.float32), k)
+            weights = jnp.take_along_axis(scores, ids, axis=-1)
         if moe.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + moe.norm_topk_eps)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * jnp.float32(moe.routed_scaling_factor)
+    if per_expert_scale is not None:
+        weights = weights * jnp.take(per_expert_scale.astype(jnp.float32), ids)
     return weights, ids.astype(jnp.int32), probs
 
 
@@ -137,6 +171,8 @@ def expert_activation(h: jax.Array, moe: MoEConfig) -> jax.Array:
         up = jnp.clip(up, -moe.swiglu_limit, moe.swiglu_limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * moe.swiglu_alpha))
     gate, up = jnp.split(h, 2, axis=-1)
+    if moe.activation == "geglu":  # Gemma 4: tanh-approximated GELU, in the input dtype as torch computes it
+        return jax.nn.gelu(gate, approximate=True) * up
     return jax.nn.silu(gate) * up
 
 
@@ -247,13 +283,12 @@ class MoE(nnx.Module):
     with a shared expert also `shared_expert` (an MLP of width F_s) and `shared_expert_gate` (Linear [D, 1])."""
 
     def __init__(self, dim: int, moe: MoEConfig, *, param_dtype, rngs: nnx.Rngs | None = None):
-        E = moe.num_experts
         self.moe = moe
         self.capacity_factor: float | None = None  # set from outside (training option); None = dropless
         # set from outside (surojax.parallel.expert): runner(self, x, segment_ids) -> (y, stats) computes the layer
         # across devices with the same contract as __call__; None = this device computes every expert
         self.runner: Callable[[MoE, jax.Array, jax.Array], tuple[jax.Array, RouterStats]] | None = None
-        self.router = Router(dim, E, use_bias=moe.router_bias, param_dtype=param_dtype, rngs=rngs)
+        self.router = Router(dim, moe, param_dtype=param_dtype, rngs=rngs)
         self.experts = Experts(dim, moe, param_dtype=param_dtype, rngs=rngs)
         Fs = moe.shared_expert_intermediate_size
         self.shared_expert = MLP(dim, Fs, param_dtype=param_dtype, rngs=rngs) if Fs else None
@@ -264,25 +299,32 @@ class MoE(nnx.Module):
             return None
         return max(1, math.ceil(self.capacity_factor * num_assignments / self.moe.num_experts))
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, RouterStats]:
-        """x [B, T, D], segment_ids [B, T] (0 = padding: routed but left out of the stats) -> (y [B, T, D], stats)."""
+    def __call__(self, x: jax.Array, segment_ids: jax.Array,
+                 router_input: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+        """x [B, T, D], segment_ids [B, T] (0 = padding: routed but left out of the stats) -> (y [B, T, D], stats).
+        router_input [B, T, D]: what the router reads when it is not x (Gemma 4: the block's residual stream, the
+        experts reading its own pre-norm of it); None: x."""
         if self.runner is None:
-            y, stats = self.routed(x, segment_ids)
+            y, stats = self.routed(x, segment_ids, router_input)
+        elif router_input is not None:
+            raise ValueError("expert parallelism runs MoE layers whose router reads the experts' input; this "
+                             "model's router reads another (Gemma 4's MoE block)")
         else:
             y, stats = self.runner(self, x, segment_ids)
         if self.shared_expert is not None:
             y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [B, T, 1] * [B, T, D]
         return y, stats
 
-    def routed(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, RouterStats]:
+    def routed(self, x: jax.Array, segment_ids: jax.Array,
+               router_input: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
         """The routed experts alone, on this device: (y [B, T, D], stats). The grouped GEMMs over all experts, or
         with few assignments against E the gathered form (`expert_path`); both give the same values and stats."""
         B, T, D = x.shape
         E, k = self.moe.num_experts, self.moe.experts_per_token
         A = B * T * k
         xs = x.reshape(B * T, D)  # [X, D]
-        logits = self.router(xs)  # [X, E] fp32
-        weights, ids, probs = route(logits, self.moe)
+        logits = self.router(xs if router_input is None else router_input.reshape(B * T, D))  # [X, E] fp32
+        weights, ids, probs = self.router.route(logits, self.moe)
         capacity = self.capacity(A)
         if expert_path(A, E, capacity) is MoeDecode.GATHER:
             rows = jnp.repeat(xs, k, axis=0)  # [A, D] each assignment's token, in assignment order
