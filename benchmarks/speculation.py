@@ -40,8 +40,8 @@ only with a trained draft's acceptance.
     python benchmarks/speculation.py --shapes qwen3-0.6b --methods off,ngram --workloads repeat --users 1
 
 A hybrid target (qwen3.5-0.8b: Gated DeltaNet layers) speculates too: its verify call runs the delta rule as
-k + 1 one-token steps and keeps every intermediate state (serve/state_slots.py), a cost the dense target does
-not pay; its draft is the dense qwen3 draft of the same vocabulary (a hybrid draft is refused).
+k + 1 one-token steps, keeps the layers' inputs and replays each row's state to its last accepted token
+(serve/state_slots.py), a cost the dense target does not pay; its draft is the dense qwen3 draft of the same vocabulary (a hybrid draft is refused).
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ Hybrid models (Qwen3.5: Gated DeltaNet layers beside the attention layers): the 
 layers' KV, and each running sequence holds a state slot for its linear layers' states (`serve.state_slots`:
 allocated at admission, zeroed when the sequence starts, freed with it; chunked prefill and multi-step decode
 continue from it). Prefix caching is turned off (logged: `state_slots.prefix_caching_off`). Speculative decoding
-works (the verify step keeps each row's state after its last accepted token: `kv_paged.verify_step`), but a
+works (the verify step replays each row's state to its last accepted token: `kv_paged.verify_step`), but a
 hybrid draft model is refused (`HybridServingError`: `state_slots.SPECULATIVE_REFUSED`: its drafted states would
 need the same); so are runtime LoRA slots (`peft.multi_lora`) and an FP8 KV pool.
 

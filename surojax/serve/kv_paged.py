@@ -67,8 +67,8 @@ def verify_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: St
     block_table [R, NB] with NB * block_size >= max(start) + K + 1, sampling (`speculative.sampling_arrays`).
     The KV of all k_r + 1 tokens is written; the scheduler rolls the rejected ones back. A hybrid model
     (``state_pool``, ``batch.state_slots``: `serve.state_slots`), whose states cannot be rolled back: its layers
-    keep the state after every one of the K + 1 tokens (`TokenStateCache`) and each row's slot gets the one after
-    its last accepted token (index count - 1: [last, d_1 .. d_a]).
+    hand back their inputs to the state (`TokenStateCache`) and each row's slot gets its state replayed to its last
+    accepted token (index count - 1: [last, d_1 .. d_a]).
     -> (k_pool, v_pool, [state_pool,] dict(ids [R, K + 1], count [R]))."""
     model = nnx.merge(graphdef, state)
     start, proposals, num_proposed = batch.start, batch.proposals, batch.num_proposed

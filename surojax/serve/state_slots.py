@@ -32,10 +32,11 @@ served without prefix caching (`PREFIX_CACHING_OFF`, logged once); LFM2's conv w
 
 Speculative decoding, whose verify step feeds [last, d_1 .. d_k] and keeps only [last, d_1 .. d_a]: the verify
 call gathers the rows' states as a `TokenStateCache` (``with_state_rows(per_token=True)``): each state layer
-keeps its state after EVERY one of the k + 1 tokens (the delta rule runs the decode step's one-token recurrence
-k + 1 times; the conv windows are slices of the inputs: [L, R, k + 1, ...] for the call, ~MBs), and
-``split_state_rows(at_token=count - 1)`` writes back each row's state after its last accepted token. A hybrid
-DRAFT model is refused (`SPECULATIVE_REFUSED`): its proposal loop would need the same per-token states.
+computes its outputs with the decode step's one-token recurrence (k + 1 times) and hands back its inputs to the
+state (the conv inputs; the delta rule's k, v, g, beta: [L, R, k + 1, ...], ~1/40 of k + 1 states), and
+``split_state_rows(at_token=count - 1)`` replays each row's state from the one it had to its last accepted token
+(`TokenStateCache.at_tokens`) and writes it back. A hybrid DRAFT model is refused (`SPECULATIVE_REFUSED`): its
+proposal loop would need the same.
 """
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def with_state_rows(kv_cache, pool: StateCache | None, batch, model: Decoder, *,
     """The decoder's cache for one call: `kv_cache` alone (no state pool), or a `HybridCache` of it and the
     rows' states gathered from the pool at ``batch.state_slots`` [R] (zeros where ``batch.start`` is 0), as the
     cache part of the model's state stack (`linear_layers`, LFM2's `conv_layers`). per_token: as a
-    `TokenStateCache` (the layers keep the state after every token: speculative verification)."""
+    `TokenStateCache` (the layers hand back their inputs, replayed to a token chosen after the call: speculative
+    verification)."""
     if pool is None:
         return kv_cache
     rows = pool.rows(batch.state_slots, batch.start == 0)
@@ -140,7 +142,7 @@ def with_state_rows(kv_cache, pool: StateCache | None, batch, model: Decoder, *,
 def split_state_rows(cache, pool: StateCache | None, batch, *, at_token=None):
     """The decoder's cache after a call -> (its KV part, the pool with the rows' new states written back at
     their slots; None without a pool). at_token [R] (a `with_state_rows(per_token=True)` call): each row keeps
-    its state after its token at_token[r] of the call."""
+    its state after its token at_token[r] of the call (`TokenStateCache.at_tokens`)."""
     if pool is None:
         return cache, None
     state = cache.state if at_token is None else cache.state.at_tokens(at_token)

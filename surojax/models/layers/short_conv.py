@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from surojax.models.config import ShortConvConfig
-from surojax.models.layers.deltanet_cache import causal_conv1d, conv_windows, last_real_inputs
+from surojax.models.layers.deltanet_cache import causal_conv1d, last_real_inputs
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.params import AXES, param
 
@@ -56,8 +56,8 @@ class ShortConv(nnx.Module):
         prefix = None if state is None else state.read()[0]  # [B, K - 1, D]: the conv inputs before this call
         y = c * causal_conv1d(bv, self.conv.kernel[...], bias, segment_ids=segment_ids, prefix=prefix, silu=False)
         if state is not None:
-            after = conv_windows(prefix, bv) if state.per_token else last_real_inputs(prefix, bv, segment_ids)
-            state = state.written(after, None)  # per_token: the window after every token (`TokenStatesView`)
+            # per_token (`TokenStatesView`): the conv inputs, from which the window after a later-chosen token is cut
+            state = state.written(bv if state.per_token else last_real_inputs(prefix, bv, segment_ids), None)
         return self.out_proj(y), state
 
 
