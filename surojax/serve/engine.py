@@ -44,9 +44,10 @@ speculated.
 Hybrid models (Qwen3.5: Gated DeltaNet layers beside the attention layers): the paged pool holds the attention
 layers' KV, and each running sequence holds a state slot for its linear layers' states (`serve.state_slots`:
 allocated at admission, zeroed when the sequence starts, freed with it; chunked prefill and multi-step decode
-continue from it). Prefix caching is turned off (logged: `state_slots.prefix_caching_off`); speculative decoding
-and a hybrid draft model are refused (`HybridServingError`: `state_slots.SPECULATIVE_REFUSED`); so are runtime
-LoRA slots (`peft.multi_lora`) and an FP8 KV pool.
+continue from it). Prefix caching is turned off (logged: `state_slots.prefix_caching_off`). Speculative decoding
+works (the verify step replays each row's state to its last accepted token: `kv_paged.verify_step`), but a
+hybrid draft model is refused (`HybridServingError`: `state_slots.SPECULATIVE_REFUSED`: its drafted states would
+need the same); so are runtime LoRA slots (`peft.multi_lora`) and an FP8 KV pool.
 
 Sleep mode (`serve.sleep`, vLLM's level 1): ``sleep()`` (refused with requests in flight) moves the weights of
 every runner to host memory, deletes their device buffers and the KV pools, and drops the prefix cache;
@@ -130,8 +131,6 @@ class Engine:
         cfg = model.cfg
         spec = config.speculative
         hybrid = is_hybrid(model)
-        if hybrid and spec is not None:
-            raise HybridServingError(f"{cfg.model_type}: {speculative_refused(model)}")
         if draft_model is not None and is_hybrid(draft_model):
             raise HybridServingError(f"the draft model ({draft_model.cfg.model_type}): "
                                      f"{speculative_refused(draft_model)}")

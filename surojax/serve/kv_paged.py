@@ -8,7 +8,8 @@ nothing is copied in or out of the loops. Decode rows read the pool by the ``Pag
 (gather, multiply + reduce, or the Pallas kernel reading each row's real blocks in place).
 
 `PagedAccess` is this path's `input_batch.KVAccess`: ``step`` (`paged_step`), ``multi_step``
-(`multi_step.multi_step_decode_paged`), ``verify`` (`verify_step`, speculative verification) and ``propose``
+(`multi_step.multi_step_decode_paged`), ``verify`` (`verify_step`, speculative verification; a hybrid model's
+state slots kept at each row's last accepted token) and ``propose``
 (`draft_propose_paged`, the draft model's proposals). Its twin, checked against it: `kv_reference`.
 """
 from __future__ import annotations
@@ -54,8 +55,9 @@ def paged_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: Ste
     return pools_and(cache.k, cache.v, state_pool, step_outputs(model, h, batch, settings.mode))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))
-def verify_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings):
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
+                   donate_argnames=("k_pool", "v_pool", "state_pool"))
+def verify_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings, state_pool=None):
     """Speculative verification: ONE target forward over [last, d_1 .. d_k] per row (a prefill chunk of K + 1
     tokens on the paged pool, as ``paged_step``) whose logits at every position are kept, then
     ``speculative.accept`` (sampled rows when ``settings.mode.sample``).
@@ -63,8 +65,11 @@ def verify_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: St
     batch: tokens [R] (the row's last token), start [R] (its position: the row's KV length), proposals [R, K],
     num_proposed [R] (k_r <= K; -1 on padding rows: nothing written), draft_probs [R, K, V] or None (n-gram),
     block_table [R, NB] with NB * block_size >= max(start) + K + 1, sampling (`speculative.sampling_arrays`).
-    The KV of all k_r + 1 tokens is written; the scheduler rolls the rejected ones back.
-    -> (k_pool, v_pool, dict(ids [R, K + 1], count [R]))."""
+    The KV of all k_r + 1 tokens is written; the scheduler rolls the rejected ones back. A hybrid model
+    (``state_pool``, ``batch.state_slots``: `serve.state_slots`), whose states cannot be rolled back: its layers
+    hand back their inputs to the state (`TokenStateCache`) and each row's slot gets its state replayed to its last
+    accepted token (index count - 1: [last, d_1 .. d_a]).
+    -> (k_pool, v_pool, [state_pool,] dict(ids [R, K + 1], count [R]))."""
     model = nnx.merge(graphdef, state)
     start, proposals, num_proposed = batch.start, batch.proposals, batch.num_proposed
     K = proposals.shape[1]
@@ -72,11 +77,14 @@ def verify_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: St
     tokens = jnp.concatenate([batch.tokens[:, None], proposals], axis=1).astype(jnp.int32)  # [R, K + 1]
     positions = start[:, None] + j
     segments = (j <= num_proposed[:, None]).astype(jnp.int32)
-    cache = _cache(k_pool, v_pool, batch.block_table, start, settings)
+    cache = with_state_rows(_cache(k_pool, v_pool, batch.block_table, start, settings), state_pool, batch, model,
+                            per_token=True)
     h, cache = run_decoder(model, tokens, positions, segments, cache, settings)
     logits = model.logits(h)  # [R, K + 1, V] fp32
-    return cache.k, cache.v, accept(logits, proposals, num_proposed, batch.draft_probs, batch.sampling, start,
-                                    sample=settings.mode.sample)
+    out = accept(logits, proposals, num_proposed, batch.draft_probs, batch.sampling, start,
+                 sample=settings.mode.sample)
+    cache, state_pool = split_state_rows(cache, state_pool, batch, at_token=out["count"] - 1)
+    return pools_and(cache.k, cache.v, state_pool, out)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))

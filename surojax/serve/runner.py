@@ -414,7 +414,7 @@ class PagedRunner:
             params.append(s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams())
         rows = sampling_arrays(params, R)
         batch = InputBatch(tokens=last, start=start, sampling=rows, proposals=proposals, num_proposed=num_proposed,
-                           draft_probs=draft_probs, **self._address(group, R, S))
+                           draft_probs=draft_probs, **self._state_slots(group, R), **self._address(group, R, S))
         mode = BatchMode(sample=bool((rows["temperature"] > 0).any()))
         res, = self._device_call(self.access.verify, batch, self.settings.for_call(mode))
         host = jax.device_get(res)

@@ -42,8 +42,10 @@ ACCEPT, RESIDUAL, DRAFT = 0, 1, 2  # key tags: one independent stream per use
 
 
 def ngram_propose(tokens: Sequence[int], k: int, n_max: int = 3, n_min: int = 1) -> list[int]:
-    """Prompt lookup: for n = n_max down to n_min, find the latest earlier occurrence of the last n tokens and
-    return (up to k of) the tokens that followed it. [] when no n-gram recurs."""
+    """Prompt lookup: for n = n_max down to n_min, find the latest earlier occurrence of the last n tokens that
+    k tokens follow (else the latest one) and return (up to k of) the tokens that followed it. [] when no n-gram
+    recurs. (The latest occurrence alone would propose a single token in a run of one repeated token or a short
+    cycle: its match ends just before the last n tokens.)"""
     arr = np.asarray(tokens, np.int64)
     L = arr.shape[0]
     for n in range(n_max, n_min - 1, -1):
@@ -52,7 +54,8 @@ def ngram_propose(tokens: Sequence[int], k: int, n_max: int = 3, n_min: int = 1)
         windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # [L - n, n]: occurrences with a successor
         hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
         if hits.size:
-            i = int(hits[-1]) + n
+            full = hits[hits + n + k <= L]
+            i = int(full[-1] if full.size else hits[-1]) + n
             return arr[i:i + k].tolist()
     return []
 

@@ -28,21 +28,27 @@ decode) leaves the state unchanged.
 
 What a state cannot do: be rolled back (the state after token n does not give the state after token n - 1), nor
 be rebuilt from a cached prefix's KV pages (they hold no state of the linear layers). So a hybrid model is
-served without prefix caching (`PREFIX_CACHING_OFF`, logged once) and without speculative decoding
-(`SPECULATIVE_REFUSED`, an error at engine construction); LFM2's conv windows likewise (`*_CONV`: a conv window
-after token n cannot be rebuilt from KV pages either, and speculation would need it rolled back).
+served without prefix caching (`PREFIX_CACHING_OFF`, logged once); LFM2's conv windows likewise (`*_CONV`).
+
+Speculative decoding, whose verify step feeds [last, d_1 .. d_k] and keeps only [last, d_1 .. d_a]: the verify
+call gathers the rows' states as a `TokenStateCache` (``with_state_rows(per_token=True)``): each state layer
+computes its outputs with the decode step's one-token recurrence (k + 1 times) and hands back its inputs to the
+state (the conv inputs; the delta rule's k, v, g, beta: [L, R, k + 1, ...], ~1/40 of k + 1 states), and
+``split_state_rows(at_token=count - 1)`` replays each row's state from the one it had to its last accepted token
+(`TokenStateCache.at_tokens`) and writes it back. A hybrid DRAFT model is refused (`SPECULATIVE_REFUSED`): its
+proposal loop would need the same.
 """
 from __future__ import annotations
 
 import jax
 
 from surojax.models.decoder import Decoder
-from surojax.models.kv import ATTENTION_STACK, CONV_STACK, Cache, HybridCache, StateCache
+from surojax.models.kv import ATTENTION_STACK, CONV_STACK, Cache, HybridCache, StateCache, TokenStateCache
 
 PREFIX_CACHING_OFF = ("prefix caching is off for hybrid models: a cached prefix's KV pages do not carry the "
                       "linear-attention layers' state at the block boundary")
-SPECULATIVE_REFUSED = ("speculative decoding is not supported for hybrid models: the linear-attention layers' "
-                       "states cannot be rolled back when proposals are rejected")
+SPECULATIVE_REFUSED = ("a hybrid model cannot be the speculative draft: the linear-attention layers' states of the "
+                       "proposals it drafts cannot be rolled back when the target rejects them")
 # LFM2's (`conv_layers`): the same reasons for its short convolutions' conv windows
 PREFIX_CACHING_OFF_CONV = PREFIX_CACHING_OFF.replace("linear-attention", "short-convolution")
 SPECULATIVE_REFUSED_CONV = SPECULATIVE_REFUSED.replace("linear-attention", "short-convolution")
@@ -54,7 +60,7 @@ def prefix_caching_off(model: Decoder) -> str:
 
 
 def speculative_refused(model: Decoder) -> str:
-    """Why a hybrid model refuses speculative decoding (worded for its kind of state layers)."""
+    """Why a hybrid model cannot be a speculative draft (worded for its kind of state layers)."""
     return SPECULATIVE_REFUSED_CONV if model.state_stack == CONV_STACK else SPECULATIVE_REFUSED
 
 
@@ -119,21 +125,28 @@ class StateSlots:
         return len(self._free)
 
 
-def with_state_rows(kv_cache, pool: StateCache | None, batch, model: Decoder) -> Cache:
+def with_state_rows(kv_cache, pool: StateCache | None, batch, model: Decoder, *, per_token: bool = False) -> Cache:
     """The decoder's cache for one call: `kv_cache` alone (no state pool), or a `HybridCache` of it and the
     rows' states gathered from the pool at ``batch.state_slots`` [R] (zeros where ``batch.start`` is 0), as the
-    cache part of the model's state stack (`linear_layers`, LFM2's `conv_layers`)."""
+    cache part of the model's state stack (`linear_layers`, LFM2's `conv_layers`). per_token: as a
+    `TokenStateCache` (the layers hand back their inputs, replayed to a token chosen after the call: speculative
+    verification)."""
     if pool is None:
         return kv_cache
-    return HybridCache(kv_cache, pool.rows(batch.state_slots, batch.start == 0), state_stack=model.state_stack)
+    rows = pool.rows(batch.state_slots, batch.start == 0)
+    if per_token:
+        rows = TokenStateCache(rows.conv, rows.recurrent)
+    return HybridCache(kv_cache, rows, state_stack=model.state_stack)
 
 
-def split_state_rows(cache, pool: StateCache | None, batch):
+def split_state_rows(cache, pool: StateCache | None, batch, *, at_token=None):
     """The decoder's cache after a call -> (its KV part, the pool with the rows' new states written back at
-    their slots; None without a pool)."""
+    their slots; None without a pool). at_token [R] (a `with_state_rows(per_token=True)` call): each row keeps
+    its state after its token at_token[r] of the call (`TokenStateCache.at_tokens`)."""
     if pool is None:
         return cache, None
-    return cache.kv, pool.with_rows(batch.state_slots, cache.state)
+    state = cache.state if at_token is None else cache.state.at_tokens(at_token)
+    return cache.kv, pool.with_rows(batch.state_slots, state)
 
 
 def pools_and(k_pool, v_pool, pool: StateCache | None, *outputs) -> tuple:

@@ -8,8 +8,8 @@ cache; float64).
 One engine run per case serves five prompts of 3 .. 41 tokens with 3 seats, a 16-token step budget (the 26- and
 41-token prompts are prefilled in two and three chunks, while the other rows decode) and a pool small enough to
 preempt: the later requests take the state slots of finished (or preempted) ones, so a slot that were not zeroed
-for its new sequence would change their tokens. Prefix caching is off for hybrids (and said so), speculative
-decoding and runtime LoRA slots are refused by name."""
+for its new sequence would change their tokens. Prefix caching is off for hybrids (and said so), runtime LoRA
+slots are refused by name (speculative decoding: test_hybrid_speculative.py)."""
 import logging
 from pathlib import Path
 
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from surojax.peft.multi_lora import AdapterSlots, LoRASlotError
-from surojax.serve.config import KVPath, SpecMethod, SpeculativeConfig
-from surojax.serve.engine import Engine, HybridServingError
+from surojax.serve.config import KVPath
+from surojax.serve.engine import Engine
 from surojax.serve.state_slots import PREFIX_CACHING_OFF, PREFIX_CACHING_OFF_CONV, StateSlots
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.configs import BUCKETS, engine_config
@@ -73,17 +73,10 @@ def test_prefix_caching_is_off_for_hybrids(name, why, caplog):
     assert f"{name}: {why}" in caplog.messages
 
 
-def test_speculative_decoding_and_lora_slots_are_refused_for_hybrids():
+def test_lora_slots_are_refused_for_hybrids():
     model = _model("qwen3_5_text")
-    spec = SpeculativeConfig(method=SpecMethod.NGRAM, num_tokens=2)
-    with pytest.raises(HybridServingError, match="qwen3_5_text: speculative decoding is not supported for hybrid "
-                                                 "models: the linear-attention layers' states cannot be rolled back"):
-        Engine(model, engine_config(**SERVE, speculative=spec))
     with pytest.raises(LoRASlotError, match="qwen3_5_text: runtime LoRA adapters are not supported for hybrid"):
         AdapterSlots(model, max_loras=1, max_rank=4)
     lfm2 = _model("lfm2")
-    with pytest.raises(HybridServingError, match="lfm2: speculative decoding is not supported for hybrid models: the "
-                                                 "short-convolution layers' states cannot be rolled back"):
-        Engine(lfm2, engine_config(**SERVE, speculative=spec))
     with pytest.raises(LoRASlotError, match="lfm2: runtime LoRA.*`conv_layers` \\(short convolution\\)"):
         AdapterSlots(lfm2, max_loras=1, max_rank=4)

@@ -134,6 +134,8 @@ def test_rejection_sampling_follows_the_target(draft):
 def test_ngram_proposal():
     assert ngram_propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]  # the latest occurrence
     assert ngram_propose([4, 5, 6, 4], 2) == [5, 6]  # falls back to n = 1
+    assert ngram_propose([5] * 6, 3) == [5, 5, 5]  # the latest occurrence that k tokens follow
+    assert ngram_propose([1, 2, 1, 2, 1], 3) == [2, 1]  # none has k: the latest one
     assert ngram_propose([1, 2, 3], 2) == []
 
 

@@ -9,10 +9,10 @@ from surojax.models.kv.paged import PagedKernel, PagedKVCache, PagedLayerKV, red
 from surojax.models.kv.protocol import Cache, CarriedLayerKV, LayerKV, OneStack, StackCache
 from surojax.models.kv.recurrent import (ATTENTION_STACK, CONV_STACK, LINEAR_STACK, STATE_STACKS, ConvShape,
                                          HybridCache, LayerState, StackedLayerState, StateCache, StateShape,
-                                         state_stack)
+                                         TokenStateCache, state_stack)
 
 __all__ = ["ATTENTION_STACK", "CONV_STACK", "LINEAR_STACK", "MASKED", "STATE_STACKS", "AttendSpec", "Cache",
            "CarriedLayerKV", "ConvShape", "DenseLayerKV",
            "HybridCache", "KVCache", "KVMeta", "LayerKV", "LayerState", "OneStack", "PagedKVCache", "PagedKVMeta",
            "PagedKernel", "PagedLayerKV", "StackCache", "StackedLayerKV", "StackedLayerState", "StateCache",
-           "StateShape", "attention_mask", "reduce_decode_attention", "softmax_with_sinks", "state_stack"]
+           "StateShape", "TokenStateCache", "attention_mask", "reduce_decode_attention", "softmax_with_sinks", "state_stack"]

@@ -23,6 +23,11 @@ conv state; the delta rule starts from the row's recurrent state, through the ch
 the one-token recurrent step (decode, T = 1); padding leaves the state unchanged (g = 0 and beta = 0 there) and
 the new conv state is the row's last K - 1 REAL inputs. Returns (o, the view with the new states written).
 Prefill then decode equals the uncached computation over the whole sequence (tests/models/test_deltanet_cache.py).
+
+A `TokenStatesView` (speculative verification, serve/state_slots.py: each row keeps the state after its last
+ACCEPTED token, known only after the call) gets the call's inputs to the state instead of a new one: the conv
+inputs [B, T, C] and `DeltaInputs` (k, v, g, beta), from which `TokenStateCache.at_tokens` replays the state to
+any token; the outputs come from the one-token recurrent step run T times (the decode step's arithmetic).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.gated_delta.api import chunk_gated_delta_rule, recurrent_gated_delta_step
 from surojax.kernel_settings import kernel_settings
-from surojax.models.kv.recurrent import StateShape
+from surojax.models.kv.recurrent import DeltaInputs, StateShape
 
 L2_EPS = 1e-6  # transformers' / fla's l2norm: x / sqrt(sum x^2 + eps)
 
@@ -85,6 +90,19 @@ def last_real_inputs(prefix, x, segment_ids) -> jax.Array:
     return jnp.take_along_axis(xin, idx[:, :, None], axis=1)
 
 
+def _per_token_rule(q, k, v, g, beta, recurrent, scale):
+    """The delta rule one token at a time (the decode step's `recurrent_gated_delta_step`, T times) from the row's
+    state -> o [B, T, H, Dv]: a short call (speculative verification, T = K + 1 <= ~9) whose rows each continue
+    with the state after a token chosen later; same values as T decode steps."""
+    def step(state, xs):
+        o, state = recurrent_gated_delta_step(*xs, state, scale=scale)
+        return state, o
+
+    xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta))  # time first
+    _, o = jax.lax.scan(step, recurrent, xs)
+    return jnp.swapaxes(o, 0, 1)
+
+
 def _check(mixed_qkv, g, beta, segment_ids, conv_weight, shape: StateShape) -> None:
     B, T, C = mixed_qkv.shape
     want = {"mixed_qkv": ((B, T, shape.conv_dim), mixed_qkv.shape), "g": ((B, T, shape.num_value_heads), g.shape),
@@ -118,6 +136,9 @@ def deltanet_mix(mixed_qkv, g, beta, segment_ids, *, conv_weight, shape: StateSh
         return o, None
     real = (segment_ids > 0)[..., None]  # padding: no decay, no write (the state passes unchanged)
     g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)
+    if state.per_token:  # the inputs to the state, replayed to a later-chosen token (kv/recurrent.py)
+        o = _per_token_rule(q, k, v, g, beta, recurrent, scale)
+        return o, state.written(mixed_qkv, DeltaInputs(k, v, g, beta))
     if T == 1:
         o, recurrent = recurrent_gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent,
                                                   scale=scale)

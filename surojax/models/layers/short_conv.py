@@ -56,7 +56,8 @@ class ShortConv(nnx.Module):
         prefix = None if state is None else state.read()[0]  # [B, K - 1, D]: the conv inputs before this call
         y = c * causal_conv1d(bv, self.conv.kernel[...], bias, segment_ids=segment_ids, prefix=prefix, silu=False)
         if state is not None:
-            state = state.written(last_real_inputs(prefix, bv, segment_ids), None)
+            # per_token (`TokenStatesView`): the conv inputs, from which the window after a later-chosen token is cut
+            state = state.written(bv if state.per_token else last_real_inputs(prefix, bv, segment_ids), None)
         return self.out_proj(y), state
 
 
