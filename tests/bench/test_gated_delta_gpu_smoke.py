@@ -26,7 +26,9 @@ def test_one_shape_checks_times_and_tabulates(capsys):
     v2 = f"pallas_v2:{bench.V2_DEFAULT}"
     timed = {(r["impl"], r["program"]) for r in job.rows if r["kind"] == "time"}
     assert timed == {(impl, p) for impl in ("pallas:bv16-w4-s1", v2) for p in ("fwd", "fwd+bwd")}
-    assert {r["part"] for r in job.rows if r["kind"] == "part"} == {"prepare", "wy", "state", "output"}
+    assert {r["part"] for r in job.rows if r["kind"] == "part"} == {
+        "prepare", "wy", "state", "output",  # the forward's kernels, then the backward's four and both backwards
+        "bwd_wy_t", "bwd_state", "bwd_dqkw", "bwd_wy_bwd", "bwd_kernels", "bwd_jnp"}
     table = bench.table(job.rows)
     assert "pallas:bv16-w4-s1" in table and v2 in table and "FAIL" not in table and "ERROR" not in table
     assert bench.parse_variant(bench.DEFAULT_VARIANT) == (bench.BLOCK_V, bench.NUM_WARPS, bench.NUM_STAGES)
