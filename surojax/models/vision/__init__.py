@@ -1,0 +1,13 @@
+"""Vision towers of the Qwen vision-language families (transformers 5.17's Qwen3VLVisionModel / Qwen3_5VisionModel).
+
+- config.py: `VisionConfig`, the checkpoint's vision_config read (or refused) key by key;
+- grid.py: host-side tables computed from `grid_thw` (rotary positions, learned-position interpolation taps,
+  per-frame attention segments): data-dependent shapes stay out of the traced model;
+- block.py: one pre-norm block (LayerNorm, attention with the 2-D rotary, GELU MLP);
+- merger.py: the patch merger (merge_size**2 neighbouring patches -> one language-model token);
+- tower.py: `VisionTower`, patch embedding + learned positions + blocks + merger + deepstack mergers;
+- hf_weights.py: the tower's parameters from transformers' tensor names (`model.visual.*`).
+
+Not wired into the decoder yet: the merged embeddings replace the image placeholder tokens' embeddings and the
+deepstack features are added to the first decoder layers' outputs (a later piece of issue 41).
+"""

@@ -1,0 +1,72 @@
+"""Host-side tables from `grid_thw`, the tower's data-dependent inputs (transformers 5.17's vision_utils.py).
+
+Patches arrive in merge-block order (the image processor's layout): within a frame, blocks of merge x merge patches
+row-major over the block grid, and row-major inside a block. For each patch this computes
+- `rotary_positions` [N, 2]: its (row, col) in the frame's patch grid (`get_vision_position_ids`; repeated per
+  frame of a clip);
+- `interp_indices` / `interp_weights` [N, 4]: the bilinear taps (align_corners=True, border clamp) that resample the
+  learned side x side position table to the frame's h x w grid (`get_vision_interpolation_indices_and_weights`,
+  mode "bilinear"); weights computed in float32 as torch computes them;
+- `segment_ids` [N]: which frame it belongs to; attention stays within a frame (`get_vision_cu_seqlens` with
+  merge_temporal False: each frame of each image or video is its own segment).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class VisionGrid:
+    grid_thw: np.ndarray          # [n, 3] int64
+    rotary_positions: np.ndarray  # [N, 2] int32
+    interp_indices: np.ndarray    # [N, 4] int32
+    interp_weights: np.ndarray    # [N, 4] float32
+    segment_ids: np.ndarray       # [N] int32
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.segment_ids.shape[0])
+
+
+def _axis_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bilinear taps (floor, floor + 1, clamped to the table) and weights, align_corners=True, in float32."""
+    src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
+    floor = np.floor(src)
+    offsets = np.arange(2)
+    taps = np.clip(floor.astype(np.int64)[:, None] + offsets, 0, side - 1)
+    distance = np.abs(src[:, None] - floor[:, None] - offsets.astype(np.float32))
+    return taps, np.maximum(np.float32(1) - distance, 0).astype(np.float32)
+
+
+def vision_grid(grid_thw, merge_size: int, position_grid_side: int) -> VisionGrid:
+    """The tables for images / clips of `grid_thw` [n, 3] (t, h, w in patches; h and w multiples of merge_size)."""
+    grid_thw = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+    if (grid_thw < 1).any() or (grid_thw[:, 1:] % merge_size).any():
+        raise ValueError(f"grid_thw {grid_thw.tolist()}: every t, h, w must be positive and h, w multiples of "
+                         f"the merge size {merge_size}")
+    rows, cols, heights, widths, segments = [], [], [], [], []
+    segment = 0
+    for t, h, w in grid_thw.tolist():
+        within = np.arange(h * w)
+        blocks_w = w // merge_size
+        in_col = within % merge_size
+        in_row = (within // merge_size) % merge_size
+        block = within // (merge_size * merge_size)
+        row = (block // blocks_w) * merge_size + in_row
+        col = (block % blocks_w) * merge_size + in_col
+        rows.append(np.tile(row, t))
+        cols.append(np.tile(col, t))
+        heights.append(np.full(t * h * w, h))
+        widths.append(np.full(t * h * w, w))
+        segments.append(np.repeat(np.arange(segment, segment + t), h * w))
+        segment += t
+    row, col = np.concatenate(rows), np.concatenate(cols)
+    h_taps, h_weights = _axis_taps(row, np.concatenate(heights), position_grid_side)
+    w_taps, w_weights = _axis_taps(col, np.concatenate(widths), position_grid_side)
+    indices = (h_taps[:, :, None] * position_grid_side + w_taps[:, None, :]).reshape(-1, 4)
+    weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
+    return VisionGrid(grid_thw=grid_thw, rotary_positions=np.stack([row, col], -1).astype(np.int32),
+                      interp_indices=indices.astype(np.int32), interp_weights=weights.astype(np.float32),
+                      segment_ids=np.concatenate(segments).astype(np.int32))
