@@ -19,6 +19,9 @@ config), saved under the names the full model uses (model.safetensors, `model.vi
     pixel_values [sum t*h*w, 3*2*4*4] (N(0, 1) fp32), grid_thw [[1, 4, 6], [2, 2, 4]] (an image and a 2-frame
     clip, so attention segments per frame and per image are both exercised), merged [sum/4, out_hidden],
     deepstack0/1 [sum/4, out_hidden], last_hidden [sum t*h*w, hidden]; computed in float64, stored fp32.
+
+tests/fixtures/vision/qwen3_5_tower_expected.npz — the same keys (no deepstack) for the vision tower of the
+committed tests/fixtures/models/qwen3_5 checkpoint (Qwen3_5VisionModel).
 """
 from __future__ import annotations
 
@@ -131,6 +134,23 @@ def make_tower() -> None:
     print("tower", {k: v.shape for k, v in expected.items()})
 
 
+def make_qwen3_5_tower() -> None:
+    """Qwen3_5VisionModel (no deepstack) of the committed tests/fixtures/models/qwen3_5 checkpoint (1 block, hidden
+    16, made by scripts/make_qwen3_5_fixtures.py): its outputs on random rows for grids [[1, 2, 4], [1, 4, 2]]."""
+    from transformers import Qwen3_5ForConditionalGeneration
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(ROOT / "tests" / "fixtures" / "models" / "qwen3_5",
+                                                            dtype=torch.float64, attn_implementation="eager")
+    visual = model.model.visual.eval()
+    grid = torch.tensor([[1, 2, 4], [1, 4, 2]], dtype=torch.int64)
+    rows = int((grid[:, 0] * grid[:, 1] * grid[:, 2]).sum())
+    pixel_values = torch.randn(rows, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = visual(pixel_values.double(), grid_thw=grid)
+    np.savez_compressed(OUT / "qwen3_5_tower_expected.npz", pixel_values=pixel_values.numpy(), grid_thw=grid.numpy(),
+                        merged=out.pooler_output.float().numpy(), last_hidden=out.last_hidden_state.float().numpy())
+
+
 if __name__ == "__main__":
     make_preprocess()
     make_tower()
+    make_qwen3_5_tower()

@@ -51,3 +51,18 @@ def test_config_and_weights_refusals(fixture):
     bad = dict(tensors, **{"model.visual.merger.linear_fc2.bias": np.zeros(7, np.float32)})
     with pytest.raises(VisionWeightsError, match="merger.linear_fc2.bias has shape"):
         load_vision_tower(cfg, bad)
+
+
+def test_qwen3_5_tower_equals_transformers():
+    """Qwen3.5's tower (no deepstack) from the full qwen3_5 fixture checkpoint: config.json's vision_config under
+    model_type qwen3_5, tensors model.visual.* among the language model's."""
+    folder = FIXTURE.parents[1] / "models" / "qwen3_5"
+    config = json.loads((folder / "config.json").read_text())
+    cfg = VisionConfig.from_hf(config["vision_config"], config["model_type"])
+    tower = load_vision_tower(cfg, load_file(folder / "model.safetensors"))
+    with np.load(FIXTURE.parent / "qwen3_5_tower_expected.npz") as data:
+        expected = {k: data[k] for k in data.files}
+    out = tower(jnp.asarray(expected["pixel_values"]),
+                vision_grid(expected["grid_thw"], cfg.spatial_merge_size, cfg.position_grid_side))
+    assert out.deepstack == ()
+    np.testing.assert_allclose(np.asarray(out.merged), expected["merged"], rtol=0, atol=1e-4)
