@@ -15,8 +15,8 @@ if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
 fi
 # Only programs whose compile took >= 1 s (JAX's default; the training steps and CLI runs the subprocess tests share):
 # with every program cached (threshold 0) two fresh-clone runs of 2026-12-06 each lost a worker to a segfault
-# inside XLA's executable (de)serialisation of a small program (a forward, a prefill), and xdist then hung; not
-# reproduced alone, cause not found (benchmarks and docs: the closing note of session 21).
+# inside XLA's executable (de)serialisation of a small program (a forward, a prefill), and xdist then hung (the
+# crash: scripts/test_chunks.py; the hang: tests/conftest.py).
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 # LLVM at -O0 for the CPU backend: the tests' tiny programs spend most of their time compiling, not running, and
 # LLVM's optimisation passes and instruction selection are a large part of each compile. Same HLO (XLA's own passes
@@ -26,4 +26,17 @@ export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1 JAX_PERSISTENT_CACHE_MIN_ENT
 export XLA_FLAGS="--xla_backend_optimization_level=0${XLA_FLAGS:+ $XLA_FLAGS}"
 # Whole modules per worker (module fixtures built once), handed out slowest first (tests/conftest.py orders them
 # by tests/module_seconds.txt; --no-loadscope-reorder keeps that order instead of xdist's "most tests first").
-python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"
+# The whole suite (no arguments) runs as CHUNKS pytest runs over groups of modules of about equal measured time,
+# each with fresh workers: scripts/test_chunks.py says why (a native crash that grows with a worker's lifetime).
+PYTEST=(python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder)
+if [ "$#" -gt 0 ]; then
+  "${PYTEST[@]}" "$@"
+  exit
+fi
+mapfile -t groups < <(python scripts/test_chunks.py "${SUROJAX_TEST_CHUNKS:-3}") || exit 1
+status=0
+for group in "${groups[@]}"; do
+  read -r -a modules <<< "$group"
+  "${PYTEST[@]}" "${modules[@]}" < /dev/null || status=1
+done
+exit "$status"
