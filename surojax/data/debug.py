@@ -3,7 +3,8 @@
 Each token is printed as its text followed by its id in parentheses; supervised tokens (mask True: the model
 is trained to produce them) in green, the others dimmed. A token holding a line break is shown as "\\n" and
 followed by a real line break, so the layout of the chat template stays readable. Without colour (a pipe,
-NO_COLOR) supervised tokens are wrapped in «...».
+NO_COLOR) supervised tokens are wrapped in «...». An image's pad tokens (an ImageExample's `image_spans`) are
+shown as one label, `<image 1: 16x24 patches, 96 tokens>`, instead of 96 pad tokens.
 """
 from __future__ import annotations
 
@@ -18,10 +19,29 @@ from surojax.data.tokenizer import Tokenizer
 SUPERVISED, PROMPT, ID = "bold green", "dim", "cyan"
 
 
-def example_text(ids: Sequence[int], mask: Sequence[bool], tokenizer: Tokenizer, *, color: bool = True) -> Text:
-    """A rich Text of one example: each token as text(id), supervised ones highlighted."""
+def image_labels(spans: Sequence[tuple[int, int]], grids: Sequence[Sequence[int]]) -> dict[int, tuple[int, str]]:
+    """{first token: (token count, label)} of each image span, e.g. `<image 1: 16x24 patches, 96 tokens>`."""
+    labels = {}
+    for k, ((start, n), (t, h, w)) in enumerate(zip(spans, grids), 1):
+        patches = f"{int(h)}x{int(w)}" if int(t) == 1 else f"{int(t)}x{int(h)}x{int(w)}"
+        labels[int(start)] = (int(n), f"<image {k}: {patches} patches, {int(n)} tokens>")
+    return labels
+
+
+def example_text(ids: Sequence[int], mask: Sequence[bool], tokenizer: Tokenizer, *, color: bool = True,
+                 images: dict[int, tuple[int, str]] | None = None) -> Text:
+    """A rich Text of one example: each token as text(id), supervised ones highlighted; `images` (image_labels)
+    replaces each image's pad tokens by its label."""
     out = Text()
-    for tid, sup in zip(ids, mask):
+    skip_to = 0
+    for t, (tid, sup) in enumerate(zip(ids, mask)):
+        if t < skip_to:
+            continue
+        if images and t in images:
+            n, label = images[t]
+            out.append(label, style=ID)
+            skip_to = t + n
+            continue
         piece = tokenizer.decode([int(tid)])
         shown = piece.replace("\n", "\\n").replace("\t", "\\t")
         if not color and sup:
@@ -46,4 +66,6 @@ def debug_print(examples: Sequence[Example | tuple], tokenizer: Tokenizer, n: in
     for k, ex in enumerate(list(examples)[:n]):
         ids, mask = (ex.ids, ex.mask) if isinstance(ex, Example) else ex
         console.rule(f"example {k}: {len(ids)} tokens, {int(sum(map(bool, mask)))} supervised")
-        console.print(example_text(ids, mask, tokenizer, color=color), soft_wrap=True, highlight=False)
+        images = image_labels(getattr(ex, "image_spans", ()), getattr(ex, "image_grid_thw", ()))
+        console.print(example_text(ids, mask, tokenizer, color=color, images=images), soft_wrap=True,
+                      highlight=False)

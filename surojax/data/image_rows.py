@@ -1,0 +1,140 @@
+"""Conversation rows with images -> token ids, the loss mask, pixel_values and image_grid_thw, as transformers'
+Qwen3-VL / Qwen3.5 processor makes them.
+
+    row --chat_images--> messages with {"type": "image"} parts + image sources --load_image--> PIL images
+        --image_patches--> pixel_values [sum of patches, C*T*P*P], image_grid_thw [n, 3]
+        --chat_masks--> ids + assistant mask of the rendered template (one <|image_pad|> per image)
+        --expand--> each <|image_pad|> repeated image_token_count(grid) times (the processor's expansion)
+
+The template sees the image parts as transformers' processors pass them (`{"type": "image"}` at the image's
+place), so `<|vision_start|><|image_pad|><|vision_end|>` is whatever the template writes for an image, and the
+ids equal `processor(text=apply_chat_template(messages), images=...)["input_ids"]`. The mask is chat_masks'
+assistant-only mask (train_on_inputs: every token) with every image pad token unsupervised: the model never
+learns to produce image placeholders (an image inside an assistant turn included).
+
+Packing: an `ImageExample` is packed whole like any example (bins hold whole examples), so an image's tokens stay
+with its row; `ImagePackedRows` gives each packed row its images' pixel_values / image_grid_thw in segment order.
+Fitting: an image row longer than the limit is dropped under truncation "drop" and refused otherwise
+(`ImageRowTooLongError`): cutting it would part image tokens from their pixels.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from surojax.data.chat_images import ImageLimits, ImageRowError, conversation_images, load_image
+from surojax.data.chat_masks import chat_ids_and_mask
+from surojax.data.formats import Example
+from surojax.data.image_patches import ImagePreprocessError, ImageProcessing, image_token_count, preprocess_image
+from surojax.data.packing import PackedRows
+from surojax.data.tokenizer import Tokenizer, TokenizerError
+
+IMAGE_TOKEN = "<|image_pad|>"
+
+
+class ImageRowTooLongError(ImageRowError):
+    """An image row over the sequence length under a truncation mode that would cut it."""
+
+
+@dataclass(frozen=True)
+class ImageExample(Example):
+    """A tokenized conversation with images: `ids` / `mask` as Example, plus the images' patches and grids and
+    where each image's pad tokens are (`image_spans[k]` = (first token, token count) of image k)."""
+
+    pixel_values: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    image_grid_thw: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
+    image_spans: tuple[tuple[int, int], ...] = ()
+
+
+def image_token_id(tokenizer: Tokenizer, token: str = IMAGE_TOKEN) -> int:
+    """The id of the image placeholder token; a tokenizer without it cannot take image rows."""
+    tid = tokenizer.token_to_id(token)
+    if tid is None:
+        raise TokenizerError(f"the tokenizer in {tokenizer.source} has no {token} token: it is not a vision-language "
+                             "tokenizer (Qwen3-VL / Qwen3.5), so it cannot take rows with images")
+    return tid
+
+
+def expand_image_tokens(ids: Sequence[int], mask: Sequence[bool], counts: Sequence[int], image_id: int, *,
+                        row: int | None = None) -> tuple[np.ndarray, np.ndarray, tuple[tuple[int, int], ...]]:
+    """Each image_id token replaced by counts[k] copies (the k-th one), unsupervised; (ids, mask, spans)."""
+    ids, mask = np.asarray(ids, np.int64), np.asarray(mask, bool)
+    at = np.flatnonzero(ids == image_id)
+    if len(at) != len(counts):
+        raise ImageRowError(f"row {row}: the chat template wrote {len(at)} image placeholder tokens for "
+                            f"{len(counts)} images (a template that drops image parts, or image pad tokens in the "
+                            "text)")
+    reps = np.ones(len(ids), np.int64)
+    reps[at] = counts
+    out_ids, out_mask = np.repeat(ids, reps), np.repeat(mask, reps)
+    extra = np.asarray(counts, np.int64) - 1                     # tokens each image adds before the next one
+    starts = at + np.cumsum(extra) - extra
+    out_mask[out_ids == image_id] = False
+    return out_ids.astype(np.int32), out_mask, tuple((int(s), int(n)) for s, n in zip(starts, counts))
+
+
+def tokenize_image_conversation(messages: Sequence[Mapping], tokenizer: Tokenizer, processing: ImageProcessing, *,
+                                images: Sequence | None = None, row: int | None = None,
+                                base_dir: str | Path | None = None, limits: ImageLimits = ImageLimits(),
+                                tools=None, chat_template: str | None = None, train_on_inputs: bool = False,
+                                image_token: str = IMAGE_TOKEN) -> ImageExample:
+    """One conversation with images (content parts, or `images` + `<image>` placeholders) -> ImageExample."""
+    image_id = image_token_id(tokenizer, image_token)
+    parts, sources = conversation_images(messages, images, row=row)
+    patches, grids = [], []
+    for k, source in enumerate(sources):
+        image = load_image(source, base_dir=base_dir, limits=limits, row=row, k=k)
+        try:
+            p, grid = preprocess_image(image, processing)
+        except ImagePreprocessError as e:
+            raise ImageRowError(f"row {row}, image {k + 1} ({source[:80]}): {e}") from None
+        patches.append(p)
+        grids.append(grid)
+    ids, mask = chat_ids_and_mask(parts, tokenizer, tools=tools, chat_template=chat_template,
+                                  train_on_inputs=train_on_inputs)
+    counts = [image_token_count(g, processing.merge_size) for g in grids]
+    ids, mask, spans = expand_image_tokens(ids, mask, counts, image_id, row=row)
+    width = processing.temporal_patch_size * processing.patch_size ** 2 * 3
+    pixel_values = np.concatenate(patches) if patches else np.zeros((0, width), np.float32)
+    return ImageExample(ids, mask, pixel_values, np.asarray(grids, np.int64).reshape(-1, 3), spans)
+
+
+def fit_image_example(ex: ImageExample, max_length: int, mode: str = "truncate", *,
+                      row: int | None = None) -> ImageExample | None:
+    """`ex` if it fits in `max_length`; None under mode "drop"; otherwise ImageRowTooLongError (a cut would part
+    image tokens from their pixels)."""
+    if len(ex) <= max_length:
+        return ex
+    if mode == "drop":
+        return None
+    raise ImageRowTooLongError(f"row {row}: {len(ex)} tokens with {len(ex.image_grid_thw)} images, over the limit of "
+                               f"{max_length}; image rows are not truncated or split ({mode!r}): raise sequence_len, "
+                               "lower the image processor's max_pixels, or set truncation_strategy: delete")
+
+
+class ImagePackedRows(PackedRows):
+    """PackedRows over ImageExamples: row r (a dict of [T] arrays, as PackedRows) plus `pixel_values` [P, D] and
+    `image_grid_thw` [n, 3] of its examples' images, in segment order. Whole examples are packed, so every image's
+    tokens are in the row that carries its pixels."""
+
+    def __init__(self, examples: Sequence[Example], seq_len: int, packing: bool = True):
+        super().__init__(examples, seq_len, packing)
+        self.pixel_values = [getattr(e, "pixel_values", None) for e in examples]
+        self.image_grid_thw = [getattr(e, "image_grid_thw", None) for e in examples]
+        widths = {p.shape[1] for p in self.pixel_values if p is not None and len(p)}
+        if len(widths) > 1:
+            raise ImageRowError(f"examples hold pixel_values of different widths {sorted(widths)}: one image "
+                                "processor setting per dataset")
+        self.width = widths.pop() if widths else 0
+
+    def __getitem__(self, r: int) -> dict[str, np.ndarray]:
+        row = super().__getitem__(r)
+        pixels = [self.pixel_values[e] for e in self.bins[r] if self.pixel_values[e] is not None]
+        grids = [self.image_grid_thw[e] for e in self.bins[r] if self.image_grid_thw[e] is not None]
+        row["pixel_values"] = (np.concatenate(pixels).astype(np.float32) if pixels
+                               else np.zeros((0, self.width), np.float32))
+        row["image_grid_thw"] = np.concatenate(grids).astype(np.int64) if grids else np.zeros((0, 3), np.int64)
+        return row
