@@ -75,9 +75,10 @@ class ImageLimits:
                 raise ValueError(f"ImageLimits.{name} must be a positive integer, got {getattr(self, name)!r}")
 
 
-def _where(row: int | None, k: int | None = None) -> str:
-    at = f"row {row}" if row is not None else "row"
-    return at + (f", image {k + 1}" if k is not None else "")
+def where(row: int | None, k: int | None = None) -> str:
+    """"row 3, image 2" (1-based image number); without a row index (the caller names the row) "image 2" / "row"."""
+    parts = ([f"row {row}"] if row is not None else []) + ([f"image {k + 1}"] if k is not None else [])
+    return ", ".join(parts) or "row"
 
 
 def _part_source(part: Mapping, row: int | None, k: int) -> str:
@@ -88,7 +89,7 @@ def _part_source(part: Mapping, row: int | None, k: int) -> str:
     else:
         source = next((part[key] for key in ("image", "url", "path") if part.get(key) is not None), None)
     if not isinstance(source, str) or not source:
-        raise ImageLayoutError(f"{_where(row, k)}: the image part {dict(part)!r} has no URL or path (expected "
+        raise ImageLayoutError(f"{where(row, k)}: the image part {dict(part)!r} has no URL or path (expected "
                                "{'type': 'image_url', 'image_url': {'url': ...}} or {'type': 'image', 'image': ...})")
     return source
 
@@ -123,7 +124,7 @@ def conversation_images(messages: Sequence[Mapping], images: Sequence | None = N
     `images` is the row's images column (the `<image>` placeholder layout); without it, image content parts are
     read. Text parts stay as they are; a message without images keeps its content."""
     if images is not None and not isinstance(images, (list, tuple)):
-        raise ImageLayoutError(f"{_where(row)}: the images column must be a list of paths / URLs, got "
+        raise ImageLayoutError(f"{where(row)}: the images column must be a list of paths / URLs, got "
                                f"{type(images).__name__}")
     out: list[dict] = []
     sources: list[str] = []
@@ -135,7 +136,7 @@ def conversation_images(messages: Sequence[Mapping], images: Sequence | None = N
             for part in content:
                 if _is_image_part(part):
                     if images:
-                        raise ImageLayoutError(f"{_where(row)}: the row has both an images column and image "
+                        raise ImageLayoutError(f"{where(row)}: the row has both an images column and image "
                                                "content parts; use one layout")
                     sources.append(_part_source(part, row, len(sources)))
                     parts.append({"type": "image"})
@@ -154,12 +155,12 @@ def conversation_images(messages: Sequence[Mapping], images: Sequence | None = N
             out.append(dict(m))
     if images:
         if placeholders != len(images):
-            raise ImageLayoutError(f"{_where(row)}: {len(images)} images in the images column but {placeholders} "
+            raise ImageLayoutError(f"{where(row)}: {len(images)} images in the images column but {placeholders} "
                                    f"{PLACEHOLDER} placeholders in the messages (each {PLACEHOLDER} takes the next "
                                    "image; the counts must be equal)")
         for k, source in enumerate(images):
             if not isinstance(source, str) or not source:
-                raise ImageLayoutError(f"{_where(row, k)}: expected a path or URL string, got {source!r}")
+                raise ImageLayoutError(f"{where(row, k)}: expected a path or URL string, got {source!r}")
         sources = list(images)
     return out, sources
 
@@ -173,37 +174,37 @@ def read_image_bytes(source: str, *, base_dir: str | Path | None = None, limits:
                      row: int | None = None, k: int | None = None) -> tuple[bytes, str]:
     """(the encoded image's bytes, the file it came from or "data URL"); refuses remote URLs, missing files and
     files over `limits.max_bytes` by name."""
-    where = _where(row, k)
+    at = where(row, k)
     lowered = source[:16].lower()
     if lowered.startswith(("http://", "https://")):
-        raise RemoteImageError(f"{where}: {source} is a remote URL; surojax does not download images (use a local "
+        raise RemoteImageError(f"{at}: {source} is a remote URL; surojax does not download images (use a local "
                                "path, a file:// URL or a data:image/...;base64 URL)")
     if lowered.startswith("data:"):
         match = _DATA_URL.match(source)
         if match is None:
-            raise UnreadableImageError(f"{where}: {_shown(source)} is a data URL but not data:image/...;base64,...")
+            raise UnreadableImageError(f"{at}: {_shown(source)} is a data URL but not data:image/...;base64,...")
         if (len(source) - match.end()) * 3 // 4 > limits.max_bytes:
-            raise ImageTooLargeError(f"{where}: the data URL holds over {limits.max_bytes} bytes (max_bytes)")
+            raise ImageTooLargeError(f"{at}: the data URL holds over {limits.max_bytes} bytes (max_bytes)")
         try:
             return base64.b64decode(source[match.end():], validate=True), "data URL"
         except (binascii.Error, ValueError) as e:
-            raise UnreadableImageError(f"{where}: {_shown(source)}: invalid base64 ({e})") from None
+            raise UnreadableImageError(f"{at}: {_shown(source)}: invalid base64 ({e})") from None
     if lowered.startswith("file:"):
         parsed = urlparse(source)
         if parsed.netloc not in ("", "localhost"):
-            raise RemoteImageError(f"{where}: {source} names the host {parsed.netloc!r}; only local files are read")
+            raise RemoteImageError(f"{at}: {source} names the host {parsed.netloc!r}; only local files are read")
         path = Path(unquote(parsed.path))
     elif "://" in source[:12]:
-        raise RemoteImageError(f"{where}: {source}: only local paths, file:// and data: URLs are read")
+        raise RemoteImageError(f"{at}: {source}: only local paths, file:// and data: URLs are read")
     else:
         path = Path(source).expanduser()
         if not path.is_absolute() and base_dir is not None:
             path = Path(base_dir) / path
     if not path.is_file():
-        raise MissingImageError(f"{where}: image file {path} does not exist")
+        raise MissingImageError(f"{at}: image file {path} does not exist")
     size = path.stat().st_size
     if size > limits.max_bytes:
-        raise ImageTooLargeError(f"{where}: image file {path} has {size} bytes, over the limit of "
+        raise ImageTooLargeError(f"{at}: image file {path} has {size} bytes, over the limit of "
                                  f"{limits.max_bytes} (max_bytes)")
     return path.read_bytes(), str(path)
 
@@ -213,19 +214,19 @@ def load_image(source: str, *, base_dir: str | Path | None = None, limits: Image
     """The decoded image of a path / file:// / data URL, checked against `limits` (pixels from the header, before
     the pixels are decoded)."""
     data, name = read_image_bytes(source, base_dir=base_dir, limits=limits, row=row, k=k)
-    where = _where(row, k)
+    at = where(row, k)
     try:
         with Image.open(io.BytesIO(data)) as probe:
             width, height = probe.size
             if width * height > limits.max_pixels:
-                raise ImageTooLargeError(f"{where}: image {name} is {width}x{height} = {width * height} pixels, over "
+                raise ImageTooLargeError(f"{at}: image {name} is {width}x{height} = {width * height} pixels, over "
                                          f"the limit of {limits.max_pixels} (max_pixels)")
             probe.load()
             return probe.copy()
     except ImageTooLargeError:
         raise
     except Image.DecompressionBombError as e:
-        raise ImageTooLargeError(f"{where}: image {name}: {e}") from None
+        raise ImageTooLargeError(f"{at}: image {name}: {e}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise UnreadableImageError(f"{where}: {name} is not an image PIL can read ({type(e).__name__}: {e})"
+        raise UnreadableImageError(f"{at}: {name} is not an image PIL can read ({type(e).__name__}: {e})"
                                    ) from None

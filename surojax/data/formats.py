@@ -196,7 +196,13 @@ def _user_turn(spec: DatasetSpec, instruction: str, inp: str) -> str | None:
     return None if fmt is None else fmt.format(instruction=instruction, input=inp)
 
 
-def _messages(row, spec: DatasetSpec) -> list[dict]:
+IMAGE_ROWS_HINT = ("rows with images are tokenized with their pixels by surojax/data/image_rows.py (a vision-language "
+                   "model's data path); the text pipeline does not drop the images silently")
+
+
+def _messages(row, spec: DatasetSpec, keep_parts: bool = False) -> list[dict]:
+    """The row's messages (role / content), sharegpt turns converted; list contents joined into their text, or
+    with `keep_parts` kept as parts (image rows: surojax/data/image_rows.py)."""
     raw, sharegpt = row.get(spec.messages_field), False
     if raw is None and row.get("conversations") is not None:
         raw, sharegpt = row["conversations"], True
@@ -225,7 +231,9 @@ def _messages(row, spec: DatasetSpec) -> list[dict]:
         if (problem := role_problem(m)) is not None:
             raise InvalidRowError(f"message {j} {problem}")
         content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        if isinstance(content, list) and not keep_parts:  # OpenAI content parts: keep the text ones
+            if any(isinstance(p, Mapping) and p.get("type") in ("image", "image_url") for p in content):
+                raise InvalidRowError(f"message {j} has image parts: {IMAGE_ROWS_HINT}")
             m["content"] = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
         elif content is None and not m.get("tool_calls"):
             raise InvalidRowError(f"message {j} ({m['role']}) has no content")
@@ -237,6 +245,8 @@ def _messages(row, spec: DatasetSpec) -> list[dict]:
 
 
 def _conversation(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str, train_on_inputs: bool) -> Example:
+    if row.get("images"):
+        raise InvalidRowError(f"the row has an 'images' column: {IMAGE_ROWS_HINT}")
     messages = _messages(row, spec)
     if not train_on_inputs and not any(m["role"] == "assistant" for m in messages):
         raise InvalidRowError("no assistant message: nothing to learn from this conversation")

@@ -19,20 +19,24 @@ Fitting: an image row longer than the limit is dropped under truncation "drop" a
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from surojax.data.chat_images import ImageLimits, ImageRowError, conversation_images, load_image
+from surojax.config.data import DatasetSpec
+from surojax.data.chat_images import ImageLimits, ImageRowError, conversation_images, load_image, where
 from surojax.data.chat_masks import chat_ids_and_mask
-from surojax.data.formats import Example
+from surojax.data.formats import Example, _messages
+from surojax.data.sources import InvalidRowError
 from surojax.data.image_patches import ImagePreprocessError, ImageProcessing, image_token_count, preprocess_image
 from surojax.data.packing import PackedRows
 from surojax.data.tokenizer import Tokenizer, TokenizerError
 
 IMAGE_TOKEN = "<|image_pad|>"
+IMAGES_FIELD = "images"  # the LLaVA / ShareGPT column of image paths that `<image>` placeholders take in order
 
 
 class ImageRowTooLongError(ImageRowError):
@@ -64,7 +68,7 @@ def expand_image_tokens(ids: Sequence[int], mask: Sequence[bool], counts: Sequen
     ids, mask = np.asarray(ids, np.int64), np.asarray(mask, bool)
     at = np.flatnonzero(ids == image_id)
     if len(at) != len(counts):
-        raise ImageRowError(f"row {row}: the chat template wrote {len(at)} image placeholder tokens for "
+        raise ImageRowError(f"{where(row)}: the chat template wrote {len(at)} image placeholder tokens for "
                             f"{len(counts)} images (a template that drops image parts, or image pad tokens in the "
                             "text)")
     reps = np.ones(len(ids), np.int64)
@@ -90,7 +94,7 @@ def tokenize_image_conversation(messages: Sequence[Mapping], tokenizer: Tokenize
         try:
             p, grid = preprocess_image(image, processing)
         except ImagePreprocessError as e:
-            raise ImageRowError(f"row {row}, image {k + 1} ({source[:80]}): {e}") from None
+            raise ImageRowError(f"{where(row, k)} ({source[:80]}): {e}") from None
         patches.append(p)
         grids.append(grid)
     ids, mask = chat_ids_and_mask(parts, tokenizer, tools=tools, chat_template=chat_template,
@@ -102,6 +106,35 @@ def tokenize_image_conversation(messages: Sequence[Mapping], tokenizer: Tokenize
     return ImageExample(ids, mask, pixel_values, np.asarray(grids, np.int64).reshape(-1, 3), spans)
 
 
+def dataset_image_dir(path: str | Path) -> Path:
+    """Where a dataset's relative image paths resolve: the dataset file's folder, or the dataset folder itself."""
+    path = Path(path).expanduser()
+    return path if path.is_dir() else path.parent
+
+
+def tokenize_image_row(row: Mapping, tokenizer: Tokenizer, processing: ImageProcessing, spec: DatasetSpec, *,
+                       index: int | None = None, base_dir: str | Path | None = None,
+                       limits: ImageLimits = ImageLimits(), chat_template: str | None = None,
+                       train_on_inputs: bool = False) -> ImageExample:
+    """A dataset row (the `messages` / sharegpt `conversations` layouts formats reads, with image parts, or an
+    `images` column and `<image>` placeholders) -> ImageExample; relative image paths resolve against `base_dir`
+    (default: dataset_image_dir(spec.path)); `index` is the row's number for error messages."""
+    messages = _messages(row, spec, keep_parts=True)
+    if not train_on_inputs and not any(m["role"] == "assistant" for m in messages):
+        raise InvalidRowError("no assistant message: nothing to learn from this conversation")
+    tools = row.get(spec.tools_field) if spec.tools_field else None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) or None
+        except json.JSONDecodeError:
+            raise InvalidRowError(f"field {spec.tools_field!r} is a string that is not JSON") from None
+    images = row.get(IMAGES_FIELD) or None
+    return tokenize_image_conversation(messages, tokenizer, processing, images=images, row=index,
+                                       base_dir=dataset_image_dir(spec.path) if base_dir is None else base_dir,
+                                       limits=limits, tools=tools or None, chat_template=chat_template,
+                                       train_on_inputs=train_on_inputs)
+
+
 def fit_image_example(ex: ImageExample, max_length: int, mode: str = "truncate", *,
                       row: int | None = None) -> ImageExample | None:
     """`ex` if it fits in `max_length`; None under mode "drop"; otherwise ImageRowTooLongError (a cut would part
@@ -110,9 +143,10 @@ def fit_image_example(ex: ImageExample, max_length: int, mode: str = "truncate",
         return ex
     if mode == "drop":
         return None
-    raise ImageRowTooLongError(f"row {row}: {len(ex)} tokens with {len(ex.image_grid_thw)} images, over the limit of "
-                               f"{max_length}; image rows are not truncated or split ({mode!r}): raise sequence_len, "
-                               "lower the image processor's max_pixels, or set truncation_strategy: delete")
+    raise ImageRowTooLongError(f"{where(row)}: {len(ex)} tokens with {len(ex.image_grid_thw)} images, over the "
+                               f"limit of {max_length}; image rows are not truncated or split ({mode!r}): raise "
+                               "sequence_len, lower the image processor's max_pixels, or set truncation_strategy: "
+                               "delete")
 
 
 class ImagePackedRows(PackedRows):

@@ -139,3 +139,21 @@ def test_debug_shows_image_spans_compactly(tok, proc):
     out = console.export_text()
     assert "<image 1: 2x4 patches, 2 tokens>" in out and "<image 2: 6x4 patches, 6 tokens>" in out
     assert "<|image_pad|>" not in out and "<|vision_start|>" in out
+
+
+def test_dataset_rows_sharegpt_placeholders_and_the_text_path_refusing_images(tok, proc):
+    from surojax.config.data import DatasetSpec
+    from surojax.data.formats import make_formatter
+    from surojax.data.image_rows import tokenize_image_row
+    from surojax.data.sources import InvalidRowError
+
+    spec = DatasetSpec(path=str(FIXTURE / "rows.jsonl"))
+    sharegpt = {"conversations": [{"from": "human", "value": "<image>What is it?<image>"},
+                                  {"from": "gpt", "value": "Noise."}], "images": ["img_b.png", "img_a.png"]}
+    _check(tokenize_image_row(sharegpt, tok, proc, spec, index=4), "placeholder", tok)
+    parts = {"messages": _two_image_messages("img_a.png", {"type": "image", "image": "img_b.png"})}
+    _check(tokenize_image_row(parts, tok, proc, spec), "two_images", tok)
+    text_only = make_formatter("conversation", tok, spec)
+    for row in (sharegpt, parts):
+        with pytest.raises(InvalidRowError, match="image_rows.py"):
+            text_only(row)
