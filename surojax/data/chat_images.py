@@ -5,8 +5,9 @@ Two layouts are read (both may not be mixed in one row):
 * content parts, as OpenAI and transformers' processors take them: a message's `content` is a list of parts,
   `{"type": "text", "text": ...}`, `{"type": "image_url", "image_url": {"url": U}}` (or `"image_url": U`), and
   `{"type": "image", "image": U}` (also `"url"` / `"path"` instead of `"image"`);
-* an `images: [U, ...]` column with `<image>` placeholders in the text (LLaVA / ShareGPT): each `<image>` takes the
-  next image, in message order; the placeholder count must equal the image count.
+* an `images: [U, ...]` column with `<image>` placeholders in the text (LLaVA / ShareGPT), or with bare
+  `{"type": "image"}` parts (TRL's layout): each takes the next image, in message order; the counts must be equal.
+  A column entry may also be encoded image bytes, a `datasets` Image dict {"bytes", "path"} or a PIL image.
 
 U is a local path (relative paths resolve against `base_dir`, the dataset file's folder), a `file://` URL, or a
 `data:image/...;base64,...` URL. Remote http(s) URLs are refused (nothing is downloaded). Either way the result is
@@ -36,6 +37,9 @@ from surojax.data.sources import InvalidRowError
 PLACEHOLDER = "<image>"
 IMAGE_PART_TYPES = ("image", "image_url")
 _DATA_URL = re.compile(r"data:(image/[\w.+-]+)?(;[\w=.-]+)*;base64,", re.IGNORECASE)
+
+
+ImageSource = str | bytes | Image.Image  # a path / file:// / data URL, encoded image bytes, or a decoded image
 
 
 class ImageRowError(InvalidRowError):
@@ -81,17 +85,22 @@ def where(row: int | None, k: int | None = None) -> str:
     return ", ".join(parts) or "row"
 
 
-def _part_source(part: Mapping, row: int | None, k: int) -> str:
-    """The URL / path of an image content part."""
+def _part_source(part: Mapping) -> str | None:
+    """The URL / path of an image content part (None: a bare `{"type": "image"}` taking the images column's next)."""
     if part.get("type") == "image_url" or "image_url" in part:
         value = part.get("image_url")
-        source = value.get("url") if isinstance(value, Mapping) else value
-    else:
-        source = next((part[key] for key in ("image", "url", "path") if part.get(key) is not None), None)
-    if not isinstance(source, str) or not source:
-        raise ImageLayoutError(f"{where(row, k)}: the image part {dict(part)!r} has no URL or path (expected "
-                               "{'type': 'image_url', 'image_url': {'url': ...}} or {'type': 'image', 'image': ...})")
-    return source
+        return value.get("url") if isinstance(value, Mapping) else value
+    return next((part[key] for key in ("image", "url", "path") if part.get(key) is not None), None)
+
+
+def _column_image(value, row: int | None, k: int) -> ImageSource:
+    """An images-column entry: a path / URL string, a datasets Image dict {"bytes", "path"}, or a PIL image."""
+    if isinstance(value, Mapping):
+        value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+    if isinstance(value, (bytes, Image.Image)) or (isinstance(value, str) and value):
+        return value
+    raise ImageLayoutError(f"{where(row, k)}: expected a path or URL string, image bytes or an image, got "
+                           f"{type(value).__name__}")
 
 
 def _is_image_part(part) -> bool:
@@ -118,50 +127,56 @@ def _split_placeholders(text: str) -> list[dict]:
 
 
 def conversation_images(messages: Sequence[Mapping], images: Sequence | None = None, *,
-                        row: int | None = None) -> tuple[list[dict], list[str]]:
+                        row: int | None = None) -> tuple[list[dict], list[ImageSource]]:
     """(messages with each image as a `{"type": "image"}` part at its place, the images' sources in order).
 
-    `images` is the row's images column (the `<image>` placeholder layout); without it, image content parts are
-    read. Text parts stay as they are; a message without images keeps its content."""
+    Without `images` (the row's images column) every image content part names its image. With it, each `<image>`
+    in a text and each bare `{"type": "image"}` part (TRL's layout) takes the column's next image, and the counts
+    must match. Text parts stay as they are; a message without images keeps its content."""
     if images is not None and not isinstance(images, (list, tuple)):
-        raise ImageLayoutError(f"{where(row)}: the images column must be a list of paths / URLs, got "
-                               f"{type(images).__name__}")
+        raise ImageLayoutError(f"{where(row)}: the images column must be a list, got {type(images).__name__}")
     out: list[dict] = []
-    sources: list[str] = []
-    placeholders = 0
+    sources: list[ImageSource] = []
+    slots = 0  # images column slots: placeholders and bare image parts
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
             parts = []
             for part in content:
                 if _is_image_part(part):
+                    source = _part_source(part)
+                    if images and source is not None:
+                        raise ImageLayoutError(f"{where(row)}: the row has an images column and image parts that "
+                                               "name their own image; use one layout")
                     if images:
-                        raise ImageLayoutError(f"{where(row)}: the row has both an images column and image "
-                                               "content parts; use one layout")
-                    sources.append(_part_source(part, row, len(sources)))
+                        slots += 1
+                    elif not isinstance(source, str) or not source:
+                        raise ImageLayoutError(
+                            f"{where(row, len(sources))}: the image part {dict(part)!r} has no URL or path (expected "
+                            "{'type': 'image_url', 'image_url': {'url': ...}} or {'type': 'image', 'image': ...}, or "
+                            "an images column)")
+                    else:
+                        sources.append(source)
                     parts.append({"type": "image"})
                 elif isinstance(part, Mapping) and images and PLACEHOLDER in str(part.get("text", "")):
                     split = _split_placeholders(part["text"])
-                    placeholders += sum(p["type"] == "image" for p in split)
+                    slots += sum(p["type"] == "image" for p in split)
                     parts.extend(split)
                 else:
                     parts.append(part)
             out.append({**m, "content": parts})
         elif isinstance(content, str) and images and PLACEHOLDER in content:
             split = _split_placeholders(content)
-            placeholders += sum(p["type"] == "image" for p in split)
+            slots += sum(p["type"] == "image" for p in split)
             out.append({**m, "content": split})
         else:
             out.append(dict(m))
     if images:
-        if placeholders != len(images):
-            raise ImageLayoutError(f"{where(row)}: {len(images)} images in the images column but {placeholders} "
-                                   f"{PLACEHOLDER} placeholders in the messages (each {PLACEHOLDER} takes the next "
+        if slots != len(images):
+            raise ImageLayoutError(f"{where(row)}: {len(images)} images in the images column but {slots} "
+                                   f"{PLACEHOLDER} placeholders / image parts in the messages (each takes the next "
                                    "image; the counts must be equal)")
-        for k, source in enumerate(images):
-            if not isinstance(source, str) or not source:
-                raise ImageLayoutError(f"{where(row, k)}: expected a path or URL string, got {source!r}")
-        sources = list(images)
+        sources = [_column_image(value, row, k) for k, value in enumerate(images)]
     return out, sources
 
 
@@ -209,12 +224,24 @@ def read_image_bytes(source: str, *, base_dir: str | Path | None = None, limits:
     return path.read_bytes(), str(path)
 
 
-def load_image(source: str, *, base_dir: str | Path | None = None, limits: ImageLimits = ImageLimits(),
+def load_image(source: ImageSource, *, base_dir: str | Path | None = None, limits: ImageLimits = ImageLimits(),
                row: int | None = None, k: int | None = None) -> Image.Image:
-    """The decoded image of a path / file:// / data URL, checked against `limits` (pixels from the header, before
-    the pixels are decoded)."""
-    data, name = read_image_bytes(source, base_dir=base_dir, limits=limits, row=row, k=k)
+    """The decoded image of a path / file:// / data URL / encoded bytes (or a decoded image itself), checked
+    against `limits` (pixels from the header, before the pixels are decoded)."""
     at = where(row, k)
+    if isinstance(source, Image.Image):
+        if source.width * source.height > limits.max_pixels:
+            raise ImageTooLargeError(f"{at}: the image is {source.width}x{source.height} = "
+                                     f"{source.width * source.height} pixels, over the limit of {limits.max_pixels} "
+                                     "(max_pixels)")
+        return source
+    if isinstance(source, bytes):
+        if len(source) > limits.max_bytes:
+            raise ImageTooLargeError(f"{at}: the image bytes ({len(source)}) are over the limit of "
+                                     f"{limits.max_bytes} (max_bytes)")
+        data, name = source, "the image bytes"
+    else:
+        data, name = read_image_bytes(source, base_dir=base_dir, limits=limits, row=row, k=k)
     try:
         with Image.open(io.BytesIO(data)) as probe:
             width, height = probe.size

@@ -94,7 +94,7 @@ def tokenize_image_conversation(messages: Sequence[Mapping], tokenizer: Tokenize
         try:
             p, grid = preprocess_image(image, processing)
         except ImagePreprocessError as e:
-            raise ImageRowError(f"{where(row, k)} ({source[:80]}): {e}") from None
+            raise ImageRowError(f"{where(row, k)}: {e}") from None
         patches.append(p)
         grids.append(grid)
     ids, mask = chat_ids_and_mask(parts, tokenizer, tools=tools, chat_template=chat_template,

@@ -157,3 +157,14 @@ def test_dataset_rows_sharegpt_placeholders_and_the_text_path_refusing_images(to
     for row in (sharegpt, parts):
         with pytest.raises(InvalidRowError, match="image_rows.py"):
             text_only(row)
+
+
+def test_images_column_with_bare_image_parts_bytes_and_pil_images(tok, proc):
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"},
+                                             {"type": "image"}]},
+                {"role": "assistant", "content": "Noise."}]
+    images = [{"bytes": (FIXTURE / "img_b.png").read_bytes(), "path": None}, Image.open(FIXTURE / "img_a.png")]
+    _check(tokenize_image_conversation(messages, tok, proc, images=images), "placeholder", tok)
+    named = [{"role": "user", "content": [{"type": "image", "image": "img_a.png"}]}, messages[1]]
+    with pytest.raises(chat_images.ImageLayoutError, match="row 2: the row has an images column"):
+        tokenize_image_conversation(named, tok, proc, images=["img_b.png"], row=2)
