@@ -36,6 +36,7 @@ from surojax.data.sources import InvalidRowError
 
 PLACEHOLDER = "<image>"
 IMAGE_PART_TYPES = ("image", "image_url")
+VIDEO_PART_TYPES = ("video", "video_url")
 _DATA_URL = re.compile(r"data:(image/[\w.+-]+)?(;[\w=.-]+)*;base64,", re.IGNORECASE)
 
 
@@ -143,6 +144,9 @@ def conversation_images(messages: Sequence[Mapping], images: Sequence | None = N
         if isinstance(content, list):
             parts = []
             for part in content:
+                if isinstance(part, Mapping) and (part.get("type") in VIDEO_PART_TYPES or "video" in part):
+                    raise ImageLayoutError(f"{where(row)}: a video part ({part.get('type')!r}): videos are not "
+                                           "supported in training rows yet, only images")
                 if _is_image_part(part):
                     source = _part_source(part)
                     if images and source is not None:

@@ -165,6 +165,11 @@ def test_images_column_with_bare_image_parts_bytes_and_pil_images(tok, proc):
                 {"role": "assistant", "content": "Noise."}]
     images = [{"bytes": (FIXTURE / "img_b.png").read_bytes(), "path": None}, Image.open(FIXTURE / "img_a.png")]
     _check(tokenize_image_conversation(messages, tok, proc, images=images), "placeholder", tok)
+    assert chat_images.has_images(messages) and chat_images.has_images([messages[1]], ["a.png"])
+    assert not chat_images.has_images([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    video = [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]}, messages[1]]
+    with pytest.raises(chat_images.ImageLayoutError, match="row 1: a video part"):
+        tokenize_image_conversation(video, tok, proc, row=1)
     named = [{"role": "user", "content": [{"type": "image", "image": "img_a.png"}]}, messages[1]]
     with pytest.raises(chat_images.ImageLayoutError, match="row 2: the row has an images column"):
         tokenize_image_conversation(named, tok, proc, images=["img_b.png"], row=2)
