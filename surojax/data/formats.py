@@ -244,10 +244,10 @@ def _messages(row, spec: DatasetSpec, keep_parts: bool = False) -> list[dict]:
     return out
 
 
-def _conversation(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str, train_on_inputs: bool) -> Example:
-    if row.get("images"):
-        raise InvalidRowError(f"the row has an 'images' column: {IMAGE_ROWS_HINT}")
-    messages = _messages(row, spec)
+def conversation_and_tools(row, spec: DatasetSpec, train_on_inputs: bool, keep_parts: bool = False
+                           ) -> tuple[list[dict], list | None]:
+    """A conversation row's messages (`_messages`) and tools, refusing a conversation with nothing to learn."""
+    messages = _messages(row, spec, keep_parts=keep_parts)
     if not train_on_inputs and not any(m["role"] == "assistant" for m in messages):
         raise InvalidRowError("no assistant message: nothing to learn from this conversation")
     tools = row.get(spec.tools_field) if spec.tools_field else None
@@ -256,7 +256,14 @@ def _conversation(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str, t
             tools = json.loads(tools) or None
         except json.JSONDecodeError:
             raise InvalidRowError(f"field {spec.tools_field!r} is a string that is not JSON") from None
-    ids, mask = chat_ids_and_mask(messages, tokenizer, tools=tools or None, chat_template=template,
+    return messages, tools or None
+
+
+def _conversation(row, tokenizer: Tokenizer, spec: DatasetSpec, template: str, train_on_inputs: bool) -> Example:
+    if row.get("images"):
+        raise InvalidRowError(f"the row has an 'images' column: {IMAGE_ROWS_HINT}")
+    messages, tools = conversation_and_tools(row, spec, train_on_inputs)
+    ids, mask = chat_ids_and_mask(messages, tokenizer, tools=tools, chat_template=template,
                                   train_on_inputs=train_on_inputs)
     return Example.of(ids, mask)
 

@@ -19,7 +19,6 @@ Fitting: an image row longer than the limit is dropped under truncation "drop" a
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +28,7 @@ import numpy as np
 from surojax.config.data import DatasetSpec
 from surojax.data.chat_images import ImageLimits, ImageRowError, conversation_images, load_image, where
 from surojax.data.chat_masks import chat_ids_and_mask
-from surojax.data.formats import Example, _messages
-from surojax.data.sources import InvalidRowError
+from surojax.data.formats import Example, conversation_and_tools
 from surojax.data.image_patches import ImagePreprocessError, ImageProcessing, image_token_count, preprocess_image
 from surojax.data.packing import PackedRows
 from surojax.data.tokenizer import Tokenizer, TokenizerError
@@ -119,19 +117,11 @@ def tokenize_image_row(row: Mapping, tokenizer: Tokenizer, processing: ImageProc
     """A dataset row (the `messages` / sharegpt `conversations` layouts formats reads, with image parts, or an
     `images` column and `<image>` placeholders) -> ImageExample; relative image paths resolve against `base_dir`
     (default: dataset_image_dir(spec.path)); `index` is the row's number for error messages."""
-    messages = _messages(row, spec, keep_parts=True)
-    if not train_on_inputs and not any(m["role"] == "assistant" for m in messages):
-        raise InvalidRowError("no assistant message: nothing to learn from this conversation")
-    tools = row.get(spec.tools_field) if spec.tools_field else None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools) or None
-        except json.JSONDecodeError:
-            raise InvalidRowError(f"field {spec.tools_field!r} is a string that is not JSON") from None
+    messages, tools = conversation_and_tools(row, spec, train_on_inputs, keep_parts=True)
     images = row.get(IMAGES_FIELD) or None
     return tokenize_image_conversation(messages, tokenizer, processing, images=images, row=index,
                                        base_dir=dataset_image_dir(spec.path) if base_dir is None else base_dir,
-                                       limits=limits, tools=tools or None, chat_template=chat_template,
+                                       limits=limits, tools=tools, chat_template=chat_template,
                                        train_on_inputs=train_on_inputs)
 
 
