@@ -2,7 +2,7 @@
 Qwen3-VL / Qwen3.5 processor makes them.
 
     row --chat_images--> messages with {"type": "image"} parts + image sources --load_image--> PIL images
-        --image_patches--> pixel_values [sum of patches, C*T*P*P], image_grid_thw [n, 3]
+        --image_patches--> pixel_values [sum of patches, C*T*P*P] (made again on access), image_grid_thw [n, 3]
         --chat_masks--> ids + assistant mask of the rendered template (one <|image_pad|> per image)
         --expand--> each <|image_pad|> repeated image_token_count(grid) times (the processor's expansion)
 
@@ -43,12 +43,42 @@ class ImageRowTooLongError(ImageRowError):
 
 @dataclass(frozen=True)
 class ImageExample(Example):
-    """A tokenized conversation with images: `ids` / `mask` as Example, plus the images' patches and grids and
-    where each image's pad tokens are (`image_spans[k]` = (first token, token count) of image k)."""
+    """A tokenized conversation with images: `ids` / `mask` as Example, the images' grids, where each image's pad
+    tokens are (`image_spans[k]` = (first token, token count) of image k), and the images themselves.
 
-    pixel_values: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+    The example keeps the images' sources (paths, bytes or decoded images) and the processor settings, not their
+    patches: `pixel_values` preprocesses them again on each access (a dataset's patches would not fit in memory;
+    the tokenization already preprocessed each image once, so bad images fail there, not in the loader)."""
+
     image_grid_thw: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
     image_spans: tuple[tuple[int, int], ...] = ()
+    images: tuple = ()
+    processing: ImageProcessing = ImageProcessing()
+    base_dir: str | Path | None = None
+    limits: ImageLimits = ImageLimits()
+
+    @property
+    def pixel_values(self) -> np.ndarray:
+        """[sum of the images' patches, C * T * P * P] float32, as transformers' processor returns them."""
+        return image_pixels(self.images, self.processing, base_dir=self.base_dir, limits=self.limits)[0]
+
+
+def image_pixels(sources: Sequence, processing: ImageProcessing, *, base_dir: str | Path | None = None,
+                 limits: ImageLimits = ImageLimits(), row: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(pixel_values [sum of patches, C * T * P * P] float32, image_grid_thw [n, 3] int64) of images given by
+    source (chat_images.load_image), each error naming the row and image."""
+    patches, grids = [], []
+    for k, source in enumerate(sources):
+        image = load_image(source, base_dir=base_dir, limits=limits, row=row, k=k)
+        try:
+            p, grid = preprocess_image(image, processing)
+        except ImagePreprocessError as e:
+            raise ImageRowError(f"{where(row, k)}: {e}") from None
+        patches.append(p)
+        grids.append(grid)
+    width = 3 * processing.temporal_patch_size * processing.patch_size ** 2
+    return (np.concatenate(patches) if patches else np.zeros((0, width), np.float32),
+            np.asarray(grids, np.int64).reshape(-1, 3))
 
 
 def image_token_id(tokenizer: Tokenizer, token: str = IMAGE_TOKEN) -> int:
@@ -86,22 +116,12 @@ def tokenize_image_conversation(messages: Sequence[Mapping], tokenizer: Tokenize
     """One conversation with images (content parts, or `images` + `<image>` placeholders) -> ImageExample."""
     image_id = image_token_id(tokenizer, image_token)
     parts, sources = conversation_images(messages, images, row=row)
-    patches, grids = [], []
-    for k, source in enumerate(sources):
-        image = load_image(source, base_dir=base_dir, limits=limits, row=row, k=k)
-        try:
-            p, grid = preprocess_image(image, processing)
-        except ImagePreprocessError as e:
-            raise ImageRowError(f"{where(row, k)}: {e}") from None
-        patches.append(p)
-        grids.append(grid)
+    _, grids = image_pixels(sources, processing, base_dir=base_dir, limits=limits, row=row)
     ids, mask = chat_ids_and_mask(parts, tokenizer, tools=tools, chat_template=chat_template,
                                   train_on_inputs=train_on_inputs)
     counts = [image_token_count(g, processing.merge_size) for g in grids]
     ids, mask, spans = expand_image_tokens(ids, mask, counts, image_id, row=row)
-    width = processing.temporal_patch_size * processing.patch_size ** 2 * 3
-    pixel_values = np.concatenate(patches) if patches else np.zeros((0, width), np.float32)
-    return ImageExample(ids, mask, pixel_values, np.asarray(grids, np.int64).reshape(-1, 3), spans)
+    return ImageExample(ids, mask, grids, spans, tuple(sources), processing, base_dir, limits)
 
 
 def dataset_image_dir(path: str | Path) -> Path:
@@ -140,25 +160,25 @@ def fit_image_example(ex: ImageExample, max_length: int, mode: str = "truncate",
 
 
 class ImagePackedRows(PackedRows):
-    """PackedRows over ImageExamples: row r (a dict of [T] arrays, as PackedRows) plus `pixel_values` [P, D] and
-    `image_grid_thw` [n, 3] of its examples' images, in segment order. Whole examples are packed, so every image's
-    tokens are in the row that carries its pixels."""
+    """PackedRows over ImageExamples (and text Examples): row r (a dict of [T] arrays, as PackedRows) plus
+    `pixel_values` [P, D] and `image_grid_thw` [n, 3] of its examples' images, in segment order. Whole examples are
+    packed, so every image's tokens are in the row that carries its pixels."""
 
     def __init__(self, examples: Sequence[Example], seq_len: int, packing: bool = True):
         super().__init__(examples, seq_len, packing)
-        self.pixel_values = [getattr(e, "pixel_values", None) for e in examples]
-        self.image_grid_thw = [getattr(e, "image_grid_thw", None) for e in examples]
-        widths = {p.shape[1] for p in self.pixel_values if p is not None and len(p)}
-        if len(widths) > 1:
-            raise ImageRowError(f"examples hold pixel_values of different widths {sorted(widths)}: one image "
-                                "processor setting per dataset")
-        self.width = widths.pop() if widths else 0
+        self.image_examples = [e if isinstance(e, ImageExample) and len(e.images) else None for e in examples]
+        settings = {e.processing for e in self.image_examples if e is not None}
+        if len(settings) > 1:
+            raise ImageRowError(f"image examples preprocessed with {len(settings)} different image processor "
+                                "settings; pack one model's data at a time")
+        processing = settings.pop() if settings else ImageProcessing()
+        self.width = 3 * processing.temporal_patch_size * processing.patch_size ** 2
 
     def __getitem__(self, r: int) -> dict[str, np.ndarray]:
         row = super().__getitem__(r)
-        pixels = [self.pixel_values[e] for e in self.bins[r] if self.pixel_values[e] is not None]
-        grids = [self.image_grid_thw[e] for e in self.bins[r] if self.image_grid_thw[e] is not None]
-        row["pixel_values"] = (np.concatenate(pixels).astype(np.float32) if pixels
-                               else np.zeros((0, self.width), np.float32))
-        row["image_grid_thw"] = np.concatenate(grids).astype(np.int64) if grids else np.zeros((0, 3), np.int64)
+        examples = [self.image_examples[e] for e in self.bins[r] if self.image_examples[e] is not None]
+        pixels = [e.pixel_values for e in examples]
+        row["pixel_values"] = np.concatenate(pixels) if pixels else np.zeros((0, self.width), np.float32)
+        row["image_grid_thw"] = (np.concatenate([e.image_grid_thw for e in examples]) if examples
+                                 else np.zeros((0, 3), np.int64))
         return row
