@@ -73,7 +73,8 @@ def image_pixels(sources: Sequence, processing: ImageProcessing, *, base_dir: st
         try:
             p, grid = preprocess_image(image, processing)
         except ImagePreprocessError as e:
-            raise ImageRowError(f"{where(row, k)}: {e}") from None
+            shown = f" ({source[:80]})" if isinstance(source, str) else ""
+            raise ImageRowError(f"{where(row, k)}{shown}: {e}") from None
         patches.append(p)
         grids.append(grid)
     width = 3 * processing.temporal_patch_size * processing.patch_size ** 2

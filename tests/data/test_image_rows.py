@@ -96,6 +96,9 @@ def _bad(tmp_path: Path, case: str):
     if case == "bytes":
         Image.new("RGB", (40, 30)).save(tmp_path / "big.png")
         return user("big.png"), None, ImageLimits(max_bytes=10), chat_images.ImageTooLargeError, "big.png"
+    if case == "aspect_ratio":
+        Image.new("RGB", (300, 1)).save(tmp_path / "thin.png")
+        return user("thin.png"), None, ImageLimits(), chat_images.ImageRowError, "thin.png"
     if case == "placeholder_count":
         return ([{"role": "user", "content": "<image> and <image>"}, {"role": "assistant", "content": "ok"}],
                 [str(FIXTURE / "img_a.png")], ImageLimits(), chat_images.ImageLayoutError, "1 images")
@@ -103,7 +106,7 @@ def _bad(tmp_path: Path, case: str):
 
 
 @pytest.mark.parametrize("case", ["remote", "missing", "unreadable", "bad_base64", "pixels", "bytes",
-                                  "placeholder_count"])
+                                  "aspect_ratio", "placeholder_count"])
 def test_bad_images_are_named_errors_with_the_row_and_file(tmp_path, tok, proc, case):
     messages, images, limits, error, named = _bad(tmp_path, case)
     with pytest.raises(error) as e:
