@@ -32,6 +32,12 @@ tests/fixtures/peft/versions.json. What is written (< 1 MB in all):
                     Alone: `make_peft_fixtures.py --only gemma3`.
     gemma4/         the same protocol on the Gemma 4 parity fixture tests/fixtures/models/gemma4_text (the dense
                     text model: v norm, layer scalars, proportional rope). Alone: `make_peft_fixtures.py --only gemma4`.
+    gemma4_moe/     expert adapters on a family whose experts are not `mlp.experts`: LoRA r=4, alpha=8 on q_proj,
+    lfm2_moe/       v_proj and, through target_parameters, both fused expert parameters (Gemma 4's MoE block:
+                    `experts.gate_up_proj` / `experts.down_proj` on models/gemma4_text_moe; LFM2-MoE:
+                    `feed_forward.experts.*` on models/lfm2_moe_dense, three dense leading layers then sparse conv
+                    and attention layers), A and B random (B x 0.2), eager attention and experts, fp32:
+                    adapter/, expected.npz (tokens, base_logits, logits). Alone: `--only gemma4_moe` / `lfm2_moe`.
 """
 from __future__ import annotations
 
@@ -160,6 +166,39 @@ def make_gemma4(out: Path) -> None:
     _all_linear_sgd(out, GEMMA4_BASE, 5, set(TARGETS))
 
 
+MOE_FAMILY_BASES = {"gemma4_moe": (ROOT / "tests" / "fixtures" / "models" / "gemma4_text_moe", "experts", 6),
+                    "lfm2_moe": (ROOT / "tests" / "fixtures" / "models" / "lfm2_moe_dense", "feed_forward.experts", 7)}
+
+
+def make_moe_family(out: Path) -> None:
+    """An adapter on q_proj, v_proj and the fused experts of a parity fixture whose experts module is not
+    `mlp.experts` (see the docstring: gemma4_moe/, lfm2_moe/)."""
+    base, module, seed = MOE_FAMILY_BASES[out.name]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager",
+                                                              experts_implementation="eager").eval()
+    tokens = torch.tensor(TOKENS)
+    with torch.no_grad():
+        base_logits = model(tokens).logits.float().numpy()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=[f"{module}.gate_up_proj", f"{module}.down_proj"], lora_dropout=0.0,
+                      task_type="CAUSAL_LM", init_lora_weights=False)
+    pmodel = get_peft_model(model, lora).eval()
+    wrapped = {n.split("lora_A")[0] for n, _ in pmodel.named_parameters() if "lora_A" in n and ".experts." in n}
+    assert wrapped, "peft wrapped no expert parameter"
+    scale_b(pmodel, 0.2)
+    with torch.no_grad():
+        logits = pmodel(tokens).logits.float().numpy()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    save_adapter(pmodel, out / "adapter")
+    cfg_path = out / "adapter" / "adapter_config.json"  # the base by its path in the repo, not this machine's
+    cfg_path.write_text(cfg_path.read_text().replace(str(base), str(base.relative_to(ROOT))))
+    np.savez(out / "expected.npz", tokens=np.array(TOKENS, np.int32), base_logits=base_logits, logits=logits)
+    print(f"{out.name}: max |logits - base_logits| = {np.abs(logits - base_logits).max():.4f}")
+
+
 def _all_linear_sgd(out: Path, base: Path, seed: int, wrapped_at_least: set) -> None:
     """An "all-linear" adapter on a parity fixture `base`, its logits and PEFT's SGD loss curve (see the docstring)."""
     torch.manual_seed(seed)
@@ -200,12 +239,12 @@ def _all_linear_sgd(out: Path, base: Path, seed: int, wrapped_at_least: set) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["shared_expert", "qwen3_5", "gemma3", "gemma4"],
+    parser.add_argument("--only", choices=["shared_expert", "qwen3_5", "gemma3", "gemma4", "gemma4_moe", "lfm2_moe"],
                         help="write only this folder")
     only = parser.parse_args().only
     if only:
         {"shared_expert": make_shared_expert, "qwen3_5": make_qwen3_5, "gemma3": make_gemma3,
-         "gemma4": make_gemma4}[only](OUT / only)
+         "gemma4": make_gemma4, "gemma4_moe": make_moe_family, "lfm2_moe": make_moe_family}[only](OUT / only)
         return
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -239,6 +278,8 @@ def main() -> None:
     make_qwen3_5(OUT / "qwen3_5")
     make_gemma3(OUT / "gemma3")
     make_gemma4(OUT / "gemma4")
+    make_moe_family(OUT / "gemma4_moe")
+    make_moe_family(OUT / "lfm2_moe")
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({total / 1024:.0f} KB)")
 

@@ -45,7 +45,8 @@ from surojax.models.registry import (LINEAR_ATTENTION_MODULES, LINEAR_MODULES, L
                                      SHARED_EXPERT_MODULES, SHORT_CONV_MODULES, WeightRow, stack_layers, weight_rows)
 from surojax.peft.lora import (ATTENTION_TARGETS, EXPERT_TARGETS, lora_modules, lora_scaling, resolve_targets, site_key,
                                site_stack, target_name)
-from surojax.peft.peft_experts import PEFT_PARAMETERS, expert_module_name, from_peft, to_peft
+from surojax.peft.peft_experts import (PEFT_PARAMETERS, expert_module_name, experts_modules, from_peft,
+                                       matches_parameter, target_parameter, to_peft)
 from surojax.weights.atomic import atomic_path
 from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
@@ -146,28 +147,25 @@ def _by_suffix(names: list[str], modules: dict[str, str], path: Path) -> tuple[s
     return tuple(dict.fromkeys(t for t in (target_name(k) for k in modules) if t in out))
 
 
-def layer_prefix(rows: tuple[WeightRow, ...]) -> str:
-    """The family's prefix of `layers.{i}` ("model."; "model.language_model." for a ConditionalGeneration model's
-    text backbone), read off its embedding row."""
-    embed = next((r.hf for r in rows if r.path == "embed.embedding"), "model.embed_tokens.weight")
-    return embed.removesuffix("embed_tokens.weight")
-
-
-def expert_sites(rows: tuple[WeightRow, ...], targets) -> dict[str, str]:
+def expert_sites(rows: tuple[WeightRow, ...], targets, entries=()) -> dict[str, str]:
     """Site key -> PEFT's module path ("{i}" for the layer) of the expert targets among `targets` (target names or
-    site keys), in every stack whose rows have experts (a one-stack model, or rows without experts: `layers`)."""
+    site keys), in every stack whose rows have experts (peft_experts.experts_modules: `mlp.experts`, Gemma 4's
+    `experts`, LFM2-MoE's `feed_forward.experts`). Rows without experts (an adapter read without its model's table):
+    `layers`, the module of the adapter's `target_parameters` `entries` under `model.layers.{i}.` (default
+    `mlp.experts`; the model's dims check the tensors later)."""
     names = tuple(dict.fromkeys(target_name(t) for t in targets if target_name(t) in PEFT_PARAMETERS))
-    # transformers holds Gemma 4's MoE-block experts as `layers.{i}.experts`, lfm2_moe's as `feed_forward.experts`
-    elsewhere = "experts" if any(".moe.experts." in r.path for r in rows) else \
-        "feed_forward.experts" if any(".feed_forward.experts." in r.hf for r in rows) else None
-    if names and elsewhere:
-        raise AdapterError(f"expert adapters ({', '.join(names)}) in PEFT's layout are not supported yet for this "
-                           f"model: its experts module is `{elsewhere}`, not `mlp.experts` (the layout written and "
-                           "read here, checked against PEFT for the qwen / mixtral / gpt_oss families only); train "
-                           "without the expert targets to exchange the adapter with PEFT")
-    stacks = [r.stack for r in rows if r.per_layer and r.path.endswith(".mlp.experts.down_proj.kernel")]
-    return {site_key(stack, t): expert_module_name(t, names, layer_prefix(rows))
-            for stack in stacks or ["layers"] for t in names}
+    module = next((e.rpartition(".")[0] for e in entries if "." in e), "mlp.experts")
+    modules = experts_modules(rows) or {"layers": "model.layers.{i}." + module}
+    return {site_key(stack, t): expert_module_name(t, names, module) for stack, module in modules.items()
+            for t in names}
+
+
+def peft_target_parameters(targets, rows: tuple[WeightRow, ...]) -> list[str]:
+    """PEFT's `target_parameters` entries for the expert targets among `targets` (target names), in the family's
+    module (`feed_forward.experts.gate_up_proj` on LFM2-MoE; one entry for all stacks: they share the name)."""
+    modules = experts_modules(rows) or {"layers": "model.layers.{i}.mlp.experts"}
+    return list(dict.fromkeys(target_parameter(t, m) for m in modules.values() for t in PEFT_PARAMETERS
+                              if t in targets))
 
 
 def _hf_layers(cfg, key: str, rows: int) -> tuple[int, ...]:
@@ -197,7 +195,7 @@ def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None,
         "lora_dropout": spec.dropout,
         # PEFT: Linear modules by name; the fused expert parameters by `target_parameters` (None when absent)
         "target_modules": peft_target_modules(spec.targets, rows) or None,
-        "target_parameters": [PEFT_PARAMETERS[t] for t in spec.targets if t in PEFT_PARAMETERS] or None,
+        "target_parameters": peft_target_parameters(spec.targets, rows) or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": spec.use_rslora,
@@ -369,14 +367,14 @@ def read_adapter_config(adapter_dir: str | os.PathLike, modules: dict[str, str] 
         targets = (resolve_targets(known, hybrid=hybrid) if known else ()) + shared
     # A regex string (or anything else): the tensors decide which modules carry an adapter.
     tp = cfg.get("target_parameters") or []
-    by_param = {v: k for k, v in PEFT_PARAMETERS.items()}
-    if not isinstance(tp, list) or any(p not in by_param for p in tp):
-        raise AdapterError(f"{path}: target_parameters {tp!r} are not supported (supported: "
-                           f"{', '.join(PEFT_PARAMETERS.values())})")
+    if not isinstance(tp, list) or any(_expert_target(p) is None for p in tp):
+        raise AdapterError(f"{path}: target_parameters {tp!r} are not supported (supported: the fused experts' "
+                           f"{' / '.join(PEFT_PARAMETERS.values())}, e.g. mlp.experts.gate_up_proj, Gemma 4's "
+                           "experts.gate_up_proj, LFM2-MoE's feed_forward.experts.gate_up_proj)")
     if tp:
         if dropout:
             raise AdapterError(f"{path}: lora_dropout {dropout} with target_parameters (PEFT refuses it too)")
-        chosen = {by_param[p] for p in tp}
+        chosen = {_expert_target(p) for p in tp}
         if tm == "all-linear":  # PEFT's all-linear: the Linear modules; here the dense names, not a MoE model's
             targets = tuple(t for t in targets if t in ATTENTION_TARGETS)
         # bare gate/up/down_proj stay: on a model with a shared expert they are its modules (_peft_meaning)
@@ -384,6 +382,24 @@ def read_adapter_config(adapter_dir: str | os.PathLike, modules: dict[str, str] 
     spec = LoraSpec(rank=rank, alpha=alpha, targets=targets, dropout=dropout,
                     use_rslora=bool(cfg.get("use_rslora", False)))
     return cfg, spec
+
+
+def _expert_target(entry) -> str | None:
+    """Our expert target of a `target_parameters` entry, by the parameter's name (its last part); None if none."""
+    by_param = {v: k for k, v in PEFT_PARAMETERS.items()}
+    return by_param.get(entry.rsplit(".", 1)[-1]) if isinstance(entry, str) else None
+
+
+def _check_target_parameters(entries: list[str], modules: dict[str, str], path: Path) -> None:
+    """Each `target_parameters` entry must select this model's expert parameter as PEFT matches it (`modules`: stack
+    -> the experts module): an adapter made for another family's experts module is refused by name."""
+    for entry in entries:
+        target = _expert_target(entry)
+        if not any(matches_parameter(entry, target, m) for m in modules.values()):
+            have = sorted({f"{m}.{PEFT_PARAMETERS[target]}" for m in modules.values()})
+            raise AdapterError(f"{path}: target_parameters entry {entry!r} matches no parameter of this model (its "
+                               f"experts: {', '.join(have)}; PEFT matches the whole name or its end, no layer "
+                               "subsets): the adapter was made for another family")
 
 
 def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS,
@@ -414,7 +430,10 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
 
     modules = module_names(rows)
     spec = dataclasses.replace(spec, targets=_peft_meaning(spec.targets, modules))
-    modules.update(expert_sites(rows, spec.targets))
+    entries = cfg.get("target_parameters") or []
+    if experts_modules(rows):
+        _check_target_parameters(entries, experts_modules(rows), adapter_dir / CONFIG_FILE)
+    modules.update(expert_sites(rows, spec.targets, entries))
     if cfg.get("target_modules") == "all-linear" and model_cfg is not None and model_cfg.linear_attention is not None:
         moe = model_cfg.moe
         linear = resolve_targets("all-linear", moe=moe is not None, hybrid=True,

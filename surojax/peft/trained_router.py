@@ -78,8 +78,9 @@ def has_trained_router(model) -> bool:
 
 def peft_router_rows(cfg) -> tuple[WeightRow, ...]:
     """The router's weight-table rows (kernel, and the bias where it exists) under the names PEFT saves: those of
-    transformers 5's in-memory model (the family's fused table where it has one). Empty for a dense model."""
-    if cfg.moe is None:
+    transformers 5's in-memory model (the family's fused table where it has one). Empty for a dense model, and for
+    Gemma 4's MoE block, whose router does not train (make_router_trainable): an adapter that saved it is refused."""
+    if cfg.moe is None or getattr(cfg, "moe_beside_mlp", False):
         return ()
     rows = tuple(r for r in (weight_rows(cfg, fused=True) or weight_rows(cfg)) if _is_router_path(r.path))
     if not rows:

@@ -20,7 +20,7 @@ from surojax.models.decoder import layer_pattern
 from surojax.models.layer_runner import LayerPattern, LayerType
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import apply_lora
-from surojax.peft.peft_io import WEIGHTS_FILE, AdapterError, save_peft_adapter
+from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
 from surojax.peft.trained_router import make_router_trainable
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
@@ -196,10 +196,11 @@ def test_lora_targets_export_under_peft_names(tmp_path):
     assert "base_model.model.model.language_model.layers.5.mlp.down_proj.lora_B.weight" in names
 
 
-def test_moe_block_lora_targets_train_and_export_is_refused(tmp_path):
+def test_moe_block_lora_targets_train_and_export(tmp_path):
     """With the MoE block: the dense names (gate / up / down_proj are the dense MLP's) and the experts' fused
-    projections (`experts`, as the other MoE families name them), every adapter trained; PEFT's layout for these
-    experts (module `experts`, not `mlp.experts`) is refused by name on export, and so is training its router."""
+    projections (`experts`, as the other MoE families name them), every adapter trained; exported in PEFT's layout
+    (`target_parameters` experts.gate_up_proj / experts.down_proj: transformers' module is `layers.{i}.experts`;
+    against PEFT's own adapter in tests/peft/test_moe_family_lora.py); training its router is refused."""
     model = load_model(FIXTURES / "gemma4_text_moe", dtype=jnp.float32, attention="xla")
     every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.gate_up_proj",
              "experts.down_proj")
@@ -210,7 +211,11 @@ def test_moe_block_lora_targets_train_and_export_is_refused(tmp_path):
     apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(0))
     b_grads = lora_b_grads(model, np.load(FIXTURES / "gemma4_text_moe" / "expected.npz")["tokens2"])
     assert len(b_grads) == len(every) and all(np.abs(g).max() > 0 for g in b_grads)
-    with pytest.raises(AdapterError, match="experts module is `experts`, not `mlp.experts`"):
-        save_peft_adapter(model, tmp_path / "adapter", str(FIXTURES / "gemma4_text_moe"))
+    out = save_peft_adapter(model, tmp_path / "adapter", str(FIXTURES / "gemma4_text_moe"))
+    written = json.loads((out / "adapter_config.json").read_text())
+    assert written["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    names = SafetensorsFile(out / WEIGHTS_FILE).names()
+    assert "base_model.model.model.layers.5.experts.base_layer.lora_A.weight" in names  # gate_up_proj, nested
+    assert "base_model.model.model.layers.5.mlp.down_proj.lora_B.weight" in names  # the dense MLP's
     with pytest.raises(ValueError, match="train_router: Gemma 4's MoE-block router"):
         make_router_trainable(model, jnp.float32)

@@ -29,7 +29,7 @@ from surojax.models.layer_runner import CarriedCacheScan, LayerType
 from surojax.models.registry import stack_layers, weight_rows
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import TRAINABLE, apply_lora, lora_modules
-from surojax.peft.peft_io import WEIGHTS_FILE, AdapterError, load_peft_adapter, save_peft_adapter
+from surojax.peft.peft_io import WEIGHTS_FILE, load_peft_adapter, save_peft_adapter
 from surojax.peft.trained_router import make_router_trainable
 from surojax.quant.model import is_quantized, quantize_model
 from surojax.weights.hf_checkpoint import load_model, save_model
@@ -315,10 +315,11 @@ def lora_b_grads(model, tokens) -> list[np.ndarray]:
     return [np.asarray(g.get_value()) for path, g in nnx.to_flat_state(grads) if path[-1] == "lora_b"]
 
 
-def test_lfm2_moe_lora_targets_train():
+def test_lfm2_moe_lora_targets_train_and_export(tmp_path):
     """LoRA on lfm2_moe: the attention (in `layers`), the experts' fused projections in both stacks and the short
-    conv's, also asked for in LFM2's names; every adapter gets a gradient. PEFT's layout for its experts (module
-    `feed_forward.experts`) is refused by name on export."""
+    conv's, also asked for in LFM2's names; every adapter gets a gradient. Exported in PEFT's layout (its experts'
+    `target_parameters` under `feed_forward.experts`, both stacks by HF layer) and read back the same (against
+    PEFT's own adapter: tests/peft/test_moe_family_lora.py)."""
     model = load_model(FIXTURES / "lfm2_moe", dtype=jnp.float32, attention="xla")
     experts = ("experts.gate_up_proj", "experts.down_proj")
     every = ("q_proj", "k_proj", "v_proj", "o_proj", *experts, *(f"conv_layers.{t}" for t in experts),
@@ -330,8 +331,13 @@ def test_lfm2_moe_lora_targets_train():
     apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(0))
     b_grads = lora_b_grads(model, np.load(FIXTURES / "lfm2_moe" / "expected.npz")["tokens2"])
     assert len(b_grads) == len(every) and all(np.abs(g).max() > 0 for g in b_grads)
-    with pytest.raises(AdapterError, match="experts module is `feed_forward.experts`"):  # not PEFT's layout yet
-        save_peft_adapter(model, "/nonexistent/adapter", str(FIXTURES / "lfm2_moe"))
+    out = save_peft_adapter(model, tmp_path / "adapter", str(FIXTURES / "lfm2_moe"))
+    written = json.loads((out / "adapter_config.json").read_text())["target_parameters"]
+    assert written == ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+    back = load_peft_adapter(out, rows=tuple(weight_rows(model.cfg)), model_cfg=model.cfg).weights
+    assert set(back) == set(every)
+    for key, mod in lora_modules(model).items():
+        np.testing.assert_array_equal(back[key][1], np.asarray(mod.lora_b.get_value()))
 
 
 def test_lfm2_moe_dense_lora_targets():

@@ -14,7 +14,7 @@ right- and left-padded, packed, and 32 greedy tokens = transformers' generate. M
 every layer of both stacks in HF layer order (= transformers' per-layer top-k counts; the load-balancing loss = its
 aux_loss), both expert weight layouts, the LoRA targets over both stacks, and LoRA over attention, DeltaNet, both
 expert projections and the shared expert with trained routers, exported under PEFT's names (peft loading it:
-checked once by scripts/check_qwen3_5_moe_peft.py). The dense LoRA export's names are checked here; its training
+checked once by scripts/check_moe_peft_export.py). The dense LoRA export's names are checked here; its training
 and reload against PEFT's own adapter in tests/peft/test_qwen3_5_lora.py (a saved folder loading back in
 transformers: scripts/check_transformers_load.py, run once).
 
