@@ -166,6 +166,16 @@ def make_gemma4(out: Path) -> None:
     _all_linear_sgd(out, GEMMA4_BASE, 5, set(TARGETS))
 
 
+def save_fixture_adapter(pmodel, out: Path, base: Path) -> None:
+    """A fresh folder `out` with PEFT's adapter/ of a parity fixture `base`, recorded by its path in the repo."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    save_adapter(pmodel, out / "adapter")
+    cfg_path = out / "adapter" / "adapter_config.json"  # the base by its path in the repo, not this machine's
+    cfg_path.write_text(cfg_path.read_text().replace(str(base), str(base.relative_to(ROOT))))
+
+
 MOE_FAMILY_BASES = {"gemma4_moe": (ROOT / "tests" / "fixtures" / "models" / "gemma4_text_moe", "experts", 6),
                     "lfm2_moe": (ROOT / "tests" / "fixtures" / "models" / "lfm2_moe_dense", "feed_forward.experts", 7)}
 
@@ -189,12 +199,7 @@ def make_moe_family(out: Path) -> None:
     scale_b(pmodel, 0.2)
     with torch.no_grad():
         logits = pmodel(tokens).logits.float().numpy()
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    save_adapter(pmodel, out / "adapter")
-    cfg_path = out / "adapter" / "adapter_config.json"  # the base by its path in the repo, not this machine's
-    cfg_path.write_text(cfg_path.read_text().replace(str(base), str(base.relative_to(ROOT))))
+    save_fixture_adapter(pmodel, out, base)
     np.savez(out / "expected.npz", tokens=np.array(TOKENS, np.int32), base_logits=base_logits, logits=logits)
     print(f"{out.name}: max |logits - base_logits| = {np.abs(logits - base_logits).max():.4f}")
 
@@ -213,12 +218,7 @@ def _all_linear_sgd(out: Path, base: Path, seed: int, wrapped_at_least: set) -> 
     tokens = torch.tensor(TOKENS)
     with torch.no_grad():
         logits = pmodel(tokens).logits.float().numpy()
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    save_adapter(pmodel, out / "adapter")
-    cfg_path = out / "adapter" / "adapter_config.json"  # the base by its path in the repo, not this machine's
-    cfg_path.write_text(cfg_path.read_text().replace(str(base), str(base.relative_to(ROOT))))
+    save_fixture_adapter(pmodel, out, base)
     params = [p for n, p in pmodel.named_parameters() if "lora_" in n]
     losses = []
     for _ in range(SGD_STEPS):  # the loss curve of plain SGD on the adapter: mean next-token cross-entropy

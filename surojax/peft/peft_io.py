@@ -555,7 +555,8 @@ def _router_names(saved: list[str] | None, router_rows: tuple[WeightRow, ...], n
         return {}
     if not router_rows:
         raise AdapterError(f"{adapter_dir}: modules_to_save={saved!r} holds a MoE router, and this model has none "
-                           "to load it into (a dense model, or a loader that takes no saved router)")
+                           "to load it into (a dense model, Gemma 4's MoE-block router, which does not train with an "
+                           "adapter, or a loader that takes no saved router)")
     module = router_rows[0].hf.format(i=0).removesuffix(".weight")  # model.layers.0.mlp.gate
     if len(saved) != 1 or not module.endswith("." + saved[0]):
         raise AdapterError(f"{adapter_dir}: modules_to_save={saved!r}, but this model's router module is "
