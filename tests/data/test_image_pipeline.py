@@ -5,6 +5,7 @@ preprocessor_config.json with a Qwen3-VL config.json."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -164,3 +165,17 @@ def test_tokenize_debug_shows_image_spans_and_sources(tmp_path):
     text = console.export_text()
     assert "images: a.png" in text and "images: b.png, a.png" in text
     assert "<image 1: " in text and "<image 2: " in text and "<|image_pad|>" not in text
+
+
+def test_example_dataset_through_the_tokenize_cli(tmp_path, capsys, monkeypatch):
+    """configs/examples/lora_qwen3_vl_images.yaml with its shipped dataset (scripts/make_image_dataset.py), the
+    model swapped for the fixture folder: every row tokenized with its images; --debug shows spans and files."""
+    from surojax.cli.main import main
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    folder = _model(tmp_path)
+    assert main(["tokenize", "configs/examples/lora_qwen3_vl_images.yaml", "--override", f"model={folder}",
+                 "--debug", "--rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "88 examples" in out and "100 images" in out and "validation 16 examples" in out
+    assert re.search(r"<image 1: \d+x\d+ patches -> \d+ tokens>", out) and "images: img/" in out
