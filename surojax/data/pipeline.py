@@ -201,14 +201,6 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
 
     def fmt(row: dict[str, Any]) -> Example | None:  # the formatter is chosen on the first row (type auto: detected)
         nonlocal formatter, kind, why, vision
-        if row_has_images(row):
-            vision = resolve_vision(vision)
-            if isinstance(vision, TextOnly):
-                raise DataError(f"{spec.path}: a row has images but {vision.reason}; train on a Qwen3-VL / Qwen3.5 "
-                                "vision-language checkpoint, or remove the images")
-            ex = tokenize_image_row(row, tokenizer, vision.processing, spec, chat_template=chat_template,
-                                    train_on_inputs=train_on_inputs)
-            return fit_image_example(ex, limit, truncation)
         if formatter is None:
             if kind == "auto":
                 kind, why = detect_type(row, spec)
@@ -216,6 +208,18 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
             formatter = make_formatter(kind, tokenizer, spec, train_on_inputs=train_on_inputs,
                                        chat_template=chat_template, use_chat_template=use_chat_template,
                                        template_family=template_family)
+        if row_has_images(row):
+            vision = resolve_vision(vision)
+            if isinstance(vision, TextOnly):
+                raise DataError(f"{spec.path}: a row has images but {vision.reason}; train on a Qwen3-VL / Qwen3.5 "
+                                "vision-language checkpoint, or remove the images")
+            if kind != "conversation" or not use_chat_template:
+                raise DataError(f"{spec.path}: a row has images, which are read from conversation rows rendered "
+                                f"by the chat template (the dataset is type {kind!r}"
+                                f"{'' if use_chat_template else ', use_chat_template false'})")
+            ex = tokenize_image_row(row, tokenizer, vision.processing, spec, chat_template=chat_template,
+                                    train_on_inputs=train_on_inputs)
+            return fit_image_example(ex, limit, truncation)
         return formatter(row)
 
     rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)

@@ -179,3 +179,18 @@ def test_example_dataset_through_the_tokenize_cli(tmp_path, capsys, monkeypatch)
     out = capsys.readouterr().out
     assert "88 examples" in out and "100 images" in out and "validation 16 examples" in out
     assert re.search(r"<image 1: \d+x\d+ patches -> \d+ tokens>", out) and "images: img/" in out
+
+
+def test_eval_batches_pad_with_empty_image_rows(tmp_path):
+    """The eval loader's last batch is filled with rows of no tokens and no images, collated like the rest."""
+    folder = _model(tmp_path)
+    path = _dataset(tmp_path)
+    data = build_data([str(path)], Tokenizer.from_dir(folder), sequence_len=2048, batch_size=1, process_index=0,
+                      process_count=1, validation_datasets=[str(path)], eval_batch_size=3, vision=model_vision(folder))
+    (batch,) = list(data.eval)
+    row = data.eval_rows[0]
+    assert batch["tokens"].shape == (3, 2048) and batch["rope_positions"].shape == (3, 3, 2048)
+    assert not batch["rope_positions"][:, 1:].any() and not batch["segment_ids"][1:].any()
+    pixels, grids = unpad_images(batch)
+    np.testing.assert_array_equal(pixels, row["pixel_values"])
+    np.testing.assert_array_equal(grids, row["image_grid_thw"])
