@@ -14,6 +14,12 @@ compiled shapes take few values), and P_pad = I_pad = 0 for a batch without imag
 sum(t * h * w) rows of pixel_values; a grid row with t == 0 is padding. `unpad_images` takes the padding off again.
 
 A batch of rows without image keys (a text model's) is stacked unchanged (`stack_rows`, grain's default batching).
+
+`split_image_batch(batch, parts, image_token_id=, merge_size=)` cuts a collated batch into `parts` micro-batches of
+B / parts rows each (gradient accumulation), every array with a leading [parts] axis: the [B, T] fields
+[parts, B / parts, T], rope_positions [parts, 3, B / parts, T], and each part's own images re-padded to one
+common bucket, pixel_values [parts, P_pad, D] / image_grid_thw [parts, I_pad, 3]. Which row an image belongs to is
+read from the tokens (a row holds t * h * w / merge_size**2 image tokens per image, its images in order).
 """
 from __future__ import annotations
 
@@ -65,6 +71,57 @@ def collate_image_rows(rows: Sequence[dict[str, np.ndarray]], merge_size: int) -
     if ROPE_KEY in rows[0]:
         fixed[ROPE_KEY] = np.stack([r[ROPE_KEY] for r in rows], axis=1).astype(np.int32)  # [3, B, T]
     return fixed
+
+
+def images_per_row(batch: dict[str, np.ndarray], *, image_token_id: int, merge_size: int) -> list[int]:
+    """How many of the batch's images (in order) each row holds, from its image tokens."""
+    tokens = np.asarray(batch["tokens"])
+    real = np.asarray(batch["segment_ids"]) > 0 if "segment_ids" in batch else np.ones(tokens.shape, bool)
+    need = ((tokens == image_token_id) & real).sum(axis=1)
+    _, grids = unpad_images(batch)
+    per_image = np.prod(grids, axis=1) // (merge_size * merge_size)
+    counts, k = [], 0
+    for r, n in enumerate(need):
+        start = k
+        while n > 0 and k < len(per_image):
+            n -= per_image[k]
+            k += 1
+        if n != 0:
+            raise ValueError(f"split_image_batch: row {r}'s {int(need[r])} image tokens do not match the grids of "
+                             f"images {start}..{k - 1}")
+        counts.append(k - start)
+    if k != len(per_image):
+        raise ValueError(f"split_image_batch: {len(per_image)} images but the rows' tokens hold {k}")
+    return counts
+
+
+def split_image_batch(batch: dict[str, np.ndarray], parts: int, *, image_token_id: int,
+                      merge_size: int) -> dict[str, np.ndarray]:
+    """A collated batch as `parts` micro-batches, each array with a leading [parts] axis (module docstring)."""
+    B = len(batch["tokens"])
+    if parts < 1 or B % parts:
+        raise ValueError(f"split_image_batch: {B} rows do not split into {parts} equal micro-batches")
+    size = B // parts
+    out = {k: v.reshape(parts, size, *v.shape[1:]) for k, v in batch.items()
+           if k not in IMAGE_KEYS and k != ROPE_KEY}
+    if ROPE_KEY in batch:
+        out[ROPE_KEY] = np.stack(np.split(batch[ROPE_KEY], parts, axis=1))
+    if not all(k in batch for k in IMAGE_KEYS):
+        return out
+    pixels, grids = unpad_images(batch)
+    counts = np.asarray(images_per_row(batch, image_token_id=image_token_id, merge_size=merge_size))
+    image_ends = np.cumsum(counts.reshape(parts, size).sum(axis=1))
+    patch_ends = np.r_[0, np.cumsum(np.prod(grids, axis=1))][np.r_[0, image_ends]]
+    image_starts = np.r_[0, image_ends[:-1]]
+    p_pad = max(patch_bucket(int(b - a), merge_size) for a, b in zip(patch_ends[:-1], patch_ends[1:]))
+    i_pad = max(image_bucket(int(b - a)) for a, b in zip(image_starts, image_ends))
+    out["pixel_values"] = np.zeros((parts, p_pad, pixels.shape[1]), np.float32)
+    out["image_grid_thw"] = np.zeros((parts, i_pad, 3), np.int64)
+    for j in range(parts):
+        a, b = patch_ends[j], patch_ends[j + 1]
+        out["pixel_values"][j, :b - a] = pixels[a:b]
+        out["image_grid_thw"][j, :image_ends[j] - image_starts[j]] = grids[image_starts[j]:image_ends[j]]
+    return out
 
 
 def unpad_images(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from surojax.data.debug import debug_print
-from surojax.data.image_batch import collate_image_rows, patch_bucket, stack_rows, unpad_images
+from surojax.data.image_batch import collate_image_rows, patch_bucket, split_image_batch, stack_rows, unpad_images
 from surojax.data.image_rows import ImageExample, ImagePackedRows
 from surojax.data.pipeline import build_data
 from surojax.data.sources import DataError
@@ -194,3 +194,27 @@ def test_eval_batches_pad_with_empty_image_rows(tmp_path):
     pixels, grids = unpad_images(batch)
     np.testing.assert_array_equal(pixels, row["pixel_values"])
     np.testing.assert_array_equal(grids, row["image_grid_thw"])
+
+
+def test_split_into_micro_batches_keeps_each_rows_images():
+    """Rows [2 images, none, 1 image, 1 image] as 2 micro-batches: each part holds its rows' images, padded to
+    one common bucket; the rows' image tokens tell which images are whose."""
+    pad = 7
+    grids = [[(1, 4, 6), (1, 2, 2)], [], [(1, 6, 2)], [(1, 2, 4)]]
+    rows = []
+    for k, g in enumerate(grids):
+        row = _image_row(16, g, k)
+        row["tokens"] = np.zeros(16, np.int32)
+        row["tokens"][:sum(t * h * w // 4 for t, h, w in g)] = pad
+        row["segment_ids"] = np.ones(16, np.int32)
+        rows.append(row)
+    batch = collate_image_rows(rows, merge_size=2)
+    parts = split_image_batch(batch, 2, image_token_id=pad, merge_size=2)
+    assert parts["tokens"].shape == (2, 2, 16) and parts["rope_positions"].shape == (2, 3, 2, 16)
+    for j in range(2):
+        want = collate_image_rows(rows[2 * j:2 * j + 2], merge_size=2)
+        np.testing.assert_array_equal(parts["rope_positions"][j], want["rope_positions"])
+        got_pixels, got_grids = unpad_images({k: parts[k][j] for k in ("pixel_values", "image_grid_thw")})
+        np.testing.assert_array_equal(got_pixels, unpad_images(want)[0])
+        np.testing.assert_array_equal(got_grids, unpad_images(want)[1])
+    assert parts["pixel_values"].shape == (2, 32, 12) and parts["image_grid_thw"].shape == (2, 2, 3)
