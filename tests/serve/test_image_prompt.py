@@ -112,3 +112,33 @@ def test_serve_flag_allows_remote_images():
     from tests.serve.live_server import parse_serve_args
     assert parse_serve_args(["--allow-remote-images"]).allow_remote_images
     assert not parse_serve_args([]).allow_remote_images
+
+
+def test_allowed_remote_urls_are_fetched_with_httpx_within_the_byte_limit(tok, vision):
+    """The default fetch (httpx) against a local HTTP server holding the fixture images; a body over max_bytes and
+    a 404 are named errors."""
+    import functools
+    import http.server
+    import threading
+
+    from surojax.data.chat_images import ImageLimits
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(FIXTURE))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def ask(name: str) -> list[dict]:
+        return image_messages("What?", [f"{base}/{name}"])
+
+    try:
+        got = prompt_with_images(ask("img_b.png"), tok, vision, allow_remote=True)
+        local = prompt_with_images(image_messages("What?", [str(FIXTURE / "img_b.png")]), tok, vision)
+        assert got.image_hashes == local.image_hashes and got.ids == local.ids
+        with pytest.raises(ImagePromptError, match="over 100 bytes"):
+            prompt_with_images(ask("img_b.png"), tok, vision, allow_remote=True, limits=ImageLimits(max_bytes=100))
+        with pytest.raises(ImagePromptError, match="cannot fetch the image.*404"):
+            prompt_with_images(ask("absent.png"), tok, vision, allow_remote=True)
+    finally:
+        server.shutdown()
