@@ -6,7 +6,9 @@ a PEFT adapter folder (folded into the base its adapter_config.json names) or a 
 
 The options are checked before the model loads, every bad one with its own line (the flag, its value, what it
 accepts). `--system` is a message of the chat template, so it needs `--chat` (without it the prompt is plain text
-and a system message has no place: refused, not ignored and not implied).
+and a system message has no place: refused, not ignored and not implied). `--image PATH` (repeatable, with --chat)
+puts images before the prompt in the user message, parsed as the server parses a chat request's image parts
+(serve/image_prompt.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 from surojax.cli.common import UsageError
 from surojax.generation.context import completion_budget
@@ -28,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", default=None, help="system message of the chat template (needs --chat)")
+    p.add_argument("--image", dest="images", action="append", default=[], metavar="PATH",
+                   help="an image before the prompt in the user message (repeatable, needs --chat and a Qwen3-VL / "
+                        "Qwen3.5 vision-language model)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="at least 1 (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
@@ -52,7 +58,26 @@ def option_problems(args: argparse.Namespace) -> list[str]:
     if args.system is not None and not args.chat:
         problems.append("--system: a system message goes through the chat template; add --chat (without it the "
                         "prompt is encoded as plain text)")
+    if args.images and not args.chat:
+        problems.append("--image: images go into the chat template's user message; add --chat")
+    for path in args.images:
+        if not Path(path).expanduser().is_file():
+            problems.append(f"--image {path}: no such file")
     return problems
+
+
+def image_prompt(args: argparse.Namespace, tokenizer, model_dir):
+    """The `--image` prompt: the user message (images, then --prompt) after --system, as serve/image_prompt.py
+    builds a chat request's (ImagePrompt: ids, pixel_values, image_grid_thw, rope_positions ...)."""
+    from surojax.data.sources import DataError
+    from surojax.data.vision_data import TextOnly, model_vision
+    from surojax.serve.image_prompt import ImagePromptError, image_messages, prompt_with_images
+
+    try:
+        vision = model_vision(model_dir) if model_dir is not None else TextOnly(f"{args.model} has no model folder")
+        return prompt_with_images(image_messages(args.prompt, args.images, system=args.system), tokenizer, vision)
+    except (DataError, ImagePromptError) as e:
+        raise UsageError(f"--image: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model_ref(args.model, dtype=dtype, tokenizer_dir=args.tokenizer, keep_quantized=True)
     model, tokenizer = loaded.model, loaded.tokenizer
     decode_weights(model)
+    if args.images:
+        prompt = image_prompt(args, tokenizer, loaded.ref.tokenizer_dir)
+        # The integrator replaces this refusal: generate from prompt.ids with the vision encoder's features of
+        # prompt.pixel_values / prompt.image_grid_thw and the M-RoPE positions prompt.rope_positions / rope_delta.
+        raise UsageError(f"--image: the prompt was built ({len(prompt.ids)} tokens, {len(prompt.image_hashes)} "
+                         "images) but generation does not run the vision encoder yet")
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})

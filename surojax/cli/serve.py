@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="waiting requests beyond max-num-seqs (then 429 with Retry-After)")
     parser.add_argument("--max-request-bytes", type=positive_int, default=_SERVE.max_request_bytes,
                         help="largest request body in bytes (then 413)")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="fetch http(s) image URLs of chat requests (off: such a request is a 400; data: URLs "
+                             "and local files are read either way)")
     parser.add_argument("--block-size", type=positive_int, default=_ENGINE.block_size, help="tokens per KV block")
     parser.add_argument("--decode-steps", type=_decode_steps, default=AUTO,
                         help=f"decode tokens per device call when no request waits: auto (= {_SCHED.decode_steps}, "
@@ -191,7 +194,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(model=args.model, engine=engine, host=args.host, port=args.port, api_key=args.api_key,
                        served_model_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
                        attention=_attention(args.attention), max_queue=args.max_queue,
-                       max_request_bytes=args.max_request_bytes, lora=lora, log_level=args.log_level)
+                       max_request_bytes=args.max_request_bytes, lora=lora, log_level=args.log_level,
+                       allow_remote_images=args.allow_remote_images)
 
 
 def default_options(model: str) -> argparse.Namespace:

@@ -133,6 +133,9 @@ class DataSection(StrictModel):
     (drop it, counted) or split (into several examples of max_length; pieces with nothing supervised dropped)."""
     max_length: int | None = Field(default=None, gt=0)
     """Longest example (tokens) before truncation_strategy applies; default and at most sequence_len."""
+    max_pixels: int | None = Field(default=None, gt=0)
+    """Vision-language models: the most pixels an image is resized to (Surogate's key; the image processor's
+    max_pixels), overriding the model folder's preprocessor_config.json. Fewer pixels, fewer image tokens."""
     dataloader_num_workers: int | None = Field(default=None, ge=0)
     """Threads that read and batch the packed rows ahead of the training step (grain's read threads); 0 reads
     them in the training loop's thread. Default 2. Tokenizing happens once, up front, in the main process."""

@@ -114,7 +114,6 @@ REFUSED: dict[str, Refusal] = {
     "sequence_parallel_size": Refusal("sequence parallelism is not available; the mesh is parallel: {data, fsdp, "
                                       "tensor, expert, stage}", (1,)),
     "response_prefix": Refusal("applies when generating; the chat template writes the assistant's prefix", (None,)),
-    "max_pixels": Refusal("vision models are not trained by surojax", (None,)),
     "norm_bbox": Refusal("vision models are not trained by surojax", (None, "none")),
     "agent_template": Refusal("tool calls are rendered by the tokenizer's chat template (the tools column: "
                               "datasets[].tools_field)", (None,)),
@@ -159,7 +158,7 @@ LOSS_REFUSED: dict[str, Refusal] = {
 # Keys surojax reads under Surogate's own name (schema fields): they too make a config look like Surogate's.
 SUROGATE_NAMED = ("model_type", "use_cuda_graphs", "template", "use_chat_template", "truncation_strategy",
                   "max_length", "dataloader_num_workers", "run_name", "wandb_name", "aim_experiment", "aim_repo",
-                  "aim_name", "qlora_bnb", "qlora_fp8", "qlora_fp4")
+                  "aim_name", "qlora_bnb", "qlora_fp8", "qlora_fp4", "max_pixels")
 DATASET_NAMED = ("system_field", "tools_field", "prompt_format", "prompt_format_no_input",
                  "message_property_mappings")
 DATASET_SECTIONS = ("datasets", "validation_datasets")

@@ -9,6 +9,11 @@ A batch is a dict of numpy arrays, all [B, T]:
     loss_mask    float32 1.0 where `targets` is supervised (e.g. assistant tokens), else 0.0
 Packing never lets a token attend across segments (see models/layers/attention.py) and never makes a token
 predict the first token of the next segment, so a packed row computes exactly its sequences run alone.
+
+Data with images (a vision-language model's: image_batch.py) adds
+    pixel_values    float32 [P_pad, D]   the batch's image patches concatenated in row order, zero rows after
+    image_grid_thw  int64   [I_pad, 3]   (t, h, w) per image in the same order; (0, 0, 0) rows are padding
+    rope_positions  int32   [3, B, T]    M-RoPE (t, h, w) positions per segment (transformers' layout)
 """
 from __future__ import annotations
 

@@ -29,9 +29,11 @@ from surojax.config.data import DatasetSpec
 from surojax.data.chat_images import ImageLimits, ImageRowError, conversation_images, load_image, where
 from surojax.data.chat_masks import chat_ids_and_mask
 from surojax.data.formats import Example, conversation_and_tools
+from surojax.data.image_batch import collate_image_rows, empty_image_row
 from surojax.data.image_patches import ImagePreprocessError, ImageProcessing, image_token_count, preprocess_image
 from surojax.data.packing import PackedRows
 from surojax.data.tokenizer import Tokenizer, TokenizerError
+from surojax.data.vision_data import VisionData
 
 IMAGE_TOKEN = "<|image_pad|>"
 IMAGES_FIELD = "images"  # the LLaVA / ShareGPT column of image paths that `<image>` placeholders take in order
@@ -163,17 +165,24 @@ def fit_image_example(ex: ImageExample, max_length: int, mode: str = "truncate",
 class ImagePackedRows(PackedRows):
     """PackedRows over ImageExamples (and text Examples): row r (a dict of [T] arrays, as PackedRows) plus
     `pixel_values` [P, D] and `image_grid_thw` [n, 3] of its examples' images, in segment order. Whole examples are
-    packed, so every image's tokens are in the row that carries its pixels."""
+    packed, so every image's tokens are in the row that carries its pixels. With `vision` (the model's
+    vision_data.VisionData) each row also gets `rope_positions` [3, T] int32: each segment's M-RoPE positions from
+    0 (a text segment: its 1-D positions on all three axes), 0 on padding, as `positions` is laid out.
+    `collate` batches such rows (image_batch.collate_image_rows) and `empty_row()` is a padding row."""
 
-    def __init__(self, examples: Sequence[Example], seq_len: int, packing: bool = True):
+    def __init__(self, examples: Sequence[Example], seq_len: int, packing: bool = True, *,
+                 vision: VisionData | None = None):
         super().__init__(examples, seq_len, packing)
         self.image_examples = [e if isinstance(e, ImageExample) and len(e.images) else None for e in examples]
         settings = {e.processing for e in self.image_examples if e is not None}
+        if vision is not None:
+            settings.add(vision.processing)
         if len(settings) > 1:
             raise ImageRowError(f"image examples preprocessed with {len(settings)} different image processor "
                                 "settings; pack one model's data at a time")
-        processing = settings.pop() if settings else ImageProcessing()
-        self.width = 3 * processing.temporal_patch_size * processing.patch_size ** 2
+        self.processing = settings.pop() if settings else ImageProcessing()
+        self.width = 3 * self.processing.temporal_patch_size * self.processing.patch_size ** 2
+        self.vision = vision
 
     def __getitem__(self, r: int) -> dict[str, np.ndarray]:
         row = super().__getitem__(r)
@@ -182,4 +191,35 @@ class ImagePackedRows(PackedRows):
         row["pixel_values"] = np.concatenate(pixels) if pixels else np.zeros((0, self.width), np.float32)
         row["image_grid_thw"] = (np.concatenate([e.image_grid_thw for e in examples]) if examples
                                  else np.zeros((0, 3), np.int64))
+        if self.vision is not None:
+            row["rope_positions"] = self.rope_positions(r)
         return row
+
+    def rope_positions(self, r: int) -> np.ndarray:
+        """[3, T] int32 M-RoPE positions of row r, per segment from 0; 0 on padding."""
+        out, at = np.zeros((3, self.seq_len), np.int32), 0
+        for e in self.bins[r]:
+            ids, _ = self.example(e)
+            ex = self.image_examples[e]
+            grids = ex.image_grid_thw if ex is not None else np.zeros((0, 3), np.int64)
+            try:
+                out[:, at:at + len(ids)] = self.vision.rope_positions(ids, grids)
+            except ValueError as err:
+                raise ImageRowError(f"packed row {r}, example {e}: {err}") from None
+            at += len(ids)
+        return out
+
+    def example_at(self, e: int) -> Example:
+        """Example e as tokenized (its ImageExample when it has images), e.g. for debug.debug_print."""
+        ex = self.image_examples[e]
+        return ex if ex is not None else Example(*self.example(e))
+
+    def empty_row(self) -> dict[str, np.ndarray]:
+        """A padding row (no tokens, no images) with this data's keys."""
+        row = super().empty_row()
+        row.update(empty_image_row(self.seq_len, self.width, rope=self.vision is not None))
+        return row
+
+    def collate(self, rows: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """A batch of these rows (image_batch.collate_image_rows)."""
+        return collate_image_rows(rows, self.processing.merge_size)

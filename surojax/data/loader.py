@@ -10,10 +10,14 @@ process runs the same number of steps.
 `get_state()` is a small JSON-serialisable dict (the global step and grain's iterator state);
 `set_state(state)` on a loader built over the same data resumes with exactly the batches that would have come
 next. It refuses a state taken over different data (row count, seed, batch size, epochs).
+
+`batch_fn` batches a list of rows (default: grain's stacking into [B, ...]); rows with images pass
+`ImagePackedRows.collate` (image_batch.py: ragged pixel_values concatenated and padded to buckets), and the eval
+loader then pads its last batch with `empty_row` (`ImagePackedRows.empty_row()`, which has the image keys).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grain
 import numpy as np
@@ -21,6 +25,7 @@ import numpy as np
 from surojax.data.batch import FIELDS
 
 STATE_VERSION = 1
+BatchFn = Callable[[Sequence[dict[str, np.ndarray]]], dict[str, np.ndarray]]  # rows -> a batch (image_batch.py)
 
 
 def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
@@ -49,7 +54,8 @@ class TrainLoader:
 
     def __init__(self, rows: Sequence[dict[str, np.ndarray]], batch_size: int, *, seed: int = 0,
                  num_epochs: int | None = None, shuffle: bool = True, process_index: int | None = None,
-                 process_count: int | None = None, num_threads: int = 2, prefetch: int = 8):
+                 process_count: int | None = None, num_threads: int = 2, prefetch: int = 8,
+                 batch_fn: BatchFn | None = None):
         if len(rows) == 0:
             raise ValueError("no training rows")
         self.process_index, self.process_count = _process(process_index, process_count)
@@ -61,7 +67,8 @@ class TrainLoader:
         ds = ds.repeat(num_epochs, reseed_each_epoch=True)
         if num_epochs is not None:
             ds = ds[:len(ds) // batch_size * batch_size]
-        ds = ds[self.process_index::self.process_count].batch(self.local_batch_size, drop_remainder=True)
+        ds = ds[self.process_index::self.process_count].batch(self.local_batch_size, drop_remainder=True,
+                                                                batch_fn=batch_fn)
         self._ds = ds.to_iter_dataset(_read_options(num_threads, prefetch))
         self._it = iter(self._ds)
         self.step = 0
@@ -106,16 +113,17 @@ class EvalLoader:
     """One pass over validation rows per `iter()`; the last global batch is padded with empty rows (loss_mask 0)."""
 
     def __init__(self, rows: Sequence[dict[str, np.ndarray]], batch_size: int, *, process_index: int | None = None,
-                 process_count: int | None = None, num_threads: int = 2, prefetch: int = 8):
+                 process_count: int | None = None, num_threads: int = 2, prefetch: int = 8,
+                 batch_fn: BatchFn | None = None, empty_row: dict[str, np.ndarray] | None = None):
         self.process_index, self.process_count = _process(process_index, process_count)
         self.local_batch_size = _local_batch(batch_size, self.process_count)
         self.batch_size, self.num_rows = batch_size, len(rows)
         self.num_batches = -(-len(rows) // batch_size)
         seq_len = len(rows[0]["tokens"]) if len(rows) else 0
-        empty = {k: np.zeros((seq_len,), dt) for k, dt in FIELDS.items()}
+        empty = empty_row if empty_row is not None else {k: np.zeros((seq_len,), dt) for k, dt in FIELDS.items()}
         n = len(rows)
         ds = grain.MapDataset.range(self.num_batches * batch_size).map(lambda i: rows[i] if i < n else empty)
-        ds = ds[self.process_index::self.process_count].batch(self.local_batch_size)
+        ds = ds[self.process_index::self.process_count].batch(self.local_batch_size, batch_fn=batch_fn)
         self._ds = ds.to_iter_dataset(_read_options(num_threads, prefetch))
 
     def __len__(self) -> int:

@@ -91,6 +91,10 @@ class PackedRows:
         a, b = self.offsets[e], self.offsets[e + 1]
         return self.ids[a:b], self.mask[a:b]
 
+    def empty_row(self) -> dict[str, np.ndarray]:
+        """A padding row (segment id 0 everywhere, nothing supervised), e.g. to fill the eval loader's last batch."""
+        return {k: np.zeros((self.seq_len,), dt) for k, dt in FIELDS.items()}
+
     def __getitem__(self, r: int) -> dict[str, np.ndarray]:
         return build_row([self.example(e) for e in self.bins[r]], self.seq_len)
 

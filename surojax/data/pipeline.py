@@ -8,9 +8,17 @@ rows in the loader). Multiple training datasets are concatenated in order; the l
 give the eval set instead. A dataset is described by the config's `DatasetSpec` (surojax.config.data): `build_data`
 takes those (or a path / a mapping of its keys) and plain arguments; `build_data_from_config` reads the same keys
 from the config's `DataSection`.
+
+Rows with images (chat_images.has_images: image content parts or an `images` column) go through image_rows
+(tokenize_image_row, fit_image_example: never truncated) when the model takes images (`vision`, vision_data.py:
+read from the model folder's config.json / preprocessor_config.json), and are refused by a DataError naming the
+model otherwise (not skippable: the data and the model disagree, no row is bad). Data holding an image row is
+packed by `ImagePackedRows` (per row pixel_values / image_grid_thw / rope_positions) and batched by its `collate`
+(image_batch.py); data without images keeps the text rows and batches exactly, whatever the model.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,15 +28,21 @@ from typing import Any, TypeVar
 import numpy as np
 
 from surojax.config.data import DataSection, DatasetSpec
+from surojax.data.chat_images import has_images
 from surojax.data.formats import Example, detect_type, fit_pieces, make_formatter, supervised_targets
+from surojax.data.image_rows import ImageExample, ImagePackedRows, fit_image_example, tokenize_image_row
 from surojax.data.loader import EvalLoader, TrainLoader
 from surojax.data.packing import PackedRows
 from surojax.data.sources import DataError, InvalidRowError, ReadStats, Row, read_rows
 from surojax.data.tokenizer import Tokenizer
+from surojax.data.vision_data import TextOnly, VisionData, model_vision
+from surojax.hub import model_path
 
 log = logging.getLogger(__name__)
 
 DatasetEntry = DatasetSpec | str | Path | Mapping[str, Any]  # what build_data takes per dataset (see dataset_spec)
+# the model's images (vision_data.py), or a function giving them when the first image row needs them
+Vision = VisionData | TextOnly | Callable[[], VisionData | TextOnly]
 # the config's truncation_strategy (Surogate's names) -> fit_pieces' mode
 TRUNCATION = {"right": "truncate", "left": "left", "delete": "drop", "split": "split"}
 
@@ -96,6 +110,7 @@ class DataStats:
     eval_tokens: int = 0
     eval_supervised_tokens: int = 0
     eval_rows: int = 0
+    images: int = 0                # images in the training examples (rows with images: image_rows.py)
     datasets: list[dict] = field(default_factory=list)  # per dataset: path, split, type, why, rows, skipped, examples
     prompts: bool = False          # GRPO prompt rows (data/prompts.py): examples are prompts, tokens their tokens;
                                    # nothing is supervised or packed (the completions are generated in training)
@@ -114,6 +129,8 @@ class DataStats:
         else:
             s = (f"{self.examples:,} examples, {self.tokens:,} tokens ({self.supervised_tokens:,} supervised) in "
                  f"{self.rows:,} rows of {self.sequence_len}; packing efficiency {self.packing_efficiency:.1%}")
+        if self.images:
+            s += f"; {self.images:,} images"
         if self.eval_examples:
             s += f"; validation {self.eval_examples:,} examples / {self.eval_rows:,} rows"
         dropped = {"skipped invalid rows": self.skipped_rows, "truncated": self.truncated,
@@ -132,8 +149,12 @@ class Data:
     eval_rows: PackedRows | None = None
 
     def examples(self, n: int = 3) -> list[Example]:
-        """The first n training examples (dataset order) for inspection, e.g. debug.debug_print."""
-        return [Example(*self.train_rows.example(e)) for e in range(min(n, len(self.train_rows.offsets) - 1))]
+        """The first n training examples (dataset order) for inspection, e.g. debug.debug_print (ImageExamples
+        for rows with images)."""
+        rows, count = self.train_rows, min(n, len(self.train_rows.offsets) - 1)
+        if isinstance(rows, ImagePackedRows):
+            return [rows.example_at(e) for e in range(count)]
+        return [Example(*rows.example(e)) for e in range(count)]
 
 
 def chat_template_text(chat_template: str | None) -> str | None:
@@ -146,19 +167,40 @@ def chat_template_text(chat_template: str | None) -> str | None:
     return p.read_text(encoding="utf-8")
 
 
+def row_has_images(row: Mapping[str, Any]) -> bool:
+    """Whether a dataset row carries images: an `images` column, or a list of messages with image parts."""
+    if row.get("images"):
+        return True
+    return any(isinstance(v, list) and v and all(isinstance(m, Mapping) for m in v) and has_images(v)
+               for v in row.values())
+
+
+def resolve_vision(vision: Vision | None) -> VisionData | TextOnly:
+    if vision is None:
+        return TextOnly("no model was given to the data pipeline (build_data's `vision`)")
+    return vision() if callable(vision) else vision
+
+
+def _once(vision: Vision | None) -> Vision | None:
+    """`vision`, a function called at most once (the model folder is read when the first image row needs it)."""
+    return functools.cache(vision) if callable(vision) else vision
+
+
 def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int, train_on_inputs: bool = False,
                   skip_invalid_rows: bool = False, truncation: str = "truncate", chat_template: str | None = None,
                   stats: DataStats | None = None, use_chat_template: bool = True, template_family: str | None = None,
-                  max_length: int | None = None) -> list[Example]:
+                  max_length: int | None = None, vision: Vision | None = None) -> list[Example]:
     """Read, format and fit one dataset (to `max_length`, default sequence_len, by `truncation`: formats
-    TRUNCATION_MODES); counts go into `stats` (skips, truncation, the chosen type)."""
+    TRUNCATION_MODES); counts go into `stats` (skips, truncation, the chosen type). Rows with images need
+    `vision` to be the model's VisionData (module docstring)."""
     spec, stats = dataset_spec(spec), stats if stats is not None else DataStats(sequence_len=sequence_len)
     read = ReadStats()
     kind, why, out = spec.type, "set in the config", []
     formatter = None
+    limit = max_length or sequence_len
 
-    def fmt(row: dict[str, Any]) -> Example:  # the formatter is chosen on the first row (type auto: detected)
-        nonlocal formatter, kind, why
+    def fmt(row: dict[str, Any]) -> Example | None:  # the formatter is chosen on the first row (type auto: detected)
+        nonlocal formatter, kind, why, vision
         if formatter is None:
             if kind == "auto":
                 kind, why = detect_type(row, spec)
@@ -166,11 +208,26 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
             formatter = make_formatter(kind, tokenizer, spec, train_on_inputs=train_on_inputs,
                                        chat_template=chat_template, use_chat_template=use_chat_template,
                                        template_family=template_family)
+        if row_has_images(row):
+            vision = resolve_vision(vision)
+            if isinstance(vision, TextOnly):
+                raise DataError(f"{spec.path}: a row has images but {vision.reason}; train on a Qwen3-VL / Qwen3.5 "
+                                "vision-language checkpoint, or remove the images")
+            if kind != "conversation" or not use_chat_template:
+                raise DataError(f"{spec.path}: a row has images, which are read from conversation rows rendered "
+                                f"by the chat template (the dataset is type {kind!r}"
+                                f"{'' if use_chat_template else ', use_chat_template false'})")
+            ex = tokenize_image_row(row, tokenizer, vision.processing, spec, chat_template=chat_template,
+                                    train_on_inputs=train_on_inputs)
+            return fit_image_example(ex, limit, truncation)
         return formatter(row)
 
     rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)
     for ex in formatted_rows(rows, fmt, skip_invalid_rows=skip_invalid_rows, read=read):
-        pieces = fit_pieces(ex, max_length or sequence_len, truncation)
+        if ex is None or isinstance(ex, ImageExample):  # image rows were fitted whole (or dropped) by fmt
+            pieces = [] if ex is None else [ex]
+        else:
+            pieces = fit_pieces(ex, limit, truncation)
         if not pieces:
             stats.dropped_too_long += 1
             continue
@@ -225,9 +282,10 @@ def build_data(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, sequen
                eval_batch_size: int | None = None, chat_template: str | None = None,
                process_index: int | None = None, process_count: int | None = None, use_chat_template: bool = True,
                template_family: str | None = None, max_length: int | None = None,
-               num_threads: int | None = None) -> Data:
+               num_threads: int | None = None, vision: Vision | None = None) -> Data:
     """Train loader (+ eval loader) and stats. `batch_size` / `eval_batch_size` count rows of a GLOBAL batch.
-    `num_threads`: the loaders' read threads (None: their default)."""
+    `num_threads`: the loaders' read threads (None: their default). `vision`: the model's images (VisionData,
+    TextOnly, or a function giving one when the first image row is read; None: image rows are refused)."""
     datasets, validation_datasets = list(datasets), list(validation_datasets)
     if not datasets:
         raise DataError("no datasets given")
@@ -237,7 +295,8 @@ def build_data(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, sequen
     stats = DataStats(sequence_len=sequence_len)
     common = dict(sequence_len=sequence_len, train_on_inputs=train_on_inputs, skip_invalid_rows=skip_invalid_rows,
                   truncation=truncation, chat_template=chat_template, stats=stats,
-                  use_chat_template=use_chat_template, template_family=template_family, max_length=max_length)
+                  use_chat_template=use_chat_template, template_family=template_family, max_length=max_length,
+                  vision=_once(vision))
     examples = [ex for spec in datasets for ex in load_examples(spec, tokenizer, **common)]
     if validation_datasets:
         val_examples = [ex for spec in validation_datasets for ex in load_examples(spec, tokenizer, **common)]
@@ -252,21 +311,43 @@ def build_data(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, sequen
         if d["examples"] == 0:
             log.warning("%s gave no examples: %s", d["path"], why_no_examples(d))
 
-    rows = PackedRows(examples, sequence_len, packing=sample_packing)
+    images = any(isinstance(e, ImageExample) for e in [*examples, *val_examples])
+    model = resolve_vision(common["vision"]) if images else None
+
+    def pack(exs: list[Example]) -> PackedRows:
+        if images:  # every image row needed a VisionData
+            return ImagePackedRows(exs, sequence_len, packing=sample_packing, vision=model)
+        return PackedRows(exs, sequence_len, packing=sample_packing)
+
+    rows = pack(examples)
     stats.examples, stats.tokens, stats.rows = len(examples), rows.tokens, len(rows)
     stats.supervised_tokens = sum(supervised_targets(e) for e in examples)
     stats.packing_efficiency = rows.efficiency
+    stats.images = sum(len(e.image_grid_thw) for e in examples if isinstance(e, ImageExample))
     procs = dict(process_index=process_index, process_count=process_count)
     if num_threads is not None:
         procs["num_threads"] = num_threads
+    if images:
+        procs["batch_fn"] = rows.collate
     train = TrainLoader(rows, batch_size, seed=seed, num_epochs=num_epochs, **procs)
     eval_rows = eval_loader = None
     if val_examples:
-        eval_rows = PackedRows(val_examples, sequence_len, packing=sample_packing)
+        eval_rows = pack(val_examples)
+        if images:
+            procs["empty_row"] = eval_rows.empty_row()
         stats.eval_examples, stats.eval_tokens, stats.eval_rows = len(val_examples), eval_rows.tokens, len(eval_rows)
         stats.eval_supervised_tokens = sum(supervised_targets(e) for e in val_examples)
         eval_loader = EvalLoader(eval_rows, eval_batch_size or batch_size, **procs)
     return Data(train=train, eval=eval_loader, stats=stats, train_rows=rows, eval_rows=eval_rows)
+
+
+def config_vision(cfg: DataSection) -> VisionData | TextOnly:
+    """The images of the config's `model` (its folder's config.json / preprocessor_config.json), with the
+    config's `max_pixels`."""
+    model = getattr(cfg, "model", None)
+    if model is None:
+        return TextOnly("the config names no model")
+    return model_vision(model_path(model, weights=False), max_pixels=cfg.max_pixels)
 
 
 def build_data_from_config(cfg: DataSection, tokenizer: Tokenizer, *, batch_size: int, seed: int = 0,
@@ -278,6 +359,7 @@ def build_data_from_config(cfg: DataSection, tokenizer: Tokenizer, *, batch_size
                   validation_split_ratio=cfg.validation_split_ratio, validation_datasets=cfg.validation_datasets,
                   chat_template=cfg.chat_template, use_chat_template=cfg.use_chat_template,
                   template_family=cfg.template, max_length=cfg.max_length,
-                  truncation=TRUNCATION[cfg.truncation_strategy], num_threads=cfg.dataloader_num_workers)
+                  truncation=TRUNCATION[cfg.truncation_strategy], num_threads=cfg.dataloader_num_workers,
+                  vision=lambda: config_vision(cfg))
     kwargs.update(overrides)
     return build_data(cfg.datasets, tokenizer, batch_size=batch_size, seed=seed, num_epochs=num_epochs, **kwargs)

@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from surojax.data.chat_roles import role_problem
 from surojax.data.tokenizer import ChatTemplateError
+from surojax.data.vision_data import TextOnly, VisionData
 from surojax.generation.context import ContextLengthError, completion_budget
 from surojax.generation.sampling import SamplingParamsError
 from surojax.serve import anthropic_api, responses_api
@@ -58,6 +59,7 @@ from surojax.serve.async_engine import AsyncEngine, QueueFullError, Refused, Str
 from surojax.serve.body_limit import BodySizeLimit
 from surojax.serve.completion_logprobs import legacy_logprobs, vllm_prompt_logprobs
 from surojax.serve.config import DEFAULT_MAX_REQUEST_BYTES
+from surojax.serve.image_prompt import ImagePrompt, ImagePromptError, messages_have_images, prompt_with_images
 from surojax.serve.lora_root import LoraPathRefused, LoraRoot
 from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
                                     TokenizeRequest, UnloadLoRARequest)
@@ -87,6 +89,8 @@ class ServerState:
     model_path: str = ""
     lora_root: LoraRoot | None = None  # None: runtime LoRA load / unload is off (403)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    vision: VisionData | TextOnly = TextOnly("the served model takes no images")  # vision_data.model_vision
+    allow_remote_images: bool = False  # --allow-remote-images: fetch http(s) image URLs (httpx)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -357,9 +361,32 @@ class ChatRun:
     split: bool
 
 
+def chat_image_prompt(state: ServerState, req: ChatCompletionRequest) -> ImagePrompt:
+    """A request whose messages carry image parts -> its ImagePrompt (serve/image_prompt.py: ids with the image
+    tokens expanded, pixels, content hashes, M-RoPE positions); every problem a 400 naming it."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        _check_role(m, i)
+        messages.append(dict(m))
+    try:
+        return prompt_with_images(messages, state.tokenizer, state.vision, tools=req.tools,
+                                  template_kwargs=req.chat_template_kwargs or {},
+                                  allow_remote=state.allow_remote_images)
+    except ImagePromptError as e:
+        raise ApiError(400, str(e), param="messages") from None
+
+
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], ToolChoice]:
     """The request's messages (roles checked, content as text) and tools through the chat template -> (prompt ids,
-    checked against max-model-len and the vocabulary; the resolved tool choice)."""
+    checked against max-model-len and the vocabulary; the resolved tool choice). Messages with image parts are
+    parsed by chat_image_prompt, and refused with a 501 until the engine's prefill runs the vision encoder."""
+    if messages_have_images(req.messages):
+        image_prompt = chat_image_prompt(state, req)
+        _check_prompt(state, image_prompt.ids, "messages")
+        # The engine integrator replaces this refusal: submit image_prompt (its pixel_values, image_grid_thw,
+        # rope_positions / rope_delta, and image_hashes for the prefix-cache keys) with the ids.
+        raise ApiError(501, "images were parsed but this server's engine does not run the vision encoder in the "
+                       "prefill yet", "server_error", param="messages")
     messages = []
     for i, m in enumerate(req.messages):
         _check_role(m, i)

@@ -201,6 +201,7 @@ class ServeConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     lora: LoraServeConfig | None = None
     log_level: str = "info"
+    allow_remote_images: bool = False  # fetch http(s) image URLs of chat requests (serve/image_prompt.py)
 
     def __post_init__(self):
         object.__setattr__(self, "attention", as_attention_backend(self.attention, key="ServeConfig: attention"))

@@ -22,6 +22,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from surojax.data.sources import DataError
+from surojax.data.vision_data import TextOnly, VisionData, model_vision
 from surojax.generation.loop import eos_ids
 from surojax.hub import model_path
 from surojax.kernel_settings import kernel_settings
@@ -61,6 +63,18 @@ def load_draft(config: ServeConfig):
         return None
     return load_model_ref(spec.model, dtype=_dtype(config.dtype), attention=config.attention,
                           keep_quantized=True).model
+
+
+def served_vision(model_dir) -> VisionData | TextOnly:
+    """The images the served model takes (vision_data.model_vision of its folder). A vision model whose folder
+    cannot take images (no preprocessor_config.json ...) is served for text, and image requests get the reason."""
+    if model_dir is None:
+        return TextOnly("the served model's folder is not known (a model object was given)")
+    try:
+        return model_vision(model_dir)
+    except DataError as e:
+        log.warning("image requests will be refused: %s", e)
+        return TextOnly(str(e))
 
 
 def build_server(config: ServeConfig, model=None, tokenizer=None):
@@ -106,7 +120,8 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
                         model_name=name, max_model_len=engine.max_model_len,
                         eos_ids=eos_ids(model_dir, tokenizer, model.cfg), api_key=config.api_key,
                         model_path=str(config.model), lora_root=lora_root,
-                        max_request_bytes=config.max_request_bytes)
+                        max_request_bytes=config.max_request_bytes, vision=served_vision(model_dir),
+                        allow_remote_images=config.allow_remote_images)
     return build_app(state), state
 
 

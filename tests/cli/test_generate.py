@@ -308,3 +308,17 @@ def test_a_folder_that_is_no_model_says_what_was_expected(capsys, tmp_path):
         rc, out, err = run_generate(capsys, "--model", str(ref), "--prompt", "hi")
         lines = error_lines(err)
         assert rc == 1 and len(lines) == 1 and want in lines[0] and str(ref) in lines[0], err
+
+
+def test_image_flags_are_checked_and_a_text_model_refuses_them(capsys, tmp_path):
+    """--image needs --chat and an existing file (said before the model loads); the text-only qwen3 fixture with
+    a real image is one line naming why (serve/image_prompt.py parses it as the server does)."""
+    absent = str(tmp_path / "absent.png")
+    rc, out, err = run_generate(capsys, "--model", str(tmp_path / "m"), "--prompt", "hi", "--image", absent)
+    assert rc == 1 and error_lines(err) == [
+        "error: --image: images go into the chat template's user message; add --chat",
+        f"error: --image {absent}: no such file"]
+    image = str(ROOT / "tests" / "fixtures" / "vision_chat" / "img_b.png")
+    rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", "What?", "--chat", "--image", image)
+    assert rc == 1 and out == ""
+    assert "--image: the request has images but" in err and "is a text model (model_type 'qwen3'" in err

@@ -140,7 +140,7 @@ def test_debug_shows_image_spans_compactly(tok, proc):
     console = Console(record=True, color_system=None, width=400)
     debug_print([ex], tok, console=console)
     out = console.export_text()
-    assert "<image 1: 2x4 patches, 2 tokens>" in out and "<image 2: 6x4 patches, 6 tokens>" in out
+    assert "<image 1: 2x4 patches -> 2 tokens>" in out and "<image 2: 6x4 patches -> 6 tokens>" in out
     assert "<|image_pad|>" not in out and "<|vision_start|>" in out
 
 

@@ -5,6 +5,7 @@ LoRA per request = the merged model; auth; bad input; 429; disconnect frees bloc
 The model is the qwen3 fixture (tiny, random weights, with a ChatML tokenizer), served in fp32 on CPU.
 """
 import asyncio
+import base64
 import json
 import time
 from pathlib import Path
@@ -253,6 +254,18 @@ def test_prompt_longer_than_the_context_names_both_lengths(client):
         client.completions.create(model=NAME, prompt=[1] * 128, max_tokens=1)
     assert completion.value.param == "prompt"
     assert "maximum context length is 128 tokens; the prompt has 128 tokens" in completion.value.message
+
+
+def test_image_parts_to_a_text_model_are_a_400_naming_it(client):
+    """The official client's image_url part (a data URL) on the text-only qwen3 fixture: a 400 saying why, before
+    any engine work (serve/image_prompt.py)."""
+    png = (FIXTURE.parents[1] / "vision_chat" / "img_b.png").read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    assert e.value.param == "messages" and "has images but" in e.value.message
+    assert "is a text model (model_type 'qwen3', no vision_config" in e.value.message
 
 
 def test_queue_full_is_429(server, client):
