@@ -32,6 +32,9 @@ from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.models.registry import WeightRow, family_for, row_layers, weight_rows
+from surojax.models.vision.config import VisionConfig
+from surojax.models.vision.hf_weights import PREFIX as VISION_PREFIX
+from surojax.models.vision.hf_weights import load_vision_tower, vision_tower_tensors
 from surojax.quant.base import QuantFormat
 from surojax.quant.transform import QuantParam
 from surojax.weights.json_file import read_json_object
@@ -167,10 +170,13 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         log.info("%s: skipping %d tensors outside the language model (%s: a vision tower / MTP heads surojax does "
                  "not run)", model_dir, len(not_text), ", ".join(p for p in skipped if any(n.startswith(p)
                                                                                          for n in not_text)))
+    family = family_for(cfg.model_type)
+    visual = sorted(n for n in present if n.startswith(VISION_PREFIX)) if family.vision else []
+    present -= set(visual)
     expected = _expected(cfg, abstract)
-    if family_for(cfg.model_type).fused_weights:  # a second naming (MoE: fused experts; gemma3: published layout)
+    if family.fused_weights:  # a second naming (MoE: fused experts; gemma3: published layout; qwen3_vl_moe: layout)
         fused = _expected(cfg, abstract, fused=True)
-        if len(present & set(fused)) > len(present & set(expected)):
+        if _fit(fused, present, where) > _fit(expected, present, where):
             expected = fused
     if cfg.tie_word_embeddings and "lm_head.weight" in present:
         present.discard("lm_head.weight")  # a tied head saved anyway: the embedding is used
@@ -195,6 +201,13 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     if problems:
         raise WeightsError(f"{model_dir}: the weights do not match config.json ({cfg.model_type}):\n  - "
                            + "\n  - ".join(problems))
+
+    tower = None
+    if visual:  # the vision tower (models/vision/): its config and tensors checked before the text weights load
+        vision_cfg = VisionConfig.from_hf(cfg.hf_extra.get("vision_config") or {}, cfg.model_type,
+                                          source=f"{model_dir}/config.json")
+        tower = load_vision_tower(vision_cfg, {n: where[n].get(n) for n in visual}, param_dtype=param_dtype,
+                                  source=str(model_dir))
 
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     shapes = {".".join(map(str, p)): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(abstract)}
@@ -235,7 +248,16 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         return var.replace(state[key])
 
     filled = nnx.map_state(fill, abstract)
-    return nnx.merge(graphdef, filled)
+    model = nnx.merge(graphdef, filled)
+    model.visual = tower
+    return model
+
+
+def _fit(expected: dict, present: set, where: dict) -> int:
+    """How many of a table's tensors the checkpoint holds with the table's shape (picks between two namings, or
+    two layouts under one naming: qwen3_vl_moe's experts)."""
+    return sum(1 for name, (_, _, shape) in expected.items()
+               if name in present and tuple(where[name].shape(name)) == shape)
 
 
 def _kept_quantized(row: WeightRow) -> bool:
@@ -322,6 +344,8 @@ def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
         value = values[row.path]
         part = value[index + (Ellipsis, _half(row, value.shape[-1]))]
         out[name] = np.ascontiguousarray(_hf_to_state(part, row))
+    if getattr(model, "visual", None) is not None:
+        out.update(vision_tower_tensors(model.visual, dtype))
     return out
 
 

@@ -1,0 +1,128 @@
+"""Vision-language decoders against transformers 5.17: Qwen3-VL, Qwen3-VL-MoE (deepstack), Qwen3.5, Qwen3.5-MoE with
+images (scripts/make_vlm_fixtures.py; tests/fixtures/README.md, "vlm").
+
+One jitted forward per checkpoint computes a [4, T] batch with padded patches (patch bucket 128 for 80 real ones):
+row 0 one image (case a), row 1 two images of different sizes (b), row 2 text only (c), row 3 two packed segments
+each with an image (a, then d), every real token's fp32 logits within 1e-4 of transformers' (the packed row against
+transformers on each segment alone). Also: the 1-D rope path on text, the frozen tower (no gradient unless
+`train_vision`), save-back, and the named errors before any device work."""
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import vision_filter
+from surojax.models.vision.inputs import ImageInputError, VisionTokens, prepare_images
+from surojax.weights.hf_checkpoint import hf_tensors, load_model
+from surojax.weights.safetensors_file import SafetensorsFile
+
+MODELS = Path(__file__).parent.parent / "fixtures" / "models"
+EXPECTED = Path(__file__).parent.parent / "fixtures" / "vlm"
+FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+TOL = 1e-4
+_MODELS: dict = {}
+
+
+def _model(name: str):
+    """The checkpoint (the Qwen3.5 ones with in-vocab image token ids, as the fixture script ran them)."""
+    if name not in _MODELS:
+        hf = json.loads((MODELS / name / "config.json").read_text()) | TOKENS
+        _MODELS[name] = load_model(MODELS / name, cfg=ModelConfig.from_hf(hf))
+    return _MODELS[name]
+
+
+def _batch(e, T: int):
+    """Rows a, b, c, a|d right-padded to T -> ids, positions, segment ids [4, T], per-row pixels and grids."""
+    rows = [[e["a_ids"]], [e["b_ids"]], [e["c_ids"]], [e["a_ids"], e["d_ids"]]]
+    ids, pos, seg = (np.zeros((4, T), np.int32) for _ in range(3))
+    for b, segments in enumerate(rows):
+        at = 0
+        for k, s in enumerate(segments, 1):
+            ids[b, at:at + len(s)], pos[b, at:at + len(s)], seg[b, at:at + len(s)] = s, np.arange(len(s)), k
+            at += len(s)
+    pixels = [e["a_pixels"], e["b_pixels"], None, np.concatenate([e["a_pixels"], e["d_pixels"]])]
+    grids = [e["a_grid"], e["b_grid"], None, np.concatenate([e["a_grid"], e["d_grid"]])]
+    return ids, pos, seg, pixels, grids
+
+
+def _forward(model, ids, pos, seg, images, rope):
+    graphdef, state = nnx.split(model)
+    f = jax.jit(lambda state, *a: nnx.merge(graphdef, state)(*a[:3], images=a[3], rope_positions=a[4]))
+    return np.asarray(f(state, ids, pos, seg, images, rope))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_with_images_match_transformers(name):
+    e = dict(np.load(EXPECTED / f"{name}.npz"))
+    model = _model(name)
+    T = len(e["a_ids"]) + len(e["d_ids"])
+    ids, pos, seg, pixels, grids = _batch(e, T)
+    batch = prepare_images(VisionTokens.from_config(model.cfg), ids, pixels, grids, segment_ids=seg,
+                           patch_bucket=128)
+    assert batch.images.pixel_values.shape[0] == 128 and batch.images.token_index.shape == (32,)
+    logits = _forward(model, ids, pos, seg, batch.images, batch.rope_positions)
+    na, nd = len(e["a_ids"]), len(e["d_ids"])
+    checks = {"a": (logits[0, :na], e["a_logits"]), "b": (logits[1, :len(e["b_ids"])], e["b_logits"]),
+              "c": (logits[2, :len(e["c_ids"])], e["c_logits"]),
+              "packed a": (logits[3, :na], e["a_logits"]), "packed d": (logits[3, na:na + nd], e["d_logits"])}
+    for case, (ours, theirs) in checks.items():
+        np.testing.assert_allclose(ours, theirs, atol=TOL, rtol=0, err_msg=f"{name} case {case}")
+
+
+def test_text_only_one_d_rope_matches_transformers():
+    """No images, no rope_positions: the plain 1-D rope equals M-RoPE on text (transformers' text-only logits)."""
+    e = np.load(EXPECTED / "qwen3_vl.npz")
+    logits = _model("qwen3_vl")(jnp.asarray(e["c_ids"][None]))
+    np.testing.assert_allclose(np.asarray(logits[0]), e["c_logits"], atol=TOL, rtol=0)
+
+
+def test_tower_frozen_unless_asked():
+    e = np.load(EXPECTED / "qwen3_vl.npz")
+    model = _model("qwen3_vl")
+    ids = e["a_ids"][None].astype(np.int32)
+    batch = prepare_images(VisionTokens.from_config(model.cfg), ids, [e["a_pixels"]], [e["a_grid"]])
+    graphdef, tower, rest = nnx.split(model, vision_filter, ...)
+
+    def tower_grad_norm(train_vision: bool) -> float:
+        def loss(tower):
+            m = nnx.merge(graphdef, tower, rest)
+            m.train_vision = train_vision
+            return m(jnp.asarray(ids), images=batch.images, rope_positions=batch.rope_positions).sum()
+        return float(sum(jnp.abs(x).sum() for x in jax.tree.leaves(jax.grad(loss)(tower))))
+
+    assert tower_grad_norm(False) == 0.0
+    assert tower_grad_norm(True) > 0.0
+
+
+def test_save_back_holds_the_tower():
+    model = _model("qwen3_vl")
+    f = SafetensorsFile(MODELS / "qwen3_vl" / "model.safetensors")
+    ours = hf_tensors(model)
+    assert set(ours) == set(f.names())
+    for n in ours:
+        np.testing.assert_array_equal(ours[n], f.get(n), err_msg=n)
+
+
+def test_named_errors():
+    e = np.load(EXPECTED / "qwen3_vl.npz")
+    tokens = VisionTokens.from_config(_model("qwen3_vl").cfg)
+    ids = e["a_ids"][None]
+    with pytest.raises(ImageInputError, match="row 0: 4 image tokens .* no pixel_values"):
+        prepare_images(tokens, ids, None, None)
+    with pytest.raises(ImageInputError, match="row 0, segment 1 .*4 image tokens but image 0 has grid"):
+        prepare_images(tokens, ids, [e["b_pixels"][:12]], [e["b_grid"][:1]])
+    with pytest.raises(ImageInputError, match="pixel_values has 15 rows, image_grid_thw's grids need 16"):
+        prepare_images(tokens, ids, [e["a_pixels"][:15]], [e["a_grid"]])
+    with pytest.raises(ImageInputError, match="image_grid_thw has 2 images but the row's segments hold 1"):
+        prepare_images(tokens, ids, [np.concatenate([e["a_pixels"], e["d_pixels"]])],
+                       [np.concatenate([e["a_grid"], e["d_grid"]])])
+    batch = prepare_images(tokens, ids, [e["a_pixels"]], [e["a_grid"]])
+    text_only = load_model(MODELS / "qwen3_5_text")
+    with pytest.raises(ValueError, match="no vision tower"):
+        text_only(jnp.asarray(ids), images=batch.images)
