@@ -335,10 +335,6 @@ class ModelConfig:
         if not 0 <= self.dense_layers <= self.num_layers or (self.dense_layers and self.moe is None):
             raise ModelConfigError(f"num_dense_layers {self.dense_layers} must be in 0..num_hidden_layers "
                                    f"({self.num_layers}), on a MoE model")
-        if self.mrope_section is not None and sum(self.mrope_section) != self.rotary_dim // 2:
-            raise ModelConfigError(f"rope_parameters.mrope_section {list(self.mrope_section)} must sum to the rotary "
-                                   f"dim / 2 = {self.rotary_dim // 2} (head_dim {self.head_dim} x "
-                                   f"partial_rotary_factor {self.partial_rotary_factor} / 2)")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ModelConfigError(f"hidden_act {self.hidden_act!r} is not supported (expected one of "
                                    f"{', '.join(HIDDEN_ACTS)})")
@@ -905,7 +901,8 @@ def _mrope_section(rs: dict[str, Any], default: tuple[int, int, int]) -> tuple[i
     """The multimodal rope sections (`rope_parameters.mrope_section`: the rotary frequencies given to the temporal /
     height / width position ids; the family's default when absent, as transformers' rotary reads it). transformers
     5.17 always interleaves them (Qwen3VLTextRotaryEmbedding / Qwen3_5's `recomposition_frequencies`), so
-    `mrope_interleaved: false` (a layout it would not honour) is refused. Their sum is checked by ModelConfig."""
+    `mrope_interleaved: false` (a layout it would not honour) is refused. Sections that do not sum to the rotary
+    dim / 2 are refused where they are used (3-D rope positions: vision/mrope.py); text alone never reads them."""
     section = rs.get("mrope_section", list(default))
     if not isinstance(section, list) or len(section) != 3 or any(not isinstance(s, int) or s < 0 for s in section):
         raise ModelConfigError(f"rope_parameters.mrope_section {section!r} must be three non-negative integers "

@@ -331,7 +331,8 @@ def _load_sharded(shape: tuple[int, ...], dtype, items, where: dict[str, Safeten
 
 
 def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
-    """The model's weights under their Hugging Face names (the published layout), in `dtype` (default: as stored)."""
+    """The language model's weights under their Hugging Face names (the published layout), in `dtype` (default: as
+    stored); a vision tower's are `vision_tower_tensors(model.visual)` (save_model writes both)."""
     cfg = model.cfg
     params = nnx.state(model, nnx.Param)
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(params)}
@@ -344,8 +345,6 @@ def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
         value = values[row.path]
         part = value[index + (Ellipsis, _half(row, value.shape[-1]))]
         out[name] = np.ascontiguousarray(_hf_to_state(part, row))
-    if getattr(model, "visual", None) is not None:
-        out.update(vision_tower_tensors(model.visual, dtype))
     return out
 
 
@@ -362,6 +361,8 @@ def save_model(model: Decoder, out_dir: str | os.PathLike, *, dtype=None, max_sh
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise WeightsError(f"{out_dir}: exists and is not empty; choose another output folder")
     tensors = hf_tensors(model, dtype)
+    if getattr(model, "visual", None) is not None:  # the vision tower under model.visual.*
+        tensors |= vision_tower_tensors(model.visual, dtype)
     hf_cfg = model.cfg.to_hf()
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(next(iter(tensors.values())).dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

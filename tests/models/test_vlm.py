@@ -18,8 +18,8 @@ from flax import nnx
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import vision_filter
 from surojax.models.vision.inputs import ImageInputError, VisionTokens, prepare_images
-from surojax.weights.hf_checkpoint import hf_tensors, load_model
-from surojax.weights.safetensors_file import SafetensorsFile
+from surojax.weights.hf_checkpoint import load_model, save_model
+from surojax.weights.safetensors_file import SafetensorsFile, write_safetensors
 
 MODELS = Path(__file__).parent.parent / "fixtures" / "models"
 EXPECTED = Path(__file__).parent.parent / "fixtures" / "vlm"
@@ -100,13 +100,26 @@ def test_tower_frozen_unless_asked():
     assert tower_grad_norm(True) > 0.0
 
 
-def test_save_back_holds_the_tower():
-    model = _model("qwen3_vl")
+def test_save_back_holds_the_tower(tmp_path):
+    """save_model writes the tower beside the text model (the fixture's tensors exactly) and it loads back."""
     f = SafetensorsFile(MODELS / "qwen3_vl" / "model.safetensors")
-    ours = hf_tensors(model)
-    assert set(ours) == set(f.names())
-    for n in ours:
-        np.testing.assert_array_equal(ours[n], f.get(n), err_msg=n)
+    saved = SafetensorsFile(save_model(_model("qwen3_vl"), tmp_path / "out") / "model.safetensors")
+    assert set(saved.names()) == set(f.names())
+    for n in f.names():
+        np.testing.assert_array_equal(saved.get(n), f.get(n), err_msg=n)
+    assert load_model(tmp_path / "out").visual is not None
+
+
+def test_qwen3_vl_moe_expert_layouts_load_alike(tmp_path):
+    """The experts as published ([E, D, 2F] / [E, F, D]) and as transformers 5.17 saves them ([E, 2F, D] /
+    [E, D, F], the fixture's) load to the same model."""
+    d = MODELS / "qwen3_vl_moe"
+    f = SafetensorsFile(d / "model.safetensors")
+    published = {n: np.swapaxes(f.get(n), 1, 2) if ".mlp.experts." in n else f.get(n) for n in f.names()}
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    write_safetensors(tmp_path / "model.safetensors", published)
+    a, b = nnx.state(_model("qwen3_vl_moe"), nnx.Param), nnx.state(load_model(tmp_path), nnx.Param)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
 def test_named_errors():
