@@ -1031,6 +1031,9 @@ def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
                    norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
     elif style == "qwen3_5_moe":
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size)
+    elif style == "qwen3_vl_moe":  # the top-k always renormalised: no norm_topk_prob key
+        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
+                   decoder_sparse_step=1, mlp_only_layers=[])
     elif style == "lfm2_moe":
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
                    norm_topk_prob=moe.norm_topk_prob, use_expert_bias=moe.selection_bias,

@@ -75,6 +75,15 @@ def test_logits_with_images_match_transformers(name):
         np.testing.assert_allclose(ours, theirs, atol=TOL, rtol=0, err_msg=f"{name} case {case}")
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen3_vl_moe"])
+def test_config_round_trip(name):
+    """to_hf writes what from_hf reads back: text_config with the M-RoPE sections, the MoE keys, vision_config."""
+    cfg = ModelConfig.from_hf(json.loads((MODELS / name / "config.json").read_text()))
+    hf = cfg.to_hf()
+    assert ModelConfig.from_hf(hf) == cfg and cfg.mrope_section == (4, 2, 2)
+    assert hf["text_config"]["rope_parameters"]["mrope_section"] == [4, 2, 2] and "vision_config" in hf
+
+
 def test_text_only_one_d_rope_matches_transformers():
     """No images, no rope_positions: the plain 1-D rope equals M-RoPE on text (transformers' text-only logits)."""
     e = np.load(EXPECTED / "qwen3_vl.npz")
