@@ -25,6 +25,11 @@ rope, and each layer's output times its loaded `layer_scalar`:  h = layer_scalar
 With its MoE block (`cfg.moe_beside_mlp`) the MoE runs beside the GeGLU: its router reads the residual stream h, its
 experts their own pre-norm of h, each branch is post-normed and the sum post-normed (`_mlp_residual`).
 
+Vision-language (Qwen3-VL `qwen3_vl` / `qwen3_vl_moe`, Qwen3.5 with its tower): the same decoder with the vision
+tower beside it (`visual`, models/vision/): `hidden_states(images=, rope_positions=)` scatters the tower's merged
+rows over the image tokens' embeddings, adds Qwen3-VL's deepstack features to those tokens after the first layers
+(the layer scan's `after_layer` hook), and takes M-RoPE's cos / sin from rope_positions [3, B, T].
+
 Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
 embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is
 [L, ...]) and run by the decoder's layer runner (surojax/models/layer_runner.py; by default `jax.lax.scan` over
