@@ -322,6 +322,9 @@ class Decoder(nnx.Module):
         h = h.astype(self.dtype)
         after_layer = None
         if images is not None:
+            if rope_positions is None:  # transformers places image tokens by M-RoPE: 1-D positions would be wrong
+                raise ValueError(f"{self.cfg.model_type}: images need rope_positions [3, B, T] (prepare_images "
+                                 "gives them with the images)")
             h, after_layer = self._with_images(h, images)
         if rope_positions is None:
             cos, sin = rope_tables(self.cfg, positions, self.dtype)  # [B, T, H] each, or a pair (two ropes)

@@ -66,6 +66,9 @@ def test_logits_with_images_match_transformers(name):
     batch = prepare_images(VisionTokens.from_config(model.cfg), ids, pixels, grids, segment_ids=seg,
                            patch_bucket=128)
     assert batch.images.pixel_values.shape[0] == 128 and batch.images.token_index.shape == (32,)
+    # each row's last segment's rope delta: a's 12 tokens reach position 9 (its 2 x 2 merged image advances by 2), b's
+    # 18 reach 14 (1 x 3 and 3 x 2 images advance by 3 each), d's 8 reach 7
+    assert batch.rope_deltas.tolist() == [-2, -3, 0, 0]
     logits = _forward(model, ids, pos, seg, batch.images, batch.rope_positions)
     na, nd = len(e["a_ids"]), len(e["d_ids"])
     checks = {"a": (logits[0, :na], e["a_logits"]), "b": (logits[1, :len(e["b_ids"])], e["b_logits"]),
@@ -147,4 +150,6 @@ def test_named_errors():
     batch = prepare_images(tokens, ids, [e["a_pixels"]], [e["a_grid"]])
     text_only = load_model(MODELS / "qwen3_5_text")
     with pytest.raises(ValueError, match="no vision tower"):
-        text_only(jnp.asarray(ids), images=batch.images)
+        text_only(jnp.asarray(ids), images=batch.images, rope_positions=batch.rope_positions)
+    with pytest.raises(ValueError, match="images need rope_positions"):
+        _model("qwen3_vl")(jnp.asarray(ids), images=batch.images)

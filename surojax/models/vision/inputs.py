@@ -80,6 +80,9 @@ class ImageInputs(NamedTuple):
 class ImageBatch(NamedTuple):
     images: ImageInputs | None  # None: no image in the batch
     rope_positions: np.ndarray  # [3, B, T] int32
+    # [B] int32: each row's last segment's max position + 1 - its length; a token generated after it at index i of
+    # that segment gets position i + delta on all three axes (mrope.mrope_decode_positions)
+    rope_deltas: np.ndarray
 
 
 def bucket(n: int, step: int) -> int:
@@ -136,6 +139,7 @@ def prepare_images(tokens: VisionTokens, input_ids, pixel_values: Sequence | Non
         b = int(np.argwhere(ids == tokens.video_token_id)[0][0])
         raise ImageInputError(f"row {b}: video tokens ({tokens.video_token_id}) are not supported yet")
     positions = np.zeros((3, B, T), np.int32)
+    deltas = np.zeros((B,), np.int32)
     pixels, tables, index = [], [], []
     for b in range(B):
         row, g = ids[b], grids[b]
@@ -155,13 +159,14 @@ def prepare_images(tokens: VisionTokens, input_ids, pixel_values: Sequence | Non
                 raise ImageInputError(f"row {b}: segment {int(s)} is not one contiguous run of tokens")
             runs = int(np.sum(np.diff(np.r_[0, (row[where] == tokens.image_token_id).astype(int)]) == 1))
             try:
-                pos, _ = mrope_positions(row[where][None], g[used:used + runs], image_token_id=tokens.image_token_id,
+                pos, delta = mrope_positions(row[where][None], g[used:used + runs], image_token_id=tokens.image_token_id,
                                          video_token_id=tokens.video_token_id,
                                          vision_start_token_id=tokens.vision_start_token_id, spatial_merge_size=m)
             except ValueError as e:
                 raise ImageInputError(f"row {b}, segment {int(s)} (tokens {int(where[0])}..{int(where[-1])}): "
                                       f"{e}") from None
             positions[:, b, where] = pos[:, 0]
+            deltas[b] = delta[0]
             used += runs
         if used != len(g):
             raise ImageInputError(f"row {b}: image_grid_thw has {len(g)} images but the row's segments hold {used} "
@@ -169,7 +174,7 @@ def prepare_images(tokens: VisionTokens, input_ids, pixel_values: Sequence | Non
         tables += [gg for gg in g]
         index.append(b * T + np.flatnonzero(row == tokens.image_token_id))
     if not tables:
-        return ImageBatch(None, positions)
+        return ImageBatch(None, positions, deltas)
     real = sum(p.shape[0] for p in pixels)
     size = bucket(real, m * m if patch_bucket is None else patch_bucket)
     if size % (m * m):
@@ -188,4 +193,4 @@ def prepare_images(tokens: VisionTokens, input_ids, pixel_values: Sequence | Non
         interp_weights=padded(grid.interp_weights),
         patch_segments=padded(grid.segment_ids, int(grid.segment_ids.max()) + 1),
         token_index=token_index)
-    return ImageBatch(images, positions)
+    return ImageBatch(images, positions, deltas)
