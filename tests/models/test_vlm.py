@@ -134,6 +134,23 @@ def test_qwen3_vl_moe_expert_layouts_load_alike(tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
 
 
+def test_transformers_layout_equals_per_row_lists():
+    """pixel_values / image_grid_thw as transformers passes them (the batch's images in row order) give the same
+    inputs as one entry per row."""
+    e = dict(np.load(EXPECTED / "qwen3_vl.npz"))
+    ids, pos, seg, pixels, grids = _batch(e, len(e["a_ids"]) + len(e["d_ids"]))
+    tokens = VisionTokens.from_config(_model("qwen3_vl").cfg)
+    rows = prepare_images(tokens, ids, pixels, grids, segment_ids=seg)
+    flat = prepare_images(_model("qwen3_vl").cfg, ids, np.concatenate([p for p in pixels if p is not None]),
+                          np.concatenate([g for g in grids if g is not None] + [np.zeros((2, 3), int)]),
+                          segment_ids=seg)
+    jax.tree.map(np.testing.assert_array_equal, (rows.images, rows.rope_positions),
+                 (flat.images, flat.rope_positions))
+    with pytest.raises(ImageInputError, match="image_grid_thw has 3 images but input_ids hold 5 runs"):
+        prepare_images(tokens, ids, np.concatenate([p for p in pixels if p is not None]),
+                       np.concatenate([g for g in grids if g is not None][:-1]), segment_ids=seg)
+
+
 def test_named_errors():
     e = np.load(EXPECTED / "qwen3_vl.npz")
     tokens = VisionTokens.from_config(_model("qwen3_vl").cfg)

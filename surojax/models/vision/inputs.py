@@ -21,7 +21,6 @@ The images are the `image_token_id` runs only; the ids come from the checkpoint'
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -116,16 +115,42 @@ def _real_pixels(pixels, n: int, patch_dim: int, row: str) -> np.ndarray:
     return p[:n]
 
 
-def prepare_images(tokens: VisionTokens, input_ids, pixel_values: Sequence | None, image_grid_thw: Sequence | None,
-                   *, segment_ids=None, patch_bucket: int | None = None) -> ImageBatch:
-    """input_ids [B, T]; pixel_values / image_grid_thw: one entry per row (that row's images in order, [P_r,
-    patch_dim] / [n_r, 3]; zero grid rows and trailing zero pixel rows are padding) or None for a batch without
-    images; segment_ids [B, T] (1..k, 0 = padding; None: one segment per row, no padding); patch_bucket: pad the
-    patch count to a multiple of it (None: the merge block m^2, no padding beyond) -> ImageBatch."""
+def _image_runs(row: np.ndarray, image_token_id: int) -> int:
+    return int(np.sum(np.diff(np.r_[0, (row == image_token_id).astype(int)]) == 1))
+
+
+def _split_rows(tokens: VisionTokens, ids: np.ndarray, pixel_values, image_grid_thw) -> tuple[list, list]:
+    """transformers' layout (the batch's images in row order: pixel_values [P, patch_dim], image_grid_thw [n, 3])
+    -> one entry per row, by the rows' runs of image tokens."""
+    grids = _real_grids(image_grid_thw, "image_grid_thw")
+    runs = [_image_runs(row, tokens.image_token_id) for row in ids]
+    if sum(runs) != len(grids):
+        raise ImageInputError(f"image_grid_thw has {len(grids)} images but input_ids hold {sum(runs)} runs of image "
+                              f"tokens ({tokens.image_token_id}) (per row: {runs})")
+    patches = np.prod(grids, axis=1) if len(grids) else np.zeros((0,), np.int64)
+    pixels = _real_pixels(pixel_values, int(patches.sum()), tokens.vision.patch_dim, "batch")
+    cut_grids = np.cumsum([0, *runs])
+    cut_pixels = np.r_[0, np.cumsum(patches)][cut_grids]
+    return ([pixels[cut_pixels[b]:cut_pixels[b + 1]] for b in range(len(ids))],
+            [grids[cut_grids[b]:cut_grids[b + 1]] for b in range(len(ids))])
+
+
+def prepare_images(tokens: VisionTokens | ModelConfig, input_ids, pixel_values, image_grid_thw, *, segment_ids=None,
+                   patch_bucket: int | None = None) -> ImageBatch:
+    """input_ids [B, T]; pixel_values / image_grid_thw either one entry per row (a list: that row's images in
+    order, [P_r, patch_dim] / [n_r, 3]) or transformers' layout (arrays [P, patch_dim] / [n, 3]: the batch's images
+    in row order), zero grid rows and trailing zero pixel rows being padding; None for a batch without images.
+    segment_ids [B, T] (1..k, 0 = padding; None: one segment per row, no padding); patch_bucket: pad the patch count
+    to a multiple of it (None: the merge block m^2, no padding beyond). `tokens`: the checkpoint's VisionTokens or
+    its ModelConfig -> ImageBatch."""
+    if isinstance(tokens, ModelConfig):
+        tokens = VisionTokens.from_config(tokens)
     ids = np.asarray(input_ids)
     if ids.ndim != 2:
         raise ImageInputError(f"input_ids: expected [batch, seq], got shape {ids.shape}")
     B, T = ids.shape
+    if pixel_values is not None and not isinstance(pixel_values, (list, tuple)):
+        pixel_values, image_grid_thw = _split_rows(tokens, ids, pixel_values, image_grid_thw)
     seg = np.ones_like(ids, np.int32) if segment_ids is None else np.asarray(segment_ids)
     if seg.shape != ids.shape:
         raise ImageInputError(f"segment_ids: shape {seg.shape} differs from input_ids {ids.shape}")
@@ -157,7 +182,7 @@ def prepare_images(tokens: VisionTokens, input_ids, pixel_values: Sequence | Non
             where = np.flatnonzero(seg[b] == s)
             if np.any(np.diff(where) != 1):
                 raise ImageInputError(f"row {b}: segment {int(s)} is not one contiguous run of tokens")
-            runs = int(np.sum(np.diff(np.r_[0, (row[where] == tokens.image_token_id).astype(int)]) == 1))
+            runs = _image_runs(row[where], tokens.image_token_id)
             try:
                 pos, delta = mrope_positions(row[where][None], g[used:used + runs], image_token_id=tokens.image_token_id,
                                          video_token_id=tokens.video_token_id,
