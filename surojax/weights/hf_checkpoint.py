@@ -5,6 +5,10 @@ Loading checks everything before any weight is converted: the files exist and ar
 config implies is present with the shape the config implies, and nothing unexpected is left over. The
 name mapping is the family's weight table (surojax.models.registry), data rather than code.
 
+A vision-language family's vision tower (`model.visual.*`, registry `Family.vision`) is loaded beside the text model
+as `Decoder.visual` (models/vision/hf_weights.py, its tensors checked before the text weights convert) and written
+back by save_model; a checkpoint without those tensors loads text-only.
+
 A pre-quantised checkpoint (a quantization_config surojax.weights.prequant reads: FP8 block / per-tensor /
 per-channel scales, NVFP4, bitsandbytes NF4) shows each quantised weight as one tensor under its plain name. With
 `keep_quantized` the decoder's Linear kernels stay in their format (stacked over layers in a `QuantParam`, as
