@@ -305,6 +305,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # c: logits -> c * tanh(logits / c) (Decoder.logits, the losses)
     # LFM2: the short-convolution layers (None: every layer is an attention layer or a DeltaNet one)
     short_conv: ShortConvConfig | None = None
+    # Multimodal rope (Qwen3-VL, Qwen3.5: `rope_parameters.mrope_section`, interleaved): the rotary frequencies
+    # given to the temporal / height / width positions when the decoder is handed rope_positions [3, B, T]
+    # (models/vision/mrope.py); None: 1-D rope only. With 1-D positions every section rotates by the same position.
+    mrope_section: tuple[int, int, int] | None = None
     # The HF config.json this came from, kept so that to_hf() can write back what surojax does not model.
     hf_extra: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -466,8 +470,7 @@ class ModelConfig:
         if partial != 1.0 and "proportional" in (scaling.rope_type, gemma and gemma.local_rope_scaling.rope_type):
             raise ModelConfigError("rope_type 'proportional' with partial_rotary_factor != 1 at the config's top level "
                                    "is not supported (the proportional rope spans the whole head_dim)")
-        if family.hybrid:
-            _check_mrope(rs)
+        mrope = _mrope_section(rs, family.mrope) if family.mrope else None
         short_conv = short_conv_from_hf(hf) if family.short_conv else None
         if hf.get("layer_types") is not None and not (family.hybrid or family.short_conv):
             if family.sliding_window and not (family.gemma3 or family.gemma4):
@@ -508,6 +511,7 @@ class ModelConfig:
             norm_zero_centered=family.hybrid or family.gemma3,
             partial_rotary_factor=partial,
             short_conv=short_conv,
+            mrope_section=mrope,
             hf_extra=dict(outer),
             **({} if gemma is None else gemma.fields()),
         )
@@ -556,9 +560,9 @@ class ModelConfig:
             if self.rope_scaling.rope_type != "default":
                 out["rope_scaling"] = rs | {"type": rs["rope_type"]}
             out["rope_parameters"] = rs | {"rope_theta": self.rope_theta}
+        if self.mrope_section is not None:
+            out["rope_parameters"] |= {"mrope_section": list(self.mrope_section), "mrope_interleaved": True}
         if family.hybrid:
-            read = self.hf_extra.get("rope_parameters") or {}
-            out["rope_parameters"] |= {k: read[k] for k in ("mrope_section", "mrope_interleaved") if k in read}
             out["rope_parameters"]["partial_rotary_factor"] = out["partial_rotary_factor"] = \
                 self.partial_rotary_factor
             out.update(linear_attention_to_hf(self.linear_attention))
@@ -893,17 +897,20 @@ def linear_attention_to_hf(la: LinearAttentionConfig) -> dict[str, Any]:
             "linear_conv_kernel_dim": la.conv_kernel}
 
 
-def _check_mrope(rs: dict[str, Any]) -> None:
-    """Qwen3.5's multimodal rope sections (`mrope_section`: the rotary frequencies given to the temporal / height /
-    width position ids). Text tokens carry one position in all three, so every section rotates by the same
-    position and the multimodal rope is the plain (partial) rope: the sections are read and checked, nothing
-    more (tests/models/test_qwen3_5.py checks transformers' rotary against ours)."""
-    section = rs.get("mrope_section")
-    if section is None:
-        return
+def _mrope_section(rs: dict[str, Any], default: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The multimodal rope sections (`rope_parameters.mrope_section`: the rotary frequencies given to the temporal /
+    height / width position ids; the family's default when absent, as transformers' rotary reads it). transformers
+    5.17 always interleaves them (Qwen3VLTextRotaryEmbedding / Qwen3_5's `recomposition_frequencies`), so
+    `mrope_interleaved: false` (a layout it would not honour) is refused. Sections that do not sum to the rotary
+    dim / 2 are refused where they are used (3-D rope positions: vision/mrope.py); text alone never reads them."""
+    section = rs.get("mrope_section", list(default))
     if not isinstance(section, list) or len(section) != 3 or any(not isinstance(s, int) or s < 0 for s in section):
         raise ModelConfigError(f"rope_parameters.mrope_section {section!r} must be three non-negative integers "
                                "(temporal, height, width)")
+    if rs.get("mrope_interleaved", True) is not True:
+        raise ModelConfigError(f"rope_parameters.mrope_interleaved {rs['mrope_interleaved']!r}: transformers 5.17 "
+                               "interleaves the sections for this family whatever the key says; only true is accepted")
+    return tuple(section)
 
 
 def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
@@ -925,6 +932,11 @@ def moe_from_hf(style: str | None, hf: dict[str, Any]) -> MoEConfig | None:
         return _qwen3_5_moe(hf, k, coef)
     if style == "lfm2_moe":
         return _lfm2_moe(hf)
+    if style == "qwen3_vl_moe":  # qwen3_moe's keys; the top-k always renormalised (Qwen3VLMoeTextTopKRouter)
+        if hf.get("norm_topk_prob", True) is not True:
+            raise ModelConfigError(f"qwen3_vl_moe: norm_topk_prob {hf['norm_topk_prob']!r} is not read by "
+                                   "transformers (its router always renormalises the top-k); remove it")
+        return dataclasses.replace(moe_from_hf("qwen3_moe", {**hf, "norm_topk_prob": True}), norm_topk_prob=True)
     if style == "qwen3_moe":
         dense = list(hf.get("mlp_only_layers") or [])
         step = int(hf.get("decoder_sparse_step", 1))
@@ -1019,6 +1031,9 @@ def moe_to_hf(style: str, moe: MoEConfig) -> dict[str, Any]:
                    norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
     elif style == "qwen3_5_moe":
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size)
+    elif style == "qwen3_vl_moe":  # the top-k always renormalised: no norm_topk_prob key
+        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
+                   decoder_sparse_step=1, mlp_only_layers=[])
     elif style == "lfm2_moe":
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_intermediate_size,
                    norm_topk_prob=moe.norm_topk_prob, use_expert_bias=moe.selection_bias,

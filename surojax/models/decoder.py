@@ -25,6 +25,11 @@ rope, and each layer's output times its loaded `layer_scalar`:  h = layer_scalar
 With its MoE block (`cfg.moe_beside_mlp`) the MoE runs beside the GeGLU: its router reads the residual stream h, its
 experts their own pre-norm of h, each branch is post-normed and the sum post-normed (`_mlp_residual`).
 
+Vision-language (Qwen3-VL `qwen3_vl` / `qwen3_vl_moe`, Qwen3.5 with its tower): the same decoder with the vision
+tower beside it (`visual`, models/vision/): `hidden_states(images=, rope_positions=)` scatters the tower's merged
+rows over the image tokens' embeddings, adds Qwen3-VL's deepstack features to those tokens after the first layers
+(the layer scan's `after_layer` hook), and takes M-RoPE's cos / sin from rope_positions [3, B, T].
+
 Families differ only by ModelConfig flags (attention bias, q/k norm, sliding window, rope scaling, tied
 embeddings, the MoE section). The L blocks are stacked on a leading `layers` axis (every per-layer parameter is
 [L, ...]) and run by the decoder's layer runner (surojax/models/layer_runner.py; by default `jax.lax.scan` over
@@ -54,6 +59,9 @@ from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 from surojax.models.layers.short_conv import ShortConv
 from surojax.models.registry import DENSE_STACKS
+from surojax.models.vision.inputs import ImageInputs
+from surojax.models.vision.mrope import mrope_cos_sin
+from surojax.models.vision.tower import VisionTower
 
 
 class Block(nnx.Module):
@@ -222,6 +230,11 @@ def _period(kinds: list) -> int:
     L = len(kinds)
     return next(p for p in range(1, L + 1) if all(kinds[i] == kinds[i % p] for i in range(L)))
 
+# The vision tower's parameters (`Decoder.visual`): frozen by default; a train step keeps them out of its
+# differentiated state with this filter unless it trains the tower (and sets `train_vision`).
+vision_filter = nnx.PathContains("visual")
+
+
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
                  attention: AttentionBackend | str = "auto", rngs: nnx.Rngs):
@@ -256,6 +269,11 @@ class Decoder(nnx.Module):
                                   zero_centered=cfg.norm_zero_centered)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(D, V, param_dtype=param_dtype, rngs=rngs)
         self.runner: LayerRunner = LayerScan()  # static (graphdef); the layer-loop transform sets it
+        # the vision tower (`model.visual.*`; the checkpoint loader sets it when the checkpoint holds one), and
+        # whether gradients flow into it (static; False: frozen, its output under stop_gradient; the training glue
+        # keeps its parameters out of the optimizer with `vision_filter`)
+        self.visual: VisionTower | None = nnx.data(None)
+        self.train_vision: bool = False
 
     @property
     def layer_pattern(self) -> LayerPattern:
@@ -283,26 +301,88 @@ class Decoder(nnx.Module):
 
     # ---- forward ----------------------------------------------------------------------------------------
     def hidden_states(self, tokens, positions, segment_ids, *, cache: Cache | None = None,
-                      runner: LayerRunner | None = None) -> HiddenStates:
+                      runner: LayerRunner | None = None, images: ImageInputs | None = None,
+                      rope_positions: jax.Array | None = None) -> HiddenStates:
         """tokens/positions/segment_ids [B, T] -> HiddenStates(final-normed hidden [B, T, D], the updated cache or
         None, the MoE layers' `RouterStats` stacked on [L] or None).
 
         The layers run on `runner` (None: the decoder's own, `self.runner`, which the layer-loop transform sets;
         serving passes one per call, e.g. `CarriedCacheScan`): surojax/models/layer_runner.py. Any
         `surojax.models.kv.Cache` works; attention hands it the call's metadata (`cache.step`).
+
+        Vision-language models (`cfg.mrope_section`; vision/inputs.py's `prepare_images` makes both inputs):
+        `images` runs the vision tower (in the compute dtype; under stop_gradient unless `train_vision`), its
+        merged rows replace the image tokens' embeddings and its deepstack features are added to those tokens'
+        hidden states after decoder layer j (Qwen3-VL); `rope_positions` [3, B, T] give M-RoPE's cos / sin
+        instead of the 1-D positions' (which still drive the attention mask and the cache).
         """
         h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0)  # [B, T, D]
         if self.cfg.scale_embeddings:  # Gemma: x sqrt(D), the factor cast to the embedding's dtype (as transformers)
             h = h * jnp.asarray(np.float32(self.cfg.hidden_size ** 0.5), h.dtype)
         h = h.astype(self.dtype)
-        cos, sin = rope_tables(self.cfg, positions, self.dtype)  # [B, T, H] each, or a pair of them (two ropes)
+        after_layer = None
+        if images is not None:
+            if rope_positions is None:  # transformers places image tokens by M-RoPE: 1-D positions would be wrong
+                raise ValueError(f"{self.cfg.model_type}: images need rope_positions [3, B, T] (prepare_images "
+                                 "gives them with the images)")
+            h, after_layer = self._with_images(h, images)
+        if rope_positions is None:
+            cos, sin = rope_tables(self.cfg, positions, self.dtype)  # [B, T, H] each, or a pair (two ropes)
+        else:
+            cos, sin = self._mrope_tables(rope_positions, tokens.shape)
         kv_meta = None
         if cache is not None:
             kv_meta, cache = cache.step(segment_ids, positions)
-        out = (self.runner if runner is None else runner).run(
-            self.layer_pattern, self.stacks, h, (cos, sin, segment_ids, positions), cache=cache,
-            kv_meta=kv_meta)
+        runner = self.runner if runner is None else runner
+        extra = {}
+        if after_layer is not None:
+            if not isinstance(runner, LayerScan):
+                raise ValueError(f"{self.cfg.model_type}: deepstack image features need the layer scan runner; "
+                                 f"this call runs on {type(runner).__name__}")
+            extra["after_layer"] = after_layer
+        out = runner.run(self.layer_pattern, self.stacks, h, (cos, sin, segment_ids, positions), cache=cache,
+                         kv_meta=kv_meta, **extra)
         return out._replace(hidden=self.final_norm(out.hidden))
+
+    def _mrope_tables(self, rope_positions, shape):
+        cfg = self.cfg
+        if cfg.mrope_section is None:
+            raise ValueError(f"{cfg.model_type}: rope_positions [3, B, T] given to a model without a multimodal "
+                             "rope (rope_parameters.mrope_section)")
+        if tuple(rope_positions.shape) != (3, *shape):
+            raise ValueError(f"rope_positions: expected [3, {shape[0]}, {shape[1]}], got "
+                             f"{list(rope_positions.shape)}")
+        return mrope_cos_sin(rope_positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, True, self.dtype,
+                             inv_freq=inv_freq(cfg))
+
+    def _with_images(self, h, images: ImageInputs):
+        """h [B, T, D] with the image tokens' embeddings replaced by the tower's merged rows -> (h, the deepstack
+        hook for the layer runner or None)."""
+        if self.visual is None:
+            raise ValueError(f"{self.cfg.model_type}: images given but the model has no vision tower (its checkpoint "
+                             "has no model.visual.* tensors, or the model was built without one)")
+        B, T, D = h.shape
+        out = self.visual(images.pixel_values, images.grid(), dtype=self.dtype)
+        merged, deepstack = out.merged, out.deepstack
+        if merged.shape[0] != images.token_index.shape[0]:
+            raise ValueError(f"images: {merged.shape[0]} merged rows for {images.token_index.shape[0]} token "
+                             "indices (the patch bucket must be the token bucket x spatial_merge_size^2)")
+        if not self.train_vision:
+            merged, deepstack = jax.lax.stop_gradient((merged, deepstack))
+        index = images.token_index
+        h = h.reshape(B * T, D).at[index].set(merged.astype(h.dtype), mode="drop").reshape(B, T, D)
+        if not deepstack:
+            return h, None
+        features = jnp.stack(deepstack)  # [K, M, D]: one per deepstack merger
+        K = features.shape[0]
+
+        def add(i, h):
+            def go(h):
+                f = jax.lax.dynamic_index_in_dim(features, jnp.minimum(i, K - 1), keepdims=False).astype(h.dtype)
+                return h.reshape(B * T, D).at[index].add(f, mode="drop").reshape(B, T, D)
+            return jax.lax.cond(i < K, go, lambda h: h, h)
+
+        return h, add
 
     def head_weight(self) -> jax.Array:
         """The output projection as [D, V] (the transposed embedding when tied)."""
@@ -318,12 +398,15 @@ class Decoder(nnx.Module):
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
 
-    def __call__(self, tokens, positions=None, segment_ids=None, *, cache: KVCache | None = None):
-        """Logits [B, T, V] (and the cache when one is given). Defaults: one segment, positions 0..T-1."""
+    def __call__(self, tokens, positions=None, segment_ids=None, *, cache: KVCache | None = None,
+                 images: ImageInputs | None = None, rope_positions=None):
+        """Logits [B, T, V] (and the cache when one is given). Defaults: one segment, positions 0..T-1. images /
+        rope_positions: a vision-language model's (`hidden_states`)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens, dtype=jnp.int32)
-        h, cache, _ = self.hidden_states(tokens, positions, segment_ids, cache=cache)
+        h, cache, _ = self.hidden_states(tokens, positions, segment_ids, cache=cache, images=images,
+                                         rope_positions=rope_positions)
         logits = self.logits(h)
         return (logits, cache) if cache is not None else logits

@@ -206,7 +206,8 @@ class LayerRunner(Protocol):
             cache=None, kv_meta=None) -> HiddenStates:
         """h [B, T, D] after every layer (not final-normed). stacks: each stack's stacked module (leaves
         [rows, ...]); consts: the per-row arrays every layer reads; cache / kv_meta: the model cache (after its
-        `step`; `cache.parts(pattern.stacks)` gives each stack's part) and the call's metadata, or None."""
+        `step`; `cache.parts(pattern.stacks)` gives each stack's part) and the call's metadata, or None.
+        `LayerScan.run` also takes `after_layer` (Qwen3-VL's deepstack); other runners need not."""
         ...
 
 
@@ -362,7 +363,10 @@ class LayerScan:
     carry_cache: bool = False
 
     def run(self, pattern: LayerPattern, stacks: Mapping[str, nnx.Module], h, consts: tuple, *, cache=None,
-            kv_meta=None) -> HiddenStates:
+            kv_meta=None, after_layer: Callable | None = None) -> HiddenStates:
+        """As `LayerRunner.run`; `after_layer(i, h) -> h`, when given, runs after every layer with its (traced)
+        HF layer index i, outside the recompute wrapper (Qwen3-VL's deepstack adds image features to the first
+        layers' outputs: a `lax.cond` on i, so nothing [L, B, T, D] is made)."""
         split = _split(pattern, stacks)
         G, P, R = pattern.groups, pattern.period, pattern.remainder
         parts = {} if cache is None else dict(cache.parts(pattern.caches))  # cache part -> its cache
@@ -372,14 +376,17 @@ class LayerScan:
                   for n, part in parts.items() if n not in carried}
         layers = [self._layer(split[t.stack], t, consts, kv_meta) for t in pattern.types]
 
-        def apply(positions, h, carries, states, rows, views):
+        def apply(positions, h, carries, states, rows, views, first=None):
             """The layers at `positions` of the pattern, in order, each with its parameters, row and cache view
             (its stack's carried cache instead when that rides in the carry: advanced a row after the layer) ->
-            (h, carried caches, new per-layer views (None where carried or no cache), stats)."""
+            (h, carried caches, new per-layer views (None where carried or no cache), stats). `first`: the HF
+            layer index of positions[0] (traced; needed by `after_layer` only)."""
             carries, new_views, stats = dict(carries), [], []
-            for p, state_l, row, view in zip(positions, states, rows, views):
+            for k, (p, state_l, row, view) in enumerate(zip(positions, states, rows, views)):
                 name = pattern.types[p].cache_part
                 h, view, st = layers[p](h, state_l, row, carries.get(name, view))
+                if after_layer is not None:
+                    h = after_layer(first + k, h)
                 if name in carries:
                     carries[name] = dataclasses.replace(view, layer=view.layer + 1)
                 new_views.append(None if name in carries else view)
@@ -398,7 +405,8 @@ class LayerScan:
                 c = t.cache_part
                 views.append(None if c not in cache_groups else cache_groups[c]
                              if pattern.cache_per_group(c) == 1 else _take(cache_groups[c], pattern.cache_slot(p)))
-            h, carries, new_views, stats = apply(range(P), h, carries, states, rows, views)
+            h, carries, new_views, stats = apply(range(P), h, carries, states, rows, views,
+                                                 None if g is None else g * P)
             ys = {}
             for name in cache_groups:  # each part's new views, as its slices came: [k, ...] or one view
                 mine = [v for v, t in zip(new_views, pattern.types) if t.cache_part == name]
@@ -406,7 +414,8 @@ class LayerScan:
             return (h, carries), (ys, stats[0] if P == 1 else _stack_stats(stats))
 
         any_in_place = any(s.rebuild is not None for s in split.values())
-        xs = ({name: s.groups for name, s in split.items()}, jnp.arange(G) if any_in_place else None,
+        xs = ({name: s.groups for name, s in split.items()},
+              jnp.arange(G) if any_in_place or after_layer is not None else None,
               {name: groups for name, (groups, _) in sliced.items()})
         new_groups, stats = {}, None
         if G:
@@ -422,7 +431,7 @@ class LayerScan:
             h, carries, rest_views, rest_stats = apply(
                 range(R), h, carries, [_take(s.rest, j) for s, j, _, _ in rest],
                 [G * s.per_group + j for s, j, _, _ in rest],
-                [_take(sliced[n][1], jc) if n in sliced else None for _, _, n, jc in rest])
+                [_take(sliced[n][1], jc) if n in sliced else None for _, _, n, jc in rest], jnp.int32(G * P))
             stats = _concat(stats, _stack_stats(rest_stats))
             for name in sliced:
                 mine = [v for v, (_, _, n, _) in zip(rest_views, rest) if n == name]

@@ -129,6 +129,21 @@ GPT_OSS_WEIGHTS: tuple[WeightRow, ...] = ATTENTION_WEIGHTS + (
 
 
 
+def qwen3_vl_weights(prefix: str, *, moe: bool = False, fused: bool = False) -> tuple[WeightRow, ...]:
+    """Qwen3-VL's text model under `prefix` (`model.language_model.` in Qwen3VLForConditionalGeneration; `model.`
+    for the text-only table the config round trip names): Qwen3's rows (q/k norms, untied head unless tied). With
+    `moe` (qwen3_vl_moe) every layer's MLP is the sparse MoE: the router `mlp.gate` [E, D] and the experts as one
+    tensor per layer, published `x @ W`-ready (`mlp.experts.gate_up_proj` [E, D, 2F] = [gate | up],
+    `mlp.experts.down_proj` [E, F, D]; transformers 5.17 transposes them on load) or, with `fused`, as transformers
+    holds them in memory and its save_pretrained writes them ([E, 2F, D] / [E, D, F])."""
+    rows = LLAMA_STYLE_WEIGHTS if not moe else ATTENTION_WEIGHTS + (
+        WeightRow("model.layers.{i}.mlp.gate.weight", "layers.mlp.router.kernel", True),  # [L, D, E]
+        WeightRow("model.layers.{i}.mlp.experts.gate_up_proj", f"{_EXPERTS}.gate_up_proj.kernel", fused),
+        WeightRow("model.layers.{i}.mlp.experts.down_proj", f"{_EXPERTS}.down_proj.kernel", fused))
+    return tuple(dataclasses.replace(r, hf=prefix + r.hf.removeprefix("model.")) if r.hf.startswith("model.") else r
+                 for r in rows)
+
+
 def qwen3_5_weights(prefix: str, *, moe: bool = False, fused: bool = False) -> tuple[WeightRow, ...]:
     """Qwen3.5's hybrid under `prefix` (`model.`: Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM; `model.language_model.`:
     the text backbone of the ConditionalGeneration models). Attention layers (stack `layers`): q_proj [D, 2 N H] =
@@ -343,6 +358,11 @@ class Family:
     short_conv: bool = False
     norm_eps_key: str = "rms_norm_eps"  # config.json's RMSNorm epsilon key
     rope_theta_default: float = 10000.0  # transformers' default when config.json does not say
+    # Multimodal rope: the default `mrope_section` (ModelConfig.mrope_section) when rope_parameters has none; None:
+    # a family without it
+    mrope: tuple[int, int, int] | None = None
+    # a vision tower under `model.visual.` (models/vision/): loaded with the text model when the checkpoint holds it
+    vision: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -361,18 +381,34 @@ FAMILIES: dict[str, Family] = {
         Family("gpt_oss", "GptOssForCausalLM", attention_bias=True, attention_sinks=True, o_proj_bias=True,
                weights=GPT_OSS_WEIGHTS, moe="gpt_oss"),
         Family("qwen3_5_text", "Qwen3_5ForCausalLM", attention_bias=False, qk_norm=True, hybrid=True,
-               partial_rotary_default=0.25, weights=qwen3_5_weights("model."), skipped_prefixes=("mtp.",)),
+               partial_rotary_default=0.25, weights=qwen3_5_weights("model."), skipped_prefixes=("mtp.",),
+               mrope=(11, 11, 10)),
         Family("qwen3_5", "Qwen3_5ForConditionalGeneration", attention_bias=False, qk_norm=True, hybrid=True,
                partial_rotary_default=0.25, weights=qwen3_5_weights("model.language_model."), text_config=True,
-               skipped_prefixes=("model.visual.", "mtp.")),
+               skipped_prefixes=("mtp.",), mrope=(11, 11, 10), vision=True),
         Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", attention_bias=False, qk_norm=True, hybrid=True,
                partial_rotary_default=0.25, weights=qwen3_5_weights("model.", moe=True),
                fused_weights=qwen3_5_weights("model.", moe=True, fused=True), moe="qwen3_5_moe",
-               intermediate_size_key=False, skipped_prefixes=("mtp.",)),
+               intermediate_size_key=False, skipped_prefixes=("mtp.",), mrope=(11, 11, 10)),
         Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", attention_bias=False, qk_norm=True, hybrid=True,
                partial_rotary_default=0.25, weights=qwen3_5_weights("model.language_model.", moe=True),
                fused_weights=qwen3_5_weights("model.language_model.", moe=True, fused=True), moe="qwen3_5_moe",
-               intermediate_size_key=False, text_config=True, skipped_prefixes=("model.visual.", "mtp.")),
+               intermediate_size_key=False, text_config=True, skipped_prefixes=("mtp.",), mrope=(11, 11, 10),
+               vision=True),
+        # Qwen3-VL: Qwen3's text model (q/k norms) with M-RoPE and deepstack, its vision tower under model.visual.
+        Family("qwen3_vl", "Qwen3VLForConditionalGeneration", qk_norm=True, text_config=True,
+               weights=qwen3_vl_weights("model.language_model."), mrope=(24, 20, 20), vision=True,
+               rope_theta_default=5e5),
+        Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", qk_norm=True, text_config=True,
+               weights=qwen3_vl_weights("model.language_model.", moe=True),
+               fused_weights=qwen3_vl_weights("model.language_model.", moe=True, fused=True), moe="qwen3_vl_moe",
+               mrope=(24, 20, 20), vision=True, rope_theta_default=5e5),
+        # their text models (transformers' Qwen3VLTextConfig / Qwen3VLMoeTextConfig: `text_config` of the above)
+        Family("qwen3_vl_text", "Qwen3VLTextModel", qk_norm=True, weights=qwen3_vl_weights("model."),
+               mrope=(24, 20, 20), rope_theta_default=5e5),
+        Family("qwen3_vl_moe_text", "Qwen3VLMoeTextModel", qk_norm=True, weights=qwen3_vl_weights("model.", moe=True),
+               fused_weights=qwen3_vl_weights("model.", moe=True, fused=True), moe="qwen3_vl_moe",
+               mrope=(24, 20, 20), rope_theta_default=5e5),
         Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, tie_default=True, gemma3=True,
                weights=gemma3_weights("model.")),
         # the text backbone; `fused_weights` here is the second accepted naming: the published layout

@@ -5,6 +5,10 @@ Loading checks everything before any weight is converted: the files exist and ar
 config implies is present with the shape the config implies, and nothing unexpected is left over. The
 name mapping is the family's weight table (surojax.models.registry), data rather than code.
 
+A vision-language family's vision tower (`model.visual.*`, registry `Family.vision`) is loaded beside the text model
+as `Decoder.visual` (models/vision/hf_weights.py, its tensors checked before the text weights convert) and written
+back by save_model; a checkpoint without those tensors loads text-only.
+
 A pre-quantised checkpoint (a quantization_config surojax.weights.prequant reads: FP8 block / per-tensor /
 per-channel scales, NVFP4, bitsandbytes NF4) shows each quantised weight as one tensor under its plain name. With
 `keep_quantized` the decoder's Linear kernels stay in their format (stacked over layers in a `QuantParam`, as
@@ -32,6 +36,9 @@ from surojax.models.config import ModelConfig, ModelConfigError
 from surojax.models.decoder import Decoder
 from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.models.registry import WeightRow, family_for, row_layers, weight_rows
+from surojax.models.vision.config import VisionConfig
+from surojax.models.vision.hf_weights import PREFIX as VISION_PREFIX
+from surojax.models.vision.hf_weights import load_vision_tower, vision_tower_tensors
 from surojax.quant.base import QuantFormat
 from surojax.quant.transform import QuantParam
 from surojax.weights.json_file import read_json_object
@@ -167,10 +174,13 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         log.info("%s: skipping %d tensors outside the language model (%s: a vision tower / MTP heads surojax does "
                  "not run)", model_dir, len(not_text), ", ".join(p for p in skipped if any(n.startswith(p)
                                                                                          for n in not_text)))
+    family = family_for(cfg.model_type)
+    visual = sorted(n for n in present if n.startswith(VISION_PREFIX)) if family.vision else []
+    present -= set(visual)
     expected = _expected(cfg, abstract)
-    if family_for(cfg.model_type).fused_weights:  # a second naming (MoE: fused experts; gemma3: published layout)
+    if family.fused_weights:  # a second naming (MoE: fused experts; gemma3: published layout; qwen3_vl_moe: layout)
         fused = _expected(cfg, abstract, fused=True)
-        if len(present & set(fused)) > len(present & set(expected)):
+        if _fit(fused, present, where) > _fit(expected, present, where):
             expected = fused
     if cfg.tie_word_embeddings and "lm_head.weight" in present:
         present.discard("lm_head.weight")  # a tied head saved anyway: the embedding is used
@@ -195,6 +205,13 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     if problems:
         raise WeightsError(f"{model_dir}: the weights do not match config.json ({cfg.model_type}):\n  - "
                            + "\n  - ".join(problems))
+
+    tower = None
+    if visual:  # the vision tower (models/vision/): its config and tensors checked before the text weights load
+        vision_cfg = VisionConfig.from_hf(cfg.hf_extra.get("vision_config") or {}, cfg.model_type,
+                                          source=f"{model_dir}/config.json")
+        tower = load_vision_tower(vision_cfg, {n: where[n].get(n) for n in visual}, param_dtype=param_dtype,
+                                  source=str(model_dir))
 
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     shapes = {".".join(map(str, p)): tuple(v.get_value().shape) for p, v in nnx.to_flat_state(abstract)}
@@ -235,7 +252,16 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
         return var.replace(state[key])
 
     filled = nnx.map_state(fill, abstract)
-    return nnx.merge(graphdef, filled)
+    model = nnx.merge(graphdef, filled)
+    model.visual = tower
+    return model
+
+
+def _fit(expected: dict, present: set, where: dict) -> int:
+    """How many of a table's tensors the checkpoint holds with the table's shape (picks between two namings, or
+    two layouts under one naming: qwen3_vl_moe's experts)."""
+    return sum(1 for name, (_, _, shape) in expected.items()
+               if name in present and tuple(where[name].shape(name)) == shape)
 
 
 def _kept_quantized(row: WeightRow) -> bool:
@@ -309,7 +335,8 @@ def _load_sharded(shape: tuple[int, ...], dtype, items, where: dict[str, Safeten
 
 
 def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
-    """The model's weights under their Hugging Face names (the published layout), in `dtype` (default: as stored)."""
+    """The language model's weights under their Hugging Face names (the published layout), in `dtype` (default: as
+    stored); a vision tower's are `vision_tower_tensors(model.visual)` (save_model writes both)."""
     cfg = model.cfg
     params = nnx.state(model, nnx.Param)
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(params)}
@@ -338,6 +365,8 @@ def save_model(model: Decoder, out_dir: str | os.PathLike, *, dtype=None, max_sh
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise WeightsError(f"{out_dir}: exists and is not empty; choose another output folder")
     tensors = hf_tensors(model, dtype)
+    if getattr(model, "visual", None) is not None:  # the vision tower under model.visual.*
+        tensors |= vision_tower_tensors(model.visual, dtype)
     hf_cfg = model.cfg.to_hf()
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = str(next(iter(tensors.values())).dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

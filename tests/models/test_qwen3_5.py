@@ -4,7 +4,7 @@ transformers 5.17 (scripts/make_qwen3_5_fixtures.py; tests/fixtures/README.md):
 
     qwen3_5_text      Qwen3_5ForCausalLM: model.layers.*, 6 layers = one [linear x 3, full] group and a remainder of two
     qwen3_5           Qwen3_5ForConditionalGeneration: model.language_model.*, text_config, 4 layers, a vision tower
-                      that is skipped, tied head
+                      (loaded beside the text model: tests/models/test_vlm.py runs it), tied head
     qwen3_5_moe_text  Qwen3_5MoeForCausalLM: qwen3_5_text's layers with the MoE
     qwen3_5_moe       Qwen3_5MoeForConditionalGeneration: qwen3_5's layers with the MoE
 
@@ -23,7 +23,6 @@ for it, and for a text checkpoint one [5, T] batch: row 0 packs the three sequen
 right-padded, row 4 the longest left-padded)."""
 import functools
 import json
-import logging
 from pathlib import Path
 
 import jax
@@ -35,7 +34,7 @@ from flax import nnx
 from surojax.generation.loop import generate
 from surojax.losses.router import load_balancing_loss
 from surojax.models.config import ModelConfig, ModelConfigError
-from surojax.models.decoder import layer_pattern
+from surojax.models.decoder import layer_pattern, vision_filter
 from surojax.models.layer_runner import LayerType
 from surojax.models.registry import stack_layers, weight_rows
 from surojax.models.targets import model_targets, resolve_model_targets
@@ -161,7 +160,8 @@ def test_packed(text_case):
 
 def test_parameter_count(case):
     _, model, _, _, exp, _ = case
-    counted = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    text = nnx.state(model, nnx.All(nnx.Param, nnx.Not(vision_filter)))  # the multimodal ones hold their tower too
+    counted = sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(text))
     assert model.cfg.num_params() == counted == int(exp["num_params"])
 
 
@@ -236,14 +236,15 @@ def test_moe_keys_asking_for_other_behaviour_are_refused_by_name():
 
 
 @pytest.mark.parametrize("name", MULTIMODAL)
-def test_vision_tower_is_skipped_with_a_log_line(name, caplog):
+def test_vision_tower_loads_with_the_text_model(name, tmp_path):
+    """The checkpoint's model.visual.* tensors become the decoder's `visual` tower; the same checkpoint without them
+    loads text-only (visual None), as before the tower was modelled."""
     d = FIXTURES / name
-    visual = sum(n.startswith("model.visual.") for n in SafetensorsFile(d / "model.safetensors").names())
-    assert visual > 0
-    with caplog.at_level(logging.INFO, logger="surojax.weights.hf_checkpoint"):
-        load_model(d, dtype=jnp.float32, attention="xla")
-    assert any("model.visual." in r.getMessage() and f"skipping {visual} tensors" in r.getMessage()
-               for r in caplog.records)
+    f = SafetensorsFile(d / "model.safetensors")
+    assert load_model(d, dtype=jnp.float32, attention="xla").visual is not None
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    write_safetensors(tmp_path / "model.safetensors", {n: f.get(n) for n in f.names() if "visual" not in n})
+    assert load_model(tmp_path, dtype=jnp.float32, attention="xla").visual is None
 
 
 def test_saved_folder_loads_back(case, tmp_path):
@@ -253,7 +254,7 @@ def test_saved_folder_loads_back(case, tmp_path):
     out = save_model(model, tmp_path / name)
     saved = SafetensorsFile(out / "model.safetensors")
     fixture = SafetensorsFile(FIXTURES / name / "model.safetensors")
-    published = {n for n in fixture.names() if "visual" not in n}
+    published = set(fixture.names())  # the vision tower's tensors too
     assert set(saved.names()) == published
     assert all(np.array_equal(saved.get(n), fixture.get(n)) for n in published)
     hf = json.loads((out / "config.json").read_text())

@@ -6,8 +6,12 @@
 - block.py: one pre-norm block (LayerNorm, attention with the 2-D rotary, GELU MLP);
 - merger.py: the patch merger (merge_size**2 neighbouring patches -> one language-model token);
 - tower.py: `VisionTower`, patch embedding + learned positions + blocks + merger + deepstack mergers;
-- hf_weights.py: the tower's parameters from transformers' tensor names (`model.visual.*`).
+- hf_weights.py: the tower's parameters from and to transformers' tensor names (`model.visual.*`);
+- mrope.py: the language model's multimodal rotary positions (get_rope_index) and cos / sin;
+- inputs.py: `prepare_images`, the host side of a batch with images -> `ImageInputs` (jit-friendly, patches padded
+  to a bucket) and per-segment `rope_positions` [3, B, T].
 
-Not wired into the decoder yet: the merged embeddings replace the image placeholder tokens' embeddings and the
-deepstack features are added to the first decoder layers' outputs (a later piece of issue 41).
+The decoder (models/decoder.py) holds the tower as `Decoder.visual` and takes `images=` / `rope_positions=`: the
+merged embeddings replace the image placeholder tokens' embeddings and the deepstack features are added to those
+tokens' hidden states after the first decoder layers (the layer scan's `after_layer` hook).
 """

@@ -67,3 +67,22 @@ def load_vision_tower(cfg: VisionConfig, tensors: Mapping[str, np.ndarray], *, p
                                      f"{'.'.join(map(str, path))}")
         variable.set_value(jnp.asarray(value, param_dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def vision_tower_tensors(tower: VisionTower, dtype=None) -> dict[str, np.ndarray]:
+    """The tower's parameters under transformers' names (`model.visual.*`, the inverse of `load_vision_tower`), in
+    `dtype` (default: as stored)."""
+    out = {}
+    for path, variable in nnx.to_flat_state(nnx.state(tower, nnx.Param)):
+        value = np.asarray(variable.get_value())
+        if dtype is not None:
+            value = value.astype(np.dtype(jnp.dtype(dtype)))
+        if str(path[-1]) == "kernel":
+            value = value.T
+            if tuple(str(p) for p in path[:-1]) == ("patch_embed", "proj"):
+                cfg = tower.cfg
+                value = value.reshape(cfg.hidden_size, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                      cfg.patch_size)
+        out[PREFIX + _hf_name(path)] = np.ascontiguousarray(value)
+    return out
+
