@@ -100,7 +100,7 @@ def _operands(lin: Linear, m: int, layers: int, dtype, key):
 
 def _fns(lin: Linear, tiles, fused: bool, interpret: bool):
     """(pallas(x, w_t stack, nw, r), xla(x, w [L, K, N] stack, nw, r)): the L layers back to back, each output the
-    next layer's carry (the residual variants add it; the others overwrite it)."""
+    next layer's carry (the residual variants add it; the others overwrite it), every output returned."""
     import jax
     import jax.numpy as jnp
 
@@ -124,15 +124,22 @@ def _fns(lin: Linear, tiles, fused: bool, interpret: bool):
             y = ACTIVATIONS[act](g) * u
         return y + r if res else y
 
+    # Every layer's output is returned: a variant whose output only overwrites the carry (no residual) would
+    # otherwise leave all but the last application dead, and XLA drops dead code, custom calls included (session
+    # 23's first GPU run timed one application over L and printed 10 TB/s).
     def pallas(x, wt, nw, r):
+        outs = []
         for i in range(wt.shape[0]):
             r = one_pallas(x, wt, i, nw, r)
-        return r
+            outs.append(r)
+        return tuple(outs)
 
     def xla(x, w, nw, r):
+        outs = []
         for i in range(w.shape[0]):
             r = one_xla(x, w[i], nw, r)
-        return r
+            outs.append(r)
+        return tuple(outs)
 
     return jax.jit(pallas), jax.jit(xla), one_pallas, one_xla
 

@@ -109,13 +109,15 @@ def test_lowers_to_triton_for_an_h200():
 
 def test_the_mode_choice(monkeypatch):
     """pallas: the kernel up to MAX_ROWS rows; xla: never; auto: only on a GPU and up to the measured AUTO_MAX_M
-    (0 until benchmarks/decode_gemv.py has measured it), weights laid out for it only where it can be taken."""
+    (8 since session 23's H100 run), weights laid out for it only where it can be taken."""
     from pallas_kernels.decode_gemv import api
 
     assert [api.choose(m, "pallas") for m in (1, MAX_ROWS, MAX_ROWS + 1)] == ["pallas", "pallas", "xla"]
     assert api.converts("pallas") and not api.converts("xla") and api.choose(1, "xla") == "xla"
     monkeypatch.setattr(api, "on_gpu", lambda: True)
-    assert not api.converts("auto") and api.choose(1, "auto") == "xla"  # AUTO_MAX_M = 0: not measured yet
+    assert api.converts("auto") and [api.choose(m, "auto") for m in (1, 8, 9)] == ["pallas", "pallas", "xla"]
+    monkeypatch.setattr(api, "AUTO_MAX_M", 0)
+    assert not api.converts("auto") and api.choose(1, "auto") == "xla"
     monkeypatch.setattr(api, "AUTO_MAX_M", 4)
     assert api.converts("auto") and [api.choose(m, "auto") for m in (4, 5)] == ["pallas", "xla"]
     monkeypatch.setattr(api, "on_gpu", lambda: False)
