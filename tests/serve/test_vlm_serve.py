@@ -1,0 +1,140 @@
+"""Serving a vision-language model (serve/request_images.py): greedy output with an image equals transformers'
+Qwen3VLForConditionalGeneration.generate (tests/fixtures/models/qwen3_vl_chat/expected.json, made by
+scripts/make_vlm_serve_fixtures.py), in the engine (chunked prefill splitting an image, multi-step decode,
+n-gram speculation beside an image request) and through the official openai client (data URL and file image
+parts, streaming); the prefix cache keys image blocks by the pixels (same ids + other image: no image block
+shared, other output; the same image as a file and as a data URL: every full block hit)."""
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import openai
+import pytest
+
+from surojax.data.tokenizer import Tokenizer
+from surojax.data.vision_data import model_vision
+from surojax.serve.config import SpecMethod, SpeculativeConfig
+from surojax.serve.engine import Engine
+from surojax.serve.image_prompt import prompt_with_images
+from surojax.weights.hf_checkpoint import load_model
+from tests.serve.configs import BUCKETS, engine_config
+from tests.serve.live_server import live_server
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "tests" / "fixtures" / "models" / "qwen3_vl_chat"
+IMAGES = {"img_a.png": ROOT / "tests" / "fixtures" / "vision_chat", "img_b.png": ROOT / "tests" / "fixtures" /
+          "vision_chat", "img_c.png": MODEL}
+EXPECTED = json.loads((MODEL / "expected.json").read_text())
+BLOCK = 4
+
+
+def image_path(name: str) -> Path:
+    return IMAGES[name] / name
+
+
+def data_url(name: str) -> str:
+    return "data:image/png;base64," + base64.b64encode(image_path(name).read_bytes()).decode()
+
+
+def messages(case: str, url: str) -> list[dict]:
+    """The case's messages as an OpenAI client sends them: the processor's {"type": "image"} part as an
+    image_url part with `url`."""
+    out = json.loads(json.dumps(EXPECTED[case]["messages"]))
+    for m in out:
+        if isinstance(m["content"], list):
+            for part in m["content"]:
+                if part["type"] == "image":
+                    part.clear()
+                    part.update(type="image_url", image_url={"url": url})
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL, dtype=jnp.float32, attention="xla")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(MODEL)
+
+
+def run(engine, prompt) -> list[int]:
+    rid = engine.add_request(prompt.ids, max_tokens=8, images=prompt)
+    out = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                out += o.new_token_ids
+    return out
+
+
+def test_engine_greedy_equals_transformers_and_prefix_cache_keys_pixels(model, tok):
+    """chunk_size 8 splits each image over chunks (the tower runs per chunk, its rows sliced); decode_steps 4."""
+    vision = model_vision(MODEL)
+    engine = Engine(model, engine_config(num_blocks=64, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64,
+                                         chunk_size=8, decode_steps=4, max_model_len=96, buckets=BUCKETS),
+                    tokenizer=tok)
+    prompts = {case: prompt_with_images(messages(case, str(image_path(EXPECTED[case]["image"]))), tok, vision)
+               for case in EXPECTED}
+    for case, prompt in prompts.items():
+        assert prompt.ids == EXPECTED[case]["input_ids"]
+    a, c = prompts["a"], prompts["c"]
+    assert a.ids == c.ids and a.image_hashes != c.image_hashes  # same ids, other pixels
+    first_image_token = a.image_spans[0][0]
+
+    hits = engine.kv.prefix_cache_hits
+    assert run(engine, a) == EXPECTED["a"]["new_ids"]
+    hits, before = engine.kv.prefix_cache_hits, hits
+    assert run(engine, c) == EXPECTED["c"]["new_ids"]  # a's image blocks would give a's KV
+    hits, before = engine.kv.prefix_cache_hits, hits
+    assert hits - before == first_image_token // BLOCK * BLOCK  # only the text blocks before the image
+    # the same image as a data URL: the same pixel hash, every full block of the prompt (but the last token) hit
+    again = prompt_with_images(messages("a", data_url("img_a.png")), tok, vision)
+    assert again.image_hashes == a.image_hashes
+    assert run(engine, again) == EXPECTED["a"]["new_ids"]
+    hits, before = engine.kv.prefix_cache_hits, hits
+    assert hits - before == (len(a.ids) - 1) // BLOCK * BLOCK
+    assert run(engine, prompts["b"]) == EXPECTED["b"]["new_ids"]
+    assert engine.scheduler.num_multi_steps > 0
+
+
+def test_image_request_beside_speculation_and_refused_on_a_text_model(model, tok):
+    """Under n-gram speculation an image request decodes plainly (not proposed for), same greedy ids."""
+    vision = model_vision(MODEL)
+    prompt = prompt_with_images(messages("b", data_url("img_b.png")), tok, vision)
+    engine = Engine(model, engine_config(num_blocks=64, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64,
+                                         max_model_len=96, buckets=BUCKETS,
+                                         speculative=SpeculativeConfig(SpecMethod.NGRAM, num_tokens=2)),
+                    tokenizer=tok)
+    text = engine.add_request(tok.encode("abab abab abab"), max_tokens=8)
+    assert run(engine, prompt) == EXPECTED["b"]["new_ids"]
+    assert text not in engine.scheduler.requests and engine.spec_stats is not None
+    text_model = load_model(ROOT / "tests" / "fixtures" / "models" / "qwen3", attention="xla")
+    plain = Engine(text_model, engine_config(num_blocks=64, block_size=BLOCK, max_model_len=96, buckets=BUCKETS))
+    with pytest.raises(ValueError, match="no vision tower"):
+        plain.add_request(prompt.ids, max_tokens=2, images=prompt)
+
+
+def test_served_with_the_openai_client(tok):
+    """One server: a data-URL image (greedy text = transformers'), the other image with the same text as a file
+    (its own output, not a's), and a streamed request equal to the whole answer."""
+    argv = ["--served-model-name", "vlm", "--max-num-seqs", "4", "--block-size", str(BLOCK), "--num-kv-blocks",
+            "128", "--max-model-len", "96", "--max-num-batched-tokens", "64"]
+
+    def want(case):
+        return tok.decode(EXPECTED[case]["new_ids"], skip_special_tokens=True)
+
+    with live_server(argv, buckets=BUCKETS, model=MODEL) as (url, state):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        ask = dict(model="vlm", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        got = client.chat.completions.create(messages=messages("a", data_url("img_a.png")), **ask)
+        assert got.choices[0].message.content == want("a") and got.usage.completion_tokens == 8
+        assert got.usage.prompt_tokens == len(EXPECTED["a"]["input_ids"])
+        got = client.chat.completions.create(messages=messages("c", image_path("img_c.png").as_uri()), **ask)
+        assert got.choices[0].message.content == want("c") != want("a")
+        stream = client.chat.completions.create(messages=messages("b", data_url("img_b.png")), stream=True, **ask)
+        assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == want("b")
