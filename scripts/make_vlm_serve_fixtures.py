@@ -19,6 +19,12 @@ tests/fixtures/models/qwen3_vl_chat/
                                      image_grid_thw, and `generate(do_sample=False, max_new_tokens=8,
                                      eos_token_id=None)`'s new ids (fp32, eager attention)
 
+tests/fixtures/vlm/generate.json      for two decoders of scripts/make_vlm_fixtures.py, `generate`'s 8 greedy new ids
+                                     on one case of tests/fixtures/vlm/NAME.npz: qwen3_vl (Qwen3-VL, vocab 256) case
+                                     b (two images), qwen3_5_moe (Qwen3.5 MoE: Gated DeltaNet layers beside
+                                     attention, its tower; image token ids 250..253 set on the config as that
+                                     script does) case a (qwen3_5's greedy ids repeat one token: too weak a check)
+
 The script fails unless case a and case c (same text, other image) generate different tokens, and unless every
 greedy step's top-1 / top-2 logit gap is > 1e-3.
 """
@@ -123,5 +129,37 @@ def main() -> None:
     print(json.dumps({p.name: p.stat().st_size for p in sorted(OUT.iterdir())}))
 
 
+def _greedy(model, inputs) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None,
+                             output_scores=True, return_dict_in_generate=True)
+    gaps = [float(torch.topk(s[0], 2).values.diff().abs()) for s in out.scores]
+    assert min(gaps) > 1e-3, gaps
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def decoders() -> None:
+    """Greedy ids of a case of tests/fixtures/vlm/NAME.npz -> vlm/generate.json."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    models = ROOT / "tests" / "fixtures" / "models"
+    out = {}
+    for name, c in (("qwen3_vl", "b"), ("qwen3_5_moe", "a")):
+        config = AutoConfig.from_pretrained(models / name)
+        for k, v in {"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252,
+                     "vision_end_token_id": 253}.items():
+            setattr(config, k, v)
+        config._attn_implementation = "eager"
+        model = AutoModelForImageTextToText.from_pretrained(models / name, config=config, dtype=torch.float32,
+                                                            experts_implementation="eager").eval()
+        case = np.load(ROOT / "tests" / "fixtures" / "vlm" / f"{name}.npz")
+        ids = torch.tensor(case[f"{c}_ids"][None])
+        inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.tensor(case[f"{c}_pixels"]),
+                      image_grid_thw=torch.tensor(case[f"{c}_grid"]), mm_token_type_ids=(ids == 250).long())
+        out[name] = {"case": c, "new_ids": _greedy(model, inputs)}
+        print(name, out[name])
+    (ROOT / "tests" / "fixtures" / "vlm" / "generate.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
 if __name__ == "__main__":
     main()
+    decoders()

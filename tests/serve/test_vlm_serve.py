@@ -3,14 +3,18 @@ Qwen3VLForConditionalGeneration.generate (tests/fixtures/models/qwen3_vl_chat/ex
 scripts/make_vlm_serve_fixtures.py), in the engine (chunked prefill splitting an image, multi-step decode,
 n-gram speculation beside an image request) and through the official openai client (data URL and file image
 parts, streaming); the prefix cache keys image blocks by the pixels (same ids + other image: no image block
-shared, other output; the same image as a file and as a data URL: every full block hit)."""
+shared, other output; the same image as a file and as a data URL: every full block hit). Two images in one prompt
+(Qwen3-VL) and a hybrid Qwen3.5 MoE with its tower: greedy ids equal transformers' (tests/fixtures/vlm/
+generate.json)."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import openai
 import pytest
 
@@ -18,7 +22,9 @@ from surojax.data.tokenizer import Tokenizer
 from surojax.data.vision_data import model_vision
 from surojax.serve.config import SpecMethod, SpeculativeConfig
 from surojax.serve.engine import Engine
-from surojax.serve.image_prompt import prompt_with_images
+from surojax.models.config import ModelConfig
+from surojax.models.vision.mrope import mrope_positions
+from surojax.serve.image_prompt import ImagePrompt, prompt_with_images
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.configs import BUCKETS, engine_config
 from tests.serve.live_server import live_server
@@ -138,3 +144,33 @@ def test_served_with_the_openai_client(tok):
         assert got.choices[0].message.content == want("c") != want("a")
         stream = client.chat.completions.create(messages=messages("b", data_url("img_b.png")), stream=True, **ask)
         assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == want("b")
+
+
+VLM_TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+
+
+def fixture_prompt(case) -> ImagePrompt:
+    """An ImagePrompt of a tests/fixtures/vlm case (ids with image tokens 250, pixel rows, grids)."""
+    ids, grids = case["ids"], case["grid"]
+    runs = np.flatnonzero(np.diff(np.r_[0, (ids == 250).astype(int), 0]))
+    spans = tuple((int(a), int(b - a)) for a, b in zip(runs[::2], runs[1::2]))
+    pos, delta = mrope_positions(ids[None], grids, image_token_id=250, video_token_id=251, vision_start_token_id=252,
+                                 spatial_merge_size=2)
+    cuts = np.r_[0, np.cumsum(np.prod(grids, axis=1))]
+    hashes = tuple(hashlib.sha256(case["pixels"][a:b].tobytes()).hexdigest() for a, b in zip(cuts, cuts[1:]))
+    return ImagePrompt(ids.tolist(), case["pixels"], grids, spans, hashes, pos[:, 0], int(delta[0]))
+
+
+@pytest.mark.parametrize("name,chunk", [("qwen3_vl", 8), ("qwen3_5_moe", None)])
+def test_decoder_fixtures_greedy_equals_transformers(name, chunk):
+    """qwen3_vl: two images in one prompt (deepstack), prefilled in chunks of 8; qwen3_5_moe: linear-attention
+    state slots beside the attention pool (no prefix cache), one prefill chunk (fewer CPU compiles)."""
+    folder = ROOT / "tests" / "fixtures" / "models" / name
+    want = json.loads((ROOT / "tests" / "fixtures" / "vlm" / "generate.json").read_text())[name]
+    data = np.load(ROOT / "tests" / "fixtures" / "vlm" / f"{name}.npz")
+    case = {k: data[f"{want['case']}_{k}"] for k in ("ids", "grid", "pixels")}
+    hf = json.loads((folder / "config.json").read_text()) | VLM_TOKENS
+    vlm = load_model(folder, cfg=ModelConfig.from_hf(hf), attention="xla")
+    engine = Engine(vlm, engine_config(num_blocks=64, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64,
+                                       chunk_size=chunk, max_model_len=96, buckets=BUCKETS))
+    assert run(engine, fixture_prompt(case)) == want["new_ids"]
