@@ -3,7 +3,8 @@ Qwen3VLForConditionalGeneration.generate (tests/fixtures/models/qwen3_vl_chat/ex
 scripts/make_vlm_serve_fixtures.py), in the engine (chunked prefill splitting an image, multi-step decode,
 n-gram speculation beside an image request) and through the official openai client (data URL and file image
 parts, streaming); the prefix cache keys image blocks by the pixels (same ids + other image: no image block
-shared, other output; the same image as a file and as a data URL: every full block hit). Two images in one prompt
+shared, other output; the same image as a file and as a data URL: every full block hit); runtime LoRA slots with
+an image request. Two images in one prompt
 (Qwen3-VL) and a hybrid Qwen3.5 MoE with its tower: greedy ids equal transformers' (tests/fixtures/vlm/
 generate.json)."""
 from __future__ import annotations
@@ -13,13 +14,19 @@ import hashlib
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from flax import nnx
 
 from surojax.data.tokenizer import Tokenizer
 from surojax.data.vision_data import model_vision
+from surojax.generation.loop import generate
+from surojax.peft.lora import apply_lora, lora_modules, merge_lora
+from surojax.peft.multi_lora import AdapterSlots
+from surojax.peft.peft_io import save_peft_adapter
 from surojax.serve.config import SpecMethod, SpeculativeConfig
 from surojax.serve.engine import Engine
 from surojax.models.config import ModelConfig
@@ -174,3 +181,29 @@ def test_decoder_fixtures_greedy_equals_transformers(name, chunk):
     engine = Engine(vlm, engine_config(num_blocks=64, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64,
                                        chunk_size=chunk, max_model_len=96, buckets=BUCKETS))
     assert run(engine, fixture_prompt(case)) == want["new_ids"]
+
+
+def test_image_requests_with_lora_slots(model, tok, tmp_path):
+    """Runtime LoRA (AdapterSlots) on the VLM: an image request with an adapter equals the plain-cache generate of
+    the merged model with the same image; without one, transformers' tokens."""
+    m = nnx.clone(model)
+    apply_lora(m, targets=("q_proj", "v_proj", "down_proj"), rank=4, alpha=8, rngs=nnx.Rngs(1))
+    for i, mod in enumerate(lora_modules(m).values()):
+        mod.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(10 + i), mod.lora_b.get_value().shape))
+    save_peft_adapter(m, tmp_path / "a", None)
+    merged = merge_lora(m)
+    prompt = prompt_with_images(messages("a", data_url("img_a.png")), tok, model_vision(MODEL))
+    ref = generate(merged, [prompt.ids], 8, pixel_values=[prompt.pixel_values],
+                   image_grid_thw=[prompt.image_grid_thw])[0]
+    assert ref != EXPECTED["a"]["new_ids"]  # the adapter changes the output
+    served = nnx.clone(model)
+    engine = Engine(served, engine_config(num_blocks=64, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=96, buckets=BUCKETS), tokenizer=tok,
+                    lora=AdapterSlots(served, max_loras=1, max_rank=4))
+    engine.load_lora("a", tmp_path / "a")
+    rids = {engine.add_request(prompt.ids, max_tokens=8, images=prompt, adapter=a): a for a in ("a", None)}
+    outs = {r: [] for r in rids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+    assert {rids[r]: v for r, v in outs.items()} == {"a": ref, None: EXPECTED["a"]["new_ids"]}
