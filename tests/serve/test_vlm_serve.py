@@ -115,6 +115,24 @@ def test_engine_greedy_equals_transformers_and_prefix_cache_keys_pixels(model, t
     assert engine.scheduler.num_multi_steps > 0
 
 
+def test_image_requests_batched_with_preemption(model, tok):
+    """Three image requests at once (rows of one call with their own images) in a pool too small for all: one is
+    preempted and recomputed; every greedy output still equals transformers'."""
+    vision = model_vision(MODEL)
+    engine = Engine(model, engine_config(num_blocks=26, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64,
+                                         chunk_size=16, decode_steps=2, max_model_len=96, buckets=BUCKETS),
+                    tokenizer=tok)
+    rids = {engine.add_request(p.ids, max_tokens=8, images=p): case for case, p in
+            ((c, prompt_with_images(messages(c, str(image_path(EXPECTED[c]["image"]))), tok, vision))
+             for c in EXPECTED)}
+    outs = {r: [] for r in rids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+    assert {c: outs[r] for r, c in rids.items()} == {c: e["new_ids"] for c, e in EXPECTED.items()}
+    assert engine.scheduler.num_preemptions > 0
+
+
 def test_image_request_beside_speculation_and_refused_on_a_text_model(model, tok):
     """Under n-gram speculation an image request decodes plainly (not proposed for), same greedy ids."""
     vision = model_vision(MODEL)
