@@ -42,6 +42,10 @@ IMAGES = {"img_a.png": ROOT / "tests" / "fixtures" / "vision_chat", "img_b.png":
           "vision_chat", "img_c.png": MODEL}
 EXPECTED = json.loads((MODEL / "expected.json").read_text())
 BLOCK = 4
+# one engine shape for the engine tests (their compiled programs shared): 26 blocks of 4 tokens hold two of the
+# fixture's requests but not three; chunks of 8 split every image; multi-step decode of 4
+SMALL = dict(num_blocks=26, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64, chunk_size=8, decode_steps=4,
+             max_model_len=96, buckets=BUCKETS)
 
 
 def image_path(name: str) -> Path:
@@ -88,9 +92,7 @@ def run(engine, prompt) -> list[int]:
 def test_engine_greedy_equals_transformers_and_prefix_cache_keys_pixels(model, tok):
     """chunk_size 8 splits each image over chunks (the tower runs per chunk, its rows sliced); decode_steps 4."""
     vision = model_vision(MODEL)
-    engine = Engine(model, engine_config(num_blocks=64, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64,
-                                         chunk_size=8, decode_steps=4, max_model_len=96, buckets=BUCKETS),
-                    tokenizer=tok)
+    engine = Engine(model, engine_config(**SMALL), tokenizer=tok)
     prompts = {case: prompt_with_images(messages(case, str(image_path(EXPECTED[case]["image"]))), tok, vision)
                for case in EXPECTED}
     for case, prompt in prompts.items():
@@ -119,9 +121,7 @@ def test_image_requests_batched_with_preemption(model, tok):
     """Three image requests at once (rows of one call with their own images) in a pool too small for all: one is
     preempted and recomputed; every greedy output still equals transformers'."""
     vision = model_vision(MODEL)
-    engine = Engine(model, engine_config(num_blocks=26, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64,
-                                         chunk_size=16, decode_steps=2, max_model_len=96, buckets=BUCKETS),
-                    tokenizer=tok)
+    engine = Engine(model, engine_config(**SMALL), tokenizer=tok)
     rids = {engine.add_request(p.ids, max_tokens=8, images=p): case for case, p in
             ((c, prompt_with_images(messages(c, str(image_path(EXPECTED[c]["image"]))), tok, vision))
              for c in EXPECTED)}
