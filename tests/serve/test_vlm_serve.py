@@ -118,18 +118,22 @@ def test_engine_greedy_equals_transformers_and_prefix_cache_keys_pixels(model, t
 
 
 def test_image_requests_batched_with_preemption(model, tok):
-    """Three image requests at once (rows of one call with their own images) in a pool too small for all: one is
-    preempted and recomputed; every greedy output still equals transformers'."""
+    """Three image requests and a text one at once (rows of one call with their own images; the text row takes
+    1-D positions on all three M-RoPE axes) in a pool too small for all: one is preempted and recomputed; every
+    image request's greedy output equals transformers', the text one the plain-cache generate's (1-D rope)."""
     vision = model_vision(MODEL)
     engine = Engine(model, engine_config(**SMALL), tokenizer=tok)
-    rids = {engine.add_request(p.ids, max_tokens=8, images=p): case for case, p in
-            ((c, prompt_with_images(messages(c, str(image_path(EXPECTED[c]["image"]))), tok, vision))
-             for c in EXPECTED)}
+    text = tok.apply_chat_template([{"role": "user", "content": "What is in it?"}], add_generation_prompt=True)
+    rids = {engine.add_request(text, max_tokens=8): "text"}
+    rids |= {engine.add_request(p.ids, max_tokens=8, images=p): case for case, p in
+             ((c, prompt_with_images(messages(c, str(image_path(EXPECTED[c]["image"]))), tok, vision))
+              for c in EXPECTED)}
     outs = {r: [] for r in rids}
     while engine.has_unfinished():
         for o in engine.step():
             outs[o.request_id] += o.new_token_ids
-    assert {c: outs[r] for r, c in rids.items()} == {c: e["new_ids"] for c, e in EXPECTED.items()}
+    want = {c: e["new_ids"] for c, e in EXPECTED.items()} | {"text": generate(model, [text], 8)[0]}
+    assert {c: outs[r] for r, c in rids.items()} == want
     assert engine.scheduler.num_preemptions > 0
 
 
