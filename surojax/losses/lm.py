@@ -142,7 +142,8 @@ def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS,
     """
     if router is not None and model.cfg.moe is None:
         raise ValueError("router losses need a mixture-of-experts model; this one is dense")
-    h, _, stats = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])
+    h, _, stats = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                      images=batch.get("images"), rope_positions=batch.get("rope_positions"))
     if router is None:
         total, count = chunked_lm_loss(h, model.head_weight(), batch["targets"], batch["loss_mask"], chunk,
                                        model.cfg.final_logit_softcapping)
