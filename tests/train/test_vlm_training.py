@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from surojax.config import config_from_dict
 from surojax.data.batch import FIELDS
 from surojax.data.image_batch import collate_image_rows
 from surojax.losses.lm import lm_loss
@@ -26,8 +28,9 @@ from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
 from surojax.peft.stacked import load_adapter_into
 from surojax.train.image_inputs import step_image_batch
 from surojax.train.step import make_train_step
+from surojax.train.trainer import Trainer
 from surojax.weights.hf_checkpoint import load_model
-from surojax.weights.safetensors_file import SafetensorsFile
+from surojax.weights.safetensors_file import SafetensorsFile, write_safetensors
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3_vl"
@@ -82,3 +85,50 @@ def test_lora_on_image_rows_follows_peft_loss_curve_and_exports_as_peft(tmp_path
     assert all(n.startswith("base_model.model.model.language_model.layers.") for n in names)
     assert sorted(json.loads((out / "adapter_config.json").read_text())["target_modules"]) == sorted(
         json.loads((FIXTURE / "adapter" / "adapter_config.json").read_text())["target_modules"])
+
+
+def _tiny_vlm_folder(tmp_path: Path) -> Path:
+    """The tiny Qwen3-VL with the vision_chat fixture's tokenizer (516 tokens, its image / video / vision-start
+    tokens 514 / 515 / 512): the embedding and head grown to 516 rows (new rows N(0, 0.2)), and a processor for
+    the tower's patch 4 at most 32x32 pixels an image."""
+    folder = tmp_path / "tiny_vlm"
+    folder.mkdir()
+    chat = ROOT / "tests" / "fixtures" / "vision_chat"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(chat / name, folder / name)
+    cfg = json.loads((BASE / "config.json").read_text())
+    cfg.update(image_token_id=514, video_token_id=515, vision_start_token_id=512, vision_end_token_id=513)
+    cfg["text_config"]["vocab_size"] = 516
+    (folder / "config.json").write_text(json.dumps(cfg))
+    weights = SafetensorsFile(BASE / "model.safetensors")
+    rng = np.random.default_rng(0)
+    tensors = {n: weights.get(n) for n in weights.names()}
+    for name in ("lm_head.weight", "model.language_model.embed_tokens.weight"):
+        w = tensors[name]
+        tensors[name] = np.concatenate([w, 0.2 * rng.standard_normal((516 - len(w), w.shape[1]), w.dtype)])
+    write_safetensors(folder / "model.safetensors", tensors)
+    proc = json.loads((chat / "preprocessor_config.json").read_text())
+    proc.update(patch_size=4, size={"shortest_edge": 64, "longest_edge": 32 * 32})
+    (folder / "preprocessor_config.json").write_text(json.dumps(proc))
+    return folder
+
+
+def test_sft_on_the_example_image_dataset_saves_an_adapter(tmp_path):
+    """`surojax sft` (in process) with the example image rows: LoRA on the language model, 2 steps of 2 micro-batches
+    each, eval on the image test rows, the PEFT adapter written; the tower frozen (no optimizer state)."""
+    data = ROOT / "examples" / "data" / "images"
+    cfg = config_from_dict(dict(
+        model=str(_tiny_vlm_folder(tmp_path)), output_dir=str(tmp_path / "out"), recipe="fp32", recompute="none",
+        lora=True, lora_rank=4, lora_alpha=8, lora_target_modules="all-linear",
+        datasets=[{"path": str(data / "train.jsonl"), "type": "conversation"}],
+        validation_datasets=[{"path": str(data / "test.jsonl"), "type": "conversation"}],
+        sequence_len=128, sample_packing=True, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=1e-2, lr_scheduler_type="constant", max_steps=2, seed=0))
+    trainer = Trainer(cfg)
+    assert trainer.data.stats.images > 0
+    assert not nnx.state(trainer.trainable, vision_filter)  # the tower: frozen, no optimizer state
+    last = trainer.train()
+    assert np.isfinite(last["loss"]) and np.isfinite(last["eval_loss"])
+    adapter = tmp_path / "out" / "adapter"
+    names = SafetensorsFile(adapter / WEIGHTS_FILE).names()
+    assert names and all(n.startswith("base_model.model.model.language_model.layers.") for n in names)
