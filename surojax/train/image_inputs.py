@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from surojax.data.image_batch import IMAGE_KEYS, ROPE_KEY, split_image_batch
+from surojax.data.image_batch import IMAGE_KEYS, ROPE_KEY, patch_bucket, split_image_batch
 from surojax.models.vision.inputs import ImageInputs, VisionTokens, prepare_images
 
 IMAGES_KEY = "images"
@@ -69,3 +69,17 @@ def eval_image_batch(batch: Mapping[str, np.ndarray], tokens: VisionTokens) -> d
     """A collated eval batch [B, T] -> the same keys without the leading axis."""
     out = step_image_batch(batch, tokens, 1)
     return {k: (ImageInputs(*(x[0] for x in v)) if k == IMAGES_KEY else v[0]) for k, v in out.items()}
+
+
+def planned_patches(row_sets, micro_rows: int, merge_size: int) -> int:
+    """The most patches a micro-batch of `micro_rows` rows can hold (the memory plan's vision term): the bucket of
+    the `micro_rows` rows with the most patches, over the packed row sets given (ImagePackedRows; others hold none)."""
+    most = 0
+    for rows in row_sets:
+        examples = getattr(rows, "image_examples", None)
+        if examples is None:
+            continue
+        per_row = sorted((sum(len(examples[e].pixel_values) for e in b if examples[e] is not None)
+                          for b in rows.bins), reverse=True)
+        most = max(most, sum(per_row[:micro_rows]))
+    return patch_bucket(most, merge_size)

@@ -177,6 +177,7 @@ class BatchSpec:
     rows: int  # rows per device per micro-batch
     accumulation: int
     sequence_len: int
+    image_patches: int = 0  # the most image patches of a micro-batch (its bucket; the memory plan's vision term)
 
 
 @dataclasses.dataclass(frozen=True)
