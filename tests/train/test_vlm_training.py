@@ -12,14 +12,21 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from surojax.config import config_from_dict
+from surojax.config.errors import ConfigError
 from surojax.data.batch import FIELDS
 from surojax.data.image_batch import collate_image_rows
+from surojax.data.preference import build_preference_data
+from surojax.data.prompts import load_prompts
+from surojax.data.sources import DataError
+from surojax.data.tokenizer import Tokenizer
 from surojax.losses.lm import lm_loss
 from surojax.models.decoder import vision_filter
 from surojax.models.vision.inputs import VisionTokens
@@ -27,6 +34,8 @@ from surojax.peft.lora import TRAINABLE
 from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
 from surojax.peft.stacked import load_adapter_into
 from surojax.train.image_inputs import step_image_batch
+from surojax.train.model_setup import build_model, trainable_filter
+from surojax.train.run_spec import TrainSetupError, run_spec
 from surojax.train.step import make_train_step
 from surojax.train.trainer import Trainer
 from surojax.weights.hf_checkpoint import load_model
@@ -132,3 +141,34 @@ def test_sft_on_the_example_image_dataset_saves_an_adapter(tmp_path):
     adapter = tmp_path / "out" / "adapter"
     names = SafetensorsFile(adapter / WEIGHTS_FILE).names()
     assert names and all(n.startswith("base_model.model.model.language_model.layers.") for n in names)
+
+
+@pytest.mark.parametrize("train_vision", [False, True])
+def test_full_fine_tuning_leaves_the_tower_frozen_unless_train_vision(tmp_path, train_vision):
+    """Full fine-tuning trains the language model; the tower (stored in the compute dtype) only with train_vision."""
+    cfg = config_from_dict(dict(model=str(BASE), output_dir=str(tmp_path / "out"), recipe="bf16",
+                                train_vision=train_vision, datasets=[{"path": "unused.jsonl"}]))
+    spec = run_spec(cfg, total_steps=1)
+    model = build_model(spec)
+    trainable = nnx.state(model, trainable_filter(spec))
+    assert bool(nnx.state(trainable, vision_filter)) is train_vision
+    assert nnx.state(trainable, nnx.Not(vision_filter))  # the language model trains either way
+    dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model.visual, nnx.Param))}
+    assert dtypes == {jnp.dtype(jnp.float32 if train_vision else jnp.bfloat16)} and model.train_vision is train_vision
+
+
+def test_train_vision_and_image_rows_refused_where_not_read(tmp_path):
+    with pytest.raises(ConfigError, match="train_vision"):
+        config_from_dict(dict(model=str(BASE), lora=True, train_vision=True, datasets=[{"path": "x.jsonl"}]))
+    with pytest.raises(TrainSetupError, match="train_vision: qwen3 has no vision tower"):
+        run_spec(config_from_dict(dict(model=str(ROOT / "tests" / "fixtures" / "models" / "qwen3"),
+                                       train_vision=True, datasets=[{"path": "x.jsonl"}])), total_steps=1)
+    image_row = {"images": ["a.png"], "prompt": "<image>Which colour?", "chosen": "Red.", "rejected": "Blue."}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(image_row) + "\n")
+    tok = Tokenizer.from_dir(ROOT / "tests" / "fixtures" / "vision_chat")
+    with pytest.raises(DataError, match="trainer: dpo trains on text pairs only"):
+        build_preference_data([{"path": str(path), "type": "preference"}], tok, sequence_len=64, batch_size=1)
+    path.write_text(json.dumps({"images": ["a.png"], "prompt": "<image>Which colour?"}) + "\n")
+    with pytest.raises(DataError, match="trainer: grpo generates from text prompts only"):
+        load_prompts([{"path": str(path), "type": "prompt"}], tok, max_prompt_len=64)
