@@ -35,6 +35,7 @@ from surojax.data.pipeline import build_data_from_config
 from surojax.losses.lm import lm_loss
 from surojax.data.tokenizer import Tokenizer
 from surojax.data.image_batch import ROPE_KEY
+from surojax.models.decoder import vision_filter
 from surojax.models.layers.attention import packed_backend
 from surojax.models.vision.inputs import VisionTokens
 from surojax.offload.optimizer import master_params
@@ -401,7 +402,9 @@ class Trainer:
 
     # ---- the run --------------------------------------------------------------------------------------------
     def summary_lines(self) -> list[str]:
-        n_total = _count(self.trainable) + (_count(self.frozen) if self.spec.lora is not None else 0)
+        # full fine-tuning: the frozen state is the vision tower's (frozen unless train_vision), if any
+        frozen = self.frozen if self.spec.lora is not None else self.frozen.filter(vision_filter)
+        n_total = _count(self.trainable) + _count(frozen)
         n_train = _count(self.trainable)
         planned = self.plan.total_steps * self.plan.tokens_per_step
         budget = CHINCHILLA_TOKENS_PER_PARAM * n_total
