@@ -403,7 +403,7 @@ class Trainer:
     # ---- the run --------------------------------------------------------------------------------------------
     def summary_lines(self) -> list[str]:
         # full fine-tuning: the frozen state is the vision tower's (frozen unless train_vision), if any
-        frozen = self.frozen if self.spec.lora is not None else self.frozen.filter(vision_filter)
+        frozen = self.frozen if self.spec.lora is not None else nnx.filter_state(self.frozen, vision_filter)
         n_total = _count(self.trainable) + _count(frozen)
         n_train = _count(self.trainable)
         planned = self.plan.total_steps * self.plan.tokens_per_step

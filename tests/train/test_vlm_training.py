@@ -135,7 +135,7 @@ def test_sft_on_the_example_image_dataset_saves_an_adapter(tmp_path):
         learning_rate=1e-2, lr_scheduler_type="constant", max_steps=2, seed=0))
     trainer = Trainer(cfg)
     assert trainer.data.stats.images > 0
-    assert not nnx.state(trainer.trainable, vision_filter)  # the tower: frozen, no optimizer state
+    assert not nnx.filter_state(trainer.trainable, vision_filter)  # the tower: frozen, no optimizer state
     last = trainer.train()
     assert np.isfinite(last["loss"]) and np.isfinite(last["eval_loss"])
     adapter = tmp_path / "out" / "adapter"
@@ -172,3 +172,28 @@ def test_train_vision_and_image_rows_refused_where_not_read(tmp_path):
     path.write_text(json.dumps({"images": ["a.png"], "prompt": "<image>Which colour?"}) + "\n")
     with pytest.raises(DataError, match="trainer: grpo generates from text prompts only"):
         load_prompts([{"path": str(path), "type": "prompt"}], tok, max_prompt_len=64)
+
+
+def test_full_fine_tuning_with_train_vision_trains_the_tower_and_saves_it(tmp_path):
+    """train_vision: true (full fine-tuning): one step on the example image rows moves the tower's weights
+    (gradients flow through it, the optimizer holds it); the saved model folder holds the trained tower."""
+    data = ROOT / "examples" / "data" / "images"
+    cfg = config_from_dict(dict(
+        model=str(_tiny_vlm_folder(tmp_path)), output_dir=str(tmp_path / "out"), recipe="fp32", recompute="none",
+        train_vision=True, datasets=[{"path": str(data / "train.jsonl"), "type": "conversation"}],
+        sequence_len=128, per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="constant",
+        max_steps=1, seed=0))
+    trainer = Trainer(cfg)
+    def tower():
+        return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.filter_state(trainer.trainable,
+                                                                                             vision_filter))}
+
+    before = tower()
+    assert before
+    trainer.train()
+    after = tower()
+    assert all(not np.array_equal(before[k], after[k]) for k in before if k[-1] == "kernel")
+    saved = SafetensorsFile(tmp_path / "out" / "model" / "model.safetensors")
+    qkv = saved.get("model.visual.blocks.0.attn.qkv.weight")
+    kernel = next(v for k, v in after.items() if "blocks" in k and 0 in k and "qkv" in k and k[-1] == "kernel")
+    np.testing.assert_array_equal(qkv, kernel.T)
