@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from surojax.models.vision.inputs import VisionTokens
 from surojax.peft.lora import TRAINABLE
 from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
 from surojax.peft.stacked import load_adapter_into
+from surojax.train.distill import text_rows_only
 from surojax.train.image_inputs import step_image_batch
 from surojax.train.model_setup import build_model, trainable_filter
 from surojax.train.run_spec import TrainSetupError, run_spec
@@ -160,6 +162,8 @@ def test_full_fine_tuning_leaves_the_tower_frozen_unless_train_vision(tmp_path, 
 def test_train_vision_and_image_rows_refused_where_not_read(tmp_path):
     with pytest.raises(ConfigError, match="train_vision"):
         config_from_dict(dict(model=str(BASE), lora=True, train_vision=True, datasets=[{"path": "x.jsonl"}]))
+    with pytest.raises(ConfigError, match="trainer: dpo"):
+        config_from_dict(dict(model=str(BASE), trainer="dpo", train_vision=True, datasets=[{"path": "x.jsonl"}]))
     with pytest.raises(TrainSetupError, match="train_vision: qwen3 has no vision tower"):
         run_spec(config_from_dict(dict(model=str(ROOT / "tests" / "fixtures" / "models" / "qwen3"),
                                        train_vision=True, datasets=[{"path": "x.jsonl"}])), total_steps=1)
@@ -172,6 +176,11 @@ def test_train_vision_and_image_rows_refused_where_not_read(tmp_path):
     path.write_text(json.dumps({"images": ["a.png"], "prompt": "<image>Which colour?"}) + "\n")
     with pytest.raises(DataError, match="trainer: grpo generates from text prompts only"):
         load_prompts([{"path": str(path), "type": "prompt"}], tok, max_prompt_len=64)
+    closed = []
+    data = SimpleNamespace(stats=SimpleNamespace(images=3), train=SimpleNamespace(close=lambda: closed.append(1)))
+    with pytest.raises(TrainSetupError, match="trainer: distill trains on text rows only.*3 images"):
+        text_rows_only(data)
+    assert closed  # the loader's threads stopped before the error
 
 
 def test_full_fine_tuning_with_train_vision_trains_the_tower_and_saves_it(tmp_path):
