@@ -14,7 +14,8 @@ rope_positions are recomputed by prepare_images (the model's own function; the d
 Data parallelism: the [.., B, T] arrays are split over the batch axes as text batches are; the flat pixel rows
 cannot be split by row, so `images` is replicated on every device (each runs the tower on the whole micro-batch's
 images; the scatter keeps its rows' tokens). Multi-process runs refuse image batches (each process holds other
-images: `ImageBatchError`).
+images: `ImageBatchError`), and so do pipeline stages (the tower and its deepstack features run outside the staged
+layers).
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ IMAGES_KEY = "images"
 
 
 class ImageBatchError(ValueError):
-    """An image batch the step cannot take; the message says which setting."""
+    """An image batch the run cannot take; the message says which setting (a user error: the CLI prints it)."""
+
+    is_user_error = True
 
 
 def is_image_batch(batch: Mapping) -> bool:

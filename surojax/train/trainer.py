@@ -40,6 +40,7 @@ from surojax.models.layers.attention import packed_backend
 from surojax.models.vision.inputs import VisionTokens
 from surojax.offload.optimizer import master_params
 from surojax.parallel import MeshError, batch_sharding, make_mesh
+from surojax.parallel.pipeline import pipeline_stages
 from surojax.parallel.distributed import barrier, gather_to_main, global_batch, max_over_processes, row_block
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import copy_adapter_files, save_peft_adapter
@@ -331,6 +332,10 @@ class Trainer:
 
     def _vision_tokens(self) -> VisionTokens:
         """The model's image token ids and tower shape (train/image_inputs.py turns image batches with them)."""
+        if pipeline_stages(self.mesh) > 1:
+            raise ImageBatchError("image rows do not train over pipeline stages (parallel.stage > 1) in this version: "
+                                  "the vision tower and its deepstack features run outside the staged layers; use "
+                                  "data / fsdp parallelism")
         if self.rows.count > 1:
             raise ImageBatchError("image rows train in one process for now: each process's loader holds other "
                                   "images (multi-process runs: surojax launch, srun); one process over its devices "
