@@ -1,11 +1,12 @@
 """benchmarks/speculation.py's greedy check: the first divergence's margin in a reference forward's logits, the
-near-tie verdict (bf16 only; float32 must be exact), and the early-exit draft built from the target's layers."""
+near-tie verdict (bf16 only; float32 must be exact), the break-even acceptance, and the early-exit draft built from
+the target's layers."""
 import argparse
 
 import numpy as np
 from flax import nnx
 
-from benchmarks.speculation import build_models, first_divergence, greedy_check, verdict
+from benchmarks.speculation import break_even, build_models, first_divergence, greedy_check, verdict
 
 
 def test_first_divergence_margin_and_verdict():
@@ -29,6 +30,13 @@ def test_first_divergence_margin_and_verdict():
     assert not greedy_check([far], "bfloat16", near_tie=0.05)["greedy_ok"]
     assert greedy_check([None, None], "float32", near_tie=0.05) == dict(greedy_equal=True, diverged=0,
                                                                           greedy_ok=True)
+
+
+def test_break_even():
+    """A draft step at 0.5x the baseline's tok/s emitting one token: it needs one accepted proposal per step more."""
+    assert break_even(dict(speedup=0.5, accepted_per_step=0.0)) == 1.0
+    assert break_even(dict(speedup=2.0, accepted_per_step=3.0)) == 1.0
+    assert break_even(dict(speedup=None, accepted_per_step=None)) is None
 
 
 def test_draft_is_the_targets_first_layers():
