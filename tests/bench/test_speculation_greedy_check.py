@@ -52,3 +52,23 @@ def test_draft_is_the_targets_first_layers():
     for path, var in d.items():
         want = t[path].get_value()
         np.testing.assert_array_equal(var.get_value(), want[:1] if path[0] == "layers" else want, err_msg=str(path))
+
+
+def test_reference_logits_pad_past_the_sequence():
+    """The margin's forward: the sequence padded to a fixed length gives the unpadded forward's logits (causal)."""
+    import jax.numpy as jnp
+
+    from benchmarks.speculation import reference_logits
+
+    a = argparse.Namespace(shape="debug", untie=True, dtype="float32", draft="random", draft_layers=1, smoke=True)
+    target, _ = build_models(a, with_draft=False)
+    ids = [5, 9, 11, 300, 2]
+    np.testing.assert_allclose(reference_logits(target, 16)(ids), target(jnp.asarray([ids]))[0], atol=1e-4)
+
+
+def test_smoke_run_is_exact_in_float32():
+    """The CPU smoke run (float32, an untied target: outputs that do not just repeat) exits 0: equal, token for token."""
+    from benchmarks.speculation import main
+
+    assert main(["--smoke", "--shapes", "qwen3-0.6b", "--untie", "--users", "2", "--workloads", "chat",
+                 "--methods", "off,ngram"]) == 0
