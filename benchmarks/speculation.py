@@ -37,7 +37,9 @@ one (its own layers would make a hybrid draft, which is refused).
 The `off` baseline is what a user of `surojax serve` gets: the server's default decode steps per device call
 (`SERVE_DECODE_STEPS`, 8; `--off-decode-steps` to change it). Until 2026-12-06 the off row ran the engine's
 library default of one token per call (396 tok/s for one user on qwen3-0.6b vs serve_load's 627 at the server's
-default on the same H100), which overstated every speed-up by ~1.6x. Speculation verifies its own K + 1 tokens
+default on the same H100; serve_load's engine mode differs from that off row only in the decode steps and its
+2 rounds per user, so the steps are taken to be the gap, not yet confirmed on the GPU), which overstated every
+speed-up by ~1.6x. Speculation verifies its own K + 1 tokens
 per call and runs with decode_steps 1 (the server refuses both at once).
 
 Checked: greedy output with speculation against without, token for token, per request. Two different paths
@@ -49,16 +51,17 @@ their activations round differently, so an argmax whose top two logits are withi
 there the two continuations differ (the random-weight model's logits are flat: near-ties are common). So where an
 output differs the bench finds the first differing token and, in a third forward (the whole sequence at once, no
 cache), its margin logit(off's token) - logit(spec's token). For scale, in units of the logits' standard deviation
-over the vocabulary (sd): bf16 rounding after ~28 layers moves a logit by a few hundredths of an sd; the gap
-between a random model's top two logits over a 151k vocabulary is ~0.2 sd on average (so a flip somewhere in 128
-flat-logit tokens is expected); a wrong token from a position / KV bug is ~5 sd below the top one. The `greedy
-equal` cell says `True`, or `near-ties:
-n/N differ, first divergence at a margin <= X logits (Y sd)`, or `NO: ...` when a margin exceeds --near-tie logit
-sds (a real difference, not rounding). The exit status is 1 when float32 differs at all or bfloat16 beyond
-near-ties.
+over the vocabulary (sd): bf16 rounding after 28 layers moves a logit by a few hundredths of an sd; the gap
+between a random model's top two logits over a 151k vocabulary is ~0.1 sd (median; so a flip somewhere in 128
+flat-logit tokens is expected); a wrong token from a position / KV bug is ~4.5 sd below the top one. The `greedy
+equal` cell says `True`, or `near-ties: n/N differ, first divergence at a margin <= X logits (Y sd)`, or
+`NO: ...` when a margin exceeds --near-tie logit sds (a real difference, not rounding). The exit status is 1 when
+float32 differs at all or bfloat16 beyond near-ties.
+
 Evidence (CPU, 2026-12-06): bf16 vs fp32 logits of the qwen3-0.6b-shaped random model on one prompt differ by
-0.009 sd (median), 0.035 (p99), 0.077 (max), and its top-two gap is 0.10 sd (median): so the bf16 argmax
-flips wherever two paths round differently at a near-tie, the default --near-tie of 0.1 sd. With the GPU's decode
+0.009 sd (median), 0.035 (p99), 0.077 (max); its top-two gap is 0.10 sd (median) and a random token 4.5 sd
+below the top: so the bf16 argmax flips wherever two paths round differently at a near-tie (hence the default
+--near-tie of 0.1 sd). With the GPU's decode
 GEMV in interpret mode (SUROJAX_DECODE_GEMV=pallas, --smoke --untie --dtype bfloat16 --users 1,2) the 2-user chat
 rows diverge at a margin of 0.00012 logits (0.0007 sd); in float32 with the decode GEMV and the Pallas paged
 attention (both interpreted), 8 users sharing prompt blocks through the prefix cache, n-gram and draft (k = 4,
