@@ -206,7 +206,8 @@ def build_models(a, with_draft: bool):
 # ---- one measured run ---------------------------------------------------------------------------------------
 
 def run(a, model, draft, method: str, workload: str, users: int, max_tokens: int, seed: int, label: str):
-    """One round of `users` concurrent requests -> (result dict, {prompt index: output ids})."""
+    """One round of `users` concurrent requests -> (result dict, the prompts, their output ids), in order. The off
+    method decodes --off-decode-steps tokens per call (the server's default), a speculating one verifies per step."""
     import dataclasses
 
     import numpy as np
