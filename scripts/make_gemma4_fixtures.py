@@ -8,6 +8,10 @@ Run with the reference environment (torch + transformers), never from the suroja
     gemma4_text_moe/  gemma4_text with the MoE block (enable_moe_block: 4 experts of width 16, top 2, beside the
                   dense MLP in every layer); the router's input scale 1 + 0.3 N(0, 1) and its per-expert scales
                   0.5 + U(0, 1), checked to change the logits
+    gemma4_text_global/  gemma4_text with full-attention layers of their own shape, as every published size has:
+                  global_head_dim 32 (twice the sliding layers' 16), num_global_key_value_heads 1 and
+                  attention_k_eq_v (no v_proj on the full layers: their values are the key projection's output);
+                  transformers saves it as per_layer_config {"2": {head_dim 32, num_key_value_heads 1}, "5": ...}
     gemma4/       Gemma4ForConditionalGeneration (model_type gemma4: config.json with text_config and vision_config,
                   no audio), the language model under model.language_model.*, a 1-layer vision tower
                   (model.vision_tower.*) and its embedder (model.embed_vision.*) saved with it
@@ -60,6 +64,9 @@ TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
 # gemma4_text_moe: the MoE block beside the MLP in every layer (4 experts of width 16, 2 per token)
 MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+# gemma4_text_global: the full layers wider, with one kv head, keys as values (published Gemma 4's shape)
+GLOBAL = dict(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True)
+VARIANTS = {"gemma4_text": {}, "gemma4_text_moe": MOE, "gemma4_text_global": GLOBAL}
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
               head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
 
@@ -122,6 +129,17 @@ def _router_scales(lm):
             layer.router.scale.fill_(1.0)
 
 
+def _values_from_queries(lm):
+    """The full layers' values from another projection than the keys' (a reader that ignored k = v)."""
+    import torch.nn as nn
+    with torch.no_grad():
+        for layer in lm.layers:
+            attn = layer.self_attn
+            if attn.use_alternative_attention:
+                attn.v_proj = nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
+                attn.v_proj.weight.copy_(attn.k_proj.weight.flip(0))
+
+
 def _expected(model, out: Path, seed: int) -> None:
     rng = np.random.default_rng(seed)
     vocab = TEXT["vocab_size"]
@@ -138,6 +156,8 @@ def _expected(model, out: Path, seed: int) -> None:
         "proportional rope": lambda lm: _rope(lm, "full_attention", partial_rotary_factor=1.0),
         "layer scalars": _scalars,
     }
+    if _language_model(model).config.attention_k_eq_v:
+        checks |= {"keys as values": _values_from_queries}
     if _language_model(model).config.enable_moe_block:
         checks |= {"per-expert scales": _per_expert_scales, "router input scale": _router_scales}
     for what, edit in checks.items():
@@ -164,8 +184,8 @@ def make(name: str, seed: int) -> None:
     from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig,
                               Gemma4VisionConfig)
     torch.manual_seed(seed)
-    if name in ("gemma4_text", "gemma4_text_moe"):
-        text = copy.deepcopy(TEXT) | (MOE if name == "gemma4_text_moe" else {})
+    if name in VARIANTS:
+        text = copy.deepcopy(TEXT) | VARIANTS[name]
         cls, model = Gemma4ForCausalLM, Gemma4ForCausalLM(Gemma4TextConfig(**text))
     else:
         cfg = Gemma4Config(text_config=Gemma4TextConfig(**copy.deepcopy(TEXT)),
@@ -189,7 +209,7 @@ def make(name: str, seed: int) -> None:
           sorted(p.name for p in out.iterdir()))
 
 
-SEEDS = {"gemma4_text": 42, "gemma4": 45, "gemma4_text_moe": 47}
+SEEDS = {"gemma4_text": 42, "gemma4": 45, "gemma4_text_moe": 47, "gemma4_text_global": 51}
 
 if __name__ == "__main__":
     import sys

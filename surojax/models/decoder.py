@@ -22,6 +22,9 @@ in generation and serving (`Decoder.state_stack` / `state_shape`; kv/recurrent.p
 Gemma 4 (`gemma4_text`, the text backbone of `gemma4`): Gemma 3's block with plain-w norms,
 the values RMS-normalised without a weight (v norm), softmax scale 1, the full-attention layers' `proportional`
 rope, and each layer's output times its loaded `layer_scalar`:  h = layer_scalar * (h + RMSNorm(GeGLU(...))).
+Full-attention layers of their own shape (`cfg.global_attention`: global_head_dim, their kv heads, attention_k_eq_v's
+keys as values) are a stack of their own, `global_layers` (Blocks built from `cfg.global_config()`), beside `layers`
+(the sliding ones), with their own KV cache part; the full rope's tables span their head size.
 With its MoE block (`cfg.moe_beside_mlp`) the MoE runs beside the GeGLU: its router reads the residual stream h, its
 experts their own pre-norm of h, each branch is post-normed and the sum post-normed (`_mlp_residual`).
 
@@ -58,7 +61,7 @@ from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 from surojax.models.layers.short_conv import ShortConv
-from surojax.models.registry import DENSE_STACKS
+from surojax.models.registry import DENSE_STACKS, GLOBAL_STACK
 from surojax.models.vision.inputs import ImageInputs
 from surojax.models.vision.mrope import mrope_cos_sin
 from surojax.models.vision.tower import VisionTower
@@ -193,8 +196,10 @@ the cache parts of their kind (`LayerType.cache`)."""
         return LayerPattern(tuple(types[:_period(types)]), L)
     if cfg.layer_windows is None and cfg.local_rope_theta is None:
         return LayerPattern.uniform(L)
-    options = [_attention_options(cfg, i) for i in range(L)]
-    return LayerPattern(tuple(LayerType("layers", o) for o in options[:_period(options)]), L)
+    # Gemma 4's full layers of their own shape read `global_layers` (and its KV cache part)
+    types = [LayerType(GLOBAL_STACK if cfg.layer_is_global(i) else "layers", _attention_options(cfg, i))
+             for i in range(L)]
+    return LayerPattern(tuple(types[:_period(types)]), L)
 
 
 def _attention_options(cfg: ModelConfig, layer: int) -> tuple:
@@ -252,6 +257,10 @@ class Decoder(nnx.Module):
         self.linear_layers = None if cfg.linear_attention is None else _stack_blocks(
             lambda k: LinearBlock(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
             keys[pattern.rows("layers"):])
+        self.global_layers = None if cfg.global_attention is None else _stack_blocks(
+            lambda k: Block(cfg.global_config(), attention=attention, param_dtype=param_dtype,
+                            rngs=nnx.Rngs(params=k)),
+            keys[pattern.rows("layers"):pattern.rows("layers") + pattern.rows(GLOBAL_STACK)])
         self.conv_layers = None if cfg.short_conv is None else _stack_blocks(
             lambda k: ConvBlock(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
             keys[pattern.rows("layers"):pattern.rows("layers") + pattern.rows(CONV_STACK)])
@@ -284,7 +293,7 @@ class Decoder(nnx.Module):
         """The layer stacks by name: `layers`, and a hybrid's `linear_layers` or LFM2's `conv_layers` (lfm2_moe: also
         its dense leading layers' `dense_layers` / `dense_conv_layers` where they hold a layer)."""
         out = {"layers": self.layers}
-        for name in (LINEAR_STACK, CONV_STACK, *DENSE_STACKS.values()):
+        for name in (LINEAR_STACK, CONV_STACK, GLOBAL_STACK, *DENSE_STACKS.values()):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out

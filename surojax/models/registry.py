@@ -178,6 +178,10 @@ def qwen3_5_weights(prefix: str, *, moe: bool = False, fused: bool = False) -> t
             WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
 
 
+# Gemma 4's full-attention layers when shaped unlike its sliding ones (ModelConfig.global_attention: their own head
+# size / kv heads / no v_proj): a stack of their own beside `layers` (which then holds the sliding layers)
+GLOBAL_STACK = "global_layers"
+
 # lfm2_moe's dense leading layers (`num_dense_layers`) live in stacks of their own, one per mixer kind: the stack
 # of that kind's sparse layers -> the stack of its dense ones (ModelConfig.dense_layers; decoder.layer_pattern)
 DENSE_STACKS: dict[str, str] = {"layers": "dense_layers", "conv_layers": "dense_conv_layers"}
@@ -284,7 +288,9 @@ def gemma4_weights(prefix: str) -> tuple[WeightRow, ...]:
     (`enable_moe_block`, rows `when` moe_block): the router `router.proj` [E, D], its input scale `router.scale` [D]
     and `router.per_expert_scale` [E], the fused experts `experts.gate_up_proj` [E, 2F, D] / `experts.down_proj`
     [E, D, F], and three norms: `pre_feedforward_layernorm_2` (the experts' input), `post_feedforward_layernorm_1`
-    (the dense MLP's output), `post_feedforward_layernorm_2` (the experts' output)."""
+    (the dense MLP's output), `post_feedforward_layernorm_2` (the experts' output). Full-attention layers of their
+    own shape (`global_attention`) are the same names read into the stack `global_layers` (rows `when`
+    global_stack), without v_proj under attention_k_eq_v."""
     layer = prefix + "layers.{i}."
     moe = [WeightRow(layer + "router.proj.weight", "layers.moe.router.kernel", True, when="moe_block"),
            WeightRow(layer + "router.scale", "layers.moe.router.scale", when="moe_block"),
@@ -295,8 +301,15 @@ def gemma4_weights(prefix: str) -> tuple[WeightRow, ...]:
            WeightRow(layer + "post_feedforward_layernorm_1.weight", "layers.mlp_post_norm_dense.scale",
                      when="moe_block"),
            WeightRow(layer + "post_feedforward_layernorm_2.weight", "layers.moe_post_norm.scale", when="moe_block")]
-    return (*gemma3_weights(prefix)[:-1], WeightRow(layer + "layer_scalar", "layers.layer_scalar"), *moe,
-            gemma3_weights(prefix)[-1])
+    rows = [r if r.hf != layer + "self_attn.v_proj.weight" else dataclasses.replace(r, when="v_proj")
+            for r in gemma3_weights(prefix)[:-1]]
+    rows += [WeightRow(layer + "layer_scalar", "layers.layer_scalar"), *moe]
+    # the full-attention layers of their own shape (`global_attention`): the same names, in `global_layers`
+    glob = [dataclasses.replace(r, path=GLOBAL_STACK + r.path.removeprefix("layers"),
+                                when=("global_v_proj" if r.hf.endswith("v_proj.weight") else
+                                      "moe_block_global" if r.when == "moe_block" else "global_stack"))
+            for r in rows if r.per_layer]
+    return (*rows, *glob, gemma3_weights(prefix)[-1])
 
 
 # HF module names users put in `lora_target_modules`, and where each lives in the Decoder.
@@ -450,6 +463,10 @@ def stack_layers(cfg, stack: str) -> tuple[int, ...]:
     `dense_layers` / `dense_conv_layers` (DENSE_STACKS), the rest of their kind in `layers` / `conv_layers`."""
     la = getattr(cfg, "linear_attention", None)
     sc = getattr(cfg, "short_conv", None)
+    if getattr(cfg, "global_attention", None) is not None:  # Gemma 4: `layers` the sliding, `global_layers` the full
+        if stack not in ("layers", GLOBAL_STACK):
+            raise ValueError(f"{cfg.model_type}'s layer stacks are `layers` and `{GLOBAL_STACK}`; asked for {stack!r}")
+        return tuple(i for i in range(cfg.num_layers) if cfg.layer_is_global(i) == (stack == GLOBAL_STACK))
     if la is None and sc is None:
         if stack != "layers":
             raise ValueError(f"{cfg.model_type} has one layer stack, `layers`; asked for {stack!r}")
@@ -469,6 +486,8 @@ def model_stacks(cfg) -> tuple[str, ...]:
     """The layer stacks a model of this config has, each holding at least one layer (`layers` first)."""
     la, sc = getattr(cfg, "linear_attention", None), getattr(cfg, "short_conv", None)
     names = ("layers",) + (("linear_layers",) if la is not None else ()) + (("conv_layers",) if sc is not None else ())
+    if getattr(cfg, "global_attention", None) is not None:
+        return names + (GLOBAL_STACK,)
     if getattr(cfg, "dense_layers", 0):
         names += tuple(DENSE_STACKS[n] for n in names if n in DENSE_STACKS)
     return tuple(n for n in names if n in ("layers", "linear_layers", "conv_layers") or stack_layers(cfg, n))
@@ -487,7 +506,12 @@ def weight_rows(cfg, *, fused: bool = False) -> list[WeightRow]:
              "router_bias": bool(moe and moe.router_bias), "expert_bias": bool(moe and moe.expert_bias),
              "selection_bias": bool(moe and moe.selection_bias), "moe_block": getattr(cfg, "moe_beside_mlp", False),
              "o_proj_bias": cfg.o_proj_bias, "attention_sinks": cfg.attention_sinks,
-             "conv_bias": bool(getattr(cfg, "short_conv", None) and cfg.short_conv.bias)}
+             "conv_bias": bool(getattr(cfg, "short_conv", None) and cfg.short_conv.bias),
+             "moe_block_global": getattr(cfg, "moe_beside_mlp", False)
+             and getattr(cfg, "global_attention", None) is not None,
+             "global_stack": getattr(cfg, "global_attention", None) is not None,
+             "global_v_proj": bool(getattr(cfg, "global_attention", None)) and not cfg.global_attention.k_eq_v,
+             "v_proj": not getattr(cfg, "attention_k_eq_v", False)}
     family = family_for(cfg.model_type)
     table = family.fused_weights if fused else family.weights
     present = model_stacks(cfg) if family.short_conv else None  # lfm2_moe: a dense stack only with its layers

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from surojax.models.config import ModelConfig, ModelConfigError, rope_inv_freq
+from surojax.models.config import GlobalAttention, ModelConfig, ModelConfigError, rope_inv_freq
 from surojax.models.decoder import layer_pattern
 from surojax.models.layer_runner import LayerPattern, LayerType
+from surojax.models.registry import stack_layers
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import apply_lora
 from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
@@ -28,7 +29,7 @@ from tests.models.test_lfm2 import lora_b_grads
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["gemma4_text", "gemma4"]
-WITH_MOE = FAMILIES + ["gemma4_text_moe"]  # gemma4_text with its MoE block (enable_moe_block)
+WITH_MOE = FAMILIES + ["gemma4_text_moe", "gemma4_text_global"]  # + the MoE block; + full layers of their own shape  # gemma4_text with its MoE block (enable_moe_block)
 
 
 def _hf(name: str) -> dict:
@@ -84,10 +85,11 @@ def test_defaults_read_as_transformers_builds_them():
 @pytest.mark.parametrize("key, value, match", [
     ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input 256 is not supported yet"),
     ("num_kv_shared_layers", 2, "num_kv_shared_layers 2 is not supported yet"),
-    ("attention_k_eq_v", True, "attention_k_eq_v True is not supported yet"),
     ("enable_moe_block", True, "enable_moe_block true needs num_experts, top_k_experts, moe_intermediate_size"),
     ("final_logit_softcapping", -1.0, "final_logit_softcapping -1.0 must be a positive number"),
-    ("per_layer_config", {"2": {"head_dim": 32}}, "layer 2's head_dim 32"),
+    ("per_layer_config", {"1": {"head_dim": 32}}, "overrides layer 1, not a full_attention layer"),
+    ("per_layer_config", {"2": {"intermediate_size": 32}}, "sets \\['intermediate_size'\\]"),
+    ("per_layer_config", {"2": {"head_dim": 32}}, "different shapes"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
     ("query_pre_attn_scalar", 256, "query_pre_attn_scalar is not read"),
     ("hidden_act", "silu", "hidden_act 'silu' differs from hidden_activation"),
@@ -116,14 +118,45 @@ def test_moe_block_config():
 
 def test_missing_keys_take_transformers_defaults_and_are_refused():
     """No hidden_size_per_layer_input: transformers' default 256 (PLE on); no per_layer_config: the full layers'
-    head_dim is global_head_dim, default 512."""
+    head_dim is global_head_dim, default 512, and their kv heads num_global_key_value_heads only with
+    attention_k_eq_v (the published checkpoints' spelling, as transformers' Gemma4TextConfig reads it)."""
     text = _hf("gemma4_text")
     with pytest.raises(ModelConfigError, match="hidden_size_per_layer_input 256"):
         ModelConfig.from_hf({k: v for k, v in text.items() if k != "hidden_size_per_layer_input"})
     without = {k: v for k, v in text.items() if k != "per_layer_config"}
-    with pytest.raises(ModelConfigError, match="layer 2's head_dim 512"):
-        ModelConfig.from_hf(without)
+    assert ModelConfig.from_hf(without).global_attention == GlobalAttention(512, 2, False)
     assert ModelConfig.from_hf(without | {"global_head_dim": 16}) == ModelConfig.from_hf(text)
+    assert ModelConfig.from_hf(without | {"global_head_dim": 16, "num_global_key_value_heads": 1}) \
+        == ModelConfig.from_hf(text)  # not read without attention_k_eq_v
+    with pytest.raises(ModelConfigError, match="global_head_dim None must be a positive integer"):
+        ModelConfig.from_hf(without | {"global_head_dim": None})
+    published = ModelConfig.from_hf(without | {"global_head_dim": 32, "num_global_key_value_heads": 1,
+                                               "attention_k_eq_v": True})
+    assert published == ModelConfig.from_hf(_hf("gemma4_text_global"))
+
+
+def test_global_layers_config_and_stack():
+    """Full layers of their own shape (gemma4_text_global: per_layer_config head_dim 32, 1 kv head, k = v): the
+    `global_layers` stack holds HF layers 2 and 5, built without v_proj; the full rope spans 32 dims; the
+    parameters counted as transformers counts them. A model of full layers only takes their shape as its own."""
+    cfg = ModelConfig.from_hf(_hf("gemma4_text_global"))
+    assert cfg.global_attention == GlobalAttention(32, 1, True) and (cfg.head_dim, cfg.num_kv_heads) == (16, 2)
+    assert layer_pattern(cfg) == LayerPattern((LayerType("layers", (("window", 4), ("rope", 1))),) * 2
+                                              + (LayerType("global_layers", (("window", 0), ("rope", 0))),), 6)
+    assert stack_layers(cfg, "layers") == (0, 1, 3, 4) and stack_layers(cfg, "global_layers") == (2, 5)
+    assert cfg.num_params() == int(np.load(FIXTURES / "gemma4_text_global" / "expected.npz")["num_params"])
+    full, local = cfg.rope_configs()
+    assert (full.head_dim, local.head_dim, len(rope_inv_freq(full))) == (32, 16, 16)
+    model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
+    assert model.global_layers.attn.v_proj is None and model.layers.attn.v_proj is not None
+    assert model.global_layers.attn.q_proj.kernel.shape == (2, 32, 4 * 32)
+    assert model.global_layers.attn.k_proj.kernel.shape == (2, 32, 32)
+    text = {k: v for k, v in _hf("gemma4_text_global").items() if k != "per_layer_config"}
+    only_full = ModelConfig.from_hf(text | {"layer_types": ["full_attention"] * 6, "global_head_dim": 32,
+                                            "num_global_key_value_heads": 1})
+    assert only_full.global_attention is None and only_full.attention_k_eq_v
+    assert (only_full.head_dim, only_full.num_kv_heads) == (32, 1)
+    assert ModelConfig.from_hf(only_full.to_hf()) == only_full
 
 
 @pytest.mark.parametrize("name", WITH_MOE)

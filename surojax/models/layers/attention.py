@@ -44,6 +44,9 @@ cos/sin and a layer's type option `rope` picks one (Block).
 Gemma 4: the softmax scale is 1 (`query_pre_attn_scalar` 1.0), q/k norms plain w, and the values RMS-normalised
 without a weight (`ModelConfig.v_norm`) before they are cached.
 
+Keys as values (Gemma 4's `attention_k_eq_v`, on its full layers: `ModelConfig.global_attention`): no v_proj; the
+values are the key projection's output, v-normed, while the keys go on through the k norm and rope.
+
 Output gate (Qwen3.5, `ModelConfig.attn_output_gate`): q_proj gives [N, 2H] per token, each head's query then its
 gate; the attention output is multiplied by sigmoid(gate) before o_proj.
 """
@@ -222,7 +225,9 @@ class Attention(nnx.Module):
         q_out = cfg.q_dim * (2 if cfg.attn_output_gate else 1)  # [N, 2H]: query | gate per head
         self.q_proj = Linear(D, q_out, ("embed", "heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.k_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
-        self.v_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
+        # Gemma 4's attention_k_eq_v (its full layers): no v_proj, the values are the key projection's output
+        self.v_proj = None if cfg.attention_k_eq_v else Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias,
+                                                               param_dtype=param_dtype, rngs=rngs)
         self.o_proj = Linear(cfg.q_dim, D, ("heads", "embed"), use_bias=cfg.o_proj_bias, param_dtype=param_dtype,
                              rngs=rngs)
         self.qkv_proj: Linear | None = nnx.data(None)  # q, k, v in one GEMM (fused_projections: serving)
@@ -263,7 +268,8 @@ class Attention(nnx.Module):
         if self.qkv_proj is not None:  # [B, T, (N + 2K) H]: one read of x, one GEMM (decode: one GEMV launch)
             q, k, v = jnp.split(self.qkv_proj(x) if qkv is None else qkv, [Q, Q + K * H], axis=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = self.q_proj(x), self.k_proj(x)
+            v = k if self.v_proj is None else self.v_proj(x)  # k = v: the projection before the k norm and rope
         gate = None
         if self.output_gate:  # [B, T, N, 2H] -> query, gate [B, T, N, H]
             q, gate = jnp.split(q.reshape(B, T, N, 2 * H), 2, axis=-1)
