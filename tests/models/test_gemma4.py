@@ -22,6 +22,7 @@ from surojax.models.registry import stack_layers
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import apply_lora
 from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
+from surojax.peft.stacked import load_adapter_into
 from surojax.peft.trained_router import make_router_trainable
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
@@ -252,3 +253,31 @@ def test_moe_block_lora_targets_train_and_export(tmp_path):
     assert "base_model.model.model.layers.5.mlp.down_proj.lora_B.weight" in names  # the dense MLP's
     with pytest.raises(ValueError, match="train_router: Gemma 4's MoE-block router"):
         make_router_trainable(model, jnp.float32)
+
+
+def test_global_layers_lora_targets_train_and_export(tmp_path):
+    """LoRA on full layers of their own shape: the standard names in `layers` and `global_layers` (no v_proj there
+    under attention_k_eq_v), each adapter trained; exported under PEFT's names on transformers' model (one adapter
+    per module of model.layers.{i}, as the checkpoint's own tensor names list the modules: no v_proj on layers 2
+    and 5), and read back into a fresh LoRA model to the same logits."""
+    d = FIXTURES / "gemma4_text_global"
+    model = load_model(d, dtype=jnp.float32, attention="xla")
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    every = names + tuple(f"global_layers.{n}" for n in names if n != "v_proj")
+    assert model_targets(model) == every == resolve_model_targets(model, "all-linear")
+    assert resolve_model_targets(model, ["v_proj", "o_proj"]) == ("v_proj", "o_proj", "global_layers.o_proj")
+    apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(0))
+    tokens = np.load(d / "expected.npz")["tokens2"]
+    assert all(np.abs(g).max() > 0 for g in lora_b_grads(model, tokens))
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):  # B away from zero: the logits move
+        if path[-1] == "lora_b":
+            var.set_value(jax.random.normal(jax.random.key(len(path)), var.get_value().shape) * 0.1)
+    out = save_peft_adapter(model, tmp_path / "adapter", str(d))
+    saved = set(SafetensorsFile(out / WEIGHTS_FILE).names())
+    modules = [n.removesuffix(".weight") for n in SafetensorsFile(d / "model.safetensors").names()
+               if n.endswith("_proj.weight")]
+    assert saved == {f"base_model.model.{m}.lora_{ab}.weight" for m in modules for ab in "AB"}
+    assert not any("layers.2.self_attn.v_proj" in n for n in saved)
+    again = load_adapter_into(load_model(d, dtype=jnp.float32, attention="xla"), out, trainable=True)
+    x = jnp.asarray(tokens)[None]
+    np.testing.assert_allclose(np.asarray(again(x)), np.asarray(model(x)), atol=1e-5)
