@@ -43,3 +43,11 @@ def test_fp8_kv_pool_bounds_the_normalised_values():
     _, v = layer_bounds(model)
     np.testing.assert_allclose(v, 4.0)
     Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
+
+
+def test_full_layers_of_their_own_shape_are_refused_by_name():
+    """gemma4_text_global (full layers wider, one kv head, keys as values): the paged pool has one shape, so the
+    engine refuses it by name before building anything (`surojax generate` runs it: test_hf_parity)."""
+    model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
+    with pytest.raises(ValueError, match="does not serve full-attention layers shaped unlike the sliding ones"):
+        Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED))
