@@ -321,6 +321,15 @@ class ModelConfig:
     # the values are the key projection's output (no v_proj): set on the config the global stack is built from (and
     # on a Gemma 4 config whose every layer is a full-attention one with attention_k_eq_v)
     attention_k_eq_v: bool = False
+    # Gemma 4's per-layer input embeddings (PLE, `hidden_size_per_layer_input` P > 0): a table [V_p, L P] and a
+    # projection of the embeddings give every layer its input [B, T, P], gated into the layer's output
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    # Gemma 4's KV-shared layers (`num_kv_shared_layers`): the last n layers compute no keys / values, they attend
+    # over those of the last earlier layer of their type (`kv_source`); `use_double_wide_mlp` widens their MLP x 2
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    kv_shared: bool = False  # set on the config a KV-shared stack is built from: no k / v projections
     # LFM2: the short-convolution layers (None: every layer is an attention layer or a DeltaNet one)
     short_conv: ShortConvConfig | None = None
     # Multimodal rope (Qwen3-VL, Qwen3.5: `rope_parameters.mrope_section`, interleaved): the rotary frequencies
@@ -341,6 +350,14 @@ class ModelConfig:
         if g is not None and all(self.layer_window(i) is None for i in range(self.num_layers)):
             raise ModelConfigError("global_attention needs sliding layers beside the full ones (a model of full "
                                    "layers only takes their shape as its own)")
+        if self.kv_shared_layers:
+            if not 0 < self.kv_shared_layers < self.num_layers:
+                raise ModelConfigError(f"num_kv_shared_layers {self.kv_shared_layers} must leave at least one layer "
+                                       f"of the {self.num_layers} computing its own keys / values")
+            for i in range(self.num_layers - self.kv_shared_layers, self.num_layers):
+                if self.kv_source(i) is None:
+                    raise ModelConfigError(f"KV-shared layer {i} ({self.layer_kind(i)}) has no earlier layer of its "
+                                           f"type before layer {self.num_layers - self.kv_shared_layers} to share")
         if self.layer_windows is not None and (
                 len(self.layer_windows) != self.num_layers
                 or any(w is not None and w != self.sliding_window for w in self.layer_windows)):
@@ -395,6 +412,36 @@ class ModelConfig:
         """Layer `layer` is a full-attention layer of its own shape (`global_attention`: the `global_layers` stack)."""
         return self.global_attention is not None and self.layer_window(layer) is None
 
+    def layer_kind(self, layer: int) -> str:
+        """"full_attention" or "sliding_attention" (HF `layer_types`' names)."""
+        return "full_attention" if self.layer_window(layer) is None else "sliding_attention"
+
+    def layer_is_kv_shared(self, layer: int) -> bool:
+        """Layer `layer` is one of the last `kv_shared_layers` (it reads another layer's keys / values)."""
+        return layer >= self.num_layers - self.kv_shared_layers > 0 and self.kv_shared_layers > 0
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys / values KV-shared layer `layer` reads: the last layer of its kind before the
+        shared ones (transformers' `store_full_length_kv`); None when there is none."""
+        first = self.num_layers - self.kv_shared_layers
+        return next((i for i in range(first - 1, -1, -1) if self.layer_kind(i) == self.layer_kind(layer)), None)
+
+    def layer_stack(self, layer: int) -> str:
+        """The stack holding layer `layer` of an attention-only model: `layers`, Gemma 4's `global_layers` (full
+        layers of their own shape), `shared_layers` / `shared_global_layers` (its KV-shared layers)."""
+        glob = self.layer_is_global(layer)
+        if self.layer_is_kv_shared(layer):
+            return "shared_global_layers" if glob else "shared_layers"
+        return "global_layers" if glob else "layers"
+
+    def stack_config(self, stack: str) -> "ModelConfig":
+        """The config the blocks of `stack` (`layer_stack`'s names) are built from."""
+        cfg = self.global_config() if "global" in stack else self
+        if stack.startswith("shared"):
+            wide = self.intermediate_size * (2 if self.double_wide_mlp else 1)
+            cfg = cfg.replace(kv_shared=True, intermediate_size=wide)
+        return cfg
+
     def global_config(self) -> "ModelConfig":
         """The config the full-attention layers of their own shape are built from (`global_attention`'s head size,
         kv heads and k = v); this config when they have none."""
@@ -423,9 +470,18 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameters of the model, embeddings included (tied embeddings counted once)."""
         D, V = self.hidden_size, self.vocab_size
-        n_global = sum(self.layer_is_global(i) for i in range(self.num_layers))
-        mixers = (self.num_attention_layers - n_global) * self._attention_params() \
-            + n_global * self.global_config()._attention_params()
+        mixers = 0
+        if self.linear_attention is None and self.short_conv is None:  # attention-only: each layer's stack's shape
+            for i in range(self.num_layers):
+                c = self.stack_config(self.layer_stack(i))
+                mixers += c._attention_params() + (3 * D * (c.intermediate_size - self.intermediate_size)
+                                                   if c.kv_shared else 0)  # the double-wide MLP's extra width
+        else:
+            mixers = self.num_attention_layers * self._attention_params()
+        P = self.per_layer_input_size
+        if P:  # the PLE table, its projection and norm; per layer its gate, projection and norm
+            mixers += self.per_layer_vocab_size * self.num_layers * P + D * self.num_layers * P + P \
+                + self.num_layers * (2 * D * P + D)
         if self.linear_attention is not None:
             mixers += (self.num_layers - self.num_attention_layers) * self.linear_attention.layer_params(D)
         if self.short_conv is not None:
@@ -438,13 +494,13 @@ class ModelConfig:
     def _attention_params(self) -> int:
         """One attention layer of this config's shape."""
         D = self.hidden_size
-        kv_projections = 1 if self.attention_k_eq_v else 2
+        kv_projections = 0 if self.kv_shared else 1 if self.attention_k_eq_v else 2
         attn = D * self.q_dim * (2 if self.attn_output_gate else 1) + kv_projections * D * self.kv_dim \
             + self.q_dim * D
         if self.attention_bias:
             attn += self.q_dim + kv_projections * self.kv_dim
         if self.qk_norm:
-            attn += 2 * self.head_dim
+            attn += (1 if self.kv_shared else 2) * self.head_dim
         return attn + D * self.o_proj_bias + self.num_heads * self.attention_sinks
 
     def num_active_params(self) -> int:
@@ -722,9 +778,11 @@ class Gemma4Text:
     `num_global_key_value_heads`; `attention_k_eq_v`: no v_proj on them) are read into `global_attention`
     (`_gemma4_global_attention`): their own stack `global_layers`.
 
-    Refused by name, each with the reason (what is not built yet, never silently mis-read): per-layer input
-    embeddings (`hidden_size_per_layer_input` > 0), KV-shared layers (`num_kv_shared_layers` > 0; with them
-    `use_double_wide_mlp`, which widens only those layers' MLPs), bidirectional attention, a `query_pre_attn_scalar` (transformers' Gemma 4 does not read one: its scale is 1).
+    Per-layer input embeddings (`hidden_size_per_layer_input` P, default 256; `vocab_size_per_layer_input`) and
+    KV-shared layers (`num_kv_shared_layers`, with `use_double_wide_mlp` widening only their MLPs) are read into
+    ModelConfig's per_layer_input_size / per_layer_vocab_size / kv_shared_layers / double_wide_mlp.
+
+    Refused by name, each with the reason (never silently mis-read): bidirectional attention, a `query_pre_attn_scalar` (transformers' Gemma 4 does not read one: its scale is 1).
     `final_logit_softcapping` (c > 0 or null) is read: logits c * tanh(logits / c). The MoE block
     (`enable_moe_block`: `num_experts`, `top_k_experts`, `moe_intermediate_size`) is read into `moe`: beside the
     dense MLP in every layer (ModelConfig.moe_beside_mlp), a softmax top-k router renormalised and times a
@@ -739,19 +797,20 @@ class Gemma4Text:
     moe: MoEConfig | None = None
     global_attention: GlobalAttention | None = None
     k_eq_v_everywhere: bool = False  # every layer is a full one, with attention_k_eq_v
-
-    NOT_YET = {"hidden_size_per_layer_input": "per-layer input embeddings (PLE)",
-               "num_kv_shared_layers": "KV-shared layers"}
+    # per_layer_input_size / per_layer_vocab_size (PLE), kv_shared_layers, double_wide_mlp: ModelConfig's fields
+    sharing: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "Gemma4Text":
-        defaults = {"hidden_size_per_layer_input": 256}  # transformers' default: PLE on
-        for key, what in cls.NOT_YET.items():
-            value = hf.get(key, defaults.get(key))
-            if value:
-                raise ModelConfigError(f"gemma4: {key} {value!r} is not supported yet ({what} is not implemented; "
-                                       "only the dense text model is: a checkpoint without it sets the key to 0 / "
-                                       "false)")
+        keys = {"per_layer_input_size": ("hidden_size_per_layer_input", 256),  # transformers' default: PLE on
+                "per_layer_vocab_size": ("vocab_size_per_layer_input", 262_144),
+                "kv_shared_layers": ("num_kv_shared_layers", 0)}
+        ple = {}
+        for field, (key, default) in keys.items():
+            value = ple[field] = hf.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ModelConfigError(f"gemma4: {key} {value!r} must be a non-negative integer")
+        ple["double_wide_mlp"] = bool(hf.get("use_double_wide_mlp", False))
         cap = hf.get("final_logit_softcapping")
         if cap is not None and not float(cap) > 0:
             raise ModelConfigError(f"gemma4: final_logit_softcapping {cap!r} must be a positive number or null")
@@ -793,6 +852,7 @@ class Gemma4Text:
         return cls(hf={**hf, "layer_types": types, "hidden_act": act, "sliding_window": hf.get("sliding_window", 512),
                        **fold},
                    global_attention=None if same or fold else glob, k_eq_v_everywhere=bool(fold) and glob.k_eq_v,
+                   sharing=ple,
                    rope_theta=float(full["rope_theta"]), rope_scaling=RopeScaling.from_hf(full, hf),
                    local_rope_theta=float(local["rope_theta"]), local_rope_scaling=RopeScaling.from_hf(local, hf),
                    final_logit_softcapping=None if cap is None else float(cap), moe=_gemma4_moe(hf, act))
@@ -802,7 +862,7 @@ class Gemma4Text:
         return dict(sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=1.0, v_norm=True,
                     layer_scalar=True, moe_beside_mlp=self.moe is not None, local_rope_theta=self.local_rope_theta,
                     local_rope_scaling=self.local_rope_scaling, final_logit_softcapping=self.final_logit_softcapping,
-                    global_attention=self.global_attention, attention_k_eq_v=self.k_eq_v_everywhere)
+                    global_attention=self.global_attention, attention_k_eq_v=self.k_eq_v_everywhere, **self.sharing)
 
     @staticmethod
     def to_hf(cfg: "ModelConfig") -> dict[str, Any]:
@@ -820,8 +880,11 @@ class Gemma4Text:
                 "per_layer_config": {str(i).zfill(width): overrides for i in full} if overrides else {},
                 "rope_parameters": {"full_attention": rope(cfg.rope_theta, cfg.rope_scaling),
                                     "sliding_attention": rope(cfg.local_rope_theta, cfg.local_rope_scaling)},
-                "final_logit_softcapping": cfg.final_logit_softcapping, "hidden_size_per_layer_input": 0,
-                "num_kv_shared_layers": 0, "attention_k_eq_v": g.attention_k_eq_v, "use_double_wide_mlp": False,
+                "final_logit_softcapping": cfg.final_logit_softcapping,
+                "hidden_size_per_layer_input": cfg.per_layer_input_size,
+                "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
+                "num_kv_shared_layers": cfg.kv_shared_layers, "attention_k_eq_v": g.attention_k_eq_v,
+                "use_double_wide_mlp": cfg.double_wide_mlp,
                 "enable_moe_block": cfg.moe is not None,
                 **({} if cfg.moe is None else {"num_experts": cfg.moe.num_experts,
                                                "top_k_experts": cfg.moe.experts_per_token,

@@ -30,7 +30,8 @@ from tests.models.test_lfm2 import lora_b_grads
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["gemma4_text", "gemma4"]
-WITH_MOE = FAMILIES + ["gemma4_text_moe", "gemma4_text_global"]  # + the MoE block; + full layers of their own shape  # gemma4_text with its MoE block (enable_moe_block)
+# + the MoE block; + full layers of their own shape; + those with per-layer inputs and KV-shared layers
+WITH_MOE = FAMILIES + ["gemma4_text_moe", "gemma4_text_global", "gemma4_text_shared"]  # gemma4_text with its MoE block (enable_moe_block)
 
 
 def _hf(name: str) -> dict:
@@ -84,8 +85,9 @@ def test_defaults_read_as_transformers_builds_them():
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input 256 is not supported yet"),
-    ("num_kv_shared_layers", 2, "num_kv_shared_layers 2 is not supported yet"),
+    ("hidden_size_per_layer_input", -1, "hidden_size_per_layer_input -1 must be a non-negative integer"),
+    ("num_kv_shared_layers", 6, "num_kv_shared_layers 6 must leave at least one layer"),
+    ("num_kv_shared_layers", 1.5, "num_kv_shared_layers 1.5 must be a non-negative integer"),
     ("enable_moe_block", True, "enable_moe_block true needs num_experts, top_k_experts, moe_intermediate_size"),
     ("final_logit_softcapping", -1.0, "final_logit_softcapping -1.0 must be a positive number"),
     ("per_layer_config", {"1": {"head_dim": 32}}, "overrides layer 1, not a full_attention layer"),
@@ -118,12 +120,16 @@ def test_moe_block_config():
 
 
 def test_missing_keys_take_transformers_defaults_and_are_refused():
-    """No hidden_size_per_layer_input: transformers' default 256 (PLE on); no per_layer_config: the full layers'
+    """No hidden_size_per_layer_input: transformers' default 256 (PLE on); a KV-shared layer whose kind has no
+    earlier layer to read is refused (transformers would fail in its forward); no per_layer_config: the full layers'
     head_dim is global_head_dim, default 512, and their kv heads num_global_key_value_heads only with
     attention_k_eq_v (the published checkpoints' spelling, as transformers' Gemma4TextConfig reads it)."""
     text = _hf("gemma4_text")
-    with pytest.raises(ModelConfigError, match="hidden_size_per_layer_input 256"):
-        ModelConfig.from_hf({k: v for k, v in text.items() if k != "hidden_size_per_layer_input"})
+    ple = ModelConfig.from_hf({k: v for k, v in text.items() if k != "hidden_size_per_layer_input"})
+    assert (ple.per_layer_input_size, ple.per_layer_vocab_size) == (256, 256)
+    with pytest.raises(ModelConfigError, match="KV-shared layer 5 \\(full_attention\\) has no earlier layer"):
+        ModelConfig.from_hf(text | {"num_kv_shared_layers": 3, "layer_types": ["sliding_attention"] * 5
+                                    + ["full_attention"], "per_layer_config": {}})
     without = {k: v for k, v in text.items() if k != "per_layer_config"}
     assert ModelConfig.from_hf(without).global_attention == GlobalAttention(512, 2, False)
     assert ModelConfig.from_hf(without | {"global_head_dim": 16}) == ModelConfig.from_hf(text)
@@ -253,6 +259,28 @@ def test_moe_block_lora_targets_train_and_export(tmp_path):
     assert "base_model.model.model.layers.5.mlp.down_proj.lora_B.weight" in names  # the dense MLP's
     with pytest.raises(ValueError, match="train_router: Gemma 4's MoE-block router"):
         make_router_trainable(model, jnp.float32)
+
+
+def test_shared_layers_and_per_layer_inputs_config():
+    """gemma4_text_shared: the last 2 layers KV-shared (layer 4, sliding, reads layer 3's keys / values; layer 5,
+    full, layer 2's), in stacks of their own without k / v projections, their MLPs double-wide, their KV rows in
+    the cache part of their shape; per-layer inputs of 8 per layer; parameters as transformers counts them."""
+    cfg = ModelConfig.from_hf(_hf("gemma4_text_shared"))
+    assert (cfg.kv_shared_layers, cfg.double_wide_mlp, cfg.per_layer_input_size) == (2, True, 8)
+    assert [cfg.kv_source(i) for i in (4, 5)] == [3, 2]
+    assert [cfg.layer_stack(i) for i in range(6)] == ["layers", "layers", "global_layers", "layers",
+                                                      "shared_layers", "shared_global_layers"]
+    types = layer_pattern(cfg).types
+    assert len(types) == 6 and types[3].kwargs["kv_store"] == "sliding_attention"
+    assert types[2].kwargs["kv_store"] == "full_attention" and "kv_store" not in types[0].kwargs
+    assert (types[4].kwargs["kv_from"], types[4].cache_part) == ("sliding_attention", "layers")
+    assert (types[5].kwargs["kv_from"], types[5].cache_part) == ("full_attention", "global_layers")
+    assert cfg.num_params() == int(np.load(FIXTURES / "gemma4_text_shared" / "expected.npz")["num_params"])
+    model = load_model(FIXTURES / "gemma4_text_shared", dtype=jnp.float32, attention="xla")
+    shared = model.shared_global_layers
+    assert shared.attn.k_proj is None and shared.attn.v_proj is None and shared.attn.k_norm is None
+    assert shared.mlp.gate_proj.kernel.shape == (1, 32, 128) and model.layers.mlp.gate_proj.kernel.shape[-1] == 64
+    assert model.embed_per_layer.embedding.shape == (256, 48) and model.layers.ple_gate.kernel.shape == (3, 32, 8)
 
 
 def test_global_layers_lora_targets_train_and_export(tmp_path):
