@@ -36,8 +36,8 @@ from collections.abc import Iterable
 
 from flax import nnx
 
-from surojax.models.registry import (EXPERT_MODULES, LINEAR_ATTENTION_MODULES, LINEAR_MODULES, SHARED_EXPERT_MODULES,
-                                     SHORT_CONV_MODULES)
+from surojax.models.registry import (EXPERT_MODULES, GEMMA4_STACKS, LINEAR_ATTENTION_MODULES, LINEAR_MODULES,
+                                     SHARED_EXPERT_MODULES, SHORT_CONV_MODULES)
 
 LORA_TARGETS: tuple[str, ...] = tuple(LINEAR_MODULES)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 EXPERT_TARGETS: tuple[str, ...] = tuple(EXPERT_MODULES)  # experts.gate_up_proj experts.down_proj
@@ -199,13 +199,14 @@ def has_short_conv(model) -> bool:
 
 
 def has_global_layers(model) -> bool:
-    """Gemma 4 with full-attention layers of their own shape (their stack `global_layers`)."""
-    return getattr(model.cfg, "global_attention", None) is not None
+    """Gemma 4 with layers outside `layers`: full-attention layers of their own shape (`global_layers`), KV-shared
+    layers (`shared_layers` / `shared_global_layers`)."""
+    return any(name in stacks(model) for name in GEMMA4_STACKS[1:])
 
 
 def _multi_stack(model) -> bool:
     """The targets live in several stacks (site keys "stack.target"): a Qwen3.5 hybrid, LFM2, Gemma 4's
-    `global_layers` (its full layers without v_proj under attention_k_eq_v)."""
+    `global_layers` (its full layers; no v_proj under attention_k_eq_v) and KV-shared stacks (no k_proj / v_proj)."""
     return is_hybrid(model) or has_short_conv(model) or has_global_layers(model)
 
 

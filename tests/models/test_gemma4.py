@@ -283,17 +283,21 @@ def test_shared_layers_and_per_layer_inputs_config():
     assert model.embed_per_layer.embedding.shape == (256, 48) and model.layers.ple_gate.kernel.shape == (3, 32, 8)
 
 
-def test_global_layers_lora_targets_train_and_export(tmp_path):
-    """LoRA on full layers of their own shape: the standard names in `layers` and `global_layers` (no v_proj there
-    under attention_k_eq_v), each adapter trained; exported under PEFT's names on transformers' model (one adapter
-    per module of model.layers.{i}, as the checkpoint's own tensor names list the modules: no v_proj on layers 2
-    and 5), and read back into a fresh LoRA model to the same logits."""
-    d = FIXTURES / "gemma4_text_global"
+def test_gemma4_stacks_lora_targets_train_and_export(tmp_path):
+    """LoRA on Gemma 4's stacks (gemma4_text_shared: `layers`, `global_layers` without v_proj, the KV-shared
+    `shared_layers` / `shared_global_layers` without k_proj / v_proj): the standard names in each stack that has
+    the module, every adapter trained; exported under PEFT's names on transformers' model (one adapter per module of
+    model.layers.{i}, as the checkpoint's own tensor names list the modules), and read back (load_adapter_into) into
+    a fresh model to the same logits. (PEFT itself loads the export onto transformers' model to the same logits: a
+    one-off check in the reference env, tests/fixtures/README.md.)"""
+    d = FIXTURES / "gemma4_text_shared"
     model = load_model(d, dtype=jnp.float32, attention="xla")
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    every = names + tuple(f"global_layers.{n}" for n in names if n != "v_proj")
+    every = names + tuple(f"global_layers.{n}" for n in names if n != "v_proj") + tuple(
+        f"{stack}.{n}" for stack in ("shared_layers", "shared_global_layers") for n in names
+        if n not in ("k_proj", "v_proj"))
     assert model_targets(model) == every == resolve_model_targets(model, "all-linear")
-    assert resolve_model_targets(model, ["v_proj", "o_proj"]) == ("v_proj", "o_proj", "global_layers.o_proj")
+    assert resolve_model_targets(model, ["v_proj", "k_proj"]) == ("k_proj", "v_proj", "global_layers.k_proj")
     apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(0))
     tokens = np.load(d / "expected.npz")["tokens2"]
     assert all(np.abs(g).max() > 0 for g in lora_b_grads(model, tokens))
@@ -305,7 +309,7 @@ def test_global_layers_lora_targets_train_and_export(tmp_path):
     modules = [n.removesuffix(".weight") for n in SafetensorsFile(d / "model.safetensors").names()
                if n.endswith("_proj.weight")]
     assert saved == {f"base_model.model.{m}.lora_{ab}.weight" for m in modules for ab in "AB"}
-    assert not any("layers.2.self_attn.v_proj" in n for n in saved)
+    assert not any("layers.2.self_attn.v_proj" in n or "layers.4.self_attn.k_proj" in n for n in saved)
     again = load_adapter_into(load_model(d, dtype=jnp.float32, attention="xla"), out, trainable=True)
     x = jnp.asarray(tokens)[None]
     np.testing.assert_allclose(np.asarray(again(x)), np.asarray(model(x)), atol=1e-5)
