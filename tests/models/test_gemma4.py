@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
 
 from surojax.models.config import GlobalAttention, ModelConfig, ModelConfigError, rope_inv_freq
 from surojax.models.decoder import layer_pattern
@@ -313,3 +314,20 @@ def test_gemma4_stacks_lora_targets_train_and_export(tmp_path):
     again = load_adapter_into(load_model(d, dtype=jnp.float32, attention="xla"), out, trainable=True)
     x = jnp.asarray(tokens)[None]
     np.testing.assert_allclose(np.asarray(again(x)), np.asarray(model(x)), atol=1e-5)
+
+
+def test_shared_layers_unused_kv_tensors_are_ignored_with_a_log_line(tmp_path, caplog):
+    """A checkpoint holding k / v projections and norms for its KV-shared layers (transformers ignores them:
+    Gemma4TextModel._keys_to_ignore_on_load_unexpected) loads, the tensors skipped with a log line."""
+    d = FIXTURES / "gemma4_text_shared"
+    f = SafetensorsFile(d / "model.safetensors")
+    tensors = {n: f.get(n) for n in f.names()}
+    extra = {f"model.layers.4.self_attn.{m}.weight": np.ones(shape, np.float32)
+             for m, shape in (("k_proj", (32, 32)), ("v_proj", (32, 32)), ("k_norm", (16,)), ("v_norm", (16,)))}
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    save_file(tensors | extra, str(tmp_path / "model.safetensors"))
+    with caplog.at_level(logging.INFO, logger="surojax.weights.hf_checkpoint"):
+        model = load_model(tmp_path, dtype=jnp.float32, attention="xla")
+    assert any("ignoring 4 k / v tensors of KV-shared layers" in r.getMessage() for r in caplog.records)
+    exp = np.load(d / "expected.npz")
+    assert np.abs(np.asarray(model(jnp.asarray(exp["tokens0"])[None]))[0] - exp["logits0"]).max() <= 1e-4
