@@ -63,7 +63,7 @@ from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 from surojax.models.layers.short_conv import ShortConv
-from surojax.models.registry import DENSE_STACKS, GEMMA4_STACKS, GLOBAL_STACK
+from surojax.models.registry import DENSE_STACKS, GEMMA4_STACKS
 from surojax.models.vision.inputs import ImageInputs
 from surojax.models.vision.mrope import mrope_cos_sin
 from surojax.models.vision.tower import VisionTower
