@@ -59,6 +59,10 @@ class LoraSection(StrictModel):
     train_router: bool = False
     """MoE: also train the (full) router weights alongside the adapters (a full fine-tune trains them anyway).
     The adapter folder then carries them as PEFT `modules_to_save`; a dense model refuses the key."""
+    train_vision: bool = False
+    """Vision-language models (Qwen3-VL, Qwen3.5): also train the vision tower and its patch mergers (Surogate's
+    key). Default: the tower is frozen, run in the compute dtype without gradients and kept out of the optimizer
+    state. Full fine-tuning only (lora: false); LoRA adapters go on the language model."""
     adapter_path: str | None = None
     """An existing PEFT adapter to start from (stacked LoRA)."""
     adapter_init_mode: Literal["merge", "trainable"] | None = None

@@ -98,7 +98,6 @@ REFUSED: dict[str, Refusal] = {
                                         "initializer_range)", _OFF),
     "attn_bwd_chunks": Refusal("the attention backward is one XLA / cuDNN call; lmhead_chunks chunks the LM head",
                                (1,)),
-    "train_vision": Refusal("vision encoders are not trained: surojax trains text models", (None, False)),
     "qlora_four_over_six": Refusal("four-over-six block scaling is not available for the NVFP4 base (each block "
                                    "is scaled to max 6)", _OFF),
     "qlora_selective_expert_dequant": Refusal("experts are dequantised per layer inside the step's program", _OFF),
@@ -114,7 +113,8 @@ REFUSED: dict[str, Refusal] = {
     "sequence_parallel_size": Refusal("sequence parallelism is not available; the mesh is parallel: {data, fsdp, "
                                       "tensor, expert, stage}", (1,)),
     "response_prefix": Refusal("applies when generating; the chat template writes the assistant's prefix", (None,)),
-    "norm_bbox": Refusal("vision models are not trained by surojax", (None, "none")),
+    "norm_bbox": Refusal("bounding boxes in the text are not rescaled to the resized images (grounding data): "
+                         "write them in the coordinates the model expects", (None, "none")),
     "agent_template": Refusal("tool calls are rendered by the tokenizer's chat template (the tools column: "
                               "datasets[].tools_field)", (None,)),
     "normuon_momentum": Refusal("normuon is not available (optimizer: adamw | adamw_8bit)"),
@@ -158,7 +158,7 @@ LOSS_REFUSED: dict[str, Refusal] = {
 # Keys surojax reads under Surogate's own name (schema fields): they too make a config look like Surogate's.
 SUROGATE_NAMED = ("model_type", "use_cuda_graphs", "template", "use_chat_template", "truncation_strategy",
                   "max_length", "dataloader_num_workers", "run_name", "wandb_name", "aim_experiment", "aim_repo",
-                  "aim_name", "qlora_bnb", "qlora_fp8", "qlora_fp4", "max_pixels")
+                  "aim_name", "qlora_bnb", "qlora_fp8", "qlora_fp4", "max_pixels", "train_vision")
 DATASET_NAMED = ("system_field", "tools_field", "prompt_format", "prompt_format_no_input",
                  "message_property_mappings")
 DATASET_SECTIONS = ("datasets", "validation_datasets")

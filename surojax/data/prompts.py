@@ -24,7 +24,7 @@ import numpy as np
 
 from surojax.config.data import DatasetSpec
 from surojax.data.formats import _chat_template, _messages
-from surojax.data.pipeline import DataStats, DatasetEntry, dataset_spec, formatted_rows, spec_rows
+from surojax.data.pipeline import DataStats, DatasetEntry, dataset_spec, formatted_rows, row_has_images, spec_rows
 from surojax.data.sources import DataError, InvalidRowError, ReadStats
 from surojax.data.tokenizer import Tokenizer
 from surojax.wording import a_type
@@ -65,6 +65,14 @@ def prompt_of_row(row: Mapping[str, Any], tokenizer: Tokenizer, spec: DatasetSpe
                           f"(columns: {sorted(row)})")
 
 
+def _text_row(row: Mapping[str, Any], spec: DatasetSpec) -> Mapping[str, Any]:
+    """The row, refused by name when it has images (a named error, not a bad row that skip_invalid_rows drops)."""
+    if row_has_images(row):
+        raise DataError(f"{spec.path}: a prompt row has images; trainer: grpo generates from text prompts only in "
+                        "this version (image rows train with trainer: sft)")
+    return row
+
+
 def load_prompts(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, max_prompt_len: int,
                  skip_invalid_rows: bool = False, chat_template: str | None = None,
                  stats: DataStats | None = None) -> list[Prompt]:
@@ -85,7 +93,7 @@ def load_prompts(datasets: Iterable[DatasetEntry], tokenizer: Tokenizer, *, max_
         read = ReadStats()
         n0 = len(out)
         rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)
-        for p in formatted_rows(rows, lambda row: prompt_of_row(row, tokenizer, spec, template),
+        for p in formatted_rows(rows, lambda row: prompt_of_row(_text_row(row, spec), tokenizer, spec, template),
                                 skip_invalid_rows=skip_invalid_rows, read=read):
             if len(p.ids) > max_prompt_len:
                 stats.dropped_too_long += 1

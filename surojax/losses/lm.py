@@ -133,7 +133,9 @@ def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS,
             router: RouterLossWeights | None = None) -> tuple[jax.Array, dict]:
     """The causal-LM loss of a `Decoder` on a packed batch (see surojax/data/batch.py).
 
-    Returns (sum of CE over supervised tokens, {"tokens": count}); divide by the accumulated count.
+    Returns (sum of CE over supervised tokens, {"tokens": count}); divide by the accumulated count. A
+    vision-language batch also holds `images` (ImageInputs) and `rope_positions` [3, B, T] (train/image_inputs.py),
+    passed to `hidden_states`.
 
     `router` (a MoE model only): the router losses join the sum as `(aux_coef * aux + z_coef * z) * count`, the
     micro-batch's own aux and z (surojax.losses.router) weighted by its supervised tokens, so that after the
@@ -142,7 +144,8 @@ def lm_loss(model, batch: dict, *, chunk: int = DEFAULT_CHUNK_TOKENS,
     """
     if router is not None and model.cfg.moe is None:
         raise ValueError("router losses need a mixture-of-experts model; this one is dense")
-    h, _, stats = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"])
+    h, _, stats = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"],
+                                      images=batch.get("images"), rope_positions=batch.get("rope_positions"))
     if router is None:
         total, count = chunked_lm_loss(h, model.head_weight(), batch["targets"], batch["loss_mask"], chunk,
                                        model.cfg.final_logit_softcapping)

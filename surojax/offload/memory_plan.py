@@ -115,7 +115,10 @@ from pallas_kernels.gated_delta.api import resolve_impl
 from pallas_kernels.gated_delta.chunked import CHUNK
 from surojax.kernel_settings import kernel_settings
 from surojax.models.layer_runner import Recompute
+from surojax.models.registry import FAMILIES
 from surojax.models.targets import CONV_SPELLINGS
+from surojax.models.vision.config import VisionConfig
+from surojax.models.vision.counts import tower_activation_bytes, tower_params
 from surojax.offload.prefetch import PREFETCH_DEPTH
 from surojax.precision.recipe import Recipe
 from surojax.precision.linear_swap import KEPT_BF16
@@ -396,7 +399,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
                 unroll: int | bool = 1, weight_shards: int = 1, gradient_shards: int = 1,
                 optimizer_shards: int = 1, layerwise_update: bool = False,
                 fp8_weight_cache: bool = False, expert_weight_bytes: float | None = None,
-                kernel_weight_bytes: float | None = None) -> MemoryPlan:
+                kernel_weight_bytes: float | None = None, vision_patches: int = 0,
+                train_vision: bool = False) -> MemoryPlan:
     """Peak device memory of one training step, by component (bytes; see the module docstring).
 
     unroll: the layer loop's `unroll_layers` (True or an int >= the layer count: every layer inlined).
@@ -412,7 +416,11 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
     expert_weight_bytes (LoRA on a MoE model): bytes per value of the frozen experts' kernels when they stay packed
     (MXFP4: 17 / 32), None: the compute dtype like the rest of the base. kernel_weight_bytes (LoRA): bytes per value
     of every Linear kernel of the layers (attention, MLP, experts) when the frozen base keeps them quantised (qlora,
-    a pre-quantised checkpoint: `QuantFormat.bytes_per_value`); expert_weight_bytes, when given, for the experts."""
+    a pre-quantised checkpoint: `QuantFormat.bytes_per_value`); expert_weight_bytes, when given, for the experts.
+    A vision-language model (config.json's vision_config): its tower's weights (frozen: in the compute dtype, no
+    gradients or optimizer state; `train_vision`: as the full fine-tune's weights) and the activations of
+    `vision_patches` patches a micro-batch (models/vision/counts.py) join the weights / gradients / optimizer /
+    activations; `ModelConfig.num_params()` (the text model's) leaves the tower out."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
@@ -421,7 +429,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
                     lora_dtype=lora_dtype, prefetch=prefetch, prefetch_depth=prefetch_depth, accum=accum,
                     unroll=unroll, weight_shards=weight_shards, gradient_shards=gradient_shards,
                     optimizer_shards=optimizer_shards, layerwise_update=layerwise_update, fp8_weight_cache=fp8_weight_cache,
-                    expert_weight_bytes=expert_weight_bytes, kernel_weight_bytes=kernel_weight_bytes)
+                    expert_weight_bytes=expert_weight_bytes, kernel_weight_bytes=kernel_weight_bytes,
+                    vision_patches=vision_patches, train_vision=train_vision)
     cfg = model_cfg
     recipe = Recipe(recipe)
     fp32 = recipe is Recipe.FP32
@@ -511,9 +520,31 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
     workspace = one_layer + int(_UNMODELLED * activations) + _FIXED_WORKSPACE
     if lora:  # quantised kernels: the reference path dequantises one layer's at a time
         workspace += sum(quantized.values()) * c
+    vision = vision_config_of(cfg)
+    if vision is not None:  # the tower (models/vision/counts.py): frozen in the compute dtype, or trained like the LM
+        n = tower_params(vision)
+        trains = train_vision and not lora
+        if trains:
+            vb = 4 if fp32 else _DTYPE_BYTES[master_dtype]
+            weights += n * vb
+            cast += n * c if vb != c else 0
+            gradients += n * (4 + vb)
+            optimizer_bytes += n * _OPT_BYTES.get(optimizer, 8)
+        else:
+            weights += n * c
+        activations += tower_activation_bytes(vision, vision_patches, c=c, trains=trains)
     return MemoryPlan(weights=int(weights), cast_weights=int(cast), adapters=int(adapters), gradients=int(gradients),
                       optimizer=int(optimizer_bytes), activations=int(activations), logits=int(logits),
                       workspace=int(workspace), host=int(host), settings=settings, model_cfg=model_cfg)
+
+
+def vision_config_of(cfg) -> VisionConfig | None:
+    """The tower's config of a vision-language model (config.json's vision_config), None for a text model."""
+    extra = getattr(cfg, "hf_extra", None) or {}
+    family = FAMILIES.get(cfg.model_type)
+    if "vision_config" not in extra or family is None or not family.vision:  # Gemma's towers are not loaded
+        return None
+    return VisionConfig.from_hf(extra["vision_config"], cfg.model_type)
 
 
 def format_plan(plan: MemoryPlan, capacity: int | None = None) -> str:

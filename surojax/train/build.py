@@ -31,7 +31,7 @@ from surojax.compilation_cache import enable_compilation_cache
 from surojax.losses.lm import lm_chunk_tokens, lm_loss
 from surojax.models.decoder import Decoder
 from surojax.models.layer_runner import Recompute
-from surojax.models.transform import Transform, memory_settings, step_hooks, summary_lines, trainable_filter
+from surojax.models.transform import Transform, memory_settings, step_hooks, summary_lines
 from surojax.offload.device_budget import placed_bytes, plans_one_device
 from surojax.offload.layer_loop_choice import LayerLoopChoice, choose_layer_loop
 from surojax.offload.memory_plan import MemoryPlan, check_fits, device_capacity, plan_memory
@@ -42,7 +42,7 @@ from surojax.parallel import batch_parallel_size
 from surojax.parallel.pipeline import PipelineError, pipeline_stages, pipelined_layer_loop
 from surojax.parallel.zero import ZeroLayout, ZeroStageError, plan_divisors, resolve_zero_stage, zero_layout
 from surojax.quant import FORMATS
-from surojax.train.model_setup import apply_model_transforms, build_model, run_transforms
+from surojax.train.model_setup import apply_model_transforms, build_model, run_transforms, trainable_filter
 from surojax.train.optim import build_optimizer, init_opt_state, lr_schedule
 from surojax.train.run_spec import RunSpec, TrainSetupError
 from surojax.train.step import StepShardings, make_eval_step, make_train_step, single_hook
@@ -111,7 +111,7 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: Recompute | None = N
                accum=spec.batch.accumulation, layerwise_update=mem.optimizer_layerwise,
                expert_weight_bytes=packed.bytes_per_value if packed is not None and packed.keep else None,
                kernel_weight_bytes=None if prequantized is None else FORMATS[prequantized].bytes_per_value(),
-               **divisors)
+               vision_patches=spec.batch.image_patches, train_vision=spec.model.train_vision, **divisors)
     transforms = run_transforms(spec, mesh) if transforms is None else transforms
     return plan_memory(spec.model.config, **{**own, **memory_settings(transforms)})
 
@@ -192,7 +192,7 @@ def build_run(spec: RunSpec, mesh, *, loss: Callable = lm_loss, customize: Calla
     train_mode = spec.lora is not None and spec.lora.adapter.dropout > 0
     if train_mode:
         model.train()
-    trains = trainable_filter(transforms)
+    trains = trainable_filter(spec, transforms)  # the vision tower left out unless train_vision
     graphdef, trainable, frozen = nnx.split(model, trains, ...)
     hooks = step_hooks(transforms)
     state = single_hook(hooks, "state")  # step state: carried, never optimised

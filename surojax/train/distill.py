@@ -124,7 +124,8 @@ class DistillTrainer(Trainer):
         """The SFT data; an online teacher's tokenizer is checked against the student's first (before weights)."""
         if self.distill.teacher_logprobs is None:
             check_same_vocabulary(teacher_tokenizer(self.distill.teacher), self.tokenizer, self.distill.teacher)
-        return super().build_data(batch_size=batch_size, eval_batch_size=eval_batch_size, num_epochs=num_epochs)
+        return text_rows_only(super().build_data(batch_size=batch_size, eval_batch_size=eval_batch_size,
+                                                 num_epochs=num_epochs))
 
     def next_batch(self) -> dict:
         batch = super().next_batch()
@@ -158,13 +159,24 @@ def student_tokenizer(cfg: TrainConfig) -> Tokenizer:
     return load_gguf_tokenizer(local) if is_gguf_path(local) else Tokenizer.from_dir(local)
 
 
+def text_rows_only(data):
+    """The data, refused by name when it holds images: the teacher's log-probs are of text rows (sidecar and online
+    teacher alike; its forward pass takes no images in this version)."""
+    if data.stats.images:
+        data.train.close()
+        raise TrainSetupError(f"trainer: distill trains on text rows only in this version; the data holds "
+                              f"{data.stats.images} images (image rows train with trainer: sft)")
+    return data
+
+
 def precompute_teacher_logprobs(cfg: TrainConfig, out: str | Path | None = None, *, dtype: str = "float16") -> Path:
     """Tokenize the config's data as the run does and write the teacher's top-K log-probs of every training and
     validation row to the sidecar `out` (default `sidecar_path(cfg)`); the student is never built."""
     if cfg.teacher is None:
         raise TrainSetupError("teacher: --precompute runs the teacher; set `teacher`")
     tokenizer = student_tokenizer(cfg)
-    data = build_data_from_config(cfg, tokenizer, batch_size=1, seed=cfg.seed, num_epochs=1, eval_batch_size=1)
+    data = text_rows_only(build_data_from_config(cfg, tokenizer, batch_size=1, seed=cfg.seed, num_epochs=1,
+                                                 eval_batch_size=1))
     try:
         row_sets = [r for r in (data.train_rows, data.eval_rows) if r is not None]
         attention = packed_backend(attention_backend(cfg), max(r.max_runs for r in row_sets))

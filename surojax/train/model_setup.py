@@ -18,9 +18,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import jax
 from flax import nnx
 
-from surojax.models.decoder import Decoder
+from surojax.models.decoder import Decoder, vision_filter
 from surojax.models.transform import Transform, apply_transforms, trainable_filter as transforms_filter
 from surojax.offload.placement import Placement
 from surojax.peft.lora_transform import LoraTransform
@@ -93,15 +94,29 @@ def build_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State]
         log.info("initialised %s from scratch (seed %d)", m.config.model_type, m.seed)
     else:
         model = load_base_model(spec, shardings_of=shardings_of)
+    set_vision_training(model, spec)
     apply_model_transforms(model, model_transforms(spec) if transforms is None else transforms)
     return model
 
 
-def trainable_filter(spec: RunSpec):
-    """What the step updates: the union of the transforms' filters (models/transform.py): the adapters for LoRA,
-    every weight otherwise; with fp8_scaling: delayed also the FP8 amax probes and histories (the step rolls
-    them; the optimizer never sees them)."""
-    return transforms_filter(model_transforms(spec))
+def trainable_filter(spec: RunSpec, transforms: list[Transform] | None = None):
+    """What the step updates: the union of the transforms' filters (models/transform.py; default
+    `model_transforms(spec)`): the adapters for LoRA, every weight otherwise; with fp8_scaling: delayed also the FP8
+    amax probes and histories (the step rolls them; the optimizer never sees them). A vision-language model's tower
+    is left out (frozen) unless `spec.model.train_vision`."""
+    trains = transforms_filter(model_transforms(spec) if transforms is None else transforms)
+    return trains if spec.model.train_vision else nnx.All(trains, nnx.Not(vision_filter))
+
+
+def set_vision_training(model: Decoder, spec: RunSpec) -> None:
+    """A vision-language model's tower: trained (`train_vision`: gradients flow through it), or frozen: stored in
+    the compute dtype (the dtype it runs in; no fp32 copy of frozen weights) and run under stop_gradient."""
+    if model.visual is None:
+        return
+    model.train_vision = spec.model.train_vision
+    if not spec.model.train_vision:
+        params = nnx.state(model.visual, nnx.Param)
+        nnx.update(model.visual, jax.tree.map(lambda x: x.astype(spec.precision.compute), params))
 
 
 def load_base_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State] | None = None) -> Decoder:

@@ -93,6 +93,9 @@ class ModelSpec:
     live (a streamed base never whole on the device)."""
     packed_experts: PackedExperts | None = None  # `source` publishes its experts quantised (gpt-oss's MXFP4)
     prequantized: str | None = None  # `source` is a pre-quantised checkpoint: the format its Linear kernels load in
+    # a vision-language model's tower (Decoder.visual) trains (train_vision); False: frozen, stored and run in the
+    # compute dtype without gradients, left out of the trainable state (decoder.vision_filter)
+    train_vision: bool = False
 
     @property
     def is_gguf(self) -> bool:
@@ -174,6 +177,7 @@ class BatchSpec:
     rows: int  # rows per device per micro-batch
     accumulation: int
     sequence_len: int
+    image_patches: int = 0  # the most image patches of a micro-batch (its bucket; the memory plan's vision term)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +313,14 @@ def precision_spec(cfg: TrainConfig) -> PrecisionSpec:
     first, last = cfg.skip_quant_first_layers, cfg.skip_quant_last_layers  # None: the recipe's transform's rule
     fp8 = Fp8Settings(Fp8Scaling(cfg.resolved_fp8_scaling), cfg.fp8_amax_history, cfg.fp8_amax_compute_algo)
     return PrecisionSpec(recipe, recipe.compute_dtype, base, DTYPES[cfg.lora_dtype], first, last, fp8)
+
+
+def train_vision(cfg: TrainConfig, model_cfg: ModelConfig) -> bool:
+    """`train_vision: true` read against the model: it needs a vision tower (config.json's vision_config)."""
+    if cfg.train_vision and "vision_config" not in model_cfg.hf_extra:
+        raise TrainSetupError(f"train_vision: {model_cfg.model_type} has no vision tower (config.json has no "
+                              "vision_config); remove the key")
+    return bool(cfg.train_vision)
 
 
 def lora_training(cfg: TrainConfig) -> LoraTraining | None:
@@ -488,7 +500,8 @@ def run_spec(cfg: TrainConfig, *, total_steps: int, attention: AttentionBackend 
     model = ModelSpec(config=model_cfg, source=None if random_weights else cfg.model, seed=cfg.seed,
                       attention=attention or attention_backend(cfg), init=init,
                       packed_experts=None if random_weights else packed_experts(cfg, model_cfg),
-                      prequantized=prequant.format if prequant is not None else None)
+                      prequantized=prequant.format if prequant is not None else None,
+                      train_vision=train_vision(cfg, model_cfg))
     batch = BatchSpec(rows=cfg.per_device_train_batch_size, accumulation=cfg.gradient_accumulation_steps,
                       sequence_len=cfg.sequence_len)
     return RunSpec(model=model, precision=precision, lora=lora_training(cfg), quant=quant, memory=memory_spec(cfg),

@@ -34,9 +34,13 @@ from surojax.kernel_settings import kernel_settings
 from surojax.data.pipeline import build_data_from_config
 from surojax.losses.lm import lm_loss
 from surojax.data.tokenizer import Tokenizer
+from surojax.data.image_batch import ROPE_KEY
+from surojax.models.decoder import vision_filter
 from surojax.models.layers.attention import packed_backend
+from surojax.models.vision.inputs import VisionTokens
 from surojax.offload.optimizer import master_params
 from surojax.parallel import MeshError, batch_sharding, make_mesh
+from surojax.parallel.pipeline import pipeline_stages
 from surojax.parallel.distributed import barrier, gather_to_main, global_batch, max_over_processes, row_block
 from surojax.peft.lora import merge_lora
 from surojax.peft.peft_io import copy_adapter_files, save_peft_adapter
@@ -46,6 +50,8 @@ from surojax.train.adaptive import AdaptiveSettings, AdaptiveTraining, budget_li
 from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoint_match import CONFIG_META_KEY, check as check_checkpoint, config_record, open_step
 from surojax.train.checkpoints import Checkpointer, key_to_array
+from surojax.train.image_inputs import (IMAGES_KEY, ImageBatchError, eval_image_batch, is_image_batch,
+                                       planned_patches, step_image_batch)
 from surojax.train.interrupts import Interrupts
 from surojax.train.loop_spec import loop_spec
 from surojax.train.metrics import Metrics, plot_loss, set_aside as set_aside_metrics
@@ -160,6 +166,10 @@ class Trainer:
             log.info("attention: %s (cuDNN over the packed rows, at most %s samples + padding per row)",
                      attention, attention.max_segments)
         self.spec = run_spec(cfg, total_steps=total, attention=attention, model_config=model_config)
+        if self.data.stats.images:  # the memory plan counts the tower's activations of the largest micro-batch
+            patches = planned_patches((self.data.train_rows, self.data.eval_rows), B,
+                                      self._vision_tokens().vision.spatial_merge_size)
+            self.spec = self.spec.replace(batch=dataclasses.replace(self.spec.batch, image_patches=patches))
         if self.tokenizer.vocab_size > self.spec.model.config.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                                   f"{self.spec.model.config.vocab_size}")
@@ -315,8 +325,35 @@ class Trainer:
         (a+1)*B/G of its share) is its part of global micro-batch a: every micro-batch holds the same rows as in
         a one-process run, in another order (the loss sums over rows: equal up to fp32 summation order)."""
         A = self.plan.accumulation
+        if is_image_batch(batch):
+            return self._device_image_batch(step_image_batch(batch, self._vision_tokens(), A), lead=1)
         shaped = {k: v.reshape(A, v.shape[0] // A, *v.shape[1:]) for k, v in batch.items()}
         return global_batch(shaped, self.batch_sharding, 1, self.rows.count)
+
+    def _vision_tokens(self) -> VisionTokens:
+        """The model's image token ids and tower shape (train/image_inputs.py turns image batches with them)."""
+        if pipeline_stages(self.mesh) > 1:
+            raise ImageBatchError("image rows do not train over pipeline stages (parallel.stage > 1) in this version: "
+                                  "the vision tower and its deepstack features run outside the staged layers; use "
+                                  "data / fsdp parallelism")
+        if self.rows.count > 1:
+            raise ImageBatchError("image rows train in one process for now: each process's loader holds other "
+                                  "images (multi-process runs: surojax launch, srun); one process over its devices "
+                                  "replicates the images and splits the rows")
+        return VisionTokens.from_config(self.spec.model.config)
+
+    def _device_image_batch(self, batch: dict, lead: int) -> dict:
+        """Image micro-batches (train/image_inputs.py) on the devices: the [.., B, T] arrays split like text rows,
+        rope_positions [.., 3, B, T] likewise along B, the images replicated (their rows are not split by row)."""
+        rows_spec = batch_sharding(self.mesh).spec  # the [B, T] rule's axes
+        lead_axes = (None,) * lead
+        images = batch.pop(IMAGES_KEY, None)
+        rope = batch.pop(ROPE_KEY)
+        out = global_batch(batch, NamedSharding(self.mesh, P(*lead_axes, *rows_spec)), lead, 1)
+        out[ROPE_KEY] = jax.device_put(rope, NamedSharding(self.mesh, P(*lead_axes, None, *rows_spec)))
+        if images is not None:
+            out[IMAGES_KEY] = jax.device_put(images, NamedSharding(self.mesh, P()))
+        return out
 
     def step(self) -> dict:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns float metrics.
@@ -359,14 +396,20 @@ class Trainer:
             return None
         total, count = 0.0, 0.0
         for batch in self.data.eval:
-            s, n = self.run.eval_step(self.trainable, self.frozen, global_batch(batch, NamedSharding(
-                self.mesh, P(*self.batch_sharding.spec[1:])), 0, self.rows.count))
+            if is_image_batch(batch):
+                placed = self._device_image_batch(eval_image_batch(batch, self._vision_tokens()), lead=0)
+            else:
+                placed = global_batch(batch, NamedSharding(self.mesh, P(*self.batch_sharding.spec[1:])), 0,
+                                      self.rows.count)
+            s, n = self.run.eval_step(self.trainable, self.frozen, placed)
             total, count = total + float(s), count + float(n)
         return total / max(count, 1.0)
 
     # ---- the run --------------------------------------------------------------------------------------------
     def summary_lines(self) -> list[str]:
-        n_total = _count(self.trainable) + (_count(self.frozen) if self.spec.lora is not None else 0)
+        # full fine-tuning: the frozen state is the vision tower's (frozen unless train_vision), if any
+        frozen = self.frozen if self.spec.lora is not None else nnx.filter_state(self.frozen, vision_filter)
+        n_total = _count(self.trainable) + _count(frozen)
         n_train = _count(self.trainable)
         planned = self.plan.total_steps * self.plan.tokens_per_step
         budget = CHINCHILLA_TOKENS_PER_PARAM * n_total

@@ -1,0 +1,61 @@
+"""The vision tower in the memory plan and the parameter counts (models/vision/counts.py): its parameter count equals
+the loaded tower's, its forward FLOPs XLA's count; frozen it adds its weights in the compute dtype and its activations, no gradients or optimizer
+state; trained (train_vision) it adds those too; a text model's plan is unchanged."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from surojax.models.config import ModelConfig
+from surojax.models.vision.config import VisionConfig
+from surojax.models.vision.counts import tower_activation_bytes, tower_flops_per_patch, tower_params
+from surojax.models.vision.grid import vision_grid
+from surojax.models.vision.tower import VisionTower
+from surojax.offload.memory_plan import plan_memory
+from surojax.weights.hf_checkpoint import load_model
+
+MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
+
+
+def test_tower_params_equal_the_loaded_towers():
+    for name in ("qwen3_vl", "qwen3_5"):
+        model = load_model(MODELS / name)
+        loaded = sum(x.size for x in jax.tree.leaves(nnx.state(model.visual, nnx.Param)))
+        assert tower_params(VisionConfig.from_hf(model.cfg.hf_extra["vision_config"], model.cfg.model_type)) == loaded
+
+
+def test_plan_counts_the_tower_frozen_or_trained():
+    hf = json.loads((MODELS / "qwen3_vl" / "config.json").read_text())
+    vlm = ModelConfig.from_hf(hf)
+    text = ModelConfig.from_hf({**hf["text_config"], "model_type": "qwen3"})  # the same text model, no tower
+    v = VisionConfig.from_hf(hf["vision_config"], "qwen3_vl")
+    n = tower_params(v)
+    common = dict(mode="full", recipe="bf16", batch=2, seq=64, optimizer="adamw")
+    base, frozen = plan_memory(text, **common), plan_memory(vlm, **common, vision_patches=256)
+    trained = plan_memory(vlm, **common, vision_patches=256, train_vision=True)
+    assert frozen.weights - base.weights == 2 * n  # bf16, no master copy
+    assert (frozen.gradients, frozen.optimizer) == (base.gradients, base.optimizer)
+    assert frozen.activations - base.activations == tower_activation_bytes(v, 256, c=2, trains=False) > 0
+    assert trained.weights - base.weights == 4 * n and trained.optimizer - base.optimizer == 8 * n
+    assert trained.gradients - base.gradients == 8 * n
+    assert trained.activations > frozen.activations > plan_memory(vlm, **common, vision_patches=64).activations
+    lora = dict(common, mode="lora")
+    assert plan_memory(vlm, **lora, vision_patches=256).weights - plan_memory(text, **lora).weights == 2 * n
+
+
+def test_tower_flops_per_patch_match_xlas_count():
+    """The forward FLOPs of a 1x8x8 image (one frame of 64 patches) against XLA's cost analysis of a random tower
+    wide enough (hidden 256) for the matmuls to be the count (XLA counts the norms and activations too: ~1%)."""
+    v = VisionConfig(depth=2, hidden_size=256, intermediate_size=512, num_heads=4, patch_size=4, out_hidden_size=128,
+                     num_position_embeddings=16, deepstack_visual_indexes=(0,))
+    tower = nnx.eval_shape(lambda: VisionTower(v, rngs=nnx.Rngs(0)))
+    grid = vision_grid(np.array([[1, 8, 8]]), v.spatial_merge_size, v.position_grid_side)
+    run = jax.jit(lambda tower, x: (lambda o: (o.merged, o.deepstack))(tower(x, grid, dtype=jnp.float32)))
+    cost = run.lower(tower, jax.ShapeDtypeStruct((64, v.patch_dim), jnp.float32)).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    np.testing.assert_allclose(tower_flops_per_patch(v, 64) * 64, cost["flops"], rtol=0.02)
