@@ -15,6 +15,7 @@ from flax import nnx
 from surojax.generation.loop import generate
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
+from surojax.peft.multi_lora import LoRASlotError, apply_multi_lora
 from surojax.serve.config import KVCacheDtype, KVPath
 from surojax.serve.engine import Engine
 from surojax.serve.kv_fp8 import layer_bounds
@@ -74,3 +75,9 @@ def test_shared_layers_and_per_layer_inputs_served_equal_generate():
     assert engine.generate(prompts, max_tokens=12) == want
     with pytest.raises(ValueError, match="FP8 KV pool is not supported with attention layers outside"):
         Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
+
+
+def test_runtime_lora_slots_are_refused_with_several_attention_stacks():
+    model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
+    with pytest.raises(LoRASlotError, match="not supported with attention layers outside `layers` \\(global_layers"):
+        apply_multi_lora(model, max_loras=1, max_rank=2)
