@@ -8,6 +8,15 @@ Run with the reference environment (torch + transformers), never from the suroja
     gemma4_text_moe/  gemma4_text with the MoE block (enable_moe_block: 4 experts of width 16, top 2, beside the
                   dense MLP in every layer); the router's input scale 1 + 0.3 N(0, 1) and its per-expert scales
                   0.5 + U(0, 1), checked to change the logits
+    gemma4_text_global/  gemma4_text with full-attention layers of their own shape, as every published size has:
+                  global_head_dim 32 (twice the sliding layers' 16), num_global_key_value_heads 1 and
+                  attention_k_eq_v (no v_proj on the full layers: their values are the key projection's output);
+                  transformers saves it as per_layer_config {"2": {head_dim 32, num_key_value_heads 1}, "5": ...}
+    gemma4_text_shared/  gemma4_text_global plus per-layer input embeddings (hidden_size_per_layer_input 8: the
+                  table model.embed_tokens_per_layer [256, 6 x 8], per_layer_model_projection, per_layer_projection_norm,
+                  each layer's per_layer_input_gate / per_layer_projection / post_per_layer_input_norm) and the last 2
+                  layers KV-shared (num_kv_shared_layers 2: no k / v projections there) with use_double_wide_mlp
+                  (their MLPs 128 wide): the four features of the published E2B / E4B in one model
     gemma4/       Gemma4ForConditionalGeneration (model_type gemma4: config.json with text_config and vision_config,
                   no audio), the language model under model.language_model.*, a 1-layer vision tower
                   (model.vision_tower.*) and its embedder (model.embed_vision.*) saved with it
@@ -60,6 +69,14 @@ TEXT = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_lay
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
 # gemma4_text_moe: the MoE block beside the MLP in every layer (4 experts of width 16, 2 per token)
 MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+# gemma4_text_global: the full layers wider, with one kv head, keys as values (published Gemma 4's shape)
+GLOBAL = dict(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True)
+# gemma4_text_shared: every feature of the published E2B / E4B together: the global shape above, per-layer input
+# embeddings (P 8), the last 2 layers KV-shared (layer 4 reads layer 3's keys / values, layer 5 layer 2's) with
+# double-wide MLPs
+SHARED = GLOBAL | dict(hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, num_kv_shared_layers=2,
+                       use_double_wide_mlp=True)
+VARIANTS = {"gemma4_text": {}, "gemma4_text_moe": MOE, "gemma4_text_global": GLOBAL, "gemma4_text_shared": SHARED}
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
               head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
 
@@ -122,6 +139,22 @@ def _router_scales(lm):
             layer.router.scale.fill_(1.0)
 
 
+def _no_per_layer_table(lm):
+    with torch.no_grad():
+        lm.embed_tokens_per_layer.weight.zero_()
+
+
+def _values_from_queries(lm):
+    """The full layers' values from another projection than the keys' (a reader that ignored k = v)."""
+    import torch.nn as nn
+    with torch.no_grad():
+        for layer in lm.layers:
+            attn = layer.self_attn
+            if attn.use_alternative_attention and not attn.is_kv_shared_layer:
+                attn.v_proj = nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
+                attn.v_proj.weight.copy_(attn.k_proj.weight.flip(0))
+
+
 def _expected(model, out: Path, seed: int) -> None:
     rng = np.random.default_rng(seed)
     vocab = TEXT["vocab_size"]
@@ -138,6 +171,10 @@ def _expected(model, out: Path, seed: int) -> None:
         "proportional rope": lambda lm: _rope(lm, "full_attention", partial_rotary_factor=1.0),
         "layer scalars": _scalars,
     }
+    if _language_model(model).config.hidden_size_per_layer_input:
+        checks |= {"per-layer input table": _no_per_layer_table}
+    if _language_model(model).config.attention_k_eq_v:
+        checks |= {"keys as values": _values_from_queries}
     if _language_model(model).config.enable_moe_block:
         checks |= {"per-expert scales": _per_expert_scales, "router input scale": _router_scales}
     for what, edit in checks.items():
@@ -164,8 +201,8 @@ def make(name: str, seed: int) -> None:
     from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig,
                               Gemma4VisionConfig)
     torch.manual_seed(seed)
-    if name in ("gemma4_text", "gemma4_text_moe"):
-        text = copy.deepcopy(TEXT) | (MOE if name == "gemma4_text_moe" else {})
+    if name in VARIANTS:
+        text = copy.deepcopy(TEXT) | VARIANTS[name]
         cls, model = Gemma4ForCausalLM, Gemma4ForCausalLM(Gemma4TextConfig(**text))
     else:
         cfg = Gemma4Config(text_config=Gemma4TextConfig(**copy.deepcopy(TEXT)),
@@ -189,7 +226,7 @@ def make(name: str, seed: int) -> None:
           sorted(p.name for p in out.iterdir()))
 
 
-SEEDS = {"gemma4_text": 42, "gemma4": 45, "gemma4_text_moe": 47}
+SEEDS = {"gemma4_text": 42, "gemma4": 45, "gemma4_text_moe": 47, "gemma4_text_global": 51, "gemma4_text_shared": 53}
 
 if __name__ == "__main__":
     import sys

@@ -25,7 +25,8 @@ from flax import nnx
 
 from surojax.generation.sampling import sample
 from surojax.models.decoder import Decoder, state_shape
-from surojax.models.kv import ATTENTION_STACK, Cache, HybridCache, KVCache, state_stack
+from surojax.models.kv import ATTENTION_STACK, Cache, HybridCache, KVCache, StacksKVCache, state_stack
+from surojax.models.registry import GLOBAL_STACK
 from surojax.models.vision.inputs import prepare_images
 
 
@@ -33,9 +34,15 @@ def empty_cache(model: Decoder, batch: int, max_len: int, dtype) -> Cache:
     """A fresh cache for `batch` sequences of up to `max_len` tokens: a `KVCache` over the model's layers, or for
     a hybrid model (its layer pattern reads a `linear_layers` or LFM2's `conv_layers` stack) a `HybridCache`: the KV
     cache over the attention stack's rows and zero states over the state stack's rows, sized by
-    `decoder.state_shape(model.cfg)`."""
+    `decoder.state_shape(model.cfg)`. Gemma 4 with full layers of their own shape: a `StacksKVCache` (a KV cache
+    for `layers` and one for `global_layers`)."""
     pattern = model.layer_pattern
     stack = state_stack(pattern.caches)
+    if GLOBAL_STACK in pattern.caches:  # Gemma 4's full layers of their own shape: a KV cache of theirs
+        cfg = model.cfg
+        return StacksKVCache.empty({ATTENTION_STACK: (cfg, pattern.cache_rows(ATTENTION_STACK)),
+                                    GLOBAL_STACK: (cfg.global_config(), pattern.cache_rows(GLOBAL_STACK))},
+                                   batch, max_len, dtype)
     if stack is None:
         return KVCache.empty(model.cfg, batch, max_len, dtype)
     kv = KVCache.empty(model.cfg, batch, max_len, dtype, num_layers=pattern.cache_rows(ATTENTION_STACK))

@@ -250,6 +250,19 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GlobalAttention:
+    """Gemma 4's full-attention ("global") layers when shaped unlike the sliding ones, as transformers'
+    Gemma4TextAttention builds them from `per_layer_config` (or `global_head_dim` / `num_global_key_value_heads`):
+    their own head size and kv heads, and with `attention_k_eq_v` no v_proj (the values are the key projection's
+    output, v-normed; the keys k-normed and rotated). The decoder holds them in a stack of their own,
+    `global_layers` (decoder.layer_pattern), built from `ModelConfig.global_config()`."""
+
+    head_dim: int
+    num_kv_heads: int
+    k_eq_v: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int  # V
@@ -303,6 +316,20 @@ class ModelConfig:
     v_norm: bool = False
     layer_scalar: bool = False
     final_logit_softcapping: float | None = None  # c: logits -> c * tanh(logits / c) (Decoder.logits, the losses)
+    # Gemma 4: the full-attention layers' own shape (None: as the sliding layers'); they then live in `global_layers`
+    global_attention: GlobalAttention | None = None
+    # the values are the key projection's output (no v_proj): set on the config the global stack is built from (and
+    # on a Gemma 4 config whose every layer is a full-attention one with attention_k_eq_v)
+    attention_k_eq_v: bool = False
+    # Gemma 4's per-layer input embeddings (PLE, `hidden_size_per_layer_input` P > 0): a table [V_p, L P] and a
+    # projection of the embeddings give every layer its input [B, T, P], gated into the layer's output
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    # Gemma 4's KV-shared layers (`num_kv_shared_layers`): the last n layers compute no keys / values, they attend
+    # over those of the last earlier layer of their type (`kv_source`); `use_double_wide_mlp` widens their MLP x 2
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    kv_shared: bool = False  # set on the config a KV-shared stack is built from: no k / v projections
     # LFM2: the short-convolution layers (None: every layer is an attention layer or a DeltaNet one)
     short_conv: ShortConvConfig | None = None
     # Multimodal rope (Qwen3-VL, Qwen3.5: `rope_parameters.mrope_section`, interleaved): the rotary frequencies
@@ -316,6 +343,21 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
+        g = self.global_attention
+        if g is not None and (self.num_heads % g.num_kv_heads or g.head_dim <= 0):
+            raise ModelConfigError(f"the full-attention layers' num_key_value_heads ({g.num_kv_heads}) must divide "
+                                   f"num_attention_heads ({self.num_heads}); head_dim {g.head_dim} positive")
+        if g is not None and all(self.layer_window(i) is None for i in range(self.num_layers)):
+            raise ModelConfigError("global_attention needs sliding layers beside the full ones (a model of full "
+                                   "layers only takes their shape as its own)")
+        if self.kv_shared_layers:
+            if not 0 < self.kv_shared_layers < self.num_layers:
+                raise ModelConfigError(f"num_kv_shared_layers {self.kv_shared_layers} must leave at least one layer "
+                                       f"of the {self.num_layers} computing its own keys / values")
+            for i in range(self.num_layers - self.kv_shared_layers, self.num_layers):
+                if self.kv_source(i) is None:
+                    raise ModelConfigError(f"KV-shared layer {i} ({self.layer_kind(i)}) has no earlier layer of its "
+                                           f"type before layer {self.num_layers - self.kv_shared_layers} to share")
         if self.layer_windows is not None and (
                 len(self.layer_windows) != self.num_layers
                 or any(w is not None and w != self.sliding_window for w in self.layer_windows)):
@@ -366,6 +408,49 @@ class ModelConfig:
         """The attention window of layer `layer` (None: full causal attention)."""
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
+    def layer_is_global(self, layer: int) -> bool:
+        """Layer `layer` is a full-attention layer of its own shape (`global_attention`: the `global_layers` stack)."""
+        return self.global_attention is not None and self.layer_window(layer) is None
+
+    def layer_kind(self, layer: int) -> str:
+        """"full_attention" or "sliding_attention" (HF `layer_types`' names)."""
+        return "full_attention" if self.layer_window(layer) is None else "sliding_attention"
+
+    def layer_is_kv_shared(self, layer: int) -> bool:
+        """Layer `layer` is one of the last `kv_shared_layers` (it reads another layer's keys / values)."""
+        return layer >= self.num_layers - self.kv_shared_layers > 0 and self.kv_shared_layers > 0
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys / values KV-shared layer `layer` reads: the last layer of its kind before the
+        shared ones (transformers' `store_full_length_kv`); None when there is none."""
+        first = self.num_layers - self.kv_shared_layers
+        return next((i for i in range(first - 1, -1, -1) if self.layer_kind(i) == self.layer_kind(layer)), None)
+
+    def layer_stack(self, layer: int) -> str:
+        """The stack holding layer `layer` of an attention-only model: `layers`, Gemma 4's `global_layers` (full
+        layers of their own shape), `shared_layers` / `shared_global_layers` (its KV-shared layers)."""
+        glob = self.layer_is_global(layer)
+        if self.layer_is_kv_shared(layer):
+            return "shared_global_layers" if glob else "shared_layers"
+        return "global_layers" if glob else "layers"
+
+    def stack_config(self, stack: str) -> "ModelConfig":
+        """The config the blocks of `stack` (`layer_stack`'s names) are built from."""
+        cfg = self.global_config() if "global" in stack else self
+        if stack.startswith("shared"):
+            wide = self.intermediate_size * (2 if self.double_wide_mlp else 1)
+            cfg = cfg.replace(kv_shared=True, intermediate_size=wide)
+        return cfg
+
+    def global_config(self) -> "ModelConfig":
+        """The config the full-attention layers of their own shape are built from (`global_attention`'s head size,
+        kv heads and k = v); this config when they have none."""
+        g = self.global_attention
+        if g is None:
+            return self
+        return self.replace(head_dim=g.head_dim, num_kv_heads=g.num_kv_heads, attention_k_eq_v=g.k_eq_v,
+                            global_attention=None)
+
     def layer_rope(self, layer: int) -> int:
         """Which rope layer `layer` uses: 0 the config's (rope_theta / rope_scaling), 1 the sliding layers' own
         (Gemma 3: a layer with a window, when local_rope_theta is set)."""
@@ -376,19 +461,27 @@ class ModelConfig:
         alone, or with a local rope also this config with the local rope as its own."""
         if self.local_rope_theta is None:
             return (self,)
-        return (self, self.replace(rope_theta=self.local_rope_theta, rope_scaling=self.local_rope_scaling,
+        # the full layers' rope spans their own head size (Gemma 4's global_head_dim: transformers' rope of the
+        # full_attention layer type reads per_layer_config["full_attention"].head_dim)
+        full = self.global_config() if self.global_attention is not None else self
+        return (full, self.replace(rope_theta=self.local_rope_theta, rope_scaling=self.local_rope_scaling,
                                    local_rope_theta=None))
 
     def num_params(self) -> int:
         """Parameters of the model, embeddings included (tied embeddings counted once)."""
         D, V = self.hidden_size, self.vocab_size
-        attn = D * self.q_dim * (2 if self.attn_output_gate else 1) + 2 * D * self.kv_dim + self.q_dim * D
-        if self.attention_bias:
-            attn += self.q_dim + 2 * self.kv_dim
-        if self.qk_norm:
-            attn += 2 * self.head_dim
-        attn += D * self.o_proj_bias + self.num_heads * self.attention_sinks
-        mixers = self.num_attention_layers * attn
+        mixers = 0
+        if self.linear_attention is None and self.short_conv is None:  # attention-only: each layer's stack's shape
+            for i in range(self.num_layers):
+                c = self.stack_config(self.layer_stack(i))
+                mixers += c._attention_params() + (3 * D * (c.intermediate_size - self.intermediate_size)
+                                                   if c.kv_shared else 0)  # the double-wide MLP's extra width
+        else:
+            mixers = self.num_attention_layers * self._attention_params()
+        P = self.per_layer_input_size
+        if P:  # the PLE table, its projection and norm; per layer its gate, projection and norm
+            mixers += self.per_layer_vocab_size * self.num_layers * P + D * self.num_layers * P + P \
+                + self.num_layers * (2 * D * P + D)
         if self.linear_attention is not None:
             mixers += (self.num_layers - self.num_attention_layers) * self.linear_attention.layer_params(D)
         if self.short_conv is not None:
@@ -397,6 +490,18 @@ class ModelConfig:
         sparse, dense = self.num_layers - self.dense_layers, self.dense_layers  # lfm2_moe's dense leading layers
         return mixers + sparse * self._ffn_params(active=False) + dense * 3 * D * self.intermediate_size \
             + self.num_layers * norms + V * D * (1 if self.tie_word_embeddings else 2) + D
+
+    def _attention_params(self) -> int:
+        """One attention layer of this config's shape."""
+        D = self.hidden_size
+        kv_projections = 0 if self.kv_shared else 1 if self.attention_k_eq_v else 2
+        attn = D * self.q_dim * (2 if self.attn_output_gate else 1) + kv_projections * D * self.kv_dim \
+            + self.q_dim * D
+        if self.attention_bias:
+            attn += self.q_dim + kv_projections * self.kv_dim
+        if self.qk_norm:
+            attn += (1 if self.kv_shared else 2) * self.head_dim
+        return attn + D * self.o_proj_bias + self.num_heads * self.attention_sinks
 
     def num_active_params(self) -> int:
         """Parameters one token runs through: a MoE layer counts its router and k experts, not all E."""
@@ -443,10 +548,11 @@ class ModelConfig:
         if missing:
             raise ModelConfigError(f"config.json lacks {', '.join(missing)} (model_type {hf.get('model_type')!r})")
         n_heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
         gemma = Gemma3Text.from_hf(hf) if family.gemma3 else Gemma4Text.from_hf(hf) if family.gemma4 else None
         if gemma is not None:
-            hf = gemma.hf
+            hf = gemma.hf  # Gemma 4 of full layers only: their head_dim / kv heads are the model's
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+        if gemma is not None:
             rs, rope_theta, scaling = {}, gemma.rope_theta, gemma.rope_scaling
         else:
             rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
@@ -668,11 +774,15 @@ class Gemma4Text:
     `hidden_activation`. Ropes: `rope_parameters` per layer type (default: sliding layers rope_theta 1e4, full layers
     `proportional` with partial_rotary_factor 0.25, rope_theta 1e6).
 
-    Refused by name, each with the reason (what is not built yet, never silently mis-read): per-layer input
-    embeddings (`hidden_size_per_layer_input` > 0), KV-shared layers (`num_kv_shared_layers` > 0; with them
-    `use_double_wide_mlp`, which widens only those layers' MLPs), `attention_k_eq_v`, full-attention layers whose head size or kv heads differ from the sliding layers'
-    (`global_head_dim` / `num_global_key_value_heads` / `per_layer_config`: one attention stack has one shape),
-    bidirectional attention, a `query_pre_attn_scalar` (transformers' Gemma 4 does not read one: its scale is 1).
+    Full-attention layers shaped unlike the sliding ones (`per_layer_config`, or `global_head_dim` /
+    `num_global_key_value_heads`; `attention_k_eq_v`: no v_proj on them) are read into `global_attention`
+    (`_gemma4_global_attention`): their own stack `global_layers`.
+
+    Per-layer input embeddings (`hidden_size_per_layer_input` P, default 256; `vocab_size_per_layer_input`) and
+    KV-shared layers (`num_kv_shared_layers`, with `use_double_wide_mlp` widening only their MLPs) are read into
+    ModelConfig's per_layer_input_size / per_layer_vocab_size / kv_shared_layers / double_wide_mlp.
+
+    Refused by name, each with the reason (never silently mis-read): bidirectional attention, a `query_pre_attn_scalar` (transformers' Gemma 4 does not read one: its scale is 1).
     `final_logit_softcapping` (c > 0 or null) is read: logits c * tanh(logits / c). The MoE block
     (`enable_moe_block`: `num_experts`, `top_k_experts`, `moe_intermediate_size`) is read into `moe`: beside the
     dense MLP in every layer (ModelConfig.moe_beside_mlp), a softmax top-k router renormalised and times a
@@ -685,19 +795,22 @@ class Gemma4Text:
     local_rope_scaling: RopeScaling
     final_logit_softcapping: float | None
     moe: MoEConfig | None = None
-
-    NOT_YET = {"hidden_size_per_layer_input": "per-layer input embeddings (PLE)",
-               "num_kv_shared_layers": "KV-shared layers", "attention_k_eq_v": "keys reused as values"}
+    global_attention: GlobalAttention | None = None
+    k_eq_v_everywhere: bool = False  # every layer is a full one, with attention_k_eq_v
+    # per_layer_input_size / per_layer_vocab_size (PLE), kv_shared_layers, double_wide_mlp: ModelConfig's fields
+    sharing: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "Gemma4Text":
-        defaults = {"hidden_size_per_layer_input": 256}  # transformers' default: PLE on
-        for key, what in cls.NOT_YET.items():
-            value = hf.get(key, defaults.get(key))
-            if value:
-                raise ModelConfigError(f"gemma4: {key} {value!r} is not supported yet ({what} is not implemented; "
-                                       "only the dense text model is: a checkpoint without it sets the key to 0 / "
-                                       "false)")
+        keys = {"per_layer_input_size": ("hidden_size_per_layer_input", 256),  # transformers' default: PLE on
+                "per_layer_vocab_size": ("vocab_size_per_layer_input", 262_144),
+                "kv_shared_layers": ("num_kv_shared_layers", 0)}
+        ple = {}
+        for field, (key, default) in keys.items():
+            value = ple[field] = hf.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ModelConfigError(f"gemma4: {key} {value!r} must be a non-negative integer")
+        ple["double_wide_mlp"] = bool(hf.get("use_double_wide_mlp", False))
         cap = hf.get("final_logit_softcapping")
         if cap is not None and not float(cap) > 0:
             raise ModelConfigError(f"gemma4: final_logit_softcapping {cap!r} must be a positive number or null")
@@ -721,7 +834,11 @@ class Gemma4Text:
         if "sliding_attention" in types and not hf.get("sliding_window", 512):
             raise ModelConfigError(f"gemma4: sliding_window {hf.get('sliding_window')!r}: the sliding_attention "
                                    "layers of layer_types need a positive window")
-        _check_gemma4_full_layers(hf, types)
+        glob = _gemma4_global_attention(hf, types)
+        same = (glob.head_dim, glob.num_kv_heads, glob.k_eq_v) == (*_gemma4_shape(hf), False)
+        fold = {}
+        if "sliding_attention" not in types:  # every layer full: their shape is the model's own
+            fold = {"head_dim": glob.head_dim, "num_key_value_heads": glob.num_kv_heads}
         rp = hf.get("rope_parameters") or {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                                            "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0,
                                                               "partial_rotary_factor": 0.25}}
@@ -732,7 +849,10 @@ class Gemma4Text:
         for name, r in (("full_attention", full), ("sliding_attention", local)):
             if "rope_theta" not in r:
                 raise ModelConfigError(f"gemma4: rope_parameters.{name} lacks rope_theta")
-        return cls(hf={**hf, "layer_types": types, "hidden_act": act, "sliding_window": hf.get("sliding_window", 512)},
+        return cls(hf={**hf, "layer_types": types, "hidden_act": act, "sliding_window": hf.get("sliding_window", 512),
+                       **fold},
+                   global_attention=None if same or fold else glob, k_eq_v_everywhere=bool(fold) and glob.k_eq_v,
+                   sharing=ple,
                    rope_theta=float(full["rope_theta"]), rope_scaling=RopeScaling.from_hf(full, hf),
                    local_rope_theta=float(local["rope_theta"]), local_rope_scaling=RopeScaling.from_hf(local, hf),
                    final_logit_softcapping=None if cap is None else float(cap), moe=_gemma4_moe(hf, act))
@@ -741,7 +861,8 @@ class Gemma4Text:
         """The ModelConfig fields Gemma 4 sets (beside the generic ones read from `hf`)."""
         return dict(sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=1.0, v_norm=True,
                     layer_scalar=True, moe_beside_mlp=self.moe is not None, local_rope_theta=self.local_rope_theta,
-                    local_rope_scaling=self.local_rope_scaling, final_logit_softcapping=self.final_logit_softcapping)
+                    local_rope_scaling=self.local_rope_scaling, final_logit_softcapping=self.final_logit_softcapping,
+                    global_attention=self.global_attention, attention_k_eq_v=self.k_eq_v_everywhere, **self.sharing)
 
     @staticmethod
     def to_hf(cfg: "ModelConfig") -> dict[str, Any]:
@@ -750,11 +871,20 @@ class Gemma4Text:
         def rope(theta, scaling):
             return scaling.hf_fields() | {"rope_theta": theta}
 
-        return {"hidden_activation": cfg.hidden_act, "global_head_dim": cfg.head_dim, "per_layer_config": {},
+        g = cfg.global_config()
+        full = [i for i in range(cfg.num_layers) if cfg.layer_window(i) is None]
+        width = len(str(max(full))) if full else 1
+        overrides = {k: v for k, v in (("head_dim", g.head_dim), ("num_key_value_heads", g.num_kv_heads))
+                     if v != getattr(cfg, "head_dim" if k == "head_dim" else "num_kv_heads")}
+        return {"hidden_activation": cfg.hidden_act, "global_head_dim": None, "num_global_key_value_heads": None,
+                "per_layer_config": {str(i).zfill(width): overrides for i in full} if overrides else {},
                 "rope_parameters": {"full_attention": rope(cfg.rope_theta, cfg.rope_scaling),
                                     "sliding_attention": rope(cfg.local_rope_theta, cfg.local_rope_scaling)},
-                "final_logit_softcapping": cfg.final_logit_softcapping, "hidden_size_per_layer_input": 0,
-                "num_kv_shared_layers": 0, "attention_k_eq_v": False, "use_double_wide_mlp": False,
+                "final_logit_softcapping": cfg.final_logit_softcapping,
+                "hidden_size_per_layer_input": cfg.per_layer_input_size,
+                "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
+                "num_kv_shared_layers": cfg.kv_shared_layers, "attention_k_eq_v": g.attention_k_eq_v,
+                "use_double_wide_mlp": cfg.double_wide_mlp,
                 "enable_moe_block": cfg.moe is not None,
                 **({} if cfg.moe is None else {"num_experts": cfg.moe.num_experts,
                                                "top_k_experts": cfg.moe.experts_per_token,
@@ -778,24 +908,50 @@ def _gemma4_moe(hf: dict[str, Any], act: str) -> MoEConfig | None:
                      per_expert_scale=True)
 
 
-def _check_gemma4_full_layers(hf: dict[str, Any], types: list[str]) -> None:
-    """Refuse full-attention layers shaped unlike the sliding ones, read as transformers reads them: a
-    `per_layer_config` ({layer: {head_dim, num_key_value_heads}}) when config.json has one, else `global_head_dim`
-    (default 512) for every full layer (and `num_global_key_value_heads` with attention_k_eq_v, refused above)."""
-    head_dim = hf.get("head_dim", 256)
+def _gemma4_shape(hf: dict[str, Any]) -> tuple[int, int]:
+    """(head_dim, num_key_value_heads) as ModelConfig.from_hf reads them for every family."""
+    heads = int(hf["num_attention_heads"])
+    return int(hf.get("head_dim") or int(hf["hidden_size"]) // heads), int(hf.get("num_key_value_heads") or heads)
+
+
+def _gemma4_global_attention(hf: dict[str, Any], types: list[str]) -> GlobalAttention:
+    """The full-attention layers' shape, read as transformers 5.17's Gemma4TextConfig reads it: a
+    `per_layer_config` ({layer: {head_dim, num_key_value_heads}}, what its save_pretrained writes) when config.json
+    has one, else `global_head_dim` (default 512) for every full layer, with `num_global_key_value_heads` as their kv
+    heads only under `attention_k_eq_v` (the published checkpoints' spelling). `attention_k_eq_v` drops the full
+    layers' v_proj (Gemma4TextAttention's `use_alternative_attention`). Refused by name: an override of a sliding
+    layer, of any other key, or full layers that differ from each other (transformers' rope reads one config per
+    layer type)."""
+    head_dim, kv = _gemma4_shape(hf)
+    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
     if "per_layer_config" in hf:
-        overrides = {str(k): dict(v) for k, v in (hf["per_layer_config"] or {}).items()}
+        overrides = {}
+        for key, change in (hf["per_layer_config"] or {}).items():
+            layer = int(key)
+            if not 0 <= layer < len(types) or types[layer] != "full_attention":
+                raise ModelConfigError(f"gemma4: per_layer_config[{key!r}] overrides layer {layer}, not a "
+                                       "full_attention layer (only the full layers' head_dim / num_key_value_heads "
+                                       "may differ)")
+            unknown = sorted(set(change) - {"head_dim", "num_key_value_heads"})
+            if unknown:
+                raise ModelConfigError(f"gemma4: per_layer_config[{key!r}] sets {unknown}: transformers' Gemma 4 "
+                                       "reads only head_dim / num_key_value_heads per layer")
+            overrides[layer] = dict(change)
+        shapes = {(int(overrides.get(i, {}).get("head_dim", head_dim)),
+                   int(overrides.get(i, {}).get("num_key_value_heads", kv))) for i in full}
+        if len(shapes) > 1:
+            raise ModelConfigError(f"gemma4: per_layer_config gives the full_attention layers different shapes "
+                                   f"{sorted(shapes)} (transformers' rope reads one config per layer type)")
+        (g_head, g_kv), = shapes or {(head_dim, kv)}
     else:
-        overrides = {str(i): {"head_dim": hf.get("global_head_dim", 512)}
-                     for i, t in enumerate(types) if t == "full_attention"}
-    base = {"head_dim": head_dim, "num_key_value_heads": hf.get("num_key_value_heads")}
-    for layer, changes in overrides.items():
-        for key, value in changes.items():
-            if key not in base or value != base[key]:
-                raise ModelConfigError(
-                    f"gemma4: layer {layer}'s {key} {value!r} (per_layer_config / global_head_dim) differs from the "
-                    f"config's {base.get(key)!r}: full-attention layers shaped unlike the sliding ones are not "
-                    "supported yet (one attention stack has one head size)")
+        g_head = hf.get("global_head_dim", 512)
+        if not isinstance(g_head, int) or g_head <= 0:
+            raise ModelConfigError(f"gemma4: global_head_dim {g_head!r} must be a positive integer (the "
+                                   "full_attention layers' head size; or give per_layer_config)")
+        g_kv = hf.get("num_global_key_value_heads") if k_eq_v else None
+        g_kv = kv if g_kv is None else int(g_kv)
+    return GlobalAttention(head_dim=int(g_head), num_kv_heads=int(g_kv), k_eq_v=k_eq_v)
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")

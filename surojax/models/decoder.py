@@ -22,6 +22,9 @@ in generation and serving (`Decoder.state_stack` / `state_shape`; kv/recurrent.p
 Gemma 4 (`gemma4_text`, the text backbone of `gemma4`): Gemma 3's block with plain-w norms,
 the values RMS-normalised without a weight (v norm), softmax scale 1, the full-attention layers' `proportional`
 rope, and each layer's output times its loaded `layer_scalar`:  h = layer_scalar * (h + RMSNorm(GeGLU(...))).
+Full-attention layers of their own shape (`cfg.global_attention`: global_head_dim, their kv heads, attention_k_eq_v's
+keys as values) are a stack of their own, `global_layers` (Blocks built from `cfg.global_config()`), beside `layers`
+(the sliding ones), with their own KV cache part; the full rope's tables span their head size.
 With its MoE block (`cfg.moe_beside_mlp`) the MoE runs beside the GeGLU: its router reads the residual stream h, its
 experts their own pre-norm of h, each branch is post-normed and the sum post-normed (`_mlp_residual`).
 
@@ -50,17 +53,19 @@ from pallas_kernels.decode_gemv.api import choose, decode_gemv, weight_error
 from surojax.kernel_settings import kernel_settings
 from surojax.models.config import ModelConfig
 from surojax.models.kv import CONV_STACK, LINEAR_STACK, Cache, ConvShape, KVCache, StateShape, state_stack
-from surojax.models.layer_runner import HiddenStates, LayerPattern, LayerRunner, LayerScan, LayerType, on_device
+from surojax.models.layer_runner import (KV_FROM, KV_STORE, HiddenStates, LayerPattern, LayerRunner, LayerScan, LayerType,
+                                         on_device)
 from surojax.models.layers.attention import Attention
 from surojax.models.layers.attention_backend import AttentionBackend
 from surojax.models.layers.gated_deltanet import GatedDeltaNet
-from surojax.models.layers.mlp import MLP
+from surojax.models.layers.linear import Linear
+from surojax.models.layers.mlp import ACTIVATIONS, MLP
 from surojax.models.layers.moe import MoE
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.params import AXES, param
 from surojax.models.layers.rope import attention_factor, inv_freq, rope_cos_sin
 from surojax.models.layers.short_conv import ShortConv
-from surojax.models.registry import DENSE_STACKS
+from surojax.models.registry import DENSE_STACKS, GEMMA4_STACKS
 from surojax.models.vision.inputs import ImageInputs
 from surojax.models.vision.mrope import mrope_cos_sin
 from surojax.models.vision.tower import VisionTower
@@ -73,24 +78,41 @@ class Block(nnx.Module):
         _norms_and_mlp(self, cfg, param_dtype, rngs)
         # Gemma 4: the layer's output times its scalar [1] (transformers' `layer_scalar` buffer, loaded)
         self.layer_scalar = param(rngs, (1,), (None,), param_dtype, init="ones") if cfg.layer_scalar else None
+        # Gemma 4's per-layer input (PLE, P = cfg.per_layer_input_size): h += norm(proj(act(gate(h)) * input))
+        P, D = cfg.per_layer_input_size, cfg.hidden_size
+        self.ple_gate = Linear(D, P, ("embed", None), param_dtype=param_dtype, rngs=rngs) if P else None
+        self.ple_projection = Linear(P, D, (None, "embed"), param_dtype=param_dtype, rngs=rngs) if P else None
+        self.ple_norm = RMSNorm(D, cfg.rms_norm_eps, "embed", param_dtype=param_dtype, rngs=rngs) if P else None
+        self.ple_act = ACTIVATIONS[cfg.hidden_act] if P else None
 
-    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None, window=None, rope=None):
+    def __call__(self, h, cos, sin, segment_ids, positions, kv=None, kv_meta=None, window=None, rope=None, *,
+                 per_layer_input=None, shared_kv=None, store_kv: bool = False):
         """-> (h, kv, router stats of a MoE layer or None). `window`: this layer's static attention window (0 =
         full), its layer type's option when the config has per-layer windows (`layer_pattern`). `rope`: with two
         ropes (Gemma 3) cos / sin are each a pair (the config's, the sliding layers') and this layer's type option
-        picks one (`ModelConfig.layer_rope`)."""
+        picks one (`ModelConfig.layer_rope`). Gemma 4: `per_layer_input` [B, T, P] this layer's PLE input;
+        `shared_kv` a KV-shared layer's source keys / values; `store_kv` (a source layer): also return its
+        (k, v) -> (h, kv, stats, (k, v))."""
         if rope is not None:
             cos, sin = cos[rope], sin[rope]
+        gemma4 = dict(shared_kv=shared_kv, store_kv=True) if store_kv or shared_kv is not None else {}
         if self.attn_post_norm is None:  # h + Attention(RMSNorm(h)), the norm and the add handed in (decode GEMV)
             h, kv = self.attn(h, cos, sin, segment_ids, positions, kv, kv_meta, window, norm=self.attn_norm,
                               residual=h)
+            own = None
         else:
-            a, kv = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window)
+            a, kv, *own = self.attn(self.attn_norm(h), cos, sin, segment_ids, positions, kv, kv_meta, window,
+                                    **gemma4)
             h = h + self.attn_post_norm(a)
         h, kv, stats = _mlp_residual(self, h, kv, segment_ids)
+        if self.ple_gate is not None:  # Gemma 4's per-layer input, gated by the layer's output
+            if per_layer_input is None:
+                raise ValueError("a Gemma 4 layer with per-layer input embeddings needs its per_layer_input")
+            g = self.ple_act(self.ple_gate(h)) * per_layer_input.astype(h.dtype)
+            h = h + self.ple_norm(self.ple_projection(g))
         if self.layer_scalar is not None:  # Gemma 4: the whole layer's output times its scalar
             h = h * self.layer_scalar[...].astype(h.dtype)
-        return h, kv, stats
+        return (h, kv, stats, own[0]) if store_kv else (h, kv, stats)
 
 
 def _mlp_residual(block: nnx.Module, h, kv, segment_ids):
@@ -167,6 +189,11 @@ class LMHead(nnx.Module):
         self.kernel = param(rngs, (dim, vocab), ("embed", "vocab"), param_dtype)  # [D, V]
 
 
+def _block_maker(cfg: ModelConfig, attention, param_dtype) -> Callable[[jax.Array], "Block"]:
+    """key -> a Block of `cfg` (for `_stack_blocks`)."""
+    return lambda k: Block(cfg, attention=attention, param_dtype=param_dtype, rngs=nnx.Rngs(params=k))
+
+
 def _stack_blocks(make: Callable[[jax.Array], nnx.Module], keys: jax.Array) -> nnx.Module:
     """Build L blocks with one key each and stack every parameter on a new leading `layers` axis."""
     stacked = nnx.vmap(make, in_axes=0, out_axes=0)(keys)
@@ -195,8 +222,23 @@ the cache parts of their kind (`LayerType.cache`)."""
         return LayerPattern(tuple(types[:_period(types)]), L)
     if cfg.layer_windows is None and cfg.local_rope_theta is None:
         return LayerPattern.uniform(L)
-    options = [_attention_options(cfg, i) for i in range(L)]
-    return LayerPattern(tuple(LayerType("layers", o) for o in options[:_period(options)]), L)
+    types = [_gemma4_type(cfg, i) for i in range(L)]
+    return LayerPattern(tuple(types[:_period(types)]), L)
+
+
+def _gemma4_type(cfg: ModelConfig, layer: int) -> LayerType:
+    """Layer `layer`'s type in an attention-only pattern: its stack (`ModelConfig.layer_stack`: Gemma 4's full
+    layers of their own shape read `global_layers`, its KV-shared layers `shared_layers` / `shared_global_layers`,
+    each with the KV cache part of its shape), its attention options, and Gemma 4's KV sharing: a KV-shared layer
+    reads (KV_FROM) the keys / values its source layer stores (KV_STORE) under the layer kind's name."""
+    stack, options = cfg.layer_stack(layer), _attention_options(cfg, layer)
+    kind = cfg.layer_kind(layer)
+    if cfg.layer_is_kv_shared(layer):
+        return LayerType(stack, options + ((KV_FROM, kind),), cache=stack.removeprefix("shared_") or "layers")
+    first = cfg.num_layers - cfg.kv_shared_layers
+    if cfg.kv_shared_layers and any(cfg.kv_source(i) == layer for i in range(first, cfg.num_layers)):
+        options += ((KV_STORE, kind),)
+    return LayerType(stack, options)
 
 
 def _attention_options(cfg: ModelConfig, layer: int) -> tuple:
@@ -254,6 +296,21 @@ class Decoder(nnx.Module):
         self.linear_layers = None if cfg.linear_attention is None else _stack_blocks(
             lambda k: LinearBlock(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
             keys[pattern.rows("layers"):])
+        # Gemma 4's other attention stacks (full layers of their own shape, KV-shared layers) where they hold a layer
+        at = pattern.rows("layers")
+        for name in GEMMA4_STACKS[1:]:
+            rows = pattern.rows(name) if name in pattern.stacks else 0
+            setattr(self, name, None if not rows else _stack_blocks(
+                _block_maker(cfg.stack_config(name), attention, param_dtype), keys[at:at + rows]))
+            at += rows
+        # Gemma 4's per-layer input embeddings: the table [V_p, L P], the embeddings' projection [D, L P], its norm
+        P = cfg.per_layer_input_size
+        self.embed_per_layer = Embedding(cfg.per_layer_vocab_size, cfg.num_layers * P, param_dtype=param_dtype,
+                                         rngs=rngs) if P else None
+        self.per_layer_model_projection = Linear(D, cfg.num_layers * P, ("embed", None), param_dtype=param_dtype,
+                                                 rngs=rngs) if P else None
+        self.per_layer_projection_norm = RMSNorm(P, cfg.rms_norm_eps, None, param_dtype=param_dtype,
+                                                 rngs=rngs) if P else None
         self.conv_layers = None if cfg.short_conv is None else _stack_blocks(
             lambda k: ConvBlock(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=k)),
             keys[pattern.rows("layers"):pattern.rows("layers") + pattern.rows(CONV_STACK)])
@@ -287,7 +344,7 @@ class Decoder(nnx.Module):
         """The layer stacks by name: `layers`, and a hybrid's `linear_layers` or LFM2's `conv_layers` (lfm2_moe: also
         its dense leading layers' `dense_layers` / `dense_conv_layers` where they hold a layer)."""
         out = {"layers": self.layers}
-        for name in (LINEAR_STACK, CONV_STACK, *DENSE_STACKS.values()):
+        for name in (LINEAR_STACK, CONV_STACK, *GEMMA4_STACKS[1:], *DENSE_STACKS.values()):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -343,9 +400,26 @@ class Decoder(nnx.Module):
                 raise ValueError(f"{self.cfg.model_type}: deepstack image features need the layer scan runner; "
                                  f"this call runs on {type(runner).__name__}")
             extra["after_layer"] = after_layer
+        if self.embed_per_layer is not None:
+            if not isinstance(runner, LayerScan):
+                raise ValueError(f"{self.cfg.model_type}: per-layer input embeddings need the layer scan runner; "
+                                 f"this call runs on {type(runner).__name__}")
+            extra["per_layer"] = self._per_layer_inputs(tokens, h)
         out = runner.run(self.layer_pattern, self.stacks, h, (cos, sin, segment_ids, positions), cache=cache,
                          kv_meta=kv_meta, **extra)
         return out._replace(hidden=self.final_norm(out.hidden))
+
+    def _per_layer_inputs(self, tokens, h):
+        """Gemma 4's per-layer inputs [L, B, T, P], as transformers' get_per_layer_inputs / project_per_layer_inputs:
+        (RMSNorm(reshape(h0 @ W_proj * D^-0.5)) + table[tokens] * sqrt(P)) * 2^-0.5, h0 the scaled embeddings."""
+        cfg = self.cfg
+        B, T = tokens.shape
+        L, P = cfg.num_layers, cfg.per_layer_input_size
+        table = jnp.take(on_device(self.embed_per_layer.embedding[...]), tokens, axis=0)  # [B, T, L P]
+        table = (table * jnp.asarray(np.float32(P ** 0.5), table.dtype)).astype(self.dtype).reshape(B, T, L, P)
+        proj = self.per_layer_model_projection(h) * jnp.asarray(cfg.hidden_size ** -0.5, h.dtype)
+        proj = self.per_layer_projection_norm(proj.reshape(B, T, L, P))
+        return jnp.moveaxis((proj + table) * jnp.asarray(2.0 ** -0.5, h.dtype), 2, 0)
 
     def _mrope_tables(self, rope_positions, shape):
         cfg = self.cfg

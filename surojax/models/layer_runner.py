@@ -52,6 +52,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+# Layer-type options the scan reads itself (not passed on as such): Gemma 4's KV sharing. A type with
+# (KV_STORE, name) returns its keys / values (the layer is called with store_kv=True), a later type of the same
+# group with (KV_FROM, name) is handed them (shared_kv=); both in one group of the pattern (its period).
+KV_STORE, KV_FROM = "kv_store", "kv_from"
 LAYER_INPUT = "layer_input"  # the checkpoint name of each layer's input (what `recompute: offload` moves to host)
 
 
@@ -363,10 +367,12 @@ class LayerScan:
     carry_cache: bool = False
 
     def run(self, pattern: LayerPattern, stacks: Mapping[str, nnx.Module], h, consts: tuple, *, cache=None,
-            kv_meta=None, after_layer: Callable | None = None) -> HiddenStates:
+            kv_meta=None, after_layer: Callable | None = None, per_layer=None) -> HiddenStates:
         """As `LayerRunner.run`; `after_layer(i, h) -> h`, when given, runs after every layer with its (traced)
         HF layer index i, outside the recompute wrapper (Qwen3-VL's deepstack adds image features to the first
-        layers' outputs: a `lax.cond` on i, so nothing [L, B, T, D] is made)."""
+        layers' outputs: a `lax.cond` on i, so nothing [L, B, T, D] is made). `per_layer` [L, ...]: one input per
+        HF layer, handed to layer i as `per_layer_input=per_layer[i]` (Gemma 4's per-layer input embeddings).
+        Types with KV_STORE / KV_FROM options share keys / values within a group (module constants)."""
         split = _split(pattern, stacks)
         G, P, R = pattern.groups, pattern.period, pattern.remainder
         parts = {} if cache is None else dict(cache.parts(pattern.caches))  # cache part -> its cache
@@ -376,15 +382,26 @@ class LayerScan:
                   for n, part in parts.items() if n not in carried}
         layers = [self._layer(split[t.stack], t, consts, kv_meta) for t in pattern.types]
 
-        def apply(positions, h, carries, states, rows, views, first=None):
+        def apply(positions, h, carries, states, rows, views, first=None, inputs=None):
             """The layers at `positions` of the pattern, in order, each with its parameters, row and cache view
             (its stack's carried cache instead when that rides in the carry: advanced a row after the layer) ->
             (h, carried caches, new per-layer views (None where carried or no cache), stats). `first`: the HF
-            layer index of positions[0] (traced; needed by `after_layer` only)."""
-            carries, new_views, stats = dict(carries), [], []
+            layer index of positions[0] (traced; needed by `after_layer` only). `inputs`: each position's
+            per-layer input (or None)."""
+            carries, new_views, stats, shared = dict(carries), [], [], {}
             for k, (p, state_l, row, view) in enumerate(zip(positions, states, rows, views)):
                 name = pattern.types[p].cache_part
-                h, view, st = layers[p](h, state_l, row, carries.get(name, view))
+                opts = pattern.types[p].kwargs
+                extra = {} if inputs is None else {"per_layer_input": inputs[k]}
+                if KV_FROM in opts:
+                    if opts[KV_FROM] not in shared:
+                        raise ValueError(f"layer type {pattern.types[p]} reads the keys / values of {opts[KV_FROM]!r}, "
+                                         "which no earlier layer of its group stores")
+                    extra["shared_kv"] = shared[opts[KV_FROM]]
+                out = layers[p](h, state_l, row, carries.get(name, view), extra)
+                h, view, st = out[:3]
+                if KV_STORE in opts:
+                    shared[opts[KV_STORE]] = out[3]
                 if after_layer is not None:
                     h = after_layer(first + k, h)
                 if name in carries:
@@ -395,7 +412,7 @@ class LayerScan:
 
         def group_body(carry, xs):
             h, carries = carry
-            group, g, cache_groups = xs
+            group, g, cache_groups, inputs = xs
             states, rows, views = [], [], []
             for p, t in enumerate(pattern.types):
                 s, j = split[t.stack], pattern.slot(p)
@@ -406,7 +423,7 @@ class LayerScan:
                 views.append(None if c not in cache_groups else cache_groups[c]
                              if pattern.cache_per_group(c) == 1 else _take(cache_groups[c], pattern.cache_slot(p)))
             h, carries, new_views, stats = apply(range(P), h, carries, states, rows, views,
-                                                 None if g is None else g * P)
+                                                 None if g is None else g * P, inputs)
             ys = {}
             for name in cache_groups:  # each part's new views, as its slices came: [k, ...] or one view
                 mine = [v for v, t in zip(new_views, pattern.types) if t.cache_part == name]
@@ -416,7 +433,8 @@ class LayerScan:
         any_in_place = any(s.rebuild is not None for s in split.values())
         xs = ({name: s.groups for name, s in split.items()},
               jnp.arange(G) if any_in_place or after_layer is not None else None,
-              {name: groups for name, (groups, _) in sliced.items()})
+              {name: groups for name, (groups, _) in sliced.items()},
+              None if per_layer is None else per_layer[:G * P].reshape(G, P, *per_layer.shape[1:]))
         new_groups, stats = {}, None
         if G:
             (h, carries), (new_groups, stats) = jax.lax.scan(group_body, (h, carries), xs, unroll=self.unroll)
@@ -431,7 +449,8 @@ class LayerScan:
             h, carries, rest_views, rest_stats = apply(
                 range(R), h, carries, [_take(s.rest, j) for s, j, _, _ in rest],
                 [G * s.per_group + j for s, j, _, _ in rest],
-                [_take(sliced[n][1], jc) if n in sliced else None for _, _, n, jc in rest], jnp.int32(G * P))
+                [_take(sliced[n][1], jc) if n in sliced else None for _, _, n, jc in rest], jnp.int32(G * P),
+                None if per_layer is None else per_layer[G * P:])
             stats = _concat(stats, _stack_stats(rest_stats))
             for name in sliced:
                 mine = [v for v, (_, _, n, _) in zip(rest_views, rest) if n == name]
@@ -445,13 +464,15 @@ class LayerScan:
 
     def _layer(self, s: _Stack, t: LayerType, consts: tuple, kv_meta) -> Callable:
         """One layer of type `t` as f(h, state_l, row, kv) -> (h, kv, stats), under the recompute policy."""
-        options = t.kwargs
+        options = {k: v for k, v in t.options if k not in (KV_STORE, KV_FROM)}
+        if KV_STORE in t.kwargs:
+            options["store_kv"] = True
 
-        def apply(h, state_l, row, kv):
+        def apply(h, state_l, row, kv, extra):
             h = checkpoint_name(h, LAYER_INPUT)  # the residual that `recompute: offload` keeps in host memory
             state_l = state_l if s.rebuild is None else s.rebuild(state_l, row)
             layer = nnx.merge(s.graphdef, on_device(state_l))
-            return layer(h, *consts, kv=kv, kv_meta=kv_meta, **options)
+            return layer(h, *consts, kv=kv, kv_meta=kv_meta, **options, **extra)
 
         return self.recompute.wrap(apply)
 
@@ -471,5 +492,5 @@ class CarriedCacheScan(LayerScan):
 
 
 __all__ = ["CarriedCacheScan", "HiddenStates", "LAYER_INPUT", "LayerPattern", "LayerRunner", "LayerScan",
-           "LayerType", "Recompute", "check_stacked", "on_device", "split_in_place", "uniform_stack",
+           "LayerType", "KV_FROM", "KV_STORE", "Recompute", "check_stacked", "on_device", "split_in_place", "uniform_stack",
            "with_runner"]

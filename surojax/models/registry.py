@@ -178,6 +178,13 @@ def qwen3_5_weights(prefix: str, *, moe: bool = False, fused: bool = False) -> t
             WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
 
 
+# Gemma 4's full-attention layers when shaped unlike its sliding ones (ModelConfig.global_attention: their own head
+# size / kv heads / no v_proj): a stack of their own beside `layers` (which then holds the sliding layers)
+GLOBAL_STACK = "global_layers"
+# and its KV-shared layers (`num_kv_shared_layers`: no k / v projections), sliding / full (ModelConfig.layer_stack)
+SHARED_STACK, SHARED_GLOBAL_STACK = "shared_layers", "shared_global_layers"
+GEMMA4_STACKS = ("layers", GLOBAL_STACK, SHARED_STACK, SHARED_GLOBAL_STACK)
+
 # lfm2_moe's dense leading layers (`num_dense_layers`) live in stacks of their own, one per mixer kind: the stack
 # of that kind's sparse layers -> the stack of its dense ones (ModelConfig.dense_layers; decoder.layer_pattern)
 DENSE_STACKS: dict[str, str] = {"layers": "dense_layers", "conv_layers": "dense_conv_layers"}
@@ -278,25 +285,48 @@ def gemma3_weights(prefix: str, head: str = "lm_head.weight") -> tuple[WeightRow
 
 
 def gemma4_weights(prefix: str) -> tuple[WeightRow, ...]:
-    """Gemma 4's dense text model under `prefix` (`model.`: Gemma4ForCausalLM; `model.language_model.`: the text
+    """Gemma 4's text model under `prefix` (`model.`: Gemma4ForCausalLM; `model.language_model.`: the text
     backbone of Gemma4ForConditionalGeneration): Gemma 3's rows (the v norm has no weight) and each layer's
     `layer_scalar` ([1], a buffer transformers saves) that multiplies the layer's output. With the MoE block
     (`enable_moe_block`, rows `when` moe_block): the router `router.proj` [E, D], its input scale `router.scale` [D]
     and `router.per_expert_scale` [E], the fused experts `experts.gate_up_proj` [E, 2F, D] / `experts.down_proj`
     [E, D, F], and three norms: `pre_feedforward_layernorm_2` (the experts' input), `post_feedforward_layernorm_1`
-    (the dense MLP's output), `post_feedforward_layernorm_2` (the experts' output)."""
+    (the dense MLP's output), `post_feedforward_layernorm_2` (the experts' output).
+
+    The same per-layer names are read into each of Gemma 4's stacks (GEMMA4_STACKS; `ModelConfig.layer_stack`):
+    `global_layers` (full layers of their own shape; no v_proj under attention_k_eq_v: `when` global_v_proj),
+    `shared_layers` / `shared_global_layers` (KV-shared layers: no k_proj / v_proj / k_norm). Per-layer input
+    embeddings (`when` ple): the table `embed_tokens_per_layer` [V_p, L P], `per_layer_model_projection` [L P, D],
+    `per_layer_projection_norm` [P], and per layer `per_layer_input_gate` [P, D], `per_layer_projection` [D, P],
+    `post_per_layer_input_norm` [D]."""
     layer = prefix + "layers.{i}."
-    moe = [WeightRow(layer + "router.proj.weight", "layers.moe.router.kernel", True, when="moe_block"),
-           WeightRow(layer + "router.scale", "layers.moe.router.scale", when="moe_block"),
-           WeightRow(layer + "router.per_expert_scale", "layers.moe.router.per_expert_scale", when="moe_block"),
-           WeightRow(layer + "experts.gate_up_proj", "layers.moe.experts.gate_up_proj.kernel", True, when="moe_block"),
-           WeightRow(layer + "experts.down_proj", "layers.moe.experts.down_proj.kernel", True, when="moe_block"),
-           WeightRow(layer + "pre_feedforward_layernorm_2.weight", "layers.moe_pre_norm.scale", when="moe_block"),
-           WeightRow(layer + "post_feedforward_layernorm_1.weight", "layers.mlp_post_norm_dense.scale",
-                     when="moe_block"),
-           WeightRow(layer + "post_feedforward_layernorm_2.weight", "layers.moe_post_norm.scale", when="moe_block")]
-    return (*gemma3_weights(prefix)[:-1], WeightRow(layer + "layer_scalar", "layers.layer_scalar"), *moe,
-            gemma3_weights(prefix)[-1])
+    base = [r for r in gemma3_weights(prefix)[:-1] if r.per_layer] + [
+        WeightRow(layer + "layer_scalar", "layers.layer_scalar"),
+        WeightRow(layer + "per_layer_input_gate.weight", "layers.ple_gate.kernel", True, when="ple"),
+        WeightRow(layer + "per_layer_projection.weight", "layers.ple_projection.kernel", True, when="ple"),
+        WeightRow(layer + "post_per_layer_input_norm.weight", "layers.ple_norm.scale", when="ple"),
+        WeightRow(layer + "router.proj.weight", "layers.moe.router.kernel", True, when="moe_block"),
+        WeightRow(layer + "router.scale", "layers.moe.router.scale", when="moe_block"),
+        WeightRow(layer + "router.per_expert_scale", "layers.moe.router.per_expert_scale", when="moe_block"),
+        WeightRow(layer + "experts.gate_up_proj", "layers.moe.experts.gate_up_proj.kernel", True, when="moe_block"),
+        WeightRow(layer + "experts.down_proj", "layers.moe.experts.down_proj.kernel", True, when="moe_block"),
+        WeightRow(layer + "pre_feedforward_layernorm_2.weight", "layers.moe_pre_norm.scale", when="moe_block"),
+        WeightRow(layer + "post_feedforward_layernorm_1.weight", "layers.mlp_post_norm_dense.scale", when="moe_block"),
+        WeightRow(layer + "post_feedforward_layernorm_2.weight", "layers.moe_post_norm.scale", when="moe_block")]
+    rows = [WeightRow(prefix + "embed_tokens.weight", "embed.embedding"),
+            WeightRow(prefix + "embed_tokens_per_layer.weight", "embed_per_layer.embedding", when="ple"),
+            WeightRow(prefix + "per_layer_model_projection.weight", "per_layer_model_projection.kernel", True,
+                      when="ple"),
+            WeightRow(prefix + "per_layer_projection_norm.weight", "per_layer_projection_norm.scale", when="ple")]
+    kv_only = tuple(f"self_attn.{m}." for m in ("k_proj", "v_proj", "k_norm"))
+    for stack in GEMMA4_STACKS:
+        for r in base:
+            if stack.startswith("shared") and any(m in r.hf for m in kv_only):
+                continue  # a KV-shared layer computes no keys / values
+            when = r.when if ".v_proj." not in r.hf else "global_v_proj" if "global" in stack else "v_proj"
+            rows.append(dataclasses.replace(r, path=stack + r.path.removeprefix("layers"), when=when))
+    return (*rows, WeightRow(prefix + "norm.weight", "final_norm.scale"),
+            WeightRow("lm_head.weight", "lm_head.kernel", True, when="untied"))
 
 
 # HF module names users put in `lora_target_modules`, and where each lives in the Decoder.
@@ -450,6 +480,10 @@ def stack_layers(cfg, stack: str) -> tuple[int, ...]:
     `dense_layers` / `dense_conv_layers` (DENSE_STACKS), the rest of their kind in `layers` / `conv_layers`."""
     la = getattr(cfg, "linear_attention", None)
     sc = getattr(cfg, "short_conv", None)
+    if _gemma4_stacks(cfg):  # Gemma 4: ModelConfig.layer_stack says which stack holds each layer
+        if stack not in GEMMA4_STACKS:
+            raise ValueError(f"{cfg.model_type}'s layer stacks are {', '.join(GEMMA4_STACKS)}; asked for {stack!r}")
+        return tuple(i for i in range(cfg.num_layers) if cfg.layer_stack(i) == stack)
     if la is None and sc is None:
         if stack != "layers":
             raise ValueError(f"{cfg.model_type} has one layer stack, `layers`; asked for {stack!r}")
@@ -465,10 +499,17 @@ def stack_layers(cfg, stack: str) -> tuple[int, ...]:
     return tuple(i for i, is_other in enumerate((la or sc).layers) if is_other == mine and in_stack(i))
 
 
+def _gemma4_stacks(cfg) -> bool:
+    """Gemma 4 with layers outside `layers` (full layers of their own shape, KV-shared layers)."""
+    return getattr(cfg, "global_attention", None) is not None or getattr(cfg, "kv_shared_layers", 0) > 0
+
+
 def model_stacks(cfg) -> tuple[str, ...]:
     """The layer stacks a model of this config has, each holding at least one layer (`layers` first)."""
     la, sc = getattr(cfg, "linear_attention", None), getattr(cfg, "short_conv", None)
     names = ("layers",) + (("linear_layers",) if la is not None else ()) + (("conv_layers",) if sc is not None else ())
+    if _gemma4_stacks(cfg):
+        return tuple(n for n in GEMMA4_STACKS if stack_layers(cfg, n))
     if getattr(cfg, "dense_layers", 0):
         names += tuple(DENSE_STACKS[n] for n in names if n in DENSE_STACKS)
     return tuple(n for n in names if n in ("layers", "linear_layers", "conv_layers") or stack_layers(cfg, n))
@@ -487,9 +528,12 @@ def weight_rows(cfg, *, fused: bool = False) -> list[WeightRow]:
              "router_bias": bool(moe and moe.router_bias), "expert_bias": bool(moe and moe.expert_bias),
              "selection_bias": bool(moe and moe.selection_bias), "moe_block": getattr(cfg, "moe_beside_mlp", False),
              "o_proj_bias": cfg.o_proj_bias, "attention_sinks": cfg.attention_sinks,
-             "conv_bias": bool(getattr(cfg, "short_conv", None) and cfg.short_conv.bias)}
+             "conv_bias": bool(getattr(cfg, "short_conv", None) and cfg.short_conv.bias),
+             "global_v_proj": bool(getattr(cfg, "global_attention", None)) and not cfg.global_attention.k_eq_v,
+             "ple": getattr(cfg, "per_layer_input_size", 0) > 0, "v_proj": not getattr(cfg, "attention_k_eq_v", False)}
     family = family_for(cfg.model_type)
     table = family.fused_weights if fused else family.weights
-    present = model_stacks(cfg) if family.short_conv else None  # lfm2_moe: a dense stack only with its layers
+    # lfm2_moe: a dense stack only with its layers; Gemma 4: its stacks that hold a layer
+    present = model_stacks(cfg) if family.short_conv or family.gemma4 else None
     return [r for r in table if (r.when is None or flags[r.when]) and (present is None or r.stack is None
                                                                         or r.stack in present)]

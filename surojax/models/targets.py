@@ -36,8 +36,8 @@ from collections.abc import Iterable
 
 from flax import nnx
 
-from surojax.models.registry import (EXPERT_MODULES, LINEAR_ATTENTION_MODULES, LINEAR_MODULES, SHARED_EXPERT_MODULES,
-                                     SHORT_CONV_MODULES)
+from surojax.models.registry import (EXPERT_MODULES, GEMMA4_STACKS, LINEAR_ATTENTION_MODULES, LINEAR_MODULES,
+                                     SHARED_EXPERT_MODULES, SHORT_CONV_MODULES)
 
 LORA_TARGETS: tuple[str, ...] = tuple(LINEAR_MODULES)  # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
 EXPERT_TARGETS: tuple[str, ...] = tuple(EXPERT_MODULES)  # experts.gate_up_proj experts.down_proj
@@ -198,9 +198,16 @@ def has_short_conv(model) -> bool:
     return getattr(model.cfg, "short_conv", None) is not None
 
 
+def has_global_layers(model) -> bool:
+    """Gemma 4 with layers outside `layers`: full-attention layers of their own shape (`global_layers`), KV-shared
+    layers (`shared_layers` / `shared_global_layers`)."""
+    return any(name in stacks(model) for name in GEMMA4_STACKS[1:])
+
+
 def _multi_stack(model) -> bool:
-    """The targets live in several stacks (site keys "stack.target"): a Qwen3.5 hybrid, LFM2."""
-    return is_hybrid(model) or has_short_conv(model)
+    """The targets live in several stacks (site keys "stack.target"): a Qwen3.5 hybrid, LFM2, Gemma 4's
+    `global_layers` (its full layers; no v_proj under attention_k_eq_v) and KV-shared stacks (no k_proj / v_proj)."""
+    return is_hybrid(model) or has_short_conv(model) or has_global_layers(model)
 
 
 def stacks(model) -> dict[str, nnx.Module]:
@@ -258,7 +265,10 @@ def model_targets(model) -> tuple[str, ...]:
         return target_sites(model, lfm2_moe_targets(_has_dense_layers(model)) if is_moe(model)
                             else CONV_HYBRID_TARGETS)
     if has_moe_block(model):
-        return LORA_TARGETS + EXPERT_TARGETS
+        names = LORA_TARGETS + EXPERT_TARGETS
+        return target_sites(model, names) if has_global_layers(model) else names
+    if has_global_layers(model):
+        return target_sites(model, LORA_TARGETS)
     if not is_moe(model):
         return target_sites(model, HYBRID_TARGETS) if is_hybrid(model) else LORA_TARGETS
     names = _moe_names(has_shared_expert(model), is_hybrid(model))
@@ -269,7 +279,8 @@ def resolve_model_targets(model, targets: str | Iterable[str]) -> tuple[str, ...
     """A user's target names (or "all-linear") -> this model's site keys (`resolve_targets`, then `target_sites`
     on a hybrid; on a one-stack model the names themselves)."""
     if has_moe_block(model):
-        return resolve_moe_block_targets(targets)
+        names = resolve_moe_block_targets(targets)
+        return target_sites(model, names) if has_global_layers(model) else names
     names = resolve_targets(targets, moe=is_moe(model), shared_expert=has_shared_expert(model),
                             hybrid=is_hybrid(model), conv=has_short_conv(model), dense=_has_dense_layers(model))
     return target_sites(model, names) if _multi_stack(model) else names

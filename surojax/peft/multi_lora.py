@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.registry import LINEAR_MODULES, weight_rows
+from surojax.models.registry import GEMMA4_STACKS, LINEAR_MODULES, weight_rows
 from surojax.models.targets import LORA_TARGETS, module_at, replace_module, resolve_targets
 from surojax.peft.peft_io import load_peft_adapter
 
@@ -91,6 +91,11 @@ def apply_multi_lora(model, *, max_loras: int, max_rank: int, targets: str | Seq
         raise LoRASlotError(f"{model.cfg.model_type}: runtime LoRA adapters are not supported for hybrid models: the "
                             "adapter slots wrap every layer of the one stack `layers`, and a hybrid's layers are split "
                             f"between `layers` (attention) and `{other}` ({kind})")
+    split = [name for name in GEMMA4_STACKS[1:] if getattr(model, name, None) is not None]
+    if split:
+        raise LoRASlotError(f"{model.cfg.model_type}: runtime LoRA adapters are not supported with attention layers "
+                            f"outside `layers` ({', '.join(split)}: Gemma 4's full layers of their own shape / "
+                            "KV-shared layers): the adapter slots wrap every layer of the one stack `layers`")
     dtype = dtype or model.dtype
     for name in resolve_targets(targets):
         base = module_at(model.layers, LINEAR_MODULES[name])

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from surojax.models.registry import GEMMA4_STACKS
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 FP8_REL_ERROR = 2.0 ** -4  # half an ulp of E4M3's 3-bit mantissa, relative, for |x| / scale >= 2^-6
@@ -107,6 +109,11 @@ def layer_bounds(model) -> tuple[np.ndarray, np.ndarray]:
     """-> (k bound [L], v bound [L]): the largest |k| / |v| element each layer can produce (module docstring),
     one layer at a time on the device (a quantised W_k / W_v is dequantised one layer at a time)."""
     cfg = model.cfg
+    other = [name for name in GEMMA4_STACKS[1:] if getattr(model, name, None) is not None]
+    if other:
+        raise ValueError(f"{cfg.model_type}: an FP8 KV pool is not supported with attention layers outside `layers` "
+                         f"({', '.join(other)}: Gemma 4's full layers of their own shape / KV-shared layers; the "
+                         "scale bounds read one stack's k / v projections)")
     attn, norm = model.layers.attn, model.layers.attn_norm
     K, H, D = cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     has_qk_norm = attn.k_norm is not None

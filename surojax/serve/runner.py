@@ -60,6 +60,7 @@ from pallas_kernels.paged_decode import prepare as prepare_paged_decode
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams
 from surojax.models.decoder import Decoder
 from surojax.models.kv import PagedKernel, StateCache
+from surojax.models.registry import GLOBAL_STACK
 from surojax.models.vision.inputs import VisionTokens
 from surojax.peft.multi_lora import multi_lora_modules
 from surojax.serve.config import KVPath, RunnerBuckets
@@ -160,6 +161,12 @@ class PagedRunner:
         self.graphdef, self.state = nnx.split(model)
         self.lora = bool(multi_lora_modules(model))
         self.adapter_slot = adapter_slot or (lambda name: 0)
+        if GLOBAL_STACK in model.layer_pattern.caches:
+            raise ValueError(f"{cfg.model_type}: the paged server does not serve full-attention layers shaped unlike "
+                             f"the sliding ones (global_head_dim {cfg.global_attention.head_dim}, "
+                             f"{cfg.global_attention.num_kv_heads} kv heads, attention_k_eq_v "
+                             f"{cfg.global_attention.k_eq_v}: its pool has one [layers, slots, kv heads, head_dim] "
+                             "shape); `surojax generate` runs the model (a KV cache per stack)")
         shape = (attention_layers(model), self.num_slots, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or model.dtype
         check_pool_dtype(dtype)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -185,6 +186,11 @@ def load_model(model_dir: str | os.PathLike, *, dtype=jnp.float32, param_dtype=N
     if cfg.tie_word_embeddings and "lm_head.weight" in present:
         present.discard("lm_head.weight")  # a tied head saved anyway: the embedding is used
         log.info("%s: ignoring lm_head.weight (tie_word_embeddings is true)", model_dir)
+    unused_kv = [n for n in present if n not in expected and _shared_kv_tensor(cfg, n)]
+    if unused_kv:  # Gemma 4's KV-shared layers never read them (transformers ignores them on load too)
+        present -= set(unused_kv)
+        log.info("%s: ignoring %d k / v tensors of KV-shared layers (they read an earlier layer's keys / values)",
+                 model_dir, len(unused_kv))
     missing = [n for n in expected if n not in present]
     unexpected = [n for n in present if n not in expected]
     problems = []
@@ -267,6 +273,16 @@ def _fit(expected: dict, present: set, where: dict) -> int:
 def _kept_quantized(row: WeightRow) -> bool:
     """A decoder Linear kernel (a layer stack's, experts included; not the router, not the LM head)."""
     return row.transpose and row.stack is not None and row.path.endswith(".kernel") and ".router." not in row.path
+
+
+_SHARED_KV = re.compile(r"layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.weight$")
+
+
+def _shared_kv_tensor(cfg, name: str) -> bool:
+    """A k / v projection or norm of one of Gemma 4's KV-shared layers (`num_kv_shared_layers`): a checkpoint may
+    hold them, transformers' Gemma4TextModel lists them in `_keys_to_ignore_on_load_unexpected`."""
+    m = _SHARED_KV.search(name)
+    return bool(m) and getattr(cfg, "kv_shared_layers", 0) > 0 and cfg.layer_is_kv_shared(int(m.group(1)))
 
 
 def _quantized_state(model_dir: Path, scheme: QuantScheme, by_path: dict, where: dict, shapes: dict,

@@ -14,13 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
 
-from surojax.models.config import ModelConfig, ModelConfigError, rope_inv_freq
+from surojax.models.config import GlobalAttention, ModelConfig, ModelConfigError, rope_inv_freq
 from surojax.models.decoder import layer_pattern
 from surojax.models.layer_runner import LayerPattern, LayerType
+from surojax.models.registry import stack_layers
 from surojax.models.targets import model_targets, resolve_model_targets
 from surojax.peft.lora import apply_lora
 from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
+from surojax.peft.stacked import load_adapter_into
 from surojax.peft.trained_router import make_router_trainable
 from surojax.weights.hf_checkpoint import load_model, save_model
 from surojax.weights.safetensors_file import SafetensorsFile
@@ -28,7 +31,8 @@ from tests.models.test_lfm2 import lora_b_grads
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["gemma4_text", "gemma4"]
-WITH_MOE = FAMILIES + ["gemma4_text_moe"]  # gemma4_text with its MoE block (enable_moe_block)
+# + the MoE block; + full layers of their own shape; + those with per-layer inputs and KV-shared layers
+WITH_MOE = FAMILIES + ["gemma4_text_moe", "gemma4_text_global", "gemma4_text_shared"]  # gemma4_text with its MoE block (enable_moe_block)
 
 
 def _hf(name: str) -> dict:
@@ -82,12 +86,14 @@ def test_defaults_read_as_transformers_builds_them():
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("hidden_size_per_layer_input", 256, "hidden_size_per_layer_input 256 is not supported yet"),
-    ("num_kv_shared_layers", 2, "num_kv_shared_layers 2 is not supported yet"),
-    ("attention_k_eq_v", True, "attention_k_eq_v True is not supported yet"),
+    ("hidden_size_per_layer_input", -1, "hidden_size_per_layer_input -1 must be a non-negative integer"),
+    ("num_kv_shared_layers", 6, "num_kv_shared_layers 6 must leave at least one layer"),
+    ("num_kv_shared_layers", 1.5, "num_kv_shared_layers 1.5 must be a non-negative integer"),
     ("enable_moe_block", True, "enable_moe_block true needs num_experts, top_k_experts, moe_intermediate_size"),
     ("final_logit_softcapping", -1.0, "final_logit_softcapping -1.0 must be a positive number"),
-    ("per_layer_config", {"2": {"head_dim": 32}}, "layer 2's head_dim 32"),
+    ("per_layer_config", {"1": {"head_dim": 32}}, "overrides layer 1, not a full_attention layer"),
+    ("per_layer_config", {"2": {"intermediate_size": 32}}, "sets \\['intermediate_size'\\]"),
+    ("per_layer_config", {"2": {"head_dim": 32}}, "different shapes"),
     ("use_bidirectional_attention", "all", "use_bidirectional_attention"),
     ("query_pre_attn_scalar", 256, "query_pre_attn_scalar is not read"),
     ("hidden_act", "silu", "hidden_act 'silu' differs from hidden_activation"),
@@ -115,15 +121,50 @@ def test_moe_block_config():
 
 
 def test_missing_keys_take_transformers_defaults_and_are_refused():
-    """No hidden_size_per_layer_input: transformers' default 256 (PLE on); no per_layer_config: the full layers'
-    head_dim is global_head_dim, default 512."""
+    """No hidden_size_per_layer_input: transformers' default 256 (PLE on); a KV-shared layer whose kind has no
+    earlier layer to read is refused (transformers would fail in its forward); no per_layer_config: the full layers'
+    head_dim is global_head_dim, default 512, and their kv heads num_global_key_value_heads only with
+    attention_k_eq_v (the published checkpoints' spelling, as transformers' Gemma4TextConfig reads it)."""
     text = _hf("gemma4_text")
-    with pytest.raises(ModelConfigError, match="hidden_size_per_layer_input 256"):
-        ModelConfig.from_hf({k: v for k, v in text.items() if k != "hidden_size_per_layer_input"})
+    ple = ModelConfig.from_hf({k: v for k, v in text.items() if k != "hidden_size_per_layer_input"})
+    assert (ple.per_layer_input_size, ple.per_layer_vocab_size) == (256, 256)
+    with pytest.raises(ModelConfigError, match="KV-shared layer 5 \\(full_attention\\) has no earlier layer"):
+        ModelConfig.from_hf(text | {"num_kv_shared_layers": 3, "layer_types": ["sliding_attention"] * 5
+                                    + ["full_attention"], "per_layer_config": {}})
     without = {k: v for k, v in text.items() if k != "per_layer_config"}
-    with pytest.raises(ModelConfigError, match="layer 2's head_dim 512"):
-        ModelConfig.from_hf(without)
+    assert ModelConfig.from_hf(without).global_attention == GlobalAttention(512, 2, False)
     assert ModelConfig.from_hf(without | {"global_head_dim": 16}) == ModelConfig.from_hf(text)
+    assert ModelConfig.from_hf(without | {"global_head_dim": 16, "num_global_key_value_heads": 1}) \
+        == ModelConfig.from_hf(text)  # not read without attention_k_eq_v
+    with pytest.raises(ModelConfigError, match="global_head_dim None must be a positive integer"):
+        ModelConfig.from_hf(without | {"global_head_dim": None})
+    published = ModelConfig.from_hf(without | {"global_head_dim": 32, "num_global_key_value_heads": 1,
+                                               "attention_k_eq_v": True})
+    assert published == ModelConfig.from_hf(_hf("gemma4_text_global"))
+
+
+def test_global_layers_config_and_stack():
+    """Full layers of their own shape (gemma4_text_global: per_layer_config head_dim 32, 1 kv head, k = v): the
+    `global_layers` stack holds HF layers 2 and 5, built without v_proj; the full rope spans 32 dims; the
+    parameters counted as transformers counts them. A model of full layers only takes their shape as its own."""
+    cfg = ModelConfig.from_hf(_hf("gemma4_text_global"))
+    assert cfg.global_attention == GlobalAttention(32, 1, True) and (cfg.head_dim, cfg.num_kv_heads) == (16, 2)
+    assert layer_pattern(cfg) == LayerPattern((LayerType("layers", (("window", 4), ("rope", 1))),) * 2
+                                              + (LayerType("global_layers", (("window", 0), ("rope", 0))),), 6)
+    assert stack_layers(cfg, "layers") == (0, 1, 3, 4) and stack_layers(cfg, "global_layers") == (2, 5)
+    assert cfg.num_params() == int(np.load(FIXTURES / "gemma4_text_global" / "expected.npz")["num_params"])
+    full, local = cfg.rope_configs()
+    assert (full.head_dim, local.head_dim, len(rope_inv_freq(full))) == (32, 16, 16)
+    model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
+    assert model.global_layers.attn.v_proj is None and model.layers.attn.v_proj is not None
+    assert model.global_layers.attn.q_proj.kernel.shape == (2, 32, 4 * 32)
+    assert model.global_layers.attn.k_proj.kernel.shape == (2, 32, 32)
+    text = {k: v for k, v in _hf("gemma4_text_global").items() if k != "per_layer_config"}
+    only_full = ModelConfig.from_hf(text | {"layer_types": ["full_attention"] * 6, "global_head_dim": 32,
+                                            "num_global_key_value_heads": 1})
+    assert only_full.global_attention is None and only_full.attention_k_eq_v
+    assert (only_full.head_dim, only_full.num_kv_heads) == (32, 1)
+    assert ModelConfig.from_hf(only_full.to_hf()) == only_full
 
 
 @pytest.mark.parametrize("name", WITH_MOE)
@@ -219,3 +260,74 @@ def test_moe_block_lora_targets_train_and_export(tmp_path):
     assert "base_model.model.model.layers.5.mlp.down_proj.lora_B.weight" in names  # the dense MLP's
     with pytest.raises(ValueError, match="train_router: Gemma 4's MoE-block router"):
         make_router_trainable(model, jnp.float32)
+
+
+def test_shared_layers_and_per_layer_inputs_config():
+    """gemma4_text_shared: the last 2 layers KV-shared (layer 4, sliding, reads layer 3's keys / values; layer 5,
+    full, layer 2's), in stacks of their own without k / v projections, their MLPs double-wide, their KV rows in
+    the cache part of their shape; per-layer inputs of 8 per layer; parameters as transformers counts them."""
+    cfg = ModelConfig.from_hf(_hf("gemma4_text_shared"))
+    assert (cfg.kv_shared_layers, cfg.double_wide_mlp, cfg.per_layer_input_size) == (2, True, 8)
+    assert [cfg.kv_source(i) for i in (4, 5)] == [3, 2]
+    assert [cfg.layer_stack(i) for i in range(6)] == ["layers", "layers", "global_layers", "layers",
+                                                      "shared_layers", "shared_global_layers"]
+    types = layer_pattern(cfg).types
+    assert len(types) == 6 and types[3].kwargs["kv_store"] == "sliding_attention"
+    assert types[2].kwargs["kv_store"] == "full_attention" and "kv_store" not in types[0].kwargs
+    assert (types[4].kwargs["kv_from"], types[4].cache_part) == ("sliding_attention", "layers")
+    assert (types[5].kwargs["kv_from"], types[5].cache_part) == ("full_attention", "global_layers")
+    assert cfg.num_params() == int(np.load(FIXTURES / "gemma4_text_shared" / "expected.npz")["num_params"])
+    model = load_model(FIXTURES / "gemma4_text_shared", dtype=jnp.float32, attention="xla")
+    shared = model.shared_global_layers
+    assert shared.attn.k_proj is None and shared.attn.v_proj is None and shared.attn.k_norm is None
+    assert shared.mlp.gate_proj.kernel.shape == (1, 32, 128) and model.layers.mlp.gate_proj.kernel.shape[-1] == 64
+    assert model.embed_per_layer.embedding.shape == (256, 48) and model.layers.ple_gate.kernel.shape == (3, 32, 8)
+
+
+def test_gemma4_stacks_lora_targets_train_and_export(tmp_path):
+    """LoRA on Gemma 4's stacks (gemma4_text_shared: `layers`, `global_layers` without v_proj, the KV-shared
+    `shared_layers` / `shared_global_layers` without k_proj / v_proj): the standard names in each stack that has
+    the module, every adapter trained; exported under PEFT's names on transformers' model (one adapter per module of
+    model.layers.{i}, as the checkpoint's own tensor names list the modules), and read back (load_adapter_into) into
+    a fresh model to the same logits. (PEFT itself loads the export onto transformers' model to the same logits: a
+    one-off check in the reference env, tests/fixtures/README.md.)"""
+    d = FIXTURES / "gemma4_text_shared"
+    model = load_model(d, dtype=jnp.float32, attention="xla")
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    every = names + tuple(f"global_layers.{n}" for n in names if n != "v_proj") + tuple(
+        f"{stack}.{n}" for stack in ("shared_layers", "shared_global_layers") for n in names
+        if n not in ("k_proj", "v_proj"))
+    assert model_targets(model) == every == resolve_model_targets(model, "all-linear")
+    assert resolve_model_targets(model, ["v_proj", "k_proj"]) == ("k_proj", "v_proj", "global_layers.k_proj")
+    apply_lora(model, targets="all-linear", rank=2, alpha=4, rngs=nnx.Rngs(0))
+    tokens = np.load(d / "expected.npz")["tokens2"]
+    assert all(np.abs(g).max() > 0 for g in lora_b_grads(model, tokens))
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):  # B away from zero: the logits move
+        if path[-1] == "lora_b":
+            var.set_value(jax.random.normal(jax.random.key(len(path)), var.get_value().shape) * 0.1)
+    out = save_peft_adapter(model, tmp_path / "adapter", str(d))
+    saved = set(SafetensorsFile(out / WEIGHTS_FILE).names())
+    modules = [n.removesuffix(".weight") for n in SafetensorsFile(d / "model.safetensors").names()
+               if n.endswith("_proj.weight")]
+    assert saved == {f"base_model.model.{m}.lora_{ab}.weight" for m in modules for ab in "AB"}
+    assert not any("layers.2.self_attn.v_proj" in n or "layers.4.self_attn.k_proj" in n for n in saved)
+    again = load_adapter_into(load_model(d, dtype=jnp.float32, attention="xla"), out, trainable=True)
+    x = jnp.asarray(tokens)[None]
+    np.testing.assert_allclose(np.asarray(again(x)), np.asarray(model(x)), atol=1e-5)
+
+
+def test_shared_layers_unused_kv_tensors_are_ignored_with_a_log_line(tmp_path, caplog):
+    """A checkpoint holding k / v projections and norms for its KV-shared layers (transformers ignores them:
+    Gemma4TextModel._keys_to_ignore_on_load_unexpected) loads, the tensors skipped with a log line."""
+    d = FIXTURES / "gemma4_text_shared"
+    f = SafetensorsFile(d / "model.safetensors")
+    tensors = {n: f.get(n) for n in f.names()}
+    extra = {f"model.layers.4.self_attn.{m}.weight": np.ones(shape, np.float32)
+             for m, shape in (("k_proj", (32, 32)), ("v_proj", (32, 32)), ("k_norm", (16,)), ("v_norm", (16,)))}
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    save_file(tensors | extra, str(tmp_path / "model.safetensors"))
+    with caplog.at_level(logging.INFO, logger="surojax.weights.hf_checkpoint"):
+        model = load_model(tmp_path, dtype=jnp.float32, attention="xla")
+    assert any("ignoring 4 k / v tensors of KV-shared layers" in r.getMessage() for r in caplog.records)
+    exp = np.load(d / "expected.npz")
+    assert np.abs(np.asarray(model(jnp.asarray(exp["tokens0"])[None]))[0] - exp["logits0"]).max() <= 1e-4

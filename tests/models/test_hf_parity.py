@@ -21,11 +21,14 @@ from surojax.weights.hf_checkpoint import load_model
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
-            "gpt_oss_mxfp4", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "gemma4_text_moe"]
+            "gpt_oss_mxfp4", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "gemma4_text_moe", "gemma4_text_global", "gemma4_text_shared"]
 WINDOW = {"mistral": 6, "mixtral": 6, "gemma3_text": 4, "gemma3": 4, "gemma4_text": 4, "gemma4": 4,
-          "gemma4_text_moe": 4}
-# Gemma: scripts/make_gemma{3,4}_fixtures.py (gemma4_text_moe: gemma4_text with its MoE block beside the MLP)
-TIED = ("llama_tied", "gemma3_text", "gemma3", "gemma4_text", "gemma4", "gemma4_text_moe")
+          "gemma4_text_moe": 4, "gemma4_text_global": 4, "gemma4_text_shared": 4}
+# Gemma: scripts/make_gemma{3,4}_fixtures.py (gemma4_text_moe: gemma4_text with its MoE block beside the MLP;
+# gemma4_text_global: its full layers wider, one kv head, keys as values: the `global_layers` stack;
+# gemma4_text_shared: that plus per-layer input embeddings and 2 KV-shared layers with double-wide MLPs)
+GEMMA4_TEXT = ("gemma4_text_moe", "gemma4_text_global", "gemma4_text_shared")
+TIED = ("llama_tied", "gemma3_text", "gemma3", "gemma4_text", "gemma4", *GEMMA4_TEXT)
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "gpt_oss_mxfp4", "gemma4_text_moe")
 TOL = 1e-4
 
@@ -71,13 +74,16 @@ def case(request):
 
 def test_family_is_the_one_in_config(case):
     name, model, *_ = case
-    family = "gemma4_text" if name == "gemma4_text_moe" else name.removesuffix("_tied").removesuffix("_mxfp4")
+    family = "gemma4_text" if name in GEMMA4_TEXT else name.removesuffix("_tied").removesuffix("_mxfp4")
     assert model.cfg.model_type == family
     assert model.cfg.tie_word_embeddings == (name in TIED)
     assert model.cfg.sliding_window == WINDOW.get(name, 4 if name.startswith("gpt_oss") else None)
     assert (model.cfg.moe is not None) == (name in MOE)
     assert model.cfg.moe_beside_mlp == (name == "gemma4_text_moe")
     assert bool(model.cfg.moe and model.cfg.moe.shared_expert_intermediate_size) == (name == "qwen2_moe")
+    assert (model.cfg.global_attention is not None) == (name in ("gemma4_text_global", "gemma4_text_shared"))
+    assert (model.cfg.kv_shared_layers, model.cfg.per_layer_input_size) == \
+        ((2, 8) if name == "gemma4_text_shared" else (0, 0))
 
 
 def test_a_sequence_alone(case):

@@ -4,12 +4,18 @@ concurrent requests of 3 .. 41 tokens give transformers' greedy tokens (expected
 serve_greedy*: scripts/make_gemma4_fixtures.py, float64), prefilled in chunks past the window; and the FP8 pool's
 v bound is the v norm's sqrt(H) (serve/kv_fp8.py). gemma4_text_moe: the same with the MoE block beside the MLP
 (few rows per decode step: the experts' gathered path)."""
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from surojax.generation.loop import generate
+from surojax.models.config import ModelConfig
+from surojax.models.decoder import Decoder
+from surojax.peft.multi_lora import LoRASlotError, apply_multi_lora
 from surojax.serve.config import KVCacheDtype, KVPath
 from surojax.serve.engine import Engine
 from surojax.serve.kv_fp8 import layer_bounds
@@ -43,3 +49,35 @@ def test_fp8_kv_pool_bounds_the_normalised_values():
     _, v = layer_bounds(model)
     np.testing.assert_allclose(v, 4.0)
     Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
+
+
+def test_full_layers_of_their_own_shape_are_refused_by_name():
+    """gemma4_text_global (full layers wider, one kv head, keys as values): the paged pool has one shape, so the
+    engine refuses it by name before building anything (`surojax generate` runs it: test_hf_parity)."""
+    model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
+    with pytest.raises(ValueError, match="does not serve full-attention layers shaped unlike the sliding ones"):
+        Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED))
+
+
+def test_shared_layers_and_per_layer_inputs_served_equal_generate():
+    """Per-layer input embeddings and KV-shared layers without full layers of their own shape (gemma4_text_shared's
+    config with global_head_dim = head_dim, no attention_k_eq_v; random weights): the paged engine's greedy tokens
+    equal `generate`'s (which equals transformers on the fixture itself: test_hf_parity). The shared layers' pool
+    rows hold a copy of their source layer's keys / values (no KV memory saved yet). An FP8 pool is refused by name."""
+    hf = json.loads((FIXTURES / "gemma4_text_shared" / "config.json").read_text())
+    hf = {k: v for k, v in hf.items() if k != "per_layer_config"} | {"global_head_dim": 16, "attention_k_eq_v": False}
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.global_attention is None and cfg.kv_shared_layers == 2 and cfg.per_layer_input_size == 8
+    model = Decoder(cfg, attention="xla", rngs=nnx.Rngs(0))
+    prompts, _ = _requests(FIXTURES / "gemma4_text_shared")
+    want = generate(model, prompts, 12)
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4))
+    assert engine.generate(prompts, max_tokens=12) == want
+    with pytest.raises(ValueError, match="FP8 KV pool is not supported with attention layers outside"):
+        Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
+
+
+def test_runtime_lora_slots_are_refused_with_several_attention_stacks():
+    model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
+    with pytest.raises(LoRASlotError, match="not supported with attention layers outside `layers` \\(global_layers"):
+        apply_multi_lora(model, max_loras=1, max_rank=2)

@@ -3,10 +3,12 @@
 Two layer views of it, same values: `DenseLayerKV` (one layer's [B, S, K, H] slice, scanned as the layer loop's
 input and returned as its output) and `StackedLayerKV` (every layer's k/v in the loop's carry, the new tokens
 written in place into layer ``layer``: one pass over the cache per layer instead of a copy in and out).
+`StacksKVCache`: one such cache per attention stack when the stacks' shapes differ (Gemma 4's `global_layers`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -97,4 +99,39 @@ class KVCache(OneStack):
         return dataclasses.replace(self, k=view.k, v=view.v)
 
 
-__all__ = ["DenseLayerKV", "KVCache", "StackedLayerKV"]
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kvs"], meta_fields=["stacks"])
+@dataclasses.dataclass(frozen=True)
+class StacksKVCache:
+    """The plain cache of a model whose attention layers come in stacks of different shapes (Gemma 4's sliding
+    `layers` and its wider full `global_layers`): one `KVCache` per stack (`kvs[i]` over stack `stacks[i]`'s
+    rows, in its shape). Every part sees the same tokens: `step` advances each alike and hands the layers the
+    first's metadata (the same values)."""
+
+    kvs: tuple[KVCache, ...]
+    stacks: tuple[str, ...]
+
+    @classmethod
+    def empty(cls, shapes: dict[str, tuple[ModelConfig, int]], batch: int, max_len: int, dtype) -> "StacksKVCache":
+        """shapes: stack -> (the config of its layers' shape, its rows)."""
+        return cls(tuple(KVCache.empty(c, batch, max_len, dtype, num_layers=rows) for c, rows in shapes.values()),
+                   tuple(shapes))
+
+    @property
+    def lengths(self) -> jax.Array:
+        return self.kvs[0].lengths
+
+    def step(self, segment_ids, positions) -> tuple[KVMeta, "StacksKVCache"]:
+        stepped = [kv.step(segment_ids, positions) for kv in self.kvs]
+        return stepped[0][0], dataclasses.replace(self, kvs=tuple(kv for _, kv in stepped))
+
+    def parts(self, stacks: tuple[str, ...]) -> dict[str, KVCache]:
+        if sorted(stacks) != sorted(self.stacks):
+            raise ValueError(f"this cache holds the stacks {list(self.stacks)}; the layer pattern reads "
+                             f"{list(stacks)}")
+        return dict(zip(self.stacks, self.kvs))
+
+    def with_parts(self, parts) -> "StacksKVCache":
+        return dataclasses.replace(self, kvs=tuple(parts[name] for name in self.stacks))
+
+
+__all__ = ["DenseLayerKV", "KVCache", "StackedLayerKV", "StacksKVCache"]

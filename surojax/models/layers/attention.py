@@ -44,6 +44,14 @@ cos/sin and a layer's type option `rope` picks one (Block).
 Gemma 4: the softmax scale is 1 (`query_pre_attn_scalar` 1.0), q/k norms plain w, and the values RMS-normalised
 without a weight (`ModelConfig.v_norm`) before they are cached.
 
+Keys as values (Gemma 4's `attention_k_eq_v`, on its full layers: `ModelConfig.global_attention`): no v_proj; the
+values are the key projection's output, v-normed, while the keys go on through the k norm and rope.
+
+KV-shared layers (Gemma 4's last `num_kv_shared_layers`, `ModelConfig.kv_shared` on their stack's config): no k / v
+projections or k norm; the call is handed the keys / values its source layer computed for the same tokens
+(`shared_kv`; the source returns them with `store_kv`) and attends over them (with a cache: writes them into its own
+rows first, so its rows hold its source's history: generate keeps a copy rather than reading the source's rows).
+
 Output gate (Qwen3.5, `ModelConfig.attn_output_gate`): q_proj gives [N, 2H] per token, each head's query then its
 gate; the attention output is multiplied by sigmoid(gate) before o_proj.
 """
@@ -221,15 +229,21 @@ class Attention(nnx.Module):
         self.output_gate = cfg.attn_output_gate
         q_out = cfg.q_dim * (2 if cfg.attn_output_gate else 1)  # [N, 2H]: query | gate per head
         self.q_proj = Linear(D, q_out, ("embed", "heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
-        self.k_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
-        self.v_proj = Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
+        # Gemma 4's KV-shared layers (`cfg.kv_shared`) have no k / v projections: they are handed another layer's
+        self.kv_shared = cfg.kv_shared
+        self.k_proj = None if cfg.kv_shared else Linear(D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias,
+                                                        param_dtype=param_dtype, rngs=rngs)
+        # Gemma 4's attention_k_eq_v (its full layers): no v_proj, the values are the key projection's output
+        self.v_proj = None if cfg.attention_k_eq_v or cfg.kv_shared else Linear(
+            D, cfg.kv_dim, ("embed", "kv_heads"), use_bias=bias, param_dtype=param_dtype, rngs=rngs)
         self.o_proj = Linear(cfg.q_dim, D, ("heads", "embed"), use_bias=cfg.o_proj_bias, param_dtype=param_dtype,
                              rngs=rngs)
         self.qkv_proj: Linear | None = nnx.data(None)  # q, k, v in one GEMM (fused_projections: serving)
         if cfg.qk_norm:
             zc = cfg.norm_zero_centered
             self.q_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
-            self.k_norm = RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype, rngs=rngs, zero_centered=zc)
+            self.k_norm = None if cfg.kv_shared else RMSNorm(H, cfg.rms_norm_eps, "head_dim", param_dtype=param_dtype,
+                                                             rngs=rngs, zero_centered=zc)
         else:
             self.q_norm = self.k_norm = None
         self.v_norm_eps = cfg.rms_norm_eps if cfg.v_norm else None  # Gemma 4: values RMS-normalised, no weight
@@ -238,7 +252,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, segment_ids, positions, kv: LayerKV | None = None,
                  kv_meta: KVMeta | None = None, window: int | None = None, *, norm=None,
-                 residual: jax.Array | None = None):
+                 residual: jax.Array | None = None, shared_kv: tuple | None = None, store_kv: bool = False):
         """x [B, T, D]; cos/sin [B, T, H]; segment_ids/positions [B, T] -> (y [B, T, D], kv).
 
         norm (the block's RMSNorm): x is the un-normalised stream, normalised here; residual: y = residual + the
@@ -248,6 +262,9 @@ class Attention(nnx.Module):
         Without a cache (kv None): self-attention over the packed rows. With one: `kv` is this layer's view of
         the cache (any `LayerKV`) and `kv_meta` the call's metadata its cache made (`Cache.step`); the view
         writes the new tokens' k/v and attends over the rows' context, and comes back updated.
+        shared_kv: a KV-shared layer's (Gemma 4) keys / values [B, T, K, H] of this call's tokens, as its source
+        layer made them (normed, rotated); written to its cache and attended like its own. store_kv: also return
+        this layer's (k, v) (the source of KV-shared layers): -> (y, kv, (k, v)).
         `window`: this layer's static window (0 = full; its type's option in the decoder's layer pattern);
         required exactly when the config has per-layer windows.
         """
@@ -262,17 +279,30 @@ class Attention(nnx.Module):
             x = norm(x)
         if self.qkv_proj is not None:  # [B, T, (N + 2K) H]: one read of x, one GEMM (decode: one GEMV launch)
             q, k, v = jnp.split(self.qkv_proj(x) if qkv is None else qkv, [Q, Q + K * H], axis=-1)
+        elif self.kv_shared:
+            if shared_kv is None:
+                raise ValueError("a KV-shared attention layer needs its source layer's keys / values (shared_kv)")
+            q, k, v = self.q_proj(x), None, None
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = self.q_proj(x), self.k_proj(x)
+            v = k if self.v_proj is None else self.v_proj(x)  # k = v: the projection before the k norm and rope
         gate = None
         if self.output_gate:  # [B, T, N, 2H] -> query, gate [B, T, N, H]
             q, gate = jnp.split(q.reshape(B, T, N, 2 * H), 2, axis=-1)
-        q, k, v = q.reshape(B, T, N, H), k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+        q = q.reshape(B, T, N, H)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.v_norm_eps is not None:
-            v = rms_norm_unscaled(v, self.v_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)
+        if k is None:  # a KV-shared layer: its source's keys / values, already normed and rotated
+            k, v = shared_kv
+        else:
+            k, v = k.reshape(B, T, K, H), v.reshape(B, T, K, H)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if self.v_norm_eps is not None:
+                v = rms_norm_unscaled(v, self.v_norm_eps)
+            k = apply_rope(k, cos, sin)
+        own = (k, v)
         spec = self.attend_spec(window)
         if kv is not None:
             out, kv = kv.update_and_attend(q, k, v, kv_meta, spec)
@@ -288,7 +318,7 @@ class Attention(nnx.Module):
         if y is None:
             y = self.o_proj(out)
             y = y if residual is None else residual + y
-        return y, kv
+        return (y, kv, own) if store_kv else (y, kv)
 
     def _cudnn_self_attention(self, q, k, v, segment_ids, positions, sliding_window: int | None):
         """cuDNN over packed rows, with this layer's static window."""
