@@ -160,13 +160,18 @@ def blocks_needed(rows, bs: int) -> int:
 
 
 class CapturingRunner(PagedRunner):
-    """The serving runner, remembering each jitted call it makes (fn, batch, settings) to time it alone."""
+    """The serving runner, remembering each jitted call it makes (fn, batch, settings) to time it alone;
+    ``fresh_calls`` False: a fresh prefill (`StepSettings.fresh`) reads its context back from the pool instead,
+    as before that path existed (the A/B of --fresh)."""
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, fresh_calls: bool = True, **kw):
         super().__init__(*args, **kw)
         self.captured: list = []
+        self.fresh_calls = fresh_calls
 
     def _device_call(self, fn, batch, settings):
+        if settings.fresh and not self.fresh_calls:
+            settings = self.settings.for_call(settings.mode, settings.num_steps)  # cached, as the runner's own
         self.captured.append((fn, batch, settings))
         return super()._device_call(fn, batch, settings)
 
@@ -344,7 +349,7 @@ def build_model(cfg, dtype, attention: str):
     return model, laid
 
 
-def run_case(a, cfg, model, attention, case, rng, dump_dir, peak) -> list[dict]:
+def run_case(a, cfg, model, attention, fresh, case, rng, dump_dir, peak) -> list[dict]:
     groups = parse_case(case)
     rows = case_rows(groups)
     bs = a.block_size
@@ -352,7 +357,7 @@ def run_case(a, cfg, model, attention, case, rng, dump_dir, peak) -> list[dict]:
     num_blocks = max(a.num_blocks, 2 * need + 64)
     kv_path = resolve_kv_path(KVPath(a.kv_path), cfg, bs, num_blocks)
     runner = CapturingRunner(model, num_blocks=num_blocks, block_size=bs, kv_path=kv_path,
-                             buckets=RunnerBuckets(min_context=a.min_context))
+                             buckets=RunnerBuckets(min_context=a.min_context), fresh_calls=fresh)
     keys = jax.random.split(jax.random.key(7))  # a pool as after real traffic: every slot holds some k / v
     runner.k_pool = jax.random.normal(keys[0], runner.k_pool.shape, runner.k_pool.dtype)
     runner.v_pool = jax.random.normal(keys[1], runner.v_pool.shape, runner.v_pool.dtype)
@@ -366,13 +371,13 @@ def run_case(a, cfg, model, attention, case, rng, dump_dir, peak) -> list[dict]:
     if any(c for c, _ in rows):  # the context chunks first (untimed): their KV is what the new tokens read
         runner.execute(scheduled(rows, prompts, tables, False, "context"))
     results = []
-    label = f"{attention}-{case}"
+    label = f"{attention}-{'fresh' if fresh else 'gather'}-{case}"
     if a.check:
         out = runner.execute(scheduled(rows, prompts, tables, True, "new"))
         host = {"top_ids": np.array([[t for t, _ in out.logprobs[f"p{i}"][1]] for i in range(len(rows))]),
                 "top_logprobs": np.array([[v for _, v in out.logprobs[f"p{i}"][1]] for i in range(len(rows))])}
         results.append(dict(check_case(model, rows, prompts, host, a.tol, label, a.check_prompts), case=case,
-                            attention=attention))
+                            attention=attention, fresh=bool(runner.captured[-1][2].fresh)))
     group = scheduled(rows, prompts, tables, False, "new")
     seen = set(glob.glob(f"{dump_dir}/*")) if dump_dir else set()
     runner.captured.clear()
@@ -407,7 +412,8 @@ def run_case(a, cfg, model, attention, case, rng, dump_dir, peak) -> list[dict]:
     exec_s, exec_med = best(execute)
     tokens = sum(n for _, n in rows)
     flops = case_flops(cfg, rows)
-    r = {"case": case, "attention": attention, "kv_path": kv_path.value, "prompts": len(rows), "tokens": tokens,
+    r = {"case": case, "attention": attention, "fresh": bool(settings.fresh), "kv_path": kv_path.value,
+         "prompts": len(rows), "tokens": tokens,
          "R": int(R), "T": int(T), "S": int(S), "padding": 1 - tokens / (R * T), "call_ms": 1e3 * call_s,
          "call_ms_median": 1e3 * call_med, "execute_ms": 1e3 * exec_s, "execute_ms_median": 1e3 * exec_med,
          "host_ms": 1e3 * (exec_s - call_s), "tokens_per_s": tokens / call_s, "tflops": flops / 1e12,
@@ -424,6 +430,8 @@ def main(argv=None):
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma list of PxL[+C][&PxL[+C]...] (module docstring)")
     p.add_argument("--attention", default="xla", help="comma list of backends (xla: the server's default, cudnn)")
+    p.add_argument("--fresh", default="on,off", help="comma list: on = the runner's fresh prefill (new prompts "
+                   "attend over their own tokens), off = every prefill reads its context back from the pool")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
     p.add_argument("--kv-path", default="auto", choices=[k.value for k in KVPath if k is not KVPath.REFERENCE])
     p.add_argument("--block-size", type=int, default=16)
@@ -460,11 +468,13 @@ def main(argv=None):
     for attention in a.attention.split(","):
         model, laid = build_model(cfg, dtype, attention)
         print(f"# attention {attention}: decode kernel layouts {laid or 'none'}", flush=True)
-        for case in a.cases.split(","):
-            try:
-                results += run_case(a, cfg, model, attention, case, np.random.default_rng(0), dump_dir, peak)
-            except Exception as e:  # noqa: BLE001 - report, keep the other cases
-                print(f"FAILED {attention} {case}: {type(e).__name__}: {str(e)[:600]}", flush=True)
+        for fresh in (f.strip() == "on" for f in a.fresh.split(",")):
+            for case in a.cases.split(","):
+                try:
+                    results += run_case(a, cfg, model, attention, fresh, case, np.random.default_rng(0), dump_dir,
+                                        peak)
+                except Exception as e:  # noqa: BLE001 - report, keep the other cases
+                    print(f"FAILED {attention} fresh={fresh} {case}: {type(e).__name__}: {str(e)[:600]}", flush=True)
     checks = [r for r in results if "check" in r]
     print("\nchecks (first sampled token's top-20 logprobs vs Decoder.__call__):")
     for r in checks:
@@ -472,15 +482,16 @@ def main(argv=None):
               f"(tol {r['tol']:g}), argmax {r['argmax_agrees']}")
     rows = [r for r in results if "check" not in r]
     cats = [c for c in CATEGORIES if any(r.get(f"{c}_ms") for r in rows)]
-    print("\n| attention | case | R x T (S) | padding | call ms | execute ms | tokens/s | TFLOP | MFU | "
+    print("\n| attention | fresh | case | R x T (S) | padding | call ms | execute ms | tokens/s | TFLOP | MFU | "
           + " | ".join(cats) + (" | kernels | host gap ms |" if cats else ""))
-    print("|---" * (9 + len(cats) + (2 if cats else 0)) + "|")
+    print("|---" * (10 + len(cats) + (2 if cats else 0)) + "|")
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         extra = "".join(f" {r.get(f'{c}_ms', 0.0):.2f} |" for c in cats)
         if cats:
             extra += f" {r.get('kernels_per_call', 0):.0f} | {r.get('host_gap_ms', 0):.2f} |"
-        print(f"| {r['attention']} | {r['case']} | {r['R']} x {r['T']} ({r['S']}) | {100 * r['padding']:.0f}% | "
+        print(f"| {r['attention']} | {'yes' if r['fresh'] else 'no'} | {r['case']} | {r['R']} x {r['T']} ({r['S']}) | "
+              f"{100 * r['padding']:.0f}% | "
               f"{r['call_ms']:.2f} | {r['execute_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.2f} | {mfu} |"
               + extra)
     return 0 if all(r["pass"] for r in checks) else 1
