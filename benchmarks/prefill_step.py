@@ -357,7 +357,8 @@ def run_case(a, cfg, model, attention, fresh, case, rng, dump_dir, peak) -> list
     num_blocks = max(a.num_blocks, 2 * need + 64)
     kv_path = resolve_kv_path(KVPath(a.kv_path), cfg, bs, num_blocks)
     runner = CapturingRunner(model, num_blocks=num_blocks, block_size=bs, kv_path=kv_path,
-                             buckets=RunnerBuckets(min_context=a.min_context), fresh_calls=fresh)
+                             buckets=RunnerBuckets(min_context=a.min_context, fine_prefill_rows=a.fine_prefill_rows),
+                             fresh_calls=fresh)
     keys = jax.random.split(jax.random.key(7))  # a pool as after real traffic: every slot holds some k / v
     runner.k_pool = jax.random.normal(keys[0], runner.k_pool.shape, runner.k_pool.dtype)
     runner.v_pool = jax.random.normal(keys[1], runner.v_pool.shape, runner.v_pool.dtype)
@@ -438,6 +439,8 @@ def main(argv=None):
     p.add_argument("--num-blocks", type=int, default=0, help="pool blocks (default: twice what the case needs)")
     p.add_argument("--min-context", type=int, default=0,
                    help="RunnerBuckets.min_context (0: the server's; serve_load uses prompt + max_tokens + K = 648)")
+    p.add_argument("--fine-prefill-rows", action="store_true",
+                   help="RunnerBuckets.fine_prefill_rows: prefill rows rounded to 2^k or 1.5 x 2^k (17 -> 24, not 32)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--check-prompts", type=int, default=2, help="prompts per case checked against the forward")
@@ -463,6 +466,7 @@ def main(argv=None):
     peak = peak_tflops() if dtype == jnp.bfloat16 else None
     print(f"# prefill step: {a.shape} {jnp.dtype(dtype).name} on {jax.devices()[0].device_kind} (peak "
           f"{peak or '?'} TFLOP/s), cases {a.cases}, attention {a.attention}, min_context {a.min_context}, "
+          f"fine_prefill_rows {a.fine_prefill_rows}, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     results = []
     for attention in a.attention.split(","):
