@@ -63,6 +63,15 @@ What the code says before any measurement (file:line as of this commit):
   48 decodes runs the weights twice; with K-step decode the decode calls are one token each while a prompt
   waits (scheduler `_schedule_multi_step`).
 
+Expected at 16x512 on an H100 (qwen3-0.6b bf16, 8,192 tokens, 8.6 TFLOP; serve_load's buckets, --min-context 648:
+S = 768), before any change (xla attention, fresh off): matmul 11-13 ms (7.2 TFLOP at 550-650 TFLOP/s);
+attention 25-35 ms (1.4 TFLOP of batched dots, plus the fp32 scores: ~2.5 GB a layer written, transposed and
+soft-maxed, ~70 GB a call); kv write 0.5-1 ms (0.9 GB scattered); kv read ~1 ms (1.4 GB gathered); kv metadata,
+head, sampling, host->device < 0.3 ms each; norm/rope/elementwise 4-5 ms (~400 MB a layer: the SwiGLU's
+[8192, 6144] product, norms, rope, residuals); host gaps ~1 ms. ~50 ms in all, against the ~80 ms the 16-user
+TTFT suggests: what the profile finds beyond that is the first thing to read. Fresh on (xla): attention x 2/3, no
+kv read. cuDNN + fresh: attention 1-3 ms, the call ~20-25 ms (~35-40% MFU).
+
 What to try first, in order of expected effect (each measurable with this script):
 1. the prefill's attention on a flash kernel: `--attention cudnn` here (and `surojax serve --attention cudnn`):
    expected to remove most of the attention category (~2/3 of it at 16x512), i.e. 16x512 from ~80 to ~50 ms.
@@ -299,22 +308,25 @@ def profile_case(label: str, fn, calls: int, out_dir: Path, hlo_text: str | None
     kernels = device_events(events)
     sources = instruction_sources(hlo_text) if hlo_text else {}
     by_cat, other, srcs = collections.Counter(), collections.Counter(), collections.Counter()
+    attributed = 0.0
     for e in kernels:
         d = float(e["dur"]) / calls
         cat = kernel_category(e, sources)
         by_cat[cat] += d
         src = kernel_source(e, sources) if sources else None
+        attributed += d if src else 0.0
         srcs[f"{cat:22s} {src[0] if src else e.get('name', '?')[:60]}"] += d
         if cat == "other":
             other[e.get("name", "?")[:90]] += d
     busy = sum(e - s for s, e in union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]))
     prof = {"kernels_per_call": len(kernels) / calls, "kernel_sum_ms": sum(by_cat.values()) / 1e3,
             "kernel_union_ms": busy / calls / 1e3, "wall_ms": 1e3 * wall / calls,
-            "host_gap_ms": 1e3 * wall / calls - busy / calls / 1e3,
+            "host_gap_ms": 1e3 * wall / calls - busy / calls / 1e3, "attributed_ms": attributed / 1e3,
             **{f"{c}_ms": by_cat.get(c, 0.0) / 1e3 for c in CATEGORIES}}
     print(f"# profile {label}: {prof['kernels_per_call']:.0f} kernels a call, kernel sum {prof['kernel_sum_ms']:.2f} "
           f"ms, busy {prof['kernel_union_ms']:.2f} ms of a {prof['wall_ms']:.2f} ms call (host gaps "
-          f"{prof['host_gap_ms']:.2f} ms)", flush=True)
+          f"{prof['host_gap_ms']:.2f} ms); {prof['attributed_ms']:.2f} ms of kernels traced to a source line "
+          "(the rest by kernel name)", flush=True)
     for c in CATEGORIES:
         print(f"#   {c:24s} {by_cat.get(c, 0.0) / 1e3:8.3f} ms", flush=True)
     print("#   top sources (category, source line or kernel, ms a call):")
