@@ -224,14 +224,26 @@ def peak_tflops() -> float | None:
 
 # ---- the check ---------------------------------------------------------------------------------------------------
 
+_REFERENCE: dict[tuple[int, ...], np.ndarray] = {}  # prompt tokens -> the plain forward's last log_softmax
+
+
+def reference_logprobs(model, toks) -> np.ndarray:
+    """log_softmax of `Decoder.__call__`'s last logits on `toks` (`model`: the plain xla-attention build, the same
+    weights as the served build's, nnx.Rngs(0), not laid out); computed once per prompt for every variant."""
+    key = tuple(toks)
+    if key not in _REFERENCE:
+        logits = model(jnp.asarray(np.asarray(toks)[None], jnp.int32))[0, -1]
+        _REFERENCE[key] = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))
+    return _REFERENCE[key]
+
+
 def check_case(model, rows, prompts, host: dict, tol: float, label: str, limit: int) -> dict:
     """Each prompt's first sampled token (top-20 logprobs of the serving call, `host`) against log_softmax of a
     plain forward's last logits (`Decoder.__call__` on context + new tokens, xla attention), for the first
     `limit` prompts of the case."""
     worst, agree, n = 0.0, 0, 0
     for r, ((c, L), toks) in enumerate(list(zip(rows, prompts))[:limit]):
-        logits = model(jnp.asarray(np.asarray(toks[:c + L])[None], jnp.int32))[0, -1]
-        ref = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)))
+        ref = reference_logprobs(model, toks[:c + L])
         ids, got = np.asarray(host["top_ids"][r]), np.asarray(host["top_logprobs"][r], np.float64)
         worst = max(worst, float(np.max(np.abs(ref[ids] - got))))  # the values at the ids the call ranked top
         top_ref = np.sort(ref)[::-1][:len(got)]
@@ -361,7 +373,7 @@ def build_model(cfg, dtype, attention: str):
     return model, laid
 
 
-def run_case(a, cfg, model, attention, fresh, case, rng, dump_dir, peak) -> list[dict]:
+def run_case(a, cfg, model, ref_model, attention, fresh, case, rng, dump_dir, peak) -> list[dict]:
     groups = parse_case(case)
     rows = case_rows(groups)
     bs = a.block_size
@@ -389,7 +401,7 @@ def run_case(a, cfg, model, attention, fresh, case, rng, dump_dir, peak) -> list
         out = runner.execute(scheduled(rows, prompts, tables, True, "new"))
         host = {"top_ids": np.array([[t for t, _ in out.logprobs[f"p{i}"][1]] for i in range(len(rows))]),
                 "top_logprobs": np.array([[v for _, v in out.logprobs[f"p{i}"][1]] for i in range(len(rows))])}
-        results.append(dict(check_case(model, rows, prompts, host, a.tol, label, a.check_prompts), case=case,
+        results.append(dict(check_case(ref_model, rows, prompts, host, a.tol, label, a.check_prompts), case=case,
                             attention=attention, fresh=bool(runner.captured[-1][2].fresh)))
     group = scheduled(rows, prompts, tables, False, "new")
     seen = set(glob.glob(f"{dump_dir}/*")) if dump_dir else set()
@@ -459,6 +471,7 @@ def main(argv=None):
     p.add_argument("--tol", type=float, default=None, help="max |logprob diff| (default: bf16 0.1, fp32 1e-3)")
     p.add_argument("--profile", default=None, metavar="DIR", help="trace, kernels by category, traces into DIR")
     p.add_argument("--profile-calls", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=0, help="skip the cases left after this many seconds (0: none)")
     p.add_argument("--smoke", action="store_true", help="CPU: debug shape, tiny cases")
     a = p.parse_args(argv)
     if a.smoke:
@@ -481,14 +494,20 @@ def main(argv=None):
           f"fine_prefill_rows {a.fine_prefill_rows}, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     results = []
+    t_start = time.perf_counter()
+    # the check's plain forward: xla attention, the weights as built (no decode layouts, q / k / v apart)
+    ref_model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0)) if a.check else None
     for attention in a.attention.split(","):
         model, laid = build_model(cfg, dtype, attention)
         print(f"# attention {attention}: decode kernel layouts {laid or 'none'}", flush=True)
         for fresh in (f.strip() == "on" for f in a.fresh.split(",")):
             for case in a.cases.split(","):
+                if a.budget_s and time.perf_counter() - t_start > a.budget_s:
+                    print(f"SKIPPED {attention} fresh={fresh} {case}: past --budget-s {a.budget_s:g}", flush=True)
+                    continue
                 try:
-                    results += run_case(a, cfg, model, attention, fresh, case, np.random.default_rng(0), dump_dir,
-                                        peak)
+                    results += run_case(a, cfg, model, ref_model, attention, fresh, case, np.random.default_rng(0),
+                                        dump_dir, peak)
                 except Exception as e:  # noqa: BLE001 - report, keep the other cases
                     print(f"FAILED {attention} fresh={fresh} {case}: {type(e).__name__}: {str(e)[:600]}", flush=True)
     checks = [r for r in results if "check" in r]
