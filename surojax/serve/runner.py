@@ -29,8 +29,9 @@ the slot the scheduler gave it (``ScheduledRequest.state_slot`` -> ``InputBatch.
 multi-step calls take it (``state_pool=``, donated) and return it after the KV pools.
 
 Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size; a
-prefill's R too with ``RunnerBuckets.fine_prefill_rows``) so the number of compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so
-that one long prefill chunk does not pad every decode row to its length. A paged prefill call whose rows all
+prefill's R too with ``RunnerBuckets.fine_prefill_rows``) so the number of compilations stays logarithmic. Decode
+rows (1 new token) and prefill rows run in separate calls so that one long prefill chunk does not pad every decode
+row to its length. A paged prefill call whose rows all
 start at 0 (new prompts, no prefix hit) is ``fresh`` (`StepSettings.fresh`): attention over the call's own
 tokens, nothing gathered from the pool (`PagedKVCache`); one more compiled variant per prefill shape.
 
