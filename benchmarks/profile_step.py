@@ -35,6 +35,7 @@ from surojax.train.step import steady_state  # noqa: E402
 from hlo_attribution import attribute, instruction_sources  # noqa: E402  (benchmarks/ is sys.path[0])
 from kernel_categories import category as kernel_category  # noqa: E402
 from trace_intervals import overlap, union  # noqa: E402
+from trace_summary import gpu_kernels, kernel_sums, trace_file  # noqa: E402
 
 CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
     ("collectives (NCCL)", ("nccl", "all-gather", "all_gather", "allgather", "reduce-scatter", "reduce_scatter",
@@ -103,24 +104,13 @@ def main():
         for _ in range(a.steps):
             tr, st, m = step(tr, setup.frozen, st, batch, key)
         jax.block_until_ready(m)
-    files = glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True)
-    if not files:
+    path = trace_file(trace_dir)
+    if path is None:
         print("no perfetto trace found under", trace_dir, os.listdir(trace_dir))
         return 1
-    with gzip.open(files[0], "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pids = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
-            and e.get("name") == "process_name"}
-    gpu_pids = {pid for pid, name in pids.items() if "/device:GPU" in name or "GPU" in name.upper()}
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
-    by_name, by_cat, total = collections.Counter(), collections.Counter(), 0.0
-    devices = max(len({e["pid"] for e in kernels}), 1)  # the GPUs that ran kernels: figures below are per GPU
-    for e in kernels:
-        d = float(e["dur"]) / a.steps / devices
-        by_name[e["name"]] += d
-        by_cat[category(e["name"])] += d
-        total += d
+    files = [path]
+    kernels, events, gpu_pids = gpu_kernels(path)
+    by_name, by_cat, total, devices = kernel_sums(kernels, divide=a.steps, category=category)
     print(f"device time per step and GPU (sum of kernel durations, mean over {devices} GPU(s)): {total / 1e3:.1f} ms "
           f"over {len(by_name)} kernels")
     for cat, d in by_cat.most_common():

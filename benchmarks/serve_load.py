@@ -30,6 +30,8 @@ carry instead of copying every layer's view in and out of the scan). `--unroll-l
 `--quant FMT` serves a quantised base (every Linear of the layers random FMT codes, as a GGUF / QLoRA base would
 be held; `q4_k_m` / `q5_k_m`: typed layer by layer as llama.cpp types such a file, the anchor's Q4_K_M); run it under `SUROJAX_QUANT_MATMUL=xla` and `=pallas` (or auto) to A/B the fused decode GEMV against
 XLA's dequantise-then-GEMV. The model's weights go through `decode_weights` as `surojax serve` does.
+`--profile` (engine mode) adds a run per row under jax.profiler and prints the GPU kernels per output token by category
+(decode GEMV, attention, matmuls, copies, fusions) and the top kernels: where a one-user token's time goes.
 `--paged-attention 0,1` (default 1, the engine's default) A/Bs the runner's ``paged_attention``: 1 = no dense
 view, the decoder reads and writes the paged pool in place through the block tables (``kv_in_place`` does not
 apply, so with 1 each K runs once); 0 = the reference gather/scatter path. `--paged-kernel gather,reduce,pallas`
@@ -299,6 +301,51 @@ def run_engine(a, model, users, max_tokens, seed, label, k=1, in_place=False, pa
                                                    "compiled_while_measuring": _num_compiled() - compiled_before})
 
 
+PROFILE_CATEGORIES = [  # first match wins, by substring of the kernel name (lower case)
+    ("decode GEMV (Pallas)", ("gemv",)),
+    ("attention", ("paged", "attention", "attn", "cudnn", "flash", "fmha")),
+    ("quantised matmul", ("q4_k", "q5_k", "q6_k", "q8_0", "nf4", "dequant", "quant")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "triton_gemm", "matmul", "wgmma")),
+    ("copy / scatter", ("copy", "transpose", "memcpy", "memset", "dynamic_update_slice", "dynamic_slice", "scatter")),
+    ("reduce / sampling", ("reduce", "sort", "topk", "argmax")),
+    ("fusion (elementwise)", ("fusion", "loop_", "input_")),
+]
+
+
+def profile_engine(a, model, users, k, in_place, paged, kernel) -> None:
+    """One more measured engine run under jax.profiler (after the timed one, so the trace does not slow the figure):
+    the GPU kernels per output token by category and the top kernels, against the run's wall time per token."""
+    import tempfile
+
+    import jax
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from kernel_categories import category
+    from trace_summary import gpu_kernels, kernel_sums, trace_file
+
+    trace_dir = tempfile.mkdtemp(prefix="surojax-serve-trace-")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        r = run_engine(a, model, users, a.max_tokens, users, "profile", k, in_place, paged, kernel)
+    path = trace_file(trace_dir)
+    if path is None:
+        print(f"# profile: no trace under {trace_dir}", flush=True)
+        return
+    tokens = max(r["output_tokens"], 1)
+    kernels, _, _ = gpu_kernels(path)
+    by_name, by_cat, total, _ = kernel_sums(kernels, divide=tokens, category=lambda n: category(n, PROFILE_CATEGORIES))
+    wall_us = r["wall_s"] / tokens * 1e6
+    print(f"# profile users {users} decode_steps {k}: {tokens} output tokens (prefills included), wall {wall_us:.1f} "
+          f"us a token, GPU kernels {total:.1f} us a token ({len(kernels)} kernels, {len(kernels) / tokens:.0f} a token)",
+          flush=True)
+    for cat, d in by_cat.most_common():
+        print(f"#   {cat:24s} {d:8.1f} us  {100 * d / max(total, 1e-9):5.1f}%")
+    print("PROFILE " + json.dumps({"users": users, "decode_steps": k, "wall_us_per_token": wall_us,
+                                   "kernel_us_per_token": total, "kernels_per_token": len(kernels) / tokens,
+                                   "categories_us": dict(by_cat)}), flush=True)
+    for name, d in by_name.most_common(25):
+        print(f"#   {d:8.2f} us  {name[:140]}")
+
+
 def _num_compiled() -> int:
     """Compiled variants of the runner's step (a private jax API: -1 where it is missing)."""
     from surojax.serve import kv_reference, multi_step, runner
@@ -324,6 +371,8 @@ def ours_main(a):
                 r = run_engine(a, model, users, a.max_tokens, users, "engine", k, ip, pa, kern)
                 emit(r)
                 results.append(r)
+                if a.profile:
+                    profile_engine(a, model, users, k, ip, pa, kern)
                 gc.collect()
     if "server" in a.modes:
         try:
@@ -513,6 +562,8 @@ def main(argv=None):
                    help="whole prompts one engine step may prefill (token budget = users + this x prompt-len; "
                         "16 x 512 ~ `surojax serve`'s default --max-num-batched-tokens 8192)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="engine mode: one more run per row under jax.profiler, GPU kernels per output token by category")
     p.add_argument("--decode-steps", default="auto",
                    help="comma list of decode steps per device call (powers of two) to run engine/server with; "
                         "auto = the server's default (SERVE_DECODE_STEPS)")

@@ -186,6 +186,15 @@ def dump_gemv(out: str) -> None:
                             *a, n=lin.n, tiles=tiles, norm="plain" if lin.norm else None,
                             activation="silu" if lin.gated else None))
                         write(fn, args, os.path.join(out, f"gemv_{model}_{lin.name}_m{m}_{tiles.label()}.ttir"))
+        for model, (v, d) in HEADS.items():  # a tied head through the kernel: fp32 logits (Decoder.logits)
+            for m in (1, 8):
+                tiles = tiles_for(v, d)
+                fn = jax.jit(lambda *a, v=v, tiles=tiles: gemv(*a, n=v, tiles=tiles, out_dtype=jnp.float32))
+                write(fn, [sd((m, d), jnp.bfloat16), sd((v, d), jnp.bfloat16), sd((), jnp.int32)],
+                      os.path.join(out, f"gemv_{model}_head_m{m}_{tiles.label()}.ttir"))
+
+
+HEADS = {"qwen3-0.6b": (151936, 1024), "lfm2-1.2b": (65536, 2048), "gemma3-1b": (262144, 1152)}  # tied [V, D]
 
 
 def _registers(ptx: str, out_dir: str) -> str:

@@ -79,8 +79,9 @@ def weight_error(n: int, k: int, gated: bool = False) -> str | None:
 def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = None,
                 norm_weight: jax.Array | None = None, norm: str | None = None, eps: float = 1e-6,
                 activation: str | None = None, residual: jax.Array | None = None,
-                tiles: GemvTiles | None = None, interpret: bool | None = None) -> jax.Array:
-    """x [..., K] -> [..., N_out] by the kernel (module docstring). Raises ValueError naming what does not fit:
+                tiles: GemvTiles | None = None, interpret: bool | None = None, out_dtype=None) -> jax.Array:
+    """x [..., K] -> [..., N_out] by the kernel (module docstring); out_dtype float32 (a plain GEMV): the fp32
+    sums unrounded. Raises ValueError naming what does not fit:
     more than MAX_ROWS rows, a K that differs, a weight the tiles cannot cover, a layer index without a stack."""
     lead, k = x.shape[:-1], x.shape[-1]
     m = 1
@@ -104,7 +105,8 @@ def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = 
     if residual is not None:
         residual = residual.reshape(m, n_out)
     y = gemv(x.reshape(m, k), rows, jnp.asarray(layer, jnp.int32), norm_weight, residual, n=n, tiles=tiles,
-             norm=norm, eps=eps, activation=activation, interpret=(not on_gpu()) if interpret is None else interpret)
+             norm=norm, eps=eps, activation=activation, interpret=(not on_gpu()) if interpret is None else interpret,
+             out_dtype=out_dtype)
     return y.reshape(*lead, n_out)
 
 

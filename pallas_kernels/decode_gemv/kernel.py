@@ -6,7 +6,8 @@ stored TRANSPOSED, [N, K] with K contiguous (laid out once at load), one Pallas 
     loop over K in steps of bk: load the weight tile w [bn, bk] (contiguous rows: bn runs of bk values),
                           and for each of the M rows  acc_i [bn] += sum_k w * x_i[k]   (fp32 products and sums)
                           (tiles.deferred: acc_i [bn, bk] += w * x_i, summed over bk once after the loop)
-    epilogue: acc cast to x's dtype, then the optional gated product and residual add, stored
+    epilogue: acc cast to x's dtype, then the optional gated product and residual add, stored (out_dtype float32,
+              a plain GEMV only: the fp32 sums stored as they are, e.g. a tied LM head's logits)
 
 Why this shape. At M <= 8 the product is bound by the weight's bytes: every weight value is read once, by one
 program, and used M times from registers. The quant_matmul kernel's decode form reads W [K, N] in [kt, bn] tiles
@@ -109,7 +110,8 @@ def shape_error(n: int, k: int, gated: bool = False, tiles: GemvTiles = GemvTile
 
 
 def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: int, bk: int, n_k: int,
-                 norm: str | None, eps: float, activation: str | None, residual: bool, deferred: bool):
+                 norm: str | None, eps: float, activation: str | None, residual: bool, deferred: bool,
+                 round_output: bool = True):
     """One program: output columns [j bn, (j+1) bn) of the M rows (module docstring). n: the weight's rows per
     layer (its N); half: the up rows' offset in a gated weight (0: not gated)."""
     refs = list(refs)
@@ -164,7 +166,7 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: 
     out_cols = pl.ds(j * bn, bn)
     rd = lambda v: v.astype(dt).astype(f32)  # noqa: E731  one rounding to dt, as each of the decoder's ops
     for i in range(m):
-        y = rd(accs[i * per_row])                                       # the GEMV's output, in dt
+        y = rd(accs[i * per_row]) if round_output else accs[i * per_row]  # the GEMV's output, in dt (or fp32)
         if gated:
             act = _silu(y, rd) if activation == "silu" else _gelu_tanh(y, rd, dt)
             y = rd(act * rd(accs[i * per_row + 1]))
@@ -193,13 +195,14 @@ def _compiler_params(tiles: GemvTiles, interpret: bool):
     return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "tiles", "norm", "eps", "activation", "interpret"))
+@functools.partial(jax.jit, static_argnames=("n", "tiles", "norm", "eps", "activation", "interpret", "out_dtype"))
 def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | None = None,
          residual: jax.Array | None = None, *, n: int, tiles: GemvTiles, norm: str | None = None,
-         eps: float = 1e-6, activation: str | None = None, interpret: bool = False) -> jax.Array:
-    """y [M, N_out] in x's dtype. x [M, K] (M <= MAX_ROWS); w [R, K] holding layer `layer` ([1] int32) in rows
-    [layer n, (layer + 1) n) (R = n for one weight); norm_weight [K] with `norm`; residual [M, N_out];
-    activation: the weight is a joined [gate; up] (N_out = n / 2). tiles must fit (`fit`, `shape_error`)."""
+         eps: float = 1e-6, activation: str | None = None, interpret: bool = False, out_dtype=None) -> jax.Array:
+    """y [M, N_out] in x's dtype (out_dtype float32: the fp32 sums unrounded, no activation or residual). x [M, K]
+    (M <= MAX_ROWS); w [R, K] holding layer `layer` ([1] int32) in rows [layer n, (layer + 1) n) (R = n for one
+    weight); norm_weight [K] with `norm`; residual [M, N_out]; activation: the weight is a joined [gate; up]
+    (N_out = n / 2). tiles must fit (`fit`, `shape_error`)."""
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"decode GEMV: {m} rows, the kernel takes 1..{MAX_ROWS}")
@@ -212,6 +215,10 @@ def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | 
     if (norm is None) != (norm_weight is None):
         raise ValueError("decode GEMV: norm and norm_weight come together")
     gated = activation is not None
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if out_dtype != x.dtype and (out_dtype != jnp.float32 or gated or residual is not None):
+        raise ValueError(f"decode GEMV: out_dtype {out_dtype.name} for x in {jnp.dtype(x.dtype).name}: only float32, "
+                         "and only for a plain GEMV (no activation, no residual)")
     err = shape_error(n, k, gated, tiles)
     if err:
         raise ValueError(err)
@@ -223,13 +230,14 @@ def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | 
         raise ValueError(f"decode GEMV: residual {residual.shape}, expected {(m, n_out)}")
     kernel = functools.partial(_gemv_kernel, m=m, n=n, half=n_out if gated else 0, bn=bn, bk=bk, n_k=k // bk,
                                norm=norm, eps=float(eps), activation=activation, residual=residual is not None,
-                               deferred=deferred_for(tiles, m * (2 if gated else 1)))
+                               deferred=deferred_for(tiles, m * (2 if gated else 1)),
+                               round_output=out_dtype == x.dtype)
     args = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w]
     args += [norm_weight] if norm is not None else []
     args += [residual] if residual is not None else []
     name = "decode_gemv" + (f"_{norm}" if norm else "") + (f"_{activation}" if gated else "") + \
         ("_res" if residual is not None else "")
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n_out), x.dtype), grid=(n_out // bn,),
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype), grid=(n_out // bn,),
                           compiler_params=_compiler_params(tiles, interpret), interpret=interpret,
                           name=name)(*args)
 

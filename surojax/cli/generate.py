@@ -8,7 +8,8 @@ The options are checked before the model loads, every bad one with its own line 
 accepts). `--system` is a message of the chat template, so it needs `--chat` (without it the prompt is plain text
 and a system message has no place: refused, not ignored and not implied). `--image PATH` (repeatable, with --chat)
 puts images before the prompt in the user message, parsed as the server parses a chat request's image parts
-(serve/image_prompt.py).
+(serve/image_prompt.py); the vision tower runs in the prefill and the positions are M-RoPE's
+(generation/loop.py's `generate` with pixel_values / image_grid_thw).
 """
 from __future__ import annotations
 
@@ -98,13 +99,15 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model_ref(args.model, dtype=dtype, tokenizer_dir=args.tokenizer, keep_quantized=True)
     model, tokenizer = loaded.model, loaded.tokenizer
     decode_weights(model)
+    images = {}
     if args.images:
-        prompt = image_prompt(args, tokenizer, loaded.ref.tokenizer_dir)
-        # The integrator replaces this refusal: generate from prompt.ids with the vision encoder's features of
-        # prompt.pixel_values / prompt.image_grid_thw and the M-RoPE positions prompt.rope_positions / rope_delta.
-        raise UsageError(f"--image: the prompt was built ({len(prompt.ids)} tokens, {len(prompt.image_hashes)} "
-                         "images) but generation does not run the vision encoder yet")
-    if args.chat:
+        prompt = image_prompt(args, tokenizer, loaded.ref.tokenizer_dir)  # a text model: refused by name
+        if getattr(model, "visual", None) is None:
+            raise UsageError(f"--image: {args.model} has no vision tower (no model.visual.* tensors): it takes no "
+                             "images")
+        ids = prompt.ids
+        images = dict(pixel_values=[prompt.pixel_values], image_grid_thw=[prompt.image_grid_thw])
+    elif args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
               f"and the model's context is {context}]", file=sys.stderr)
     stops = () if args.ignore_eos else eos_ids(loaded.ref.tokenizer_dir, tokenizer, model.cfg)
     out = generate(model, [ids], max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop_ids=stops)[0]
+                   top_p=args.top_p, seed=args.seed, stop_ids=stops, **images)[0]
     dt = time.perf_counter() - t0
     text = tokenizer.decode([t for t in out if t not in stops], skip_special_tokens=True)
     print(text)

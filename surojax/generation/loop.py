@@ -26,6 +26,7 @@ from flax import nnx
 from surojax.generation.sampling import sample
 from surojax.models.decoder import Decoder, state_shape
 from surojax.models.kv import ATTENTION_STACK, Cache, HybridCache, KVCache, state_stack
+from surojax.models.vision.inputs import prepare_images
 
 
 def empty_cache(model: Decoder, batch: int, max_len: int, dtype) -> Cache:
@@ -42,27 +43,34 @@ def empty_cache(model: Decoder, batch: int, max_len: int, dtype) -> Cache:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill(graphdef, state, tokens, segment_ids, cache):
+def _prefill(graphdef, state, tokens, segment_ids, cache, images=None, rope_positions=None):
     model = nnx.merge(graphdef, state)
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, cache = model(tokens, positions, segment_ids, cache=cache)
+    logits, cache = model(tokens, positions, segment_ids, cache=cache, images=images, rope_positions=rope_positions)
     last = jnp.sum(segment_ids > 0, axis=1) - 1  # [B]
     return logits[jnp.arange(B), last], cache  # [B, V]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_k", "top_p", "min_p"))
-def _decode_one_token(graphdef, state, token, cache, key, temperature, top_k, top_p, min_p):
+def _decode_one_token(graphdef, state, token, cache, key, temperature, top_k, top_p, min_p, rope_deltas=None):
     model = nnx.merge(graphdef, state)
     positions = cache.lengths[:, None]  # [B, 1]: the next position of each row
-    logits, cache = model(token[:, None], positions, jnp.ones_like(token)[:, None], cache=cache)
+    rope = None  # after an image prompt: M-RoPE positions = position + delta on all three axes
+    if rope_deltas is not None:
+        rope = jnp.broadcast_to((positions + rope_deltas[:, None])[None], (3, *positions.shape))
+    logits, cache = model(token[:, None], positions, jnp.ones_like(token)[:, None], cache=cache, rope_positions=rope)
     return sample(logits[:, 0], key, temperature, top_k, top_p, min_p), cache
 
 
 def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
-             stop_ids: tuple[int, ...] = (), cache_dtype=None) -> list[list[int]]:
-    """New token ids for each prompt (a row stops after its first stop id, which is kept)."""
+             stop_ids: tuple[int, ...] = (), cache_dtype=None, pixel_values=None,
+             image_grid_thw=None) -> list[list[int]]:
+    """New token ids for each prompt (a row stops after its first stop id, which is kept). A vision-language
+    model: pixel_values / image_grid_thw, one entry per prompt ([P, patch_dim] / [n, 3], None for a text row),
+    the images of the prompt's expanded image tokens (`models.vision.inputs.prepare_images`): the tower runs in
+    the prefill, the prompt takes M-RoPE positions and each generated token index + rope_delta on all axes."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     B, T = len(prompts), max(len(p) for p in prompts)
@@ -73,7 +81,11 @@ def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, *, t
         segments[i, :len(p)] = 1
     graphdef, state = nnx.split(model)
     cache = empty_cache(model, B, T + max_new_tokens, cache_dtype or model.dtype)
-    logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(segments), cache)
+    images = rope = deltas = None
+    if pixel_values is not None:
+        batch = prepare_images(model.cfg, tokens, list(pixel_values), list(image_grid_thw), segment_ids=segments)
+        images, rope, deltas = batch.images, jnp.asarray(batch.rope_positions), jnp.asarray(batch.rope_deltas)
+    logits, cache = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(segments), cache, images, rope)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
     token = sample(logits, sub, temperature, top_k, top_p, min_p)
@@ -84,7 +96,8 @@ def generate(model: Decoder, prompts: list[list[int]], max_new_tokens: int, *, t
         if stop_ids and bool(done.all()):  # one host sync a step, only when stops are asked for
             break
         key, sub = jax.random.split(key)
-        token, cache = _decode_one_token(graphdef, state, token, cache, sub, temperature, top_k, top_p, min_p)
+        token, cache = _decode_one_token(graphdef, state, token, cache, sub, temperature, top_k, top_p, min_p,
+                                         deltas)
         done = done | jnp.isin(token, stops)
         out.append(token)
     ids = np.asarray(jnp.stack(out, axis=1))  # [B, max_new_tokens]

@@ -46,6 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.decode_gemv.api import choose, decode_gemv, weight_error
+from surojax.kernel_settings import kernel_settings
 from surojax.models.config import ModelConfig
 from surojax.models.kv import CONV_STACK, LINEAR_STACK, Cache, ConvShape, KVCache, StateShape, state_stack
 from surojax.models.layer_runner import HiddenStates, LayerPattern, LayerRunner, LayerScan, LayerType, on_device
@@ -269,6 +271,7 @@ class Decoder(nnx.Module):
                                   zero_centered=cfg.norm_zero_centered)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(D, V, param_dtype=param_dtype, rngs=rngs)
         self.runner: LayerRunner = LayerScan()  # static (graphdef); the layer-loop transform sets it
+        self.head_gemv = False  # static: a tied head through the decode GEMV at few rows (`logits`; serving sets it)
         # the vision tower (`model.visual.*`; the checkpoint loader sets it when the checkpoint holds one), and
         # whether gradients flow into it (static; False: frozen, its output under stop_gradient; the training glue
         # keeps its parameters out of the optimizer with `vision_filter`)
@@ -392,7 +395,19 @@ class Decoder(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """h [B, T, D] -> logits [B, T, V] in fp32 (accumulated in fp32 from compute-dtype operands); with
-        `cfg.final_logit_softcapping` c (Gemma 4) c * tanh(logits / c), as the losses read them."""
+        `cfg.final_logit_softcapping` c (Gemma 4) c * tanh(logits / c), as the losses read them.
+
+        A served model whose head is the tied embedding ([V, D]: already the decode GEMV's [N, K] layout) takes the
+        decode GEMV for calls of few rows once `head_gemv` is set (surojax.quant.laid_out.decode_weights, serving
+        only: the kernel has no gradient): the same fp32 sums of compute-dtype products, one pass over the
+        embedding's bytes (a small model's largest weight: Qwen3-0.6B's is 311 MB of its 1.2 GB)."""
+        if self.head_gemv and self.lm_head is None:
+            m = int(np.prod(h.shape[:-1]))
+            emb = self.embed.embedding[...]
+            if choose(m, kernel_settings().decode_gemv.value) == "pallas" and weight_error(*emb.shape) is None:
+                logits = decode_gemv(h, emb.astype(h.dtype), out_dtype=jnp.float32)
+                cap = self.cfg.final_logit_softcapping
+                return logits if cap is None else jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
         w = self.head_weight().astype(h.dtype)
         logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
         cap = self.cfg.final_logit_softcapping

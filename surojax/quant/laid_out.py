@@ -301,8 +301,9 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     """Make the model's weights what a decode step reads best, in place, once after loading (what `surojax
     serve` (build_server) and `surojax generate` run):
     - first, where SUROJAX_DECODE_GEMV resolves to the decode GEMV kernel (pallas_kernels.decode_gemv.api.converts),
-      the plain Linear kernels go transposed into GemvWeights for it (`transpose_for_gemv`); what follows then
-      takes only the quantised ones;
+      the plain Linear kernels go transposed into GemvWeights for it (`transpose_for_gemv`), and a tied head (the
+      embedding, already [V, D]) is marked for it (`Decoder.head_gemv`); what follows then takes only the
+      quantised ones;
     - the Linear kernels whose decode GEMVs take the fused kernel go into its layout: the layouts and sizes
       `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU those with a measured crossover
       DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more);
@@ -311,6 +312,10 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     Idempotent. -> {layout: kernels converted}."""
     settings = kernel_settings()
     done = transpose_for_gemv(model) if gemv_converts(settings.decode_gemv.value) else {}
+    if gemv_converts(settings.decode_gemv.value) and getattr(model, "lm_head", True) is None \
+            and hasattr(model, "head_gemv"):
+        model.head_gemv = True  # the tied head [V, D] is the kernel's layout as it is (Decoder.logits)
+        log.info("decode kernels: the tied LM head through the decode GEMV at few rows")
     layouts, min_values = decode_layouts(settings.quant_matmul.value)
     done.update(lay_out_model(model, layouts, min_values))
     if done:

@@ -217,10 +217,11 @@ def _params(state: ServerState, req, n_prompt: int, requested: int | None, logpr
         raise ApiError(400, str(e), param=e.param) from None
 
 
-def _submit(state: ServerState, ids, params, adapter, split=False) -> Stream:
-    """429 (queue full) or 503 (draining, engine gone), each with Retry-After, instead of a stream."""
+def _submit(state: ServerState, ids, params, adapter, split=False, images=None) -> Stream:
+    """429 (queue full) or 503 (draining, engine gone), each with Retry-After, instead of a stream. images: the
+    prompt's ImagePrompt (a chat request with image parts)."""
     try:
-        return state.engine.submit(ids, params, adapter=adapter, split_reasoning=split)
+        return state.engine.submit(ids, params, adapter=adapter, split_reasoning=split, images=images)
     except Refused as e:
         full = isinstance(e, QueueFullError)
         raise ApiError(429 if full else 503, str(e), "rate_limit_error" if full else "server_error",
@@ -233,7 +234,7 @@ async def _wait_disconnect(raw: Request) -> None:
         pass
 
 
-def _submit_n(state: ServerState, ids, params, adapter, n: int, split=False) -> list[Stream]:
+def _submit_n(state: ServerState, ids, params, adapter, n: int, split=False, images=None) -> list[Stream]:
     """n independent samples of one prompt: n engine requests (the later ones hit the first one's prefix blocks,
     published when it is scheduled); seeds seed, seed + 1, ... when the request gives one. All or none."""
     if n > 1 and n > state.engine.max_in_flight:  # could never all be in flight (n = 1: a full queue is a 429)
@@ -243,7 +244,7 @@ def _submit_n(state: ServerState, ids, params, adapter, n: int, split=False) -> 
     try:
         for j in range(n):
             p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + j)
-            streams.append(_submit(state, ids, p, adapter, split))
+            streams.append(_submit(state, ids, p, adapter, split, images))
     except ApiError:
         for s in streams:
             state.engine.abort(s)
@@ -378,28 +379,33 @@ def chat_image_prompt(state: ServerState, req: ChatCompletionRequest) -> ImagePr
 
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], ToolChoice]:
     """The request's messages (roles checked, content as text) and tools through the chat template -> (prompt ids,
-    checked against max-model-len and the vocabulary; the resolved tool choice). Messages with image parts are
-    parsed by chat_image_prompt, and refused with a 501 until the engine's prefill runs the vision encoder."""
+    checked against max-model-len and the vocabulary; the resolved tool choice). `chat_request_prompt` also
+    gives the images."""
+    ids, tools, _ = chat_request_prompt(state, req)
+    return ids, tools
+
+
+def chat_request_prompt(state: ServerState, req: ChatCompletionRequest
+                        ) -> tuple[list[int], ToolChoice, ImagePrompt | None]:
+    """`chat_prompt` and the request's images: messages with image parts are parsed by chat_image_prompt (ids with
+    the image tokens expanded; the ImagePrompt goes to the engine with them), others rendered as text."""
+    try:
+        tools = resolve_tool_choice(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
+    except ToolChoiceError as e:
+        raise ApiError(400, str(e), param=e.param) from None
     if messages_have_images(req.messages):
         image_prompt = chat_image_prompt(state, req)
         _check_prompt(state, image_prompt.ids, "messages")
-        # The engine integrator replaces this refusal: submit image_prompt (its pixel_values, image_grid_thw,
-        # rope_positions / rope_delta, and image_hashes for the prefix-cache keys) with the ids.
-        raise ApiError(501, "images were parsed but this server's engine does not run the vision encoder in the "
-                       "prefill yet", "server_error", param="messages")
+        return image_prompt.ids, tools, image_prompt
     messages = []
     for i, m in enumerate(req.messages):
         _check_role(m, i)
         m = dict(m)
         m["content"] = _message_text(m.get("content"))
         messages.append(m)
-    try:
-        tools = resolve_tool_choice(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
-    except ToolChoiceError as e:
-        raise ApiError(400, str(e), param=e.param) from None
     ids = _render_chat(state, messages, req.tools, req.chat_template_kwargs or {}, True)
     _check_prompt(state, ids, "messages")
-    return ids, tools
+    return ids, tools, None
 
 
 def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
@@ -409,13 +415,13 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
     if (req.model_extra or {}).get("prompt_logprobs") is not None:  # vLLM's extension: served on completions only
         raise ApiError(400, "prompt_logprobs is served on /v1/completions (prompt_logprobs, or echo with "
                        "logprobs), not on the chat endpoint", param="prompt_logprobs")
-    ids, tools = chat_prompt(state, req)
+    ids, tools, images = chat_request_prompt(state, req)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     params = _params(state, req, len(ids), req.requested_max_tokens(), req.logprobs, top, tools)
     split = state.thinking
-    return ChatRun(ids, _submit_n(state, ids, params, adapter, req.n, split), tools, split)
+    return ChatRun(ids, _submit_n(state, ids, params, adapter, req.n, split, images), tools, split)
 
 
 @dataclass(frozen=True)

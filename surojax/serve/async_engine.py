@@ -154,7 +154,7 @@ class AsyncEngine:
 
     # ---- event-loop side --------------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params, *, adapter: str | None = None,
-               split_reasoning: bool = False) -> Stream:
+               split_reasoning: bool = False, images=None) -> Stream:
         if not self.alive:
             raise EngineDeadError("the engine thread is not running", self.retry_after_s())
         if self._draining:
@@ -169,7 +169,7 @@ class AsyncEngine:
             self._in_flight += 1
         stream = Stream(f"req-{next(self._ids)}", asyncio.get_running_loop(), num_prompt_tokens=len(prompt_ids),
                         owner=self)
-        self._command("add", stream, (prompt_ids, params, adapter, split_reasoning))
+        self._command("add", stream, (prompt_ids, params, adapter, split_reasoning, images))
         return stream
 
     def abort(self, stream: Stream) -> None:
@@ -196,10 +196,10 @@ class AsyncEngine:
     def _handle(self, kind, stream, payload) -> None:
         eng = self.engine
         if kind == "add":
-            prompt_ids, params, adapter, split = payload
+            prompt_ids, params, adapter, split, images = payload
             try:
                 eng.add_request(prompt_ids, params, request_id=stream.request_id, adapter=adapter,
-                                split_reasoning=split)
+                                split_reasoning=split, images=images)
             except Exception as e:  # validated by the HTTP layer first; this is the last line
                 self._held.append(("fail", stream, e))
                 return

@@ -49,6 +49,12 @@ works (the verify step replays each row's state to its last accepted token: `kv_
 hybrid draft model is refused (`HybridServingError`: `state_slots.SPECULATIVE_REFUSED`: its drafted states would
 need the same); so are runtime LoRA slots (`peft.multi_lora`) and an FP8 KV pool.
 
+Images (a vision-language model: ``add_request(ids, ..., images=ImagePrompt)``, `serve.request_images`): the
+vision tower runs in the prefill call of each chunk that holds an image's tokens, the prompt takes its M-RoPE
+positions and every later token index + rope_delta on all three axes; the prefix cache keys the blocks that hold
+image tokens by the images' content hashes. Multi-step decode and LoRA adapters serve image requests as any
+other; speculative decoding does not propose for them (they decode one token a step beside speculating rows).
+
 Sleep mode (`serve.sleep`, vLLM's level 1): ``sleep()`` (refused with requests in flight) moves the weights of
 every runner to host memory, deletes their device buffers and the KV pools, and drops the prefix cache;
 ``wake_up()`` puts them back. ``add_request`` and the LoRA calls wake a sleeping engine first, so a request
@@ -76,6 +82,7 @@ from surojax.serve.guided import GrammarError, GrammarMatcher, GrammarVocab
 from surojax.serve.draft import DraftRunner
 from surojax.serve.kv_cache import KVCacheManager
 from surojax.serve.prompt_logprobs import PromptScores
+from surojax.serve.request_images import RequestImages
 from surojax.serve.runner import PagedRunner, StepResult
 from surojax.serve.scheduler import Request, RequestOutput, RequestStatus, ScheduledRequest, Scheduler
 from surojax.serve import sleep as sleep_mode
@@ -198,9 +205,10 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | int | None = None,
                     stop_token_ids=None, *, request_id: str | None = None, adapter: str | None = None,
-                    split_reasoning: bool = False, **sampling) -> str:
+                    split_reasoning: bool = False, images=None, **sampling) -> str:
         """Queue a request -> its id. ``params`` (or keyword arguments building one; the old positional form
-        ``add_request(ids, max_tokens, stop_token_ids, temperature=...)`` also works)."""
+        ``add_request(ids, max_tokens, stop_token_ids, temperature=...)`` also works). images: the
+        `image_prompt.ImagePrompt` whose ``ids`` are ``prompt_ids`` (a vision-language model only)."""
         if not isinstance(params, SamplingParams):
             if params is not None:
                 sampling["max_tokens"] = params
@@ -223,12 +231,14 @@ class Engine:
             matcher = self.grammar_vocab.matcher(params.grammar, params.stop_token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         prompt_ids = [int(t) for t in prompt_ids]
+        request_images = self._images(prompt_ids, images) if images is not None else None
         if self._slept is not None:  # a request for a sleeping engine waits for its weights to come back
             self.wake_up()
         self.scheduler.add_request(Request(rid, prompt_ids, max_tokens=params.max_tokens,
                                            stop_token_ids=frozenset(params.stop_token_ids),
                                            sampling_params=params, adapter=adapter, single_step=matcher is not None,
-                                           skip_prefix_cache=params.prompt_logprobs is not None))
+                                           skip_prefix_cache=params.prompt_logprobs is not None,
+                                           images=request_images))
         if params.prompt_logprobs is not None:
             self._prompt_scores[rid] = PromptScores(len(prompt_ids))
         if matcher is not None:
@@ -238,6 +248,19 @@ class Engine:
                                           stop_token_ids=params.stop_token_ids,
                                           think_ids=self.think_ids() if split_reasoning else None)
         return rid
+
+    def _images(self, prompt_ids: list[int], prompt) -> RequestImages:
+        """A request's `ImagePrompt` -> its `RequestImages`, checked against the prompt and the model."""
+        vision = self.runner.vision
+        if vision is None:
+            raise ValueError(f"{self.model.cfg.model_type}: this model has no vision tower: it takes no images")
+        if list(prompt.ids) != prompt_ids:
+            raise ValueError("images: the ImagePrompt's ids are not the request's prompt ids")
+        width = np.asarray(prompt.pixel_values).shape[-1]
+        if width != vision.vision.patch_dim:
+            raise ValueError(f"images: pixel rows of {width} values; the vision tower takes {vision.vision.patch_dim} "
+                             "(channels x temporal_patch_size x patch_size^2)")
+        return RequestImages.from_prompt(prompt, len(prompt_ids))
 
     def think_ids(self) -> tuple[int, int] | None:
         """(<think>, </think>) token ids when the tokenizer has both."""
@@ -265,9 +288,9 @@ class Engine:
 
     # ---- speculation ------------------------------------------------------------------------------------------
     def _speculative_tokens(self, req: Request) -> int:
-        """K for requests the verify step can serve (no penalties, no logprobs), else 0."""
+        """K for requests the verify step can serve (no penalties, no logprobs, no images), else 0."""
         sp = req.sampling_params
-        ok = not isinstance(sp, SamplingParams) or speculation_allowed(sp)
+        ok = (not isinstance(sp, SamplingParams) or speculation_allowed(sp)) and req.images is None
         return self.config.speculative.num_tokens if ok else 0
 
     def _speculate(self, group: list[ScheduledRequest]) -> StepResult:

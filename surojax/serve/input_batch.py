@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from surojax.generation.sampling import BatchMode
@@ -50,6 +51,10 @@ class InputBatch:
 
     A step call with a row that scores its prompt (``BatchMode.prompt_logprobs``) also reads ``prompt_targets``
     [R, T] (the prompt token after each position, -1 where none is scored: `serve.prompt_logprobs`).
+
+    A vision-language model's calls with image rows (`serve.request_images`) also read: step, ``images`` (the
+    tower's input: the images with tokens in the rows' chunks; None when no chunk holds one) and
+    ``rope_positions`` [3, R, T]; multi-step, ``rope_delta`` [R]. None (the 1-D rope) without image rows.
 
     A hybrid model's step / multi-step calls also read ``state_slots`` [R] (each row's slot in the runner's
     state pool, `serve.state_slots`; out of range on padding rows); None (no leaves) otherwise.
@@ -78,6 +83,9 @@ class InputBatch:
     write_slots: Array | None = None
     state_slots: Array | None = None
     prompt_targets: Array | None = None
+    images: Any = None  # models.vision.inputs.ImageInputs of a step call's image tokens (`serve.request_images`)
+    rope_positions: Array | None = None  # [3, R, T] M-RoPE positions of a step call with image rows
+    rope_delta: Array | None = None  # [R] multi-step decode: M-RoPE position = 1-D position + delta (image rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +127,17 @@ class StepSettings:
         return found
 
 
-def run_decoder(model, tokens, positions, segment_ids, cache, settings: StepSettings):
+def run_decoder(model, tokens, positions, segment_ids, cache, settings: StepSettings, *, images=None,
+                rope_positions=None, rope_delta=None):
     """The decoder over a serving cache -> (h, cache). A paged cache always rides in the layer scan's carry;
-    a dense view does where ``settings.kv_in_place``."""
+    a dense view does where ``settings.kv_in_place``. images / rope_positions [3, R, T]: a vision-language step
+    (`Decoder.hidden_states`); rope_delta [R]: M-RoPE positions = positions + delta on all three axes (decode
+    after an image prompt)."""
     runner = LayerScan(unroll=settings.unroll, carry_cache=settings.kv_in_place)
-    h, cache, _ = model.hidden_states(tokens, positions, segment_ids, cache=cache, runner=runner)
+    if rope_delta is not None:
+        rope_positions = jnp.broadcast_to((positions + rope_delta[:, None])[None], (3, *positions.shape))
+    h, cache, _ = model.hidden_states(tokens, positions, segment_ids, cache=cache, runner=runner, images=images,
+                                      rope_positions=rope_positions)
     return h, cache
 
 

@@ -6,8 +6,9 @@ Architecture choices (after vLLM v1's ``kv_cache_manager.py`` / ``block_pool.py`
   does the bookkeeping: which block ids a sequence owns (its *block table*, in token order) and which blocks are
   free. The jitted runner turns the block table into slot indices ``block_table[t // bs] * bs + t % bs``.
 * Prefix caching: every FULL block of a sequence gets a hash that chains the parent block's hash with the block's
-  token ids and an ``extra_key`` (the LoRA adapter name), so a different prefix or a different adapter never
-  shares KV. A new sequence whose tokens start with cached full blocks takes them (ref-counted; a cached block is
+  token ids and an ``extra_key`` (the LoRA adapter name; for a block holding image tokens also the images'
+  content hashes: ``block_cache_key`` of a sequence that has one), so a different prefix, a different adapter or
+  other pixels behind the same image tokens never share KV. A new sequence whose tokens start with cached full blocks takes them (ref-counted; a cached block is
   never written again) and only computes the rest.
 * Freed blocks go to an LRU free queue but keep their hash, so they can still be hit until the pool runs out and
   they are evicted (least recently freed first; blocks without a hash are handed out before cached ones).
@@ -108,8 +109,10 @@ class KVCacheManager:
         hashes = list(start)
         toks = seq.all_token_ids
         bs = self.block_size
+        key = getattr(seq, "block_cache_key", None)  # per block (images); else the sequence's key
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, toks[i * bs:(i + 1) * bs], seq.cache_key))
+            extra = key(i * bs, (i + 1) * bs) if key is not None else seq.cache_key
+            hashes.append(hash_block(hashes[-1] if hashes else None, toks[i * bs:(i + 1) * bs], extra))
         return hashes
 
     def get_computed_blocks(self, seq: Sequence_) -> tuple[list[KVBlock], int]:

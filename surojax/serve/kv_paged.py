@@ -52,7 +52,8 @@ def paged_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: Ste
     if settings.lora:
         set_adapter_rows(model, batch.adapter_rows)
     cache = with_state_rows(_cache(k_pool, v_pool, batch.block_table, batch.start, settings), state_pool, batch, model)
-    h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings)
+    h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings,
+                           images=batch.images, rope_positions=batch.rope_positions)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
     return pools_and(cache.k, cache.v, state_pool, step_outputs(model, h, batch, settings.mode))
 

@@ -80,7 +80,8 @@ def reference_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings:
     ks, vs = _scales(settings.scales)
     cache = with_state_rows(_dense_cache(model, k_pool, v_pool, batch.ctx_slots, ctx_len, ks, vs), state_pool, batch,
                             model)
-    h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings)
+    h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings,
+                           images=batch.images, rope_positions=batch.rope_positions)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
     idx = jnp.arange(R)
     view = ctx_len[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [R, T] where the model wrote them
@@ -113,8 +114,9 @@ def reference_multi_step_decode(graphdef, state, k_pool, v_pool, batch: InputBat
 
     def forward(cache, tok, pos, done):  # done rows ride along; their view writes are never scattered back
         if state_pool is not None:  # ... but a done row's token must not advance its linear layers' state
-            return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings)
-        return run_decoder(model, tok, pos, ones, cache, settings)
+            return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings,
+                               rope_delta=batch.rope_delta)
+        return run_decoder(model, tok, pos, ones, cache, settings, rope_delta=batch.rope_delta)
 
     cache, result = decode_loop(model, forward, cache, batch, settings.mode, K)
     cache, state_pool = split_state_rows(cache, state_pool, batch)

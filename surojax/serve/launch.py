@@ -65,16 +65,22 @@ def load_draft(config: ServeConfig):
                           keep_quantized=True).model
 
 
-def served_vision(model_dir) -> VisionData | TextOnly:
+def served_vision(model_dir, has_tower: bool = True) -> VisionData | TextOnly:
     """The images the served model takes (vision_data.model_vision of its folder). A vision model whose folder
-    cannot take images (no preprocessor_config.json ...) is served for text, and image requests get the reason."""
+    cannot take images (no preprocessor_config.json ...) or whose loaded model has no vision tower (has_tower
+    False: no model.visual.* tensors) is served for text, and image requests get the reason."""
     if model_dir is None:
         return TextOnly("the served model's folder is not known (a model object was given)")
     try:
-        return model_vision(model_dir)
+        vision = model_vision(model_dir)
     except DataError as e:
         log.warning("image requests will be refused: %s", e)
         return TextOnly(str(e))
+    if isinstance(vision, VisionData) and not has_tower:
+        reason = "the served model has no vision tower (its checkpoint holds no model.visual.* tensors)"
+        log.warning("image requests will be refused: %s", reason)
+        return TextOnly(reason)
+    return vision
 
 
 def build_server(config: ServeConfig, model=None, tokenizer=None):
@@ -120,7 +126,8 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
                         model_name=name, max_model_len=engine.max_model_len,
                         eos_ids=eos_ids(model_dir, tokenizer, model.cfg), api_key=config.api_key,
                         model_path=str(config.model), lora_root=lora_root,
-                        max_request_bytes=config.max_request_bytes, vision=served_vision(model_dir),
+                        max_request_bytes=config.max_request_bytes,
+                        vision=served_vision(model_dir, engine.runner.vision is not None),
                         allow_remote_images=config.allow_remote_images)
     return build_app(state), state
 

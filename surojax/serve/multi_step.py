@@ -46,7 +46,7 @@ def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, 
     PALLAS: equal up to float rounding).
 
     batch: tokens / start / limit / adapter_rows [R], stop_ids [R, M], sampling, block_table; K =
-    settings.num_steps. A hybrid model: ``state_pool`` and ``batch.state_slots`` (`serve.state_slots`): the rows'
+    settings.num_steps; rope_delta [R] or None (image rows: M-RoPE positions = position + delta). A hybrid model: ``state_pool`` and ``batch.state_slots`` (`serve.state_slots`): the rows'
     states ride in the loop's carry (a stopped row's padding token leaves its state unchanged) and are written
     back once. -> (k_pool, v_pool, [state_pool,] result)."""
     model = nnx.merge(graphdef, state)
@@ -57,7 +57,8 @@ def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, 
     cache = with_state_rows(cache, state_pool, batch, model)
 
     def forward(cache, tok, pos, done):
-        return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings)
+        return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings,
+                           rope_delta=batch.rope_delta)
 
     cache, result = decode_loop(model, forward, cache, batch, settings.mode, settings.num_steps)
     cache, state_pool = split_state_rows(cache, state_pool, batch)

@@ -28,12 +28,17 @@ attention layers only, and the runner also owns ``state_pool``, each running seq
 the slot the scheduler gave it (``ScheduledRequest.state_slot`` -> ``InputBatch.state_slots``); the step and
 multi-step calls take it (``state_pool=``, donated) and return it after the KV pools.
 
+A vision-language model (`Decoder.visual`): rows of requests with images (`serve.request_images`) get the vision
+tower in their prefill call (every image with tokens in the chunk, its merged rows scattered into the chunk's
+image tokens) and M-RoPE positions (prompt: the request's; later tokens: index + rope_delta on all three axes);
+a call without image rows runs as for a text model.
+
 Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size; a
 prefill's R too with ``RunnerBuckets.fine_prefill_rows``) so the number of compilations stays logarithmic. Decode
 rows (1 new token) and prefill rows run in separate calls so that one long prefill chunk does not pad every decode
-row to its length. A paged prefill call whose rows all
-start at 0 (new prompts, no prefix hit) is ``fresh`` (`StepSettings.fresh`): attention over the call's own
-tokens, nothing gathered from the pool (`PagedKVCache`); one more compiled variant per prefill shape.
+row to its length. A paged prefill call whose rows all start at 0 (new prompts, no prefix hit) is ``fresh``
+(`StepSettings.fresh`): attention over the call's own tokens, nothing gathered from the pool (`PagedKVCache`); one
+more compiled variant per prefill shape.
 
 Same-step prefix hits: the block manager publishes a block's hash when it is allocated, before its KV is
 written. A request admitted in the same step can hit a block another request writes in this very step; a layer
@@ -58,6 +63,7 @@ from pallas_kernels.paged_decode import prepare as prepare_paged_decode
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams
 from surojax.models.decoder import Decoder
 from surojax.models.kv import PagedKernel, StateCache
+from surojax.models.vision.inputs import VisionTokens
 from surojax.peft.multi_lora import multi_lora_modules
 from surojax.serve.config import KVPath, RunnerBuckets
 from surojax.serve.input_batch import InputBatch, KVAccess, StepSettings
@@ -65,6 +71,7 @@ from surojax.serve.kv_fp8 import KVScales, check_pool_dtype, is_fp8, kv_scales
 from surojax.serve.kv_paged import PagedAccess, paged_step, verify_step
 from surojax.serve.kv_reference import ReferenceAccess
 from surojax.serve.prompt_logprobs import PromptLogprob, prompt_targets, read_rows, target_rows
+from surojax.serve.request_images import chunk_images, group_rope_delta, group_rope_positions
 from surojax.serve.scheduler import ScheduledRequest
 from surojax.serve.speculative import sampling_arrays
 from surojax.serve.state_slots import attention_layers, is_hybrid, state_pool
@@ -183,6 +190,8 @@ class PagedRunner:
                 raise ValueError("PagedRunner: an FP8 KV pool is not supported on a model with LoRA slots (the "
                                  "scales are bounded from the base weights, which an adapter changes)")
             self.kv_scales = kv_scales(model)
+        # a vision-language model's image tokens and tower shape (None: a text model, or no tower loaded)
+        self.vision = VisionTokens.from_config(cfg) if getattr(model, "visual", None) is not None else None
         self.access: KVAccess = kv_access(kv_path, block_size, self.num_slots)  # the KV path, chosen once
         self.settings = StepSettings(  # fields a path does not read keep their defaults: one compile, not two
             block_size=block_size, lora=self.lora, unroll=True if unroll_layers else 1, kernel=self.kernel,
@@ -356,12 +365,16 @@ class PagedRunner:
             if self.lora:
                 adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S, bitmasks)
+        images = rope_positions = None
+        if self.vision is not None:  # a vision-language model: image rows (`serve.request_images`)
+            images = chunk_images(group, R, T, self.vision)
+            rope_positions = group_rope_positions(group, R, T, positions)
         prompt_targets = target_rows(targets, R, T)
         if prompt_targets is not None:
             mode = dataclasses.replace(mode, prompt_logprobs=True)
         batch = InputBatch(tokens=tokens, start=ctx_len, sampling=rows, positions=positions, segment_ids=segments,
                            last_idx=last, adapter_rows=adapters, prompt_targets=prompt_targets,
-                           **self._state_slots(group, R),
+                           images=images, rope_positions=rope_positions, **self._state_slots(group, R),
                            **self._address(group, R, S, [s.num_new_tokens for s in group], T))
         # a prefill of rows with nothing cached (new prompts, no prefix hit) reads nothing back from the pool
         fresh = self.paged and not decode and not ctx_len.any()
@@ -388,6 +401,7 @@ class PagedRunner:
         rows, mode = self._sampling_rows(group, R, S)
         batch = InputBatch(tokens=tokens, start=start, sampling=rows, limit=limit, stop_ids=stop,
                            adapter_rows=adapters, **self._state_slots(group, R),
+                           rope_delta=group_rope_delta(group, R) if self.vision is not None else None,
                            **self._address(group, R, S, [s.num_steps for s in group], K))
         self.num_multi_calls += 1
         return self._device_call(self.access.multi_step, batch, self.settings.for_call(mode, K))[0]

@@ -72,6 +72,7 @@ class Request:
     adapter: str | None = None  # LoRA adapter name; None = base model
     single_step: bool = False  # the host decides each token's mask (a grammar): never in a multi-step decode
     skip_prefix_cache: bool = False  # computes every prompt token (prompt logprobs: a cached block has no logits)
+    images: Any = None  # a vision-language prompt's `request_images.RequestImages` (None: text only)
     arrival: int = field(default_factory=lambda: next(_arrival))
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -90,6 +91,13 @@ class Request:
     @property
     def cache_key(self) -> Hashable:
         return self.adapter
+
+    def block_cache_key(self, first: int, stop: int) -> Hashable:
+        """The prefix-cache key of the block of tokens first .. stop - 1: `cache_key`, with the content hashes of
+        the images whose tokens the block holds (`RequestImages.block_key`; a block without image tokens keeps
+        the text key)."""
+        hashes = self.images.block_key(first, stop) if self.images is not None else ()
+        return (self.adapter, hashes) if hashes else self.adapter
 
 
 @dataclass

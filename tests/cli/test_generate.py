@@ -322,3 +322,16 @@ def test_image_flags_are_checked_and_a_text_model_refuses_them(capsys, tmp_path)
     rc, out, err = run_generate(capsys, "--model", str(QWEN3), "--prompt", "What?", "--chat", "--image", image)
     assert rc == 1 and out == ""
     assert "--image: the request has images but" in err and "is a text model (model_type 'qwen3'" in err
+
+
+def test_image_generation_equals_transformers_greedy(capsys):
+    """`generate --chat --image` on the tiny Qwen3-VL fixture: the prompt ids and 8 greedy tokens equal
+    transformers' processor + generate (tests/fixtures/models/qwen3_vl_chat/expected.json)."""
+    folder = ROOT / "tests" / "fixtures" / "models" / "qwen3_vl_chat"
+    exp = json.loads((folder / "expected.json").read_text())["a"]
+    image = ROOT / "tests" / "fixtures" / "vision_chat" / exp["image"]
+    rc, out, err = run_generate(capsys, "--model", str(folder), "--chat", "--prompt", "What is in it?", "--image",
+                                str(image), "--max-new-tokens", "8", "--ignore-eos", "--show-ids")
+    assert rc == 0, err
+    got = shown_ids(out)
+    assert got["prompt_ids"] == exp["input_ids"] and got["new_ids"] == exp["new_ids"]

@@ -9,6 +9,7 @@ from flax import nnx
 
 from surojax.generation.sampling import SamplingParams
 from surojax.kernel_settings import use_kernel_settings
+import surojax.models.decoder as decoder_module
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.quant import gemv_weight
@@ -69,3 +70,29 @@ def test_served_greedy_tokens_through_the_decode_gemv_equal_xla(monkeypatch):
     assert {c[1:] for c in calls} == {((128, 64), "plain", None, False), ((64, 64), None, None, True),
                                       ((256, 64), "plain", "silu", False), ((64, 128), None, None, True)}
     assert all(int(np.prod(x[:-1])) <= 8 for x, *_ in calls)
+
+
+def test_tied_head_through_the_decode_gemv_gives_the_fp32_logits(monkeypatch):
+    """A tied head (the embedding, [V, D]: the kernel's layout as it is) takes the decode GEMV at few rows once
+    `decode_weights` marks the model (pallas mode, interpret here), the sums left in fp32: the logits equal the
+    einsum's; more rows (a prefill) keep the einsum; an untied head is left alone."""
+    cfg = ModelConfig.from_hf(dict(HF, tie_word_embeddings=True))
+    plain = Decoder(cfg, rngs=nnx.Rngs(params=1))
+    h = jax.random.normal(jax.random.key(0), (3, 1, 64), jnp.float32)
+    want = np.asarray(plain.logits(h))
+    with use_kernel_settings(decode_gemv="pallas"):
+        decode_weights(plain, join_projections=False)
+        assert plain.head_gemv
+        calls = []
+        real = decoder_module.decode_gemv
+        monkeypatch.setattr(decoder_module, "decode_gemv",
+                            lambda x, w, **kw: calls.append((x.shape, w.shape, kw)) or real(x, w, **kw))
+        got = np.asarray(plain.logits(h))
+        prefill = np.asarray(plain.logits(jax.random.normal(jax.random.key(1), (2, 5, 64), jnp.float32)))
+    assert [c[:2] for c in calls] == [((3, 1, 64), (128, 64))] and calls[0][2]["out_dtype"] == jnp.float32
+    assert got.dtype == np.float32 and prefill.shape == (2, 5, 128)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+    untied = Decoder(ModelConfig.from_hf(dict(HF, tie_word_embeddings=False)), rngs=nnx.Rngs(params=2))
+    with use_kernel_settings(decode_gemv="pallas"):
+        decode_weights(untied, join_projections=False)
+    assert not untied.head_gemv

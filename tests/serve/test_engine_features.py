@@ -197,6 +197,27 @@ def test_multi_lora_rows_equal_merged_models(model, tmp_path):
         eng.add_request(ps[0], SamplingParams(max_tokens=2), adapter="a")
 
 
+def test_multi_lora_rows_through_the_decode_gemv(model, tmp_path):
+    """`surojax serve` lays the base out for the decode GEMV (auto on a GPU) before the LoRA slots wrap it: a
+    request with an adapter decodes the merged model's greedy tokens through the kernel (interpret mode here)."""
+    from surojax.kernel_settings import use_kernel_settings
+    from surojax.quant.laid_out import decode_weights
+
+    merged = random_adapter(model, tmp_path / "a", 1, 4)
+    prompt = np.random.default_rng(5).integers(1, 500, size=9).tolist()
+    want = generate(merged, [prompt], 6)[0]
+    served = nnx.clone(model)
+    with use_kernel_settings(decode_gemv="pallas"):
+        assert decode_weights(served, join_projections=False)  # the plain kernels laid out [N, K]
+        eng = engine(served, lora=AdapterSlots(served, max_loras=1, max_rank=4))
+        eng.load_lora("a", tmp_path / "a")
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=6), adapter="a")
+        out = []
+        while eng.has_unfinished():
+            out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+    assert out == want
+
+
 def test_reasoning_split_and_streamed_stop_holdback(tok):
     from surojax.serve.detokenize import RequestText
 
