@@ -88,7 +88,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import gzip
 import json
 import os
 import shutil
@@ -117,6 +116,7 @@ from surojax.serve.scheduler import Request, ScheduledRequest  # noqa: E402
 from hlo_attribution import instruction_sources, kernel_source  # noqa: E402  (benchmarks/ is sys.path[0])
 from kernel_categories import category as name_category  # noqa: E402
 from trace_intervals import union  # noqa: E402
+from trace_summary import gpu_kernels, trace_file  # noqa: E402
 
 DEFAULT_CASES = "1x512,16x512,16x512&1x64,64x128,1x8192,16x256+256"
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}  # dense, by device_kind
@@ -283,22 +283,12 @@ def kernel_category(event: dict, sources) -> str:
     return cat
 
 
-def load_trace(trace_dir: Path):
-    files = glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True)
-    if not files:
-        return None, None
-    with gzip.open(files[0], "rt") as f:
-        trace = json.load(f)
-    return (trace["traceEvents"] if isinstance(trace, dict) else trace), files[0]
-
-
-def device_events(events) -> list[dict]:
-    """The GPU's kernel and copy events; on a CPU (the smoke run) the XLA ops of the host's compute threads."""
-    pids = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-            if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {p for p, n in pids.items() if "GPU" in n.upper()}
-    if gpu:
-        return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
+def device_events(path: str) -> list[dict]:
+    """The GPU's kernel and copy events of a trace file (`trace_summary.gpu_kernels`); on a CPU (the smoke run) the
+    XLA ops of the host's compute threads (loops and calls left out: they contain the others)."""
+    kernels, events, gpu_pids = gpu_kernels(path)
+    if gpu_pids:
+        return kernels
     return [e for e in events if e.get("ph") == "X" and "dur" in e and isinstance(e.get("args"), dict)
             and "hlo_op" in e["args"] and not e["name"].startswith(("while", "conditional", "call"))]
 
@@ -313,11 +303,11 @@ def profile_case(label: str, fn, calls: int, out_dir: Path, hlo_text: str | None
             out = fn()
         jax.block_until_ready(out)
         wall = time.perf_counter() - t0
-    events, path = load_trace(trace_dir)
-    if events is None:
+    path = trace_file(trace_dir)
+    if path is None:
         print(f"# profile {label}: no trace written under {trace_dir}", flush=True)
         return {}
-    kernels = device_events(events)
+    kernels = device_events(path)
     sources = instruction_sources(hlo_text) if hlo_text else {}
     by_cat, other, srcs = collections.Counter(), collections.Counter(), collections.Counter()
     attributed = 0.0
