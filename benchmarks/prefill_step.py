@@ -13,8 +13,9 @@ q / k / v and gate / up joined), on a `PagedRunner` with the server's defaults (
 RunnerBuckets() unless --min-context), its pool filled with random values and the rows' blocks scattered over
 it (a random permutation: as after real traffic). Timed per case, best of --repeats:
 
-  call     the jitted call alone (``runner.access.step``, `kv_paged.paged_step`) on the batch the runner built
-           (host numpy arrays: their host-to-device copy is part of it, as in the server)
+  call     the step's jitted calls alone (``runner.access.step``, `kv_paged.paged_step`; new prompts and
+           continuing chunks are separate calls, runner.py `_call_groups`) on the batches the runner built (host
+           numpy arrays: their host-to-device copy is part of it, as in the server)
   execute  ``runner.execute(group)``: the runner's host work (padding to buckets, sampling rows, waves) + the
            call + reading the sampled ids back: what one engine step pays beyond the scheduler
 
@@ -293,8 +294,9 @@ def device_events(path: str) -> list[dict]:
             and "hlo_op" in e["args"] and not e["name"].startswith(("while", "conditional", "call"))]
 
 
-def profile_case(label: str, fn, calls: int, out_dir: Path, hlo_text: str | None) -> dict:
-    """Trace `calls` calls of fn; -> per-call ms by category, kernels per call, wall vs kernel-union ms."""
+def profile_case(label: str, fn, calls: int, out_dir: Path, programs: list[dict]) -> dict:
+    """Trace `calls` calls of fn; -> per-call ms by category, kernels per call, wall vs kernel-union ms. programs:
+    the instruction_sources of the compiled programs fn may run (`dumped_sources`)."""
     trace_dir = Path(tempfile.mkdtemp(prefix="surojax-prefill-trace-"))
     jax.block_until_ready(fn())
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
@@ -308,11 +310,12 @@ def profile_case(label: str, fn, calls: int, out_dir: Path, hlo_text: str | None
         print(f"# profile {label}: no trace written under {trace_dir}", flush=True)
         return {}
     kernels = device_events(path)
-    sources = instruction_sources(hlo_text) if hlo_text else {}
+    run_sources = sources_by_run(kernels, programs)
     by_cat, other, srcs = collections.Counter(), collections.Counter(), collections.Counter()
     attributed = 0.0
     for e in kernels:
         d = float(e["dur"]) / calls
+        sources = run_sources.get((e.get("args") or {}).get("run_id"), {})
         cat = kernel_category(e, sources)
         by_cat[cat] += d
         src = kernel_source(e, sources) if sources else None
@@ -343,14 +346,34 @@ def profile_case(label: str, fn, calls: int, out_dir: Path, hlo_text: str | None
     return prof
 
 
-def newest_dump(dump_dir: str | None, seen: set[str]) -> str | None:
-    """The optimized HLO of the paged_step compiled since `seen` (the dump files listed before), as text."""
+_DUMPS: dict[str, dict[str, tuple[str, str]]] = {}  # optimized-HLO dump file -> its instruction_sources
+
+
+def dumped_sources(dump_dir: str | None) -> list[dict[str, tuple[str, str]]]:
+    """instruction_sources of every paged_step program compiled so far (each dump file parsed once)."""
     if dump_dir is None:
-        return None
-    files = [f for f in glob.glob(f"{dump_dir}/*after_optimizations.txt") if "paged_step" in f and f not in seen]
-    if not files:
-        return None
-    return Path(max(files, key=os.path.getsize)).read_text()
+        return []
+    for f in glob.glob(f"{dump_dir}/*paged_step*after_optimizations.txt"):
+        if f not in _DUMPS:
+            _DUMPS[f] = instruction_sources(Path(f).read_text())
+    return list(_DUMPS.values())
+
+
+def event_op(event: dict) -> str:
+    args = event.get("args", {}) or {}
+    op = args.get("hlo_op")
+    return op.split(":")[0].strip().lstrip("%") if isinstance(op, str) else event.get("name", "")
+
+
+def sources_by_run(kernels: list[dict], programs: list[dict]) -> dict:
+    """run id (one execution of one program: the trace's ``run_id``; all events one group without it) -> the
+    instruction_sources of the compiled program whose instruction names cover most of that run's kernels (a step
+    of several calls runs several programs, whose instruction names overlap)."""
+    runs: dict = collections.defaultdict(set)
+    for e in kernels:
+        runs[(e.get("args") or {}).get("run_id")].add(event_op(e))
+    return {run: max(programs, key=lambda src: sum(op in src or op.replace(".", "_") in src for op in ops))
+            for run, ops in runs.items()} if programs else {}
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
@@ -394,20 +417,20 @@ def run_case(a, cfg, model, ref_model, attention, fresh, case, rng, dump_dir, pe
         results.append(dict(check_case(ref_model, rows, prompts, host, a.tol, label, a.check_prompts), case=case,
                             attention=attention, fresh=bool(runner.captured[-1][2].fresh)))
     group = scheduled(rows, prompts, tables, False, "new")
-    seen = set(glob.glob(f"{dump_dir}/*")) if dump_dir else set()
     runner.captured.clear()
     t0 = time.perf_counter()
     jax.block_until_ready(runner.execute(group) and runner.k_pool)
     compile_s = time.perf_counter() - t0
-    calls = list(runner.captured)
-    if len(calls) != 1:
-        print(f"# {label}: {len(calls)} device calls in the step (waves / groups): timing the last", flush=True)
-    fn, batch, settings = calls[-1]
-    R, T = np.shape(batch.tokens)
-    S = np.shape(batch.block_table)[1] * bs if batch.block_table is not None else np.shape(batch.ctx_slots)[1]
+    calls = list(runner.captured)  # the step's device calls (new prompts / continuing chunks apart, waves)
+    shapes = []
+    for _, batch, settings in calls:
+        R, T = np.shape(batch.tokens)
+        S = np.shape(batch.block_table)[1] * bs if batch.block_table is not None else np.shape(batch.ctx_slots)[1]
+        shapes.append((int(R), int(T), int(S), bool(settings.fresh)))
 
     def call():
-        runner._device_call(fn, batch, settings)
+        for fn, batch, settings in calls:
+            runner._device_call(fn, batch, settings)
         return runner.k_pool
 
     def execute():
@@ -427,15 +450,15 @@ def run_case(a, cfg, model, ref_model, attention, fresh, case, rng, dump_dir, pe
     exec_s, exec_med = best(execute)
     tokens = sum(n for _, n in rows)
     flops = case_flops(cfg, rows)
-    r = {"case": case, "attention": attention, "fresh": bool(settings.fresh), "kv_path": kv_path.value,
-         "prompts": len(rows), "tokens": tokens,
-         "R": int(R), "T": int(T), "S": int(S), "padding": 1 - tokens / (R * T), "call_ms": 1e3 * call_s,
+    r = {"case": case, "attention": attention, "fresh": fresh, "kv_path": kv_path.value,
+         "prompts": len(rows), "tokens": tokens, "calls": [dict(zip(("R", "T", "S", "fresh"), c)) for c in shapes],
+         "padding": 1 - tokens / sum(R * T for R, T, _, _ in shapes), "call_ms": 1e3 * call_s,
          "call_ms_median": 1e3 * call_med, "execute_ms": 1e3 * exec_s, "execute_ms_median": 1e3 * exec_med,
          "host_ms": 1e3 * (exec_s - call_s), "tokens_per_s": tokens / call_s, "tflops": flops / 1e12,
          "mfu": flops / call_s / (peak * 1e12) if peak else None, "compile_s": compile_s}
     if a.profile:
         r.update(profile_case(label.replace("&", "+"), call, a.profile_calls, Path(a.profile),
-                              newest_dump(dump_dir, seen)))
+                              dumped_sources(dump_dir)))
     print("RESULT " + json.dumps(r), flush=True)
     return results + [r]
 
@@ -507,7 +530,7 @@ def main(argv=None):
               f"(tol {r['tol']:g}), argmax {r['argmax_agrees']}")
     rows = [r for r in results if "check" not in r]
     cats = [c for c in CATEGORIES if any(r.get(f"{c}_ms") for r in rows)]
-    print("\n| attention | fresh | case | R x T (S) | padding | call ms | execute ms | tokens/s | TFLOP | MFU | "
+    print("\n| attention | fresh | case | calls: R x T (S) | padding | call ms | execute ms | tokens/s | TFLOP | MFU | "
           + " | ".join(cats) + (" | kernels | host gap ms |" if cats else ""))
     print("|---" * (10 + len(cats) + (2 if cats else 0)) + "|")
     for r in rows:
@@ -515,7 +538,8 @@ def main(argv=None):
         extra = "".join(f" {r.get(f'{c}_ms', 0.0):.2f} |" for c in cats)
         if cats:
             extra += f" {r.get('kernels_per_call', 0):.0f} | {r.get('host_gap_ms', 0):.2f} |"
-        print(f"| {r['attention']} | {'yes' if r['fresh'] else 'no'} | {r['case']} | {r['R']} x {r['T']} ({r['S']}) | "
+        shape = " + ".join(f"{c['R']}x{c['T']} ({c['S']}{', fresh' if c['fresh'] else ''})" for c in r["calls"])
+        print(f"| {r['attention']} | {'on' if r['fresh'] else 'off'} | {r['case']} | {shape} | "
               f"{100 * r['padding']:.0f}% | "
               f"{r['call_ms']:.2f} | {r['execute_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.2f} | {mfu} |"
               + extra)

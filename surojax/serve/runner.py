@@ -36,9 +36,9 @@ a call without image rows runs as for a text model.
 Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size; a
 prefill's R too with ``RunnerBuckets.fine_prefill_rows``) so the number of compilations stays logarithmic. Decode
 rows (1 new token) and prefill rows run in separate calls so that one long prefill chunk does not pad every decode
-row to its length. A paged prefill call whose rows all start at 0 (new prompts, no prefix hit) is ``fresh``
-(`StepSettings.fresh`): attention over the call's own tokens, nothing gathered from the pool (`PagedKVCache`); one
-more compiled variant per prefill shape.
+row to its length; prefill rows of new sequences (start 0) and chunks continuing one run in separate calls too
+(`_call_groups`). A paged prefill call of new sequences is ``fresh`` (`StepSettings.fresh`): attention over the
+call's own tokens, nothing gathered from the pool (`PagedKVCache`); one more compiled variant per prefill shape.
 
 Same-step prefix hits: the block manager publishes a block's hash when it is allocated, before its KV is
 written. A request admitted in the same step can hit a block another request writes in this very step; a layer
@@ -104,6 +104,15 @@ def _fine_bucket(n: int, minimum: int = 1) -> int:
     p = _bucket(n, minimum)
     c = 3 * p // 4
     return c if p >= 4 and c >= max(n, minimum) else p
+
+
+def _call_groups(rows: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], ...]:
+    """One wave's rows by device call: decodes (one token); prefills of new sequences (start 0: a fresh call,
+    `StepSettings.fresh`); prefill chunks that continue a sequence (a prefix hit or a chunked prompt). The last
+    two apart so that one continuing chunk neither makes the new prompts' call read the pool nor pads it to the
+    next power of two of rows (16 new prompts + 1 chunk: 16 + 1 rows, not 32)."""
+    return ([s for s in rows if s.num_new_tokens == 1], [s for s in rows if s.num_new_tokens > 1 and s.start == 0],
+            [s for s in rows if s.num_new_tokens > 1 and s.start > 0])
 
 
 def kv_access(kv_path: KVPath, block_size: int, num_slots: int) -> KVAccess:
@@ -476,7 +485,7 @@ class PagedRunner:
         calls = []  # every call is dispatched before any result is read back (the pool orders them on device)
         for w in range(max(waves) + 1):
             in_wave = [s for s, wi in zip(scheduled, waves) if wi == w]
-            for group in ([s for s in in_wave if s.num_new_tokens == 1], [s for s in in_wave if s.num_new_tokens > 1]):
+            for group in _call_groups(in_wave):
                 if group:
                     targets = [prompt_targets(s) for s in group] if self.scores_prompts else []
                     sampled = self._run(group, bitmasks, targets)

@@ -267,3 +267,32 @@ def test_fine_prefill_rows_pad_less_with_the_same_tokens(model, monkeypatch):
     monkeypatch.setattr(type(eng.runner), "_device_call", spy)
     assert eng.generate(prompts, 7) == _engine(model, KVPath.PAGED, 1).generate(prompts, 7)
     assert rows[0][0] == 6 and rows[0][1] > 1
+
+
+@pytest.mark.parametrize("path", [KVPath.PAGED, KVPath.REFERENCE])
+def test_new_prompts_and_continuing_chunks_run_as_separate_calls(model, path, monkeypatch):
+    """A step holding a new prompt and the next chunk of a chunked one runs them in two prefill calls (each row
+    with its own kind: the new one fresh on the paged path), and the greedy tokens are those of the prompts one at
+    a time with no chunking."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(1, 500, size=n).tolist() for n in (13, 9, 6)]
+    eng = Engine(model, engine_config(kv_path=path, **dict(SMALL, max_num_batched_tokens=16)))
+    steps: list[list[tuple[int, ...]]] = []
+    real_execute, real_call = type(eng.runner).execute, type(eng.runner)._device_call
+
+    def execute(self, *args, **kw):
+        steps.append([])
+        return real_execute(self, *args, **kw)
+
+    def call(self, fn, batch, settings):
+        if np.shape(batch.tokens)[1] > 1:
+            steps[-1].append(tuple(np.asarray(batch.start)[np.asarray(batch.segment_ids).any(axis=1)].tolist()))
+        return real_call(self, fn, batch, settings)
+
+    monkeypatch.setattr(type(eng.runner), "execute", execute)
+    monkeypatch.setattr(type(eng.runner), "_device_call", call)
+    got = eng.generate(prompts, 5)
+    assert any(len(s) == 2 and {bool(any(a)) for a in s} == {False, True} for s in steps), steps
+    assert all(all(a) or not any(a) for s in steps for a in s)  # no call mixes new and continuing rows
+    alone = Engine(model, engine_config(kv_path=KVPath.PAGED, **SMALL))
+    assert got == [alone.generate([p], 5)[0] for p in prompts]
