@@ -43,46 +43,48 @@ source line that made it (the optimized HLO's metadata, benchmarks/hlo_attributi
 plus the calls' wall time against the union of their kernels (the host gaps). One `RESULT {...}` JSON line per
 case and a table last.
 
-What the code says before any measurement (file:line as of this commit):
-* The attention of a prefill on the paged pool (kv/paged.py `PagedLayerKV.update_and_attend`) writes the new k/v,
-  gathers each row's whole context bucket S back out of the pool and runs the layer's DENSE attention with a
-  [B, T, S] mask (kv/meta.py `AttendSpec.attend`). `surojax serve --attention` defaults to xla
-  (serve/config.py ServeConfig.attention; serve_load.py builds its model with attention="xla"): xla_attention
-  (models/layers/attention.py) materialises fp32 scores [B, K, G, T, S] (16 x 512 prompts with serve_load's
-  S = 768: 400 MB a layer, x 28 layers, written, transposed, soft-maxed, read again). Expected the largest
-  category after the GEMMs at 16x512 (~10-30 ms of the step). cuDNN (--attention cudnn) runs the same dense
-  mask as a flash kernel with a bf16 bias. A prefill whose rows all start at 0 (no cached context, the usual
-  fresh prompt) needs no pool read at all: causal self-attention over the call's own k/v (S = T, the packed
-  flash path of training).
-* Rows are bucketed to powers of two (runner.py `_run`: R = _bucket(len(group))): the 64-user step with the
-  server's 8192-token budget holds 16 whole prompts and the first chunk of the 17th, so R = 17 -> 32 rows of
-  T = 512: 16,384 token slots computed for ~8,200 real ones (case 16x512&1x64). serve_load's budget (users +
-  8192) makes that every prefill step at 64 users.
+What the code said before this branch, and what the branch changed (runner.py `_run` / `_call_groups`,
+kv/paged.py `PagedLayerKV.update_and_attend`):
+* The attention of a prefill on the paged pool writes the new k/v, gathers each row's whole context bucket S back
+  out of the pool and runs the layer's DENSE attention with a [B, T, S] mask (kv/meta.py `AttendSpec.attend`).
+  `surojax serve --attention` defaults to xla (serve/config.py `ServeConfig.attention`; serve_load.py builds its
+  model with attention="xla"): `xla_attention` (models/layers/attention.py) materialises fp32 scores
+  [B, K, G, T, S] (16 x 512 prompts with serve_load's S = 768: 400 MB a layer, x 28 layers, written, transposed,
+  soft-maxed, read again). cuDNN (--attention cudnn) runs the same dense mask as a flash kernel with a bf16 bias.
+  CHANGED: a call whose rows all start at 0 (new prompts, no prefix hit) is `fresh`: it attends over its own
+  k/v, nothing read back, S = T, cuDNN's packed causal kernel where the layer is cuDNN (--fresh on / off A/Bs it).
+* Rows were bucketed to powers of two over every prefill row of a step: the 64-user step holds 16 whole prompts
+  and a chunk of the 17th (serve_load's budget, users + 8192: prefill steps 0-2 have 17 rows, steps 1-3 one of them
+  continuing a chunked prompt), so R = 17 -> 32 rows of T = 512: 16,384 token slots for ~8,250 real ones, and the
+  continuing chunk made the whole call read the pool. CHANGED: new prompts and continuing chunks are separate
+  calls (16 + 1 rows: case 15x512&1x112&1x448+64 is step 1). `RunnerBuckets.fine_prefill_rows` (off) rounds a
+  prefill's rows to 2^k or 1.5 x 2^k (--fine-prefill-rows).
 * The logits are computed for each prompt's last token only (`sampling.sample_last`), unless prompt logprobs
   are asked (`serve.prompt_logprobs`, blocks of 128 positions): not a cost.
 * Prefill and decode rows of one step run as separate calls (runner.py `execute`): a step with 16 prompts and
-  48 decodes runs the weights twice; with K-step decode the decode calls are one token each while a prompt
-  waits (scheduler `_schedule_multi_step`).
+  48 decodes reads the weights twice (~0.5 ms at 0.6B); with K-step decode the decode calls are one token each
+  while a prompt waits (scheduler `_schedule_multi_step`). Per-request host work per step is O(rows + blocks):
+  not a cost at these sizes (the `execute` - `call` column says).
 
 Expected at 16x512 on an H100 (qwen3-0.6b bf16, 8,192 tokens, 8.6 TFLOP; serve_load's buckets, --min-context 648:
-S = 768), before any change (xla attention, fresh off): matmul 11-13 ms (7.2 TFLOP at 550-650 TFLOP/s);
+S = 768), fresh off (as before this branch), xla attention: matmul 11-13 ms (7.2 TFLOP at 550-650 TFLOP/s);
 attention 25-35 ms (1.4 TFLOP of batched dots, plus the fp32 scores: ~2.5 GB a layer written, transposed and
 soft-maxed, ~70 GB a call); kv write 0.5-1 ms (0.9 GB scattered); kv read ~1 ms (1.4 GB gathered); kv metadata,
 head, sampling, host->device < 0.3 ms each; norm/rope/elementwise 4-5 ms (~400 MB a layer: the SwiGLU's
 [8192, 6144] product, norms, rope, residuals); host gaps ~1 ms. ~50 ms in all, against the ~80 ms the 16-user
 TTFT suggests: what the profile finds beyond that is the first thing to read. Fresh on (xla): attention x 2/3, no
-kv read. cuDNN + fresh: attention 1-3 ms, the call ~20-25 ms (~35-40% MFU).
+kv read. cuDNN + fresh: attention 1-3 ms, the call ~20-25 ms (~35-40% MFU). The 64-user steps: fresh off 2x the
+16x512 call (32 rows), with the split ~1.1x.
 
-What to try first, in order of expected effect (each measurable with this script):
-1. the prefill's attention on a flash kernel: `--attention cudnn` here (and `surojax serve --attention cudnn`):
-   expected to remove most of the attention category (~2/3 of it at 16x512), i.e. 16x512 from ~80 to ~50 ms.
-2. fresh prefills (every row starts at 0) as self-attention over the call's k/v (no gather, S = T, cuDNN's
-   packed causal kernel, no mask): the rest of the attention and the kv read; 1.5x less attention work at
-   serve_load's S = 768 even on xla.
-3. prefill rows bucketed like S (2^k or 1.5 x 2^k: 17 -> 24), or the chunk of the 17th prompt in its own call
-   (its T bucket 64): the 64-user step from 32 x 512 to 24 x 512 (or 16 x 512 + 1 x 64) token slots, ~1.3-1.9x
-   less work per step; a scheduling choice (more compiled shapes), to be measured with serve_load.
-4. then the GEMMs themselves (MFU of the matmul category alone) and the host gaps.
+What to try next, in order of expected effect (each measurable with this script, then serve_load's TTFT):
+1. `surojax serve --attention` auto (cuDNN on a GPU) by default, if the cudnn rows here pass the check and win:
+   expected to remove most of the attention category, 16x512 from ~50-80 to ~20-25 ms; the 64-user TTFT p50
+   from ~270 to ~100 ms (4 prefill steps of ~25 ms, plus the decodes between them).
+2. `--attention cudnn:2:nocheck` for serving (the runner's rows are one run from position 0, then padding):
+   drops the per-layer branch check (a predicate read per layer: host gaps).
+3. `fine_prefill_rows` on, if compile counts allow (prefill R 17 -> 24 where a step still has 17 new rows).
+4. then the GEMMs (MFU of the matmul category alone) and the host gaps; and decode rows riding in the prefill
+   call (one weight read a step instead of two) only if the profile shows the second read matters.
 """
 from __future__ import annotations
 
@@ -119,7 +121,7 @@ from kernel_categories import category as name_category  # noqa: E402
 from trace_intervals import union  # noqa: E402
 from trace_summary import gpu_kernels, trace_file  # noqa: E402
 
-DEFAULT_CASES = "1x512,16x512,16x512&1x64,64x128,1x8192,16x256+256"
+DEFAULT_CASES = "1x512,16x512,16x512&1x64,15x512&1x112&1x448+64,64x128,1x8192,16x256+256"
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}  # dense, by device_kind
 CATEGORIES = ("matmul", "attention", "kv write", "kv read", "kv metadata", "norm/rope/elementwise", "head",
               "sampling", "host->device", "other")
@@ -240,10 +242,12 @@ def reference_logprobs(model, toks) -> np.ndarray:
 
 def check_case(model, rows, prompts, host: dict, tol: float, label: str, limit: int) -> dict:
     """Each prompt's first sampled token (top-20 logprobs of the serving call, `host`) against log_softmax of a
-    plain forward's last logits (`Decoder.__call__` on context + new tokens, xla attention), for the first
-    `limit` prompts of the case."""
+    plain forward's last logits (`Decoder.__call__` on context + new tokens, xla attention), for `limit` prompts
+    of the case: the first ones and the last (a case's groups: new prompts first, a continuing chunk last)."""
     worst, agree, n = 0.0, 0, 0
-    for r, ((c, L), toks) in enumerate(list(zip(rows, prompts))[:limit]):
+    picked = sorted(set(range(min(limit - 1, len(rows)))) | {len(rows) - 1})
+    for r in picked:
+        (c, L), toks = rows[r], prompts[r]
         ref = reference_logprobs(model, toks[:c + L])
         ids, got = np.asarray(host["top_ids"][r]), np.asarray(host["top_logprobs"][r], np.float64)
         worst = max(worst, float(np.max(np.abs(ref[ids] - got))))  # the values at the ids the call ranked top
