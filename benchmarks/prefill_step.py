@@ -514,11 +514,13 @@ def main(argv=None):
     t_start = time.perf_counter()
     # the check's plain forward: xla attention, the weights as built (no decode layouts, q / k / v apart)
     ref_model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0)) if a.check else None
-    for attention in a.attention.split(","):
-        model, laid = build_model(cfg, dtype, attention)
+    models = {}
+    for attention in a.attention.split(","):  # every backend built first: the cases are the outer loop
+        models[attention], laid = build_model(cfg, dtype, attention)
         print(f"# attention {attention}: decode kernel layouts {laid or 'none'}", flush=True)
-        for fresh in (f.strip() == "on" for f in a.fresh.split(",")):
-            for case in a.cases.split(","):
+    for case in a.cases.split(","):  # in the order given: --budget-s drops the last cases, all their variants
+        for attention, model in models.items():
+            for fresh in (f.strip() == "on" for f in a.fresh.split(",")):
                 if a.budget_s and time.perf_counter() - t_start > a.budget_s:
                     print(f"SKIPPED {attention} fresh={fresh} {case}: past --budget-s {a.budget_s:g}", flush=True)
                     continue
