@@ -61,12 +61,15 @@ class SchedulerConfig:
 @dataclasses.dataclass(frozen=True)
 class RunnerBuckets:
     """The runner's smallest shape buckets: decode rows R, prefill rows R, context S and prefill length T (fewer
-    compilations, more padding)."""
+    compilations, more padding). fine_prefill_rows: a prefill call's rows are rounded up to 2^k or 1.5 x 2^k
+    (17 -> 24) instead of 2^k (17 -> 32): less padding, up to twice the compiled prefill shapes
+    (benchmarks/prefill_step.py --fine-prefill-rows measures it)."""
 
     min_rows: int = 1
     min_prefill_rows: int = 1
     min_context: int = 0
     min_prefill: int = 1
+    fine_prefill_rows: bool = False
 
 
 class KVCacheDtype(enum.Enum):

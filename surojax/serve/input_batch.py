@@ -96,7 +96,8 @@ class StepSettings:
     (1 rolled, True inlined); kernel: how paged decode rows read the pool; scales: an FP8 pool's `KVScales`
     (None: the pool holds the compute dtype); kv_in_place (reference path): the dense view rides in the layer
     scan's carry. Per call: mode (`BatchMode`; verify / propose read ``mode.sample`` only); num_steps (multi-step
-    decode: K steps; propose: K proposals)."""
+    decode: K steps; propose: K proposals); fresh (paged step calls): no row has context in the pool before the
+    call, so attention reads nothing back (`PagedKVCache.fresh`: self-attention over the call's tokens)."""
 
     block_size: int
     lora: bool = False
@@ -106,6 +107,7 @@ class StepSettings:
     kv_in_place: bool = False
     mode: BatchMode = BatchMode()
     num_steps: int = 1
+    fresh: bool = False
 
     def __hash__(self) -> int:  # computed once: jit hashes its static arguments on every call
         h = self.__dict__.get("_hash")
@@ -114,14 +116,14 @@ class StepSettings:
             object.__setattr__(self, "_hash", h)
         return h
 
-    def for_call(self, mode: BatchMode, num_steps: int = 1) -> StepSettings:
+    def for_call(self, mode: BatchMode, num_steps: int = 1, fresh: bool = False) -> StepSettings:
         """These settings with a call's part set; the same object for the same call part (cached), so that
         jit's static-argument lookup is a dictionary hit on a cached hash."""
-        key = (mode, num_steps)
+        key = (mode, num_steps, fresh)
         calls = self.__dict__.setdefault("_calls", {})
         found = calls.get(key)
         if found is None:
-            found = calls[key] = dataclasses.replace(self, mode=mode, num_steps=num_steps)
+            found = calls[key] = dataclasses.replace(self, mode=mode, num_steps=num_steps, fresh=fresh)
         return found
 
 

@@ -31,7 +31,8 @@ from surojax.serve.state_slots import pools_and, split_state_rows, with_state_ro
 
 
 def _cache(k_pool, v_pool, block_table, lengths, settings: StepSettings) -> PagedKVCache:
-    return PagedKVCache(k_pool, v_pool, block_table, lengths, settings.block_size, settings.kernel, settings.scales)
+    return PagedKVCache(k_pool, v_pool, block_table, lengths, settings.block_size, settings.kernel, settings.scales,
+                        settings.fresh)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
@@ -39,7 +40,8 @@ def _cache(k_pool, v_pool, block_table, lengths, settings: StepSettings) -> Page
 def paged_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings, state_pool=None):
     """One forward + sample over the paged pool, no dense view (the twin of `kv_reference.reference_step`):
     each layer writes the new tokens' k/v into its pool slice in place and reads the rows' context through
-    ``batch.block_table``. Same values, same pool afterwards. A hybrid model: ``state_pool`` (its linear layers'
+    ``batch.block_table`` (``settings.fresh``: every row's ``start`` is 0, nothing is read: attention over the
+    call's own tokens, `PagedKVCache`). Same values, same pool afterwards. A hybrid model: ``state_pool`` (its linear layers'
     state slots) and ``batch.state_slots`` (`serve.state_slots`: the rows' states gathered, advanced, written
     back).
 

@@ -33,9 +33,12 @@ tower in their prefill call (every image with tokens in the chunk, its merged ro
 image tokens) and M-RoPE positions (prompt: the request's; later tokens: index + rope_delta on all three axes);
 a call without image rows runs as for a text model.
 
-Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size) so
-the number of compilations stays logarithmic. Decode rows (1 new token) and prefill rows run in separate calls so
-that one long prefill chunk does not pad every decode row to its length.
+Shapes are bucketed (R, T rounded up to powers of two; S to 2^k or 1.5 * 2^k, a multiple of the block size; a
+prefill's R too with ``RunnerBuckets.fine_prefill_rows``) so the number of compilations stays logarithmic. Decode
+rows (1 new token) and prefill rows run in separate calls so that one long prefill chunk does not pad every decode
+row to its length; prefill rows of new sequences (start 0) and chunks continuing one run in separate calls too
+(`_call_groups`). A paged prefill call of new sequences is ``fresh`` (`StepSettings.fresh`): attention over the
+call's own tokens, nothing gathered from the pool (`PagedKVCache`); one more compiled variant per prefill shape.
 
 Same-step prefix hits: the block manager publishes a block's hash when it is allocated, before its KV is
 written. A request admitted in the same step can hit a block another request writes in this very step; a layer
@@ -97,6 +100,22 @@ def _bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _fine_bucket(n: int, minimum: int = 1) -> int:
+    """Smallest of 2^k and 1.5 * 2^k (from 3 on) >= max(n, minimum): padding <= 33% instead of <= 50%."""
+    p = _bucket(n, minimum)
+    c = 3 * p // 4
+    return c if p >= 4 and c >= max(n, minimum) else p
+
+
+def _call_groups(rows: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], ...]:
+    """One wave's rows by device call: decodes (one token); prefills of new sequences (start 0: a fresh call,
+    `StepSettings.fresh`); prefill chunks that continue a sequence (a prefix hit or a chunked prompt). The last
+    two apart so that one continuing chunk neither makes the new prompts' call read the pool nor pads it to the
+    next power of two of rows (16 new prompts + 1 chunk: 16 + 1 rows, not 32)."""
+    return ([s for s in rows if s.num_new_tokens == 1], [s for s in rows if s.num_new_tokens > 1 and s.start == 0],
+            [s for s in rows if s.num_new_tokens > 1 and s.start > 0])
+
+
 def kv_access(kv_path: KVPath, block_size: int, num_slots: int) -> KVAccess:
     """A resolved `KVPath` -> its implementation: REFERENCE -> `ReferenceAccess`, the others -> `PagedAccess`
     (their decode kernel is ``PAGED_KERNEL[kv_path]``, a `StepSettings` field)."""
@@ -154,6 +173,7 @@ class PagedRunner:
         self.decode_steps = decode_steps
         self.min_rows, self.min_prefill_rows = buckets.min_rows, buckets.min_prefill_rows
         self.min_context, self.min_prefill = buckets.min_context, buckets.min_prefill
+        self.prefill_rows = _fine_bucket if buckets.fine_prefill_rows else _bucket
         cfg = model.cfg
         self.cfg = cfg
         self.block_size = block_size
@@ -342,7 +362,7 @@ class PagedRunner:
     def _run(self, group: list[ScheduledRequest], bitmasks=None, targets: list[list[int]] = ()):
         """targets: per row, the prompt tokens its chunk scores (`prompt_logprobs.prompt_targets`; empty: none)."""
         decode = group[0].num_new_tokens == 1  # groups are all-decode or all-prefill
-        R = _bucket(len(group), self.min_rows if decode else self.min_prefill_rows)
+        R = _bucket(len(group), self.min_rows) if decode else self.prefill_rows(len(group), self.min_prefill_rows)
         T = _bucket(max(s.num_new_tokens for s in group), 1 if decode else self.min_prefill)
         S = _context_bucket(max(s.start for s in group) + T, max(self.block_size, self.min_context), self.block_size)
         tokens = np.zeros((R, T), np.int32)
@@ -372,7 +392,9 @@ class PagedRunner:
                            last_idx=last, adapter_rows=adapters, prompt_targets=prompt_targets,
                            images=images, rope_positions=rope_positions, **self._state_slots(group, R),
                            **self._address(group, R, S, [s.num_new_tokens for s in group], T))
-        return self._device_call(self.access.step, batch, self.settings.for_call(mode))[0]
+        # a prefill of rows with nothing cached (new prompts, no prefix hit) reads nothing back from the pool
+        fresh = self.paged and not decode and not ctx_len.any()
+        return self._device_call(self.access.step, batch, self.settings.for_call(mode, fresh=fresh))[0]
 
     def _run_multi(self, group: list[ScheduledRequest]):
         """A multi-step decode group (every row decoding, up to ``num_steps`` tokens each): see ``multi_step``."""
@@ -470,7 +492,7 @@ class PagedRunner:
         calls = []  # every call is dispatched before any result is read back (the pool orders them on device)
         for w in range(max(waves) + 1):
             in_wave = [s for s, wi in zip(scheduled, waves) if wi == w]
-            for group in ([s for s in in_wave if s.num_new_tokens == 1], [s for s in in_wave if s.num_new_tokens > 1]):
+            for group in _call_groups(in_wave):
                 if group:
                     targets = [prompt_targets(s) for s in group] if self.scores_prompts else []
                     sampled = self._run(group, bitmasks, targets)

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from surojax.bench.shapes import model_config
 from surojax.models.layers import attention as att
 from surojax.models.layers.attention_backend import AttentionBackend, AttentionKind, parse_attention_backend
 
@@ -306,3 +308,25 @@ def test_reduce_decode_attention_equals_xla():
     mask = jnp.asarray(rng.random((B, 1, S)) < 0.7).at[:, :, 0].set(True)
     np.testing.assert_allclose(np.asarray(reduce_decode_attention(q, k, v, mask, H ** -0.5)),
                                np.asarray(xla_attention(q, k, v, mask, H ** -0.5)), atol=1e-5, rtol=1e-5)
+
+
+def test_a_cudnn_layers_self_attention_for_a_fresh_prefill_takes_the_packed_kernel():
+    """`Attention.attend_spec` of a cuDNN layer carries its packed causal kernel (`AttendSpec.packed`, bounded to
+    2 runs a row), which a fresh paged prefill calls (`AttendSpec.attend_self`): rows as the serving runner builds
+    them (one sequence from position 0, then padding; a full row; an all-padding row) take cuDNN's packed branch
+    (not the xla fallback) and give the masked reference's outputs on every real token (cuDNN emulated)."""
+    layer = att.Attention(model_config("debug"), backend=parse_attention_backend("cudnn"), param_dtype=BF16,
+                          rngs=nnx.Rngs(0))
+    spec = layer.attend_spec()
+    assert spec.packed is not None and spec.packed.keywords["max_segments"] == att.PACKED_CALL_SEGMENTS
+    B, T = 3, 16
+    n = np.array([T, 5, 0])
+    seg = jnp.asarray((np.arange(T)[None, :] < n[:, None]).astype(np.int32))
+    pos = jnp.asarray(np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)))
+    assert int(att.cudnn_branch(seg, pos, att.PACKED_CALL_SEGMENTS)) == 1
+    q, k, v, _ = qkv(3, B, T, N=layer.num_heads, K=layer.num_kv_heads, H=layer.head_dim)
+    emulated = functools.partial(spec.packed, fused=emulated_cudnn)
+    out = type(spec)(spec.dense, spec.scale, spec.sliding_window, spec.sinks, emulated).attend_self(q, k, v, seg, pos)
+    want = att.xla_attention(q, k, v, att.attention_mask(seg, seg, pos, pos), spec.scale)
+    real = np.asarray(seg) > 0
+    np.testing.assert_allclose(np.asarray(out, np.float32)[real], np.asarray(want, np.float32)[real], atol=2e-2)

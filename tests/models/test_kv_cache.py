@@ -104,3 +104,42 @@ def test_paged_pool_attends_like_the_reference(case, kernel, T_):
         np.testing.assert_array_equal(np.asarray(view.k[layer])[slots[b]], k[b])
         np.testing.assert_array_equal(np.asarray(view.v[layer])[slots[b]], v[b])
     np.testing.assert_array_equal(np.asarray(view.k[0]), pool_k[0])  # another layer: untouched
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_fresh_paged_call_attends_over_its_own_tokens(window):
+    """A fresh call (`PagedKVCache.fresh`: no row has cached tokens) reads nothing back from the pool: it writes
+    the new k/v exactly where the gather path does and its real tokens' outputs equal the gather path's and a
+    numpy causal attention over the call's own tokens (row 1 padded: only its first 2 tokens are real)."""
+    rng = np.random.default_rng(2)
+    T_ = 4
+    q = rng.standard_normal((B, T_, N, H)).astype(np.float32)
+    new_k, new_v = (rng.standard_normal((B, T_, K, H)).astype(np.float32) for _ in range(2))
+    segments = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.int32)
+    positions = np.broadcast_to(np.arange(T_, dtype=np.int32), (B, T_))
+    num_blocks = 2 * B * NB
+    table = rng.permutation(num_blocks)[:B * NB].reshape(B, NB).astype(np.int32)
+    pool = rng.standard_normal((L, num_blocks * BS, K, H)).astype(np.float32)  # stale values in every slot
+    spec = AttendSpec(xla_attention, H ** -0.5, window)
+    outs, views = [], []
+    for fresh in (False, True):
+        cache = PagedKVCache(jnp.asarray(pool), jnp.asarray(pool), jnp.asarray(table), jnp.zeros(B, jnp.int32), BS,
+                             PagedKernel.GATHER, fresh=fresh)
+        meta, cache = cache.step(jnp.asarray(segments), jnp.asarray(positions))
+        view = cache.carried()
+        out, view = view.update_and_attend(jnp.asarray(q), jnp.asarray(new_k), jnp.asarray(new_v), meta, spec)
+        outs.append(np.asarray(out))
+        views.append(view)
+    real = segments.astype(bool)
+    np.testing.assert_allclose(outs[1][real], outs[0][real], atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(views[1].k), np.asarray(views[0].k))
+    np.testing.assert_array_equal(np.asarray(views[1].v), np.asarray(views[0].v))
+    G = N // K
+    for b in range(B):
+        for t in range(int(segments[b].sum())):
+            lo = 0 if window is None else max(0, t - window + 1)
+            for n in range(N):
+                s = new_k[b, lo:t + 1, n // G] @ q[b, t, n] * H ** -0.5
+                p = np.exp(s - s.max())
+                np.testing.assert_allclose(outs[1][b, t, n], (p / p.sum()) @ new_v[b, lo:t + 1, n // G],
+                                           atol=1e-5, rtol=1e-5)

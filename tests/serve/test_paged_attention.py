@@ -2,6 +2,7 @@
 tables. Against the reference gather -> dense view -> scatter path: the same pool contents after a step (exact,
 fp32 on CPU: same S, same mask, same reduction order), the same greedy tokens from the engine (single steps,
 multi-step decode, stop ids, concurrent = sequential)."""
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -225,3 +226,73 @@ def test_call_settings_are_cached_and_equal_to_fresh_ones():
     assert multi == fresh and hash(multi) == hash(fresh) and multi != base.for_call(BatchMode(sample=True), 4)
     batch = InputBatch(tokens=np.zeros((2, 1), np.int32), start=np.zeros(2, np.int32), sampling={})
     assert len(jax.tree.leaves(batch)) == 2  # the fields a call does not use send nothing
+
+
+def test_prefills_of_new_prompts_are_fresh_calls(model, monkeypatch):
+    """The runner marks a paged prefill call fresh (`StepSettings.fresh`: attention over the call's own tokens)
+    exactly when no row has cached tokens: new prompts are; a prompt admitted on a prefix-cache hit, its later
+    chunks and decode calls are not (their tokens equal the reference path's: test_engine_tokens_equal_reference)."""
+    eng = _engine(model, KVPath.PAGED, 1)
+    calls = []
+    real = type(eng.runner)._device_call
+
+    def spy(self, fn, batch, settings):
+        calls.append((np.asarray(batch.tokens).shape[1] > 1, bool(np.asarray(batch.start).any()), settings.fresh))
+        return real(self, fn, batch, settings)
+
+    monkeypatch.setattr(type(eng.runner), "_device_call", spy)
+    shared = _engine_prompts()[3]
+    eng.generate([shared], 2)  # its blocks are cached: the next prompt starts after its full blocks
+    eng.generate([shared[:8] + [9, 9, 9]], 2)
+    prefills = [c for c in calls if c[0]]
+    assert [fresh for *_, fresh in prefills] == [not has_context for _, has_context, _ in prefills]
+    assert any(fresh for *_, fresh in prefills) and not all(fresh for *_, fresh in prefills)
+    assert not any(fresh for is_prefill, _, fresh in calls if not is_prefill)
+
+
+def test_fine_prefill_rows_pad_less_with_the_same_tokens(model, monkeypatch):
+    """RunnerBuckets.fine_prefill_rows: five new prompts' prefill call has 6 rows (2^k or 1.5 x 2^k), not 8, and
+    the greedy tokens are those of the default buckets."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 500, size=n).tolist() for n in (9, 6, 13, 4, 11)]
+    cfg = dict(SMALL, buckets=dataclasses.replace(SMALL["buckets"], fine_prefill_rows=True))
+    eng = Engine(model, engine_config(kv_path=KVPath.PAGED, **cfg))
+    rows = []
+    real = type(eng.runner)._device_call
+
+    def spy(self, fn, batch, settings):
+        rows.append(np.shape(batch.tokens))
+        return real(self, fn, batch, settings)
+
+    monkeypatch.setattr(type(eng.runner), "_device_call", spy)
+    assert eng.generate(prompts, 7) == _engine(model, KVPath.PAGED, 1).generate(prompts, 7)
+    assert rows[0][0] == 6 and rows[0][1] > 1
+
+
+@pytest.mark.parametrize("path", [KVPath.PAGED, KVPath.REFERENCE])
+def test_new_prompts_and_continuing_chunks_run_as_separate_calls(model, path, monkeypatch):
+    """A step holding a new prompt and the next chunk of a chunked one runs them in two prefill calls (each row
+    with its own kind: the new one fresh on the paged path), and the greedy tokens are those of the prompts one at
+    a time with no chunking."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(1, 500, size=n).tolist() for n in (13, 9, 6)]
+    eng = Engine(model, engine_config(kv_path=path, **dict(SMALL, max_num_batched_tokens=16)))
+    steps: list[list[tuple[int, ...]]] = []
+    real_execute, real_call = type(eng.runner).execute, type(eng.runner)._device_call
+
+    def execute(self, *args, **kw):
+        steps.append([])
+        return real_execute(self, *args, **kw)
+
+    def call(self, fn, batch, settings):
+        if np.shape(batch.tokens)[1] > 1:
+            steps[-1].append(tuple(np.asarray(batch.start)[np.asarray(batch.segment_ids).any(axis=1)].tolist()))
+        return real_call(self, fn, batch, settings)
+
+    monkeypatch.setattr(type(eng.runner), "execute", execute)
+    monkeypatch.setattr(type(eng.runner), "_device_call", call)
+    got = eng.generate(prompts, 5)
+    assert any(len(s) == 2 and {bool(any(a)) for a in s} == {False, True} for s in steps), steps
+    assert all(all(a) or not any(a) for s in steps for a in s)  # no call mixes new and continuing rows
+    alone = Engine(model, engine_config(kv_path=KVPath.PAGED, **SMALL))
+    assert got == [alone.generate([p], 5)[0] for p in prompts]

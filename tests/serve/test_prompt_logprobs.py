@@ -127,7 +127,10 @@ def test_completions_echo_logprobs_and_prompt_logprobs(server):
                                               echo=True, stream=True))
     e = echoed.choices[0]
     assert e.text == c.text + plain.choices[0].text
-    assert e.logprobs.token_logprobs[len(prompt):] == plain.choices[0].logprobs.token_logprobs
+    # plain reads the prompt's blocks from the prefix cache, echoed (prompt logprobs: no prefix hits) prefills
+    # fresh (self-attention over its own tokens, kv/paged.py): the same values up to float rounding
+    np.testing.assert_allclose(e.logprobs.token_logprobs[len(prompt):], plain.choices[0].logprobs.token_logprobs,
+                               rtol=1e-5, atol=1e-5)
     assert e.logprobs.token_logprobs[:len(prompt)] == lp.token_logprobs
     assert "".join(s.choices[0].text for s in streamed) == e.text
     assert [x for s in streamed if s.choices[0].logprobs for x in s.choices[0].logprobs.token_logprobs] == \

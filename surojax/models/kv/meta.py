@@ -87,16 +87,28 @@ class AttendSpec:
     dense(q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S], scale, sinks) -> [B, T, N, H]: the attention backend.
     scale: the softmax scale (H ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5); sliding_window: None, a static
     W, or the layer's traced [] int32 W (0 = full; see `attention_mask`); sinks: None or the layer's sink logits
-    [N] (they join every softmax denominator; a kernel without sinks must not serve this layer)."""
+    [N] (they join every softmax denominator; a kernel without sinks must not serve this layer). packed: None, or
+    the layer's self-attention over packed rows without a mask, (q, k, v [B, T, ...], segment_ids, positions
+    [B, T]) -> [B, T, N, H] with this scale / window (cuDNN's packed causal kernel; `attend_self`)."""
 
     dense: Callable[..., jax.Array]
     scale: float
     sliding_window: int | jax.Array | None = None
     sinks: jax.Array | None = None
+    packed: Callable[..., jax.Array] | None = None
 
     def attend(self, q, k, v, meta: KVMeta) -> jax.Array:
         """q [B, T, N, H] over the context k/v [B, S, K, H] that `meta` describes -> [B, T, N, H]."""
         return self.dense(q, k, v, meta.mask(self.sliding_window), self.scale, self.sinks)
+
+    def attend_self(self, q, k, v, segment_ids, positions) -> jax.Array:
+        """Self-attention of one call's tokens among themselves (no cached context): q [B, T, N, H], k/v
+        [B, T, K, H], segment_ids / positions [B, T] -> [B, T, N, H]; `packed` where the layer has one, else the
+        dense backend with the call's own [B, T, T] mask."""
+        if self.packed is not None:
+            return self.packed(q, k, v, segment_ids, positions)
+        mask = attention_mask(segment_ids, segment_ids, positions, positions, self.sliding_window)
+        return self.dense(q, k, v, mask, self.scale, self.sinks)
 
 
 __all__ = ["MASKED", "AttendSpec", "KVMeta", "PagedKVMeta", "attention_mask", "softmax_with_sinks"]

@@ -16,6 +16,13 @@ builds the cache (the serving engine):
             than H ** -0.5 (Gemma's query_pre_attn_scalar; the kernel's is fixed) and pools past int32 offsets
             gather
 
+Fresh calls (``fresh``, set by the caller when no row has a token in the pool before the call: a prefill of new
+prompts, the serving runner's usual prefill): the new k/v are written as always, but nothing is read back: the
+rows' context IS the call's tokens, so attention is self-attention over the call's k/v as the pool stores them
+(`PagedLayerKV.stored`: cast to the pool's dtype, an FP8 pool's codes x scale) with the layer's packed kernel
+where it has one (cuDNN) or its dense backend with a [B, T, T] mask (`AttendSpec.attend_self`): no per-layer
+gather, S = T instead of the context bucket. Same values as the gather path up to float rounding.
+
 FP8 pool (`scales` set, a `KVScales`-like value with ``at(layer) -> (k scale, v scale)``): k/v are stored as
 float8_e4m3fn codes x / scale, saturated (`quantize`, given with the scales); every read dequantises (codes x
 scale, in fp32) before attention; the Pallas kernel loads the codes and casts them in-kernel, the k scale folded
@@ -60,7 +67,7 @@ def reduce_decode_attention(q, k, v, mask, scale: float, sinks: jax.Array | None
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "layer"],
-                   meta_fields=["block_size", "kernel", "scales"])
+                   meta_fields=["block_size", "kernel", "scales", "fresh"])
 @dataclasses.dataclass(frozen=True)
 class PagedLayerKV:
     """The pool as one layer sees it: every layer's k, v [L, N, K, H] and this layer's index [] int32. Only this
@@ -72,6 +79,7 @@ class PagedLayerKV:
     block_size: int
     kernel: PagedKernel = PagedKernel.GATHER
     scales: object | None = None  # FP8 pool: a `surojax.serve.kv_fp8.KVScales`; None: stored as is
+    fresh: bool = False  # no row has context before the call: attend over the new tokens, read nothing
 
     def write(self, k, v, slots) -> "PagedLayerKV":
         """k, v [B, T, K, H] into this layer's pool slots [B, T] (a slot >= N is dropped: padding)."""
@@ -95,10 +103,23 @@ class PagedLayerKV:
         ks, vs = (None, None) if self.scales is None else self.scales.at(self.layer)
         return gather(self.k, ks), gather(self.v, vs)
 
+    def stored(self, k, v, dtype) -> tuple[jax.Array, jax.Array]:
+        """New k, v [B, T, K, H] as `read` returns them once `write` stored them (the pool's dtype, an FP8
+        pool's codes x scale), in `dtype`."""
+        if self.scales is None:
+            return k.astype(self.k.dtype).astype(dtype), v.astype(self.v.dtype).astype(dtype)
+        ks, vs = self.scales.at(self.layer)
+        return (self.scales.dequantize(self.scales.quantize(k, ks).astype(self.k.dtype), ks, dtype),
+                self.scales.dequantize(self.scales.quantize(v, vs).astype(self.v.dtype), vs, dtype))
+
     def update_and_attend(self, q, k, v, meta: PagedKVMeta, spec: AttendSpec) -> tuple[jax.Array, "PagedLayerKV"]:
-        """Write k/v [B, T, K, H] at meta.write_slots; attend q [B, T, N, H] over each row's blocks."""
+        """Write k/v [B, T, K, H] at meta.write_slots; attend q [B, T, N, H] over each row's blocks (a fresh call:
+        over the new tokens themselves, module docstring)."""
         kv = self.write(k, v, meta.write_slots)
         T = q.shape[1]
+        if kv.fresh:
+            ck, cv = kv.stored(k, v, q.dtype)
+            return spec.attend_self(q, ck, cv, meta.q_segment_ids, meta.q_positions), kv
         if kv.kernel is PagedKernel.PALLAS and spec.sinks is None and spec.scale == q.shape[-1] ** -0.5 \
                 and kernel_applies(kv.k.shape, T, spec.sliding_window):
             q1 = q[:, 0]  # [B, N, H]
@@ -119,7 +140,7 @@ class PagedLayerKV:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],
-                   meta_fields=["block_size", "kernel", "scales"])
+                   meta_fields=["block_size", "kernel", "scales", "fresh"])
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache(OneStack):
     """The pool as the decoder drives it. k, v [L, N, K, H]; block_table [B, NB] (entries past a row's blocks
@@ -127,7 +148,9 @@ class PagedKVCache(OneStack):
     2 ... The new tokens (segment id > 0) are written at positions lengths .. lengths + T - 1, which must have
     blocks in the table (NB * bs >= lengths + T); padding tokens (segment id 0) are not written and do not
     count. Always carried by the layer loop (written in place). scales: None, or for an FP8 pool a static value
-    with ``at(layer)``, ``quantize(x, scale)`` and ``dequantize(codes, scale, dtype)`` (`serve.kv_fp8.KVScales`)."""
+    with ``at(layer)``, ``quantize(x, scale)`` and ``dequantize(codes, scale, dtype)`` (`serve.kv_fp8.KVScales`).
+    fresh: the caller's promise that every row's ``lengths`` is 0 (nothing cached before this call): attention
+    reads nothing from the pool (module docstring); wrong values if a row has context."""
 
     k: jax.Array
     v: jax.Array
@@ -136,6 +159,7 @@ class PagedKVCache(OneStack):
     block_size: int
     kernel: PagedKernel = PagedKernel.GATHER
     scales: object | None = None
+    fresh: bool = False
 
     carry_only: ClassVar[bool] = True
 
@@ -158,7 +182,7 @@ class PagedKVCache(OneStack):
         return meta, dataclasses.replace(self, lengths=lengths)
 
     def carried(self) -> PagedLayerKV:
-        return PagedLayerKV(self.k, self.v, jnp.int32(0), self.block_size, self.kernel, self.scales)
+        return PagedLayerKV(self.k, self.v, jnp.int32(0), self.block_size, self.kernel, self.scales, self.fresh)
 
     def per_layer(self):
         raise TypeError("PagedKVCache is carried by the layer loop (carry_only), never scanned per layer")

@@ -57,6 +57,8 @@ gate; the attention output is multiplied by sigmoid(gate) before o_proj.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +97,9 @@ def cudnn_attention(q, k, v, mask, scale: float, sinks: jax.Array | None = None)
 
 
 BACKENDS = {AttentionKind.XLA: xla_attention, AttentionKind.CUDNN: cudnn_attention}
+# runs per row of a cache call's packed self-attention: the serving runner's rows are one sequence from position 0,
+# then padding (2 runs); a row with more takes the per-layer check's xla branch (or is wrong under nocheck)
+PACKED_CALL_SEGMENTS = 2
 
 # ---- cuDNN fused attention over packed rows -----------------------------------------------------------------
 
@@ -328,7 +333,13 @@ class Attention(nnx.Module):
 
     def attend_spec(self, window: int | None = None) -> AttendSpec:
         """The dense attention over a cache's context: this layer's backend (cuDNN with a dense mask, or xla),
-        scale, static window (the config's, or this layer's `window`, 0 = full) and sinks."""
+        scale, static window (the config's, or this layer's `window`, 0 = full) and sinks; with cuDNN and no
+        sinks also its packed causal kernel (`AttendSpec.packed`: a cache's call without context, e.g. the
+        serving pool's fresh prefill, `kv.paged`), bounded to PACKED_CALL_SEGMENTS runs per row."""
         sinks = None if self.sinks is None else self.sinks[...]
-        return AttendSpec(BACKENDS[self.backend.kind], self.scale,
-                          self.sliding_window if window is None else (window or None), sinks)
+        w = self.sliding_window if window is None else (window or None)
+        packed = None
+        if self.backend.kind is AttentionKind.CUDNN and sinks is None:
+            packed = functools.partial(cudnn_packed_attention, scale=self.scale, sliding_window=w,
+                                       max_segments=PACKED_CALL_SEGMENTS, check=self.backend.check)
+        return AttendSpec(BACKENDS[self.backend.kind], self.scale, w, sinks, packed)
