@@ -91,3 +91,14 @@ def planned_patches(row_sets, micro_rows: int, merge_size: int) -> int:
                           for b in rows.bins), reverse=True)
         most = max(most, sum(per_row[:micro_rows]))
     return patch_bucket(most, merge_size)
+
+
+def planned_frame_patches(row_sets) -> int:
+    """The most patches of one image frame (h x w of a grid) in the packed row sets given: the memory plan's bound
+    on the tower's attention rows (models/vision/counts.py)."""
+    most = 0
+    for rows in row_sets:
+        for example in getattr(rows, "image_examples", None) or ():
+            if example is not None and len(example.image_grid_thw):
+                most = max(most, int(np.max(np.prod(np.asarray(example.image_grid_thw)[:, 1:], axis=1))))
+    return most
