@@ -1,6 +1,7 @@
 """The vision tower's attention per frame on grid.py's [R, L] layout (block.frame_attention): equal to the dense
 masked attention over all patches, a batch of frames of different sizes equal to each frame alone, every patch in
-exactly one row with its whole frame, the memory plan's bound on the layout, and compiled memory that grows with
+exactly one row with its whole frame, the cuDNN route's layout and mask (through
+jax.nn.dot_product_attention's xla kernel on CPU), the memory plan's bound on the layout, and compiled memory that grows with
 the patch count, not its square (the dense form's does: the check can tell them apart)."""
 from __future__ import annotations
 
@@ -53,9 +54,12 @@ def test_frame_attention_equals_the_dense_masked_form():
     q, k, v = _qkv(sum(sizes))
     layout = frame_layout(sizes)
     assert layout.shape[0] < len(sizes)
+    dense = np.asarray(_dense(q, k, v, segment_ids, HD ** -0.5))
     out = frame_attention(q, k, v, segment_ids, jnp.asarray(layout), HD ** -0.5)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(_dense(q, k, v, segment_ids, HD ** -0.5)),
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), dense, rtol=0, atol=1e-6)
+    # the GPU route's arguments (layout rows and segment mask) through jax.nn.dot_product_attention's xla kernel
+    via_api = frame_attention(q, k, v, segment_ids, jnp.asarray(layout), HD ** -0.5, implementation="xla")
+    np.testing.assert_allclose(np.asarray(via_api), dense, rtol=0, atol=1e-5)
 
 
 def test_frames_of_different_sizes_equal_each_frame_alone():

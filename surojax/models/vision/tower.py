@@ -66,9 +66,10 @@ class VisionTower(nnx.Module):
             PatchMerger(cfg, postshuffle_norm=True, param_dtype=param_dtype, rngs=rngs)
             for _ in cfg.deepstack_visual_indexes])
 
-    def __call__(self, pixel_values: jax.Array, grid: VisionGrid, dtype=None) -> VisionOutput:
+    def __call__(self, pixel_values: jax.Array, grid: VisionGrid, dtype=None, cudnn: bool = False) -> VisionOutput:
         """pixel_values [N, patch_dim] for `grid` (vision_grid(grid_thw, ...)) -> VisionOutput; `dtype` the compute
-        dtype (default: pixel_values')."""
+        dtype (default: pixel_values'); `cudnn`: the blocks' attention through cuDNN where the dtype allows
+        (block.py)."""
         cfg = self.cfg
         if pixel_values.ndim != 2 or pixel_values.shape != (grid.num_patches, cfg.patch_dim):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)}: expected [{grid.num_patches}, "
@@ -81,7 +82,7 @@ class VisionTower(nnx.Module):
         segment_ids, layout = jnp.asarray(grid.segment_ids), jnp.asarray(grid.attention_layout)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, segment_ids, layout)
+            x = block(x, cos, sin, segment_ids, layout, cudnn)
             if i in cfg.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)](x))
         return VisionOutput(merged=self.merger(x), deepstack=tuple(deepstack), last_hidden=x)
