@@ -6,7 +6,7 @@
     {tokens.. [A, B, T], rope_positions [A, 3, B, T], images: ImageInputs with a leading [A] axis}
 
 The ImageInputs' shapes depend only on the patch bucket (P_pad of the split: merge_size^2 x a power of two) and the
-attention layout's [R, L] (powers of two; the micro-batches' layouts padded to the largest), so the jitted step
+attention layout's [R, L] (grid.py's layout_bucket; the micro-batches' layouts padded to the largest), so the jitted step
 compiles once per bucket and layout shape; a micro-batch without images gets an all-padding ImageInputs of the same
 shapes (its merged rows are dropped by the scatter: token_index B * T; its layout all empty). A batch with no image at all has no
 `images` key (the rope positions alone: one more compile, the text rows' M-RoPE positions). The collated

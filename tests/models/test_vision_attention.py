@@ -13,7 +13,7 @@ from flax import nnx
 from surojax.models.vision.block import frame_attention
 from surojax.models.vision.config import VisionConfig
 from surojax.models.vision.counts import attention_rows_bound
-from surojax.models.vision.grid import frame_layout, layout_shape, vision_grid
+from surojax.models.vision.grid import frame_layout, layout_bucket, layout_shape, vision_grid
 from surojax.models.vision.tower import VisionTower
 
 HEADS, HD = 2, 8
@@ -108,3 +108,8 @@ def test_compiled_memory_grows_with_the_patches_not_their_square():
     seg, layout = jnp.asarray(np.repeat(np.arange(64), 64), jnp.int32), jnp.asarray(frame_layout([64] * 64))
     hlo = jax.jit(lambda q, k, v: layout_form(q, k, v, seg, layout)).lower(spec, spec, spec).compile().as_text()
     assert f"{n},{n}]" not in hlo
+
+
+def test_layout_bucket_two_shapes_per_octave():
+    assert [layout_bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 1025, 1537)] == \
+        [1, 2, 3, 4, 6, 6, 8, 12, 12, 16, 1536, 2048]

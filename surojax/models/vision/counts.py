@@ -15,6 +15,7 @@ frame of `frame` patches). The training step's backward pass adds 2x where the t
 from __future__ import annotations
 
 from surojax.models.vision.config import VisionConfig
+from surojax.models.vision.grid import layout_bucket
 
 
 def _merger_params(v: VisionConfig, postshuffle: bool) -> int:
@@ -48,14 +49,14 @@ def tower_flops_per_patch(v: VisionConfig, frame_patches: int) -> float:
 
 def attention_rows_bound(patches: int, frame_patches: int = 0) -> tuple[int, int]:
     """The largest attention layout (R, L) grid.py's `frame_layout` builds for `patches` patches in frames of at
-    most `frame_patches` (0: unknown, one frame of all of them): L = the frame rounded up to a power of two; first
-    fit leaves at most one row half empty, so at most floor((2 * patches - 1) / L) + 1 rows, rounded up to a power
-    of two."""
+    most `frame_patches` (0: unknown, one frame of all of them): L = the frame's `layout_bucket`; one row when L
+    holds every patch, else at most floor((2 * patches - 1) / L) + 1 (first fit leaves at most one row half empty),
+    bucketed the same way."""
     patches = max(int(patches), 1)
     frame = min(int(frame_patches), patches) if frame_patches else patches
-    length = 1 << (frame - 1).bit_length()
-    rows = (2 * patches - 1) // length + 1
-    return 1 << (rows - 1).bit_length(), length
+    length = layout_bucket(frame)
+    rows = 1 if length >= patches else (2 * patches - 1) // length + 1
+    return layout_bucket(rows), length
 
 
 def tower_activation_bytes(v: VisionConfig, patches: int, *, c: int, trains: bool, frame_patches: int = 0) -> int:

@@ -11,10 +11,11 @@ row-major over the block grid, and row-major inside a block. For each patch this
   merge_temporal False: each frame of each image or video is its own segment);
 - `attention_layout` [R, L]: where attention runs (`frame_layout`). Attention stays within a frame, so the tower
   never builds the [heads, N, N] matrix of all patches: the frames are packed first-fit-decreasing into R rows of L
-  slots (L = the largest frame's patch count rounded up to a power of two, R = the rows used rounded up to a power
-  of two; each entry a patch index, -1 an empty slot), and block.py attends inside each row with the frames' segment
-  mask: [heads, R, L, L] scores. Any-fit packing leaves at most one row half empty, so R * L <= 2 * (2N + L) and the
-  scores are O(N * L), not O(N^2); a frame never straddles two rows.
+  slots (L = the largest frame's patch count, R = the rows used, each rounded up by `layout_bucket` to the next of
+  1, 2, 3, 4, 6, 8, 12, ...: two shapes per octave, so few compiles and at most 1.5x padding on each axis; each
+  entry a patch index, -1 an empty slot), and block.py attends inside each row with the frames' segment mask:
+  [heads, R, L, L] scores. First fit leaves at most one row half empty, so R * L < 1.5 * (2N + L) and the scores are
+  O(N * L), not O(N^2); a frame never straddles two rows.
 """
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ def _axis_taps(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarr
     return taps, np.maximum(np.float32(1) - distance, 0).astype(np.float32)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+def layout_bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, ... (2^k and 3 x 2^k) >= n: the layout's R and L."""
+    power = 1 << max(int(n) - 1, 0).bit_length()
+    return 3 * power // 4 if power >= 4 and 3 * power // 4 >= n else power
 
 
 def layout_shape(frame_sizes) -> tuple[int, int]:
@@ -57,8 +60,9 @@ def layout_shape(frame_sizes) -> tuple[int, int]:
 
 
 def _pack(sizes: np.ndarray) -> tuple[list[list[int]], int, int]:
-    """First-fit decreasing of frames (sizes) into rows of L = pow2(largest) slots -> (frames per row, R, L)."""
-    length = _pow2(int(sizes.max())) if sizes.size else 1
+    """First-fit decreasing of frames (sizes) into rows of L = layout_bucket(largest) slots -> (frames per row, R,
+    L)."""
+    length = layout_bucket(int(sizes.max())) if sizes.size else 1
     rows, free = [], []
     for f in sorted(range(sizes.size), key=lambda i: (-sizes[i], i)):
         fit = next((r for r, room in enumerate(free) if room >= sizes[f]), None)
@@ -68,7 +72,7 @@ def _pack(sizes: np.ndarray) -> tuple[list[list[int]], int, int]:
             fit = len(rows) - 1
         rows[fit].append(f)
         free[fit] -= int(sizes[f])
-    return rows, _pow2(max(len(rows), 1)), length
+    return rows, layout_bucket(max(len(rows), 1)), length
 
 
 def frame_layout(frame_sizes, *, rows: int = 0, length: int = 0) -> np.ndarray:

@@ -8,7 +8,7 @@ A batch of token rows [B, T] (packed or not) with its images -> `ImageBatch`:
   patch) and `token_index` [Pb / m^2]: the flat index b * T + t of the image token each merged tower row replaces
   (the merged rows come in image order, and so do the image tokens in flat order: transformers' masked_scatter),
   B * T for the padding rows (dropped by the scatter). A training loop compiles once per patch bucket
-  (`patch_bucket`) and layout shape (powers of two: R from the packing, L from the largest frame).
+  (`patch_bucket`) and layout shape (grid.py's `layout_bucket`: R from the packing, L from the largest frame).
 - `rope_positions [3, B, T]`: M-RoPE positions (mrope.py's get_rope_index) per segment: each segment of a packed row
   (segment ids 1..k, 0 = padding) is placed as transformers places it alone (positions restart at 0; its images are
   the next grids in order); padding tokens take position 0. A text-only segment's three rows are 0..n-1, the 1-D
