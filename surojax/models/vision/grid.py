@@ -75,13 +75,11 @@ def _pack(sizes: np.ndarray) -> tuple[list[list[int]], int, int]:
     return rows, layout_bucket(max(len(rows), 1)), length
 
 
-def frame_layout(frame_sizes, *, rows: int = 0, length: int = 0) -> np.ndarray:
+def frame_layout(frame_sizes) -> np.ndarray:
     """The attention layout [R, L] int32 for consecutive frames of `frame_sizes` patches (module docstring): each
-    row holds whole frames' patch indices, -1 in the empty slots. rows / length: at least these (a batch whose
-    parts share one shape)."""
+    row holds whole frames' patch indices, -1 in the empty slots."""
     sizes = np.asarray(frame_sizes, np.int64)
     packed, R, L = _pack(sizes)
-    R, L = max(R, rows), max(L, length)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     layout = np.full((R, L), -1, np.int32)
     for r, frames in enumerate(packed):
@@ -91,7 +89,7 @@ def frame_layout(frame_sizes, *, rows: int = 0, length: int = 0) -> np.ndarray:
 
 
 def pad_layout(layout: np.ndarray, rows: int, length: int) -> np.ndarray:
-    """`layout` [R, L] grown to [rows, length] with empty slots (-1)."""
+    """`layout` [R, L] grown to [rows, length] with empty slots (-1): micro-batches that share one shape."""
     out = np.full((rows, length), -1, np.int32)
     out[:layout.shape[0], :layout.shape[1]] = layout
     return out
