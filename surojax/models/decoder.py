@@ -56,7 +56,7 @@ from surojax.models.kv import CONV_STACK, LINEAR_STACK, Cache, ConvShape, KVCach
 from surojax.models.layer_runner import (KV_FROM, KV_STORE, HiddenStates, LayerPattern, LayerRunner, LayerScan, LayerType,
                                          on_device)
 from surojax.models.layers.attention import Attention
-from surojax.models.layers.attention_backend import AttentionBackend
+from surojax.models.layers.attention_backend import AttentionBackend, AttentionKind, as_attention_backend
 from surojax.models.layers.gated_deltanet import GatedDeltaNet
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.mlp import ACTIVATIONS, MLP
@@ -334,6 +334,9 @@ class Decoder(nnx.Module):
         # keeps its parameters out of the optimizer with `vision_filter`)
         self.visual: VisionTower | None = nnx.data(None)
         self.train_vision: bool = False
+        # static: the tower's attention through cuDNN (the backend resolved to cudnn; bf16 / fp16 only: block.py)
+        self.vision_cudnn: bool = (as_attention_backend(attention).resolved(jax.default_backend()).kind
+                                   is AttentionKind.CUDNN)
 
     @property
     def layer_pattern(self) -> LayerPattern:
@@ -439,7 +442,7 @@ class Decoder(nnx.Module):
             raise ValueError(f"{self.cfg.model_type}: images given but the model has no vision tower (its checkpoint "
                              "has no model.visual.* tensors, or the model was built without one)")
         B, T, D = h.shape
-        out = self.visual(images.pixel_values, images.grid(), dtype=self.dtype)
+        out = self.visual(images.pixel_values, images.grid(), dtype=self.dtype, cudnn=self.vision_cudnn)
         merged, deepstack = out.merged, out.deepstack
         if merged.shape[0] != images.token_index.shape[0]:
             raise ValueError(f"images: {merged.shape[0]} merged rows for {images.token_index.shape[0]} token "

@@ -400,7 +400,7 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
                 optimizer_shards: int = 1, layerwise_update: bool = False,
                 fp8_weight_cache: bool = False, expert_weight_bytes: float | None = None,
                 kernel_weight_bytes: float | None = None, vision_patches: int = 0,
-                train_vision: bool = False) -> MemoryPlan:
+                vision_frame_patches: int = 0, train_vision: bool = False) -> MemoryPlan:
     """Peak device memory of one training step, by component (bytes; see the module docstring).
 
     unroll: the layer loop's `unroll_layers` (True or an int >= the layer count: every layer inlined).
@@ -419,8 +419,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
     a pre-quantised checkpoint: `QuantFormat.bytes_per_value`); expert_weight_bytes, when given, for the experts.
     A vision-language model (config.json's vision_config): its tower's weights (frozen: in the compute dtype, no
     gradients or optimizer state; `train_vision`: as the full fine-tune's weights) and the activations of
-    `vision_patches` patches a micro-batch (models/vision/counts.py) join the weights / gradients / optimizer /
-    activations; `ModelConfig.num_params()` (the text model's) leaves the tower out."""
+    `vision_patches` patches a micro-batch in frames of at most `vision_frame_patches` (0: unknown, one frame of
+    them all; models/vision/counts.py) join the weights / gradients / optimizer / activations; `ModelConfig.num_params()` (the text model's) leaves the tower out."""
     if mode not in ("lora", "full"):
         raise ValueError(f"mode {mode!r}: expected lora or full")
     settings = dict(mode=mode, recipe=recipe, rank=rank, targets=targets, batch=batch, seq=seq, recompute=recompute,
@@ -430,7 +430,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
                     unroll=unroll, weight_shards=weight_shards, gradient_shards=gradient_shards,
                     optimizer_shards=optimizer_shards, layerwise_update=layerwise_update, fp8_weight_cache=fp8_weight_cache,
                     expert_weight_bytes=expert_weight_bytes, kernel_weight_bytes=kernel_weight_bytes,
-                    vision_patches=vision_patches, train_vision=train_vision)
+                    vision_patches=vision_patches, vision_frame_patches=vision_frame_patches,
+                    train_vision=train_vision)
     cfg = model_cfg
     recipe = Recipe(recipe)
     fp32 = recipe is Recipe.FP32
@@ -532,7 +533,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
             optimizer_bytes += n * _OPT_BYTES.get(optimizer, 8)
         else:
             weights += n * c
-        activations += tower_activation_bytes(vision, vision_patches, c=c, trains=trains)
+        activations += tower_activation_bytes(vision, vision_patches, c=c, trains=trains,
+                                              frame_patches=vision_frame_patches)
     return MemoryPlan(weights=int(weights), cast_weights=int(cast), adapters=int(adapters), gradients=int(gradients),
                       optimizer=int(optimizer_bytes), activations=int(activations), logits=int(logits),
                       workspace=int(workspace), host=int(host), settings=settings, model_cfg=model_cfg)

@@ -149,7 +149,7 @@ def chunk_images(group, R: int, T: int, tokens: VisionTokens) -> ImageInputs | N
                        rotary_positions=padded(grid.rotary_positions), interp_indices=padded(grid.interp_indices),
                        interp_weights=padded(grid.interp_weights),
                        patch_segments=padded(grid.segment_ids, int(grid.segment_ids.max()) + 1),
-                       token_index=token_index)
+                       token_index=token_index, attention_layout=grid.attention_layout)
 
 
 __all__ = ["RequestImages", "chunk_images", "group_rope_delta", "group_rope_positions",

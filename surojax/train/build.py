@@ -111,7 +111,8 @@ def memory_plan_of(spec: RunSpec, chunk: int, *, recompute: Recompute | None = N
                accum=spec.batch.accumulation, layerwise_update=mem.optimizer_layerwise,
                expert_weight_bytes=packed.bytes_per_value if packed is not None and packed.keep else None,
                kernel_weight_bytes=None if prequantized is None else FORMATS[prequantized].bytes_per_value(),
-               vision_patches=spec.batch.image_patches, train_vision=spec.model.train_vision, **divisors)
+               vision_patches=spec.batch.image_patches, vision_frame_patches=spec.batch.image_frame_patches,
+               train_vision=spec.model.train_vision, **divisors)
     transforms = run_transforms(spec, mesh) if transforms is None else transforms
     return plan_memory(spec.model.config, **{**own, **memory_settings(transforms)})
 

@@ -5,9 +5,10 @@
       -- prepare_images per micro-batch (models/vision/inputs.py) -->
     {tokens.. [A, B, T], rope_positions [A, 3, B, T], images: ImageInputs with a leading [A] axis}
 
-The ImageInputs' shapes depend only on the patch bucket (P_pad of the split: merge_size^2 x a power of two), so the
-jitted step compiles once per bucket; a micro-batch without images gets an all-padding ImageInputs of the same
-bucket (its merged rows are dropped by the scatter: token_index B * T). A batch with no image at all has no
+The ImageInputs' shapes depend only on the patch bucket (P_pad of the split: merge_size^2 x a power of two) and the
+attention layout's [R, L] (grid.py's layout_bucket; the micro-batches' layouts padded to the largest), so the jitted step
+compiles once per bucket and layout shape; a micro-batch without images gets an all-padding ImageInputs of the same
+shapes (its merged rows are dropped by the scatter: token_index B * T; its layout all empty). A batch with no image at all has no
 `images` key (the rope positions alone: one more compile, the text rows' M-RoPE positions). The collated
 rope_positions are recomputed by prepare_images (the model's own function; the data's are the same values).
 
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from surojax.data.image_batch import IMAGE_KEYS, ROPE_KEY, patch_bucket, split_image_batch
+from surojax.models.vision.grid import pad_layout
 from surojax.models.vision.inputs import ImageInputs, VisionTokens, prepare_images
 
 IMAGES_KEY = "images"
@@ -44,7 +46,8 @@ def _padding_images(bucket: int, rows: int, seq: int, like: ImageInputs) -> Imag
     """An ImageInputs of `bucket` padding patches (no image): every merged row dropped by the scatter."""
     group = like.pixel_values.shape[0] // like.token_index.shape[0]
     return ImageInputs(*(np.zeros((bucket, *x.shape[1:]), x.dtype) for x in like[:5]),
-                       token_index=np.full((bucket // group,), rows * seq, like.token_index.dtype))
+                       token_index=np.full((bucket // group,), rows * seq, like.token_index.dtype),
+                       attention_layout=np.full_like(like.attention_layout, -1))
 
 
 def step_image_batch(batch: Mapping[str, np.ndarray], tokens: VisionTokens, parts: int) -> dict:
@@ -62,8 +65,10 @@ def step_image_batch(batch: Mapping[str, np.ndarray], tokens: VisionTokens, part
     if not real:
         return out
     rows, seq = split["tokens"].shape[1:]
-    parts_images = [p.images if p.images is not None else _padding_images(bucket, rows, seq, real[0])
-                    for p in prepared]
+    shape = tuple(max(im.attention_layout.shape[i] for im in real) for i in (0, 1))
+    real = [im._replace(attention_layout=pad_layout(im.attention_layout, *shape)) for im in real]
+    parts_images = [p.images._replace(attention_layout=pad_layout(p.images.attention_layout, *shape))
+                    if p.images is not None else _padding_images(bucket, rows, seq, real[0]) for p in prepared]
     out[IMAGES_KEY] = ImageInputs(*(np.stack(xs) for xs in zip(*parts_images)))
     return out
 
@@ -86,3 +91,14 @@ def planned_patches(row_sets, micro_rows: int, merge_size: int) -> int:
                           for b in rows.bins), reverse=True)
         most = max(most, sum(per_row[:micro_rows]))
     return patch_bucket(most, merge_size)
+
+
+def planned_frame_patches(row_sets) -> int:
+    """The most patches of one image frame (h x w of a grid) in the packed row sets given: the memory plan's bound
+    on the tower's attention rows (models/vision/counts.py)."""
+    most = 0
+    for rows in row_sets:
+        for example in getattr(rows, "image_examples", None) or ():
+            if example is not None and len(example.image_grid_thw):
+                most = max(most, int(np.max(np.prod(np.asarray(example.image_grid_thw)[:, 1:], axis=1))))
+    return most

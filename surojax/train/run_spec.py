@@ -178,6 +178,7 @@ class BatchSpec:
     accumulation: int
     sequence_len: int
     image_patches: int = 0  # the most image patches of a micro-batch (its bucket; the memory plan's vision term)
+    image_frame_patches: int = 0  # the most patches of one image frame (its attention rows; 0: unknown)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,7 +51,7 @@ from surojax.train.build import build_run, count_params, data_parallel_size
 from surojax.train.checkpoint_match import CONFIG_META_KEY, check as check_checkpoint, config_record, open_step
 from surojax.train.checkpoints import Checkpointer, key_to_array
 from surojax.train.image_inputs import (IMAGES_KEY, ImageBatchError, eval_image_batch, is_image_batch,
-                                       planned_patches, step_image_batch)
+                                       planned_frame_patches, planned_patches, step_image_batch)
 from surojax.train.interrupts import Interrupts
 from surojax.train.loop_spec import loop_spec
 from surojax.train.metrics import Metrics, plot_loss, set_aside as set_aside_metrics
@@ -169,7 +169,9 @@ class Trainer:
         if self.data.stats.images:  # the memory plan counts the tower's activations of the largest micro-batch
             patches = planned_patches((self.data.train_rows, self.data.eval_rows), B,
                                       self._vision_tokens().vision.spatial_merge_size)
-            self.spec = self.spec.replace(batch=dataclasses.replace(self.spec.batch, image_patches=patches))
+            frame = planned_frame_patches((self.data.train_rows, self.data.eval_rows))
+            self.spec = self.spec.replace(batch=dataclasses.replace(self.spec.batch, image_patches=patches,
+                                                                    image_frame_patches=frame))
         if self.tokenizer.vocab_size > self.spec.model.config.vocab_size:
             raise TrainSetupError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size is "
                                   f"{self.spec.model.config.vocab_size}")

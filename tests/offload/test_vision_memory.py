@@ -59,3 +59,17 @@ def test_tower_flops_per_patch_match_xlas_count():
     cost = run.lower(tower, jax.ShapeDtypeStruct((64, v.patch_dim), jnp.float32)).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     np.testing.assert_allclose(tower_flops_per_patch(v, 64) * 64, cost["flops"], rtol=0.02)
+
+
+def test_attention_activations_grow_with_patches_times_frame():
+    """Frames of at most 256 patches: twice the patches, about twice the bytes (the [R, L] layout); unknown frames
+    (one frame of all the patches) grow with the square; the plan passes the frame bound through."""
+    v = VisionConfig(depth=2, hidden_size=256, intermediate_size=512, num_heads=4, patch_size=4, out_hidden_size=128,
+                     num_position_embeddings=16, deepstack_visual_indexes=())
+    framed = [tower_activation_bytes(v, n, c=2, trains=False, frame_patches=256) for n in (4096, 8192)]
+    one_frame = [tower_activation_bytes(v, n, c=2, trains=False) for n in (4096, 8192)]
+    assert framed[1] / framed[0] < 2.2 and one_frame[1] / one_frame[0] > 3.5
+    cfg = ModelConfig.from_hf(json.loads((MODELS / "qwen3_vl" / "config.json").read_text()))
+    common = dict(mode="lora", recipe="bf16", batch=2, seq=64, vision_patches=4096)
+    assert (plan_memory(cfg, **common, vision_frame_patches=256).activations
+            < plan_memory(cfg, **common).activations)

@@ -2,8 +2,10 @@
 
 - config.py: `VisionConfig`, the checkpoint's vision_config read (or refused) key by key;
 - grid.py: host-side tables computed from `grid_thw` (rotary positions, learned-position interpolation taps,
-  per-frame attention segments): data-dependent shapes stay out of the traced model;
-- block.py: one pre-norm block (LayerNorm, attention with the 2-D rotary, GELU MLP);
+  per-frame attention segments, the attention layout: whole frames packed into rows): data-dependent shapes stay
+  out of the traced model;
+- block.py: one pre-norm block (LayerNorm, attention with the 2-D rotary on the layout's rows, never the
+  [heads, N, N] matrix of all patches; GELU MLP);
 - merger.py: the patch merger (merge_size**2 neighbouring patches -> one language-model token);
 - tower.py: `VisionTower`, patch embedding + learned positions + blocks + merger + deepstack mergers;
 - hf_weights.py: the tower's parameters from and to transformers' tensor names (`model.visual.*`);

@@ -4,6 +4,15 @@ Attention: one fused qkv projection [D, 3D] with bias, heads of D / num_heads, t
 half of each head's frequencies from the patch row, the second half from the column, both halves repeated as
 rotate_half expects; applied in fp32), non-causal softmax attention (fp32 softmax) within each frame only
 (`segment_ids`), output projection with bias. MLP: fc1 -> hidden_act -> fc2, both with bias.
+
+Per-frame attention without the [heads, N, N] matrix (`frame_attention`): the host's `attention_layout` [R, L]
+(grid.py: whole frames packed into R rows of L slots) gathers q, k, v into [R, L, heads, hd]; each row attends with
+its frames' segment mask ([heads, R, L, L] scores, O(N * L) for N patches and frames of at most L), and the outputs
+go back to their patches by a scatter. A real patch's softmax runs over exactly its frame's keys, as the dense
+masked form did (the masked entries were exp(-inf) = 0). Empty slots share the segment -1 (finite, dropped); a
+padding patch no row holds gets zeros. With `cudnn` (the decoder's attention backend resolved to cudnn) and a
+bf16 / fp16 compute dtype, the rows go to cuDNN's fused attention through jax.nn.dot_product_attention with the
+segment mask [R, 1, L, L] (no [heads, R, L, L] scores in memory); otherwise the einsum form above (fp32 softmax).
 """
 from __future__ import annotations
 
@@ -51,16 +60,38 @@ class VisionAttention(nnx.Module):
         self.qkv = Linear(d, 3 * d, ("embed", "heads"), use_bias=True, param_dtype=param_dtype, rngs=rngs)
         self.proj = Linear(d, d, ("heads", "embed"), use_bias=True, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
+                 layout: jax.Array, cudnn: bool = False) -> jax.Array:
         n = x.shape[0]
         q, k, v = jnp.moveaxis(self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim), 1, 0)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        scores = jnp.einsum("qhd,khd->hqk", q, k) * jnp.asarray(self.head_dim ** -0.5, q.dtype)
-        same_frame = segment_ids[:, None] == segment_ids[None, :]
-        scores = jnp.where(same_frame[None], scores.astype(jnp.float32), -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
-        return self.proj(out)
+        fused = "cudnn" if cudnn and q.dtype in (jnp.bfloat16, jnp.float16) else None
+        out = frame_attention(q, k, v, segment_ids, layout, self.head_dim ** -0.5, implementation=fused)
+        return self.proj(out.reshape(n, -1))
+
+
+def frame_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, layout: jax.Array,
+                    scale: float, implementation: str | None = None) -> jax.Array:
+    """q, k, v [N, heads, hd], segment_ids [N], layout [R, L] (-1 = empty) -> [N, heads, hd]: softmax attention
+    within each frame, computed row by row of the layout (module docstring). implementation: None the einsum form;
+    "cudnn" / "xla" jax.nn.dot_product_attention's."""
+    n = q.shape[0]
+    slots = jnp.where(layout < 0, n, layout)  # out of range: gathers zeros, scatters nothing
+
+    def rows(t):
+        return jnp.take(t, slots, axis=0, mode="fill", fill_value=0)  # [R, L, ...]
+
+    segments = rows(segment_ids.astype(jnp.int32) + 1) - 1  # empty slots -> -1
+    same_frame = segments[:, :, None] == segments[:, None, :]
+    if implementation is not None:
+        out = jax.nn.dot_product_attention(rows(q), rows(k), rows(v), mask=same_frame[:, None], scale=scale,
+                                           implementation=implementation)
+        return jnp.zeros_like(q).at[slots].set(out, mode="drop")
+    scores = jnp.einsum("rqhd,rkhd->rhqk", rows(q), rows(k)) * jnp.asarray(scale, q.dtype)
+    scores = jnp.where(same_frame[:, None], scores.astype(jnp.float32), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("rhqk,rkhd->rqhd", probs, rows(v))
+    return jnp.zeros_like(q).at[slots].set(out, mode="drop")
 
 
 class VisionMLP(nnx.Module):
@@ -82,6 +113,7 @@ class VisionBlock(nnx.Module):
         self.attn = VisionAttention(cfg, param_dtype=param_dtype, rngs=rngs)
         self.mlp = VisionMLP(cfg, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        x = x + self.attn(self.norm1(x), cos, sin, segment_ids)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
+                 layout: jax.Array, cudnn: bool = False) -> jax.Array:
+        x = x + self.attn(self.norm1(x), cos, sin, segment_ids, layout, cudnn)
         return x + self.mlp(self.norm2(x))

@@ -15,6 +15,7 @@ frame of `frame` patches). The training step's backward pass adds 2x where the t
 from __future__ import annotations
 
 from surojax.models.vision.config import VisionConfig
+from surojax.models.vision.grid import layout_bucket
 
 
 def _merger_params(v: VisionConfig, postshuffle: bool) -> int:
@@ -46,17 +47,33 @@ def tower_flops_per_patch(v: VisionConfig, frame_patches: int) -> float:
     return 2.0 * (matmul + mergers) + v.depth * 4.0 * frame_patches * H
 
 
-def tower_activation_bytes(v: VisionConfig, patches: int, *, c: int, trains: bool) -> int:
-    """Device bytes of the tower's activations for `patches` patches of a micro-batch, in the compute dtype (c bytes).
-    Frozen: nothing is kept for the backward pass, so the peak is one block's working set (its input, qkv, the fp32
-    scores and probabilities [heads, P, P] of its attention, the MLP's I-wide hidden) plus the merged rows and
-    deepstack features the decoder reads. Trained: every block keeps its inputs (about 8H + 2I values a patch) and
-    its attention probabilities for the backward pass, besides that working set."""
+def attention_rows_bound(patches: int, frame_patches: int = 0) -> tuple[int, int]:
+    """The largest attention layout (R, L) grid.py's `frame_layout` builds for `patches` patches in frames of at
+    most `frame_patches` (0: unknown, one frame of all of them): L = the frame's `layout_bucket`; one row when L
+    holds every patch, else at most floor((2 * patches - 1) / L) + 1 (first fit leaves at most one row half empty),
+    bucketed the same way."""
+    patches = max(int(patches), 1)
+    frame = min(int(frame_patches), patches) if frame_patches else patches
+    length = layout_bucket(frame)
+    rows = 1 if length >= patches else (2 * patches - 1) // length + 1
+    return layout_bucket(rows), length
+
+
+def tower_activation_bytes(v: VisionConfig, patches: int, *, c: int, trains: bool, frame_patches: int = 0) -> int:
+    """Device bytes of the tower's activations for `patches` patches of a micro-batch, in frames of at most
+    `frame_patches` (0: unknown, one frame), in the compute dtype (c bytes). Attention runs on the [R, L] layout
+    (attention_rows_bound): its scores, softmax (fp32) and probabilities are [heads, R, L, L], O(patches x frame),
+    plus q, k, v and the output gathered into R x L slots. Frozen: nothing is kept for the backward pass, so the
+    peak is one block's working set (its input, qkv, that attention, the MLP's I-wide hidden) plus the merged rows
+    and deepstack features the decoder reads. Trained: every block keeps its inputs (about 8H + 2I values a patch)
+    and its attention probabilities and gathered q, k, v for the backward pass, besides that working set."""
     H, I = v.hidden_size, v.intermediate_size
+    R, L = attention_rows_bound(patches, frame_patches)
     outputs = (1 + len(v.deepstack_visual_indexes)) * patches // v.spatial_merge_size ** 2 * v.out_hidden_size * c
-    attention = v.num_heads * patches * patches * (4 + 4 + c)  # scores, softmax (fp32), probabilities
+    scores = v.num_heads * R * L * L
+    attention = scores * (4 + 4 + c) + 4 * R * L * H * c  # scores, softmax, probabilities; q, k, v, out in slots
     working = patches * (5 * H + 2 * I) * c + attention
     if not trains:
         return int(working + outputs)
-    kept = v.depth * (patches * (8 * H + 2 * I) * c + v.num_heads * patches * patches * c)
+    kept = v.depth * (patches * (8 * H + 2 * I) * c + scores * c + 3 * R * L * H * c)
     return int(kept + working + outputs)

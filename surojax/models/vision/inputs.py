@@ -1,12 +1,14 @@
 """The decoder's image input: host-side preparation of everything data-dependent, and the jit-friendly result.
 
 A batch of token rows [B, T] (packed or not) with its images -> `ImageBatch`:
-- `images: ImageInputs`, arrays whose shapes depend only on the patch bucket: the pixel rows [Pb, patch_dim]
-  (every row's images in row order, then zero rows), the tower's per-patch tables (grid.py: 2-D rotary positions,
-  learned-position taps, attention segments: one per frame, the padding patches one of their own), and
-  `token_index` [Pb / m^2]: the flat index b * T + t of the image token each merged tower row replaces (the merged
-  rows come in image order, and so do the image tokens in flat order: transformers' masked_scatter), B * T for the
-  padding rows (dropped by the scatter). A training loop compiles once per patch bucket (`patch_bucket`).
+- `images: ImageInputs`, arrays whose shapes depend only on the patch bucket and the attention layout: the pixel
+  rows [Pb, patch_dim] (every row's images in row order, then zero rows), the tower's per-patch tables (grid.py:
+  2-D rotary positions, learned-position taps, attention segments: one per frame, the padding patches one of their
+  own), the attention layout [R, L] (grid.py's `frame_layout`: the frames packed into rows; no row holds a padding
+  patch) and `token_index` [Pb / m^2]: the flat index b * T + t of the image token each merged tower row replaces
+  (the merged rows come in image order, and so do the image tokens in flat order: transformers' masked_scatter),
+  B * T for the padding rows (dropped by the scatter). A training loop compiles once per patch bucket
+  (`patch_bucket`) and layout shape (grid.py's `layout_bucket`: R from the packing, L from the largest frame).
 - `rope_positions [3, B, T]`: M-RoPE positions (mrope.py's get_rope_index) per segment: each segment of a packed row
   (segment ids 1..k, 0 = padding) is placed as transformers places it alone (positions restart at 0; its images are
   the next grids in order); padding tokens take position 0. A text-only segment's three rows are 0..n-1, the 1-D
@@ -68,12 +70,13 @@ class ImageInputs(NamedTuple):
     interp_weights: jax.Array    # [Pb, 4] float32
     patch_segments: jax.Array    # [Pb] int32
     token_index: jax.Array       # [Pb / m^2] int32, B * T = padding
+    attention_layout: jax.Array  # [R, L] int32 patch indices, -1 = empty slot
 
     def grid(self) -> VisionGrid:
         """The tower's tables (grid_thw is not needed in the traced model: an empty placeholder)."""
         return VisionGrid(grid_thw=np.zeros((0, 3), np.int64), rotary_positions=self.rotary_positions,
                           interp_indices=self.interp_indices, interp_weights=self.interp_weights,
-                          segment_ids=self.patch_segments)
+                          segment_ids=self.patch_segments, attention_layout=self.attention_layout)
 
 
 class ImageBatch(NamedTuple):
@@ -217,5 +220,5 @@ def prepare_images(tokens: VisionTokens | ModelConfig, input_ids, pixel_values, 
         rotary_positions=padded(grid.rotary_positions), interp_indices=padded(grid.interp_indices),
         interp_weights=padded(grid.interp_weights),
         patch_segments=padded(grid.segment_ids, int(grid.segment_ids.max()) + 1),
-        token_index=token_index)
+        token_index=token_index, attention_layout=grid.attention_layout)
     return ImageBatch(images, positions, deltas)

@@ -3,7 +3,7 @@
 pixel_values [N, C * T * P * P] (the image processor's rows, merge-block order)
   -> patch_embed: the Conv3d whose kernel equals its stride is a linear map of each row (kernel [C*T*P*P, D], bias)
   -> + learned positions: the side x side table resampled bilinearly to each frame's grid (`grid.py`'s taps)
-  -> blocks (2-D rotary from each patch's row / col; attention within a frame)
+  -> blocks (2-D rotary from each patch's row / col; attention within a frame, on grid.py's attention layout)
      after block i in deepstack_visual_indexes: deepstack merger j -> features j [N / m^2, out_hidden_size]
   -> merger -> [N / m^2, out_hidden_size]: one row per image placeholder token of the language model.
 
@@ -66,9 +66,10 @@ class VisionTower(nnx.Module):
             PatchMerger(cfg, postshuffle_norm=True, param_dtype=param_dtype, rngs=rngs)
             for _ in cfg.deepstack_visual_indexes])
 
-    def __call__(self, pixel_values: jax.Array, grid: VisionGrid, dtype=None) -> VisionOutput:
+    def __call__(self, pixel_values: jax.Array, grid: VisionGrid, dtype=None, cudnn: bool = False) -> VisionOutput:
         """pixel_values [N, patch_dim] for `grid` (vision_grid(grid_thw, ...)) -> VisionOutput; `dtype` the compute
-        dtype (default: pixel_values')."""
+        dtype (default: pixel_values'); `cudnn`: the blocks' attention through cuDNN where the dtype allows
+        (block.py)."""
         cfg = self.cfg
         if pixel_values.ndim != 2 or pixel_values.shape != (grid.num_patches, cfg.patch_dim):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)}: expected [{grid.num_patches}, "
@@ -78,10 +79,10 @@ class VisionTower(nnx.Module):
         x = self.patch_embed(x)
         x = x + self.pos_embed(jnp.asarray(grid.interp_indices), jnp.asarray(grid.interp_weights)).astype(x.dtype)
         cos, sin = rotary_cos_sin(jnp.asarray(grid.rotary_positions), cfg)
-        segment_ids = jnp.asarray(grid.segment_ids)
+        segment_ids, layout = jnp.asarray(grid.segment_ids), jnp.asarray(grid.attention_layout)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, segment_ids)
+            x = block(x, cos, sin, segment_ids, layout, cudnn)
             if i in cfg.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[cfg.deepstack_visual_indexes.index(i)](x))
         return VisionOutput(merged=self.merger(x), deepstack=tuple(deepstack), last_hidden=x)
