@@ -334,9 +334,12 @@ class Decoder(nnx.Module):
         # keeps its parameters out of the optimizer with `vision_filter`)
         self.visual: VisionTower | None = nnx.data(None)
         self.train_vision: bool = False
-        # static: the tower's attention through cuDNN (the backend resolved to cudnn; bf16 / fp16 only: block.py)
-        self.vision_cudnn: bool = (as_attention_backend(attention).resolved(jax.default_backend()).kind
-                                   is AttentionKind.CUDNN)
+        # static: the tower's attention through cuDNN (bf16 / fp16 only: block.py). Off until measured on a GPU:
+        # the route's arguments are checked on the CPU through the xla kernel only (tests/models/
+        # test_vision_attention.py); issue 41's campaign A/Bs it (`vision_cudnn_available` says where it could run)
+        self.vision_cudnn: bool = False
+        self.vision_cudnn_available: bool = (as_attention_backend(attention).resolved(jax.default_backend()).kind
+                                             is AttentionKind.CUDNN)
 
     @property
     def layer_pattern(self) -> LayerPattern:
