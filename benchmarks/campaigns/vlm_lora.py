@@ -29,7 +29,7 @@ import os
 import sys
 import time
 
-from lora_pair import ROOT, out_of_memory, print_table, report, run
+from lora_pair import ROOT, print_table, run, run_halving
 
 RUNS = ("ours", "hf", "serve")
 
@@ -98,20 +98,9 @@ def main() -> int:
                 print(f"[serve users {r['users']}] {wall:.0f}s decode {r['decode_tok_s']:.0f} tok/s, TTFT p50 "
                       f"{r['ttft_p50_ms']:.0f} ms", flush=True)
             continue
-        batch, row = a.batch, None
-        while row is None and batch >= 1:
-            left = deadline - time.monotonic()
-            if left < 30:
-                print(f"[{name}] skipped: {left:.0f}s of --budget-s left", flush=True)
-                break
-            make = ours_args if name == "ours" else anchor_args
-            rc, out, wall = run(make(shape, batch=batch, seq=a.seq, side=a.side, steps=steps), env, min(300, left))
-            row = report(f"{shape} {name} b{batch}", rc, out, wall)
-            if row is None and out_of_memory(out) and batch > 1:
-                print(f"[{name}] out of memory at batch {batch}: retried at {batch // 2}", flush=True)
-                batch //= 2
-                continue
-            break
+        make = ours_args if name == "ours" else anchor_args
+        row = run_halving(f"{shape} {name}", lambda b: make(shape, batch=b, seq=a.seq, side=a.side, steps=steps),
+                          a.batch, env, deadline, 300)
         if row is not None:
             figures[name] = row["tokens_per_s"]
         table.append((shape, name, row))
