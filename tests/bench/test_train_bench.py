@@ -146,7 +146,7 @@ def test_bench_train_images_builds_the_trainers_image_batches(capsys):
     """--images SIDE: one image opens each row (vision start, (SIDE/16)^2/4 image tokens, vision end; the image
     tokens unsupervised), split into micro-batches by the Trainer's image path (ImageInputs, M-RoPE positions
     that stop counting along the image), and the step trains LoRA with the tower frozen."""
-    from surojax.bench.train_bench import synthetic_image_rows
+    from surojax.bench.image_rows import synthetic_image_rows
     from surojax.models.vision.inputs import VisionTokens
     from surojax.train.image_inputs import IMAGES_KEY, step_image_batch
 
