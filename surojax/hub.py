@@ -14,8 +14,9 @@ Names that look like paths (./x, /x, ~/x, a/b/c, or ending in a file suffix such
 Models (`model_path`) go through huggingface_hub's snapshot_download into the hub cache transformers shares
 ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub), in two steps:
     head      the small files (HEAD_FILES: config, generation config, safetensors index, adapter config, tokenizer
-              files, chat templates); a bad id, a missing revision, a gated repo (401/403) or no network fails here
-              on a few KB, and surojax.weights.model_ref validates config.json before the next step;
+              files, chat templates, a vision model's image processor); a bad id, a missing revision, a gated
+              repo (401/403) or no network fails here on a few KB, and surojax.weights.model_ref validates
+              config.json before the next step;
     weights   exactly the files the head names: the index's shards or model.safetensors, adapter_model.safetensors;
               never *.bin / *.pt / onnx / original/ copies.
 The client shows the progress bar, resumes partial downloads and sends HF_TOKEN. The revision resolves once per
@@ -53,7 +54,7 @@ Kind = Literal["model", "dataset"]
 HEAD_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "adapter_config.json",
               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-              "additional_chat_templates/*.jinja")
+              "additional_chat_templates/*.jinja", "preprocessor_config.json")
 PATH_SUFFIXES = (".json", ".jsonl", ".ndjson", ".parquet", ".csv", ".arrow", ".txt", ".yaml", ".yml", ".gguf",
                  ".safetensors", ".bin", ".pt")
 _REPO = r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*"

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from lora_pair import ROOT, anchor_args, out_of_memory, ours_args, print_ratios, print_table, report, run
+from lora_pair import ROOT, anchor_args, ours_args, print_ratios, print_table, run_halving
 
 SIZES = {"gemma3-4b": dict(batch=4, steps=5, repeats=2, timeout=270),
          "lfm2-1.2b": dict(batch=8, steps=5, repeats=2, timeout=200),
@@ -51,21 +51,12 @@ def main() -> int:
         for name in a.runs.split(","):
             if name not in RUNS:
                 raise SystemExit(f"gemma_lfm2_lora: unknown run {name!r} (expected {', '.join(RUNS)})")
-            batch, row = a.batch or spec["batch"], None
-            while row is None and batch >= 1:
-                left = deadline - time.monotonic()
-                if left < 30:
-                    print(f"[{shape} {name}] skipped: {left:.0f}s of --budget-s left", flush=True)
-                    break
-                args = ours_args(shape, batch=batch, seq=a.seq, steps=spec["steps"], repeats=spec["repeats"]) \
-                    if name == "ours" else anchor_args(shape, batch=batch, seq=a.seq, steps=spec["steps"])
-                rc, out, wall = run(args, env, min(spec["timeout"], left))
-                row = report(f"{shape} {name} b{batch}", rc, out, wall)
-                if row is None and out_of_memory(out) and batch > 1:
-                    print(f"[{shape} {name}] out of memory at batch {batch}: retried at {batch // 2}", flush=True)
-                    batch //= 2
-                    continue
-                break
+            def args_for(batch, name=name, spec=spec):
+                if name == "ours":
+                    return ours_args(shape, batch=batch, seq=a.seq, steps=spec["steps"], repeats=spec["repeats"])
+                return anchor_args(shape, batch=batch, seq=a.seq, steps=spec["steps"])
+
+            row = run_halving(f"{shape} {name}", args_for, a.batch or spec["batch"], env, deadline, spec["timeout"])
             if row is not None:
                 figures[name] = row["tokens_per_s"]
             table.append((shape, name, row))

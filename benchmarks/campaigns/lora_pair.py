@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +68,25 @@ def report(label: str, rc: int, out: str, wall: float) -> dict | None:
     else:
         print(f"[{label}] {wall:.0f}s " + json.dumps({k: row.get(k) for k in KEEP if k in row}), flush=True)
     return row
+
+
+def run_halving(label: str, args_for: Callable[[int], list[str]], batch: int, env: dict, deadline: float,
+                timeout: float) -> dict | None:
+    """Run `args_for(batch)` (at most `timeout` s, never past `deadline`, a time.monotonic() value); a run out of
+    device memory is retried at half the batch, down to 1 row. Each run's line printed; the last record or None."""
+    while batch >= 1:
+        left = deadline - time.monotonic()
+        if left < 30:
+            print(f"[{label}] skipped: {left:.0f}s of --budget-s left", flush=True)
+            return None
+        rc, out, wall = run(args_for(batch), env, min(timeout, left))
+        row = report(f"{label} b{batch}", rc, out, wall)
+        if row is None and out_of_memory(out) and batch > 1:
+            print(f"[{label}] out of memory at batch {batch}: retried at {batch // 2}", flush=True)
+            batch //= 2
+            continue
+        return row
+    return None
 
 
 def print_ratios(figures: dict[str, float], name: str, ours: tuple[str, ...], anchors: tuple[str, ...]) -> None:

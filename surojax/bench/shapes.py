@@ -76,6 +76,21 @@ SHAPES: dict[str, dict] = {
     "qwen3-small": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # Qwen3-VL-2B-Instruct (its config.json; transformers 5 keys): the image anchor's model
+    # (benchmarks/anchors/hf_vlm_peft_baseline.py, its SHAPES plus the model_type; a test keeps them equal).
+    "qwen3-vl-2b": dict(
+        model_type="qwen3_vl",
+        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+                         max_position_embeddings=262144, tie_word_embeddings=True,
+                         rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2048,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17],
+                           hidden_act="gelu_pytorch_tanh"),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        tie_word_embeddings=True),
     # CPU-sized: tests and smoke runs.
     "debug": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -100,6 +115,19 @@ SHAPES: dict[str, dict] = {
                          rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
                                               sliding_attention=dict(rope_type="default", rope_theta=1e4)),
                          rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # CPU-sized Qwen3-VL (the image anchor's debug-vl): 2 language layers, a 2-block tower with one deepstack layer.
+    "debug-vl": dict(
+        model_type="qwen3_vl",
+        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True,
+                         rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[4, 2, 2],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh"),
+        image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
+        tie_word_embeddings=True),
     # CPU-sized LFM2: 4 layers (conv, conv, attention, conv).
     "debug-lfm2": dict(model_type="lfm2", vocab_size=512, hidden_size=64, intermediate_size=128,
                        block_auto_adjust_ff_dim=False, num_hidden_layers=4, num_attention_heads=4,

@@ -12,6 +12,12 @@ options become a TrainConfig (validated by the same config check), `run_spec` tu
     batch      [A, B, T] packed rows: `segments` sequences per row with random lengths (>= min_segment),
                random token ids in [1, V) (never zeros), positions restarting per segment, loss mask 1 on
                every token that has a next token in its segment
+    images     `--images SIDE` (a vision-language shape): each row's first sequence opens with one SIDE x SIDE
+               image (<|vision_start|>, its (SIDE / patch)^2 / merge^2 image tokens, <|vision_end|>; the image
+               tokens unsupervised) with random patch rows, collated and split as the Trainer does
+               (train/image_inputs.py: the tower runs in the step, frozen, its pixels replicated); the memory
+               plan counts the micro-batch's patches. tokens/s counts every position; MFU counts the language
+               model's FLOPs only (the tower's are not in it)
 
 Timing (shared/BENCHMARKS.md): the first call compiles (reported as compile_s, which includes one step),
 `warmup` more untimed steps, then `repeats` x `steps` steps, each repeat blocked until ready; step time is
@@ -39,12 +45,15 @@ from surojax.bench.flops import PEAK_BF16_FLOPS, flop_targets, step_flops
 from surojax.bench.quant_base import GGUF_LEGACY_FORMATS, KERNEL_FORMATS, randomize_base
 from surojax.bench.shapes import SHAPES, shape_hf_config
 from surojax.config.load import config_from_dict
+from surojax.bench.image_rows import image_tokens, synthetic_image_rows
+from surojax.data.image_batch import ROPE_KEY, patch_bucket
 from surojax.config.schema import TrainConfig
 from surojax.losses.dpo import DPOSettings, dpo_loss
 from surojax.losses.lm import lm_chunk_tokens
 from surojax.kernel_settings import kernel_settings
 from surojax.models.layers.attention import packed_backend, runs_per_row
 from surojax.models.layers.attention_backend import AUTO as AUTO_ATTENTION, AttentionBackend, as_attention_backend
+from surojax.models.vision.inputs import VisionTokens
 from surojax.offload.memory_plan import MemoryPlan
 from surojax.offload.streaming import host_bytes
 from surojax.parallel import batch_parallel_size, batch_sharding, make_mesh
@@ -52,6 +61,7 @@ from surojax.peft.lora import adapters_disabled
 from surojax.precision.recipe import RECIPES, Recipe
 from surojax.quant.base import QuantFormat
 from surojax.train.build import Run, build_run, memory_plan_of, resolve_layer_loop
+from surojax.train.image_inputs import IMAGES_KEY, step_image_batch
 from surojax.train.run_spec import RunSpec, run_spec
 from surojax.train.step import compiles_steady_next
 
@@ -94,6 +104,7 @@ class BenchConfig:
     task: str = "sft"  # sft: the LM loss on packed rows | dpo: the DPO loss on pairs (`batch` counts pairs)
     parallel: dict | None = None  # config `parallel:` (mesh sizes over every visible device); None: one device
     zero_stage: int | None = None  # config zero_stage (with `parallel`)
+    images: int = 0  # side in pixels of one image per row (a vision-language shape); 0: text rows
 
     def __post_init__(self):
         self.attention = as_attention_backend(self.attention, key="--attention")  # a script's spelling: parsed once
@@ -135,8 +146,26 @@ class BenchConfig:
         if self.quant is not None and (self.offload_base or self.base_format or self.init == "host"):
             raise ValueError("--quant builds its random quantised base on the device; with --offload-base / "
                              "--init host use --base-format (a random GGUF block base built on the host)")
+        if self.images:
+            self.check_images()
         if self.segments * max(self.min_segment, 2) > self.seq:
             raise ValueError(f"--segments {self.segments} x --min-segment {self.min_segment} exceeds --seq {self.seq}")
+
+    def check_images(self) -> None:
+        vision = shape_hf_config(self.shape).get("vision_config")
+        if vision is None:
+            raise ValueError(f"--images: --shape {self.shape} has no vision tower (use a vision-language shape: "
+                             f"{', '.join(n for n, c in SHAPES.items() if 'vision_config' in c)})")
+        if self.task != "sft" or self.parallel is not None or self.zero_stage is not None:
+            raise ValueError("--images: one device, --task sft (the trainer's image batches)")
+        step = vision["patch_size"] * vision["spatial_merge_size"]
+        if self.images < step or self.images % step:
+            raise ValueError(f"--images {self.images}: a positive multiple of {step} (patch x merge size)")
+        room = self.seq if self.segments == 1 else self.min_segment  # the first sequence's shortest length
+        if image_tokens(self.shape, self.images) + 3 > room:
+            raise ValueError(f"--images {self.images}: {image_tokens(self.shape, self.images)} image tokens do not "
+                             f"fit a row's first sequence ({room} tokens at least: --seq {self.seq}, --segments "
+                             f"{self.segments}, --min-segment {self.min_segment})")
 
 
 @functools.cache
@@ -184,6 +213,10 @@ def bench_spec(bc: BenchConfig) -> RunSpec:
     attention = packed_backend(bc.attention, bc.segments)
     init = "host" if (bc.init == "host" or bc.offload_base or bc.base_format) else "jit"
     spec = run_spec(train_config(bc), total_steps=STEPS_PLANNED, attention=attention, init=init)
+    if bc.images:  # the memory plan counts the tower's activations of a micro-batch's patches (as the Trainer)
+        merge = shape_hf_config(bc.shape)["vision_config"]["spatial_merge_size"]
+        patches = bc.batch * image_tokens(bc.shape, bc.images) * merge ** 2
+        spec = spec.replace(batch=dataclasses.replace(spec.batch, image_patches=patch_bucket(patches, merge)))
     if bc.prefetch and not bc.offload_base:
         spec = spec.replace(memory=dataclasses.replace(spec.memory, offload_prefetch=True))
     return spec
@@ -277,7 +310,14 @@ def memory_plan(bc: BenchConfig) -> MemoryPlan:
 
 def place_batch(setup: Run, batch: dict) -> dict:
     sharding = NamedSharding(setup.mesh, P(None, *batch_sharding(setup.mesh).spec))  # as Trainer.batch_sharding
-    return jax.device_put(batch, sharding)
+    if IMAGES_KEY not in batch:
+        return jax.device_put(batch, sharding)
+    rows = batch_sharding(setup.mesh).spec  # as Trainer._device_image_batch: the images replicated
+    images, rope = batch[IMAGES_KEY], batch[ROPE_KEY]
+    out = jax.device_put({k: v for k, v in batch.items() if k not in (IMAGES_KEY, ROPE_KEY)}, sharding)
+    out[ROPE_KEY] = jax.device_put(rope, NamedSharding(setup.mesh, P(None, None, *rows)))
+    out[IMAGES_KEY] = jax.device_put(images, NamedSharding(setup.mesh, P()))
+    return out
 
 
 def _count(tree) -> int:
@@ -335,6 +375,10 @@ def run(bc: BenchConfig, log=None) -> dict:
                                               bc.min_segment)
     if runs_per_row(host_batch["segment_ids"]) > bc.segments:  # the bound the attention backend was built for
         raise AssertionError(f"synthetic rows hold {runs_per_row(host_batch['segment_ids'])} runs > --segments")
+    if bc.images:  # the Trainer's image path: collated rows -> micro-batches with their ImageInputs
+        tokens = VisionTokens.from_config(mcfg)
+        rows_ = synthetic_image_rows(rng, host_batch, tokens, bc.images, int(mcfg.hf_extra["vision_end_token_id"]))
+        host_batch = step_image_batch(rows_, tokens, bc.accum)
     batch = place_batch(setup, host_batch)
     key = jax.random.key(bc.seed)
     trainable, opt_state = setup.trainable, setup.opt_state
@@ -377,6 +421,7 @@ def run(bc: BenchConfig, log=None) -> dict:
         "shape": bc.shape, "mode": bc.mode, "batch": bc.batch, "seq": bc.seq, "accum": bc.accum,
         "devices": n_devices, "mesh": {a: int(n) for a, n in setup.mesh.shape.items() if n != 1},
         "rows": rows, "tokens_per_s": tokens / step_s,
+        "images": bc.images, "image_tokens_per_row": image_tokens(bc.shape, bc.images) if bc.images else 0,
         "step_ms": step_s * 1e3,
         "step_ms_repeats": [t * 1e3 for t in times],
         "peak_gib": _mesh_peak_gib(setup.mesh),  # the highest of the mesh's devices

@@ -15,8 +15,8 @@ import argparse
 from surojax.cli.common import UsageError, load_config_args, positive_int
 
 SHAPE_NAMES = ("qwen3-0.6b", "qwen3-8b", "llama3-8b", "qwen3-32b", "llama3-70b", "qwen3.5-0.8b", "qwen3.5-9b",
-               "gemma3-1b", "gemma3-4b", "lfm2-1.2b", "qwen3-30b-a3b", "qwen3-small", "debug", "debug-moe",
-               "debug-qwen3.5", "debug-gemma3", "debug-lfm2")  # = surojax.bench.shapes.SHAPES
+               "gemma3-1b", "gemma3-4b", "lfm2-1.2b", "qwen3-30b-a3b", "qwen3-small", "qwen3-vl-2b", "debug",
+               "debug-moe", "debug-qwen3.5", "debug-gemma3", "debug-vl", "debug-lfm2")  # = surojax.bench.shapes.SHAPES
 
 
 def _unroll(value: str) -> int | bool | str:
@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3), help="the config's zero_stage")
     g.add_argument("--segments", type=positive_int, default=4, help="sequences packed per row (default 4)")
     g.add_argument("--min-segment", type=positive_int, default=64, help="shortest packed sequence (default 64)")
+    g.add_argument("--images", type=positive_int, default=0, metavar="SIDE",
+                   help="a vision-language shape: one SIDE x SIDE image opens each row's first sequence (random "
+                        "pixels, the tower frozen in the step; --segments 1 for the image anchor's rows)")
     g.add_argument("--offload-base", action="store_true",
                    help="LoRA: keep the stacked base in pinned host memory, streamed one layer at a time")
     g.add_argument("--prefetch", action="store_true",
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                          base_format=args.base_format, init=args.init, optimizer=args.optimizer,
                          offload_optimizer=args.offload_optimizer, offload_master=args.offload_master,
                          optimizer_layerwise=args.optimizer_layerwise,
-                         task=args.task, parallel=args.parallel, zero_stage=args.zero_stage)
+                         task=args.task, parallel=args.parallel, zero_stage=args.zero_stage, images=args.images)
         bc.check()
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     decode_weights(model)
     images = {}
     if args.images:
-        prompt = image_prompt(args, tokenizer, loaded.ref.tokenizer_dir)  # a text model: refused by name
+        prompt = image_prompt(args, tokenizer, loaded.ref.model_dir)  # a text model: refused by name
         if getattr(model, "visual", None) is None:
             raise UsageError(f"--image: {args.model} has no vision tower (no model.visual.* tensors): it takes no "
                              "images")

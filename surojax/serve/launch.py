@@ -27,7 +27,7 @@ from surojax.data.vision_data import TextOnly, VisionData, model_vision
 from surojax.generation.loop import eos_ids
 from surojax.hub import model_path
 from surojax.kernel_settings import kernel_settings
-from surojax.model_loader import load_model_ref
+from surojax.model_loader import LoadedModel, load_model_ref
 from surojax.peft.multi_lora import AdapterSlots
 from surojax.quant.laid_out import decode_weights
 from surojax.serve.api_server import ServerState, build_app
@@ -46,12 +46,16 @@ def _dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
+def load_served(config: ServeConfig) -> LoadedModel:
+    """MODEL is any reference surojax.model_loader loads (an adapter it names is folded in; the quantised kernels
+    of a GGUF file or of a pre-quantised HF checkpoint stay quantised)."""
+    return load_model_ref(config.model, dtype=_dtype(config.dtype), attention=config.attention,
+                          keep_quantized=True, tokenizer_dir=config.tokenizer)
+
+
 def load_for_serving(config: ServeConfig):
-    """-> (model, tokenizer, folder with generation_config.json or None, served name). MODEL is any reference
-    surojax.model_loader loads (an adapter it names is folded in; the quantised kernels of a GGUF file or of a
-    pre-quantised HF checkpoint stay quantised)."""
-    loaded = load_model_ref(config.model, dtype=_dtype(config.dtype), attention=config.attention,
-                            keep_quantized=True, tokenizer_dir=config.tokenizer)
+    """-> (model, tokenizer, folder with generation_config.json or None, served name)."""
+    loaded = load_served(config)
     return loaded.model, loaded.tokenizer, loaded.ref.tokenizer_dir, config.served_model_name or loaded.ref.name
 
 
@@ -86,13 +90,15 @@ def served_vision(model_dir, has_tower: bool = True) -> VisionData | TextOnly:
 def build_server(config: ServeConfig, model=None, tokenizer=None):
     """-> (FastAPI app, ServerState); the engine thread is started. `model`/`tokenizer` skip loading (the
     draft model of speculative decoding is always loaded from its reference)."""
-    model_dir, lora_root = None, None
+    model_dir, vision_dir, lora_root = None, None, None
     if config.lora is not None and config.lora.allow_runtime:
         lora_root = LoraRoot.at(config.lora.root)  # a missing root fails before the weights load
     # --lora-modules NAME=REF: a folder, or a Hub adapter repo fetched now (a bad one fails before the weights load)
     adapters = [(lname, model_path(ref)) for lname, ref in (config.lora.modules if config.lora is not None else ())]
     if model is None:
-        model, tokenizer, model_dir, name = load_for_serving(config)
+        loaded = load_served(config)
+        model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.ref.tokenizer_dir
+        vision_dir, name = loaded.ref.model_dir, config.served_model_name or loaded.ref.name
     else:
         name = config.served_model_name or "model"
     decode_weights(model, join_projections=config.lora is None)  # LoRA slots wrap q / k / v ... by name
@@ -127,7 +133,7 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
                         eos_ids=eos_ids(model_dir, tokenizer, model.cfg), api_key=config.api_key,
                         model_path=str(config.model), lora_root=lora_root,
                         max_request_bytes=config.max_request_bytes,
-                        vision=served_vision(model_dir, engine.runner.vision is not None),
+                        vision=served_vision(vision_dir, engine.runner.vision is not None),
                         allow_remote_images=config.allow_remote_images)
     return build_app(state), state
 

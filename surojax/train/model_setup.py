@@ -22,6 +22,9 @@ import jax
 from flax import nnx
 
 from surojax.models.decoder import Decoder, vision_filter
+from surojax.data.vision_data import VISION_MODEL_TYPES
+from surojax.models.vision.config import VisionConfig
+from surojax.models.vision.tower import VisionTower
 from surojax.models.transform import Transform, apply_transforms, trainable_filter as transforms_filter
 from surojax.offload.placement import Placement
 from surojax.peft.lora_transform import LoraTransform
@@ -91,6 +94,10 @@ def build_model(spec: RunSpec, *, shardings_of: Callable[[nnx.State], nnx.State]
     if m.source is None:
         model = Decoder(m.config, dtype=prec.compute, param_dtype=prec.base, attention=m.attention,
                         rngs=nnx.Rngs(params=m.seed))
+        vision = m.config.hf_extra.get("vision_config")
+        if vision is not None and m.config.model_type in VISION_MODEL_TYPES:  # a VLM's tower, initialised too
+            model.visual = VisionTower(VisionConfig.from_hf(vision, m.config.model_type), param_dtype=prec.base,
+                                       rngs=nnx.Rngs(params=m.seed + 1))
         log.info("initialised %s from scratch (seed %d)", m.config.model_type, m.seed)
     else:
         model = load_base_model(spec, shardings_of=shardings_of)

@@ -421,8 +421,10 @@ def save_model(model: Decoder, out_dir: str | os.PathLike, *, dtype=None, max_sh
     return out_dir
 
 
+# what a saved model, merged model or adapter folder carries beside the weights: the tokenizer, the chat template,
+# generation defaults and a vision model's image processor (without it the folder takes no images)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model", "preprocessor_config.json")
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:

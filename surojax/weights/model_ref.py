@@ -61,6 +61,12 @@ class ModelRef:
     source: str
 
     @property
+    def model_dir(self) -> Path | None:
+        """The base model's HF folder (config.json, preprocessor_config.json: what decides whether it takes
+        images), also when an adapter is folded in; None for a GGUF."""
+        return self.weights if self.kind == "hf" else None
+
+    @property
     def name(self) -> str:
         """A short display name: a Hub id's org/name (as vLLM serves it), the file's stem, the folder's name (the
         run folder's for model/, adapter/)."""

@@ -130,10 +130,45 @@ def test_shapes_are_the_hf_anchors_shapes():
     own SHAPES table: every shape it has must be ours to the letter (a ratio of two different models is no ratio)."""
     import ast
 
-    tree = ast.parse((ROOT / "benchmarks/anchors/hf_peft_baseline.py").read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SHAPES")
-    anchor = eval(compile(ast.Expression(node.value), "hf_peft_baseline.py", "eval"), {"dict": dict})
+    def anchor_shapes(name):
+        tree = ast.parse((ROOT / "benchmarks/anchors" / name).read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SHAPES")
+        return eval(compile(ast.Expression(node.value), name, "eval"), {"dict": dict})
+
+    anchor = anchor_shapes("hf_peft_baseline.py")
     assert anchor and all(SHAPES[name] == shape for name, shape in anchor.items())
+    vlm = anchor_shapes("hf_vlm_peft_baseline.py")  # Qwen3VLConfig(**shape): the model_type is the class's
+    assert set(vlm) == {"qwen3-vl-2b", "debug-vl"}
+    assert all(SHAPES[name] == {"model_type": "qwen3_vl", **shape} for name, shape in vlm.items())
+
+
+def test_bench_train_images_builds_the_trainers_image_batches(capsys):
+    """--images SIDE: one image opens each row (vision start, (SIDE/16)^2/4 image tokens, vision end; the image
+    tokens unsupervised), split into micro-batches by the Trainer's image path (ImageInputs, M-RoPE positions
+    that stop counting along the image), and the step trains LoRA with the tower frozen."""
+    from surojax.bench.image_rows import synthetic_image_rows
+    from surojax.models.vision.inputs import VisionTokens
+    from surojax.train.image_inputs import IMAGES_KEY, step_image_batch
+
+    rng = np.random.default_rng(0)
+    tokens = VisionTokens.from_config(model_config("debug-vl"))
+    text, _ = synthetic_batch(rng, 2, 2, 64, 512, 1, 64)
+    batch = step_image_batch(synthetic_image_rows(rng, text, tokens, 64, 503), tokens, 2)  # 4x4 patches: 4 tokens
+    ids = batch["tokens"]
+    assert ids.shape == (2, 2, 64) and (ids[..., 0] == 502).all() and (ids[..., 1:5] == 500).all()
+    assert (ids[..., 5] == 503).all() and not np.isin(ids[..., 6:], (500, 501, 502)).any()
+    assert (batch["loss_mask"][..., :5] == 0).all() and (batch["loss_mask"][..., 5:63] == 1).all()
+    assert batch[IMAGES_KEY].pixel_values.shape[:2] == (2, 32)  # per micro-batch: 2 images of 16 patches
+    rope = batch["rope_positions"][0, :, 0]  # [3, T] of row 0: the image's 2x2 merged grid, then text from 3
+    assert rope[:, 1:5].tolist() == [[1, 1, 1, 1], [1, 1, 2, 2], [1, 2, 1, 2]] and rope[:, 5].tolist() == [3] * 3
+
+    rc = main(["bench", "train", "--shape", "debug-vl", "--images", "64", "--segments", "1", "--batch", "2",
+               "--seq", "64", "--steps", "1", "--repeats", "1", "--warmup", "1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["image_tokens_per_row"] == 4 and np.isfinite(out["loss"])
+    # LoRA r16 on the 7 linears of 2 layers (D 64, KV 32, F 128): 16 x (128 + 96 + 96 + 128 + 3 x 192) x 2; the
+    # tower (in params_total) not trained
+    assert out["params_trainable"] == 32768 and out["params_total"] > 32768 + 200_000
 
 
 def test_bench_full_fine_tune_refuses_before_building_when_the_plan_does_not_fit(monkeypatch):
