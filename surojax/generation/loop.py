@@ -54,7 +54,8 @@ def _prefill(graphdef, state, tokens, segment_ids, cache, images=None, rope_posi
     model = nnx.merge(graphdef, state)
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, cache = model(tokens, positions, segment_ids, cache=cache, images=images, rope_positions=rope_positions)
+    vision = {} if images is None and rope_positions is None else {"images": images, "rope_positions": rope_positions}
+    logits, cache = model(tokens, positions, segment_ids, cache=cache, **vision)  # a text model takes no image keys
     last = jnp.sum(segment_ids > 0, axis=1) - 1  # [B]
     return logits[jnp.arange(B), last], cache  # [B, V]
 
@@ -66,7 +67,8 @@ def _decode_one_token(graphdef, state, token, cache, key, temperature, top_k, to
     rope = None  # after an image prompt: M-RoPE positions = position + delta on all three axes
     if rope_deltas is not None:
         rope = jnp.broadcast_to((positions + rope_deltas[:, None])[None], (3, *positions.shape))
-    logits, cache = model(token[:, None], positions, jnp.ones_like(token)[:, None], cache=cache, rope_positions=rope)
+    vision = {} if rope is None else {"rope_positions": rope}
+    logits, cache = model(token[:, None], positions, jnp.ones_like(token)[:, None], cache=cache, **vision)
     return sample(logits[:, 0], key, temperature, top_k, top_p, min_p), cache
 
 
