@@ -108,7 +108,6 @@ def main():
     if path is None:
         print("no perfetto trace found under", trace_dir, os.listdir(trace_dir))
         return 1
-    files = [path]
     kernels, events, gpu_pids = gpu_kernels(path)
     by_name, by_cat, total, devices = kernel_sums(kernels, divide=a.steps, category=category)
     print(f"device time per step and GPU (sum of kernel durations, mean over {devices} GPU(s)): {total / 1e3:.1f} ms "
@@ -132,8 +131,8 @@ def main():
             with open(dumps[-1], "rb") as src, gzip.open(out / f"hlo-{a.shape}-{a.mode}-{a.recipe}.txt.gz",
                                                          "wb") as dst:
                 shutil.copyfileobj(src, dst)  # the optimized HLO the attribution read
-    if os.path.getsize(files[0]) < 15 * 2**20:
-        shutil.copy(files[0], out / f"trace-{a.shape}-{a.mode}.json.gz")
+    if os.path.getsize(path) < 15 * 2**20:
+        shutil.copy(path, out / f"trace-{a.shape}-{a.mode}.json.gz")
     return 0
 
 

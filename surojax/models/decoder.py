@@ -481,15 +481,13 @@ class Decoder(nnx.Module):
         decode GEMV for calls of few rows once `head_gemv` is set (surojax.quant.laid_out.decode_weights, serving
         only: the kernel has no gradient): the same fp32 sums of compute-dtype products, one pass over the
         embedding's bytes (a small model's largest weight: Qwen3-0.6B's is 311 MB of its 1.2 GB)."""
-        if self.head_gemv and self.lm_head is None:
-            m = int(np.prod(h.shape[:-1]))
-            emb = self.embed.embedding[...]
-            if choose(m, kernel_settings().decode_gemv.value) == "pallas" and weight_error(*emb.shape) is None:
-                logits = decode_gemv(h, emb.astype(h.dtype), out_dtype=jnp.float32)
-                cap = self.cfg.final_logit_softcapping
-                return logits if cap is None else jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
-        w = self.head_weight().astype(h.dtype)
-        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+        emb = self.embed.embedding[...] if self.head_gemv and self.lm_head is None else None
+        if emb is not None and choose(int(np.prod(h.shape[:-1])), kernel_settings().decode_gemv.value) == "pallas" \
+                and weight_error(*emb.shape) is None:
+            logits = decode_gemv(h, emb.astype(h.dtype), out_dtype=jnp.float32)
+        else:
+            w = self.head_weight().astype(h.dtype)
+            logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
 
