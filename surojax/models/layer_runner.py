@@ -306,9 +306,11 @@ def _rows(tree, pattern: LayerPattern, name: str, *, cache: bool = False):
 
 
 def _check_part(view, pattern: LayerPattern, name: str):
-    """`view` (a cache part's per-layer or carried view), its array leaves checked to hold the part's rows."""
+    """`view` (a cache part's per-layer or carried view), its array leaves checked to hold the part's rows (a view
+    whose rows are not its leaves' (`num_rows`: the paged pool's KV-shared rows read another row) says so)."""
     rows = pattern.cache_rows(name)
-    leading = {x.shape[0] for x in jax.tree.leaves(view) if jnp.ndim(x)}
+    num_rows = getattr(view, "num_rows", None)
+    leading = {num_rows} if num_rows is not None else {x.shape[0] for x in jax.tree.leaves(view) if jnp.ndim(x)}
     if leading != {rows}:
         raise ValueError(f"the cache of layer stack {name!r} holds {sorted(leading)} layers; the layer pattern "
                          f"gives that stack {rows}")

@@ -1,7 +1,8 @@
 """How many KV blocks to allocate: from the device's free memory by default (GPU), a fixed size on CPU.
 
-    bytes per token = 2 (k, v) x L x K x H x itemsize(kv dtype)     (fp8: 1 byte, half of bf16: 2x the tokens;
-                                                                     L: the attention layers)
+    bytes per token = sum over the pools (`kv_pools`: one per KV shape) of 2 (k, v) x L x K x H x itemsize(kv dtype)
+                      (fp8: 1 byte, half of bf16: 2x the tokens; L: the pool's layers, the attention layers that
+                      compute keys / values: Gemma 4's KV-shared layers count nothing)
     GPU:  free = memory_utilization x bytes_limit - bytes_in_use (weights already loaded); the pool gets
           ``kv_share`` of it, the rest is left for the step's workspace. The reference runner gathers each
           row's context into a per-row view (and the decoder writes an updated copy of it), so the
@@ -13,11 +14,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from surojax.models.config import ModelConfig
 from surojax.serve.config import KVCacheDtype
 from surojax.serve.kv_fp8 import FP8_DTYPE, check_pool_dtype, is_fp8
+from surojax.serve.kv_pools import kv_pools
 
 CPU_KV_BYTES = 256 * 2**20
 CPU_MAX_TOKENS = 65536
@@ -39,8 +40,9 @@ def kv_pool_dtype(choice: KVCacheDtype, model_dtype, explicit=None):
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype) -> int:
-    """k and v of every attention layer (a hybrid's linear-attention layers keep state slots instead)."""
-    return 2 * cfg.num_attention_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(kv_dtype).itemsize
+    """k and v of every pool layer for one token (`kv_pools`: a hybrid's linear-attention layers keep state slots
+    instead, Gemma 4's KV-shared layers read another layer's rows, its full layers have their own shape)."""
+    return sum(p.bytes_per_token(kv_dtype) for p in kv_pools(cfg))
 
 
 def device_free_bytes(memory_utilization: float = 0.9, device=None, others_bytes_in_use: int = 0) -> int | None:

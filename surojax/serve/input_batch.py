@@ -9,7 +9,8 @@ donated and returned after the KV pools):
 * ``settings`` (`StepSettings`, frozen and hashable: a jit static value): what picks the compiled program. The
   runner fixes the KV path's part once (block size, decode kernel, FP8 scales, layer unroll, LoRA rows, KV in
   the carry) and sets the call's part (`BatchMode`, number of steps) with ``dataclasses.replace``.
-* the pools, donated: each call returns the new pools first.
+* the pools, donated: each call returns the new pools first (k_pool / v_pool: arrays, or tuples of one per KV
+  shape: `kv_pools`).
 
 The KV path's implementation (`KVAccess`, chosen once when the runner is built): ``address`` builds the batch
 fields that locate the rows' KV in the pool on the host, and ``step`` / ``multi_step`` / ``verify`` / ``propose``
@@ -31,6 +32,7 @@ from surojax.generation.sampling import BatchMode
 from surojax.models.kv import PagedKernel
 from surojax.models.layer_runner import LayerScan
 from surojax.serve.kv_fp8 import KVScales
+from surojax.serve.kv_pools import KVPool
 
 Array = Any  # a jax or numpy array
 
@@ -92,14 +94,16 @@ class InputBatch:
 class StepSettings:
     """The static part of a runner call (one compiled variant per distinct value).
 
-    block_size: the pool's; lora: set each row's adapter slot (``adapter_rows``); unroll: the layer scan's
-    (1 rolled, True inlined); kernel: how paged decode rows read the pool; scales: an FP8 pool's `KVScales`
+    block_size: the pools'; pools: the runner's `kv_pools.KVPool`s (one per KV shape; empty: one pool, every
+    cache row its own: `kv_pools.paged_cache`); lora: set each row's adapter slot (``adapter_rows``); unroll: the
+    layer scan's (1 rolled, True inlined); kernel: how paged decode rows read the pool; scales: an FP8 pool's `KVScales`
     (None: the pool holds the compute dtype); kv_in_place (reference path): the dense view rides in the layer
     scan's carry. Per call: mode (`BatchMode`; verify / propose read ``mode.sample`` only); num_steps (multi-step
     decode: K steps; propose: K proposals); fresh (paged step calls): no row has context in the pool before the
     call, so attention reads nothing back (`PagedKVCache.fresh`: self-attention over the call's tokens)."""
 
     block_size: int
+    pools: tuple[KVPool, ...] = ()
     lora: bool = False
     unroll: int | bool = 1
     kernel: PagedKernel = PagedKernel.GATHER

@@ -21,18 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.kv import PagedKVCache
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
+from surojax.serve.kv_pools import paged_cache
 from surojax.serve.multi_step import multi_step_decode_paged
 from surojax.serve.prompt_logprobs import step_outputs
 from surojax.serve.speculative import DRAFT, accept, filtered_probs, row_keys
 from surojax.serve.state_slots import pools_and, split_state_rows, with_state_rows
-
-
-def _cache(k_pool, v_pool, block_table, lengths, settings: StepSettings) -> PagedKVCache:
-    return PagedKVCache(k_pool, v_pool, block_table, lengths, settings.block_size, settings.kernel, settings.scales,
-                        settings.fresh)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
@@ -51,7 +46,8 @@ def paged_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: Ste
     model = nnx.merge(graphdef, state)
     if settings.lora:
         set_adapter_rows(model, batch.adapter_rows)
-    cache = with_state_rows(_cache(k_pool, v_pool, batch.block_table, batch.start, settings), state_pool, batch, model)
+    cache = with_state_rows(paged_cache(k_pool, v_pool, batch.block_table, batch.start, settings), state_pool, batch,
+                            model)
     h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings,
                            images=batch.images, rope_positions=batch.rope_positions)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
@@ -80,7 +76,7 @@ def verify_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: St
     tokens = jnp.concatenate([batch.tokens[:, None], proposals], axis=1).astype(jnp.int32)  # [R, K + 1]
     positions = start[:, None] + j
     segments = (j <= num_proposed[:, None]).astype(jnp.int32)
-    cache = with_state_rows(_cache(k_pool, v_pool, batch.block_table, start, settings), state_pool, batch, model,
+    cache = with_state_rows(paged_cache(k_pool, v_pool, batch.block_table, start, settings), state_pool, batch, model,
                             per_token=True)
     h, cache = run_decoder(model, tokens, positions, segments, cache, settings)
     logits = model.logits(h)  # [R, K + 1, V] fp32
@@ -102,7 +98,7 @@ def draft_propose_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, sett
     -> (k_pool, v_pool, proposals [R, K] int32, q [R, K, V] fp32 or None when no row samples)."""
     model = nnx.merge(graphdef, state)
     start, limit, rows = batch.start, batch.limit, batch.sampling
-    cache = _cache(k_pool, v_pool, batch.block_table, start, settings)
+    cache = paged_cache(k_pool, v_pool, batch.block_table, start, settings)
     sampled_rows = rows["temperature"] > 0
     K = settings.num_steps
 

@@ -112,9 +112,10 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     for lname, lpath in adapters:
         engine.load_lora(lname, lpath)
     resolved = engine.config
-    pool = engine.runner.k_pool
+    pools = jax.tree.leaves((engine.runner.k_pool, engine.runner.v_pool))  # one k / v pair per KV shape
     log.info("KV cache: %d blocks x %d tokens (%s, %.2f GiB); max-model-len %d; max-num-seqs %d; KV path %s",
-             resolved.num_blocks, resolved.block_size, jnp.dtype(pool.dtype).name, 2 * pool.nbytes / 2**30,
+             resolved.num_blocks, resolved.block_size, jnp.dtype(pools[0].dtype).name,
+             sum(p.nbytes for p in pools) / 2**30,
              engine.max_model_len, resolved.scheduler.max_num_seqs, resolved.kv_path.value)
     if engine.runner.state_pool is not None:
         log.info("linear-attention state slots: %d (%.2f GiB)", resolved.scheduler.max_num_seqs,

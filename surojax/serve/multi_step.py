@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
-from surojax.models.kv import PagedKVCache
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
+from surojax.serve.kv_pools import paged_cache
 from surojax.serve.state_slots import pools_and, split_state_rows, with_state_rows
 
 
@@ -52,8 +52,8 @@ def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, 
     model = nnx.merge(graphdef, state)
     if settings.lora:
         set_adapter_rows(model, batch.adapter_rows)
-    cache = PagedKVCache(k_pool, v_pool, batch.block_table.astype(jnp.int32), batch.start.astype(jnp.int32),
-                         settings.block_size, settings.kernel, settings.scales)
+    cache = paged_cache(k_pool, v_pool, batch.block_table.astype(jnp.int32), batch.start.astype(jnp.int32),
+                        settings)
     cache = with_state_rows(cache, state_pool, batch, model)
 
     def forward(cache, tok, pos, done):

@@ -1,16 +1,20 @@
 """The jitted model runner over a paged KV pool.
 
 The pool: k and v are each [L, num_blocks * block_size, K, H] (flattened slots). Token ``p`` of a sequence lives
-in slot ``block_table[p // bs] * bs + p % bs``. Each step the runner builds on the host a padded batch of the
-scheduled requests, an ``InputBatch`` (``input_batch.py``: tokens / positions / segment ids [R, T] (segment 1 =
-real, 0 = padding), each row's context length ``start`` [R], adapter rows, the per-row sampling arrays and the
-rows' KV address), then runs ONE jitted call ``fn(graphdef, state, k_pool, v_pool, batch, settings)`` that does
-the forward, writes the new k/v into the pool and samples on device (``surojax.generation.sampling.sample_batch``:
-per-row parameters as [R] arrays; the host fetches the sampled ids once per call, used where the scheduler asked,
-``sample=True``). ``settings`` (``StepSettings``, static) holds what picks the compiled program: the runner's
-part (block size, decode kernel, FP8 scales, unroll, LoRA, KV in the carry) is fixed when it is built, the
-call's (``BatchMode``, steps) set per call. With multi-LoRA slots in the model, each row's adapter slot is set
-on the merged model inside the call (``surojax.peft.multi_lora.set_adapter_rows``).
+in slot ``block_table[p // bs] * bs + p % bs``. A model whose layers have KV of two shapes (Gemma 4's full layers
+with their own head size and kv heads) has one pool per shape, k_pool / v_pool then tuples, all addressed by the
+same slots; KV-shared layers read their source layer's pool rows and have none of their own (`kv_pools`).
+
+Each step the runner builds on the host a padded batch of the scheduled requests, an ``InputBatch``
+(``input_batch.py``: tokens / positions / segment ids [R, T] (segment 1 = real, 0 = padding), each row's context
+length ``start`` [R], adapter rows, the per-row sampling arrays and the rows' KV address), then runs ONE jitted call
+``fn(graphdef, state, k_pool, v_pool, batch, settings)`` that does the forward, writes the new k/v into the pool and
+samples on device (``surojax.generation.sampling.sample_batch``: per-row parameters as [R] arrays; the host fetches
+the sampled ids once per call, used where the scheduler asked, ``sample=True``). ``settings`` (``StepSettings``,
+static) holds what picks the compiled program: the runner's part (block size, decode kernel, FP8 scales, unroll,
+LoRA, KV in the carry) is fixed when it is built, the call's (``BatchMode``, steps) set per call. With multi-LoRA
+slots in the model, each row's adapter slot is set on the merged model inside the call
+(``surojax.peft.multi_lora.set_adapter_rows``).
 
 Two KV paths, same tokens and the same pool contents afterwards (``KVPath``), two implementations of one
 interface (``input_batch.KVAccess``: ``address`` on the host, then ``step`` / ``multi_step`` / ``verify`` /
@@ -63,19 +67,19 @@ from pallas_kernels.paged_decode import prepare as prepare_paged_decode
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams
 from surojax.models.decoder import Decoder
 from surojax.models.kv import PagedKernel, StateCache
-from surojax.models.registry import GLOBAL_STACK
 from surojax.models.vision.inputs import VisionTokens
 from surojax.peft.multi_lora import multi_lora_modules
 from surojax.serve.config import KVPath, RunnerBuckets
 from surojax.serve.input_batch import InputBatch, KVAccess, StepSettings
 from surojax.serve.kv_fp8 import KVScales, check_pool_dtype, is_fp8, kv_scales
 from surojax.serve.kv_paged import PagedAccess, paged_step, verify_step
+from surojax.serve.kv_pools import kv_pools
 from surojax.serve.kv_reference import ReferenceAccess
 from surojax.serve.prompt_logprobs import PromptLogprob, prompt_targets, read_rows, target_rows
 from surojax.serve.request_images import chunk_images, group_rope_delta, group_rope_positions
 from surojax.serve.scheduler import ScheduledRequest
 from surojax.serve.speculative import sampling_arrays
-from surojax.serve.state_slots import attention_layers, is_hybrid, state_pool
+from surojax.serve.state_slots import is_hybrid, state_pool
 
 __all__ = ["PAGED_KERNEL", "PagedRunner", "StepResult", "kv_access", "paged_step", "verify_step"]
 
@@ -181,13 +185,12 @@ class PagedRunner:
         self.graphdef, self.state = nnx.split(model)
         self.lora = bool(multi_lora_modules(model))
         self.adapter_slot = adapter_slot or (lambda name: 0)
-        if GLOBAL_STACK in model.layer_pattern.caches:
-            raise ValueError(f"{cfg.model_type}: the paged server does not serve full-attention layers shaped unlike "
-                             f"the sliding ones (global_head_dim {cfg.global_attention.head_dim}, "
-                             f"{cfg.global_attention.num_kv_heads} kv heads, attention_k_eq_v "
-                             f"{cfg.global_attention.k_eq_v}: its pool has one [layers, slots, kv heads, head_dim] "
-                             "shape); `surojax generate` runs the model (a KV cache per stack)")
-        shape = (attention_layers(model), self.num_slots, cfg.num_kv_heads, cfg.head_dim)
+        self.pools = kv_pools(cfg)  # one per KV shape (Gemma 4's full layers), KV-shared layers in none
+        if not self.paged and (len(self.pools) > 1 or self.pools[0].row_map is not None):
+            parts = ", ".join(p.part for p in self.pools)
+            raise ValueError(f"{cfg.model_type}: kv_path reference serves one KV pool whose every layer has rows of "
+                             f"its own; this model has {len(self.pools)} pools ({parts}) or KV-shared layers: serve "
+                             "it on a paged path (paged, reduce)")
         dtype = kv_dtype or model.dtype
         check_pool_dtype(dtype)
         self.kv_scales: KVScales | None = None
@@ -210,9 +213,11 @@ class PagedRunner:
         self.vision = VisionTokens.from_config(cfg) if getattr(model, "visual", None) is not None else None
         self.access: KVAccess = kv_access(kv_path, block_size, self.num_slots)  # the KV path, chosen once
         self.settings = StepSettings(  # fields a path does not read keep their defaults: one compile, not two
-            block_size=block_size, lora=self.lora, unroll=True if unroll_layers else 1, kernel=self.kernel,
-            scales=self.kv_scales, kv_in_place=kv_in_place and not self.paged)
-        self.k_pool, self.v_pool = self._new_pool(shape, dtype), self._new_pool(shape, dtype)
+            block_size=block_size, pools=self.pools if self.paged else (), lora=self.lora,
+            unroll=True if unroll_layers else 1, kernel=self.kernel, scales=self.kv_scales,
+            kv_in_place=kv_in_place and not self.paged)
+        self.k_pool, self.v_pool = self._new_pools(dtype), self._new_pools(dtype)
+        shape = self.pools[0].shape(self.num_slots)
         if self.kernel is PagedKernel.PALLAS and not kernel_applies(shape, 1, cfg.sliding_window):
             warnings.warn(f"PagedRunner: kv_path PALLAS does not apply to this model / pool (pool {shape}, "
                           f"sliding window {cfg.sliding_window}): decode attention gathers instead "
@@ -224,14 +229,17 @@ class PagedRunner:
     def recover_pools(self) -> bool:
         """After a failed step: the pools were donated to the call and may be gone; make fresh (empty) ones.
         -> True when they had to be rebuilt (every cached KV is lost: drop the prefix cache too)."""
-        pools = [self.k_pool, self.v_pool, *jax.tree.leaves(self.state_pool)]
+        pools = jax.tree.leaves((self.k_pool, self.v_pool, self.state_pool))
         lost = any(p.is_deleted() for p in pools)
-        if lost:
-            self.k_pool = self._new_pool(self.k_pool.shape, self.k_pool.dtype)
-            self.v_pool = self._new_pool(self.v_pool.shape, self.v_pool.dtype)
-            if self.state_pool is not None:  # every running sequence was failed with the step: zeros will do
-                self.state_pool = jax.tree.map(lambda x: self._new_pool(x.shape, x.dtype), self.state_pool)
+        if lost:  # every running sequence was failed with the step: zeros will do
+            self.k_pool, self.v_pool, self.state_pool = jax.tree.map(
+                lambda x: self._new_pool(x.shape, x.dtype), (self.k_pool, self.v_pool, self.state_pool))
         return lost
+
+    def _new_pools(self, dtype) -> jax.Array | tuple[jax.Array, ...]:
+        """Empty k (or v) pools, one per `KVPool`: an array, or a tuple with several (`kv_pools.paged_cache`)."""
+        pools = tuple(self._new_pool(p.shape(self.num_slots), dtype) for p in self.pools)
+        return pools[0] if len(pools) == 1 else pools
 
     def _new_pool(self, shape, dtype) -> jax.Array:
         """An empty pool, placed as the step returns it (`_placed`)."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 import jax
 
 from surojax.models.decoder import Decoder
-from surojax.models.kv import ATTENTION_STACK, CONV_STACK, Cache, HybridCache, StateCache, TokenStateCache
+from surojax.models.kv import CONV_STACK, Cache, HybridCache, StateCache, TokenStateCache
 
 PREFIX_CACHING_OFF = ("prefix caching is off for hybrid models: a cached prefix's KV pages do not carry the "
                       "linear-attention layers' state at the block boundary")
@@ -68,12 +68,6 @@ def is_hybrid(model: Decoder) -> bool:
     """True for a model whose layer pattern reads a stack with per-sequence states (`linear_layers`, LFM2's
     `conv_layers`): it needs state slots to be served."""
     return model.state_stack is not None
-
-
-def attention_layers(model: Decoder) -> int:
-    """The layers the paged KV pool covers: the attention stack's rows (every layer of a model without linear
-    attention)."""
-    return model.layer_pattern.cache_rows(ATTENTION_STACK)
 
 
 def state_pool(model: Decoder, num_slots: int) -> StateCache:
@@ -156,5 +150,5 @@ def pools_and(k_pool, v_pool, pool: StateCache | None, *outputs) -> tuple:
 
 
 __all__ = ["PREFIX_CACHING_OFF", "PREFIX_CACHING_OFF_CONV", "SPECULATIVE_REFUSED", "SPECULATIVE_REFUSED_CONV",
-           "StateSlots", "attention_layers", "is_hybrid", "pools_and", "prefix_caching_off", "speculative_refused",
+           "StateSlots", "is_hybrid", "pools_and", "prefix_caching_off", "speculative_refused",
            "split_state_rows", "state_pool", "state_pool_bytes", "with_state_rows"]

@@ -204,7 +204,7 @@ class GRPOTrainer(Trainer):
         together (surojax/offload/device_budget.py)."""
         cfg = self.spec.model.config
         runner = self.rollout.engine.runner  # a hybrid model's state slots count with the pool
-        kv = kv_bytes(cfg, self.rollout.num_blocks, jnp.dtype(runner.k_pool.dtype).itemsize) \
+        kv = kv_bytes(cfg, self.rollout.num_blocks, jax.tree.leaves(runner.k_pool)[0].dtype) \
             + sum(x.nbytes for x in jax.tree.leaves(runner.state_pool))
         ref = reference_bytes(self.trainable, self.spec.precision.compute) if self._needs_reference_copy else 0
         check_beside(self.memory_plan, rollout_besides(kv, ref, blocks=self.rollout.num_blocks,

@@ -30,6 +30,7 @@ import numpy as np
 
 from surojax.generation.sampling import SamplingParams
 from surojax.models.config import ModelConfig
+from surojax.serve.capacity import kv_bytes_per_token
 from surojax.serve.config import EngineConfig, SchedulerConfig
 from surojax.serve.engine import Engine
 
@@ -58,9 +59,10 @@ def kv_blocks(rows: int, sequence_len: int, block_size: int = BLOCK_SIZE) -> int
     return rows * math.ceil(sequence_len / block_size)
 
 
-def kv_bytes(cfg: ModelConfig, num_blocks: int, itemsize: int, block_size: int = BLOCK_SIZE) -> int:
-    """Bytes of the engine's pool: k and v, [L, num_blocks * block_size, K, H] each (L: the attention layers)."""
-    return 2 * cfg.num_attention_layers * num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+def kv_bytes(cfg: ModelConfig, num_blocks: int, kv_dtype, block_size: int = BLOCK_SIZE) -> int:
+    """Bytes of the engine's pools: k and v, [L, num_blocks * block_size, K, H] each per KV shape
+    (`serve.capacity.kv_bytes_per_token`)."""
+    return kv_bytes_per_token(cfg, kv_dtype) * num_blocks * block_size
 
 
 class Rollout:

@@ -3,7 +3,8 @@
 Two layer views of it, same values: `DenseLayerKV` (one layer's [B, S, K, H] slice, scanned as the layer loop's
 input and returned as its output) and `StackedLayerKV` (every layer's k/v in the loop's carry, the new tokens
 written in place into layer ``layer``: one pass over the cache per layer instead of a copy in and out).
-`StacksKVCache`: one such cache per attention stack when the stacks' shapes differ (Gemma 4's `global_layers`).
+`StacksKVCache`: one such cache per attention stack when the stacks' shapes differ (Gemma 4's `global_layers`;
+the serving pool's `PagedKVCache`s alike).
 """
 from __future__ import annotations
 
@@ -102,12 +103,13 @@ class KVCache(OneStack):
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["kvs"], meta_fields=["stacks"])
 @dataclasses.dataclass(frozen=True)
 class StacksKVCache:
-    """The plain cache of a model whose attention layers come in stacks of different shapes (Gemma 4's sliding
-    `layers` and its wider full `global_layers`): one `KVCache` per stack (`kvs[i]` over stack `stacks[i]`'s
-    rows, in its shape). Every part sees the same tokens: `step` advances each alike and hands the layers the
-    first's metadata (the same values)."""
+    """The cache of a model whose attention layers come in stacks of different shapes (Gemma 4's sliding
+    `layers` and its wider full `global_layers`): one one-stack cache per stack (`kvs[i]` over stack `stacks[i]`'s
+    rows, in its shape): `KVCache`s for generation, `PagedKVCache`s (one pool per shape, the same block tables)
+    for serving. Every part sees the same tokens: `step` advances each alike and hands the layers the first's
+    metadata (the same values)."""
 
-    kvs: tuple[KVCache, ...]
+    kvs: tuple  # of KVCache or PagedKVCache, one per stack
     stacks: tuple[str, ...]
 
     @classmethod
@@ -119,6 +121,15 @@ class StacksKVCache:
     @property
     def lengths(self) -> jax.Array:
         return self.kvs[0].lengths
+
+    @property
+    def k(self) -> tuple[jax.Array, ...]:
+        """Every part's keys, in `stacks` order (the serving runner's pools)."""
+        return tuple(kv.k for kv in self.kvs)
+
+    @property
+    def v(self) -> tuple[jax.Array, ...]:
+        return tuple(kv.v for kv in self.kvs)
 
     def step(self, segment_ids, positions) -> tuple[KVMeta, "StacksKVCache"]:
         stepped = [kv.step(segment_ids, positions) for kv in self.kvs]

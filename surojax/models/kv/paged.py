@@ -23,6 +23,11 @@ rows' context IS the call's tokens, so attention is self-attention over the call
 where it has one (cuDNN) or its dense backend with a [B, T, T] mask (`AttendSpec.attend_self`): no per-layer
 gather, S = T instead of the context bucket. Same values as the gather path up to float rounding.
 
+Pool rows (`rows`, static; None: cache row i is pool row i): the pool row each cache row of the stack reads.
+Gemma 4's KV-shared layers hold no pool rows of their own: their cache rows name their source layer's pool row
+(as transformers' cache hands a shared layer its source's keys / values); such a row writes nothing (its keys /
+values are its source's, already written by the source earlier in the same call) and reads the source's row.
+
 FP8 pool (`scales` set, a `KVScales`-like value with ``at(layer) -> (k scale, v scale)``): k/v are stored as
 float8_e4m3fn codes x / scale, saturated (`quantize`, given with the scales); every read dequantises (codes x
 scale, in fp32) before attention; the Pallas kernel loads the codes and casts them in-kernel, the k scale folded
@@ -66,12 +71,19 @@ def reduce_decode_attention(q, k, v, mask, scale: float, sinks: jax.Array | None
     return out.reshape(B, 1, N, H).astype(q.dtype)
 
 
+def owned_rows(rows: tuple[int, ...]) -> tuple[bool, ...]:
+    """Per cache row: whether it writes its pool row (the first cache row naming it; a later one, a KV-shared
+    layer's, reads it only)."""
+    return tuple(r not in rows[:i] for i, r in enumerate(rows))
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "layer"],
-                   meta_fields=["block_size", "kernel", "scales", "fresh"])
+                   meta_fields=["block_size", "kernel", "scales", "fresh", "rows"])
 @dataclasses.dataclass(frozen=True)
 class PagedLayerKV:
-    """The pool as one layer sees it: every layer's k, v [L, N, K, H] and this layer's index [] int32. Only this
-    layer's [B, S, K, H] is ever gathered (S = NB * bs), never an [L, B, S, K, H] view."""
+    """The pool as one layer sees it: every layer's k, v [L, N, K, H] and this layer's cache row [] int32 (its
+    pool row: ``rows[layer]`` with a row map, module docstring). Only this layer's [B, S, K, H] is ever gathered
+    (S = NB * bs), never an [L, B, S, K, H] view."""
 
     k: jax.Array
     v: jax.Array
@@ -80,10 +92,24 @@ class PagedLayerKV:
     kernel: PagedKernel = PagedKernel.GATHER
     scales: object | None = None  # FP8 pool: a `surojax.serve.kv_fp8.KVScales`; None: stored as is
     fresh: bool = False  # no row has context before the call: attend over the new tokens, read nothing
+    rows: tuple[int, ...] | None = None  # cache row -> pool row (KV-shared layers); None: the identity
+
+    @property
+    def num_rows(self) -> int:
+        """The cache rows (layers) this view serves: the row map's length, else the pool's layers."""
+        return self.k.shape[0] if self.rows is None else len(self.rows)
+
+    @property
+    def pool_row(self) -> jax.Array:
+        """The pool row this layer reads and writes [] int32."""
+        return self.layer if self.rows is None else jnp.asarray(self.rows, jnp.int32)[self.layer]
 
     def write(self, k, v, slots) -> "PagedLayerKV":
-        """k, v [B, T, K, H] into this layer's pool slots [B, T] (a slot >= N is dropped: padding)."""
-        l = self.layer
+        """k, v [B, T, K, H] into this layer's pool slots [B, T] (a slot >= N is dropped: padding; a KV-shared
+        layer's row writes nothing: its source wrote the same keys / values)."""
+        l = self.pool_row
+        if self.rows is not None and not all(owned_rows(self.rows)):
+            slots = jnp.where(jnp.asarray(owned_rows(self.rows))[self.layer], slots, self.k.shape[1])
         if self.scales is not None:
             ks, vs = self.scales.at(l)
             k, v = self.scales.quantize(k, ks), self.scales.quantize(v, vs)
@@ -97,10 +123,10 @@ class PagedLayerKV:
         bs = self.block_size
 
         def gather(pool, scale):  # whole blocks: [B, NB, bs, K, H]
-            blocks = pool.reshape(L, N // bs, bs, K, H)[self.layer, block_table].reshape(B, NB * bs, K, H)
+            blocks = pool.reshape(L, N // bs, bs, K, H)[self.pool_row, block_table].reshape(B, NB * bs, K, H)
             return blocks.astype(dtype) if scale is None else self.scales.dequantize(blocks, scale, dtype)
 
-        ks, vs = (None, None) if self.scales is None else self.scales.at(self.layer)
+        ks, vs = (None, None) if self.scales is None else self.scales.at(self.pool_row)
         return gather(self.k, ks), gather(self.v, vs)
 
     def stored(self, k, v, dtype) -> tuple[jax.Array, jax.Array]:
@@ -108,7 +134,7 @@ class PagedLayerKV:
         pool's codes x scale), in `dtype`."""
         if self.scales is None:
             return k.astype(self.k.dtype).astype(dtype), v.astype(self.v.dtype).astype(dtype)
-        ks, vs = self.scales.at(self.layer)
+        ks, vs = self.scales.at(self.pool_row)
         return (self.scales.dequantize(self.scales.quantize(k, ks).astype(self.k.dtype), ks, dtype),
                 self.scales.dequantize(self.scales.quantize(v, vs).astype(self.v.dtype), vs, dtype))
 
@@ -124,11 +150,11 @@ class PagedLayerKV:
                 and kernel_applies(kv.k.shape, T, spec.sliding_window):
             q1 = q[:, 0]  # [B, N, H]
             if kv.scales is None:
-                out = paged_decode_attention(q1, kv.k, kv.v, kv.layer, meta.block_table, meta.lengths,
+                out = paged_decode_attention(q1, kv.k, kv.v, kv.pool_row, meta.block_table, meta.lengths,
                                              block_size=kv.block_size)  # [B, N, H]
             else:  # fp8 codes: the scales folded into q and the output
-                ks, vs = kv.scales.at(kv.layer)
-                out = paged_decode_attention((q1.astype(jnp.float32) * ks).astype(q.dtype), kv.k, kv.v, kv.layer,
+                ks, vs = kv.scales.at(kv.pool_row)
+                out = paged_decode_attention((q1.astype(jnp.float32) * ks).astype(q.dtype), kv.k, kv.v, kv.pool_row,
                                              meta.block_table, meta.lengths, block_size=kv.block_size)
                 out = (out.astype(jnp.float32) * vs).astype(q.dtype)
             return out[:, None], kv
@@ -140,7 +166,7 @@ class PagedLayerKV:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],
-                   meta_fields=["block_size", "kernel", "scales", "fresh"])
+                   meta_fields=["block_size", "kernel", "scales", "fresh", "rows"])
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache(OneStack):
     """The pool as the decoder drives it. k, v [L, N, K, H]; block_table [B, NB] (entries past a row's blocks
@@ -150,7 +176,8 @@ class PagedKVCache(OneStack):
     count. Always carried by the layer loop (written in place). scales: None, or for an FP8 pool a static value
     with ``at(layer)``, ``quantize(x, scale)`` and ``dequantize(codes, scale, dtype)`` (`serve.kv_fp8.KVScales`).
     fresh: the caller's promise that every row's ``lengths`` is 0 (nothing cached before this call): attention
-    reads nothing from the pool (module docstring); wrong values if a row has context."""
+    reads nothing from the pool (module docstring); wrong values if a row has context. rows: the stack's cache row
+    -> pool row map (Gemma 4's KV-shared layers read their source's row; module docstring), None: the identity."""
 
     k: jax.Array
     v: jax.Array
@@ -160,6 +187,7 @@ class PagedKVCache(OneStack):
     kernel: PagedKernel = PagedKernel.GATHER
     scales: object | None = None
     fresh: bool = False
+    rows: tuple[int, ...] | None = None
 
     carry_only: ClassVar[bool] = True
 
@@ -182,7 +210,8 @@ class PagedKVCache(OneStack):
         return meta, dataclasses.replace(self, lengths=lengths)
 
     def carried(self) -> PagedLayerKV:
-        return PagedLayerKV(self.k, self.v, jnp.int32(0), self.block_size, self.kernel, self.scales, self.fresh)
+        return PagedLayerKV(self.k, self.v, jnp.int32(0), self.block_size, self.kernel, self.scales, self.fresh,
+                            self.rows)
 
     def per_layer(self):
         raise TypeError("PagedKVCache is carried by the layer loop (carry_only), never scanned per layer")
@@ -191,4 +220,4 @@ class PagedKVCache(OneStack):
         return dataclasses.replace(self, k=view.k, v=view.v)
 
 
-__all__ = ["PagedKVCache", "PagedKernel", "PagedLayerKV", "reduce_decode_attention"]
+__all__ = ["PagedKVCache", "PagedKernel", "PagedLayerKV", "owned_rows", "reduce_decode_attention"]
