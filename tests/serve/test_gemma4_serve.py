@@ -3,7 +3,9 @@ window 4, the full layers' proportional rope, v norm, softmax scale 1 != H ** -0
 concurrent requests of 3 .. 41 tokens give transformers' greedy tokens (expected.npz serve_prompt* /
 serve_greedy*: scripts/make_gemma4_fixtures.py, float64), prefilled in chunks past the window; and the FP8 pool's
 v bound is the v norm's sqrt(H) (serve/kv_fp8.py). gemma4_text_moe: the same with the MoE block beside the MLP
-(few rows per decode step: the experts' gathered path)."""
+(few rows per decode step: the experts' gathered path). gemma4_text_global (full layers of their own shape, keys
+as values) and gemma4_text_shared (+ KV-shared layers, per-layer input embeddings, the double-wide MLP): a pool
+per KV shape, the KV-shared layers reading their source's pool rows (serve/kv_pools.py), with a prefix-cache hit."""
 import json
 from pathlib import Path
 
@@ -16,9 +18,11 @@ from surojax.generation.loop import generate
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
 from surojax.peft.multi_lora import LoRASlotError, apply_multi_lora
+from surojax.serve.capacity import kv_bytes_per_token, num_kv_blocks
 from surojax.serve.config import KVCacheDtype, KVPath
 from surojax.serve.engine import Engine
 from surojax.serve.kv_fp8 import layer_bounds
+from surojax.serve.kv_pools import kv_pools
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.configs import BUCKETS, engine_config
 
@@ -51,19 +55,58 @@ def test_fp8_kv_pool_bounds_the_normalised_values():
     Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
 
 
-def test_full_layers_of_their_own_shape_are_refused_by_name():
-    """gemma4_text_global (full layers wider, one kv head, keys as values): the paged pool has one shape, so the
-    engine refuses it by name before building anything (`surojax generate` runs it: test_hf_parity)."""
+@pytest.mark.parametrize("name, kv_path", [("gemma4_text_global", KVPath.PAGED), ("gemma4_text_shared", KVPath.REDUCE)])
+def test_pools_per_kv_shape_served_equal_transformers(name, kv_path):
+    """Full layers of their own shape (a pool [2, slots, 1, 32] beside the sliding layers' [4, slots, 2, 16]) and
+    KV-shared layers (no pool rows: gemma4_text_shared's pools hold 3 + 1 layers for its 6): transformers' greedy
+    tokens for four concurrent requests (chunked prefill, multi-step decode; REDUCE: the decode rows' multiply +
+    reduce), then again for prompt 3 continued by its first 6 greedy tokens beside prompt 1: its prompt's blocks
+    hit the prefix cache (a continuing chunk reads them from both pools), and greedy continues where it was."""
+    prompts, want = _requests(FIXTURES / name)
+    model = load_model(FIXTURES / name, dtype=jnp.float32, attention="xla")
+    engine = Engine(model, engine_config(**SERVE, kv_path=kv_path, decode_steps=4))
+    layers = {"gemma4_text_global": (4, 2), "gemma4_text_shared": (3, 1)}[name]
+    assert [k.shape for k in engine.runner.k_pool] == [(layers[0], 128, 2, 16), (layers[1], 128, 1, 32)]
+    assert engine.generate(prompts, max_tokens=len(want[0])) == want
+    hits = engine.kv.prefix_cache_hits
+    assert engine.generate([prompts[3] + want[3][:6], prompts[1]], max_tokens=6) == [want[3][6:], want[1][:6]]
+    assert engine.kv.prefix_cache_hits - hits >= 40  # prompt 3's 10 full blocks at least
+
+
+def test_kv_shared_layers_take_no_pool_memory():
+    """gemma4_text_shared: the KV-shared layers 4 (sliding, reads layer 3) and 5 (full, reads layer 2) have no pool
+    rows, so a token costs the 3 sliding + 1 full layers that compute keys / values, and the memory budget holds
+    more blocks than with the same layers unshared."""
+    hf = json.loads((FIXTURES / "gemma4_text_shared" / "config.json").read_text())
+    shared, unshared = ModelConfig.from_hf(hf), ModelConfig.from_hf(hf | {"num_kv_shared_layers": 0})
+    pools = [(p.part, p.rows, p.num_layers) for p in kv_pools(shared)]
+    assert pools == [("layers", (0, 1, 2, 2), 3), ("global_layers", (0, 0), 1)]
+    assert kv_bytes_per_token(shared, jnp.float32) == 2 * (3 * 2 * 16 + 1 * 1 * 32) * 4
+    assert kv_bytes_per_token(unshared, jnp.float32) == 2 * (4 * 2 * 16 + 2 * 1 * 32) * 4
+
+    class Device:  # 1 MiB free for the pool: 0.5 MiB of it at kv_share 0.5
+        def memory_stats(self):
+            return {"bytes_limit": 2**20, "bytes_in_use": 0}
+
+    blocks = [num_kv_blocks(c, jnp.float32, 4, 64, memory_utilization=1.0, device=Device()) for c in (shared, unshared)]
+    assert blocks == [2**19 // (4 * 1024), 2**19 // (4 * 1536)]
+
+
+def test_unsupported_paths_are_refused_by_name():
+    """The FP8 pool (its scale bounds read one stack's projections) and the reference KV path (one dense view over
+    one pool) refuse a model with pools of two shapes."""
     model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
-    with pytest.raises(ValueError, match="does not serve full-attention layers shaped unlike the sliding ones"):
-        Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED))
+    with pytest.raises(ValueError, match="FP8 KV pool is not supported with attention layers outside"):
+        Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
+    with pytest.raises(ValueError, match="kv_path reference serves one KV pool"):
+        Engine(model, engine_config(**SERVE, kv_path=KVPath.REFERENCE))
 
 
 def test_shared_layers_and_per_layer_inputs_served_equal_generate():
     """Per-layer input embeddings and KV-shared layers without full layers of their own shape (gemma4_text_shared's
     config with global_head_dim = head_dim, no attention_k_eq_v; random weights): the paged engine's greedy tokens
-    equal `generate`'s (which equals transformers on the fixture itself: test_hf_parity). The shared layers' pool
-    rows hold a copy of their source layer's keys / values (no KV memory saved yet). An FP8 pool is refused by name."""
+    equal `generate`'s (which equals transformers on the fixture itself: test_hf_parity). One pool, the shared
+    layers reading their sources' rows (4 pool layers for 6). An FP8 pool is refused by name."""
     hf = json.loads((FIXTURES / "gemma4_text_shared" / "config.json").read_text())
     hf = {k: v for k, v in hf.items() if k != "per_layer_config"} | {"global_head_dim": 16, "attention_k_eq_v": False}
     cfg = ModelConfig.from_hf(hf)
@@ -72,6 +115,7 @@ def test_shared_layers_and_per_layer_inputs_served_equal_generate():
     prompts, _ = _requests(FIXTURES / "gemma4_text_shared")
     want = generate(model, prompts, 12)
     engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4))
+    assert engine.runner.k_pool.shape == (4, 128, 2, 16)
     assert engine.generate(prompts, max_tokens=12) == want
     with pytest.raises(ValueError, match="FP8 KV pool is not supported with attention layers outside"):
         Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
