@@ -15,11 +15,13 @@ from flax import nnx
 from surojax.generation.loop import generate
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
-from surojax.peft.multi_lora import LoRASlotError, apply_multi_lora
+from surojax.models.targets import model_targets, site_stack
+from surojax.peft.multi_lora import AdapterSlots, set_adapter_rows
 from surojax.serve.config import KVCacheDtype, KVPath
 from surojax.serve.engine import Engine
 from surojax.serve.kv_fp8 import layer_bounds
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.adapters import random_adapter, serve_with_adapters
 from tests.serve.configs import BUCKETS, engine_config
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
@@ -59,16 +61,22 @@ def test_full_layers_of_their_own_shape_are_refused_by_name():
         Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED))
 
 
+def _shared_model():
+    """gemma4_text_shared's config with global_head_dim = head_dim, no attention_k_eq_v (no full layers of their own
+    shape: the paged engine serves it), random weights: stacks `layers` and `shared_layers`, per-layer inputs."""
+    hf = json.loads((FIXTURES / "gemma4_text_shared" / "config.json").read_text())
+    hf = {k: v for k, v in hf.items() if k != "per_layer_config"} | {"global_head_dim": 16, "attention_k_eq_v": False}
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.global_attention is None and cfg.kv_shared_layers == 2 and cfg.per_layer_input_size == 8
+    return Decoder(cfg, attention="xla", rngs=nnx.Rngs(0))
+
+
 def test_shared_layers_and_per_layer_inputs_served_equal_generate():
     """Per-layer input embeddings and KV-shared layers without full layers of their own shape (gemma4_text_shared's
     config with global_head_dim = head_dim, no attention_k_eq_v; random weights): the paged engine's greedy tokens
     equal `generate`'s (which equals transformers on the fixture itself: test_hf_parity). The shared layers' pool
     rows hold a copy of their source layer's keys / values (no KV memory saved yet). An FP8 pool is refused by name."""
-    hf = json.loads((FIXTURES / "gemma4_text_shared" / "config.json").read_text())
-    hf = {k: v for k, v in hf.items() if k != "per_layer_config"} | {"global_head_dim": 16, "attention_k_eq_v": False}
-    cfg = ModelConfig.from_hf(hf)
-    assert cfg.global_attention is None and cfg.kv_shared_layers == 2 and cfg.per_layer_input_size == 8
-    model = Decoder(cfg, attention="xla", rngs=nnx.Rngs(0))
+    model = _shared_model()
     prompts, _ = _requests(FIXTURES / "gemma4_text_shared")
     want = generate(model, prompts, 12)
     engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4))
@@ -77,7 +85,34 @@ def test_shared_layers_and_per_layer_inputs_served_equal_generate():
         Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
 
 
-def test_runtime_lora_slots_are_refused_with_several_attention_stacks():
+def test_runtime_lora_slots_on_every_stack_equal_the_merged_forward(tmp_path):
+    """gemma4_text_global (the paged engine refuses its full layers of their own shape: checked at the model level):
+    the slots wrap `layers` and `global_layers` (no v_proj there: keys as values). An adapter on every target, saved
+    under PEFT's model.layers.{i} names and loaded into a slot: a row with it gives the merged model's logits, a row
+    without it the base's, in one forward."""
     model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
-    with pytest.raises(LoRASlotError, match="not supported with attention layers outside `layers` \\(global_layers"):
-        apply_multi_lora(model, max_loras=1, max_rank=2)
+    merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)))
+    want = np.concatenate([np.asarray(merged(tokens[:1])), np.asarray(model(tokens[1:]))])
+    slots = AdapterSlots(model, max_loras=2, max_rank=8)
+    assert {site_stack(k) for k in slots.modules} == {"layers", "global_layers"}
+    assert "global_layers.v_proj" not in slots.modules and set(slots.modules) == set(model_targets(model))
+    slots.load("a", tmp_path / "a")
+    set_adapter_rows(model, jnp.asarray([slots.slot("a"), 0]))
+    np.testing.assert_allclose(np.asarray(model(tokens)), want, atol=1e-4, rtol=1e-4)
+
+
+def test_runtime_lora_served_over_shared_layers_equals_the_merged_model(tmp_path):
+    """The paged engine with LoRA slots in `layers` and the KV-shared `shared_layers` (q / o and the MLP there; no
+    k / v): a row with the adapter decodes the merged model's greedy tokens, a row without it the base's."""
+    model = _shared_model()
+    merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
+    prompts, _ = _requests(FIXTURES / "gemma4_text_shared")
+    prompts = prompts[:2]
+    want = [generate(merged, [prompts[0]], 8)[0], generate(model, [prompts[1]], 8)[0]]
+    assert want[0] != generate(model, [prompts[0]], 8)[0]
+    slots = AdapterSlots(model, max_loras=1, max_rank=4)
+    assert {site_stack(k) for k in slots.modules} == set(model.stacks) == {"layers", "shared_layers"}
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4), lora=slots)
+    engine.load_lora("a", tmp_path / "a")
+    assert serve_with_adapters(engine, prompts, ["a", None], 8) == want

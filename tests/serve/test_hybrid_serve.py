@@ -8,8 +8,8 @@ cache; float64).
 One engine run per case serves five prompts of 3 .. 41 tokens with 3 seats, a 16-token step budget (the 26- and
 41-token prompts are prefilled in two and three chunks, while the other rows decode) and a pool small enough to
 preempt: the later requests take the state slots of finished (or preempted) ones, so a slot that were not zeroed
-for its new sequence would change their tokens. Prefix caching is off for hybrids (and said so), runtime LoRA
-slots are refused by name (speculative decoding: test_hybrid_speculative.py)."""
+for its new sequence would change their tokens. Prefix caching is off for hybrids (and said so); runtime LoRA
+slots wrap both stacks (a row with an adapter = the merged model). Speculative decoding: test_hybrid_speculative.py."""
 import logging
 from pathlib import Path
 
@@ -17,11 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from surojax.peft.multi_lora import AdapterSlots, LoRASlotError
+from surojax.generation.loop import generate
+from surojax.models.targets import model_targets, site_stack
+from surojax.peft.multi_lora import AdapterSlots
 from surojax.serve.config import KVPath
 from surojax.serve.engine import Engine
 from surojax.serve.state_slots import PREFIX_CACHING_OFF, PREFIX_CACHING_OFF_CONV, StateSlots
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.adapters import random_adapter, serve_with_adapters
 from tests.serve.configs import BUCKETS, engine_config
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
@@ -73,10 +76,22 @@ def test_prefix_caching_is_off_for_hybrids(name, why, caplog):
     assert f"{name}: {why}" in caplog.messages
 
 
-def test_lora_slots_are_refused_for_hybrids():
-    model = _model("qwen3_5_text")
-    with pytest.raises(LoRASlotError, match="qwen3_5_text: runtime LoRA adapters are not supported for hybrid"):
-        AdapterSlots(model, max_loras=1, max_rank=4)
-    lfm2 = _model("lfm2")
-    with pytest.raises(LoRASlotError, match="lfm2: runtime LoRA.*`conv_layers` \\(short convolution\\)"):
-        AdapterSlots(lfm2, max_loras=1, max_rank=4)
+@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2"])
+def test_runtime_lora_over_both_stacks_equals_the_merged_model(name, tmp_path):
+    """Runtime LoRA slots wrap every Linear of both stacks (the attention, both stacks' MLPs, the DeltaNet's / short
+    conv's projections: `all-linear`, each stack's slots over its own layers). An adapter on all of them, written
+    under PEFT's model.layers.{i} names and loaded into a slot (layer i to its stack's row: the fixtures' layer
+    patterns are irregular), decodes the merged model's greedy tokens, and a row without it the base's, in one
+    batch: a 20-token prompt prefilled in two chunks, then multi-step decode."""
+    model = _model(name)
+    merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
+    prompts = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 20)).tolist()
+    want = [generate(merged, [prompts[0]], 8)[0], generate(model, [prompts[1]], 8)[0]]
+    assert want[0] != generate(model, [prompts[0]], 8)[0]  # the adapter changes the answer
+    slots = AdapterSlots(model, max_loras=1, max_rank=4)
+    assert {site_stack(k) for k in slots.modules} == set(model.stacks) == {"layers", model.state_stack}
+    assert set(slots.modules) == set(model_targets(model))  # every Linear target of every stack
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4), lora=slots)
+    engine.load_lora("a", tmp_path / "a")
+    assert serve_with_adapters(engine, prompts, ["a", None], 8) == want
+    assert engine.scheduler.num_multi_steps > 0
