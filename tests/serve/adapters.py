@@ -27,3 +27,10 @@ def serve_with_adapters(engine, prompts, adapters, max_tokens):
         for o in engine.step():
             outs[o.request_id] += o.new_token_ids
     return [outs[r] for r in rids]
+
+
+def forward_with_rows(model, tokens, rows):
+    """The logits of a model with LoRA slots, row b with adapter slot rows[b] (one jitted forward)."""
+    from surojax.peft.multi_lora import set_adapter_rows
+
+    return nnx.jit(lambda m, x, r: (set_adapter_rows(m, r), m(x))[1])(model, tokens, rows)

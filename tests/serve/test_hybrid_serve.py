@@ -16,15 +16,16 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from surojax.generation.loop import generate
 from surojax.models.targets import model_targets, site_stack
-from surojax.peft.multi_lora import AdapterSlots
+from surojax.peft.multi_lora import AdapterSlots, LoRASlotError
 from surojax.serve.config import KVPath
 from surojax.serve.engine import Engine
 from surojax.serve.state_slots import PREFIX_CACHING_OFF, PREFIX_CACHING_OFF_CONV, StateSlots
 from surojax.weights.hf_checkpoint import load_model
-from tests.serve.adapters import random_adapter, serve_with_adapters
+from tests.serve.adapters import forward_with_rows, random_adapter, serve_with_adapters
 from tests.serve.configs import BUCKETS, engine_config
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
@@ -82,16 +83,37 @@ def test_runtime_lora_over_both_stacks_equals_the_merged_model(name, tmp_path):
     conv's projections: `all-linear`, each stack's slots over its own layers). An adapter on all of them, written
     under PEFT's model.layers.{i} names and loaded into a slot (layer i to its stack's row: the fixtures' layer
     patterns are irregular), decodes the merged model's greedy tokens, and a row without it the base's, in one
-    batch: a 20-token prompt prefilled in two chunks, then multi-step decode."""
+    batch, through prefill and multi-step decode."""
     model = _model(name)
     merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
-    prompts = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 20)).tolist()
-    want = [generate(merged, [prompts[0]], 8)[0], generate(model, [prompts[1]], 8)[0]]
-    assert want[0] != generate(model, [prompts[0]], 8)[0]  # the adapter changes the answer
+    prompts = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)).tolist()
+    adapted, base = generate(merged, prompts, 8), generate(model, prompts, 8)  # one compile: same shapes
+    assert adapted[0] != base[0]  # the adapter changes the answer
     slots = AdapterSlots(model, max_loras=1, max_rank=4)
     assert {site_stack(k) for k in slots.modules} == set(model.stacks) == {"layers", model.state_stack}
     assert set(slots.modules) == set(model_targets(model))  # every Linear target of every stack
     engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4), lora=slots)
     engine.load_lora("a", tmp_path / "a")
-    assert serve_with_adapters(engine, prompts, ["a", None], 8) == want
+    assert serve_with_adapters(engine, prompts, ["a", None], 8) == [adapted[0], base[1]]
     assert engine.scheduler.num_multi_steps > 0
+
+
+def test_runtime_lora_on_a_moe_hybrid_leaves_the_experts_to_merging(tmp_path):
+    """lfm2_moe with dense leading layers (in stacks of their own): the slots wrap the attention, the short conv and
+    the dense layers' MLP in every stack; a row with an adapter on them gives the merged model's logits. The routed experts
+    are not wrapped (grouped GEMMs): an adapter on them is refused by name."""
+    model = _model("lfm2_moe_dense")
+    random_adapter(model, tmp_path / "experts", seed=2, targets=("q_proj", "experts"))
+    merged = random_adapter(model, tmp_path / "a", seed=1, targets=("q_proj", "in_proj", "out_proj", "w1", "w2"))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)))
+    forward = nnx.jit(lambda m, x: m(x))
+    want = np.concatenate([np.asarray(forward(merged, tokens[:1])), np.asarray(forward(model, tokens[1:]))])
+    assert not np.allclose(want[:1], forward(model, tokens[:1]), atol=1e-3)  # the adapter changes the logits
+    slots = AdapterSlots(model, max_loras=1, max_rank=4)
+    assert {site_stack(k) for k in slots.modules} == set(model.stacks) and len(model.stacks) > 2
+    assert not [k for k in slots.modules if "experts" in k]
+    with pytest.raises(LoRASlotError, match=r"adapter targets \[.*experts\.gate_up_proj.*which the server does not wrap"):
+        slots.load("experts", tmp_path / "experts")
+    slots.load("a", tmp_path / "a")
+    rows = jnp.asarray([slots.slot("a"), 0])
+    np.testing.assert_allclose(np.asarray(forward_with_rows(model, tokens, rows)), want, atol=1e-4, rtol=1e-4)
