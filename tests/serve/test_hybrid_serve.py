@@ -117,3 +117,19 @@ def test_runtime_lora_on_a_moe_hybrid_leaves_the_experts_to_merging(tmp_path):
     slots.load("a", tmp_path / "a")
     rows = jnp.asarray([slots.slot("a"), 0])
     np.testing.assert_allclose(np.asarray(forward_with_rows(model, tokens, rows)), want, atol=1e-4, rtol=1e-4)
+
+
+def test_peft_adapter_in_a_slot_gives_peft_logits():
+    """PEFT's own adapter (transformers + peft, all-linear on qwen3_5_text: the DeltaNet projections, attention and
+    both stacks' MLPs; tests/fixtures/peft/qwen3_5, scripts/make_peft_fixtures.py) loaded into a runtime slot gives
+    PEFT's logits."""
+    peft = FIXTURES.parent / "peft" / "qwen3_5"
+    expected = np.load(peft / "expected.npz")
+    model = _model("qwen3_5_text")
+    slots = AdapterSlots(model, max_loras=2, max_rank=8)
+    slots.load("peft", peft / "adapter")
+    tokens = jnp.asarray(expected["tokens"])
+    got = forward_with_rows(model, tokens, jnp.asarray([slots.slot("peft")]))
+    np.testing.assert_allclose(np.asarray(got), expected["logits"], rtol=0, atol=1e-4)
+    base = forward_with_rows(model, tokens, jnp.asarray([0]))  # slot 0: the base model
+    assert not np.allclose(np.asarray(base), expected["logits"], atol=1e-3)
