@@ -95,7 +95,8 @@ def slot_sites(model, targets: str | Sequence[str] | None = None) -> tuple[str, 
     for key in keys:
         base = module_at(*site(model, key))
         if not hasattr(base, "in_features") or target_name(key) in EXPERT_TARGETS:
-            raise LoRASlotError(f"cannot serve LoRA adapters on {key}: it is not a plain Linear ({type(base).__name__})")
+            raise LoRASlotError(f"cannot serve LoRA adapters on {key}: it is not a plain Linear "
+                                f"({type(base).__name__})")
     return keys
 
 
@@ -152,7 +153,8 @@ class AdapterSlots:
                                 "unload one or start the server with a larger --max-loras")
         model = self.model
         cfg, moe = model.cfg, model.cfg.moe
-        dims = {k: (base_linear(model, k).in_features, base_linear(model, k).out_features) for k in model_targets(model)}
+        dims = {k: (base_linear(model, k).in_features, base_linear(model, k).out_features)
+                for k in model_targets(model)}
         # the model's config: each tensor's HF layer index -> (stack, row) (registry.stack_layers)
         adapter = load_peft_adapter(path, rows=tuple(weight_rows(cfg)), num_layers=cfg.num_layers, dims=dims,
                                     num_experts=moe.num_experts if moe is not None else None, model_cfg=cfg)

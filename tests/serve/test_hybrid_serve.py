@@ -100,8 +100,8 @@ def test_runtime_lora_over_both_stacks_equals_the_merged_model(name, tmp_path):
 
 def test_runtime_lora_on_a_moe_hybrid_leaves_the_experts_to_merging(tmp_path):
     """lfm2_moe with dense leading layers (in stacks of their own): the slots wrap the attention, the short conv and
-    the dense layers' MLP in every stack; a row with an adapter on them gives the merged model's logits. The routed experts
-    are not wrapped (grouped GEMMs): an adapter on them is refused by name."""
+    the dense layers' MLP in every stack; a row with an adapter on them gives the merged model's logits. The routed
+    experts are not wrapped (grouped GEMMs): an adapter on them is refused by name."""
     model = _model("lfm2_moe_dense")
     random_adapter(model, tmp_path / "experts", seed=2, targets=("q_proj", "experts"))
     merged = random_adapter(model, tmp_path / "a", seed=1, targets=("q_proj", "in_proj", "out_proj", "w1", "w2"))
@@ -112,7 +112,8 @@ def test_runtime_lora_on_a_moe_hybrid_leaves_the_experts_to_merging(tmp_path):
     slots = AdapterSlots(model, max_loras=1, max_rank=4)
     assert {site_stack(k) for k in slots.modules} == set(model.stacks) and len(model.stacks) > 2
     assert not [k for k in slots.modules if "experts" in k]
-    with pytest.raises(LoRASlotError, match=r"adapter targets \[.*experts\.gate_up_proj.*which the server does not wrap"):
+    refused = r"adapter targets \[.*experts\.gate_up_proj.*which the server does not wrap"
+    with pytest.raises(LoRASlotError, match=refused):
         slots.load("experts", tmp_path / "experts")
     slots.load("a", tmp_path / "a")
     rows = jnp.asarray([slots.slot("a"), 0])
