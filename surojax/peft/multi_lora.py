@@ -2,22 +2,28 @@
 
     y[b] = base(x[b]) + (x[b] @ A[slot[b]]) @ B[slot[b]]      A [L, S, in, R], B [L, S, R, out] (scaling in B)
 
-`apply_multi_lora` swaps each targeted `Linear` of `model.layers` for a `MultiLoRALinear` holding S = 1 +
-max_loras adapter slots; slot 0 is all zeros (= the base model), so rows without an adapter and rows of
+`apply_multi_lora` swaps each targeted `Linear` for a `MultiLoRALinear` holding S = 1 + max_loras adapter slots,
+in every layer stack that has it (models/targets.py's sites: a hybrid's MLP projections in `layers` and in
+`linear_layers` / `conv_layers`, its attention projections in `layers`, its Gated DeltaNet / short-convolution
+projections in its own stack; Gemma 4's `global_layers` / KV-shared stacks); each stack's MultiLoRALinear holds that
+stack's rows (L = its layer count). Slot 0 is all zeros (= the base model), so rows without an adapter and rows of
 different adapters run in the same batch. Ranks are padded with zeros to `max_rank` and each adapter's
 scaling (alpha / r) is folded into its B at load, so adapters of different rank and alpha share one shape and
 loading / unloading never recompiles.
 
 The per-row slot index reaches the layers as a variable (`AdapterRowIndex`, [L, B]: the decoder scans over
-the layers axis, so every variable inside it carries L first): the serving step calls
+each stack's layers axis, so every variable inside a stack carries its L first): the serving step calls
 `set_adapter_rows(model, rows)` on the merged model inside its jitted function, as the trainer sets LoRA
 dropout keys. The model code is unchanged.
 
 Cost: per targeted module and layer, a gather of each row's A and B ([B, in, R] + [B, R, out]) and two small
 GEMMs; with no adapter loaded the rows still multiply by zeros (the server only wraps when --enable-lora).
 
-`AdapterSlots` is the host-side book-keeping: name -> slot, loading PEFT folders (as `surojax export` writes
-them) into a free slot, unloading.
+`AdapterSlots` is the host-side book-keeping: name -> slot, loading PEFT folders (as `surojax export` or peft
+writes them) into a free slot, unloading. An adapter's tensors are named by the HF layer index (model.layers.{i});
+the loader (peft_io.load_peft_adapter with the model's config) puts layer i in the row of the stack that holds it
+(registry.stack_layers, the decoder's layer pattern). An adapter on a module the server does not wrap (a MoE
+model's experts: grouped GEMMs, not Linears) is refused by name.
 """
 from __future__ import annotations
 
@@ -29,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.models.registry import GEMMA4_STACKS, LINEAR_MODULES, weight_rows
-from surojax.models.targets import LORA_TARGETS, module_at, replace_module, resolve_targets
+from surojax.models.registry import stack_layers, weight_rows
+from surojax.models.targets import (EXPERT_TARGETS, base_linear, model_targets, module_at, replace_module,
+                                    resolve_model_targets, site, site_stack, target_name)
 from surojax.peft.peft_io import load_peft_adapter
 
 
@@ -68,56 +75,61 @@ class MultiLoRALinear(nnx.Module):
 
 
 def multi_lora_modules(model) -> dict[str, MultiLoRALinear]:
+    """Site key (models/targets.py: "q_proj" in `layers`, "linear_layers.gate_proj", ...) -> its MultiLoRALinear."""
     out = {}
-    for name, sub in LINEAR_MODULES.items():
-        parent, _, leaf = sub.rpartition(".")
-        mod = getattr(module_at(model.layers, parent), leaf, None)  # None: a MoE layer has no mlp.gate_proj
+    for key in model_targets(model):
+        mod = module_at(*site(model, key))
         if isinstance(mod, MultiLoRALinear):
-            out[name] = mod
+            out[key] = mod
     return out
 
 
-def apply_multi_lora(model, *, max_loras: int, max_rank: int, targets: str | Sequence[str] = LORA_TARGETS,
+def slot_sites(model, targets: str | Sequence[str] | None = None) -> tuple[str, ...]:
+    """The site keys the slots wrap. targets None: every plain Linear target of every stack (a MoE model's experts
+    are not Linears: skipped, and an adapter on them is refused at load); else the user's names (resolve_model_targets:
+    "all-linear", HF spellings), each in every stack that has it, all of which must be plain Linears."""
+    if targets is None:
+        keys = tuple(k for k in model_targets(model) if target_name(k) not in EXPERT_TARGETS)
+    else:
+        keys = resolve_model_targets(model, targets)
+    for key in keys:
+        base = module_at(*site(model, key))
+        if not hasattr(base, "in_features") or target_name(key) in EXPERT_TARGETS:
+            raise LoRASlotError(f"cannot serve LoRA adapters on {key}: it is not a plain Linear "
+                                f"({type(base).__name__})")
+    return keys
+
+
+def apply_multi_lora(model, *, max_loras: int, max_rank: int, targets: str | Sequence[str] | None = None,
                      dtype=None):
-    """Wrap the targeted Linears (in place; returns the model). Slots: 0 = none, 1..max_loras = adapters."""
+    """Wrap the targeted Linears of every stack (in place; returns the model). Slots: 0 = none, 1..max_loras =
+    adapters. targets: `slot_sites` (None: every Linear target the model has)."""
     if max_loras < 1 or max_rank < 1:
         raise LoRASlotError(f"max_loras and max_lora_rank must be >= 1 (got {max_loras}, {max_rank})")
     if multi_lora_modules(model):
         raise LoRASlotError("the model already has multi-LoRA slots")
-    other = "linear_layers" if model.cfg.linear_attention is not None else \
-        "conv_layers" if getattr(model.cfg, "short_conv", None) is not None else None
-    if other is not None:
-        kind = "Gated DeltaNet" if other == "linear_layers" else "short convolution"
-        raise LoRASlotError(f"{model.cfg.model_type}: runtime LoRA adapters are not supported for hybrid models: the "
-                            "adapter slots wrap every layer of the one stack `layers`, and a hybrid's layers are split "
-                            f"between `layers` (attention) and `{other}` ({kind})")
-    split = [name for name in GEMMA4_STACKS[1:] if getattr(model, name, None) is not None]
-    if split:
-        raise LoRASlotError(f"{model.cfg.model_type}: runtime LoRA adapters are not supported with attention layers "
-                            f"outside `layers` ({', '.join(split)}: Gemma 4's full layers of their own shape / "
-                            "KV-shared layers): the adapter slots wrap every layer of the one stack `layers`")
     dtype = dtype or model.dtype
-    for name in resolve_targets(targets):
-        base = module_at(model.layers, LINEAR_MODULES[name])
-        if not hasattr(base, "in_features"):
-            raise LoRASlotError(f"cannot serve LoRA adapters on {name}: it is not a plain Linear ({type(base).__name__})")
-        replace_module(model.layers, LINEAR_MODULES[name],
-                       MultiLoRALinear(base, num_layers=model.cfg.num_layers, num_slots=max_loras + 1,
-                                       rank=max_rank, dtype=dtype))
+    for key in slot_sites(model, targets):
+        root, path = site(model, key)
+        base = module_at(root, path)
+        replace_module(root, path, MultiLoRALinear(base, num_layers=len(stack_layers(model.cfg, site_stack(key))),
+                                                   num_slots=max_loras + 1, rank=max_rank, dtype=dtype))
     return model
 
 
 def set_adapter_rows(model, rows: jax.Array) -> None:
-    """Give every MultiLoRALinear the slot index of each batch row ([B] int32). Call inside the jitted step."""
-    L = model.cfg.num_layers
+    """Give every MultiLoRALinear the slot index of each batch row ([B] int32), repeated over its stack's layers.
+    Call inside the jitted step."""
+    rows = rows.astype(jnp.int32)
     for mod in multi_lora_modules(model).values():
-        mod.rows.set_value(jnp.broadcast_to(rows.astype(jnp.int32)[None, :], (L, rows.shape[0])))
+        L = mod.lora_a.get_value().shape[0]
+        mod.rows.set_value(jnp.broadcast_to(rows[None, :], (L, rows.shape[0])))
 
 
 class AdapterSlots:
     """Host-side registry: adapter name -> slot of the model's MultiLoRALinear stacks."""
 
-    def __init__(self, model, *, max_loras: int = 4, max_rank: int = 64, targets=LORA_TARGETS, dtype=None):
+    def __init__(self, model, *, max_loras: int = 4, max_rank: int = 64, targets=None, dtype=None):
         self.model = apply_multi_lora(model, max_loras=max_loras, max_rank=max_rank, targets=targets, dtype=dtype)
         self.max_loras, self.max_rank = max_loras, max_rank
         self.modules = multi_lora_modules(model)
@@ -139,21 +151,25 @@ class AdapterSlots:
         if not free:
             raise LoRASlotError(f"all {self.max_loras} LoRA slots are in use ({', '.join(sorted(self.slots))}); "
                                 "unload one or start the server with a larger --max-loras")
-        cfg = self.model.cfg
-        dims = {t: (m.in_features, m.out_features) for t, m in self.modules.items()}
-        adapter = load_peft_adapter(path, rows=tuple(weight_rows(cfg)), num_layers=cfg.num_layers,
-                                    dims={t: dims.get(t, (0, 0)) for t in LORA_TARGETS})
+        model = self.model
+        cfg, moe = model.cfg, model.cfg.moe
+        dims = {k: (base_linear(model, k).in_features, base_linear(model, k).out_features)
+                for k in model_targets(model)}
+        # the model's config: each tensor's HF layer index -> (stack, row) (registry.stack_layers)
+        adapter = load_peft_adapter(path, rows=tuple(weight_rows(cfg)), num_layers=cfg.num_layers, dims=dims,
+                                    num_experts=moe.num_experts if moe is not None else None, model_cfg=cfg)
         spec = adapter.spec
         missing = [t for t in adapter.weights if t not in self.modules]
         if missing:
-            raise LoRASlotError(f"{path}: adapter targets {missing}, which the server does not wrap")
+            raise LoRASlotError(f"{path}: adapter targets {missing}, which the server does not wrap (it serves "
+                                f"adapters on {', '.join(self.modules)})")
         if spec.rank > self.max_rank:
             raise LoRASlotError(f"{path}: adapter rank {spec.rank} > --max-lora-rank {self.max_rank}")
         slot = free[0]
         for t, mod in self.modules.items():
             a_all, b_all = mod.lora_a.get_value(), mod.lora_b.get_value()
-            a = np.zeros(a_all.shape[:1] + a_all.shape[2:], np.float32)  # [L, in, Rmax]
-            b = np.zeros(b_all.shape[:1] + b_all.shape[2:], np.float32)  # [L, Rmax, out]
+            a = np.zeros(a_all.shape[:1] + a_all.shape[2:], np.float32)  # [L of its stack, in, Rmax]
+            b = np.zeros(b_all.shape[:1] + b_all.shape[2:], np.float32)  # [L of its stack, Rmax, out]
             if t in adapter.weights:
                 wa, wb = adapter.weights[t]
                 a[:, :, :spec.rank] = wa

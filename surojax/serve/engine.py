@@ -47,7 +47,7 @@ allocated at admission, zeroed when the sequence starts, freed with it; chunked 
 continue from it). Prefix caching is turned off (logged: `state_slots.prefix_caching_off`). Speculative decoding
 works (the verify step replays each row's state to its last accepted token: `kv_paged.verify_step`), but a
 hybrid draft model is refused (`HybridServingError`: `state_slots.SPECULATIVE_REFUSED`: its drafted states would
-need the same); so are runtime LoRA slots (`peft.multi_lora`) and an FP8 KV pool.
+need the same); so is an FP8 KV pool. Runtime LoRA slots (`peft.multi_lora`) wrap both stacks.
 
 Images (a vision-language model: ``add_request(ids, ..., images=ImagePrompt)``, `serve.request_images`): the
 vision tower runs in the prefill call of each chunk that holds an image's tokens, the prompt takes its M-RoPE

@@ -9,14 +9,13 @@ import pytest
 from flax import nnx
 
 from surojax.data.tokenizer import Tokenizer
-from surojax.peft.lora import apply_lora, lora_modules, merge_lora
 from surojax.peft.multi_lora import AdapterSlots
-from surojax.peft.peft_io import save_peft_adapter
 from surojax.serve.engine import Engine
 from surojax.generation.loop import generate
 from surojax.generation.sampling import BatchMode, SamplingParams, SamplingParamsError, apply_penalties, filter_logits, \
     sample_batch, sorted_keep_mask
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.adapters import random_adapter
 from tests.serve.configs import SMALL, engine_config
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "models" / "qwen3"
@@ -159,16 +158,6 @@ def test_abort_frees_blocks(model):
     assert eng.kv.num_free_blocks < eng.kv.num_blocks
     assert eng.abort(rid)
     assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.has_unfinished()
-
-
-def random_adapter(model, path, seed, rank=4, targets=("q_proj", "v_proj", "down_proj")):
-    """A PEFT folder with non-zero B (a fresh adapter would be a no-op)."""
-    m = nnx.clone(model)
-    apply_lora(m, targets=targets, rank=rank, alpha=2 * rank, rngs=nnx.Rngs(seed))
-    for i, mod in enumerate(lora_modules(m).values()):
-        mod.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(seed * 10 + i), mod.lora_b.get_value().shape))
-    save_peft_adapter(m, path, None)
-    return merge_lora(m)
 
 
 def test_multi_lora_rows_equal_merged_models(model, tmp_path):

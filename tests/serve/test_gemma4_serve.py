@@ -17,13 +17,15 @@ from flax import nnx
 from surojax.generation.loop import generate
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
-from surojax.peft.multi_lora import LoRASlotError, apply_multi_lora
+from surojax.models.targets import model_targets, site_stack
+from surojax.peft.multi_lora import AdapterSlots
 from surojax.serve.capacity import kv_bytes_per_token, num_kv_blocks
 from surojax.serve.config import KVCacheDtype, KVPath
 from surojax.serve.engine import Engine
 from surojax.serve.kv_fp8 import layer_bounds
 from surojax.serve.kv_pools import kv_pools
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.adapters import forward_with_rows, random_adapter, serve_with_adapters
 from tests.serve.configs import BUCKETS, engine_config
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
@@ -102,16 +104,22 @@ def test_unsupported_paths_are_refused_by_name():
         Engine(model, engine_config(**SERVE, kv_path=KVPath.REFERENCE))
 
 
+def _shared_model():
+    """gemma4_text_shared's config with global_head_dim = head_dim, no attention_k_eq_v (no full layers of their own
+    shape: the paged engine serves it), random weights: stacks `layers` and `shared_layers`, per-layer inputs."""
+    hf = json.loads((FIXTURES / "gemma4_text_shared" / "config.json").read_text())
+    hf = {k: v for k, v in hf.items() if k != "per_layer_config"} | {"global_head_dim": 16, "attention_k_eq_v": False}
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.global_attention is None and cfg.kv_shared_layers == 2 and cfg.per_layer_input_size == 8
+    return Decoder(cfg, attention="xla", rngs=nnx.Rngs(0))
+
+
 def test_shared_layers_and_per_layer_inputs_served_equal_generate():
     """Per-layer input embeddings and KV-shared layers without full layers of their own shape (gemma4_text_shared's
     config with global_head_dim = head_dim, no attention_k_eq_v; random weights): the paged engine's greedy tokens
     equal `generate`'s (which equals transformers on the fixture itself: test_hf_parity). One pool, the shared
     layers reading their sources' rows (4 pool layers for 6). An FP8 pool is refused by name."""
-    hf = json.loads((FIXTURES / "gemma4_text_shared" / "config.json").read_text())
-    hf = {k: v for k, v in hf.items() if k != "per_layer_config"} | {"global_head_dim": 16, "attention_k_eq_v": False}
-    cfg = ModelConfig.from_hf(hf)
-    assert cfg.global_attention is None and cfg.kv_shared_layers == 2 and cfg.per_layer_input_size == 8
-    model = Decoder(cfg, attention="xla", rngs=nnx.Rngs(0))
+    model = _shared_model()
     prompts, _ = _requests(FIXTURES / "gemma4_text_shared")
     want = generate(model, prompts, 12)
     engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4))
@@ -121,7 +129,37 @@ def test_shared_layers_and_per_layer_inputs_served_equal_generate():
         Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
 
 
-def test_runtime_lora_slots_are_refused_with_several_attention_stacks():
+def test_runtime_lora_slots_on_every_stack_equal_the_merged_forward(tmp_path):
+    """gemma4_text_global at the model level: the slots wrap `layers` and `global_layers` (no v_proj there: keys as
+    values). An adapter on every target, saved
+    under PEFT's model.layers.{i} names and loaded into a slot: a row with it gives the merged model's logits, a row
+    without it the base's, in one forward."""
     model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
-    with pytest.raises(LoRASlotError, match="not supported with attention layers outside `layers` \\(global_layers"):
-        apply_multi_lora(model, max_loras=1, max_rank=2)
+    merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)))
+    forward = nnx.jit(lambda m, x: m(x))
+    want = np.concatenate([np.asarray(forward(merged, tokens[:1])), np.asarray(forward(model, tokens[1:]))])
+    assert not np.allclose(want[:1], forward(model, tokens[:1]), atol=1e-3)  # the adapter changes the logits
+    slots = AdapterSlots(model, max_loras=2, max_rank=8)
+    assert {site_stack(k) for k in slots.modules} == {"layers", "global_layers"}
+    assert "global_layers.v_proj" not in slots.modules and set(slots.modules) == set(model_targets(model))
+    slots.load("a", tmp_path / "a")
+    rows = jnp.asarray([slots.slot("a"), 0])  # row 0 the adapter, row 1 the base
+    np.testing.assert_allclose(np.asarray(forward_with_rows(model, tokens, rows)), want, atol=1e-4, rtol=1e-4)
+
+
+def test_runtime_lora_served_over_shared_layers_equals_the_merged_model(tmp_path):
+    """gemma4_text_shared served by the paged engine (a pool per KV shape) with LoRA slots in every stack: the
+    sliding and full layers and their KV-shared copies (q / o and the MLP there; no k / v): a row with the adapter
+    decodes the merged model's greedy tokens, a row without it the base's."""
+    model = load_model(FIXTURES / "gemma4_text_shared", dtype=jnp.float32, attention="xla")
+    merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
+    prompts = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)).tolist()
+    adapted, base = generate(merged, prompts, 8), generate(model, prompts, 8)  # one compile: same shapes
+    assert adapted[0] != base[0]
+    slots = AdapterSlots(model, max_loras=1, max_rank=4)
+    assert {site_stack(k) for k in slots.modules} == set(model.stacks)
+    assert len(model.stacks) == 4, model.stacks
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4), lora=slots)
+    engine.load_lora("a", tmp_path / "a")
+    assert serve_with_adapters(engine, prompts, ["a", None], 8) == [adapted[0], base[1]]

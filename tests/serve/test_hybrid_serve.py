@@ -8,20 +8,24 @@ cache; float64).
 One engine run per case serves five prompts of 3 .. 41 tokens with 3 seats, a 16-token step budget (the 26- and
 41-token prompts are prefilled in two and three chunks, while the other rows decode) and a pool small enough to
 preempt: the later requests take the state slots of finished (or preempted) ones, so a slot that were not zeroed
-for its new sequence would change their tokens. Prefix caching is off for hybrids (and said so), runtime LoRA
-slots are refused by name (speculative decoding: test_hybrid_speculative.py)."""
+for its new sequence would change their tokens. Prefix caching is off for hybrids (and said so); runtime LoRA
+slots wrap both stacks (a row with an adapter = the merged model). Speculative decoding: test_hybrid_speculative.py."""
 import logging
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from surojax.generation.loop import generate
+from surojax.models.targets import model_targets, site_stack
 from surojax.peft.multi_lora import AdapterSlots, LoRASlotError
 from surojax.serve.config import KVPath
 from surojax.serve.engine import Engine
 from surojax.serve.state_slots import PREFIX_CACHING_OFF, PREFIX_CACHING_OFF_CONV, StateSlots
 from surojax.weights.hf_checkpoint import load_model
+from tests.serve.adapters import forward_with_rows, random_adapter, serve_with_adapters
 from tests.serve.configs import BUCKETS, engine_config
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
@@ -73,10 +77,60 @@ def test_prefix_caching_is_off_for_hybrids(name, why, caplog):
     assert f"{name}: {why}" in caplog.messages
 
 
-def test_lora_slots_are_refused_for_hybrids():
+@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2"])
+def test_runtime_lora_over_both_stacks_equals_the_merged_model(name, tmp_path):
+    """Runtime LoRA slots wrap every Linear of both stacks (the attention, both stacks' MLPs, the DeltaNet's / short
+    conv's projections: `all-linear`, each stack's slots over its own layers). An adapter on all of them, written
+    under PEFT's model.layers.{i} names and loaded into a slot (layer i to its stack's row: the fixtures' layer
+    patterns are irregular), decodes the merged model's greedy tokens, and a row without it the base's, in one
+    batch, through prefill and multi-step decode."""
+    model = _model(name)
+    merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
+    prompts = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)).tolist()
+    adapted, base = generate(merged, prompts, 8), generate(model, prompts, 8)  # one compile: same shapes
+    assert adapted[0] != base[0]  # the adapter changes the answer
+    slots = AdapterSlots(model, max_loras=1, max_rank=4)
+    assert {site_stack(k) for k in slots.modules} == set(model.stacks) == {"layers", model.state_stack}
+    assert set(slots.modules) == set(model_targets(model))  # every Linear target of every stack
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4), lora=slots)
+    engine.load_lora("a", tmp_path / "a")
+    assert serve_with_adapters(engine, prompts, ["a", None], 8) == [adapted[0], base[1]]
+    assert engine.scheduler.num_multi_steps > 0
+
+
+def test_runtime_lora_on_a_moe_hybrid_leaves_the_experts_to_merging(tmp_path):
+    """lfm2_moe with dense leading layers (in stacks of their own): the slots wrap the attention, the short conv and
+    the dense layers' MLP in every stack; a row with an adapter on them gives the merged model's logits. The routed
+    experts are not wrapped (grouped GEMMs): an adapter on them is refused by name."""
+    model = _model("lfm2_moe_dense")
+    random_adapter(model, tmp_path / "experts", seed=2, targets=("q_proj", "experts"))
+    merged = random_adapter(model, tmp_path / "a", seed=1, targets=("q_proj", "in_proj", "out_proj", "w1", "w2"))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)))
+    forward = nnx.jit(lambda m, x: m(x))
+    want = np.concatenate([np.asarray(forward(merged, tokens[:1])), np.asarray(forward(model, tokens[1:]))])
+    assert not np.allclose(want[:1], forward(model, tokens[:1]), atol=1e-3)  # the adapter changes the logits
+    slots = AdapterSlots(model, max_loras=1, max_rank=4)
+    assert {site_stack(k) for k in slots.modules} == set(model.stacks) and len(model.stacks) > 2
+    assert not [k for k in slots.modules if "experts" in k]
+    refused = r"adapter targets \[.*experts\.gate_up_proj.*which the server does not wrap"
+    with pytest.raises(LoRASlotError, match=refused):
+        slots.load("experts", tmp_path / "experts")
+    slots.load("a", tmp_path / "a")
+    rows = jnp.asarray([slots.slot("a"), 0])
+    np.testing.assert_allclose(np.asarray(forward_with_rows(model, tokens, rows)), want, atol=1e-4, rtol=1e-4)
+
+
+def test_peft_adapter_in_a_slot_gives_peft_logits():
+    """PEFT's own adapter (transformers + peft, all-linear on qwen3_5_text: the DeltaNet projections, attention and
+    both stacks' MLPs; tests/fixtures/peft/qwen3_5, scripts/make_peft_fixtures.py) loaded into a runtime slot gives
+    PEFT's logits."""
+    peft = FIXTURES.parent / "peft" / "qwen3_5"
+    expected = np.load(peft / "expected.npz")
     model = _model("qwen3_5_text")
-    with pytest.raises(LoRASlotError, match="qwen3_5_text: runtime LoRA adapters are not supported for hybrid"):
-        AdapterSlots(model, max_loras=1, max_rank=4)
-    lfm2 = _model("lfm2")
-    with pytest.raises(LoRASlotError, match="lfm2: runtime LoRA.*`conv_layers` \\(short convolution\\)"):
-        AdapterSlots(lfm2, max_loras=1, max_rank=4)
+    slots = AdapterSlots(model, max_loras=2, max_rank=8)
+    slots.load("peft", peft / "adapter")
+    tokens = jnp.asarray(expected["tokens"])
+    got = forward_with_rows(model, tokens, jnp.asarray([slots.slot("peft")]))
+    np.testing.assert_allclose(np.asarray(got), expected["logits"], rtol=0, atol=1e-4)
+    base = forward_with_rows(model, tokens, jnp.asarray([0]))  # slot 0: the base model
+    assert not np.allclose(np.asarray(base), expected["logits"], atol=1e-3)
