@@ -211,9 +211,10 @@ def hf_from_tensors(hf: dict, names: set[str], factors: np.ndarray | None, sourc
     """The config keys a gemma4 file holds in its tensors: attention_k_eq_v (an unshared full layer without attn_v)
     and the full layers' partial_rotary_factor (rope_freqs.weight's count of 1s)."""
     L, shared = hf["num_hidden_layers"], hf["num_kv_shared_layers"]
-    full = [i for i, t in enumerate(hf["layer_types"][:L - shared]) if t == "full_attention"]
-    hf["attention_k_eq_v"] = bool(full) and f"blk.{full[0]}.attn_v.weight" not in names
-    head_full = (hf["per_layer_config"].get(str(full[0]) if full else "", {})).get("head_dim", hf["head_dim"])
+    full = [i for i, t in enumerate(hf["layer_types"]) if t == "full_attention"]
+    unshared = [i for i in full if i < L - shared]
+    hf["attention_k_eq_v"] = bool(unshared) and f"blk.{unshared[0]}.attn_v.weight" not in names
+    head_full = hf["per_layer_config"].get(str(full[0]), {}).get("head_dim", hf["head_dim"]) if full else 0
     half = head_full // 2
     if factors is None:
         raise GGUFError(f"{source}: tensor {ROPE_FREQS} is missing (llama.cpp's gemma4 full layers need it)")

@@ -110,7 +110,9 @@ def test_q8_0_read_back(files):
 @pytest.mark.skipif(not LOGITS.is_file(), reason="llama.cpp's logits were not made (llama-cpp-python missing)")
 def test_logits_match_llama_cpp(files):
     _, model, _ = load_gguf_model(files[f"{FOLDER}-f32"], dtype=jnp.float32)
-    assert np.abs(_logits(model) - np.load(LOGITS)).max() < 3e-3  # llama.cpp's CPU GELU reads an f16 table
+    # 1.6e-3 apart, as transformers' logits are: llama.cpp's CPU GELU reads an f16 table (transformers with its GELU
+    # taken on f16-rounded inputs and outputs comes within 3e-5 of llama.cpp's, checked when the fixture was made)
+    assert np.abs(_logits(model) - np.load(LOGITS)).max() < 3e-3
 
 
 def test_what_llama_cpp_cannot_run_is_refused(tmp_path):
