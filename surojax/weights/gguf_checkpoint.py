@@ -46,9 +46,9 @@ llama-quantize are read like any other.
 
 Gemma 3 (gemma3_text, gemma3: `gemma3`, read back as gemma3_text), Gemma 4 (gemma4_text, gemma4: `gemma4`, read
 back as gemma4_text), LFM2 (`lfm2`) and LFM2-MoE (`lfm2moe`) likewise have their own names, transforms and metadata
-(surojax.weights.gguf_gemma3, gguf_gemma4, gguf_lfm2: TRANSFORMS, and OWN_METADATA, which writes and reads their
-keys whole), the same four file types, and refuse by name what llama.cpp's graphs would
-run differently.
+(surojax.weights.gguf_gemma3, gguf_gemma4, gguf_lfm2: TRANSFORMS (Gemma 4 has none: its values are written as they
+are, plus its rope_freqs.weight), and OWN_METADATA, which writes and reads their keys whole), the same four file
+types, and refuse by name what llama.cpp's graphs would run differently.
 
 A model split in several files (`name-00001-of-00003.gguf`, gguf-split / GGUFWriter's split options) is read
 whole from any part's name (surojax.weights.gguf_split): metadata from the first part, tensors from all.
@@ -464,8 +464,9 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
                         f"found {layers}")
     per_layer = arch in (*lfm2.ARCHS, gemma4.ARCH)  # their head_count_kv (gemma4: feed_forward_length) per layer
     hf = {"model_type": model_type, "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
-          "num_attention_heads": n_heads,  # per layer: their module reads it
-          "num_key_value_heads": n_heads if per_layer else get("attention.head_count_kv", default=n_heads),
+          "num_attention_heads": n_heads,
+          "num_key_value_heads": n_heads if per_layer else get("attention.head_count_kv", default=n_heads),  # per
+          # layer: their module reads it
           "head_dim": get("attention.key_length", default=hidden // n_heads),
           "rms_norm_eps": get("attention.layer_norm_rms_epsilon", float, 1e-6),
           "rope_theta": get("rope.freq_base", float, 10000.0),
