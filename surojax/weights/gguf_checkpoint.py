@@ -1,6 +1,6 @@
-"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe / qwen35 / qwen35moe / gemma3 / lfm2
-architectures, Mixtral as llama), through the `gguf` package's GGUFWriter and our checked reader (surojax.weights.gguf_reader:
-every count and offset bounded by the file size).
+"""A `Decoder` <-> a llama.cpp GGUF file (llama / qwen2 / qwen3 / qwen3moe / qwen35 / qwen35moe / gemma3 / gemma4 /
+lfm2 / lfm2moe architectures, Mixtral as llama), through the `gguf` package's GGUFWriter and our checked reader
+(surojax.weights.gguf_reader: every count and offset bounded by the file size).
 
     save_gguf(model_or_hf_dir, "out.gguf", "q4_k_m", tokenizer_dir=...)       # what `surojax quantize` runs
     cfg, model, tokenizer = load_gguf_model("model.gguf", dtype=jnp.bfloat16)  # the training base
@@ -44,9 +44,11 @@ stored as 1 + w, A_log as -exp(A_log), llama.cpp's value-head order) and metadat
 Its files are written as f32 / f16 / bf16 / q8_0, what llama.cpp's converter writes; files quantised further by
 llama-quantize are read like any other.
 
-Gemma 3 (gemma3_text, gemma3: `gemma3`, read back as gemma3_text) and LFM2 (`lfm2`) likewise have their own names,
-transforms and metadata (surojax.weights.gguf_gemma3, gguf_lfm2: TRANSFORMS, and OWN_METADATA, which writes and reads
-their keys whole), the same four file types, and refuse by name what llama.cpp's graphs would run differently.
+Gemma 3 (gemma3_text, gemma3: `gemma3`, read back as gemma3_text), Gemma 4 (gemma4_text, gemma4: `gemma4`, read
+back as gemma4_text), LFM2 (`lfm2`) and LFM2-MoE (`lfm2moe`) likewise have their own names, transforms and metadata
+(surojax.weights.gguf_gemma3, gguf_gemma4, gguf_lfm2: TRANSFORMS (Gemma 4 has none: its values are written as they
+are, plus its rope_freqs.weight), and OWN_METADATA, which writes and reads their keys whole), the same four file
+types, and refuse by name what llama.cpp's graphs would run differently.
 
 A model split in several files (`name-00001-of-00003.gguf`, gguf-split / GGUFWriter's split options) is read
 whole from any part's name (surojax.weights.gguf_split): metadata from the first part, tensors from all.
@@ -76,6 +78,7 @@ from surojax.quant.transform import QuantParam
 from surojax.weights.atomic import AtomicFile
 from surojax.weights.gguf_reader import GGUFError, GGUFFile
 from surojax.weights import gguf_gemma3 as gemma3
+from surojax.weights import gguf_gemma4 as gemma4
 from surojax.weights import gguf_lfm2 as lfm2
 from surojax.weights import gguf_qwen35 as qwen35
 from surojax.weights.gguf_split import read_gguf_model
@@ -88,12 +91,16 @@ log = logging.getLogger(__name__)
 # our model_type -> general.architecture (llama.cpp runs Mixtral as `llama` with {arch}.expert_count > 0)
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
          "qwen3_5_text": qwen35.ARCH, "qwen3_5": qwen35.ARCH, "qwen3_5_moe_text": qwen35.MOE_ARCH,
-         "qwen3_5_moe": qwen35.MOE_ARCH, "gemma3_text": gemma3.ARCH, "gemma3": gemma3.ARCH, "lfm2": lfm2.ARCH}
+         "qwen3_5_moe": qwen35.MOE_ARCH, "gemma3_text": gemma3.ARCH, "gemma3": gemma3.ARCH, "lfm2": lfm2.ARCH,
+         "lfm2_moe": lfm2.MOE_ARCH, "gemma4_text": gemma4.ARCH, "gemma4": gemma4.ARCH}
 # general.architecture -> the model_type a file reads back as (llama with experts: mixtral, below)
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", **qwen35.MODEL_TYPES,
-               gemma3.ARCH: gemma3.MODEL_TYPE, lfm2.ARCH: lfm2.MODEL_TYPE}
+               gemma3.ARCH: gemma3.MODEL_TYPE, lfm2.ARCH: lfm2.MODEL_TYPE,
+               lfm2.MOE_ARCH: lfm2.MOE_MODEL_TYPE, gemma4.ARCH: gemma4.MODEL_TYPE}
 # the model_types read from a file with experts ({arch}.expert_count > 0): their MoE config.json keys
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "lfm2_moe")
+# ... and those that may have experts or not (gemma4_text: its MoE block)
+OPTIONAL_MOE_MODEL_TYPES = (gemma4.MODEL_TYPE,)
 # HF name -> llama.cpp name ("{i}" is the layer); rows absent from a family are simply not present
 GGUF_NAMES: dict[str, str] = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -125,24 +132,26 @@ GGUF_NAMES: dict[str, str] = {
 }
 # per-architecture names that differ from (or add to) GGUF_NAMES
 ARCH_NAMES: dict[str, dict[str, str]] = {**{arch: qwen35.NAMES for arch in qwen35.HYBRID_ARCHS},
-                                         gemma3.ARCH: gemma3.NAMES, lfm2.ARCH: lfm2.NAMES}
+                                         gemma3.ARCH: gemma3.NAMES, lfm2.ARCH: lfm2.NAMES,
+                                         lfm2.MOE_ARCH: lfm2.MOE_NAMES, gemma4.ARCH: gemma4.NAMES}
 # architectures whose tensors have per-tensor transforms (to_file / from_file / file_shape / forced_f32)
-TRANSFORMS = {qwen35.ARCH: qwen35, qwen35.MOE_ARCH: qwen35, gemma3.ARCH: gemma3, lfm2.ARCH: lfm2}
+TRANSFORMS = {qwen35.ARCH: qwen35, qwen35.MOE_ARCH: qwen35, gemma3.ARCH: gemma3, lfm2.ARCH: lfm2, lfm2.MOE_ARCH: lfm2}
 # architectures whose metadata a module writes whole (write_metadata(w, cfg, gguf)): the converter writes no
 # rope.dimension_count / key_length for them, or its keys differ per layer
-OWN_METADATA = {gemma3.ARCH: gemma3, lfm2.ARCH: lfm2}
+OWN_METADATA = {gemma3.ARCH: gemma3, lfm2.ARCH: lfm2, lfm2.MOE_ARCH: lfm2, gemma4.ARCH: gemma4}
 # HF rows written as several GGUF tensors, concatenated along the out rows (numpy axis -2) when read:
 # gate_up_proj [E, 2F, D] = [ffn_gate_exps | ffn_up_exps]
 GGUF_PARTS: dict[str, tuple[str, ...]] = {
     "model.layers.{i}.mlp.experts.gate_up_proj": ("blk.{i}.ffn_gate_exps.weight", "blk.{i}.ffn_up_exps.weight"),
+    **lfm2.MOE_PARTS,  # lfm2_moe's feed_forward.experts.gate_up_proj
 }
 # the routers and the shared expert's gate: kept F32 in every file type (convert_hf_to_gguf and llama-quant do)
 ROUTER_SUFFIXES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 ROPE_FREQS = "rope_freqs.weight"
-# the file types convert_hf_to_gguf writes for qwen35 / qwen35moe / gemma3 / lfm2 (the only ones whose per-tensor
-# types are known for them)
+# the file types convert_hf_to_gguf writes for qwen35 / qwen35moe / gemma3 / gemma4 / lfm2 / lfm2moe (the only
+# ones whose per-tensor types are known for them)
 HYBRID_FILE_TYPES = ("f32", "f16", "bf16", "q8_0")
-CONVERTER_TYPES_ONLY = (*qwen35.HYBRID_ARCHS, gemma3.ARCH, lfm2.ARCH)
+CONVERTER_TYPES_ONLY = (*qwen35.HYBRID_ARCHS, gemma3.ARCH, gemma4.ARCH, *lfm2.ARCHS)
 
 
 def _gguf():
@@ -212,8 +221,8 @@ def _encode(w: np.ndarray, qtype: str):
 # -- writing ----------------------------------------------------------------------------------------------------
 def _rows(cfg: ModelConfig):
     """The weight rows a GGUF file holds: a MoE family's fused table (one router and merged experts per layer,
-    as llama.cpp stores them), the published table otherwise."""
-    return weight_rows(cfg, fused=cfg.moe is not None)
+    as llama.cpp stores them), the published table otherwise (Gemma 4's, whose experts are published fused)."""
+    return weight_rows(cfg, fused=cfg.moe is not None and bool(family_for(cfg.model_type).fused_weights))
 
 
 def _ordered(cfg: ModelConfig) -> list[str]:
@@ -299,10 +308,10 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
         raise WeightsError(f"unknown GGUF file type {file_type!r}; choose from {', '.join(FILE_TYPES)}")
     cfg = model.cfg
     arch = ARCHS.get(cfg.model_type)
-    if arch is None or (cfg.sliding_window and arch != gemma3.ARCH):
+    if arch is None or (cfg.sliding_window and arch not in (gemma3.ARCH, gemma4.ARCH)):
         raise WeightsError(f"model_type {cfg.model_type!r}{' with sliding_window' if cfg.sliding_window else ''} "
                            f"cannot be written to GGUF here (supported: {', '.join(ARCHS)})")
-    if cfg.rope_scaling.rope_type not in ("default", "linear", "llama3"):
+    if cfg.rope_scaling.rope_type not in ("default", "linear", "llama3") and arch != gemma4.ARCH:
         raise WeightsError(f"rope_scaling {cfg.rope_scaling.rope_type!r} cannot be written to GGUF")
     transforms = TRANSFORMS.get(arch)
     if arch in OWN_METADATA:
@@ -334,6 +343,8 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
 
         if cfg.rope_scaling.rope_type == "llama3":
             w.add_tensor(ROPE_FREQS, llama3_rope_factors(cfg))
+        elif arch == gemma4.ARCH:  # the full layers' proportional rope
+            w.add_tensor(ROPE_FREQS, gemma4.rope_freqs(cfg))
         tied = cfg.tie_word_embeddings
         n_gqa = cfg.num_heads // cfg.num_kv_heads
         for hf in _ordered(cfg):
@@ -434,9 +445,9 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
         model_type = "mixtral"
     elif model_type in MOE_MODEL_TYPES and not experts:
         raise GGUFError(f"{source}: {arch}.expert_count: expected a positive expert count, found {experts}")
-    elif experts and model_type not in MOE_MODEL_TYPES:
-        raise GGUFError(f"{source}: {arch}.expert_count {experts}: experts are read for qwen3moe, qwen35moe and "
-                        f"llama (Mixtral) files only")
+    elif experts and model_type not in MOE_MODEL_TYPES + OPTIONAL_MOE_MODEL_TYPES:
+        raise GGUFError(f"{source}: {arch}.expert_count {experts}: experts are read for qwen3moe, qwen35moe, "
+                        f"lfm2moe, gemma4 and llama (Mixtral) files only")
 
     n_heads = get("attention.head_count")
     hidden = get("embedding_length")
@@ -451,14 +462,16 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
     if n_tensors is not None and layers > n_tensors:
         raise GGUFError(f"{source}: {arch}.block_count: expected at most the file's {n_tensors} tensors, "
                         f"found {layers}")
+    per_layer = arch in (*lfm2.ARCHS, gemma4.ARCH)  # their head_count_kv (gemma4: feed_forward_length) per layer
     hf = {"model_type": model_type, "vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
-          "num_attention_heads": n_heads,  # lfm2's head_count_kv is per layer: gguf_lfm2 reads it
-          "num_key_value_heads": n_heads if arch == lfm2.ARCH else get("attention.head_count_kv", default=n_heads),
+          "num_attention_heads": n_heads,
+          "num_key_value_heads": n_heads if per_layer else get("attention.head_count_kv", default=n_heads),  # per
+          # layer: their module reads it
           "head_dim": get("attention.key_length", default=hidden // n_heads),
           "rms_norm_eps": get("attention.layer_norm_rms_epsilon", float, 1e-6),
           "rope_theta": get("rope.freq_base", float, 10000.0),
           "max_position_embeddings": get("context_length", default=4096)}
-    if family_for(model_type).intermediate_size_key:  # qwen3_5_moe has no dense MLP
+    if family_for(model_type).intermediate_size_key and arch != gemma4.ARCH:  # qwen3_5_moe has no dense MLP
         hf["intermediate_size"] = get("feed_forward_length")
     scaling = get("rope.scaling.type", str, "none")
     if scaling == "linear":
@@ -469,6 +482,8 @@ def hf_config_from_gguf(fields: dict, source: str, n_tensors: int | None = None)
     if model_type == "qwen3_moe":  # llama.cpp's qwen3moe graph renormalises the top-k weights
         hf.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"), norm_topk_prob=True,
                   moe_intermediate_size=get("expert_feed_forward_length"))
+    elif model_type == lfm2.MOE_MODEL_TYPE:  # the rest of its MoE keys: gguf_lfm2.hf_config
+        hf.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"))
     elif model_type == "mixtral":  # the llama arch's n_ff is the expert's
         hf.update(num_local_experts=experts, num_experts_per_tok=get("expert_used_count"))
     elif model_type == "qwen3_5_moe_text":  # without the widths, llama.cpp's fallbacks from feed_forward_length
@@ -519,8 +534,11 @@ def _llama3_from_factors(hf: dict, factors: np.ndarray, source: str) -> None:
 def _hf_config(reader: GGUFFile, fields: dict, source: str) -> dict:
     by_name = {t.name: t for t in reader.tensors}
     hf = hf_config_from_gguf(fields, source, n_tensors=len(reader.tensors))
-    if ROPE_FREQS in by_name:
-        _llama3_from_factors(hf, _dequantize(by_name[ROPE_FREQS], source), source)
+    factors = _dequantize(by_name[ROPE_FREQS], source) if ROPE_FREQS in by_name else None
+    if hf["model_type"] == gemma4.MODEL_TYPE:  # the full layers' proportional rope, attention_k_eq_v
+        gemma4.hf_from_tensors(hf, set(by_name), factors, source)
+    elif factors is not None:
+        _llama3_from_factors(hf, factors, source)
     hf["tie_word_embeddings"] = "output.weight" not in by_name
     if hf["model_type"] == "qwen2":
         hf["attention_bias"] = "blk.0.attn_q.bias" in by_name
