@@ -34,6 +34,7 @@ from surojax.models.vision.inputs import VisionTokens
 from surojax.peft.lora import TRAINABLE
 from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
 from surojax.peft.stacked import load_adapter_into
+from surojax.quant.model import is_quantized
 from surojax.train.distill import text_rows_only
 from surojax.train.image_inputs import step_image_batch
 from surojax.train.model_setup import build_model, trainable_filter
@@ -160,8 +161,9 @@ def test_full_fine_tuning_leaves_the_tower_frozen_unless_train_vision(tmp_path, 
 
 
 def test_train_vision_and_image_rows_refused_where_not_read(tmp_path):
-    with pytest.raises(ConfigError, match="train_vision"):
-        config_from_dict(dict(model=str(BASE), lora=True, train_vision=True, datasets=[{"path": "x.jsonl"}]))
+    with pytest.raises(ConfigError, match="'attn.qkv' is a vision tower module.*set train_vision: true"):
+        config_from_dict(dict(model=str(BASE), lora=True, lora_target_modules=["q_proj", "attn.qkv"],
+                              datasets=[{"path": "x.jsonl"}]))
     with pytest.raises(ConfigError, match="trainer: dpo"):
         config_from_dict(dict(model=str(BASE), trainer="dpo", train_vision=True, datasets=[{"path": "x.jsonl"}]))
     with pytest.raises(TrainSetupError, match="train_vision: qwen3 has no vision tower"):
@@ -206,3 +208,55 @@ def test_full_fine_tuning_with_train_vision_trains_the_tower_and_saves_it(tmp_pa
     qkv = saved.get("model.visual.blocks.0.attn.qkv.weight")
     kernel = next(v for k, v in after.items() if "blocks" in k and 0 in k and "qkv" in k and k[-1] == "kernel")
     np.testing.assert_array_equal(qkv, kernel.T)
+
+
+def _spec(tmp_path, **kw):
+    cfg = dict(model=str(BASE), output_dir=str(tmp_path / "out"), recipe="bf16", lora=True, lora_rank=4, lora_alpha=8,
+               datasets=[{"path": "unused.jsonl"}])
+    return run_spec(config_from_dict({**cfg, **kw}), total_steps=1)
+
+
+def test_lora_with_train_vision_puts_adapters_on_every_tower_linear(tmp_path):
+    """lora + train_vision: an adapter on each Linear of the blocks and mergers (not the patch embedding), trained
+    with the language model's; the tower's own weights a frozen base in the compute dtype; the gradients flow
+    through the tower (no stop_gradient). An adapter continued as saved must agree with train_vision."""
+    spec = _spec(tmp_path, train_vision=True)
+    model = build_model(spec)
+    trainable = nnx.state(model, trainable_filter(spec))
+    tower = nnx.to_flat_state(nnx.state(trainable, vision_filter))
+    paths = {".".join(map(str, p[1:-1])) for p, _ in tower}
+    depth = model.visual.cfg.depth
+    assert paths == {f"blocks.{i}.{m}" for i in range(depth) for m in ("attn.qkv", "attn.proj", "mlp.linear_fc1",
+                                                                        "mlp.linear_fc2")} | {
+        f"{m}.{fc}" for m in ("merger", "deepstack_merger_list.0", "deepstack_merger_list.1")
+        for fc in ("linear_fc1", "linear_fc2")}
+    assert all(isinstance(v, nnx.LoRAParam) for _, v in tower) and model.train_vision
+    frozen = nnx.state(model.visual, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}
+    assert not nnx.state(build_model(_spec(tmp_path)), nnx.All(nnx.LoRAParam, vision_filter))  # default: none
+
+    with pytest.raises(TrainSetupError, match="adapter_init_mode: trainable continues .* which has none there"):
+        build_model(_spec(tmp_path, train_vision=True, adapter_path=str(FIXTURE / "adapter"),
+                          adapter_init_mode="trainable"))
+
+
+def test_qlora_on_image_rows_trains_the_adapters_over_an_nf4_base(tmp_path):
+    """qlora_bnb (NF4) with train_vision: the language model's targets quantised, the tower a frozen bf16 base with
+    adapters (never quantised); plain SGD on the two image rows lowers the loss at every step."""
+    spec = _spec(tmp_path, qlora_bnb=True, train_vision=True)
+    model = build_model(spec)
+    assert set(is_quantized(model).values()) == {"nf4"}
+    frozen = nnx.state(model.visual, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    assert {x.dtype for x in jax.tree.leaves(frozen)} == {jnp.dtype(jnp.bfloat16)}  # no quantised (uint8) leaves
+    tokens = VisionTokens.from_config(model.cfg)
+    micro = step_image_batch(collate_image_rows([_row("a", 20), _row("b", 20)], tokens.vision.spatial_merge_size),
+                             tokens, 2)
+    graphdef, trainable, frozen = nnx.split(model, trainable_filter(spec), ...)
+    assert nnx.state(trainable, vision_filter)  # the tower's adapters train
+    sgd = optax.sgd(0.5)
+    step, opt_state = make_train_step(graphdef, lm_loss, sgd, donate=False), sgd.init(trainable)
+    losses = []
+    for _ in range(4):
+        trainable, opt_state, m = step(trainable, frozen, opt_state, micro, None)
+        losses.append(float(m["loss"]))
+    assert np.all(np.isfinite(losses)) and np.all(np.diff(losses) < 0), losses
