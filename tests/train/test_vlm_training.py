@@ -31,8 +31,10 @@ from surojax.data.tokenizer import Tokenizer
 from surojax.losses.lm import lm_loss
 from surojax.models.decoder import vision_filter
 from surojax.models.vision.inputs import VisionTokens
-from surojax.peft.lora import TRAINABLE
-from surojax.peft.peft_io import WEIGHTS_FILE, save_peft_adapter
+from surojax.peft.lora import TRAINABLE, apply_lora, lora_modules, vision_lora_modules
+from surojax.peft.vision_lora import apply_vision_lora
+from surojax.models.registry import weight_rows
+from surojax.peft.peft_io import WEIGHTS_FILE, AdapterError, load_peft_adapter, save_peft_adapter
 from surojax.peft.stacked import load_adapter_into
 from surojax.quant.model import is_quantized
 from surojax.train.distill import text_rows_only
@@ -47,6 +49,7 @@ from surojax.weights.safetensors_file import SafetensorsFile, write_safetensors
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3_vl"
 FIXTURE = ROOT / "tests" / "fixtures" / "peft" / "qwen3_vl"
+TOWER = ROOT / "tests" / "fixtures" / "peft" / "qwen3_vl_tower"  # the same with the tower's adapters (--tower)
 ROWS = np.load(ROOT / "tests" / "fixtures" / "vlm" / "qwen3_vl.npz")
 EXPECTED = np.load(FIXTURE / "expected.npz")
 
@@ -97,6 +100,52 @@ def test_lora_on_image_rows_follows_peft_loss_curve_and_exports_as_peft(tmp_path
     assert all(n.startswith("base_model.model.model.language_model.layers.") for n in names)
     assert sorted(json.loads((out / "adapter_config.json").read_text())["target_modules"]) == sorted(
         json.loads((FIXTURE / "adapter" / "adapter_config.json").read_text())["target_modules"])
+
+
+def test_tower_lora_follows_peft_loss_curve_and_resaves_as_peft(tmp_path):
+    """PEFT's adapter on the language model AND the tower's / mergers' Linears (make_vlm_lora_fixtures.py --tower):
+    our loader gives PEFT's logits (continued, or folded into the base); re-saved it is PEFT's folder again (the
+    same tensor names, values and target_modules: what peft loads); with gradients flowing through the tower
+    (train_vision) plain SGD follows PEFT's loss curve and moves the tower's adapters."""
+    expected = np.load(TOWER / "expected.npz")
+    model = load_adapter_into(load_model(BASE, dtype=jnp.float32, attention="xla"), TOWER / "adapter", trainable=True)
+    assert len(vision_lora_modules(model)) == 4 * 3 + 2 * 3  # 3 blocks; the merger and 2 deepstack mergers
+    tokens = VisionTokens.from_config(model.cfg)
+    batch = collate_image_rows([_row("a", 20), _row("b", 20)], tokens.vision.spatial_merge_size)
+    a = step_image_batch(batch, tokens, 1)
+    images = type(a["images"])(*(x[0] for x in a["images"]))
+    forward = nnx.jit(lambda m, b, i: m(b["tokens"][0], images=i, rope_positions=b["rope_positions"][0]))
+    np.testing.assert_allclose(np.asarray(forward(model, a, images))[0, :12], expected["logits_a"], rtol=0, atol=1e-4)
+    folded = load_adapter_into(load_model(BASE, dtype=jnp.float32, attention="xla"), TOWER / "adapter",
+                               trainable=False)
+    np.testing.assert_allclose(np.asarray(forward(folded, a, images))[0, :12], expected["logits_a"], rtol=0,
+                               atol=1e-4)
+
+    again = save_peft_adapter(model, tmp_path / "again", str(BASE))
+    ours, theirs = SafetensorsFile(again / WEIGHTS_FILE), SafetensorsFile(TOWER / "adapter" / WEIGHTS_FILE)
+    assert sorted(ours.names()) == sorted(theirs.names())
+    assert all(np.array_equal(ours.get(n), theirs.get(n)) for n in theirs.names())
+    assert sorted(json.loads((again / "adapter_config.json").read_text())["target_modules"]) == sorted(
+        json.loads((TOWER / "adapter" / "adapter_config.json").read_text())["target_modules"])
+
+    with pytest.raises(AdapterError, match="holds adapters on a vision tower .* runtime adapter slots"):
+        load_peft_adapter(TOWER / "adapter", rows=tuple(weight_rows(model.cfg)), num_layers=model.cfg.num_layers)
+
+    model.train_vision = True  # what set_vision_training does for a run with train_vision
+    graphdef, trainable, frozen = nnx.split(model, TRAINABLE, ...)
+    tower_before = jax.tree.map(np.asarray, nnx.state(trainable, vision_filter))
+    sgd = optax.sgd(float(expected["lr"]))
+    step, opt_state = make_train_step(graphdef, lm_loss, sgd, donate=False), sgd.init(trainable)
+    micro = step_image_batch(batch, tokens, 2)
+    losses = []
+    for _ in range(len(expected["losses"])):
+        trainable, opt_state, m = step(trainable, frozen, opt_state, micro, None)
+        losses.append(float(m["loss"]))
+    assert np.all(np.diff(expected["losses"]) < -0.2)
+    np.testing.assert_allclose(losses, expected["losses"], rtol=1e-4, atol=0)
+    moved = jax.tree.map(lambda x, y: not np.array_equal(x, np.asarray(y)), tower_before,
+                         nnx.state(trainable, vision_filter))
+    assert all(jax.tree.leaves(moved))  # every tower adapter got a gradient
 
 
 def _tiny_vlm_folder(tmp_path: Path) -> Path:
@@ -260,3 +309,42 @@ def test_qlora_on_image_rows_trains_the_adapters_over_an_nf4_base(tmp_path):
         trainable, opt_state, m = step(trainable, frozen, opt_state, micro, None)
         losses.append(float(m["loss"]))
     assert np.all(np.isfinite(losses)) and np.all(np.diff(losses) < 0), losses
+
+
+def test_peft_loads_our_tower_adapter_with_our_logits(tmp_path):
+    """Live (where torch, transformers and peft are installed): our LoRA on the language model and the tower, saved,
+    loads with PeftModel.from_pretrained on transformers' Qwen3VLForConditionalGeneration and gives our fp32 logits
+    on an image row; our own loader reads it back to the same logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft_model = pytest.importorskip("peft.peft_model")
+    model = load_model(BASE, dtype=jnp.float32, attention="xla")
+    spec = dict(rank=4, alpha=8.0, rngs=nnx.Rngs(0))
+    apply_vision_lora(apply_lora(model, targets="all-linear", **spec), **spec)
+    key = jax.random.key(5)
+    for i, mod in enumerate([*lora_modules(model).values(), *vision_lora_modules(model).values()]):
+        b = mod.lora_b.get_value()
+        mod.lora_b.set_value(0.2 * jax.random.normal(jax.random.fold_in(key, i), b.shape, b.dtype))
+    tokens = VisionTokens.from_config(model.cfg)
+    n = len(ROWS["a_ids"])
+    a = step_image_batch(collate_image_rows([_row("a", n)], tokens.vision.spatial_merge_size), tokens, 1)
+    images = type(a["images"])(*(x[0] for x in a["images"]))
+    forward = nnx.jit(lambda m, b, i: m(b["tokens"][0], images=i, rope_positions=b["rope_positions"][0]))
+    ours = np.asarray(forward(model, a, images))[0]
+    out = save_peft_adapter(model, tmp_path / "adapter", str(BASE))
+
+    hf = transformers.Qwen3VLForConditionalGeneration.from_pretrained(BASE, dtype=torch.float32,
+                                                                      attn_implementation="eager").eval()
+    ids = torch.tensor(ROWS["a_ids"].astype(np.int64))[None]
+    inputs = dict(input_ids=ids, pixel_values=torch.tensor(ROWS["a_pixels"]),
+                  image_grid_thw=torch.tensor(ROWS["a_grid"]), mm_token_type_ids=(ids == model.cfg.hf_extra[
+                      "image_token_id"]).long())
+    with torch.no_grad():
+        base_logits = hf(**inputs).logits[0].numpy()
+        peft = peft_model.PeftModel.from_pretrained(hf, out).eval()
+        assert sum(".visual." in name and "lora_A" in name for name, _ in peft.named_parameters()) == 18
+        theirs = peft(**inputs).logits[0].numpy()
+    assert np.abs(theirs - base_logits).max() > 0.05  # the adapter was applied
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
+    back = load_adapter_into(load_model(BASE, dtype=jnp.float32, attention="xla"), out, trainable=True)
+    np.testing.assert_array_equal(np.asarray(forward(back, a, images))[0], ours)
