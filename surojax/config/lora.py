@@ -92,9 +92,10 @@ class LoraSection(StrictModel):
             bad = [m for m in v if m not in LORA_TARGETS + MOE_LORA_TARGETS + LINEAR_ATTENTION_LORA_TARGETS]
             tower = [m for m in bad if m in VISION_MODULE_NAMES or m.startswith(("visual.", "model.visual."))]
             if tower:
-                raise ValueError(f"{tower[0]!r} is a vision tower module; lora_target_modules names the language "
-                                 "model's modules: set train_vision: true to put adapters on every Linear of the "
-                                 "tower and its mergers")
+                raise ValueError(f"unknown module {tower[0]!r}: lora_target_modules names the language model's modules "
+                                 f"({', '.join(LORA_TARGETS)} ... or 'all-linear'); {tower[0]!r} is a vision tower "
+                                 "module: set train_vision: true to put adapters on every Linear of the tower and its "
+                                 "mergers")
             if bad:
                 raise ValueError(f"unknown module {bad[0]!r}; choose from {', '.join(LORA_TARGETS)} or 'all-linear' "
                                  f"(MoE models also: {', '.join(MOE_LORA_TARGETS)}; hybrid models also: "

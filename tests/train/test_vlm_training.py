@@ -210,7 +210,7 @@ def test_full_fine_tuning_leaves_the_tower_frozen_unless_train_vision(tmp_path, 
 
 
 def test_train_vision_and_image_rows_refused_where_not_read(tmp_path):
-    with pytest.raises(ConfigError, match="'attn.qkv' is a vision tower module.*set train_vision: true"):
+    with pytest.raises(ConfigError, match="'attn.qkv' is a vision tower module: set train_vision: true"):
         config_from_dict(dict(model=str(BASE), lora=True, lora_target_modules=["q_proj", "attn.qkv"],
                               datasets=[{"path": "x.jsonl"}]))
     with pytest.raises(ConfigError, match="trainer: dpo"):
