@@ -53,9 +53,9 @@ from surojax.models.registry import (LINEAR_ATTENTION_MODULES, LINEAR_MODULES, L
                                      SHARED_EXPERT_MODULES, SHORT_CONV_MODULES, WeightRow, stack_layers, weight_rows)
 from surojax.peft.lora import (ATTENTION_TARGETS, EXPERT_TARGETS, lora_modules, lora_scaling, resolve_targets, site_key,
                                site_stack, target_name, vision_lora_modules)
-from surojax.peft.vision_lora import PATCH_EMBED, is_vision_entry, matched_paths, peft_vision_entries, tower_linears
 from surojax.peft.peft_experts import (PEFT_PARAMETERS, expert_module_name, experts_modules, from_peft,
                                        matches_parameter, target_parameter, to_peft)
+from surojax.peft.vision_lora import PATCH_EMBED, is_vision_entry, matched_paths, peft_vision_entries, tower_linears
 from surojax.weights.atomic import atomic_path
 from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
