@@ -12,9 +12,15 @@ and mergers take none), init_lora_weights=False (B non-zero) with B scaled by 0.
 tests/fixtures/peft/qwen3_vl/adapter/ (PEFT's folder: its names `base_model.model.model.language_model.layers.N...`)
 and expected.npz: `losses` (before each of SGD_STEPS steps of lr SGD_LR, and after the last), `lr`, and `logits_a`
 (row a's logits with the initial adapter).
+
+`--tower`: the same with adapters on the vision tower and mergers too (`train_vision: true` with LoRA:
+surojax/peft/vision_lora.py), target_modules + attn.qkv / attn.proj / linear_fc1 / linear_fc2 (every Linear of the
+blocks, the merger and the deepstack mergers; the patch embedding, a Conv3d, takes none), written to
+tests/fixtures/peft/qwen3_vl_tower/.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -28,19 +34,29 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "tests" / "fixtures" / "models" / "qwen3_vl"
 ROWS = ROOT / "tests" / "fixtures" / "vlm" / "qwen3_vl.npz"
 OUT = ROOT / "tests" / "fixtures" / "peft" / "qwen3_vl"
+TOWER_OUT = ROOT / "tests" / "fixtures" / "peft" / "qwen3_vl_tower"
 IMAGE_TOKEN = 250  # the fixture's image_token_id
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOWER_TARGETS = ["attn.qkv", "attn.proj", "linear_fc1", "linear_fc2"]
 SGD_LR, SGD_STEPS = 0.5, 4
 
 
-def main() -> None:
+def main(tower: bool) -> None:
+    out_dir = TOWER_OUT if tower else OUT
     torch.manual_seed(11)
     model = Qwen3VLForConditionalGeneration.from_pretrained(BASE, dtype=torch.float32,
                                                             attn_implementation="eager").eval()
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS + (TOWER_TARGETS if tower else []), lora_dropout=0.0,
+                      init_lora_weights=False)
     pmodel = get_peft_model(model, lora).eval()
     wrapped = [n for n, _ in pmodel.named_parameters() if "lora_A" in n]
-    assert wrapped and all(".language_model." in n for n in wrapped), wrapped[:3]
+    visual = [n for n in wrapped if ".visual." in n]
+    assert wrapped and all(".language_model." in n or n in visual for n in wrapped), wrapped[:3]
+    if tower:  # every Linear of the blocks and mergers, not the patch embedding
+        depth, deepstack = model.config.vision_config.depth, len(model.config.vision_config.deepstack_visual_indexes)
+        assert len(visual) == 4 * depth + 2 * (1 + deepstack) and not any("patch_embed" in n for n in visual), visual
+    else:
+        assert not visual, visual[:3]
     with torch.no_grad():
         for name, p in pmodel.named_parameters():
             if "lora_B" in name:
@@ -64,12 +80,12 @@ def main() -> None:
     with torch.no_grad():
         ids, pixels, grid = rows[0]
         logits_a = forward(ids, pixels, grid)[0].numpy()
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    (OUT / "adapter").mkdir(parents=True)
-    pmodel.save_pretrained(OUT / "adapter")
-    (OUT / "adapter" / "README.md").unlink(missing_ok=True)
-    cfg_path = OUT / "adapter" / "adapter_config.json"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    (out_dir / "adapter").mkdir(parents=True)
+    pmodel.save_pretrained(out_dir / "adapter")
+    (out_dir / "adapter" / "README.md").unlink(missing_ok=True)
+    cfg_path = out_dir / "adapter" / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["target_modules"] = sorted(cfg["target_modules"])
     cfg["base_model_name_or_path"] = str(BASE.relative_to(ROOT))
@@ -88,10 +104,12 @@ def main() -> None:
                 p -= SGD_LR * p.grad
     with torch.no_grad():
         losses.append(loss_of().item())
-    np.savez(OUT / "expected.npz", losses=np.array(losses, np.float64), lr=np.float64(SGD_LR),
+    np.savez(out_dir / "expected.npz", losses=np.array(losses, np.float64), lr=np.float64(SGD_LR),
              logits_a=logits_a.astype(np.float32))
     print(f"losses {losses}")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tower", action="store_true", help="adapters on the vision tower too (qwen3_vl_tower/)")
+    main(parser.parse_args().tower)

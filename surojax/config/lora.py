@@ -19,6 +19,10 @@ MOE_LORA_TARGETS: tuple[str, ...] = ("gate_up_proj", "experts", "shared_expert",
                                      "shared_expert.up_proj", "shared_expert.down_proj")
 # Hybrid models (Qwen3.5) only: the Gated DeltaNet layers' projections (checked against the model when LoRA is applied).
 LINEAR_ATTENTION_LORA_TARGETS: tuple[str, ...] = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# the vision towers' module names (Qwen3-VL, Qwen3.5) a user may write as targets: the tower's adapters come from
+# `train_vision: true` (surojax.peft.vision_lora), not from lora_target_modules
+VISION_MODULE_NAMES = ("qkv", "attn.qkv", "proj", "attn.proj", "linear_fc1", "linear_fc2", "mlp.linear_fc1",
+                       "mlp.linear_fc2", "merger", "visual")
 GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 # llama.cpp file types that mix tensor types (surojax.quant.quantize_mix): one type per target when training
 GGUF_MIXES = ("q3_k_m", "q4_k_m", "q5_k_m")
@@ -61,8 +65,12 @@ class LoraSection(StrictModel):
     The adapter folder then carries them as PEFT `modules_to_save`; a dense model refuses the key."""
     train_vision: bool = False
     """Vision-language models (Qwen3-VL, Qwen3.5): also train the vision tower and its patch mergers (Surogate's
-    key). Default: the tower is frozen, run in the compute dtype without gradients and kept out of the optimizer
-    state. Full fine-tuning only (lora: false); LoRA adapters go on the language model."""
+    key), the way the run trains: full fine-tuning (lora: false) trains all their weights; with lora: true,
+    LoRA adapters go on every Linear of the tower (each block's attn.qkv, attn.proj, mlp.linear_fc1 / fc2) and of
+    the mergers (linear_fc1 / fc2, the deepstack mergers' too) with the run's rank / alpha / dropout, the tower's
+    own weights frozen and the gradients flowing through it to the adapters (the patch embedding and positions stay
+    frozen). Default: the tower is frozen, run in the compute dtype without gradients and kept out of the optimizer
+    state; lora_target_modules names the language model's modules either way."""
     adapter_path: str | None = None
     """An existing PEFT adapter to start from (stacked LoRA)."""
     adapter_init_mode: Literal["merge", "trainable"] | None = None
@@ -82,6 +90,12 @@ class LoraSection(StrictModel):
             return ["all-linear"]
         if isinstance(v, (list, tuple)):
             bad = [m for m in v if m not in LORA_TARGETS + MOE_LORA_TARGETS + LINEAR_ATTENTION_LORA_TARGETS]
+            tower = [m for m in bad if m in VISION_MODULE_NAMES or m.startswith(("visual.", "model.visual."))]
+            if tower:
+                raise ValueError(f"unknown module {tower[0]!r}: lora_target_modules names the language model's modules "
+                                 f"({', '.join(LORA_TARGETS)} ... or 'all-linear'); {tower[0]!r} is a vision tower "
+                                 "module: set train_vision: true to put adapters on every Linear of the tower and its "
+                                 "mergers")
             if bad:
                 raise ValueError(f"unknown module {bad[0]!r}; choose from {', '.join(LORA_TARGETS)} or 'all-linear' "
                                  f"(MoE models also: {', '.join(MOE_LORA_TARGETS)}; hybrid models also: "

@@ -101,9 +101,6 @@ def cross_field_problems(cfg: TrainConfig) -> list[Problem]:
             "adapter_init_mode: trainable, or merge it into the unquantized model first")
     if cfg.adapter_init_mode is not None and cfg.adapter_path is None:
         add(("adapter_init_mode",), "needs adapter_path (the adapter to merge or keep training)")
-    if cfg.train_vision and cfg.lora:
-        add(("train_vision", "lora"), "LoRA adapters go on the language model only (the vision tower takes none in "
-            "this version); training the vision tower is full fine-tuning: set lora: false, or remove train_vision")
     if cfg.train_vision and cfg.trainer not in ("sft", "pt"):
         add(("train_vision", "trainer"), f"the vision tower trains on image rows, which trainer: {cfg.trainer} does "
             "not read; remove train_vision")

@@ -63,6 +63,10 @@ class ImageTooLargeError(ImageRowError):
     """An image over `ImageLimits.max_pixels` or `ImageLimits.max_bytes`."""
 
 
+class VideoRowError(InvalidRowError):
+    """A row with a video (a video content part, a `videos` column): training rows take images only."""
+
+
 class ImageLayoutError(ImageRowError):
     """Image parts or placeholders that do not fit the row's images (counts differ, malformed part, mixed)."""
 
@@ -107,6 +111,26 @@ def _column_image(value, row: int | None, k: int) -> ImageSource:
 def _is_image_part(part) -> bool:
     return isinstance(part, Mapping) and (part.get("type") in IMAGE_PART_TYPES or
                                           (part.get("type") is None and ("image" in part or "image_url" in part)))
+
+
+VIDEOS_FIELD = "videos"  # the LLaVA / ms-swift column of video paths that `<video>` placeholders take
+
+
+def row_video(row: Mapping) -> str | None:
+    """What makes `row` a video row, in words ("a 'videos' column", "a video part ('video_url')"); None without one.
+    Looks at the videos column and at the content parts of every list of messages in the row."""
+    if row.get(VIDEOS_FIELD):
+        return f"a {VIDEOS_FIELD!r} column"
+    for value in row.values():
+        if not isinstance(value, list):
+            continue
+        for m in value:
+            content = m.get("content") if isinstance(m, Mapping) else None
+            for part in content if isinstance(content, list) else ():
+                if isinstance(part, Mapping) and (part.get("type") in VIDEO_PART_TYPES or "video" in part
+                                                  or "video_url" in part):
+                    return f"a video part ({part.get('type')!r})"
+    return None
 
 
 def has_images(messages: Sequence[Mapping], images: Sequence | None = None) -> bool:

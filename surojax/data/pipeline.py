@@ -12,7 +12,9 @@ from the config's `DataSection`.
 Rows with images (chat_images.has_images: image content parts or an `images` column) go through image_rows
 (tokenize_image_row, fit_image_example: never truncated) when the model takes images (`vision`, vision_data.py:
 read from the model folder's config.json / preprocessor_config.json), and are refused by a DataError naming the
-model otherwise (not skippable: the data and the model disagree, no row is bad). Data holding an image row is
+model otherwise (not skippable: the data and the model disagree, no row is bad). A row with a video (a video content
+part, a `videos` column: chat_images.row_video) is refused by name (VideoRowError: a row the text path would read
+with its videos silently dropped). Data holding an image row is
 packed by `ImagePackedRows` (per row pixel_values / image_grid_thw / rope_positions) and batched by its `collate`
 (image_batch.py); data without images keeps the text rows and batches exactly, whatever the model.
 """
@@ -28,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from surojax.config.data import DataSection, DatasetSpec
-from surojax.data.chat_images import has_images
+from surojax.data.chat_images import VideoRowError, has_images, row_video
 from surojax.data.formats import Example, detect_type, fit_pieces, make_formatter, supervised_targets
 from surojax.data.image_rows import ImageExample, ImagePackedRows, fit_image_example, tokenize_image_row
 from surojax.data.loader import EvalLoader, TrainLoader
@@ -208,6 +210,9 @@ def load_examples(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int
             formatter = make_formatter(kind, tokenizer, spec, train_on_inputs=train_on_inputs,
                                        chat_template=chat_template, use_chat_template=use_chat_template,
                                        template_family=template_family)
+        video = row_video(row)
+        if video is not None:  # the text path would drop the video parts silently
+            raise VideoRowError(f"{video}: videos are not supported in training rows yet, only images")
         if row_has_images(row):
             vision = resolve_vision(vision)
             if isinstance(vision, TextOnly):

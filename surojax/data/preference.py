@@ -31,9 +31,8 @@ from surojax.config.data import DatasetSpec
 from surojax.data.batch import FIELDS, example_to_row
 from surojax.data.formats import _chat_template, _messages, detect_type
 from surojax.data.loader import TrainLoader, _local_batch, _process
-from surojax.data.pipeline import (DataStats, row_has_images, DatasetEntry, chat_template_text, dataset_spec, formatted_rows,
-                                    spec_rows,
-                                   validation_split)
+from surojax.data.pipeline import (DataStats, DatasetEntry, chat_template_text, dataset_spec, formatted_rows,
+                                   row_has_images, row_video, spec_rows, validation_split)
 from surojax.data.sources import DataError, InvalidRowError, ReadStats
 from surojax.data.tokenizer import ChatTemplateError, Tokenizer
 from surojax.wording import a_type
@@ -224,9 +223,9 @@ def load_pairs(spec: DatasetEntry, tokenizer: Tokenizer, *, sequence_len: int, s
         elif first and spec.type != "preference":
             raise DataError(f"{spec.path}: DPO trains on type: preference datasets, not {spec.type}")
         first = False
-        if row_has_images(row):  # a named error, not a bad row: skip_invalid_rows would drop every image row
-            raise DataError(f"{spec.path}: a row has images; trainer: dpo trains on text pairs only in this version "
-                            "(image rows train with trainer: sft)")
+        if row_has_images(row) or row_video(row):  # a named error, not a bad row: skip_invalid_rows would drop them
+            raise DataError(f"{spec.path}: a row has images or a video; trainer: dpo trains on text pairs only in this "
+                            "version (image rows train with trainer: sft)")
         return formatter(row)
 
     rows = spec_rows(spec, skip_invalid_rows=skip_invalid_rows, stats=read)

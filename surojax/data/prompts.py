@@ -24,7 +24,8 @@ import numpy as np
 
 from surojax.config.data import DatasetSpec
 from surojax.data.formats import _chat_template, _messages
-from surojax.data.pipeline import DataStats, DatasetEntry, dataset_spec, formatted_rows, row_has_images, spec_rows
+from surojax.data.pipeline import (DataStats, DatasetEntry, dataset_spec, formatted_rows, row_has_images, row_video,
+                                   spec_rows)
 from surojax.data.sources import DataError, InvalidRowError, ReadStats
 from surojax.data.tokenizer import Tokenizer
 from surojax.wording import a_type
@@ -67,9 +68,9 @@ def prompt_of_row(row: Mapping[str, Any], tokenizer: Tokenizer, spec: DatasetSpe
 
 def _text_row(row: Mapping[str, Any], spec: DatasetSpec) -> Mapping[str, Any]:
     """The row, refused by name when it has images (a named error, not a bad row that skip_invalid_rows drops)."""
-    if row_has_images(row):
-        raise DataError(f"{spec.path}: a prompt row has images; trainer: grpo generates from text prompts only in "
-                        "this version (image rows train with trainer: sft)")
+    if row_has_images(row) or row_video(row):
+        raise DataError(f"{spec.path}: a prompt row has images or a video; trainer: grpo generates from text prompts "
+                        "only in this version (image rows train with trainer: sft)")
     return row
 
 

@@ -118,7 +118,7 @@ from surojax.models.layer_runner import Recompute
 from surojax.models.registry import FAMILIES
 from surojax.models.targets import CONV_SPELLINGS
 from surojax.models.vision.config import VisionConfig
-from surojax.models.vision.counts import tower_activation_bytes, tower_params
+from surojax.models.vision.counts import tower_activation_bytes, tower_lora_params, tower_params
 from surojax.offload.prefetch import PREFETCH_DEPTH
 from surojax.precision.recipe import Recipe
 from surojax.precision.linear_swap import KEPT_BF16
@@ -418,7 +418,8 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
     of every Linear kernel of the layers (attention, MLP, experts) when the frozen base keeps them quantised (qlora,
     a pre-quantised checkpoint: `QuantFormat.bytes_per_value`); expert_weight_bytes, when given, for the experts.
     A vision-language model (config.json's vision_config): its tower's weights (frozen: in the compute dtype, no
-    gradients or optimizer state; `train_vision`: as the full fine-tune's weights) and the activations of
+    gradients or optimizer state; `train_vision`: as the full fine-tune's weights, or with LoRA frozen with adapters
+    on its Linears: vision/counts.tower_lora_params) and the activations of
     `vision_patches` patches a micro-batch in frames of at most `vision_frame_patches` (0: unknown, one frame of
     them all; models/vision/counts.py) join the weights / gradients / optimizer / activations; `ModelConfig.num_params()` (the text model's) leaves the tower out."""
     if mode not in ("lora", "full"):
@@ -533,7 +534,12 @@ def plan_memory(model_cfg, *, mode: str = "lora", recipe: Recipe | str = Recipe.
             optimizer_bytes += n * _OPT_BYTES.get(optimizer, 8)
         else:
             weights += n * c
-        activations += tower_activation_bytes(vision, vision_patches, c=c, trains=trains,
+        if train_vision and lora:  # its adapters train with the language model's; the gradients flow through it
+            t = tower_lora_params(vision, r)
+            adapters += t * tb
+            gradients += t * (4 + tb)
+            optimizer_bytes += t * opt_b
+        activations += tower_activation_bytes(vision, vision_patches, c=c, trains=train_vision,
                                               frame_patches=vision_frame_patches)
     return MemoryPlan(weights=int(weights), cast_weights=int(cast), adapters=int(adapters), gradients=int(gradients),
                       optimizer=int(optimizer_bytes), activations=int(activations), logits=int(logits),

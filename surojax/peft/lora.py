@@ -29,6 +29,9 @@ LoRAParam is a Param — every weight of the model, adapter included. Only one a
 a previous one is folded into the base (`merge_lora`, adapter_init_mode: merge) or continued
 (adapter_init_mode: trainable); see surojax.peft.stacked.
 
+The vision tower's Linears take the same LoRALinear, unstacked (A [in, R], B [R, out]; surojax.peft.vision_lora):
+`vision_lora_modules` lists them; merge_lora, adapters_disabled and set_dropout_key cover them too.
+
 Dropout runs on the adapter's input only, and only when the module is in training mode (`deterministic`
 False: `model.train()`, or `nnx.view(model, deterministic=False)`); `apply_lora` leaves it in eval mode. The
 decoder runs the layers under `lax.scan` and drops whatever state the body changes, so a self-advancing
@@ -58,6 +61,9 @@ from surojax.models.targets import (  # noqa: F401 - the target names, re-export
 
 TRAINABLE = nnx.LoRAParam
 FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
+TOWER_STREAM = 2**31 - 1  # set_dropout_key's stream for the vision tower's adapters
 
 
 class LoRADropoutKey(nnx.Variable):
@@ -146,6 +152,25 @@ def lora_modules(model) -> dict[str, LoRALinear | LoRAExpertLinear]:
     return out
 
 
+def vision_lora_modules(model) -> dict[str, LoRALinear]:
+    """The vision tower's adapters (surojax.peft.vision_lora): its module path (`blocks.0.attn.qkv`) -> the
+    LoRALinear there; {} without a tower or without adapters on it."""
+    tower = getattr(model, "visual", None)
+    if tower is None:
+        return {}
+    return {".".join(str(p) for p in path): m for path, m in nnx.iter_modules(tower) if isinstance(m, LoRALinear)}
+
+
+def tower_parent(tower, path: str):
+    """(the module holding the tower module at `path`, its attribute name there): `blocks.0.attn.qkv` ->
+    (tower.blocks[0].attn, "qkv")."""
+    *parents, leaf = path.split(".")
+    node = tower
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else getattr(node, p)
+    return node, leaf
+
+
 # ---- apply / merge ------------------------------------------------------------------------------------------
 
 def apply_lora(model, *, targets: str | Sequence[str] = LORA_TARGETS, rank: int, alpha: float,
@@ -227,6 +252,10 @@ def merge_lora(model):
     for name, mod in lora_modules(model).items():
         fold_into(mod.base, mod.lora_a.get_value(), mod.lora_b.get_value(), mod.scaling)
         replace_module(*site(model, name), mod.base)
+    for path, mod in vision_lora_modules(model).items():  # the tower's (train_vision with LoRA)
+        fold_into(mod.base, mod.lora_a.get_value(), mod.lora_b.get_value(), mod.scaling)
+        parent, leaf = tower_parent(model.visual, path)
+        setattr(parent, leaf, mod.base)
     return model
 
 
@@ -235,7 +264,7 @@ def adapters_disabled(model):
     """Inside the block every LoRA module of `model` returns its base output alone: the model without its adapter
     (DPO's reference for LoRA / QLoRA, with no second copy of the weights). A Python-level switch read at trace
     time, so a forward pass traced inside the block is the base model's; restored on exit."""
-    mods = list(lora_modules(model).values())
+    mods = [*lora_modules(model).values(), *vision_lora_modules(model).values()]
     before = [m.enabled for m in mods]
     for m in mods:
         m.enabled = False
@@ -260,3 +289,7 @@ def set_dropout_key(model, key: jax.Array) -> None:
         if mod.dropout_key is not None:
             n = mod.dropout_key.get_value().shape[0]
             mod.dropout_key.set_value(jax.random.key_data(jax.random.split(jax.random.fold_in(key, i), n)))
+    tower = jax.random.fold_in(key, TOWER_STREAM)  # the tower's adapters: one key each (its blocks are not scanned)
+    for i, (_, mod) in enumerate(sorted(vision_lora_modules(model).items())):
+        if mod.dropout_key is not None:
+            mod.dropout_key.set_value(jax.random.key_data(jax.random.fold_in(tower, i)))

@@ -25,6 +25,14 @@ A shared expert's projections (qwen2_moe) are plain Linear targets under their m
 (PEFT matches a module by the end of its name). PEFT's bare `gate_proj` / `up_proj` / `down_proj` on such a model
 match only the shared expert's modules (transformers 5's routed experts are parameters, not modules), so an adapter
 that lists them is read as the shared expert's when the model has no dense MLP (`_peft_meaning`).
+
+A vision-language model's tower adapters (surojax.peft.vision_lora: `train_vision` with LoRA) are tensors under
+the tower's transformers names, one per module (its blocks are separate modules, no layer axis):
+
+    base_model.model.model.visual.blocks.{i}.attn.qkv.lora_A.weight   [R, in]   = A.T  (A [in, R])
+
+and `target_modules` entries that reach the tower only (vision_lora.peft_vision_entries). A loader for a model
+without a tower (or the server's runtime adapter slots) refuses such tensors by name.
 """
 from __future__ import annotations
 
@@ -44,9 +52,10 @@ import numpy as np
 from surojax.models.registry import (LINEAR_ATTENTION_MODULES, LINEAR_MODULES, LLAMA_STYLE_WEIGHTS,
                                      SHARED_EXPERT_MODULES, SHORT_CONV_MODULES, WeightRow, stack_layers, weight_rows)
 from surojax.peft.lora import (ATTENTION_TARGETS, EXPERT_TARGETS, lora_modules, lora_scaling, resolve_targets, site_key,
-                               site_stack, target_name)
+                               site_stack, target_name, vision_lora_modules)
 from surojax.peft.peft_experts import (PEFT_PARAMETERS, expert_module_name, experts_modules, from_peft,
                                        matches_parameter, target_parameter, to_peft)
+from surojax.peft.vision_lora import PATCH_EMBED, is_vision_entry, matched_paths, peft_vision_entries, tower_linears
 from surojax.weights.atomic import atomic_path
 from surojax.weights.json_file import read_json_object
 from surojax.weights.safetensors_file import SafetensorsFile, WeightsError, write_safetensors
@@ -55,6 +64,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
+VISION_PREFIX = "model.visual."  # the tower's modules in transformers' VLMs (models/vision/hf_weights.py)
 _LIST_LIMIT = 8
 # `modules_to_save` entries this loader reads: the end of a MoE family's router module's name (PEFT matches a
 # module by the end of its name, as a string). qwen3_moe / mixtral: `gate`; gpt_oss: `router`; a family with a
@@ -86,13 +96,16 @@ class LoraSpec:
 class PeftAdapter:
     """An adapter read from disk, in our layout: target -> (A [L, in, R], B [L, R, out]) numpy arrays (an expert
     target: A [L, E, in, R], B [L, E, R, out]). router: the MoE router saved with it (`modules_to_save`), Decoder
-    path -> full weight (layers.mlp.router.kernel [L, D, E], layers.mlp.router.bias [L, E]); empty when none."""
+    path -> full weight (layers.mlp.router.kernel [L, D, E], layers.mlp.router.bias [L, E]); empty when none.
+    vision: the vision tower's adapters, tower path (`blocks.0.attn.qkv`) -> (A [in, R], B [R, out]); empty when
+    none."""
 
     spec: LoraSpec
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
     base_model_name_or_path: str | None = None
     path: Path | None = None
     router: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    vision: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -182,9 +195,10 @@ def _listing(names) -> str:
 # ---- writing ------------------------------------------------------------------------------------------------
 
 def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None,
-                   rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS) -> dict:
+                   rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS, vision_entries: list[str] = ()) -> dict:
     """adapter_config.json for a plain LoRA, with the keys every PEFT release since rsLoRA/DoRA understands.
-    `rows`: the family's weight table (PEFT's module names: `peft_target_modules`)."""
+    `rows`: the family's weight table (PEFT's module names: `peft_target_modules`); `vision_entries`: the entries
+    that select the tower's adapted modules (vision_lora.peft_vision_entries)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -194,7 +208,7 @@ def adapter_config(spec: LoraSpec, base_model_name_or_path: str | None,
         "lora_alpha": int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
         "lora_dropout": spec.dropout,
         # PEFT: Linear modules by name; the fused expert parameters by `target_parameters` (None when absent)
-        "target_modules": peft_target_modules(spec.targets, rows) or None,
+        "target_modules": peft_target_modules(spec.targets, rows) + list(vision_entries) or None,
         "target_parameters": peft_target_parameters(spec.targets, rows) or None,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -221,11 +235,11 @@ def base_reference(base_model_name_or_path: str | os.PathLike | None) -> str | N
 
 
 def adapter_of(model) -> PeftAdapter:
-    """The model's current (trainable) adapter as numpy arrays in our layout."""
-    mods = lora_modules(model)
-    if not mods:
+    """The model's current (trainable) adapter as numpy arrays in our layout (the vision tower's in `vision`)."""
+    mods, tower = lora_modules(model), vision_lora_modules(model)
+    if not mods and not tower:
         raise AdapterError("the model has no LoRA adapter to save (apply_lora or load_adapter_into first)")
-    specs = {(m.rank, m.alpha, m.use_rslora, m.dropout) for m in mods.values()}
+    specs = {(m.rank, m.alpha, m.use_rslora, m.dropout) for m in (*mods.values(), *tower.values())}
     if len(specs) != 1:
         raise AdapterError(f"the model's adapters differ in (rank, alpha, use_rslora, dropout): {sorted(specs)}; "
                            "one PEFT adapter needs one setting")
@@ -235,7 +249,10 @@ def adapter_of(model) -> PeftAdapter:
     weights = {name: (np.asarray(jax.device_get(m.lora_a.get_value())),  # [L, in, R]
                       np.asarray(jax.device_get(m.lora_b.get_value())))  # [L, R, out]
                for name, m in mods.items()}
-    return PeftAdapter(spec, weights)
+    vision = {path: (np.asarray(jax.device_get(m.lora_a.get_value())),  # [in, R]
+                     np.asarray(jax.device_get(m.lora_b.get_value())))  # [R, out]
+              for path, m in tower.items()}
+    return PeftAdapter(spec, weights, vision=vision)
 
 
 def peft_tensors(adapter: PeftAdapter, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS,
@@ -252,6 +269,10 @@ def peft_tensors(adapter: PeftAdapter, rows: tuple[WeightRow, ...] = LLAMA_STYLE
             pair = to_peft(a[r], b[r]) if target_name(target) in PEFT_PARAMETERS else (a[r].T, b[r].T)
             for ab, w in zip("AB", pair):
                 out[f"{prefix}.lora_{ab}.weight"] = np.ascontiguousarray(w if np_dtype is None else w.astype(np_dtype))
+    for path, (a, b) in adapter.vision.items():
+        for ab, w in zip("AB", (a.T, b.T)):
+            out[f"{PEFT_PREFIX}{VISION_PREFIX}{path}.lora_{ab}.weight"] = np.ascontiguousarray(
+                w if np_dtype is None else w.astype(np_dtype))
     return out
 
 
@@ -276,7 +297,8 @@ def save_peft_adapter(model, out_dir: str | os.PathLike, base_model_name_or_path
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        cfg = adapter_config(adapter.spec, base_reference(base_model_name_or_path), rows)
+        vision = peft_vision_entries(adapter.vision, tower_linears(model)) if adapter.vision else []
+        cfg = adapter_config(adapter.spec, base_reference(base_model_name_or_path), rows, vision)
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
         write_safetensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
         if out_dir.exists():
@@ -356,7 +378,7 @@ def read_adapter_config(adapter_dir: str | os.PathLike, modules: dict[str, str] 
     if modules is not None and (isinstance(tm, list) or tm == "all-linear"):
         targets = _by_suffix([tm] if isinstance(tm, str) else tm, modules, path)
     elif isinstance(tm, list) or tm == "all-linear":
-        names = [tm] if isinstance(tm, str) else tm
+        names = [tm] if isinstance(tm, str) else [t for t in tm if not is_vision_entry(t)]  # the tower's: read later
         known = [t for t in names if t == "all-linear" or t in LINEAR_MODULES or t in LINEAR_ATTENTION_MODULES]
         shared = tuple(t for t in SHARED_EXPERT_MODULES if t in names)
         unknown = [t for t in names if t not in known and t not in shared]
@@ -405,7 +427,7 @@ def _check_target_parameters(entries: list[str], modules: dict[str, str], path: 
 def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, ...] = LLAMA_STYLE_WEIGHTS,
                       num_layers: int | None = None, dims: dict[str, tuple[int, int]] | None = None,
                       num_experts: int | None = None, router_rows: tuple[WeightRow, ...] = (),
-                      model_cfg=None) -> PeftAdapter:
+                      model_cfg=None, vision_dims: dict[str, tuple[int, int]] | None = None) -> PeftAdapter:
     """Read a PEFT LoRA folder into our layout, checking names, shapes and completeness.
 
     When loading for a model, pass its `num_layers` (every targeted module must have tensors for exactly
@@ -417,6 +439,9 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     model_cfg: the model's ModelConfig, which maps each stack's rows to HF layer indices (registry.stack_layers);
     a hybrid needs it (its MLP modules have one HF name in both stacks: the layer index says which). Weights are
     keyed by target site (models/targets.py), spec.targets are the HF target names.
+    vision_dims: the model's vision tower Linears, path -> (in, out) (vision_lora.tower_dims); the adapter's tower
+    tensors (`model.visual.*`) are read into `PeftAdapter.vision`. None: a model without a tower, or a caller that
+    takes language-model adapters only: such tensors are an error naming them.
     """
     adapter_dir = Path(adapter_dir)
     by_suffix = any(r.stack == "conv_layers" for r in rows)  # LFM2: its HF module names are not our target names
@@ -452,10 +477,14 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
         raise AdapterError(f"{adapter_dir / CONFIG_FILE}: target_modules {absent} name modules this model does not "
                            f"have (its Linear modules: {', '.join(have)}; a MoE model's experts are "
                            "target_parameters)")
+    vision_found: dict[tuple[str, str], str] = {}  # (tower path, "A"|"B") -> tensor name
     for name in f.names():
         if name in router_found.values():
             continue
         m = _NAME.match(name)
+        if m and m["module"].startswith(VISION_PREFIX):
+            vision_found[(m["module"].removeprefix(VISION_PREFIX), m["ab"])] = name
+            continue
         hit = None
         if m:
             module = m["module"]
@@ -474,12 +503,13 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
     if unexpected:
         raise AdapterError(f"{wpath}: unexpected tensors ({len(unexpected)}): {_listing(unexpected)} "
                            "(only LoRA A/B of the decoder's linear modules are supported)")
-    if not found:
+    if not found and not vision_found:
         raise AdapterError(f"{wpath}: holds no LoRA tensors")
+    vision = _read_vision(f, wpath, vision_found, vision_dims, cfg.get("target_modules"), spec.rank)
 
     present = tuple(t for t in modules if any(k[0] == t for k in found))
     targets = tuple(k for k in modules if target_name(k) in spec.targets) if spec.targets else present
-    L = num_layers if num_layers is not None else 1 + max(k[1] for k in found)
+    L = num_layers if num_layers is not None else 1 + max((k[1] for k in found), default=-1)
     if model_cfg is not None:
         L = model_cfg.num_layers
     ids = {t: _hf_layers(model_cfg, t, L) for t in modules}  # the HF layers of each site, in its row order
@@ -532,7 +562,47 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, *, rows: tuple[WeightRow, 
         weights[t] = (np.stack(a_list), np.stack(b_list))  # [L, (E,) in, R], [L, (E,) R, out]
     spec = dataclasses.replace(spec, targets=tuple(dict.fromkeys(target_name(t) for t in targets)))
     router = _read_router(f, wpath, router_found, router_rows, L, model_cfg)
-    return PeftAdapter(spec, weights, cfg.get("base_model_name_or_path"), adapter_dir, router)
+    return PeftAdapter(spec, weights, cfg.get("base_model_name_or_path"), adapter_dir, router, vision)
+
+
+def _read_vision(f: SafetensorsFile, wpath: Path, found: dict[tuple[str, str], str],
+                 dims: dict[str, tuple[int, int]] | None, target_modules, rank: int
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The tower's adapters: path -> (A [in, R], B [R, out]), each module's A and B present with the model's shapes;
+    with a `target_modules` list, exactly the tower modules its entries select (as peft selects them)."""
+    if not found:
+        return {}
+    names = sorted(found.values())
+    if dims is None:
+        raise AdapterError(f"{wpath}: holds adapters on a vision tower ({len(names)} tensors: {_listing(names)}); this "
+                           "model has no vision tower, or this loader takes language-model adapters only (the server's "
+                           "runtime adapter slots): serve the adapter folder as the model, or merge it (surojax merge)")
+    paths = {p for p, _ in found}
+    if PATCH_EMBED in paths or any(p not in dims for p in paths):
+        bad = sorted(p for p in paths if p not in dims)
+        raise AdapterError(f"{wpath}: adapters on {', '.join(VISION_PREFIX + p for p in bad)}, which are not Linears "
+                           f"of the vision tower that surojax adapts (its blocks' attn.qkv / attn.proj / mlp.linear_fc1 / "
+                           f"linear_fc2 and the mergers' linear_fc1 / linear_fc2; not {PATCH_EMBED}, a Conv3d)")
+    if isinstance(target_modules, list):
+        chosen = set(matched_paths([e for e in target_modules if is_vision_entry(e)], dims))
+        if PATCH_EMBED in chosen:
+            raise AdapterError(f"{wpath.parent / CONFIG_FILE}: target_modules {target_modules} select the vision "
+                               f"tower's {PATCH_EMBED} (a Conv3d in transformers): adapters there are not supported")
+        paths |= chosen
+    missing = sorted(PEFT_PREFIX + VISION_PREFIX + f"{p}.lora_{ab}.weight" for p in paths for ab in "AB"
+                     if (p, ab) not in found)
+    if missing:
+        raise AdapterError(f"{wpath}: missing tensors ({len(missing)}): {_listing(missing)}")
+    out = {}
+    for p in sorted(paths):
+        (d_in, d_out), na, nb = dims[p], found[(p, "A")], found[(p, "B")]
+        for n, want in ((na, (rank, d_in)), (nb, (d_out, rank))):
+            if f.dtype(n) not in _FLOATS:
+                raise AdapterError(f"{wpath}: tensor {n} has dtype {f.dtype(n)}, expected a float (f32, f16, bf16)")
+            if tuple(f.shape(n)) != want:
+                raise AdapterError(f"{wpath}: tensor {n} has shape {list(f.shape(n))}, the model needs {list(want)}")
+        out[p] = (np.asarray(f.get(na)).T, np.asarray(f.get(nb)).T)
+    return out
 
 
 def _peft_meaning(targets: tuple[str, ...], modules: dict[str, str]) -> tuple[str, ...]:

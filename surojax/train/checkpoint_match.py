@@ -35,7 +35,8 @@ from surojax.train.checkpoints import Checkpointer
 LOCATION_KEYS = ("checkpoint_dir", "resume_from_checkpoint")
 # what the trained weights are: a checkpoint is read back only with the values it was written with
 FIXED_KEYS = ("trainer", "model", "tokenizer", "from_scratch", "model_config", "lora", "lora_rank", "lora_alpha",
-              "use_rslora", "lora_target_modules", "train_router", "adapter_path", "adapter_init_mode")
+              "use_rslora", "lora_target_modules", "train_router", "train_vision", "adapter_path",
+              "adapter_init_mode")
 CONFIG_META_KEY = "config"  # the key of the run's config in a checkpoint's meta
 
 

@@ -59,7 +59,8 @@ def model_transforms(spec: RunSpec, mesh=None) -> list[Transform]:
         lo, a = spec.lora, spec.lora.adapter
         out.append(LoraTransform(rank=a.rank, alpha=a.alpha, targets=a.targets, dropout=a.dropout,
                                  use_rslora=a.use_rslora, seed=spec.model.seed + 1, dtype=spec.precision.adapter,
-                                 adapter_path=lo.adapter_path, adapter_init_mode=lo.adapter_init_mode))
+                                 adapter_path=lo.adapter_path, adapter_init_mode=lo.adapter_init_mode,
+                                 vision=spec.model.train_vision))
     recipe = PRECISION_TRANSFORMS.get(spec.precision.recipe)
     if recipe is not None:
         out.append(recipe(spec))
@@ -110,18 +111,20 @@ def trainable_filter(spec: RunSpec, transforms: list[Transform] | None = None):
     """What the step updates: the union of the transforms' filters (models/transform.py; default
     `model_transforms(spec)`): the adapters for LoRA, every weight otherwise; with fp8_scaling: delayed also the FP8
     amax probes and histories (the step rolls them; the optimizer never sees them). A vision-language model's tower
-    is left out (frozen) unless `spec.model.train_vision`."""
+    is left out (frozen) unless `spec.model.train_vision` (with LoRA: the tower's adapters, peft/vision_lora.py)."""
     trains = transforms_filter(model_transforms(spec) if transforms is None else transforms)
     return trains if spec.model.train_vision else nnx.All(trains, nnx.Not(vision_filter))
 
 
 def set_vision_training(model: Decoder, spec: RunSpec) -> None:
     """A vision-language model's tower: trained (`train_vision`: gradients flow through it), or frozen: stored in
-    the compute dtype (the dtype it runs in; no fp32 copy of frozen weights) and run under stop_gradient."""
+    the compute dtype (the dtype it runs in; no fp32 copy of frozen weights) and run under stop_gradient. With
+    LoRA, `train_vision` trains the tower's adapters (LoraTransform adds them): its own weights are a frozen base,
+    stored in the compute dtype as when frozen, and the gradients flow through it to the adapters."""
     if model.visual is None:
         return
     model.train_vision = spec.model.train_vision
-    if not spec.model.train_vision:
+    if not spec.model.train_vision or spec.lora is not None:
         params = nnx.state(model.visual, nnx.Param)
         nnx.update(model.visual, jax.tree.map(lambda x: x.astype(spec.precision.compute), params))
 

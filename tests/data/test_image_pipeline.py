@@ -218,3 +218,21 @@ def test_split_into_micro_batches_keeps_each_rows_images():
         np.testing.assert_array_equal(got_pixels, unpad_images(want)[0])
         np.testing.assert_array_equal(got_grids, unpad_images(want)[1])
     assert parts["pixel_values"].shape == (2, 32, 12) and parts["image_grid_thw"].shape == (2, 2, 3)
+
+
+@pytest.mark.parametrize("row,what", [
+    ({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip.mp4"}, {"type": "text", "text": "?"}]},
+                   {"role": "assistant", "content": "A ball rolls."}]}, r"a video part \('video'\)"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "clip.mp4"}}]},
+                   {"role": "assistant", "content": "A ball rolls."}]}, r"a video part \('video_url'\)"),
+    ({"videos": ["clip.mp4"], "messages": [{"role": "user", "content": "<video>What happens?"},
+                                          {"role": "assistant", "content": "A ball rolls."}]}, "a 'videos' column"),
+])
+def test_video_rows_refused_by_name(tmp_path, row, what):
+    """A video row (no image in it) would otherwise be read as text with its video dropped."""
+    path = tmp_path / "videos.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    folder = _model(tmp_path)
+    with pytest.raises(DataError, match=f"videos.jsonl:1: {what}: videos are not supported in training rows"):
+        build_data([str(path)], Tokenizer.from_dir(folder), sequence_len=64, batch_size=1, process_index=0,
+                   process_count=1, vision=model_vision(folder))

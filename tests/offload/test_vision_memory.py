@@ -1,6 +1,6 @@
 """The vision tower in the memory plan and the parameter counts (models/vision/counts.py): its parameter count equals
 the loaded tower's, its forward FLOPs XLA's count; frozen it adds its weights in the compute dtype and its activations, no gradients or optimizer
-state; trained (train_vision) it adds those too; a text model's plan is unchanged."""
+state; trained (train_vision) it adds those too, or with LoRA its adapters'; a text model's plan is unchanged."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,11 @@ from flax import nnx
 
 from surojax.models.config import ModelConfig
 from surojax.models.vision.config import VisionConfig
-from surojax.models.vision.counts import tower_activation_bytes, tower_flops_per_patch, tower_params
+from surojax.models.vision.counts import tower_activation_bytes, tower_flops_per_patch, tower_lora_params, tower_params
 from surojax.models.vision.grid import vision_grid
 from surojax.models.vision.tower import VisionTower
 from surojax.offload.memory_plan import plan_memory
+from surojax.peft.vision_lora import apply_vision_lora
 from surojax.weights.hf_checkpoint import load_model
 
 MODELS = Path(__file__).resolve().parents[1] / "fixtures" / "models"
@@ -73,3 +74,21 @@ def test_attention_activations_grow_with_patches_times_frame():
     common = dict(mode="lora", recipe="bf16", batch=2, seq=64, vision_patches=4096)
     assert (plan_memory(cfg, **common, vision_frame_patches=256).activations
             < plan_memory(cfg, **common).activations)
+
+
+def test_plan_counts_the_towers_adapters_with_lora_and_train_vision():
+    """lora + train_vision: the tower a frozen bf16 base, its adapters (tower_lora_params: the LoRAParams
+    apply_vision_lora makes) with their gradients and optimizer state, and the activations kept for the backward."""
+    model = load_model(MODELS / "qwen3_vl")
+    v = VisionConfig.from_hf(model.cfg.hf_extra["vision_config"], "qwen3_vl")
+    apply_vision_lora(model, rank=4, alpha=8, rngs=nnx.Rngs(0))
+    assert tower_lora_params(v, 4) == sum(x.size for x in jax.tree.leaves(nnx.state(model.visual, nnx.LoRAParam)))
+    lora = dict(mode="lora", recipe="bf16", rank=4, batch=2, seq=64, optimizer="adamw", lora_dtype="fp32",
+                vision_patches=256)
+    frozen, adapted = plan_memory(model.cfg, **lora), plan_memory(model.cfg, **lora, train_vision=True)
+    t = tower_lora_params(v, 4)
+    assert adapted.weights == frozen.weights  # the tower's own weights: bf16 either way
+    assert (adapted.adapters - frozen.adapters, adapted.optimizer - frozen.optimizer) == (4 * t, 8 * t)
+    assert adapted.gradients - frozen.gradients == 8 * t
+    assert adapted.activations - frozen.activations == (tower_activation_bytes(v, 256, c=2, trains=True)
+                                                        - tower_activation_bytes(v, 256, c=2, trains=False))

@@ -24,6 +24,15 @@ def _merger_params(v: VisionConfig, postshuffle: bool) -> int:
     return norm + joined * joined + joined + joined * v.out_hidden_size + v.out_hidden_size
 
 
+def tower_lora_params(v: VisionConfig, rank: int) -> int:
+    """Parameters of rank-`rank` LoRA adapters on every Linear of the blocks and mergers (surojax.peft.vision_lora):
+    r x (in + out) each."""
+    H, I, joined = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
+    block = (H + 3 * H) + (H + H) + (H + I) + (I + H)
+    merger = (joined + joined) + (joined + v.out_hidden_size)
+    return rank * (v.depth * block + (1 + len(v.deepstack_visual_indexes)) * merger)
+
+
 def block_params(v: VisionConfig) -> int:
     H, I = v.hidden_size, v.intermediate_size
     return 4 * H + 3 * H * H + 3 * H + H * H + H + H * I + I + I * H + H
