@@ -315,7 +315,7 @@ class Engine:
         spec = self.config.speculative
         K = spec.num_tokens
         R, S = self.runner.verify_shape(group, K)
-        proposer = self.draft or self.mtp
+        proposer = self.draft if self.draft is not None else self.mtp
         if proposer is not None:
             proposals, counts, q = proposer.propose(group, K, R, S)
         else:

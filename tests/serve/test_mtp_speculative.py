@@ -7,8 +7,9 @@ model's own full-attention layer (dense or MoE), with `mtp_num_hidden_layers: 1`
 
 (a) the head's logits equal a numpy reference written here from vLLM's definition (norm the embedding and the
 hidden state, concatenate, fc, one gated full-attention layer with partial rope and (1 + w) norms, mtp.norm, the
-model's head); (b) served greedy output with `mtp` equals greedy output without speculation (chunked prefill,
-concurrent rows), and every first proposal equals the head's argmax over the whole sequence; (c) sampled rows (the
+model's head); (b) served greedy output with `mtp` equals greedy output without speculation (transformers'
+greedy tokens of the fixture, serve_greedy.npz, which plain serving equals: test_hybrid_serve.py; chunked
+prefill, concurrent rows), and every first proposal equals the head's argmax over the whole sequence; (c) sampled rows (the
 high temperature makes proposals accepted) draw their first proposal from the distribution the whole-sequence head
 gives, so the head's KV and pending hidden state are right after accepted runs too; (d) refusals by name.
 """
@@ -26,13 +27,18 @@ from surojax.weights.hf_checkpoint import load_model
 from surojax.weights.mtp_checkpoint import MTPError, load_mtp
 from surojax.weights.safetensors_file import SafetensorsFile, write_safetensors
 from tests.serve.configs import BUCKETS, engine_config
-from tests.serve.test_hybrid_serve import FIXTURES
+from tests.serve.test_hybrid_serve import FIXTURES, _greedy
 
 SERVE = dict(num_blocks=48, block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
              buckets=BUCKETS)
 K = 3
-PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
-           [200, 9]]
+CASES = (1, 3, 0)  # serve_greedy.npz's prompts of 7, 26 (two prefill chunks) and 3 tokens
+
+
+def greedy_cases(name):
+    """Prompts and transformers' greedy continuations (which plain serving equals: test_hybrid_serve.py)."""
+    prompts, want = _greedy(name)
+    return [prompts[i] for i in CASES], [want[i] for i in CASES]
 
 
 def with_mtp(name: str, dst, seed: int = 0):
@@ -159,13 +165,13 @@ def _whole_sequence_head(model, mtp, seq):
 
 def test_served_greedy_equals_plain_greedy(dense):
     _, model, mtp = dense
-    plain = Engine(model, engine_config(**SERVE)).generate(PROMPTS, max_tokens=12)
+    prompts, plain = greedy_cases("qwen3_5_text")
     engine = Engine(model, engine_config(**SERVE, speculative=SpeculativeConfig(SpecMethod.MTP, K)), mtp_head=mtp)
     seen = _record_proposals(engine)
-    assert engine.generate(PROMPTS, max_tokens=12) == plain
+    assert engine.generate(prompts, max_tokens=len(plain[0])) == plain
     st = engine.spec_stats
     assert st.row_steps > 0 and st.proposed > 0
-    heads = [_whole_sequence_head(model, mtp, p + out) for p, out in zip(PROMPTS, plain)]
+    heads = [_whole_sequence_head(model, mtp, p + out) for p, out in zip(prompts, plain)]
     assert len(seen) >= 10
     assert [int(np.argmax(heads[i][n - 2])) for i, n, _, _ in seen] == [d1 for _, _, d1, _ in seen]
     assert engine.scheduler.state_slots.num_free == SERVE["max_num_seqs"]
@@ -176,9 +182,10 @@ def test_sampled_first_proposal_follows_the_whole_sequence_head(dense):
     engine = Engine(model, engine_config(**SERVE, speculative=SpeculativeConfig(SpecMethod.MTP, K)), mtp_head=mtp)
     seen = _record_proposals(engine)
     temperature = 4.0
-    outs = engine.generate(PROMPTS[:2], max_tokens=16, temperature=temperature, seed=3)
+    prompts = greedy_cases("qwen3_5_text")[0][:2]
+    outs = engine.generate(prompts, max_tokens=16, temperature=temperature, seed=3)
     assert engine.spec_stats.accepted > 0  # accepted runs: the mirror then keeps several tokens per verify
-    heads = [_whole_sequence_head(model, mtp, p + out) / temperature for p, out in zip(PROMPTS, outs)]
+    heads = [_whole_sequence_head(model, mtp, p + out) / temperature for p, out in zip(prompts, outs)]
     assert len(seen) >= 4
     for i, n, _, q in seen:
         want = np.exp(heads[i][n - 2] - heads[i][n - 2].max())
@@ -190,9 +197,10 @@ def test_moe_head_loads_and_serves(tmp_path):
     model = load_model(d, dtype=jnp.float32, attention="xla")
     mtp = load_mtp(d, model, attention="xla")
     assert mtp.cfg.moe is not None and mtp.cfg.num_layers == 1
-    plain = Engine(model, engine_config(**SERVE)).generate(PROMPTS[:2], max_tokens=6)
+    prompts, plain = greedy_cases("qwen3_5_moe_text")
     engine = Engine(model, engine_config(**SERVE, speculative=SpeculativeConfig(SpecMethod.MTP, 2)), mtp_head=mtp)
-    assert engine.generate(PROMPTS[:2], max_tokens=6) == plain
+    assert engine.generate(prompts[:2], max_tokens=6) == [w[:6] for w in plain[:2]]
+    assert engine.spec_stats.proposed > 0
 
 
 # ---- (d) refusals ---------------------------------------------------------------------------------------------
@@ -208,7 +216,7 @@ def test_refusals_name_what_is_missing(dense, tmp_path):
     cfg = json.loads((bare / "config.json").read_text())
     (bare / "config.json").write_text(json.dumps(dict(cfg, mtp_num_hidden_layers=1)))
     with pytest.raises(MTPError, match=r"missing tensors .*mtp\.fc\.weight"):
-        load_mtp(bare, plain_model)
+        load_mtp(bare, load_model(bare, dtype=jnp.float32, attention="xla"))
     llama = load_model(FIXTURES / "llama", dtype=jnp.float32, attention="xla")
     with pytest.raises(MTPError, match="llama: MTP speculation runs the MTP heads of the Qwen3.5"):
         load_mtp(FIXTURES / "llama", llama)
