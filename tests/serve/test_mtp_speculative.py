@@ -13,12 +13,15 @@ prefill, concurrent rows), and every first proposal equals the head's argmax ove
 high temperature makes proposals accepted) draw their first proposal from the distribution the whole-sequence head
 gives, so the head's KV and pending hidden state are right after accepted runs too; (d) refusals by name.
 """
+import functools
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from surojax.models.mtp import full_sequence_logits
 from surojax.serve.config import SpecMethod, SpeculativeConfig
@@ -154,13 +157,21 @@ def _record_proposals(engine):
     return seen
 
 
+@functools.partial(jax.jit, static_argnames="graphdefs")
+def _head_over(graphdefs, states, tokens):
+    model, mtp = (nnx.merge(g, s) for g, s in zip(graphdefs, states))
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return full_sequence_logits(mtp, tokens, model.hidden_states(tokens, pos, jnp.ones_like(pos)).hidden)
+
+
 def _whole_sequence_head(model, mtp, seq):
     """The head's logits over a whole finished sequence, no cache: row m - 1 is what the proposal after the first
-    m + 1 tokens (the last at position m) must come from (the forward is causal: a prefix's rows are its own)."""
-    t = jnp.asarray([seq], jnp.int32)
-    pos = jnp.arange(len(seq), dtype=jnp.int32)[None]
-    h = model.hidden_states(t, pos, jnp.ones_like(pos)).hidden
-    return np.asarray(full_sequence_logits(mtp, t, h)[0])
+    m + 1 tokens (the last at position m) must come from (the forward is causal: a prefix's rows are its own, and
+    the padding to one length, for one compile, comes after them)."""
+    tokens = np.zeros((1, SERVE["max_model_len"]), np.int32)
+    tokens[0, :len(seq)] = seq
+    (g1, s1), (g2, s2) = nnx.split(model), nnx.split(mtp)
+    return np.asarray(_head_over((g1, g2), (s1, s2), jnp.asarray(tokens))[0, :len(seq) - 1])
 
 
 def test_served_greedy_equals_plain_greedy(dense):
