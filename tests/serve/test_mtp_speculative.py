@@ -203,6 +203,7 @@ def test_sampled_first_proposal_follows_the_whole_sequence_head(dense):
         np.testing.assert_allclose(q, want / want.sum(), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # the dense tests' path on the MoE layer (the decoder's MoE code; the loader's expert rows)
 def test_moe_head_loads_and_serves(tmp_path):
     d = with_mtp("qwen3_5_moe_text", tmp_path / "moe")
     model = load_model(d, dtype=jnp.float32, attention="xla")
