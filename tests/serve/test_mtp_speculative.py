@@ -240,3 +240,26 @@ def test_refusals_name_what_is_missing(dense, tmp_path):
     engine = Engine(model, engine_config(**SERVE, speculative=spec), mtp_head=mtp)
     with pytest.raises(ValueError, match="sleep mode is not supported with MTP"):
         engine.sleep()
+
+
+def test_serve_flags_load_the_head(dense):
+    """`surojax serve DIR --speculative-method mtp`: the launch reads the head from the served folder (and from
+    nothing else); the other methods load none."""
+    from surojax.cli.main import build_parser, load_command
+    from surojax.cli.serve import serve_config
+    from surojax.models.mtp import MTPDecoder
+    from surojax.serve.launch import load_mtp_head
+
+    d, model, _ = dense
+
+    def config(*flags):
+        return serve_config(build_parser("serve", load_command("serve")).parse_args(
+            ["serve", str(d), "--dtype", "float32", *flags]))
+
+    mtp = config("--speculative-method", "mtp", "--num-speculative-tokens", "2")
+    assert mtp.engine.speculative.method is SpecMethod.MTP and mtp.engine.speculative.num_tokens == 2
+    head = load_mtp_head(mtp, model, d)
+    assert isinstance(head, MTPDecoder) and head.embed is model.embed
+    with pytest.raises(MTPError, match="not loaded from one"):
+        load_mtp_head(mtp, model, None)
+    assert load_mtp_head(config("--speculative-method", "ngram"), model, d) is None
