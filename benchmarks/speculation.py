@@ -1,4 +1,5 @@
-"""Speculative decoding benchmark: engine decode tok/s with speculation off / ngram / draft, per workload and users.
+"""Speculative decoding benchmark: engine decode tok/s with speculation off / ngram / draft / mtp, per workload and
+users.
 
 What runs: our Engine in-process (no HTTP), greedy, ignore-eos, one round of `--users` concurrent requests per
 (workload, method), after a warm-up run of the same shapes (compiles; not measured). The engine helpers (model
@@ -81,6 +82,13 @@ only with a trained draft's acceptance.
     python benchmarks/speculation.py --dtype float32          # GPU: the exact-equality check (must be True)
     python benchmarks/speculation.py --shapes qwen3-0.6b --methods off,ngram --workloads repeat --users 1
 
+`mtp` (hybrid Qwen3.5 shapes only; skipped with a line on the others): the checkpoint's multi-token-prediction head
+(models/mtp.py, serve/mtp.py), here a RANDOM one (`MTPDecoder` of the target's config, the target's embedding and
+head shared): its acceptance is ~0 by construction and the row measures what the head costs per step (k one-layer
+forwards + the mirror of every target call into its one-layer KV pool); `break_even` is then the acceptance a
+trained head must reach to pay (published Qwen3.5 heads are reported to accept well over half their first
+proposals: measure with the real checkpoint through `surojax serve --speculative-method mtp`).
+
 A hybrid target (qwen3.5-0.8b: Gated DeltaNet layers) speculates too: its verify call runs the delta rule as
 k + 1 one-token steps, keeps the layers' inputs and replays each row's state to its last accepted token
 (serve/state_slots.py), a cost the dense target does not pay; its draft is the independent dense qwen3 draft of
@@ -103,7 +111,7 @@ from benchmarks.serve_load import (_num_compiled, bench_buckets, emit, engine_co
                                    summarize, warmup_tokens)
 
 WORKLOADS = ("repeat", "code", "chat")
-METHODS = ("off", "ngram", "draft")
+METHODS = ("off", "ngram", "draft", "mtp")
 SMOKE_SHAPES = {"qwen3-0.6b": "debug", "qwen3.5-0.8b": "debug-qwen3.5"}
 
 
@@ -172,6 +180,23 @@ def lay_out(a, model, hf: dict, role: str):
     return model
 
 
+def random_mtp_head(a, target, seed: int = 11):
+    """A random MTP head for a hybrid Qwen3.5 target (its embedding and head shared), laid out for decode; None for
+    another target (the `mtp` rows are then skipped)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from surojax.models.mtp import MTP_FAMILIES, MTPDecoder, share_target_weights
+
+    if target.cfg.model_type not in MTP_FAMILIES:
+        return None
+    dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
+    head = MTPDecoder(target.cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(seed))
+    return lay_out(a, share_target_weights(head, target), {"model_type": "mtp head", "num_hidden_layers": 1,
+                                                            "tie_word_embeddings": target.lm_head is None},
+                   "MTP head (random)")
+
+
 def build_models(a, with_draft: bool):
     """-> (target, draft or None). The target: --shape's config (a random lm_head under --untie). The draft
     (--draft random, the default, and always for a hybrid target: its layers would make a hybrid draft, which is
@@ -205,7 +230,8 @@ def build_models(a, with_draft: bool):
 
 # ---- one measured run ---------------------------------------------------------------------------------------
 
-def run(a, model, draft, method: str, workload: str, users: int, max_tokens: int, seed: int, label: str):
+def run(a, model, draft, method: str, workload: str, users: int, max_tokens: int, seed: int, label: str,
+        mtp=None):
     """One round of `users` concurrent requests -> (result dict, the prompts, their output ids), in order. The off
     method decodes --off-decode-steps tokens per call (the server's default), a speculating one verifies per step."""
     import dataclasses
@@ -221,7 +247,8 @@ def run(a, model, draft, method: str, workload: str, users: int, max_tokens: int
         spec = SpeculativeConfig(SpecMethod(method), a.num_spec, model="bench-draft" if method == "draft" else None)
         config = dataclasses.replace(config, speculative=spec, buckets=bench_buckets(a, users, a.num_spec + 1),
                                      scheduler=dataclasses.replace(config.scheduler, decode_steps=1))
-    eng = Engine(model, config, draft_model=draft if method == "draft" else None)
+    eng = Engine(model, config, draft_model=draft if method == "draft" else None,
+                 mtp_head=mtp if method == "mtp" else None)
     compiled_before = num_compiled()
     rng = np.random.default_rng(seed)
     prompts = [PROMPTS[workload](rng, a) for _ in range(users)]
@@ -252,10 +279,11 @@ def run(a, model, draft, method: str, workload: str, users: int, max_tokens: int
 def num_compiled() -> int:
     """Compiled variants of the runner's calls, the verify and draft calls included (-1 where jax's private
     cache-size API is missing): 0 while measuring, or the run timed a compile."""
-    from surojax.serve import kv_paged
+    from surojax.serve import kv_paged, mtp
 
     try:
-        return _num_compiled() + kv_paged.verify_step._cache_size() + kv_paged.draft_propose_paged._cache_size()
+        return (_num_compiled() + kv_paged.verify_step._cache_size() + kv_paged.draft_propose_paged._cache_size()
+                + mtp.mtp_propose_paged._cache_size() + mtp.mtp_mirror_paged._cache_size())
     except Exception:
         return -1
 
@@ -338,6 +366,7 @@ def bench_shape(a, shape: str) -> tuple[list[dict], bool]:
 
     a.shape = SMOKE_SHAPES.get(shape, shape) if a.smoke else shape
     model, draft = build_models(a, "draft" in a.methods_list)
+    head = random_mtp_head(a, model) if "mtp" in a.methods_list else None
     a.vocab = model.cfg.vocab_size
     logits_fn = reference_logits(model, a.prompt_len + a.max_tokens)
     results, all_ok = [], True
@@ -346,13 +375,17 @@ def bench_shape(a, shape: str) -> tuple[list[dict], bool]:
             baseline = None
             for method in a.methods_list:
                 seed = 1000 * users + WORKLOADS.index(workload)
+                if method == "mtp" and head is None:
+                    print(f"# {a.shape} mtp: skipped: the shape has no MTP head (hybrid Qwen3.5 shapes only)",
+                          flush=True)
+                    continue
                 try:
                     run(a, model, draft, method, workload, users, max(a.num_spec + 4, warmup_tokens(a.off_decode_steps)),
-                        seed + 1, "warmup")
+                        seed + 1, "warmup", head)
                 except HybridServingError as e:
                     print(f"# {a.shape} {method}: skipped: {e}", flush=True)
                     continue
-                r, prompts, out = run(a, model, draft, method, workload, users, a.max_tokens, seed, "engine")
+                r, prompts, out = run(a, model, draft, method, workload, users, a.max_tokens, seed, "engine", head)
                 if method == "off":
                     baseline = out
                 elif baseline is not None:
@@ -393,7 +426,7 @@ def matmul_precision(dtype: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="qwen3-0.6b,qwen3.5-0.8b", help="comma list of target shapes")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma list of off, ngram, draft (off first)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma list of off, ngram, draft, mtp (off first)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
     p.add_argument("--users", default="1,16", help="comma list of concurrent users")
     p.add_argument("--num-spec", type=int, default=4, help="proposals per sequence per step (K)")

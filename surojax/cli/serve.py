@@ -83,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-root", default=None, metavar="DIR",
                         help="the one directory runtime adapters are read from (required with --allow-runtime-lora)")
     parser.add_argument("--speculative-method", choices=[m.value for m in SpecMethod], default=None,
-                        help="speculative decoding: ngram (prompt lookup) or draft (--speculative-model); "
-                             "default off")
+                        help="speculative decoding: ngram (prompt lookup), draft (--speculative-model) or mtp "
+                             "(the checkpoint's multi-token-prediction head: Qwen3.5 / 3.6); default off")
     parser.add_argument("--speculative-model", default=None, metavar="DIR",
                         help="the draft model (same tokenizer / vocabulary as MODEL; any supported family)")
     parser.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",

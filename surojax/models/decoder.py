@@ -366,9 +366,16 @@ class Decoder(nnx.Module):
         return state_shape(self.cfg)
 
     # ---- forward ----------------------------------------------------------------------------------------
+    def embed_tokens(self, tokens) -> jax.Array:
+        """tokens [B, T] -> the token embeddings [B, T, D] in the compute dtype (Gemma: times sqrt(D))."""
+        h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0)  # [B, T, D]
+        if self.cfg.scale_embeddings:  # Gemma: x sqrt(D), the factor cast to the embedding's dtype (as transformers)
+            h = h * jnp.asarray(np.float32(self.cfg.hidden_size ** 0.5), h.dtype)
+        return h.astype(self.dtype)
+
     def hidden_states(self, tokens, positions, segment_ids, *, cache: Cache | None = None,
                       runner: LayerRunner | None = None, images: ImageInputs | None = None,
-                      rope_positions: jax.Array | None = None) -> HiddenStates:
+                      rope_positions: jax.Array | None = None, inputs: jax.Array | None = None) -> HiddenStates:
         """tokens/positions/segment_ids [B, T] -> HiddenStates(final-normed hidden [B, T, D], the updated cache or
         None, the MoE layers' `RouterStats` stacked on [L] or None).
 
@@ -381,11 +388,11 @@ class Decoder(nnx.Module):
         merged rows replace the image tokens' embeddings and its deepstack features are added to those tokens'
         hidden states after decoder layer j (Qwen3-VL); `rope_positions` [3, B, T] give M-RoPE's cos / sin
         instead of the 1-D positions' (which still drive the attention mask and the cache).
+
+        `inputs` [B, T, D]: the first layer's input instead of the tokens' embeddings (an MTP head's projected
+        input, models/mtp.py).
         """
-        h = jnp.take(on_device(self.embed.embedding[...]), tokens, axis=0)  # [B, T, D]
-        if self.cfg.scale_embeddings:  # Gemma: x sqrt(D), the factor cast to the embedding's dtype (as transformers)
-            h = h * jnp.asarray(np.float32(self.cfg.hidden_size ** 0.5), h.dtype)
-        h = h.astype(self.dtype)
+        h = self.embed_tokens(tokens) if inputs is None else inputs.astype(self.dtype)
         after_layer = None
         if images is not None:
             if rope_positions is None:  # transformers places image tokens by M-RoPE: 1-D positions would be wrong

@@ -83,10 +83,12 @@ class KVCacheDtype(enum.Enum):
 
 class SpecMethod(enum.Enum):
     """How speculative decoding proposes tokens: NGRAM = prompt lookup (the tokens that followed the last n
-    tokens' latest earlier occurrence in prompt + output), DRAFT = a small model with the same vocabulary."""
+    tokens' latest earlier occurrence in prompt + output), DRAFT = a small model with the same vocabulary, MTP = the
+    checkpoint's multi-token-prediction head (Qwen3.5 / Qwen3.6 `mtp.*`: models/mtp.py, serve/mtp.py)."""
 
     NGRAM = "ngram"
     DRAFT = "draft"
+    MTP = "mtp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +113,9 @@ class SpeculativeConfig:
             raise ValueError(f"SpeculativeConfig: ngram_min {self.ngram_min} > ngram_max {self.ngram_max}")
         if self.method is SpecMethod.DRAFT and not self.model:
             raise ValueError("speculative method 'draft' needs a draft model (--speculative-model DIR)")
-        if self.method is SpecMethod.NGRAM and self.model:
-            raise ValueError("--speculative-model is only read by --speculative-method draft (ngram has no model)")
+        if self.method is not SpecMethod.DRAFT and self.model:
+            raise ValueError(f"--speculative-model is only read by --speculative-method draft ({self.method.value} "
+                             "has no draft model)")
 
 
 @dataclasses.dataclass(frozen=True)

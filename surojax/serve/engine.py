@@ -33,9 +33,11 @@ request's first output (``RequestOutput.prompt_logprobs``). Such a request reads
 max_tokens 0 it ends when its prompt is computed.
 
 Speculative decoding (``config.speculative``, `serve.speculative`): decoding requests without penalties or
-logprobs get up to K proposals a step, from prompt lookup (NGRAM) or the draft model (DRAFT: ``draft_model``, a
+logprobs get up to K proposals a step, from prompt lookup (NGRAM), the draft model (DRAFT: ``draft_model``, a
 `DraftRunner` on its own pool that mirrors the target's; the pool size from free memory is shared between the
-two in proportion to their KV bytes per token). The step verifies every speculating row in one target call
+two in proportion to their KV bytes per token) or the checkpoint's MTP head (MTP: ``mtp_head``, an `MTPRunner`
+on its own one-layer pool, fed the target's hidden states by every target call: `serve.mtp`; hybrid Qwen3.5
+models only; no sleep mode). The step verifies every speculating row in one target call
 BEFORE the other rows run (their prefix hits may read blocks it writes), then runs the rest as usual. Outputs
 then carry several tokens; greedy tokens equal plain decoding's, sampled ones follow the target's distribution.
 ``spec_stats`` counts proposals and acceptances (/metrics). Refused with LoRA; guided requests are not
@@ -75,11 +77,13 @@ from pallas_kernels.paged_decode import max_pool_blocks
 from surojax.generation.sampling import SamplingParams
 from surojax.models.config import ModelConfig
 from surojax.models.decoder import Decoder
+from surojax.models.mtp import MTPDecoder
 from surojax.serve.capacity import kv_bytes_per_token, kv_pool_dtype, num_kv_blocks
 from surojax.serve.config import EngineConfig, KVPath, SpecMethod, default_max_model_len
 from surojax.serve.detokenize import RequestText, apply_text
 from surojax.serve.guided import GrammarError, GrammarMatcher, GrammarVocab
 from surojax.serve.draft import DraftRunner
+from surojax.serve.mtp import MTPRunner
 from surojax.serve.kv_cache import KVCacheManager
 from surojax.serve.prompt_logprobs import PromptScores
 from surojax.serve.request_images import RequestImages
@@ -131,10 +135,11 @@ class EngineBusyError(RuntimeError):
 
 class Engine:
     def __init__(self, model: Decoder, config: EngineConfig = EngineConfig(), *, tokenizer=None, lora=None,
-                 kv_dtype=None, draft_model: Decoder | None = None):
+                 kv_dtype=None, draft_model: Decoder | None = None, mtp_head: MTPDecoder | None = None):
         """config: every setting (`EngineConfig`); tokenizer: for text and stop strings; lora: `AdapterSlots`
         built on the model; kv_dtype: the pool's dtype (None: config.kv_cache_dtype's); draft_model: the
-        speculative draft (exactly when config.speculative.method is DRAFT; same vocabulary)."""
+        speculative draft (exactly when config.speculative.method is DRAFT; same vocabulary); mtp_head: the
+        model's MTP head (exactly when the method is MTP: `weights.mtp_checkpoint.load_mtp`)."""
         cfg = model.cfg
         spec = config.speculative
         hybrid = is_hybrid(model)
@@ -148,6 +153,11 @@ class Engine:
             raise ValueError("speculative decoding is not supported with LoRA adapters")
         if (draft_model is not None) != (spec is not None and spec.method is SpecMethod.DRAFT):
             raise ValueError("Engine: pass draft_model exactly when the speculative method is 'draft'")
+        if (mtp_head is not None) != (spec is not None and spec.method is SpecMethod.MTP):
+            raise ValueError("Engine: pass mtp_head exactly when the speculative method is 'mtp'")
+        if mtp_head is not None and not hybrid:
+            raise ValueError(f"{cfg.model_type}: MTP speculation is implemented for the Qwen3.5 / Qwen3.6 families "
+                             "(hybrid models: the head's pending hidden state lives at each sequence's state slot)")
         if draft_model is not None and draft_model.cfg.vocab_size != cfg.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft_model.cfg.vocab_size}) differs from the "
                              f"target's ({cfg.vocab_size}): speculation needs the same tokenizer")
@@ -163,8 +173,9 @@ class Engine:
                                        memory_utilization=config.memory_utilization,
                                        reserved_bytes=state_pool_bytes(model, sched.max_num_seqs),
                                        others_bytes_in_use=config.others_bytes_in_use)
-            if draft_model is not None:  # the draft's pool has as many blocks: share the memory
-                t, d = kv_bytes_per_token(cfg, kv_dtype), kv_bytes_per_token(draft_model.cfg, draft_model.dtype)
+            helper = draft_model if draft_model is not None else mtp_head
+            if helper is not None:  # the draft's / MTP head's pool has as many blocks: share the memory
+                t, d = kv_bytes_per_token(cfg, kv_dtype), kv_bytes_per_token(helper.cfg, helper.dtype)
                 num_blocks = max(1, num_blocks * t // (t + d))
             if kv_path is KVPath.PALLAS:  # the kernel indexes the pool's slots with int32
                 num_blocks = min(num_blocks, max_pool_blocks(cfg.num_attention_layers, bs, cfg.num_kv_heads,
@@ -177,11 +188,17 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, sched, self._speculative_tokens if spec is not None else None,
                                    StateSlots(sched.max_num_seqs) if hybrid else None)
+        self.mtp = None
+        if mtp_head is not None:
+            self.mtp = MTPRunner(mtp_head, num_blocks=num_blocks, block_size=bs, kv_path=kv_path,
+                                 num_state_slots=sched.max_num_seqs, buckets=config.buckets,
+                                 unroll_layers=config.unroll_layers)
         self.runner = PagedRunner(model, num_blocks=num_blocks, block_size=bs, kv_path=kv_path, kv_dtype=kv_dtype,
                                   adapter_slot=lora.slot if lora is not None else None, buckets=config.buckets,
                                   kv_in_place=config.kv_in_place, decode_steps=sched.decode_steps,
                                   unroll_layers=config.unroll_layers,
-                                  num_state_slots=sched.max_num_seqs if hybrid else None)
+                                  num_state_slots=sched.max_num_seqs if hybrid else None,
+                                  hidden_sink=self.mtp.mirror if self.mtp is not None else None)
         self.draft = None
         if draft_model is not None:
             self.draft = DraftRunner(draft_model, num_blocks=num_blocks, block_size=bs, kv_path=kv_path,
@@ -298,8 +315,9 @@ class Engine:
         spec = self.config.speculative
         K = spec.num_tokens
         R, S = self.runner.verify_shape(group, K)
-        if self.draft is not None:
-            proposals, counts, q = self.draft.propose(group, K, R, S)
+        proposer = self.draft if self.draft is not None else self.mtp
+        if proposer is not None:
+            proposals, counts, q = proposer.propose(group, K, R, S)
         else:
             proposals, counts, q = np.zeros((R, K), np.int32), np.full(R, -1, np.int32), None
             for r, s in enumerate(group):
@@ -341,8 +359,9 @@ class Engine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with unfinished requests")
             return []
-        if self.draft is not None:
-            self.draft.recover_pools()  # after a failed call: a lost draft pool costs acceptance, never tokens
+        for helper in (self.draft, self.mtp):
+            if helper is not None:  # after a failed call: a lost draft / MTP pool costs acceptance, never tokens
+                helper.recover_pools()
         speculating = [s for s in sched.scheduled if s.num_spec]
         rest = [s for s in sched.scheduled if not s.num_spec]
         if speculating:  # the verify call is read back before the rest run: hand over now, not a call later
@@ -435,6 +454,9 @@ class Engine:
         if level != 1:
             raise ValueError(f"sleep level {level} is not supported: level 1 moves the weights to host memory and "
                              "frees the KV cache (level 2, discarding the weights, is not offered)")
+        if self.mtp is not None:
+            raise ValueError("sleep mode is not supported with MTP speculation (the head shares the model's "
+                             "embedding and LM head)")
         if self.has_unfinished():
             raise EngineBusyError(f"cannot sleep with {len(self.scheduler.requests)} request(s) in flight")
         if self._slept is not None:

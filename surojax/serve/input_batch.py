@@ -49,6 +49,9 @@ class InputBatch:
     verify (speculative)      tokens [R] (last token), start [R], proposals [R, K], num_proposed [R] (-1 on
                               padding rows), draft_probs [R, K, V] or None
     propose (draft model)     tokens [R] (last token), start [R], limit [R] (proposals wanted, -1 on padding)
+    propose (MTP head)        the same, and state_slots [R] (the rows' slots of the head's hidden-state pool)
+    mirror (MTP head)         tokens [R, T], hidden [R, T, D] (a target call's), start [R], limit [R] (real
+                              tokens), state_slots [R]  (`serve.mtp`)
     ========================  ===========================================================================
 
     A step call with a row that scores its prompt (``BatchMode.prompt_logprobs``) also reads ``prompt_targets``
@@ -85,6 +88,7 @@ class InputBatch:
     write_slots: Array | None = None
     state_slots: Array | None = None
     prompt_targets: Array | None = None
+    hidden: Array | None = None  # [R, T, D] an MTP mirror call: the target's hidden states of `tokens` (`serve.mtp`)
     images: Any = None  # models.vision.inputs.ImageInputs of a step call's image tokens (`serve.request_images`)
     rope_positions: Array | None = None  # [3, R, T] M-RoPE positions of a step call with image rows
     rope_delta: Array | None = None  # [R] multi-step decode: M-RoPE position = 1-D position + delta (image rows)
@@ -100,7 +104,9 @@ class StepSettings:
     (None: the pool holds the compute dtype); kv_in_place (reference path): the dense view rides in the layer
     scan's carry. Per call: mode (`BatchMode`; verify / propose read ``mode.sample`` only); num_steps (multi-step
     decode: K steps; propose: K proposals); fresh (paged step calls): no row has context in the pool before the
-    call, so attention reads nothing back (`PagedKVCache.fresh`: self-attention over the call's tokens)."""
+    call, so attention reads nothing back (`PagedKVCache.fresh`: self-attention over the call's tokens). hidden
+    (the runner's, paged step / verify calls): also return the final-normed hidden states [R, T, D] under
+    ``"hidden"`` (an MTP head reads them: `serve.mtp`)."""
 
     block_size: int
     pools: tuple[KVPool, ...] = ()
@@ -112,6 +118,7 @@ class StepSettings:
     mode: BatchMode = BatchMode()
     num_steps: int = 1
     fresh: bool = False
+    hidden: bool = False
 
     def __hash__(self) -> int:  # computed once: jit hashes its static arguments on every call
         h = self.__dict__.get("_hash")

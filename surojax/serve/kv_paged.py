@@ -51,7 +51,8 @@ def paged_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: Ste
     h, cache = run_decoder(model, batch.tokens, batch.positions, batch.segment_ids, cache, settings,
                            images=batch.images, rope_positions=batch.rope_positions)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
-    return pools_and(cache.k, cache.v, state_pool, step_outputs(model, h, batch, settings.mode))
+    out = step_outputs(model, h, batch, settings.mode)
+    return pools_and(cache.k, cache.v, state_pool, dict(out, hidden=h) if settings.hidden else out)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
@@ -83,7 +84,20 @@ def verify_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: St
     out = accept(logits, proposals, num_proposed, batch.draft_probs, batch.sampling, start,
                  sample=settings.mode.sample)
     cache, state_pool = split_state_rows(cache, state_pool, batch, at_token=out["count"] - 1)
-    return pools_and(cache.k, cache.v, state_pool, out)
+    return pools_and(cache.k, cache.v, state_pool, dict(out, hidden=h) if settings.hidden else out)
+
+
+def draft_draw(logits, rows: dict, position, *, sample: bool):
+    """A proposer's next token per row: logits [R, 1, V] fp32 of the token at ``position`` [R] -> (ids [R] int32,
+    q [R, V] or None): greedy rows the argmax; with ``sample`` (static: some row samples), sampled rows draw from
+    their filtered distribution q keyed ``fold_in(fold_in(key(seed), position), DRAFT)``."""
+    nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    if not sample:
+        return nxt, None
+    q = filtered_probs(logits, rows)[:, 0]  # [R, V]
+    keys = row_keys(rows["seed"], position[:, None], DRAFT)[:, 0]
+    drawn = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, q).astype(jnp.int32)
+    return jnp.where(rows["temperature"] > 0, drawn, nxt), q
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool"))
@@ -99,7 +113,6 @@ def draft_propose_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, sett
     model = nnx.merge(graphdef, state)
     start, limit, rows = batch.start, batch.limit, batch.sampling
     cache = paged_cache(k_pool, v_pool, batch.block_table, start, settings)
-    sampled_rows = rows["temperature"] > 0
     K = settings.num_steps
 
     def body(carry, i):
@@ -107,14 +120,7 @@ def draft_propose_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, sett
         pos = start + i
         h, cache = run_decoder(model, tok[:, None], pos[:, None], (i <= limit).astype(jnp.int32)[:, None], cache,
                                settings)
-        logits = model.logits(h)  # [R, 1, V] fp32
-        nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
-        if not settings.mode.sample:
-            return (cache, nxt), (nxt, None)
-        q = filtered_probs(logits, rows)[:, 0]  # [R, V]
-        keys = row_keys(rows["seed"], (pos + 1)[:, None], DRAFT)[:, 0]
-        drawn = jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, q).astype(jnp.int32)
-        nxt = jnp.where(sampled_rows, drawn, nxt)
+        nxt, q = draft_draw(model.logits(h), rows, pos + 1, sample=settings.mode.sample)
         return (cache, nxt), (nxt, q)
 
     (cache, _), (ids, q) = jax.lax.scan(body, (cache, batch.tokens.astype(jnp.int32)), jnp.arange(K + 1))
@@ -145,4 +151,4 @@ class PagedAccess:
         return dict(block_table=table)
 
 
-__all__ = ["PagedAccess", "draft_propose_paged", "paged_step", "verify_step"]
+__all__ = ["PagedAccess", "draft_draw", "draft_propose_paged", "paged_step", "verify_step"]

@@ -36,6 +36,7 @@ from surojax.serve.config import MultiServeConfig, ServeConfig, SpecMethod
 from surojax.serve.engine import Engine
 from surojax.serve.lora_root import LoraRoot
 from surojax.serve.model_router import ModelTable, RoutedModel, build_router_app
+from surojax.weights.mtp_checkpoint import MTPError, load_mtp
 
 log = logging.getLogger("surojax.serve")
 
@@ -67,6 +68,18 @@ def load_draft(config: ServeConfig):
         return None
     return load_model_ref(spec.model, dtype=_dtype(config.dtype), attention=config.attention,
                           keep_quantized=True).model
+
+
+def load_mtp_head(config: ServeConfig, model, model_dir):
+    """The served model's MTP head (None unless the method is 'mtp'), read from its checkpoint folder
+    (`weights.mtp_checkpoint.load_mtp`: refused, naming what is missing, for a model without one)."""
+    spec = config.engine.speculative
+    if spec is None or spec.method is not SpecMethod.MTP:
+        return None
+    if model_dir is None:
+        raise MTPError("--speculative-method mtp reads the MTP head (mtp.* tensors) from the served model's "
+                       "Hugging Face folder; this model was not loaded from one")
+    return load_mtp(model_dir, model, attention=config.attention)
 
 
 def served_vision(model_dir, has_tower: bool = True) -> VisionData | TextOnly:
@@ -108,7 +121,10 @@ def build_server(config: ServeConfig, model=None, tokenizer=None):
     draft = load_draft(config)
     if draft is not None:
         decode_weights(draft)
-    engine = Engine(model, config.engine, tokenizer=tokenizer, lora=lora, draft_model=draft)
+    mtp = load_mtp_head(config, model, vision_dir)
+    if mtp is not None:
+        decode_weights(mtp)
+    engine = Engine(model, config.engine, tokenizer=tokenizer, lora=lora, draft_model=draft, mtp_head=mtp)
     for lname, lpath in adapters:
         engine.load_lora(lname, lpath)
     resolved = engine.config

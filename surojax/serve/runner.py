@@ -152,7 +152,8 @@ class PagedRunner:
 
     def __init__(self, model: Decoder, *, num_blocks: int, block_size: int, kv_path: KVPath, kv_dtype=None,
                  adapter_slot=None, buckets: RunnerBuckets = RunnerBuckets(), kv_in_place: bool = True,
-                 decode_steps: int = 1, unroll_layers: bool = False, num_state_slots: int | None = None):
+                 decode_steps: int = 1, unroll_layers: bool = False, num_state_slots: int | None = None,
+                 hidden_sink=None):
         """kv_path: a resolved `KVPath` (not AUTO): PAGED / REDUCE / PALLAS read and write the pool in place
         through block tables (the host sends tables [R, S / block_size]); REFERENCE gathers a dense view and
         scatters back (slot lists [R, S]). Same tokens, same pool contents (REDUCE / PALLAS: equal up to float
@@ -166,7 +167,11 @@ class PagedRunner:
         (`kv_fp8.kv_scales`, ``self.kv_scales``), refused for a model with LoRA slots. num_state_slots: a
         hybrid model's (linear-attention layers) state slots, one per sequence it may run at once (the
         scheduler's max_num_seqs; `serve.state_slots`): the pool ``self.state_pool``, donated to each step and
-        multi-step call (None for other models). The KV pool then covers the attention layers only."""
+        multi-step call (None for other models). The KV pool then covers the attention layers only.
+        hidden_sink: ``sink(batch, hidden)``, called with every paged step and verify call's `InputBatch` (tokens
+        [R, T]; ``limit`` [R]: each row's real tokens, those whose KV the call keeps) and the target's final-normed
+        hidden states [R, T, D] on the device, as soon as the call is dispatched (an MTP head mirrors the
+        target's KV writes with them: `serve.mtp`). None: the calls return no hidden states."""
         if kv_path is KVPath.AUTO:
             raise ValueError("PagedRunner: kv_path AUTO must be resolved first (Engine does: resolve_kv_path)")
         self.kv_path = kv_path
@@ -215,7 +220,10 @@ class PagedRunner:
         self.settings = StepSettings(  # fields a path does not read keep their defaults: one compile, not two
             block_size=block_size, pools=self.pools if self.paged else (), lora=self.lora,
             unroll=True if unroll_layers else 1, kernel=self.kernel, scales=self.kv_scales,
-            kv_in_place=kv_in_place and not self.paged)
+            kv_in_place=kv_in_place and not self.paged, hidden=hidden_sink is not None)
+        if hidden_sink is not None and not self.paged:
+            raise ValueError("PagedRunner: a hidden-state sink (MTP speculation) needs a paged KV path")
+        self.hidden_sink = hidden_sink
         self.k_pool, self.v_pool = self._new_pools(dtype), self._new_pools(dtype)
         shape = self.pools[0].shape(self.num_slots)
         if self.kernel is PagedKernel.PALLAS and not kernel_applies(shape, 1, cfg.sliding_window):
@@ -402,7 +410,12 @@ class PagedRunner:
                            **self._address(group, R, S, [s.num_new_tokens for s in group], T))
         # a prefill of rows with nothing cached (new prompts, no prefix hit) reads nothing back from the pool
         fresh = self.paged and not decode and not ctx_len.any()
-        return self._device_call(self.access.step, batch, self.settings.for_call(mode, fresh=fresh))[0]
+        out = self._device_call(self.access.step, batch, self.settings.for_call(mode, fresh=fresh))[0]
+        if self.hidden_sink is not None:
+            out = dict(out)
+            hidden = out.pop("hidden")
+            self.hidden_sink(dataclasses.replace(batch, limit=segments.sum(axis=1, dtype=np.int32)), hidden)
+        return out
 
     def _run_multi(self, group: list[ScheduledRequest]):
         """A multi-step decode group (every row decoding, up to ``num_steps`` tokens each): see ``multi_step``."""
@@ -468,7 +481,16 @@ class PagedRunner:
                            draft_probs=draft_probs, **self._state_slots(group, R), **self._address(group, R, S))
         mode = BatchMode(sample=bool((rows["temperature"] > 0).any()))
         res, = self._device_call(self.access.verify, batch, self.settings.for_call(mode))
+        hidden = None
+        if self.hidden_sink is not None:
+            res = dict(res)
+            hidden = res.pop("hidden")
         host = jax.device_get(res)
+        if hidden is not None:  # the kept tokens: [last, d_1 .. d_a] (a = count - 1 accepted; ids[:a] are those)
+            kept = np.concatenate([last[:, None], np.asarray(host["ids"][:, :K], np.int32)], axis=1)
+            count = np.where(np.asarray(num_proposed) >= 0, host["count"], 0).astype(np.int32)  # padding rows: 0
+            self.hidden_sink(dataclasses.replace(batch, tokens=kept, limit=count,
+                                                 proposals=None, num_proposed=None, draft_probs=None), hidden)
         out = StepResult()
         for r, s in enumerate(group):
             out[s.request_id] = [int(t) for t in host["ids"][r, :int(host["count"][r])]]
