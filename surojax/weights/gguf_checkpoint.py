@@ -186,7 +186,11 @@ def _permute_heads(cfg: ModelConfig, hf_name: str) -> int | None:
 def llama3_rope_factors(cfg: ModelConfig) -> np.ndarray:
     """rope_freqs.weight as convert_hf_to_gguf computes it for rope_type llama3 (float32 [H/2])."""
     rs, dim = cfg.rope_scaling, cfg.head_dim
-    freqs = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    # theta ** (i / dim) by libm's float64 pow, rounded once to float32: the correctly rounded float32 power.
+    # numpy's float32 power (its SIMD loops) is 1 ulp off on some CPUs, which made the written bytes depend on the
+    # machine. The rest is float32 arithmetic, as the converter's torch loop.
+    exps = np.arange(0, dim, 2, dtype=np.float32) / dim
+    freqs = np.float32(1.0) / np.asarray([math.pow(cfg.rope_theta, float(e)) for e in exps], np.float32)
     low, high = rs.original_max_position_embeddings / rs.low_freq_factor, \
         rs.original_max_position_embeddings / rs.high_freq_factor
     out = []
