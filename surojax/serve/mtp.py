@@ -38,7 +38,8 @@ from surojax.models.layer_runner import LayerScan
 from surojax.models.mtp import MTPDecoder
 from surojax.serve.config import KVPath, RunnerBuckets
 from surojax.serve.input_batch import InputBatch, StepSettings
-from surojax.serve.kv_paged import _cache, draft_draw
+from surojax.serve.kv_paged import draft_draw
+from surojax.serve.kv_pools import paged_cache
 from surojax.serve.runner import PagedRunner
 from surojax.serve.scheduler import ScheduledRequest
 from surojax.serve.speculative import sampling_arrays
@@ -66,7 +67,7 @@ def mtp_mirror_paged(graphdef, state, k_pool, v_pool, hidden_pool, batch: InputB
     n = jnp.where(first, count - 1, count)
     length = jnp.where(first, 0, start - 1)  # the head's KV length before the call
     i = jnp.arange(T, dtype=jnp.int32)[None, :]
-    cache = _cache(k_pool, v_pool, batch.block_table, length, settings)
+    cache = paged_cache(k_pool, v_pool, batch.block_table, length, settings)
     out = model.predict(tok, h_in, length[:, None] + i, (i < n[:, None]).astype(jnp.int32), cache=cache,
                         runner=_layers(settings))
     last = jnp.take_along_axis(hidden, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]  # [R, D]
@@ -86,7 +87,7 @@ def mtp_propose_paged(graphdef, state, k_pool, v_pool, hidden_pool, batch: Input
     model = nnx.merge(graphdef, state)
     start, limit, rows = batch.start, batch.limit, batch.sampling
     length = jnp.maximum(start - 1, 0)
-    cache = _cache(k_pool, v_pool, batch.block_table, length, settings)
+    cache = paged_cache(k_pool, v_pool, batch.block_table, length, settings)
     h0 = hidden_pool.at[batch.state_slots].get(mode="fill", fill_value=0).astype(model.dtype)  # h_{start - 1}
 
     def body(carry, i):
