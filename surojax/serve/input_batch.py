@@ -98,22 +98,22 @@ class InputBatch:
 class StepSettings:
     """The static part of a runner call (one compiled variant per distinct value).
 
-    block_size: the pools'; pools: the runner's `kv_pools.KVPool`s (one per KV shape; empty: one pool, every
-    cache row its own: `kv_pools.paged_cache`); lora: set each row's adapter slot (``adapter_rows``); unroll: the
-    layer scan's (1 rolled, True inlined); kernel: how paged decode rows read the pool; scales: an FP8 pool's `KVScales`
-    (None: the pool holds the compute dtype); kv_in_place (reference path): the dense view rides in the layer
-    scan's carry. Per call: mode (`BatchMode`; verify / propose read ``mode.sample`` only); num_steps (multi-step
-    decode: K steps; propose: K proposals); fresh (paged step calls): no row has context in the pool before the
-    call, so attention reads nothing back (`PagedKVCache.fresh`: self-attention over the call's tokens). hidden
-    (the runner's, paged step / verify calls): also return the final-normed hidden states [R, T, D] under
-    ``"hidden"`` (an MTP head reads them: `serve.mtp`)."""
+    block_size: the pools'; pools: the runner's `kv_pools.KVPool`s (one per KV shape; empty: one pool, every cache
+    row its own: `kv_pools.paged_cache`); lora: set each row's adapter slot (``adapter_rows``); unroll: the layer
+    scan's (1 rolled, True inlined); kernel: how paged decode rows read the pool; scales: an FP8 pool's `KVScales`
+    (a tuple of one per pool with several; None: the pool holds the compute dtype); kv_in_place (reference path):
+    the dense view rides in the layer scan's carry. Per call: mode (`BatchMode`; verify / propose read
+    ``mode.sample`` only); num_steps (multi-step decode: K steps; propose: K proposals); fresh (paged step calls):
+    no row has context in the pool before the call, so attention reads nothing back (`PagedKVCache.fresh`:
+    self-attention over the call's tokens). hidden (the runner's, paged step / verify calls): also return the
+    final-normed hidden states [R, T, D] under ``"hidden"`` (an MTP head reads them: `serve.mtp`)."""
 
     block_size: int
     pools: tuple[KVPool, ...] = ()
     lora: bool = False
     unroll: int | bool = 1
     kernel: PagedKernel = PagedKernel.GATHER
-    scales: KVScales | None = None
+    scales: KVScales | tuple[KVScales, ...] | None = None
     kv_in_place: bool = False
     mode: BatchMode = BatchMode()
     num_steps: int = 1

@@ -21,7 +21,10 @@ times BOUND_MARGIN (the compute dtype's roundings inside those steps), floored a
 (the hidden state is rarely aligned with a weight column), which costs little: a loose factor c puts the real
 largest value at 448 / c, and values c x 2^-9 / 448 of the bound down sit in subnormals whose absolute error
 (2^-10 x scale) stays far below the 2^-4 relative error of the largest entries for any c up to ~10^3.
-A loaded LoRA changes W_k / W_v after the scales are fixed: the engine refuses FP8 with LoRA slots.
+Several KV pools (Gemma 4's full layers of their own shape: `kv_pools`): one scale set per pool, a scale per pool
+row, each bounded from the norms and projections of the stack owning those rows (`global_layers`' own head size,
+kv heads and, with attention_k_eq_v, its key projection as the values'); KV-shared layers read their source's rows
+and scales. A loaded LoRA changes W_k / W_v after the scales are fixed: the engine refuses FP8 with LoRA slots.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from surojax.models.registry import GEMMA4_STACKS
+from surojax.serve.kv_pools import kv_pools
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
@@ -105,19 +108,25 @@ def _dense(w) -> jax.Array:
     return w.dequantize(jnp.float32) if hasattr(w, "dequantize") else w.astype(jnp.float32)
 
 
-def layer_bounds(model) -> tuple[np.ndarray, np.ndarray]:
-    """-> (k bound [L], v bound [L]): the largest |k| / |v| element each layer can produce (module docstring),
-    one layer at a time on the device (a quantised W_k / W_v is dequantised one layer at a time)."""
-    cfg = model.cfg
-    other = [name for name in GEMMA4_STACKS[1:] if getattr(model, name, None) is not None]
-    if other:
-        raise ValueError(f"{cfg.model_type}: an FP8 KV pool is not supported with attention layers outside `layers` "
-                         f"({', '.join(other)}: Gemma 4's full layers of their own shape / KV-shared layers; the "
-                         "scale bounds read one stack's k / v projections)")
-    attn, norm = model.layers.attn, model.layers.attn_norm
+def layer_bounds(model, stack: str = "layers") -> tuple[np.ndarray, np.ndarray]:
+    """-> (k bound [L], v bound [L]): the largest |k| / |v| element each layer of the layer stack `stack` can
+    produce (module docstring) from that stack's own norms and projections in its own shape
+    (`ModelConfig.stack_config`: Gemma 4's `global_layers` their head size and kv heads; `attention_k_eq_v`: no
+    v_proj, the values are the key projection's output, v-normed), one layer at a time on the device (a quantised
+    W_k / W_v is dequantised one layer at a time)."""
+    cfg = model.cfg.stack_config(stack)
+    if stack not in model.stacks:
+        raise ValueError(f"{cfg.model_type}: no layer stack {stack!r} (stacks: {', '.join(model.stacks)})")
+    block = model.stacks[stack]
+    attn, norm = block.attn, block.attn_norm
+    if attn.k_proj is None:
+        raise ValueError(f"{cfg.model_type}: the FP8 KV scale bounds read each stack's k / v projections; "
+                         f"{stack}.attn has none ({'KV-shared layers' if cfg.kv_shared else 'q / k / v joined'})")
     K, H, D = cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    L = attn.k_proj.kernel.shape[0]
     has_qk_norm = attn.k_norm is not None
     shift = 1.0 if cfg.norm_zero_centered else 0.0  # (1 + w) RMSNorms (Qwen3.5, Gemma) scale by 1 + w
+    v_lin = attn.k_proj if attn.v_proj is None else attn.v_proj  # attention_k_eq_v: the values are k_proj's output
 
     @jax.jit
     def one(layer):
@@ -136,16 +145,30 @@ def layer_bounds(model) -> tuple[np.ndarray, np.ndarray]:
             v_bound = jnp.sqrt(jnp.float32(H))
         return k_bound, v_bound
 
-    kv = cfg.num_kv_heads * cfg.head_dim
-    per_layer = (norm.scale[...], attn.k_proj.kernel[...], _stacked_bias(attn.k_proj, cfg.num_layers, kv),
-                 attn.v_proj.kernel[...], _stacked_bias(attn.v_proj, cfg.num_layers, kv),
-                 attn.k_norm.scale[...] if has_qk_norm else None)
+    kv = K * H
+    per_layer = (norm.scale[...], attn.k_proj.kernel[...], _stacked_bias(attn.k_proj, L, kv),
+                 v_lin.kernel[...], _stacked_bias(v_lin, L, kv), attn.k_norm.scale[...] if has_qk_norm else None)
     ks, vs = [], []
-    for l in range(cfg.num_layers):
+    for l in range(L):
         k_b, v_b = one(jax.tree.map(lambda x: x[l], per_layer))
         ks.append(float(k_b))
         vs.append(float(v_b))
     return np.asarray(ks), np.asarray(vs)
+
+
+def pool_bounds(model) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """Per KV pool (`kv_pools.kv_pools`, in its order): (k bound, v bound), one per pool row. A pool's rows are
+    its cache part's layers that compute keys / values, in layer order: the rows of the layer stack of that name
+    (`layers`; Gemma 4's `global_layers`), whose own projections bound them (`layer_bounds`). KV-shared layers
+    own no rows: they read (and so are bounded by) their source's."""
+    out = []
+    for pool in kv_pools(model.cfg):
+        k, v = layer_bounds(model, pool.part)
+        if len(k) != pool.num_layers:
+            raise ValueError(f"{model.cfg.model_type}: KV pool {pool.part!r} has {pool.num_layers} rows but its "
+                             f"stack {len(k)} layers: the FP8 scale bounds cannot be matched to the pool's rows")
+        out.append((k, v))
+    return tuple(out)
 
 
 def _stacked_bias(linear, num_layers: int, n: int) -> jax.Array:
@@ -155,15 +178,17 @@ def _stacked_bias(linear, num_layers: int, n: int) -> jax.Array:
     return linear.bias[...].astype(jnp.float32)
 
 
-def kv_scales(model) -> KVScales:
-    """The scale rule (module docstring): per layer BOUND_MARGIN x bound / FP8_MAX, at least MIN_SCALE."""
-    k_bound, v_bound = layer_bounds(model)
+def kv_scales(model) -> KVScales | tuple[KVScales, ...]:
+    """The scale rule (module docstring): per pool row BOUND_MARGIN x bound / FP8_MAX, at least MIN_SCALE. In the
+    form of the runner's pools (`kv_pools.paged_cache`): one `KVScales` for one pool, a tuple of one per pool
+    (rows as the pool's rows) with several."""
 
     def scale(b):
         return tuple(max(float(x) * BOUND_MARGIN / FP8_MAX, MIN_SCALE) for x in b)
 
-    return KVScales(scale(k_bound), scale(v_bound))
+    scales = tuple(KVScales(scale(k), scale(v)) for k, v in pool_bounds(model))
+    return scales[0] if len(scales) == 1 else scales
 
 
 __all__ = ["BOUND_MARGIN", "FP8_DTYPE", "FP8_MAX", "FP8_REL_ERROR", "KVScales", "check_pool_dtype", "dequantize",
-           "is_fp8", "kv_scales", "layer_bounds", "quantize"]
+           "is_fp8", "kv_scales", "layer_bounds", "pool_bounds", "quantize"]

@@ -15,6 +15,9 @@ layers are the part's layers that compute keys / values, and the bytes per token
 
 `attention_k_eq_v` (Gemma 4's full layers) keeps a V pool: the values are the key projection's output before the
 k norm and rope, v-normed, not the keys the cache holds (transformers caches both).
+
+An FP8 pool (`kv_fp8`) has scales per pool row, bounded from the projections of the stack that owns the rows
+(`kv_fp8.pool_bounds`); a KV-shared layer reads its source's rows and so their scales.
 """
 from __future__ import annotations
 
@@ -87,17 +90,21 @@ def kv_pools(cfg: ModelConfig) -> tuple[KVPool, ...]:
 
 def paged_cache(k_pool, v_pool, block_table, lengths, settings: StepSettings):
     """The decoder's cache over the runner's pools: one `PagedKVCache` (k_pool / v_pool arrays) or, with several
-    pools (``settings.pools``), a `StacksKVCache` of one per pool (k_pool / v_pool tuples in that order). Its
-    ``k`` / ``v`` after the call are the new pools, in the same form."""
+    pools (``settings.pools``), a `StacksKVCache` of one per pool (k_pool / v_pool tuples in that order). An FP8
+    pool's ``settings.scales`` come in the same form: one `KVScales`, or a tuple of one per pool (rows as the
+    pool's rows: `kv_fp8.kv_scales`). Its ``k`` / ``v`` after the call are the new pools, in the same form."""
     pools = settings.pools
 
-    def one(k, v, pool: KVPool | None):
-        return PagedKVCache(k, v, block_table, lengths, settings.block_size, settings.kernel, settings.scales,
+    def one(k, v, pool: KVPool | None, scales):
+        return PagedKVCache(k, v, block_table, lengths, settings.block_size, settings.kernel, scales,
                             settings.fresh, None if pool is None else pool.row_map)
 
     if len(pools) <= 1:
-        return one(k_pool, v_pool, pools[0] if pools else None)
-    return StacksKVCache(tuple(one(k, v, p) for k, v, p in zip(k_pool, v_pool, pools, strict=True)),
+        return one(k_pool, v_pool, pools[0] if pools else None, settings.scales)
+    scales = (None,) * len(pools) if settings.scales is None else settings.scales
+    if len(scales) != len(pools):
+        raise ValueError(f"paged_cache: {len(pools)} KV pools need one FP8 scale set each, got {len(scales)}")
+    return StacksKVCache(tuple(one(k, v, p, s) for k, v, p, s in zip(k_pool, v_pool, pools, scales, strict=True)),
                          tuple(p.part for p in pools))
 
 

@@ -198,7 +198,7 @@ class PagedRunner:
                              "it on a paged path (paged, reduce)")
         dtype = kv_dtype or model.dtype
         check_pool_dtype(dtype)
-        self.kv_scales: KVScales | None = None
+        self.kv_scales: KVScales | tuple[KVScales, ...] | None = None  # one per pool with several
         self.state_pool: StateCache | None = None
         if is_hybrid(model):
             if num_state_slots is None:
