@@ -22,7 +22,9 @@ from surojax.models.layers.attention import xla_attention
 from surojax.serve.capacity import kv_pool_dtype
 from surojax.serve.config import KVCacheDtype
 from surojax.serve.engine import Engine
+from surojax.serve.input_batch import StepSettings
 from surojax.serve.kv_fp8 import FP8_DTYPE, FP8_MAX, FP8_REL_ERROR, kv_scales, quantize
+from surojax.serve.kv_pools import kv_pools, paged_cache
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.configs import BUCKETS, engine_config
 
@@ -81,12 +83,15 @@ def scales(model):
 
 
 def _teacher_forced(model, tokens, pool_dtype, scales, kernel):
-    """tokens [B, PREFILL + DECODE] -> (logits [B, DECODE, V] of each decoded position, final k pool). One row per
-    sequence, blocks 0.. of row b at b * NB .. (its own), prefill then one-token steps over the paged pool."""
+    """tokens [B, PREFILL + DECODE] -> (logits [B, DECODE, V] of each decoded position, final k and v pool(s): arrays,
+    a tuple with several pools). One row per sequence, blocks 0.. of row b at b * NB .. (its own), prefill then
+    one-token steps over the paged pools as the server builds them (`kv_pools`, `paged_cache`: one per KV shape,
+    `scales` in their form)."""
     cfg = model.cfg
     B, T = tokens.shape
     NB = -(-T // BS)
-    shape = (cfg.num_layers, B * NB * BS, cfg.num_kv_heads, cfg.head_dim)
+    pools = kv_pools(cfg)
+    settings = StepSettings(block_size=BS, pools=pools, kernel=kernel, scales=scales)
     table = jnp.arange(B * NB, dtype=jnp.int32).reshape(B, NB)
     graphdef, state = nnx.split(model)
 
@@ -94,19 +99,20 @@ def _teacher_forced(model, tokens, pool_dtype, scales, kernel):
     def step(state, k, v, tok, start):
         m = nnx.merge(graphdef, state)
         n = tok.shape[1]
-        cache = PagedKVCache(k, v, table, start, BS, kernel, scales)
+        cache = paged_cache(k, v, table, start, settings)
         pos = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
         h, cache, _ = m.hidden_states(tok, pos, jnp.ones_like(tok), cache=cache)
         return cache.k, cache.v, m.logits(h[:, -1:])[:, 0]
 
-    k, v = jnp.zeros(shape, pool_dtype), jnp.zeros(shape, pool_dtype)
+    empty = tuple(jnp.zeros(p.shape(B * NB * BS), pool_dtype) for p in pools)
+    k, v = (empty[0], empty[0]) if len(pools) == 1 else (empty, empty)
     start = jnp.zeros((B,), jnp.int32)
     k, v, logits = step(state, k, v, tokens[:, :PREFILL], start)
     out = [logits]
     for t in range(PREFILL, T - 1):
         k, v, logits = step(state, k, v, tokens[:, t:t + 1], jnp.full((B,), t, jnp.int32))
         out.append(logits)
-    return np.stack([np.asarray(x) for x in out], axis=1), k
+    return np.stack([np.asarray(x) for x in out], axis=1), k, v
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +121,8 @@ def tokens():
 
 
 def test_teacher_forced_logits_within_the_stated_bound(model, scales, tokens):
-    ref, _ = _teacher_forced(model, tokens, model.dtype, None, PagedKernel.GATHER)
-    got, k8 = _teacher_forced(model, tokens, FP8_DTYPE, scales, PagedKernel.GATHER)
+    ref, *_ = _teacher_forced(model, tokens, model.dtype, None, PagedKernel.GATHER)
+    got, k8, _ = _teacher_forced(model, tokens, FP8_DTYPE, scales, PagedKernel.GATHER)
     assert k8.dtype == FP8_DTYPE
     codes = np.abs(np.asarray(k8.astype(jnp.float32)))
     assert not np.isnan(codes).any() and codes.max() < FP8_MAX  # the weight bound: nothing saturated
