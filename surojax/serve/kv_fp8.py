@@ -113,20 +113,26 @@ def layer_bounds(model, stack: str = "layers") -> tuple[np.ndarray, np.ndarray]:
     produce (module docstring) from that stack's own norms and projections in its own shape
     (`ModelConfig.stack_config`: Gemma 4's `global_layers` their head size and kv heads; `attention_k_eq_v`: no
     v_proj, the values are the key projection's output, v-normed), one layer at a time on the device (a quantised
-    W_k / W_v is dequantised one layer at a time)."""
+    W_k / W_v is dequantised one layer at a time; q / k / v joined for serving: their columns of the joined one)."""
     cfg = model.cfg.stack_config(stack)
     if stack not in model.stacks:
         raise ValueError(f"{cfg.model_type}: no layer stack {stack!r} (stacks: {', '.join(model.stacks)})")
     block = model.stacks[stack]
     attn, norm = block.attn, block.attn_norm
-    if attn.k_proj is None:
-        raise ValueError(f"{cfg.model_type}: the FP8 KV scale bounds read each stack's k / v projections; "
-                         f"{stack}.attn has none ({'KV-shared layers' if cfg.kv_shared else 'q / k / v joined'})")
     K, H, D = cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    L = attn.k_proj.kernel.shape[0]
+    kv = K * H
+    if attn.qkv_proj is not None:  # q / k / v joined for serving (fused_projections): k, v are the columns after q
+        k_lin = v_lin = attn.qkv_proj
+        k_at = attn.qkv_proj.out_features - 2 * kv
+        v_at = k_at + kv
+    elif attn.k_proj is not None:  # attention_k_eq_v: no v_proj, the values are the key projection's output
+        k_lin, v_lin, k_at, v_at = attn.k_proj, attn.k_proj if attn.v_proj is None else attn.v_proj, 0, 0
+    else:
+        raise ValueError(f"{cfg.model_type}: the FP8 KV scale bounds read the k / v projections of the stack owning "
+                         f"the pool rows; {stack}.attn has none")
+    L = norm.scale.shape[0]  # the stack's layers
     has_qk_norm = attn.k_norm is not None
     shift = 1.0 if cfg.norm_zero_centered else 0.0  # (1 + w) RMSNorms (Qwen3.5, Gemma) scale by 1 + w
-    v_lin = attn.k_proj if attn.v_proj is None else attn.v_proj  # attention_k_eq_v: the values are k_proj's output
 
     @jax.jit
     def one(layer):
@@ -134,7 +140,8 @@ def layer_bounds(model, stack: str = "layers") -> tuple[np.ndarray, np.ndarray]:
         g = g.astype(jnp.float32) + shift
         gk = None if gk is None else gk.astype(jnp.float32) + shift
         x_norm = jnp.sqrt(jnp.float32(D)) * jnp.max(jnp.abs(g))  # ||x_n||_2 bound
-        wk, wv = _dense(wk), _dense(wv)  # [D, K * H]
+        wk, wv = _dense(wk)[:, k_at:k_at + kv], _dense(wv)[:, v_at:v_at + kv]  # [D, K * H]
+        bk, bv = bk[k_at:k_at + kv], bv[v_at:v_at + kv]
         heads = x_norm * _spectral_norms(wk.reshape(D, K, H).transpose(1, 0, 2)) \
             + jnp.linalg.norm(bk.reshape(K, H), axis=-1)  # [K]
         k_bound = jnp.max(heads)
@@ -145,9 +152,8 @@ def layer_bounds(model, stack: str = "layers") -> tuple[np.ndarray, np.ndarray]:
             v_bound = jnp.sqrt(jnp.float32(H))
         return k_bound, v_bound
 
-    kv = K * H
-    per_layer = (norm.scale[...], attn.k_proj.kernel[...], _stacked_bias(attn.k_proj, L, kv),
-                 v_lin.kernel[...], _stacked_bias(v_lin, L, kv), attn.k_norm.scale[...] if has_qk_norm else None)
+    per_layer = (norm.scale[...], k_lin.kernel[...], _stacked_bias(k_lin, L), v_lin.kernel[...],
+                 _stacked_bias(v_lin, L), attn.k_norm.scale[...] if has_qk_norm else None)
     ks, vs = [], []
     for l in range(L):
         k_b, v_b = one(jax.tree.map(lambda x: x[l], per_layer))
@@ -171,10 +177,10 @@ def pool_bounds(model) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     return tuple(out)
 
 
-def _stacked_bias(linear, num_layers: int, n: int) -> jax.Array:
-    """The stacked bias [L, n] fp32 (zeros without one)."""
+def _stacked_bias(linear, num_layers: int) -> jax.Array:
+    """The stacked bias [L, out_features] fp32 (zeros without one)."""
     if linear.bias is None:
-        return jnp.zeros((num_layers, n), jnp.float32)
+        return jnp.zeros((num_layers, linear.out_features), jnp.float32)
     return linear.bias[...].astype(jnp.float32)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from surojax.models.fused_projections import fuse_projections
 from surojax.models.kv import AttendSpec, PagedKernel, PagedKVCache
 from surojax.models.layers.attention import xla_attention
 from surojax.serve.capacity import kv_pool_dtype
@@ -176,3 +177,13 @@ def test_engine_fp8_multi_step_and_prefix_cache_match_single_steps(model):
     got = [multi.generate([p], 8)[0] for p in ps]  # sequential: later requests hit the system prompt's blocks
     assert multi.kv.prefix_cache_hits > 0 and multi.runner.num_multi_calls > 0
     assert got == want
+
+
+def test_scales_read_joined_qkv_projections():
+    """`surojax serve` joins q / k / v into one GEMM before the engine starts (fused_projections): the scales read
+    the joined kernel's k / v columns, equal to the separate projections'."""
+    joined = load_model(FIXTURE, attention="xla")
+    assert "qkv_proj" in fuse_projections(joined) and joined.layers.attn.k_proj is None
+    want, got = kv_scales(load_model(FIXTURE, attention="xla")), kv_scales(joined)
+    np.testing.assert_allclose(got.k, want.k, rtol=1e-6)
+    np.testing.assert_allclose(got.v, want.v, rtol=1e-6)
