@@ -72,6 +72,7 @@ def test_pools_per_kv_shape_served_equal_transformers(name, kv_path):
     layers = {"gemma4_text_global": (4, 2), "gemma4_text_shared": (3, 1)}[name]
     assert [k.shape for k in engine.runner.k_pool] == [(layers[0], 128, 2, 16), (layers[1], 128, 1, 32)]
     assert engine.generate(prompts, max_tokens=len(want[0])) == want
+    assert engine.scheduler.num_multi_steps > 0
     hits = engine.kv.prefix_cache_hits
     assert engine.generate([prompts[3] + want[3][:6], prompts[1]], max_tokens=6) == [want[3][6:], want[1][:6]]
     assert engine.kv.prefix_cache_hits - hits >= 40  # prompt 3's 10 full blocks at least
@@ -171,11 +172,12 @@ def test_shared_layers_and_per_layer_inputs_served_equal_generate():
     """Per-layer input embeddings and KV-shared layers without full layers of their own shape (gemma4_text_shared's
     config with global_head_dim = head_dim, no attention_k_eq_v; random weights): the paged engine's greedy tokens
     equal `generate`'s (which equals transformers on the fixture itself: test_hf_parity). One pool, the shared
-    layers reading their sources' rows (4 pool layers for 6); an FP8 pool's scales: one per pool row."""
+    layers reading their sources' rows (4 pool layers for 6); an FP8 pool's scales: one per pool row. Single-step
+    decode: the KV-shared layers in the multi-step call are test_pools_per_kv_shape_served_equal_transformers'."""
     model = _shared_model()
     prompts, _ = _requests(FIXTURES / "gemma4_text_shared")
     want = generate(model, prompts, 12)
-    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4))
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED))
     assert engine.runner.k_pool.shape == (4, 128, 2, 16)
     assert engine.generate(prompts, max_tokens=12) == want
     assert len(kv_scales(model).k) == 4
@@ -203,7 +205,9 @@ def test_runtime_lora_slots_on_every_stack_equal_the_merged_forward(tmp_path):
 def test_runtime_lora_served_over_shared_layers_equals_the_merged_model(tmp_path):
     """gemma4_text_shared served by the paged engine (a pool per KV shape) with LoRA slots in every stack: the
     sliding and full layers and their KV-shared copies (q / o and the MLP there; no k / v): a row with the adapter
-    decodes the merged model's greedy tokens, a row without it the base's."""
+    decodes the merged model's greedy tokens, a row without it the base's. Single-step decode: adapter rows in the
+    multi-step call are test_engine_features' and test_hybrid_serve's, this model's multi-step decode
+    test_pools_per_kv_shape_served_equal_transformers'."""
     model = load_model(FIXTURES / "gemma4_text_shared", dtype=jnp.float32, attention="xla")
     merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
     prompts = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)).tolist()
@@ -212,6 +216,6 @@ def test_runtime_lora_served_over_shared_layers_equals_the_merged_model(tmp_path
     slots = AdapterSlots(model, max_loras=1, max_rank=4)
     assert {site_stack(k) for k in slots.modules} == set(model.stacks)
     assert len(model.stacks) == 4, model.stacks
-    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4), lora=slots)
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED), lora=slots)
     engine.load_lora("a", tmp_path / "a")
     assert serve_with_adapters(engine, prompts, ["a", None], 8) == [adapted[0], base[1]]
