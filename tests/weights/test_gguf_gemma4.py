@@ -14,7 +14,6 @@ and gguf-py that llama-cpp-python 0.3.36 vendors) and llama.cpp's logits:
   (gemma4_text_shared), a K-quant mix.
 """
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from tests.weights.test_gguf_gemma3_lfm2 import _check_round_trip, _metadata  # noqa: E402
+from tests.weights.test_gguf_gemma3_lfm2 import _check_round_trip, check_converter_file  # noqa: E402
 from tests.weights.test_gguf_qwen35 import _byte_tokenizer, _logits  # noqa: E402
 
 from surojax.quant.model import is_quantized  # noqa: E402
@@ -49,14 +48,7 @@ def files(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_file_equals_the_converters(files, case):
-    ref = REF[case]
-    assert _metadata(files[case]) == ref["metadata"]
-    ours = {t.name: t for t in gguf.GGUFReader(files[case]).tensors}
-    assert sorted(ours) == sorted(ref["tensors"])
-    for name, (typ, shape, digest) in ref["tensors"].items():
-        t = ours[name]
-        assert [t.tensor_type.name, [int(n) for n in t.shape]] == [typ, shape], name
-        assert hashlib.sha256(np.ascontiguousarray(t.data).tobytes()).hexdigest() == digest, name
+    check_converter_file(files[case], REF[case])
 
 
 def _same_config(cfg, ref):

@@ -10,7 +10,6 @@ convert_hf_to_gguf.py and gguf-py that llama-cpp-python 0.3.36 vendors) and llam
 - what llama.cpp's lfm2moe graph cannot run is refused by name: routed_scaling_factor 1.5 (the lfm2_moe fixture),
   no expert bias (lfm2_moe_dense), a file whose gating function is not sigmoid.
 """
-import hashlib
 import json
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from tests.weights.test_gguf_gemma3_lfm2 import _check_round_trip, _metadata  # noqa: E402
+from tests.weights.test_gguf_gemma3_lfm2 import _check_round_trip, check_converter_file  # noqa: E402
 from tests.weights.test_gguf_qwen35 import _logits  # noqa: E402
 
 from surojax.quant.model import is_quantized  # noqa: E402
@@ -46,14 +45,7 @@ def files(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_file_equals_the_converters(files, case):
-    ref = REF[case]
-    assert _metadata(files[case]) == ref["metadata"]
-    ours = {t.name: t for t in gguf.GGUFReader(files[case]).tensors}
-    assert sorted(ours) == sorted(ref["tensors"])
-    for name, (typ, shape, digest) in ref["tensors"].items():
-        t = ours[name]
-        assert [t.tensor_type.name, [int(n) for n in t.shape]] == [typ, shape], name
-        assert hashlib.sha256(np.ascontiguousarray(t.data).tobytes()).hexdigest() == digest, name
+    check_converter_file(files[case], REF[case])
 
 
 def test_f32_round_trip_gives_the_hf_logits(files):
