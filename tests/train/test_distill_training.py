@@ -36,19 +36,27 @@ TEACHER_ARCH = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "in
 ONE_DEVICE = dict(model_config=dict(TEACHER_ARCH), per_device_train_batch_size=4, gradient_accumulation_steps=1)
 
 
-def test_distillation_lowers_loss_and_kl(tiny_config):
-    cfg = config_from_dict(distill_config(tiny_config, max_steps=10, report_to=["jsonl"], **ONE_DEVICE))
-    trainer = make_trainer(cfg)
-    trainer.train()
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The one-device online run of ONE_DEVICE, 10 steps: (its output folder, its per-step metrics rows). Built once:
+    the loss-and-KL test reads its curve, the 8-device test its step 1 (the reference of the sharded step)."""
+    tmp = tmp_path_factory.mktemp("distill_one_device")
+    cfg = config_from_dict(distill_config(lambda **kw: tiny_run_config(tmp, **kw), max_steps=10, report_to=["jsonl"],
+                                          **ONE_DEVICE))
+    make_trainer(cfg).train()
     rows = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "kl" in r]
+    return Path(cfg.output_dir), [r for r in rows if "kl" in r]
+
+
+def test_distillation_lowers_loss_and_kl(one_device_run):
+    out, steps = one_device_run
     assert len(steps) == 10 and all({"loss", "kl", "ce"} <= set(r) for r in steps)
     first, last = steps[0], steps[-1]
     # loss = alpha T^2 kl + (1 - alpha) ce with the logged per-token means
     np.testing.assert_allclose(first["loss"], 0.5 * 4.0 * first["kl"] + 0.5 * first["ce"], rtol=1e-5)
     assert last["loss"] < 0.8 * first["loss"], (first, last)
     assert last["kl"] < 0.8 * first["kl"], (first, last)
-    assert (Path(cfg.output_dir) / "model" / "model.safetensors").is_file()
+    assert (out / "model" / "model.safetensors").is_file()
 
 
 def test_lora_student_equal_to_its_teacher_has_zero_kl(tiny_config):
@@ -178,14 +186,12 @@ def check_teacher_sharded_like_the_student() -> dict:
 CHILD_CHECKS["check_teacher_sharded_like_the_student"] = check_teacher_sharded_like_the_student
 
 
-def test_teacher_sharded_like_the_student_gives_the_one_device_step(tiny_config, tmp_path, tmp_path_factory):
+def test_teacher_sharded_like_the_student_gives_the_one_device_step(one_device_run, tmp_path_factory):
     """A student of the teacher's architecture on data 2 x fsdp 2 x tensor 2 (8 virtual CPU devices): every teacher
-    weight has its student twin's sharding, and step 1's kl / loss equal one device's (fp32; sums over shards are
-    taken in another order, hence 1e-5)."""
-    common = dict(ONE_DEVICE, max_steps=1, report_to=[])
-    one = make_trainer(config_from_dict(distill_config(tiny_config, output_dir=str(tmp_path / "one"), **common)))
-    m1 = one.step()
-    one.close()
+    weight has its student twin's sharding, and step 1's kl / loss equal one device's (the one-device run's step 1:
+    its loss is taken before any update, so the run's length does not change it; fp32; sums over shards are taken
+    in another order, hence 1e-5)."""
+    m1 = one_device_run[1][0]
     results = shared_child_results(tmp_path_factory, __file__, devices=8)
     name = "check_teacher_sharded_like_the_student"
     check_passed(results, name, "8 devices")
