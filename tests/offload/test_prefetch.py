@@ -85,6 +85,11 @@ def _model(quant: str | None = None, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("quant", [None, "nf4"])
 def test_prefetched_equals_resident(quant):
+    """The prefetching program's fetches (jaxpr: each streamed leaf before and once per step in every layer loop,
+    the next layer's fetch independent of this layer's compute) for a bf16 and an NF4 base; and, compiled and run on
+    the NF4 base, its logits, loss and every LoRA gradient equal the resident scan's bit for bit. The bf16 base's
+    bit-equality through the same loop (leaf-generic): test_train_step_with_accumulation_equal[False] (the real
+    train step: loss, gradient norm, every updated adapter), which compiles it once instead of twice."""
     graphdef, trainable, resident, streamed = _split(_model(quant))
     mb = {k: jnp.asarray(v[0]) for k, v in _batch().items()}
 
@@ -97,13 +102,14 @@ def test_prefetched_equals_resident(quant):
         return logits, loss, grads
 
     full = FULL
-    runs = jax.jit(lambda tr, s, r: (logits_loss_grads(tr, s, PREFETCH), logits_loss_grads(tr, r, full)))
-    (lg_s, l_s, g_s), (lg_r, l_r, g_r) = runs(trainable, streamed, resident)
-    assert _max_diff(lg_s, lg_r) == 0.0
-    assert float(l_s) == float(l_r)
-    assert _max_diff(g_s, g_r) == 0.0
-    nonzero = [bool(np.abs(np.asarray(g, np.float32)).max() > 0) for g in jax.tree.leaves(g_s)]
-    assert len(nonzero) == 2 * 7 and all(nonzero)
+    if quant is not None:
+        runs = jax.jit(lambda tr, s, r: (logits_loss_grads(tr, s, PREFETCH), logits_loss_grads(tr, r, full)))
+        (lg_s, l_s, g_s), (lg_r, l_r, g_r) = runs(trainable, streamed, resident)
+        assert _max_diff(lg_s, lg_r) == 0.0
+        assert float(l_s) == float(l_r)
+        assert _max_diff(g_s, g_r) == 0.0
+        nonzero = [bool(np.abs(np.asarray(g, np.float32)).max() > 0) for g in jax.tree.leaves(g_s)]
+        assert len(nonzero) == 2 * 7 and all(nonzero)
     # the prefetching program fetches each streamed leaf before the forward scan and once per step in it, the same
     # in the backward scan, and the embedding once per forward pass (two forward passes here: logits, loss)
     n = len(streamed_leaves(streamed))

@@ -177,8 +177,12 @@ def test_gpu_lowering_moves_each_streamed_leaf_to_the_device_in_forward_and_back
 
 
 def test_trainer_streamed_losses_equal_resident(tmp_path):
-    """The Trainer path (fixture qwen3, LoRA with dropout, accumulation 2): identical losses, base on host; also
-    with offload_prefetch (the prefetching layer loop, tests/offload/test_prefetch.py)."""
+    """The Trainer path (fixture qwen3, LoRA with dropout, accumulation 2): offload_base_weights puts the base (and
+    the untied embedding) in host memory, alone and with offload_prefetch; the prefetching Trainer's losses equal the
+    resident Trainer's (the prefetching layer loop, tests/offload/test_prefetch.py). The plain streamed loop's
+    steps are not run here: its bit-equality with the resident step is test_train_step_with_accumulation_equal's
+    (the same make_train_step), the Trainer's host placement is asserted, and the Trainer's streamed step
+    (host-resident frozen arguments, donation, the data path) runs with offload_prefetch."""
     from surojax.config import config_from_dict
     from surojax.train.trainer import Trainer
 
@@ -194,9 +198,10 @@ def test_trainer_streamed_losses_equal_resident(tmp_path):
         assert set(streamed_leaves(trainer.frozen).values()) == ({HOST_KIND} if offload else {"device"})
         embedding = trainer.frozen["embed"]["embedding"].get_value().sharding.memory_kind  # untied in this fixture
         assert embedding == (HOST_KIND if offload else "device")
-        losses[offload] = [trainer.step()["loss"] for _ in range(3)]
-    assert losses[True] == losses[False] == losses["prefetch"]
-    assert losses[True][-1] != losses[True][0]
+        if offload is not True:
+            losses[offload] = [trainer.step()["loss"] for _ in range(3)]
+    assert losses["prefetch"] == losses[False]
+    assert losses[False][-1] != losses[False][0]
 
 
 def test_offload_base_needs_lora_and_recomputation(tiny_config):
