@@ -1,7 +1,8 @@
 """Test helper: a random PEFT adapter folder and the model with it merged (what a served row with it must equal)."""
 from __future__ import annotations
 
-import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from surojax.peft.lora import apply_lora, lora_modules, merge_lora
@@ -13,8 +14,9 @@ def random_adapter(model, path, seed, rank=4, targets=("q_proj", "v_proj", "down
     Each target in every stack that has it (a hybrid's MLP in both stacks); each layer its own values."""
     m = nnx.clone(model)
     apply_lora(m, targets=targets, rank=rank, alpha=2 * rank, rngs=nnx.Rngs(seed))
-    for i, mod in enumerate(lora_modules(m).values()):
-        mod.lora_b.set_value(0.3 * jax.random.normal(jax.random.key(seed * 10 + i), mod.lora_b.get_value().shape))
+    for i, mod in enumerate(lora_modules(m).values()):  # host RNG: no random program compiled per shape
+        b = 0.3 * np.random.default_rng(seed * 10 + i).standard_normal(mod.lora_b.get_value().shape)
+        mod.lora_b.set_value(jnp.asarray(b, mod.lora_b.get_value().dtype))
     save_peft_adapter(m, path, None)
     return merge_lora(m)
 

@@ -28,7 +28,7 @@ from surojax.serve.kv_pools import kv_pools
 from surojax.weights.hf_checkpoint import load_model
 from tests.serve.adapters import forward_with_rows, random_adapter, serve_with_adapters
 from tests.serve.configs import BUCKETS, engine_config
-from tests.serve.test_kv_fp8 import _teacher_forced
+from tests.serve.test_kv_fp8 import PREFILL, _teacher_forced
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FIXTURE = FIXTURES / "gemma4_text"
@@ -59,23 +59,30 @@ def test_fp8_kv_pool_bounds_the_normalised_values():
     Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, kv_cache_dtype=KVCacheDtype.FP8))
 
 
-@pytest.mark.parametrize("name, kv_path", [("gemma4_text_global", KVPath.PAGED), ("gemma4_text_shared", KVPath.REDUCE)])
-def test_pools_per_kv_shape_served_equal_transformers(name, kv_path):
+def _serve_over_pools(engine, name):
     """Full layers of their own shape (a pool [2, slots, 1, 32] beside the sliding layers' [4, slots, 2, 16]) and
     KV-shared layers (no pool rows: gemma4_text_shared's pools hold 3 + 1 layers for its 6): transformers' greedy
-    tokens for four concurrent requests (chunked prefill, multi-step decode; REDUCE: the decode rows' multiply +
-    reduce), then again for prompt 3 continued by its first 6 greedy tokens beside prompt 1: its prompt's blocks
-    hit the prefix cache (a continuing chunk reads them from both pools), and greedy continues where it was."""
+    tokens for four concurrent requests (chunked prefill, multi-step decode), then again for prompt 3 continued by
+    its first 6 greedy tokens beside prompt 1: its prompt's blocks hit the prefix cache (a continuing chunk reads
+    them from both pools), and greedy continues where it was."""
     prompts, want = _requests(FIXTURES / name)
-    model = load_model(FIXTURES / name, dtype=jnp.float32, attention="xla")
-    engine = Engine(model, engine_config(**SERVE, kv_path=kv_path, decode_steps=4))
     layers = {"gemma4_text_global": (4, 2), "gemma4_text_shared": (3, 1)}[name]
     assert [k.shape for k in engine.runner.k_pool] == [(layers[0], 128, 2, 16), (layers[1], 128, 1, 32)]
-    assert engine.generate(prompts, max_tokens=len(want[0])) == want
+    assert engine.generate(prompts, max_tokens=len(want[0])) == want, f"{name}: served greedy != transformers"
     assert engine.scheduler.num_multi_steps > 0
     hits = engine.kv.prefix_cache_hits
-    assert engine.generate([prompts[3] + want[3][:6], prompts[1]], max_tokens=6) == [want[3][6:], want[1][:6]]
+    assert engine.generate([prompts[3] + want[3][:6], prompts[1]], max_tokens=6) == [want[3][6:], want[1][:6]], \
+        f"{name}: greedy after a prefix-cache hit"
     assert engine.kv.prefix_cache_hits - hits >= 40  # prompt 3's 10 full blocks at least
+
+
+def test_pools_per_kv_shape_served_equal_transformers():
+    """gemma4_text_global on the paged path: `_serve_over_pools`. gemma4_text_shared's pools (REDUCE: the decode
+    rows' multiply + reduce) are served by test_runtime_lora_served_over_shared_layers_equals_the_merged_model's
+    engine, its base rows (slot 0) on the same requests."""
+    model = load_model(FIXTURES / "gemma4_text_global", dtype=jnp.float32, attention="xla")
+    _serve_over_pools(Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4)),
+                      "gemma4_text_global")
 
 
 def test_kv_shared_layers_take_no_pool_memory():
@@ -130,16 +137,19 @@ def test_fp8_pools_per_kv_shape_within_the_stated_bound():
     """gemma4_text_shared over FP8 pools (sliding layers; full layers of their own shape, keys as values; KV-shared
     layers reading their sources' rows): the scales follow the pools (one `KVScales` per pool, a scale per pool
     row: 3 + 1 for 6 layers); teacher-forced through the pools as the server builds them (`paged_cache`) nothing
-    saturates and the logits stay within test_kv_fp8's stated bound (2 L u of their spread; measured <= 0.53 of
-    it, the greedy token agreeing on 71% of the positions of this random fixture, as on gemma4_text's one pool).
+    saturates and the logits stay within test_kv_fp8's stated bound of the plain forward's (2 L u of their spread;
+    measured <= 0.53 of it, the greedy token agreeing on 71% of the positions of this random fixture, as on
+    gemma4_text's one pool).
     The engine serves over them: a prompt continued by its first greedy tokens hits both pools' FP8 blocks in the
     prefix cache, and greedy continues where it was."""
     model = load_model(FIXTURES / "gemma4_text_shared", dtype=jnp.float32, attention="xla")
     scales = kv_scales(model)
     assert [len(s.k) for s in scales] == [len(s.v) for s in scales] == [p.num_layers for p in kv_pools(model.cfg)]
     tokens = jnp.asarray(np.random.default_rng(1).integers(1, model.cfg.vocab_size, (2, 32)), jnp.int32)
-    ref, *_ = _teacher_forced(model, tokens, model.dtype, None, PagedKernel.GATHER)
     got, k8, v8 = _teacher_forced(model, tokens, FP8_DTYPE, scales, PagedKernel.GATHER)
+    # the reference: the plain forward (no cache) at the positions whose next token was teacher-forced
+    ref = np.asarray(nnx.jit(lambda m, x: m(x))(model, tokens))[:, PREFILL - 1:-1]
+    assert ref.shape == got.shape
     for pool in (*k8, *v8):
         codes = np.abs(np.asarray(pool.astype(jnp.float32)))
         assert pool.dtype == FP8_DTYPE and not np.isnan(codes).any() and codes.max() < FP8_MAX
@@ -173,7 +183,8 @@ def test_shared_layers_and_per_layer_inputs_served_equal_generate():
     config with global_head_dim = head_dim, no attention_k_eq_v; random weights): the paged engine's greedy tokens
     equal `generate`'s (which equals transformers on the fixture itself: test_hf_parity). One pool, the shared
     layers reading their sources' rows (4 pool layers for 6); an FP8 pool's scales: one per pool row. Single-step
-    decode: the KV-shared layers in the multi-step call are test_pools_per_kv_shape_served_equal_transformers'."""
+    decode: the KV-shared layers in the multi-step call are
+    test_runtime_lora_served_over_shared_layers_equals_the_merged_model's."""
     model = _shared_model()
     prompts, _ = _requests(FIXTURES / "gemma4_text_shared")
     want = generate(model, prompts, 12)
@@ -203,11 +214,11 @@ def test_runtime_lora_slots_on_every_stack_equal_the_merged_forward(tmp_path):
 
 
 def test_runtime_lora_served_over_shared_layers_equals_the_merged_model(tmp_path):
-    """gemma4_text_shared served by the paged engine (a pool per KV shape) with LoRA slots in every stack: the
-    sliding and full layers and their KV-shared copies (q / o and the MLP there; no k / v): a row with the adapter
-    decodes the merged model's greedy tokens, a row without it the base's. Single-step decode: adapter rows in the
-    multi-step call are test_engine_features' and test_hybrid_serve's, this model's multi-step decode
-    test_pools_per_kv_shape_served_equal_transformers'."""
+    """gemma4_text_shared served by the paged engine (a pool per KV shape; REDUCE decode, multi-step) with LoRA
+    slots in every stack: the sliding and full layers and their KV-shared copies (q / o and the MLP there; no k / v).
+    (1) The fixture's requests on the base model (slot 0): `_serve_over_pools` (transformers' greedy tokens, a
+    prefix-cache hit over both pools); (2) a row with the adapter decodes the merged model's greedy tokens, a row
+    without it the base's, in one batch (prefill and multi-step decode)."""
     model = load_model(FIXTURES / "gemma4_text_shared", dtype=jnp.float32, attention="xla")
     merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
     prompts = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)).tolist()
@@ -216,6 +227,9 @@ def test_runtime_lora_served_over_shared_layers_equals_the_merged_model(tmp_path
     slots = AdapterSlots(model, max_loras=1, max_rank=4)
     assert {site_stack(k) for k in slots.modules} == set(model.stacks)
     assert len(model.stacks) == 4, model.stacks
-    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED), lora=slots)
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.REDUCE, decode_steps=4), lora=slots)
+    _serve_over_pools(engine, "gemma4_text_shared")
     engine.load_lora("a", tmp_path / "a")
-    assert serve_with_adapters(engine, prompts, ["a", None], 8) == [adapted[0], base[1]]
+    steps = engine.scheduler.num_multi_steps
+    assert serve_with_adapters(engine, prompts, ["a", None], 8) == [adapted[0], base[1]], "adapter rows != merged"
+    assert engine.scheduler.num_multi_steps > steps  # the adapter rows in the multi-step call

@@ -43,19 +43,25 @@ def _greedy(name):
     return [exp[f"prompt{i}"].tolist() for i in range(n)], [exp[f"greedy{i}"].tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("name, kv_path", [("qwen3_5_text", KVPath.PAGED), ("qwen3_5_moe_text", KVPath.REFERENCE),
-                                           ("lfm2", KVPath.PAGED), ("lfm2_moe_dense", KVPath.PAGED)])
+def _serve_the_fixture(engine, name):
+    """Five concurrent requests of 3 .. 41 tokens with 3 seats: transformers' greedy tokens, with chunked prefill,
+    preemption (recompute from a zeroed slot) and multi-step decode; every state slot given back."""
+    prompts, want = _greedy(name)
+    assert max(map(len, prompts)) > 2 * SERVE["max_num_batched_tokens"]  # a prompt of three chunks
+    assert engine.generate(prompts, max_tokens=len(want[0])) == want, f"{name}: served greedy != transformers"
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_multi_steps > 0
+    assert engine.scheduler.state_slots.num_free == SERVE["max_num_seqs"]  # every slot given back
+
+
+# qwen3_5_text and lfm2 on the paged path: test_runtime_lora_over_both_stacks_equals_the_merged_model, whose engine
+# (LoRA slots, every row of these requests on slot 0: the base model) serves the same requests
+@pytest.mark.parametrize("name, kv_path", [("qwen3_5_moe_text", KVPath.REFERENCE), ("lfm2_moe_dense", KVPath.PAGED)])
 def test_served_greedy_equals_transformers(name, kv_path):
     """Concurrent requests of different lengths, chunked prefill, slot reuse and preemption (recompute from a
     zeroed slot), on both KV paths. Decode is single-step while requests wait (prefill chunks of the later
     prompts run beside the decode rows) and multi-step once every running request decodes (the states ride in
     the loop)."""
-    prompts, want = _greedy(name)
-    assert max(map(len, prompts)) > 2 * SERVE["max_num_batched_tokens"]  # a prompt of three chunks
-    engine = Engine(_model(name), engine_config(**SERVE, kv_path=kv_path, decode_steps=4))
-    assert engine.generate(prompts, max_tokens=len(want[0])) == want
-    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_multi_steps > 0
-    assert engine.scheduler.state_slots.num_free == SERVE["max_num_seqs"]  # every slot given back
+    _serve_the_fixture(Engine(_model(name), engine_config(**SERVE, kv_path=kv_path, decode_steps=4)), name)
 
 
 def test_state_slots_follow_the_sequence():
@@ -77,16 +83,15 @@ def test_prefix_caching_is_off_for_hybrids(name, why, caplog):
     assert f"{name}: {why}" in caplog.messages
 
 
-# multi-step decode with adapter rows on a hybrid: lfm2 (its compile is the cheaper); qwen3_5's multi-step decode is
-# test_served_greedy_equals_transformers', adapters in the multi-step call test_engine_features' (qwen3_5 would
-# compile one more program over every LoRA-wrapped DeltaNet layer for no new path)
-@pytest.mark.parametrize("name, decode_steps", [("qwen3_5_text", 1), ("lfm2", 4)])
-def test_runtime_lora_over_both_stacks_equals_the_merged_model(name, decode_steps, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3_5_text", "lfm2"])
+def test_runtime_lora_over_both_stacks_equals_the_merged_model(name, tmp_path):
     """Runtime LoRA slots wrap every Linear of both stacks (the attention, both stacks' MLPs, the DeltaNet's / short
-    conv's projections: `all-linear`, each stack's slots over its own layers). An adapter on all of them, written
-    under PEFT's model.layers.{i} names and loaded into a slot (layer i to its stack's row: the fixtures' layer
-    patterns are irregular), decodes the merged model's greedy tokens, and a row without it the base's, in one
-    batch, through prefill and decode (lfm2: multi-step)."""
+    conv's projections: `all-linear`, each stack's slots over its own layers). One paged engine with the slots
+    (multi-step decode) serves (1) the fixture's five requests on the base model (slot 0): transformers' greedy
+    tokens through chunked prefill, preemption, slot reuse and multi-step decode (test_served_greedy_equals_
+    transformers' checks, on this engine); (2) an adapter on all of them, written under PEFT's model.layers.{i}
+    names and loaded into a slot (layer i to its stack's row: the fixtures' layer patterns are irregular), decodes
+    the merged model's greedy tokens, and a row without it the base's, in one batch, through prefill and decode."""
     model = _model(name)
     merged = random_adapter(model, tmp_path / "a", seed=1, targets="all-linear")
     prompts = np.random.default_rng(0).integers(1, model.cfg.vocab_size, size=(2, 12)).tolist()
@@ -95,10 +100,12 @@ def test_runtime_lora_over_both_stacks_equals_the_merged_model(name, decode_step
     slots = AdapterSlots(model, max_loras=1, max_rank=4)
     assert {site_stack(k) for k in slots.modules} == set(model.stacks) == {"layers", model.state_stack}
     assert set(slots.modules) == set(model_targets(model))  # every Linear target of every stack
-    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=decode_steps), lora=slots)
+    engine = Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4), lora=slots)
+    _serve_the_fixture(engine, name)
     engine.load_lora("a", tmp_path / "a")
-    assert serve_with_adapters(engine, prompts, ["a", None], 8) == [adapted[0], base[1]]
-    assert (engine.scheduler.num_multi_steps > 0) == (decode_steps > 1)
+    steps = engine.scheduler.num_multi_steps
+    assert serve_with_adapters(engine, prompts, ["a", None], 8) == [adapted[0], base[1]], "adapter rows != merged"
+    assert engine.scheduler.num_multi_steps > steps  # the adapter rows in the multi-step call
 
 
 def test_runtime_lora_on_a_moe_hybrid_leaves_the_experts_to_merging(tmp_path):

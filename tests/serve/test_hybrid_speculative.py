@@ -2,10 +2,11 @@
 `conv_layers`): the verify step keeps each sequence's state after its last ACCEPTED token
 (surojax/serve/state_slots.py, kv_paged.verify_step).
 
-Greedy (LFM2, LFM2-MoE): the proposals come from an oracle in place of prompt lookup that proposes transformers' own greedy
-continuation (tests/fixtures/models/<name>/serve_greedy.npz) with one token corrupted at a place that moves from
-step to step, so the verify step accepts 0 .. K proposals and rejects the rest (asserted); the output must equal
-transformers' greedy tokens, which it cannot if a slot kept the state after a rejected proposal.
+Greedy (LFM2-MoE with dense leading layers: conv stacks of both kinds): the proposals come from an oracle in place
+of prompt lookup that proposes transformers' own greedy continuation (tests/fixtures/models/<name>/serve_greedy.npz)
+with one token corrupted at a place that moves from step to step, so the verify step accepts 0 .. K proposals and
+rejects the rest (asserted); the output must equal transformers' greedy tokens, which it cannot if a slot kept the
+state after a rejected proposal.
 Sampled (Qwen3.5; seeded, temperature 1 with top-k 1: the sampling branch of the acceptance rule, whose target
 distribution is then a point mass on the greedy token; the same oracle): the output equals transformers' greedy
 tokens, and after every step each running sequence's state slot holds the state a plain engine computes by
@@ -49,10 +50,12 @@ def spec_engine(model, **kw):
     return Engine(model, engine_config(**SERVE, speculative=SpeculativeConfig(SpecMethod.NGRAM, K), **kw))
 
 
-@pytest.mark.parametrize("name", ["lfm2", "lfm2_moe_dense"])
-def test_greedy_with_partly_rejected_proposals_equals_transformers(name, monkeypatch):
-    """LFM2 and LFM2-MoE (conv windows; the MoE's dense leading layers in stacks of their own); Qwen3.5's Gated
-    DeltaNet: the sampled test below, which also asserts greedy's tokens."""
+def test_greedy_with_partly_rejected_proposals_equals_transformers(monkeypatch):
+    """LFM2-MoE with dense leading layers (conv windows, in a conv stack of each kind: its dense leading layers in
+    stacks of their own sharing their kind's state cache; plain LFM2's conv layers run the same verify step on one
+    conv stack, no case of their own); Qwen3.5's Gated DeltaNet: the sampled test below, which also asserts greedy's
+    tokens."""
+    name = "lfm2_moe_dense"
     prompts, want = _greedy(name)
     model = _model(name)
     monkeypatch.setattr(engine_module, "ngram_propose", oracle(prompts, want, model.cfg.vocab_size))
