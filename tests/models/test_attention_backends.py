@@ -326,13 +326,7 @@ def test_a_cudnn_layers_self_attention_for_a_fresh_prefill_takes_the_packed_kern
     assert int(att.cudnn_branch(seg, pos, att.PACKED_CALL_SEGMENTS)) == 1
     q, k, v, _ = qkv(3, B, T, N=layer.num_heads, K=layer.num_kv_heads, H=layer.head_dim)
     emulated = functools.partial(spec.packed, fused=emulated_cudnn)
-    attend = type(spec)(spec.dense, spec.scale, spec.sliding_window, spec.sinks, emulated)
-
-    @jax.jit  # one program (eager, each op of the dispatch's branches compiles on its own)
-    def out_and_want(q, k, v, seg, pos):
-        return (attend.attend_self(q, k, v, seg, pos),
-                att.xla_attention(q, k, v, att.attention_mask(seg, seg, pos, pos), spec.scale))
-
-    out, want = out_and_want(q, k, v, seg, pos)
+    out = type(spec)(spec.dense, spec.scale, spec.sliding_window, spec.sinks, emulated).attend_self(q, k, v, seg, pos)
+    want = att.xla_attention(q, k, v, att.attention_mask(seg, seg, pos, pos), spec.scale)
     real = np.asarray(seg) > 0
     np.testing.assert_allclose(np.asarray(out, np.float32)[real], np.asarray(want, np.float32)[real], atol=2e-2)

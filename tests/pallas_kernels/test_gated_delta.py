@@ -54,12 +54,6 @@ def operands(B=2, T=100, H=2, Dk=16, Dv=8, seed=0):
     return (q, k, v, g, beta), state
 
 
-def rule(**static):
-    """chunk_gated_delta_rule jitted with its keyword options fixed (arrays stay arguments): one compilation per
-    call site instead of one per eager op around the kernels."""
-    return jax.jit(functools.partial(chunk_gated_delta_rule, **static))
-
-
 def close(got, want, tol=2e-5, name=""):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol, err_msg=name)
 
@@ -69,8 +63,9 @@ def test_matches_transformers_recurrent(impl):
     """transformers' torch_recurrent_gated_delta_rule (scale Dk^-0.5, an initial state): outputs and final state."""
     f = np.load(FIXTURE)
     xs = [jnp.asarray(f[n].astype(np.float32)) for n in ("q", "k", "v", "g", "beta")]
-    o, state = rule(scale=xs[0].shape[-1] ** -0.5, output_final_state=True, impl=impl)(
-        *xs, initial_state=jnp.asarray(f["initial_state"].astype(np.float32)))
+    o, state = chunk_gated_delta_rule(*xs, scale=xs[0].shape[-1] ** -0.5,
+                                      initial_state=jnp.asarray(f["initial_state"].astype(np.float32)),
+                                      output_final_state=True, impl=impl)
     close(o, f["o"])
     close(state, f["final_state"])
 
@@ -80,7 +75,7 @@ def test_values_match_reference_from_a_zero_state(impl):
     """No initial state, no final state asked for (None); o keeps v's dtype. (The initial and final states: the
     transformers fixture above and the gradient tests below.)"""
     xs, _ = operands()
-    o, none = rule(scale=0.25, impl=impl)(*xs)
+    o, none = chunk_gated_delta_rule(*xs, scale=0.25, impl=impl)
     assert none is None and o.dtype == jnp.float32
     close(o, reference_outputs())
 
@@ -90,17 +85,17 @@ def test_decode_step_keeps_v_dtype():
     scan's carry stay bf16; an fp32 o broke bf16 serving) and the state in fp32, equal to the fp32 step."""
     (q, k, v, g, beta), state = operands(T=1)
     args = [x[:, 0] for x in (q, k, v)] + [g[:, 0], beta[:, 0]]
-    step = jax.jit(functools.partial(recurrent_gated_delta_step, scale=0.25))
-    o, new = step(*[x.astype(jnp.bfloat16) for x in args], state)
+    o, new = recurrent_gated_delta_step(*[x.astype(jnp.bfloat16) for x in args], state, scale=0.25)
     assert o.dtype == jnp.bfloat16 and new.dtype == jnp.float32
-    o32, new32 = step(*[x.astype(jnp.bfloat16).astype(jnp.float32) for x in args], state)
+    o32, new32 = recurrent_gated_delta_step(*[x.astype(jnp.bfloat16).astype(jnp.float32) for x in args], state,
+                                            scale=0.25)
     close(o, o32.astype(jnp.bfloat16))
     close(new, new32)
 
 
 @functools.cache
 def reference_outputs():
-    return jax.jit(functools.partial(gated_delta_rule_reference, scale=0.25))(*operands()[0])[0]
+    return gated_delta_rule_reference(*operands()[0], scale=0.25)[0]
 
 
 def test_kernel_column_blocks_and_padded_head_dims():
@@ -129,7 +124,7 @@ def test_kernel_column_blocks_and_padded_head_dims():
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), dgot, dwant):
         close(a, b, tol=1e-4, name=name)
     q, k, v = (x.astype(jnp.bfloat16) for x in xs[:3])
-    o, _ = jax.jit(lambda *a: kernel(*a[:5], state=a[5]))(q, k, v, *xs[3:], s0)
+    o, _ = kernel(q, k, v, *xs[3:], state=s0)
     assert o.dtype == jnp.bfloat16
     close(o.astype(jnp.float32), want[0], tol=5e-2)  # inputs and output rounded to bfloat16
 
@@ -143,15 +138,14 @@ def test_v2_at_qwen_head_dims_packed_and_padded():
     B, T, H, D = 2, 200, 2, 128
     xs, s0 = operands(B=B, T=T, H=H, Dk=D, Dv=D, seed=2)
     seg = jnp.asarray([[1] * 50 + [2] * 100 + [3] * 50, [4] * 64 + [5] * 120 + [0] * 16])
-    kwargs = dict(segment_ids=seg, initial_state=s0)
-    reference, v2 = (rule(scale=D ** -0.5, output_final_state=True, impl=impl) for impl in ("reference", "pallas_v2"))
-    want = reference(*xs, **kwargs)
-    got = v2(*xs, **kwargs)
+    kwargs = dict(scale=D ** -0.5, segment_ids=seg, initial_state=s0, output_final_state=True)
+    want = chunk_gated_delta_rule(*xs, impl="reference", **kwargs)
+    got = chunk_gated_delta_rule(*xs, impl="pallas_v2", **kwargs)
     close(got[0], want[0])
     close(got[1], want[1])
     bf16 = [x.astype(jnp.bfloat16) for x in xs[:3]] + [xs[3], xs[4].astype(jnp.bfloat16)]
-    want = reference(*(x.astype(jnp.float32) for x in bf16), **kwargs)
-    o, state = v2(*bf16, **kwargs)
+    want = chunk_gated_delta_rule(*(x.astype(jnp.float32) for x in bf16), impl="reference", **kwargs)
+    o, state = chunk_gated_delta_rule(*bf16, impl="pallas_v2", **kwargs)
     assert o.dtype == jnp.bfloat16
     for a, b in ((o, want[0]), (state, want[1])):
         a, b = np.asarray(a, np.float32), np.asarray(b)
@@ -169,12 +163,11 @@ def test_v2_saves_what_a_backward_reads():
     q, k, v, g, beta = xs
     prepared = v2_operands(q, k, v, g, beta, segment_numbers(seg, (B, T)), s0)
     knobs = V2Knobs(scale=0.25, interpret=True, block_v=16, block_o=16)
-    o, final, h, v_new = jax.jit(functools.partial(chunk_forward, knobs=knobs, chunk=CHUNK, save_states=True))(
-        *prepared)
+    o, final, h, v_new = chunk_forward(*prepared, knobs=knobs, chunk=CHUNK, save_states=True)
     assert h.shape == (B, H, T // CHUNK, 32, Dv)
     h, final = h[..., :Dk, :], final[:, :, :Dk]
-    reference = rule(scale=0.25, output_final_state=True, impl="reference")
-    _, state64 = reference(q[:, :CHUNK], k[:, :CHUNK], v[:, :CHUNK], g[:, :CHUNK], beta[:, :CHUNK], initial_state=s0)
+    _, state64 = chunk_gated_delta_rule(q[:, :CHUNK], k[:, :CHUNK], v[:, :CHUNK], g[:, :CHUNK], beta[:, :CHUNK],
+                                        scale=0.25, initial_state=s0, output_final_state=True, impl="reference")
     close(h[:, :, 0], s0)
     close(h[:, :, 1], state64)
     for c, state in ((0, s0), (1, state64)):
@@ -182,7 +175,8 @@ def test_v2_saves_what_a_backward_reads():
         decayed = state * jnp.exp(g[:, t])[..., None, None]
         u = beta[:, t, :, None] * (v[:, t] - jnp.einsum("bhk,bhkv->bhv", k[:, t], decayed))
         close(v_new[:, t], u)
-    want = reference(*xs, segment_ids=seg, initial_state=s0)
+    want = chunk_gated_delta_rule(*xs, scale=0.25, segment_ids=seg, initial_state=s0, output_final_state=True,
+                                  impl="reference")
     close(o, want[0])
     close(final, want[1])
 
@@ -207,16 +201,13 @@ def test_v2_backward_kernels_match_jnp():
               chunk=CHUNK)
     want = jax.jit(functools.partial(backward_v2.chunk_backward, scale=0.3, chunk=CHUNK, intermediates=True))(
         q, k, v, gamma, beta, seg, first, last, h, v_new, do, ds)
-    w, t = jax.jit(functools.partial(kernel_v2_bwd.wy_t, dtype=jnp.float32, **kw))(k, gamma, beta, seg, first)
-    dh, dv_new, ds0 = jax.jit(functools.partial(kernel_v2_bwd.dstates, **kw))(q, k, w, do, gamma, seg, first, last,
-                                                                             ds)
+    w, t = kernel_v2_bwd.wy_t(k, gamma, beta, seg, first, dtype=jnp.float32, **kw)
+    dh, dv_new, ds0 = kernel_v2_bwd.dstates(q, k, w, do, gamma, seg, first, last, ds, **kw)
     close(dh, want[6], name="dh")
     close(dv_new, want[7], name="dv_new")
     close(ds0, want[5], name="ds0")
-    dq, dk_part, dw, dgam = jax.jit(functools.partial(kernel_v2_bwd.dqkw, **kw))(
-        q, k, v_new, do, dv_new, h, dh, gamma, seg, first, last)
-    dk, dv, dbeta, dg = jax.jit(functools.partial(kernel_v2_bwd.wy_bwd, **kw))(
-        t, k, v, dv_new, dw, dk_part, dgam, gamma, beta, seg, first)
+    dq, dk_part, dw, dgam = kernel_v2_bwd.dqkw(q, k, v_new, do, dv_new, h, dh, gamma, seg, first, last, **kw)
+    dk, dv, dbeta, dg = kernel_v2_bwd.wy_bwd(t, k, v, dv_new, dw, dk_part, dgam, gamma, beta, seg, first, **kw)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), (dq, dk, dv, dg, dbeta), want):
         close(a, b, name=name)
 
