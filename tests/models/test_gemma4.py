@@ -5,6 +5,7 @@ the full layers' proportional rope, v norm, softmax scale 1, layer scalars): the
 yet is refused by name: per-layer input embeddings, KV-shared layers, attention_k_eq_v, the MoE block, wider
 full-attention layers), the logits' soft-capping against transformers, the proportional rope's frequencies against transformers' formula, the
 multimodal checkpoint (vision tower skipped with a log line), save -> load, the LoRA targets' PEFT names."""
+import functools
 import json
 import logging
 from pathlib import Path
@@ -33,6 +34,17 @@ FIXTURES = Path(__file__).parent.parent / "fixtures" / "models"
 FAMILIES = ["gemma4_text", "gemma4"]
 # + the MoE block; + full layers of their own shape; + those with per-layer inputs and KV-shared layers
 WITH_MOE = FAMILIES + ["gemma4_text_moe", "gemma4_text_global", "gemma4_text_shared"]  # gemma4_text with its MoE block (enable_moe_block)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_forward(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens)
+
+
+def _forward(model, tokens: np.ndarray) -> np.ndarray:
+    """model(tokens [T]) -> logits [T, V], jitted (eager, each op of the forward compiles on its own); models of
+    one structure share the program."""
+    return np.asarray(_jitted_forward(*nnx.split(model), jnp.asarray(tokens)[None]))[0]
 
 
 def _hf(name: str) -> dict:
@@ -194,7 +206,7 @@ def test_softcapped_logits_equal_transformers(name, tmp_path):
     (tmp_path / "model.safetensors").symlink_to(FIXTURES / name / "model.safetensors")
     model = load_model(tmp_path, dtype=jnp.float32, attention="xla")
     assert model.cfg.final_logit_softcapping == 2.0 and _text(model.cfg.to_hf())["final_logit_softcapping"] == 2.0
-    got = np.asarray(model(jnp.asarray(exp["tokens2"])[None]))[0]
+    got = _forward(model, exp["tokens2"])
     assert np.abs(got - exp["softcap_logits2"]).max() <= 1e-4
     assert np.abs(got - exp["logits2"]).max() > 0.1
 
@@ -312,8 +324,7 @@ def test_gemma4_stacks_lora_targets_train_and_export(tmp_path):
     assert saved == {f"base_model.model.{m}.lora_{ab}.weight" for m in modules for ab in "AB"}
     assert not any("layers.2.self_attn.v_proj" in n or "layers.4.self_attn.k_proj" in n for n in saved)
     again = load_adapter_into(load_model(d, dtype=jnp.float32, attention="xla"), out, trainable=True)
-    x = jnp.asarray(tokens)[None]
-    np.testing.assert_allclose(np.asarray(again(x)), np.asarray(model(x)), atol=1e-5)
+    np.testing.assert_allclose(_forward(again, tokens), _forward(model, tokens), atol=1e-5)
 
 
 def test_shared_layers_unused_kv_tensors_are_ignored_with_a_log_line(tmp_path, caplog):
@@ -330,4 +341,4 @@ def test_shared_layers_unused_kv_tensors_are_ignored_with_a_log_line(tmp_path, c
         model = load_model(tmp_path, dtype=jnp.float32, attention="xla")
     assert any("ignoring 4 k / v tensors of KV-shared layers" in r.getMessage() for r in caplog.records)
     exp = np.load(d / "expected.npz")
-    assert np.abs(np.asarray(model(jnp.asarray(exp["tokens0"])[None]))[0] - exp["logits0"]).max() <= 1e-4
+    assert np.abs(_forward(model, exp["tokens0"]) - exp["logits0"]).max() <= 1e-4

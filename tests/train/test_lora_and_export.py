@@ -45,12 +45,15 @@ def test_lora_training_keeps_the_base_and_exports_a_peft_adapter(tmp_path):
     assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma4_text"])
-def test_full_finetune_exports_an_hf_folder_that_reloads(tmp_path, family):
-    """The qwen3 fixture, and a random model of the gemma4_text fixture's architecture (sliding and full layers with
-    their own ropes, the v norm, layer scalars: every weight of it trained and written back)."""
-    base = BASE if family == "qwen3" else write_hybrid_model(tmp_path / "base", family=family)
-    cfg = _lora_cfg(tmp_path, model=str(base)).model_copy(update={"lora": False, "lora_dropout": 0.0})
+def test_full_finetune_exports_an_hf_folder_that_reloads(tmp_path):
+    """A random model of the gemma4_text fixture's architecture (sliding and full layers with their own ropes, the v
+    norm, layer scalars: every weight of it trained and written back). One architecture suffices: the Trainer's
+    export (save_model of the trained model) is one path for every family (a plain qwen3 run took it again; each
+    family's save_model round trip: tests/weights/test_hf_checkpoint.py, tests/models/test_*.py). No validation split
+    and no remat: neither is what this checks, and each would compile a program more."""
+    base = write_hybrid_model(tmp_path / "base", family="gemma4_text")
+    cfg = _lora_cfg(tmp_path, model=str(base)).model_copy(update={
+        "lora": False, "lora_dropout": 0.0, "validation_split_ratio": 0.0, "recompute": "none"})
     trainer = Trainer(cfg)
     trainer.train()
     reloaded = load_model(tmp_path / "out" / "model")

@@ -1,7 +1,12 @@
 """LoRA and QLoRA through the Trainer on a MoE base (the tiny transformers-made qwen3_moe fixture): the adapter on
 attention + experts trains, exports as a PEFT folder, and reloads to the trained model -- through the one model
 loader (adapter folded into the base), through `merge_adapter`'s HF folder, over an NF4 base for QLoRA, and with
-the router trained alongside (`train_router`, PEFT `modules_to_save`)."""
+the router trained alongside (`train_router`, PEFT `modules_to_save`).
+
+Two training runs (each compiles its own step): QLoRA (the router frozen: the export's config without
+modules_to_save) and LoRA with the router trained and merge_adapter (the folded and merged reloads, the adapter's
+experts plus its router). A third run, plain LoRA with merge_adapter, would compile another step for a subset of the
+second's path (folding / merging the experts' adapters without a router: the same fold)."""
 import json
 
 import jax.numpy as jnp
@@ -44,23 +49,16 @@ def _logits(model) -> np.ndarray:
     return np.asarray(model(TOKENS))
 
 
-def test_lora_on_experts_exports_an_adapter_that_reloads_and_merges(tmp_path):
-    trainer = _train(tmp_path, merge_adapter=True)
+def test_qlora_over_nf4_experts_exports_an_adapter_that_reloads(tmp_path):
+    """QLoRA on attention + experts (the router frozen): every all-linear target has an adapter, exported with the
+    experts in PEFT's target_parameters layout and no modules_to_save; reloaded over the same NF4 base it is the
+    trained model."""
+    trainer = _train(tmp_path, qlora_bnb=True)
     trained = trainer.trained_model()
     assert tuple(lora_modules(trained)) == ALL_LINEAR
-    want = _logits(trained)
-    assert np.abs(want - _logits(load_model(BASE))).max() > 1e-3  # the adapter changed the model
     cfg = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
     assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert cfg["modules_to_save"] is None  # the router stayed frozen
-    folded = load_model_ref(tmp_path / "out" / "adapter").model  # base + adapter folded into the kernels
-    np.testing.assert_allclose(_logits(folded), want, rtol=0, atol=2e-5)
-    np.testing.assert_allclose(_logits(load_model(tmp_path / "out" / "merged")), want, rtol=0, atol=2e-5)
-
-
-def test_qlora_over_nf4_experts_exports_an_adapter_that_reloads(tmp_path):
-    trainer = _train(tmp_path, qlora_bnb=True)
-    trained = trainer.trained_model()
     assert isinstance(trained.layers.mlp.experts.gate_up_proj.base.kernel.get_value(), NF4)
     # the same NF4 base (quantisation is deterministic), the exported adapter loaded on top: the trained model
     base = load_model(BASE)
@@ -70,14 +68,22 @@ def test_qlora_over_nf4_experts_exports_an_adapter_that_reloads(tmp_path):
 
 
 def test_train_router_adapter_round_trips_with_its_router(tmp_path):
+    """LoRA on attention + experts with the router trained and merge_adapter: the adapter and router changed the
+    model; the export holds the router as modules_to_save; loaded folded (load_model_ref: base + adapter folded into
+    the kernels, the router a plain weight again), as merge_adapter's HF folder, and continued (the router trains
+    again), each is the trained model."""
     trainer = _train(tmp_path, train_router=True, merge_adapter=True)
     trained = trainer.trained_model()
+    assert tuple(lora_modules(trained)) == ALL_LINEAR
     router = np.asarray(dict(nnx.to_flat_state(nnx.state(trained, nnx.Param)))[ROUTER].get_value())
     base_router = np.asarray(load_model(BASE).layers.mlp.router.kernel.get_value())
     assert np.abs(router - base_router).max() > 1e-4  # the router trained
     adapter = tmp_path / "out" / "adapter"
     assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == ["gate"]
     want = _logits(trained)
+    assert np.abs(want - _logits(load_model(BASE))).max() > 1e-3  # the adapter changed the model
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_parameters"] == [
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     folded = load_model_ref(adapter).model
     assert not has_trained_router(folded)  # folded: the router is the model's plain weight again
     np.testing.assert_array_equal(np.asarray(folded.layers.mlp.router.kernel.get_value()), router)
