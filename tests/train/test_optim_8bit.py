@@ -38,9 +38,10 @@ def test_round_trip_is_the_nearest_code_per_block(signed):
     x = np.asarray(jax.random.normal(jax.random.key(0), (37, 29)), np.float32) * np.logspace(-4, 1, 29)
     x = (x if signed else np.abs(x)).astype(np.float32)
     block = 256
-    q = quantize_blockwise(jnp.asarray(x), code, block)
+    # one jitted program (as the optimizer runs them), not a compilation per eager op
+    q, y, y_flat = _round_trip(jnp.asarray(x), code, block)
     assert q.codes.dtype == jnp.uint8 and q.codes.shape == (-(-x.size // block), block)
-    y = np.asarray(dequantize_blockwise(q, code, x.shape))
+    y = np.asarray(y)
     flat = np.pad(x.reshape(-1), (0, q.codes.size - x.size)).reshape(-1, block)
     absmax = np.abs(flat).max(axis=1)
     np.testing.assert_array_equal(np.asarray(q.absmax), absmax)
@@ -54,8 +55,16 @@ def test_round_trip_is_the_nearest_code_per_block(signed):
     err_blocks = np.pad(err, (0, q.codes.size - x.size)).reshape(-1, block)
     assert np.all(err_blocks <= bound[:, None])
     # the largest element of each block survives to within 0.71% (exact when it maps to the code 1.0)
-    assert np.all(np.abs(np.abs(flat).max(1) - np.abs(np.asarray(dequantize_blockwise(q, code, flat.shape))).max(1))
-                  <= 0.0071 * absmax)
+    assert np.all(np.abs(np.abs(flat).max(1) - np.abs(np.asarray(y_flat)).max(1)) <= 0.0071 * absmax)
+
+
+def _round_trip(x, code, *block):
+    """(quantize_blockwise(x, code, *block), its dequantize_blockwise to x's shape and to the padded blocks'
+    shape), jitted."""
+    def run(x):
+        q = quantize_blockwise(x, code, *block)
+        return q, dequantize_blockwise(q, code, x.shape), dequantize_blockwise(q, code, q.codes.shape)
+    return jax.jit(run)(x)
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -105,9 +114,9 @@ def test_layerwise_update_compiles_to_one_loop_without_layer_copies():
 
 
 def test_zero_and_padding():
-    q = quantize_blockwise(jnp.zeros((300,)), SIGNED_MAP)
+    q, y, _ = _round_trip(jnp.zeros((300,)), SIGNED_MAP)  # the default block
     assert isinstance(q, Blockwise8bit) and q.codes.shape == (2, 256)
-    np.testing.assert_array_equal(np.asarray(dequantize_blockwise(q, SIGNED_MAP, (300,))), 0.0)
+    np.testing.assert_array_equal(np.asarray(y), 0.0)
 
 
 CFG = ModelConfig.from_hf(dict(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -159,7 +168,8 @@ def test_build_optimizer_adamw_8bit_keeps_small_tensors_in_fp32():
     state = opt.init(params)
     adam = state[1][0]
     assert isinstance(adam.mu["kernel"], Blockwise8bit) and adam.mu["scale"].dtype == jnp.float32
-    updates, _ = opt.update({"kernel": jnp.full((64, 128), 0.1), "scale": jnp.full((64,), 0.1)}, state, params)
+    updates, _ = jax.jit(opt.update)({"kernel": jnp.full((64, 128), 0.1), "scale": jnp.full((64,), 0.1)}, state,
+                                     params)  # one compilation, not one per eager op
     # first Adam step: m_hat / sqrt(v_hat) = sign(g), so every update is -lr (to the code's precision)
     np.testing.assert_allclose(np.asarray(updates["kernel"]), -1e-3, rtol=1e-3)
     np.testing.assert_allclose(np.asarray(updates["scale"]), -1e-3, rtol=1e-4)  # eps / |g| = 1e-7
