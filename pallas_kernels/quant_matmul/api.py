@@ -81,11 +81,13 @@ DECODE_ROWS = 64
 # and fp8, for nf4 up to 16 (not at 32), for q6_k and nvfp4 at 1-8 (larger M not measured); bf16 barely at M = 1
 # and not above: left on XLA.
 DECODE_MAX_M: dict[str, int] = {"q4_k": 64, "q8_0": 64, "fp8": 64, "nf4": 16, "q6_k": 8, "nvfp4": 8}
-# ... and only for weights of at least this many values (K x N). The kernel's decode form is several times XLA's
-# per Qwen3-8B layer (every 8B linear has >= 4096 x 1024 values), but a whole Qwen3-0.6B decode step (linears of
-# 1-3M values, each a few microseconds) got slower through it: each kernel brings a pad and a partial-sum
-# kernel of its own, and at that size a step is bound by the number of kernels, not by the bytes read.
-DECODE_MIN_VALUES = 4096 * 1024
+# ... and only for weights of at least this many values (K x N). Session 11 set 4096 x 1024: a whole Qwen3-0.6B
+# decode step (linears of 1-3M values) was then slower through the kernel (a pad and a partial-sum kernel each).
+# Measured again on an H100 on 2026-12-07 (benchmarks/RESULTS.md#s25, same job, SUROJAX_QUANT_MATMUL=pallas
+# against auto with that threshold, i.e. XLA): Qwen3-0.6B all-Q4_K decodes 1.15x faster at 1 user and 1.45x at
+# 16 through the kernel (XLA's dequantise-then-reduce was 1,114 kernels a token). So the threshold is the
+# smallest linear measured (1024 x 1024, Qwen3-0.6B's k / v); smaller weights stay on XLA (unmeasured).
+DECODE_MIN_VALUES = 1024 * 1024
 DECODE_TILES = Tiles(bm=64, bn=64, kt=128, num_warps=4, num_stages=4)  # bm shrinks to M's power of 2 (>= 16)
 TUNED_DECODE_TILES: dict[str, Tiles] = {  # the sweep's best at M = 1 where it differs from DECODE_TILES
     "q8_0": Tiles(bm=64, bn=64, kt=128, num_warps=4, num_stages=3),
