@@ -244,18 +244,29 @@ def _wanted_layout(w, formats: frozenset[str]) -> str | None:
     return name if name is not None and wanted(name, False) else None
 
 
+def _stack_modules(model):
+    """The modules of every scanned layer stack of `model` (`Decoder.stacks`: `layers`, and a hybrid's
+    `linear_layers` / LFM2's `conv_layers` ...; a model without `stacks`: its `layers`, or itself). A stack left
+    out would keep its kernels as plain [L, K, N] arrays: the scan slices each layer's weight out of the stack
+    (a weight-sized copy per layer and token) for an XLA GEMM."""
+    stacks = getattr(model, "stacks", None)
+    for stack in stacks.values() if isinstance(stacks, dict) else (getattr(model, "layers", model),):
+        for _, module in nnx.iter_graph(stack):
+            yield module
+
+
 def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int = 128) -> dict[str, int]:
     """Convert, in place, every Linear kernel of `model` whose layout name (a quantised format's spec name, or
     the dtype name of a plain kernel: "bfloat16") is in `formats` ("*" in it: every quantised format with a
     kernel) and that holds at least `min_values` values per layer (K x N) into a LaidOut;
     pallas_kernels.quant_matmul.api.decode_layouts() says which a server converts.
-    Only the decoder's layer stack is walked: the embedding, the LM head (read whole by `Decoder.logits`) and
-    expert (grouped) weights stay as they are.
+    Only the decoder's layer stacks are walked (every one of `Decoder.stacks`, `_stack_modules`): the embedding,
+    the LM head (read whole by `Decoder.logits`) and expert (grouped) weights stay as they are.
     -> {layout name: kernels converted}."""
     done: dict[str, int] = {}
     if not formats:
         return done
-    for _, module in nnx.iter_graph(getattr(model, "layers", model)):  # the scanned layer stack only
+    for module in _stack_modules(model):
         var = getattr(module, "kernel", None) if isinstance(module, nnx.Module) else None
         if not isinstance(var, nnx.Param):   # a Linear's kernel [L, K, N] (experts [L, E, K, N]: lay_out refuses)
             continue
@@ -282,7 +293,7 @@ def transpose_for_gemv(model) -> dict[str, int]:
     a shape the kernel tiles) into a GemvWeight [L, N, K] (surojax.quant.gemv_weight) for the decode GEMV
     kernel. The embedding, the LM head and expert weights stay as they are. -> {"gemv_t:<dtype>": kernels}."""
     done: dict[str, int] = {}
-    for _, module in nnx.iter_graph(getattr(model, "layers", model)):
+    for module in _stack_modules(model):
         var = getattr(module, "kernel", None) if isinstance(module, Linear) else None
         if not isinstance(var, nnx.Param):
             continue

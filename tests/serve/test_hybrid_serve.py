@@ -19,8 +19,12 @@ import pytest
 from flax import nnx
 
 from surojax.generation.loop import generate
+from surojax.kernel_settings import use_kernel_settings
+from surojax.models.layers.linear import Linear
 from surojax.models.targets import model_targets, site_stack
 from surojax.peft.multi_lora import AdapterSlots, LoRASlotError
+from surojax.quant.gemv_weight import GemvWeight
+from surojax.quant.laid_out import decode_weights
 from surojax.serve.config import KVPath
 from surojax.serve.engine import Engine
 from surojax.serve.state_slots import PREFIX_CACHING_OFF, PREFIX_CACHING_OFF_CONV, StateSlots
@@ -62,6 +66,36 @@ def test_served_greedy_equals_transformers(name, kv_path):
     prompts run beside the decode rows) and multi-step once every running request decodes (the states ride in
     the loop)."""
     _serve_the_fixture(Engine(_model(name), engine_config(**SERVE, kv_path=kv_path, decode_steps=4)), name)
+
+
+def _laid_out_for_the_decode_gemv(name):
+    """The fixture with `decode_weights` run (decode GEMV on), each stack's plain Linears checked to be laid out."""
+    model = _model(name)
+    decode_weights(model, join_projections=False)
+    for stack_name, stack in model.stacks.items():
+        kinds = {"/".join(map(str, path)): type(mod.kernel.get_value()).__name__
+                 for path, mod in nnx.iter_graph(stack) if isinstance(mod, Linear)}
+        for path, kind in kinds.items():  # the fixtures' down_proj (K = 112 / 48) is off the kernel's tiles
+            assert kind == "GemvWeight" or path.endswith("down_proj"), f"{stack_name}.{path} left {kind}"
+    assert isinstance(model.stacks[model.state_stack].mlp.gate_proj.kernel.get_value(), GemvWeight)
+    return model
+
+
+@pytest.mark.parametrize("name", ["lfm2", "qwen3_5_text"])
+def test_decode_gemv_takes_every_stack(name):
+    """`decode_weights` lays out the plain Linears of every layer stack for the decode GEMV, the short conv's /
+    DeltaNet's stack too: a stack left out keeps [L, K, N] kernels, which the scan copies out of the stack layer by
+    layer for an XLA GEMM every token (LFM2-1.2B: the slice fusions of its decode step)."""
+    with use_kernel_settings(decode_gemv="pallas"):
+        _laid_out_for_the_decode_gemv(name)
+
+
+def test_served_greedy_through_the_decode_gemv_equals_transformers():
+    """LFM2 with both stacks' kernels laid out serves transformers' greedy tokens through the decode GEMV (pallas,
+    interpret here)."""
+    with use_kernel_settings(decode_gemv="pallas"):
+        model = _laid_out_for_the_decode_gemv("lfm2")
+        _serve_the_fixture(Engine(model, engine_config(**SERVE, kv_path=KVPath.PAGED, decode_steps=4)), "lfm2")
 
 
 def test_state_slots_follow_the_sequence():
