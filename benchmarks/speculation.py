@@ -41,7 +41,8 @@ library default of one token per call (396 tok/s for one user on qwen3-0.6b vs s
 default on the same H100; serve_load's engine mode differs from that off row only in the decode steps and its
 2 rounds per user, so the steps are taken to be the gap, not yet confirmed on the GPU), which overstated every
 speed-up by ~1.6x. Speculation verifies its own K + 1 tokens
-per call and runs with decode_steps 1 (the server refuses both at once).
+per call; n-gram runs with the off row's decode steps (a step where no request has proposals is a multi-step
+decode, as in the server since 2026-12-07), a draft / MTP head with decode_steps 1 (the server refuses more).
 
 Checked: greedy output with speculation against without, token for token, per request. Two different paths
 compute the same argmax: the decode step (one row per sequence; on a GPU the decode GEMV kernel up to 8 rows, the
@@ -245,8 +246,12 @@ def run(a, model, draft, method: str, workload: str, users: int, max_tokens: int
     config = engine_config(a, users, k=a.off_decode_steps)
     if method != "off":
         spec = SpeculativeConfig(SpecMethod(method), a.num_spec, model="bench-draft" if method == "draft" else None)
-        config = dataclasses.replace(config, speculative=spec, buckets=bench_buckets(a, users, a.num_spec + 1),
-                                     scheduler=dataclasses.replace(config.scheduler, decode_steps=1))
+        # n-gram keeps the server's multi-step default (its steps without proposals decode that many tokens a
+        # call); a draft model / MTP head follows the target one token a step (decode_steps 1, as the server does)
+        steps = a.off_decode_steps if method == "ngram" else 1
+        config = dataclasses.replace(config, speculative=spec,
+                                     buckets=bench_buckets(a, users, max(a.num_spec + 1, steps)),
+                                     scheduler=dataclasses.replace(config.scheduler, decode_steps=steps))
     eng = Engine(model, config, draft_model=draft if method == "draft" else None,
                  mtp_head=mtp if method == "mtp" else None)
     compiled_before = num_compiled()
@@ -270,8 +275,7 @@ def run(a, model, draft, method: str, workload: str, users: int, max_tokens: int
              "accepted_per_step": round(st.mean_accepted_length, 4) if st else None,
              "proposed_per_step": round(st.proposed / st.row_steps, 4) if st and st.row_steps else None,
              "compiled_while_measuring": num_compiled() - compiled_before}
-    if method == "off":
-        extra["decode_steps"] = a.off_decode_steps
+    extra["decode_steps"] = eng.config.scheduler.decode_steps
     r = summarize(label, users, [(t0, ts[r]) for r in rids], wall, extra)
     return r, prompts, [ids[r] for r in rids]
 

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=_ENGINE.block_size, help="tokens per KV block")
     parser.add_argument("--decode-steps", type=_decode_steps, default=AUTO,
                         help=f"decode tokens per device call when no request waits: auto (= {_SCHED.decode_steps}, "
-                             "or 1 with speculative decoding) or a power of two (1, 2, 4, 8, ...)")
+                             "or 1 with a draft model or an MTP head) or a power of two (1, 2, 4, 8, ...)")
     parser.add_argument("--unroll-layers", action="store_true",
                         help="inline the layer loop (faster decode, longer compiles; same results)")
     parser.add_argument("--kv-path", choices=[p.value for p in KVPath], default=_ENGINE.kv_path.value,
@@ -114,12 +114,13 @@ def _decode_steps(value: str) -> int | str:
     return AUTO if value == AUTO else _power_of_two(value)
 
 
-def resolve_decode_steps(value: int | str, speculative: bool) -> int:
+def resolve_decode_steps(value: int | str, speculative: SpecMethod | None) -> int:
     """--decode-steps: auto -> ServeConfig's default (SERVE_DECODE_STEPS: multi-step runs only while no request
-    waits and every running request decodes, so it costs a waiting request at most one call), or 1 with
-    speculation (which verifies its own K tokens per step); an explicit K as given."""
+    waits and every running request decodes, so it costs a waiting request at most one call; with n-gram
+    speculation, only in steps where no request has proposals), or 1 with a draft model or an MTP head (whose
+    pools follow the target one token a step); an explicit K as given."""
     if value == AUTO:
-        return 1 if speculative else _SCHED.decode_steps
+        return 1 if speculative in (SpecMethod.DRAFT, SpecMethod.MTP) else _SCHED.decode_steps
     return value
 
 
@@ -172,11 +173,14 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             raise ServeOptionError(str(e)) from None
     elif args.speculative_model is not None or args.num_speculative_tokens is not None:
         raise ServeOptionError("--speculative-model and --num-speculative-tokens need --speculative-method")
-    if speculative is not None and args.enable_lora:
-        raise ServeOptionError("speculative decoding is not supported with --enable-lora")
-    decode_steps = resolve_decode_steps(args.decode_steps, speculative is not None)
-    if speculative is not None and decode_steps > 1:
-        raise ServeOptionError("speculative decoding is not supported with --decode-steps > 1")
+    method = speculative.method if speculative is not None else None
+    if method is SpecMethod.MTP and args.enable_lora:
+        raise ServeOptionError("--speculative-method mtp is not supported with --enable-lora (the checkpoint's MTP "
+                               "head predicts the base model): use ngram or draft")
+    decode_steps = resolve_decode_steps(args.decode_steps, method)
+    if method in (SpecMethod.DRAFT, SpecMethod.MTP) and decode_steps > 1:
+        raise ServeOptionError(f"--speculative-method {method.value} is not supported with --decode-steps > 1 "
+                               "(use ngram, or --decode-steps 1)")
     if args.kv_cache_dtype == KVCacheDtype.FP8.value and args.enable_lora:
         raise ServeOptionError("--kv-cache-dtype fp8 is not supported with --enable-lora (the FP8 scales are "
                                "bounded from the base weights, which an adapter changes)")

@@ -128,8 +128,9 @@ class EngineConfig:
     speculative: `SpeculativeConfig` or None (off); others_bytes_in_use: device memory held by others (the models
     loaded before this one in a multi-model server), not counted against memory_utilization, which is then this
     model's share of the device (its weights and pool); kv_cache_dtype: `KVCacheDtype` (FP8: not with LoRA slots,
-    whose adapters would change W_k / W_v after the scales are fixed; the draft's pool keeps its dtype). Speculation is refused with decode_steps > 1 and with the
-    REFERENCE KV path (the verify step reads and writes the pool in place)."""
+    whose adapters would change W_k / W_v after the scales are fixed; the draft's pool keeps its dtype). Speculation is refused
+    with the REFERENCE KV path (the verify step reads and writes the pool in place), and with decode_steps > 1 unless
+    its method is n-gram lookup (multi-step decode runs in the steps where no request has proposals)."""
 
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = 16
@@ -147,9 +148,10 @@ class EngineConfig:
     def __post_init__(self):
         _positive("EngineConfig", block_size=self.block_size, num_blocks=self.num_blocks)
         if self.speculative is not None:
-            if self.scheduler.decode_steps > 1:
-                raise ValueError("speculative decoding is not supported with multi-step decode "
-                                 f"(decode_steps {self.scheduler.decode_steps}): use decode_steps 1")
+            if self.scheduler.decode_steps > 1 and self.speculative.method is not SpecMethod.NGRAM:
+                raise ValueError(f"speculative method {self.speculative.method.value!r} is not supported with "
+                                 f"multi-step decode (decode_steps {self.scheduler.decode_steps}; its pool follows "
+                                 "the target one token a step): use decode_steps 1, or the ngram method")
             if self.kv_path is KVPath.REFERENCE:
                 raise ValueError("speculative decoding needs a paged KV path (auto, paged, reduce, pallas), "
                                  "not reference")
@@ -218,9 +220,10 @@ class ServeConfig:
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"ServeConfig: max_queue must be an integer >= 0, got {self.max_queue!r}")
         _positive("ServeConfig", max_request_bytes=self.max_request_bytes)
-        if self.lora is not None and self.engine.speculative is not None:
-            raise ValueError("speculative decoding is not supported with LoRA adapters (--enable-lora): "
-                             "the draft and the verify step serve the base model only")
+        if self.lora is not None and self.engine.speculative is not None \
+                and self.engine.speculative.method is SpecMethod.MTP:
+            raise ValueError("MTP speculation is not supported with LoRA adapters (--enable-lora): the checkpoint's "
+                             "MTP head predicts the base model (use --speculative-method ngram or draft)")
         if self.lora is not None and self.engine.kv_cache_dtype is KVCacheDtype.FP8:
             raise ValueError("--kv-cache-dtype fp8 is not supported with LoRA adapters (--enable-lora): the FP8 "
                              "scales are bounded from the base weights, which an adapter changes")

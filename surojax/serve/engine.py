@@ -149,8 +149,8 @@ class Engine:
         if hybrid and config.enable_prefix_caching:
             log.info("%s: %s", cfg.model_type, prefix_caching_off(model))
             config = dataclasses.replace(config, enable_prefix_caching=False)
-        if spec is not None and lora is not None:
-            raise ValueError("speculative decoding is not supported with LoRA adapters")
+        if spec is not None and spec.method is SpecMethod.MTP and lora is not None:
+            raise ValueError("MTP speculation is not supported with LoRA adapters (the head predicts the base model)")
         if (draft_model is not None) != (spec is not None and spec.method is SpecMethod.DRAFT):
             raise ValueError("Engine: pass draft_model exactly when the speculative method is 'draft'")
         if (mtp_head is not None) != (spec is not None and spec.method is SpecMethod.MTP):
@@ -205,6 +205,7 @@ class Engine:
                                      kv_dtype=draft_model.dtype, buckets=config.buckets,
                                      unroll_layers=config.unroll_layers)
         self.spec_stats = SpecStats() if spec is not None else None
+        self._ngram: dict[str, list[int]] = {}  # request id -> this step's prompt-lookup proposals
         self._ids = itertools.count()
         self._seeds = random.Random(0)
         self._text: dict[str, RequestText] = {}
@@ -305,10 +306,18 @@ class Engine:
 
     # ---- speculation ------------------------------------------------------------------------------------------
     def _speculative_tokens(self, req: Request) -> int:
-        """K for requests the verify step can serve (no penalties, no logprobs, no images), else 0."""
+        """The proposals a decoding request has this step: 0 for requests the verify step cannot serve (penalties,
+        logprobs, images); n-gram: the tokens prompt lookup finds (kept for `_speculate`; 0 when nothing recurs, so
+        the request decodes plainly, multi-step included); a draft / MTP head proposes K."""
         sp = req.sampling_params
-        ok = (not isinstance(sp, SamplingParams) or speculation_allowed(sp)) and req.images is None
-        return self.config.speculative.num_tokens if ok else 0
+        if (isinstance(sp, SamplingParams) and not speculation_allowed(sp)) or req.images is not None:
+            return 0
+        spec = self.config.speculative
+        if spec.method is not SpecMethod.NGRAM:
+            return spec.num_tokens
+        found = ngram_propose(req.all_token_ids, spec.num_tokens, spec.ngram_max, spec.ngram_min)
+        self._ngram[req.request_id] = found
+        return len(found)
 
     def _speculate(self, group: list[ScheduledRequest]) -> StepResult:
         """Propose for the speculating rows, verify in one target call -> request id -> emitted tokens."""
@@ -318,10 +327,10 @@ class Engine:
         proposer = self.draft if self.draft is not None else self.mtp
         if proposer is not None:
             proposals, counts, q = proposer.propose(group, K, R, S)
-        else:
+        else:  # the n-gram proposals found when the step was scheduled, as many as it reserved slots for
             proposals, counts, q = np.zeros((R, K), np.int32), np.full(R, -1, np.int32), None
             for r, s in enumerate(group):
-                found = ngram_propose(s.request.all_token_ids, s.num_spec, spec.ngram_max, spec.ngram_min)
+                found = self._ngram[s.request_id][:s.num_spec]
                 proposals[r, :len(found)], counts[r] = found, len(found)
         out = self.runner.verify(group, proposals, counts, q)
         for r, s in enumerate(group):
@@ -354,6 +363,7 @@ class Engine:
             once()
 
     def _step_tokens(self, on_dispatch) -> list[RequestOutput]:
+        self._ngram.clear()  # this step's n-gram proposals (`_speculative_tokens`) are found while scheduling it
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_unfinished():

@@ -69,8 +69,11 @@ def verify_step(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: St
     (``state_pool``, ``batch.state_slots``: `serve.state_slots`), whose states cannot be rolled back: its layers
     hand back their inputs to the state (`TokenStateCache`) and each row's slot gets its state replayed to its last
     accepted token (index count - 1: [last, d_1 .. d_a]).
-    -> (k_pool, v_pool, [state_pool,] dict(ids [R, K + 1], count [R]))."""
+    -> (k_pool, v_pool, [state_pool,] dict(ids [R, K + 1], count [R])). With ``settings.lora`` each row runs
+    under its adapter (``batch.adapter_rows``): the proposals are checked against the model the row is served by."""
     model = nnx.merge(graphdef, state)
+    if settings.lora:
+        set_adapter_rows(model, batch.adapter_rows)
     start, proposals, num_proposed = batch.start, batch.proposals, batch.num_proposed
     K = proposals.shape[1]
     j = jnp.arange(K + 1, dtype=jnp.int32)[None, :]

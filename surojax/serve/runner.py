@@ -386,7 +386,6 @@ class PagedRunner:
         segments = np.zeros((R, T), np.int32)
         ctx_len = np.zeros((R,), np.int32)
         last = np.zeros((R,), np.int32)
-        adapters = np.zeros((R,), np.int32)
         for r, s in enumerate(group):
             n, st = s.num_new_tokens, s.start
             tokens[r, :n] = s.token_ids
@@ -394,8 +393,6 @@ class PagedRunner:
             segments[r, :n] = 1
             ctx_len[r] = st
             last[r] = n - 1
-            if self.lora:
-                adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S, bitmasks)
         images = rope_positions = None
         if self.vision is not None:  # a vision-language model: image rows (`serve.request_images`)
@@ -405,7 +402,7 @@ class PagedRunner:
         if prompt_targets is not None:
             mode = dataclasses.replace(mode, prompt_logprobs=True)
         batch = InputBatch(tokens=tokens, start=ctx_len, sampling=rows, positions=positions, segment_ids=segments,
-                           last_idx=last, adapter_rows=adapters, prompt_targets=prompt_targets,
+                           last_idx=last, adapter_rows=self._adapter_rows(group, R), prompt_targets=prompt_targets,
                            images=images, rope_positions=rope_positions, **self._state_slots(group, R),
                            **self._address(group, R, S, [s.num_new_tokens for s in group], T))
         # a prefill of rows with nothing cached (new prompts, no prefix hit) reads nothing back from the pool
@@ -427,17 +424,14 @@ class PagedRunner:
         start = np.zeros((R,), np.int32)
         limit = np.zeros((R,), np.int32)  # padding rows: 0 = stopped from the start
         stop = np.full((R, M), -1, np.int32)
-        adapters = np.zeros((R,), np.int32)
         for r, s in enumerate(group):
             tokens[r] = s.token_ids[0]
             start[r], limit[r] = s.start, s.num_steps
             ids = sorted(s.request.stop_token_ids) if s.request is not None else []
             stop[r, :len(ids)] = ids
-            if self.lora:
-                adapters[r] = self.adapter_slot(s.adapter)
         rows, mode = self._sampling_rows(group, R, S)
         batch = InputBatch(tokens=tokens, start=start, sampling=rows, limit=limit, stop_ids=stop,
-                           adapter_rows=adapters, **self._state_slots(group, R),
+                           adapter_rows=self._adapter_rows(group, R), **self._state_slots(group, R),
                            rope_delta=group_rope_delta(group, R) if self.vision is not None else None,
                            **self._address(group, R, S, [s.num_steps for s in group], K))
         self.num_multi_calls += 1
@@ -454,6 +448,14 @@ class PagedRunner:
                     (float(host["logprob"][r, i]),
                      [(int(a), float(b)) for a, b in zip(host["top_ids"][r, i, :k], host["top_logprobs"][r, i, :k])])
                     for i in range(n)]
+
+    def _adapter_rows(self, group: list[ScheduledRequest], R: int) -> np.ndarray:
+        """[R] int32: each row's adapter slot in the model's multi-LoRA stacks (0 on padding rows and without LoRA)."""
+        adapters = np.zeros((R,), np.int32)
+        if self.lora:
+            for r, s in enumerate(group):
+                adapters[r] = self.adapter_slot(s.adapter)
+        return adapters
 
     # ---- speculative verification -------------------------------------------------------------------------
     def verify_shape(self, group: list[ScheduledRequest], num_tokens: int) -> tuple[int, int]:
@@ -478,7 +480,8 @@ class PagedRunner:
             params.append(s.sampling_params if isinstance(s.sampling_params, SamplingParams) else SamplingParams())
         rows = sampling_arrays(params, R)
         batch = InputBatch(tokens=last, start=start, sampling=rows, proposals=proposals, num_proposed=num_proposed,
-                           draft_probs=draft_probs, **self._state_slots(group, R), **self._address(group, R, S))
+                           draft_probs=draft_probs, adapter_rows=self._adapter_rows(group, R),
+                           **self._state_slots(group, R), **self._address(group, R, S))
         mode = BatchMode(sample=bool((rows["temperature"] > 0).any()))
         res, = self._device_call(self.access.verify, batch, self.settings.for_call(mode))
         hidden = None

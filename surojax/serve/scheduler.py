@@ -17,9 +17,11 @@ Architecture choices:
   max_model_len come first) and reserves their slots ahead (lookahead blocks). The runner then runs the K
   forwards in one device call; ``update`` takes the list of tokens a row produced (it stops early on a stop id
   or its limit). When the free blocks do not cover every lookahead, the step falls back to one token.
-* Speculative decoding (``speculative_tokens``, a function request -> K it may propose): a decoding request
-  is scheduled as one token plus ``num_spec`` = k lookahead slots (k capped by max_tokens and max_model_len;
-  without the blocks for them it decodes plainly). ``update`` takes the accepted proposals plus the target's
+* Speculative decoding (``speculative_tokens``, a function request -> the k it proposes this step): a decoding
+  request is scheduled as one token plus ``num_spec`` = k lookahead slots (k capped by max_tokens and
+  max_model_len; without the blocks for them it decodes plainly). A step where some running request has
+  proposals is a single step (multi-step decode runs only when none has: n-gram lookup that finds nothing costs
+  nothing against speculation off). ``update`` takes the accepted proposals plus the target's
   next token, keeps the KV of the accepted ones and rolls the rest back: the sequence's length is what was
   accepted and the blocks that held only rejected tokens are freed (``KVCacheManager.free_tail``).
 * State slots (a hybrid model's linear-attention states, ``state_slots.py``): a request takes a slot when it is
@@ -247,8 +249,8 @@ class Scheduler:
         (k + 1) fits max_tokens and max_model_len and the step's token budget."""
         if self.speculative_tokens is None or req.num_computed_tokens != req.num_tokens - 1:
             return 0
-        return max(0, min(self.speculative_tokens(req), req.max_tokens - len(req.output_token_ids) - 1,
-                          self.max_model_len - req.num_tokens - 1, budget - 1))
+        cap = min(req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens - 1, budget - 1)
+        return min(self.speculative_tokens(req), cap) if cap > 0 else 0
 
     def _schedule_multi_step(self, out: SchedulerOutput) -> bool:
         """All running requests decode K tokens each, with their slots reserved ahead. False (nothing changed)
@@ -262,8 +264,8 @@ class Scheduler:
                 or any(r.num_computed_tokens != r.num_tokens - 1 for r in self.running)):
             return False
         steps = [self._steps_left(r) for r in self.running]
-        if max(steps) == 1:
-            return False
+        if max(steps) == 1 or any(self._num_spec(r, self.max_num_batched_tokens) for r in self.running):
+            return False  # a request with proposals is verified in a single step (the others decode beside it)
         need = sum(max(0, self.kv.blocks_needed(r.num_computed_tokens + n) - len(self.kv.block_table(r.request_id)))
                    for r, n in zip(self.running, steps))
         if need > self.kv.num_free_blocks:

@@ -10,6 +10,7 @@ from flax import nnx
 
 from surojax.data.tokenizer import Tokenizer
 from surojax.peft.multi_lora import AdapterSlots
+from surojax.serve.config import SpecMethod, SpeculativeConfig
 from surojax.serve.engine import Engine
 from surojax.generation.loop import generate
 from surojax.generation.sampling import BatchMode, SamplingParams, SamplingParamsError, apply_penalties, filter_logits, \
@@ -164,14 +165,16 @@ def test_multi_lora_rows_equal_merged_models(model, tmp_path):
     merged = {name: random_adapter(model, tmp_path / name, seed, rank)
               for name, seed, rank in (("a", 1, 4), ("b", 2, 8))}
     rng = np.random.default_rng(3)
-    ps = [rng.integers(1, 500, size=9).tolist() for _ in range(3)]
+    ps = [[5, 6, 7] * 3] + [rng.integers(1, 500, size=9).tolist() for _ in range(2)]  # the first recurs (n-gram)
     adapters = ["a", None, "b"]
     ref = [generate(merged[a] if a else model, [p], 8)[0] for p, a in zip(ps, adapters)]  # same shapes: one compile
     assert ref[0] != generate(model, [ps[0]], 8)[0]  # the adapter changes the output
-    for decode_steps in (1, 4):  # 4: the adapters ride through the multi-step decode call
+    ngram = SpeculativeConfig(SpecMethod.NGRAM, 3)
+    # 4: the adapters ride through the multi-step decode call; with n-gram speculation, through the verify call
+    for decode_steps, spec in ((1, None), (4, None), (4, ngram)):
         served = nnx.clone(model)
         slots = AdapterSlots(served, max_loras=2, max_rank=8)
-        eng = engine(served, lora=slots, decode_steps=decode_steps)
+        eng = engine(served, lora=slots, decode_steps=decode_steps, speculative=spec)
         eng.load_lora("a", tmp_path / "a")
         eng.load_lora("b", tmp_path / "b")
         rids = [eng.add_request(p, SamplingParams(max_tokens=8), adapter=a) for p, a in zip(ps, adapters)]
@@ -179,8 +182,11 @@ def test_multi_lora_rows_equal_merged_models(model, tmp_path):
         while eng.has_unfinished():
             for o in eng.step():
                 outs[o.request_id] += o.new_token_ids
-        assert [outs[r] for r in rids] == ref, decode_steps
-        assert (eng.runner.num_multi_calls > 0) == (decode_steps > 1)
+        assert [outs[r] for r in rids] == ref, (decode_steps, spec)
+        if spec is None:
+            assert (eng.runner.num_multi_calls > 0) == (decode_steps > 1)
+        else:
+            assert eng.spec_stats.proposed > 0  # adapter rows were verified
     eng.unload_lora("a")
     with pytest.raises(ValueError, match="not loaded"):
         eng.add_request(ps[0], SamplingParams(max_tokens=2), adapter="a")

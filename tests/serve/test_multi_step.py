@@ -131,8 +131,8 @@ def test_cli_option():
     assert parser.parse_args(["serve", "m", "--decode-steps", "8"]).decode_steps == 8
     assert parser.parse_args(["serve", "m"]).decode_steps == "auto"
     assert serve_config(parser.parse_args(["serve", "m"])).engine.scheduler.decode_steps == 8
-    spec = ["serve", "m", "--speculative-method", "ngram"]
-    assert serve_config(parser.parse_args(spec)).engine.scheduler.decode_steps == 1
+    spec = ["serve", "m", "--speculative-method", "draft", "--speculative-model", "d"]
+    assert serve_config(parser.parse_args(spec)).engine.scheduler.decode_steps == 1  # the draft follows one a step
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--decode-steps", "3"])
 

@@ -1,6 +1,6 @@
 """Speculative decoding (serve.speculative, serve.draft, the runner's verify step): greedy output with n-gram and
 with draft-model speculation equals plain greedy decoding, token for token (mixed with requests that decode
-plainly); rejection sampling draws from the target's distribution (a chi-square test against numpy's softmax of
+plainly; n-gram also beside multi-step decode); rejection sampling draws from the target's distribution (a chi-square test against numpy's softmax of
 the published formula); rejected positions are rolled back and their blocks freed; the flags are read or
 refused; through the HTTP server, one greedy request with speculation equals plain greedy.
 
@@ -63,15 +63,19 @@ def plain(target):
     return run(Engine(target, engine_config(**SIZES)), requests())
 
 
-def spec_engine(target, method, k=3, draft=None):
+def spec_engine(target, method, k=3, draft=None, decode_steps=1):
     spec = SpeculativeConfig(method, k, model="draft" if draft is not None else None)
-    return Engine(target, engine_config(speculative=spec, **SIZES), draft_model=draft)
+    return Engine(target, engine_config(speculative=spec, decode_steps=decode_steps, **SIZES), draft_model=draft)
 
 
 def test_ngram_greedy_equals_plain_and_seeds_are_batch_independent(target, plain):
     eng = spec_engine(target, SpecMethod.NGRAM)
     assert run(eng, requests()) == plain
     assert eng.spec_stats.acceptance_rate > 0 and eng.spec_stats.accepted > 0  # the repetitive prompt
+    # with multi-step decode: the steps where no request has proposals decode 4 tokens a call
+    multi = spec_engine(target, SpecMethod.NGRAM, decode_steps=4)
+    assert run(multi, requests()) == plain
+    assert multi.runner.num_multi_calls > 0 and multi.spec_stats.accepted > 0
     # a seeded sampled request gives the same tokens alone and in a batch
     sp = SamplingParams(max_tokens=12, temperature=0.8, top_k=50, seed=7)
     alone = run(spec_engine(target, SpecMethod.NGRAM), [(REPETITIVE, sp)])[0]
@@ -159,6 +163,19 @@ def test_rejected_positions_are_rolled_back():
         s.update({"a": list(range(8))})  # more than num_spec + 1 tokens
 
 
+@pytest.mark.parametrize("proposals", [0, 2])
+def test_multi_step_runs_only_when_no_request_has_proposals(proposals):
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    s = Scheduler(kv, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, decode_steps=4),
+                  speculative_tokens=lambda req: proposals if req.request_id == "a" else 0)
+    for rid in "ab":
+        s.add_request(Request(rid, [1, 2, 3], max_tokens=20))
+    s.schedule()
+    s.update({"a": 7, "b": 8})
+    out = {x.request_id: (x.num_steps, x.num_spec) for x in s.schedule().scheduled}
+    assert out == ({"a": (1, 2), "b": (1, 0)} if proposals else {"a": (4, 0), "b": (4, 0)})
+
+
 def test_settings_are_read_or_refused():
     from surojax.cli.main import build_parser, load_command
     from surojax.cli.serve import ServeOptionError, serve_config
@@ -174,13 +191,17 @@ def test_settings_are_read_or_refused():
     for flags, msg in [(("--speculative-method", "draft"), "needs a draft model"),
                        (("--speculative-method", "ngram", "--speculative-model", "d"), "only read by"),
                        (("--num-speculative-tokens", "3"), "need --speculative-method"),
-                       (("--speculative-method", "ngram", "--enable-lora"), "enable-lora"),
-                       (("--speculative-method", "ngram", "--decode-steps", "4"), "decode-steps"),
+                       (("--speculative-method", "mtp", "--enable-lora"), "enable-lora"),
+                       (("--speculative-method", "draft", "--speculative-model", "d", "--decode-steps", "4"),
+                        "decode-steps"),
                        (("--speculative-method", "ngram", "--kv-path", "reference"), "paged")]:
         with pytest.raises(ServeOptionError, match=msg):
             config(*flags)
+    ngram = config("--speculative-method", "ngram", "--enable-lora")  # n-gram: multi-step and LoRA rows too
+    assert ngram.engine.scheduler.decode_steps == 8 and ngram.lora is not None
+    assert config("--speculative-method", "draft", "--speculative-model", "d").engine.scheduler.decode_steps == 1
     with pytest.raises(ValueError, match="multi-step"):
-        EngineConfig(scheduler=SchedulerConfig(decode_steps=2), speculative=SpeculativeConfig(SpecMethod.NGRAM))
+        EngineConfig(scheduler=SchedulerConfig(decode_steps=2), speculative=SpeculativeConfig(SpecMethod.DRAFT, model="d"))
 
 
 def test_server_greedy_with_draft_speculation_equals_plain(plain):
