@@ -29,6 +29,13 @@
                                                                    decode GEMV kernel (pallas_kernels/decode_gemv),
                                                                    which takes calls of <= 8 rows; auto = the kernel
                                                                    on a GPU (one user 1.40x XLA, measured on an H100)
+    decode_loop    SUROJAX_DECODE_LOOP    auto | fixed | while     serve/multi_step: a multi-step decode call's loop over
+                                                                   its K tokens: `fixed` runs all K (stopped rows
+                                                                   masked: the trip count is known, so the GPU's
+                                                                   runtime enqueues the steps without waiting), `while`
+                                                                   ends once every row stopped (the loop's predicate is
+                                                                   read back to the host after every token); auto =
+                                                                   fixed on a GPU, while elsewhere
 
 Each choice changes what compiles, not what a config means: the defaults are the measured best (the modules above
 say why), the variables exist for A/B runs. A variable that changed what compiles without a word was the defect
@@ -88,6 +95,12 @@ class DecodeGemv(enum.StrEnum):
     XLA = "xla"        # the weights stay [K, N], XLA's GEMV
 
 
+class DecodeLoop(enum.StrEnum):
+    AUTO = "auto"    # fixed on a GPU (no host round trip per token), while elsewhere (no steps past the last stop)
+    FIXED = "fixed"  # K steps always: a loop of known trip count
+    WHILE = "while"  # ends once every row has stopped (on a GPU: its predicate read back after every step)
+
+
 class GatedDelta(enum.StrEnum):
     AUTO = "auto"            # pallas_kernels/gated_delta's measured choice for the backend
     PALLAS = "pallas"        # the Pallas (Triton) forward and backward kernels (interpret mode off a GPU)
@@ -106,7 +119,7 @@ VARIABLES: dict[str, str] = {  # field -> its environment variable
     "fp8_dot": "SUROJAX_FP8_DOT", "fp8_accum": "SUROJAX_FP8_ACCUM", "fp8_wgrad": "SUROJAX_FP8_WGRAD",
     "fp8_cast": "SUROJAX_FP8_CAST", "quant_matmul": "SUROJAX_QUANT_MATMUL", "adam8bit": "SUROJAX_ADAM8BIT",
     "gated_delta": "SUROJAX_GATED_DELTA", "gated_delta_bwd": "SUROJAX_GATED_DELTA_BWD",
-    "moe_decode": "SUROJAX_MOE_DECODE", "decode_gemv": "SUROJAX_DECODE_GEMV",
+    "moe_decode": "SUROJAX_MOE_DECODE", "decode_gemv": "SUROJAX_DECODE_GEMV", "decode_loop": "SUROJAX_DECODE_LOOP",
 }
 
 
@@ -126,6 +139,7 @@ class KernelSettings:
     gated_delta_bwd: GatedDeltaBwd = GatedDeltaBwd.AUTO
     moe_decode: MoeDecode = MoeDecode.AUTO
     decode_gemv: DecodeGemv = DecodeGemv.AUTO
+    decode_loop: DecodeLoop = DecodeLoop.AUTO
     from_environment: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
     """the variables that were set when these settings were read (printed even where they name the default)"""
 
@@ -195,6 +209,6 @@ def use_kernel_settings(settings: KernelSettings | None = None, **changes) -> It
         set_kernel_settings(before)
 
 
-__all__ = ["VARIABLES", "Adam8bit", "DecodeGemv", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
+__all__ = ["VARIABLES", "Adam8bit", "DecodeGemv", "DecodeLoop", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
            "KernelSettingsError", "MoeDecode", "QuantMatmul", "kernel_settings", "set_kernel_settings",
            "use_kernel_settings"]

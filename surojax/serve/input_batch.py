@@ -106,7 +106,8 @@ class StepSettings:
     ``mode.sample`` only); num_steps (multi-step decode: K steps; propose: K proposals); fresh (paged step calls):
     no row has context in the pool before the call, so attention reads nothing back (`PagedKVCache.fresh`:
     self-attention over the call's tokens). hidden (the runner's, paged step / verify calls): also return the
-    final-normed hidden states [R, T, D] under ``"hidden"`` (an MTP head reads them: `serve.mtp`)."""
+    final-normed hidden states [R, T, D] under ``"hidden"`` (an MTP head reads them: `serve.mtp`). fixed_loop
+    (multi-step decode): the loop runs all K steps (`multi_step.fixed_trip_count`)."""
 
     block_size: int
     pools: tuple[KVPool, ...] = ()
@@ -119,6 +120,7 @@ class StepSettings:
     num_steps: int = 1
     fresh: bool = False
     hidden: bool = False
+    fixed_loop: bool = False
 
     def __hash__(self) -> int:  # computed once: jit hashes its static arguments on every call
         h = self.__dict__.get("_hash")

@@ -118,7 +118,7 @@ def reference_multi_step_decode(graphdef, state, k_pool, v_pool, batch: InputBat
                                rope_delta=batch.rope_delta)
         return run_decoder(model, tok, pos, ones, cache, settings, rope_delta=batch.rope_delta)
 
-    cache, result = decode_loop(model, forward, cache, batch, settings.mode, K)
+    cache, result = decode_loop(model, forward, cache, batch, settings.mode, K, settings.fixed_loop)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
     count = result["count"]
     idx = jnp.arange(R)

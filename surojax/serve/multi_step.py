@@ -4,12 +4,13 @@ Per call, instead of per token: the host builds the batch arrays once and fetche
 paths: ``multi_step_decode_paged`` (the default) carries the paged pool itself through the loop (every layer writes
 its new k/v into the pool in place and reads the context through the block tables: ``PagedKVCache``);
 ``kv_reference.reference_multi_step_decode`` (the reference) gathers each row's context from the pool once into a
-dense per-row view and scatters the K new k/v back once; both run ``decode_loop``. Inside, a ``lax.while_loop``
+dense per-row view and scatters the K new k/v back once; both run ``decode_loop``. Inside, a loop
 runs one-token forwards (the Decoder appends each token's k/v at position ``start + i``), samples on device with
 each row's own parameters and key (``fold_in(key(seed), position)``, as in a single step) and feeds the sampled
 token back. A row stops when it samples one of its stop ids or reaches its limit (max_tokens / max_model_len / K,
 worked out by the scheduler); a stopped row keeps riding along (its results are masked: not counted, not written
-back), and the loop ends early once every row has stopped.
+back). On a GPU the loop runs all K steps (a known trip count: `fixed_trip_count`); elsewhere it ends early once
+every row has stopped.
 
 Greedy and seeded results equal K single steps: every step sees the same context values (the view holds the
 pool's dtype, as the pool would), the same position and the same key; penalties see each new token as soon
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
+from surojax.kernel_settings import DecodeLoop, kernel_settings
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
 from surojax.serve.kv_pools import paged_cache
@@ -60,14 +62,28 @@ def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, 
         return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings,
                            rope_delta=batch.rope_delta)
 
-    cache, result = decode_loop(model, forward, cache, batch, settings.mode, settings.num_steps)
+    cache, result = decode_loop(model, forward, cache, batch, settings.mode, settings.num_steps, settings.fixed_loop)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
     return pools_and(cache.k, cache.v, state_pool, result)
 
 
-def decode_loop(model, forward, cache, batch: InputBatch, mode: BatchMode, K: int):
+def fixed_trip_count() -> bool:
+    """Whether the decode loop runs all K steps (`DecodeLoop`: auto = on a GPU; the runner reads it once into
+    ``StepSettings.fixed_loop``). A loop whose trip count XLA cannot
+    know is a host-device round trip per iteration on a GPU (its runtime reads the predicate back before it
+    enqueues the next step), so the host cannot launch a token's kernels while the GPU runs the previous token's;
+    with a known count it enqueues all K. What it costs: steps past the moment every row stopped (at most K - 1,
+    in the last call of the batch's last request)."""
+    choice = kernel_settings().decode_loop
+    if choice is DecodeLoop.AUTO:
+        return jax.default_backend() == "gpu"
+    return choice is DecodeLoop.FIXED
+
+
+def decode_loop(model, forward, cache, batch: InputBatch, mode: BatchMode, K: int, fixed: bool = False):
     """Up to K one-token steps: ``forward(cache, tokens [R, 1], positions [R, 1], done [R]) -> (h, cache)``,
-    then sample, feed back, stop rows. batch: tokens / start / limit [R], stop_ids [R, M], sampling.
+    then sample, feed back, stop rows; ``fixed``: all K steps (`fixed_trip_count`), else the loop ends once every
+    row has stopped. batch: tokens / start / limit [R], stop_ids [R, M], sampling.
     -> (cache, dict(ids [R, K], count [R], logprobs ...))."""
     tokens, start, limit, stop_ids, rows = batch.tokens, batch.start, batch.limit, batch.stop_ids, batch.sampling
     R = tokens.shape[0]
@@ -102,7 +118,11 @@ def decode_loop(model, forward, cache, batch: InputBatch, mode: BatchMode, K: in
         return i + 1, cache, new, done, count, rows, out
 
     carry = (jnp.int32(0), cache, tokens, done, count, rows, out)
-    _, cache, _, _, count, _, out = jax.lax.while_loop(cond, body, carry)
+    if fixed:
+        carry = jax.lax.fori_loop(0, K, lambda _, c: body(c), carry)
+    else:
+        carry = jax.lax.while_loop(cond, body, carry)
+    _, cache, _, _, count, _, out = carry
     result = {k: jnp.swapaxes(v, 0, 1) for k, v in out.items()}  # [R, K, ...]
     result["count"] = count
     return cache, result
