@@ -87,7 +87,7 @@ def layer_rows(a, cfg, fmt: str | None) -> list[dict]:
     for R in a.rows_list:
         x = jax.random.normal(jax.random.key(R), (R, 1, cfg.hidden_size), dtype)
         seg = jnp.ones((R, 1), jnp.int32)
-        for path in PATHS:
+        for path in a.paths:
             def run(state, x):
                 for m in nnx.merge(graphdef, state):
                     x = x + m(x, seg)[0]
@@ -111,7 +111,7 @@ def engine_rows(a) -> list[dict]:
     """serve_load's engine mode at one user, once per path (a child process each)."""
     out = []
     for fmt in a.formats:
-        for path in PATHS:
+        for path in a.paths:
             cmd = [sys.executable, str(ROOT / "benchmarks/serve_load.py"), "--modes", "engine", "--users", "1",
                    "--rounds", "1", "--shape", a.shape, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
                    "--max-tokens", str(a.max_tokens)] + (["--quant", fmt] if fmt else [])
@@ -149,12 +149,16 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-engine", action="store_true", help="the layer timings alone")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma list of the paths timed (gather, grouped)")
     p.add_argument("--smoke", action="store_true", help="CPU: debug-moe, float32, tiny lengths")
     a = p.parse_args(argv)
     if a.smoke:
         a.shape, a.dtype, a.quant, a.rows, a.layers, a.iters = "debug-moe", "float32", "q8_0", "1,2,8", 2, 2
         a.prompt_len, a.max_tokens = 16, 8
     a.rows_list = [int(r) for r in a.rows.split(",")]
+    a.paths = [x.strip() for x in a.paths.split(",") if x.strip()]
+    if not a.paths or set(a.paths) - set(PATHS):
+        p.error(f"--paths takes a comma list of {', '.join(PATHS)}, got {a.paths!r}")
     a.formats = [None] + [f.strip() for f in a.quant.split(",") if f.strip()]
 
     from surojax.bench.shapes import model_config
