@@ -27,6 +27,7 @@ model's experts: grouped GEMMs, not Linears) is refused by name.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -126,6 +127,13 @@ def set_adapter_rows(model, rows: jax.Array) -> None:
         mod.rows.set_value(jnp.broadcast_to(rows[None, :], (L, rows.shape[0])))
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_slot(stack: jax.Array, value: jax.Array, slot) -> jax.Array:
+    """stack [L, slots, ...] with slot ``slot`` (a traced index: one program per stack shape, whichever slot)
+    replaced by value [L, ...], in place (the stack is donated: no second copy of the slots while loading)."""
+    return jax.lax.dynamic_update_index_in_dim(stack, value, slot, axis=1)
+
+
 class AdapterSlots:
     """Host-side registry: adapter name -> slot of the model's MultiLoRALinear stacks."""
 
@@ -174,8 +182,8 @@ class AdapterSlots:
                 wa, wb = adapter.weights[t]
                 a[:, :, :spec.rank] = wa
                 b[:, :spec.rank, :] = wb * spec.scaling
-            mod.lora_a.set_value(a_all.at[:, slot].set(jnp.asarray(a, a_all.dtype)))
-            mod.lora_b.set_value(b_all.at[:, slot].set(jnp.asarray(b, b_all.dtype)))
+            mod.lora_a.set_value(_write_slot(a_all, jnp.asarray(a, a_all.dtype), slot))
+            mod.lora_b.set_value(_write_slot(b_all, jnp.asarray(b, b_all.dtype), slot))
         self.slots[name] = slot
         self.paths[name] = str(path)
         return slot
@@ -185,6 +193,7 @@ class AdapterSlots:
         if slot == 0:
             raise LoRASlotError("the base model cannot be unloaded")
         for mod in self.modules.values():
-            mod.lora_a.set_value(mod.lora_a.get_value().at[:, slot].set(0))
-            mod.lora_b.set_value(mod.lora_b.get_value().at[:, slot].set(0))
+            for param in (mod.lora_a, mod.lora_b):
+                stack = param.get_value()
+                param.set_value(_write_slot(stack, jnp.zeros(stack.shape[:1] + stack.shape[2:], stack.dtype), slot))
         del self.slots[name], self.paths[name]

@@ -490,8 +490,10 @@ class Engine:
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
         self.wake_up()  # the adapter is written into the model's device arrays
-        self.lora.load(name, path)
-        self.runner.refresh_weights(self.model)
+        try:
+            self.lora.load(name, path)
+        finally:  # the slot stacks written are new arrays (the old ones donated): the runner takes them, always
+            self.runner.refresh_weights(self.model)
 
     def unload_lora(self, name: str) -> list[str]:
         """Unload an adapter; its running / waiting requests are aborted -> their ids."""
@@ -502,7 +504,9 @@ class Engine:
         aborted = [rid for rid, r in list(self.scheduler.requests.items()) if r.adapter == name]
         for rid in aborted:
             self.abort(rid)
-        self.lora.unload(name)
-        self.runner.refresh_weights(self.model)
+        try:
+            self.lora.unload(name)
+        finally:
+            self.runner.refresh_weights(self.model)
         self.kv.reset_prefix_cache()  # a new adapter under the same name must not hit the old one's blocks
         return aborted
