@@ -170,11 +170,13 @@ def test_multi_lora_rows_equal_merged_models(model, tmp_path):
     ref = [generate(merged[a] if a else model, [p], 8)[0] for p, a in zip(ps, adapters)]  # same shapes: one compile
     assert ref[0] != generate(model, [ps[0]], 8)[0]  # the adapter changes the output
     ngram = SpeculativeConfig(SpecMethod.NGRAM, 3)
-    # 4: the adapters ride through the multi-step decode call; with n-gram speculation, through the verify call
-    for decode_steps, spec in ((1, None), (4, None), (4, ngram)):
+    draft = SpeculativeConfig(SpecMethod.DRAFT, 3, model="base")  # the base model drafts, each row's adapter verifies
+    # 4: the adapters ride through the multi-step decode call; with speculation, through the verify call
+    for decode_steps, spec in ((1, None), (4, None), (4, ngram), (1, draft)):
         served = nnx.clone(model)
         slots = AdapterSlots(served, max_loras=2, max_rank=8)
-        eng = engine(served, lora=slots, decode_steps=decode_steps, speculative=spec)
+        eng = Engine(served, engine_config(**SMALL, decode_steps=decode_steps, speculative=spec), lora=slots,
+                     draft_model=model if spec is draft else None)
         eng.load_lora("a", tmp_path / "a")
         eng.load_lora("b", tmp_path / "b")
         rids = [eng.add_request(p, SamplingParams(max_tokens=8), adapter=a) for p, a in zip(ps, adapters)]
