@@ -29,10 +29,12 @@
                                                                    decode GEMV kernel (pallas_kernels/decode_gemv),
                                                                    which takes calls of <= 8 rows; auto = the kernel
                                                                    on a GPU (one user 1.40x XLA, measured on an H100)
-    decode_loop    SUROJAX_DECODE_LOOP    auto | fixed | while     serve/multi_step: a multi-step decode call's loop over
+    decode_loop    SUROJAX_DECODE_LOOP    auto | fixed | graph | while
+                                                                   serve/multi_step: a multi-step decode call's loop over
                                                                    its K tokens: `fixed` runs all K (stopped rows
                                                                    masked: the trip count is known, so the GPU's
-                                                                   runtime enqueues the steps without waiting), `while`
+                                                                   runtime enqueues the steps without waiting), `graph`
+                                                                   the same with the loops in CUDA graphs, `while`
                                                                    ends once every row stopped (the loop's predicate is
                                                                    read back to the host after every token); auto =
                                                                    fixed on a GPU, while elsewhere
@@ -98,6 +100,8 @@ class DecodeGemv(enum.StrEnum):
 class DecodeLoop(enum.StrEnum):
     AUTO = "auto"    # fixed on a GPU (no host round trip per token), while elsewhere (no steps past the last stop)
     FIXED = "fixed"  # K steps always: a loop of known trip count
+    GRAPH = "graph"  # fixed, and the call compiled with its loops inside CUDA graphs (XLA command buffers with
+                     # WHILE / CONDITIONAL: the K steps x L layers launched as one graph, not kernel by kernel)
     WHILE = "while"  # ends once every row has stopped (on a GPU: its predicate read back after every step)
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from surojax.generation.sampling import BatchMode
+from surojax.kernel_settings import DecodeLoop
 from surojax.models.kv import PagedKernel
 from surojax.models.layer_runner import LayerScan
 from surojax.serve.kv_fp8 import KVScales
@@ -106,8 +107,9 @@ class StepSettings:
     ``mode.sample`` only); num_steps (multi-step decode: K steps; propose: K proposals); fresh (paged step calls):
     no row has context in the pool before the call, so attention reads nothing back (`PagedKVCache.fresh`:
     self-attention over the call's tokens). hidden (the runner's, paged step / verify calls): also return the
-    final-normed hidden states [R, T, D] under ``"hidden"`` (an MTP head reads them: `serve.mtp`). fixed_loop
-    (multi-step decode): the loop runs all K steps (`multi_step.fixed_trip_count`)."""
+    final-normed hidden states [R, T, D] under ``"hidden"`` (an MTP head reads them: `serve.mtp`). loop
+    (multi-step decode): `DecodeLoop` FIXED / GRAPH run all K steps, WHILE stops with its rows
+    (`multi_step.decode_loop_choice`)."""
 
     block_size: int
     pools: tuple[KVPool, ...] = ()
@@ -120,7 +122,7 @@ class StepSettings:
     num_steps: int = 1
     fresh: bool = False
     hidden: bool = False
-    fixed_loop: bool = False
+    loop: DecodeLoop = DecodeLoop.WHILE
 
     def __hash__(self) -> int:  # computed once: jit hashes its static arguments on every call
         h = self.__dict__.get("_hash")

@@ -9,7 +9,7 @@ runs one-token forwards (the Decoder appends each token's k/v at position ``star
 each row's own parameters and key (``fold_in(key(seed), position)``, as in a single step) and feeds the sampled
 token back. A row stops when it samples one of its stop ids or reaches its limit (max_tokens / max_model_len / K,
 worked out by the scheduler); a stopped row keeps riding along (its results are masked: not counted, not written
-back). On a GPU the loop runs all K steps (a known trip count: `fixed_trip_count`); elsewhere it ends early once
+back). On a GPU the loop runs all K steps (a known trip count: `decode_loop_choice`); elsewhere it ends early once
 every row has stopped.
 
 Greedy and seeded results equal K single steps: every step sees the same context values (the view holds the
@@ -37,10 +37,8 @@ from surojax.serve.kv_pools import paged_cache
 from surojax.serve.state_slots import pools_and, split_state_rows, with_state_rows
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
-                   donate_argnames=("k_pool", "v_pool", "state_pool"))
-def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings,
-                            state_pool=None):
+def _multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings,
+                             state_pool=None):
     """The fast path: the pool rides in the loop carry (``PagedKVCache``); each step every layer writes its new
     k/v into the pool in place and reads the rows' context through ``batch.block_table`` [R, NB] (NB * block_size
     >= max(start) + K). A stopped row's token has segment id 0: not written, its length does not grow.
@@ -62,27 +60,45 @@ def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, 
         return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings,
                            rope_delta=batch.rope_delta)
 
-    cache, result = decode_loop(model, forward, cache, batch, settings.mode, settings.num_steps, settings.fixed_loop)
+    cache, result = decode_loop(model, forward, cache, batch, settings.mode, settings.num_steps,
+                                fixed=settings.loop is not DecodeLoop.WHILE)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
     return pools_and(cache.k, cache.v, state_pool, result)
 
 
-def fixed_trip_count() -> bool:
-    """Whether the decode loop runs all K steps (`DecodeLoop`: auto = on a GPU; the runner reads it once into
-    ``StepSettings.fixed_loop``). A loop whose trip count XLA cannot
-    know is a host-device round trip per iteration on a GPU (its runtime reads the predicate back before it
-    enqueues the next step), so the host cannot launch a token's kernels while the GPU runs the previous token's;
-    with a known count it enqueues all K. What it costs: steps past the moment every row stopped (at most K - 1,
-    in the last call of the batch's last request)."""
+_STATIC = dict(static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool", "state_pool"))
+# XLA's command buffer types by default, plus the loops: a while loop (the K steps; the layer scan) inside a CUDA
+# graph runs as a conditional node on the device instead of thunk by thunk from the host
+GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer":
+                 "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
+_plain = jax.jit(_multi_step_decode_paged, **_STATIC)
+_graph = jax.jit(_multi_step_decode_paged, **_STATIC, compiler_options=GRAPH_OPTIONS)
+
+
+def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings,
+                            state_pool=None):
+    """The paged multi-step call (`_multi_step_decode_paged`), compiled with `GRAPH_OPTIONS` when
+    ``settings.loop`` is GRAPH."""
+    fn = _graph if settings.loop is DecodeLoop.GRAPH else _plain
+    return fn(graphdef, state, k_pool, v_pool, batch, settings, state_pool)
+
+
+def decode_loop_choice() -> DecodeLoop:
+    """The multi-step loop this process runs (`DecodeLoop`, never AUTO: auto = FIXED on a GPU, WHILE elsewhere;
+    the runner reads it once into ``StepSettings.loop``). A loop whose trip count XLA cannot know is a
+    host-device round trip per iteration on a GPU (its runtime reads the predicate back before it enqueues the
+    next step), so the host cannot launch a token's kernels while the GPU runs the previous token's; with a known
+    count it enqueues all K. What it costs: steps past the moment every row stopped (at most K - 1, in the last
+    call of the batch's last request)."""
     choice = kernel_settings().decode_loop
     if choice is DecodeLoop.AUTO:
-        return jax.default_backend() == "gpu"
-    return choice is DecodeLoop.FIXED
+        return DecodeLoop.FIXED if jax.default_backend() == "gpu" else DecodeLoop.WHILE
+    return choice
 
 
 def decode_loop(model, forward, cache, batch: InputBatch, mode: BatchMode, K: int, fixed: bool = False):
     """Up to K one-token steps: ``forward(cache, tokens [R, 1], positions [R, 1], done [R]) -> (h, cache)``,
-    then sample, feed back, stop rows; ``fixed``: all K steps (`fixed_trip_count`), else the loop ends once every
+    then sample, feed back, stop rows; ``fixed``: all K steps (`decode_loop_choice`), else the loop ends once every
     row has stopped. batch: tokens / start / limit [R], stop_ids [R, M], sampling.
     -> (cache, dict(ids [R, K], count [R], logprobs ...))."""
     tokens, start, limit, stop_ids, rows = batch.tokens, batch.start, batch.limit, batch.stop_ids, batch.sampling

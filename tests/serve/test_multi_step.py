@@ -55,9 +55,10 @@ def run(eng, requests, abort_after=None):
             [reason.get(r) for r in rids])
 
 
-@pytest.mark.parametrize("loop", ["while", "fixed"])
+@pytest.mark.parametrize("loop", ["while", "fixed", "graph"])
 def test_mixed_batch_equals_single_steps(model, loop):
-    """`fixed`: the loop of known trip count a GPU runs (all K steps, stopped rows masked)."""
+    """`fixed`: the loop of known trip count a GPU runs (all K steps, stopped rows masked); `graph`: the same call
+    compiled with its loops in CUDA graphs (the options are a GPU's: here the fixed loop, another compiled call)."""
     rng = np.random.default_rng(0)
     ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 5, 13, 7)]
     single = engine(model, 1).generate([ps[0]], 11)[0]
@@ -70,7 +71,7 @@ def test_mixed_batch_equals_single_steps(model, loop):
     ref = run(engine(model, 1), reqs)
     with use_kernel_settings(decode_loop=loop):
         eng = engine(model, 4)
-    assert eng.runner.settings.fixed_loop == (loop == "fixed")
+    assert eng.runner.settings.loop == loop
     got = run(eng, reqs)
     assert eng.scheduler.num_multi_steps > 0 and eng.runner.num_multi_calls > 0
     assert got[0] == ref[0] and got[3] == ref[3]
