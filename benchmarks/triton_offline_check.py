@@ -17,7 +17,9 @@ benchmarks/paged_decode_sweep.py's grid (the paged decode-attention kernel, Qwen
 128, bf16) for each setting of GDN_V2_GRID, and the four of its backward (kernel_v2_bwd.py: wy_t, state, dqkw,
 wy_bwd) for each of GDN_V2_BWD_GRID. `dump-gemv` writes the decode GEMV (pallas_kernels/decode_gemv) at the
 Qwen3-0.6B and Qwen3-8B linears' shapes, M = 1 and 8, for each tile configuration benchmarks/decode_gemv.py sweeps
-(and its fused forms: the RMSNorm prologue, the gated product, the residual). `compile` needs only `triton` (it imports nothing else from here); it
+(and its fused forms: the RMSNorm prologue, the gated product, the residual). `dump-prologue` writes the decode
+prologue (pallas_kernels/decode_prologue: qkv split, q/k norm, rope, the pool write) at Qwen3-0.6B and Qwen3-8B
+shapes, 1 and 8 rows, a 65,536-slot bf16 pool, for each of PROLOGUE_KNOBS. `compile` needs only `triton` (it imports nothing else from here); it
 also reports registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
 """
 from __future__ import annotations
@@ -194,6 +196,33 @@ def dump_gemv(out: str) -> None:
                       os.path.join(out, f"gemv_{model}_head_m{m}_{tiles.label()}.ttir"))
 
 
+PROLOGUE_SHAPES = {"qwen3-0.6b": (16, 8, 128, 28), "qwen3-8b": (32, 8, 128, 36)}  # N, K, H, layers
+PROLOGUE_WARPS = (1, 2, 4)
+
+
+def dump_prologue(out: str) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.decode_prologue.kernel import PrologueKnobs, prologue
+
+    os.makedirs(out, exist_ok=True)
+    sd = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    with _h200_triton_writer() as write:
+        for model, (n, k, h, layers) in PROLOGUE_SHAPES.items():
+            pool = sd((layers, 65536, k, h), bf16)
+            for m in (1, 8):
+                for norm in ("plain", "zero_centered"):
+                    for warps in PROLOGUE_WARPS:
+                        knobs = PrologueKnobs(num_warps=warps)
+                        args = [sd((m, (n + 2 * k) * h), bf16), sd((m, h), bf16), sd((m, h), bf16), pool, pool,
+                                sd((), jnp.int32), sd((m,), jnp.int32), sd((h,), bf16), sd((h,), bf16)]
+                        fn = jax.jit(lambda *a, n=n, k=k, norm=norm, knobs=knobs: prologue(
+                            *a, num_heads=n, num_kv_heads=k, norm=norm, knobs=knobs))
+                        write(fn, args, os.path.join(out, f"prologue_{model}_m{m}_{norm}-{knobs.label()}.ttir"))
+
+
 HEADS = {"qwen3-0.6b": (151936, 1024), "lfm2-1.2b": (65536, 2048), "gemma3-1b": (262144, 1152)}  # tied [V, D]
 
 
@@ -247,7 +276,7 @@ def compile_all(src: str) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("step", choices=("dump", "dump-paged", "dump-gdn", "dump-gemv", "compile"))
+    p.add_argument("step", choices=("dump", "dump-paged", "dump-gdn", "dump-gemv", "dump-prologue", "compile"))
     p.add_argument("dir")
     p.add_argument("--formats", default="q4_k,q5_k,q6_k,q8_0,nf4,nvfp4,fp8")
     args = p.parse_args(argv)
@@ -259,6 +288,9 @@ def main(argv=None) -> int:
         return 0
     if args.step == "dump-gemv":
         dump_gemv(args.dir)
+        return 0
+    if args.step == "dump-prologue":
+        dump_prologue(args.dir)
         return 0
     if args.step == "dump-paged":
         dump_paged(args.dir)
