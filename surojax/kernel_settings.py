@@ -29,6 +29,11 @@
                                                                    decode GEMV kernel (pallas_kernels/decode_gemv),
                                                                    which takes calls of <= 8 rows; auto = the kernel
                                                                    on a GPU (one user 1.40x XLA, measured on an H100)
+    decode_prologue  SUROJAX_DECODE_PROLOGUE  auto | pallas | xla  models/layers/attention: a decode call (one token per
+                                                                   row, <= 8 rows) over the serving pool runs qkv's
+                                                                   split, the q / k norms, rope and the k / v write into
+                                                                   the pool as one kernel (pallas_kernels/
+                                                                   decode_prologue); auto = xla until measured on a GPU
     decode_loop    SUROJAX_DECODE_LOOP    auto | fixed | graph | while
                                                                    serve/multi_step: a multi-step decode call's loop over
                                                                    its K tokens: `fixed` runs all K (stopped rows
@@ -97,6 +102,12 @@ class DecodeGemv(enum.StrEnum):
     XLA = "xla"        # the weights stay [K, N], XLA's GEMV
 
 
+class DecodePrologue(enum.StrEnum):
+    AUTO = "auto"      # xla everywhere until the kernel is measured on a GPU (pallas_kernels/decode_prologue/api.py)
+    PALLAS = "pallas"  # the fused prologue kernel for every decode call it takes (interpret mode off a GPU)
+    XLA = "xla"        # XLA's split, norms, rope and scatter into the pool
+
+
 class DecodeLoop(enum.StrEnum):
     AUTO = "auto"    # fixed on a GPU (no host round trip per token), while elsewhere (no steps past the last stop)
     FIXED = "fixed"  # K steps always: a loop of known trip count
@@ -124,6 +135,7 @@ VARIABLES: dict[str, str] = {  # field -> its environment variable
     "fp8_cast": "SUROJAX_FP8_CAST", "quant_matmul": "SUROJAX_QUANT_MATMUL", "adam8bit": "SUROJAX_ADAM8BIT",
     "gated_delta": "SUROJAX_GATED_DELTA", "gated_delta_bwd": "SUROJAX_GATED_DELTA_BWD",
     "moe_decode": "SUROJAX_MOE_DECODE", "decode_gemv": "SUROJAX_DECODE_GEMV", "decode_loop": "SUROJAX_DECODE_LOOP",
+    "decode_prologue": "SUROJAX_DECODE_PROLOGUE",
 }
 
 
@@ -144,6 +156,7 @@ class KernelSettings:
     moe_decode: MoeDecode = MoeDecode.AUTO
     decode_gemv: DecodeGemv = DecodeGemv.AUTO
     decode_loop: DecodeLoop = DecodeLoop.AUTO
+    decode_prologue: DecodePrologue = DecodePrologue.AUTO
     from_environment: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
     """the variables that were set when these settings were read (printed even where they name the default)"""
 
@@ -213,6 +226,6 @@ def use_kernel_settings(settings: KernelSettings | None = None, **changes) -> It
         set_kernel_settings(before)
 
 
-__all__ = ["VARIABLES", "Adam8bit", "DecodeGemv", "DecodeLoop", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
+__all__ = ["VARIABLES", "Adam8bit", "DecodeGemv", "DecodeLoop", "DecodePrologue", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
            "KernelSettingsError", "MoeDecode", "QuantMatmul", "kernel_settings", "set_kernel_settings",
            "use_kernel_settings"]

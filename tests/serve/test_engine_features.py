@@ -215,6 +215,37 @@ def test_multi_lora_rows_through_the_decode_gemv(model, tmp_path):
     assert out == want
 
 
+def test_decode_prologue_kernel_decodes_the_same_greedy_tokens(model, monkeypatch):
+    """SUROJAX_DECODE_PROLOGUE=pallas: the served model (q / k / v joined) runs its decode steps' qkv split, q / k
+    norms, rope and pool write as the fused kernel (interpret mode here) and decodes the plain model's greedy
+    tokens; every decode step of both layers took the kernel."""
+    from surojax.kernel_settings import use_kernel_settings
+    from surojax.models.fused_projections import fuse_projections
+    from surojax.models.layers import attention
+
+    taken = []
+
+    def spy(*args):
+        out = fused(*args)
+        taken.append(out is not None)
+        return out
+
+    fused = attention.fused_decode_prologue
+    monkeypatch.setattr(attention, "fused_decode_prologue", spy)
+    prompt = np.random.default_rng(5).integers(1, 500, size=9).tolist()
+    want = generate(model, [prompt], 8)[0]  # test_multi_lora_rows_equal_merged_models' shapes: its compile
+    served = nnx.clone(model)
+    assert fuse_projections(served)
+    with use_kernel_settings(decode_prologue="pallas"):
+        eng = engine(served)
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=8))
+        out = []
+        while eng.has_unfinished():
+            out += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+    assert out == want
+    assert any(taken)  # traced: the prefill's layers take the plain path, the decode's the kernel
+
+
 def test_reasoning_split_and_streamed_stop_holdback(tok):
     from surojax.serve.detokenize import RequestText
 

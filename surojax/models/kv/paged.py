@@ -142,10 +142,19 @@ class PagedLayerKV:
         """Write k/v [B, T, K, H] at meta.write_slots; attend q [B, T, N, H] over each row's blocks (a fresh call:
         over the new tokens themselves, module docstring)."""
         kv = self.write(k, v, meta.write_slots)
-        T = q.shape[1]
         if kv.fresh:
             ck, cv = kv.stored(k, v, q.dtype)
             return spec.attend_self(q, ck, cv, meta.q_segment_ids, meta.q_positions), kv
+        return kv.attend_written(q, meta, spec)
+
+    def attend_written(self, q, meta: PagedKVMeta, spec: AttendSpec) -> tuple[jax.Array, "PagedLayerKV"]:
+        """Attend q [B, T, N, H] over each row's blocks, the call's new k/v already in the pool (written by
+        `write`, or by the fused decode prologue, pallas_kernels.decode_prologue); not for a fresh call, whose
+        attention reads the new tokens themselves."""
+        if self.fresh:
+            raise ValueError("PagedLayerKV.attend_written: a fresh call attends over its new k/v (update_and_attend)")
+        kv = self
+        T = q.shape[1]
         if kv.kernel is PagedKernel.PALLAS and spec.sinks is None and spec.scale == q.shape[-1] ** -0.5 \
                 and kernel_applies(kv.k.shape, T, spec.sliding_window):
             q1 = q[:, 0]  # [B, N, H]

@@ -52,6 +52,10 @@ projections or k norm; the call is handed the keys / values its source layer com
 (`shared_kv`; the source returns them with `store_kv`) and attends over them (with a cache: writes them into its own
 rows first, so its rows hold its source's history: generate keeps a copy rather than reading the source's rows).
 
+Fused decode prologue (SUROJAX_DECODE_PROLOGUE=pallas; off by default): at a decode call over the serving pool,
+the split of the joined qkv, the q / k norms, rope and the k / v write into the pool run as one kernel
+(models/layers/decode_prologue.py says which calls), then the attention reads the pool (`PagedLayerKV.attend_written`).
+
 Output gate (Qwen3.5, `ModelConfig.attn_output_gate`): q_proj gives [N, 2H] per token, each head's query then its
 gate; the attention output is multiplied by sigmoid(gate) before o_proj.
 """
@@ -70,6 +74,7 @@ from surojax.models.kv import MASKED as _MASKED
 from surojax.models.kv import AttendSpec, KVMeta, LayerKV, attention_mask, softmax_with_sinks
 from surojax.models.layers.attention_backend import (AUTO, DEFAULT_MAX_SEGMENTS, AttentionBackend, AttentionKind,
                                                      as_attention_backend)
+from surojax.models.layers.decode_prologue import fused_decode_prologue
 from surojax.models.layers.linear import Linear, fused_linear
 from surojax.models.layers.norm import RMSNorm, rms_norm_unscaled
 from surojax.models.layers.params import param
@@ -283,7 +288,14 @@ class Attention(nnx.Module):
         if qkv is None and norm is not None:
             x = norm(x)
         if self.qkv_proj is not None:  # [B, T, (N + 2K) H]: one read of x, one GEMM (decode: one GEMV launch)
-            q, k, v = jnp.split(self.qkv_proj(x) if qkv is None else qkv, [Q, Q + K * H], axis=-1)
+            qkv = self.qkv_proj(x) if qkv is None else qkv
+            # a decode over the serving pool: split, q / k norms, rope and the k / v write as one kernel (or None)
+            fused = None if store_kv else fused_decode_prologue(self, qkv, cos, sin, kv, kv_meta)
+            if fused is not None:
+                q, kv = fused
+                out, kv = kv.attend_written(q, kv_meta, self.attend_spec(window))
+                return self._output(out, None, residual), kv
+            q, k, v = jnp.split(qkv, [Q, Q + K * H], axis=-1)
         elif self.kv_shared:
             if shared_kv is None:
                 raise ValueError("a KV-shared attention layer needs its source layer's keys / values (shared_kv)")
@@ -316,6 +328,13 @@ class Attention(nnx.Module):
         else:
             mask = attention_mask(segment_ids, segment_ids, positions, positions, spec.sliding_window)
             out = xla_attention(q, k, v, mask, spec.scale, spec.sinks)  # [B, T, N, H]
+        y = self._output(out, gate, residual)
+        return (y, kv, own) if store_kv else (y, kv)
+
+    def _output(self, out, gate, residual):
+        """The attention's output [B, T, N, H] -> o_proj (gated by sigmoid(gate) [B, T, N, H] when given), plus
+        residual when given -> [B, T, D]."""
+        B, T, N, H = out.shape
         out = out.reshape(B, T, N * H)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.reshape(B, T, N * H))
@@ -323,7 +342,7 @@ class Attention(nnx.Module):
         if y is None:
             y = self.o_proj(out)
             y = y if residual is None else residual + y
-        return (y, kv, own) if store_kv else (y, kv)
+        return y
 
     def _cudnn_self_attention(self, q, k, v, segment_ids, positions, sliding_window: int | None):
         """cuDNN over packed rows, with this layer's static window."""
