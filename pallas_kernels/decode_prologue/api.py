@@ -10,7 +10,9 @@ Mode (the caller's; surojax passes SUROJAX_DECODE_PROLOGUE from its kernel setti
 environment): auto | pallas | xla.
     pallas  the kernel for every call it takes (`unsupported` says which it does not; interpret mode off a GPU)
     xla     never
-    auto    never, for now: the kernel is not yet measured on a GPU against XLA's fused ops (RESULTS.md will say)
+    auto    the kernel on a GPU, XLA elsewhere: measured on an H100 (benchmarks/RESULTS.md, session 26) the engine's
+            one-user decode took it at +3 to +6% (Qwen3-0.6B bf16, two runs), +6.5% (Q4_K), +9% (Gemma 3 1B); it
+            applies to calls of <= MAX_ROWS rows only, so more users are unchanged
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def choose(mode: str = "auto") -> str:
     """'pallas' or 'xla' under `mode` (module docstring)."""
     if mode not in MODES:
         raise ValueError(f"decode_prologue mode {mode!r}: expected one of {', '.join(MODES)}")
-    return "pallas" if mode == "pallas" else "xla"
+    return "pallas" if mode == "pallas" or (mode == "auto" and on_gpu()) else "xla"
 
 
 def unsupported(rows: int, width: int, num_heads: int, pool_shape: tuple[int, ...], dtype, pool_dtype,
