@@ -164,6 +164,23 @@ def test_chunked_prefill_respects_token_budget():
         assert outs[f"r{i}"] == reference([i + 1] * 25, 5)
 
 
+def test_a_prompt_is_not_started_with_a_chunk_the_budget_cuts_short_beside_other_prefills():
+    s = make(num_blocks=128, max_num_batched_tokens=20, max_model_len=256)
+    for i in range(3):
+        s.add_request(Request(f"r{i}", [i + 1] * 8, max_tokens=4))
+    first = s.schedule()  # r0, r1 whole (16 tokens); r2's 4-token head would pad the call to 3 x 8 rows: it waits
+    assert [(x.request_id, x.num_new_tokens) for x in first.scheduled] == [("r0", 8), ("r1", 8)]
+    s.update({"r0": 50, "r1": 51})
+    second = s.schedule()  # beside decodes alone it starts, whole
+    assert [(x.request_id, x.num_new_tokens) for x in second.scheduled] == [("r0", 1), ("r1", 1), ("r2", 8)]
+    long = make(num_blocks=128, max_num_batched_tokens=20, max_model_len=256)
+    long.add_request(Request("a", [1] * 3, max_tokens=4))
+    long.schedule()
+    long.update({"a": 9})
+    long.add_request(Request("b", [2] * 50, max_tokens=4))  # longer than the budget: chunked beside the decode
+    assert [(x.request_id, x.num_new_tokens) for x in long.schedule().scheduled] == [("a", 1), ("b", 19)]
+
+
 def test_max_num_seqs_respected():
     s = make(max_num_seqs=3)
     r = FakeRunner(s)
