@@ -108,14 +108,18 @@ def layer_rows(a, cfg, fmt: str | None) -> list[dict]:
 
 
 def engine_rows(a) -> list[dict]:
-    """serve_load's engine mode at one user, once per path (a child process each)."""
+    """serve_load's engine mode at one user, once per path (a child process each; `gather` runs as auto)."""
     out = []
     for fmt in a.formats:
         for path in a.paths:
             cmd = [sys.executable, str(ROOT / "benchmarks/serve_load.py"), "--modes", "engine", "--users", "1",
                    "--rounds", "1", "--shape", a.shape, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
                    "--max-tokens", str(a.max_tokens)] + (["--quant", fmt] if fmt else [])
-            p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SUROJAX_MOE_DECODE": path})
+            # the gathered path through `auto`: it gathers the decode calls' few rows and keeps the grouped GEMM for
+            # the prefill (forced `gather` there gathers 128 rows x 8 experts' weights, ~10 GB a layer in bf16 at
+            # Qwen3-30B-A3B shapes: the engine ran out of memory that way on an H100, session 26)
+            setting = "auto" if path == "gather" else path
+            p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SUROJAX_MOE_DECODE": setting})
             got = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if p.returncode or not got:
                 print(f"# engine {path} {fmt or a.dtype} failed (exit {p.returncode}): {p.stderr[-2000:]}", flush=True)
