@@ -211,7 +211,7 @@ def build_model(a):
     # built inside one jit (init_sharded on a one-device mesh): each weight's fp32 random draw fuses into its cast,
     # where an eager build materialises it whole (a 30B MoE's stacked experts: a 72 GiB fp32 buffer)
     def build():
-        model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention="xla", rngs=nnx.Rngs(0))
+        model = Decoder(cfg, dtype=dtype, param_dtype=dtype, attention=a.attention, rngs=nnx.Rngs(0))
         if a.quant and a.quant not in GGUF_FILE_TYPES:  # every Linear in the format: random codes, in the same jit
             randomize_base(model, a.quant, jax.random.key(1))
         return model
@@ -558,6 +558,8 @@ def main(argv=None):
                         "--dtype; decode takes the fused kernel where SUROJAX_QUANT_MATMUL says")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks (default: what the users need)")
+    p.add_argument("--attention", default=None, help="attention backend as `surojax serve --attention` spells it "
+                   "(default: the server's default, ServeConfig.attention)")
     p.add_argument("--prefills-per-step", type=int, default=16,
                    help="whole prompts one engine step may prefill (token budget = users + this x prompt-len; "
                         "16 x 512 ~ `surojax serve`'s default --max-num-batched-tokens 8192)")
@@ -596,6 +598,11 @@ def main(argv=None):
         if a.modes == "hf,engine,server":
             a.modes = "engine,server"
     a.shape = a.shape or "qwen3-0.6b"
+    from surojax.models.layers.attention_backend import parse_attention_backend
+    from surojax.serve.config import ServeConfig
+
+    a.attention = (parse_attention_backend(a.attention, key="--attention") if a.attention is not None
+                   else ServeConfig.attention)
     if a.separate_projections and "server" in a.modes.split(","):
         p.error("--separate-projections is for the engine alone: `surojax serve` joins q / k / v and gate / up")
     a.users_list = [int(u) for u in a.users.split(",")]
