@@ -48,10 +48,13 @@ def run(name, n, k, h, layers, m, slots_total, smoke):
         return ok
 
     def loop(fn):
+        # each layer's qkv differs (a loop-invariant qkv let XLA hoist its q ops out of the loop) and all of q is
+        # consumed (only q[0, 0, 0] left the other heads' ops dead): else the XLA side times the pool write alone
+        # (session 26's run: "13.5 vs 5.4 us", while the engine gained 3-9% from the kernel)
         def body(l, carry):
             kp, vp, acc = carry
-            q, kp, vp = fn(qkv, cos, sin, kp, vp, l, slots)
-            return kp, vp, acc + q[0, 0, 0].astype(jnp.float32)
+            q, kp, vp = fn(qkv + l.astype(qkv.dtype), cos, sin, kp, vp, l, slots)
+            return kp, vp, acc + q.astype(jnp.float32).sum()
         return jax.jit(lambda kp, vp: jax.lax.fori_loop(0, layers, body, (kp, vp, jnp.float32(0))),
                        donate_argnums=(0, 1))
 
