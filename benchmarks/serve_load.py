@@ -353,7 +353,7 @@ def _num_compiled() -> int:
     try:
         return sum(f._cache_size() for f in (kv_reference.reference_step, runner.paged_step,
                                              kv_reference.reference_multi_step_decode,
-                                             multi_step._plain, multi_step._graph))
+                                             multi_step.multi_step_decode_paged))
     except Exception:
         return -1
 

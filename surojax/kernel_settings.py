@@ -35,17 +35,6 @@
                                                                    the pool as one kernel (pallas_kernels/
                                                                    decode_prologue); auto = the kernel on a GPU (one user
                                                                    +3 to +9% in the engine, measured on an H100)
-    decode_loop    SUROJAX_DECODE_LOOP    auto | fixed | graph | while
-                                                                   serve/multi_step: a multi-step decode call's loop over
-                                                                   its K tokens: `fixed` runs all K (stopped rows
-                                                                   masked: the trip count is known, so the GPU's
-                                                                   runtime enqueues the steps without waiting), `graph`
-                                                                   the same with the loops in CUDA graphs, `while`
-                                                                   ends once every row stopped (the loop's predicate is
-                                                                   read back to the host after every token); auto =
-                                                                   while (one user on an H100: while 620.9, fixed
-                                                                   622.9, graph 613.4 tok/s: no gain to pay for the
-                                                                   steps after the last stop)
 
 Each choice changes what compiles, not what a config means: the defaults are the measured best (the modules above
 say why), the variables exist for A/B runs. A variable that changed what compiles without a word was the defect
@@ -111,14 +100,6 @@ class DecodePrologue(enum.StrEnum):
     XLA = "xla"        # XLA's split, norms, rope and scatter into the pool
 
 
-class DecodeLoop(enum.StrEnum):
-    AUTO = "auto"    # while (measured on an H100: the loop's host round trip per token costs nothing visible)
-    FIXED = "fixed"  # K steps always: a loop of known trip count
-    GRAPH = "graph"  # fixed, and the call compiled with its loops inside CUDA graphs (XLA command buffers with
-                     # WHILE / CONDITIONAL: the K steps x L layers launched as one graph, not kernel by kernel)
-    WHILE = "while"  # ends once every row has stopped (on a GPU: its predicate read back after every step)
-
-
 class GatedDelta(enum.StrEnum):
     AUTO = "auto"            # pallas_kernels/gated_delta's measured choice for the backend
     PALLAS = "pallas"        # the Pallas (Triton) forward and backward kernels (interpret mode off a GPU)
@@ -137,7 +118,7 @@ VARIABLES: dict[str, str] = {  # field -> its environment variable
     "fp8_dot": "SUROJAX_FP8_DOT", "fp8_accum": "SUROJAX_FP8_ACCUM", "fp8_wgrad": "SUROJAX_FP8_WGRAD",
     "fp8_cast": "SUROJAX_FP8_CAST", "quant_matmul": "SUROJAX_QUANT_MATMUL", "adam8bit": "SUROJAX_ADAM8BIT",
     "gated_delta": "SUROJAX_GATED_DELTA", "gated_delta_bwd": "SUROJAX_GATED_DELTA_BWD",
-    "moe_decode": "SUROJAX_MOE_DECODE", "decode_gemv": "SUROJAX_DECODE_GEMV", "decode_loop": "SUROJAX_DECODE_LOOP",
+    "moe_decode": "SUROJAX_MOE_DECODE", "decode_gemv": "SUROJAX_DECODE_GEMV",
     "decode_prologue": "SUROJAX_DECODE_PROLOGUE",
 }
 
@@ -158,7 +139,6 @@ class KernelSettings:
     gated_delta_bwd: GatedDeltaBwd = GatedDeltaBwd.AUTO
     moe_decode: MoeDecode = MoeDecode.AUTO
     decode_gemv: DecodeGemv = DecodeGemv.AUTO
-    decode_loop: DecodeLoop = DecodeLoop.AUTO
     decode_prologue: DecodePrologue = DecodePrologue.AUTO
     from_environment: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
     """the variables that were set when these settings were read (printed even where they name the default)"""
@@ -229,6 +209,6 @@ def use_kernel_settings(settings: KernelSettings | None = None, **changes) -> It
         set_kernel_settings(before)
 
 
-__all__ = ["VARIABLES", "Adam8bit", "DecodeGemv", "DecodeLoop", "DecodePrologue", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
+__all__ = ["VARIABLES", "Adam8bit", "DecodeGemv", "DecodePrologue", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
            "KernelSettingsError", "MoeDecode", "QuantMatmul", "kernel_settings", "set_kernel_settings",
            "use_kernel_settings"]

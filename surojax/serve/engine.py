@@ -315,8 +315,10 @@ class Engine:
         spec = self.config.speculative
         if spec.method is not SpecMethod.NGRAM:
             return spec.num_tokens
-        found = ngram_propose(req.all_token_ids, spec.num_tokens, spec.ngram_max, spec.ngram_min)
-        self._ngram[req.request_id] = found
+        found = self._ngram.get(req.request_id)  # asked again in one schedule (multi-step check, then the step)
+        if found is None:
+            found = self._ngram[req.request_id] = ngram_propose(req.all_token_ids, spec.num_tokens, spec.ngram_max,
+                                                                spec.ngram_min)
         return len(found)
 
     def _speculate(self, group: list[ScheduledRequest]) -> StepResult:

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from surojax.generation.sampling import BatchMode
-from surojax.kernel_settings import DecodeLoop
 from surojax.models.kv import PagedKernel
 from surojax.models.layer_runner import LayerScan
 from surojax.serve.kv_fp8 import KVScales
@@ -107,9 +106,7 @@ class StepSettings:
     ``mode.sample`` only); num_steps (multi-step decode: K steps; propose: K proposals); fresh (paged step calls):
     no row has context in the pool before the call, so attention reads nothing back (`PagedKVCache.fresh`:
     self-attention over the call's tokens). hidden (the runner's, paged step / verify calls): also return the
-    final-normed hidden states [R, T, D] under ``"hidden"`` (an MTP head reads them: `serve.mtp`). loop
-    (multi-step decode): `DecodeLoop` FIXED / GRAPH run all K steps, WHILE stops with its rows
-    (`multi_step.decode_loop_choice`)."""
+    final-normed hidden states [R, T, D] under ``"hidden"`` (an MTP head reads them: `serve.mtp`)."""
 
     block_size: int
     pools: tuple[KVPool, ...] = ()
@@ -122,7 +119,6 @@ class StepSettings:
     num_steps: int = 1
     fresh: bool = False
     hidden: bool = False
-    loop: DecodeLoop = DecodeLoop.WHILE
 
     def __hash__(self) -> int:  # computed once: jit hashes its static arguments on every call
         h = self.__dict__.get("_hash")

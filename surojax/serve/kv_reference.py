@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from surojax.kernel_settings import DecodeLoop
 from surojax.models.kv import KVCache
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
@@ -119,7 +118,7 @@ def reference_multi_step_decode(graphdef, state, k_pool, v_pool, batch: InputBat
                                rope_delta=batch.rope_delta)
         return run_decoder(model, tok, pos, ones, cache, settings, rope_delta=batch.rope_delta)
 
-    cache, result = decode_loop(model, forward, cache, batch, settings.mode, K, fixed=settings.loop is not DecodeLoop.WHILE)
+    cache, result = decode_loop(model, forward, cache, batch, settings.mode, K)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
     count = result["count"]
     idx = jnp.arange(R)

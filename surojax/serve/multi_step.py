@@ -4,12 +4,12 @@ Per call, instead of per token: the host builds the batch arrays once and fetche
 paths: ``multi_step_decode_paged`` (the default) carries the paged pool itself through the loop (every layer writes
 its new k/v into the pool in place and reads the context through the block tables: ``PagedKVCache``);
 ``kv_reference.reference_multi_step_decode`` (the reference) gathers each row's context from the pool once into a
-dense per-row view and scatters the K new k/v back once; both run ``decode_loop``. Inside, a loop
+dense per-row view and scatters the K new k/v back once; both run ``decode_loop``. Inside, a ``lax.while_loop``
 runs one-token forwards (the Decoder appends each token's k/v at position ``start + i``), samples on device with
 each row's own parameters and key (``fold_in(key(seed), position)``, as in a single step) and feeds the sampled
 token back. A row stops when it samples one of its stop ids or reaches its limit (max_tokens / max_model_len / K,
 worked out by the scheduler); a stopped row keeps riding along (its results are masked: not counted, not written
-back), and the loop ends early once every row has stopped (or runs all K: `decode_loop_choice`).
+back), and the loop ends early once every row has stopped.
 
 Greedy and seeded results equal K single steps: every step sees the same context values (the view holds the
 pool's dtype, as the pool would), the same position and the same key; penalties see each new token as soon
@@ -29,15 +29,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, sample_batch
-from surojax.kernel_settings import DecodeLoop, kernel_settings
 from surojax.peft.multi_lora import set_adapter_rows
 from surojax.serve.input_batch import InputBatch, StepSettings, run_decoder
 from surojax.serve.kv_pools import paged_cache
 from surojax.serve.state_slots import pools_and, split_state_rows, with_state_rows
 
 
-def _multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings,
-                             state_pool=None):
+@functools.partial(jax.jit, static_argnames=("graphdef", "settings"),
+                   donate_argnames=("k_pool", "v_pool", "state_pool"))
+def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings,
+                            state_pool=None):
     """The fast path: the pool rides in the loop carry (``PagedKVCache``); each step every layer writes its new
     k/v into the pool in place and reads the rows' context through ``batch.block_table`` [R, NB] (NB * block_size
     >= max(start) + K). A stopped row's token has segment id 0: not written, its length does not grow.
@@ -59,45 +60,14 @@ def _multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch,
         return run_decoder(model, tok, pos, (~done).astype(jnp.int32)[:, None], cache, settings,
                            rope_delta=batch.rope_delta)
 
-    cache, result = decode_loop(model, forward, cache, batch, settings.mode, settings.num_steps,
-                                fixed=settings.loop is not DecodeLoop.WHILE)
+    cache, result = decode_loop(model, forward, cache, batch, settings.mode, settings.num_steps)
     cache, state_pool = split_state_rows(cache, state_pool, batch)
     return pools_and(cache.k, cache.v, state_pool, result)
 
 
-_STATIC = dict(static_argnames=("graphdef", "settings"), donate_argnames=("k_pool", "v_pool", "state_pool"))
-# XLA's command buffer types by default, plus the loops: a while loop (the K steps; the layer scan) inside a CUDA
-# graph runs as a conditional node on the device instead of thunk by thunk from the host
-GRAPH_OPTIONS = {"xla_gpu_enable_command_buffer":
-                 "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"}
-_plain = jax.jit(_multi_step_decode_paged, **_STATIC)
-_graph = jax.jit(_multi_step_decode_paged, **_STATIC, compiler_options=GRAPH_OPTIONS)
-
-
-def multi_step_decode_paged(graphdef, state, k_pool, v_pool, batch: InputBatch, settings: StepSettings,
-                            state_pool=None):
-    """The paged multi-step call (`_multi_step_decode_paged`), compiled with `GRAPH_OPTIONS` when
-    ``settings.loop`` is GRAPH."""
-    fn = _graph if settings.loop is DecodeLoop.GRAPH else _plain
-    return fn(graphdef, state, k_pool, v_pool, batch, settings, state_pool)
-
-
-def decode_loop_choice() -> DecodeLoop:
-    """The multi-step loop this process runs (`DecodeLoop`, never AUTO: auto = WHILE; the runner reads it once
-    into ``StepSettings.loop``). A loop whose trip count XLA cannot know is a host-device round trip per iteration
-    on a GPU (its runtime reads the predicate back before it enqueues the next step); with a known count (FIXED)
-    it enqueues all K, at the price of the steps after every row stopped (at most K - 1, in the last call of the
-    batch's last request); GRAPH also puts the loops in CUDA graphs. Measured on an H100 (RESULTS.md, session
-    26), Qwen3-0.6B one user: while 620.9, fixed 622.9, graph 613.4 decode tok/s: the round trip is hidden
-    behind the GPU's work (the host launches the next token's kernels while the GPU runs), so auto keeps WHILE."""
-    choice = kernel_settings().decode_loop
-    return DecodeLoop.WHILE if choice is DecodeLoop.AUTO else choice
-
-
-def decode_loop(model, forward, cache, batch: InputBatch, mode: BatchMode, K: int, fixed: bool = False):
+def decode_loop(model, forward, cache, batch: InputBatch, mode: BatchMode, K: int):
     """Up to K one-token steps: ``forward(cache, tokens [R, 1], positions [R, 1], done [R]) -> (h, cache)``,
-    then sample, feed back, stop rows; ``fixed``: all K steps (`decode_loop_choice`), else the loop ends once every
-    row has stopped. batch: tokens / start / limit [R], stop_ids [R, M], sampling.
+    then sample, feed back, stop rows. batch: tokens / start / limit [R], stop_ids [R, M], sampling.
     -> (cache, dict(ids [R, K], count [R], logprobs ...))."""
     tokens, start, limit, stop_ids, rows = batch.tokens, batch.start, batch.limit, batch.stop_ids, batch.sampling
     R = tokens.shape[0]
@@ -132,11 +102,7 @@ def decode_loop(model, forward, cache, batch: InputBatch, mode: BatchMode, K: in
         return i + 1, cache, new, done, count, rows, out
 
     carry = (jnp.int32(0), cache, tokens, done, count, rows, out)
-    if fixed:
-        carry = jax.lax.fori_loop(0, K, lambda _, c: body(c), carry)
-    else:
-        carry = jax.lax.while_loop(cond, body, carry)
-    _, cache, _, _, count, _, out = carry
+    _, cache, _, _, count, _, out = jax.lax.while_loop(cond, body, carry)
     result = {k: jnp.swapaxes(v, 0, 1) for k, v in out.items()}  # [R, K, ...]
     result["count"] = count
     return cache, result

@@ -65,7 +65,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_kernels.paged_decode import kernel_applies
 from pallas_kernels.paged_decode import prepare as prepare_paged_decode
 from surojax.generation.sampling import MAX_TOP_LOGPROBS, BatchMode, SamplingParams
-from surojax.kernel_settings import DecodeLoop
 from surojax.models.decoder import Decoder
 from surojax.models.kv import PagedKernel, StateCache
 from surojax.models.vision.inputs import VisionTokens
@@ -76,7 +75,6 @@ from surojax.serve.kv_fp8 import KVScales, check_pool_dtype, is_fp8, kv_scales
 from surojax.serve.kv_paged import PagedAccess, paged_step, verify_step
 from surojax.serve.kv_pools import kv_pools
 from surojax.serve.kv_reference import ReferenceAccess
-from surojax.serve.multi_step import decode_loop_choice
 from surojax.serve.prompt_logprobs import PromptLogprob, prompt_targets, read_rows, target_rows
 from surojax.serve.request_images import chunk_images, group_rope_delta, group_rope_positions
 from surojax.serve.scheduler import ScheduledRequest
@@ -222,8 +220,7 @@ class PagedRunner:
         self.settings = StepSettings(  # fields a path does not read keep their defaults: one compile, not two
             block_size=block_size, pools=self.pools if self.paged else (), lora=self.lora,
             unroll=True if unroll_layers else 1, kernel=self.kernel, scales=self.kv_scales,
-            kv_in_place=kv_in_place and not self.paged, hidden=hidden_sink is not None,
-            loop=decode_loop_choice() if decode_steps > 1 else DecodeLoop.WHILE)
+            kv_in_place=kv_in_place and not self.paged, hidden=hidden_sink is not None)
         if hidden_sink is not None and not self.paged:
             raise ValueError("PagedRunner: a hidden-state sink (MTP speculation) needs a paged KV path")
         self.hidden_sink = hidden_sink

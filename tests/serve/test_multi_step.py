@@ -1,6 +1,6 @@
 """Multi-step decode (``decode_steps`` K > 1): K decode steps per device call give the same tokens, logprobs and
 texts as K = 1 (greedy and seeded rows, penalties, stop ids, stop strings, max_tokens not a multiple of K,
-an abort between calls; the loop that stops with its rows and the one of K steps a GPU runs), and the scheduler reserves lookahead blocks without leaking or publishing them early."""
+an abort between calls), and the scheduler reserves lookahead blocks without leaking or publishing them early."""
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +8,6 @@ import pytest
 
 from surojax.data.tokenizer import Tokenizer
 from surojax.generation.sampling import SamplingParams
-from surojax.kernel_settings import use_kernel_settings
 from surojax.serve.config import SchedulerConfig
 from surojax.serve.engine import Engine
 from surojax.serve.kv_cache import KVCacheManager
@@ -55,10 +54,7 @@ def run(eng, requests, abort_after=None):
             [reason.get(r) for r in rids])
 
 
-@pytest.mark.parametrize("loop", ["while", "fixed", "graph"])
-def test_mixed_batch_equals_single_steps(model, loop):
-    """`fixed`: the loop of known trip count a GPU runs (all K steps, stopped rows masked); `graph`: the same call
-    compiled with its loops in CUDA graphs (the options are a GPU's: here the fixed loop, another compiled call)."""
+def test_mixed_batch_equals_single_steps(model):
     rng = np.random.default_rng(0)
     ps = [rng.integers(1, 500, size=n).tolist() for n in (9, 5, 13, 7)]
     single = engine(model, 1).generate([ps[0]], 11)[0]
@@ -69,9 +65,7 @@ def test_mixed_batch_equals_single_steps(model, loop):
                                    presence_penalty=0.2, seed=1)),
             (ps[3], SamplingParams(max_tokens=10, stop_token_ids=(stop_id,)))]
     ref = run(engine(model, 1), reqs)
-    with use_kernel_settings(decode_loop=loop):
-        eng = engine(model, 4)
-    assert eng.runner.settings.loop == loop
+    eng = engine(model, 4)
     got = run(eng, reqs)
     assert eng.scheduler.num_multi_steps > 0 and eng.runner.num_multi_calls > 0
     assert got[0] == ref[0] and got[3] == ref[3]
@@ -79,8 +73,7 @@ def test_mixed_batch_equals_single_steps(model, loop):
         assert abs(a[0] - b[0]) < 1e-5 and [i for i, _ in a[1]] == [i for i, _ in b[1]]
     assert len(got[0][0]) == 11 and len(got[0][2]) == 7  # max_tokens not a multiple of K
     # alone equals batched
-    with use_kernel_settings(decode_loop=loop):
-        assert run(engine(model, 4), reqs[1:2])[0][0] == got[0][1]
+    assert run(engine(model, 4), reqs[1:2])[0][0] == got[0][1]
 
 
 def test_stop_strings_and_abort_mid_run(model, tok):
