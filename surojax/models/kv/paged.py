@@ -179,21 +179,25 @@ class PagedLayerKV:
 
 
 def _write_blocks(pool, layer, x, slots, bs: int):
-    """`PagedLayerKV.write` of a fresh call with T a multiple of bs, block by block: pool [L, N, K, H], x [B, T, K,
-    H], slots [B, T] (N: not written) -> the same pool as the token-by-token scatter, written as one scatter row
-    per block (B T / bs rows of bs K H values) instead of one per token (an element scatter ran at ~0.2 TB/s in
-    a 16 x 512 prefill, session 26). A fresh row's tokens start at position 0, so its j-th block holds its tokens
-    j bs .. j bs + bs - 1; a block whose first token is padding is dropped, and in a row's last, partly filled
-    block the padding positions keep the pool's values (read with the block)."""
+    """`PagedLayerKV.write` of a fresh call with T a multiple of bs: pool [L, N, K, H], x [B, T, K, H], slots
+    [B, T] (N: not written) -> the same pool as the token-by-token scatter. A fresh row's real tokens are a prefix
+    of the row starting at position 0, so its j-th block holds its tokens j bs .. j bs + bs - 1: the row's full
+    blocks go in as one scatter row per block (an element scatter ran at ~0.2 TB/s in a 16 x 512 prefill, session
+    26) and the tokens of its last, partly filled block (at most bs - 1) by the token scatter. Nothing is read
+    from the pool: reading the partial block back to merge it (session 26's first version) made XLA copy the
+    whole pool once per layer on the GPU (a 73 ms memcpy in a 16 x 512 prefill, session 27)."""
     L, N, K, H = pool.shape
     B, T = slots.shape
     nb = N // bs
-    blocks = slots[:, ::bs] // bs  # [B, T / bs]: nb (out of range: dropped) where the block starts with padding
-    by_block = pool.reshape(L, nb, bs, K, H)
-    old = by_block[layer, jnp.minimum(blocks, nb - 1)]  # [B, T / bs, bs, K, H]
-    real = (slots < N).reshape(B, T // bs, bs, 1, 1)
-    new = jnp.where(real, x.astype(pool.dtype).reshape(B, T // bs, bs, K, H), old)
-    return by_block.at[layer, blocks].set(new, mode="drop").reshape(L, N, K, H)
+    x = x.astype(pool.dtype)
+    full = jnp.sum(slots < N, axis=1) // bs  # [B] blocks whose bs slots are all real
+    first = slots[:, ::bs] // bs  # [B, T / bs]: the block of each block-start token
+    blocks = jnp.where(jnp.arange(T // bs)[None, :] < full[:, None], first, nb)  # nb: dropped
+    pool = pool.reshape(L, nb, bs, K, H).at[layer, blocks].set(x.reshape(B, T // bs, bs, K, H), mode="drop")
+    tail = full[:, None] * bs + jnp.arange(bs)[None, :]  # [B, bs] the partial block's token indices
+    tail_slots = jnp.where(tail < T, jnp.take_along_axis(slots, jnp.minimum(tail, T - 1), axis=1), N)
+    tail_x = jnp.take_along_axis(x, jnp.minimum(tail, T - 1)[:, :, None, None], axis=1)
+    return pool.reshape(L, N, K, H).at[layer, tail_slots].set(tail_x, mode="drop")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],
