@@ -173,9 +173,10 @@ def main(argv=None) -> int:
         p.error(f"--shape {a.shape} is not a MoE shape")
     print(f"# {a.shape}: E {cfg.moe.num_experts}, k {cfg.moe.experts_per_token}, auto gathers up to "
           f"{int(cfg.moe.num_experts * GATHER_CROSSOVER) // cfg.moe.experts_per_token} rows", flush=True)
-    results = [r for fmt in a.formats for r in layer_rows(a, cfg, fmt)]
-    if not a.no_engine:
-        results += engine_rows(a)
+    # the engine's child processes first: once this process has used the GPU, jax holds most of its memory
+    # (preallocation) and a child serving the whole model runs out of it (session 26 and 27's engine rows)
+    results = [] if a.no_engine else engine_rows(a)
+    results = [r for fmt in a.formats for r in layer_rows(a, cfg, fmt)] + results
     print()
     print(table(results))
     return 0

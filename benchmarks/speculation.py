@@ -2,7 +2,7 @@
 users.
 
 What runs: our Engine in-process (no HTTP), greedy, ignore-eos, one round of `--users` concurrent requests per
-(workload, method), after a warm-up run of the same shapes (compiles; not measured). The engine helpers (model
+(workload, method), after a warm-up that is the same run untimed (compiles every call it makes). The engine helpers (model
 build, `EngineConfig`, buckets, statistics) are benchmarks/serve_load.py's. Weights are random, so prompts are
 token ids built to make the workloads' structure visible to prompt lookup:
 
@@ -109,7 +109,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_load import (_num_compiled, bench_buckets, emit, engine_config, serve_decode_steps,  # noqa: E402
-                                   summarize, warmup_tokens)
+                                   summarize)
 
 WORKLOADS = ("repeat", "code", "chat")
 METHODS = ("off", "ngram", "draft", "mtp")
@@ -384,8 +384,10 @@ def bench_shape(a, shape: str) -> tuple[list[dict], bool]:
                           flush=True)
                     continue
                 try:
-                    run(a, model, draft, method, workload, users, max(a.num_spec + 4, warmup_tokens(a.off_decode_steps)),
-                        seed + 1, "warmup", head)
+                    # the warm-up is the measured run itself, untimed: greedy decoding repeats its calls exactly,
+                    # so every shape it meets (verify, multi-step, prefill) is compiled before the timed run; a
+                    # shorter or other warm-up can miss one (session 27: the verify call compiled while measuring)
+                    run(a, model, draft, method, workload, users, a.max_tokens, seed, "warmup", head)
                 except HybridServingError as e:
                     print(f"# {a.shape} {method}: skipped: {e}", flush=True)
                     continue
