@@ -47,8 +47,8 @@ What the code said before this branch, and what the branch changed (runner.py `_
 kv/paged.py `PagedLayerKV.update_and_attend`):
 * The attention of a prefill on the paged pool writes the new k/v, gathers each row's whole context bucket S back
   out of the pool and runs the layer's DENSE attention with a [B, T, S] mask (kv/meta.py `AttendSpec.attend`).
-  `surojax serve --attention` defaults to xla (serve/config.py `ServeConfig.attention`; serve_load.py builds its
-  model with attention="xla"): `xla_attention` (models/layers/attention.py) materialises fp32 scores
+  `surojax serve --attention` defaulted to xla then (`auto`, cuDNN on a GPU, since session 27; serve/config.py
+  `ServeConfig.attention`): `xla_attention` (models/layers/attention.py) materialises fp32 scores
   [B, K, G, T, S] (16 x 512 prompts with serve_load's S = 768: 400 MB a layer, x 28 layers, written, transposed,
   soft-maxed, read again). cuDNN (--attention cudnn) runs the same dense mask as a flash kernel with a bf16 bias.
   CHANGED: a call whose rows all start at 0 (new prompts, no prefix hit) is `fresh`: it attends over its own
@@ -471,7 +471,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-0.6b")
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma list of PxL[+C][&PxL[+C]...] (module docstring)")
-    p.add_argument("--attention", default="xla", help="comma list of backends (xla: the server's default, cudnn)")
+    p.add_argument("--attention", default="auto",
+                   help="comma list of backends (auto: the server's default, cuDNN on a GPU; xla, cudnn)")
     p.add_argument("--fresh", default="on,off", help="comma list: on = the runner's fresh prefill (new prompts "
                    "attend over their own tokens), off = every prefill reads its context back from the pool")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")

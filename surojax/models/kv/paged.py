@@ -117,8 +117,10 @@ class PagedLayerKV:
         if self.fresh and T % bs == 0:  # every row starts at position 0: its tokens fill its blocks from the first slot
             return dataclasses.replace(self, k=_write_blocks(self.k, l, k, slots, bs),
                                        v=_write_blocks(self.v, l, v, slots, bs))
-        return dataclasses.replace(self, k=self.k.at[l, slots].set(k.astype(self.k.dtype), mode="drop"),
-                                   v=self.v.at[l, slots].set(v.astype(self.v.dtype), mode="drop"))
+        # unique_indices: a row's new tokens take distinct slots of its own blocks (padding: N, dropped); without
+        # the promise XLA's GPU scatter writes every element by an atomic read-modify-write (bf16: a CAS loop)
+        write = functools.partial(_set_slots, layer=l, slots=slots)
+        return dataclasses.replace(self, k=write(self.k, k), v=write(self.v, v))
 
     def read(self, block_table, dtype) -> tuple[jax.Array, jax.Array]:
         """block_table [B, NB] -> this layer's k, v [B, NB * bs, K, H] (view slot j = token position j)."""
@@ -178,14 +180,21 @@ class PagedLayerKV:
         return spec.attend(q, ck, cv, meta), kv
 
 
+def _set_slots(pool, x, *, layer, slots):
+    """pool [L, N, K, H] with x [B, T, K, H] written at (layer, slots [B, T]); slots >= N dropped. The in-bound slots
+    are distinct (the caller's promise: a token's slot belongs to its row alone), so XLA writes plain stores."""
+    return pool.at[layer, slots].set(x.astype(pool.dtype), mode="drop", unique_indices=True)
+
+
 def _write_blocks(pool, layer, x, slots, bs: int):
     """`PagedLayerKV.write` of a fresh call with T a multiple of bs: pool [L, N, K, H], x [B, T, K, H], slots
     [B, T] (N: not written) -> the same pool as the token-by-token scatter. A fresh row's real tokens are a prefix
     of the row starting at position 0, so its j-th block holds its tokens j bs .. j bs + bs - 1: the row's full
-    blocks go in as one scatter row per block (an element scatter ran at ~0.2 TB/s in a 16 x 512 prefill, session
-    26) and the tokens of its last, partly filled block (at most bs - 1) by the token scatter. Nothing is read
-    from the pool: reading the partial block back to merge it (session 26's first version) made XLA copy the
-    whole pool once per layer on the GPU (a 73 ms memcpy in a 16 x 512 prefill, session 27)."""
+    blocks go in as one scatter row per block and the tokens of its last, partly filled block (at most bs - 1) by
+    the token scatter, both with distinct in-bound indices (`_set_slots`). Nothing is read from the pool: reading
+    the partial block back to merge it (session 26's first version) made XLA copy the whole pool once per layer on
+    the GPU (a 73 ms memcpy in a 16 x 512 prefill, session 27). Either scatter without unique_indices ran at
+    ~0.1-0.2 TB/s there (4.6 ms of a 26 ms 16 x 512 call): XLA's GPU scatter then writes by atomics."""
     L, N, K, H = pool.shape
     B, T = slots.shape
     nb = N // bs
@@ -193,11 +202,12 @@ def _write_blocks(pool, layer, x, slots, bs: int):
     full = jnp.sum(slots < N, axis=1) // bs  # [B] blocks whose bs slots are all real
     first = slots[:, ::bs] // bs  # [B, T / bs]: the block of each block-start token
     blocks = jnp.where(jnp.arange(T // bs)[None, :] < full[:, None], first, nb)  # nb: dropped
-    pool = pool.reshape(L, nb, bs, K, H).at[layer, blocks].set(x.reshape(B, T // bs, bs, K, H), mode="drop")
+    pool = pool.reshape(L, nb, bs, K, H).at[layer, blocks].set(x.reshape(B, T // bs, bs, K, H), mode="drop",
+                                                           unique_indices=True)
     tail = full[:, None] * bs + jnp.arange(bs)[None, :]  # [B, bs] the partial block's token indices
     tail_slots = jnp.where(tail < T, jnp.take_along_axis(slots, jnp.minimum(tail, T - 1), axis=1), N)
     tail_x = jnp.take_along_axis(x, jnp.minimum(tail, T - 1)[:, :, None, None], axis=1)
-    return pool.reshape(L, N, K, H).at[layer, tail_slots].set(tail_x, mode="drop")
+    return _set_slots(pool.reshape(L, N, K, H), tail_x, layer=layer, slots=tail_slots)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "block_table", "lengths"],
@@ -238,8 +248,8 @@ class PagedKVCache(OneStack):
         write = jnp.where((segment_ids > 0) & (p < S), block * bs + p % bs, N).astype(jnp.int32)
         j = jnp.arange(S, dtype=jnp.int32)[None, :]
         ctx = j < self.lengths[:, None]
-        kv_seg = ctx.astype(jnp.int32).at[rows, p].set(segment_ids, mode="drop")
-        kv_pos = jnp.where(ctx, j, 0).astype(jnp.int32).at[rows, p].set(positions, mode="drop")
+        kv_seg = ctx.astype(jnp.int32).at[rows, p].set(segment_ids, mode="drop", unique_indices=True)
+        kv_pos = jnp.where(ctx, j, 0).astype(jnp.int32).at[rows, p].set(positions, mode="drop", unique_indices=True)
         lengths = self.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32)
         meta = PagedKVMeta(segment_ids, positions, write, kv_seg, kv_pos, self.block_table, lengths)
         return meta, dataclasses.replace(self, lengths=lengths)
