@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the draft model (same tokenizer / vocabulary as MODEL; any supported family)")
     parser.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                         help=f"tokens proposed per sequence per step (default {_SPEC.num_tokens})")
+    parser.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None, metavar="N",
+                        help="ngram: no speculation in a step with more than N running requests (default: never)")
     parser.add_argument("--log-level", default=_SERVE.log_level)
 
 
@@ -168,11 +170,14 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         try:
             speculative = SpeculativeConfig(SpecMethod(args.speculative_method),
                                             num_tokens=args.num_speculative_tokens or _SPEC.num_tokens,
-                                            model=args.speculative_model)
+                                            model=args.speculative_model,
+                                            disable_by_batch_size=args.speculative_disable_by_batch_size)
         except ValueError as e:
             raise ServeOptionError(str(e)) from None
-    elif args.speculative_model is not None or args.num_speculative_tokens is not None:
-        raise ServeOptionError("--speculative-model and --num-speculative-tokens need --speculative-method")
+    elif (args.speculative_model is not None or args.num_speculative_tokens is not None
+          or args.speculative_disable_by_batch_size is not None):
+        raise ServeOptionError("--speculative-model, --num-speculative-tokens and --speculative-disable-by-batch-size "
+                               "need --speculative-method")
     method = speculative.method if speculative is not None else None
     if method is SpecMethod.MTP and args.enable_lora:
         raise ServeOptionError("--speculative-method mtp is not supported with --enable-lora (the checkpoint's MTP "

@@ -69,6 +69,7 @@ class ModelEntry(StrictModel):
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int | None = Field(None, gt=0)
+    speculative_disable_by_batch_size: int | None = Field(None, gt=0)
     sleep_after_idle_s: float | None = Field(None, gt=0)
 
 

@@ -96,19 +96,28 @@ class SpeculativeConfig:
     """Speculative decoding (`serve.speculative`): `num_tokens` K proposals per decoding sequence per step,
     verified in one target forward over K + 1 positions. method: `SpecMethod`; model: the draft model reference
     (DRAFT only: any folder or file the model loader takes, same vocabulary as the target); ngram_max /
-    ngram_min: the n-gram lengths tried, longest first (NGRAM only)."""
+    ngram_min: the n-gram lengths tried, longest first (NGRAM only); disable_by_batch_size (vLLM's key, NGRAM only):
+    a step with more running requests than this speculates for none of them (they decode plainly, multi-step
+    included: at 16 users n-gram ran at 0.88x of off on an H100, at one user 1.65x; RESULTS.md session 27); None:
+    never."""
 
     method: SpecMethod
     num_tokens: int = 4
     model: str | None = None
     ngram_max: int = 3
     ngram_min: int = 1
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.method, SpecMethod):
             raise TypeError(f"SpeculativeConfig: method must be a SpecMethod, got {self.method!r}")
         _positive("SpeculativeConfig", num_tokens=self.num_tokens, ngram_max=self.ngram_max,
                   ngram_min=self.ngram_min)
+        if self.disable_by_batch_size is not None:
+            _positive("SpeculativeConfig", disable_by_batch_size=self.disable_by_batch_size)
+            if self.method is not SpecMethod.NGRAM:
+                raise ValueError(f"--speculative-disable-by-batch-size is only read by --speculative-method ngram "
+                                 f"({self.method.value}'s proposer keeps its own pool in step with every token)")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"SpeculativeConfig: ngram_min {self.ngram_min} > ngram_max {self.ngram_max}")
         if self.method is SpecMethod.DRAFT and not self.model:

@@ -307,14 +307,17 @@ class Engine:
     # ---- speculation ------------------------------------------------------------------------------------------
     def _speculative_tokens(self, req: Request) -> int:
         """The proposals a decoding request has this step: 0 for requests the verify step cannot serve (penalties,
-        logprobs, images); n-gram: the tokens prompt lookup finds (kept for `_speculate`; 0 when nothing recurs, so
-        the request decodes plainly, multi-step included); a draft / MTP head proposes K."""
+        logprobs, images); n-gram: the tokens prompt lookup finds (kept for `_speculate`; 0 when nothing recurs or
+        more requests run than `disable_by_batch_size`, so the request decodes plainly, multi-step included); a
+        draft / MTP head proposes K."""
         sp = req.sampling_params
         if (isinstance(sp, SamplingParams) and not speculation_allowed(sp)) or req.images is not None:
             return 0
         spec = self.config.speculative
         if spec.method is not SpecMethod.NGRAM:
             return spec.num_tokens
+        if spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size:
+            return 0
         found = self._ngram.get(req.request_id)  # asked again in one schedule (multi-step check, then the step)
         if found is None:
             found = self._ngram[req.request_id] = ngram_propose(req.all_token_ids, spec.num_tokens, spec.ngram_max,

@@ -83,6 +83,16 @@ def test_ngram_greedy_equals_plain_and_seeds_are_batch_independent(target, plain
     assert alone == batched and len(alone) == 12
 
 
+def test_ngram_is_off_in_steps_with_more_running_requests_than_disable_by_batch_size(target, plain):
+    """vLLM's disable_by_batch_size: with 4 requests running and the bound at 3 nothing is speculated (the same
+    tokens); the repetitive prompt alone, under the bound, is."""
+    spec = SpeculativeConfig(SpecMethod.NGRAM, 3, disable_by_batch_size=3)
+    eng = Engine(target, engine_config(speculative=spec, **SIZES))
+    assert run(eng, requests()) == plain and eng.spec_stats.row_steps == 0
+    alone = Engine(target, engine_config(speculative=spec, **SIZES))
+    assert run(alone, requests()[:1]) == plain[:1] and alone.spec_stats.accepted > 0
+
+
 def test_draft_greedy_equals_plain(target, plain):
     eng = spec_engine(target, SpecMethod.DRAFT, draft=load_model(DRAFT, attention="xla"))
     assert run(eng, requests()) == plain
@@ -191,12 +201,17 @@ def test_settings_are_read_or_refused():
     for flags, msg in [(("--speculative-method", "draft"), "needs a draft model"),
                        (("--speculative-method", "ngram", "--speculative-model", "d"), "only read by"),
                        (("--num-speculative-tokens", "3"), "need --speculative-method"),
+                       (("--speculative-disable-by-batch-size", "4"), "need --speculative-method"),
+                       (("--speculative-method", "draft", "--speculative-model", "d",
+                         "--speculative-disable-by-batch-size", "4"), "only read by --speculative-method ngram"),
                        (("--speculative-method", "mtp", "--enable-lora"), "enable-lora"),
                        (("--speculative-method", "draft", "--speculative-model", "d", "--decode-steps", "4"),
                         "decode-steps"),
                        (("--speculative-method", "ngram", "--kv-path", "reference"), "paged")]:
         with pytest.raises(ServeOptionError, match=msg):
             config(*flags)
+    assert config("--speculative-method", "ngram", "--speculative-disable-by-batch-size", "4").engine.speculative == \
+        SpeculativeConfig(SpecMethod.NGRAM, disable_by_batch_size=4)
     ngram = config("--speculative-method", "ngram", "--enable-lora")  # n-gram: multi-step and LoRA rows too
     assert ngram.engine.scheduler.decode_steps == 8 and ngram.lora is not None
     assert config("--speculative-method", "draft", "--speculative-model", "d").engine.scheduler.decode_steps == 1
