@@ -32,3 +32,23 @@ def test_bad_values_are_refused():
         SchedulerConfig(decode_steps=3)
     with pytest.raises(ValueError, match="memory_utilization"):
         EngineConfig(memory_utilization=1.5)
+
+
+def test_the_server_turns_on_the_persistent_compilation_cache_before_it_builds(monkeypatch):
+    """`surojax serve` enables JAX's compilation cache (as training does; a no-op on a CPU) before the model loads
+    and compiles, so a restarted server loads its compiled calls from disk."""
+    import types
+
+    import uvicorn
+
+    from surojax.serve import launch
+
+    order = []
+    monkeypatch.setattr(launch, "enable_compilation_cache", lambda platform: order.append(("cache", platform)))
+    engine = types.SimpleNamespace(shutdown=lambda: order.append("shutdown"))
+    monkeypatch.setattr(launch, "build_server", lambda config: (order.append("build") or "app",
+                                                                 types.SimpleNamespace(engine=engine)))
+    monkeypatch.setattr(launch, "freeze_heap", lambda: None)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: order.append(("run", app)))
+    assert launch.serve(ServeConfig(model="m")) == 0
+    assert order == [("cache", "cpu"), "build", ("run", "app"), "shutdown"]
