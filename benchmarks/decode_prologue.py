@@ -37,8 +37,9 @@ def run(name, n, k, h, layers, m, slots_total, smoke):
     qkv, cos, sin = a(m, (n + 2 * k) * h), a(m, h), a(m, h)
     qw, kw = a(h) * 0.1 + 1, a(h) * 0.1 + 1
     slots = jnp.asarray(rng.choice(slots_total, m, replace=False), jnp.int32).at[-1].set(slots_total if m > 1 else 0)
-    pool = lambda: jnp.asarray(rng.standard_normal((layers, slots_total, k, h)), dt)  # noqa: E731
-    kp, vp = pool(), pool()
+    # the pools drawn on the device: numpy's float64 normals of 28 x 65,536 x 8 x 128 took most of a minute each
+    # (session 27's GPU call timed out after the first row)
+    kp, vp = (jax.random.normal(jax.random.key(i), (layers, slots_total, k, h), dt) for i in (1, 2))
     kw_ = dict(q_norm_weight=qw, k_norm_weight=kw)
     got = decode_prologue(qkv, cos, sin, kp, vp, 1, slots, num_heads=n, norm="plain", **kw_)
     want = decode_prologue_ref(qkv, cos, sin, kp, vp, 1, slots, num_heads=n, num_kv_heads=k, **kw_)
