@@ -38,7 +38,7 @@ def choose(w, mode: str = "auto") -> str:
 
 def gathered_gemv(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, layer: jax.Array | int | None = None,
                   tiles: GatheredTiles | None = None, interpret: bool | None = None) -> jax.Array:
-    """y [A, O] by the kernel (module docstring); interpret: default off on a GPU, on elsewhere. Raises
+    """y [A, O] by the kernel (module docstring); interpret: default off on a GPU backend, on elsewhere. Raises
     ValueError naming what does not fit: shapes, a non-float x or w, non-integer ids, a layer index without a
     stack (or a stack without one)."""
     if x.ndim != 2 or expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
@@ -63,7 +63,7 @@ def gathered_gemv(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, layer: j
         raise ValueError(f"gathered GEMV: x {x.shape} [A, I], w {w.shape} [E, I, O]")
     tiles = fit(tiles or TILES, w.shape[1], w.shape[2])
     return gathered_gemv_kernel(x, w, expert_ids, base, num_experts=num_experts, tiles=tiles,
-                                interpret=(not on_gpu()) if interpret is None else interpret)
+                                interpret=jax.default_backend() != "gpu" if interpret is None else interpret)
 
 
 __all__ = ["MODES", "TILES", "GatheredTiles", "choose", "gathered_gemv", "on_gpu"]

@@ -16,11 +16,19 @@ y is cast back to x's dtype. Differentiable: the gradient of the gather is a sca
 A quantised weight (any pytree with `take_experts(ids)` and `dequantize(dtype)`, surojax.quant's formats) is
 gathered in its packed form (codes and scales of the A experts only) and dequantised after the gather, so the
 bytes read are the active experts' quantised bytes. Imports nothing from surojax.
+
+`kernel` (the caller's mode: surojax passes SUROJAX_MOE_GATHER_KERNEL): "pallas" sends a plain float w on a GPU
+to the gathered GEMV kernel (pallas_kernels.gathered_gemv: each routed expert's tiles read in place, no gathered
+copy written; the same math, only the summation order differs); off a GPU, or for a quantised w, this XLA path
+runs whatever the mode. "auto" and "xla" keep the XLA path (the kernel is unmeasured). Differentiated, the kernel
+call has this path's gradient (`_kernel_dot`'s backward is the XLA path's VJP), so training is unchanged.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.gathered_gemv.api import choose, gathered_gemv
 
 
 def rowwise_dot(x: jax.Array, w_rows: jax.Array) -> jax.Array:
@@ -29,9 +37,34 @@ def rowwise_dot(x: jax.Array, w_rows: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def gathered_dot(x: jax.Array, w, expert_ids: jax.Array) -> jax.Array:
+def _xla_dot(x: jax.Array, w: jax.Array, expert_ids: jax.Array) -> jax.Array:
+    return rowwise_dot(x, jnp.take(w, expert_ids, axis=0))
+
+
+@jax.custom_vjp
+def _kernel_dot(x: jax.Array, w: jax.Array, expert_ids: jax.Array) -> jax.Array:
+    """The gathered GEMV kernel's forward, the XLA path's backward (the kernel is for serving decode)."""
+    return gathered_gemv(x, w, expert_ids)
+
+
+def _kernel_fwd(x, w, expert_ids):
+    return _kernel_dot(x, w, expert_ids), (x, w, expert_ids)
+
+
+def _kernel_bwd(res, g):
+    x, w, expert_ids = res
+    _, vjp = jax.vjp(lambda x, w: _xla_dot(x, w, expert_ids), x, w)
+    return (*vjp(g), None)
+
+
+_kernel_dot.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def gathered_dot(x: jax.Array, w, expert_ids: jax.Array, *, kernel: str = "xla") -> jax.Array:
     """y[a] = x[a] @ w[expert_ids[a]] -> [A, O] in x's dtype (module docstring). w: [E, I, O] or a quantised
-    pytree of E stacked experts (`take_experts`)."""
+    pytree of E stacked experts (`take_experts`); kernel: auto | pallas | xla (pallas_kernels.gathered_gemv.choose:
+    the kernel for a plain w on a GPU under pallas)."""
+    path = choose(w, kernel)  # refuses a mode it does not know, whatever w is
     if x.ndim != 2 or expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
         raise ValueError(f"gathered_dot: x {x.shape} [A, I], expert_ids {expert_ids.shape} {expert_ids.dtype} "
                          "[A] integers")
@@ -40,6 +73,8 @@ def gathered_dot(x: jax.Array, w, expert_ids: jax.Array) -> jax.Array:
     else:
         if w.ndim != 3 or w.shape[1] != x.shape[1]:
             raise ValueError(f"gathered_dot: x {x.shape} [A, I], w {w.shape} [E, I, O]")
+        if path == "pallas":
+            return _kernel_dot(x, w, expert_ids)
         w_rows = jnp.take(w, expert_ids, axis=0)  # [A, I, O]
     if w_rows.shape[:2] != x.shape:
         raise ValueError(f"gathered_dot: x {x.shape} [A, I], the gathered experts {w_rows.shape} [A, I, O]")
