@@ -4,8 +4,11 @@
     python benchmarks/moe_decode.py --smoke                         # CPU: debug-moe, tiny lengths
     python benchmarks/moe_decode.py --no-engine --rows 1,8,16,32,64 # the layer timings alone (the crossover)
 
-Two measurements, each under both paths (the kernel setting SUROJAX_MOE_DECODE = gather / grouped; `auto` picks
-the gather while rows x k <= E x GATHER_CROSSOVER):
+Two measurements, each under every path of --paths (the kernel setting SUROJAX_MOE_DECODE = gather / grouped;
+`auto` picks the gather while rows x k <= E x GATHER_CROSSOVER; `gather_pallas` = the gather with
+SUROJAX_MOE_GATHER_KERNEL=pallas: the gathered GEMV kernel reads each routed expert in place, no gathered copy.
+Off a GPU the kernel setting is ignored, so there gather_pallas times the XLA gather again (--smoke checks that
+the path runs, not the kernel); the kernel takes plain experts only, so gather_pallas is skipped for --quant):
 
   layer   --layers MoE layers of the shape (random weights, --dtype or a --quant expert format: random codes),
           applied in sequence (x += moe(x)) to R rows, one jitted call; µs per layer for each R in --rows. The
@@ -36,7 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-PATHS = ("gather", "grouped")
+PATHS = ("gather", "grouped", "gather_pallas")
+# path -> (SUROJAX_MOE_DECODE, SUROJAX_MOE_GATHER_KERNEL) in the layer timing; the engine runs `gather` as auto
+SETTINGS = {"gather": ("gather", "xla"), "grouped": ("grouped", "xla"), "gather_pallas": ("gather", "pallas")}
 
 
 def expert_bytes(cfg, fmt: str | None, dtype) -> float:
@@ -88,16 +93,21 @@ def layer_rows(a, cfg, fmt: str | None) -> list[dict]:
         x = jax.random.normal(jax.random.key(R), (R, 1, cfg.hidden_size), dtype)
         seg = jnp.ones((R, 1), jnp.int32)
         for path in a.paths:
+            if fmt and path == "gather_pallas":
+                continue  # the kernel takes plain experts only
+
             def run(state, x):
                 for m in nnx.merge(graphdef, state):
                     x = x + m(x, seg)[0]
                 return x
 
-            with use_kernel_settings(moe_decode=path):  # a fresh jit per path: the setting is read at trace time
+            decode, gather_kernel = SETTINGS[path]
+            # a fresh jit per path: the settings are read at trace time
+            with use_kernel_settings(moe_decode=decode, moe_gather_kernel=gather_kernel):
                 fn = jax.jit(run)
                 sec = timeit(fn, state, x, iters=a.iters)
             us = sec / a.layers * 1e6
-            nbytes = (R * k if path == "gather" else E) * per_expert
+            nbytes = (E if path == "grouped" else R * k) * per_expert
             r = dict(kind="layer", shape=a.shape, experts=fmt or a.dtype, rows=R, path=path, us_per_layer=us,
                      mb_per_layer=nbytes / 1e6, tb_per_s=nbytes / (us * 1e-6) / 1e12,
                      ms_per_token_all_layers=us * cfg.num_layers / 1e3,
@@ -112,14 +122,18 @@ def engine_rows(a) -> list[dict]:
     out = []
     for fmt in a.formats:
         for path in a.paths:
+            if fmt and path == "gather_pallas":
+                continue
             cmd = [sys.executable, str(ROOT / "benchmarks/serve_load.py"), "--modes", "engine", "--users", "1",
                    "--rounds", "1", "--shape", a.shape, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
                    "--max-tokens", str(a.max_tokens)] + (["--quant", fmt] if fmt else [])
             # the gathered path through `auto`: it gathers the decode calls' few rows and keeps the grouped GEMM for
             # the prefill (forced `gather` there gathers 128 rows x 8 experts' weights, ~10 GB a layer in bf16 at
             # Qwen3-30B-A3B shapes: the engine ran out of memory that way on an H100, session 26)
-            setting = "auto" if path == "gather" else path
-            p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SUROJAX_MOE_DECODE": setting})
+            decode, gather_kernel = SETTINGS[path]
+            env = {**os.environ, "SUROJAX_MOE_DECODE": "auto" if decode == "gather" else decode,
+                   "SUROJAX_MOE_GATHER_KERNEL": gather_kernel}
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
             got = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if p.returncode or not got:
                 print(f"# engine {path} {fmt or a.dtype} failed (exit {p.returncode}): {p.stderr[-2000:]}", flush=True)
@@ -153,7 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-engine", action="store_true", help="the layer timings alone")
-    p.add_argument("--paths", default=",".join(PATHS), help="comma list of the paths timed (gather, grouped)")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma list of the paths timed (gather, grouped, "
+                                                               "gather_pallas)")
     p.add_argument("--smoke", action="store_true", help="CPU: debug-moe, float32, tiny lengths")
     a = p.parse_args(argv)
     if a.smoke:
