@@ -10,7 +10,8 @@ environment): auto | pallas | xla.
             which call gathered_gemv directly)
     xla     never
     auto    XLA: the kernel is not measured on a GPU yet (benchmarks/moe_decode.py --paths gather,gather_pallas)
-`choose(w, mode)` says which path a call takes. No gradient here: pallas_kernels.grouped_matmul.gathered gives the
+`choose(w, mode)` says which path a call takes; `converts(mode)` whether a server should hand the kernel its layer
+stacks of plain experts whole (surojax.quant.expert_stack: a scan slice feeding the kernel would be copied). No gradient here: pallas_kernels.grouped_matmul.gathered gives the
 kernel the XLA path's backward.
 """
 from __future__ import annotations
@@ -28,11 +29,21 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def choose(w, mode: str = "auto") -> str:
-    """'pallas' or 'xla' for a gathered product of weight w under `mode` (module docstring)."""
+def converts(mode: str = "auto") -> bool:
+    """Whether a server's plain expert stacks should be read in place by the kernel under `mode`."""
+    _check_mode(mode)
+    return mode == "pallas" and on_gpu()
+
+
+def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"gathered GEMV mode {mode!r}: expected one of {', '.join(MODES)}")
-    plain = isinstance(w, jax.Array) and w.ndim == 3 and jnp.issubdtype(w.dtype, jnp.floating)
+
+
+def choose(w, mode: str = "auto") -> str:
+    """'pallas' or 'xla' for a gathered product of weight w under `mode` (module docstring)."""
+    _check_mode(mode)
+    plain = isinstance(w, jax.Array) and w.ndim in (3, 4) and jnp.issubdtype(w.dtype, jnp.floating)
     return "pallas" if mode == "pallas" and plain and on_gpu() else "xla"
 
 
@@ -66,4 +77,4 @@ def gathered_gemv(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, layer: j
                                 interpret=jax.default_backend() != "gpu" if interpret is None else interpret)
 
 
-__all__ = ["MODES", "TILES", "GatheredTiles", "choose", "gathered_gemv", "on_gpu"]
+__all__ = ["MODES", "TILES", "GatheredTiles", "choose", "converts", "gathered_gemv", "on_gpu"]

@@ -37,48 +37,55 @@ def rowwise_dot(x: jax.Array, w_rows: jax.Array) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def _xla_dot(x: jax.Array, w: jax.Array, expert_ids: jax.Array) -> jax.Array:
+def _xla_dot(x: jax.Array, w: jax.Array, expert_ids: jax.Array, layer) -> jax.Array:
+    """XLA's gather of the A experts (from the layer stack at layer x E + id: one gather, no slice) and product."""
+    if layer is not None:
+        expert_ids = jnp.asarray(layer, jnp.int32) * w.shape[1] + expert_ids
+        w = w.reshape(-1, *w.shape[2:])  # [L E, I, O]
     return rowwise_dot(x, jnp.take(w, expert_ids, axis=0))
 
 
 @jax.custom_vjp
-def _kernel_dot(x: jax.Array, w: jax.Array, expert_ids: jax.Array) -> jax.Array:
+def _kernel_dot(x: jax.Array, w: jax.Array, expert_ids: jax.Array, layer) -> jax.Array:
     """The gathered GEMV kernel's forward, the XLA path's backward (the kernel is for serving decode)."""
-    return gathered_gemv(x, w, expert_ids)
+    return gathered_gemv(x, w, expert_ids, layer=layer)
 
 
-def _kernel_fwd(x, w, expert_ids):
-    return _kernel_dot(x, w, expert_ids), (x, w, expert_ids)
+def _kernel_fwd(x, w, expert_ids, layer):
+    return _kernel_dot(x, w, expert_ids, layer), (x, w, expert_ids, layer)
 
 
 def _kernel_bwd(res, g):
-    x, w, expert_ids = res
-    _, vjp = jax.vjp(lambda x, w: _xla_dot(x, w, expert_ids), x, w)
-    return (*vjp(g), None)
+    x, w, expert_ids, layer = res
+    _, vjp = jax.vjp(lambda x, w: _xla_dot(x, w, expert_ids, layer), x, w)
+    return (*vjp(g), None, None)
 
 
 _kernel_dot.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-def gathered_dot(x: jax.Array, w, expert_ids: jax.Array, *, kernel: str = "xla") -> jax.Array:
-    """y[a] = x[a] @ w[expert_ids[a]] -> [A, O] in x's dtype (module docstring). w: [E, I, O] or a quantised
-    pytree of E stacked experts (`take_experts`); kernel: auto | pallas | xla (pallas_kernels.gathered_gemv.choose:
-    the kernel for a plain w on a GPU under pallas)."""
+def gathered_dot(x: jax.Array, w, expert_ids: jax.Array, *, layer: jax.Array | int | None = None,
+                 kernel: str = "xla") -> jax.Array:
+    """y[a] = x[a] @ w[expert_ids[a]] -> [A, O] in x's dtype (module docstring). w: [E, I, O], a layer stack
+    [L, E, I, O] read at `layer` in place, or a quantised pytree of E stacked experts (`take_experts`); kernel:
+    auto | pallas | xla (pallas_kernels.gathered_gemv.choose: the kernel for a plain w on a GPU under pallas)."""
     path = choose(w, kernel)  # refuses a mode it does not know, whatever w is
     if x.ndim != 2 or expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
         raise ValueError(f"gathered_dot: x {x.shape} [A, I], expert_ids {expert_ids.shape} {expert_ids.dtype} "
                          "[A] integers")
     if hasattr(w, "take_experts"):
+        if layer is not None:
+            raise ValueError("gathered_dot: a layer index with a quantised weight (it takes its own experts)")
         w_rows = w.take_experts(expert_ids).dequantize(x.dtype)  # [A, I, O]: only the A experts' blocks decoded
-    else:
-        if w.ndim != 3 or w.shape[1] != x.shape[1]:
-            raise ValueError(f"gathered_dot: x {x.shape} [A, I], w {w.shape} [E, I, O]")
-        if path == "pallas":
-            return _kernel_dot(x, w, expert_ids)
-        w_rows = jnp.take(w, expert_ids, axis=0)  # [A, I, O]
-    if w_rows.shape[:2] != x.shape:
-        raise ValueError(f"gathered_dot: x {x.shape} [A, I], the gathered experts {w_rows.shape} [A, I, O]")
-    return rowwise_dot(x, w_rows)
+        if w_rows.shape[:2] != x.shape:
+            raise ValueError(f"gathered_dot: x {x.shape} [A, I], the gathered experts {w_rows.shape} [A, I, O]")
+        return rowwise_dot(x, w_rows)
+    if w.ndim != (3 if layer is None else 4) or w.shape[-2] != x.shape[1]:
+        raise ValueError(f"gathered_dot: x {x.shape} [A, I], w {w.shape} [E, I, O] (or [L, E, I, O] with a layer "
+                         f"index: {layer is not None})")
+    if path == "pallas":
+        return _kernel_dot(x, w, expert_ids, layer)
+    return _xla_dot(x, w, expert_ids, layer)
 
 
 __all__ = ["gathered_dot", "rowwise_dot"]
