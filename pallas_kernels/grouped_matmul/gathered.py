@@ -22,6 +22,8 @@ to the gathered GEMV kernel (pallas_kernels.gathered_gemv: each routed expert's 
 copy written; the same math, only the summation order differs); off a GPU, or for a quantised w, this XLA path
 runs whatever the mode. "auto" and "xla" keep the XLA path (the kernel is unmeasured). Differentiated, the kernel
 call has this path's gradient (`_kernel_dot`'s backward is the XLA path's VJP), so training is unchanged.
+`layer`: w is a layer stack [L, E, I, O] read in place at that layer (a served model's experts handed whole to the
+layer scan, surojax.quant.expert_stack): the kernel offsets its expert rows, XLA gathers rows layer x E + id.
 """
 from __future__ import annotations
 

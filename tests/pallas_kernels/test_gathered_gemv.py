@@ -63,6 +63,8 @@ def test_a_layer_stack_is_read_in_place_at_its_layer():
     want = gathered_gemv(x, w, ids, tiles=tiles, interpret=True)
     got = gathered_gemv(x, stack, ids, layer=jnp.int32(1), tiles=tiles, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    xla = gathered_dot(x, stack, ids, layer=jnp.int32(1), kernel="xla")  # the XLA path's gather from the stack
+    np.testing.assert_array_equal(np.asarray(xla), np.asarray(gathered_dot(x, w, ids, kernel="xla")))
     with pytest.raises(ValueError, match="needs the layer index"):
         gathered_gemv(x, stack, ids, interpret=True)
     with pytest.raises(ValueError, match="layer index given"):
