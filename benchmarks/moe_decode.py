@@ -3,6 +3,8 @@
     python benchmarks/moe_decode.py                                 # GPU: qwen3-30b-a3b, rows 1..32, bf16 + q4_k
     python benchmarks/moe_decode.py --smoke                         # CPU: debug-moe, tiny lengths
     python benchmarks/moe_decode.py --no-engine --rows 1,8,16,32,64 # the layer timings alone (the crossover)
+    python benchmarks/moe_decode.py --quant '' --paths gather,gather_pallas --gather-tiles '128,64,8;64,64,4'
+                                                                    # the gathered GEMV kernel's tiles, bf16
 
 Two measurements, each under every path of --paths (the kernel setting SUROJAX_MOE_DECODE = gather / grouped;
 `auto` picks the gather while rows x k <= E x GATHER_CROSSOVER; `gather_pallas` = the gather with
@@ -80,6 +82,7 @@ def layer_rows(a, cfg, fmt: str | None) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
+    import pallas_kernels.gathered_gemv.api as gathered_api
     from surojax.kernel_settings import use_kernel_settings
     from timing import timeit
 
@@ -92,23 +95,29 @@ def layer_rows(a, cfg, fmt: str | None) -> list[dict]:
     for R in a.rows_list:
         x = jax.random.normal(jax.random.key(R), (R, 1, cfg.hidden_size), dtype)
         seg = jnp.ones((R, 1), jnp.int32)
-        for path in a.paths:
-            if fmt and path == "gather_pallas":
-                continue  # the kernel takes plain experts only
-
+        # the kernel once per --gather-tiles entry (None: its default tiles)
+        variants = [(p, t) for p in a.paths for t in (a.gather_tiles if p == "gather_pallas" else [None])
+                    if not (fmt and p == "gather_pallas")]  # the kernel takes plain experts only
+        for path, tiles in variants:
             def run(state, x):
                 for m in nnx.merge(graphdef, state):
                     x = x + m(x, seg)[0]
                 return x
 
             decode, gather_kernel = SETTINGS[path]
-            # a fresh jit per path: the settings are read at trace time
+            default_tiles = gathered_api.TILES
+            # a fresh jit per variant: the settings and the kernel's tiles are read at trace time
             with use_kernel_settings(moe_decode=decode, moe_gather_kernel=gather_kernel):
-                fn = jax.jit(run)
-                sec = timeit(fn, state, x, iters=a.iters)
+                gathered_api.TILES = tiles or default_tiles
+                try:
+                    fn = jax.jit(run)
+                    sec = timeit(fn, state, x, iters=a.iters)
+                finally:
+                    gathered_api.TILES = default_tiles
             us = sec / a.layers * 1e6
             nbytes = (E if path == "grouped" else R * k) * per_expert
-            r = dict(kind="layer", shape=a.shape, experts=fmt or a.dtype, rows=R, path=path, us_per_layer=us,
+            label = f"{path}[{tiles.label()}]" if tiles else path
+            r = dict(kind="layer", shape=a.shape, experts=fmt or a.dtype, rows=R, path=label, us_per_layer=us,
                      mb_per_layer=nbytes / 1e6, tb_per_s=nbytes / (us * 1e-6) / 1e12,
                      ms_per_token_all_layers=us * cfg.num_layers / 1e3,
                      device=jax.devices()[0].device_kind)
@@ -169,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-engine", action="store_true", help="the layer timings alone")
     p.add_argument("--paths", default=",".join(PATHS), help="comma list of the paths timed (gather, grouped, "
                                                                "gather_pallas)")
+    p.add_argument("--gather-tiles", default="", help="gather_pallas's layer timing once per tile configuration, "
+                   "';'-separated bi,bo,num_warps (e.g. '128,64,8;64,64,4;256,64,8'); '' = the kernel's default")
     p.add_argument("--smoke", action="store_true", help="CPU: debug-moe, float32, tiny lengths")
     a = p.parse_args(argv)
     if a.smoke:
@@ -179,6 +190,15 @@ def main(argv=None) -> int:
     if not a.paths or set(a.paths) - set(PATHS):
         p.error(f"--paths takes a comma list of {', '.join(PATHS)}, got {a.paths!r}")
     a.formats = [None] + [f.strip() for f in a.quant.split(",") if f.strip()]
+    from pallas_kernels.gathered_gemv.kernel import GatheredTiles
+
+    try:
+        triples = [[int(v) for v in t.split(",")] for t in a.gather_tiles.split(";") if t.strip()]
+        if any(len(t) != 3 for t in triples):
+            raise ValueError
+        a.gather_tiles = [GatheredTiles(*t) for t in triples] or [None]
+    except ValueError:
+        p.error(f"--gather-tiles takes ';'-separated bi,bo,num_warps triples, got {a.gather_tiles!r}")
 
     from surojax.bench.shapes import model_config
     from surojax.models.layers.moe import GATHER_CROSSOVER

@@ -36,14 +36,17 @@ MIN_BLOCK = 16
 @dataclasses.dataclass(frozen=True)
 class GatheredTiles:
     """bi: contraction (I) values per loop step; bo: output columns per program (the weight tile is [bi, bo]);
-    Triton's num_warps / num_stages. UNMEASURED defaults (no GPU timing yet): bo = 64 bf16 values is one 128-byte
-    line per tile row; a [64, 64] tile is 8 KB, with 3 stages ~24 KB in flight per program; at one user on
-    Qwen3-30B-A3B (A = 8) the grid is 8 x 24 programs for gate_up [2048, 1536] and 8 x 32 for down [768, 2048],
-    1.5 to 2 per SM of an H100. The fp32 accumulator [bi, bo] is bi bo / (32 num_warps) = 32 registers a thread."""
+    Triton's num_warps / num_stages. UNMEASURED defaults (no GPU timing yet), chosen for the bytes in flight: the
+    offline compile shows Triton does not pipeline these loads through shared memory (no dot consumes them), so a
+    program has about one tile in flight; a [128, 64] bf16 tile is 16 KB, 128-byte rows (bo = 64 values). At one
+    user on Qwen3-30B-A3B (A = 8) the grid is 24 x 8 programs for gate_up [2048, 1536] and 32 x 8 for down
+    [768, 2048], 1.5 to 2 per SM of an H100: ~3 MB in flight against the ~2-3 MB HBM's latency x bandwidth wants.
+    The fp32 accumulator [bi, bo] is bi bo / (32 num_warps) = 32 registers a thread at 8 warps (ptxas: 64 in all,
+    no spills). benchmarks/moe_decode.py --gather-tiles sweeps others."""
 
-    bi: int = 64
+    bi: int = 128
     bo: int = 64
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 3
 
     def label(self) -> str:
