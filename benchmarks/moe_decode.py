@@ -3,9 +3,14 @@
     python benchmarks/moe_decode.py                                 # GPU: qwen3-30b-a3b, rows 1..32, bf16 + q4_k
     python benchmarks/moe_decode.py --smoke                         # CPU: debug-moe, tiny lengths
     python benchmarks/moe_decode.py --no-engine --rows 1,8,16,32,64 # the layer timings alone (the crossover)
+    python benchmarks/moe_decode.py --quant '' --paths gather,gather_pallas --gather-tiles '128,64,8;64,64,4'
+                                                                    # the gathered GEMV kernel's tiles, bf16
 
-Two measurements, each under both paths (the kernel setting SUROJAX_MOE_DECODE = gather / grouped; `auto` picks
-the gather while rows x k <= E x GATHER_CROSSOVER):
+Two measurements, each under every path of --paths (the kernel setting SUROJAX_MOE_DECODE = gather / grouped;
+`auto` picks the gather while rows x k <= E x GATHER_CROSSOVER; `gather_pallas` = the gather with
+SUROJAX_MOE_GATHER_KERNEL=pallas: the gathered GEMV kernel reads each routed expert in place, no gathered copy.
+Off a GPU the kernel setting is ignored, so there gather_pallas times the XLA gather again (--smoke checks that
+the path runs, not the kernel); the kernel takes plain experts only, so gather_pallas is skipped for --quant):
 
   layer   --layers MoE layers of the shape (random weights, --dtype or a --quant expert format: random codes),
           applied in sequence (x += moe(x)) to R rows, one jitted call; µs per layer for each R in --rows. The
@@ -36,7 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-PATHS = ("gather", "grouped")
+PATHS = ("gather", "grouped", "gather_pallas")
+# path -> (SUROJAX_MOE_DECODE, SUROJAX_MOE_GATHER_KERNEL) in the layer timing; the engine runs `gather` as auto
+SETTINGS = {"gather": ("gather", "xla"), "grouped": ("grouped", "xla"), "gather_pallas": ("gather", "pallas")}
 
 
 def expert_bytes(cfg, fmt: str | None, dtype) -> float:
@@ -75,6 +82,7 @@ def layer_rows(a, cfg, fmt: str | None) -> list[dict]:
     import jax.numpy as jnp
     from flax import nnx
 
+    import pallas_kernels.gathered_gemv.api as gathered_api
     from surojax.kernel_settings import use_kernel_settings
     from timing import timeit
 
@@ -87,18 +95,29 @@ def layer_rows(a, cfg, fmt: str | None) -> list[dict]:
     for R in a.rows_list:
         x = jax.random.normal(jax.random.key(R), (R, 1, cfg.hidden_size), dtype)
         seg = jnp.ones((R, 1), jnp.int32)
-        for path in a.paths:
+        # the kernel once per --gather-tiles entry (None: its default tiles)
+        variants = [(p, t) for p in a.paths for t in (a.gather_tiles if p == "gather_pallas" else [None])
+                    if not (fmt and p == "gather_pallas")]  # the kernel takes plain experts only
+        for path, tiles in variants:
             def run(state, x):
                 for m in nnx.merge(graphdef, state):
                     x = x + m(x, seg)[0]
                 return x
 
-            with use_kernel_settings(moe_decode=path):  # a fresh jit per path: the setting is read at trace time
-                fn = jax.jit(run)
-                sec = timeit(fn, state, x, iters=a.iters)
+            decode, gather_kernel = SETTINGS[path]
+            default_tiles = gathered_api.TILES
+            # a fresh jit per variant: the settings and the kernel's tiles are read at trace time
+            with use_kernel_settings(moe_decode=decode, moe_gather_kernel=gather_kernel):
+                gathered_api.TILES = tiles or default_tiles
+                try:
+                    fn = jax.jit(run)
+                    sec = timeit(fn, state, x, iters=a.iters)
+                finally:
+                    gathered_api.TILES = default_tiles
             us = sec / a.layers * 1e6
-            nbytes = (R * k if path == "gather" else E) * per_expert
-            r = dict(kind="layer", shape=a.shape, experts=fmt or a.dtype, rows=R, path=path, us_per_layer=us,
+            nbytes = (E if path == "grouped" else R * k) * per_expert
+            label = f"{path}[{tiles.label()}]" if tiles else path
+            r = dict(kind="layer", shape=a.shape, experts=fmt or a.dtype, rows=R, path=label, us_per_layer=us,
                      mb_per_layer=nbytes / 1e6, tb_per_s=nbytes / (us * 1e-6) / 1e12,
                      ms_per_token_all_layers=us * cfg.num_layers / 1e3,
                      device=jax.devices()[0].device_kind)
@@ -112,14 +131,18 @@ def engine_rows(a) -> list[dict]:
     out = []
     for fmt in a.formats:
         for path in a.paths:
+            if fmt and path == "gather_pallas":
+                continue
             cmd = [sys.executable, str(ROOT / "benchmarks/serve_load.py"), "--modes", "engine", "--users", "1",
                    "--rounds", "1", "--shape", a.shape, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
                    "--max-tokens", str(a.max_tokens)] + (["--quant", fmt] if fmt else [])
             # the gathered path through `auto`: it gathers the decode calls' few rows and keeps the grouped GEMM for
             # the prefill (forced `gather` there gathers 128 rows x 8 experts' weights, ~10 GB a layer in bf16 at
             # Qwen3-30B-A3B shapes: the engine ran out of memory that way on an H100, session 26)
-            setting = "auto" if path == "gather" else path
-            p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SUROJAX_MOE_DECODE": setting})
+            decode, gather_kernel = SETTINGS[path]
+            env = {**os.environ, "SUROJAX_MOE_DECODE": "auto" if decode == "gather" else decode,
+                   "SUROJAX_MOE_GATHER_KERNEL": gather_kernel}
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
             got = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if p.returncode or not got:
                 print(f"# engine {path} {fmt or a.dtype} failed (exit {p.returncode}): {p.stderr[-2000:]}", flush=True)
@@ -153,7 +176,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-engine", action="store_true", help="the layer timings alone")
-    p.add_argument("--paths", default=",".join(PATHS), help="comma list of the paths timed (gather, grouped)")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma list of the paths timed (gather, grouped, "
+                                                               "gather_pallas)")
+    p.add_argument("--gather-tiles", default="", help="gather_pallas's layer timing once per tile configuration, "
+                   "';'-separated bi,bo,num_warps (e.g. '128,64,8;64,64,4;256,64,8'); '' = the kernel's default")
     p.add_argument("--smoke", action="store_true", help="CPU: debug-moe, float32, tiny lengths")
     a = p.parse_args(argv)
     if a.smoke:
@@ -164,6 +190,15 @@ def main(argv=None) -> int:
     if not a.paths or set(a.paths) - set(PATHS):
         p.error(f"--paths takes a comma list of {', '.join(PATHS)}, got {a.paths!r}")
     a.formats = [None] + [f.strip() for f in a.quant.split(",") if f.strip()]
+    from pallas_kernels.gathered_gemv.kernel import GatheredTiles
+
+    try:
+        triples = [[int(v) for v in t.split(",")] for t in a.gather_tiles.split(";") if t.strip()]
+        if any(len(t) != 3 for t in triples):
+            raise ValueError
+        a.gather_tiles = [GatheredTiles(*t) for t in triples] or [None]
+    except ValueError:
+        p.error(f"--gather-tiles takes ';'-separated bi,bo,num_warps triples, got {a.gather_tiles!r}")
 
     from surojax.bench.shapes import model_config
     from surojax.models.layers.moe import GATHER_CROSSOVER

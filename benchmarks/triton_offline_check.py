@@ -19,7 +19,10 @@ wy_bwd) for each of GDN_V2_BWD_GRID. `dump-gemv` writes the decode GEMV (pallas_
 Qwen3-0.6B and Qwen3-8B linears' shapes, M = 1 and 8, for each tile configuration benchmarks/decode_gemv.py sweeps
 (and its fused forms: the RMSNorm prologue, the gated product, the residual). `dump-prologue` writes the decode
 prologue (pallas_kernels/decode_prologue: qkv split, q/k norm, rope, the pool write) at Qwen3-0.6B and Qwen3-8B
-shapes, 1 and 8 rows, a 65,536-slot bf16 pool, for each of PROLOGUE_KNOBS. `compile` needs only `triton` (it imports nothing else from here); it
+shapes, 1 and 8 rows, a 65,536-slot bf16 pool, for each of PROLOGUE_KNOBS. `dump-gathered` writes the gathered
+GEMV (pallas_kernels/gathered_gemv: MoE decode, each row times its routed expert read in place) at Qwen3-30B-A3B's
+expert shapes (gate_up [128, 2048, 1536], down [128, 768, 2048], bf16; an fp32 stack; a ragged [E, 1000, 700]),
+A = 8 rows (A sizes only the grid: the module is the same), for each of GATHERED_TILES. `compile` needs only `triton` (it imports nothing else from here); it
 also reports registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
 """
 from __future__ import annotations
@@ -223,6 +226,31 @@ def dump_prologue(out: str) -> None:
                         write(fn, args, os.path.join(out, f"prologue_{model}_m{m}_{norm}-{knobs.label()}.ttir"))
 
 
+GATHERED_SHAPES = {"gate_up": (128, 2048, 1536), "down": (128, 768, 2048)}  # Qwen3-30B-A3B experts [E, I, O]
+GATHERED_TILES = [(bi, bo, w, st) for bi, bo in ((64, 64), (32, 64), (128, 64), (64, 128), (128, 32))
+                  for w in (4, 8) for st in (2, 3)]
+
+
+def dump_gathered(out: str) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gathered_gemv.kernel import GatheredTiles, fit, gathered_gemv_kernel
+
+    os.makedirs(out, exist_ok=True)
+    sd = jax.ShapeDtypeStruct
+    cases = [(name, shape, jnp.bfloat16, jnp.bfloat16) for name, shape in GATHERED_SHAPES.items()]
+    cases += [("down_f32w", GATHERED_SHAPES["down"], jnp.bfloat16, jnp.float32),  # an fp32 stack cast in-kernel
+              ("ragged", (8, 1000, 700), jnp.bfloat16, jnp.bfloat16)]  # the masked loads and store
+    with _h200_triton_writer() as write:
+        for name, (e, i, o), xdt, wdt in cases:
+            for bi, bo, w, st in GATHERED_TILES:
+                tiles = fit(GatheredTiles(bi, bo, w, st), i, o)
+                fn = jax.jit(lambda *args, e=e, tiles=tiles: gathered_gemv_kernel(*args, num_experts=e, tiles=tiles))
+                write(fn, [sd((8, i), xdt), sd((e, i, o), wdt), sd((8,), jnp.int32), sd((1,), jnp.int32)],
+                      os.path.join(out, f"gathered_{name}_{tiles.label()}.ttir"))
+
+
 HEADS = {"qwen3-0.6b": (151936, 1024), "lfm2-1.2b": (65536, 2048), "gemma3-1b": (262144, 1152)}  # tied [V, D]
 
 
@@ -276,7 +304,8 @@ def compile_all(src: str) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("step", choices=("dump", "dump-paged", "dump-gdn", "dump-gemv", "dump-prologue", "compile"))
+    p.add_argument("step", choices=("dump", "dump-paged", "dump-gdn", "dump-gemv", "dump-prologue", "dump-gathered",
+                                         "compile"))
     p.add_argument("dir")
     p.add_argument("--formats", default="q4_k,q5_k,q6_k,q8_0,nf4,nvfp4,fp8")
     args = p.parse_args(argv)
@@ -291,6 +320,9 @@ def main(argv=None) -> int:
         return 0
     if args.step == "dump-prologue":
         dump_prologue(args.dir)
+        return 0
+    if args.step == "dump-gathered":
+        dump_gathered(args.dir)
         return 0
     if args.step == "dump-paged":
         dump_paged(args.dir)

@@ -24,6 +24,13 @@
     moe_decode     SUROJAX_MOE_DECODE     auto | gather | grouped  models/layers/moe: few-row MoE calls gather the
                                                                    routed experts' weights (auto: by the crossover
                                                                    there) or run the grouped GEMM over all experts
+    moe_gather_kernel  SUROJAX_MOE_GATHER_KERNEL  auto | pallas | xla  models/layers/moe: the gathered form's products
+                                                                   (plain float experts, on a GPU) by the gathered
+                                                                   GEMV kernel (pallas_kernels/gathered_gemv: each
+                                                                   routed expert read in place, no gathered copy) or
+                                                                   XLA's gather + product; auto = xla (the kernel is
+                                                                   unmeasured); pallas is ignored off a GPU and for
+                                                                   quantised experts
     decode_gemv    SUROJAX_DECODE_GEMV    auto | pallas | xla      quant/gemv_weight: a served model's plain (bf16 /
                                                                    fp32) linears laid out [N, K] at load for the
                                                                    decode GEMV kernel (pallas_kernels/decode_gemv),
@@ -88,6 +95,12 @@ class MoeDecode(enum.StrEnum):
     GROUPED = "grouped"  # the grouped GEMM over all E experts at every size (the path before the gather existed)
 
 
+class MoeGatherKernel(enum.StrEnum):
+    AUTO = "auto"      # XLA until the kernel is measured on a GPU (pallas_kernels/gathered_gemv/api.py)
+    PALLAS = "pallas"  # the gathered GEMV kernel for plain float experts on a GPU (XLA off a GPU, quantised experts)
+    XLA = "xla"        # XLA's gather of the routed experts' weights, then the row-by-row product
+
+
 class DecodeGemv(enum.StrEnum):
     AUTO = "auto"      # the kernel where measured faster on a GPU (pallas_kernels/decode_gemv/api.py AUTO_MAX_M)
     PALLAS = "pallas"  # the kernel for every decode call of <= 8 rows (interpret mode off a GPU)
@@ -118,7 +131,8 @@ VARIABLES: dict[str, str] = {  # field -> its environment variable
     "fp8_dot": "SUROJAX_FP8_DOT", "fp8_accum": "SUROJAX_FP8_ACCUM", "fp8_wgrad": "SUROJAX_FP8_WGRAD",
     "fp8_cast": "SUROJAX_FP8_CAST", "quant_matmul": "SUROJAX_QUANT_MATMUL", "adam8bit": "SUROJAX_ADAM8BIT",
     "gated_delta": "SUROJAX_GATED_DELTA", "gated_delta_bwd": "SUROJAX_GATED_DELTA_BWD",
-    "moe_decode": "SUROJAX_MOE_DECODE", "decode_gemv": "SUROJAX_DECODE_GEMV",
+    "moe_decode": "SUROJAX_MOE_DECODE", "moe_gather_kernel": "SUROJAX_MOE_GATHER_KERNEL",
+    "decode_gemv": "SUROJAX_DECODE_GEMV",
     "decode_prologue": "SUROJAX_DECODE_PROLOGUE",
 }
 
@@ -138,6 +152,7 @@ class KernelSettings:
     gated_delta: GatedDelta = GatedDelta.AUTO
     gated_delta_bwd: GatedDeltaBwd = GatedDeltaBwd.AUTO
     moe_decode: MoeDecode = MoeDecode.AUTO
+    moe_gather_kernel: MoeGatherKernel = MoeGatherKernel.AUTO
     decode_gemv: DecodeGemv = DecodeGemv.AUTO
     decode_prologue: DecodePrologue = DecodePrologue.AUTO
     from_environment: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
@@ -210,5 +225,5 @@ def use_kernel_settings(settings: KernelSettings | None = None, **changes) -> It
 
 
 __all__ = ["VARIABLES", "Adam8bit", "DecodeGemv", "DecodePrologue", "Fp8Accum", "Fp8Cast", "Fp8Dot", "Fp8Wgrad", "GatedDelta", "GatedDeltaBwd", "KernelSettings",
-           "KernelSettingsError", "MoeDecode", "QuantMatmul", "kernel_settings", "set_kernel_settings",
-           "use_kernel_settings"]
+           "KernelSettingsError", "MoeDecode", "MoeGatherKernel", "QuantMatmul", "kernel_settings",
+           "set_kernel_settings", "use_kernel_settings"]

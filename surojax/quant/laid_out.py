@@ -38,13 +38,16 @@ from flax import nnx
 
 from pallas_kernels.decode_gemv.api import converts as gemv_converts
 from pallas_kernels.decode_gemv.api import weight_error as gemv_weight_error
+from pallas_kernels.gathered_gemv.api import converts as gathered_converts
 from pallas_kernels.quant_matmul.api import decode_layouts
 from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec, layout_error, plain_layout
 from pallas_kernels.quant_matmul.reference import dequantize_layout
 from surojax.kernel_settings import kernel_settings
 from surojax.models.fused_projections import fuse_projections
 from surojax.models.layers.linear import Linear
+from surojax.models.layers.moe import ExpertLinear
 from surojax.quant.base import FORMATS, QuantFormat
+from surojax.quant.expert_stack import ExpertStack
 from surojax.quant.gemv_weight import GemvWeight
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
@@ -308,6 +311,24 @@ def transpose_for_gemv(model) -> dict[str, int]:
     return done
 
 
+def experts_in_place(model) -> dict[str, int]:
+    """Convert, in place, every plain float expert kernel [L, E, I, O] of the decoder's layer stacks into an
+    ExpertStack (surojax.quant.expert_stack) that the layer scan hands whole to the gathered GEMV kernel.
+    -> {"experts_in_place:<dtype>": kernels converted}."""
+    done: dict[str, int] = {}
+    for module in _stack_modules(model):
+        var = getattr(module, "kernel", None) if isinstance(module, ExpertLinear) else None
+        if not isinstance(var, nnx.Param):
+            continue
+        w = var.get_value()
+        if not isinstance(w, jax.Array) or w.ndim != 4 or not jnp.issubdtype(w.dtype, jnp.floating):
+            continue
+        module.kernel = QuantParam(ExpertStack.from_kernel(w), **var.get_metadata())
+        key = f"experts_in_place:{jnp.dtype(w.dtype).name}"
+        done[key] = done.get(key, 0) + 1
+    return done
+
+
 def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     """Make the model's weights what a decode step reads best, in place, once after loading (what `surojax
     serve` (build_server) and `surojax generate` run):
@@ -318,6 +339,8 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     - the Linear kernels whose decode GEMVs take the fused kernel go into its layout: the layouts and sizes
       `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU those with a measured crossover
       DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more);
+    - where SUROJAX_MOE_GATHER_KERNEL resolves to the gathered GEMV kernel (pallas_kernels.gathered_gemv.api.
+      converts), the plain expert stacks become ExpertStacks (`experts_in_place`): read in place at decode;
     - join_projections: then q / k / v and gate / up become one GEMM each where their kernels can be joined
       (surojax.models.fused_projections). Off where LoRA slots will wrap the parts by name.
     Idempotent. -> {layout: kernels converted}."""
@@ -327,6 +350,8 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
             and hasattr(model, "head_gemv"):
         model.head_gemv = True  # the tied head [V, D] is the kernel's layout as it is (Decoder.logits)
         log.info("decode kernels: the tied LM head through the decode GEMV at few rows")
+    if gathered_converts(settings.moe_gather_kernel.value):
+        done.update(experts_in_place(model))
     layouts, min_values = decode_layouts(settings.quant_matmul.value)
     done.update(lay_out_model(model, layouts, min_values))
     if done:
@@ -337,5 +362,6 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     return done
 
 
-__all__ = ["GEMV_DTYPES", "LaidOut", "LaidOutMixed", "decode_weights", "lay_out", "lay_out_mixed", "lay_out_model",
+__all__ = ["GEMV_DTYPES", "LaidOut", "LaidOutMixed", "decode_weights", "experts_in_place", "lay_out", "lay_out_mixed",
+           "lay_out_model",
            "transpose_for_gemv"]

@@ -243,3 +243,40 @@ def test_sigmoid_and_gemma4_routing_follow_transformers_formulas():
     want_ids = np.argsort(-p, axis=-1)[:, :2]
     want = np.take_along_axis(p, want_ids, -1)
     np.testing.assert_allclose(np.asarray(w), want / want.sum(-1, keepdims=True) * scale[want_ids], rtol=1e-5)
+
+
+def test_gather_kernel_setting_takes_the_kernel_with_the_gather_paths_values(monkeypatch):
+    """SUROJAX_MOE_GATHER_KERNEL=pallas: read from the environment; off a GPU it is ignored (the XLA gather, bit for
+    bit); with the choice forced as on a GPU the layer's gathered products run the kernel (interpret mode, counted)
+    and give the XLA gather's outputs and gradients within the reorder tolerance (its backward is the XLA one)."""
+    import pallas_kernels.gathered_gemv.api as gemv_api
+    import pallas_kernels.grouped_matmul.gathered as gathered
+    from surojax.kernel_settings import KernelSettings, MoeGatherKernel
+
+    assert KernelSettings.from_environ({"SUROJAX_MOE_GATHER_KERNEL": "pallas"}).moe_gather_kernel \
+        is MoeGatherKernel.PALLAS
+    m = make(CONFIGS["qwen3_moe"])
+    x = jax.random.normal(jax.random.key(7), (2, 3, D), jnp.float32)
+    seg = jnp.ones((2, 3), jnp.int32)
+
+    def run():
+        with use_kernel_settings(moe_gather_kernel=kernel):
+            return _run(m, x, seg, "gather")
+
+    kernel = "xla"
+    y_x, _, g_x = run()
+    kernel = "pallas"
+    y_cpu, _, _ = run()
+    np.testing.assert_array_equal(np.asarray(y_cpu), np.asarray(y_x))  # ignored off a GPU
+    calls = []
+    monkeypatch.setattr(gemv_api, "on_gpu", lambda: True)
+    monkeypatch.setattr(gathered, "gathered_gemv",
+                        lambda *a, **kw: calls.append(1) or gemv_api.gathered_gemv(*a, interpret=True, **kw))
+    y_k, _, g_k = run()
+    assert len(calls) == 2  # gate_up and down
+    scale = float(jnp.abs(y_x).max())
+    np.testing.assert_allclose(np.asarray(y_k), np.asarray(y_x), rtol=0, atol=reorder_atol(D, jnp.float32, 8 * scale))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_k), jax.tree.leaves(g_x), strict=True):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5 * max(float(np.abs(b).max()), 1e-6),
+                                   err_msg=jax.tree_util.keystr(path))

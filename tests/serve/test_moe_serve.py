@@ -122,3 +122,31 @@ def test_one_user_decode_gathers_the_routed_experts(model, expected, family, mon
     e = engine(m, kv_path=KVPath.PAGED, buckets=dataclasses.replace(BUCKETS, min_rows=1))
     assert e.generate([PROMPTS[0]], max_tokens=6) == [want]
     assert (2, m.cfg.hidden_size) in traced  # one decode row x k = 2 assignments: the gathered form ran
+
+
+def test_gather_kernel_reads_the_served_expert_stacks_in_place(model, expected, monkeypatch):
+    """SUROJAX_MOE_GATHER_KERNEL=pallas with the choice forced as on a GPU: `decode_weights` makes each layer
+    stack's experts an ExpertStack, the layer scan hands it whole with the layer index, and the gathered form
+    (forced: the engine pads one user's decode to a bucket of rows past this tiny model's crossover) runs the
+    gathered GEMV kernel on it (interpret mode here; called with the layer): the greedy tokens of the
+    recomputation. Then under auto the prefill and decode take the grouped GEMM on the layer's slice: the same."""
+    import pallas_kernels.gathered_gemv.api as gemv_api
+    import pallas_kernels.grouped_matmul.gathered as gathered
+    from surojax.kernel_settings import use_kernel_settings
+    from surojax.quant.expert_stack import ExpertStack
+    from surojax.quant.laid_out import decode_weights
+
+    layers = []
+    monkeypatch.setattr(gemv_api, "on_gpu", lambda: True)
+    monkeypatch.setattr(gathered, "gathered_gemv", lambda *a, layer=None, **kw: layers.append(layer) or
+                        gemv_api.gathered_gemv(*a, layer=layer, interpret=True, **kw))
+    served = nnx.clone(model)
+    with use_kernel_settings(moe_gather_kernel="pallas"):
+        assert decode_weights(served, join_projections=False) == {"experts_in_place:float32": 2}
+        assert isinstance(served.layers.mlp.experts.down_proj.kernel[...], ExpertStack)
+        with use_kernel_settings(moe_decode="gather"):
+            assert engine(served).generate([PROMPTS[1]], max_tokens=6) == [expected[1]]
+        assert layers and all(layer is not None for layer in layers)  # the stack read at its layer, not a slice
+        n = len(layers)
+        assert engine(served).generate([PROMPTS[1]], max_tokens=6) == [expected[1]]
+        assert len(layers) == n  # auto: the grouped GEMM, through ExpertStack.grouped_matmul

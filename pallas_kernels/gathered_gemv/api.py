@@ -1,0 +1,80 @@
+"""`gathered_gemv(x, w, expert_ids)`: the gathered GEMV (kernel.py) for a MoE call's few assignment rows, and the
+choice between it and XLA's gather + batched product (pallas_kernels.grouped_matmul.gathered, the reference).
+
+    x [A, I], w [E, I, O] (or a layer stack [L, E, I, O] read in place at `layer`), expert_ids [A] int
+    -> y [A, O] in x's dtype, y[a] = x[a] @ w[expert_ids[a]]
+
+Mode (the caller's; surojax passes SUROJAX_MOE_GATHER_KERNEL from its kernel settings, this package reads no
+environment): auto | pallas | xla.
+    pallas  the kernel for a plain (unquantised, float) w on a GPU; XLA off a GPU (interpret mode is for tests,
+            which call gathered_gemv directly)
+    xla     never
+    auto    XLA: the kernel is not measured on a GPU yet (benchmarks/moe_decode.py --paths gather,gather_pallas)
+`choose(w, mode)` says which path a call takes; `converts(mode)` whether a server should hand the kernel its layer
+stacks of plain experts whole (surojax.quant.expert_stack: a scan slice feeding the kernel would be copied). No gradient here: pallas_kernels.grouped_matmul.gathered gives the
+kernel the XLA path's backward.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gathered_gemv.kernel import GatheredTiles, fit, gathered_gemv_kernel
+
+MODES = ("auto", "pallas", "xla")
+TILES = GatheredTiles()  # unmeasured (kernel.GatheredTiles says why these)
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def converts(mode: str = "auto") -> bool:
+    """Whether a server's plain expert stacks should be read in place by the kernel under `mode`."""
+    _check_mode(mode)
+    return mode == "pallas" and on_gpu()
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"gathered GEMV mode {mode!r}: expected one of {', '.join(MODES)}")
+
+
+def choose(w, mode: str = "auto") -> str:
+    """'pallas' or 'xla' for a gathered product of weight w under `mode` (module docstring)."""
+    _check_mode(mode)
+    plain = isinstance(w, jax.Array) and w.ndim in (3, 4) and jnp.issubdtype(w.dtype, jnp.floating)
+    return "pallas" if mode == "pallas" and plain and on_gpu() else "xla"
+
+
+def gathered_gemv(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, layer: jax.Array | int | None = None,
+                  tiles: GatheredTiles | None = None, interpret: bool | None = None) -> jax.Array:
+    """y [A, O] by the kernel (module docstring); interpret: default off on a GPU backend, on elsewhere. Raises
+    ValueError naming what does not fit: shapes, a non-float x or w, non-integer ids, a layer index without a
+    stack (or a stack without one)."""
+    if x.ndim != 2 or expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"gathered GEMV: x {x.shape} [A, I], expert_ids {expert_ids.shape} {expert_ids.dtype} "
+                         "[A] integers")
+    if not (jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(w.dtype, jnp.floating)):
+        raise ValueError(f"gathered GEMV: x {x.dtype} and w {w.dtype} must be floating point (a quantised weight "
+                         "takes the XLA path)")
+    if w.ndim == 4:
+        if layer is None:
+            raise ValueError(f"gathered GEMV: a layer stack {w.shape} [L, E, I, O] needs the layer index")
+        num_experts = w.shape[1]
+        base = jnp.asarray(layer, jnp.int32).reshape(1) * num_experts
+        w = w.reshape(-1, *w.shape[2:])  # [L E, I, O]: free
+    elif w.ndim == 3:
+        if layer is not None:
+            raise ValueError(f"gathered GEMV: a layer index given for one layer's experts {w.shape}")
+        num_experts, base = w.shape[0], jnp.zeros((1,), jnp.int32)
+    else:
+        raise ValueError(f"gathered GEMV: w {w.shape}, expected [E, I, O] or [L, E, I, O]")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"gathered GEMV: x {x.shape} [A, I], w {w.shape} [E, I, O]")
+    tiles = fit(tiles or TILES, w.shape[1], w.shape[2])
+    return gathered_gemv_kernel(x, w, expert_ids, base, num_experts=num_experts, tiles=tiles,
+                                interpret=jax.default_backend() != "gpu" if interpret is None else interpret)
+
+
+__all__ = ["MODES", "TILES", "GatheredTiles", "choose", "converts", "gathered_gemv", "on_gpu"]
