@@ -28,6 +28,7 @@ surojax.quant.gemv_weight) for the decode GEMV kernel (pallas_kernels.decode_gem
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 
@@ -291,42 +292,37 @@ def lay_out_model(model, formats: frozenset[str], min_values: int = 0, kt: int =
 GEMV_DTYPES = ("bfloat16", "float16", "float32")  # plain kernels the decode GEMV takes
 
 
+def _plain_kernels(model, module_type, ndim: int):
+    """(module, its kernel Param, the array) for every `module_type` in the decoder's layer stacks whose kernel is
+    a plain array of `ndim` dimensions (a quantised or already converted one is skipped)."""
+    for module in _stack_modules(model):
+        var = getattr(module, "kernel", None) if isinstance(module, module_type) else None
+        if isinstance(var, nnx.Param) and isinstance(w := var.get_value(), jax.Array) and w.ndim == ndim:
+            yield module, var, w
+
+
 def transpose_for_gemv(model) -> dict[str, int]:
     """Convert, in place, every plain Linear kernel [L, K, N] of the decoder's layer stacks (a dtype of GEMV_DTYPES,
     a shape the kernel tiles) into a GemvWeight [L, N, K] (surojax.quant.gemv_weight) for the decode GEMV
     kernel. The embedding, the LM head and expert weights stay as they are. -> {"gemv_t:<dtype>": kernels}."""
-    done: dict[str, int] = {}
-    for module in _stack_modules(model):
-        var = getattr(module, "kernel", None) if isinstance(module, Linear) else None
-        if not isinstance(var, nnx.Param):
-            continue
-        w = var.get_value()
-        if not isinstance(w, jax.Array) or w.ndim != 3 or jnp.dtype(w.dtype).name not in GEMV_DTYPES:
-            continue
-        if gemv_weight_error(w.shape[2], w.shape[1]):
-            continue
-        module.kernel = QuantParam(jax.jit(GemvWeight.from_kernel)(w), **var.get_metadata())
-        key = f"gemv_t:{jnp.dtype(w.dtype).name}"
-        done[key] = done.get(key, 0) + 1
-    return done
+    done: collections.Counter[str] = collections.Counter()
+    for module, var, w in _plain_kernels(model, Linear, 3):
+        if jnp.dtype(w.dtype).name in GEMV_DTYPES and not gemv_weight_error(w.shape[2], w.shape[1]):
+            module.kernel = QuantParam(jax.jit(GemvWeight.from_kernel)(w), **var.get_metadata())
+            done[f"gemv_t:{jnp.dtype(w.dtype).name}"] += 1
+    return dict(done)
 
 
 def experts_in_place(model) -> dict[str, int]:
     """Convert, in place, every plain float expert kernel [L, E, I, O] of the decoder's layer stacks into an
     ExpertStack (surojax.quant.expert_stack) that the layer scan hands whole to the gathered GEMV kernel.
     -> {"experts_in_place:<dtype>": kernels converted}."""
-    done: dict[str, int] = {}
-    for module in _stack_modules(model):
-        var = getattr(module, "kernel", None) if isinstance(module, ExpertLinear) else None
-        if not isinstance(var, nnx.Param):
-            continue
-        w = var.get_value()
-        if not isinstance(w, jax.Array) or w.ndim != 4 or not jnp.issubdtype(w.dtype, jnp.floating):
-            continue
-        module.kernel = QuantParam(ExpertStack.from_kernel(w), **var.get_metadata())
-        key = f"experts_in_place:{jnp.dtype(w.dtype).name}"
-        done[key] = done.get(key, 0) + 1
-    return done
+    done: collections.Counter[str] = collections.Counter()
+    for module, var, w in _plain_kernels(model, ExpertLinear, 4):
+        if jnp.issubdtype(w.dtype, jnp.floating):
+            module.kernel = QuantParam(ExpertStack.from_kernel(w), **var.get_metadata())
+            done[f"experts_in_place:{jnp.dtype(w.dtype).name}"] += 1
+    return dict(done)
 
 
 def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
