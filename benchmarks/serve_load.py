@@ -342,7 +342,7 @@ def profile_engine(a, model, users, k, in_place, paged, kernel) -> None:
     print("PROFILE " + json.dumps({"users": users, "decode_steps": k, "wall_us_per_token": wall_us,
                                    "kernel_us_per_token": total, "kernels_per_token": len(kernels) / tokens,
                                    "categories_us": dict(by_cat)}), flush=True)
-    for name, d in by_name.most_common(25):
+    for name, d in by_name.most_common(40):
         print(f"#   {d:8.2f} us  {name[:140]}")
 
 

@@ -21,6 +21,9 @@
 # gemma3_text -> gemma3, lfm2 -> lfm2: gemma3-1b, lfm2-1.2b, qwen3.5-0.8b, ...; CPU-sized debug, debug-gemma3,
 # debug-lfm2). Several shapes in one call share the build: SHAPE=gemma3-1b,lfm2-1.2b. SHAPE=none: build only (in
 # the background of another job; a later call passes BUILD=$WORK/build).
+# TYPES: the file types benched (default "bf16,q4_k_m": the bf16 file, then llama-quantize's Q4_K_M of it). A list
+# without bf16 (TYPES=q4_k_m) has our GGUF writer write each type directly (its Q4_K_M mix follows llama-quantize's
+# rule, surojax/quant/quantize_mix.py): for shapes whose bf16 file would not fit the disk (qwen3-30b-a3b: 61 GB).
 set -euo pipefail
 BUILD=${BUILD:-}
 SRC=${1:-}
@@ -28,6 +31,7 @@ SRC=${1:-}
 WORK=${WORK:-/tmp/llama-anchor}
 SHAPE=${SHAPE:-qwen3-0.6b}
 USERS=${USERS:-1,16,64}
+TYPES=${TYPES:-bf16,q4_k_m}
 PROMPT=${PROMPT:-512}
 GEN=${GEN:-128}
 CUDA=${CUDA:-ON}
@@ -66,14 +70,25 @@ bench_row() {  # model users -> the table's data row for that many users
     return 1
 }
 for shape in ${SHAPE//,/ }; do
-    python3 "$HERE/benchmarks/anchors/random_gguf.py" --shape "$shape" --out "$WORK/$shape-bf16.gguf"
-    "$BUILD/bin/llama-quantize" "$WORK/$shape-bf16.gguf" "$WORK/$shape-q4_k_m.gguf" Q4_K_M > "$WORK/quantize.log" 2>&1
-    for f in bf16 q4_k_m; do
+    case ",$TYPES," in
+        *,bf16,*)
+            python3 "$HERE/benchmarks/anchors/random_gguf.py" --shape "$shape" --out "$WORK/$shape-bf16.gguf"
+            for f in ${TYPES//,/ }; do
+                [ "$f" = bf16 ] || "$BUILD/bin/llama-quantize" "$WORK/$shape-bf16.gguf" "$WORK/$shape-$f.gguf" \
+                    "${f^^}" > "$WORK/quantize.log" 2>&1
+            done ;;
+        *)
+            for f in ${TYPES//,/ }; do
+                python3 "$HERE/benchmarks/anchors/random_gguf.py" --shape "$shape" --file-type "$f" \
+                    --out "$WORK/$shape-$f.gguf"
+            done ;;
+    esac
+    for f in ${TYPES//,/ }; do
         echo "# llama-batched-bench $shape $f: -npp $PROMPT -ntg $GEN -npl N -c N x $(( PROMPT + GEN )) -fa on -ngl 99, N in $USERS"
         echo "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"
         for n in ${USERS//,/ }; do
             bench_row "$WORK/$shape-$f.gguf" "$n" || echo "# llama-batched-bench $shape $f: no row for $n users ($WORK/bench.log)"
         done
     done
-    rm -f "$WORK/$shape-bf16.gguf" "$WORK/$shape-q4_k_m.gguf"  # GBs each at the real shapes
+    for f in ${TYPES//,/ }; do rm -f "$WORK/$shape-$f.gguf"; done  # GBs each at the real shapes
 done
