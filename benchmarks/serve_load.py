@@ -323,7 +323,7 @@ def profile_engine(a, model, users, k, in_place, paged, kernel) -> None:
     from kernel_categories import category
     from trace_summary import gpu_kernels, kernel_sums, trace_file
 
-    trace_dir = tempfile.mkdtemp(prefix="surojax-serve-trace-")
+    trace_dir = tempfile.mkdtemp(prefix="surojax-serve-trace-", dir=a.profile_dir)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         r = run_engine(a, model, users, a.max_tokens, users, "profile", k, in_place, paged, kernel)
     path = trace_file(trace_dir)
@@ -566,6 +566,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
                    help="engine mode: one more run per row under jax.profiler, GPU kernels per output token by category")
+    p.add_argument("--profile-dir", default=None, help="--profile: keep the traces under this folder (default: a "
+                   "temporary one)")
     p.add_argument("--decode-steps", default="auto",
                    help="comma list of decode steps per device call (powers of two) to run engine/server with; "
                         "auto = the server's default (SERVE_DECODE_STEPS)")

@@ -27,6 +27,33 @@ from surojax.weights.gguf_checkpoint import save_gguf  # noqa: E402
 TOKENIZER = ROOT / "tests" / "fixtures" / "models" / "qwen3"
 
 
+def random_model(cfg) -> Decoder:
+    """A Decoder of cfg's shape with normal(0, 0.02) weights in bf16 on the default device, each weight made in
+    place one slice of its first axis at a time: initialising the module itself draws each stack in float32 first
+    (Qwen3-30B-A3B's expert stack: 77 GB), which does not fit an 80 GB card beside the 61 GB model."""
+    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention="xla",
+                                           rngs=nnx.Rngs(0)))
+    fill = jax.jit(lambda x, i, key: x.at[i].set((0.02 * jax.random.normal(key, x.shape[1:])).astype(x.dtype)),
+                   donate_argnums=0)
+    state = nnx.state(model, nnx.Param)
+    key = jax.random.key(0)
+    leaves, treedef = jax.tree.flatten(state)
+    made = []
+    for n, leaf in enumerate(leaves):
+        k = jax.random.fold_in(key, n)
+        if leaf.ndim <= 1:  # norms near 1
+            x = (1 + 0.02 * jax.random.normal(k, leaf.shape)).astype(leaf.dtype)
+        elif leaf.size <= 2**28 or leaf.shape[0] > 1024:  # at most ~1 GiB of float32 draws at once, or not a stack
+            x = (0.02 * jax.random.normal(k, leaf.shape)).astype(leaf.dtype)
+        else:  # a layer stack: one layer at a time
+            x = jnp.zeros(leaf.shape, leaf.dtype)
+            for i in range(leaf.shape[0]):
+                x = fill(x, i, jax.random.fold_in(k, i))
+        made.append(x)
+    nnx.update(model, jax.tree.unflatten(treedef, made))
+    return model
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-0.6b")
@@ -34,8 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--file-type", default="bf16", help="a save_gguf file type (bf16, q8_0, q4_k_m, ...)")
     a = p.parse_args(argv)
     cfg = model_config(a.shape)
-    # normal(0, 0.02)-style weights in bf16, built on the default device (a GPU where there is one)
-    model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention="xla", rngs=nnx.Rngs(0))
+    model = random_model(cfg)
     path = save_gguf(model, a.out, a.file_type, tokenizer_dir=TOKENIZER, name=a.shape)
     print(f"# wrote {path} ({path.stat().st_size / 2**20:.0f} MiB, {a.shape}, {a.file_type}) on {jax.devices()[0].platform}")
     return 0

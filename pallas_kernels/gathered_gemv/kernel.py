@@ -36,15 +36,15 @@ MIN_BLOCK = 16
 @dataclasses.dataclass(frozen=True)
 class GatheredTiles:
     """bi: contraction (I) values per loop step; bo: output columns per program (the weight tile is [bi, bo]);
-    Triton's num_warps / num_stages. UNMEASURED defaults (no GPU timing yet), chosen for the bytes in flight: the
-    offline compile shows Triton does not pipeline these loads through shared memory (no dot consumes them), so a
-    program has about one tile in flight; a [128, 64] bf16 tile is 16 KB, 128-byte rows (bo = 64 values). At one
-    user on Qwen3-30B-A3B (A = 8) the grid is 24 x 8 programs for gate_up [2048, 1536] and 32 x 8 for down
-    [768, 2048], 1.5 to 2 per SM of an H100: ~3 MB in flight against the ~2-3 MB HBM's latency x bandwidth wants.
-    The fp32 accumulator [bi, bo] is bi bo / (32 num_warps) = 32 registers a thread at 8 warps (ptxas: 64 in all,
-    no spills). benchmarks/moe_decode.py --gather-tiles sweeps others."""
+    Triton's num_warps / num_stages. Measured on an H100 (session 28, `benchmarks/moe_decode.py --quant '' --rows 1,8
+    --paths gather,gather_pallas --gather-tiles ...`, one MoE layer of Qwen3-30B-A3B in bf16, us at 1 / 8 rows):
+    bi 256 bo 64 8 warps 53.1 / 227 (XLA's gather 62.4 / 228); bi 128 bo 64 8 warps 72.7 / 238; bi 128 bo 128
+    72.5 / 237; bi 64 bo 64 4 warps 111 / 251; bi 64 bo 128 107 / 241. Triton does not pipeline these loads through
+    shared memory (no dot consumes them), so a program has about one tile in flight: the larger tile keeps more
+    bytes in flight per program (a [256, 64] bf16 tile is 32 KB in 128-byte rows). The fp32 accumulator [bi, bo]
+    is bi bo / (32 num_warps) = 64 registers a thread at 8 warps."""
 
-    bi: int = 128
+    bi: int = 256
     bo: int = 64
     num_warps: int = 8
     num_stages: int = 3
