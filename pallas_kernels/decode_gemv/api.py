@@ -26,7 +26,8 @@ ones, else the default: bn such that the grid has about MIN_PROGRAMS programs (t
 weight is read by every SM), bk so that a weight tile holds TILE_VALUES values (registers: bn x bk / (32
 num_warps) fp32 per thread for the tile and its products). From DOT_FROM_M rows TUNED_DOT_TILES[(n_out, k,
 M_pad)], else the dot default: bn = M_pad (each program re-reads x [M, K] from L2: x traffic M_pad / bn times the
-weight's), halved down to 16 while the grid has fewer than MIN_PROGRAMS / 2 programs; bk 128.
+weight's), halved down to 16 while the grid has fewer than MIN_PROGRAMS / 2 programs; bk 128; 8 warps for a 64 x 64
+accumulator, else 4; 3 stages (unmeasured: benchmarks/decode_gemv.py sweeps DOT_CANDIDATES).
 """
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def dot_tiles_for(n_out: int, k: int, m: int) -> GemvTiles:
         bn = m_pad
         while bn > MIN_DOT_BN and n_out // bn < MIN_PROGRAMS // 2:
             bn //= 2
-        tuned = GemvTiles(bn=bn, bk=DOT_BK, num_warps=4, num_stages=3, dot=True)
+        warps = 8 if m_pad * bn >= 64 * 64 else 4  # a 64 x 64 fp32 acc (two when gated) in 4 warps: ~220 registers
+        tuned = GemvTiles(bn=bn, bk=DOT_BK, num_warps=warps, num_stages=3, dot=True)
     return fit(tuned, n_out, k)
 
 
