@@ -65,9 +65,10 @@ def gemv_dot_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, b
 
     rstd = None
     if norm:  # each row's 1 / rms over the whole K (x is small, read from L2: every program recomputes it)
-        sums = jax.lax.fori_loop(0, n_k, lambda t, s: s + jnp.sum(jnp.square(load(x_ref, k_cols(t)).astype(f32)),
-                                                                   axis=1, keepdims=True), jnp.zeros((m_pad, 1), f32))
-        rstd = jax.lax.rsqrt(sums / (n_k * bk) + eps)
+        def sum_sq(t, sums):
+            return sums + jnp.sum(jnp.square(load(x_ref, k_cols(t)).astype(f32)), axis=1, keepdims=True)
+
+        rstd = jax.lax.rsqrt(jax.lax.fori_loop(0, n_k, sum_sq, jnp.zeros((m_pad, 1), f32)) / (n_k * bk) + eps)
 
     def dot(x, w_rows, cols):  # x [M_pad, bk] @ w [bn, bk]^T -> [M_pad, bn] fp32
         w = w_ref[w_rows, cols].astype(dt)
