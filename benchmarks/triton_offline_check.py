@@ -17,7 +17,8 @@ benchmarks/paged_decode_sweep.py's grid (the paged decode-attention kernel, Qwen
 128, bf16) for each setting of GDN_V2_GRID, and the four of its backward (kernel_v2_bwd.py: wy_t, state, dqkw,
 wy_bwd) for each of GDN_V2_BWD_GRID. `dump-gemv` writes the decode GEMV (pallas_kernels/decode_gemv) at the
 Qwen3-0.6B and Qwen3-8B linears' shapes, M = 1 and 8, for each tile configuration benchmarks/decode_gemv.py sweeps
-(and its fused forms: the RMSNorm prologue, the gated product, the residual). `dump-prologue` writes the decode
+(and its fused forms: the RMSNorm prologue, the gated product, the residual), and its dot body (GemvTiles.dot) at
+M = 1, 9, 16, 64 for each of DOT_CANDIDATES and the default (9 rows: the masked x / residual loads and store). `dump-prologue` writes the decode
 prologue (pallas_kernels/decode_prologue: qkv split, q/k norm, rope, the pool write) at Qwen3-0.6B and Qwen3-8B
 shapes, 1 and 8 rows, a 65,536-slot bf16 pool, for each of PROLOGUE_KNOBS. `dump-gathered` writes the gathered
 GEMV (pallas_kernels/gathered_gemv: MoE decode, each row times its routed expert read in place) at Qwen3-30B-A3B's
@@ -191,9 +192,23 @@ def dump_gemv(out: str) -> None:
                             *a, n=lin.n, tiles=tiles, norm="plain" if lin.norm else None,
                             activation="silu" if lin.gated else None))
                         write(fn, args, os.path.join(out, f"gemv_{model}_{lin.name}_m{m}_{tiles.label()}.ttir"))
+        for model, linears in bench.SHAPES.items():  # the dot body
+            for lin in linears:
+                n_out = lin.n // 2 if lin.gated else lin.n
+                for m in (1, 9, 16, 64):
+                    for tiles in {tiles_for(n_out, lin.k, m), *(fit(t, n_out, lin.k) for t in bench.DOT_CANDIDATES)}:
+                        if not tiles.dot:
+                            continue
+                        args = [sd((m, lin.k), jnp.bfloat16), sd((lin.n, lin.k), jnp.bfloat16), sd((), jnp.int32),
+                                sd((lin.k,), jnp.bfloat16) if lin.norm else None,
+                                sd((m, n_out), jnp.bfloat16) if lin.residual else None]
+                        fn = jax.jit(lambda *a, lin=lin, tiles=tiles: gemv(
+                            *a, n=lin.n, tiles=tiles, norm="plain" if lin.norm else None,
+                            activation="silu" if lin.gated else None))
+                        write(fn, args, os.path.join(out, f"gemvdot_{model}_{lin.name}_m{m}_{tiles.label()}.ttir"))
         for model, (v, d) in HEADS.items():  # a tied head through the kernel: fp32 logits (Decoder.logits)
-            for m in (1, 8):
-                tiles = tiles_for(v, d)
+            for m in (1, 8, 16, 64):
+                tiles = tiles_for(v, d, m)
                 fn = jax.jit(lambda *a, v=v, tiles=tiles: gemv(*a, n=v, tiles=tiles, out_dtype=jnp.float32))
                 write(fn, [sd((m, d), jnp.bfloat16), sd((v, d), jnp.bfloat16), sd((), jnp.int32)],
                       os.path.join(out, f"gemv_{model}_head_m{m}_{tiles.label()}.ttir"))

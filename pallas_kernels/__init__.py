@@ -9,8 +9,8 @@ Ops:
                   NVFP4, FP8-block); layout.py holds the kernel layout a format hands over (arrays + LayoutSpec)
     fp8_cast      an FP8 training operand quantised into both layouts (q, q^T) with its amax, in one pass
     adam8bit      one 8-bit AdamW step of a stacked parameter (moments, update, requantisation) in one pass
-    decode_gemv   the decode GEMV of a plain weight stored [N, K] (M <= 8 rows), with an RMSNorm prologue and
-                  gated-product / residual epilogues
+    decode_gemv   the decode GEMV of a plain weight stored [N, K] (M <= 64 rows: an FMA body to 8, a tensor-core
+                  body above), with an RMSNorm prologue and gated-product / residual epilogues
     gated_delta   the gated delta rule (Gated DeltaNet): reference recurrence and decode step, chunked jnp form,
                   the chunk forward and backward as Pallas kernels
 

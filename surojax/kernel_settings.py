@@ -34,8 +34,10 @@
     decode_gemv    SUROJAX_DECODE_GEMV    auto | pallas | xla      quant/gemv_weight: a served model's plain (bf16 /
                                                                    fp32) linears laid out [N, K] at load for the
                                                                    decode GEMV kernel (pallas_kernels/decode_gemv),
-                                                                   which takes calls of <= 8 rows; auto = the kernel
-                                                                   on a GPU (one user 1.40x XLA, measured on an H100)
+                                                                   which takes calls of <= 64 rows (a tensor-core
+                                                                   body above 8); auto = the kernel on a GPU up to 8
+                                                                   rows (one user 1.40x XLA, measured on an H100),
+                                                                   XLA above until measured (api.AUTO_DOT_MAX_M)
     decode_prologue  SUROJAX_DECODE_PROLOGUE  auto | pallas | xla  models/layers/attention: a decode call (one token per
                                                                    row, <= 8 rows) over the serving pool runs qkv's
                                                                    split, the q / k norms, rope and the k / v write into

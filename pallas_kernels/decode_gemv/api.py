@@ -1,38 +1,51 @@
 """`decode_gemv(x, wt, ...)`: the decode GEMV (kernel.py) for a caller's few rows, and the choice between it and XLA.
 
-    x [..., K] with M = prod(leading) <= MAX_ROWS rows; wt [N, K] (the weight TRANSPOSED, K contiguous), or a
+    x [..., K] with M = prod(leading) <= MAX_DOT_ROWS rows; wt [N, K] (the weight TRANSPOSED, K contiguous), or a
     layer stack [L, N, K] read in place at `layer`; optional RMSNorm prologue (`norm_weight`, `norm` = plain |
     zero_centered, `eps`), gated product (`activation` = silu | gelu_tanh: wt is a joined [gate; up]) and
     residual (`residual` [..., N_out]) -> [..., N_out] in x's dtype.
 
+Two bodies (GemvTiles.dot): the FMA rows (kernel.py, M <= MAX_ROWS = 8) and the tensor-core tile (dot_kernel.py,
+M <= MAX_DOT_ROWS = 64, padded to a power of 2 >= 16 in the kernel). The default tiles take the dot body from
+DOT_FROM_M rows (9: wherever the FMA body cannot; lower it where the GPU measures the dot faster at few rows).
+
 Mode (the caller's; surojax passes SUROJAX_DECODE_GEMV from its kernel settings, this package reads no
 environment): auto | pallas | xla.
-    pallas  the kernel for every call of M <= MAX_ROWS (interpret mode off a GPU: slow, for tests)
+    pallas  the kernel for every call of M <= MAX_DOT_ROWS (interpret mode off a GPU: slow, for tests)
     xla     never
     auto    the kernel on a GPU for M <= AUTO_MAX_M (8 = MAX_ROWS: measured on an H100 in session 23, the engine
             at one user on Qwen3-0.6B shapes decodes 655 tok/s with the kernel against 468 with XLA, and the 16 / 64
             user rows, whose calls of more rows take XLA on the transposed weight, stay at 1.05x / 1.04x llama.cpp
-            in the same job: RESULTS.md)
+            in the same job: RESULTS.md), and for MAX_ROWS < M <= AUTO_DOT_MAX_M (the dot body; 0: unmeasured,
+            so XLA's einsum on the layer sliced out of the stack, which copies it first)
 `converts(mode)` says whether a server should lay its plain weights out transposed for the kernel at load
 (surojax.quant.gemv_weight); `choose(m, mode)` which path a call of m rows takes.
 
-Tiles: `tiles_for(n_out, k)` -- TUNED_TILES[(n_out, k)] where the benchmark found better ones, else the
-default: bn such that the grid has about MIN_PROGRAMS programs (two per SM of an H100 / H200: the weight is read
-by every SM), bk so that a weight tile holds TILE_VALUES values (registers: bn x bk / (32 num_warps) fp32 per
-thread for the tile and its products).
+Tiles: `tiles_for(n_out, k, m)` -- below DOT_FROM_M rows TUNED_TILES[(n_out, k)] where the benchmark found better
+ones, else the default: bn such that the grid has about MIN_PROGRAMS programs (two per SM of an H100 / H200: the
+weight is read by every SM), bk so that a weight tile holds TILE_VALUES values (registers: bn x bk / (32
+num_warps) fp32 per thread for the tile and its products). From DOT_FROM_M rows TUNED_DOT_TILES[(n_out, k,
+M_pad)], else the dot default: bn = M_pad (each program re-reads x [M, K] from L2: x traffic M_pad / bn times the
+weight's), halved down to 16 while the grid has fewer than MIN_PROGRAMS / 2 programs; bk 128; 8 warps for a 64 x 64
+accumulator, else 4; 3 stages (unmeasured: benchmarks/decode_gemv.py sweeps DOT_CANDIDATES).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode_gemv.kernel import MAX_ROWS, MIN_BN, GemvTiles, fit, gemv, shape_error
+from pallas_kernels.decode_gemv.dot_kernel import MIN_DOT_BN, padded_rows
+from pallas_kernels.decode_gemv.kernel import MAX_DOT_ROWS, MAX_ROWS, MIN_BN, GemvTiles, fit, gemv, shape_error
 
 MODES = ("auto", "pallas", "xla")
-AUTO_MAX_M = 8           # auto takes the kernel for M <= this on a GPU (measured: the docstring)
+AUTO_MAX_M = 8           # auto takes the kernel (FMA body) for M <= this on a GPU (measured: the docstring)
+AUTO_DOT_MAX_M = 0       # auto takes the kernel (dot body) for MAX_ROWS < M <= this on a GPU: 0 = unmeasured (XLA)
+DOT_FROM_M = MAX_ROWS + 1  # the default tiles take the dot body from this many rows (<= MAX_ROWS + 1)
 MIN_PROGRAMS = 264
 TILE_VALUES = 4096
+DOT_BK = 128
 TUNED_TILES: dict[tuple[int, int], GemvTiles] = {}
+TUNED_DOT_TILES: dict[tuple[int, int, int], GemvTiles] = {}  # (N_out, K, M_pad) -> tiles with dot=True
 
 
 def on_gpu() -> bool:
@@ -47,21 +60,24 @@ def _check_mode(mode: str) -> None:
 def converts(mode: str = "auto") -> bool:
     """Whether weights should be laid out for the kernel ([N, K]) at load under `mode`."""
     _check_mode(mode)
-    return mode == "pallas" or (mode == "auto" and on_gpu() and AUTO_MAX_M > 0)
+    return mode == "pallas" or (mode == "auto" and on_gpu() and (AUTO_MAX_M > 0 or AUTO_DOT_MAX_M > MAX_ROWS))
 
 
 def choose(m: int, mode: str = "auto") -> str:
     """'pallas' or 'xla' for a call of m rows under `mode`."""
     _check_mode(mode)
     if mode == "pallas":
-        return "pallas" if m <= MAX_ROWS else "xla"
-    if mode == "auto" and on_gpu() and m <= min(AUTO_MAX_M, MAX_ROWS):
+        return "pallas" if m <= MAX_DOT_ROWS else "xla"
+    if mode == "auto" and on_gpu() and (m <= min(AUTO_MAX_M, MAX_ROWS)
+                                        or MAX_ROWS < m <= min(AUTO_DOT_MAX_M, MAX_DOT_ROWS)):
         return "pallas"
     return "xla"
 
 
-def tiles_for(n_out: int, k: int) -> GemvTiles:
-    """The tiles of an [N_out, K] product (module docstring), fitted to divide both."""
+def tiles_for(n_out: int, k: int, m: int = 1) -> GemvTiles:
+    """The tiles of an [N_out, K] product at m rows (module docstring), fitted to divide both."""
+    if m >= min(DOT_FROM_M, MAX_ROWS + 1):
+        return dot_tiles_for(n_out, k, m)
     tuned = TUNED_TILES.get((n_out, k))
     if tuned is None:
         bn = MIN_BN
@@ -71,9 +87,22 @@ def tiles_for(n_out: int, k: int) -> GemvTiles:
     return fit(tuned, n_out, k)
 
 
-def weight_error(n: int, k: int, gated: bool = False) -> str | None:
-    """Why a weight [N, K] cannot take the kernel at its default tiles (None: it can)."""
-    return shape_error(n, k, gated, tiles_for(n // 2 if gated else n, k))
+def dot_tiles_for(n_out: int, k: int, m: int) -> GemvTiles:
+    """The dot body's tiles of an [N_out, K] product at m rows (module docstring), fitted to divide both."""
+    m_pad = padded_rows(m)
+    tuned = TUNED_DOT_TILES.get((n_out, k, m_pad))
+    if tuned is None:
+        bn = m_pad
+        while bn > MIN_DOT_BN and n_out // bn < MIN_PROGRAMS // 2:
+            bn //= 2
+        warps = 8 if m_pad * bn >= 64 * 64 else 4  # a 64 x 64 fp32 acc (two when gated) in 4 warps: ~220 registers
+        tuned = GemvTiles(bn=bn, bk=DOT_BK, num_warps=warps, num_stages=3, dot=True)
+    return fit(tuned, n_out, k)
+
+
+def weight_error(n: int, k: int, gated: bool = False, m: int = 1) -> str | None:
+    """Why a weight [N, K] cannot take the kernel at its default tiles for m rows (None: it can)."""
+    return shape_error(n, k, gated, tiles_for(n // 2 if gated else n, k, m))
 
 
 def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = None,
@@ -81,8 +110,8 @@ def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = 
                 activation: str | None = None, residual: jax.Array | None = None,
                 tiles: GemvTiles | None = None, interpret: bool | None = None, out_dtype=None) -> jax.Array:
     """x [..., K] -> [..., N_out] by the kernel (module docstring); out_dtype float32 (a plain GEMV): the fp32
-    sums unrounded. Raises ValueError naming what does not fit:
-    more than MAX_ROWS rows, a K that differs, a weight the tiles cannot cover, a layer index without a stack."""
+    sums unrounded. Raises ValueError naming what does not fit: more rows than the tiles' body takes, a K that
+    differs, a weight the tiles cannot cover, a layer index without a stack."""
     lead, k = x.shape[:-1], x.shape[-1]
     m = 1
     for d in lead:
@@ -101,7 +130,7 @@ def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = 
     if wt.shape[-1] != k:
         raise ValueError(f"decode GEMV: x has K={k}, the transposed weight {wt.shape} has {wt.shape[-1]}")
     n_out = n // 2 if activation is not None else n
-    tiles = fit(tiles, n_out, k) if tiles is not None else tiles_for(n_out, k)
+    tiles = fit(tiles, n_out, k) if tiles is not None else tiles_for(n_out, k, m)
     if residual is not None:
         residual = residual.reshape(m, n_out)
     y = gemv(x.reshape(m, k), rows, jnp.asarray(layer, jnp.int32), norm_weight, residual, n=n, tiles=tiles,
@@ -110,5 +139,6 @@ def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = 
     return y.reshape(*lead, n_out)
 
 
-__all__ = ["AUTO_MAX_M", "MAX_ROWS", "MODES", "TUNED_TILES", "GemvTiles", "choose", "converts", "decode_gemv",
-           "on_gpu", "tiles_for", "weight_error"]
+__all__ = ["AUTO_DOT_MAX_M", "AUTO_MAX_M", "DOT_FROM_M", "MAX_DOT_ROWS", "MAX_ROWS", "MODES", "TUNED_DOT_TILES",
+           "TUNED_TILES", "GemvTiles", "choose", "converts", "decode_gemv", "dot_tiles_for", "on_gpu", "tiles_for",
+           "weight_error"]

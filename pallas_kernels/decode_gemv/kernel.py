@@ -33,6 +33,9 @@ out of the stack by XLA before the custom call, a weight-sized copy per layer an
 
 Shapes: bn and bk are powers of 2 (Triton); N_out must be a multiple of bn and K of bk (`fit` shrinks them to
 divisors; `shape_error` names what cannot be tiled). M is any 1..MAX_ROWS (rows are a static loop).
+
+tiles.dot: the tensor-core body instead (dot_kernel.py: acc [M_pad, bn] += x [M_pad, bk] @ w^T per K step, M up to
+MAX_DOT_ROWS, padded to a power of 2 >= 16 in the kernel; bn >= 16), with the same fused forms and roundings.
 """
 from __future__ import annotations
 
@@ -41,9 +44,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.decode_gemv.dot_kernel import MAX_DOT_ROWS, MIN_DOT_BN, gemv_dot_kernel
+from pallas_kernels.decode_gemv.fused_ops import finish, normalise
 
 MAX_ROWS = 8          # rows per call: the rows are unrolled, each keeps bn fp32 accumulators (two when gated)
 NORMS = ("plain", "zero_centered")
@@ -56,16 +61,26 @@ class GemvTiles:
     """bn: output columns per program; bk: K values per loop step (the weight tile is [bn, bk]); Triton's
     num_warps / num_stages. deferred: each row accumulates the [bn, bk] products elementwise and sums over bk once
     after the loop (no cross-thread reduction per step), where the accumulators fit DEFERRED_REGISTERS fp32
-    registers per thread (`deferred_for`); else the sum over bk is taken every step."""
+    registers per thread (`deferred_for`); else the sum over bk is taken every step. dot: the tensor-core body
+    (dot_kernel.py; up to MAX_DOT_ROWS rows, bn >= MIN_DOT_BN; `deferred` does not apply)."""
 
     bn: int = 16
     bk: int = 512
     num_warps: int = 4
     num_stages: int = 3
     deferred: bool = False
+    dot: bool = False
 
     def label(self) -> str:
-        return f"bn{self.bn}-bk{self.bk}-w{self.num_warps}-s{self.num_stages}{'-defer' if self.deferred else ''}"
+        form = "-dot" if self.dot else "-defer" if self.deferred else ""
+        return f"bn{self.bn}-bk{self.bk}-w{self.num_warps}-s{self.num_stages}{form}"
+
+    def max_rows(self) -> int:
+        """The most rows one call of this body takes."""
+        return MAX_DOT_ROWS if self.dot else MAX_ROWS
+
+    def min_bn(self) -> int:
+        return MIN_DOT_BN if self.dot else MIN_BN
 
 
 DEFERRED_REGISTERS = 64
@@ -73,7 +88,8 @@ DEFERRED_REGISTERS = 64
 
 def deferred_for(tiles: GemvTiles, accumulators: int) -> bool:
     """Whether `accumulators` [bn, bk] fp32 accumulators (rows x 1 or 2) fit the deferred sum's register budget."""
-    return tiles.deferred and accumulators * tiles.bn * tiles.bk <= DEFERRED_REGISTERS * 32 * tiles.num_warps
+    return (tiles.deferred and not tiles.dot
+            and accumulators * tiles.bn * tiles.bk <= DEFERRED_REGISTERS * 32 * tiles.num_warps)
 
 
 def _pow2(v: int) -> bool:
@@ -90,7 +106,8 @@ def _fit(size: int, block: int, least: int) -> int:
 
 def fit(tiles: GemvTiles, n_out: int, k: int) -> GemvTiles:
     """tiles with bn and bk shrunk to power-of-2 divisors of N_out and K (unchanged where they divide)."""
-    return dataclasses.replace(tiles, bn=_fit(n_out, tiles.bn, MIN_BN) or tiles.bn,
+    least = tiles.min_bn()
+    return dataclasses.replace(tiles, bn=_fit(n_out, max(tiles.bn, least), least) or tiles.bn,
                                bk=_fit(k, min(tiles.bk, 1 << (k.bit_length() - 1)), MIN_BK) or tiles.bk)
 
 
@@ -101,9 +118,10 @@ def shape_error(n: int, k: int, gated: bool = False, tiles: GemvTiles = GemvTile
     if gated and n % 2:
         return f"decode GEMV: a gated (joined gate/up) weight needs an even N, got [{n}, {k}]"
     n_out = n // 2 if gated else n
-    if not _fit(n_out, tiles.bn, MIN_BN):
-        return (f"decode GEMV: the output width {n_out} of weight [{n}, {k}] is not a multiple of {MIN_BN} "
-                f"(the smallest column block)")
+    least = tiles.min_bn()
+    if not _fit(n_out, max(tiles.bn, least), least):
+        return (f"decode GEMV: the output width {n_out} of weight [{n}, {k}] is not a multiple of {least} "
+                f"(the smallest column block{' of the dot body' if tiles.dot else ''})")
     if not _fit(k, min(tiles.bk, 1 << (k.bit_length() - 1)), MIN_BK):
         return f"decode GEMV: K={k} of weight [{n}, {k}] is not a multiple of {MIN_BK} (the smallest K block)"
     return None
@@ -136,11 +154,8 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: 
     def row(i, cols):
         """Row i of x on K columns `cols`, normalised by the prologue if any, in fp32 (its dt value)."""
         x = x_ref[i, cols]
-        if norm == "plain":      # scale.astype(dt) * normed.astype(dt): a product of two dt values, rounded
-            normed = (x.astype(f32) * rstd[i]).astype(dt).astype(f32)
-            x = (nw_ref[cols].astype(dt).astype(f32) * normed).astype(dt)
-        elif norm == "zero_centered":  # (normed * (1 + w)) in fp32, rounded once
-            x = (x.astype(f32) * rstd[i] * (1.0 + nw_ref[cols].astype(f32))).astype(dt)
+        if norm:
+            x = normalise(x, rstd[i], nw_ref[cols], norm, dt)
         return x.astype(f32)[None, :]
 
     gated = half > 0
@@ -164,29 +179,10 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: 
     if deferred:
         accs = tuple(jnp.sum(a, axis=1) for a in accs)
     out_cols = pl.ds(j * bn, bn)
-    rd = lambda v: v.astype(dt).astype(f32)  # noqa: E731  one rounding to dt, as each of the decoder's ops
     for i in range(m):
-        y = rd(accs[i * per_row]) if round_output else accs[i * per_row]  # the GEMV's output, in dt (or fp32)
-        if gated:
-            act = _silu(y, rd) if activation == "silu" else _gelu_tanh(y, rd, dt)
-            y = rd(act * rd(accs[i * per_row + 1]))
-        if residual:
-            y = y + r_ref[i, out_cols].astype(f32)
+        y = finish(accs[i * per_row], accs[i * per_row + 1] if gated else None,
+                   r_ref[i, out_cols] if residual else None, activation=activation, dt=dt, round_output=round_output)
         y_ref[i, out_cols] = y.astype(y_ref.dtype)
-
-
-def _silu(v, rd):
-    """jax.nn.silu in dt as XLA runs it: v * (1 / (1 + exp(-v))), each op rounded (v fp32 holding a dt value)."""
-    return rd(v * rd(1.0 / rd(1.0 + rd(jnp.exp(-v)))))
-
-
-def _gelu_tanh(v, rd, dt):
-    """jax.nn.gelu(approximate=True) in dt, op by op: v * 0.5 (1 + tanh(c (v + 0.044715 v^3))), the constants
-    in dt as jax casts them (v fp32 holding a dt value)."""
-    c = float(np.asarray(np.sqrt(2 / np.pi)).astype(dt))
-    a = float(np.asarray(0.044715).astype(dt))
-    inner = rd(c * rd(v + rd(a * rd(rd(v * v) * v))))
-    return rd(v * rd(0.5 * rd(1.0 + rd(jnp.tanh(inner)))))
 
 
 def _compiler_params(tiles: GemvTiles, interpret: bool):
@@ -200,12 +196,13 @@ def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | 
          residual: jax.Array | None = None, *, n: int, tiles: GemvTiles, norm: str | None = None,
          eps: float = 1e-6, activation: str | None = None, interpret: bool = False, out_dtype=None) -> jax.Array:
     """y [M, N_out] in x's dtype (out_dtype float32: the fp32 sums unrounded, no activation or residual). x [M, K]
-    (M <= MAX_ROWS); w [R, K] holding layer `layer` ([1] int32) in rows [layer n, (layer + 1) n) (R = n for one
-    weight); norm_weight [K] with `norm`; residual [M, N_out]; activation: the weight is a joined [gate; up]
+    (M <= tiles.max_rows()); w [R, K] holding layer `layer` ([1] int32) in rows [layer n, (layer + 1) n) (R = n
+    for one weight); norm_weight [K] with `norm`; residual [M, N_out]; activation: the weight is a joined [gate; up]
     (N_out = n / 2). tiles must fit (`fit`, `shape_error`)."""
     m, k = x.shape
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"decode GEMV: {m} rows, the kernel takes 1..{MAX_ROWS}")
+    if not 1 <= m <= tiles.max_rows():
+        raise ValueError(f"decode GEMV: {m} rows, the {'dot' if tiles.dot else 'FMA'} kernel takes "
+                         f"1..{tiles.max_rows()}")
     if w.shape[1] != k or w.shape[0] % n:
         raise ValueError(f"decode GEMV: x [{m}, {k}] against weight rows {w.shape} of {n} per layer")
     if norm is not None and norm not in NORMS:
@@ -228,19 +225,21 @@ def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | 
         raise ValueError(f"decode GEMV: tiles {tiles.label()} do not divide N_out={n_out}, K={k} (use fit)")
     if residual is not None and residual.shape != (m, n_out):
         raise ValueError(f"decode GEMV: residual {residual.shape}, expected {(m, n_out)}")
-    kernel = functools.partial(_gemv_kernel, m=m, n=n, half=n_out if gated else 0, bn=bn, bk=bk, n_k=k // bk,
-                               norm=norm, eps=float(eps), activation=activation, residual=residual is not None,
-                               deferred=deferred_for(tiles, m * (2 if gated else 1)),
-                               round_output=out_dtype == x.dtype)
+    common = dict(m=m, n=n, half=n_out if gated else 0, bn=bn, bk=bk, n_k=k // bk, norm=norm, eps=float(eps),
+                  activation=activation, residual=residual is not None, round_output=out_dtype == x.dtype)
+    if tiles.dot:
+        kernel = functools.partial(gemv_dot_kernel, **common)
+    else:
+        kernel = functools.partial(_gemv_kernel, deferred=deferred_for(tiles, m * (2 if gated else 1)), **common)
     args = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w]
     args += [norm_weight] if norm is not None else []
     args += [residual] if residual is not None else []
-    name = "decode_gemv" + (f"_{norm}" if norm else "") + (f"_{activation}" if gated else "") + \
-        ("_res" if residual is not None else "")
+    name = "decode_gemv" + ("_dot" if tiles.dot else "") + (f"_{norm}" if norm else "") + \
+        (f"_{activation}" if gated else "") + ("_res" if residual is not None else "")
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype), grid=(n_out // bn,),
                           compiler_params=_compiler_params(tiles, interpret), interpret=interpret,
                           name=name)(*args)
 
 
-__all__ = ["ACTIVATIONS", "DEFERRED_REGISTERS", "MAX_ROWS", "NORMS", "GemvTiles", "deferred_for", "fit", "gemv",
-           "shape_error"]
+__all__ = ["ACTIVATIONS", "DEFERRED_REGISTERS", "MAX_DOT_ROWS", "MAX_ROWS", "NORMS", "GemvTiles", "deferred_for", "fit",
+           "gemv", "shape_error"]

@@ -489,8 +489,9 @@ class Decoder(nnx.Module):
         only: the kernel has no gradient): the same fp32 sums of compute-dtype products, one pass over the
         embedding's bytes (a small model's largest weight: Qwen3-0.6B's is 311 MB of its 1.2 GB)."""
         emb = self.embed.embedding[...] if self.head_gemv and self.lm_head is None else None
-        if emb is not None and choose(int(np.prod(h.shape[:-1])), kernel_settings().decode_gemv.value) == "pallas" \
-                and weight_error(*emb.shape) is None:
+        rows = int(np.prod(h.shape[:-1]))
+        if emb is not None and choose(rows, kernel_settings().decode_gemv.value) == "pallas" \
+                and weight_error(*emb.shape, m=rows) is None:
             logits = decode_gemv(h, emb.astype(h.dtype), out_dtype=jnp.float32)
         else:
             w = self.head_weight().astype(h.dtype)

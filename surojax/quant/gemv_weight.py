@@ -1,6 +1,6 @@
 """GemvWeight: a plain (bf16 / fp16 / fp32) Linear kernel stored transposed, [..., N, K], for the decode GEMV.
 
-A decode step multiplies M <= 8 rows (one token per running sequence) by every weight: the product is bound by
+A decode step multiplies a few rows (one token per running sequence) by every weight: the product is bound by
 the weight's bytes. XLA runs such a GEMV as a multiply fusion and a reduce fusion over the [K, N] kernel, ~0.6 TB/s
 on an H100 (benchmarks/RESULTS.md "Where a decode step's time goes"); the Pallas kernel
 (pallas_kernels/decode_gemv) reads the weight as contiguous K rows of [N, K], each output column's values in one
@@ -13,12 +13,13 @@ kernel: `pallas_kernels.decode_gemv.api.converts`).
             (`at_layer`: the decoder's layer scan hands the stack and the index, Decoder.split_in_place)
     shape   (K, N), source (the dtype's name)        static
 
-`matmul(x)` takes the kernel for M <= 8 rows where the setting says (pallas_kernels.decode_gemv.api.choose), and
-XLA's einsum on the transposed weight otherwise (prefill, more rows: cuBLAS reads either orientation; a stacked
-weight's layer is sliced out there, as LaidOut's XLA path does). `fused_matmul(x, norm_weight=, activation=,
-residual=)`: the same product with the kernel's RMSNorm prologue, a joined gate/up weight's act(gate) * up and the
-residual add (surojax.models.layers.linear.fused_linear: the decoder's blocks ask for them at decode). The values are the
-kernel's, bit for bit (`dequantize` transposes back). Serving only: the kernel has no gradient.
+`matmul(x)` takes the kernel for the calls of few rows the setting gives it (pallas_kernels.decode_gemv.api.choose:
+M <= 8 through its FMA body, up to 64 through its tensor-core body, which auto takes once measured), and XLA's
+einsum on the transposed weight otherwise (prefill, more rows: cuBLAS reads either orientation; a stacked weight's
+layer is sliced out there, as LaidOut's XLA path does: XLA copies it out of the stack first).
+`fused_matmul(x, norm_weight=, activation=, residual=)`: the same product with the kernel's RMSNorm prologue, a
+joined gate/up weight's act(gate) * up and the residual add (surojax.models.layers.linear.fused_linear: the
+decoder's blocks ask for them at decode). The values are the kernel's, bit for bit (`dequantize` transposes back). Serving only: the kernel has no gradient.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class GemvWeight(QuantFormat):
         one_layer = self.data.ndim - (self.layer is not None) == 2
         m = int(np.prod(x.shape[:-1]))
         return (one_layer and choose(m, kernel_settings().decode_gemv.value) == "pallas"
-                and weight_error(self.shape[1], self.shape[0], gated) is None)
+                and weight_error(self.shape[1], self.shape[0], gated, m) is None)
 
     def matmul(self, x: jax.Array) -> jax.Array:
         """x [..., K] @ W -> [..., N] in x's dtype (module docstring)."""

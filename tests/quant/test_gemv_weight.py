@@ -64,22 +64,24 @@ def test_served_greedy_tokens_through_the_decode_gemv_equal_xla(monkeypatch):
         want = _greedy(plain, prompts)
     with use_kernel_settings(decode_gemv="pallas"):
         assert _greedy(served, prompts) == want
-    # the decode step (rows <= 8) took the kernel with the block's ops fused: qkv [128, 64] with the attention
-    # norm, o with the residual, gate/up with the MLP norm and silu(gate) * up, down with the residual; the prefill
-    # (more rows) took XLA's einsum on the same weights
+    # every linear took the kernel with the block's ops fused: qkv [128, 64] with the attention norm, o with the
+    # residual, gate/up with the MLP norm and silu(gate) * up, down with the residual; the decode steps (<= 8 rows)
+    # through its FMA body, the prefill (9..64 rows) through its tensor-core body
     assert {c[1:] for c in calls} == {((128, 64), "plain", None, False), ((64, 64), None, None, True),
                                       ((256, 64), "plain", "silu", False), ((64, 128), None, None, True)}
-    assert all(int(np.prod(x[:-1])) <= 8 for x, *_ in calls)
+    rows = {int(np.prod(x[:-1])) for x, *_ in calls}
+    assert min(rows) <= 8 < max(rows) <= 64
 
 
 def test_tied_head_through_the_decode_gemv_gives_the_fp32_logits(monkeypatch):
     """A tied head (the embedding, [V, D]: the kernel's layout as it is) takes the decode GEMV at few rows once
-    `decode_weights` marks the model (pallas mode, interpret here), the sums left in fp32: the logits equal the
-    einsum's; more rows (a prefill) keep the einsum; an untied head is left alone."""
+    `decode_weights` marks the model (pallas mode, interpret here: 3 rows through the FMA body, 16 through the dot
+    body), the sums left in fp32: the logits equal the einsum's; more rows (a prefill of 80) keep the einsum; an
+    untied head is left alone."""
     cfg = ModelConfig.from_hf(dict(HF, tie_word_embeddings=True))
     plain = Decoder(cfg, rngs=nnx.Rngs(params=1))
-    h = jax.random.normal(jax.random.key(0), (3, 1, 64), jnp.float32)
-    want = np.asarray(plain.logits(h))
+    hs = [jax.random.normal(jax.random.key(0), (b, 1, 64), jnp.float32) for b in (3, 16)]
+    want = [np.asarray(plain.logits(h)) for h in hs]
     with use_kernel_settings(decode_gemv="pallas"):
         decode_weights(plain, join_projections=False)
         assert plain.head_gemv
@@ -87,12 +89,33 @@ def test_tied_head_through_the_decode_gemv_gives_the_fp32_logits(monkeypatch):
         real = decoder_module.decode_gemv
         monkeypatch.setattr(decoder_module, "decode_gemv",
                             lambda x, w, **kw: calls.append((x.shape, w.shape, kw)) or real(x, w, **kw))
-        got = np.asarray(plain.logits(h))
-        prefill = np.asarray(plain.logits(jax.random.normal(jax.random.key(1), (2, 5, 64), jnp.float32)))
-    assert [c[:2] for c in calls] == [((3, 1, 64), (128, 64))] and calls[0][2]["out_dtype"] == jnp.float32
-    assert got.dtype == np.float32 and prefill.shape == (2, 5, 128)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+        got = [np.asarray(plain.logits(h)) for h in hs]
+        prefill = np.asarray(plain.logits(jax.random.normal(jax.random.key(1), (2, 40, 64), jnp.float32)))
+    assert [c[:2] for c in calls] == [((3, 1, 64), (128, 64)), ((16, 1, 64), (128, 64))]
+    assert all(c[2]["out_dtype"] == jnp.float32 for c in calls)
+    assert prefill.shape == (2, 40, 128)
+    for g, w in zip(got, want):
+        assert g.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.max(np.abs(w)))
     untied = Decoder(ModelConfig.from_hf(dict(HF, tie_word_embeddings=False)), rngs=nnx.Rngs(params=2))
     with use_kernel_settings(decode_gemv="pallas"):
         decode_weights(untied, join_projections=False)
     assert not untied.head_gemv
+
+
+def test_matmul_of_16_rows_takes_the_dot_kernel_on_a_layer_of_the_stack(monkeypatch):
+    """GemvWeight.matmul at 16 rows (16 users' decode step) under pallas: the kernel (its tensor-core body) on the
+    stack read in place at the layer, the einsum's values; 65 rows (past MAX_DOT_ROWS) take XLA's einsum."""
+    rng = np.random.default_rng(0)
+    kernel = jnp.asarray(rng.standard_normal((2, 64, 128)) * 0.1, jnp.float32)  # [L, K, N]
+    gw = GemvWeight.from_kernel(kernel).at_layer(jnp.int32(1))
+    calls = []
+    real = gemv_weight.decode_gemv
+    monkeypatch.setattr(gemv_weight, "decode_gemv",
+                        lambda x, w, **kw: calls.append((x.shape, w.shape)) or real(x, w, **kw))
+    xs = [jnp.asarray(rng.standard_normal((b, 1, 64)), jnp.float32) for b in (16, 65)]
+    with use_kernel_settings(decode_gemv="pallas"):
+        got = [gw.matmul(x) for x in xs]
+    assert calls == [((16, 1, 64), (2, 128, 64))]  # the whole stack: the layer read in place
+    for g, x in zip(got, xs):
+        np.testing.assert_allclose(g, x @ kernel[1], rtol=1e-5, atol=1e-5)
