@@ -45,7 +45,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from surojax.data.chat_roles import role_problem
 from surojax.data.tokenizer import ChatTemplateError
@@ -59,6 +59,7 @@ from surojax.serve.async_engine import AsyncEngine, QueueFullError, Refused, Str
 from surojax.serve.body_limit import BodySizeLimit
 from surojax.serve.completion_logprobs import legacy_logprobs, vllm_prompt_logprobs
 from surojax.serve.config import DEFAULT_MAX_REQUEST_BYTES
+from surojax.serve.event_stream import EventStream
 from surojax.serve.image_prompt import ImagePrompt, ImagePromptError, messages_have_images, prompt_with_images
 from surojax.serve.lora_root import LoraPathRefused, LoraRoot
 from surojax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRARequest,
@@ -634,8 +635,7 @@ def build_app(state: ServerState) -> FastAPI:
         rid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or state.model_name
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_chat_stream(state, streams, rid, created, name, len(ids), usage, split, tools),
-                                     media_type="text/event-stream")
+            return EventStream(_chat_stream(state, streams, rid, created, name, len(ids), usage, split, tools))
         results = await _collect_all(state, streams, raw)
         choices = [_chat_choice(i, outs, split, tools, req.logprobs) for i, outs in enumerate(results)]
         n_out = sum(len(o.new_token_ids) for outs in results for o in outs)
@@ -770,9 +770,8 @@ def build_app(state: ServerState) -> FastAPI:
         n_prompt = sum(len(ids) for ids, _, _ in encoded)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_completion_stream(state, streams, echoes, prompt_ids, rid, created, name, n_prompt,
-                                                        usage, req.logprobs),
-                                     media_type="text/event-stream")
+            return EventStream(_completion_stream(state, streams, echoes, prompt_ids, rid, created, name, n_prompt,
+                                                  usage, req.logprobs))
         results = await _collect_all(state, streams, raw)
         choices, n_out = [], 0
         for i, (outs, echo, pids) in enumerate(zip(results, echoes, prompt_ids)):
