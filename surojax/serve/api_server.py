@@ -181,7 +181,7 @@ def _check_prompt(state: ServerState, ids: list[int], param: str) -> None:
     except ContextLengthError as e:
         raise ApiError(400, str(e), param=param) from None
     vocab = state.engine.engine.model.cfg.vocab_size
-    if any(not 0 <= t < vocab for t in ids):
+    if min(ids) < 0 or max(ids) >= vocab:  # C loops: a 512-token prompt's Python loop cost ~0.1 ms
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param=param)
 
 
@@ -748,10 +748,8 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(400, "streaming supports one prompt per request", param="prompt")
         top, scored = req.logprobs or 0, req.prompt_scores()
         encoded = []
-        for p in prompts:
-            if isinstance(p, list) and not all(isinstance(t, int) for t in p):
-                raise ApiError(400, "a prompt is a string or a list of token ids", param="prompt")
-            ids = tok.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        for p in prompts:  # each a string or a list of ints (the request's validation made them so)
+            ids = tok.encode(p) if isinstance(p, str) else p
             _check_prompt(state, ids, "prompt")
             echo = (p if isinstance(p, str) else tok.decode(ids)) if req.echo else ""
             encoded.append((ids, _params(state, req, len(ids), req.max_tokens, req.logprobs is not None, top,
