@@ -25,8 +25,8 @@ of the requests that reached it together (a few loop turns, no timer), and while
 than requests run, the last came under BURST_GAP_S ago and one step would not take them all anyway, the step is
 held (at most BURST_WAIT_S after the first) for the rest of the burst. A lone request is never held. 64 users
 sending at once on the 2-core dev CPU (benchmarks/serve_ttft_probe.py --device-ms 20,4: an H100's step times): the
-first step starts 18 prompts (its whole budget) instead of 3 to 11, 4 prefill steps instead of 5, TTFT p50 83 ms
-against 105 and p99 ~130 against ~155.
+first step starts 18 prompts (its whole budget) instead of 1 to 11, 4 prefill steps instead of 5; over four A/B pairs
+of 8 bursts TTFT p50 81-105 ms against 98-118, p99 131-152 against 143-165.
 
 Admission is bounded: at most max_num_seqs + max_queue requests in flight; beyond that `submit` raises
 `QueueFullError`, and while draining (`set_draining`, `shutdown`) or after a thread died it raises
