@@ -21,6 +21,7 @@ admission could give at most.
     python benchmarks/serve_ttft_probe.py --users 64 --repeat 6                   # debug shape on the CPU
     python benchmarks/serve_ttft_probe.py --users 64 --repeat 6 --device-ms 20,4  # steps as long as an H100's
     python benchmarks/serve_ttft_probe.py --users 1 --repeat 20                   # one user's TTFT, 20 times
+    python benchmarks/serve_ttft_probe.py --shape qwen3-0.6b --dtype bfloat16 --prompt-len 512 --max-tokens 128  # GPU
 """
 from __future__ import annotations
 
@@ -238,7 +239,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--users", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3, help="bursts measured (after two warm-up bursts)")
-    p.add_argument("--shape", default="debug")
+    p.add_argument("--shape", default="debug", help="a surojax.bench.shapes name (on a GPU: qwen3-0.6b)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--prompt-len", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--decode-steps", default="auto")
@@ -258,7 +260,7 @@ def main(argv=None):
     if a.client:
         print(json.dumps(client(a.client, a.users, a.prompt_len, a.max_tokens, a.vocab, a.seed)))
         return 0
-    a.dtype, a.quant, a.attention, a.separate_projections, a.unroll_layers = "float32", None, None, False, False
+    a.quant, a.attention, a.separate_projections, a.unroll_layers = None, None, False, False
     a.block_size, a.num_kv_blocks, a.prefills_per_step, a.kv_cache_dtype = 16, 0, 16, "auto"
     from surojax.serve.config import ServeConfig
     a.attention = ServeConfig.attention
