@@ -37,11 +37,12 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from surojax.serve.api_convert import AnswerBuilder, matched_stop, named_event, read_body, thinking_switch
 from surojax.serve.api_error import ApiError, ClientGone
+from surojax.serve.event_stream import EventStream
 from surojax.serve.protocol import ChatCompletionRequest
 from surojax.serve.tool_parsers import ToolCall, ToolChoice, ToolChoiceError
 
@@ -346,7 +347,7 @@ def register(app: FastAPI, path: ChatPath) -> None:
             builder = MessageBuilder(head, run.tools, len(run.ids), req.stop_sequences or [],
                                      lambda ids: state.tokenizer.decode(ids, skip_special_tokens=True))
             if req.stream:
-                return StreamingResponse(_events(path, run, builder), media_type="text/event-stream")
+                return EventStream(_events(path, run, builder))
             results = await path.collect(run, raw)
             for o in results[0]:
                 builder.add(o)

@@ -146,7 +146,7 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
+        if p and isinstance(p[0], int):  # validated: a list of one kind (ints here), no per-token pass needed
             return [list(p)]
         return list(p)
 

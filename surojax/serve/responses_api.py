@@ -38,11 +38,11 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from surojax.serve.api_convert import AnswerBuilder, named_event, read_body, thinking_switch
 from surojax.serve.api_error import ApiError
+from surojax.serve.event_stream import EventStream
 from surojax.serve.protocol import ChatCompletionRequest
 from surojax.serve.tool_parsers import ToolChoice, ToolChoiceError
 
@@ -436,7 +436,7 @@ def register(app: FastAPI, path: ChatPath) -> None:
                 store.put(rid, conversation + input_messages(response["output"]), response)
 
         if req.stream:
-            return StreamingResponse(_events(path, run, builder, keep), media_type="text/event-stream")
+            return EventStream(_events(path, run, builder, keep))
         results = await path.collect(run, raw)
         for o in results[0]:
             builder.add(o)

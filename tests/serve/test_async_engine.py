@@ -2,6 +2,7 @@
 there after the fact gives exactly the engine's own output (text cut at the stop, tokens and logprobs after it
 dropped, finish "stop"), frees the request's KV and drops the outputs of steps already run past it."""
 import asyncio
+import sys
 import threading
 import time
 from pathlib import Path
@@ -95,3 +96,100 @@ def test_a_steps_outputs_reach_the_output_thread_once_the_next_step_is_dispatche
         ae.shutdown()
     assert [len(o.new_token_ids) for o in outs] == [1, 1, 1, 1]
     assert at_dispatch == [0, 0, 1, 2]  # a prefill, then three decode calls
+
+
+def _first_step_prompts(eng) -> list[int]:
+    """Records, per engine step, how many prompts it started."""
+    started, schedule = [], eng.scheduler.schedule
+
+    def record():
+        out = schedule()
+        started.append(sum(s.start == 0 for s in out.scheduled))
+        return out
+
+    eng.scheduler.schedule = record
+    return started
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_requests_handled_in_one_event_loop_turn_start_in_one_step():
+    """The engine thread is woken once the loop has run the handlers of requests that arrived together, not by the
+    first submit (which would start that prompt alone while the others' handlers still run)."""
+    model, tok = load_model(FIXTURE, attention="xla"), Tokenizer.from_dir(FIXTURE)
+    eng = make_engine(model, tok)
+    started = _first_step_prompts(eng)
+    # no burst hold: this is the wake-up's doing; no idle timeout (it would wake the engine thread mid-turn)
+    ae = AsyncEngine(eng, burst_wait_s=0, idle_wait_s=10).start()
+    prompts = [tok.encode(w) for w in ("one two", "three four", "five six", "seven eight")]
+
+    async def handler(p):
+        _busy(0.002)  # a handler's work before its submit (validation, the prompt), without yielding
+        return [o async for o in ae.submit(p, SamplingParams(max_tokens=2))]
+
+    async def main():
+        return await asyncio.gather(*(handler(p) for p in prompts))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # as the server sets it: the engine thread gets the GIL soon after a wake-up
+    try:
+        outs = asyncio.run(main())
+    finally:
+        sys.setswitchinterval(switch)
+        ae.shutdown()
+    assert started[0] == 4 and all(sum(len(o.new_token_ids) for o in r) == 2 for r in outs)
+
+
+def test_a_burst_arriving_over_a_few_ms_is_held_for_one_step():
+    """Two prompts in one loop turn, two more 1 ms apart: the step waits for them (the seats then being full),
+    so all four start together."""
+    model, tok = load_model(FIXTURE, attention="xla"), Tokenizer.from_dir(FIXTURE)
+    eng = make_engine(model, tok)
+    started = _first_step_prompts(eng)
+    ae = AsyncEngine(eng, burst_wait_s=0.05, burst_gap_s=0.02, idle_wait_s=10).start()  # bounds >> the gaps
+    prompts = [tok.encode(w) for w in ("one two", "three four", "five six", "seven eight")]
+
+    async def main():
+        streams = [ae.submit(p, SamplingParams(max_tokens=2)) for p in prompts[:2]]
+        for p in prompts[2:]:
+            await asyncio.sleep(0.001)
+            streams.append(ae.submit(p, SamplingParams(max_tokens=2)))
+        return [[o async for o in s] for s in streams]
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert started[0] == 4
+
+
+def test_burst_hold_policy():
+    """Held only for two or more new prompts that outnumber the running requests, within the gap and the wait
+    bounds, while one step would not take them all; a lone request is never held."""
+    model, tok = load_model(FIXTURE, attention="xla"), Tokenizer.from_dir(FIXTURE)
+    eng = make_engine(model, tok)  # 4 seats, 64 tokens a step
+    ae = AsyncEngine(eng, burst_wait_s=0.005, burst_gap_s=0.002)  # not started: its state is set by hand
+    now = time.monotonic()
+    ae._burst_first = ae._burst_last = now
+    eng.add_request([5, 6, 7], max_tokens=2)
+    assert ae._burst_hold_s() == 0  # one request
+    eng.add_request([8, 9, 10], max_tokens=2)
+    assert 0 < ae._burst_hold_s() <= 0.002  # two, the last just now: up to the gap
+    ae._burst_first = now - 0.005
+    assert ae._burst_hold_s() == 0  # the first has waited burst_wait_s
+    ae._burst_first = now
+    eng.step()  # both running now
+    eng.add_request([11, 12], max_tokens=2)
+    eng.add_request([13, 14], max_tokens=2)
+    ae._burst_last = time.monotonic()
+    assert ae._burst_hold_s() == 0  # as many running as waiting (and the seats are full)
+    eng2 = make_engine(model, tok)
+    ae2 = AsyncEngine(eng2, burst_wait_s=0.005, burst_gap_s=0.002)
+    ae2._burst_first = ae2._burst_last = time.monotonic()
+    for k in range(2):
+        eng2.add_request(list(range(10 + k, 42 + k)), max_tokens=2)  # 2 x 32 tokens: the step's whole budget
+    assert ae2._burst_hold_s() == 0

@@ -211,6 +211,8 @@ def test_auth(server):
     ({"model": NAME, "prompt": "x", "n": 0}, "n"),
     ({"model": NAME, "prompt": "x", "stop": [""]}, "stop"),
     ({"model": NAME, "prompt": [1, 2, 100000]}, "prompt"),  # a token id out of the vocabulary
+    ({"model": NAME, "prompt": [-1, 2]}, "prompt"),  # a negative one
+    ({"model": NAME, "prompt": [[1, 2], "x"]}, "prompt"),  # neither a string nor token ids
     ({"model": NAME}, "prompt"),  # missing
     ({"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature"),  # wrong type
 ])
