@@ -4,6 +4,7 @@ its knobs (qk, split, blocks_per_iter, min_programs, num_warps, num_stages) over
     PYTHONPATH=$PWD python benchmarks/paged_decode_sweep.py            # H200: Qwen3-0.6B shapes, < 3 minutes
     PYTHONPATH=$PWD python benchmarks/paged_decode_sweep.py --rows 64 --contexts 576 --configs 0,1,5
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu python benchmarks/paged_decode_sweep.py --smoke   # CPU, interpret mode
+    PYTHONPATH=$PWD python benchmarks/paged_decode_sweep.py --configs 22 --merges xla,pallas   # the merge's cost
 
 Shapes: Qwen3-0.6B attention (16 query heads, 8 kv heads, head_dim 128, block size 16, bf16 pool), R rows in
 {1, 16, 64} x context in {576, 2048}. Each row holds a random length in [context / 2, context] (row 0: the whole
@@ -82,7 +83,18 @@ REL_TOL = 2e-2
 
 def label(cfg: dict) -> str:
     return (f"{cfg['qk']}/{cfg['split']} it{cfg['blocks_per_iter']} mp{cfg['min_programs']} "
-            f"w{cfg['num_warps']} s{cfg['num_stages']}")
+            f"w{cfg['num_warps']} s{cfg['num_stages']}" + (f" {cfg['merge']}" if "merge" in cfg else ""))
+
+
+def with_merges(grid: list[dict], merges: list[str]) -> list[dict]:
+    """Each config once per partition merge (--merges; none given: the module's default, no `merge` key)."""
+    return [{**cfg, "merge": m} for cfg in grid for m in merges] if merges else list(grid)
+
+
+def is_base(knobs: dict, merges: list[str]) -> bool:
+    """Config 0 (with the first --merges entry): the row the "vs #0" column compares with."""
+    return ({k: v for k, v in knobs.items() if k != "merge"} == DEFAULT
+            and knobs.get("merge") == (merges[0] if merges else None))
 
 
 def make_case(R: int, context: int, m: dict, dtype, rng: np.random.Generator):
@@ -175,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per config (median)")
     p.add_argument("--workers", type=int, default=8, help="compile threads")
     p.add_argument("--budget-s", type=float, default=170.0, help="no new shape starts after this many seconds")
+    p.add_argument("--merges", default="", help="comma list of partition merges (xla, pallas) to run each config "
+                                                "with (default: the module's MERGE only)")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, 3 configs, Pallas interpret mode")
     a = p.parse_args(argv)
     start = time.perf_counter()
@@ -185,7 +199,9 @@ def main(argv=None) -> int:
         model, grid, dtype, interpret = SMOKE_MODEL, SMOKE_GRID, jnp.float32, True
         rows, contexts, a.inner, a.repeats, a.workers = [1, 3], [40], 2, 2, 1
     indices = [int(i) for i in a.configs.split(",")] if a.configs else list(range(len(grid)))
-    grid = [grid[i] for i in indices]
+    merges = [m.strip() for m in a.merges.split(",") if m.strip()]
+    grid = with_merges([grid[i] for i in indices], merges)
+    indices = [i for i in indices for _ in (merges or [None])]  # one per row of `grid`
     bs = model["block_size"]
     print(f"# paged decode sweep on {jax.devices()[0].device_kind}: {len(grid)} configs x {len(rows) * len(contexts)} "
           f"shapes, {jnp.dtype(dtype).name} pool, heads {model['heads']}/{model['kv_heads']} x {model['head_dim']}, "
@@ -229,17 +245,17 @@ def main(argv=None) -> int:
 
     for shape in cases:
         rows_ = [r for r in results if r["shape"] == shape]
-        base = next((r["us"] for r in rows_ if r["knobs"] == DEFAULT and r["ok"]), None)
+        base = next((r["us"] for r in rows_ if is_base(r["knobs"], merges) and r["ok"]), None)
         print(f"\n## {shape} (layers {cases[shape]['layers']}, mean length {cases[shape]['mean_length']:.0f}, "
               f"{cases[shape]['real_bytes'] / 1e6:.1f} MB per call)")
-        print(f"{'#':>3} {'config':<34} {'us':>9} {'GB/s':>7} {'vs #0':>6} {'rel err':>8}")
+        print(f"{'#':>3} {'config':<41} {'us':>9} {'GB/s':>7} {'vs #0':>6} {'rel err':>8}")
         for r in sorted(rows_, key=lambda r: (not r["ok"], r.get("us", 0.0))):
             if r["ok"]:
                 speed = f"{base / r['us']:.2f}x" if base else "-"
-                print(f"{r['config']:>3} {r['label']:<34} {r['us']:>9.2f} {r['gbps']:>7.0f} {speed:>6} "
+                print(f"{r['config']:>3} {r['label']:<41} {r['us']:>9.2f} {r['gbps']:>7.0f} {speed:>6} "
                       f"{r['rel_err']:>8.1e}")
             else:
-                print(f"{r['config']:>3} {r['label']:<34} FAILED {r['error'][:120]}")
+                print(f"{r['config']:>3} {r['label']:<41} FAILED {r['error'][:120]}")
     ok = [r for r in results if r["ok"]]
     for shape in cases:
         best = min((r for r in ok if r["shape"] == shape), key=lambda r: r["us"], default=None)

@@ -12,7 +12,8 @@ Two steps, because the project's environment has jax but not `triton` (any Pytho
 `dump` writes one .ttir file per (format, product, tile configuration of benchmarks/quant_matmul_h200.py) at
 the Qwen3-8B shape 4096 x 4096, M = 8192. `dump-paged` writes one per knob setting of
 benchmarks/paged_decode_sweep.py's grid (the paged decode-attention kernel, Qwen3-0.6B shapes, 64 rows, a
-768-slot block table). `dump-gdn` writes the three kernels of the gated delta rule's "pallas_v2" forward
+768-slot block table); `dump-paged-merge` the same kernel and its Pallas partition merge (merge="pallas") at the
+default knobs, 1, 8 and 64 rows. `dump-gdn` writes the three kernels of the gated delta rule's "pallas_v2" forward
 (pallas_kernels/gated_delta/kernel_v2.py: wy, state, output) at Qwen3.5-0.8B shapes (8 x 2048, H 16, Dk = Dv =
 128, bf16) for each setting of GDN_V2_GRID, and the four of its backward (kernel_v2_bwd.py: wy_t, state, dqkw,
 wy_bwd) for each of GDN_V2_BWD_GRID. `dump-gemv` writes the decode GEMV (pallas_kernels/decode_gemv) at the
@@ -102,6 +103,34 @@ def dump(out: str, formats: list[str]) -> None:
                     kernel = forward if prod == "fwd" else transposed
                     write(jax.jit(lambda a, lw, kernel=kernel, tiles=tiles: kernel(a, lw, tiles=tiles)), (a, lw),
                           os.path.join(out, f"{name}_{prod}_{tiles.label()}.ttir"))
+
+
+def dump_paged_merge(out: str) -> None:
+    """The paged decode attention with merge="pallas" at the module's default knobs, Qwen3-0.6B shapes, a 768-slot
+    block table, 1, 8 and 64 rows (P = 48, 16, 2 partitions: 64, 16, 2 allocated): both pallas_calls."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import paged_decode_sweep as sweep
+
+    from pallas_kernels.paged_decode import api as pd
+    from pallas_kernels.paged_decode.kernel import MERGE_NUM_WARPS
+
+    os.makedirs(out, exist_ok=True)
+    m, NB, nblk = sweep.QWEN3_06B, 48, 4096
+    pool = jax.ShapeDtypeStruct((m["layers"], nblk * m["block_size"], m["kv_heads"], m["head_dim"]), jnp.bfloat16)
+    with _h200_triton_writer() as write:
+        for B in (1, 8, 64):
+            args = (jax.ShapeDtypeStruct((B, m["heads"], m["head_dim"]), jnp.bfloat16), pool, pool,
+                    jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((B, NB), jnp.int32),
+                    jax.ShapeDtypeStruct((B,), jnp.int32))
+            P = pd.num_partitions(B, m["kv_heads"], NB)
+            fn = jax.jit(lambda *a: pd.paged_decode_attention(*a, block_size=m["block_size"], interpret=False,
+                                                              merge="pallas"))
+            write(fn, args, [os.path.join(out, f"paged_R{B}_P{P}_{pd.QK}-{pd.SPLIT}-it{pd.BLOCKS_PER_ITER}"
+                                               f"-w{pd.NUM_WARPS}-s{pd.NUM_STAGES}.ttir"),
+                             os.path.join(out, f"paged_merge_R{B}_P{P}-w{MERGE_NUM_WARPS}-s1.ttir")])
 
 
 def dump_paged(out: str) -> None:
@@ -319,7 +348,7 @@ def compile_all(src: str) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("step", choices=("dump", "dump-paged", "dump-gdn", "dump-gemv", "dump-prologue", "dump-gathered",
+    p.add_argument("step", choices=("dump", "dump-paged", "dump-paged-merge", "dump-gdn", "dump-gemv", "dump-prologue", "dump-gathered",
                                          "compile"))
     p.add_argument("dir")
     p.add_argument("--formats", default="q4_k,q5_k,q6_k,q8_0,nf4,nvfp4,fp8")
@@ -341,6 +370,9 @@ def main(argv=None) -> int:
         return 0
     if args.step == "dump-paged":
         dump_paged(args.dir)
+        return 0
+    if args.step == "dump-paged-merge":
+        dump_paged_merge(args.dir)
         return 0
     return compile_all(args.dir)
 

@@ -14,7 +14,8 @@ with 64-bit offsets (jax 0.11); only the kernel's slot indices (block id x bs + 
 Tuning knobs: keyword arguments of `paged_decode_attention` (described in `kernel.py`), defaulting to the
 module constants below, the best configuration of benchmarks/paged_decode_sweep.py at every shape it timed
 (the figures: benchmarks/RESULTS.md#s3-paged). `min_programs`: each row's context is split into partitions until the
-grid has about this many programs (`num_partitions`).
+grid has about this many programs (`num_partitions`). `merge`: the partitions merged by XLA ops ("xla", the
+default) or by a second Pallas kernel ("pallas", one launch in place of about five; unmeasured on a GPU).
 """
 from __future__ import annotations
 
@@ -31,8 +32,12 @@ NUM_WARPS = 1
 NUM_STAGES = 2
 QK = "fma"
 SPLIT = "length"
+# how the P partitions are merged: "xla" (a handful of small XLA kernels after the Pallas call) or "pallas" (one
+# more pallas_call, grid (B, K)); "pallas" is unmeasured on a GPU (equal to "xla" in interpret mode)
+MERGE = "xla"
 QK_MODES = ("dot", "fma")
 SPLIT_MODES = ("table", "length")
+MERGE_MODES = ("xla", "pallas")
 MAX_POOL_SLOTS = 2 ** 31  # the kernel's slot indices into the [L * NBLK * bs] view of the pool are int32
 
 
@@ -57,8 +62,10 @@ def num_partitions(batch: int, kv_heads: int, table_blocks: int, *, blocks_per_i
 
 
 def _check_knobs(blocks_per_iter: int, min_programs: int, num_warps: int, num_stages: int, qk: str, split: str,
-                 block_size: int, interpret: bool) -> None:
+                 merge: str, block_size: int, interpret: bool) -> None:
     """A bad tuning knob is an error that names it and what was expected."""
+    if merge not in MERGE_MODES:
+        raise ValueError(f"paged_decode_attention: merge={merge!r}, expected one of {MERGE_MODES}")
     if qk not in QK_MODES:
         raise ValueError(f"paged_decode_attention: qk={qk!r}, expected one of {QK_MODES}")
     if split not in SPLIT_MODES:
@@ -74,12 +81,12 @@ def _check_knobs(blocks_per_iter: int, min_programs: int, num_warps: int, num_st
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "partitions", "interpret", "blocks_per_iter",
-                                             "min_programs", "num_warps", "num_stages", "qk", "split"))
+                                             "min_programs", "num_warps", "num_stages", "qk", "split", "merge"))
 def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, block_size: int,
                            partitions: int | None = None, interpret: bool | None = None,
                            blocks_per_iter: int = BLOCKS_PER_ITER, min_programs: int = MIN_PROGRAMS,
                            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES, qk: str = QK,
-                           split: str = SPLIT):
+                           split: str = SPLIT, merge: str = MERGE):
     """Shapes: the module docstring. partitions: P (default `num_partitions`); interpret: None = on any backend
     but GPU. A knob out of range is a ValueError naming it."""
     B, N, H = q.shape
@@ -89,13 +96,13 @@ def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, bl
                          f"and query heads {N} of kv heads {K}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    _check_knobs(blocks_per_iter, min_programs, num_warps, num_stages, qk, split, block_size, interpret)
+    _check_knobs(blocks_per_iter, min_programs, num_warps, num_stages, qk, split, merge, block_size, interpret)
     if partitions is None:
         partitions = num_partitions(B, K, block_table.shape[1], blocks_per_iter=blocks_per_iter,
                                     min_programs=min_programs)
     return paged_decode_pallas(q, k_pool, v_pool, layer, block_table, lengths, block_size=block_size,
                                partitions=partitions, interpret=interpret, blocks_per_iter=blocks_per_iter,
-                               num_warps=num_warps, num_stages=num_stages, qk=qk, split=split)
+                               num_warps=num_warps, num_stages=num_stages, qk=qk, split=split, merge=merge)
 
 
 _prepared: set[str] = set()
@@ -117,5 +124,5 @@ def prepare() -> None:
     _prepared.add(backend)
 
 
-__all__ = ["BLOCKS_PER_ITER", "MIN_PROGRAMS", "NUM_STAGES", "NUM_WARPS", "QK", "QK_MODES", "SPLIT", "SPLIT_MODES",
+__all__ = ["BLOCKS_PER_ITER", "MERGE", "MERGE_MODES", "MIN_PROGRAMS", "NUM_STAGES", "NUM_WARPS", "QK", "QK_MODES", "SPLIT", "SPLIT_MODES",
            "kernel_applies", "max_pool_blocks", "num_partitions", "paged_decode_attention", "prepare"]
