@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_gemv.fused_ops import finish, normalise
+from pallas_kernels.decode_gemv.fused_ops import finish, normalise, operands
 
 MAX_DOT_ROWS = 64   # rows per call of the dot body (acc [M_pad, bn] fp32, two when gated)
 MIN_DOT_ROWS = 16   # tl.dot's least M: fewer rows are padded to it
@@ -42,10 +42,7 @@ def gemv_dot_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, b
                     norm: str | None, eps: float, activation: str | None, residual: bool, round_output: bool):
     """One program: output columns [j bn, (j+1) bn) of the M rows (module docstring). n: the weight's rows per
     layer (its N); half: the up rows' offset in a gated weight (0: not gated)."""
-    refs = list(refs)
-    nw_ref = refs.pop(0) if norm else None
-    r_ref = refs.pop(0) if residual else None
-    y_ref = refs[0]
+    nw_ref, r_ref, y_ref = operands(refs, norm=norm, residual=residual)
     dt = x_ref.dtype
     f32 = jnp.float32
     m_pad = padded_rows(m)

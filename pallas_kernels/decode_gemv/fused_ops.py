@@ -4,6 +4,7 @@ dot_kernel.py's tensor-core tile):
 
     normalise   the RMSNorm prologue on an x chunk, given each row's 1 / rms: "plain" scale.astype(dt) *
                 normed.astype(dt) (Llama / Qwen), "zero_centered" (normed * (1 + w)) in fp32, then dt (Gemma)
+    operands    the optional refs after x and w, as both bodies receive them: (norm weight, residual, y)
     finish      the epilogue on the fp32 sums: the GEMV's output in dt (or the fp32 sums as they are: a tied LM
                 head's logits), act(gate) * up of a joined [gate; up] weight (silu | gelu_tanh), + the residual
 """
@@ -11,6 +12,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+
+
+def operands(refs, *, norm: str | None, residual: bool):
+    """The refs after (layer, x, w) -> (norm weight ref or None, residual ref or None, output ref), in the order
+    kernel.gemv passes them."""
+    refs = list(refs)
+    nw_ref = refs.pop(0) if norm else None
+    r_ref = refs.pop(0) if residual else None
+    return nw_ref, r_ref, refs[0]
 
 
 def normalise(x: jnp.ndarray, rstd: jnp.ndarray, nw: jnp.ndarray, norm: str, dt) -> jnp.ndarray:

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.decode_gemv.dot_kernel import MAX_DOT_ROWS, MIN_DOT_BN, gemv_dot_kernel
-from pallas_kernels.decode_gemv.fused_ops import finish, normalise
+from pallas_kernels.decode_gemv.fused_ops import finish, normalise, operands
 
 MAX_ROWS = 8          # rows per call: the rows are unrolled, each keeps bn fp32 accumulators (two when gated)
 NORMS = ("plain", "zero_centered")
@@ -132,10 +132,7 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: 
                  round_output: bool = True):
     """One program: output columns [j bn, (j+1) bn) of the M rows (module docstring). n: the weight's rows per
     layer (its N); half: the up rows' offset in a gated weight (0: not gated)."""
-    refs = list(refs)
-    nw_ref = refs.pop(0) if norm else None
-    r_ref = refs.pop(0) if residual else None
-    y_ref = refs[0]
+    nw_ref, r_ref, y_ref = operands(refs, norm=norm, residual=residual)
     dt = x_ref.dtype
     f32 = jnp.float32
     j = pl.program_id(0)
