@@ -28,9 +28,11 @@ TOKENIZER = ROOT / "tests" / "fixtures" / "models" / "qwen3"
 
 
 def random_model(cfg) -> Decoder:
-    """A Decoder of cfg's shape with normal(0, 0.02) weights in bf16 on the default device, each weight made in
-    place one slice of its first axis at a time: initialising the module itself draws each stack in float32 first
-    (Qwen3-30B-A3B's expert stack: 77 GB), which does not fit an 80 GB card beside the 61 GB model."""
+    """A Decoder of cfg's shape with normal(0, 0.02) weights in bf16 (norms near 1) on the default device; a layer
+    stack of more than 2^28 values is drawn one layer at a time into its buffer: initialising the module itself
+    draws each stack in float32 first (Qwen3-30B-A3B's expert stack: 77 GB), which does not fit an 80 GB card
+    beside the 61 GB model. (surojax.offload.host_init.random_placed_model draws in numpy on the host: minutes at
+    30B values.)"""
     model = nnx.eval_shape(lambda: Decoder(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, attention="xla",
                                            rngs=nnx.Rngs(0)))
     fill = jax.jit(lambda x, i, key: x.at[i].set((0.02 * jax.random.normal(key, x.shape[1:])).astype(x.dtype)),
