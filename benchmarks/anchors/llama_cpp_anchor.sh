@@ -23,7 +23,8 @@
 # the background of another job; a later call passes BUILD=$WORK/build).
 # TYPES: the file types benched (default "bf16,q4_k_m": the bf16 file, then llama-quantize's Q4_K_M of it). A list
 # without bf16 (TYPES=q4_k_m) has our GGUF writer write each type directly (its Q4_K_M mix follows llama-quantize's
-# rule, surojax/quant/quantize_mix.py): for shapes whose bf16 file would not fit the disk (qwen3-30b-a3b: 61 GB).
+# rule, surojax/quant/quantize_mix.py) with random codes (random_gguf.py: speed does not depend on the values): for
+# shapes whose bf16 file would not fit the disk (qwen3-30b-a3b: 61 GB).
 set -euo pipefail
 BUILD=${BUILD:-}
 SRC=${1:-}

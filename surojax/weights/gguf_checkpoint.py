@@ -60,6 +60,7 @@ import logging
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -207,7 +208,7 @@ def llama3_rope_factors(cfg: ModelConfig) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def _encode(w: np.ndarray, qtype: str):
+def encode_values(w: np.ndarray, qtype: str):
     """HF-layout float32 [N, K] (or merged experts [E, N, K]) -> (array to write, raw_dtype or None); quantised
     along the rows of K values: raw bytes [N, row bytes] ([E, N, row bytes])."""
     gguf = _gguf()
@@ -293,11 +294,13 @@ def _hf_tensor_reader(model: Decoder):
 
 
 def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
-              tokenizer_dir: str | os.PathLike | None = None, name: str | None = None) -> Path:
+              tokenizer_dir: str | os.PathLike | None = None, name: str | None = None,
+              encode: Callable[[np.ndarray, str], tuple] = encode_values) -> Path:
     """Write `model` (a Decoder, or an HF model folder to load) as a llama.cpp GGUF of `file_type` (a key of
     surojax.quant.quantize_mix.FILE_TYPES: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k_m, q4_k_m,
     q5_k_m, q6_k), with the tokenizer of `tokenizer_dir` (default: the model folder). The file is written under a
-    temporary name and renamed at the end."""
+    temporary name and renamed at the end. `encode(tensor, ggml type name)` makes each weight matrix's bytes
+    (`encode_values`: the tensor's values in that type; benchmarks/anchors/random_gguf.py: random codes)."""
     # lazy: quantize_mix needs the optional `gguf` package (absent from the GPU image); loading does not
     from surojax.quant.quantize_mix import FILE_TYPES, tensor_type
 
@@ -365,7 +368,7 @@ def save_gguf(model, path: str | os.PathLike, file_type: str = "q8_0", *,
                     continue
                 qtype = "f32" if gname.endswith(ROUTER_SUFFIXES) else tensor_type(
                     file_type, gname, part.shape[-1], n_layers=cfg.num_layers, n_gqa=n_gqa, tied=tied, arch=arch)
-                data, raw = _encode(part, qtype)
+                data, raw = encode(part, qtype)
                 w.add_tensor(gname, data, raw_dtype=raw)
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -727,5 +730,5 @@ def is_gguf_path(p) -> bool:
     return p is not None and str(p).lower().endswith(".gguf")
 
 
-__all__ = ["save_gguf", "load_gguf_model", "load_gguf_tokenizer", "read_gguf_hf_config", "hf_config_from_gguf",
+__all__ = ["save_gguf", "encode_values", "load_gguf_model", "load_gguf_tokenizer", "read_gguf_hf_config", "hf_config_from_gguf",
            "gguf_name", "gguf_names", "is_gguf_path", "GGUF_NAMES", "GGUF_PARTS", "GGUFError"]
