@@ -36,8 +36,9 @@
                                                                    decode GEMV kernel (pallas_kernels/decode_gemv),
                                                                    which takes calls of <= 64 rows (a tensor-core
                                                                    body above 8); auto = the kernel on a GPU up to 8
-                                                                   rows (one user 1.40x XLA, measured on an H100),
-                                                                   XLA above until measured (api.AUTO_DOT_MAX_M)
+                                                                   rows (one user 1.40x XLA, measured on an H100)
+                                                                   and its dot body up to 64 (Qwen3-8B at 16 / 64
+                                                                   users 1.56x / 1.38x XLA: api.AUTO_DOT_MAX_M)
     decode_prologue  SUROJAX_DECODE_PROLOGUE  auto | pallas | xla  models/layers/attention: a decode call (one token per
                                                                    row, <= 8 rows) over the serving pool runs qkv's
                                                                    split, the q / k norms, rope and the k / v write into

@@ -1,9 +1,9 @@
 """`decode_gemv(x, wt, ...)`: the decode GEMV (kernel.py) for a caller's few rows, and the choice between it and XLA.
 
     x [..., K] with M = prod(leading) <= MAX_DOT_ROWS rows; wt [N, K] (the weight TRANSPOSED, K contiguous), or a
-    layer stack [L, N, K] read in place at `layer`; optional RMSNorm prologue (`norm_weight`, `norm` = plain |
-    zero_centered, `eps`), gated product (`activation` = silu | gelu_tanh: wt is a joined [gate; up]) and
-    residual (`residual` [..., N_out]) -> [..., N_out] in x's dtype.
+    layer stack [L, N, K] read in place at `layer`; optional RMSNorm prologue (`norm_weight` [K], or a stack [L, K]
+    read in place at `norm_layer`; `norm` = plain | zero_centered, `eps`), gated product (`activation` = silu |
+    gelu_tanh: wt is a joined [gate; up]) and residual (`residual` [..., N_out]) -> [..., N_out] in x's dtype.
 
 Two bodies (GemvTiles.dot): the FMA rows (kernel.py, M <= MAX_ROWS = 8) and the tensor-core tile (dot_kernel.py,
 M <= MAX_DOT_ROWS = 64, padded to a power of 2 >= 16 in the kernel). The default tiles take the dot body from
@@ -16,8 +16,10 @@ environment): auto | pallas | xla.
     auto    the kernel on a GPU for M <= AUTO_MAX_M (8 = MAX_ROWS: measured on an H100 in session 23, the engine
             at one user on Qwen3-0.6B shapes decodes 655 tok/s with the kernel against 468 with XLA, and the 16 / 64
             user rows, whose calls of more rows take XLA on the transposed weight, stay at 1.05x / 1.04x llama.cpp
-            in the same job: RESULTS.md), and for MAX_ROWS < M <= AUTO_DOT_MAX_M (the dot body; 0: unmeasured,
-            so XLA's einsum on the layer sliced out of the stack, which copies it first)
+            in the same job: RESULTS.md), and for MAX_ROWS < M <= AUTO_DOT_MAX_M (the dot body, 64: measured on an
+            H100 in session 29, the engine on Qwen3-8B shapes decodes 1,411 / 3,909 tok/s at 16 / 64 users with it
+            against 903 / 2,823 with XLA, whose einsum on the layer sliced out of the stack copies the weight
+            first: every step copied all 16 GB)
 `converts(mode)` says whether a server should lay its plain weights out transposed for the kernel at load
 (surojax.quant.gemv_weight); `choose(m, mode)` which path a call of m rows takes.
 
@@ -39,7 +41,7 @@ from pallas_kernels.decode_gemv.kernel import MAX_DOT_ROWS, MAX_ROWS, MIN_BN, Ge
 
 MODES = ("auto", "pallas", "xla")
 AUTO_MAX_M = 8           # auto takes the kernel (FMA body) for M <= this on a GPU (measured: the docstring)
-AUTO_DOT_MAX_M = 0       # auto takes the kernel (dot body) for MAX_ROWS < M <= this on a GPU: 0 = unmeasured (XLA)
+AUTO_DOT_MAX_M = 64      # auto takes the kernel (dot body) for MAX_ROWS < M <= this on a GPU (measured: the docstring)
 DOT_FROM_M = MAX_ROWS + 1  # the default tiles take the dot body from this many rows (<= MAX_ROWS + 1)
 MIN_PROGRAMS = 264
 TILE_VALUES = 4096
@@ -106,7 +108,8 @@ def weight_error(n: int, k: int, gated: bool = False, m: int = 1) -> str | None:
 
 
 def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = None,
-                norm_weight: jax.Array | None = None, norm: str | None = None, eps: float = 1e-6,
+                norm_weight: jax.Array | None = None, norm_layer: jax.Array | int | None = None,
+                norm: str | None = None, eps: float = 1e-6,
                 activation: str | None = None, residual: jax.Array | None = None,
                 tiles: GemvTiles | None = None, interpret: bool | None = None, out_dtype=None) -> jax.Array:
     """x [..., K] -> [..., N_out] by the kernel (module docstring); out_dtype float32 (a plain GEMV): the fp32
@@ -133,7 +136,11 @@ def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = 
     tiles = fit(tiles, n_out, k) if tiles is not None else tiles_for(n_out, k, m)
     if residual is not None:
         residual = residual.reshape(m, n_out)
-    y = gemv(x.reshape(m, k), rows, jnp.asarray(layer, jnp.int32), norm_weight, residual, n=n, tiles=tiles,
+    if norm_weight is not None and (norm_weight.ndim == 2) != (norm_layer is not None):
+        raise ValueError(f"decode GEMV: a norm weight {norm_weight.shape} "
+                         f"{'needs' if norm_weight.ndim == 2 else 'takes no'} norm_layer")
+    y = gemv(x.reshape(m, k), rows, jnp.asarray(layer, jnp.int32), norm_weight, residual,
+             None if norm_layer is None else jnp.asarray(norm_layer, jnp.int32), n=n, tiles=tiles,
              norm=norm, eps=eps, activation=activation, interpret=(not on_gpu()) if interpret is None else interpret,
              out_dtype=out_dtype)
     return y.reshape(*lead, n_out)

@@ -42,7 +42,7 @@ def gemv_dot_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, b
                     norm: str | None, eps: float, activation: str | None, residual: bool, round_output: bool):
     """One program: output columns [j bn, (j+1) bn) of the M rows (module docstring). n: the weight's rows per
     layer (its N); half: the up rows' offset in a gated weight (0: not gated)."""
-    nw_ref, r_ref, y_ref = operands(refs, norm=norm, residual=residual)
+    nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=n_k * bk)
     dt = x_ref.dtype
     f32 = jnp.float32
     m_pad = padded_rows(m)
@@ -78,7 +78,7 @@ def gemv_dot_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, b
         cols = k_cols(t)
         x = load(x_ref, cols)
         if norm:
-            x = normalise(x, rstd, nw_ref[cols], norm, dt)
+            x = normalise(x, rstd, nw(t, bk), norm, dt)
         gate = accs[0] + dot(x, pl.ds(row0, bn), cols)
         return (gate, accs[1] + dot(x, pl.ds(row0 + half, bn), cols)) if gated else (gate,)
 

@@ -4,7 +4,8 @@ dot_kernel.py's tensor-core tile):
 
     normalise   the RMSNorm prologue on an x chunk, given each row's 1 / rms: "plain" scale.astype(dt) *
                 normed.astype(dt) (Llama / Qwen), "zero_centered" (normed * (1 + w)) in fp32, then dt (Gemma)
-    operands    the optional refs after x and w, as both bodies receive them: (norm weight, residual, y)
+    operands    the optional refs after x and w, as both bodies receive them: (norm weight chunk loader, residual,
+                y); the norm weight is one row of a flattened [R K] (R = 1, or a layer stack's rows read in place)
     finish      the epilogue on the fp32 sums: the GEMV's output in dt (or the fp32 sums as they are: a tied LM
                 head's logits), act(gate) * up of a joined [gate; up] weight (silu | gelu_tanh), + the residual
 """
@@ -12,15 +13,22 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 
-def operands(refs, *, norm: str | None, residual: bool):
-    """The refs after (layer, x, w) -> (norm weight ref or None, residual ref or None, output ref), in the order
-    kernel.gemv passes them."""
+def operands(refs, *, norm: str | None, residual: bool, k: int):
+    """The refs after (layer, x, w) -> (norm weight loader or None, residual ref or None, output ref), in the order
+    kernel.gemv passes them: with `norm`, the flattened norm weights [R K] and the row to read ([1] int32).
+    The loader: (t, bk) -> the row's K chunk t of bk values."""
     refs = list(refs)
-    nw_ref = refs.pop(0) if norm else None
+    nw = None
+    if norm:
+        nw_ref, row_ref = refs.pop(0), refs.pop(0)
+
+        def nw(t, bk):
+            return nw_ref[pl.ds(pl.multiple_of(row_ref[0] * k + t * bk, bk), bk)]
     r_ref = refs.pop(0) if residual else None
-    return nw_ref, r_ref, refs[0]
+    return nw, r_ref, refs[0]
 
 
 def normalise(x: jnp.ndarray, rstd: jnp.ndarray, nw: jnp.ndarray, norm: str, dt) -> jnp.ndarray:

@@ -132,12 +132,12 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: 
                  round_output: bool = True):
     """One program: output columns [j bn, (j+1) bn) of the M rows (module docstring). n: the weight's rows per
     layer (its N); half: the up rows' offset in a gated weight (0: not gated)."""
-    nw_ref, r_ref, y_ref = operands(refs, norm=norm, residual=residual)
+    k_total = n_k * bk
+    nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=k_total)
     dt = x_ref.dtype
     f32 = jnp.float32
     j = pl.program_id(0)
     row0 = layer_ref[0] * n + j * bn
-    k_total = n_k * bk
 
     rstd = [None] * m
     if norm:  # each row's 1 / rms over the whole K (x is tiny: every program recomputes it)
@@ -148,11 +148,12 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: 
         sums = jax.lax.fori_loop(0, n_k, sum_sq, tuple(jnp.zeros((), f32) for _ in range(m)))
         rstd = [jax.lax.rsqrt(s / k_total + eps) for s in sums]
 
-    def row(i, cols):
-        """Row i of x on K columns `cols`, normalised by the prologue if any, in fp32 (its dt value)."""
+    def row(i, cols, nw_t):
+        """Row i of x on K columns `cols`, normalised by the prologue if any (nw_t: the norm weight there), in fp32
+        (its dt value)."""
         x = x_ref[i, cols]
         if norm:
-            x = normalise(x, rstd[i], nw_ref[cols], norm, dt)
+            x = normalise(x, rstd[i], nw_t, norm, dt)
         return x.astype(f32)[None, :]
 
     gated = half > 0
@@ -163,8 +164,9 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: 
         wu = w_ref[pl.ds(row0 + half, bn), cols].astype(f32) if gated else None
         out = []
         reduce = (lambda p: p) if deferred else (lambda p: jnp.sum(p, axis=1))  # noqa: E731
+        nw_t = nw(t, bk) if norm else None
         for i in range(m):
-            x = row(i, cols)
+            x = row(i, cols, nw_t)
             out.append(accs[len(out)] + reduce(w * x))
             if gated:
                 out.append(accs[len(out)] + reduce(wu * x))
@@ -190,12 +192,14 @@ def _compiler_params(tiles: GemvTiles, interpret: bool):
 
 @functools.partial(jax.jit, static_argnames=("n", "tiles", "norm", "eps", "activation", "interpret", "out_dtype"))
 def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | None = None,
-         residual: jax.Array | None = None, *, n: int, tiles: GemvTiles, norm: str | None = None,
-         eps: float = 1e-6, activation: str | None = None, interpret: bool = False, out_dtype=None) -> jax.Array:
+         residual: jax.Array | None = None, norm_row: jax.Array | None = None, *, n: int, tiles: GemvTiles,
+         norm: str | None = None, eps: float = 1e-6, activation: str | None = None, interpret: bool = False,
+         out_dtype=None) -> jax.Array:
     """y [M, N_out] in x's dtype (out_dtype float32: the fp32 sums unrounded, no activation or residual). x [M, K]
     (M <= tiles.max_rows()); w [R, K] holding layer `layer` ([1] int32) in rows [layer n, (layer + 1) n) (R = n
-    for one weight); norm_weight [K] with `norm`; residual [M, N_out]; activation: the weight is a joined [gate; up]
-    (N_out = n / 2). tiles must fit (`fit`, `shape_error`)."""
+    for one weight); norm_weight [K], or [R', K] read at row `norm_row` ([] int32: a stack's layer, read in place),
+    with `norm`; residual [M, N_out]; activation: the weight is a joined [gate; up] (N_out = n / 2). tiles must fit
+    (`fit`, `shape_error`)."""
     m, k = x.shape
     if not 1 <= m <= tiles.max_rows():
         raise ValueError(f"decode GEMV: {m} rows, the {'dot' if tiles.dot else 'FMA'} kernel takes "
@@ -208,6 +212,10 @@ def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | 
         raise ValueError(f"decode GEMV: activation {activation!r}, expected one of {ACTIVATIONS}")
     if (norm is None) != (norm_weight is None):
         raise ValueError("decode GEMV: norm and norm_weight come together")
+    if norm_weight is not None and (norm_weight.shape[-1] != k or norm_weight.ndim not in (1, 2)
+                                    or (norm_weight.ndim == 2) != (norm_row is not None)):
+        raise ValueError(f"decode GEMV: norm weight {norm_weight.shape} (row {norm_row}) for K={k}: expected [K], or "
+                         "[L, K] with the row to read")
     gated = activation is not None
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if out_dtype != x.dtype and (out_dtype != jnp.float32 or gated or residual is not None):
@@ -229,7 +237,8 @@ def gemv(x: jax.Array, w: jax.Array, layer: jax.Array, norm_weight: jax.Array | 
     else:
         kernel = functools.partial(_gemv_kernel, deferred=deferred_for(tiles, m * (2 if gated else 1)), **common)
     args = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w]
-    args += [norm_weight] if norm is not None else []
+    if norm is not None:
+        args += [norm_weight.reshape(-1), jnp.reshape(0 if norm_row is None else norm_row, (1,)).astype(jnp.int32)]
     args += [residual] if residual is not None else []
     name = "decode_gemv" + ("_dot" if tiles.dot else "") + (f"_{norm}" if norm else "") + \
         (f"_{activation}" if gated else "") + ("_res" if residual is not None else "")

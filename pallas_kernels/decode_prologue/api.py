@@ -59,9 +59,11 @@ def unsupported(rows: int, width: int, num_heads: int, pool_shape: tuple[int, ..
 def decode_prologue(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                     layer: jax.Array | int, slots: jax.Array, *, num_heads: int,
                     q_norm_weight: jax.Array | None = None, k_norm_weight: jax.Array | None = None,
-                    norm: str | None = None, eps: float = 1e-6, knobs: PrologueKnobs | None = None,
+                    norm_layer: jax.Array | int | None = None, norm: str | None = None, eps: float = 1e-6,
+                    knobs: PrologueKnobs | None = None,
                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The kernel's call (module docstring). Raises ValueError naming what does not fit (`unsupported`), a norm
+    """The kernel's call (module docstring). The norm weights are [H], or stacks [L', H] read at row `norm_layer`
+    (in place: a layer stack's StackedVector). Raises ValueError naming what does not fit (`unsupported`), a norm
     kind not in NORMS, or norm weights given without both / with the wrong shape."""
     B, width = qkv.shape
     H = k_pool.shape[-1]
@@ -80,11 +82,15 @@ def decode_prologue(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_pool: jax.
     if norm is not None:
         if norm not in NORMS:
             raise ValueError(f"decode prologue: norm {norm!r}, expected one of {NORMS}")
-        if q_norm_weight.shape != (H,) or k_norm_weight.shape != (H,):
+        want = (H,) if norm_layer is None else (q_norm_weight.shape[0], H)
+        if q_norm_weight.shape != want or k_norm_weight.shape != want:
             raise ValueError(f"decode prologue: norm weights {q_norm_weight.shape} / {k_norm_weight.shape}, "
-                             f"expected ({H},)")
+                             f"expected {want}" + ("" if norm_layer is None else " (stacks read at norm_layer)"))
+    elif norm_layer is not None:
+        raise ValueError("decode prologue: norm_layer without norm weights")
     return prologue(qkv, cos, sin, k_pool, v_pool, jnp.asarray(layer, jnp.int32), slots, q_norm_weight,
-                    k_norm_weight, num_heads=num_heads, num_kv_heads=k_pool.shape[2], norm=norm, eps=float(eps),
+                    k_norm_weight, None if norm_layer is None else jnp.asarray(norm_layer, jnp.int32),
+                    num_heads=num_heads, num_kv_heads=k_pool.shape[2], norm=norm, eps=float(eps),
                     knobs=knobs or PrologueKnobs(), interpret=(not on_gpu()) if interpret is None else interpret)
 
 

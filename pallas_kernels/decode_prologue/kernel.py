@@ -48,8 +48,9 @@ class PrologueKnobs:
 def _prologue_kernel(layer_ref, slots_ref, qkv_ref, cos_ref, sin_ref, *refs, n: int, k: int, h: int, s: int,
                      norm: str | None, eps: float):
     refs = list(refs)
-    qn_ref = refs.pop(0) if norm else None
+    qn_ref = refs.pop(0) if norm else None  # the norm weights flattened [R H], read at row norm_row_ref[0]
     kn_ref = refs.pop(0) if norm else None
+    norm_row_ref = refs.pop(0) if norm else None
     _k_in, _v_in, q_ref, k_out, v_out = refs  # the pools' input refs are the outputs' buffers (aliased)
     dt = qkv_ref.dtype
     f32 = jnp.float32
@@ -65,7 +66,8 @@ def _prologue_kernel(layer_ref, slots_ref, qkv_ref, cos_ref, sin_ref, *refs, n: 
         if norm is None:
             return x1, x2
         rstd = jax.lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / h + eps)
-        w1, w2 = w_ref[lo].astype(f32), w_ref[hi].astype(f32)
+        start = norm_row_ref[0] * h
+        w1, w2 = w_ref[pl.ds(start, half)].astype(f32), w_ref[pl.ds(start + half, half)].astype(f32)
         if norm == "plain":  # rd(w) * rd(normed), rounded
             return rd(rd(w1) * rd(x1 * rstd)), rd(rd(w2) * rd(x2 * rstd))
         return rd(x1 * rstd * (1.0 + w1)), rd(x2 * rstd * (1.0 + w2))  # zero-centred: in fp32, rounded once
@@ -106,11 +108,13 @@ def _compiler_params(knobs: PrologueKnobs, interpret: bool):
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "norm", "eps", "knobs", "interpret"))
 def prologue(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
              layer: jax.Array, slots: jax.Array, q_norm_weight: jax.Array | None = None,
-             k_norm_weight: jax.Array | None = None, *, num_heads: int, num_kv_heads: int, norm: str | None = None,
+             k_norm_weight: jax.Array | None = None, norm_layer: jax.Array | None = None, *, num_heads: int,
+             num_kv_heads: int, norm: str | None = None,
              eps: float = 1e-6, knobs: PrologueKnobs = PrologueKnobs(), interpret: bool = False
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (q [B, N, H], k_pool, v_pool with the B slots written). qkv [B, (N + 2K) H]; cos / sin [B, H]; pools
-    [L, S, K, H] in qkv's dtype; layer [] int32; slots [B] int32; norm weights [H] with `norm` (both or neither).
+    [L, S, K, H] in qkv's dtype; layer [] int32; slots [B] int32; norm weights [H] with `norm` (both or neither),
+    or stacks [R, H] read at row norm_layer ([] int32: a layer stack's, read in place).
     The shapes are api.py's to check; here only what the kernel itself needs."""
     B, width = qkv.shape
     L, S, K, H = k_pool.shape
@@ -119,7 +123,9 @@ def prologue(qkv: jax.Array, cos: jax.Array, sin: jax.Array, k_pool: jax.Array, 
         raise ValueError(f"decode prologue: qkv {qkv.shape} against pools {k_pool.shape}, {N} query heads")
     kernel = functools.partial(_prologue_kernel, n=N, k=K, h=H, s=S, norm=norm, eps=float(eps))
     args = [jnp.reshape(layer, (1,)).astype(jnp.int32), slots.astype(jnp.int32), qkv, cos, sin]
-    args += [q_norm_weight, k_norm_weight] if norm is not None else []
+    if norm is not None:
+        row = jnp.reshape(0 if norm_layer is None else norm_layer, (1,)).astype(jnp.int32)
+        args += [q_norm_weight.reshape(-1), k_norm_weight.reshape(-1), row]
     pools = len(args)
     args += [k_pool, v_pool]
     out_shape = (jax.ShapeDtypeStruct((B, N, H), qkv.dtype), jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),

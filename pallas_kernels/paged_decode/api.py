@@ -14,8 +14,11 @@ with 64-bit offsets (jax 0.11); only the kernel's slot indices (block id x bs + 
 Tuning knobs: keyword arguments of `paged_decode_attention` (described in `kernel.py`), defaulting to the
 module constants below, the best configuration of benchmarks/paged_decode_sweep.py at every shape it timed
 (the figures: benchmarks/RESULTS.md#s3-paged). `min_programs`: each row's context is split into partitions until the
-grid has about this many programs (`num_partitions`). `merge`: the partitions merged by XLA ops ("xla", the
-default) or by a second Pallas kernel ("pallas", one launch in place of about five; unmeasured on a GPU).
+grid has about this many programs (`num_partitions`). `merge`: the partitions merged by XLA ops ("xla") or by a
+second Pallas kernel ("pallas", one launch in place of about five); "auto" (the default) takes "pallas" for calls
+of at most MERGE_PALLAS_MAX_ROWS rows on a GPU: measured on an H100 in session 29 (Qwen3-0.6B shapes, 28 layers a
+call), one row 12.4 us against 14.9 (context 576) and the engine at one user 632 against 598 tok/s, but 16 rows
+27.6 against 26.2 us and 64 rows 61.5 against 58.7.
 """
 from __future__ import annotations
 
@@ -32,12 +35,13 @@ NUM_WARPS = 1
 NUM_STAGES = 2
 QK = "fma"
 SPLIT = "length"
-# how the P partitions are merged: "xla" (a handful of small XLA kernels after the Pallas call) or "pallas" (one
-# more pallas_call, grid (B, K)); "pallas" is unmeasured on a GPU (equal to "xla" in interpret mode)
-MERGE = "xla"
+# how the P partitions are merged: "xla" (a handful of small XLA kernels after the Pallas call), "pallas" (one
+# more pallas_call, grid (B, K); equal to "xla" in interpret mode) or "auto" (the module docstring)
+MERGE = "auto"
+MERGE_PALLAS_MAX_ROWS = 8  # auto: the Pallas merge up to this many rows (measured at 1 and 16: the docstring)
 QK_MODES = ("dot", "fma")
 SPLIT_MODES = ("table", "length")
-MERGE_MODES = ("xla", "pallas")
+MERGE_MODES = ("auto", "xla", "pallas")
 MAX_POOL_SLOTS = 2 ** 31  # the kernel's slot indices into the [L * NBLK * bs] view of the pool are int32
 
 
@@ -100,6 +104,8 @@ def paged_decode_attention(q, k_pool, v_pool, layer, block_table, lengths, *, bl
     if partitions is None:
         partitions = num_partitions(B, K, block_table.shape[1], blocks_per_iter=blocks_per_iter,
                                     min_programs=min_programs)
+    if merge == "auto":
+        merge = "pallas" if not interpret and B <= MERGE_PALLAS_MAX_ROWS else "xla"
     return paged_decode_pallas(q, k_pool, v_pool, layer, block_table, lengths, block_size=block_size,
                                partitions=partitions, interpret=interpret, blocks_per_iter=blocks_per_iter,
                                num_warps=num_warps, num_stages=num_stages, qk=qk, split=split, merge=merge)
@@ -124,5 +130,6 @@ def prepare() -> None:
     _prepared.add(backend)
 
 
-__all__ = ["BLOCKS_PER_ITER", "MERGE", "MERGE_MODES", "MIN_PROGRAMS", "NUM_STAGES", "NUM_WARPS", "QK", "QK_MODES", "SPLIT", "SPLIT_MODES",
+__all__ = ["BLOCKS_PER_ITER", "MERGE", "MERGE_MODES", "MERGE_PALLAS_MAX_ROWS", "MIN_PROGRAMS", "NUM_STAGES",
+           "NUM_WARPS", "QK", "QK_MODES", "SPLIT", "SPLIT_MODES",
            "kernel_applies", "max_pool_blocks", "num_partitions", "paged_decode_attention", "prepare"]

@@ -45,7 +45,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, layer_ref, o_ref, m_ref, l_
             blocks_per_iter: int, layer_blocks: int, scale: float, qk: str, split: str):
     """One program: (row b, kv head, partition p). q_ref [Gp, H]; k_ref/v_ref this kv head's column of the
     whole pool ([L * NBLK, bs, H] for qk="dot", [L * NBLK * bs, H] for "fma"); table_ref the partition's block
-    ids [NBp] (split="table") or the row's [NB + blocks_per_iter] (split="length"), ids within one layer;
+    ids [NBp] (split="table") or the row's [NB + blocks_per_iter - 1] (split="length"), ids within one layer;
     len_ref [1]; layer_ref [1]: block id + layer * layer_blocks (NBLK) is the block in the [L * NBLK] view.
     Writes the partition's unnormalised output [Gp, H], running max and sum [Gp]."""
     p, num_p = pl.program_id(2), pl.num_programs(2)
@@ -57,7 +57,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, layer_ref, o_ref, m_ref, l_
         first, offset = p * nbp, 0  # the partition's first block of the row, its index in table_ref
         row_blocks = pl.cdiv(length, bs)
     else:  # P equal shares of the row's real blocks (rounded up to whole iterations)
-        row_blocks = jnp.minimum(pl.cdiv(length, bs), table_ref.shape[0] - it)
+        row_blocks = jnp.minimum(pl.cdiv(length, bs), table_ref.shape[0] - (it - 1))
         nbp = pl.cdiv(pl.cdiv(row_blocks, num_p), it) * it
         first = offset = p * nbp
     n_iter = pl.cdiv(jnp.clip(row_blocks - first, 0, nbp), it)  # iterations over this partition's real blocks
@@ -206,9 +206,10 @@ def paged_decode_pallas(q, k_pool, v_pool, layer, block_table, lengths, *, block
         nbp = -(-NB // (P * it)) * it
         table = jnp.pad(table, ((0, 0), (0, P * nbp - NB))).reshape(B, P, nbp)
         table_spec = pl.BlockSpec((None, None, nbp), lambda b, k, p: (b, p, 0))
-    else:  # [B, NB + it]: the whole row (an iteration may read up to it - 1 blocks past the row's last)
-        table = jnp.pad(table, ((0, 0), (0, it)))
-        table_spec = pl.BlockSpec((None, NB + it), lambda b, k, p: (b, 0))
+    else:  # [B, NB + it - 1]: the whole row (an iteration may read up to it - 1 blocks past the row's last); no
+        # pad at one block an iteration (the default), which XLA would run as a kernel in every layer of the loop
+        table = jnp.pad(table, ((0, 0), (0, it - 1))) if it > 1 else table
+        table_spec = pl.BlockSpec((None, NB + it - 1), lambda b, k, p: (b, 0))
     if qk == "dot":  # query rows per program: G rounded up to a power of two, at least Triton's smallest dot
         gp = max(MIN_QUERY_ROWS, 1 << (G - 1).bit_length())
         pool_view = (L * nblk, bs, K, H)  # whole blocks

@@ -62,6 +62,7 @@ class QuantFormat:
     data: jax.Array         # the packed codes; every subclass declares it (its first field)
     shape: tuple[int, int]  # (K, N) of the logical kernel; every subclass declares it as a static field
     packed_ndim: ClassVar[int] = 2        # ndim of one layer's `data` (more: leading, stacked axes)
+    quantised: ClassVar[bool] = True      # False: a plain weight in a kernel's layout (GemvWeight, ExpertStack)
     kernel_spec: ClassVar[LayoutSpec | None] = None  # how the fused kernels decode it; None: no kernel
 
     @classmethod

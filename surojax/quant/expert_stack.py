@@ -38,6 +38,7 @@ class ExpertStack(QuantFormat):
     stacked_in_place = True   # the decoder's layer scan hands over the whole stack and the index (at_layer)
     experts_in_place = True   # ExpertLinear.gathered reads data and layer itself
     name = "experts_in_place"  # not in FORMATS: made from a loaded plain expert stack, never quantised
+    quantised = False
     packed_ndim = 3
 
     @classmethod

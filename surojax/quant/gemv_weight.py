@@ -32,6 +32,7 @@ import numpy as np
 from pallas_kernels.decode_gemv.api import choose, decode_gemv, weight_error
 from surojax.kernel_settings import kernel_settings
 from surojax.quant.base import QuantFormat
+from surojax.models.layers.stacked_vector import in_place
 
 KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # hidden_act -> kernel's
 
@@ -45,6 +46,7 @@ class GemvWeight(QuantFormat):
 
     stacked_in_place = True  # the decoder's layer scan hands over the whole stack and the index (at_layer)
     name = "gemv_t"          # not in FORMATS: made from a loaded plain kernel (transposed), never quantised
+    quantised = False
 
     @classmethod
     def from_kernel(cls, w: jax.Array) -> "GemvWeight":
@@ -90,18 +92,20 @@ class GemvWeight(QuantFormat):
             return decode_gemv(x, self.data, layer=self.layer)
         return jnp.einsum("...k,nk->...n", x, self._own().astype(x.dtype))
 
-    def fused_matmul(self, x: jax.Array, *, norm_weight: jax.Array | None = None, eps: float = 1e-6,
+    def fused_matmul(self, x: jax.Array, *, norm_weight=None, eps: float = 1e-6,
                      zero_centered: bool = False, activation: str | None = None,
                      residual: jax.Array | None = None) -> jax.Array | None:
         """The decode GEMV with what it fuses, or None where the kernel does not take this call (the caller runs
         the ops itself): RMSNorm(x) with norm_weight first (zero_centered: Gemma's (1 + w)), act(gate) * up of a
-        joined [gate | up] weight (`activation`: the config's hidden_act), residual + the result last."""
+        joined [gate | up] weight (`activation`: the config's hidden_act), residual + the result last. norm_weight:
+        [K], or a StackedVector at a layer (surojax.models.layers.stacked_vector: the kernel reads its row in place)."""
         act = None if activation is None else KERNEL_ACTIVATIONS.get(activation)
         if (activation is not None and act is None) or not self._kernel_takes(x, gated=act is not None):
             return None
         norm = None if norm_weight is None else ("zero_centered" if zero_centered else "plain")
-        return decode_gemv(x, self.data, layer=self.layer, norm_weight=norm_weight, norm=norm, eps=eps,
-                           activation=act, residual=residual)
+        norm_weight, norm_layer = (None, None) if norm_weight is None else in_place(norm_weight)
+        return decode_gemv(x, self.data, layer=self.layer, norm_weight=norm_weight, norm_layer=norm_layer, norm=norm,
+                           eps=eps, activation=act, residual=residual)
 
     def __repr__(self) -> str:
         return f"GemvWeight({self.source}, data={list(self.data.shape)})"

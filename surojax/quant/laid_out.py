@@ -47,6 +47,8 @@ from surojax.kernel_settings import kernel_settings
 from surojax.models.fused_projections import fuse_projections
 from surojax.models.layers.linear import Linear
 from surojax.models.layers.moe import ExpertLinear
+from surojax.models.layers.norm import RMSNorm
+from surojax.models.layers.stacked_vector import StackedVector
 from surojax.quant.base import FORMATS, QuantFormat
 from surojax.quant.expert_stack import ExpertStack
 from surojax.quant.gemv_weight import GemvWeight
@@ -313,6 +315,20 @@ def transpose_for_gemv(model) -> dict[str, int]:
     return dict(done)
 
 
+def norms_in_place(model) -> dict[str, int]:
+    """Convert, in place, every RMSNorm scale [L, D] of the decoder's layer stacks into a StackedVector
+    (surojax.models.layers.stacked_vector) that the layer scan hands over whole: the decode kernels read their
+    layer's row in place instead of the scan copying each slice out (five small copies a layer and token).
+    -> {"norms_in_place": scales converted}."""
+    done = 0
+    for module in _stack_modules(model):
+        var = getattr(module, "scale", None) if isinstance(module, RMSNorm) else None
+        if isinstance(var, nnx.Param) and isinstance(w := var.get_value(), jax.Array) and w.ndim == 2:
+            module.scale = nnx.Param(StackedVector(w, None), **var.get_metadata())
+            done += 1
+    return {"norms_in_place": done} if done else {}
+
+
 def experts_in_place(model) -> dict[str, int]:
     """Convert, in place, every plain float expert kernel [L, E, I, O] of the decoder's layer stacks into an
     ExpertStack (surojax.quant.expert_stack) that the layer scan hands whole to the gathered GEMV kernel.
@@ -329,9 +345,10 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     """Make the model's weights what a decode step reads best, in place, once after loading (what `surojax
     serve` (build_server) and `surojax generate` run):
     - first, where SUROJAX_DECODE_GEMV resolves to the decode GEMV kernel (pallas_kernels.decode_gemv.api.converts),
-      the plain Linear kernels go transposed into GemvWeights for it (`transpose_for_gemv`), and a tied head (the
-      embedding, already [V, D]) is marked for it (`Decoder.head_gemv`); what follows then takes only the
-      quantised ones;
+      the plain Linear kernels go transposed into GemvWeights for it (`transpose_for_gemv`), a tied head (the
+      embedding, already [V, D]) is marked for it (`Decoder.head_gemv`) and the stacks' norm scales become
+      StackedVectors its prologue reads in place (`norms_in_place`); what follows then takes only the quantised
+      ones;
     - the Linear kernels whose decode GEMVs take the fused kernel go into its layout: the layouts and sizes
       `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU those with a measured crossover
       DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more);
@@ -341,7 +358,7 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
       (surojax.models.fused_projections). Off where LoRA slots will wrap the parts by name.
     Idempotent. -> {layout: kernels converted}."""
     settings = kernel_settings()
-    done = transpose_for_gemv(model) if gemv_converts(settings.decode_gemv.value) else {}
+    done = {**transpose_for_gemv(model), **norms_in_place(model)} if gemv_converts(settings.decode_gemv.value) else {}
     if gemv_converts(settings.decode_gemv.value) and getattr(model, "lm_head", True) is None \
             and hasattr(model, "head_gemv"):
         model.head_gemv = True  # the tied head [V, D] is the kernel's layout as it is (Decoder.logits)
@@ -359,5 +376,5 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
 
 
 __all__ = ["GEMV_DTYPES", "LaidOut", "LaidOutMixed", "decode_weights", "experts_in_place", "lay_out", "lay_out_mixed",
-           "lay_out_model",
+           "lay_out_model", "norms_in_place",
            "transpose_for_gemv"]

@@ -11,7 +11,7 @@ from flax import nnx
 
 from surojax.kernel_settings import MoeDecode, use_kernel_settings
 from surojax.models.config import MoEConfig
-from surojax.models.layers.moe import GATHER_CROSSOVER, MoE, dispatch, expert_path
+from surojax.models.layers.moe import GATHER_CROSSOVER, GATHER_CROSSOVER_QUANTISED, MoE, dispatch, expert_path
 from surojax.peft.lora import LoRAExpertLinear
 from tests.tolerances import reorder_atol
 
@@ -210,6 +210,10 @@ def test_expert_path_by_assignments_setting_and_capacity():
     assert expert_path(8, E, None) is MoeDecode.GATHER  # one Qwen3-30B-A3B decode row
     assert expert_path(limit, E, None) is MoeDecode.GATHER
     assert expert_path(limit + 1, E, None) is MoeDecode.GROUPED
+    q_limit = int(E * GATHER_CROSSOVER_QUANTISED)  # quantised experts: the grouped GEMM dequantises all E first
+    assert expert_path(limit + 1, E, None, quantised=True) is MoeDecode.GATHER
+    assert expert_path(q_limit, E, None, quantised=True) is MoeDecode.GATHER
+    assert expert_path(q_limit + 1, E, None, quantised=True) is MoeDecode.GROUPED
     assert expert_path(8, E, capacity=8) is MoeDecode.GATHER  # no expert can overflow: nothing is dropped
     assert expert_path(8, E, capacity=1) is MoeDecode.GROUPED
     with use_kernel_settings(moe_decode="grouped"):

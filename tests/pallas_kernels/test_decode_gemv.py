@@ -94,6 +94,21 @@ def test_the_dot_body_matches_the_reference(case, dtype):
     _check(got, want, k, dtype)
 
 
+@pytest.mark.parametrize("tiles", [GemvTiles(bn=64, bk=128), DOT], ids=["fma", "dot"])
+def test_a_stacked_norm_weight_is_read_at_its_row(tiles):
+    """A norm weight given as a layer stack [L, K] with norm_layer (a StackedVector's, read in place) gives the
+    same bits as its row given alone, in both bodies."""
+    x, w, kw = _operands(3, 256, 128, True, {"norm": "plain", "activation": "silu"}, jnp.bfloat16, seed=5)
+    rng = np.random.default_rng(6)
+    stack = jnp.asarray(1 + 0.1 * rng.standard_normal((3, 256)), jnp.bfloat16)
+    kw = {**kw, "norm_weight": stack[2]}
+    want = decode_gemv(x, w, layer=1, tiles=tiles, interpret=True, **kw)
+    got = decode_gemv(x, w, layer=1, tiles=tiles, interpret=True, **{**kw, "norm_weight": stack}, norm_layer=2)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="needs norm_layer"):
+        decode_gemv(x, w, layer=1, tiles=tiles, interpret=True, **{**kw, "norm_weight": stack})
+
+
 def test_the_dot_body_gives_fp32_sums_for_a_tied_head():
     """out_dtype float32 (Decoder.logits' tied head) at 9 rows of bf16: the fp32 sums of the bf16 products,
     unrounded, as the einsum with preferred_element_type float32 gives them."""
@@ -164,7 +179,7 @@ def test_lowers_to_triton_for_an_h200():
 
 def test_the_mode_choice(monkeypatch):
     """pallas: the kernel up to MAX_DOT_ROWS rows; xla: never; auto: only on a GPU and up to the measured
-    AUTO_MAX_M (8 since session 23's H100 run), above it up to AUTO_DOT_MAX_M (0: the dot body unmeasured), weights
+    AUTO_MAX_M (8 since session 23's H100 run), above it up to AUTO_DOT_MAX_M (64 since session 29's), weights
     laid out for it only where it can be taken."""
     from pallas_kernels.decode_gemv import api
 
@@ -172,7 +187,8 @@ def test_the_mode_choice(monkeypatch):
         ["pallas", "pallas", "pallas", "xla"]
     assert api.converts("pallas") and not api.converts("xla") and api.choose(1, "xla") == "xla"
     monkeypatch.setattr(api, "on_gpu", lambda: True)
-    assert api.converts("auto") and [api.choose(m, "auto") for m in (1, 8, 9)] == ["pallas", "pallas", "xla"]
+    assert api.converts("auto") and [api.choose(m, "auto") for m in (1, 8, 9, 64, 65)] == \
+        ["pallas", "pallas", "pallas", "pallas", "xla"]
     monkeypatch.setattr(api, "AUTO_DOT_MAX_M", 32)
     assert [api.choose(m, "auto") for m in (9, 32, 33)] == ["pallas", "pallas", "xla"]
     monkeypatch.setattr(api, "AUTO_MAX_M", 0)

@@ -61,6 +61,20 @@ def test_matches_the_reference_and_writes_only_the_rows_slots(norm, dtype):
                                   np.asarray(qkv[0, (N + K) * H:].reshape(K, H), np.float32))
 
 
+def test_stacked_norm_weights_are_read_at_their_row():
+    """q / k norm weights given as layer stacks [L', H] with norm_layer (StackedVectors, read in place) give the
+    same bits as their rows given alone."""
+    qkv, cos, sin, kp, vp, slots, w = _operands(jnp.bfloat16, "plain", seed=2)
+    rng = np.random.default_rng(3)
+    stacks = {name: jnp.asarray(1 + 0.1 * rng.standard_normal((3, H)), jnp.bfloat16) for name in w}
+    run = lambda **kw: decode_prologue(qkv, cos, sin, kp, vp, LAYER, slots, num_heads=N, norm="plain",  # noqa: E731
+                                       interpret=True, **kw)
+    want = run(**{name: s[2] for name, s in stacks.items()})
+    got = run(**stacks, norm_layer=2)
+    for g, r in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+
+
 @pytest.mark.parametrize("norm", ["plain", "zero_centered"])
 def test_reference_is_the_decoders_ops(norm):
     """The reference's norm + rope equal surojax's own functions, bit for bit (bf16)."""

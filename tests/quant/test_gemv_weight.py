@@ -42,7 +42,8 @@ def test_served_greedy_tokens_through_the_decode_gemv_equal_xla(monkeypatch):
     with use_kernel_settings(decode_gemv="auto"):  # auto off a GPU: nothing laid out
         assert decode_weights(plain, join_projections=False) == {}
     with use_kernel_settings(decode_gemv="pallas"):
-        assert decode_weights(served) == {"gemv_t:float32": 7}  # q, k, v, o, gate, up, down; then joined
+        # q, k, v, o, gate, up, down, then joined; the attention, q, k and MLP norm scales read in place
+        assert decode_weights(served) == {"gemv_t:float32": 7, "norms_in_place": 4}
     qkv = served.layers.attn.qkv_proj.kernel.get_value()
     assert isinstance(qkv, GemvWeight) and qkv.data.shape == (2, 64 + 2 * 32, 64)
     np.testing.assert_array_equal(qkv.dequantize(jnp.float32)[..., :64], q_kernel)  # the same values, [K, N]
@@ -57,7 +58,8 @@ def test_served_greedy_tokens_through_the_decode_gemv_equal_xla(monkeypatch):
     calls = []
     real = gemv_weight.decode_gemv
     monkeypatch.setattr(gemv_weight, "decode_gemv", lambda x, w, **kw: calls.append(
-        (x.shape, w.shape[-2:], kw.get("norm"), kw.get("activation"), kw.get("residual") is not None))
+        (x.shape, w.shape[-2:], kw.get("norm"), kw.get("activation"), kw.get("residual") is not None,
+         None if kw.get("norm_weight") is None else (kw["norm_weight"].shape, kw.get("norm_layer") is not None)))
         or real(x, w, **kw))
     prompts = [[5, 9, 33, 2, 71, 8], [40, 41, 42]]
     with use_kernel_settings(decode_gemv="xla"):
@@ -66,9 +68,12 @@ def test_served_greedy_tokens_through_the_decode_gemv_equal_xla(monkeypatch):
         assert _greedy(served, prompts) == want
     # every linear took the kernel with the block's ops fused: qkv [128, 64] with the attention norm, o with the
     # residual, gate/up with the MLP norm and silu(gate) * up, down with the residual; the decode steps (<= 8 rows)
-    # through its FMA body, the prefill (9..64 rows) through its tensor-core body
-    assert {c[1:] for c in calls} == {((128, 64), "plain", None, False), ((64, 64), None, None, True),
-                                      ((256, 64), "plain", "silu", False), ((64, 128), None, None, True)}
+    # through its FMA body, the prefill (9..64 rows) through its tensor-core body; each norm weight the whole
+    # [L, D] stack of its scale, read by the kernel at the layer
+    assert {c[1:] for c in calls} == {((128, 64), "plain", None, False, ((2, 64), True)),
+                                      ((64, 64), None, None, True, None),
+                                      ((256, 64), "plain", "silu", False, ((2, 64), True)),
+                                      ((64, 128), None, None, True, None)}
     rows = {int(np.prod(x[:-1])) for x, *_ in calls}
     assert min(rows) <= 8 < max(rows) <= 64
 

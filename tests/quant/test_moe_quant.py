@@ -68,6 +68,8 @@ def test_qlora_reaches_the_experts_not_the_router():
                                                        "experts.down_proj")}
     assert model.layers.mlp.experts.gate_up_proj.kernel.get_value().data.shape[:2] == (2, 4)  # [L, E, packed]
     assert isinstance(model.layers.mlp.router.kernel.get_value(), jax.Array)  # the router stays a plain weight
+    # quantised experts: a decode step's MoE gathers up to E * GATHER_CROSSOVER_QUANTISED assignments
+    assert model.layers.mlp.experts.quantised() and not Decoder(CFG, rngs=nnx.Rngs(0)).layers.mlp.experts.quantised()
 
 
 def test_qlora_step_on_quantised_experts_reduces_the_loss():

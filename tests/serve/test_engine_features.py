@@ -216,12 +216,13 @@ def test_multi_lora_rows_through_the_decode_gemv(model, tmp_path):
 
 
 def test_decode_prologue_kernel_decodes_the_same_greedy_tokens(model, monkeypatch):
-    """SUROJAX_DECODE_PROLOGUE=pallas: the served model (q / k / v joined) runs its decode steps' qkv split, q / k
-    norms, rope and pool write as the fused kernel (interpret mode here) and decodes the plain model's greedy
-    tokens; every decode step of both layers took the kernel."""
+    """SUROJAX_DECODE_PROLOGUE=pallas: the served model (q / k / v joined, its norm scales StackedVectors read in
+    place) runs its decode steps' qkv split, q / k norms, rope and pool write as the fused kernel (interpret mode
+    here) and decodes the plain model's greedy tokens; every decode step of both layers took the kernel."""
     from surojax.kernel_settings import use_kernel_settings
     from surojax.models.fused_projections import fuse_projections
     from surojax.models.layers import attention
+    from surojax.quant.laid_out import norms_in_place
 
     taken = []
 
@@ -236,6 +237,7 @@ def test_decode_prologue_kernel_decodes_the_same_greedy_tokens(model, monkeypatc
     want = generate(model, [prompt], 8)[0]  # test_multi_lora_rows_equal_merged_models' shapes: its compile
     served = nnx.clone(model)
     assert fuse_projections(served)
+    assert norms_in_place(served) == {"norms_in_place": 4}  # the attention, q, k and MLP norms
     with use_kernel_settings(decode_prologue="pallas"):
         eng = engine(served)
         rid = eng.add_request(prompt, SamplingParams(max_tokens=8))

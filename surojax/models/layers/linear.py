@@ -51,5 +51,7 @@ def fused_linear(lin, x: jax.Array, *, norm=None, activation: str | None = None,
     fused = getattr(lin.kernel[...], "fused_matmul", None)
     if fused is None:
         return None
-    kw = {} if norm is None else dict(norm_weight=norm.scale[...], eps=norm.eps, zero_centered=norm.zero_centered)
+    # the scale as it is stored (a StackedVector is read in place by the kernel; `scale[...]` would slice it out)
+    kw = {} if norm is None else dict(norm_weight=norm.scale.get_value(), eps=norm.eps,
+                                      zero_centered=norm.zero_centered)
     return fused(x, activation=activation, residual=residual, **kw)

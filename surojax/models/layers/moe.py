@@ -183,16 +183,21 @@ def expert_activation(h: jax.Array, moe: MoEConfig) -> jax.Array:
 # The gather path reads A = X * k expert matrices (one per assignment, an expert routed twice read twice) where the
 # grouped GEMM reads all E, but it writes the gathered copy before the products read it again (unless XLA fuses
 # the gather into them): ~3 A matrices of traffic against E. `auto` gathers while A <= E * GATHER_CROSSOVER:
-# one user on Qwen3-30B-A3B (A = 8, E = 128) up to 8 users (A = 64); Mixtral (E = 8, k = 2) one user.
-# Prefill and training (thousands of rows) keep the grouped GEMM. benchmarks/moe_decode.py measures the crossover.
+# one user on Qwen3-30B-A3B (A = 8, E = 128) up to 8 users (A = 64); Mixtral (E = 8, k = 2) one user. Quantised
+# experts: the grouped GEMM dequantises all E first, so the gather wins longer (Qwen3-30B-A3B Q4_K on an H100,
+# session 21: 664 against 1,320 us a layer at 16 rows, 1,280 against 1,330 at 32, 2,580 against 1,440 at 64):
+# A <= E * GATHER_CROSSOVER_QUANTISED. Prefill and training (thousands of rows) keep the grouped GEMM.
+# benchmarks/moe_decode.py measures the crossover.
 GATHER_CROSSOVER = 0.5
+GATHER_CROSSOVER_QUANTISED = 2.0
 
 
-def expert_path(num_assignments: int, num_experts: int, capacity: int | None) -> MoeDecode:
+def expert_path(num_assignments: int, num_experts: int, capacity: int | None, quantised: bool = False) -> MoeDecode:
     """How a MoE call of `num_assignments` (X * k, static) runs its experts: GATHER or GROUPED, by the kernel
     setting `moe_decode` (surojax/kernel_settings.py): auto = GATHER while num_assignments <= num_experts *
-    GATHER_CROSSOVER. The gather has no capacity: it runs only where no expert can overflow one (capacity None or
-    >= num_assignments); forcing it where one could is a ValueError, as it would change which rows are dropped."""
+    GATHER_CROSSOVER (GATHER_CROSSOVER_QUANTISED for quantised experts). The gather has no capacity: it runs only
+    where no expert can overflow one (capacity None or >= num_assignments); forcing it where one could is a
+    ValueError, as it would change which rows are dropped."""
     setting = kernel_settings().moe_decode
     no_drops = capacity is None or capacity >= num_assignments
     if setting is MoeDecode.GATHER:
@@ -200,7 +205,8 @@ def expert_path(num_assignments: int, num_experts: int, capacity: int | None) ->
             raise ValueError(f"SUROJAX_MOE_DECODE=gather: this MoE call has an expert capacity ({capacity} of "
                              f"{num_assignments} assignments), which only the grouped path applies")
         return MoeDecode.GATHER
-    if setting is MoeDecode.AUTO and no_drops and num_assignments <= num_experts * GATHER_CROSSOVER:
+    crossover = GATHER_CROSSOVER_QUANTISED if quantised else GATHER_CROSSOVER
+    if setting is MoeDecode.AUTO and no_drops and num_assignments <= num_experts * crossover:
         return MoeDecode.GATHER
     return MoeDecode.GROUPED
 
@@ -330,7 +336,7 @@ class MoE(nnx.Module):
         logits = self.router(xs if router_input is None else router_input.reshape(B * T, D))  # [X, E] fp32
         weights, ids, probs = self.router.route(logits, self.moe)
         capacity = self.capacity(A)
-        if expert_path(A, E, capacity) is MoeDecode.GATHER:
+        if expert_path(A, E, capacity, self.experts.quantised()) is MoeDecode.GATHER:
             rows = jnp.repeat(xs, k, axis=0)  # [A, D] each assignment's token, in assignment order
             out = self.experts.gathered(rows, ids.reshape(-1))  # [A, D]
             kept = jnp.ones((A,), bool)
@@ -359,6 +365,11 @@ class Experts(nnx.Module):
     def __call__(self, rows: jax.Array, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
         h = expert_activation(self.gate_up_proj(rows, group_sizes, row_expert), self.moe)  # [A, F]
         return self.down_proj(h, group_sizes, row_expert)  # [A, D]
+
+    def quantised(self) -> bool:
+        """Whether an expert kernel is held in a quantised format (the grouped GEMM dequantises all E of it)."""
+        return any(getattr(node.get_value(), "quantised", False) for _, node in nnx.iter_graph(self)
+                   if isinstance(node, nnx.Variable))
 
     def gathered(self, rows: jax.Array, expert_ids: jax.Array) -> jax.Array:
         """The few-rows form: rows [A, D] in any order, expert_ids [A] -> [A, D] (ExpertLinear.gathered)."""
