@@ -413,8 +413,8 @@ class LayerScan:
             return h, carries, new_views, stats
 
         def group_body(carry, xs):
-            h, carries = carry
-            group, g, cache_groups, inputs = xs
+            h, carries, g = carry
+            group, cache_groups, inputs = xs
             states, rows, views = [], [], []
             for p, t in enumerate(pattern.types):
                 s, j = split[t.stack], pattern.slot(p)
@@ -430,16 +430,19 @@ class LayerScan:
             for name in cache_groups:  # each part's new views, as its slices came: [k, ...] or one view
                 mine = [v for v, t in zip(new_views, pattern.types) if t.cache_part == name]
                 ys[name] = mine[0] if pattern.cache_per_group(name) == 1 else _stack(mine)
-            return (h, carries), (ys, stats[0] if P == 1 else _stack_stats(stats))
+            return (h, carries, None if g is None else g + 1), (ys, stats[0] if P == 1 else _stack_stats(stats))
 
         any_in_place = any(s.rebuild is not None for s in split.values())
+        # the group index rides in the carry (0, 1, ...) rather than as a scanned arange: XLA merges it with the
+        # loop's own counter, where a scanned one is a slice (a device copy) in every iteration
+        g0 = jnp.int32(0) if any_in_place or after_layer is not None else None
         xs = ({name: s.groups for name, s in split.items()},
-              jnp.arange(G) if any_in_place or after_layer is not None else None,
               {name: groups for name, (groups, _) in sliced.items()},
               None if per_layer is None else per_layer[:G * P].reshape(G, P, *per_layer.shape[1:]))
         new_groups, stats = {}, None
         if G:
-            (h, carries), (new_groups, stats) = jax.lax.scan(group_body, (h, carries), xs, unroll=self.unroll)
+            (h, carries, _), (new_groups, stats) = jax.lax.scan(group_body, (h, carries, g0), xs, length=G,
+                                                                 unroll=self.unroll)
             if P > 1:  # [G, n, ...] -> [G n, ...]: layer (row) order
                 stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stats)
             new_groups = {name: jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), v)
