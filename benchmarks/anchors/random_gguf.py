@@ -98,7 +98,7 @@ def random_codes(key):
     count = itertools.count()
 
     def encode(w: np.ndarray, qtype: str):
-        if qtype in FLOAT_TYPES or qtype not in RANDOM_FORMATS:
+        if qtype not in RANDOM_FORMATS:  # floats, and types without a random builder
             return encode_values(w, qtype)
         *lead, n, k = w.shape
         q = random_weight(qtype, k, n, jax.random.fold_in(key, next(count)), lead=tuple(lead))

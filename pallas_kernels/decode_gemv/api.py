@@ -136,9 +136,6 @@ def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = 
     tiles = fit(tiles, n_out, k) if tiles is not None else tiles_for(n_out, k, m)
     if residual is not None:
         residual = residual.reshape(m, n_out)
-    if norm_weight is not None and (norm_weight.ndim == 2) != (norm_layer is not None):
-        raise ValueError(f"decode GEMV: a norm weight {norm_weight.shape} "
-                         f"{'needs' if norm_weight.ndim == 2 else 'takes no'} norm_layer")
     y = gemv(x.reshape(m, k), rows, jnp.asarray(layer, jnp.int32), norm_weight, residual,
              None if norm_layer is None else jnp.asarray(norm_layer, jnp.int32), n=n, tiles=tiles,
              norm=norm, eps=eps, activation=activation, interpret=(not on_gpu()) if interpret is None else interpret,

@@ -105,7 +105,7 @@ def test_a_stacked_norm_weight_is_read_at_its_row(tiles):
     want = decode_gemv(x, w, layer=1, tiles=tiles, interpret=True, **kw)
     got = decode_gemv(x, w, layer=1, tiles=tiles, interpret=True, **{**kw, "norm_weight": stack}, norm_layer=2)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    with pytest.raises(ValueError, match="needs norm_layer"):
+    with pytest.raises(ValueError, match="with the row to read"):
         decode_gemv(x, w, layer=1, tiles=tiles, interpret=True, **{**kw, "norm_weight": stack})
 
 

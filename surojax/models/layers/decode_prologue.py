@@ -42,11 +42,10 @@ def fused_decode_prologue(attn, qkv: jax.Array, cos: jax.Array, sin: jax.Array, 
     if choose(kernel_settings().decode_prologue.value) != "pallas" or not _applies(attn, qkv, cos, kv):
         return None
     norm = {}
-    if attn.q_norm is not None:  # the scales as stored: a layer stack's StackedVectors are read in place
-        (qw, q_layer), (kw, k_layer) = in_place(attn.q_norm.scale.get_value()), in_place(attn.k_norm.scale.get_value())
-        if (q_layer is None) != (k_layer is None):  # one in place, the other not: both as rows
-            (qw, q_layer), (kw, k_layer) = (attn.q_norm.scale[...], None), (attn.k_norm.scale[...], None)
-        norm = dict(q_norm_weight=qw, k_norm_weight=kw, norm_layer=q_layer, eps=attn.q_norm.eps,
+    if attn.q_norm is not None:  # the scales as stored: a layer stack's StackedVectors are read in place (both at
+        # the layer's row: norms_in_place converts every norm of the stack)
+        (qw, layer), (kw, _) = in_place(attn.q_norm.scale.get_value()), in_place(attn.k_norm.scale.get_value())
+        norm = dict(q_norm_weight=qw, k_norm_weight=kw, norm_layer=layer, eps=attn.q_norm.eps,
                     norm="zero_centered" if attn.q_norm.zero_centered else "plain")
     q, k_pool, v_pool = decode_prologue(qkv[:, 0], cos[:, 0], sin[:, 0], kv.k, kv.v, kv.pool_row,
                                         meta.write_slots[:, 0], num_heads=attn.num_heads, **norm)
