@@ -4,11 +4,12 @@ path (api_server.ChatPath): one engine request, as /v1/chat/completions makes it
 Request -> ChatCompletionRequest (`to_chat`):
     model, max_tokens (required, >= 1), stop_sequences, temperature, top_p, top_k -> the same chat fields (stop)
     system           a string or text blocks -> a system message first
-    messages         roles user / assistant; content a string or blocks: ``text``; ``tool_use`` (assistant: a tool
-                     call, its input as the arguments' JSON); ``tool_result`` (user: a tool message, content a string
-                     or text blocks, "Error: " before it when is_error); ``thinking`` (assistant: its
-                     reasoning_content). Other block types (image, document, redacted_thinking, server tools ...)
-                     are a 400 naming the block
+    messages         roles user / assistant; content a string or blocks: ``text``; ``image`` (user: a base64 or url
+                     source -> the chat path's image_url part, for a vision model; a text model refuses it);
+                     ``tool_use`` (assistant: a tool call, its input as the arguments' JSON); ``tool_result`` (user: a
+                     tool message, content a string or text blocks, "Error: " before it when is_error);
+                     ``thinking`` (assistant: its reasoning_content). Other block types (document,
+                     redacted_thinking, server tools ...) are a 400 naming the block
     tools            ``{"name", "description", "input_schema"}`` -> function tools; tool_choice auto / any / tool /
                      none -> "auto" / "required" / the named function / "none"; disable_parallel_tool_use ->
                      parallel_tool_calls false
@@ -116,6 +117,19 @@ def _texts(content, where: str) -> str:
     return "".join(texts)
 
 
+def _image_url(source, at: str) -> str:
+    """An image block's source -> the URL of the chat path's image part: ``{"type": "base64", "media_type",
+    "data"}`` a data URL, ``{"type": "url", "url"}`` the URL (the server fetches http(s) only when
+    --allow-remote-images)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ApiError(400, f'{at}.source must be {{"type": "base64", "media_type", "data"}} or {{"type": "url", '
+                        f'"url"}}; got type {kind!r}')
+
+
 def chat_messages(messages: list) -> list[dict]:
     """Anthropic's messages as chat messages: an assistant's tool_use blocks become its tool_calls, a user's
     tool_result blocks tool messages (before the user's text), thinking blocks the reasoning_content."""
@@ -132,11 +146,15 @@ def chat_messages(messages: list) -> list[dict]:
         if not isinstance(content, list):
             raise ApiError(400, f"{where}.content must be a string or a list of content blocks")
         texts, calls, thinking, tools = [], [], [], []
+        parts: list[dict] = []  # a user message's text and image parts in order (its content when it has images)
         for j, block in enumerate(content):
             at = f"{where}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
+                parts.append({"type": "text", "text": block["text"]})
+            elif kind == "image" and role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(block.get("source"), at)}})
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                     raise ApiError(400, f"{at}: a tool_use block needs a string id and name")
@@ -153,10 +171,12 @@ def chat_messages(messages: list) -> list[dict]:
                 thinking.append(block["thinking"])
             else:
                 raise ApiError(400, f"{at}.type {kind!r} is not served in a {role} message (blocks: text, "
-                                    f"{'tool_use, thinking' if role == 'assistant' else 'tool_result'})")
+                                    f"{'tool_use, thinking' if role == 'assistant' else 'image, tool_result'})")
         out += tools
         if role == "user":
-            if texts or not tools:
+            if len(parts) > len(texts):  # images: the chat path's image parts, in the message's order
+                out.append({"role": "user", "content": parts})
+            elif texts or not tools:
                 out.append({"role": "user", "content": "".join(texts)})
             continue
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}

@@ -1,9 +1,12 @@
-"""The OpenAI Responses API, ``POST /v1/responses`` (``GET /v1/responses/{id}`` for stored ones), converted onto
-the chat path (api_server.ChatPath): one engine request, as /v1/chat/completions makes it.
+"""The OpenAI Responses API, ``POST /v1/responses`` (``GET /v1/responses/{id}`` for stored ones, ``POST
+/v1/responses/input_tokens`` for a request's prompt tokens), converted onto the chat path (api_server.ChatPath):
+one engine request, as /v1/chat/completions makes it.
 
 Request -> ChatCompletionRequest (`to_chat`):
     input            a string (one user message) or a list of items: ``message`` (roles system, developer, user,
-                     assistant; content a string or ``input_text`` / ``output_text`` parts), ``function_call``
+                     assistant; content a string or ``input_text`` / ``output_text`` parts, and a user's
+                     ``input_image`` parts with an image_url: the chat path's image parts, for a vision model),
+                     ``function_call``
                      (an assistant tool call: call_id, name, arguments), ``function_call_output`` (a tool message),
                      ``reasoning`` (the reasoning of the next assistant message); any other item type is a 400
     instructions     a system message before everything
@@ -97,6 +100,11 @@ class ResponsesRequest(_Base):
     user: str | None = None
 
 
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: a Responses request's fields; input may be left out (previous_response_id)."""
+    input: str | list[Any] = Field(default_factory=list)
+
+
 # fields the server does not serve -> the values it takes (absent, or the API's default): another is a 400
 NOT_SERVED: dict[str, tuple] = {
     "background": (None, False), "conversation": (None,), "include": (None, []), "max_tool_calls": (None,),
@@ -120,6 +128,29 @@ def _parts_text(content, where: str, kinds: tuple[str, ...]) -> str:
                                 f"got type {kind!r} (only text is served)", param="input")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _user_content(content, where: str) -> str | list[dict]:
+    """A user message's content: its text, or, with ``input_image`` parts, the chat path's text and image_url parts
+    in order (an image URL: a data URL, or an http(s) one the server fetches only when --allow-remote-images)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _parts_text(content, where, ("input_text",))
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise ApiError(400, f"{where}.content[{j}].image_url must be a string (a data: or http(s) URL; "
+                                    "file_id images are not served)", param="input")
+            url = {"url": part["image_url"]} | ({"detail": part["detail"]} if part.get("detail") else {})
+            parts.append({"type": "image_url", "image_url": url})
+        elif isinstance(part, dict) and part.get("type") == "input_text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise ApiError(400, f"{where}.content[{j}] must be an input_text part with a \"text\" or an "
+                                f"input_image part; got type {kind!r}", param="input")
+    return parts
 
 
 def _need_str(item: dict, key: str, where: str) -> str:
@@ -159,7 +190,9 @@ def input_messages(items: str | list) -> list[dict]:
             if role == "assistant":
                 assistant = new_assistant(_parts_text(item.get("content"), where, ("output_text", "input_text")))
             else:
-                messages.append({"role": role, "content": _parts_text(item.get("content"), where, ("input_text",))})
+                content = (_user_content(item.get("content"), where) if role == "user"
+                           else _parts_text(item.get("content"), where, ("input_text",)))
+                messages.append({"role": role, "content": content})
                 assistant = None
         elif kind == "function_call":
             call = {"id": _need_str(item, "call_id", where), "type": "function",
@@ -407,7 +440,7 @@ def _head(req: ResponsesRequest, rid: str, model: str) -> dict:
 
 
 def register(app: FastAPI, path: ChatPath) -> None:
-    """POST /v1/responses and GET /v1/responses/{id} on `app`."""
+    """POST /v1/responses, GET /v1/responses/{id} and POST /v1/responses/input_tokens on `app`."""
     store = ResponseStore()
 
     def _template() -> str:
@@ -446,6 +479,18 @@ def register(app: FastAPI, path: ChatPath) -> None:
             raise ApiError(400, str(e), param=e.param) from None
         keep(final)
         return final
+
+    @app.post(PATH + "/input_tokens")
+    async def input_tokens(raw: Request):
+        """The prompt tokens `create` would queue for this request (template, tools, history, images included)."""
+        req = await read_body(raw, InputTokensRequest)
+        history = store.get(req.previous_response_id, "previous_response_id")[0] if req.previous_response_id else []
+        try:
+            ids, _ = path.prompt(to_chat(req, history, _template()))
+        except ApiError as e:
+            e.param = PARAM.get(e.param, e.param)
+            raise
+        return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
     @app.get(PATH + "/{rid}")
     async def retrieve(rid: str):

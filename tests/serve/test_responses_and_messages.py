@@ -83,6 +83,7 @@ def test_greedy_text_and_usage_equal_chat_completions_streamed_or_not(oc, ac):
         lambda: messages_stream(ac, model=NAME, system=[{"type": "text", "text": SYSTEM}], messages=[
             {"role": "user", "content": [{"type": "text", "text": ASK}]}], max_tokens=8, extra_body=GREEDY),
         lambda: ac.messages.count_tokens(model=NAME, system=SYSTEM, messages=user))
+    counted_r = oc.responses.input_tokens.count(model=NAME, instructions=SYSTEM, input=ASK)
     text = want.choices[0].message.content
     assert want.choices[0].finish_reason == "length" and text
     assert r.object == "response" and r.output_text == text and r.status == "incomplete"
@@ -104,7 +105,8 @@ def test_greedy_text_and_usage_equal_chat_completions_streamed_or_not(oc, ac):
     assert (m.usage.input_tokens, m.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
     assert final.content[0].text == text and final.stop_reason == "max_tokens"
     assert final.usage.output_tokens == want.usage.completion_tokens
-    assert counted.input_tokens == want.usage.prompt_tokens
+    assert counted.input_tokens == counted_r.input_tokens == want.usage.prompt_tokens
+    assert counted_r.object == "response.input_tokens"
 
 
 def test_responses_tool_call_round_trip(server, oc):
@@ -225,10 +227,17 @@ def test_errors_in_each_apis_shape(server, oc, ac):
                 cast_to=anthropic.types.Message)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     assert e.value.body["error"]["message"].startswith("max_tokens")
-    with pytest.raises(anthropic.BadRequestError) as e:
+    with pytest.raises(anthropic.BadRequestError) as e:  # an image block reaches the chat path: a text model refuses
         ac.messages.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
-    assert "messages[0].content[0].type 'image'" in e.value.body["error"]["message"]
+    assert "cannot take images" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model=NAME, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "file", "file_id": "f"}}]}])
+    assert e.value.body["error"]["message"].startswith("messages[0].content[0].source must be")
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.responses.create(model=NAME, input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}])
+    assert e.value.param == "input" and "input[0].content[0].image_url" in e.value.message
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.count_tokens(
             model=NAME, messages=[{"role": "user", "content": ASK}])

@@ -2,7 +2,7 @@
 Qwen3VLForConditionalGeneration.generate (tests/fixtures/models/qwen3_vl_chat/expected.json, made by
 scripts/make_vlm_serve_fixtures.py), in the engine (chunked prefill splitting an image, multi-step decode,
 n-gram speculation beside an image request) and through the official openai client (data URL and file image
-parts, streaming); the prefix cache keys image blocks by the pixels (same ids + other image: no image block
+parts, streaming; the Responses API's input_image) and anthropic client (the Messages API's image block); the prefix cache keys image blocks by the pixels (same ids + other image: no image block
 shared, other output; the same image as a file and as a data URL: every full block hit); runtime LoRA slots with
 an image request. Two images in one prompt
 (Qwen3-VL) and a hybrid Qwen3.5 MoE with its tower: greedy ids equal transformers' (tests/fixtures/vlm/
@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import anthropic
 import openai
 import pytest
 from flax import nnx
@@ -173,6 +174,21 @@ def test_served_with_the_openai_client(tok):
         assert got.choices[0].message.content == want("c") != want("a")
         stream = client.chat.completions.create(messages=messages("b", data_url("img_b.png")), stream=True, **ask)
         assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == want("b")
+        # the Responses API's input_image and the Messages API's image block take the same image path
+        b64 = data_url("img_a.png").split(",", 1)[1]
+        parts = [{"type": "input_image", "image_url": data_url("img_a.png"), "detail": "auto"},
+                 {"type": "input_text", "text": "What is in it?"}]
+        asked = dict(model="vlm", temperature=0, extra_body={"ignore_eos": True})
+        got = client.responses.create(input=[{"role": "user", "content": parts}], max_output_tokens=8, **asked)
+        assert got.output_text == want("a") and got.usage.input_tokens == len(EXPECTED["a"]["input_ids"])
+        count = client.responses.input_tokens.count(model="vlm", input=[{"role": "user", "content": parts}])
+        assert count.input_tokens == len(EXPECTED["a"]["input_ids"])
+        blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+                  {"type": "text", "text": "What is in it?"}]
+        ac = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        got = ac.messages.create(model="vlm", messages=[{"role": "user", "content": blocks}], max_tokens=8,
+                                 extra_body={"ignore_eos": True, "temperature": 0})  # no temperature argument
+        assert got.content[0].text == want("a") and got.usage.input_tokens == len(EXPECTED["a"]["input_ids"])
 
 
 VLM_TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
