@@ -147,6 +147,14 @@ def model_cards(state: ServerState) -> list[dict]:
     return data
 
 
+def model_card(cards: list[dict], model_id: str) -> dict:
+    """GET /v1/models/{id}: the card of that id among `cards` (a 404 naming it and the served ids otherwise)."""
+    for card in cards:
+        if card["id"] == model_id:
+            return card
+    raise ApiError(404, unknown_model(model_id, [c["id"] for c in cards]), "invalid_request_error", "model")
+
+
 def _message_text(content) -> str:
     if content is None:
         return ""
@@ -567,6 +575,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": model_cards(state)}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return model_card(model_cards(state), model_id)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

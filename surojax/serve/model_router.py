@@ -14,7 +14,7 @@ The front app serves what spans the models:
     GET  /health                 ok when every model's engine runs (else 503 naming the model)
     GET  /metrics                every model's metrics, each sample labelled model_name="NAME" (as vLLM labels
                                  them), plus surojax_model_sleeping per model
-    GET  /v1/models              every model and its adapters
+    GET  /v1/models              every model and its adapters; GET /v1/models/{id} one of them
     POST /sleep?level=1[&model=NAME], POST /wake_up[?model=NAME], GET /is_sleeping[?model=NAME]
                                  vLLM's sleep-mode endpoints (`serve.sleep`), with enable_sleep_mode (else 403);
                                  without model=, /sleep and /wake_up act on every model and /is_sleeping answers
@@ -43,8 +43,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from surojax.serve import anthropic_api
 from surojax.serve.api_error import ApiError
 from surojax.serve.api_key import ApiKeyAuth
-from surojax.serve.api_server import (OPEN_PATHS, ServerState, error_response, model_cards, served_names,
-                                      unknown_model)
+from surojax.serve.api_server import (OPEN_PATHS, ServerState, error_response, model_card, model_cards,
+                                      served_names, unknown_model)
 from surojax.serve.body_limit import BodySizeLimit
 from surojax.serve.engine import EngineBusyError
 
@@ -119,7 +119,7 @@ class ModelRouter:
         self.front, self.table = app, table
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in FRONT_PATHS:
+        if scope["type"] != "http" or scope["path"] in FRONT_PATHS or scope["path"].startswith("/v1/models/"):
             return await self.front(scope, receive, send)
         body, more, messages = b"", True, []
         while more:
@@ -235,6 +235,10 @@ def build_router_app(table: ModelTable, *, api_key: str | None, max_request_byte
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [card for m in table.models for card in model_cards(m.state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        return model_card([card for m in table.models for card in model_cards(m.state)], model_id)
 
     def _sleep_mode() -> None:
         if not table.enable_sleep_mode:

@@ -80,6 +80,7 @@ def test_two_models_answer_as_each_alone_and_unknown_is_404(server):
     url, table = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["qwen", "llama"]
+    assert client.models.retrieve("llama").id == "llama"
     answers = {name: _greedy(client, name) for name in ("qwen", "llama")}
     assert answers == {m.name: _alone(m) for m in CONFIG.models}
     assert answers["qwen"] != answers["llama"]

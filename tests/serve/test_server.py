@@ -111,6 +111,9 @@ def test_health_models_tokenize(server):
     h = {"Authorization": f"Bearer {KEY}"}
     ids = [m["id"] for m in httpx.get(url + "/v1/models", headers=h).json()["data"]]
     assert ids == [NAME, "ad"]
+    assert httpx.get(url + "/v1/models/ad", headers=h).json()["parent"] == NAME  # the openai client's retrieve
+    gone = httpx.get(url + "/v1/models/nope", headers=h)
+    assert gone.status_code == 404 and "nope" in gone.json()["error"]["message"]
     t = httpx.post(url + "/tokenize", json={"prompt": "hello world"}, headers=h).json()
     assert t["count"] == len(t["tokens"]) > 0
     assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}, headers=h).json()["prompt"] == "hello world"
