@@ -8,7 +8,8 @@ Request -> ChatCompletionRequest (`to_chat`):
                      ``input_image`` parts with an image_url: the chat path's image parts, for a vision model),
                      ``function_call``
                      (an assistant tool call: call_id, name, arguments), ``function_call_output`` (a tool message),
-                     ``reasoning`` (the reasoning of the next assistant message); any other item type is a 400
+                     ``reasoning`` (the reasoning of the next assistant message: its content, else its
+                     encrypted_content as this server writes it, else its summary); any other item type is a 400
     instructions     a system message before everything
     previous_response_id  the stored conversation of that response goes before `input` (its instructions do not)
     max_output_tokens, temperature, top_p -> max_tokens, temperature, top_p
@@ -16,9 +17,12 @@ Request -> ChatCompletionRequest (`to_chat`):
                      "none" | "auto" | "required" | ``{"type": "function", "name"}``; parallel_tool_calls
     text.format      ``text`` | ``json_object`` | ``json_schema`` (name, schema, strict) -> response_format
     reasoning.effort the template's thinking switch (api_convert.thinking_switch): "none" turns it off
+    include          "reasoning.encrypted_content": reasoning items carry their text as encrypted_content too
+                     (base64 of the text), which a later input's reasoning item may bring back instead of content
 Refused with a 400 naming the field when set (they would change the answer and are not served): background,
-conversation, include, max_tool_calls, prompt, top_logprobs, truncation "auto", reasoning.summary "concise" /
-"detailed", text.verbosity, tools other than functions, input items other than the four above.
+conversation, include values other than that one, max_tool_calls, prompt, top_logprobs, truncation "auto",
+reasoning.summary "concise" / "detailed", text.verbosity, tools other than functions, input items other than the
+four above.
 
 Answer: output items in the order the model wrote them -- ``reasoning`` (its ``reasoning_text`` content, no
 summary), ``message`` (one ``output_text`` part), ``function_call`` (call_id, name, arguments) -- built by one
@@ -35,6 +39,7 @@ object are kept in memory, the newest `STORE_LIMIT` of them, for `previous_respo
 """
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections import OrderedDict
@@ -98,6 +103,7 @@ class ResponsesRequest(_Base):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[str] | None = None  # INCLUDES; another value is a 400
 
 
 class InputTokensRequest(ResponsesRequest):
@@ -105,9 +111,16 @@ class InputTokensRequest(ResponsesRequest):
     input: str | list[Any] = Field(default_factory=list)
 
 
+# what `include` may ask for: reasoning items carry their text as `encrypted_content` too (base64 of the UTF-8 text:
+# opaque to the client, read back when the item returns in a later input), for clients that keep no server state
+# (store false) and hand the reasoning back that way
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+INCLUDES = (ENCRYPTED_REASONING,)
+
+
 # fields the server does not serve -> the values it takes (absent, or the API's default): another is a 400
 NOT_SERVED: dict[str, tuple] = {
-    "background": (None, False), "conversation": (None,), "include": (None, []), "max_tool_calls": (None,),
+    "background": (None, False), "conversation": (None,), "max_tool_calls": (None,),
     "prompt": (None,), "top_logprobs": (None, 0), "truncation": (None, "disabled"),
 }
 
@@ -151,6 +164,19 @@ def _user_content(content, where: str) -> str | list[dict]:
             raise ApiError(400, f"{where}.content[{j}] must be an input_text part with a \"text\" or an "
                                 f"input_image part; got type {kind!r}", param="input")
     return parts
+
+
+def encrypted(text: str) -> str:
+    """A reasoning item's `encrypted_content` (ENCRYPTED_REASONING)."""
+    return base64.b64encode(text.encode()).decode()
+
+
+def _decrypted(content, where: str) -> str:
+    try:
+        return base64.b64decode(content, validate=True).decode()
+    except (TypeError, ValueError):
+        raise ApiError(400, f"{where}.encrypted_content is not one this server wrote (base64 of the reasoning's "
+                            "text)", param="input") from None
 
 
 def _need_str(item: dict, key: str, where: str) -> str:
@@ -207,8 +233,11 @@ def input_messages(items: str | list) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": _need_str(item, "call_id", where), "content": text})
             assistant = None
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = _parts_text(parts, where, ("reasoning_text", "summary_text"))
+            if not item.get("content") and item.get("encrypted_content") is not None:
+                reasoning = _decrypted(item["encrypted_content"], where)
+            else:
+                parts = item.get("content") or item.get("summary") or []
+                reasoning = _parts_text(parts, where, ("reasoning_text", "summary_text"))
             assistant = None
         else:
             raise ApiError(400, f"{where}.type {kind!r} is not served (input items: message, function_call, "
@@ -249,6 +278,9 @@ def to_chat(req: ResponsesRequest, history: list[dict], template: str) -> ChatCo
     for name, served in NOT_SERVED.items():
         if (req.model_extra or {}).get(name) not in served:
             raise ApiError(400, f"{name} is not served by this server (leave it out)", param=name)
+    for value in req.include or []:
+        if value not in INCLUDES:
+            raise ApiError(400, f"include {value!r} is not served (served: {', '.join(INCLUDES)})", param="include")
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         raise ApiError(400, "text.verbosity is not served by this server (leave it out)", param="text.verbosity")
     for name in ("summary", "generate_summary"):  # "auto": the reasoning comes back whole, as reasoning_text
@@ -305,9 +337,11 @@ class ResponseBuilder(AnswerBuilder):
 
     REASONING, TEXT = "reasoning", "message"
 
-    def __init__(self, head: dict, tools: ToolChoice, prompt_ids: list[int], think: tuple[int, int] | None):
+    def __init__(self, head: dict, tools: ToolChoice, prompt_ids: list[int], think: tuple[int, int] | None,
+                 encrypt_reasoning: bool = False):
         super().__init__(tools)
         self.head, self.prompt_ids, self.think = head, prompt_ids, think
+        self.encrypt_reasoning = encrypt_reasoning  # include ENCRYPTED_REASONING
         self.items: list[dict] = []
         self.open: dict | None = None  # the open reasoning / message item
         self.seq = 0
@@ -341,6 +375,8 @@ class ResponseBuilder(AnswerBuilder):
         part = item["content"][0]
         item["status"] = status
         kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
+        if kind == "reasoning_text" and self.encrypt_reasoning:
+            item["encrypted_content"] = encrypted(part["text"])
         where = dict(item_id=item["id"], output_index=index, content_index=0)
         done = [self.event(f"response.{kind}.done", **where, text=part["text"],
                             **({"logprobs": []} if kind == "output_text" else {})),
@@ -461,7 +497,7 @@ def register(app: FastAPI, path: ChatPath) -> None:
             raise
         rid = _id("resp")
         builder = ResponseBuilder(_head(req, rid, req.model or path.state.model_name), run.tools, run.ids,
-                                  path.think_ids() if run.split else None)
+                                  path.think_ids() if run.split else None, ENCRYPTED_REASONING in (req.include or []))
         conversation = chat.messages[1:] if req.instructions is not None else chat.messages
 
         def keep(response: dict) -> None:

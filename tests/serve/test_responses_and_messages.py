@@ -180,7 +180,8 @@ def test_reasoning_and_stop_reasons(server, oc, ac):
         want, r, (events, final), m, (anthropic_events, streamed) = at_once(
             lambda: chat(oc, user, max_tokens=100).choices[0].message,
             lambda: oc.responses.create(model=NAME, input=ASK, temperature=0),
-            lambda: responses_stream(oc, model=NAME, input=ASK, temperature=0),
+            lambda: responses_stream(oc, model=NAME, input=ASK, temperature=0, store=False,
+                                     include=["reasoning.encrypted_content"]),
             lambda: ac.messages.create(**stop), lambda: messages_stream(ac, **stop))
     assert want.reasoning_content.strip() == "plan it" and want.content == "The answer. END more"
     for resp in (r, final):
@@ -189,6 +190,17 @@ def test_reasoning_and_stop_reasons(server, oc, ac):
         assert resp.usage.output_tokens_details.reasoning_tokens == n_reasoning
     kinds = [e.type for e in events]
     assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.completed"
+    # include reasoning.encrypted_content: a stateless client hands the reasoning back as that blob (Codex-style);
+    # it counts as the reasoning's text does where the template writes it (after the last user turn)
+    blob = final.output[0].encrypted_content
+    assert r.output[0].encrypted_content is None and blob
+    call = [{"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "3"}]
+    counts = [oc.responses.input_tokens.count(model=NAME, input=[{"role": "user", "content": ASK}, *thought, *call],
+                                              tools=[ADD_FLAT]).input_tokens
+              for thought in ([{"type": "reasoning", "summary": [], "encrypted_content": blob}],
+                              [final.output[0].model_dump(exclude={"encrypted_content"})], [])]
+    assert counts[0] == counts[1] > counts[2]
     for msg in (m, streamed):  # the stop sequence ends the text and is named
         assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in msg.content] == [
             ("thinking", want.reasoning_content), ("text", "The answer. ")]
@@ -248,6 +260,9 @@ def test_errors_in_each_apis_shape(server, oc, ac):
     for kwargs, param, said in (({"input": [{"type": "item_reference", "id": "x"}]}, "input", "input[0].type"),
                                 ({"input": [{"role": "tool", "content": "x"}]}, "input", "input[0].role"),
                                 ({"input": ASK, "background": True}, "background", "background"),
+                                ({"input": ASK, "include": ["file_search_call.results"]}, "include", "file_search"),
+                                ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "%%"}]},
+                                 "input", "input[0].encrypted_content"),
                                 ({"input": ASK, "reasoning": {"summary": "detailed"}}, "reasoning.summary", "summar"),
                                 ({"input": ASK, "tools": [{"type": "web_search"}]}, "tools", "tools[0].type"),
                                 ({"input": ASK, "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens")):
