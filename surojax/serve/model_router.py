@@ -232,13 +232,16 @@ def build_router_app(table: ModelTable, *, api_key: str | None, max_request_byte
              "# TYPE surojax_model_sleeping gauge", *sleeping]) + "\n"
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def cards() -> list[dict]:
+        return [card for m in table.models for card in model_cards(m.state)]
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card for m in table.models for card in model_cards(m.state)]}
+        return {"object": "list", "data": cards()}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        return model_card([card for m in table.models for card in model_cards(m.state)], model_id)
+        return model_card(cards(), model_id)
 
     def _sleep_mode() -> None:
         if not table.enable_sleep_mode:

@@ -485,16 +485,24 @@ def register(app: FastAPI, path: ChatPath) -> None:
         except Exception:
             return ""
 
-    @app.post(PATH)
-    async def create(raw: Request):
-        req = await read_body(raw, ResponsesRequest)
+    def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+        """The chat request of `req`, after the stored conversation its previous_response_id names."""
         history = store.get(req.previous_response_id, "previous_response_id")[0] if req.previous_response_id else []
-        chat = to_chat(req, history, _template())
+        return to_chat(req, history, _template())
+
+    def on_chat_path(call, chat: ChatCompletionRequest):
+        """call(chat) on the chat path; its errors name the Responses API's fields (PARAM)."""
         try:
-            run = path.start(chat)
+            return call(chat)
         except ApiError as e:
             e.param = PARAM.get(e.param, e.param)
             raise
+
+    @app.post(PATH)
+    async def create(raw: Request):
+        req = await read_body(raw, ResponsesRequest)
+        chat = chat_request(req)
+        run = on_chat_path(path.start, chat)
         rid = _id("resp")
         builder = ResponseBuilder(_head(req, rid, req.model or path.state.model_name), run.tools, run.ids,
                                   path.think_ids() if run.split else None, ENCRYPTED_REASONING in (req.include or []))
@@ -519,13 +527,7 @@ def register(app: FastAPI, path: ChatPath) -> None:
     @app.post(PATH + "/input_tokens")
     async def input_tokens(raw: Request):
         """The prompt tokens `create` would queue for this request (template, tools, history, images included)."""
-        req = await read_body(raw, InputTokensRequest)
-        history = store.get(req.previous_response_id, "previous_response_id")[0] if req.previous_response_id else []
-        try:
-            ids, _ = path.prompt(to_chat(req, history, _template()))
-        except ApiError as e:
-            e.param = PARAM.get(e.param, e.param)
-            raise
+        ids, _ = on_chat_path(path.prompt, chat_request(await read_body(raw, InputTokensRequest)))
         return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
     @app.get(PATH + "/{rid}")
