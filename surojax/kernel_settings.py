@@ -29,8 +29,10 @@
                                                                    GEMV kernel (pallas_kernels/gathered_gemv: each
                                                                    routed expert read in place, no gathered copy) or
                                                                    XLA's gather + product; auto = the kernel on a GPU
-                                                                   (1.18x XLA at one row, H100); both are ignored off
-                                                                   a GPU and for quantised experts
+                                                                   (1.18x XLA at one row, H100). Quantised experts:
+                                                                   pallas lays them out at load for the gathered
+                                                                   quantised GEMV (gathered_gemv/quant_kernel.py);
+                                                                   auto = XLA until it is measured. Ignored off a GPU
     decode_gemv    SUROJAX_DECODE_GEMV    auto | pallas | xla      quant/gemv_weight: a served model's plain (bf16 /
                                                                    fp32) linears laid out [N, K] at load for the
                                                                    decode GEMV kernel (pallas_kernels/decode_gemv),
@@ -100,7 +102,7 @@ class MoeDecode(enum.StrEnum):
 
 class MoeGatherKernel(enum.StrEnum):
     AUTO = "auto"      # XLA until the kernel is measured on a GPU (pallas_kernels/gathered_gemv/api.py)
-    PALLAS = "pallas"  # the gathered GEMV kernel for plain float experts on a GPU (XLA off a GPU, quantised experts)
+    PALLAS = "pallas"  # the gathered GEMV kernels on a GPU: plain float experts, and quantised ones laid out at load
     XLA = "xla"        # XLA's gather of the routed experts' weights, then the row-by-row product
 
 

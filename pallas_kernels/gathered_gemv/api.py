@@ -15,6 +15,13 @@ environment): auto | pallas | xla.
 `choose(w, mode)` says which path a call takes; `converts(mode)` whether a server should hand the kernel its layer
 stacks of plain experts whole (surojax.quant.expert_stack: a scan slice feeding the kernel would be copied). No gradient here: pallas_kernels.grouped_matmul.gathered gives the
 kernel the XLA path's backward.
+
+Quantised experts: `gathered_quant_gemv(x, stack, expert_ids, num_experts=, base=)` runs quant_kernel.py on a stack
+in the fused kernels' layout (pallas_kernels.quant_matmul.layout, arrays [R, ...]); `quant_converts(mode)` says
+whether a server should lay its quantised expert stacks out for it (surojax.quant.expert_layout), `quant_choose`
+which path a laid-out stack takes (the reference, reference.py, off a GPU and under xla).
+    pallas  the kernel on a GPU
+    auto    the same as xla until the kernel is measured on a GPU (QUANT_AUTO_PALLAS)
 """
 from __future__ import annotations
 
@@ -22,9 +29,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gathered_gemv.kernel import GatheredTiles, fit, gathered_gemv_kernel
+from pallas_kernels.gathered_gemv.quant_kernel import QuantGatheredTiles, gathered_quant_kernel
+from pallas_kernels.gathered_gemv.reference import gathered_layout_ref
+from pallas_kernels.quant_matmul.layout import KernelLayout
 
 MODES = ("auto", "pallas", "xla")
 TILES = GatheredTiles()  # measured (kernel.GatheredTiles)
+QUANT_TILES = QuantGatheredTiles()  # unmeasured: benchmarks/gathered_qgemv.py times the variants
+QUANT_AUTO_PALLAS = False  # auto takes the quantised kernel once it is measured faster than XLA's path
 
 
 def on_gpu() -> bool:
@@ -79,4 +91,33 @@ def gathered_gemv(x: jax.Array, w: jax.Array, expert_ids: jax.Array, *, layer: j
                                 interpret=jax.default_backend() != "gpu" if interpret is None else interpret)
 
 
-__all__ = ["MODES", "TILES", "GatheredTiles", "choose", "converts", "gathered_gemv", "on_gpu"]
+def quant_converts(mode: str = "auto") -> bool:
+    """Whether a server's quantised expert stacks should be laid out for the quantised kernel under `mode`."""
+    _check_mode(mode)
+    return on_gpu() and (mode == "pallas" or (mode == "auto" and QUANT_AUTO_PALLAS))
+
+
+def quant_choose(mode: str = "auto") -> str:
+    """'pallas' or 'xla' (the reference) for a gathered product of a laid-out quantised stack under `mode`."""
+    return "pallas" if quant_converts(mode) else "xla"
+
+
+def gathered_quant_gemv(x: jax.Array, stack: KernelLayout, expert_ids: jax.Array, *, num_experts: int,
+                        base: jax.Array | int = 0, mode: str = "pallas", tiles: QuantGatheredTiles | None = None,
+                        interpret: bool | None = None) -> jax.Array:
+    """y [A, N] in x's dtype, y[a] = x[a] @ decode(stack[base + expert_ids[a]]): stack a KernelLayout with arrays
+    [R, ...] (R = E, or L E with base = layer x E). mode: pallas runs the kernel (interpret mode off a GPU unless
+    `interpret` says otherwise), xla the reference; auto as `quant_choose`."""
+    _check_mode(mode)
+    if x.ndim != 2 or expert_ids.shape != (x.shape[0],) or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"gathered quantised GEMV: x {x.shape} [A, K], expert_ids {expert_ids.shape} "
+                         f"{expert_ids.dtype} [A] integers")
+    base = jnp.asarray(base, jnp.int32).reshape(1)
+    if mode == "xla" or (mode == "auto" and quant_choose(mode) == "xla"):
+        return gathered_layout_ref(x, stack, expert_ids, base)
+    return gathered_quant_kernel(x, stack, expert_ids, base, num_experts=num_experts, tiles=tiles or QUANT_TILES,
+                                 interpret=not on_gpu() if interpret is None else interpret)
+
+
+__all__ = ["MODES", "QUANT_TILES", "TILES", "GatheredTiles", "QuantGatheredTiles", "choose", "converts",
+           "gathered_gemv", "gathered_quant_gemv", "on_gpu", "quant_choose", "quant_converts"]

@@ -13,8 +13,8 @@ kernel: pallas_kernels.gathered_gemv.api.converts).
     layer   None, or an int32 scalar: this is layer `layer` of the stack (`at_layer`, layer_runner.split_in_place)
     shape   (I, O), source (the dtype's name)            static
 
-ExpertLinear.gathered reads `data` and `layer` (`experts_in_place`: the gathered form, the kernel or XLA's gather
-from the stack at layer x E + id); the grouped GEMM (prefill, more rows) takes the layer's [E, I, O] slice
+ExpertLinear.gathered calls `gathered` (`experts_in_place`: the kernel or XLA's gather from the stack at
+layer x E + id); the grouped GEMM (prefill, more rows) takes the layer's [E, I, O] slice
 (`grouped_matmul`), as it does from a plain stack. Serving only: the values are the plain stack's.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import grouped_dot
+from pallas_kernels.grouped_matmul.gathered import gathered_dot
 from surojax.quant.base import QuantFormat
 
 
@@ -36,7 +37,7 @@ class ExpertStack(QuantFormat):
     source: str = dataclasses.field(metadata={"static": True})
 
     stacked_in_place = True   # the decoder's layer scan hands over the whole stack and the index (at_layer)
-    experts_in_place = True   # ExpertLinear.gathered reads data and layer itself
+    experts_in_place = True   # ExpertLinear.gathered calls `gathered`
     name = "experts_in_place"  # not in FORMATS: made from a loaded plain expert stack, never quantised
     quantised = False
     packed_ndim = 3
@@ -66,12 +67,17 @@ class ExpertStack(QuantFormat):
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         return self._own().astype(dtype)
 
+    def gathered(self, x: jax.Array, expert_ids: jax.Array, mode: str = "auto") -> jax.Array:
+        """x [A, I], expert_ids [A] -> [A, O]: row a against this layer's expert expert_ids[a], read in place
+        (pallas_kernels.grouped_matmul.gathered_dot with the layer index; `mode` picks the kernel or XLA)."""
+        return gathered_dot(x, self.data, expert_ids, layer=self.layer, kernel=mode)
+
     def grouped_matmul(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return grouped_dot(x, self._own(), group_sizes)
 
     def take_experts(self, ids: jax.Array) -> "QuantFormat":
-        raise ValueError("experts_in_place: the gathered form reads data and layer in place (ExpertLinear.gathered),"
-                         " not take_experts")
+        raise ValueError("experts_in_place: the gathered form reads data and layer in place (`gathered`), not "
+                         "take_experts")
 
     def __repr__(self) -> str:
         return f"ExpertStack({self.source}, data={list(self.data.shape)})"

@@ -40,6 +40,7 @@ from flax import nnx
 from pallas_kernels.decode_gemv.api import converts as gemv_converts
 from pallas_kernels.decode_gemv.api import weight_error as gemv_weight_error
 from pallas_kernels.gathered_gemv.api import converts as gathered_converts
+from pallas_kernels.gathered_gemv.api import quant_converts
 from pallas_kernels.quant_matmul.api import decode_layouts
 from pallas_kernels.quant_matmul.layout import PLAIN, KernelLayout, LayoutSpec, layout_error, plain_layout
 from pallas_kernels.quant_matmul.reference import dequantize_layout
@@ -50,6 +51,7 @@ from surojax.models.layers.moe import ExpertLinear
 from surojax.models.layers.norm import RMSNorm
 from surojax.models.layers.stacked_vector import StackedVector
 from surojax.quant.base import FORMATS, QuantFormat
+from surojax.quant.expert_layout import LaidOutExperts
 from surojax.quant.expert_stack import ExpertStack
 from surojax.quant.gemv_weight import GemvWeight
 from surojax.quant.gguf_mixed import GGUFMixed
@@ -329,15 +331,23 @@ def norms_in_place(model) -> dict[str, int]:
     return {"norms_in_place": done} if done else {}
 
 
-def experts_in_place(model) -> dict[str, int]:
-    """Convert, in place, every plain float expert kernel [L, E, I, O] of the decoder's layer stacks into an
-    ExpertStack (surojax.quant.expert_stack) that the layer scan hands whole to the gathered GEMV kernel.
-    -> {"experts_in_place:<dtype>": kernels converted}."""
+def experts_in_place(model, plain: bool = True, quantised: bool = False) -> dict[str, int]:
+    """Convert, in place, the expert kernels of the decoder's layer stacks that the gathered GEMV kernels read in
+    place: with `plain` every plain float stack [L, E, I, O] into an ExpertStack (surojax.quant.expert_stack), with
+    `quantised` every quantised stack whose format has a kernel layout into a LaidOutExperts
+    (surojax.quant.expert_layout; one layer at a time). -> {"experts_in_place:<dtype or format>": converted}."""
     done: collections.Counter[str] = collections.Counter()
-    for module, var, w in _plain_kernels(model, ExpertLinear, 4):
-        if jnp.issubdtype(w.dtype, jnp.floating):
+    for module in _stack_modules(model):
+        var = getattr(module, "kernel", None) if isinstance(module, ExpertLinear) else None
+        if not isinstance(var, nnx.Param):
+            continue
+        w = var.get_value()
+        if plain and isinstance(w, jax.Array) and w.ndim == 4 and jnp.issubdtype(w.dtype, jnp.floating):
             module.kernel = QuantParam(ExpertStack.from_kernel(w), **var.get_metadata())
             done[f"experts_in_place:{jnp.dtype(w.dtype).name}"] += 1
+        elif quantised and isinstance(w, QuantFormat) and LaidOutExperts.error(w) is None:
+            module.kernel = QuantParam(LaidOutExperts.from_stack(w), **var.get_metadata())
+            done[f"experts_in_place:{w.name}"] += 1
     return dict(done)
 
 
@@ -353,7 +363,9 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
       `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU those with a measured crossover
       DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more);
     - where SUROJAX_MOE_GATHER_KERNEL resolves to the gathered GEMV kernel (pallas_kernels.gathered_gemv.api.
-      converts), the plain expert stacks become ExpertStacks (`experts_in_place`): read in place at decode;
+      converts), the plain expert stacks become ExpertStacks, and where it resolves to the quantised one
+      (quant_converts) the quantised expert stacks become LaidOutExperts (`experts_in_place`): read in place at
+      decode;
     - join_projections: then q / k / v and gate / up become one GEMM each where their kernels can be joined
       (surojax.models.fused_projections). Off where LoRA slots will wrap the parts by name.
     Idempotent. -> {layout: kernels converted}."""
@@ -363,8 +375,10 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
             and hasattr(model, "head_gemv"):
         model.head_gemv = True  # the tied head [V, D] is the kernel's layout as it is (Decoder.logits)
         log.info("decode kernels: the tied LM head through the decode GEMV at few rows")
-    if gathered_converts(settings.moe_gather_kernel.value):
-        done.update(experts_in_place(model))
+    gather_mode = settings.moe_gather_kernel.value
+    if gathered_converts(gather_mode) or quant_converts(gather_mode):
+        done.update(experts_in_place(model, plain=gathered_converts(gather_mode),
+                                     quantised=quant_converts(gather_mode)))
     layouts, min_values = decode_layouts(settings.quant_matmul.value)
     done.update(lay_out_model(model, layouts, min_values))
     if done:

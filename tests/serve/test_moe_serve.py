@@ -150,3 +150,38 @@ def test_gather_kernel_reads_the_served_expert_stacks_in_place(model, expected, 
         n = len(layers)
         assert engine(served).generate([PROMPTS[1]], max_tokens=6) == [expected[1]]
         assert len(layers) == n  # auto: the grouped GEMM, through ExpertStack.grouped_matmul
+
+
+def test_quantised_experts_laid_out_for_the_kernel_serve_the_same_tokens(monkeypatch):
+    """Q4_K experts (a model wide enough for the kernel layout: K = 256): `decode_weights` under
+    SUROJAX_MOE_GATHER_KERNEL=pallas, the choice forced as on a GPU, lays each expert stack out once
+    (LaidOutExperts), the layer scan hands it whole with the layer index, and the forced gathered form runs the
+    gathered quantised GEMV (interpret mode here) at that layer: the greedy tokens of the recomputation over the
+    native Q4_K blocks. Under auto the grouped GEMM dequantises the layer's layout: the same tokens."""
+    import pallas_kernels.gathered_gemv.api as gemv_api
+    from surojax.kernel_settings import use_kernel_settings
+    from surojax.quant.expert_layout import LaidOutExperts
+    from surojax.quant.laid_out import decode_weights
+    from surojax.quant.transform import quantize_kernel
+
+    hf = dict(QWEN3_MOE, hidden_size=256, moe_intermediate_size=256, head_dim=64, num_experts=4)
+    m = Decoder(ModelConfig.from_hf(hf), attention="xla", rngs=nnx.Rngs(3))
+    m.embed.embedding[...] = m.embed.embedding[...] * 8
+    for lin in (m.layers.mlp.experts.gate_up_proj, m.layers.mlp.experts.down_proj):
+        quantize_kernel(lin, "q4_k")
+    want = recompute_greedy(m, PROMPTS[1], 5)
+    calls = []
+    monkeypatch.setattr(gemv_api, "on_gpu", lambda: True)
+    kernel = gemv_api.gathered_quant_kernel
+    monkeypatch.setattr(gemv_api, "gathered_quant_kernel", lambda *a, **kw: calls.append(a[3]) or
+                        kernel(*a, **{**kw, "interpret": True}))
+    with use_kernel_settings(moe_gather_kernel="pallas"):
+        assert decode_weights(m, join_projections=False) == {"experts_in_place:q4_k": 2}
+        down = m.layers.mlp.experts.down_proj.kernel[...]
+        assert isinstance(down, LaidOutExperts) and down.data.shape[:2] == (2, 4)
+        with use_kernel_settings(moe_decode="gather"):
+            assert engine(m).generate([PROMPTS[1]], max_tokens=5) == [want]
+        assert calls  # the kernel ran, at a layer's base in the stack
+        n = len(calls)
+        assert engine(m).generate([PROMPTS[1]], max_tokens=5) == [want]
+        assert len(calls) == n  # auto on this tiny model: the grouped GEMM over the dequantised layout

@@ -95,12 +95,14 @@ class ExpertLinear(nnx.Module):
     def gathered(self, x: jax.Array, expert_ids: jax.Array) -> jax.Array:
         """The few-rows form: x [A, in] in any order, expert_ids [A] (each row's expert) -> [A, out], row a
         against expert_ids[a]'s kernel (gathered, quantised blocks included: only those experts' bytes are read;
-        or, SUROJAX_MOE_GATHER_KERNEL=pallas on a GPU, read in place by the gathered GEMV kernel) and bias; the same values as __call__ on the rows sorted by expert."""
-        w, layer = self.kernel[...], None
-        if getattr(w, "experts_in_place", False):  # a served layer stack read in place (surojax.quant.expert_stack)
-            w, layer = w.data, w.layer
-        # the kernel setting moe_gather_kernel: the gathered GEMV kernel for plain experts on a GPU under pallas
-        y = gathered_dot(x, w, expert_ids, layer=layer, kernel=kernel_settings().moe_gather_kernel.value)
+        or a served layer stack read in place by the gathered GEMV kernels: surojax.quant.expert_stack for plain
+        experts, surojax.quant.expert_layout for quantised ones) and bias; the same values as __call__ on the rows
+        sorted by expert. The kernel setting moe_gather_kernel picks the kernel or XLA."""
+        w, mode = self.kernel[...], kernel_settings().moe_gather_kernel.value
+        if getattr(w, "experts_in_place", False):  # the stack and this layer's index, read in place
+            y = w.gathered(x, expert_ids, mode)
+        else:
+            y = gathered_dot(x, w, expert_ids, kernel=mode)
         if self.bias is not None:
             y = y + jnp.take(self.bias[...], expert_ids, axis=0).astype(y.dtype)
         return y
