@@ -10,7 +10,8 @@ Two measurements, each under every path of --paths (the kernel setting SUROJAX_M
 `auto` picks the gather while rows x k <= E x GATHER_CROSSOVER; `gather_pallas` = the gather with
 SUROJAX_MOE_GATHER_KERNEL=pallas: the gathered GEMV kernel reads each routed expert in place, no gathered copy.
 Off a GPU the kernel setting is ignored, so there gather_pallas times the XLA gather again (--smoke checks that
-the path runs, not the kernel); the kernel takes plain experts only, so gather_pallas is skipped for --quant):
+the path runs, not the kernel). With a --quant format gather_pallas is an engine row only (the server lays the
+quantised expert stacks out for the gathered quantised GEMV; benchmarks/gathered_qgemv.py times that kernel):
 
   layer   --layers MoE layers of the shape (random weights, --dtype or a --quant expert format: random codes),
           applied in sequence (x += moe(x)) to R rows, one jitted call; µs per layer for each R in --rows. The
@@ -97,7 +98,7 @@ def layer_rows(a, cfg, fmt: str | None) -> list[dict]:
         seg = jnp.ones((R, 1), jnp.int32)
         # the kernel once per --gather-tiles entry (None: its default tiles)
         variants = [(p, t) for p in a.paths for t in (a.gather_tiles if p == "gather_pallas" else [None])
-                    if not (fmt and p == "gather_pallas")]  # the kernel takes plain experts only
+                    if not (fmt and p == "gather_pallas")]  # layer rows: the plain kernel only
         for path, tiles in variants:
             def run(state, x):
                 for m in nnx.merge(graphdef, state):
@@ -130,9 +131,7 @@ def engine_rows(a) -> list[dict]:
     """serve_load's engine mode at one user, once per path (a child process each; `gather` runs as auto)."""
     out = []
     for fmt in a.formats:
-        for path in a.paths:
-            if fmt and path == "gather_pallas":
-                continue
+        for path in a.paths:  # gather_pallas with a --quant format: the quantised experts laid out for its kernel
             cmd = [sys.executable, str(ROOT / "benchmarks/serve_load.py"), "--modes", "engine", "--users", "1",
                    "--rounds", "1", "--shape", a.shape, "--dtype", a.dtype, "--prompt-len", str(a.prompt_len),
                    "--max-tokens", str(a.max_tokens)] + (["--quant", fmt] if fmt else [])
