@@ -24,7 +24,9 @@ prologue (pallas_kernels/decode_prologue: qkv split, q/k norm, rope, the pool wr
 shapes, 1 and 8 rows, a 65,536-slot bf16 pool, for each of PROLOGUE_KNOBS. `dump-gathered` writes the gathered
 GEMV (pallas_kernels/gathered_gemv: MoE decode, each row times its routed expert read in place) at Qwen3-30B-A3B's
 expert shapes (gate_up [128, 2048, 1536], down [128, 768, 2048], bf16; an fp32 stack; a ragged [E, 1000, 700]),
-A = 8 rows (A sizes only the grid: the module is the same), for each of GATHERED_TILES. `compile` needs only `triton` (it imports nothing else from here); it
+A = 8 rows (A sizes only the grid: the module is the same), for each of GATHERED_TILES; `dump-gathered-quant` its
+quantised counterpart (gathered_gemv/quant_kernel.py) for each --formats entry and benchmarks/gathered_qgemv.py's
+variants. `compile` needs only `triton` (it imports nothing else from here); it
 also reports registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
 """
 from __future__ import annotations
@@ -295,6 +297,31 @@ def dump_gathered(out: str) -> None:
                       os.path.join(out, f"gathered_{name}_{tiles.label()}.ttir"))
 
 
+def dump_gathered_quant(out: str, formats: list[str]) -> None:
+    """The gathered quantised GEMV (pallas_kernels/gathered_gemv/quant_kernel.py) at Qwen3-30B-A3B's expert shapes,
+    A = 8, each variant of benchmarks/gathered_qgemv.py's defaults, for each format (a 2-layer stack)."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gathered_qgemv as bench
+
+    from pallas_kernels.gathered_gemv.quant_kernel import gathered_quant_kernel
+    from surojax.quant.random_weights import random_weight
+
+    os.makedirs(out, exist_ok=True)
+    with _h200_triton_writer() as write:
+        for fmt in formats:
+            for name, (k, n, e) in bench.SHAPES.items():
+                lw = bench.lay_out_stack(random_weight(fmt, k, n, jax.random.key(0), (2, e)))
+                for t in bench.parse_variants(bench.DEFAULT_VARIANTS):
+                    fn = jax.jit(lambda x, lw, ids, base, t=t, e=e: gathered_quant_kernel(x, lw, ids, base,
+                                                                                        num_experts=e, tiles=t))
+                    label = t.label().replace("-st", "-s")  # compile_all reads -w<warps>-s<stages>
+                    write(fn, (jnp.zeros((8, k), jnp.bfloat16), lw, jnp.zeros((8,), jnp.int32),
+                               jnp.zeros((1,), jnp.int32)), os.path.join(out, f"qgathered_{fmt}_{name}_{label}.ttir"))
+
+
 HEADS = {"qwen3-0.6b": (151936, 1024), "lfm2-1.2b": (65536, 2048), "gemma3-1b": (262144, 1152)}  # tied [V, D]
 
 
@@ -349,7 +376,7 @@ def compile_all(src: str) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("step", choices=("dump", "dump-paged", "dump-paged-merge", "dump-gdn", "dump-gemv", "dump-prologue", "dump-gathered",
-                                         "compile"))
+                                         "dump-gathered-quant", "compile"))
     p.add_argument("dir")
     p.add_argument("--formats", default="q4_k,q5_k,q6_k,q8_0,nf4,nvfp4,fp8")
     args = p.parse_args(argv)
@@ -367,6 +394,9 @@ def main(argv=None) -> int:
         return 0
     if args.step == "dump-gathered":
         dump_gathered(args.dir)
+        return 0
+    if args.step == "dump-gathered-quant":
+        dump_gathered_quant(args.dir, [f.strip() for f in args.formats.split(",") if f.strip()])
         return 0
     if args.step == "dump-paged":
         dump_paged(args.dir)

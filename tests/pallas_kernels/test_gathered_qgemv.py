@@ -71,3 +71,17 @@ def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="body"):
         gathered_quant_gemv(x, stack, jnp.zeros((2,), jnp.int32), num_experts=E, interpret=True,
                             tiles=QuantGatheredTiles(body="wmma"))
+
+
+def test_lowers_to_triton_for_an_h200():
+    """Both bodies, split and not, lower through Pallas' Triton lowering at Qwen3-30B-A3B's gate_up shape (the
+    offline sm_90 compile: benchmarks/triton_offline_check.py dump-gathered)."""
+    from tests.pallas_kernels.test_triton_lowering import TRITON, _lower
+    from pallas_kernels.gathered_gemv.quant_kernel import gathered_quant_kernel
+
+    w = random_weight("q4_k", 2048, 1536, jax.random.key(0), (2,))
+    lw = jax.vmap(lambda v: v.kernel_layout(128))(w)
+    x, ids = jnp.zeros((8, 2048), jnp.bfloat16), jnp.zeros((8,), jnp.int32)
+    for tiles in (QuantGatheredTiles(), QuantGatheredTiles(bn=128, splits=1, body="dot", num_warps=8)):
+        fn = lambda x, lw, ids, base: gathered_quant_kernel(x, lw, ids, base, num_experts=2, tiles=tiles)  # noqa: E731
+        assert TRITON in _lower(fn, x, lw, ids, jnp.zeros((1,), jnp.int32))
