@@ -23,6 +23,11 @@ environment): auto | pallas | xla.
 `converts(mode)` says whether a server should lay its plain weights out transposed for the kernel at load
 (surojax.quant.gemv_weight); `choose(m, mode)` which path a call of m rows takes.
 
+Quantised weights (quant_kernel.py: `QuantRows`, decoded in registers, the same fused forms, the FMA body up to
+MAX_ROWS rows): `decode_gemv_quant`; `quant_converts(mode)` whether a server lays its quantised Linear weights out
+for it (surojax.quant.gemv_quant; pallas, and auto once QUANT_AUTO is measured: until then auto keeps the fused
+GEMM's decode form, pallas_kernels.quant_matmul), `quant_choose(m, mode)` which path a call takes.
+
 Tiles: `tiles_for(n_out, k, m)` -- below DOT_FROM_M rows TUNED_TILES[(n_out, k)] where the benchmark found better
 ones, else the default: bn such that the grid has about MIN_PROGRAMS programs (two per SM of an H100 / H200: the
 weight is read by every SM), bk so that a weight tile holds TILE_VALUES values (registers: bn x bk / (32
@@ -38,6 +43,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.decode_gemv.dot_kernel import MIN_DOT_BN, padded_rows
 from pallas_kernels.decode_gemv.kernel import MAX_DOT_ROWS, MAX_ROWS, MIN_BN, GemvTiles, fit, gemv, shape_error
+from pallas_kernels.decode_gemv.quant_kernel import MIN_QUANT_BN, QuantRows, quant_gemv
+from pallas_kernels.decode_gemv.quant_kernel import layout_error as quant_layout_error
 
 MODES = ("auto", "pallas", "xla")
 AUTO_MAX_M = 8           # auto takes the kernel (FMA body) for M <= this on a GPU (measured: the docstring)
@@ -48,6 +55,8 @@ TILE_VALUES = 4096
 DOT_BK = 128
 TUNED_TILES: dict[tuple[int, int], GemvTiles] = {}
 TUNED_DOT_TILES: dict[tuple[int, int, int], GemvTiles] = {}  # (N_out, K, M_pad) -> tiles with dot=True
+QUANT_AUTO = False       # auto lays quantised weights out for quant_kernel.py once it is measured faster on a GPU
+QUANT_BK = 512           # the quantised layout's K block at most (quant_kernel.QuantRows.bk; `quant_bk`)
 
 
 def on_gpu() -> bool:
@@ -143,6 +152,70 @@ def decode_gemv(x: jax.Array, wt: jax.Array, *, layer: jax.Array | int | None = 
     return y.reshape(*lead, n_out)
 
 
+def quant_converts(mode: str = "auto") -> bool:
+    """Whether a server should lay its quantised Linear weights out as QuantRows for the quantised decode GEMV
+    (quant_kernel.py) under `mode`: pallas (a GPU, or interpret mode for tests), auto once QUANT_AUTO is measured."""
+    _check_mode(mode)
+    return mode == "pallas" or (mode == "auto" and on_gpu() and QUANT_AUTO)
+
+
+def quant_choose(m: int, mode: str = "auto") -> str:
+    """'pallas' or 'xla' for a call of m rows on a QuantRows weight under `mode` (the FMA body: m <= MAX_ROWS)."""
+    return "pallas" if m <= MAX_ROWS and quant_converts(mode) else "xla"
+
+
+def quant_bk(spec, k: int) -> int | None:
+    """The K block of a quantised layout of rows of k values: the largest power of 2 <= QUANT_BK that the format's
+    blocks and k allow (a [bn, bk/2] code tile per half and step), None when none does."""
+    bk = QUANT_BK
+    while bk >= 32:
+        if quant_layout_error(spec, k, bk) is None:
+            return bk
+        bk //= 2
+    return None
+
+
+def quant_bn(n_out: int) -> int:
+    """Output columns per program: about MIN_PROGRAMS programs (the weight read by every SM), 64 at most."""
+    bn = MIN_QUANT_BN
+    while bn < 64 and n_out // (2 * bn) >= MIN_PROGRAMS and n_out % (2 * bn) == 0:
+        bn *= 2
+    return bn
+
+
+def quant_weight_error(n: int, gated: bool = False) -> str | None:
+    """Why rows of a weight [N, ·] cannot take the quantised kernel (None: they can)."""
+    n_out = n // 2 if gated else n
+    if (gated and n % 2) or n_out % MIN_QUANT_BN:
+        return f"quantised decode GEMV: the output width {n_out} is not a multiple of {MIN_QUANT_BN}"
+    return None
+
+
+def decode_gemv_quant(x: jax.Array, w: QuantRows, *, n: int, layer: jax.Array | int = 0,
+                      norm_weight: jax.Array | None = None, norm_layer: jax.Array | int | None = None,
+                      norm: str | None = None, eps: float = 1e-6, activation: str | None = None,
+                      residual: jax.Array | None = None, bn: int | None = None, interpret: bool | None = None,
+                      out_dtype=None) -> jax.Array:
+    """x [..., K] -> [..., N_out] by the quantised kernel: w QuantRows of n rows per layer (R = n, or L n read at
+    `layer`), the fused forms as decode_gemv's. ValueError naming what does not fit."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    m = 1
+    for d in lead:
+        m *= d
+    n_out = n // 2 if activation is not None else n
+    err = quant_weight_error(n, activation is not None)
+    if err:
+        raise ValueError(err)
+    if residual is not None:
+        residual = residual.reshape(m, n_out)
+    y = quant_gemv(x.reshape(m, k), w, jnp.asarray(layer, jnp.int32), norm_weight, residual,
+                   None if norm_layer is None else jnp.asarray(norm_layer, jnp.int32), n=n, bn=bn or quant_bn(n_out),
+                   norm=norm, eps=eps, activation=activation,
+                   interpret=(not on_gpu()) if interpret is None else interpret, out_dtype=out_dtype)
+    return y.reshape(*lead, n_out)
+
+
 __all__ = ["AUTO_DOT_MAX_M", "AUTO_MAX_M", "DOT_FROM_M", "MAX_DOT_ROWS", "MAX_ROWS", "MODES", "TUNED_DOT_TILES",
-           "TUNED_TILES", "GemvTiles", "choose", "converts", "decode_gemv", "dot_tiles_for", "on_gpu", "tiles_for",
-           "weight_error"]
+           "TUNED_TILES", "GemvTiles", "QUANT_BK", "QuantRows", "choose", "converts", "decode_gemv",
+           "decode_gemv_quant", "dot_tiles_for", "on_gpu", "quant_bk", "quant_bn", "quant_choose", "quant_converts",
+           "quant_weight_error", "tiles_for", "weight_error"]

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_kernels.decode_gemv.api import converts as gemv_converts
+from pallas_kernels.decode_gemv.api import quant_converts as quant_converts_gemv
 from pallas_kernels.decode_gemv.api import weight_error as gemv_weight_error
 from pallas_kernels.gathered_gemv.api import converts as gathered_converts
 from pallas_kernels.gathered_gemv.api import quant_converts
@@ -53,6 +54,7 @@ from surojax.models.layers.stacked_vector import StackedVector
 from surojax.quant.base import FORMATS, QuantFormat
 from surojax.quant.expert_layout import LaidOutExperts
 from surojax.quant.expert_stack import ExpertStack
+from surojax.quant.gemv_quant import GemvQuant
 from surojax.quant.gemv_weight import GemvWeight
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
@@ -317,6 +319,20 @@ def transpose_for_gemv(model) -> dict[str, int]:
     return dict(done)
 
 
+def quant_for_gemv(model) -> dict[str, int]:
+    """Convert, in place, every quantised Linear kernel of the decoder's layer stacks that the quantised decode GEMV
+    takes (a format with a kernel decoding, one stacked layers axis, a K it can block; not a per-layer mix) into a
+    GemvQuant (surojax.quant.gemv_quant). -> {"gemv_q:<format>": kernels converted}."""
+    done: collections.Counter[str] = collections.Counter()
+    for module in _stack_modules(model):
+        var = getattr(module, "kernel", None) if isinstance(module, Linear) else None
+        if isinstance(var, nnx.Param) and isinstance(w := var.get_value(), QuantFormat) \
+                and GemvQuant.error(w) is None:
+            module.kernel = QuantParam(GemvQuant.from_weight(w), **var.get_metadata())
+            done[f"gemv_q:{w.name}"] += 1
+    return dict(done)
+
+
 def norms_in_place(model) -> dict[str, int]:
     """Convert, in place, every RMSNorm scale [L, D] of the decoder's layer stacks into a StackedVector
     (surojax.models.layers.stacked_vector) that the layer scan hands over whole: the decode kernels read their
@@ -359,6 +375,8 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
       embedding, already [V, D]) is marked for it (`Decoder.head_gemv`) and the stacks' norm scales become
       StackedVectors its prologue reads in place (`norms_in_place`); what follows then takes only the quantised
       ones;
+    - where it resolves to the quantised decode GEMV (pallas_kernels.decode_gemv.api.quant_converts), the quantised
+      Linear kernels it takes become GemvQuants (`quant_for_gemv`), with the same fusions; the rest go on below;
     - the Linear kernels whose decode GEMVs take the fused kernel go into its layout: the layouts and sizes
       `decode_layouts()` names (SUROJAX_QUANT_MATMUL: under auto on a GPU those with a measured crossover
       DECODE_MAX_M, weights of DECODE_MIN_VALUES values or more);
@@ -371,6 +389,8 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
     Idempotent. -> {layout: kernels converted}."""
     settings = kernel_settings()
     done = {**transpose_for_gemv(model), **norms_in_place(model)} if gemv_converts(settings.decode_gemv.value) else {}
+    if quant_converts_gemv(settings.decode_gemv.value):
+        done.update(quant_for_gemv(model))
     if gemv_converts(settings.decode_gemv.value) and getattr(model, "lm_head", True) is None \
             and hasattr(model, "head_gemv"):
         model.head_gemv = True  # the tied head [V, D] is the kernel's layout as it is (Decoder.logits)
@@ -391,4 +411,4 @@ def decode_weights(model, join_projections: bool = True) -> dict[str, int]:
 
 __all__ = ["GEMV_DTYPES", "LaidOut", "LaidOutMixed", "decode_weights", "experts_in_place", "lay_out", "lay_out_mixed",
            "lay_out_model", "norms_in_place",
-           "transpose_for_gemv"]
+           "quant_for_gemv", "transpose_for_gemv"]

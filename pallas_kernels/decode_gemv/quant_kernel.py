@@ -1,0 +1,238 @@
+"""The decode GEMV on a quantised weight: y [M, N] = x [M, K] @ decode(W)^T for a few rows (M <= MAX_ROWS), W kept
+quantised in a transposed layout ([N, K]-major, K contiguous, `QuantRows`) and decoded in registers, with the
+same fused prologue / gated product / residual as the plain kernel (kernel.py, whose FMA body this follows).
+
+    QuantRows  codes [R, K/2] uint8 (4-bit codes, two to a byte) or [R, K] (byte codes), R = N (or L N: a layer
+               stack read in place at `layer`); per block of `bk` K values the 4-bit codes are half-split: byte c
+               of block t holds value t bk + c in its low nibble and t bk + bk/2 + c in its high nibble, so a
+               [bn, bk/2] byte tile unpacks into the two contiguous halves of the block (no interleave)
+               scale [R, K/G] float32 (one per G values of a row: the format's block), offset the same (formats
+               that subtract one) or None; spec (pallas_kernels.quant_matmul.layout.LayoutSpec: the decode)
+    grid (N_out / bn,)   program j owns output columns [j bn, (j+1) bn) of every row
+    loop over K blocks t of bk values: per half (one for byte codes) load the [bn, bk/2] code tile and its
+               [bn, bk/2G] scales (and offsets), decode w = decode(code) * scale (- offset) in fp32, round to x's
+               dtype (the XLA path multiplies the weight dequantised to x's dtype), and for each row
+               acc_i [bn] += sum_k w * x_i[k] in fp32
+
+Bytes: Q4_K's layout is 0.5 + 8 / 32 = 0.75 bytes a value (fp32 scale and offset per 32 values) against bf16's 2:
+the one-row product reads ~2.7x fewer bytes, one launch per linear (the split-K fused GEMM's decode form launches
+a pad and a partial-sum kernel beside it). Math: the plain kernel's (reference.py) on the decoded weight, whose
+values equal the format's own `dequantize` bit for bit (the layout's contract).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.decode_gemv.fused_ops import finish, normalise, operands
+from pallas_kernels.decode_gemv.kernel import ACTIVATIONS, MAX_ROWS, NORMS
+from pallas_kernels.quant_matmul.layout import LayoutSpec
+
+MIN_QUANT_BN = 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantRows:
+    """A quantised weight in the decode GEMV's layout (module docstring). k: the values per row; bk: the K block
+    (of the half-split, and the kernel's loop step)."""
+
+    codes: jax.Array
+    scale: jax.Array | None
+    offset: jax.Array | None
+    spec: LayoutSpec = dataclasses.field(metadata={"static": True})
+    k: int = dataclasses.field(metadata={"static": True})
+    bk: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+
+def layout_error(spec: LayoutSpec, k: int, bk: int) -> str | None:
+    """Why rows of k values of `spec` cannot be laid out with K block bk (None: they can)."""
+    g = spec.group or 1
+    half = bk // 2 if spec.nibble else bk
+    if bk & (bk - 1) or bk < 32 or half % g or (half // g) & (half // g - 1):
+        return (f"{spec.name}: K block bk={bk} must be a power of 2 >= 32 whose {'half' if spec.nibble else 'block'} "
+                f"holds a power-of-2 number of the format's blocks of {g}")
+    if k % bk:
+        return f"{spec.name}: K={k} (the input dim) must be a multiple of the K block bk={bk}"
+    return None
+
+
+def pack_rows(spec: LayoutSpec, codes_nk: jax.Array, scale_nk: jax.Array | None, offset_nk: jax.Array | None,
+              bk: int) -> QuantRows:
+    """A format's values in its row layout (codes [..., N, K], one code per value; scale / offset [..., N, K/G]
+    float32: `QuantFormat.kernel_values`) -> QuantRows with the leading axes kept (jnp, jit-able)."""
+    k = codes_nk.shape[-1]
+    err = layout_error(spec, k, bk)
+    if err:
+        raise ValueError(err)
+    codes = codes_nk
+    if spec.nibble:
+        c = codes_nk.astype(jnp.uint8).reshape(*codes_nk.shape[:-1], k // bk, 2, bk // 2)
+        codes = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*codes_nk.shape[:-1], k // 2)
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+    return QuantRows(codes=codes, scale=f32(scale_nk) if spec.group else None, offset=f32(offset_nk), spec=spec,
+                     k=k, bk=bk)
+
+
+def unpack_rows(w: QuantRows) -> jax.Array:
+    """QuantRows (arrays [..., R, ·]) -> float32 [..., R, K]: decode(code) * scale (- offset), the kernel's values."""
+    spec, k, bk = w.spec, w.k, w.bk
+    codes = w.codes
+    if spec.nibble:
+        c = codes.reshape(*codes.shape[:-1], k // bk, 1, bk // 2)
+        codes = jnp.concatenate([c & 0x0F, c >> 4], axis=-2).reshape(*codes.shape[:-1], k)
+    v = spec.decode(codes)
+    if not spec.group:
+        return v
+    rep = lambda a: jnp.repeat(a, spec.group, axis=-1)  # noqa: E731
+    v = v * rep(w.scale)
+    return v - rep(w.offset) if spec.has_offset else v
+
+
+def _expand(s: jax.Array, bn: int, width: int, group: int) -> jax.Array:
+    """Scales of a tile [bn, width / group] -> one per value [bn, width]."""
+    r = width // group
+    if r == 1:
+        return jnp.broadcast_to(s, (bn, width))
+    return jnp.broadcast_to(s[:, :, None], (bn, r, group)).reshape(bn, width)
+
+
+def _decoded(q_ref, s_ref, o_ref, row0, t, *, spec: LayoutSpec, bn: int, bk: int, dt):
+    """The weight rows [row0, row0 + bn) on K block t: [(w [bn, width] fp32 holding dt values, first K column)]."""
+    f32 = jnp.float32
+    width = bk // 2 if spec.nibble else bk
+    rows = pl.ds(row0, bn)
+    if spec.nibble:
+        byte = q_ref[rows, pl.ds(pl.multiple_of(t * width, width), width)]
+        codes = (byte & 0x0F, byte >> 4)
+    else:
+        codes = (q_ref[rows, pl.ds(pl.multiple_of(t * bk, bk), bk)],)
+    out = []
+    for h, code in enumerate(codes):
+        k0 = t * bk + h * width
+        w = spec.decode(code)
+        if spec.group:
+            g = spec.group
+            cols = pl.ds(t * (bk // g) + h * (width // g), width // g)
+            w = w * _expand(s_ref[rows, cols], bn, width, g)
+            if spec.has_offset:
+                w = w - _expand(o_ref[rows, cols], bn, width, g)
+        out.append((w.astype(dt).astype(f32), k0))
+    return out
+
+
+def _qgemv_kernel(layer_ref, x_ref, q_ref, *refs, spec: LayoutSpec, m: int, n: int, half: int, bn: int, bk: int,
+                  n_k: int, norm: str | None, eps: float, activation: str | None, residual: bool,
+                  round_output: bool):
+    """One program: output columns [j bn, (j+1) bn) of the M rows. n: the weight's rows per layer; half: the up
+    rows' offset in a gated weight (0: not gated)."""
+    refs = list(refs)
+    s_ref = refs.pop(0) if spec.group else None
+    o_ref = refs.pop(0) if spec.has_offset else None
+    k_total = n_k * bk
+    nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=k_total)
+    dt = x_ref.dtype
+    f32 = jnp.float32
+    j = pl.program_id(0)
+    row0 = layer_ref[0] * n + j * bn
+    width = bk // 2 if spec.nibble else bk
+
+    rstd = [None] * m
+    if norm:  # each row's 1 / rms over the whole K (x is a few KB: every program recomputes it)
+        def sum_sq(t, sums):
+            cols = pl.ds(pl.multiple_of(t * bk, bk), bk)
+            return tuple(s + jnp.sum(jnp.square(x_ref[i, cols].astype(f32))) for i, s in enumerate(sums))
+
+        sums = jax.lax.fori_loop(0, n_k, sum_sq, tuple(jnp.zeros((), f32) for _ in range(m)))
+        rstd = [jax.lax.rsqrt(s / k_total + eps) for s in sums]
+
+    gated = half > 0
+    kw = dict(spec=spec, bn=bn, bk=bk, dt=dt)
+
+    def step(t, accs):
+        parts = _decoded(q_ref, s_ref, o_ref, row0, t, **kw)
+        parts_up = _decoded(q_ref, s_ref, o_ref, row0 + half, t, **kw) if gated else [None] * len(parts)
+        accs = list(accs)
+        for h, ((w, k0), up) in enumerate(zip(parts, parts_up)):
+            cols = pl.ds(pl.multiple_of(k0, width), width)
+            nw_t = nw(2 * t + h if spec.nibble else t, width) if norm else None
+            for i in range(m):
+                x = x_ref[i, cols]
+                if norm:
+                    x = normalise(x, rstd[i], nw_t, norm, dt)
+                x = x.astype(f32)[None, :]
+                a = i * (2 if gated else 1)
+                accs[a] = accs[a] + jnp.sum(w * x, axis=1)
+                if gated:
+                    accs[a + 1] = accs[a + 1] + jnp.sum(up[0] * x, axis=1)
+        return tuple(accs)
+
+    per_row = 2 if gated else 1
+    accs = jax.lax.fori_loop(0, n_k, step, tuple(jnp.zeros((bn,), f32) for _ in range(m * per_row)))
+    out_cols = pl.ds(j * bn, bn)
+    for i in range(m):
+        y = finish(accs[i * per_row], accs[i * per_row + 1] if gated else None,
+                   r_ref[i, out_cols] if residual else None, activation=activation, dt=dt, round_output=round_output)
+        y_ref[i, out_cols] = y.astype(y_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "bn", "num_warps", "num_stages", "norm", "eps", "activation",
+                                             "interpret", "out_dtype"))
+def quant_gemv(x: jax.Array, w: QuantRows, layer: jax.Array, norm_weight: jax.Array | None = None,
+               residual: jax.Array | None = None, norm_row: jax.Array | None = None, *, n: int, bn: int,
+               num_warps: int = 4, num_stages: int = 3, norm: str | None = None, eps: float = 1e-6,
+               activation: str | None = None, interpret: bool = False, out_dtype=None) -> jax.Array:
+    """y [M, N_out] in x's dtype (out_dtype float32: a plain GEMV's fp32 sums unrounded). x [M, K], M <= MAX_ROWS;
+    w QuantRows of R rows holding layer `layer` ([1] int32) in rows [layer n, (layer + 1) n); norm_weight [K] (or
+    [R', K] at `norm_row`), residual [M, N_out], activation (a joined [gate; up] weight: N_out = n / 2) as
+    kernel.gemv takes them. bn: output columns per program (a power of 2 >= MIN_QUANT_BN dividing N_out)."""
+    m, k = x.shape
+    spec = w.spec
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"quantised decode GEMV: {m} rows, the kernel takes 1..{MAX_ROWS}")
+    if w.k != k or w.rows % n:
+        raise ValueError(f"quantised decode GEMV: x [{m}, {k}] against {w.rows} rows of K={w.k} ({n} per layer)")
+    err = layout_error(spec, k, w.bk)
+    if err:
+        raise ValueError(f"quantised decode GEMV: {err}")
+    if norm is not None and norm not in NORMS:
+        raise ValueError(f"quantised decode GEMV: norm {norm!r}, expected one of {NORMS}")
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"quantised decode GEMV: activation {activation!r}, expected one of {ACTIVATIONS}")
+    if (norm is None) != (norm_weight is None):
+        raise ValueError("quantised decode GEMV: norm and norm_weight come together")
+    gated = activation is not None
+    n_out = n // 2 if gated else n
+    if bn < MIN_QUANT_BN or bn & (bn - 1) or n_out % bn:
+        raise ValueError(f"quantised decode GEMV: bn={bn} must be a power of 2 >= {MIN_QUANT_BN} dividing the "
+                         f"output width {n_out}")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if out_dtype != x.dtype and (out_dtype != jnp.float32 or gated or residual is not None):
+        raise ValueError(f"quantised decode GEMV: out_dtype {out_dtype.name}: only float32, for a plain GEMV")
+    if residual is not None and residual.shape != (m, n_out):
+        raise ValueError(f"quantised decode GEMV: residual {residual.shape}, expected {(m, n_out)}")
+    kernel = functools.partial(_qgemv_kernel, spec=spec, m=m, n=n, half=n_out if gated else 0, bn=bn, bk=w.bk,
+                               n_k=k // w.bk, norm=norm, eps=float(eps), activation=activation,
+                               residual=residual is not None, round_output=out_dtype == x.dtype)
+    args = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w.codes]
+    args += ([w.scale] if spec.group else []) + ([w.offset] if spec.has_offset else [])
+    if norm is not None:
+        args += [norm_weight.reshape(-1), jnp.reshape(0 if norm_row is None else norm_row, (1,)).astype(jnp.int32)]
+    args += [residual] if residual is not None else []
+    params = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    name = f"decode_qgemv_{spec.name}" + (f"_{norm}" if norm else "") + (f"_{activation}" if gated else "") + \
+        ("_res" if residual is not None else "")
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype), grid=(n_out // bn,),
+                          compiler_params=params, interpret=interpret, name=name)(*args)
+
+
+__all__ = ["MIN_QUANT_BN", "QuantRows", "layout_error", "pack_rows", "quant_gemv", "unpack_rows"]
