@@ -26,7 +26,8 @@ GEMV (pallas_kernels/gathered_gemv: MoE decode, each row times its routed expert
 expert shapes (gate_up [128, 2048, 1536], down [128, 768, 2048], bf16; an fp32 stack; a ragged [E, 1000, 700]),
 A = 8 rows (A sizes only the grid: the module is the same), for each of GATHERED_TILES; `dump-gathered-quant` its
 quantised counterpart (gathered_gemv/quant_kernel.py) for each --formats entry and benchmarks/gathered_qgemv.py's
-variants. `compile` needs only `triton` (it imports nothing else from here); it
+variants; `dump-gemv-quant` the quantised decode GEMV (decode_gemv/quant_kernel.py) at benchmarks/decode_qgemv.py's
+linears. `compile` needs only `triton` (it imports nothing else from here); it
 also reports registers per thread (the bundled `ptxas -v`), which bound how many programs an SM holds.
 """
 from __future__ import annotations
@@ -322,6 +323,37 @@ def dump_gathered_quant(out: str, formats: list[str]) -> None:
                                jnp.zeros((1,), jnp.int32)), os.path.join(out, f"qgathered_{fmt}_{name}_{label}.ttir"))
 
 
+def dump_gemv_quant(out: str, formats: list[str]) -> None:
+    """The quantised decode GEMV (pallas_kernels/decode_gemv/quant_kernel.py) at the Qwen3-0.6B and Qwen3-8B linears
+    of benchmarks/decode_qgemv.py (their fused forms), one row, bn 4 / 8 / 16, 4 and 8 warps, for each format."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import decode_qgemv as bench
+
+    from pallas_kernels.decode_gemv.api import decode_gemv_quant
+    from surojax.quant.random_weights import random_weight
+
+    os.makedirs(out, exist_ok=True)
+    with _h200_triton_writer() as write:
+        for fmt in formats:
+            for shape in ("qwen3-0.6b", "qwen3-8b"):
+                for name, (k, n, form) in bench.linears(shape).items():
+                    rows = bench.stack_rows(random_weight(fmt, k, n, jax.random.key(0), (2,)))
+                    n_out = n // 2 if form.get("activation") else n
+                    nw = jnp.zeros((k,), jnp.bfloat16) if form.get("norm") else None
+                    r = jnp.zeros((1, n_out), jnp.bfloat16) if form.get("residual") else None
+                    for bn in (4, 8, 16):
+                        for warps in (4, 8):
+                            fn = jax.jit(lambda x, rows, nw, r, bn=bn, warps=warps, n=n, form=form: decode_gemv_quant(
+                                x, rows, n=n, layer=1, norm_weight=nw, norm=form.get("norm"),
+                                activation=form.get("activation"), residual=r, bn=bn, num_warps=warps,
+                                interpret=False))
+                            write(fn, (jnp.zeros((1, k), jnp.bfloat16), rows, nw, r),
+                                  os.path.join(out, f"qgemv_{fmt}_{shape}_{name}_bn{bn}-w{warps}-s3.ttir"))
+
+
 HEADS = {"qwen3-0.6b": (151936, 1024), "lfm2-1.2b": (65536, 2048), "gemma3-1b": (262144, 1152)}  # tied [V, D]
 
 
@@ -376,7 +408,7 @@ def compile_all(src: str) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("step", choices=("dump", "dump-paged", "dump-paged-merge", "dump-gdn", "dump-gemv", "dump-prologue", "dump-gathered",
-                                         "dump-gathered-quant", "compile"))
+                                         "dump-gathered-quant", "dump-gemv-quant", "compile"))
     p.add_argument("dir")
     p.add_argument("--formats", default="q4_k,q5_k,q6_k,q8_0,nf4,nvfp4,fp8")
     args = p.parse_args(argv)
@@ -394,6 +426,9 @@ def main(argv=None) -> int:
         return 0
     if args.step == "dump-gathered":
         dump_gathered(args.dir)
+        return 0
+    if args.step == "dump-gemv-quant":
+        dump_gemv_quant(args.dir, [f.strip() for f in args.formats.split(",") if f.strip()])
         return 0
     if args.step == "dump-gathered-quant":
         dump_gathered_quant(args.dir, [f.strip() for f in args.formats.split(",") if f.strip()])

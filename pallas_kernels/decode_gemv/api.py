@@ -194,8 +194,8 @@ def quant_weight_error(n: int, gated: bool = False) -> str | None:
 def decode_gemv_quant(x: jax.Array, w: QuantRows, *, n: int, layer: jax.Array | int = 0,
                       norm_weight: jax.Array | None = None, norm_layer: jax.Array | int | None = None,
                       norm: str | None = None, eps: float = 1e-6, activation: str | None = None,
-                      residual: jax.Array | None = None, bn: int | None = None, interpret: bool | None = None,
-                      out_dtype=None) -> jax.Array:
+                      residual: jax.Array | None = None, bn: int | None = None, num_warps: int = 4,
+                      interpret: bool | None = None, out_dtype=None) -> jax.Array:
     """x [..., K] -> [..., N_out] by the quantised kernel: w QuantRows of n rows per layer (R = n, or L n read at
     `layer`), the fused forms as decode_gemv's. ValueError naming what does not fit."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -210,7 +210,7 @@ def decode_gemv_quant(x: jax.Array, w: QuantRows, *, n: int, layer: jax.Array | 
         residual = residual.reshape(m, n_out)
     y = quant_gemv(x.reshape(m, k), w, jnp.asarray(layer, jnp.int32), norm_weight, residual,
                    None if norm_layer is None else jnp.asarray(norm_layer, jnp.int32), n=n, bn=bn or quant_bn(n_out),
-                   norm=norm, eps=eps, activation=activation,
+                   num_warps=num_warps, norm=norm, eps=eps, activation=activation,
                    interpret=(not on_gpu()) if interpret is None else interpret, out_dtype=out_dtype)
     return y.reshape(*lead, n_out)
 

@@ -90,3 +90,16 @@ def test_served_q4_k_through_the_quantised_decode_gemv_equals_xla(monkeypatch):
     assert {c[1:] for c in calls} == {(512, "plain", None, False), (256, None, None, True),
                                       (1024, "plain", "silu", False), (256, None, None, True)}
     assert max(int(np.prod(c[0][:-1])) for c in calls) <= 8
+
+
+def test_lowers_to_triton_for_an_h200():
+    """The fused forms lower through Pallas' Triton lowering at a Qwen3-0.6B linear (the offline sm_90 compile of
+    every shape: benchmarks/triton_offline_check.py dump-gemv-quant)."""
+    from tests.pallas_kernels.test_triton_lowering import TRITON, _lower
+
+    w = random_weight("q4_k", 1024, 6144, jax.random.key(0), (2,))
+    rows = jax.vmap(lambda v: pack_rows(v.kernel_spec, *v.kernel_values(), 512))(w)
+    rows = jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), rows)
+    fn = lambda x, rows, nw: decode_gemv_quant(x, rows, n=6144, layer=1, norm_weight=nw, norm="plain",  # noqa: E731
+                                               activation="silu", interpret=False)
+    assert TRITON in _lower(fn, jnp.zeros((1, 1024), jnp.bfloat16), rows, jnp.zeros((1024,), jnp.bfloat16))
