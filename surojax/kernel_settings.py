@@ -40,7 +40,10 @@
                                                                    body above 8); auto = the kernel on a GPU up to 8
                                                                    rows (one user 1.40x XLA, measured on an H100)
                                                                    and its dot body up to 64 (Qwen3-8B at 16 / 64
-                                                                   users 1.56x / 1.38x XLA: api.AUTO_DOT_MAX_M)
+                                                                   users 1.56x / 1.38x XLA: api.AUTO_DOT_MAX_M).
+                                                                   pallas also lays quantised linears out for the
+                                                                   quantised decode GEMV (quant/gemv_quant: <= 8
+                                                                   rows, the same fusions); auto: not until measured
     decode_prologue  SUROJAX_DECODE_PROLOGUE  auto | pallas | xla  models/layers/attention: a decode call (one token per
                                                                    row, <= 8 rows) over the serving pool runs qkv's
                                                                    split, the q / k norms, rope and the k / v write into
@@ -108,7 +111,7 @@ class MoeGatherKernel(enum.StrEnum):
 
 class DecodeGemv(enum.StrEnum):
     AUTO = "auto"      # the kernel where measured faster on a GPU (pallas_kernels/decode_gemv/api.py AUTO_MAX_M)
-    PALLAS = "pallas"  # the kernel for every decode call of <= 8 rows (interpret mode off a GPU)
+    PALLAS = "pallas"  # the kernels for every decode call they take, quantised linears too (interpret mode off a GPU)
     XLA = "xla"        # the weights stay [K, N], XLA's GEMV
 
 
