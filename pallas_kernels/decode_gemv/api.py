@@ -24,7 +24,7 @@ environment): auto | pallas | xla.
 (surojax.quant.gemv_weight); `choose(m, mode)` which path a call of m rows takes.
 
 Quantised weights (quant_kernel.py: `QuantRows`, decoded in registers, the same fused forms, the FMA body up to
-MAX_ROWS rows): `decode_gemv_quant`; `quant_converts(mode)` whether a server lays its quantised Linear weights out
+MAX_ROWS rows and a tensor-core body up to MAX_DOT_ROWS): `decode_gemv_quant`; `quant_converts(mode)` whether a server lays its quantised Linear weights out
 for it (surojax.quant.gemv_quant; pallas, and auto once QUANT_AUTO is measured: until then auto keeps the fused
 GEMM's decode form, pallas_kernels.quant_matmul), `quant_choose(m, mode)` which path a call takes.
 
@@ -160,8 +160,8 @@ def quant_converts(mode: str = "auto") -> bool:
 
 
 def quant_choose(m: int, mode: str = "auto") -> str:
-    """'pallas' or 'xla' for a call of m rows on a QuantRows weight under `mode` (the FMA body: m <= MAX_ROWS)."""
-    return "pallas" if m <= MAX_ROWS and quant_converts(mode) else "xla"
+    """'pallas' or 'xla' for a call of m rows on a QuantRows weight under `mode` (m <= MAX_DOT_ROWS)."""
+    return "pallas" if m <= MAX_DOT_ROWS and quant_converts(mode) else "xla"
 
 
 def quant_bk(spec, k: int) -> int | None:
@@ -175,27 +175,37 @@ def quant_bk(spec, k: int) -> int | None:
     return None
 
 
-def quant_bn(n_out: int) -> int:
-    """Output columns per program: about MIN_PROGRAMS programs (the weight read by every SM), 64 at most."""
+def quant_bn(n_out: int, m: int = 1, gated: bool = False) -> int:
+    """Output columns per program. FMA body (m <= MAX_ROWS): about MIN_PROGRAMS programs (the weight read by every
+    SM), 64 at most. Tensor-core body: 32 where that leaves MIN_PROGRAMS / 2 programs or the weight is gated, else
+    16 (compiled offline for sm_90: a gated weight at bn 16 spills its decoded tiles, bn 32 does not)."""
+    if m > MAX_ROWS:
+        return 32 if n_out % 32 == 0 and (gated or n_out // 32 >= MIN_PROGRAMS // 2) else MIN_DOT_BN
     bn = MIN_QUANT_BN
     while bn < 64 and n_out // (2 * bn) >= MIN_PROGRAMS and n_out % (2 * bn) == 0:
         bn *= 2
     return bn
 
 
+def quant_launch(m: int) -> tuple[int, int]:
+    """(num_warps, num_stages): the FMA body 4 / 3; the tensor-core body 4 warps up to 16 rows, 8 above, 2 stages
+    (spill-free and within shared memory at the Qwen3-0.6B / 8B linears, benchmarks/triton_offline_check.py)."""
+    return (4, 3) if m <= MAX_ROWS else (4 if padded_rows(m) <= 16 else 8, 2)
+
+
 def quant_weight_error(n: int, gated: bool = False) -> str | None:
-    """Why rows of a weight [N, ·] cannot take the quantised kernel (None: they can)."""
+    """Why rows of a weight [N, ·] cannot take the quantised kernel at every row count (None: they can)."""
     n_out = n // 2 if gated else n
-    if (gated and n % 2) or n_out % MIN_QUANT_BN:
-        return f"quantised decode GEMV: the output width {n_out} is not a multiple of {MIN_QUANT_BN}"
+    if (gated and n % 2) or n_out % MIN_DOT_BN:
+        return f"quantised decode GEMV: the output width {n_out} is not a multiple of {MIN_DOT_BN}"
     return None
 
 
 def decode_gemv_quant(x: jax.Array, w: QuantRows, *, n: int, layer: jax.Array | int = 0,
                       norm_weight: jax.Array | None = None, norm_layer: jax.Array | int | None = None,
                       norm: str | None = None, eps: float = 1e-6, activation: str | None = None,
-                      residual: jax.Array | None = None, bn: int | None = None, num_warps: int = 4,
-                      interpret: bool | None = None, out_dtype=None) -> jax.Array:
+                      residual: jax.Array | None = None, bn: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None, interpret: bool | None = None, out_dtype=None) -> jax.Array:
     """x [..., K] -> [..., N_out] by the quantised kernel: w QuantRows of n rows per layer (R = n, or L n read at
     `layer`), the fused forms as decode_gemv's. ValueError naming what does not fit."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -208,14 +218,16 @@ def decode_gemv_quant(x: jax.Array, w: QuantRows, *, n: int, layer: jax.Array | 
         raise ValueError(err)
     if residual is not None:
         residual = residual.reshape(m, n_out)
+    warps, stages = quant_launch(m)
     y = quant_gemv(x.reshape(m, k), w, jnp.asarray(layer, jnp.int32), norm_weight, residual,
-                   None if norm_layer is None else jnp.asarray(norm_layer, jnp.int32), n=n, bn=bn or quant_bn(n_out),
-                   num_warps=num_warps, norm=norm, eps=eps, activation=activation,
+                   None if norm_layer is None else jnp.asarray(norm_layer, jnp.int32), n=n,
+                   bn=bn or quant_bn(n_out, m, activation is not None), num_warps=num_warps or warps,
+                   num_stages=num_stages or stages, norm=norm, eps=eps, activation=activation,
                    interpret=(not on_gpu()) if interpret is None else interpret, out_dtype=out_dtype)
     return y.reshape(*lead, n_out)
 
 
 __all__ = ["AUTO_DOT_MAX_M", "AUTO_MAX_M", "DOT_FROM_M", "MAX_DOT_ROWS", "MAX_ROWS", "MODES", "TUNED_DOT_TILES",
            "TUNED_TILES", "GemvTiles", "QUANT_BK", "QuantRows", "choose", "converts", "decode_gemv",
-           "decode_gemv_quant", "dot_tiles_for", "on_gpu", "quant_bk", "quant_bn", "quant_choose", "quant_converts",
+           "decode_gemv_quant", "dot_tiles_for", "on_gpu", "quant_bk", "quant_bn", "quant_launch", "quant_choose", "quant_converts",
            "quant_weight_error", "tiles_for", "weight_error"]

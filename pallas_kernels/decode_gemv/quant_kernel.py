@@ -14,6 +14,9 @@ same fused prologue / gated product / residual as the plain kernel (kernel.py, w
                dtype (the XLA path multiplies the weight dequantised to x's dtype), and for each row
                acc_i [bn] += sum_k w * x_i[k] in fp32
 
+Above MAX_ROWS rows (up to MAX_DOT_ROWS: 16 / 64 users) the tensor-core body (`_qgemv_dot_kernel`, dot_kernel.py's
+on the decoded tiles): x [M_pad, bk/2] @ w [bn, bk/2]^T per half-block, acc [M_pad, bn] fp32, rows past M masked.
+
 Bytes: Q4_K's layout is 0.5 + 8 / 32 = 0.75 bytes a value (fp32 scale and offset per 32 values) against bf16's 2:
 the one-row product reads ~2.7x fewer bytes, one launch per linear (the split-K fused GEMM's decode form launches
 a pad and a partial-sum kernel beside it). Math: the plain kernel's (reference.py) on the decoded weight, whose
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.decode_gemv.dot_kernel import MAX_DOT_ROWS, MIN_DOT_BN, padded_rows
 from pallas_kernels.decode_gemv.fused_ops import finish, normalise, operands
 from pallas_kernels.decode_gemv.kernel import ACTIVATIONS, MAX_ROWS, NORMS
 from pallas_kernels.quant_matmul.layout import LayoutSpec
@@ -185,20 +189,82 @@ def _qgemv_kernel(layer_ref, x_ref, q_ref, *refs, spec: LayoutSpec, m: int, n: i
         y_ref[i, out_cols] = y.astype(y_ref.dtype)
 
 
+def _qgemv_dot_kernel(layer_ref, x_ref, q_ref, *refs, spec: LayoutSpec, m: int, n: int, half: int, bn: int, bk: int,
+                      n_k: int, norm: str | None, eps: float, activation: str | None, residual: bool,
+                      round_output: bool):
+    """The tensor-core body (dot_kernel.py's, on decoded tiles): x [M_pad, width] @ w [bn, width]^T per half-block,
+    acc [M_pad, bn] fp32, the rows past M loaded as 0 and not stored."""
+    refs = list(refs)
+    s_ref = refs.pop(0) if spec.group else None
+    o_ref = refs.pop(0) if spec.has_offset else None
+    nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=n_k * bk)
+    dt = x_ref.dtype
+    f32 = jnp.float32
+    m_pad = padded_rows(m)
+    rows = pl.ds(0, m_pad)
+    row_ok = (jnp.arange(m_pad, dtype=jnp.int32) < m)[:, None]  # [M_pad, 1]
+    j = pl.program_id(0)
+    row0 = layer_ref[0] * n + j * bn
+    width = bk // 2 if spec.nibble else bk
+    precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+
+    def load(ref, cols):
+        tile = ref.at[rows, cols]
+        return tile[...] if m == m_pad else plgpu.load(tile, mask=row_ok, other=0)
+
+    rstd = None
+    if norm:
+        def sum_sq(t, sums):
+            x = load(x_ref, pl.ds(pl.multiple_of(t * bk, bk), bk)).astype(f32)
+            return sums + jnp.sum(jnp.square(x), axis=1, keepdims=True)
+
+        rstd = jax.lax.rsqrt(jax.lax.fori_loop(0, n_k, sum_sq, jnp.zeros((m_pad, 1), f32)) / (n_k * bk) + eps)
+
+    def dot(x, w):  # x [M_pad, width] @ w [bn, width]^T -> [M_pad, bn] fp32
+        return jax.lax.dot_general(x, w.astype(dt), (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=f32)
+
+    gated = half > 0
+    kw = dict(spec=spec, bn=bn, bk=bk, dt=dt)
+
+    def step(t, accs):
+        parts = _decoded(q_ref, s_ref, o_ref, row0, t, **kw)
+        parts_up = _decoded(q_ref, s_ref, o_ref, row0 + half, t, **kw) if gated else [None] * len(parts)
+        for h, ((w, k0), up) in enumerate(zip(parts, parts_up)):
+            x = load(x_ref, pl.ds(pl.multiple_of(k0, width), width))
+            if norm:
+                x = normalise(x, rstd, nw(2 * t + h if spec.nibble else t, width), norm, dt)
+            accs = (accs[0] + dot(x, w),) + ((accs[1] + dot(x, up[0]),) if gated else ())
+        return accs
+
+    accs = jax.lax.fori_loop(0, n_k, step, tuple(jnp.zeros((m_pad, bn), f32) for _ in range(1 + gated)))
+    out_cols = pl.ds(j * bn, bn)
+    r = load(r_ref, out_cols) if residual else None
+    y = finish(accs[0], accs[1] if gated else None, r, activation=activation, dt=dt,
+               round_output=round_output).astype(y_ref.dtype)
+    out = y_ref.at[rows, out_cols]
+    if m == m_pad:
+        out[...] = y
+    else:
+        plgpu.store(out, y, mask=row_ok)
+
+
 @functools.partial(jax.jit, static_argnames=("n", "bn", "num_warps", "num_stages", "norm", "eps", "activation",
                                              "interpret", "out_dtype"))
 def quant_gemv(x: jax.Array, w: QuantRows, layer: jax.Array, norm_weight: jax.Array | None = None,
                residual: jax.Array | None = None, norm_row: jax.Array | None = None, *, n: int, bn: int,
                num_warps: int = 4, num_stages: int = 3, norm: str | None = None, eps: float = 1e-6,
                activation: str | None = None, interpret: bool = False, out_dtype=None) -> jax.Array:
-    """y [M, N_out] in x's dtype (out_dtype float32: a plain GEMV's fp32 sums unrounded). x [M, K], M <= MAX_ROWS;
+    """y [M, N_out] in x's dtype (out_dtype float32: a plain GEMV's fp32 sums unrounded). x [M, K], M <= MAX_DOT_ROWS
+    (the FMA body up to MAX_ROWS rows, the tensor-core body above, bn >= MIN_DOT_BN there);
     w QuantRows of R rows holding layer `layer` ([1] int32) in rows [layer n, (layer + 1) n); norm_weight [K] (or
     [R', K] at `norm_row`), residual [M, N_out], activation (a joined [gate; up] weight: N_out = n / 2) as
     kernel.gemv takes them. bn: output columns per program (a power of 2 >= MIN_QUANT_BN dividing N_out)."""
     m, k = x.shape
     spec = w.spec
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"quantised decode GEMV: {m} rows, the kernel takes 1..{MAX_ROWS}")
+    if not 1 <= m <= MAX_DOT_ROWS:
+        raise ValueError(f"quantised decode GEMV: {m} rows, the kernel takes 1..{MAX_DOT_ROWS}")
+    use_dot = m > MAX_ROWS
     if w.k != k or w.rows % n:
         raise ValueError(f"quantised decode GEMV: x [{m}, {k}] against {w.rows} rows of K={w.k} ({n} per layer)")
     err = layout_error(spec, k, w.bk)
@@ -212,15 +278,16 @@ def quant_gemv(x: jax.Array, w: QuantRows, layer: jax.Array, norm_weight: jax.Ar
         raise ValueError("quantised decode GEMV: norm and norm_weight come together")
     gated = activation is not None
     n_out = n // 2 if gated else n
-    if bn < MIN_QUANT_BN or bn & (bn - 1) or n_out % bn:
-        raise ValueError(f"quantised decode GEMV: bn={bn} must be a power of 2 >= {MIN_QUANT_BN} dividing the "
-                         f"output width {n_out}")
+    least = MIN_DOT_BN if use_dot else MIN_QUANT_BN
+    if bn < least or bn & (bn - 1) or n_out % bn:
+        raise ValueError(f"quantised decode GEMV: bn={bn} must be a power of 2 >= {least} dividing the output width "
+                         f"{n_out}{' (the tensor-core body)' if use_dot else ''}")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if out_dtype != x.dtype and (out_dtype != jnp.float32 or gated or residual is not None):
         raise ValueError(f"quantised decode GEMV: out_dtype {out_dtype.name}: only float32, for a plain GEMV")
     if residual is not None and residual.shape != (m, n_out):
         raise ValueError(f"quantised decode GEMV: residual {residual.shape}, expected {(m, n_out)}")
-    kernel = functools.partial(_qgemv_kernel, spec=spec, m=m, n=n, half=n_out if gated else 0, bn=bn, bk=w.bk,
+    kernel = functools.partial(_qgemv_dot_kernel if use_dot else _qgemv_kernel, spec=spec, m=m, n=n, half=n_out if gated else 0, bn=bn, bk=w.bk,
                                n_k=k // w.bk, norm=norm, eps=float(eps), activation=activation,
                                residual=residual is not None, round_output=out_dtype == x.dtype)
     args = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w.codes]
@@ -229,7 +296,7 @@ def quant_gemv(x: jax.Array, w: QuantRows, layer: jax.Array, norm_weight: jax.Ar
         args += [norm_weight.reshape(-1), jnp.reshape(0 if norm_row is None else norm_row, (1,)).astype(jnp.int32)]
     args += [residual] if residual is not None else []
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    name = f"decode_qgemv_{spec.name}" + (f"_{norm}" if norm else "") + (f"_{activation}" if gated else "") + \
+    name = f"decode_qgemv{'_dot' if use_dot else ''}_{spec.name}" + (f"_{norm}" if norm else "") + (f"_{activation}" if gated else "") + \
         ("_res" if residual is not None else "")
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype), grid=(n_out // bn,),
                           compiler_params=params, interpret=interpret, name=name)(*args)

@@ -2,7 +2,8 @@
 weight (surojax.quant.gemv_quant.GemvQuant): the rows decode to the format's own values bit for bit, the kernel
 with every fused form equals the plain decode GEMV's reference on those values, and a served Q4_K model laid out
 for it under SUROJAX_DECODE_GEMV=pallas decodes the greedy tokens of the same model through XLA, its decode
-steps taking the kernel for every linear with the block's norms, gated product and residual adds fused."""
+steps (the FMA body) and short prefills (the tensor-core body) taking the kernel for every linear with the block's
+norms, gated product and residual adds fused."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,9 +33,14 @@ def test_rows_decode_to_the_formats_values_and_the_kernel_equals_the_reference(f
     rows = pack_rows(spec, *w.kernel_values(), quant_bk(spec, K))
     wt = unpack_rows(rows)  # [N, K]
     np.testing.assert_array_equal(np.asarray(wt), np.asarray(w.dequantize(jnp.float32)).T)
-    x = jax.random.normal(jax.random.key(1), (3, K), jnp.float32).astype(jnp.bfloat16)
     nw = (1 + 0.1 * jax.random.normal(jax.random.key(2), (K,), jnp.float32)).astype(jnp.bfloat16)
-    r = jax.random.normal(jax.random.key(3), (3, N // 2), jnp.float32).astype(jnp.bfloat16)
+    for m in (3, 9):  # the FMA body; the tensor-core body (9 rows: 16 padded, masked)
+        _check_forms(rows, wt, nw, m)
+
+
+def _check_forms(rows, wt, nw, m):
+    x = jax.random.normal(jax.random.key(1), (m, K), jnp.float32).astype(jnp.bfloat16)
+    r = jax.random.normal(jax.random.key(3), (m, N // 2), jnp.float32).astype(jnp.bfloat16)
     for kw, ref_kw in ((dict(), dict()),
                        (dict(norm_weight=nw, norm="plain", activation="silu", residual=r),
                         dict(norm=nw, activation="silu", residual=r)),
@@ -49,8 +55,8 @@ def test_rows_decode_to_the_formats_values_and_the_kernel_equals_the_reference(f
 def test_bad_operands_are_named():
     w = random_weight("q4_k", K, N, jax.random.key(0))
     rows = pack_rows(w.kernel_spec, *w.kernel_values(), 256)
-    with pytest.raises(ValueError, match="1..8"):
-        decode_gemv_quant(jnp.zeros((9, K)), rows, n=N, interpret=True)
+    with pytest.raises(ValueError, match="1..64"):
+        decode_gemv_quant(jnp.zeros((65, K)), rows, n=N, interpret=True)
     with pytest.raises(ValueError, match="K=512"):
         decode_gemv_quant(jnp.zeros((1, 256)), rows, n=N, interpret=True)
     with pytest.raises(ValueError, match="bk=96"):
@@ -85,11 +91,12 @@ def test_served_q4_k_through_the_quantised_decode_gemv_equals_xla(monkeypatch):
         want = _greedy(plain, prompts)
     with use_kernel_settings(decode_gemv="pallas"):
         assert _greedy(served, prompts) == want
-    # the decode steps (<= 8 rows) through the kernel, every linear with the block's ops fused; the prefill
-    # (more rows) through XLA on the decoded rows
+    # every linear through the kernel with the block's ops fused: the decode steps (<= 8 rows) by its FMA body, the
+    # prefill (9..64 rows) by its tensor-core body
     assert {c[1:] for c in calls} == {(512, "plain", None, False), (256, None, None, True),
                                       (1024, "plain", "silu", False), (256, None, None, True)}
-    assert max(int(np.prod(c[0][:-1])) for c in calls) <= 8
+    rows = {int(np.prod(c[0][:-1])) for c in calls}
+    assert min(rows) <= 8 < max(rows) <= 64
 
 
 def test_lowers_to_triton_for_an_h200():
