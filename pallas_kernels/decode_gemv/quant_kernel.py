@@ -134,54 +134,98 @@ def _decoded(q_ref, s_ref, o_ref, row0, t, *, spec: LayoutSpec, bn: int, bk: int
     return out
 
 
-def _qgemv_kernel(layer_ref, x_ref, q_ref, *refs, spec: LayoutSpec, m: int, n: int, half: int, bn: int, bk: int,
-                  n_k: int, norm: str | None, eps: float, activation: str | None, residual: bool,
-                  round_output: bool):
-    """One program: output columns [j bn, (j+1) bn) of the M rows. n: the weight's rows per layer; half: the up
-    rows' offset in a gated weight (0: not gated)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MixedRows:
+    """A layer stack whose layers come in different formats (llama.cpp's Q4_K_M: attn_v / ffn_down in Q6_K on some
+    layers): one QuantRows stack per format holding its layers, and per layer of the stack its format (`kind`
+    [L]) and its index in that format's stack (`pos` [L]). The kernel reads kind[layer] and branches (scf.if in
+    the kernel: no host round trip), each branch reading its format's rows in place."""
+
+    parts: tuple[QuantRows, ...]
+    kind: jax.Array
+    pos: jax.Array
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+
+def _split_refs(refs, parts: tuple, mixed: bool):
+    """The kernel's refs after layer -> (kind, pos, x, [(codes, scale, offset) per part], the rest)."""
     refs = list(refs)
-    s_ref = refs.pop(0) if spec.group else None
-    o_ref = refs.pop(0) if spec.has_offset else None
-    k_total = n_k * bk
-    nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=k_total)
+    kind_ref, pos_ref = (refs.pop(0), refs.pop(0)) if mixed else (None, None)
+    x_ref = refs.pop(0)
+    part_refs = []
+    for spec, _ in parts:
+        q = refs.pop(0)
+        s_ = refs.pop(0) if spec.group else None
+        o = refs.pop(0) if spec.has_offset else None
+        part_refs.append((q, s_, o))
+    return kind_ref, pos_ref, x_ref, part_refs, refs
+
+
+def _per_format(layer_ref, kind_ref, pos_ref, parts, part_refs, accumulate):
+    """accumulate(spec, bk, (codes, scale, offset), this layer's index in that format's stack) -> accs, for this
+    layer's format: the one format, or a branch per format on kind[layer]."""
+    layer = layer_ref[0]
+    if kind_ref is None:
+        return accumulate(*parts[0], part_refs[0], layer)
+    pos = pos_ref[layer]
+    branches = [functools.partial(accumulate, spec, bk, r, pos) for (spec, bk), r in zip(parts, part_refs)]
+    return jax.lax.switch(kind_ref[layer], [lambda b=b: b() for b in branches])
+
+
+def _qgemv_kernel(layer_ref, *refs, parts: tuple, mixed: bool, m: int, n: int, half: int, bn: int, k: int,
+                  norm: str | None, eps: float, activation: str | None, residual: bool, round_output: bool):
+    """One program: output columns [j bn, (j+1) bn) of the M rows. parts: (spec, bk) per format; n: the weight's
+    rows per layer; half: the up rows' offset in a gated weight (0: not gated)."""
+    kind_ref, pos_ref, x_ref, part_refs, refs = _split_refs(refs, parts, mixed)
+    nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=k)
     dt = x_ref.dtype
     f32 = jnp.float32
     j = pl.program_id(0)
-    row0 = layer_ref[0] * n + j * bn
-    width = bk // 2 if spec.nibble else bk
+    chunk = parts[0][1]
 
     rstd = [None] * m
     if norm:  # each row's 1 / rms over the whole K (x is a few KB: every program recomputes it)
         def sum_sq(t, sums):
-            cols = pl.ds(pl.multiple_of(t * bk, bk), bk)
+            cols = pl.ds(pl.multiple_of(t * chunk, chunk), chunk)
             return tuple(s + jnp.sum(jnp.square(x_ref[i, cols].astype(f32))) for i, s in enumerate(sums))
 
-        sums = jax.lax.fori_loop(0, n_k, sum_sq, tuple(jnp.zeros((), f32) for _ in range(m)))
-        rstd = [jax.lax.rsqrt(s / k_total + eps) for s in sums]
+        sums = jax.lax.fori_loop(0, k // chunk, sum_sq, tuple(jnp.zeros((), f32) for _ in range(m)))
+        rstd = [jax.lax.rsqrt(s / k + eps) for s in sums]
 
     gated = half > 0
-    kw = dict(spec=spec, bn=bn, bk=bk, dt=dt)
-
-    def step(t, accs):
-        parts = _decoded(q_ref, s_ref, o_ref, row0, t, **kw)
-        parts_up = _decoded(q_ref, s_ref, o_ref, row0 + half, t, **kw) if gated else [None] * len(parts)
-        accs = list(accs)
-        for h, ((w, k0), up) in enumerate(zip(parts, parts_up)):
-            cols = pl.ds(pl.multiple_of(k0, width), width)
-            nw_t = nw(2 * t + h if spec.nibble else t, width) if norm else None
-            for i in range(m):
-                x = x_ref[i, cols]
-                if norm:
-                    x = normalise(x, rstd[i], nw_t, norm, dt)
-                x = x.astype(f32)[None, :]
-                a = i * (2 if gated else 1)
-                accs[a] = accs[a] + jnp.sum(w * x, axis=1)
-                if gated:
-                    accs[a + 1] = accs[a + 1] + jnp.sum(up[0] * x, axis=1)
-        return tuple(accs)
-
     per_row = 2 if gated else 1
-    accs = jax.lax.fori_loop(0, n_k, step, tuple(jnp.zeros((bn,), f32) for _ in range(m * per_row)))
+
+    def accumulate(spec, bk, part, index):
+        q_ref, s_ref, o_ref = part
+        row0 = index * n + j * bn
+        width = bk // 2 if spec.nibble else bk
+        kw = dict(spec=spec, bn=bn, bk=bk, dt=dt)
+
+        def step(t, accs):
+            tiles = _decoded(q_ref, s_ref, o_ref, row0, t, **kw)
+            tiles_up = _decoded(q_ref, s_ref, o_ref, row0 + half, t, **kw) if gated else [None] * len(tiles)
+            accs = list(accs)
+            for h, ((w, k0), up) in enumerate(zip(tiles, tiles_up)):
+                cols = pl.ds(pl.multiple_of(k0, width), width)
+                nw_t = nw(2 * t + h if spec.nibble else t, width) if norm else None
+                for i in range(m):
+                    x = x_ref[i, cols]
+                    if norm:
+                        x = normalise(x, rstd[i], nw_t, norm, dt)
+                    x = x.astype(f32)[None, :]
+                    a = i * per_row
+                    accs[a] = accs[a] + jnp.sum(w * x, axis=1)
+                    if gated:
+                        accs[a + 1] = accs[a + 1] + jnp.sum(up[0] * x, axis=1)
+            return tuple(accs)
+
+        return jax.lax.fori_loop(0, k // bk, step, tuple(jnp.zeros((bn,), f32) for _ in range(m * per_row)))
+
+    accs = _per_format(layer_ref, kind_ref, pos_ref, parts, part_refs, accumulate)
     out_cols = pl.ds(j * bn, bn)
     for i in range(m):
         y = finish(accs[i * per_row], accs[i * per_row + 1] if gated else None,
@@ -189,24 +233,20 @@ def _qgemv_kernel(layer_ref, x_ref, q_ref, *refs, spec: LayoutSpec, m: int, n: i
         y_ref[i, out_cols] = y.astype(y_ref.dtype)
 
 
-def _qgemv_dot_kernel(layer_ref, x_ref, q_ref, *refs, spec: LayoutSpec, m: int, n: int, half: int, bn: int, bk: int,
-                      n_k: int, norm: str | None, eps: float, activation: str | None, residual: bool,
-                      round_output: bool):
+def _qgemv_dot_kernel(layer_ref, *refs, parts: tuple, mixed: bool, m: int, n: int, half: int, bn: int, k: int,
+                      norm: str | None, eps: float, activation: str | None, residual: bool, round_output: bool):
     """The tensor-core body (dot_kernel.py's, on decoded tiles): x [M_pad, width] @ w [bn, width]^T per half-block,
     acc [M_pad, bn] fp32, the rows past M loaded as 0 and not stored."""
-    refs = list(refs)
-    s_ref = refs.pop(0) if spec.group else None
-    o_ref = refs.pop(0) if spec.has_offset else None
-    nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=n_k * bk)
+    kind_ref, pos_ref, x_ref, part_refs, refs = _split_refs(refs, parts, mixed)
+    nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=k)
     dt = x_ref.dtype
     f32 = jnp.float32
     m_pad = padded_rows(m)
     rows = pl.ds(0, m_pad)
     row_ok = (jnp.arange(m_pad, dtype=jnp.int32) < m)[:, None]  # [M_pad, 1]
     j = pl.program_id(0)
-    row0 = layer_ref[0] * n + j * bn
-    width = bk // 2 if spec.nibble else bk
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
+    chunk = parts[0][1]
 
     def load(ref, cols):
         tile = ref.at[rows, cols]
@@ -215,29 +255,36 @@ def _qgemv_dot_kernel(layer_ref, x_ref, q_ref, *refs, spec: LayoutSpec, m: int, 
     rstd = None
     if norm:
         def sum_sq(t, sums):
-            x = load(x_ref, pl.ds(pl.multiple_of(t * bk, bk), bk)).astype(f32)
+            x = load(x_ref, pl.ds(pl.multiple_of(t * chunk, chunk), chunk)).astype(f32)
             return sums + jnp.sum(jnp.square(x), axis=1, keepdims=True)
 
-        rstd = jax.lax.rsqrt(jax.lax.fori_loop(0, n_k, sum_sq, jnp.zeros((m_pad, 1), f32)) / (n_k * bk) + eps)
+        rstd = jax.lax.rsqrt(jax.lax.fori_loop(0, k // chunk, sum_sq, jnp.zeros((m_pad, 1), f32)) / k + eps)
 
     def dot(x, w):  # x [M_pad, width] @ w [bn, width]^T -> [M_pad, bn] fp32
         return jax.lax.dot_general(x, w.astype(dt), (((1,), (1,)), ((), ())), precision=precision,
                                    preferred_element_type=f32)
 
     gated = half > 0
-    kw = dict(spec=spec, bn=bn, bk=bk, dt=dt)
 
-    def step(t, accs):
-        parts = _decoded(q_ref, s_ref, o_ref, row0, t, **kw)
-        parts_up = _decoded(q_ref, s_ref, o_ref, row0 + half, t, **kw) if gated else [None] * len(parts)
-        for h, ((w, k0), up) in enumerate(zip(parts, parts_up)):
-            x = load(x_ref, pl.ds(pl.multiple_of(k0, width), width))
-            if norm:
-                x = normalise(x, rstd, nw(2 * t + h if spec.nibble else t, width), norm, dt)
-            accs = (accs[0] + dot(x, w),) + ((accs[1] + dot(x, up[0]),) if gated else ())
-        return accs
+    def accumulate(spec, bk, part, index):
+        q_ref, s_ref, o_ref = part
+        row0 = index * n + j * bn
+        width = bk // 2 if spec.nibble else bk
+        kw = dict(spec=spec, bn=bn, bk=bk, dt=dt)
 
-    accs = jax.lax.fori_loop(0, n_k, step, tuple(jnp.zeros((m_pad, bn), f32) for _ in range(1 + gated)))
+        def step(t, accs):
+            tiles = _decoded(q_ref, s_ref, o_ref, row0, t, **kw)
+            tiles_up = _decoded(q_ref, s_ref, o_ref, row0 + half, t, **kw) if gated else [None] * len(tiles)
+            for h, ((w, k0), up) in enumerate(zip(tiles, tiles_up)):
+                x = load(x_ref, pl.ds(pl.multiple_of(k0, width), width))
+                if norm:
+                    x = normalise(x, rstd, nw(2 * t + h if spec.nibble else t, width), norm, dt)
+                accs = (accs[0] + dot(x, w),) + ((accs[1] + dot(x, up[0]),) if gated else ())
+            return accs
+
+        return jax.lax.fori_loop(0, k // bk, step, tuple(jnp.zeros((m_pad, bn), f32) for _ in range(1 + gated)))
+
+    accs = _per_format(layer_ref, kind_ref, pos_ref, parts, part_refs, accumulate)
     out_cols = pl.ds(j * bn, bn)
     r = load(r_ref, out_cols) if residual else None
     y = finish(accs[0], accs[1] if gated else None, r, activation=activation, dt=dt,
@@ -251,25 +298,29 @@ def _qgemv_dot_kernel(layer_ref, x_ref, q_ref, *refs, spec: LayoutSpec, m: int, 
 
 @functools.partial(jax.jit, static_argnames=("n", "bn", "num_warps", "num_stages", "norm", "eps", "activation",
                                              "interpret", "out_dtype"))
-def quant_gemv(x: jax.Array, w: QuantRows, layer: jax.Array, norm_weight: jax.Array | None = None,
+def quant_gemv(x: jax.Array, w: QuantRows | MixedRows, layer: jax.Array, norm_weight: jax.Array | None = None,
                residual: jax.Array | None = None, norm_row: jax.Array | None = None, *, n: int, bn: int,
                num_warps: int = 4, num_stages: int = 3, norm: str | None = None, eps: float = 1e-6,
                activation: str | None = None, interpret: bool = False, out_dtype=None) -> jax.Array:
     """y [M, N_out] in x's dtype (out_dtype float32: a plain GEMV's fp32 sums unrounded). x [M, K], M <= MAX_DOT_ROWS
     (the FMA body up to MAX_ROWS rows, the tensor-core body above, bn >= MIN_DOT_BN there);
-    w QuantRows of R rows holding layer `layer` ([1] int32) in rows [layer n, (layer + 1) n); norm_weight [K] (or
-    [R', K] at `norm_row`), residual [M, N_out], activation (a joined [gate; up] weight: N_out = n / 2) as
-    kernel.gemv takes them. bn: output columns per program (a power of 2 >= MIN_QUANT_BN dividing N_out)."""
+    w QuantRows of R rows holding layer `layer` ([1] int32) in rows [layer n, (layer + 1) n), or MixedRows (layer
+    `layer` of the stack in its format's rows at pos[layer]); norm_weight [K] (or [R', K] at `norm_row`), residual
+    [M, N_out], activation (a joined [gate; up] weight: N_out = n / 2) as kernel.gemv takes them. bn: output
+    columns per program (a power of 2 >= MIN_QUANT_BN dividing N_out)."""
     m, k = x.shape
-    spec = w.spec
+    mixed = isinstance(w, MixedRows)
+    parts = w.parts if mixed else (w,)
     if not 1 <= m <= MAX_DOT_ROWS:
         raise ValueError(f"quantised decode GEMV: {m} rows, the kernel takes 1..{MAX_DOT_ROWS}")
     use_dot = m > MAX_ROWS
-    if w.k != k or w.rows % n:
-        raise ValueError(f"quantised decode GEMV: x [{m}, {k}] against {w.rows} rows of K={w.k} ({n} per layer)")
-    err = layout_error(spec, k, w.bk)
-    if err:
-        raise ValueError(f"quantised decode GEMV: {err}")
+    for part in parts:
+        if part.k != k or part.rows % n:
+            raise ValueError(f"quantised decode GEMV: x [{m}, {k}] against {part.rows} rows of K={part.k} ({n} per "
+                             "layer)")
+        err = layout_error(part.spec, k, part.bk)
+        if err:
+            raise ValueError(f"quantised decode GEMV: {err}")
     if norm is not None and norm not in NORMS:
         raise ValueError(f"quantised decode GEMV: norm {norm!r}, expected one of {NORMS}")
     if activation is not None and activation not in ACTIVATIONS:
@@ -287,19 +338,24 @@ def quant_gemv(x: jax.Array, w: QuantRows, layer: jax.Array, norm_weight: jax.Ar
         raise ValueError(f"quantised decode GEMV: out_dtype {out_dtype.name}: only float32, for a plain GEMV")
     if residual is not None and residual.shape != (m, n_out):
         raise ValueError(f"quantised decode GEMV: residual {residual.shape}, expected {(m, n_out)}")
-    kernel = functools.partial(_qgemv_dot_kernel if use_dot else _qgemv_kernel, spec=spec, m=m, n=n, half=n_out if gated else 0, bn=bn, bk=w.bk,
-                               n_k=k // w.bk, norm=norm, eps=float(eps), activation=activation,
-                               residual=residual is not None, round_output=out_dtype == x.dtype)
-    args = [jnp.reshape(layer, (1,)).astype(jnp.int32), x, w.codes]
-    args += ([w.scale] if spec.group else []) + ([w.offset] if spec.has_offset else [])
+    kernel = functools.partial(_qgemv_dot_kernel if use_dot else _qgemv_kernel,
+                               parts=tuple((p.spec, p.bk) for p in parts), mixed=mixed, m=m, n=n,
+                               half=n_out if gated else 0, bn=bn, k=k, norm=norm, eps=float(eps),
+                               activation=activation, residual=residual is not None,
+                               round_output=out_dtype == x.dtype)
+    args = [jnp.reshape(layer, (1,)).astype(jnp.int32)]
+    args += [w.kind.astype(jnp.int32), w.pos.astype(jnp.int32)] if mixed else []
+    args += [x]
+    for p in parts:
+        args += [p.codes] + ([p.scale] if p.spec.group else []) + ([p.offset] if p.spec.has_offset else [])
     if norm is not None:
         args += [norm_weight.reshape(-1), jnp.reshape(0 if norm_row is None else norm_row, (1,)).astype(jnp.int32)]
     args += [residual] if residual is not None else []
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    name = f"decode_qgemv{'_dot' if use_dot else ''}_{spec.name}" + (f"_{norm}" if norm else "") + (f"_{activation}" if gated else "") + \
-        ("_res" if residual is not None else "")
+    name = f"decode_qgemv{'_dot' if use_dot else ''}_{'+'.join(p.spec.name for p in parts)}" + \
+        (f"_{norm}" if norm else "") + (f"_{activation}" if gated else "") + ("_res" if residual is not None else "")
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((m, n_out), out_dtype), grid=(n_out // bn,),
                           compiler_params=params, interpret=interpret, name=name)(*args)
 
 
-__all__ = ["MIN_QUANT_BN", "QuantRows", "layout_error", "pack_rows", "quant_gemv", "unpack_rows"]
+__all__ = ["MIN_QUANT_BN", "MixedRows", "QuantRows", "layout_error", "pack_rows", "quant_gemv", "unpack_rows"]

@@ -29,12 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.decode_gemv.api import decode_gemv_quant, quant_bk, quant_choose, quant_weight_error
-from pallas_kernels.decode_gemv.quant_kernel import QuantRows, pack_rows, unpack_rows
+from pallas_kernels.decode_gemv.quant_kernel import MixedRows, QuantRows, pack_rows, unpack_rows
 from pallas_kernels.quant_matmul.layout import LayoutSpec
 from surojax.kernel_settings import kernel_settings
 from surojax.models.layers.stacked_vector import in_place
 from surojax.quant.base import QuantFormat
 from surojax.quant.gemv_weight import KERNEL_ACTIVATIONS
+from surojax.quant.gguf_mixed import GGUFMixed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,4 +147,95 @@ class GemvQuant(QuantFormat):
 jax.tree_util.register_dataclass(GemvQuant, data_fields=["data", "scale", "offset", "layer"],
                                  meta_fields=["spec", "shape", "bk", "source"])
 
-__all__ = ["GemvQuant"]
+
+@dataclasses.dataclass(frozen=True)
+class GemvQuantMixed(QuantFormat):
+    """A layer stack whose layers come in different GGUF types (`GGUFMixed`: llama.cpp's Q4_K_M gives attn_v and
+    ffn_down Q6_K on some layers), in the quantised decode GEMV's rows per type: one GemvQuant stack per type
+    holding its layers, each layer's type (`kind` [L]) and its index in that stack (`pos` [L]). The kernel branches
+    on the layer's type inside itself (pallas_kernels.decode_gemv.quant_kernel.MixedRows), so no layer pays a
+    host-side switch; XLA's path (prefill) decodes the layer through `lax.switch`. Values: each layer's own type's,
+    bit for bit."""
+
+    parts: tuple[GemvQuant, ...]
+    kind: jax.Array
+    pos: jax.Array
+    layer: jax.Array | None
+    shape: tuple[int, int] = dataclasses.field(metadata={"static": True})
+    source: str = dataclasses.field(metadata={"static": True})
+
+    stacked_in_place = True
+    name = "gemv_q_mixed"
+    data = property(lambda self: self.parts[0].data)  # QuantFormat's leading-axes convention (nbytes, logs)
+
+    @staticmethod
+    def error(w) -> str | None:
+        """Why the mixed stack w cannot be laid out (None: it can): each type's layers as GemvQuant's."""
+        if not isinstance(w, GGUFMixed) or jnp.ndim(w.data) != 3:
+            return "not a per-layer mix of GGUF types over one stacked layers axis"
+        kind = np.asarray(w.kind)
+        for t, name in enumerate(w.types):
+            layers = np.flatnonzero(kind == t)[:1]
+            err = GemvQuant.error(w.typed(name, w.data[layers])) if len(layers) else None
+            if err:
+                return err
+        return None
+
+    @classmethod
+    def from_mixed(cls, w: GGUFMixed) -> "GemvQuantMixed":
+        err = cls.error(w)
+        if err:
+            raise ValueError(f"GemvQuantMixed: {err}")
+        kind = np.asarray(w.kind)
+        parts, pos = [], np.zeros_like(kind)
+        for t, name in enumerate(w.types):
+            layers = np.flatnonzero(kind == t)
+            pos[layers] = np.arange(len(layers))
+            parts.append(GemvQuant.from_weight(w.typed(name, w.data[jnp.asarray(layers)])))
+        return cls(parts=tuple(parts), kind=jnp.asarray(kind), pos=jnp.asarray(pos), layer=None, shape=w.shape,
+                   source="+".join(w.types))
+
+    def at_layer(self, index: jax.Array) -> "GemvQuantMixed":
+        if self.layer is not None:
+            raise ValueError(f"gemv_q_mixed ({self.source}): already one layer")
+        return dataclasses.replace(self, layer=jnp.asarray(index, jnp.int32))
+
+    def _rows(self) -> MixedRows:
+        return MixedRows(parts=tuple(p._rows(own=False) for p in self.parts), kind=self.kind, pos=self.pos)
+
+    def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
+        if self.layer is None:
+            raise ValueError(f"gemv_q_mixed ({self.source}): a stack; the decoder's scan gives a layer (at_layer)")
+        pos = self.pos[self.layer]
+        branches = [lambda pos, p=p: p.at_layer(pos).dequantize(dtype) for p in self.parts]
+        return jax.lax.switch(self.kind[self.layer], branches, pos)
+
+    def _kernel_takes(self, x: jax.Array) -> bool:
+        m = int(np.prod(x.shape[:-1]))
+        return self.layer is not None and quant_choose(m, kernel_settings().decode_gemv.value) == "pallas"
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        if self._kernel_takes(x):
+            return decode_gemv_quant(x, self._rows(), n=self.shape[1], layer=self.layer)
+        return jnp.einsum("...k,kn->...n", x, self.dequantize(x.dtype))
+
+    def fused_matmul(self, x: jax.Array, *, norm_weight=None, eps: float = 1e-6, zero_centered: bool = False,
+                     activation: str | None = None, residual: jax.Array | None = None) -> jax.Array | None:
+        """GemvQuant.fused_matmul's contract."""
+        act = None if activation is None else KERNEL_ACTIVATIONS.get(activation)
+        if (activation is not None and act is None) or not self._kernel_takes(x) \
+                or quant_weight_error(self.shape[1], act is not None):
+            return None
+        norm = None if norm_weight is None else ("zero_centered" if zero_centered else "plain")
+        norm_weight, norm_layer = (None, None) if norm_weight is None else in_place(norm_weight)
+        return decode_gemv_quant(x, self._rows(), n=self.shape[1], layer=self.layer, norm_weight=norm_weight,
+                                 norm_layer=norm_layer, norm=norm, eps=eps, activation=act, residual=residual)
+
+    def __repr__(self) -> str:
+        return f"GemvQuantMixed({self.source}, layers {[p.data.shape[0] for p in self.parts]})"
+
+
+jax.tree_util.register_dataclass(GemvQuantMixed, data_fields=["parts", "kind", "pos", "layer"],
+                                 meta_fields=["shape", "source"])
+
+__all__ = ["GemvQuant", "GemvQuantMixed"]

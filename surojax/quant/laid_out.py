@@ -54,7 +54,7 @@ from surojax.models.layers.stacked_vector import StackedVector
 from surojax.quant.base import FORMATS, QuantFormat
 from surojax.quant.expert_layout import LaidOutExperts
 from surojax.quant.expert_stack import ExpertStack
-from surojax.quant.gemv_quant import GemvQuant
+from surojax.quant.gemv_quant import GemvQuant, GemvQuantMixed
 from surojax.quant.gemv_weight import GemvWeight
 from surojax.quant.gguf_mixed import GGUFMixed
 from surojax.quant.transform import QuantParam
@@ -321,13 +321,18 @@ def transpose_for_gemv(model) -> dict[str, int]:
 
 def quant_for_gemv(model) -> dict[str, int]:
     """Convert, in place, every quantised Linear kernel of the decoder's layer stacks that the quantised decode GEMV
-    takes (a format with a kernel decoding, one stacked layers axis, a K it can block; not a per-layer mix) into a
-    GemvQuant (surojax.quant.gemv_quant). -> {"gemv_q:<format>": kernels converted}."""
+    takes (a format with a kernel decoding, one stacked layers axis, a K it can block) into a GemvQuant
+    (surojax.quant.gemv_quant), a per-layer mix of GGUF types into a GemvQuantMixed. -> {"gemv_q:<format>":
+    kernels converted}."""
     done: collections.Counter[str] = collections.Counter()
     for module in _stack_modules(model):
         var = getattr(module, "kernel", None) if isinstance(module, Linear) else None
-        if isinstance(var, nnx.Param) and isinstance(w := var.get_value(), QuantFormat) \
-                and GemvQuant.error(w) is None:
+        if not (isinstance(var, nnx.Param) and isinstance(w := var.get_value(), QuantFormat)):
+            continue
+        if isinstance(w, GGUFMixed) and GemvQuantMixed.error(w) is None:
+            module.kernel = QuantParam(GemvQuantMixed.from_mixed(w), **var.get_metadata())
+            done[f"gemv_q:{'+'.join(w.types)}"] += 1
+        elif GemvQuant.error(w) is None:
             module.kernel = QuantParam(GemvQuant.from_weight(w), **var.get_metadata())
             done[f"gemv_q:{w.name}"] += 1
     return dict(done)

@@ -110,3 +110,51 @@ def test_lowers_to_triton_for_an_h200():
     fn = lambda x, rows, nw: decode_gemv_quant(x, rows, n=6144, layer=1, norm_weight=nw, norm="plain",  # noqa: E731
                                                activation="silu", interpret=False)
     assert TRITON in _lower(fn, jnp.zeros((1, 1024), jnp.bfloat16), rows, jnp.zeros((1024,), jnp.bfloat16))
+
+
+def test_a_mixed_format_stack_reads_each_layer_in_its_own_format():
+    """MixedRows (Q4_K_M's per-layer types): a Q4_K stack and a Q6_K stack, layers typed [q4_k, q6_k, q6_k,
+    q4_k]; the kernel at each layer (both bodies) equals the reference on that layer's own values."""
+    from pallas_kernels.decode_gemv.quant_kernel import MixedRows
+
+    stacks = {}
+    for fmt in ("q4_k", "q6_k"):
+        w = random_weight(fmt, K, N, jax.random.key(7 if fmt == "q4_k" else 8), (2,))
+        rows = jax.vmap(lambda v: pack_rows(v.kernel_spec, *v.kernel_values(), quant_bk(v.kernel_spec, K)))(w)
+        stacks[fmt] = (jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]), rows), unpack_rows(rows))  # [2 N, ·], [2, N, K]
+    mixed = MixedRows(parts=(stacks["q4_k"][0], stacks["q6_k"][0]), kind=jnp.asarray([0, 1, 1, 0]),
+                      pos=jnp.asarray([0, 0, 1, 1]))
+    nw = jnp.ones((K,), jnp.bfloat16)
+    for layer, (fmt, pos) in enumerate([("q4_k", 0), ("q6_k", 0), ("q6_k", 1), ("q4_k", 1)]):
+        for m in (2, 9):
+            x = jax.random.normal(jax.random.key(layer), (m, K), jnp.float32).astype(jnp.bfloat16)
+            got = decode_gemv_quant(x, mixed, n=N, layer=layer, norm_weight=nw, norm="plain",
+                                    interpret=True).astype(jnp.float32)
+            want = decode_gemv_ref(x, stacks[fmt][1][pos], norm=nw).astype(jnp.float32)
+            unit = float(jnp.finfo(jnp.bfloat16).eps) * float(jnp.abs(want).max())
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=unit)
+
+
+def test_served_q4_k_m_mix_takes_the_kernel_on_its_mixed_stacks():
+    """llama.cpp's Q4_K_M types attn_v and ffn_down Q6_K on layer 1 of 2 (GGUFMixed stacks, as a GGUF file loads):
+    `decode_weights` under pallas lays those out as GemvQuantMixed, the rest as GemvQuant, and the engine decodes
+    the greedy tokens of the same weights through XLA."""
+    pytest.importorskip("gguf")
+    from surojax.bench.quant_base import randomize_gguf_mix
+    from surojax.quant.gemv_quant import GemvQuantMixed
+
+    plain = Decoder(ModelConfig.from_hf(dict(HF)), rngs=nnx.Rngs(params=1))
+    plain.embed.embedding[...] = plain.embed.embedding[...] * 8
+    types = randomize_gguf_mix(plain, "q4_k_m", jax.random.key(4))
+    assert types["v_proj"] == ("q4_k", "q6_k") and types["down_proj"] == ("q4_k", "q6_k")
+    graphdef, state = nnx.split(plain)
+    served = nnx.merge(graphdef, jax.tree.map(lambda a: a, state))
+    with use_kernel_settings(decode_gemv="pallas"):
+        done = decode_weights(served)
+    assert done == {"gemv_q:q4_k": 5, "gemv_q:q4_k+q6_k": 2, "norms_in_place": 4}
+    assert isinstance(served.layers.mlp.down_proj.kernel.get_value(), GemvQuantMixed)
+    prompts = [[5, 9, 33, 2], [40, 41]]
+    with use_kernel_settings(decode_gemv="xla"):
+        want = _greedy(plain, prompts, max_tokens=4)
+    with use_kernel_settings(decode_gemv="pallas"):
+        assert _greedy(served, prompts, max_tokens=4) == want
