@@ -38,8 +38,33 @@ from surojax.quant.gemv_weight import KERNEL_ACTIVATIONS
 from surojax.quant.gguf_mixed import GGUFMixed
 
 
+class _KernelCalls:
+    """matmul / fused_matmul through the quantised decode GEMV where `_kernel_takes` says so, for GemvQuant and
+    GemvQuantMixed: they give `_kernel_rows()` (what the kernel reads), `_layer()`, `shape`, and `_xla(x)`."""
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        """x [..., K] @ W -> [..., N] in x's dtype (the kernel for few rows, else XLA on the decoded layer)."""
+        if self._kernel_takes(x):
+            return decode_gemv_quant(x, self._kernel_rows(), n=self.shape[1], layer=self._layer())
+        return self._xla(x)
+
+    def fused_matmul(self, x: jax.Array, *, norm_weight=None, eps: float = 1e-6, zero_centered: bool = False,
+                     activation: str | None = None, residual: jax.Array | None = None) -> jax.Array | None:
+        """GemvWeight.fused_matmul's contract on the quantised kernel: the result, or None where the kernel does
+        not take this call (the caller runs the ops itself)."""
+        act = None if activation is None else KERNEL_ACTIVATIONS.get(activation)
+        if (activation is not None and act is None) or not self._kernel_takes(x) \
+                or quant_weight_error(self.shape[1], act is not None):
+            return None
+        norm = None if norm_weight is None else ("zero_centered" if zero_centered else "plain")
+        norm_weight, norm_layer = (None, None) if norm_weight is None else in_place(norm_weight)
+        return decode_gemv_quant(x, self._kernel_rows(), n=self.shape[1], layer=self._layer(),
+                                 norm_weight=norm_weight, norm_layer=norm_layer, norm=norm, eps=eps, activation=act,
+                                 residual=residual)
+
+
 @dataclasses.dataclass(frozen=True)
-class GemvQuant(QuantFormat):
+class GemvQuant(_KernelCalls, QuantFormat):
     data: jax.Array
     scale: jax.Array | None
     offset: jax.Array | None
@@ -120,25 +145,11 @@ class GemvQuant(QuantFormat):
     def _layer(self):
         return 0 if self.layer is None else self.layer
 
-    def matmul(self, x: jax.Array) -> jax.Array:
-        """x [..., K] @ W -> [..., N] in x's dtype (module docstring)."""
-        if self._kernel_takes(x):
-            return decode_gemv_quant(x, self._rows(own=False), n=self.shape[1], layer=self._layer())
-        return jnp.einsum("...k,nk->...n", x, unpack_rows(self._rows(own=True)).astype(x.dtype))
+    def _kernel_rows(self) -> QuantRows:
+        return self._rows(own=False)
 
-    def fused_matmul(self, x: jax.Array, *, norm_weight=None, eps: float = 1e-6, zero_centered: bool = False,
-                     activation: str | None = None, residual: jax.Array | None = None) -> jax.Array | None:
-        """GemvWeight.fused_matmul's contract on the quantised kernel: the result, or None where the kernel does
-        not take this call (the caller runs the ops itself)."""
-        act = None if activation is None else KERNEL_ACTIVATIONS.get(activation)
-        if (activation is not None and act is None) or not self._kernel_takes(x) \
-                or quant_weight_error(self.shape[1], act is not None):
-            return None
-        norm = None if norm_weight is None else ("zero_centered" if zero_centered else "plain")
-        norm_weight, norm_layer = (None, None) if norm_weight is None else in_place(norm_weight)
-        return decode_gemv_quant(x, self._rows(own=False), n=self.shape[1], layer=self._layer(),
-                                 norm_weight=norm_weight, norm_layer=norm_layer, norm=norm, eps=eps, activation=act,
-                                 residual=residual)
+    def _xla(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...k,nk->...n", x, unpack_rows(self._rows(own=True)).astype(x.dtype))
 
     def __repr__(self) -> str:
         return f"GemvQuant({self.source}, {self.spec.name}, data={self.data.dtype}{list(self.data.shape)})"
@@ -149,7 +160,7 @@ jax.tree_util.register_dataclass(GemvQuant, data_fields=["data", "scale", "offse
 
 
 @dataclasses.dataclass(frozen=True)
-class GemvQuantMixed(QuantFormat):
+class GemvQuantMixed(_KernelCalls, QuantFormat):
     """A layer stack whose layers come in different GGUF types (`GGUFMixed`: llama.cpp's Q4_K_M gives attn_v and
     ffn_down Q6_K on some layers), in the quantised decode GEMV's rows per type: one GemvQuant stack per type
     holding its layers, each layer's type (`kind` [L]) and its index in that stack (`pos` [L]). The kernel branches
@@ -200,9 +211,6 @@ class GemvQuantMixed(QuantFormat):
             raise ValueError(f"gemv_q_mixed ({self.source}): already one layer")
         return dataclasses.replace(self, layer=jnp.asarray(index, jnp.int32))
 
-    def _rows(self) -> MixedRows:
-        return MixedRows(parts=tuple(p._rows(own=False) for p in self.parts), kind=self.kind, pos=self.pos)
-
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         if self.layer is None:
             raise ValueError(f"gemv_q_mixed ({self.source}): a stack; the decoder's scan gives a layer (at_layer)")
@@ -214,22 +222,14 @@ class GemvQuantMixed(QuantFormat):
         m = int(np.prod(x.shape[:-1]))
         return self.layer is not None and quant_choose(m, kernel_settings().decode_gemv.value) == "pallas"
 
-    def matmul(self, x: jax.Array) -> jax.Array:
-        if self._kernel_takes(x):
-            return decode_gemv_quant(x, self._rows(), n=self.shape[1], layer=self.layer)
-        return jnp.einsum("...k,kn->...n", x, self.dequantize(x.dtype))
+    def _layer(self):
+        return self.layer
 
-    def fused_matmul(self, x: jax.Array, *, norm_weight=None, eps: float = 1e-6, zero_centered: bool = False,
-                     activation: str | None = None, residual: jax.Array | None = None) -> jax.Array | None:
-        """GemvQuant.fused_matmul's contract."""
-        act = None if activation is None else KERNEL_ACTIVATIONS.get(activation)
-        if (activation is not None and act is None) or not self._kernel_takes(x) \
-                or quant_weight_error(self.shape[1], act is not None):
-            return None
-        norm = None if norm_weight is None else ("zero_centered" if zero_centered else "plain")
-        norm_weight, norm_layer = (None, None) if norm_weight is None else in_place(norm_weight)
-        return decode_gemv_quant(x, self._rows(), n=self.shape[1], layer=self.layer, norm_weight=norm_weight,
-                                 norm_layer=norm_layer, norm=norm, eps=eps, activation=act, residual=residual)
+    def _kernel_rows(self) -> MixedRows:
+        return MixedRows(parts=tuple(p._rows(own=False) for p in self.parts), kind=self.kind, pos=self.pos)
+
+    def _xla(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...k,kn->...n", x, self.dequantize(x.dtype))
 
     def __repr__(self) -> str:
         return f"GemvQuantMixed({self.source}, layers {[p.data.shape[0] for p in self.parts]})"
