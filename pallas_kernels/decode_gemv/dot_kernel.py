@@ -21,6 +21,8 @@ the GPU, not TF32), the output and each epilogue op rounded to dt (fused_ops).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -38,6 +40,46 @@ def padded_rows(m: int) -> int:
     return max(MIN_DOT_ROWS, 1 << (m - 1).bit_length())
 
 
+@dataclasses.dataclass(frozen=True)
+class PaddedRows:
+    """The M real rows of an M_pad-row tile (the dot bodies': this one's and quant_kernel.py's): loads give 0 past
+    M, stores write the M rows only."""
+
+    m: int
+
+    @property
+    def m_pad(self) -> int:
+        return padded_rows(self.m)
+
+    def _tile(self, ref, cols):
+        return ref.at[pl.ds(0, self.m_pad), cols]
+
+    def _ok(self):
+        return (jnp.arange(self.m_pad, dtype=jnp.int32) < self.m)[:, None]  # [M_pad, 1]
+
+    def load(self, ref, cols):
+        """ref's first M_pad rows on `cols`, the rows past M as 0."""
+        tile = self._tile(ref, cols)
+        return tile[...] if self.m == self.m_pad else plgpu.load(tile, mask=self._ok(), other=0)
+
+    def store(self, ref, cols, y):
+        tile = self._tile(ref, cols)
+        if self.m == self.m_pad:
+            tile[...] = y
+        else:
+            plgpu.store(tile, y, mask=self._ok())
+
+    def rstd(self, x_ref, k: int, chunk: int, eps: float):
+        """Each row's 1 / rms over its K = k values of x_ref, summed in chunks of `chunk` -> [M_pad, 1] fp32."""
+        f32 = jnp.float32
+
+        def sum_sq(t, sums):
+            x = self.load(x_ref, pl.ds(pl.multiple_of(t * chunk, chunk), chunk)).astype(f32)
+            return sums + jnp.sum(jnp.square(x), axis=1, keepdims=True)
+
+        return jax.lax.rsqrt(jax.lax.fori_loop(0, k // chunk, sum_sq, jnp.zeros((self.m_pad, 1), f32)) / k + eps)
+
+
 def gemv_dot_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: int, bk: int, n_k: int,
                     norm: str | None, eps: float, activation: str | None, residual: bool, round_output: bool):
     """One program: output columns [j bn, (j+1) bn) of the M rows (module docstring). n: the weight's rows per
@@ -45,27 +87,15 @@ def gemv_dot_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, b
     nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=n_k * bk)
     dt = x_ref.dtype
     f32 = jnp.float32
-    m_pad = padded_rows(m)
-    rows = pl.ds(0, m_pad)
-    row_ok = (jnp.arange(m_pad, dtype=jnp.int32) < m)[:, None]  # [M_pad, 1]
+    tile = PaddedRows(m)
     j = pl.program_id(0)
     row0 = layer_ref[0] * n + j * bn
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
 
-    def load(ref, cols):
-        """ref's first M_pad rows on `cols`, the rows past M as 0."""
-        tile = ref.at[rows, cols]
-        return tile[...] if m == m_pad else plgpu.load(tile, mask=row_ok, other=0)
-
     def k_cols(t):
         return pl.ds(pl.multiple_of(t * bk, bk), bk)
 
-    rstd = None
-    if norm:  # each row's 1 / rms over the whole K (x is small, read from L2: every program recomputes it)
-        def sum_sq(t, sums):
-            return sums + jnp.sum(jnp.square(load(x_ref, k_cols(t)).astype(f32)), axis=1, keepdims=True)
-
-        rstd = jax.lax.rsqrt(jax.lax.fori_loop(0, n_k, sum_sq, jnp.zeros((m_pad, 1), f32)) / (n_k * bk) + eps)
+    rstd = tile.rstd(x_ref, n_k * bk, bk, eps) if norm else None
 
     def dot(x, w_rows, cols):  # x [M_pad, bk] @ w [bn, bk]^T -> [M_pad, bn] fp32
         w = w_ref[w_rows, cols].astype(dt)
@@ -76,22 +106,17 @@ def gemv_dot_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, b
 
     def step(t, accs):
         cols = k_cols(t)
-        x = load(x_ref, cols)
+        x = tile.load(x_ref, cols)
         if norm:
             x = normalise(x, rstd, nw(t, bk), norm, dt)
         gate = accs[0] + dot(x, pl.ds(row0, bn), cols)
         return (gate, accs[1] + dot(x, pl.ds(row0 + half, bn), cols)) if gated else (gate,)
 
-    accs = jax.lax.fori_loop(0, n_k, step, tuple(jnp.zeros((m_pad, bn), f32) for _ in range(1 + gated)))
+    accs = jax.lax.fori_loop(0, n_k, step, tuple(jnp.zeros((tile.m_pad, bn), f32) for _ in range(1 + gated)))
     out_cols = pl.ds(j * bn, bn)
-    r = load(r_ref, out_cols) if residual else None
-    y = finish(accs[0], accs[1] if gated else None, r, activation=activation, dt=dt,
-               round_output=round_output).astype(y_ref.dtype)
-    out = y_ref.at[rows, out_cols]
-    if m == m_pad:
-        out[...] = y
-    else:
-        plgpu.store(out, y, mask=row_ok)
+    r = tile.load(r_ref, out_cols) if residual else None
+    y = finish(accs[0], accs[1] if gated else None, r, activation=activation, dt=dt, round_output=round_output)
+    tile.store(y_ref, out_cols, y.astype(y_ref.dtype))
 
 
-__all__ = ["MAX_DOT_ROWS", "MIN_DOT_BN", "MIN_DOT_ROWS", "gemv_dot_kernel", "padded_rows"]
+__all__ = ["MAX_DOT_ROWS", "MIN_DOT_BN", "MIN_DOT_ROWS", "PaddedRows", "gemv_dot_kernel", "padded_rows"]

@@ -4,6 +4,7 @@ dot_kernel.py's tensor-core tile):
 
     normalise   the RMSNorm prologue on an x chunk, given each row's 1 / rms: "plain" scale.astype(dt) *
                 normed.astype(dt) (Llama / Qwen), "zero_centered" (normed * (1 + w)) in fp32, then dt (Gemma)
+    rows_rstd   the FMA bodies' RMSNorm statistics, one 1 / rms per row
     operands    the optional refs after x and w, as both bodies receive them: (norm weight chunk loader, residual,
                 y); the norm weight is one row of a flattened [R K] (R = 1, or a layer stack's rows read in place)
     finish      the epilogue on the fp32 sums: the GEMV's output in dt (or the fp32 sums as they are: a tied LM
@@ -11,6 +12,7 @@ dot_kernel.py's tensor-core tile):
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
@@ -29,6 +31,19 @@ def operands(refs, *, norm: str | None, residual: bool, k: int):
             return nw_ref[pl.ds(pl.multiple_of(row_ref[0] * k + t * bk, bk), bk)]
     r_ref = refs.pop(0) if residual else None
     return nw, r_ref, refs[0]
+
+
+def rows_rstd(x_ref, m: int, k: int, chunk: int, eps: float) -> list:
+    """The FMA bodies' prologue statistics: each of x_ref's first m rows' 1 / rms over its K = k values, summed in
+    chunks of `chunk` (x is a few KB, read from L2: every program recomputes it). -> m fp32 scalars."""
+    f32 = jnp.float32
+
+    def sum_sq(t, sums):
+        cols = pl.ds(pl.multiple_of(t * chunk, chunk), chunk)
+        return tuple(s + jnp.sum(jnp.square(x_ref[i, cols].astype(f32))) for i, s in enumerate(sums))
+
+    sums = jax.lax.fori_loop(0, k // chunk, sum_sq, tuple(jnp.zeros((), f32) for _ in range(m)))
+    return [jax.lax.rsqrt(s / k + eps) for s in sums]
 
 
 def normalise(x: jnp.ndarray, rstd: jnp.ndarray, nw: jnp.ndarray, norm: str, dt) -> jnp.ndarray:
@@ -68,4 +83,4 @@ def gelu_tanh(v, rd, dt):
     return rd(v * rd(0.5 * rd(1.0 + rd(jnp.tanh(inner)))))
 
 
-__all__ = ["finish", "gelu_tanh", "normalise", "silu"]
+__all__ = ["finish", "gelu_tanh", "normalise", "operands", "rows_rstd", "silu"]

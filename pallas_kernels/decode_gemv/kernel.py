@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.decode_gemv.dot_kernel import MAX_DOT_ROWS, MIN_DOT_BN, gemv_dot_kernel
-from pallas_kernels.decode_gemv.fused_ops import finish, normalise, operands
+from pallas_kernels.decode_gemv.fused_ops import finish, normalise, operands, rows_rstd
 
 MAX_ROWS = 8          # rows per call: the rows are unrolled, each keeps bn fp32 accumulators (two when gated)
 NORMS = ("plain", "zero_centered")
@@ -139,14 +139,7 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, *refs, m: int, n: int, half: int, bn: 
     j = pl.program_id(0)
     row0 = layer_ref[0] * n + j * bn
 
-    rstd = [None] * m
-    if norm:  # each row's 1 / rms over the whole K (x is tiny: every program recomputes it)
-        def sum_sq(t, sums):
-            cols = pl.ds(pl.multiple_of(t * bk, bk), bk)
-            return tuple(s + jnp.sum(jnp.square(x_ref[i, cols].astype(f32))) for i, s in enumerate(sums))
-
-        sums = jax.lax.fori_loop(0, n_k, sum_sq, tuple(jnp.zeros((), f32) for _ in range(m)))
-        rstd = [jax.lax.rsqrt(s / k_total + eps) for s in sums]
+    rstd = rows_rstd(x_ref, m, k_total, bk, eps) if norm else [None] * m
 
     def row(i, cols, nw_t):
         """Row i of x on K columns `cols`, normalised by the prologue if any (nw_t: the norm weight there), in fp32

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_gemv.dot_kernel import MAX_DOT_ROWS, MIN_DOT_BN, padded_rows
-from pallas_kernels.decode_gemv.fused_ops import finish, normalise, operands
+from pallas_kernels.decode_gemv.dot_kernel import MAX_DOT_ROWS, MIN_DOT_BN, PaddedRows
+from pallas_kernels.decode_gemv.fused_ops import finish, normalise, operands, rows_rstd
 from pallas_kernels.decode_gemv.kernel import ACTIVATIONS, MAX_ROWS, NORMS
 from pallas_kernels.quant_matmul.layout import LayoutSpec
 
@@ -185,16 +185,7 @@ def _qgemv_kernel(layer_ref, *refs, parts: tuple, mixed: bool, m: int, n: int, h
     dt = x_ref.dtype
     f32 = jnp.float32
     j = pl.program_id(0)
-    chunk = parts[0][1]
-
-    rstd = [None] * m
-    if norm:  # each row's 1 / rms over the whole K (x is a few KB: every program recomputes it)
-        def sum_sq(t, sums):
-            cols = pl.ds(pl.multiple_of(t * chunk, chunk), chunk)
-            return tuple(s + jnp.sum(jnp.square(x_ref[i, cols].astype(f32))) for i, s in enumerate(sums))
-
-        sums = jax.lax.fori_loop(0, k // chunk, sum_sq, tuple(jnp.zeros((), f32) for _ in range(m)))
-        rstd = [jax.lax.rsqrt(s / k + eps) for s in sums]
+    rstd = rows_rstd(x_ref, m, k, parts[0][1], eps) if norm else [None] * m
 
     gated = half > 0
     per_row = 2 if gated else 1
@@ -241,24 +232,10 @@ def _qgemv_dot_kernel(layer_ref, *refs, parts: tuple, mixed: bool, m: int, n: in
     nw, r_ref, y_ref = operands(refs, norm=norm, residual=residual, k=k)
     dt = x_ref.dtype
     f32 = jnp.float32
-    m_pad = padded_rows(m)
-    rows = pl.ds(0, m_pad)
-    row_ok = (jnp.arange(m_pad, dtype=jnp.int32) < m)[:, None]  # [M_pad, 1]
+    tile = PaddedRows(m)
     j = pl.program_id(0)
     precision = jax.lax.Precision.HIGHEST if dt == jnp.float32 else None
-    chunk = parts[0][1]
-
-    def load(ref, cols):
-        tile = ref.at[rows, cols]
-        return tile[...] if m == m_pad else plgpu.load(tile, mask=row_ok, other=0)
-
-    rstd = None
-    if norm:
-        def sum_sq(t, sums):
-            x = load(x_ref, pl.ds(pl.multiple_of(t * chunk, chunk), chunk)).astype(f32)
-            return sums + jnp.sum(jnp.square(x), axis=1, keepdims=True)
-
-        rstd = jax.lax.rsqrt(jax.lax.fori_loop(0, k // chunk, sum_sq, jnp.zeros((m_pad, 1), f32)) / k + eps)
+    rstd = tile.rstd(x_ref, k, parts[0][1], eps) if norm else None
 
     def dot(x, w):  # x [M_pad, width] @ w [bn, width]^T -> [M_pad, bn] fp32
         return jax.lax.dot_general(x, w.astype(dt), (((1,), (1,)), ((), ())), precision=precision,
@@ -276,24 +253,19 @@ def _qgemv_dot_kernel(layer_ref, *refs, parts: tuple, mixed: bool, m: int, n: in
             tiles = _decoded(q_ref, s_ref, o_ref, row0, t, **kw)
             tiles_up = _decoded(q_ref, s_ref, o_ref, row0 + half, t, **kw) if gated else [None] * len(tiles)
             for h, ((w, k0), up) in enumerate(zip(tiles, tiles_up)):
-                x = load(x_ref, pl.ds(pl.multiple_of(k0, width), width))
+                x = tile.load(x_ref, pl.ds(pl.multiple_of(k0, width), width))
                 if norm:
                     x = normalise(x, rstd, nw(2 * t + h if spec.nibble else t, width), norm, dt)
                 accs = (accs[0] + dot(x, w),) + ((accs[1] + dot(x, up[0]),) if gated else ())
             return accs
 
-        return jax.lax.fori_loop(0, k // bk, step, tuple(jnp.zeros((m_pad, bn), f32) for _ in range(1 + gated)))
+        return jax.lax.fori_loop(0, k // bk, step, tuple(jnp.zeros((tile.m_pad, bn), f32) for _ in range(1 + gated)))
 
     accs = _per_format(layer_ref, kind_ref, pos_ref, parts, part_refs, accumulate)
     out_cols = pl.ds(j * bn, bn)
-    r = load(r_ref, out_cols) if residual else None
-    y = finish(accs[0], accs[1] if gated else None, r, activation=activation, dt=dt,
-               round_output=round_output).astype(y_ref.dtype)
-    out = y_ref.at[rows, out_cols]
-    if m == m_pad:
-        out[...] = y
-    else:
-        plgpu.store(out, y, mask=row_ok)
+    r = tile.load(r_ref, out_cols) if residual else None
+    y = finish(accs[0], accs[1] if gated else None, r, activation=activation, dt=dt, round_output=round_output)
+    tile.store(y_ref, out_cols, y.astype(y_ref.dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("n", "bn", "num_warps", "num_stages", "norm", "eps", "activation",

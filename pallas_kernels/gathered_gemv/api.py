@@ -113,7 +113,7 @@ def gathered_quant_gemv(x: jax.Array, stack: KernelLayout, expert_ids: jax.Array
         raise ValueError(f"gathered quantised GEMV: x {x.shape} [A, K], expert_ids {expert_ids.shape} "
                          f"{expert_ids.dtype} [A] integers")
     base = jnp.asarray(base, jnp.int32).reshape(1)
-    if mode == "xla" or (mode == "auto" and quant_choose(mode) == "xla"):
+    if mode != "pallas" and quant_choose(mode) == "xla":  # pallas runs the kernel, interpreted off a GPU
         return gathered_layout_ref(x, stack, expert_ids, base)
     return gathered_quant_kernel(x, stack, expert_ids, base, num_experts=num_experts, tiles=tiles or QUANT_TILES,
                                  interpret=not on_gpu() if interpret is None else interpret)
